@@ -1,0 +1,1 @@
+"""moechat.app: the user's side (CLI now, the Textual TUI later)."""

@@ -1,0 +1,1 @@
+"""moechat.engine: loading, two-tier MoE execution, speculative decoding. Never imports the UI."""

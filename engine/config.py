@@ -1,0 +1,71 @@
+"""Engine settings as dataclasses that check themselves (nano-vllm style)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import MoechatError
+
+DTYPES = ("float32", "bfloat16", "float16")
+POLICIES = ("lru", "static")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise MoechatError(msg)
+
+
+@dataclass
+class SamplingParams:
+    """How the next token is chosen. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        _check(0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens >= 1, f"max new tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class SpecConfig:
+    """Speculative decoding: which drafter and how many tokens it proposes per step (gamma)."""
+
+    drafter: str = "none"  # "none" | "self" | path to a dense draft checkpoint
+    draft_len: int = 4
+
+    def __post_init__(self) -> None:
+        _check(bool(self.drafter), "drafter must be 'none', 'self' or a draft model directory")
+        _check(1 <= self.draft_len <= 32, f"draft length must be in 1..32, got {self.draft_len}")
+
+
+@dataclass
+class EngineConfig:
+    """Where the model runs and how much of the expert set lives on the fast tier."""
+
+    model_dir: str
+    device: str = "cpu"  # compute device: "cpu" or "cuda[:N]"
+    dtype: str = "float32"  # compute dtype
+    expert_cache_ratio: float = 0.25  # share of all routed experts kept on the fast tier
+    expert_cache_bytes: int | None = None  # byte budget for the fast tier; overrides the ratio
+    host_ram_budget_bytes: int | None = None  # below the experts' size: read experts from the mmap'd checkpoint
+    policy: str = "lru"
+    context_len: int | None = None  # None: the model's max_position_embeddings
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.device == "cpu" or self.device.startswith("cuda"), f"device must be cpu or cuda, got {self.device!r}")
+        _check(0.0 <= self.expert_cache_ratio <= 1.0, f"expert cache ratio must be in [0, 1], got {self.expert_cache_ratio}")
+        _check(self.expert_cache_bytes is None or self.expert_cache_bytes >= 0, "expert cache bytes must be >= 0")
+        _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _check(self.context_len is None or self.context_len >= 1, "context length must be >= 1")

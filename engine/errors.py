@@ -1,0 +1,17 @@
+"""User-facing errors: one line that says what is wrong and what to do."""
+
+
+class MoechatError(Exception):
+    """An error the user can act on. `str(err)` is the whole message, one line, no traceback."""
+
+
+class CheckpointError(MoechatError):
+    """A model directory that is missing, incomplete, corrupt or of an unsupported architecture."""
+
+
+class BudgetError(MoechatError):
+    """A memory budget that cannot hold what it is asked to hold."""
+
+
+class RequestError(MoechatError):
+    """A generation request that cannot be served as given (e.g. prompt longer than the context)."""

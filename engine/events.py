@@ -1,0 +1,80 @@
+"""Typed events `Engine.generate` streams to any consumer (CLI, TUI, benchmarks). Tensors are on the host."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class TokenDelta:
+    """New text and the token ids that produced it (one decoding step may commit several tokens)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class StepStats:
+    """What one decoding step (draft γ, verify γ+1, accept) did."""
+
+    step: int
+    drafted: int
+    accepted: int
+    expert_freq: torch.Tensor  # [L, E] f: positions of the verification choosing each expert
+    draft_expert_freq: torch.Tensor  # [L, E] the same for the draft passes (self drafter)
+    resident: torch.Tensor  # [L, E] bool, fast-tier residency after the step
+    hits: int  # activations served by resident experts
+    misses: int  # activations computed on the CPU
+    bytes_moved: int  # bytes copied into the fast tier during the step
+    cpu_s: float  # CPU expert time
+    device_s: float  # fast-tier expert time
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class Summary:
+    prompt_tokens: int
+    new_tokens: int
+    steps: int
+    drafted: int
+    accepted: int
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    hits: int
+    misses: int
+    bytes_moved: int
+    finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    acceptance_rate: float = 0.0
+    hit_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.prefill_tokens_per_s = self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        # the first token comes out of the prefill; decode covers the rest
+        self.decode_tokens_per_s = (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+        self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
+        self.hit_rate = self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Finished:
+    token_ids: list[int]
+    text: str
+    summary: Summary
+
+
+@dataclass
+class Error:
+    message: str  # one line that says what is wrong and what to do
+
+
+Event = TokenDelta | StepStats | Finished | Error
+
+__all__ = ["Error", "Event", "Finished", "StepStats", "Summary", "TokenDelta", "field"]

@@ -1,0 +1,215 @@
+"""The engine: load once, serve many requests; each request runs
+prefill -> [draft γ -> verify γ+1 -> accept -> trim] -> events."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .config import EngineConfig, SamplingParams
+from .errors import MoechatError, RequestError
+from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
+from .model.loader import LoadedModel, load_model
+from .spec.drafters import make_drafter, trim_cache
+from .spec.sampling import probs_from_logits, sample
+from .spec.verify import accept_greedy, accept_sampling
+from .trace import TraceRecorder
+
+
+@dataclass
+class Request:
+    """Chat messages (rendered with the tokenizer's chat template), plain text, or token ids."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model: LoadedModel = load_model(config)
+        self.drafter = make_drafter(config.spec, self.model)
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask the running `generate` to finish after the current step (thread-safe)."""
+        self._stop.set()
+
+    def encode(self, request: Request) -> list[int]:
+        tok = self.model.tokenizer
+        if request.token_ids is not None:
+            ids = [int(i) for i in request.token_ids]
+            vocab = int(self.model.hf_config.vocab_size)
+            if not ids or min(ids) < 0 or max(ids) >= vocab:
+                raise RequestError(f"prompt token ids must be non-empty and in 0..{vocab - 1}")
+            return ids
+        if tok is None:
+            raise RequestError("this model directory has no tokenizer: pass token ids (--prompt-ids) or add the tokenizer files")
+        if request.messages is not None:
+            if not getattr(tok, "chat_template", None):
+                raise RequestError("this model's tokenizer has no chat template: send a plain prompt instead of chat messages")
+            ids = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        else:
+            ids = tok(request.prompt or "", add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise RequestError("the prompt is empty: type something to send")
+        return list(ids)
+
+    def generate(self, request: Request, params: SamplingParams | None = None,
+                 trace: TraceRecorder | None = None) -> Iterator[Event]:
+        """Stream TokenDelta and StepStats events, then one Finished, or one Error.
+
+        Closing the iterator or calling `stop()` cancels; the engine is ready for the next request.
+        """
+        params = params or SamplingParams()
+        self._stop.clear()
+        rt = self.model.runtime
+        try:
+            yield from self._generate(self.encode(request), params, trace)
+        except MoechatError as err:
+            yield Error(str(err))
+        except Exception as err:  # never a traceback in the UI; the engine stays usable
+            yield Error(f"internal error ({type(err).__name__}: {err}); the engine is ready for the next message")
+        finally:
+            rt.phase, rt.remap, rt.recorder = "prefill", None, None
+
+    def _forward(self, ids: list[int], cache, keep: int) -> torch.Tensor:
+        """ids [T] appended to the KV cache -> logits of the last `keep` positions [keep, V]."""
+        x = torch.tensor([ids], device=self.model.device)
+        out = self.model.hf(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def _generate(self, prompt: list[int], params: SamplingParams, trace: TraceRecorder | None) -> Iterator[Event]:
+        from transformers import DynamicCache
+
+        m, rt, spec = self.model, self.model.runtime, self.config.spec
+        if len(prompt) >= m.context_len:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens but the context holds {m.context_len}: "
+                "shorten the conversation or raise the context length"
+            )
+        max_new = min(params.max_new_tokens, m.context_len - len(prompt))
+        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
+        rt.recorder = trace
+        cache = DynamicCache()
+        detok = _Detokenizer(m.tokenizer, params.stop)
+        new: list[int] = []
+        totals = dict(steps=0, drafted=0, accepted=0, hits=0, misses=0)
+        moved0 = m.cache.bytes_moved
+
+        def pick(logits_row: torch.Tensor) -> int:
+            return int(logits_row.argmax()) if params.greedy else sample(probs_from_logits(logits_row, params), generator)
+
+        # Prefill: the whole prompt, whose last position gives the first token.
+        t_start = time.perf_counter()
+        rt.reset_counters()
+        rt.phase = "prefill"
+        if trace:
+            trace.begin_forward(0, "prefill", 0)
+        first = pick(self._forward(prompt, cache, keep=1)[-1])
+        rt.policy.on_forward_end("prefill")
+        c = rt.reset_counters()
+        totals["hits"] += c.hits
+        totals["misses"] += c.misses
+        self.drafter.start(prompt, cache)
+        prefill_s = time.perf_counter() - t_start
+        committed = prompt + [first]
+        reason = self._commit([first], new, detok, m.eos_ids, max_new)
+        yield TokenDelta(detok.delta(final=reason is not None), [first])
+
+        step = 0
+        while reason is None:
+            if self._stop.is_set():
+                reason = "cancelled"
+                break
+            step += 1
+            moved = m.cache.bytes_moved
+            # Draft: never past max_new_tokens or the context.
+            n = max(0, min(spec.draft_len, max_new - len(new) - 1, m.context_len - len(committed)))
+            t0 = time.perf_counter()
+            drafts, q = self.drafter.draft(committed, n, params, generator) if n else ([], None)
+            t1 = time.perf_counter()
+            # Verify: the last committed token and the n drafts in one pass -> n+1 target positions.
+            rt.phase = "verify"
+            if trace:
+                trace.begin_forward(step, "verify", len(committed) - 1)
+            logits = self._forward([committed[-1]] + drafts, cache, keep=len(drafts) + 1)  # [n+1, V]
+            rt.policy.on_forward_end("verify")
+            if params.greedy:
+                a, t = accept_greedy(drafts, logits.argmax(-1).tolist())
+            elif q is None:  # no drafts to judge
+                a, t = 0, sample(probs_from_logits(logits[0], params), generator)
+            else:
+                a, t = accept_sampling(drafts, q, probs_from_logits(logits, params), generator)
+            # Keep the KV entries of the accepted prefix: committed[:-1] + last + d[:a].
+            trim_cache(cache, len(committed) + a)
+            t2 = time.perf_counter()
+            accepted = drafts[:a] + [t]
+            committed += accepted
+            reason = self._commit(accepted, new, detok, m.eos_ids, max_new)
+            c = rt.reset_counters()
+            totals.update(steps=step, drafted=totals["drafted"] + len(drafts), accepted=totals["accepted"] + a,
+                          hits=totals["hits"] + c.hits, misses=totals["misses"] + c.misses)
+            yield TokenDelta(detok.delta(final=reason is not None), accepted)
+            yield StepStats(step, len(drafts), a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
+                            m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1)
+
+        end = time.perf_counter()
+        tail = detok.delta(final=True)
+        if tail:
+            yield TokenDelta(tail, [])
+        summary = Summary(len(prompt), len(new), totals["steps"], totals["drafted"], totals["accepted"], prefill_s,
+                          end - t_start - prefill_s, prefill_s, totals["hits"], totals["misses"],
+                          m.cache.bytes_moved - moved0, reason)
+        yield Finished(new, detok.text, summary)
+
+    @staticmethod
+    def _commit(tokens: list[int], new: list[int], detok: "_Detokenizer", eos: set[int], max_new: int) -> str | None:
+        """Append tokens up to EOS / max_new_tokens / a stop string; return why generation ends, or None."""
+        for tok in tokens:
+            new.append(tok)
+            if tok in eos:
+                detok.update(new)
+                return "eos"
+            if len(new) >= max_new:
+                detok.update(new)
+                return "stop" if detok.stopped else "length"
+        detok.update(new)
+        if detok.stopped:
+            return "stop"
+        return None
+
+
+class _Detokenizer:
+    """Incremental text for the generated ids; holds back an incomplete UTF-8 tail; cuts at stop strings."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.text, self._sent, self.stopped = "", 0, False
+
+    def update(self, ids: list[int]) -> None:
+        if self.tokenizer is None or self.stopped:
+            return
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in self.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                text, self.stopped = text[:cut], True
+        self.text = text
+
+    def delta(self, final: bool = False) -> str:
+        """Text not yet sent; until the end, hold back what could still become a stop string."""
+        ready = self.text
+        if not (final or self.stopped):
+            ready = ready.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            ready = ready[: max(self._sent, len(ready) - hold)]
+        out, self._sent = ready[self._sent:], max(self._sent, len(ready))
+        return out

@@ -1,0 +1,130 @@
+"""A Hugging Face checkpoint directory: config, shards (+ index), validated before anything loads."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError
+
+# safetensors dtype tag -> torch dtype (the ones model weights use)
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_config_dict(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist: pass --model a local Hugging Face model directory or run `moechat pull REPO_ID`")
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {model_dir}: point --model at a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}): re-download the model") from None
+
+
+class Checkpoint:
+    """Every tensor of a checkpoint by name, from one or many `*.safetensors` files.
+
+    `get` copies a tensor into RAM; `view` maps it zero-copy from the file (the disk tier).
+    """
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        self.key_to_file: dict[str, Path] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as err:
+                raise CheckpointError(f"{index} is corrupt ({err}): re-download the model") from None
+            files = sorted(set(weight_map.values()))
+            missing = [f for f in files if not (self.dir / f).is_file()]
+            if missing:
+                raise CheckpointError(
+                    f"missing shard {missing[0]} listed in {index.name} ({len(missing)} of {len(files)} missing): "
+                    "re-download the model (moechat pull resumes)"
+                )
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"no *.safetensors weights in {self.dir}: moechat loads safetensors checkpoints only")
+        for name in files:
+            path = self.dir / name
+            header_len, header = self._read_header(path)
+            self._headers[path] = (header_len, header)
+            for key in header:
+                if key != "__metadata__":
+                    self.key_to_file[key] = path
+
+    @staticmethod
+    def _read_header(path: Path) -> tuple[int, dict]:
+        """Parse and check the header: every tensor's bytes must lie inside the file."""
+        size = path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                if size < 8 or header_len > size - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(f.read(header_len))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            if 8 + header_len + end > size:
+                raise ValueError(f"file has {size} bytes, its header needs {8 + header_len + end}")
+            with safe_open(path, framework="pt"):
+                pass  # the library's own checks (dtypes, offsets, overlap)
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
+            raise CheckpointError(f"{path.name} is truncated or corrupt ({err}): re-download the model") from None
+        return header_len, header
+
+    def keys(self) -> list[str]:
+        return list(self.key_to_file)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.key_to_file
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._headers[self.key_to_file[key]][1][key]["shape"])
+
+    def get(self, key: str) -> torch.Tensor:
+        with safe_open(self.key_to_file[key], framework="pt") as f:
+            return f.get_tensor(key)
+
+    def get_many(self, keys):
+        """Yield (key, tensor) copies, opening each shard once."""
+        by_file: dict[Path, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.key_to_file[key], []).append(key)
+        for path, file_keys in by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for key in file_keys:
+                    yield key, f.get_tensor(key)
+
+    def view(self, key: str) -> torch.Tensor:
+        """A tensor backed by the page cache of the mmap'd file: no copy until it is read."""
+        path = self.key_to_file[key]
+        header_len, header = self._headers[path]
+        info = header[key]
+        if path not in self._maps:
+            with open(path, "rb") as f:  # ACCESS_COPY: writable for torch.frombuffer, never written back
+                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        dtype = _DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        flat = torch.frombuffer(self._maps[path], dtype=dtype, count=count, offset=8 + header_len + start)
+        return flat.view(info["shape"])
+
+    def nbytes(self, keys) -> int:
+        total = 0
+        for key in keys:
+            start, end = self._headers[self.key_to_file[key]][1][key]["data_offsets"]
+            total += end - start
+        return total

@@ -1,0 +1,47 @@
+"""What differs between MoE families, in one small record.
+
+Router semantics (softmax/top-k/normalisation, grouped top-k, routed scaling) and shared experts
+are not re-implemented here: moechat runs each family's own `transformers` sparse block and only
+swaps its `experts` module, so routing is exactly Hugging Face's. A family record says where the
+routed experts live in a checkpoint and which layers are sparse, so weights can be streamed to the
+expert store and memory estimated from the config alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    num_experts_attr: str  # config attribute: routed experts per sparse layer
+    expert_dim_attr: str  # config attribute: intermediate size of one routed expert
+    sparse_layers: Callable[[object], list[int]]  # config -> indices of layers with routed experts
+    block_name: str = "mlp"  # checkpoint name of the sparse block (`model.layers.N.<block_name>`)
+    weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down in the checkpoint
+    shared_experts: str = ""  # one line for docs and `moechat doctor`
+
+    def num_experts(self, config) -> int:
+        return int(getattr(config, self.num_experts_attr))
+
+    def expert_dim(self, config) -> int:
+        return int(getattr(config, self.expert_dim_attr))
+
+    def top_k(self, config) -> int:
+        return int(config.num_experts_per_tok)
+
+    def expert_key(self, layer: int, expert: int, which: int) -> str:
+        """Checkpoint key of one routed expert matrix; which: 0 gate, 1 up, 2 down."""
+        return f"model.layers.{layer}.{self.block_name}.experts.{expert}.{self.weight_names[which]}.weight"
+
+    def fused_keys(self, layer: int) -> tuple[str, str]:
+        """Keys of the fused layout some checkpoints use: gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+        prefix = f"model.layers.{layer}.{self.block_name}.experts"
+        return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+
+    def module_key(self, checkpoint_key: str) -> str:
+        """Checkpoint key -> parameter name in the `transformers` module tree."""
+        if self.block_name != "mlp":
+            return checkpoint_key.replace(f".{self.block_name}.", ".mlp.")
+        return checkpoint_key

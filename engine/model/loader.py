@@ -1,0 +1,152 @@
+"""HF checkpoint directory -> a runnable model: non-expert weights on the compute device, routed
+experts in the expert store, each sparse block's `experts` swapped for `OffloadedExperts`."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig
+from ..errors import CheckpointError, MoechatError
+from ..experts.cache import ExpertCache, slots_for
+from ..experts.execute import MoERuntime, OffloadedExperts
+from ..experts.store import ExpertStore
+from ..sched.policies import make_policy
+from .checkpoint import Checkpoint, read_config_dict
+from .families import Family, get_family
+
+
+@dataclass
+class LoadedModel:
+    hf: torch.nn.Module  # the transformers *ForCausalLM with offloaded experts
+    hf_config: object
+    family: Family
+    tokenizer: object | None
+    eos_ids: set[int]
+    runtime: MoERuntime
+    device: torch.device
+    dtype: torch.dtype
+    context_len: int
+
+    @property
+    def store(self) -> ExpertStore:
+        return self.runtime.store
+
+    @property
+    def cache(self) -> ExpertCache:
+        return self.runtime.cache
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MoechatError("CUDA is not available in this PyTorch build: use --device cpu, or install a CUDA build of PyTorch")
+    return device
+
+
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer, or None when the directory ships none (token-id requests still work)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((model_dir / n).is_file() for n in names):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except Exception as err:  # tokenizer libraries raise many types
+        raise CheckpointError(f"cannot load the tokenizer in {model_dir} ({type(err).__name__}: {err}): re-download the model") from None
+
+
+def eos_token_ids(model_dir: Path, hf_config) -> set[int]:
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+        eos = gen.eos_token_id
+    except (OSError, ValueError):
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+
+def load_hf_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    raw = read_config_dict(model_dir)
+    get_family(raw.get("model_type", "<missing>"))  # unsupported architectures stop here, with the list
+    try:
+        return AutoConfig.from_pretrained(model_dir)
+    except Exception as err:
+        raise CheckpointError(f"cannot read {model_dir / 'config.json'} ({err}): re-download the model") from None
+
+
+def load_model(cfg: EngineConfig) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = Path(cfg.model_dir).expanduser()
+    hf_config = load_hf_config(model_dir)
+    family = get_family(hf_config.model_type)
+    ckpt = Checkpoint(model_dir)
+    device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
+
+    # Build the module tree without allocating: every parameter starts on `meta`.
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    hf.eval().requires_grad_(False)
+    layers = hf.model.layers
+    sparse = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+    if sparse != family.sparse_layers(hf_config):
+        raise RuntimeError(f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}")
+
+    store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda", ram_budget_bytes=cfg.host_ram_budget_bytes)
+    cache = ExpertCache(store, slots_for(store, cfg.expert_cache_ratio, cfg.expert_cache_bytes), device)
+    runtime = MoERuntime(store, cache, make_policy(cfg.policy), device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None)
+    for li, i in enumerate(sparse):
+        layers[i].mlp.experts = OffloadedExperts(runtime, li)
+
+    _load_dense_weights(hf, ckpt, family, set(_expert_keys(store)), device, dtype)
+    context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
+    return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
+                       runtime, device, dtype, context_len)
+
+
+def _expert_keys(store: ExpertStore):
+    for li in range(len(store.layers)):
+        yield from store._keys(li)
+
+
+def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype) -> None:
+    """Every non-expert tensor onto the compute device; complain about what is missing."""
+    state = {}
+    for key, t in ckpt.get_many(k for k in ckpt.keys() if k not in expert_keys):
+        state[family.module_key(key)] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+    expected = set(hf.state_dict().keys())
+    tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()
+    missing = sorted(expected - state.keys() - tied)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint lacks {missing[0]} ({len(missing)} tensors missing): the files do not match config.json; re-download the model"
+        )
+    try:
+        hf.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
+    except RuntimeError as err:
+        raise CheckpointError(f"checkpoint tensors do not fit config.json ({str(err).splitlines()[-1].strip()}): re-download the model") from None
+    if tied:
+        hf.tie_weights()
+    # Non-persistent buffers (rotary inv_freq) were computed on `meta`: rebuild them with transformers' own init.
+    owners = {}
+    for name, buf in hf.named_buffers():
+        if buf.is_meta:
+            owner_name, _, attr = name.rpartition(".")
+            owner = hf.get_submodule(owner_name)
+            setattr(owner, attr, torch.empty_like(buf, device=device))
+            owners[owner_name] = owner
+    for owner in owners.values():
+        hf._init_weights(owner)
+    leftover = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"checkpoint lacks {leftover[0]}: the files do not match config.json; re-download the model")

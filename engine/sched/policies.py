@@ -1,0 +1,89 @@
+"""Residency policies for the fast tier, behind one interface.
+
+The executor calls `on_layer` after each MoE layer has run, with f[e] (how many positions of that
+forward chose expert e), and `on_forward_end` after each forward pass. A policy changes residency
+only through `ExpertCache.load` / `evict`. The MoE-SpAc scheduler (utility estimator, balancer,
+async prefetch) plugs in here as another `Policy`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..errors import MoechatError
+from ..experts.cache import ExpertCache
+
+PHASES = ("prefill", "verify", "draft")  # draft passes never move experts (SpecMoE: no migration while drafting)
+
+
+class Policy:
+    name = "none"
+
+    def bind(self, cache: ExpertCache) -> None:
+        self.cache = cache
+
+    def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
+        """counts: [E] int64 on the host, activations per expert in this layer's forward."""
+
+    def on_forward_end(self, phase: str) -> None:
+        pass
+
+
+class LruPolicy(Policy):
+    """On demand (Mixtral-offloading): a miss runs on the CPU, then is loaded; the least recently used expert goes."""
+
+    name = "lru"
+
+    def bind(self, cache: ExpertCache) -> None:
+        super().bind(cache)
+        self.recency: OrderedDict[tuple[int, int], None] = OrderedDict()  # resident experts, oldest first
+
+    def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
+        if phase == "draft" or self.cache.capacity == 0:
+            return
+        for e in counts.nonzero().flatten().tolist():
+            key = (li, e)
+            if key in self.recency:
+                self.recency.move_to_end(key)
+                continue
+            if not self.cache.free:
+                victim, _ = self.recency.popitem(last=False)
+                self.cache.evict(*victim)
+            self.cache.load(li, e)
+            self.recency[key] = None
+
+
+class StaticPolicy(Policy):
+    """Frequency-pinned (KTransformers/Fiddler style): the experts most used by the first (warm-up)
+    forward pass are loaded once and stay; ties go to the lower (layer, expert)."""
+
+    name = "static"
+
+    def bind(self, cache: ExpertCache) -> None:
+        super().bind(cache)
+        self.freq = torch.zeros_like(cache.slot_of)  # [L, E]
+        self.frozen = False
+
+    def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
+        if not self.frozen and phase != "draft":
+            self.freq[li] += counts
+
+    def on_forward_end(self, phase: str) -> None:
+        if self.frozen or phase == "draft":
+            return
+        self.frozen = True
+        order = torch.argsort(-self.freq.flatten(), stable=True)[: self.cache.capacity]
+        num_experts = self.freq.shape[1]
+        for flat in order.tolist():
+            self.cache.load(flat // num_experts, flat % num_experts)
+
+
+POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy)}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise MoechatError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}") from None

@@ -1,0 +1,182 @@
+"""Drafters: who proposes the γ tokens a verification step scores.
+
+Contract (mlx-lm style): `start(prompt_ids, target_cache)` once per request, after the target's
+prefill; `draft(committed, n, params, generator)` returns n tokens and, when sampling, the
+distributions q [n, V] they were drawn from. A drafter keeps its own KV cache consistent by itself:
+entries past the committed prefix are trimmed at the start of the next `draft`.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import SamplingParams, SpecConfig
+from ..errors import CheckpointError, MoechatError
+from ..model.checkpoint import read_config_dict
+from ..model.loader import LoadedModel, load_tokenizer
+from .sampling import probs_from_logits, sample
+
+
+def trim_cache(cache, length: int) -> None:
+    """Drop KV entries past `length` tokens."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = probs_from_logits(logits, params)
+    return sample(q, generator), q
+
+
+class NoDraft:
+    """Plain autoregressive decoding: every step verifies just the last committed token."""
+
+    name = "none"
+
+    def start(self, prompt_ids: list[int], target_cache) -> None:
+        pass
+
+    def draft(self, committed, n, params, generator):
+        return [], None
+
+
+class DraftModel:
+    """A separate small dense checkpoint with the target's tokenizer."""
+
+    name = "model"
+
+    def __init__(self, path: str, target: LoadedModel):
+        from transformers import AutoModelForCausalLM, DynamicCache
+
+        self._new_cache = DynamicCache
+        model_dir = Path(path).expanduser()
+        raw = read_config_dict(model_dir)
+        _check_same_vocab(model_dir, raw, target)
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=target.dtype).to(target.device).eval()
+        except Exception as err:
+            raise CheckpointError(f"cannot load the draft model in {model_dir} ({type(err).__name__}: {err}): use a dense Hugging Face checkpoint") from None
+        self.target_vocab = int(target.hf_config.vocab_size)
+        self.device = target.device
+
+    def start(self, prompt_ids: list[int], target_cache) -> None:
+        self.cache = self._new_cache()
+
+    @torch.inference_mode()
+    def draft(self, committed, n, params, generator):
+        trim_cache(self.cache, len(committed) - 1)
+        feed = committed[self.cache.get_seq_length():]
+        tokens, qs = [], []
+        for _ in range(n):
+            ids = torch.tensor([feed], device=self.device)
+            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = logits[: self.target_vocab]
+            token, q = _choose(logits, params, generator)
+            tokens.append(token)
+            qs.append(q)
+            feed = [token]
+        if params.greedy:
+            return tokens, None
+        q = torch.stack(qs).cpu()
+        if q.shape[1] < self.target_vocab:  # a draft with a smaller (padded) vocab never proposes the rest
+            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[1]))
+        return tokens, q
+
+
+def _check_same_vocab(model_dir: Path, raw: dict, target: LoadedModel) -> None:
+    draft_tok = load_tokenizer(model_dir)
+    if target.tokenizer is not None and draft_tok is not None:
+        same = draft_tok.get_vocab() == target.tokenizer.get_vocab()
+        sizes = f"{len(draft_tok)} vs {len(target.tokenizer)} tokens"
+    else:
+        same = int(raw.get("vocab_size", -1)) == int(target.hf_config.vocab_size)
+        sizes = f"vocab_size {raw.get('vocab_size')} vs {target.hf_config.vocab_size}"
+    if not same:
+        raise MoechatError(
+            f"draft model {model_dir} has a different vocabulary than the target ({sizes}): "
+            "use a draft that shares the target's tokenizer, or --draft self"
+        )
+
+
+class SelfDraft:
+    """The target drafts for itself with only its resident experts (SpecMoE, paper 001).
+
+    A token routed to a non-resident expert goes to the most similar resident expert of that layer
+    (smallest L2 distance between the experts' weights, a table computed once). Drafting writes into
+    the target's own KV cache, which then holds exact entries for the whole committed prefix; the
+    draft's entries are trimmed before verification recomputes them.
+    """
+
+    name = "self"
+
+    def __init__(self, target: LoadedModel):
+        self.target = target
+        self._dist: list[torch.Tensor] | None = None  # per sparse layer [E, E] squared L2 distances
+        self._tables: dict[int, tuple[int, torch.Tensor | None]] = {}  # li -> (cache version, remap [E])
+
+    def start(self, prompt_ids: list[int], target_cache) -> None:
+        self.cache = target_cache
+
+    def distances(self) -> list[torch.Tensor]:
+        if self._dist is None:
+            self._dist = [expert_distances(*self.target.store.layer_tensors(li)) for li in range(len(self.target.store.layers))]
+        return self._dist
+
+    def remap(self, li: int) -> torch.Tensor | None:
+        """[E] expert -> itself when resident, else its nearest resident expert; None when none is resident."""
+        cache = self.target.cache
+        version, table = self._tables.get(li, (-1, None))
+        if version != cache.version:
+            resident = cache.slot_of[li] >= 0  # [E]
+            if not resident.any():
+                table = None
+            else:
+                ids = resident.nonzero().flatten()  # [R]
+                table = ids[self.distances()[li][:, ids].argmin(dim=1)]  # [E]; resident experts are at distance 0
+            self._tables[li] = (cache.version, table)
+        return table
+
+    @torch.inference_mode()
+    def draft(self, committed, n, params, generator):
+        rt, hf = self.target.runtime, self.target.hf
+        base = self.cache.get_seq_length()  # == len(committed) - 1
+        rt.phase, rt.remap = "draft", self.remap
+        tokens, qs = [], []
+        try:
+            feed = committed[base:]
+            for _ in range(n):
+                ids = torch.tensor([feed], device=self.target.device)
+                logits = hf(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                token, q = _choose(logits, params, generator)
+                tokens.append(token)
+                qs.append(q)
+                feed = [token]
+        finally:
+            rt.phase, rt.remap = "verify", None
+            trim_cache(self.cache, base)
+        return tokens, (None if params.greedy else torch.stack(qs).cpu())
+
+
+def expert_distances(gate_up: torch.Tensor, down: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+    """gate_up [E, 2I, H], down [E, H, I] -> [E, E] squared L2 distances between whole experts,
+    from a Gram matrix accumulated over column chunks so no float32 copy of the layer is made."""
+    num_experts = gate_up.shape[0]
+    gram = torch.zeros(num_experts, num_experts, dtype=torch.float64)
+    for w in (gate_up.reshape(num_experts, -1), down.reshape(num_experts, -1)):
+        for j in range(0, w.shape[1], chunk):
+            block = w[:, j:j + chunk].double()
+            gram += block @ block.T
+    sq = gram.diagonal()
+    return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).float()
+
+
+def make_drafter(spec: SpecConfig, target: LoadedModel):
+    if spec.drafter == "none":
+        return NoDraft()
+    if spec.drafter == "self":
+        return SelfDraft(target)
+    return DraftModel(spec.drafter, target)

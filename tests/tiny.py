@@ -1,0 +1,103 @@
+"""Tiny random checkpoints of every supported family, built with `transformers` (never downloaded)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+TEXT = (
+    "The expert cache keeps the useful experts on the GPU. Cold experts run on the CPU at the same time. "
+    "Speculative decoding drafts a few tokens and the target verifies them in one pass. "
+    "Hello! How are you today? I am fine, thank you. What is a mixture of experts model? "
+    "It routes every token to a few small feed-forward networks chosen by a router. "
+) * 4
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VOCAB = 320  # model vocab; the tokenizer uses 300 ids (a padded vocab, as real checkpoints have)
+
+
+def build_tokenizer(path: Path, extra_tokens: int = 0):
+    """A byte-level BPE tokenizer trained on TEXT, with a chat template. `extra_tokens` makes a different vocab."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"] + [f"<|x{i}|>" for i in range(extra_tokens)]
+    trainer = trainers.BpeTrainer(vocab_size=300 + extra_tokens, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|end|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def family_config(family: str, seed: int = 0, **overrides):
+    from transformers import DeepseekV2Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "qwen3_moe":  # layer 1 is dense (mlp_only_layers); renormalised top-k
+        cfg = Qwen3MoeConfig(**common, num_hidden_layers=3, head_dim=8, intermediate_size=48, moe_intermediate_size=16,
+                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    elif family == "qwen2_moe":  # a sigmoid-gated shared expert; every second layer sparse
+        cfg = Qwen2MoeConfig(**common, num_hidden_layers=4, intermediate_size=48, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=24, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2)
+    elif family == "olmoe":
+        cfg = OlmoeConfig(**common, num_hidden_layers=2, intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    elif family == "mixtral":
+        cfg = MixtralConfig(**common, num_hidden_layers=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+    elif family == "deepseek_v2":  # first layer dense, group-limited top-k, routed scaling, shared experts
+        common["num_key_value_heads"] = 4  # MLA: one latent KV per head
+        cfg = DeepseekV2Config(**common, num_hidden_layers=3, intermediate_size=48, moe_intermediate_size=16,
+                               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                               topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
+                               kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                               head_dim=8)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2")
+
+
+def save_model(model, path: Path, tokenizer_dir: Path | None, shards: str | None = None) -> Path:
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path, max_shard_size=shards or "50GB")
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def make_checkpoint(family: str, path: Path, tokenizer_dir: Path | None, seed: int = 0, shards: str | None = None,
+                    dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, seed, **overrides)).to(dtype).eval()
+    return save_model(model, path, tokenizer_dir, shards)
+
+
+def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int = VOCAB) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    return save_model(LlamaForCausalLM(cfg).eval(), path, tokenizer_dir)
+
+
+def config_json(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
