@@ -51,6 +51,9 @@ class DraftModel:
 
     def __init__(self, path: str, target: LoadedModel):
         from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no progress bars on the user's terminal
 
         self._new_cache = DynamicCache
         model_dir = Path(path).expanduser()

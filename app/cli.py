@@ -1,0 +1,183 @@
+"""`moechat` command line. Keeps start-up light: PyTorch is imported only by commands that run a model."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .. import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad input in one line, never a usage dump."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.exit(2, f"moechat: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"moechat: error: {message}", file=sys.stderr)
+    return code
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads a model."""
+    p.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    p.add_argument("--draft", default="none", help="none | self | DIR of a dense draft model with the same tokenizer")
+    p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
+    p.add_argument("--policy", default="lru", choices=["lru", "static"], help="fast-tier residency policy")
+    p.add_argument("--expert-cache-ratio", type=_ratio, default=0.25, metavar="R",
+                   help="share of routed experts kept on the compute device (default 0.25)")
+    p.add_argument("--expert-cache-mib", type=float, default=None, metavar="MIB",
+                   help="fast-tier byte budget in MiB (overrides the ratio)")
+    p.add_argument("--host-ram-mib", type=float, default=None, metavar="MIB",
+                   help="RAM budget for the expert store; below the experts' size they are read from the mmap'd files")
+    p.add_argument("--device", default="cpu", help="compute device: cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--context-len", type=int, default=None, metavar="N", help="context length (default: the model's)")
+
+
+def engine_config(args):
+    from ..engine.config import EngineConfig, SpecConfig
+
+    mib = 2**20
+    return EngineConfig(
+        model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=args.expert_cache_ratio,
+        expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
+        host_ram_budget_bytes=None if args.host_ram_mib is None else int(args.host_ram_mib * mib),
+        policy=args.policy, context_len=args.context_len, spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
+    )
+
+
+def add_request_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_int_list, metavar="1,2,3", help="prompt as token ids")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+
+
+def make_request(args):
+    from ..engine.generate import Request
+
+    if args.prompt_ids is not None:
+        if args.chat:
+            raise ValueError("--chat needs --prompt text, not --prompt-ids")
+        return Request(token_ids=args.prompt_ids)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+        return Request(messages=messages)
+    return Request(prompt=args.prompt)
+
+
+def sampling_params(args):
+    from ..engine.config import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                          max_new_tokens=args.max_new_tokens, stop=args.stop)
+
+
+def cmd_generate(args) -> int:
+    from ..engine.events import Error, Finished, TokenDelta
+    from ..engine.generate import Engine
+    from ..engine.trace import TraceRecorder
+
+    engine = Engine(engine_config(args))
+    request, params = make_request(args), sampling_params(args)
+    trace = TraceRecorder(engine.model.store.layers) if args.trace else None
+    finished = None
+    events = engine.generate(request, params, trace)
+    try:
+        for ev in events:
+            if isinstance(ev, TokenDelta) and not args.json:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+            elif isinstance(ev, Error):
+                return _fail(ev.message)
+            elif isinstance(ev, Finished):
+                finished = ev
+    except KeyboardInterrupt:
+        events.close()
+        print(file=sys.stderr)
+        return _fail("interrupted", 130)
+    if trace:
+        trace.write(args.trace)
+    s = finished.summary
+    if args.json:
+        print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict()}))
+    else:
+        print()
+        print(f"[{s.new_tokens} tokens, prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s, "
+              f"acceptance {s.acceptance_rate:.2f}, expert hit rate {s.hit_rate:.2f}, "
+              f"{s.bytes_moved / 2**20:.1f} MiB moved, finish: {s.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moechat", description="Chat with Mixture-of-Experts models larger than your GPU.")
+    parser.add_argument("--version", action="version", version=f"moechat {__version__}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text headlessly (scripts, checks, benchmarks)")
+    add_engine_args(gen)
+    add_request_args(gen)
+    gen.add_argument("--trace", metavar="FILE", help="record routing to FILE (JSON Lines, see docs/trace-format.md)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", parser_class=_Parser, required=True)
+    from .bench import add_bench_generate
+
+    add_bench_generate(bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as err:
+        if err.name == "torch":
+            return _fail("PyTorch is not installed: run installer/install.sh, or `pip install torch` "
+                         "(CPU-only machines: --index-url https://download.pytorch.org/whl/cpu)")
+        return _fail(f"missing Python package {err.name!r}: reinstall moechat (pip install moechat)")
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as err:
+        from ..engine.errors import MoechatError
+
+        if isinstance(err, (MoechatError, ValueError)):
+            return _fail(str(err))
+        return _fail(f"internal error ({type(err).__name__}: {err}); please report it")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

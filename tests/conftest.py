@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random checkpoints of every family, built once per session with `transformers`."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokenizer")
+    tiny.build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory, tokenizer_dir):
+    """checkpoint(family, seed=0, **config_overrides) -> directory, cached per arguments."""
+    made: dict = {}
+
+    def make(family: str, seed: int = 0, shards: str | None = None, dtype=None, **overrides) -> Path:
+        import torch
+
+        key = (family, seed, shards, str(dtype), tuple(sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{family}-s{seed}")
+            made[key] = tiny.make_checkpoint(family, path, tokenizer_dir, seed=seed, shards=shards,
+                                             dtype=dtype or torch.float32, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def draft_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    return tiny.make_draft(tmp_path_factory.mktemp("draft"), tokenizer_dir, seed=7)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

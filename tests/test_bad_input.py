@@ -1,0 +1,164 @@
+"""Bad input gets one clear line that says what to do; a loaded engine stays usable."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
+from moechat.engine.errors import BudgetError, CheckpointError, MoechatError
+from moechat.engine.events import Error, Finished
+from moechat.engine.generate import Engine, Request
+
+
+def copy_model(src, tmp_path, name="model"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def load(path, **kw):
+    return Engine(EngineConfig(model_dir=str(path), **kw))
+
+
+def one_line(err: Exception) -> str:
+    text = str(err)
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist.*--model"):
+        load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load(tmp_path / "empty")
+
+
+def test_corrupt_config(checkpoint, tmp_path):
+    path = copy_model(checkpoint("qwen3_moe"), tmp_path)
+    (path / "config.json").write_text("{ not json")
+    with pytest.raises(CheckpointError, match="not valid JSON.*re-download"):
+        load(path)
+
+
+def test_missing_shard(checkpoint, tmp_path):
+    path = copy_model(checkpoint("qwen2_moe", 3, shards="40KB"), tmp_path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (path / victim).unlink()
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert f"missing shard {victim}" in one_line(err.value)
+
+
+def test_truncated_safetensors(checkpoint, tmp_path):
+    path = copy_model(checkpoint("olmoe"), tmp_path)
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert "truncated or corrupt" in one_line(err.value)
+
+
+def test_garbage_safetensors_header(checkpoint, tmp_path):
+    path = copy_model(checkpoint("olmoe"), tmp_path)
+    (path / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load(path)
+
+
+def test_unknown_model_type(checkpoint, tmp_path):
+    path = copy_model(checkpoint("mixtral"), tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    msg = one_line(err.value)
+    assert "unsupported architecture model_type='llama'" in msg and "qwen3_moe" in msg
+
+
+def test_checkpoint_missing_a_tensor(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_model(checkpoint("qwen3_moe"), tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks model.norm.weight"):
+        load(path)
+
+
+def test_draft_with_another_vocabulary(checkpoint, tmp_path):
+    import tiny
+
+    tok_dir = tmp_path / "tok"
+    tiny.build_tokenizer(tok_dir, extra_tokens=5)
+    other = tiny.make_draft(tmp_path / "draft", tok_dir, vocab=tiny.VOCAB + 5)
+    with pytest.raises(MoechatError) as err:
+        load(checkpoint("qwen3_moe"), spec=SpecConfig(drafter=str(other)))
+    assert "different vocabulary" in one_line(err.value) and "--draft self" in str(err.value)
+
+
+def test_cache_budget_below_one_expert(checkpoint):
+    with pytest.raises(BudgetError) as err:
+        load(checkpoint("qwen3_moe"), expert_cache_bytes=100)
+    assert "cannot hold one expert" in one_line(err.value)
+    with pytest.raises(BudgetError, match="less than one expert"):
+        load(checkpoint("qwen3_moe"), expert_cache_ratio=0.01)
+
+
+def test_bad_settings_values():
+    with pytest.raises(MoechatError, match="expert cache ratio"):
+        EngineConfig(model_dir="x", expert_cache_ratio=1.5)
+    with pytest.raises(MoechatError, match="draft length"):
+        SpecConfig(draft_len=0)
+    with pytest.raises(MoechatError, match="top-p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(MoechatError, match="policy"):
+        EngineConfig(model_dir="x", policy="fifo")
+
+
+def test_prompt_over_context_keeps_engine_usable(checkpoint, tokenizer):
+    engine = load(checkpoint("deepseek_v2"), context_len=16, spec=SpecConfig("self", 4))
+    events = list(engine.generate(Request(token_ids=list(range(1, 40))), SamplingParams(max_new_tokens=4)))
+    assert len(events) == 1 and isinstance(events[0], Error)
+    assert "the prompt has 39 tokens but the context holds 16" in events[0].message
+    fin = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=40)))[-1]
+    assert isinstance(fin, Finished)
+    assert len(fin.token_ids) == 16 - 3 and fin.summary.finish_reason == "length"  # stops at the context
+
+
+def test_bad_token_ids(checkpoint):
+    engine = load(checkpoint("olmoe"))
+    events = list(engine.generate(Request(token_ids=[1, 99999])))
+    assert isinstance(events[-1], Error) and "token ids" in events[-1].message
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "moechat.app.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_errors_are_one_line(checkpoint, tmp_path):
+    path = copy_model(checkpoint("qwen3_moe"), tmp_path)
+    (path / "model.safetensors").write_bytes(b"garbage")
+    cases = [
+        (["generate", "--model", str(path), "--prompt", "hi"], "truncated or corrupt"),
+        (["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"], "does not exist"),
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt-ids", "1,x"], "comma-separated token ids"),
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-ratio", "2"], "[0, 1]"),
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-mib", "0.0001"],
+         "cannot hold one expert"),
+    ]
+    for args, expected in cases:
+        proc = run_cli(*args)
+        assert proc.returncode != 0, args
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and expected in lines[0], (args, proc.stderr)
+        assert lines[0].startswith("moechat: error: ")
+        assert proc.stdout == ""
