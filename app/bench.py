@@ -75,7 +75,7 @@ def cmd_bench_generate(args) -> int:
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
-        "policy": args.policy, "expert_cache_ratio": args.expert_cache_ratio, "prompt_tokens": len(ids),
+        "policy": args.policy, "expert_cache_ratio": engine.config.expert_cache_ratio, "prompt_tokens": len(ids),
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"]},
         "hf": {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]},
@@ -86,7 +86,8 @@ def cmd_bench_generate(args) -> int:
         print(json.dumps(result))
     else:
         print(f"model {args.model}  prompt {len(ids)} tokens  new {args.max_new_tokens} tokens  "
-              f"drafter {args.draft}  policy {args.policy}  cache ratio {args.expert_cache_ratio}  (median of {args.repeats})")
+              f"drafter {args.draft}  policy {args.policy}  cache ratio {engine.config.expert_cache_ratio}  "
+              f"(median of {args.repeats})")
         print(f"{'':10}{'prefill tok/s':>15}{'decode tok/s':>15}")
         print(f"{'moechat':10}{med['engine_prefill']:15.1f}{med['engine_decode']:15.1f}")
         print(f"{'HF':10}{med['hf_prefill']:15.1f}{med['hf_decode']:15.1f}")

@@ -43,8 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="none", help="none | self | DIR of a dense draft model with the same tokenizer")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
     p.add_argument("--policy", default="lru", choices=["lru", "static"], help="fast-tier residency policy")
-    p.add_argument("--expert-cache-ratio", type=_ratio, default=0.25, metavar="R",
-                   help="share of routed experts kept on the compute device (default 0.25)")
+    p.add_argument("--expert-cache-ratio", type=_ratio, default=None, metavar="R",
+                   help="share of routed experts kept on the compute device (default: 0.25 on cuda, 0 on cpu)")
     p.add_argument("--expert-cache-mib", type=float, default=None, metavar="MIB",
                    help="fast-tier byte budget in MiB (overrides the ratio)")
     p.add_argument("--host-ram-mib", type=float, default=None, metavar="MIB",

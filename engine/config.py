@@ -55,7 +55,7 @@ class EngineConfig:
     model_dir: str
     device: str = "cpu"  # compute device: "cpu" or "cuda[:N]"
     dtype: str = "float32"  # compute dtype
-    expert_cache_ratio: float = 0.25  # share of all routed experts kept on the fast tier
+    expert_cache_ratio: float | None = None  # share of routed experts on the fast tier; None: 0.25 on CUDA, 0 on CPU
     expert_cache_bytes: int | None = None  # byte budget for the fast tier; overrides the ratio
     host_ram_budget_bytes: int | None = None  # below the experts' size: read experts from the mmap'd checkpoint
     policy: str = "lru"
@@ -65,6 +65,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device == "cpu" or self.device.startswith("cuda"), f"device must be cpu or cuda, got {self.device!r}")
+        if self.expert_cache_ratio is None:  # on a CPU-only machine the fast tier is RAM too: copies buy nothing
+            self.expert_cache_ratio = 0.0 if self.device == "cpu" else 0.25
         _check(0.0 <= self.expert_cache_ratio <= 1.0, f"expert cache ratio must be in [0, 1], got {self.expert_cache_ratio}")
         _check(self.expert_cache_bytes is None or self.expert_cache_bytes >= 0, "expert cache bytes must be >= 0")
         _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")

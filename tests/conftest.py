@@ -5,6 +5,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Tiny models are dispatch-bound: one intra-op thread is as fast and immune to a busy machine.
+torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny  # noqa: E402
@@ -30,8 +34,6 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
     made: dict = {}
 
     def make(family: str, seed: int = 0, shards: str | None = None, dtype=None, **overrides) -> Path:
-        import torch
-
         key = (family, seed, shards, str(dtype), tuple(sorted(overrides.items())))
         if key not in made:
             path = tmp_path_factory.mktemp(f"{family}-s{seed}")
@@ -48,8 +50,6 @@ def draft_dir(tmp_path_factory, tokenizer_dir) -> Path:
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is present")

@@ -101,3 +101,43 @@ def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int
 
 def config_json(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
+
+
+def main(argv=None) -> None:
+    """Build a random checkpoint for benchmarks: python tests/tiny.py FAMILY OUT [--hidden H --layers L ...]."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("family", choices=FAMILIES)
+    p.add_argument("out", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (default: the tiny test size)")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--experts", type=int, default=None, help="routed experts per layer")
+    p.add_argument("--expert-dim", type=int, default=None, help="intermediate size of one expert")
+    args = p.parse_args(argv)
+    overrides = {}
+    if args.hidden:
+        overrides.update(hidden_size=args.hidden, head_dim=args.hidden // 4)
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+        if args.family == "qwen3_moe":
+            overrides["mlp_only_layers"] = []
+    if args.experts:
+        name = {"mixtral": "num_local_experts", "deepseek_v2": "n_routed_experts"}.get(args.family, "num_experts")
+        overrides[name] = args.experts
+        if args.family == "deepseek_v2":
+            overrides["num_experts"] = args.experts
+    if args.expert_dim:
+        name = "intermediate_size" if args.family in ("mixtral", "olmoe") else "moe_intermediate_size"
+        overrides[name] = args.expert_dim
+    args.out.mkdir(parents=True, exist_ok=True)
+    tok_dir = args.out / ".tokenizer"
+    build_tokenizer(tok_dir)
+    make_checkpoint(args.family, args.out, tok_dir, seed=args.seed, **overrides)
+    shutil.rmtree(tok_dir)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

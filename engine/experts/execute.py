@@ -1,5 +1,6 @@
 """One MoE layer over two tiers: resident experts on the compute device, all others on the CPU at
-the same time, combined with the routing weights in expert order (as `transformers` does)."""
+the same time, each tier grouped (one GEMM per projection over all its experts), then combined with
+the routing weights."""
 from __future__ import annotations
 
 import time
@@ -12,6 +13,7 @@ from torch import nn
 
 from ..sched.policies import Policy
 from .cache import ExpertCache
+from .grouped import grouped_ffn
 from .store import ExpertStore
 
 
@@ -25,8 +27,9 @@ class LayerCounters:
     """What the layers of one decoding step did; `generate` reads and resets it every step."""
 
     def __init__(self, num_layers: int, num_experts: int):
-        self.freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] prefill/verify demand
-        self.draft_freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] draft-phase demand
+        with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
+            self.freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] prefill/verify demand
+            self.draft_freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] draft-phase demand
         self.hits = 0  # activations served by resident experts
         self.misses = 0  # activations computed on the CPU
         self.cpu_s = 0.0
@@ -62,58 +65,58 @@ class MoERuntime:
         idx_h = idx.to("cpu")
         if self.recorder is not None and not draft:
             self.recorder(li, idx_h, weights.to("cpu"))
-        flat = idx_h.reshape(-1)  # [N*k] activations
-        counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]
-        order = torch.argsort(flat, stable=True)  # activations grouped by expert
-        cnt = counts.tolist()
-        ends = counts.cumsum(0).tolist()
-        active = counts.nonzero().flatten().tolist()  # the union of chosen experts, ascending
-        slots = self.cache.slot_of[li].tolist()
-        on_device = [e for e in active if slots[e] >= 0]
-        on_cpu = [e for e in active if slots[e] < 0]
+        flat = idx_h.reshape(-1)  # [S = N*k] activations, expert ids
+        counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]: positions choosing e
+        slot = self.cache.slot_of[li][flat]  # [S] fast-tier slot of each activation, -1 when not resident
+        resident = slot >= 0
+        dev_pos, cpu_pos = resident.nonzero().flatten(), (~resident).nonzero().flatten()
+        # group each tier's activations by weight row: slot on the fast tier, expert id on the CPU
+        dev_slot, order = torch.sort(slot[dev_pos], stable=True)
+        dev_pos = dev_pos[order]
+        cpu_expert, order = torch.sort(flat[cpu_pos], stable=True)
+        cpu_pos = cpu_pos[order]
+        w_flat = weights.reshape(-1)  # [S]
 
-        w_flat = weights.reshape(-1)  # [N*k]
-        tok_h = order // top_k  # token of each grouped activation
-
-        def run_cpu() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        def run_cpu() -> torch.Tensor:  # [S_cpu, H] weighted outputs, on the host
             t0 = time.perf_counter()
-            x_h, w_h = x.to("cpu"), w_flat.to("cpu")
-            out = {}
-            for e in on_cpu:
-                s, t = ends[e] - cnt[e], ends[e]
-                tok = tok_h[s:t]
-                gate_up, down = self.store.weights(li, e)
-                out[e] = (tok, expert_ffn(x_h[tok], gate_up, down, self.act) * w_h[order[s:t], None])
+            x_h = x.to("cpu")
+            y = self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert) * w_flat.to("cpu")[cpu_pos, None]
             self.counters.cpu_s += time.perf_counter() - t0
-            return out
+            return y
 
-        cpu_job = self._pool.submit(run_cpu) if (self._pool is not None and on_cpu) else None
+        cpu_job = self._pool.submit(run_cpu) if (self._pool is not None and len(cpu_pos)) else None
+        out = x.new_empty(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation
         t0 = time.perf_counter()
-        results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if on_device:
-            order_d, tok_d = order.to(x.device), tok_h.to(x.device)
-            for e in on_device:
-                s, t = ends[e] - cnt[e], ends[e]
-                tok, slot = tok_d[s:t], slots[e]
-                y = expert_ffn(x[tok], self.cache.gate_up[slot], self.cache.down[slot], self.act)
-                results[e] = (tok, y * w_flat[order_d[s:t], None])
+        if len(dev_pos):
+            pos = dev_pos.to(x.device)
+            y = grouped_ffn(x[pos // top_k], self.cache.gate_up, self.cache.down, dev_slot, self.act)
+            out[pos] = y * w_flat[pos, None]
         self.counters.device_s += time.perf_counter() - t0
-        if on_cpu:
-            results.update(cpu_job.result() if cpu_job is not None else run_cpu())
+        if len(cpu_pos):
+            y = cpu_job.result() if cpu_job is not None else run_cpu()
+            out[cpu_pos.to(x.device)] = y.to(device=x.device, dtype=out.dtype)
 
-        out = torch.zeros_like(x)
-        for e in active:  # ascending expert id, as transformers sums
-            tok, y = results[e]
-            out.index_add_(0, tok.to(x.device), y.to(device=x.device, dtype=out.dtype))
-
-        n_hit = sum(cnt[e] for e in on_device)
         if draft:
             self.counters.draft_freq[li] += counts
         else:
             self.counters.freq[li] += counts
-            self.counters.hits += n_hit
-            self.counters.misses += num_tokens * top_k - n_hit
+            self.counters.hits += len(dev_pos)
+            self.counters.misses += len(cpu_pos)
         self.policy.on_layer(li, counts, self.phase)
+        # each token's k expert outputs summed in router order, as transformers' grouped path does
+        return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+    def _cpu_experts(self, li: int, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [S, H] grouped by `experts` [S] (ascending) -> [S, H], weights read from the store."""
+        if not self.store.mmap:
+            return grouped_ffn(x, self.store.gate_up[li], self.store.down[li], experts, self.act)
+        out = torch.empty_like(x)  # disk tier: one expert at a time straight from the mapped file
+        ids, sizes = torch.unique_consecutive(experts, return_counts=True)
+        start = 0
+        for e, n in zip(ids.tolist(), sizes.tolist()):
+            gate_up, down = self.store.weights(li, e)
+            out[start:start + n] = expert_ffn(x[start:start + n], gate_up, down, self.act)
+            start += n
         return out
 
 

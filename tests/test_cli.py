@@ -1,0 +1,31 @@
+"""The command line: light start-up, bench output shape."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_version_and_help_do_not_import_torch():
+    code = ("import sys; from moechat.app.cli import main\n"
+            "for argv in (['--help'], ['--version'], ['generate', '--help']):\n"
+            "    try: main(argv)\n"
+            "    except SystemExit: pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert 'transformers' not in sys.modules, 'transformers imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "moechat" in proc.stdout and "--draft-len" in proc.stdout
+
+
+def test_bench_generate_json(checkpoint, capsys):
+    from moechat.app.cli import main
+
+    rc = main(["bench", "generate", "--model", str(checkpoint("qwen3_moe")), "--max-new-tokens", "8",
+               "--repeats", "1", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for side in ("engine", "hf"):
+        assert out[side]["prefill_tokens_per_s"] > 0 and out[side]["decode_tokens_per_s"] > 0
+    assert out["ratio"]["decode"] == out["engine"]["decode_tokens_per_s"] / out["hf"]["decode_tokens_per_s"]
+    assert out["same_tokens"] is True
