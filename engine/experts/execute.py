@@ -67,20 +67,24 @@ class MoERuntime:
             self.recorder(li, idx_h, weights.to("cpu"))
         flat = idx_h.reshape(-1)  # [S = N*k] activations, expert ids
         counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]: positions choosing e
-        slot = self.cache.slot_of[li][flat]  # [S] fast-tier slot of each activation, -1 when not resident
-        resident = slot >= 0
-        dev_pos, cpu_pos = resident.nonzero().flatten(), (~resident).nonzero().flatten()
-        # group each tier's activations by weight row: slot on the fast tier, expert id on the CPU
-        dev_slot, order = torch.sort(slot[dev_pos], stable=True)
-        dev_pos = dev_pos[order]
-        cpu_expert, order = torch.sort(flat[cpu_pos], stable=True)
-        cpu_pos = cpu_pos[order]
+        if len(self.cache):
+            slot = self.cache.slot_of[li][flat]  # [S] fast-tier slot of each activation, -1 when not resident
+            resident = slot >= 0
+            n_dev = int(resident.sum())
+            # One sort groups both tiers: fast-tier activations first by slot, then CPU ones by expert id.
+            key = torch.where(resident, slot, self.cache.capacity + flat)  # [S]
+        else:
+            n_dev, key = 0, flat
+        key, perm = torch.sort(key, stable=True)
+        dev_pos, dev_slot = perm[:n_dev], key[:n_dev]
+        cpu_pos, cpu_expert = perm[n_dev:], key[n_dev:] - self.cache.capacity
+        cpu_sizes = counts if n_dev == 0 else None  # rows per expert on the CPU tier, when already known
         w_flat = weights.reshape(-1)  # [S]
 
         def run_cpu() -> torch.Tensor:  # [S_cpu, H] weighted outputs, on the host
             t0 = time.perf_counter()
             x_h = x.to("cpu")
-            y = self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert) * w_flat.to("cpu")[cpu_pos, None]
+            y = self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert, cpu_sizes) * w_flat.to("cpu")[cpu_pos, None]
             self.counters.cpu_s += time.perf_counter() - t0
             return y
 
@@ -100,16 +104,16 @@ class MoERuntime:
             self.counters.draft_freq[li] += counts
         else:
             self.counters.freq[li] += counts
-            self.counters.hits += len(dev_pos)
-            self.counters.misses += len(cpu_pos)
+            self.counters.hits += n_dev
+            self.counters.misses += len(flat) - n_dev
         self.policy.on_layer(li, counts, self.phase)
         # each token's k expert outputs summed in router order, as transformers' grouped path does
         return out.view(num_tokens, top_k, -1).sum(dim=1)
 
-    def _cpu_experts(self, li: int, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _cpu_experts(self, li: int, x: torch.Tensor, experts: torch.Tensor, sizes: torch.Tensor | None) -> torch.Tensor:
         """x [S, H] grouped by `experts` [S] (ascending) -> [S, H], weights read from the store."""
         if not self.store.mmap:
-            return grouped_ffn(x, self.store.gate_up[li], self.store.down[li], experts, self.act)
+            return grouped_ffn(x, self.store.gate_up[li], self.store.down[li], experts, self.act, sizes)
         out = torch.empty_like(x)  # disk tier: one expert at a time straight from the mapped file
         ids, sizes = torch.unique_consecutive(experts, return_counts=True)
         start = 0

@@ -34,10 +34,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return out
 
 
-def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_ids: torch.Tensor, act: Callable) -> torch.Tensor:
+def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_ids: torch.Tensor, act: Callable,
+                sizes: torch.Tensor | None = None) -> torch.Tensor:
     """x [S, H] rows sorted by group_ids [S] (host), gate_up [G, 2I, H], down [G, H, I] -> [S, H]:
-    down(act(gate x) * up x) with each row's own expert."""
-    sizes = torch.bincount(group_ids, minlength=gate_up.shape[0])  # [G] rows per group
+    down(act(gate x) * up x) with each row's own expert. sizes [G]: rows per group, if known."""
+    if sizes is None:
+        sizes = torch.bincount(group_ids, minlength=gate_up.shape[0])  # [G] rows per group
     active = sizes.nonzero().flatten()
     # grouped_mm walks every group, empty or not: worth it only when many groups have rows
     if 4 * len(active) >= gate_up.shape[0]:
