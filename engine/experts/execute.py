@@ -67,17 +67,18 @@ class MoERuntime:
             self.recorder(li, idx_h, weights.to("cpu"))
         flat = idx_h.reshape(-1)  # [S = N*k] activations, expert ids
         counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]: positions choosing e
+        base = self.cache.capacity  # CPU activations sort after every slot id
         if len(self.cache):
             slot = self.cache.slot_of[li][flat]  # [S] fast-tier slot of each activation, -1 when not resident
             resident = slot >= 0
             n_dev = int(resident.sum())
             # One sort groups both tiers: fast-tier activations first by slot, then CPU ones by expert id.
-            key = torch.where(resident, slot, self.cache.capacity + flat)  # [S]
+            key = torch.where(resident, slot, base + flat)  # [S]
         else:
-            n_dev, key = 0, flat
+            n_dev, key, base = 0, flat, 0
         key, perm = torch.sort(key, stable=True)
         dev_pos, dev_slot = perm[:n_dev], key[:n_dev]
-        cpu_pos, cpu_expert = perm[n_dev:], key[n_dev:] - self.cache.capacity
+        cpu_pos, cpu_expert = perm[n_dev:], key[n_dev:] - base
         cpu_sizes = counts if n_dev == 0 else None  # rows per expert on the CPU tier, when already known
         w_flat = weights.reshape(-1)  # [S]
 
