@@ -1,7 +1,7 @@
 """Typed events `Engine.generate` streams to any consumer (CLI, TUI, benchmarks). Tensors are on the host."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -77,4 +77,4 @@ class Error:
 
 Event = TokenDelta | StepStats | Finished | Error
 
-__all__ = ["Error", "Event", "Finished", "StepStats", "Summary", "TokenDelta", "field"]
+__all__ = ["Error", "Event", "Finished", "StepStats", "Summary", "TokenDelta"]

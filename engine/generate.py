@@ -147,7 +147,7 @@ class Engine:
             elif q is None:  # no drafts to judge
                 a, t = 0, sample(probs_from_logits(logits[0], params), generator)
             else:
-                a, t = accept_sampling(drafts, q, probs_from_logits(logits, params), generator)
+                a, t = accept_sampling(drafts, q, probs_from_logits(logits, params).cpu(), generator)
             # Keep the KV entries of the accepted prefix: committed[:-1] + last + d[:a].
             trim_cache(cache, len(committed) + a)
             t2 = time.perf_counter()

@@ -113,3 +113,37 @@ def test_greedy_matches_transformers_cuda(family, checkpoint, draft_dir, tokeniz
         for drafter in ("none", "self", str(draft_dir)):
             fin = run_engine(model_dir, prompt, device="cuda", expert_cache_ratio=ratio, drafter=drafter, draft_len=4)
             assert fin.token_ids == expected, (family, ratio, drafter)
+
+
+def test_tied_embeddings(checkpoint, tokenizer):
+    model_dir = checkpoint("olmoe", 6, tie_word_embeddings=True)
+    from safetensors import safe_open
+
+    with safe_open(model_dir / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    prompt = tokenizer(PROMPT)["input_ids"]
+    assert run_engine(model_dir, prompt, expert_cache_ratio=0.5).token_ids == hf_greedy(model_dir, prompt)
+
+
+def test_fused_expert_layout(checkpoint, tokenizer, tmp_path):
+    """Checkpoints that store each layer's experts fused (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoint("qwen3_moe", 7)
+    dst = tmp_path / "fused"
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    for layer in (0, 2):  # the sparse layers of the tiny qwen3_moe
+        pre = f"model.layers.{layer}.mlp.experts"
+        gate = [tensors.pop(f"{pre}.{e}.gate_proj.weight") for e in range(8)]
+        up = [tensors.pop(f"{pre}.{e}.up_proj.weight") for e in range(8)]
+        down = [tensors.pop(f"{pre}.{e}.down_proj.weight") for e in range(8)]
+        tensors[f"{pre}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        tensors[f"{pre}.down_proj"] = torch.stack(down)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    prompt = tokenizer(PROMPT)["input_ids"]
+    expected = hf_greedy(src, prompt)
+    assert run_engine(dst, prompt, expert_cache_ratio=0.5, drafter="self").token_ids == expected
+    assert run_engine(dst, prompt, expert_cache_ratio=0.5, host_ram_budget_bytes=1).token_ids == expected

@@ -82,10 +82,12 @@ class MoERuntime:
         cpu_sizes = counts if n_dev == 0 else None  # rows per expert on the CPU tier, when already known
         w_flat = weights.reshape(-1)  # [S]
 
+        if len(cpu_pos):  # copy inputs to the host before any device work is queued behind them
+            x_h, w_h = x.to("cpu"), w_flat.to("cpu")
+
         def run_cpu() -> torch.Tensor:  # [S_cpu, H] weighted outputs, on the host
             t0 = time.perf_counter()
-            x_h = x.to("cpu")
-            y = self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert, cpu_sizes) * w_flat.to("cpu")[cpu_pos, None]
+            y = self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert, cpu_sizes) * w_h[cpu_pos, None]
             self.counters.cpu_s += time.perf_counter() - t0
             return y
 

@@ -36,7 +36,7 @@ class ExpertStore:
     def tier(self) -> str:
         return "mmap" if self.mmap else "ram"
 
-    def _keys(self, li: int) -> list[str]:
+    def checkpoint_keys(self, li: int) -> list[str]:
         layer = self.layers[li]
         if self.fused:
             return list(self.family.fused_keys(layer))
@@ -44,7 +44,7 @@ class ExpertStore:
 
     def _check_present(self) -> None:
         for li in range(len(self.layers)):
-            for key in self._keys(li):
+            for key in self.checkpoint_keys(li):
                 if key not in self.ckpt:
                     raise CheckpointError(
                         f"expert weight {key} is not in the checkpoint: the files do not match config.json; re-download the model"
@@ -54,7 +54,7 @@ class ExpertStore:
         E, H, I = self.num_experts, self.hidden, self.inter
         gate_up = torch.empty(E, 2 * I, H, dtype=self.dtype, pin_memory=pin)
         down = torch.empty(E, H, I, dtype=self.dtype, pin_memory=pin)
-        for key, t in self.ckpt.get_many(self._keys(li)):
+        for key, t in self.ckpt.get_many(self.checkpoint_keys(li)):
             if self.fused:
                 (gate_up if key.endswith("gate_up_proj") else down).copy_(t)
                 continue
@@ -75,7 +75,7 @@ class ExpertStore:
         if not self.mmap:
             return self.gate_up[li][e], self.down[li][e]
         if self.fused:
-            gu_key, d_key = self._keys(li)
+            gu_key, d_key = self.checkpoint_keys(li)
             gate_up, down = self.ckpt.view(gu_key)[e], self.ckpt.view(d_key)[e]
         else:
             layer = self.layers[li]

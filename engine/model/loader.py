@@ -108,15 +108,10 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
-    _load_dense_weights(hf, ckpt, family, set(_expert_keys(store)), device, dtype)
+    _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len)
-
-
-def _expert_keys(store: ExpertStore):
-    for li in range(len(store.layers)):
-        yield from store._keys(li)
 
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype) -> None:

@@ -23,5 +23,5 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from probs [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from probs [V]; the seeded generator lives on the host, so sampling does too."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
