@@ -162,3 +162,13 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path):
         assert len(lines) == 1 and expected in lines[0], (args, proc.stderr)
         assert lines[0].startswith("moechat: error: ")
         assert proc.stdout == ""
+
+
+def test_cuda_requested_without_cuda(checkpoint):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here")
+    with pytest.raises(MoechatError) as err:
+        load(checkpoint("olmoe"), device="cuda")
+    assert "CUDA is not available" in one_line(err.value) and "--device cpu" in str(err.value)

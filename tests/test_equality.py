@@ -61,6 +61,18 @@ def test_hybrid_split_runs_both_tiers(family, checkpoint, tokenizer):
     assert fin.summary.bytes_moved > 0
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2"])
+def test_cpu_experts_on_worker_thread(family, checkpoint, tokenizer):
+    """The GPU arrangement (CPU experts on a worker thread, concurrent with the fast tier), run on CPU."""
+    model_dir = checkpoint(family, 1)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    engine = Engine(EngineConfig(model_dir=str(model_dir), expert_cache_ratio=0.5, spec=SpecConfig("self", 4)))
+    engine.model.runtime.use_cpu_thread(True)
+    fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=NEW_TOKENS)))[-1]
+    assert fin.token_ids == hf_greedy(model_dir, prompt)
+    assert fin.summary.hits > 0 and fin.summary.misses > 0
+
+
 def test_sharded_checkpoint_with_index(checkpoint, tokenizer):
     model_dir = checkpoint("qwen2_moe", 3, shards="40KB")
     assert (model_dir / "model.safetensors.index.json").is_file()

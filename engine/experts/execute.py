@@ -33,7 +33,16 @@ class LayerCounters:
         self.hits = 0  # activations served by resident experts
         self.misses = 0  # activations computed on the CPU
         self.cpu_s = 0.0
-        self.device_s = 0.0
+        self.host_device_s = 0.0  # wall time of fast-tier work on a CPU compute device
+        self.device_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # on CUDA: measured on the GPU
+
+    @property
+    def device_s(self) -> float:
+        """Fast-tier expert time: wall time on CPU, GPU time between CUDA events on a GPU."""
+        if not self.device_events:
+            return self.host_device_s
+        self.device_events[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.device_events) / 1e3
 
 
 class MoERuntime:
@@ -46,8 +55,17 @@ class MoERuntime:
         self.remap: Callable[[int], torch.Tensor | None] | None = None  # self-draft: expert -> resident substitute
         self.recorder: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # routing trace hook
         self.counters = LayerCounters(len(store.layers), store.num_experts)
-        # On a GPU the CPU experts run on this thread while the device experts run on the caller's.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu-experts") if device.type != "cpu" else None
+        self._pool: ThreadPoolExecutor | None = None
+        self.use_cpu_thread(device.type != "cpu")
+
+    def use_cpu_thread(self, on: bool) -> None:
+        """Run CPU experts on a worker thread while the fast tier computes on the caller's thread.
+        On by default with a GPU; on a CPU compute device both tiers share the cores, so off."""
+        if on and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu-experts")
+        elif not on and self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def reset_counters(self) -> LayerCounters:
         done, self.counters = self.counters, LayerCounters(len(self.store.layers), self.store.num_experts)
@@ -82,7 +100,7 @@ class MoERuntime:
         cpu_sizes = counts if n_dev == 0 else None  # rows per expert on the CPU tier, when already known
         w_flat = weights.reshape(-1)  # [S]
 
-        if len(cpu_pos):  # copy inputs to the host before any device work is queued behind them
+        if n_dev < len(flat):  # copy inputs to the host before any device work is queued behind them
             x_h, w_h = x.to("cpu"), w_flat.to("cpu")
 
         def run_cpu() -> torch.Tensor:  # [S_cpu, H] weighted outputs, on the host
@@ -91,15 +109,22 @@ class MoERuntime:
             self.counters.cpu_s += time.perf_counter() - t0
             return y
 
-        cpu_job = self._pool.submit(run_cpu) if (self._pool is not None and len(cpu_pos)) else None
+        cpu_job = self._pool.submit(run_cpu) if (self._pool is not None and n_dev < len(flat)) else None
         out = x.new_empty(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation
-        t0 = time.perf_counter()
-        if len(dev_pos):
+        if n_dev:
+            t0, events = time.perf_counter(), None
+            if x.is_cuda:
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
             pos = dev_pos.to(x.device)
             y = grouped_ffn(x[pos // top_k], self.cache.gate_up, self.cache.down, dev_slot, self.act)
             out[pos] = y * w_flat[pos, None]
-        self.counters.device_s += time.perf_counter() - t0
-        if len(cpu_pos):
+            if events:
+                events[1].record()
+                self.counters.device_events.append(events)
+            else:
+                self.counters.host_device_s += time.perf_counter() - t0
+        if n_dev < len(flat):
             y = cpu_job.result() if cpu_job is not None else run_cpu()
             out[cpu_pos.to(x.device)] = y.to(device=x.device, dtype=out.dtype)
 

@@ -166,13 +166,14 @@ class SelfDraft:
 
 def expert_distances(gate_up: torch.Tensor, down: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
     """gate_up [E, 2I, H], down [E, H, I] -> [E, E] squared L2 distances between whole experts,
-    from a Gram matrix accumulated over column chunks so no float32 copy of the layer is made."""
+    from a Gram matrix accumulated over column chunks (float32 GEMMs, float64 sums) so no float32
+    copy of the layer is made."""
     num_experts = gate_up.shape[0]
     gram = torch.zeros(num_experts, num_experts, dtype=torch.float64)
     for w in (gate_up.reshape(num_experts, -1), down.reshape(num_experts, -1)):
         for j in range(0, w.shape[1], chunk):
-            block = w[:, j:j + chunk].double()
-            gram += block @ block.T
+            block = w[:, j:j + chunk].float()
+            gram += (block @ block.T).double()
     sq = gram.diagonal()
     return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).float()
 
