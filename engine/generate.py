@@ -15,8 +15,7 @@ from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
 from .model.loader import LoadedModel, load_model
 from .spec.drafters import make_drafter, trim_cache
-from .spec.sampling import probs_from_logits, sample
-from .spec.verify import accept_greedy, accept_sampling
+from .spec.verify import accept
 from .trace import TraceRecorder
 
 
@@ -89,7 +88,7 @@ class Engine:
     def _generate(self, prompt: list[int], params: SamplingParams, trace: TraceRecorder | None) -> Iterator[Event]:
         from transformers import DynamicCache
 
-        m, rt, spec = self.model, self.model.runtime, self.config.spec
+        m, rt = self.model, self.model.runtime
         if len(prompt) >= m.context_len:
             raise RequestError(
                 f"the prompt has {len(prompt)} tokens but the context holds {m.context_len}: "
@@ -98,80 +97,71 @@ class Engine:
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
         rt.recorder = trace
-        cache = DynamicCache()
+        cache = DynamicCache()  # invariant after each step: the KV entries of committed[:-1]
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
-        totals = dict(steps=0, drafted=0, accepted=0, hits=0, misses=0)
         moved0 = m.cache.bytes_moved
 
-        def pick(logits_row: torch.Tensor) -> int:
-            return int(logits_row.argmax()) if params.greedy else sample(probs_from_logits(logits_row, params), generator)
-
-        # Prefill: the whole prompt, whose last position gives the first token.
+        # Prefill: the whole prompt; its last position gives the first token.
         t_start = time.perf_counter()
         rt.reset_counters()
         rt.phase = "prefill"
         if trace:
             trace.begin_forward(0, "prefill", 0)
-        first = pick(self._forward(prompt, cache, keep=1)[-1])
+        logits = self._forward(prompt, cache, keep=1)  # [1, V]
         rt.policy.on_forward_end("prefill")
-        c = rt.reset_counters()
-        totals["hits"] += c.hits
-        totals["misses"] += c.misses
+        _, first = accept([], None, logits, params, generator)
+        prefill = rt.reset_counters()
         self.drafter.start(prompt, cache)
         prefill_s = time.perf_counter() - t_start
         committed = prompt + [first]
         reason = self._commit([first], new, detok, m.eos_ids, max_new)
         yield TokenDelta(detok.delta(final=reason is not None), [first])
 
-        step = 0
-        while reason is None:
-            if self._stop.is_set():
-                reason = "cancelled"
-                break
-            step += 1
-            moved = m.cache.bytes_moved
-            # Draft: never past max_new_tokens or the context.
-            n = max(0, min(spec.draft_len, max_new - len(new) - 1, m.context_len - len(committed)))
-            t0 = time.perf_counter()
-            drafts, q = self.drafter.draft(committed, n, params, generator) if n else ([], None)
-            t1 = time.perf_counter()
-            # Verify: the last committed token and the n drafts in one pass -> n+1 target positions.
-            rt.phase = "verify"
-            if trace:
-                trace.begin_forward(step, "verify", len(committed) - 1)
-            logits = self._forward([committed[-1]] + drafts, cache, keep=len(drafts) + 1)  # [n+1, V]
-            rt.policy.on_forward_end("verify")
-            if params.greedy:
-                a, t = accept_greedy(drafts, logits.argmax(-1).tolist())
-            elif q is None:  # no drafts to judge
-                a, t = 0, sample(probs_from_logits(logits[0], params), generator)
-            else:
-                a, t = accept_sampling(drafts, q, probs_from_logits(logits, params).cpu(), generator)
-            # Keep the KV entries of the accepted prefix: committed[:-1] + last + d[:a].
-            trim_cache(cache, len(committed) + a)
-            t2 = time.perf_counter()
-            accepted = drafts[:a] + [t]
+        steps: list[StepStats] = []
+        while reason is None and not self._stop.is_set():
+            stats, accepted = self._step(len(steps) + 1, committed, cache, max_new - len(new), params, generator, trace)
             committed += accepted
             reason = self._commit(accepted, new, detok, m.eos_ids, max_new)
-            c = rt.reset_counters()
-            totals.update(steps=step, drafted=totals["drafted"] + len(drafts), accepted=totals["accepted"] + a,
-                          hits=totals["hits"] + c.hits, misses=totals["misses"] + c.misses)
+            steps.append(stats)
             yield TokenDelta(detok.delta(final=reason is not None), accepted)
-            yield StepStats(step, len(drafts), a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
-                            m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1)
+            yield stats
 
-        end = time.perf_counter()
+        decode_s = time.perf_counter() - t_start - prefill_s
         tail = detok.delta(final=True)
         if tail:
             yield TokenDelta(tail, [])
-        summary = Summary(len(prompt), len(new), totals["steps"], totals["drafted"], totals["accepted"], prefill_s,
-                          end - t_start - prefill_s, prefill_s, totals["hits"], totals["misses"],
-                          m.cache.bytes_moved - moved0, reason)
+        summary = Summary(
+            len(prompt), len(new), len(steps), sum(s.drafted for s in steps), sum(s.accepted for s in steps),
+            prefill_s, decode_s, prefill_s, prefill.hits + sum(s.hits for s in steps),
+            prefill.misses + sum(s.misses for s in steps), m.cache.bytes_moved - moved0, reason or "cancelled",
+        )
         yield Finished(new, detok.text, summary)
 
+    def _step(self, step: int, committed: list[int], cache, remaining: int, params: SamplingParams,
+              generator: torch.Generator, trace: TraceRecorder | None) -> tuple[StepStats, list[int]]:
+        """Draft n <= γ tokens, verify n+1 positions in one pass, accept a, trim the cache."""
+        m, rt = self.model, self.model.runtime
+        moved = m.cache.bytes_moved
+        n = max(0, min(self.config.spec.draft_len, remaining - 1, m.context_len - len(committed)))
+        t0 = time.perf_counter()
+        drafts, q = self.drafter.draft(committed, n, params, generator) if n else ([], None)
+        t1 = time.perf_counter()
+        rt.phase = "verify"
+        if trace:
+            trace.begin_forward(step, "verify", len(committed) - 1)
+        logits = self._forward([committed[-1]] + drafts, cache, keep=n + 1)  # [n+1, V]
+        rt.policy.on_forward_end("verify")
+        a, t = accept(drafts, q, logits, params, generator)
+        trim_cache(cache, len(committed) + a)  # keep committed[:-1] + last + d[:a]
+        t2 = time.perf_counter()
+        c = rt.reset_counters()
+        stats = StepStats(step, n, a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
+                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1)
+        return stats, drafts[:a] + [t]
+
     @staticmethod
-    def _commit(tokens: list[int], new: list[int], detok: "_Detokenizer", eos: set[int], max_new: int) -> str | None:
+    def _commit(tokens: list[int], new: list[int], detok: _Detokenizer, eos: set[int], max_new: int) -> str | None:
         """Append tokens up to EOS / max_new_tokens / a stop string; return why generation ends, or None."""
         for tok in tokens:
             new.append(tok)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import sample
+from ..config import SamplingParams
+from .sampling import probs_from_logits, sample
 
 
 def accept_greedy(drafts: list[int], target_argmax: list[int]) -> tuple[int, int]:
@@ -21,14 +22,14 @@ def accept_greedy(drafts: list[int], target_argmax: list[int]) -> tuple[int, int
     return a, target_argmax[a]
 
 
-def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator) -> tuple[int, int]:
+def accept_sampling(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator) -> tuple[int, int]:
     """Lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
 
     q [n, V]: the drafter's distributions the drafts were sampled from; p [n+1, V]: the target's.
     Draft d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token
     is drawn from the residual norm(max(0, p_i - q_i)), so every emitted token is distributed as p.
     """
-    n = len(drafts)
+    n = len(drafts)  # with n == 0, q is unused and t ~ p[0]
     if n:
         d = torch.tensor(drafts)
         ratio = p[torch.arange(n), d] / q[torch.arange(n), d]  # [n]; q_i(d_i) > 0 since d_i ~ q_i
@@ -41,3 +42,11 @@ def accept_sampling(drafts: list[int], q: torch.Tensor, p: torch.Tensor, generat
             # total == 0 only when p_i == q_i, where rejection has probability 0; guard against rounding
             return i, sample(residual / total if total > 0 else p[i], generator)
     return n, sample(p[n], generator)
+
+
+def accept(drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator) -> tuple[int, int]:
+    """drafts [n], q [n, V] or None (greedy drafts), target logits [n+1, V] -> (a, t)."""
+    if params.greedy:
+        return accept_greedy(drafts, logits.argmax(-1).tolist())
+    return accept_sampling(drafts, q, probs_from_logits(logits, params).cpu(), generator)
