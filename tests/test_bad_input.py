@@ -150,6 +150,9 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path):
     cases = [
         (["generate", "--model", str(path), "--prompt", "hi"], "truncated or corrupt"),
         (["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"], "does not exist"),
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--draft", str(tmp_path / "none")],
+         "draft model directory"),
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--draft-len", "0"], "draft length"),
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt-ids", "1,x"], "comma-separated token ids"),
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-ratio", "2"], "[0, 1]"),
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-mib", "0.0001"],

@@ -21,7 +21,7 @@ _DTYPES = {
 def read_config_dict(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist: pass --model a local Hugging Face model directory or run `moechat pull REPO_ID`")
+        raise CheckpointError(f"model directory {model_dir} does not exist: pass --model a local Hugging Face model directory")
     if not path.is_file():
         raise CheckpointError(f"no config.json in {model_dir}: point --model at a Hugging Face model directory")
     try:

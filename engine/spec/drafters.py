@@ -57,6 +57,9 @@ class DraftModel:
 
         self._new_cache = DynamicCache
         model_dir = Path(path).expanduser()
+        if not model_dir.is_dir():
+            raise CheckpointError(f"draft model directory {model_dir} does not exist: pass --draft none, self, "
+                                  "or the directory of a dense model with the target's tokenizer")
         raw = read_config_dict(model_dir)
         _check_same_vocab(model_dir, raw, target)
         try:
