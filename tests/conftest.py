@@ -1,11 +1,18 @@
 """Shared fixtures: tiny random checkpoints of every family, built once per session with `transformers`."""
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# Never touch the user's own config, data or cache directories (platformdirs follows XDG on Linux).
+_HOME = tempfile.mkdtemp(prefix="moechat-tests-")
+for _var in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME"):
+    os.environ[_var] = os.path.join(_HOME, _var.lower())
 
 # Tiny models are dispatch-bound: one intra-op thread is as fast and immune to a busy machine.
 torch.set_num_threads(1)

@@ -180,6 +180,26 @@ def test_self_draft_substitutes_nearest_resident(checkpoint):
     assert torch.allclose(dist.double(), torch.cdist(flat, flat) ** 2, rtol=1e-4, atol=1e-6)
 
 
+def test_affinity_table_cached_on_disk(checkpoint, monkeypatch):
+    from moechat.engine.spec import drafters
+
+    path = checkpoint("mixtral", 3)
+    first = engine_for(path, expert_cache_ratio=0.5, spec=SpecConfig("self", 4)).drafter.distances()
+    cache_file = drafters._affinity_cache_path(engine_for(path).model)
+    assert cache_file.is_file()
+
+    def boom(*a):
+        raise AssertionError("recomputed although cached")
+
+    monkeypatch.setattr(drafters, "expert_distances", boom)
+    again = engine_for(path, spec=SpecConfig("self", 4)).drafter.distances()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    cache_file.write_bytes(b"garbage")  # a corrupt cache file is recomputed, never a crash
+    monkeypatch.undo()
+    fresh = engine_for(path, spec=SpecConfig("self", 4)).drafter.distances()
+    assert all(torch.equal(a, b) for a, b in zip(first, fresh))
+
+
 def test_generate_cli_json_and_trace(checkpoint, tmp_path, capsys):
     from moechat.app.cli import main
 

@@ -128,8 +128,21 @@ class SelfDraft:
         self.cache = target_cache
 
     def distances(self) -> list[torch.Tensor]:
+        """Per sparse layer [E, E]; computed once per checkpoint (it reads every expert) and cached on disk."""
         if self._dist is None:
-            self._dist = [expert_distances(*self.target.store.layer_tensors(li)) for li in range(len(self.target.store.layers))]
+            path = _affinity_cache_path(self.target)
+            try:
+                self._dist = torch.load(path, weights_only=True)
+            except Exception:  # missing or corrupt (any unpickling error): recompute
+                store = self.target.store
+                self._dist = [expert_distances(*store.layer_tensors(li)) for li in range(len(store.layers))]
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    tmp = path.with_suffix(".tmp")
+                    torch.save(self._dist, tmp)
+                    tmp.replace(path)  # atomic: a killed process never leaves half a table
+                except OSError:
+                    pass  # a read-only cache directory only costs the recomputation next time
         return self._dist
 
     def remap(self, li: int) -> torch.Tensor | None:
@@ -165,6 +178,19 @@ class SelfDraft:
             rt.phase, rt.remap = "verify", None
             trim_cache(self.cache, base)
         return tokens, (None if params.greedy else torch.stack(qs).cpu())
+
+
+def _affinity_cache_path(target: LoadedModel) -> Path:
+    """Keyed by the checkpoint's files (path, size, mtime) and the compute dtype."""
+    import hashlib
+
+    from platformdirs import user_cache_dir
+
+    ckpt = target.store.ckpt
+    files = sorted({p for p in ckpt.key_to_file.values()})
+    ident = [str(ckpt.dir.resolve()), str(target.dtype)] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    digest = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:24]
+    return Path(user_cache_dir("moechat")) / "affinity" / f"{digest}.pt"
 
 
 def expert_distances(gate_up: torch.Tensor, down: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
