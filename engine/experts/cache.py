@@ -77,7 +77,3 @@ class ExpertCache:
         self.key_of[slot] = None
         self.free.append(slot)
         self.version += 1
-
-    def clear(self) -> None:
-        for key in list(filter(None, self.key_of)):
-            self.evict(*key)

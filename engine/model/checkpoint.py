@@ -33,7 +33,7 @@ def read_config_dict(model_dir: Path) -> dict:
 class Checkpoint:
     """Every tensor of a checkpoint by name, from one or many `*.safetensors` files.
 
-    `get` copies a tensor into RAM; `view` maps it zero-copy from the file (the disk tier).
+    `get_many` copies tensors into RAM; `view` maps one zero-copy from the file (the disk tier).
     """
 
     def __init__(self, model_dir: str | os.PathLike):
@@ -94,10 +94,6 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._headers[self.key_to_file[key]][1][key]["shape"])
 
-    def get(self, key: str) -> torch.Tensor:
-        with safe_open(self.key_to_file[key], framework="pt") as f:
-            return f.get_tensor(key)
-
     def get_many(self, keys):
         """Yield (key, tensor) copies, opening each shard once."""
         by_file: dict[Path, list[str]] = {}
@@ -121,10 +117,3 @@ class Checkpoint:
         count = (end - start) // dtype.itemsize
         flat = torch.frombuffer(self._maps[path], dtype=dtype, count=count, offset=8 + header_len + start)
         return flat.view(info["shape"])
-
-    def nbytes(self, keys) -> int:
-        total = 0
-        for key in keys:
-            start, end = self._headers[self.key_to_file[key]][1][key]["data_offsets"]
-            total += end - start
-        return total
