@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_generate
 
     add_bench_generate(bench_sub)
+    from .models import add_model_commands
+
+    add_model_commands(sub)
     return parser
 
 

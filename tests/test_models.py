@@ -1,0 +1,57 @@
+"""`moechat pull` and `moechat models`: never downloads in tests; offline fails at once and clearly."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import namedtuple
+
+import pytest
+
+from moechat.app import models
+from moechat.engine.errors import MoechatError
+
+
+def run_cli(*args, **env):
+    return subprocess.run([sys.executable, "-m", "moechat.app.cli", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])
+def test_pull_without_network_fails_at_once(env):
+    t0 = time.perf_counter()
+    proc = run_cli("pull", "Qwen/Qwen3-30B-A3B", **env)
+    assert time.perf_counter() - t0 < 60
+    assert proc.returncode == 1 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the Hugging Face Hub" in lines[0] and "network" in lines[0], proc.stderr
+    assert not models.local_dir("Qwen/Qwen3-30B-A3B").exists()
+
+
+def test_pull_rejects_bad_repo_id():
+    with pytest.raises(MoechatError, match="owner/name"):
+        models.pull("not a repo")
+
+
+def test_disk_space_check(tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(100 << 30, 90 << 30, 10 << 30))
+    models.check_disk_space(8 << 30, tmp_path / "new" / "dir")  # 8 GiB + 1 GiB spare fits in 10 GiB
+    with pytest.raises(MoechatError, match=r"needs 9\.5 GiB more and .* has 10\.0 GiB free"):
+        models.check_disk_space(int(9.5 * 2**30), tmp_path)
+
+
+def test_models_lists_downloaded(checkpoint):
+    dest = models.local_dir("tiny/qwen3-moe")
+    shutil.copytree(checkpoint("qwen3_moe"), dest, dirs_exist_ok=True)
+    try:
+        proc = run_cli("models", "--json")
+        rows = json.loads(proc.stdout)
+        row = next(r for r in rows if r["name"] == "tiny/qwen3-moe")
+        assert row["model_type"] == "qwen3_moe" and row["bytes"] > 0 and row["path"] == str(dest)
+        assert "tiny/qwen3-moe" in run_cli("models").stdout
+    finally:
+        shutil.rmtree(dest)
