@@ -1,0 +1,47 @@
+# moechat installer for Windows (PowerShell 5.1+). Untested here: the project's machines have no
+# Windows, so this script is kept deliberately simple. Safe to run again.
+#
+#   powershell -ExecutionPolicy Bypass -File installer\install.ps1 [-Dev]
+#
+# Creates %LOCALAPPDATA%\moechat\venv, installs PyTorch (the CUDA 12.4 build where an NVIDIA GPU
+# is present, otherwise the CPU build; an installed torch is reused) and moechat, and adds the
+# environment's Scripts folder to the user PATH.
+param([switch]$Dev)
+$ErrorActionPreference = "Stop"
+
+$Src = Split-Path -Parent $PSScriptRoot
+if (-not (Test-Path "$Src\pyproject.toml")) { throw "run this script from a moechat checkout" }
+$Home_ = if ($env:MOECHAT_HOME) { $env:MOECHAT_HOME } else { "$env:LOCALAPPDATA\moechat" }
+$Venv = "$Home_\venv"
+$Py = "$Venv\Scripts\python.exe"
+
+if (-not (Test-Path $Py)) {
+    $Base = (Get-Command py -ErrorAction SilentlyContinue)
+    if ($Base) { & py -3 -m venv $Venv } else { & python -m venv $Venv }
+    if (-not (Test-Path $Py)) { throw "no Python 3.10+ found: install it from python.org and run again" }
+}
+
+& $Py -c "import torch" 2>$null
+if ($LASTEXITCODE -ne 0) {
+    $Gpu = Get-Command nvidia-smi -ErrorAction SilentlyContinue
+    if ($Gpu) {
+        Write-Host "moechat install: NVIDIA GPU found: installing the CUDA build of PyTorch"
+        & $Py -m pip install torch --index-url https://download.pytorch.org/whl/cu124
+    } else {
+        Write-Host "moechat install: no NVIDIA GPU: installing the CPU build of PyTorch"
+        & $Py -m pip install torch   # Windows wheels on PyPI are CPU-only
+    }
+    if ($LASTEXITCODE -ne 0) { throw "PyTorch did not install; see the messages above" }
+}
+
+$Target = if ($Dev) { "$Src[test]" } else { "$Src" }
+& $Py -m pip install --quiet -e $Target
+if ($LASTEXITCODE -ne 0) { throw "moechat did not install; see the messages above" }
+
+$Scripts = "$Venv\Scripts"
+$UserPath = [Environment]::GetEnvironmentVariable("Path", "User")
+if (-not ($UserPath -split ";" | Where-Object { $_ -eq $Scripts })) {
+    [Environment]::SetEnvironmentVariable("Path", "$UserPath;$Scripts", "User")
+    Write-Host "moechat install: added $Scripts to your PATH (open a new terminal)"
+}
+& "$Scripts\moechat.exe" --version
