@@ -44,7 +44,7 @@ def check_disk_space(need: int, dest: Path) -> None:
 
 
 def _wanted(name: str) -> bool:
-    return any(fnmatch.fnmatch(name.rsplit("/", 1)[-1], p) for p in PATTERNS) and "/" not in name
+    return any(fnmatch.fnmatch(name, p) for p in PATTERNS)  # the same matching snapshot_download applies
 
 
 def pull(repo_id: str, revision: str | None = None) -> Path:

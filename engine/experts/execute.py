@@ -8,19 +8,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..sched.policies import Policy
 from .cache import ExpertCache
-from .grouped import grouped_ffn
+from .grouped import expert_ffn, grouped_ffn
 from .store import ExpertStore
-
-
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> torch.Tensor:
-    """x [T, H], gate_up [2I, H], down [H, I] -> [T, H]: down(act(gate x) * up x)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(act(gate) * up, down)
 
 
 class LayerCounters:

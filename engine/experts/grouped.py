@@ -1,5 +1,5 @@
-"""Grouped expert FFN: all experts of one tier in one pass (one GEMM per projection), as
-`transformers`' own grouped_mm path does; a per-expert loop where grouped_mm is unavailable."""
+"""Expert FFNs: one expert, or all experts of one tier in one pass (one grouped GEMM per projection,
+as `transformers`' own grouped_mm path does), with a loop over active experts where that loses."""
 from __future__ import annotations
 
 from typing import Callable
@@ -17,39 +17,34 @@ def _cpu_grouped_ok() -> bool:
     return (major, minor) >= (2, 11)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [S, K] rows sorted by group, w [G, K, M], offs [G] int32 cumulative row ends -> [S, M]."""
-    key = (x.device.type, x.dtype)
-    if _GROUPED and key not in _broken and (x.device.type != "cpu" or _cpu_grouped_ok()):
-        try:
-            return F.grouped_mm(x, w, offs=offs)
-        except (RuntimeError, NotImplementedError):
-            _broken.add(key)  # e.g. a dtype this GPU's kernel lacks: use the loop from now on
-    out = x.new_empty(x.shape[0], w.shape[2])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            torch.mm(x[start:end], w[g], out=out[start:end])
-        start = end
-    return out
+def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> torch.Tensor:
+    """One expert: x [T, H], gate_up [2I, H], down [H, I] -> [T, H]: down(act(gate x) * up x)."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
+    return F.linear(act(gate) * up, down)
+
+
+def _grouped_ok(x: torch.Tensor) -> bool:
+    return _GROUPED and (x.device.type, x.dtype) not in _broken and (x.device.type != "cpu" or _cpu_grouped_ok())
 
 
 def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_ids: torch.Tensor, act: Callable,
                 sizes: torch.Tensor | None = None) -> torch.Tensor:
-    """x [S, H] rows sorted by group_ids [S] (host), gate_up [G, 2I, H], down [G, H, I] -> [S, H]:
-    down(act(gate x) * up x) with each row's own expert. sizes [G]: rows per group, if known."""
+    """x [S, H] rows sorted by group_ids [S] (host), gate_up [G, 2I, H], down [G, H, I] -> [S, H],
+    each row through its own expert. sizes [G]: rows per group, if known."""
     if sizes is None:
         sizes = torch.bincount(group_ids, minlength=gate_up.shape[0])  # [G] rows per group
     active = sizes.nonzero().flatten()
     # grouped_mm walks every group, empty or not: worth it only when many groups have rows
-    if 4 * len(active) >= gate_up.shape[0]:
+    if 4 * len(active) >= gate_up.shape[0] and _grouped_ok(x):
         offs = sizes.cumsum(0).to(device=x.device, dtype=torch.int32)
-        gate, up = grouped_mm(x, gate_up.transpose(1, 2), offs).chunk(2, dim=-1)  # [S, I] each
-        return grouped_mm(act(gate) * up, down.transpose(1, 2), offs)
+        try:
+            gate, up = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [S, I] each
+            return F.grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)
+        except (RuntimeError, NotImplementedError):
+            _broken.add((x.device.type, x.dtype))  # e.g. a dtype this GPU's kernel lacks: loop from now on
     out = torch.empty_like(x)
     start = 0
     for g, n in zip(active.tolist(), sizes[active].tolist()):
-        gate, up = F.linear(x[start:start + n], gate_up[g]).chunk(2, dim=-1)
-        out[start:start + n] = F.linear(act(gate) * up, down[g])
+        out[start:start + n] = expert_ffn(x[start:start + n], gate_up[g], down[g], act)
         start += n
     return out
