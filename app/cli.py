@@ -39,8 +39,12 @@ def _ratio(text: str) -> float:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that loads a model."""
-    p.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
-    p.add_argument("--draft", default="none", help="none | self | DIR of a dense draft model with the same tokenizer")
+    p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
+                   help="checkpoint directory or a model fetched with `moechat pull` (default: the configured model, "
+                        "else the embedded demo)")
+    p.add_argument("--draft", default=None, metavar="none|self|DIR",
+                   help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
+                        "with the same tokenizer (default: the demo's draft for the demo, else none)")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
     p.add_argument("--policy", default="lru", choices=["lru", "static"], help="fast-tier residency policy")
     p.add_argument("--expert-cache-ratio", type=_ratio, default=None, metavar="R",
@@ -55,8 +59,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args):
+    """The engine's config from the command line and the settings file; sets args.model/args.draft to what loads."""
     from ..engine.config import EngineConfig, SpecConfig
+    from .demo import resolve_model
+    from .settings import load_settings
 
+    settings, notice = load_settings()
+    if notice:
+        print(f"moechat: warning: {notice}", file=sys.stderr)
+    if args.model is None:  # a configured draft goes with the configured model only
+        args.model, args.draft = settings.model, args.draft or settings.draft
+    args.model, args.draft = resolve_model(args.model, args.draft)
     mib = 2**20
     return EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=args.expert_cache_ratio,
@@ -68,26 +81,28 @@ def engine_config(args):
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt", help="a user message (sent through the model's chat template unless --raw)")
     src.add_argument("--prompt-ids", type=_int_list, metavar="1,2,3", help="prompt as token ids")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
+    p.add_argument("--system", default=None, help="system message")
+    add_sampling_args(p, temperature=0.0, max_new_tokens=128)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help=f"default {max_new_tokens}")
+    p.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
 
 
-def make_request(args):
+def make_request(args, tokenizer):
     from ..engine.generate import Request
 
     if args.prompt_ids is not None:
-        if args.chat:
-            raise ValueError("--chat needs --prompt text, not --prompt-ids")
         return Request(token_ids=args.prompt_ids)
-    if args.chat:
+    if not args.raw and getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
         return Request(messages=messages)
     return Request(prompt=args.prompt)
@@ -106,7 +121,7 @@ def cmd_generate(args) -> int:
     from ..engine.trace import TraceRecorder
 
     engine = Engine(engine_config(args))
-    request, params = make_request(args), sampling_params(args)
+    request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None
     finished = None
     events = engine.generate(request, params, trace)
@@ -148,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     gen.set_defaults(func=cmd_generate)
 
+    chat = sub.add_parser("chat", help="chat in the terminal, line by line (what `moechat` runs until the TUI lands)")
+    add_engine_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    add_sampling_args(chat, temperature=0.0, max_new_tokens=256)
+    from .plain_chat import cmd_chat
+
+    chat.set_defaults(func=cmd_chat)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", parser_class=_Parser, required=True)
     from .bench import add_bench_generate
@@ -162,9 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+    if not getattr(args, "func", None):  # plain `moechat`: chat
+        args = parser.parse_args(["chat"])
     try:
         return args.func(args)
     except ModuleNotFoundError as err:

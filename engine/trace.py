@@ -44,3 +44,94 @@ class TraceRecorder:
 def load_trace(path: str | Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def expert_counts(records: list[dict], num_experts: int) -> dict[int, list[int]]:
+    """Activations per expert for every MoE layer of a trace: {layer: [count of expert 0, ...]}."""
+    counts: dict[int, list[int]] = {}
+    for rec in records:
+        row = counts.setdefault(rec["layer"], [0] * num_experts)
+        for experts in rec["experts"]:
+            for e in experts:
+                row[e] += 1
+    return counts
+
+
+def routing_skew(counts: list[int], top_share: float = 0.25) -> float:
+    """Share of a layer's activations that land on its most used `top_share` of experts (uniform: top_share)."""
+    top = max(1, round(len(counts) * top_share))
+    total = sum(counts)
+    return sum(sorted(counts, reverse=True)[:top]) / total if total else 0.0
+
+
+def routing_reuse(records: list[dict]) -> float:
+    """Mean share of a token's experts that the previous token used in the same layer (uniform: k/E).
+
+    Only verified positions in order count; a record starting at position 0 begins a new request.
+    """
+    prev: dict[int, set[int]] = {}
+    shared = total = 0
+    for rec in records:
+        if rec["positions"][0] == 0:
+            prev.pop(rec["layer"], None)
+        for experts in rec["experts"]:
+            cur = set(experts)
+            if rec["layer"] in prev:
+                shared += len(cur & prev[rec["layer"]])
+                total += len(cur)
+            prev[rec["layer"]] = cur
+    return shared / total if total else 0.0
+
+
+class Routing:
+    """One request's routing in commit order: experts[t][j] = top-k expert ids of token t in MoE layer j."""
+
+    def __init__(self, name: str, layer_ids: list[int], experts: torch.Tensor, num_experts: int):
+        self.name, self.layer_ids, self.num_experts = name, layer_ids, num_experts
+        self.experts = experts  # [T, L, k] int64
+
+    @property
+    def tokens(self) -> int:
+        return self.experts.shape[0]
+
+
+def load_routing(path: str | Path, num_experts: int | None = None) -> Routing:
+    """A routing trace: the shared DeepSeek CSV(.gz) format or moechat's own JSON Lines (`--trace`)."""
+    import gzip
+
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        first = f.readline()
+        if first.lstrip().startswith("{"):
+            by_pos = _committed_rows([json.loads(first)] + [json.loads(line) for line in f if line.strip()])
+            layer_ids = sorted({layer for rows in by_pos.values() for layer in rows})
+            experts = [[by_pos[p][layer] for layer in layer_ids] for p in sorted(by_pos)]
+        elif first.startswith("Layer ID"):
+            import csv
+
+            per_layer: dict[int, list[list[int]]] = {}
+            for layer, _batch, _token, ids in csv.reader(f):
+                per_layer.setdefault(int(layer), []).append(json.loads(ids))
+            layer_ids = sorted(per_layer)
+            lengths = {len(v) for v in per_layer.values()}
+            if len(lengths) != 1:
+                raise ValueError(f"{path}: layers have different token counts {sorted(lengths)}")
+            experts = [list(rows) for rows in zip(*(per_layer[layer] for layer in layer_ids))]
+        else:
+            raise ValueError(f"{path} is neither a moechat trace (JSON Lines) nor a routing CSV with a 'Layer ID' header")
+    x = torch.tensor(experts, dtype=torch.long)  # [T, L, k]
+    n = num_experts or int(x.max()) + 1
+    return Routing(path.name.split(".")[0], layer_ids, x, n)
+
+
+def _committed_rows(records: list[dict]) -> dict[int, dict[int, list[int]]]:
+    """position -> layer -> experts, keeping the last verification of each position (drafts rejected
+    earlier are verified again at the same position later and overwrite)."""
+    by_pos: dict[int, dict[int, list[int]]] = {}
+    for rec in records:
+        if rec["positions"] and rec["positions"][0] == 0 and by_pos:
+            break  # a second request starts: one trace file, one request
+        for pos, experts in zip(rec["positions"], rec["experts"]):
+            by_pos.setdefault(pos, {})[rec["layer"]] = experts
+    return by_pos

@@ -74,9 +74,11 @@ elif [ "$(uname -s)" = "Darwin" ]; then
   "${pip[@]}" install torch
 else
   say "no NVIDIA GPU: installing the CPU build of PyTorch"
-  # torch alone from the CPU index (no CUDA packages there; pip also reads find-links from its
-  # configuration, so a CPU wheel provided locally is used when the index cannot be reached) ...
-  "${pip[@]}" install --retries 1 --timeout 30 --no-deps torch --index-url https://download.pytorch.org/whl/cpu
+  # torch alone from the CPU index (no CUDA packages there). Extra indexes in pip's configuration
+  # could offer a newer CUDA build, so they point at the CPU index too for this one call; pip still
+  # reads find-links from its configuration, so a CPU wheel provided locally is used offline ...
+  cpu_index=https://download.pytorch.org/whl/cpu
+  PIP_EXTRA_INDEX_URL="$cpu_index" "${pip[@]}" install --retries 1 --timeout 30 --no-deps torch --index-url "$cpu_index"
   # ... then its pure-Python dependencies from the default index, pinned to that exact build.
   "${pip[@]}" install "torch==$("$venv/bin/python" -c 'from importlib.metadata import version; print(version("torch"))')"
 fi

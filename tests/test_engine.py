@@ -204,7 +204,7 @@ def test_generate_cli_json_and_trace(checkpoint, tmp_path, capsys):
     from moechat.app.cli import main
 
     path = checkpoint("qwen3_moe")
-    rc = main(["generate", "--model", str(path), "--prompt", PROMPT, "--draft", "self", "--draft-len", "3",
+    rc = main(["generate", "--model", str(path), "--prompt", PROMPT, "--raw", "--draft", "self", "--draft-len", "3",
                "--max-new-tokens", "10", "--json", "--trace", str(tmp_path / "tr.jsonl")])
     out = capsys.readouterr().out
     assert rc == 0

@@ -22,7 +22,7 @@ def test_shellcheck():
 
 @pytest.mark.slow
 def test_install_into_empty_home(tmp_path):
-    """A bare interpreter (no torch) and an empty HOME: the CPU build of PyTorch, moechat on PATH, twice."""
+    """A bare interpreter (no torch) and an empty HOME: the CPU build of PyTorch, moechat on PATH, twice; then a chat."""
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     home = tmp_path / "home"
@@ -40,3 +40,7 @@ def test_install_into_empty_home(tmp_path):
     assert "torch" in listing and "nvidia" not in listing
     version = subprocess.run([str(venv_python), "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True)
     assert version.stdout.strip() == "None"  # a CPU build
+    # the Quick start's first command ends in `moechat`: a chat on the embedded demo, here fed one line
+    chat = subprocess.run([str(moechat)], input="Tell me about the sea.\n", capture_output=True, text=True, env=env, timeout=300)
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    assert "moechat> " in chat.stdout and len(chat.stdout.strip()) > len("moechat> ") and "Traceback" not in chat.stderr
