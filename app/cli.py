@@ -88,10 +88,10 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p, temperature=0.0, max_new_tokens=128)
 
 
-def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int, top_p: float = 1.0) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help=f"default {max_new_tokens}")
     p.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=top_p, help=f"nucleus sampling (default {top_p:g})")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal, line by line (what `moechat` runs until the TUI lands)")
     add_engine_args(chat)
     chat.add_argument("--system", default=None, help="system message")
-    add_sampling_args(chat, temperature=0.0, max_new_tokens=256)
+    add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)  # sampling (exact in distribution): less looping than greedy
     from .plain_chat import cmd_chat
 
     chat.set_defaults(func=cmd_chat)

@@ -16,7 +16,8 @@ def cmd_chat(args) -> int:
     engine = Engine(engine_config(args))
     params = sampling_params(args)
     name = Path(args.model).name if Path(args.model).name != "model" else Path(args.model).parent.name
-    print(f"moechat: {name} on {engine.model.device}, drafter {engine.drafter.name}; {HELP}", file=sys.stderr)
+    drafter = f"draft model {Path(args.draft).parent.name}/{Path(args.draft).name}" if engine.drafter.name == "model" else engine.drafter.name
+    print(f"moechat: {name} on {engine.model.device}, drafter: {drafter}; {HELP}", file=sys.stderr)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     interactive = sys.stdin.isatty()
@@ -54,7 +55,7 @@ def cmd_chat(args) -> int:
         except KeyboardInterrupt:
             events.close()  # cancels the request; the engine is ready for the next one
             print("\nmoechat: stopped", file=sys.stderr)
-        print()
+        print(flush=True)
         if finished is None and not reply:
             messages.pop()  # nothing came back: the user's message can be sent again
             continue
