@@ -27,7 +27,7 @@ def test_install_into_empty_home(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     home = tmp_path / "home"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "VIRTUAL_ENV"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "VIRTUAL_ENV", "MOECHAT_"))}
     env.update(HOME=str(home), MOECHAT_PYTHON=str(bare / "bin" / "python"))
     for run in range(2):
         proc = subprocess.run(["bash", str(SCRIPT), "--no-modify-path"], capture_output=True, text=True, env=env, timeout=900)
