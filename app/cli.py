@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
                         "with the same tokenizer (default: the demo's draft for the demo, else none)")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
-    p.add_argument("--policy", default="lru", choices=["lru", "static"], help="fast-tier residency policy")
+    p.add_argument("--policy", default="lru", choices=["lru", "static", "spac"],
+                   help="fast-tier residency policy: lru (on demand), static (pinned by the first prompt), spac (MoE-SpAc)")
     p.add_argument("--expert-cache-ratio", type=_ratio, default=None, metavar="R",
                    help="share of routed experts kept on the compute device (default: 0.25 on cuda, 0 on cpu)")
     p.add_argument("--expert-cache-mib", type=float, default=None, metavar="MIB",
@@ -60,7 +61,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args):
     """The engine's config from the command line and the settings file; sets args.model/args.draft to what loads."""
-    from ..engine.config import EngineConfig, SpecConfig
+    from ..engine.config import EngineConfig, SchedulerConfig, SpecConfig
     from .demo import resolve_model
     from .settings import load_settings
 
@@ -75,7 +76,8 @@ def engine_config(args):
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=args.expert_cache_ratio,
         expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
         host_ram_budget_bytes=None if args.host_ram_mib is None else int(args.host_ram_mib * mib),
-        policy=args.policy, context_len=args.context_len, spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
+        context_len=args.context_len, spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
+        scheduler=SchedulerConfig(policy=args.policy),
     )
 
 
@@ -176,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_generate
 
     add_bench_generate(bench_sub)
+    from .simulate import add_simulate
+
+    add_simulate(sub)
     from .models import add_model_commands
 
     add_model_commands(sub)

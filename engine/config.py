@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from .errors import MoechatError
 
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("lru", "static")
+POLICIES = ("lru", "static", "spac")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -49,6 +49,27 @@ class SpecConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """Which residency policy runs the fast tier, and MoE-SpAc's knobs (paper 000: K = 4, λ = 0.1)."""
+
+    policy: str = "lru"
+    utility_bound: int = 4  # K: utilities run 0..K
+    forgetting: float = 0.1  # λ of the adaptive boundaries
+    utility_variant: str = "paper"  # "paper" (Alg. 1) | "level" (the paper's public code)
+    demote: str = "keep"  # after use: "zero" (App. D, recycle first) | "keep" (back to its utility)
+    cpu_cost: str = "distinct"  # balancer's CPU cost model: "distinct" experts | "activations" (paper Eq. 7)
+    lookahead: bool = True  # fold the draft phase's routing into the utilities before verification
+
+    def __post_init__(self) -> None:
+        _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        _check(1 <= self.utility_bound <= 16, f"utility bound K must be in 1..16, got {self.utility_bound}")
+        _check(0.0 <= self.forgetting <= 1.0, f"forgetting factor must be in [0, 1], got {self.forgetting}")
+        _check(self.utility_variant in ("paper", "level"), f"utility variant must be paper or level, got {self.utility_variant!r}")
+        _check(self.demote in ("zero", "keep"), f"demote must be zero or keep, got {self.demote!r}")
+        _check(self.cpu_cost in ("distinct", "activations"), f"cpu cost must be distinct or activations, got {self.cpu_cost!r}")
+
+
+@dataclass
 class EngineConfig:
     """Where the model runs and how much of the expert set lives on the fast tier."""
 
@@ -58,9 +79,9 @@ class EngineConfig:
     expert_cache_ratio: float | None = None  # share of routed experts on the fast tier; None: 0.25 on CUDA, 0 on CPU
     expert_cache_bytes: int | None = None  # byte budget for the fast tier; overrides the ratio
     host_ram_budget_bytes: int | None = None  # below the experts' size: read experts from the mmap'd checkpoint
-    policy: str = "lru"
     context_len: int | None = None  # None: the model's max_position_embeddings
     spec: SpecConfig = field(default_factory=SpecConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
@@ -69,5 +90,4 @@ class EngineConfig:
             self.expert_cache_ratio = 0.0 if self.device == "cpu" else 0.25
         _check(0.0 <= self.expert_cache_ratio <= 1.0, f"expert cache ratio must be in [0, 1], got {self.expert_cache_ratio}")
         _check(self.expert_cache_bytes is None or self.expert_cache_bytes >= 0, "expert cache bytes must be >= 0")
-        _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         _check(self.context_len is None or self.context_len >= 1, "context length must be >= 1")

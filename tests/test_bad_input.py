@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
 from moechat.engine.errors import BudgetError, CheckpointError, MoechatError
 from moechat.engine.events import Error, Finished
 from moechat.engine.generate import Engine, Request
@@ -121,7 +121,7 @@ def test_bad_settings_values():
     with pytest.raises(MoechatError, match="top-p"):
         SamplingParams(top_p=0)
     with pytest.raises(MoechatError, match="policy"):
-        EngineConfig(model_dir="x", policy="fifo")
+        SchedulerConfig(policy="fifo")
 
 
 def test_prompt_over_context_keeps_engine_usable(checkpoint, tokenizer):

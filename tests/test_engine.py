@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
 from moechat.engine.events import Error, Finished, StepStats, TokenDelta
 from moechat.engine.generate import Engine, Request
 from moechat.engine.trace import TraceRecorder, load_trace
@@ -139,7 +139,7 @@ def test_lru_policy_evicts_least_recent(checkpoint):
 
 
 def test_static_policy_pins_warmup_top_experts(checkpoint):
-    engine = engine_for(checkpoint("qwen3_moe"), expert_cache_ratio=0.25, policy="static")
+    engine = engine_for(checkpoint("qwen3_moe"), expert_cache_ratio=0.25, scheduler=SchedulerConfig("static"))
     list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=1)))
     policy, cache = engine.model.runtime.policy, engine.model.cache
     assert policy.frozen and len(cache) == cache.capacity == 4

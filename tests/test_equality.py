@@ -7,7 +7,7 @@ import torch
 
 from tiny import FAMILIES
 
-from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
 from moechat.engine.events import Finished
 from moechat.engine.generate import Engine, Request
 
@@ -27,7 +27,8 @@ def hf_greedy(model_dir, prompt_ids, new_tokens=NEW_TOKENS, dtype=torch.float32,
 
 def run_engine(model_dir, prompt_ids, new_tokens=NEW_TOKENS, **config) -> Finished:
     spec = SpecConfig(drafter=config.pop("drafter", "none"), draft_len=config.pop("draft_len", 4))
-    engine = Engine(EngineConfig(model_dir=str(model_dir), spec=spec, **config))
+    scheduler = SchedulerConfig(policy=config.pop("policy", "lru"))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), spec=spec, scheduler=scheduler, **config))
     events = list(engine.generate(Request(token_ids=prompt_ids), SamplingParams(max_new_tokens=new_tokens)))
     assert isinstance(events[-1], Finished), events[-1]
     return events[-1]
@@ -43,7 +44,7 @@ def test_greedy_matches_transformers(family, seed, checkpoint, draft_dir, tokeni
     drafters = [("none", 1)] + [(d, g) for d in ("self", str(draft_dir)) for g in DRAFT_LENS]
     mismatches, rejected = [], 0
     for ratio in RATIOS:
-        for policy in ("lru", "static"):
+        for policy in ("lru", "static", "spac"):
             for drafter, gamma in drafters:
                 fin = run_engine(model_dir, prompt, expert_cache_ratio=ratio, policy=policy, drafter=drafter, draft_len=gamma)
                 if fin.token_ids != expected:

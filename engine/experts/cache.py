@@ -32,13 +32,15 @@ def slots_for(store: ExpertStore, ratio: float, budget_bytes: int | None) -> int
     return slots
 
 
-class ExpertCache:
-    def __init__(self, store: ExpertStore, num_slots: int, device: torch.device):
-        self.store, self.device, self.capacity = store, device, num_slots
-        E, H, I = store.num_experts, store.hidden, store.inter
-        self.gate_up = torch.empty(num_slots, 2 * I, H, dtype=store.dtype, device=device)  # [S, 2I, H]
-        self.down = torch.empty(num_slots, H, I, dtype=store.dtype, device=device)  # [S, H, I]
-        self.slot_of = torch.full((len(store.layers), E), -1, dtype=torch.long)  # [L, E] on the host
+class SlotTable:
+    """Which (layer, expert) sits in which of `capacity` slots: the bookkeeping every policy sees.
+
+    The simulator runs policies on this alone; ExpertCache adds the weights.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, expert_bytes: int):
+        self.capacity, self.expert_bytes = num_slots, expert_bytes
+        self.slot_of = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # [L, E] on the host
         self.key_of: list[tuple[int, int] | None] = [None] * num_slots
         self.free = list(range(num_slots - 1, -1, -1))
         self.bytes_moved = 0
@@ -55,19 +57,20 @@ class ExpertCache:
         return self.slot_of >= 0  # [L, E]
 
     def load(self, li: int, e: int) -> int:
-        """Copy one expert from the store into a free slot (the caller evicts first when full)."""
+        """Put one expert into a free slot (the caller evicts first when full)."""
         if self.slot_of[li, e] >= 0:
             return int(self.slot_of[li, e])
         slot = self.free.pop()
-        gate_up, down = self.store.weights(li, e)
-        self.gate_up[slot].copy_(gate_up, non_blocking=True)
-        self.down[slot].copy_(down, non_blocking=True)
+        self._copy_in(slot, li, e)
         self.slot_of[li, e] = slot
         self.key_of[slot] = (li, e)
-        self.bytes_moved += self.store.expert_bytes
+        self.bytes_moved += self.expert_bytes
         self.loads += 1
         self.version += 1
         return slot
+
+    def _copy_in(self, slot: int, li: int, e: int) -> None:
+        pass
 
     def evict(self, li: int, e: int) -> None:
         slot = int(self.slot_of[li, e])
@@ -77,3 +80,17 @@ class ExpertCache:
         self.key_of[slot] = None
         self.free.append(slot)
         self.version += 1
+
+
+class ExpertCache(SlotTable):
+    def __init__(self, store: ExpertStore, num_slots: int, device: torch.device):
+        super().__init__(len(store.layers), store.num_experts, num_slots, store.expert_bytes)
+        self.store, self.device = store, device
+        H, I = store.hidden, store.inter
+        self.gate_up = torch.empty(num_slots, 2 * I, H, dtype=store.dtype, device=device)  # [S, 2I, H]
+        self.down = torch.empty(num_slots, H, I, dtype=store.dtype, device=device)  # [S, H, I]
+
+    def _copy_in(self, slot: int, li: int, e: int) -> None:
+        gate_up, down = self.store.weights(li, e)
+        self.gate_up[slot].copy_(gate_up, non_blocking=True)
+        self.down[slot].copy_(down, non_blocking=True)

@@ -41,9 +41,10 @@ class LayerCounters:
 class MoERuntime:
     """State shared by every `OffloadedExperts` of a model: tiers, policy, phase and counters."""
 
-    def __init__(self, store: ExpertStore, cache: ExpertCache, policy: Policy, device: torch.device, act: Callable):
+    def __init__(self, store: ExpertStore, cache: ExpertCache, policy: Policy, device: torch.device, act: Callable,
+                 top_k: int = 1):
         self.store, self.cache, self.policy, self.device, self.act = store, cache, policy, device, act
-        policy.bind(cache)
+        policy.bind(cache, top_k)
         self.phase = "prefill"
         self.remap: Callable[[int], torch.Tensor | None] | None = None  # self-draft: expert -> resident substitute
         self.recorder: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # routing trace hook
@@ -68,9 +69,13 @@ class MoERuntime:
         """x [N, H], idx [N, k] routed expert ids, weights [N, k] -> [N, H]."""
         num_tokens, top_k = idx.shape
         draft = self.phase == "draft"
+        demand = None  # self-draft: what the router chose before substitution, the lookahead signal
         if draft and self.remap is not None:
+            demand = torch.bincount(idx.to("cpu").reshape(-1), minlength=self.store.num_experts)
             table = self.remap(li)  # [E] resident substitute per expert, None when nothing is resident
             if table is None:
+                self.counters.draft_freq[li] += demand
+                self.policy.on_layer(li, demand, self.phase)
                 return torch.zeros_like(x)
             idx = table.to(idx.device)[idx]
         idx_h = idx.to("cpu")
@@ -78,6 +83,7 @@ class MoERuntime:
             self.recorder(li, idx_h, weights.to("cpu"))
         flat = idx_h.reshape(-1)  # [S = N*k] activations, expert ids
         counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]: positions choosing e
+        self.policy.before_layer(li, counts)  # these experts are in use until on_layer
         base = self.cache.capacity  # CPU activations sort after every slot id
         if len(self.cache):
             slot = self.cache.slot_of[li][flat]  # [S] fast-tier slot of each activation, -1 when not resident
@@ -122,12 +128,13 @@ class MoERuntime:
             out[cpu_pos.to(x.device)] = y.to(device=x.device, dtype=out.dtype)
 
         if draft:
-            self.counters.draft_freq[li] += counts
+            demand = counts if demand is None else demand
+            self.counters.draft_freq[li] += demand
         else:
             self.counters.freq[li] += counts
             self.counters.hits += n_dev
             self.counters.misses += len(flat) - n_dev
-        self.policy.on_layer(li, counts, self.phase)
+        self.policy.on_layer(li, counts if demand is None else demand, self.phase)
         # each token's k expert outputs summed in router order, as transformers' grouped path does
         return out.view(num_tokens, top_k, -1).sum(dim=1)
 

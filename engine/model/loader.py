@@ -104,7 +104,9 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
 
     store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda", ram_budget_bytes=cfg.host_ram_budget_bytes)
     cache = ExpertCache(store, slots_for(store, cfg.expert_cache_ratio, cfg.expert_cache_bytes), device)
-    runtime = MoERuntime(store, cache, make_policy(cfg.policy), device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None)
+    policy = make_policy(cfg.scheduler, draft_len=cfg.spec.draft_len)
+    runtime = MoERuntime(store, cache, policy, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
+                         top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 

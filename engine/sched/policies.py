@@ -11,8 +11,9 @@ from collections import OrderedDict
 
 import torch
 
+from ..config import SchedulerConfig
 from ..errors import MoechatError
-from ..experts.cache import ExpertCache
+from ..experts.cache import SlotTable
 
 PHASES = ("prefill", "verify", "draft")  # draft passes never move experts (SpecMoE: no migration while drafting)
 
@@ -20,8 +21,11 @@ PHASES = ("prefill", "verify", "draft")  # draft passes never move experts (Spec
 class Policy:
     name = "none"
 
-    def bind(self, cache: ExpertCache) -> None:
-        self.cache = cache
+    def bind(self, cache: SlotTable, top_k: int = 1) -> None:
+        self.cache, self.top_k = cache, top_k
+
+    def before_layer(self, li: int, counts: torch.Tensor) -> None:
+        """Called before a layer computes, with its counts: the experts it is about to use."""
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         """counts: [E] int64 on the host, activations per expert in this layer's forward."""
@@ -35,8 +39,8 @@ class LruPolicy(Policy):
 
     name = "lru"
 
-    def bind(self, cache: ExpertCache) -> None:
-        super().bind(cache)
+    def bind(self, cache: SlotTable, top_k: int = 1) -> None:
+        super().bind(cache, top_k)
         self.recency: OrderedDict[tuple[int, int], None] = OrderedDict()  # resident experts, oldest first
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
@@ -60,8 +64,8 @@ class StaticPolicy(Policy):
 
     name = "static"
 
-    def bind(self, cache: ExpertCache) -> None:
-        super().bind(cache)
+    def bind(self, cache: SlotTable, top_k: int = 1) -> None:
+        super().bind(cache, top_k)
         self.freq = torch.zeros_like(cache.slot_of)  # [L, E]
         self.frozen = False
 
@@ -82,8 +86,14 @@ class StaticPolicy(Policy):
 POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy)}
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(config: SchedulerConfig | str, draft_len: int = 8, costs=None) -> Policy:
+    """The policy a SchedulerConfig (or a policy name) asks for; MoE-SpAc gets γ and the unit costs."""
+    config = SchedulerConfig(policy=config) if isinstance(config, str) else config
+    if config.policy == "spac":
+        from .spac import SpacPolicy
+
+        return SpacPolicy(config, draft_len, costs)
     try:
-        return POLICIES[name]()
+        return POLICIES[config.policy]()
     except KeyError:
-        raise MoechatError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}") from None
+        raise MoechatError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}, spac") from None

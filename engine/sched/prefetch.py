@@ -1,0 +1,167 @@
+"""Unified prefetch/evict engine (paper 000 §3.4, App. D): one utility ranking drives both.
+
+- Prefetch: K+1 FIFO queues, one per utility level; served highest level first, FIFO within a
+  level, and only down to the expert's layer threshold τ (a queued expert whose utility fell below
+  τ is dropped when it comes up).
+- Resident pool: every resident expert ordered by (utility, layer, expert) in a SortedList. The
+  evictor frees experts with s < τ; a prefetch that finds no free slot displaces the lowest-ranked
+  resident expert only when that one ranks strictly below the newcomer.
+- Experts in use are frozen at K+1 (never evicted); after use they are demoted: to 0 ("zero", the
+  paper's App. D choice, which recycles them first) or back to their utility ("keep").
+
+`drain(budget)` serves the queues synchronously (the simulator, and CPU-only machines where a copy
+is a memcpy); `start()` runs the same loop on a transfer thread that waits for work.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+from sortedcontainers import SortedList
+
+from ..experts.cache import SlotTable
+
+DEMOTE = ("zero", "keep")
+
+
+class PrefetchEngine:
+    def __init__(self, table: SlotTable, num_layers: int, num_experts: int, utility_bound: int, demote: str = "zero"):
+        if demote not in DEMOTE:
+            raise ValueError(f"demote must be one of {', '.join(DEMOTE)}, got {demote!r}")
+        self.table, self.K, self.demote = table, utility_bound, demote
+        self.E = num_experts
+        self.queues: list[deque[tuple[int, int]]] = [deque() for _ in range(utility_bound + 1)]
+        self.queued = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # level an expert waits at, -1 none
+        self.utility = torch.zeros(num_layers, num_experts, dtype=torch.long)  # latest s, the ranking
+        self.tau = torch.full((num_layers,), utility_bound, dtype=torch.long)
+        self.score: dict[tuple[int, int], int] = {}  # resident expert -> pool score (K+1 when frozen)
+        self.pool = SortedList()  # (score, layer, expert), lowest first
+        self.demoted: set[tuple[int, int]] = set()  # "zero": used experts sit at 0 until they leave
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.loaded = 0
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        for li, e in (k for k in table.key_of if k is not None):  # experts already resident
+            self._pool_set((li, e), 0)
+
+    # --- ranking -------------------------------------------------------------------------------
+    def _pool_set(self, key: tuple[int, int], score: int) -> None:
+        old = self.score.get(key)
+        if old is not None:
+            self.pool.remove((old, *key))
+        self.score[key] = score
+        self.pool.add((score, *key))
+
+    def _pool_drop(self, key: tuple[int, int]) -> None:
+        self.pool.remove((self.score.pop(key), *key))
+
+    def update(self, li: int, s: torch.Tensor, tau: int) -> None:
+        """New utilities s [E] and threshold τ for layer li: re-rank residents, evict s < τ, queue s ≥ τ."""
+        with self.lock:
+            self.utility[li] = s
+            self.tau[li] = tau
+            resident = self.table.slot_of[li] >= 0
+            for e in resident.nonzero().flatten().tolist():
+                key = (li, e)
+                if self.score.get(key, 0) > self.K or key in self.demoted and int(s[e]) >= tau:
+                    continue  # frozen (in use), or demoted after use: keeps its rank until it goes
+                if int(s[e]) < tau:
+                    self.demoted.discard(key)
+                    self._pool_drop(key)
+                    self.table.evict(li, e)
+                else:
+                    self._pool_set(key, int(s[e]))
+            want = (s >= tau) & ~resident & (self.queued[li] != s)
+            for e in want.nonzero().flatten().tolist():
+                level = int(s[e])
+                self.queued[li, e] = level  # an older entry at another level is skipped when it comes up
+                self.queues[level].append((li, e))
+            if want.any():
+                self.wake.notify()
+
+    def freeze(self, li: int, experts: list[int]) -> None:
+        """Mark resident experts as in use (K+1): nothing evicts them until release()."""
+        with self.lock:
+            for e in experts:
+                if (li, e) in self.score:
+                    self._pool_set((li, e), self.K + 1)
+
+    def release(self, li: int, experts: list[int]) -> None:
+        with self.lock:
+            for e in experts:
+                if (li, e) in self.score:
+                    self._pool_set((li, e), 0 if self.demote == "zero" else int(self.utility[li, e]))
+                    if self.demote == "zero":
+                        self.demoted.add((li, e))
+
+    # --- transfers -----------------------------------------------------------------------------
+    def _next(self) -> tuple[int, int, int] | None:
+        """Highest-level queued expert still wanted (s ≥ τ of its layer, same level, not resident)."""
+        for level in range(self.K, 0, -1):
+            q = self.queues[level]
+            while q:
+                li, e = q.popleft()
+                if self.queued[li, e] != level:
+                    continue  # re-queued at another level, or already served
+                self.queued[li, e] = -1
+                if level < self.tau[li] or self.utility[li, e] != level or self.table.slot_of[li, e] >= 0:
+                    continue
+                return li, e, level
+        return None
+
+    def _slot_for(self, level: int) -> bool:
+        """A free slot, displacing the lowest-ranked resident expert when it ranks below `level`."""
+        if self.table.free:
+            return True
+        if self.pool and self.pool[0][0] < level:
+            _, li, e = self.pool[0]
+            self._pool_drop((li, e))
+            self.demoted.discard((li, e))
+            self.table.evict(li, e)
+            return True
+        return False
+
+    def _serve_one(self) -> bool:
+        nxt = self._next()
+        if nxt is None:
+            return False
+        li, e, level = nxt
+        if not self._slot_for(level):  # every resident expert ranks at least as high: wait at the head of the queue
+            self.queues[level].appendleft((li, e))
+            self.queued[li, e] = level
+            return False
+        self.table.load(li, e)
+        self._pool_set((li, e), level)
+        self.loaded += 1
+        return True
+
+    def drain(self, budget: int | None = None) -> int:
+        """Serve the queues now, at most `budget` transfers; returns how many were made."""
+        done = 0
+        with self.lock:
+            while (budget is None or done < budget) and self._serve_one():
+                done += 1
+        return done
+
+    def start(self) -> None:
+        """Serve the queues on a transfer thread from now on."""
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="moechat-prefetch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        with self.lock:
+            while not self._stop:
+                if not self._serve_one():
+                    self.wake.wait(timeout=0.05)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            with self.lock:
+                self._stop = True
+                self.wake.notify()
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,255 @@
+"""Trace-driven simulator: replays recorded routing against residency policies (DESIGN.md, reference replay).
+
+Protocol, per trace file: the fast tier starts empty; tokens go in windows of W = γ+1 consecutive
+tokens, one verification step each; the capacity is round(ratio × layers × experts) slots shared
+by all layers; an activation is *served* when its expert was resident at the start of its window.
+
+Engine policies (`Policy` subclasses) run unchanged on a `SlotTable`: per window they see the
+draft-phase lookahead (when simulated) and then the window's per-layer counts, exactly the calls
+the engine makes. `lru`, `oracle` and `belady` are reference rules with the protocol's exact tie
+rules, computed here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .experts.cache import SlotTable
+from .trace import Routing
+
+REFERENCES = ("lru", "oracle", "belady")
+
+
+@dataclass
+class CostModel:
+    """Time of one verification step. Defaults: DeepSeek-V2-Lite bf16 experts (2048 × 1408 × 3) on a
+    PCIe 4.0 x16 desktop with dual-channel DDR5 and an RTX 4090-class GPU."""
+
+    expert_bytes: int = 3 * 2048 * 1408 * 2  # 17.3 MB
+    pcie_gb_s: float = 25.0  # pinned host -> device, effective
+    cpu_dram_gb_s: float = 60.0  # CPU expert kernels are bound by reading the weights
+    device_gb_s: float = 900.0  # GPU expert GEMMs for ≤ γ+1 tokens are bound by reading the weights
+    device_ms_per_expert_launch: float = 0.01
+    dense_ms_per_layer: float = 0.25  # attention, router, shared experts: on the GPU, per layer per step
+    draft_ms_per_token: float = 4.0
+    cpu_cost: str = "distinct"  # "distinct": each CPU expert read once per step; "activations": once per token (paper Eq. 7)
+
+    def __post_init__(self) -> None:
+        if self.cpu_cost not in ("distinct", "activations"):
+            raise ValueError(f"cpu_cost must be 'distinct' or 'activations', got {self.cpu_cost!r}")
+        for name in ("expert_bytes", "pcie_gb_s", "cpu_dram_gb_s", "device_gb_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    def unit_costs(self):
+        """The same costs in the units MoE-SpAc's balancer takes."""
+        from .sched.balancer import UnitCosts
+
+        return UnitCosts(cpu_s=self.cpu_ms / 1e3, device_s=self.device_ms / 1e3, io_s=self.io_ms / 1e3,
+                         draft_s=self.draft_ms_per_token / 1e3)
+
+    @property
+    def io_ms(self) -> float:  # one expert over PCIe
+        return self.expert_bytes / (self.pcie_gb_s * 1e6)
+
+    @property
+    def cpu_ms(self) -> float:  # one expert read by a CPU kernel
+        return self.expert_bytes / (self.cpu_dram_gb_s * 1e6)
+
+    @property
+    def device_ms(self) -> float:
+        return self.expert_bytes / (self.device_gb_s * 1e6) + self.device_ms_per_expert_launch
+
+    def step_ms(self, counts: torch.Tensor, resident: torch.Tensor, loads: int, draft_tokens: int) -> float:
+        """counts [L, E] activations of the window, resident [L, E] at its start, loads issued for it.
+
+        Per layer the device runs the resident experts while the CPU runs the rest (max of the two,
+        plus the dense part); transfers overlap the draft phase and the whole verification.
+        """
+        used = counts > 0
+        dev = (used & resident).sum(1).float() * self.device_ms  # [L]
+        cpu_units = (counts * ~resident).sum(1) if self.cpu_cost == "activations" else (used & ~resident).sum(1)
+        cpu = cpu_units.float() * self.cpu_ms  # [L]
+        compute = float(torch.maximum(dev, cpu).sum()) + self.dense_ms_per_layer * counts.shape[0]
+        draft = self.draft_ms_per_token * draft_tokens
+        return max(draft + compute, loads * self.io_ms)
+
+
+@dataclass
+class SimResult:
+    policy: str
+    cache_ratio: float
+    window: int
+    lookahead_accept: float | None
+    traces: int = 0
+    tokens: int = 0
+    activations: int = 0
+    served_activations: int = 0
+    distinct: int = 0
+    distinct_hits: int = 0
+    loads: int = 0
+    steps: int = 0
+    step_ms_total: float = 0.0
+    correct_hot_cold: int = 0  # (layer, expert) pairs where "resident at window start" == "used in the window"
+    pairs: int = 0
+    expert_bytes: int = field(default=0, repr=False)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "expert_bytes"}
+        d.update(
+            served=self.served_activations / max(self.activations, 1),
+            distinct_hit_rate=self.distinct_hits / max(self.distinct, 1),
+            bytes_per_token=self.loads * self.expert_bytes / max(self.tokens, 1),
+            predicted_step_ms=self.step_ms_total / max(self.steps, 1),
+            predicted_tps=self.tokens / (self.step_ms_total / 1e3) if self.step_ms_total else 0.0,
+            hot_cold_accuracy=self.correct_hot_cold / max(self.pairs, 1),
+        )
+        return d
+
+
+def window_counts(routing: Routing, start: int, stop: int) -> torch.Tensor:
+    """[L, E] activations of tokens start..stop-1 per layer."""
+    x = routing.experts[start:stop]  # [w, L, k]
+    L, E = x.shape[1], routing.num_experts
+    flat = (x + torch.arange(L).view(1, L, 1) * E).flatten()
+    return torch.bincount(flat, minlength=L * E).view(L, E)
+
+
+def _lru_reference(routing: Routing, capacity: int, window: int):
+    """After each window: the `capacity` most recently used experts, recency = (position, layer, expert)."""
+    T, L, _ = routing.experts.shape
+    E = routing.num_experts
+    last_use = torch.full((L, E), -1, dtype=torch.long)
+    resident = torch.zeros(L, E, dtype=torch.bool)
+    layer_key = torch.arange(L).view(L, 1) * E + torch.arange(E).view(1, E)  # (layer, expert) order
+    for start in range(0, T, window):
+        yield resident, 0
+        stop = min(start + window, T)
+        for t in range(start, stop):
+            used = torch.zeros(L, E, dtype=torch.bool)
+            used.scatter_(1, routing.experts[t], True)
+            last_use[used] = t * L * E + layer_key[used]
+        order = torch.argsort(last_use.flatten(), descending=True)[:capacity]
+        new = torch.zeros(L * E, dtype=torch.bool)
+        new[order[last_use.flatten()[order] >= 0]] = True
+        new = new.view(L, E)
+        resident_loads = int((new & ~resident).sum())
+        resident = new
+        yield None, resident_loads
+
+
+def _oracle(routing: Routing, capacity: int, window: int):
+    """During each window: its `capacity` most activated experts, ties by (layer, expert) ascending."""
+    T = routing.experts.shape[0]
+    prev = None
+    for start in range(0, T, window):
+        c = window_counts(routing, start, min(start + window, T)).flatten()
+        order = torch.argsort(-c, stable=True)[:capacity]
+        order = order[c[order] > 0]
+        res = torch.zeros_like(c, dtype=torch.bool)
+        res[order] = True
+        res = res.view(-1, routing.num_experts)
+        loads = int((res & ~prev).sum()) if prev is not None else int(res.sum())
+        prev = res
+        yield res, loads
+        yield None, 0
+
+
+def _belady(routing: Routing, capacity: int, window: int):
+    """On-demand with Belady's eviction: after each window keep, among the resident and the just used
+    experts, those needed again soonest (ties by (layer, expert)); never prefetches."""
+    T, L, _ = routing.experts.shape
+    E = routing.num_experts
+    starts = list(range(0, T, window))
+    used = [window_counts(routing, s, min(s + window, T)) > 0 for s in starts]  # per window [L, E]
+    next_use = torch.full((L, E), len(starts), dtype=torch.long)
+    nexts = [None] * len(starts)
+    for i in range(len(starts) - 1, -1, -1):  # next_use after window i
+        nexts[i] = next_use.clone()
+        next_use[used[i]] = i
+    resident = torch.zeros(L, E, dtype=torch.bool)
+    for i in range(len(starts)):
+        yield resident, 0
+        cand = (resident | used[i]).flatten()
+        key = nexts[i].flatten() * (L * E) + torch.arange(L * E)
+        key[~cand] = torch.iinfo(torch.long).max
+        order = torch.argsort(key)[:capacity]
+        order = order[cand[order] & (nexts[i].flatten()[order] < len(starts))]
+        new = torch.zeros(L * E, dtype=torch.bool)
+        new[order] = True
+        new = new.view(L, E)
+        loads = int((new & ~resident).sum())
+        resident = new
+        yield None, loads
+
+
+def _policy_driver(routing: Routing, capacity: int, window: int, policy, cost: CostModel, lookahead_accept: float | None):
+    """Runs an engine Policy: draft-phase lookahead (the first ⌊A·w⌋ tokens' routing), then the window."""
+    T, L, _ = routing.experts.shape
+    table = SlotTable(L, routing.num_experts, capacity, cost.expert_bytes)
+    policy.bind(table, top_k=routing.experts.shape[2])
+    for start in range(0, T, window):
+        stop = min(start + window, T)
+        loads0 = table.loads
+        if lookahead_accept is not None:
+            seen = math.floor(lookahead_accept * (stop - start))
+            if seen:
+                ahead = window_counts(routing, start, start + seen)
+                for li in range(L):
+                    policy.before_layer(li, ahead[li])
+                    policy.on_layer(li, ahead[li], "draft")
+                policy.on_forward_end("draft")
+        pre = table.loads - loads0
+        yield table.resident_mask().clone(), pre
+        counts = window_counts(routing, start, stop)
+        loads1 = table.loads
+        for li in range(L):
+            policy.before_layer(li, counts[li])
+            policy.on_layer(li, counts[li], "verify")
+        policy.on_forward_end("verify")
+        yield None, table.loads - loads1
+
+
+def build_policy(name: str, window: int, cost: CostModel, **scheduler):
+    """An engine policy configured for the replay: γ = W − 1 and the cost model's unit costs."""
+    from .config import SchedulerConfig
+    from .sched.policies import make_policy
+
+    config = SchedulerConfig(policy=name, cpu_cost=cost.cpu_cost, **scheduler)
+    return make_policy(config, draft_len=max(window - 1, 1), costs=cost.unit_costs())
+
+
+def simulate(routings: list[Routing], policy: str, ratio: float, window: int, cost: CostModel,
+             lookahead_accept: float | None = None, **scheduler) -> SimResult:
+    res = SimResult(policy, ratio, window, lookahead_accept, expert_bytes=cost.expert_bytes)
+    for routing in routings:
+        T, L, _ = routing.experts.shape
+        capacity = round(ratio * L * routing.num_experts)
+        if policy == "lru":
+            steps = _lru_reference(routing, capacity, window)
+        elif policy == "oracle":
+            steps = _oracle(routing, capacity, window)
+        elif policy == "belady":
+            steps = _belady(routing, capacity, window)
+        else:
+            steps = _policy_driver(routing, capacity, window, build_policy(policy, window, cost, **scheduler), cost, lookahead_accept)
+        res.traces += 1
+        res.tokens += T
+        for start in range(0, T, window):
+            resident, pre_loads = next(steps)
+            counts = window_counts(routing, start, min(start + window, T))
+            _, loads = next(steps)
+            used = counts > 0
+            res.activations += int(counts.sum())
+            res.served_activations += int((counts * resident).sum())
+            res.distinct += int(used.sum())
+            res.distinct_hits += int((used & resident).sum())
+            res.correct_hot_cold += int((used == resident).sum())
+            res.pairs += used.numel()
+            # transfers issued during the draft phase and for this step's misses both occupy its I/O window
+            res.loads += pre_loads + loads
+            res.steps += 1
+            res.step_ms_total += cost.step_ms(counts, resident, pre_loads + loads, draft_tokens=window - 1)
+    return res
