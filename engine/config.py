@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from .errors import MoechatError
 
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("lru", "static", "spac")
+POLICIES = ("lru", "static", "lfu", "specmoe", "spac")
 
 
 def _check(cond: bool, msg: str) -> None:

@@ -66,10 +66,23 @@ def test_simulator_references_by_hand(policy, served, distinct_hit):
     assert r["tokens"] == 4 and r["steps"] == 2
 
 
-def test_simulator_runs_engine_policies():
-    r = simulate([handmade()], "static", ratio=1 / 3, window=2, cost=CostModel()).to_dict()
-    # static pins after the first window: L1e1 (2) and L0e0 (tie, lower id); window 1 hits L1e1 once
+@pytest.mark.parametrize("policy", ["static", "lfu", "specmoe"])
+def test_simulator_runs_engine_policies(policy):
+    r = simulate([handmade()], policy, ratio=1 / 3, window=2, cost=CostModel()).to_dict()
+    # after window 0 each keeps L1e1 (2 uses) and L0e0 (1 use, the tie with L0e1 goes to the lower id;
+    # specmoe: one slot per layer, the same two); window 1 hits L1e1 once: 1 of 8
     assert r["served"] == pytest.approx(1 / 8)
+
+
+def test_lfu_and_hot_temporal_follow_frequency():
+    long = Routing("long", [0, 1], torch.tensor([[[0], [1]], [[1], [1]], [[1], [2]], [[1], [2]], [[1], [2]], [[0], [0]]]), 3)
+    lfu = simulate([long], "lfu", ratio=1 / 3, window=2, cost=CostModel()).to_dict()
+    hot = simulate([long], "specmoe", ratio=1 / 3, window=2, cost=CostModel()).to_dict()
+    # lfu: w0 nothing; then {L1e1 (2), L0e0 (1, lower id than L0e1)}: w1 (L0e1, L1e2 twice) hits nothing;
+    # then {L0e1 (3), L1e1 (2, ties L1e2 and has the lower id)}: w2 (L0e1, L1e2; L0e0, L1e0) hits L0e1: 1 of 12
+    assert lfu["served"] == pytest.approx(1 / 12)
+    # specmoe, one slot per layer: after w0 {L0e0, L1e1}; w1 hits none; after w1 {L0e1, L1e2}; w2 hits L0e1, L1e2: 2 of 12
+    assert hot["served"] == pytest.approx(2 / 12)
 
 
 # --- the prefetch engine (paper 000 App. D) --------------------------------------------------------

@@ -83,7 +83,67 @@ class StaticPolicy(Policy):
             self.cache.load(flat // num_experts, flat % num_experts)
 
 
-POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy)}
+def _make_resident(cache: SlotTable, want: torch.Tensor) -> None:
+    """Evict what is resident but not wanted, then load what is wanted but not resident. want: [L, E] bool."""
+    resident = cache.resident_mask()
+    for li, e in (resident & ~want).nonzero().tolist():
+        cache.evict(li, e)
+    for li, e in (want & ~resident).nonzero().tolist():
+        cache.load(li, e)
+
+
+class LfuPolicy(Policy):
+    """Frequency-pinned, updated (KTransformers/Fiddler style made dynamic): after every verification
+    the `capacity` experts with the most activations so far are resident; ties go to the lower (layer, expert)."""
+
+    name = "lfu"
+
+    def bind(self, cache: SlotTable, top_k: int = 1) -> None:
+        super().bind(cache, top_k)
+        self.freq = torch.zeros_like(cache.slot_of)  # [L, E]
+
+    def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
+        if phase != "draft":
+            self.freq[li] += counts
+
+    def on_forward_end(self, phase: str) -> None:
+        if phase == "draft" or self.cache.capacity == 0:
+            return
+        flat = self.freq.flatten()
+        order = torch.argsort(-flat, stable=True)[: self.cache.capacity]
+        want = torch.zeros_like(flat, dtype=torch.bool)
+        want[order[flat[order] > 0]] = True
+        _make_resident(self.cache, want.view_as(self.freq))
+
+
+class HotTemporalPolicy(Policy):
+    """SpecMoE's HotTemporal (paper 001): each layer keeps its share of the slots for the experts the
+    last verification used most; ties keep the resident expert, then the lower id."""
+
+    name = "specmoe"
+
+    def bind(self, cache: SlotTable, top_k: int = 1) -> None:
+        super().bind(cache, top_k)
+        L = cache.slot_of.shape[0]
+        self.per_layer = [cache.capacity // L + (li < cache.capacity % L) for li in range(L)]
+        self.want = torch.zeros_like(cache.slot_of, dtype=torch.bool)  # [L, E]
+
+    def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
+        if phase == "draft" or not self.per_layer[li]:
+            return
+        E = counts.shape[0]
+        resident = self.cache.slot_of[li] >= 0
+        key = counts * 2 * E + resident * E + (E - 1 - torch.arange(E))  # count, then resident, then lower id
+        top = torch.argsort(key, descending=True)[: self.per_layer[li]]
+        self.want[li] = False
+        self.want[li, top[(counts[top] > 0) | resident[top]]] = True
+
+    def on_forward_end(self, phase: str) -> None:
+        if phase != "draft" and self.cache.capacity:
+            _make_resident(self.cache, self.want)
+
+
+POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy, LfuPolicy, HotTemporalPolicy)}
 
 
 def make_policy(config: SchedulerConfig | str, draft_len: int = 8, costs=None) -> Policy:
