@@ -227,3 +227,19 @@ def test_simulate_cli_reads_the_shared_csv_format(tmp_path, capsys):
     assert by[("lru", None)]["served"] == pytest.approx(2 / 8) and by[("oracle", None)]["served"] == pytest.approx(5 / 8)
     assert main(["simulate", "--traces", str(tmp_path / "missing.csv")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_prefetch_thread_serves_the_same_queues():
+    import time
+
+    table, pre = engine_with(slots=2)
+    pre.start()
+    try:
+        pre.update(0, torch.tensor([1, 4, 0, 3, 0, 0]), tau=1)
+        deadline = time.monotonic() + 5
+        while len(table) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(table.resident_mask()[0].nonzero().flatten().tolist()) == {1, 3}  # levels 4 and 3 beat level 1
+    finally:
+        pre.stop()
+    assert pre._thread is None
