@@ -168,13 +168,6 @@ def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
     tokenizer.save_pretrained(out)
 
 
-def measure_routing(model_dir: Path, eval_path: Path) -> dict:
-    """Routing skew and locality of the saved demo, measured through moechat's own engine."""
-    from moechat.app.demo import routing_report
-
-    return routing_report(model_dir, eval_path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "corpus")
@@ -245,7 +238,9 @@ def main() -> None:
     save(target, tokenizer, model_dir, eos_ids)
     save(draft, tokenizer, draft_dir, eos_ids)
     total_s = time.time() - t_start
-    report = measure_routing(model_dir, eval_path)
+    from moechat.app.demo import routing_report  # skew and reuse through moechat's own engine
+
+    report = routing_report(model_dir, eval_path)
     stats = {
         "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], "chats": len(chats), "device": args.device, "threads": args.threads,
         "train_tokens": rows.numel(), "target_steps": args.target_steps, "draft_steps": args.draft_steps,

@@ -117,7 +117,9 @@ def window_counts(routing: Routing, start: int, stop: int) -> torch.Tensor:
     return torch.bincount(flat, minlength=L * E).view(L, E)
 
 
-def _lru_reference(routing: Routing, capacity: int, window: int):
+# Each replay below yields, per window, (resident [L, E] at the window's start, experts loaded for it).
+
+def _lru_reference(routing: Routing, capacity: int, window: int, windows: list[torch.Tensor]):
     """After each window: the `capacity` most recently used experts, recency = (position, layer, expert)."""
     T, L, _ = routing.experts.shape
     E = routing.num_experts
@@ -125,9 +127,7 @@ def _lru_reference(routing: Routing, capacity: int, window: int):
     resident = torch.zeros(L, E, dtype=torch.bool)
     layer_key = torch.arange(L).view(L, 1) * E + torch.arange(E).view(1, E)  # (layer, expert) order
     for start in range(0, T, window):
-        yield resident, 0
-        stop = min(start + window, T)
-        for t in range(start, stop):
+        for t in range(start, min(start + window, T)):
             used = torch.zeros(L, E, dtype=torch.bool)
             used.scatter_(1, routing.experts[t], True)
             last_use[used] = t * L * E + layer_key[used]
@@ -135,81 +135,70 @@ def _lru_reference(routing: Routing, capacity: int, window: int):
         new = torch.zeros(L * E, dtype=torch.bool)
         new[order[last_use.flatten()[order] >= 0]] = True
         new = new.view(L, E)
-        resident_loads = int((new & ~resident).sum())
+        yield resident, int((new & ~resident).sum())
         resident = new
-        yield None, resident_loads
 
 
-def _oracle(routing: Routing, capacity: int, window: int):
+def _oracle(routing: Routing, capacity: int, window: int, windows: list[torch.Tensor]):
     """During each window: its `capacity` most activated experts, ties by (layer, expert) ascending."""
-    T = routing.experts.shape[0]
-    prev = None
-    for start in range(0, T, window):
-        c = window_counts(routing, start, min(start + window, T)).flatten()
+    prev = torch.zeros_like(windows[0], dtype=torch.bool)
+    for counts in windows:
+        c = counts.flatten()
         order = torch.argsort(-c, stable=True)[:capacity]
-        order = order[c[order] > 0]
         res = torch.zeros_like(c, dtype=torch.bool)
-        res[order] = True
-        res = res.view(-1, routing.num_experts)
-        loads = int((res & ~prev).sum()) if prev is not None else int(res.sum())
+        res[order[c[order] > 0]] = True
+        res = res.view_as(counts)
+        yield res, int((res & ~prev).sum())
         prev = res
-        yield res, loads
-        yield None, 0
 
 
-def _belady(routing: Routing, capacity: int, window: int):
+def _belady(routing: Routing, capacity: int, window: int, windows: list[torch.Tensor]):
     """On-demand with Belady's eviction: after each window keep, among the resident and the just used
     experts, those needed again soonest (ties by (layer, expert)); never prefetches."""
-    T, L, _ = routing.experts.shape
-    E = routing.num_experts
-    starts = list(range(0, T, window))
-    used = [window_counts(routing, s, min(s + window, T)) > 0 for s in starts]  # per window [L, E]
-    next_use = torch.full((L, E), len(starts), dtype=torch.long)
-    nexts = [None] * len(starts)
-    for i in range(len(starts) - 1, -1, -1):  # next_use after window i
+    L, E = windows[0].shape
+    n = len(windows)
+    used = [c > 0 for c in windows]
+    next_use = torch.full((L, E), n, dtype=torch.long)
+    nexts = [None] * n
+    for i in range(n - 1, -1, -1):  # next_use after window i
         nexts[i] = next_use.clone()
         next_use[used[i]] = i
     resident = torch.zeros(L, E, dtype=torch.bool)
-    for i in range(len(starts)):
-        yield resident, 0
+    for i in range(n):
         cand = (resident | used[i]).flatten()
         key = nexts[i].flatten() * (L * E) + torch.arange(L * E)
         key[~cand] = torch.iinfo(torch.long).max
         order = torch.argsort(key)[:capacity]
-        order = order[cand[order] & (nexts[i].flatten()[order] < len(starts))]
+        order = order[cand[order] & (nexts[i].flatten()[order] < n)]
         new = torch.zeros(L * E, dtype=torch.bool)
         new[order] = True
         new = new.view(L, E)
-        loads = int((new & ~resident).sum())
+        yield resident, int((new & ~resident).sum())
         resident = new
-        yield None, loads
 
 
-def _policy_driver(routing: Routing, capacity: int, window: int, policy, cost: CostModel, lookahead_accept: float | None):
-    """Runs an engine Policy: draft-phase lookahead (the first ⌊A·w⌋ tokens' routing), then the window."""
+def _policy_driver(routing: Routing, capacity: int, window: int, windows: list[torch.Tensor], policy,
+                   cost: CostModel, lookahead_accept: float | None):
+    """Runs an engine Policy: draft-phase lookahead (the first ⌊A·w⌋ tokens' routing), then the window.
+    Loads issued while drafting and for the window's misses both count for the window."""
     T, L, _ = routing.experts.shape
     table = SlotTable(L, routing.num_experts, capacity, cost.expert_bytes)
     policy.bind(table, top_k=routing.experts.shape[2])
-    for start in range(0, T, window):
-        stop = min(start + window, T)
+    for start, counts in zip(range(0, T, window), windows):
         loads0 = table.loads
-        if lookahead_accept is not None:
-            seen = math.floor(lookahead_accept * (stop - start))
-            if seen:
-                ahead = window_counts(routing, start, start + seen)
-                for li in range(L):
-                    policy.before_layer(li, ahead[li])
-                    policy.on_layer(li, ahead[li], "draft")
-                policy.on_forward_end("draft")
-        pre = table.loads - loads0
-        yield table.resident_mask().clone(), pre
-        counts = window_counts(routing, start, stop)
-        loads1 = table.loads
+        seen = math.floor(lookahead_accept * min(window, T - start)) if lookahead_accept is not None else 0
+        if seen:
+            ahead = window_counts(routing, start, start + seen)
+            for li in range(L):
+                policy.before_layer(li, ahead[li])
+                policy.on_layer(li, ahead[li], "draft")
+            policy.on_forward_end("draft")
+        resident = table.resident_mask()
         for li in range(L):
             policy.before_layer(li, counts[li])
             policy.on_layer(li, counts[li], "verify")
         policy.on_forward_end("verify")
-        yield None, table.loads - loads1
+        yield resident, table.loads - loads0
 
 
 def build_policy(name: str, window: int, cost: CostModel, **scheduler):
@@ -227,20 +216,16 @@ def simulate(routings: list[Routing], policy: str, ratio: float, window: int, co
     for routing in routings:
         T, L, _ = routing.experts.shape
         capacity = round(ratio * L * routing.num_experts)
-        if policy == "lru":
-            steps = _lru_reference(routing, capacity, window)
-        elif policy == "oracle":
-            steps = _oracle(routing, capacity, window)
-        elif policy == "belady":
-            steps = _belady(routing, capacity, window)
+        windows = [window_counts(routing, s, min(s + window, T)) for s in range(0, T, window)]  # [L, E] each
+        if policy in REFERENCES:
+            replay = {"lru": _lru_reference, "oracle": _oracle, "belady": _belady}[policy]
+            steps = replay(routing, capacity, window, windows)
         else:
-            steps = _policy_driver(routing, capacity, window, build_policy(policy, window, cost, **scheduler), cost, lookahead_accept)
+            steps = _policy_driver(routing, capacity, window, windows, build_policy(policy, window, cost, **scheduler),
+                                   cost, lookahead_accept)
         res.traces += 1
         res.tokens += T
-        for start in range(0, T, window):
-            resident, pre_loads = next(steps)
-            counts = window_counts(routing, start, min(start + window, T))
-            _, loads = next(steps)
+        for counts, (resident, loads) in zip(windows, steps):
             used = counts > 0
             res.activations += int(counts.sum())
             res.served_activations += int((counts * resident).sum())
@@ -248,8 +233,7 @@ def simulate(routings: list[Routing], policy: str, ratio: float, window: int, co
             res.distinct_hits += int((used & resident).sum())
             res.correct_hot_cold += int((used == resident).sum())
             res.pairs += used.numel()
-            # transfers issued during the draft phase and for this step's misses both occupy its I/O window
-            res.loads += pre_loads + loads
+            res.loads += loads  # drafting-phase and miss transfers both occupy the step's I/O window
             res.steps += 1
-            res.step_ms_total += cost.step_ms(counts, resident, pre_loads + loads, draft_tokens=window - 1)
+            res.step_ms_total += cost.step_ms(counts, resident, loads, draft_tokens=window - 1)
     return res

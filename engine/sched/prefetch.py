@@ -40,7 +40,6 @@ class PrefetchEngine:
         self.demoted: set[tuple[int, int]] = set()  # "zero": used experts sit at 0 until they leave
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        self.loaded = 0
         self._thread: threading.Thread | None = None
         self._stop = False
         for li, e in (k for k in table.key_of if k is not None):  # experts already resident
@@ -134,7 +133,6 @@ class PrefetchEngine:
             return False
         self.table.load(li, e)
         self._pool_set((li, e), level)
-        self.loaded += 1
         return True
 
     def drain(self, budget: int | None = None) -> int:
