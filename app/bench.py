@@ -75,7 +75,7 @@ def cmd_bench_generate(args) -> int:
     med = {k: statistics.median(v) for k, v in rows.items()}
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
-        "policy": args.policy, "expert_cache_ratio": engine.config.expert_cache_ratio, "prompt_tokens": len(ids),
+        "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio, "prompt_tokens": len(ids),
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"]},
         "hf": {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]},
@@ -93,4 +93,6 @@ def cmd_bench_generate(args) -> int:
         print(f"{'HF':10}{med['hf_prefill']:15.1f}{med['hf_decode']:15.1f}")
         print(f"{'ratio':10}{result['ratio']['prefill']:15.2f}{result['ratio']['decode']:15.2f}")
         print(f"same greedy tokens: {same}", file=sys.stderr if same else sys.stdout)
+        if args.expert_budget is not None:
+            print(f"lossy: expert budget {args.expert_budget}")
     return 0

@@ -46,9 +46,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
                         "with the same tokenizer (default: the demo's draft for the demo, else none)")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
-    p.add_argument("--policy", default="lru", choices=["lru", "static", "lfu", "specmoe", "spac"],
+    p.add_argument("--policy", default="lru", choices=["lru", "static", "lfu", "specmoe", "eam", "spac"],
                    help="fast-tier residency policy: lru (on demand), static (pinned by the first prompt), lfu (most used "
-                        "so far), specmoe (each layer's hottest of the last step), spac (MoE-SpAc)")
+                        "so far), specmoe (each layer's hottest of the last step), eam (MoE-Infinity: this request's "
+                        "activations matched against past requests'), spac (MoE-SpAc)")
+    p.add_argument("--expert-budget", type=int, default=None, metavar="B",
+                   help="LOSSY (off by default): verification computes at most B experts per MoE layer, the ones the "
+                        "router weighs most (MoE-Spec); other activations are dropped, so output differs from the model's")
     p.add_argument("--expert-cache-ratio", type=_ratio, default=None, metavar="R",
                    help="share of routed experts kept on the compute device (default: 0.25 on cuda, 0 on cpu)")
     p.add_argument("--expert-cache-mib", type=float, default=None, metavar="MIB",
@@ -78,7 +82,7 @@ def engine_config(args):
         expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
         host_ram_budget_bytes=None if args.host_ram_mib is None else int(args.host_ram_mib * mib),
         context_len=args.context_len, spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
-        scheduler=SchedulerConfig(policy=args.policy),
+        scheduler=SchedulerConfig(policy=args.policy, expert_budget=args.expert_budget),
     )
 
 
@@ -151,6 +155,8 @@ def cmd_generate(args) -> int:
         print(f"[{s.new_tokens} tokens, prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s, "
               f"acceptance {s.acceptance_rate:.2f}, expert hit rate {s.hit_rate:.2f}, "
               f"{s.bytes_moved / 2**20:.1f} MiB moved, finish: {s.finish_reason}]", file=sys.stderr)
+    if s.lossy:
+        print(f"[{s.lossy}: {s.dropped} activations dropped]", file=sys.stderr)
     return 0
 
 

@@ -63,4 +63,4 @@ def cmd_chat(args) -> int:
         if finished:
             s = finished.summary
             print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
-                  f"expert hit rate {s.hit_rate:.2f}]", file=sys.stderr)
+                  f"expert hit rate {s.hit_rate:.2f}]" + (f" [{s.lossy}]" if s.lossy else ""), file=sys.stderr)

@@ -5,7 +5,7 @@ import json
 import sys
 from pathlib import Path
 
-METRICS = ("served", "distinct_hit_rate", "bytes_per_token", "predicted_step_ms", "predicted_tps", "hot_cold_accuracy")
+METRICS = ("served", "distinct_hit_rate", "bytes_per_token", "predicted_step_ms", "predicted_tps", "hot_cold_accuracy", "dropped")
 
 
 def _csv(kind):
@@ -24,11 +24,14 @@ def add_simulate(sub) -> None:
     p.add_argument("--traces", nargs="+", required=True, metavar="PATH",
                    help="trace files or directories: the shared DeepSeek CSV(.gz) format or `moechat generate --trace` files")
     p.add_argument("--policy", type=_csv(str), default=["spac"], metavar="P[,P...]",
-                   help="policies besides the references lru and oracle: spac, static, belady (default spac)")
+                   help="policies besides the references lru and oracle: spac, static, lfu, specmoe, eam, belady, "
+                        "budget (lru with a LOSSY expert budget, paper 003) (default spac)")
     p.add_argument("--cache-ratio", type=_csv(float), default=[0.1, 0.17], metavar="R[,R...]")
     p.add_argument("--window", type=int, default=9, metavar="W", help="tokens per verification step, γ+1 (default 9)")
     p.add_argument("--lookahead-accept", type=float, default=None, metavar="A",
                    help="also simulate draft-phase lookahead: the first ⌊A·W⌋ tokens' routing is seen before each window")
+    p.add_argument("--expert-budget", type=int, default=None, metavar="B",
+                   help="the budget policy's B: experts computed per layer per window (default 4·top-k, 24 on DeepSeek-V2-Lite)")
     p.add_argument("--cost-model", type=Path, default=None, metavar="FILE", help="TOML or JSON with CostModel fields")
     p.add_argument("--utility-variant", default="paper", choices=["paper", "level"])
     p.add_argument("--demote", default="keep", choices=["zero", "keep"])
@@ -81,6 +84,8 @@ def cmd_simulate(args) -> int:
     for r in args.cache_ratio:
         if not 0 <= r <= 1:
             raise ValueError(f"cache ratios must be in [0, 1], got {r}")
+    if args.expert_budget is not None and args.expert_budget < 1:
+        raise ValueError(f"--expert-budget must be at least 1, got {args.expert_budget}")
     cost = _cost_model(args.cost_model)
     routings = []
     for f in _trace_files(args.traces):
@@ -94,6 +99,8 @@ def cmd_simulate(args) -> int:
     for ratio in args.cache_ratio:
         for policy in policies:
             extra = {} if policy in REFERENCES else scheduler
+            if policy == "budget":
+                extra = dict(extra, expert_budget=args.expert_budget)
             rows.append(simulate(routings, policy, ratio, args.window, cost, **extra).to_dict())
             if args.lookahead_accept is not None and policy == "spac":  # the only policy that reads the draft phase
                 rows.append(simulate(routings, policy, ratio, args.window, cost, args.lookahead_accept, **extra).to_dict())
@@ -102,10 +109,10 @@ def cmd_simulate(args) -> int:
                           "results": rows}))
         return 0
     print(f"{len(routings)} traces, {sum(r.tokens for r in routings)} tokens, window {args.window}", file=sys.stderr)
-    head = f"{'policy':<14}{'ratio':>6}" + "".join(f"{m:>19}" for m in METRICS)
+    head = f"{'policy':<22}{'ratio':>6}" + "".join(f"{m:>19}" for m in METRICS)
     print(head)
     for r in rows:
-        name = r["policy"] + (f"+look{r['lookahead_accept']:g}" if r["lookahead_accept"] is not None else "")
+        name = r["label"] + (f"+look{r['lookahead_accept']:g}" if r["lookahead_accept"] is not None else "")
         vals = "".join(f"{r[m] / 2**20:>15.1f} MiB" if m == "bytes_per_token" else f"{r[m]:>19.3f}" for m in METRICS)
-        print(f"{name:<14}{r['cache_ratio']:>6.2f}{vals}")
+        print(f"{name:<22}{r['cache_ratio']:>6.2f}{vals}")
     return 0

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from .errors import MoechatError
 
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("lru", "static", "lfu", "specmoe", "spac")
+POLICIES = ("lru", "static", "lfu", "specmoe", "eam", "spac")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -59,6 +59,10 @@ class SchedulerConfig:
     demote: str = "keep"  # after use: "zero" (App. D, recycle first) | "keep" (back to its utility)
     cpu_cost: str = "distinct"  # balancer's CPU cost model: "distinct" experts | "activations" (paper Eq. 7)
     lookahead: bool = True  # fold the draft phase's routing into the utilities before verification
+    # LOSSY, off by default (paper 003): a verification computes at most this many experts per MoE
+    # layer, the router-ranked shortlist; activations outside it are dropped. At least the model's top-k
+    # (checked when the model loads). Composes with any policy, which sees the truncated counts.
+    expert_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -67,6 +71,8 @@ class SchedulerConfig:
         _check(self.utility_variant in ("paper", "level"), f"utility variant must be paper or level, got {self.utility_variant!r}")
         _check(self.demote in ("zero", "keep"), f"demote must be zero or keep, got {self.demote!r}")
         _check(self.cpu_cost in ("distinct", "activations"), f"cpu cost must be distinct or activations, got {self.cpu_cost!r}")
+        _check(self.expert_budget is None or self.expert_budget >= 1,
+               f"expert budget must be at least the model's top-k (or unset to turn it off), got {self.expert_budget}")
 
 
 @dataclass

@@ -31,6 +31,7 @@ class StepStats:
     device_s: float  # fast-tier expert time
     draft_s: float
     verify_s: float
+    dropped: int = 0  # activations left out by the expert budget (lossy mode; expert_freq counts the rest)
 
 
 @dataclass
@@ -47,6 +48,9 @@ class Summary:
     misses: int
     bytes_moved: int
     finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
+    expert_budget: int | None = None  # set: the lossy expert budget was on (paper 003)
+    dropped: int = 0  # activations it left out
+    lossy: str = ""  # one-line notice whenever a lossy mode was on, "" when the output is exact
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     acceptance_rate: float = 0.0
@@ -58,6 +62,7 @@ class Summary:
         self.decode_tokens_per_s = (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
         self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0
         self.hit_rate = self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+        self.lossy = f"lossy: expert budget {self.expert_budget}" if self.expert_budget is not None else ""
 
     def to_dict(self) -> dict:
         return asdict(self)

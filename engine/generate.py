@@ -101,6 +101,7 @@ class Engine:
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
         moved0 = m.cache.bytes_moved
+        rt.policy.begin_request()
 
         # Prefill: the whole prompt; its last position gives the first token.
         t_start = time.perf_counter()
@@ -135,6 +136,7 @@ class Engine:
             len(prompt), len(new), len(steps), sum(s.drafted for s in steps), sum(s.accepted for s in steps),
             prefill_s, decode_s, prefill_s, prefill.hits + sum(s.hits for s in steps),
             prefill.misses + sum(s.misses for s in steps), m.cache.bytes_moved - moved0, reason or "cancelled",
+            expert_budget=rt.expert_budget, dropped=sum(s.dropped for s in steps),
         )
         yield Finished(new, detok.text, summary)
 
@@ -157,7 +159,7 @@ class Engine:
         t2 = time.perf_counter()
         c = rt.reset_counters()
         stats = StepStats(step, n, a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
-                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1)
+                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1, c.dropped)
         return stats, drafts[:a] + [t]
 
     @staticmethod

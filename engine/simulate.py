@@ -4,10 +4,14 @@ Protocol, per trace file: the fast tier starts empty; tokens go in windows of W 
 tokens, one verification step each; the capacity is round(ratio × layers × experts) slots shared
 by all layers; an activation is *served* when its expert was resident at the start of its window.
 
-Engine policies (`Policy` subclasses) run unchanged on a `SlotTable`: per window they see the
-draft-phase lookahead (when simulated) and then the window's per-layer counts, exactly the calls
-the engine makes. `lru`, `oracle` and `belady` are reference rules with the protocol's exact tie
-rules, computed here.
+Engine policies (`Policy` subclasses) run unchanged on a `SlotTable`: one policy object per
+`simulate` call, bound to a fresh table and told `begin_request` per trace (what learns across
+requests, eam's collection, carries over from trace to trace); per window they see the draft-phase
+lookahead (when simulated) and then the window's per-layer counts, exactly the calls the engine
+makes. `lru`, `oracle` and `belady` are reference rules with the protocol's exact tie rules,
+computed here. `budget` is paper 003's lossy expert budget on the engine's lru: each window's
+verification keeps per layer only its B most activated experts; the rest is dropped, and `served`
+is over the activations computed.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .experts.budget import shortlist
 from .experts.cache import SlotTable
 from .trace import Routing
 
@@ -94,17 +99,21 @@ class SimResult:
     step_ms_total: float = 0.0
     correct_hot_cold: int = 0  # (layer, expert) pairs where "resident at window start" == "used in the window"
     pairs: int = 0
+    expert_budget: int | None = None  # budget (lossy): at most B experts per layer per window
+    dropped_activations: int = 0  # activations the budget left out (not in `activations`)
     expert_bytes: int = field(default=0, repr=False)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k != "expert_bytes"}
         d.update(
+            label=self.policy if self.expert_budget is None else f"{self.policy} (lossy, B={self.expert_budget})",
             served=self.served_activations / max(self.activations, 1),
             distinct_hit_rate=self.distinct_hits / max(self.distinct, 1),
             bytes_per_token=self.loads * self.expert_bytes / max(self.tokens, 1),
             predicted_step_ms=self.step_ms_total / max(self.steps, 1),
             predicted_tps=self.tokens / (self.step_ms_total / 1e3) if self.step_ms_total else 0.0,
             hot_cold_accuracy=self.correct_hot_cold / max(self.pairs, 1),
+            dropped=self.dropped_activations / max(self.activations + self.dropped_activations, 1),
         )
         return d
 
@@ -115,6 +124,12 @@ def window_counts(routing: Routing, start: int, stop: int) -> torch.Tensor:
     L, E = x.shape[1], routing.num_experts
     flat = (x + torch.arange(L).view(1, L, 1) * E).flatten()
     return torch.bincount(flat, minlength=L * E).view(L, E)
+
+
+def budgeted(counts: torch.Tensor, budget: int) -> torch.Tensor:
+    """[L, E] window counts restricted per layer to the `budget` most activated experts (ties: lower id).
+    Traces carry no router weights, so counts stand in for paper 003's router-weight ranking (Eq. 5)."""
+    return counts * shortlist(counts, counts > 0, budget)
 
 
 # Each replay below yields, per window, (resident [L, E] at the window's start, experts loaded for it).
@@ -179,11 +194,13 @@ def _belady(routing: Routing, capacity: int, window: int, windows: list[torch.Te
 
 def _policy_driver(routing: Routing, capacity: int, window: int, windows: list[torch.Tensor], policy,
                    cost: CostModel, lookahead_accept: float | None):
-    """Runs an engine Policy: draft-phase lookahead (the first ⌊A·w⌋ tokens' routing), then the window.
-    Loads issued while drafting and for the window's misses both count for the window."""
+    """Runs an engine Policy on a fresh table as one request: draft-phase lookahead (the first ⌊A·w⌋
+    tokens' routing), then the window. Loads issued while drafting and for the window's misses both
+    count for the window."""
     T, L, _ = routing.experts.shape
     table = SlotTable(L, routing.num_experts, capacity, cost.expert_bytes)
     policy.bind(table, top_k=routing.experts.shape[2])
+    policy.begin_request()
     for start, counts in zip(range(0, T, window), windows):
         loads0 = table.loads
         seen = math.floor(lookahead_accept * min(window, T - start)) if lookahead_accept is not None else 0
@@ -210,19 +227,33 @@ def build_policy(name: str, window: int, cost: CostModel, **scheduler):
     return make_policy(config, draft_len=max(window - 1, 1), costs=cost.unit_costs())
 
 
+def default_budget(top_k: int) -> int:
+    """4·k: paper 003's headline budget B = 32 for OLMoE (k = 8, §4.2 and Fig. 4), where the dropped
+    experts carry 7% of the routing weight; on DeepSeek-V2-Lite (k = 6) B = 24, whose count-ranked
+    shortlist covers about 89% of a 9-token window's activations."""
+    return 4 * top_k
+
+
 def simulate(routings: list[Routing], policy: str, ratio: float, window: int, cost: CostModel,
-             lookahead_accept: float | None = None, **scheduler) -> SimResult:
+             lookahead_accept: float | None = None, expert_budget: int | None = None, **scheduler) -> SimResult:
+    """`expert_budget` is read by `budget` only (default `default_budget(k)`)."""
     res = SimResult(policy, ratio, window, lookahead_accept, expert_bytes=cost.expert_bytes)
+    if policy == "budget":
+        res.expert_budget = expert_budget or default_budget(routings[0].experts.shape[2])
+    engine_policy = None if policy in REFERENCES else build_policy("lru" if policy == "budget" else policy, window,
+                                                                   cost, **scheduler)
     for routing in routings:
         T, L, _ = routing.experts.shape
         capacity = round(ratio * L * routing.num_experts)
         windows = [window_counts(routing, s, min(s + window, T)) for s in range(0, T, window)]  # [L, E] each
-        if policy in REFERENCES:
+        if res.expert_budget is not None:
+            full, windows = windows, [budgeted(c, res.expert_budget) for c in windows]
+            res.dropped_activations += sum(int(f.sum() - c.sum()) for f, c in zip(full, windows))
+        if engine_policy is None:
             replay = {"lru": _lru_reference, "oracle": _oracle, "belady": _belady}[policy]
             steps = replay(routing, capacity, window, windows)
         else:
-            steps = _policy_driver(routing, capacity, window, windows, build_policy(policy, window, cost, **scheduler),
-                                   cost, lookahead_accept)
+            steps = _policy_driver(routing, capacity, window, windows, engine_policy, cost, lookahead_accept)
         res.traces += 1
         res.tokens += T
         for counts, (resident, loads) in zip(windows, steps):

@@ -10,7 +10,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import MoechatError
 from ..sched.policies import Policy
+from .budget import truncate
 from .cache import ExpertCache
 from .grouped import expert_ffn, grouped_ffn
 from .store import ExpertStore
@@ -25,6 +27,7 @@ class LayerCounters:
             self.draft_freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] draft-phase demand
         self.hits = 0  # activations served by resident experts
         self.misses = 0  # activations computed on the CPU
+        self.dropped = 0  # activations an expert budget left out (lossy mode)
         self.cpu_s = 0.0
         self.host_device_s = 0.0  # wall time of fast-tier work on a CPU compute device
         self.device_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # on CUDA: measured on the GPU
@@ -42,8 +45,12 @@ class MoERuntime:
     """State shared by every `OffloadedExperts` of a model: tiers, policy, phase and counters."""
 
     def __init__(self, store: ExpertStore, cache: ExpertCache, policy: Policy, device: torch.device, act: Callable,
-                 top_k: int = 1):
+                 top_k: int = 1, expert_budget: int | None = None):
+        if expert_budget is not None and expert_budget < top_k:
+            raise MoechatError(f"expert budget {expert_budget} is below the model's top-k of {top_k}: "
+                               f"give at least {top_k}, or leave it unset to compute every routed expert")
         self.store, self.cache, self.policy, self.device, self.act = store, cache, policy, device, act
+        self.expert_budget = expert_budget  # LOSSY when set: verification computes at most this many experts per layer
         policy.bind(cache, top_k)
         self.phase = "prefill"
         self.remap: Callable[[int], torch.Tensor | None] | None = None  # self-draft: expert -> resident substitute
@@ -82,6 +89,13 @@ class MoERuntime:
         if self.recorder is not None and not draft:
             self.recorder(li, idx_h, weights.to("cpu"))
         flat = idx_h.reshape(-1)  # [S = N*k] activations, expert ids
+        kept = None  # activation ids computed when an expert budget drops some (paper 003), else all
+        if self.expert_budget is not None and self.phase == "verify":
+            mask = truncate(flat, weights.reshape(-1).to("cpu"), self.expert_budget, self.store.num_experts)
+            if not mask.all():
+                kept = mask.nonzero().flatten()
+                self.counters.dropped += len(flat) - len(kept)
+                flat = flat[kept]  # [S'] from here on only the computed activations
         counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]: positions choosing e
         self.policy.before_layer(li, counts)  # these experts are in use until on_layer
         base = self.cache.capacity  # CPU activations sort after every slot id
@@ -94,6 +108,8 @@ class MoERuntime:
         else:
             n_dev, key, base = 0, flat, 0
         key, perm = torch.sort(key, stable=True)
+        if kept is not None:
+            perm = kept[perm]  # positions in flat -> activation ids in [S]
         dev_pos, dev_slot = perm[:n_dev], key[:n_dev]
         cpu_pos, cpu_expert = perm[n_dev:], key[n_dev:] - base
         cpu_sizes = counts if n_dev == 0 else None  # rows per expert on the CPU tier, when already known
@@ -109,7 +125,7 @@ class MoERuntime:
             return y
 
         cpu_job = self._pool.submit(run_cpu) if (self._pool is not None and n_dev < len(flat)) else None
-        out = x.new_empty(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation
+        out = (x.new_empty if kept is None else x.new_zeros)(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation; dropped rows 0
         if n_dev:
             t0, events = time.perf_counter(), None
             if x.is_cuda:

@@ -106,7 +106,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     cache = ExpertCache(store, slots_for(store, cfg.expert_cache_ratio, cfg.expert_cache_bytes), device)
     policy = make_policy(cfg.scheduler, draft_len=cfg.spec.draft_len)
     runtime = MoERuntime(store, cache, policy, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
-                         top_k=family.top_k(hf_config))
+                         top_k=family.top_k(hf_config), expert_budget=cfg.scheduler.expert_budget)
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
