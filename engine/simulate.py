@@ -9,9 +9,10 @@ Engine policies (`Policy` subclasses) run unchanged on a `SlotTable`: one policy
 requests, eam's collection, carries over from trace to trace); per window they see the draft-phase
 lookahead (when simulated) and then the window's per-layer counts, exactly the calls the engine
 makes. `lru`, `oracle` and `belady` are reference rules with the protocol's exact tie rules,
-computed here. `budget` is paper 003's lossy expert budget on the engine's lru: each window's
-verification keeps per layer only its B most activated experts; the rest is dropped, and `served`
-is over the activations computed.
+computed here. `budget` is paper 003's lossy expert budget on the reference lru: each window's
+verification keeps per layer only its B most activated experts; the rest is dropped (never
+computed, never loaded), and `served` is over the activations computed. (The engine's LruPolicy
+would load every miss, far over the I/O the reference's one re-plan per window counts.)
 """
 from __future__ import annotations
 
@@ -126,16 +127,26 @@ def window_counts(routing: Routing, start: int, stop: int) -> torch.Tensor:
     return torch.bincount(flat, minlength=L * E).view(L, E)
 
 
-def budgeted(counts: torch.Tensor, budget: int) -> torch.Tensor:
-    """[L, E] window counts restricted per layer to the `budget` most activated experts (ties: lower id).
-    Traces carry no router weights, so counts stand in for paper 003's router-weight ranking (Eq. 5)."""
-    return counts * shortlist(counts, counts > 0, budget)
+def budgeted(routing: Routing, window: int, windows: list[torch.Tensor], budget: int):
+    """Paper 003's budget on a trace: per window and layer only the `budget` most activated experts are
+    computed (ties: lower id). Traces carry no router weights, so counts stand in for the router-weight
+    ranking (Eq. 5). -> keep [T, L, k] bool per activation, and the windows' [L, E] counts of the kept."""
+    L = routing.experts.shape[1]
+    keep = torch.empty_like(routing.experts, dtype=torch.bool)
+    kept = []
+    for start, counts in zip(range(0, routing.experts.shape[0], window), windows):
+        short = shortlist(counts, counts > 0, budget)  # [L, E]
+        keep[start:start + window] = short[torch.arange(L).view(1, L, 1), routing.experts[start:start + window]]
+        kept.append(counts * short)
+    return keep, kept
 
 
 # Each replay below yields, per window, (resident [L, E] at the window's start, experts loaded for it).
 
-def _lru_reference(routing: Routing, capacity: int, window: int, windows: list[torch.Tensor]):
-    """After each window: the `capacity` most recently used experts, recency = (position, layer, expert)."""
+def _lru_reference(routing: Routing, capacity: int, window: int, windows: list[torch.Tensor],
+                   keep: torch.Tensor | None = None):
+    """After each window: the `capacity` most recently used experts, recency = (position, layer, expert).
+    keep [T, L, k]: which activations are computed (an expert budget drops the others)."""
     T, L, _ = routing.experts.shape
     E = routing.num_experts
     last_use = torch.full((L, E), -1, dtype=torch.long)
@@ -144,7 +155,7 @@ def _lru_reference(routing: Routing, capacity: int, window: int, windows: list[t
     for start in range(0, T, window):
         for t in range(start, min(start + window, T)):
             used = torch.zeros(L, E, dtype=torch.bool)
-            used.scatter_(1, routing.experts[t], True)
+            used.scatter_(1, routing.experts[t], True if keep is None else keep[t])
             last_use[used] = t * L * E + layer_key[used]
         order = torch.argsort(last_use.flatten(), descending=True)[:capacity]
         new = torch.zeros(L * E, dtype=torch.bool)
@@ -240,16 +251,16 @@ def simulate(routings: list[Routing], policy: str, ratio: float, window: int, co
     res = SimResult(policy, ratio, window, lookahead_accept, expert_bytes=cost.expert_bytes)
     if policy == "budget":
         res.expert_budget = expert_budget or default_budget(routings[0].experts.shape[2])
-    engine_policy = None if policy in REFERENCES else build_policy("lru" if policy == "budget" else policy, window,
-                                                                   cost, **scheduler)
+    engine_policy = None if policy in REFERENCES + ("budget",) else build_policy(policy, window, cost, **scheduler)
     for routing in routings:
         T, L, _ = routing.experts.shape
         capacity = round(ratio * L * routing.num_experts)
         windows = [window_counts(routing, s, min(s + window, T)) for s in range(0, T, window)]  # [L, E] each
-        if res.expert_budget is not None:
-            full, windows = windows, [budgeted(c, res.expert_budget) for c in windows]
-            res.dropped_activations += sum(int(f.sum() - c.sum()) for f, c in zip(full, windows))
-        if engine_policy is None:
+        if policy == "budget":
+            keep, windows = budgeted(routing, window, windows, res.expert_budget)
+            res.dropped_activations += int((~keep).sum())
+            steps = _lru_reference(routing, capacity, window, windows, keep)
+        elif engine_policy is None:
             replay = {"lru": _lru_reference, "oracle": _oracle, "belady": _belady}[policy]
             steps = replay(routing, capacity, window, windows)
         else:

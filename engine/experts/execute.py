@@ -87,7 +87,7 @@ class MoERuntime:
             idx = table.to(idx.device)[idx]
         idx_h = idx.to("cpu")
         if self.recorder is not None and not draft:
-            self.recorder(li, idx_h, weights.to("cpu"))
+            self.recorder(li, idx_h, weights.to("cpu"))  # the router's choice, before any expert budget
         flat = idx_h.reshape(-1)  # [S = N*k] activations, expert ids
         kept = None  # activation ids computed when an expert budget drops some (paper 003), else all
         if self.expert_budget is not None and self.phase == "verify":
@@ -125,7 +125,8 @@ class MoERuntime:
             return y
 
         cpu_job = self._pool.submit(run_cpu) if (self._pool is not None and n_dev < len(flat)) else None
-        out = (x.new_empty if kept is None else x.new_zeros)(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation; dropped rows 0
+        new_out = x.new_empty if kept is None else x.new_zeros  # a dropped activation's row stays zero
+        out = new_out(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation
         if n_dev:
             t0, events = time.perf_counter(), None
             if x.is_cuda:
