@@ -100,7 +100,7 @@ def cmd_simulate(args) -> int:
         for policy in policies:
             extra = {} if policy in REFERENCES else scheduler
             if policy == "budget":
-                extra = dict(extra, expert_budget=args.expert_budget)
+                extra = {**extra, "expert_budget": args.expert_budget}
             rows.append(simulate(routings, policy, ratio, args.window, cost, **extra).to_dict())
             if args.lookahead_accept is not None and policy == "spac":  # the only policy that reads the draft phase
                 rows.append(simulate(routings, policy, ratio, args.window, cost, args.lookahead_accept, **extra).to_dict())
