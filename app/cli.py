@@ -46,9 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
                         "with the same tokenizer (default: the demo's draft for the demo, else none)")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
-    p.add_argument("--policy", default="lru", choices=["lru", "static", "lfu", "specmoe", "spac"],
+    p.add_argument("--policy", default="lru", choices=["lru", "static", "lfu", "specmoe", "spac", "spmoe"],
                    help="fast-tier residency policy: lru (on demand), static (pinned by the first prompt), lfu (most used "
-                        "so far), specmoe (each layer's hottest of the last step), spac (MoE-SpAc)")
+                        "so far), specmoe (each layer's hottest of the last step), spac (MoE-SpAc), spmoe (SP-MoE: lru plus "
+                        "draft-phase prefetch up to a cutoff layer)")
     p.add_argument("--expert-cache-ratio", type=_ratio, default=None, metavar="R",
                    help="share of routed experts kept on the compute device (default: 0.25 on cuda, 0 on cpu)")
     p.add_argument("--expert-cache-mib", type=float, default=None, metavar="MIB",

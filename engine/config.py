@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from .errors import MoechatError
 
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("lru", "static", "lfu", "specmoe", "spac")
+POLICIES = ("lru", "static", "lfu", "specmoe", "spac", "spmoe")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -58,7 +58,7 @@ class SchedulerConfig:
     utility_variant: str = "paper"  # "paper" (Alg. 1) | "level" (the paper's public code)
     demote: str = "keep"  # after use: "zero" (App. D, recycle first) | "keep" (back to its utility)
     cpu_cost: str = "distinct"  # balancer's CPU cost model: "distinct" experts | "activations" (paper Eq. 7)
-    lookahead: bool = True  # fold the draft phase's routing into the utilities before verification
+    lookahead: bool = True  # use the draft phase's routing before verification (spac: in the utilities; spmoe: prefetch)
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")

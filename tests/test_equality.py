@@ -44,7 +44,7 @@ def test_greedy_matches_transformers(family, seed, checkpoint, draft_dir, tokeni
     drafters = [("none", 1)] + [(d, g) for d in ("self", str(draft_dir)) for g in DRAFT_LENS]
     mismatches, rejected = [], 0
     for ratio in RATIOS:
-        for policy in ("lru", "static", "lfu", "specmoe", "spac"):
+        for policy in ("lru", "static", "lfu", "specmoe", "spac", "spmoe"):
             for drafter, gamma in drafters:
                 fin = run_engine(model_dir, prompt, expert_cache_ratio=ratio, policy=policy, drafter=drafter, draft_len=gamma)
                 if fin.token_ids != expected:
