@@ -24,7 +24,8 @@ class RouterFeed:
         self.pairs = [(li, d, routers[li]) for li, d in pairs]
         self.hidden: dict[int, torch.Tensor] = {}  # draft layer -> [1, H] of the last forward
         layers = draft_hf.model.layers
-        self._hooks = [layers[d].mlp.register_forward_pre_hook(self._keeper(d)) for _, d in pairs]
+        for _, d in pairs:  # the hooks live as long as the draft model
+            layers[d].mlp.register_forward_pre_hook(self._keeper(d))
 
     def _keeper(self, d: int):
         def keep(module, args) -> None:
@@ -38,17 +39,12 @@ class RouterFeed:
         """After one draft forward: one router GEMM per mapped layer, its counts to the policy."""
         rt = self.runtime
         num_experts = rt.store.num_experts
-        for li, d, router in self.pairs:
-            ids = router(self.hidden.pop(d)).to("cpu")  # [1, k]
-            counts = torch.bincount(ids.reshape(-1), minlength=num_experts)  # [E]
+        ids = torch.cat([router(self.hidden.pop(d)) for _, d, router in self.pairs]).to("cpu")  # [P, k], one transfer
+        for (li, _, _), row in zip(self.pairs, ids):
+            counts = torch.bincount(row, minlength=num_experts)  # [E]
             rt.counters.draft_freq[li] += counts
             rt.policy.on_layer(li, counts, "draft")
         rt.policy.on_forward_end("draft")
-
-    def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
 
 def router_feed(draft_hf, target) -> RouterFeed | None:
