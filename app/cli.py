@@ -46,10 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
                         "with the same tokenizer (default: the demo's draft for the demo, else none)")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
-    p.add_argument("--policy", default="lru", choices=["lru", "static", "lfu", "specmoe", "eam", "spac"],
+    p.add_argument("--policy", default="lru", choices=["lru", "static", "lfu", "specmoe", "eam", "spac", "spmoe"],
                    help="fast-tier residency policy: lru (on demand), static (pinned by the first prompt), lfu (most used "
                         "so far), specmoe (each layer's hottest of the last step), eam (MoE-Infinity: this request's "
-                        "activations matched against past requests'), spac (MoE-SpAc)")
+                        "activations matched against past requests'), spac (MoE-SpAc), spmoe (SP-MoE: lru plus "
+                        "draft-phase prefetch up to a cutoff layer)")
     p.add_argument("--expert-budget", type=int, default=None, metavar="B",
                    help="LOSSY (off by default): verification computes at most B experts per MoE layer, the ones the "
                         "router weighs most (MoE-Spec); other activations are dropped, so output differs from the model's")

@@ -24,7 +24,7 @@ def add_simulate(sub) -> None:
     p.add_argument("--traces", nargs="+", required=True, metavar="PATH",
                    help="trace files or directories: the shared DeepSeek CSV(.gz) format or `moechat generate --trace` files")
     p.add_argument("--policy", type=_csv(str), default=["spac"], metavar="P[,P...]",
-                   help="policies besides the references lru and oracle: spac, static, lfu, specmoe, eam, belady, "
+                   help="policies besides the references lru and oracle: spac, spmoe, static, lfu, specmoe, eam, belady, "
                         "budget (lru with a LOSSY expert budget, paper 003) (default spac)")
     p.add_argument("--cache-ratio", type=_csv(float), default=[0.1, 0.17], metavar="R[,R...]")
     p.add_argument("--window", type=int, default=9, metavar="W", help="tokens per verification step, γ+1 (default 9)")
@@ -102,7 +102,7 @@ def cmd_simulate(args) -> int:
             if policy == "budget":
                 extra = {**extra, "expert_budget": args.expert_budget}
             rows.append(simulate(routings, policy, ratio, args.window, cost, **extra).to_dict())
-            if args.lookahead_accept is not None and policy == "spac":  # the only policy that reads the draft phase
+            if args.lookahead_accept is not None and policy in ("spac", "spmoe"):  # the policies that read the draft phase
                 rows.append(simulate(routings, policy, ratio, args.window, cost, args.lookahead_accept, **extra).to_dict())
     if args.json:
         print(json.dumps({"traces": len(routings), "tokens": sum(r.tokens for r in routings), "cost_model": vars(cost),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from .errors import MoechatError
 
 DTYPES = ("float32", "bfloat16", "float16")
-POLICIES = ("lru", "static", "lfu", "specmoe", "eam", "spac")
+POLICIES = ("lru", "static", "lfu", "specmoe", "eam", "spac", "spmoe")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -58,7 +58,7 @@ class SchedulerConfig:
     utility_variant: str = "paper"  # "paper" (Alg. 1) | "level" (the paper's public code)
     demote: str = "keep"  # after use: "zero" (App. D, recycle first) | "keep" (back to its utility)
     cpu_cost: str = "distinct"  # balancer's CPU cost model: "distinct" experts | "activations" (paper Eq. 7)
-    lookahead: bool = True  # fold the draft phase's routing into the utilities before verification
+    lookahead: bool = True  # use the draft phase's routing before verification (spac: in the utilities; spmoe: prefetch)
     # LOSSY, off by default (paper 003): a verification computes at most this many experts per MoE
     # layer, the router-ranked shortlist; activations outside it are dropped. At least the model's top-k
     # (checked when the model loads). Composes with any policy, which sees the truncated counts.

@@ -45,7 +45,7 @@ def test_greedy_matches_transformers(family, seed, checkpoint, draft_dir, tokeni
     mismatches, rejected = [], 0
     for ratio in RATIOS:
         # eam only where residency is a choice (0 < ratio < 1); test_baselines runs it across requests
-        for policy in ("lru", "static", "lfu", "specmoe", "spac") + (("eam",) if 0 < ratio < 1 else ()):
+        for policy in ("lru", "static", "lfu", "specmoe", "spac", "spmoe") + (("eam",) if 0 < ratio < 1 else ()):
             for drafter, gamma in drafters:
                 fin = run_engine(model_dir, prompt, expert_cache_ratio=ratio, policy=policy, drafter=drafter, draft_len=gamma)
                 if fin.token_ids != expected:

@@ -85,6 +85,61 @@ def test_lfu_and_hot_temporal_follow_frequency():
     assert hot["served"] == pytest.approx(2 / 12)
 
 
+# --- SP-MoE (paper 002): LRU plus draft-phase prefetch up to the cutoff layer ---------------------
+
+def test_spmoe_cutoff_layer_by_hand():
+    from moechat.engine.sched.balancer import UnitCosts
+    from moechat.engine.sched.spmoe import cutoff_layer
+
+    costs = UnitCosts(io_s=1.0, draft_s=3.0)  # drafting stage γ·3; one draft layer 3/L
+    # L = 4, k = 2, γ = 2 (stage 6): cut 3 needs N·t_io = 6 ≤ 6 and (3−1)·0.75 + 2 = 3.5 ≤ 6; cut 4 needs 8
+    assert cutoff_layer(4, 2, capacity=100, draft_len=2, costs=costs) == 3
+    assert cutoff_layer(4, 2, capacity=5, draft_len=2, costs=costs) == 2  # memory: N = L·k ≤ 5
+    assert cutoff_layer(4, 2, capacity=100, draft_len=10, costs=costs) == 4  # a long draft hides every layer
+    assert cutoff_layer(4, 4, capacity=100, draft_len=1, costs=costs) == 0  # not even layer 0 fits: no prefetch
+
+
+def spmoe_costs(draft_ms: float) -> CostModel:
+    return CostModel(expert_bytes=10**6, pcie_gb_s=1.0, draft_ms_per_token=draft_ms)  # one expert = 1 ms of I/O
+
+
+def test_spmoe_prefetches_only_up_to_the_cutoff_and_is_served():
+    # 2 layers, 3 experts, top-1, windows of 2, capacity 2; tokens (layer 0, layer 1): (0,0) (0,0) | (2,2) (2,2)
+    r = Routing("cut", [0, 1], torch.tensor([[[0], [0]], [[0], [0]], [[2], [2]], [[2], [2]]]), num_experts=3)
+    run = lambda draft_ms, accept: simulate([r], "spmoe", ratio=1 / 3, window=2, cost=spmoe_costs(draft_ms),  # noqa: E731
+                                            lookahead_accept=accept).to_dict()
+    # history only: plain LRU; window 0 starts empty, window 1 needs e2 in both layers: nothing served
+    assert run(1.5, None)["served"] == 0
+    # γ = 1, stage 1.5 ms: cut 2 needs max(0.75 + 1, 2) = 2 ms, cut 1 fits. The first token of each window
+    # is revealed: layer 0's expert is prefetched (L0e0, then L0e2 evicting the LRU L0e0), layer 1's never:
+    # the four layer-0 activations are served, none of layer 1's
+    one = run(1.5, 0.5)
+    assert one["served"] == pytest.approx(4 / 8) and one["loads"] == 4  # L0e0, L0e2 ahead; L1e0, L1e2 on demand
+    # stage 2.5 ms: both layers fit (max(1.25 + 1, 2) = 2.25), so both layers' experts are there in time
+    assert run(2.5, 0.5)["served"] == pytest.approx(8 / 8)
+
+
+def test_spmoe_history_only_is_lru_and_prefetch_spares_the_draft_phase():
+    from moechat.engine.sched.policies import LruPolicy
+    from moechat.engine.sched.spmoe import SpmoePolicy
+    from moechat.engine.simulate import _policy_driver, window_counts
+
+    g = torch.Generator().manual_seed(0)
+    r = Routing("rand", [0, 1, 2], torch.randint(0, 6, (40, 3, 2), generator=g), num_experts=6)
+    windows = [window_counts(r, s, min(s + 5, 40)) for s in range(0, 40, 5)]
+    replay = lambda p: [(res.clone(), n) for res, n in _policy_driver(r, 5, 5, windows, p, CostModel(), None)]  # noqa: E731
+    lru, sp = replay(LruPolicy()), replay(SpmoePolicy(draft_len=4))
+    assert all(torch.equal(a, b) and m == n for (a, m), (b, n) in zip(lru, sp)) and len(lru) == len(windows)
+
+    table = SlotTable(2, 3, 1, expert_bytes=1)
+    p = SpmoePolicy(draft_len=8)
+    p.bind(table, top_k=1)
+    assert p.cutoff == 1  # memory bound: one slot holds one layer's k = 1 expert
+    p.before_layer(0, torch.tensor([0, 1, 0]))
+    p.on_layer(0, torch.tensor([1, 3, 0]), "draft")  # highest predicted count first: e1; e0 may not evict it
+    assert table.resident_mask()[0].tolist() == [False, True, False] and p.lookahead_loads == 1
+
+
 # --- the prefetch engine (paper 000 App. D) --------------------------------------------------------
 
 from moechat.engine.experts.cache import SlotTable  # noqa: E402

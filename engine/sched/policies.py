@@ -217,13 +217,17 @@ POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy, LfuPolicy, HotTemporalP
 
 
 def make_policy(config: SchedulerConfig | str, draft_len: int = 8, costs=None) -> Policy:
-    """The policy a SchedulerConfig (or a policy name) asks for; MoE-SpAc gets γ and the unit costs."""
+    """The policy a SchedulerConfig (or a policy name) asks for; MoE-SpAc and SP-MoE get γ and the unit costs."""
     config = SchedulerConfig(policy=config) if isinstance(config, str) else config
     if config.policy == "spac":
         from .spac import SpacPolicy
 
         return SpacPolicy(config, draft_len, costs)
+    if config.policy == "spmoe":
+        from .spmoe import SpmoePolicy
+
+        return SpmoePolicy(config, draft_len, costs)
     try:
         return POLICIES[config.policy]()
     except KeyError:
-        raise MoechatError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}, spac") from None
+        raise MoechatError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}, spac, spmoe") from None

@@ -15,6 +15,7 @@ from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
 from ..model.checkpoint import read_config_dict
 from ..model.loader import LoadedModel, load_tokenizer
+from .router_feed import router_feed
 from .sampling import probs_from_logits, sample
 
 
@@ -45,7 +46,9 @@ class NoDraft:
 
 
 class DraftModel:
-    """A separate small dense checkpoint with the target's tokenizer."""
+    """A separate small dense checkpoint with the target's tokenizer. With the target's hidden size,
+    its hidden states also go through the target's routers to tell the policy what the
+    verification will need (`router_feed.py`, paper 002)."""
 
     name = "model"
 
@@ -68,6 +71,7 @@ class DraftModel:
             raise CheckpointError(f"cannot load the draft model in {model_dir} ({type(err).__name__}: {err}): use a dense Hugging Face checkpoint") from None
         self.target_vocab = int(target.hf_config.vocab_size)
         self.device = target.device
+        self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
 
     def start(self, prompt_ids: list[int], target_cache) -> None:
         self.cache = self._new_cache()
@@ -81,6 +85,8 @@ class DraftModel:
             ids = torch.tensor([feed], device=self.device)
             logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
             logits = logits[: self.target_vocab]
+            if self.feed is not None:
+                self.feed.report()
             token, q = _choose(logits, params, generator)
             tokens.append(token)
             qs.append(q)

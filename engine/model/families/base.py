@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 
 @dataclass(frozen=True)
 class Family:
@@ -40,8 +42,25 @@ class Family:
         prefix = f"model.layers.{layer}.{self.block_name}.experts"
         return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
 
+    def routers(self, hf, config) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """Per sparse layer: hidden [N, H] -> the expert ids [N, k] the target's own router picks.
+
+        Each calls the family's `transformers` gate module (`mlp.gate` in every supported family:
+        softmax, greedy or group-limited top-k, all inside it) and keeps its indices, so a hidden
+        state gets exactly the ids the target's routing would give it. Used to feed a separate
+        draft model's hidden states through the target's routers (paper 002).
+        """
+        layers = hf.model.layers
+        return [_router_ids(layers[i].mlp.gate) for i in self.sparse_layers(config)]
+
     def module_key(self, checkpoint_key: str) -> str:
         """Checkpoint key -> parameter name in the `transformers` module tree."""
         if self.block_name != "mlp":
             return checkpoint_key.replace(f".{self.block_name}.", ".mlp.")
         return checkpoint_key
+
+
+def _router_ids(gate) -> Callable[[torch.Tensor], torch.Tensor]:
+    def ids(hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, k]
+        return gate(hidden)[2]  # transformers' routers return (logits, top-k weights, top-k ids)
+    return ids
