@@ -135,6 +135,7 @@ class Engine:
             len(prompt), len(new), len(steps), sum(s.drafted for s in steps), sum(s.accepted for s in steps),
             prefill_s, decode_s, prefill_s, prefill.hits + sum(s.hits for s in steps),
             prefill.misses + sum(s.misses for s in steps), m.cache.bytes_moved - moved0, reason or "cancelled",
+            not_ready=prefill.not_ready + sum(s.not_ready for s in steps),
         )
         yield Finished(new, detok.text, summary)
 
@@ -157,7 +158,7 @@ class Engine:
         t2 = time.perf_counter()
         c = rt.reset_counters()
         stats = StepStats(step, n, a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
-                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1)
+                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1, c.not_ready)
         return stats, drafts[:a] + [t]
 
     @staticmethod
