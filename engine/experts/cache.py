@@ -90,7 +90,6 @@ class SlotTable:
 
     def _copy_in(self, slot: int, li: int, e: int):
         """Copy one expert's weights into a slot; returns its completion event when the copy is asynchronous."""
-        return None
 
     def ready_slots(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, int]:
         """experts [S] of layer li -> (slot [S], -1 where not resident or not ready; activations not ready).
@@ -142,6 +141,7 @@ class ExpertCache(SlotTable):
         if self.stream is not None:
             self.ready = [torch.cuda.Event() for _ in range(num_slots)]  # per slot: its latest copy done
             self.compute_done = torch.cuda.Event()  # re-recorded after each layer's fast-tier work
+            self.compute_done.record(torch.cuda.current_stream(device))  # created here, not lazily across threads
 
     def after_compute(self) -> None:
         if self.stream is not None:
