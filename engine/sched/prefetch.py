@@ -22,6 +22,7 @@ between, and sleeps on `wake` (a condition on the same lock) when there is nothi
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 
 import torch
@@ -160,16 +161,21 @@ class PrefetchEngine:
         """Serve the queues on a transfer thread from now on."""
         if self._thread is None:
             self._stop = False
-            self._thread = threading.Thread(target=self._run, name="moechat-prefetch", daemon=True)
+            # the thread holds the engine weakly: an engine dropped without stop() (and its fast
+            # tier's device memory) is freed, and the thread ends at its next wake-up
+            self._thread = threading.Thread(target=PrefetchEngine._run, args=(weakref.ref(self),),
+                                            name="moechat-prefetch", daemon=True)
             self._thread.start()
 
-    def _run(self) -> None:
-        while True:
+    @staticmethod
+    def _run(ref: weakref.ref) -> None:
+        while (self := ref()) is not None:
             with self.lock:  # one transfer per hold: the policy and the executor get in between
                 if self._stop:
                     return
                 if not self._serve_one():
                     self.wake.wait(timeout=0.05)
+            del self
 
     def stop(self) -> None:
         if self._thread is not None:
