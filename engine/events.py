@@ -32,6 +32,7 @@ class StepStats:
     draft_s: float
     verify_s: float
     dropped: int = 0  # activations left out by the expert budget (lossy mode; expert_freq counts the rest)
+    not_ready: int = 0  # of the misses: resident experts whose copy was still in flight (run on the CPU)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Summary:
     decode_tokens_per_s: float = 0.0
     acceptance_rate: float = 0.0
     hit_rate: float = 0.0
+    not_ready: int = 0  # of the misses: resident experts whose copy was still in flight
 
     def __post_init__(self) -> None:
         self.prefill_tokens_per_s = self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0

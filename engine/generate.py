@@ -137,6 +137,7 @@ class Engine:
             prefill_s, decode_s, prefill_s, prefill.hits + sum(s.hits for s in steps),
             prefill.misses + sum(s.misses for s in steps), m.cache.bytes_moved - moved0, reason or "cancelled",
             expert_budget=rt.expert_budget, dropped=sum(s.dropped for s in steps),
+            not_ready=prefill.not_ready + sum(s.not_ready for s in steps),
         )
         yield Finished(new, detok.text, summary)
 
@@ -159,7 +160,8 @@ class Engine:
         t2 = time.perf_counter()
         c = rt.reset_counters()
         stats = StepStats(step, n, a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
-                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1, c.dropped)
+                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1, c.dropped,
+                          c.not_ready)
         return stats, drafts[:a] + [t]
 
     @staticmethod

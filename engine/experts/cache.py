@@ -2,8 +2,18 @@
 
 With no GPU the compute device is the CPU and this is a RAM pool filled by explicit copies, so
 residency, hits, loads and evictions behave (and are tested) exactly as on a GPU.
+
+On CUDA a copy is asynchronous: it runs on the cache's own transfer stream, and the slot is ready
+only once that copy's event has completed. Two orderings keep the two streams apart, each enforced
+where it is needed (see `_copy_in` and `ready_slots`):
+- a freed slot is overwritten only after the compute work that may still read it (transfer stream
+  waits on `compute_done`);
+- a slot is read by compute only after its copy has completed (`ready_slots`); compute never waits
+  for a transfer, a slot still in flight is computed on the CPU instead.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -36,12 +46,21 @@ class SlotTable:
     """Which (layer, expert) sits in which of `capacity` slots: the bookkeeping every policy sees.
 
     The simulator runs policies on this alone; ExpertCache adds the weights.
+
+    `lock` is the one lock of the fast tier's bookkeeping: it guards this table (slot_of, key_of,
+    free, pending) and the prefetch engine's queues and pool, which share it. Without a transfer
+    thread only one thread ever takes it. With one, the policy (main thread) and the transfer
+    thread both do; the executor holds it only to freeze a layer's experts and take its view of
+    the table in one step. Re-entrant, so a holder can call the policy that takes it again.
     """
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, expert_bytes: int):
         self.capacity, self.expert_bytes = num_slots, expert_bytes
+        self.lock = threading.RLock()
         self.slot_of = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # [L, E] on the host
         self.key_of: list[tuple[int, int] | None] = [None] * num_slots
+        # per slot: the completion event of its copy while it may be in flight (anything with .query()), else None
+        self.pending: list = [None] * num_slots
         self.free = list(range(num_slots - 1, -1, -1))
         self.bytes_moved = 0
         self.loads = 0
@@ -61,7 +80,7 @@ class SlotTable:
         if self.slot_of[li, e] >= 0:
             return int(self.slot_of[li, e])
         slot = self.free.pop()
-        self._copy_in(slot, li, e)
+        self.pending[slot] = self._copy_in(slot, li, e)  # before slot_of publishes the slot
         self.slot_of[li, e] = slot
         self.key_of[slot] = (li, e)
         self.bytes_moved += self.expert_bytes
@@ -69,8 +88,34 @@ class SlotTable:
         self.version += 1
         return slot
 
-    def _copy_in(self, slot: int, li: int, e: int) -> None:
-        pass
+    def _copy_in(self, slot: int, li: int, e: int):
+        """Copy one expert's weights into a slot; returns its completion event when the copy is asynchronous."""
+
+    def ready_slots(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """experts [S] of layer li -> (slot [S], -1 where not resident or not ready; activations not ready).
+
+        Ordering 2 (reads after copies): a slot counts only once its copy has completed, so compute
+        queued after this call never reads a slot being written; a late one is computed on the CPU.
+        """
+        slot = self.slot_of[li][experts]  # [S]
+        used = slot[slot >= 0].unique().tolist()
+        late = [s for s in used if not self._ready(s)]
+        if not late:
+            return slot, 0
+        not_ready = torch.isin(slot, torch.tensor(late))  # [S]
+        return torch.where(not_ready, -1, slot), int(not_ready.sum())
+
+    def _ready(self, slot: int) -> bool:
+        event = self.pending[slot]
+        if event is None:
+            return True
+        if event.query():
+            self.pending[slot] = None
+            return True
+        return False
+
+    def after_compute(self) -> None:
+        """Called after a layer's fast-tier work is queued (see ExpertCache)."""
 
     def evict(self, li: int, e: int) -> None:
         slot = int(self.slot_of[li, e])
@@ -83,14 +128,42 @@ class SlotTable:
 
 
 class ExpertCache(SlotTable):
+    """The slots' weights. On CUDA, copies run on `stream` (the transfer stream) and each slot has
+    one readiness event; on any other device they are plain synchronous copies."""
+
     def __init__(self, store: ExpertStore, num_slots: int, device: torch.device):
         super().__init__(len(store.layers), store.num_experts, num_slots, store.expert_bytes)
         self.store, self.device = store, device
         H, I = store.hidden, store.inter
         self.gate_up = torch.empty(num_slots, 2 * I, H, dtype=store.dtype, device=device)  # [S, 2I, H]
         self.down = torch.empty(num_slots, H, I, dtype=store.dtype, device=device)  # [S, H, I]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is not None:
+            self.ready = [torch.cuda.Event() for _ in range(num_slots)]  # per slot: its latest copy done
+            self.compute_done = torch.cuda.Event()  # re-recorded after each layer's fast-tier work
+            self.compute_done.record(torch.cuda.current_stream(device))  # created here, not lazily across threads
 
-    def _copy_in(self, slot: int, li: int, e: int) -> None:
-        gate_up, down = self.store.weights(li, e)
-        self.gate_up[slot].copy_(gate_up, non_blocking=True)
-        self.down[slot].copy_(down, non_blocking=True)
+    def after_compute(self) -> None:
+        if self.stream is not None:
+            # Ordering 1, first half: everything queued so far on the compute stream, including every
+            # kernel that read a slot evicted since, lies before this record (see _copy_in).
+            self.compute_done.record(torch.cuda.current_stream(self.device))
+
+    def _copy_in(self, slot: int, li: int, e: int):
+        gate_up, down = self.store.weights(li, e)  # host views: pinned when the store could pin them
+        if self.stream is None:
+            self.gate_up[slot].copy_(gate_up)
+            self.down[slot].copy_(down)
+            return None
+        with torch.cuda.stream(self.stream):
+            # Ordering 1 (copies after reads): this slot was freed while the compute stream may still
+            # hold kernels that read its old expert. They were all queued before compute_done's
+            # latest record (the executor records it after each layer's device work, before the
+            # policy can free that layer's slots), so the transfer stream waits on it, then copies.
+            self.stream.wait_event(self.compute_done)
+            # pinned source: a true asynchronous DMA; pageable (mmap tier, pinning refused): CUDA
+            # stages it before returning, so temporaries may go
+            self.gate_up[slot].copy_(gate_up, non_blocking=True)
+            self.down[slot].copy_(down, non_blocking=True)
+            self.ready[slot].record(self.stream)
+        return self.ready[slot]

@@ -28,6 +28,7 @@ class LayerCounters:
         self.hits = 0  # activations served by resident experts
         self.misses = 0  # activations computed on the CPU
         self.dropped = 0  # activations an expert budget left out (lossy mode)
+        self.not_ready = 0  # of the misses: expert resident, but its copy still in flight
         self.cpu_s = 0.0
         self.host_device_s = 0.0  # wall time of fast-tier work on a CPU compute device
         self.device_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # on CUDA: measured on the GPU
@@ -58,6 +59,7 @@ class MoERuntime:
         self.counters = LayerCounters(len(store.layers), store.num_experts)
         self._pool: ThreadPoolExecutor | None = None
         self.use_cpu_thread(device.type != "cpu")
+        self.use_transfer_thread(device.type == "cuda")
 
     def use_cpu_thread(self, on: bool) -> None:
         """Run CPU experts on a worker thread while the fast tier computes on the caller's thread.
@@ -67,6 +69,18 @@ class MoERuntime:
         elif not on and self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+    def use_transfer_thread(self, on: bool) -> None:
+        """Serve the policy's prefetch queues on a transfer thread (policies with a prefetch engine).
+        On by default with CUDA, where a transfer only queues a copy on the transfer stream; on a
+        CPU fast tier the policy drains synchronously, which keeps runs deterministic."""
+        prefetch = getattr(self.policy, "prefetch", None)
+        if prefetch is None:
+            return
+        if on:
+            prefetch.start()
+        else:
+            prefetch.stop()
 
     def reset_counters(self) -> LayerCounters:
         done, self.counters = self.counters, LayerCounters(len(self.store.layers), self.store.num_experts)
@@ -97,10 +111,15 @@ class MoERuntime:
                 self.counters.dropped += len(flat) - len(kept)
                 flat = flat[kept]  # [S'] from here on only the computed activations
         counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]: positions choosing e
-        self.policy.before_layer(li, counts)  # these experts are in use until on_layer
+        slot, not_ready = None, 0
+        with self.cache.lock:  # freeze and view the table in one step: the transfer thread cannot
+            # load an unfrozen expert of this layer in between, so every slot used below is frozen
+            # (never freed) until on_layer, which comes after after_compute()
+            self.policy.before_layer(li, counts)  # these experts are in use until on_layer
+            if len(self.cache):
+                slot, not_ready = self.cache.ready_slots(li, flat)  # [S] slot per activation, -1: CPU
         base = self.cache.capacity  # CPU activations sort after every slot id
-        if len(self.cache):
-            slot = self.cache.slot_of[li][flat]  # [S] fast-tier slot of each activation, -1 when not resident
+        if slot is not None:
             resident = slot >= 0
             n_dev = int(resident.sum())
             # One sort groups both tiers: fast-tier activations first by slot, then CPU ones by expert id.
@@ -135,6 +154,7 @@ class MoERuntime:
             pos = dev_pos.to(x.device)
             y = grouped_ffn(x[pos // top_k], self.cache.gate_up, self.cache.down, dev_slot, self.act)
             out[pos] = y * w_flat[pos, None]
+            self.cache.after_compute()  # mark the end of this layer's reads of its slots
             if events:
                 events[1].record()
                 self.counters.device_events.append(events)
@@ -151,6 +171,7 @@ class MoERuntime:
             self.counters.freq[li] += counts
             self.counters.hits += n_dev
             self.counters.misses += len(flat) - n_dev
+            self.counters.not_ready += not_ready
         self.policy.on_layer(li, counts if demand is None else demand, self.phase)
         # each token's k expert outputs summed in router order, as transformers' grouped path does
         return out.view(num_tokens, top_k, -1).sum(dim=1)

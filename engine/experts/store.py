@@ -26,11 +26,15 @@ class ExpertStore:
         self.fused = bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
         self._check_present()
         self.mmap = ram_budget_bytes is not None and ram_budget_bytes < self.total_bytes
+        # Page-locked RAM tier (CUDA): fast-tier copies become asynchronous DMA. Pinned once, at
+        # allocation, inside the same RAM budget (the mmap tier is never pinned); optional: where
+        # the system refuses to lock more pages, the rest stays pageable (copies then stage).
+        self.pinned = pin and not self.mmap
         self.gate_up: list[torch.Tensor] = []  # per sparse layer [E, 2I, H] (RAM tier)
         self.down: list[torch.Tensor] = []  # per sparse layer [E, H, I] (RAM tier)
         if not self.mmap:
             for li in range(len(layers)):
-                self._load_layer(li, pin)
+                self._load_layer(li)
 
     @property
     def tier(self) -> str:
@@ -50,10 +54,18 @@ class ExpertStore:
                         f"expert weight {key} is not in the checkpoint: the files do not match config.json; re-download the model"
                     )
 
-    def _load_layer(self, li: int, pin: bool) -> None:
+    def _host_empty(self, *shape: int) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return torch.empty(*shape, dtype=self.dtype, pin_memory=True)
+            except RuntimeError:  # page-locked memory refused (limits, fragmentation): pageable from here on
+                self.pinned = False
+        return torch.empty(*shape, dtype=self.dtype)
+
+    def _load_layer(self, li: int) -> None:
         E, H, I = self.num_experts, self.hidden, self.inter
-        gate_up = torch.empty(E, 2 * I, H, dtype=self.dtype, pin_memory=pin)
-        down = torch.empty(E, H, I, dtype=self.dtype, pin_memory=pin)
+        gate_up = self._host_empty(E, 2 * I, H)
+        down = self._host_empty(E, H, I)
         for key, t in self.ckpt.get_many(self.checkpoint_keys(li)):
             if self.fused:
                 (gate_up if key.endswith("gate_up_proj") else down).copy_(t)

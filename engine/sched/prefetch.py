@@ -10,11 +10,19 @@
   paper's App. D choice, which recycles them first) or back to their utility ("keep").
 
 `drain(budget)` serves the queues synchronously (the simulator, and CPU-only machines where a copy
-is a memcpy); `start()` runs the same loop on a transfer thread that waits for work.
+is a memcpy); `start()` runs the same loop on a transfer thread that waits for work (the default
+with a CUDA fast tier, where each transfer only queues a copy on the cache's transfer stream).
+`serve()` is what the policy calls after scheduling: it hands the work to the thread when one
+runs, so a draft pass never waits for the prefetch it triggers, and drains at once otherwise.
+
+Locking: one lock, the table's (`SlotTable.lock`), guards the queues, the pool, the utilities and
+the table. Every public method takes it; the thread takes it per transfer and lets it go in
+between, and sleeps on `wake` (a condition on the same lock) when there is nothing to do.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 
 import torch
@@ -38,7 +46,7 @@ class PrefetchEngine:
         self.score: dict[tuple[int, int], int] = {}  # resident expert -> pool score (K+1 when frozen)
         self.pool = SortedList()  # (score, layer, expert), lowest first
         self.demoted: set[tuple[int, int]] = set()  # "zero": used experts sit at 0 until they leave
-        self.lock = threading.Lock()
+        self.lock = table.lock  # shared with the executor's view of the table (see SlotTable)
         self.wake = threading.Condition(self.lock)
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -77,8 +85,7 @@ class PrefetchEngine:
                 level = int(s[e])
                 self.queued[li, e] = level  # an older entry at another level is skipped when it comes up
                 self.queues[level].append((li, e))
-            if want.any():
-                self.wake.notify()
+            self.wake.notify()  # new work, or freed slots for an expert waiting at a queue's head
 
     def freeze(self, li: int, experts: list[int]) -> None:
         """Mark resident experts as in use (K+1): nothing evicts them until release()."""
@@ -94,6 +101,7 @@ class PrefetchEngine:
                     self._pool_set((li, e), 0 if self.demote == "zero" else int(self.utility[li, e]))
                     if self.demote == "zero":
                         self.demoted.add((li, e))
+            self.wake.notify()  # a demoted expert may now make room
 
     # --- transfers -----------------------------------------------------------------------------
     def _next(self) -> tuple[int, int, int] | None:
@@ -143,18 +151,31 @@ class PrefetchEngine:
                 done += 1
         return done
 
+    def serve(self) -> None:
+        """After scheduling: the transfer thread serves the queues when it runs (already woken by
+        update), otherwise serve them now."""
+        if self._thread is None:
+            self.drain()
+
     def start(self) -> None:
         """Serve the queues on a transfer thread from now on."""
         if self._thread is None:
             self._stop = False
-            self._thread = threading.Thread(target=self._run, name="moechat-prefetch", daemon=True)
+            # the thread holds the engine weakly: an engine dropped without stop() (and its fast
+            # tier's device memory) is freed, and the thread ends at its next wake-up
+            self._thread = threading.Thread(target=PrefetchEngine._run, args=(weakref.ref(self),),
+                                            name="moechat-prefetch", daemon=True)
             self._thread.start()
 
-    def _run(self) -> None:
-        with self.lock:
-            while not self._stop:
+    @staticmethod
+    def _run(ref: weakref.ref) -> None:
+        while (self := ref()) is not None:
+            with self.lock:  # one transfer per hold: the policy and the executor get in between
+                if self._stop:
+                    return
                 if not self._serve_one():
                     self.wake.wait(timeout=0.05)
+            del self
 
     def stop(self) -> None:
         if self._thread is not None:

@@ -74,7 +74,7 @@ class SpacPolicy(Policy):
         resident = self.cache.slot_of[li] >= 0
         tau = self.balancer.choose(li, s, resident, len(self.cache.free))
         self.prefetch.update(li, s, tau)
-        self.prefetch.drain()  # synchronous transfers (CPU fast tier, simulator)
+        self.prefetch.serve()  # on the transfer thread when it runs (CUDA): a draft pass does not wait
 
     def on_forward_end(self, phase: str) -> None:
         if phase != "draft":
