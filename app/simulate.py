@@ -30,7 +30,7 @@ def add_simulate(sub) -> None:
     p.add_argument("--lookahead-accept", type=float, default=None, metavar="A",
                    help="also simulate draft-phase lookahead: the first ⌊A·W⌋ tokens' routing is seen before each window")
     p.add_argument("--cost-model", type=Path, default=None, metavar="FILE", help="TOML or JSON with CostModel fields")
-    p.add_argument("--utility-variant", default="paper", choices=["paper", "level"])
+    p.add_argument("--utility-variant", default="level", choices=["level", "paper"])
     p.add_argument("--demote", default="keep", choices=["zero", "keep"])
     p.add_argument("--json", action="store_true", help='print one object {"results": [...]}')
     p.set_defaults(func=cmd_simulate)
