@@ -33,7 +33,7 @@ def add_simulate(sub) -> None:
     p.add_argument("--expert-budget", type=int, default=None, metavar="B",
                    help="the budget policy's B: experts computed per layer per window (default 4·top-k, 24 on DeepSeek-V2-Lite)")
     p.add_argument("--cost-model", type=Path, default=None, metavar="FILE", help="TOML or JSON with CostModel fields")
-    p.add_argument("--utility-variant", default="paper", choices=["paper", "level"])
+    p.add_argument("--utility-variant", default="level", choices=["level", "paper"])
     p.add_argument("--demote", default="keep", choices=["zero", "keep"])
     p.add_argument("--json", action="store_true", help='print one object {"results": [...]}')
     p.set_defaults(func=cmd_simulate)

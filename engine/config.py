@@ -55,7 +55,7 @@ class SchedulerConfig:
     policy: str = "lru"
     utility_bound: int = 4  # K: utilities run 0..K
     forgetting: float = 0.1  # λ of the adaptive boundaries
-    utility_variant: str = "paper"  # "paper" (Alg. 1) | "level" (the paper's public code)
+    utility_variant: str = "level"  # "level" (the paper's public code; measured better) | "paper" (Alg. 1)
     demote: str = "keep"  # after use: "zero" (App. D, recycle first) | "keep" (back to its utility)
     cpu_cost: str = "distinct"  # balancer's CPU cost model: "distinct" experts | "activations" (paper Eq. 7)
     lookahead: bool = True  # use the draft phase's routing before verification (spac: in the utilities; spmoe: prefetch)

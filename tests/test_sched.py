@@ -185,8 +185,23 @@ def test_prefetch_evicts_below_tau_and_displaces_only_lower_ranked():
     pre.update(1, torch.tensor([0, 0, 4, 0, 0, 0]), tau=1)  # level 4 displaces the level-3 expert
     pre.drain()
     assert table.is_resident(1, 2) and table.is_resident(0, 0) and not table.is_resident(0, 1)
-    pre.update(0, torch.tensor([1, 0, 0, 0, 0, 0]), tau=2)  # s < τ: the evictor frees it
-    assert not table.is_resident(0, 0)
+    pre.update(0, torch.tensor([1, 0, 0, 0, 0, 0]), tau=2)  # s < τ: first to go, but lazily
+    assert table.is_resident(0, 0)  # still resident (and serving hits) until a slot is needed
+    pre.update(1, torch.tensor([0, 0, 4, 1, 0, 0]), tau=1)  # a level-1 newcomer outranks it (tier 0 < tier 1)
+    pre.drain()
+    assert table.is_resident(1, 3) and not table.is_resident(0, 0) and table.is_resident(1, 2)
+
+
+def test_prefetch_breaks_ties_within_a_level_by_the_finer_rank():
+    table, pre = engine_with(slots=2)
+    pre.update(0, torch.tensor([2, 2, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.1, 0.7, 0, 0, 0, 0]))
+    pre.drain()
+    pre.update(1, torch.tensor([2, 0, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.5, 0, 0, 0, 0, 0]))
+    pre.drain()  # level 2 + 0.5 displaces level 2 + 0.1, not level 2 + 0.7
+    assert table.is_resident(1, 0) and table.is_resident(0, 1) and not table.is_resident(0, 0)
+    pre.update(1, torch.tensor([0, 2, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.5, 0.9, 0, 0, 0, 0]))
+    pre.drain()  # layer 1 e0 fell below τ (tier 0) and goes first; the busier (0, 1) stays
+    assert table.is_resident(1, 1) and table.is_resident(0, 1) and not table.is_resident(1, 0)
 
 
 def test_prefetch_never_evicts_an_expert_in_use():

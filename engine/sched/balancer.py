@@ -72,7 +72,11 @@ class WorkloadBalancer:
         hot = s.view(1, -1) >= levels  # [K+1, E]
         n = (hot & ~resident.view(1, -1)).sum(1)  # prefetches needed per τ
         reclaimable = (~hot & resident.view(1, -1) & ~frozen.view(1, -1)).sum(1)  # evictable under τ
-        window = torch.maximum(t_cpu, t_gpu) + self.gamma * self.costs.draft_s / self.L
+        # The transfers overlap this layer as it runs now, i.e. under its current τ. (Evaluated at the
+        # candidate τ instead, the window shrinks as exactly the experts being moved leave the CPU, and
+        # τ = 1 was almost never feasible on the DeepSeek traces: see docs/scheduling.md.)
+        now = int(self.tau[li])
+        window = max(float(t_cpu[now]), float(t_gpu[now])) + self.gamma * self.costs.draft_s / self.L
         ok = (n * self.costs.io_s <= window + 1e-12) & (n <= free_slots + reclaimable)
         ok[0] = False  # τ > 0
         feasible = [t for t in range(1, K + 1) if ok[t]]

@@ -3,11 +3,13 @@
 - Prefetch: K+1 FIFO queues, one per utility level; served highest level first, FIFO within a
   level, and only down to the expert's layer threshold τ (a queued expert whose utility fell below
   τ is dropped when it comes up).
-- Resident pool: every resident expert ordered by (utility, layer, expert) in a SortedList. The
-  evictor frees experts with s < τ; a prefetch that finds no free slot displaces the lowest-ranked
+- Resident pool: every resident expert in a SortedList by rank (tier, utility + tie-break): tier 0
+  holds experts below their layer's τ, which the evictor frees first, tier 1 the rest, tier 2 the
+  experts in use. Eviction is lazy: an expert below τ stays resident (and keeps serving hits) until
+  a prefetch needs its slot. A prefetch that finds no free slot displaces the lowest-ranked
   resident expert only when that one ranks strictly below the newcomer.
-- Experts in use are frozen at K+1 (never evicted); after use they are demoted: to 0 ("zero", the
-  paper's App. D choice, which recycles them first) or back to their utility ("keep").
+- Experts in use are frozen (tier 2: never evicted); after use they are demoted: to the bottom
+  ("zero", the paper's App. D choice, which recycles them first) or back to their utility ("keep").
 
 `drain(budget)` serves the queues synchronously (the simulator, and CPU-only machines where a copy
 is a memcpy); `start()` runs the same loop on a transfer thread that waits for work (the default
@@ -31,6 +33,7 @@ from sortedcontainers import SortedList
 from ..experts.cache import SlotTable
 
 DEMOTE = ("zero", "keep")
+FROZEN = (2, 0.0)  # pool rank of an expert in use: above every other
 
 
 class PrefetchEngine:
@@ -42,19 +45,20 @@ class PrefetchEngine:
         self.queues: list[deque[tuple[int, int]]] = [deque() for _ in range(utility_bound + 1)]
         self.queued = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # level an expert waits at, -1 none
         self.utility = torch.zeros(num_layers, num_experts, dtype=torch.long)  # latest s, the ranking
+        self.fine = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # tie-break within a level, [0, 1)
         self.tau = torch.full((num_layers,), utility_bound, dtype=torch.long)
-        self.score: dict[tuple[int, int], int] = {}  # resident expert -> pool score (K+1 when frozen)
-        self.pool = SortedList()  # (score, layer, expert), lowest first
+        self.score: dict[tuple[int, int], tuple[int, float]] = {}  # resident expert -> pool rank (tier, score)
+        self.pool = SortedList()  # (rank, layer, expert), lowest first; tier 2 = frozen (in use)
         self.demoted: set[tuple[int, int]] = set()  # "zero": used experts sit at 0 until they leave
         self.lock = table.lock  # shared with the executor's view of the table (see SlotTable)
         self.wake = threading.Condition(self.lock)
         self._thread: threading.Thread | None = None
         self._stop = False
         for li, e in (k for k in table.key_of if k is not None):  # experts already resident
-            self._pool_set((li, e), 0)
+            self._pool_set((li, e), (0, 0.0))
 
     # --- ranking -------------------------------------------------------------------------------
-    def _pool_set(self, key: tuple[int, int], score: int) -> None:
+    def _pool_set(self, key: tuple[int, int], score: tuple[int, float]) -> None:
         old = self.score.get(key)
         if old is not None:
             self.pool.remove((old, *key))
@@ -64,22 +68,21 @@ class PrefetchEngine:
     def _pool_drop(self, key: tuple[int, int]) -> None:
         self.pool.remove((self.score.pop(key), *key))
 
-    def update(self, li: int, s: torch.Tensor, tau: int) -> None:
-        """New utilities s [E] and threshold τ for layer li: re-rank residents, evict s < τ, queue s ≥ τ."""
+    def update(self, li: int, s: torch.Tensor, tau: int, fine: torch.Tensor | None = None) -> None:
+        """New utilities s [E], threshold τ and tie-breaks `fine` [E] in [0, 1) for layer li: re-rank the
+        residents (those with s < τ become the first to go), queue s ≥ τ for prefetch."""
         with self.lock:
             self.utility[li] = s
+            self.fine[li] = 0.0 if fine is None else fine
             self.tau[li] = tau
             resident = self.table.slot_of[li] >= 0
             for e in resident.nonzero().flatten().tolist():
                 key = (li, e)
-                if self.score.get(key, 0) > self.K or key in self.demoted and int(s[e]) >= tau:
+                if self.score.get(key, (0,))[0] > 1 or key in self.demoted and int(s[e]) >= tau:
                     continue  # frozen (in use), or demoted after use: keeps its rank until it goes
                 if int(s[e]) < tau:
                     self.demoted.discard(key)
-                    self._pool_drop(key)
-                    self.table.evict(li, e)
-                else:
-                    self._pool_set(key, int(s[e]))
+                self._pool_set(key, self._rank(li, e))
             want = (s >= tau) & ~resident & (self.queued[li] != s)
             for e in want.nonzero().flatten().tolist():
                 level = int(s[e])
@@ -87,18 +90,23 @@ class PrefetchEngine:
                 self.queues[level].append((li, e))
             self.wake.notify()  # new work, or freed slots for an expert waiting at a queue's head
 
+    def _rank(self, li: int, e: int) -> tuple[int, float]:
+        """Pool rank of a resident expert: below τ first (tier 0), then by utility plus its tie-break."""
+        level = int(self.utility[li, e])
+        return (int(level >= self.tau[li]), level + float(self.fine[li, e]))
+
     def freeze(self, li: int, experts: list[int]) -> None:
-        """Mark resident experts as in use (K+1): nothing evicts them until release()."""
+        """Mark resident experts as in use (tier 2): nothing evicts them until release()."""
         with self.lock:
             for e in experts:
                 if (li, e) in self.score:
-                    self._pool_set((li, e), self.K + 1)
+                    self._pool_set((li, e), FROZEN)
 
     def release(self, li: int, experts: list[int]) -> None:
         with self.lock:
             for e in experts:
                 if (li, e) in self.score:
-                    self._pool_set((li, e), 0 if self.demote == "zero" else int(self.utility[li, e]))
+                    self._pool_set((li, e), (0, 0.0) if self.demote == "zero" else self._rank(li, e))
                     if self.demote == "zero":
                         self.demoted.add((li, e))
             self.wake.notify()  # a demoted expert may now make room
@@ -118,15 +126,15 @@ class PrefetchEngine:
                 return li, e, level
         return None
 
-    def _slot_for(self, level: int) -> bool:
+    def _slot_for(self, li: int, e: int, level: int) -> bool:
         """A free slot, displacing the lowest-ranked resident expert when it ranks below `level`."""
         if self.table.free:
             return True
-        if self.pool and self.pool[0][0] < level:
-            _, li, e = self.pool[0]
-            self._pool_drop((li, e))
-            self.demoted.discard((li, e))
-            self.table.evict(li, e)
+        if self.pool and self.pool[0][0] < (1, level + float(self.fine[li, e])):
+            _, vl, ve = self.pool[0]
+            self._pool_drop((vl, ve))
+            self.demoted.discard((vl, ve))
+            self.table.evict(vl, ve)
             return True
         return False
 
@@ -135,12 +143,12 @@ class PrefetchEngine:
         if nxt is None:
             return False
         li, e, level = nxt
-        if not self._slot_for(level):  # every resident expert ranks at least as high: wait at the head of the queue
+        if not self._slot_for(li, e, level):  # every resident expert ranks at least as high: wait at the head of the queue
             self.queues[level].appendleft((li, e))
             self.queued[li, e] = level
             return False
         self.table.load(li, e)
-        self._pool_set((li, e), level)
+        self._pool_set((li, e), self._rank(li, e))
         return True
 
     def drain(self, budget: int | None = None) -> int:

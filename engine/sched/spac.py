@@ -1,11 +1,12 @@
 """MoE-SpAc (paper 000) as a Policy: utility estimator → balancer τ → unified prefetch/evict.
 
 Per MoE layer of a verification (or the prefill): learn r_c/r_g from what the step used, update the
-utilities with its frequencies f, choose τ, then evict s < τ and queue s ≥ τ for prefetch.
-During drafting (the `self` drafter, or a simulated lookahead) the draft tokens' own routing is a
-preview of the coming verification: their counts, scaled to the γ+1 verified positions, go through
-the same estimator as a tentative step (`peek`, no state change), so prefetch for the verification
-starts while drafting and still follows the one utility ranking.
+utilities with its frequencies f, choose τ, then mark s < τ for eviction and queue s ≥ τ for prefetch.
+During drafting (the `self` drafter, a draft model fed through the target's routers, or a simulated
+lookahead) the draft tokens' own routing previews the coming verification. It enters the same
+utility space as the coming step's expected f, ŝ = min(K, round(drafted counts + unseen share · s)),
+so prefetch for the verification starts while drafting and prefetch and eviction stay one ranking.
+Within a utility level, experts rank by an EMA of their per-step frequency (busier first).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from .balancer import UnitCosts, WorkloadBalancer
 from .policies import Policy
 from .prefetch import PrefetchEngine
 from .utility import UtilityEstimator
+
+RATE_SMOOTHING = 0.4  # EMA weight of the newest step in the tie-break rate
 
 
 class SpacPolicy(Policy):
@@ -36,6 +39,7 @@ class SpacPolicy(Policy):
         self.draft_counts = torch.zeros(L, E, dtype=torch.long)  # draft-phase routing of this step [L, E]
         self.in_use: list[int] = []
         self.draft_loaded = torch.zeros(L, E, dtype=torch.bool)  # prefetched while drafting, not yet verified
+        self.rate = torch.zeros(L, E, dtype=torch.float64)  # EMA of f per step [L, E]: tie-break within a level
         self.lookahead_loads = self.lookahead_hits = 0  # of those: how many, and how many the verification used
 
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
@@ -54,9 +58,12 @@ class SpacPolicy(Policy):
                 return
             self.draft_counts[li] += counts
             drafted = int(self.draft_counts[li].sum()) // self.top_k
-            f_hat = torch.div(self.draft_counts[li] * self.window + drafted // 2, max(drafted, 1), rounding_mode="floor")
             before = self.cache.resident_mask()
-            self._schedule(li, self.estimator.peek(li, f_hat))
+            # The coming verification's f, expected: the drafted positions are seen (each draft token's
+            # routing counts once), the history utility stands in for the share not drafted yet.
+            unseen = max(self.window - drafted, 0) / self.window
+            s_hat = torch.round(self.draft_counts[li] + unseen * self.estimator.s[li]).long()  # [E]
+            self._schedule(li, s_hat.clamp_(max=self.config.utility_bound))
             new = self.cache.resident_mask() & ~before
             self.draft_loaded |= new
             self.lookahead_loads += int(new.sum())
@@ -68,12 +75,18 @@ class SpacPolicy(Policy):
         if phase == "prefill" and tokens > self.window:  # a long prompt: its frequencies on the γ+1 scale
             counts = torch.div(counts * self.window + tokens // 2, tokens, rounding_mode="floor")
         self.balancer.observe(li, self.prefetch.utility[li].clone(), counts)
+        self.rate[li] += RATE_SMOOTHING * (counts.double() - self.rate[li])
         self._schedule(li, self.estimator.update(li, counts))
 
     def _schedule(self, li: int, s: torch.Tensor) -> None:
         resident = self.cache.slot_of[li] >= 0
-        tau = self.balancer.choose(li, s, resident, len(self.cache.free))
-        self.prefetch.update(li, s, tau)
+        # VRAM left for this layer: free slots plus those other layers' experts below their τ hold
+        # (the evictor frees them first); its own below-τ residents the balancer counts per τ.
+        below = self.prefetch.utility < self.prefetch.tau.view(-1, 1)  # [L, E]
+        below[li] = False
+        reclaim = int((below & self.cache.resident_mask()).sum())
+        tau = self.balancer.choose(li, s, resident, len(self.cache.free) + reclaim)
+        self.prefetch.update(li, s, tau, fine=self.rate[li] / (self.rate[li] + 1))  # within a level: the busier first
         self.prefetch.serve()  # on the transfer thread when it runs (CUDA): a draft pass does not wait
 
     def on_forward_end(self, phase: str) -> None:

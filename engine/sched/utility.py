@@ -39,10 +39,6 @@ class UtilityEstimator:
         self.prev_f[li] = f
         return self.s[li]
 
-    def peek(self, li: int, f: torch.Tensor) -> torch.Tensor:
-        """The utilities [E] that frequencies f would give, without changing any state (draft lookahead)."""
-        return self._transition(li, f.to(torch.long))[0]
-
     def _transition(self, li: int, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, up, down = self.s[li], self.theta_up[li], self.theta_down[li]
         if self.variant == "level":
