@@ -39,6 +39,8 @@ def _ratio(text: str) -> float:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that loads a model."""
+    from ..engine.config import POLICIES
+
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
                    help="checkpoint directory or a model fetched with `moechat pull` (default: the configured model, "
                         "else the embedded demo)")
@@ -46,8 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
                         "with the same tokenizer (default: the demo's draft for the demo, else none)")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
-    p.add_argument("--policy", default="lru", choices=["lru", "static", "lfu", "specmoe", "eam", "spac", "spmoe"],
-                   help="fast-tier residency policy: lru (on demand), static (pinned by the first prompt), lfu (most used "
+    p.add_argument("--policy", default="spac", choices=POLICIES,
+                   help="fast-tier residency policy (default spac): lru (on demand), static (pinned by the first prompt), lfu (most used "
                         "so far), specmoe (each layer's hottest of the last step), eam (MoE-Infinity: this request's "
                         "activations matched against past requests'), spac (MoE-SpAc), spmoe (SP-MoE: lru plus "
                         "draft-phase prefetch up to a cutoff layer)")

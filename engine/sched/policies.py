@@ -230,4 +230,4 @@ def make_policy(config: SchedulerConfig | str, draft_len: int = 8, costs=None) -
     try:
         return POLICIES[config.policy]()
     except KeyError:
-        raise MoechatError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}, spac, spmoe") from None
+        raise MoechatError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}, spac, spmoe") from None  # noqa
