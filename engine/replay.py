@@ -9,6 +9,9 @@ Rules:
   wrapping around modulo the trace length (prefill, verification and draft passes alike);
 - trace MoE layer i drives the model's i-th MoE layer; a model with fewer MoE layers than the
   trace (a `--layers`-reduced random model) replays the trace's first layers;
+- draft passes of the self drafter at position p get the trace's routing for p as well, i.e. a
+  drafter whose routing is exactly the verified token's: self-draft lookahead measured under replay
+  is an upper bound on what a real drafter's routing predicts;
 - the model's own routing weights are kept, in router order: the j-th largest weight scales the
   trace's j-th expert. run_layer never sees the router's scores for other experts, so it cannot
   renormalise over the replayed ids; the weights keep their real magnitudes and sums, which is
