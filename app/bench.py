@@ -79,7 +79,7 @@ def cmd_bench_generate(args) -> int:
         fin, steps = engine_run()
         rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
         rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
-        decode = _decode_stats(steps, engine.model.store.expert_bytes)  # the same every run under replay
+        decode = _decode_stats(steps, engine.model.store.expert_bytes)  # the last run's: residency carries over, as between chat turns
         if hf is not None:
             t1, _ = _hf_run(hf, ids, 1)  # prefill + the first token
             tn, hf_tokens = _hf_run(hf, ids, args.max_new_tokens)
