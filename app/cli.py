@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_generate
 
     add_bench_generate(bench_sub)
+    from .random_model import add_random_model
+
+    add_random_model(bench_sub)
+    from .bench_cpu import add_bench_cpu_experts
+
+    add_bench_cpu_experts(bench_sub)
     from .simulate import add_simulate
 
     add_simulate(sub)

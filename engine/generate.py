@@ -81,6 +81,7 @@ class Engine:
     def _forward(self, ids: list[int], cache, keep: int) -> torch.Tensor:
         """ids [T] appended to the KV cache -> logits of the last `keep` positions [keep, V]."""
         x = torch.tensor([ids], device=self.model.device)
+        self.model.runtime.start_pos = cache.get_seq_length()
         out = self.model.hf(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0].float()
 

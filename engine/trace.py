@@ -129,9 +129,14 @@ def _committed_rows(records: list[dict]) -> dict[int, dict[int, list[int]]]:
     """position -> layer -> experts, keeping the last verification of each position (drafts rejected
     earlier are verified again at the same position later and overwrite)."""
     by_pos: dict[int, dict[int, list[int]]] = {}
+    prefilled, decoding = set(), False  # a prefill writes one record per layer, all starting at position 0
     for rec in records:
-        if rec["positions"] and rec["positions"][0] == 0 and by_pos:
-            break  # a second request starts: one trace file, one request
+        if rec.get("phase", "prefill") == "prefill":
+            if decoding or rec["layer"] in prefilled:
+                break  # a second request starts: one trace file, one request
+            prefilled.add(rec["layer"])
+        else:
+            decoding = True
         for pos, experts in zip(rec["positions"], rec["experts"]):
             by_pos.setdefault(pos, {})[rec["layer"]] = experts
     return by_pos

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import MoechatError
+from ..replay import RoutingReplay
 from ..sched.policies import Policy
 from .budget import truncate
 from .cache import ExpertCache
@@ -56,6 +57,8 @@ class MoERuntime:
         self.phase = "prefill"
         self.remap: Callable[[int], torch.Tensor | None] | None = None  # self-draft: expert -> resident substitute
         self.recorder: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None  # routing trace hook
+        self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
+        self.start_pos = 0  # absolute position of the current forward's first row; set before every forward
         self.counters = LayerCounters(len(store.layers), store.num_experts)
         self._pool: ThreadPoolExecutor | None = None
         self.use_cpu_thread(device.type != "cpu")
@@ -90,6 +93,8 @@ class MoERuntime:
         """x [N, H], idx [N, k] routed expert ids, weights [N, k] -> [N, H]."""
         num_tokens, top_k = idx.shape
         draft = self.phase == "draft"
+        if self.replay is not None:  # before the self-draft remap: drafts see position p's recorded routing too
+            idx = self.replay.ids(li, self.start_pos, num_tokens).to(idx.device)
         demand = None  # self-draft: what the router chose before substitution, the lookahead signal
         if draft and self.remap is not None:
             demand = torch.bincount(idx.to("cpu").reshape(-1), minlength=self.store.num_experts)
@@ -153,7 +158,7 @@ class MoERuntime:
                 events[0].record()
             pos = dev_pos.to(x.device)
             y = grouped_ffn(x[pos // top_k], self.cache.gate_up, self.cache.down, dev_slot, self.act)
-            out[pos] = y * w_flat[pos, None]
+            out[pos] = (y * w_flat[pos, None]).to(out.dtype)  # float32 router weights (DeepSeek) promote
             self.cache.after_compute()  # mark the end of this layer's reads of its slots
             if events:
                 events[1].record()

@@ -175,6 +175,7 @@ class SelfDraft:
             feed = committed[base:]
             for _ in range(n):
                 ids = torch.tensor([feed], device=self.target.device)
+                rt.start_pos = self.cache.get_seq_length()
                 logits = hf(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
                 token, q = _choose(logits, params, generator)
                 tokens.append(token)

@@ -1,0 +1,135 @@
+"""Routing replay (bench generate --replay-traces) and bench random-model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moechat.app.cli import main
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+from moechat.engine.errors import MoechatError
+from moechat.engine.events import StepStats, TokenDelta
+from moechat.engine.generate import Engine, Request
+from moechat.engine.replay import load_replay
+from moechat.engine.trace import TraceRecorder, load_routing
+
+SHARED = Path("/work/shared/traces/deepseek-v2-lite-puffin/prompt_10.csv.gz")
+
+
+def _handmade_trace(path: Path, tokens: int, layers: list[int], experts: int, top_k: int, seed: int = 0) -> torch.Tensor:
+    """A moechat JSONL trace, one prefill record per layer; returns its routing [T, L, k]."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in layers]) for _ in range(tokens)])
+    with open(path, "w") as f:
+        for j, layer in enumerate(layers):
+            rows = ids[:, j].tolist()
+            f.write(json.dumps({"step": 0, "phase": "prefill", "layer": layer, "positions": list(range(tokens)),
+                                "experts": rows, "weights": [[0.5] * top_k for _ in rows]}) + "\n")
+    return ids
+
+
+def _replayed_run(engine: Engine, trace: Path, prompt: list[int], new: int):
+    m = engine.model
+    replay = load_replay(trace, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
+    m.runtime.replay = replay
+    rec = TraceRecorder(m.store.layers)
+    events = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=new), rec))
+    return replay, rec, events
+
+
+def _check_recorded(replay, rec: TraceRecorder, layers: list[int]) -> int:
+    """Every recorded (prefill/verify) row is the replayed routing of its absolute position."""
+    rows = 0
+    for r in rec.records:
+        li = layers.index(r["layer"])
+        expect = replay.experts[torch.tensor(r["positions"]) % replay.tokens, li]
+        assert r["experts"] == expect.tolist(), (r["phase"], r["positions"])
+        rows += len(r["positions"])
+    return rows
+
+
+def test_replay_drives_prefill_verify_and_draft(checkpoint, tmp_path):
+    model = checkpoint("deepseek_v2")  # 2 MoE layers (decoder layers 1, 2), 8 experts, top-2
+    trace = tmp_path / "trace.jsonl"
+    _handmade_trace(trace, tokens=7, layers=[1, 2], experts=8, top_k=2)  # shorter than the run: positions wrap
+    engine = Engine(EngineConfig(model_dir=str(model), expert_cache_ratio=0.25, spec=SpecConfig(drafter="self", draft_len=3),
+                                 scheduler=SchedulerConfig(policy="spac")))
+    prompt = [5, 17, 42, 8, 99]
+    replay, rec, events = _replayed_run(engine, trace, prompt, new=12)
+    assert _check_recorded(replay, rec, [1, 2]) >= len(prompt) + 11  # the prefill and every verification
+    rec.write(tmp_path / "again.jsonl")  # the engine's own trace loads back whole: every layer, every committed position
+    again = load_routing(tmp_path / "again.jsonl")
+    assert again.layer_ids == [1, 2] and again.tokens >= len(prompt) + 11
+    assert torch.equal(again.experts, replay.experts[torch.arange(again.tokens) % replay.tokens])
+
+    # Draft passes see the trace too: the self drafter's demand at committed length c covers positions c-1 .. c+n-2.
+    # Each step's TokenDelta comes just before its StepStats.
+    committed, last = len(prompt), 0
+    want, got = torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)
+    for ev in events:
+        if isinstance(ev, TokenDelta):
+            committed, last = committed + len(ev.token_ids), len(ev.token_ids)
+        if isinstance(ev, StepStats):
+            c = committed - last  # committed length when the step began
+            pos = torch.arange(c - 1, c - 1 + ev.drafted) % replay.tokens
+            for li in range(2):
+                want[li] += torch.bincount(replay.experts[pos, li].reshape(-1), minlength=8)
+            got += ev.draft_expert_freq
+    assert want.sum() > 0 and torch.equal(got, want)
+
+
+def test_replay_refuses_mismatched_shapes(checkpoint, tmp_path, capsys):
+    model = checkpoint("deepseek_v2")
+    engine = Engine(EngineConfig(model_dir=str(model)))
+    m = engine.model
+    one_layer = tmp_path / "one.jsonl"
+    _handmade_trace(one_layer, tokens=4, layers=[1], experts=8, top_k=2)
+    with pytest.raises(MoechatError, match="has 1 MoE layers but the model has 2"):
+        load_replay(one_layer, len(m.store.layers), m.store.num_experts, 2)
+    top3 = tmp_path / "top3.jsonl"
+    _handmade_trace(top3, tokens=4, layers=[1, 2], experts=8, top_k=3)
+    with pytest.raises(MoechatError, match="top-3 but the model routes top-2"):
+        load_replay(top3, 2, 8, 2)
+    wide = tmp_path / "wide.jsonl"
+    _handmade_trace(wide, tokens=40, layers=[1, 2], experts=64, top_k=2)
+    with pytest.raises(MoechatError, match="8 experts per layer"):
+        load_replay(wide, 2, 8, 2)
+    rc = main(["bench", "generate", "--model", str(model), "--replay-traces", str(top3), "--max-new-tokens", "2", "--repeats", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "\n" not in err and "top-3" in err
+
+
+def test_random_model_loads_and_replays_shared_trace(tmp_path, capsys):
+    out = tmp_path / "v2lite-small"
+    rc = main(["bench", "random-model", str(out), "--like", "deepseek-v2-lite", "--layers", "3", "--hidden", "64",
+               "--intermediate", "32", "--dtype", "float32"])
+    assert rc == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["first_k_dense_replace"]) == ("deepseek_v2", 64, 6, 1)
+    assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["n_shared_experts"]) == (64, 32, 3, 2)
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.2.mlp.experts.63.down_proj.weight" in index  # the real checkpoint's per-expert layout
+
+    engine = Engine(EngineConfig(model_dir=str(out), expert_cache_ratio=0.1, spec=SpecConfig(drafter="self", draft_len=2)))
+    assert engine.model.store.num_experts == 64 and len(engine.model.store.layers) == 2
+    if not SHARED.is_file():
+        pytest.skip("shared traces not present")
+    replay, rec, _ = _replayed_run(engine, SHARED, engine.encode(Request(prompt="Hello there")), new=6)
+    assert replay.trace_layers == 26 and replay.experts.shape[1:] == (2, 6)  # the trace's first 2 MoE layers
+    assert torch.equal(replay.experts, load_routing(SHARED).experts[:, :2])
+    assert _check_recorded(replay, rec, [1, 2]) > 0
+
+    rc = main(["bench", "generate", "--model", str(out), "--replay-traces", str(SHARED), "--max-new-tokens", "4",
+               "--repeats", "1", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and result["replay"] == str(SHARED) and "hf" not in result
+    assert result["replay_layers"] == "first 2 of 26" and 0 <= result["engine"]["hit_rate"] <= 1
+
+
+def test_bf16_deepseek_with_fast_tier(checkpoint):
+    """DeepSeek's router weights are float32: fast-tier outputs must come back in the compute dtype (bf16 benchmarks)."""
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype="bfloat16", expert_cache_ratio=0.5))
+    fin = list(engine.generate(Request(token_ids=[5, 17, 42]), SamplingParams(max_new_tokens=4)))[-1]
+    assert len(fin.token_ids) == 4 and fin.summary.hits > 0
