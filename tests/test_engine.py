@@ -124,7 +124,7 @@ def test_trace_records_routing(checkpoint, tmp_path):
 
 
 def test_lru_policy_evicts_least_recent(checkpoint):
-    engine = engine_for(checkpoint("qwen3_moe"), expert_cache_ratio=3 / 16)
+    engine = engine_for(checkpoint("qwen3_moe"), expert_cache_ratio=3 / 16, scheduler=SchedulerConfig("lru"))
     cache, policy = engine.model.cache, engine.model.runtime.policy
     assert cache.capacity == 3
     counts = torch.zeros(8, dtype=torch.long)
