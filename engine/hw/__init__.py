@@ -1,0 +1,1 @@
+"""The machine: probe (hardware facts), measurements, memory estimates, decisions, the saved profile."""

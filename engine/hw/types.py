@@ -1,0 +1,91 @@
+"""The records calibration passes around (issue 5). Each module of `engine/hw/` fills one:
+
+    probe.probe()            -> Hardware        facts, no timing (nvidia-ml-py, psutil, CPU flags)
+    estimate.estimate(...)   -> MemoryEstimate  bytes from the model's config alone, nothing loaded
+    measure.measure(...)     -> Measurements    timings on this machine with the engine's own kernels
+    decide.decide(...)       -> Decisions       cache ratio, K, γ, λ, drafter, policy, host tier, VRAM split
+    profile.save/load        -> Profile         all of the above as TOML, keyed by fingerprint and model
+
+Sizes are bytes, times seconds, bandwidths bytes per second. Plain dataclasses so that TOML
+round-trips them (`dataclasses.asdict`; None is written as a missing key).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GpuInfo:
+    name: str
+    total_bytes: int
+    free_bytes: int
+    driver: str = ""
+    pcie_gen: int | None = None  # current link generation (None when NVML cannot tell)
+    pcie_width: int | None = None  # lanes
+
+
+@dataclass
+class Hardware:
+    cpu_model: str
+    physical_cores: int
+    cpu_flags: list[str]  # of interest only: "avx2", "avx512f", "avx512_bf16", "amx_bf16", ...
+    ram_total_bytes: int
+    ram_available_bytes: int
+    disk_free_bytes: int  # where models live
+    gpus: list[GpuInfo] = field(default_factory=list)  # empty: no NVIDIA driver, or none usable
+    torch_version: str = ""
+    cuda_version: str = ""  # torch.version.cuda, "" on a CPU build
+    gpu_note: str = ""  # why there is no GPU info (e.g. "nvidia-ml-py not installed"), "" otherwise
+
+
+@dataclass
+class MemoryEstimate:
+    """What a model needs, from its config alone (issue 5, guardrails)."""
+
+    model_type: str
+    dtype: str
+    non_expert_bytes: int  # embeddings, attention, norms, routers, shared experts, head
+    expert_bytes: int  # one routed expert (gate + up + down)
+    num_experts_total: int  # routed experts over all MoE layers
+    kv_bytes_per_token: int
+    context_len: int
+    draft_bytes: int = 0  # a separate draft model's weights, 0 for none/self
+
+    @property
+    def all_experts_bytes(self) -> int:
+        return self.expert_bytes * self.num_experts_total
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.context_len
+
+
+@dataclass
+class Measurements:
+    """Timed on this machine for one model; None where a figure does not apply (no GPU) or was skipped (--quick)."""
+
+    expert_bytes: int
+    h2d_pinned_bytes_s: float | None = None
+    h2d_pageable_bytes_s: float | None = None
+    d2h_pinned_bytes_s: float | None = None
+    device_s_per_expert: list[float] = field(default_factory=list)  # index t-1: t tokens, t = 1..γ+1
+    cpu_s_per_expert: list[float] = field(default_factory=list)  # same, the engine's CPU kernel
+    draft_s_per_token: float | None = None
+    verify_s: float | None = None  # one verification forward of γ+1 tokens
+    acceptance: float | None = None  # draft acceptance rate on the built-in prompts
+    ram_read_bytes_s: float | None = None  # CPU-only machines: host tier from RAM ...
+    mmap_read_bytes_s: float | None = None  # ... versus from the mmap'd checkpoint (disk tier)
+    max_tokens: int = 9  # γ+1 used for the per-expert curves
+
+
+@dataclass
+class Decisions:
+    expert_cache_ratio: float
+    utility_bound: int  # K
+    draft_len: int  # γ
+    forgetting: float  # λ
+    drafter: str  # "none" | "self" | a draft model directory
+    policy: str
+    host_tier: str  # "ram" | "mmap"
+    vram_split: dict[str, int] = field(default_factory=dict)  # non_expert, kv_cache, draft, expert_cache, margin
+    reasons: dict[str, str] = field(default_factory=dict)  # decision name -> one line for the UI
