@@ -20,8 +20,10 @@ class GpuInfo:
     total_bytes: int
     free_bytes: int
     driver: str = ""
-    pcie_gen: int | None = None  # current link generation (None when NVML cannot tell)
-    pcie_width: int | None = None  # lanes
+    pcie_gen: int | None = None  # current link generation (None when NVML cannot tell); drops when the GPU idles
+    pcie_width: int | None = None  # current lanes
+    pcie_max_gen: int | None = None  # best the GPU and this slot can do: what a transfer under load gets
+    pcie_max_width: int | None = None
 
 
 @dataclass
