@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .models import add_model_commands
 
     add_model_commands(sub)
+    from .doctor import add_doctor
+
+    add_doctor(sub)
     return parser
 
 

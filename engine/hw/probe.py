@@ -89,7 +89,7 @@ def gpu_info() -> tuple[list[GpuInfo], str]:
         pynvml.nvmlInit()
     except Exception as err:  # NVMLError_LibraryNotFound without a driver, DriverNotLoaded, ...
         if type(err).__name__ == "NVMLError_LibraryNotFound":
-            return [], "no NVIDIA driver (the NVML library is not installed)"
+            return [], "no NVIDIA driver: its NVML library is missing"
         return [], f"the NVIDIA driver does not respond ({_one_line(err)})"
     try:
         count = pynvml.nvmlDeviceGetCount()

@@ -1,0 +1,182 @@
+"""`moechat doctor`: what this machine offers moechat, what is missing, and how to fix it.
+
+Profiles are looked up by name: `<fingerprint>-<model-key>.toml` under platformdirs'
+user_config_dir("moechat")/profiles (written by `moechat calibrate`); doctor only counts them.
+Exit status 0 even with problems: doctor reports, it does not gate.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import platform
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+
+from .. import __version__
+
+GIB = 2**30
+MIN_RAM_AVAILABLE = 8 * GIB
+MIN_DISK_FREE = 20 * GIB  # one quantised 30B MoE checkpoint, roughly
+NATIVE_MISSING = "not built (pure-PyTorch fallbacks in use)"
+
+
+def add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="check hardware, PyTorch/CUDA, native kernels and calibration profiles; list problems with fixes")
+    p.add_argument("--json", action="store_true",
+                   help='print one object {"hardware", "versions", "native", "profiles", "problems": [{"problem", "fix"}]}')
+    p.set_defaults(func=cmd_doctor)
+
+
+def profiles_dir() -> Path:
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("moechat")) / "profiles"
+
+
+def cmd_doctor(args) -> int:
+    report = diagnose()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(render(report))
+    return 0
+
+
+def diagnose() -> dict:
+    from ..engine.hw.probe import default_models_dir, fingerprint, probe
+
+    models = default_models_dir()
+    hw = probe(models)
+    versions = _versions(hw)
+    native = _native()
+    profiles = _profiles(fingerprint(hw))
+    hardware = asdict(hw) | {"models_dir": str(models), "fingerprint": profiles["fingerprint"]}
+    return {"hardware": hardware, "versions": versions, "native": native, "profiles": profiles,
+            "problems": problems(hw, versions, profiles, models)}
+
+
+def _versions(hw) -> dict:
+    cuda_available = False
+    if hw.torch_version:
+        import torch
+
+        with warnings.catch_warnings():  # a CUDA build without a driver warns here; the problem list says it
+            warnings.simplefilter("ignore")
+            cuda_available = bool(torch.cuda.is_available())
+    return {"moechat": __version__, "python": platform.python_version(), "torch": hw.torch_version,
+            "cuda": hw.cuda_version, "cuda_available": cuda_available, "driver": hw.gpus[0].driver if hw.gpus else ""}
+
+
+def _native() -> dict:
+    name = f"{__package__.rpartition('.')[0]}.engine.native"  # moechat.engine.native
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name != name:  # the module exists but something it imports does not
+            return {"built": False, "status": f"failed to load ({err}); pure-PyTorch fallbacks in use"}
+        return {"built": False, "status": NATIVE_MISSING}
+    except Exception as err:  # a stale or broken extension build
+        return {"built": False, "status": f"failed to load ({type(err).__name__}: {err}); pure-PyTorch fallbacks in use"}
+    built = bool(getattr(module, "HAS_NATIVE", False))
+    return {"built": built, "status": "built" if built else NATIVE_MISSING}
+
+
+def _profiles(fp: str) -> dict:
+    folder = profiles_dir()
+    files = sorted(folder.glob("*.toml")) if folder.is_dir() else []
+    matching = [f.name[len(fp) + 1:-len(".toml")] for f in files if f.name.startswith(f"{fp}-")]
+    return {"dir": str(folder), "count": len(files), "fingerprint": fp, "models": matching}
+
+
+def problems(hw, versions: dict, profiles: dict, models_dir: Path) -> list[dict]:
+    from ..engine.hw.probe import NOTE_NO_NVML
+
+    out = []
+
+    def add(problem: str, fix: str) -> None:
+        out.append({"problem": problem, "fix": fix})
+
+    py = sys.executable or "python"  # moechat's own environment
+    if not hw.torch_version:
+        add("PyTorch is not installed", "run installer/install.sh, or install PyTorch as in the README's Quick start")
+    no_nvml = hw.gpu_note.startswith(NOTE_NO_NVML)
+    if no_nvml:
+        add("nvidia-ml-py is not installed, so NVIDIA GPUs cannot be probed",
+            f"{py} -m pip install nvidia-ml-py (a moechat dependency; reinstalling moechat adds it)")
+    if hw.cuda_version and not versions["cuda_available"]:
+        if hw.gpus:
+            add(f"PyTorch {hw.torch_version} (CUDA {hw.cuda_version}) cannot use the {hw.gpus[0].name} "
+                f"(driver {hw.gpus[0].driver or 'unknown'}, perhaps older than CUDA {hw.cuda_version} needs)",
+                "update the NVIDIA driver, or install a PyTorch build for an older CUDA (https://pytorch.org/get-started/locally/)")
+        else:
+            add(f"PyTorch {hw.torch_version} is a CUDA {hw.cuda_version} build but no GPU is usable ({hw.gpu_note or 'CUDA unavailable'})",
+                "install or repair the NVIDIA driver so that `nvidia-smi` lists the GPU; without an NVIDIA GPU the CPU build "
+                f"is much smaller: {py} -m pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cpu")
+    elif not hw.gpus and not versions["cuda_available"] and not no_nvml and hw.torch_version:
+        add(f"no NVIDIA GPU in use, so moechat runs on the CPU ({hw.gpu_note})",
+            "for speed, install an NVIDIA driver and the CUDA build of PyTorch (installer/install.sh picks it when "
+            "`nvidia-smi` lists a GPU)")
+    if hw.gpus and hw.torch_version and not hw.cuda_version:
+        index = " --index-url https://download.pytorch.org/whl/cu124" if platform.system() == "Windows" else ""  # as the installers
+        add(f"an NVIDIA GPU ({hw.gpus[0].name}) is present but PyTorch {hw.torch_version} is a CPU build",
+            f"install the CUDA build: {py} -m pip install --force-reinstall torch{index}")
+    for i, gpu in enumerate(hw.gpus):
+        gen, width = gpu.pcie_max_gen or gpu.pcie_gen, gpu.pcie_max_width or gpu.pcie_width
+        if (gen is not None and gen < 3) or (width is not None and width < 8):
+            add(f"GPU {i} ({gpu.name}) links at PCIe {_link(gen, width)}: expert transfers will be slow",
+                "put the GPU in an x16 slot wired to the CPU (not a chipset, riser or x4 slot) and allow PCIe gen 3 or "
+                "newer in the firmware settings")
+    if hw.ram_available_bytes < MIN_RAM_AVAILABLE:
+        add(f"only {_gib(hw.ram_available_bytes)} of RAM available (of {_gib(hw.ram_total_bytes)})",
+            "close other programs or pick a smaller model; --host-ram-mib keeps experts in the mmap'd checkpoint "
+            "(read from disk, slower) instead of RAM")
+    if hw.disk_free_bytes < MIN_DISK_FREE:
+        add(f"only {_gib(hw.disk_free_bytes)} free where models are stored ({models_dir})",
+            "free space there (MoE checkpoints take 15-60 GiB), or keep models on a larger disk and pass --model DIR")
+    if not profiles["models"]:
+        add(f"no calibration profile for this machine (fingerprint {profiles['fingerprint']})",
+            "run `moechat calibrate` (add --model DIR for a model other than the default)")
+    return out
+
+
+def render(report: dict) -> str:
+    hw, v, prof = report["hardware"], report["versions"], report["profiles"]
+    lines = [f"moechat {v['moechat']} doctor", "hardware"]
+    flags = " ".join(hw["cpu_flags"]) or "none of interest"
+    lines.append(f"  CPU     {hw['cpu_model']}, {hw['physical_cores']} physical cores ({flags})")
+    lines.append(f"  RAM     {_gib(hw['ram_total_bytes'])} total, {_gib(hw['ram_available_bytes'])} available")
+    lines.append(f"  disk    {_gib(hw['disk_free_bytes'])} free at {hw['models_dir']}")
+    if not hw["gpus"]:
+        lines.append(f"  GPU     none: {hw['gpu_note']}")
+    for i, g in enumerate(hw["gpus"]):
+        link = _link(g["pcie_max_gen"] or g["pcie_gen"], g["pcie_max_width"] or g["pcie_width"])
+        if g["pcie_gen"] and g["pcie_max_gen"] and (g["pcie_gen"], g["pcie_width"]) != (g["pcie_max_gen"], g["pcie_max_width"]):
+            link += f" (now {_link(g['pcie_gen'], g['pcie_width'])}: links slow down while idle)"
+        lines.append(f"  GPU {i}   {g['name']}, {_gib(g['total_bytes'])} ({_gib(g['free_bytes'])} free), "
+                     f"driver {g['driver'] or 'unknown'}, PCIe {link}")
+    torch = f"PyTorch {v['torch']}" if v["torch"] else "PyTorch not installed"
+    cuda = (f"CUDA {v['cuda']} ({'available' if v['cuda_available'] else 'not available'})" if v["cuda"]
+            else "CPU build (no CUDA)")
+    lines.append(f"versions: moechat {v['moechat']}, Python {v['python']}, {torch}, {cuda}")
+    lines.append(f"native kernels: {report['native']['status']}")
+    mine = ", ".join(prof["models"]) if prof["models"] else "none for this machine"
+    lines.append(f"profiles: {prof['count']} in {prof['dir']}; {mine} (fingerprint {prof['fingerprint']})")
+    if report["problems"]:
+        lines.append("problems")
+        for p in report["problems"]:
+            lines += [f"  - {p['problem']}", f"    fix: {p['fix']}"]
+    else:
+        lines.append("no problems found")
+    return "\n".join(lines)
+
+
+def _link(gen, width) -> str:
+    if not (gen or width):
+        return "unknown"
+    return f"{f'{gen}.0' if gen else '?'} x{width or '?'}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
