@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from moechat.engine.hw.probe import NOTE_NO_NVML, fingerprint, probe
 from moechat.engine.hw.types import GpuInfo, Hardware
 
@@ -23,7 +22,7 @@ class NVMLError(Exception):
     pass
 
 
-class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801 - pynvml's name
+class NVMLError_LibraryNotFound(NVMLError):  # pynvml's name
     pass
 
 
@@ -73,6 +72,26 @@ def test_probe_this_machine(tmp_path):
     assert bool(hw.gpus) != bool(hw.gpu_note), "either GPUs or a note that says why there are none"
     if shutil.which("nvidia-smi") is None:  # no driver here: no GPU, and the reason
         assert hw.gpus == [] and hw.gpu_note
+
+
+def test_cpu_flags_fall_back_to_torch_off_linux(monkeypatch):
+    from pathlib import Path
+
+    from moechat.engine.hw import probe as probe_mod
+
+    real = Path.read_text
+
+    def no_proc(self, *a, **k):
+        if str(self) == "/proc/cpuinfo":
+            raise FileNotFoundError(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", no_proc)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    model, flags = probe_mod.cpu_info()
+    assert model and flags == ["avx2", "fma", "avx512f", "avx512bw"]
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert probe_mod.cpu_info()[1] == []
 
 
 def test_default_models_dir_is_where_pull_stores():

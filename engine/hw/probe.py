@@ -93,27 +93,28 @@ def gpu_info() -> tuple[list[GpuInfo], str]:
         return [], f"the NVIDIA driver does not respond ({_one_line(err)})"
     try:
         count = pynvml.nvmlDeviceGetCount()
-        driver = _optional(lambda: _text(pynvml.nvmlSystemGetDriverVersion())) or ""
-        gpus = []
-        for i in range(count):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(GpuInfo(
-                name=_text(pynvml.nvmlDeviceGetName(handle)),
-                total_bytes=int(memory.total),
-                free_bytes=int(memory.free),
-                driver=driver,
-                # PCIe queries fail on some boards (NOT_SUPPORTED): the GPU still counts, the link is unknown.
-                pcie_gen=_optional(lambda: pynvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)),
-                pcie_width=_optional(lambda: pynvml.nvmlDeviceGetCurrPcieLinkWidth(handle)),
-                pcie_max_gen=_optional(lambda: pynvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)),
-                pcie_max_width=_optional(lambda: pynvml.nvmlDeviceGetMaxPcieLinkWidth(handle)),
-            ))
+        driver = _text(_optional(pynvml.nvmlSystemGetDriverVersion) or "")
+        gpus = [_device(pynvml, pynvml.nvmlDeviceGetHandleByIndex(i), driver) for i in range(count)]
     except Exception as err:
         return [], f"NVML failed while listing GPUs ({_one_line(err)})"
     finally:
         _optional(pynvml.nvmlShutdown)
     return gpus, "" if gpus else "the NVIDIA driver reports no GPU"
+
+
+def _device(pynvml, handle, driver: str) -> GpuInfo:
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    return GpuInfo(
+        name=_text(pynvml.nvmlDeviceGetName(handle)),
+        total_bytes=int(memory.total),
+        free_bytes=int(memory.free),
+        driver=driver,
+        # PCIe queries fail on some boards (NOT_SUPPORTED): the GPU still counts, the link is unknown.
+        pcie_gen=_optional(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+        pcie_width=_optional(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+        pcie_max_gen=_optional(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+        pcie_max_width=_optional(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+    )
 
 
 def disk_free(path: Path) -> int:
@@ -147,9 +148,9 @@ def _torch_versions() -> tuple[str, str]:
     return torch.__version__, torch.version.cuda or ""
 
 
-def _optional(read):
+def _optional(read, *args):
     try:
-        return read()
+        return read(*args)
     except Exception:
         return None
 
