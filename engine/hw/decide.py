@@ -135,24 +135,27 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
                             f"mmap: experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)} exceed the {gib(ram)} RAM "
                             "budget; experts are read from the checkpoint files")
 
+    dirs = [d for d in draft_options if d not in ("none", "self")]
     if gpu is None:
-        gamma = choose_draft_len(est, meas, 0.0)[0]
+        gamma, speedup, why = choose_draft_len(est, meas, 0.0)
+        # A separate draft model can pay on the CPU (the demo ships one); self-draft cannot: no resident experts.
+        drafter = dirs[0] if dirs and speedup > 1.0 and meas.acceptance is not None else "none"
         reasons.update(
             expert_cache_ratio="0: no GPU, the fast tier would be RAM too and copies buy nothing",
-            drafter="none: no GPU; self-draft needs resident experts and a separate drafter competes for the same cores",
-            draft_len=f"γ = {gamma}, unused with no drafter",
+            drafter=(f"{drafter}: predicted {speedup:.2f}× no drafter on the CPU" if drafter != "none" else
+                     "none: no GPU, so self-draft has no resident experts, and no draft model was measured to pay"),
+            draft_len=why if drafter != "none" else f"γ = {gamma}, unused with no drafter",
             policy="lru: with no fast tier the residency policy is moot",
         )
         k = utility_bound(gamma)
         reasons["utility_bound"] = f"K = {k}: moot with no fast tier"
         reasons["forgetting"] = f"λ = {FORGETTING}: the paper's value; moot with no fast tier"
         reasons["vram_split"] = "no GPU: nothing in VRAM"
-        return Decisions(0.0, k, gamma, FORGETTING, "none", "lru", host_tier, {}, reasons)
+        return Decisions(0.0, k, gamma, FORGETTING, drafter, "lru", host_tier, {}, reasons)
 
     vram = min(vram_budget, gpu.free_bytes) if vram_budget is not None else gpu.free_bytes
-    dirs = [d for d in draft_options if d not in ("none", "self")]
     drafter = dirs[0] if dirs else "self" if "self" in draft_options else "none"
-    est = replace(est, draft_bytes=est.draft_bytes if dirs else 0)
+    full_est, est = est, replace(est, draft_bytes=est.draft_bytes if dirs else 0)
     margin, fixed = vram_margin(vram), vram_fixed(est)
     if fixed + margin > vram:
         raise BudgetError(
@@ -174,14 +177,20 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
 
     gamma, speedup, why = choose_draft_len(est, meas, ratio)
     if drafter != "none" and speedup < 1.0:
+        if est.draft_bytes:  # decide again without reserving VRAM for the draft model
+            d = decide(hw, replace(full_est, draft_bytes=0), meas, vram_budget, ram_budget, ("none",))
+            d.reasons["drafter"] = f"none: {drafter} is predicted {speedup:.2f}× of no drafter on this machine"
+            return d
         reasons["drafter"] = f"none: drafting is predicted {speedup:.2f}× of no drafter on this machine"
         drafter = "none"
     elif drafter == "self":
         reasons["drafter"] = "self: the target drafts with its resident experts, no second model in VRAM"
     elif drafter != "none":
         reasons["drafter"] = f"{drafter}: the draft model given, {gib(est.draft_bytes)} in VRAM"
-    else:
+    elif "self" in draft_options:
         reasons["drafter"] = "none: no expert fits in VRAM beside the rest, so self-draft has nothing to draft with"
+    else:
+        reasons["drafter"] = "none: the only drafter allowed"
     reasons["draft_len"] = why if drafter != "none" else f"γ = {gamma}, unused with no drafter"
 
     if slots == 0:
