@@ -60,8 +60,12 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
 
 
 def cmd_estimate(args) -> int:
+    from ..engine.errors import MoechatError
     from ..engine.hw.estimate import estimate, total_params
 
+    for flag, value in (("--vram-gib", args.vram_gib), ("--ram-gib", args.ram_gib)):
+        if value is not None and value <= 0:
+            raise MoechatError(f"{flag} must be a positive number of GiB, got {value:g}")
     name, source = _source(args.model)
     est = estimate(source, args.dtype, args.context_len, args.draft)
     gib = 2**30

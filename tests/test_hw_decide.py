@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from moechat.engine.errors import BudgetError
 from moechat.engine.hw.budgets import GIB, check_budgets, vram_margin
 from moechat.engine.hw.decide import decide, layer_seconds, omega
@@ -40,7 +39,7 @@ MACHINES = {
 
 
 def synthetic(name: str, est) -> Measurements:
-    hw, gpu_bw, cpu_bw, cpu_flops, alpha, h2d = MACHINES[name]
+    _, gpu_bw, cpu_bw, cpu_flops, alpha, h2d = MACHINES[name]
     flops = 2 * est.expert_bytes // 2  # bf16: 2 bytes per weight, 2 FLOPs per weight per token
     tokens = range(1, 10)
     cpu = [est.expert_bytes / cpu_bw + t * flops / cpu_flops for t in tokens]
@@ -225,6 +224,13 @@ def test_estimate_command_json(capsys):
     assert out["model_type"] == "deepseek_v2" and out["context_len"] == 4096
     assert out["total_params"] == pytest.approx(15.7e9, rel=0.02)
     assert out["fits"] is True and 0 < out["max_expert_cache_ratio"] <= 1
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--vram-gib", "2", "--json"]) == 1  # does not fit: says why
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and "VRAM budget is 2.00 GiB" in out["problem"]
+    assert main(["estimate", "--model", "no-such-model"]) == 1
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--context-len", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Qwen3-30B-A3B, DeepSeek-V2-Lite" in err and "context length must be >= 1" in err and len(err.strip().splitlines()) == 2
 
 
 def test_cpu_only_takes_a_draft_model_only_when_it_pays(known):

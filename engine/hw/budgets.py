@@ -15,7 +15,7 @@ from .types import MemoryEstimate
 GIB = 2**30
 
 
-def gib(n: int | float) -> str:
+def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 

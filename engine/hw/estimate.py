@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, MoechatError
 from ..model.families import Family, get_family
 from .types import MemoryEstimate
 
@@ -99,6 +99,8 @@ def draft_weight_bytes(draft_dir, dtype: str) -> int:
 
 def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, draft_dir=None) -> MemoryEstimate:
     """source: a model directory, a known model's config dict or a transformers config."""
+    if context_len is not None and context_len < 1:
+        raise MoechatError(f"context length must be >= 1, got {context_len}")
     hf_config = hf_config_from(source)
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
