@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .simulate import add_simulate
 
     add_simulate(sub)
+    from .estimate import add_estimate
+
+    add_estimate(sub)
     from .models import add_model_commands
 
     add_model_commands(sub)

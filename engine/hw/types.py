@@ -52,6 +52,8 @@ class MemoryEstimate:
     kv_bytes_per_token: int
     context_len: int
     draft_bytes: int = 0  # a separate draft model's weights, 0 for none/self
+    experts_per_layer: int = 0  # E, routed experts in one sparse layer (decide's expert-reuse model)
+    top_k: int = 0  # k, experts each token activates per sparse layer
 
     @property
     def all_experts_bytes(self) -> int:

@@ -13,6 +13,9 @@ from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.execute import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
+from ..hw.budgets import cache_bytes_for, check_budgets, physical_ram_bytes
+from ..hw.estimate import estimate_module
+from ..hw.types import MemoryEstimate
 from ..sched.policies import make_policy
 from .checkpoint import Checkpoint, read_config_dict
 from .families import Family, get_family
@@ -101,6 +104,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     sparse = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
     if sparse != family.sparse_layers(hf_config):
         raise RuntimeError(f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}")
+    check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len), device)  # before any weight loads
 
     store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda", ram_budget_bytes=cfg.host_ram_budget_bytes)
     cache = ExpertCache(store, slots_for(store, cfg.expert_cache_ratio, cfg.expert_cache_bytes), device)
@@ -114,6 +118,16 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len)
+
+
+def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.device) -> None:
+    """Refuse a model that cannot fit, from the config alone: VRAM (free on the device) for the
+    non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store."""
+    vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    user_ram = cfg.host_ram_budget_bytes
+    tier = "mmap" if user_ram is not None and user_ram < est.all_experts_bytes else "ram"  # as ExpertStore decides
+    cache = cache_bytes_for(est, cfg.expert_cache_ratio, cfg.expert_cache_bytes) if vram is not None else 0
+    check_budgets(est, vram, user_ram if user_ram is not None else physical_ram_bytes(), cache, tier)
 
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype) -> None:

@@ -1,0 +1,93 @@
+"""`moechat estimate`: what a model needs in memory, from its config alone (nothing is loaded)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+
+def add_estimate(sub) -> None:
+    p = sub.add_parser("estimate", help="memory a model needs, from its config alone (no weights are loaded)")
+    p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",
+                   help="checkpoint directory, a model fetched with `moechat pull`, or a known config: "
+                        "Qwen3-30B-A3B, DeepSeek-V2-Lite (default: the embedded demo)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="weight and KV dtype (default bfloat16, how the checkpoints ship)")
+    p.add_argument("--context-len", type=int, default=None, metavar="N", help="context length (default: the model's)")
+    p.add_argument("--draft", default=None, metavar="DIR", help="a separate draft model's directory, counted in VRAM")
+    p.add_argument("--vram-gib", type=float, default=None, metavar="G", help="VRAM budget: does it fit, and how many experts can be cached")
+    p.add_argument("--ram-gib", type=float, default=None, metavar="R", help="RAM budget: experts in RAM or read from the mmap'd files")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_estimate)
+
+
+def _source(model: str | None):
+    """(name, source): a directory (given, or pulled with `moechat pull`), else a known model's config dict."""
+    from ..engine.errors import MoechatError
+    from ..engine.hw.known_models import KNOWN_MODELS, known_name
+    from .demo import resolve_model
+
+    path = resolve_model(model, None)[0]
+    if Path(path).exists():
+        return path, path
+    name = known_name(model)
+    if name is not None:
+        return name, dict(KNOWN_MODELS[name])
+    raise MoechatError(f"no model directory {model}: pass a checkpoint directory, a model fetched with `moechat pull`, "
+                       f"or a known config ({', '.join(KNOWN_MODELS)})")
+
+
+def fit_report(est, vram: int | None, ram: int | None) -> dict:
+    """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier; `problem` says why not."""
+    from ..engine.errors import BudgetError
+    from ..engine.hw.budgets import check_budgets, max_cache_experts, ram_headroom
+
+    report: dict = {"fits": True}
+    if ram is not None:
+        on_host = 0 if vram is not None else est.non_expert_bytes + est.kv_bytes
+        report["host_tier"] = "ram" if est.all_experts_bytes + on_host + ram_headroom(ram) <= ram else "mmap"
+    if vram is not None:
+        slots = max_cache_experts(est, vram)
+        report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
+    try:
+        check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
+        if vram is None and ram is not None and est.non_expert_bytes + est.kv_bytes + ram_headroom(ram) > ram:
+            raise BudgetError(f"non-expert weights and KV cache need {(est.non_expert_bytes + est.kv_bytes) / 2**30:.2f} GiB of RAM "
+                              f"besides headroom, the RAM budget is {ram / 2**30:.2f} GiB: lower --context-len or use a smaller model")
+    except BudgetError as err:
+        report.update(fits=False, problem=str(err))
+    return report
+
+
+def cmd_estimate(args) -> int:
+    from ..engine.errors import MoechatError
+    from ..engine.hw.estimate import estimate, total_params
+
+    for flag, value in (("--vram-gib", args.vram_gib), ("--ram-gib", args.ram_gib)):
+        if value is not None and value <= 0:
+            raise MoechatError(f"{flag} must be a positive number of GiB, got {value:g}")
+    name, source = _source(args.model)
+    est = estimate(source, args.dtype, args.context_len, args.draft)
+    gib = 2**30
+    vram = None if args.vram_gib is None else int(args.vram_gib * gib)
+    ram = None if args.ram_gib is None else int(args.ram_gib * gib)
+    fit = fit_report(est, vram, ram) if vram is not None or ram is not None else {}
+    if args.json:
+        print(json.dumps({"model": str(name), **asdict(est), "total_params": total_params(est),
+                          "all_experts_bytes": est.all_experts_bytes, "kv_bytes": est.kv_bytes, **fit}))
+        return 0 if fit.get("fits", True) else 1
+    print(f"{name} ({est.model_type}, {est.dtype}, {total_params(est) / 1e9:.2f} B parameters)")
+    print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  (embeddings, attention, norms, routers, shared experts, head)")
+    print(f"  routed experts      {est.all_experts_bytes / gib:8.2f} GiB  ({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB)")
+    print(f"  KV cache            {est.kv_bytes / gib:8.2f} GiB  ({est.context_len} tokens x {est.kv_bytes_per_token / 1024:.1f} KiB)")
+    if est.draft_bytes:
+        print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
+    if "max_expert_cache_ratio" in fit:
+        print(f"VRAM {args.vram_gib:g} GiB: at most {fit['max_expert_cache_experts']} experts cached, "
+              f"expert cache ratio {fit['max_expert_cache_ratio']:.3f}")
+    if "host_tier" in fit:
+        print(f"RAM {args.ram_gib:g} GiB: host tier {fit['host_tier']}"
+              + (" (experts read from the mmap'd checkpoint)" if fit["host_tier"] == "mmap" else ""))
+    if fit:
+        print("fits" if fit["fits"] else f"does not fit: {fit['problem']}")
+    return 0 if fit.get("fits", True) else 1

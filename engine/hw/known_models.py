@@ -1,0 +1,77 @@
+"""config.json of the two reference models, so `moechat estimate` and the decision tests need no download.
+
+Only the fields that shape parameters and the KV cache (plus routing, for a faithful config).
+Sources: the public config.json files on the Hugging Face Hub (Qwen/Qwen3-30B-A3B,
+deepseek-ai/DeepSeek-V2-Lite), cross-checked against public training recipes that restate them
+(THUDM/slime scripts/models/qwen3-30B-A3B.sh; Megatron's deepseek_v2_lite.yaml: 27 layers, hidden
+2048, ffn 10944, moe ffn 1408, 64 experts, 2 shared, MLA kv_lora_rank 512, q_lora_rank null).
+Totals this gives (tests/test_hw_decide.py): Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B.
+"""
+from __future__ import annotations
+
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,  # dense MLP size; unused: every layer is sparse
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,  # the first (dense) layer's MLP
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "head_dim": 64,  # transformers' DeepseekV2Config: the rotary part (qk_rope_head_dim)
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+KNOWN_MODELS = {"Qwen3-30B-A3B": QWEN3_30B_A3B, "DeepSeek-V2-Lite": DEEPSEEK_V2_LITE}
+
+
+def known_name(name: str) -> str | None:
+    """The known model a name means (case-insensitive, an OWNER/ prefix allowed), else None."""
+    key = name.rsplit("/", 1)[-1].lower()
+    return next((known for known in KNOWN_MODELS if known.lower() == key), None)
+
+
+def known_model(name: str) -> dict | None:
+    """A copy of the known model's config dict, else None."""
+    known = known_name(name)
+    return None if known is None else dict(KNOWN_MODELS[known])
