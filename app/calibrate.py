@@ -76,7 +76,9 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress):
     progress("deciding", 0.95)
     decisions = decide(hw, est, meas)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
-    return profile, save_profile(profile)
+    path = save_profile(profile)
+    progress("profile saved", 1.0)
+    return profile, path
 
 
 def _fmt_rate(value: float | None) -> str:

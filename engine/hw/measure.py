@@ -209,5 +209,5 @@ def measure(model_dir, hw: Hardware, quick: bool = False, draft_len: int = 8, pr
         m.acceptance = sum(s.accepted for s in steps) / drafted
         full = [s.verify_s for s in steps if s.drafted == draft_len]  # windows of γ+1 tokens only
         m.verify_s = statistics.median(full) if full else None
-    report("done", 1.0)
+    report("measured", 1.0)
     return m
