@@ -101,7 +101,8 @@ def cmd_calibrate(args) -> int:
         return 0
     m, d = profile.measurements, profile.decisions
     cpu = m.cpu_s_per_expert
-    print(f"calibrated {Path(model_dir).name} in {seconds:.1f} s{' (quick)' if args.quick else ''}")
+    name = Path(model_dir).name if Path(model_dir).name != "model" else Path(model_dir).parent.name
+    print(f"calibrated {name} in {seconds:.1f} s{' (quick)' if args.quick else ''}")
     print(f"  copies   h2d pinned {_fmt_rate(m.h2d_pinned_bytes_s)}, pageable {_fmt_rate(m.h2d_pageable_bytes_s)}; "
           f"d2h pinned {_fmt_rate(m.d2h_pinned_bytes_s)}; reads RAM {_fmt_rate(m.ram_read_bytes_s)}, "
           f"mmap {_fmt_rate(m.mmap_read_bytes_s)}")
