@@ -16,6 +16,12 @@ from moechat.engine.hw.types import Decisions, GpuInfo, Hardware, MemoryEstimate
 FP = "abc123def456"
 
 
+@pytest.fixture(autouse=True)
+def own_config_dir(tmp_path, monkeypatch):
+    """Profiles and settings written here never reach other tests (a demo profile would change their runs)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
 def hardware() -> Hardware:
     return Hardware("Test CPU", 4, ["avx2"], 16 << 30, 12 << 30, 500 << 30,
                     gpus=[GpuInfo("Test GPU", 24 << 30, 22 << 30, "550.1", 4, 16)], torch_version="2.13")
@@ -37,6 +43,7 @@ def test_round_trip(tmp_path):
     p = profile(model_key(tmp_path))
     path = save_profile(p)
     assert path == profile_path(FP, model_key(tmp_path)) and path.name.startswith(FP) and path.suffix == ".toml"
+    assert path.parent == tmp_path / "config" / "moechat" / "profiles"
     loaded, notice = load_profile(FP, model_key(tmp_path))
     assert notice == "" and loaded == p
     assert loaded.measurements.verify_s is None  # None is a missing key and reads back as None
@@ -117,12 +124,9 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(hw_modules, tm
     settings_path().parent.mkdir(parents=True, exist_ok=True)
     settings_path().write_text("draft_len = 5\npolicy = 'eam'\nutility_bound = 2\nforgetting = 0.5\n"
                                "expert_cache_ratio = 0.3\n", encoding="utf-8")
-    try:
-        st, _ = _config(["--device", "cuda", "--draft-len", "7"])
-        assert (st.spec.draft_len, st.scheduler.policy, st.scheduler.utility_bound) == (7, "eam", 2)  # CLI > settings
-        assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.5, 0.3, "self")
-    finally:
-        settings_path().unlink()
+    st, _ = _config(["--device", "cuda", "--draft-len", "7"])
+    assert (st.spec.draft_len, st.scheduler.policy, st.scheduler.utility_bound) == (7, "eam", 2)  # CLI > settings
+    assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.5, 0.3, "self")
 
 
 def test_unusable_profile_warns_and_runs_on_defaults(hw_modules, capsys):
@@ -135,7 +139,6 @@ def test_unusable_profile_warns_and_runs_on_defaults(hw_modules, capsys):
     err = capsys.readouterr().err
     assert "warning: calibration profile" in err and "corrupt" in err and len(err.strip().splitlines()) == 1
     assert args.profile is None and (cfg.spec.draft_len, cfg.scheduler.policy, cfg.spec.drafter) == (4, "spac", str(DEMO_DRAFT))
-    path.with_name(path.name + ".bad").unlink()
 
 
 def test_measure_on_cpu(checkpoint):

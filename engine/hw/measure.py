@@ -152,7 +152,8 @@ def measure(model_dir, hw: Hardware, quick: bool = False, draft_len: int = 8, pr
     default (the demo's draft for the demo, else none); prompts to `eval_prompts(quick)`."""
     from ...app.demo import DEMO_DRAFT, DEMO_MODEL
     from ..config import EngineConfig, SamplingParams, SpecConfig
-    from ..events import StepStats
+    from ..errors import MoechatError
+    from ..events import Error, StepStats
     from ..generate import Engine, Request
 
     report = progress or (lambda name, frac: None)
@@ -186,9 +187,10 @@ def measure(model_dir, hw: Hardware, quick: bool = False, draft_len: int = 8, pr
         for name, value in bw.items():
             setattr(m, name, value)
         report("device time per expert", 0.35)
-        dev_gu, dev_d = gate_up[:active].to(engine.model.device), down[:active].to(engine.model.device)
-        m.device_s_per_expert = expert_curve(dev_gu, dev_d, act, active, draft_len + 1,
-                                             lambda fn: _best_cuda(fn, repeats))
+        dev_gu, dev_d = gate_up[:active].to(engine.model.device), down[:active].to(engine.model.device)  # [active, ...] slots
+        with torch.inference_mode():
+            m.device_s_per_expert = expert_curve(dev_gu, dev_d, act, active, draft_len + 1,
+                                                 lambda fn: _best_cuda(fn, repeats))
         del dev_gu, dev_d
 
     report("CPU time per expert", 0.45)
@@ -198,12 +200,16 @@ def measure(model_dir, hw: Hardware, quick: bool = False, draft_len: int = 8, pr
 
     prompts = prompts or eval_prompts(quick)
     params = SamplingParams(max_new_tokens=12 if quick else 48)
+    chat = bool(getattr(engine.model.tokenizer, "chat_template", None))
     steps: list[StepStats] = []
     for i, prompt in enumerate(prompts):
         report(f"drafting and verification, prompt {i + 1} of {len(prompts)}", 0.55 + 0.45 * i / len(prompts))
-        for ev in engine.generate(Request(messages=[{"role": "user", "content": prompt}]), params):
+        request = Request(messages=[{"role": "user", "content": prompt}]) if chat else Request(prompt=prompt)
+        for ev in engine.generate(request, params):
             if isinstance(ev, StepStats):
                 steps.append(ev)
+            elif isinstance(ev, Error):
+                raise MoechatError(f"calibration could not generate with {model_path} ({ev.message})")
     drafted = sum(s.drafted for s in steps)
     if engine.drafter.name != "none" and drafted:  # without a drafter there is nothing to time or accept
         m.draft_s_per_token = sum(s.draft_s for s in steps) / drafted
