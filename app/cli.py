@@ -47,9 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="none|self|DIR",
                    help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
                         "with the same tokenizer (default: the demo's draft for the demo, else none)")
-    p.add_argument("--draft-len", type=int, default=4, metavar="N", help="draft length gamma (default 4)")
-    p.add_argument("--policy", default="spac", choices=POLICIES,
-                   help="fast-tier residency policy (default spac): lru (on demand), static (pinned by the first prompt), lfu (most used "
+    p.add_argument("--draft-len", type=int, default=None, metavar="N",
+                   help="draft length gamma (default: the settings, else the calibration profile, else 4)")
+    p.add_argument("--policy", default=None, choices=POLICIES,
+                   help="fast-tier residency policy (default: the settings, else the calibration profile, else spac): lru (on demand), static (pinned by the first prompt), lfu (most used "
                         "so far), specmoe (each layer's hottest of the last step), eam (MoE-Infinity: this request's "
                         "activations matched against past requests'), spac (MoE-SpAc), spmoe (SP-MoE: lru plus "
                         "draft-phase prefetch up to a cutoff layer)")
@@ -57,7 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="LOSSY (off by default): verification computes at most B experts per MoE layer, the ones the "
                         "router weighs most (MoE-Spec); other activations are dropped, so output differs from the model's")
     p.add_argument("--expert-cache-ratio", type=_ratio, default=None, metavar="R",
-                   help="share of routed experts kept on the compute device (default: 0.25 on cuda, 0 on cpu)")
+                   help="share of routed experts kept on the compute device (default: the settings, else the "
+                        "calibration profile on cuda, else 0.25 on cuda, 0 on cpu)")
     p.add_argument("--expert-cache-mib", type=float, default=None, metavar="MIB",
                    help="fast-tier byte budget in MiB (overrides the ratio)")
     p.add_argument("--host-ram-mib", type=float, default=None, metavar="MIB",
@@ -67,9 +69,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=None, metavar="N", help="context length (default: the model's)")
 
 
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
 def engine_config(args):
-    """The engine's config from the command line and the settings file; sets args.model/args.draft to what loads."""
+    """The engine's config: each value from the command line, else the settings file, else this
+    machine's calibration profile for the model, else the engine's default. Sets args.model,
+    args.draft, args.draft_len and args.policy to what runs, args.profile to the profile's path or None."""
     from ..engine.config import EngineConfig, SchedulerConfig, SpecConfig
+    from .calibrate import machine_profile
     from .demo import resolve_model
     from .settings import load_settings
 
@@ -78,14 +87,33 @@ def engine_config(args):
         print(f"moechat: warning: {notice}", file=sys.stderr)
     if args.model is None:  # a configured draft goes with the configured model only
         args.model, args.draft = settings.model, args.draft or settings.draft
+    user_draft = args.draft
     args.model, args.draft = resolve_model(args.model, args.draft)
+    profile, args.profile, notice = machine_profile(args.model)
+    if notice:
+        print(f"moechat: warning: {notice}", file=sys.stderr)
+    d = profile.decisions if profile else None
+    if d and user_draft is None:
+        args.draft = d.drafter
+    args.draft_len = _first(args.draft_len, settings.draft_len, d and d.draft_len, 4)
+    args.policy = _first(args.policy, settings.policy, d and d.policy, "spac")
+    # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
+    ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio,
+                   d.expert_cache_ratio if d and args.device != "cpu" else None)
+    defaults = SchedulerConfig()
     mib = 2**20
+    ram_budget = None if args.host_ram_mib is None else int(args.host_ram_mib * mib)
+    if ram_budget is None and d and d.host_tier == "mmap":
+        ram_budget = 0  # the profile found the experts too big for RAM: read them from the mmap'd files
     return EngineConfig(
-        model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=args.expert_cache_ratio,
+        model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
         expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
-        host_ram_budget_bytes=None if args.host_ram_mib is None else int(args.host_ram_mib * mib),
+        host_ram_budget_bytes=ram_budget,
         context_len=args.context_len, spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
-        scheduler=SchedulerConfig(policy=args.policy, expert_budget=args.expert_budget),
+        scheduler=SchedulerConfig(
+            policy=args.policy, expert_budget=args.expert_budget,
+            utility_bound=_first(settings.utility_bound, d and d.utility_bound, defaults.utility_bound),
+            forgetting=_first(settings.forgetting, d and d.forgetting, defaults.forgetting)),
     )
 
 
@@ -151,10 +179,13 @@ def cmd_generate(args) -> int:
     if trace:
         trace.write(args.trace)
     s = finished.summary
+    profile = None if args.profile is None else str(args.profile)
     if args.json:
-        print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict()}))
+        print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile}))
     else:
         print()
+        if profile:
+            print(f"[calibration profile: {profile}]", file=sys.stderr)
         print(f"[{s.new_tokens} tokens, prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s, "
               f"acceptance {s.acceptance_rate:.2f}, expert hit rate {s.hit_rate:.2f}, "
               f"{s.bytes_moved / 2**20:.1f} MiB moved, finish: {s.finish_reason}]", file=sys.stderr)
@@ -172,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_request_args(gen)
     gen.add_argument("--trace", metavar="FILE", help="record routing to FILE (JSON Lines, see docs/trace-format.md)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object: token_ids, text, stats, profile (the calibration profile used, or null)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat in the terminal, line by line (what `moechat` runs until the TUI lands)")
@@ -200,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .estimate import add_estimate
 
     add_estimate(sub)
+    from .calibrate import add_calibrate
+
+    add_calibrate(sub)
     from .models import add_model_commands
 
     add_model_commands(sub)

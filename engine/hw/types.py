@@ -72,6 +72,7 @@ class Measurements:
     h2d_pinned_bytes_s: float | None = None
     h2d_pageable_bytes_s: float | None = None
     d2h_pinned_bytes_s: float | None = None
+    d2h_pageable_bytes_s: float | None = None
     device_s_per_expert: list[float] = field(default_factory=list)  # index t-1: t tokens, t = 1..γ+1
     cpu_s_per_expert: list[float] = field(default_factory=list)  # same, the engine's CPU kernel
     draft_s_per_token: float | None = None

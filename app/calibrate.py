@@ -1,0 +1,123 @@
+"""`moechat calibrate`: probe the machine, time it with the model, decide, save the profile that
+`engine_config` then reads. Also the lookup of this machine's profile for a model."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+DRAFT_LEN = 8  # γ measured up to: the per-expert curves run 1..γ+1 tokens (paper 000's operating point)
+
+
+def add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine with a model and save the settings it should run with")
+    p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
+                   help="checkpoint directory or a pulled model (default: the configured model, else the embedded demo)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats and prompts (under a minute on the demo)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: hardware, measurements, decisions, profile_path")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def resolve(model: str | None) -> tuple[str, str]:
+    """(model directory, drafter) as `engine_config` resolves them when nothing else is given."""
+    from .demo import resolve_model
+    from .settings import load_settings
+
+    settings, notice = load_settings()
+    if notice:
+        print(f"moechat: warning: {notice}", file=sys.stderr)
+    draft = None
+    if model is None:  # a configured draft goes with the configured model only
+        model, draft = settings.model, settings.draft
+    return resolve_model(model, draft)
+
+
+def machine_profile(model_dir: str):
+    """(this machine's profile for the model or None, its path or None, a one-line notice or "")."""
+    from ..engine.hw.profile import load_profile, model_key, profile_path
+
+    try:
+        from ..engine.hw.probe import fingerprint, probe
+
+        fp = fingerprint(probe())
+    except ImportError:  # no probe in this build: no profiles either
+        return None, None, ""
+    except Exception as err:  # the probe promises not to raise; if it does, defaults still run
+        return None, None, f"cannot probe this machine ({type(err).__name__}: {err}): calibration profile not used"
+    key = model_key(model_dir)
+    profile, notice = load_profile(fp, key)
+    return profile, (profile_path(fp, key) if profile else None), notice
+
+
+def _progress(name: str, frac: float) -> None:
+    print(f"[{100 * frac:3.0f}%] {name}", file=sys.stderr, flush=True)
+
+
+def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress):
+    """Probe, estimate, measure, decide, save: (Profile, path)."""
+    from ..engine.hw.decide import decide
+    from ..engine.hw.estimate import estimate
+    from ..engine.hw.measure import measure
+    from ..engine.hw.probe import fingerprint, probe
+    from ..engine.hw.profile import Profile, model_key, save_profile
+
+    import torch
+
+    progress("probing the hardware", 0.0)
+    hw = probe()
+    # What a run on this machine computes with: the GPU in bfloat16 where there is one, else the
+    # command line's CPU default (float32).
+    device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
+    est = estimate(model_dir, dtype=dtype, draft_dir=None if drafter in ("none", "self") else drafter)
+    meas = measure(model_dir, hw, quick=quick, draft_len=DRAFT_LEN, drafter=drafter, device=device, dtype=dtype,
+                   progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
+    progress("deciding", 0.95)
+    decisions = decide(hw, est, meas)
+    profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
+    path = save_profile(profile)
+    progress("profile saved", 1.0)
+    return profile, path
+
+
+def _fmt_rate(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / 1e9:.2f} GB/s"
+
+
+def _fmt_s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1e3:.3f} ms"
+
+
+def cmd_calibrate(args) -> int:
+    model_dir, drafter = resolve(args.model)
+    t0 = time.perf_counter()
+    profile, path = calibrate(model_dir, drafter, args.quick)
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),
+                          "measurements": dataclasses.asdict(profile.measurements),
+                          "decisions": dataclasses.asdict(profile.decisions), "profile_path": str(path)}))
+        return 0
+    m, d = profile.measurements, profile.decisions
+    cpu = m.cpu_s_per_expert
+    name = Path(model_dir).name if Path(model_dir).name != "model" else Path(model_dir).parent.name
+    print(f"calibrated {name} in {seconds:.1f} s{' (quick)' if args.quick else ''}")
+    print(f"  copies   h2d pinned {_fmt_rate(m.h2d_pinned_bytes_s)}, pageable {_fmt_rate(m.h2d_pageable_bytes_s)}; "
+          f"d2h pinned {_fmt_rate(m.d2h_pinned_bytes_s)}; reads RAM {_fmt_rate(m.ram_read_bytes_s)}, "
+          f"mmap {_fmt_rate(m.mmap_read_bytes_s)}")
+    dev = m.device_s_per_expert
+    print(f"  expert   CPU {_fmt_s(cpu[0] if cpu else None)} (1 token) .. {_fmt_s(cpu[-1] if cpu else None)} "
+          f"({len(cpu)} tokens); device {_fmt_s(dev[0] if dev else None)} .. {_fmt_s(dev[-1] if dev else None)}")
+    acc = "n/a" if m.acceptance is None else f"{m.acceptance:.2f}"
+    print(f"  drafting {_fmt_s(m.draft_s_per_token)} per token, verification {_fmt_s(m.verify_s)}, acceptance {acc}")
+    rows = [("expert cache ratio", f"{d.expert_cache_ratio:g}", "expert_cache_ratio"),
+            ("utility bound K", str(d.utility_bound), "utility_bound"), ("draft length γ", str(d.draft_len), "draft_len"),
+            ("forgetting λ", f"{d.forgetting:g}", "forgetting"), ("drafter", d.drafter, "drafter"),
+            ("policy", d.policy, "policy"), ("host tier", d.host_tier, "host_tier")]
+    for label, value, key in rows:
+        print(f"  {label:20} {value:10} {d.reasons.get(key, '')}")
+    if d.vram_split:
+        print("  VRAM     " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in d.vram_split.items()))
+    print(f"profile written to {path}")
+    return 0

@@ -1,0 +1,220 @@
+"""Timings on this machine for one model, with the engine's own kernels (issue 5, measurements).
+
+    measure(model_dir, hw) -> Measurements
+
+Every figure is the fastest of a few repeats after one warm-up (other processes only ever add
+time), except the generation figures, which are totals over real `Engine.generate` runs. Device
+figures need CUDA and are None without it; the RAM-versus-mmap read figures are taken on CPU-only
+machines, where the host tier is the only tier.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .types import Hardware, Measurements
+
+Progress = Callable[[str, float], None]
+_READ_CAP = 256 * 2**20  # bytes read per tier for the RAM/mmap comparison
+_RAM_SHARE = 0.5  # load the expert store into RAM for timing when it takes at most this share of free RAM
+
+
+def _best(fn: Callable[[], None], repeats: int) -> float:
+    """Fastest wall time of `repeats` calls after one warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _best_cuda(fn: Callable[[], None], repeats: int) -> float:
+    """Fastest GPU time between CUDA events of `repeats` calls after one warm-up call."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def bandwidths(nbytes: int, device: torch.device, repeats: int) -> dict[str, float]:
+    """Host<->device copy bandwidth (bytes/s) for one expert's bytes, from pinned and pageable memory."""
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    pageable = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    copies = {
+        "h2d_pinned_bytes_s": lambda: dev.copy_(pinned, non_blocking=True),
+        "h2d_pageable_bytes_s": lambda: dev.copy_(pageable),
+        "d2h_pinned_bytes_s": lambda: pinned.copy_(dev, non_blocking=True),
+        "d2h_pageable_bytes_s": lambda: pageable.copy_(dev),
+    }
+    return {name: nbytes / _best_cuda(copy, repeats) for name, copy in copies.items()}
+
+
+def expert_curve(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, active: int, max_tokens: int,
+                 timer: Callable[[Callable[[], None]], float]) -> list[float]:
+    """Seconds per expert for t = 1..max_tokens rows each: `active` experts of gate_up [G, 2I, H],
+    down [G, H, I] in one `grouped_ffn` call, exactly as the executor calls it, divided by `active`."""
+    from ..experts.grouped import grouped_ffn
+
+    H = gate_up.shape[2]
+    curve = []
+    for t in range(1, max_tokens + 1):
+        ids = torch.arange(active).repeat_interleave(t)  # [active·t] rows sorted by expert, as run_layer sorts them
+        x = torch.randn(active * t, H, dtype=gate_up.dtype).to(gate_up.device)  # [active·t, H]
+        curve.append(timer(lambda: grouped_ffn(x, gate_up, down, ids, act)) / active)
+    return curve
+
+
+def read_bandwidths(ckpt_dir: Path, keys: list[str], repeats: int) -> tuple[float, float]:
+    """(RAM, mmap) read bandwidth in bytes/s: copying the named expert tensors out of the mmap'd
+    checkpoint versus the same number of bytes out of RAM.
+
+    The page cache cannot be dropped without root, so the mmap figure is the first read of experts
+    this process has not touched (the caller runs it before the model loads); pages an earlier
+    process read may still be cached: this measures warm-ish reads, an upper bound on the disk tier.
+    """
+    from ..model.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(ckpt_dir)
+    views, total = [], 0
+    for key in keys:
+        views.append(ckpt.view(key))
+        total += views[-1].numel() * views[-1].element_size()
+        if total >= _READ_CAP:
+            break
+    dst = [torch.empty_like(v) for v in views]
+    t0 = time.perf_counter()
+    for d, v in zip(dst, views):  # once only: a second pass would read the page cache
+        d.copy_(v)
+    mmap_s = time.perf_counter() - t0
+    # RAM: as many bytes as the cap, so that a small model's experts do not fit the CPU caches
+    src = torch.empty(_READ_CAP, dtype=torch.uint8).fill_(1)  # faulted in, then timed
+    out = torch.empty_like(src)
+    return _READ_CAP / _best(lambda: out.copy_(src), repeats), total / mmap_s
+
+
+def _expert_keys_last_first(model_dir: Path) -> list[str]:
+    """Checkpoint keys of routed experts, last layer first (the ones a short prompt touched least)."""
+    from ..model.checkpoint import Checkpoint
+    from ..model.families import get_family
+    from ..model.loader import load_hf_config
+
+    hf_config = load_hf_config(model_dir)
+    family = get_family(hf_config.model_type)
+    ckpt = Checkpoint(model_dir)
+    keys = []
+    for layer in reversed(family.sparse_layers(hf_config)):
+        fused = family.expert_key(layer, 0, 0) not in ckpt
+        if fused:
+            keys += list(family.fused_keys(layer))
+        else:
+            keys += [family.expert_key(layer, e, w) for e in range(family.num_experts(hf_config)) for w in range(3)]
+    return keys
+
+
+def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    from ..model.families import get_family
+    from ..model.loader import load_hf_config
+
+    cfg = load_hf_config(model_dir)
+    fam = get_family(cfg.model_type)
+    per_expert = 3 * int(cfg.hidden_size) * fam.expert_dim(cfg) * dtype.itemsize
+    return per_expert * fam.num_experts(cfg) * len(fam.sparse_layers(cfg))
+
+
+def eval_prompts(quick: bool) -> list[str]:
+    """The demo's held-out prompts: the first 3 in quick mode, else 8."""
+    from ...app.demo import EVAL_PROMPTS
+
+    lines = [ln for ln in EVAL_PROMPTS.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return [json.loads(ln)["prompt"] for ln in lines[: 3 if quick else 8]]
+
+
+def measure(model_dir, hw: Hardware, quick: bool = False, draft_len: int = 8, progress: Progress | None = None,
+            device: str | None = None, dtype: str | None = None, drafter: str | None = None,
+            prompts: list[str] | None = None) -> Measurements:
+    """Time this machine for the model in `model_dir`. device/dtype default to cuda + bfloat16 where
+    CUDA is available, else cpu + float32 (the command line's default); drafter to the model's
+    default (the demo's draft for the demo, else none); prompts to `eval_prompts(quick)`."""
+    from ...app.demo import DEMO_DRAFT, DEMO_MODEL
+    from ..config import EngineConfig, SamplingParams, SpecConfig
+    from ..errors import MoechatError
+    from ..events import Error, StepStats
+    from ..generate import Engine, Request
+
+    report = progress or (lambda name, frac: None)
+    cuda = torch.cuda.is_available()
+    device = device or ("cuda" if cuda else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model_path = Path(model_dir).expanduser().resolve()
+    drafter = drafter or (str(DEMO_DRAFT) if model_path == DEMO_MODEL.resolve() else "none")
+    repeats = 10 if quick else 30  # a per-expert call takes microseconds on small models: many repeats are cheap
+    m = Measurements(expert_bytes=0, max_tokens=draft_len + 1)
+
+    if not cuda:  # before the model loads, so that the mmap read meets experts this process never read
+        report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
+        m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
+
+    report("loading the model", 0.1)
+    # Too big for half the free RAM: time it from the mmap'd files (the engine's own disk tier).
+    ram_budget = 0 if _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes else None
+    engine = Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0,
+                                 host_ram_budget_bytes=ram_budget, spec=SpecConfig(drafter=drafter, draft_len=draft_len)))
+    store, act = engine.model.store, engine.model.runtime.act
+    m.expert_bytes = store.expert_bytes
+    # A verification window reaches at least a quarter of a layer's experts in the models we target,
+    # where grouped_ffn takes its grouped path; the curve charges each of them its share of that call.
+    active = max(1, math.ceil(store.num_experts / 4))
+    gate_up, down = store.layer_tensors(len(store.layers) - 1)  # [E, 2I, H], [E, H, I] (a copy on the disk tier)
+
+    if cuda and device.startswith("cuda"):
+        report("host<->device bandwidth", 0.25)
+        bw = bandwidths(store.expert_bytes, engine.model.device, repeats)
+        for name, value in bw.items():
+            setattr(m, name, value)
+        report("device time per expert", 0.35)
+        dev_gu, dev_d = gate_up[:active].to(engine.model.device), down[:active].to(engine.model.device)  # [active, ...] slots
+        with torch.inference_mode():
+            m.device_s_per_expert = expert_curve(dev_gu, dev_d, act, active, draft_len + 1,
+                                                 lambda fn: _best_cuda(fn, repeats))
+        del dev_gu, dev_d
+
+    report("CPU time per expert", 0.45)
+    with torch.inference_mode():
+        m.cpu_s_per_expert = expert_curve(gate_up, down, act, active, draft_len + 1, lambda fn: _best(fn, repeats))
+    del gate_up, down
+
+    prompts = prompts or eval_prompts(quick)
+    params = SamplingParams(max_new_tokens=12 if quick else 48)
+    chat = bool(getattr(engine.model.tokenizer, "chat_template", None))
+    steps: list[StepStats] = []
+    for i, prompt in enumerate(prompts):
+        report(f"drafting and verification, prompt {i + 1} of {len(prompts)}", 0.55 + 0.45 * i / len(prompts))
+        request = Request(messages=[{"role": "user", "content": prompt}]) if chat else Request(prompt=prompt)
+        for ev in engine.generate(request, params):
+            if isinstance(ev, StepStats):
+                steps.append(ev)
+            elif isinstance(ev, Error):
+                raise MoechatError(f"calibration could not generate with {model_path} ({ev.message})")
+    drafted = sum(s.drafted for s in steps)
+    if engine.drafter.name != "none" and drafted:  # without a drafter there is nothing to time or accept
+        m.draft_s_per_token = sum(s.draft_s for s in steps) / drafted
+        m.acceptance = sum(s.accepted for s in steps) / drafted
+        full = [s.verify_s for s in steps if s.drafted == draft_len]  # windows of γ+1 tokens only
+        m.verify_s = statistics.median(full) if full else None
+    report("measured", 1.0)
+    return m

@@ -1,0 +1,156 @@
+"""The saved calibration: one TOML file per machine and model, in moechat's config directory.
+
+    <user_config_dir("moechat")>/profiles/<fingerprint>-<model slug>.toml
+
+(the directory of app/settings.py's settings file; moechat has no environment override for it,
+tests point XDG_CONFIG_HOME elsewhere). A profile that cannot be used (corrupt, written on another
+machine, an older or newer schema) never stops moechat: `load_profile` renames it to `<name>.bad`
+(replacing an older `.bad`), says so in one line, and the caller runs on defaults until the next
+`moechat calibrate` writes a fresh one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .types import Decisions, Hardware, Measurements
+
+SCHEMA = 1  # bump whenever a field changes meaning; older files are then recalibrated
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Profile:
+    fingerprint: str  # the machine (probe.fingerprint)
+    model: str  # model key: the resolved model directory
+    hardware: Hardware
+    measurements: Measurements
+    decisions: Decisions
+    schema: int = SCHEMA
+    created: str = field(default_factory=_now)  # UTC, ISO 8601
+
+
+def profiles_dir() -> Path:
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("moechat")) / "profiles"
+
+
+def model_key(model_dir: str | os.PathLike) -> str:
+    """The key a model's profile is saved under: its resolved directory."""
+    return str(Path(model_dir).expanduser().resolve())
+
+
+def _slug(text: str, keep: int = 40) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[-keep:] or "x"
+
+
+def profile_path(fingerprint: str, key: str) -> Path:
+    """Readable (the model's last two path parts) and unique (a hash of the whole key)."""
+    tail = "-".join(Path(key).parts[-2:])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    return profiles_dir() / f"{_slug(fingerprint)}-{_slug(tail)}-{digest}.toml"
+
+
+def _plain(value):
+    """asdict output without None (TOML has no null: a missing key reads back as None)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def save_profile(profile: Profile) -> Path:
+    """Write atomically (a half-written file would read as corrupt); returns the path."""
+    import tomlkit
+
+    data = _plain(dataclasses.asdict(profile))
+    head = {k: data.pop(k) for k in ("schema", "created", "fingerprint", "model")}
+    path = profile_path(profile.fingerprint, profile.model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(tomlkit.dumps({**head, **data}), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def _value(tp, raw, where: str):
+    """raw as type tp, or ValueError naming the key."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):  # X | None: None never reaches here (missing key)
+        return _value(next(a for a in args if a is not type(None)), raw, where)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, raw, where)
+    if origin is list:
+        if not isinstance(raw, list):
+            raise ValueError(f"{where} should be a list")
+        return [_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(raw)]
+    if origin is dict:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} should be a table")
+        return {str(k): _value(args[1], v, f"{where}.{k}") for k, v in raw.items()}
+    if tp is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw)
+    if tp in (int, str, bool) and isinstance(raw, tp) and (tp is bool or not isinstance(raw, bool)):
+        return raw
+    raise ValueError(f"{where} should be {getattr(tp, '__name__', tp)}, got {type(raw).__name__}")
+
+
+def _build(cls, raw, where: str):
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} should be a table")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in raw:
+            kwargs[f.name] = _value(hints[f.name], raw[f.name], f"{where}.{f.name}" if where else f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"{where + '.' if where else ''}{f.name} is missing")
+    return cls(**kwargs)
+
+
+def _set_aside(path: Path, why: str) -> str:
+    bad = path.with_name(path.name + ".bad")
+    try:
+        path.replace(bad)
+        where = f"moved to {bad.name}"
+    except OSError as err:
+        where = f"left in place ({err.strerror})"
+    return f"calibration profile {path} {why}: {where}; running on defaults, recalibrate with `moechat calibrate`"
+
+
+def load_profile(fingerprint: str, key: str) -> tuple[Profile | None, str]:
+    """This machine's profile for the model, and a one-line notice when a file exists but cannot be
+    used (it is then renamed to `<name>.bad`). (None, "") when there is none. Never raises."""
+    path = profile_path(fingerprint, key)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None, ""
+    except (OSError, UnicodeDecodeError) as err:
+        return None, _set_aside(path, f"cannot be read ({err})")
+    try:
+        raw = tomllib.loads(text)
+        schema = raw.get("schema")
+        if schema != SCHEMA:
+            return None, _set_aside(path, f"has schema {schema!r}, this moechat writes {SCHEMA}")
+        profile = _build(Profile, raw, "")
+    except Exception as err:  # bad TOML, wrong types, a record refusing its values: never a crash
+        return None, _set_aside(path, f"is corrupt ({err})")
+    if profile.fingerprint != fingerprint:
+        return None, _set_aside(path, "was measured on another machine")
+    if profile.model != key:
+        return None, _set_aside(path, f"belongs to another model ({profile.model})")
+    return profile, ""
