@@ -74,7 +74,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress):
     meas = measure(model_dir, hw, quick=quick, draft_len=DRAFT_LEN, drafter=drafter, device=device, dtype=dtype,
                    progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
-    decisions = decide(hw, est, meas)
+    options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
+    decisions = decide(hw, est, meas, draft_options=options)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
     progress("profile saved", 1.0)
