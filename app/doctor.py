@@ -29,12 +29,6 @@ def add_doctor(sub) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
-def profiles_dir() -> Path:
-    from platformdirs import user_config_dir
-
-    return Path(user_config_dir("moechat")) / "profiles"
-
-
 def cmd_doctor(args) -> int:
     report = diagnose()
     if args.json:
@@ -84,6 +78,8 @@ def _native() -> dict:
 
 
 def _profiles(fp: str) -> dict:
+    from ..engine.hw.profile import profiles_dir
+
     folder = profiles_dir()
     files = sorted(folder.glob("*.toml")) if folder.is_dir() else []
     matching = [f.name[len(fp) + 1:-len(".toml")] for f in files if f.name.startswith(f"{fp}-")]

@@ -180,7 +180,7 @@ def test_doctor_json(capsys):
 
 
 def test_doctor_finds_this_machines_profile(capsys, tmp_path):
-    from moechat.app.doctor import profiles_dir
+    from moechat.engine.hw.profile import profiles_dir
 
     folder = profiles_dir()
     folder.mkdir(parents=True, exist_ok=True)
