@@ -194,6 +194,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        from .plain_chat import cmd_chat as plain_chat
+
+        return plain_chat(args)
+    from .tui.app import run_tui
+
+    return run_tui(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moechat", description="Chat with Mixture-of-Experts models larger than your GPU.")
     parser.add_argument("--version", action="version", version=f"moechat {__version__}")
@@ -207,12 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object: token_ids, text, stats, profile (the calibration profile used, or null)")
     gen.set_defaults(func=cmd_generate)
 
-    chat = sub.add_parser("chat", help="chat in the terminal, line by line (what `moechat` runs until the TUI lands)")
+    chat = sub.add_parser("chat", help="chat: the full-screen app on a terminal, line by line with --plain or "
+                                       "when input or output is not a terminal (what `moechat` alone runs)")
     add_engine_args(chat)
-    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--plain", action="store_true", help="line-by-line chat instead of the full-screen app")
+    chat.add_argument("--system", default=None, help="system message (plain chat; the app sets it per conversation)")
     add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)  # sampling (exact in distribution): less looping than greedy
-    from .plain_chat import cmd_chat
-
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")
@@ -247,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):  # plain `moechat`: chat
+    if not getattr(args, "func", None):  # `moechat` alone: chat (the app on a terminal)
         args = parser.parse_args(["chat"])
     try:
         return args.func(args)

@@ -1,0 +1,320 @@
+"""`MoechatApp`: the Textual app. It owns the chat store and the engine thread (EngineBridge), paints
+before the model loads (the bridge starts in on_mount) and routes what the engine posts to the
+chat screen. Importing this module imports no torch: the engine loads in the bridge's thread."""
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+from textual.app import App
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+from ..settings import settings_path
+from . import messages as m
+from .screens.chat import ChatScreen
+from .screens.dialogs import Confirm, TextPrompt
+from .screens.help import HelpScreen
+
+THEMES = ("textual-dark", "textual-light")
+
+# (action, palette name, help) for the command palette; the action names are the bindings' ids too.
+COMMANDS = [
+    ("new_chat", "New chat", "start a new conversation"),
+    ("rename_chat", "Rename chat", "rename this conversation"),
+    ("delete_chat", "Delete chat", "delete this conversation"),
+    ("export_chat", "Export chat", "write this conversation to a Markdown file"),
+    ("system_prompt", "System prompt", "set this conversation's system prompt"),
+    ("regenerate", "Regenerate", "write the last reply again"),
+    ("stop", "Stop", "stop the reply being written"),
+    ("copy_reply", "Copy reply", "copy the focused message, else the last reply"),
+    ("copy_code", "Copy code block", "copy the last code block of the focused message, else of the last reply"),
+    ("toggle_sidebar", "Toggle chat list", "show or hide the conversations"),
+    ("toggle_experts", "Toggle expert view", "show or hide the expert heatmap and stats"),
+    ("settings", "Settings", "memory budgets, policy, sampling, theme"),
+    ("setup", "Setup wizard", "choose the model and calibrate"),
+    ("reload", "Reload model", "load the model again with the saved settings"),
+    ("help", "Help", "keys and where things live"),
+    ("toggle_theme", "Toggle theme", "switch between light and dark"),
+]
+
+
+class MoechatCommands(Provider):
+    """The palette's moechat actions (Ctrl+P), found by fuzzy name."""
+
+    async def discover(self) -> Hits:
+        for action, name, help_text in COMMANDS:
+            yield DiscoveryHit(name, partial(self.app.run_action, action), help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for action, name, help_text in COMMANDS:
+            score = matcher.match(name)
+            if score > 0:
+                yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action), help=help_text)
+
+
+def load_keymap(path: Path) -> tuple[dict[str, str], str | None]:
+    """The `[keys]` table of settings.toml (binding id -> keys), and a notice when it is unusable."""
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}, None  # load_settings reports a broken file already
+    keys = raw.get("keys", {})
+    ids = {b.id for b in MoechatApp.BINDINGS if b.id}
+    if not isinstance(keys, dict) or not all(isinstance(v, str) and k in ids for k, v in keys.items()):
+        return {}, f"[keys] in {path} ignored: use binding ids ({', '.join(sorted(ids))}) with key strings"
+    return keys, None
+
+
+def _ui_state_path() -> Path:
+    from platformdirs import user_state_dir
+
+    return Path(user_state_dir("moechat")) / "tui.json"
+
+
+class MoechatApp(App):
+    CSS_PATH = "moechat.tcss"
+    TITLE = "moechat"
+    COMMANDS = App.COMMANDS | {MoechatCommands}
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", id="stop"),
+        Binding("ctrl+n", "new_chat", "New chat", id="new_chat"),
+        Binding("f2", "rename_chat", "Rename", id="rename_chat"),
+        Binding("f8", "delete_chat", "Delete chat", show=False, id="delete_chat"),
+        Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
+        Binding("ctrl+o", "export_chat", "Export", show=False, id="export_chat"),
+        Binding("ctrl+s", "system_prompt", "System prompt", show=False, id="system_prompt"),
+        Binding("f5", "copy_reply", "Copy reply", show=False, id="copy_reply"),
+        Binding("f9", "copy_code", "Copy code", show=False, id="copy_code"),
+        Binding("f4", "toggle_sidebar", "Chats", id="toggle_sidebar"),
+        Binding("f3", "toggle_experts", "Experts", id="toggle_experts"),
+        Binding("f12", "settings", "Settings", show=False, id="settings"),
+        Binding("ctrl+t", "toggle_theme", "Theme", show=False, id="toggle_theme"),
+        Binding("f1", "help", "Help", id="help"),
+    ]
+
+    def __init__(self, config_factory: Callable, sampling, store_path: Path | None = None,
+                 export_dir: Path | None = None, first_run: bool = False, settings_file: Path | None = None,
+                 ui_state: Path | None = None) -> None:
+        super().__init__()
+        from ..bridge import EngineBridge  # imports no torch: the engine loads in the bridge's thread
+        from ..store import ChatStore
+
+        self.store = ChatStore(store_path)
+        self.store_path = getattr(self.store, "path", store_path)
+        self.bridge = EngineBridge(self.post_message, config_factory)
+        self.sampling, self.export_dir, self.first_run = sampling, export_dir, first_run
+        self.settings_file = settings_file or settings_path()
+        self.ui_state = ui_state or _ui_state_path()
+        self.chat = ChatScreen()
+
+    def get_default_screen(self) -> ChatScreen:
+        return self.chat
+
+    def on_mount(self) -> None:
+        keymap, notice = load_keymap(self.settings_file)
+        self.set_keymap(keymap)
+        if notice:
+            self.notify(notice, severity="warning")
+        self.theme = self._saved_theme()
+        self.bridge.start()  # after the first paint is queued: the model loads while the UI runs
+        if self.first_run:
+            self.action_setup()
+
+    async def on_unmount(self) -> None:
+        self.bridge.close()
+        self.store.close()
+
+    # ---- what the engine thread posts -------------------------------------------------------------
+    def on_engine_loading(self, msg: m.EngineLoading) -> None:
+        self.chat.show_loading(msg.fraction, msg.label)
+
+    def on_engine_ready(self, msg: m.EngineReady) -> None:
+        self.chat.show_ready(msg.model, msg.summary)
+
+    async def on_engine_failed(self, msg: m.EngineFailed) -> None:
+        self.notify(msg.message, title="moechat", severity="error", timeout=10)
+        if msg.request_id is None:
+            self.chat.show_failed(msg.message)
+        else:
+            await self.chat.reply_finished(msg.request_id, "", "failed", None)
+
+    async def on_reply_delta(self, msg: m.ReplyDelta) -> None:
+        await self.chat.reply_delta(msg.request_id, msg.text)
+
+    def on_reply_stats(self, msg: m.ReplyStats) -> None:
+        self.chat.show_stats(msg.stats)
+
+    def on_expert_frame(self, msg: m.ExpertFrame) -> None:
+        self.chat.show_frame(msg.frame)
+
+    async def on_reply_finished(self, msg: m.ReplyFinished) -> None:
+        await self.chat.reply_finished(msg.request_id, msg.text, msg.reason, msg.stats)
+
+    def on_calibration_progress(self, msg: m.CalibrationProgress) -> None:
+        if self.screen is not self.chat:  # the wizard runs the calibration
+            self.screen.post_message(m.CalibrationProgress(msg.fraction, msg.label))
+
+    def on_calibration_done(self, msg: m.CalibrationDone) -> None:
+        if self.screen is not self.chat:
+            self.screen.post_message(m.CalibrationDone(msg.decisions, msg.profile_path))
+
+    # ---- actions --------------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        self.chat.stop()
+
+    async def action_new_chat(self) -> None:
+        await self.chat.new_chat()
+
+    async def action_regenerate(self) -> None:
+        await self.chat.regenerate()
+
+    def action_rename_chat(self) -> None:
+        conv = self.chat.current_conversation()
+        if conv is None:
+            self.notify("no conversation yet: send a message first", severity="warning")
+            return
+
+        async def done(title: str | None) -> None:
+            if title:
+                self.store.rename(conv.id, title)
+                await self.chat.refresh_conversations()
+
+        self.push_screen(TextPrompt("Rename chat", conv.title), done)
+
+    def action_system_prompt(self) -> None:
+        conv = self.chat.current_conversation()
+        if conv is None:
+            self.notify("no conversation yet: start one with Ctrl+N", severity="warning")
+            return
+
+        def done(text: str | None) -> None:
+            if text is not None:
+                self.store.set_system_prompt(conv.id, text)
+                self.notify("system prompt saved" if text else "system prompt cleared")
+
+        self.push_screen(TextPrompt("System prompt (Ctrl+S saves)", conv.system_prompt, multiline=True), done)
+
+    def action_delete_chat(self) -> None:
+        conv = self.chat.current_conversation()
+        if conv is None:
+            return
+
+        async def done(yes: bool | None) -> None:
+            if yes:
+                await self.chat.delete_chat()
+
+        self.push_screen(Confirm(f"Delete “{conv.title}”?"), done)
+
+    def action_export_chat(self) -> Path | None:
+        conv = self.chat.current_conversation()
+        if conv is None:
+            self.notify("no conversation to export", severity="warning")
+            return None
+        folder = self.export_dir or _documents_dir()
+        slug = re.sub(r"[^\w-]+", "-", conv.title).strip("-")[:40] or "chat"
+        path = folder / f"moechat-{conv.id}-{slug}.md"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_text(self.store.export_markdown(conv.id), encoding="utf-8")
+        except OSError as err:
+            self.notify(f"could not write {path}: {err.strerror}", severity="error")
+            return None
+        self.notify(f"exported to {path}")
+        return path
+
+    def _copy(self, code: bool) -> None:
+        view = self.chat.target_message()
+        if view is None:
+            self.notify("no reply to copy yet", severity="warning")
+        else:
+            view.action_copy_code() if code else view.action_copy()
+
+    def action_copy_reply(self) -> None:
+        self._copy(code=False)
+
+    def action_copy_code(self) -> None:
+        self._copy(code=True)
+
+    def action_toggle_sidebar(self) -> None:
+        self.chat.query_one("#sidebar").toggle_class("hidden")
+
+    def action_toggle_experts(self) -> None:
+        self.chat.query_one("#side-panel").toggle_class("shown")
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_toggle_theme(self) -> None:
+        self.theme = THEMES[1] if self.theme == THEMES[0] else THEMES[0]
+        try:
+            self.ui_state.parent.mkdir(parents=True, exist_ok=True)
+            self.ui_state.write_text(json.dumps({"theme": self.theme}), encoding="utf-8")
+        except OSError:
+            pass  # the theme is only not remembered
+
+    def _saved_theme(self) -> str:
+        try:
+            theme = json.loads(self.ui_state.read_text(encoding="utf-8")).get("theme")
+        except (OSError, ValueError, AttributeError):
+            return THEMES[0]
+        return theme if theme in self.available_themes else THEMES[0]
+
+    def action_reload(self) -> None:
+        if self.chat.reply is not None:
+            self.bridge.stop()
+        self.chat.show_loading(0.0, "reloading")
+        self.bridge.reload()
+
+    def action_settings(self) -> None:
+        try:
+            from .screens.settings import SettingsScreen
+        except ImportError:
+            self.notify(f"settings: edit {self.settings_file}", severity="warning")
+            return
+
+        def done(settings) -> None:
+            if settings is not None:
+                self.notify("settings saved: Reload model (Ctrl+P) applies engine changes")
+
+        self.push_screen(SettingsScreen(), done)
+
+    def action_setup(self) -> None:
+        try:
+            from .screens.wizard import WizardScreen
+        except ImportError:
+            self.notify("the setup wizard is not available in this build", severity="warning")
+            return
+
+        def done(model_dir: str | None) -> None:
+            if model_dir:
+                self.action_reload()
+
+        self.push_screen(WizardScreen(), done)
+
+
+def _documents_dir() -> Path:
+    from platformdirs import user_documents_dir
+
+    path = Path(user_documents_dir())
+    return path if path.is_dir() else Path.cwd()
+
+
+def run_tui(args) -> int:
+    """`moechat` on a terminal: the TUI with the command line's engine and sampling options."""
+    import copy
+
+    from ..cli import engine_config, sampling_params
+    from ..settings import load_settings
+
+    base = copy.copy(args)
+    settings, _ = load_settings()
+    first_run = not settings_path().exists() and args.model is None and settings.model is None
+    MoechatApp(lambda: engine_config(copy.copy(base)), sampling_params(args), first_run=first_run).run()
+    return 0

@@ -1,0 +1,327 @@
+"""The chat screen: conversations (sidebar), the message log with streaming Markdown, the input, the
+expert side panel and the status line. It owns the reply being written; the app routes engine
+messages here. Every message is stored as it happens: the user's on send, the reply as unfinished
+at its start, re-saved at most every SAVE_INTERVAL_S, and finished at its end."""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import asdict, dataclass
+
+from textual import events
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Label, ListItem, ListView, Markdown, ProgressBar, Static, TextArea
+
+from ..messages import Frame, Stats
+
+SAVE_INTERVAL_S = 0.5
+CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def last_code_block(text: str) -> str | None:
+    blocks = CODE_BLOCK.findall(text)
+    return blocks[-1].rstrip("\n") if blocks else None
+
+
+class ChatInput(TextArea):
+    """Multiline input: Enter sends; Shift+Enter, Alt+Enter or Ctrl+J add a line (Shift+Enter only where
+    the terminal reports it; Ctrl+J works everywhere)."""
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            if self.text.strip():
+                self.post_message(self.Submitted(self.text))
+                self.clear()
+            return
+        if event.key in ("shift+enter", "alt+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        await super()._on_key(event)
+
+
+class MessageView(Vertical, can_focus=True):
+    """One message: a role line and its Markdown. Focused, `c` copies it and `k` its last code block."""
+
+    BINDINGS = [Binding("c", "copy", "Copy"), Binding("k", "copy_code", "Copy code")]
+
+    def __init__(self, role: str, content: str, message_id: int | None = None) -> None:
+        super().__init__(classes=f"message {role}")
+        self.role, self.content, self.message_id = role, content, message_id
+
+    def compose(self) -> ComposeResult:
+        yield Label({"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role), classes="role")
+        yield Markdown(self.content)
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    def set_note(self, note: str) -> None:
+        label = self.query_one(".role", Label)
+        label.update(f"moechat · {note}" if note else "moechat")
+
+    def action_copy(self) -> None:
+        self.app.copy_to_clipboard(self.content)
+        self.app.notify("message copied")
+
+    def action_copy_code(self) -> None:
+        code = last_code_block(self.content)
+        if code is None:
+            self.app.notify("this message has no code block", severity="warning")
+            return
+        self.app.copy_to_clipboard(code)
+        self.app.notify("code block copied")
+
+
+class ConversationItem(ListItem):
+    def __init__(self, conv_id: int, title: str) -> None:
+        super().__init__(Label(title))
+        self.conv_id = conv_id
+
+
+@dataclass
+class _Reply:
+    """The reply being written: its request, stored message, widget, text so far, stream, last save."""
+
+    request_id: int
+    message_id: int
+    view: MessageView
+    stream: object
+    text: str = ""
+    saved_at: float = 0.0
+
+
+def status_line(model: str, state: str, stats: Stats | None) -> str:
+    parts = [model or "no model", state]
+    if stats is not None:
+        parts.append(f"{stats.tokens_per_s:.1f} tok/s")
+        parts.append("acceptance –" if stats.acceptance is None else f"acceptance {stats.acceptance:.2f}")
+        parts.append("hit rate –" if stats.hit_rate is None else f"hit rate {stats.hit_rate:.2f}")
+        parts.append(f"{stats.new_tokens} tokens")
+    return "  ·  ".join(p for p in parts if p)
+
+
+def _side_panel_widgets():
+    """The heatmap and stats widgets; a placeholder where they are not installed yet."""
+    try:
+        from ..widgets.heatmap import ExpertHeatmap
+        from ..widgets.stats import StatsPanel
+    except ImportError:
+        return [Static("expert view: waiting for the first frame", id="heatmap-placeholder")]
+    return [ExpertHeatmap(id="heatmap"), StatsPanel(id="stats")]
+
+
+class ChatScreen(Screen):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_id: int | None = None
+        self.reply: _Reply | None = None
+        self.next_request = 0
+        self.model, self.state, self.stats = "", "starting", None
+
+    @property
+    def store(self):
+        return self.app.store
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="body"):
+            with Vertical(id="sidebar"):
+                yield Label("Chats", classes="panel-title")
+                yield ListView(id="conversations")
+            with Vertical(id="main"):
+                yield VerticalScroll(id="log")
+                yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False, compact=True,
+                                placeholder="Message (Enter sends, Ctrl+J new line, F1 help)")
+            with VerticalScroll(id="side-panel"):
+                yield from _side_panel_widgets()
+        with Horizontal(id="status-bar"):
+            yield Static(status_line("", "starting", None), id="status")
+            yield ProgressBar(total=1.0, show_eta=False, id="loading")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        convs = self.store.conversations()
+        await self.refresh_conversations()
+        if convs:
+            await self.open_conversation(convs[0].id)
+        self.query_one(ChatInput).focus()
+
+    # ---- status -------------------------------------------------------------------------------
+    def update_status(self) -> None:
+        self.query_one("#status", Static).update(status_line(self.model, self.state, self.stats))
+
+    def show_loading(self, fraction: float, label: str) -> None:
+        bar = self.query_one("#loading", ProgressBar)
+        bar.display = True
+        bar.update(progress=fraction)
+        self.state = f"loading: {label} {fraction:.0%}"
+        self.update_status()
+
+    def show_ready(self, model: str, summary: str) -> None:
+        self.query_one("#loading", ProgressBar).display = False
+        self.model, self.state = model, summary or "ready"
+        self.update_status()
+
+    def show_failed(self, message: str) -> None:
+        self.query_one("#loading", ProgressBar).display = False
+        self.state = "engine stopped: " + message
+        self.update_status()
+
+    def show_stats(self, stats: Stats) -> None:
+        self.stats = stats
+        self.update_status()
+        for panel in self.query("#stats"):
+            panel.update_stats(stats)
+
+    def show_frame(self, frame: Frame) -> None:
+        for heatmap in self.query("#heatmap"):
+            heatmap.update_frame(frame)
+
+    # ---- conversations ------------------------------------------------------------------------
+    async def refresh_conversations(self) -> None:
+        view = self.query_one("#conversations", ListView)
+        await view.clear()
+        convs = self.store.conversations()
+        await view.extend([ConversationItem(c.id, c.title) for c in convs])
+        ids = [c.id for c in convs]
+        if self.conv_id in ids:
+            view.index = ids.index(self.conv_id)
+
+    async def open_conversation(self, conv_id: int | None) -> None:
+        self.conv_id = conv_id
+        log = self.query_one("#log", VerticalScroll)
+        await log.remove_children()
+        if conv_id is not None:
+            await log.mount_all([MessageView(m.role, m.content, m.id) for m in self.store.messages(conv_id)])
+        log.scroll_end(animate=False)
+
+    async def on_list_view_selected(self, event: ListView.Selected) -> None:
+        if isinstance(event.item, ConversationItem) and event.item.conv_id != self.conv_id:
+            if self.refuse_while_busy():
+                return
+            await self.open_conversation(event.item.conv_id)
+
+    def refuse_while_busy(self) -> bool:
+        if self.reply is not None:
+            self.app.notify("a reply is being written: Esc stops it", severity="warning")
+            return True
+        return False
+
+    def current_conversation(self):
+        return next((c for c in self.store.conversations() if c.id == self.conv_id), None)
+
+    # ---- sending and replies ------------------------------------------------------------------
+    async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
+        await self.send(event.text)
+
+    async def send(self, text: str) -> None:
+        text = text.strip()
+        if not text or self.refuse_while_busy():
+            return
+        if self.conv_id is None:
+            self.conv_id = self.store.create(title=" ".join(text.split())[:40])
+            await self.refresh_conversations()
+        message_id = self.store.add(self.conv_id, "user", text)
+        await self.query_one("#log").mount(MessageView("user", text, message_id))
+        await self.start_reply()
+
+    async def start_reply(self) -> None:
+        """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once."""
+        conv = self.current_conversation()
+        history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
+        history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id) if m.content]
+        message_id = self.store.add(self.conv_id, "assistant", "", finished=False)
+        view = MessageView("assistant", "", message_id)
+        log = self.query_one("#log", VerticalScroll)
+        await log.mount(view)
+        log.anchor()  # follow the reply as it grows
+        view.set_note("writing…")
+        self.next_request += 1
+        self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic())
+        self.stats = None
+        self.app.bridge.generate(self.next_request, history, self.app.sampling)
+
+    async def reply_delta(self, request_id: int, text: str) -> None:
+        reply = self.reply
+        if reply is None or reply.request_id != request_id:
+            return  # a stopped or failed reply's late text
+        reply.text += text
+        reply.view.content = reply.text
+        await reply.stream.write(text)
+        if time.monotonic() - reply.saved_at >= SAVE_INTERVAL_S:
+            self.store.update(reply.message_id, reply.text, finished=False)
+            reply.saved_at = time.monotonic()
+
+    async def reply_finished(self, request_id: int, text: str, reason: str, stats: Stats | None) -> None:
+        reply = self.reply
+        if reply is None or reply.request_id != request_id:
+            return
+        self.reply = None
+        await reply.stream.stop()
+        text = text or reply.text
+        if stats is not None:
+            self.show_stats(stats)
+        if not text and reason != "stop":  # stopped or failed before the first token: nothing to keep
+            self.store.delete_message(reply.message_id)
+            await reply.view.remove()
+            return
+        reply.view.content = text
+        await reply.view.markdown.update(text)  # the whole reply, exactly as the engine ended it
+        reply.view.set_note({"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, ""))
+        self.store.update(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
+
+    # ---- actions the app binds --------------------------------------------------------------------
+    def stop(self) -> None:
+        if self.reply is not None:
+            self.app.bridge.stop()
+
+    async def regenerate(self) -> None:
+        if self.conv_id is None or self.refuse_while_busy():
+            return
+        messages = self.store.messages(self.conv_id)
+        if messages and messages[-1].role == "assistant":
+            self.store.delete_message(messages[-1].id)
+            views = self.query(MessageView)
+            if views:
+                await views.last().remove()
+            messages = messages[:-1]
+        if not messages or messages[-1].role != "user":
+            self.app.notify("nothing to regenerate: send a message first", severity="warning")
+            return
+        await self.start_reply()
+
+    def target_message(self) -> MessageView | None:
+        """The focused message, else the last reply."""
+        if isinstance(self.focused, MessageView):
+            return self.focused
+        replies = self.query(".assistant").results(MessageView)
+        return next(reversed(list(replies)), None)
+
+    async def new_chat(self) -> None:
+        if self.refuse_while_busy():
+            return
+        self.conv_id = self.store.create()
+        await self.refresh_conversations()
+        await self.open_conversation(self.conv_id)
+        self.query_one(ChatInput).focus()
+
+    async def delete_chat(self) -> None:
+        if self.conv_id is None or self.refuse_while_busy():
+            return
+        self.store.delete(self.conv_id)
+        convs = self.store.conversations()
+        await self.open_conversation(convs[0].id if convs else None)
+        await self.refresh_conversations()

@@ -1,0 +1,77 @@
+"""Small modal dialogs of the chat screen: a one-field text prompt (rename, system prompt) and a yes/no."""
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Label, TextArea
+
+
+class TextPrompt(ModalScreen[str | None]):
+    """Edit one text value; dismisses with the text (Ctrl+S or Save) or None (Esc or Cancel)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, title: str, value: str = "", multiline: bool = False) -> None:
+        super().__init__()
+        self.title_text, self.value, self.multiline = title, value, multiline
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.title_text, classes="dialog-title")
+            area = TextArea(self.value, id="prompt-text", soft_wrap=True, show_line_numbers=False)
+            area.styles.height = 8 if self.multiline else 3
+            yield area
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_mount(self) -> None:
+        area = self.query_one(TextArea)
+        area.focus()
+        area.move_cursor(area.document.end)
+
+    def on_key(self, event) -> None:
+        if event.key == "enter" and not self.multiline:  # one-line values: Enter saves
+            event.stop()
+            event.prevent_default()
+            self.action_save()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.action_save() if event.button.id == "save" else self.action_cancel()
+
+    def action_save(self) -> None:
+        self.dismiss(self.query_one(TextArea).text.strip())
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class Confirm(ModalScreen[bool]):
+    """A yes/no question; dismisses with True only on an explicit yes."""
+
+    BINDINGS = [Binding("escape", "no", "No"), Binding("y", "yes", "Yes"), Binding("n", "no", "No")]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label(self.question, classes="dialog-title")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Yes", variant="error", id="yes")
+                yield Button("No", variant="primary", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+    def action_yes(self) -> None:
+        self.dismiss(True)
+
+    def action_no(self) -> None:
+        self.dismiss(False)
