@@ -55,8 +55,9 @@ def _progress(name: str, frac: float) -> None:
     print(f"[{100 * frac:3.0f}%] {name}", file=sys.stderr, flush=True)
 
 
-def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress):
-    """Probe, estimate, measure, decide, save: (Profile, path)."""
+def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
+              vram_budget: int | None = None, ram_budget: int | None = None):
+    """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) go to `decide`."""
     from ..engine.hw.decide import decide
     from ..engine.hw.estimate import estimate
     from ..engine.hw.measure import measure
@@ -75,7 +76,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress):
                    progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
-    decisions = decide(hw, est, meas, draft_options=options)
+    decisions = decide(hw, est, meas, vram_budget, ram_budget, draft_options=options)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
     progress("profile saved", 1.0)

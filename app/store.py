@@ -1,0 +1,286 @@
+"""Chats in SQLite: conversations and their messages, in platformdirs' data directory.
+
+The file is `chats.sqlite3` in moechat's data directory (`~/.local/share/moechat/` on Linux), in WAL
+mode: a reply is stored as an unfinished assistant message when it starts and updated as it streams,
+each update its own transaction, so a crash or a kill leaves every finished message intact and the
+reply as far as it got (finished=False, which the chat screen shows as interrupted).
+
+The schema grows by `MIGRATIONS`, never by editing one: `PRAGMA user_version` counts the scripts
+that ran, each runs in one transaction, and a file written by a newer moechat is refused untouched.
+
+Threads: the Textual app writes from its UI thread only, but the connection is opened with
+`check_same_thread=False` and every call holds `self._lock`, so a call from another thread (a worker,
+a test) is safe too: sqlite3 connections must not be used by two threads at once.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine.errors import MoechatError
+
+ROLES = ("system", "user", "assistant")
+HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}
+
+# Append only: an edited migration would never run again on a database that already has it.
+MIGRATIONS = [
+    """
+    CREATE TABLE conversations (
+        id INTEGER PRIMARY KEY,
+        title TEXT NOT NULL,
+        system_prompt TEXT NOT NULL DEFAULT '',
+        created REAL NOT NULL,
+        updated REAL NOT NULL
+    );
+    CREATE TABLE messages (
+        id INTEGER PRIMARY KEY,
+        conv_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+        content TEXT NOT NULL,
+        finished INTEGER NOT NULL DEFAULT 1,
+        created REAL NOT NULL,
+        stats TEXT
+    );
+    CREATE INDEX messages_by_conversation ON messages(conv_id, id);
+    """,
+]
+
+
+def store_path() -> Path:
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("moechat")) / "chats.sqlite3"
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str
+    created: float  # epoch seconds
+    updated: float  # epoch seconds; moves when a message is added or updated
+
+
+@dataclass
+class ChatMessage:
+    id: int
+    conv_id: int
+    role: str  # system | user | assistant
+    content: str
+    finished: bool  # False: a reply still streaming, or one cut off by a crash
+    created: float  # epoch seconds
+    stats: dict | None  # the reply's stats (tokens/s, acceptance, ...), JSON in the database
+
+
+class ChatStore:
+    def __init__(self, path: Path | None = None):
+        self.path = Path(path) if path is not None else store_path()
+        self._lock = threading.RLock()
+        self._db: sqlite3.Connection | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # isolation_level=None: no implicit transactions; every write below says BEGIN itself.
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA foreign_keys=ON")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]  # before WAL: that writes the file
+            if version > len(MIGRATIONS):
+                raise MoechatError(
+                    f"chat database {self.path} was written by a newer moechat (schema {version}, this one "
+                    f"knows {len(MIGRATIONS)}); upgrade, or move it aside"
+                )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
+            self._migrate(version)
+        except sqlite3.DatabaseError as err:
+            self.close()
+            raise MoechatError(
+                f"chat database {self.path} cannot be used ({err}): move it aside and moechat starts a new one"
+            ) from None
+        except OSError as err:
+            self.close()
+            raise MoechatError(f"cannot create the chat database {self.path} ({err.strerror or err})") from None
+        except MoechatError:
+            self.close()
+            raise
+
+    def _migrate(self, version: int) -> None:
+        for number in range(version + 1, len(MIGRATIONS) + 1):
+            # user_version lives in the file header and is set in the same transaction as the schema.
+            try:
+                self._db.executescript(
+                    f"BEGIN IMMEDIATE;\n{MIGRATIONS[number - 1]}\nPRAGMA user_version = {number};\nCOMMIT;"
+                )
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> ChatStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
+        """One statement in its own transaction (autocommit)."""
+        with self._lock:
+            return self._conn().execute(sql, args)
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise ValueError("the chat store is closed")
+        return self._db
+
+    # -- conversations ----------------------------------------------------------------------------
+
+    def conversations(self) -> list[Conversation]:
+        """Most recently updated first."""
+        with self._lock:
+            rows = self._conn().execute(
+                "SELECT id, title, system_prompt, created, updated FROM conversations ORDER BY updated DESC, id DESC"
+            ).fetchall()
+        return [Conversation(*row) for row in rows]
+
+    def conversation(self, conv_id: int) -> Conversation:
+        with self._lock:
+            row = self._conn().execute(
+                "SELECT id, title, system_prompt, created, updated FROM conversations WHERE id = ?", (conv_id,)
+            ).fetchone()
+        if row is None:
+            raise KeyError(f"no conversation {conv_id}")
+        return Conversation(*row)
+
+    def create(self, title: str = "New chat", system_prompt: str = "") -> int:
+        now = time.time()
+        cursor = self._write(
+            "INSERT INTO conversations (title, system_prompt, created, updated) VALUES (?, ?, ?, ?)",
+            (title, system_prompt, now, now),
+        )
+        return cursor.lastrowid
+
+    def rename(self, conv_id: int, title: str) -> None:
+        self._expect_row(self._write("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id)), conv_id)
+
+    def delete(self, conv_id: int) -> None:
+        """Deletes the conversation and (ON DELETE CASCADE) its messages; an unknown id is a no-op."""
+        self._write("DELETE FROM conversations WHERE id = ?", (conv_id,))
+
+    def set_system_prompt(self, conv_id: int, text: str) -> None:
+        cursor = self._write("UPDATE conversations SET system_prompt = ? WHERE id = ?", (text, conv_id))
+        self._expect_row(cursor, conv_id)
+
+    @staticmethod
+    def _expect_row(cursor: sqlite3.Cursor, conv_id: int) -> None:
+        if cursor.rowcount == 0:
+            raise KeyError(f"no conversation {conv_id}")
+
+    # -- messages ---------------------------------------------------------------------------------
+
+    def messages(self, conv_id: int) -> list[ChatMessage]:
+        """Oldest first."""
+        with self._lock:
+            rows = self._conn().execute(
+                "SELECT id, conv_id, role, content, finished, created, stats FROM messages"
+                " WHERE conv_id = ? ORDER BY id",
+                (conv_id,),
+            ).fetchall()
+        return [
+            ChatMessage(id, conv, role, content, bool(finished), created, json.loads(stats) if stats else None)
+            for id, conv, role, content, finished, created, stats in rows
+        ]
+
+    def add(self, conv_id: int, role: str, content: str, finished: bool = True) -> int:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        now = time.time()
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                touched = db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
+                if touched.rowcount == 0:
+                    raise KeyError(f"no conversation {conv_id}")
+                cursor = db.execute(
+                    "INSERT INTO messages (conv_id, role, content, finished, created) VALUES (?, ?, ?, ?, ?)",
+                    (conv_id, role, content, int(finished), now),
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return cursor.lastrowid
+
+    def update(self, message_id: int, content: str, finished: bool, stats: dict | None = None) -> None:
+        """Replaces the content (a streaming reply so far); stats=None keeps the stored stats."""
+        stats_json = json.dumps(stats) if stats is not None else None
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                cursor = db.execute(
+                    "UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats) WHERE id = ?",
+                    (content, int(finished), stats_json, message_id),
+                )
+                if cursor.rowcount == 0:
+                    raise KeyError(f"no message {message_id}")
+                db.execute(
+                    "UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",
+                    (time.time(), message_id),
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def delete_message(self, message_id: int) -> None:
+        """Regenerate drops the last reply; an unknown id is a no-op."""
+        self._write("DELETE FROM messages WHERE id = ?", (message_id,))
+
+    # -- export -----------------------------------------------------------------------------------
+
+    def export_markdown(self, conv_id: int) -> str:
+        """The conversation as Markdown: title, system prompt as a blockquote, a heading per message."""
+        conv = self.conversation(conv_id)
+        parts = [f"# {' '.join(conv.title.split()) or 'Untitled chat'}"]
+        if conv.system_prompt.strip():
+            parts.append("\n".join(f"> {line}".rstrip() for line in conv.system_prompt.strip("\n").split("\n")))
+        for message in self.messages(conv_id):
+            parts.append(f"### {HEADINGS[message.role]}")
+            body = _close_fences(message.content.strip("\n"))
+            if not message.finished:
+                body += "\n\n*(interrupted)*"
+            parts.append(body)
+        return "\n\n".join(parts) + "\n"
+
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+
+
+def _close_fences(text: str) -> str:
+    """`text` verbatim, plus a closing fence if it ends inside a code block (a reply cut off there)
+
+    so that the next heading of the export is not swallowed by the open block.
+    """
+    opening = None  # the open fence's run of ` or ~, else None
+    for line in text.split("\n"):
+        match = _FENCE.match(line)
+        if match is None:
+            continue
+        run, rest = match.groups()
+        if opening is None:
+            if not (run[0] == "`" and "`" in rest):  # a backtick fence's info string holds no backtick
+                opening = run
+        elif run[0] == opening[0] and len(run) >= len(opening) and not rest.strip():
+            opening = None
+    return text if opening is None else f"{text}\n{opening}"
