@@ -3,9 +3,8 @@ before the model loads (the bridge starts in on_mount) and routes what the engin
 chat screen. Importing this module imports no torch: the engine loads in the bridge's thread."""
 from __future__ import annotations
 
-import json
 import re
-import tomllib
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -14,7 +13,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from ..settings import settings_path
+from ..settings import RELOAD_FIELDS, Settings, load_settings, save_settings, settings_path
 from . import messages as m
 from .screens.chat import ChatScreen
 from .screens.dialogs import Confirm, TextPrompt
@@ -58,23 +57,16 @@ class MoechatCommands(Provider):
                 yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action), help=help_text)
 
 
-def load_keymap(path: Path) -> tuple[dict[str, str], str | None]:
-    """The `[keys]` table of settings.toml (binding id -> keys), and a notice when it is unusable."""
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
-        return {}, None  # load_settings reports a broken file already
-    keys = raw.get("keys", {})
+def checked_keymap(keys: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    """The settings' `[keys]` (binding id -> keys) this app knows, and a notice naming the unknown ids."""
     ids = {b.id for b in MoechatApp.BINDINGS if b.id}
-    if not isinstance(keys, dict) or not all(isinstance(v, str) and k in ids for k, v in keys.items()):
-        return {}, f"[keys] in {path} ignored: use binding ids ({', '.join(sorted(ids))}) with key strings"
-    return keys, None
+    unknown = sorted(set(keys) - ids)
+    notice = f"[keys] {', '.join(unknown)} ignored: the ids are {', '.join(sorted(ids))}" if unknown else None
+    return {k: v for k, v in keys.items() if k in ids}, notice
 
 
-def _ui_state_path() -> Path:
-    from platformdirs import user_state_dir
-
-    return Path(user_state_dir("moechat")) / "tui.json"
+def textual_theme(name: str) -> str:
+    return {"dark": THEMES[0], "light": THEMES[1]}.get(name, name)
 
 
 class MoechatApp(App):
@@ -98,9 +90,9 @@ class MoechatApp(App):
         Binding("f1", "help", "Help", id="help"),
     ]
 
-    def __init__(self, config_factory: Callable, sampling, store_path: Path | None = None,
-                 export_dir: Path | None = None, first_run: bool = False, settings_file: Path | None = None,
-                 ui_state: Path | None = None) -> None:
+    def __init__(self, config_factory: Callable, sampling=None, store_path: Path | None = None,
+                 export_dir: Path | None = None, first_run: bool = False, settings_file: Path | None = None) -> None:
+        """sampling: SamplingParams for replies; None: the settings' temperature, top-p and max new tokens."""
         super().__init__()
         from ..bridge import EngineBridge  # imports no torch: the engine loads in the bridge's thread
         from ..store import ChatStore
@@ -108,20 +100,19 @@ class MoechatApp(App):
         self.store = ChatStore(store_path)
         self.store_path = getattr(self.store, "path", store_path)
         self.bridge = EngineBridge(self.post_message, config_factory)
-        self.sampling, self.export_dir, self.first_run = sampling, export_dir, first_run
+        self.export_dir, self.first_run = export_dir, first_run
         self.settings_file = settings_file or settings_path()
-        self.ui_state = ui_state or _ui_state_path()
+        self.settings, self.settings_notice = load_settings(self.settings_file)
+        self.sampling = sampling or sampling_from(self.settings)
         self.chat = ChatScreen()
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
 
     def on_mount(self) -> None:
-        keymap, notice = load_keymap(self.settings_file)
-        self.set_keymap(keymap)
-        if notice:
-            self.notify(notice, severity="warning")
-        self.theme = self._saved_theme()
+        for notice in (self.settings_notice, self.apply_look(self.settings)):
+            if notice:
+                self.notify(notice, severity="warning", timeout=10)
         self.bridge.start()  # after the first paint is queued: the model loads while the UI runs
         if self.first_run:
             self.action_setup()
@@ -251,20 +242,22 @@ class MoechatApp(App):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
+    def apply_look(self, settings: Settings) -> str | None:
+        """Theme and keys from the settings; a notice when some of them cannot be used."""
+        keymap, notice = checked_keymap(settings.keys)
+        self.set_keymap(keymap)
+        theme = textual_theme(settings.theme)
+        self.theme = theme if theme in self.available_themes else THEMES[0]
+        return notice
+
     def action_toggle_theme(self) -> None:
         self.theme = THEMES[1] if self.theme == THEMES[0] else THEMES[0]
-        try:
-            self.ui_state.parent.mkdir(parents=True, exist_ok=True)
-            self.ui_state.write_text(json.dumps({"theme": self.theme}), encoding="utf-8")
-        except OSError:
-            pass  # the theme is only not remembered
-
-    def _saved_theme(self) -> str:
-        try:
-            theme = json.loads(self.ui_state.read_text(encoding="utf-8")).get("theme")
-        except (OSError, ValueError, AttributeError):
-            return THEMES[0]
-        return theme if theme in self.available_themes else THEMES[0]
+        if self.settings_notice is None:  # never rewrite a file the user has to fix
+            self.settings = replace(self.settings, theme="light" if self.theme == THEMES[1] else "dark")
+            try:
+                save_settings(self.settings, self.settings_file)
+            except OSError as err:
+                self.notify(f"theme not remembered: {err}", severity="warning")
 
     def action_reload(self) -> None:
         if self.chat.reply is not None:
@@ -279,9 +272,18 @@ class MoechatApp(App):
             self.notify(f"settings: edit {self.settings_file}", severity="warning")
             return
 
-        def done(settings) -> None:
-            if settings is not None:
-                self.notify("settings saved: Reload model (Ctrl+P) applies engine changes")
+        def done(settings: Settings | None) -> None:
+            if settings is None:
+                return
+            before, self.settings, self.settings_notice = self.settings, settings, None
+            self.sampling = sampling_from(settings, self.sampling)
+            notice = self.apply_look(settings)
+            if notice:
+                self.notify(notice, severity="warning")
+            if any(getattr(before, f) != getattr(settings, f) for f in RELOAD_FIELDS):
+                self.notify("settings saved; the engine changes apply after Reload model (Ctrl+P)")
+            else:
+                self.notify("settings saved and applied")
 
         self.push_screen(SettingsScreen(), done)
 
@@ -299,6 +301,14 @@ class MoechatApp(App):
         self.push_screen(WizardScreen(), done)
 
 
+def sampling_from(settings: Settings, base=None):
+    """The chat's SamplingParams: the settings' temperature, top-p and max new tokens over `base`."""
+    from ..engine.config import SamplingParams
+
+    base = base or SamplingParams()
+    return replace(base, temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens)
+
+
 def _documents_dir() -> Path:
     from platformdirs import user_documents_dir
 
@@ -311,10 +321,11 @@ def run_tui(args) -> int:
     import copy
 
     from ..cli import engine_config, sampling_params
-    from ..settings import load_settings
 
     base = copy.copy(args)
-    settings, _ = load_settings()
-    first_run = not settings_path().exists() and args.model is None and settings.model is None
-    MoechatApp(lambda: engine_config(copy.copy(base)), sampling_params(args), first_run=first_run).run()
+    first_run = not settings_path().exists() and args.model is None
+    # Sampling: the settings' (the settings screen edits them), with the command line's seed, top-k and stops.
+    app = MoechatApp(lambda: engine_config(copy.copy(base)), first_run=first_run)
+    app.sampling = sampling_from(app.settings, sampling_params(args))
+    app.run()
     return 0

@@ -57,12 +57,13 @@ class MessageView(Vertical, can_focus=True):
 
     BINDINGS = [Binding("c", "copy", "Copy"), Binding("k", "copy_code", "Copy code")]
 
-    def __init__(self, role: str, content: str, message_id: int | None = None) -> None:
+    def __init__(self, role: str, content: str, message_id: int | None = None, finished: bool = True) -> None:
         super().__init__(classes=f"message {role}")
-        self.role, self.content, self.message_id = role, content, message_id
+        self.role, self.content, self.message_id, self.finished = role, content, message_id, finished
 
     def compose(self) -> ComposeResult:
-        yield Label({"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role), classes="role")
+        name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
+        yield Label(name if self.finished else f"{name} · interrupted", classes="role")
         yield Markdown(self.content)
 
     @property
@@ -205,7 +206,7 @@ class ChatScreen(Screen):
         log = self.query_one("#log", VerticalScroll)
         await log.remove_children()
         if conv_id is not None:
-            await log.mount_all([MessageView(m.role, m.content, m.id) for m in self.store.messages(conv_id)])
+            await log.mount_all([MessageView(m.role, m.content, m.id, m.finished) for m in self.store.messages(conv_id)])
         log.scroll_end(animate=False)
 
     async def on_list_view_selected(self, event: ListView.Selected) -> None:
