@@ -113,7 +113,7 @@ class MoechatApp(App):
         for notice in (self.settings_notice, self.apply_look(self.settings)):
             if notice:
                 self.notify(notice, severity="warning", timeout=10)
-        self.bridge.start()  # after the first paint is queued: the model loads while the UI runs
+        self.call_after_refresh(self.bridge.start)  # the screen paints first; the model loads while the UI runs
         if self.first_run:
             self.action_setup()
 
@@ -303,7 +303,7 @@ class MoechatApp(App):
 
 def sampling_from(settings: Settings, base=None):
     """The chat's SamplingParams: the settings' temperature, top-p and max new tokens over `base`."""
-    from ..engine.config import SamplingParams
+    from ...engine.config import SamplingParams
 
     base = base or SamplingParams()
     return replace(base, temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens)
