@@ -1,0 +1,234 @@
+"""The engine thread: one long-lived daemon thread owns the `Engine`, takes commands from a queue
+(load, generate, calibrate, quit) and posts the Message classes of `app/tui/messages.py` back with
+`post` (the Textual App's thread-safe `post_message`). The UI thread never waits on the engine.
+
+Every `generate` ends with exactly one of:
+- ReplyFinished(request_id, text, reason, stats): reason "stop" (end of sequence or a stop string),
+  "length" or "cancelled" (`stop()`, also for a reply stopped before it started: text "");
+- EngineFailed(message, request_id): the request failed (no model loaded, a prompt too long for the
+  context, an internal error); text already streamed stays as ReplyDelta posted it. No ReplyFinished.
+A load or a calibration that fails posts EngineFailed(message) with request_id None; the thread stays
+alive for the next `reload` or `calibrate`.
+
+Commands run in the order given: a `reload` or `calibrate` waits for the replies queued before it
+(call `stop()` first to cut them short). `stop()` cancels the running reply and every reply queued
+before the call; the engine thread turns that into `Engine.stop()` at the next event, so the reply
+ends after the step in progress (the engine checks its flag only between steps), as Ctrl-C does in
+`moechat chat`, and the engine stays ready. ReplyStats and ExpertFrame are capped in time, see
+`app/bridge_meter.py`.
+"""
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+from dataclasses import fields
+from pathlib import Path
+from typing import Callable
+
+from textual.message import Message
+
+from ..engine.config import EngineConfig, SamplingParams
+from ..engine.errors import MoechatError
+from .tui.messages import (CalibrationDone, CalibrationProgress, EngineFailed, EngineLoading, EngineReady, ExpertFrame,
+                           ReplyDelta, ReplyFinished, ReplyStats, Stats)
+
+REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # engine -> ReplyFinished
+JOIN_S = 10.0  # close() waits this long for a load or calibration in progress; the thread is a daemon anyway
+
+
+def model_name(model_dir: str) -> str:
+    path = Path(model_dir)
+    return path.parent.name if path.name == "model" else path.name  # the demo ships <name>/model
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split()) or "unknown error"
+
+
+class EngineBridge:
+    def __init__(self, post: Callable[[Message], object], config_factory: Callable[[], EngineConfig],
+                 frame_interval_s: float = 0.1):
+        if frame_interval_s < 0:
+            raise ValueError(f"frame interval must be >= 0 seconds, got {frame_interval_s}")
+        self._post, self._factory, self.frame_interval_s = post, config_factory, frame_interval_s
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._engine = None  # touched only on the engine thread
+        self._load_error = ""  # why there is no engine, for replies asked of none
+        self._lock = threading.Lock()  # guards the counters below (UI thread and engine thread)
+        self._next_seq = 0  # sequence number of the next generate
+        self._cancel_below = 0  # generates numbered below this are cancelled
+        self._pending = 0  # generates queued or running
+        self._closed = False
+
+    # --- the UI thread's side -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread, which loads the engine: EngineLoading..., then EngineReady or EngineFailed."""
+        if self._thread is not None or self._closed:
+            return
+        self._thread = threading.Thread(target=self._run, name="moechat-engine", daemon=True)
+        self._thread.start()
+        self._queue.put(("load", self._factory))
+
+    def generate(self, request_id: int, messages: list[dict], params: SamplingParams) -> None:
+        with self._lock:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            self._pending += 1
+        self._queue.put(("generate", seq, request_id, [dict(m) for m in messages], params))
+
+    def stop(self) -> None:
+        with self._lock:
+            self._cancel_below = self._next_seq
+
+    def reload(self, config_factory: Callable[[], EngineConfig] | None = None) -> None:
+        """Load the model again (from `config_factory`, which later reloads then reuse)."""
+        if config_factory is not None:
+            self._factory = config_factory
+        self._queue.put(("load", self._factory))
+
+    def calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
+        self._queue.put(("calibrate", model_dir, drafter, quick))
+
+    def close(self) -> None:
+        """Stop any reply (its ReplyFinished "cancelled" is still posted), skip queued loads and
+        calibrations, end the thread and join it; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        self._queue.put(("quit",))
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)
+
+    @property
+    def busy(self) -> bool:
+        """A reply is queued or running (until its ReplyFinished or EngineFailed is posted)."""
+        return self._pending > 0
+
+    # --- the engine thread ----------------------------------------------------------------------
+    def _send(self, message: Message) -> None:
+        try:
+            self._post(message)
+        except Exception:  # the app is gone (its loop closed): nobody is left to tell
+            pass
+
+    def _run(self) -> None:
+        while True:
+            cmd, *args = self._queue.get()
+            if cmd == "quit":
+                break
+            if self._closed and cmd != "generate":  # closing: queued loads and calibrations are moot
+                continue
+            if cmd == "generate":
+                request_id = args[1]
+                try:
+                    end = self._reply(*args)
+                except Exception as err:  # the bridge's own bug: still one line, still one ending
+                    end = EngineFailed(one_line(f"internal error ({type(err).__name__}: {err})"), request_id)
+                with self._lock:
+                    self._pending -= 1  # before the post: the UI reads busy == False in its handler
+                self._send(end)
+                continue
+            try:
+                self._load(*args) if cmd == "load" else self._calibrate(*args)
+            except MoechatError as err:  # already says what to do
+                self._send(EngineFailed(one_line(err)))
+            except Exception as err:  # never a traceback in the UI; the thread waits for the next command
+                what = "load the model" if cmd == "load" else "calibrate"
+                self._send(EngineFailed(one_line(f"cannot {what} ({type(err).__name__}: {err})")))
+        self._drop_engine()
+
+    def _drop_engine(self) -> None:
+        """Free the model (its worker threads, VRAM and RAM) before another one loads."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        engine.model.runtime.use_transfer_thread(False)
+        engine.model.runtime.use_cpu_thread(False)
+        del engine
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _load(self, factory: Callable[[], EngineConfig]) -> None:
+        self._drop_engine()
+        self._load_error = "the model is loading"
+        self._send(EngineLoading(0.0, "reading the settings"))
+        try:
+            config = factory()
+            name = model_name(config.model_dir)
+            self._send(EngineLoading(0.1, f"loading {name}"))
+            from ..engine.generate import Engine  # torch and transformers: on this thread, not at UI start
+
+            engine = Engine(config)
+        except Exception as err:
+            self._load_error = "the model failed to load: fix it in the settings, then reload"
+            raise
+        self._engine, self._load_error = engine, ""
+        self._send(EngineLoading(1.0, "ready"))
+        self._send(EngineReady(name, self._summary(engine, name)))
+
+    @staticmethod
+    def _summary(engine, name: str) -> str:
+        m, cfg = engine.model, engine.config
+        total = m.cache.slot_of.numel()
+        tier = "the GPU" if m.device.type == "cuda" else "the fast tier"
+        drafter = engine.drafter.name
+        if drafter == "model":
+            drafter = f"draft model {model_name(cfg.spec.drafter)}"
+        elif drafter != "none":
+            drafter = f"{drafter} (γ {cfg.spec.draft_len})"
+        return (f"{name} on {m.device} ({cfg.dtype}) · {m.cache.capacity}/{total} experts on {tier} · "
+                f"drafter {drafter} · policy {cfg.scheduler.policy}")
+
+    def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams) -> Message:
+        """Stream one reply; return the message that ends it (posted by the caller)."""
+        if seq < self._cancel_below:
+            return ReplyFinished(request_id, "", "cancelled", Stats())
+        engine = self._engine
+        if engine is None:
+            return EngineFailed(f"no model is loaded ({self._load_error or 'the engine has not started'})", request_id)
+        from ..engine.events import Error, Finished, StepStats, TokenDelta
+        from ..engine.generate import Request
+        from .bridge_meter import ReplyMeter
+
+        meter = ReplyMeter(engine, self.frame_interval_s)
+        events = engine.generate(Request(messages=messages), params)
+        try:
+            for ev in events:
+                if seq < self._cancel_below:
+                    engine.stop()  # the reply ends after this step, with Finished("cancelled")
+                if isinstance(ev, TokenDelta):
+                    meter.tokens(len(ev.token_ids))
+                    if ev.text:
+                        self._send(ReplyDelta(request_id, ev.text))
+                elif isinstance(ev, StepStats):
+                    meter.step(ev)
+                    if (stats := meter.stats_now()) is not None:
+                        self._send(ReplyStats(request_id, stats))
+                    if (frame := meter.frame_now()) is not None:
+                        self._send(ExpertFrame(frame))
+                elif isinstance(ev, Finished):
+                    stats = meter.final_stats(ev.summary)
+                    self._send(ReplyStats(request_id, stats))
+                    if (frame := meter.final_frame()) is not None:
+                        self._send(ExpertFrame(frame))
+                    return ReplyFinished(request_id, ev.text, REASONS.get(ev.summary.finish_reason, "stop"), stats)
+                elif isinstance(ev, Error):
+                    return EngineFailed(one_line(ev.message), request_id)
+        finally:
+            events.close()
+        return EngineFailed("the engine ended the reply without a result: send the message again", request_id)
+
+    def _calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
+        from .calibrate import calibrate
+
+        profile, path = calibrate(model_dir, drafter, quick,
+                                  progress=lambda label, fraction: self._send(CalibrationProgress(fraction, label)))
+        d = profile.decisions
+        decisions = {f.name: (getattr(d, f.name), d.reasons.get(f.name, ""))
+                     for f in fields(d) if f.name not in ("vram_split", "reasons")}
+        self._send(CalibrationDone(decisions, str(path)))

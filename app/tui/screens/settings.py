@@ -1,0 +1,229 @@
+"""The settings panel: every field of `Settings` the user tunes, validated as typed, saved to TOML.
+
+Validation has one source of truth: a field's text is parsed (int/float where it reads as one, else
+left as text) and `Settings(**{field: value})` accepts or refuses it; the refusal's one line shows
+under the field. Save writes nothing while any field is refused. The screen dismisses with a
+`SettingsResult` (or None on Cancel): `needs_reload` is True when a field the running engine cannot
+take live changed (`RELOAD_FIELDS`: budgets, cache ratio, K, γ, λ, policy, drafter, context length);
+the caller then reloads the model. Sampling and theme apply live.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.screen import Screen
+from textual.validation import ValidationResult, Validator
+from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
+
+from ....engine.config import POLICIES
+from ...settings import RELOAD_FIELDS, THEMES, Settings, load_settings, save_settings, textual_themes
+
+DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
+
+
+@dataclass
+class SettingsResult:
+    """What the settings screen returns on Save: the saved settings, and whether the model must reload."""
+
+    settings: Settings
+    needs_reload: bool
+
+
+# (field, label, placeholder) of the typed fields, in the order shown
+TYPED = (
+    ("vram_budget_gib", "VRAM budget (GiB)", "free VRAM"),
+    ("ram_budget_gib", "RAM budget (GiB)", "available RAM"),
+    ("expert_cache_ratio", "Expert cache ratio", "from calibration"),
+    ("utility_bound", "K (utility bound)", "from calibration"),
+    ("draft_len", "γ (draft length)", "from calibration"),
+    ("forgetting", "λ (forgetting)", "from calibration"),
+    ("context_len", "Context length", "the model's"),
+    ("temperature", "Temperature", "0.7"),
+    ("top_p", "Top-p", "0.9"),
+    ("max_new_tokens", "Max new tokens", "512"),
+)
+_DEFAULTS = {f.name: f.default for f in fields(Settings)}
+
+
+def parse_field(name: str, text: str):
+    """The value a field's text stands for: "" -> None (optional) or the default; numbers as numbers, else the text."""
+    text = text.strip()
+    if not text:
+        return _DEFAULTS[name]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def field_error(name: str, value) -> str | None:
+    """Settings' own one-line refusal of `value` for `name`, or None when it is accepted."""
+    try:
+        Settings(**{name: value})
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+class FieldValidator(Validator):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.field = name
+
+    def validate(self, value: str) -> ValidationResult:
+        error = field_error(self.field, parse_field(self.field, value))
+        return self.failure(error) if error else self.success()
+
+
+class DraftDirValidator(Validator):
+    def validate(self, value: str) -> ValidationResult:
+        if not value.strip():
+            return self.failure("`draft` needs the draft model's directory")
+        if not Path(value.strip()).expanduser().is_dir():
+            return self.failure(f"`draft`: no directory {value.strip()!r}")
+        return self.success()
+
+
+def _tag(name: str) -> str:
+    return "[dim](reload model)[/]" if name in RELOAD_FIELDS else "[dim](live)[/]"
+
+
+class SettingsScreen(Screen):
+    """Edit settings. `SettingsScreen(settings, notice, path)`; with no settings, the file at `path` is loaded."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+    DEFAULT_CSS = """
+    SettingsScreen VerticalScroll { padding: 0 2; }
+    SettingsScreen .row { height: auto; }
+    SettingsScreen .row Label.name { width: 36; padding: 1 1 0 0; }
+    SettingsScreen .row Input, SettingsScreen .row Select { width: 1fr; }
+    SettingsScreen .error { color: $error; padding: 0 0 0 36; height: auto; }
+    SettingsScreen #notice { color: $warning; padding: 0 2; height: auto; }
+    SettingsScreen #reload { color: $warning; padding: 0 2; height: auto; }
+    SettingsScreen #buttons { height: auto; padding: 1 2; }
+    SettingsScreen #buttons Button { margin-right: 2; }
+    """
+
+    def __init__(self, settings: Settings | None = None, notice: str | None = None, path: Path | None = None) -> None:
+        super().__init__()
+        self.path = path
+        if settings is None:
+            settings, notice = load_settings(path)
+        self.initial, self.notice = settings, notice
+
+    def compose(self) -> ComposeResult:
+        s = self.initial
+        yield Header()
+        yield Static(self.notice or "", id="notice")
+        with VerticalScroll():
+            for name, label, placeholder in TYPED:
+                value = getattr(s, name)
+                with Horizontal(classes="row"):
+                    yield Label(f"{label} {_tag(name)}", classes="name")
+                    yield Input("" if value is None else str(value), placeholder=placeholder, id=name,
+                                validators=[FieldValidator(name)], valid_empty=False)
+                yield Label("", id=f"{name}-error", classes="error")
+            with Horizontal(classes="row"):
+                yield Label(f"Policy {_tag('policy')}", classes="name")
+                yield Select([(p, p) for p in POLICIES], value=s.policy or Select.NULL, prompt="from calibration",
+                             id="policy")
+            draft_choice = s.draft if s.draft in (None, "none", "self") else DIRECTORY
+            with Horizontal(classes="row"):
+                yield Label(f"Drafter {_tag('draft')}", classes="name")
+                yield Select([("none", "none"), ("self", "self"), ("a draft model directory", DIRECTORY)],
+                             value=draft_choice or Select.NULL, prompt="default", id="draft")
+            with Horizontal(classes="row"):
+                yield Label("Draft model directory", classes="name")
+                yield Input(s.draft if draft_choice == DIRECTORY else "", placeholder="/path/to/draft-model",
+                            id="draft_dir", validators=[DraftDirValidator()], disabled=draft_choice != DIRECTORY)
+            yield Label("", id="draft_dir-error", classes="error")
+            with Horizontal(classes="row"):
+                yield Label(f"Theme {_tag('theme')}", classes="name")
+                themes = list(THEMES) + [t for t in textual_themes() if t not in THEMES]
+                yield Select([(t, t) for t in themes], value=s.theme, allow_blank=False, id="theme")
+        yield Static("", id="reload")
+        with Horizontal(id="buttons"):
+            yield Button("Save", variant="primary", id="save")
+            yield Button("Cancel", id="cancel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.title = "Settings"
+
+    @on(Input.Changed)
+    def _show_validation(self, event: Input.Changed) -> None:
+        error = self.query_one(f"#{event.input.id}-error", Label)
+        result = event.validation_result
+        error.update("" if result is None or result.is_valid else result.failure_descriptions[0])
+        self._show_reload()
+
+    @on(Select.Changed)
+    def _select_changed(self, event: Select.Changed) -> None:
+        if event.select.id == "draft":
+            box = self.query_one("#draft_dir", Input)
+            box.disabled = event.value != DIRECTORY
+            if box.disabled:
+                self.query_one("#draft_dir-error", Label).update("")
+        self._show_reload()
+
+    def _values(self) -> tuple[dict, list[str]]:
+        """(field -> parsed value, the errors of the refused fields)."""
+        values, errors = {}, []
+        for name, _, _ in TYPED:
+            values[name] = parse_field(name, self.query_one(f"#{name}", Input).value)
+            error = field_error(name, values[name])
+            if error:
+                errors.append(error)
+                self.query_one(f"#{name}-error", Label).update(error)
+        policy = self.query_one("#policy", Select).value
+        values["policy"] = None if policy == Select.NULL else policy
+        draft = self.query_one("#draft", Select).value
+        if draft == DIRECTORY:
+            box = self.query_one("#draft_dir", Input)
+            result = box.validate(box.value)
+            if result is not None and not result.is_valid:
+                errors.append(result.failure_descriptions[0])
+                self.query_one("#draft_dir-error", Label).update(result.failure_descriptions[0])
+            values["draft"] = box.value.strip()
+        else:
+            values["draft"] = None if draft == Select.NULL else draft
+        values["theme"] = self.query_one("#theme", Select).value
+        return values, errors
+
+    def _changed_reload_fields(self, values: dict) -> list[str]:
+        return sorted(n for n in RELOAD_FIELDS if n in values and values[n] != getattr(self.initial, n))
+
+    def _show_reload(self) -> None:
+        try:
+            values, _ = self._values()
+        except Exception:  # mid-compose: not every widget is there yet
+            return
+        changed = self._changed_reload_fields(values)
+        self.query_one("#reload", Static).update(
+            f"Reload model needed for: {', '.join(changed)}" if changed else "")
+        self.query_one("#save", Button).label = "Save and reload model" if changed else "Save"
+
+    @on(Button.Pressed, "#save")
+    def action_save(self) -> None:
+        values, errors = self._values()
+        if errors:
+            self.notify(f"{len(errors)} field(s) need fixing: {errors[0]}", severity="error")
+            return
+        settings = replace(self.initial, **values)
+        try:
+            save_settings(settings, self.path)
+        except OSError as err:
+            self.notify(f"cannot write the settings ({err})", severity="error")
+            return
+        self.dismiss(SettingsResult(settings, bool(self._changed_reload_fields(values))))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)

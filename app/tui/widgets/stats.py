@@ -1,0 +1,106 @@
+"""The figures beside the heatmap: tokens/s history, acceptance, hit rate, traffic, busy split, memory.
+
+One `Static` per line (ids below, so the chat screen and tests can find them) and Textual's
+`Sparkline` for the tokens/s history. Bars are drawn as text with theme variables in Textual
+markup, so they follow light and dark themes; an unknown figure (None) reads "n/a".
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Sparkline, Static
+
+from moechat.app.tui.messages import Stats
+
+HISTORY = 120  # tokens/s samples kept for the sparkline
+BAR_WIDTH = 16
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> "1.5 KiB"; binary units, 3 significant figures."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def seconds(s: float) -> str:
+    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def bar(fraction: float, width: int = BAR_WIDTH, colour: str = "$primary") -> str:
+    """A filled/empty bar in Textual markup; over 1.0 turns $error (over budget)."""
+    filled = round(min(max(fraction, 0.0), 1.0) * width)
+    colour = "$error" if fraction > 1.0 else colour
+    return f"[{colour}]{'█' * filled}[/][$text-muted]{'░' * (width - filled)}[/]"
+
+
+def busy_bar(cpu_s: float, device_s: float, width: int = BAR_WIDTH) -> str:
+    """CPU share then device share of the step's expert time in one bar."""
+    total = cpu_s + device_s
+    if total <= 0:
+        return f"[$text-muted]{'░' * width}[/]"
+    cpu = round(width * cpu_s / total)
+    return f"[$warning]{'█' * cpu}[/][$primary]{'█' * (width - cpu)}[/]"
+
+
+def memory_line(used: int | None, budget: int | None) -> str:
+    if used is None:
+        return f"[$text-muted]{'░' * BAR_WIDTH}[/] n/a"
+    if budget is None:
+        return f"[$text-muted]{'░' * BAR_WIDTH}[/] {human_bytes(used)} / n/a"
+    return f"{bar(used / budget if budget else 2.0)} {human_bytes(used)} / {human_bytes(budget)}"
+
+
+class StatsPanel(Vertical):
+    """Live engine figures; call `update_stats` with each `Stats` (the bridge coalesces them)."""
+
+    DEFAULT_CSS = """
+    StatsPanel { height: auto; padding: 0 1; }
+    StatsPanel > Static { height: 1; }
+    StatsPanel > Sparkline { height: 2; margin-bottom: 1; }
+    """
+
+    def __init__(self, *, name: str | None = None, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(name=name, id=id, classes=classes)
+        self.history: deque[float] = deque(maxlen=HISTORY)
+        self.stats: Stats | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static("tokens/s    n/a", id="tps")
+        yield Sparkline([], id="tps-history")
+        for key in ("acceptance", "hit-rate", "bytes-per-token", "pcie", "busy", "vram", "ram"):
+            yield Static("", id=key)
+
+    def on_mount(self) -> None:
+        self._show()
+
+    def update_stats(self, stats: Stats) -> None:
+        self.stats = stats
+        self.history.append(stats.tokens_per_s)
+        if self.is_mounted:
+            self._show()
+
+    def _show(self) -> None:
+        s = self.stats or Stats()
+        lines = {
+            "tps": f"tokens/s    [b]{s.tokens_per_s:.1f}[/b]" if self.stats else "tokens/s    n/a",
+            "acceptance": f"acceptance  {percent(s.acceptance)}",
+            "hit-rate": f"hit rate    {percent(s.hit_rate)}",
+            "bytes-per-token": f"bytes/token {human_bytes(s.bytes_per_token)}",
+            "pcie": f"PCIe        {human_bytes(s.pcie_bytes_s)}/s",
+            "busy": f"busy        {busy_bar(s.cpu_busy_s, s.device_busy_s)} "
+                    f"[$warning]CPU[/] {seconds(s.cpu_busy_s)} · [$primary]device[/] {seconds(s.device_busy_s)}",
+            "vram": f"VRAM        {memory_line(s.vram_used, s.vram_budget)}",
+            "ram": f"RAM         {memory_line(s.ram_used, s.ram_budget)}",
+        }
+        for key, text in lines.items():
+            self.query_one(f"#{key}", Static).update(text)
+        self.query_one(Sparkline).data = list(self.history)

@@ -1,0 +1,242 @@
+"""The engine thread (`app/bridge.py`) against the real engine on tiny models: loading, streaming,
+stats and heatmap frames, stopping, failing and reloading, coalescing, closing, calibration, and
+messages arriving on a real Textual app."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from moechat.app.bridge import EngineBridge
+from moechat.app.tui.messages import (CalibrationDone, CalibrationProgress, EngineFailed, EngineLoading, EngineReady,
+                                      ExpertFrame, ReplyDelta, ReplyFinished, ReplyStats)
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a mixture of experts model?"}]
+TIMEOUT = 60
+
+
+class Inbox:
+    """A thread-safe `post`: keeps every message and wakes whoever waits for one."""
+
+    def __init__(self):
+        self.messages, self.cond = [], threading.Condition()
+
+    def __call__(self, message) -> bool:
+        with self.cond:
+            self.messages.append(message)
+            self.cond.notify_all()
+        return True
+
+    def of(self, kind, **match) -> list:
+        with self.cond:
+            return [m for m in self.messages if isinstance(m, kind) and all(getattr(m, k) == v for k, v in match.items())]
+
+    def wait(self, kind, count: int = 1, **match):
+        deadline = time.monotonic() + TIMEOUT
+        with self.cond:
+            while len(found := self.of(kind, **match)) < count:
+                assert self.cond.wait(deadline - time.monotonic()), f"no {kind.__name__} {match} in {TIMEOUT} s"
+            return found[count - 1]
+
+    def ending(self, request_id: int):
+        """The one message that ends a request: ReplyFinished or EngineFailed."""
+        deadline = time.monotonic() + TIMEOUT
+        with self.cond:
+            while not (ends := self.of(ReplyFinished, request_id=request_id) + self.of(EngineFailed, request_id=request_id)):
+                assert self.cond.wait(deadline - time.monotonic()), f"request {request_id} did not end"
+            return ends[0]
+
+
+def started(factory, interval: float = 0.1) -> tuple[EngineBridge, Inbox]:
+    inbox = Inbox()
+    bridge = EngineBridge(inbox, factory, frame_interval_s=interval)
+    bridge.start()
+    return bridge, inbox
+
+
+def test_load_stream_stats_and_spac_frames(checkpoint):
+    path = checkpoint("qwen3_moe")
+    bridge, inbox = started(lambda: EngineConfig(str(path), expert_cache_ratio=0.5, spec=SpecConfig("self", 3)),
+                            interval=0.0)  # every step: enough frames to check
+    try:
+        ready = inbox.wait(EngineReady)
+        loading = inbox.of(EngineLoading)
+        assert [m.fraction for m in loading] == sorted(m.fraction for m in loading) and loading[-1].fraction == 1.0
+        assert ready.model == path.name and "\n" not in ready.summary
+        assert "8/16 experts" in ready.summary and "self" in ready.summary and "spac" in ready.summary
+
+        bridge.generate(7, CHAT, SamplingParams(max_new_tokens=24))
+        assert bridge.busy
+        fin = inbox.ending(7)
+        assert not bridge.busy
+        assert isinstance(fin, ReplyFinished) and fin.reason == "length" and fin.text
+        assert "".join(m.text for m in inbox.of(ReplyDelta, request_id=7)) == fin.text
+        s = fin.stats
+        assert s.new_tokens == 24 and s.tokens_per_s > 0 and 0 <= s.acceptance <= 1 and 0 <= s.hit_rate <= 1
+        assert s.vram_used is None and s.ram_used > 0 and s.ram_budget > 0 and s.cpu_busy_s >= 0
+        stats = inbox.of(ReplyStats, request_id=7)
+        assert stats and stats[-1].stats == s  # the final ReplyStats is the reply's own
+
+        frames = [m.frame for m in inbox.of(ExpertFrame)]
+        assert len(frames) >= 2
+        L, E, K = 2, 8, 4  # sparse layers and experts of the tiny qwen3_moe; the default K
+        for f in frames:
+            assert f.policy == "spac" and f.utility_bound == K and len(f.tau) == L and f.layer_names == ["0", "2"]
+            assert len(f.utility) == L and all(len(row) == E and all(0 <= u <= K for u in row) for row in f.utility)
+            assert len(f.resident) == L and all(len(row) == E and all(type(r) is bool for r in row) for row in f.resident)
+            assert sum(map(sum, f.resident)) <= 8 and all(0 <= t <= K for t in f.tau)
+        assert any(u > 0 for f in frames for row in f.utility for u in row)  # the utilities learned something
+        assert [f.step for f in frames] == sorted(f.step for f in frames)
+    finally:
+        bridge.close()
+
+
+def test_demand_frames_without_fast_tier_and_stop(checkpoint):
+    """No fast tier, no drafter: frames show demand (each layer's top-k experts), acceptance and hit
+    rate are None; stop() from this thread cancels mid-reply and the next reply runs."""
+    path = checkpoint("olmoe")
+    bridge, inbox = started(lambda: EngineConfig(str(path), scheduler=SchedulerConfig(policy="lru")), interval=0.0)
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=480))
+        inbox.wait(ReplyDelta, 3, request_id=1)
+        bridge.stop()
+        fin = inbox.ending(1)
+        assert isinstance(fin, ReplyFinished) and fin.reason == "cancelled" and fin.stats.new_tokens < 480
+        assert "".join(m.text for m in inbox.of(ReplyDelta, request_id=1)) == fin.text
+        assert fin.stats.acceptance is None and fin.stats.hit_rate is None
+        for f in (m.frame for m in inbox.of(ExpertFrame)):
+            assert f.policy == "lru" and f.tau == [0, 0] and not any(map(any, f.resident))
+            # one verified position per step, top-2 routing: every layer shows 2..(2 per position) experts in use
+            assert all(2 <= sum(u > 0 for u in row) and all(0 <= u <= 4 for u in row) for row in f.utility)
+
+        bridge.generate(2, CHAT, SamplingParams(max_new_tokens=5))
+        fin2 = inbox.ending(2)
+        assert isinstance(fin2, ReplyFinished) and fin2.reason == "length" and fin2.stats.new_tokens == 5
+
+        # stop() also cancels replies queued behind the running one; they end with no text
+        bridge.generate(3, CHAT, SamplingParams(max_new_tokens=480))
+        bridge.generate(4, CHAT, SamplingParams(max_new_tokens=480))
+        bridge.stop()
+        assert [inbox.ending(r).reason for r in (3, 4)] == ["cancelled", "cancelled"]
+        assert inbox.ending(4).text == "" and not inbox.of(ReplyDelta, request_id=4)
+        bridge.generate(5, CHAT, SamplingParams(max_new_tokens=3))
+        assert inbox.ending(5).reason == "length"
+    finally:
+        bridge.close()
+
+
+def test_bad_model_then_reload(checkpoint, tmp_path):
+    bridge, inbox = started(lambda: EngineConfig(str(tmp_path / "no-such-model")))
+    try:
+        failed = inbox.wait(EngineFailed)
+        assert failed.request_id is None and "\n" not in failed.message and "no-such-model" in failed.message
+        assert not inbox.of(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))  # no engine: the request fails, one line
+        end = inbox.ending(1)
+        assert isinstance(end, EngineFailed) and "no model is loaded" in end.message and not bridge.busy
+
+        bridge.reload(lambda: EngineConfig(str(checkpoint("mixtral")), dtype="float64"))  # bad config: its own message
+        assert "dtype must be one of" in inbox.wait(EngineFailed, 3).message
+
+        bridge.reload(lambda: EngineConfig(str(checkpoint("mixtral"))))
+        inbox.wait(EngineReady)
+        bridge.generate(2, CHAT, SamplingParams(max_new_tokens=4))
+        end = inbox.ending(2)
+        assert isinstance(end, ReplyFinished) and end.reason == "length"
+        # an error inside a request ends it with EngineFailed (no ReplyFinished); the engine stays ready
+        bridge.generate(3, [{"role": "user", "content": "hello " * 600}], SamplingParams(max_new_tokens=4))
+        end = inbox.ending(3)
+        assert isinstance(end, EngineFailed) and "context" in end.message and not inbox.of(ReplyFinished, request_id=3)
+        bridge.generate(4, CHAT, SamplingParams(max_new_tokens=4))
+        assert inbox.ending(4).reason == "length"
+    finally:
+        bridge.close()
+
+
+def test_coalescing_sends_only_the_final_stats_and_frame(checkpoint):
+    bridge, inbox = started(lambda: EngineConfig(str(checkpoint("olmoe"))), interval=10.0)
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=30))
+        fin = inbox.ending(1)
+        assert fin.reason == "length"
+        assert len(inbox.of(ReplyStats)) == 1 and len(inbox.of(ExpertFrame)) == 1
+        assert len(inbox.of(ReplyDelta)) > 1  # text is never coalesced
+    finally:
+        bridge.close()
+
+
+def test_close_stops_the_reply_and_joins_fast(checkpoint):
+    bridge, inbox = started(lambda: EngineConfig(str(checkpoint("olmoe"))))
+    inbox.wait(EngineReady)
+    bridge.generate(1, CHAT, SamplingParams(max_new_tokens=480))
+    inbox.wait(ReplyDelta, 2, request_id=1)
+    thread = bridge._thread
+    t0 = time.perf_counter()
+    bridge.close()
+    assert time.perf_counter() - t0 < 1.0 and not thread.is_alive() and thread.daemon
+    assert inbox.ending(1).reason == "cancelled"
+    bridge.close()  # idempotent
+
+
+def test_calibrate_posts_progress_and_decisions(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the profile lands here
+    path = checkpoint("qwen3_moe")
+    bridge, inbox = started(lambda: EngineConfig(str(path)))
+    try:
+        inbox.wait(EngineReady)
+        bridge.calibrate(str(path), "self", quick=True)
+        done = inbox.wait(CalibrationDone)
+        fractions = [m.fraction for m in inbox.of(CalibrationProgress)]
+        assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
+        assert {"expert_cache_ratio", "utility_bound", "draft_len", "forgetting", "drafter", "policy"} <= set(done.decisions)
+        assert all(isinstance(reason, str) for _, reason in done.decisions.values())
+        assert 1 <= done.decisions["utility_bound"][0] <= 16
+        assert done.profile_path.startswith(str(tmp_path / "config")) and not inbox.of(EngineFailed)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))  # the loaded engine is untouched
+        assert inbox.ending(1).reason == "length"
+    finally:
+        bridge.close()
+
+
+def test_messages_arrive_on_a_textual_app(checkpoint):
+    from textual.app import App
+
+    class Probe(App):
+        def __init__(self):
+            super().__init__()
+            self.ready, self.finished, self.frames = [], [], []
+
+        def on_engine_ready(self, message: EngineReady) -> None:
+            self.ready.append(message.model)
+
+        def on_expert_frame(self, message: ExpertFrame) -> None:
+            self.frames.append(message.frame)
+
+        def on_reply_finished(self, message: ReplyFinished) -> None:
+            self.finished.append(message.text)
+
+    path = checkpoint("olmoe")
+
+    async def run() -> Probe:
+        app = Probe()
+        async with app.run_test() as pilot:
+            bridge = EngineBridge(app.post_message, lambda: EngineConfig(str(path)))
+            bridge.start()
+            try:
+                for wait in ("ready", "finished"):
+                    deadline = time.monotonic() + TIMEOUT
+                    if wait == "finished":
+                        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=6))
+                    while not getattr(app, wait) and time.monotonic() < deadline:
+                        await pilot.pause(0.05)
+            finally:
+                bridge.close()
+        return app
+
+    app = asyncio.run(run())
+    assert app.ready == [path.name] and len(app.finished) == 1 and app.finished[0] and app.frames

@@ -1,0 +1,191 @@
+"""The live expert view: ExpertHeatmap (fold, τ, residency, capped redraws) and StatsPanel."""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+from textual.app import App, ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Static
+
+from moechat.app.tui.messages import Frame, Stats
+from moechat.app.tui.widgets.heatmap import (ALL_RESIDENT, INTERVAL_S, SOME_RESIDENT, ExpertHeatmap, fold_row,
+                                             grid_cells, group_size)
+from moechat.app.tui.widgets.stats import StatsPanel, human_bytes
+
+L, E, K = 48, 128, 4
+
+
+def make_frame(step: int = 0, seed: int = 0, layers: int = L, experts: int = E) -> Frame:
+    """Deterministic frame: seeded utilities, resident where utility ≥ τ, τ cycling 1..K."""
+    rng = random.Random(seed)
+    utility = [[min(K, int(rng.expovariate(1.2))) for _ in range(experts)] for _ in range(layers)]
+    tau = [1 + layer % K for layer in range(layers)]
+    resident = [[u >= t for u in row] for row, t in zip(utility, tau)]
+    return Frame(utility, resident, tau, K, "utility", step)
+
+
+def make_stats(tokens_per_s: float = 12.5) -> Stats:
+    return Stats(tokens_per_s=tokens_per_s, acceptance=0.734, hit_rate=None, bytes_per_token=3.5 * 2**20,
+                 pcie_bytes_s=11.5 * 2**30, cpu_busy_s=0.012, device_busy_s=0.004,
+                 vram_used=5 * 2**30, vram_budget=8 * 2**30, ram_used=None, ram_budget=64 * 2**30, new_tokens=40)
+
+
+class Demo(App):
+    """Demo harness: both widgets side by side, fed frames and stats by the test."""
+
+    CSS = "ExpertHeatmap { width: 1fr; height: 1fr; } StatsPanel { width: 60; }"
+
+    def __init__(self, heatmap: bool = True, stats: bool = True) -> None:
+        super().__init__()
+        self.show_heatmap, self.show_stats = heatmap, stats
+
+    def compose(self) -> ComposeResult:
+        with Horizontal():
+            if self.show_heatmap:
+                yield ExpertHeatmap()
+            if self.show_stats:
+                yield StatsPanel()
+
+
+def lines(heatmap: ExpertHeatmap) -> list[str]:
+    return [heatmap.render_line(y).text for y in range(heatmap.size.height)]
+
+
+# -- fold logic by hand -----------------------------------------------------------------------------
+
+def test_fold_48x128_at_120_columns():
+    frame = make_frame()
+    # 120 columns less a 2-column scrollbar: label "47" + space + cells + space + τ (1 digit).
+    cells = grid_cells(118, frame)
+    assert cells == 118 - 2 - 1 - 1 - 1
+    assert group_size(E, cells) == 2  # 113 cells cannot hold 128 experts; pairs (64 cells) can
+    assert group_size(E, 128) == 1 and group_size(E, 40) == 4
+    row = [0] * E
+    row[77] = K  # one hot expert...
+    folded = fold_row(row, [False] * E, 2)
+    assert len(folded) == 64
+    assert folded[38] == (K, 0, 2)  # ...makes its cell (experts 76, 77) hot: max, not mean
+    assert all(level == 0 for i, (level, _, _) in enumerate(folded) if i != 38)
+    assert fold_row([1, 2, 3], [True, False, True], 2) == [(2, 1, 2), (3, 1, 1)]  # short last group
+
+
+# -- the widget ---------------------------------------------------------------------------------------
+
+def test_flood_of_frames_draws_few_times_and_shows_the_newest():
+    async def run():
+        app = Demo(stats=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            heatmap = app.query_one(ExpertHeatmap)
+            frames = [make_frame(step=i, seed=i % 3) for i in range(200)]
+            start = time.monotonic()
+            for i, frame in enumerate(frames):  # 200 frames as fast as the loop lets them in
+                heatmap.update_frame(frame)
+                if i % 20 == 0:
+                    await asyncio.sleep(0.01)
+            elapsed = time.monotonic() - start
+            await pilot.pause(2 * INTERVAL_S)
+            await pilot.pause()
+            assert heatmap.frame is frames[-1]
+            assert heatmap.draws <= elapsed / INTERVAL_S + 2, (heatmap.draws, elapsed)
+            assert heatmap.draws < 20
+            shown = lines(heatmap)
+            assert "step 199" in shown[0] and "2 experts per cell" in shown[0]
+            # Layer 0's cells match the newest frame's residency, folded by 2.
+            want = fold_row(frames[-1].utility[0], frames[-1].resident[0], 2)
+            glyphs = "".join(ALL_RESIDENT if r == n else SOME_RESIDENT if r else " " for _, r, n in want)
+            assert shown[2][3:3 + 64] == glyphs
+    asyncio.run(run())
+
+
+def test_tau_column_resident_mark_and_legend():
+    async def run():
+        app = Demo(stats=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            heatmap = app.query_one(ExpertHeatmap)
+            frame = make_frame(layers=6, experts=16)
+            frame.tau = [0, 1, 2, 3, 4, 5]
+            frame.resident = [[False] * 16 for _ in range(6)]
+            frame.resident[3][5] = True
+            heatmap.update_frame(frame)
+            await pilot.pause(2 * INTERVAL_S)
+            shown = lines(heatmap)
+            rows = shown[2:8]
+            assert [row.rstrip().split()[-1] for row in rows] == ["0", "1", "2", "3", "4", "5"]  # τ per row
+            assert "τ" in shown[1]
+            assert heatmap._group == 1  # 16 experts fit: one per cell
+            assert [row.count(ALL_RESIDENT) for row in rows] == [0, 0, 0, 1, 0, 0]
+            assert rows[3][2 + 5] == ALL_RESIDENT  # label "3" + space, then expert 5
+            assert "utility" in shown[8] and " 0 " in shown[8] and f" {K} " in shown[8]
+            assert ALL_RESIDENT in shown[9] and "resident" in shown[9]
+            # The hot colour differs from the cold one (theme ramp).
+            palette = heatmap.level_colors(K)
+            assert len(palette) == K + 1 and palette[0] != palette[K]
+    asyncio.run(run())
+
+
+def test_rows_scroll_with_pinned_header_and_legend():
+    async def run():
+        app = Demo(stats=False)
+        async with app.run_test(size=(120, 40)) as pilot:
+            heatmap = app.query_one(ExpertHeatmap)
+            heatmap.update_frame(make_frame())
+            await pilot.pause(2 * INTERVAL_S)
+            assert lines(heatmap)[2].startswith(" 0 ")
+            heatmap.scroll_end(animate=False, immediate=True)
+            await pilot.pause()
+            shown = lines(heatmap)
+            assert shown[0].startswith(" utility  step 0")
+            assert shown[-3].startswith(f"{L - 1} ")  # last layer just above the legend
+            assert "utility" in shown[-2]
+    asyncio.run(run())
+
+
+def test_stats_panel_formats_values_and_na():
+    async def run():
+        app = Demo(heatmap=False)
+        async with app.run_test(size=(80, 16)) as pilot:
+            panel = app.query_one(StatsPanel)
+            for i in range(10):
+                panel.update_stats(make_stats(tokens_per_s=10.0 + i))
+            await pilot.pause()
+            text = {w.id: str(w.render()) for w in panel.query(Static)}
+            assert text["tps"] == "tokens/s    19.0"
+            assert text["acceptance"].endswith("73.4%")
+            assert text["hit-rate"].endswith("n/a")
+            assert text["bytes-per-token"].endswith("3.5 MiB")
+            assert text["pcie"].endswith("11.5 GiB/s")
+            assert "CPU 12.0 ms" in text["busy"] and "device 4.0 ms" in text["busy"]
+            assert text["busy"].count("█") == 16
+            assert text["vram"].endswith("5 GiB / 8 GiB") and text["vram"].count("█") == 10
+            assert text["ram"].endswith("n/a")
+            assert list(panel.history) == [10.0 + i for i in range(10)]
+    asyncio.run(run())
+
+
+def test_human_bytes():
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(3 * 2**40) == "3 TiB"
+
+
+# -- snapshots (baselines under tests/__snapshots__/test_heatmap/) --------------------------------------
+
+def test_snapshot_heatmap(snap_compare):
+    async def feed(pilot):
+        pilot.app.query_one(ExpertHeatmap).update_frame(make_frame(step=42, seed=5))
+        await pilot.pause(2 * INTERVAL_S)
+        await pilot.pause()
+
+    assert snap_compare(Demo(stats=False), terminal_size=(120, 40), run_before=feed)
+
+
+def test_snapshot_stats(snap_compare):
+    async def feed(pilot):
+        panel = pilot.app.query_one(StatsPanel)
+        for i in range(40):
+            panel.update_stats(make_stats(tokens_per_s=8.0 + (i * 7) % 11))
+        await pilot.pause()
+
+    assert snap_compare(Demo(heatmap=False), terminal_size=(60, 14), run_before=feed)
