@@ -13,7 +13,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from ..settings import RELOAD_FIELDS, Settings, load_settings, save_settings, settings_path
+from ..settings import Settings, load_settings, save_settings, settings_path
 from . import messages as m
 from .screens.chat import ChatScreen
 from .screens.dialogs import Confirm, TextPrompt
@@ -272,20 +272,20 @@ class MoechatApp(App):
             self.notify(f"settings: edit {self.settings_file}", severity="warning")
             return
 
-        def done(settings: Settings | None) -> None:
-            if settings is None:
+        def done(result) -> None:  # SettingsResult(settings, needs_reload) or None (cancelled)
+            if result is None:
                 return
-            before, self.settings, self.settings_notice = self.settings, settings, None
-            self.sampling = sampling_from(settings, self.sampling)
-            notice = self.apply_look(settings)
+            self.settings, self.settings_notice = result.settings, None
+            self.sampling = sampling_from(result.settings, self.sampling)
+            notice = self.apply_look(result.settings)
             if notice:
                 self.notify(notice, severity="warning")
-            if any(getattr(before, f) != getattr(settings, f) for f in RELOAD_FIELDS):
-                self.notify("settings saved; the engine changes apply after Reload model (Ctrl+P)")
+            if result.needs_reload:
+                self.notify("settings saved; engine changes apply after “Reload model” (Ctrl+P)", timeout=10)
             else:
                 self.notify("settings saved and applied")
 
-        self.push_screen(SettingsScreen(), done)
+        self.push_screen(SettingsScreen(self.settings, self.settings_notice, self.settings_file), done)
 
     def action_setup(self) -> None:
         try:

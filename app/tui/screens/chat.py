@@ -122,7 +122,7 @@ def _side_panel_widgets():
         from ..widgets.stats import StatsPanel
     except ImportError:
         return [Static("expert view: waiting for the first frame", id="heatmap-placeholder")]
-    return [ExpertHeatmap(id="heatmap"), StatsPanel(id="stats")]
+    return [StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")]
 
 
 class ChatScreen(Screen):
@@ -146,7 +146,7 @@ class ChatScreen(Screen):
                 yield VerticalScroll(id="log")
                 yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False, compact=True,
                                 placeholder="Message (Enter sends, Ctrl+J new line, F1 help)")
-            with VerticalScroll(id="side-panel"):
+            with Vertical(id="side-panel"):
                 yield from _side_panel_widgets()
         with Horizontal(id="status-bar"):
             yield Static(status_line("", "starting", None), id="status")
@@ -275,13 +275,14 @@ class ChatScreen(Screen):
         text = text or reply.text
         if stats is not None:
             self.show_stats(stats)
-        if not text and reason != "stop":  # stopped or failed before the first token: nothing to keep
+        if not text and reason in ("cancelled", "failed"):  # ended before any text: nothing to keep
             self.store.delete_message(reply.message_id)
             await reply.view.remove()
             return
         reply.view.content = text
         await reply.view.markdown.update(text)  # the whole reply, exactly as the engine ended it
-        reply.view.set_note({"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, ""))
+        note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
+        reply.view.set_note(note if text else "empty reply")
         self.store.update(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
 
     # ---- actions the app binds --------------------------------------------------------------------
