@@ -144,7 +144,7 @@ class ChatScreen(Screen):
                 yield ListView(id="conversations")
             with Vertical(id="main"):
                 yield VerticalScroll(id="log")
-                yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False, compact=True,
+                yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False,
                                 placeholder="Message (Enter sends, Ctrl+J new line, F1 help)")
             with Vertical(id="side-panel"):
                 yield from _side_panel_widgets()
@@ -155,9 +155,9 @@ class ChatScreen(Screen):
 
     async def on_mount(self) -> None:
         convs = self.store.conversations()
-        await self.refresh_conversations()
         if convs:
             await self.open_conversation(convs[0].id)
+        await self.refresh_conversations()
         self.query_one(ChatInput).focus()
 
     # ---- status -------------------------------------------------------------------------------
