@@ -72,6 +72,8 @@ class EngineBridge:
         self._queue.put(("load", self._factory))
 
     def generate(self, request_id: int, messages: list[dict], params: SamplingParams) -> None:
+        if self._closed:  # nothing would ever answer it
+            return
         with self._lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             self._pending += 1
@@ -226,8 +228,14 @@ class EngineBridge:
     def _calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
         from .calibrate import calibrate
 
-        profile, path = calibrate(model_dir, drafter, quick,
-                                  progress=lambda label, fraction: self._send(CalibrationProgress(fraction, label)))
+        done = 0.0
+
+        def progress(label: str, fraction: float) -> None:  # a bar never runs backwards (float steps may)
+            nonlocal done
+            done = max(done, min(1.0, fraction))
+            self._send(CalibrationProgress(done, label))
+
+        profile, path = calibrate(model_dir, drafter, quick, progress=progress)
         d = profile.decisions
         decisions = {f.name: (getattr(d, f.name), d.reasons.get(f.name, ""))
                      for f in fields(d) if f.name not in ("vram_split", "reasons")}
