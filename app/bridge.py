@@ -22,16 +22,26 @@ from __future__ import annotations
 import gc
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable
 
 from textual.message import Message
 
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.errors import MoechatError
-from .tui.messages import (CalibrationDone, CalibrationProgress, EngineFailed, EngineLoading, EngineReady, ExpertFrame,
-                           ReplyDelta, ReplyFinished, ReplyStats, Stats)
+from .tui.messages import (
+    CalibrationDone,
+    CalibrationProgress,
+    EngineFailed,
+    EngineLoading,
+    EngineReady,
+    ExpertFrame,
+    ReplyDelta,
+    ReplyFinished,
+    ReplyStats,
+    Stats,
+)
 
 REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # engine -> ReplyFinished
 JOIN_S = 10.0  # close() waits this long for a load or calibration in progress; the thread is a daemon anyway
@@ -163,10 +173,10 @@ class EngineBridge:
             config = factory()
             name = model_name(config.model_dir)
             self._send(EngineLoading(0.1, f"loading {name}"))
-            from ..engine.generate import Engine  # torch and transformers: on this thread, not at UI start
+            from ..engine.generate import Engine  # torch and transformers load here, not at UI start
 
             engine = Engine(config)
-        except Exception as err:
+        except Exception:
             self._load_error = "the model failed to load: fix it in the settings, then reload"
             raise
         self._engine, self._load_error = engine, ""

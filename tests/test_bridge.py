@@ -8,11 +8,24 @@ import threading
 import time
 
 import pytest
-
 from moechat.app.bridge import EngineBridge
-from moechat.app.tui.messages import (CalibrationDone, CalibrationProgress, EngineFailed, EngineLoading, EngineReady,
-                                      ExpertFrame, ReplyDelta, ReplyFinished, ReplyStats)
-from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+from moechat.app.tui.messages import (
+    CalibrationDone,
+    CalibrationProgress,
+    EngineFailed,
+    EngineLoading,
+    EngineReady,
+    ExpertFrame,
+    ReplyDelta,
+    ReplyFinished,
+    ReplyStats,
+)
+from moechat.engine.config import (
+    EngineConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpecConfig,
+)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a mixture of experts model?"}]
 TIMEOUT = 60
@@ -245,3 +258,30 @@ def test_messages_arrive_on_a_textual_app(checkpoint):
 
     app = asyncio.run(run())
     assert app.ready == [path.name] and len(app.finished) == 1 and app.finished[0] and app.frames
+
+
+@pytest.mark.gpu
+def test_cuda_stats_and_reload_frees_the_fast_tier(checkpoint):
+    """On CUDA: VRAM figures, spac frames while the transfer thread runs, and a reload that frees the
+    old engine's fast tier and its worker threads before the new one loads."""
+    import torch
+
+    path = checkpoint("qwen3_moe")
+    factory = lambda: EngineConfig(str(path), device="cuda", expert_cache_ratio=0.5, spec=SpecConfig("self", 3))
+    bridge, inbox = started(factory, interval=0.0)
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=16))
+        fin = inbox.ending(1)
+        assert isinstance(fin, ReplyFinished) and fin.reason == "length"
+        assert 0 < fin.stats.vram_used <= fin.stats.vram_budget and fin.stats.hit_rate is not None
+        assert all(f.frame.policy == "spac" for f in inbox.of(ExpertFrame)) and inbox.of(ExpertFrame)
+        before = torch.cuda.memory_allocated()
+        bridge.reload()
+        inbox.wait(EngineReady, 2)
+        assert torch.cuda.memory_allocated() <= before * 1.05  # the first engine's memory went back
+        assert sum(t.name == "moechat-prefetch" for t in threading.enumerate()) == 1
+        bridge.generate(2, CHAT, SamplingParams(max_new_tokens=4))
+        assert inbox.ending(2).reason == "length"
+    finally:
+        bridge.close()
