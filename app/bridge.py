@@ -149,9 +149,9 @@ class EngineBridge:
             except Exception as err:  # never a traceback in the UI; the thread waits for the next command
                 what = "load the model" if cmd == "load" else "calibrate"
                 self._send(EngineFailed(one_line(f"cannot {what} ({type(err).__name__}: {err})")))
-        self._drop_engine()
+        self._drop_engine(collect=False)  # closing: end its worker threads; the memory goes with the process
 
-    def _drop_engine(self) -> None:
+    def _drop_engine(self, collect: bool = True) -> None:
         """Free the model (its worker threads, VRAM and RAM) before another one loads."""
         engine, self._engine = self._engine, None
         if engine is None:
@@ -159,6 +159,8 @@ class EngineBridge:
         engine.model.runtime.use_transfer_thread(False)
         engine.model.runtime.use_cpu_thread(False)
         del engine
+        if not collect:
+            return
         gc.collect()
         import torch
 
