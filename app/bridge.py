@@ -192,7 +192,8 @@ class EngineBridge:
         tier = "the GPU" if m.device.type == "cuda" else "the fast tier"
         drafter = engine.drafter.name
         if drafter == "model":
-            drafter = f"draft model {model_name(cfg.spec.drafter)}"
+            draft = Path(cfg.spec.drafter)
+            drafter = f"draft model {draft.parent.name}/{draft.name}"  # as `moechat chat` names it
         elif drafter != "none":
             drafter = f"{drafter} (γ {cfg.spec.draft_len})"
         return (f"{name} on {m.device} ({cfg.dtype}) · {m.cache.capacity}/{total} experts on {tier} · "
