@@ -12,10 +12,14 @@ alive for the next `reload` or `calibrate`.
 
 Commands run in the order given: a `reload` or `calibrate` waits for the replies queued before it
 (call `stop()` first to cut them short). `stop()` cancels the running reply and every reply queued
-before the call; the engine thread turns that into `Engine.stop()` at the next event, so the reply
-ends after the step in progress (the engine checks its flag only between steps), as Ctrl-C does in
-`moechat chat`, and the engine stays ready. ReplyStats and ExpertFrame are capped in time, see
-`app/bridge_meter.py`.
+before the call (a sequence number, so a late stop never hits the next reply); the engine thread turns
+it into `Engine.stop()` at the next event, so the reply ends after the step in progress (the engine
+checks its flag between steps; a stop during the prefill lands after the first token) with Finished
+"cancelled" and its summary, which gives the final stats (closing the iterator, as Ctrl-C does in
+`moechat chat`, would lose it); the engine stays ready. ReplyStats and ExpertFrame are capped in
+time, see `app/bridge_meter.py`. `close()` is for app exit: it cancels, skips queued loads and
+calibrations, and joins for at most JOIN_S (a load in progress cannot be cut short; the daemon
+thread never keeps the process alive).
 """
 from __future__ import annotations
 
@@ -44,7 +48,9 @@ from .tui.messages import (
 )
 
 REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # engine -> ReplyFinished
-JOIN_S = 10.0  # close() waits this long for a load or calibration in progress; the thread is a daemon anyway
+# close() waits this long: a reply stops within a step, but a load or calibration in progress cannot be
+# cut short, and quitting must not hang on it (the thread is a daemon: it ends with the process)
+JOIN_S = 2.0
 
 
 def model_name(model_dir: str) -> str:
