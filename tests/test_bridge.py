@@ -196,6 +196,30 @@ def test_close_stops_the_reply_and_joins_fast(checkpoint):
     bridge.close()  # idempotent
 
 
+def test_close_during_a_load_does_not_hang(checkpoint):
+    """Quitting while the model loads: close() gives up after JOIN_S; the queued reload never runs."""
+    from moechat.app.bridge import JOIN_S
+
+    loaded = []
+    release = threading.Event()
+
+    def slow():  # a load that takes longer than close() waits
+        release.wait(30)
+        loaded.append(1)
+        return EngineConfig(str(checkpoint("olmoe")))
+
+    bridge, inbox = started(slow)
+    inbox.wait(EngineLoading)  # the first load is under way
+    bridge.reload()
+    bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))
+    t0 = time.perf_counter()
+    bridge.close()
+    assert JOIN_S <= time.perf_counter() - t0 < JOIN_S + 1 and bridge._thread.daemon and bridge._thread.is_alive()
+    release.set()
+    bridge._thread.join(TIMEOUT)
+    assert loaded == [1] and inbox.ending(1).reason == "cancelled"  # the second load was skipped
+
+
 def test_calibrate_posts_progress_and_decisions(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the profile lands here
     path = checkpoint("qwen3_moe", max_position_embeddings=4096)  # the calibration prompts need more than 512
