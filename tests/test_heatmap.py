@@ -91,7 +91,7 @@ def test_flood_of_frames_draws_few_times_and_shows_the_newest():
             assert heatmap.draws <= elapsed / INTERVAL_S + 2, (heatmap.draws, elapsed)
             assert heatmap.draws < 20
             shown = lines(heatmap)
-            assert "step 199" in shown[0] and "2 experts per cell" in shown[0]
+            assert "step 199" in shown[0] and "2 experts/cell (max)" in shown[0]
             # Layer 0's cells match the newest frame's residency, folded by 2.
             want = fold_row(frames[-1].utility[0], frames[-1].resident[0], 2)
             glyphs = "".join(ALL_RESIDENT if r == n else SOME_RESIDENT if r else " " for _, r, n in want)
@@ -136,7 +136,7 @@ def test_rows_scroll_with_pinned_header_and_legend():
             heatmap.scroll_end(animate=False, immediate=True)
             await pilot.pause()
             shown = lines(heatmap)
-            assert shown[0].startswith(" utility  step 0")
+            assert shown[0].startswith(" utility · step 0 · 48×128")
             assert shown[-3].startswith(f"{L - 1} ")  # last layer just above the legend
             assert "utility" in shown[-2]
     asyncio.run(run())
