@@ -142,6 +142,23 @@ def test_rows_scroll_with_pinned_header_and_legend():
     asyncio.run(run())
 
 
+def test_colours_follow_the_theme():
+    async def run():
+        app = Demo(stats=False)
+        async with app.run_test(size=(80, 20)) as pilot:
+            heatmap = app.query_one(ExpertHeatmap)
+            heatmap.update_frame(make_frame(layers=4, experts=8))
+            app.theme = "textual-dark"
+            await pilot.pause(2 * INTERVAL_S)
+            dark = heatmap.level_colors(K)
+            app.theme = "textual-light"
+            await pilot.pause()
+            light = heatmap.level_colors(K)
+            assert dark[0] != light[0] and light[0].brightness > dark[0].brightness  # cold cells follow the surface
+            assert len({c.hex for c in light}) == K + 1  # every level distinct on the light theme too
+    asyncio.run(run())
+
+
 def test_stats_panel_formats_values_and_na():
     async def run():
         app = Demo(heatmap=False)

@@ -16,6 +16,7 @@ Layout choice (48 layers × 128 experts must stay readable on a 120×40 terminal
 
 `update_frame` only stores the newest frame and schedules at most one redraw per `INTERVAL_S`:
 a flood of frames never queues renders, and folding happens once per redraw, not per frame.
+Give it a height (e.g. `height: 1fr`); it scrolls itself, so don't wrap it in a VerticalScroll.
 """
 from __future__ import annotations
 
