@@ -5,14 +5,20 @@ import asyncio
 import random
 import time
 
+from moechat.app.tui.messages import Frame, Stats
+from moechat.app.tui.widgets.heatmap import (
+    ALL_RESIDENT,
+    INTERVAL_S,
+    SOME_RESIDENT,
+    ExpertHeatmap,
+    fold_row,
+    grid_cells,
+    group_size,
+)
+from moechat.app.tui.widgets.stats import StatsPanel, human_bytes
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
-
-from moechat.app.tui.messages import Frame, Stats
-from moechat.app.tui.widgets.heatmap import (ALL_RESIDENT, INTERVAL_S, SOME_RESIDENT, ExpertHeatmap, fold_row,
-                                             grid_cells, group_size)
-from moechat.app.tui.widgets.stats import StatsPanel, human_bytes
 
 L, E, K = 48, 128, 4
 

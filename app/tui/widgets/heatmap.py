@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
@@ -73,7 +74,7 @@ def grid_cells(width: int, frame: Frame) -> int:
 class ExpertHeatmap(ScrollView):
     """Heatmap of the newest `Frame`; see the module docstring for the layout."""
 
-    COMPONENT_CLASSES = {"expert-heatmap--label", "expert-heatmap--tau", "expert-heatmap--header"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"expert-heatmap--label", "expert-heatmap--tau", "expert-heatmap--header"}
     DEFAULT_CSS = """
     ExpertHeatmap {
         overflow-x: hidden;
