@@ -197,6 +197,8 @@ def cmd_generate(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moechat", description="Chat with Mixture-of-Experts models larger than your GPU.")
     parser.add_argument("--version", action="version", version=f"moechat {__version__}")
+    parser.add_argument("--setup", action="store_true",
+                        help="open the setup wizard (model, memory budgets, calibration), then the chat")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text headlessly (scripts, checks, benchmarks)")
@@ -247,9 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):  # plain `moechat`: chat
+    if not args.setup and not getattr(args, "func", None):  # plain `moechat`: chat
         args = parser.parse_args(["chat"])
     try:
+        if args.setup:
+            from .tui.app import run_tui  # the TUI, with the wizard first
+
+            return run_tui(setup=True)
         return args.func(args)
     except ModuleNotFoundError as err:
         if err.name == "torch":
