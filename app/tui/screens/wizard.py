@@ -71,7 +71,7 @@ class WizardScreen(Screen):
     WizardScreen .row { height: auto; }
     WizardScreen .row Label { width: 24; padding: 1 1 0 0; }
     WizardScreen .row Input { width: 1fr; }
-    WizardScreen .error { color: $error; height: auto; }
+    WizardScreen .field-error { color: $error; height: auto; }
     WizardScreen .hint { color: $text-muted; height: auto; }
     WizardScreen #buttons { height: auto; padding: 0 2 1 2; }
     WizardScreen #buttons Button { margin-right: 2; }
@@ -105,7 +105,7 @@ class WizardScreen(Screen):
                 with Horizontal(classes="row"):
                     yield Label("Hugging Face id")
                     yield Input(placeholder="owner/name, e.g. Qwen/Qwen3-30B-A3B", id="hub-id")
-                yield Label("", id="model-error", classes="error")
+                yield Label("", id="model-error", classes="field-error")
             with Vertical(id="step-budgets"):
                 yield Label(TITLES[1], classes="title")
                 yield Static("What moechat may use; prefilled with what is free now. Empty: whatever is free at start.",
@@ -113,11 +113,11 @@ class WizardScreen(Screen):
                 with Horizontal(classes="row"):
                     yield Label("VRAM budget (GiB)")
                     yield Input(id="vram", validators=[FieldValidator("vram_budget_gib")])
-                yield Label("", id="vram-error", classes="error")
+                yield Label("", id="vram-error", classes="field-error")
                 with Horizontal(classes="row"):
                     yield Label("RAM budget (GiB)")
                     yield Input(id="ram", validators=[FieldValidator("ram_budget_gib")])
-                yield Label("", id="ram-error", classes="error")
+                yield Label("", id="ram-error", classes="field-error")
                 yield Static("", id="hw-note", classes="hint")
             with Vertical(id="step-calibrate"):
                 yield Label(TITLES[2], classes="title")
@@ -127,7 +127,7 @@ class WizardScreen(Screen):
                     yield Button("Run calibration", id="run", variant="primary")
                 yield ProgressBar(total=1.0, id="progress", show_eta=False)
                 yield Label("", id="cal-step", classes="hint")
-                yield Label("", id="cal-error", classes="error")
+                yield Label("", id="cal-error", classes="field-error")
                 yield DataTable(id="decisions", cursor_type="none")
             with Vertical(id="step-finish"):
                 yield Label(TITLES[3], classes="title")
