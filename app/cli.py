@@ -212,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal, line by line (what `moechat` runs until the TUI lands)")
     add_engine_args(chat)
     chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
     add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)  # sampling (exact in distribution): less looping than greedy
     from .plain_chat import cmd_chat
 
@@ -249,13 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.setup and not getattr(args, "func", None):  # plain `moechat`: chat
-        args = parser.parse_args(["chat"])
+    if args.setup and getattr(args, "func", None):
+        parser.error("--setup opens the chat with the setup wizard first: give it no command")
+    if not getattr(args, "func", None):  # plain `moechat`: chat; `--setup` rides along for the TUI's wizard
+        args = parser.parse_args(["chat"] + (["--setup"] if args.setup else []))
     try:
-        if args.setup:
-            from .tui.app import run_tui  # the TUI, with the wizard first
-
-            return run_tui(setup=True)
         return args.func(args)
     except ModuleNotFoundError as err:
         if err.name == "torch":

@@ -153,8 +153,8 @@ async def _wizard_model_errors(bad_dir, unsupported_dir):
     messages = []
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
-        for directory in (bad_dir, unsupported_dir):
-            app.screen.query_one("#model-dir").value = str(directory)
+        for box, text in (("#model-dir", bad_dir), ("#model-dir", unsupported_dir), ("#hub-id", "not-an-id")):
+            app.screen.query_one(box).value = str(text)  # typing in a box picks its source
             await click(pilot, "#next")
             for _ in range(100):  # the check runs on a worker
                 await pilot.pause(0.05)
@@ -165,12 +165,13 @@ async def _wizard_model_errors(bad_dir, unsupported_dir):
     return messages
 
 
-def test_wizard_refuses_a_directory_the_engine_cannot_run(tmp_path):
+def test_wizard_refuses_a_model_the_engine_cannot_run(tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    missing, unsupported = asyncio.run(_wizard_model_errors(tmp_path, tmp_path / "other"))
+    missing, unsupported, hub = asyncio.run(_wizard_model_errors(tmp_path, tmp_path / "other"))
     assert "no config.json" in missing
     assert "unsupported architecture model_type='llama'" in unsupported
+    assert "is not a Hugging Face repository id" in hub  # `moechat pull`'s own check, before any network
 
 
 async def _wizard_end_to_end(path):
@@ -221,11 +222,16 @@ def test_wizard_end_to_end_with_the_demo(tmp_path):
     assert "# mine" in path.read_text() and settings.vram_budget_gib is None
 
 
-def test_setup_flag_parses():
-    from moechat.app.cli import build_parser
+def test_setup_flag_reaches_the_chat_command(capsys):
+    from moechat.app.cli import build_parser, main
 
-    assert build_parser().parse_args(["--setup"]).setup is True
-    assert build_parser().parse_args([]).setup is False
+    parser = build_parser()
+    assert parser.parse_args(["--setup"]).setup is True and parser.parse_args([]).setup is False
+    assert parser.parse_args(["chat", "--setup"]).setup is True  # what `moechat --setup` runs: the TUI reads args.setup
+    assert parser.parse_args(["chat"]).setup is False
+    with pytest.raises(SystemExit) as exit_:
+        main(["--setup", "generate", "--prompt", "hi"])
+    assert exit_.value.code == 2 and "give it no command" in capsys.readouterr().err
 
 
 def test_snapshot_settings_screen(snap_compare, tmp_path):

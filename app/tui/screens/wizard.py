@@ -76,6 +76,7 @@ class WizardScreen(Screen):
     WizardScreen #buttons { height: auto; padding: 0 2 1 2; }
     WizardScreen #buttons Button { margin-right: 2; }
     WizardScreen #progress { margin: 1 0; }
+    WizardScreen #run { margin-left: 2; }
     WizardScreen DataTable { height: auto; max-height: 14; }
     """
 
