@@ -186,10 +186,10 @@ async def _wizard_end_to_end(path):
         await click(pilot, "#next")
         assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram-error").content)
         screen.query_one("#ram").value = "16"
-        await click(pilot, "#next")
-        await click(pilot, "#next")  # not calibrated yet: refused
-        assert screen.step == 2 and "run the calibration" in str(screen.query_one("#cal-error").content)
-        await click(pilot, "#run")
+        await click(pilot, "#next")  # entering the step starts the calibration
+        assert screen.step == 2 and screen.busy
+        await click(pilot, "#next")  # still calibrating: refused
+        assert screen.step == 2
         seen = set()
         for _ in range(600):
             await pilot.pause(0.1)
@@ -199,6 +199,7 @@ async def _wizard_end_to_end(path):
         assert str(screen.query_one("#cal-error").content) == ""
         table = screen.query_one("#decisions")
         rows = {table.get_row_at(i)[0]: table.get_row_at(i)[1:] for i in range(table.row_count)}
+        assert table.row_count == len(rows) >= 7  # one row per decision
         await click(pilot, "#next")
         assert screen.step == 3 and "embedded demo" in str(screen.query_one("#summary").content)
         await click(pilot, "#next")  # Finish

@@ -183,12 +183,18 @@ class WizardScreen(Screen):
         elif event.input.id == "hub-id":
             self.query_one("#src-hub", RadioButton).value = True
 
+    @on(Input.Submitted)
+    def _submitted(self) -> None:
+        self.action_next()  # Enter in a box: Next
+
     # --- navigation ---------------------------------------------------------------------------
     def _go(self, step: int) -> None:
         self.step = step
         self.query_one(ContentSwitcher).current = STEPS[step]
         self.query_one("#back", Button).disabled = step == 0
         self.query_one("#next", Button).label = "Finish" if step == len(STEPS) - 1 else "Next"
+        if STEPS[step] == "step-calibrate" and self.decisions is None:
+            self.run_calibration()  # a new user's next move anyway; Run calibration repeats it (e.g. not quick)
         if STEPS[step] == "step-finish":
             self._show_summary()
 
