@@ -74,6 +74,9 @@ def test_save_keeps_comments_and_unknown_keys(tmp_path):
     save_settings(Settings(temperature=0.2, keys={"quit": "ctrl+q", "help": "f1"}), path)  # K back to None: key gone
     assert "utility_bound" not in path.read_text() and "# my moechat settings" in path.read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["settings.toml"]  # no temporary file left behind
+    path.write_text("model = [broken\n", encoding="utf-8")  # unreadable: kept aside, not lost
+    save_settings(Settings(top_p=0.5), path)
+    assert (tmp_path / "settings.toml.broken").read_text() == "model = [broken\n" and load_settings(path)[0].top_p == 0.5
 
 
 async def _settings_rejects_then_saves(path):

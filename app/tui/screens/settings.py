@@ -16,6 +16,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
@@ -210,7 +211,7 @@ class SettingsScreen(Screen):
     def _show_reload(self) -> None:
         try:
             values, _ = self._values()
-        except Exception:  # mid-compose: not every widget is there yet
+        except NoMatches:  # mid-compose: not every widget is there yet
             return
         changed = self._changed_reload_fields(values)
         self.query_one("#reload", Static).update(

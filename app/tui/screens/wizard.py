@@ -343,7 +343,9 @@ class WizardScreen(Screen):
         self.query_one("#summary", Static).update("\n".join(lines))
 
     def action_cancel(self) -> None:
-        if not self.busy:
+        if self.busy:
+            self.notify("wait for the model check or calibration to finish", severity="warning")
+        else:
             self.dismiss(None)
 
     @on(Button.Pressed, "#cancel")
