@@ -109,7 +109,7 @@ def engine_config(args):
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
         expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
         host_ram_budget_bytes=ram_budget,
-        context_len=args.context_len, spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
+        context_len=_first(args.context_len, settings.context_len), spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,
             utility_bound=_first(settings.utility_bound, d and d.utility_bound, defaults.utility_bound),

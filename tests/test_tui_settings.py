@@ -191,7 +191,7 @@ async def _wizard_end_to_end(path):
         screen.query_one("#ram").value = "16"
         await click(pilot, "#next")  # entering the step starts the calibration
         assert screen.step == 2 and screen.busy
-        await click(pilot, "#next")  # still calibrating: refused
+        screen.action_next()  # still calibrating: refused
         assert screen.step == 2
         seen = set()
         for _ in range(600):
@@ -224,6 +224,16 @@ def test_wizard_end_to_end_with_the_demo(tmp_path):
     settings, notice = load_settings(path)
     assert notice is None and settings.model is None and settings.ram_budget_gib == 16 and settings.top_p == 0.5
     assert "# mine" in path.read_text() and settings.vram_budget_gib is None
+
+
+def test_context_len_setting_reaches_the_engine_config():
+    from moechat.app.cli import build_parser, engine_config
+    from moechat.app.settings import settings_path
+
+    save_settings(Settings(context_len=96))
+    assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).context_len == 96
+    assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--context-len", "64"])).context_len == 64
+    assert settings_path().read_text().strip() == "context_len = 96"
 
 
 def test_setup_flag_reaches_the_chat_command(capsys):
