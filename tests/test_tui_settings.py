@@ -156,6 +156,7 @@ async def _wizard_model_errors(bad_dir, unsupported_dir):
     messages = []
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
+        assert app.screen.query_one("#vram").value == "22.0"  # the fake GPU's free memory, prefilled
         for box, text in (("#model-dir", bad_dir), ("#model-dir", unsupported_dir), ("#hub-id", "not-an-id")):
             app.screen.query_one(box).value = str(text)  # typing in a box picks its source
             await click(pilot, "#next")
