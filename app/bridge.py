@@ -12,29 +12,45 @@ alive for the next `reload` or `calibrate`.
 
 Commands run in the order given: a `reload` or `calibrate` waits for the replies queued before it
 (call `stop()` first to cut them short). `stop()` cancels the running reply and every reply queued
-before the call; the engine thread turns that into `Engine.stop()` at the next event, so the reply
-ends after the step in progress (the engine checks its flag only between steps), as Ctrl-C does in
-`moechat chat`, and the engine stays ready. ReplyStats and ExpertFrame are capped in time, see
-`app/bridge_meter.py`.
+before the call (a sequence number, so a late stop never hits the next reply); the engine thread turns
+it into `Engine.stop()` at the next event, so the reply ends after the step in progress (the engine
+checks its flag between steps; a stop during the prefill lands after the first token) with Finished
+"cancelled" and its summary, which gives the final stats (closing the iterator, as Ctrl-C does in
+`moechat chat`, would lose it); the engine stays ready. ReplyStats and ExpertFrame are capped in
+time, see `app/bridge_meter.py`. `close()` is for app exit: it cancels, skips queued loads and
+calibrations, and joins for at most JOIN_S (a load in progress cannot be cut short; the daemon
+thread never keeps the process alive).
 """
 from __future__ import annotations
 
 import gc
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable
 
 from textual.message import Message
 
 from ..engine.config import EngineConfig, SamplingParams
 from ..engine.errors import MoechatError
-from .tui.messages import (CalibrationDone, CalibrationProgress, EngineFailed, EngineLoading, EngineReady, ExpertFrame,
-                           ReplyDelta, ReplyFinished, ReplyStats, Stats)
+from .tui.messages import (
+    CalibrationDone,
+    CalibrationProgress,
+    EngineFailed,
+    EngineLoading,
+    EngineReady,
+    ExpertFrame,
+    ReplyDelta,
+    ReplyFinished,
+    ReplyStats,
+    Stats,
+)
 
 REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # engine -> ReplyFinished
-JOIN_S = 10.0  # close() waits this long for a load or calibration in progress; the thread is a daemon anyway
+# close() waits this long: a reply stops within a step, but a load or calibration in progress cannot be
+# cut short, and quitting must not hang on it (the thread is a daemon: it ends with the process)
+JOIN_S = 2.0
 
 
 def model_name(model_dir: str) -> str:
@@ -72,6 +88,8 @@ class EngineBridge:
         self._queue.put(("load", self._factory))
 
     def generate(self, request_id: int, messages: list[dict], params: SamplingParams) -> None:
+        if self._closed:  # nothing would ever answer it
+            return
         with self._lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             self._pending += 1
@@ -137,9 +155,9 @@ class EngineBridge:
             except Exception as err:  # never a traceback in the UI; the thread waits for the next command
                 what = "load the model" if cmd == "load" else "calibrate"
                 self._send(EngineFailed(one_line(f"cannot {what} ({type(err).__name__}: {err})")))
-        self._drop_engine()
+        self._drop_engine(collect=False)  # closing: end its worker threads; the memory goes with the process
 
-    def _drop_engine(self) -> None:
+    def _drop_engine(self, collect: bool = True) -> None:
         """Free the model (its worker threads, VRAM and RAM) before another one loads."""
         engine, self._engine = self._engine, None
         if engine is None:
@@ -147,6 +165,8 @@ class EngineBridge:
         engine.model.runtime.use_transfer_thread(False)
         engine.model.runtime.use_cpu_thread(False)
         del engine
+        if not collect:
+            return
         gc.collect()
         import torch
 
@@ -161,10 +181,10 @@ class EngineBridge:
             config = factory()
             name = model_name(config.model_dir)
             self._send(EngineLoading(0.1, f"loading {name}"))
-            from ..engine.generate import Engine  # torch and transformers: on this thread, not at UI start
+            from ..engine.generate import Engine  # torch and transformers load here, not at UI start
 
             engine = Engine(config)
-        except Exception as err:
+        except Exception:
             self._load_error = "the model failed to load: fix it in the settings, then reload"
             raise
         self._engine, self._load_error = engine, ""
@@ -178,7 +198,8 @@ class EngineBridge:
         tier = "the GPU" if m.device.type == "cuda" else "the fast tier"
         drafter = engine.drafter.name
         if drafter == "model":
-            drafter = f"draft model {model_name(cfg.spec.drafter)}"
+            draft = Path(cfg.spec.drafter)
+            drafter = f"draft model {draft.parent.name}/{draft.name}"  # as `moechat chat` names it
         elif drafter != "none":
             drafter = f"{drafter} (γ {cfg.spec.draft_len})"
         return (f"{name} on {m.device} ({cfg.dtype}) · {m.cache.capacity}/{total} experts on {tier} · "
@@ -226,8 +247,14 @@ class EngineBridge:
     def _calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
         from .calibrate import calibrate
 
-        profile, path = calibrate(model_dir, drafter, quick,
-                                  progress=lambda label, fraction: self._send(CalibrationProgress(fraction, label)))
+        done = 0.0
+
+        def progress(label: str, fraction: float) -> None:  # a bar never runs backwards (float steps may)
+            nonlocal done
+            done = max(done, min(1.0, fraction))
+            self._send(CalibrationProgress(done, label))
+
+        profile, path = calibrate(model_dir, drafter, quick, progress=progress)
         d = profile.decisions
         decisions = {f.name: (getattr(d, f.name), d.reasons.get(f.name, ""))
                      for f in fields(d) if f.name not in ("vram_split", "reasons")}

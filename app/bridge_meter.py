@@ -80,7 +80,8 @@ class ReplyMeter:
         return self._stats(
             tokens_per_s=summary.decode_tokens_per_s, acceptance=summary.acceptance_rate, hit_rate=summary.hit_rate,
             bytes_per_token=summary.bytes_moved / summary.new_tokens if summary.new_tokens else 0.0,
-            pcie_bytes_s=self.step_bytes / summary.decode_s if summary.decode_s > 0 else 0.0)
+            pcie_bytes_s=self.step_bytes / summary.decode_s if summary.decode_s > 0 else 0.0,
+            new_tokens=summary.new_tokens)  # a step's tokens past an EOS are not part of the reply
 
     def final_frame(self) -> Frame | None:
         """The last frame: only when steps ran since the previous one (else the view is current)."""
@@ -88,7 +89,7 @@ class ReplyMeter:
 
     # --- building -------------------------------------------------------------------------------
     def _stats(self, tokens_per_s: float, acceptance: float, hit_rate: float, bytes_per_token: float,
-               pcie_bytes_s: float) -> Stats:
+               pcie_bytes_s: float, new_tokens: int | None = None) -> Stats:
         cfg, m = self.engine.config, self.engine.model
         vram_used = vram_budget = None
         if m.device.type == "cuda":
@@ -102,7 +103,8 @@ class ReplyMeter:
             hit_rate=hit_rate if self.has_fast_tier else None, bytes_per_token=bytes_per_token,
             pcie_bytes_s=pcie_bytes_s, cpu_busy_s=self.last.cpu_s if self.last else 0.0,
             device_busy_s=self.last.device_s if self.last else 0.0, vram_used=vram_used, vram_budget=vram_budget,
-            ram_used=psutil.Process().memory_info().rss, ram_budget=ram_budget, new_tokens=self.new_tokens)
+            ram_used=psutil.Process().memory_info().rss, ram_budget=ram_budget,
+            new_tokens=self.new_tokens if new_tokens is None else new_tokens)
 
     def frame(self) -> Frame:
         """MoE-SpAc with a fast tier: its utilities s [L, E] and thresholds τ [L]. Other policies (and

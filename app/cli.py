@@ -109,7 +109,7 @@ def engine_config(args):
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
         expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
         host_ram_budget_bytes=ram_budget,
-        context_len=args.context_len, spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
+        context_len=_first(args.context_len, settings.context_len), spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,
             utility_bound=_first(settings.utility_bound, d and d.utility_bound, defaults.utility_bound),
@@ -196,6 +196,8 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        if args.setup:
+            return _fail("the setup wizard needs a terminal: run `moechat --setup` in one")
         from .plain_chat import cmd_chat as plain_chat
 
         return plain_chat(args)
@@ -207,6 +209,8 @@ def cmd_chat(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moechat", description="Chat with Mixture-of-Experts models larger than your GPU.")
     parser.add_argument("--version", action="version", version=f"moechat {__version__}")
+    parser.add_argument("--setup", action="store_true",
+                        help="open the setup wizard (model, memory budgets, calibration), then the chat")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text headlessly (scripts, checks, benchmarks)")
@@ -222,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.add_argument("--plain", action="store_true", help="line-by-line chat instead of the full-screen app")
     chat.add_argument("--system", default=None, help="system message (plain chat; the app sets it per conversation)")
+    chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
     add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)  # sampling (exact in distribution): less looping than greedy
     chat.set_defaults(func=cmd_chat)
 
@@ -257,8 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):  # `moechat` alone: chat (the app on a terminal)
-        args = parser.parse_args(["chat"])
+    if args.setup and getattr(args, "func", None):
+        parser.error("--setup opens the chat with the setup wizard first: give it no command")
+    if not getattr(args, "func", None):  # `moechat` alone: chat (the app on a terminal); `--setup` rides along
+        args = parser.parse_args(["chat"] + (["--setup"] if args.setup else []))
     try:
         return args.func(args)
     except ModuleNotFoundError as err:

@@ -8,11 +8,24 @@ import threading
 import time
 
 import pytest
-
 from moechat.app.bridge import EngineBridge
-from moechat.app.tui.messages import (CalibrationDone, CalibrationProgress, EngineFailed, EngineLoading, EngineReady,
-                                      ExpertFrame, ReplyDelta, ReplyFinished, ReplyStats)
-from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+from moechat.app.tui.messages import (
+    CalibrationDone,
+    CalibrationProgress,
+    EngineFailed,
+    EngineLoading,
+    EngineReady,
+    ExpertFrame,
+    ReplyDelta,
+    ReplyFinished,
+    ReplyStats,
+)
+from moechat.engine.config import (
+    EngineConfig,
+    SamplingParams,
+    SchedulerConfig,
+    SpecConfig,
+)
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a mixture of experts model?"}]
 TIMEOUT = 60
@@ -183,20 +196,49 @@ def test_close_stops_the_reply_and_joins_fast(checkpoint):
     bridge.close()  # idempotent
 
 
+def test_close_during_a_load_does_not_hang(checkpoint):
+    """Quitting while the model loads: close() gives up after JOIN_S; the queued reload never runs."""
+    from moechat.app.bridge import JOIN_S
+
+    loaded = []
+    release = threading.Event()
+
+    def slow():  # a load that takes longer than close() waits
+        release.wait(30)
+        loaded.append(1)
+        return EngineConfig(str(checkpoint("olmoe")))
+
+    bridge, inbox = started(slow)
+    inbox.wait(EngineLoading)  # the first load is under way
+    bridge.reload()
+    bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))
+    t0 = time.perf_counter()
+    bridge.close()
+    assert JOIN_S <= time.perf_counter() - t0 < JOIN_S + 1 and bridge._thread.daemon and bridge._thread.is_alive()
+    release.set()
+    bridge._thread.join(TIMEOUT)
+    assert loaded == [1] and inbox.ending(1).reason == "cancelled"  # the second load was skipped
+
+
 def test_calibrate_posts_progress_and_decisions(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the profile lands here
-    path = checkpoint("qwen3_moe")
+    path = checkpoint("qwen3_moe", max_position_embeddings=4096)  # the calibration prompts need more than 512
     bridge, inbox = started(lambda: EngineConfig(str(path)))
     try:
         inbox.wait(EngineReady)
+        bridge.calibrate(str(checkpoint("qwen3_moe")), "self", quick=True)  # fails: one line, the thread lives on
+        failed = inbox.wait(EngineFailed)
+        assert failed.request_id is None and "\n" not in failed.message and "context" in failed.message
+        assert not inbox.of(CalibrationDone)
         bridge.calibrate(str(path), "self", quick=True)
         done = inbox.wait(CalibrationDone)
         fractions = [m.fraction for m in inbox.of(CalibrationProgress)]
-        assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
+        fractions = fractions[fractions.index(0.0, 1):]  # the second run's
+        assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 3
         assert {"expert_cache_ratio", "utility_bound", "draft_len", "forgetting", "drafter", "policy"} <= set(done.decisions)
         assert all(isinstance(reason, str) for _, reason in done.decisions.values())
         assert 1 <= done.decisions["utility_bound"][0] <= 16
-        assert done.profile_path.startswith(str(tmp_path / "config")) and not inbox.of(EngineFailed)
+        assert done.profile_path.startswith(str(tmp_path / "config")) and len(inbox.of(EngineFailed)) == 1
         bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))  # the loaded engine is untouched
         assert inbox.ending(1).reason == "length"
     finally:
@@ -240,3 +282,30 @@ def test_messages_arrive_on_a_textual_app(checkpoint):
 
     app = asyncio.run(run())
     assert app.ready == [path.name] and len(app.finished) == 1 and app.finished[0] and app.frames
+
+
+@pytest.mark.gpu
+def test_cuda_stats_and_reload_frees_the_fast_tier(checkpoint):
+    """On CUDA: VRAM figures, spac frames while the transfer thread runs, and a reload that frees the
+    old engine's fast tier and its worker threads before the new one loads."""
+    import torch
+
+    path = checkpoint("qwen3_moe")
+    factory = lambda: EngineConfig(str(path), device="cuda", expert_cache_ratio=0.5, spec=SpecConfig("self", 3))
+    bridge, inbox = started(factory, interval=0.0)
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=16))
+        fin = inbox.ending(1)
+        assert isinstance(fin, ReplyFinished) and fin.reason == "length"
+        assert 0 < fin.stats.vram_used <= fin.stats.vram_budget and fin.stats.hit_rate is not None
+        assert all(f.frame.policy == "spac" for f in inbox.of(ExpertFrame)) and inbox.of(ExpertFrame)
+        before = torch.cuda.memory_allocated()
+        bridge.reload()
+        inbox.wait(EngineReady, 2)
+        assert torch.cuda.memory_allocated() <= before * 1.05  # the first engine's memory went back
+        assert sum(t.name == "moechat-prefetch" for t in threading.enumerate()) == 1
+        bridge.generate(2, CHAT, SamplingParams(max_new_tokens=4))
+        assert inbox.ending(2).reason == "length"
+    finally:
+        bridge.close()

@@ -5,14 +5,20 @@ import asyncio
 import random
 import time
 
+from moechat.app.tui.messages import Frame, Stats
+from moechat.app.tui.widgets.heatmap import (
+    ALL_RESIDENT,
+    INTERVAL_S,
+    SOME_RESIDENT,
+    ExpertHeatmap,
+    fold_row,
+    grid_cells,
+    group_size,
+)
+from moechat.app.tui.widgets.stats import StatsPanel, human_bytes
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
-
-from moechat.app.tui.messages import Frame, Stats
-from moechat.app.tui.widgets.heatmap import (ALL_RESIDENT, INTERVAL_S, SOME_RESIDENT, ExpertHeatmap, fold_row,
-                                             grid_cells, group_size)
-from moechat.app.tui.widgets.stats import StatsPanel, human_bytes
 
 L, E, K = 48, 128, 4
 
@@ -91,7 +97,7 @@ def test_flood_of_frames_draws_few_times_and_shows_the_newest():
             assert heatmap.draws <= elapsed / INTERVAL_S + 2, (heatmap.draws, elapsed)
             assert heatmap.draws < 20
             shown = lines(heatmap)
-            assert "step 199" in shown[0] and "2 experts per cell" in shown[0]
+            assert "step 199" in shown[0] and "2 experts/cell (max)" in shown[0]
             # Layer 0's cells match the newest frame's residency, folded by 2.
             want = fold_row(frames[-1].utility[0], frames[-1].resident[0], 2)
             glyphs = "".join(ALL_RESIDENT if r == n else SOME_RESIDENT if r else " " for _, r, n in want)
@@ -136,9 +142,26 @@ def test_rows_scroll_with_pinned_header_and_legend():
             heatmap.scroll_end(animate=False, immediate=True)
             await pilot.pause()
             shown = lines(heatmap)
-            assert shown[0].startswith(" utility  step 0")
+            assert shown[0].startswith(" utility · step 0 · 48×128")
             assert shown[-3].startswith(f"{L - 1} ")  # last layer just above the legend
             assert "utility" in shown[-2]
+    asyncio.run(run())
+
+
+def test_colours_follow_the_theme():
+    async def run():
+        app = Demo(stats=False)
+        async with app.run_test(size=(80, 20)) as pilot:
+            heatmap = app.query_one(ExpertHeatmap)
+            heatmap.update_frame(make_frame(layers=4, experts=8))
+            app.theme = "textual-dark"
+            await pilot.pause(2 * INTERVAL_S)
+            dark = heatmap.level_colors(K)
+            app.theme = "textual-light"
+            await pilot.pause()
+            light = heatmap.level_colors(K)
+            assert dark[0] != light[0] and light[0].brightness > dark[0].brightness  # cold cells follow the surface
+            assert len({c.hex for c in light}) == K + 1  # every level distinct on the light theme too
     asyncio.run(run())
 
 

@@ -105,6 +105,7 @@ class MoechatApp(App):
         self.settings, self.settings_notice = load_settings(self.settings_file)
         self.sampling = sampling or sampling_from(self.settings)
         self.chat = ChatScreen()
+        self.bridge_started = False
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
@@ -113,9 +114,10 @@ class MoechatApp(App):
         for notice in (self.settings_notice, self.apply_look(self.settings)):
             if notice:
                 self.notify(notice, severity="warning", timeout=10)
-        self.call_after_refresh(self.bridge.start)  # the screen paints first; the model loads while the UI runs
-        if self.first_run:
+        if self.first_run:  # the model the wizard picks loads when it closes, not the default one first
             self.action_setup()
+        else:
+            self.call_after_refresh(self.start_engine)  # the screen paints first; the model loads while the UI runs
 
     async def on_unmount(self) -> None:
         self.bridge.close()
@@ -259,6 +261,10 @@ class MoechatApp(App):
             except OSError as err:
                 self.notify(f"theme not remembered: {err}", severity="warning")
 
+    def start_engine(self) -> None:
+        self.bridge_started = True
+        self.bridge.start()
+
     def action_reload(self) -> None:
         if self.chat.reply is not None:
             self.bridge.stop()
@@ -288,17 +294,18 @@ class MoechatApp(App):
         self.push_screen(SettingsScreen(self.settings, self.settings_notice, self.settings_file), done)
 
     def action_setup(self) -> None:
-        try:
-            from .screens.wizard import WizardScreen
-        except ImportError:
-            self.notify("the setup wizard is not available in this build", severity="warning")
-            return
+        from .screens.wizard import WizardScreen
 
         def done(model_dir: str | None) -> None:
-            if model_dir:
-                self.action_reload()
+            """The wizard saved the model and budgets to the settings file: load what it chose."""
+            self.settings, self.settings_notice = load_settings(self.settings_file)
+            if self.bridge_started:
+                if model_dir:
+                    self.action_reload()
+            else:
+                self.start_engine()
 
-        self.push_screen(WizardScreen(), done)
+        self.push_screen(WizardScreen(path=self.settings_file), done)
 
 
 def sampling_from(settings: Settings, base=None):
@@ -323,7 +330,7 @@ def run_tui(args) -> int:
     from ..cli import engine_config, sampling_params
 
     base = copy.copy(args)
-    first_run = not settings_path().exists() and args.model is None
+    first_run = args.setup or (not settings_path().exists() and args.model is None)
     # Sampling: the settings' (the settings screen edits them), with the command line's seed, top-k and stops.
     app = MoechatApp(lambda: engine_config(copy.copy(base)), first_run=first_run)
     app.sampling = sampling_from(app.settings, sampling_params(args))

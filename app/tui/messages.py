@@ -1,8 +1,9 @@
 """What the engine thread (`app/bridge.py`) posts to the Textual app: one Message class per event.
 
 The bridge posts with `App.post_message` (thread-safe), never `call_from_thread` per token.
-`ReplyStats` and `ExpertFrame` are coalesced by the bridge: at most one of each is in flight, and
-when the UI is behind, a newer one replaces the older (only the newest is drawn).
+`ReplyStats` and `ExpertFrame` are coalesced by the bridge in time: at most one of each per
+`frame_interval_s`, always the final one when a reply ends (the bridge cannot see when the UI has
+drawn one, so it caps the rate instead; `app/bridge_meter.py`).
 Payloads are plain Python (lists, floats, str): the UI never imports torch.
 """
 from __future__ import annotations

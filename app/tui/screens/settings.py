@@ -16,6 +16,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
@@ -48,6 +49,7 @@ TYPED = (
     ("max_new_tokens", "Max new tokens", "512"),
 )
 _DEFAULTS = {f.name: f.default for f in fields(Settings)}
+_LABELS = {name: label for name, label, _ in TYPED} | {"policy": "policy", "draft": "drafter"}
 
 
 def parse_field(name: str, text: str):
@@ -91,6 +93,12 @@ class DraftDirValidator(Validator):
         return self.success()
 
 
+def show_error(label: Label, message: str | None) -> None:
+    """An inline message under a field; the line disappears when the field is fine."""
+    label.update(message or "")
+    label.display = bool(message)
+
+
 def _tag(name: str) -> str:
     return "[dim](reload model)[/]" if name in RELOAD_FIELDS else "[dim](live)[/]"
 
@@ -101,10 +109,10 @@ class SettingsScreen(Screen):
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
     DEFAULT_CSS = """
     SettingsScreen VerticalScroll { padding: 0 2; }
-    SettingsScreen .row { height: auto; }
-    SettingsScreen .row Label.name { width: 36; padding: 1 1 0 0; }
+    SettingsScreen .row { height: auto; margin-top: 1; }
+    SettingsScreen .row Label.name { width: 36; padding-right: 1; }
     SettingsScreen .row Input, SettingsScreen .row Select { width: 1fr; }
-    SettingsScreen .error { color: $error; padding: 0 0 0 36; height: auto; }
+    SettingsScreen .field-error { color: $error; padding-left: 36; height: auto; width: 1fr; display: none; }
     SettingsScreen #notice { color: $warning; padding: 0 2; height: auto; }
     SettingsScreen #reload { color: $warning; padding: 0 2; height: auto; }
     SettingsScreen #buttons { height: auto; padding: 1 2; }
@@ -128,26 +136,26 @@ class SettingsScreen(Screen):
                 with Horizontal(classes="row"):
                     yield Label(f"{label} {_tag(name)}", classes="name")
                     yield Input("" if value is None else str(value), placeholder=placeholder, id=name,
-                                validators=[FieldValidator(name)], valid_empty=False)
-                yield Label("", id=f"{name}-error", classes="error")
+                                validators=[FieldValidator(name)], compact=True)
+                yield Label("", id=f"{name}-error", classes="field-error")
             with Horizontal(classes="row"):
                 yield Label(f"Policy {_tag('policy')}", classes="name")
                 yield Select([(p, p) for p in POLICIES], value=s.policy or Select.NULL, prompt="from calibration",
-                             id="policy")
+                             id="policy", compact=True)
             draft_choice = s.draft if s.draft in (None, "none", "self") else DIRECTORY
             with Horizontal(classes="row"):
                 yield Label(f"Drafter {_tag('draft')}", classes="name")
                 yield Select([("none", "none"), ("self", "self"), ("a draft model directory", DIRECTORY)],
-                             value=draft_choice or Select.NULL, prompt="default", id="draft")
+                             value=draft_choice or Select.NULL, prompt="default", id="draft", compact=True)
             with Horizontal(classes="row"):
                 yield Label("Draft model directory", classes="name")
                 yield Input(s.draft if draft_choice == DIRECTORY else "", placeholder="/path/to/draft-model",
-                            id="draft_dir", validators=[DraftDirValidator()], disabled=draft_choice != DIRECTORY)
-            yield Label("", id="draft_dir-error", classes="error")
+                            id="draft_dir", validators=[DraftDirValidator()], disabled=draft_choice != DIRECTORY, compact=True)
+            yield Label("", id="draft_dir-error", classes="field-error")
             with Horizontal(classes="row"):
                 yield Label(f"Theme {_tag('theme')}", classes="name")
                 themes = list(THEMES) + [t for t in textual_themes() if t not in THEMES]
-                yield Select([(t, t) for t in themes], value=s.theme, allow_blank=False, id="theme")
+                yield Select([(t, t) for t in themes], value=s.theme, allow_blank=False, id="theme", compact=True)
         yield Static("", id="reload")
         with Horizontal(id="buttons"):
             yield Button("Save", variant="primary", id="save")
@@ -159,9 +167,9 @@ class SettingsScreen(Screen):
 
     @on(Input.Changed)
     def _show_validation(self, event: Input.Changed) -> None:
-        error = self.query_one(f"#{event.input.id}-error", Label)
         result = event.validation_result
-        error.update("" if result is None or result.is_valid else result.failure_descriptions[0])
+        show_error(self.query_one(f"#{event.input.id}-error", Label),
+                   None if result is None or result.is_valid else result.failure_descriptions[0])
         self._show_reload()
 
     @on(Select.Changed)
@@ -170,7 +178,7 @@ class SettingsScreen(Screen):
             box = self.query_one("#draft_dir", Input)
             box.disabled = event.value != DIRECTORY
             if box.disabled:
-                self.query_one("#draft_dir-error", Label).update("")
+                show_error(self.query_one("#draft_dir-error", Label), None)
         self._show_reload()
 
     def _values(self) -> tuple[dict, list[str]]:
@@ -181,7 +189,7 @@ class SettingsScreen(Screen):
             error = field_error(name, values[name])
             if error:
                 errors.append(error)
-                self.query_one(f"#{name}-error", Label).update(error)
+                show_error(self.query_one(f"#{name}-error", Label), error)
         policy = self.query_one("#policy", Select).value
         values["policy"] = None if policy == Select.NULL else policy
         draft = self.query_one("#draft", Select).value
@@ -190,7 +198,7 @@ class SettingsScreen(Screen):
             result = box.validate(box.value)
             if result is not None and not result.is_valid:
                 errors.append(result.failure_descriptions[0])
-                self.query_one("#draft_dir-error", Label).update(result.failure_descriptions[0])
+                show_error(self.query_one("#draft_dir-error", Label), result.failure_descriptions[0])
             values["draft"] = box.value.strip()
         else:
             values["draft"] = None if draft == Select.NULL else draft
@@ -203,11 +211,11 @@ class SettingsScreen(Screen):
     def _show_reload(self) -> None:
         try:
             values, _ = self._values()
-        except Exception:  # mid-compose: not every widget is there yet
+        except NoMatches:  # mid-compose: not every widget is there yet
             return
         changed = self._changed_reload_fields(values)
         self.query_one("#reload", Static).update(
-            f"Reload model needed for: {', '.join(changed)}" if changed else "")
+            f"Reload model needed for: {', '.join(_LABELS.get(n, n) for n in changed)} (Save reloads it)" if changed else "")
         self.query_one("#save", Button).label = "Save and reload model" if changed else "Save"
 
     @on(Button.Pressed, "#save")

@@ -16,11 +16,13 @@ Layout choice (48 layers × 128 experts must stay readable on a 120×40 terminal
 
 `update_frame` only stores the newest frame and schedules at most one redraw per `INTERVAL_S`:
 a flood of frames never queues renders, and folding happens once per redraw, not per frame.
+Give it a height (e.g. `height: 1fr`); it scrolls itself, so don't wrap it in a VerticalScroll.
 """
 from __future__ import annotations
 
 import math
 import time
+from typing import ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
@@ -72,7 +74,7 @@ def grid_cells(width: int, frame: Frame) -> int:
 class ExpertHeatmap(ScrollView):
     """Heatmap of the newest `Frame`; see the module docstring for the layout."""
 
-    COMPONENT_CLASSES = {"expert-heatmap--label", "expert-heatmap--tau", "expert-heatmap--header"}
+    COMPONENT_CLASSES: ClassVar[set[str]] = {"expert-heatmap--label", "expert-heatmap--tau", "expert-heatmap--header"}
     DEFAULT_CSS = """
     ExpertHeatmap {
         overflow-x: hidden;
@@ -96,6 +98,9 @@ class ExpertHeatmap(ScrollView):
         self._layout_key: tuple | None = None
         self._palette_key: tuple | None = None
         self._palette: list[Color] = []
+        self._styles: list[Style] = []  # cell style per level, for the current palette
+        self._labels: list[str] = []
+        self._columns = (1, 1)  # (label width, τ width)
 
     # -- frames in, capped redraws out ------------------------------------------------------------
 
@@ -134,6 +139,7 @@ class ExpertHeatmap(ScrollView):
         n_experts = max((len(r) for r in self.frame.utility), default=1)
         self._group = group_size(n_experts, grid_cells(width, self.frame))
         self._rows = [fold_row(u, r, self._group) for u, r in zip(self.frame.utility, self.frame.resident)]
+        self._labels, self._columns = layer_labels(self.frame), columns(self.frame)
         self.virtual_size = Size(0, TOP_LINES + len(self._rows) + BOTTOM_LINES)
 
     # -- colours ------------------------------------------------------------------------------------
@@ -148,12 +154,15 @@ class ExpertHeatmap(ScrollView):
             ramp = Gradient((0.0, surface.blend(primary, 0.45)), (0.5, warning), (1.0, error))
             hot = [ramp.get_color(0.0 if bound <= 1 else (k - 1) / (bound - 1)) for k in range(1, bound + 1)]
             self._palette, self._palette_key = [surface.blend(fg, 0.08), *hot], key
+            # A cell's glyph takes the contrast colour of its background.
+            self._styles = [Style(bgcolor=bg.rich_color, color=bg.get_contrast_text(1.0).rich_color)
+                            for bg in self._palette]
         return self._palette
 
-    def _cell_style(self, level: int, bound: int) -> Style:
-        palette = self.level_colors(bound)
-        bg = palette[min(max(level, 0), len(palette) - 1)]
-        return Style(bgcolor=bg.rich_color, color=bg.get_contrast_text(1.0).rich_color)
+    def level_styles(self, bound: int) -> list[Style]:
+        """Cell style of utility 0..K (index with min(level, K): in-use experts may report K+1)."""
+        self.level_colors(bound)
+        return self._styles
 
     # -- line API -------------------------------------------------------------------------------------
 
@@ -178,13 +187,13 @@ class ExpertHeatmap(ScrollView):
     def _header(self) -> list[Segment]:
         f = self.frame
         n_experts = max((len(r) for r in f.utility), default=0)
-        fold = "1 expert per cell" if self._group == 1 else f"{self._group} experts per cell (max)"
-        text = f" {f.policy}  step {f.step}  {len(f.utility)} layers × {n_experts} experts  {fold}"
+        fold = "1 expert/cell" if self._group == 1 else f"{self._group} experts/cell (max)"
+        text = f" {f.policy} · step {f.step} · {len(f.utility)}×{n_experts} · {fold}"
         return [Segment(text, self.get_component_rich_style("expert-heatmap--header"))]
 
     def _ruler(self) -> list[Segment]:
         """Expert index above every 8th cell, and "τ" above the τ column."""
-        label_w, tau_w = columns(self.frame)
+        label_w, tau_w = self._columns
         n_cells = max((len(r) for r in self._rows), default=0)
         ruler, c = [" "] * n_cells, 0
         while c < n_cells:
@@ -198,12 +207,20 @@ class ExpertHeatmap(ScrollView):
 
     def _row(self, layer: int) -> list[Segment]:
         f = self.frame
-        label_w, tau_w = columns(f)
-        segments = [Segment(layer_labels(f)[layer].rjust(label_w) + " ",
+        label_w, tau_w = self._columns
+        segments = [Segment(self._labels[layer].rjust(label_w) + " ",
                             self.get_component_rich_style("expert-heatmap--label"))]
+        styles, top = self.level_styles(f.utility_bound), f.utility_bound
+        run, run_style = "", None  # neighbouring cells of one style become one segment
         for level, n_resident, n in self._rows[layer]:
-            glyph = ALL_RESIDENT if n_resident == n else SOME_RESIDENT if n_resident else " "
-            segments.append(Segment(glyph, self._cell_style(level, f.utility_bound)))
+            style = styles[min(max(level, 0), top)]
+            if style is not run_style and run:
+                segments.append(Segment(run, run_style))
+                run = ""
+            run += ALL_RESIDENT if n_resident == n else SOME_RESIDENT if n_resident else " "
+            run_style = style
+        if run:
+            segments.append(Segment(run, run_style))
         tau = f.tau[layer] if layer < len(f.tau) else 0
         segments += [Segment(" ", self.rich_style),
                      Segment(str(tau).rjust(tau_w), self.get_component_rich_style("expert-heatmap--tau"))]
@@ -212,13 +229,14 @@ class ExpertHeatmap(ScrollView):
     def _legend(self, line: int) -> list[Segment]:
         f, muted = self.frame, self.get_component_rich_style("expert-heatmap--label")
         if line == 1:
-            some = f"  {SOME_RESIDENT} some of the cell's {self._group} resident" if self._group > 1 else ""
-            text = f" {ALL_RESIDENT} resident{some}   τ: per-layer threshold (resident when utility ≥ τ)"
+            some = f"  {SOME_RESIDENT} partly" if self._group > 1 else ""
+            text = f" {ALL_RESIDENT} resident{some}  τ threshold (keep utility ≥ τ)"
             return [Segment(text, muted)]
         bound = f.utility_bound
         # Up to 12 swatches: large K shows evenly spaced levels, always including 0 and K.
         levels = sorted({round(i * bound / min(bound, 11)) for i in range(min(bound, 11) + 1)}) if bound else [0]
         segments = [Segment(" utility ", muted)]
+        styles = self.level_styles(bound)
         for level in levels:
-            segments += [Segment(f" {level} ", self._cell_style(level, bound)), Segment(" ", self.rich_style)]
+            segments += [Segment(f" {level} ", styles[level]), Segment(" ", self.rich_style)]
         return segments

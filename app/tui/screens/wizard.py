@@ -1,0 +1,353 @@
+"""The first-run wizard (and `moechat --setup`): model -> memory budgets -> calibration -> finish.
+
+Each step checks its input before Next. The model is the embedded demo, a local Hugging Face
+directory (config.json present, architecture supported: the engine's own checks), or a Hub id pulled
+with `moechat pull`'s code. Budgets are prefilled from the probe. Calibration runs on a thread
+worker with its progress posted as `CalibrationProgress`, and its decisions are shown with their
+reasons. Finish saves the model and budgets to the settings file (comments kept) and dismisses with
+the model directory; Cancel dismisses with None.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import (Button, ContentSwitcher, DataTable, Footer, Header, Input, Label, ProgressBar, RadioButton,
+                             RadioSet, Static, Switch)
+
+from ...demo import DEMO_DRAFT, DEMO_MODEL
+from ...settings import load_settings, save_settings
+from ..messages import CalibrationDone, CalibrationProgress
+from .settings import FieldValidator, field_error, parse_field
+
+GIB = 2**30
+STEPS = ("step-model", "step-budgets", "step-calibrate", "step-finish")
+TITLES = ("1/4 Choose the model", "2/4 Memory budgets", "3/4 Calibrate this machine", "4/4 Done")
+# Calibration decisions as the wizard shows them: (field of Decisions, label)
+DECISIONS = (("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
+             ("draft_len", "draft length γ"), ("forgetting", "forgetting λ"), ("drafter", "drafter"),
+             ("policy", "policy"), ("host_tier", "host tier"))
+
+
+def check_model_dir(text: str) -> str:
+    """The directory if it holds a model the engine runs; else MoechatError (one line, from the engine's checks)."""
+    from ....engine.model.checkpoint import read_config_dict
+    from ....engine.model.families import get_family
+
+    path = Path(text.strip()).expanduser()
+    get_family(read_config_dict(path).get("model_type", "<missing>"))
+    return str(path)
+
+
+def decision_rows(decisions) -> dict[str, tuple[object, str]]:
+    """Decisions -> {label: (value, reason)}, as CalibrationDone carries them."""
+    rows = {}
+    for name, label in DECISIONS:
+        value = getattr(decisions, name)
+        if name == "drafter" and value not in ("none", "self"):
+            value = Path(value).name  # a draft model's directory: its name is enough here
+        rows[label] = (f"{value:g}" if isinstance(value, float) else str(value), decisions.reasons.get(name, ""))
+    if decisions.reasons.get("vram_split"):
+        rows["VRAM split"] = ("", decisions.reasons["vram_split"])
+    return rows
+
+
+class WizardScreen(Screen):
+    """`WizardScreen(hardware=None, path=None, calibrate=None)`.
+
+    hardware: the probe's Hardware (None: probed on a worker); path: the settings file (None: the
+    default); calibrate: `app/calibrate.py: calibrate` unless a test passes another.
+    """
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    DEFAULT_CSS = """
+    WizardScreen ContentSwitcher { padding: 1 2; height: 1fr; }
+    WizardScreen .title { text-style: bold; padding-bottom: 1; }
+    WizardScreen .row { height: auto; }
+    WizardScreen .row Label { width: 24; padding: 1 1 0 0; }
+    WizardScreen .row Input { width: 1fr; }
+    WizardScreen .field-error { color: $error; height: auto; }
+    WizardScreen .hint { color: $text-muted; height: auto; }
+    WizardScreen #buttons { height: auto; padding: 0 2 1 2; }
+    WizardScreen #buttons Button { margin-right: 2; }
+    WizardScreen #progress { margin: 1 0; }
+    WizardScreen #run { margin-left: 2; }
+    WizardScreen DataTable { height: auto; max-height: 14; }
+    """
+
+    def __init__(self, hardware=None, path: Path | None = None, calibrate=None) -> None:
+        super().__init__()
+        self.hardware, self.path, self._calibrate_fn = hardware, path, calibrate
+        self.step = 0
+        self.model_dir: str | None = None  # what runs (a directory)
+        self.model_setting: str | None = None  # what the settings file keeps: None (the demo), DIR or OWNER/NAME
+        self.drafter = "none"
+        self.decisions: dict[str, tuple[object, str]] | None = None
+        self.profile_path = ""
+        self.busy = False
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with ContentSwitcher(initial=STEPS[0]):
+            with Vertical(id="step-model"):
+                yield Label(TITLES[0], classes="title")
+                with RadioSet(id="source"):
+                    yield RadioButton("The embedded demo model (small, runs anywhere)", id="src-demo", value=True)
+                    yield RadioButton("A model directory on this machine", id="src-dir")
+                    yield RadioButton("A Hugging Face model to download (needs the network)", id="src-hub")
+                with Horizontal(classes="row"):
+                    yield Label("Directory")
+                    yield Input(placeholder="/path/to/Qwen3-30B-A3B", id="model-dir")
+                with Horizontal(classes="row"):
+                    yield Label("Hugging Face id")
+                    yield Input(placeholder="owner/name, e.g. Qwen/Qwen3-30B-A3B", id="hub-id")
+                yield Label("", id="model-error", classes="field-error")
+            with Vertical(id="step-budgets"):
+                yield Label(TITLES[1], classes="title")
+                yield Static("What moechat may use; prefilled with what is free now. Empty: whatever is free at start.",
+                             classes="hint")
+                with Horizontal(classes="row"):
+                    yield Label("VRAM budget (GiB)")
+                    yield Input(id="vram", validators=[FieldValidator("vram_budget_gib")])
+                yield Label("", id="vram-error", classes="field-error")
+                with Horizontal(classes="row"):
+                    yield Label("RAM budget (GiB)")
+                    yield Input(id="ram", validators=[FieldValidator("ram_budget_gib")])
+                yield Label("", id="ram-error", classes="field-error")
+                yield Static("", id="hw-note", classes="hint")
+            with Vertical(id="step-calibrate"):
+                yield Label(TITLES[2], classes="title")
+                with Horizontal(classes="row"):
+                    yield Label("Quick (fewer repeats)")
+                    yield Switch(value=True, id="quick")
+                    yield Button("Run calibration", id="run", variant="primary")
+                yield ProgressBar(total=1.0, id="progress", show_eta=False)
+                yield Label("", id="cal-step", classes="hint")
+                yield Label("", id="cal-error", classes="field-error")
+                yield DataTable(id="decisions", cursor_type="none")
+            with Vertical(id="step-finish"):
+                yield Label(TITLES[3], classes="title")
+                yield Static("", id="summary")
+        with Horizontal(id="buttons"):
+            yield Button("Back", id="back", disabled=True)
+            yield Button("Next", id="next", variant="primary")
+            yield Button("Cancel", id="cancel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.title = "moechat setup"
+        self.query_one("#decisions", DataTable).add_columns("setting", "value", "why")
+        if self.hardware is None:
+            self.run_worker(self._probe, thread=True, group="probe")
+        else:
+            self._prefill(self.hardware)
+
+    # --- step 2: budgets from the probe -------------------------------------------------------
+    def _probe(self) -> None:
+        from ....engine.hw.probe import probe
+
+        hw = probe()
+        self.app.call_from_thread(self._prefill, hw)
+
+    def _prefill(self, hw) -> None:
+        self.hardware = hw
+        settings, _ = load_settings(self.path)  # `--setup` again: the budgets chosen before win over the probe
+        vram, ram = self.query_one("#vram", Input), self.query_one("#ram", Input)
+        if hw.gpus:
+            gpu = hw.gpus[0]
+            vram.value = str(settings.vram_budget_gib or round(gpu.free_bytes / GIB, 1))
+            note = f"{gpu.name}: {gpu.free_bytes / GIB:.1f} of {gpu.total_bytes / GIB:.1f} GiB free. "
+        else:
+            vram.value, vram.disabled, vram.placeholder = "", True, "no GPU found"
+            note = f"No NVIDIA GPU ({hw.gpu_note or 'none found'}): experts run on the CPU. "
+        ram.value = str(settings.ram_budget_gib or round(hw.ram_available_bytes / GIB, 1))
+        note += f"RAM: {hw.ram_available_bytes / GIB:.1f} of {hw.ram_total_bytes / GIB:.1f} GiB available."
+        self.query_one("#hw-note", Static).update(note)
+
+    def _budget(self, box: str, name: str) -> float | None:
+        return parse_field(name, self.query_one(f"#{box}", Input).value)
+
+    @on(Input.Changed)
+    def _input_changed(self, event: Input.Changed) -> None:
+        if event.input.id in ("vram", "ram"):
+            result = event.validation_result
+            self.query_one(f"#{event.input.id}-error", Label).update(
+                "" if result is None or result.is_valid else result.failure_descriptions[0])
+        elif event.input.id == "model-dir":
+            self.query_one("#src-dir", RadioButton).value = True
+        elif event.input.id == "hub-id":
+            self.query_one("#src-hub", RadioButton).value = True
+
+    @on(Input.Submitted)
+    def _submitted(self) -> None:
+        self.action_next()  # Enter in a box: Next
+
+    # --- navigation ---------------------------------------------------------------------------
+    def _go(self, step: int) -> None:
+        self.step = step
+        self.query_one(ContentSwitcher).current = STEPS[step]
+        self.query_one("#back", Button).disabled = step == 0
+        self.query_one("#next", Button).label = "Finish" if step == len(STEPS) - 1 else "Next"
+        if STEPS[step] == "step-calibrate" and self.decisions is None:
+            self.run_calibration()  # a new user's next move anyway; Run calibration repeats it (e.g. not quick)
+        if STEPS[step] == "step-finish":
+            self._show_summary()
+
+    @on(Button.Pressed, "#back")
+    def _back(self) -> None:
+        if not self.busy and self.step > 0:
+            self._go(self.step - 1)
+
+    @on(Button.Pressed, "#next")
+    def action_next(self) -> None:
+        if self.busy:
+            return
+        getattr(self, f"_leave_{STEPS[self.step].split('-')[1]}")()
+
+    def _leave_model(self) -> None:
+        error = self.query_one("#model-error", Label)
+        error.update("")
+        source = self.query_one("#source", RadioSet).pressed_button
+        if source is None or source.id == "src-demo":
+            self._model_chosen(str(DEMO_MODEL), None, str(DEMO_DRAFT))
+            return
+        text = self.query_one("#model-dir" if source.id == "src-dir" else "#hub-id", Input).value.strip()
+        if not text:
+            error.update("type a directory" if source.id == "src-dir" else "type a Hugging Face id, e.g. Qwen/Qwen3-30B-A3B")
+            return
+        self.busy = True
+        error.update("checking the model…" if source.id == "src-dir" else f"downloading {text}…")
+        self.run_worker(lambda: self._resolve_model(source.id, text), thread=True, group="model")
+
+    def _resolve_model(self, source: str, text: str) -> None:
+        from ....engine.errors import MoechatError
+
+        try:
+            if source == "src-dir":
+                path = check_model_dir(text)
+                self.app.call_from_thread(self._model_chosen, path, path, "none")
+            else:
+                from ...models import pull
+
+                path = check_model_dir(str(pull(text)))
+                self.app.call_from_thread(self._model_chosen, path, text, "none")
+        except MoechatError as err:
+            self.app.call_from_thread(self._model_failed, str(err))
+        except Exception as err:  # a checkpoint or the network can fail in many ways: one line, never a crash
+            self.app.call_from_thread(self._model_failed, f"{type(err).__name__}: {err}".splitlines()[0])
+
+    def _model_failed(self, message: str) -> None:
+        self.busy = False
+        self.query_one("#model-error", Label).update(message)
+
+    def _model_chosen(self, model_dir: str, setting: str | None, drafter: str) -> None:
+        self.busy = False
+        if model_dir != self.model_dir:
+            self.decisions = None  # another model: calibrate again
+            self.query_one("#decisions", DataTable).clear()
+        self.model_dir, self.model_setting, self.drafter = model_dir, setting, drafter
+        self.query_one("#model-error", Label).update("")
+        self._go(1)
+
+    def _leave_budgets(self) -> None:
+        errors = {box: field_error(f"{box}_budget_gib", self._budget(box, f"{box}_budget_gib")) for box in ("vram", "ram")}
+        for box, error in errors.items():
+            self.query_one(f"#{box}-error", Label).update(error or "")
+        if not any(errors.values()):
+            self._go(2)
+
+    def _leave_calibrate(self) -> None:
+        if self.decisions is None:
+            self.query_one("#cal-error", Label).update("run the calibration first (Run calibration)")
+            return
+        self._go(3)
+
+    def _leave_finish(self) -> None:
+        settings, _ = load_settings(self.path)  # a broken file: defaults (save_settings keeps the old one aside)
+        settings = replace(settings, model=self.model_setting, draft=None,  # the profile's drafter for this model
+                           vram_budget_gib=self._budget("vram", "vram_budget_gib"),
+                           ram_budget_gib=self._budget("ram", "ram_budget_gib"))
+        try:
+            save_settings(settings, self.path)
+        except OSError as err:
+            self.query_one("#summary", Static).update(f"cannot write the settings ({err})")
+            return
+        self.dismiss(self.model_dir)
+
+    # --- step 3: calibration ------------------------------------------------------------------
+    @on(Button.Pressed, "#run")
+    def run_calibration(self) -> None:
+        if self.busy or self.model_dir is None:
+            return
+        self.busy = True
+        self.decisions = None
+        self.query_one("#run", Button).disabled = True
+        self.query_one("#cal-error", Label).update("")
+        self.query_one("#decisions", DataTable).clear()
+        self.query_one("#progress", ProgressBar).update(progress=0.0)
+        quick = self.query_one("#quick", Switch).value
+        vram, ram = self._budget("vram", "vram_budget_gib"), self._budget("ram", "ram_budget_gib")
+        self.run_worker(lambda: self._calibrate(quick, vram, ram), thread=True, group="calibrate")
+
+    def _calibrate(self, quick: bool, vram: float | None, ram: float | None) -> None:
+        calibrate = self._calibrate_fn
+        if calibrate is None:
+            from ...calibrate import calibrate
+
+        def progress(label: str, fraction: float) -> None:
+            self.post_message(CalibrationProgress(fraction, label))  # thread-safe
+
+        try:
+            profile, path = calibrate(self.model_dir, self.drafter, quick, progress,
+                                      vram_budget=None if vram is None else int(vram * GIB),
+                                      ram_budget=None if ram is None else int(ram * GIB))
+        except Exception as err:  # BudgetError and friends are one line already; anything else made one
+            from ....engine.errors import MoechatError
+
+            message = str(err) if isinstance(err, MoechatError) else f"calibration failed ({type(err).__name__}: {err})"
+            self.app.call_from_thread(self._calibration_failed, message.splitlines()[0])
+            return
+        self.post_message(CalibrationDone(decision_rows(profile.decisions), str(path)))
+
+    def on_calibration_progress(self, message: CalibrationProgress) -> None:
+        self.query_one("#progress", ProgressBar).update(progress=message.fraction)
+        self.query_one("#cal-step", Label).update(message.label)
+
+    def on_calibration_done(self, message: CalibrationDone) -> None:
+        self.busy = False
+        self.decisions, self.profile_path = message.decisions, message.profile_path
+        self.query_one("#run", Button).disabled = False
+        self.query_one("#progress", ProgressBar).update(progress=1.0)
+        self.query_one("#cal-step", Label).update(f"saved to {message.profile_path}")
+        table = self.query_one("#decisions", DataTable)
+        for label, (value, why) in message.decisions.items():
+            table.add_row(label, value, why)
+
+    def _calibration_failed(self, message: str) -> None:
+        self.busy = False
+        self.query_one("#run", Button).disabled = False
+        self.query_one("#cal-error", Label).update(message)
+
+    def _show_summary(self) -> None:
+        vram, ram = self._budget("vram", "vram_budget_gib"), self._budget("ram", "ram_budget_gib")
+        lines = [f"Model: {self.model_setting or 'the embedded demo'}",
+                 f"Budgets: VRAM {'free at start' if vram is None else f'{vram:g} GiB'}, "
+                 f"RAM {'free at start' if ram is None else f'{ram:g} GiB'}",
+                 f"Calibration profile: {self.profile_path}", "",
+                 "Finish saves the model and budgets to the settings file and opens the chat."]
+        self.query_one("#summary", Static).update("\n".join(lines))
+
+    def action_cancel(self) -> None:
+        if self.busy:
+            self.notify("wait for the model check or calibration to finish", severity="warning")
+        else:
+            self.dismiss(None)
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel(self) -> None:
+        self.action_cancel()
