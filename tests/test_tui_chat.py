@@ -109,6 +109,8 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
         assert [v.content for v in views] == [m.content for m in messages]
         status = chat.query_one("#status").render().plain
         assert "tok/s" in status and "hit rate" in status and "acceptance" in status
+        await until(pilot, lambda: chat.query_one("#heatmap").frame is not None, "a heatmap frame")
+        assert len(chat.query_one("#heatmap").frame.utility) == 2  # qwen3_moe's two MoE layers
         assert not errors(app)
 
 
@@ -152,9 +154,32 @@ async def test_switch_export_help_and_engine_failure(tmp_path, stored):
         await pilot.press("escape")
         assert app.screen is chat
 
+        await pilot.press("ctrl+p", *"expert view", "enter")  # the command palette's own entry
+        await until(pilot, lambda: chat.query_one("#side-panel").display, "the expert view")
+        assert chat.query_one("#heatmap") and chat.query_one("#stats")
+
         await pilot.press("ctrl+n")
         await until(pilot, lambda: len(app.store.conversations()) == 3, "the new chat")
         assert chat.conv_id not in (older, newer) and not list(chat.query(MessageView))
+
+
+@pilot_test
+async def test_first_run_opens_the_wizard_before_the_model_loads(tmp_path):
+    from moechat.app.tui.screens.wizard import WizardScreen
+
+    loads = []
+
+    def factory():
+        loads.append(1)
+        raise MoechatError("no model yet")
+
+    app = MoechatApp(factory, store_path=tmp_path / "chats.sqlite3", settings_file=tmp_path / "settings.toml",
+                     first_run=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, WizardScreen) and not loads
+        app.screen.dismiss(None)  # cancelled: chat with what the settings say
+        await until(pilot, lambda: loads and app.screen is app.chat, "the engine to start after the wizard")
 
 
 def test_last_code_block():
