@@ -106,12 +106,14 @@ class _Reply:
 
 
 def status_line(model: str, state: str, stats: Stats | None) -> str:
-    parts = [model or "no model", state]
+    """Model, then the reply's figures (so a narrow terminal cuts the engine summary, not them), then the state."""
+    parts = [model or "no model"]
     if stats is not None:
         parts.append(f"{stats.tokens_per_s:.1f} tok/s")
         parts.append("acceptance –" if stats.acceptance is None else f"acceptance {stats.acceptance:.2f}")
         parts.append("hit rate –" if stats.hit_rate is None else f"hit rate {stats.hit_rate:.2f}")
         parts.append(f"{stats.new_tokens} tokens")
+    parts.append(state)
     return "  ·  ".join(p for p in parts if p)
 
 
