@@ -107,6 +107,13 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
         assert messages[3].finished and 1 <= messages[3].stats["new_tokens"] <= 6  # random weights: may end early
         views = list(chat.query(MessageView))
         assert [v.content for v in views] == [m.content for m in messages]
+
+        old = views[-1]
+        await pilot.press("ctrl+r")  # regenerate: the last reply is replaced, not added to
+        await until(pilot, lambda: chat.reply is None and chat.query(MessageView).last() is not old, "the regenerated reply")
+        again = app.store.messages(conv.id)
+        assert [m.id for m in again[:3]] == [m.id for m in messages[:3]] and len(again) == 4 and again[3].finished
+        assert [v.message_id for v in chat.query(MessageView)] == [m.id for m in again]
         status = chat.query_one("#status").render().plain
         assert "tok/s" in status and "hit rate" in status and "acceptance" in status
         await until(pilot, lambda: chat.query_one("#heatmap").frame is not None, "a heatmap frame")
@@ -161,6 +168,40 @@ async def test_switch_export_help_and_engine_failure(tmp_path, stored):
         await pilot.press("ctrl+n")
         await until(pilot, lambda: len(app.store.conversations()) == 3, "the new chat")
         assert chat.conv_id not in (older, newer) and not list(chat.query(MessageView))
+
+
+@pilot_test
+async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, stored):
+    older, newer = stored
+    (tmp_path / "settings.toml").write_text('# mine\n[keys]\nnew_chat = "ctrl+b"\nnope = "f6"\n')
+
+    def broken():
+        raise MoechatError("no model here")
+
+    app = make_app(tmp_path, broken)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await pilot.pause()
+        assert any("nope" in n.message for n in app._notifications)  # the unknown binding id is named
+
+        await pilot.press("f2", "ctrl+u", *"renamed", "enter")
+        assert app.store.conversation(newer).title == "renamed"
+        assert "renamed" in chat.query_one("#conversations").children[0].query_one("Label").render().plain
+
+        await pilot.press("ctrl+s", *"Be brief.", "ctrl+s")
+        assert app.store.conversation(newer).system_prompt == "Be brief."
+
+        await pilot.press("ctrl+b")  # new_chat, remapped from the settings' [keys]
+        await until(pilot, lambda: len(app.store.conversations()) == 3, "the remapped new chat")
+
+        await pilot.press("f8", "y")
+        await until(pilot, lambda: len(app.store.conversations()) == 2, "the delete")
+        assert chat.conv_id in (older, newer)
+
+        await pilot.press("ctrl+t")
+        assert app.theme == "textual-light"
+        text = (tmp_path / "settings.toml").read_text()
+        assert 'theme = "light"' in text and "# mine" in text and 'new_chat = "ctrl+b"' in text
 
 
 @pilot_test

@@ -42,6 +42,9 @@ COMMANDS = [
 ]
 
 
+CHAT_ACTIONS = {action for action, _, _ in COMMANDS} - {"settings", "setup", "help", "toggle_theme"}
+
+
 class MoechatCommands(Provider):
     """The palette's moechat actions (Ctrl+P), found by fuzzy name."""
 
@@ -109,6 +112,12 @@ class MoechatApp(App):
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """Chat actions only on the chat screen (the wizard and settings keep their own keys and footer)."""
+        if action in CHAT_ACTIONS and self.screen is not self.chat:
+            return False
+        return True
 
     def on_mount(self) -> None:
         for notice in (self.settings_notice, self.apply_look(self.settings)):

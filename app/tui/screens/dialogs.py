@@ -5,11 +5,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Label, TextArea
+from textual.widgets import Button, Input, Label, TextArea
 
 
 class TextPrompt(ModalScreen[str | None]):
-    """Edit one text value; dismisses with the text (Ctrl+S or Save) or None (Esc or Cancel)."""
+    """Edit one text value; dismisses with the text (Enter on one line, Ctrl+S, Save) or None (Esc, Cancel)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
@@ -20,29 +20,30 @@ class TextPrompt(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label(self.title_text, classes="dialog-title")
-            area = TextArea(self.value, id="prompt-text", soft_wrap=True, show_line_numbers=False)
-            area.styles.height = 8 if self.multiline else 3
-            yield area
+            if self.multiline:
+                yield TextArea(self.value, id="prompt-text", soft_wrap=True, show_line_numbers=False)
+            else:
+                yield Input(self.value, id="prompt-text")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:
-        area = self.query_one(TextArea)
-        area.focus()
-        area.move_cursor(area.document.end)
+        field = self.query_one("#prompt-text")
+        field.focus()
+        if self.multiline:
+            field.move_cursor(field.document.end)
 
-    def on_key(self, event) -> None:
-        if event.key == "enter" and not self.multiline:  # one-line values: Enter saves
-            event.stop()
-            event.prevent_default()
-            self.action_save()
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.action_save()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.action_save() if event.button.id == "save" else self.action_cancel()
 
     def action_save(self) -> None:
-        self.dismiss(self.query_one(TextArea).text.strip())
+        field = self.query_one("#prompt-text")
+        self.dismiss((field.text if self.multiline else field.value).strip())
 
     def action_cancel(self) -> None:
         self.dismiss(None)
