@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from moechat.app.store import ChatStore
 from moechat.app.tui.app import MoechatApp
 from moechat.app.tui.screens.chat import MessageView, last_code_block
@@ -198,6 +197,13 @@ async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, sto
         await until(pilot, lambda: len(app.store.conversations()) == 2, "the delete")
         assert chat.conv_id in (older, newer)
 
+        await pilot.press("f12")
+        from moechat.app.tui.screens.settings import SettingsScreen
+
+        assert isinstance(app.screen, SettingsScreen)
+        await pilot.press("escape")
+        assert app.screen is chat
+
         await pilot.press("ctrl+t")
         assert app.theme == "textual-light"
         text = (tmp_path / "settings.toml").read_text()
@@ -237,8 +243,8 @@ def test_moechat_opens_the_app_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr(tui_app, "run_tui", lambda args: ran.append("tui") or 0)
     monkeypatch.setattr(plain_chat, "cmd_chat", lambda args: ran.append("plain") or 0)
     for tty in (True, False):
-        monkeypatch.setattr(sys.stdin, "isatty", lambda: tty, raising=False)
-        monkeypatch.setattr(sys.stdout, "isatty", lambda: tty, raising=False)
+        monkeypatch.setattr(sys.stdin, "isatty", lambda tty=tty: tty, raising=False)
+        monkeypatch.setattr(sys.stdout, "isatty", lambda tty=tty: tty, raising=False)
         assert cli.main([]) == 0
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
     assert cli.main(["chat", "--plain"]) == 0

@@ -4,10 +4,11 @@ chat screen. Importing this module imports no torch: the engine loads in the bri
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import ClassVar
 
 from textual.app import App
 from textual.binding import Binding
@@ -76,7 +77,7 @@ class MoechatApp(App):
     CSS_PATH = "moechat.tcss"
     TITLE = "moechat"
     COMMANDS = App.COMMANDS | {MoechatCommands}
-    BINDINGS = [
+    BINDINGS: ClassVar[list[Binding]] = [
         Binding("escape", "stop", "Stop", id="stop"),
         Binding("ctrl+n", "new_chat", "New chat", id="new_chat"),
         Binding("f2", "rename_chat", "Rename", id="rename_chat"),
@@ -97,7 +98,9 @@ class MoechatApp(App):
                  export_dir: Path | None = None, first_run: bool = False, settings_file: Path | None = None) -> None:
         """sampling: SamplingParams for replies; None: the settings' temperature, top-p and max new tokens."""
         super().__init__()
-        from ..bridge import EngineBridge  # imports no torch: the engine loads in the bridge's thread
+        from ..bridge import (
+            EngineBridge,  # imports no torch: the engine loads in the bridge's thread
+        )
         from ..store import ChatStore
 
         self.store = ChatStore(store_path)
@@ -115,9 +118,7 @@ class MoechatApp(App):
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Chat actions only on the chat screen (the wizard and settings keep their own keys and footer)."""
-        if action in CHAT_ACTIONS and self.screen is not self.chat:
-            return False
-        return True
+        return action not in CHAT_ACTIONS or self.screen is self.chat
 
     def on_mount(self) -> None:
         for notice in (self.settings_notice, self.apply_look(self.settings)):

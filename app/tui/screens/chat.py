@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from textual import events
 from textual.app import ComposeResult
@@ -14,12 +15,21 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Label, ListItem, ListView, Markdown, ProgressBar, Static, TextArea
+from textual.widgets import (
+    Footer,
+    Label,
+    ListItem,
+    ListView,
+    Markdown,
+    ProgressBar,
+    Static,
+    TextArea,
+)
 
 from ..messages import Frame, Stats
 
 SAVE_INTERVAL_S = 0.5
-CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
+CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 def last_code_block(text: str) -> str | None:
@@ -55,7 +65,7 @@ class ChatInput(TextArea):
 class MessageView(Vertical, can_focus=True):
     """One message: a role line and its Markdown. Focused, `c` copies it and `k` its last code block."""
 
-    BINDINGS = [Binding("c", "copy", "Copy"), Binding("k", "copy_code", "Copy code")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("c", "copy", "Copy"), Binding("k", "copy_code", "Copy code")]
 
     def __init__(self, role: str, content: str, message_id: int | None = None, finished: bool = True) -> None:
         super().__init__(classes=f"message {role}")

@@ -1,6 +1,8 @@
 """Small modal dialogs of the chat screen: a one-field text prompt (rename, system prompt) and a yes/no."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -11,7 +13,7 @@ from textual.widgets import Button, Input, Label, TextArea
 class TextPrompt(ModalScreen[str | None]):
     """Edit one text value; dismisses with the text (Enter on one line, Ctrl+S, Save) or None (Esc, Cancel)."""
 
-    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
     def __init__(self, title: str, value: str = "", multiline: bool = False) -> None:
         super().__init__()
@@ -52,7 +54,7 @@ class TextPrompt(ModalScreen[str | None]):
 class Confirm(ModalScreen[bool]):
     """A yes/no question; dismisses with True only on an explicit yes."""
 
-    BINDINGS = [Binding("escape", "no", "No"), Binding("y", "yes", "Yes"), Binding("n", "no", "No")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "no", "No"), Binding("y", "yes", "Yes"), Binding("n", "no", "No")]
 
     def __init__(self, question: str) -> None:
         super().__init__()

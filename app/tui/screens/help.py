@@ -1,6 +1,8 @@
 """The help screen: every key binding with what it does (after the user's remapping), and where things live."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -36,7 +38,7 @@ def help_markdown(app) -> str:
 
 
 class HelpScreen(ModalScreen[None]):
-    BINDINGS = [Binding("escape,q,f1", "dismiss", "Close")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape,q,f1", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
