@@ -90,6 +90,8 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
         stored = app.store.messages(conv.id)
         assert [m.role for m in stored] == ["user", "assistant"] and stored[1].finished is False  # stored at its start
         assert reply.view.content == reply.text  # the streaming widget shows the text so far
+        await until(pilot, lambda: app.store.messages(conv.id)[1].content, "the reply saved as it streams")
+        assert app.store.messages(conv.id)[1].finished is False and chat.reply is reply
 
         await pilot.press("escape")  # stop mid-reply
         await until(pilot, lambda: chat.reply is None, "the reply to stop")
@@ -113,11 +115,23 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
         again = app.store.messages(conv.id)
         assert [m.id for m in again[:3]] == [m.id for m in messages[:3]] and len(again) == 4 and again[3].finished
         assert [v.message_id for v in chat.query(MessageView)] == [m.id for m in again]
+
         status = chat.query_one("#status").render().plain
         assert "tok/s" in status and "hit rate" in status and "acceptance" in status
         await until(pilot, lambda: chat.query_one("#heatmap").frame is not None, "a heatmap frame")
         assert len(chat.query_one("#heatmap").frame.utility) == 2  # qwen3_moe's two MoE layers
         assert not errors(app)
+
+        app.sampling = SamplingParams(max_new_tokens=3000)
+        await send(pilot, "One more?")
+        await until(pilot, lambda: chat.reply is not None, "the last reply to start")
+        await pilot.pause(0.3)
+        partial = chat.reply  # quitting now (leaving run_test) keeps what it wrote, unfinished
+        assert partial is not None
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    last = store.messages(conv.id)[-1]
+    store.close()
+    assert last.id == partial.message_id and not last.finished and last.content.startswith(partial.text)
 
 
 @pilot_test

@@ -130,17 +130,24 @@ class MoechatApp(App):
             self.call_after_refresh(self.start_engine)  # the screen paints first; the model loads while the UI runs
 
     async def on_unmount(self) -> None:
+        self.chat.save_partial()  # quitting mid-reply keeps what was written, marked interrupted
         self.bridge.close()
         self.store.close()
 
-    # ---- what the engine thread posts -------------------------------------------------------------
+    # ---- what the engine thread posts (dropped once shutting down: on_unmount saves the reply) -------
     def on_engine_loading(self, msg: m.EngineLoading) -> None:
+        if not self.is_running:
+            return
         self.chat.show_loading(msg.fraction, msg.label)
 
     def on_engine_ready(self, msg: m.EngineReady) -> None:
+        if not self.is_running:
+            return
         self.chat.show_ready(msg.model, msg.summary)
 
     async def on_engine_failed(self, msg: m.EngineFailed) -> None:
+        if not self.is_running:
+            return
         self.notify(msg.message, title="moechat", severity="error", timeout=10)
         if msg.request_id is None:
             self.chat.show_failed(msg.message)
@@ -148,22 +155,34 @@ class MoechatApp(App):
             await self.chat.reply_finished(msg.request_id, "", "failed", None)
 
     async def on_reply_delta(self, msg: m.ReplyDelta) -> None:
+        if not self.is_running:
+            return
         await self.chat.reply_delta(msg.request_id, msg.text)
 
     def on_reply_stats(self, msg: m.ReplyStats) -> None:
+        if not self.is_running:
+            return
         self.chat.show_stats(msg.stats)
 
     def on_expert_frame(self, msg: m.ExpertFrame) -> None:
+        if not self.is_running:
+            return
         self.chat.show_frame(msg.frame)
 
     async def on_reply_finished(self, msg: m.ReplyFinished) -> None:
+        if not self.is_running:
+            return
         await self.chat.reply_finished(msg.request_id, msg.text, msg.reason, msg.stats)
 
     def on_calibration_progress(self, msg: m.CalibrationProgress) -> None:
+        if not self.is_running:
+            return
         if self.screen is not self.chat:  # the wizard runs the calibration
             self.screen.post_message(m.CalibrationProgress(msg.fraction, msg.label))
 
     def on_calibration_done(self, msg: m.CalibrationDone) -> None:
+        if not self.is_running:
+            return
         if self.screen is not self.chat:
             self.screen.post_message(m.CalibrationDone(msg.decisions, msg.profile_path))
 

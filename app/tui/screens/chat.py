@@ -172,24 +172,25 @@ class ChatScreen(Screen):
         await self.refresh_conversations()
         self.query_one(ChatInput).focus()
 
-    # ---- status -------------------------------------------------------------------------------
+    # ---- status (queries, not query_one: the engine may still post while the app shuts down) -------
     def update_status(self) -> None:
-        self.query_one("#status", Static).update(status_line(self.model, self.state, self.stats))
+        for status in self.query("#status").results(Static):
+            status.update(status_line(self.model, self.state, self.stats))
 
     def show_loading(self, fraction: float, label: str) -> None:
-        bar = self.query_one("#loading", ProgressBar)
-        bar.display = True
-        bar.update(progress=fraction)
+        for bar in self.query("#loading").results(ProgressBar):
+            bar.display = True
+            bar.update(progress=fraction)
         self.state = f"loading: {label} {fraction:.0%}"
         self.update_status()
 
     def show_ready(self, model: str, summary: str) -> None:
-        self.query_one("#loading", ProgressBar).display = False
+        self.query("#loading").set(display=False)
         self.model, self.state = model, summary or "ready"
         self.update_status()
 
     def show_failed(self, message: str) -> None:
-        self.query_one("#loading", ProgressBar).display = False
+        self.query("#loading").set(display=False)
         self.state = "engine stopped: " + message
         self.update_status()
 
@@ -296,6 +297,10 @@ class ChatScreen(Screen):
         note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
         reply.view.set_note(note if text else "empty reply")
         self.store.update(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
+
+    def save_partial(self) -> None:
+        if self.reply is not None:
+            self.store.update(self.reply.message_id, self.reply.text, finished=False)
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:
