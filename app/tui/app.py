@@ -6,67 +6,24 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import ClassVar
 
 from textual.app import App
 from textual.binding import Binding
-from textual.command import DiscoveryHit, Hit, Hits, Provider
 
+from ..bridge import (
+    EngineBridge,  # imports no torch: the engine loads on the bridge's thread
+)
 from ..settings import Settings, load_settings, save_settings, settings_path
+from ..store import ChatStore
 from . import messages as m
+from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
 from .screens.chat import ChatScreen
 from .screens.dialogs import Confirm, TextPrompt
 from .screens.help import HelpScreen
 
 THEMES = ("textual-dark", "textual-light")
-
-# (action, palette name, help) for the command palette; the action names are the bindings' ids too.
-COMMANDS = [
-    ("new_chat", "New chat", "start a new conversation"),
-    ("rename_chat", "Rename chat", "rename this conversation"),
-    ("delete_chat", "Delete chat", "delete this conversation"),
-    ("export_chat", "Export chat", "write this conversation to a Markdown file"),
-    ("system_prompt", "System prompt", "set this conversation's system prompt"),
-    ("regenerate", "Regenerate", "write the last reply again"),
-    ("stop", "Stop", "stop the reply being written"),
-    ("copy_reply", "Copy reply", "copy the focused message, else the last reply"),
-    ("copy_code", "Copy code block", "copy the last code block of the focused message, else of the last reply"),
-    ("toggle_sidebar", "Toggle chat list", "show or hide the conversations"),
-    ("toggle_experts", "Toggle expert view", "show or hide the expert heatmap and stats"),
-    ("settings", "Settings", "memory budgets, policy, sampling, theme"),
-    ("setup", "Setup wizard", "choose the model and calibrate"),
-    ("reload", "Reload model", "load the model again with the saved settings"),
-    ("help", "Help", "keys and where things live"),
-    ("toggle_theme", "Toggle theme", "switch between light and dark"),
-]
-
-
-CHAT_ACTIONS = {action for action, _, _ in COMMANDS} - {"settings", "setup", "help", "toggle_theme"}
-
-
-class MoechatCommands(Provider):
-    """The palette's moechat actions (Ctrl+P), found by fuzzy name."""
-
-    async def discover(self) -> Hits:
-        for action, name, help_text in COMMANDS:
-            yield DiscoveryHit(name, partial(self.app.run_action, action), help=help_text)
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for action, name, help_text in COMMANDS:
-            score = matcher.match(name)
-            if score > 0:
-                yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action), help=help_text)
-
-
-def checked_keymap(keys: dict[str, str]) -> tuple[dict[str, str], str | None]:
-    """The settings' `[keys]` (binding id -> keys) this app knows, and a notice naming the unknown ids."""
-    ids = {b.id for b in MoechatApp.BINDINGS if b.id}
-    unknown = sorted(set(keys) - ids)
-    notice = f"[keys] {', '.join(unknown)} ignored: the ids are {', '.join(sorted(ids))}" if unknown else None
-    return {k: v for k, v in keys.items() if k in ids}, notice
 
 
 def textual_theme(name: str) -> str:
@@ -77,34 +34,14 @@ class MoechatApp(App):
     CSS_PATH = "moechat.tcss"
     TITLE = "moechat"
     COMMANDS = App.COMMANDS | {MoechatCommands}
-    BINDINGS: ClassVar[list[Binding]] = [
-        Binding("escape", "stop", "Stop", id="stop"),
-        Binding("ctrl+n", "new_chat", "New chat", id="new_chat"),
-        Binding("f2", "rename_chat", "Rename", id="rename_chat"),
-        Binding("f8", "delete_chat", "Delete chat", show=False, id="delete_chat"),
-        Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),
-        Binding("ctrl+o", "export_chat", "Export", show=False, id="export_chat"),
-        Binding("ctrl+s", "system_prompt", "System prompt", show=False, id="system_prompt"),
-        Binding("f5", "copy_reply", "Copy reply", show=False, id="copy_reply"),
-        Binding("f9", "copy_code", "Copy code", show=False, id="copy_code"),
-        Binding("f4", "toggle_sidebar", "Chats", id="toggle_sidebar"),
-        Binding("f3", "toggle_experts", "Experts", id="toggle_experts"),
-        Binding("f12", "settings", "Settings", show=False, id="settings"),
-        Binding("ctrl+t", "toggle_theme", "Theme", show=False, id="toggle_theme"),
-        Binding("f1", "help", "Help", id="help"),
-    ]
+    BINDINGS: ClassVar[list[Binding]] = BINDINGS  # ids and keys in commands.py
 
     def __init__(self, config_factory: Callable, sampling=None, store_path: Path | None = None,
                  export_dir: Path | None = None, first_run: bool = False, settings_file: Path | None = None) -> None:
         """sampling: SamplingParams for replies; None: the settings' temperature, top-p and max new tokens."""
         super().__init__()
-        from ..bridge import (
-            EngineBridge,  # imports no torch: the engine loads in the bridge's thread
-        )
-        from ..store import ChatStore
-
         self.store = ChatStore(store_path)
-        self.store_path = getattr(self.store, "path", store_path)
+        self.store_path = self.store.path
         self.bridge = EngineBridge(self.post_message, config_factory)
         self.export_dir, self.first_run = export_dir, first_run
         self.settings_file = settings_file or settings_path()
