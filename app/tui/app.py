@@ -12,9 +12,7 @@ from typing import ClassVar
 from textual.app import App
 from textual.binding import Binding
 
-from ..bridge import (
-    EngineBridge,  # imports no torch: the engine loads on the bridge's thread
-)
+from ..bridge import EngineBridge
 from ..settings import Settings, load_settings, save_settings, settings_path
 from ..store import ChatStore
 from . import messages as m
