@@ -102,13 +102,17 @@ def engine_config(args):
                    d.expert_cache_ratio if d and args.device != "cpu" else None)
     defaults = SchedulerConfig()
     mib = 2**20
+    gib = 2**30
     ram_budget = None if args.host_ram_mib is None else int(args.host_ram_mib * mib)
+    if ram_budget is None and settings.ram_budget_gib is not None:  # the settings' RAM budget bounds the expert store
+        ram_budget = int(settings.ram_budget_gib * gib)
     if ram_budget is None and d and d.host_tier == "mmap":
         ram_budget = 0  # the profile found the experts too big for RAM: read them from the mmap'd files
     return EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
         expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
         host_ram_budget_bytes=ram_budget,
+        vram_budget_bytes=None if settings.vram_budget_gib is None else int(settings.vram_budget_gib * gib),
         context_len=_first(args.context_len, settings.context_len), spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,

@@ -85,6 +85,7 @@ class EngineConfig:
     expert_cache_ratio: float | None = None  # share of routed experts on the fast tier; None: 0.25 on CUDA, 0 on CPU
     expert_cache_bytes: int | None = None  # byte budget for the fast tier; overrides the ratio
     host_ram_budget_bytes: int | None = None  # below the experts' size: read experts from the mmap'd checkpoint
+    vram_budget_bytes: int | None = None  # everything on the GPU (weights, KV, draft, experts, margin); None: free VRAM
     context_len: int | None = None  # None: the model's max_position_embeddings
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -96,4 +97,5 @@ class EngineConfig:
             self.expert_cache_ratio = 0.0 if self.device == "cpu" else 0.25
         _check(0.0 <= self.expert_cache_ratio <= 1.0, f"expert cache ratio must be in [0, 1], got {self.expert_cache_ratio}")
         _check(self.expert_cache_bytes is None or self.expert_cache_bytes >= 0, "expert cache bytes must be >= 0")
+        _check(self.vram_budget_bytes is None or self.vram_budget_bytes >= 0, "VRAM budget must be >= 0")
         _check(self.context_len is None or self.context_len >= 1, "context length must be >= 1")

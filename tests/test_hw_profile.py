@@ -171,3 +171,33 @@ def test_calibrate_quick_then_generate_uses_the_profile(hw_modules, capsys):
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "4", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out)
     assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4
+
+
+def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
+    """The settings' RAM budget bounds the expert store (below the experts' size: the mmap tier); the
+    VRAM budget caps what the loader may use on the GPU, below the free VRAM, before any weight loads."""
+    import torch
+
+    from moechat.app.settings import settings_path
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.errors import BudgetError
+    from moechat.engine.generate import Engine
+    from moechat.engine.hw.estimate import estimate
+    from moechat.engine.model.loader import check_load_budgets
+
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text("# mine\nvram_budget_gib = 1.5\nram_budget_gib = 0.0000001\n", encoding="utf-8")
+    cfg, _ = _config([])
+    assert cfg.vram_budget_bytes == int(1.5 * 2**30) and cfg.host_ram_budget_bytes == int(0.0000001 * 2**30)
+
+    path = checkpoint("qwen3_moe")
+    engine = Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=cfg.host_ram_budget_bytes))
+    assert engine.model.store.mmap  # the tiny budget put the experts on the mmap tier
+
+    est = estimate(path, dtype="float32")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    gpu = torch.device("cuda")
+    tight = EngineConfig(model_dir=str(path), device="cuda", vram_budget_bytes=est.non_expert_bytes // 2)
+    with pytest.raises(BudgetError, match="VRAM budget is"):
+        check_load_budgets(tight, est, gpu)  # 80 GiB free, but the budget is what counts
+    check_load_budgets(EngineConfig(model_dir=str(path), device="cuda"), est, gpu)  # no budget: free VRAM

@@ -124,6 +124,8 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     """Refuse a model that cannot fit, from the config alone: VRAM (free on the device) for the
     non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store."""
     vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if vram is not None and cfg.vram_budget_bytes is not None:  # the user's budget is a hard limit
+        vram = min(vram, cfg.vram_budget_bytes)
     user_ram = cfg.host_ram_budget_bytes
     tier = "mmap" if user_ram is not None and user_ram < est.all_experts_bytes else "ram"  # as ExpertStore decides
     cache = cache_bytes_for(est, cfg.expert_cache_ratio, cfg.expert_cache_bytes) if vram is not None else 0
