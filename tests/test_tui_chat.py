@@ -283,3 +283,19 @@ def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+@pilot_test
+async def test_corrupt_settings_file_opens_the_app_with_defaults_and_a_notice(tmp_path, stored):
+    (tmp_path / "settings.toml").write_text("theme = [unclosed\n", encoding="utf-8")
+
+    def never():
+        raise MoechatError("not needed")
+
+    app = make_app(tmp_path, never)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        notices = [n.message for n in app._notifications]
+        assert any("settings" in n for n in notices), notices  # one line naming the file's problem
+        assert app.is_running and app.settings.theme == "dark"  # defaults
+    assert (tmp_path / "settings.toml").read_text(encoding="utf-8") == "theme = [unclosed\n"  # left for the user to fix
