@@ -299,3 +299,28 @@ async def test_corrupt_settings_file_opens_the_app_with_defaults_and_a_notice(tm
         assert any("settings" in n for n in notices), notices  # one line naming the file's problem
         assert app.is_running and app.settings.theme == "dark"  # defaults
     assert (tmp_path / "settings.toml").read_text(encoding="utf-8") == "theme = [unclosed\n"  # left for the user to fix
+
+
+@pilot_test
+async def test_wizard_in_the_app_shows_each_decision_once(tmp_path):
+    """Inside the app, the wizard's own CalibrationDone must not bubble to the app and come back
+    (the app forwards the engine thread's calibration messages to the screen)."""
+    from moechat.app.tui.messages import CalibrationDone, CalibrationProgress
+    from moechat.app.tui.screens.wizard import WizardScreen
+
+    def factory():
+        raise MoechatError("no model yet")
+
+    app = MoechatApp(factory, store_path=tmp_path / "chats.sqlite3", settings_file=tmp_path / "settings.toml",
+                     first_run=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.2)
+        wizard = app.screen
+        assert isinstance(wizard, WizardScreen)
+        rows = {"expert cache ratio": ("0", "no GPU"), "draft length γ": ("2", "fastest")}
+        wizard.post_message(CalibrationProgress(0.5, "halfway"))
+        wizard.post_message(CalibrationDone(rows, str(tmp_path / "p.toml")))
+        app.post_message(CalibrationDone(rows, str(tmp_path / "q.toml")))  # as the engine thread would
+        await pilot.pause(0.5)
+        assert wizard.query_one("#decisions").row_count == 2 * len(rows)  # each message once, no echo
+        wizard.dismiss(None)

@@ -315,10 +315,12 @@ class WizardScreen(Screen):
         self.post_message(CalibrationDone(decision_rows(profile.decisions), str(path)))
 
     def on_calibration_progress(self, message: CalibrationProgress) -> None:
+        message.stop()  # handled here: it must not bubble to the app, which forwards the engine's to the screen
         self.query_one("#progress", ProgressBar).update(progress=message.fraction)
         self.query_one("#cal-step", Label).update(message.label)
 
     def on_calibration_done(self, message: CalibrationDone) -> None:
+        message.stop()  # as above: a bubbled copy would come back here from the app, again and again
         self.busy = False
         self.decisions, self.profile_path = message.decisions, message.profile_path
         self.query_one("#run", Button).disabled = False
