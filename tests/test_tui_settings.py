@@ -179,7 +179,17 @@ def test_wizard_refuses_a_model_the_engine_cannot_run(tmp_path):
 
 
 async def _wizard_end_to_end(path):
-    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path))
+    import threading
+
+    from moechat.app.calibrate import calibrate
+
+    release = threading.Event()
+
+    def gated_calibrate(*args, **kwargs):  # the real calibration, held until the test has checked the busy state
+        release.wait(30)
+        return calibrate(*args, **kwargs)
+
+    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=gated_calibrate))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         screen = app.screen
@@ -191,10 +201,10 @@ async def _wizard_end_to_end(path):
         assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram-error").content)
         screen.query_one("#ram").value = "16"
         await click(pilot, "#next")  # entering the step starts the calibration
-        # calibrating now (or, on a fast machine, already done); an error would show in #cal-error
-        assert screen.step == 2 and (screen.busy or screen.decisions is not None), str(screen.query_one("#cal-error").content)
+        assert screen.step == 2 and screen.busy, str(screen.query_one("#cal-error").content)
         screen.action_next()  # still calibrating: refused
         assert screen.step == 2
+        release.set()
         seen = set()
         for _ in range(600):
             await pilot.pause(0.1)
