@@ -65,7 +65,7 @@ def test_ready_slots_hides_copies_in_flight():
     table.pending[1], table.pending[2] = Flag(False), Flag(True)
     slot, not_ready = table.ready_slots(0, torch.tensor([1, 0, 1, 3, 2]))
     assert slot.tolist() == [-1, 0, -1, -1, 2] and not_ready == 2  # e1 twice in flight, e3 not resident
-    assert table.pending[2] is None  # a completed copy is forgotten: no second query
+    assert table.pending.get(2) is None  # a completed copy is forgotten: no second query
     table.pending[1].done = True
     slot, not_ready = table.ready_slots(0, torch.tensor([1, 0, 1, 3, 2]))
     assert slot.tolist() == [1, 0, 1, -1, 2] and not_ready == 0

@@ -59,8 +59,9 @@ class SlotTable:
         self.lock = threading.RLock()
         self.slot_of = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # [L, E] on the host
         self.key_of: list[tuple[int, int] | None] = [None] * num_slots
-        # per slot: the completion event of its copy while it may be in flight (anything with .query()), else None
-        self.pending: list = [None] * num_slots
+        # slot -> completion event (anything with .query()) of a copy that may be in flight; empty on a
+        # synchronous tier, so the executor's per-layer readiness check costs nothing there
+        self.pending: dict[int, object] = {}
         self.free = list(range(num_slots - 1, -1, -1))
         self.bytes_moved = 0
         self.loads = 0
@@ -80,7 +81,9 @@ class SlotTable:
         if self.slot_of[li, e] >= 0:
             return int(self.slot_of[li, e])
         slot = self.free.pop()
-        self.pending[slot] = self._copy_in(slot, li, e)  # before slot_of publishes the slot
+        event = self._copy_in(slot, li, e)
+        if event is not None:
+            self.pending[slot] = event  # before slot_of publishes the slot
         self.slot_of[li, e] = slot
         self.key_of[slot] = (li, e)
         self.bytes_moved += self.expert_bytes
@@ -98,6 +101,8 @@ class SlotTable:
         queued after this call never reads a slot being written; a late one is computed on the CPU.
         """
         slot = self.slot_of[li][experts]  # [S]
+        if not self.pending:  # nothing in flight (always so on a synchronous tier)
+            return slot, 0
         used = slot[slot >= 0].unique().tolist()
         late = [s for s in used if not self._ready(s)]
         if not late:
@@ -106,11 +111,11 @@ class SlotTable:
         return torch.where(not_ready, -1, slot), int(not_ready.sum())
 
     def _ready(self, slot: int) -> bool:
-        event = self.pending[slot]
+        event = self.pending.get(slot)
         if event is None:
             return True
         if event.query():
-            self.pending[slot] = None
+            del self.pending[slot]
             return True
         return False
 
