@@ -1,0 +1,156 @@
+"""Native code in csrc/: built on first use with this machine's C++ compiler, cached under
+platformdirs, loaded with ctypes (whose calls release the GIL for their whole duration).
+
+Importing this never fails and never compiles. `load(name)` builds once per source/compiler/flags
+hash and returns the library, or None with a one-line `notice(name)` saying why (no compiler, a
+failed build, MOECHAT_NATIVE=0); every caller then uses its pure-PyTorch twin.
+
+Libraries: "cpu" (csrc/cpu: fused expert FFN), "cuda" (csrc/cuda: the prefetch engine).
+Environment: MOECHAT_NATIVE=0 turns native code off; MOECHAT_NATIVE_DIR overrides the cache
+folder; CXX names the compiler.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
+
+
+class NativeBuildError(Exception):
+    """A library that could not be built; `str()` is one line saying why and what to do."""
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_notices: dict[str, str] = {}
+_paths: dict[str, Path] = {}
+# name -> () -> (library path), raising NativeBuildError; registered by the modules that own the sources
+_builders: dict[str, Callable[[], Path]] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("MOECHAT_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    if os.environ.get("MOECHAT_NATIVE_DIR"):
+        return Path(os.environ["MOECHAT_NATIVE_DIR"])
+    from platformdirs import user_cache_path
+
+    return user_cache_path("moechat") / "native"
+
+
+def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX, else the first of c++, g++, clang++ on PATH."""
+    if os.environ.get("CXX"):
+        return shutil.which(os.environ["CXX"]) or os.environ["CXX"]
+    return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
+
+
+def _version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[str] = ()) -> Path:
+    """Compile `sources` into one shared library under cache_dir(), unless an identical build is
+    there already (keyed by sources, flags, compiler and platform). Returns its path."""
+    cxx = compiler()
+    if cxx is None:
+        raise NativeBuildError("no C++ compiler found (install g++ or clang++, or set CXX)")
+    digest = hashlib.sha256()
+    for part in (cxx, _version(cxx), platform.machine(), platform.system(), *cflags, "|", *ldflags):
+        digest.update(part.encode() + b"\0")
+    for src in sources:
+        digest.update(src.read_bytes())
+    folder = cache_dir()
+    out = folder / f"libmoechat_{name}-{digest.hexdigest()[:16]}{SUFFIX}"
+    if out.exists():
+        return out
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=SUFFIX, dir=folder)
+    os.close(fd)
+    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", *cflags,
+           *map(str, sources), "-o", tmp, *ldflags, "-lpthread"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as err:
+        os.unlink(tmp)
+        raise NativeBuildError(f"{Path(cxx).name} could not run ({err})") from None
+    log = folder / f"libmoechat_{name}.log"
+    if done.returncode != 0:
+        os.unlink(tmp)
+        log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
+        first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+        raise NativeBuildError(f"the build failed ({first.strip()}); full log in {log}")
+    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+    return out
+
+
+def register(name: str, builder: Callable[[], Path]) -> None:
+    _builders[name] = builder
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The library `name`, built on first use; None (see notice()) when it cannot be had."""
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        lib = None
+        if not enabled():
+            _notices[name] = "native code is off (MOECHAT_NATIVE=0); the pure-PyTorch path is used"
+        elif name not in _builders:
+            _notices[name] = f"no native library named {name!r}"
+        else:
+            try:
+                path = _builders[name]()
+                lib = ctypes.CDLL(str(path))
+                _paths[name] = path
+            except NativeBuildError as err:
+                _notices[name] = f"native {name} kernels unavailable: {err}; the pure-PyTorch path is used"
+            except OSError as err:  # a library that built but cannot load (missing runtime, wrong arch)
+                _notices[name] = f"native {name} kernels failed to load ({err}); the pure-PyTorch path is used"
+        _loaded[name] = lib
+        return lib
+
+
+def notice(name: str) -> str:
+    """Why `load(name)` returned None (empty when it did not)."""
+    return _notices.get(name, "")
+
+
+def status() -> dict[str, dict]:
+    """Every registered library: built or not, its path, and the notice. Builds what is missing."""
+    _register_all()
+    return {name: {"built": load(name) is not None, "path": str(_paths.get(name, "")), "notice": notice(name)}
+            for name in sorted(_builders)}
+
+
+def reset() -> None:
+    """Forget loaded libraries and notices (tests; after changing MOECHAT_NATIVE or CXX)."""
+    with _lock:
+        _loaded.clear()
+        _notices.clear()
+        _paths.clear()
+
+
+def _register_all() -> None:
+    """Import the modules that register builders (they register on import)."""
+    from .experts import cpu_ffn  # noqa: F401
+    try:
+        from .experts import native_prefetch  # noqa: F401
+    except ImportError:
+        pass
