@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import MoechatError
 from ..replay import RoutingReplay
 from ..sched.policies import Policy
+from . import cpu_ffn
 from .budget import truncate
 from .cache import ExpertCache
 from .grouped import expert_ffn, grouped_ffn
@@ -60,6 +61,8 @@ class MoERuntime:
         self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
         self.start_pos = 0  # absolute position of the current forward's first row; set before every forward
         self.counters = LayerCounters(len(store.layers), store.num_experts)
+        # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses
+        self.native_cpu = getattr(act, "__name__", "") == "silu" or type(act).__name__ in ("SiLU", "SiLUActivation")
         self._pool: ThreadPoolExecutor | None = None
         self.use_cpu_thread(device.type != "cpu")
         self.use_transfer_thread(device.type == "cuda")
@@ -142,14 +145,14 @@ class MoERuntime:
         if n_dev < len(flat):  # copy inputs to the host before any device work is queued behind them
             x_h, w_h = x.to("cpu"), w_flat.to("cpu")
 
-        def run_cpu() -> torch.Tensor:  # [S_cpu, H] weighted outputs, on the host
+        def run_cpu() -> tuple[torch.Tensor, bool]:
             t0 = time.perf_counter()
-            y = self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert, cpu_sizes) * w_h[cpu_pos, None]
+            y = self._cpu_tier(li, x_h, w_h, cpu_pos, cpu_expert, cpu_sizes, top_k)
             self.counters.cpu_s += time.perf_counter() - t0
             return y
 
         cpu_job = self._pool.submit(run_cpu) if (self._pool is not None and n_dev < len(flat)) else None
-        new_out = x.new_empty if kept is None else x.new_zeros  # a dropped activation's row stays zero
+        new_out = x.new_empty if kept is None and n_dev == len(flat) else x.new_zeros  # rows not written stay zero
         out = new_out(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation
         if n_dev:
             t0, events = time.perf_counter(), None
@@ -165,9 +168,13 @@ class MoERuntime:
                 self.counters.device_events.append(events)
             else:
                 self.counters.host_device_s += time.perf_counter() - t0
+        summed = None  # [N, H] CPU tier already summed per token (native kernel)
         if n_dev < len(flat):
-            y = cpu_job.result() if cpu_job is not None else run_cpu()
-            out[cpu_pos.to(x.device)] = y.to(device=x.device, dtype=out.dtype)
+            y, per_token = cpu_job.result() if cpu_job is not None else run_cpu()
+            if per_token:
+                summed = y
+            else:
+                out[cpu_pos.to(x.device)] = y.to(device=x.device, dtype=out.dtype)
 
         if draft:
             demand = counts if demand is None else demand
@@ -179,7 +186,31 @@ class MoERuntime:
             self.counters.not_ready += not_ready
         self.policy.on_layer(li, counts if demand is None else demand, self.phase)
         # each token's k expert outputs summed in router order, as transformers' grouped path does
-        return out.view(num_tokens, top_k, -1).sum(dim=1)
+        y = out.view(num_tokens, top_k, -1).sum(dim=1)  # [N, H]
+        if summed is not None:
+            y += summed.to(device=x.device, dtype=y.dtype)
+        return y
+
+    def _cpu_tier(self, li: int, x_h: torch.Tensor, w_h: torch.Tensor, cpu_pos: torch.Tensor, cpu_expert: torch.Tensor,
+                  sizes: torch.Tensor | None, top_k: int) -> tuple[torch.Tensor, bool]:
+        """The CPU tier's activations cpu_pos [S_cpu] (grouped by cpu_expert [S_cpu], ascending):
+        (the native kernel's per-token sums [N, H] fp32, True) where it applies, else (weighted
+        outputs [S_cpu, H], False)."""
+        views = self.store.layer_views(li) if self.native_cpu else None
+        if views is not None:
+            if sizes is not None:  # every activation is on the CPU: per-expert counts are known
+                ids = sizes.nonzero().flatten()
+                counts = sizes[ids]
+            else:
+                ids, counts = torch.unique_consecutive(cpu_expert, return_counts=True)
+            max_tokens = int(counts.max())
+            if cpu_ffn.usable(views[0], x_h, max_tokens):
+                offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+                torch.cumsum(counts, 0, out=offsets[1:])
+                out = torch.zeros(x_h.shape[0], x_h.shape[1], dtype=torch.float32)  # [N, H]
+                return cpu_ffn.moe_ffn_native(x_h.contiguous(), views[0], views[1], ids, offsets, cpu_pos // top_k,
+                                              w_h[cpu_pos].float(), out), True
+        return self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert, sizes) * w_h[cpu_pos, None], False
 
     def _cpu_experts(self, li: int, x: torch.Tensor, experts: torch.Tensor, sizes: torch.Tensor | None) -> torch.Tensor:
         """x [S, H] grouped by `experts` [S] (ascending) -> [S, H], weights read from the store."""

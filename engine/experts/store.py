@@ -97,6 +97,18 @@ class ExpertStore:
             down = self.ckpt.view(self.family.expert_key(layer, e, 2))
         return gate_up.to(self.dtype), down.to(self.dtype)
 
+    def layer_views(self, li: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """gate_up [E, 2I, H] and down [E, H, I] of one layer without a copy, in the compute dtype;
+        None on the disk tier unless the checkpoint stores them stacked in that dtype."""
+        if not self.mmap:
+            return self.gate_up[li], self.down[li]
+        if self.fused:
+            gu_key, d_key = self.checkpoint_keys(li)
+            gate_up, down = self.ckpt.view(gu_key), self.ckpt.view(d_key)
+            if gate_up.dtype == down.dtype == self.dtype and gate_up.is_contiguous() and down.is_contiguous():
+                return gate_up, down
+        return None
+
     def layer_tensors(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of one layer: gate_up [E, 2I, H], down [E, H, I] (a copy on the disk tier)."""
         if not self.mmap:
