@@ -34,7 +34,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <future>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -138,6 +137,7 @@ struct Engine {
   Counters stats{};
   Clock::time_point busy_since;
   std::string error;  // sticky: the engine thread failed
+  bool started = false;  // init() ran (error says whether it failed)
 #ifdef MOECHAT_HOST_BACKEND
   std::deque<HostOp> stream;
   bool hold = false;  // the host stream is stalled (a busy compute stream, for tests)
@@ -372,11 +372,16 @@ struct Engine {
     flights.clear();
   }
 
-  void run(std::promise<std::string>& started) {
+  void run() {
     std::string err = init();
-    started.set_value(err);
-    if (!err.empty()) return release();
     std::unique_lock<std::mutex> lk(mu);
+    error = err;
+    started = true;
+    idle.notify_all();  // create() waits on it
+    if (!err.empty()) {
+      lk.unlock();
+      return release();
+    }
     for (;;) {
       progress(lk, false);
       retire();
@@ -428,9 +433,13 @@ API void* moechat_pf_create(int device, int num_slots, int num_levels, int max_i
     return nullptr;
   }
   Engine* e = new Engine(device, num_slots, num_levels, max_inflight);
-  std::promise<std::string> started;
-  e->thread = std::thread([e, &started] { e->run(started); });
-  std::string err = started.get_future().get();
+  e->thread = std::thread([e] { e->run(); });
+  std::string err;
+  {
+    std::unique_lock<std::mutex> lk(e->mu);
+    e->idle.wait(lk, [e] { return e->started; });
+    err = e->error;
+  }
   if (!err.empty()) {
     e->thread.join();
     delete e;

@@ -41,7 +41,7 @@ def cuda_paths() -> tuple[Path, Path]:
     for root in roots:
         if not (root / "include" / "cuda_runtime_api.h").is_file():
             continue
-        for lib in ("lib64", "lib", "targets/x86_64-linux/lib"):
+        for lib in ("lib64", "lib", "targets/x86_64-linux/lib", "lib/x86_64-linux-gnu"):
             found = sorted(glob.glob(str(root / lib / "libcudart.so*")), key=len)  # unversioned name first
             if found:
                 return root / "include", Path(found[0])
@@ -234,19 +234,20 @@ def bench_transfer(device: str = "cuda", expert_bytes: int = 3 * 2048 * 1408 * 2
     src = torch.randint(0, 255, (experts, expert_bytes), dtype=torch.uint8).pin_memory()  # [N, B]
     dst = torch.empty(experts, expert_bytes, dtype=torch.uint8, device=dev)  # [N, B]
     split = 2 * expert_bytes // 3  # gate_up, then down
-    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=dev)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)  # ~1 ms a matmul: few launches cover the copies
 
     def compute(seconds: float) -> None:  # queue about `seconds` of matmuls on the compute stream
         for _ in range(max(1, int(seconds / mm_s))):
             a @ a
 
+    a @ a  # cuBLAS set up before it is timed
     torch.cuda.synchronize(dev)
     t0 = time.perf_counter()
     for _ in range(10):
         a @ a
     torch.cuda.synchronize(dev)
     mm_s = (time.perf_counter() - t0) / 10
-    cover = 2 * experts * expert_bytes / 10e9  # long enough for both methods at ≥ 10 GB/s
+    cover = 2 * experts * expert_bytes / 10e9  # twice the copies' time at 10 GB/s: compute outlasts them
 
     def timed(run) -> float:
         torch.cuda.synchronize(dev)
@@ -258,7 +259,8 @@ def bench_transfer(device: str = "cuda", expert_bytes: int = 3 * 2048 * 1408 * 2
         torch.cuda.synchronize(dev)
         return experts * expert_bytes / seconds / 1e9
 
-    engine = PrefetchNative(lib, dev.index or 0, experts, levels=2, keep=(src, dst))
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    engine = PrefetchNative(lib, index, experts, levels=2, keep=(src, dst))
 
     def by_engine() -> None:
         for i in range(experts):
