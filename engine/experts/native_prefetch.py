@@ -13,13 +13,15 @@ and native.notice("cuda") says why.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import glob
 import os
 import sys
 import time
+import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -107,6 +109,7 @@ class PrefetchNative:
     and into until the slot is ready, and `keep` (the pool) for its whole life.
     """
     IDLE, QUEUED, IN_FLIGHT, READY = range(4)
+    handle = None
 
     def __init__(self, lib: ctypes.CDLL, device: int = 0, num_slots: int = 1, levels: int = LEVELS,
                  max_inflight: int = MAX_INFLIGHT, keep: object = None):
@@ -118,6 +121,7 @@ class PrefetchNative:
         self._keep = keep
         self._held: dict[int, list] = {}  # slot -> tensors its queued or in-flight copies use
         self._out = (ctypes.c_int32 * num_slots)()
+        _live.add(self)
 
     def _error(self) -> str:
         return (self.lib.moechat_pf_last_error() or b"").decode(errors="replace")
@@ -205,6 +209,15 @@ class PrefetchNative:
 
     def __del__(self):
         self.close()
+
+
+_live: weakref.WeakSet[PrefetchNative] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # end the threads before the CUDA runtime tears down at exit
+    for engine in list(_live):
+        engine.close()
 
 
 def open_engine(device: torch.device, num_slots: int, keep: object) -> PrefetchNative | None:
