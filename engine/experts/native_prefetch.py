@@ -114,7 +114,6 @@ class PrefetchNative:
     def __init__(self, lib: ctypes.CDLL, device: int = 0, num_slots: int = 1, levels: int = LEVELS,
                  max_inflight: int = MAX_INFLIGHT, keep: object = None):
         self.lib, self.num_slots, self.levels = _declare(lib), num_slots, levels
-        self.host = bool(self.lib.moechat_pf_host_backend())
         self.handle = self.lib.moechat_pf_create(device, num_slots, levels, max_inflight)
         if not self.handle:
             raise MoechatError(f"the prefetch engine could not start: {self._error()}")
