@@ -156,11 +156,11 @@ def test_prefetch_serves_higher_levels_first_fifo_within_a_level():
     table, pre = engine_with(slots=3)
     order = []
     real_load = table.load
-    table.load = lambda li, e: (order.append((li, e)), real_load(li, e))[1]
+    table.load = lambda li, e, level=None: (order.append((li, e, level)), real_load(li, e, level))[1]
     pre.update(0, torch.tensor([2, 4, 0, 2, 3, 0]), tau=1)  # queues: 4: e1; 3: e4; 2: e0, e3
     pre.update(1, torch.tensor([2, 0, 0, 0, 0, 0]), tau=1)  # level 2 after layer 0's e0, e3
     assert pre.drain() == 3
-    assert order == [(0, 1), (0, 4), (0, 0)]  # capacity 3: the rest wait (FIFO keeps e3 before layer 1's e0)
+    assert order == [(0, 1, 4), (0, 4, 3), (0, 0, 2)]  # capacity 3: the rest wait (FIFO keeps e3 before layer 1's e0)
     assert len(table) == 3 and not table.free
 
 

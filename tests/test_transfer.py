@@ -79,7 +79,7 @@ def test_expert_not_ready_runs_on_the_cpu(policy, checkpoint, tokenizer):
     prompt = tokenizer(PROMPT)["input_ids"]
     engine = make_engine(model_dir, policy)
     cache = engine.model.cache
-    cache._copy_in = lambda slot, li, e: InFlight(cache, slot, li, e, polls=2)
+    cache._copy_in = lambda slot, li, e, level=None: InFlight(cache, slot, li, e, polls=2)
     fin, steps = run(engine, prompt)
     assert fin.token_ids == hf_greedy(model_dir, prompt, NEW_TOKENS)
     s = fin.summary
@@ -125,9 +125,9 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
         time.sleep(0.002)
         after_compute()
 
-    def load_(li, e):
+    def load_(li, e, level=None):
         loaders.append(threading.current_thread().name)
-        out = load(li, e)
+        out = load(li, e, level)
         if not int((cache.slot_of >= 0).sum()) == len(cache) <= cache.capacity:
             violations.append(f"{len(cache)} resident of {cache.capacity} slots after loading {(li, e)}")
         return out
@@ -162,7 +162,9 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["spac", "lru"])
-def test_async_transfers_on_cuda(policy, checkpoint, tokenizer):
+def test_async_transfers_on_cuda(policy, checkpoint, tokenizer, monkeypatch):
+    """The pure-PyTorch transfer path (the native engine's fallback; see test_native_prefetch.py)."""
+    monkeypatch.setenv("MOECHAT_NATIVE", "0")
     model_dir = checkpoint("qwen3_moe", 2)
     prompt = tokenizer(PROMPT)["input_ids"]
     engine = make_engine(model_dir, policy, device="cuda")

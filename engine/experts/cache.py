@@ -3,9 +3,11 @@
 With no GPU the compute device is the CPU and this is a RAM pool filled by explicit copies, so
 residency, hits, loads and evictions behave (and are tested) exactly as on a GPU.
 
-On CUDA a copy is asynchronous: it runs on the cache's own transfer stream, and the slot is ready
-only once that copy's event has completed. Two orderings keep the two streams apart, each enforced
-where it is needed (see `_copy_in` and `ready_slots`):
+On CUDA a copy is asynchronous: it runs on a transfer stream, and the slot is ready only once that
+copy's event has completed. The transfer stream is the native prefetch engine's
+(engine/experts/native_prefetch.py: its own thread, priority queues, pinned staging, cancellation)
+where it builds, else the cache's own (PyTorch non-blocking copies). Two orderings keep the two
+streams apart, each enforced where it is needed (see `_copy_in` and `ready_slots`):
 - a freed slot is overwritten only after the compute work that may still read it (transfer stream
   waits on `compute_done`);
 - a slot is read by compute only after its copy has completed (`ready_slots`); compute never waits
@@ -76,12 +78,13 @@ class SlotTable:
     def resident_mask(self) -> torch.Tensor:
         return self.slot_of >= 0  # [L, E]
 
-    def load(self, li: int, e: int) -> int:
-        """Put one expert into a free slot (the caller evicts first when full)."""
+    def load(self, li: int, e: int, level: int | None = None) -> int:
+        """Put one expert into a free slot (the caller evicts first when full). level: its prefetch
+        priority (utility level; None: on demand, before any prefetch) where copies are queued."""
         if self.slot_of[li, e] >= 0:
             return int(self.slot_of[li, e])
         slot = self.free.pop()
-        event = self._copy_in(slot, li, e)
+        event = self._copy_in(slot, li, e, level)
         if event is not None:
             self.pending[slot] = event  # before slot_of publishes the slot
         self.slot_of[li, e] = slot
@@ -91,8 +94,14 @@ class SlotTable:
         self.version += 1
         return slot
 
-    def _copy_in(self, slot: int, li: int, e: int):
+    def _copy_in(self, slot: int, li: int, e: int, level: int | None = None):
         """Copy one expert's weights into a slot; returns its completion event when the copy is asynchronous."""
+
+    def cancel(self, li: int, tau: int, fallen: list[int]) -> list[int]:
+        """Drop the copies still queued (not started) for experts of layer li queued below level
+        `tau` or in `fallen`, and free their slots; returns those experts. Only a queued transfer
+        can be cancelled (the native engine's); here every copy has started."""
+        return []
 
     def ready_slots(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, int]:
         """experts [S] of layer li -> (slot [S], -1 where not resident or not ready; activations not ready).
@@ -142,20 +151,32 @@ class ExpertCache(SlotTable):
         H, I = store.hidden, store.inter
         self.gate_up = torch.empty(num_slots, 2 * I, H, dtype=store.dtype, device=device)  # [S, 2I, H]
         self.down = torch.empty(num_slots, H, I, dtype=store.dtype, device=device)  # [S, H, I]
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.engine = None  # the native prefetch engine, when it builds (MOECHAT_NATIVE=0: never)
+        if device.type == "cuda":
+            from .native_prefetch import open_engine
+
+            self.engine = open_engine(device, num_slots, keep=(self.gate_up, self.down))
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.engine is None else None
         if self.stream is not None:
             self.ready = [torch.cuda.Event() for _ in range(num_slots)]  # per slot: its latest copy done
             self.compute_done = torch.cuda.Event()  # re-recorded after each layer's fast-tier work
             self.compute_done.record(torch.cuda.current_stream(device))  # created here, not lazily across threads
 
     def after_compute(self) -> None:
-        if self.stream is not None:
+        if self.engine is not None:  # the same ordering, the event recorded by the engine
+            self.engine.mark_compute(torch.cuda.current_stream(self.device).cuda_stream)
+        elif self.stream is not None:
             # Ordering 1, first half: everything queued so far on the compute stream, including every
             # kernel that read a slot evicted since, lies before this record (see _copy_in).
             self.compute_done.record(torch.cuda.current_stream(self.device))
 
-    def _copy_in(self, slot: int, li: int, e: int):
+    def _copy_in(self, slot: int, li: int, e: int, level: int | None = None):
         gate_up, down = self.store.weights(li, e)  # host views: pinned when the store could pin them
+        if self.engine is not None:  # queued: the engine's thread issues it by level, after compute_done
+            from .native_prefetch import DEMAND
+
+            return self.engine.enqueue(slot, li, DEMAND if level is None else level,
+                                       [(gate_up.contiguous(), self.gate_up[slot]), (down.contiguous(), self.down[slot])])
         if self.stream is None:
             self.gate_up[slot].copy_(gate_up)
             self.down[slot].copy_(down)
@@ -172,3 +193,25 @@ class ExpertCache(SlotTable):
             self.down[slot].copy_(down, non_blocking=True)
             self.ready[slot].record(self.stream)
         return self.ready[slot]
+
+    def evict(self, li: int, e: int) -> None:
+        slot = int(self.slot_of[li, e])
+        if self.engine is not None and self.pending.pop(slot, None) is not None:
+            self.engine.cancel(slot)  # a copy not started yet is not worth making
+        super().evict(li, e)
+
+    def cancel(self, li: int, tau: int, fallen: list[int]) -> list[int]:
+        if self.engine is None or not self.pending:
+            return []
+        slots = self.engine.cancel_below(li, tau)
+        slots += [s for s in (int(self.slot_of[li, e]) for e in fallen) if s in self.pending and self.engine.cancel(s)]
+        freed = []
+        for slot in slots:
+            key = self.key_of[slot]
+            assert key is not None and key[0] == li, (slot, key)  # a queued copy is always its slot's expert
+            del self.pending[slot]
+            SlotTable.evict(self, *key)
+            self.bytes_moved -= self.expert_bytes  # never moved
+            self.loads -= 1
+            freed.append(key[1])
+        return freed

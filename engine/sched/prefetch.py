@@ -8,6 +8,8 @@
   experts in use. Eviction is lazy: an expert below τ stays resident (and keeps serving hits) until
   a prefetch needs its slot. A prefetch that finds no free slot displaces the lowest-ranked
   resident expert only when that one ranks strictly below the newcomer.
+- Cancellation: where copies are queued below the policy (the native CUDA engine), an update
+  drops the queued copies of experts that fell below τ and frees their slots.
 - Experts in use are frozen (tier 2: never evicted); after use they are demoted: to the bottom
   ("zero", the paper's App. D choice, which recycles them first) or back to their utility ("keep").
 
@@ -76,6 +78,12 @@ class PrefetchEngine:
             self.fine[li] = 0.0 if fine is None else fine
             self.tau[li] = tau
             resident = self.table.slot_of[li] >= 0
+            if self.table.pending:  # copies may still be queued: those of experts now below τ go
+                fallen = (resident & (s < tau)).nonzero().flatten().tolist()
+                for e in self.table.cancel(li, tau, fallen):
+                    self._pool_drop((li, e))
+                    self.demoted.discard((li, e))
+                resident = self.table.slot_of[li] >= 0
             for e in resident.nonzero().flatten().tolist():
                 key = (li, e)
                 if self.score.get(key, (0,))[0] > 1 or key in self.demoted and int(s[e]) >= tau:
@@ -147,7 +155,7 @@ class PrefetchEngine:
             self.queues[level].appendleft((li, e))
             self.queued[li, e] = level
             return False
-        self.table.load(li, e)
+        self.table.load(li, e, level)
         self._pool_set((li, e), self._rank(li, e))
         return True
 
