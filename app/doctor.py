@@ -6,7 +6,6 @@ Exit status 0 even with problems: doctor reports, it does not gate.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import platform
 import sys
@@ -48,7 +47,7 @@ def diagnose() -> dict:
     profiles = _profiles(fingerprint(hw))
     hardware = asdict(hw) | {"models_dir": str(models), "fingerprint": profiles["fingerprint"]}
     return {"hardware": hardware, "versions": versions, "native": native, "profiles": profiles,
-            "problems": problems(hw, versions, profiles, models)}
+            "problems": problems(hw, versions, profiles, models, native)}
 
 
 def _versions(hw) -> dict:
@@ -64,17 +63,25 @@ def _versions(hw) -> dict:
 
 
 def _native() -> dict:
-    name = f"{__package__.rpartition('.')[0]}.engine.native"  # moechat.engine.native
+    """The native libraries (building what is missing, once): the CPU expert kernel with the path
+    this CPU takes for bf16, and the CUDA prefetch engine."""
     try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name != name:  # the module exists but something it imports does not
-            return {"built": False, "status": f"failed to load ({err}); pure-PyTorch fallbacks in use"}
-        return {"built": False, "status": NATIVE_MISSING}
-    except Exception as err:  # a stale or broken extension build
-        return {"built": False, "status": f"failed to load ({type(err).__name__}: {err}); pure-PyTorch fallbacks in use"}
-    built = bool(getattr(module, "HAS_NATIVE", False))
-    return {"built": built, "status": "built" if built else NATIVE_MISSING}
+        import torch
+
+        from ..engine import native
+        from ..engine.experts import cpu_ffn
+    except ImportError as err:
+        return {"built": False, "status": f"unavailable ({err}); pure-PyTorch fallbacks in use", "libraries": {}}
+    libs = native.status()
+    libs.pop("prefetch_host", None)  # the CUDA engine's CPU test build
+    cpu, cuda = libs.get("cpu", {}), libs.get("cuda", {})
+    parts = [f"CPU expert FFN built ({cpu_ffn.resolved_isa('auto', torch.bfloat16, torch.bfloat16)} path for bf16)"
+             if cpu.get("built") else f"CPU expert FFN: {cpu.get('notice') or NATIVE_MISSING}"]
+    if cuda.get("built"):
+        parts.append("CUDA prefetch engine built" + ("" if torch.cuda.is_available() else " (no CUDA device to use it)"))
+    elif torch.version.cuda:  # only a CUDA build of torch can use it
+        parts.append(f"CUDA prefetch engine: {cuda.get('notice') or NATIVE_MISSING}")
+    return {"built": bool(cpu.get("built")), "status": "; ".join(parts), "libraries": libs}
 
 
 def _profiles(fp: str) -> dict:
@@ -86,7 +93,7 @@ def _profiles(fp: str) -> dict:
     return {"dir": str(folder), "count": len(files), "fingerprint": fp, "models": matching}
 
 
-def problems(hw, versions: dict, profiles: dict, models_dir: Path) -> list[dict]:
+def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict | None = None) -> list[dict]:
     from ..engine.hw.probe import NOTE_NO_NVML
 
     out = []
@@ -131,6 +138,10 @@ def problems(hw, versions: dict, profiles: dict, models_dir: Path) -> list[dict]
     if hw.disk_free_bytes < MIN_DISK_FREE:
         add(f"only {_gib(hw.disk_free_bytes)} free where models are stored ({models_dir})",
             "free space there (MoE checkpoints take 15-60 GiB), or keep models on a larger disk and pass --model DIR")
+    if native is not None and not native["built"]:
+        add(f"the native CPU expert kernel is not in use: {native['status']}",
+            "install a C++ compiler (Debian/Ubuntu: apt install g++; macOS: xcode-select --install), then run "
+            "`moechat doctor` again to build it")
     if not profiles["models"]:
         add(f"no calibration profile for this machine (fingerprint {profiles['fingerprint']})",
             "run `moechat calibrate` (add --model DIR for a model other than the default)")

@@ -89,7 +89,7 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.SubprocessError) as err:
         os.unlink(tmp)
-        raise NativeBuildError(f"{Path(cxx).name} could not run ({err})") from None
+        raise NativeBuildError(f"the C++ compiler {cxx} could not run ({err})") from None
     log = folder / f"libmoechat_{name}.log"
     if done.returncode != 0:
         os.unlink(tmp)
@@ -154,3 +154,18 @@ def _register_all() -> None:
         from .experts import native_prefetch  # noqa: F401
     except ImportError:
         pass
+
+
+def main() -> int:
+    """`python -m moechat.engine.native`: build every library now (the installer does); one line each.
+    Exit status 1 when the CPU kernel could not be built (moechat still runs, on its PyTorch paths)."""
+    libs = status()
+    for name, lib in libs.items():
+        print(f"{name}: {'built, ' + lib['path'] if lib['built'] else lib['notice']}")
+    return 0 if libs.get("cpu", {}).get("built") else 1
+
+
+if __name__ == "__main__":
+    from . import native as registry  # the builders register with the imported module, not with __main__
+
+    sys.exit(registry.main())

@@ -107,4 +107,12 @@ case ":$PATH:" in
 esac
 
 "$bin_dir/moechat" --version >/dev/null || die "moechat did not start; see the messages above"
+
+# 6. Native kernels, built now with this machine's C++ compiler (else on first use). Optional:
+# without a compiler moechat runs on its PyTorch paths.
+if "$venv/bin/python" -m moechat.engine.native >/dev/null 2>&1; then
+  say "native kernels built"
+else
+  say "native CPU kernels not built (no C++ compiler?); moechat uses its PyTorch paths. See: moechat doctor"
+fi
 say "done: $("$bin_dir/moechat" --version) in $venv"

@@ -172,7 +172,11 @@ def test_doctor_json(capsys):
     report = _doctor_json(capsys)
     assert set(report) == {"hardware", "versions", "native", "profiles", "problems"}
     assert report["hardware"]["physical_cores"] >= 1 and report["versions"]["torch"] == torch.__version__
-    assert report["native"] == {"built": False, "status": "not built (pure-PyTorch fallbacks in use)"}
+    from moechat.engine.experts import cpu_ffn
+
+    assert report["native"]["built"] == cpu_ffn.available()  # built on first use with this machine's compiler
+    assert report["native"]["libraries"]["cpu"]["built"] == cpu_ffn.available()
+    assert "CPU expert FFN" in report["native"]["status"]
     assert report["profiles"]["fingerprint"] == report["hardware"]["fingerprint"] == fingerprint(probe())
     for p in report["problems"]:
         assert p["problem"].strip() and p["fix"].strip()
@@ -229,5 +233,5 @@ def test_doctor_text(capsys):
 
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
-    assert "native kernels: not built (pure-PyTorch fallbacks in use)" in out and "physical cores" in out
+    assert "native kernels: CPU expert FFN" in out and "physical cores" in out
     assert f"fingerprint {fingerprint(probe())}" in out
