@@ -329,11 +329,11 @@ AVX2_TARGET void tile_avx2(const WT* W, int64_t ldw, int64_t len, const float* X
 
 template <typename WT>
 AVX2_TARGET void mat_avx2(const MatJob& j) {
-    constexpr int TCMAX = 4;
+    constexpr int TCMAX = 6;  // 2 rows x 6 tokens = 12 accumulators + 2 weights + 1 token of 16 ymm
     static const TileFn<WT, 2> tab2[TCMAX] = {tile_avx2<WT, 2, 1>, tile_avx2<WT, 2, 2>, tile_avx2<WT, 2, 3>,
-                                              tile_avx2<WT, 2, 4>};
+                                              tile_avx2<WT, 2, 4>, tile_avx2<WT, 2, 5>, tile_avx2<WT, 2, 6>};
     static const TileFn<WT, 1> tab1[TCMAX] = {tile_avx2<WT, 1, 1>, tile_avx2<WT, 1, 2>, tile_avx2<WT, 1, 3>,
-                                              tile_avx2<WT, 1, 4>};
+                                              tile_avx2<WT, 1, 4>, tile_avx2<WT, 1, 5>, tile_avx2<WT, 1, 6>};
     const WT* W = static_cast<const WT*>(j.W);
     const float* X = static_cast<const float*>(j.X);
     for (int64_t r = 0; r < j.rows;) {
