@@ -1,17 +1,19 @@
 """`moechat bench kernels`: the native kernels against their PyTorch twins, and against the machine.
 
 CPU: the fused expert FFN (`moe_ffn_native`) and `moe_ffn_torch` on the expert shapes of three
-real models, at decode-sized token groups. Every call picks fresh experts from a pool of about
-1 GiB per shape, so weights come from DRAM as in decode, not from the caches. Figures per row:
-the fastest of --repeats calls after a warm-up, for each side; effective GB/s of expert weights
-read; the ratio to this machine's memory copy bandwidth measured in the same run (bytes read plus
-bytes written per second by a large `copy_`, the stricter of the two usual conventions).
+real models, at decode-sized token groups. Every call picks fresh experts from a pool of at least
+2 GiB and 4x the last-level cache per shape, so weights come from DRAM as in decode, not from the
+caches. Figures per row: the fastest of --repeats calls after a warm-up, for each side, alternating;
+effective GB/s of expert weights read; the ratio to this machine's memory copy bandwidth, measured
+right before each row (a shared machine's bandwidth drifts): bytes read plus bytes written per
+second by a `copy_` of buffers larger than the caches, the stricter of the two usual conventions.
 CUDA (on a GPU): the prefetch engine's transfer GB/s against a plain pinned copy while compute runs.
 """
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import time
 
 SHAPES = {  # hidden x expert width of the routed experts
@@ -19,7 +21,18 @@ SHAPES = {  # hidden x expert width of the routed experts
     "deepseek-v2-lite": (2048, 1408),
     "olmoe": (2048, 1024),
 }
-POOL_BYTES = 1 << 30
+POOL_BYTES = 2 << 30
+
+
+def last_level_cache_bytes() -> int:
+    """Size of the CPU's largest cache (Linux sysfs); 0 where unknown."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = open(path).read().strip()
+        sizes.append(int(text[:-1]) << {"K": 10, "M": 20, "G": 30}[text[-1]] if text[-1] in "KMG" else int(text))
+    return max(sizes, default=0)
 
 
 def _ints(text: str) -> list[int]:
@@ -41,22 +54,26 @@ def add_bench_kernels(sub) -> None:
     p.set_defaults(func=cmd_bench_kernels)
 
 
-def copy_bandwidth(threads: int, mib: int = 512, repeats: int = 3) -> float:
-    """GB/s moved (read + written) by copy_ of a buffer far larger than the caches; the best of `repeats`."""
-    import torch
+class CopyMeter:
+    """Memory copy bandwidth: GB/s moved (read + written) by copy_ of buffers larger than the caches."""
 
-    src = torch.ones(mib << 18)  # float32: mib MiB
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
+    def __init__(self, threads: int):
+        import torch
+
+        n = max(512 << 20, 2 * last_level_cache_bytes()) // 4  # float32 elements per buffer
+        self.src, self.dst = torch.ones(n), torch.empty(n)
+        self.dst.copy_(self.src)  # fault the pages in
+
+    def measure(self, repeats: int = 2) -> float:
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src)
+            best = max(best, 2 * self.src.nbytes / (time.perf_counter() - t0) / 1e9)
+        return best
 
 
-def _cpu_rows(args, threads: int, copy_gbps: float) -> list[dict]:
+def _cpu_rows(args, threads: int, meter: CopyMeter) -> list[dict]:
     import torch
 
     from ..engine.experts import cpu_ffn
@@ -68,9 +85,11 @@ def _cpu_rows(args, threads: int, copy_gbps: float) -> list[dict]:
     for shape in args.shapes.split(","):
         H, I = SHAPES[shape]
         expert_bytes = 3 * H * I * dt.itemsize
-        pool = max(2 * max(args.experts), POOL_BYTES // expert_bytes)
+        pool = max(2 * max(args.experts), max(POOL_BYTES, 4 * last_level_cache_bytes()) // expert_bytes)
         gate_up = torch.empty(pool, 2 * I, H, dtype=dt).normal_(0, 0.02)  # [P, 2I, H] the store's layout
         down = torch.empty(pool, H, I, dtype=dt).normal_(0, 0.02)  # [P, H, I]
+        for _ in range(2):  # fresh memory is slow for a while on some machines (VMs): read it all first
+            gate_up.sum(), down.sum()
         for T in args.tokens:
             for G in args.experts:
                 x = torch.randn(T, H).to(dt)  # [T, H] every expert gets all T tokens
@@ -78,6 +97,7 @@ def _cpu_rows(args, threads: int, copy_gbps: float) -> list[dict]:
                 token_rows = torch.arange(G * T) % T
                 weights = torch.rand(G * T)
                 best = {"native": float("inf"), "torch": float("inf")}
+                copy_gbps = meter.measure()
                 for rep in range(args.repeats + 1):  # round 0 warms up
                     for side in ("native", "torch"):  # alternating: noise hits both alike
                         experts = torch.tensor(rng.sample(range(pool), G))
@@ -94,7 +114,7 @@ def _cpu_rows(args, threads: int, copy_gbps: float) -> list[dict]:
                 rows.append({"shape": f"{H}x{I}", "model": shape, "tokens": T, "experts": G,
                              "native_ms": 1e3 * best["native"], "torch_ms": 1e3 * best["torch"],
                              "speedup": best["torch"] / best["native"], "gbps": gbps,
-                             "torch_gbps": G * expert_bytes / best["torch"] / 1e9,
+                             "torch_gbps": G * expert_bytes / best["torch"] / 1e9, "copy_gbps": copy_gbps,
                              "bandwidth_ratio": gbps / copy_gbps})
         del gate_up, down
     return rows
@@ -141,23 +161,26 @@ def cmd_bench_kernels(args) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    copy_gbps = copy_bandwidth(threads)
-    cpu_rows = _cpu_rows(args, threads, copy_gbps)
+    meter = CopyMeter(threads)
+    cpu_rows = _cpu_rows(args, threads, meter)
+    del meter
     cuda_rows, cuda_note = _cuda_rows()
     dt = getattr(torch, args.dtype)
     result = {"dtype": args.dtype, "threads": threads, "isa": cpu_ffn.resolved_isa(args.isa, dt, dt),
-              "copy_gbps": copy_gbps, "repeats": args.repeats, "seconds": round(time.perf_counter() - t0, 1),
+              "copy_gbps": statistics.median(r["copy_gbps"] for r in cpu_rows), "repeats": args.repeats, "seconds": round(time.perf_counter() - t0, 1),
               "cpu": cpu_rows, "cuda": cuda_rows, "cuda_note": cuda_note}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"CPU expert FFN: {args.dtype} weights and activations, {threads} threads, native path {result['isa']}, "
-          f"memory copy bandwidth {copy_gbps:.1f} GB/s (read + write), fastest of {args.repeats}, {result['seconds']} s")
+          f"fastest of {args.repeats}, {result['seconds']} s")
+    print("copy: memory copy bandwidth (read + write) measured before each row; of copy = GB/s / copy")
     print(f"{'shape':>10}{'tokens':>7}{'experts':>8}{'native ms':>11}{'torch ms':>10}{'speedup':>9}"
-          f"{'GB/s':>7}{'torch GB/s':>11}{'of copy':>9}")
+          f"{'GB/s':>7}{'torch GB/s':>11}{'copy':>7}{'of copy':>9}")
     for r in cpu_rows:
         print(f"{r['shape']:>10}{r['tokens']:>7}{r['experts']:>8}{r['native_ms']:>11.2f}{r['torch_ms']:>10.2f}"
-              f"{r['speedup']:>8.2f}×{r['gbps']:>7.1f}{r['torch_gbps']:>11.1f}{100 * r['bandwidth_ratio']:>8.0f}%")
+              f"{r['speedup']:>8.2f}×{r['gbps']:>7.1f}{r['torch_gbps']:>11.1f}{r['copy_gbps']:>7.1f}"
+              f"{100 * r['bandwidth_ratio']:>8.0f}%")
     if cuda_rows:
         print("CUDA prefetch engine vs a plain pinned copy, while compute runs:")
         for r in cuda_rows:
