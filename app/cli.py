@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_cpu import add_bench_cpu_experts
 
     add_bench_cpu_experts(bench_sub)
+    from .bench_e2e import add_bench_e2e
+
+    add_bench_e2e(bench_sub)
     from .simulate import add_simulate
 
     add_simulate(sub)
