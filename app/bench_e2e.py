@@ -26,8 +26,9 @@ ROWS = ("spac + hybrid + self drafter", "lru + hybrid", "lru on demand, no CPU e
 def add_bench_e2e(sub) -> None:
     p = sub.add_parser("e2e", help="decode tokens/s of spac, lru, on-demand, all-CPU and HF offload on one model, "
                                    "the bandwidth bound, and the host overhead per MoE layer")
-    p.add_argument("--model", required=True, metavar="DIR",
-                   help="checkpoint directory, e.g. from `moechat bench random-model DIR --like deepseek-v2-lite`")
+    p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
+                   help="checkpoint directory, e.g. from `moechat bench random-model DIR --like deepseek-v2-lite` "
+                        "(default: the embedded demo; a trace for it comes from `moechat generate --trace`)")
     p.add_argument("--replay-traces", default=os.environ.get(REPLAY_ENV), metavar="PATH",
                    help=f"recorded routing to replay (a DeepSeek CSV(.gz) or a moechat --trace file); default ${REPLAY_ENV}")
     p.add_argument("--device", default=None, help="compute device (default: cuda when available, else cpu)")
@@ -179,6 +180,9 @@ def cmd_bench_e2e(args) -> int:
                            f"../shared/traces/deepseek-v2-lite-puffin/prompt_135.csv.gz) or set {REPLAY_ENV}")
     if args.repeats < 1 or args.max_new_tokens < 2:
         raise MoechatError("bench e2e needs --repeats >= 1 and --max-new-tokens >= 2")
+    from .demo import resolve_model
+
+    args.model = resolve_model(args.model, None)[0]
     cuda = torch.cuda.is_available()
     args.device = args.device or ("cuda" if cuda else "cpu")
     variants = _variants(args)
