@@ -24,6 +24,8 @@ ROWS = ("spac + hybrid + self drafter", "lru + hybrid", "lru on demand, no CPU e
 
 
 def add_bench_e2e(sub) -> None:
+    from .cli import _ratio
+
     p = sub.add_parser("e2e", help="decode tokens/s of spac, lru, on-demand, all-CPU and HF offload on one model, "
                                    "the bandwidth bound, and the host overhead per MoE layer")
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
@@ -33,7 +35,7 @@ def add_bench_e2e(sub) -> None:
                    help=f"recorded routing to replay (a DeepSeek CSV(.gz) or a moechat --trace file); default ${REPLAY_ENV}")
     p.add_argument("--device", default=None, help="compute device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--expert-cache-ratio", type=float, default=0.17, metavar="R", help="fast-tier share of the experts (default 0.17)")
+    p.add_argument("--expert-cache-ratio", type=_ratio, default=0.17, metavar="R", help="fast-tier share of the experts (default 0.17)")
     p.add_argument("--draft-len", type=int, default=4, metavar="N", help="the self drafter's gamma (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="interleaved rounds; medians reported")
@@ -47,6 +49,7 @@ class Variant:
     config: object  # EngineConfig
     runtime: object = None  # MoERuntime
     drafter: object = None
+    skipped: str = ""  # why this configuration cannot run on this model, "" when it runs
     decode: list[float] = field(default_factory=list)  # tokens/s per round
     stats: dict = field(default_factory=dict)  # the last round's decode figures (bench._decode_stats)
 
@@ -190,16 +193,22 @@ def cmd_bench_e2e(args) -> int:
     replay = _attach_replay(engine, args.replay_traces)
     variants[0].runtime, variants[0].drafter = engine.model.runtime, engine.drafter
     for v in variants[1:]:
-        _build(engine, v, replay)
+        try:
+            _build(engine, v, replay)
+        except MoechatError as err:  # e.g. a cache too small to run without CPU experts: that row only
+            v.skipped = f"not measured: {err}"
+    runs = [v for v in variants if not v.skipped]
     m = engine.model
     ids = engine.encode(Request(prompt=DEFAULT_PROMPT)) if m.tokenizer is not None else list(range(1, 52))
     m.eos_ids = set()  # every run generates exactly max_new_tokens
 
-    for v in variants:  # warm-up; residency then carries over between rounds, as between chat turns
+    for v in runs:  # warm-up; residency then carries over between rounds, as between chat turns
+        if hasattr(v.drafter, "distances"):  # the self drafter's one-time expert table, else built mid-run on first use
+            v.drafter.distances()
         _use(engine, v)
         _engine_run(engine, ids, args.max_new_tokens)
     for r in range(args.repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
-        for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+        for v in runs[r % len(runs):] + runs[:r % len(runs)]:
             _use(engine, v)
             fin, steps = _engine_run(engine, ids, args.max_new_tokens)
             v.decode.append(fin.summary.decode_tokens_per_s)
@@ -211,23 +220,27 @@ def cmd_bench_e2e(args) -> int:
     limit = bound(len(store.layers), k, store.expert_bytes, args.expert_cache_ratio, _ram_copy_bytes_s(), pcie)
     # VRAM the engine gives weights: everything but the experts, plus its fast tier
     vram = sum(t.numel() * t.element_size() for t in m.hf.parameters() if t.device.type == "cuda") + \
-        variants[1].runtime.cache.capacity * store.expert_bytes
-    hf_rate, hf_why = _hf_offload(args, ids, vram) if on_gpu else (None, "not measured: no GPU was available "
-                                                                   "(device_map offload moves weights to a GPU per forward)")
+        variants[0].runtime.cache.capacity * store.expert_bytes
+    if on_gpu:
+        hf_rate, hf_why = _hf_offload(args, ids, vram)
+    else:
+        hf_rate, hf_why = None, ("not measured: no GPU was available" if not cuda else "not measured: --device cpu") + \
+            " (device_map offload moves weights to a GPU per forward)"
     rows = [{"name": v.name, "policy": v.config.scheduler.policy, "drafter": v.config.spec.drafter,
              "expert_cache_ratio": v.config.expert_cache_ratio, "cpu_experts": v.config.scheduler.cpu_experts,
-             "decode_tokens_per_s": statistics.median(v.decode), "not_measured": None, **v.stats} for v in variants]
+             "decode_tokens_per_s": statistics.median(v.decode) if v.decode else None,
+             "not_measured": v.skipped or None, **v.stats} for v in variants]
     rows.append({"name": ROWS[4], "decode_tokens_per_s": hf_rate, "not_measured": hf_why or None})
     result = {
         "model": args.model, "device": str(m.device), "dtype": args.dtype, "expert_cache_ratio": args.expert_cache_ratio,
         "replay": args.replay_traces, "replay_layers": f"first {replay.experts.shape[1]} of {replay.trace_layers}",
         "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "gpu": on_gpu,
-        "note": None if on_gpu else "no GPU: engine rows ran on the CPU device (the fast tier is a RAM pool); "
+        "note": None if on_gpu else f"{'no GPU' if not cuda else '--device cpu'}: engine rows ran on the CPU device (the fast tier is a RAM pool); "
                                     "HF offload and the PCIe bound are not measured",
         "rows": rows, "bound": limit,
     }
-    for v in variants:
+    for v in runs:
         v.runtime.use_cpu_thread(False)
         v.runtime.use_transfer_thread(False)
     if args.json:

@@ -61,6 +61,13 @@ def test_bench_e2e_prints_every_row(tmp_path, capsys, monkeypatch):
     b = res["bound"]
     assert b["all_cpu_tokens_per_s"] == pytest.approx(b["cpu_bytes_s"] / (2 * 6 * b["expert_bytes"]))
 
+    # one slot of 128: too few to run without CPU experts (top-6); that row says why, the others run
+    rc = main(["bench", "e2e", "--model", str(model), "--dtype", "float32", "--max-new-tokens", "3", "--repeats", "1",
+               "--expert-cache-ratio", "0.01", "--json"])
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert rc == 0 and "at least top-k = 6" in rows[ROWS[2]]["not_measured"] and rows[ROWS[2]]["decode_tokens_per_s"] is None
+    assert rows[ROWS[0]]["decode_tokens_per_s"] > 0 and rows[ROWS[3]]["decode_tokens_per_s"] > 0
+
 
 def test_bound_formula():
     b = bound(num_layers=26, top_k=6, expert_bytes=10**6, ratio=0.25, cpu_bytes_s=40e9, pcie_bytes_s=20e9)
