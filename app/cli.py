@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_kernels import add_bench_kernels
 
     add_bench_kernels(bench_sub)
+    from .bench_e2e import add_bench_e2e
+
+    add_bench_e2e(bench_sub)
     from .simulate import add_simulate
 
     add_simulate(sub)

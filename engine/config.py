@@ -63,6 +63,10 @@ class SchedulerConfig:
     # layer, the router-ranked shortlist; activations outside it are dropped. At least the model's top-k
     # (checked when the model loads). Composes with any policy, which sees the truncated counts.
     expert_budget: int | None = None
+    # False: no CPU tier, every routed expert is loaded into the fast tier before its layer runs (lru
+    # only: on-demand loading, least recently used evicted). The baseline that offloading without CPU
+    # compute gives (bench e2e); lossless like every policy.
+    cpu_experts: bool = True
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -71,6 +75,8 @@ class SchedulerConfig:
         _check(self.utility_variant in ("paper", "level"), f"utility variant must be paper or level, got {self.utility_variant!r}")
         _check(self.demote in ("zero", "keep"), f"demote must be zero or keep, got {self.demote!r}")
         _check(self.cpu_cost in ("distinct", "activations"), f"cpu cost must be distinct or activations, got {self.cpu_cost!r}")
+        _check(self.cpu_experts or self.policy == "lru",
+               f"running without CPU experts loads every miss on demand: use policy lru, got {self.policy!r}")
         _check(self.expert_budget is None or self.expert_budget >= 1,
                f"expert budget must be at least the model's top-k (or unset to turn it off), got {self.expert_budget}")
 

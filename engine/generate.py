@@ -162,7 +162,7 @@ class Engine:
         c = rt.reset_counters()
         stats = StepStats(step, n, a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
                           m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1, c.dropped,
-                          c.not_ready)
+                          c.not_ready, c.layer_s, c.host_s, c.policy_s, c.layer_calls)
         return stats, drafts[:a] + [t]
 
     @staticmethod

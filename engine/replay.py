@@ -44,6 +44,7 @@ class RoutingReplay:
                                f"{num_experts} experts per layer: use a model with the trace's expert count")
         self.name, self.trace_layers = name, L
         self.experts = routing.experts[:, :num_layers].contiguous()  # [T, L_model, k]
+        self._by_layer = self.experts.transpose(0, 1).contiguous()  # [L_model, T, k]: one layer's positions adjacent
 
     @property
     def tokens(self) -> int:
@@ -51,8 +52,10 @@ class RoutingReplay:
 
     def ids(self, li: int, start: int, n: int) -> torch.Tensor:
         """[n, k] expert ids of MoE layer li for absolute positions start .. start+n-1."""
-        pos = torch.arange(start, start + n) % self.tokens
-        return self.experts[pos, li]
+        start %= self.tokens
+        if start + n <= self.tokens:  # a view: this runs in every MoE layer, so no gather unless the positions wrap
+            return self._by_layer[li, start:start + n]
+        return self._by_layer[li, torch.arange(start, start + n) % self.tokens]
 
 
 def load_replay(path: str | Path, num_layers: int, num_experts: int, top_k: int) -> RoutingReplay:

@@ -27,7 +27,7 @@ def hf_greedy(model_dir, prompt_ids, new_tokens=NEW_TOKENS, dtype=torch.float32,
 
 def run_engine(model_dir, prompt_ids, new_tokens=NEW_TOKENS, **config) -> Finished:
     spec = SpecConfig(drafter=config.pop("drafter", "none"), draft_len=config.pop("draft_len", 4))
-    scheduler = SchedulerConfig(policy=config.pop("policy", "lru"))
+    scheduler = SchedulerConfig(policy=config.pop("policy", "lru"), cpu_experts=config.pop("cpu_experts", True))
     engine = Engine(EngineConfig(model_dir=str(model_dir), spec=spec, scheduler=scheduler, **config))
     events = list(engine.generate(Request(token_ids=prompt_ids), SamplingParams(max_new_tokens=new_tokens)))
     assert isinstance(events[-1], Finished), events[-1]
@@ -51,6 +51,12 @@ def test_greedy_matches_transformers(family, seed, checkpoint, draft_dir, tokeni
                 if fin.token_ids != expected:
                     mismatches.append((ratio, policy, drafter, gamma))
                 rejected += fin.summary.drafted - fin.summary.accepted
+        if ratio >= 0.5:  # no CPU experts (bench e2e's on-demand row): every miss loaded before its layer
+            for drafter, gamma in (("none", 1), ("self", 4)):
+                fin = run_engine(model_dir, prompt, expert_cache_ratio=ratio, policy="lru", cpu_experts=False,
+                                 drafter=drafter, draft_len=gamma)
+                if fin.token_ids != expected:
+                    mismatches.append((ratio, "lru, no CPU experts", drafter, gamma))
     assert not mismatches, f"{family} seed {seed}: differs from transformers for {mismatches}"
     assert rejected > 0  # rejection and KV trimming were exercised, not only full acceptance
 

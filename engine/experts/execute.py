@@ -34,6 +34,23 @@ class LayerCounters:
         self.cpu_s = 0.0
         self.host_device_s = 0.0  # wall time of fast-tier work on a CPU compute device
         self.device_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # on CUDA: measured on the GPU
+        # Host overhead (bench e2e): of the wall time of run_layer on the caller's thread (layer_s),
+        # what is left after the time that thread spends in or waiting for expert work and transfers
+        # (wait_s): the device sync at the layer's entry (CUDA: everything queued before it, this
+        # layer's attention and earlier layers' expert kernels), fast-tier compute on a CPU device,
+        # the CPU tier when it runs inline, and the wait for the CPU worker's result. CPU-tier time on
+        # the worker thread (cpu_s) overlaps the caller's own work, so only the caller's wait counts.
+        # policy_s is the residency part (table lock, the policy's hooks, the readiness check): host
+        # bookkeeping plus the copies the hooks make, queued on CUDA but synchronous on a CPU fast
+        # tier, so it is kept apart; host_s is the rest, the executor's own dispatch.
+        self.layer_s = 0.0
+        self.wait_s = 0.0
+        self.policy_s = 0.0
+        self.layer_calls = 0
+
+    @property
+    def host_s(self) -> float:
+        return max(0.0, self.layer_s - self.wait_s - self.policy_s)
 
     @property
     def device_s(self) -> float:
@@ -93,6 +110,26 @@ class MoERuntime:
         return done
 
     def run_layer(self, li: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], idx [N, k] routed expert ids, weights [N, k] -> [N, H]; timed for LayerCounters' host overhead."""
+        c = self.counters
+        t0 = time.perf_counter()
+        if x.is_cuda:  # the body's first .to("cpu") waits for the device anyway: wait here, where it is measured
+            torch.cuda.current_stream(x.device).synchronize()
+        inline_cpu = c.cpu_s if self._pool is None else None  # the worker's cpu_s is not this thread's time
+        wait = time.perf_counter() - t0 - c.host_device_s - (inline_cpu or 0.0)
+        out = self._run_layer(li, x, idx, weights)
+        c.layer_s += time.perf_counter() - t0
+        c.wait_s += wait + c.host_device_s + (c.cpu_s if inline_cpu is not None else 0.0)
+        c.layer_calls += 1
+        return out
+
+    def _wait_cpu(self, job) -> tuple[torch.Tensor, bool]:
+        t0 = time.perf_counter()
+        y = job.result()
+        self.counters.wait_s += time.perf_counter() - t0
+        return y
+
+    def _run_layer(self, li: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], idx [N, k] routed expert ids, weights [N, k] -> [N, H]."""
         num_tokens, top_k = idx.shape
         draft = self.phase == "draft"
@@ -120,12 +157,14 @@ class MoERuntime:
                 flat = flat[kept]  # [S'] from here on only the computed activations
         counts = torch.bincount(flat, minlength=self.store.num_experts)  # f[e]: positions choosing e
         slot, not_ready = None, 0
+        t_policy = time.perf_counter()
         with self.cache.lock:  # freeze and view the table in one step: the transfer thread cannot
             # load an unfrozen expert of this layer in between, so every slot used below is frozen
             # (never freed) until on_layer, which comes after after_compute()
             self.policy.before_layer(li, counts)  # these experts are in use until on_layer
             if len(self.cache):
                 slot, not_ready = self.cache.ready_slots(li, flat)  # [S] slot per activation, -1: CPU
+        self.counters.policy_s += time.perf_counter() - t_policy
         base = self.cache.capacity  # CPU activations sort after every slot id
         if slot is not None:
             resident = slot >= 0
@@ -170,7 +209,7 @@ class MoERuntime:
                 self.counters.host_device_s += time.perf_counter() - t0
         summed = None  # [N, H] CPU tier already summed per token (native kernel)
         if n_dev < len(flat):
-            y, per_token = cpu_job.result() if cpu_job is not None else run_cpu()
+            y, per_token = self._wait_cpu(cpu_job) if cpu_job is not None else run_cpu()
             if per_token:
                 summed = y
             else:
@@ -184,7 +223,9 @@ class MoERuntime:
             self.counters.hits += n_dev
             self.counters.misses += len(flat) - n_dev
             self.counters.not_ready += not_ready
+        t_policy = time.perf_counter()
         self.policy.on_layer(li, counts if demand is None else demand, self.phase)
+        self.counters.policy_s += time.perf_counter() - t_policy
         # each token's k expert outputs summed in router order, as transformers' grouped path does
         y = out.view(num_tokens, top_k, -1).sum(dim=1)  # [N, H]
         if summed is not None:

@@ -40,13 +40,49 @@ class Policy:
 
 
 class LruPolicy(Policy):
-    """On demand (Mixtral-offloading): a miss runs on the CPU, then is loaded; the least recently used expert goes."""
+    """On demand (Mixtral-offloading): a miss runs on the CPU, then is loaded; the least recently used expert goes.
+
+    `cpu_experts=False` (SchedulerConfig.cpu_experts) takes the CPU tier away: before a layer
+    computes, each expert it routes to that is not resident is loaded first, synchronously, evicting
+    the least recently used of the others, so every activation runs on the fast tier. A layer that
+    needs more distinct experts than there are slots (a long prefill on a small cache) loads its
+    busiest ones and computes the rest on the CPU; decoding never does (at least top-k slots, checked).
+    """
 
     name = "lru"
+    cpu_experts = True  # class default: SpmoePolicy inherits it without calling __init__
+
+    def __init__(self, cpu_experts: bool = True):
+        self.cpu_experts = cpu_experts
 
     def bind(self, cache: SlotTable, top_k: int = 1) -> None:
         super().bind(cache, top_k)
+        if not self.cpu_experts and cache.capacity < top_k:
+            raise MoechatError(f"without CPU experts the fast tier needs at least top-k = {top_k} expert slots, it has "
+                               f"{cache.capacity}: raise the expert cache ratio, or keep the CPU experts")
         self.recency: OrderedDict[tuple[int, int], None] = OrderedDict()  # resident experts, oldest first
+
+    def before_layer(self, li: int, counts: torch.Tensor) -> None:
+        if self.cpu_experts:
+            return
+        need = counts.nonzero().flatten()
+        if len(need) > self.cache.capacity:  # busiest first; ties: lower id
+            need = need[torch.argsort(-counts[need], stable=True)[: self.cache.capacity]]
+        want = [(li, e) for e in need.tolist()]
+        keep, loaded = set(want), False
+        for key in want:
+            if key in self.recency:
+                continue
+            if not self.cache.free:
+                victim = next(k for k in self.recency if k not in keep)  # exists: len(keep) <= capacity
+                del self.recency[victim]
+                self.cache.evict(*victim)
+            self.cache.load(*key)
+            self.recency[key] = None
+            loaded = True
+        stream = getattr(self.cache, "stream", None)  # CUDA: wait for the copies, so the layer finds every slot ready
+        if loaded and stream is not None:
+            stream.synchronize()
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if phase == "draft" or self.cache.capacity == 0:
@@ -227,6 +263,8 @@ def make_policy(config: SchedulerConfig | str, draft_len: int = 8, costs=None) -
         from .spmoe import SpmoePolicy
 
         return SpmoePolicy(config, draft_len, costs)
+    if config.policy == "lru":
+        return LruPolicy(cpu_experts=config.cpu_experts)
     try:
         return POLICIES[config.policy]()
     except KeyError:
