@@ -104,6 +104,15 @@ void mat_scalar(const MatJob& j, int dtype) {
     }
 }
 
+// Per 16-block of a row: its 8 even entries, then its 8 odd ones (the order mat_avx2_pairs reads).
+void permute_pairs(float* x, int64_t len) {
+    float tmp[16];
+    for (int64_t k = 0; k + 16 <= len; k += 16) {
+        for (int i = 0; i < 8; i++) tmp[i] = x[k + 2 * i], tmp[8 + i] = x[k + 2 * i + 1];
+        std::memcpy(x + k, tmp, sizeof tmp);
+    }
+}
+
 #ifdef MOE_X86
 // ---- AVX-512F: 16 lanes; R rows x TC tokens of fp32 accumulators stay in the 32 zmm registers ----
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
@@ -346,6 +355,60 @@ AVX2_TARGET void mat_avx2(const MatJob& j) {
         r += two ? 2 : 1;
     }
 }
+
+// bf16 weights on AVX2, without widening each 8 of them: one 256-bit load holds 16 bf16 = 8 pairs;
+// the even ones become fp32 by a shift, the odd ones by masking off the low half. Activations are
+// laid out to match (permute_pairs: per 16-block, the 8 even entries, then the 8 odd ones), so a
+// block costs 1 load + 2 ALU ops for 16 weights instead of 2 widening loads + 2 shifts.
+
+template <int R, int TC>
+AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y,
+                                 int64_t ldy) {
+    const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+    __m256 acc[R][TC];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TC; t++) acc[r][t] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= len; k += 16) {
+        __m256 even[R], odd[R];
+        for (int r = 0; r < R; r++) {
+            __m256i w = _mm256_loadu_si256((const __m256i*)(W + r * ldw + k));
+            even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            odd[r] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+        }
+        for (int t = 0; t < TC; t++) {
+            __m256 xe = _mm256_loadu_ps(X + t * ldx + k), xo = _mm256_loadu_ps(X + t * ldx + k + 8);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(odd[r], xo, _mm256_fmadd_ps(even[r], xe, acc[r][t]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TC; t++) {
+            float s = hsum8(acc[r][t]);
+            for (int64_t kk = k; kk < len; kk++) s += bf16_to_f32(W[r * ldw + kk]) * X[t * ldx + kk];  // tail: natural order
+            Y[t * ldy + r] = s;
+        }
+}
+
+using TilePairs = void (*)(const uint16_t*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+
+AVX2_TARGET void mat_avx2_pairs(const MatJob& j) {
+    constexpr int TCMAX = 5;  // 2 rows x 5 tokens = 10 accumulators + 4 weight halves + 1-2 tokens of 16 ymm
+    static const TilePairs tab2[TCMAX] = {tile_avx2_pairs<2, 1>, tile_avx2_pairs<2, 2>, tile_avx2_pairs<2, 3>,
+                                          tile_avx2_pairs<2, 4>, tile_avx2_pairs<2, 5>};
+    static const TilePairs tab1[TCMAX] = {tile_avx2_pairs<1, 1>, tile_avx2_pairs<1, 2>, tile_avx2_pairs<1, 3>,
+                                          tile_avx2_pairs<1, 4>, tile_avx2_pairs<1, 5>};
+    const uint16_t* W = static_cast<const uint16_t*>(j.W);
+    const float* X = static_cast<const float*>(j.X);
+    for (int64_t r = 0; r < j.rows;) {
+        const bool two = r + 2 <= j.rows;
+        for (int t = 0; t < j.T; t += TCMAX) {
+            int tc = std::min(TCMAX, j.T - t);
+            if (two) tab2[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
+            else tab1[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
+        }
+        r += two ? 2 : 1;
+    }
+}
 #endif  // MOE_X86
 
 bool cpu_has(Isa isa) {
@@ -395,7 +458,7 @@ void run_mat(const MatJob& j, int w_dtype, Isa isa) {
             if (w_dtype == F16) return mat_avx512<Half>(j);
             return mat_avx512<float>(j);
         case AVX2:
-            if (w_dtype == BF16) return mat_avx2<uint16_t>(j);
+            if (w_dtype == BF16) return mat_avx2_pairs(j);  // activations in permute_pairs order
             if (w_dtype == F16) return mat_avx2<Half>(j);
             return mat_avx2<float>(j);
         default: break;
@@ -508,6 +571,9 @@ API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* 
     if (amx)
         for (int64_t g = 0; g < n_groups; g++)
             pack_vnni(&xs16[offsets[g] * H], H, int(offsets[g + 1] - offsets[g]), H, &xp[g * H * AMX_N]);
+    const bool pairs = isa == AVX2 && w_dtype == BF16;  // mat_avx2_pairs reads activations pair-split
+    if (pairs)
+        for (int64_t s = 0; s < S; s++) permute_pairs(&xs[s * H], H);
 
     // Y [T, RB] = W [nr, K] . X^T for one group: AMX on whole 16-row blocks, the vector path elsewhere.
     auto mat = [&](const char* W, int64_t nr, int64_t K, const void* X, const uint16_t* P, int T, float* Y) {
@@ -555,6 +621,8 @@ API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* 
     });
     if (bf16)
         for (int64_t i = 0; i < S * I; i++) h16[i] = f32_to_bf16(h[i]);
+    if (pairs)
+        for (int64_t s = 0; s < S; s++) permute_pairs(&h[s * I], I);
     if (amx)
         for (int64_t g = 0; g < n_groups; g++)
             pack_vnni(&h16[offsets[g] * I], I, int(offsets[g + 1] - offsets[g]), I, &hp[g * I * AMX_N]);

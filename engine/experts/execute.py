@@ -249,8 +249,10 @@ class MoERuntime:
                 offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
                 torch.cumsum(counts, 0, out=offsets[1:])
                 out = torch.zeros(x_h.shape[0], x_h.shape[1], dtype=torch.float32)  # [N, H]
+                # beside a GPU the engine thread keeps one core busy launching kernels: leave it that core
+                threads = torch.get_num_threads() - (self._pool is not None and torch.get_num_threads() > 1)
                 return cpu_ffn.moe_ffn_native(x_h.contiguous(), views[0], views[1], ids, offsets, cpu_pos // top_k,
-                                              w_h[cpu_pos].float(), out), True
+                                              w_h[cpu_pos].float(), out, threads=threads), True
         return self._cpu_experts(li, x_h[cpu_pos // top_k], cpu_expert, sizes) * w_h[cpu_pos, None], False
 
     def _cpu_experts(self, li: int, x: torch.Tensor, experts: torch.Tensor, sizes: torch.Tensor | None) -> torch.Tensor:

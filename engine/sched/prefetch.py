@@ -84,16 +84,19 @@ class PrefetchEngine:
                     self._pool_drop((li, e))
                     self.demoted.discard((li, e))
                 resident = self.table.slot_of[li] >= 0
+            s_list = s.tolist()  # plain ints: per-element tensor indexing costs microseconds each
+            fine_list = fine.tolist() if fine is not None else None
             for e in resident.nonzero().flatten().tolist():
-                key = (li, e)
-                if self.score.get(key, (0,))[0] > 1 or key in self.demoted and int(s[e]) >= tau:
+                key, level = (li, e), s_list[e]
+                if self.score.get(key, (0,))[0] > 1 or key in self.demoted and level >= tau:
                     continue  # frozen (in use), or demoted after use: keeps its rank until it goes
-                if int(s[e]) < tau:
+                if level < tau:
                     self.demoted.discard(key)
-                self._pool_set(key, self._rank(li, e))
+                # _rank(li, e), from the values just stored
+                self._pool_set(key, (int(level >= tau), level + (fine_list[e] if fine_list is not None else 0.0)))
             want = (s >= tau) & ~resident & (self.queued[li] != s)
             for e in want.nonzero().flatten().tolist():
-                level = int(s[e])
+                level = s_list[e]
                 self.queued[li, e] = level  # an older entry at another level is skipped when it comes up
                 self.queues[level].append((li, e))
             self.wake.notify()  # new work, or freed slots for an expert waiting at a queue's head
