@@ -189,7 +189,7 @@ class EngineBridge:
             raise
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
-        self._send(EngineReady(name, self._summary(engine, name)))
+        self._send(EngineReady(name, self._summary(engine, name), engine.model.runtime.native_notice))
 
     @staticmethod
     def _summary(engine, name: str) -> str:

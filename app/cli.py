@@ -163,6 +163,8 @@ def cmd_generate(args) -> int:
     from ..engine.trace import TraceRecorder
 
     engine = Engine(engine_config(args))
+    if engine.model.runtime.native_notice:
+        print(f"note: {engine.model.runtime.native_notice}", file=sys.stderr)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None
     finished = None

@@ -165,3 +165,20 @@ def test_engine_runs_cpu_experts_natively_and_stays_lossless(family, checkpoint,
     fin = run_engine(model_dir, prompt, expert_cache_ratio=0.25, policy="spac", drafter="self", draft_len=3)
     assert fin.token_ids == hf_greedy(model_dir, prompt)
     assert calls and fin.summary.misses > 0, "the CPU tier never reached the native kernel"
+
+
+def test_generate_without_a_compiler_says_so_once_and_answers(checkpoint, monkeypatch, tmp_path, capsys):
+    from moechat.app.cli import main
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    native.reset()
+    try:
+        code = main(["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt-ids", "5,6,7", "--max-new-tokens", "4",
+                     "--raw", "--json"])
+    finally:
+        native.reset()
+    out, err = capsys.readouterr()
+    assert code == 0 and len(__import__("json").loads(out)["token_ids"]) == 4
+    notes = [line for line in err.splitlines() if line.startswith("note: native cpu kernels unavailable")]
+    assert len(notes) == 1 and "pure-PyTorch" in notes[0]

@@ -79,6 +79,8 @@ class MoechatApp(App):
         if not self.is_running:
             return
         self.chat.show_ready(msg.model, msg.summary)
+        if msg.notice:
+            self.notify(msg.notice, title="moechat", severity="warning", timeout=8)
 
     async def on_engine_failed(self, msg: m.EngineFailed) -> None:
         if not self.is_running:

@@ -24,9 +24,9 @@ class EngineLoading(Message):
 class EngineReady(Message):
     """The engine loaded `model` and waits for commands; `summary` is one line for the status bar."""
 
-    def __init__(self, model: str, summary: str) -> None:
+    def __init__(self, model: str, summary: str, notice: str = "") -> None:
         super().__init__()
-        self.model, self.summary = model, summary
+        self.model, self.summary, self.notice = model, summary, notice  # notice: e.g. native kernels unavailable
 
 
 class EngineFailed(Message):

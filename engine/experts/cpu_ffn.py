@@ -45,6 +45,11 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def notice() -> str:
+    """One line on why the native kernel is not in use (empty when it is)."""
+    return native.notice("cpu")
+
+
 def available() -> bool:
     return library() is not None
 

@@ -80,6 +80,8 @@ class MoERuntime:
         self.counters = LayerCounters(len(store.layers), store.num_experts)
         # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses
         self.native_cpu = getattr(act, "__name__", "") == "silu" or type(act).__name__ in ("SiLU", "SiLUActivation")
+        # built (first run only) while the model loads, not at the first token; the notice says why not
+        self.native_notice = "" if not self.native_cpu or cpu_ffn.library() is not None else cpu_ffn.notice()
         self._pool: ThreadPoolExecutor | None = None
         self.use_cpu_thread(device.type != "cpu")
         self.use_transfer_thread(device.type == "cuda")
