@@ -76,28 +76,29 @@ class WorkloadBalancer:
         # candidate τ instead, the window shrinks as exactly the experts being moved leave the CPU, and
         # τ = 1 was almost never feasible on the DeepSeek traces: see docs/scheduling.md.)
         now = int(self.tau[li])
-        window = max(float(t_cpu[now]), float(t_gpu[now])) + self.gamma * self.costs.draft_s / self.L
-        ok = (n * self.costs.io_s <= window + 1e-12) & (n <= free_slots + reclaimable)
-        ok[0] = False  # τ > 0
+        t_cpu, t_gpu, n, reclaimable = t_cpu.tolist(), t_gpu.tolist(), n.tolist(), reclaimable.tolist()  # K+1 values: Python from here
+        window = max(t_cpu[now], t_gpu[now]) + self.gamma * self.costs.draft_s / self.L
+        ok = [t > 0 and n[t] * self.costs.io_s <= window + 1e-12 and n[t] <= free_slots + reclaimable[t]
+              for t in range(K + 1)]  # τ > 0
         feasible = [t for t in range(1, K + 1) if ok[t]]
         if not feasible:
             self.tau[li] = K
             return K
         lo, hi = feasible[0], feasible[-1]  # n(τ) falls with τ, so the feasible set is a range
-        diff = t_cpu - t_gpu  # rises with τ
+        diff = [c - g for c, g in zip(t_cpu, t_gpu)]  # rises with τ
         cross = self._crossing(diff)
         cands = {lo, hi} | ({math.floor(cross), math.ceil(cross)} if cross is not None else set())
         cands = [t for t in cands if lo <= t <= hi and ok[t]]
-        tau = min(cands, key=lambda t: (abs(float(diff[t])), t))
+        tau = min(cands, key=lambda t: (abs(diff[t]), t))
         self.tau[li] = tau
         return tau
 
-    def _crossing(self, diff: torch.Tensor) -> float | None:
+    def _crossing(self, diff: list[float]) -> float | None:
         """τ where T_cpu − T_gpu changes sign, by linear interpolation between integer τ (None if it never does)."""
         for t in range(1, self.K):
-            a, b = float(diff[t]), float(diff[t + 1])
+            a, b = diff[t], diff[t + 1]
             if a == 0:
                 return float(t)
             if a < 0 < b or a > 0 > b:
                 return t + a / (a - b)
-        return float(self.K) if float(diff[self.K]) == 0 else None
+        return float(self.K) if diff[self.K] == 0 else None

@@ -49,6 +49,11 @@ class PrefetchEngine:
         self.utility = torch.zeros(num_layers, num_experts, dtype=torch.long)  # latest s, the ranking
         self.fine = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # tie-break within a level, [0, 1)
         self.tau = torch.full((num_layers,), utility_bound, dtype=torch.long)
+        # the same three as plain Python values: the per-expert hot paths below read these (a tensor
+        # element read costs microseconds, and they run per expert per layer per pass)
+        self._levels = [[0] * num_experts for _ in range(num_layers)]
+        self._fines = [[0.0] * num_experts for _ in range(num_layers)]
+        self._taus = [utility_bound] * num_layers
         self.score: dict[tuple[int, int], tuple[int, float]] = {}  # resident expert -> pool rank (tier, score)
         self.pool = SortedList()  # (rank, layer, expert), lowest first; tier 2 = frozen (in use)
         self.demoted: set[tuple[int, int]] = set()  # "zero": used experts sit at 0 until they leave
@@ -62,6 +67,8 @@ class PrefetchEngine:
     # --- ranking -------------------------------------------------------------------------------
     def _pool_set(self, key: tuple[int, int], score: tuple[int, float]) -> None:
         old = self.score.get(key)
+        if old == score:
+            return  # most re-rankings change nothing: skip the SortedList's remove and add
         if old is not None:
             self.pool.remove((old, *key))
         self.score[key] = score
@@ -84,16 +91,16 @@ class PrefetchEngine:
                     self._pool_drop((li, e))
                     self.demoted.discard((li, e))
                 resident = self.table.slot_of[li] >= 0
-            s_list = s.tolist()  # plain ints: per-element tensor indexing costs microseconds each
-            fine_list = fine.tolist() if fine is not None else None
+            s_list = self._levels[li] = s.tolist()
+            fine_list = self._fines[li] = fine.tolist() if fine is not None else [0.0] * len(s_list)
+            self._taus[li] = int(tau)
             for e in resident.nonzero().flatten().tolist():
                 key, level = (li, e), s_list[e]
                 if self.score.get(key, (0,))[0] > 1 or key in self.demoted and level >= tau:
                     continue  # frozen (in use), or demoted after use: keeps its rank until it goes
                 if level < tau:
                     self.demoted.discard(key)
-                # _rank(li, e), from the values just stored
-                self._pool_set(key, (int(level >= tau), level + (fine_list[e] if fine_list is not None else 0.0)))
+                self._pool_set(key, (int(level >= tau), level + fine_list[e]))  # _rank(li, e)
             want = (s >= tau) & ~resident & (self.queued[li] != s)
             for e in want.nonzero().flatten().tolist():
                 level = s_list[e]
@@ -103,8 +110,8 @@ class PrefetchEngine:
 
     def _rank(self, li: int, e: int) -> tuple[int, float]:
         """Pool rank of a resident expert: below τ first (tier 0), then by utility plus its tie-break."""
-        level = int(self.utility[li, e])
-        return (int(level >= self.tau[li]), level + float(self.fine[li, e]))
+        level = self._levels[li][e]
+        return (int(level >= self._taus[li]), level + self._fines[li][e])
 
     def freeze(self, li: int, experts: list[int]) -> None:
         """Mark resident experts as in use (tier 2): nothing evicts them until release()."""
@@ -132,7 +139,7 @@ class PrefetchEngine:
                 if self.queued[li, e] != level:
                     continue  # re-queued at another level, or already served
                 self.queued[li, e] = -1
-                if level < self.tau[li] or self.utility[li, e] != level or self.table.slot_of[li, e] >= 0:
+                if level < self._taus[li] or self._levels[li][e] != level or self.table.slot_of[li, e] >= 0:
                     continue
                 return li, e, level
         return None
@@ -141,7 +148,7 @@ class PrefetchEngine:
         """A free slot, displacing the lowest-ranked resident expert when it ranks below `level`."""
         if self.table.free:
             return True
-        if self.pool and self.pool[0][0] < (1, level + float(self.fine[li, e])):
+        if self.pool and self.pool[0][0] < (1, level + self._fines[li][e]):
             _, vl, ve = self.pool[0]
             self._pool_drop((vl, ve))
             self.demoted.discard((vl, ve))
