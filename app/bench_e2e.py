@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 REPLAY_ENV = "MOECHAT_REPLAY_TRACES"  # default for --replay-traces (no trace ships with the package)
 ROWS = ("spac + hybrid + self drafter", "lru + hybrid", "lru on demand, no CPU experts", "all experts on CPU",
-        "HF transformers, device_map offload")
+        "all experts on CPU, PyTorch experts", "HF transformers, device_map offload")
 
 
 def add_bench_e2e(sub) -> None:
@@ -49,6 +49,7 @@ class Variant:
     config: object  # EngineConfig
     runtime: object = None  # MoERuntime
     drafter: object = None
+    native: bool = True  # False: the CPU tier runs the PyTorch twin instead of the native kernel
     skipped: str = ""  # why this configuration cannot run on this model, "" when it runs
     decode: list[float] = field(default_factory=list)  # tokens/s per round
     stats: dict = field(default_factory=dict)  # the last round's decode figures (bench._decode_stats)
@@ -64,8 +65,10 @@ def _variants(args):
             scheduler=SchedulerConfig(policy=policy, cpu_experts=cpu_experts)))
 
     r = args.expert_cache_ratio
+    torch_experts = cfg(ROWS[4], 0.0, "lru")  # the native kernel's effect end to end, in the same run
+    torch_experts.native = False
     return [cfg(ROWS[0], r, "spac", "self"), cfg(ROWS[1], r, "lru"), cfg(ROWS[2], r, "lru", cpu_experts=False),
-            cfg(ROWS[3], 0.0, "lru")]
+            cfg(ROWS[3], 0.0, "lru"), torch_experts]
 
 
 def _build(engine, v: Variant, replay) -> None:
@@ -80,6 +83,7 @@ def _build(engine, v: Variant, replay) -> None:
     v.runtime = MoERuntime(m.store, cache, make_policy(v.config.scheduler, draft_len=v.config.spec.draft_len), m.device,
                            m.runtime.act, top_k=m.family.top_k(m.hf_config))
     v.runtime.replay = replay
+    v.runtime.native_cpu &= v.native
     v.drafter = make_drafter(v.config.spec, m)
 
 
@@ -230,7 +234,7 @@ def cmd_bench_e2e(args) -> int:
              "expert_cache_ratio": v.config.expert_cache_ratio, "cpu_experts": v.config.scheduler.cpu_experts,
              "decode_tokens_per_s": statistics.median(v.decode) if v.decode else None,
              "not_measured": v.skipped or None, **v.stats} for v in variants]
-    rows.append({"name": ROWS[4], "decode_tokens_per_s": hf_rate, "not_measured": hf_why or None})
+    rows.append({"name": ROWS[5], "decode_tokens_per_s": hf_rate, "not_measured": hf_why or None})
     result = {
         "model": args.model, "device": str(m.device), "dtype": args.dtype, "expert_cache_ratio": args.expert_cache_ratio,
         "replay": args.replay_traces, "replay_layers": f"first {replay.experts.shape[1]} of {replay.trace_layers}",

@@ -49,7 +49,7 @@ def test_bench_e2e_prints_every_row(tmp_path, capsys, monkeypatch):
         assert (r["decode_tokens_per_s"] is None) == bool(r["not_measured"]), r
     measured = {r["name"]: r for r in res["rows"] if not r["not_measured"]}
     if not torch.cuda.is_available():
-        assert set(measured) == set(ROWS[:4]) and "no GPU" in res["rows"][4]["not_measured"]
+        assert set(measured) == set(ROWS[:5]) and "no GPU" in res["rows"][5]["not_measured"]
         assert res["bound"]["hybrid_tokens_per_s"] is None and res["bound"]["pcie_bytes_s"] is None
     for r in measured.values():
         assert r["decode_tokens_per_s"] > 0
