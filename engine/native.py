@@ -117,7 +117,12 @@ def load(name: str) -> ctypes.CDLL | None:
         else:
             try:
                 path = _builders[name]()
-                lib = ctypes.CDLL(str(path))
+                try:
+                    lib = ctypes.CDLL(str(path))
+                except OSError:  # a damaged cached build (truncated write, disk error): build it again, once
+                    path.unlink(missing_ok=True)
+                    path = _builders[name]()
+                    lib = ctypes.CDLL(str(path))
                 _paths[name] = path
             except NativeBuildError as err:
                 _notices[name] = f"native {name} kernels unavailable: {err}; the pure-PyTorch path is used"

@@ -1,7 +1,9 @@
 """The native CPU expert FFN (csrc/cpu) against its pure-PyTorch twin, on every path this CPU has."""
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +184,16 @@ def test_generate_without_a_compiler_says_so_once_and_answers(checkpoint, monkey
     assert code == 0 and len(__import__("json").loads(out)["token_ids"]) == 4
     notes = [line for line in err.splitlines() if line.startswith("note: native cpu kernels unavailable")]
     assert len(notes) == 1 and "pure-PyTorch" in notes[0]
+
+
+@needs_native
+def test_a_damaged_cached_build_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
+    native.reset()
+    try:
+        path = native._builders["cpu"]()  # built, not loaded (overwriting a loaded library would crash this process)
+        path.write_bytes(b"not a shared library")  # e.g. a write cut short
+        assert cpu_ffn.library() is not None and native.notice("cpu") == ""
+        assert path.read_bytes()[:4] == b"\x7fELF" or sys.platform != "linux"
+    finally:
+        native.reset()
