@@ -65,16 +65,16 @@ def _version(cxx: str) -> str:
         return ""
 
 
-def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[str] = ()) -> Path:
+def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[str] = (), headers: list[Path] = ()) -> Path:
     """Compile `sources` into one shared library under cache_dir(), unless an identical build is
-    there already (keyed by sources, flags, compiler and platform). Returns its path."""
+    there already (keyed by sources, the headers they include, flags, compiler and platform)."""
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler found (install g++ or clang++, or set CXX)")
     digest = hashlib.sha256()
     for part in (cxx, _version(cxx), platform.machine(), platform.system(), *cflags, "|", *ldflags):
         digest.update(part.encode() + b"\0")
-    for src in sources:
+    for src in (*sources, *headers):
         digest.update(src.read_bytes())
     folder = cache_dir()
     out = folder / f"libmoechat_{name}-{digest.hexdigest()[:16]}{SUFFIX}"

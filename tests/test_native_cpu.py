@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +196,22 @@ def test_a_damaged_cached_build_is_rebuilt(monkeypatch, tmp_path):
         assert path.read_bytes()[:4] == b"\x7fELF" or sys.platform != "linux"
     finally:
         native.reset()
+
+
+@needs_native
+def test_portable_build_without_x86_paths(tmp_path, monkeypatch):
+    """The library as it builds on a non-x86 CPU (ARM: Apple silicon, Linux ARM): only the portable
+    path, and it equals the reference."""
+    import ctypes
+
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
+    path = native.build("cpu_portable", [cpu_ffn.SOURCE], ["-DMOE_PORTABLE_ONLY"],
+                        headers=sorted(cpu_ffn.SOURCE.parent.glob("*.h")))
+    lib = ctypes.CDLL(str(path))
+    lib.moe_expert_ffn.argtypes = cpu_ffn._ARGTYPES
+    assert [lib.moe_cpu_isa_supported(cpu_ffn.ISA[i]) for i in ("scalar", "avx2", "avx512", "amx_bf16")] == [1, 0, 0, 0]
+    x, gate_up, down, experts, offsets, rows, weights = case(67, 45, [9, 0, 3, 1], torch.bfloat16, torch.bfloat16)
+    out = torch.zeros(5, 67)
+    code = lib.moe_expert_ffn(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+                              1, 67, 45, x.data_ptr(), 1, rows.data_ptr(), weights.data_ptr(), out.data_ptr(), 2, 0)
+    assert code == 0 and rel_err(out, reference(x, gate_up, down, experts, offsets, rows, weights)) < 2e-5

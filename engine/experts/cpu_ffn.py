@@ -25,7 +25,7 @@ NATIVE_MAX_TOKENS = 16
 
 
 def _build():
-    return native.build("cpu", [SOURCE])
+    return native.build("cpu", [SOURCE], headers=sorted(SOURCE.parent.glob("*.h")))
 
 
 native.register("cpu", _build)

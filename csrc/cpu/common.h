@@ -1,0 +1,106 @@
+// Shared by the CPU expert kernels: dtypes, scalar conversions, the matrix-times-tokens job and its
+// portable implementation.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+// MOE_PORTABLE_ONLY builds the portable path alone, as on an ARM CPU (tests compile it on x86 too)
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(MOE_PORTABLE_ONLY)
+#include <immintrin.h>
+#define MOE_X86 1
+#if defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
+namespace {
+
+enum DType { F32 = 0, BF16 = 1, F16 = 2 };
+enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5 };
+
+// ---- scalar conversions -------------------------------------------------------------------------
+inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);  // inf / NaN
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  // subnormal: normalise
+        int e = -1;
+        do { e++; man <<= 1; } while (!(man & 0x400));
+        u = sign | uint32_t(112 - e) << 23 | ((man & 0x3ff) << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float load_scalar(const void* p, int64_t i, int dtype) {
+    switch (dtype) {
+        case BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+        case F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+        default: return static_cast<const float*>(p)[i];
+    }
+}
+
+// A matrix-times-tokens job: Y[t, r] = sum_k W[r, k] * X[t, k], r < rows, t < T.
+// W [rows, len] row-major (row stride ldw elements), X [T, len] fp32 (or bf16 for the BF16 path).
+struct MatJob {
+    const void* W;
+    int64_t ldw, rows, len;
+    const void* X;
+    int64_t ldx;
+    int T;
+    float* Y;
+    int64_t ldy;
+};
+
+void mat_scalar(const MatJob& j, int dtype) {
+    const float* X = static_cast<const float*>(j.X);
+    for (int64_t r = 0; r < j.rows; r++) {
+        for (int t = 0; t < j.T; t++) j.Y[t * j.ldy + r] = 0.f;
+        for (int64_t k = 0; k < j.len; k++) {
+            float w = load_scalar(j.W, r * j.ldw + k, dtype);
+            for (int t = 0; t < j.T; t++) j.Y[t * j.ldy + r] += w * X[t * j.ldx + k];
+        }
+    }
+}
+
+// Per 16-block of a row: its 8 even entries, then its 8 odd ones (the order mat_avx2_pairs reads).
+void permute_pairs(float* x, int64_t len) {
+    float tmp[16];
+    for (int64_t k = 0; k + 16 <= len; k += 16) {
+        for (int i = 0; i < 8; i++) tmp[i] = x[k + 2 * i], tmp[8 + i] = x[k + 2 * i + 1];
+        std::memcpy(x + k, tmp, sizeof tmp);
+    }
+}
+
+}  // namespace
