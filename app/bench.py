@@ -28,6 +28,23 @@ DEFAULT_PROMPT = ("Mixture-of-Experts models route every token to a few experts,
                   "weights is used per token. Explain why that helps inference on a gaming PC.")
 
 
+def run_engine(engine, ids: list[int], params) -> tuple:
+    """One request through the engine: (its Finished event, its StepStats); an Error raises."""
+    from ..engine.errors import MoechatError
+    from ..engine.events import Error, Finished, StepStats
+    from ..engine.generate import Request
+
+    steps, fin = [], None
+    for ev in engine.generate(Request(token_ids=ids), params):
+        if isinstance(ev, StepStats):
+            steps.append(ev)
+        elif isinstance(ev, Error):
+            raise MoechatError(ev.message)
+        elif isinstance(ev, Finished):
+            fin = ev
+    return fin, steps
+
+
 def _hf_run(model, ids, max_new: int) -> tuple[float, list[int]]:
     import torch
 
@@ -41,7 +58,6 @@ def cmd_bench_generate(args) -> int:
     import torch
 
     from ..engine.config import SamplingParams
-    from ..engine.events import Error, Finished, StepStats
     from ..engine.generate import Engine, Request
     from .cli import engine_config
 
@@ -55,15 +71,7 @@ def cmd_bench_generate(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
     def engine_run():
-        steps, fin = [], None
-        for ev in engine.generate(Request(token_ids=ids), params):
-            if isinstance(ev, StepStats):
-                steps.append(ev)
-            elif isinstance(ev, Error):
-                raise RuntimeError(ev.message)
-            elif isinstance(ev, Finished):
-                fin = ev
-        return fin, steps
+        return run_engine(engine, ids, params)
 
     hf = None
     if replay is None:  # replayed routing is not the model's: HF's tokens would differ, so no comparison
@@ -96,7 +104,7 @@ def cmd_bench_generate(args) -> int:
     }
     if replay is not None:
         result["replay"] = args.replay_traces
-        result["replay_layers"] = f"first {replay.experts.shape[1]} of {replay.trace_layers}"
+        result["replay_layers"] = replay.layers_used
     else:
         result["hf"] = {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]}
         result["ratio"] = {"prefill": med["engine_prefill"] / med["hf_prefill"], "decode": med["engine_decode"] / med["hf_decode"]}

@@ -96,34 +96,6 @@ def _use(engine, v: Variant) -> None:
             mod.runtime = v.runtime
 
 
-def _engine_run(engine, ids: list[int], max_new: int):
-    from ..engine.config import SamplingParams
-    from ..engine.errors import MoechatError
-    from ..engine.events import Error, Finished, StepStats
-    from ..engine.generate import Request
-
-    steps, fin = [], None
-    for ev in engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=max_new)):
-        if isinstance(ev, StepStats):
-            steps.append(ev)
-        elif isinstance(ev, Error):
-            raise MoechatError(ev.message)
-        elif isinstance(ev, Finished):
-            fin = ev
-    return fin, steps
-
-
-def _ram_copy_bytes_s() -> float:
-    """Host memory copy bandwidth (bytes copied per second, all of PyTorch's threads), as calibration measures it."""
-    import torch
-
-    from ..engine.hw.measure import _READ_CAP, _best
-
-    src = torch.empty(_READ_CAP, dtype=torch.uint8).fill_(1)
-    out = torch.empty_like(src)
-    return _READ_CAP / _best(lambda: out.copy_(src), 3)
-
-
 def bound(num_layers: int, top_k: int, expert_bytes: int, ratio: float, cpu_bytes_s: float,
           pcie_bytes_s: float | None) -> dict:
     """Decode tokens/s that the bandwidths allow. Each token reads top_k experts in each MoE layer; a
@@ -179,8 +151,9 @@ def cmd_bench_e2e(args) -> int:
 
     from ..engine.errors import MoechatError
     from ..engine.generate import Engine, Request
-    from ..engine.hw.measure import bandwidths
-    from .bench import DEFAULT_PROMPT, _attach_replay, _decode_stats
+    from ..engine.hw.measure import bandwidths, ram_copy_bandwidth
+    from ..engine.config import SamplingParams
+    from .bench import DEFAULT_PROMPT, _attach_replay, _decode_stats, run_engine
 
     if not args.replay_traces:
         raise MoechatError(f"bench e2e replays recorded routing: pass --replay-traces PATH (e.g. "
@@ -205,23 +178,24 @@ def cmd_bench_e2e(args) -> int:
     m = engine.model
     ids = engine.encode(Request(prompt=DEFAULT_PROMPT)) if m.tokenizer is not None else list(range(1, 52))
     m.eos_ids = set()  # every run generates exactly max_new_tokens
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
     for v in runs:  # warm-up; residency then carries over between rounds, as between chat turns
         if hasattr(v.drafter, "distances"):  # the self drafter's one-time expert table, else built mid-run on first use
             v.drafter.distances()
         _use(engine, v)
-        _engine_run(engine, ids, args.max_new_tokens)
+        run_engine(engine, ids, params)
     for r in range(args.repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
         for v in runs[r % len(runs):] + runs[:r % len(runs)]:
             _use(engine, v)
-            fin, steps = _engine_run(engine, ids, args.max_new_tokens)
+            fin, steps = run_engine(engine, ids, params)
             v.decode.append(fin.summary.decode_tokens_per_s)
             v.stats = _decode_stats(steps, m.store.expert_bytes)
 
     store, k = m.store, m.family.top_k(m.hf_config)
     on_gpu = m.device.type == "cuda"
     pcie = bandwidths(store.expert_bytes, m.device, 10)["h2d_pinned_bytes_s"] if on_gpu else None
-    limit = bound(len(store.layers), k, store.expert_bytes, args.expert_cache_ratio, _ram_copy_bytes_s(), pcie)
+    limit = bound(len(store.layers), k, store.expert_bytes, args.expert_cache_ratio, ram_copy_bandwidth(3), pcie)
     # VRAM the engine gives weights: everything but the experts, plus its fast tier
     vram = sum(t.numel() * t.element_size() for t in m.hf.parameters() if t.device.type == "cuda") + \
         variants[0].runtime.cache.capacity * store.expert_bytes
@@ -237,7 +211,7 @@ def cmd_bench_e2e(args) -> int:
     rows.append({"name": ROWS[5], "decode_tokens_per_s": hf_rate, "not_measured": hf_why or None})
     result = {
         "model": args.model, "device": str(m.device), "dtype": args.dtype, "expert_cache_ratio": args.expert_cache_ratio,
-        "replay": args.replay_traces, "replay_layers": f"first {replay.experts.shape[1]} of {replay.trace_layers}",
+        "replay": args.replay_traces, "replay_layers": replay.layers_used,
         "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "gpu": on_gpu,
         "note": None if on_gpu else f"{'no GPU' if not cuda else '--device cpu'}: engine rows ran on the CPU device (the fast tier is a RAM pool); "

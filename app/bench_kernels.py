@@ -125,11 +125,8 @@ def _cuda_rows() -> tuple[list[dict], str]:
 
     if not torch.cuda.is_available():
         return [], "not measured: no CUDA device"
-    try:
-        from ..engine.experts.native_prefetch import bench_transfer
-    except ImportError:
-        return [], "not measured: the CUDA prefetch engine is not part of this build"
     from ..engine.errors import MoechatError
+    from ..engine.experts.native_prefetch import bench_transfer
 
     rows = []
     for shape in SHAPES:

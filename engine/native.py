@@ -154,11 +154,7 @@ def reset() -> None:
 
 def _register_all() -> None:
     """Import the modules that register builders (they register on import)."""
-    from .experts import cpu_ffn  # noqa: F401
-    try:
-        from .experts import native_prefetch  # noqa: F401
-    except ImportError:
-        pass
+    from .experts import cpu_ffn, native_prefetch  # noqa: F401
 
 
 def main() -> int:

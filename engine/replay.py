@@ -43,12 +43,18 @@ class RoutingReplay:
             raise MoechatError(f"replay trace {name} uses expert {int(routing.experts.max())} but the model has "
                                f"{num_experts} experts per layer: use a model with the trace's expert count")
         self.name, self.trace_layers = name, L
-        self.experts = routing.experts[:, :num_layers].contiguous()  # [T, L_model, k]
-        self._by_layer = self.experts.transpose(0, 1).contiguous()  # [L_model, T, k]: one layer's positions adjacent
+        # [L_model, T, k]: one layer's positions adjacent, so a decode step's ids are a slice
+        self._by_layer = routing.experts[:, :num_layers].transpose(0, 1).contiguous()
+        self.experts = self._by_layer.transpose(0, 1)  # [T, L_model, k] view
 
     @property
     def tokens(self) -> int:
         return self.experts.shape[0]
+
+    @property
+    def layers_used(self) -> str:
+        """Which of the trace's MoE layers drive the model, e.g. "first 3 of 26"."""
+        return f"first {self.experts.shape[1]} of {self.trace_layers}"
 
     def ids(self, li: int, start: int, n: int) -> torch.Tensor:
         """[n, k] expert ids of MoE layer li for absolute positions start .. start+n-1."""

@@ -101,10 +101,15 @@ def read_bandwidths(ckpt_dir: Path, keys: list[str], repeats: int) -> tuple[floa
     for d, v in zip(dst, views):  # once only: a second pass would read the page cache
         d.copy_(v)
     mmap_s = time.perf_counter() - t0
-    # RAM: as many bytes as the cap, so that a small model's experts do not fit the CPU caches
+    return ram_copy_bandwidth(repeats), total / mmap_s
+
+
+def ram_copy_bandwidth(repeats: int) -> float:
+    """Bytes copied per second in RAM (all of PyTorch's threads), the best of `repeats`. As many bytes
+    as the cap, so that a small model's experts do not fit the CPU caches."""
     src = torch.empty(_READ_CAP, dtype=torch.uint8).fill_(1)  # faulted in, then timed
     out = torch.empty_like(src)
-    return _READ_CAP / _best(lambda: out.copy_(src), repeats), total / mmap_s
+    return _READ_CAP / _best(lambda: out.copy_(src), repeats)
 
 
 def _expert_keys_last_first(model_dir: Path) -> list[str]:
