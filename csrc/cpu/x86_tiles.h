@@ -5,6 +5,8 @@
 
 #include "common.h"
 
+#include <utility>
+
 namespace {
 
 #ifdef MOE_X86
@@ -56,29 +58,6 @@ AVX512_TARGET void tile_avx512(const WT* W, int64_t ldw, int64_t len, const floa
         for (int t = 0; t < TC; t++) Y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-template <typename WT, int R>
-using TileFn = void (*)(const WT*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
-
-template <typename WT>
-AVX512_TARGET void mat_avx512(const MatJob& j) {
-    constexpr int TCMAX = 6;  // 4 rows x 6 tokens = 24 accumulators + 4 weights + 1 token
-    static const TileFn<WT, 4> tab4[TCMAX] = {tile_avx512<WT, 4, 1>, tile_avx512<WT, 4, 2>, tile_avx512<WT, 4, 3>,
-                                              tile_avx512<WT, 4, 4>, tile_avx512<WT, 4, 5>, tile_avx512<WT, 4, 6>};
-    static const TileFn<WT, 1> tab1[TCMAX] = {tile_avx512<WT, 1, 1>, tile_avx512<WT, 1, 2>, tile_avx512<WT, 1, 3>,
-                                              tile_avx512<WT, 1, 4>, tile_avx512<WT, 1, 5>, tile_avx512<WT, 1, 6>};
-    const WT* W = static_cast<const WT*>(j.W);
-    const float* X = static_cast<const float*>(j.X);
-    for (int64_t r = 0; r < j.rows;) {
-        const bool four = r + 4 <= j.rows;
-        for (int t = 0; t < j.T; t += TCMAX) {
-            int tc = std::min(TCMAX, j.T - t);
-            if (four) tab4[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
-            else tab1[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
-        }
-        r += four ? 4 : 1;
-    }
-}
-
 // ---- AVX-512 BF16: vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 sums per instruction -------
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
@@ -108,27 +87,6 @@ BF16_TARGET void tile_bf16(const uint16_t* W, int64_t ldw, int64_t len, const ui
     }
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TC; t++) Y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
-}
-
-using TileBf16 = void (*)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t);
-
-BF16_TARGET void mat_bf16(const MatJob& j) {
-    constexpr int TCMAX = 6;
-    static const TileBf16 tab4[TCMAX] = {tile_bf16<4, 1>, tile_bf16<4, 2>, tile_bf16<4, 3>,
-                                         tile_bf16<4, 4>, tile_bf16<4, 5>, tile_bf16<4, 6>};
-    static const TileBf16 tab1[TCMAX] = {tile_bf16<1, 1>, tile_bf16<1, 2>, tile_bf16<1, 3>,
-                                         tile_bf16<1, 4>, tile_bf16<1, 5>, tile_bf16<1, 6>};
-    const uint16_t* W = static_cast<const uint16_t*>(j.W);
-    const uint16_t* X = static_cast<const uint16_t*>(j.X);
-    for (int64_t r = 0; r < j.rows;) {
-        const bool four = r + 4 <= j.rows;
-        for (int t = 0; t < j.T; t += TCMAX) {
-            int tc = std::min(TCMAX, j.T - t);
-            if (four) tab4[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
-            else tab1[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
-        }
-        r += four ? 4 : 1;
-    }
 }
 
 // ---- AMX BF16: a tile op multiplies a 16x32 weight block by 32x16 (tokens) activations --------
@@ -187,7 +145,7 @@ AMX_TARGET void mat_amx(const uint16_t* W, int64_t ldw, int64_t rows, int64_t K,
     }
 }
 
-// ---- AVX2 + FMA: 8 lanes, 16 ymm registers: 2 rows x 4 tokens --------------------------------
+// ---- AVX2 + FMA: 8 lanes, 16 ymm registers -------------------------------------------------------
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
 template <typename WT> AVX2_TARGET inline __m256 w8(const WT* p);
@@ -230,25 +188,6 @@ AVX2_TARGET void tile_avx2(const WT* W, int64_t ldw, int64_t len, const float* X
         }
 }
 
-template <typename WT>
-AVX2_TARGET void mat_avx2(const MatJob& j) {
-    constexpr int TCMAX = 6;  // 2 rows x 6 tokens = 12 accumulators + 2 weights + 1 token of 16 ymm
-    static const TileFn<WT, 2> tab2[TCMAX] = {tile_avx2<WT, 2, 1>, tile_avx2<WT, 2, 2>, tile_avx2<WT, 2, 3>,
-                                              tile_avx2<WT, 2, 4>, tile_avx2<WT, 2, 5>, tile_avx2<WT, 2, 6>};
-    static const TileFn<WT, 1> tab1[TCMAX] = {tile_avx2<WT, 1, 1>, tile_avx2<WT, 1, 2>, tile_avx2<WT, 1, 3>,
-                                              tile_avx2<WT, 1, 4>, tile_avx2<WT, 1, 5>, tile_avx2<WT, 1, 6>};
-    const WT* W = static_cast<const WT*>(j.W);
-    const float* X = static_cast<const float*>(j.X);
-    for (int64_t r = 0; r < j.rows;) {
-        const bool two = r + 2 <= j.rows;
-        for (int t = 0; t < j.T; t += TCMAX) {
-            int tc = std::min(TCMAX, j.T - t);
-            if (two) tab2[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
-            else tab1[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
-        }
-        r += two ? 2 : 1;
-    }
-}
 
 // bf16 weights on AVX2, without widening each 8 of them: one 256-bit load holds 16 bf16 = 8 pairs;
 // the even ones become fp32 by a shift, the odd ones by masking off the low half. Activations are
@@ -283,26 +222,60 @@ AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, int64_t ldw, int64_t len, co
         }
 }
 
-using TilePairs = void (*)(const uint16_t*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
-
-AVX2_TARGET void mat_avx2_pairs(const MatJob& j) {
-    constexpr int TCMAX = 5;  // 2 rows x 5 tokens = 10 accumulators + 4 weight halves + 1-2 tokens of 16 ymm
-    static const TilePairs tab2[TCMAX] = {tile_avx2_pairs<2, 1>, tile_avx2_pairs<2, 2>, tile_avx2_pairs<2, 3>,
-                                          tile_avx2_pairs<2, 4>, tile_avx2_pairs<2, 5>};
-    static const TilePairs tab1[TCMAX] = {tile_avx2_pairs<1, 1>, tile_avx2_pairs<1, 2>, tile_avx2_pairs<1, 3>,
-                                          tile_avx2_pairs<1, 4>, tile_avx2_pairs<1, 5>};
-    const uint16_t* W = static_cast<const uint16_t*>(j.W);
-    const float* X = static_cast<const float*>(j.X);
+// ---- the row/token walk every vector path shares ------------------------------------------------
+// A family's tile<R, TC> computes Y for R weight rows x TC tokens with all accumulators in registers;
+// the walk takes blocks of R rows (single rows at the tail) by chunks of up to TCMAX tokens.
+template <typename Family, int R, int... I>
+void walk(const MatJob& j, std::integer_sequence<int, I...>) {
+    using WT = typename Family::W;
+    using XT = typename Family::X;
+    using Tile = void (*)(const WT*, int64_t, int64_t, const XT*, int64_t, float*, int64_t);
+    constexpr int TCMAX = sizeof...(I);
+    static const Tile block[TCMAX] = {Family::template tile<R, I + 1>...};
+    static const Tile single[TCMAX] = {Family::template tile<1, I + 1>...};
+    const WT* W = static_cast<const WT*>(j.W);
+    const XT* X = static_cast<const XT*>(j.X);
     for (int64_t r = 0; r < j.rows;) {
-        const bool two = r + 2 <= j.rows;
+        const bool full = r + R <= j.rows;
         for (int t = 0; t < j.T; t += TCMAX) {
-            int tc = std::min(TCMAX, j.T - t);
-            if (two) tab2[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
-            else tab1[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
+            const int tc = std::min(TCMAX, j.T - t);
+            (full ? block : single)[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
         }
-        r += two ? 2 : 1;
+        r += full ? R : 1;
     }
 }
+
+template <typename Family, int R, int TCMAX>
+void walk(const MatJob& j) { walk<Family, R>(j, std::make_integer_sequence<int, TCMAX>{}); }
+
+template <typename WT> struct Avx512 {
+    using W = WT;
+    using X = float;
+    template <int R, int TC> static constexpr auto tile = tile_avx512<WT, R, TC>;
+};
+struct Avx512Bf16 {
+    using W = uint16_t;
+    using X = uint16_t;
+    template <int R, int TC> static constexpr auto tile = tile_bf16<R, TC>;
+};
+template <typename WT> struct Avx2 {
+    using W = WT;
+    using X = float;
+    template <int R, int TC> static constexpr auto tile = tile_avx2<WT, R, TC>;
+};
+struct Avx2Pairs {  // bf16 weights, activations in permute_pairs order
+    using W = uint16_t;
+    using X = float;
+    template <int R, int TC> static constexpr auto tile = tile_avx2_pairs<R, TC>;
+};
+
+// Registers: AVX-512 4 rows x 6 tokens = 24 accumulators + 4 weights + 1 token of 32 zmm; AVX2 2 x 6
+// = 12 + 2 + 1 of 16 ymm (pairs: 2 x 5 = 10 + 4 weight halves + 1-2 tokens).
+template <typename WT> void mat_avx512(const MatJob& j) { walk<Avx512<WT>, 4, 6>(j); }
+inline void mat_bf16(const MatJob& j) { walk<Avx512Bf16, 4, 6>(j); }
+template <typename WT> void mat_avx2(const MatJob& j) { walk<Avx2<WT>, 2, 6>(j); }
+inline void mat_avx2_pairs(const MatJob& j) { walk<Avx2Pairs, 2, 5>(j); }
+
 #else  // not x86: the AMX helpers the driver names, never called (cpu_has says no)
 constexpr int AMX_N = 16;
 inline void amx_begin() {}
