@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-from ..errors import BudgetError
+from ..errors import BudgetError, MoechatError
 from .store import ExpertStore
 
 
@@ -102,6 +102,9 @@ class SlotTable:
         `tau` or in `fallen`, and free their slots; returns those experts. Only a queued transfer
         can be cancelled (the native engine's); here every copy has started."""
         return []
+
+    def wait_copies(self) -> None:
+        """Block until every copy queued so far has completed (on-demand loading); here they all have."""
 
     def ready_slots(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, int]:
         """experts [S] of layer li -> (slot [S], -1 where not resident or not ready; activations not ready).
@@ -193,6 +196,13 @@ class ExpertCache(SlotTable):
             self.down[slot].copy_(down, non_blocking=True)
             self.ready[slot].record(self.stream)
         return self.ready[slot]
+
+    def wait_copies(self) -> None:
+        if self.engine is not None:
+            if not self.engine.wait_idle(60):
+                raise MoechatError("expert copies to the GPU did not finish within 60 s: check the GPU with nvidia-smi")
+        elif self.stream is not None:
+            self.stream.synchronize()
 
     def evict(self, li: int, e: int) -> None:
         slot = int(self.slot_of[li, e])

@@ -237,8 +237,9 @@ class MoERuntime:
     def _cpu_tier(self, li: int, x_h: torch.Tensor, w_h: torch.Tensor, cpu_pos: torch.Tensor, cpu_expert: torch.Tensor,
                   sizes: torch.Tensor | None, top_k: int) -> tuple[torch.Tensor, bool]:
         """The CPU tier's activations cpu_pos [S_cpu] (grouped by cpu_expert [S_cpu], ascending):
-        (the native kernel's per-token sums [N, H] fp32, True) where it applies, else (weighted
-        outputs [S_cpu, H], False)."""
+        (the native kernel's per-token sums [N, H] fp32, True) where cpu_ffn.usable says so, else
+        (weighted outputs [S_cpu, H], False) from the grouped PyTorch path, which also serves the
+        disk tier's per-expert views and sums in router order as transformers does."""
         views = self.store.layer_views(li) if self.native_cpu else None
         if views is not None:
             if sizes is not None:  # every activation is on the CPU: per-expert counts are known

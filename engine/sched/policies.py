@@ -80,9 +80,8 @@ class LruPolicy(Policy):
             self.cache.load(*key)
             self.recency[key] = None
             loaded = True
-        stream = getattr(self.cache, "stream", None)  # CUDA: wait for the copies, so the layer finds every slot ready
-        if loaded and stream is not None:
-            stream.synchronize()
+        if loaded:  # CUDA: wait for the copies, so the layer finds every slot ready
+            self.cache.wait_copies()
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if phase == "draft" or self.cache.capacity == 0:

@@ -47,12 +47,11 @@ class PrefetchEngine:
         self.queues: list[deque[tuple[int, int]]] = [deque() for _ in range(utility_bound + 1)]
         self.queued = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # level an expert waits at, -1 none
         self.utility = torch.zeros(num_layers, num_experts, dtype=torch.long)  # latest s, the ranking
-        self.fine = torch.zeros(num_layers, num_experts, dtype=torch.float64)  # tie-break within a level, [0, 1)
         self.tau = torch.full((num_layers,), utility_bound, dtype=torch.long)
-        # the same three as plain Python values: the per-expert hot paths below read these (a tensor
-        # element read costs microseconds, and they run per expert per layer per pass)
+        # utility and tau as plain Python values, with the tie-breaks: the per-expert hot paths read
+        # these (a tensor element read costs microseconds; the tensors serve vectorised readers)
         self._levels = [[0] * num_experts for _ in range(num_layers)]
-        self._fines = [[0.0] * num_experts for _ in range(num_layers)]
+        self._fines = [[0.0] * num_experts for _ in range(num_layers)]  # tie-break within a level, [0, 1)
         self._taus = [utility_bound] * num_layers
         self.score: dict[tuple[int, int], tuple[int, float]] = {}  # resident expert -> pool rank (tier, score)
         self.pool = SortedList()  # (rank, layer, expert), lowest first; tier 2 = frozen (in use)
@@ -82,7 +81,6 @@ class PrefetchEngine:
         residents (those with s < τ become the first to go), queue s ≥ τ for prefetch."""
         with self.lock:
             self.utility[li] = s
-            self.fine[li] = 0.0 if fine is None else fine
             self.tau[li] = tau
             resident = self.table.slot_of[li] >= 0
             if self.table.pending:  # copies may still be queued: those of experts now below τ go
@@ -92,7 +90,7 @@ class PrefetchEngine:
                     self.demoted.discard((li, e))
                 resident = self.table.slot_of[li] >= 0
             s_list = self._levels[li] = s.tolist()
-            fine_list = self._fines[li] = fine.tolist() if fine is not None else [0.0] * len(s_list)
+            self._fines[li] = fine.tolist() if fine is not None else [0.0] * len(s_list)
             self._taus[li] = int(tau)
             for e in resident.nonzero().flatten().tolist():
                 key, level = (li, e), s_list[e]
@@ -100,7 +98,7 @@ class PrefetchEngine:
                     continue  # frozen (in use), or demoted after use: keeps its rank until it goes
                 if level < tau:
                     self.demoted.discard(key)
-                self._pool_set(key, (int(level >= tau), level + fine_list[e]))  # _rank(li, e)
+                self._pool_set(key, self._rank(li, e))
             want = (s >= tau) & ~resident & (self.queued[li] != s)
             for e in want.nonzero().flatten().tolist():
                 level = s_list[e]
