@@ -73,7 +73,6 @@ def _native() -> dict:
     except ImportError as err:
         return {"built": False, "status": f"unavailable ({err}); pure-PyTorch fallbacks in use", "libraries": {}}
     libs = native.status()
-    libs.pop("prefetch_host", None)  # the CUDA engine's CPU test build
     cpu, cuda = libs.get("cpu", {}), libs.get("cuda", {})
     parts = [f"CPU expert FFN built ({cpu_ffn.resolved_isa('auto', torch.bfloat16, torch.bfloat16)} path for bf16)"
              if cpu.get("built") else f"CPU expert FFN: {cpu.get('notice') or NATIVE_MISSING}"]

@@ -137,11 +137,14 @@ def notice(name: str) -> str:
     return _notices.get(name, "")
 
 
+PRODUCT = ("cpu", "cuda")  # what moechat runs (others, like the prefetch engine's host build, serve tests)
+
+
 def status() -> dict[str, dict]:
-    """Every registered library: built or not, its path, and the notice. Builds what is missing."""
+    """Each library moechat runs: built or not, its path, and the notice. Builds what is missing."""
     _register_all()
     return {name: {"built": load(name) is not None, "path": str(_paths.get(name, "")), "notice": notice(name)}
-            for name in sorted(_builders)}
+            for name in PRODUCT}
 
 
 def reset() -> None:
