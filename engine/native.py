@@ -132,6 +132,11 @@ def load(name: str) -> ctypes.CDLL | None:
         return lib
 
 
+def unusable(name: str, why: str) -> None:
+    """A library that loaded but cannot serve (e.g. its runtime finds no usable device): say why."""
+    _notices[name] = f"{why}; the pure-PyTorch path is used"
+
+
 def notice(name: str) -> str:
     """Why `load(name)` returned None (empty when it did not)."""
     return _notices.get(name, "")

@@ -227,7 +227,7 @@ def open_engine(device: torch.device, num_slots: int, keep: object) -> PrefetchN
         return PrefetchNative(lib, device.index if device.index is not None else torch.cuda.current_device(),
                               num_slots, keep=keep)
     except MoechatError as err:
-        native._notices["cuda"] = f"{err}; the pure-PyTorch path is used"
+        native.unusable("cuda", str(err))
         return None
 
 
