@@ -16,7 +16,7 @@ import torch
 
 from ..engine.events import StepStats, Summary
 from ..engine.generate import Engine
-from ..engine.hw.budgets import physical_ram_bytes
+from ..engine.model.memory_budgets import physical_ram_bytes
 from .tui.messages import Frame, Stats
 
 

@@ -36,10 +36,10 @@ def resolve(model: str | None) -> tuple[str, str]:
 
 def machine_profile(model_dir: str):
     """(this machine's profile for the model or None, its path or None, a one-line notice or "")."""
-    from ..engine.hw.profile import load_profile, model_key, profile_path
+    from ..engine.calibration.profile import load_profile, model_key, profile_path
 
     try:
-        from ..engine.hw.probe import fingerprint, probe
+        from ..engine.calibration.probe import fingerprint, probe
 
         fp = fingerprint(probe())
     except ImportError:  # no probe in this build: no profiles either
@@ -58,11 +58,11 @@ def _progress(name: str, frac: float) -> None:
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
               vram_budget: int | None = None, ram_budget: int | None = None):
     """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) go to `decide`."""
-    from ..engine.hw.decide import decide
-    from ..engine.hw.estimate import estimate
-    from ..engine.hw.measure import measure
-    from ..engine.hw.probe import fingerprint, probe
-    from ..engine.hw.profile import Profile, model_key, save_profile
+    from ..engine.calibration.decide import decide
+    from ..engine.model.memory_estimate import estimate
+    from ..engine.calibration.measure import measure
+    from ..engine.calibration.probe import fingerprint, probe
+    from ..engine.calibration.profile import Profile, model_key, save_profile
 
     import torch
 

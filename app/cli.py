@@ -238,19 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", parser_class=_Parser, required=True)
-    from .bench import add_bench_generate
+    from .bench.generate import add_bench_generate
 
     add_bench_generate(bench_sub)
-    from .random_model import add_random_model
+    from .bench.random_model import add_random_model
 
     add_random_model(bench_sub)
-    from .bench_cpu import add_bench_cpu_experts
+    from .bench.cpu_experts import add_bench_cpu_experts
 
     add_bench_cpu_experts(bench_sub)
-    from .bench_kernels import add_bench_kernels
+    from .bench.kernels import add_bench_kernels
 
     add_bench_kernels(bench_sub)
-    from .bench_e2e import add_bench_e2e
+    from .bench.e2e import add_bench_e2e
 
     add_bench_e2e(bench_sub)
     from .simulate import add_simulate

@@ -38,7 +38,7 @@ def cmd_doctor(args) -> int:
 
 
 def diagnose() -> dict:
-    from ..engine.hw.probe import default_models_dir, fingerprint, probe
+    from ..engine.calibration.probe import default_models_dir, fingerprint, probe
 
     models = default_models_dir()
     hw = probe(models)
@@ -84,7 +84,7 @@ def _native() -> dict:
 
 
 def _profiles(fp: str) -> dict:
-    from ..engine.hw.profile import profiles_dir
+    from ..engine.calibration.profile import profiles_dir
 
     folder = profiles_dir()
     files = sorted(folder.glob("*.toml")) if folder.is_dir() else []
@@ -93,7 +93,7 @@ def _profiles(fp: str) -> dict:
 
 
 def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict | None = None) -> list[dict]:
-    from ..engine.hw.probe import NOTE_NO_NVML
+    from ..engine.calibration.probe import NOTE_NO_NVML
 
     out = []
 

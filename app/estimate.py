@@ -24,7 +24,7 @@ def add_estimate(sub) -> None:
 def _source(model: str | None):
     """(name, source): a directory (given, or pulled with `moechat pull`), else a known model's config dict."""
     from ..engine.errors import MoechatError
-    from ..engine.hw.known_models import KNOWN_MODELS, known_name
+    from ..engine.calibration.known_models import KNOWN_MODELS, known_name
     from .demo import resolve_model
 
     path = resolve_model(model, None)[0]
@@ -40,7 +40,7 @@ def _source(model: str | None):
 def fit_report(est, vram: int | None, ram: int | None) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier; `problem` says why not."""
     from ..engine.errors import BudgetError
-    from ..engine.hw.budgets import check_budgets, max_cache_experts, ram_headroom
+    from ..engine.model.memory_budgets import check_budgets, max_cache_experts, ram_headroom
 
     report: dict = {"fits": True}
     if ram is not None:
@@ -61,7 +61,7 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
 
 def cmd_estimate(args) -> int:
     from ..engine.errors import MoechatError
-    from ..engine.hw.estimate import estimate, total_params
+    from ..engine.model.memory_estimate import estimate, total_params
 
     for flag, value in (("--vram-gib", args.vram_gib), ("--ram-gib", args.ram_gib)):
         if value is not None and value <= 0:

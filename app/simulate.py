@@ -56,7 +56,7 @@ def _trace_files(paths: list[str]) -> list[Path]:
 
 
 def _cost_model(path: Path | None):
-    from ..engine.simulate import CostModel
+    from ..engine.sched.simulator import CostModel
 
     if path is None:
         return CostModel()
@@ -74,7 +74,7 @@ def _cost_model(path: Path | None):
 
 
 def cmd_simulate(args) -> int:
-    from ..engine.simulate import REFERENCES, simulate
+    from ..engine.sched.simulator import REFERENCES, simulate
     from ..engine.trace import load_routing
 
     if args.window < 1:

@@ -14,8 +14,8 @@ from .config import EngineConfig, SamplingParams
 from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
 from .model.loader import LoadedModel, load_model
-from .spec.drafters import make_drafter, trim_cache
-from .spec.verify import accept
+from .speculative.drafters import make_drafter, trim_cache
+from .speculative.verify import accept
 from .trace import TraceRecorder
 
 

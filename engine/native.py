@@ -162,7 +162,7 @@ def reset() -> None:
 
 def _register_all() -> None:
     """Import the modules that register builders (they register on import)."""
-    from .experts import cpu_ffn, native_prefetch  # noqa: F401
+    from .experts import cpu_ffn, native_copier  # noqa: F401
 
 
 def main() -> int:

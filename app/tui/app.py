@@ -14,18 +14,18 @@ from textual.binding import Binding
 
 from ..bridge import EngineBridge
 from ..settings import Settings, load_settings, save_settings, settings_path
-from ..store import ChatStore
+from ..chats import ChatStore
 from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
 from .screens.chat import ChatScreen
 from .screens.dialogs import Confirm, TextPrompt
 from .screens.help import HelpScreen
 
-THEMES = ("textual-dark", "textual-light")
+DARK_LIGHT_THEMES = ("textual-dark", "textual-light")
 
 
 def textual_theme(name: str) -> str:
-    return {"dark": THEMES[0], "light": THEMES[1]}.get(name, name)
+    return {"dark": DARK_LIGHT_THEMES[0], "light": DARK_LIGHT_THEMES[1]}.get(name, name)
 
 
 class MoechatApp(App):
@@ -215,13 +215,13 @@ class MoechatApp(App):
         keymap, notice = checked_keymap(settings.keys)
         self.set_keymap(keymap)
         theme = textual_theme(settings.theme)
-        self.theme = theme if theme in self.available_themes else THEMES[0]
+        self.theme = theme if theme in self.available_themes else DARK_LIGHT_THEMES[0]
         return notice
 
     def action_toggle_theme(self) -> None:
-        self.theme = THEMES[1] if self.theme == THEMES[0] else THEMES[0]
+        self.theme = DARK_LIGHT_THEMES[1] if self.theme == DARK_LIGHT_THEMES[0] else DARK_LIGHT_THEMES[0]
         if self.settings_notice is None:  # never rewrite a file the user has to fix
-            self.settings = replace(self.settings, theme="light" if self.theme == THEMES[1] else "dark")
+            self.settings = replace(self.settings, theme="light" if self.theme == DARK_LIGHT_THEMES[1] else "dark")
             try:
                 save_settings(self.settings, self.settings_file)
             except OSError as err:

@@ -5,7 +5,7 @@ residency, hits, loads and evictions behave (and are tested) exactly as on a GPU
 
 On CUDA a copy is asynchronous: it runs on a transfer stream, and the slot is ready only once that
 copy's event has completed. The transfer stream is the native prefetch engine's
-(engine/experts/native_prefetch.py: its own thread, priority queues, pinned staging, cancellation)
+(engine/experts/native_copier.py: its own thread, priority queues, pinned staging, cancellation)
 where it builds, else the cache's own (PyTorch non-blocking copies). Two orderings keep the two
 streams apart, each enforced where it is needed (see `_copy_in` and `ready_slots`):
 - a freed slot is overwritten only after the compute work that may still read it (transfer stream
@@ -154,20 +154,20 @@ class ExpertCache(SlotTable):
         H, I = store.hidden, store.inter
         self.gate_up = torch.empty(num_slots, 2 * I, H, dtype=store.dtype, device=device)  # [S, 2I, H]
         self.down = torch.empty(num_slots, H, I, dtype=store.dtype, device=device)  # [S, H, I]
-        self.engine = None  # the native prefetch engine, when it builds (MOECHAT_NATIVE=0: never)
+        self.copier = None  # the native copier (csrc/cuda/prefetch.cpp), when it builds (MOECHAT_NATIVE=0: never)
         if device.type == "cuda":
-            from .native_prefetch import open_engine
+            from .native_copier import open_copier
 
-            self.engine = open_engine(device, num_slots, keep=(self.gate_up, self.down))
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.engine is None else None
+            self.copier = open_copier(device, num_slots, keep=(self.gate_up, self.down))
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and self.copier is None else None
         if self.stream is not None:
             self.ready = [torch.cuda.Event() for _ in range(num_slots)]  # per slot: its latest copy done
             self.compute_done = torch.cuda.Event()  # re-recorded after each layer's fast-tier work
             self.compute_done.record(torch.cuda.current_stream(device))  # created here, not lazily across threads
 
     def after_compute(self) -> None:
-        if self.engine is not None:  # the same ordering, the event recorded by the engine
-            self.engine.mark_compute(torch.cuda.current_stream(self.device).cuda_stream)
+        if self.copier is not None:  # the same ordering, the event recorded by the copier
+            self.copier.mark_compute(torch.cuda.current_stream(self.device).cuda_stream)
         elif self.stream is not None:
             # Ordering 1, first half: everything queued so far on the compute stream, including every
             # kernel that read a slot evicted since, lies before this record (see _copy_in).
@@ -175,10 +175,10 @@ class ExpertCache(SlotTable):
 
     def _copy_in(self, slot: int, li: int, e: int, level: int | None = None):
         gate_up, down = self.store.weights(li, e)  # host views: pinned when the store could pin them
-        if self.engine is not None:  # queued: the engine's thread issues it by level, after compute_done
-            from .native_prefetch import DEMAND
+        if self.copier is not None:  # queued: the copier's thread issues it by level, after compute_done
+            from .native_copier import DEMAND
 
-            return self.engine.enqueue(slot, li, DEMAND if level is None else level,
+            return self.copier.enqueue(slot, li, DEMAND if level is None else level,
                                        [(gate_up.contiguous(), self.gate_up[slot]), (down.contiguous(), self.down[slot])])
         if self.stream is None:
             self.gate_up[slot].copy_(gate_up)
@@ -198,23 +198,23 @@ class ExpertCache(SlotTable):
         return self.ready[slot]
 
     def wait_copies(self) -> None:
-        if self.engine is not None:
-            if not self.engine.wait_idle(60):
+        if self.copier is not None:
+            if not self.copier.wait_idle(60):
                 raise MoechatError("expert copies to the GPU did not finish within 60 s: check the GPU with nvidia-smi")
         elif self.stream is not None:
             self.stream.synchronize()
 
     def evict(self, li: int, e: int) -> None:
         slot = int(self.slot_of[li, e])
-        if self.engine is not None and self.pending.pop(slot, None) is not None:
-            self.engine.cancel(slot)  # a copy not started yet is not worth making
+        if self.copier is not None and self.pending.pop(slot, None) is not None:
+            self.copier.cancel(slot)  # a copy not started yet is not worth making
         super().evict(li, e)
 
     def cancel(self, li: int, tau: int, fallen: list[int]) -> list[int]:
-        if self.engine is None or not self.pending:
+        if self.copier is None or not self.pending:
             return []
-        slots = self.engine.cancel_below(li, tau)
-        slots += [s for s in (int(self.slot_of[li, e]) for e in fallen) if s in self.pending and self.engine.cancel(s)]
+        slots = self.copier.cancel_below(li, tau)
+        slots += [s for s in (int(self.slot_of[li, e]) for e in fallen) if s in self.pending and self.copier.cancel(s)]
         freed = []
         for slot in slots:
             key = self.key_of[slot]

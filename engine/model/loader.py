@@ -11,11 +11,11 @@ import torch
 from ..config import EngineConfig
 from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
-from ..experts.execute import MoERuntime, OffloadedExperts
+from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
-from ..hw.budgets import cache_bytes_for, check_budgets, physical_ram_bytes
-from ..hw.estimate import estimate_module
-from ..hw.types import MemoryEstimate
+from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
+from .memory_estimate import estimate_module
+from ..calibration.types import MemoryEstimate
 from ..sched.policies import make_policy
 from .checkpoint import Checkpoint, read_config_dict
 from .families import Family, get_family

@@ -1,4 +1,4 @@
-"""Unified prefetch/evict engine (paper 000 §3.4, App. D): one utility ranking drives both.
+"""Unified prefetch/evict scheduler (paper 000 §3.4, App. D): one utility ranking drives both.
 
 - Prefetch: K+1 FIFO queues, one per utility level; served highest level first, FIFO within a
   level, and only down to the expert's layer threshold τ (a queued expert whose utility fell below
@@ -38,7 +38,7 @@ DEMOTE = ("zero", "keep")
 FROZEN = (2, 0.0)  # pool rank of an expert in use: above every other
 
 
-class PrefetchEngine:
+class Prefetcher:
     def __init__(self, table: SlotTable, num_layers: int, num_experts: int, utility_bound: int, demote: str = "zero"):
         if demote not in DEMOTE:
             raise ValueError(f"demote must be one of {', '.join(DEMOTE)}, got {demote!r}")
@@ -187,7 +187,7 @@ class PrefetchEngine:
             self._stop = False
             # the thread holds the engine weakly: an engine dropped without stop() (and its fast
             # tier's device memory) is freed, and the thread ends at its next wake-up
-            self._thread = threading.Thread(target=PrefetchEngine._run, args=(weakref.ref(self),),
+            self._thread = threading.Thread(target=Prefetcher._run, args=(weakref.ref(self),),
                                             name="moechat-prefetch", daemon=True)
             self._thread.start()
 

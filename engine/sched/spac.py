@@ -16,7 +16,7 @@ from ..config import SchedulerConfig
 from ..experts.cache import SlotTable
 from .balancer import UnitCosts, WorkloadBalancer
 from .policies import Policy
-from .prefetch import PrefetchEngine
+from .prefetch import Prefetcher
 from .utility import UtilityEstimator
 
 RATE_SMOOTHING = 0.4  # EMA weight of the newest step in the tie-break rate
@@ -35,7 +35,7 @@ class SpacPolicy(Policy):
         self.window = self.draft_len + 1  # positions one verification scores
         self.estimator = UtilityEstimator(L, E, c.utility_bound, self.draft_len, c.forgetting, c.utility_variant)
         self.balancer = WorkloadBalancer(L, c.utility_bound, self.draft_len, self.costs, c.cpu_cost)
-        self.prefetch = PrefetchEngine(cache, L, E, c.utility_bound, c.demote)
+        self.prefetch = Prefetcher(cache, L, E, c.utility_bound, c.demote)
         self.draft_counts = torch.zeros(L, E, dtype=torch.long)  # draft-phase routing of this step [L, E]
         self.in_use: list[int] = []
         self.draft_loaded = torch.zeros(L, E, dtype=torch.bool)  # prefetched while drafting, not yet verified

@@ -149,7 +149,7 @@ class WizardScreen(Screen):
 
     # --- step 2: budgets from the probe -------------------------------------------------------
     def _probe(self) -> None:
-        from ....engine.hw.probe import probe
+        from ....engine.calibration.probe import probe
 
         hw = probe()
         self.app.call_from_thread(self._prefill, hw)

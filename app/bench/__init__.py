@@ -1,0 +1,1 @@
+"""`moechat bench …`: benchmarks, kept out of the product modules."""

@@ -1,0 +1,161 @@
+"""`moechat bench generate`: the engine and Hugging Face `generate` on the same model, side by side."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+
+def add_bench_generate(sub) -> None:
+    from ..cli import add_engine_args
+
+    p = sub.add_parser("generate", help="engine vs Hugging Face generate: prefill and decode tokens/s")
+    add_engine_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text (default: a fixed English paragraph)")
+    src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--repeats", type=int, default=5, metavar="R", help="alternating runs of each; medians reported")
+    p.add_argument("--replay-traces", default=None, metavar="PATH",
+                   help="override the routers with a recorded routing (a DeepSeek CSV(.gz) or a moechat --trace file): "
+                        "real expert locality on a random-weight model; engine figures only, no HF comparison")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench_generate)
+
+
+DEFAULT_PROMPT = ("Mixture-of-Experts models route every token to a few experts, so only a small part of the "
+                  "weights is used per token. Explain why that helps inference on a gaming PC.")
+
+
+def run_engine(engine, ids: list[int], params) -> tuple:
+    """One request through the engine: (its Finished event, its StepStats); an Error raises."""
+    from ...engine.errors import MoechatError
+    from ...engine.events import Error, Finished, StepStats
+    from ...engine.generate import Request
+
+    steps, fin = [], None
+    for ev in engine.generate(Request(token_ids=ids), params):
+        if isinstance(ev, StepStats):
+            steps.append(ev)
+        elif isinstance(ev, Error):
+            raise MoechatError(ev.message)
+        elif isinstance(ev, Finished):
+            fin = ev
+    return fin, steps
+
+
+def _hf_run(model, ids, max_new: int) -> tuple[float, list[int]]:
+    import torch
+
+    x = torch.tensor([ids], device=model.device)
+    t0 = time.perf_counter()
+    out = model.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
+    return time.perf_counter() - t0, out[0, len(ids):].tolist()
+
+
+def cmd_bench_generate(args) -> int:
+    import torch
+
+    from ...engine.config import SamplingParams
+    from ...engine.generate import Engine, Request
+    from ..cli import engine_config
+
+    engine = Engine(engine_config(args))
+    replay = _attach_replay(engine, args.replay_traces) if args.replay_traces else None
+    if args.prompt_ids:
+        ids = [int(t) for t in args.prompt_ids.split(",")]
+    else:
+        ids = engine.encode(Request(prompt=args.prompt or DEFAULT_PROMPT))
+    eos, engine.model.eos_ids = engine.model.eos_ids, set()  # every run generates exactly max_new_tokens
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+
+    def engine_run():
+        return run_engine(engine, ids, params)
+
+    hf = None
+    if replay is None:  # replayed routing is not the model's: HF's tokens would differ, so no comparison
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+        hf.generation_config.eos_token_id = None
+        _hf_run(hf, ids, 2)
+    engine_run()  # warm-up
+    rows = {"engine_prefill": [], "engine_decode": [], "hf_prefill": [], "hf_decode": []}
+    same, decode = True, None
+    for _ in range(args.repeats):  # alternate so machine noise hits both alike
+        fin, steps = engine_run()
+        rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
+        rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
+        decode = _decode_stats(steps, engine.model.store.expert_bytes)  # the last run's: residency carries over, as between chat turns
+        if hf is not None:
+            t1, _ = _hf_run(hf, ids, 1)  # prefill + the first token
+            tn, hf_tokens = _hf_run(hf, ids, args.max_new_tokens)
+            rows["hf_prefill"].append(len(ids) / t1)
+            rows["hf_decode"].append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
+            same &= hf_tokens == fin.token_ids
+    engine.model.eos_ids = eos
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
+    result = {
+        "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
+        "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio, "prompt_tokens": len(ids),
+        "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+        "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"], **decode},
+    }
+    if replay is not None:
+        result["replay"] = args.replay_traces
+        result["replay_layers"] = replay.layers_used
+    else:
+        result["hf"] = {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]}
+        result["ratio"] = {"prefill": med["engine_prefill"] / med["hf_prefill"], "decode": med["engine_decode"] / med["hf_decode"]}
+        result["same_tokens"] = same
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model {args.model}  prompt {len(ids)} tokens  new {args.max_new_tokens} tokens  "
+          f"drafter {args.draft}  policy {args.policy}  cache ratio {engine.config.expert_cache_ratio}  "
+          f"(median of {args.repeats})")
+    if replay is not None:
+        print(f"routing replayed from {args.replay_traces} ({replay.tokens} tokens, MoE layers {result['replay_layers']})")
+    print(f"{'':10}{'prefill tok/s':>15}{'decode tok/s':>15}")
+    print(f"{'moechat':10}{med['engine_prefill']:15.1f}{med['engine_decode']:15.1f}")
+    if hf is not None:
+        print(f"{'HF':10}{med['hf_prefill']:15.1f}{med['hf_decode']:15.1f}")
+        print(f"{'ratio':10}{result['ratio']['prefill']:15.2f}{result['ratio']['decode']:15.2f}")
+    print(f"decode: hit rate {decode['hit_rate']:.3f}  loads/token {decode['loads_per_token']:.2f}  "
+          f"acceptance {decode['acceptance']:.2f}  CPU experts {decode['cpu_ms_per_token']:.2f} ms/token  "
+          f"fast tier {decode['device_ms_per_token']:.2f} ms/token")
+    if hf is not None:
+        print(f"same greedy tokens: {same}", file=sys.stderr if same else sys.stdout)
+        if args.expert_budget is not None:
+            print(f"lossy: expert budget {args.expert_budget}")
+    return 0
+
+
+def _attach_replay(engine, path: str):
+    from ...engine.replay import load_replay
+
+    m = engine.model
+    replay = load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
+    m.runtime.replay = replay
+    return replay
+
+
+def _decode_stats(steps: list, expert_bytes: int) -> dict:
+    """Scheduler figures of the decode steps: fast-tier hit rate, expert loads and tier times per committed token."""
+    tokens = max(1, sum(s.accepted + 1 for s in steps))
+    hits, misses = sum(s.hits for s in steps), sum(s.misses for s in steps)
+    drafted = sum(s.drafted for s in steps)
+    layer_steps = max(1, len(steps) * (steps[0].expert_freq.shape[0] if steps else 1))  # MoE layers x steps
+    return {
+        # host overhead (LayerCounters): MoE layer time on the engine's thread that is neither expert
+        # work, nor waiting for it or for transfers, nor residency; per MoE layer per decoding step
+        "host_us_per_layer_step": 1e6 * sum(s.host_s for s in steps) / layer_steps,
+        "policy_us_per_layer_step": 1e6 * sum(s.policy_s for s in steps) / layer_steps,
+        "layer_us_per_layer_step": 1e6 * sum(s.layer_s for s in steps) / layer_steps,
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "loads_per_token": sum(s.bytes_moved for s in steps) / expert_bytes / tokens,
+        "acceptance": sum(s.accepted for s in steps) / drafted if drafted else 0.0,
+        "cpu_ms_per_token": 1e3 * sum(s.cpu_s for s in steps) / tokens,
+        "device_ms_per_token": 1e3 * sum(s.device_s for s in steps) / tokens,
+    }

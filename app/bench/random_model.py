@@ -1,0 +1,148 @@
+"""`moechat bench random-model OUT --like deepseek-v2-lite`: a random-weight checkpoint with a real model's shapes.
+
+Paired with `bench generate --replay-traces` it benchmarks the scheduler at real expert sizes with
+real routing, without downloading the model. Written one decoder layer per safetensors shard, each
+tensor filled in place in the target dtype, so at most one layer (about 1.2 GB at full
+DeepSeek-V2-Lite size in bf16) is in memory, never the model.
+
+The tokenizer is the embedded demo model's (4096 tokens), so embedding and head are far smaller
+than DeepSeek's 102400-token vocabulary; every other shape is the real model's unless scaled down.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+# DeepSeek-V2-Lite(-Chat)'s config.json, the fields that shape the model (vocab aside).
+LIKE = {
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, head_dim=64, topk_method="greedy", n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def add_random_model(sub) -> None:
+    p = sub.add_parser("random-model", help="write a random-weight checkpoint with a real MoE model's shapes")
+    p.add_argument("out", type=Path, help="output directory (created)")
+    p.add_argument("--like", required=True, choices=sorted(LIKE), help="whose shapes")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="decoder layers (default the model's; DeepSeek-V2-Lite: 27 = 1 dense + 26 MoE). A replay trace "
+                        "then drives the first N-1 MoE layers")
+    p.add_argument("--hidden", type=int, default=None, metavar="H",
+                   help="scale the model down: hidden size H (attention heads, KV rank and the dense MLP scale with it)")
+    p.add_argument("--intermediate", type=int, default=None, metavar="I", help="routed expert width (default the model's)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_random_model)
+
+
+def random_config(like: str, layers: int | None = None, hidden: int | None = None, intermediate: int | None = None,
+                  vocab_size: int = 4096, dtype: str = "bfloat16"):
+    from transformers import AutoConfig
+
+    from ...engine.errors import MoechatError
+
+    fields = dict(LIKE[like])
+    if layers is not None:
+        if not fields["first_k_dense_replace"] < layers <= fields["num_hidden_layers"]:
+            raise MoechatError(f"--layers must be in {fields['first_k_dense_replace'] + 1}..{fields['num_hidden_layers']} "
+                               f"(the first {fields['first_k_dense_replace']} are dense), got {layers}")
+        fields["num_hidden_layers"] = layers
+    if hidden is not None:
+        if hidden < 64 or hidden % 64:
+            raise MoechatError(f"--hidden must be a positive multiple of 64, got {hidden}")
+        scale = hidden / fields["hidden_size"]
+        fields.update(hidden_size=hidden, num_attention_heads=max(1, round(fields["num_attention_heads"] * scale)),
+                      intermediate_size=max(8, round(fields["intermediate_size"] * scale)),
+                      kv_lora_rank=max(16, round(fields["kv_lora_rank"] * scale)))
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if intermediate is not None:
+        if intermediate < 1:
+            raise MoechatError(f"--intermediate must be >= 1, got {intermediate}")
+        fields["moe_intermediate_size"] = intermediate
+    model_type = fields.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, initializer_range=0.02, dtype=dtype,
+                               bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields)
+    cfg.num_experts = cfg.n_routed_experts  # transformers' DeepseekV2Experts reads this name
+    return cfg
+
+
+def _layer_tensors(shapes: dict, prefix: str, dtype, std: float):
+    """Random tensors for every checkpoint key under `prefix`, in the checkpoint's per-expert layout."""
+    import torch
+
+    for key, shape in shapes.items():
+        if not key.startswith(prefix):
+            continue
+        if key.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2I, H] -> per-expert gate/up [I, H]
+            base = key[: -len("gate_up_proj")]
+            for e in range(shape[0]):
+                for name in ("gate_proj", "up_proj"):
+                    yield f"{base}{e}.{name}.weight", torch.empty(shape[1] // 2, shape[2], dtype=dtype).normal_(0, std)
+        elif key.endswith("experts.down_proj"):  # [E, H, I] -> per-expert down [H, I]
+            base = key[: -len("down_proj")]
+            for e in range(shape[0]):
+                yield f"{base}{e}.down_proj.weight", torch.empty(shape[1], shape[2], dtype=dtype).normal_(0, std)
+        elif "norm" in key.rsplit(".", 2)[-2]:
+            yield key, torch.ones(shape, dtype=dtype)
+        else:
+            yield key, torch.empty(shape, dtype=dtype).normal_(0, std)
+
+
+def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
+    """config.json + one safetensors shard per decoder layer (+ one for embeddings, norm and head); returns bytes written."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
+    cfg.architectures = [type(meta).__name__]
+    dtype = getattr(torch, cfg.dtype if isinstance(cfg.dtype, str) else str(cfg.dtype).split(".")[-1])
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
+    rest = [k for k in shapes if not k.startswith("model.layers.")]
+    names = [f"model-{i + 1:05d}-of-{len(groups) + 1:05d}.safetensors" for i in range(len(groups) + 1)]
+    weight_map, total = {}, 0
+    for name, prefix in zip(names, groups + [None]):
+        if prefix is None:
+            tensors = dict(_layer_tensors({k: shapes[k] for k in rest}, "", dtype, cfg.initializer_range))
+        else:
+            tensors = dict(_layer_tensors(shapes, prefix, dtype, cfg.initializer_range))
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, name))
+        del tensors  # one layer in memory at a time
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    cfg.save_pretrained(out)
+    return total
+
+
+def cmd_random_model(args) -> int:
+    from transformers import AutoTokenizer
+
+    from ..demo import DEMO_MODEL
+
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    vocab = -(-len(tok) // 64) * 64  # padded, as real checkpoints are
+    cfg = random_config(args.like, args.layers, args.hidden, args.intermediate, vocab, args.dtype)
+    cfg.eos_token_id = tok.eos_token_id
+    total = write_random_checkpoint(args.out, cfg, args.seed)
+    for f in DEMO_MODEL.iterdir():  # the demo's tokenizer and chat template
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, args.out / f.name)
+    moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    print(f"{args.out}: {args.like}-shaped random {cfg.model_type}, {cfg.num_hidden_layers} layers ({moe} MoE), "
+          f"hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok} of width "
+          f"{cfg.moe_intermediate_size}, {args.dtype}, {total / 1e9:.2f} GB", file=sys.stderr)
+    return 0

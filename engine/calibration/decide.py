@@ -1,0 +1,206 @@
+"""Measurements + memory estimate -> the engine's settings, each with a one-line reason (issue 5).
+
+The models are paper 000's (MoE-SpAc):
+- §2.1, Eq. 1: a step of draft length γ with acceptance α yields Ω(γ, α) = (1 − α^(γ+1)) / (1 − α)
+  tokens and costs γ·T_D + T_V(γ) (Eq. 2). γ maximises Ω / (γ·T_D + T_V(γ)).
+- App. A.1, expert reuse: T_V grows with the distinct experts D(γ+1) the γ+1 tokens activate per
+  layer, not with the tokens (`distinct_experts`). SD pays off per expert run while
+  a/b = D(γ+1)/k < Ω(γ, α) (Eq. 17); the CPU's cost per distinct expert is what the engine's
+  kernels show (docs/benchmarks.md: R² 0.998 against 0.505 for the per-activation model).
+- §3.3, the balancer's unit costs: resident experts run on the device, the rest on the CPU, the two
+  in parallel, so a layer costs max(h·D·T_gpu^u(n), (1 − h)·D·T_cpu^u(n)) with n = t·k/D tokens per
+  expert and h the hot share (the cache ratio, a lower bound on what `spac` serves). Eq. 10's
+  bonus: during the draft phase the link is free, and lookahead moves cold experts the window
+  will need (`choose_draft_len`), which is what makes a longer γ pay on a CPU-bound machine.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..errors import BudgetError
+from ..model.memory_budgets import GIB, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
+from .types import Decisions, Hardware, Measurements, MemoryEstimate
+
+DEFAULT_DRAFT_LEN = 4  # SpecConfig's default: used when the drafter's speed or acceptance was not measured
+MAX_DRAFT_LEN = 12
+FORGETTING = 0.1  # λ, paper 000 §4.1
+
+
+def omega(gamma: int, alpha: float) -> float:
+    """Expected tokens per speculative step (paper 000 Eq. 1)."""
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def distinct_experts(tokens: int, experts: int, top_k: int) -> float:
+    """Expected distinct experts per layer that `tokens` tokens activate.
+
+    Uniform routing gives E·(1 − (1 − k/E)^t); real routing is concentrated, so fewer. On the 300
+    DeepSeek-V2-Lite traces (every 5th; 26 layers, top-6 of 64) the measured count is that times
+    0.91, 0.87, 0.83, 0.80 at t = 2, 3, 5, 9, which 1 − 0.225·(1 − 1/t) follows within 0.02.
+    """
+    uniform = experts * (1.0 - (1.0 - top_k / experts) ** tokens)
+    return uniform * (1.0 - 0.225 * (1.0 - 1.0 / tokens))
+
+
+def _per_expert(curve: list[float], n: float) -> float:
+    """Seconds for one expert on n tokens: linear between measured points, extended past the last."""
+    if len(curve) == 1:
+        return curve[0] * max(n, 1.0)
+    i = min(max(int(n), 1), len(curve) - 1)  # segment [i, i+1] in tokens (1-based)
+    lo, hi = curve[i - 1], curve[i]
+    return max(lo + (hi - lo) * (max(n, 1.0) - i), 0.0)
+
+
+def layer_seconds(tokens: int, est: MemoryEstimate, meas: Measurements, hot: float, prefetched: float = 0.0) -> float | None:
+    """Routed-expert time of one sparse layer for `tokens` tokens (the balancer's cost model); None: no curves.
+
+    `prefetched`: cold experts of this window already moved to the device during the draft phase.
+    """
+    if not (est.experts_per_layer and est.top_k) or not (meas.cpu_s_per_expert or meas.device_s_per_expert):
+        return None
+    d = distinct_experts(tokens, est.experts_per_layer, est.top_k)
+    n = tokens * est.top_k / d  # tokens per distinct expert
+    if not meas.device_s_per_expert:  # no device: everything on the CPU
+        return d * _per_expert(meas.cpu_s_per_expert, n)
+    if not meas.cpu_s_per_expert:
+        return d * _per_expert(meas.device_s_per_expert, n)
+    cold = max(0.0, (1 - hot) * d - prefetched)
+    return max(cold * _per_expert(meas.cpu_s_per_expert, n), (d - cold) * _per_expert(meas.device_s_per_expert, n))
+
+
+def tokens_per_second(est: MemoryEstimate, meas: Measurements, hot: float) -> dict[int, float]:
+    """Predicted decode speed per draft length γ = 0 (no drafter) .. MAX_DRAFT_LEN; {} when not measured."""
+    alpha, t_d, t_v = meas.acceptance, meas.draft_s_per_token, meas.verify_s
+    if alpha is None or t_d is None or t_v is None:
+        return {}
+    alpha = min(max(alpha, 0.0), 0.99)
+    layers = est.num_experts_total // est.experts_per_layer if est.experts_per_layer else 0
+    ref = layer_seconds(meas.max_tokens, est, meas, hot)
+    # The measured pass = a fixed part (attention, dense, norms, launches) + routed experts; only the latter grows with γ.
+    fixed = max(0.0, t_v - layers * ref) if ref is not None else t_v
+    # Paper 000 Eq. 10: the draft phase is a free I/O window; with lookahead it moves cold experts the
+    # window will use, useful as often as the draft is right (α). Per layer: α·γ·T_D / (L·T_io).
+    t_io = est.expert_bytes / meas.h2d_pinned_bytes_s if meas.h2d_pinned_bytes_s and hot > 0 else None
+
+    def verify(gamma: int) -> float:  # T_V(γ)
+        moved = alpha * gamma * t_d / (layers * t_io) if t_io and layers else 0.0
+        work = layer_seconds(gamma + 1, est, meas, hot, moved)
+        return t_v if work is None else fixed + layers * work
+
+    return {g: omega(g, alpha) / (g * t_d + verify(g)) for g in range(MAX_DRAFT_LEN + 1)}
+
+
+def choose_draft_len(est: MemoryEstimate, meas: Measurements, hot: float) -> tuple[int, float, str]:
+    """(γ, predicted speed-up over no drafter, reason)."""
+    rate = tokens_per_second(est, meas, hot)
+    if not rate:
+        return DEFAULT_DRAFT_LEN, 1.0, f"γ = {DEFAULT_DRAFT_LEN}, the engine default: draft speed or acceptance not measured"
+    gamma = max((g for g in rate if g > 0), key=rate.get)
+    speedup, alpha = rate[gamma] / rate[0], min(max(meas.acceptance, 0.0), 0.99)
+    reuse = ""
+    if est.experts_per_layer and est.top_k:
+        a_b = distinct_experts(gamma + 1, est.experts_per_layer, est.top_k) / est.top_k
+        held = "holds" if a_b < omega(gamma, alpha) else "fails, so the gain is the fixed part of T_V and draft-phase prefetch"
+        reuse = f"; expert reuse a/b = {a_b:.1f} vs Ω: {held}"
+    why = (f"γ = {gamma} maximises Ω/(γ·T_D + T_V) at α = {alpha:.2f}, T_D = {meas.draft_s_per_token * 1e3:.1f} ms: "
+           f"Ω = {omega(gamma, alpha):.2f} tokens/step, {rate[gamma]:.1f} tok/s, {speedup:.2f}× no drafter{reuse}")
+    return gamma, speedup, why
+
+
+def utility_bound(gamma: int) -> int:
+    """K: paper 000 requires K ≤ γ (a window of γ+1 tokens cannot tell more levels apart) and runs K = 4
+    at γ = 8; docs/scheduling.md measured K = 4, 6, 8 within 0.003 served, so more than 4 buys nothing."""
+    return max(1, min(4, gamma))
+
+
+def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: int | None = None,
+           ram_budget: int | None = None, draft_options=("none", "self")) -> Decisions:
+    """The settings for this machine and model; budgets (bytes) are the user's and always win.
+
+    Raises BudgetError when even the minimal configuration cannot fit (see budgets.check_budgets).
+    """
+    reasons: dict[str, str] = {}
+    gpu = hw.gpus[0] if hw.gpus else None
+    ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
+
+    # Host tier: every routed expert in RAM with headroom, else read from the mmap'd checkpoint.
+    on_host = 0 if gpu else est.non_expert_bytes + est.kv_bytes  # CPU-only: the rest lives in RAM too
+    need = est.all_experts_bytes + on_host + ram_headroom(ram)
+    host_tier = "ram" if need <= ram else "mmap"
+    if host_tier == "mmap" and on_host + ram_headroom(ram) > ram:
+        raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts (non-expert "
+                          f"weights, KV cache, headroom), the RAM budget is {gib(ram)}: lower --context-len or use a smaller model")
+    reasons["host_tier"] = (f"ram: experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)} fit the {gib(ram)} RAM budget"
+                            if host_tier == "ram" else
+                            f"mmap: experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)} exceed the {gib(ram)} RAM "
+                            "budget; experts are read from the checkpoint files")
+
+    dirs = [d for d in draft_options if d not in ("none", "self")]
+    if gpu is None:
+        gamma, speedup, why = choose_draft_len(est, meas, 0.0)
+        # A separate draft model can pay on the CPU (the demo ships one); self-draft cannot: no resident experts.
+        drafter = dirs[0] if dirs and speedup > 1.0 and meas.acceptance is not None else "none"
+        reasons.update(
+            expert_cache_ratio="0: no GPU, the fast tier would be RAM too and copies buy nothing",
+            drafter=(f"{drafter}: predicted {speedup:.2f}× no drafter on the CPU" if drafter != "none" else
+                     "none: no GPU, so self-draft has no resident experts, and no draft model was measured to pay"),
+            draft_len=why if drafter != "none" else f"γ = {gamma}, unused with no drafter",
+            policy="lru: with no fast tier the residency policy is moot",
+        )
+        k = utility_bound(gamma)
+        reasons["utility_bound"] = f"K = {k}: moot with no fast tier"
+        reasons["forgetting"] = f"λ = {FORGETTING}: the paper's value; moot with no fast tier"
+        reasons["vram_split"] = "no GPU: nothing in VRAM"
+        return Decisions(0.0, k, gamma, FORGETTING, drafter, "lru", host_tier, {}, reasons)
+
+    vram = min(vram_budget, gpu.free_bytes) if vram_budget is not None else gpu.free_bytes
+    drafter = dirs[0] if dirs else "self" if "self" in draft_options else "none"
+    full_est, est = est, replace(est, draft_bytes=est.draft_bytes if dirs else 0)
+    margin, fixed = vram_margin(vram), vram_fixed(est)
+    if fixed + margin > vram:
+        raise BudgetError(
+            f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached (non-expert {gib(est.non_expert_bytes)}, "
+            f"KV for {est.context_len} tokens {gib(est.kv_bytes)}, draft {gib(est.draft_bytes)}, margin {gib(margin)}), "
+            f"the VRAM budget is {gib(vram)}: lower --context-len, use a smaller model, or run on the CPU"
+        )
+    slots = max_cache_experts(est, vram)
+    ratio = slots / est.num_experts_total
+    cache = slots * est.expert_bytes
+    if drafter == "self" and slots == 0:
+        drafter = "none"  # self-draft runs on resident experts only
+    reasons["expert_cache_ratio"] = (f"{ratio:.3f}: {slots} of {est.num_experts_total} experts ({gib(cache)}) fill the VRAM left after "
+                                     f"non-expert weights, KV for {est.context_len} tokens and margin ({gib(vram - fixed - margin)})")
+    split = {"non_expert": est.non_expert_bytes, "kv_cache": est.kv_bytes, "draft": est.draft_bytes,
+             "expert_cache": cache, "margin": margin}
+    reasons["vram_split"] = (f"{gib(sum(split.values()))} of {gib(vram)}: " +
+                             ", ".join(f"{k} {v / GIB:.2f}" for k, v in split.items()) + " GiB")
+
+    gamma, speedup, why = choose_draft_len(est, meas, ratio)
+    if drafter != "none" and speedup < 1.0:
+        if est.draft_bytes:  # decide again without reserving VRAM for the draft model
+            d = decide(hw, replace(full_est, draft_bytes=0), meas, vram_budget, ram_budget, ("none",))
+            d.reasons["drafter"] = f"none: {drafter} is predicted {speedup:.2f}× of no drafter on this machine"
+            return d
+        reasons["drafter"] = f"none: drafting is predicted {speedup:.2f}× of no drafter on this machine"
+        drafter = "none"
+    elif drafter == "self":
+        reasons["drafter"] = "self: the target drafts with its resident experts, no second model in VRAM"
+    elif drafter != "none":
+        reasons["drafter"] = f"{drafter}: the draft model given, {gib(est.draft_bytes)} in VRAM"
+    elif "self" in draft_options:
+        reasons["drafter"] = "none: no expert fits in VRAM beside the rest, so self-draft has nothing to draft with"
+    else:
+        reasons["drafter"] = "none: the only drafter allowed"
+    reasons["draft_len"] = why if drafter != "none" else f"γ = {gamma}, unused with no drafter"
+
+    if slots == 0:
+        policy, reasons["policy"] = "lru", "lru: with no fast tier the residency policy is moot"
+    elif drafter == "none":
+        policy, reasons["policy"] = "lfu", "lfu: without a drafter it serves more than spac (docs/scheduling.md)"
+    else:
+        policy, reasons["policy"] = "spac", "spac: with draft lookahead it serves the most from the GPU (docs/scheduling.md)"
+    k = utility_bound(gamma)
+    reasons["utility_bound"] = (f"K = {k} = min(4, γ): the paper needs K ≤ γ and uses K = 4 at γ = 8; "
+                                "K of 4, 6, 8 serve within 0.003 (docs/scheduling.md)")
+    reasons["forgetting"] = f"λ = {FORGETTING}: the paper's value; parameters matter little (docs/scheduling.md)"
+    return Decisions(ratio, k, gamma, FORGETTING, drafter, policy, host_tier, split, reasons)

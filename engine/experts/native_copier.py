@@ -1,0 +1,302 @@
+"""The native expert copier (csrc/cuda/prefetch.cpp): its builds, its ctypes binding, and the
+transfer benchmark.
+
+Two builds of the same source, registered with engine/native.py:
+- "cuda": the CUDA runtime API (no device kernels, so no nvcc): headers and cudart from the
+  `nvidia-*` pip package a CUDA torch wheel ships, else $CUDA_HOME, /usr/local/cuda;
+- "prefetch_host": MOECHAT_HOST_BACKEND, memcpy for copies and counters for events; what the
+  CPU-only tests run (queues, priorities, cancellation, readiness, staging).
+
+Fallback: where "cuda" cannot be built or loaded (or MOECHAT_NATIVE=0), ExpertCache keeps its
+pure-PyTorch path (side stream, non-blocking copies, one event per slot); `open_copier` returns None
+and native.notice("cuda") says why.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import glob
+import os
+import sys
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .. import native
+from ..errors import MoechatError
+
+SOURCE = native.CSRC / "cuda" / "prefetch.cpp"
+WARNINGS = ["-Wall", "-Wextra"]
+LEVELS = 64  # priority levels 0..63: above any utility bound K (≤ 16)
+DEMAND = LEVELS - 1  # level of a load without one (on-demand policies): served first
+MAX_INFLIGHT = 2  # experts issued but not complete: enough to keep the link busy, few enough that priority matters
+
+
+def cuda_paths() -> tuple[Path, Path]:
+    """(include folder, cudart library file) to build against; NativeBuildError when none is found."""
+    roots = [Path(p).parent.parent for entry in sys.path if entry  # nvidia/cuda_runtime (CUDA 12), nvidia/cu13
+             for p in sorted(glob.glob(os.path.join(entry, "nvidia", "*", "include", "cuda_runtime_api.h")))]
+    roots += [Path(p) for p in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
+    for root in roots:
+        if not (root / "include" / "cuda_runtime_api.h").is_file():
+            continue
+        for lib in ("lib64", "lib", "targets/x86_64-linux/lib", "lib/x86_64-linux-gnu"):
+            found = sorted(glob.glob(str(root / lib / "libcudart.so*")), key=len)  # unversioned name first
+            if found:
+                return root / "include", Path(found[0])
+    raise native.NativeBuildError("no CUDA runtime headers and library found (install a CUDA build of torch, "
+                                  "or the CUDA toolkit, or set CUDA_HOME)")
+
+
+def build_cuda() -> Path:
+    include, cudart = cuda_paths()
+    return native.build("cuda", [SOURCE], [f"-I{include}", *WARNINGS], [str(cudart), f"-Wl,-rpath,{cudart.parent}"])
+
+
+def build_host() -> Path:
+    return native.build("prefetch_host", [SOURCE], ["-DMOECHAT_HOST_BACKEND", *WARNINGS])
+
+
+native.register("cuda", build_cuda)
+native.register("prefetch_host", build_host)
+
+
+class Counters(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_uint64), ("copies", ctypes.c_uint64), ("staged_bytes", ctypes.c_uint64),
+                ("cancelled", ctypes.c_uint64), ("queued", ctypes.c_uint64), ("in_flight", ctypes.c_uint64),
+                ("busy_s", ctypes.c_double)]
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if getattr(lib, "_moechat_declared", False):
+        return lib
+    p, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    for name, res, args in (
+        ("create", p, [i, i, i, i]), ("destroy", None, [p]), ("enqueue", i, [p, i, i, i, p, p, sz, p, p, sz, i]),
+        ("query", i, [p, i]), ("cancel", i, [p, i]), ("cancel_below", i, [p, i, i, ctypes.POINTER(ctypes.c_int32), i]),
+        ("mark_compute", i, [p, p]), ("pause", None, [p, i]), ("wait_idle", i, [p, ctypes.c_double]),
+        ("counters", i, [p, ctypes.POINTER(Counters)]), ("issued", i, [p, ctypes.POINTER(ctypes.c_int32), i]),
+        ("last_error", ctypes.c_char_p, []), ("host_backend", i, []),
+    ):
+        fn = getattr(lib, f"moechat_pf_{name}")
+        fn.restype, fn.argtypes = res, args
+    if hasattr(lib, "moechat_pf_hold"):
+        lib.moechat_pf_hold.restype, lib.moechat_pf_hold.argtypes = None, [p, i]
+    lib._moechat_declared = True
+    return lib
+
+
+class Ready:
+    """A slot's readiness, for SlotTable.pending (anything with .query())."""
+    __slots__ = ("copier", "slot")
+
+    def __init__(self, copier: NativeCopier, slot: int):
+        self.copier, self.slot = copier, slot
+
+    def query(self) -> bool:
+        return self.copier.ready(self.slot)
+
+
+class NativeCopier:
+    """One copier: a thread and a stream copying experts into `num_slots` slots of the fast tier.
+
+    An item is one expert: up to two (src host tensor, dst slot tensor) copies, queued at `level`
+    (0..levels-1; highest issued first, FIFO within a level; at most `max_inflight` issued and not
+    complete). Every call releases the GIL (ctypes). The engine holds the tensors it copies from
+    and into until the slot is ready, and `keep` (the pool) for its whole life.
+    """
+    IDLE, QUEUED, IN_FLIGHT, READY = range(4)
+    handle = None
+
+    def __init__(self, lib: ctypes.CDLL, device: int = 0, num_slots: int = 1, levels: int = LEVELS,
+                 max_inflight: int = MAX_INFLIGHT, keep: object = None):
+        self.lib, self.num_slots, self.levels = _declare(lib), num_slots, levels
+        self.handle = self.lib.moechat_pf_create(device, num_slots, levels, max_inflight)
+        if not self.handle:
+            raise MoechatError(f"the prefetch engine could not start: {self._error()}")
+        self._keep = keep
+        self._held: dict[int, list] = {}  # slot -> tensors its queued or in-flight copies use
+        self._out = (ctypes.c_int32 * num_slots)()
+        _live.add(self)
+
+    def _error(self) -> str:
+        return (self.lib.moechat_pf_last_error() or b"").decode(errors="replace")
+
+    def _check(self, rc: int) -> int:
+        if rc < 0:
+            raise (ValueError if rc == -1 else RuntimeError)(f"prefetch engine: {self._error()}")
+        return rc
+
+    def enqueue(self, slot: int, layer: int, level: int, copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                pinned: bool | None = None) -> Ready:
+        """Queue copies [(src, dst)] (one or two, contiguous, equal bytes) into `slot`; replaces a
+        queued item of the slot. pinned: page-locked sources (default: asked of torch), else staged."""
+        if not 1 <= len(copies) <= 2:
+            raise ValueError(f"an item is one or two copies, got {len(copies)}")
+        args = []
+        for src, dst in copies:
+            if not (src.is_contiguous() and dst.is_contiguous()) or src.nbytes != dst.nbytes:
+                raise ValueError(f"copy needs contiguous tensors of equal size, got {src.nbytes} and {dst.nbytes} bytes")
+            args += [src.data_ptr(), dst.data_ptr(), src.nbytes]
+        if len(copies) == 1:
+            args += [None, None, 0]
+        if pinned is None:
+            pinned = all(src.is_pinned() for src, _ in copies)
+        self._held.setdefault(slot, []).append(copies)
+        self._check(self.lib.moechat_pf_enqueue(self.handle, slot, layer, level, *args, int(pinned)))
+        return Ready(self, slot)
+
+    def query(self, slot: int) -> int:
+        """IDLE, QUEUED, IN_FLIGHT or READY (the slot's latest copy completed)."""
+        state = self._check(self.lib.moechat_pf_query(self.handle, slot))
+        if state in (self.READY, self.IDLE):
+            self._held.pop(slot, None)  # every copy into the slot completed: its tensors may go
+        return state
+
+    def ready(self, slot: int) -> bool:
+        return self.query(slot) == self.READY
+
+    def cancel(self, slot: int) -> bool:
+        """Drop the slot's queued copy; False when there was none (idle, in flight or done)."""
+        return bool(self._check(self.lib.moechat_pf_cancel(self.handle, slot)))
+
+    def cancel_below(self, layer: int, tau: int) -> list[int]:
+        """Drop the queued copies of `layer` queued below level `tau`; returns their slots."""
+        n = self._check(self.lib.moechat_pf_cancel_below(self.handle, layer, tau, self._out, self.num_slots))
+        return list(self._out[:n])
+
+    def mark_compute(self, stream: int) -> None:
+        """Copies issued from now on wait for the work queued so far on `stream` (a cudaStream_t,
+        torch.cuda.current_stream().cuda_stream): the compute that may still read a freed slot."""
+        self._check(self.lib.moechat_pf_mark_compute(self.handle, stream))
+
+    def pause(self, on: bool = True) -> None:
+        """Stop issuing (queued copies wait) or resume."""
+        self.lib.moechat_pf_pause(self.handle, int(on))
+
+    def hold(self, on: bool = True) -> None:
+        """Host backend only: stall its stream, so issued copies stay in flight (a busy compute stream)."""
+        self.lib.moechat_pf_hold(self.handle, int(on))
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """True once nothing is queued or in flight; False after `timeout` seconds."""
+        return self._check(self.lib.moechat_pf_wait_idle(self.handle, timeout)) == 0
+
+    def counters(self) -> dict[str, float]:
+        """bytes and copies completed, staged_bytes, cancelled, queued and in_flight now, busy_s."""
+        c = Counters()
+        self._check(self.lib.moechat_pf_counters(self.handle, ctypes.byref(c)))
+        return {name: getattr(c, name) for name, _ in Counters._fields_}
+
+    def issued(self) -> list[int]:
+        """Slots in the order their copies were issued since the last call (at most 65536)."""
+        out = (ctypes.c_int32 * 4096)()
+        slots: list[int] = []
+        while n := self.lib.moechat_pf_issued(self.handle, out, len(out)):
+            slots += out[:n]
+        return slots
+
+    def close(self) -> None:
+        """Drop queued copies, wait for issued ones, end the thread."""
+        if self.handle:
+            self.lib.moechat_pf_destroy(self.handle)
+            self.handle = None
+            self._held.clear()
+
+    def __del__(self):
+        self.close()
+
+
+_live: weakref.WeakSet[NativeCopier] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # end the threads before the CUDA runtime tears down at exit
+    for engine in list(_live):
+        engine.close()
+
+
+def open_copier(device: torch.device, num_slots: int, keep: object) -> NativeCopier | None:
+    """The native engine for a CUDA fast tier, or None (ExpertCache then copies with PyTorch)."""
+    if not native.enabled() or (lib := native.load("cuda")) is None:
+        return None
+    try:
+        return NativeCopier(lib, device.index if device.index is not None else torch.cuda.current_device(),
+                              num_slots, keep=keep)
+    except MoechatError as err:
+        native.unusable("cuda", str(err))
+        return None
+
+
+def bench_transfer(device: str = "cuda", expert_bytes: int = 3 * 2048 * 1408 * 2, experts: int = 64,
+                   with_compute: bool = True) -> dict:
+    """Host-to-device GB/s of the native engine against a plain pinned `copy_(non_blocking=True)`
+    on a side stream, the same experts (pinned, two segments each) into distinct slots, both while
+    the compute stream runs matmuls when `with_compute`. Wall time from the first copy queued to
+    the last one complete."""
+    if not torch.cuda.is_available():
+        raise MoechatError("the transfer benchmark needs a CUDA device; none is present")
+    lib = native.load("cuda") if native.enabled() else None
+    if lib is None:
+        raise MoechatError(native.notice("cuda") or "the native prefetch engine is off (MOECHAT_NATIVE=0)")
+    dev = torch.device(device)
+    src = torch.randint(0, 255, (experts, expert_bytes), dtype=torch.uint8).pin_memory()  # [N, B]
+    dst = torch.empty(experts, expert_bytes, dtype=torch.uint8, device=dev)  # [N, B]
+    split = 2 * expert_bytes // 3  # gate_up, then down
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)  # ~1 ms a matmul: few launches cover the copies
+
+    def compute(seconds: float) -> None:  # queue about `seconds` of matmuls on the compute stream
+        for _ in range(max(1, int(seconds / mm_s))):
+            a @ a
+
+    a @ a  # cuBLAS set up before it is timed
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize(dev)
+    mm_s = (time.perf_counter() - t0) / 10
+    cover = 2 * experts * expert_bytes / 10e9  # twice the copies' time at 10 GB/s: compute outlasts them
+
+    def timed(run) -> float:
+        torch.cuda.synchronize(dev)
+        if with_compute:
+            compute(cover)
+        t0 = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - t0
+        torch.cuda.synchronize(dev)
+        return experts * expert_bytes / seconds / 1e9
+
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    engine = NativeCopier(lib, index, experts, levels=2, keep=(src, dst))
+
+    def by_engine() -> None:
+        for i in range(experts):
+            engine.enqueue(i, 0, 1, [(src[i, :split], dst[i, :split]), (src[i, split:], dst[i, split:])], pinned=True)
+        if not engine.wait_idle(60):
+            raise MoechatError("the prefetch engine did not finish the benchmark's copies within 60 s")
+
+    side = torch.cuda.Stream(dev)
+
+    def by_copy() -> None:
+        with torch.cuda.stream(side):
+            for i in range(experts):
+                dst[i, :split].copy_(src[i, :split], non_blocking=True)
+                dst[i, split:].copy_(src[i, split:], non_blocking=True)
+        side.synchronize()
+
+    try:
+        timed(by_engine), timed(by_copy)  # warm-up
+        copy_gbps = timed(by_copy)
+        dst.zero_()
+        engine_gbps = timed(by_engine)
+        if not torch.equal(dst.cpu(), src):
+            raise MoechatError("the prefetch engine's copies differ from their sources")
+    finally:
+        engine.close()
+    return {"engine_gbps": engine_gbps, "pinned_copy_gbps": copy_gbps, "ratio": engine_gbps / copy_gbps,
+            "with_compute": with_compute}

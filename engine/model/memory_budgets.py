@@ -1,0 +1,86 @@
+"""Guardrails: refuse, before any weight loads, a model that cannot fit the memory budgets (issue 5).
+
+VRAM holds the non-expert weights, the KV cache for the whole context, a separate draft model, the
+expert cache and a safety margin (CUDA context, activations, staging buffers). The expert store
+(every routed expert) lives in RAM, or is read from the mmap'd checkpoint when the RAM budget is
+below its size (the engine's `host_ram_budget_bytes` rule, engine/experts/store.py).
+"""
+from __future__ import annotations
+
+import os
+
+from ..errors import BudgetError
+from ..calibration.types import MemoryEstimate
+
+GIB = 2**30
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def vram_margin(vram_budget: int) -> int:
+    """Kept free on the device: the CUDA context (~0.3-0.5 GiB), activations of a γ+1 verification, fragmentation."""
+    return max(GIB // 2, vram_budget // 20)
+
+
+def vram_fixed(est: MemoryEstimate) -> int:
+    """What VRAM must hold before any expert is cached there."""
+    return est.non_expert_bytes + est.kv_bytes + est.draft_bytes
+
+
+def cache_bytes_for(est: MemoryEstimate, ratio: float, budget_bytes: int | None = None) -> int:
+    """The fast tier's bytes for a ratio or a byte budget, in whole experts (as engine/experts/cache.slots_for)."""
+    if budget_bytes is not None:
+        return min(est.num_experts_total, budget_bytes // est.expert_bytes) * est.expert_bytes
+    return round(ratio * est.num_experts_total) * est.expert_bytes
+
+
+def max_cache_experts(est: MemoryEstimate, vram_budget: int) -> int:
+    """The most whole experts the VRAM budget holds after the fixed part and the margin."""
+    free = vram_budget - vram_fixed(est) - vram_margin(vram_budget)
+    return max(0, min(est.num_experts_total, free // est.expert_bytes))
+
+
+def ram_headroom(ram_budget: int) -> int:
+    """Left free in RAM besides the expert store: the OS, Python, tokenizer, page cache for the non-expert files."""
+    return max(2 * GIB, ram_budget // 20)
+
+
+def physical_ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX
+        return None
+
+
+def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int | None,
+                  expert_cache_bytes: int = 0, host_tier: str = "ram") -> None:
+    """Raise a one-line BudgetError with the numbers and what to change when the model cannot fit.
+
+    vram_budget None: no GPU (everything is in RAM, checked against ram_budget only for the store).
+    ram_budget None: no RAM budget set. host_tier: "ram" (the store is copied into RAM) or "mmap".
+    """
+    if vram_budget is not None:
+        fixed, margin = vram_fixed(est), vram_margin(vram_budget)
+        if fixed + margin > vram_budget:
+            parts = f"non-expert weights {gib(est.non_expert_bytes)} + KV cache for {est.context_len} tokens {gib(est.kv_bytes)}"
+            if est.draft_bytes:
+                parts += f" + draft model {gib(est.draft_bytes)}"
+            raise BudgetError(
+                f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached ({parts} + margin {gib(margin)}), "
+                f"the VRAM budget is {gib(vram_budget)}: lower --context-len, use a smaller draft or none, or use a smaller model"
+            )
+        if fixed + margin + expert_cache_bytes > vram_budget:
+            fit = max_cache_experts(est, vram_budget)
+            raise BudgetError(
+                f"expert cache of {gib(expert_cache_bytes)} does not fit the {gib(vram_budget - fixed - margin)} of VRAM left after "
+                f"non-expert weights, KV cache and margin: use --expert-cache-ratio {fit / est.num_experts_total:.3f} or less "
+                f"(--expert-cache-mib {fit * est.expert_bytes / 2**20:.0f}), or a shorter --context-len"
+            )
+    if ram_budget is not None and host_tier == "ram" and est.all_experts_bytes > ram_budget:
+        raise BudgetError(
+            f"the routed experts need {gib(est.all_experts_bytes)} of RAM, the RAM budget is {gib(ram_budget)}: "
+            f"use the mmap tier (--host-ram-mib {ram_budget / 2**20:.0f} reads experts from the checkpoint files), "
+            "or use a smaller model"
+        )

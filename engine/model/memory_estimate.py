@@ -1,0 +1,112 @@
+"""What a model needs in memory, from its config alone (issue 5, guardrails): nothing is loaded.
+
+Parameters are counted exactly by building the `transformers` module tree on the `meta` device
+(no allocation; the same tree the loader builds) and summing sizes; routed experts are told apart
+by the family record's sparse layers. A tied `lm_head` is counted once, as checkpoints store it.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, MoechatError
+from .families import Family, get_family
+from ..calibration.types import MemoryEstimate
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def hf_config_from(source):
+    """A model directory, a config.json-style dict (the known models) or a transformers config -> the config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        get_family(source.model_type)
+        return source
+    if isinstance(source, dict):
+        get_family(source.get("model_type", "<missing>"))
+        fields = {k: v for k, v in source.items() if k != "model_type"}
+        return AutoConfig.for_model(source["model_type"], **fields)
+    from .loader import load_hf_config
+
+    return load_hf_config(Path(source).expanduser())
+
+
+def meta_model(hf_config):
+    """The module tree of the config, every parameter on `meta` (fast: nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def count_params(hf, hf_config, family: Family) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameter counts of a module tree; shared parameters once."""
+    prefixes = tuple(family.module_key(f"model.layers.{i}.{family.block_name}.experts.") for i in family.sparse_layers(hf_config))
+    routed = total = 0
+    for name, p in hf.named_parameters():  # named_parameters yields a tied tensor once
+        total += p.numel()
+        if name.startswith(prefixes):
+            routed += p.numel()
+    return total - routed, routed
+
+
+def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
+    """KV cache bytes one token adds, as transformers' own attention caches it."""
+    layers = int(hf_config.num_hidden_layers)
+    if hf_config.model_type == "deepseek_v2":
+        # MLA: transformers' DeepseekV2Attention (5.x) caches the compressed latent before
+        # expansion: `past_key_values.update(k_nope [.., kv_lora_rank], k_pe [.., qk_rope_head_dim])`,
+        # one head each, so per token per layer kv_lora_rank + qk_rope_head_dim values.
+        return layers * (int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)) * dtype_bytes
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+    return layers * kv_heads * head_dim * 2 * dtype_bytes  # K and V
+
+
+def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft_bytes: int = 0) -> MemoryEstimate:
+    """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds."""
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    family = get_family(hf_config.model_type)
+    nbytes = DTYPE_BYTES[dtype]
+    non_expert, routed = count_params(hf, hf_config, family)
+    num_total = family.num_experts(hf_config) * len(family.sparse_layers(hf_config))
+    expert_params = 3 * int(hf_config.hidden_size) * family.expert_dim(hf_config)  # gate, up [I, H]; down [H, I]
+    if routed != expert_params * num_total:
+        raise RuntimeError(f"{family.model_type}: module tree has {routed} routed-expert parameters, config says {expert_params * num_total}")
+    return MemoryEstimate(
+        model_type=family.model_type, dtype=dtype, non_expert_bytes=non_expert * nbytes, expert_bytes=expert_params * nbytes,
+        num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),
+        context_len=int(context_len or getattr(hf_config, "max_position_embeddings", 4096)), draft_bytes=draft_bytes,
+        experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),
+    )
+
+
+def draft_weight_bytes(draft_dir, dtype: str) -> int:
+    """A separate dense draft model's weights, counted the same way (its config only)."""
+    from transformers import AutoConfig
+
+    path = Path(draft_dir).expanduser()
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"no config.json in draft directory {path}: pass --draft none, self or a model directory")
+    return sum(p.numel() for p in meta_model(AutoConfig.from_pretrained(path)).parameters()) * DTYPE_BYTES[dtype]
+
+
+def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, draft_dir=None) -> MemoryEstimate:
+    """source: a model directory, a known model's config dict or a transformers config."""
+    if context_len is not None and context_len < 1:
+        raise MoechatError(f"context length must be >= 1, got {context_len}")
+    hf_config = hf_config_from(source)
+    if dtype not in DTYPE_BYTES:
+        raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0
+    return estimate_module(meta_model(hf_config), hf_config, dtype, context_len, draft)
+
+
+def total_params(est: MemoryEstimate) -> int:
+    return (est.non_expert_bytes + est.all_experts_bytes) // DTYPE_BYTES[est.dtype]

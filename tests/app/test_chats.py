@@ -1,0 +1,236 @@
+"""The chat store: CRUD, migrations, refusing files it must not touch, export, and surviving a kill."""
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import moechat
+from moechat.app.chats import MIGRATIONS, ChatStore, store_path
+from moechat.engine.errors import MoechatError
+
+
+@pytest.fixture
+def store(tmp_path):
+    with ChatStore(tmp_path / "chats.sqlite3") as s:
+        yield s
+
+
+def test_default_location_is_the_data_directory():
+    # conftest points XDG_DATA_HOME at a temporary directory, so this never touches the user's chats.
+    assert store_path().name == "chats.sqlite3" and store_path().parent.name == "moechat"
+    assert store_path().is_relative_to(os.environ["XDG_DATA_HOME"])
+    ChatStore().close()
+    assert store_path().exists()
+
+
+def test_crud_and_ordering(store):
+    first = store.create("first")
+    second = store.create("second", system_prompt="Be brief.")
+    assert [c.id for c in store.conversations()] == [second, first]  # newest first
+    q = store.add(first, "user", "Hi")
+    a = store.add(first, "assistant", "Hello!")
+    # a message moves its conversation to the top
+    assert [c.id for c in store.conversations()] == [first, second]
+    messages = store.messages(first)
+    assert [(m.id, m.role, m.content, m.finished) for m in messages] == [
+        (q, "user", "Hi", True),
+        (a, "assistant", "Hello!", True),
+    ]
+    assert messages[0].created <= messages[1].created and messages[0].stats is None
+    assert store.messages(second) == []
+
+    # streaming: unfinished, updated, then finished with stats; update moves `updated` as well
+    r = store.add(second, "assistant", "", finished=False)
+    assert store.messages(second)[0].finished is False
+    before = store.conversations()[0].updated
+    store.add(first, "user", "again")
+    assert store.conversations()[0].id == first
+    time.sleep(0.01)
+    store.update(r, "partial", finished=False)
+    assert store.conversations()[0].id == second and store.conversations()[0].updated > before
+    store.update(r, "partial and done", finished=True, stats={"tokens_per_s": 12.5, "acceptance": 0.8})
+    store.update(r, "partial and done.", finished=True)  # stats=None keeps the stored ones
+    (reply,) = store.messages(second)
+    assert (reply.content, reply.finished, reply.stats) == (
+        "partial and done.", True, {"tokens_per_s": 12.5, "acceptance": 0.8}
+    )
+
+    store.delete_message(a)
+    assert [m.id for m in store.messages(first)] == [q, a + 2]
+    store.delete_message(a)  # already gone: no-op
+
+    with pytest.raises(ValueError, match="role"):
+        store.add(first, "robot", "beep")
+    with pytest.raises(KeyError):
+        store.add(9999, "user", "nobody home")
+    with pytest.raises(KeyError):
+        store.update(9999, "x", finished=True)
+
+
+def test_rename_delete_cascade_and_system_prompt(store, tmp_path):
+    keep = store.create("keep")
+    drop = store.create("drop")
+    store.add(keep, "user", "stays")
+    for i in range(3):
+        store.add(drop, "user", f"goes {i}")
+    store.rename(drop, "renamed")
+    store.set_system_prompt(drop, "You are a pirate.")
+    conv = store.conversation(drop)
+    assert (conv.title, conv.system_prompt) == ("renamed", "You are a pirate.")
+    with pytest.raises(KeyError):
+        store.rename(9999, "x")
+    with pytest.raises(KeyError):
+        store.set_system_prompt(9999, "x")
+
+    store.delete(drop)
+    assert [c.id for c in store.conversations()] == [keep]
+    assert store.messages(drop) == []
+    assert [m.content for m in store.messages(keep)] == ["stays"]
+    # the cascade really deleted the rows, not just hid them
+    with sqlite3.connect(tmp_path / "chats.sqlite3") as raw:
+        assert raw.execute("SELECT COUNT(*) FROM messages WHERE conv_id = ?", (drop,)).fetchone()[0] == 0
+
+
+def test_export_markdown(store):
+    conv = store.create("Sea  shanties\n", system_prompt="Be brief.\n\nRhyme.")
+    code = "Here:\n\n```python\ndef f(x):\n    return x  # keep    spacing\n```\n\nDone."
+    store.add(conv, "user", "Write f.")
+    store.add(conv, "assistant", code)
+    cut = store.add(conv, "assistant", "Start:\n```bash\necho hi", finished=False)
+    md = store.export_markdown(conv)
+    assert md == (
+        "# Sea shanties\n\n"
+        "> Be brief.\n>\n> Rhyme.\n\n"
+        "### You\n\nWrite f.\n\n"
+        f"### moechat\n\n{code}\n\n"
+        "### moechat\n\nStart:\n```bash\necho hi\n```\n\n*(interrupted)*\n"
+    )
+    store.update(cut, "Start:\n````\n```\nnested\n````", finished=True)  # balanced: left verbatim
+    assert store.export_markdown(conv).endswith("### moechat\n\nStart:\n````\n```\nnested\n````\n")
+
+    bare = store.create("Empty")
+    assert store.export_markdown(bare) == "# Empty\n"
+
+
+def test_migrations_from_empty_file_and_idempotent_reopen(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    path.touch()  # an empty file is an empty SQLite database
+    with ChatStore(path) as s:
+        conv = s.create("t")
+        s.add(conv, "user", "x")
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        tables = {r[0] for r in raw.execute("SELECT name FROM sqlite_master")}
+        assert {"conversations", "messages", "messages_by_conversation"} <= tables
+    for _ in range(2):  # reopening runs no migration again and loses nothing
+        with ChatStore(path) as s:
+            assert [m.content for m in s.messages(conv)] == ["x"]
+            assert s._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+
+
+def test_failed_migration_leaves_the_file_as_it_was(tmp_path, monkeypatch):
+    path = tmp_path / "chats.sqlite3"
+    ChatStore(path).close()
+    monkeypatch.setattr("moechat.app.chats.MIGRATIONS", MIGRATIONS + ["CREATE TABLE extra (x); SELECT nonsense();"])
+    with pytest.raises(MoechatError, match="cannot be used"):
+        ChatStore(path)
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+        assert raw.execute("SELECT name FROM sqlite_master WHERE name = 'extra'").fetchone() is None
+
+
+def test_database_from_a_newer_moechat_is_refused_untouched(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    with sqlite3.connect(path) as raw:
+        raw.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+        raw.execute("CREATE TABLE future (x)")
+    before = path.read_bytes()
+    with pytest.raises(MoechatError) as err:
+        ChatStore(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message
+    assert "newer moechat" in message and "move it aside" in message
+    assert path.read_bytes() == before
+
+
+def test_corrupt_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    path.write_bytes(b"this is not a database, it is a shopping list\n" * 100)
+    before = path.read_bytes()
+    with pytest.raises(MoechatError) as err:
+        ChatStore(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "move it aside" in message
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # no chained traceback
+    assert path.read_bytes() == before
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from moechat.app.chats import ChatStore
+
+store = ChatStore(Path(sys.argv[1]))
+conv = store.create("killed")
+for i in range(5):
+    store.add(conv, "user", f"question {i}")
+    store.add(conv, "assistant", f"answer {i}: " + "x" * 2000 + f"\\n```\\ncode {i}\\n```")
+reply = store.add(conv, "assistant", "", finished=False)
+text, n = "", 0
+while True:
+    n += 1
+    text += f"token{n} " + "y" * 200
+    store.update(reply, text, finished=False)
+    print(n, flush=True)  # after the commit: every number printed is in the file
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
+def test_killed_mid_reply_keeps_every_finished_message(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    env = dict(os.environ, PYTHONPATH=str(Path(moechat.__file__).resolve().parents[1]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        seen = 0
+        deadline = time.monotonic() + 30
+        while seen < 20 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                pytest.fail(f"writer exited early: {proc.stderr.read()}")
+            seen = int(line)
+        assert seen >= 20, "the writer did not get going within 30 s"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    with ChatStore(path) as store:
+        (conv,) = store.conversations()
+        messages = store.messages(conv.id)
+    assert len(messages) == 11
+    finished, (reply,) = messages[:10], messages[10:]
+    for i in range(5):
+        assert (finished[2 * i].role, finished[2 * i].content, finished[2 * i].finished) == (
+            "user", f"question {i}", True
+        )
+        answer = finished[2 * i + 1]
+        assert answer.finished and answer.content == f"answer {i}: " + "x" * 2000 + f"\n```\ncode {i}\n```"
+    assert reply.role == "assistant" and reply.finished is False
+    # the reply got at least as far as the last update the writer reported committed
+    assert reply.content.startswith("token1 ") and f"token{seen} " in reply.content

@@ -1,0 +1,121 @@
+"""The embedded demo model: shipped, lossless against `transformers`, the default, and as skewed as its card says."""
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+import torch
+from helpers import SEA, chat_ids
+
+from moechat.app.demo import DEMO_DIR, DEMO_DRAFT, DEMO_MODEL, routing_report
+from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
+from moechat.engine.events import Finished
+from moechat.engine.generate import Engine, Request
+
+
+
+def card_figure(label: str) -> float:
+    """A bold figure from the model card line that starts with `label`."""
+    card = (DEMO_DIR / "README.md").read_text()
+    m = re.search(rf"^- {re.escape(label)}(?:(?!\n- )[\s\S])*?\*\*([0-9.]+)\*\*", card, flags=re.M)  # within the bullet
+    assert m, f"the model card states no '{label}' figure"
+    return float(m.group(1))
+
+
+def test_demo_is_shipped_within_size():
+    files = [p for p in DEMO_DIR.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 30 * 2**20
+    for d in (DEMO_MODEL, DEMO_DRAFT):
+        assert (d / "config.json").is_file() and (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
+    assert json.loads((DEMO_MODEL / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize("drafter", ["none", str(DEMO_DRAFT), "self"])
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_demo_greedy_matches_transformers(drafter, ratio):
+    from transformers import AutoModelForCausalLM
+
+    prompt = chat_ids(SEA)
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt):].tolist()
+    engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL), expert_cache_ratio=ratio, spec=SpecConfig(drafter, 4)))
+    fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=64)))[-1]
+    assert isinstance(fin, Finished) and fin.token_ids == expected
+    if drafter != "none":
+        assert fin.summary.accepted > 0  # the draft model and self-draft predict something
+
+
+def test_demo_reply_is_english_like():
+    """Greedy replies to a few chat prompts are mostly dictionary-like words, not byte soup or one word looping."""
+    engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL)))
+    for prompt in (SEA, "How do I sort a list in Python?", "What is the capital of France?"):
+        fin = list(engine.generate(Request(messages=[{"role": "user", "content": prompt}]), SamplingParams(max_new_tokens=64)))[-1]
+        words = re.findall(r"[A-Za-z]+", fin.text)
+        assert len(words) >= 8, fin.text
+        assert sum(len(w) for w in words) >= 0.6 * len(fin.text.replace(" ", "")), fin.text  # mostly letters
+        assert max(words.count(w) for w in set(words)) <= len(words) // 2, fin.text  # not one word repeated
+
+
+def test_demo_routing_skew_matches_model_card():
+    """The card's skew and reuse figures are what moechat measures now, and both are far from uniform."""
+    report = routing_report(max_new_tokens=int(card_figure("Decode tokens per held-out prompt")))
+    assert report["routing_skew_mean"] == pytest.approx(card_figure("Routing skew"), abs=0.01)
+    assert report["routing_reuse"] == pytest.approx(card_figure("Routing reuse"), abs=0.01)
+    assert report["routing_skew_mean"] > 0.25 + 0.1  # uniform routing puts 25% on the top 25% of experts
+    assert report["routing_reuse"] > 2 * report["uniform_reuse"]
+
+
+def test_generate_defaults_to_the_demo(capsys):
+    from moechat.app.cli import main
+
+    rc = main(["generate", "--prompt", SEA, "--max-new-tokens", "64", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["text"].strip() and out["stats"]["new_tokens"] >= 1
+    assert out["stats"]["drafted"] > 0  # the demo's draft model is on by default
+    engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL)))
+    assert out["token_ids"] == list(engine.generate(Request(token_ids=chat_ids(SEA)), SamplingParams(max_new_tokens=64)))[-1].token_ids
+
+
+def test_configured_model_replaces_the_demo(checkpoint, capsys):
+    from moechat.app.cli import main
+    from moechat.app.settings import settings_path
+
+    path = checkpoint("olmoe")
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text(f'# mine\nmodel = "{path}"\n')
+    try:
+        assert main(["generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        engine = Engine(EngineConfig(model_dir=str(path)))
+        assert out["token_ids"] == list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=6)))[-1].token_ids
+        # a given --model wins over the file
+        assert main(["generate", "--model", str(DEMO_MODEL), "--prompt", "Hi", "--max-new-tokens", "2", "--json"]) == 0
+        capsys.readouterr()
+        settings_path().write_text("model = [broken\n")  # a broken file: defaults (the demo), one line, file kept
+        assert main(["generate", "--prompt", "Hi", "--max-new-tokens", "2", "--json"]) == 0
+        err = capsys.readouterr().err
+        assert "settings file" in err and "using defaults" in err and "Traceback" not in err
+        assert settings_path().read_text() == "model = [broken\n"
+    finally:
+        settings_path().unlink()
+
+
+def test_plain_chat_keeps_the_conversation(monkeypatch, capsys):
+    from moechat.app.cli import main
+
+    seen = []
+    real = Engine.encode
+
+    def spy(self, request):
+        seen.append(request.messages)
+        return real(self, request)
+
+    monkeypatch.setattr(Engine, "encode", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{SEA}\nAnd the moon?\n/reset\nHello\n"))
+    assert main(["chat", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("moechat> ") == 3
+    assert [len(m) for m in seen] == [1, 3, 1]  # history grows, /reset clears it
+    assert seen[1][0]["content"] == SEA and seen[1][1]["role"] == "assistant"

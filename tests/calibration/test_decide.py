@@ -1,0 +1,257 @@
+"""Memory estimates, guardrails and the decision logic (issue 5) on synthetic machines: no GPU needed.
+
+Three machines (a 24 GB PCIe 4.0 desktop with an RTX 4090, an 8 GB laptop GPU on PCIe 4.0 x8, a
+CPU-only box with 16 GB RAM) crossed with the two reference models' real configs (known_models).
+Their measurements are synthesised from bandwidth and FLOP rates with the shape the calibration
+measures: per-expert time = weight bytes / memory bandwidth + tokens × FLOPs / compute rate.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from moechat.engine.errors import BudgetError
+from moechat.engine.model.memory_budgets import GIB, check_budgets, vram_margin
+from moechat.engine.calibration.decide import decide, layer_seconds, omega
+from moechat.engine.model.memory_estimate import estimate, total_params
+from moechat.engine.calibration.known_models import KNOWN_MODELS, known_model
+from moechat.engine.calibration.types import GpuInfo, Hardware, Measurements
+
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def known():
+    """name -> its estimate at bf16 and 8192 tokens of context; built once (the meta tree of a 30 B model takes ~1 s)."""
+    return {name: estimate(config, "bfloat16", 8192) for name, config in KNOWN_MODELS.items()}
+
+
+MACHINES = {
+    # name: hardware, GPU memory bandwidth, CPU RAM bandwidth, CPU effective FLOP/s, acceptance, pinned H2D
+    "desktop-4090": (Hardware("AMD Ryzen 9 7950X", 16, ["avx2"], 64 * GIB, 58 * GIB, 500 * GB,
+                              [GpuInfo("NVIDIA GeForce RTX 4090", 24 * GIB, int(23.5 * GIB), "550", 4, 16)]),
+                     1000 * GB, 60 * GB, 0.5e12, 0.75, 25 * GB),
+    "laptop-8g": (Hardware("Intel Core i7-12700H", 8, ["avx2"], 32 * GIB, 27 * GIB, 300 * GB,
+                           [GpuInfo("NVIDIA GeForce RTX 4060 Laptop GPU", 8 * GIB, int(7.5 * GIB), "550", 4, 8)]),
+                  256 * GB, 40 * GB, 0.25e12, 0.7, 12 * GB),
+    "cpu-16g": (Hardware("Intel Core i5-8500", 6, ["avx2"], 16 * GIB, 13 * GIB, 200 * GB), None, 30 * GB, 0.2e12, 0.6, None),
+}
+
+
+def synthetic(name: str, est) -> Measurements:
+    _, gpu_bw, cpu_bw, cpu_flops, alpha, h2d = MACHINES[name]
+    flops = 2 * est.expert_bytes // 2  # bf16: 2 bytes per weight, 2 FLOPs per weight per token
+    tokens = range(1, 10)
+    cpu = [est.expert_bytes / cpu_bw + t * flops / cpu_flops for t in tokens]
+    dev = [est.expert_bytes / gpu_bw + t * flops / 80e12 for t in tokens] if gpu_bw else []
+    meas = Measurements(expert_bytes=est.expert_bytes, cpu_s_per_expert=cpu, device_s_per_expert=dev, max_tokens=9,
+                        h2d_pinned_bytes_s=h2d)
+    layers = est.num_experts_total // est.experts_per_layer
+    # Fixed part of a pass: 0.25 ms per layer (docs/scheduling.md's cost model) and the non-expert weights' reads.
+    fixed = layers * 0.25e-3 + est.non_expert_bytes / (gpu_bw or cpu_bw)
+    meas.verify_s = layers * layer_seconds(9, est, meas, 0.2 if gpu_bw else 0.0) + fixed
+    if gpu_bw:  # self-draft: the k routed experts of each layer on the device
+        meas.draft_s_per_token = layers * est.top_k * dev[0] + fixed
+        meas.acceptance = alpha
+    return meas
+
+
+@pytest.mark.parametrize("machine", list(MACHINES))
+@pytest.mark.parametrize("model", list(KNOWN_MODELS))
+def test_decisions_stay_within_budgets(known, machine, model):
+    hw = MACHINES[machine][0]
+    est = known[model]
+    d = decide(hw, est, synthetic(machine, est))
+    # every decision has a one-line reason
+    for field in ("expert_cache_ratio", "utility_bound", "draft_len", "forgetting", "drafter", "policy", "host_tier", "vram_split"):
+        assert d.reasons.get(field) and "\n" not in d.reasons[field], field
+    assert 0.0 <= d.expert_cache_ratio <= 1.0 and 1 <= d.utility_bound <= d.draft_len and 1 <= d.draft_len <= 12
+    slots = round(d.expert_cache_ratio * est.num_experts_total)
+    assert slots == d.expert_cache_ratio * est.num_experts_total or abs(slots - d.expert_cache_ratio * est.num_experts_total) < 1e-6
+    # host tier consistent with RAM: "ram" only when every expert fits the available RAM
+    assert (d.host_tier == "ram") == (est.all_experts_bytes + (0 if hw.gpus else est.non_expert_bytes + est.kv_bytes)
+                                      + max(2 * GIB, hw.ram_available_bytes // 20) <= hw.ram_available_bytes)
+    if not hw.gpus:
+        assert d.expert_cache_ratio == 0.0 and d.drafter == "none" and d.vram_split == {}
+        return
+    budget = hw.gpus[0].free_bytes
+    assert sum(d.vram_split.values()) <= budget
+    assert d.vram_split["expert_cache"] == slots * est.expert_bytes
+    assert d.vram_split["margin"] == vram_margin(budget)
+    # the ratio is the largest that fits: one more expert would not
+    if slots < est.num_experts_total:
+        assert sum(d.vram_split.values()) + est.expert_bytes > budget
+    assert d.drafter in ("self", "none") and d.policy in ("spac", "lfu", "lru")
+    # the plan the decisions imply passes the loader's guardrail
+    check_budgets(est, budget, hw.ram_available_bytes, d.vram_split["expert_cache"], d.host_tier)
+
+
+def test_desktop_qwen3_against_the_paper(known):
+    """RTX 4090 (24 GB, PCIe 4.0 x16) + Qwen3-30B-A3B, the paper's machine and model. Paper 000 uses
+    ratio 17 %, K = 4, γ = 8; decide() picks ratio 0.291, γ = 2, K = 2 here.
+
+    Ratio: at the model's full context (40960 tokens, 3.75 GiB of KV) with self-draft (no second
+    model) 29 % of the experts fit. The paper also keeps a Qwen3-4B-FP8 draft (≈ 4.5 GiB) in VRAM;
+    reserving that brings the ratio to 0.207, near its 17 % (asserted below).
+    γ: not near 8, and the model says why. The cold experts run on the CPU at a cost per *distinct*
+    expert (the engine's measured kernel model, docs/benchmarks.md), so a verification of γ+1
+    tokens costs about D(γ+1) experts per layer, and Qwen3's 128 experts with top-8 reuse little:
+    D(9)/k ≈ 5.6 (real-routing concentration included) against Ω(8, 0.75) = 3.7 tokens, the paper's
+    expert-reuse condition (App. A, Eq. 17) fails at γ = 8. What drafting buys is the fixed part of
+    a pass and the draft-phase prefetch (Eq. 10), which favour a short γ at α = 0.75: γ = 8 predicts
+    8.5 tok/s against 11.9 at γ = 2 and 10.0 without drafting (asserted below). A machine whose
+    verification is dominated by a fixed cost (attention, launch overhead) gets a long γ instead
+    (test_draft_len_maximises_expected_tokens_per_second). These are synthetic unit costs: a real
+    `moechat calibrate` on the GPU replaces them.
+    """
+    from moechat.engine.calibration.decide import distinct_experts, tokens_per_second
+
+    est = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16")  # full context
+    assert est.context_len == 40960
+    hw = MACHINES["desktop-4090"][0]
+    meas = synthetic("desktop-4090", est)
+    d = decide(hw, est, meas)
+    assert 0.08 <= d.expert_cache_ratio <= 0.35
+    assert 1 <= d.draft_len < 8 and d.utility_bound == min(4, d.draft_len)
+    assert d.drafter == "self" and d.policy == "spac" and d.host_tier == "ram"
+    assert distinct_experts(9, 128, 8) / 8 > omega(8, meas.acceptance)  # Eq. 17 fails at the paper's γ
+    assert "Ω" in d.reasons["draft_len"] and "reuse" in d.reasons["draft_len"]
+    rate = tokens_per_second(est, meas, d.expert_cache_ratio)
+    assert rate[d.draft_len] == max(rate.values()) > rate[8] and rate[d.draft_len] > rate[0]
+    print(f"desktop + Qwen3-30B-A3B: ratio {d.expert_cache_ratio:.3f}, K {d.utility_bound}, γ {d.draft_len}; "
+          f"{rate[0]:.1f} tok/s without drafting, {rate[d.draft_len]:.1f} at γ, {rate[8]:.1f} at γ = 8")
+    from dataclasses import replace
+
+    with_draft = decide(hw, replace(est, draft_bytes=int(4.5 * GIB)), meas, draft_options=("none", "/models/Qwen3-4B-FP8"))
+    assert with_draft.drafter == "/models/Qwen3-4B-FP8" and with_draft.vram_split["draft"] == int(4.5 * GIB)
+    assert 0.12 <= with_draft.expert_cache_ratio <= 0.22 < d.expert_cache_ratio
+    print(f"  with a 4.5 GiB draft model in VRAM: ratio {with_draft.expert_cache_ratio:.3f}")
+
+
+def test_draft_len_maximises_expected_tokens_per_second(known):
+    """γ is the argmax of Ω/(γ·T_D + T_V): a drafter as slow as the target is dropped; a near-free one
+    with high α, on a verification dominated by its fixed part, drafts long."""
+    from moechat.engine.calibration.decide import choose_draft_len
+
+    est = known["Qwen3-30B-A3B"]
+    hw = MACHINES["desktop-4090"][0]
+    base = synthetic("desktop-4090", est)
+    slow = decide(hw, est, Measurements(**{**base.__dict__, "draft_s_per_token": base.verify_s, "acceptance": 0.5}))
+    fast = decide(hw, est, Measurements(**{**base.__dict__, "draft_s_per_token": base.verify_s / 200, "acceptance": 0.95,
+                                           "verify_s": base.verify_s + 0.5}))
+    assert slow.drafter == "none" and "0." in slow.reasons["drafter"]
+    from dataclasses import replace
+
+    slow_model = decide(hw, replace(est, draft_bytes=4 * GIB), Measurements(**{**base.__dict__, "draft_s_per_token": base.verify_s}),
+                        draft_options=("none", "/models/draft"))
+    assert slow_model.drafter == "none" and slow_model.vram_split["draft"] == 0  # VRAM not kept for a drafter that loses
+    assert slow_model.expert_cache_ratio == decide(hw, est, base, draft_options=("none",)).expert_cache_ratio
+    assert fast.drafter == "self" and fast.draft_len >= 8 > slow.draft_len
+    gamma, speedup, _ = choose_draft_len(est, Measurements(**{**base.__dict__, "acceptance": 0.95, "verify_s": base.verify_s + 0.5,
+                                                              "draft_s_per_token": base.verify_s / 200}), 0.2)
+    assert gamma == fast.draft_len or abs(gamma - fast.draft_len) <= 2  # hot share 0.2 vs the decided ratio
+    assert speedup > 3
+    assert omega(8, 0.8) == pytest.approx((1 - 0.8**9) / 0.2)
+
+
+def test_unmeasured_drafter_keeps_the_default(known):
+    est = known["DeepSeek-V2-Lite"]
+    d = decide(MACHINES["desktop-4090"][0], est, Measurements(expert_bytes=est.expert_bytes))
+    assert d.draft_len == 4 and "not measured" in d.reasons["draft_len"]
+
+
+def test_known_model_totals(known):
+    """Public totals: Qwen3-30B-A3B 30.5 B parameters, DeepSeek-V2-Lite 15.7 B."""
+    assert total_params(known["Qwen3-30B-A3B"]) == pytest.approx(30.5e9, rel=0.02)
+    assert total_params(known["DeepSeek-V2-Lite"]) == pytest.approx(15.7e9, rel=0.02)
+    q = known["Qwen3-30B-A3B"]
+    assert (q.num_experts_total, q.expert_bytes) == (48 * 128, 3 * 2048 * 768 * 2)
+    assert q.kv_bytes_per_token == 48 * 4 * 128 * 2 * 2
+    ds = known["DeepSeek-V2-Lite"]
+    assert ds.num_experts_total == 26 * 64  # the first layer is dense
+    assert ds.kv_bytes_per_token == 27 * (512 + 64) * 2  # MLA: the compressed latent and the rope key
+    assert known_model("qwen3-30b-a3b") == KNOWN_MODELS["Qwen3-30B-A3B"] and known_model("nope") is None
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"])
+def test_estimate_matches_checkpoint_bytes(checkpoint, family):
+    """Non-expert + all experts = the bytes of every tensor in the safetensors files, exactly."""
+    from moechat.engine.model.checkpoint import Checkpoint
+
+    path = checkpoint(family)
+    ckpt = Checkpoint(path)
+    on_disk = sum(t["data_offsets"][1] - t["data_offsets"][0]
+                  for _, header in ckpt._headers.values() for k, t in header.items() if k != "__metadata__")
+    est = estimate(path, "float32")
+    assert est.non_expert_bytes + est.all_experts_bytes == on_disk
+    routed = sum(t["data_offsets"][1] - t["data_offsets"][0]  # routed experts only (`shared_experts.` does not match)
+                 for _, header in ckpt._headers.values() for k, t in header.items() if ".experts." in k)
+    assert est.all_experts_bytes == routed
+    assert est.context_len == 512
+
+
+def test_vram_budget_below_non_expert_weights_is_refused(known):
+    est = known["Qwen3-30B-A3B"]
+    with pytest.raises(BudgetError) as err:
+        check_budgets(est, 2 * GIB, None)
+    msg = str(err.value)
+    assert "\n" not in msg and "2.00 GiB" in msg and f"{est.non_expert_bytes / GIB:.2f} GiB" in msg and "--context-len" in msg
+    with pytest.raises(BudgetError, match="mmap"):
+        check_budgets(est, None, 16 * GIB, 0, "ram")
+    with pytest.raises(BudgetError, match="--expert-cache-ratio"):
+        check_budgets(est, 24 * GIB, None, est.all_experts_bytes)
+    hw = MACHINES["laptop-8g"][0]
+    with pytest.raises(BudgetError, match="VRAM budget is 2.00 GiB"):
+        decide(hw, est, Measurements(expert_bytes=est.expert_bytes), vram_budget=2 * GIB)
+
+
+def test_loader_refuses_before_loading(checkpoint, monkeypatch):
+    """The loader checks RAM before any expert loads: a machine 'smaller' than the experts is refused."""
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import loader
+
+    monkeypatch.setattr(loader, "physical_ram_bytes", lambda: 1024)
+    monkeypatch.setattr(loader.ExpertStore, "__init__", lambda *a, **k: pytest.fail("experts loaded before the check"))
+    with pytest.raises(BudgetError, match="use the mmap tier"):
+        loader.load_model(EngineConfig(model_dir=str(checkpoint("olmoe"))))
+
+
+def test_estimate_command_json(capsys):
+    from moechat.app.cli import main
+
+    assert main(["estimate", "--model", "deepseek-v2-lite", "--context-len", "4096", "--vram-gib", "8", "--ram-gib", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_type"] == "deepseek_v2" and out["context_len"] == 4096
+    assert out["total_params"] == pytest.approx(15.7e9, rel=0.02)
+    assert out["fits"] is True and 0 < out["max_expert_cache_ratio"] <= 1
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--vram-gib", "2", "--json"]) == 1  # does not fit: says why
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and "VRAM budget is 2.00 GiB" in out["problem"]
+    assert main(["estimate", "--model", "no-such-model"]) == 1
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--context-len", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "Qwen3-30B-A3B, DeepSeek-V2-Lite" in err and "context length must be >= 1" in err and len(err.strip().splitlines()) == 2
+
+
+def test_cpu_only_takes_a_draft_model_only_when_it_pays(known):
+    """CPU-only: never self-draft (no resident experts); a separate draft model (the demo ships one) when measured to pay."""
+    est = known["DeepSeek-V2-Lite"]
+    hw = MACHINES["cpu-16g"][0]
+    meas = synthetic("cpu-16g", est)
+    cheap = Measurements(**{**meas.__dict__, "draft_s_per_token": meas.verify_s / 50, "acceptance": 0.9,
+                            "verify_s": meas.verify_s * 3})  # a verification dominated by its fixed part
+    d = decide(hw, est, cheap, draft_options=("none", "self", "/models/draft"))
+    assert d.drafter == "/models/draft" and d.expert_cache_ratio == 0.0 and "×" in d.reasons["drafter"]
+    slow = Measurements(**{**meas.__dict__, "draft_s_per_token": meas.verify_s, "acceptance": 0.3})
+    assert decide(hw, est, slow, draft_options=("none", "self", "/models/draft")).drafter == "none"
+    assert decide(hw, est, cheap).drafter == "none"  # self only: nothing to draft with
+
+
+def test_estimate_counts_a_draft_model(checkpoint, draft_dir):
+    from moechat.engine.model.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(draft_dir)
+    on_disk = sum(t["data_offsets"][1] - t["data_offsets"][0]
+                  for _, header in ckpt._headers.values() for k, t in header.items() if k != "__metadata__")
+    est = estimate(checkpoint("qwen3_moe"), "float32", 64, draft_dir=draft_dir)
+    assert est.draft_bytes == on_disk and est.kv_bytes == 64 * est.kv_bytes_per_token

@@ -1,0 +1,184 @@
+"""Calibration profiles: TOML round trip, unusable files set aside with a notice, settings and the
+command line over the profile, measurements on the CPU, and `moechat calibrate` end to end."""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import types
+from dataclasses import replace
+
+import pytest
+
+from moechat.engine.calibration.profile import SCHEMA, Profile, load_profile, model_key, profile_path, save_profile
+from moechat.engine.calibration.types import Decisions, GpuInfo, Hardware, MemoryEstimate, Measurements
+
+FP = "abc123def456"
+
+
+@pytest.fixture(autouse=True)
+def own_config_dir(tmp_path, monkeypatch):
+    """Profiles and settings written here never reach other tests (a demo profile would change their runs)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def hardware() -> Hardware:
+    return Hardware("Test CPU", 4, ["avx2"], 16 << 30, 12 << 30, 500 << 30,
+                    gpus=[GpuInfo("Test GPU", 24 << 30, 22 << 30, "550.1", 4, 16)], torch_version="2.13")
+
+
+def decisions(**kw) -> Decisions:
+    base = Decisions(0.17, 3, 6, 0.2, "self", "lfu", "ram", {"expert_cache": 4 << 30, "margin": 1 << 30},
+                     {"draft_len": "γ = 6 maximises expected tokens per second"})
+    return replace(base, **kw)
+
+
+def profile(key: str, fp: str = FP) -> Profile:
+    meas = Measurements(expert_bytes=9 << 20, h2d_pinned_bytes_s=24e9, cpu_s_per_expert=[1e-4, 1.5e-4],
+                        device_s_per_expert=[2e-5, 2.1e-5], acceptance=0.6, max_tokens=2)
+    return Profile(fp, key, hardware(), meas, decisions())
+
+
+def test_round_trip(tmp_path):
+    p = profile(model_key(tmp_path))
+    path = save_profile(p)
+    assert path == profile_path(FP, model_key(tmp_path)) and path.name.startswith(FP) and path.suffix == ".toml"
+    assert path.parent == tmp_path / "config" / "moechat" / "profiles"
+    loaded, notice = load_profile(FP, model_key(tmp_path))
+    assert notice == "" and loaded == p
+    assert loaded.measurements.verify_s is None  # None is a missing key and reads back as None
+    assert load_profile(FP, model_key(tmp_path / "other")) == (None, "")  # no profile: no notice
+
+
+def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
+    key = model_key(tmp_path)
+    path = save_profile(profile(key))
+    path.write_text(edit(path.read_text()), encoding="utf-8")
+    loaded, notice = load_profile(FP, key)
+    assert loaded is None
+    assert "\n" not in notice and "moechat calibrate" in notice
+    assert not path.exists() and path.with_name(path.name + ".bad").exists()  # set aside, documented
+    assert load_profile(FP, key) == (None, "")  # next start: as if never calibrated
+    return notice
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda t: t.replace("[decisions]", "[decisions"), "corrupt"),  # not TOML
+    (lambda t: t.replace("expert_bytes = ", "expert_bytes = 'x' #"), "should be int"),  # wrong type
+    (lambda t: t.split("[decisions]")[0], "decisions is missing"),  # missing table
+    (lambda t: t.replace('drafter = "self"\n', ""), "drafter is missing"),
+    (lambda t: t.replace(f'fingerprint = "{FP}"', 'fingerprint = "0123456789ab"'), "another machine"),
+    (lambda t: t.replace(f"schema = {SCHEMA}", f"schema = {SCHEMA - 1}"), "schema"),
+    (lambda t: t.replace(f"schema = {SCHEMA}\n", ""), "schema None"),
+])
+def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
+    assert says in _corrupt_with(tmp_path, edit)
+
+
+def _config(argv):
+    from moechat.app.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", *argv])
+    return engine_config(args), args
+
+
+def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monkeypatch):
+    from moechat.app.demo import DEMO_MODEL
+    from moechat.app.settings import settings_path
+    from moechat.engine.calibration.probe import fingerprint, probe
+
+    fp = fingerprint(probe())
+    path = save_profile(replace(profile(model_key(DEMO_MODEL), fp), decisions=decisions(host_tier="mmap")))
+    cfg, args = _config(["--device", "cuda"])  # cuda: the profile's ratio applies (the engine is not built here)
+    assert args.profile == path
+    assert (cfg.spec.draft_len, cfg.spec.drafter, cfg.scheduler.policy) == (6, "self", "lfu")
+    assert (cfg.scheduler.utility_bound, cfg.scheduler.forgetting, cfg.expert_cache_ratio) == (3, 0.2, 0.17)
+    assert cfg.host_ram_budget_bytes == 0  # host tier mmap
+    cpu, _ = _config([])
+    assert cpu.expert_cache_ratio == 0.0  # a GPU's ratio is not applied to a CPU fast tier
+
+    cli, _ = _config(["--device", "cuda", "--draft-len", "2", "--policy", "lru", "--draft", "none",
+                      "--expert-cache-ratio", "0.5", "--host-ram-mib", "4096"])
+    assert (cli.spec.draft_len, cli.scheduler.policy, cli.spec.drafter, cli.expert_cache_ratio) == (2, "lru", "none", 0.5)
+    assert cli.host_ram_budget_bytes == 4096 << 20
+
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text("draft_len = 5\npolicy = 'eam'\nutility_bound = 2\nforgetting = 0.5\n"
+                               "expert_cache_ratio = 0.3\n", encoding="utf-8")
+    st, _ = _config(["--device", "cuda", "--draft-len", "7"])
+    assert (st.spec.draft_len, st.scheduler.policy, st.scheduler.utility_bound) == (7, "eam", 2)  # CLI > settings
+    assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.5, 0.3, "self")
+
+
+def test_unusable_profile_warns_and_runs_on_defaults(capsys):
+    from moechat.app.demo import DEMO_DRAFT, DEMO_MODEL
+    from moechat.engine.calibration.probe import fingerprint, probe
+
+    path = save_profile(profile(model_key(DEMO_MODEL), fingerprint(probe())))
+    path.write_text("schema = [", encoding="utf-8")
+    cfg, args = _config([])
+    err = capsys.readouterr().err
+    assert "warning: calibration profile" in err and "corrupt" in err and len(err.strip().splitlines()) == 1
+    assert args.profile is None and (cfg.spec.draft_len, cfg.scheduler.policy, cfg.spec.drafter) == (4, "spac", str(DEMO_DRAFT))
+
+
+def test_measure_on_cpu(checkpoint):
+    from moechat.engine.calibration.measure import measure
+
+    seen = []
+    m = measure(checkpoint("qwen3_moe"), replace(hardware(), gpus=[]), quick=True, draft_len=2, drafter="self",
+                prompts=["hello"], progress=lambda name, frac: seen.append(frac))
+    assert len(m.cpu_s_per_expert) == 3 and all(t > 0 for t in m.cpu_s_per_expert)  # 1..γ+1 tokens
+    assert m.device_s_per_expert == [] and m.h2d_pinned_bytes_s is None and m.d2h_pageable_bytes_s is None
+    assert m.ram_read_bytes_s > 0 and m.mmap_read_bytes_s > 0
+    assert m.expert_bytes > 0 and m.max_tokens == 3
+    assert m.draft_s_per_token > 0 and 0 <= m.acceptance <= 1
+    assert seen == sorted(seen) and seen[-1] == 1.0
+
+
+def test_calibrate_quick_then_generate_uses_the_profile(capsys):
+    """About 3 s here (1 torch thread, quick mode on the embedded demo)."""
+    from moechat.app.cli import main
+
+    assert main(["calibrate", "--quick", "--json"]) == 0
+    out, err = capsys.readouterr()
+    cal = json.loads(out)
+    assert set(cal) == {"hardware", "measurements", "decisions", "profile_path"}
+    assert "[100%] profile saved" in err  # progress on the terminal
+    meas = cal["measurements"]
+    assert all(t > 0 for t in meas["cpu_s_per_expert"]) and len(meas["cpu_s_per_expert"]) == meas["max_tokens"]
+    assert meas["acceptance"] is not None  # the demo ships a draft model
+
+    assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "4", "--json"]) == 0
+    gen = json.loads(capsys.readouterr().out)
+    assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4
+
+
+def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
+    """The settings' RAM budget bounds the expert store (below the experts' size: the mmap tier); the
+    VRAM budget caps what the loader may use on the GPU, below the free VRAM, before any weight loads."""
+    import torch
+
+    from moechat.app.settings import settings_path
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.errors import BudgetError
+    from moechat.engine.generate import Engine
+    from moechat.engine.model.memory_estimate import estimate
+    from moechat.engine.model.loader import check_load_budgets
+
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text("# mine\nvram_budget_gib = 1.5\nram_budget_gib = 0.0000001\n", encoding="utf-8")
+    cfg, _ = _config([])
+    assert cfg.vram_budget_bytes == int(1.5 * 2**30) and cfg.host_ram_budget_bytes == int(0.0000001 * 2**30)
+
+    path = checkpoint("qwen3_moe")
+    engine = Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=cfg.host_ram_budget_bytes))
+    assert engine.model.store.mmap  # the tiny budget put the experts on the mmap tier
+
+    est = estimate(path, dtype="float32")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    gpu = torch.device("cuda")
+    tight = EngineConfig(model_dir=str(path), device="cuda", vram_budget_bytes=est.non_expert_bytes // 2)
+    with pytest.raises(BudgetError, match="VRAM budget is"):
+        check_load_budgets(tight, est, gpu)  # 80 GiB free, but the budget is what counts
+    check_load_budgets(EngineConfig(model_dir=str(path), device="cuda"), est, gpu)  # no budget: free VRAM

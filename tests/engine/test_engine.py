@@ -1,0 +1,239 @@
+"""Generation API: events, stopping, cancellation, chat, traces; the two tiers and their policies."""
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+from moechat.engine.events import Error, Finished, StepStats, TokenDelta
+from moechat.engine.generate import Engine, Request
+from moechat.engine.trace import TraceRecorder, load_trace
+
+PROMPT = "What is a mixture of experts model?"
+
+
+def engine_for(path, **kw):
+    return Engine(EngineConfig(model_dir=str(path), **kw))
+
+
+def test_events_stream_consistent_stats(checkpoint):
+    engine = engine_for(checkpoint("qwen3_moe"), expert_cache_ratio=0.5, spec=SpecConfig("self", 4))
+    events = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=30)))
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    steps = [e for e in events if isinstance(e, StepStats)]
+    fin = events[-1]
+    assert isinstance(fin, Finished)
+    assert [t for d in deltas for t in d.token_ids] == fin.token_ids
+    assert "".join(d.text for d in deltas) == fin.text == engine.model.tokenizer.decode(fin.token_ids, skip_special_tokens=True)
+    s = fin.summary
+    assert s.new_tokens == 30 and s.steps == len(steps) and s.finish_reason == "length"
+    assert s.drafted == sum(st.drafted for st in steps) and s.accepted == sum(st.accepted for st in steps)
+    assert sum(st.accepted + 1 for st in steps) == 30 - 1  # the first token comes from the prefill
+    num_layers, top_k = 2, 2  # sparse layers and experts per token of the tiny qwen3_moe
+    for st in steps:
+        # every verified position chose top_k experts in every sparse layer
+        assert st.expert_freq.shape == (num_layers, 8)
+        assert int(st.expert_freq.sum()) == (st.drafted + 1) * num_layers * top_k == st.hits + st.misses
+        assert st.draft_s >= 0 and st.verify_s > 0
+        assert st.resident.dtype == torch.bool and int(st.resident.sum()) <= engine.model.cache.capacity
+    assert any(int(st.draft_expert_freq.sum()) > 0 for st in steps)
+    assert 0 < s.hit_rate < 1 and s.decode_tokens_per_s > 0 and s.ttft_s > 0
+
+
+def test_eos_and_stop_strings(checkpoint):
+    path = checkpoint("olmoe")
+    engine = engine_for(path)
+    base = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=20)))[-1]
+    # EOS: declare the 5th generated token an end-of-sequence token
+    eos = base.token_ids[4]
+    engine.model.eos_ids = {eos}
+    fin = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=20)))[-1]
+    cut = base.token_ids.index(eos) + 1
+    assert fin.token_ids == base.token_ids[:cut] and fin.summary.finish_reason == "eos"
+    engine.model.eos_ids = set()
+    # stop string: a piece of the text cuts generation there, and no delta leaks past it
+    stop = base.text[len(base.text) // 2:][:3]
+    events = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=20, stop=[stop])))
+    fin = events[-1]
+    assert fin.summary.finish_reason == "stop"
+    assert fin.text == base.text[: base.text.find(stop)]
+    assert "".join(e.text for e in events if isinstance(e, TokenDelta)) == fin.text
+
+
+def test_cancel_by_closing_then_generate_again(checkpoint):
+    engine = engine_for(checkpoint("deepseek_v2"), expert_cache_ratio=0.5, spec=SpecConfig("self", 4))
+    request, params = Request(prompt=PROMPT), SamplingParams(max_new_tokens=24)
+    gen = engine.generate(request, params)
+    for ev in gen:
+        if isinstance(ev, StepStats):
+            break
+    gen.close()  # the consumer walked away mid-reply
+    assert engine.model.runtime.phase == "prefill" and engine.model.runtime.remap is None
+    again = list(engine.generate(request, params))[-1]
+    fresh = list(engine_for(checkpoint("deepseek_v2"), spec=SpecConfig("self", 4)).generate(request, params))[-1]
+    assert isinstance(again, Finished) and again.token_ids == fresh.token_ids
+
+
+def test_stop_from_another_thread(checkpoint):
+    engine = engine_for(checkpoint("qwen2_moe"))
+    seen, done = [], threading.Event()
+
+    def consume():
+        for ev in engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=400)):
+            seen.append(ev)
+            if isinstance(ev, StepStats) and ev.step == 3:
+                engine.stop()
+        done.set()
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    worker.join(60)
+    assert done.is_set()
+    fin = seen[-1]
+    assert isinstance(fin, Finished) and fin.summary.finish_reason == "cancelled" and len(fin.token_ids) < 400
+    after = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=5)))[-1]
+    assert isinstance(after, Finished) and after.summary.finish_reason == "length"
+
+
+def test_chat_template_request(checkpoint, tokenizer):
+    engine = engine_for(checkpoint("mixtral"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    ids = engine.encode(Request(messages=messages))
+    assert ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    fin = list(engine.generate(Request(messages=messages), SamplingParams(max_new_tokens=5)))[-1]
+    assert isinstance(fin, Finished) and len(fin.token_ids) == 5
+
+
+def test_trace_records_routing(checkpoint, tmp_path):
+    engine = engine_for(checkpoint("deepseek_v2"), spec=SpecConfig("self", 4))
+    trace = TraceRecorder(engine.model.store.layers)
+    fin = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12), trace))[-1]
+    trace.write(tmp_path / "t.jsonl")
+    recs = load_trace(tmp_path / "t.jsonl")
+    prompt_len = fin.summary.prompt_tokens
+    assert {r["layer"] for r in recs} == {1, 2}  # layer 0 of this deepseek_v2 is dense
+    pre = [r for r in recs if r["phase"] == "prefill"]
+    assert len(pre) == 2 and pre[0]["positions"] == list(range(prompt_len))
+    verify = [r for r in recs if r["phase"] == "verify"]
+    assert verify and verify[0]["positions"][0] == prompt_len  # the first token, fed back
+    for r in recs:
+        assert len(r["experts"]) == len(r["positions"]) == len(r["weights"])
+        assert all(len(row) == 2 and len(set(row)) == 2 and all(0 <= e < 8 for e in row) for row in r["experts"])
+
+
+def test_lru_policy_evicts_least_recent(checkpoint):
+    engine = engine_for(checkpoint("qwen3_moe"), expert_cache_ratio=3 / 16, scheduler=SchedulerConfig("lru"))
+    cache, policy = engine.model.cache, engine.model.runtime.policy
+    assert cache.capacity == 3
+    counts = torch.zeros(8, dtype=torch.long)
+    for e in (0, 1, 2):
+        policy.on_layer(0, counts.index_fill(0, torch.tensor([e]), 1), "verify")
+    assert {k for k in cache.key_of} == {(0, 0), (0, 1), (0, 2)}
+    policy.on_layer(0, counts.index_fill(0, torch.tensor([0]), 1), "verify")  # touch 0: 1 is now the oldest
+    policy.on_layer(1, counts.index_fill(0, torch.tensor([5]), 2), "verify")  # a miss evicts (0, 1)
+    assert {k for k in cache.key_of} == {(0, 0), (0, 2), (1, 5)}
+    policy.on_layer(1, counts.index_fill(0, torch.tensor([6]), 1), "draft")  # drafting never moves experts
+    assert not cache.is_resident(1, 6)
+
+
+def test_static_policy_pins_warmup_top_experts(checkpoint):
+    engine = engine_for(checkpoint("qwen3_moe"), expert_cache_ratio=0.25, scheduler=SchedulerConfig("static"))
+    list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=1)))
+    policy, cache = engine.model.runtime.policy, engine.model.cache
+    assert policy.frozen and len(cache) == cache.capacity == 4
+    top = torch.argsort(-policy.freq.flatten(), stable=True)[:4].tolist()
+    assert sorted(li * 8 + e for li, e in filter(None, cache.key_of)) == sorted(top)
+    before = cache.resident_mask().clone()
+    list(engine.generate(Request(prompt="Hello! How are you today?"), SamplingParams(max_new_tokens=10)))
+    assert torch.equal(before, cache.resident_mask())  # pinned: nothing moves after the warm-up
+
+
+def test_cache_slots_hold_store_weights(checkpoint):
+    engine = engine_for(checkpoint("olmoe"), expert_cache_ratio=1.0)
+    list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=4)))
+    cache, store = engine.model.cache, engine.model.store
+    assert len(cache) > 0
+    for slot, key in enumerate(cache.key_of):
+        if key is not None:
+            gate_up, down = store.weights(*key)
+            assert torch.equal(cache.gate_up[slot], gate_up) and torch.equal(cache.down[slot], down)
+    assert cache.bytes_moved == cache.loads * store.expert_bytes
+
+
+def test_self_draft_substitutes_nearest_resident(checkpoint):
+    engine = engine_for(checkpoint("olmoe"), expert_cache_ratio=0.25, spec=SpecConfig("self", 4))
+    drafter, cache = engine.drafter, engine.model.cache
+    assert drafter.remap(0) is None  # nothing resident yet: the draft skips routed experts
+    for e in (1, 6):
+        cache.load(0, e)
+    table = drafter.remap(0)
+    dist = drafter.distances()[0]
+    assert table[1] == 1 and table[6] == 6
+    for e in range(8):
+        assert table[e] in (1, 6)
+        assert dist[e, table[e]] == min(dist[e, 1], dist[e, 6])
+    # distances are the L2 distances of the flattened expert weights
+    gate_up, down = engine.model.store.layer_tensors(0)
+    flat = torch.cat([gate_up.reshape(8, -1), down.reshape(8, -1)], 1).double()
+    assert torch.allclose(dist.double(), torch.cdist(flat, flat) ** 2, rtol=1e-4, atol=1e-6)
+
+
+def test_affinity_table_cached_on_disk(checkpoint, monkeypatch):
+    from moechat.engine.speculative import drafters
+
+    path = checkpoint("mixtral", 3)
+    first = engine_for(path, expert_cache_ratio=0.5, spec=SpecConfig("self", 4)).drafter.distances()
+    cache_file = drafters._affinity_cache_path(engine_for(path).model)
+    assert cache_file.is_file()
+
+    def boom(*a):
+        raise AssertionError("recomputed although cached")
+
+    monkeypatch.setattr(drafters, "expert_distances", boom)
+    again = engine_for(path, spec=SpecConfig("self", 4)).drafter.distances()
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    cache_file.write_bytes(b"garbage")  # a corrupt cache file is recomputed, never a crash
+    monkeypatch.undo()
+    fresh = engine_for(path, spec=SpecConfig("self", 4)).drafter.distances()
+    assert all(torch.equal(a, b) for a, b in zip(first, fresh))
+
+
+def test_generate_cli_json_and_trace(checkpoint, tmp_path, capsys):
+    from moechat.app.cli import main
+
+    path = checkpoint("qwen3_moe")
+    rc = main(["generate", "--model", str(path), "--prompt", PROMPT, "--raw", "--draft", "self", "--draft-len", "3",
+               "--max-new-tokens", "10", "--json", "--trace", str(tmp_path / "tr.jsonl")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    obj = json.loads(out)
+    assert len(obj["token_ids"]) == 10 and isinstance(obj["text"], str)
+    assert obj["stats"]["new_tokens"] == 10 and "decode_tokens_per_s" in obj["stats"]
+    assert load_trace(tmp_path / "tr.jsonl")
+    engine = engine_for(path, spec=SpecConfig("self", 3))
+    assert obj["token_ids"] == list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=10)))[-1].token_ids
+
+
+def test_sampling_is_reproducible_with_seed(checkpoint):
+    engine = engine_for(checkpoint("qwen2_moe"), spec=SpecConfig("self", 4))
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=123, max_new_tokens=20)
+    a = list(engine.generate(Request(prompt=PROMPT), params))[-1]
+    b = list(engine.generate(Request(prompt=PROMPT), params))[-1]
+    assert isinstance(a, Finished) and a.token_ids == b.token_ids
+
+
+def test_error_event_for_chat_without_template(checkpoint, tmp_path):
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint("olmoe"), path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in path.glob("chat_template.*"):
+        f.unlink()
+    engine = engine_for(path)
+    events = list(engine.generate(Request(messages=[{"role": "user", "content": "hi"}])))
+    assert isinstance(events[-1], Error) and "chat template" in events[-1].message

@@ -1,0 +1,217 @@
+"""The native CPU expert FFN (csrc/cpu) against its pure-PyTorch twin, on every path this CPU has."""
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+from moechat.engine import native
+from moechat.engine.experts import cpu_ffn
+
+pytestmark = pytest.mark.native
+needs_native = pytest.mark.skipif(not cpu_ffn.available(), reason=f"native CPU kernels not built: {native.notice('cpu')}")
+ISAS = [isa for isa in ("scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16") if cpu_ffn.isa_supported(isa)]
+# paths that round activations and the hidden product to bf16 before their dot products (as torch bf16 does)
+ROUNDS_TO_BF16 = {"avx512_bf16", "amx_bf16"}
+
+
+def case(H, I, sizes, w_dtype, x_dtype, E=6, N=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(w_dtype)  # [E, 2I, H]
+    down = (torch.randn(E, H, I, generator=g) * 0.1).to(w_dtype)  # [E, H, I]
+    x = torch.randn(N, H, generator=g).to(x_dtype)  # [N, H]
+    experts = torch.randperm(E, generator=g)[:len(sizes)]
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int64)
+    S = int(offsets[-1])
+    rows = torch.randint(0, N, (S,), generator=g)
+    weights = torch.rand(S, generator=g)
+    return x, gate_up, down, experts, offsets, rows, weights
+
+
+def reference(x, gate_up, down, experts, offsets, rows, weights):
+    """The twin in float32 on the same (rounded) weights and activations."""
+    out = torch.zeros(x.shape[0], x.shape[1])
+    return cpu_ffn.moe_ffn_torch(x.float(), gate_up.float(), down.float(), experts, offsets, rows, weights, out)
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+SHAPES = [  # H, I, tokens per group: odd shapes (vector tails), 32-multiples (AMX), empty groups, one token
+    (67, 45, [9, 0, 3, 1]),
+    (128, 96, [1, 2, 4, 8, 9, 16]),
+    (33, 17, [1]),
+    (256, 64, [0, 5, 0]),
+]
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+          (torch.float16, torch.float16), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)]
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_dtype,x_dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_native_equals_reference(isa, w_dtype, x_dtype):
+    path = cpu_ffn.resolved_isa(isa, w_dtype, x_dtype)
+    tol = 1e-2 if path in ROUNDS_TO_BF16 else 2e-5
+    for H, I, sizes in SHAPES:
+        args = case(H, I, sizes, w_dtype, x_dtype)
+        ref = reference(*args)
+        got = cpu_ffn.moe_ffn_native(*args, out=torch.full_like(ref, 0.5), isa=isa) - 0.5  # accumulates into out
+        assert rel_err(got, ref) < tol, (isa, path, H, I, sizes)
+
+
+@needs_native
+def test_bf16_paths_match_torch_bf16_rounding():
+    """Where activations are rounded to bf16, the result is as close to torch's own bf16 twin as
+    torch bf16 is to float32: no path adds error beyond the format's."""
+    args = case(128, 96, [1, 3, 9], torch.bfloat16, torch.bfloat16)
+    ref = reference(*args)
+    torch_bf16 = cpu_ffn.moe_ffn_torch(*args, out=torch.zeros_like(ref))
+    for isa in ISAS:
+        got = cpu_ffn.moe_ffn_native(*args, out=torch.zeros_like(ref), isa=isa)
+        assert rel_err(got, ref) <= 2 * rel_err(torch_bf16, ref) + 1e-6, isa
+
+
+@needs_native
+def test_threads_do_not_change_the_result():
+    """Each output element sums its experts in one order whatever the thread count: bitwise equal."""
+    args = case(256, 128, [3, 1, 0, 7, 2], torch.float32, torch.float32, E=8)
+    one = cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, 256), threads=1)
+    two = cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, 256), threads=2)
+    assert torch.equal(one, two)
+
+
+@needs_native
+def test_no_groups_and_no_activations_leave_out_untouched():
+    x, gate_up, down, *_ = case(64, 32, [1], torch.float32, torch.float32)
+    out = torch.ones(5, 64)
+    empty = torch.zeros(0, dtype=torch.int64)
+    cpu_ffn.moe_ffn_native(x, gate_up, down, empty, torch.zeros(1, dtype=torch.int64), empty, torch.zeros(0), out)
+    two_empty = torch.tensor([0, 0, 0])
+    cpu_ffn.moe_ffn_native(x, gate_up, down, torch.tensor([1, 2]), two_empty, empty, torch.zeros(0), out)
+    assert torch.equal(out, torch.ones(5, 64))
+
+
+@needs_native
+def test_the_call_releases_the_gil():
+    """Another Python thread keeps running during a native call (so the device path runs meanwhile)."""
+    args = case(1024, 512, [9] * 16, torch.float32, torch.float32, E=16)
+    out = torch.zeros(5, 1024)
+    cpu_ffn.moe_ffn_native(*args, out=out, threads=1)  # warm
+    ticks = 0
+
+    def work():
+        for _ in range(5):
+            cpu_ffn.moe_ffn_native(*args, out=out, threads=1)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    while worker.is_alive():
+        ticks += 1
+    worker.join()
+    assert ticks > 1000
+
+
+@needs_native
+def test_dispatcher_takes_native_for_decode_and_torch_for_prefill(monkeypatch):
+    calls = []
+    real = cpu_ffn.moe_ffn_native
+    monkeypatch.setattr(cpu_ffn, "moe_ffn_native", lambda *a, **k: calls.append(1) or real(*a, **k))
+    small = case(64, 32, [2, 3], torch.float32, torch.float32)
+    cpu_ffn.moe_ffn(*small, out=torch.zeros(5, 64))
+    assert calls == [1]
+    big = case(64, 32, [cpu_ffn.NATIVE_MAX_TOKENS + 1], torch.float32, torch.float32)
+    got = cpu_ffn.moe_ffn(*big, out=torch.zeros(5, 64))
+    assert calls == [1] and rel_err(got, reference(*big)) < 1e-5
+
+
+def test_missing_compiler_gives_a_notice_and_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))  # nothing cached there
+    native.reset()
+    try:
+        assert cpu_ffn.library() is None
+        msg = native.notice("cpu")
+        assert "\n" not in msg and "pure-PyTorch" in msg and "could not run" in msg
+        args = case(64, 32, [2, 1], torch.float32, torch.float32)
+        assert rel_err(cpu_ffn.moe_ffn(*args, out=torch.zeros(5, 64)), reference(*args)) < 1e-6
+    finally:
+        native.reset()
+
+
+def test_native_off_by_environment(monkeypatch):
+    monkeypatch.setenv("MOECHAT_NATIVE", "0")
+    native.reset()
+    try:
+        assert cpu_ffn.library() is None and "MOECHAT_NATIVE=0" in native.notice("cpu")
+    finally:
+        native.reset()
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_engine_runs_cpu_experts_natively_and_stays_lossless(family, checkpoint, tokenizer, monkeypatch):
+    """The CPU tier goes through the native kernel (hybrid, with a self drafter) and greedy output
+    still equals transformers'."""
+    from helpers import PROMPT, hf_greedy, run_engine
+
+    calls = []
+    real = cpu_ffn.moe_ffn_native
+    monkeypatch.setattr(cpu_ffn, "moe_ffn_native", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model_dir = checkpoint(family, 2)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    fin = run_engine(model_dir, prompt, expert_cache_ratio=0.25, policy="spac", drafter="self", draft_len=3)
+    assert fin.token_ids == hf_greedy(model_dir, prompt)
+    assert calls and fin.summary.misses > 0, "the CPU tier never reached the native kernel"
+
+
+def test_generate_without_a_compiler_says_so_once_and_answers(checkpoint, monkeypatch, tmp_path, capsys):
+    from moechat.app.cli import main
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    native.reset()
+    try:
+        code = main(["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt-ids", "5,6,7", "--max-new-tokens", "4",
+                     "--raw", "--json"])
+    finally:
+        native.reset()
+    out, err = capsys.readouterr()
+    assert code == 0 and len(__import__("json").loads(out)["token_ids"]) == 4
+    notes = [line for line in err.splitlines() if line.startswith("note: native cpu kernels unavailable")]
+    assert len(notes) == 1 and "pure-PyTorch" in notes[0]
+
+
+@needs_native
+def test_a_damaged_cached_build_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
+    native.reset()
+    try:
+        path = native._builders["cpu"]()  # built, not loaded (overwriting a loaded library would crash this process)
+        path.write_bytes(b"not a shared library")  # e.g. a write cut short
+        assert cpu_ffn.library() is not None and native.notice("cpu") == ""
+        assert path.read_bytes()[:4] == b"\x7fELF" or sys.platform != "linux"
+    finally:
+        native.reset()
+
+
+@needs_native
+def test_portable_build_without_x86_paths(tmp_path, monkeypatch):
+    """The library as it builds on a non-x86 CPU (ARM: Apple silicon, Linux ARM): only the portable
+    path, and it equals the reference."""
+    import ctypes
+
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
+    path = native.build("cpu_portable", [cpu_ffn.SOURCE], ["-DMOE_PORTABLE_ONLY"],
+                        headers=sorted(cpu_ffn.SOURCE.parent.glob("*.h")))
+    lib = ctypes.CDLL(str(path))
+    lib.moe_expert_ffn.argtypes = cpu_ffn._ARGTYPES
+    assert [lib.moe_cpu_isa_supported(cpu_ffn.ISA[i]) for i in ("scalar", "avx2", "avx512", "amx_bf16")] == [1, 0, 0, 0]
+    x, gate_up, down, experts, offsets, rows, weights = case(67, 45, [9, 0, 3, 1], torch.bfloat16, torch.bfloat16)
+    out = torch.zeros(5, 67)
+    code = lib.moe_expert_ffn(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+                              1, 67, 45, x.data_ptr(), 1, rows.data_ptr(), weights.data_ptr(), out.data_ptr(), 2, 0)
+    assert code == 0 and rel_err(out, reference(x, gate_up, down, experts, offsets, rows, weights)) < 2e-5

@@ -1,0 +1,326 @@
+"""The chat app (`app/tui/app.py`, `screens/chat.py`) driven with Textual's Pilot against the real
+engine thread and a tiny model: streaming, storing, stopping, chatting again, switching, exporting,
+help, failures as notifications, the command line's TTY switch, and a snapshot of the chat screen."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from moechat.app.chats import ChatStore
+from moechat.app.tui.app import MoechatApp
+from moechat.app.tui.screens.chat import MessageView, last_code_block
+from moechat.app.tui.screens.help import HelpScreen
+from moechat.engine.config import EngineConfig, SamplingParams
+from moechat.engine.errors import MoechatError
+
+SIZE = (120, 40)
+
+
+def make_app(tmp_path: Path, factory, max_new_tokens: int = 8) -> MoechatApp:
+    return MoechatApp(factory, SamplingParams(max_new_tokens=max_new_tokens), store_path=tmp_path / "chats.sqlite3",
+                      export_dir=tmp_path / "export", settings_file=tmp_path / "settings.toml")
+
+
+def debug(app) -> str:
+    chat = app.chat
+    stored = app.store.messages(chat.conv_id) if chat.conv_id else []
+    return (f"reply={chat.reply and (chat.reply.request_id, chat.reply.text[:40])} state={chat.state!r} "
+            f"stored={[(m.role, m.content[:30], m.finished) for m in stored]} notices={[n.message for n in app._notifications]}")
+
+
+async def until(pilot, cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {debug(pilot.app)}"
+        await pilot.pause(0.02)
+
+
+async def send(pilot, text: str) -> None:
+    await pilot.click("#input")
+    await pilot.press(*text, "enter")
+
+
+def pilot_test(fn):
+    """Run an async test body on its own event loop (the project runs no asyncio pytest plugin)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        asyncio.run(fn(*args, **kwargs))
+
+    return run
+
+
+def errors(app) -> list[str]:
+    return [n.message for n in app._notifications if n.severity == "error"]
+
+
+@pytest.fixture
+def stored(tmp_path):
+    """Two stored conversations: 'older' (with a code block) and then 'newer'."""
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    older = store.create("older")
+    store.add(older, "user", "show me code")
+    store.add(older, "assistant", "Here:\n\n```python\nprint('moe')\n```\n\nDone.")
+    time.sleep(0.01)
+    newer = store.create("newer")
+    store.add(newer, "user", "hello there")
+    store.add(newer, "assistant", "Hello! How are you today?")
+    store.close()
+    return older, newer
+
+
+@pilot_test
+async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
+    path = checkpoint("qwen3_moe", max_position_embeddings=4096)  # room for a reply long enough to stop
+    app = make_app(tmp_path, lambda: EngineConfig(str(path)), max_new_tokens=3000)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: chat.model == path.name, "the engine to load")
+        assert "policy" in chat.query_one("#status").render().plain  # the ready summary in the status line
+
+        await send(pilot, "What is a mixture of experts model?")
+        await until(pilot, lambda: chat.reply is not None and chat.reply.text, "streamed text")
+        reply = chat.reply
+        (conv,) = app.store.conversations()
+        assert conv.title == "What is a mixture of experts model?"
+        stored = app.store.messages(conv.id)
+        assert [m.role for m in stored] == ["user", "assistant"] and stored[1].finished is False  # stored at its start
+        assert reply.view.content == reply.text  # the streaming widget shows the text so far
+        await until(pilot, lambda: app.store.messages(conv.id)[1].content, "the reply saved as it streams")
+        assert app.store.messages(conv.id)[1].finished is False and chat.reply is reply
+
+        await pilot.press("escape")  # stop mid-reply
+        await until(pilot, lambda: chat.reply is None, "the reply to stop")
+        stopped = app.store.messages(conv.id)[1]
+        assert stopped.finished and stopped.content and stopped.content == reply.view.content
+        assert "stopped" in reply.view.query_one(".role").render().plain
+        assert chat.stats is not None and chat.stats.new_tokens < 3000
+
+        app.sampling = SamplingParams(max_new_tokens=6)
+        await send(pilot, "Hello!")
+        await until(pilot, lambda: chat.reply is None and len(app.store.messages(conv.id)) == 4, "the second reply")
+        messages = app.store.messages(conv.id)
+        assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
+        assert messages[3].finished and 1 <= messages[3].stats["new_tokens"] <= 6  # random weights: may end early
+        views = list(chat.query(MessageView))
+        assert [v.content for v in views] == [m.content for m in messages]
+
+        old = views[-1]
+        await pilot.press("ctrl+r")  # regenerate: the last reply is replaced, not added to
+        await until(pilot, lambda: chat.reply is None and chat.query(MessageView).last() is not old, "the regenerated reply")
+        again = app.store.messages(conv.id)
+        assert [m.id for m in again[:3]] == [m.id for m in messages[:3]] and len(again) == 4 and again[3].finished
+        assert [v.message_id for v in chat.query(MessageView)] == [m.id for m in again]
+
+        status = chat.query_one("#status").render().plain
+        assert "tok/s" in status and "hit rate" in status and "acceptance" in status
+        await until(pilot, lambda: chat.query_one("#heatmap").frame is not None, "a heatmap frame")
+        assert len(chat.query_one("#heatmap").frame.utility) == 2  # qwen3_moe's two MoE layers
+        assert not errors(app)
+
+        app.sampling = SamplingParams(max_new_tokens=3000)
+        await send(pilot, "One more?")
+        await until(pilot, lambda: chat.reply is not None, "the last reply to start")
+        await pilot.pause(0.3)
+        partial = chat.reply  # quitting now (leaving run_test) keeps what it wrote, unfinished
+        assert partial is not None
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    last = store.messages(conv.id)[-1]
+    store.close()
+    assert last.id == partial.message_id and not last.finished and last.content.startswith(partial.text)
+
+
+@pilot_test
+async def test_switch_export_help_and_engine_failure(tmp_path, stored):
+    older, newer = stored
+
+    def broken():
+        raise MoechatError("no checkpoint at /nowhere: pick a model in the settings")
+
+    app = make_app(tmp_path, broken)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: errors(app), "the load failure notification")
+        assert "no checkpoint at /nowhere" in errors(app)[0] and app.is_running  # a notice, not a crash
+        assert chat.conv_id == newer  # the most recent conversation opens
+        assert [v.content for v in chat.query(MessageView)] == ["hello there", "Hello! How are you today?"]
+
+        chat.query_one("#conversations").focus()
+        await pilot.press("down", "enter")  # the second in the list: the older one
+        await until(pilot, lambda: chat.conv_id == older, "the switch")
+        assert [v.role for v in chat.query(MessageView)] == ["user", "assistant"]
+        assert chat.query(MessageView).last().content.startswith("Here:")
+
+        app.copy_to_clipboard("")
+        await pilot.press("f9")  # the last reply's last code block
+        assert app.clipboard == "print('moe')"
+
+        await pilot.press("ctrl+o")
+        (exported,) = (tmp_path / "export").glob("*.md")
+        assert "older" in exported.name and "print('moe')" in exported.read_text() and "show me code" in exported.read_text()
+
+        await send(pilot, "are you there?")  # the engine has no model: the request fails with a notice
+        await until(pilot, lambda: len(errors(app)) == 2 and chat.reply is None, "the request failure")
+        assert "no model is loaded" in errors(app)[1]
+        assert [m.content for m in app.store.messages(older)][-1] == "are you there?"  # the empty reply is dropped
+
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        assert "ctrl+n" in app.screen.query_one("Markdown").source.lower()
+        await pilot.press("escape")
+        assert app.screen is chat
+
+        await pilot.press("ctrl+p", *"expert view", "enter")  # the command palette's own entry
+        await until(pilot, lambda: chat.query_one("#side-panel").display, "the expert view")
+        assert chat.query_one("#heatmap") and chat.query_one("#stats")
+
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: len(app.store.conversations()) == 3, "the new chat")
+        assert chat.conv_id not in (older, newer) and not list(chat.query(MessageView))
+
+
+@pilot_test
+async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, stored):
+    older, newer = stored
+    (tmp_path / "settings.toml").write_text('# mine\n[keys]\nnew_chat = "ctrl+b"\nnope = "f6"\n')
+
+    def broken():
+        raise MoechatError("no model here")
+
+    app = make_app(tmp_path, broken)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await pilot.pause()
+        assert any("nope" in n.message for n in app._notifications)  # the unknown binding id is named
+
+        await pilot.press("f2", "ctrl+u", *"renamed", "enter")
+        assert app.store.conversation(newer).title == "renamed"
+        assert "renamed" in chat.query_one("#conversations").children[0].query_one("Label").render().plain
+
+        await pilot.press("ctrl+s", *"Be brief.", "ctrl+s")
+        assert app.store.conversation(newer).system_prompt == "Be brief."
+
+        await pilot.press("ctrl+b")  # new_chat, remapped from the settings' [keys]
+        await until(pilot, lambda: len(app.store.conversations()) == 3, "the remapped new chat")
+
+        await pilot.press("f8", "y")
+        await until(pilot, lambda: len(app.store.conversations()) == 2, "the delete")
+        assert chat.conv_id in (older, newer)
+
+        await pilot.press("f12")
+        from moechat.app.tui.screens.settings import SettingsScreen
+
+        assert isinstance(app.screen, SettingsScreen)
+        await pilot.press("escape")
+        assert app.screen is chat
+
+        await pilot.press("ctrl+t")
+        assert app.theme == "textual-light"
+        text = (tmp_path / "settings.toml").read_text()
+        assert 'theme = "light"' in text and "# mine" in text and 'new_chat = "ctrl+b"' in text
+
+
+@pilot_test
+async def test_first_run_opens_the_wizard_before_the_model_loads(tmp_path):
+    from moechat.app.tui.screens.wizard import WizardScreen
+
+    loads = []
+
+    def factory():
+        loads.append(1)
+        raise MoechatError("no model yet")
+
+    app = MoechatApp(factory, store_path=tmp_path / "chats.sqlite3", settings_file=tmp_path / "settings.toml",
+                     first_run=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, WizardScreen) and not loads
+        app.screen.dismiss(None)  # cancelled: chat with what the settings say
+        await until(pilot, lambda: loads and app.screen is app.chat, "the engine to start after the wizard")
+
+
+def test_last_code_block():
+    assert last_code_block("a\n```py\nx = 1\n```\nb\n```\ny\n```") == "y"
+    assert last_code_block("no code") is None
+    assert last_code_block("```sh\nunfinished") == "unfinished"  # a reply stopped inside a block
+
+
+def test_moechat_opens_the_app_only_on_a_terminal(monkeypatch):
+    from moechat.app import cli, plain_chat
+    from moechat.app.tui import app as tui_app
+
+    ran = []
+    monkeypatch.setattr(tui_app, "run_tui", lambda args: ran.append("tui") or 0)
+    monkeypatch.setattr(plain_chat, "cmd_chat", lambda args: ran.append("plain") or 0)
+    for tty in (True, False):
+        monkeypatch.setattr(sys.stdin, "isatty", lambda tty=tty: tty, raising=False)
+        monkeypatch.setattr(sys.stdout, "isatty", lambda tty=tty: tty, raising=False)
+        assert cli.main([]) == 0
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    assert cli.main(["chat", "--plain"]) == 0
+    assert ran == ["tui", "plain", "plain"]
+
+
+def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
+    """The chat screen with a stored conversation while the model loads (the factory waits for the
+    app to close, so no engine output makes it differ from run to run)."""
+    release = threading.Event()
+
+    def loading():
+        release.wait()
+        raise MoechatError("closed")
+
+    app = make_app(tmp_path, loading)
+    close = app.bridge.close
+    app.bridge.close = lambda: (release.set(), close())
+
+    async def ready(pilot):
+        await until(pilot, lambda: app.chat.state.startswith("loading"), "the loading state")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+@pilot_test
+async def test_corrupt_settings_file_opens_the_app_with_defaults_and_a_notice(tmp_path, stored):
+    (tmp_path / "settings.toml").write_text("theme = [unclosed\n", encoding="utf-8")
+
+    def never():
+        raise MoechatError("not needed")
+
+    app = make_app(tmp_path, never)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        notices = [n.message for n in app._notifications]
+        assert any("settings" in n for n in notices), notices  # one line naming the file's problem
+        assert app.is_running and app.settings.theme == "dark"  # defaults
+    assert (tmp_path / "settings.toml").read_text(encoding="utf-8") == "theme = [unclosed\n"  # left for the user to fix
+
+
+@pilot_test
+async def test_wizard_in_the_app_shows_each_decision_once(tmp_path):
+    """Inside the app, the wizard's own CalibrationDone must not bubble to the app and come back
+    (the app forwards the engine thread's calibration messages to the screen)."""
+    from moechat.app.tui.messages import CalibrationDone, CalibrationProgress
+    from moechat.app.tui.screens.wizard import WizardScreen
+
+    def factory():
+        raise MoechatError("no model yet")
+
+    app = MoechatApp(factory, store_path=tmp_path / "chats.sqlite3", settings_file=tmp_path / "settings.toml",
+                     first_run=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause(0.2)
+        wizard = app.screen
+        assert isinstance(wizard, WizardScreen)
+        rows = {"expert cache ratio": ("0", "no GPU"), "draft length γ": ("2", "fastest")}
+        wizard.post_message(CalibrationProgress(0.5, "halfway"))
+        wizard.post_message(CalibrationDone(rows, str(tmp_path / "p.toml")))
+        app.post_message(CalibrationDone(rows, str(tmp_path / "q.toml")))  # as the engine thread would
+        await pilot.pause(0.5)
+        assert wizard.query_one("#decisions").row_count == 2 * len(rows)  # each message once, no echo
+        wizard.dismiss(None)

@@ -1,0 +1,270 @@
+"""Settings fields and TOML writing, the settings screen and the first-run wizard (Textual Pilot)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from textual.app import App
+
+from moechat.app.settings import Settings, load_settings, save_settings
+from moechat.app.tui.screens.settings import SettingsResult, SettingsScreen
+from moechat.app.tui.screens.wizard import WizardScreen
+from moechat.engine.calibration.types import GpuInfo, Hardware
+
+GIB = 2**30
+COMMENTED = "# my moechat settings\nutility_bound = 2  # K: measured on my box\nmystery = \"kept\"  # not moechat's\n\n[keys]\n# mine\nquit = \"ctrl+q\"\n"
+
+
+@pytest.fixture(autouse=True)
+def own_config_dir(tmp_path, monkeypatch):
+    """Settings and calibration profiles written here never reach other tests or the real home."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+
+def fake_hardware(gpu: bool = True) -> Hardware:
+    gpus = [GpuInfo("Test GPU", 24 * GIB, 22 * GIB, "550.1", 4, 16)] if gpu else []
+    return Hardware("Test CPU", 4, ["avx2"], 32 * GIB, 20 * GIB, 500 * GIB, gpus=gpus, gpu_note="" if gpu else "no driver")
+
+
+class Host(App):
+    """A minimal app that pushes one screen and keeps what it dismisses with."""
+
+    def __init__(self, screen) -> None:
+        super().__init__()
+        self.screen_to_push, self.result = screen, "not dismissed"
+
+    def on_mount(self) -> None:
+        self.push_screen(self.screen_to_push, lambda result: setattr(self, "result", result))
+
+
+async def click(pilot, selector: str) -> None:
+    await pilot.click(selector)
+    await pilot.pause(0.25)  # a Button ignores clicks while its 0.2 s "active" effect runs
+
+
+def test_settings_validation_names_field_and_range():
+    for kw, words in [(dict(utility_bound="abc"), "`utility_bound` (K) must be a whole number in 1..16"),
+                      (dict(expert_cache_ratio=2.5), "`expert_cache_ratio` must be a number in [0, 1]"),
+                      (dict(temperature=-1), "`temperature` must be a number >= 0"),
+                      (dict(top_p=0), "`top_p` must be a number in (0, 1]"),
+                      (dict(draft_len=0), "`draft_len` (γ) must be a whole number in 1..32"),
+                      (dict(vram_budget_gib=0), "`vram_budget_gib` must be a number > 0"),
+                      (dict(policy="fifo"), "`policy` must be one of spac"),
+                      (dict(theme="nope"), "`theme` must be dark, light"),
+                      (dict(keys={"quit": ""}), "`keys` must be a table")]:
+        with pytest.raises(ValueError) as err:
+            Settings(**kw)
+        assert str(err.value).startswith(words) and "\n" not in str(err.value)
+    assert Settings(theme="nord", vram_budget_gib=8, keys={"stop": "escape"}).theme == "nord"
+
+
+def test_save_keeps_comments_and_unknown_keys(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text(COMMENTED, encoding="utf-8")
+    settings, notice = load_settings(path)
+    assert notice is None and settings.utility_bound == 2 and settings.keys == {"quit": "ctrl+q"}
+    save_settings(Settings(utility_bound=3, temperature=0.2, keys={"quit": "ctrl+q", "help": "f1"}), path)
+    text = path.read_text(encoding="utf-8")
+    assert "# my moechat settings" in text and "# K: measured on my box" in text and "# mine" in text
+    assert 'mystery = "kept"  # not moechat\'s' in text
+    assert "top_p" not in text  # defaults are not added
+    assert load_settings(path)[0] == Settings(utility_bound=3, temperature=0.2, keys={"quit": "ctrl+q", "help": "f1"})
+    save_settings(Settings(temperature=0.2, keys={"quit": "ctrl+q", "help": "f1"}), path)  # K back to None: key gone
+    assert "utility_bound" not in path.read_text() and "# my moechat settings" in path.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["settings.toml"]  # no temporary file left behind
+    path.write_text("model = [broken\n", encoding="utf-8")  # unreadable: kept aside, not lost
+    save_settings(Settings(top_p=0.5), path)
+    assert (tmp_path / "settings.toml.broken").read_text() == "model = [broken\n" and load_settings(path)[0].top_p == 0.5
+
+
+async def _settings_rejects_then_saves(path):
+    app = Host(SettingsScreen(path=path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        for field, text, words in [("utility_bound", "abc", "must be a whole number"),
+                                   ("expert_cache_ratio", "2.5", "in [0, 1]"), ("temperature", "-1", ">= 0")]:
+            screen.query_one(f"#{field}").value = text
+            await pilot.pause()
+            assert words in str(screen.query_one(f"#{field}-error").content)
+        before = path.read_bytes()
+        await click(pilot, "#save")
+        assert path.read_bytes() == before and app.screen is screen and app.result == "not dismissed"
+        for field, text in [("utility_bound", "3"), ("expert_cache_ratio", "0.5"), ("temperature", "0")]:
+            screen.query_one(f"#{field}").value = text
+        await pilot.pause()
+        assert "Reload model" in str(screen.query_one("#reload").content)
+        await click(pilot, "#save")
+    return app.result
+
+
+def test_settings_screen_rejects_garbage_and_keeps_comments(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text(COMMENTED, encoding="utf-8")
+    result = asyncio.run(_settings_rejects_then_saves(path))
+    assert isinstance(result, SettingsResult) and result.needs_reload
+    assert (result.settings.utility_bound, result.settings.expert_cache_ratio, result.settings.temperature) == (3, 0.5, 0)
+    text = path.read_text(encoding="utf-8")
+    assert "# K: measured on my box" in text and "# my moechat settings" in text and "mystery" in text
+    assert load_settings(path)[0] == result.settings
+
+
+async def _live_edit_and_cancel(path):
+    app = Host(SettingsScreen(path=path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        app.screen.query_one("#top_p").value = "0.5"
+        await pilot.pause()
+        assert str(app.screen.query_one("#reload").content) == ""  # sampling applies live
+        await click(pilot, "#save")
+        saved = app.result
+        app.result = "not dismissed"
+        app.push_screen(SettingsScreen(path=path), lambda result: setattr(app, "result", result))
+        await pilot.pause()
+        app.screen.query_one("#top_p").value = "0.3"
+        await click(pilot, "#cancel")
+    return saved, app.result
+
+
+def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):
+    path = tmp_path / "settings.toml"
+    saved, cancelled = asyncio.run(_live_edit_and_cancel(path))
+    assert saved.needs_reload is False and saved.settings.top_p == 0.5
+    assert cancelled is None and load_settings(path)[0].top_p == 0.5
+
+
+async def _open_corrupt(path):
+    app = Host(SettingsScreen(path=path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        return str(app.screen.query_one("#notice").content), app.screen.query_one("#temperature").value
+
+
+def test_corrupt_settings_file_opens_with_defaults_and_notice(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text("temperature = [broken\n", encoding="utf-8")
+    notice, temperature = asyncio.run(_open_corrupt(path))
+    assert "not usable" in notice and "using defaults" in notice
+    assert temperature == str(Settings().temperature)
+    assert path.read_text() == "temperature = [broken\n"  # opening never rewrites the user's file
+
+
+async def _wizard_model_errors(bad_dir, unsupported_dir):
+    app = Host(WizardScreen(hardware=fake_hardware()))
+    messages = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert app.screen.query_one("#vram").value == "22.0"  # the fake GPU's free memory, prefilled
+        for box, text in (("#model-dir", bad_dir), ("#model-dir", unsupported_dir), ("#hub-id", "not-an-id")):
+            app.screen.query_one(box).value = str(text)  # typing in a box picks its source
+            await click(pilot, "#next")
+            for _ in range(100):  # the check runs on a worker
+                await pilot.pause(0.05)
+                if not app.screen.busy:
+                    break
+            messages.append(str(app.screen.query_one("#model-error").content))
+        assert app.screen.step == 0
+    return messages
+
+
+def test_wizard_refuses_a_model_the_engine_cannot_run(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    missing, unsupported, hub = asyncio.run(_wizard_model_errors(tmp_path, tmp_path / "other"))
+    assert "no config.json" in missing
+    assert "unsupported architecture model_type='llama'" in unsupported
+    assert "is not a Hugging Face repository id" in hub  # `moechat pull`'s own check, before any network
+
+
+async def _wizard_end_to_end(path):
+    import threading
+
+    from moechat.app.calibrate import calibrate
+
+    release = threading.Event()
+
+    def gated_calibrate(*args, **kwargs):  # the real calibration, held until the test has checked the busy state
+        release.wait(30)
+        return calibrate(*args, **kwargs)
+
+    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=gated_calibrate))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        await click(pilot, "#next")  # the demo is preselected
+        assert screen.step == 1
+        assert screen.query_one("#ram").value == "20.0" and screen.query_one("#vram").disabled  # from the probe
+        screen.query_one("#ram").value = "-3"
+        await click(pilot, "#next")
+        assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram-error").content)
+        screen.query_one("#ram").value = "16"
+        await click(pilot, "#next")  # entering the step starts the calibration
+        assert screen.step == 2 and screen.busy, str(screen.query_one("#cal-error").content)
+        screen.action_next()  # still calibrating: refused
+        assert screen.step == 2
+        release.set()
+        seen = set()
+        for _ in range(600):
+            await pilot.pause(0.1)
+            seen.add(screen.query_one("#progress").progress)
+            if screen.decisions is not None or screen.query_one("#cal-error").content:
+                break
+        assert str(screen.query_one("#cal-error").content) == ""
+        table = screen.query_one("#decisions")
+        rows = {table.get_row_at(i)[0]: table.get_row_at(i)[1:] for i in range(table.row_count)}
+        assert table.row_count == len(rows) >= 7  # one row per decision
+        await click(pilot, "#next")
+        assert screen.step == 3 and "embedded demo" in str(screen.query_one("#summary").content)
+        await click(pilot, "#next")  # Finish
+    return app.result, seen, rows
+
+
+def test_wizard_end_to_end_with_the_demo(tmp_path):
+    from moechat.app.demo import DEMO_MODEL
+
+    path = tmp_path / "settings.toml"
+    path.write_text("# mine\nmodel = \"/somewhere/else\"\ntop_p = 0.5\n", encoding="utf-8")
+    result, seen, rows = asyncio.run(_wizard_end_to_end(path))
+    assert result == str(DEMO_MODEL)
+    assert len(seen - {0.0, 1.0}) >= 3 and max(seen) == 1.0  # progress moved through the steps
+    for label in ("expert cache ratio", "utility bound K", "draft length γ"):
+        value, why = rows[label]
+        assert value != "" and why != ""  # each decision with its reason
+    assert "the 16.00 GiB RAM budget" in rows["host tier"][1]  # the wizard's RAM budget reached decide()
+    settings, notice = load_settings(path)
+    assert notice is None and settings.model is None and settings.ram_budget_gib == 16 and settings.top_p == 0.5
+    assert "# mine" in path.read_text() and settings.vram_budget_gib is None
+
+
+def test_context_len_setting_reaches_the_engine_config():
+    from moechat.app.cli import build_parser, engine_config
+    from moechat.app.settings import settings_path
+
+    save_settings(Settings(context_len=96))
+    assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).context_len == 96
+    assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--context-len", "64"])).context_len == 64
+    assert settings_path().read_text().strip() == "context_len = 96"
+
+
+def test_setup_flag_reaches_the_chat_command(capsys):
+    from moechat.app.cli import build_parser, main
+
+    parser = build_parser()
+    assert parser.parse_args(["--setup"]).setup is True and parser.parse_args([]).setup is False
+    assert parser.parse_args(["chat", "--setup"]).setup is True  # what `moechat --setup` runs: the TUI reads args.setup
+    assert parser.parse_args(["chat"]).setup is False
+    with pytest.raises(SystemExit) as exit_:
+        main(["--setup", "generate", "--prompt", "hi"])
+    assert exit_.value.code == 2 and "give it no command" in capsys.readouterr().err
+
+
+def test_snapshot_settings_screen(snap_compare, tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text("utility_bound = 2\npolicy = \"lfu\"\n", encoding="utf-8")
+    assert snap_compare(Host(SettingsScreen(path=path)), terminal_size=(120, 40))
+
+
+def test_snapshot_wizard_first_step(snap_compare, tmp_path):
+    assert snap_compare(Host(WizardScreen(hardware=fake_hardware(), path=tmp_path / "s.toml")), terminal_size=(120, 40))
