@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-DRAFT_LEN = 8  # γ measured up to: the per-expert curves run 1..γ+1 tokens (paper 000's operating point)
+MAX_MEASURED_DRAFT_LEN = 8  # the largest γ measured: the per-expert curves run 1..γ+1 tokens (paper 000's operating point)
 
 
 def add_calibrate(sub) -> None:
@@ -72,7 +72,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     # command line's CPU default (float32).
     device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
     est = estimate(model_dir, dtype=dtype, draft_dir=None if drafter in ("none", "self") else drafter)
-    meas = measure(model_dir, hw, quick=quick, draft_len=DRAFT_LEN, drafter=drafter, device=device, dtype=dtype,
+    meas = measure(model_dir, hw, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN, drafter=drafter, device=device, dtype=dtype,
                    progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
@@ -115,7 +115,7 @@ def cmd_calibrate(args) -> int:
     print(f"  drafting {_fmt_s(m.draft_s_per_token)} per token, verification {_fmt_s(m.verify_s)}, acceptance {acc}")
     rows = [("expert cache ratio", f"{d.expert_cache_ratio:g}", "expert_cache_ratio"),
             ("utility bound K", str(d.utility_bound), "utility_bound"), ("draft length γ", str(d.draft_len), "draft_len"),
-            ("forgetting λ", f"{d.forgetting:g}", "forgetting"), ("drafter", d.drafter, "drafter"),
+            ("drafter", d.drafter, "drafter"),
             ("policy", d.policy, "policy"), ("host tier", d.host_tier, "host_tier")]
     for label, value, key in rows:
         print(f"  {label:20} {value:10} {d.reasons.get(key, '')}")
