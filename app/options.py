@@ -26,8 +26,12 @@ def textual_themes() -> tuple[str, ...]:
     return tuple(BUILTIN_THEMES)
 
 
+def theme_names() -> tuple[str, ...]:
+    return THEMES + tuple(t for t in textual_themes() if t not in THEMES)
+
+
 def _theme_problem(value) -> str | None:
-    if value in THEMES or value in textual_themes():
+    if value in theme_names():
         return None
     return "must be dark, light or a Textual theme name (e.g. nord, dracula)"
 
@@ -123,6 +127,10 @@ class Option:
             raise argparse.ArgumentTypeError(f"{problem}, got {text!r}")
         return value
 
+    def widget_choices(self) -> tuple[str, ...]:
+        """What the settings screen's Select offers."""
+        return self.choices or (theme_names() if self.name == "theme" else ())
+
     def add_flag(self, parser: argparse.ArgumentParser, default=None) -> None:
         """This option as a flag of `parser`; `default` for a command whose default differs."""
         default = self.default if default is None else default
@@ -140,10 +148,9 @@ class Option:
         return f"{self.help} (default: {when})" if when else self.help
 
     def default_text(self) -> str:
-        """The default as the README's table shows it, with the commands whose default differs."""
-        text = self.unset if self.default is None else f"{self.default:g}" if isinstance(self.default, float) \
+        """The default in words: the value, or what applies when unset."""
+        return self.unset if self.default is None else f"{self.default:g}" if isinstance(self.default, float) \
             else "" if self.default in ({}, []) else str(self.default)
-        return f"{text} ({self.other_defaults})" if self.other_defaults else text
 
 
 _SCHED, _SPEC = SchedulerConfig(), SpecConfig()
@@ -220,8 +227,9 @@ def markdown_table() -> str:
     for o in OPTIONS:
         flag = f"`{o.flag}`" if o.flag else "-"
         key = f"`{o.name}`" if o.setting else "-"
-        rows.append(f"| {flag} | {key} | {o.unit or '-'} | {o.default_text() or '-'} | "
-                    f"{('live' if o.live else 'reload model') if o.setting else '-'} | {o.help} |")
+        default = (o.default_text() or "-") + (f" ({o.other_defaults})" if o.other_defaults else "")
+        applies = ("live" if o.live else "reload model") if o.setting else "-"
+        rows.append(f"| {flag} | {key} | {o.unit or '-'} | {default} | {applies} | {o.help} |")
     return "\n".join(rows) + "\n"
 
 

@@ -17,7 +17,7 @@ import tomllib
 from dataclasses import field, fields, make_dataclass
 from pathlib import Path
 
-from .options import OPTIONS, THEMES, textual_themes  # noqa: F401 - THEMES, textual_themes: the screen's
+from .options import OPTIONS
 
 SETTINGS_OPTIONS = tuple(o for o in OPTIONS if o.setting)
 # Fields the running engine cannot take without loading the model again; the rest apply live.

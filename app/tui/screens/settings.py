@@ -22,7 +22,7 @@ from textual.screen import Screen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
-from ...options import OPTION, THEMES, textual_themes
+from ...options import OPTION
 from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings
 
 DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
@@ -129,17 +129,17 @@ class SettingsScreen(Screen):
     def _input_row(self, option, value) -> ComposeResult:
         with Horizontal(classes="row"):
             yield Label(f"{option.label} {_tag(option.name)}", classes="name")
-            yield Input("" if value is None else str(value), placeholder=option.placeholder or option.default_text(), id=option.name,
-                        validators=[FieldValidator(option.name)], compact=True)
+            yield Input("" if value is None else str(value), placeholder=option.placeholder or option.default_text(),
+                        id=option.name, validators=[FieldValidator(option.name)], compact=True)
         yield Label("", id=f"{option.name}-error", classes="field-error")
 
     def _select_row(self, option, value) -> ComposeResult:
         # an option with a default needs a value; one without may stay unset (the placeholder says what applies)
-        choices = option.choices or THEMES + tuple(t for t in textual_themes() if t not in THEMES)
         with Horizontal(classes="row"):
             yield Label(f"{option.label} {_tag(option.name)}", classes="name")
-            yield Select([(c, c) for c in choices], value=Select.NULL if value is None else value, id=option.name,
-                         prompt=option.placeholder or "Select", allow_blank=option.default is None, compact=True)
+            yield Select([(c, c) for c in option.widget_choices()], value=Select.NULL if value is None else value,
+                         id=option.name, prompt=option.placeholder or "Select", allow_blank=option.default is None,
+                         compact=True)
 
     def _drafter_row(self, option, value) -> ComposeResult:
         choice = value if value in (None, "none", "self") else DIRECTORY
