@@ -45,6 +45,10 @@ def _device_problem(value) -> str | None:
     return None if value == "cpu" or value.startswith("cuda") else "must be cpu or cuda[:N]"
 
 
+def _words(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else "" if value in ([], {}) else str(value)
+
+
 @dataclass(frozen=True)
 class Option:
     """One user option: its settings key, flag, type, unit, default, check, help and where it shows."""
@@ -53,7 +57,7 @@ class Option:
     kind: type  # int | float | str | list (a repeatable flag) | dict (a settings table)
     default: object  # None: unset (`unset` says what applies then)
     help: str
-    group: str  # "engine": a flag of every command that loads a model; "sampling": of generate and chat; "app": settings only
+    group: str  # engine: a flag of the commands that load a model; sampling: of generate and chat; app: no flag
     unit: str = ""  # what a number counts, e.g. GiB
     low: float | None = None
     high: float | None = None
@@ -96,7 +100,7 @@ class Option:
             return None
         if self.kind in (int, float):
             kinds = (int,) if self.kind is int else (int, float)
-            if not isinstance(value, kinds) or isinstance(value, bool) or value != value:
+            if not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value):
                 return self.rule()
             if (self.low is not None and (value < self.low or self.low_open and value == self.low)) or \
                     (self.high is not None and value > self.high):
@@ -141,16 +145,14 @@ class Option:
             parser.add_argument(self.flag, type=self.parse, choices=self.choices or None, **kw)
 
     def help_line(self, default) -> str:
-        when = self.unset if default is None else f"{default:g}" if isinstance(default, float) \
-            else "" if default in ([], {}) else str(default)
+        when = self.unset if default is None else _words(default)
         if default is None and self.setting:
             when = f"the settings, else {when}"
         return f"{self.help} (default: {when})" if when else self.help
 
     def default_text(self) -> str:
         """The default in words: the value, or what applies when unset."""
-        return self.unset if self.default is None else f"{self.default:g}" if isinstance(self.default, float) \
-            else "" if self.default in ({}, []) else str(self.default)
+        return self.unset if self.default is None else _words(self.default)
 
 
 _SCHED, _SPEC = SchedulerConfig(), SpecConfig()
@@ -177,7 +179,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("draft_len", int, None, "tokens the drafter proposes per step", "engine", unit="tokens", low=1, high=32,
            symbol="γ", unset=_FROM_PROFILE.format(_SPEC.draft_len), label="γ (draft length)",
            placeholder="from calibration", metavar="N"),
-    Option("context_len", int, None, "context length", "engine", unit="tokens", low=1, unset="the model's",
+    Option("context_len", int, None, "context length, in tokens", "engine", unit="tokens", low=1, unset="the model's",
            label="Context length", placeholder="the model's", metavar="N"),
     Option("policy", str, None, "fast-tier residency policy: lru (on demand), static (pinned by the first prompt), "
            "lfu (most used so far), specmoe (each layer's hottest of the last step), eam (this request's activations "
@@ -198,7 +200,7 @@ OPTIONS: tuple[Option, ...] = (
            live=True, other_defaults="generate: 0", label="Temperature", metavar="T"),
     Option("top_p", float, 0.9, "nucleus sampling: draw among the likeliest tokens whose probabilities add up to P",
            "sampling", low=0, high=1, low_open=True, live=True, other_defaults="generate: 1", label="Top-p", metavar="P"),
-    Option("max_new_tokens", int, 512, "longest reply", "sampling", unit="tokens", low=1, live=True,
+    Option("max_new_tokens", int, 512, "longest reply, in tokens", "sampling", unit="tokens", low=1, live=True,
            other_defaults="generate: 128, chat --plain: 256", label="Max new tokens", metavar="N"),
     Option("top_k", int, 0, "sample from the K likeliest tokens, 0 turns it off", "sampling", low=0, setting=False,
            metavar="K"),

@@ -16,7 +16,7 @@ from moechat.app.settings import RELOAD_FIELDS, Settings
 from moechat.engine.config import SchedulerConfig, SpecConfig
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-GARBAGE = {int: ["abc", "1.5", ""], float: ["abc", "nan", ""], str: [""]}
+GARBAGE = {int: ["abc", "1.5", ""], float: ["abc", "nan", "inf", ""], str: [""]}
 
 
 @pytest.fixture(autouse=True)
@@ -56,13 +56,14 @@ async def _screen_ids():
 
     from moechat.app.tui.screens.settings import SettingsScreen
     from moechat.app.tui.screens.wizard import BUDGETS, WizardScreen
+    from moechat.engine.calibration.types import Hardware
 
     app = App()
     async with app.run_test(size=(120, 40)) as pilot:
         app.push_screen(SettingsScreen())
         await pilot.pause()
         screen = {w.id for w in app.screen.query(Input)} | {w.id for w in app.screen.query(Select)}
-        app.push_screen(WizardScreen(hardware=None))
+        app.push_screen(WizardScreen(hardware=Hardware("CPU", 4, [], 32 * 2**30, 20 * 2**30, 500 * 2**30)))
         await pilot.pause()
         wizard = {name for name in BUDGETS if app.screen.query(f"#{name}")}
     return screen - {"draft_dir"}, wizard
