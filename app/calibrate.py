@@ -12,9 +12,10 @@ MAX_MEASURED_DRAFT_LEN = 8  # the largest γ measured: the per-expert curves run
 
 
 def add_calibrate(sub) -> None:
+    from .options import OPTION
+
     p = sub.add_parser("calibrate", help="measure this machine with a model and save the settings it should run with")
-    p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
-                   help="checkpoint directory or a pulled model (default: the configured model, else the embedded demo)")
+    OPTION["model"].add_flag(p)
     p.add_argument("--quick", action="store_true", help="fewer repeats and prompts (under a minute on the demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object: hardware, measurements, decisions, profile_path")
     p.set_defaults(func=cmd_calibrate)

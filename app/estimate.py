@@ -14,7 +14,7 @@ def add_estimate(sub) -> None:
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",
                    help="checkpoint directory, a model fetched with `moechat pull`, or a known config: "
                         "Qwen3-30B-A3B, DeepSeek-V2-Lite (default: the embedded demo)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices,
                    help="weight and KV dtype (default bfloat16, how the checkpoints ship)")
     p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",
                    help="context length in tokens (default: the model's)")
