@@ -8,13 +8,14 @@ import sys
 import time
 from pathlib import Path
 
-DRAFT_LEN = 8  # γ measured up to: the per-expert curves run 1..γ+1 tokens (paper 000's operating point)
+MAX_MEASURED_DRAFT_LEN = 8  # the largest γ measured: the per-expert curves run 1..γ+1 tokens (paper 000's operating point)
 
 
 def add_calibrate(sub) -> None:
+    from .options import OPTION
+
     p = sub.add_parser("calibrate", help="measure this machine with a model and save the settings it should run with")
-    p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
-                   help="checkpoint directory or a pulled model (default: the configured model, else the embedded demo)")
+    OPTION["model"].add_flag(p)
     p.add_argument("--quick", action="store_true", help="fewer repeats and prompts (under a minute on the demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object: hardware, measurements, decisions, profile_path")
     p.set_defaults(func=cmd_calibrate)
@@ -72,7 +73,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     # command line's CPU default (float32).
     device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
     est = estimate(model_dir, dtype=dtype, draft_dir=None if drafter in ("none", "self") else drafter)
-    meas = measure(model_dir, hw, quick=quick, draft_len=DRAFT_LEN, drafter=drafter, device=device, dtype=dtype,
+    meas = measure(model_dir, hw, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN, drafter=drafter, device=device, dtype=dtype,
                    progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
@@ -115,7 +116,7 @@ def cmd_calibrate(args) -> int:
     print(f"  drafting {_fmt_s(m.draft_s_per_token)} per token, verification {_fmt_s(m.verify_s)}, acceptance {acc}")
     rows = [("expert cache ratio", f"{d.expert_cache_ratio:g}", "expert_cache_ratio"),
             ("utility bound K", str(d.utility_bound), "utility_bound"), ("draft length γ", str(d.draft_len), "draft_len"),
-            ("forgetting λ", f"{d.forgetting:g}", "forgetting"), ("drafter", d.drafter, "drafter"),
+            ("drafter", d.drafter, "drafter"),
             ("policy", d.policy, "policy"), ("host tier", d.host_tier, "host_tier")]
     for label, value, key in rows:
         print(f"  {label:20} {value:10} {d.reasons.get(key, '')}")

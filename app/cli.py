@@ -6,6 +6,7 @@ import json
 import sys
 
 from .. import __version__
+from .options import add_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,50 +28,35 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 1,2,3, got {text!r}") from None
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
+class _Renamed(argparse.Action):
+    """A removed flag: using it is a one-line error naming the flag that replaced it."""
+
+    def __init__(self, option_strings, dest, new: str, **kw):
+        super().__init__(option_strings, argparse.SUPPRESS, nargs="?", help=argparse.SUPPRESS)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was replaced by {self.new}")
+
+
+def add_renamed(p: argparse.ArgumentParser, **renamed: str) -> None:
+    """Old flags (old_name="--new-flag ...") that now only say what replaced them."""
+    for old, new in renamed.items():
+        p.add_argument("--" + old.replace("_", "-"), action=_Renamed, new=new)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that loads a model."""
-    from ..engine.config import POLICIES
-
-    p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME",
-                   help="checkpoint directory or a model fetched with `moechat pull` (default: the configured model, "
-                        "else the embedded demo)")
-    p.add_argument("--draft", default=None, metavar="none|self|DIR",
-                   help="drafter: none, self (the target with its resident experts), or the directory of a dense model "
-                        "with the same tokenizer (default: the demo's draft for the demo, else none)")
-    p.add_argument("--draft-len", type=int, default=None, metavar="N",
-                   help="draft length gamma (default: the settings, else the calibration profile, else 4)")
-    p.add_argument("--policy", default=None, choices=POLICIES,
-                   help="fast-tier residency policy (default: the settings, else the calibration profile, else spac): lru (on demand), static (pinned by the first prompt), lfu (most used "
-                        "so far), specmoe (each layer's hottest of the last step), eam (MoE-Infinity: this request's "
-                        "activations matched against past requests'), spac (MoE-SpAc), spmoe (SP-MoE: lru plus "
-                        "draft-phase prefetch up to a cutoff layer)")
-    p.add_argument("--expert-budget", type=int, default=None, metavar="B",
-                   help="LOSSY (off by default): verification computes at most B experts per MoE layer, the ones the "
-                        "router weighs most (MoE-Spec); other activations are dropped, so output differs from the model's")
-    p.add_argument("--expert-cache-ratio", type=_ratio, default=None, metavar="R",
-                   help="share of routed experts kept on the compute device (default: the settings, else the "
-                        "calibration profile on cuda, else 0.25 on cuda, 0 on cpu)")
-    p.add_argument("--expert-cache-mib", type=float, default=None, metavar="MIB",
-                   help="fast-tier byte budget in MiB (overrides the ratio)")
-    p.add_argument("--host-ram-mib", type=float, default=None, metavar="MIB",
-                   help="RAM budget for the expert store; below the experts' size they are read from the mmap'd files")
-    p.add_argument("--device", default="cpu", help="compute device: cpu or cuda[:N]")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
-    p.add_argument("--context-len", type=int, default=None, metavar="N", help="context length (default: the model's)")
+    """Options shared by every command that loads a model: the engine options of app/options.py."""
+    add_flags(p, "engine")
+    add_renamed(p, host_ram_mib="--ram-budget-gib (in GiB)", expert_cache_mib="--expert-cache-gib (in GiB)")
 
 
 def _first(*values):
     return next((v for v in values if v is not None), None)
+
+
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(value * 2**30)
 
 
 def engine_config(args):
@@ -95,29 +81,24 @@ def engine_config(args):
     d = profile.decisions if profile else None
     if d and user_draft is None:
         args.draft = d.drafter
-    args.draft_len = _first(args.draft_len, settings.draft_len, d and d.draft_len, 4)
-    args.policy = _first(args.policy, settings.policy, d and d.policy, "spac")
+    sched, spec = SchedulerConfig(), SpecConfig()
+    args.draft_len = _first(args.draft_len, settings.draft_len, d and d.draft_len, spec.draft_len)
+    args.policy = _first(args.policy, settings.policy, d and d.policy, sched.policy)
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
     ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio,
                    d.expert_cache_ratio if d and args.device != "cpu" else None)
-    defaults = SchedulerConfig()
-    mib = 2**20
-    gib = 2**30
-    ram_budget = None if args.host_ram_mib is None else int(args.host_ram_mib * mib)
-    if ram_budget is None and settings.ram_budget_gib is not None:  # the settings' RAM budget bounds the expert store
-        ram_budget = int(settings.ram_budget_gib * gib)
+    ram_budget = _gib(_first(args.ram_budget_gib, settings.ram_budget_gib))  # bounds the expert store
     if ram_budget is None and d and d.host_tier == "mmap":
         ram_budget = 0  # the profile found the experts too big for RAM: read them from the mmap'd files
     return EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
-        expert_cache_bytes=None if args.expert_cache_mib is None else int(args.expert_cache_mib * mib),
-        host_ram_budget_bytes=ram_budget,
-        vram_budget_bytes=None if settings.vram_budget_gib is None else int(settings.vram_budget_gib * gib),
+        expert_cache_bytes=_gib(args.expert_cache_gib), host_ram_budget_bytes=ram_budget,
+        vram_budget_bytes=_gib(_first(args.vram_budget_gib, settings.vram_budget_gib)),
         context_len=_first(args.context_len, settings.context_len), spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,
-            utility_bound=_first(settings.utility_bound, d and d.utility_bound, defaults.utility_bound),
-            forgetting=_first(settings.forgetting, d and d.forgetting, defaults.forgetting)),
+            utility_bound=_first(args.utility_bound, settings.utility_bound, d and d.utility_bound, sched.utility_bound),
+            forgetting=_first(d and d.forgetting, sched.forgetting)),  # λ: the `paper` utility variant's only
     )
 
 
@@ -131,12 +112,8 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int, top_p: float = 1.0) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help=f"default {max_new_tokens}")
-    p.add_argument("--temperature", type=float, default=temperature, help=f"0 is greedy (default {temperature:g})")
-    p.add_argument("--top-p", type=float, default=top_p, help=f"nucleus sampling (default {top_p:g})")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    """The sampling options of app/options.py, with this command's defaults for the three the settings hold."""
+    add_flags(p, "sampling", temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p)
 
 
 def make_request(args, tokenizer):

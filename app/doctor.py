@@ -132,8 +132,8 @@ def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict 
                 "newer in the firmware settings")
     if hw.ram_available_bytes < MIN_RAM_AVAILABLE:
         add(f"only {_gib(hw.ram_available_bytes)} of RAM available (of {_gib(hw.ram_total_bytes)})",
-            "close other programs or pick a smaller model; --host-ram-mib keeps experts in the mmap'd checkpoint "
-            "(read from disk, slower) instead of RAM")
+            "close other programs or pick a smaller model; a --ram-budget-gib below the experts' size keeps them in the "
+            "mmap'd checkpoint (read from disk, slower) instead of RAM")
     if hw.disk_free_bytes < MIN_DISK_FREE:
         add(f"only {_gib(hw.disk_free_bytes)} free where models are stored ({models_dir})",
             "free space there (MoE checkpoints take 15-60 GiB), or keep models on a larger disk and pass --model DIR")

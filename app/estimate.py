@@ -7,16 +7,23 @@ from pathlib import Path
 
 
 def add_estimate(sub) -> None:
+    from .cli import add_renamed
+    from .options import OPTION
+
     p = sub.add_parser("estimate", help="memory a model needs, from its config alone (no weights are loaded)")
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",
                    help="checkpoint directory, a model fetched with `moechat pull`, or a known config: "
                         "Qwen3-30B-A3B, DeepSeek-V2-Lite (default: the embedded demo)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices,
                    help="weight and KV dtype (default bfloat16, how the checkpoints ship)")
-    p.add_argument("--context-len", type=int, default=None, metavar="N", help="context length (default: the model's)")
+    p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",
+                   help="context length in tokens (default: the model's)")
     p.add_argument("--draft", default=None, metavar="DIR", help="a separate draft model's directory, counted in VRAM")
-    p.add_argument("--vram-gib", type=float, default=None, metavar="G", help="VRAM budget: does it fit, and how many experts can be cached")
-    p.add_argument("--ram-gib", type=float, default=None, metavar="R", help="RAM budget: experts in RAM or read from the mmap'd files")
+    p.add_argument("--vram-budget-gib", type=OPTION["vram_budget_gib"].parse, default=None, metavar="GIB",
+                   help="VRAM budget: does it fit, and how many experts can be cached")
+    p.add_argument("--ram-budget-gib", type=OPTION["ram_budget_gib"].parse, default=None, metavar="GIB",
+                   help="RAM budget: experts in RAM or read from the mmap'd files")
+    add_renamed(p, vram_gib="--vram-budget-gib", ram_gib="--ram-budget-gib")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_estimate)
 
@@ -60,17 +67,13 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
 
 
 def cmd_estimate(args) -> int:
-    from ..engine.errors import MoechatError
     from ..engine.model.memory_estimate import estimate, total_params
 
-    for flag, value in (("--vram-gib", args.vram_gib), ("--ram-gib", args.ram_gib)):
-        if value is not None and value <= 0:
-            raise MoechatError(f"{flag} must be a positive number of GiB, got {value:g}")
     name, source = _source(args.model)
     est = estimate(source, args.dtype, args.context_len, args.draft)
     gib = 2**30
-    vram = None if args.vram_gib is None else int(args.vram_gib * gib)
-    ram = None if args.ram_gib is None else int(args.ram_gib * gib)
+    vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * gib)
+    ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
     fit = fit_report(est, vram, ram) if vram is not None or ram is not None else {}
     if args.json:
         print(json.dumps({"model": str(name), **asdict(est), "total_params": total_params(est),
@@ -83,10 +86,10 @@ def cmd_estimate(args) -> int:
     if est.draft_bytes:
         print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
     if "max_expert_cache_ratio" in fit:
-        print(f"VRAM {args.vram_gib:g} GiB: at most {fit['max_expert_cache_experts']} experts cached, "
+        print(f"VRAM {args.vram_budget_gib:g} GiB: at most {fit['max_expert_cache_experts']} experts cached, "
               f"expert cache ratio {fit['max_expert_cache_ratio']:.3f}")
     if "host_tier" in fit:
-        print(f"RAM {args.ram_gib:g} GiB: host tier {fit['host_tier']}"
+        print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}"
               + (" (experts read from the mmap'd checkpoint)" if fit["host_tier"] == "mmap" else ""))
     if fit:
         print("fits" if fit["fits"] else f"does not fit: {fit['problem']}")

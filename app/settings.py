@@ -5,21 +5,23 @@ it is for the user to fix. Only keys this version knows are read. Every engine v
 over the machine's calibration profile (`moechat calibrate`); unset ones come from the profile.
 `save_settings` rewrites only the keys that changed, so the user's comments and unknown keys stay.
 
-`Settings(**{name: value})` is the one validator: the settings screen checks each field by building
-Settings with that field alone, and shows the one-line ValueError under it.
+`Settings` is built from the settings options of OPTIONS (app/options.py): one field each, with its
+default and check. `Settings(**{name: value})` is the one validator: the settings screen checks each
+field by building Settings with that field alone, and shows the one-line ValueError under it.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import field, fields, make_dataclass
 from pathlib import Path
 
-THEMES = ("dark", "light")  # besides Textual's built-in theme names
+from .options import OPTIONS
+
+SETTINGS_OPTIONS = tuple(o for o in OPTIONS if o.setting)
 # Fields the running engine cannot take without loading the model again; the rest apply live.
-RELOAD_FIELDS = frozenset({"model", "draft", "draft_len", "policy", "expert_cache_ratio", "utility_bound", "forgetting",
-                           "vram_budget_gib", "ram_budget_gib", "context_len"})
+RELOAD_FIELDS = frozenset(o.name for o in SETTINGS_OPTIONS if not o.live)
 
 
 def settings_path() -> Path:
@@ -28,75 +30,20 @@ def settings_path() -> Path:
     return Path(user_config_dir("moechat")) / "settings.toml"
 
 
-def textual_themes() -> tuple[str, ...]:
-    from textual.theme import BUILTIN_THEMES  # only when a theme name is not dark/light: keeps start-up light
-
-    return tuple(BUILTIN_THEMES)
-
-
-@dataclass
-class Settings:
-    model: str | None = None  # checkpoint directory or a pulled OWNER/NAME; None: the embedded demo
-    draft: str | None = None  # none | self | DIR; None: the demo's own draft for the demo, else none
-    # None: the calibration profile's value, else the engine's default
-    draft_len: int | None = None  # γ
-    policy: str | None = None
-    expert_cache_ratio: float | None = None
-    utility_bound: int | None = None  # K
-    forgetting: float | None = None  # λ
-    # Memory budgets in GiB the wizard and calibration plan for; None: what the probe finds free
-    vram_budget_gib: float | None = None
-    ram_budget_gib: float | None = None
-    context_len: int | None = None  # None: the model's
-    # Sampling of chat replies (applied live)
-    temperature: float = 0.7
-    top_p: float = 0.9
-    max_new_tokens: int = 512
-    theme: str = "dark"  # dark | light | a Textual theme name
-    keys: dict[str, str] = field(default_factory=dict)  # action id -> key, e.g. {"stop": "escape"}
-
-    def __post_init__(self) -> None:
-        for name in ("model", "draft", "policy", "theme"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"`{name}` must be a non-empty string, got {value!r}")
-        _whole(self, "draft_len", 1, 32, "γ")
-        _whole(self, "utility_bound", 1, 16, "K")
-        _whole(self, "max_new_tokens", 1, None)
-        _whole(self, "context_len", 1, None)
-        _number(self, "expert_cache_ratio", "in [0, 1]", lambda v: 0 <= v <= 1)
-        _number(self, "forgetting", "in [0, 1] (λ)", lambda v: 0 <= v <= 1)
-        _number(self, "vram_budget_gib", "> 0 GiB", lambda v: v > 0)
-        _number(self, "ram_budget_gib", "> 0 GiB", lambda v: v > 0)
-        _number(self, "temperature", ">= 0 (0 is greedy)", lambda v: v >= 0)
-        _number(self, "top_p", "in (0, 1]", lambda v: 0 < v <= 1)
-        if self.policy is not None:
-            from ..engine.config import POLICIES
-
-            if self.policy not in POLICIES:
-                raise ValueError(f"`policy` must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.theme not in THEMES and self.theme not in textual_themes():
-            raise ValueError(f"`theme` must be dark, light or a Textual theme name (e.g. nord, dracula), got {self.theme!r}")
-        if not isinstance(self.keys, dict) or not all(isinstance(k, str) and isinstance(v, str) and v.strip()
-                                                      for k, v in self.keys.items()):
-            raise ValueError(f"`keys` must be a table of action = \"key\" strings, got {self.keys!r}")
+def _check_all(self) -> None:
+    for o in SETTINGS_OPTIONS:
+        o.check(getattr(self, o.name))
 
 
-def _whole(s: Settings, name: str, lo: int, hi: int | None, symbol: str = "") -> None:
-    value = getattr(s, name)
-    if value is None and s.__dataclass_fields__[name].default is None:
-        return
-    what = f"a whole number in {lo}..{hi}" if hi is not None else f"a whole number >= {lo}"
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
-        raise ValueError(f"`{name}`{f' ({symbol})' if symbol else ''} must be {what}, got {value!r}")
+def _field(o):
+    return field(default_factory=type(o.default)) if isinstance(o.default, (dict, list)) else field(default=o.default)
 
 
-def _number(s: Settings, name: str, rule: str, ok) -> None:
-    value = getattr(s, name)
-    if value is None and s.__dataclass_fields__[name].default is None:
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or not ok(value):
-        raise ValueError(f"`{name}` must be a number {rule}, got {value!r}")
+# One field per settings option of OPTIONS, its default and check from there; None: unset (the
+# calibration profile's value, else the engine's default).
+Settings = make_dataclass("Settings", [(o.name, f"{o.kind.__name__} | None", _field(o)) for o in SETTINGS_OPTIONS],
+                          namespace={"__post_init__": _check_all, "__module__": __name__,
+                                     "__doc__": "The user's settings; `Settings(**{key: value})` checks each value."})
 
 
 def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:

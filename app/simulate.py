@@ -8,34 +8,44 @@ from pathlib import Path
 METRICS = ("served", "distinct_hit_rate", "bytes_per_token", "predicted_step_ms", "predicted_tps", "hot_cold_accuracy", "dropped")
 
 
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return [kind(t) for t in text.split(",") if t.strip()]
-        except ValueError:
-            import argparse
+def _csv(parse):
+    """A comma-separated list, each item through `parse` (an option's own check)."""
+    def parse_list(text: str):
+        return [parse(t.strip()) for t in text.split(",") if t.strip()]
+    return parse_list
 
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-    return parse
+
+def _policies(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def add_simulate(sub) -> None:
+    from ..engine.config import DEMOTES, UTILITY_VARIANTS, SchedulerConfig, SpecConfig
+    from .cli import add_renamed
+    from .options import OPTION
+
+    sched, gamma = SchedulerConfig(), SpecConfig().draft_len
     p = sub.add_parser("simulate", help="replay routing traces against residency policies (served share, predicted speed)")
     p.add_argument("--traces", nargs="+", required=True, metavar="PATH",
                    help="trace files or directories: the shared DeepSeek CSV(.gz) format or `moechat generate --trace` files")
-    p.add_argument("--policy", type=_csv(str), default=["spac"], metavar="P[,P...]",
+    p.add_argument("--policy", type=_policies, default=["spac"], metavar="P[,P...]",
                    help="policies besides the references lru and oracle: spac, spmoe, static, lfu, specmoe, eam, belady, "
                         "budget (lru with a LOSSY expert budget, paper 003) (default spac)")
-    p.add_argument("--cache-ratio", type=_csv(float), default=[0.1, 0.17], metavar="R[,R...]")
-    p.add_argument("--window", type=int, default=9, metavar="W", help="tokens per verification step, γ+1 (default 9)")
+    p.add_argument("--expert-cache-ratio", type=_csv(OPTION["expert_cache_ratio"].parse), default=[0.1, 0.17],
+                   metavar="R[,R...]", help="fast-tier shares of the routed experts (default 0.1,0.17)")
+    p.add_argument("--draft-len", type=OPTION["draft_len"].parse, default=gamma, metavar="N",
+                   help=f"γ: each verification step scores a window of γ+1 tokens (default {gamma})")
     p.add_argument("--lookahead-accept", type=float, default=None, metavar="A",
-                   help="also simulate draft-phase lookahead: the first ⌊A·W⌋ tokens' routing is seen before each window")
-    p.add_argument("--expert-budget", type=int, default=None, metavar="B",
+                   help="also simulate draft-phase lookahead: the first ⌊A·(γ+1)⌋ tokens' routing is seen before each window")
+    p.add_argument("--expert-budget", type=OPTION["expert_budget"].parse, default=None, metavar="B",
                    help="the budget policy's B: experts computed per layer per window (default 4·top-k, 24 on DeepSeek-V2-Lite)")
     p.add_argument("--cost-model", type=Path, default=None, metavar="FILE", help="TOML or JSON with CostModel fields")
-    p.add_argument("--utility-variant", default="level", choices=["level", "paper"])
-    p.add_argument("--demote", default="keep", choices=["zero", "keep"])
+    p.add_argument("--utility-variant", default=sched.utility_variant, choices=UTILITY_VARIANTS,
+                   help=f"research: spac's utility update (default {sched.utility_variant})")
+    p.add_argument("--demote", default=sched.demote, choices=DEMOTES,
+                   help=f"research: where spac puts an expert after use (default {sched.demote})")
     p.add_argument("--json", action="store_true", help='print one object {"results": [...]}')
+    add_renamed(p, cache_ratio="--expert-cache-ratio", window="--draft-len (the window is γ+1)")
     p.set_defaults(func=cmd_simulate)
 
 
@@ -77,15 +87,9 @@ def cmd_simulate(args) -> int:
     from ..engine.sched.simulator import REFERENCES, simulate
     from ..engine.trace import load_routing
 
-    if args.window < 1:
-        raise ValueError(f"--window must be at least 1, got {args.window}")
+    window = args.draft_len + 1  # tokens one verification step scores
     if args.lookahead_accept is not None and not 0 <= args.lookahead_accept <= 1:
         raise ValueError(f"--lookahead-accept must be in [0, 1], got {args.lookahead_accept}")
-    for r in args.cache_ratio:
-        if not 0 <= r <= 1:
-            raise ValueError(f"cache ratios must be in [0, 1], got {r}")
-    if args.expert_budget is not None and args.expert_budget < 1:
-        raise ValueError(f"--expert-budget must be at least 1, got {args.expert_budget}")
     cost = _cost_model(args.cost_model)
     routings = []
     for f in _trace_files(args.traces):
@@ -96,19 +100,19 @@ def cmd_simulate(args) -> int:
     policies = ["lru", "oracle"] + [p for p in args.policy if p not in ("lru", "oracle")]
     scheduler = dict(utility_variant=args.utility_variant, demote=args.demote)
     rows = []
-    for ratio in args.cache_ratio:
+    for ratio in args.expert_cache_ratio:
         for policy in policies:
             extra = {} if policy in REFERENCES else scheduler
             if policy == "budget":
                 extra = {**extra, "expert_budget": args.expert_budget}
-            rows.append(simulate(routings, policy, ratio, args.window, cost, **extra).to_dict())
+            rows.append(simulate(routings, policy, ratio, window, cost, **extra).to_dict())
             if args.lookahead_accept is not None and policy in ("spac", "spmoe"):  # the policies that read the draft phase
-                rows.append(simulate(routings, policy, ratio, args.window, cost, args.lookahead_accept, **extra).to_dict())
+                rows.append(simulate(routings, policy, ratio, window, cost, args.lookahead_accept, **extra).to_dict())
     if args.json:
         print(json.dumps({"traces": len(routings), "tokens": sum(r.tokens for r in routings), "cost_model": vars(cost),
                           "results": rows}))
         return 0
-    print(f"{len(routings)} traces, {sum(r.tokens for r in routings)} tokens, window {args.window}", file=sys.stderr)
+    print(f"{len(routings)} traces, {sum(r.tokens for r in routings)} tokens, window {window}", file=sys.stderr)
     head = f"{'policy':<22}{'ratio':>6}" + "".join(f"{m:>19}" for m in METRICS)
     print(head)
     for r in rows:

@@ -7,6 +7,9 @@ from .errors import MoechatError
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("spac", "lru", "static", "lfu", "specmoe", "eam", "spmoe")
+UTILITY_VARIANTS = ("level", "paper")  # research knobs: flags of `simulate` and the benchmarks, not user settings
+DEMOTES = ("zero", "keep")
+CPU_COSTS = ("distinct", "activations")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -72,9 +75,9 @@ class SchedulerConfig:
         _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         _check(1 <= self.utility_bound <= 16, f"utility bound K must be in 1..16, got {self.utility_bound}")
         _check(0.0 <= self.forgetting <= 1.0, f"forgetting factor must be in [0, 1], got {self.forgetting}")
-        _check(self.utility_variant in ("paper", "level"), f"utility variant must be paper or level, got {self.utility_variant!r}")
-        _check(self.demote in ("zero", "keep"), f"demote must be zero or keep, got {self.demote!r}")
-        _check(self.cpu_cost in ("distinct", "activations"), f"cpu cost must be distinct or activations, got {self.cpu_cost!r}")
+        _check(self.utility_variant in UTILITY_VARIANTS, f"utility variant must be paper or level, got {self.utility_variant!r}")
+        _check(self.demote in DEMOTES, f"demote must be zero or keep, got {self.demote!r}")
+        _check(self.cpu_cost in CPU_COSTS, f"cpu cost must be distinct or activations, got {self.cpu_cost!r}")
         _check(self.cpu_experts or self.policy == "lru",
                f"running without CPU experts loads every miss on demand: use policy lru, got {self.policy!r}")
         _check(self.expert_budget is None or self.expert_budget >= 1,

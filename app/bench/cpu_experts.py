@@ -16,18 +16,26 @@ import time
 
 
 def add_bench_cpu_experts(sub) -> None:
+    from ...engine.config import SpecConfig
+    from ..cli import add_renamed
+    from ..options import OPTION
+
+    gamma = SpecConfig().draft_len
     p = sub.add_parser("cpu-experts", help="time the CPU expert tier and fit the two CPU cost models")
     p.add_argument("--hidden", type=int, default=2048, metavar="H", help="hidden size (default DeepSeek-V2-Lite's 2048)")
     p.add_argument("--intermediate", type=int, default=1408, metavar="I", help="expert width (default 1408)")
     p.add_argument("--experts", type=int, default=64, metavar="E", help="routed experts per layer (default 64)")
     p.add_argument("--top-k", type=int, default=6, metavar="K", help="experts per token (default 6)")
-    p.add_argument("--window", type=int, default=9, metavar="W", help="tokens per verification step, γ+1 (default 9)")
+    # γ on the command line, the window of γ+1 tokens it verifies in args.window
+    p.add_argument("--draft-len", dest="window", type=lambda text: OPTION["draft_len"].parse(text) + 1, default=gamma + 1,
+                   metavar="N", help=f"γ: one verification window holds γ+1 tokens (default {gamma})")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--samples", type=int, default=40, metavar="N", help="random routings timed (default 40)")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="timed calls per routing after one warm-up; the fastest counts (default 3)")
     p.add_argument("--threads", type=int, default=None, metavar="T", help="torch intra-op threads (default torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_renamed(p, window="--draft-len (the window is γ+1)")
     p.set_defaults(func=cmd_bench_cpu_experts)
 
 
@@ -99,8 +107,8 @@ def cmd_bench_cpu_experts(args) -> int:
 
     from ...engine.errors import MoechatError
 
-    if not (1 <= args.top_k <= args.experts and args.window >= 1 and args.samples >= 3 and args.repeats >= 1):
-        raise MoechatError("need 1 <= --top-k <= --experts, --window >= 1, --samples >= 3 and --repeats >= 1")
+    if not (1 <= args.top_k <= args.experts and args.samples >= 3 and args.repeats >= 1):
+        raise MoechatError("need 1 <= --top-k <= --experts, --samples >= 3 and --repeats >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

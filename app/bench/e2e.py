@@ -24,7 +24,10 @@ ROWS = ("spac + hybrid + self drafter", "lru + hybrid", "lru on demand, no CPU e
 
 
 def add_bench_e2e(sub) -> None:
-    from ..cli import _ratio
+    from ...engine.config import SpecConfig
+    from ..options import OPTION
+
+    gamma = SpecConfig().draft_len
 
     p = sub.add_parser("e2e", help="decode tokens/s of spac, lru, on-demand, all-CPU and HF offload on one model, "
                                    "the bandwidth bound, and the host overhead per MoE layer")
@@ -34,9 +37,11 @@ def add_bench_e2e(sub) -> None:
     p.add_argument("--replay-traces", default=os.environ.get(REPLAY_ENV), metavar="PATH",
                    help=f"recorded routing to replay (a DeepSeek CSV(.gz) or a moechat --trace file); default ${REPLAY_ENV}")
     p.add_argument("--device", default=None, help="compute device (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--expert-cache-ratio", type=_ratio, default=0.17, metavar="R", help="fast-tier share of the experts (default 0.17)")
-    p.add_argument("--draft-len", type=int, default=4, metavar="N", help="the self drafter's gamma (default 4)")
+    p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices)
+    p.add_argument("--expert-cache-ratio", type=OPTION["expert_cache_ratio"].parse, default=0.17, metavar="R",
+                   help="fast-tier share of the experts (default 0.17)")
+    p.add_argument("--draft-len", type=OPTION["draft_len"].parse, default=gamma, metavar="N",
+                   help=f"the self drafter's γ (default {gamma})")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="interleaved rounds; medians reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")

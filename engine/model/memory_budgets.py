@@ -76,11 +76,11 @@ def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int 
             raise BudgetError(
                 f"expert cache of {gib(expert_cache_bytes)} does not fit the {gib(vram_budget - fixed - margin)} of VRAM left after "
                 f"non-expert weights, KV cache and margin: use --expert-cache-ratio {fit / est.num_experts_total:.3f} or less "
-                f"(--expert-cache-mib {fit * est.expert_bytes / 2**20:.0f}), or a shorter --context-len"
+                f"(--expert-cache-gib {fit * est.expert_bytes / 2**30:.3f}), or a shorter --context-len"
             )
     if ram_budget is not None and host_tier == "ram" and est.all_experts_bytes > ram_budget:
         raise BudgetError(
             f"the routed experts need {gib(est.all_experts_bytes)} of RAM, the RAM budget is {gib(ram_budget)}: "
-            f"use the mmap tier (--host-ram-mib {ram_budget / 2**20:.0f} reads experts from the checkpoint files), "
+            f"use the mmap tier (--ram-budget-gib {ram_budget / 2**30:.2f} reads experts from the checkpoint files), "
             "or use a smaller model"
         )

@@ -39,7 +39,7 @@ FROZEN = (2, 0.0)  # pool rank of an expert in use: above every other
 
 
 class Prefetcher:
-    def __init__(self, table: SlotTable, num_layers: int, num_experts: int, utility_bound: int, demote: str = "zero"):
+    def __init__(self, table: SlotTable, num_layers: int, num_experts: int, utility_bound: int, demote: str):
         if demote not in DEMOTE:
             raise ValueError(f"demote must be one of {', '.join(DEMOTE)}, got {demote!r}")
         self.table, self.K, self.demote = table, utility_bound, demote

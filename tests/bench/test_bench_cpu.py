@@ -18,7 +18,7 @@ def test_fit_recovers_a_line():
 
 def test_cpu_experts_prints_both_fits(capsys):
     args = ["bench", "cpu-experts", "--hidden", "32", "--intermediate", "16", "--experts", "8", "--top-k", "2",
-            "--window", "3", "--dtype", "float32", "--samples", "6", "--repeats", "1"]
+            "--draft-len", "2", "--dtype", "float32", "--samples", "6", "--repeats", "1"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "\ndistinct " in out and "\nactivations " in out and "better predictor:" in out

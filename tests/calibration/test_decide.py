@@ -219,18 +219,20 @@ def test_loader_refuses_before_loading(checkpoint, monkeypatch):
 def test_estimate_command_json(capsys):
     from moechat.app.cli import main
 
-    assert main(["estimate", "--model", "deepseek-v2-lite", "--context-len", "4096", "--vram-gib", "8", "--ram-gib", "32", "--json"]) == 0
+    assert main(["estimate", "--model", "deepseek-v2-lite", "--context-len", "4096", "--vram-budget-gib", "8", "--ram-budget-gib", "32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model_type"] == "deepseek_v2" and out["context_len"] == 4096
     assert out["total_params"] == pytest.approx(15.7e9, rel=0.02)
     assert out["fits"] is True and 0 < out["max_expert_cache_ratio"] <= 1
-    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--vram-gib", "2", "--json"]) == 1  # does not fit: says why
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--vram-budget-gib", "2", "--json"]) == 1  # does not fit: says why
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and "VRAM budget is 2.00 GiB" in out["problem"]
     assert main(["estimate", "--model", "no-such-model"]) == 1
-    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--context-len", "0"]) == 1
+    with pytest.raises(SystemExit) as exit_:  # a bad flag is refused by argparse before anything runs
+        main(["estimate", "--model", "Qwen3-30B-A3B", "--context-len", "0"])
     err = capsys.readouterr().err
-    assert "Qwen3-30B-A3B, DeepSeek-V2-Lite" in err and "context length must be >= 1" in err and len(err.strip().splitlines()) == 2
+    assert exit_.value.code == 2 and "Qwen3-30B-A3B, DeepSeek-V2-Lite" in err and "--context-len: must be a whole number >= 1" in err
+    assert len(err.strip().splitlines()) == 2
 
 
 def test_cpu_only_takes_a_draft_model_only_when_it_pays(known):

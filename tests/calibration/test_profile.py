@@ -98,16 +98,16 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monk
     assert cpu.expert_cache_ratio == 0.0  # a GPU's ratio is not applied to a CPU fast tier
 
     cli, _ = _config(["--device", "cuda", "--draft-len", "2", "--policy", "lru", "--draft", "none",
-                      "--expert-cache-ratio", "0.5", "--host-ram-mib", "4096"])
+                      "--expert-cache-ratio", "0.5", "--ram-budget-gib", "4"])
     assert (cli.spec.draft_len, cli.scheduler.policy, cli.spec.drafter, cli.expert_cache_ratio) == (2, "lru", "none", 0.5)
-    assert cli.host_ram_budget_bytes == 4096 << 20
+    assert cli.host_ram_budget_bytes == 4 << 30
 
     settings_path().parent.mkdir(parents=True, exist_ok=True)
-    settings_path().write_text("draft_len = 5\npolicy = 'eam'\nutility_bound = 2\nforgetting = 0.5\n"
+    settings_path().write_text("draft_len = 5\npolicy = 'eam'\nutility_bound = 2\nforgetting = 0.5\n"  # λ: not a setting now
                                "expert_cache_ratio = 0.3\n", encoding="utf-8")
     st, _ = _config(["--device", "cuda", "--draft-len", "7"])
     assert (st.spec.draft_len, st.scheduler.policy, st.scheduler.utility_bound) == (7, "eam", 2)  # CLI > settings
-    assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.5, 0.3, "self")
+    assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.2, 0.3, "self")  # λ: the profile's
 
 
 def test_unusable_profile_warns_and_runs_on_defaults(capsys):

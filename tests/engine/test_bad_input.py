@@ -152,10 +152,10 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path):
         (["generate", "--model", str(tmp_path / "none"), "--prompt", "hi"], "does not exist"),
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--draft", str(tmp_path / "none")],
          "draft model directory"),
-        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--draft-len", "0"], "draft length"),
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--draft-len", "0"], "--draft-len: must be a whole number in 1..32"),
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt-ids", "1,x"], "comma-separated token ids"),
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-ratio", "2"], "[0, 1]"),
-        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-mib", "0.0001"],
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-gib", "0.0000001"],
          "cannot hold one expert"),
     ]
     for args, expected in cases:

@@ -191,7 +191,7 @@ def host_cache(lib, slots: int) -> ExpertCache:
 
 def test_scheduler_cancels_queued_copies_that_fell_below_tau(host_lib):
     cache = host_cache(host_lib, 3)
-    pre = Prefetcher(cache, 2, 4, utility_bound=4)
+    pre = Prefetcher(cache, 2, 4, utility_bound=4, demote="zero")
     cache.copier.pause()  # copies stay queued
     pre.update(0, torch.tensor([4, 3, 2, 0]), tau=2)
     assert pre.drain() == 3 and set(cache.pending) == {0, 1, 2}

@@ -120,7 +120,7 @@ def test_simulate_cli_reports_eam_and_budget(tmp_path, capsys):
             rows.append(f'{layer},0,t{t},"[{tok[col][0]}]"')
     for name in ("prompt_1.csv", "prompt_2.csv"):
         (tmp_path / name).write_text("\n".join(rows) + "\n")
-    argv = ["simulate", "--traces", str(tmp_path), "--policy", "eam,budget", "--cache-ratio", "0.3333", "--window", "2"]
+    argv = ["simulate", "--traces", str(tmp_path), "--policy", "eam,budget", "--expert-cache-ratio", "0.3333", "--draft-len", "1"]
     assert main(argv + ["--expert-budget", "1", "--json"]) == 0
     by = {r["policy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
     assert set(by) == {"lru", "oracle", "eam", "budget"}
@@ -226,8 +226,9 @@ def test_budget_on_the_command_line(checkpoint, capsys):
     assert stats["lossy"] == "lossy: expert budget 2" and stats["expert_budget"] == 2
     assert main(argv) == 0
     assert "lossy: expert budget 2" in capsys.readouterr().err
-    assert main(argv[:-1] + ["0"]) == 1
-    assert "expert budget must be at least" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # refused by the flag's own check
+        main(argv[:-1] + ["0"])
+    assert exit_.value.code == 2 and "--expert-budget: must be a whole number >= 1" in capsys.readouterr().err
 
 
 def test_simulator_budget_without_drops_is_the_reference_lru():

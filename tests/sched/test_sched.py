@@ -289,8 +289,8 @@ def test_simulate_cli_reads_the_shared_csv_format(tmp_path, capsys):
         for t, tok in enumerate(handmade().experts.tolist()):
             rows.append(f'{layer},0,t{t},"[{tok[col][0]}]"')
     (tmp_path / "prompt_1.csv").write_text("\n".join(rows) + "\n")
-    assert main(["simulate", "--traces", str(tmp_path), "--policy", "belady,spac", "--cache-ratio", "0.3333",
-                 "--window", "2", "--lookahead-accept", "0.5", "--json"]) == 0
+    assert main(["simulate", "--traces", str(tmp_path), "--policy", "belady,spac", "--expert-cache-ratio", "0.3333",
+                 "--draft-len", "1", "--lookahead-accept", "0.5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     by = {(r["policy"], r["lookahead_accept"]): r for r in out["results"]}
     assert set(by) == {("lru", None), ("oracle", None), ("belady", None), ("spac", None), ("spac", 0.5)}

@@ -156,7 +156,7 @@ async def _wizard_model_errors(bad_dir, unsupported_dir):
     messages = []
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
-        assert app.screen.query_one("#vram").value == "22.0"  # the fake GPU's free memory, prefilled
+        assert app.screen.query_one("#vram_budget_gib").value == "22.0"  # the fake GPU's free memory, prefilled
         for box, text in (("#model-dir", bad_dir), ("#model-dir", unsupported_dir), ("#hub-id", "not-an-id")):
             app.screen.query_one(box).value = str(text)  # typing in a box picks its source
             await click(pilot, "#next")
@@ -195,11 +195,11 @@ async def _wizard_end_to_end(path):
         screen = app.screen
         await click(pilot, "#next")  # the demo is preselected
         assert screen.step == 1
-        assert screen.query_one("#ram").value == "20.0" and screen.query_one("#vram").disabled  # from the probe
-        screen.query_one("#ram").value = "-3"
+        assert screen.query_one("#ram_budget_gib").value == "20.0" and screen.query_one("#vram_budget_gib").disabled  # from the probe
+        screen.query_one("#ram_budget_gib").value = "-3"
         await click(pilot, "#next")
-        assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram-error").content)
-        screen.query_one("#ram").value = "16"
+        assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram_budget_gib-error").content)
+        screen.query_one("#ram_budget_gib").value = "16"
         await click(pilot, "#next")  # entering the step starts the calibration
         assert screen.step == 2 and screen.busy, str(screen.query_one("#cal-error").content)
         screen.action_next()  # still calibrating: refused

@@ -1,15 +1,16 @@
-"""The settings panel: every field of `Settings` the user tunes, validated as typed, saved to TOML.
+"""The settings panel: one field per option of app/options.py with a label, validated as typed, saved to TOML.
 
 Validation has one source of truth: a field's text is parsed (int/float where it reads as one, else
 left as text) and `Settings(**{field: value})` accepts or refuses it; the refusal's one line shows
 under the field. Save writes nothing while any field is refused. The screen dismisses with a
 `SettingsResult` (or None on Cancel): `needs_reload` is True when a field the running engine cannot
-take live changed (`RELOAD_FIELDS`: budgets, cache ratio, K, γ, λ, policy, drafter, context length);
+take live changed (`RELOAD_FIELDS`: the options not marked live: budgets, cache ratio, K, γ, policy,
+drafter, context length);
 the caller then reloads the model. Sampling and theme apply live.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from textual import on
@@ -21,8 +22,8 @@ from textual.screen import Screen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
-from ....engine.config import POLICIES
-from ...settings import RELOAD_FIELDS, THEMES, Settings, load_settings, save_settings, textual_themes
+from ...options import OPTION
+from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings
 
 DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
 
@@ -35,28 +36,15 @@ class SettingsResult:
     needs_reload: bool
 
 
-# (field, label, placeholder) of the typed fields, in the order shown
-TYPED = (
-    ("vram_budget_gib", "VRAM budget (GiB)", "free VRAM"),
-    ("ram_budget_gib", "RAM budget (GiB)", "available RAM"),
-    ("expert_cache_ratio", "Expert cache ratio", "from calibration"),
-    ("utility_bound", "K (utility bound)", "from calibration"),
-    ("draft_len", "γ (draft length)", "from calibration"),
-    ("forgetting", "λ (forgetting)", "from calibration"),
-    ("context_len", "Context length", "the model's"),
-    ("temperature", "Temperature", "0.7"),
-    ("top_p", "Top-p", "0.9"),
-    ("max_new_tokens", "Max new tokens", "512"),
-)
-_DEFAULTS = {f.name: f.default for f in fields(Settings)}
-_LABELS = {name: label for name, label, _ in TYPED} | {"policy": "policy", "draft": "drafter"}
+FIELDS = tuple(o for o in SETTINGS_OPTIONS if o.label)  # in the order shown
+TYPED = tuple(o.name for o in FIELDS if o.widget == "input")  # the fields typed into an Input
 
 
 def parse_field(name: str, text: str):
     """The value a field's text stands for: "" -> None (optional) or the default; numbers as numbers, else the text."""
     text = text.strip()
     if not text:
-        return _DEFAULTS[name]
+        return OPTION[name].default
     for kind in (int, float):
         try:
             return kind(text)
@@ -127,40 +115,43 @@ class SettingsScreen(Screen):
         self.initial, self.notice = settings, notice
 
     def compose(self) -> ComposeResult:
-        s = self.initial
         yield Header()
         yield Static(self.notice or "", id="notice")
         with VerticalScroll():
-            for name, label, placeholder in TYPED:
-                value = getattr(s, name)
-                with Horizontal(classes="row"):
-                    yield Label(f"{label} {_tag(name)}", classes="name")
-                    yield Input("" if value is None else str(value), placeholder=placeholder, id=name,
-                                validators=[FieldValidator(name)], compact=True)
-                yield Label("", id=f"{name}-error", classes="field-error")
-            with Horizontal(classes="row"):
-                yield Label(f"Policy {_tag('policy')}", classes="name")
-                yield Select([(p, p) for p in POLICIES], value=s.policy or Select.NULL, prompt="from calibration",
-                             id="policy", compact=True)
-            draft_choice = s.draft if s.draft in (None, "none", "self") else DIRECTORY
-            with Horizontal(classes="row"):
-                yield Label(f"Drafter {_tag('draft')}", classes="name")
-                yield Select([("none", "none"), ("self", "self"), ("a draft model directory", DIRECTORY)],
-                             value=draft_choice or Select.NULL, prompt="default", id="draft", compact=True)
-            with Horizontal(classes="row"):
-                yield Label("Draft model directory", classes="name")
-                yield Input(s.draft if draft_choice == DIRECTORY else "", placeholder="/path/to/draft-model",
-                            id="draft_dir", validators=[DraftDirValidator()], disabled=draft_choice != DIRECTORY, compact=True)
-            yield Label("", id="draft_dir-error", classes="field-error")
-            with Horizontal(classes="row"):
-                yield Label(f"Theme {_tag('theme')}", classes="name")
-                themes = list(THEMES) + [t for t in textual_themes() if t not in THEMES]
-                yield Select([(t, t) for t in themes], value=s.theme, allow_blank=False, id="theme", compact=True)
+            for option in FIELDS:
+                yield from getattr(self, f"_{option.widget}_row")(option, getattr(self.initial, option.name))
         yield Static("", id="reload")
         with Horizontal(id="buttons"):
             yield Button("Save", variant="primary", id="save")
             yield Button("Cancel", id="cancel")
         yield Footer()
+
+    def _input_row(self, option, value) -> ComposeResult:
+        with Horizontal(classes="row"):
+            yield Label(f"{option.label} {_tag(option.name)}", classes="name")
+            yield Input("" if value is None else str(value), placeholder=option.placeholder or option.default_text(),
+                        id=option.name, validators=[FieldValidator(option.name)], compact=True)
+        yield Label("", id=f"{option.name}-error", classes="field-error")
+
+    def _select_row(self, option, value) -> ComposeResult:
+        # an option with a default needs a value; one without may stay unset (the placeholder says what applies)
+        with Horizontal(classes="row"):
+            yield Label(f"{option.label} {_tag(option.name)}", classes="name")
+            yield Select([(c, c) for c in option.widget_choices()], value=Select.NULL if value is None else value,
+                         id=option.name, prompt=option.placeholder or "Select", allow_blank=option.default is None,
+                         compact=True)
+
+    def _drafter_row(self, option, value) -> ComposeResult:
+        choice = value if value in (None, "none", "self") else DIRECTORY
+        with Horizontal(classes="row"):
+            yield Label(f"{option.label} {_tag(option.name)}", classes="name")
+            yield Select([("none", "none"), ("self", "self"), ("a draft model directory", DIRECTORY)],
+                         value=choice or Select.NULL, prompt=option.placeholder, id=option.name, compact=True)
+        with Horizontal(classes="row"):
+            yield Label("Draft model directory", classes="name")
+            yield Input(value if choice == DIRECTORY else "", placeholder="/path/to/draft-model", id="draft_dir",
+                        validators=[DraftDirValidator()], disabled=choice != DIRECTORY, compact=True)
+        yield Label("", id="draft_dir-error", classes="field-error")
 
     def on_mount(self) -> None:
         self.title = "Settings"
@@ -184,14 +175,16 @@ class SettingsScreen(Screen):
     def _values(self) -> tuple[dict, list[str]]:
         """(field -> parsed value, the errors of the refused fields)."""
         values, errors = {}, []
-        for name, _, _ in TYPED:
+        for name in TYPED:
             values[name] = parse_field(name, self.query_one(f"#{name}", Input).value)
             error = field_error(name, values[name])
             if error:
                 errors.append(error)
                 show_error(self.query_one(f"#{name}-error", Label), error)
-        policy = self.query_one("#policy", Select).value
-        values["policy"] = None if policy == Select.NULL else policy
+        for option in FIELDS:
+            if option.widget == "select":
+                value = self.query_one(f"#{option.name}", Select).value
+                values[option.name] = None if value == Select.NULL else value
         draft = self.query_one("#draft", Select).value
         if draft == DIRECTORY:
             box = self.query_one("#draft_dir", Input)
@@ -202,7 +195,6 @@ class SettingsScreen(Screen):
             values["draft"] = box.value.strip()
         else:
             values["draft"] = None if draft == Select.NULL else draft
-        values["theme"] = self.query_one("#theme", Select).value
         return values, errors
 
     def _changed_reload_fields(self, values: dict) -> list[str]:
@@ -215,7 +207,7 @@ class SettingsScreen(Screen):
             return
         changed = self._changed_reload_fields(values)
         self.query_one("#reload", Static).update(
-            f"Reload model needed for: {', '.join(_LABELS.get(n, n) for n in changed)} (Save reloads it)" if changed else "")
+            f"Reload model needed for: {', '.join(OPTION[n].label or n for n in changed)} (Save reloads it)" if changed else "")
         self.query_one("#save", Button).label = "Save and reload model" if changed else "Save"
 
     @on(Button.Pressed, "#save")

@@ -21,6 +21,7 @@ from textual.widgets import (Button, ContentSwitcher, DataTable, Footer, Header,
                              RadioSet, Static, Switch)
 
 from ...demo import DEMO_DRAFT, DEMO_MODEL
+from ...options import OPTION
 from ...settings import load_settings, save_settings
 from ..messages import CalibrationDone, CalibrationProgress
 from .settings import FieldValidator, field_error, parse_field
@@ -28,10 +29,11 @@ from .settings import FieldValidator, field_error, parse_field
 GIB = 2**30
 STEPS = ("step-model", "step-budgets", "step-calibrate", "step-finish")
 TITLES = ("1/4 Choose the model", "2/4 Memory budgets", "3/4 Calibrate this machine", "4/4 Done")
-# Calibration decisions as the wizard shows them: (field of Decisions, label)
+BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step edits
+# Calibration decisions as the wizard shows them: (field of Decisions, label); λ only matters to a
+# utility variant users do not run, so it is not shown
 DECISIONS = (("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
-             ("draft_len", "draft length γ"), ("forgetting", "forgetting λ"), ("drafter", "drafter"),
-             ("policy", "policy"), ("host_tier", "host tier"))
+             ("draft_len", "draft length γ"), ("drafter", "drafter"), ("policy", "policy"), ("host_tier", "host tier"))
 
 
 def check_model_dir(text: str) -> str:
@@ -111,14 +113,11 @@ class WizardScreen(Screen):
                 yield Label(TITLES[1], classes="title")
                 yield Static("What moechat may use; prefilled with what is free now. Empty: whatever is free at start.",
                              classes="hint")
-                with Horizontal(classes="row"):
-                    yield Label("VRAM budget (GiB)")
-                    yield Input(id="vram", validators=[FieldValidator("vram_budget_gib")])
-                yield Label("", id="vram-error", classes="field-error")
-                with Horizontal(classes="row"):
-                    yield Label("RAM budget (GiB)")
-                    yield Input(id="ram", validators=[FieldValidator("ram_budget_gib")])
-                yield Label("", id="ram-error", classes="field-error")
+                for name in BUDGETS:
+                    with Horizontal(classes="row"):
+                        yield Label(OPTION[name].label)
+                        yield Input(id=name, validators=[FieldValidator(name)])
+                    yield Label("", id=f"{name}-error", classes="field-error")
                 yield Static("", id="hw-note", classes="hint")
             with Vertical(id="step-calibrate"):
                 yield Label(TITLES[2], classes="title")
@@ -157,7 +156,7 @@ class WizardScreen(Screen):
     def _prefill(self, hw) -> None:
         self.hardware = hw
         settings, _ = load_settings(self.path)  # `--setup` again: the budgets chosen before win over the probe
-        vram, ram = self.query_one("#vram", Input), self.query_one("#ram", Input)
+        vram, ram = self.query_one("#vram_budget_gib", Input), self.query_one("#ram_budget_gib", Input)
         if hw.gpus:
             gpu = hw.gpus[0]
             vram.value = str(settings.vram_budget_gib or round(gpu.free_bytes / GIB, 1))
@@ -169,12 +168,12 @@ class WizardScreen(Screen):
         note += f"RAM: {hw.ram_available_bytes / GIB:.1f} of {hw.ram_total_bytes / GIB:.1f} GiB available."
         self.query_one("#hw-note", Static).update(note)
 
-    def _budget(self, box: str, name: str) -> float | None:
-        return parse_field(name, self.query_one(f"#{box}", Input).value)
+    def _budget(self, name: str) -> float | None:
+        return parse_field(name, self.query_one(f"#{name}", Input).value)
 
     @on(Input.Changed)
     def _input_changed(self, event: Input.Changed) -> None:
-        if event.input.id in ("vram", "ram"):
+        if event.input.id in BUDGETS:
             result = event.validation_result
             self.query_one(f"#{event.input.id}-error", Label).update(
                 "" if result is None or result.is_valid else result.failure_descriptions[0])
@@ -255,9 +254,9 @@ class WizardScreen(Screen):
         self._go(1)
 
     def _leave_budgets(self) -> None:
-        errors = {box: field_error(f"{box}_budget_gib", self._budget(box, f"{box}_budget_gib")) for box in ("vram", "ram")}
-        for box, error in errors.items():
-            self.query_one(f"#{box}-error", Label).update(error or "")
+        errors = {name: field_error(name, self._budget(name)) for name in BUDGETS}
+        for name, error in errors.items():
+            self.query_one(f"#{name}-error", Label).update(error or "")
         if not any(errors.values()):
             self._go(2)
 
@@ -270,8 +269,7 @@ class WizardScreen(Screen):
     def _leave_finish(self) -> None:
         settings, _ = load_settings(self.path)  # a broken file: defaults (save_settings keeps the old one aside)
         settings = replace(settings, model=self.model_setting, draft=None,  # the profile's drafter for this model
-                           vram_budget_gib=self._budget("vram", "vram_budget_gib"),
-                           ram_budget_gib=self._budget("ram", "ram_budget_gib"))
+                           **{name: self._budget(name) for name in BUDGETS})
         try:
             save_settings(settings, self.path)
         except OSError as err:
@@ -291,7 +289,7 @@ class WizardScreen(Screen):
         self.query_one("#decisions", DataTable).clear()
         self.query_one("#progress", ProgressBar).update(progress=0.0)
         quick = self.query_one("#quick", Switch).value
-        vram, ram = self._budget("vram", "vram_budget_gib"), self._budget("ram", "ram_budget_gib")
+        vram, ram = (self._budget(name) for name in BUDGETS)
         self.run_worker(lambda: self._calibrate(quick, vram, ram), thread=True, group="calibrate")
 
     def _calibrate(self, quick: bool, vram: float | None, ram: float | None) -> None:
@@ -336,7 +334,7 @@ class WizardScreen(Screen):
         self.query_one("#cal-error", Label).update(message)
 
     def _show_summary(self) -> None:
-        vram, ram = self._budget("vram", "vram_budget_gib"), self._budget("ram", "ram_budget_gib")
+        vram, ram = (self._budget(name) for name in BUDGETS)
         lines = [f"Model: {self.model_setting or 'the embedded demo'}",
                  f"Budgets: VRAM {'free at start' if vram is None else f'{vram:g} GiB'}, "
                  f"RAM {'free at start' if ram is None else f'{ram:g} GiB'}",

@@ -1,0 +1,241 @@
+"""Every user option, declared once (Harlequin's model).
+
+`OPTIONS` feeds the command-line flags (`add_flags`), `settings.toml` (the `Settings` dataclass in
+settings.py is built from it), the settings screen and the wizard (their fields and validators) and
+the README's options table (`python -m moechat.app.options --markdown` prints it; a test keeps the
+README equal). An option's name is its settings key; its flag is `--name-with-dashes`. Research
+knobs no user sets (utility variant, demote, lookahead, CPU cost model) are not here: they stay on
+SchedulerConfig and are flags of `simulate` and the benchmarks only.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from ..engine.config import DTYPES, POLICIES, SchedulerConfig, SpecConfig
+
+THEMES = ("dark", "light")  # besides Textual's built-in theme names
+
+
+def textual_themes() -> tuple[str, ...]:
+    from textual.theme import BUILTIN_THEMES  # only when a theme name is not dark/light: keeps start-up light
+
+    return tuple(BUILTIN_THEMES)
+
+
+def theme_names() -> tuple[str, ...]:
+    return THEMES + tuple(t for t in textual_themes() if t not in THEMES)
+
+
+def _theme_problem(value) -> str | None:
+    if value in theme_names():
+        return None
+    return "must be dark, light or a Textual theme name (e.g. nord, dracula)"
+
+
+def _keys_problem(value) -> str | None:
+    ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in value.items())
+    return None if ok else "must be a table of action = \"key\" strings"
+
+
+def _device_problem(value) -> str | None:
+    return None if value == "cpu" or value.startswith("cuda") else "must be cpu or cuda[:N]"
+
+
+def _words(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else "" if value in ([], {}) else str(value)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One user option: its settings key, flag, type, unit, default, check, help and where it shows."""
+
+    name: str  # the settings key; the flag is --name-with-dashes
+    kind: type  # int | float | str | list (a repeatable flag) | dict (a settings table)
+    default: object  # None: unset (`unset` says what applies then)
+    help: str
+    group: str  # engine: a flag of the commands that load a model; sampling: of generate and chat; app: no flag
+    unit: str = ""  # what a number counts, e.g. GiB
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # low itself is refused: (low, high]
+    choices: tuple = ()
+    problem_of: Callable[[object], str | None] | None = None  # a check beyond kind, bounds and choices
+    symbol: str = ""  # the paper's letter, named in messages
+    unset: str = ""  # what applies when the option is not given
+    live: bool = False  # the running engine takes a new value without loading the model again
+    setting: bool = True  # a key of settings.toml
+    label: str = ""  # the settings screen's label; "" keeps the option off the screen
+    placeholder: str = ""  # the screen's hint in an empty field; "" shows the default
+    widget: str = "input"  # on the screen: input | select | drafter
+    metavar: str | None = None
+    other_defaults: str = ""  # commands whose flag defaults differ from the settings' default
+
+    @property
+    def flag(self) -> str | None:
+        return None if self.group == "app" else "--" + self.name.replace("_", "-")
+
+    def rule(self) -> str:
+        """What a good value is, as the end of "must be ..."."""
+        if self.choices:
+            return f"must be one of {', '.join(self.choices)}"
+        if self.kind is int:
+            if self.low is None:
+                return "must be a whole number"
+            return f"must be a whole number in {self.low:g}..{self.high:g}" if self.high is not None \
+                else f"must be a whole number >= {self.low:g}"
+        if self.kind is float:
+            unit = f" {self.unit}" if self.unit else ""
+            if self.high is None:
+                return f"must be a number {'>' if self.low_open else '>='} {self.low:g}{unit}"
+            return f"must be a number in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]{unit}"
+        return "must be a non-empty string"
+
+    def problem(self, value) -> str | None:
+        """None when `value` is good for this option, else the rule it breaks ("must be ...")."""
+        if value is None and self.default is None:
+            return None
+        if self.kind in (int, float):
+            kinds = (int,) if self.kind is int else (int, float)
+            if not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value):
+                return self.rule()
+            if (self.low is not None and (value < self.low or self.low_open and value == self.low)) or \
+                    (self.high is not None and value > self.high):
+                return self.rule()
+        elif self.kind is str:
+            if not isinstance(value, str) or not value.strip():
+                return "must be a non-empty string"
+            if self.choices and value not in self.choices:
+                return self.rule()
+        elif self.kind is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return "must be a list of strings"
+        return self.problem_of(value) if self.problem_of else None
+
+    def check(self, value) -> None:
+        """Raise ValueError, one line naming the settings key, when `value` is not good."""
+        problem = self.problem(value)
+        if problem:
+            raise ValueError(f"`{self.name}`{f' ({self.symbol})' if self.symbol else ''} {problem}, got {value!r}")
+
+    def parse(self, text: str):
+        """A flag's text as its value (argparse's `type`); garbage raises ArgumentTypeError in one line."""
+        try:
+            value = self.kind(text) if self.kind in (int, float) else text
+        except ValueError:
+            value = text
+        problem = self.problem(value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text!r}")
+        return value
+
+    def widget_choices(self) -> tuple[str, ...]:
+        """What the settings screen's Select offers."""
+        return self.choices or (theme_names() if self.name == "theme" else ())
+
+    def add_flag(self, parser: argparse.ArgumentParser, default=None) -> None:
+        """This option as a flag of `parser`; `default` for a command whose default differs."""
+        default = self.default if default is None else default
+        kw = dict(default=default, help=self.help_line(default), metavar=self.metavar)
+        if self.kind is list:
+            parser.add_argument(self.flag, action="append", **kw)
+        else:
+            parser.add_argument(self.flag, type=self.parse, choices=self.choices or None, **kw)
+
+    def help_line(self, default) -> str:
+        when = self.unset if default is None else _words(default)
+        if default is None and self.setting:
+            when = f"the settings, else {when}"
+        return f"{self.help} (default: {when})" if when else self.help
+
+    def default_text(self) -> str:
+        """The default in words: the value, or what applies when unset."""
+        return self.unset if self.default is None else _words(self.default)
+
+
+_SCHED, _SPEC = SchedulerConfig(), SpecConfig()
+_FROM_PROFILE = "the calibration profile, else {}"
+
+# In the order the flags' help, the settings screen and the README show them.
+OPTIONS: tuple[Option, ...] = (
+    Option("model", str, None, "checkpoint directory or a model fetched with `moechat pull`", "engine",
+           unset="the embedded demo", metavar="DIR|OWNER/NAME"),
+    Option("vram_budget_gib", float, None, "cap on everything moechat puts on the GPU; what does not fit is refused "
+           "before loading", "engine", unit="GiB", low=0, low_open=True, unset="the free VRAM",
+           label="VRAM budget (GiB)", placeholder="free VRAM", metavar="GIB"),
+    Option("ram_budget_gib", float, None, "RAM for the expert store; below the experts' size they are read from the "
+           "mmap'd checkpoint files", "engine", unit="GiB", low=0, low_open=True, unset="the available RAM",
+           label="RAM budget (GiB)", placeholder="available RAM", metavar="GIB"),
+    Option("expert_cache_ratio", float, None, "share of routed experts kept on the compute device, the fast tier",
+           "engine", low=0, high=1, unset="the calibration profile on cuda, else 0.25 on cuda, 0 on cpu",
+           label="Expert cache ratio", placeholder="from calibration", metavar="R"),
+    Option("expert_cache_gib", float, None, "the fast tier as a byte budget, overriding the ratio",
+           "engine", unit="GiB", low=0, setting=False, metavar="GIB"),
+    Option("utility_bound", int, None, "utility levels 0..K of spac's expert ranking", "engine", low=1, high=16,
+           symbol="K", unset=_FROM_PROFILE.format(_SCHED.utility_bound), label="K (utility bound)",
+           placeholder="from calibration", metavar="K"),
+    Option("draft_len", int, None, "tokens the drafter proposes per step", "engine", unit="tokens", low=1, high=32,
+           symbol="γ", unset=_FROM_PROFILE.format(_SPEC.draft_len), label="γ (draft length)",
+           placeholder="from calibration", metavar="N"),
+    Option("context_len", int, None, "context length, in tokens", "engine", unit="tokens", low=1, unset="the model's",
+           label="Context length", placeholder="the model's", metavar="N"),
+    Option("policy", str, None, "fast-tier residency policy: lru (on demand), static (pinned by the first prompt), "
+           "lfu (most used so far), specmoe (each layer's hottest of the last step), eam (this request's activations "
+           "matched against past requests'), spac (MoE-SpAc), spmoe (lru plus draft-phase prefetch)", "engine",
+           choices=POLICIES, unset=_FROM_PROFILE.format(_SCHED.policy), label="Policy",
+           placeholder="from calibration", widget="select"),
+    Option("draft", str, None, "drafter: none, self (the target with its resident experts), or the directory of a "
+           "dense model with the same tokenizer", "engine", unset="the calibration profile, else the demo's draft for "
+           "the demo, none for other models", label="Drafter", placeholder="default", widget="drafter",
+           metavar="none|self|DIR"),
+    Option("expert_budget", int, None, "LOSSY: verification computes at most B experts per MoE layer, the ones the "
+           "router weighs most; output then differs from the model's", "engine", low=1, setting=False,
+           unset="off", metavar="B"),
+    Option("device", str, "cpu", "compute device", "engine", problem_of=_device_problem, setting=False,
+           metavar="cpu|cuda[:N]"),
+    Option("dtype", str, "float32", "compute dtype", "engine", choices=DTYPES, setting=False),
+    Option("temperature", float, 0.7, "sampling temperature, 0 is greedy", "sampling", low=0,
+           live=True, other_defaults="generate: 0", label="Temperature", metavar="T"),
+    Option("top_p", float, 0.9, "nucleus sampling: draw among the likeliest tokens whose probabilities add up to P",
+           "sampling", low=0, high=1, low_open=True, live=True, other_defaults="generate: 1", label="Top-p", metavar="P"),
+    Option("max_new_tokens", int, 512, "longest reply, in tokens", "sampling", unit="tokens", low=1, live=True,
+           other_defaults="generate: 128, chat --plain: 256", label="Max new tokens", metavar="N"),
+    Option("top_k", int, 0, "sample from the K likeliest tokens, 0 turns it off", "sampling", low=0, setting=False,
+           metavar="K"),
+    Option("seed", int, None, "random seed of sampling", "sampling", setting=False, unset="random",
+           metavar="N"),
+    Option("stop", list, [], "stop string (repeatable)", "sampling", setting=False, metavar="TEXT"),
+    Option("theme", str, "dark", "dark, light or a Textual theme name", "app", problem_of=_theme_problem, live=True,
+           label="Theme", widget="select"),
+    Option("keys", dict, {}, "remapped key bindings: action = \"key\", e.g. regenerate = \"ctrl+g\"", "app",
+           problem_of=_keys_problem, live=True),
+)
+OPTION = {o.name: o for o in OPTIONS}
+
+
+def add_flags(parser: argparse.ArgumentParser, group: str, **defaults) -> None:
+    """The flags of one group; `defaults` overrides a default where this command's differs."""
+    for o in OPTIONS:
+        if o.group == group:
+            o.add_flag(parser, defaults.get(o.name))
+
+
+def markdown_table() -> str:
+    """The README's options table."""
+    rows = ["| flag | `settings.toml` key | unit | default | applies | what it does |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for o in OPTIONS:
+        flag = f"`{o.flag}`" if o.flag else "-"
+        key = f"`{o.name}`" if o.setting else "-"
+        default = (o.default_text() or "-") + (f" ({o.other_defaults})" if o.other_defaults else "")
+        applies = ("live" if o.live else "reload model") if o.setting else "-"
+        rows.append(f"| {flag} | {key} | {o.unit or '-'} | {default} | {applies} | {o.help} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python -m moechat.app.options --markdown")
+    sys.stdout.write(markdown_table())

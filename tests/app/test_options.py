@@ -1,0 +1,168 @@
+"""Every user option declared once: flags, settings keys, the settings screen, the wizard and the README agree."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from moechat.app.cli import build_parser
+from moechat.app.options import OPTION, OPTIONS, markdown_table
+from moechat.app.settings import RELOAD_FIELDS, Settings
+from moechat.engine.config import SchedulerConfig, SpecConfig
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+GARBAGE = {int: ["abc", "1.5", ""], float: ["abc", "nan", "inf", ""], str: [""]}
+
+
+@pytest.fixture(autouse=True)
+def own_config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+
+def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings if s.startswith("--")}
+
+
+def test_flags_settings_keys_and_screen_fields_come_from_options():
+    engine = {o.flag for o in OPTIONS if o.group == "engine"}
+    sampling = {o.flag for o in OPTIONS if o.group == "sampling"}
+    for command in (("generate",), ("chat",), ("bench", "generate")):
+        assert engine <= _flags(_subparser(build_parser(), *command)), command
+    for command in (("generate",), ("chat",)):
+        assert sampling <= _flags(_subparser(build_parser(), *command)), command
+    assert [f.name for f in fields(Settings)] == [o.name for o in OPTIONS if o.setting]
+    assert {f.name: f.default for f in fields(Settings) if f.name != "keys"} == \
+        {o.name: o.default for o in OPTIONS if o.setting and o.name != "keys"}
+    assert RELOAD_FIELDS == {o.name for o in OPTIONS if o.setting and not o.live}
+    assert "forgetting" not in RELOAD_FIELDS and not hasattr(Settings(), "forgetting")  # λ: no effect under `level`
+
+
+async def _screen_ids():
+    from textual.app import App
+    from textual.widgets import Input, Select
+
+    from moechat.app.tui.screens.settings import SettingsScreen
+    from moechat.app.tui.screens.wizard import BUDGETS, WizardScreen
+    from moechat.engine.calibration.types import Hardware
+
+    app = App()
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.push_screen(SettingsScreen())
+        await pilot.pause()
+        screen = {w.id for w in app.screen.query(Input)} | {w.id for w in app.screen.query(Select)}
+        app.push_screen(WizardScreen(hardware=Hardware("CPU", 4, [], 32 * 2**30, 20 * 2**30, 500 * 2**30)))
+        await pilot.pause()
+        wizard = {name for name in BUDGETS if app.screen.query(f"#{name}")}
+    return screen - {"draft_dir"}, wizard
+
+
+def test_settings_screen_fields_are_the_labelled_options():
+    screen, wizard = asyncio.run(_screen_ids())
+    assert screen == {o.name for o in OPTIONS if o.label}
+    assert screen <= {o.name for o in OPTIONS if o.setting}
+    assert wizard == {"vram_budget_gib", "ram_budget_gib"}
+
+
+def test_readme_has_the_generated_options_table():
+    text = README.read_text(encoding="utf-8")
+    start, end = "<!-- options table: generated -->\n", "<!-- end of options table -->"
+    assert text[text.index(start) + len(start):text.index(end)] == markdown_table()
+    out = subprocess.run([sys.executable, "-m", "moechat.app.options", "--markdown"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout == markdown_table()
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o.kind in GARBAGE], ids=lambda o: o.name)
+def test_each_option_refuses_garbage_in_one_line(option):
+    for text in GARBAGE[option.kind]:
+        if option.flag:
+            with pytest.raises(argparse.ArgumentTypeError) as err:
+                option.parse(text)
+            assert "\n" not in str(err.value) and "must be" in str(err.value)
+        if option.setting:
+            with pytest.raises(ValueError) as err:
+                Settings(**{option.name: text if option.kind is not str else ""})
+            assert str(err.value).startswith(f"`{option.name}`") and "\n" not in str(err.value)
+
+
+def test_bad_flags_fail_in_one_line(capsys):
+    cases = [(["generate", "--prompt", "hi", "--draft-len", "0"], "argument --draft-len: must be a whole number in 1..32"),
+             (["generate", "--prompt", "hi", "--ram-budget-gib", "-1"], "must be a number > 0 GiB"),
+             (["generate", "--prompt", "hi", "--utility-bound", "x"], "must be a whole number in 1..16"),
+             (["generate", "--prompt", "hi", "--device", "tpu"], "must be cpu or cuda"),
+             (["simulate", "--traces", ".", "--expert-cache-ratio", "0.1,2"], "must be a number in [0, 1]")]
+    for argv, words in cases:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, (argv, err)
+
+
+def test_removed_flags_name_their_replacement(capsys):
+    cases = [(["generate", "--prompt", "hi", "--host-ram-mib", "4096"], "--ram-budget-gib"),
+             (["generate", "--prompt", "hi", "--expert-cache-mib", "64"], "--expert-cache-gib"),
+             (["estimate", "--ram-gib", "8"], "--ram-budget-gib"), (["estimate", "--vram-gib", "8"], "--vram-budget-gib"),
+             (["simulate", "--traces", ".", "--cache-ratio", "0.1"], "--expert-cache-ratio"),
+             (["simulate", "--traces", ".", "--window", "9"], "--draft-len"),
+             (["bench", "cpu-experts", "--window", "9"], "--draft-len")]
+    for argv, new in cases:
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"was replaced by {new}" in err and err.count("\n") == 1, (argv, err)
+
+
+def test_one_default_per_value():
+    parser = build_parser()
+    gamma = SpecConfig().draft_len
+    assert _subparser(parser, "simulate").parse_args(["--traces", "."]).draft_len == gamma
+    assert _subparser(parser, "bench", "cpu-experts").parse_args([]).window == gamma + 1  # the window is γ+1
+    assert _subparser(parser, "bench", "e2e").parse_args([]).draft_len == gamma
+    assert _subparser(parser, "simulate").parse_args(["--traces", "."]).demote == SchedulerConfig().demote
+    assert OPTION["utility_bound"].unset.endswith(str(SchedulerConfig().utility_bound))
+    assert OPTION["draft_len"].unset.endswith(str(gamma))
+    import inspect
+
+    from moechat.engine.sched.prefetch import Prefetcher
+
+    assert inspect.signature(Prefetcher).parameters["demote"].default is inspect.Parameter.empty
+
+
+def test_research_knobs_are_not_user_options():
+    names = {o.name for o in OPTIONS}
+    assert not names & {"utility_variant", "demote", "lookahead", "cpu_cost", "forgetting"}
+    generate = _flags(_subparser(build_parser(), "generate"))
+    assert not generate & {"--utility-variant", "--demote", "--lookahead", "--cpu-cost", "--forgetting"}
+    assert {"--utility-variant", "--demote"} <= _flags(_subparser(build_parser(), "simulate"))
+
+
+def test_old_settings_file_still_loads(tmp_path):
+    from moechat.app.settings import load_settings
+
+    path = tmp_path / "settings.toml"
+    path.write_text("draft_len = 5\nforgetting = 0.5\nram_budget_gib = 12.5\ntop_p = 0.5\n", encoding="utf-8")
+    settings, notice = load_settings(path)
+    assert notice is None and (settings.draft_len, settings.ram_budget_gib, settings.top_p) == (5, 12.5, 0.5)
+
+
+def test_budget_flags_reach_the_engine_config():
+    from moechat.app.cli import engine_config
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--ram-budget-gib", "4", "--vram-budget-gib", "6",
+                                      "--expert-cache-gib", "0.5", "--utility-bound", "3"])
+    cfg = engine_config(args)
+    assert (cfg.host_ram_budget_bytes, cfg.vram_budget_bytes, cfg.expert_cache_bytes) == (4 << 30, 6 << 30, 1 << 29)
+    assert cfg.scheduler.utility_bound == 3
