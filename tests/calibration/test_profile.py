@@ -2,16 +2,13 @@
 command line over the profile, measurements on the CPU, and `moechat calibrate` end to end."""
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import types
 from dataclasses import replace
 
 import pytest
 
 from moechat.engine.calibration.profile import SCHEMA, Profile, load_profile, model_key, profile_path, save_profile
-from moechat.engine.calibration.types import Decisions, GpuInfo, Hardware, MemoryEstimate, Measurements
+from moechat.engine.calibration.types import Decisions, GpuInfo, Hardware, Measurements
 
 FP = "abc123def456"
 
@@ -163,8 +160,8 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     from moechat.engine.config import EngineConfig
     from moechat.engine.errors import BudgetError
     from moechat.engine.generate import Engine
-    from moechat.engine.model.memory_estimate import estimate
     from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.memory_estimate import estimate
 
     settings_path().parent.mkdir(parents=True, exist_ok=True)
     settings_path().write_text("# mine\nvram_budget_gib = 1.5\nram_budget_gib = 0.0000001\n", encoding="utf-8")
