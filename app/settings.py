@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI
+    import tomli as tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
