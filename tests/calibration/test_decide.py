@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from moechat.engine.calibration.decide import decide, layer_seconds, omega
-from moechat.engine.calibration.known_models import KNOWN_MODELS, known_model
+from moechat.engine.calibration.known_models import KNOWN_MODELS, known_name
 from moechat.engine.calibration.types import GpuInfo, Hardware, Measurements
 from moechat.engine.errors import BudgetError
 from moechat.engine.model.memory_budgets import GIB, check_budgets
@@ -202,7 +202,7 @@ def test_known_model_totals(known):
     ds = known["DeepSeek-V2-Lite"]
     assert ds.num_experts_total == 26 * 64  # the first layer is dense
     assert ds.kv_bytes_per_token == 27 * (512 + 64) * 2  # MLA: the compressed latent and the rope key
-    assert known_model("qwen3-30b-a3b") == KNOWN_MODELS["Qwen3-30B-A3B"] and known_model("nope") is None
+    assert known_name("qwen3-30b-a3b") == known_name("Qwen/Qwen3-30B-A3B") == "Qwen3-30B-A3B" and known_name("nope") is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"])
