@@ -197,7 +197,6 @@ def test_close_stops_the_reply_and_joins_fast(checkpoint):
 
 def test_close_during_a_load_does_not_hang(checkpoint):
     """Quitting while the model loads: close() gives up after JOIN_S; the queued reload never runs."""
-
     loaded = []
     release = threading.Event()
 
