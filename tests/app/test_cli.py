@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.notorch
 def test_version_and_help_do_not_import_torch():
     code = ("import sys; from moechat.app.cli import main\n"
             "for argv in (['--help'], ['--version'], ['generate', '--help']):\n"

@@ -36,6 +36,7 @@ def profile(key: str, fp: str = FP) -> Profile:
     return Profile(fp, key, hardware(), meas, decisions())
 
 
+@pytest.mark.notorch
 def test_round_trip(tmp_path):
     p = profile(model_key(tmp_path))
     path = save_profile(p)
@@ -68,6 +69,7 @@ def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
     (lambda t: t.replace(f"schema = {SCHEMA}", f"schema = {SCHEMA - 1}"), "schema"),
     (lambda t: t.replace(f"schema = {SCHEMA}\n", ""), "schema None"),
 ])
+@pytest.mark.notorch
 def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
     assert says in _corrupt_with(tmp_path, edit)
 
@@ -79,6 +81,7 @@ def _config(argv):
     return engine_config(args), args
 
 
+@pytest.mark.notorch
 def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monkeypatch):
     from moechat.app.demo import DEMO_MODEL
     from moechat.app.settings import settings_path
@@ -107,6 +110,7 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monk
     assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.5, 0.3, "self")
 
 
+@pytest.mark.notorch
 def test_unusable_profile_warns_and_runs_on_defaults(capsys):
     from moechat.app.demo import DEMO_DRAFT, DEMO_MODEL
     from moechat.engine.calibration.probe import fingerprint, probe
