@@ -64,6 +64,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     from ..engine.calibration.measure import measure
     from ..engine.calibration.probe import fingerprint, probe
     from ..engine.calibration.profile import Profile, model_key, save_profile
+    from .demo import eval_prompts
 
     import torch
 
@@ -73,8 +74,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     # command line's CPU default (float32).
     device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
     est = estimate(model_dir, dtype=dtype, draft_dir=None if drafter in ("none", "self") else drafter)
-    meas = measure(model_dir, hw, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN, drafter=drafter, device=device, dtype=dtype,
-                   progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
+    meas = measure(model_dir, hw, eval_prompts(3 if quick else 8), drafter, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN,
+                   device=device, dtype=dtype, progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
     decisions = decide(hw, est, meas, vram_budget, ram_budget, draft_options=options)

@@ -34,6 +34,12 @@ def routing_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_PROMPTS,
     }
 
 
+def eval_prompts(count: int) -> list[str]:
+    """The first `count` held-out prompts (what `moechat calibrate` generates on)."""
+    lines = [ln for ln in EVAL_PROMPTS.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return [json.loads(ln)["prompt"] for ln in lines[:count]]
+
+
 def resolve_model(model: str | None, draft: str | None) -> tuple[str, str]:
     """(model directory, drafter) from the command line or the settings; the embedded demo when neither names one.
 

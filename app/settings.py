@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 import tempfile
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI
+    import tomli as tomllib
 from dataclasses import field, fields, make_dataclass
 from pathlib import Path
 

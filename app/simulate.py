@@ -73,7 +73,10 @@ def _cost_model(path: Path | None):
     try:
         text = path.read_text()
         if path.suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI
+                import tomli as tomllib
 
             fields = tomllib.loads(text)
         else:

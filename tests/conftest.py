@@ -1,28 +1,45 @@
-"""Shared fixtures: tiny random checkpoints of every family, built once per session with `transformers`."""
+"""Shared fixtures: tiny random checkpoints of every family, built once per session with `transformers`.
+
+torch is imported only where a fixture or a hook needs it: the Python 3.10 check in .ci/run installs
+moechat without torch and runs the tests marked `notorch` (the only modules it collects)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 # Never touch the user's own config, data or cache directories (platformdirs follows XDG on Linux).
 _HOME = tempfile.mkdtemp(prefix="moechat-tests-")
 for _var in ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME"):
     os.environ[_var] = os.path.join(_HOME, _var.lower())
 
-# Tiny models are dispatch-bound: one intra-op thread is as fast and immune to a busy machine.
-torch.set_num_threads(1)
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 sys.path.insert(0, str(Path(__file__).parent))
-import tiny  # noqa: E402
+
+
+def pytest_configure(config):
+    if HAVE_TORCH:
+        import torch
+
+        torch.set_num_threads(1)  # tiny models are dispatch-bound: one intra-op thread is as fast and immune to a busy machine
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Without torch, only the test modules that hold torch-free tests (they say `notorch`) are collected."""
+    if HAVE_TORCH or not collection_path.is_file() or not collection_path.name.startswith("test_"):
+        return None
+    return "notorch" not in collection_path.read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
+    import tiny
+
     path = tmp_path_factory.mktemp("tokenizer")
     tiny.build_tokenizer(path)
     return path
@@ -38,6 +55,9 @@ def tokenizer(tokenizer_dir):
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory, tokenizer_dir):
     """checkpoint(family, seed=0, **config_overrides) -> directory, cached per arguments."""
+    import tiny
+    import torch
+
     made: dict = {}
 
     def make(family: str, seed: int = 0, shards: str | None = None, dtype=None, **overrides) -> Path:
@@ -53,13 +73,19 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def draft_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    import tiny
+
     return tiny.make_draft(tmp_path_factory.mktemp("draft"), tokenizer_dir, seed=7)
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if "gpu" in item.keywords]
+    if not gpu:
+        return
+    import torch
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)

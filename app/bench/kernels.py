@@ -126,7 +126,7 @@ def _cuda_rows() -> tuple[list[dict], str]:
     if not torch.cuda.is_available():
         return [], "not measured: no CUDA device"
     from ...engine.errors import MoechatError
-    from ...engine.experts.native_copier import bench_transfer
+    from .transfer import bench_transfer
 
     rows = []
     for shape in SHAPES:
@@ -142,9 +142,9 @@ def _cuda_rows() -> tuple[list[dict], str]:
 def cmd_bench_kernels(args) -> int:
     import torch
 
+    from ...engine import native
     from ...engine.errors import MoechatError
     from ...engine.experts import cpu_ffn
-    from ...engine import native
 
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:
@@ -164,7 +164,8 @@ def cmd_bench_kernels(args) -> int:
     cuda_rows, cuda_note = _cuda_rows()
     dt = getattr(torch, args.dtype)
     result = {"dtype": args.dtype, "threads": threads, "isa": cpu_ffn.resolved_isa(args.isa, dt, dt),
-              "copy_gbps": statistics.median(r["copy_gbps"] for r in cpu_rows), "repeats": args.repeats, "seconds": round(time.perf_counter() - t0, 1),
+              "copy_gbps": statistics.median(r["copy_gbps"] for r in cpu_rows), "repeats": args.repeats,
+              "seconds": round(time.perf_counter() - t0, 1),
               "cpu": cpu_rows, "cuda": cuda_rows, "cuda_note": cuda_note}
     if args.json:
         print(json.dumps(result))

@@ -13,8 +13,8 @@ from textual.app import App
 from textual.binding import Binding
 
 from ..bridge import EngineBridge
-from ..settings import Settings, load_settings, save_settings, settings_path
 from ..chats import ChatStore
+from ..settings import Settings, load_settings, save_settings, settings_path
 from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
 from .screens.chat import ChatScreen
@@ -238,11 +238,7 @@ class MoechatApp(App):
         self.bridge.reload()
 
     def action_settings(self) -> None:
-        try:
-            from .screens.settings import SettingsScreen
-        except ImportError:
-            self.notify(f"settings: edit {self.settings_file}", severity="warning")
-            return
+        from .screens.settings import SettingsScreen
 
         def done(result) -> None:  # SettingsResult(settings, needs_reload) or None (cancelled)
             if result is None:

@@ -1,6 +1,6 @@
-"""Measurements + memory estimate -> the engine's settings, each with a one-line reason (issue 5).
+"""Measurements + memory estimate -> the engine's settings, each with a one-line reason.
 
-The models are paper 000's (MoE-SpAc):
+The models are MoE-SpAc's (the paper; docs/scheduling.md measures the engine's implementation):
 - §2.1, Eq. 1: a step of draft length γ with acceptance α yields Ω(γ, α) = (1 − α^(γ+1)) / (1 − α)
   tokens and costs γ·T_D + T_V(γ) (Eq. 2). γ maximises Ω / (γ·T_D + T_V(γ)).
 - App. A.1, expert reuse: T_V grows with the distinct experts D(γ+1) the γ+1 tokens activate per
@@ -16,18 +16,22 @@ The models are paper 000's (MoE-SpAc):
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ..errors import BudgetError
 from ..model.memory_budgets import GIB, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
-from .types import Decisions, Hardware, Measurements, MemoryEstimate
+from .types import Decisions, Hardware, Measurements
+
+if TYPE_CHECKING:  # memory_estimate imports torch; deciding is plain arithmetic
+    from ..model.memory_estimate import MemoryEstimate
 
 DEFAULT_DRAFT_LEN = 4  # SpecConfig's default: used when the drafter's speed or acceptance was not measured
 MAX_DRAFT_LEN = 12
-FORGETTING = 0.1  # λ, paper 000 §4.1
+FORGETTING = 0.1  # λ, MoE-SpAc §4.1
 
 
 def omega(gamma: int, alpha: float) -> float:
-    """Expected tokens per speculative step (paper 000 Eq. 1)."""
+    """Expected tokens per speculative step (MoE-SpAc Eq. 1)."""
     return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
@@ -78,7 +82,7 @@ def tokens_per_second(est: MemoryEstimate, meas: Measurements, hot: float) -> di
     ref = layer_seconds(meas.max_tokens, est, meas, hot)
     # The measured pass = a fixed part (attention, dense, norms, launches) + routed experts; only the latter grows with γ.
     fixed = max(0.0, t_v - layers * ref) if ref is not None else t_v
-    # Paper 000 Eq. 10: the draft phase is a free I/O window; with lookahead it moves cold experts the
+    # MoE-SpAc Eq. 10: the draft phase is a free I/O window; with lookahead it moves cold experts the
     # window will use, useful as often as the draft is right (α). Per layer: α·γ·T_D / (L·T_io).
     t_io = est.expert_bytes / meas.h2d_pinned_bytes_s if meas.h2d_pinned_bytes_s and hot > 0 else None
 
@@ -108,9 +112,88 @@ def choose_draft_len(est: MemoryEstimate, meas: Measurements, hot: float) -> tup
 
 
 def utility_bound(gamma: int) -> int:
-    """K: paper 000 requires K ≤ γ (a window of γ+1 tokens cannot tell more levels apart) and runs K = 4
+    """K: MoE-SpAc requires K ≤ γ (a window of γ+1 tokens cannot tell more levels apart) and runs K = 4
     at γ = 8; docs/scheduling.md measured K = 4, 6, 8 within 0.003 served, so more than 4 buys nothing."""
     return max(1, min(4, gamma))
+
+
+def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]) -> str:
+    """"ram" when every routed expert fits the RAM budget with headroom, else "mmap" (read from the checkpoint)."""
+    on_host = 0 if has_gpu else est.non_expert_bytes + est.kv_bytes  # CPU-only: the rest lives in RAM too
+    need = est.all_experts_bytes + on_host + ram_headroom(ram)
+    host_tier = "ram" if need <= ram else "mmap"
+    if host_tier == "mmap" and on_host + ram_headroom(ram) > ram:
+        raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts "
+                          f"(non-expert weights, KV cache, headroom), the RAM budget is {gib(ram)}: lower --context-len "
+                          "or use a smaller model")
+    besides = f"experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)}"
+    reasons["host_tier"] = (f"ram: {besides} fit the {gib(ram)} RAM budget" if host_tier == "ram" else
+                            f"mmap: {besides} exceed the {gib(ram)} RAM budget; experts are read from the checkpoint files")
+    return host_tier
+
+
+def _decide_cpu_only(est: MemoryEstimate, meas: Measurements, host_tier: str, draft_models: list[str],
+                     reasons: dict[str, str]) -> Decisions:
+    """No GPU: no fast tier; a separate draft model only when it is predicted to pay."""
+    gamma, speedup, why = choose_draft_len(est, meas, 0.0)
+    # A separate draft model can pay on the CPU (the demo ships one); self-draft cannot: no resident experts.
+    drafter = draft_models[0] if draft_models and speedup > 1.0 and meas.acceptance is not None else "none"
+    reasons.update(
+        expert_cache_ratio="0: no GPU, the fast tier would be RAM too and copies buy nothing",
+        drafter=(f"{drafter}: predicted {speedup:.2f}× no drafter on the CPU" if drafter != "none" else
+                 "none: no GPU, so self-draft has no resident experts, and no draft model was measured to pay"),
+        draft_len=why if drafter != "none" else f"γ = {gamma}, unused with no drafter",
+        policy="lru: with no fast tier the residency policy is moot",
+    )
+    k = utility_bound(gamma)
+    reasons["utility_bound"] = f"K = {k}: moot with no fast tier"
+    reasons["forgetting"] = f"λ = {FORGETTING}: the paper's value; moot with no fast tier"
+    reasons["vram_split"] = "no GPU: nothing in VRAM"
+    return Decisions(0.0, k, gamma, FORGETTING, drafter, "lru", host_tier, {}, reasons)
+
+
+def _vram_split(est: MemoryEstimate, vram: int, reasons: dict[str, str]) -> tuple[int, dict[str, int]]:
+    """(expert slots, the VRAM split): as many experts as fit beside the fixed part and the margin."""
+    margin, fixed = vram_margin(vram), vram_fixed(est)
+    if fixed + margin > vram:
+        raise BudgetError(
+            f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached "
+            f"(non-expert {gib(est.non_expert_bytes)}, KV for {est.context_len} tokens {gib(est.kv_bytes)}, "
+            f"draft {gib(est.draft_bytes)}, margin {gib(margin)}), the VRAM budget is {gib(vram)}: "
+            "lower --context-len, use a smaller model, or run on the CPU"
+        )
+    slots = max_cache_experts(est, vram)
+    cache = slots * est.expert_bytes
+    reasons["expert_cache_ratio"] = (f"{slots / est.num_experts_total:.3f}: {slots} of {est.num_experts_total} experts "
+                                     f"({gib(cache)}) fill the VRAM left after non-expert weights, KV for {est.context_len} "
+                                     f"tokens and margin ({gib(vram - fixed - margin)})")
+    split = {"non_expert": est.non_expert_bytes, "kv_cache": est.kv_bytes, "draft": est.draft_bytes,
+             "expert_cache": cache, "margin": margin}
+    reasons["vram_split"] = (f"{gib(sum(split.values()))} of {gib(vram)}: " +
+                             ", ".join(f"{k} {v / GIB:.2f}" for k, v in split.items()) + " GiB")
+    return slots, split
+
+
+def _drafter_reason(drafter: str, speedup: float, est: MemoryEstimate, draft_options) -> tuple[str, str]:
+    """(the drafter kept, why): one that is predicted to slow decoding down is dropped."""
+    if drafter != "none" and speedup < 1.0:
+        return "none", f"none: drafting is predicted {speedup:.2f}× of no drafter on this machine"
+    if drafter == "self":
+        return drafter, "self: the target drafts with its resident experts, no second model in VRAM"
+    if drafter != "none":
+        return drafter, f"{drafter}: the draft model given, {gib(est.draft_bytes)} in VRAM"
+    if "self" in draft_options:
+        return drafter, "none: no expert fits in VRAM beside the rest, so self-draft has nothing to draft with"
+    return drafter, "none: the only drafter allowed"
+
+
+def _policy(slots: int, drafter: str) -> tuple[str, str]:
+    """(residency policy, why)."""
+    if slots == 0:
+        return "lru", "lru: with no fast tier the residency policy is moot"
+    if drafter == "none":
+        return "lfu", "lfu: without a drafter it serves more than spac (docs/scheduling.md)"
+    return "spac", "spac: with draft lookahead it serves the most from the GPU (docs/scheduling.md)"
 
 
 def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: int | None = None,
@@ -122,83 +205,26 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     reasons: dict[str, str] = {}
     gpu = hw.gpus[0] if hw.gpus else None
     ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
-
-    # Host tier: every routed expert in RAM with headroom, else read from the mmap'd checkpoint.
-    on_host = 0 if gpu else est.non_expert_bytes + est.kv_bytes  # CPU-only: the rest lives in RAM too
-    need = est.all_experts_bytes + on_host + ram_headroom(ram)
-    host_tier = "ram" if need <= ram else "mmap"
-    if host_tier == "mmap" and on_host + ram_headroom(ram) > ram:
-        raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts (non-expert "
-                          f"weights, KV cache, headroom), the RAM budget is {gib(ram)}: lower --context-len or use a smaller model")
-    reasons["host_tier"] = (f"ram: experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)} fit the {gib(ram)} RAM budget"
-                            if host_tier == "ram" else
-                            f"mmap: experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)} exceed the {gib(ram)} RAM "
-                            "budget; experts are read from the checkpoint files")
-
-    dirs = [d for d in draft_options if d not in ("none", "self")]
+    host_tier = _host_tier(est, ram, gpu is not None, reasons)
+    draft_models = [d for d in draft_options if d not in ("none", "self")]
     if gpu is None:
-        gamma, speedup, why = choose_draft_len(est, meas, 0.0)
-        # A separate draft model can pay on the CPU (the demo ships one); self-draft cannot: no resident experts.
-        drafter = dirs[0] if dirs and speedup > 1.0 and meas.acceptance is not None else "none"
-        reasons.update(
-            expert_cache_ratio="0: no GPU, the fast tier would be RAM too and copies buy nothing",
-            drafter=(f"{drafter}: predicted {speedup:.2f}× no drafter on the CPU" if drafter != "none" else
-                     "none: no GPU, so self-draft has no resident experts, and no draft model was measured to pay"),
-            draft_len=why if drafter != "none" else f"γ = {gamma}, unused with no drafter",
-            policy="lru: with no fast tier the residency policy is moot",
-        )
-        k = utility_bound(gamma)
-        reasons["utility_bound"] = f"K = {k}: moot with no fast tier"
-        reasons["forgetting"] = f"λ = {FORGETTING}: the paper's value; moot with no fast tier"
-        reasons["vram_split"] = "no GPU: nothing in VRAM"
-        return Decisions(0.0, k, gamma, FORGETTING, drafter, "lru", host_tier, {}, reasons)
+        return _decide_cpu_only(est, meas, host_tier, draft_models, reasons)
 
     vram = min(vram_budget, gpu.free_bytes) if vram_budget is not None else gpu.free_bytes
-    drafter = dirs[0] if dirs else "self" if "self" in draft_options else "none"
-    full_est, est = est, replace(est, draft_bytes=est.draft_bytes if dirs else 0)
-    margin, fixed = vram_margin(vram), vram_fixed(est)
-    if fixed + margin > vram:
-        raise BudgetError(
-            f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached (non-expert {gib(est.non_expert_bytes)}, "
-            f"KV for {est.context_len} tokens {gib(est.kv_bytes)}, draft {gib(est.draft_bytes)}, margin {gib(margin)}), "
-            f"the VRAM budget is {gib(vram)}: lower --context-len, use a smaller model, or run on the CPU"
-        )
-    slots = max_cache_experts(est, vram)
+    drafter = draft_models[0] if draft_models else "self" if "self" in draft_options else "none"
+    full_est, est = est, replace(est, draft_bytes=est.draft_bytes if draft_models else 0)
+    slots, split = _vram_split(est, vram, reasons)
     ratio = slots / est.num_experts_total
-    cache = slots * est.expert_bytes
     if drafter == "self" and slots == 0:
         drafter = "none"  # self-draft runs on resident experts only
-    reasons["expert_cache_ratio"] = (f"{ratio:.3f}: {slots} of {est.num_experts_total} experts ({gib(cache)}) fill the VRAM left after "
-                                     f"non-expert weights, KV for {est.context_len} tokens and margin ({gib(vram - fixed - margin)})")
-    split = {"non_expert": est.non_expert_bytes, "kv_cache": est.kv_bytes, "draft": est.draft_bytes,
-             "expert_cache": cache, "margin": margin}
-    reasons["vram_split"] = (f"{gib(sum(split.values()))} of {gib(vram)}: " +
-                             ", ".join(f"{k} {v / GIB:.2f}" for k, v in split.items()) + " GiB")
-
     gamma, speedup, why = choose_draft_len(est, meas, ratio)
-    if drafter != "none" and speedup < 1.0:
-        if est.draft_bytes:  # decide again without reserving VRAM for the draft model
-            d = decide(hw, replace(full_est, draft_bytes=0), meas, vram_budget, ram_budget, ("none",))
-            d.reasons["drafter"] = f"none: {drafter} is predicted {speedup:.2f}× of no drafter on this machine"
-            return d
-        reasons["drafter"] = f"none: drafting is predicted {speedup:.2f}× of no drafter on this machine"
-        drafter = "none"
-    elif drafter == "self":
-        reasons["drafter"] = "self: the target drafts with its resident experts, no second model in VRAM"
-    elif drafter != "none":
-        reasons["drafter"] = f"{drafter}: the draft model given, {gib(est.draft_bytes)} in VRAM"
-    elif "self" in draft_options:
-        reasons["drafter"] = "none: no expert fits in VRAM beside the rest, so self-draft has nothing to draft with"
-    else:
-        reasons["drafter"] = "none: the only drafter allowed"
+    if drafter != "none" and speedup < 1.0 and est.draft_bytes:  # decide again without reserving VRAM for the draft model
+        d = decide(hw, replace(full_est, draft_bytes=0), meas, vram_budget, ram_budget, ("none",))
+        d.reasons["drafter"] = f"none: {drafter} is predicted {speedup:.2f}× of no drafter on this machine"
+        return d
+    drafter, reasons["drafter"] = _drafter_reason(drafter, speedup, est, draft_options)
     reasons["draft_len"] = why if drafter != "none" else f"γ = {gamma}, unused with no drafter"
-
-    if slots == 0:
-        policy, reasons["policy"] = "lru", "lru: with no fast tier the residency policy is moot"
-    elif drafter == "none":
-        policy, reasons["policy"] = "lfu", "lfu: without a drafter it serves more than spac (docs/scheduling.md)"
-    else:
-        policy, reasons["policy"] = "spac", "spac: with draft lookahead it serves the most from the GPU (docs/scheduling.md)"
+    policy, reasons["policy"] = _policy(slots, drafter)
     k = utility_bound(gamma)
     reasons["utility_bound"] = (f"K = {k} = min(4, γ): the paper needs K ≤ γ and uses K = 4 at γ = 8; "
                                 "K of 4, 6, 8 serve within 0.003 (docs/scheduling.md)")

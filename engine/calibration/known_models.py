@@ -69,9 +69,3 @@ def known_name(name: str) -> str | None:
     """The known model a name means (case-insensitive, an OWNER/ prefix allowed), else None."""
     key = name.rsplit("/", 1)[-1].lower()
     return next((known for known in KNOWN_MODELS if known.lower() == key), None)
-
-
-def known_model(name: str) -> dict | None:
-    """A copy of the known model's config dict, else None."""
-    known = known_name(name)
-    return None if known is None else dict(KNOWN_MODELS[known])

@@ -1,6 +1,6 @@
-"""Timings on this machine for one model, with the engine's own kernels (issue 5, measurements).
+"""Timings on this machine for one model, with the engine's own kernels.
 
-    measure(model_dir, hw) -> Measurements
+    measure(model_dir, hw, prompts, drafter) -> Measurements
 
 Every figure is the fastest of a few repeats after one warm-up (other processes only ever add
 time), except the generation figures, which are totals over real `Engine.generate` runs. Device
@@ -9,12 +9,11 @@ machines, where the host tier is the only tier.
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -75,7 +74,7 @@ def expert_curve(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, activ
     for t in range(1, max_tokens + 1):
         ids = torch.arange(active).repeat_interleave(t)  # [active·t] rows sorted by expert, as run_layer sorts them
         x = torch.randn(active * t, H, dtype=gate_up.dtype).to(gate_up.device)  # [active·t, H]
-        curve.append(timer(lambda: grouped_ffn(x, gate_up, down, ids, act)) / active)
+        curve.append(timer(lambda x=x, ids=ids: grouped_ffn(x, gate_up, down, ids, act)) / active)
     return curve
 
 
@@ -98,7 +97,7 @@ def read_bandwidths(ckpt_dir: Path, keys: list[str], repeats: int) -> tuple[floa
             break
     dst = [torch.empty_like(v) for v in views]
     t0 = time.perf_counter()
-    for d, v in zip(dst, views):  # once only: a second pass would read the page cache
+    for d, v in zip(dst, views, strict=True):  # once only: a second pass would read the page cache
         d.copy_(v)
     mmap_s = time.perf_counter() - t0
     return ram_copy_bandwidth(repeats), total / mmap_s
@@ -141,70 +140,47 @@ def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     return per_expert * fam.num_experts(cfg) * len(fam.sparse_layers(cfg))
 
 
-def eval_prompts(quick: bool) -> list[str]:
-    """The demo's held-out prompts: the first 3 in quick mode, else 8."""
-    from ...app.demo import EVAL_PROMPTS
+def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int):
+    """The engine to time, with no fast tier: from RAM, or from the mmap'd files (the engine's own disk
+    tier) when the expert store is too big for half the free RAM."""
+    from ..config import EngineConfig, SpecConfig
+    from ..generate import Engine
 
-    lines = [ln for ln in EVAL_PROMPTS.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    return [json.loads(ln)["prompt"] for ln in lines[: 3 if quick else 8]]
-
-
-def measure(model_dir, hw: Hardware, quick: bool = False, draft_len: int = 8, progress: Progress | None = None,
-            device: str | None = None, dtype: str | None = None, drafter: str | None = None,
-            prompts: list[str] | None = None) -> Measurements:
-    """Time this machine for the model in `model_dir`. device/dtype default to cuda + bfloat16 where
-    CUDA is available, else cpu + float32 (the command line's default); drafter to the model's
-    default (the demo's draft for the demo, else none); prompts to `eval_prompts(quick)`."""
-    from ...app.demo import DEMO_DRAFT, DEMO_MODEL
-    from ..config import EngineConfig, SamplingParams, SpecConfig
-    from ..errors import MoechatError
-    from ..events import Error, StepStats
-    from ..generate import Engine, Request
-
-    report = progress or (lambda name, frac: None)
-    cuda = torch.cuda.is_available()
-    device = device or ("cuda" if cuda else "cpu")
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    model_path = Path(model_dir).expanduser().resolve()
-    drafter = drafter or (str(DEMO_DRAFT) if model_path == DEMO_MODEL.resolve() else "none")
-    repeats = 10 if quick else 30  # a per-expert call takes microseconds on small models: many repeats are cheap
-    m = Measurements(expert_bytes=0, max_tokens=draft_len + 1)
-
-    if not cuda:  # before the model loads, so that the mmap read meets experts this process never read
-        report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
-        m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
-
-    report("loading the model", 0.1)
-    # Too big for half the free RAM: time it from the mmap'd files (the engine's own disk tier).
     ram_budget = 0 if _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes else None
-    engine = Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0,
-                                 host_ram_budget_bytes=ram_budget, spec=SpecConfig(drafter=drafter, draft_len=draft_len)))
+    return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0,
+                               host_ram_budget_bytes=ram_budget, spec=SpecConfig(drafter=drafter, draft_len=draft_len)))
+
+
+def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report: Progress) -> None:
+    """Fill the copy bandwidths and per-expert curves (device ones only `on_device`) of `m`."""
     store, act = engine.model.store, engine.model.runtime.act
-    m.expert_bytes = store.expert_bytes
     # A verification window reaches at least a quarter of a layer's experts in the models we target,
     # where grouped_ffn takes its grouped path; the curve charges each of them its share of that call.
     active = max(1, math.ceil(store.num_experts / 4))
     gate_up, down = store.layer_tensors(len(store.layers) - 1)  # [E, 2I, H], [E, H, I] (a copy on the disk tier)
-
-    if cuda and device.startswith("cuda"):
+    if on_device:
         report("host<->device bandwidth", 0.25)
-        bw = bandwidths(store.expert_bytes, engine.model.device, repeats)
-        for name, value in bw.items():
+        for name, value in bandwidths(store.expert_bytes, engine.model.device, repeats).items():
             setattr(m, name, value)
         report("device time per expert", 0.35)
         dev_gu, dev_d = gate_up[:active].to(engine.model.device), down[:active].to(engine.model.device)  # [active, ...] slots
         with torch.inference_mode():
-            m.device_s_per_expert = expert_curve(dev_gu, dev_d, act, active, draft_len + 1,
+            m.device_s_per_expert = expert_curve(dev_gu, dev_d, act, active, m.max_tokens,
                                                  lambda fn: _best_cuda(fn, repeats))
         del dev_gu, dev_d
-
     report("CPU time per expert", 0.45)
     with torch.inference_mode():
-        m.cpu_s_per_expert = expert_curve(gate_up, down, act, active, draft_len + 1, lambda fn: _best(fn, repeats))
-    del gate_up, down
+        m.cpu_s_per_expert = expert_curve(gate_up, down, act, active, m.max_tokens, lambda fn: _best(fn, repeats))
 
-    prompts = prompts or eval_prompts(quick)
-    params = SamplingParams(max_new_tokens=12 if quick else 48)
+
+def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens: int, report: Progress) -> None:
+    """Fill the drafting, acceptance and verification figures of `m` from real `Engine.generate` runs."""
+    from ..config import SamplingParams
+    from ..errors import MoechatError
+    from ..events import Error, StepStats
+    from ..generate import Request
+
+    params = SamplingParams(max_new_tokens=max_new_tokens)
     chat = bool(getattr(engine.model.tokenizer, "chat_template", None))
     steps: list[StepStats] = []
     for i, prompt in enumerate(prompts):
@@ -214,12 +190,35 @@ def measure(model_dir, hw: Hardware, quick: bool = False, draft_len: int = 8, pr
             if isinstance(ev, StepStats):
                 steps.append(ev)
             elif isinstance(ev, Error):
-                raise MoechatError(f"calibration could not generate with {model_path} ({ev.message})")
+                raise MoechatError(f"calibration could not generate with {engine.config.model_dir} ({ev.message})")
     drafted = sum(s.drafted for s in steps)
     if engine.drafter.name != "none" and drafted:  # without a drafter there is nothing to time or accept
         m.draft_s_per_token = sum(s.draft_s for s in steps) / drafted
         m.acceptance = sum(s.accepted for s in steps) / drafted
-        full = [s.verify_s for s in steps if s.drafted == draft_len]  # windows of γ+1 tokens only
+        full = [s.verify_s for s in steps if s.drafted == m.max_tokens - 1]  # windows of γ+1 tokens only
         m.verify_s = statistics.median(full) if full else None
+
+
+def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False, draft_len: int = 8,
+            progress: Progress | None = None, device: str | None = None, dtype: str | None = None) -> Measurements:
+    """Time this machine for the model in `model_dir`, generating on `prompts` with `drafter`.
+    device/dtype default to cuda + bfloat16 where CUDA is available, else cpu + float32 (the command
+    line's default)."""
+    report = progress or (lambda name, frac: None)
+    cuda = torch.cuda.is_available()
+    device = device or ("cuda" if cuda else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    model_path = Path(model_dir).expanduser().resolve()
+    repeats = 10 if quick else 30  # a per-expert call takes microseconds on small models: many repeats are cheap
+    m = Measurements(expert_bytes=0, max_tokens=draft_len + 1)
+
+    if not cuda:  # before the model loads, so that the mmap read meets experts this process never read
+        report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
+        m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
+    report("loading the model", 0.1)
+    engine = _engine(model_path, hw, device, dtype, drafter, draft_len)
+    m.expert_bytes = engine.model.store.expert_bytes
+    _time_experts(engine, m, cuda and device.startswith("cuda"), repeats, report)
+    _time_generation(engine, m, prompts, 12 if quick else 48, report)
     report("measured", 1.0)
     return m

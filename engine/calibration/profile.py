@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import os
 import re
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +21,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .types import Decisions, Hardware, Measurements
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI
+    import tomli as tomllib
 
 SCHEMA = 1  # bump whenever a field changes meaning; older files are then recalibrated
 

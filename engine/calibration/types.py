@@ -1,10 +1,11 @@
-"""The records calibration passes around (issue 5). Each module of `engine/hw/` fills one:
+"""The records calibration passes around. Each module of `engine/calibration/` fills one:
 
     probe.probe()            -> Hardware        facts, no timing (nvidia-ml-py, psutil, CPU flags)
-    estimate.estimate(...)   -> MemoryEstimate  bytes from the model's config alone, nothing loaded
     measure.measure(...)     -> Measurements    timings on this machine with the engine's own kernels
     decide.decide(...)       -> Decisions       cache ratio, K, γ, λ, drafter, policy, host tier, VRAM split
     profile.save/load        -> Profile         all of the above as TOML, keyed by fingerprint and model
+
+`decide` also takes a model's MemoryEstimate (engine/model/memory_estimate.py: bytes from its config alone).
 
 Sizes are bytes, times seconds, bandwidths bytes per second. Plain dataclasses so that TOML
 round-trips them (`dataclasses.asdict`; None is written as a missing key).
@@ -38,30 +39,6 @@ class Hardware:
     torch_version: str = ""
     cuda_version: str = ""  # torch.version.cuda, "" on a CPU build
     gpu_note: str = ""  # why there is no GPU info (e.g. "nvidia-ml-py not installed"), "" otherwise
-
-
-@dataclass
-class MemoryEstimate:
-    """What a model needs, from its config alone (issue 5, guardrails)."""
-
-    model_type: str
-    dtype: str
-    non_expert_bytes: int  # embeddings, attention, norms, routers, shared experts, head
-    expert_bytes: int  # one routed expert (gate + up + down)
-    num_experts_total: int  # routed experts over all MoE layers
-    kv_bytes_per_token: int
-    context_len: int
-    draft_bytes: int = 0  # a separate draft model's weights, 0 for none/self
-    experts_per_layer: int = 0  # E, routed experts in one sparse layer (decide's expert-reuse model)
-    top_k: int = 0  # k, experts each token activates per sparse layer
-
-    @property
-    def all_experts_bytes(self) -> int:
-        return self.expert_bytes * self.num_experts_total
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.kv_bytes_per_token * self.context_len
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The native expert copier (csrc/cuda/prefetch.cpp): its builds, its ctypes binding, and the
-transfer benchmark.
+"""The native expert copier (csrc/cuda/prefetch.cpp): its builds and its ctypes binding (its
+transfer benchmark is app/bench/transfer.py).
 
 Two builds of the same source, registered with engine/native.py:
 - "cuda": the CUDA runtime API (no device kernels, so no nvcc): headers and cudart from the
@@ -18,7 +18,6 @@ import ctypes
 import glob
 import os
 import sys
-import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -230,73 +229,3 @@ def open_copier(device: torch.device, num_slots: int, keep: object) -> NativeCop
         native.unusable("cuda", str(err))
         return None
 
-
-def bench_transfer(device: str = "cuda", expert_bytes: int = 3 * 2048 * 1408 * 2, experts: int = 64,
-                   with_compute: bool = True) -> dict:
-    """Host-to-device GB/s of the native engine against a plain pinned `copy_(non_blocking=True)`
-    on a side stream, the same experts (pinned, two segments each) into distinct slots, both while
-    the compute stream runs matmuls when `with_compute`. Wall time from the first copy queued to
-    the last one complete."""
-    if not torch.cuda.is_available():
-        raise MoechatError("the transfer benchmark needs a CUDA device; none is present")
-    lib = native.load("cuda") if native.enabled() else None
-    if lib is None:
-        raise MoechatError(native.notice("cuda") or "the native prefetch engine is off (MOECHAT_NATIVE=0)")
-    dev = torch.device(device)
-    src = torch.randint(0, 255, (experts, expert_bytes), dtype=torch.uint8).pin_memory()  # [N, B]
-    dst = torch.empty(experts, expert_bytes, dtype=torch.uint8, device=dev)  # [N, B]
-    split = 2 * expert_bytes // 3  # gate_up, then down
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)  # ~1 ms a matmul: few launches cover the copies
-
-    def compute(seconds: float) -> None:  # queue about `seconds` of matmuls on the compute stream
-        for _ in range(max(1, int(seconds / mm_s))):
-            a @ a
-
-    a @ a  # cuBLAS set up before it is timed
-    torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize(dev)
-    mm_s = (time.perf_counter() - t0) / 10
-    cover = 2 * experts * expert_bytes / 10e9  # twice the copies' time at 10 GB/s: compute outlasts them
-
-    def timed(run) -> float:
-        torch.cuda.synchronize(dev)
-        if with_compute:
-            compute(cover)
-        t0 = time.perf_counter()
-        run()
-        seconds = time.perf_counter() - t0
-        torch.cuda.synchronize(dev)
-        return experts * expert_bytes / seconds / 1e9
-
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    engine = NativeCopier(lib, index, experts, levels=2, keep=(src, dst))
-
-    def by_engine() -> None:
-        for i in range(experts):
-            engine.enqueue(i, 0, 1, [(src[i, :split], dst[i, :split]), (src[i, split:], dst[i, split:])], pinned=True)
-        if not engine.wait_idle(60):
-            raise MoechatError("the prefetch engine did not finish the benchmark's copies within 60 s")
-
-    side = torch.cuda.Stream(dev)
-
-    def by_copy() -> None:
-        with torch.cuda.stream(side):
-            for i in range(experts):
-                dst[i, :split].copy_(src[i, :split], non_blocking=True)
-                dst[i, split:].copy_(src[i, split:], non_blocking=True)
-        side.synchronize()
-
-    try:
-        timed(by_engine), timed(by_copy)  # warm-up
-        copy_gbps = timed(by_copy)
-        dst.zero_()
-        engine_gbps = timed(by_engine)
-        if not torch.equal(dst.cpu(), src):
-            raise MoechatError("the prefetch engine's copies differ from their sources")
-    finally:
-        engine.close()
-    return {"engine_gbps": engine_gbps, "pinned_copy_gbps": copy_gbps, "ratio": engine_gbps / copy_gbps,
-            "with_compute": with_compute}

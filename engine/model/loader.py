@@ -14,8 +14,7 @@ from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
-from .memory_estimate import estimate_module
-from ..calibration.types import MemoryEstimate
+from .memory_estimate import MemoryEstimate, estimate_module
 from ..sched.policies import make_policy
 from .checkpoint import Checkpoint, read_config_dict
 from .families import Family, get_family

@@ -1,4 +1,4 @@
-"""Guardrails: refuse, before any weight loads, a model that cannot fit the memory budgets (issue 5).
+"""Guardrails: refuse, before any weight loads, a model that cannot fit the memory budgets.
 
 VRAM holds the non-expert weights, the KV cache for the whole context, a separate draft model, the
 expert cache and a safety margin (CUDA context, activations, staging buffers). The expert store
@@ -8,9 +8,12 @@ below its size (the engine's `host_ram_budget_bytes` rule, engine/experts/store.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ..errors import BudgetError
-from ..calibration.types import MemoryEstimate
+
+if TYPE_CHECKING:  # memory_estimate imports torch; the budgets are plain arithmetic that the TUI imports
+    from .memory_estimate import MemoryEstimate
 
 GIB = 2**30
 
@@ -68,14 +71,16 @@ def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int 
             if est.draft_bytes:
                 parts += f" + draft model {gib(est.draft_bytes)}"
             raise BudgetError(
-                f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached ({parts} + margin {gib(margin)}), "
-                f"the VRAM budget is {gib(vram_budget)}: lower --context-len, use a smaller draft or none, or use a smaller model"
+                f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached "
+                f"({parts} + margin {gib(margin)}), the VRAM budget is {gib(vram_budget)}: lower --context-len, "
+                "use a smaller draft or none, or use a smaller model"
             )
         if fixed + margin + expert_cache_bytes > vram_budget:
             fit = max_cache_experts(est, vram_budget)
             raise BudgetError(
-                f"expert cache of {gib(expert_cache_bytes)} does not fit the {gib(vram_budget - fixed - margin)} of VRAM left after "
-                f"non-expert weights, KV cache and margin: use --expert-cache-ratio {fit / est.num_experts_total:.3f} or less "
+                f"expert cache of {gib(expert_cache_bytes)} does not fit the {gib(vram_budget - fixed - margin)} "
+                "of VRAM left after non-expert weights, KV cache and margin: "
+                f"use --expert-cache-ratio {fit / est.num_experts_total:.3f} or less "
                 f"(--expert-cache-gib {fit * est.expert_bytes / 2**30:.3f}), or a shorter --context-len"
             )
     if ram_budget is not None and host_tier == "ram" and est.all_experts_bytes > ram_budget:

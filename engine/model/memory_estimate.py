@@ -1,4 +1,4 @@
-"""What a model needs in memory, from its config alone (issue 5, guardrails): nothing is loaded.
+"""What a model needs in memory, from its config alone: nothing is loaded.
 
 Parameters are counted exactly by building the `transformers` module tree on the `meta` device
 (no allocation; the same tree the loader builds) and summing sizes; routed experts are told apart
@@ -7,15 +7,39 @@ by the family record's sparse layers. A tied `lm_head` is counted once, as check
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError, MoechatError
 from .families import Family, get_family
-from ..calibration.types import MemoryEstimate
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class MemoryEstimate:
+    """What a model needs, from its config alone: the guardrails and `decide` budget with it."""
+
+    model_type: str
+    dtype: str
+    non_expert_bytes: int  # embeddings, attention, norms, routers, shared experts, head
+    expert_bytes: int  # one routed expert (gate + up + down)
+    num_experts_total: int  # routed experts over all MoE layers
+    kv_bytes_per_token: int
+    context_len: int
+    draft_bytes: int = 0  # a separate draft model's weights, 0 for none/self
+    experts_per_layer: int = 0  # E, routed experts in one sparse layer (decide's expert-reuse model)
+    top_k: int = 0  # k, experts each token activates per sparse layer
+
+    @property
+    def all_experts_bytes(self) -> int:
+        return self.expert_bytes * self.num_experts_total
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.context_len
 
 
 def hf_config_from(source):
@@ -78,7 +102,8 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
     num_total = family.num_experts(hf_config) * len(family.sparse_layers(hf_config))
     expert_params = 3 * int(hf_config.hidden_size) * family.expert_dim(hf_config)  # gate, up [I, H]; down [H, I]
     if routed != expert_params * num_total:
-        raise RuntimeError(f"{family.model_type}: module tree has {routed} routed-expert parameters, config says {expert_params * num_total}")
+        raise RuntimeError(f"{family.model_type}: module tree has {routed} routed-expert parameters, "
+                           f"config says {expert_params * num_total}")
     return MemoryEstimate(
         model_type=family.model_type, dtype=dtype, non_expert_bytes=non_expert * nbytes, expert_bytes=expert_params * nbytes,
         num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),

@@ -15,6 +15,8 @@ import moechat
 from moechat.app.chats import MIGRATIONS, ChatStore, store_path
 from moechat.engine.errors import MoechatError
 
+pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
+
 
 @pytest.fixture
 def store(tmp_path):

@@ -5,7 +5,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.notorch
 def test_version_and_help_do_not_import_torch():
     code = ("import sys; from moechat.app.cli import main\n"
             "for argv in (['--help'], ['--version'], ['generate', '--help']):\n"
@@ -21,11 +24,13 @@ def test_version_and_help_do_not_import_torch():
 def test_bench_generate_json(checkpoint, capsys):
     from moechat.app.cli import main
 
-    rc = main(["bench", "generate", "--model", str(checkpoint("qwen3_moe")), "--max-new-tokens", "8",
-               "--repeats", "1", "--json"])
+    model = str(checkpoint("qwen3_moe"))
+    rc = main(["bench", "generate", "--model", model, "--max-new-tokens", "8", "--repeats", "1", "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
+    assert (out["model"], out["new_tokens"], out["repeats"]) == (model, 8, 1)
+    assert isinstance(out["prompt_tokens"], int) and out["prompt_tokens"] > 0
     for side in ("engine", "hf"):
         assert out[side]["prefill_tokens_per_s"] > 0 and out[side]["decode_tokens_per_s"] > 0
-    assert out["ratio"]["decode"] == out["engine"]["decode_tokens_per_s"] / out["hf"]["decode_tokens_per_s"]
-    assert out["same_tokens"] is True
+    assert set(out["ratio"]) == {"prefill", "decode"} and all(r > 0 for r in out["ratio"].values())
+    assert out["same_tokens"] is True  # the engine's greedy tokens equal transformers' on every repeat

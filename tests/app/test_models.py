@@ -21,6 +21,7 @@ def run_cli(*args, **env):
 
 
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}])
+@pytest.mark.notorch
 def test_pull_without_network_fails_at_once(env):
     t0 = time.perf_counter()
     proc = run_cli("pull", "Qwen/Qwen3-30B-A3B", **env)
@@ -31,11 +32,13 @@ def test_pull_without_network_fails_at_once(env):
     assert not models.local_dir("Qwen/Qwen3-30B-A3B").exists()
 
 
+@pytest.mark.notorch
 def test_pull_rejects_bad_repo_id():
     with pytest.raises(MoechatError, match="owner/name"):
         models.pull("not a repo")
 
 
+@pytest.mark.notorch
 def test_disk_space_check(tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(100 << 30, 90 << 30, 10 << 30))

@@ -9,6 +9,7 @@ from moechat.app.bench.cpu_experts import fit
 from moechat.app.cli import main
 
 
+@pytest.mark.notorch
 def test_fit_recovers_a_line():
     f = fit([1, 2, 3, 4], [2.5, 4.5, 6.5, 8.5])  # t = 0.5 + 2x
     assert f["a_ms"] == pytest.approx(0.5) and f["ms_per_unit"] == pytest.approx(2.0)

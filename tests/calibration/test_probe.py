@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from moechat.engine.calibration.probe import NOTE_NO_NVML, fingerprint, probe
 from moechat.engine.calibration.types import GpuInfo, Hardware
 

@@ -2,16 +2,13 @@
 command line over the profile, measurements on the CPU, and `moechat calibrate` end to end."""
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-import types
 from dataclasses import replace
 
 import pytest
 
 from moechat.engine.calibration.profile import SCHEMA, Profile, load_profile, model_key, profile_path, save_profile
-from moechat.engine.calibration.types import Decisions, GpuInfo, Hardware, MemoryEstimate, Measurements
+from moechat.engine.calibration.types import Decisions, GpuInfo, Hardware, Measurements
 
 FP = "abc123def456"
 
@@ -39,6 +36,7 @@ def profile(key: str, fp: str = FP) -> Profile:
     return Profile(fp, key, hardware(), meas, decisions())
 
 
+@pytest.mark.notorch
 def test_round_trip(tmp_path):
     p = profile(model_key(tmp_path))
     path = save_profile(p)
@@ -71,6 +69,7 @@ def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
     (lambda t: t.replace(f"schema = {SCHEMA}", f"schema = {SCHEMA - 1}"), "schema"),
     (lambda t: t.replace(f"schema = {SCHEMA}\n", ""), "schema None"),
 ])
+@pytest.mark.notorch
 def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
     assert says in _corrupt_with(tmp_path, edit)
 
@@ -82,6 +81,7 @@ def _config(argv):
     return engine_config(args), args
 
 
+@pytest.mark.notorch
 def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monkeypatch):
     from moechat.app.demo import DEMO_MODEL
     from moechat.app.settings import settings_path
@@ -110,6 +110,7 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monk
     assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.2, 0.3, "self")  # λ: the profile's
 
 
+@pytest.mark.notorch
 def test_unusable_profile_warns_and_runs_on_defaults(capsys):
     from moechat.app.demo import DEMO_DRAFT, DEMO_MODEL
     from moechat.engine.calibration.probe import fingerprint, probe
@@ -163,8 +164,8 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     from moechat.engine.config import EngineConfig
     from moechat.engine.errors import BudgetError
     from moechat.engine.generate import Engine
-    from moechat.engine.model.memory_estimate import estimate
     from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.memory_estimate import estimate
 
     settings_path().parent.mkdir(parents=True, exist_ok=True)
     settings_path().write_text("# mine\nvram_budget_gib = 1.5\nram_budget_gib = 0.0000001\n", encoding="utf-8")

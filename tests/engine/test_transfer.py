@@ -6,7 +6,6 @@ and the transfer thread runs against the RAM fast tier; the CUDA tests check the
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -82,8 +81,9 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
     layer that computes with it runs, and output equals transformers.
 
     To make the thread work inside the layers' compute windows, the test holds its wake-ups back to
-    those windows (each a 2 ms "long layer"), and in each one a burst of top-utility demand for the
-    other layer arrives, so the thread must displace residents while the layer computes."""
+    those windows, and in each one a burst of top-utility demand for the other layer arrives; the
+    window lasts until the thread has served the burst, so it must displace residents while the
+    layer computes."""
     model_dir = checkpoint("qwen2_moe", 4)
     prompt = tokenizer(PROMPT)["input_ids"]
     engine = make_engine(model_dir, "spac", ratio=0.3, demote="zero")  # used experts are displaced first
@@ -106,11 +106,18 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
         reading.update((li, int(e)) for e in experts[slot >= 0].tolist())
         return slot, not_ready
 
+    idle, wait = threading.Event(), prefetch.wake.wait
+
+    def wait_(timeout=None):  # the thread found nothing more to serve
+        idle.set()
+        return wait(timeout)
+
     def after_compute_():
         prefetch.update((layer[0] + 1) % L, torch.full((E,), prefetch.K), tau=1)
         with prefetch.lock:
+            idle.clear()
             notify()
-        time.sleep(0.002)
+        assert idle.wait(60), "the transfer thread did not serve the burst"
         after_compute()
 
     def load_(li, e, level=None):
@@ -131,7 +138,7 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
         on_layer(li, counts, phase)
 
     cache.ready_slots, cache.load, cache.evict, rt.policy.on_layer = ready_slots_, load_, evict_, on_layer_
-    cache.after_compute, prefetch.wake.notify = after_compute_, lambda n=1: None
+    cache.after_compute, prefetch.wake.notify, prefetch.wake.wait = after_compute_, lambda n=1: None, wait_
     rt.use_transfer_thread(True)
     try:
         assert prefetch._thread is not None

@@ -311,16 +311,3 @@ def test_cuda_engine_greedy_matches_transformers(policy, checkpoint, tokenizer):
     assert cache.copier.wait_idle(10) and cache.copier.counters()["copies"] > 0
     assert fin.summary.hits > 0
 
-
-@pytest.mark.gpu
-def test_bench_transfer_reports_both_paths():
-    out = npf.bench_transfer(expert_bytes=3 * 2048 * 768 * 2, experts=16)
-    assert set(out) == {"engine_gbps", "pinned_copy_gbps", "ratio", "with_compute"}
-    assert out["engine_gbps"] > 0 and out["pinned_copy_gbps"] > 0
-
-
-def test_bench_transfer_needs_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present")
-    with pytest.raises(MoechatError, match="needs a CUDA device"):
-        npf.bench_transfer()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -96,23 +97,42 @@ def test_no_groups_and_no_activations_leave_out_untouched():
 
 
 @needs_native
-def test_the_call_releases_the_gil():
-    """Another Python thread keeps running during a native call (so the device path runs meanwhile)."""
+def test_the_call_releases_the_gil(monkeypatch):
+    """Another Python thread runs while a native call computes (so the device path runs meanwhile).
+
+    The switch interval is set longer than the test, so the interpreter never takes the GIL from
+    the calling thread: the other thread can tick between the two reads around the library call
+    only if the call itself released the GIL."""
     args = case(1024, 512, [9] * 16, torch.float32, torch.float32, E=16)
-    out = torch.zeros(5, 1024)
-    cpu_ffn.moe_ffn_native(*args, out=out, threads=1)  # warm
-    ticks = 0
+    lib = cpu_ffn.library()
+    go, stop, ticks, during = threading.Event(), threading.Event(), [0], []
 
-    def work():
-        for _ in range(5):
-            cpu_ffn.moe_ffn_native(*args, out=out, threads=1)
+    def ticker():  # one tick per `go`, each taking the GIL
+        while go.wait() and not stop.is_set():
+            go.clear()
+            ticks[0] += 1
 
-    worker = threading.Thread(target=work)
-    worker.start()
-    while worker.is_alive():
-        ticks += 1
-    worker.join()
-    assert ticks > 1000
+    def moe_expert_ffn(*call_args):
+        go.set()
+        before = ticks[0]
+        code = lib.moe_expert_ffn(*call_args)
+        during.append(ticks[0] - before)
+        return code
+
+    monkeypatch.setattr(cpu_ffn, "library", lambda: SimpleNamespace(moe_expert_ffn=moe_expert_ffn))
+    thread = threading.Thread(target=ticker, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    thread.start()
+    try:
+        while len(during) < 20 and not any(during):  # the ticker must be scheduled during one call at least
+            cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, 1024), threads=1)
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        go.set()
+        thread.join()
+    assert any(during), f"no other thread ran during {len(during)} native calls: the call holds the GIL"
 
 
 @needs_native

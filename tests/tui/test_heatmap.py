@@ -5,6 +5,8 @@ import asyncio
 import random
 import time
 
+import pytest
+
 from moechat.app.tui.messages import Frame, Stats
 from moechat.app.tui.widgets.heatmap import (
     ALL_RESIDENT,
@@ -19,6 +21,8 @@ from moechat.app.tui.widgets.stats import StatsPanel, human_bytes
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Static
+
+pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
 
 L, E, K = 48, 128, 4
 

@@ -135,6 +135,7 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
 
 
 @pilot_test
+@pytest.mark.notorch
 async def test_switch_export_help_and_engine_failure(tmp_path, stored):
     older, newer = stored
 
@@ -184,6 +185,7 @@ async def test_switch_export_help_and_engine_failure(tmp_path, stored):
 
 
 @pilot_test
+@pytest.mark.notorch
 async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, stored):
     older, newer = stored
     (tmp_path / "settings.toml").write_text('# mine\n[keys]\nnew_chat = "ctrl+b"\nnope = "f6"\n')
@@ -243,12 +245,14 @@ async def test_first_run_opens_the_wizard_before_the_model_loads(tmp_path):
         await until(pilot, lambda: loads and app.screen is app.chat, "the engine to start after the wizard")
 
 
+@pytest.mark.notorch
 def test_last_code_block():
     assert last_code_block("a\n```py\nx = 1\n```\nb\n```\ny\n```") == "y"
     assert last_code_block("no code") is None
     assert last_code_block("```sh\nunfinished") == "unfinished"  # a reply stopped inside a block
 
 
+@pytest.mark.notorch
 def test_moechat_opens_the_app_only_on_a_terminal(monkeypatch):
     from moechat.app import cli, plain_chat
     from moechat.app.tui import app as tui_app
@@ -265,6 +269,7 @@ def test_moechat_opens_the_app_only_on_a_terminal(monkeypatch):
     assert ran == ["tui", "plain", "plain"]
 
 
+@pytest.mark.notorch
 def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
     """The chat screen with a stored conversation while the model loads (the factory waits for the
     app to close, so no engine output makes it differ from run to run)."""
@@ -286,6 +291,7 @@ def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
 
 
 @pilot_test
+@pytest.mark.notorch
 async def test_corrupt_settings_file_opens_the_app_with_defaults_and_a_notice(tmp_path, stored):
     (tmp_path / "settings.toml").write_text("theme = [unclosed\n", encoding="utf-8")
 

@@ -27,6 +27,8 @@ from textual.widgets import (
 )
 
 from ..messages import Frame, Stats
+from ..widgets.heatmap import ExpertHeatmap
+from ..widgets.stats import StatsPanel
 
 SAVE_INTERVAL_S = 0.5
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -127,16 +129,6 @@ def status_line(model: str, state: str, stats: Stats | None) -> str:
     return "  ·  ".join(p for p in parts if p)
 
 
-def _side_panel_widgets():
-    """The heatmap and stats widgets; a placeholder where they are not installed yet."""
-    try:
-        from ..widgets.heatmap import ExpertHeatmap
-        from ..widgets.stats import StatsPanel
-    except ImportError:
-        return [Static("expert view: waiting for the first frame", id="heatmap-placeholder")]
-    return [StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")]
-
-
 class ChatScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
@@ -159,7 +151,8 @@ class ChatScreen(Screen):
                 yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False,
                                 placeholder="Message (Enter sends, Ctrl+J new line, F1 help)")
             with Vertical(id="side-panel"):
-                yield from _side_panel_widgets()
+                yield StatsPanel(id="stats")
+                yield ExpertHeatmap(id="heatmap")
         with Horizontal(id="status-bar"):
             yield Static(status_line("", "starting", None), id="status")
             yield ProgressBar(total=1.0, show_eta=False, id="loading")
