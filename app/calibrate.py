@@ -39,12 +39,10 @@ def machine_profile(model_dir: str):
     """(this machine's profile for the model or None, its path or None, a one-line notice or "")."""
     from ..engine.calibration.profile import load_profile, model_key, profile_path
 
-    try:
-        from ..engine.calibration.probe import fingerprint, probe
+    from ..engine.calibration.probe import fingerprint, probe
 
+    try:
         fp = fingerprint(probe())
-    except ImportError:  # no probe in this build: no profiles either
-        return None, None, ""
     except Exception as err:  # the probe promises not to raise; if it does, defaults still run
         return None, None, f"cannot probe this machine ({type(err).__name__}: {err}): calibration profile not used"
     key = model_key(model_dir)

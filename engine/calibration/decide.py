@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..config import SchedulerConfig, SpecConfig
 from ..errors import BudgetError
 from ..model.memory_budgets import GIB, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
 from .types import Decisions, Hardware, Measurements
@@ -25,9 +26,9 @@ from .types import Decisions, Hardware, Measurements
 if TYPE_CHECKING:  # memory_estimate imports torch; deciding is plain arithmetic
     from ..model.memory_estimate import MemoryEstimate
 
-DEFAULT_DRAFT_LEN = 4  # SpecConfig's default: used when the drafter's speed or acceptance was not measured
+DEFAULT_DRAFT_LEN = SpecConfig.draft_len  # used when the drafter's speed or acceptance was not measured
 MAX_DRAFT_LEN = 12
-FORGETTING = 0.1  # λ, MoE-SpAc §4.1
+FORGETTING = SchedulerConfig.forgetting  # λ, MoE-SpAc §4.1
 
 
 def omega(gamma: int, alpha: float) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import SpecConfig
 from .types import Hardware, Measurements
 
 Progress = Callable[[str, float], None]
@@ -143,7 +144,7 @@ def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
 def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int):
     """The engine to time, with no fast tier: from RAM, or from the mmap'd files (the engine's own disk
     tier) when the expert store is too big for half the free RAM."""
-    from ..config import EngineConfig, SpecConfig
+    from ..config import EngineConfig
     from ..generate import Engine
 
     ram_budget = 0 if _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes else None
@@ -199,7 +200,7 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
         m.verify_s = statistics.median(full) if full else None
 
 
-def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False, draft_len: int = 8,
+def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False, draft_len: int = SpecConfig.draft_len,
             progress: Progress | None = None, device: str | None = None, dtype: str | None = None) -> Measurements:
     """Time this machine for the model in `model_dir`, generating on `prompts` with `drafter`.
     device/dtype default to cuda + bfloat16 where CUDA is available, else cpu + float32 (the command

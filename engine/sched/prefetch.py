@@ -32,16 +32,16 @@ from collections import deque
 import torch
 from sortedcontainers import SortedList
 
+from ..config import DEMOTES
 from ..experts.cache import SlotTable
 
-DEMOTE = ("zero", "keep")
 FROZEN = (2, 0.0)  # pool rank of an expert in use: above every other
 
 
 class Prefetcher:
     def __init__(self, table: SlotTable, num_layers: int, num_experts: int, utility_bound: int, demote: str):
-        if demote not in DEMOTE:
-            raise ValueError(f"demote must be one of {', '.join(DEMOTE)}, got {demote!r}")
+        if demote not in DEMOTES:
+            raise ValueError(f"demote must be one of {', '.join(DEMOTES)}, got {demote!r}")
         self.table, self.K, self.demote = table, utility_bound, demote
         self.E = num_experts
         self.queues: list[deque[tuple[int, int]]] = [deque() for _ in range(utility_bound + 1)]
