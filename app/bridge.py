@@ -162,8 +162,7 @@ class EngineBridge:
         engine, self._engine = self._engine, None
         if engine is None:
             return
-        engine.model.runtime.use_transfer_thread(False)
-        engine.model.runtime.use_cpu_thread(False)
+        engine.close()
         del engine
         if not collect:
             return

@@ -52,7 +52,7 @@ class Variant:
     native: bool = True  # False: the CPU tier runs the PyTorch twin instead of the native kernel
     skipped: str = ""  # why this configuration cannot run on this model, "" when it runs
     decode: list[float] = field(default_factory=list)  # tokens/s per round
-    stats: dict = field(default_factory=dict)  # the last round's decode figures (bench._decode_stats)
+    stats: dict = field(default_factory=dict)  # the last round's decode figures (bench.decode_stats)
 
 
 def _variants(args):
@@ -73,27 +73,13 @@ def _variants(args):
 
 def _build(engine, v: Variant, replay) -> None:
     """A fast tier, policy, runtime and drafter of its own for v, on the engine's model and store."""
-    from ...engine.experts.cache import ExpertCache, slots_for
-    from ...engine.experts.runtime import MoERuntime
-    from ...engine.sched.policies import make_policy
+    from ...engine.model.loader import build_runtime
     from ...engine.speculative.drafters import make_drafter
 
     m = engine.model
-    cache = ExpertCache(m.store, slots_for(m.store, v.config.expert_cache_ratio, None), m.device)
-    v.runtime = MoERuntime(m.store, cache, make_policy(v.config.scheduler, draft_len=v.config.spec.draft_len), m.device,
-                           m.runtime.act, top_k=m.family.top_k(m.hf_config))
-    v.runtime.replay = replay
-    v.runtime.native_cpu &= v.native
+    v.runtime = build_runtime(m.store, v.config, m.device, m.runtime.act, m.family.top_k(m.hf_config),
+                              replay=replay, native_cpu=v.native)
     v.drafter = make_drafter(v.config.spec, m)
-
-
-def _use(engine, v: Variant) -> None:
-    from ...engine.experts.runtime import OffloadedExperts
-
-    engine.config, engine.drafter, engine.model.runtime = v.config, v.drafter, v.runtime
-    for mod in engine.model.hf.modules():
-        if isinstance(mod, OffloadedExperts):
-            mod.runtime = v.runtime
 
 
 def bound(num_layers: int, top_k: int, expert_bytes: int, ratio: float, cpu_bytes_s: float,
@@ -128,7 +114,7 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
         return None, "not measured: accelerate not installed"
     from transformers import AutoModelForCausalLM
 
-    from .generate import _hf_run
+    from .generate import hf_generate
 
     gpu = torch.device(args.device).index or 0
     # the engine's VRAM for weights (non-expert + its fast tier): the rest is offloaded to the CPU
@@ -137,10 +123,10 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
                                               max_memory=max_memory).eval()
     hf.generation_config.eos_token_id = None
     rates = []
-    _hf_run(hf, ids, 2)
+    hf_generate(hf, ids, 2)
     for _ in range(args.repeats):
-        t1, _ = _hf_run(hf, ids, 1)
-        tn, _ = _hf_run(hf, ids, args.max_new_tokens)
+        t1, _ = hf_generate(hf, ids, 1)
+        tn, _ = hf_generate(hf, ids, args.max_new_tokens)
         rates.append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
     del hf
     return statistics.median(rates), ""
@@ -153,7 +139,7 @@ def cmd_bench_e2e(args) -> int:
     from ...engine.generate import Engine, Request
     from ...engine.calibration.measure import bandwidths, ram_copy_bandwidth
     from ...engine.config import SamplingParams
-    from .generate import DEFAULT_PROMPT, _attach_replay, _decode_stats, run_engine
+    from .generate import DEFAULT_PROMPT, attach_replay, decode_stats, run_engine
 
     if not args.replay_traces:
         raise MoechatError(f"bench e2e replays recorded routing: pass --replay-traces PATH (e.g. "
@@ -167,7 +153,7 @@ def cmd_bench_e2e(args) -> int:
     args.device = args.device or ("cuda" if cuda else "cpu")
     variants = _variants(args)
     engine = Engine(variants[0].config)
-    replay = _attach_replay(engine, args.replay_traces)
+    replay = attach_replay(engine, args.replay_traces)
     variants[0].runtime, variants[0].drafter = engine.model.runtime, engine.drafter
     for v in variants[1:]:
         try:
@@ -183,14 +169,14 @@ def cmd_bench_e2e(args) -> int:
     for v in runs:  # warm-up; residency then carries over between rounds, as between chat turns
         if hasattr(v.drafter, "distances"):  # the self drafter's one-time expert table, else built mid-run on first use
             v.drafter.distances()
-        _use(engine, v)
+        engine.use(v.config, v.runtime, v.drafter)
         run_engine(engine, ids, params)
     for r in range(args.repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
         for v in runs[r % len(runs):] + runs[:r % len(runs)]:
-            _use(engine, v)
+            engine.use(v.config, v.runtime, v.drafter)
             fin, steps = run_engine(engine, ids, params)
             v.decode.append(fin.summary.decode_tokens_per_s)
-            v.stats = _decode_stats(steps, m.store.expert_bytes)
+            v.stats = decode_stats(steps, m.store.expert_bytes)
 
     store, k = m.store, m.family.top_k(m.hf_config)
     on_gpu = m.device.type == "cuda"
@@ -219,8 +205,7 @@ def cmd_bench_e2e(args) -> int:
         "rows": rows, "bound": limit,
     }
     for v in runs:
-        v.runtime.use_cpu_thread(False)
-        v.runtime.use_transfer_thread(False)
+        v.runtime.close()
     if args.json:
         print(json.dumps(result))
         return 0

@@ -45,7 +45,8 @@ def run_engine(engine, ids: list[int], params) -> tuple:
     return fin, steps
 
 
-def _hf_run(model, ids, max_new: int) -> tuple[float, list[int]]:
+def hf_generate(model, ids, max_new: int) -> tuple[float, list[int]]:
+    """Hugging Face greedy `generate` of exactly max_new tokens: (seconds, the new token ids)."""
     import torch
 
     x = torch.tensor([ids], device=model.device)
@@ -62,7 +63,7 @@ def cmd_bench_generate(args) -> int:
     from ..cli import engine_config
 
     engine = Engine(engine_config(args))
-    replay = _attach_replay(engine, args.replay_traces) if args.replay_traces else None
+    replay = attach_replay(engine, args.replay_traces) if args.replay_traces else None
     if args.prompt_ids:
         ids = [int(t) for t in args.prompt_ids.split(",")]
     else:
@@ -79,7 +80,7 @@ def cmd_bench_generate(args) -> int:
 
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
         hf.generation_config.eos_token_id = None
-        _hf_run(hf, ids, 2)
+        hf_generate(hf, ids, 2)
     engine_run()  # warm-up
     rows = {"engine_prefill": [], "engine_decode": [], "hf_prefill": [], "hf_decode": []}
     same, decode = True, None
@@ -87,10 +88,10 @@ def cmd_bench_generate(args) -> int:
         fin, steps = engine_run()
         rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
         rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
-        decode = _decode_stats(steps, engine.model.store.expert_bytes)  # the last run's: residency carries over, as between chat turns
+        decode = decode_stats(steps, engine.model.store.expert_bytes)  # the last run's: residency carries over, as between chat turns
         if hf is not None:
-            t1, _ = _hf_run(hf, ids, 1)  # prefill + the first token
-            tn, hf_tokens = _hf_run(hf, ids, args.max_new_tokens)
+            t1, _ = hf_generate(hf, ids, 1)  # prefill + the first token
+            tn, hf_tokens = hf_generate(hf, ids, args.max_new_tokens)
             rows["hf_prefill"].append(len(ids) / t1)
             rows["hf_decode"].append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
             same &= hf_tokens == fin.token_ids
@@ -132,16 +133,22 @@ def cmd_bench_generate(args) -> int:
     return 0
 
 
-def _attach_replay(engine, path: str):
+def load_model_replay(engine, path: str):
+    """The recorded routing at `path`, checked against the engine's model (layers, experts, top-k)."""
     from ...engine.replay import load_replay
 
     m = engine.model
-    replay = load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
-    m.runtime.replay = replay
+    return load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
+
+
+def attach_replay(engine, path: str):
+    """Replay the routing at `path` in the engine's runtime from now on; returns the replay."""
+    replay = load_model_replay(engine, path)
+    engine.model.runtime.replay_routing(replay)
     return replay
 
 
-def _decode_stats(steps: list, expert_bytes: int) -> dict:
+def decode_stats(steps: list, expert_bytes: int) -> dict:
     """Scheduler figures of the decode steps: fast-tier hit rate, expert loads and tier times per committed token."""
     tokens = max(1, sum(s.accepted + 1 for s in steps))
     hits, misses = sum(s.hits for s in steps), sum(s.misses for s in steps)
