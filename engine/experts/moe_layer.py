@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .runtime import ForwardMode, MoERuntime
 
 
-@dataclass
+@dataclass(slots=True)
 class Routed:
     """The experts one layer computes, on the host."""
 
@@ -28,12 +28,13 @@ class Routed:
     demand: torch.Tensor | None  # [E] self-draft: what the router chose before substitution (the lookahead signal)
 
 
-@dataclass
+@dataclass(slots=True)
 class TierSplit:
     """One layer's computed activations over the tiers, each grouped for its grouped GEMM."""
 
     counts: torch.Tensor  # [E] computed activations per expert
     computed: int  # S' activations computed (S = N*k minus what an expert budget dropped)
+    n_dev: int  # of them on the fast tier
     dev_pos: torch.Tensor  # [S_dev] activation ids in [S] on the fast tier, grouped by slot
     dev_slot: torch.Tensor  # [S_dev] their slots, ascending
     cpu_pos: torch.Tensor  # [S_cpu] activation ids in [S] on the CPU tier, grouped by expert
@@ -41,10 +42,6 @@ class TierSplit:
     cpu_sizes: torch.Tensor | None  # [E] rows per CPU expert, when known (every activation on the CPU)
     all_rows: bool  # every one of the S activations is computed on the fast tier: no row of out stays zero
     not_ready: int  # of the CPU activations: resident experts whose copy is still in flight
-
-    @property
-    def n_dev(self) -> int:
-        return len(self.dev_pos)
 
 
 def route(rt: MoERuntime, mode: ForwardMode, li: int, idx: torch.Tensor, weights: torch.Tensor) -> Routed:
@@ -102,7 +99,7 @@ def split_tiers(rt: MoERuntime, li: int, flat: torch.Tensor, kept: torch.Tensor 
     key, perm = torch.sort(key, stable=True)
     if kept is not None:
         perm = kept[perm]  # positions in flat -> activation ids in [S]
-    return TierSplit(counts, len(flat), perm[:n_dev], key[:n_dev], perm[n_dev:], key[n_dev:] - base,
+    return TierSplit(counts, len(flat), n_dev, perm[:n_dev], key[:n_dev], perm[n_dev:], key[n_dev:] - base,
                      counts if n_dev == 0 else None, kept is None and n_dev == len(flat), not_ready)
 
 
