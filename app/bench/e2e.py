@@ -56,7 +56,7 @@ class Variant:
 
 
 def _variants(args):
-    from ...engine.config import EngineConfig, SchedulerConfig, SpecConfig
+    from ...engine import EngineConfig, SchedulerConfig, SpecConfig
 
     def cfg(name, ratio, policy, drafter="none", cpu_experts=True):
         return Variant(name, EngineConfig(
@@ -135,11 +135,9 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
 def cmd_bench_e2e(args) -> int:
     import torch
 
-    from ...engine.errors import MoechatError
-    from ...engine.generate import Engine, Request
+    from ...engine import Engine, MoechatError, Request, SamplingParams
     from ...engine.calibration.measure import bandwidths, ram_copy_bandwidth
-    from ...engine.config import SamplingParams
-    from .generate import DEFAULT_PROMPT, attach_replay, decode_stats, run_engine
+    from .generate import DEFAULT_PROMPT, attach_replay
 
     if not args.replay_traces:
         raise MoechatError(f"bench e2e replays recorded routing: pass --replay-traces PATH (e.g. "
@@ -164,32 +162,12 @@ def cmd_bench_e2e(args) -> int:
     m = engine.model
     ids = engine.encode(Request(prompt=DEFAULT_PROMPT)) if m.tokenizer is not None else list(range(1, 52))
     m.eos_ids = set()  # every run generates exactly max_new_tokens
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-
-    for v in runs:  # warm-up; residency then carries over between rounds, as between chat turns
-        if hasattr(v.drafter, "distances"):  # the self drafter's one-time expert table, else built mid-run on first use
-            v.drafter.distances()
-        engine.use(v.config, v.runtime, v.drafter)
-        run_engine(engine, ids, params)
-    for r in range(args.repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
-        for v in runs[r % len(runs):] + runs[:r % len(runs)]:
-            engine.use(v.config, v.runtime, v.drafter)
-            fin, steps = run_engine(engine, ids, params)
-            v.decode.append(fin.summary.decode_tokens_per_s)
-            v.stats = decode_stats(steps, m.store.expert_bytes)
-
+    _rounds(engine, runs, ids, SamplingParams(max_new_tokens=args.max_new_tokens), args.repeats)
     store, k = m.store, m.family.top_k(m.hf_config)
     on_gpu = m.device.type == "cuda"
     pcie = bandwidths(store.expert_bytes, m.device, 10)["h2d_pinned_bytes_s"] if on_gpu else None
     limit = bound(len(store.layers), k, store.expert_bytes, args.expert_cache_ratio, ram_copy_bandwidth(3), pcie)
-    # VRAM the engine gives weights: everything but the experts, plus its fast tier
-    vram = sum(t.numel() * t.element_size() for t in m.hf.parameters() if t.device.type == "cuda") + \
-        variants[0].runtime.cache.capacity * store.expert_bytes
-    if on_gpu:
-        hf_rate, hf_why = _hf_offload(args, ids, vram)
-    else:
-        hf_rate, hf_why = None, ("not measured: no GPU was available" if not cuda else "not measured: --device cpu") + \
-            " (device_map offload moves weights to a GPU per forward)"
+    hf_rate, hf_why = _hf_row(args, ids, m, variants[0].runtime.cache.capacity, cuda)
     rows = [{"name": v.name, "policy": v.config.scheduler.policy, "drafter": v.config.spec.drafter,
              "expert_cache_ratio": v.config.expert_cache_ratio, "cpu_experts": v.config.scheduler.cpu_experts,
              "decode_tokens_per_s": statistics.median(v.decode) if v.decode else None,
@@ -211,6 +189,33 @@ def cmd_bench_e2e(args) -> int:
         return 0
     _print(result)
     return 0
+
+
+def _rounds(engine, runs: list[Variant], ids: list[int], params, repeats: int) -> None:
+    """A warm-up run of each variant, then interleaved rounds; each variant keeps its decode rates and last figures."""
+    from .generate import decode_stats, run_engine
+
+    for v in runs:  # warm-up; residency then carries over between rounds, as between chat turns
+        if hasattr(v.drafter, "distances"):  # the self drafter's one-time expert table, else built mid-run on first use
+            v.drafter.distances()
+        engine.use(v.config, v.runtime, v.drafter)
+        run_engine(engine, ids, params)
+    for r in range(repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
+        for v in runs[r % len(runs):] + runs[:r % len(runs)]:
+            engine.use(v.config, v.runtime, v.drafter)
+            fin, steps = run_engine(engine, ids, params)
+            v.decode.append(fin.summary.decode_tokens_per_s)
+            v.stats = decode_stats(steps, engine.model.store.expert_bytes)
+
+
+def _hf_row(args, ids: list[int], m, slots: int, cuda: bool) -> tuple[float | None, str]:
+    """HF offload's decode rate with the VRAM the engine gives weights (all but the experts, plus its fast tier)."""
+    if m.device.type != "cuda":
+        return None, ("not measured: no GPU was available" if not cuda else "not measured: --device cpu") + \
+            " (device_map offload moves weights to a GPU per forward)"
+    vram = sum(t.numel() * t.element_size() for t in m.hf.parameters() if t.device.type == "cuda") + \
+        slots * m.store.expert_bytes
+    return _hf_offload(args, ids, vram)
 
 
 def _print(res: dict) -> None:
