@@ -32,8 +32,7 @@ from pathlib import Path
 
 from textual.message import Message
 
-from ..engine.config import EngineConfig, SamplingParams
-from ..engine.errors import MoechatError
+from ..engine import EngineConfig, MoechatError, SamplingParams
 from .tui.messages import (
     CalibrationDone,
     CalibrationProgress,
@@ -162,8 +161,7 @@ class EngineBridge:
         engine, self._engine = self._engine, None
         if engine is None:
             return
-        engine.model.runtime.use_transfer_thread(False)
-        engine.model.runtime.use_cpu_thread(False)
+        engine.close()
         del engine
         if not collect:
             return
@@ -181,7 +179,7 @@ class EngineBridge:
             config = factory()
             name = model_name(config.model_dir)
             self._send(EngineLoading(0.1, f"loading {name}"))
-            from ..engine.generate import Engine  # torch and transformers load here, not at UI start
+            from ..engine import Engine  # torch and transformers load here, not at UI start
 
             engine = Engine(config)
         except Exception:
@@ -212,8 +210,7 @@ class EngineBridge:
         engine = self._engine
         if engine is None:
             return EngineFailed(f"no model is loaded ({self._load_error or 'the engine has not started'})", request_id)
-        from ..engine.events import Error, Finished, StepStats, TokenDelta
-        from ..engine.generate import Request
+        from ..engine import Error, Finished, Request, StepStats, TokenDelta
         from .bridge_meter import ReplyMeter
 
         meter = ReplyMeter(engine, self.frame_interval_s)

@@ -14,8 +14,7 @@ import time
 import psutil
 import torch
 
-from ..engine.events import StepStats, Summary
-from ..engine.generate import Engine
+from ..engine import Engine, StepStats, Summary
 from ..engine.model.memory_budgets import physical_ram_bytes
 from .tui.messages import Frame, Stats
 
@@ -110,18 +109,14 @@ class ReplyMeter:
         """MoE-SpAc with a fast tier: its utilities s [L, E] and thresholds τ [L]. Other policies (and
         spac without a fast tier, whose utilities never move): the share of verified positions since
         the last frame that chose each expert, on the same 0..K scale, rounded up so any use shows."""
-        rt = self.engine.model.runtime
-        policy, K = rt.policy, self.K
-        with rt.cache.lock:  # the transfer thread (CUDA) changes utilities and residency under it
-            resident = rt.cache.resident_mask().tolist()
-            if policy.name == "spac" and self.has_fast_tier:
-                utility = policy.prefetch.utility.clamp(0, K).tolist()
-                tau = policy.prefetch.tau.tolist()
-            else:
-                utility = ((K * self.freq + self.positions - 1) // self.positions).clamp_(0, K).tolist()
-                tau = [0] * len(utility)
+        K = self.K
+        snap = self.engine.model.runtime.utility_snapshot(K)  # consistent under the transfer thread (CUDA)
+        utility, tau = snap.utility, snap.tau
+        if utility is None:
+            utility = ((K * self.freq + self.positions - 1) // self.positions).clamp_(0, K).tolist()
+            tau = [0] * len(utility)
         step = self.last.step if self.last else 0
         self.freq.zero_()
         self.positions = 0
-        return Frame(utility, resident, tau, K, policy.name, step, list(self.layer_names))
+        return Frame(utility, snap.resident, tau, K, self.engine.config.scheduler.policy, step, list(self.layer_names))
 

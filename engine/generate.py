@@ -14,7 +14,9 @@ from .config import EngineConfig, SamplingParams
 from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
 from .model.loader import LoadedModel, load_model
-from .speculative.drafters import make_drafter, trim_cache
+from .experts.runtime import MoERuntime
+from .speculative.drafters import make_drafter
+from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
 from .trace import TraceRecorder
 
@@ -38,6 +40,17 @@ class Engine:
     def stop(self) -> None:
         """Ask the running `generate` to finish after the current step (thread-safe)."""
         self._stop.set()
+
+    def close(self) -> None:
+        """Stop every thread the engine started (CPU experts, prefetch transfers, native copier); idempotent.
+        The engine serves no request after it."""
+        self.model.runtime.close()
+
+    def use(self, config: EngineConfig, runtime: MoERuntime, drafter) -> None:
+        """Benchmarks: serve the next requests with another fast tier, policy and drafter on the same
+        loaded model (`build_runtime` on its store, `make_drafter` on it)."""
+        self.config, self.drafter = config, drafter
+        self.model.use_runtime(runtime)
 
     def encode(self, request: Request) -> list[int]:
         tok = self.model.tokenizer
@@ -68,21 +81,25 @@ class Engine:
         """
         params = params or SamplingParams()
         self._stop.clear()
-        rt = self.model.runtime
+        if self.model.runtime.closed:
+            yield Error("the engine is closed: create a new Engine to generate")
+            return
         try:
             yield from self._generate(self.encode(request), params, trace)
         except MoechatError as err:
             yield Error(str(err))
         except Exception as err:  # never a traceback in the UI; the engine stays usable
             yield Error(f"internal error ({type(err).__name__}: {err}); the engine is ready for the next message")
-        finally:
-            rt.phase, rt.remap, rt.recorder = "prefill", None, None
 
-    def _forward(self, ids: list[int], cache, keep: int) -> torch.Tensor:
-        """ids [T] appended to the KV cache -> logits of the last `keep` positions [keep, V]."""
+    def _forward(self, ids: list[int], cache, keep: int, phase: str, step: int,
+                 trace: TraceRecorder | None) -> torch.Tensor:
+        """ids [T] appended to the KV cache in a prefill or verify pass -> logits of the last `keep` positions [keep, V]."""
         x = torch.tensor([ids], device=self.model.device)
-        self.model.runtime.start_pos = cache.get_seq_length()
-        out = self.model.hf(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        start = cache.get_seq_length()
+        if trace:
+            trace.begin_forward(step, phase, start)
+        with self.model.runtime.forward(phase, start, recorder=trace):
+            out = self.model.hf(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0].float()
 
     @torch.inference_mode()
@@ -97,21 +114,16 @@ class Engine:
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
-        rt.recorder = trace
         cache = DynamicCache()  # invariant after each step: the KV entries of committed[:-1]
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
         moved0 = m.cache.bytes_moved
-        rt.policy.begin_request()
+        rt.begin_request()
 
         # Prefill: the whole prompt; its last position gives the first token.
         t_start = time.perf_counter()
         rt.reset_counters()
-        rt.phase = "prefill"
-        if trace:
-            trace.begin_forward(0, "prefill", 0)
-        logits = self._forward(prompt, cache, keep=1)  # [1, V]
-        rt.policy.on_forward_end("prefill")
+        logits = self._forward(prompt, cache, keep=1, phase="prefill", step=0, trace=trace)  # [1, V]
         _, first = accept([], None, logits, params, generator)
         prefill = rt.reset_counters()
         self.drafter.start(prompt, cache)
@@ -134,9 +146,11 @@ class Engine:
         if tail:
             yield TokenDelta(tail, [])
         summary = Summary(
-            len(prompt), len(new), len(steps), sum(s.drafted for s in steps), sum(s.accepted for s in steps),
-            prefill_s, decode_s, prefill_s, prefill.hits + sum(s.hits for s in steps),
-            prefill.misses + sum(s.misses for s in steps), m.cache.bytes_moved - moved0, reason or "cancelled",
+            prompt_tokens=len(prompt), new_tokens=len(new), steps=len(steps),
+            drafted=sum(s.drafted for s in steps), accepted=sum(s.accepted for s in steps),
+            prefill_s=prefill_s, decode_s=decode_s, ttft_s=prefill_s,
+            hits=prefill.hits + sum(s.hits for s in steps), misses=prefill.misses + sum(s.misses for s in steps),
+            bytes_moved=m.cache.bytes_moved - moved0, finish_reason=reason or "cancelled",
             expert_budget=rt.expert_budget, dropped=sum(s.dropped for s in steps),
             not_ready=prefill.not_ready + sum(s.not_ready for s in steps),
         )
@@ -151,18 +165,18 @@ class Engine:
         t0 = time.perf_counter()
         drafts, q = self.drafter.draft(committed, n, params, generator) if n else ([], None)
         t1 = time.perf_counter()
-        rt.phase = "verify"
-        if trace:
-            trace.begin_forward(step, "verify", len(committed) - 1)
-        logits = self._forward([committed[-1]] + drafts, cache, keep=n + 1)  # [n+1, V]
-        rt.policy.on_forward_end("verify")
+        logits = self._forward([committed[-1]] + drafts, cache, keep=n + 1, phase="verify", step=step, trace=trace)  # [n+1, V]
         a, t = accept(drafts, q, logits, params, generator)
-        trim_cache(cache, len(committed) + a)  # keep committed[:-1] + last + d[:a]
+        rewind_cache(cache, len(committed) + a)  # keep committed[:-1] + last + d[:a]
         t2 = time.perf_counter()
         c = rt.reset_counters()
-        stats = StepStats(step, n, a, c.freq, c.draft_freq, m.cache.resident_mask().clone(), c.hits, c.misses,
-                          m.cache.bytes_moved - moved, c.cpu_s, c.device_s, t1 - t0, t2 - t1, c.dropped,
-                          c.not_ready, c.layer_s, c.host_s, c.policy_s, c.layer_calls)
+        stats = StepStats(
+            step=step, drafted=n, accepted=a, expert_freq=c.freq, draft_expert_freq=c.draft_freq,
+            resident=m.cache.resident_mask().clone(), hits=c.hits, misses=c.misses,
+            bytes_moved=m.cache.bytes_moved - moved, cpu_s=c.cpu_s, device_s=c.device_s, draft_s=t1 - t0,
+            verify_s=t2 - t1, dropped=c.dropped, not_ready=c.not_ready, layer_s=c.layer_s, host_s=c.host_s,
+            policy_s=c.policy_s, layer_calls=c.layer_calls,
+        )
         return stats, drafts[:a] + [t]
 
     @staticmethod

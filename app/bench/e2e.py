@@ -57,11 +57,11 @@ class Variant:
     native: bool = True  # False: the CPU tier runs the PyTorch twin instead of the native kernel
     skipped: str = ""  # why this configuration cannot run on this model, "" when it runs
     decode: list[float] = field(default_factory=list)  # tokens/s per round
-    stats: dict = field(default_factory=dict)  # the last round's decode figures (bench._decode_stats)
+    stats: dict = field(default_factory=dict)  # the last round's decode figures (bench.decode_stats)
 
 
 def _variants(args):
-    from ...engine.config import EngineConfig, SchedulerConfig, SpecConfig
+    from ...engine import EngineConfig, SchedulerConfig, SpecConfig
 
     def cfg(name, ratio, policy, drafter="none", cpu_experts=True):
         return Variant(name, EngineConfig(
@@ -78,27 +78,13 @@ def _variants(args):
 
 def _build(engine, v: Variant, replay) -> None:
     """A fast tier, policy, runtime and drafter of its own for v, on the engine's model and store."""
-    from ...engine.experts.cache import ExpertCache, slots_for
-    from ...engine.experts.runtime import MoERuntime
-    from ...engine.sched.policies import make_policy
+    from ...engine.model.loader import build_runtime
     from ...engine.speculative.drafters import make_drafter
 
     m = engine.model
-    cache = ExpertCache(m.store, slots_for(m.store, v.config.expert_cache_ratio, None), m.device)
-    v.runtime = MoERuntime(m.store, cache, make_policy(v.config.scheduler, draft_len=v.config.spec.draft_len), m.device,
-                           m.runtime.act, top_k=m.family.top_k(m.hf_config))
-    v.runtime.replay = replay
-    v.runtime.native_cpu &= v.native
+    v.runtime = build_runtime(m.store, v.config, m.device, m.runtime.act, m.family.top_k(m.hf_config),
+                              replay=replay, native_cpu=v.native)
     v.drafter = make_drafter(v.config.spec, m)
-
-
-def _use(engine, v: Variant) -> None:
-    from ...engine.experts.runtime import OffloadedExperts
-
-    engine.config, engine.drafter, engine.model.runtime = v.config, v.drafter, v.runtime
-    for mod in engine.model.hf.modules():
-        if isinstance(mod, OffloadedExperts):
-            mod.runtime = v.runtime
 
 
 def bound(num_layers: int, top_k: int, expert_bytes: int, ratio: float, cpu_bytes_s: float,
@@ -133,7 +119,7 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
         return None, "not measured: accelerate not installed"
     from transformers import AutoModelForCausalLM
 
-    from .generate import _hf_run
+    from .generate import hf_generate
 
     gpu = torch.device(args.device).index or 0
     # the engine's VRAM for weights (non-expert + its fast tier): the rest is offloaded to the CPU
@@ -142,10 +128,10 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
                                               max_memory=max_memory).eval()
     hf.generation_config.eos_token_id = None
     rates = []
-    _hf_run(hf, ids, 2)
+    hf_generate(hf, ids, 2)
     for _ in range(args.repeats):
-        t1, _ = _hf_run(hf, ids, 1)
-        tn, _ = _hf_run(hf, ids, args.max_new_tokens)
+        t1, _ = hf_generate(hf, ids, 1)
+        tn, _ = hf_generate(hf, ids, args.max_new_tokens)
         rates.append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
     del hf
     return statistics.median(rates), ""
@@ -154,11 +140,9 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
 def cmd_bench_e2e(args) -> int:
     import torch
 
-    from ...engine.errors import MoechatError
-    from ...engine.generate import Engine, Request
+    from ...engine import Engine, MoechatError, Request, SamplingParams
     from ...engine.calibration.measure import bandwidths, ram_copy_bandwidth
-    from ...engine.config import SamplingParams
-    from .generate import DEFAULT_PROMPT, _attach_replay, _decode_stats, run_engine
+    from .generate import DEFAULT_PROMPT, attach_replay
 
     if not args.replay_traces:
         raise MoechatError(f"bench e2e replays recorded routing: pass --replay-traces PATH (e.g. "
@@ -172,7 +156,7 @@ def cmd_bench_e2e(args) -> int:
     args.device = args.device or ("cuda" if cuda else "cpu")
     variants = _variants(args)
     engine = Engine(variants[0].config)
-    replay = _attach_replay(engine, args.replay_traces)
+    replay = attach_replay(engine, args.replay_traces)
     variants[0].runtime, variants[0].drafter = engine.model.runtime, engine.drafter
     for v in variants[1:]:
         try:
@@ -183,32 +167,12 @@ def cmd_bench_e2e(args) -> int:
     m = engine.model
     ids = engine.encode(Request(prompt=DEFAULT_PROMPT)) if m.tokenizer is not None else list(range(1, 52))
     m.eos_ids = set()  # every run generates exactly max_new_tokens
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-
-    for v in runs:  # warm-up; residency then carries over between rounds, as between chat turns
-        if hasattr(v.drafter, "distances"):  # the self drafter's one-time expert table, else built mid-run on first use
-            v.drafter.distances()
-        _use(engine, v)
-        run_engine(engine, ids, params)
-    for r in range(args.repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
-        for v in runs[r % len(runs):] + runs[:r % len(runs)]:
-            _use(engine, v)
-            fin, steps = run_engine(engine, ids, params)
-            v.decode.append(fin.summary.decode_tokens_per_s)
-            v.stats = _decode_stats(steps, m.store.expert_bytes)
-
+    _rounds(engine, runs, ids, SamplingParams(max_new_tokens=args.max_new_tokens), args.repeats)
     store, k = m.store, m.family.top_k(m.hf_config)
     on_gpu = m.device.type == "cuda"
     pcie = bandwidths(store.expert_bytes, m.device, 10)["h2d_pinned_bytes_s"] if on_gpu else None
     limit = bound(len(store.layers), k, store.expert_bytes, args.expert_cache_ratio, ram_copy_bandwidth(3), pcie)
-    # VRAM the engine gives weights: everything but the experts, plus its fast tier
-    vram = sum(t.numel() * t.element_size() for t in m.hf.parameters() if t.device.type == "cuda") + \
-        variants[0].runtime.cache.capacity * store.expert_bytes
-    if on_gpu:
-        hf_rate, hf_why = _hf_offload(args, ids, vram)
-    else:
-        hf_rate, hf_why = None, ("not measured: no GPU was available" if not cuda else "not measured: --device cpu") + \
-            " (device_map offload moves weights to a GPU per forward)"
+    hf_rate, hf_why = _hf_row(args, ids, m, variants[0].runtime.cache.capacity, cuda)
     rows = [{"name": v.name, "policy": v.config.scheduler.policy, "drafter": v.config.spec.drafter,
              "expert_cache_ratio": v.config.expert_cache_ratio, "cpu_experts": v.config.scheduler.cpu_experts,
              "decode_tokens_per_s": statistics.median(v.decode) if v.decode else None,
@@ -224,13 +188,39 @@ def cmd_bench_e2e(args) -> int:
         "rows": rows, "bound": limit,
     }
     for v in runs:
-        v.runtime.use_cpu_thread(False)
-        v.runtime.use_transfer_thread(False)
+        v.runtime.close()
     if args.json:
         print(json.dumps(result))
         return 0
     _print(result)
     return 0
+
+
+def _rounds(engine, runs: list[Variant], ids: list[int], params, repeats: int) -> None:
+    """A warm-up run of each variant, then interleaved rounds; each variant keeps its decode rates and last figures."""
+    from .generate import decode_stats, run_engine
+
+    for v in runs:  # warm-up; residency then carries over between rounds, as between chat turns
+        if hasattr(v.drafter, "distances"):  # the self drafter's one-time expert table, else built mid-run on first use
+            v.drafter.distances()
+        engine.use(v.config, v.runtime, v.drafter)
+        run_engine(engine, ids, params)
+    for r in range(repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
+        for v in runs[r % len(runs):] + runs[:r % len(runs)]:
+            engine.use(v.config, v.runtime, v.drafter)
+            fin, steps = run_engine(engine, ids, params)
+            v.decode.append(fin.summary.decode_tokens_per_s)
+            v.stats = decode_stats(steps, engine.model.store.expert_bytes)
+
+
+def _hf_row(args, ids: list[int], m, slots: int, cuda: bool) -> tuple[float | None, str]:
+    """HF offload's decode rate with the VRAM the engine gives weights (all but the experts, plus its fast tier)."""
+    if m.device.type != "cuda":
+        return None, ("not measured: no GPU was available" if not cuda else "not measured: --device cpu") + \
+            " (device_map offload moves weights to a GPU per forward)"
+    vram = sum(t.numel() * t.element_size() for t in m.hf.parameters() if t.device.type == "cuda") + \
+        slots * m.store.expert_bytes
+    return _hf_offload(args, ids, vram)
 
 
 def _print(res: dict) -> None:

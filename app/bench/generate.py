@@ -30,9 +30,7 @@ DEFAULT_PROMPT = ("Mixture-of-Experts models route every token to a few experts,
 
 def run_engine(engine, ids: list[int], params) -> tuple:
     """One request through the engine: (its Finished event, its StepStats); an Error raises."""
-    from ...engine.errors import MoechatError
-    from ...engine.events import Error, Finished, StepStats
-    from ...engine.generate import Request
+    from ...engine import Error, Finished, MoechatError, Request, StepStats
 
     steps, fin = [], None
     for ev in engine.generate(Request(token_ids=ids), params):
@@ -45,7 +43,8 @@ def run_engine(engine, ids: list[int], params) -> tuple:
     return fin, steps
 
 
-def _hf_run(model, ids, max_new: int) -> tuple[float, list[int]]:
+def hf_generate(model, ids, max_new: int) -> tuple[float, list[int]]:
+    """Hugging Face greedy `generate` of exactly max_new tokens: (seconds, the new token ids)."""
     import torch
 
     x = torch.tensor([ids], device=model.device)
@@ -57,45 +56,17 @@ def _hf_run(model, ids, max_new: int) -> tuple[float, list[int]]:
 def cmd_bench_generate(args) -> int:
     import torch
 
-    from ...engine.config import SamplingParams
-    from ...engine.generate import Engine, Request
+    from ...engine import Engine, Request
     from ..cli import engine_config
 
     engine = Engine(engine_config(args))
-    replay = _attach_replay(engine, args.replay_traces) if args.replay_traces else None
+    replay = attach_replay(engine, args.replay_traces) if args.replay_traces else None
     if args.prompt_ids:
         ids = [int(t) for t in args.prompt_ids.split(",")]
     else:
         ids = engine.encode(Request(prompt=args.prompt or DEFAULT_PROMPT))
-    eos, engine.model.eos_ids = engine.model.eos_ids, set()  # every run generates exactly max_new_tokens
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
-
-    def engine_run():
-        return run_engine(engine, ids, params)
-
-    hf = None
-    if replay is None:  # replayed routing is not the model's: HF's tokens would differ, so no comparison
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
-        hf.generation_config.eos_token_id = None
-        _hf_run(hf, ids, 2)
-    engine_run()  # warm-up
-    rows = {"engine_prefill": [], "engine_decode": [], "hf_prefill": [], "hf_decode": []}
-    same, decode = True, None
-    for _ in range(args.repeats):  # alternate so machine noise hits both alike
-        fin, steps = engine_run()
-        rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
-        rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
-        decode = _decode_stats(steps, engine.model.store.expert_bytes)  # the last run's: residency carries over, as between chat turns
-        if hf is not None:
-            t1, _ = _hf_run(hf, ids, 1)  # prefill + the first token
-            tn, hf_tokens = _hf_run(hf, ids, args.max_new_tokens)
-            rows["hf_prefill"].append(len(ids) / t1)
-            rows["hf_decode"].append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
-            same &= hf_tokens == fin.token_ids
-    engine.model.eos_ids = eos
-    med = {k: statistics.median(v) for k, v in rows.items() if v}
+    hf = None if replay is not None else _load_hf(args, ids)  # replayed routing: HF's tokens would differ
+    med, decode, same = _measure(engine, hf, ids, args)
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
         "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio, "prompt_tokens": len(ids),
@@ -109,39 +80,87 @@ def cmd_bench_generate(args) -> int:
         result["hf"] = {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]}
         result["ratio"] = {"prefill": med["engine_prefill"] / med["hf_prefill"], "decode": med["engine_decode"] / med["hf_decode"]}
         result["same_tokens"] = same
+    engine.close()
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"model {args.model}  prompt {len(ids)} tokens  new {args.max_new_tokens} tokens  "
-          f"drafter {args.draft}  policy {args.policy}  cache ratio {engine.config.expert_cache_ratio}  "
+    _print_generate(result, args, replay)
+    return 0
+
+
+def _load_hf(args, ids: list[int]):
+    """The Hugging Face model for the comparison, warmed up, without an EOS (it generates max_new_tokens)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    hf.generation_config.eos_token_id = None
+    hf_generate(hf, ids, 2)
+    return hf
+
+
+def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
+    """Alternating runs of the engine and HF: (medians per row, the last run's decode figures, same tokens)."""
+    from ...engine import SamplingParams
+
+    eos, engine.model.eos_ids = engine.model.eos_ids, set()  # every run generates exactly max_new_tokens
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    run_engine(engine, ids, params)  # warm-up
+    rows = {"engine_prefill": [], "engine_decode": [], "hf_prefill": [], "hf_decode": []}
+    same, decode = True, None
+    for _ in range(args.repeats):  # alternate so machine noise hits both alike
+        fin, steps = run_engine(engine, ids, params)
+        rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
+        rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
+        decode = decode_stats(steps, engine.model.store.expert_bytes)  # the last run's: residency carries over, as between chat turns
+        if hf is not None:
+            t1, _ = hf_generate(hf, ids, 1)  # prefill + the first token
+            tn, hf_tokens = hf_generate(hf, ids, args.max_new_tokens)
+            rows["hf_prefill"].append(len(ids) / t1)
+            rows["hf_decode"].append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
+            same &= hf_tokens == fin.token_ids
+    engine.model.eos_ids = eos
+    return {k: statistics.median(v) for k, v in rows.items() if v}, decode, same
+
+
+def _print_generate(result: dict, args, replay) -> None:
+    engine = decode = result["engine"]  # the decode figures sit beside the engine's rates
+    print(f"model {args.model}  prompt {result['prompt_tokens']} tokens  new {args.max_new_tokens} tokens  "
+          f"drafter {args.draft}  policy {args.policy}  cache ratio {result['expert_cache_ratio']}  "
           f"(median of {args.repeats})")
     if replay is not None:
         print(f"routing replayed from {args.replay_traces} ({replay.tokens} tokens, MoE layers {result['replay_layers']})")
     print(f"{'':10}{'prefill tok/s':>15}{'decode tok/s':>15}")
-    print(f"{'moechat':10}{med['engine_prefill']:15.1f}{med['engine_decode']:15.1f}")
-    if hf is not None:
-        print(f"{'HF':10}{med['hf_prefill']:15.1f}{med['hf_decode']:15.1f}")
+    print(f"{'moechat':10}{engine['prefill_tokens_per_s']:15.1f}{engine['decode_tokens_per_s']:15.1f}")
+    if "hf" in result:
+        print(f"{'HF':10}{result['hf']['prefill_tokens_per_s']:15.1f}{result['hf']['decode_tokens_per_s']:15.1f}")
         print(f"{'ratio':10}{result['ratio']['prefill']:15.2f}{result['ratio']['decode']:15.2f}")
     print(f"decode: hit rate {decode['hit_rate']:.3f}  loads/token {decode['loads_per_token']:.2f}  "
           f"acceptance {decode['acceptance']:.2f}  CPU experts {decode['cpu_ms_per_token']:.2f} ms/token  "
           f"fast tier {decode['device_ms_per_token']:.2f} ms/token")
-    if hf is not None:
+    if "hf" in result:
+        same = result["same_tokens"]
         print(f"same greedy tokens: {same}", file=sys.stderr if same else sys.stdout)
         if args.expert_budget is not None:
             print(f"lossy: expert budget {args.expert_budget}")
-    return 0
 
 
-def _attach_replay(engine, path: str):
+def load_model_replay(engine, path: str):
+    """The recorded routing at `path`, checked against the engine's model (layers, experts, top-k)."""
     from ...engine.replay import load_replay
 
     m = engine.model
-    replay = load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
-    m.runtime.replay = replay
+    return load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
+
+
+def attach_replay(engine, path: str):
+    """Replay the routing at `path` in the engine's runtime from now on; returns the replay."""
+    replay = load_model_replay(engine, path)
+    engine.model.runtime.replay_routing(replay)
     return replay
 
 
-def _decode_stats(steps: list, expert_bytes: int) -> dict:
+def decode_stats(steps: list, expert_bytes: int) -> dict:
     """Scheduler figures of the decode steps: fast-tier hit rate, expert loads and tier times per committed token."""
     tokens = max(1, sum(s.accepted + 1 for s in steps))
     hits, misses = sum(s.hits for s in steps), sum(s.misses for s in steps)

@@ -197,6 +197,11 @@ class ExpertCache(SlotTable):
             self.ready[slot].record(self.stream)
         return self.ready[slot]
 
+    def close(self) -> None:
+        """End the native copier's thread (queued copies dropped, issued ones waited for); idempotent."""
+        if self.copier is not None:
+            self.copier.close()
+
     def wait_copies(self) -> None:
         if self.copier is not None:
             if not self.copier.wait_idle(60):

@@ -13,6 +13,7 @@ from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
+from ..replay import RoutingReplay
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
 from .memory_estimate import MemoryEstimate, estimate_module
 from ..sched.policies import make_policy
@@ -39,6 +40,15 @@ class LoadedModel:
     @property
     def cache(self) -> ExpertCache:
         return self.runtime.cache
+
+    def use_runtime(self, runtime: MoERuntime) -> None:
+        """Run the MoE layers on another runtime (benchmarks: a variant built by `build_runtime` on this store)."""
+        if runtime.store is not self.store:
+            raise ValueError("a runtime from build_runtime on this model's store is required")
+        self.runtime = runtime
+        for module in self.hf.modules():
+            if isinstance(module, OffloadedExperts):
+                module.runtime = runtime
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,10 +116,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len), device)  # before any weight loads
 
     store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda", ram_budget_bytes=cfg.host_ram_budget_bytes)
-    cache = ExpertCache(store, slots_for(store, cfg.expert_cache_ratio, cfg.expert_cache_bytes), device)
-    policy = make_policy(cfg.scheduler, draft_len=cfg.spec.draft_len)
-    runtime = MoERuntime(store, cache, policy, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
-                         top_k=family.top_k(hf_config), expert_budget=cfg.scheduler.expert_budget)
+    runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
+                            top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
@@ -117,6 +125,18 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len)
+
+
+def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, act, top_k: int,
+                  replay: RoutingReplay | None = None, native_cpu: bool = True) -> MoERuntime:
+    """The wiring store -> fast tier -> policy -> runtime, as `cfg` asks for it. replay: recorded
+    routing instead of the routers' (benchmarks); native_cpu=False: the PyTorch CPU tier only."""
+    cache = ExpertCache(store, slots_for(store, cfg.expert_cache_ratio, cfg.expert_cache_bytes), device)
+    policy = make_policy(cfg.scheduler, draft_len=cfg.spec.draft_len)
+    runtime = MoERuntime(store, cache, policy, device, act, top_k=top_k, expert_budget=cfg.scheduler.expert_budget,
+                         native_cpu=native_cpu)
+    runtime.replay_routing(replay)
+    return runtime
 
 
 def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.device) -> None:

@@ -215,7 +215,7 @@ def _policy_driver(routing: Routing, capacity: int, window: int, windows: list[t
     for start, counts in zip(range(0, T, window), windows):
         loads0 = table.loads
         seen = math.floor(lookahead_accept * min(window, T - start)) if lookahead_accept is not None else 0
-        if seen:
+        if seen:  # one draft phase per window, per layer, its seen tokens summed (the engine: per draft token)
             ahead = window_counts(routing, start, start + seen)
             for li in range(L):
                 policy.before_layer(li, ahead[li])

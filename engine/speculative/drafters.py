@@ -3,7 +3,7 @@
 Contract (mlx-lm style): `start(prompt_ids, target_cache)` once per request, after the target's
 prefill; `draft(committed, n, params, generator)` returns n tokens and, when sampling, the
 distributions q [n, V] they were drawn from. A drafter keeps its own KV cache consistent by itself:
-entries past the committed prefix are trimmed at the start of the next `draft`.
+entries past the committed prefix are rewound (`rewind_cache`) at the start of the next `draft`.
 """
 from __future__ import annotations
 
@@ -15,15 +15,9 @@ from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
 from ..model.checkpoint import read_config_dict
 from ..model.loader import LoadedModel, load_tokenizer
+from .rewind import rewind_cache
 from .router_feed import router_feed
 from .sampling import probs_from_logits, sample
-
-
-def trim_cache(cache, length: int) -> None:
-    """Drop KV entries past `length` tokens."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor | None]:
@@ -69,7 +63,7 @@ class DraftModel:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=target.dtype).to(target.device).eval()
         except Exception as err:
             raise CheckpointError(f"cannot load the draft model in {model_dir} ({type(err).__name__}: {err}): use a dense Hugging Face checkpoint") from None
-        self.target_vocab = int(target.hf_config.vocab_size)
+        self.target, self.target_vocab = target, int(target.hf_config.vocab_size)
         self.device = target.device
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
 
@@ -78,16 +72,18 @@ class DraftModel:
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):
-        trim_cache(self.cache, len(committed) - 1)
+        rewind_cache(self.cache, len(committed) - 1)
         feed = committed[self.cache.get_seq_length():]
+        runtime = self.target.runtime
         tokens, qs = [], []
         for _ in range(n):
             ids = torch.tensor([feed], device=self.device)
-            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-            logits = logits[: self.target_vocab]
-            if self.feed is not None:
-                self.feed.report()
-            token, q = _choose(logits, params, generator)
+            # a draft forward of the target's runtime: the feed reports into it, then on_forward_end("draft")
+            with runtime.forward("draft", self.cache.get_seq_length()):
+                logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                if self.feed is not None:
+                    self.feed.report()
+            token, q = _choose(logits[: self.target_vocab], params, generator)
             tokens.append(token)
             qs.append(q)
             feed = [token]
@@ -167,23 +163,21 @@ class SelfDraft:
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):
-        rt, hf = self.target.runtime, self.target.hf
+        runtime, hf = self.target.runtime, self.target.hf
         base = self.cache.get_seq_length()  # == len(committed) - 1
-        rt.phase, rt.remap = "draft", self.remap
         tokens, qs = [], []
         try:
             feed = committed[base:]
             for _ in range(n):
                 ids = torch.tensor([feed], device=self.target.device)
-                rt.start_pos = self.cache.get_seq_length()
-                logits = hf(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                with runtime.forward("draft", self.cache.get_seq_length(), remap=self.remap):
+                    logits = hf(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
                 token, q = _choose(logits, params, generator)
                 tokens.append(token)
                 qs.append(q)
                 feed = [token]
         finally:
-            rt.phase, rt.remap = "verify", None
-            trim_cache(self.cache, base)
+            rewind_cache(self.cache, base)
         return tokens, (None if params.greedy else torch.stack(qs).cpu())
 
 

@@ -19,7 +19,7 @@ import torch
 class RouterFeed:
     def __init__(self, draft_hf, target, pairs: list[tuple[int, int]]):
         """pairs: (target sparse-layer index li, draft layer index) per mapped layer."""
-        self.runtime = target.runtime
+        self.target = target  # its runtime is read at each report: benchmarks swap runtimes
         routers = target.family.routers(target.hf, target.hf_config)  # one per sparse layer
         self.pairs = [(li, d, routers[li]) for li, d in pairs]
         self.hidden: dict[int, torch.Tensor] = {}  # draft layer -> [1, H] of the last forward
@@ -36,15 +36,13 @@ class RouterFeed:
         return keep
 
     def report(self) -> None:
-        """After one draft forward: one router GEMM per mapped layer, its counts to the policy."""
-        rt = self.runtime
-        num_experts = rt.store.num_experts
+        """Inside the draft forward (`runtime.forward("draft", ...)`) that filled `hidden`: one router
+        GEMM per mapped layer, its counts reported as draft demand, per draft forward (one token) per layer."""
+        runtime = self.target.runtime
+        num_experts = runtime.store.num_experts
         ids = torch.cat([router(self.hidden.pop(d)) for _, d, router in self.pairs]).to("cpu")  # [P, k], one transfer
         for (li, _, _), row in zip(self.pairs, ids):
-            counts = torch.bincount(row, minlength=num_experts)  # [E]
-            rt.counters.draft_freq[li] += counts
-            rt.policy.on_layer(li, counts, "draft")
-        rt.policy.on_forward_end("draft")
+            runtime.report_draft_demand(li, torch.bincount(row, minlength=num_experts))  # [E]
 
 
 def router_feed(draft_hf, target) -> RouterFeed | None:

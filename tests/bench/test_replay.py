@@ -33,7 +33,7 @@ def _handmade_trace(path: Path, tokens: int, layers: list[int], experts: int, to
 def _replayed_run(engine: Engine, trace: Path, prompt: list[int], new: int):
     m = engine.model
     replay = load_replay(trace, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
-    m.runtime.replay = replay
+    m.runtime.replay_routing(replay)
     rec = TraceRecorder(m.store.layers)
     events = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=new), rec))
     return replay, rec, events

@@ -22,15 +22,14 @@ def test_routers_give_the_targets_own_routing(family, checkpoint, tokenizer):
     hooks = [m.hf.model.layers[i].mlp.register_forward_pre_hook(
         lambda mod, args, li=li: hidden.__setitem__(li, args[0].reshape(-1, args[0].shape[-1])))
         for li, i in enumerate(sparse)]
-    m.runtime.recorder = lambda li, idx, w: routed.__setitem__(li, idx)
+    record = lambda li, idx, w: routed.__setitem__(li, idx)  # noqa: E731
     ids = torch.tensor([tokenizer("What is a mixture of experts model? It routes every token.")["input_ids"]])
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), m.runtime.forward("prefill", 0, recorder=record):
             m.hf(input_ids=ids)
     finally:
         for h in hooks:
             h.remove()
-        m.runtime.recorder = None
     routers = m.family.routers(m.hf, m.hf_config)
     assert len(routers) == len(sparse) == len(routed)
     for li, router in enumerate(routers):

@@ -178,7 +178,7 @@ def test_async_transfers_on_cuda(policy, checkpoint, tokenizer, monkeypatch):
     ready_slots = cache.ready_slots
 
     def ready_slots_(li, experts):
-        if rt.phase != "draft":
+        if rt.mode.phase != "draft":
             resident_activations[0] += int((cache.slot_of[li][experts] >= 0).sum())
         return ready_slots(li, experts)
 

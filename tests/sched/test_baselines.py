@@ -177,8 +177,7 @@ def test_budget_truncates_like_the_paper(checkpoint):
     # scores: e0 .85, e1 .9, e2 .4, e3 .9, e4 .2, e5 .1, e6 .3 -> shortlist {e1, e3, e0}
     for e in (0, 3, 5):
         rt.cache.load(0, e)  # e0, e3 kept on the fast tier, e1 kept on the CPU, e5 dropped while resident
-    rt.phase = "verify"
-    with torch.inference_mode():
+    with torch.inference_mode(), rt.forward("verify", 0):
         out = rt.run_layer(0, x, idx, w)
     expected = torch.zeros_like(x)
     for t in range(5):
@@ -191,8 +190,7 @@ def test_budget_truncates_like_the_paper(checkpoint):
     c = rt.counters
     assert (c.dropped, c.hits, c.misses) == (4, 3, 3)  # e0 twice and e3 on the fast tier, e1 thrice on the CPU
     assert c.freq[0].tolist() == [2, 3, 0, 1, 0, 0, 0, 0]  # the policy and the stats see the truncated counts
-    rt.phase = "prefill"  # prefill (and drafting) are never budgeted
-    with torch.inference_mode():
+    with torch.inference_mode(), rt.forward("prefill", 0):  # prefill (and drafting) are never budgeted
         rt.run_layer(0, x, idx, w)
     assert rt.counters.dropped == 4
 

@@ -1,0 +1,45 @@
+"""What the MoE layers of one decoding step did: demand, tier hits, and where the time went."""
+from __future__ import annotations
+
+import torch
+
+
+class LayerCounters:
+    """Filled by the MoE layers during a step; `generate` reads and resets it every step."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
+            self.freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] prefill/verify demand
+            self.draft_freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] draft-phase demand
+        self.hits = 0  # activations served by resident experts
+        self.misses = 0  # activations computed on the CPU
+        self.dropped = 0  # activations an expert budget left out (lossy mode)
+        self.not_ready = 0  # of the misses: expert resident, but its copy still in flight
+        self.cpu_s = 0.0
+        self.host_device_s = 0.0  # wall time of fast-tier work on a CPU compute device
+        self.device_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # on CUDA: measured on the GPU
+        # Host overhead (bench e2e): of the wall time of run_layer on the caller's thread (layer_s),
+        # what is left after the time that thread spends in or waiting for expert work and transfers
+        # (wait_s): the device sync at the layer's entry (CUDA: everything queued before it, this
+        # layer's attention and earlier layers' expert kernels), fast-tier compute on a CPU device,
+        # the CPU tier when it runs inline, and the wait for the CPU worker's result. CPU-tier time on
+        # the worker thread (cpu_s) overlaps the caller's own work, so only the caller's wait counts.
+        # policy_s is the residency part (table lock, the policy's hooks, the readiness check): host
+        # bookkeeping plus the copies the hooks make, queued on CUDA but synchronous on a CPU fast
+        # tier, so it is kept apart; host_s is the rest, the executor's own dispatch.
+        self.layer_s = 0.0
+        self.wait_s = 0.0
+        self.policy_s = 0.0
+        self.layer_calls = 0
+
+    @property
+    def host_s(self) -> float:
+        return max(0.0, self.layer_s - self.wait_s - self.policy_s)
+
+    @property
+    def device_s(self) -> float:
+        """Fast-tier expert time: wall time on CPU, GPU time between CUDA events on a GPU."""
+        if not self.device_events:
+            return self.host_device_s
+        self.device_events[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.device_events) / 1e3

@@ -1,0 +1,212 @@
+"""The steps of one MoE layer over two tiers: route -> split (resident / CPU) -> compute -> account.
+
+Resident experts run on the compute device while all others run on the CPU at the same time, each
+tier grouped (one GEMM per projection over all its experts), then combined with the routing weights.
+`MoERuntime.run_layer` calls these in order; each reads the runtime's tiers, policy and counters.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import cpu_ffn
+from .expert_budget import truncate
+from .grouped import expert_ffn, grouped_ffn
+
+if TYPE_CHECKING:
+    from .runtime import ForwardMode, MoERuntime
+
+
+@dataclass(slots=True)
+class Routed:
+    """The experts one layer computes, on the host."""
+
+    idx: torch.Tensor | None  # [N, k] expert ids after replay and self-draft remap; None: nothing resident to draft with
+    demand: torch.Tensor | None  # [E] self-draft: what the router chose before substitution (the lookahead signal)
+
+
+@dataclass(slots=True)
+class TierSplit:
+    """One layer's computed activations over the tiers, each grouped for its grouped GEMM."""
+
+    counts: torch.Tensor  # [E] computed activations per expert
+    computed: int  # S' activations computed (S = N*k minus what an expert budget dropped)
+    n_dev: int  # of them on the fast tier
+    dev_pos: torch.Tensor  # [S_dev] activation ids in [S] on the fast tier, grouped by slot
+    dev_slot: torch.Tensor  # [S_dev] their slots, ascending
+    cpu_pos: torch.Tensor  # [S_cpu] activation ids in [S] on the CPU tier, grouped by expert
+    cpu_expert: torch.Tensor  # [S_cpu] their expert ids, ascending
+    cpu_sizes: torch.Tensor | None  # [E] rows per CPU expert, when known (every activation on the CPU)
+    all_rows: bool  # every one of the S activations is computed on the fast tier: no row of out stays zero
+    not_ready: int  # of the CPU activations: resident experts whose copy is still in flight
+
+
+def route(rt: MoERuntime, mode: ForwardMode, li: int, idx: torch.Tensor, weights: torch.Tensor) -> Routed:
+    """idx [N, k] the router's choice -> the experts to compute: replayed, remapped, recorded."""
+    if rt.replay is not None:  # before the self-draft remap: drafts see position p's recorded routing too
+        idx = rt.replay.ids(li, mode.start_pos, idx.shape[0]).to(idx.device)
+    demand = None
+    if mode.remap is not None:
+        demand = torch.bincount(idx.to("cpu").reshape(-1), minlength=rt.store.num_experts)  # [E]
+        table = mode.remap(li)  # [E] resident substitute per expert, None when nothing is resident
+        if table is None:
+            return Routed(None, demand)
+        idx = table.to(idx.device)[idx]
+    idx_h = idx.to("cpu")
+    if mode.recorder is not None and mode.phase != "draft":
+        mode.recorder(li, idx_h, weights.to("cpu"))  # the router's choice, before any expert budget
+    return Routed(idx_h, demand)
+
+
+def apply_budget(rt: MoERuntime, phase: str, idx_h: torch.Tensor, weights: torch.Tensor):
+    """-> (flat [S'] expert id per computed activation, kept [S'] their ids in [S] or None when all are).
+    LOSSY expert budget (paper 003): only verification drops activations."""
+    flat = idx_h.reshape(-1)  # [S = N*k]
+    if rt.expert_budget is None or phase != "verify":
+        return flat, None
+    mask = truncate(flat, weights.reshape(-1).to("cpu"), rt.expert_budget, rt.store.num_experts)
+    if mask.all():
+        return flat, None
+    kept = mask.nonzero().flatten()
+    rt.counters.dropped += len(flat) - len(kept)
+    return flat[kept], kept
+
+
+def split_tiers(rt: MoERuntime, li: int, flat: torch.Tensor, kept: torch.Tensor | None) -> TierSplit:
+    """flat [S'] expert ids -> resident activations by slot, the rest by expert id; the policy's
+    before_layer marks the layer's experts in use."""
+    counts = torch.bincount(flat, minlength=rt.store.num_experts)  # f[e]: positions choosing e
+    slot, not_ready = None, 0
+    t_policy = time.perf_counter()
+    with rt.cache.lock:  # freeze and view the table in one step: the transfer thread cannot
+        # load an unfrozen expert of this layer in between, so every slot used below is frozen
+        # (never freed) until on_layer, which comes after after_compute()
+        rt.policy.before_layer(li, counts)  # these experts are in use until on_layer
+        if len(rt.cache):
+            slot, not_ready = rt.cache.ready_slots(li, flat)  # [S'] slot per activation, -1: CPU
+    rt.counters.policy_s += time.perf_counter() - t_policy
+    base = rt.cache.capacity  # CPU activations sort after every slot id
+    if slot is not None:
+        resident = slot >= 0
+        n_dev = int(resident.sum())
+        # One sort groups both tiers: fast-tier activations first by slot, then CPU ones by expert id.
+        key = torch.where(resident, slot, base + flat)  # [S']
+    else:
+        n_dev, key, base = 0, flat, 0
+    key, perm = torch.sort(key, stable=True)
+    if kept is not None:
+        perm = kept[perm]  # positions in flat -> activation ids in [S]
+    return TierSplit(counts, len(flat), n_dev, perm[:n_dev], key[:n_dev], perm[n_dev:], key[n_dev:] - base,
+                     counts if n_dev == 0 else None, kept is None and n_dev == len(flat), not_ready)
+
+
+def compute(rt: MoERuntime, li: int, x: torch.Tensor, weights: torch.Tensor, split: TierSplit) -> torch.Tensor:
+    """x [N, H], weights [N, k] -> [N, H]: the CPU tier (on the worker when there is one) beside the
+    fast tier, each token's k expert outputs summed in router order, as transformers' grouped path does."""
+    num_tokens, top_k = weights.shape
+    w_flat = weights.reshape(-1)  # [S]
+    on_cpu = split.n_dev < split.computed
+    cpu_job = None
+    if on_cpu:  # copy inputs to the host before any device work is queued behind them
+        x_h, w_h = x.to("cpu"), w_flat.to("cpu")
+
+        def run_cpu() -> tuple[torch.Tensor, bool]:
+            t0 = time.perf_counter()
+            y = cpu_tier(rt, li, x_h, w_h, split, top_k)
+            rt.counters.cpu_s += time.perf_counter() - t0
+            return y
+
+        cpu_job = rt.submit_cpu(run_cpu)
+    new_out = x.new_empty if split.all_rows else x.new_zeros  # rows not written stay zero
+    out = new_out(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation
+    if split.n_dev:
+        _fast_tier(rt, x, w_flat, split, out, top_k)
+    summed = None  # [N, H] CPU tier already summed per token (native kernel)
+    if on_cpu:
+        y, per_token = rt.wait_cpu(cpu_job) if cpu_job is not None else run_cpu()
+        if per_token:
+            summed = y
+        else:
+            out[split.cpu_pos.to(x.device)] = y.to(device=x.device, dtype=out.dtype)
+    y = out.view(num_tokens, top_k, -1).sum(dim=1)  # [N, H]
+    if summed is not None:
+        y += summed.to(device=x.device, dtype=y.dtype)
+    return y
+
+
+def _fast_tier(rt: MoERuntime, x: torch.Tensor, w_flat: torch.Tensor, split: TierSplit, out: torch.Tensor,
+               top_k: int) -> None:
+    """The resident activations into out [S, H], timed: CUDA events on a GPU, wall time on a CPU device."""
+    t0, events = time.perf_counter(), None
+    if x.is_cuda:
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+    pos = split.dev_pos.to(x.device)
+    y = grouped_ffn(x[pos // top_k], rt.cache.gate_up, rt.cache.down, split.dev_slot, rt.act)
+    out[pos] = (y * w_flat[pos, None]).to(out.dtype)  # float32 router weights (DeepSeek) promote
+    rt.cache.after_compute()  # mark the end of this layer's reads of its slots
+    if events:
+        events[1].record()
+        rt.counters.device_events.append(events)
+    else:
+        rt.counters.host_device_s += time.perf_counter() - t0
+
+
+def account(rt: MoERuntime, li: int, phase: str, split: TierSplit, demand: torch.Tensor | None) -> None:
+    """The layer's demand and tier hits into the counters, then the policy's on_layer (timed as residency)."""
+    c = rt.counters
+    if phase != "draft":
+        c.freq[li] += split.counts
+        c.hits += split.n_dev
+        c.misses += split.computed - split.n_dev
+        c.not_ready += split.not_ready
+    t_policy = time.perf_counter()
+    if phase == "draft":
+        rt.report_draft_demand(li, split.counts if demand is None else demand)
+    else:
+        rt.policy.on_layer(li, split.counts, phase)
+    c.policy_s += time.perf_counter() - t_policy
+
+
+def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, split: TierSplit,
+             top_k: int) -> tuple[torch.Tensor, bool]:
+    """The CPU tier's activations split.cpu_pos [S_cpu] (grouped by split.cpu_expert, ascending):
+    (the native kernel's per-token sums [N, H] fp32, True) where cpu_ffn.usable says so, else
+    (weighted outputs [S_cpu, H], False) from the grouped PyTorch path, which also serves the
+    disk tier's per-expert views and sums in router order as transformers does."""
+    cpu_pos, sizes = split.cpu_pos, split.cpu_sizes
+    views = rt.store.layer_views(li) if rt.native_cpu else None
+    if views is not None:
+        if sizes is not None:  # every activation is on the CPU: per-expert counts are known
+            ids = sizes.nonzero().flatten()
+            counts = sizes[ids]
+        else:
+            ids, counts = torch.unique_consecutive(split.cpu_expert, return_counts=True)
+        if cpu_ffn.usable(views[0], x_h, int(counts.max())):
+            offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            out = torch.zeros(x_h.shape[0], x_h.shape[1], dtype=torch.float32)  # [N, H]
+            # beside a GPU the engine thread keeps one core busy launching kernels: leave it that core
+            threads = torch.get_num_threads() - (rt.has_cpu_thread and torch.get_num_threads() > 1)
+            return cpu_ffn.moe_ffn_native(x_h.contiguous(), views[0], views[1], ids, offsets, cpu_pos // top_k,
+                                          w_h[cpu_pos].float(), out, threads=threads), True
+    return cpu_experts(rt, li, x_h[cpu_pos // top_k], split.cpu_expert, sizes) * w_h[cpu_pos, None], False
+
+
+def cpu_experts(rt: MoERuntime, li: int, x: torch.Tensor, experts: torch.Tensor,
+                sizes: torch.Tensor | None) -> torch.Tensor:
+    """x [S, H] grouped by `experts` [S] (ascending) -> [S, H], weights read from the store."""
+    store = rt.store
+    if not store.mmap:
+        return grouped_ffn(x, store.gate_up[li], store.down[li], experts, rt.act, sizes)
+    out = torch.empty_like(x)  # disk tier: one expert at a time straight from the mapped file
+    ids, sizes = torch.unique_consecutive(experts, return_counts=True)
+    start = 0
+    for e, n in zip(ids.tolist(), sizes.tolist()):
+        gate_up, down = store.weights(li, e)
+        out[start:start + n] = expert_ffn(x[start:start + n], gate_up, down, rt.act)
+        start += n
+    return out

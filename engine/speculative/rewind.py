@@ -1,0 +1,11 @@
+"""KV rollback after a speculative step: the one function that cuts a cache back (mlx-lm's `_rewind_cache`)."""
+from __future__ import annotations
+
+
+def rewind_cache(cache, length: int) -> None:
+    """Keep the KV entries of the first `length` positions of a transformers cache; a shorter cache is left alone."""
+    if length < 0:
+        raise ValueError(f"cache length must be >= 0, got {length}")
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

@@ -1,0 +1,142 @@
+"""The expert runtime's contracts: the forward mode, draft demand, close, the builder, rewind, the facade."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+from moechat.engine.events import Error, Finished
+from moechat.engine.experts.runtime import ForwardMode
+from moechat.engine.generate import Engine, Request
+from moechat.engine.model.loader import build_runtime
+from moechat.engine.speculative.drafters import make_drafter
+from moechat.engine.speculative.rewind import rewind_cache
+
+PROMPT = "What is a mixture of experts model?"
+
+
+def engine_for(path, policy="spac", drafter="self", ratio=0.5):
+    return Engine(EngineConfig(model_dir=str(path), expert_cache_ratio=ratio, spec=SpecConfig(drafter, 4),
+                               scheduler=SchedulerConfig(policy=policy)))
+
+
+def test_forward_mode_is_validated():
+    with pytest.raises(ValueError, match="phase must be one of"):
+        ForwardMode("decode", 0)
+    with pytest.raises(ValueError, match="start position"):
+        ForwardMode("verify", -1)
+    with pytest.raises(ValueError, match="draft passes only"):
+        ForwardMode("verify", 0, remap=lambda li: None)
+
+
+def test_mode_lives_only_inside_forward_and_ends_it(checkpoint):
+    engine = engine_for(checkpoint("qwen3_moe"))
+    rt = engine.model.runtime
+    ended = []
+    rt.policy.on_forward_end = ended.append
+    x = torch.zeros(1, rt.store.hidden)
+    idx, w = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
+    with pytest.raises(RuntimeError, match="inside runtime.forward"):
+        rt.run_layer(0, x, idx, w)
+    with torch.inference_mode(), rt.forward("verify", 3) as mode:
+        assert rt.mode is mode and (mode.phase, mode.start_pos) == ("verify", 3)
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with rt.forward("draft", 3):
+                pass
+        rt.run_layer(0, x, idx, w)
+    assert rt.mode is None and ended == ["verify"]
+    with pytest.raises(ZeroDivisionError), rt.forward("prefill", 0):
+        1 / 0
+    assert rt.mode is None and ended == ["verify"]  # a failed pass does not end as a forward
+
+
+def test_both_drafters_report_demand_through_the_runtime(checkpoint, draft_dir):
+    """Self drafter and draft model: draft demand reaches the policy only as report_draft_demand, per
+    draft forward (one token) and layer, and every draft forward ends with on_forward_end('draft')."""
+    for drafter in ("self", str(draft_dir)):
+        engine = engine_for(checkpoint("qwen3_moe"), drafter=drafter)
+        rt, calls = engine.model.runtime, []
+        report, end = rt.report_draft_demand, rt.policy.on_forward_end
+
+        def spy_report(li, demand, report=report):
+            calls.append(("demand", li, int(demand.sum())))
+            report(li, demand)
+
+        rt.report_draft_demand = spy_report
+        rt.policy.on_forward_end = lambda phase, end=end: (calls.append(("end", phase)), end(phase))
+        fin = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))[-1]
+        assert isinstance(fin, Finished)
+        draft_ends = sum(1 for c in calls if c == ("end", "draft"))
+        assert draft_ends == fin.summary.drafted > 0, drafter
+        demand = [c for c in calls if c[0] == "demand"]
+        layers = len(engine.drafter.feed.pairs) if drafter != "self" else len(rt.store.layers)
+        assert len(demand) == draft_ends * layers, drafter
+        assert all(total == 2 for _, _, total in demand), drafter  # one token, top-2, per report
+
+
+def test_close_stops_every_thread_and_is_idempotent(checkpoint):
+    engine = engine_for(checkpoint("qwen3_moe"))
+    rt = engine.model.runtime
+    rt.use_cpu_thread(True)
+    rt.use_transfer_thread(True)
+    assert rt.has_cpu_thread and rt.policy.prefetch._thread is not None
+    engine.close()
+    engine.close()
+    assert not rt.has_cpu_thread and rt.policy.prefetch._thread is None
+    events = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=4)))
+    assert len(events) == 1 and isinstance(events[0], Error) and "closed" in events[0].message
+
+
+def test_use_swaps_runtime_and_drafter(checkpoint):
+    """A variant from build_runtime on the same store serves the next request, as bench e2e runs them."""
+    path = checkpoint("qwen3_moe")
+    engine = engine_for(path)
+    m = engine.model
+    first = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))[-1]
+    config = EngineConfig(model_dir=str(path), expert_cache_ratio=0.25, scheduler=SchedulerConfig(policy="lru"))
+    variant = build_runtime(m.store, config, m.device, m.runtime.act, m.family.top_k(m.hf_config))
+    engine.use(config, variant, make_drafter(config.spec, m))
+    assert m.runtime is variant and all(mod.runtime is variant for mod in m.hf.modules() if hasattr(mod, "li"))
+    second = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))[-1]
+    assert second.token_ids == first.token_ids and second.summary.hits + second.summary.misses > 0
+    assert variant.cache.loads > 0  # the variant's own fast tier served it
+    other = engine_for(checkpoint("qwen3_moe", 1)).model
+    with pytest.raises(ValueError, match="this model's store"):
+        m.use_runtime(other.runtime)
+
+
+def test_utility_snapshot(checkpoint):
+    spac = engine_for(checkpoint("qwen3_moe")).model.runtime
+    snap = spac.utility_snapshot(3)
+    L, E = spac.cache.slot_of.shape
+    assert len(snap.resident) == L and len(snap.resident[0]) == E and len(snap.utility) == L and len(snap.tau) == L
+    assert all(0 <= u <= 3 for row in snap.utility for u in row)
+    lru = engine_for(checkpoint("qwen3_moe"), policy="lru").model.runtime
+    assert lru.utility_snapshot(3).utility is None and lru.utility_snapshot(3).tau is None
+
+
+def test_rewind_cache():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), 0)
+    rewind_cache(cache, 7)  # longer than the cache: nothing to do
+    assert cache.get_seq_length() == 5
+    rewind_cache(cache, 3)
+    assert cache.get_seq_length() == 3
+    with pytest.raises(ValueError, match=">= 0"):
+        rewind_cache(cache, -1)
+
+
+def test_facade_is_lazy():
+    code = ("import sys, moechat.engine as e; assert 'torch' not in sys.modules; "
+            "assert e.Engine.__name__ == 'Engine' and e.StepStats and e.MoechatError and e.SamplingParams; "
+            "assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    import moechat.engine as engine
+
+    with pytest.raises(AttributeError, match="no attribute"):
+        engine.NotAName  # noqa: B018
