@@ -37,9 +37,8 @@ def resolve(model: str | None) -> tuple[str, str]:
 
 def machine_profile(model_dir: str):
     """(this machine's profile for the model or None, its path or None, a one-line notice or "")."""
-    from ..engine.calibration.profile import load_profile, model_key, profile_path
-
     from ..engine.calibration.probe import fingerprint, probe
+    from ..engine.calibration.profile import load_profile, model_key, profile_path
 
     try:
         fp = fingerprint(probe())
@@ -57,14 +56,14 @@ def _progress(name: str, frac: float) -> None:
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
               vram_budget: int | None = None, ram_budget: int | None = None):
     """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) go to `decide`."""
+    import torch
+
     from ..engine.calibration.decide import decide
-    from ..engine.model.memory_estimate import estimate
     from ..engine.calibration.measure import measure
     from ..engine.calibration.probe import fingerprint, probe
     from ..engine.calibration.profile import Profile, model_key, save_profile
+    from ..engine.model.memory_estimate import estimate
     from .demo import eval_prompts
-
-    import torch
 
     progress("probing the hardware", 0.0)
     hw = probe()

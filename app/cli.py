@@ -122,7 +122,8 @@ def make_request(args, tokenizer):
     if args.prompt_ids is not None:
         return Request(token_ids=args.prompt_ids)
     if not args.raw and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+        messages = (([{"role": "system", "content": args.system}] if args.system else [])
+                    + [{"role": "user", "content": args.prompt}])
         return Request(messages=messages)
     return Request(prompt=args.prompt)
 
@@ -210,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--plain", action="store_true", help="line-by-line chat instead of the full-screen app")
     chat.add_argument("--system", default=None, help="system message (plain chat; the app sets it per conversation)")
     chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
-    add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)  # sampling (exact in distribution): less looping than greedy
+    # sampling (exact in distribution): less looping than greedy
+    add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")

@@ -22,7 +22,8 @@ NATIVE_MISSING = "not built (pure-PyTorch fallbacks in use)"
 
 
 def add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="check hardware, PyTorch/CUDA, native kernels and calibration profiles; list problems with fixes")
+    p = sub.add_parser("doctor",
+                       help="check hardware, PyTorch/CUDA, native kernels and calibration profiles; list problems with fixes")
     p.add_argument("--json", action="store_true",
                    help='print one object {"hardware", "versions", "native", "profiles", "problems": [{"problem", "fix"}]}')
     p.set_defaults(func=cmd_doctor)
@@ -113,7 +114,8 @@ def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict 
                 f"(driver {hw.gpus[0].driver or 'unknown'}, perhaps older than CUDA {hw.cuda_version} needs)",
                 "update the NVIDIA driver, or install a PyTorch build for an older CUDA (https://pytorch.org/get-started/locally/)")
         else:
-            add(f"PyTorch {hw.torch_version} is a CUDA {hw.cuda_version} build but no GPU is usable ({hw.gpu_note or 'CUDA unavailable'})",
+            add(f"PyTorch {hw.torch_version} is a CUDA {hw.cuda_version} build but no GPU is usable "
+                f"({hw.gpu_note or 'CUDA unavailable'})",
                 "install or repair the NVIDIA driver so that `nvidia-smi` lists the GPU; without an NVIDIA GPU the CPU build "
                 f"is much smaller: {py} -m pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cpu")
     elif not hw.gpus and not versions["cuda_available"] and not no_nvml and hw.torch_version:
@@ -121,7 +123,8 @@ def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict 
             "for speed, install an NVIDIA driver and the CUDA build of PyTorch (installer/install.sh picks it when "
             "`nvidia-smi` lists a GPU)")
     if hw.gpus and hw.torch_version and not hw.cuda_version:
-        index = " --index-url https://download.pytorch.org/whl/cu124" if platform.system() == "Windows" else ""  # as the installers
+        # as the installers
+        index = " --index-url https://download.pytorch.org/whl/cu124" if platform.system() == "Windows" else ""
         add(f"an NVIDIA GPU ({hw.gpus[0].name}) is present but PyTorch {hw.torch_version} is a CPU build",
             f"install the CUDA build: {py} -m pip install --force-reinstall torch{index}")
     for i, gpu in enumerate(hw.gpus):

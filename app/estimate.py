@@ -30,8 +30,8 @@ def add_estimate(sub) -> None:
 
 def _source(model: str | None):
     """(name, source): a directory (given, or pulled with `moechat pull`), else a known model's config dict."""
-    from ..engine.errors import MoechatError
     from ..engine.calibration.known_models import KNOWN_MODELS, known_name
+    from ..engine.errors import MoechatError
     from .demo import resolve_model
 
     path = resolve_model(model, None)[0]
@@ -59,8 +59,9 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
         if vram is None and ram is not None and est.non_expert_bytes + est.kv_bytes + ram_headroom(ram) > ram:
-            raise BudgetError(f"non-expert weights and KV cache need {(est.non_expert_bytes + est.kv_bytes) / 2**30:.2f} GiB of RAM "
-                              f"besides headroom, the RAM budget is {ram / 2**30:.2f} GiB: lower --context-len or use a smaller model")
+            raise BudgetError(f"non-expert weights and KV cache need {(est.non_expert_bytes + est.kv_bytes) / 2**30:.2f} "
+                              f"GiB of RAM besides headroom, the RAM budget is {ram / 2**30:.2f} GiB: "
+                              "lower --context-len or use a smaller model")
     except BudgetError as err:
         report.update(fits=False, problem=str(err))
     return report
@@ -80,9 +81,12 @@ def cmd_estimate(args) -> int:
                           "all_experts_bytes": est.all_experts_bytes, "kv_bytes": est.kv_bytes, **fit}))
         return 0 if fit.get("fits", True) else 1
     print(f"{name} ({est.model_type}, {est.dtype}, {total_params(est) / 1e9:.2f} B parameters)")
-    print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  (embeddings, attention, norms, routers, shared experts, head)")
-    print(f"  routed experts      {est.all_experts_bytes / gib:8.2f} GiB  ({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB)")
-    print(f"  KV cache            {est.kv_bytes / gib:8.2f} GiB  ({est.context_len} tokens x {est.kv_bytes_per_token / 1024:.1f} KiB)")
+    print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  "
+          "(embeddings, attention, norms, routers, shared experts, head)")
+    print(f"  routed experts      {est.all_experts_bytes / gib:8.2f} GiB  "
+          f"({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB)")
+    print(f"  KV cache            {est.kv_bytes / gib:8.2f} GiB  "
+          f"({est.context_len} tokens x {est.kv_bytes_per_token / 1024:.1f} KiB)")
     if est.draft_bytes:
         print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
     if "max_expert_cache_ratio" in fit:

@@ -114,7 +114,8 @@ def cmd_models(args) -> int:
 
 
 def add_model_commands(sub) -> None:
-    p = sub.add_parser("pull", help="download a Hugging Face model (safetensors, config, tokenizer) into moechat's models directory")
+    p = sub.add_parser("pull",
+                       help="download a Hugging Face model (safetensors, config, tokenizer) into moechat's models directory")
     p.add_argument("repo_id", help="owner/name, e.g. Qwen/Qwen3-30B-A3B")
     p.add_argument("--revision", default=None, help="branch, tag or commit")
     p.set_defaults(func=cmd_pull)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..engine.config import DTYPES, POLICIES, SchedulerConfig, SpecConfig
 

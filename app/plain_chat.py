@@ -16,7 +16,8 @@ def cmd_chat(args) -> int:
     engine = Engine(engine_config(args))
     params = sampling_params(args)
     name = Path(args.model).name if Path(args.model).name != "model" else Path(args.model).parent.name
-    drafter = f"draft model {Path(args.draft).parent.name}/{Path(args.draft).name}" if engine.drafter.name == "model" else engine.drafter.name
+    drafter = (f"draft model {Path(args.draft).parent.name}/{Path(args.draft).name}" if engine.drafter.name == "model"
+               else engine.drafter.name)
     print(f"moechat: {name} on {engine.model.device}, drafter: {drafter}; {HELP}", file=sys.stderr)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
@@ -48,7 +49,8 @@ def cmd_chat(args) -> int:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
                 elif isinstance(ev, Error):
-                    print(f"\nmoechat: error: {ev.message}" + (" (/reset starts a new conversation)" if "context" in ev.message else ""),
+                    print(f"\nmoechat: error: {ev.message}"
+                          + (" (/reset starts a new conversation)" if "context" in ev.message else ""),
                           file=sys.stderr)
                 elif isinstance(ev, Finished):
                     finished = ev

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI

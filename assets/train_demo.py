@@ -74,7 +74,8 @@ def pair_by_topic(prompts: list[str]) -> list[str]:
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
-    """Python's language reference (pydoc_data, PSF licence): "Explain <section> in Python." -> its prose, two paragraphs a turn."""
+    """Python's language reference (pydoc_data, PSF licence): "Explain <section> in Python." -> its prose,
+    two paragraphs a turn."""
     from pydoc_data.topics import topics
 
     chats = []
@@ -242,7 +243,8 @@ def main() -> None:
 
     report = routing_report(model_dir, eval_path)
     stats = {
-        "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], "chats": len(chats), "device": args.device, "threads": args.threads,
+        "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], "chats": len(chats), "device": args.device,
+        "threads": args.threads,
         "train_tokens": rows.numel(), "target_steps": args.target_steps, "draft_steps": args.draft_steps,
         "tokens_per_step": BATCH * SEQ_LEN, "target_train_s": round(target_s), "draft_train_s": round(draft_s),
         "total_s": round(total_s), "target_heldout_loss": round(target_val, 3), "draft_heldout_loss": round(draft_val, 3),

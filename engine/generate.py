@@ -5,16 +5,16 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from .config import EngineConfig, SamplingParams
 from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
-from .model.loader import LoadedModel, load_model
 from .experts.runtime import MoERuntime
+from .model.loader import LoadedModel, load_model
 from .speculative.drafters import make_drafter
 from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
@@ -164,6 +164,7 @@ class Engine:
         n = max(0, min(self.config.spec.draft_len, remaining - 1, m.context_len - len(committed)))
         t0 = time.perf_counter()
         drafts, q = self.drafter.draft(committed, n, params, generator) if n else ([], None)
+        rt.end_draft_phase()  # the policy sees the draft phase's demand before verification
         t1 = time.perf_counter()
         logits = self._forward([committed[-1]] + drafts, cache, keep=n + 1, phase="verify", step=step, trace=trace)  # [n+1, V]
         a, t = accept(drafts, q, logits, params, generator)

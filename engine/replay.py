@@ -71,5 +71,7 @@ def load_replay(path: str | Path, num_layers: int, num_experts: int, top_k: int)
     try:
         routing = load_routing(path, num_experts)
     except (ValueError, KeyError, IndexError, TypeError) as err:
-        raise MoechatError(f"cannot read replay trace {path} ({err}): pass a routing CSV(.gz) or a moechat --trace file") from None
+        raise MoechatError(
+            f"cannot read replay trace {path} ({err}): pass a routing CSV(.gz) or a moechat --trace file"
+        ) from None
     return RoutingReplay(routing, num_layers, num_experts, top_k)

@@ -31,7 +31,8 @@ def add_bench_cpu_experts(sub) -> None:
                    metavar="N", help=f"γ: one verification window holds γ+1 tokens (default {gamma})")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--samples", type=int, default=40, metavar="N", help="random routings timed (default 40)")
-    p.add_argument("--repeats", type=int, default=3, metavar="R", help="timed calls per routing after one warm-up; the fastest counts (default 3)")
+    p.add_argument("--repeats", type=int, default=3, metavar="R",
+                   help="timed calls per routing after one warm-up; the fastest counts (default 3)")
     p.add_argument("--threads", type=int, default=None, metavar="T", help="torch intra-op threads (default torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")

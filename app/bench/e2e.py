@@ -183,8 +183,8 @@ def cmd_bench_e2e(args) -> int:
         "replay": args.replay_traces, "replay_layers": replay.layers_used,
         "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "gpu": on_gpu,
-        "note": None if on_gpu else f"{'no GPU' if not cuda else '--device cpu'}: engine rows ran on the CPU device (the fast tier is a RAM pool); "
-                                    "HF offload and the PCIe bound are not measured",
+        "note": None if on_gpu else f"{'no GPU' if not cuda else '--device cpu'}: engine rows ran on the CPU device "
+                                    "(the fast tier is a RAM pool); HF offload and the PCIe bound are not measured",
         "rows": rows, "bound": limit,
     }
     for v in runs:

@@ -69,7 +69,8 @@ def cmd_bench_generate(args) -> int:
     med, decode, same = _measure(engine, hf, ids, args)
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
-        "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio, "prompt_tokens": len(ids),
+        "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio,
+        "prompt_tokens": len(ids),
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"], **decode},
     }
@@ -78,7 +79,8 @@ def cmd_bench_generate(args) -> int:
         result["replay_layers"] = replay.layers_used
     else:
         result["hf"] = {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]}
-        result["ratio"] = {"prefill": med["engine_prefill"] / med["hf_prefill"], "decode": med["engine_decode"] / med["hf_decode"]}
+        result["ratio"] = {"prefill": med["engine_prefill"] / med["hf_prefill"],
+                           "decode": med["engine_decode"] / med["hf_decode"]}
         result["same_tokens"] = same
     engine.close()
     if args.json:
@@ -112,7 +114,8 @@ def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
         fin, steps = run_engine(engine, ids, params)
         rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
         rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
-        decode = decode_stats(steps, engine.model.store.expert_bytes)  # the last run's: residency carries over, as between chat turns
+        # the last run's: residency carries over, as between chat turns
+        decode = decode_stats(steps, engine.model.store.expert_bytes)
         if hf is not None:
             t1, _ = hf_generate(hf, ids, 1)  # prefill + the first token
             tn, hf_tokens = hf_generate(hf, ids, args.max_new_tokens)

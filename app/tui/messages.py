@@ -48,7 +48,7 @@ class ReplyDelta(Message):
 class ReplyFinished(Message):
     """Reply `request_id` ended: `reason` is "stop", "length" or "cancelled"; `text` is the whole reply."""
 
-    def __init__(self, request_id: int, text: str, reason: str, stats: "Stats") -> None:
+    def __init__(self, request_id: int, text: str, reason: str, stats: Stats) -> None:
         super().__init__()
         self.request_id, self.text, self.reason, self.stats = request_id, text, reason, stats
 

@@ -200,8 +200,9 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
         m.verify_s = statistics.median(full) if full else None
 
 
-def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False, draft_len: int = SpecConfig.draft_len,
-            progress: Progress | None = None, device: str | None = None, dtype: str | None = None) -> Measurements:
+def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False,
+            draft_len: int = SpecConfig.draft_len, progress: Progress | None = None, device: str | None = None,
+            dtype: str | None = None) -> Measurements:
     """Time this machine for the model in `model_dir`, generating on `prompts` with `drafter`.
     device/dtype default to cuda + bfloat16 where CUDA is available, else cpu + float32 (the command
     line's default)."""

@@ -2,7 +2,7 @@
 as `transformers`' own grouped_mm path does), with a loop over active experts where that loses."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

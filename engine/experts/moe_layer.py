@@ -83,8 +83,8 @@ def split_tiers(rt: MoERuntime, li: int, flat: torch.Tensor, kept: torch.Tensor 
     t_policy = time.perf_counter()
     with rt.cache.lock:  # freeze and view the table in one step: the transfer thread cannot
         # load an unfrozen expert of this layer in between, so every slot used below is frozen
-        # (never freed) until on_layer, which comes after after_compute()
-        rt.policy.before_layer(li, counts)  # these experts are in use until on_layer
+        # (never freed) until after_layer, which comes after after_compute()
+        rt.policy.before_layer(li, counts)  # these experts are in use until after_layer
         if len(rt.cache):
             slot, not_ready = rt.cache.ready_slots(li, flat)  # [S'] slot per activation, -1: CPU
     rt.counters.policy_s += time.perf_counter() - t_policy
@@ -164,6 +164,7 @@ def account(rt: MoERuntime, li: int, phase: str, split: TierSplit, demand: torch
         c.misses += split.computed - split.n_dev
         c.not_ready += split.not_ready
     t_policy = time.perf_counter()
+    rt.policy.after_layer(li)
     if phase == "draft":
         rt.report_draft_demand(li, split.counts if demand is None else demand)
     else:

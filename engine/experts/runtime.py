@@ -64,6 +64,7 @@ class MoERuntime:
         self.expert_budget = expert_budget  # LOSSY when set: verification computes at most this many experts per layer
         policy.bind(cache, top_k)
         self.mode: ForwardMode | None = None  # set only inside `forward`
+        self.draft_demand: dict[int, torch.Tensor] = {}  # sparse layer -> [E] this draft phase's demand so far
         self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
         self.counters = LayerCounters(len(store.layers), store.num_experts)
         # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses;
@@ -128,13 +129,15 @@ class MoERuntime:
         self.replay = replay
 
     def begin_request(self) -> None:
+        self.draft_demand = {}  # a cancelled request's draft phase never reaches the policy
         self.policy.begin_request()
 
     @contextmanager
     def forward(self, phase: str, start_pos: int, remap: Remap | None = None,
                 recorder: Recorder | None = None) -> Iterator[ForwardMode]:
         """The one place a forward's mode is set: the MoE layers run in it, then the policy's
-        on_forward_end (not after a failed pass, whose layers may not all have run)."""
+        on_forward_end (not after a failed pass, whose layers may not all have run). A draft forward
+        ends nothing: its phase ends with `end_draft_phase`."""
         if self.mode is not None:
             raise RuntimeError(f"a {self.mode.phase} forward is in progress: forwards do not nest")
         self.mode = ForwardMode(phase, start_pos, remap, recorder)
@@ -142,13 +145,33 @@ class MoERuntime:
             yield self.mode
         finally:
             self.mode = None
-        self.policy.on_forward_end(phase)
+        if phase != "draft":
+            self.policy.on_forward_end(phase)
 
     def report_draft_demand(self, li: int, demand: torch.Tensor) -> None:
         """Draft-phase demand [E] of sparse layer li (host int64), the lookahead signal: the one path
-        by which both drafters tell the policy, per draft forward (one token) per layer."""
+        by which both drafters report it, per draft forward (one token) per layer."""
         self.counters.draft_freq[li] += demand
-        self.policy.on_layer(li, demand, "draft")
+        if li in self.draft_demand:
+            self.draft_demand[li] += demand
+        else:
+            self.draft_demand[li] = demand.clone()
+
+    def end_draft_phase(self) -> None:
+        """Drafting is over: the policy sees its demand once per layer, summed over the draft tokens
+        (the granularity the simulator replays), then on_forward_end("draft"). No residency moves
+        while drafting, so a draft phase computes against one table."""
+        if not self.draft_demand:
+            return
+        t0 = time.perf_counter()
+        demand, self.draft_demand = self.draft_demand, {}
+        for li in sorted(demand):
+            with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
+                self.policy.before_layer(li, demand[li])
+            self.policy.after_layer(li)
+            self.policy.on_layer(li, demand[li], "draft")
+        self.policy.on_forward_end("draft")
+        self.counters.policy_s += time.perf_counter() - t0
 
     def reset_counters(self) -> LayerCounters:
         done, self.counters = self.counters, LayerCounters(len(self.store.layers), self.store.num_experts)

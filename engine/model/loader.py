@@ -14,11 +14,11 @@ from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
 from ..replay import RoutingReplay
-from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
-from .memory_estimate import MemoryEstimate, estimate_module
 from ..sched.policies import make_policy
 from .checkpoint import Checkpoint, read_config_dict
 from .families import Family, get_family
+from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
+from .memory_estimate import MemoryEstimate, estimate_module
 
 
 @dataclass
@@ -68,7 +68,9 @@ def load_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as err:  # tokenizer libraries raise many types
-        raise CheckpointError(f"cannot load the tokenizer in {model_dir} ({type(err).__name__}: {err}): re-download the model") from None
+        raise CheckpointError(
+            f"cannot load the tokenizer in {model_dir} ({type(err).__name__}: {err}): re-download the model"
+        ) from None
 
 
 def eos_token_ids(model_dir: Path, hf_config) -> set[int]:
@@ -112,10 +114,13 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     layers = hf.model.layers
     sparse = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
     if sparse != family.sparse_layers(hf_config):
-        raise RuntimeError(f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}")
+        raise RuntimeError(
+            f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
+        )
     check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len), device)  # before any weight loads
 
-    store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda", ram_budget_bytes=cfg.host_ram_budget_bytes)
+    store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda",
+                        ram_budget_bytes=cfg.host_ram_budget_bytes)
     runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
                             top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):
@@ -161,12 +166,15 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
     missing = sorted(expected - state.keys() - tied)
     if missing:
         raise CheckpointError(
-            f"checkpoint lacks {missing[0]} ({len(missing)} tensors missing): the files do not match config.json; re-download the model"
+            f"checkpoint lacks {missing[0]} ({len(missing)} tensors missing): the files do not match config.json; "
+            "re-download the model"
         )
     try:
         hf.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     except RuntimeError as err:
-        raise CheckpointError(f"checkpoint tensors do not fit config.json ({str(err).splitlines()[-1].strip()}): re-download the model") from None
+        raise CheckpointError(
+            f"checkpoint tensors do not fit config.json ({str(err).splitlines()[-1].strip()}): re-download the model"
+        ) from None
     if tied:
         hf.tie_weights()
     # Non-persistent buffers (rotary inv_freq) were computed on `meta`: rebuild them with transformers' own init.

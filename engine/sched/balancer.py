@@ -39,7 +39,8 @@ class WorkloadBalancer:
                  cpu_cost: str = "distinct", smoothing: float = 0.2):
         if cpu_cost not in ("distinct", "activations"):
             raise ValueError(f"cpu cost model must be 'distinct' or 'activations', got {cpu_cost!r}")
-        self.K, self.gamma, self.L, self.costs, self.cpu_cost, self.alpha = utility_bound, draft_len, num_layers, costs, cpu_cost, smoothing
+        self.K, self.gamma, self.L = utility_bound, draft_len, num_layers
+        self.costs, self.cpu_cost, self.alpha = costs, cpu_cost, smoothing
         taus = utility_bound + 1  # index τ = 0..K (0 unused: τ > 0)
         # learned per layer and τ: CPU units (activations or distinct experts) and device experts per step
         self.cpu_units = torch.zeros(num_layers, taus, dtype=torch.float64)
@@ -63,7 +64,8 @@ class WorkloadBalancer:
         """Predicted T_cpu(τ), T_gpu(τ) for τ = 0..K (seconds)."""
         return self.cpu_units[li] * self.costs.cpu_s, self.dev_units[li] * self.costs.device_s
 
-    def choose(self, li: int, s: torch.Tensor, resident: torch.Tensor, free_slots: int, frozen: torch.Tensor | None = None) -> int:
+    def choose(self, li: int, s: torch.Tensor, resident: torch.Tensor, free_slots: int,
+               frozen: torch.Tensor | None = None) -> int:
         """τ for layer li given its utilities s [E] and residency [E]; K when nothing is feasible."""
         K = self.K
         t_cpu, t_gpu = self.times(li)
@@ -76,7 +78,8 @@ class WorkloadBalancer:
         # candidate τ instead, the window shrinks as exactly the experts being moved leave the CPU, and
         # τ = 1 was almost never feasible on the DeepSeek traces: see docs/scheduling.md.)
         now = int(self.tau[li])
-        t_cpu, t_gpu, n, reclaimable = t_cpu.tolist(), t_gpu.tolist(), n.tolist(), reclaimable.tolist()  # K+1 values: Python from here
+        # K+1 values: Python from here
+        t_cpu, t_gpu, n, reclaimable = t_cpu.tolist(), t_gpu.tolist(), n.tolist(), reclaimable.tolist()
         window = max(t_cpu[now], t_gpu[now]) + self.gamma * self.costs.draft_s / self.L
         ok = [t > 0 and n[t] * self.costs.io_s <= window + 1e-12 and n[t] <= free_slots + reclaimable[t]
               for t in range(K + 1)]  # τ > 0

@@ -30,10 +30,14 @@ class Policy:
         """A new request starts: only policies that learn across requests (eam) act on it."""
 
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
-        """Called before a layer computes, with its counts: the experts it is about to use."""
+        """Called before a layer computes, with its counts: the experts it is about to use (in use until after_layer)."""
+
+    def after_layer(self, li: int) -> None:
+        """The layer has computed: the experts `before_layer` marked in use may go again."""
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
-        """counts: [E] int64 on the host, activations per expert in this layer's forward."""
+        """counts: [E] int64 on the host, activations per expert in this layer's forward (after after_layer).
+        A draft phase's demand arrives once per layer, summed over its draft tokens, when drafting ends."""
 
     def on_forward_end(self, phase: str) -> None:
         pass

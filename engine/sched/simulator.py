@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..experts.expert_budget import shortlist
 from ..experts.cache import SlotTable
+from ..experts.expert_budget import shortlist
 from ..trace import Routing
 
 REFERENCES = ("lru", "oracle", "belady")
@@ -215,15 +215,17 @@ def _policy_driver(routing: Routing, capacity: int, window: int, windows: list[t
     for start, counts in zip(range(0, T, window), windows):
         loads0 = table.loads
         seen = math.floor(lookahead_accept * min(window, T - start)) if lookahead_accept is not None else 0
-        if seen:  # one draft phase per window, per layer, its seen tokens summed (the engine: per draft token)
+        if seen:  # one draft phase per window: its seen tokens' demand summed, once per layer, as the engine reports it
             ahead = window_counts(routing, start, start + seen)
             for li in range(L):
                 policy.before_layer(li, ahead[li])
+                policy.after_layer(li)
                 policy.on_layer(li, ahead[li], "draft")
             policy.on_forward_end("draft")
         resident = table.resident_mask()
         for li in range(L):
             policy.before_layer(li, counts[li])
+            policy.after_layer(li)
             policy.on_layer(li, counts[li], "verify")
         policy.on_forward_end("verify")
         yield resident, table.loads - loads0

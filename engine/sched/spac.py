@@ -2,10 +2,11 @@
 
 Per MoE layer of a verification (or the prefill): learn r_c/r_g from what the step used, update the
 utilities with its frequencies f, choose τ, then mark s < τ for eviction and queue s ≥ τ for prefetch.
-During drafting (the `self` drafter, a draft model fed through the target's routers, or a simulated
-lookahead) the draft tokens' own routing previews the coming verification. It enters the same
-utility space as the coming step's expected f, ŝ = min(K, round(drafted counts + unseen share · s)),
-so prefetch for the verification starts while drafting and prefetch and eviction stay one ranking.
+The draft phase (the `self` drafter, a draft model fed through the target's routers, or a simulated
+lookahead) previews the coming verification: when drafting ends, its tokens' routing, summed per
+layer, enters the same utility space as the coming step's expected f,
+ŝ = min(K, round(drafted counts + unseen share · s)), so prefetch for the verification starts before
+it runs and prefetch and eviction stay one ranking.
 Within a utility level, experts rank by an EMA of their per-step frequency (busier first).
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ class SpacPolicy(Policy):
         self.prefetch = Prefetcher(cache, L, E, c.utility_bound, c.demote)
         self.draft_counts = torch.zeros(L, E, dtype=torch.long)  # draft-phase routing of this step [L, E]
         self.in_use: list[int] = []
-        self.draft_loaded = torch.zeros(L, E, dtype=torch.bool)  # prefetched while drafting, not yet verified
+        self.draft_loaded = torch.zeros(L, E, dtype=torch.bool)  # prefetched for the draft phase, not yet verified
         self.rate = torch.zeros(L, E, dtype=torch.float64)  # EMA of f per step [L, E]: tie-break within a level
         self.lookahead_loads = self.lookahead_hits = 0  # of those: how many, and how many the verification used
 
@@ -48,11 +49,14 @@ class SpacPolicy(Policy):
         self.in_use = counts.nonzero().flatten().tolist()
         self.prefetch.freeze(li, self.in_use)
 
+    def after_layer(self, li: int) -> None:
+        if self.in_use:
+            self.prefetch.release(li, self.in_use)
+            self.in_use = []
+
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if self.cache.capacity == 0:
             return
-        self.prefetch.release(li, self.in_use)
-        self.in_use = []
         if phase == "draft":
             if not self.config.lookahead:
                 return

@@ -1,11 +1,11 @@
 """SP-MoE (paper 002) as a Policy: on-demand LRU residency plus draft-phase prefetch up to a cutoff layer.
 
-During drafting, the draft's predicted experts for target layer l (its hidden states through the
-target's gate, `spec/router_feed.py`; the `self` drafter's own routing; or the simulator's lookahead
-reveal) are loaded ahead of the verification, but only for layers l < cutoff, highest predicted
-count first, each evicting the least recently used expert that is neither in use nor predicted in
-this same draft phase (Alg. 1 and 2 of the paper). Verification and prefill are plain LRU, exactly
-`LruPolicy`, so with no draft phase `spmoe` is `lru`.
+When drafting ends, the draft's predicted experts for target layer l (its hidden states through the
+target's gate, `speculative/router_feed.py`; the `self` drafter's own routing; or the simulator's
+lookahead reveal), summed over the draft phase, are loaded ahead of the verification, but only for
+layers l < cutoff, highest predicted count first, each evicting the least recently used expert that
+is neither in use nor predicted in this same draft phase (Alg. 1 and 2 of the paper). Verification
+and prefill are plain LRU, exactly `LruPolicy`, so with no draft phase `spmoe` is `lru`.
 """
 from __future__ import annotations
 

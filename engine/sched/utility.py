@@ -47,7 +47,8 @@ class UtilityEstimator:
             delta = f - self.prev_f[li]  # Δ = f_t − f_{t−1}
             rise, fall = delta >= up, -delta >= down
             # θ ← ⌊(1 − λ)θ + λ|Δ|⌋ on the side Δ moved (ε keeps exact products like 0.9·3 + 0.1·3 from flooring to 2)
-            blend = lambda theta, d: torch.floor((1 - self.lam) * theta.double() + self.lam * d.double() + 1e-9).long().clamp_(min=1)  # noqa: E731
+            blend = lambda theta, d: torch.floor(  # noqa: E731
+                (1 - self.lam) * theta.double() + self.lam * d.double() + 1e-9).long().clamp_(min=1)
             up, down = torch.where(delta > 0, blend(up, delta), up), torch.where(delta < 0, blend(down, -delta), down)
         s = torch.where(rise, (s + 1).clamp(max=self.K), torch.where(fall, (s - 1).clamp(min=0), s))
         return s, up, down

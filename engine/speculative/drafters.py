@@ -62,7 +62,9 @@ class DraftModel:
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=target.dtype).to(target.device).eval()
         except Exception as err:
-            raise CheckpointError(f"cannot load the draft model in {model_dir} ({type(err).__name__}: {err}): use a dense Hugging Face checkpoint") from None
+            raise CheckpointError(
+                f"cannot load the draft model in {model_dir} ({type(err).__name__}: {err}): use a dense Hugging Face checkpoint"
+            ) from None
         self.target, self.target_vocab = target, int(target.hf_config.vocab_size)
         self.device = target.device
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
@@ -78,7 +80,7 @@ class DraftModel:
         tokens, qs = [], []
         for _ in range(n):
             ids = torch.tensor([feed], device=self.device)
-            # a draft forward of the target's runtime: the feed reports into it, then on_forward_end("draft")
+            # a draft forward of the target's runtime: the feed reports its demand into it
             with runtime.forward("draft", self.cache.get_seq_length()):
                 logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
                 if self.feed is not None:

@@ -15,7 +15,6 @@ from moechat.engine.events import Finished
 from moechat.engine.generate import Engine, Request
 
 
-
 def card_figure(label: str) -> float:
     """A bold figure from the model card line that starts with `label`."""
     card = (DEMO_DIR / "README.md").read_text()
@@ -51,7 +50,8 @@ def test_demo_reply_is_english_like():
     """Greedy replies to a few chat prompts are mostly dictionary-like words, not byte soup or one word looping."""
     engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL)))
     for prompt in (SEA, "How do I sort a list in Python?", "What is the capital of France?"):
-        fin = list(engine.generate(Request(messages=[{"role": "user", "content": prompt}]), SamplingParams(max_new_tokens=64)))[-1]
+        request = Request(messages=[{"role": "user", "content": prompt}])
+        fin = list(engine.generate(request, SamplingParams(max_new_tokens=64)))[-1]
         words = re.findall(r"[A-Za-z]+", fin.text)
         assert len(words) >= 8, fin.text
         assert sum(len(w) for w in words) >= 0.6 * len(fin.text.replace(" ", "")), fin.text  # mostly letters
@@ -75,7 +75,8 @@ def test_generate_defaults_to_the_demo(capsys):
     assert rc == 0 and out["text"].strip() and out["stats"]["new_tokens"] >= 1
     assert out["stats"]["drafted"] > 0  # the demo's draft model is on by default
     engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL)))
-    assert out["token_ids"] == list(engine.generate(Request(token_ids=chat_ids(SEA)), SamplingParams(max_new_tokens=64)))[-1].token_ids
+    events = list(engine.generate(Request(token_ids=chat_ids(SEA)), SamplingParams(max_new_tokens=64)))
+    assert out["token_ids"] == events[-1].token_ids
 
 
 def test_configured_model_replaces_the_demo(checkpoint, capsys):
@@ -89,7 +90,8 @@ def test_configured_model_replaces_the_demo(checkpoint, capsys):
         assert main(["generate", "--prompt-ids", "5,6,7", "--max-new-tokens", "6", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         engine = Engine(EngineConfig(model_dir=str(path)))
-        assert out["token_ids"] == list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=6)))[-1].token_ids
+        events = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=6)))
+        assert out["token_ids"] == events[-1].token_ids
         # a given --model wins over the file
         assert main(["generate", "--model", str(DEMO_MODEL), "--prompt", "Hi", "--max-new-tokens", "2", "--json"]) == 0
         capsys.readouterr()

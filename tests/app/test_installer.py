@@ -29,7 +29,7 @@ def test_install_into_empty_home(tmp_path):
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "VIRTUAL_ENV", "MOECHAT_"))}
     env.update(HOME=str(home), MOECHAT_PYTHON=str(bare / "bin" / "python"))
-    for run in range(2):
+    for _ in range(2):
         proc = subprocess.run(["bash", str(SCRIPT), "--no-modify-path"], capture_output=True, text=True, env=env, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is already installed" in proc.stderr  # the second run reused the environment

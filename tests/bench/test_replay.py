@@ -96,7 +96,8 @@ def test_replay_refuses_mismatched_shapes(checkpoint, tmp_path, capsys):
     _handmade_trace(wide, tokens=40, layers=[1, 2], experts=64, top_k=2)
     with pytest.raises(MoechatError, match="8 experts per layer"):
         load_replay(wide, 2, 8, 2)
-    rc = main(["bench", "generate", "--model", str(model), "--replay-traces", str(top3), "--max-new-tokens", "2", "--repeats", "1"])
+    rc = main(["bench", "generate", "--model", str(model), "--replay-traces", str(top3),
+               "--max-new-tokens", "2", "--repeats", "1"])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and "\n" not in err and "top-3" in err
 
@@ -107,7 +108,8 @@ def test_random_model_loads_and_replays_shared_trace(tmp_path, capsys):
                "--intermediate", "32", "--dtype", "float32"])
     assert rc == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert (cfg["model_type"], cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["first_k_dense_replace"]) == ("deepseek_v2", 64, 6, 1)
+    assert (cfg["model_type"], cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["first_k_dense_replace"]) == (
+        "deepseek_v2", 64, 6, 1)
     assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["n_shared_experts"]) == (64, 32, 3, 2)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.2.mlp.experts.63.down_proj.weight" in index  # the real checkpoint's per-expert layout

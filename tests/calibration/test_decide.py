@@ -264,7 +264,8 @@ def test_estimate_command_json(capsys):
     with pytest.raises(SystemExit) as exit_:  # a bad flag is refused by argparse before anything runs
         main(["estimate", "--model", "Qwen3-30B-A3B", "--context-len", "0"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "Qwen3-30B-A3B, DeepSeek-V2-Lite" in err and "--context-len: must be a whole number >= 1" in err
+    assert (exit_.value.code == 2 and "Qwen3-30B-A3B, DeepSeek-V2-Lite" in err
+            and "--context-len: must be a whole number >= 1" in err)
     assert len(err.strip().splitlines()) == 2
 
 

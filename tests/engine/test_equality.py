@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import NEW_TOKENS, PROMPT, hf_greedy, run_engine
 from tiny import FAMILIES
 
-from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
-from moechat.engine.events import Finished
+from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
 from moechat.engine.generate import Engine, Request
 
 RATIOS = (0.0, 0.1, 0.5, 1.0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
-from moechat.engine.events import Error, Finished
+from moechat.engine.events import Error, Finished, StepStats
 from moechat.engine.experts.runtime import ForwardMode
 from moechat.engine.generate import Engine, Request
 from moechat.engine.model.loader import build_runtime
@@ -49,32 +49,47 @@ def test_mode_lives_only_inside_forward_and_ends_it(checkpoint):
         rt.run_layer(0, x, idx, w)
     assert rt.mode is None and ended == ["verify"]
     with pytest.raises(ZeroDivisionError), rt.forward("prefill", 0):
-        1 / 0
+        _ = 1 / 0
     assert rt.mode is None and ended == ["verify"]  # a failed pass does not end as a forward
 
 
 def test_both_drafters_report_demand_through_the_runtime(checkpoint, draft_dir):
-    """Self drafter and draft model: draft demand reaches the policy only as report_draft_demand, per
-    draft forward (one token) and layer, and every draft forward ends with on_forward_end('draft')."""
+    """Self drafter and draft model: draft demand reaches the runtime only as report_draft_demand, per
+    draft forward (one token) and layer; the policy sees it once per layer per draft phase, summed
+    over the phase's tokens (as the simulator replays it), then one on_forward_end('draft')."""
     for drafter in ("self", str(draft_dir)):
         engine = engine_for(checkpoint("qwen3_moe"), drafter=drafter)
         rt, calls = engine.model.runtime, []
-        report, end = rt.report_draft_demand, rt.policy.on_forward_end
+        report, on_layer, end = rt.report_draft_demand, rt.policy.on_layer, rt.policy.on_forward_end
 
-        def spy_report(li, demand, report=report):
+        def spy_report(li, demand, report=report, calls=calls):
             calls.append(("demand", li, int(demand.sum())))
             report(li, demand)
 
-        rt.report_draft_demand = spy_report
-        rt.policy.on_forward_end = lambda phase, end=end: (calls.append(("end", phase)), end(phase))
-        fin = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))[-1]
+        def spy_on_layer(li, counts, phase, on_layer=on_layer, calls=calls):
+            if phase == "draft":
+                calls.append(("policy", li, int(counts.sum())))
+            on_layer(li, counts, phase)
+
+        def spy_end(phase, end=end, calls=calls):
+            calls.append(("end", phase))
+            end(phase)
+
+        rt.report_draft_demand, rt.policy.on_layer, rt.policy.on_forward_end = spy_report, spy_on_layer, spy_end
+        events = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))
+        fin = events[-1]
         assert isinstance(fin, Finished)
-        draft_ends = sum(1 for c in calls if c == ("end", "draft"))
-        assert draft_ends == fin.summary.drafted > 0, drafter
-        demand = [c for c in calls if c[0] == "demand"]
+        phases = [ev.drafted for ev in events if isinstance(ev, StepStats) and ev.drafted]
         layers = len(engine.drafter.feed.pairs) if drafter != "self" else len(rt.store.layers)
-        assert len(demand) == draft_ends * layers, drafter
+        demand = [c for c in calls if c[0] == "demand"]
+        assert len(demand) == fin.summary.drafted * layers > 0, drafter
         assert all(total == 2 for _, _, total in demand), drafter  # one token, top-2, per report
+        assert [c for c in calls if c == ("end", "draft")] == [("end", "draft")] * len(phases), drafter
+        policy = [c for c in calls if c[0] == "policy"]
+        assert [total for _, _, total in policy] == [2 * n for n in phases for _ in range(layers)], drafter
+        # each phase reaches the policy after its demand and before its verification ends it
+        first_end = calls.index(("end", "draft"))
+        assert calls[first_end - layers:first_end] == policy[:layers] and calls[first_end + 1] == ("end", "verify")
 
 
 def test_close_stops_every_thread_and_is_idempotent(checkpoint):

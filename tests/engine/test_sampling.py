@@ -9,14 +9,12 @@ from p instead of the residual, ...) is caught (`test_distribution_check_catches
 from __future__ import annotations
 
 import math
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny  # noqa: E402  (tests/ is on sys.path: conftest.py)
+import torch
 
 from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig  # noqa: E402
 from moechat.engine.events import Finished, StepStats  # noqa: E402
@@ -284,8 +282,8 @@ def target_dist(model, ids: list[int]) -> torch.Tensor:
 
 def sample_engine(model_dir: Path, runs: int, expert_cache_ratio: float = 0.5, policy: str = "lru"):
     """`runs` independent requests (seed = run index) on one engine; per run: (first, second, accepted in step 1)."""
-    engine = Engine(EngineConfig(model_dir=str(model_dir), expert_cache_ratio=expert_cache_ratio, scheduler=SchedulerConfig(policy),
-                                 spec=SpecConfig(drafter="self", draft_len=DRAFT_LEN)))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), expert_cache_ratio=expert_cache_ratio,
+                                 scheduler=SchedulerConfig(policy), spec=SpecConfig(drafter="self", draft_len=DRAFT_LEN)))
     # max_new_tokens = 1 (prefill) + DRAFT_LEN + 1 (bonus): the first decoding step drafts the full
     # DRAFT_LEN tokens (with max_new_tokens = 2 the engine would draft none: n = max_new - len(new) - 1 = 0).
     max_new = DRAFT_LEN + 2

@@ -11,11 +11,7 @@ import pytest
 import torch
 from helpers import PROMPT, TRANSFER_TOKENS, hf_greedy, make_engine, run
 
-from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
-from moechat.engine.events import Finished, StepStats
 from moechat.engine.experts.cache import ExpertCache, SlotTable
-from moechat.engine.generate import Engine, Request
-
 
 
 class InFlight:
@@ -97,7 +93,7 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
     violations: list[str] = []
     loaders: list[str] = []
     during = [0]  # evictions inside a compute window
-    ready_slots, load, evict, on_layer = cache.ready_slots, cache.load, cache.evict, rt.policy.on_layer
+    ready_slots, load, evict, after_layer = cache.ready_slots, cache.load, cache.evict, rt.policy.after_layer
     after_compute, notify = cache.after_compute, prefetch.wake.notify
 
     def ready_slots_(li, experts):
@@ -133,11 +129,11 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
             violations.append(f"evicted {(li, e)} while its layer computes with it")
         evict(li, e)
 
-    def on_layer_(li, counts, phase):
+    def after_layer_(li):
         reading.clear()  # after the layer's fast-tier work: its slots may go
-        on_layer(li, counts, phase)
+        after_layer(li)
 
-    cache.ready_slots, cache.load, cache.evict, rt.policy.on_layer = ready_slots_, load_, evict_, on_layer_
+    cache.ready_slots, cache.load, cache.evict, rt.policy.after_layer = ready_slots_, load_, evict_, after_layer_
     cache.after_compute, prefetch.wake.notify, prefetch.wake.wait = after_compute_, lambda n=1: None, wait_
     rt.use_transfer_thread(True)
     try:

@@ -15,12 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import PROMPT, TRANSFER_TOKENS, hf_greedy, make_engine, run
+
 from moechat.engine import native
 from moechat.engine.errors import MoechatError
 from moechat.engine.experts import native_copier as npf
 from moechat.engine.experts.cache import ExpertCache
 from moechat.engine.sched.prefetch import Prefetcher
-from helpers import PROMPT, TRANSFER_TOKENS, hf_greedy, make_engine, run
 
 P = npf.NativeCopier
 

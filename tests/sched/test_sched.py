@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moechat.engine.sched.utility import UtilityEstimator
 from moechat.engine.sched.simulator import CostModel, simulate
+from moechat.engine.sched.utility import UtilityEstimator
 from moechat.engine.trace import Routing
 
 
@@ -121,8 +121,8 @@ def test_spmoe_prefetches_only_up_to_the_cutoff_and_is_served():
 
 def test_spmoe_history_only_is_lru_and_prefetch_spares_the_draft_phase():
     from moechat.engine.sched.policies import LruPolicy
-    from moechat.engine.sched.spmoe import SpmoePolicy
     from moechat.engine.sched.simulator import _policy_driver, window_counts
+    from moechat.engine.sched.spmoe import SpmoePolicy
 
     g = torch.Generator().manual_seed(0)
     r = Routing("rand", [0, 1, 2], torch.randint(0, 6, (40, 3, 2), generator=g), num_experts=6)

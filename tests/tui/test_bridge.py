@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+
 from moechat.app.bridge import EngineBridge
 from moechat.app.tui.messages import (
     CalibrationDone,
@@ -287,7 +288,9 @@ def test_cuda_stats_and_reload_frees_the_fast_tier(checkpoint):
     import torch
 
     path = checkpoint("qwen3_moe")
-    factory = lambda: EngineConfig(str(path), device="cuda", expert_cache_ratio=0.5, spec=SpecConfig("self", 3))
+    def factory():
+        return EngineConfig(str(path), device="cuda", expert_cache_ratio=0.5, spec=SpecConfig("self", 3))
+
     bridge, inbox = started(factory, interval=0.0)
     try:
         inbox.wait(EngineReady)

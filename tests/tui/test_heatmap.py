@@ -6,6 +6,9 @@ import random
 import time
 
 import pytest
+from textual.app import App, ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Static
 
 from moechat.app.tui.messages import Frame, Stats
 from moechat.app.tui.widgets.heatmap import (
@@ -18,9 +21,6 @@ from moechat.app.tui.widgets.heatmap import (
     group_size,
 )
 from moechat.app.tui.widgets.stats import StatsPanel, human_bytes
-from textual.app import App, ComposeResult
-from textual.containers import Horizontal
-from textual.widgets import Static
 
 pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from moechat.app.chats import ChatStore
 from moechat.app.tui.app import MoechatApp
 from moechat.app.tui.screens.chat import MessageView, last_code_block

@@ -13,7 +13,8 @@ from moechat.app.tui.screens.wizard import WizardScreen
 from moechat.engine.calibration.types import GpuInfo, Hardware
 
 GIB = 2**30
-COMMENTED = "# my moechat settings\nutility_bound = 2  # K: measured on my box\nmystery = \"kept\"  # not moechat's\n\n[keys]\n# mine\nquit = \"ctrl+q\"\n"
+COMMENTED = ("# my moechat settings\nutility_bound = 2  # K: measured on my box\nmystery = \"kept\"  # not moechat's\n"
+             "\n[keys]\n# mine\nquit = \"ctrl+q\"\n")
 
 
 @pytest.fixture(autouse=True)
@@ -195,7 +196,8 @@ async def _wizard_end_to_end(path):
         screen = app.screen
         await click(pilot, "#next")  # the demo is preselected
         assert screen.step == 1
-        assert screen.query_one("#ram_budget_gib").value == "20.0" and screen.query_one("#vram_budget_gib").disabled  # from the probe
+        # from the probe
+        assert screen.query_one("#ram_budget_gib").value == "20.0" and screen.query_one("#vram_budget_gib").disabled
         screen.query_one("#ram_budget_gib").value = "-3"
         await click(pilot, "#next")
         assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram_budget_gib-error").content)

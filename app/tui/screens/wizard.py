@@ -17,8 +17,20 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import (Button, ContentSwitcher, DataTable, Footer, Header, Input, Label, ProgressBar, RadioButton,
-                             RadioSet, Static, Switch)
+from textual.widgets import (
+    Button,
+    ContentSwitcher,
+    DataTable,
+    Footer,
+    Header,
+    Input,
+    Label,
+    ProgressBar,
+    RadioButton,
+    RadioSet,
+    Static,
+    Switch,
+)
 
 from ...demo import DEMO_DRAFT, DEMO_MODEL
 from ...options import OPTION

@@ -8,8 +8,8 @@ expert store and memory estimated from the config alone.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
