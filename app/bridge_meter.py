@@ -14,8 +14,7 @@ import time
 import psutil
 import torch
 
-from ..engine import Engine, StepStats, Summary
-from ..engine.model.memory_budgets import physical_ram_bytes
+from ..engine import Engine, StepStats, Summary, physical_ram_bytes
 from .tui.messages import Frame, Stats
 
 

@@ -37,8 +37,7 @@ def resolve(model: str | None) -> tuple[str, str]:
 
 def machine_profile(model_dir: str):
     """(this machine's profile for the model or None, its path or None, a one-line notice or "")."""
-    from ..engine.calibration.probe import fingerprint, probe
-    from ..engine.calibration.profile import load_profile, model_key, profile_path
+    from ..engine import fingerprint, load_profile, model_key, probe, profile_path
 
     try:
         fp = fingerprint(probe())
@@ -58,11 +57,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) go to `decide`."""
     import torch
 
-    from ..engine.calibration.decide import decide
-    from ..engine.calibration.measure import measure
-    from ..engine.calibration.probe import fingerprint, probe
-    from ..engine.calibration.profile import Profile, model_key, save_profile
-    from ..engine.model.memory_estimate import estimate
+    from ..engine import Profile, decide, estimate, fingerprint, measure, model_key, probe, save_profile
     from .demo import eval_prompts
 
     progress("probing the hardware", 0.0)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.errors import MoechatError
+from ..engine import MoechatError
 
 ROLES = ("system", "user", "assistant")
 HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}

@@ -63,7 +63,7 @@ def engine_config(args):
     """The engine's config: each value from the command line, else the settings file, else this
     machine's calibration profile for the model, else the engine's default. Sets args.model,
     args.draft, args.draft_len and args.policy to what runs, args.profile to the profile's path or None."""
-    from ..engine.config import EngineConfig, SchedulerConfig, SpecConfig
+    from ..engine import EngineConfig, SchedulerConfig, SpecConfig
     from .calibrate import machine_profile
     from .demo import resolve_model
     from .settings import load_settings
@@ -117,7 +117,7 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_to
 
 
 def make_request(args, tokenizer):
-    from ..engine.generate import Request
+    from ..engine import Request
 
     if args.prompt_ids is not None:
         return Request(token_ids=args.prompt_ids)
@@ -129,16 +129,14 @@ def make_request(args, tokenizer):
 
 
 def sampling_params(args):
-    from ..engine.config import SamplingParams
+    from ..engine import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                           max_new_tokens=args.max_new_tokens, stop=args.stop)
 
 
 def cmd_generate(args) -> int:
-    from ..engine.events import Error, Finished, TokenDelta
-    from ..engine.generate import Engine
-    from ..engine.trace import TraceRecorder
+    from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
 
     engine = Engine(engine_config(args))
     if engine.model.runtime.native_notice:
@@ -267,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
     except Exception as err:
-        from ..engine.errors import MoechatError
+        from ..engine import MoechatError
 
         if isinstance(err, (MoechatError, ValueError)):
             return _fail(str(err))

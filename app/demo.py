@@ -11,9 +11,7 @@ EVAL_PROMPTS = DEMO_DIR / "eval_prompts.jsonl"
 
 def routing_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_PROMPTS, max_new_tokens: int = 16) -> dict:
     """Routing skew and reuse over the held-out prompts: each answered greedily (no drafter) with a trace."""
-    from ..engine.config import EngineConfig, SamplingParams
-    from ..engine.generate import Engine, Request
-    from ..engine.trace import TraceRecorder, expert_counts, routing_reuse, routing_skew
+    from ..engine import Engine, EngineConfig, Request, SamplingParams, TraceRecorder, expert_counts, routing_reuse, routing_skew
 
     engine = Engine(EngineConfig(model_dir=str(model_dir)))
     store = engine.model.store

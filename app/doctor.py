@@ -39,7 +39,7 @@ def cmd_doctor(args) -> int:
 
 
 def diagnose() -> dict:
-    from ..engine.calibration.probe import default_models_dir, fingerprint, probe
+    from ..engine import default_models_dir, fingerprint, probe
 
     models = default_models_dir()
     hw = probe(models)
@@ -69,8 +69,7 @@ def _native() -> dict:
     try:
         import torch
 
-        from ..engine import native
-        from ..engine.experts import cpu_ffn
+        from ..engine import cpu_ffn, native
     except ImportError as err:
         return {"built": False, "status": f"unavailable ({err}); pure-PyTorch fallbacks in use", "libraries": {}}
     libs = native.status()
@@ -85,7 +84,7 @@ def _native() -> dict:
 
 
 def _profiles(fp: str) -> dict:
-    from ..engine.calibration.profile import profiles_dir
+    from ..engine import profiles_dir
 
     folder = profiles_dir()
     files = sorted(folder.glob("*.toml")) if folder.is_dir() else []
@@ -94,7 +93,7 @@ def _profiles(fp: str) -> dict:
 
 
 def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict | None = None) -> list[dict]:
-    from ..engine.calibration.probe import NOTE_NO_NVML
+    from ..engine import NOTE_NO_NVML
 
     out = []
 

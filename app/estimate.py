@@ -30,8 +30,7 @@ def add_estimate(sub) -> None:
 
 def _source(model: str | None):
     """(name, source): a directory (given, or pulled with `moechat pull`), else a known model's config dict."""
-    from ..engine.calibration.known_models import KNOWN_MODELS, known_name
-    from ..engine.errors import MoechatError
+    from ..engine import KNOWN_MODELS, MoechatError, known_name
     from .demo import resolve_model
 
     path = resolve_model(model, None)[0]
@@ -46,8 +45,7 @@ def _source(model: str | None):
 
 def fit_report(est, vram: int | None, ram: int | None) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier; `problem` says why not."""
-    from ..engine.errors import BudgetError
-    from ..engine.model.memory_budgets import check_budgets, max_cache_experts, ram_headroom
+    from ..engine import BudgetError, check_budgets, max_cache_experts, ram_headroom
 
     report: dict = {"fits": True}
     if ram is not None:
@@ -68,7 +66,7 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
 
 
 def cmd_estimate(args) -> int:
-    from ..engine.model.memory_estimate import estimate, total_params
+    from ..engine import estimate, total_params
 
     name, source = _source(args.model)
     est = estimate(source, args.dtype, args.context_len, args.draft)

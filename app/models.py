@@ -8,7 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..engine.errors import MoechatError
+from ..engine import MoechatError
 
 # Only what moechat loads: weights, configs, tokenizer files, chat templates.
 PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "merges.txt", "vocab.txt", "*.jinja"]

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine.config import DTYPES, POLICIES, SchedulerConfig, SpecConfig
+from ..engine import DTYPES, POLICIES, SchedulerConfig, SpecConfig
 
 THEMES = ("dark", "light")  # besides Textual's built-in theme names
 

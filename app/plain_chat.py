@@ -8,8 +8,7 @@ HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops
 
 
 def cmd_chat(args) -> int:
-    from ..engine.events import Error, Finished, TokenDelta
-    from ..engine.generate import Engine, Request
+    from ..engine import Engine, Error, Finished, Request, TokenDelta
     from .cli import engine_config, sampling_params
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ def _policies(text: str) -> list[str]:
 
 
 def add_simulate(sub) -> None:
-    from ..engine.config import DEMOTES, UTILITY_VARIANTS, SchedulerConfig, SpecConfig
+    from ..engine import DEMOTES, UTILITY_VARIANTS, SchedulerConfig, SpecConfig
     from .cli import add_renamed
     from .options import OPTION
 
@@ -66,7 +66,7 @@ def _trace_files(paths: list[str]) -> list[Path]:
 
 
 def _cost_model(path: Path | None):
-    from ..engine.sched.simulator import CostModel
+    from ..engine import CostModel
 
     if path is None:
         return CostModel()
@@ -87,8 +87,7 @@ def _cost_model(path: Path | None):
 
 
 def cmd_simulate(args) -> int:
-    from ..engine.sched.simulator import REFERENCES, simulate
-    from ..engine.trace import load_routing
+    from ..engine import REFERENCES, load_routing, simulate
 
     window = args.draft_len + 1  # tokens one verification step scores
     if args.lookahead_accept is not None and not 0 <= args.lookahead_accept <= 1:

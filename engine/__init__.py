@@ -1,20 +1,41 @@
 """moechat.engine: loading, two-tier MoE execution, speculative decoding. Never imports the UI.
 
-The public API, imported lazily so `import moechat.engine` stays light (no torch until a name is used):
-Engine, Request, the configs, the events and the errors.
+The public API, the one module `app/` imports from. Names load lazily, so `import moechat.engine`
+stays light (no torch until a name that needs it is used).
 """
 from __future__ import annotations
 
 import importlib
 
-_EXPORTS = {
-    "Engine": "generate", "Request": "generate",
-    "EngineConfig": "config", "SamplingParams": "config", "SchedulerConfig": "config", "SpecConfig": "config",
-    "Error": "events", "Event": "events", "Finished": "events", "StepStats": "events", "Summary": "events",
-    "TokenDelta": "events",
-    "BudgetError": "errors", "CheckpointError": "errors", "MoechatError": "errors", "RequestError": "errors",
-    "TraceRecorder": "trace",
+_MODULES = {  # submodule -> the public names it provides
+    "generate": ("Engine", "Request"),
+    "config": ("EngineConfig", "SamplingParams", "SchedulerConfig", "SpecConfig", "DTYPES", "POLICIES", "DEMOTES",
+               "UTILITY_VARIANTS"),
+    "events": ("Error", "Event", "Finished", "StepStats", "Summary", "TokenDelta"),
+    "errors": ("BudgetError", "CheckpointError", "MoechatError", "RequestError"),
+    # routing traces, their replay and the simulator
+    "trace": ("TraceRecorder", "load_routing", "expert_counts", "routing_reuse", "routing_skew"),
+    "replay": ("load_replay",),
+    "sched.simulator": ("CostModel", "REFERENCES", "simulate"),
+    # memory, hardware and calibration
+    "model.memory_estimate": ("estimate", "total_params"),
+    "model.memory_budgets": ("check_budgets", "max_cache_experts", "physical_ram_bytes", "ram_headroom"),
+    "model.checkpoint": ("read_config_dict",),
+    "model.families": ("get_family",),
+    "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
+    "calibration.profile": ("Profile", "load_profile", "model_key", "profile_path", "profiles_dir", "save_profile"),
+    "calibration.measure": ("bandwidths", "measure", "ram_copy_bandwidth"),
+    "calibration.decide": ("decide",),
+    "calibration.known_models": ("KNOWN_MODELS", "known_name"),
+    # benchmarks: engine variants on one loaded model, and the kernels on their own
+    "model.loader": ("build_runtime",),
+    "speculative.drafters": ("make_drafter",),
+    "experts.grouped": ("grouped_ffn", "uses_grouped_mm"),
+    "experts.native_copier": ("NativeCopier",),
 }
+_SUBMODULES = ("native", "experts.cpu_ffn")  # whole modules: the native build registry, the CPU kernel and its twin
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+_EXPORTS |= {sub.rpartition(".")[2]: sub for sub in _SUBMODULES}
 
 __all__ = sorted(_EXPORTS)
 
@@ -23,7 +44,8 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'moechat.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    loaded = importlib.import_module(f".{module}", __name__)
+    value = loaded if module in _SUBMODULES else getattr(loaded, name)
     globals()[name] = value  # later look-ups skip this function
     return value
 

@@ -3,7 +3,7 @@
 The balancer and the simulator's cost model offer two: "activations" (time ∝ activations routed to
 CPU experts, paper 000 Eq. 7) and "distinct" (time ∝ distinct CPU experts: the grouped CPU path
 reads each expert's weights once per step). This times `grouped_ffn` exactly as
-`MoERuntime._cpu_experts` calls it, on random routings of one verification window (W tokens, top-k)
+`moe_layer.cpu_experts` calls it, on random routings of one verification window (W tokens, top-k)
 whose concentration and fast-tier share vary, so distinct CPU experts and CPU activations vary
 independently; then fits t = a + b·x for both and reports R², mean absolute % error and b.
 """
@@ -16,7 +16,7 @@ import time
 
 
 def add_bench_cpu_experts(sub) -> None:
-    from ...engine.config import SpecConfig
+    from ...engine import SpecConfig
     from ..cli import add_renamed
     from ..options import OPTION
 
@@ -66,7 +66,7 @@ def measure(hidden: int, inter: int, E: int, k: int, W: int, dtype: str, samples
     import torch
     import torch.nn.functional as F
 
-    from ...engine.experts.grouped import _grouped_ok, grouped_ffn
+    from ...engine import grouped_ffn, uses_grouped_mm
 
     dt = getattr(torch, dtype)
     torch.manual_seed(seed)
@@ -80,7 +80,7 @@ def measure(hidden: int, inter: int, E: int, k: int, W: int, dtype: str, samples
         on_cpu = torch.tensor([int(e) not in resident for e in flat.tolist()])
         if not on_cpu.any():
             continue
-        # what run_layer hands _cpu_experts: CPU activations sorted by expert id, their tokens' rows
+        # what run_layer hands cpu_experts: CPU activations sorted by expert id, their tokens' rows
         key, perm = torch.sort(torch.where(on_cpu, flat, -1), stable=True)
         n_dev = int((~on_cpu).sum())
         cpu_pos, cpu_expert = perm[n_dev:], key[n_dev:]
@@ -89,7 +89,7 @@ def measure(hidden: int, inter: int, E: int, k: int, W: int, dtype: str, samples
         distinct = len(set(cpu_expert.tolist()))
         cases.append(((x, gate_up, down, cpu_expert, F.silu, sizes),
                       {"distinct": distinct, "activations": len(cpu_expert), "resident": len(resident),
-                       "path": "grouped" if 4 * distinct >= E and _grouped_ok(x) else "loop"}))
+                       "path": "grouped" if uses_grouped_mm(x, distinct, E) else "loop"}))
     # Rounds over all routings in a fresh order each time, so a burst of load from other processes
     # hits one call of many routings rather than every call of one; round 0 warms up.
     times = [[] for _ in cases]
@@ -106,7 +106,7 @@ def measure(hidden: int, inter: int, E: int, k: int, W: int, dtype: str, samples
 def cmd_bench_cpu_experts(args) -> int:
     import torch
 
-    from ...engine.errors import MoechatError
+    from ...engine import MoechatError
 
     if not (1 <= args.top_k <= args.experts and args.samples >= 3 and args.repeats >= 1):
         raise MoechatError("need 1 <= --top-k <= --experts, --samples >= 3 and --repeats >= 1")
@@ -130,7 +130,7 @@ def cmd_bench_cpu_experts(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"CPU expert tier (grouped_ffn as MoERuntime._cpu_experts calls it): H {args.hidden}, I {args.intermediate}, "
+    print(f"CPU expert tier (grouped_ffn as moe_layer.cpu_experts calls it): H {args.hidden}, I {args.intermediate}, "
           f"{args.experts} experts, top-{args.top_k}, window {args.window}, {args.dtype}, {result['torch_threads']} threads, "
           f"{len(rows)} routings (fastest of {args.repeats}), {result['seconds']} s")
     print(f"distinct CPU experts {min(r['distinct'] for r in rows)}..{max(r['distinct'] for r in rows)}, "

@@ -24,7 +24,7 @@ ROWS = ("spac + hybrid + self drafter", "lru + hybrid", "lru on demand, no CPU e
 
 
 def add_bench_e2e(sub) -> None:
-    from ...engine.config import SpecConfig
+    from ...engine import SpecConfig
     from ..options import OPTION
 
     gamma = SpecConfig().draft_len
@@ -78,8 +78,7 @@ def _variants(args):
 
 def _build(engine, v: Variant, replay) -> None:
     """A fast tier, policy, runtime and drafter of its own for v, on the engine's model and store."""
-    from ...engine.model.loader import build_runtime
-    from ...engine.speculative.drafters import make_drafter
+    from ...engine import build_runtime, make_drafter
 
     m = engine.model
     v.runtime = build_runtime(m.store, v.config, m.device, m.runtime.act, m.family.top_k(m.hf_config),
@@ -140,8 +139,7 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
 def cmd_bench_e2e(args) -> int:
     import torch
 
-    from ...engine import Engine, MoechatError, Request, SamplingParams
-    from ...engine.calibration.measure import bandwidths, ram_copy_bandwidth
+    from ...engine import Engine, MoechatError, Request, SamplingParams, bandwidths, ram_copy_bandwidth
     from .generate import DEFAULT_PROMPT, attach_replay
 
     if not args.replay_traces:

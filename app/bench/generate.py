@@ -150,7 +150,7 @@ def _print_generate(result: dict, args, replay) -> None:
 
 def load_model_replay(engine, path: str):
     """The recorded routing at `path`, checked against the engine's model (layers, experts, top-k)."""
-    from ...engine.replay import load_replay
+    from ...engine import load_replay
 
     m = engine.model
     return load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))

@@ -76,7 +76,7 @@ class CopyMeter:
 def _cpu_rows(args, threads: int, meter: CopyMeter) -> list[dict]:
     import torch
 
-    from ...engine.experts import cpu_ffn
+    from ...engine import cpu_ffn
 
     dt = getattr(torch, args.dtype)
     rng = random.Random(args.seed)
@@ -125,7 +125,7 @@ def _cuda_rows() -> tuple[list[dict], str]:
 
     if not torch.cuda.is_available():
         return [], "not measured: no CUDA device"
-    from ...engine.errors import MoechatError
+    from ...engine import MoechatError
     from .transfer import bench_transfer
 
     rows = []
@@ -142,9 +142,7 @@ def _cuda_rows() -> tuple[list[dict], str]:
 def cmd_bench_kernels(args) -> int:
     import torch
 
-    from ...engine import native
-    from ...engine.errors import MoechatError
-    from ...engine.experts import cpu_ffn
+    from ...engine import MoechatError, cpu_ffn, native
 
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
     if unknown:

@@ -47,7 +47,7 @@ def random_config(like: str, layers: int | None = None, hidden: int | None = Non
                   vocab_size: int = 4096, dtype: str = "bfloat16"):
     from transformers import AutoConfig
 
-    from ...engine.errors import MoechatError
+    from ...engine import MoechatError
 
     fields = dict(LIKE[like])
     if layers is not None:

@@ -13,9 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...engine import native
-from ...engine.errors import MoechatError
-from ...engine.experts.native_copier import NativeCopier
+from ...engine import MoechatError, NativeCopier, native
 
 MATMUL_N = 8192  # a bf16 matmul of this size takes ~1 ms on a desktop GPU: few launches cover the copies
 

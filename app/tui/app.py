@@ -272,7 +272,7 @@ class MoechatApp(App):
 
 def sampling_from(settings: Settings, base=None):
     """The chat's SamplingParams: the settings' temperature, top-p and max new tokens over `base`."""
-    from ...engine.config import SamplingParams
+    from ...engine import SamplingParams
 
     base = base or SamplingParams()
     return replace(base, temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens)

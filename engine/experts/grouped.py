@@ -23,8 +23,11 @@ def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: 
     return F.linear(act(gate) * up, down)
 
 
-def _grouped_ok(x: torch.Tensor) -> bool:
-    return _GROUPED and (x.device.type, x.dtype) not in _broken and (x.device.type != "cpu" or _cpu_grouped_ok())
+def uses_grouped_mm(x: torch.Tensor, active_groups: int, groups: int) -> bool:
+    """Whether grouped_ffn takes one grouped GEMM per projection (else a loop over the active groups).
+    grouped_mm walks every group, empty or not: worth it only when many groups have rows."""
+    return (4 * active_groups >= groups and _GROUPED and (x.device.type, x.dtype) not in _broken
+            and (x.device.type != "cpu" or _cpu_grouped_ok()))
 
 
 def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, group_ids: torch.Tensor, act: Callable,
@@ -34,8 +37,7 @@ def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, grou
     if sizes is None:
         sizes = torch.bincount(group_ids, minlength=gate_up.shape[0])  # [G] rows per group
     active = sizes.nonzero().flatten()
-    # grouped_mm walks every group, empty or not: worth it only when many groups have rows
-    if 4 * len(active) >= gate_up.shape[0] and _grouped_ok(x):
+    if uses_grouped_mm(x, len(active), gate_up.shape[0]):
         offs = sizes.cumsum(0).to(device=x.device, dtype=torch.int32)
         try:
             gate, up = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [S, I] each

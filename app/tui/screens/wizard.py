@@ -50,8 +50,7 @@ DECISIONS = (("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "ut
 
 def check_model_dir(text: str) -> str:
     """The directory if it holds a model the engine runs; else MoechatError (one line, from the engine's checks)."""
-    from ....engine.model.checkpoint import read_config_dict
-    from ....engine.model.families import get_family
+    from ....engine import get_family, read_config_dict
 
     path = Path(text.strip()).expanduser()
     get_family(read_config_dict(path).get("model_type", "<missing>"))
@@ -160,7 +159,7 @@ class WizardScreen(Screen):
 
     # --- step 2: budgets from the probe -------------------------------------------------------
     def _probe(self) -> None:
-        from ....engine.calibration.probe import probe
+        from ....engine import probe
 
         hw = probe()
         self.app.call_from_thread(self._prefill, hw)
@@ -236,7 +235,7 @@ class WizardScreen(Screen):
         self.run_worker(lambda: self._resolve_model(source.id, text), thread=True, group="model")
 
     def _resolve_model(self, source: str, text: str) -> None:
-        from ....engine.errors import MoechatError
+        from ....engine import MoechatError
 
         try:
             if source == "src-dir":
@@ -317,7 +316,7 @@ class WizardScreen(Screen):
                                       vram_budget=None if vram is None else int(vram * GIB),
                                       ram_budget=None if ram is None else int(ram * GIB))
         except Exception as err:  # BudgetError and friends are one line already; anything else made one
-            from ....engine.errors import MoechatError
+            from ....engine import MoechatError
 
             message = str(err) if isinstance(err, MoechatError) else f"calibration failed ({type(err).__name__}: {err})"
             self.app.call_from_thread(self._calibration_failed, message.splitlines()[0])
