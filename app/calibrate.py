@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-MAX_MEASURED_DRAFT_LEN = 8  # the largest γ measured: the per-expert curves run 1..γ+1 tokens (paper 000's operating point)
+MAX_MEASURED_DRAFT_LEN = 8  # the largest γ measured: the per-expert curves run 1..γ+1 tokens (MoE-SpAc's operating point)
 
 
 def add_calibrate(sub) -> None:

@@ -30,7 +30,7 @@ def add_simulate(sub) -> None:
                    help="trace files or directories: the shared DeepSeek CSV(.gz) format or `moechat generate --trace` files")
     p.add_argument("--policy", type=_policies, default=["spac"], metavar="P[,P...]",
                    help="policies besides the references lru and oracle: spac, spmoe, static, lfu, specmoe, eam, belady, "
-                        "budget (lru with a LOSSY expert budget, paper 003) (default spac)")
+                        "budget (lru with a LOSSY expert budget, MoE-Spec) (default spac)")
     p.add_argument("--expert-cache-ratio", type=_csv(OPTION["expert_cache_ratio"].parse), default=[0.1, 0.17],
                    metavar="R[,R...]", help="fast-tier shares of the routed experts (default 0.1,0.17)")
     p.add_argument("--draft-len", type=OPTION["draft_len"].parse, default=gamma, metavar="N",

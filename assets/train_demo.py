@@ -34,7 +34,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # shared by the MoE and the draft: the draft's hidden size matches the target's, so the target's
-# routers can read its hidden states (paper 002's lookahead)
+# routers can read its hidden states (SP-MoE's lookahead)
 COMMON = dict(vocab_size=VOCAB, hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
               max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.02)
 TARGET = dict(num_hidden_layers=6, intermediate_size=768, moe_intermediate_size=64, num_experts=32,

@@ -14,7 +14,7 @@ _MODULES = {  # submodule -> the public names it provides
     "events": ("Error", "Event", "Finished", "StepStats", "Summary", "TokenDelta"),
     "errors": ("BudgetError", "CheckpointError", "MoechatError", "RequestError"),
     # routing traces, their replay and the simulator
-    "trace": ("TraceRecorder", "load_routing", "expert_counts", "routing_reuse", "routing_skew"),
+    "trace": ("TraceRecorder", "load_trace", "load_routing", "expert_counts", "routing_reuse", "routing_skew"),
     "replay": ("load_replay",),
     "sched.simulator": ("CostModel", "REFERENCES", "simulate"),
     # memory, hardware and calibration

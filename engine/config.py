@@ -53,7 +53,7 @@ class SpecConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Which residency policy runs the fast tier, and MoE-SpAc's knobs (paper 000: K = 4, λ = 0.1)."""
+    """Which residency policy runs the fast tier, and MoE-SpAc's knobs (the paper's K = 4, λ = 0.1)."""
 
     policy: str = "spac"  # the default by measurement: docs/scheduling.md
     utility_bound: int = 4  # K: utilities run 0..K
@@ -62,7 +62,7 @@ class SchedulerConfig:
     demote: str = "keep"  # after use: "zero" (App. D, recycle first) | "keep" (back to its utility)
     cpu_cost: str = "distinct"  # balancer's CPU cost model: "distinct" experts | "activations" (paper Eq. 7)
     lookahead: bool = True  # use the draft phase's routing before verification (spac: in the utilities; spmoe: prefetch)
-    # LOSSY, off by default (paper 003): a verification computes at most this many experts per MoE
+    # LOSSY, off by default (MoE-Spec): a verification computes at most this many experts per MoE
     # layer, the router-ranked shortlist; activations outside it are dropped. At least the model's top-k
     # (checked when the model loads). Composes with any policy, which sees the truncated counts.
     expert_budget: int | None = None

@@ -53,7 +53,7 @@ class Summary:
     misses: int
     bytes_moved: int
     finish_reason: str  # "eos" | "length" | "stop" | "cancelled"
-    expert_budget: int | None = None  # set: the lossy expert budget was on (paper 003)
+    expert_budget: int | None = None  # set: the lossy expert budget was on (MoE-Spec)
     dropped: int = 0  # activations it left out
     lossy: str = ""  # one-line notice whenever a lossy mode was on, "" when the output is exact
     prefill_tokens_per_s: float = 0.0

@@ -42,6 +42,7 @@ class TraceRecorder:
 
 
 def load_trace(path: str | Path) -> list[dict]:
+    """Every record of a `--trace` file (docs/trace-format.md), for users reading their traces."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 

@@ -1,7 +1,7 @@
 """`moechat bench cpu-experts`: which CPU cost model predicts the CPU expert tier's time.
 
 The balancer and the simulator's cost model offer two: "activations" (time ∝ activations routed to
-CPU experts, paper 000 Eq. 7) and "distinct" (time ∝ distinct CPU experts: the grouped CPU path
+CPU experts, MoE-SpAc Eq. 7) and "distinct" (time ∝ distinct CPU experts: the grouped CPU path
 reads each expert's weights once per step). This times `grouped_ffn` exactly as
 `moe_layer.cpu_experts` calls it, on random routings of one verification window (W tokens, top-k)
 whose concentration and fast-tier share vary, so distinct CPU experts and CPU activations vary

@@ -72,9 +72,6 @@ class SlotTable:
     def __len__(self) -> int:
         return self.capacity - len(self.free)
 
-    def is_resident(self, li: int, e: int) -> bool:
-        return bool(self.slot_of[li, e] >= 0)
-
     def resident_mask(self) -> torch.Tensor:
         return self.slot_of >= 0  # [L, E]
 

@@ -1,6 +1,6 @@
-"""Verification-time expert budget (MoE-Spec, paper 003): LOSSY, off by default.
+"""Verification-time expert budget (MoE-Spec): LOSSY, off by default.
 
-A verification scores each expert by the router weight the γ+1 positions gave it (paper 003 §3.2,
+A verification scores each expert by the router weight the γ+1 positions gave it (MoE-Spec §3.2,
 Eq. 5, router-based ranking) and computes only the B best, the shortlist. An activation outside the
 shortlist is dropped with the paper's truncation (§3.3, Eq. 7): the token keeps its other experts
 with their original weights, which are *not* renormalised ("probabilities are computed over the

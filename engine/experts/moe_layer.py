@@ -63,7 +63,7 @@ def route(rt: MoERuntime, mode: ForwardMode, li: int, idx: torch.Tensor, weights
 
 def apply_budget(rt: MoERuntime, phase: str, idx_h: torch.Tensor, weights: torch.Tensor):
     """-> (flat [S'] expert id per computed activation, kept [S'] their ids in [S] or None when all are).
-    LOSSY expert budget (paper 003): only verification drops activations."""
+    LOSSY expert budget (MoE-Spec): only verification drops activations."""
     flat = idx_h.reshape(-1)  # [S = N*k]
     if rt.expert_budget is None or phase != "verify":
         return flat, None

@@ -1,4 +1,4 @@
-"""Heterogeneous Workload Balancer (paper 000 §3.3, App. C): the threshold τ per layer per step.
+"""Heterogeneous Workload Balancer (MoE-SpAc §3.3, App. C): the threshold τ per layer per step.
 
 Experts with utility s ≥ τ belong on the device (prefetched), the rest run on the CPU. τ minimises
 |T_cpu(τ) − T_gpu(τ)| subject to

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..config import SchedulerConfig
+from ..config import SchedulerConfig, SpecConfig
 from ..errors import MoechatError
 from ..experts.cache import SlotTable
 
@@ -161,7 +161,7 @@ class LfuPolicy(Policy):
 
 
 class HotTemporalPolicy(Policy):
-    """SpecMoE's HotTemporal (paper 001): each layer keeps its share of the slots for the experts the
+    """SpecMoE's HotTemporal: each layer keeps its share of the slots for the experts the
     last verification used most; ties keep the resident expert, then the lower id."""
 
     name = "specmoe"
@@ -194,7 +194,7 @@ def _row_normalised(m: torch.Tensor) -> torch.Tensor:
 
 class EamPolicy(Policy):
     """MoE-Infinity's request-level Expert Activation Matrix (Xue et al. 2024; the baseline of paper
-    004 §3.1 and §4): the current request's EAM [L, E] (activations per expert, prefill and
+    MoE-Beyond §3.1 and §4): the current request's EAM [L, E] (activations per expert, prefill and
     verification) is matched by cosine similarity against the EAMs of the last `collection_size`
     finished requests; the predicted demand is the best match's row-normalised EAM averaged with the
     current one's, and the `capacity` experts with the highest prediction are resident (ties: lower
@@ -255,7 +255,7 @@ class EamPolicy(Policy):
 POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy, LfuPolicy, HotTemporalPolicy, EamPolicy)}
 
 
-def make_policy(config: SchedulerConfig | str, draft_len: int = 8, costs=None) -> Policy:
+def make_policy(config: SchedulerConfig | str, draft_len: int = SpecConfig.draft_len, costs=None) -> Policy:
     """The policy a SchedulerConfig (or a policy name) asks for; MoE-SpAc and SP-MoE get γ and the unit costs."""
     config = SchedulerConfig(policy=config) if isinstance(config, str) else config
     if config.policy == "spac":

@@ -1,4 +1,4 @@
-"""Unified prefetch/evict scheduler (paper 000 §3.4, App. D): one utility ranking drives both.
+"""Unified prefetch/evict scheduler (MoE-SpAc §3.4, App. D): one utility ranking drives both.
 
 - Prefetch: K+1 FIFO queues, one per utility level; served highest level first, FIFO within a
   level, and only down to the expert's layer threshold τ (a queued expert whose utility fell below

@@ -9,7 +9,7 @@ Engine policies (`Policy` subclasses) run unchanged on a `SlotTable`: one policy
 requests, eam's collection, carries over from trace to trace); per window they see the draft-phase
 lookahead (when simulated) and then the window's per-layer counts, exactly the calls the engine
 makes. `lru`, `oracle` and `belady` are reference rules with the protocol's exact tie rules,
-computed here. `budget` is paper 003's lossy expert budget on the reference lru: each window's
+computed here. `budget` is MoE-Spec's lossy expert budget on the reference lru: each window's
 verification keeps per layer only its B most activated experts; the rest is dropped (never
 computed, never loaded), and `served` is over the activations computed. (The engine's LruPolicy
 would load every miss, far over the I/O the reference's one re-plan per window counts.)
@@ -128,7 +128,7 @@ def window_counts(routing: Routing, start: int, stop: int) -> torch.Tensor:
 
 
 def budgeted(routing: Routing, window: int, windows: list[torch.Tensor], budget: int):
-    """Paper 003's budget on a trace: per window and layer only the `budget` most activated experts are
+    """MoE-Spec's budget on a trace: per window and layer only the `budget` most activated experts are
     computed (ties: lower id). Traces carry no router weights, so counts stand in for the router-weight
     ranking (Eq. 5). -> keep [T, L, k] bool per activation, and the windows' [L, E] counts of the kept."""
     L = routing.experts.shape[1]
@@ -241,7 +241,7 @@ def build_policy(name: str, window: int, cost: CostModel, **scheduler):
 
 
 def default_budget(top_k: int) -> int:
-    """4·k: paper 003's headline budget B = 32 for OLMoE (k = 8, §4.2 and Fig. 4), where the dropped
+    """4·k: MoE-Spec's headline budget B = 32 for OLMoE (k = 8, §4.2 and Fig. 4), where the dropped
     experts carry 7% of the routing weight; on DeepSeek-V2-Lite (k = 6) B = 24, whose count-ranked
     shortlist covers about 89% of a 9-token window's activations."""
     return 4 * top_k

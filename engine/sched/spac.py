@@ -1,4 +1,4 @@
-"""MoE-SpAc (paper 000) as a Policy: utility estimator → balancer τ → unified prefetch/evict.
+"""MoE-SpAc as a Policy: utility estimator → balancer τ → unified prefetch/evict.
 
 Per MoE layer of a verification (or the prefill): learn r_c/r_g from what the step used, update the
 utilities with its frequencies f, choose τ, then mark s < τ for eviction and queue s ≥ τ for prefetch.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SchedulerConfig
+from ..config import SchedulerConfig, SpecConfig
 from ..experts.cache import SlotTable
 from .balancer import UnitCosts, WorkloadBalancer
 from .policies import Policy
@@ -26,7 +26,8 @@ RATE_SMOOTHING = 0.4  # EMA weight of the newest step in the tie-break rate
 class SpacPolicy(Policy):
     name = "spac"
 
-    def __init__(self, config: SchedulerConfig | None = None, draft_len: int = 8, costs: UnitCosts | None = None):
+    def __init__(self, config: SchedulerConfig | None = None, draft_len: int = SpecConfig.draft_len,
+                 costs: UnitCosts | None = None):
         self.config = config or SchedulerConfig(policy="spac")
         self.draft_len, self.costs = draft_len, costs or UnitCosts()
 

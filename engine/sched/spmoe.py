@@ -1,4 +1,4 @@
-"""SP-MoE (paper 002) as a Policy: on-demand LRU residency plus draft-phase prefetch up to a cutoff layer.
+"""SP-MoE as a Policy: on-demand LRU residency plus draft-phase prefetch up to a cutoff layer.
 
 When drafting ends, the draft's predicted experts for target layer l (its hidden states through the
 target's gate, `speculative/router_feed.py`; the `self` drafter's own routing; or the simulator's
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from ..config import SchedulerConfig
+from ..config import SchedulerConfig, SpecConfig
 from ..experts.cache import SlotTable
 from .balancer import UnitCosts
 from .policies import LruPolicy
 
 
 def cutoff_layer(num_layers: int, top_k: int, capacity: int, draft_len: int, costs: UnitCosts) -> int:
-    """Paper 002 §4.2.1: the largest L (MoE layers 0..L-1 prefetched) with
+    """SP-MoE §4.2.1: the largest L (MoE layers 0..L-1 prefetched) with
 
         memory: N ≤ capacity                                      N = L·k experts prefetched
         time:   max((L − 1)·t_comp + k·t_io, N·t_io) ≤ T_draft
@@ -42,7 +42,8 @@ def cutoff_layer(num_layers: int, top_k: int, capacity: int, draft_len: int, cos
 class SpmoePolicy(LruPolicy):
     name = "spmoe"
 
-    def __init__(self, config: SchedulerConfig | None = None, draft_len: int = 8, costs: UnitCosts | None = None):
+    def __init__(self, config: SchedulerConfig | None = None, draft_len: int = SpecConfig.draft_len,
+                 costs: UnitCosts | None = None):
         self.config = config or SchedulerConfig(policy="spmoe")
         self.draft_len, self.costs = draft_len, costs or UnitCosts()
 

@@ -1,4 +1,4 @@
-"""Speculative Utility Estimator (paper 000 §3.2, Alg. 1): a discrete utility s ∈ {0..K} per (layer, expert).
+"""Speculative Utility Estimator (MoE-SpAc §3.2, Alg. 1): a discrete utility s ∈ {0..K} per (layer, expert).
 
 Each verification step observes f[l, e], how many of its γ+1 positions chose expert e in layer l.
 `paper`: inertial ±1 transitions on the change Δ = f_t − f_{t−1} against per-expert boundaries θ↑/θ↓,

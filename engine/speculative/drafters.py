@@ -42,7 +42,7 @@ class NoDraft:
 class DraftModel:
     """A separate small dense checkpoint with the target's tokenizer. With the target's hidden size,
     its hidden states also go through the target's routers to tell the policy what the
-    verification will need (`router_feed.py`, paper 002)."""
+    verification will need (`router_feed.py`, SP-MoE)."""
 
     name = "model"
 
@@ -113,7 +113,7 @@ def _check_same_vocab(model_dir: Path, raw: dict, target: LoadedModel) -> None:
 
 
 class SelfDraft:
-    """The target drafts for itself with only its resident experts (SpecMoE, paper 001).
+    """The target drafts for itself with only its resident experts (SpecMoE).
 
     A token routed to a non-resident expert goes to the most similar resident expert of that layer
     (smallest L2 distance between the experts' weights, a table computed once). Drafting writes into

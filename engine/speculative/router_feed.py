@@ -1,11 +1,11 @@
-"""A separate draft model's hidden states through the target's routers (SP-MoE, paper 002 §4.2.1).
+"""A separate draft model's hidden states through the target's routers (SP-MoE §4.2.1).
 
 While the draft model drafts, each of its layers' hidden states goes through the gate of the
 matching target MoE layer; the expert ids that gate picks are the predicted demand of the coming
 verification, reported to the residency policy as draft-phase counts, exactly as the `self`
 drafter reports its router's choices. Lossless: it only informs the policy.
 
-Layer mapping (paper 002, cross-model predictor): the attention output of draft layer l feeds the
+Layer mapping (SP-MoE, cross-model predictor): the attention output of draft layer l feeds the
 gate of target layer l, same index. We take draft layer l's MLP input (its post-attention-norm
 hidden state), the tensor the target's gate sees in its own layer l. Target layers at or past the
 draft's depth get no prediction: the paper pairs layers by index and bounds the prefetch depth by

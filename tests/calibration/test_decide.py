@@ -117,7 +117,7 @@ def test_more_vram_or_less_context_never_caches_fewer_experts(known, model):
 
 
 def test_desktop_qwen3_against_the_paper(known):
-    """RTX 4090 (24 GB, PCIe 4.0 x16) + Qwen3-30B-A3B, the paper's machine and model. Paper 000 uses
+    """RTX 4090 (24 GB, PCIe 4.0 x16) + Qwen3-30B-A3B, the paper's machine and model. MoE-SpAc uses
     ratio 17 %, K = 4, γ = 8; decide() picks ratio 0.291, γ = 2, K = 2 here.
 
     Ratio: at the model's full context (40960 tokens, 3.75 GiB of KV) with self-draft (no second

@@ -1,4 +1,4 @@
-"""A separate draft model's hidden states through the target's routers (paper 002): the family hook
+"""A separate draft model's hidden states through the target's routers (SP-MoE): the family hook
 picks exactly the target's experts, the layer mapping follows the paper, and the feed stays lossless."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Asynchronous transfers (paper 000 §3.4, App. D): readiness, the transfer thread, the two stream orderings.
+"""Asynchronous transfers (MoE-SpAc §3.4, App. D): readiness, the transfer thread, the two stream orderings.
 
 On CPU the readiness source is injected (a copy that lands only after a few polls, NaN until then),
 and the transfer thread runs against the RAM fast tier; the CUDA tests check the real stream/events.

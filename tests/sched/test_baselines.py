@@ -165,7 +165,7 @@ def test_eam_is_lossless_across_requests(checkpoint, tokenizer):
 
 def test_budget_truncates_like_the_paper(checkpoint):
     """run_layer under a budget: the B experts with the most router weight run, the rest contribute
-    zero, kept weights are not renormalised (paper 003 Eq. 7), on both tiers."""
+    zero, kept weights are not renormalised (MoE-Spec Eq. 7), on both tiers."""
     from moechat.engine.experts.grouped import expert_ffn
 
     eng = engine(checkpoint("qwen2_moe"), budget=3)

@@ -1,4 +1,4 @@
-"""Scheduler pieces against hand-computed sequences: the utility estimator (paper 000 Alg. 1) and the
+"""Scheduler pieces against hand-computed sequences: the utility estimator (MoE-SpAc Alg. 1) and the
 simulator's reference rules (DESIGN.md replay protocol)."""
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import torch
 from moechat.engine.sched.simulator import CostModel, simulate
 from moechat.engine.sched.utility import UtilityEstimator
 from moechat.engine.trace import Routing
+
+
+def resident(table, li: int, e: int) -> bool:
+    return bool(table.slot_of[li, e] >= 0)
 
 
 def test_utility_paper_variant_by_hand():
@@ -85,7 +89,7 @@ def test_lfu_and_hot_temporal_follow_frequency():
     assert hot["served"] == pytest.approx(2 / 12)
 
 
-# --- SP-MoE (paper 002): LRU plus draft-phase prefetch up to the cutoff layer ---------------------
+# --- SP-MoE: LRU plus draft-phase prefetch up to the cutoff layer ---------------------
 
 def test_spmoe_cutoff_layer_by_hand():
     from moechat.engine.sched.balancer import UnitCosts
@@ -140,7 +144,7 @@ def test_spmoe_history_only_is_lru_and_prefetch_spares_the_draft_phase():
     assert table.resident_mask()[0].tolist() == [False, True, False] and p.lookahead_loads == 1
 
 
-# --- the prefetch engine (paper 000 App. D) --------------------------------------------------------
+# --- the prefetch engine (MoE-SpAc App. D) --------------------------------------------------------
 
 from moechat.engine.experts.cache import SlotTable  # noqa: E402
 from moechat.engine.sched.balancer import UnitCosts, WorkloadBalancer  # noqa: E402
@@ -181,15 +185,15 @@ def test_prefetch_evicts_below_tau_and_displaces_only_lower_ranked():
     assert set(table.resident_mask()[0].nonzero().flatten().tolist()) == {0, 1}
     pre.update(1, torch.tensor([0, 0, 3, 0, 0, 0]), tau=1)  # level 3 does not displace level 3 or 4
     pre.drain()
-    assert not table.is_resident(1, 2)
+    assert not resident(table, 1, 2)
     pre.update(1, torch.tensor([0, 0, 4, 0, 0, 0]), tau=1)  # level 4 displaces the level-3 expert
     pre.drain()
-    assert table.is_resident(1, 2) and table.is_resident(0, 0) and not table.is_resident(0, 1)
+    assert resident(table, 1, 2) and resident(table, 0, 0) and not resident(table, 0, 1)
     pre.update(0, torch.tensor([1, 0, 0, 0, 0, 0]), tau=2)  # s < τ: first to go, but lazily
-    assert table.is_resident(0, 0)  # still resident (and serving hits) until a slot is needed
+    assert resident(table, 0, 0)  # still resident (and serving hits) until a slot is needed
     pre.update(1, torch.tensor([0, 0, 4, 1, 0, 0]), tau=1)  # a level-1 newcomer outranks it (tier 0 < tier 1)
     pre.drain()
-    assert table.is_resident(1, 3) and not table.is_resident(0, 0) and table.is_resident(1, 2)
+    assert resident(table, 1, 3) and not resident(table, 0, 0) and resident(table, 1, 2)
 
 
 def test_prefetch_breaks_ties_within_a_level_by_the_finer_rank():
@@ -198,10 +202,10 @@ def test_prefetch_breaks_ties_within_a_level_by_the_finer_rank():
     pre.drain()
     pre.update(1, torch.tensor([2, 0, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.5, 0, 0, 0, 0, 0]))
     pre.drain()  # level 2 + 0.5 displaces level 2 + 0.1, not level 2 + 0.7
-    assert table.is_resident(1, 0) and table.is_resident(0, 1) and not table.is_resident(0, 0)
+    assert resident(table, 1, 0) and resident(table, 0, 1) and not resident(table, 0, 0)
     pre.update(1, torch.tensor([0, 2, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.5, 0.9, 0, 0, 0, 0]))
     pre.drain()  # layer 1 e0 fell below τ (tier 0) and goes first; the busier (0, 1) stays
-    assert table.is_resident(1, 1) and table.is_resident(0, 1) and not table.is_resident(1, 0)
+    assert resident(table, 1, 1) and resident(table, 0, 1) and not resident(table, 1, 0)
 
 
 def test_prefetch_never_evicts_an_expert_in_use():
@@ -212,13 +216,13 @@ def test_prefetch_never_evicts_an_expert_in_use():
     pre.update(0, torch.tensor([0, 0, 0, 0, 0, 0]), tau=3)  # below τ, but frozen at K+1
     pre.update(1, torch.tensor([4, 0, 0, 0, 0, 0]), tau=1)  # a hotter expert cannot displace it either
     pre.drain()
-    assert table.is_resident(0, 0) and not table.is_resident(1, 0)
+    assert resident(table, 0, 0) and not resident(table, 1, 0)
     pre.release(0, [0])  # demoted to 0 ("zero"): now the newcomer displaces it
     pre.drain()
-    assert table.is_resident(1, 0) and not table.is_resident(0, 0)
+    assert resident(table, 1, 0) and not resident(table, 0, 0)
 
 
-# --- the workload balancer (paper 000 §3.3, App. C) --------------------------------------------------
+# --- the workload balancer (MoE-SpAc §3.3, App. C) --------------------------------------------------
 
 def test_balancer_balances_cpu_and_device_time():
     # 1 layer, K = 4; a step with f = [4, 3, 2, 1, 0, 0] scheduled with s = [4, 3, 2, 1, 0, 0]

@@ -48,7 +48,7 @@ class Family:
         Each calls the family's `transformers` gate module (`mlp.gate` in every supported family:
         softmax, greedy or group-limited top-k, all inside it) and keeps its indices, so a hidden
         state gets exactly the ids the target's routing would give it. Used to feed a separate
-        draft model's hidden states through the target's routers (paper 002).
+        draft model's hidden states through the target's routers (SP-MoE).
         """
         layers = hf.model.layers
         return [_router_ids(layers[i].mlp.gate) for i in self.sparse_layers(config)]
