@@ -135,7 +135,7 @@ def test_lru_policy_evicts_least_recent(checkpoint):
     policy.on_layer(1, counts.index_fill(0, torch.tensor([5]), 2), "verify")  # a miss evicts (0, 1)
     assert {k for k in cache.key_of} == {(0, 0), (0, 2), (1, 5)}
     policy.on_layer(1, counts.index_fill(0, torch.tensor([6]), 1), "draft")  # drafting never moves experts
-    assert not cache.is_resident(1, 6)
+    assert (1, 6) not in cache.key_of
 
 
 def test_static_policy_pins_warmup_top_experts(checkpoint):
