@@ -171,7 +171,9 @@ class MoERuntime:
             self.policy.after_layer(li)
             self.policy.on_layer(li, demand[li], "draft")
         self.policy.on_forward_end("draft")
-        self.counters.policy_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0  # residency work of the MoE layers, done once for the phase:
+        self.counters.policy_s += spent  # counted in layer time too, so host time (layer - wait - policy) stays exact
+        self.counters.layer_s += spent
 
     def reset_counters(self) -> LayerCounters:
         done, self.counters = self.counters, LayerCounters(len(self.store.layers), self.store.num_experts)
