@@ -64,7 +64,6 @@ class MoERuntime:
         self.expert_budget = expert_budget  # LOSSY when set: verification computes at most this many experts per layer
         policy.bind(cache, top_k)
         self.mode: ForwardMode | None = None  # set only inside `forward`
-        self.draft_demand: dict[int, torch.Tensor] = {}  # sparse layer -> [E] this draft phase's demand so far
         self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
         self.counters = LayerCounters(len(store.layers), store.num_experts)
         # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses;
@@ -129,7 +128,6 @@ class MoERuntime:
         self.replay = replay
 
     def begin_request(self) -> None:
-        self.draft_demand = {}  # a cancelled request's draft phase never reaches the policy
         self.policy.begin_request()
 
     @contextmanager
@@ -151,21 +149,18 @@ class MoERuntime:
     def report_draft_demand(self, li: int, demand: torch.Tensor) -> None:
         """Draft-phase demand [E] of sparse layer li (host int64), the lookahead signal: the one path
         by which both drafters report it, per draft forward (one token) per layer."""
-        self.counters.draft_freq[li] += demand
-        if li in self.draft_demand:
-            self.draft_demand[li] += demand
-        else:
-            self.draft_demand[li] = demand.clone()
+        self.counters.draft_freq[li] += demand  # this step's draft phase so far: counters reset every step
 
     def end_draft_phase(self) -> None:
         """Drafting is over: the policy sees its demand once per layer, summed over the draft tokens
         (the granularity the simulator replays), then on_forward_end("draft"). No residency moves
         while drafting, so a draft phase computes against one table."""
-        if not self.draft_demand:
+        demand = self.counters.draft_freq  # [L, E] reported since the step began
+        layers = demand.any(dim=1).nonzero().flatten().tolist()  # a reporting layer has demand: k >= 1 per token
+        if not layers:
             return
         t0 = time.perf_counter()
-        demand, self.draft_demand = self.draft_demand, {}
-        for li in sorted(demand):
+        for li in layers:
             with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
                 self.policy.before_layer(li, demand[li])
             self.policy.after_layer(li)
