@@ -27,7 +27,7 @@ def add_bench_e2e(sub) -> None:
     from ...engine import SpecConfig
     from ..options import OPTION
 
-    gamma = SpecConfig().draft_len
+    gamma = SpecConfig.draft_len
 
     p = sub.add_parser("e2e", help="decode tokens/s of spac, lru, on-demand, all-CPU and HF offload on one model, "
                                    "the bandwidth bound, and the host overhead per MoE layer")

@@ -148,18 +148,14 @@ def _print_generate(result: dict, args, replay) -> None:
             print(f"lossy: expert budget {args.expert_budget}")
 
 
-def load_model_replay(engine, path: str):
-    """The recorded routing at `path`, checked against the engine's model (layers, experts, top-k)."""
+def attach_replay(engine, path: str):
+    """Replay the routing at `path` (checked against the model's layers, experts and top-k) in the
+    engine's runtime from now on; returns the replay."""
     from ...engine import load_replay
 
     m = engine.model
-    return load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
-
-
-def attach_replay(engine, path: str):
-    """Replay the routing at `path` in the engine's runtime from now on; returns the replay."""
-    replay = load_model_replay(engine, path)
-    engine.model.runtime.replay_routing(replay)
+    replay = load_replay(path, len(m.store.layers), m.store.num_experts, m.family.top_k(m.hf_config))
+    m.runtime.replay_routing(replay)
     return replay
 
 
