@@ -9,7 +9,7 @@ import importlib
 
 _MODULES = {  # submodule -> the public names it provides
     "generate": ("Engine", "Request"),
-    "config": ("EngineConfig", "SamplingParams", "SchedulerConfig", "SpecConfig", "DTYPES", "POLICIES", "DEMOTES",
+    "config": ("EngineConfig", "SamplingParams", "SchedulerConfig", "SpecConfig", "DTYPES", "QUANTS", "POLICIES", "DEMOTES",
                "UTILITY_VARIANTS"),
     "events": ("Error", "Event", "Finished", "StepStats", "Summary", "TokenDelta"),
     "errors": ("BudgetError", "CheckpointError", "MoechatError", "RequestError"),

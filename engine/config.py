@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from .errors import MoechatError
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTS = ("none", "int8", "int4")  # routed experts' storage format (engine/quant/formats.py)
 POLICIES = ("spac", "lru", "static", "lfu", "specmoe", "eam", "spmoe")
 UTILITY_VARIANTS = ("level", "paper")  # research knobs: flags of `simulate` and the benchmarks, not user settings
 DEMOTES = ("zero", "keep")
@@ -96,11 +97,13 @@ class EngineConfig:
     host_ram_budget_bytes: int | None = None  # below the experts' size: read experts from the mmap'd checkpoint
     vram_budget_bytes: int | None = None  # everything on the GPU (weights, KV, draft, experts, margin); None: free VRAM
     context_len: int | None = None  # None: the model's max_position_embeddings
+    quant: str = "none"  # routed experts: "none" (checkpoint dtype), "int8", "int4"; pre-quantized ones run as they are
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.quant in QUANTS, f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         _check(self.device == "cpu" or self.device.startswith("cuda"), f"device must be cpu or cuda, got {self.device!r}")
         if self.expert_cache_ratio is None:  # on a CPU-only machine the fast tier is RAM too: copies buy nothing
             self.expert_cache_ratio = 0.0 if self.device == "cpu" else 0.25
