@@ -1,0 +1,157 @@
+"""Pre-quantized GPTQ int4 checkpoints (AutoGPTQ / optimum / gptqmodel "gptq" and "gptq_v2" formats), read
+into moechat's int4 format (engine/quant/formats.py).
+
+Each quantized linear W [N, K] (N outputs, K inputs) is stored under its prefix as
+
+    qweight  int32 [K/8, N]     8 codes per word packed along K: code k = 8r + i of word r in bits 4i..4i+3
+    qzeros   int32 [G, N/8]     zero points packed the same way along N (G = ceil(K / group_size) groups)
+    scales   fp16  [G, N]
+    g_idx    int32 [K]          the group of each input column (optional in old checkpoints)
+
+and w[n, k] = scales[g, n] · (q[k, n] - z[g, n]) with g = g_idx[k]. The "gptq" (v1) format stores z - 1
+(symmetric checkpoints: 7 in every nibble, real zero 8); "gptq_v2" stores z. Like AutoGPTQ's own
+dequantization, v1 adds 1 without wrapping (a stored 15 reads as 16).
+
+A group is a whole number of 32-column blocks, so it maps onto moechat's int4 blocks exactly:
+d = scale, m = -scale · zero, codes unchanged. Act-order checkpoints (columns in a permuted group order)
+do not map onto blocks and are refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moechat.engine.errors import CheckpointError
+from moechat.engine.quant import formats
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors (plus an optional bias)
+_USE_BF16 = "use the bf16 checkpoint with --quant int4 or --quant int8"
+
+
+@dataclass(frozen=True)
+class GptqSpec:
+    """A checkpoint's quantization_config, validated: only 4-bit, block-aligned groups, gptq/gptq_v2 layout."""
+
+    bits: int = 4
+    group_size: int = 128  # -1: one group over all of K
+    desc_act: bool = False
+    sym: bool = True
+    checkpoint_format: str = "gptq"
+
+    def __post_init__(self) -> None:
+        if self.bits != 4:
+            raise CheckpointError(f"this checkpoint is GPTQ with {self.bits} bits, which is not supported: "
+                                  "use a 4-bit GPTQ checkpoint, or the bf16 model with --quant int8")
+        g = self.group_size
+        if not isinstance(g, int) or not (g == -1 or (g > 0 and g % formats.BLOCK == 0)):
+            raise CheckpointError(f"GPTQ group_size {self.group_size!r} is not supported (it must be -1 or a multiple of 32): "
+                                  f"use a checkpoint quantized with group_size 32, 64 or 128, or {_USE_BF16}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise CheckpointError(f"GPTQ checkpoint_format {self.checkpoint_format!r} is not supported (only gptq and gptq_v2 "
+                                  f"are): use a checkpoint saved in the gptq format, or {_USE_BF16}")
+
+    def group(self, k: int) -> int:
+        """Columns per group for a matrix with K = k inputs."""
+        return k if self.group_size == -1 else self.group_size
+
+
+def read_gptq_config(raw: dict) -> GptqSpec | None:
+    """The GptqSpec of config.json (as a dict); None when it has no quantization_config. Any other
+    quantization method, or a GPTQ variant this module cannot read, raises CheckpointError."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise CheckpointError("config.json: quantization_config is not an object: re-download the model")
+    method = str(qc.get("quant_method", "unknown")).lower()
+    if method != "gptq":
+        raise CheckpointError(f"this checkpoint is quantized with {method}, which moechat cannot load: {_USE_BF16}")
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()  # gptqmodel also writes "format"
+    if qc.get("is_marlin_format"):
+        fmt = "marlin"
+    if str(qc.get("pack_dtype", "int32")) != "int32":
+        raise CheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']} is not supported (only int32 is): {_USE_BF16}")
+    for pattern, override in (qc.get("dynamic") or {}).items():  # gptqmodel's per-module settings ("-:" = left unquantized)
+        if not str(pattern).startswith("-:") and any(key in override and override[key] != qc.get(key)
+                                                     for key in ("bits", "group_size", "sym", "desc_act")):
+            raise CheckpointError(f"GPTQ per-module settings (dynamic {pattern!r}) are not supported: {_USE_BF16}")
+    return GptqSpec(bits=qc.get("bits", 4), group_size=qc.get("group_size", -1), desc_act=bool(qc.get("desc_act", False)),
+                    sym=bool(qc.get("sym", True)), checkpoint_format=fmt)
+
+
+def gptq_prefixes(keys) -> set[str]:
+    """The quantized linears' prefixes in a checkpoint's key set (each key ending in .qweight)."""
+    return {key[:-len(".qweight")] for key in keys if key.endswith(".qweight")}
+
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> int32 [..., W, 8]: nibble i of each word (bits 4i..4i+3)."""
+    return (words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                spec: GptqSpec, name: str = "GPTQ linear") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One quantized linear -> (codes uint8 [N, K], real zero points uint8 [G, N], scales fp16 [G, N]),
+    after checking every shape and that g_idx is the plain k // group_size order. `name` (the prefix)
+    goes into the error messages."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{name}.{what}: the checkpoint is corrupt or not a 4-bit GPTQ checkpoint; re-download the model")
+
+    if qweight.dtype != torch.int32 or qweight.dim() != 2:
+        raise bad(f"qweight is {qweight.dtype} {tuple(qweight.shape)}, expected int32 [K/8, N]")
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    groups = -(-k // spec.group(k))
+    if n % 8 or qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, n // 8):
+        raise bad(f"qzeros is {qzeros.dtype} {tuple(qzeros.shape)}, expected int32 {(groups, n // 8)} (N = {n}, K = {k})")
+    if not scales.is_floating_point() or tuple(scales.shape) != (groups, n):
+        raise bad(f"scales is {scales.dtype} {tuple(scales.shape)}, expected fp16 {(groups, n)} (N = {n}, K = {k})")
+    plain = torch.arange(k, device=qweight.device) // spec.group(k)
+    if g_idx is None and spec.desc_act:
+        raise bad("g_idx is missing (a desc_act checkpoint needs it)")
+    if g_idx is not None:
+        if tuple(g_idx.shape) != (k,):
+            raise bad(f"g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
+        if not torch.equal(g_idx.to(plain.device, torch.int64), plain):
+            raise CheckpointError(f"{name}.g_idx is not in plain group order (act-order, desc_act): act-order GPTQ "
+                                  f"checkpoints are not supported; use one quantized with desc_act=false, or {_USE_BF16}")
+    codes = _nibbles(qweight).permute(1, 0, 2).reshape(n, k)  # [K/8, N, 8] -> [N, K/8, 8] -> [N, K]
+    zeros = _nibbles(qzeros).reshape(groups, n)
+    if spec.checkpoint_format == "gptq":
+        zeros = zeros + 1
+    return codes.to(torch.uint8), zeros.to(torch.uint8), scales.to(torch.float16)
+
+
+def gptq_to_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                   spec: GptqSpec, name: str = "GPTQ linear") -> formats.QuantMatrix:
+    """One quantized linear as an int4 QuantMatrix [N, K]: per block of 32 columns d = the scale of its
+    group and m = -scale · zero (computed in fp32, stored fp16), the codes unchanged. K is padded to whole
+    chunks with code 0; a block holding real columns takes their group (groups are whole blocks, so one
+    group per block), blocks of padding only get d = m = 0 (padded activations are zero anyway).
+
+    Rounding m to fp16 is the only change to the weights: its error is at most 2^-11 · |z| · d
+    <= 2^-11 · 16 · d, under 1 % of a quantization step d."""
+    codes, zeros, scales = unpack_gptq(qweight, qzeros, scales, g_idx, spec, name)
+    n, k = codes.shape
+    kp = formats.padded(k)
+    start = torch.arange(0, kp, formats.BLOCK, device=codes.device)  # first column of each block
+    group = start.clamp(max=k - 1) // spec.group(k)  # [Kp/32]
+    real = (start < k).float()
+    d = scales.float()[group].T * real  # [N, Kp/32]
+    m = -d * zeros.float()[group].T
+    u = torch.nn.functional.pad(codes, (0, kp - k))
+    return formats.QuantMatrix("int4", k, formats.pack_int4(u), d.half(), m.half())
+
+
+def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                    spec: GptqSpec, dtype: torch.dtype = torch.bfloat16, name: str = "GPTQ linear") -> torch.Tensor:
+    """One quantized linear as a dense weight [N, K] in `dtype` (for layers loaded into the model as they
+    are): scales · (q - z) per group, computed in fp32."""
+    codes, zeros, scales = unpack_gptq(qweight, qzeros, scales, g_idx, spec, name)
+    group = torch.arange(codes.shape[1], device=codes.device) // spec.group(codes.shape[1])  # [K]
+    w = scales.float()[group].T * (codes.float() - zeros.float()[group].T)
+    return w.to(dtype)
