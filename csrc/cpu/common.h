@@ -27,7 +27,36 @@
 namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
-enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5 };
+enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5, AVX512_VNNI = 6 };
+
+// What this CPU can run (and, for AMX, what Linux lets this process use).
+bool cpu_has(Isa isa) {
+#ifdef MOE_X86
+    __builtin_cpu_init();
+    switch (isa) {
+        case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        case AVX512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && cpu_has(AVX2);
+        case AVX512_BF16: return cpu_has(AVX512) && __builtin_cpu_supports("avx512bf16");
+        case AVX512_VNNI: return cpu_has(AVX512) && __builtin_cpu_supports("avx512vnni");
+        case AMX_BF16: {  // CPUID.7.0:EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), and Linux's permission to use tiles
+#if defined(__linux__)
+            static const bool ok = [] {
+                unsigned a, b, c, d;
+                if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+                return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+            }();
+            return ok && cpu_has(AVX512_BF16);
+#else
+            return false;
+#endif
+        }
+        default: return isa == SCALAR;
+    }
+#else
+    return isa == SCALAR;
+#endif
+}
 
 // ---- scalar conversions -------------------------------------------------------------------------
 inline float bf16_to_f32(uint16_t v) {

@@ -20,7 +20,13 @@ import threading
 import torch
 
 from ..errors import BudgetError, MoechatError
+from ..quant.formats import QuantMatrix, empty_matrix
 from .store import ExpertStore
+
+
+def _parts(w) -> list[torch.Tensor]:
+    """The tensors a copy moves: one for a plain weight, a QuantMatrix's codes and scales."""
+    return w.tensors() if isinstance(w, QuantMatrix) else [w]
 
 
 def slots_for(store: ExpertStore, ratio: float, budget_bytes: int | None) -> int:
@@ -149,8 +155,12 @@ class ExpertCache(SlotTable):
         super().__init__(len(store.layers), store.num_experts, num_slots, store.expert_bytes)
         self.store, self.device = store, device
         H, I = store.hidden, store.inter
-        self.gate_up = torch.empty(num_slots, 2 * I, H, dtype=store.dtype, device=device)  # [S, 2I, H]
-        self.down = torch.empty(num_slots, H, I, dtype=store.dtype, device=device)  # [S, H, I]
+        if store.quant == "none":
+            self.gate_up = torch.empty(num_slots, 2 * I, H, dtype=store.dtype, device=device)  # [S, 2I, H]
+            self.down = torch.empty(num_slots, H, I, dtype=store.dtype, device=device)  # [S, H, I]
+        else:  # the quantized bytes, as the store holds them
+            self.gate_up = empty_matrix(store.quant, (num_slots,), 2 * I, H, device=device)
+            self.down = empty_matrix(store.quant, (num_slots,), H, I, device=device)
         self.copier = None  # the native copier (csrc/cuda/prefetch.cpp), when it builds (MOECHAT_NATIVE=0: never)
         if device.type == "cuda":
             from .native_copier import open_copier
@@ -175,8 +185,9 @@ class ExpertCache(SlotTable):
         if self.copier is not None:  # queued: the copier's thread issues it by level, after compute_done
             from .native_copier import DEMAND
 
-            return self.copier.enqueue(slot, li, DEMAND if level is None else level,
-                                       [(gate_up.contiguous(), self.gate_up[slot]), (down.contiguous(), self.down[slot])])
+            pairs = list(zip(_parts(gate_up.contiguous()), _parts(self.gate_up[slot])))
+            pairs += zip(_parts(down.contiguous()), _parts(self.down[slot]))
+            return self.copier.enqueue(slot, li, DEMAND if level is None else level, pairs)
         if self.stream is None:
             self.gate_up[slot].copy_(gate_up)
             self.down[slot].copy_(down)

@@ -4,6 +4,8 @@ where it is built and the pure-PyTorch twin `moe_ffn_torch` everywhere else; bot
     out[rows[s]] += row_weights[s] · down_e(silu(gate_e · x[rows[s]]) ⊙ up_e · x[rows[s]])
 
 for every activation s of every group g (expert e = experts[g], activations offsets[g]..offsets[g+1]).
+Quantized experts (engine/quant/formats.py: gate_up and down are QuantMatrix) take the same
+contract through `moe_ffn_q_native` (csrc/cpu/quant_ffn.cpp) and its twin `moe_ffn_q_torch`.
 """
 from __future__ import annotations
 
@@ -14,24 +16,31 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
+from ..quant import formats
+from ..quant.formats import QuantMatrix
 from .grouped import expert_ffn
 
 SOURCE = native.CSRC / "cpu" / "expert_ffn.cpp"
+Q_SOURCE = native.CSRC / "cpu" / "quant_ffn.cpp"
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5}
+ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6}
+Q_ISAS = ("scalar", "avx2", "avx512_vnni")  # the quantized kernel's paths
 ISA_NAME = {v: k for k, v in ISA.items()}
 # Above this many tokens per expert a GEMM library beats a row-streaming kernel (prefill): torch then.
 NATIVE_MAX_TOKENS = 16
 
 
 def _build():
-    return native.build("cpu", [SOURCE], headers=sorted(SOURCE.parent.glob("*.h")))
+    return native.build("cpu", [SOURCE, Q_SOURCE], headers=sorted(SOURCE.parent.glob("*.h")))
 
 
 native.register("cpu", _build)
 
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES = [_I64, _P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int]
+_Q_ARGTYPES = [_I64, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int,
+               ctypes.c_int]
+_QL_ARGTYPES = [_P, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P, ctypes.c_int, ctypes.c_int]
 
 
 def library() -> ctypes.CDLL | None:
@@ -41,6 +50,12 @@ def library() -> ctypes.CDLL | None:
         lib.moe_expert_ffn.restype = ctypes.c_int
         lib.moe_cpu_isa_supported.argtypes = [ctypes.c_int]
         lib.moe_cpu_resolve_isa.argtypes = [ctypes.c_int] * 3
+        lib.moe_expert_ffn_q.argtypes = _Q_ARGTYPES
+        lib.moe_expert_ffn_q.restype = ctypes.c_int
+        lib.moe_q_linear.argtypes = _QL_ARGTYPES
+        lib.moe_q_linear.restype = ctypes.c_int
+        lib.moe_q_isa_supported.argtypes = [ctypes.c_int]
+        lib.moe_q_resolve_isa.argtypes = [ctypes.c_int]
         lib._moe_typed = True
     return lib
 
@@ -67,6 +82,17 @@ def resolved_isa(isa: str, w_dtype: torch.dtype, x_dtype: torch.dtype) -> str:
     return ISA_NAME[lib.moe_cpu_resolve_isa(ISA[isa], DTYPE_CODE[w_dtype], DTYPE_CODE[x_dtype])]
 
 
+def resolved_q_isa(isa: str) -> str:
+    """The path a quantized call takes ("auto": VNNI, else AVX2, else scalar)."""
+    lib = library()
+    return "torch" if lib is None else ISA_NAME[lib.moe_q_resolve_isa(ISA[isa])]
+
+
+def q_isa_supported(isa: str) -> bool:
+    lib = library()
+    return lib is not None and isa in (*Q_ISAS, "auto") and bool(lib.moe_q_isa_supported(ISA[isa]))
+
+
 def default_isa() -> str:
     """MOECHAT_CPU_ISA forces a path (equality tests, benchmarks); "auto" otherwise."""
     return os.environ.get("MOECHAT_CPU_ISA", "auto")
@@ -76,7 +102,10 @@ def moe_ffn_native(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e
                    offsets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor, out: torch.Tensor,
                    threads: int | None = None, isa: str | None = None) -> torch.Tensor:
     """x [N, H] (fp32/bf16/fp16), gate_up [E, 2I, H], down [E, H, I] (fp32/bf16/fp16, contiguous),
-    experts [G] int64, offsets [G+1] int64, rows [S] int64, row_weights [S] fp32, out [N, H] fp32 += ."""
+    experts [G] int64, offsets [G+1] int64, rows [S] int64, row_weights [S] fp32, out [N, H] fp32 += .
+    Quantized experts (QuantMatrix) go to moe_ffn_q_native."""
+    if isinstance(gate_up, QuantMatrix):
+        return moe_ffn_q_native(x, gate_up, down, experts, offsets, rows, row_weights, out, threads, isa)
     lib = library()
     if lib is None:
         raise RuntimeError(native.notice("cpu"))
@@ -109,16 +138,100 @@ def moe_ffn_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ex
     return out
 
 
-def usable(gate_up: torch.Tensor, x: torch.Tensor, max_tokens: int) -> bool:
+def _q_isa(isa: str | None) -> str:
+    isa = isa or default_isa()
+    return isa if isa in Q_ISAS else "auto"  # a bf16-kernel path forced by MOECHAT_CPU_ISA: the best quantized one
+
+
+def moe_ffn_q_native(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, experts: torch.Tensor,
+                     offsets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor, out: torch.Tensor,
+                     threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+    """moe_ffn_native on quantized experts: gate_up [E, 2I, H] and down [E, H, I] as QuantMatrix (contiguous,
+    on the CPU); x [N, H] fp32/bf16/fp16; the rest as moe_ffn_native."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(native.notice("cpu"))
+    H, I = gate_up.k, down.k
+    assert gate_up.fmt == down.fmt and gate_up.rows == 2 * I and down.rows == H and x.shape[1] == H
+    assert gate_up.is_contiguous() and down.is_contiguous() and x.is_contiguous() and out.is_contiguous()
+    assert out.dtype == torch.float32 and row_weights.dtype == torch.float32 and out.shape == (x.shape[0], H)
+    experts, offsets, rows = (t.to(torch.int64).contiguous() for t in (experts, offsets, rows))
+    row_weights = row_weights.contiguous()
+    gu_m, dn_m = (0 if t.minimum is None else t.minimum.data_ptr() for t in (gate_up, down))
+    code = lib.moe_expert_ffn_q(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.q.data_ptr(),
+                                gate_up.scale.data_ptr(), gu_m, down.q.data_ptr(), down.scale.data_ptr(), dn_m,
+                                formats.BITS[gate_up.fmt], H, I, x.data_ptr(), DTYPE_CODE[x.dtype], rows.data_ptr(),
+                                row_weights.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(), ISA[_q_isa(isa)])
+    if code != 0:
+        raise RuntimeError(f"native quantized expert FFN failed with code {code} (isa {_q_isa(isa)})")
+    return out
+
+
+def moe_ffn_q_torch(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, experts: torch.Tensor,
+                    offsets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The pure-PyTorch twin of moe_ffn_q_native: one expert at a time, dequantized, in fp32."""
+    bounds = offsets.tolist()
+    for g, e in enumerate(experts.tolist()):
+        a, b = bounds[g], bounds[g + 1]
+        if a == b:
+            continue
+        r = rows[a:b]
+        y = formats.expert_ffn(x[r].float(), gate_up[e], down[e], F.silu)  # [T, H] fp32
+        out.index_add_(0, r, y * row_weights[a:b, None])
+    return out
+
+
+def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act,
+                  sizes: torch.Tensor | None = None) -> torch.Tensor:
+    """grouped.grouped_ffn on quantized experts: x [S, H] rows sorted by group_ids [S] -> [S, H], each
+    row through its own expert: the native kernel on a CPU device, else one dequantized expert at a time."""
+    if sizes is None:
+        sizes = torch.bincount(group_ids.cpu(), minlength=gate_up.q.shape[0])  # [G]
+    active = sizes.nonzero().flatten()
+    if usable(gate_up, x, 0) and act is F.silu:
+        offsets = torch.zeros(len(active) + 1, dtype=torch.int64)
+        torch.cumsum(sizes[active], 0, out=offsets[1:])
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+        rows = torch.arange(x.shape[0])  # every activation its own output row
+        return moe_ffn_q_native(x.contiguous(), gate_up, down, active, offsets, rows, torch.ones(x.shape[0]), out).to(x.dtype)
+    out = torch.empty_like(x)
+    start = 0
+    for g, n in zip(active.tolist(), sizes[active].tolist()):
+        out[start:start + n] = formats.expert_ffn(x[start:start + n], gate_up[g], down[g], act).to(x.dtype)
+        start += n
+    return out
+
+
+def q_linear(x: torch.Tensor, w: QuantMatrix, threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+    """x [T, K] -> [T, R] fp32 = Q8(x) · W^T: the native kernel where built, else formats.linear (its twin)."""
+    lib = library()
+    if lib is None or w.device.type != "cpu" or x.device.type != "cpu":
+        return formats.linear(x, w)
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
+    m = 0 if w.minimum is None else w.minimum.data_ptr()
+    code = lib.moe_q_linear(w.q.data_ptr(), w.scale.data_ptr(), m, formats.BITS[w.fmt], w.rows, w.k, x.data_ptr(),
+                            x.shape[0], out.data_ptr(), threads or torch.get_num_threads(), ISA[_q_isa(isa)])
+    if code != 0:
+        raise RuntimeError(f"native quantized linear failed with code {code} (isa {_q_isa(isa)})")
+    return out
+
+
+def usable(gate_up, x: torch.Tensor, max_tokens: int) -> bool:
     """Whether moe_ffn takes the native path for this call."""
+    if isinstance(gate_up, QuantMatrix):  # any group size: the alternative dequantizes whole experts
+        return x.dtype in DTYPE_CODE and gate_up.device.type == "cpu" and gate_up.is_contiguous() and library() is not None
     return (max_tokens <= NATIVE_MAX_TOKENS and gate_up.dtype in DTYPE_CODE and x.dtype in DTYPE_CODE
             and gate_up.device.type == "cpu" and gate_up.is_contiguous() and library() is not None)
 
 
 def moe_ffn(x, gate_up, down, experts, offsets, rows, row_weights, out, max_tokens: int | None = None) -> torch.Tensor:
-    """Dispatcher: native where built and worth it (decode-sized groups), else the twin."""
+    """Dispatcher: native where built and worth it (decode-sized groups), else the twin; quantized or not."""
     if max_tokens is None:
         max_tokens = int((offsets[1:] - offsets[:-1]).max()) if len(experts) else 0
+    quant = isinstance(gate_up, QuantMatrix)
     if usable(gate_up, x, max_tokens):
-        return moe_ffn_native(x.contiguous(), gate_up, down, experts, offsets, rows, row_weights, out)
-    return moe_ffn_torch(x, gate_up, down, experts, offsets, rows, row_weights, out)
+        run = moe_ffn_q_native if quant else moe_ffn_native
+        return run(x.contiguous(), gate_up, down, experts, offsets, rows, row_weights, out)
+    run = moe_ffn_q_torch if quant else moe_ffn_torch
+    return run(x, gate_up, down, experts, offsets, rows, row_weights, out)

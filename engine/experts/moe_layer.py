@@ -145,7 +145,8 @@ def _fast_tier(rt: MoERuntime, x: torch.Tensor, w_flat: torch.Tensor, split: Tie
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         events[0].record()
     pos = split.dev_pos.to(x.device)
-    y = grouped_ffn(x[pos // top_k], rt.cache.gate_up, rt.cache.down, split.dev_slot, rt.act)
+    ffn = cpu_ffn.grouped_ffn_q if rt.store.quant != "none" else grouped_ffn
+    y = ffn(x[pos // top_k], rt.cache.gate_up, rt.cache.down, split.dev_slot, rt.act)
     out[pos] = (y * w_flat[pos, None]).to(out.dtype)  # float32 router weights (DeepSeek) promote
     rt.cache.after_compute()  # mark the end of this layer's reads of its slots
     if events:
@@ -201,6 +202,8 @@ def cpu_experts(rt: MoERuntime, li: int, x: torch.Tensor, experts: torch.Tensor,
                 sizes: torch.Tensor | None) -> torch.Tensor:
     """x [S, H] grouped by `experts` [S] (ascending) -> [S, H], weights read from the store."""
     store = rt.store
+    if store.quant != "none":
+        return cpu_ffn.grouped_ffn_q(x, store.gate_up[li], store.down[li], experts, rt.act, sizes)
     if not store.mmap:
         return grouped_ffn(x, store.gate_up[li], store.down[li], experts, rt.act, sizes)
     out = torch.empty_like(x)  # disk tier: one expert at a time straight from the mapped file

@@ -1,4 +1,5 @@
-"""Slow tier: every routed expert's weights on the host, in RAM (pinned for CUDA) or mmap'd from disk."""
+"""Slow tier: every routed expert's weights on the host, in RAM (pinned for CUDA) or mmap'd from disk,
+in the compute dtype or quantized (int8/int4, engine/quant/: quantized once into a cache file)."""
 from __future__ import annotations
 
 import torch
@@ -6,35 +7,94 @@ import torch
 from ..errors import CheckpointError
 from ..model.checkpoint import Checkpoint
 from ..model.families import Family
+from ..quant import formats
+from ..quant.expert_file import QuantizedExperts, open_quantized
+from ..quant.gptq import SUFFIXES, GptqSpec, gptq_to_matrix
+
+QUANT_CHUNK = 8  # experts quantized at a time: bounds the fp32 working set while building the cache
 
 
 class ExpertStore:
     """Routed experts of all sparse layers. `li` is the index into `layers` (sparse layers only).
 
     One expert is gate_up [2I, H] (gate rows then up rows, the layout `transformers` computes with)
-    and down [H, I].
+    and down [H, I]: tensors in the compute dtype, or QuantMatrix when `quant` is int8/int4.
     """
 
     def __init__(self, ckpt: Checkpoint, family: Family, hf_config, layers: list[int], dtype: torch.dtype,
-                 pin: bool, ram_budget_bytes: int | None):
-        self.ckpt, self.family, self.layers, self.dtype = ckpt, family, layers, dtype
+                 pin: bool, ram_budget_bytes: int | None, quant: str = "none", gptq: GptqSpec | None = None):
+        if gptq is not None:
+            quant = "int4"  # a pre-quantized checkpoint runs as it is
+        self.ckpt, self.family, self.layers, self.dtype, self.quant, self.gptq = ckpt, family, layers, dtype, quant, gptq
         self.num_experts = family.num_experts(hf_config)
         self.hidden = int(hf_config.hidden_size)
         self.inter = family.expert_dim(hf_config)
-        self.expert_bytes = 3 * self.hidden * self.inter * dtype.itemsize
+        H, I = self.hidden, self.inter
+        self.expert_bytes = (3 * H * I * dtype.itemsize if quant == "none"
+                             else formats.matrix_bytes(quant, 2 * I, H) + formats.matrix_bytes(quant, H, I))
         self.total_bytes = self.expert_bytes * self.num_experts * len(layers)
-        self.fused = bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
+        self.fused = gptq is None and bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
+        self.notices: list[str] = []  # one line each, for the user (a rebuilt quantized cache)
         self._check_present()
         self.mmap = ram_budget_bytes is not None and ram_budget_bytes < self.total_bytes
         # Page-locked RAM tier (CUDA): fast-tier copies become asynchronous DMA. Pinned once, at
         # allocation, inside the same RAM budget (the mmap tier is never pinned); optional: where
         # the system refuses to lock more pages, the rest stays pageable (copies then stage).
         self.pinned = pin and not self.mmap
-        self.gate_up: list[torch.Tensor] = []  # per sparse layer [E, 2I, H] (RAM tier)
-        self.down: list[torch.Tensor] = []  # per sparse layer [E, H, I] (RAM tier)
-        if not self.mmap:
+        self.gate_up: list = []  # per sparse layer [E, 2I, H] (RAM tier; quantized: also the mapped file's views)
+        self.down: list = []  # per sparse layer [E, H, I]
+        self.qfile: QuantizedExperts | None = None
+        if quant != "none":
+            self._open_quantized()
+        elif not self.mmap:
             for li in range(len(layers)):
                 self._load_layer(li)
+
+    def _open_quantized(self) -> None:
+        """Experts from the quantized cache file (built on first use): copied into RAM (pinned for
+        CUDA), or used in place as mapped views on the disk tier."""
+        source, label = self._quantize_layer, "quantizing experts"
+        if self.gptq is not None:
+            source, label = self._gptq_layer, "repacking GPTQ experts"
+        self.qfile = open_quantized(self.ckpt.dir, self.quant, len(self.layers), self.num_experts, self.hidden, self.inter,
+                                    source, self.notices, label)
+        for li in range(len(self.layers)):
+            gate_up, down = self.qfile.layer(li)
+            if not self.mmap:
+                gate_up = self._host_matrix(2 * self.inter, self.hidden).copy_(gate_up)
+                down = self._host_matrix(self.hidden, self.inter).copy_(down)
+            self.gate_up.append(gate_up)
+            self.down.append(down)
+
+    def _gptq_layer(self, li: int):
+        """(expert, gate_up, down) of a GPTQ checkpoint, repacked into the int4 layout one expert at a time."""
+        layer = self.layers[li]
+        for e in range(self.num_experts):
+            mats = []
+            for which in range(3):
+                prefix = self.family.expert_key(layer, e, which).removesuffix(".weight")
+                t = dict(self.ckpt.get_many(f"{prefix}.{s}" for s in SUFFIXES if f"{prefix}.{s}" in self.ckpt))
+                mats.append(gptq_to_matrix(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"],
+                                           t.get(f"{prefix}.g_idx"), self.gptq, name=prefix))
+            gate, up, down = mats
+            gate_up = formats.QuantMatrix("int4", gate.k, torch.cat([gate.q, up.q]), torch.cat([gate.scale, up.scale]),
+                                          torch.cat([gate.minimum, up.minimum]))
+            yield e, gate_up[None], down[None]
+
+    def _host_matrix(self, rows: int, k: int) -> formats.QuantMatrix:
+        if self.pinned:
+            try:
+                return formats.empty_matrix(self.quant, (self.num_experts,), rows, k, pin=True)
+            except RuntimeError:  # page-locked memory refused: pageable from here on
+                self.pinned = False
+        return formats.empty_matrix(self.quant, (self.num_experts,), rows, k)
+
+    def _quantize_layer(self, li: int):
+        """(first expert, gate_up, down) quantized chunk by chunk, read from the checkpoint's mapped file."""
+        for start in range(0, self.num_experts, QUANT_CHUNK):
+            pairs = [self._checkpoint_weights(li, e) for e in range(start, min(start + QUANT_CHUNK, self.num_experts))]
+            yield (start, formats.quantize(torch.stack([p[0] for p in pairs]), self.quant),
+                   formats.quantize(torch.stack([p[1] for p in pairs]), self.quant))
 
     @property
     def tier(self) -> str:
@@ -44,7 +104,11 @@ class ExpertStore:
         layer = self.layers[li]
         if self.fused:
             return list(self.family.fused_keys(layer))
-        return [self.family.expert_key(layer, e, w) for e in range(self.num_experts) for w in range(3)]
+        keys = [self.family.expert_key(layer, e, w) for e in range(self.num_experts) for w in range(3)]
+        if self.gptq is not None:  # qweight, qzeros, scales (g_idx where present) per linear
+            keys = [f"{k.removesuffix('.weight')}.{s}" for k in keys for s in SUFFIXES[:3]]
+            keys += [k for k in (f"{k.removesuffix('.qweight')}.g_idx" for k in keys if k.endswith(".qweight")) if k in self.ckpt]
+        return keys
 
     def _check_present(self) -> None:
         for li in range(len(self.layers)):
@@ -82,10 +146,15 @@ class ExpertStore:
         parts = key.split(".")  # model.layers.L.<block>.experts.E.<name>.weight
         return int(parts[-3]), self.family.weight_names.index(parts[-2])
 
-    def weights(self, li: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of one expert, on the host in the compute dtype."""
-        if not self.mmap:
+    def weights(self, li: int, e: int):
+        """(gate_up [2I, H], down [H, I]) of one expert, on the host in the compute dtype (or quantized)."""
+        if not self.mmap or self.quant != "none":
             return self.gate_up[li][e], self.down[li][e]
+        gate_up, down = self._checkpoint_weights(li, e)
+        return gate_up.to(self.dtype), down.to(self.dtype)
+
+    def _checkpoint_weights(self, li: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert read from the mapped checkpoint, in its stored dtype."""
         if self.fused:
             gu_key, d_key = self.checkpoint_keys(li)
             gate_up, down = self.ckpt.view(gu_key)[e], self.ckpt.view(d_key)[e]
@@ -95,12 +164,12 @@ class ExpertStore:
             up = self.ckpt.view(self.family.expert_key(layer, e, 1))
             gate_up = torch.cat([gate, up])  # the one copy the disk tier pays per use
             down = self.ckpt.view(self.family.expert_key(layer, e, 2))
-        return gate_up.to(self.dtype), down.to(self.dtype)
+        return gate_up, down
 
     def layer_views(self, li: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """gate_up [E, 2I, H] and down [E, H, I] of one layer without a copy, in the compute dtype;
-        None on the disk tier unless the checkpoint stores them stacked in that dtype."""
-        if not self.mmap:
+        None on the disk tier unless the checkpoint stores them stacked in that dtype (quantized: always)."""
+        if not self.mmap or self.quant != "none":
             return self.gate_up[li], self.down[li]
         if self.fused:
             gu_key, d_key = self.checkpoint_keys(li)
@@ -111,7 +180,7 @@ class ExpertStore:
 
     def layer_tensors(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of one layer: gate_up [E, 2I, H], down [E, H, I] (a copy on the disk tier)."""
-        if not self.mmap:
+        if not self.mmap or self.quant != "none":
             return self.gate_up[li], self.down[li]
         pairs = [self.weights(li, e) for e in range(self.num_experts)]
         return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])

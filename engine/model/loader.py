@@ -13,6 +13,7 @@ from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
+from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, gptq_prefixes, read_gptq_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
 from .checkpoint import Checkpoint, read_config_dict
@@ -102,6 +103,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
 
     model_dir = Path(cfg.model_dir).expanduser()
     hf_config = load_hf_config(model_dir)
+    gptq = read_gptq_config(read_config_dict(model_dir))
     family = get_family(hf_config.model_type)
     ckpt = Checkpoint(model_dir)
     device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
@@ -120,13 +122,14 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len), device)  # before any weight loads
 
     store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda",
-                        ram_budget_bytes=cfg.host_ram_budget_bytes)
+                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=cfg.quant, gptq=gptq)
     runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
                             top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
-    _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype)
+    _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,
+                        gptq)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len)
@@ -156,10 +159,18 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     check_budgets(est, vram, user_ram if user_ram is not None else physical_ram_bytes(), cache, tier)
 
 
-def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype) -> None:
-    """Every non-expert tensor onto the compute device; complain about what is missing."""
+def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype,
+                        gptq: GptqSpec | None = None) -> None:
+    """Every non-expert tensor onto the compute device (GPTQ linears dequantized); complain about what is missing."""
     state = {}
-    for key, t in ckpt.get_many(k for k in ckpt.keys() if k not in expert_keys):
+    rest = [k for k in ckpt.keys() if k not in expert_keys]
+    quantized = gptq_prefixes(rest) if gptq is not None else set()
+    for prefix in sorted(quantized):
+        t = dict(ckpt.get_many(f"{prefix}.{s}" for s in SUFFIXES if f"{prefix}.{s}" in ckpt))
+        w = dequantize_gptq(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"], t.get(f"{prefix}.g_idx"),
+                            gptq, dtype=dtype, name=prefix)
+        state[family.module_key(f"{prefix}.weight")] = w.to(device)
+    for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized):
         state[family.module_key(key)] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     expected = set(hf.state_dict().keys())
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moechat.engine.errors import CheckpointError
-from moechat.engine.quant import formats
+from ..errors import CheckpointError
+from . import formats
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors (plus an optional bias)

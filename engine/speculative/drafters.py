@@ -15,6 +15,7 @@ from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
 from ..model.checkpoint import read_config_dict
 from ..model.loader import LoadedModel, load_tokenizer
+from ..quant.formats import QuantMatrix, dequantize
 from .rewind import rewind_cache
 from .router_feed import router_feed
 from .sampling import probs_from_logits, sample
@@ -191,20 +192,34 @@ def _affinity_cache_path(target: LoadedModel) -> Path:
 
     ckpt = target.store.ckpt
     files = sorted({p for p in ckpt.key_to_file.values()})
-    ident = [str(ckpt.dir.resolve()), str(target.dtype)] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    ident = [str(ckpt.dir.resolve()), str(target.dtype), target.store.quant]
+    ident += [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
     digest = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:24]
     return Path(user_cache_dir("moechat")) / "affinity" / f"{digest}.pt"
 
 
-def expert_distances(gate_up: torch.Tensor, down: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
-    """gate_up [E, 2I, H], down [E, H, I] -> [E, E] squared L2 distances between whole experts,
-    from a Gram matrix accumulated over column chunks (float32 GEMMs, float64 sums) so no float32
-    copy of the layer is made."""
-    num_experts = gate_up.shape[0]
+def _column_blocks(w, chunk: int):
+    """w [E, R, K] (a tensor or a QuantMatrix) -> float32 [E, n] blocks of its flattened experts."""
+    if isinstance(w, QuantMatrix):  # dequantized a few rows at a time
+        rows = max(1, chunk // w.k)
+        for r in range(0, w.rows, rows):
+            part = QuantMatrix(w.fmt, w.k, w.q[:, r:r + rows], w.scale[:, r:r + rows],
+                               None if w.minimum is None else w.minimum[:, r:r + rows])
+            yield dequantize(part).reshape(w.q.shape[0], -1)
+        return
+    flat = w.reshape(w.shape[0], -1)
+    for j in range(0, flat.shape[1], chunk):
+        yield flat[:, j:j + chunk].float()
+
+
+def expert_distances(gate_up, down, chunk: int = 1 << 16) -> torch.Tensor:
+    """gate_up [E, 2I, H], down [E, H, I] (tensors or quantized) -> [E, E] squared L2 distances between
+    whole experts, from a Gram matrix accumulated over column chunks (float32 GEMMs, float64 sums) so
+    no float32 copy of the layer is made."""
+    num_experts = gate_up.q.shape[0] if isinstance(gate_up, QuantMatrix) else gate_up.shape[0]
     gram = torch.zeros(num_experts, num_experts, dtype=torch.float64)
-    for w in (gate_up.reshape(num_experts, -1), down.reshape(num_experts, -1)):
-        for j in range(0, w.shape[1], chunk):
-            block = w[:, j:j + chunk].float()
+    for w in (gate_up, down):
+        for block in _column_blocks(w, chunk):
             gram += (block @ block.T).double()
     sq = gram.diagonal()
     return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).float()

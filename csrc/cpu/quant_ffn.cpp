@@ -1,0 +1,162 @@
+// Fused SwiGLU expert FFN on quantized experts (int8 or int4, engine/quant/formats.py) for the CPU tier:
+//   out[rows[s], :] += weights[s] · down_e(silu(gate_e x_s) ⊙ up_e x_s)      (s in group of expert e)
+// as expert_ffn.cpp does for bf16/fp16/fp32, with llama.cpp's lesson: each token's activations are
+// quantized to int8 per block of 32 (once per call), and every weight block is an integer dot
+// product (quant_tiles.h). Phase 1 splits (expert, block of I rows), phase 2 blocks of H output
+// columns, so no two threads write one element and each sums its experts in one fixed order.
+// Also a plain quantized linear layer (dense layers on a CPU device). Plain C ABI for ctypes.
+
+#include "common.h"
+#include "pool.h"
+#include "quant_tiles.h"
+
+#define API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+Isa resolve_q(int isa) {
+    if (isa == AUTO) return cpu_has(AVX512_VNNI) ? AVX512_VNNI : cpu_has(AVX2) ? AVX2 : SCALAR;
+    return Isa(isa);
+}
+
+inline int64_t pad64(int64_t k) { return (k + 63) / 64 * 64; }
+
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+
+constexpr int64_t QRB = 32;  // weight rows per work item
+
+struct QBuf {  // quantized activations of S tokens over kp columns
+    std::vector<int8_t> q;
+    std::vector<float> d, ds, dxv;
+    int64_t kp, nb;
+    QBuf(int64_t S, int64_t kp_) : q(S * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), dxv(S * (kp_ / 32) * 8), kp(kp_), nb(kp_ / 32) {}
+    QActs at(int64_t s0) const {
+        return {q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, dxv.data() + s0 * nb * 8, kp, nb};
+    }
+    void fill(const float* x, int64_t ldx, int64_t K, int64_t s0, int T) {
+        quantize_acts(x, ldx, K, T, kp, q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, dxv.data() + s0 * nb * 8);
+    }
+};
+
+}  // namespace
+
+API int moe_q_isa_supported(int isa) { return isa == AUTO || cpu_has(Isa(isa)); }
+
+API int moe_q_resolve_isa(int isa) { return resolve_q(isa); }
+
+// Codes: 0 ok, -1 bad bits or dtype, -2 ISA not supported by this CPU, -3 bad shapes.
+// gate_up: gu_q [E, 2I, Hp·bits/8], gu_s/gu_m [E, 2I, Hp/32]; down: dn_q [E, H, Ip·bits/8], dn_s/dn_m [E, H, Ip/32]
+// (Hp, Ip: H, I padded to 64; m null for int8); the rest as moe_expert_ffn: experts [G], offsets [G+1],
+// x [N, H] (fp32, bf16 or fp16), rows [S], row_weights [S] fp32, out [N, H] fp32 accumulated into.
+API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const uint8_t* gu_q,
+                         const uint16_t* gu_s, const uint16_t* gu_m, const uint8_t* dn_q, const uint16_t* dn_s,
+                         const uint16_t* dn_m, int bits, int64_t hidden, int64_t inter, const void* x, int x_dtype,
+                         const int64_t* rows, const float* row_weights, float* out, int num_threads, int isa_req) {
+    if ((bits != 8 && bits != 4) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
+    if (hidden <= 0 || inter <= 0 || n_groups < 0) return -3;
+    const Isa isa = resolve_q(isa_req);
+    if (isa != SCALAR && isa != AVX2 && isa != AVX512_VNNI) return -2;
+    if (!cpu_has(isa)) return -2;
+    const int64_t S = n_groups ? offsets[n_groups] : 0, H = hidden, I = inter, Hp = pad64(H), Ip = pad64(I);
+    if (S == 0) return 0;
+    const int64_t gu_rb = Hp * bits / 8, dn_rb = Ip * bits / 8;  // row bytes
+    const int64_t gu_nb = Hp / 32, dn_nb = Ip / 32;
+
+    // Activations gathered per group and quantized: xq over Hp columns; h [S, I] fp32, then hq.
+    QBuf xq(S, Hp), hq(S, Ip);
+    {
+        std::vector<float> row(H);
+        for (int64_t s = 0; s < S; s++) {
+            const float* src;
+            if (x_dtype == F32) {
+                src = static_cast<const float*>(x) + rows[s] * H;
+            } else {
+                for (int64_t k = 0; k < H; k++) row[k] = load_scalar(x, rows[s] * H + k, x_dtype);
+                src = row.data();
+            }
+            xq.fill(src, H, H, s, 1);
+        }
+    }
+    std::vector<float> h(S * I);
+    int64_t max_t = 0;
+    for (int64_t g = 0; g < n_groups; g++) max_t = std::max(max_t, offsets[g + 1] - offsets[g]);
+
+    const double bytes = double(n_groups) * 3 * H * I * bits / 8;  // ~3 MB of weights per extra thread
+    const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(bytes / 3e6) + 1)));
+    const int64_t iblocks = (I + QRB - 1) / QRB, hblocks = (H + QRB - 1) / QRB;
+
+    // Phase 1: h[s, i] = silu(gate_e x_s)_i · (up_e x_s)_i over items (group, block of I rows).
+    std::atomic<int64_t> next{0};
+    g_pool->run(threads, [&](int) {
+        std::vector<float> yg(max_t * QRB), yu(max_t * QRB);
+        for (int64_t item; (item = next.fetch_add(1)) < n_groups * iblocks;) {
+            const int64_t g = item / iblocks, i0 = (item % iblocks) * QRB, nr = std::min(QRB, I - i0);
+            const int64_t s0 = offsets[g];
+            const int T = int(offsets[g + 1] - s0);
+            if (T == 0) continue;
+            const int64_t e = experts[g];
+            const QMat W{gu_q + e * 2 * I * gu_rb, gu_s + e * 2 * I * gu_nb, gu_m ? gu_m + e * 2 * I * gu_nb : nullptr, gu_rb, gu_nb};
+            const QActs A = xq.at(s0);
+            qmat(W, i0, nr, A, T, yg.data(), QRB, bits, isa);
+            qmat(W, I + i0, nr, A, T, yu.data(), QRB, bits, isa);
+            for (int t = 0; t < T; t++)
+                for (int64_t r = 0; r < nr; r++) h[(s0 + t) * I + i0 + r] = silu(yg[t * QRB + r]) * yu[t * QRB + r];
+        }
+    });
+    hq.fill(h.data(), I, I, 0, int(S));
+
+    // Phase 2: out[rows[s], j] += w_s · (down_e h_s)_j over items (block of H output columns), all
+    // groups in order inside each item: disjoint columns per thread, a fixed summation order.
+    next = 0;
+    g_pool->run(threads, [&](int) {
+        std::vector<float> yd(max_t * QRB);
+        for (int64_t item; (item = next.fetch_add(1)) < hblocks;) {
+            const int64_t j0 = item * QRB, nr = std::min(QRB, H - j0);
+            for (int64_t g = 0; g < n_groups; g++) {
+                const int64_t s0 = offsets[g];
+                const int T = int(offsets[g + 1] - s0);
+                if (T == 0) continue;
+                const int64_t e = experts[g];
+                const QMat W{dn_q + e * H * dn_rb, dn_s + e * H * dn_nb, dn_m ? dn_m + e * H * dn_nb : nullptr, dn_rb, dn_nb};
+                qmat(W, j0, nr, hq.at(s0), T, yd.data(), QRB, bits, isa);
+                for (int t = 0; t < T; t++) {
+                    float* o = out + rows[s0 + t] * H + j0;
+                    const float w = row_weights[s0 + t];
+                    for (int64_t r = 0; r < nr; r++) o[r] += w * yd[t * QRB + r];
+                }
+            }
+        }
+    });
+    return 0;
+}
+
+// A quantized linear layer: out [T, R] fp32 = Q8(x) · W^T, x [T, K] fp32; W q [R, Kp·bits/8], s/m [R, Kp/32].
+API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int bits, int64_t n_rows, int64_t k,
+                     const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req) {
+    if ((bits != 8 && bits != 4) || (bits == 4 && !m)) return -1;
+    if (n_rows <= 0 || k <= 0 || n_tokens < 0) return -3;
+    const Isa isa = resolve_q(isa_req);
+    if ((isa != SCALAR && isa != AVX2 && isa != AVX512_VNNI) || !cpu_has(isa)) return -2;
+    if (n_tokens == 0) return 0;
+    const int64_t kp = pad64(k), rb = kp * bits / 8, nb = kp / 32;
+    QBuf xq(n_tokens, kp);
+    xq.fill(x, k, k, 0, int(n_tokens));
+    const QMat W{q, s, m, rb, nb};
+    const int64_t blocks = (n_rows + QRB - 1) / QRB;
+    const double bytes = double(n_rows) * k * bits / 8;
+    const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(bytes / 1e6) + 1)));
+    std::atomic<int64_t> next{0};
+    g_pool->run(threads, [&](int) {
+        for (int64_t item; (item = next.fetch_add(1)) < blocks;) {
+            const int64_t r0 = item * QRB, nr = std::min(QRB, n_rows - r0);
+            for (int64_t t0 = 0; t0 < n_tokens; t0 += 16) {  // the walk's tiles take any T; bound the scratch
+                const int T = int(std::min<int64_t>(16, n_tokens - t0));
+                float y[16 * QRB];
+                qmat(W, r0, nr, xq.at(t0), T, y, QRB, bits, isa);
+                for (int t = 0; t < T; t++)
+                    for (int64_t r = 0; r < nr; r++) out[(t0 + t) * n_rows + r0 + r] = y[t * QRB + r];
+            }
+        }
+    });
+    return 0;
+}

@@ -1,0 +1,167 @@
+"""Quantized experts on disk: written once per (model, revision, format), mmap'd on every later start.
+
+A folder under the user cache (platformdirs; MOECHAT_QUANT_DIR overrides it) per model and format:
+`meta.json` (format version, shapes, source) and one safetensors file per sparse layer holding
+gate_up [E, 2I, ...] and down [E, H, ...] as QuantMatrix fields (`gate_up.q`, `gate_up.scale`, ...).
+The key hashes the checkpoint's path, config.json and every weight file's name, size and mtime, so a
+re-downloaded or edited model gets a new cache. A folder that fails its checks (another moechat
+format version, a truncated or corrupt file, other shapes) is deleted and rebuilt, never trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError
+from ..model.checkpoint import Checkpoint
+from .formats import QuantMatrix, empty_matrix
+
+FORMAT_VERSION = 1  # bump when the layout in formats.py changes: older caches are rebuilt
+FIELDS = ("q", "scale", "minimum")
+
+# li -> (gate_up [E, 2I, H], down [E, H, I]) quantized, chunk by chunk of experts
+LayerSource = Callable[[int], Iterator[tuple[int, QuantMatrix, QuantMatrix]]]
+
+
+def cache_root() -> Path:
+    if os.environ.get("MOECHAT_QUANT_DIR"):
+        return Path(os.environ["MOECHAT_QUANT_DIR"])
+    from platformdirs import user_cache_path
+
+    return user_cache_path("moechat") / "quant"
+
+
+def model_key(model_dir: Path, fmt: str) -> str:
+    """<name>-<fmt>-<hash of path, config and weight files' names, sizes and mtimes>."""
+    model_dir = model_dir.resolve()
+    digest = hashlib.sha256(str(model_dir).encode() + b"\0" + (model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        st = f.stat()
+        digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{model_dir.name}-{fmt}-{digest.hexdigest()[:16]}"
+
+
+class QuantizedExperts:
+    """The routed experts of one model in one format: `layer(li)` gives zero-copy views of the file."""
+
+    def __init__(self, folder: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int):
+        self.folder, self.fmt = folder, fmt
+        self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
+        self._files: dict[int, Checkpoint] = {}
+
+    def meta(self) -> dict:
+        return {"format_version": FORMAT_VERSION, "fmt": self.fmt, "layers": self.num_layers, "experts": self.num_experts,
+                "hidden": self.hidden, "inter": self.inter}
+
+    def _path(self, li: int) -> Path:
+        return self.folder / f"layer-{li:03d}.safetensors"
+
+    def _expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        E, H, I = self.num_experts, self.hidden, self.inter
+        out = {}
+        for name, rows, k in (("gate_up", 2 * I, H), ("down", H, I)):
+            m = empty_matrix(self.fmt, (E,), rows, k, device="meta")
+            for field, t in zip(FIELDS, (m.q, m.scale, m.minimum)):
+                if t is not None:
+                    out[f"{name}.{field}"] = (tuple(t.shape), t.dtype)
+        return out
+
+    def problem(self) -> str | None:
+        """Why this folder cannot be trusted (None: it can): one line."""
+        meta_path = self.folder / "meta.json"
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            return "its meta.json is missing or unreadable"
+        if meta.get("format_version") != FORMAT_VERSION:
+            found = meta.get("format_version")
+            return f"it was written by another moechat version (format {found}, this one reads {FORMAT_VERSION})"
+        if {k: meta.get(k) for k in self.meta()} != self.meta():
+            return "it holds other shapes than this model's"
+        try:
+            ckpt = Checkpoint(self.folder)  # every file's header checked: nothing truncated, offsets inside
+        except CheckpointError as err:
+            return f"a file is truncated or corrupt ({str(err).split(' (')[0]})"
+        for li in range(self.num_layers):
+            for key, (shape, _dtype) in self._expected().items():
+                if f"{li}.{key}" not in ckpt or ckpt.shape(f"{li}.{key}") != shape:
+                    return f"tensor {li}.{key} is missing or has the wrong shape"
+        return None
+
+    def layer(self, li: int) -> tuple[QuantMatrix, QuantMatrix]:
+        """(gate_up, down) of sparse layer li: views of the mapped file, no copy until read."""
+        if not self._files:
+            self._files[0] = Checkpoint(self.folder)
+        ckpt = self._files[0]
+
+        def matrix(name: str, k: int) -> QuantMatrix:
+            q, s = ckpt.view(f"{li}.{name}.q"), ckpt.view(f"{li}.{name}.scale")
+            m = ckpt.view(f"{li}.{name}.minimum") if self.fmt == "int4" else None
+            return QuantMatrix(self.fmt, k, q, s, m)
+
+        return matrix("gate_up", self.hidden), matrix("down", self.inter)
+
+    def build(self, source: LayerSource, progress: Callable[[int, int], None] | None = None) -> None:
+        """Write every layer from `source` (atomically per file), then meta.json, which marks it complete."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        E, H, I = self.num_experts, self.hidden, self.inter
+        for li in range(self.num_layers):
+            gate_up, down = empty_matrix(self.fmt, (E,), 2 * I, H), empty_matrix(self.fmt, (E,), H, I)
+            for start, gu, dn in source(li):  # experts start..start+len
+                gate_up[start:start + gu.q.shape[0]].copy_(gu)
+                down[start:start + dn.q.shape[0]].copy_(dn)
+            tensors = {}
+            for name, m in (("gate_up", gate_up), ("down", down)):
+                for field, t in zip(FIELDS, (m.q, m.scale, m.minimum)):
+                    if t is not None:
+                        tensors[f"{li}.{name}.{field}"] = t
+            tmp = self._path(li).with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, self._path(li))
+            if progress:
+                progress(li + 1, self.num_layers)
+        (self.folder / "meta.json").write_text(json.dumps(self.meta()))
+
+
+def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int,
+                   source: LayerSource, notices: list[str] | None = None, label: str = "quantizing experts") -> QuantizedExperts:
+    """The model's experts in `fmt` from the cache, built (or rebuilt) from `source` when needed."""
+    qe = QuantizedExperts(cache_root() / model_key(model_dir, fmt), fmt, num_layers, num_experts, hidden, inter)
+    why = qe.problem() if qe.folder.exists() else "it does not exist yet"
+    if why is not None:
+        if qe.folder.exists() and notices is not None:
+            notices.append(f"the {fmt} expert cache in {qe.folder} was rebuilt: {why}")
+        try:
+            qe.build(source, _progress_bar(label, fmt))
+        except OSError as err:
+            raise CheckpointError(f"cannot write the {fmt} expert cache in {qe.folder} ({err}): free disk space, "
+                                  "or set MOECHAT_QUANT_DIR to a folder with room") from None
+    return qe
+
+
+def _progress_bar(label: str, fmt: str) -> Callable[[int, int], None] | None:
+    """A tqdm bar on a terminal's stderr (the TUI captures stderr: no bar there), else nothing."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=f"{label} ({fmt}, once)", unit="layer", file=sys.stderr)
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update

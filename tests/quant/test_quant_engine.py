@@ -1,0 +1,187 @@
+"""The engine on quantized experts: lossless relative to the quantized model, close to a reference built from
+the twins, the quantized cache file built once and rebuilt when it cannot be trusted, GPTQ checkpoints."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gptq_pack import make_gptq_checkpoint, reference_dequant
+from helpers import run_engine
+
+from moechat.engine import CheckpointError
+from moechat.engine.config import EngineConfig
+from moechat.engine.generate import Engine
+from moechat.engine.quant import expert_file, formats
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"]
+FORMATS = formats.FORMATS
+PROMPT_IDS = list(range(5, 25))
+NEW = 24
+# Logits of the quantized engine against Hugging Face on the dequantized weights: the engine also
+# quantizes activations to int8 per block of 32 (as llama.cpp does), which this bounds.
+LOGIT_TOL = {"int8": 0.02, "int4": 0.02}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_equals_plain_decoding_of_the_quantized_model(family, fmt, checkpoint):
+    ck = checkpoint(family)
+    plain = run_engine(ck, PROMPT_IDS, NEW, quant=fmt).token_ids
+    assert run_engine(ck, PROMPT_IDS, NEW, quant=fmt, drafter="self").token_ids == plain
+    spac = run_engine(ck, PROMPT_IDS, NEW, quant=fmt, drafter="self", policy="spac", expert_cache_ratio=0.5)
+    assert spac.token_ids == plain
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_draft_model_is_lossless_on_the_quantized_model(fmt, checkpoint, draft_dir):
+    ck = checkpoint("qwen3_moe")
+    plain = run_engine(ck, PROMPT_IDS, NEW, quant=fmt).token_ids
+    assert run_engine(ck, PROMPT_IDS, NEW, quant=fmt, drafter=str(draft_dir), expert_cache_ratio=0.25).token_ids == plain
+
+
+def engine_logits(model_dir, ids, **config) -> torch.Tensor:
+    engine = Engine(EngineConfig(model_dir=str(model_dir), **config))
+    m = engine.model
+    with torch.no_grad(), m.runtime.forward("prefill", 0):
+        logits = m.hf(torch.tensor([ids])).logits[0]
+    engine.close()
+    return logits
+
+
+def reference_logits(model_dir, ids, fmt) -> torch.Tensor:
+    """Hugging Face's own model with every routed expert replaced by its dequantized twin."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, p in hf.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            p.data = formats.dequantize(formats.quantize(p.data, fmt))
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_engine_is_close_to_the_dequantized_reference(family, fmt, checkpoint):
+    ck = checkpoint(family)
+    ref = reference_logits(ck, PROMPT_IDS, fmt)
+    got = engine_logits(ck, PROMPT_IDS, quant=fmt)
+    full = engine_logits(ck, PROMPT_IDS)
+    assert rel(got, ref) < LOGIT_TOL[fmt]
+    assert rel(got, full) > 1e-5  # it runs the quantized weights, not the originals
+    if fmt == "int4":  # where the weights' rounding dominates the activations': closer to its own reference
+        assert rel(got, ref) < rel(full, ref)
+
+
+def test_the_quantized_cache_is_built_once_then_mapped(checkpoint, monkeypatch):
+    ck = checkpoint("olmoe", seed=3)
+    first = engine_logits(ck, PROMPT_IDS, quant="int4")
+    monkeypatch.setattr(expert_file.QuantizedExperts, "build", lambda *a, **k: pytest.fail("rebuilt a valid cache"))
+    assert torch.equal(engine_logits(ck, PROMPT_IDS, quant="int4"), first)
+
+
+def cache_folder(model_dir, fmt):
+    return expert_file.cache_root() / expert_file.model_key(model_dir, fmt)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "version", "meta"])
+def test_a_damaged_or_foreign_cache_is_rebuilt_with_a_notice(damage, checkpoint):
+    ck = checkpoint("olmoe", seed=4)
+    first = engine_logits(ck, PROMPT_IDS, quant="int8")
+    folder = cache_folder(ck, "int8")
+    if damage == "truncate":
+        layer = folder / "layer-000.safetensors"
+        layer.write_bytes(layer.read_bytes()[:-100])
+    elif damage == "version":
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))
+    else:
+        (folder / "meta.json").write_text("{not json")
+    engine = Engine(EngineConfig(model_dir=str(ck), quant="int8"))
+    notices = engine.model.store.notices
+    engine.close()
+    assert len(notices) == 1 and "rebuilt" in notices[0] and "\n" not in notices[0]
+    assert {"truncate": "truncated", "version": "another moechat version", "meta": "meta.json"}[damage] in notices[0]
+    assert torch.equal(engine_logits(ck, PROMPT_IDS, quant="int8"), first)
+
+
+def test_the_cache_key_follows_the_checkpoint_files(checkpoint, tmp_path):
+    ck = checkpoint("olmoe", seed=5)
+    key = expert_file.model_key(ck, "int4")
+    assert key != expert_file.model_key(ck, "int8")
+    shard = next(ck.glob("*.safetensors"))
+    shard.touch()  # a re-downloaded file: a new mtime
+    assert expert_file.model_key(ck, "int4") != key
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_path):
+    src = checkpoint(family)
+    gptq = make_gptq_checkpoint(src, tmp_path / "gptq", group_size=32, sym=family == "qwen3_moe")
+    plain = run_engine(gptq, PROMPT_IDS, NEW)
+    assert run_engine(gptq, PROMPT_IDS, NEW, drafter="self", policy="spac", expert_cache_ratio=0.5).token_ids == plain.token_ids
+    engine = Engine(EngineConfig(model_dir=str(gptq)))
+    assert engine.model.store.quant == "int4" and engine.model.store.gptq is not None
+    engine.close()
+    # against Hugging Face on GPTQ's own dequantization of the same files
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(gptq, src, tmp_path / "deq"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT_IDS])).logits[0]
+    assert rel(engine_logits(gptq, PROMPT_IDS), ref) < LOGIT_TOL["int4"]
+
+
+def dequantized_copy(gptq_dir, src_dir, out):
+    """The GPTQ checkpoint with every quantized linear written back as `.weight` by GPTQ's reference formula."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    fmt = json.loads((gptq_dir / "config.json").read_text())["quantization_config"]["checkpoint_format"]
+    for shard in gptq_dir.glob("*.safetensors"):
+        tensors = load_file(shard)
+        plain = {k: v for k, v in tensors.items() if not k.endswith(("qweight", "qzeros", "scales", "g_idx"))}
+        for key in [k for k in tensors if k.endswith(".qweight")]:
+            prefix = key.removesuffix(".qweight")
+            parts = {s: tensors[f"{prefix}.{s}"] for s in ("qweight", "qzeros", "scales", "g_idx")}
+            plain[f"{prefix}.weight"] = reference_dequant(parts, fmt).contiguous()
+        save_file(plain, out / shard.name)
+    for f in src_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_unsupported_gptq_checkpoints_are_refused_in_one_line(checkpoint, tmp_path):
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "g8", group_size=32)
+    config = json.loads((gptq / "config.json").read_text())
+    for change, words in (({"bits": 8}, "8 bits"), ({"group_size": 48}, "group_size 48"),
+                          ({"quant_method": "awq"}, "awq")):
+        (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {**config["quantization_config"],
+                                                                                        **change}}))
+        with pytest.raises(CheckpointError) as err:
+            Engine(EngineConfig(model_dir=str(gptq)))
+        assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_quantized_store_holds_the_quantized_bytes(checkpoint):
+    ck = checkpoint("qwen3_moe")
+    sizes = {}
+    for fmt in ("none", "int8", "int4"):
+        engine = Engine(EngineConfig(model_dir=str(ck), quant=fmt))
+        store = engine.model.store
+        parts = [t for m in store.gate_up + store.down for t in (m.tensors() if fmt != "none" else [m])]
+        held = sum(t.numel() * t.itemsize for t in parts)
+        assert held == store.total_bytes
+        sizes[fmt] = held
+        engine.close()
+    H, I = 32, 16  # tiny: K padded from 32/16 to 64
+    assert sizes["int4"] == len(engine.model.store.layers) * 8 * (formats.matrix_bytes("int4", 2 * I, H)
+                                                                  + formats.matrix_bytes("int4", H, I))

@@ -1,0 +1,187 @@
+"""The quantized formats (engine/quant/formats.py) and the native int8/int4 CPU kernel
+(csrc/cpu/quant_ffn.cpp) against their pure-PyTorch twins, on every path this CPU has."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moechat.engine import native
+from moechat.engine.experts import cpu_ffn
+from moechat.engine.quant import formats
+
+needs_native = pytest.mark.skipif(not cpu_ffn.available(), reason=f"native CPU kernels not built: {native.notice('cpu')}")
+ISAS = [isa for isa in cpu_ffn.Q_ISAS if cpu_ffn.q_isa_supported(isa)]
+FORMATS = formats.FORMATS
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def case(H, I, sizes, fmt, E=6, N=5, seed=0, x_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = formats.quantize(torch.randn(E, 2 * I, H, generator=g) * 0.1, fmt)
+    down = formats.quantize(torch.randn(E, H, I, generator=g) * 0.1, fmt)
+    x = torch.randn(N, H, generator=g).to(x_dtype)
+    experts = torch.randperm(E, generator=g)[:len(sizes)]
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int64)
+    S = int(offsets[-1])
+    return x, gate_up, down, experts, offsets, torch.randint(0, N, (S,), generator=g), torch.rand(S, generator=g)
+
+
+# ---- formats ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("k", [32, 40, 64, 100, 768])
+def test_quantize_round_trip_is_within_half_a_step(fmt, k):
+    w = torch.randn(7, k) * 0.05
+    qm = formats.quantize(w, fmt)
+    assert qm.shape == (7, k) and qm.nbytes == formats.matrix_bytes(fmt, 7, k)
+    step = qm.scale.float().repeat_interleave(formats.BLOCK, -1)[:, :k]  # d per weight
+    err = (formats.dequantize(qm) - w).abs()
+    assert bool((err <= 0.5 * step + 1e-3 * step.clamp_min(1e-8) + 2e-5).all()), float((err / step).max())
+
+
+def test_int4_packing_puts_a_chunks_two_halves_in_one_byte():
+    u = torch.arange(64) % 16
+    packed = formats.pack_int4(u[None])[0]
+    assert packed.shape == (32,)
+    assert int(packed[3]) == (3 % 16) | ((35 % 16) << 4)
+    assert torch.equal(formats.unpack_int4(packed[None])[0], u.to(torch.uint8))
+
+
+def test_bytes_per_weight_counts_the_scales():
+    assert formats.bytes_per_weight("int8") == pytest.approx(8.5 / 8)
+    assert formats.bytes_per_weight("int4") == pytest.approx(5 / 8)
+    assert formats.matrix_bytes("int4", 1, 2048) == 2048 * 5 // 8
+
+
+def test_activation_quantization_is_per_token_and_block():
+    x = torch.randn(3, 70)
+    qx, dx = formats.quantize_activations(x)
+    assert qx.shape == (3, 128) and dx.shape == (3, 4) and qx.dtype == torch.int8
+    assert bool((qx[:, 70:] == 0).all()) and float(dx[:, 3].abs().max()) == 0  # the padded block
+    assert torch.allclose(formats.fake_quantize_activations(x), x, atol=float(dx.max()) / 2 + 1e-6)
+    one, _ = formats.quantize_activations(x[1:2])
+    assert torch.equal(one[0], qx[1])  # a token's codes do not depend on the others
+
+
+def test_bad_format_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="int8, int4"):
+        formats.quantize(torch.randn(2, 32), "int3")
+
+
+# ---- the native kernel --------------------------------------------------------------------------
+
+SHAPES = [(64, 32, [1, 0, 3]), (40, 24, [9, 1]), (256, 192, [1, 2, 4, 5]), (130, 70, [16, 2])]
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_equals_the_twin(isa, fmt):
+    """One matrix: both quantize the same activations to the same codes, so only fp32 order differs."""
+    for rows, k, t in ((33, 64, 1), (70, 200, 5), (128, 2048, 9)):
+        w = formats.quantize(torch.randn(rows, k) * 0.05, fmt)
+        x = torch.randn(t, k)
+        assert rel_err(cpu_ffn.q_linear(x, w, isa=isa), formats.linear(x, w)) < 2e-6
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_expert_ffn_equals_the_twin(isa, fmt, x_dtype):
+    """Whole FFNs: the hidden product is quantized again, where an fp32 difference of 1e-7 can move a
+    value across a rounding boundary (one code, dx/127 of its block): hence 1e-2, not 1e-6."""
+    for H, I, sizes in SHAPES:
+        x, gu, dn, experts, offsets, rows, w = case(H, I, sizes, fmt, x_dtype=x_dtype)
+        ref = cpu_ffn.moe_ffn_q_torch(x.float(), gu, dn, experts, offsets, rows, w, torch.zeros(5, H))
+        out = cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, H), isa=isa)
+        assert rel_err(out, ref) < 1e-2, (H, I, sizes)
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tokens_result_does_not_depend_on_its_batch(isa, fmt):
+    """Lossless speculative decoding needs this: verifying γ+1 tokens gives each the bits it gets alone."""
+    H, I = 256, 96
+    x, gu, dn, *_ = case(H, I, [1], fmt, N=9)
+    batch = torch.zeros(9, H)
+    cpu_ffn.moe_ffn_q_native(x, gu, dn, torch.tensor([2]), torch.tensor([0, 9]), torch.arange(9), torch.ones(9), batch, isa=isa)
+    for t in (0, 4, 8):
+        alone = torch.zeros(1, H)
+        cpu_ffn.moe_ffn_q_native(x[t:t + 1].contiguous(), gu, dn, torch.tensor([2]), torch.tensor([0, 1]), torch.tensor([0]),
+                                 torch.ones(1), alone, isa=isa)
+        assert torch.equal(alone[0], batch[t])
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_threads_do_not_change_the_result(fmt):
+    x, gu, dn, experts, offsets, rows, w = case(256, 192, [1, 2, 4, 5], fmt)
+    one = cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, 256), threads=1)
+    two = cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, 256), threads=2)
+    assert torch.equal(one, two)
+
+
+@needs_native
+def test_the_vector_paths_agree_with_the_portable_one_on_integer_dots():
+    """Weights and activations that are exact in int8 codes: every path must give the same sums."""
+    for fmt in FORMATS:
+        w = formats.quantize(torch.randint(-7, 8, (32, 128)).float(), fmt)
+        x = torch.randint(-127, 128, (3, 128)).float()
+        ys = [cpu_ffn.q_linear(x, w, isa=isa) for isa in ISAS]
+        for y in ys[1:]:
+            assert rel_err(y, ys[0]) < 1e-6
+
+
+@needs_native
+def test_dispatcher_takes_the_quantized_kernel(monkeypatch):
+    x, gu, dn, experts, offsets, rows, w = case(64, 32, [1, 3], "int4")
+    calls = []
+    monkeypatch.setattr(cpu_ffn, "moe_ffn_q_native", lambda *a, **k: calls.append(1) or a[-1])
+    cpu_ffn.moe_ffn(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, 64))
+    assert calls == [1]
+
+
+def test_twin_grouped_ffn_matches_one_expert_at_a_time(monkeypatch):
+    monkeypatch.setattr(cpu_ffn, "library", lambda: None)  # the twin path, as on a GPU
+    x, gu, dn, *_ = case(64, 32, [1], "int8", N=6)
+    ids = torch.tensor([0, 0, 3, 3, 3, 5])
+    y = cpu_ffn.grouped_ffn_q(x, gu, dn, ids, F.silu)
+    for i, e in enumerate(ids.tolist()):
+        assert torch.allclose(y[i], formats.expert_ffn(x[i:i + 1], gu[e], dn[e], F.silu)[0], atol=1e-6)
+
+
+@needs_native
+def test_portable_build_runs_the_quantized_kernel(tmp_path, monkeypatch):
+    """As the library builds on ARM: only the scalar path, equal to the twin."""
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
+    path = native.build("cpu_portable_q", [cpu_ffn.SOURCE, cpu_ffn.Q_SOURCE], ["-DMOE_PORTABLE_ONLY"],
+                        headers=sorted(cpu_ffn.SOURCE.parent.glob("*.h")))
+    lib = ctypes.CDLL(str(path))
+    lib.moe_q_linear.argtypes = cpu_ffn._QL_ARGTYPES
+    assert [lib.moe_q_isa_supported(cpu_ffn.ISA[i]) for i in cpu_ffn.Q_ISAS] == [1, 0, 0]
+    w = formats.quantize(torch.randn(40, 96) * 0.05, "int4")
+    x = torch.randn(3, 96)
+    out = torch.empty(3, 40)
+    code = lib.moe_q_linear(w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), 4, 40, 96, x.data_ptr(), 3,
+                            out.data_ptr(), 1, 0)
+    assert code == 0 and rel_err(out, formats.linear(x, w)) < 2e-6
+
+
+@needs_native
+def test_bad_arguments_return_codes_not_crashes():
+    lib = cpu_ffn.library()
+    w = formats.quantize(torch.randn(8, 64), "int8")
+    x, out = torch.randn(1, 64), torch.empty(1, 8)
+    args = (w.q.data_ptr(), w.scale.data_ptr(), 0)
+    assert lib.moe_q_linear(*args, 3, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -1  # bits
+    assert lib.moe_q_linear(*args, 4, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -1  # int4 without minimums
+    assert lib.moe_q_linear(*args, 8, 0, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -3  # shapes
+    assert lib.moe_q_linear(*args, 8, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, cpu_ffn.ISA["avx512"]) == -2  # not a q path
