@@ -1,12 +1,19 @@
-"""`moechat bench random-model OUT --like deepseek-v2-lite`: a random-weight checkpoint with a real model's shapes.
+"""`moechat bench random-model OUT --like deepseek-v2-lite|qwen3-30b-a3b`: a random-weight checkpoint with a real model's shapes.
 
 Paired with `bench generate --replay-traces` it benchmarks the scheduler at real expert sizes with
 real routing, without downloading the model. Written one decoder layer per safetensors shard, each
 tensor filled in place in the target dtype, so at most one layer (about 1.2 GB at full
-DeepSeek-V2-Lite size in bf16) is in memory, never the model.
+DeepSeek-V2-Lite size in bf16, 1.25 GB for Qwen3-30B-A3B) is in memory, never the model.
+
+Shapes (`LIKE`): DeepSeek-V2-Lite (27 layers, the first dense; 64 routed experts top-6 of width
+1408, 2 shared; MLA attention) and Qwen3-30B-A3B (48 layers, all sparse; 128 experts top-8 of
+width 768, no shared expert; GQA attention, 32 query and 4 KV heads of dimension 128). What
+differs between the families (expert count field, which layers are dense) is read through
+`moechat.engine.get_family`.
 
 The tokenizer is the embedded demo model's (4096 tokens), so embedding and head are far smaller
-than DeepSeek's 102400-token vocabulary; every other shape is the real model's unless scaled down.
+than the real vocabularies (DeepSeek 102400, Qwen3 151936); every other shape is the real model's
+unless scaled down.
 """
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ import shutil
 import sys
 from pathlib import Path
 
-# DeepSeek-V2-Lite(-Chat)'s config.json, the fields that shape the model (vocab aside).
+# The real models' config.json, the fields that shape the model (vocab aside): DeepSeek-V2-Lite(-Chat)
+# and Qwen3-30B-A3B (the same fields as moechat.engine.KNOWN_MODELS, which the tests cross-check).
 LIKE = {
     "deepseek-v2-lite": dict(
         model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
@@ -25,6 +33,12 @@ LIKE = {
         routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False, attention_bias=False,
+    ),
 }
 
 
@@ -33,44 +47,65 @@ def add_random_model(sub) -> None:
     p.add_argument("out", type=Path, help="output directory (created)")
     p.add_argument("--like", required=True, choices=sorted(LIKE), help="whose shapes")
     p.add_argument("--layers", type=int, default=None, metavar="N",
-                   help="decoder layers (default the model's; DeepSeek-V2-Lite: 27 = 1 dense + 26 MoE). A replay trace "
-                        "then drives the first N-1 MoE layers")
+                   help="decoder layers (default the model's; DeepSeek-V2-Lite: 27 = 1 dense + 26 MoE, a replay trace "
+                        "then drives the first N-1 MoE layers; Qwen3-30B-A3B: 48, all MoE)")
     p.add_argument("--hidden", type=int, default=None, metavar="H",
-                   help="scale the model down: hidden size H (attention heads, KV rank and the dense MLP scale with it)")
+                   help="scale the model down: hidden size H (attention heads, KV heads or KV rank, and the dense MLP "
+                        "scale with it; head dimensions stay the model's)")
     p.add_argument("--intermediate", type=int, default=None, metavar="I", help="routed expert width (default the model's)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_random_model)
 
 
+def _leading_dense(fields: dict, family) -> int:
+    """How many decoder layers come before the first sparse one (DeepSeek: first_k_dense_replace; Qwen3: 0)."""
+    from transformers import AutoConfig
+
+    probe = dict(fields)
+    cfg = AutoConfig.for_model(probe.pop("model_type"), **probe)
+    sparse = family.sparse_layers(cfg)
+    return sparse[0] if sparse else cfg.num_hidden_layers
+
+
 def random_config(like: str, layers: int | None = None, hidden: int | None = None, intermediate: int | None = None,
                   vocab_size: int = 4096, dtype: str = "bfloat16"):
     from transformers import AutoConfig
 
-    from ...engine import MoechatError
+    from ...engine import MoechatError, get_family
 
     fields = dict(LIKE[like])
+    family = get_family(fields["model_type"])
     if layers is not None:
-        if not fields["first_k_dense_replace"] < layers <= fields["num_hidden_layers"]:
-            raise MoechatError(f"--layers must be in {fields['first_k_dense_replace'] + 1}..{fields['num_hidden_layers']} "
-                               f"(the first {fields['first_k_dense_replace']} are dense), got {layers}")
+        dense = _leading_dense(fields, family)
+        if not dense < layers <= fields["num_hidden_layers"]:
+            what = f"the first {dense} are dense" if dense else "every layer is MoE"
+            raise MoechatError(f"--layers must be in {dense + 1}..{fields['num_hidden_layers']} ({what}), got {layers}")
         fields["num_hidden_layers"] = layers
     if hidden is not None:
         if hidden < 64 or hidden % 64:
             raise MoechatError(f"--hidden must be a positive multiple of 64, got {hidden}")
         scale = hidden / fields["hidden_size"]
-        fields.update(hidden_size=hidden, num_attention_heads=max(1, round(fields["num_attention_heads"] * scale)),
-                      intermediate_size=max(8, round(fields["intermediate_size"] * scale)),
-                      kv_lora_rank=max(16, round(fields["kv_lora_rank"] * scale)))
-        fields["num_key_value_heads"] = fields["num_attention_heads"]
+        heads, kv_heads = fields["num_attention_heads"], fields["num_key_value_heads"]
+        fields.update(hidden_size=hidden, num_attention_heads=max(1, round(heads * scale)),
+                      intermediate_size=max(8, round(fields["intermediate_size"] * scale)))
+        if "kv_lora_rank" in fields:  # MLA's compressed KV
+            fields["kv_lora_rank"] = max(16, round(fields["kv_lora_rank"] * scale))
+        if kv_heads == heads:  # multi-head attention stays so
+            fields["num_key_value_heads"] = fields["num_attention_heads"]
+        else:  # grouped-query: KV heads scale too and must divide the query heads
+            kv = max(1, min(fields["num_attention_heads"], round(kv_heads * scale)))
+            while fields["num_attention_heads"] % kv:
+                kv -= 1
+            fields["num_key_value_heads"] = kv
     if intermediate is not None:
         if intermediate < 1:
             raise MoechatError(f"--intermediate must be >= 1, got {intermediate}")
-        fields["moe_intermediate_size"] = intermediate
+        fields[family.expert_dim_attr] = intermediate
     model_type = fields.pop("model_type")
     cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, initializer_range=0.02, dtype=dtype,
                                bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields)
-    cfg.num_experts = cfg.n_routed_experts  # transformers' DeepseekV2Experts reads this name
+    cfg.num_experts = family.num_experts(cfg)  # transformers' experts modules read this name (DeepSeek: n_routed_experts)
     return cfg
 
 
@@ -131,6 +166,7 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
 def cmd_random_model(args) -> int:
     from transformers import AutoTokenizer
 
+    from ...engine import get_family
     from ..demo import DEMO_MODEL
 
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
@@ -141,8 +177,9 @@ def cmd_random_model(args) -> int:
     for f in DEMO_MODEL.iterdir():  # the demo's tokenizer and chat template
         if f.name.startswith(("tokenizer", "chat_template")):
             shutil.copy(f, args.out / f.name)
-    moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    family = get_family(cfg.model_type)
+    moe = len(family.sparse_layers(cfg))
     print(f"{args.out}: {args.like}-shaped random {cfg.model_type}, {cfg.num_hidden_layers} layers ({moe} MoE), "
-          f"hidden {cfg.hidden_size}, {cfg.n_routed_experts} experts top-{cfg.num_experts_per_tok} of width "
-          f"{cfg.moe_intermediate_size}, {args.dtype}, {total / 1e9:.2f} GB", file=sys.stderr)
+          f"hidden {cfg.hidden_size}, {family.num_experts(cfg)} experts top-{family.top_k(cfg)} of width "
+          f"{family.expert_dim(cfg)}, {args.dtype}, {total / 1e9:.2f} GB", file=sys.stderr)
     return 0

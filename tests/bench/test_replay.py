@@ -12,6 +12,7 @@ from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig,
 from moechat.engine.errors import MoechatError
 from moechat.engine.events import StepStats, TokenDelta
 from moechat.engine.generate import Engine, Request
+from moechat.engine.model.memory_estimate import estimate, total_params
 from moechat.engine.replay import load_replay
 from moechat.engine.trace import TraceRecorder, load_routing
 
@@ -129,6 +130,60 @@ def test_random_model_loads_and_replays_shared_trace(tmp_path, capsys):
     assert rc == 0 and result["replay"] == str(SHARED) and "hf" not in result
     assert result["replay_layers"] == "first 2 of 26" and 0 <= result["engine"]["hit_rate"] <= 1
 
+
+def test_random_model_qwen3_30b_a3b_loads_estimates_and_replays(tmp_path, capsys):
+    out = tmp_path / "qwen3-small"
+    rc = main(["bench", "random-model", str(out), "--like", "qwen3-30b-a3b", "--layers", "2", "--hidden", "64",
+               "--intermediate", "32", "--dtype", "float32"])
+    assert rc == 0
+    assert "2 layers (2 MoE)" in capsys.readouterr().err and (out / "tokenizer.json").is_file()
+    cfg = json.loads((out / "config.json").read_text())
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes num_local_experts
+    assert (cfg["model_type"], cfg["architectures"], experts, cfg["num_experts_per_tok"]) == (
+        "qwen3_moe", ["Qwen3MoeForCausalLM"], 128, 8)
+    assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["head_dim"]) == (64, 32, 2, 128)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["mlp_only_layers"], cfg["decoder_sparse_step"]) == (
+        1, 1, [], 1)
+    assert cfg["norm_topk_prob"] is True and cfg["tie_word_embeddings"] is False and cfg["vocab_size"] % 64 == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in index  # the real checkpoint's per-expert layout
+    assert "model.layers.1.mlp.experts.127.down_proj.weight" in index and "model.layers.1.self_attn.k_norm.weight" in index
+
+    est = estimate(out, dtype="float32")  # the config alone
+    assert (est.model_type, est.num_experts_total, est.experts_per_layer, est.top_k) == ("qwen3_moe", 256, 128, 8)
+    assert est.expert_bytes == 3 * 64 * 32 * 4 and est.kv_bytes_per_token == 2 * 1 * 128 * 2 * 4
+
+    engine = Engine(EngineConfig(model_dir=str(out), expert_cache_ratio=0.1, spec=SpecConfig(drafter="self", draft_len=2)))
+    assert engine.model.store.num_experts == 128 and len(engine.model.store.layers) == 2
+    trace = tmp_path / "trace.jsonl"
+    _handmade_trace(trace, tokens=9, layers=[0, 1], experts=128, top_k=8)
+    replay, rec, events = _replayed_run(engine, trace, [5, 17, 42, 8], new=6)
+    assert replay.experts.shape[1:] == (2, 8) and _check_recorded(replay, rec, [0, 1]) >= 4 + 5
+    assert len(events[-1].token_ids) == 6
+
+
+def test_random_model_qwen3_30b_a3b_shapes():
+    """Full size is Qwen3-30B-A3B's config (moechat's known-model copy of it) but for the demo vocabulary."""
+    from moechat.app.bench.random_model import random_config
+    from moechat.engine import KNOWN_MODELS
+
+    cfg = random_config("qwen3-30b-a3b")
+    for field, value in KNOWN_MODELS["Qwen3-30B-A3B"].items():
+        if field == "rope_theta":
+            assert cfg.rope_parameters["rope_theta"] == value
+        elif field != "vocab_size":
+            assert getattr(cfg, field) == value, field
+    assert cfg.vocab_size == 4096 and cfg.max_position_embeddings == 40960
+    assert round(total_params(estimate(random_config("qwen3-30b-a3b", layers=8))) / 1e9, 2) == 5.0  # the 8-layer bench model
+
+    half = random_config("qwen3-30b-a3b", hidden=512)  # heads scale with the hidden size, head_dim stays, KV heads divide
+    assert (half.num_attention_heads, half.num_key_value_heads, half.head_dim) == (8, 1, 128)
+    third = random_config("qwen3-30b-a3b", hidden=1536)
+    assert (third.num_attention_heads, third.num_key_value_heads) == (24, 3)
+    with pytest.raises(MoechatError, match=r"--layers must be in 1\.\.48 \(every layer is MoE\), got 0"):
+        random_config("qwen3-30b-a3b", layers=0)
+    with pytest.raises(MoechatError, match=r"--layers must be in 2\.\.27 \(the first 1 are dense\), got 1"):
+        random_config("deepseek-v2-lite", layers=1)
 
 def test_bf16_deepseek_with_fast_tier(checkpoint):
     """DeepSeek's router weights are float32: fast-tier outputs must come back in the compute dtype (bf16 benchmarks)."""
