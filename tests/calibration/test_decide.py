@@ -291,3 +291,18 @@ def test_estimate_counts_a_draft_model(checkpoint, draft_dir):
                   for _, header in ckpt._headers.values() for k, t in header.items() if k != "__metadata__")
     est = estimate(checkpoint("qwen3_moe"), "float32", 64, draft_dir=draft_dir)
     assert est.draft_bytes == on_disk and est.kv_bytes == 64 * est.kv_bytes_per_token
+
+
+def test_estimate_counts_quantized_experts(known):
+    """int8 8.5 and int4 5 bits per weight, padding included; parameters and everything else unchanged."""
+    from moechat.engine.quant.formats import matrix_bytes
+
+    bf16 = known["Qwen3-30B-A3B"]
+    for quant, ratio in (("int8", 8.5 / 16), ("int4", 5 / 16)):
+        q = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16", 8192, quant=quant)
+        assert q == bf16.with_quant(quant) and q.quant == quant
+        assert q.expert_bytes == matrix_bytes(quant, 2 * 768, 2048) + matrix_bytes(quant, 2048, 768)
+        assert q.expert_bytes / bf16.expert_bytes == pytest.approx(ratio)  # 2048 and 768 need no padding
+        assert (q.non_expert_bytes, q.kv_bytes, total_params(q)) == (bf16.non_expert_bytes, bf16.kv_bytes, total_params(bf16))
+    with pytest.raises(BudgetError, match=r"use --quant int8 \(28.69 GiB\), use the mmap tier"):  # the guardrail says which fits
+        check_budgets(bf16, None, 32 * GIB, 0, "ram")
