@@ -68,10 +68,23 @@ def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
     (lambda t: t.replace(f'fingerprint = "{FP}"', 'fingerprint = "0123456789ab"'), "another machine"),
     (lambda t: t.replace(f"schema = {SCHEMA}", f"schema = {SCHEMA - 1}"), "schema"),
     (lambda t: t.replace(f"schema = {SCHEMA}\n", ""), "schema None"),
+    (lambda t: t.replace('quant = "none"', 'quant = "int3"'), "quant should be one of none, int8, int4"),
 ])
 @pytest.mark.notorch
 def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
     assert says in _corrupt_with(tmp_path, edit)
+
+
+@pytest.mark.notorch
+def test_profile_written_before_quant_loads_as_none(tmp_path):
+    """Profiles saved before calibration decided the experts' format have no `quant`: they still load, as "none"."""
+    key = model_key(tmp_path)
+    path = save_profile(profile(key))
+    text = path.read_text()
+    assert 'quant = "none"' in text
+    path.write_text(text.replace('quant = "none"\n', ""), encoding="utf-8")
+    loaded, notice = load_profile(FP, key)
+    assert notice == "" and loaded.decisions.quant == "none" and loaded == profile(key)
 
 
 def _config(argv):
@@ -149,6 +162,7 @@ def test_calibrate_quick_then_generate_uses_the_profile(capsys):
     meas = cal["measurements"]
     assert all(t > 0 for t in meas["cpu_s_per_expert"]) and len(meas["cpu_s_per_expert"]) == meas["max_tokens"]
     assert meas["acceptance"] is not None  # the demo ships a draft model
+    assert cal["decisions"]["quant"] == "none" and "fit the" in cal["decisions"]["reasons"]["quant"]  # a tiny model
 
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "4", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out)
