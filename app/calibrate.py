@@ -87,9 +87,12 @@ def _fmt_s(value: float | None) -> str:
 
 
 def cmd_calibrate(args) -> int:
+    from .settings import load_settings
+
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
-    profile, path = calibrate(model_dir, drafter, args.quick)
+    quant = load_settings()[0].quant  # a format fixed in the settings is calibrated with; unset: decided
+    profile, path = calibrate(model_dir, drafter, args.quick, quant=quant)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),

@@ -124,6 +124,33 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monk
 
 
 @pytest.mark.notorch
+def test_quant_comes_from_the_profile_unless_given():
+    """Command line > settings > profile > "none"; the profile's cache ratio is for its own format: experts of
+    another size get the VRAM it gave experts (expert_cache bytes), and its disk tier only when they are no smaller."""
+    from moechat.app.demo import DEMO_MODEL
+    from moechat.app.settings import settings_path
+    from moechat.engine.calibration.probe import fingerprint, probe
+
+    fp = fingerprint(probe())
+    save_profile(replace(profile(model_key(DEMO_MODEL), fp), decisions=decisions(quant="int8", host_tier="mmap")))
+    cfg, args = _config(["--device", "cuda"])
+    assert (cfg.quant, args.quant, cfg.expert_cache_ratio, cfg.expert_cache_bytes) == ("int8", "int8", 0.17, None)
+    assert cfg.host_ram_budget_bytes == 0
+    bigger, _ = _config(["--device", "cuda", "--quant", "none"])
+    assert (bigger.quant, bigger.expert_cache_bytes, bigger.host_ram_budget_bytes) == ("none", 4 << 30, 0)
+    smaller, _ = _config(["--device", "cuda", "--quant", "int4"])
+    assert (smaller.quant, smaller.expert_cache_bytes, smaller.host_ram_budget_bytes) == ("int4", 4 << 30, None)
+    given, _ = _config(["--device", "cuda", "--quant", "int4", "--expert-cache-ratio", "0.4"])
+    assert (given.expert_cache_ratio, given.expert_cache_bytes) == (0.4, None)  # the user's ratio is theirs
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text('quant = "int4"\n', encoding="utf-8")
+    assert _config([])[0].quant == "int4" and _config(["--quant", "none"])[0].quant == "none"
+    settings_path().unlink()
+    with pytest.raises(SystemExit):
+        _config(["--quant", "int3"])
+
+
+@pytest.mark.notorch
 def test_unusable_profile_warns_and_runs_on_defaults(capsys):
     from moechat.app.demo import DEMO_DRAFT, DEMO_MODEL
     from moechat.engine.calibration.probe import fingerprint, probe
@@ -166,7 +193,7 @@ def test_calibrate_quick_then_generate_uses_the_profile(capsys):
 
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "4", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out)
-    assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4
+    assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4 and gen["quant"] == "none"
 
 
 def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
