@@ -53,8 +53,9 @@ def _progress(name: str, frac: float) -> None:
 
 
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
-              vram_budget: int | None = None, ram_budget: int | None = None):
-    """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) go to `decide`."""
+              vram_budget: int | None = None, ram_budget: int | None = None, quant: str | None = None):
+    """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) and the
+    experts' format (None: decided) go to `decide`."""
     import torch
 
     from ..engine import Profile, decide, estimate, fingerprint, measure, model_key, probe, save_profile
@@ -70,7 +71,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
                    device=device, dtype=dtype, progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
-    decisions = decide(hw, est, meas, vram_budget, ram_budget, draft_options=options)
+    decisions = decide(hw, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
     progress("profile saved", 1.0)
@@ -86,9 +87,12 @@ def _fmt_s(value: float | None) -> str:
 
 
 def cmd_calibrate(args) -> int:
+    from .settings import load_settings
+
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
-    profile, path = calibrate(model_dir, drafter, args.quick)
+    quant = load_settings()[0].quant  # a format fixed in the settings is calibrated with; unset: decided
+    profile, path = calibrate(model_dir, drafter, args.quick, quant=quant)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),
@@ -107,7 +111,7 @@ def cmd_calibrate(args) -> int:
           f"({len(cpu)} tokens); device {_fmt_s(dev[0] if dev else None)} .. {_fmt_s(dev[-1] if dev else None)}")
     acc = "n/a" if m.acceptance is None else f"{m.acceptance:.2f}"
     print(f"  drafting {_fmt_s(m.draft_s_per_token)} per token, verification {_fmt_s(m.verify_s)}, acceptance {acc}")
-    rows = [("expert cache ratio", f"{d.expert_cache_ratio:g}", "expert_cache_ratio"),
+    rows = [("quantized experts", d.quant, "quant"), ("expert cache ratio", f"{d.expert_cache_ratio:g}", "expert_cache_ratio"),
             ("utility bound K", str(d.utility_bound), "utility_bound"), ("draft length γ", str(d.draft_len), "draft_len"),
             ("drafter", d.drafter, "drafter"),
             ("policy", d.policy, "policy"), ("host tier", d.host_tier, "host_tier")]

@@ -62,8 +62,8 @@ def _gib(value: float | None) -> int | None:
 def engine_config(args):
     """The engine's config: each value from the command line, else the settings file, else this
     machine's calibration profile for the model, else the engine's default. Sets args.model,
-    args.draft, args.draft_len and args.policy to what runs, args.profile to the profile's path or None."""
-    from ..engine import EngineConfig, SchedulerConfig, SpecConfig
+    args.draft, args.draft_len, args.policy and args.quant to what runs, args.profile to the profile's path or None."""
+    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig
     from .calibrate import machine_profile
     from .demo import resolve_model
     from .settings import load_settings
@@ -84,15 +84,21 @@ def engine_config(args):
     sched, spec = SchedulerConfig(), SpecConfig()
     args.draft_len = _first(args.draft_len, settings.draft_len, d and d.draft_len, spec.draft_len)
     args.policy = _first(args.policy, settings.policy, d and d.policy, sched.policy)
+    args.quant = _first(args.quant, settings.quant, d and d.quant, "none")
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
-    ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio,
-                   d.expert_cache_ratio if d and args.device != "cpu" else None)
+    ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio)
+    cache_bytes = _gib(args.expert_cache_gib)
+    if ratio is None and cache_bytes is None and d and args.device != "cpu":
+        if args.quant == d.quant:
+            ratio = d.expert_cache_ratio
+        elif d.vram_split:  # experts of another size than the profile's: the VRAM it gave them, in whole experts of this one
+            cache_bytes = d.vram_split.get("expert_cache")
     ram_budget = _gib(_first(args.ram_budget_gib, settings.ram_budget_gib))  # bounds the expert store
-    if ram_budget is None and d and d.host_tier == "mmap":
-        ram_budget = 0  # the profile found the experts too big for RAM: read them from the mmap'd files
+    if ram_budget is None and d and d.host_tier == "mmap" and QUANTS.index(args.quant) <= QUANTS.index(d.quant):
+        ram_budget = 0  # the profile found the experts (in a format no larger) too big for RAM: read them from disk
     return EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
-        expert_cache_bytes=_gib(args.expert_cache_gib), host_ram_budget_bytes=ram_budget,
+        expert_cache_bytes=cache_bytes, host_ram_budget_bytes=ram_budget, quant=args.quant,
         vram_budget_bytes=_gib(_first(args.vram_budget_gib, settings.vram_budget_gib)),
         context_len=_first(args.context_len, settings.context_len), spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         scheduler=SchedulerConfig(
@@ -163,7 +169,8 @@ def cmd_generate(args) -> int:
     s = finished.summary
     profile = None if args.profile is None else str(args.profile)
     if args.json:
-        print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile}))
+        print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile,
+                          "quant": engine.config.quant}))
     else:
         print()
         if profile:
@@ -200,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_args(gen)
     gen.add_argument("--trace", metavar="FILE", help="record routing to FILE (JSON Lines, see docs/trace-format.md)")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object: token_ids, text, stats, profile (the calibration profile used, or null)")
+                     help="print one JSON object: token_ids, text, stats, profile (the calibration profile used, or null), "
+                          "quant (the routed experts' format)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat: the full-screen app on a terminal, line by line with --plain or "

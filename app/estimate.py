@@ -16,6 +16,7 @@ def add_estimate(sub) -> None:
                         "Qwen3-30B-A3B, DeepSeek-V2-Lite (default: the embedded demo)")
     p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices,
                    help="weight and KV dtype (default bfloat16, how the checkpoints ship)")
+    OPTION["quant"].add_flag(p, default="none")
     p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",
                    help="context length in tokens (default: the model's)")
     p.add_argument("--draft", default=None, metavar="DIR", help="a separate draft model's directory, counted in VRAM")
@@ -44,13 +45,18 @@ def _source(model: str | None):
 
 
 def fit_report(est, vram: int | None, ram: int | None) -> dict:
-    """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier; `problem` says why not."""
-    from ..engine import BudgetError, check_budgets, max_cache_experts, ram_headroom
+    """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
+    `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not."""
+    from ..engine import QUANTS, BudgetError, check_budgets, max_cache_experts, ram_headroom
 
     report: dict = {"fits": True}
     if ram is not None:
         on_host = 0 if vram is not None else est.non_expert_bytes + est.kv_bytes
-        report["host_tier"] = "ram" if est.all_experts_bytes + on_host + ram_headroom(ram) <= ram else "mmap"
+        in_ram = [q for q in QUANTS[QUANTS.index(est.quant):]
+                  if est.with_quant(q).all_experts_bytes + on_host + ram_headroom(ram) <= ram]
+        report["host_tier"] = "ram" if est.quant in in_ram else "mmap"
+        if report["host_tier"] == "mmap":
+            report["ram_quant"] = in_ram[0] if in_ram else None
     if vram is not None:
         slots = max_cache_experts(est, vram)
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
@@ -69,7 +75,7 @@ def cmd_estimate(args) -> int:
     from ..engine import estimate, total_params
 
     name, source = _source(args.model)
-    est = estimate(source, args.dtype, args.context_len, args.draft)
+    est = estimate(source, args.dtype, args.context_len, args.draft, args.quant)
     gib = 2**30
     vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * gib)
     ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
@@ -82,17 +88,27 @@ def cmd_estimate(args) -> int:
     print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  "
           "(embeddings, attention, norms, routers, shared experts, head)")
     print(f"  routed experts      {est.all_experts_bytes / gib:8.2f} GiB  "
-          f"({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB)")
+          f"({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB"
+          f"{', ' + est.quant if est.quant != 'none' else ''})")
     print(f"  KV cache            {est.kv_bytes / gib:8.2f} GiB  "
           f"({est.context_len} tokens x {est.kv_bytes_per_token / 1024:.1f} KiB)")
     if est.draft_bytes:
         print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
+    if est.quant != "none":
+        plain = est.with_quant("none")
+        print(f"experts stored as {est.quant}: {8 * est.expert_bytes / est.expert_params:.2f} bits per weight (fp16 scales "
+              f"included), quantized once at first load; {plain.all_experts_bytes / gib:.2f} GiB in {est.dtype} "
+              f"({plain.expert_bytes / 2**20:.2f} MiB each)")
     if "max_expert_cache_ratio" in fit:
         print(f"VRAM {args.vram_budget_gib:g} GiB: at most {fit['max_expert_cache_experts']} experts cached, "
               f"expert cache ratio {fit['max_expert_cache_ratio']:.3f}")
     if "host_tier" in fit:
-        print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}"
-              + (" (experts read from the mmap'd checkpoint)" if fit["host_tier"] == "mmap" else ""))
+        where = ""
+        if fit["host_tier"] == "mmap":
+            files = "the mmap'd checkpoint" if est.quant == "none" else f"their {est.quant} files on disk"
+            hint = f"; --quant {fit['ram_quant']} keeps them in RAM" if fit.get("ram_quant") else ""
+            where = f" (experts read from {files}{hint})"
+        print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}{where}")
     if fit:
         print("fits" if fit["fits"] else f"does not fit: {fit['problem']}")
     return 0 if fit.get("fits", True) else 1

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..engine import DTYPES, POLICIES, SchedulerConfig, SpecConfig
+from ..engine import DTYPES, POLICIES, QUANTS, SchedulerConfig, SpecConfig
 
 THEMES = ("dark", "light")  # besides Textual's built-in theme names
 
@@ -168,6 +168,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("ram_budget_gib", float, None, "RAM for the expert store; below the experts' size they are read from the "
            "mmap'd checkpoint files", "engine", unit="GiB", low=0, low_open=True, unset="the available RAM",
            label="RAM budget (GiB)", placeholder="available RAM", metavar="GIB"),
+    Option("quant", str, None, "routed experts' storage: none (the checkpoint's dtype), int8 or int4 (quantized once "
+           "at first load, cached on disk); a pre-quantized GPTQ checkpoint runs as it is", "engine", choices=QUANTS,
+           unset=_FROM_PROFILE.format("none"), label="Quantized experts", placeholder="from calibration", widget="select"),
     Option("expert_cache_ratio", float, None, "share of routed experts kept on the compute device, the fast tier",
            "engine", low=0, high=1, unset="the calibration profile on cuda, else 0.25 on cuda, 0 on cpu",
            label="Expert cache ratio", placeholder="from calibration", metavar="R"),

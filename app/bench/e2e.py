@@ -38,6 +38,7 @@ def add_bench_e2e(sub) -> None:
                    help=f"recorded routing to replay (a DeepSeek CSV(.gz) or a moechat --trace file); default ${REPLAY_ENV}")
     p.add_argument("--device", default=None, help="compute device (default: cuda when available, else cpu)")
     p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices)
+    OPTION["quant"].add_flag(p, default="none")
     p.add_argument("--expert-cache-ratio", type=OPTION["expert_cache_ratio"].parse, default=0.17, metavar="R",
                    help="fast-tier share of the experts (default 0.17)")
     p.add_argument("--draft-len", type=OPTION["draft_len"].parse, default=gamma, metavar="N",
@@ -65,7 +66,7 @@ def _variants(args):
 
     def cfg(name, ratio, policy, drafter="none", cpu_experts=True):
         return Variant(name, EngineConfig(
-            model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
+            model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio, quant=args.quant,
             spec=SpecConfig(drafter=drafter, draft_len=args.draft_len),
             scheduler=SchedulerConfig(policy=policy, cpu_experts=cpu_experts)))
 
@@ -177,8 +178,8 @@ def cmd_bench_e2e(args) -> int:
              "not_measured": v.skipped or None, **v.stats} for v in variants]
     rows.append({"name": ROWS[5], "decode_tokens_per_s": hf_rate, "not_measured": hf_why or None})
     result = {
-        "model": args.model, "device": str(m.device), "dtype": args.dtype, "expert_cache_ratio": args.expert_cache_ratio,
-        "replay": args.replay_traces, "replay_layers": replay.layers_used,
+        "model": args.model, "device": str(m.device), "dtype": args.dtype, "quant": args.quant,
+        "expert_cache_ratio": args.expert_cache_ratio, "replay": args.replay_traces, "replay_layers": replay.layers_used,
         "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens, "draft_len": args.draft_len, "repeats": args.repeats,
         "torch_threads": torch.get_num_threads(), "gpu": on_gpu,
         "note": None if on_gpu else f"{'no GPU' if not cuda else '--device cpu'}: engine rows ran on the CPU device "

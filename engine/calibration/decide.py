@@ -12,13 +12,17 @@ The models are MoE-SpAc's (the paper; docs/scheduling.md measures the engine's i
   expert and h the hot share (the cache ratio, a lower bound on what `spac` serves). Eq. 10's
   bonus: during the draft phase the link is free, and lookahead moves cold experts the window
   will need (`choose_draft_len`), which is what makes a longer γ pay on a CPU-bound machine.
+
+Memory comes first: the routed experts' format (`quant`: the compute dtype when every expert fits the
+RAM left, else int8, else int4) fixes the expert size every later decision (host tier, VRAM split,
+cache ratio, γ's copy times) is made with.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..config import SchedulerConfig, SpecConfig
+from ..config import QUANTS, SchedulerConfig, SpecConfig
 from ..errors import BudgetError
 from ..model.memory_budgets import GIB, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
 from .types import Decisions, Hardware, Measurements
@@ -118,6 +122,38 @@ def utility_bound(gamma: int) -> int:
     return max(1, min(4, gamma))
 
 
+def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], quant: str | None) -> MemoryEstimate:
+    """The estimate in the experts' format: the compute dtype when every routed expert fits the RAM left
+    (`_host_tier`'s rule), else the first of int8, int4 that does; int4 when none does (then read from
+    disk, the fewest bytes per read). `quant` given: the user's, kept."""
+    left = ram - ram_headroom(ram) - (0 if has_gpu else est.non_expert_bytes + est.kv_bytes)  # as in _host_tier
+    sized = {q: est if q == est.quant else est.with_quant(q) for q in QUANTS}
+    need = {q: _gib_short(e.all_experts_bytes) for q, e in sized.items()}
+    ram_left = f"{_gib_short(max(left, 0))} GiB of RAM left"
+    if quant is not None:
+        reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {ram_left}"
+        return sized[quant]
+    chosen = next((q for q in QUANTS if sized[q].all_experts_bytes <= left), None)
+    in_dtype = f"{need['none']} GiB in {est.dtype}"
+    if chosen == "none":
+        reasons["quant"] = f"none: the experts' {in_dtype} fit the {ram_left}"
+    elif chosen == "int8":
+        reasons["quant"] = f"int8: the experts need {in_dtype}, more than the {ram_left}; int8 needs {need['int8']}"
+    elif chosen == "int4":
+        reasons["quant"] = (f"int4: the experts need {in_dtype} and {need['int8']} in int8, more than the "
+                            f"{ram_left}; int4 needs {need['int4']}")
+    else:
+        chosen = "int4"
+        reasons["quant"] = (f"int4, read from disk: the experts need {in_dtype}, {need['int8']} in int8 and "
+                            f"{need['int4']} in int4, more than the {ram_left}; int4 reads the fewest bytes")
+    return sized[chosen]
+
+
+def _gib_short(n: int) -> str:
+    """GiB with one decimal; two below 1 GiB (a small model's experts are not 0.0)."""
+    return f"{n / GIB:.1f}" if n >= GIB else f"{n / GIB:.2f}"
+
+
 def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]) -> str:
     """"ram" when every routed expert fits the RAM budget with headroom, else "mmap" (read from the checkpoint)."""
     on_host = 0 if has_gpu else est.non_expert_bytes + est.kv_bytes  # CPU-only: the rest lives in RAM too
@@ -129,7 +165,8 @@ def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, 
                           "or use a smaller model")
     besides = f"experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)}"
     reasons["host_tier"] = (f"ram: {besides} fit the {gib(ram)} RAM budget" if host_tier == "ram" else
-                            f"mmap: {besides} exceed the {gib(ram)} RAM budget; experts are read from the checkpoint files")
+                            f"mmap: {besides} exceed the {gib(ram)} RAM budget; experts are read from "
+                            + ("the checkpoint files" if est.quant == "none" else f"their {est.quant} files on disk"))
     return host_tier
 
 
@@ -150,7 +187,7 @@ def _decide_cpu_only(est: MemoryEstimate, meas: Measurements, host_tier: str, dr
     reasons["utility_bound"] = f"K = {k}: moot with no fast tier"
     reasons["forgetting"] = f"λ = {FORGETTING}: the paper's value; moot with no fast tier"
     reasons["vram_split"] = "no GPU: nothing in VRAM"
-    return Decisions(0.0, k, gamma, FORGETTING, drafter, "lru", host_tier, {}, reasons)
+    return Decisions(0.0, k, gamma, FORGETTING, drafter, "lru", host_tier, {}, reasons, quant=est.quant)
 
 
 def _vram_split(est: MemoryEstimate, vram: int, reasons: dict[str, str]) -> tuple[int, dict[str, int]]:
@@ -198,14 +235,16 @@ def _policy(slots: int, drafter: str) -> tuple[str, str]:
 
 
 def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: int | None = None,
-           ram_budget: int | None = None, draft_options=("none", "self")) -> Decisions:
-    """The settings for this machine and model; budgets (bytes) are the user's and always win.
+           ram_budget: int | None = None, draft_options=("none", "self"), quant: str | None = None) -> Decisions:
+    """The settings for this machine and model; budgets (bytes) and `quant` (None: decide) are the user's and always win.
 
-    Raises BudgetError when even the minimal configuration cannot fit (see budgets.check_budgets).
+    `est` is the model's estimate in any format (its shapes give the others). Raises BudgetError when
+    even the minimal configuration cannot fit (see budgets.check_budgets).
     """
     reasons: dict[str, str] = {}
     gpu = hw.gpus[0] if hw.gpus else None
     ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
+    given, est = est, _quant(est, ram, gpu is not None, reasons, quant)
     host_tier = _host_tier(est, ram, gpu is not None, reasons)
     draft_models = [d for d in draft_options if d not in ("none", "self")]
     if gpu is None:
@@ -213,14 +252,14 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
 
     vram = min(vram_budget, gpu.free_bytes) if vram_budget is not None else gpu.free_bytes
     drafter = draft_models[0] if draft_models else "self" if "self" in draft_options else "none"
-    full_est, est = est, replace(est, draft_bytes=est.draft_bytes if draft_models else 0)
+    est = replace(est, draft_bytes=est.draft_bytes if draft_models else 0)
     slots, split = _vram_split(est, vram, reasons)
     ratio = slots / est.num_experts_total
     if drafter == "self" and slots == 0:
         drafter = "none"  # self-draft runs on resident experts only
     gamma, speedup, why = choose_draft_len(est, meas, ratio)
     if drafter != "none" and speedup < 1.0 and est.draft_bytes:  # decide again without reserving VRAM for the draft model
-        d = decide(hw, replace(full_est, draft_bytes=0), meas, vram_budget, ram_budget, ("none",))
+        d = decide(hw, replace(given, draft_bytes=0), meas, vram_budget, ram_budget, ("none",), quant)
         d.reasons["drafter"] = f"none: {drafter} is predicted {speedup:.2f}× of no drafter on this machine"
         return d
     drafter, reasons["drafter"] = _drafter_reason(drafter, speedup, est, draft_options)
@@ -230,4 +269,4 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     reasons["utility_bound"] = (f"K = {k} = min(4, γ): the paper needs K ≤ γ and uses K = 4 at γ = 8; "
                                 "K of 4, 6, 8 serve within 0.003 (docs/scheduling.md)")
     reasons["forgetting"] = f"λ = {FORGETTING}: the paper's value; parameters matter little (docs/scheduling.md)"
-    return Decisions(ratio, k, gamma, FORGETTING, drafter, policy, host_tier, split, reasons)
+    return Decisions(ratio, k, gamma, FORGETTING, drafter, policy, host_tier, split, reasons, quant=est.quant)

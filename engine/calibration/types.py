@@ -2,7 +2,7 @@
 
     probe.probe()            -> Hardware        facts, no timing (nvidia-ml-py, psutil, CPU flags)
     measure.measure(...)     -> Measurements    timings on this machine with the engine's own kernels
-    decide.decide(...)       -> Decisions       cache ratio, K, γ, λ, drafter, policy, host tier, VRAM split
+    decide.decide(...)       -> Decisions       experts' format, cache ratio, K, γ, λ, drafter, policy, host tier, VRAM split
     profile.save/load        -> Profile         all of the above as TOML, keyed by fingerprint and model
 
 `decide` also takes a model's MemoryEstimate (engine/model/memory_estimate.py: bytes from its config alone).
@@ -13,6 +13,8 @@ round-trips them (`dataclasses.asdict`; None is written as a missing key).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..config import QUANTS
 
 
 @dataclass
@@ -71,3 +73,8 @@ class Decisions:
     host_tier: str  # "ram" | "mmap"
     vram_split: dict[str, int] = field(default_factory=dict)  # non_expert, kv_cache, draft, expert_cache, margin
     reasons: dict[str, str] = field(default_factory=dict)  # decision name -> one line for the UI
+    quant: str = "none"  # routed experts' format: "none" | "int8" | "int4"; profiles written before it read as "none"
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANTS:  # a profile's value: refused like any other wrong one (profile.load_profile)
+            raise ValueError(f"quant should be one of {', '.join(QUANTS)}, got {self.quant!r}")

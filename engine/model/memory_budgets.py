@@ -3,13 +3,15 @@
 VRAM holds the non-expert weights, the KV cache for the whole context, a separate draft model, the
 expert cache and a safety margin (CUDA context, activations, staging buffers). The expert store
 (every routed expert) lives in RAM, or is read from the mmap'd checkpoint when the RAM budget is
-below its size (the engine's `host_ram_budget_bytes` rule, engine/experts/store.py).
+below its size (the engine's `host_ram_budget_bytes` rule, engine/experts/store.py). Experts count
+in the estimate's format: `est.expert_bytes` is the quantized size when `est.quant` is int8 or int4.
 """
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
 
+from ..config import QUANTS  # the experts' formats, largest first
 from ..errors import BudgetError
 
 if TYPE_CHECKING:  # memory_estimate imports torch; the budgets are plain arithmetic that the TUI imports
@@ -84,8 +86,12 @@ def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int 
                 f"(--expert-cache-gib {fit * est.expert_bytes / 2**30:.3f}), or a shorter --context-len"
             )
     if ram_budget is not None and host_tier == "ram" and est.all_experts_bytes > ram_budget:
+        smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim else ()  # shapes known: formats to suggest
+        fits = next((q for q in smaller if est.with_quant(q).all_experts_bytes <= ram_budget), None)
+        quant = f"use --quant {fits} ({gib(est.with_quant(fits).all_experts_bytes)}), " if fits else ""
         raise BudgetError(
-            f"the routed experts need {gib(est.all_experts_bytes)} of RAM, the RAM budget is {gib(ram_budget)}: "
+            f"the routed experts need {gib(est.all_experts_bytes)} of RAM"
+            f"{'' if est.quant == 'none' else ' in ' + est.quant}, the RAM budget is {gib(ram_budget)}: {quant}"
             f"use the mmap tier (--ram-budget-gib {ram_budget / 2**30:.2f} reads experts from the checkpoint files), "
             "or use a smaller model"
         )

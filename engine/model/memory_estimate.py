@@ -3,15 +3,18 @@
 Parameters are counted exactly by building the `transformers` module tree on the `meta` device
 (no allocation; the same tree the loader builds) and summing sizes; routed experts are told apart
 by the family record's sparse layers. A tied `lm_head` is counted once, as checkpoints store it.
+With `quant` int8 or int4 one routed expert is counted in that format (engine/quant/formats.py, its
+padding included); everything else stays in the compute dtype.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from ..config import QUANTS
 from ..errors import CheckpointError, MoechatError
 from .families import Family, get_family
 
@@ -25,13 +28,27 @@ class MemoryEstimate:
     model_type: str
     dtype: str
     non_expert_bytes: int  # embeddings, attention, norms, routers, shared experts, head
-    expert_bytes: int  # one routed expert (gate + up + down)
+    expert_bytes: int  # one routed expert (gate + up + down), in the `quant` format
     num_experts_total: int  # routed experts over all MoE layers
     kv_bytes_per_token: int
     context_len: int
     draft_bytes: int = 0  # a separate draft model's weights, 0 for none/self
     experts_per_layer: int = 0  # E, routed experts in one sparse layer (decide's expert-reuse model)
     top_k: int = 0  # k, experts each token activates per sparse layer
+    hidden_size: int = 0  # H: an expert is gate_up [2I, H] + down [H, I]
+    expert_dim: int = 0  # I, one routed expert's intermediate size
+    quant: str = "none"  # routed experts' storage: "none" (dtype), "int8", "int4"
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert, whatever its format."""
+        return 3 * self.hidden_size * self.expert_dim
+
+    def with_quant(self, quant: str) -> MemoryEstimate:
+        """The same model with its routed experts stored in `quant` (calibration weighs the formats with it)."""
+        if not (self.hidden_size and self.expert_dim):
+            raise ValueError("this estimate has no expert shapes (hidden_size, expert_dim): build it with estimate()")
+        return replace(self, quant=quant, expert_bytes=expert_bytes_for(quant, self.dtype, self.hidden_size, self.expert_dim))
 
     @property
     def all_experts_bytes(self) -> int:
@@ -40,6 +57,17 @@ class MemoryEstimate:
     @property
     def kv_bytes(self) -> int:
         return self.kv_bytes_per_token * self.context_len
+
+
+def expert_bytes_for(quant: str, dtype: str, hidden: int, inter: int) -> int:
+    """Bytes of one routed expert, gate_up [2I, H] + down [H, I]: in `dtype`, or quantized (padding and scales included)."""
+    if quant not in QUANTS:
+        raise MoechatError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    if quant == "none":
+        return 3 * hidden * inter * DTYPE_BYTES[dtype]
+    from ..quant.formats import matrix_bytes
+
+    return matrix_bytes(quant, 2 * inter, hidden) + matrix_bytes(quant, hidden, inter)
 
 
 def hf_config_from(source):
@@ -92,7 +120,8 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
     return layers * kv_heads * head_dim * 2 * dtype_bytes  # K and V
 
 
-def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft_bytes: int = 0) -> MemoryEstimate:
+def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft_bytes: int = 0,
+                    quant: str = "none") -> MemoryEstimate:
     """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds."""
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
@@ -100,15 +129,18 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
     nbytes = DTYPE_BYTES[dtype]
     non_expert, routed = count_params(hf, hf_config, family)
     num_total = family.num_experts(hf_config) * len(family.sparse_layers(hf_config))
-    expert_params = 3 * int(hf_config.hidden_size) * family.expert_dim(hf_config)  # gate, up [I, H]; down [H, I]
+    hidden, inter = int(hf_config.hidden_size), family.expert_dim(hf_config)
+    expert_params = 3 * hidden * inter  # gate, up [I, H]; down [H, I]
     if routed != expert_params * num_total:
         raise RuntimeError(f"{family.model_type}: module tree has {routed} routed-expert parameters, "
                            f"config says {expert_params * num_total}")
     return MemoryEstimate(
-        model_type=family.model_type, dtype=dtype, non_expert_bytes=non_expert * nbytes, expert_bytes=expert_params * nbytes,
+        model_type=family.model_type, dtype=dtype, non_expert_bytes=non_expert * nbytes,
+        expert_bytes=expert_bytes_for(quant, dtype, hidden, inter),
         num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),
         context_len=int(context_len or getattr(hf_config, "max_position_embeddings", 4096)), draft_bytes=draft_bytes,
         experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),
+        hidden_size=hidden, expert_dim=inter, quant=quant,
     )
 
 
@@ -122,16 +154,18 @@ def draft_weight_bytes(draft_dir, dtype: str) -> int:
     return sum(p.numel() for p in meta_model(AutoConfig.from_pretrained(path)).parameters()) * DTYPE_BYTES[dtype]
 
 
-def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, draft_dir=None) -> MemoryEstimate:
-    """source: a model directory, a known model's config dict or a transformers config."""
+def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, draft_dir=None,
+             quant: str = "none") -> MemoryEstimate:
+    """source: a model directory, a known model's config dict or a transformers config; quant: the routed experts' format."""
     if context_len is not None and context_len < 1:
         raise MoechatError(f"context length must be >= 1, got {context_len}")
     hf_config = hf_config_from(source)
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0
-    return estimate_module(meta_model(hf_config), hf_config, dtype, context_len, draft)
+    return estimate_module(meta_model(hf_config), hf_config, dtype, context_len, draft, quant)
 
 
 def total_params(est: MemoryEstimate) -> int:
-    return (est.non_expert_bytes + est.all_experts_bytes) // DTYPE_BYTES[est.dtype]
+    """Parameters of the model (a quantized expert still counts 3·H·I), the draft model's not included."""
+    return est.non_expert_bytes // DTYPE_BYTES[est.dtype] + est.expert_params * est.num_experts_total

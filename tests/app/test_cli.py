@@ -29,6 +29,7 @@ def test_bench_generate_json(checkpoint, capsys):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["model"], out["new_tokens"], out["repeats"]) == (model, 8, 1)
+    assert out["quant"] == "none"
     assert isinstance(out["prompt_tokens"], int) and out["prompt_tokens"] > 0
     for side in ("engine", "hf"):
         assert out[side]["prefill_tokens_per_s"] > 0 and out[side]["decode_tokens_per_s"] > 0

@@ -59,19 +59,23 @@ def synthetic(name: str, est) -> Measurements:
 
 
 # Worked by hand from the estimates at 8192 tokens (bf16): Qwen3-30B-A3B has 54.0 GiB of experts
-# (6144 of 9 437 184 B), 2.87 GiB non-expert, 0.75 GiB KV; DeepSeek-V2-Lite 26.8 GiB (1664 of
-# 17 301 504 B), 2.44 GiB, 0.24 GiB. Host tier: the desktop's 58 GiB free holds either with its
-# 2.9 GiB headroom (5 %); the laptop's 27 GiB (2 GiB headroom) and the 13 GiB box hold neither.
+# (6144 of 9 437 184 B; int8 5 013 504 B, 28.7 GiB; int4 2 949 120 B, 16.9 GiB), 2.87 GiB
+# non-expert, 0.75 GiB KV; DeepSeek-V2-Lite 26.8 GiB (1664 of 17 301 504 B; int8 9 191 424 B,
+# 14.2 GiB; int4 5 406 720 B, 8.4 GiB), 2.44 GiB, 0.24 GiB. Format and host tier: the desktop's
+# 58 GiB free holds either in bf16 with its 2.9 GiB headroom (5 %); the laptop's 27 GiB (2 GiB
+# headroom) holds Qwen3 in int4 only and DeepSeek in int8; the 13 GiB box, which also holds the
+# non-expert weights and KV, holds neither even in int4 (int4, read from disk).
 # Slots: (free VRAM − non-expert − KV − margin) // expert bytes, the margin 5 % of free VRAM but at
 # least 0.5 GiB: desktop (23.5 GiB, margin 1.175 GiB) 20 083 793 101 B // 9 437 184 = 2128 Qwen3
-# experts, 21 093 216 461 B // 17 301 504 = 1219 DeepSeek ones; laptop (7.5 GiB, margin 0.5 GiB) 384 and 268.
-EXPECTED = {  # (machine, model): (host tier, expert slots, VRAM margin)
-    ("desktop-4090", "Qwen3-30B-A3B"): ("ram", 2128, 1261646643),
-    ("desktop-4090", "DeepSeek-V2-Lite"): ("ram", 1219, 1261646643),
-    ("laptop-8g", "Qwen3-30B-A3B"): ("mmap", 384, GIB // 2),
-    ("laptop-8g", "DeepSeek-V2-Lite"): ("mmap", 268, GIB // 2),
-    ("cpu-16g", "Qwen3-30B-A3B"): ("mmap", 0, None),
-    ("cpu-16g", "DeepSeek-V2-Lite"): ("mmap", 0, None),
+# experts, 21 093 216 461 B // 17 301 504 = 1219 DeepSeek ones; laptop (7.5 GiB, margin 0.5 GiB)
+# 1230 int4 Qwen3 experts and 504 int8 DeepSeek ones (384 and 268 in bf16).
+EXPECTED = {  # (machine, model): (experts' format, host tier, expert slots, VRAM margin)
+    ("desktop-4090", "Qwen3-30B-A3B"): ("none", "ram", 2128, 1261646643),
+    ("desktop-4090", "DeepSeek-V2-Lite"): ("none", "ram", 1219, 1261646643),
+    ("laptop-8g", "Qwen3-30B-A3B"): ("int4", "ram", 1230, GIB // 2),
+    ("laptop-8g", "DeepSeek-V2-Lite"): ("int8", "ram", 504, GIB // 2),
+    ("cpu-16g", "Qwen3-30B-A3B"): ("int4", "mmap", 0, None),
+    ("cpu-16g", "DeepSeek-V2-Lite"): ("int4", "mmap", 0, None),
 }
 
 
@@ -79,14 +83,15 @@ EXPECTED = {  # (machine, model): (host tier, expert slots, VRAM margin)
 @pytest.mark.parametrize("model", list(KNOWN_MODELS))
 def test_decisions_stay_within_budgets(known, machine, model):
     hw = MACHINES[machine][0]
-    est = known[model]
-    d = decide(hw, est, synthetic(machine, est))
+    d = decide(hw, known[model], synthetic(machine, known[model]))
     # every decision has a one-line reason
-    for field in ("expert_cache_ratio", "utility_bound", "draft_len", "forgetting", "drafter", "policy", "host_tier",
+    for field in ("quant", "expert_cache_ratio", "utility_bound", "draft_len", "forgetting", "drafter", "policy", "host_tier",
                   "vram_split"):
         assert d.reasons.get(field) and "\n" not in d.reasons[field], field
     assert 0.0 <= d.expert_cache_ratio <= 1.0 and 1 <= d.utility_bound <= d.draft_len and 1 <= d.draft_len <= 12
-    host_tier, slots, margin = EXPECTED[machine, model]
+    quant, host_tier, slots, margin = EXPECTED[machine, model]
+    assert d.quant == quant and d.reasons["quant"].startswith(quant)
+    est = known[model].with_quant(quant)  # every later decision counts experts of this size
     assert d.host_tier == host_tier
     assert d.expert_cache_ratio == slots / est.num_experts_total
     if not hw.gpus:
@@ -291,3 +296,51 @@ def test_estimate_counts_a_draft_model(checkpoint, draft_dir):
                   for _, header in ckpt._headers.values() for k, t in header.items() if k != "__metadata__")
     est = estimate(checkpoint("qwen3_moe"), "float32", 64, draft_dir=draft_dir)
     assert est.draft_bytes == on_disk and est.kv_bytes == 64 * est.kv_bytes_per_token
+
+
+# A 32 GB desktop with a 16 GB GPU: 28 GiB of RAM free, 26 GiB of it left for experts after the 2 GiB headroom.
+PC_32G = Hardware("AMD Ryzen 7 7700", 8, ["avx2"], 32 * GIB, 28 * GIB, 500 * GB,
+                  [GpuInfo("NVIDIA GeForce RTX 4080", 16 * GIB, int(15.5 * GIB), "550", 4, 16)])
+
+
+def test_decide_quantizes_the_experts_only_when_they_do_not_fit_ram(known, checkpoint):
+    """The experts' format comes first: the compute dtype when every expert fits the RAM left, else
+    int8, else int4; the host tier and the fast tier are then sized in it."""
+    est = known["Qwen3-30B-A3B"]
+    meas = Measurements(expert_bytes=est.expert_bytes)
+    d = decide(PC_32G, est, meas)
+    assert d.quant == "int4" and d.host_tier == "ram"
+    assert d.reasons["quant"] == ("int4: the experts need 54.0 GiB in bfloat16 and 28.7 in int8, more than the 26.0 GiB "
+                                  "of RAM left; int4 needs 16.9")
+    int4 = est.with_quant("int4")
+    assert d.vram_split["expert_cache"] == round(d.expert_cache_ratio * est.num_experts_total) * int4.expert_bytes
+    check_budgets(int4, PC_32G.gpus[0].free_bytes, PC_32G.ram_available_bytes, d.vram_split["expert_cache"], d.host_tier)
+    # the user's format wins; bf16 experts then stay on disk and fewer fit the same VRAM
+    bf16 = decide(PC_32G, est, meas, quant="none")
+    assert bf16.quant == "none" and bf16.host_tier == "mmap"
+    assert bf16.reasons["quant"] == "none: as set; the experts need 54.0 GiB in it, with 26.0 GiB of RAM left"
+    assert 3 * bf16.expert_cache_ratio < d.expert_cache_ratio
+    # more than int4 fits nowhere: int4, read from disk (the mmap tier), and the reasons say so
+    oversize = decide(PC_32G, est, meas, ram_budget=8 * GIB)
+    assert oversize.quant == "int4" and oversize.host_tier == "mmap"
+    assert oversize.reasons["quant"].startswith("int4, read from disk: the experts need 54.0 GiB in bfloat16, 28.7 in int8")
+    assert "int4 files on disk" in oversize.reasons["host_tier"]
+    # a small model stays in the compute dtype
+    small = decide(PC_32G, estimate(checkpoint("qwen3_moe"), "float32"), meas)
+    assert small.quant == "none" and small.host_tier == "ram"
+    assert small.reasons["quant"].startswith("none: the experts' 0.00 GiB in float32 fit the 26.0 GiB of RAM left")
+
+
+def test_estimate_counts_quantized_experts(known):
+    """int8 8.5 and int4 5 bits per weight, padding included; parameters and everything else unchanged."""
+    from moechat.engine.quant.formats import matrix_bytes
+
+    bf16 = known["Qwen3-30B-A3B"]
+    for quant, ratio in (("int8", 8.5 / 16), ("int4", 5 / 16)):
+        q = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16", 8192, quant=quant)
+        assert q == bf16.with_quant(quant) and q.quant == quant
+        assert q.expert_bytes == matrix_bytes(quant, 2 * 768, 2048) + matrix_bytes(quant, 2048, 768)
+        assert q.expert_bytes / bf16.expert_bytes == pytest.approx(ratio)  # 2048 and 768 need no padding
+        assert (q.non_expert_bytes, q.kv_bytes, total_params(q)) == (bf16.non_expert_bytes, bf16.kv_bytes, total_params(bf16))
+    with pytest.raises(BudgetError, match=r"use --quant int8 \(28.69 GiB\), use the mmap tier"):  # the guardrail says which fits
+        check_budgets(bf16, None, 32 * GIB, 0, "ram")

@@ -68,10 +68,23 @@ def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
     (lambda t: t.replace(f'fingerprint = "{FP}"', 'fingerprint = "0123456789ab"'), "another machine"),
     (lambda t: t.replace(f"schema = {SCHEMA}", f"schema = {SCHEMA - 1}"), "schema"),
     (lambda t: t.replace(f"schema = {SCHEMA}\n", ""), "schema None"),
+    (lambda t: t.replace('quant = "none"', 'quant = "int3"'), "quant should be one of none, int8, int4"),
 ])
 @pytest.mark.notorch
 def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
     assert says in _corrupt_with(tmp_path, edit)
+
+
+@pytest.mark.notorch
+def test_profile_written_before_quant_loads_as_none(tmp_path):
+    """Profiles saved before calibration decided the experts' format have no `quant`: they still load, as "none"."""
+    key = model_key(tmp_path)
+    path = save_profile(profile(key))
+    text = path.read_text()
+    assert 'quant = "none"' in text
+    path.write_text(text.replace('quant = "none"\n', ""), encoding="utf-8")
+    loaded, notice = load_profile(FP, key)
+    assert notice == "" and loaded.decisions.quant == "none" and loaded == profile(key)
 
 
 def _config(argv):
@@ -108,6 +121,33 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monk
     st, _ = _config(["--device", "cuda", "--draft-len", "7"])
     assert (st.spec.draft_len, st.scheduler.policy, st.scheduler.utility_bound) == (7, "eam", 2)  # CLI > settings
     assert (st.scheduler.forgetting, st.expert_cache_ratio, st.spec.drafter) == (0.2, 0.3, "self")  # λ: the profile's
+
+
+@pytest.mark.notorch
+def test_quant_comes_from_the_profile_unless_given():
+    """Command line > settings > profile > "none"; the profile's cache ratio is for its own format: experts of
+    another size get the VRAM it gave experts (expert_cache bytes), and its disk tier only when they are no smaller."""
+    from moechat.app.demo import DEMO_MODEL
+    from moechat.app.settings import settings_path
+    from moechat.engine.calibration.probe import fingerprint, probe
+
+    fp = fingerprint(probe())
+    save_profile(replace(profile(model_key(DEMO_MODEL), fp), decisions=decisions(quant="int8", host_tier="mmap")))
+    cfg, args = _config(["--device", "cuda"])
+    assert (cfg.quant, args.quant, cfg.expert_cache_ratio, cfg.expert_cache_bytes) == ("int8", "int8", 0.17, None)
+    assert cfg.host_ram_budget_bytes == 0
+    bigger, _ = _config(["--device", "cuda", "--quant", "none"])
+    assert (bigger.quant, bigger.expert_cache_bytes, bigger.host_ram_budget_bytes) == ("none", 4 << 30, 0)
+    smaller, _ = _config(["--device", "cuda", "--quant", "int4"])
+    assert (smaller.quant, smaller.expert_cache_bytes, smaller.host_ram_budget_bytes) == ("int4", 4 << 30, None)
+    given, _ = _config(["--device", "cuda", "--quant", "int4", "--expert-cache-ratio", "0.4"])
+    assert (given.expert_cache_ratio, given.expert_cache_bytes) == (0.4, None)  # the user's ratio is theirs
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text('quant = "int4"\n', encoding="utf-8")
+    assert _config([])[0].quant == "int4" and _config(["--quant", "none"])[0].quant == "none"
+    settings_path().unlink()
+    with pytest.raises(SystemExit):
+        _config(["--quant", "int3"])
 
 
 @pytest.mark.notorch
@@ -149,10 +189,11 @@ def test_calibrate_quick_then_generate_uses_the_profile(capsys):
     meas = cal["measurements"]
     assert all(t > 0 for t in meas["cpu_s_per_expert"]) and len(meas["cpu_s_per_expert"]) == meas["max_tokens"]
     assert meas["acceptance"] is not None  # the demo ships a draft model
+    assert cal["decisions"]["quant"] == "none" and "fit the" in cal["decisions"]["reasons"]["quant"]  # a tiny model
 
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "4", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out)
-    assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4
+    assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4 and gen["quant"] == "none"
 
 
 def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):

@@ -211,6 +211,7 @@ def test_generate_cli_json_and_trace(checkpoint, tmp_path, capsys):
     obj = json.loads(out)
     assert len(obj["token_ids"]) == 10 and isinstance(obj["text"], str)
     assert obj["stats"]["new_tokens"] == 10 and "decode_tokens_per_s" in obj["stats"]
+    assert obj["quant"] == "none"  # the experts' format that ran
     assert load_trace(tmp_path / "tr.jsonl")
     engine = engine_for(path, spec=SpecConfig("self", 3))
     assert obj["token_ids"] == list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=10)))[-1].token_ids

@@ -227,7 +227,7 @@ def test_wizard_end_to_end_with_the_demo(tmp_path):
     from moechat.app.demo import DEMO_MODEL
 
     path = tmp_path / "settings.toml"
-    path.write_text("# mine\nmodel = \"/somewhere/else\"\ntop_p = 0.5\n", encoding="utf-8")
+    path.write_text("# mine\nmodel = \"/somewhere/else\"\ntop_p = 0.5\nquant = \"int8\"\n", encoding="utf-8")
     result, seen, rows = asyncio.run(_wizard_end_to_end(path))
     assert result == str(DEMO_MODEL)
     assert len(seen - {0.0, 1.0}) >= 3 and max(seen) == 1.0  # progress moved through the steps
@@ -235,8 +235,11 @@ def test_wizard_end_to_end_with_the_demo(tmp_path):
         value, why = rows[label]
         assert value != "" and why != ""  # each decision with its reason
     assert "the 16.00 GiB RAM budget" in rows["host tier"][1]  # the wizard's RAM budget reached decide()
+    value, why = rows["quantized experts"]  # the experts' format the settings fix is calibrated with, and shown
+    assert value == "int8" and why.startswith("int8: as set; the experts need")
     settings, notice = load_settings(path)
     assert notice is None and settings.model is None and settings.ram_budget_gib == 16 and settings.top_p == 0.5
+    assert settings.quant == "int8"
     assert "# mine" in path.read_text() and settings.vram_budget_gib is None
 
 

@@ -4,7 +4,7 @@ Validation has one source of truth: a field's text is parsed (int/float where it
 left as text) and `Settings(**{field: value})` accepts or refuses it; the refusal's one line shows
 under the field. Save writes nothing while any field is refused. The screen dismisses with a
 `SettingsResult` (or None on Cancel): `needs_reload` is True when a field the running engine cannot
-take live changed (`RELOAD_FIELDS`: the options not marked live: budgets, cache ratio, K, γ, policy,
+take live changed (`RELOAD_FIELDS`: the options not marked live: budgets, quantized experts, cache ratio, K, γ, policy,
 drafter, context length);
 the caller then reloads the model. Sampling and theme apply live.
 """

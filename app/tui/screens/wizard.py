@@ -44,7 +44,7 @@ TITLES = ("1/4 Choose the model", "2/4 Memory budgets", "3/4 Calibrate this mach
 BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step edits
 # Calibration decisions as the wizard shows them: (field of Decisions, label); λ only matters to a
 # utility variant users do not run, so it is not shown
-DECISIONS = (("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
+DECISIONS = (("quant", "quantized experts"), ("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
              ("draft_len", "draft length γ"), ("drafter", "drafter"), ("policy", "policy"), ("host_tier", "host tier"))
 
 
@@ -301,9 +301,10 @@ class WizardScreen(Screen):
         self.query_one("#progress", ProgressBar).update(progress=0.0)
         quick = self.query_one("#quick", Switch).value
         vram, ram = (self._budget(name) for name in BUDGETS)
-        self.run_worker(lambda: self._calibrate(quick, vram, ram), thread=True, group="calibrate")
+        quant = load_settings(self.path)[0].quant  # a format the user fixed is calibrated with, as the budgets are
+        self.run_worker(lambda: self._calibrate(quick, vram, ram, quant), thread=True, group="calibrate")
 
-    def _calibrate(self, quick: bool, vram: float | None, ram: float | None) -> None:
+    def _calibrate(self, quick: bool, vram: float | None, ram: float | None, quant: str | None = None) -> None:
         calibrate = self._calibrate_fn
         if calibrate is None:
             from ...calibrate import calibrate
@@ -314,7 +315,7 @@ class WizardScreen(Screen):
         try:
             profile, path = calibrate(self.model_dir, self.drafter, quick, progress,
                                       vram_budget=None if vram is None else int(vram * GIB),
-                                      ram_budget=None if ram is None else int(ram * GIB))
+                                      ram_budget=None if ram is None else int(ram * GIB), quant=quant)
         except Exception as err:  # BudgetError and friends are one line already; anything else made one
             from ....engine import MoechatError
 

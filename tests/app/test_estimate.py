@@ -1,0 +1,35 @@
+"""`moechat estimate --quant`: the routed experts counted in a quantized format."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+
+def _estimate(capsys, *argv) -> tuple[int, str]:
+    from moechat.app.cli import main
+
+    rc = main(["estimate", "--model", "Qwen3-30B-A3B", "--ram-budget-gib", "32", "--vram-budget-gib", "16", *argv])
+    return rc, capsys.readouterr().out
+
+
+def test_int4_keeps_qwen3_30b_in_32_gib_of_ram(capsys):
+    """Qwen3-30B-A3B on a 32 GiB RAM / 16 GiB VRAM machine: its 54 GiB of bf16 experts would be read
+    from disk; int4 (5 bits per weight) holds them in RAM and caches more of them on the GPU."""
+    rc, bf16 = _estimate(capsys)
+    assert rc == 0 and "host tier mmap" in bf16 and "--quant int8 keeps them in RAM" in bf16
+    rc, int4 = _estimate(capsys, "--quant", "int4")
+    assert rc == 0 and "host tier ram" in int4 and int4.rstrip().endswith("fits")
+    assert "experts stored as int4: 5.00 bits per weight" in int4 and "54.00 GiB in bfloat16" in int4
+    size = {name: float(re.search(r"experts x ([\d.]+) MiB", out).group(1)) for name, out in (("bf16", bf16), ("int4", int4))}
+    assert size["int4"] / size["bf16"] == pytest.approx(5 / 16, rel=0.01)  # 2.81 of 9.00 MiB
+
+    out = json.loads(_estimate(capsys, "--quant", "int4", "--json")[1])
+    plain = json.loads(_estimate(capsys, "--json")[1])
+    assert out["quant"] == "int4" and out["host_tier"] == "ram" and out["fits"] is True
+    assert plain["quant"] == "none" and plain["host_tier"] == "mmap" and plain["ram_quant"] == "int8"
+    # gate_up [1536, 2048] + down [2048, 768]: per row K/2 bytes of codes and two fp16 (scale, minimum) per 32 weights
+    assert out["expert_bytes"] == 1536 * (1024 + 64 * 4) + 2048 * (384 + 24 * 4)
+    assert out["total_params"] == plain["total_params"]  # quantizing changes bytes, not parameters
+    assert out["max_expert_cache_experts"] > 3 * plain["max_expert_cache_experts"]
