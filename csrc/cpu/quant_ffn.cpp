@@ -19,7 +19,7 @@ Isa resolve_q(int isa) {
     return Isa(isa);
 }
 
-inline int64_t pad64(int64_t k) { return (k + 63) / 64 * 64; }
+inline int64_t pad32(int64_t k) { return (k + 31) / 32 * 32; }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
@@ -27,14 +27,12 @@ constexpr int64_t QRB = 32;  // weight rows per work item
 
 struct QBuf {  // quantized activations of S tokens over kp columns
     std::vector<int8_t> q;
-    std::vector<float> d, ds, dxv;
+    std::vector<float> d, ds;
     int64_t kp, nb;
-    QBuf(int64_t S, int64_t kp_) : q(S * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), dxv(S * (kp_ / 32) * 8), kp(kp_), nb(kp_ / 32) {}
-    QActs at(int64_t s0) const {
-        return {q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, dxv.data() + s0 * nb * 8, kp, nb};
-    }
+    QBuf(int64_t S, int64_t kp_) : q(S * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), kp(kp_), nb(kp_ / 32) {}
+    QActs at(int64_t s0) const { return {q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, kp, nb}; }
     void fill(const float* x, int64_t ldx, int64_t K, int64_t s0, int T) {
-        quantize_acts(x, ldx, K, T, kp, q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, dxv.data() + s0 * nb * 8);
+        quantize_acts(x, ldx, K, T, kp, q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb);
     }
 };
 
@@ -46,18 +44,18 @@ API int moe_q_resolve_isa(int isa) { return resolve_q(isa); }
 
 // Codes: 0 ok, -1 bad bits or dtype, -2 ISA not supported by this CPU, -3 bad shapes.
 // gate_up: gu_q [E, 2I, Hp·bits/8], gu_s/gu_m [E, 2I, Hp/32]; down: dn_q [E, H, Ip·bits/8], dn_s/dn_m [E, H, Ip/32]
-// (Hp, Ip: H, I padded to 64; m null for int8); the rest as moe_expert_ffn: experts [G], offsets [G+1],
+// (Hp, Ip: H, I padded to 32; H, I multiples of 16; m null for int8); the rest as moe_expert_ffn: experts [G], offsets [G+1],
 // x [N, H] (fp32, bf16 or fp16), rows [S], row_weights [S] fp32, out [N, H] fp32 accumulated into.
 API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const uint8_t* gu_q,
                          const uint16_t* gu_s, const uint16_t* gu_m, const uint8_t* dn_q, const uint16_t* dn_s,
                          const uint16_t* dn_m, int bits, int64_t hidden, int64_t inter, const void* x, int x_dtype,
                          const int64_t* rows, const float* row_weights, float* out, int num_threads, int isa_req) {
     if ((bits != 8 && bits != 4) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
-    if (hidden <= 0 || inter <= 0 || n_groups < 0) return -3;
+    if (hidden <= 0 || inter <= 0 || n_groups < 0 || hidden % QROWS || inter % QROWS) return -3;  // whole row groups
     const Isa isa = resolve_q(isa_req);
     if (isa != SCALAR && isa != AVX2 && isa != AVX512_VNNI) return -2;
     if (!cpu_has(isa)) return -2;
-    const int64_t S = n_groups ? offsets[n_groups] : 0, H = hidden, I = inter, Hp = pad64(H), Ip = pad64(I);
+    const int64_t S = n_groups ? offsets[n_groups] : 0, H = hidden, I = inter, Hp = pad32(H), Ip = pad32(I);
     if (S == 0) return 0;
     const int64_t gu_rb = Hp * bits / 8, dn_rb = Ip * bits / 8;  // row bytes
     const int64_t gu_nb = Hp / 32, dn_nb = Ip / 32;
@@ -134,11 +132,11 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
 API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int bits, int64_t n_rows, int64_t k,
                      const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req) {
     if ((bits != 8 && bits != 4) || (bits == 4 && !m)) return -1;
-    if (n_rows <= 0 || k <= 0 || n_tokens < 0) return -3;
+    if (n_rows <= 0 || k <= 0 || n_tokens < 0 || n_rows % QROWS) return -3;
     const Isa isa = resolve_q(isa_req);
     if ((isa != SCALAR && isa != AVX2 && isa != AVX512_VNNI) || !cpu_has(isa)) return -2;
     if (n_tokens == 0) return 0;
-    const int64_t kp = pad64(k), rb = kp * bits / 8, nb = kp / 32;
+    const int64_t kp = pad32(k), rb = kp * bits / 8, nb = kp / 32;
     QBuf xq(n_tokens, kp);
     xq.fill(x, k, k, 0, int(n_tokens));
     const QMat W{q, s, m, rb, nb};

@@ -35,6 +35,9 @@ class ExpertStore:
         self.total_bytes = self.expert_bytes * self.num_experts * len(layers)
         self.fused = gptq is None and bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
         self.notices: list[str] = []  # one line each, for the user (a rebuilt quantized cache)
+        if quant != "none" and (H % formats.ROWS or I % formats.ROWS):
+            raise CheckpointError(f"{quant} experts need a hidden size and expert width in multiples of {formats.ROWS} "
+                                  f"(this model: {H} and {I}): run it with --quant none")
         self._check_present()
         self.mmap = ram_budget_bytes is not None and ram_budget_bytes < self.total_bytes
         # Page-locked RAM tier (CUDA): fast-tier copies become asynchronous DMA. Pinned once, at

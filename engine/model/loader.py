@@ -119,7 +119,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         raise RuntimeError(
             f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
         )
-    check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len), device)  # before any weight loads
+    quant = "int4" if gptq is not None else cfg.quant  # a pre-quantized checkpoint runs as it is
+    check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant), device)  # before loading
 
     store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda",
                         ram_budget_bytes=cfg.host_ram_budget_bytes, quant=cfg.quant, gptq=gptq)

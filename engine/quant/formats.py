@@ -1,17 +1,25 @@
-"""Quantized expert weights: the two formats, laid out for the CPU kernel (csrc/cpu/quant_ffn.cpp), and
+"""Quantized expert weights: the two formats, laid out for the CPU kernel (csrc/cpu/quant_tiles.h), and
 their pure-PyTorch twins (quantize, dequantize, the activation quantizer and the matrix product).
 
-A weight matrix W [R, K] is stored row by row in blocks of BLOCK = 32 input columns, K padded with
-zeros to a multiple of CHUNK = 64 (two blocks: one 512-bit VNNI dot product):
+A weight matrix W [R, K] (R a multiple of 16) is quantized in blocks of BLOCK = 32 input columns, K
+padded with zeros to whole blocks:
 
     int8   u = round(w / d) + 128 in [1, 255]      w = d · (u - 128)     (symmetric, llama.cpp's Q8_0)
     int4   u = round((w - m) / d) in [0, 15]       w = d · u + m          (asymmetric, like Q4_1)
 
-`q` holds the codes (uint8): int8 one byte per weight; int4 two per byte, and per chunk of 64 weights
-byte j holds weight j in its low nibble and weight 32 + j in its high nibble, so one 32-byte load and
-two masks give both blocks in natural order. `scale` d and (int4) `minimum` m are fp16, one per block.
-Unsigned codes are what the integer dot product (vpdpbusd, pmaddubsw) wants: u8 weights x s8
-activations. A GPTQ group of 128 is 4 blocks with equal d and m (engine/quant/gptq.py).
+with fp16 d and (int4) m per row and block. The bytes are interleaved for the kernel's integer dot
+product (vpdpbusd: 16 lanes, each 4 u8 weights · 4 s8 activations): rows go in groups of ROWS = 16
+and, per group and block, one 64-byte vector holds the same 4 columns of all 16 rows:
+
+    int8   8 vectors per block: vector i, lane r = row r's codes at columns 4i..4i+3
+    int4   4 vectors per block: vector v, lane r = row r's codes at 8v..8v+3 (low nibbles), 8v+4..8v+7 (high)
+    d, m   [group][block][16 rows]: one 16-wide fp16 load scales a whole vector of row sums
+
+so a block of 16 rows costs 8 (int4: 4 loads + 8) dot products per token with the activations
+broadcast 4 bytes at a time, and no horizontal sums. Tensors keep [..., R, bytes per row] shapes
+(q [..., R, Kp·bits/8], scale/minimum [..., R, Kp/32]); a whole group of 16 rows is contiguous, so
+leading dims (experts, slots) and 16-row slices index them like plain weights. Unsigned codes are
+what u8 · s8 products want; a GPTQ group of 128 is 4 blocks with equal d and m (engine/quant/gptq.py).
 
 Activations are quantized per token and block, to int8 with an fp32 scale (llama.cpp's Q8_1):
 dx = amax / 127, qx = round(x / dx); the kernel then computes, per block, d·dx·Σ u·qx + m·dx·Σ qx
@@ -24,15 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 32  # weights per scale
-CHUNK = 64  # K is padded to a multiple of this (two blocks: one 64-byte int8 vector)
+BLOCK = 32  # weights per scale; K is padded to a multiple of this
+ROWS = 16  # rows interleaved per group (one 512-bit vector of int32 row sums)
 FORMATS = ("int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 
 
 def padded(k: int) -> int:
-    """K rounded up to whole chunks."""
-    return -(-k // CHUNK) * CHUNK
+    """K rounded up to whole blocks."""
+    return -(-k // BLOCK) * BLOCK
 
 
 def bytes_per_weight(fmt: str) -> float:
@@ -122,16 +130,49 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(*w.shape[:-1], -1, BLOCK)
 
 
-def pack_int4(u: torch.Tensor) -> torch.Tensor:
-    """codes [..., Kp] in 0..15 -> [..., Kp/2] bytes, per chunk of 64: byte j = u[j] | u[32 + j] << 4."""
-    c = u.to(torch.uint8).reshape(*u.shape[:-1], -1, 2, BLOCK)  # [..., chunks, half, 32]
-    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*u.shape[:-1], -1)
+def _check_rows(rows: int) -> None:
+    if rows % ROWS:
+        raise ValueError(f"a quantized matrix needs a multiple of {ROWS} rows, got {rows}")
 
 
-def unpack_int4(q: torch.Tensor) -> torch.Tensor:
-    """The inverse of pack_int4: [..., Kp/2] -> codes [..., Kp] (uint8)."""
-    c = q.reshape(*q.shape[:-1], -1, BLOCK)  # [..., chunks, 32]
-    return torch.stack([c & 0xF, c >> 4], dim=-2).reshape(*q.shape[:-1], -1)
+def interleave(u: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Codes [..., R, Kp] (natural order, uint8) -> the kernel's bytes [..., R, Kp·bits/8]."""
+    *lead, R, kp = u.shape
+    _check_rows(R)
+    g = u.to(torch.uint8).reshape(*lead, R // ROWS, ROWS, kp // BLOCK, 8, 4)  # [.., G, 16, nb, step, 4]
+    if fmt == "int4":  # steps 2v and 2v+1 share vector v: low and high nibbles
+        g = g[..., 0::2, :] | (g[..., 1::2, :] << 4)  # [.., G, 16, nb, 4, 4]
+    g = g.movedim(-4, -2)  # [.., G, nb, step, 16, 4]
+    return g.reshape(*lead, R, -1)
+
+
+def deinterleave(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The inverse of interleave: [..., R, Kp·bits/8] -> codes [..., R, Kp] (uint8)."""
+    *lead, R, nbytes = q.shape
+    kp = nbytes * 8 // BITS[fmt]
+    steps = 8 if fmt == "int8" else 4
+    g = q.reshape(*lead, R // ROWS, kp // BLOCK, steps, ROWS, 4).movedim(-2, -4)  # [.., G, 16, nb, steps, 4]
+    if fmt == "int4":
+        g = torch.stack([g & 0xF, g >> 4], dim=-2).flatten(-3, -2)  # [.., G, 16, nb, 8, 4]
+    return g.reshape(*lead, R, kp)
+
+
+def interleave_scales(d: torch.Tensor) -> torch.Tensor:
+    """Per-row block scales [..., R, nb] -> [group][block][16 rows], kept in a [..., R, nb] tensor."""
+    *lead, R, nb = d.shape
+    _check_rows(R)
+    return d.reshape(*lead, R // ROWS, ROWS, nb).transpose(-1, -2).reshape(*lead, R, nb)
+
+
+def deinterleave_scales(d: torch.Tensor) -> torch.Tensor:
+    *lead, R, nb = d.shape
+    return d.reshape(*lead, R // ROWS, nb, ROWS).transpose(-1, -2).reshape(*lead, R, nb)
+
+
+def from_codes(fmt: str, k: int, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> QuantMatrix:
+    """A QuantMatrix from natural-order codes u [..., R, Kp], scales d and minimums m [..., R, Kp/32] (fp16)."""
+    return QuantMatrix(fmt, k, interleave(u, fmt), interleave_scales(d.half()),
+                       None if m is None else interleave_scales(m.half()))
 
 
 def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
@@ -142,27 +183,27 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantMatrix:
         d = (b.abs().amax(-1) / 127).half()  # [..., R, nb]
         inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
         u = (torch.round(b * inv[..., None]).clamp(-127, 127) + 128).to(torch.uint8)
-        return QuantMatrix(fmt, w.shape[-1], u.flatten(-2), d, None)
+        return from_codes(fmt, w.shape[-1], u.flatten(-2), d, None)
     if fmt == "int4":
         lo, hi = b.amin(-1), b.amax(-1)
         d, m = ((hi - lo) / 15).half(), lo.half()
         inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
         u = torch.round((b - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
-        return QuantMatrix(fmt, w.shape[-1], pack_int4(u.flatten(-2)), d, m)
+        return from_codes(fmt, w.shape[-1], u.flatten(-2), d, m)
     raise ValueError(f"quantized format must be one of {', '.join(FORMATS)}, got {fmt!r}")
 
 
 def codes(qm: QuantMatrix) -> torch.Tensor:
-    """Unsigned codes [..., R, Kp] (uint8)."""
-    return qm.q if qm.fmt == "int8" else unpack_int4(qm.q)
+    """Unsigned codes [..., R, Kp] (uint8), natural order."""
+    return deinterleave(qm.q, qm.fmt)
 
 
 def dequantize(qm: QuantMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., R, K] in `dtype`: d·u + m per block (int8: m = -128·d), computed in fp32."""
     u = codes(qm).float()
     u = u.reshape(*u.shape[:-1], -1, BLOCK)  # [..., R, nb, 32]
-    d = qm.scale.float()[..., None]
-    m = -128 * d if qm.minimum is None else qm.minimum.float()[..., None]
+    d = deinterleave_scales(qm.scale).float()[..., None]
+    m = -128 * d if qm.minimum is None else deinterleave_scales(qm.minimum).float()[..., None]
     w = (u * d + m).flatten(-2)
     return w[..., :qm.k].to(dtype)
 

@@ -130,7 +130,7 @@ def gptq_to_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
                    spec: GptqSpec, name: str = "GPTQ linear") -> formats.QuantMatrix:
     """One quantized linear as an int4 QuantMatrix [N, K]: per block of 32 columns d = the scale of its
     group and m = -scale · zero (computed in fp32, stored fp16), the codes unchanged. K is padded to whole
-    chunks with code 0; a block holding real columns takes their group (groups are whole blocks, so one
+    blocks with code 0; a block holding real columns takes their group (groups are whole blocks, so one
     group per block), blocks of padding only get d = m = 0 (padded activations are zero anyway).
 
     Rounding m to fp16 is the only change to the weights: its error is at most 2^-11 · |z| · d
@@ -144,7 +144,7 @@ def gptq_to_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     d = scales.float()[group].T * real  # [N, Kp/32]
     m = -d * zeros.float()[group].T
     u = torch.nn.functional.pad(codes, (0, kp - k))
-    return formats.QuantMatrix("int4", k, formats.pack_int4(u), d.half(), m.half())
+    return formats.from_codes("int4", k, u, d.half(), m.half())
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,

@@ -35,7 +35,7 @@ def one_line(err: pytest.ExceptionInfo) -> str:
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 def test_round_trip_matches_gptq_dequantization(group_size, sym, fmt):
-    n, k = 40, 256
+    n, k = 48, 256
     w = weights(n, k)
     t = pack_gptq(w, group_size, sym, fmt)
     spec = GptqSpec(group_size=group_size, sym=sym, checkpoint_format=fmt)
@@ -189,7 +189,8 @@ def test_quantize_rtn_follows_autogptq():
 @pytest.mark.parametrize("family,shards,fmt,sym", [("qwen3_moe", None, "gptq", True), ("mixtral", None, "gptq_v2", False),
                                                   ("qwen2_moe", "60KB", "gptq", False)])
 def test_make_gptq_checkpoint(checkpoint, tmp_path, family, shards, fmt, sym):
-    src = checkpoint(family, shards=shards)
+    width = {"intermediate_size": 48} if family == "mixtral" else {}  # rows in 16s, K = 48 padded to 64
+    src = checkpoint(family, shards=shards, **width)
     dst = make_gptq_checkpoint(src, tmp_path / "gptq", group_size=32, sym=sym, checkpoint_format=fmt)
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "gptq"

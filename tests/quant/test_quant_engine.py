@@ -17,6 +17,7 @@ from moechat.engine.quant import expert_file, formats
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"]
 FORMATS = formats.FORMATS
 PROMPT_IDS = list(range(5, 25))
+WIDTH = {"mixtral": {"intermediate_size": 32}}  # quantized experts need widths in multiples of 16 (tiny Mixtral's is 24)
 NEW = 24
 # Logits of the quantized engine against Hugging Face on the dequantized weights: the engine also
 # quantizes activations to int8 per block of 32 (as llama.cpp does), which this bounds.
@@ -26,7 +27,7 @@ LOGIT_TOL = {"int8": 0.02, "int4": 0.02}
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_speculative_equals_plain_decoding_of_the_quantized_model(family, fmt, checkpoint):
-    ck = checkpoint(family)
+    ck = checkpoint(family, **WIDTH.get(family, {}))
     plain = run_engine(ck, PROMPT_IDS, NEW, quant=fmt).token_ids
     assert run_engine(ck, PROMPT_IDS, NEW, quant=fmt, drafter="self").token_ids == plain
     spac = run_engine(ck, PROMPT_IDS, NEW, quant=fmt, drafter="self", policy="spac", expert_cache_ratio=0.5)
@@ -68,7 +69,7 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_engine_is_close_to_the_dequantized_reference(family, fmt, checkpoint):
-    ck = checkpoint(family)
+    ck = checkpoint(family, **WIDTH.get(family, {}))
     ref = reference_logits(ck, PROMPT_IDS, fmt)
     got = engine_logits(ck, PROMPT_IDS, quant=fmt)
     full = engine_logits(ck, PROMPT_IDS)
@@ -121,7 +122,7 @@ def test_the_cache_key_follows_the_checkpoint_files(checkpoint, tmp_path):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_path):
-    src = checkpoint(family)
+    src = checkpoint(family, **WIDTH.get(family, {}))
     gptq = make_gptq_checkpoint(src, tmp_path / "gptq", group_size=32, sym=family == "qwen3_moe")
     plain = run_engine(gptq, PROMPT_IDS, NEW)
     assert run_engine(gptq, PROMPT_IDS, NEW, drafter="self", policy="spac", expert_cache_ratio=0.5).token_ids == plain.token_ids
@@ -182,6 +183,12 @@ def test_quantized_store_holds_the_quantized_bytes(checkpoint):
         assert held == store.total_bytes
         sizes[fmt] = held
         engine.close()
-    H, I = 32, 16  # tiny: K padded from 32/16 to 64
+    H, I = 32, 16  # tiny: K padded from 16 to 32
     assert sizes["int4"] == len(engine.model.store.layers) * 8 * (formats.matrix_bytes("int4", 2 * I, H)
                                                                   + formats.matrix_bytes("int4", H, I))
+
+
+def test_widths_the_kernel_cannot_group_are_refused_in_one_line(checkpoint):
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(checkpoint("mixtral")), quant="int4"))  # expert width 24
+    assert "multiples of 16" in str(err.value) and "--quant none" in str(err.value)

@@ -37,33 +37,45 @@ def case(H, I, sizes, fmt, E=6, N=5, seed=0, x_dtype=torch.float32):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("k", [32, 40, 64, 100, 768])
 def test_quantize_round_trip_is_within_half_a_step(fmt, k):
-    w = torch.randn(7, k) * 0.05
+    w = torch.randn(32, k) * 0.05
     qm = formats.quantize(w, fmt)
-    assert qm.shape == (7, k) and qm.nbytes == formats.matrix_bytes(fmt, 7, k)
-    step = qm.scale.float().repeat_interleave(formats.BLOCK, -1)[:, :k]  # d per weight
+    assert qm.shape == (32, k) and qm.nbytes == formats.matrix_bytes(fmt, 32, k)
+    step = formats.deinterleave_scales(qm.scale).float().repeat_interleave(formats.BLOCK, -1)[:, :k]  # d per weight
     err = (formats.dequantize(qm) - w).abs()
     assert bool((err <= 0.5 * step + 1e-3 * step.clamp_min(1e-8) + 2e-5).all()), float((err / step).max())
 
 
-def test_int4_packing_puts_a_chunks_two_halves_in_one_byte():
-    u = torch.arange(64) % 16
-    packed = formats.pack_int4(u[None])[0]
-    assert packed.shape == (32,)
-    assert int(packed[3]) == (3 % 16) | ((35 % 16) << 4)
-    assert torch.equal(formats.unpack_int4(packed[None])[0], u.to(torch.uint8))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_interleaving_puts_four_columns_of_sixteen_rows_in_one_vector(fmt):
+    """The kernel's layout: per group of 16 rows and block, vector i lane r holds row r's columns 4i..4i+3
+    (int4: 8v..8v+3 in the low nibbles, 8v+4..8v+7 in the high ones)."""
+    u = torch.randint(0, 16 if fmt == "int4" else 256, (32, 64), dtype=torch.uint8)
+    q = formats.interleave(u, fmt)
+    assert torch.equal(formats.deinterleave(q, fmt), u)
+    group1_block1 = q[16:32].reshape(-1)[(512 if fmt == "int8" else 256):]  # second group, second block
+    r, i = 5, 2
+    if fmt == "int8":
+        assert group1_block1[64 * i + 4 * r:64 * i + 4 * r + 4].tolist() == u[16 + r, 32 + 4 * i:32 + 4 * i + 4].tolist()
+    else:
+        byte = group1_block1[64 * i + 4 * r + 1]
+        assert [int(byte & 0xF), int(byte >> 4)] == [int(u[16 + r, 32 + 8 * i + 1]), int(u[16 + r, 32 + 8 * i + 5])]
+    d = torch.randn(32, 2).half()
+    assert torch.equal(formats.deinterleave_scales(formats.interleave_scales(d)), d)
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        formats.quantize(torch.randn(24, 32), fmt)
 
 
 def test_bytes_per_weight_counts_the_scales():
     assert formats.bytes_per_weight("int8") == pytest.approx(8.5 / 8)
     assert formats.bytes_per_weight("int4") == pytest.approx(5 / 8)
-    assert formats.matrix_bytes("int4", 1, 2048) == 2048 * 5 // 8
+    assert formats.matrix_bytes("int4", 16, 2048) == 16 * 2048 * 5 // 8
 
 
 def test_activation_quantization_is_per_token_and_block():
     x = torch.randn(3, 70)
     qx, dx = formats.quantize_activations(x)
-    assert qx.shape == (3, 128) and dx.shape == (3, 4) and qx.dtype == torch.int8
-    assert bool((qx[:, 70:] == 0).all()) and float(dx[:, 3].abs().max()) == 0  # the padded block
+    assert qx.shape == (3, 96) and dx.shape == (3, 3) and qx.dtype == torch.int8
+    assert bool((qx[:, 70:] == 0).all())  # padding
     assert torch.allclose(formats.fake_quantize_activations(x), x, atol=float(dx.max()) / 2 + 1e-6)
     one, _ = formats.quantize_activations(x[1:2])
     assert torch.equal(one[0], qx[1])  # a token's codes do not depend on the others
@@ -76,7 +88,7 @@ def test_bad_format_is_refused_in_one_line():
 
 # ---- the native kernel --------------------------------------------------------------------------
 
-SHAPES = [(64, 32, [1, 0, 3]), (40, 24, [9, 1]), (256, 192, [1, 2, 4, 5]), (130, 70, [16, 2])]
+SHAPES = [(64, 32, [1, 0, 3]), (48, 16, [9, 1]), (256, 192, [1, 2, 4, 5]), (144, 80, [16, 2, 11])]  # K padded: 48, 80, 144
 
 
 @needs_native
@@ -84,7 +96,7 @@ SHAPES = [(64, 32, [1, 0, 3]), (40, 24, [9, 1]), (256, 192, [1, 2, 4, 5]), (130,
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_equals_the_twin(isa, fmt):
     """One matrix: both quantize the same activations to the same codes, so only fp32 order differs."""
-    for rows, k, t in ((33, 64, 1), (70, 200, 5), (128, 2048, 9)):
+    for rows, k, t in ((32, 64, 1), (80, 200, 5), (128, 2048, 9), (48, 96, 20)):
         w = formats.quantize(torch.randn(rows, k) * 0.05, fmt)
         x = torch.randn(t, k)
         assert rel_err(cpu_ffn.q_linear(x, w, isa=isa), formats.linear(x, w)) < 2e-6
@@ -133,7 +145,7 @@ def test_threads_do_not_change_the_result(fmt):
 def test_the_vector_paths_agree_with_the_portable_one_on_integer_dots():
     """Weights and activations that are exact in int8 codes: every path must give the same sums."""
     for fmt in FORMATS:
-        w = formats.quantize(torch.randint(-7, 8, (32, 128)).float(), fmt)
+        w = formats.quantize(torch.randint(-7, 8, (32, 128)).float(), fmt)  # two row groups
         x = torch.randint(-127, 128, (3, 128)).float()
         ys = [cpu_ffn.q_linear(x, w, isa=isa) for isa in ISAS]
         for y in ys[1:]:
@@ -167,10 +179,10 @@ def test_portable_build_runs_the_quantized_kernel(tmp_path, monkeypatch):
     lib = ctypes.CDLL(str(path))
     lib.moe_q_linear.argtypes = cpu_ffn._QL_ARGTYPES
     assert [lib.moe_q_isa_supported(cpu_ffn.ISA[i]) for i in cpu_ffn.Q_ISAS] == [1, 0, 0]
-    w = formats.quantize(torch.randn(40, 96) * 0.05, "int4")
+    w = formats.quantize(torch.randn(48, 96) * 0.05, "int4")
     x = torch.randn(3, 96)
-    out = torch.empty(3, 40)
-    code = lib.moe_q_linear(w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), 4, 40, 96, x.data_ptr(), 3,
+    out = torch.empty(3, 48)
+    code = lib.moe_q_linear(w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), 4, 48, 96, x.data_ptr(), 3,
                             out.data_ptr(), 1, 0)
     assert code == 0 and rel_err(out, formats.linear(x, w)) < 2e-6
 
@@ -178,10 +190,10 @@ def test_portable_build_runs_the_quantized_kernel(tmp_path, monkeypatch):
 @needs_native
 def test_bad_arguments_return_codes_not_crashes():
     lib = cpu_ffn.library()
-    w = formats.quantize(torch.randn(8, 64), "int8")
-    x, out = torch.randn(1, 64), torch.empty(1, 8)
+    w = formats.quantize(torch.randn(16, 64), "int8")
+    x, out = torch.randn(1, 64), torch.empty(1, 16)
     args = (w.q.data_ptr(), w.scale.data_ptr(), 0)
-    assert lib.moe_q_linear(*args, 3, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -1  # bits
-    assert lib.moe_q_linear(*args, 4, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -1  # int4 without minimums
-    assert lib.moe_q_linear(*args, 8, 0, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -3  # shapes
-    assert lib.moe_q_linear(*args, 8, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, cpu_ffn.ISA["avx512"]) == -2  # not a q path
+    assert lib.moe_q_linear(*args, 3, 16, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -1  # bits
+    assert lib.moe_q_linear(*args, 4, 16, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -1  # int4 without minimums
+    assert lib.moe_q_linear(*args, 8, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -3  # not whole row groups
+    assert lib.moe_q_linear(*args, 8, 16, 64, x.data_ptr(), 1, out.data_ptr(), 1, cpu_ffn.ISA["avx512"]) == -2  # not a q path
