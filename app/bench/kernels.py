@@ -7,6 +7,10 @@ caches. Figures per row: the fastest of --repeats calls after a warm-up, for eac
 effective GB/s of expert weights read; the ratio to this machine's memory copy bandwidth, measured
 right before each row (a shared machine's bandwidth drifts): bytes read plus bytes written per
 second by a `copy_` of buffers larger than the caches, the stricter of the two usual conventions.
+With --quant int8/int4 the native side is the quantized kernel (csrc/cpu/quant_ffn.cpp) on experts
+in that format, the torch side its twin (dequantize, then fp32 GEMMs), and GB/s counts the quantized
+bytes. Each row also gives the ratio to DRAM read bandwidth (a sum over a buffer larger than the
+caches), the bound a decode kernel that only reads weights can approach.
 CUDA (on a GPU): the prefetch engine's transfer GB/s against a plain pinned copy while compute runs.
 """
 from __future__ import annotations
@@ -45,9 +49,12 @@ def add_bench_kernels(sub) -> None:
     p.add_argument("--tokens", type=_ints, default=[1, 2, 4, 8, 9], metavar="T,..", help="tokens per expert (default 1,2,4,8,9)")
     p.add_argument("--experts", type=_ints, default=[8, 32], metavar="G,..", help="experts per call (default 8,32)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="weights and activations")
+    p.add_argument("--quant", default="none", choices=["none", "int8", "int4"],
+                   help="experts quantized (the int8/int4 kernel, fp32 activations quantized inside); default none")
     p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed calls per row and side, fastest counts (default 5)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads for both sides (default torch's)")
-    p.add_argument("--isa", default="auto", choices=["auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16"],
+    p.add_argument("--isa", default="auto", choices=["auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16",
+                                                     "avx512_vnni"],
                    help="force a native CPU path (default: the best this CPU has)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help='print one object {"cpu": [...], "cuda": [...], ...}')
@@ -72,6 +79,15 @@ class CopyMeter:
             best = max(best, 2 * self.src.nbytes / (time.perf_counter() - t0) / 1e9)
         return best
 
+    def measure_read(self, repeats: int = 3) -> float:
+        """DRAM read bandwidth: GB/s read by a sum over the same buffer (nothing written)."""
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.src.sum()
+            best = max(best, self.src.nbytes / (time.perf_counter() - t0) / 1e9)
+        return best
+
 
 def _cpu_rows(args, threads: int, meter: CopyMeter) -> list[dict]:
     import torch
@@ -79,25 +95,41 @@ def _cpu_rows(args, threads: int, meter: CopyMeter) -> list[dict]:
     from ...engine import cpu_ffn
 
     dt = getattr(torch, args.dtype)
+    quant = args.quant != "none"
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     rows = []
     for shape in args.shapes.split(","):
         H, I = SHAPES[shape]
         expert_bytes = 3 * H * I * dt.itemsize
+        if quant:
+            from ...engine import quant_formats as qf
+
+            expert_bytes = qf.matrix_bytes(args.quant, 2 * I, H) + qf.matrix_bytes(args.quant, H, I)
         pool = max(2 * max(args.experts), max(POOL_BYTES, 4 * last_level_cache_bytes()) // expert_bytes)
-        gate_up = torch.empty(pool, 2 * I, H, dtype=dt).normal_(0, 0.02)  # [P, 2I, H] the store's layout
-        down = torch.empty(pool, H, I, dtype=dt).normal_(0, 0.02)  # [P, H, I]
+        if quant:  # quantized 16 experts at a time: the fp32 originals of the whole pool would not fit
+            gate_up = qf.empty_matrix(args.quant, (pool,), 2 * I, H)
+            down = qf.empty_matrix(args.quant, (pool,), H, I)
+            for e in range(0, pool, 16):
+                n = min(16, pool - e)
+                gate_up[e:e + n].copy_(qf.quantize(torch.empty(n, 2 * I, H).normal_(0, 0.02), args.quant))
+                down[e:e + n].copy_(qf.quantize(torch.empty(n, H, I).normal_(0, 0.02), args.quant))
+            x_dtype = torch.float32
+        else:
+            gate_up = torch.empty(pool, 2 * I, H, dtype=dt).normal_(0, 0.02)  # [P, 2I, H] the store's layout
+            down = torch.empty(pool, H, I, dtype=dt).normal_(0, 0.02)  # [P, H, I]
+            x_dtype = dt
         for _ in range(2):  # fresh memory is slow for a while on some machines (VMs): read it all first
-            gate_up.sum(), down.sum()
+            for t in (gate_up.tensors() + down.tensors()) if quant else (gate_up, down):
+                t.sum(dtype=torch.float32) if quant else t.sum()
         for T in args.tokens:
             for G in args.experts:
-                x = torch.randn(T, H).to(dt)  # [T, H] every expert gets all T tokens
+                x = torch.randn(T, H).to(x_dtype)  # [T, H] every expert gets all T tokens
                 offsets = torch.arange(G + 1) * T
                 token_rows = torch.arange(G * T) % T
                 weights = torch.rand(G * T)
                 best = {"native": float("inf"), "torch": float("inf")}
-                copy_gbps = meter.measure()
+                copy_gbps, read_gbps = meter.measure(), meter.measure_read()
                 for rep in range(args.repeats + 1):  # round 0 warms up
                     for side in ("native", "torch"):  # alternating: noise hits both alike
                         experts = torch.tensor(rng.sample(range(pool), G))
@@ -106,6 +138,8 @@ def _cpu_rows(args, threads: int, meter: CopyMeter) -> list[dict]:
                         if side == "native":
                             cpu_ffn.moe_ffn_native(x, gate_up, down, experts, offsets, token_rows, weights, out,
                                                    threads=threads, isa=args.isa)
+                        elif quant:
+                            cpu_ffn.moe_ffn_q_torch(x, gate_up, down, experts, offsets, token_rows, weights, out)
                         else:
                             cpu_ffn.moe_ffn_torch(x, gate_up, down, experts, offsets, token_rows, weights, out)
                         if rep:
@@ -115,7 +149,7 @@ def _cpu_rows(args, threads: int, meter: CopyMeter) -> list[dict]:
                              "native_ms": 1e3 * best["native"], "torch_ms": 1e3 * best["torch"],
                              "speedup": best["torch"] / best["native"], "gbps": gbps,
                              "torch_gbps": G * expert_bytes / best["torch"] / 1e9, "copy_gbps": copy_gbps,
-                             "bandwidth_ratio": gbps / copy_gbps})
+                             "bandwidth_ratio": gbps / copy_gbps, "read_gbps": read_gbps, "read_ratio": gbps / read_gbps})
         del gate_up, down
     return rows
 
@@ -151,7 +185,10 @@ def cmd_bench_kernels(args) -> int:
         raise MoechatError("--tokens and --experts need positive integers, --repeats at least 1")
     if not cpu_ffn.available():
         raise MoechatError(native.notice("cpu") or "the native CPU kernels are unavailable")
-    if args.isa != "auto" and not cpu_ffn.isa_supported(args.isa):
+    if args.quant != "none" and args.isa not in ("auto", *cpu_ffn.Q_ISAS):
+        raise MoechatError(f"the {args.quant} kernel has no {args.isa} path: use one of auto, {', '.join(cpu_ffn.Q_ISAS)}")
+    supported = cpu_ffn.q_isa_supported if args.quant != "none" else cpu_ffn.isa_supported
+    if args.isa != "auto" and not supported(args.isa):
         raise MoechatError(f"this CPU has no {args.isa} path: leave --isa at auto")
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -161,22 +198,25 @@ def cmd_bench_kernels(args) -> int:
     del meter
     cuda_rows, cuda_note = _cuda_rows()
     dt = getattr(torch, args.dtype)
-    result = {"dtype": args.dtype, "threads": threads, "isa": cpu_ffn.resolved_isa(args.isa, dt, dt),
-              "copy_gbps": statistics.median(r["copy_gbps"] for r in cpu_rows), "repeats": args.repeats,
+    isa = cpu_ffn.resolved_q_isa(args.isa) if args.quant != "none" else cpu_ffn.resolved_isa(args.isa, dt, dt)
+    result = {"dtype": args.dtype, "quant": args.quant, "threads": threads, "isa": isa,
+              "copy_gbps": statistics.median(r["copy_gbps"] for r in cpu_rows),
+              "read_gbps": statistics.median(r["read_gbps"] for r in cpu_rows), "repeats": args.repeats,
               "seconds": round(time.perf_counter() - t0, 1),
               "cpu": cpu_rows, "cuda": cuda_rows, "cuda_note": cuda_note}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"CPU expert FFN: {args.dtype} weights and activations, {threads} threads, native path {result['isa']}, "
+    weights = f"{args.quant} weights, fp32 activations" if args.quant != "none" else f"{args.dtype} weights and activations"
+    print(f"CPU expert FFN: {weights}, {threads} threads, native path {result['isa']}, "
           f"fastest of {args.repeats}, {result['seconds']} s")
-    print("copy: memory copy bandwidth (read + write) measured before each row; of copy = GB/s / copy")
+    print("copy: memory copy bandwidth (read + write), read: DRAM read bandwidth, both measured before each row")
     print(f"{'shape':>10}{'tokens':>7}{'experts':>8}{'native ms':>11}{'torch ms':>10}{'speedup':>9}"
-          f"{'GB/s':>7}{'torch GB/s':>11}{'copy':>7}{'of copy':>9}")
+          f"{'GB/s':>7}{'torch GB/s':>11}{'copy':>7}{'of copy':>9}{'read':>7}{'of read':>9}")
     for r in cpu_rows:
         print(f"{r['shape']:>10}{r['tokens']:>7}{r['experts']:>8}{r['native_ms']:>11.2f}{r['torch_ms']:>10.2f}"
               f"{r['speedup']:>8.2f}×{r['gbps']:>7.1f}{r['torch_gbps']:>11.1f}{r['copy_gbps']:>7.1f}"
-              f"{100 * r['bandwidth_ratio']:>8.0f}%")
+              f"{100 * r['bandwidth_ratio']:>8.0f}%{r['read_gbps']:>7.1f}{100 * r['read_ratio']:>8.0f}%")
     if cuda_rows:
         print("CUDA prefetch engine vs a plain pinned copy, while compute runs:")
         for r in cuda_rows:

@@ -13,6 +13,7 @@ from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
+from ..quant.dense import quantize_dense
 from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, gptq_prefixes, read_gptq_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
@@ -131,6 +132,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
 
     _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,
                         gptq)
+    if device.type == "cpu" and store.quant != "none":  # a CPU-only machine: the dense part small too
+        quantize_dense(hf, routers={id(layers[i].mlp.gate) for i in sparse})
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len)

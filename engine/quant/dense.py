@@ -1,0 +1,56 @@
+"""The dense part in int8 on a CPU compute device: attention projections, dense and shared-expert MLPs and
+the head become `QuantLinear` (the native kernel's quantized linear layer, csrc/cpu/quant_ffn.cpp).
+
+On a CPU-only machine these are a third of the bytes each token reads; llama.cpp's Q4_K_M quantizes
+them too. Routers stay in the compute dtype (they choose experts: a rounding there changes routing),
+as do embeddings (a table read by row) and layers whose outputs are not whole groups of 16.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import formats
+
+DENSE_FORMAT = "int8"
+
+
+class QuantLinear(torch.nn.Module):
+    """nn.Linear with an int8 weight: y = Q8(x) · dequant(W)^T + b, in fp32, returned in x's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear, fmt: str = DENSE_FORMAT):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_q = formats.quantize(linear.weight.detach(), fmt)
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..experts import cpu_ffn
+
+        y = cpu_ffn.q_linear(x.reshape(-1, self.in_features), self.weight_q)  # [T, out] fp32
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_q.nbytes
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.weight_q.fmt}"
+
+
+def quantize_dense(hf: torch.nn.Module, routers: set[int]) -> int:
+    """Swap every eligible nn.Linear of `hf` for a QuantLinear; returns the bytes the weights now take.
+    routers: id() of the router modules, which stay as they are."""
+    swaps = []
+    for module in hf.modules():
+        for child_name, child in module.named_children():
+            if (type(child) is torch.nn.Linear and id(child) not in routers and child.out_features % formats.ROWS == 0
+                    and child.weight.device.type == "cpu"):
+                swaps.append((module, child_name, child))
+    total = 0
+    for parent, child_name, child in swaps:  # a tied head gets its own int8 copy; the embedding keeps its table
+        q = QuantLinear(child)
+        setattr(parent, child_name, q)
+        total += q.nbytes
+    return total
