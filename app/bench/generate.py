@@ -65,7 +65,9 @@ def cmd_bench_generate(args) -> int:
         ids = [int(t) for t in args.prompt_ids.split(",")]
     else:
         ids = engine.encode(Request(prompt=args.prompt or DEFAULT_PROMPT))
-    hf = None if replay is not None else _load_hf(args, ids)  # replayed routing: HF's tokens would differ
+    # replayed routing or quantized weights: HF's tokens would differ (quality: `moechat bench quality`)
+    plain = replay is None and engine.model.store.quant == "none"
+    hf = _load_hf(args, ids) if plain else None
     med, decode, same = _measure(engine, hf, ids, args)
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
@@ -78,7 +80,7 @@ def cmd_bench_generate(args) -> int:
     if replay is not None:
         result["replay"] = args.replay_traces
         result["replay_layers"] = replay.layers_used
-    else:
+    if hf is not None:
         result["hf"] = {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]}
         result["ratio"] = {"prefill": med["engine_prefill"] / med["hf_prefill"],
                            "decode": med["engine_decode"] / med["hf_decode"]}
@@ -130,7 +132,7 @@ def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
 def _print_generate(result: dict, args, replay) -> None:
     engine = decode = result["engine"]  # the decode figures sit beside the engine's rates
     print(f"model {args.model}  prompt {result['prompt_tokens']} tokens  new {args.max_new_tokens} tokens  "
-          f"drafter {args.draft}  policy {args.policy}  cache ratio {result['expert_cache_ratio']}  "
+          f"drafter {args.draft}  policy {args.policy}  cache ratio {result['expert_cache_ratio']}  quant {result['quant']}  "
           f"(median of {args.repeats})")
     if replay is not None:
         print(f"routing replayed from {args.replay_traces} ({replay.tokens} tokens, MoE layers {result['replay_layers']})")

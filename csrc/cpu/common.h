@@ -92,6 +92,23 @@ inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
+inline uint16_t f32_to_f16(float f) {  // round to nearest even, as torch's .half(); subnormals and overflow included
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN
+    if (u >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to inf
+    if (u < 0x38800000u) {  // below the smallest normal half: a subnormal (or zero)
+        float a;
+        std::memcpy(&a, &u, 4);
+        return uint16_t(sign | uint32_t(std::nearbyint(a * 16777216.f)));  // a / 2^-24, exact then RNE
+    }
+    const uint32_t mant = u & 0x1fffu, base = ((u >> 13) - (112u << 10));
+    const uint32_t up = mant > 0x1000u || (mant == 0x1000u && (base & 1u));
+    return uint16_t(sign | (base + up));
+}
+
 inline float load_scalar(const void* p, int64_t i, int dtype) {
     switch (dtype) {
         case BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);

@@ -158,3 +158,50 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
     });
     return 0;
 }
+
+// Quantize W [rows, k] (fp32, bf16 or fp16; rows a multiple of 16) into the interleaved layout:
+// q [rows, kp·bits/8], s and m [rows, kp/32] (m null for int8). Bit-identical to formats.quantize.
+API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int bits, uint8_t* q, uint16_t* s,
+                     uint16_t* m, int num_threads) {
+    if ((bits != 8 && bits != 4) || (bits == 4 && !m) || w_dtype < F32 || w_dtype > F16) return -1;
+    if (n_rows <= 0 || k <= 0 || n_rows % QROWS) return -3;
+    const int64_t kp = pad32(k), nb = kp / 32, rb = kp * bits / 8, groups = n_rows / QROWS;
+    std::atomic<int64_t> next{0};
+    g_pool->run(std::max(1, num_threads), [&](int) {
+        float blk[32];
+        for (int64_t g; (g = next.fetch_add(1)) < groups;) {
+            uint8_t* qg = q + g * QROWS * rb;
+            for (int rr = 0; rr < QROWS; rr++) {
+                const int64_t r = g * QROWS + rr;
+                for (int64_t b = 0; b < nb; b++) {
+                    for (int j = 0; j < 32; j++) {
+                        const int64_t kk = 32 * b + j;
+                        blk[j] = kk < k ? load_scalar(w, r * k + kk, w_dtype) : 0.f;
+                    }
+                    float lo = blk[0], hi = blk[0], amax = 0.f;
+                    for (int j = 0; j < 32; j++) lo = std::min(lo, blk[j]), hi = std::max(hi, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
+                    const uint16_t d16 = f32_to_f16(bits == 8 ? amax / 127.f : (hi - lo) / 15.f);
+                    const float d = f16_to_f32(d16), inv = d > 0.f ? 1.f / d : 0.f;
+                    s[g * QROWS * nb + b * QROWS + rr] = d16;
+                    float mf = 0.f;
+                    if (bits == 4) {
+                        const uint16_t m16 = f32_to_f16(lo);
+                        m[g * QROWS * nb + b * QROWS + rr] = m16;
+                        mf = f16_to_f32(m16);
+                    }
+                    for (int j = 0; j < 32; j++) {
+                        if (bits == 8) {
+                            const int u = std::max(-127, std::min(127, int(std::nearbyint(blk[j] * inv)))) + 128;
+                            qg[b * 512 + (j / 4) * 64 + rr * 4 + j % 4] = uint8_t(u);
+                        } else {
+                            const int u = std::max(0, std::min(15, int(std::nearbyint((blk[j] - mf) * inv))));
+                            uint8_t& byte = qg[b * 256 + (j / 8) * 64 + rr * 4 + (j % 8) % 4];
+                            byte = (j % 8) < 4 ? uint8_t((byte & 0xF0) | u) : uint8_t((byte & 0x0F) | (u << 4));
+                        }
+                    }
+                }
+            }
+        }
+    });
+    return 0;
+}

@@ -10,6 +10,7 @@ from ..model.families import Family
 from ..quant import formats
 from ..quant.expert_file import QuantizedExperts, open_quantized
 from ..quant.gptq import SUFFIXES, GptqSpec, gptq_to_matrix
+from . import cpu_ffn
 
 QUANT_CHUNK = 8  # experts quantized at a time: bounds the fp32 working set while building the cache
 
@@ -96,8 +97,8 @@ class ExpertStore:
         """(first expert, gate_up, down) quantized chunk by chunk, read from the checkpoint's mapped file."""
         for start in range(0, self.num_experts, QUANT_CHUNK):
             pairs = [self._checkpoint_weights(li, e) for e in range(start, min(start + QUANT_CHUNK, self.num_experts))]
-            yield (start, formats.quantize(torch.stack([p[0] for p in pairs]), self.quant),
-                   formats.quantize(torch.stack([p[1] for p in pairs]), self.quant))
+            yield (start, cpu_ffn.quantize(torch.stack([p[0] for p in pairs]), self.quant),
+                   cpu_ffn.quantize(torch.stack([p[1] for p in pairs]), self.quant))
 
     @property
     def tier(self) -> str:

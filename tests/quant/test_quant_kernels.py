@@ -12,7 +12,11 @@ from moechat.engine import native
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.quant import formats
 
-needs_native = pytest.mark.skipif(not cpu_ffn.available(), reason=f"native CPU kernels not built: {native.notice('cpu')}")
+_built = pytest.mark.skipif(not cpu_ffn.available(), reason=f"native CPU kernels not built: {native.notice('cpu')}")
+
+
+def needs_native(test):
+    return pytest.mark.native(_built(test))
 ISAS = [isa for isa in cpu_ffn.Q_ISAS if cpu_ffn.q_isa_supported(isa)]
 FORMATS = formats.FORMATS
 
@@ -197,3 +201,18 @@ def test_bad_arguments_return_codes_not_crashes():
     assert lib.moe_q_linear(*args, 4, 16, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -1  # int4 without minimums
     assert lib.moe_q_linear(*args, 8, 8, 64, x.data_ptr(), 1, out.data_ptr(), 1, 0) == -3  # not whole row groups
     assert lib.moe_q_linear(*args, 8, 16, 64, x.data_ptr(), 1, out.data_ptr(), 1, cpu_ffn.ISA["avx512"]) == -2  # not a q path
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
+    """The cache is written by the native quantizer: its codes, scales and minimums must be formats.quantize's."""
+    g = torch.Generator().manual_seed(1)
+    for shape in ((2, 32, 100), (48, 2048), (16, 40)):
+        w = (torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g) * 0.05).to(dtype)
+        w[..., 0, :5] = 0
+        w[..., 1, :] = 0 if dtype == torch.bfloat16 else 1e-6  # a row whose scales are fp16 subnormals
+        twin, native_q = formats.quantize(w, fmt), cpu_ffn.quantize(w, fmt)
+        for a, b in zip(twin.tensors(), native_q.tensors(), strict=True):
+            assert torch.equal(a, b), shape
