@@ -51,7 +51,7 @@ def engine_logits(model_dir, ids, dense: list | None = None, **config) -> torch.
     engine = Engine(EngineConfig(model_dir=str(model_dir), **config))
     m = engine.model
     with torch.no_grad(), m.runtime.forward("prefill", 0):
-        logits = m.hf(torch.tensor([ids])).logits[0]
+        logits = m.hf(torch.tensor([ids], device=m.device)).logits[0].cpu()
     if dense is not None:
         dense += [name for name, mod in m.hf.named_modules() if isinstance(mod, QuantLinear)]
     engine.close()
@@ -213,3 +213,21 @@ def test_widths_the_kernel_cannot_group_are_refused_in_one_line(checkpoint):
     with pytest.raises(CheckpointError) as err:
         Engine(EngineConfig(model_dir=str(checkpoint("mixtral")), quant="int4"))  # expert width 24
     assert "multiples of 16" in str(err.value) and "--quant none" in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_quantized_slots_on_cuda_are_lossless_and_close_to_the_cpu_run(family, fmt, checkpoint, draft_dir):
+    """The GPU's fast tier holds quantized slots and computes them through the twin (dequantize, multiply)."""
+    ck = checkpoint(family)
+    plain = run_engine(ck, PROMPT_IDS, NEW, quant=fmt, device="cuda", expert_cache_ratio=0.5).token_ids
+    for drafter in ("self", str(draft_dir)):
+        got = run_engine(ck, PROMPT_IDS, NEW, quant=fmt, device="cuda", expert_cache_ratio=0.5, drafter=drafter)
+        assert got.token_ids == plain, drafter
+    engine = Engine(EngineConfig(model_dir=str(ck), quant=fmt, device="cuda", expert_cache_ratio=1.0))
+    assert isinstance(engine.model.cache.gate_up, formats.QuantMatrix) and engine.model.cache.gate_up.device.type == "cuda"
+    engine.close()
+    dense: list[str] = []
+    cpu = engine_logits(ck, PROMPT_IDS, dense, quant=fmt)
+    assert rel(engine_logits(ck, PROMPT_IDS, quant=fmt, device="cuda", expert_cache_ratio=1.0), cpu) < LOGIT_TOL[fmt]
