@@ -238,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.e2e import add_bench_e2e
 
     add_bench_e2e(bench_sub)
+    from .bench.quality import add_bench_quality
+
+    add_bench_quality(bench_sub)
     from .simulate import add_simulate
 
     add_simulate(sub)

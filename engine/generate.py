@@ -91,6 +91,23 @@ class Engine:
         except Exception as err:  # never a traceback in the UI; the engine stays usable
             yield Error(f"internal error ({type(err).__name__}: {err}); the engine is ready for the next message")
 
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher forcing: the logits at every position of token_ids, [T, V] float32 on the CPU (row i predicts
+        token i+1), from one prefill pass on a fresh KV cache. Nothing is generated; the engine is ready for the next request."""
+        from transformers import DynamicCache
+
+        if self.model.runtime.closed:
+            raise MoechatError("the engine is closed: create a new Engine to score")
+        ids = self.encode(Request(token_ids=token_ids))
+        if len(ids) > self.model.context_len:
+            raise RequestError(f"{len(ids)} tokens do not fit the context of {self.model.context_len}")
+        self.model.runtime.begin_request()
+        self.model.runtime.reset_counters()
+        logits = self._forward(ids, DynamicCache(), keep=len(ids), phase="prefill", step=0, trace=None)
+        self.model.runtime.reset_counters()
+        return logits.cpu()
+
     def _forward(self, ids: list[int], cache, keep: int, phase: str, step: int,
                  trace: TraceRecorder | None) -> torch.Tensor:
         """ids [T] appended to the KV cache in a prefill or verify pass -> logits of the last `keep` positions [keep, V]."""

@@ -238,3 +238,22 @@ def test_error_event_for_chat_without_template(checkpoint, tmp_path):
     engine = engine_for(path)
     events = list(engine.generate(Request(messages=[{"role": "user", "content": "hi"}])))
     assert isinstance(events[-1], Error) and "chat template" in events[-1].message
+
+
+def test_score_is_teacher_forcing_and_leaves_the_engine_ready(checkpoint):
+    """Engine.score: the logits at every position in one pass; scoring between requests changes no reply."""
+    path, params = checkpoint("qwen3_moe"), SamplingParams(max_new_tokens=16)
+    config = dict(expert_cache_ratio=0.5, spec=SpecConfig("self", 4), scheduler=SchedulerConfig(policy="spac"))
+    prompt = engine_for(path).encode(Request(prompt=PROMPT))
+    alone = list(engine_for(path, **config).generate(Request(token_ids=prompt), params))[-1].token_ids
+
+    engine = engine_for(path, **config)
+    seq = prompt + alone
+    logits = engine.score(seq)
+    assert logits.shape == (len(seq), engine.model.hf_config.vocab_size) and logits.dtype == torch.float32
+    assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == alone  # teacher forcing agrees with greedy decoding
+    assert list(engine.generate(Request(token_ids=prompt), params))[-1].token_ids == alone
+    # and after a reply the same logits (up to the tiers' rounding: residency has moved)
+    torch.testing.assert_close(engine.score(seq), logits, rtol=1e-5, atol=1e-5)
+    assert engine.model.runtime.mode is None
+    engine.close()
