@@ -23,7 +23,29 @@ inline int64_t pad32(int64_t k) { return (k + 31) / 32 * 32; }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
-constexpr int64_t QRB = 32;  // weight rows per work item
+constexpr int64_t QRB = 32;  // weight rows per work item of the linear layer
+constexpr int64_t Q1 = 64, Q2 = 128;  // rows per work item of the FFN's two phases
+
+// Work items handed out in runs of consecutive ones, so that a thread streams long stretches of one
+// expert's rows (what the hardware prefetcher follows) instead of every other small block.
+class Items {
+public:
+    Items(int64_t n, int threads) : n_(n), run_(std::max<int64_t>(1, n / (4 * int64_t(threads)))) {}
+    struct Cursor {
+        int64_t at = 0, end = 0;
+    };
+    int64_t next(Cursor& c) {  // -1: none left
+        if (c.at >= c.end) {
+            c.at = next_.fetch_add(run_);
+            c.end = std::min(n_, c.at + run_);
+        }
+        return c.at < c.end ? c.at++ : -1;
+    }
+
+private:
+    int64_t n_, run_;
+    std::atomic<int64_t> next_{0};
+};
 
 struct QBuf {  // quantized activations of S tokens over kp columns
     std::vector<int8_t> q;
@@ -81,50 +103,51 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
 
     const double bytes = double(n_groups) * 3 * H * I * bits / 8;  // ~3 MB of weights per extra thread
     const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(bytes / 3e6) + 1)));
-    const int64_t iblocks = (I + QRB - 1) / QRB, hblocks = (H + QRB - 1) / QRB;
+    const int64_t iblocks = (I + Q1 - 1) / Q1, hblocks = (H + Q2 - 1) / Q2;
 
     // Phase 1: h[s, i] = silu(gate_e x_s)_i · (up_e x_s)_i over items (group, block of I rows).
-    std::atomic<int64_t> next{0};
+    Items items1(n_groups * iblocks, threads);
     g_pool->run(threads, [&](int) {
-        std::vector<float> yg(max_t * QRB), yu(max_t * QRB);
-        for (int64_t item; (item = next.fetch_add(1)) < n_groups * iblocks;) {
-            const int64_t g = item / iblocks, i0 = (item % iblocks) * QRB, nr = std::min(QRB, I - i0);
+        std::vector<float> yg(max_t * Q1), yu(max_t * Q1);
+        Items::Cursor cursor;
+        for (int64_t item; (item = items1.next(cursor)) >= 0;) {
+            const int64_t g = item / iblocks, i0 = (item % iblocks) * Q1, nr = std::min(Q1, I - i0);
             const int64_t s0 = offsets[g];
             const int T = int(offsets[g + 1] - s0);
             if (T == 0) continue;
             const int64_t e = experts[g];
             const QMat W{gu_q + e * 2 * I * gu_rb, gu_s + e * 2 * I * gu_nb, gu_m ? gu_m + e * 2 * I * gu_nb : nullptr, gu_rb, gu_nb};
             const QActs A = xq.at(s0);
-            qmat(W, i0, nr, A, T, yg.data(), QRB, bits, isa);
-            qmat(W, I + i0, nr, A, T, yu.data(), QRB, bits, isa);
+            qmat(W, i0, nr, A, T, yg.data(), Q1, bits, isa);
+            qmat(W, I + i0, nr, A, T, yu.data(), Q1, bits, isa);
             for (int t = 0; t < T; t++)
-                for (int64_t r = 0; r < nr; r++) h[(s0 + t) * I + i0 + r] = silu(yg[t * QRB + r]) * yu[t * QRB + r];
+                for (int64_t r = 0; r < nr; r++) h[(s0 + t) * I + i0 + r] = silu(yg[t * Q1 + r]) * yu[t * Q1 + r];
         }
     });
     hq.fill(h.data(), I, I, 0, int(S));
 
-    // Phase 2: out[rows[s], j] += w_s · (down_e h_s)_j over items (block of H output columns), all
-    // groups in order inside each item: disjoint columns per thread, a fixed summation order.
-    next = 0;
+    // Phase 2: y[s, j] = (down_e h_s)_j over items (group, block of H rows): each activation's row of y
+    // is written by one item. Then out[rows[s]] += w_s · y[s] for s in order: a fixed summation order.
+    std::vector<float> y(S * H);
+    Items items2(n_groups * hblocks, threads);
     g_pool->run(threads, [&](int) {
-        std::vector<float> yd(max_t * QRB);
-        for (int64_t item; (item = next.fetch_add(1)) < hblocks;) {
-            const int64_t j0 = item * QRB, nr = std::min(QRB, H - j0);
-            for (int64_t g = 0; g < n_groups; g++) {
-                const int64_t s0 = offsets[g];
-                const int T = int(offsets[g + 1] - s0);
-                if (T == 0) continue;
-                const int64_t e = experts[g];
-                const QMat W{dn_q + e * H * dn_rb, dn_s + e * H * dn_nb, dn_m ? dn_m + e * H * dn_nb : nullptr, dn_rb, dn_nb};
-                qmat(W, j0, nr, hq.at(s0), T, yd.data(), QRB, bits, isa);
-                for (int t = 0; t < T; t++) {
-                    float* o = out + rows[s0 + t] * H + j0;
-                    const float w = row_weights[s0 + t];
-                    for (int64_t r = 0; r < nr; r++) o[r] += w * yd[t * QRB + r];
-                }
-            }
+        Items::Cursor cursor;
+        for (int64_t item; (item = items2.next(cursor)) >= 0;) {
+            const int64_t g = item / hblocks, j0 = (item % hblocks) * Q2, nr = std::min(Q2, H - j0);
+            const int64_t s0 = offsets[g];
+            const int T = int(offsets[g + 1] - s0);
+            if (T == 0) continue;
+            const int64_t e = experts[g];
+            const QMat W{dn_q + e * H * dn_rb, dn_s + e * H * dn_nb, dn_m ? dn_m + e * H * dn_nb : nullptr, dn_rb, dn_nb};
+            qmat(W, j0, nr, hq.at(s0), T, y.data() + s0 * H + j0, H, bits, isa);
         }
     });
+    for (int64_t s = 0; s < S; s++) {
+        float* o = out + rows[s] * H;
+        const float w = row_weights[s];
+        const float* ys = y.data() + s * H;
+        for (int64_t j = 0; j < H; j++) o[j] += w * ys[j];
+    }
     return 0;
 }
 
