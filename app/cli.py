@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .. import __version__
@@ -260,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads: OpenMP's idle threads sleep instead of spinning, so they do not take the cores the
+    # native kernels' threads run on between PyTorch ops (measured: decode 28 -> 33 tok/s, docs/benchmarks.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.setup and getattr(args, "func", None):

@@ -67,11 +67,13 @@ API int moe_q_resolve_isa(int isa) { return resolve_q(isa); }
 // Codes: 0 ok, -1 bad bits or dtype, -2 ISA not supported by this CPU, -3 bad shapes.
 // gate_up: gu_q [E, 2I, Hp·bits/8], gu_s/gu_m [E, 2I, Hp/32]; down: dn_q [E, H, Ip·bits/8], dn_s/dn_m [E, H, Ip/32]
 // (Hp, Ip: H, I padded to 32; H, I multiples of 16; m null for int8); the rest as moe_expert_ffn: experts [G], offsets [G+1],
-// x [N, H] (fp32, bf16 or fp16), rows [S], row_weights [S] fp32, out [N, H] fp32 accumulated into.
+// x [N, H] (fp32, bf16 or fp16), rows [S] (activation s reads x[rows[s]]), row_weights [S] fp32, and out [N, H] fp32
+// accumulated into at rows_out[s] (= rows), or, with rows_out null, out [S, H] set to each activation's output, unweighted.
 API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const uint8_t* gu_q,
                          const uint16_t* gu_s, const uint16_t* gu_m, const uint8_t* dn_q, const uint16_t* dn_s,
                          const uint16_t* dn_m, int bits, int64_t hidden, int64_t inter, const void* x, int x_dtype,
-                         const int64_t* rows, const float* row_weights, float* out, int num_threads, int isa_req) {
+                         const int64_t* rows, const int64_t* rows_out, const float* row_weights, float* out, int num_threads,
+                         int isa_req) {
     if ((bits != 8 && bits != 4) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
     if (hidden <= 0 || inter <= 0 || n_groups < 0 || hidden % QROWS || inter % QROWS) return -3;  // whole row groups
     const Isa isa = resolve_q(isa_req);
@@ -142,8 +144,12 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
             qmat(W, j0, nr, hq.at(s0), T, y.data() + s0 * H + j0, H, bits, isa);
         }
     });
+    if (!rows_out) {  // per activation: out [S, H] = y, the caller weighs and sums in router order
+        std::memcpy(out, y.data(), S * H * sizeof(float));
+        return 0;
+    }
     for (int64_t s = 0; s < S; s++) {
-        float* o = out + rows[s] * H;
+        float* o = out + rows_out[s] * H;
         const float w = row_weights[s];
         const float* ys = y.data() + s * H;
         for (int64_t j = 0; j < H; j++) o[j] += w * ys[j];
@@ -166,9 +172,10 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
     const int64_t blocks = (n_rows + QRB - 1) / QRB;
     const double bytes = double(n_rows) * k * bits / 8;
     const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(bytes / 1e6) + 1)));
-    std::atomic<int64_t> next{0};
+    Items items(blocks, threads);
     g_pool->run(threads, [&](int) {
-        for (int64_t item; (item = next.fetch_add(1)) < blocks;) {
+        Items::Cursor cursor;
+        for (int64_t item; (item = items.next(cursor)) >= 0;) {
             const int64_t r0 = item * QRB, nr = std::min(QRB, n_rows - r0);
             for (int64_t t0 = 0; t0 < n_tokens; t0 += 16) {  // the walk's tiles take any T; bound the scratch
                 const int T = int(std::min<int64_t>(16, n_tokens - t0));

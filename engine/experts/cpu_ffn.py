@@ -38,8 +38,8 @@ native.register("cpu", _build)
 
 _I64, _P, _F = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES = [_I64, _P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int]
-_Q_ARGTYPES = [_I64, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, ctypes.c_int, _P, _P, _P, ctypes.c_int,
-               ctypes.c_int]
+_Q_ARGTYPES = [_I64, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, ctypes.c_int, _P, _P, _P, _P,
+               ctypes.c_int, ctypes.c_int]
 _QL_ARGTYPES = [_P, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P, ctypes.c_int, ctypes.c_int]
 _QZ_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, ctypes.c_int, _P, _P, _P, ctypes.c_int]
 
@@ -148,23 +148,26 @@ def _q_isa(isa: str | None) -> str:
 
 def moe_ffn_q_native(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, experts: torch.Tensor,
                      offsets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor, out: torch.Tensor,
-                     threads: int | None = None, isa: str | None = None) -> torch.Tensor:
+                     threads: int | None = None, isa: str | None = None, per_activation: bool = False) -> torch.Tensor:
     """moe_ffn_native on quantized experts: gate_up [E, 2I, H] and down [E, H, I] as QuantMatrix (contiguous,
-    on the CPU); x [N, H] fp32/bf16/fp16; the rest as moe_ffn_native."""
+    on the CPU); x [N, H] fp32/bf16/fp16; the rest as moe_ffn_native. per_activation: out [S, H] receives
+    each activation's output unweighted (row_weights unused), for the caller to weigh and sum in router order."""
     lib = library()
     if lib is None:
         raise RuntimeError(native.notice("cpu"))
     H, I = gate_up.k, down.k
     assert gate_up.fmt == down.fmt and gate_up.rows == 2 * I and down.rows == H and x.shape[1] == H
     assert gate_up.is_contiguous() and down.is_contiguous() and x.is_contiguous() and out.is_contiguous()
-    assert out.dtype == torch.float32 and row_weights.dtype == torch.float32 and out.shape == (x.shape[0], H)
+    assert out.dtype == torch.float32 and row_weights.dtype == torch.float32
+    assert out.shape == ((len(rows), H) if per_activation else (x.shape[0], H))
     experts, offsets, rows = (t.to(torch.int64).contiguous() for t in (experts, offsets, rows))
     row_weights = row_weights.contiguous()
     gu_m, dn_m = (0 if t.minimum is None else t.minimum.data_ptr() for t in (gate_up, down))
     code = lib.moe_expert_ffn_q(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.q.data_ptr(),
                                 gate_up.scale.data_ptr(), gu_m, down.q.data_ptr(), down.scale.data_ptr(), dn_m,
                                 formats.BITS[gate_up.fmt], H, I, x.data_ptr(), DTYPE_CODE[x.dtype], rows.data_ptr(),
-                                row_weights.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(), ISA[_q_isa(isa)])
+                                0 if per_activation else rows.data_ptr(), row_weights.data_ptr(), out.data_ptr(),
+                                threads or torch.get_num_threads(), ISA[_q_isa(isa)])
     if code != 0:
         raise RuntimeError(f"native quantized expert FFN failed with code {code} (isa {_q_isa(isa)})")
     return out
@@ -186,17 +189,21 @@ def moe_ffn_q_torch(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, ex
 
 def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act,
                   sizes: torch.Tensor | None = None) -> torch.Tensor:
-    """grouped.grouped_ffn on quantized experts: x [S, H] rows sorted by group_ids [S] -> [S, H], each
-    row through its own expert: the native kernel on a CPU device, else one dequantized expert at a time."""
+    """grouped.grouped_ffn on quantized experts: x [S, H] rows sorted by group_ids [S] -> [S, H] in x's dtype,
+    each row through its own expert: the native kernel on a CPU device, else one dequantized expert at a
+    time. Both tiers of a quantized layer run through here, so an activation's output has the same bits
+    whichever tier computes it, and the layer sums them in router order: the model's function does not
+    depend on which experts are resident (speculative decoding stays exact)."""
     if sizes is None:
         sizes = torch.bincount(group_ids.cpu(), minlength=gate_up.q.shape[0])  # [G]
     active = sizes.nonzero().flatten()
-    if usable(gate_up, x, 0) and act is F.silu:
+    if usable(gate_up, x, 0):
         offsets = torch.zeros(len(active) + 1, dtype=torch.int64)
         torch.cumsum(sizes[active], 0, out=offsets[1:])
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-        rows = torch.arange(x.shape[0])  # every activation its own output row
-        return moe_ffn_q_native(x.contiguous(), gate_up, down, active, offsets, rows, torch.ones(x.shape[0]), out).to(x.dtype)
+        out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)  # [S, H] every activation its own row
+        rows = torch.arange(x.shape[0])
+        return moe_ffn_q_native(x.contiguous(), gate_up, down, active, offsets, rows, torch.ones(x.shape[0]), out,
+                                per_activation=True).to(x.dtype)
     out = torch.empty_like(x)
     start = 0
     for g, n in zip(active.tolist(), sizes[active].tolist()):

@@ -180,7 +180,7 @@ def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, spli
     (weighted outputs [S_cpu, H], False) from the grouped PyTorch path, which also serves the
     disk tier's per-expert views and sums in router order as transformers does."""
     cpu_pos, sizes = split.cpu_pos, split.cpu_sizes
-    views = rt.store.layer_views(li) if rt.native_cpu else None
+    views = rt.store.layer_views(li) if rt.native_cpu and rt.store.quant == "none" else None  # quantized: per activation
     if views is not None:
         if sizes is not None:  # every activation is on the CPU: per-expert counts are known
             ids = sizes.nonzero().flatten()

@@ -55,8 +55,9 @@ class ExpertStore:
                 self._load_layer(li)
 
     def _open_quantized(self) -> None:
-        """Experts from the quantized cache file (built on first use): copied into RAM (pinned for
-        CUDA), or used in place as mapped views on the disk tier."""
+        """Experts from the quantized cache file (built on first use), used in place as mapped views: the
+        page cache is their RAM, so no second copy is made. For CUDA they are copied once into pinned
+        memory (asynchronous copies need it) and the file's mapping is dropped."""
         source, label = self._quantize_layer, "quantizing experts"
         if self.gptq is not None:
             source, label = self._gptq_layer, "repacking GPTQ experts"
@@ -64,11 +65,13 @@ class ExpertStore:
                                     source, self.notices, label)
         for li in range(len(self.layers)):
             gate_up, down = self.qfile.layer(li)
-            if not self.mmap:
+            if self.pinned:
                 gate_up = self._host_matrix(2 * self.inter, self.hidden).copy_(gate_up)
                 down = self._host_matrix(self.hidden, self.inter).copy_(down)
             self.gate_up.append(gate_up)
             self.down.append(down)
+        if self.pinned:
+            self.qfile.release()
 
     def _gptq_layer(self, li: int):
         """(expert, gate_up, down) of a GPTQ checkpoint, repacked into the int4 layout one expert at a time."""

@@ -133,7 +133,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,
                         gptq)
     if device.type == "cpu" and store.quant != "none":  # a CPU-only machine: the dense part small too
-        quantize_dense(hf, routers={id(layers[i].mlp.gate) for i in sparse})
+        quantize_dense(hf, routers={id(layers[i].mlp.gate) for i in sparse}, fmt=store.quant)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len)

@@ -1,8 +1,9 @@
-"""The dense part in int8 on a CPU compute device: attention projections, dense and shared-expert MLPs and
-the head become `QuantLinear` (the native kernel's quantized linear layer, csrc/cpu/quant_ffn.cpp).
+"""The dense part quantized on a CPU compute device, in the experts' format: attention projections, dense
+and shared-expert MLPs and the head become `QuantLinear` (the native kernel's quantized linear layer,
+csrc/cpu/quant_ffn.cpp).
 
-On a CPU-only machine these are a third of the bytes each token reads; llama.cpp's Q4_K_M quantizes
-them too. Routers stay in the compute dtype (they choose experts: a rounding there changes routing),
+On a CPU-only machine these are a third of the bytes each token reads; llama.cpp's Q8_0 and Q4_K_M
+quantize them too. Routers stay in the compute dtype (they choose experts: a rounding there changes routing),
 as do embeddings (a table read by row) and layers whose outputs are not whole groups of 16.
 """
 from __future__ import annotations
@@ -11,16 +12,16 @@ import torch
 
 from . import formats
 
-DENSE_FORMAT = "int8"
-
 
 class QuantLinear(torch.nn.Module):
-    """nn.Linear with an int8 weight: y = Q8(x) · dequant(W)^T + b, in fp32, returned in x's dtype."""
+    """nn.Linear with a quantized weight: y = Q8(x) · dequant(W)^T + b, in fp32, returned in x's dtype."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str = DENSE_FORMAT):
+    def __init__(self, linear: torch.nn.Linear, fmt: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_q = formats.quantize(linear.weight.detach(), fmt)
+        from ..experts import cpu_ffn
+
+        self.weight_q = cpu_ffn.quantize(linear.weight.detach(), fmt)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,9 +40,9 @@ class QuantLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.weight_q.fmt}"
 
 
-def quantize_dense(hf: torch.nn.Module, routers: set[int]) -> int:
-    """Swap every eligible nn.Linear of `hf` for a QuantLinear; returns the bytes the weights now take.
-    routers: id() of the router modules, which stay as they are."""
+def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> int:
+    """Swap every eligible nn.Linear of `hf` for a QuantLinear in `fmt`; returns the bytes the weights now
+    take. routers: id() of the router modules, which stay as they are."""
     swaps = []
     for module in hf.modules():
         for child_name, child in module.named_children():
@@ -50,7 +51,7 @@ def quantize_dense(hf: torch.nn.Module, routers: set[int]) -> int:
                 swaps.append((module, child_name, child))
     total = 0
     for parent, child_name, child in swaps:  # a tied head gets its own int8 copy; the embedding keeps its table
-        q = QuantLinear(child)
+        q = QuantLinear(child, fmt)
         setattr(parent, child_name, q)
         total += q.nbytes
     return total

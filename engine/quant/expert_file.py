@@ -109,6 +109,10 @@ class QuantizedExperts:
 
         return matrix("gate_up", self.hidden), matrix("down", self.inter)
 
+    def release(self) -> None:
+        """Drop the mapping (views already handed out keep their pages until they go)."""
+        self._files.clear()
+
     def build(self, source: LayerSource, progress: Callable[[int, int], None] | None = None) -> None:
         """Write every layer from `source` (atomically per file), then meta.json, which marks it complete."""
         shutil.rmtree(self.folder, ignore_errors=True)

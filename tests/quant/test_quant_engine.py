@@ -14,7 +14,7 @@ from moechat.engine.config import EngineConfig
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.generate import Engine
 from moechat.engine.quant import expert_file, formats
-from moechat.engine.quant.dense import DENSE_FORMAT, QuantLinear
+from moechat.engine.quant.dense import QuantLinear
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"]
 FORMATS = formats.FORMATS
@@ -47,7 +47,7 @@ def test_a_draft_model_is_lossless_on_the_quantized_model(fmt, checkpoint, draft
 
 
 def engine_logits(model_dir, ids, dense: list | None = None, **config) -> torch.Tensor:
-    """Prefill logits [T, V]; dense: filled with the names of the layers the engine runs in int8."""
+    """Prefill logits [T, V]; dense: filled with the names of the dense layers the engine runs quantized."""
     engine = Engine(EngineConfig(model_dir=str(model_dir), **config))
     m = engine.model
     with torch.no_grad(), m.runtime.forward("prefill", 0):
@@ -59,7 +59,7 @@ def engine_logits(model_dir, ids, dense: list | None = None, **config) -> torch.
 
 
 def reference_logits(model_dir, ids, fmt, dense: list[str]) -> torch.Tensor:
-    """Hugging Face's own model with every routed expert and every int8 dense layer replaced by its
+    """Hugging Face's own model with every routed expert and every quantized dense layer replaced by its
     dequantized twin."""
     from transformers import AutoModelForCausalLM
 
@@ -69,7 +69,7 @@ def reference_logits(model_dir, ids, fmt, dense: list[str]) -> torch.Tensor:
             p.data = formats.dequantize(formats.quantize(p.data, fmt))
     for name in dense:
         linear = hf.get_submodule(name)
-        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, DENSE_FORMAT))
+        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, fmt))
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
 
@@ -151,9 +151,9 @@ def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_
     dense: list[str] = []
     got = engine_logits(gptq, PROMPT_IDS, dense)
     hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(gptq, src, tmp_path / "deq"), dtype=torch.float32).eval()
-    for name in dense:  # on a CPU device the dense layers run in int8: GPTQ's attention re-quantized from its own values
+    for name in dense:  # on a CPU device the dense layers run in int4 too: GPTQ's attention re-quantized from its own values
         linear = hf.get_submodule(name)
-        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, DENSE_FORMAT))
+        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, "int4"))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT_IDS])).logits[0]
     assert rel(got, ref) < LOGIT_TOL["int4"]
@@ -231,3 +231,30 @@ def test_quantized_slots_on_cuda_are_lossless_and_close_to_the_cpu_run(family, f
     dense: list[str] = []
     cpu = engine_logits(ck, PROMPT_IDS, dense, quant=fmt)
     assert rel(engine_logits(ck, PROMPT_IDS, quant=fmt, device="cuda", expert_cache_ratio=1.0), cpu) < LOGIT_TOL[fmt]
+
+
+def test_estimate_counts_a_gptq_checkpoints_experts_as_int4(checkpoint, tmp_path):
+    from moechat.engine.model.memory_estimate import estimate
+
+    src = checkpoint("qwen3_moe")
+    gptq = make_gptq_checkpoint(src, tmp_path / "gptq", group_size=32)
+    est = estimate(str(gptq))
+    assert est.quant == "int4" and est.expert_bytes == estimate(str(src), quant="int4").expert_bytes
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_quantized_model_does_not_depend_on_which_experts_are_resident(fmt, checkpoint):
+    """Both tiers compute an activation with the same kernel and the layer sums in router order, so the
+    logits are the same bits at any cache ratio: the 'same quantized model' speculative decoding is exact to."""
+    ck = checkpoint("qwen2_moe")
+    logits = {}
+    for ratio in (0.0, 0.5, 1.0):
+        engine = Engine(EngineConfig(model_dir=str(ck), quant=fmt, expert_cache_ratio=ratio))
+        m = engine.model
+        for _ in range(2):  # the first pass fills the fast tier
+            hits = m.runtime.counters.hits
+            with torch.no_grad(), m.runtime.forward("prefill", 0):
+                logits[ratio] = m.hf(torch.tensor([PROMPT_IDS])).logits[0]
+        assert (m.runtime.counters.hits > hits) == (ratio > 0)
+        engine.close()
+    assert torch.equal(logits[0.5], logits[0.0]) and torch.equal(logits[1.0], logits[0.0])
