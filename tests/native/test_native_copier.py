@@ -174,7 +174,7 @@ class Store(SimpleNamespace):
 
     def __init__(self):
         g = torch.Generator().manual_seed(0)
-        super().__init__(layers=[0, 1], num_experts=4, hidden=4, inter=2, dtype=torch.float32,
+        super().__init__(layers=[0, 1], num_experts=4, hidden=4, inter=2, dtype=torch.float32, quant="none",
                          expert_bytes=3 * 4 * 2 * 4, gate_up=torch.randn(2, 4, 4, 4, generator=g),
                          down=torch.randn(2, 4, 4, 2, generator=g))
 
