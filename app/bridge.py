@@ -187,7 +187,7 @@ class EngineBridge:
             raise
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
-        self._send(EngineReady(name, self._summary(engine, name), engine.model.runtime.native_notice))
+        self._send(EngineReady(name, self._summary(engine, name), "; ".join(engine.model.notices)))
 
     @staticmethod
     def _summary(engine, name: str) -> str:
@@ -200,7 +200,8 @@ class EngineBridge:
             drafter = f"draft model {draft.parent.name}/{draft.name}"  # as `moechat chat` names it
         elif drafter != "none":
             drafter = f"{drafter} (γ {cfg.spec.draft_len})"
-        return (f"{name} on {m.device} ({cfg.dtype}) · {m.cache.capacity}/{total} experts on {tier} · "
+        experts = "" if m.store.quant == "none" else f"{m.store.quant} "
+        return (f"{name} on {m.device} ({cfg.dtype}) · {m.cache.capacity}/{total} {experts}experts on {tier} · "
                 f"drafter {drafter} · policy {cfg.scheduler.policy}")
 
     def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams) -> Message:

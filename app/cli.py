@@ -146,8 +146,8 @@ def cmd_generate(args) -> int:
     from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
 
     engine = Engine(engine_config(args))
-    if engine.model.runtime.native_notice:
-        print(f"note: {engine.model.runtime.native_notice}", file=sys.stderr)
+    for notice in engine.model.notices:
+        print(f"note: {notice}", file=sys.stderr)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None
     finished = None

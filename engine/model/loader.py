@@ -43,6 +43,11 @@ class LoadedModel:
     def cache(self) -> ExpertCache:
         return self.runtime.cache
 
+    @property
+    def notices(self) -> list[str]:
+        """One line each for the user: native kernels unavailable, a quantized cache rebuilt."""
+        return [n for n in (self.runtime.native_notice, *self.store.notices) if n]
+
     def use_runtime(self, runtime: MoERuntime) -> None:
         """Run the MoE layers on another runtime (benchmarks: a variant built by `build_runtime` on this store)."""
         if runtime.store is not self.store:

@@ -258,3 +258,16 @@ def test_the_quantized_model_does_not_depend_on_which_experts_are_resident(fmt, 
         assert (m.runtime.counters.hits > hits) == (ratio > 0)
         engine.close()
     assert torch.equal(logits[0.5], logits[0.0]) and torch.equal(logits[1.0], logits[0.0])
+
+
+def test_generate_says_when_it_rebuilt_the_cache(checkpoint, capsys):
+    from moechat.app.cli import main
+
+    ck = checkpoint("olmoe", seed=8)
+    args = ["generate", "--model", str(ck), "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--quant", "int4"]
+    assert main(args) == 0
+    (cache_folder(ck, "int4") / "meta.json").write_text("{}")
+    capsys.readouterr()
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "note: the int4 expert cache" in err and "was rebuilt" in err
