@@ -1,0 +1,36 @@
+"""`moechat bench kernels` on the CPU: the quantized kernel's rows (a small pool: the figures are not the point)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moechat.app.bench import kernels
+from moechat.app.cli import main
+from moechat.engine.experts import cpu_ffn
+
+pytestmark = [pytest.mark.native, pytest.mark.skipif(not cpu_ffn.available(), reason="native CPU kernels not built")]
+
+
+@pytest.fixture
+def small_pool(monkeypatch):
+    monkeypatch.setattr(kernels, "POOL_BYTES", 32 << 20)
+    monkeypatch.setattr(kernels, "last_level_cache_bytes", lambda: 1 << 20)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_bench_kernels_times_the_quantized_kernel(quant, small_pool, capsys):
+    argv = ["bench", "kernels", "--quant", quant, "--shapes", "qwen3-30b-a3b", "--tokens", "1,3", "--experts", "2",
+            "--repeats", "1", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["quant"] == quant and result["isa"] in cpu_ffn.Q_ISAS and result["read_gbps"] > 0
+    assert [r["tokens"] for r in result["cpu"]] == [1, 3]
+    for row in result["cpu"]:
+        assert row["native_ms"] > 0 and row["torch_ms"] > 0 and row["read_ratio"] == pytest.approx(row["gbps"] / row["read_gbps"])
+
+
+def test_bench_kernels_refuses_a_bf16_path_for_quantized_weights(capsys):
+    assert main(["bench", "kernels", "--quant", "int4", "--isa", "avx512_bf16", "--repeats", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "has no avx512_bf16 path" in err and "\n" not in err
