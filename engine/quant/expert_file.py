@@ -114,27 +114,36 @@ class QuantizedExperts:
         self._files.clear()
 
     def build(self, source: LayerSource, progress: Callable[[int, int], None] | None = None) -> None:
-        """Write every layer from `source` (atomically per file), then meta.json, which marks it complete."""
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        E, H, I = self.num_experts, self.hidden, self.inter
-        for li in range(self.num_layers):
-            gate_up, down = empty_matrix(self.fmt, (E,), 2 * I, H), empty_matrix(self.fmt, (E,), H, I)
-            for start, gu, dn in source(li):  # experts start..start+len
-                gate_up[start:start + gu.q.shape[0]].copy_(gu)
-                down[start:start + dn.q.shape[0]].copy_(dn)
-            tensors = {}
-            for name, m in (("gate_up", gate_up), ("down", down)):
-                for field, t in zip(FIELDS, (m.q, m.scale, m.minimum)):
-                    if t is not None:
-                        tensors[f"{li}.{name}.{field}"] = t
-            tmp = self._path(li).with_suffix(".tmp")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, self._path(li))
-            if progress:
-                progress(li + 1, self.num_layers)
-        (self.folder / "meta.json").write_text(json.dumps(self.meta()))
-
+        """Write every layer from `source` and meta.json into a private folder, then rename it into place in
+        one step: a reader never sees half a cache, and of two processes building at once the first to
+        finish wins (the other discards its copy and maps the winner's)."""
+        tmp = self.folder.with_name(f".{self.folder.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            E, H, I = self.num_experts, self.hidden, self.inter
+            for li in range(self.num_layers):
+                gate_up, down = empty_matrix(self.fmt, (E,), 2 * I, H), empty_matrix(self.fmt, (E,), H, I)
+                for start, gu, dn in source(li):  # experts start..start+len
+                    gate_up[start:start + gu.q.shape[0]].copy_(gu)
+                    down[start:start + dn.q.shape[0]].copy_(dn)
+                tensors = {}
+                for name, m in (("gate_up", gate_up), ("down", down)):
+                    for field, t in zip(FIELDS, (m.q, m.scale, m.minimum)):
+                        if t is not None:
+                            tensors[f"{li}.{name}.{field}"] = t
+                save_file(tensors, str(tmp / self._path(li).name))
+                if progress:
+                    progress(li + 1, self.num_layers)
+            (tmp / "meta.json").write_text(json.dumps(self.meta()))
+            if self.problem() is not None:  # nothing usable there (damaged, foreign, absent): ours replaces it
+                shutil.rmtree(self.folder, ignore_errors=True)
+            os.replace(tmp, self.folder)  # fails when another process put a cache there meanwhile: theirs stands
+        except OSError:
+            if self.problem() is not None:
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int,
                    source: LayerSource, notices: list[str] | None = None, label: str = "quantizing experts") -> QuantizedExperts:

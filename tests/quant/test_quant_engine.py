@@ -271,3 +271,24 @@ def test_generate_says_when_it_rebuilt_the_cache(checkpoint, capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "note: the int4 expert cache" in err and "was rebuilt" in err
+
+
+def test_a_cache_built_meanwhile_by_another_process_stands(tmp_path, monkeypatch):
+    """Two builders at once: each writes a private folder and renames it into place; the loser keeps the winner's."""
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(tmp_path))
+    E, H, I = 2, 32, 16
+
+    def source(li):
+        g = torch.Generator().manual_seed(li)
+        gate_up, down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+        yield 0, formats.quantize(gate_up, "int4"), formats.quantize(down, "int4")
+
+    folder = tmp_path / "m-int4"
+    first = expert_file.QuantizedExperts(folder, "int4", 2, E, H, I)
+    first.build(source)
+    layer = (folder / "layer-000.safetensors").stat().st_mtime_ns
+    second = expert_file.QuantizedExperts(folder, "int4", 2, E, H, I)
+    second.build(source)  # finishes after `first` put a valid cache there: no error, the first one stands
+    assert second.problem() is None and (folder / "layer-000.safetensors").stat().st_mtime_ns == layer
+    assert [p.name for p in tmp_path.iterdir()] == ["m-int4"]  # no private folder left behind
+    assert torch.equal(second.layer(1)[0].q, first.layer(1)[0].q)
