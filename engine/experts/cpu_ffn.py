@@ -190,10 +190,11 @@ def moe_ffn_q_torch(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, ex
 def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act,
                   sizes: torch.Tensor | None = None) -> torch.Tensor:
     """grouped.grouped_ffn on quantized experts: x [S, H] rows sorted by group_ids [S] -> [S, H] in x's dtype,
-    each row through its own expert: the native kernel on a CPU device, else one dequantized expert at a
-    time. Both tiers of a quantized layer run through here, so an activation's output has the same bits
-    whichever tier computes it, and the layer sums them in router order: the model's function does not
-    depend on which experts are resident (speculative decoding stays exact)."""
+    each row through its own expert: the native kernel on a CPU device, else the twin with its
+    dequantization batched over experts (a GPU's fast tier). Both tiers of a quantized layer run through
+    here, so an activation's output has the same bits whichever tier computes it, and the layer sums them
+    in router order: the model's function does not depend on which experts are resident (speculative
+    decoding stays exact)."""
     if sizes is None:
         sizes = torch.bincount(group_ids.cpu(), minlength=gate_up.q.shape[0])  # [G]
     active = sizes.nonzero().flatten()
@@ -204,12 +205,7 @@ def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, grou
         rows = torch.arange(x.shape[0])
         return moe_ffn_q_native(x.contiguous(), gate_up, down, active, offsets, rows, torch.ones(x.shape[0]), out,
                                 per_activation=True).to(x.dtype)
-    out = torch.empty_like(x)
-    start = 0
-    for g, n in zip(active.tolist(), sizes[active].tolist()):
-        out[start:start + n] = formats.expert_ffn(x[start:start + n], gate_up[g], down[g], act).to(x.dtype)
-        start += n
-    return out
+    return formats.grouped_expert_ffn(x, gate_up, down, active.tolist(), sizes[active].tolist(), act).to(x.dtype)
 
 
 def q_linear(x: torch.Tensor, w: QuantMatrix, threads: int | None = None, isa: str | None = None) -> torch.Tensor:

@@ -235,3 +235,34 @@ def expert_ffn(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, act) ->
     """One quantized SwiGLU expert: x [T, H], gate_up [2I, H], down [H, I] -> [T, H] fp32."""
     gate, up = linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
     return linear(act(gate) * up, down)
+
+
+def grouped_expert_ffn(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, experts: list[int], sizes: list[int],
+                       act, max_weights: int = 1 << 26) -> torch.Tensor:
+    """expert_ffn for many experts at once: x [S, H] with `sizes[j]` consecutive rows for expert `experts[j]`
+    -> [S, H] fp32. The dequantization and the activations' quantization run once per chunk of experts
+    (at most `max_weights` dequantized values), not once per expert: a few kernels per expert on a GPU."""
+    S, H = x.shape
+    inter = down.k
+    out = torch.empty(S, H, dtype=torch.float32, device=x.device)
+    xq = fake_quantize_activations(x.float())  # [S, H], row by row: the same values whatever the grouping
+    per_chunk = max(1, max_weights // (3 * H * inter))
+    start = 0
+    for c in range(0, len(experts), per_chunk):
+        ids, counts = experts[c:c + per_chunk], sizes[c:c + per_chunk]
+        index = torch.tensor(ids, device=gate_up.device)
+        w1, w2 = dequantize(gate_up[index]), dequantize(down[index])  # [A, 2I, H], [A, H, I]
+        end = start + sum(counts)
+        gu = torch.empty(end - start, 2 * inter, dtype=torch.float32, device=x.device)  # [rows, 2I]
+        at = 0
+        for j, n in enumerate(counts):
+            gu[at:at + n] = xq[start + at:start + at + n] @ w1[j].T
+            at += n
+        gate, up = gu.chunk(2, dim=-1)
+        hq = fake_quantize_activations(act(gate) * up)  # [rows, I]
+        at = 0
+        for j, n in enumerate(counts):
+            out[start + at:start + at + n] = hq[at:at + n] @ w2[j].T
+            at += n
+        start = end
+    return out

@@ -216,3 +216,16 @@ def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
         twin, native_q = formats.quantize(w, fmt), cpu_ffn.quantize(w, fmt)
         for a, b in zip(twin.tensors(), native_q.tensors(), strict=True):
             assert torch.equal(a, b), shape
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_batched_twin_is_one_expert_at_a_time_whatever_the_chunks(fmt):
+    """The GPU's fast tier dequantizes chunks of experts at once: the same bits as expert by expert."""
+    g = torch.Generator().manual_seed(3)
+    gu = formats.quantize(torch.randn(6, 64, 48, generator=g) * 0.1, fmt)
+    dn = formats.quantize(torch.randn(6, 48, 32, generator=g) * 0.1, fmt)
+    x = torch.randn(7, 48, generator=g)
+    experts, sizes, starts = [0, 3, 5], [2, 4, 1], [0, 2, 6]
+    one_by_one = torch.cat([formats.expert_ffn(x[s:s + n], gu[e], dn[e], F.silu) for e, s, n in zip(experts, starts, sizes)])
+    for max_weights in (1, 1 << 26):  # a chunk per expert; all in one chunk
+        assert torch.equal(formats.grouped_expert_ffn(x, gu, dn, experts, sizes, F.silu, max_weights), one_by_one)
