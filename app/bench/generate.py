@@ -20,6 +20,9 @@ def add_bench_generate(sub) -> None:
     p.add_argument("--replay-traces", default=None, metavar="PATH",
                    help="override the routers with a recorded routing (a DeepSeek CSV(.gz) or a moechat --trace file): "
                         "real expert locality on a random-weight model; engine figures only, no HF comparison")
+    p.add_argument("--by-part", action="store_true",
+                   help="also profile the decode by part (experts, the MoE layers' own Python, dense products, "
+                        "attention, the rest), in ms per token")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_generate)
 
@@ -69,6 +72,7 @@ def cmd_bench_generate(args) -> int:
     plain = replay is None and engine.model.store.quant == "none"
     hf = _load_hf(args, ids) if plain else None
     med, decode, same = _measure(engine, hf, ids, args)
+    profile = _profile(engine, ids, args) if args.by_part else None
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
         "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio,
@@ -77,6 +81,8 @@ def cmd_bench_generate(args) -> int:
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"], **decode},
     }
+    if profile is not None:
+        result["profile_ms_per_token"] = profile
     if replay is not None:
         result["replay"] = args.replay_traces
         result["replay_layers"] = replay.layers_used
@@ -102,6 +108,20 @@ def _load_hf(args, ids: list[int]):
     hf.generation_config.eos_token_id = None
     hf_generate(hf, ids, 2)
     return hf
+
+
+def _profile(engine, ids: list[int], args) -> dict[str, float]:
+    """Decode ms per token by part (app/bench/profile_parts.py), every run exactly max_new_tokens long."""
+    from ...engine import MoechatError, SamplingParams
+    from .profile_parts import profile_decode
+
+    if args.max_new_tokens < 2:
+        raise MoechatError("--by-part needs --max-new-tokens of at least 2")
+    eos, engine.model.eos_ids = engine.model.eos_ids, set()
+    try:
+        return profile_decode(lambda n: run_engine(engine, ids, SamplingParams(max_new_tokens=n)), args.max_new_tokens)
+    finally:
+        engine.model.eos_ids = eos
 
 
 def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
@@ -141,6 +161,9 @@ def _print_generate(result: dict, args, replay) -> None:
     if "hf" in result:
         print(f"{'HF':10}{result['hf']['prefill_tokens_per_s']:15.1f}{result['hf']['decode_tokens_per_s']:15.1f}")
         print(f"{'ratio':10}{result['ratio']['prefill']:15.2f}{result['ratio']['decode']:15.2f}")
+    if "profile_ms_per_token" in result:
+        parts = result["profile_ms_per_token"]
+        print("decode by part, ms per token (under cProfile): " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     print(f"decode: hit rate {decode['hit_rate']:.3f}  loads/token {decode['loads_per_token']:.2f}  "
           f"acceptance {decode['acceptance']:.2f}  CPU experts {decode['cpu_ms_per_token']:.2f} ms/token  "
           f"fast tier {decode['device_ms_per_token']:.2f} ms/token")

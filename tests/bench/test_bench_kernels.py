@@ -1,4 +1,5 @@
-"""`moechat bench kernels` on the CPU: the quantized kernel's rows (a small pool: the figures are not the point)."""
+"""`moechat bench kernels` on the CPU (the quantized kernel's rows, a small pool: the figures are not the point),
+and `bench generate --by-part`."""
 from __future__ import annotations
 
 import json
@@ -34,3 +35,17 @@ def test_bench_kernels_refuses_a_bf16_path_for_quantized_weights(capsys):
     assert main(["bench", "kernels", "--quant", "int4", "--isa", "avx512_bf16", "--repeats", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert "has no avx512_bf16 path" in err and "\n" not in err
+
+
+def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
+    """--by-part: decode ms per token by part, which add up to the total; quantized weights skip the HF run."""
+    model = str(checkpoint("qwen3_moe"))
+    argv = ["bench", "generate", "--model", model, "--quant", "int4", "--max-new-tokens", "6", "--repeats", "1", "--by-part",
+            "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    parts = out["profile_ms_per_token"]
+    assert set(parts) == {"experts", "moe_layer", "dense", "attention", "other", "total"}
+    assert parts["experts"] > 0 and parts["dense"] > 0 and parts["total"] > 0
+    assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=0.01)
+    assert out["quant"] == "int4" and "hf" not in out
