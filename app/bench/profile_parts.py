@@ -15,7 +15,7 @@ import time
 
 # part -> the function names (cProfile's third key field) whose cumulative time it is
 PARTS = {
-    "experts": ("moe_ffn_q_native", "moe_ffn_native", "moe_ffn_q_torch", "moe_ffn_torch", "grouped_ffn", "grouped_ffn_q"),
+    "experts": ("moe_ffn_q_native", "moe_ffn_native", "moe_ffn_torch", "grouped_ffn", "grouped_ffn_q"),
     "moe_layer": ("run_layer",),
     "dense": ("q_linear", "<built-in method torch._C._nn.linear>"),
     "attention": ("<built-in method torch._C._nn.scaled_dot_product_attention>",),

@@ -5,11 +5,12 @@ where it is built and the pure-PyTorch twin `moe_ffn_torch` everywhere else; bot
 
 for every activation s of every group g (expert e = experts[g], activations offsets[g]..offsets[g+1]).
 Quantized experts (engine/quant/formats.py: gate_up and down are QuantMatrix) take the same
-contract through `moe_ffn_q_native` (csrc/cpu/quant_ffn.cpp) and its twin `moe_ffn_q_torch`.
+contract through `moe_ffn_q_native` (csrc/cpu/quant_ffn.cpp); `moe_ffn_torch` is the twin of both.
 """
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 
 import torch
@@ -127,16 +128,19 @@ def moe_ffn_native(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e
     return out
 
 
-def moe_ffn_torch(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-                  offsets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The pure-PyTorch twin of moe_ffn_native: one expert at a time, in the weights' dtype."""
+def moe_ffn_torch(x: torch.Tensor, gate_up, down, experts: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor,
+                  row_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The pure-PyTorch twin of moe_ffn_native: one expert at a time, in the weights' dtype (quantized: the
+    twin of the quantized kernel, dequantized, in fp32)."""
+    quant = isinstance(gate_up, QuantMatrix)
+    ffn = formats.expert_ffn if quant else expert_ffn
     bounds = offsets.tolist()
     for g, e in enumerate(experts.tolist()):
         a, b = bounds[g], bounds[g + 1]
         if a == b:
             continue
         r = rows[a:b]
-        y = expert_ffn(x[r].to(gate_up.dtype), gate_up[e], down[e], F.silu)  # [T, H]
+        y = ffn(x[r].float() if quant else x[r].to(gate_up.dtype), gate_up[e], down[e], F.silu)  # [T, H]
         out.index_add_(0, r, y.float() * row_weights[a:b, None])
     return out
 
@@ -173,32 +177,18 @@ def moe_ffn_q_native(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, e
     return out
 
 
-def moe_ffn_q_torch(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, experts: torch.Tensor,
-                    offsets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The pure-PyTorch twin of moe_ffn_q_native: one expert at a time, dequantized, in fp32."""
-    bounds = offsets.tolist()
-    for g, e in enumerate(experts.tolist()):
-        a, b = bounds[g], bounds[g + 1]
-        if a == b:
-            continue
-        r = rows[a:b]
-        y = formats.expert_ffn(x[r].float(), gate_up[e], down[e], F.silu)  # [T, H] fp32
-        out.index_add_(0, r, y * row_weights[a:b, None])
-    return out
-
-
 def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act,
-                  sizes: torch.Tensor | None = None) -> torch.Tensor:
+                  sizes: torch.Tensor | None = None, native_ok: bool = True) -> torch.Tensor:
     """grouped.grouped_ffn on quantized experts: x [S, H] rows sorted by group_ids [S] -> [S, H] in x's dtype,
     each row through its own expert: the native kernel on a CPU device, else the twin with its
     dequantization batched over experts (a GPU's fast tier). Both tiers of a quantized layer run through
     here, so an activation's output has the same bits whichever tier computes it, and the layer sums them
     in router order: the model's function does not depend on which experts are resident (speculative
-    decoding stays exact)."""
+    decoding stays exact). native_ok=False: the twin only (benchmarks' PyTorch baseline)."""
     if sizes is None:
         sizes = torch.bincount(group_ids.cpu(), minlength=gate_up.q.shape[0])  # [G]
     active = sizes.nonzero().flatten()
-    if usable(gate_up, x, 0):
+    if native_ok and usable(gate_up, x, 0):
         offsets = torch.zeros(len(active) + 1, dtype=torch.int64)
         torch.cumsum(sizes[active], 0, out=offsets[1:])
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)  # [S, H] every activation its own row
@@ -230,12 +220,9 @@ def quantize(w: torch.Tensor, fmt: str, threads: int | None = None) -> QuantMatr
         return formats.quantize(w, fmt)
     w = w.contiguous()
     lead, rows, k = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
-    n = 1
-    for d in lead:
-        n *= d
     out = formats.empty_matrix(fmt, lead, rows, k)
     m = 0 if out.minimum is None else out.minimum.data_ptr()
-    code = lib.moe_quantize(w.data_ptr(), DTYPE_CODE[w.dtype], n * rows, k, formats.BITS[fmt], out.q.data_ptr(),
+    code = lib.moe_quantize(w.data_ptr(), DTYPE_CODE[w.dtype], math.prod(lead) * rows, k, formats.BITS[fmt], out.q.data_ptr(),
                             out.scale.data_ptr(), m, threads or torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"native quantization failed with code {code}")
@@ -243,20 +230,17 @@ def quantize(w: torch.Tensor, fmt: str, threads: int | None = None) -> QuantMatr
 
 
 def usable(gate_up, x: torch.Tensor, max_tokens: int) -> bool:
-    """Whether moe_ffn takes the native path for this call."""
-    if isinstance(gate_up, QuantMatrix):  # any group size: the alternative dequantizes whole experts
-        return x.dtype in DTYPE_CODE and gate_up.device.type == "cpu" and gate_up.is_contiguous() and library() is not None
-    return (max_tokens <= NATIVE_MAX_TOKENS and gate_up.dtype in DTYPE_CODE and x.dtype in DTYPE_CODE
-            and gate_up.device.type == "cpu" and gate_up.is_contiguous() and library() is not None)
+    """Whether moe_ffn takes the native path for this call. Quantized experts take it at any group size
+    (the alternative dequantizes whole experts); others up to NATIVE_MAX_TOKENS."""
+    if x.dtype not in DTYPE_CODE or gate_up.device.type != "cpu" or not gate_up.is_contiguous() or library() is None:
+        return False
+    return isinstance(gate_up, QuantMatrix) or (max_tokens <= NATIVE_MAX_TOKENS and gate_up.dtype in DTYPE_CODE)
 
 
 def moe_ffn(x, gate_up, down, experts, offsets, rows, row_weights, out, max_tokens: int | None = None) -> torch.Tensor:
     """Dispatcher: native where built and worth it (decode-sized groups), else the twin; quantized or not."""
     if max_tokens is None:
         max_tokens = int((offsets[1:] - offsets[:-1]).max()) if len(experts) else 0
-    quant = isinstance(gate_up, QuantMatrix)
-    if usable(gate_up, x, max_tokens):
-        run = moe_ffn_q_native if quant else moe_ffn_native
-        return run(x.contiguous(), gate_up, down, experts, offsets, rows, row_weights, out)
-    run = moe_ffn_q_torch if quant else moe_ffn_torch
-    return run(x, gate_up, down, experts, offsets, rows, row_weights, out)
+    if usable(gate_up, x, max_tokens):  # moe_ffn_native takes quantized experts to their own kernel
+        return moe_ffn_native(x.contiguous(), gate_up, down, experts, offsets, rows, row_weights, out)
+    return moe_ffn_torch(x, gate_up, down, experts, offsets, rows, row_weights, out)

@@ -203,7 +203,7 @@ def cpu_experts(rt: MoERuntime, li: int, x: torch.Tensor, experts: torch.Tensor,
     """x [S, H] grouped by `experts` [S] (ascending) -> [S, H], weights read from the store."""
     store = rt.store
     if store.quant != "none":
-        return cpu_ffn.grouped_ffn_q(x, store.gate_up[li], store.down[li], experts, rt.act, sizes)
+        return cpu_ffn.grouped_ffn_q(x, store.gate_up[li], store.down[li], experts, rt.act, sizes, native_ok=rt.native_cpu)
     if not store.mmap:
         return grouped_ffn(x, store.gate_up[li], store.down[li], experts, rt.act, sizes)
     out = torch.empty_like(x)  # disk tier: one expert at a time straight from the mapped file

@@ -115,7 +115,7 @@ def test_expert_ffn_equals_the_twin(isa, fmt, x_dtype):
     value across a rounding boundary (one code, dx/127 of its block): hence 1e-2, not 1e-6."""
     for H, I, sizes in SHAPES:
         x, gu, dn, experts, offsets, rows, w = case(H, I, sizes, fmt, x_dtype=x_dtype)
-        ref = cpu_ffn.moe_ffn_q_torch(x.float(), gu, dn, experts, offsets, rows, w, torch.zeros(5, H))
+        ref = cpu_ffn.moe_ffn_torch(x.float(), gu, dn, experts, offsets, rows, w, torch.zeros(5, H))
         out = cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, H), isa=isa)
         assert rel_err(out, ref) < 1e-2, (H, I, sizes)
 
