@@ -84,9 +84,7 @@ class ExpertStore:
                 mats.append(gptq_to_matrix(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"],
                                            t.get(f"{prefix}.g_idx"), self.gptq, name=prefix))
             gate, up, down = mats
-            gate_up = formats.QuantMatrix("int4", gate.k, torch.cat([gate.q, up.q]), torch.cat([gate.scale, up.scale]),
-                                          torch.cat([gate.minimum, up.minimum]))
-            yield e, gate_up[None], down[None]
+            yield e, formats.QuantMatrix.cat([gate, up])[None], down[None]
 
     def _host_matrix(self, rows: int, k: int) -> formats.QuantMatrix:
         if self.pinned:

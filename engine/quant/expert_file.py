@@ -25,7 +25,6 @@ from ..model.checkpoint import Checkpoint
 from .formats import QuantMatrix, empty_matrix
 
 FORMAT_VERSION = 1  # bump when the layout in formats.py changes: older caches are rebuilt
-FIELDS = ("q", "scale", "minimum")
 
 # li -> (gate_up [E, 2I, H], down [E, H, I]) quantized, chunk by chunk of experts
 LayerSource = Callable[[int], Iterator[tuple[int, QuantMatrix, QuantMatrix]]]
@@ -55,24 +54,20 @@ class QuantizedExperts:
     def __init__(self, folder: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int):
         self.folder, self.fmt = folder, fmt
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
-        self._files: dict[int, Checkpoint] = {}
+        self._mapped: Checkpoint | None = None  # the folder's files, mapped on first use
 
     def meta(self) -> dict:
         return {"format_version": FORMAT_VERSION, "fmt": self.fmt, "layers": self.num_layers, "experts": self.num_experts,
                 "hidden": self.hidden, "inter": self.inter}
 
-    def _path(self, li: int) -> Path:
-        return self.folder / f"layer-{li:03d}.safetensors"
-
-    def _expected(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def _matrices(self, device=None) -> dict[str, QuantMatrix]:
+        """Empty gate_up and down of a whole layer (device "meta": their shapes alone)."""
         E, H, I = self.num_experts, self.hidden, self.inter
-        out = {}
-        for name, rows, k in (("gate_up", 2 * I, H), ("down", H, I)):
-            m = empty_matrix(self.fmt, (E,), rows, k, device="meta")
-            for field, t in zip(FIELDS, (m.q, m.scale, m.minimum)):
-                if t is not None:
-                    out[f"{name}.{field}"] = (tuple(t.shape), t.dtype)
-        return out
+        return {"gate_up": empty_matrix(self.fmt, (E,), 2 * I, H, device), "down": empty_matrix(self.fmt, (E,), H, I, device)}
+
+    def _tensors(self, li: int, matrices: dict[str, QuantMatrix]) -> dict[str, torch.Tensor]:
+        """Layer li's matrices as the file's tensors: "<li>.<matrix>.<field>"."""
+        return {f"{li}.{name}.{field}": t for name, m in matrices.items() for field, t in m.named_tensors().items()}
 
     def problem(self) -> str | None:
         """Why this folder cannot be trusted (None: it can): one line."""
@@ -90,28 +85,27 @@ class QuantizedExperts:
             ckpt = Checkpoint(self.folder)  # every file's header checked: nothing truncated, offsets inside
         except CheckpointError as err:
             return f"a file is truncated or corrupt ({str(err).split(' (')[0]})"
+        shapes = self._matrices("meta")
         for li in range(self.num_layers):
-            for key, (shape, _dtype) in self._expected().items():
-                if f"{li}.{key}" not in ckpt or ckpt.shape(f"{li}.{key}") != shape:
-                    return f"tensor {li}.{key} is missing or has the wrong shape"
+            for key, t in self._tensors(li, shapes).items():
+                if key not in ckpt or ckpt.shape(key) != tuple(t.shape):
+                    return f"tensor {key} is missing or has the wrong shape"
         return None
 
     def layer(self, li: int) -> tuple[QuantMatrix, QuantMatrix]:
         """(gate_up, down) of sparse layer li: views of the mapped file, no copy until read."""
-        if not self._files:
-            self._files[0] = Checkpoint(self.folder)
-        ckpt = self._files[0]
+        if self._mapped is None:
+            self._mapped = Checkpoint(self.folder)
 
         def matrix(name: str, k: int) -> QuantMatrix:
-            q, s = ckpt.view(f"{li}.{name}.q"), ckpt.view(f"{li}.{name}.scale")
-            m = ckpt.view(f"{li}.{name}.minimum") if self.fmt == "int4" else None
-            return QuantMatrix(self.fmt, k, q, s, m)
+            fields = ("q", "scale", "minimum") if self.fmt == "int4" else ("q", "scale")
+            return QuantMatrix.from_named(self.fmt, k, {f: self._mapped.view(f"{li}.{name}.{f}") for f in fields})
 
         return matrix("gate_up", self.hidden), matrix("down", self.inter)
 
     def release(self) -> None:
         """Drop the mapping (views already handed out keep their pages until they go)."""
-        self._files.clear()
+        self._mapped = None
 
     def build(self, source: LayerSource, progress: Callable[[int, int], None] | None = None) -> None:
         """Write every layer from `source` and meta.json into a private folder, then rename it into place in
@@ -121,18 +115,12 @@ class QuantizedExperts:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            E, H, I = self.num_experts, self.hidden, self.inter
             for li in range(self.num_layers):
-                gate_up, down = empty_matrix(self.fmt, (E,), 2 * I, H), empty_matrix(self.fmt, (E,), H, I)
+                layer = self._matrices()
                 for start, gu, dn in source(li):  # experts start..start+len
-                    gate_up[start:start + gu.q.shape[0]].copy_(gu)
-                    down[start:start + dn.q.shape[0]].copy_(dn)
-                tensors = {}
-                for name, m in (("gate_up", gate_up), ("down", down)):
-                    for field, t in zip(FIELDS, (m.q, m.scale, m.minimum)):
-                        if t is not None:
-                            tensors[f"{li}.{name}.{field}"] = t
-                save_file(tensors, str(tmp / self._path(li).name))
+                    layer["gate_up"][start:start + gu.q.shape[0]].copy_(gu)
+                    layer["down"][start:start + dn.q.shape[0]].copy_(dn)
+                save_file(self._tensors(li, layer), str(tmp / f"layer-{li:03d}.safetensors"))
                 if progress:
                     progress(li + 1, self.num_layers)
             (tmp / "meta.json").write_text(json.dumps(self.meta()))

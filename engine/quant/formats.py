@@ -43,11 +43,6 @@ def padded(k: int) -> int:
     return -(-k // BLOCK) * BLOCK
 
 
-def bytes_per_weight(fmt: str) -> float:
-    """Stored bytes per weight, scales included (before padding): int8 8.5 bits, int4 5 bits."""
-    return BITS[fmt] / 8 + (2 if fmt == "int8" else 4) / BLOCK
-
-
 def matrix_bytes(fmt: str, rows: int, k: int) -> int:
     """Bytes of one quantized [rows, k] matrix, padding included."""
     kp = padded(k)
@@ -80,8 +75,28 @@ class QuantMatrix:
     def shape(self) -> tuple[int, ...]:
         return (*self.q.shape[:-1], self.k)
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored fields by name (no minimum for int8): what a file or a copy moves."""
+        fields = {"q": self.q, "scale": self.scale, "minimum": self.minimum}
+        return {name: t for name, t in fields.items() if t is not None}
+
+    @classmethod
+    def from_named(cls, fmt: str, k: int, fields: dict[str, torch.Tensor]) -> QuantMatrix:
+        return cls(fmt, k, fields["q"], fields["scale"], fields.get("minimum"))
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.q, self.scale, self.minimum) if t is not None]
+        return list(self.named_tensors().values())
+
+    def _map(self, fn) -> QuantMatrix:
+        """The same matrix with fn applied to every field."""
+        return QuantMatrix.from_named(self.fmt, self.k, {name: fn(t) for name, t in self.named_tensors().items()})
+
+    @staticmethod
+    def cat(parts: list[QuantMatrix]) -> QuantMatrix:
+        """Row blocks stacked (each a whole number of 16-row groups): gate and up into gate_up."""
+        fields = parts[0].named_tensors()
+        return QuantMatrix.from_named(parts[0].fmt, parts[0].k,
+                                      {name: torch.cat([p.named_tensors()[name] for p in parts]) for name in fields})
 
     @property
     def nbytes(self) -> int:
@@ -89,11 +104,7 @@ class QuantMatrix:
 
     def __getitem__(self, i) -> QuantMatrix:
         """Index the leading dims (an expert, a slot)."""
-        return QuantMatrix(self.fmt, self.k, self.q[i], self.scale[i],
-                           None if self.minimum is None else self.minimum[i])
-
-    def to(self, device) -> QuantMatrix:
-        return QuantMatrix(self.fmt, self.k, *(None if t is None else t.to(device) for t in (self.q, self.scale, self.minimum)))
+        return self._map(lambda t: t[i])
 
     def copy_(self, src: QuantMatrix, non_blocking: bool = False) -> QuantMatrix:
         for dst, s in zip(self.tensors(), src.tensors()):
@@ -101,7 +112,7 @@ class QuantMatrix:
         return self
 
     def contiguous(self) -> QuantMatrix:
-        return QuantMatrix(self.fmt, self.k, *(None if t is None else t.contiguous() for t in (self.q, self.scale, self.minimum)))
+        return self._map(torch.Tensor.contiguous)
 
     def is_contiguous(self) -> bool:
         return all(t.is_contiguous() for t in self.tensors())

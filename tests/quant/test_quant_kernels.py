@@ -70,8 +70,9 @@ def test_interleaving_puts_four_columns_of_sixteen_rows_in_one_vector(fmt):
 
 
 def test_bytes_per_weight_counts_the_scales():
-    assert formats.bytes_per_weight("int8") == pytest.approx(8.5 / 8)
-    assert formats.bytes_per_weight("int4") == pytest.approx(5 / 8)
+    weights = 16 * 2048  # whole blocks: no padding
+    assert formats.matrix_bytes("int8", 16, 2048) / weights == pytest.approx(8.5 / 8)
+    assert formats.matrix_bytes("int4", 16, 2048) / weights == pytest.approx(5 / 8)
     assert formats.matrix_bytes("int4", 16, 2048) == 16 * 2048 * 5 // 8
 
 
