@@ -171,7 +171,7 @@ def cmd_generate(args) -> int:
     profile = None if args.profile is None else str(args.profile)
     if args.json:
         print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile,
-                          "quant": engine.config.quant}))
+                          "quant": engine.model.store.quant}))
     else:
         print()
         if profile:

@@ -76,7 +76,7 @@ def cmd_bench_generate(args) -> int:
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
         "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio,
-        "quant": engine.config.quant,
+        "quant": engine.model.store.quant,
         "prompt_tokens": len(ids),
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"], **decode},

@@ -24,8 +24,7 @@ class ExpertStore:
 
     def __init__(self, ckpt: Checkpoint, family: Family, hf_config, layers: list[int], dtype: torch.dtype,
                  pin: bool, ram_budget_bytes: int | None, quant: str = "none", gptq: GptqSpec | None = None):
-        if gptq is not None:
-            quant = "int4"  # a pre-quantized checkpoint runs as it is
+        assert gptq is None or quant == "int4", "a GPTQ checkpoint's experts are int4"
         self.ckpt, self.family, self.layers, self.dtype, self.quant, self.gptq = ckpt, family, layers, dtype, quant, gptq
         self.num_experts = family.num_experts(hf_config)
         self.hidden = int(hf_config.hidden_size)

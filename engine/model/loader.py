@@ -14,7 +14,7 @@ from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore
 from ..quant.dense import quantize_dense
-from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, gptq_prefixes, read_gptq_config
+from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, expert_format, gptq_prefixes, read_gptq_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
 from .checkpoint import Checkpoint, read_config_dict
@@ -125,11 +125,11 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         raise RuntimeError(
             f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
         )
-    quant = "int4" if gptq is not None else cfg.quant  # a pre-quantized checkpoint runs as it is
+    quant = expert_format(gptq, cfg.quant)
     check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant), device)  # before loading
 
     store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda",
-                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=cfg.quant, gptq=gptq)
+                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, gptq=gptq)
     runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
                             top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):

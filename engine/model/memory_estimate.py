@@ -162,17 +162,13 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
     hf_config = hf_config_from(source)
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    if isinstance(source, str | Path) and _is_gptq(Path(source).expanduser()):
-        quant = "int4"  # a pre-quantized checkpoint runs as it is
+    if isinstance(source, str | Path) and Path(source).expanduser().is_dir():
+        from ..quant.gptq import expert_format, read_gptq_config
+        from .checkpoint import read_config_dict
+
+        quant = expert_format(read_gptq_config(read_config_dict(Path(source).expanduser())), quant)
     draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0
     return estimate_module(meta_model(hf_config), hf_config, dtype, context_len, draft, quant)
-
-
-def _is_gptq(model_dir: Path) -> bool:
-    from ..quant.gptq import read_gptq_config
-    from .checkpoint import read_config_dict
-
-    return model_dir.is_dir() and read_gptq_config(read_config_dict(model_dir)) is not None
 
 
 def total_params(est: MemoryEstimate) -> int:

@@ -81,6 +81,12 @@ def read_gptq_config(raw: dict) -> GptqSpec | None:
                     sym=bool(qc.get("sym", True)), checkpoint_format=fmt)
 
 
+def expert_format(spec: GptqSpec | None, requested: str) -> str:
+    """The format a checkpoint's routed experts run in: int4 for a GPTQ one whatever was asked (it runs as
+    it is), else the request."""
+    return "int4" if spec is not None else requested
+
+
 def gptq_prefixes(keys) -> set[str]:
     """The quantized linears' prefixes in a checkpoint's key set (each key ending in .qweight)."""
     return {key[:-len(".qweight")] for key in keys if key.endswith(".qweight")}
