@@ -19,6 +19,18 @@ Isa resolve_q(int isa) {
     return Isa(isa);
 }
 
+bool runnable_q(Isa isa) { return (isa == SCALAR || isa == AVX2 || isa == AVX512_VNNI) && cpu_has(isa); }
+
+struct QStack {  // E experts' matrices of `rows` rows each, stacked: what the store and the slots hold
+    const uint8_t* q;
+    const uint16_t* s;
+    const uint16_t* m;
+    int64_t rows, row_bytes, nb;
+    QMat expert(int64_t e) const {
+        return {q + e * rows * row_bytes, s + e * rows * nb, m ? m + e * rows * nb : nullptr, row_bytes, nb};
+    }
+};
+
 inline int64_t pad32(int64_t k) { return (k + 31) / 32 * 32; }
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
@@ -77,12 +89,10 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
     if ((bits != 8 && bits != 4) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
     if (hidden <= 0 || inter <= 0 || n_groups < 0 || hidden % QROWS || inter % QROWS) return -3;  // whole row groups
     const Isa isa = resolve_q(isa_req);
-    if (isa != SCALAR && isa != AVX2 && isa != AVX512_VNNI) return -2;
-    if (!cpu_has(isa)) return -2;
+    if (!runnable_q(isa)) return -2;
     const int64_t S = n_groups ? offsets[n_groups] : 0, H = hidden, I = inter, Hp = pad32(H), Ip = pad32(I);
     if (S == 0) return 0;
-    const int64_t gu_rb = Hp * bits / 8, dn_rb = Ip * bits / 8;  // row bytes
-    const int64_t gu_nb = Hp / 32, dn_nb = Ip / 32;
+    const QStack gate_up{gu_q, gu_s, gu_m, 2 * I, Hp * bits / 8, Hp / 32}, down{dn_q, dn_s, dn_m, H, Ip * bits / 8, Ip / 32};
 
     // Activations gathered per group and quantized: xq over Hp columns; h [S, I] fp32, then hq.
     QBuf xq(S, Hp), hq(S, Ip);
@@ -117,8 +127,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
             const int64_t s0 = offsets[g];
             const int T = int(offsets[g + 1] - s0);
             if (T == 0) continue;
-            const int64_t e = experts[g];
-            const QMat W{gu_q + e * 2 * I * gu_rb, gu_s + e * 2 * I * gu_nb, gu_m ? gu_m + e * 2 * I * gu_nb : nullptr, gu_rb, gu_nb};
+            const QMat W = gate_up.expert(experts[g]);
             const QActs A = xq.at(s0);
             qmat(W, i0, nr, A, T, yg.data(), Q1, bits, isa);
             qmat(W, I + i0, nr, A, T, yu.data(), Q1, bits, isa);
@@ -130,7 +139,9 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
 
     // Phase 2: y[s, j] = (down_e h_s)_j over items (group, block of H rows): each activation's row of y
     // is written by one item. Then out[rows[s]] += w_s · y[s] for s in order: a fixed summation order.
-    std::vector<float> y(S * H);
+    // Per activation (rows_out null) y is out itself: the caller weighs and sums in router order.
+    std::vector<float> ybuf(rows_out ? S * H : 0);
+    float* y = rows_out ? ybuf.data() : out;
     Items items2(n_groups * hblocks, threads);
     g_pool->run(threads, [&](int) {
         Items::Cursor cursor;
@@ -139,19 +150,14 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
             const int64_t s0 = offsets[g];
             const int T = int(offsets[g + 1] - s0);
             if (T == 0) continue;
-            const int64_t e = experts[g];
-            const QMat W{dn_q + e * H * dn_rb, dn_s + e * H * dn_nb, dn_m ? dn_m + e * H * dn_nb : nullptr, dn_rb, dn_nb};
-            qmat(W, j0, nr, hq.at(s0), T, y.data() + s0 * H + j0, H, bits, isa);
+            qmat(down.expert(experts[g]), j0, nr, hq.at(s0), T, y + s0 * H + j0, H, bits, isa);
         }
     });
-    if (!rows_out) {  // per activation: out [S, H] = y, the caller weighs and sums in router order
-        std::memcpy(out, y.data(), S * H * sizeof(float));
-        return 0;
-    }
+    if (!rows_out) return 0;
     for (int64_t s = 0; s < S; s++) {
         float* o = out + rows_out[s] * H;
         const float w = row_weights[s];
-        const float* ys = y.data() + s * H;
+        const float* ys = y + s * H;
         for (int64_t j = 0; j < H; j++) o[j] += w * ys[j];
     }
     return 0;
@@ -163,7 +169,7 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
     if ((bits != 8 && bits != 4) || (bits == 4 && !m)) return -1;
     if (n_rows <= 0 || k <= 0 || n_tokens < 0 || n_rows % QROWS) return -3;
     const Isa isa = resolve_q(isa_req);
-    if ((isa != SCALAR && isa != AVX2 && isa != AVX512_VNNI) || !cpu_has(isa)) return -2;
+    if (!runnable_q(isa)) return -2;
     if (n_tokens == 0) return 0;
     const int64_t kp = pad32(k), rb = kp * bits / 8, nb = kp / 32;
     QBuf xq(n_tokens, kp);
