@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..experts import cpu_ffn
 from . import formats
 
 
@@ -19,39 +20,27 @@ class QuantLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, fmt: str):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        from ..experts import cpu_ffn
-
         self.weight_q = cpu_ffn.quantize(linear.weight.detach(), fmt)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..experts import cpu_ffn
-
         y = cpu_ffn.q_linear(x.reshape(-1, self.in_features), self.weight_q)  # [T, out] fp32
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    @property
-    def nbytes(self) -> int:
-        return self.weight_q.nbytes
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.weight_q.fmt}"
 
 
-def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> int:
-    """Swap every eligible nn.Linear of `hf` for a QuantLinear in `fmt`; returns the bytes the weights now
-    take. routers: id() of the router modules, which stay as they are."""
+def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
+    """Swap every eligible nn.Linear of `hf` for a QuantLinear in `fmt`. routers: id() of the router
+    modules, which stay as they are."""
     swaps = []
     for module in hf.modules():
         for child_name, child in module.named_children():
             if (type(child) is torch.nn.Linear and id(child) not in routers and child.out_features % formats.ROWS == 0
                     and child.weight.device.type == "cpu"):
                 swaps.append((module, child_name, child))
-    total = 0
-    for parent, child_name, child in swaps:  # a tied head gets its own int8 copy; the embedding keeps its table
-        q = QuantLinear(child, fmt)
-        setattr(parent, child_name, q)
-        total += q.nbytes
-    return total
+    for parent, child_name, child in swaps:  # a tied head gets its own quantized copy; the embedding keeps its table
+        setattr(parent, child_name, QuantLinear(child, fmt))
