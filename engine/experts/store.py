@@ -7,6 +7,7 @@ import torch
 from ..errors import CheckpointError
 from ..model.checkpoint import Checkpoint
 from ..model.families import Family
+from ..model.memory_estimate import expert_bytes_for
 from ..quant import formats
 from ..quant.expert_file import QuantizedExperts, open_quantized
 from ..quant.gptq import SUFFIXES, GptqSpec, gptq_to_matrix
@@ -30,8 +31,7 @@ class ExpertStore:
         self.hidden = int(hf_config.hidden_size)
         self.inter = family.expert_dim(hf_config)
         H, I = self.hidden, self.inter
-        self.expert_bytes = (3 * H * I * dtype.itemsize if quant == "none"
-                             else formats.matrix_bytes(quant, 2 * I, H) + formats.matrix_bytes(quant, H, I))
+        self.expert_bytes = expert_bytes_for(quant, str(dtype).removeprefix("torch."), H, I)
         self.total_bytes = self.expert_bytes * self.num_experts * len(layers)
         self.fused = gptq is None and bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
         self.notices: list[str] = []  # one line each, for the user (a rebuilt quantized cache)
@@ -86,12 +86,7 @@ class ExpertStore:
             yield e, formats.QuantMatrix.cat([gate, up])[None], down[None]
 
     def _host_matrix(self, rows: int, k: int) -> formats.QuantMatrix:
-        if self.pinned:
-            try:
-                return formats.empty_matrix(self.quant, (self.num_experts,), rows, k, pin=True)
-            except RuntimeError:  # page-locked memory refused: pageable from here on
-                self.pinned = False
-        return formats.empty_matrix(self.quant, (self.num_experts,), rows, k)
+        return self._host(lambda pin: formats.empty_matrix(self.quant, (self.num_experts,), rows, k, pin=pin))
 
     def _quantize_layer(self, li: int):
         """(first expert, gate_up, down) quantized chunk by chunk, read from the checkpoint's mapped file."""
@@ -123,12 +118,17 @@ class ExpertStore:
                     )
 
     def _host_empty(self, *shape: int) -> torch.Tensor:
+        return self._host(lambda pin: torch.empty(*shape, dtype=self.dtype, pin_memory=pin))
+
+    def _host(self, alloc):
+        """alloc(pin) in page-locked memory while the system grants it, pageable from the first refusal on
+        (limits, fragmentation)."""
         if self.pinned:
             try:
-                return torch.empty(*shape, dtype=self.dtype, pin_memory=True)
-            except RuntimeError:  # page-locked memory refused (limits, fragmentation): pageable from here on
+                return alloc(True)
+            except RuntimeError:
                 self.pinned = False
-        return torch.empty(*shape, dtype=self.dtype)
+        return alloc(False)
 
     def _load_layer(self, li: int) -> None:
         E, H, I = self.num_experts, self.hidden, self.inter
