@@ -32,12 +32,11 @@ _MODULES = {  # submodule -> the public names it provides
     "speculative.drafters": ("make_drafter",),
     "experts.grouped": ("grouped_ffn", "uses_grouped_mm"),
     "experts.native_copier": ("NativeCopier",),
+    "quant.formats": ("QuantMatrix", "empty_matrix", "matrix_bytes"),
 }
-_ALIASES = {"quant_formats": "quant.formats"}  # whole modules under another name: the quantized formats and their twins
 _SUBMODULES = ("native", "experts.cpu_ffn")  # whole modules: the native build registry, the CPU kernel and its twin
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 _EXPORTS |= {sub.rpartition(".")[2]: sub for sub in _SUBMODULES}
-_EXPORTS |= _ALIASES
 
 __all__ = sorted(_EXPORTS)
 
@@ -47,7 +46,7 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module 'moechat.engine' has no attribute {name!r}")
     loaded = importlib.import_module(f".{module}", __name__)
-    value = loaded if module in _SUBMODULES or name in _ALIASES else getattr(loaded, name)
+    value = loaded if module in _SUBMODULES else getattr(loaded, name)
     globals()[name] = value  # later look-ups skip this function
     return value
 

@@ -104,17 +104,17 @@ def _cpu_rows(args, threads: int, meter: CopyMeter) -> list[dict]:
         H, I = SHAPES[shape]
         expert_bytes = 3 * H * I * dt.itemsize
         if quant:
-            from ...engine import quant_formats as qf
+            from ...engine import empty_matrix, matrix_bytes
 
-            expert_bytes = qf.matrix_bytes(args.quant, 2 * I, H) + qf.matrix_bytes(args.quant, H, I)
+            expert_bytes = matrix_bytes(args.quant, 2 * I, H) + matrix_bytes(args.quant, H, I)
         pool = max(2 * max(args.experts), max(POOL_BYTES, 4 * last_level_cache_bytes()) // expert_bytes)
         if quant:  # quantized 16 experts at a time: the fp32 originals of the whole pool would not fit
-            gate_up = qf.empty_matrix(args.quant, (pool,), 2 * I, H)
-            down = qf.empty_matrix(args.quant, (pool,), H, I)
+            gate_up = empty_matrix(args.quant, (pool,), 2 * I, H)
+            down = empty_matrix(args.quant, (pool,), H, I)
             for e in range(0, pool, 16):
                 n = min(16, pool - e)
-                gate_up[e:e + n].copy_(qf.quantize(torch.empty(n, 2 * I, H).normal_(0, 0.02), args.quant))
-                down[e:e + n].copy_(qf.quantize(torch.empty(n, H, I).normal_(0, 0.02), args.quant))
+                gate_up[e:e + n].copy_(cpu_ffn.quantize(torch.empty(n, 2 * I, H).normal_(0, 0.02), args.quant))
+                down[e:e + n].copy_(cpu_ffn.quantize(torch.empty(n, H, I).normal_(0, 0.02), args.quant))
             x_dtype = torch.float32
         else:
             gate_up = torch.empty(pool, 2 * I, H, dtype=dt).normal_(0, 0.02)  # [P, 2I, H] the store's layout
