@@ -14,6 +14,7 @@ from .config import EngineConfig, SamplingParams
 from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
+from .model.kv_cache import KVCache
 from .model.loader import LoadedModel, load_model
 from .speculative.drafters import make_drafter
 from .speculative.rewind import rewind_cache
@@ -95,8 +96,6 @@ class Engine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher forcing: the logits at every position of token_ids, [T, V] float32 on the CPU (row i predicts
         token i+1), from one prefill pass on a fresh KV cache. Nothing is generated; the engine is ready for the next request."""
-        from transformers import DynamicCache
-
         if self.model.runtime.closed:
             raise MoechatError("the engine is closed: create a new Engine to score")
         ids = self.encode(Request(token_ids=token_ids))
@@ -104,7 +103,7 @@ class Engine:
             raise RequestError(f"{len(ids)} tokens do not fit the context of {self.model.context_len}")
         self.model.runtime.begin_request()
         self.model.runtime.reset_counters()
-        logits = self._forward(ids, DynamicCache(), keep=len(ids), phase="prefill", step=0, trace=None)
+        logits = self._forward(ids, KVCache(), keep=len(ids), phase="prefill", step=0, trace=None)
         self.model.runtime.reset_counters()
         return logits.cpu()
 
@@ -121,8 +120,6 @@ class Engine:
 
     @torch.inference_mode()
     def _generate(self, prompt: list[int], params: SamplingParams, trace: TraceRecorder | None) -> Iterator[Event]:
-        from transformers import DynamicCache
-
         m, rt = self.model, self.model.runtime
         if len(prompt) >= m.context_len:
             raise RequestError(
@@ -131,7 +128,7 @@ class Engine:
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
-        cache = DynamicCache()  # invariant after each step: the KV entries of committed[:-1]
+        cache = KVCache()  # invariant after each step: the KV entries of committed[:-1]
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
         moved0 = m.cache.bytes_moved

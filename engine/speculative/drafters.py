@@ -14,6 +14,7 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
 from ..model.checkpoint import read_config_dict
+from ..model.kv_cache import KVCache
 from ..model.loader import LoadedModel, load_tokenizer
 from ..quant.formats import QuantMatrix, dequantize
 from .rewind import rewind_cache
@@ -48,12 +49,11 @@ class DraftModel:
     name = "model"
 
     def __init__(self, path: str, target: LoadedModel):
-        from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # no progress bars on the user's terminal
 
-        self._new_cache = DynamicCache
         model_dir = Path(path).expanduser()
         if not model_dir.is_dir():
             raise CheckpointError(f"draft model directory {model_dir} does not exist: pass --draft none, self, "
@@ -71,7 +71,7 @@ class DraftModel:
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
 
     def start(self, prompt_ids: list[int], target_cache) -> None:
-        self.cache = self._new_cache()
+        self.cache = KVCache()
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):

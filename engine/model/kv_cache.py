@@ -1,0 +1,84 @@
+"""The KV cache of target and drafters: per layer, keys and values written in place into buffers that
+grow in blocks, so a step appends without copying the past (transformers' `DynamicCache` concatenates:
+O(context) bytes per layer per token) and rolling back rejected drafts moves an index.
+
+A `transformers` cache (the models' own attention code calls `update`), returning views of the valid
+prefix: attention sees exactly the committed positions, no mask over unused slots, so results equal
+`DynamicCache`'s. Prefix reuse keeps a cache and rewinds it to the shared prefix.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+BLOCK = 256  # positions a buffer grows by at least; growth doubles, so appends cost O(1) amortised
+
+
+class GrowingLayer(DynamicLayer):
+    """One layer's keys and values, [B, H, capacity, D] buffers of which the first `length` positions hold entries."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.length = 0
+        self._k: torch.Tensor | None = None  # [B, H_kv, capacity, D_k]
+        self._v: torch.Tensor | None = None  # [B, H_kv, capacity, D_v] (D_v may differ: DeepSeek's MLA)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._k = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[3])
+        self._v = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[3])
+        self.is_initialized = True
+
+    def _grow(self, need: int) -> None:
+        capacity = max(need, 2 * self._k.shape[2], BLOCK)
+        capacity = -(-capacity // BLOCK) * BLOCK
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states [B, H_kv, T, D] appended at position `length` -> views of all entries [B, H_kv, length, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        if end > self._k.shape[2]:
+            self._grow(end)
+        self._k[:, :, self.length:end] = key_states
+        self._v[:, :, self.length:end] = value_states
+        self._set_length(end)
+        return self.keys, self.values
+
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]  # views: no copy
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove entries (transformers' convention: a negative count); the bytes stay."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to drop, got {tokens_to_remove}")
+        if self.is_initialized and tokens_to_remove:
+            self._set_length(max(0, self.length + tokens_to_remove))
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self._set_length(0)
+
+    def capacity(self) -> int:
+        return 0 if self._k is None else self._k.shape[2]
+
+
+class KVCache(Cache):
+    """A cache of `GrowingLayer`s, one per attention layer, created on first use."""
+
+    def __init__(self):
+        super().__init__(layer_class_to_replicate=GrowingLayer)
+
+    def nbytes(self) -> int:
+        """Bytes the buffers hold (allocated, not only used)."""
+        return sum(t.nbytes for layer in self.layers for t in (layer._k, layer._v) if t is not None)

@@ -1,0 +1,54 @@
+"""The growing KV cache: in-place appends, rollback by index, and the same attention inputs as DynamicCache."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from moechat.engine.model.kv_cache import BLOCK, KVCache
+from moechat.engine.speculative.rewind import rewind_cache
+
+
+def _kv(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 2, t, 4, generator=g), torch.randn(1, 2, t, 6, generator=g)  # values wider (MLA)
+
+
+def test_appends_and_rewinds_like_dynamic_cache():
+    ours, ref = KVCache(), DynamicCache()
+    for step, (t, keep) in enumerate([(37, 37), (5, 39), (BLOCK, 200), (3 * BLOCK, 500), (1, 501)]):
+        k, v = _kv(t, step)
+        for layer in (0, 1):
+            got, want = ours.update(k, v, layer), ref.update(k, v, layer)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        rewind_cache(ours, keep)
+        rewind_cache(ref, keep)
+        assert ours.get_seq_length() == ref.get_seq_length() == keep
+        assert torch.equal(ours.layers[1].keys, ref.layers[1].keys)
+        assert torch.equal(ours.layers[1].values, ref.layers[1].values)
+
+
+def test_rewind_moves_an_index_and_appends_write_in_place():
+    cache = KVCache()
+    cache.update(*_kv(10, 0), 0)
+    layer = cache.layers[0]
+    buffer, capacity = layer._k.data_ptr(), layer.capacity()
+    assert capacity == BLOCK
+    rewind_cache(cache, 4)
+    cache.update(*_kv(3, 1), 0)
+    assert layer._k.data_ptr() == buffer and cache.get_seq_length() == 7  # no reallocation, no copy of the past
+    assert layer.keys.data_ptr() == buffer  # attention reads a view of the buffer
+    cache.update(*_kv(BLOCK, 2), 0)  # past the capacity: grows, keeping the entries
+    assert layer.capacity() >= 7 + BLOCK and layer.capacity() % BLOCK == 0
+    assert torch.equal(layer.keys[:, :, 4:7], _kv(3, 1)[0])
+
+
+def test_crop_takes_a_negative_count():
+    cache = KVCache()
+    cache.update(*_kv(5, 0), 0)
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(2)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.nbytes() > 0  # the buffers stay for the next request
