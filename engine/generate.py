@@ -14,7 +14,6 @@ from .config import EngineConfig, SamplingParams
 from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
-from .model.kv_cache import KVCache
 from .model.loader import LoadedModel, load_model
 from .speculative.drafters import make_drafter
 from .speculative.rewind import rewind_cache
@@ -103,7 +102,7 @@ class Engine:
             raise RequestError(f"{len(ids)} tokens do not fit the context of {self.model.context_len}")
         self.model.runtime.begin_request()
         self.model.runtime.reset_counters()
-        logits = self._forward(ids, KVCache(), keep=len(ids), phase="prefill", step=0, trace=None)
+        logits = self._forward(ids, self.model.new_kv_cache(), keep=len(ids), phase="prefill", step=0, trace=None)
         self.model.runtime.reset_counters()
         return logits.cpu()
 
@@ -128,7 +127,7 @@ class Engine:
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
-        cache = KVCache()  # invariant after each step: the KV entries of committed[:-1]
+        cache = m.new_kv_cache()  # invariant after each step: the KV entries of committed[:-1]
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
         moved0 = m.cache.bytes_moved

@@ -8,6 +8,8 @@ prefix: attention sees exactly the committed positions, no mask over unused slot
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -17,16 +19,16 @@ BLOCK = 256  # positions a buffer grows by at least; growth doubles, so appends 
 class GrowingLayer(DynamicLayer):
     """One layer's keys and values, [B, H, capacity, D] buffers of which the first `length` positions hold entries."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, dtype: torch.dtype | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.length = 0
+        self.length, self.store_dtype = 0, dtype  # None: the incoming states' dtype
         self._k: torch.Tensor | None = None  # [B, H_kv, capacity, D_k]
         self._v: torch.Tensor | None = None  # [B, H_kv, capacity, D_v] (D_v may differ: DeepSeek's MLA)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self._k = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[3])
-        self._v = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[3])
+        self.dtype, self.device = self.store_dtype or key_states.dtype, key_states.device
+        self._k = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[3], dtype=self.dtype)
+        self._v = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[3], dtype=self.dtype)
         self.is_initialized = True
 
     def _grow(self, need: int) -> None:
@@ -74,10 +76,11 @@ class GrowingLayer(DynamicLayer):
 
 
 class KVCache(Cache):
-    """A cache of `GrowingLayer`s, one per attention layer, created on first use."""
+    """A cache of `GrowingLayer`s, one per attention layer, created on first use; entries kept in `dtype`
+    (None: the model's; fp32 for a half-precision model on the CPU, see attention.py)."""
 
-    def __init__(self):
-        super().__init__(layer_class_to_replicate=GrowingLayer)
+    def __init__(self, dtype: torch.dtype | None = None):
+        super().__init__(layer_class_to_replicate=partial(GrowingLayer, dtype))
 
     def nbytes(self) -> int:
         """Bytes the buffers hold (allocated, not only used)."""

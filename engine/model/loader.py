@@ -17,8 +17,10 @@ from ..quant.dense import quantize_dense
 from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, expert_format, gptq_prefixes, read_gptq_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
+from .attention import kv_dtype, use_float_kv_attention
 from .checkpoint import Checkpoint, read_config_dict
 from .families import Family, get_family
+from .kv_cache import KVCache
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
 from .memory_estimate import MemoryEstimate, estimate_module
 
@@ -47,6 +49,10 @@ class LoadedModel:
     def notices(self) -> list[str]:
         """One line each for the user: native kernels unavailable, a quantized cache rebuilt."""
         return [n for n in (self.runtime.native_notice, *self.store.notices) if n]
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty KV cache for this model: fp32 entries for a half-precision model on the CPU (attention.py)."""
+        return KVCache(kv_dtype(self.device, self.dtype))
 
     def use_runtime(self, runtime: MoERuntime) -> None:
         """Run the MoE layers on another runtime (benchmarks: a variant built by `build_runtime` on this store)."""
@@ -139,6 +145,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
                         gptq)
     if device.type == "cpu" and store.quant != "none":  # a CPU-only machine: the dense part small too
         quantize_dense(hf, routers={id(layers[i].mlp.gate) for i in sparse}, fmt=store.quant)
+    if kv_dtype(device, dtype) != dtype:
+        use_float_kv_attention(hf)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len)

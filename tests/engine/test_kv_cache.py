@@ -52,3 +52,35 @@ def test_crop_takes_a_negative_count():
     assert cache.get_seq_length() == 3
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes() > 0  # the buffers stay for the next request
+
+
+def test_half_models_attend_in_float32_on_the_cpu(checkpoint, tokenizer):
+    """A bf16 model on the CPU keeps fp32 keys and values (bf16 SDPA is several times slower there); its
+    speculative output still equals its own plain decoding."""
+    from helpers import PROMPT
+
+    from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
+    from moechat.engine.generate import Engine, Request
+    from moechat.engine.model.attention import NAME, sdpa_float_kv
+
+    model_dir = checkpoint("qwen3_moe", 4, dtype=torch.bfloat16)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    outs = []
+    for spec in (SpecConfig("none", 1), SpecConfig("self", 4)):
+        engine = Engine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16", spec=spec))
+        assert engine.model.hf.config._attn_implementation == NAME
+        cache = engine.model.new_kv_cache()
+        cache.update(torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16), 0)
+        assert cache.layers[0].keys.dtype == torch.float32
+        outs.append(list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=16)))[-1].token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 16
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, is_causal = 2, True
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, generator=g).bfloat16()
+    k, v = torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    got, _ = sdpa_float_kv(Attn(), q, k, v, None)
+    want, _ = sdpa_float_kv(Attn(), q.float(), k, v, None)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
