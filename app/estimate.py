@@ -51,7 +51,7 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
 
     report: dict = {"fits": True}
     if ram is not None:
-        on_host = 0 if vram is not None else est.non_expert_bytes + est.kv_bytes
+        on_host = 0 if vram is not None else est.host_bytes
         in_ram = [q for q in QUANTS[QUANTS.index(est.quant):]
                   if est.with_quant(q).all_experts_bytes + on_host + ram_headroom(ram) <= ram]
         report["host_tier"] = "ram" if est.quant in in_ram else "mmap"
@@ -62,8 +62,8 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
-        if vram is None and ram is not None and est.non_expert_bytes + est.kv_bytes + ram_headroom(ram) > ram:
-            raise BudgetError(f"non-expert weights and KV cache need {(est.non_expert_bytes + est.kv_bytes) / 2**30:.2f} "
+        if vram is None and ram is not None and est.host_bytes + ram_headroom(ram) > ram:
+            raise BudgetError(f"non-expert weights and KV cache need {est.host_bytes / 2**30:.2f} "
                               f"GiB of RAM besides headroom, the RAM budget is {ram / 2**30:.2f} GiB: "
                               "lower --context-len or use a smaller model")
     except BudgetError as err:

@@ -126,7 +126,7 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
     """The estimate in the experts' format: the compute dtype when every routed expert fits the RAM left
     (`_host_tier`'s rule), else the first of int8, int4 that does; int4 when none does (then read from
     disk, the fewest bytes per read). `quant` given: the user's, kept."""
-    left = ram - ram_headroom(ram) - (0 if has_gpu else est.non_expert_bytes + est.kv_bytes)  # as in _host_tier
+    left = ram - ram_headroom(ram) - (0 if has_gpu else est.host_bytes)  # as in _host_tier
     sized = {q: est if q == est.quant else est.with_quant(q) for q in QUANTS}
     need = {q: _gib_short(e.all_experts_bytes) for q, e in sized.items()}
     ram_left = f"{_gib_short(max(left, 0))} GiB of RAM left"
@@ -156,7 +156,7 @@ def _gib_short(n: int) -> str:
 
 def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]) -> str:
     """"ram" when every routed expert fits the RAM budget with headroom, else "mmap" (read from the checkpoint)."""
-    on_host = 0 if has_gpu else est.non_expert_bytes + est.kv_bytes  # CPU-only: the rest lives in RAM too
+    on_host = 0 if has_gpu else est.host_bytes  # CPU-only: the rest lives in RAM too
     need = est.all_experts_bytes + on_host + ram_headroom(ram)
     host_tier = "ram" if need <= ram else "mmap"
     if host_tier == "mmap" and on_host + ram_headroom(ram) > ram:

@@ -58,6 +58,12 @@ class MemoryEstimate:
     def kv_bytes(self) -> int:
         return self.kv_bytes_per_token * self.context_len
 
+    @property
+    def host_bytes(self) -> int:
+        """What a CPU-only run holds in RAM besides the experts: the dense weights and the KV cache, which the
+        CPU keeps in fp32 for a half-precision model (model/attention.py)."""
+        return self.non_expert_bytes + self.kv_bytes * (2 if DTYPE_BYTES[self.dtype] == 2 else 1)
+
 
 def expert_bytes_for(quant: str, dtype: str, hidden: int, inter: int) -> int:
     """Bytes of one routed expert, gate_up [2I, H] + down [H, I]: in `dtype`, or quantized (padding and scales included)."""
