@@ -120,20 +120,24 @@ def compute(rt: MoERuntime, li: int, x: torch.Tensor, weights: torch.Tensor, spl
             return y
 
         cpu_job = rt.submit_cpu(run_cpu)
-    new_out = x.new_empty if split.all_rows else x.new_zeros  # rows not written stay zero
-    out = new_out(num_tokens * top_k, x.shape[1])  # [S, H] one row per activation
+    out = None  # [S, H] one row per activation, when any activation's row is written
     if split.n_dev:
+        out = (x.new_empty if split.all_rows else x.new_zeros)(num_tokens * top_k, x.shape[1])  # rows not written stay zero
         _fast_tier(rt, x, w_flat, split, out, top_k)
     summed = None  # [N, H] CPU tier already summed per token (native kernel)
     if on_cpu:
         y, per_token = rt.wait_cpu(cpu_job) if cpu_job is not None else run_cpu()
         if per_token:
-            summed = y
+            summed = y.to(device=x.device, dtype=x.dtype)
         else:
+            if out is None:
+                out = x.new_zeros(num_tokens * top_k, x.shape[1])
             out[split.cpu_pos.to(x.device)] = y.to(device=x.device, dtype=out.dtype)
+    if out is None:  # every activation on the CPU, summed there: nothing to add it to
+        return summed if summed is not None else x.new_zeros(x.shape)
     y = out.view(num_tokens, top_k, -1).sum(dim=1)  # [N, H]
     if summed is not None:
-        y += summed.to(device=x.device, dtype=y.dtype)
+        y += summed
     return y
 
 
