@@ -31,9 +31,10 @@ AttentionInterface.register(NAME, sdpa_float_kv)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # an unregistered name gets no causal mask at all
 
 
-def kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for a model computing in `dtype` on `device`: fp32 for half types on the CPU."""
-    return torch.float32 if device.type == "cpu" and dtype in HALF else dtype
+def kv_dtype(device: torch.device, dtype: torch.dtype, latent_kv: bool = False) -> torch.dtype:
+    """The KV cache's dtype for a model computing in `dtype` on `device`: fp32 for half types on the CPU, except
+    a cached latent that attention first multiplies by its weights (DeepSeek's MLA), which stays in `dtype`."""
+    return torch.float32 if device.type == "cpu" and dtype in HALF and not latent_kv else dtype
 
 
 def use_float_kv_attention(hf) -> None:

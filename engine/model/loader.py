@@ -52,7 +52,7 @@ class LoadedModel:
 
     def new_kv_cache(self) -> KVCache:
         """An empty KV cache for this model: fp32 entries for a half-precision model on the CPU (attention.py)."""
-        return KVCache(kv_dtype(self.device, self.dtype))
+        return KVCache(kv_dtype(self.device, self.dtype, self.family.latent_kv))
 
     def use_runtime(self, runtime: MoERuntime) -> None:
         """Run the MoE layers on another runtime (benchmarks: a variant built by `build_runtime` on this store)."""
@@ -145,7 +145,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
                         gptq)
     if device.type == "cpu" and store.quant != "none":  # a CPU-only machine: the dense part small too
         quantize_dense(hf, routers={id(layers[i].mlp.gate) for i in sparse}, fmt=store.quant)
-    if kv_dtype(device, dtype) != dtype:
+    if kv_dtype(device, dtype, family.latent_kv) != dtype:
         use_float_kv_attention(hf)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),

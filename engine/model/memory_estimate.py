@@ -61,8 +61,11 @@ class MemoryEstimate:
     @property
     def host_bytes(self) -> int:
         """What a CPU-only run holds in RAM besides the experts: the dense weights and the KV cache, which the
-        CPU keeps in fp32 for a half-precision model (model/attention.py)."""
-        return self.non_expert_bytes + self.kv_bytes * (2 if DTYPE_BYTES[self.dtype] == 2 else 1)
+        CPU keeps in fp32 for a half-precision model (model/attention.py; DeepSeek's latent stays in its dtype)."""
+        from .families import get_family
+
+        widened = DTYPE_BYTES[self.dtype] == 2 and not get_family(self.model_type).latent_kv
+        return self.non_expert_bytes + self.kv_bytes * (2 if widened else 1)
 
 
 def expert_bytes_for(quant: str, dtype: str, hidden: int, inter: int) -> int:

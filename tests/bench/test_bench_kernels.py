@@ -45,7 +45,9 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     parts = out["profile_ms_per_token"]
-    assert set(parts) == {"experts", "moe_layer", "dense", "attention", "other", "total"}
-    assert parts["experts"] > 0 and parts["dense"] > 0 and parts["total"] > 0
+    assert set(parts) == {"experts", "moe_layer", "scheduler", "dense", "attention", "kv_cache", "sampling", "detokenize",
+                          "other", "total"}
+    assert parts["experts"] > 0 and parts["dense"] > 0 and parts["kv_cache"] > 0 and parts["sampling"] > 0
+    assert parts["total"] > 0
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=0.01)
     assert out["quant"] == "int4" and "hf" not in out

@@ -13,4 +13,5 @@ FAMILY = Family(
     expert_dim_attr="moe_intermediate_size",
     sparse_layers=sparse_layers,
     shared_experts="n_shared_experts experts fused into one MLP, added unweighted; always on the compute device",
+    latent_kv=True,
 )
