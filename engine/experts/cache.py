@@ -16,6 +16,7 @@ streams apart, each enforced where it is needed (see `_copy_in` and `ready_slots
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -74,12 +75,21 @@ class SlotTable:
         self.bytes_moved = 0
         self.loads = 0
         self.version = 0  # bumps on every residency change
+        self._copy_clock = threading.local()  # per thread: seconds spent making copies (see copy_seconds)
 
     def __len__(self) -> int:
         return self.capacity - len(self.free)
 
     def resident_mask(self) -> torch.Tensor:
         return self.slot_of >= 0  # [L, E]
+
+    def copy_seconds(self) -> float:
+        """Wall time the calling thread has spent in copies (and in waits for them) on this table so
+        far: what the runtime keeps apart from the scheduling around them. 0 where copies are free."""
+        return getattr(self._copy_clock, "s", 0.0)
+
+    def _clock_copy(self, t0: float) -> None:
+        self._copy_clock.s = self.copy_seconds() + time.perf_counter() - t0
 
     def load(self, li: int, e: int, level: int | None = None) -> int:
         """Put one expert into a free slot (the caller evicts first when full). level: its prefetch
@@ -181,6 +191,14 @@ class ExpertCache(SlotTable):
             self.compute_done.record(torch.cuda.current_stream(self.device))
 
     def _copy_in(self, slot: int, li: int, e: int, level: int | None = None):
+        t0 = time.perf_counter()
+        try:
+            return self._copy(slot, li, e, level)
+        finally:
+            self._clock_copy(t0)
+
+    def _copy(self, slot: int, li: int, e: int, level: int | None):
+        """The copy itself: synchronous on a CPU device, queued (returns its event) on CUDA."""
         gate_up, down = self.store.weights(li, e)  # host views: pinned when the store could pin them
         if self.copier is not None:  # queued: the copier's thread issues it by level, after compute_done
             from .native_copier import DEMAND
@@ -211,11 +229,15 @@ class ExpertCache(SlotTable):
             self.copier.close()
 
     def wait_copies(self) -> None:
-        if self.copier is not None:
-            if not self.copier.wait_idle(60):
-                raise MoechatError("expert copies to the GPU did not finish within 60 s: check the GPU with nvidia-smi")
-        elif self.stream is not None:
-            self.stream.synchronize()
+        t0 = time.perf_counter()
+        try:
+            if self.copier is not None:
+                if not self.copier.wait_idle(60):
+                    raise MoechatError("expert copies to the GPU did not finish within 60 s: check the GPU with nvidia-smi")
+            elif self.stream is not None:
+                self.stream.synchronize()
+        finally:
+            self._clock_copy(t0)
 
     def evict(self, li: int, e: int) -> None:
         slot = int(self.slot_of[li, e])

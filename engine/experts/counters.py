@@ -24,17 +24,24 @@ class LayerCounters:
         # layer's attention and earlier layers' expert kernels), fast-tier compute on a CPU device,
         # the CPU tier when it runs inline, and the wait for the CPU worker's result. CPU-tier time on
         # the worker thread (cpu_s) overlaps the caller's own work, so only the caller's wait counts.
-        # policy_s is the residency part (table lock, the policy's hooks, the readiness check): host
-        # bookkeeping plus the copies the hooks make, queued on CUDA but synchronous on a CPU fast
-        # tier, so it is kept apart; host_s is the rest, the executor's own dispatch.
+        # policy_s is the scheduling part (table lock, the policy's hooks, the readiness check): host
+        # bookkeeping; copy_s the copies those hooks make on this thread (a memcpy on a CPU fast tier,
+        # queuing one on CUDA, an on-demand policy's wait for its loads), timed apart because they are
+        # transfers, not scheduling; host_s is the rest, the executor's own dispatch.
         self.layer_s = 0.0
         self.wait_s = 0.0
         self.policy_s = 0.0
+        self.copy_s = 0.0
         self.layer_calls = 0
+
+    def add_policy(self, elapsed_s: float, copies_s: float) -> None:
+        """A timed stretch of the policy's hooks that spent copies_s of its elapsed_s in copies."""
+        self.copy_s += copies_s
+        self.policy_s += max(0.0, elapsed_s - copies_s)
 
     @property
     def host_s(self) -> float:
-        return max(0.0, self.layer_s - self.wait_s - self.policy_s)
+        return max(0.0, self.layer_s - self.wait_s - self.policy_s - self.copy_s)
 
     @property
     def device_s(self) -> float:

@@ -80,14 +80,14 @@ def split_tiers(rt: MoERuntime, li: int, flat: torch.Tensor, kept: torch.Tensor 
     before_layer marks the layer's experts in use."""
     counts = torch.bincount(flat, minlength=rt.store.num_experts)  # f[e]: positions choosing e
     slot, not_ready = None, 0
-    t_policy = time.perf_counter()
+    t_policy, copied = time.perf_counter(), rt.cache.copy_seconds()
     with rt.cache.lock:  # freeze and view the table in one step: the transfer thread cannot
         # load an unfrozen expert of this layer in between, so every slot used below is frozen
         # (never freed) until after_layer, which comes after after_compute()
         rt.policy.before_layer(li, counts)  # these experts are in use until after_layer
         if len(rt.cache):
             slot, not_ready = rt.cache.ready_slots(li, flat)  # [S'] slot per activation, -1: CPU
-    rt.counters.policy_s += time.perf_counter() - t_policy
+    rt.counters.add_policy(time.perf_counter() - t_policy, rt.cache.copy_seconds() - copied)
     base = rt.cache.capacity  # CPU activations sort after every slot id
     if slot is not None:
         resident = slot >= 0
@@ -157,20 +157,21 @@ def _fast_tier(rt: MoERuntime, x: torch.Tensor, w_flat: torch.Tensor, split: Tie
 
 
 def account(rt: MoERuntime, li: int, phase: str, split: TierSplit, demand: torch.Tensor | None) -> None:
-    """The layer's demand and tier hits into the counters, then the policy's on_layer (timed as residency)."""
+    """The layer's demand and tier hits into the counters, then the policy's on_layer (timed as
+    scheduling, the copies it makes apart)."""
     c = rt.counters
     if phase != "draft":
         c.freq[li] += split.counts
         c.hits += split.n_dev
         c.misses += split.computed - split.n_dev
         c.not_ready += split.not_ready
-    t_policy = time.perf_counter()
+    t_policy, copied = time.perf_counter(), rt.cache.copy_seconds()
     rt.policy.after_layer(li)
     if phase == "draft":
         rt.report_draft_demand(li, split.counts if demand is None else demand)
     else:
         rt.policy.on_layer(li, split.counts, phase)
-    c.policy_s += time.perf_counter() - t_policy
+    c.add_policy(time.perf_counter() - t_policy, rt.cache.copy_seconds() - copied)
 
 
 def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, split: TierSplit,

@@ -159,16 +159,16 @@ class MoERuntime:
         layers = demand.any(dim=1).nonzero().flatten().tolist()  # a reporting layer has demand: k >= 1 per token
         if not layers:
             return
-        t0 = time.perf_counter()
+        t0, copied = time.perf_counter(), self.cache.copy_seconds()
         for li in layers:
             with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
                 self.policy.before_layer(li, demand[li])
             self.policy.after_layer(li)
             self.policy.on_layer(li, demand[li], "draft")
         self.policy.on_forward_end("draft")
-        spent = time.perf_counter() - t0  # residency work of the MoE layers, done once for the phase:
-        self.counters.policy_s += spent  # counted in layer time too, so host time (layer - wait - policy) stays exact
-        self.counters.layer_s += spent
+        spent = time.perf_counter() - t0  # scheduling work of the MoE layers, done once for the phase:
+        self.counters.add_policy(spent, self.cache.copy_seconds() - copied)
+        self.counters.layer_s += spent  # counted in layer time too, so host time (layer - wait - policy - copy) stays exact
 
     def reset_counters(self) -> LayerCounters:
         done, self.counters = self.counters, LayerCounters(len(self.store.layers), self.store.num_experts)
