@@ -149,7 +149,7 @@ class MoERuntime:
     def report_draft_demand(self, li: int, demand: torch.Tensor) -> None:
         """Draft-phase demand [E] of sparse layer li (host int64), the lookahead signal: the one path
         by which both drafters report it, per draft forward (one token) per layer."""
-        self.counters.draft_freq[li] += demand  # this step's draft phase so far: counters reset every step
+        self.counters.draft_rows[li] += demand.numpy()  # this step's draft phase so far: counters reset every step
 
     def end_draft_phase(self) -> None:
         """Drafting is over: the policy sees its demand once per layer, summed over the draft tokens
@@ -161,10 +161,11 @@ class MoERuntime:
             return
         t0, copied = time.perf_counter(), self.cache.copy_seconds()
         for li in layers:
+            counts = demand[li]
             with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
-                self.policy.before_layer(li, demand[li])
+                self.policy.before_layer(li, counts)
             self.policy.after_layer(li)
-            self.policy.on_layer(li, demand[li], "draft")
+            self.policy.on_layer(li, counts, "draft")
         self.policy.on_forward_end("draft")
         spent = time.perf_counter() - t0  # scheduling work of the MoE layers, done once for the phase:
         self.counters.add_policy(spent, self.cache.copy_seconds() - copied)
