@@ -30,6 +30,12 @@ def _parts(w) -> list[torch.Tensor]:
     return w.tensors() if isinstance(w, QuantMatrix) else [w]
 
 
+class CopyClock(threading.local):
+    """Seconds of copies made on the calling thread (0 on a thread that made none)."""
+
+    s = 0.0
+
+
 def slots_for(store: ExpertStore, ratio: float, budget_bytes: int | None) -> int:
     """Number of fast-tier slots for a cache ratio, or for a byte budget when one is given."""
     total = store.num_experts * len(store.layers)
@@ -70,6 +76,12 @@ class SlotTable:
         # the same memory as a NumPy array: per-element reads and writes, and the per-layer gathers
         # of the hot paths, cost ~0.1 µs there against several µs through tensor indexing
         self.slots = self.slot_of.numpy()
+        # and as plain lists, kept in step by load/evict: the executor's per-activation readiness
+        # check and the scheduler's per-layer passes read these (a list read is ~30 ns)
+        self.slot_rows: list[list[int]] = [[-1] * num_experts for _ in range(num_layers)]
+        self._cells = memoryview(self.slots).cast("B").cast("q")  # flat [L*E] writes into slot_of
+        self.num_experts = num_experts
+        self._rows = self.slot_of.unbind(0)  # [E] views, one per layer
         self.key_of: list[tuple[int, int] | None] = [None] * num_slots
         # slot -> completion event (anything with .query()) of a copy that may be in flight; empty on a
         # synchronous tier, so the executor's per-layer readiness check costs nothing there
@@ -78,7 +90,7 @@ class SlotTable:
         self.bytes_moved = 0
         self.loads = 0
         self.version = 0  # bumps on every residency change
-        self._copy_clock = threading.local()  # per thread: seconds spent making copies (see copy_seconds)
+        self.copy_clock = CopyClock()  # per thread: seconds spent making copies
 
     def __len__(self) -> int:
         return self.capacity - len(self.free)
@@ -89,21 +101,22 @@ class SlotTable:
     def copy_seconds(self) -> float:
         """Wall time the calling thread has spent in copies (and in waits for them) on this table so
         far: what the runtime keeps apart from the scheduling around them. 0 where copies are free."""
-        return getattr(self._copy_clock, "s", 0.0)
+        return self.copy_clock.s
 
     def _clock_copy(self, t0: float) -> None:
-        self._copy_clock.s = self.copy_seconds() + time.perf_counter() - t0
+        self.copy_clock.s += time.perf_counter() - t0
 
     def load(self, li: int, e: int, level: int | None = None) -> int:
         """Put one expert into a free slot (the caller evicts first when full). level: its prefetch
         priority (utility level; None: on demand, before any prefetch) where copies are queued."""
-        if self.slots[li, e] >= 0:
-            return int(self.slots[li, e])
+        row = self.slot_rows[li]
+        if row[e] >= 0:
+            return row[e]
         slot = self.free.pop()
         event = self._copy_in(slot, li, e, level)
         if event is not None:
             self.pending[slot] = event  # before slot_of publishes the slot
-        self.slots[li, e] = slot
+        self._cells[li * self.num_experts + e] = row[e] = slot
         self.key_of[slot] = (li, e)
         self.bytes_moved += self.expert_bytes
         self.loads += 1
@@ -119,6 +132,8 @@ class SlotTable:
         can be cancelled (the native engine's); here every copy has started."""
         return []
 
+    cancels = False  # whether cancel() can drop queued copies (the native CUDA copier's)
+
     def wait_copies(self) -> None:
         """Block until every copy queued so far has completed (on-demand loading); here they all have."""
 
@@ -128,7 +143,7 @@ class SlotTable:
         Ordering 2 (reads after copies): a slot counts only once its copy has completed, so compute
         queued after this call never reads a slot being written; a late one is computed on the CPU.
         """
-        slot = torch.from_numpy(self.slots[li][experts.numpy()])  # [S]
+        slot = self._rows[li].index_select(0, experts)  # [S]: one op on a row view made once
         if not self.pending:  # nothing in flight (always so on a synchronous tier)
             return slot, 0
         used = slot[slot >= 0].unique().tolist()
@@ -151,10 +166,11 @@ class SlotTable:
         """Called after a layer's fast-tier work is queued (see ExpertCache)."""
 
     def evict(self, li: int, e: int) -> None:
-        slot = int(self.slots[li, e])
+        row = self.slot_rows[li]
+        slot = row[e]
         if slot < 0:
             return
-        self.slots[li, e] = -1
+        self._cells[li * self.num_experts + e] = row[e] = -1
         self.key_of[slot] = None
         self.free.append(slot)
         self.version += 1
@@ -226,6 +242,8 @@ class ExpertCache(SlotTable):
             self.ready[slot].record(self.stream)
         return self.ready[slot]
 
+    cancels = property(lambda self: self.copier is not None)
+
     def close(self) -> None:
         """End the native copier's thread (queued copies dropped, issued ones waited for); idempotent."""
         if self.copier is not None:
@@ -243,16 +261,15 @@ class ExpertCache(SlotTable):
             self._clock_copy(t0)
 
     def evict(self, li: int, e: int) -> None:
-        slot = int(self.slots[li, e])
-        if self.copier is not None and self.pending.pop(slot, None) is not None:
-            self.copier.cancel(slot)  # a copy not started yet is not worth making
-        super().evict(li, e)
+        if self.copier is not None and self.pending.pop(self.slot_rows[li][e], None) is not None:
+            self.copier.cancel(self.slot_rows[li][e])  # a copy not started yet is not worth making
+        SlotTable.evict(self, li, e)
 
     def cancel(self, li: int, tau: int, fallen: list[int]) -> list[int]:
         if self.copier is None or not self.pending:
             return []
         slots = self.copier.cancel_below(li, tau)
-        slots += [s for s in (int(self.slots[li, e]) for e in fallen) if s in self.pending and self.copier.cancel(s)]
+        slots += [s for s in (self.slot_rows[li][e] for e in fallen) if s in self.pending and self.copier.cancel(s)]
         freed = []
         for slot in slots:
             key = self.key_of[slot]

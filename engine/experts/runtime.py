@@ -159,16 +159,18 @@ class MoERuntime:
         layers = demand.any(dim=1).nonzero().flatten().tolist()  # a reporting layer has demand: k >= 1 per token
         if not layers:
             return
-        t0, copied = time.perf_counter(), self.cache.copy_seconds()
+        clock = self.cache.copy_clock
+        t0, copied = time.perf_counter(), clock.s
+        rows = demand.unbind(0)  # [E] views, made at once
         for li in layers:
-            counts = demand[li]
+            counts = rows[li]
             with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
                 self.policy.before_layer(li, counts)
             self.policy.after_layer(li)
             self.policy.on_layer(li, counts, "draft")
         self.policy.on_forward_end("draft")
         spent = time.perf_counter() - t0  # scheduling work of the MoE layers, done once for the phase:
-        self.counters.add_policy(spent, self.cache.copy_seconds() - copied)
+        self.counters.add_policy(spent, clock.s - copied)
         self.counters.layer_s += spent  # counted in layer time too, so host time (layer - wait - policy - copy) stays exact
 
     def reset_counters(self) -> LayerCounters:
