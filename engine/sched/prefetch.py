@@ -178,12 +178,12 @@ class Prefetcher:
             self._freeze(li, set(experts))
 
     def freeze_counts(self, li: int, counts: torch.Tensor) -> None:
-        """freeze() of the experts with counts [E] > 0, read only when needed (a layer's hot path)."""
-        with self.lock:
-            if li in self._frozen:
-                self._freeze(li, set(counts.nonzero().flatten().tolist()))
-            else:
-                self._frozen[li] = counts
+        """freeze() of the experts with counts [E] > 0, read only when needed (a layer's hot path).
+        The caller holds `lock` (the executor freezes and takes its view of the table in one hold)."""
+        if li in self._frozen:
+            self._freeze(li, set(counts.nonzero().flatten().tolist()))
+        else:
+            self._frozen[li] = counts
 
     def _freeze(self, li: int, experts: set[int]) -> None:
         if li in self._frozen:  # already frozen: add the new ones, each frozen only if resident now
@@ -214,6 +214,10 @@ class Prefetcher:
 
     def release_all(self, li: int) -> None:
         """release() of every expert frozen in layer li (as freeze_counts gave them)."""
+        if self._thread is None and self.demote == "keep":  # no other thread reads the freeze, nothing to demote
+            if self._frozen.pop(li, None) is not None:
+                self._late.pop(li, None)
+            return
         with self.lock:
             if li not in self._frozen:
                 return

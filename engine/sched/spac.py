@@ -61,9 +61,9 @@ class SpacPolicy(Policy):
         self._held = li
 
     def after_layer(self, li: int) -> None:
-        if self._held is not None:
-            self.prefetch.release_all(self._held)
-            self._held = None
+        held, self._held = self._held, None
+        if held is not None:
+            self.prefetch.release_all(held)
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if self.cache.capacity == 0 or phase == "draft" and not self.config.lookahead:
