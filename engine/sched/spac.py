@@ -54,16 +54,28 @@ class SpacPolicy(Policy):
         self._held: int | None = None  # the layer before_layer froze
         self.lookahead_loads = self.lookahead_hits = 0  # of those: how many, and how many the verification used
 
+    # before_layer and after_layer run per MoE layer per forward pass: their common case (the
+    # prefetcher's freeze_counts and release_all) inline, one Python call each
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
         if self.cache.capacity == 0:
             return
-        self.prefetch.freeze_counts(li, counts)  # read only if something must be evicted meanwhile
+        frozen = self.prefetch._frozen
+        if li in frozen:
+            self.prefetch.freeze_counts(li, counts)
+        else:
+            frozen[li] = counts  # read only if something must be evicted meanwhile
         self._held = li
 
     def after_layer(self, li: int) -> None:
         held, self._held = self._held, None
-        if held is not None:
-            self.prefetch.release_all(held)
+        if held is None:
+            return
+        pre = self.prefetch
+        if pre._thread is None and pre.demote == "keep":  # no other thread reads the freeze, nothing to demote
+            if pre._frozen.pop(held, None) is not None:
+                pre._late.pop(held, None)
+        else:
+            pre.release_all(held)
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if self.cache.capacity == 0 or phase == "draft" and not self.config.lookahead:
