@@ -90,7 +90,8 @@ def split_tiers(rt: MoERuntime, li: int, flat: torch.Tensor, kept: torch.Tensor 
         # load an unfrozen expert of this layer in between, so every slot used below is frozen
         # (never freed) until after_layer, which comes after after_compute()
         t1 = time.perf_counter()
-        rt.policy.before_layer(li, counts)  # these experts are in use until after_layer
+        if rt.hooks:
+            rt.policy.before_layer(li, counts)  # these experts are in use until after_layer
         t2 = time.perf_counter()
         slot, not_ready = rt.cache.ready_slots(li, flat)  # [S'] slot per activation, -1: CPU
     t3 = time.perf_counter()
@@ -194,14 +195,16 @@ def account(rt: MoERuntime, li: int, phase: str, split: TierSplit, demand: torch
         c.hits += split.n_dev
         c.misses += split.computed - split.n_dev
         c.not_ready += split.not_ready
-    clock = rt.cache.copy_clock
-    t0, copied = time.perf_counter(), clock.s
-    rt.policy.after_layer(li)
-    if phase != "draft":
-        rt.policy.on_layer(li, split.counts, phase)
-    copies = clock.s - copied
-    c.copy_s += copies
-    c.policy_s += time.perf_counter() - t0 - copies
+    if rt.hooks or phase != "draft":
+        clock = rt.cache.copy_clock
+        t0, copied = time.perf_counter(), clock.s
+        if rt.hooks:
+            rt.policy.after_layer(li)
+        if phase != "draft":
+            rt.policy.on_layer(li, split.counts, phase)
+        copies = clock.s - copied
+        c.copy_s += copies
+        c.policy_s += time.perf_counter() - t0 - copies
     if phase == "draft":  # the runtime's counter (as freq above), which the policy reads when drafting ends
         rt.report_draft_demand(li, split.counts if demand is None else demand)
 

@@ -64,6 +64,7 @@ class MoERuntime:
         self.expert_budget = expert_budget  # LOSSY when set: verification computes at most this many experts per layer
         policy.bind(cache, top_k)
         self.mode: ForwardMode | None = None  # set only inside `forward`
+        self.hooks = True  # whether the pass in progress calls the policy's before_layer/after_layer
         self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
         self.counters = LayerCounters(len(store.layers), store.num_experts)
         # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses;
@@ -139,6 +140,7 @@ class MoERuntime:
         if self.mode is not None:
             raise RuntimeError(f"a {self.mode.phase} forward is in progress: forwards do not nest")
         self.mode = ForwardMode(phase, start_pos, remap, recorder)
+        self.hooks = self.policy.layer_hooks  # before_layer/after_layer this pass (the thread starts and stops between passes)
         try:
             yield self.mode
         finally:
@@ -162,11 +164,13 @@ class MoERuntime:
         clock = self.cache.copy_clock
         t0, copied = time.perf_counter(), clock.s
         rows = demand.unbind(0)  # [E] views, made at once
+        hooks = self.policy.layer_hooks
         for li in layers:
             counts = rows[li]
-            with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
-                self.policy.before_layer(li, counts)
-            self.policy.after_layer(li)
+            if hooks:
+                with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
+                    self.policy.before_layer(li, counts)
+                self.policy.after_layer(li)
             self.policy.on_layer(li, counts, "draft")
         self.policy.on_forward_end("draft")
         spent = time.perf_counter() - t0  # scheduling work of the MoE layers, done once for the phase:

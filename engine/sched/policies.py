@@ -29,6 +29,12 @@ class Policy:
     def begin_request(self) -> None:
         """A new request starts: only policies that learn across requests (eam) act on it."""
 
+    @property
+    def layer_hooks(self) -> bool:
+        """Whether before_layer/after_layer do anything now; the runtime asks once per forward pass
+        and, when not, calls neither (they run per MoE layer per pass, drafts included)."""
+        return True
+
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
         """Called before a layer computes, with its counts: the experts it is about to use (in use until after_layer)."""
 

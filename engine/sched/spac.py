@@ -54,6 +54,12 @@ class SpacPolicy(Policy):
         self._held: int | None = None  # the layer before_layer froze
         self.lookahead_loads = self.lookahead_hits = 0  # of those: how many, and how many the verification used
 
+    @property
+    def layer_hooks(self) -> bool:
+        # A freeze keeps the experts a layer computes with from a concurrent evictor (the transfer
+        # thread) and, with demote="zero", ends in their demotion; with neither it changes nothing.
+        return self.cache.capacity > 0 and (self.prefetch._thread is not None or self.config.demote == "zero")
+
     # before_layer and after_layer run per MoE layer per forward pass: their common case (the
     # prefetcher's freeze_counts and release_all) inline, one Python call each
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
