@@ -73,14 +73,14 @@ class SlotTable:
         self.capacity, self.expert_bytes = num_slots, expert_bytes
         self.lock = threading.RLock()
         self.slot_of = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # [L, E] on the host
-        # the same memory as a NumPy array: per-element reads and writes, and the per-layer gathers
-        # of the hot paths, cost ~0.1 µs there against several µs through tensor indexing
+        # slot_of's memory as a NumPy array (the native scheduler reads it) and as flat [L*E] int64
+        # cells (load and evict write through these: an element write through tensor indexing costs µs)
         self.slots = self.slot_of.numpy()
-        # and as plain lists, kept in step by load/evict: the executor's per-activation readiness
-        # check and the scheduler's per-layer passes read these (a list read is ~30 ns)
-        self.slot_rows: list[list[int]] = [[-1] * num_experts for _ in range(num_layers)]
-        self._cells = memoryview(self.slots).cast("B").cast("q")  # flat [L*E] writes into slot_of
+        self._cells = memoryview(self.slots).cast("B").cast("q")
         self.num_experts = num_experts
+        # and as plain lists, kept in step by load/evict: the scheduler's per-layer passes read these
+        # (a list read is ~30 ns); the readiness check gathers from per-layer row views of slot_of
+        self.slot_rows: list[list[int]] = [[-1] * num_experts for _ in range(num_layers)]
         self._rows = self.slot_of.unbind(0)  # [E] views, one per layer
         self.key_of: list[tuple[int, int] | None] = [None] * num_slots
         # slot -> completion event (anything with .query()) of a copy that may be in flight; empty on a
@@ -90,18 +90,15 @@ class SlotTable:
         self.bytes_moved = 0
         self.loads = 0
         self.version = 0  # bumps on every residency change
-        self.copy_clock = CopyClock()  # per thread: seconds spent making copies
+        # per thread: seconds spent in copies (and waits for them) on this table so far, which the
+        # runtime keeps apart from the scheduling around them (0 where copies are free)
+        self.copy_clock = CopyClock()
 
     def __len__(self) -> int:
         return self.capacity - len(self.free)
 
     def resident_mask(self) -> torch.Tensor:
         return self.slot_of >= 0  # [L, E]
-
-    def copy_seconds(self) -> float:
-        """Wall time the calling thread has spent in copies (and in waits for them) on this table so
-        far: what the runtime keeps apart from the scheduling around them. 0 where copies are free."""
-        return self.copy_clock.s
 
     def _clock_copy(self, t0: float) -> None:
         self.copy_clock.s += time.perf_counter() - t0

@@ -85,7 +85,7 @@ class Prefetcher:
         """Every resident expert's rank (FROZEN while in use), by (layer, expert)."""
         with self.lock:
             return {(li, e): FROZEN if self._is_frozen(li, e) else self._rank(li, e)
-                    for li in range(self.L) for e, slot in enumerate(self.table.slots[li].tolist()) if slot >= 0}
+                    for li in range(self.L) for e, slot in enumerate(self.table.slot_rows[li]) if slot >= 0}
 
     # --- ranking -------------------------------------------------------------------------------
     def _rank(self, li: int, e: int) -> tuple[int, float]:
@@ -109,7 +109,7 @@ class Prefetcher:
         predicate), the lowest resident it does not exclude, and nothing stored."""
         tau, levels = self._taus[li], self._levels[li]
         low, below = NONE, 0
-        for e, slot in enumerate(self.table.slots[li].tolist()):
+        for e, slot in enumerate(self.table.slot_rows[li]):
             if slot < 0 or skip is not None and skip(li, e):
                 continue
             below += levels[e] < tau
@@ -138,7 +138,7 @@ class Prefetcher:
             self._check()
             self._levels[li], self._taus[li], self._fines[li] = s, tau, fine
             if self.table.pending:  # copies may still be queued: those of experts now below τ go
-                fallen = [e for e, slot in enumerate(self.table.slots[li].tolist()) if slot >= 0 and s[e] < tau]
+                fallen = [e for e, slot in enumerate(self.table.slot_rows[li]) if slot >= 0 and s[e] < tau]
                 for e in self.table.cancel(li, tau, fallen):
                     self.demoted.discard((li, e))
                     if self.log is not None:
@@ -149,7 +149,7 @@ class Prefetcher:
             frozen = self._is_frozen if li in self._frozen and demoted is not None else None
             queued, queues = self.queued[li], self.queues
             low, low_e, below = NONE[0], -1, 0
-            for e, (level, slot) in enumerate(zip(s, self.table.slots[li].tolist())):
+            for e, (level, slot) in enumerate(zip(s, self.table.slot_rows[li])):
                 if slot >= 0:
                     if level < tau:
                         below += 1
@@ -187,7 +187,7 @@ class Prefetcher:
 
     def _freeze(self, li: int, experts: set[int]) -> None:
         if li in self._frozen:  # already frozen: add the new ones, each frozen only if resident now
-            row = self.table.slots[li]
+            row = self.table.slot_rows[li]
             old = self._used(li) - self._late.pop(li, set())
             experts = old | {e for e in experts if row[e] >= 0}
         self._frozen[li] = experts
@@ -231,7 +231,7 @@ class Prefetcher:
 
     def _demote(self, li: int, experts) -> None:
         if self.demote == "zero":
-            row = self.table.slots[li]
+            row = self.table.slot_rows[li]
             for e in experts:
                 if row[e] >= 0:
                     self.demoted.add((li, e))
@@ -242,7 +242,7 @@ class Prefetcher:
     # --- transfers -----------------------------------------------------------------------------
     def _next(self) -> tuple[int, int, int] | None:
         """Highest-level queued expert still wanted (s ≥ τ of its layer, same level, not resident)."""
-        slots = self.table.slots
+        rows = self.table.slot_rows
         for level in range(self.K, 0, -1):
             q = self.queues[level]
             while q:
@@ -250,7 +250,7 @@ class Prefetcher:
                 if self.queued[li][e] != level:
                     continue  # re-queued at another level, or already served
                 self.queued[li][e] = -1
-                if level < self._taus[li] or self._levels[li][e] != level or slots[li, e] >= 0:
+                if level < self._taus[li] or self._levels[li][e] != level or rows[li][e] >= 0:
                     continue
                 return li, e, level
         return None
@@ -312,8 +312,8 @@ class Prefetcher:
         first: dict[tuple[int, int], bool] = {}
         for li, e, load in log:
             first.setdefault((li, e), load)
-        slots = self.table.slots
-        return [key for key, load in first.items() if load and slots[key] >= 0]
+        rows = self.table.slot_rows
+        return [(li, e) for (li, e), load in first.items() if load and rows[li][e] >= 0]
 
     def drain(self, budget: int | None = None) -> int:
         """Serve the queues now, at most `budget` transfers; returns how many were made."""

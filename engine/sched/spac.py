@@ -126,7 +126,7 @@ class SpacPolicy(Policy):
         if phase == "verify":
             loaded = self.draft_loaded[li]
             if loaded:
-                row = self.cache.slots[li]
+                row = self.cache.slot_rows[li]
                 self.lookahead_hits += sum(1 for e in loaded if f[e] > 0 and row[e] >= 0)
                 loaded.clear()
         tokens = sum(f) // self.top_k
@@ -141,7 +141,7 @@ class SpacPolicy(Policy):
         # VRAM left for this layer: free slots plus those other layers' experts below their τ hold
         # (the evictor frees them first); its own below-τ residents the balancer counts per τ.
         reclaim = self.prefetch.below_elsewhere(li)
-        tau = self.balancer.choose_row(li, s, self.cache.slots[li].tolist(), len(self.cache.free) + reclaim)
+        tau = self.balancer.choose_row(li, s, self.cache.slot_rows[li], len(self.cache.free) + reclaim)
         self.prefetch.update_row(li, s, tau, self._fine[li])
         self.prefetch.serve()  # on the transfer thread when it runs (CUDA): a draft pass does not wait
 
