@@ -65,7 +65,7 @@ def _versions(hw) -> dict:
 
 def _native() -> dict:
     """The native libraries (building what is missing, once): the CPU expert kernel with the path
-    this CPU takes for bf16, and the CUDA prefetch engine."""
+    this CPU takes for bf16, the CUDA prefetch engine and the spac scheduler."""
     try:
         import torch
 
@@ -80,6 +80,8 @@ def _native() -> dict:
         parts.append("CUDA prefetch engine built" + ("" if torch.cuda.is_available() else " (no CUDA device to use it)"))
     elif torch.version.cuda:  # only a CUDA build of torch can use it
         parts.append(f"CUDA prefetch engine: {cuda.get('notice') or NATIVE_MISSING}")
+    sched = libs.get("sched", {})
+    parts.append("spac scheduler built" if sched.get("built") else f"spac scheduler: {sched.get('notice') or NATIVE_MISSING}")
     return {"built": bool(cpu.get("built")), "status": "; ".join(parts), "libraries": libs}
 
 

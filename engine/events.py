@@ -34,8 +34,10 @@ class StepStats:
     dropped: int = 0  # activations left out by the expert budget (lossy mode; expert_freq counts the rest)
     not_ready: int = 0  # of the misses: resident experts whose copy was still in flight (run on the CPU)
     layer_s: float = 0.0  # wall time of the MoE layers' expert dispatch (run_layer) on the engine's thread
-    host_s: float = 0.0  # of it: host overhead, neither expert work, waits for it or transfers, nor residency
-    policy_s: float = 0.0  # of it: residency (policy hooks, incl. the copies they make on a CPU fast tier)
+    host_s: float = 0.0  # of it: host overhead, neither expert work, waits for it or transfers, nor scheduling
+    policy_s: float = 0.0  # of it: scheduling (the time in the policy's hooks), copies excluded
+    copy_s: float = 0.0  # of it: the copies the hooks make on the engine's thread (memcpy on a CPU fast tier)
+    view_s: float = 0.0  # of host_s: the executor's view of the table (its lock and the readiness check)
     layer_calls: int = 0  # run_layer calls (MoE layers x forward passes, drafts included)
 
 

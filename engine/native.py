@@ -5,7 +5,8 @@ Importing this never fails and never compiles. `load(name)` builds once per sour
 hash and returns the library, or None with a one-line `notice(name)` saying why (no compiler, a
 failed build, MOECHAT_NATIVE=0); every caller then uses its pure-PyTorch twin.
 
-Libraries: "cpu" (csrc/cpu: fused expert FFN), "cuda" (csrc/cuda: the prefetch engine).
+Libraries: "cpu" (csrc/cpu: fused expert FFN), "cuda" (csrc/cuda: the prefetch engine), "sched"
+(csrc/sched: MoE-SpAc's per-layer scheduling).
 Environment: MOECHAT_NATIVE=0 turns native code off; MOECHAT_NATIVE_DIR overrides the cache
 folder; CXX names the compiler.
 """
@@ -142,7 +143,7 @@ def notice(name: str) -> str:
     return _notices.get(name, "")
 
 
-PRODUCT = ("cpu", "cuda")  # what moechat runs (others, like the prefetch engine's host build, serve tests)
+PRODUCT = ("cpu", "cuda", "sched")  # what moechat runs (others, like the prefetch engine's host build, serve tests)
 
 
 def status() -> dict[str, dict]:
@@ -163,6 +164,7 @@ def reset() -> None:
 def _register_all() -> None:
     """Import the modules that register builders (they register on import)."""
     from .experts import cpu_ffn, native_copier  # noqa: F401
+    from .sched import native_spac  # noqa: F401
 
 
 def main() -> int:

@@ -230,13 +230,14 @@ def _print(res: dict) -> None:
     if res["note"]:
         print(res["note"])
     print(f"{'configuration':36}{'decode tok/s':>13}{'hit rate':>9}{'loads/tok':>10}"
-          f"{'host us':>9}{'resid. us':>10}{'layer us':>10}   (us per MoE layer per step)")
+          f"{'host us':>9}{'sched. us':>10}{'copy us':>9}{'layer us':>10}   (us per MoE layer per step)")
     for r in res["rows"]:
         if r["not_measured"]:
             print(f"{r['name']:36}  {r['not_measured']}")
             continue
         print(f"{r['name']:36}{r['decode_tokens_per_s']:13.2f}{r['hit_rate']:9.3f}{r['loads_per_token']:10.2f}"
-              f"{r['host_us_per_layer_step']:9.0f}{r['policy_us_per_layer_step']:10.0f}{r['layer_us_per_layer_step']:10.0f}")
+              f"{r['host_us_per_layer_step']:9.0f}{r['policy_us_per_layer_step']:10.0f}{r['copy_us_per_layer_step']:9.0f}"
+              f"{r['layer_us_per_layer_step']:10.0f}")
     b = res["bound"]
     print(f"bound: {b['formula']}")
     print(f"  BW_cpu {b['cpu_bytes_s'] / 1e9:.1f} GB/s (RAM copy), BW_pcie "
@@ -245,4 +246,5 @@ def _print(res: dict) -> None:
     print(f"  all on CPU <= {b['all_cpu_tokens_per_s']:.2f} tok/s;  hybrid <= "
           + (f"{b['hybrid_tokens_per_s']:.2f} tok/s" if b["hybrid_tokens_per_s"] else "not measured (no GPU)"))
     print("host us: MoE layer wall time on the engine's thread minus expert work, waits for it and for transfers, "
-          "and residency (resid. us: policy hooks, incl. the copies they make on a CPU fast tier)", file=sys.stderr)
+          "scheduling (sched. us: the policy's hooks) and the copies they make on that thread (copy us: memcpy "
+          "on a CPU fast tier)", file=sys.stderr)

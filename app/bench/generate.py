@@ -193,9 +193,13 @@ def decode_stats(steps: list, expert_bytes: int) -> dict:
     layer_steps = max(1, len(steps) * (steps[0].expert_freq.shape[0] if steps else 1))  # MoE layers x steps
     return {
         # host overhead (LayerCounters): MoE layer time on the engine's thread that is neither expert
-        # work, nor waiting for it or for transfers, nor residency; per MoE layer per decoding step
+        # work, nor waiting for it or for transfers, nor scheduling (policy: the policy's hooks) or the
+        # copies they make on that thread (copy); view: of host, the table lock and readiness check;
+        # per MoE layer per decoding step
         "host_us_per_layer_step": 1e6 * sum(s.host_s for s in steps) / layer_steps,
         "policy_us_per_layer_step": 1e6 * sum(s.policy_s for s in steps) / layer_steps,
+        "copy_us_per_layer_step": 1e6 * sum(s.copy_s for s in steps) / layer_steps,
+        "view_us_per_layer_step": 1e6 * sum(s.view_s for s in steps) / layer_steps,
         "layer_us_per_layer_step": 1e6 * sum(s.layer_s for s in steps) / layer_steps,
         "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         "loads_per_token": sum(s.bytes_moved for s in steps) / expert_bytes / tokens,

@@ -16,6 +16,7 @@ streams apart, each enforced where it is needed (see `_copy_in` and `ready_slots
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -27,6 +28,12 @@ from .store import ExpertStore
 def _parts(w) -> list[torch.Tensor]:
     """The tensors a copy moves: one for a plain weight, a QuantMatrix's codes and scales."""
     return w.tensors() if isinstance(w, QuantMatrix) else [w]
+
+
+class CopyClock(threading.local):
+    """Seconds of copies made on the calling thread (0 on a thread that made none)."""
+
+    s = 0.0
 
 
 def slots_for(store: ExpertStore, ratio: float, budget_bytes: int | None) -> int:
@@ -66,6 +73,15 @@ class SlotTable:
         self.capacity, self.expert_bytes = num_slots, expert_bytes
         self.lock = threading.RLock()
         self.slot_of = torch.full((num_layers, num_experts), -1, dtype=torch.long)  # [L, E] on the host
+        # slot_of's memory as a NumPy array (the native scheduler reads it) and as flat [L*E] int64
+        # cells (load and evict write through these: an element write through tensor indexing costs µs)
+        self.slots = self.slot_of.numpy()
+        self._cells = memoryview(self.slots).cast("B").cast("q")
+        self.num_experts = num_experts
+        # and as plain lists, kept in step by load/evict: the scheduler's per-layer passes read these
+        # (a list read is ~30 ns); the readiness check gathers from per-layer row views of slot_of
+        self.slot_rows: list[list[int]] = [[-1] * num_experts for _ in range(num_layers)]
+        self._rows = self.slot_of.unbind(0)  # [E] views, one per layer
         self.key_of: list[tuple[int, int] | None] = [None] * num_slots
         # slot -> completion event (anything with .query()) of a copy that may be in flight; empty on a
         # synchronous tier, so the executor's per-layer readiness check costs nothing there
@@ -74,6 +90,9 @@ class SlotTable:
         self.bytes_moved = 0
         self.loads = 0
         self.version = 0  # bumps on every residency change
+        # per thread: seconds spent in copies (and waits for them) on this table so far, which the
+        # runtime keeps apart from the scheduling around them (0 where copies are free)
+        self.copy_clock = CopyClock()
 
     def __len__(self) -> int:
         return self.capacity - len(self.free)
@@ -81,16 +100,20 @@ class SlotTable:
     def resident_mask(self) -> torch.Tensor:
         return self.slot_of >= 0  # [L, E]
 
+    def _clock_copy(self, t0: float) -> None:
+        self.copy_clock.s += time.perf_counter() - t0
+
     def load(self, li: int, e: int, level: int | None = None) -> int:
         """Put one expert into a free slot (the caller evicts first when full). level: its prefetch
         priority (utility level; None: on demand, before any prefetch) where copies are queued."""
-        if self.slot_of[li, e] >= 0:
-            return int(self.slot_of[li, e])
+        row = self.slot_rows[li]
+        if row[e] >= 0:
+            return row[e]
         slot = self.free.pop()
         event = self._copy_in(slot, li, e, level)
         if event is not None:
             self.pending[slot] = event  # before slot_of publishes the slot
-        self.slot_of[li, e] = slot
+        self._cells[li * self.num_experts + e] = row[e] = slot
         self.key_of[slot] = (li, e)
         self.bytes_moved += self.expert_bytes
         self.loads += 1
@@ -106,6 +129,8 @@ class SlotTable:
         can be cancelled (the native engine's); here every copy has started."""
         return []
 
+    cancels = False  # whether cancel() can drop queued copies (the native CUDA copier's)
+
     def wait_copies(self) -> None:
         """Block until every copy queued so far has completed (on-demand loading); here they all have."""
 
@@ -115,7 +140,7 @@ class SlotTable:
         Ordering 2 (reads after copies): a slot counts only once its copy has completed, so compute
         queued after this call never reads a slot being written; a late one is computed on the CPU.
         """
-        slot = self.slot_of[li][experts]  # [S]
+        slot = self._rows[li].index_select(0, experts)  # [S]: one op on a row view made once
         if not self.pending:  # nothing in flight (always so on a synchronous tier)
             return slot, 0
         used = slot[slot >= 0].unique().tolist()
@@ -138,10 +163,11 @@ class SlotTable:
         """Called after a layer's fast-tier work is queued (see ExpertCache)."""
 
     def evict(self, li: int, e: int) -> None:
-        slot = int(self.slot_of[li, e])
+        row = self.slot_rows[li]
+        slot = row[e]
         if slot < 0:
             return
-        self.slot_of[li, e] = -1
+        self._cells[li * self.num_experts + e] = row[e] = -1
         self.key_of[slot] = None
         self.free.append(slot)
         self.version += 1
@@ -181,6 +207,14 @@ class ExpertCache(SlotTable):
             self.compute_done.record(torch.cuda.current_stream(self.device))
 
     def _copy_in(self, slot: int, li: int, e: int, level: int | None = None):
+        t0 = time.perf_counter()
+        try:
+            return self._copy(slot, li, e, level)
+        finally:
+            self._clock_copy(t0)
+
+    def _copy(self, slot: int, li: int, e: int, level: int | None):
+        """The copy itself: synchronous on a CPU device, queued (returns its event) on CUDA."""
         gate_up, down = self.store.weights(li, e)  # host views: pinned when the store could pin them
         if self.copier is not None:  # queued: the copier's thread issues it by level, after compute_done
             from .native_copier import DEMAND
@@ -205,29 +239,34 @@ class ExpertCache(SlotTable):
             self.ready[slot].record(self.stream)
         return self.ready[slot]
 
+    cancels = property(lambda self: self.copier is not None)
+
     def close(self) -> None:
         """End the native copier's thread (queued copies dropped, issued ones waited for); idempotent."""
         if self.copier is not None:
             self.copier.close()
 
     def wait_copies(self) -> None:
-        if self.copier is not None:
-            if not self.copier.wait_idle(60):
-                raise MoechatError("expert copies to the GPU did not finish within 60 s: check the GPU with nvidia-smi")
-        elif self.stream is not None:
-            self.stream.synchronize()
+        t0 = time.perf_counter()
+        try:
+            if self.copier is not None:
+                if not self.copier.wait_idle(60):
+                    raise MoechatError("expert copies to the GPU did not finish within 60 s: check the GPU with nvidia-smi")
+            elif self.stream is not None:
+                self.stream.synchronize()
+        finally:
+            self._clock_copy(t0)
 
     def evict(self, li: int, e: int) -> None:
-        slot = int(self.slot_of[li, e])
-        if self.copier is not None and self.pending.pop(slot, None) is not None:
-            self.copier.cancel(slot)  # a copy not started yet is not worth making
-        super().evict(li, e)
+        if self.copier is not None and self.pending.pop(self.slot_rows[li][e], None) is not None:
+            self.copier.cancel(self.slot_rows[li][e])  # a copy not started yet is not worth making
+        SlotTable.evict(self, li, e)
 
     def cancel(self, li: int, tau: int, fallen: list[int]) -> list[int]:
         if self.copier is None or not self.pending:
             return []
         slots = self.copier.cancel_below(li, tau)
-        slots += [s for s in (int(self.slot_of[li, e]) for e in fallen) if s in self.pending and self.copier.cancel(s)]
+        slots += [s for s in (self.slot_rows[li][e] for e in fallen) if s in self.pending and self.copier.cancel(s)]
         freed = []
         for slot in slots:
             key = self.key_of[slot]

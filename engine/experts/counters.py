@@ -11,6 +11,7 @@ class LayerCounters:
         with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
             self.freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] prefill/verify demand
             self.draft_freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] draft-phase demand
+        self.draft_rows = self.draft_freq.numpy()  # the same memory: a row's += costs ~1 µs there, per draft pass
         self.hits = 0  # activations served by resident experts
         self.misses = 0  # activations computed on the CPU
         self.dropped = 0  # activations an expert budget left out (lossy mode)
@@ -24,17 +25,28 @@ class LayerCounters:
         # layer's attention and earlier layers' expert kernels), fast-tier compute on a CPU device,
         # the CPU tier when it runs inline, and the wait for the CPU worker's result. CPU-tier time on
         # the worker thread (cpu_s) overlaps the caller's own work, so only the caller's wait counts.
-        # policy_s is the residency part (table lock, the policy's hooks, the readiness check): host
-        # bookkeeping plus the copies the hooks make, queued on CUDA but synchronous on a CPU fast
-        # tier, so it is kept apart; host_s is the rest, the executor's own dispatch.
+        # policy_s is scheduling: the time in the policy's hooks (before_layer, after_layer, on_layer,
+        # and the draft phase's once per layer), host bookkeeping; copy_s the copies those hooks make
+        # on this thread (a memcpy on a CPU fast tier, queuing one on CUDA, an on-demand policy's wait
+        # for its loads), timed apart because they are transfers, not scheduling; host_s is the rest,
+        # the executor's own dispatch, of which view_s is its view of the table (the table lock and the
+        # readiness check around before_layer). Before this split, one "residency" time held the hooks,
+        # the view and the copies together (docs/benchmarks.md, Scheduler hot path).
         self.layer_s = 0.0
         self.wait_s = 0.0
         self.policy_s = 0.0
+        self.copy_s = 0.0
+        self.view_s = 0.0
         self.layer_calls = 0
+
+    def add_policy(self, elapsed_s: float, copies_s: float) -> None:
+        """A timed stretch of the policy's hooks that spent copies_s of its elapsed_s in copies."""
+        self.copy_s += copies_s
+        self.policy_s += max(0.0, elapsed_s - copies_s)
 
     @property
     def host_s(self) -> float:
-        return max(0.0, self.layer_s - self.wait_s - self.policy_s)
+        return max(0.0, self.layer_s - self.wait_s - self.policy_s - self.copy_s)
 
     @property
     def device_s(self) -> float:

@@ -75,32 +75,62 @@ def apply_budget(rt: MoERuntime, phase: str, idx_h: torch.Tensor, weights: torch
     return flat[kept], kept
 
 
+SMALL = 64  # activations: up to here a layer's split runs on Python lists (decode), beyond on tensors
+
+
 def split_tiers(rt: MoERuntime, li: int, flat: torch.Tensor, kept: torch.Tensor | None) -> TierSplit:
     """flat [S'] expert ids -> resident activations by slot, the rest by expert id; the policy's
     before_layer marks the layer's experts in use."""
     counts = torch.bincount(flat, minlength=rt.store.num_experts)  # f[e]: positions choosing e
-    slot, not_ready = None, 0
-    t_policy = time.perf_counter()
+    small = len(flat) <= SMALL
+    ids = flat.tolist() if small else None
+    clock, c = rt.cache.copy_clock, rt.counters
+    t0, copied = time.perf_counter(), clock.s
     with rt.cache.lock:  # freeze and view the table in one step: the transfer thread cannot
         # load an unfrozen expert of this layer in between, so every slot used below is frozen
         # (never freed) until after_layer, which comes after after_compute()
-        rt.policy.before_layer(li, counts)  # these experts are in use until after_layer
-        if len(rt.cache):
-            slot, not_ready = rt.cache.ready_slots(li, flat)  # [S'] slot per activation, -1: CPU
-    rt.counters.policy_s += time.perf_counter() - t_policy
+        t1 = time.perf_counter()
+        if rt.hooks:
+            rt.policy.before_layer(li, counts)  # these experts are in use until after_layer
+        t2 = time.perf_counter()
+        slot, not_ready = rt.cache.ready_slots(li, flat)  # [S'] slot per activation, -1: CPU
+    t3 = time.perf_counter()
+    copies = clock.s - copied  # an on-demand policy loads in before_layer
+    c.copy_s += copies
+    c.policy_s += t2 - t1 - copies  # the policy's hook: scheduling
+    c.view_s += t1 - t0 + t3 - t2  # the executor's view of the table: the lock and the readiness check
+    if small:
+        return _split_small(rt, counts, ids, slot.tolist(), not_ready, kept)
     base = rt.cache.capacity  # CPU activations sort after every slot id
-    if slot is not None:
-        resident = slot >= 0
-        n_dev = int(resident.sum())
-        # One sort groups both tiers: fast-tier activations first by slot, then CPU ones by expert id.
-        key = torch.where(resident, slot, base + flat)  # [S']
-    else:
-        n_dev, key, base = 0, flat, 0
+    resident = slot >= 0
+    n_dev = int(resident.sum())
+    # One sort groups both tiers: fast-tier activations first by slot, then CPU ones by expert id.
+    key = torch.where(resident, slot, base + flat)  # [S']
     key, perm = torch.sort(key, stable=True)
     if kept is not None:
         perm = kept[perm]  # positions in flat -> activation ids in [S]
     return TierSplit(counts, len(flat), n_dev, perm[:n_dev], key[:n_dev], perm[n_dev:], key[n_dev:] - base,
                      counts if n_dev == 0 else None, kept is None and n_dev == len(flat), not_ready)
+
+
+def _split_small(rt: MoERuntime, counts: torch.Tensor, ids: list[int], slot: list[int], not_ready: int,
+                 kept: torch.Tensor | None) -> TierSplit:
+    """split_tiers' grouping on lists (the same stable sort as the tensor path), one tensor at the end."""
+    n = len(ids)
+    base = rt.cache.capacity  # CPU activations sort after every slot id
+    key = [s if s >= 0 else base + e for s, e in zip(slot, ids)]
+    n_dev = n - slot.count(-1)
+    order = sorted(range(n), key=key.__getitem__)  # stable: fast tier by slot, then CPU by expert id
+    if kept is not None:
+        kept_ids = kept.tolist()
+        order_ids = [kept_ids[i] for i in order]  # positions in flat -> activation ids in [S]
+    perm = order if kept is None else order_ids
+    # [2, S']: activation ids in [S]; slots (fast tier), then expert ids (CPU tier)
+    grouped = torch.tensor([perm, [key[i] for i in order[:n_dev]] + [key[i] - base for i in order[n_dev:]]],
+                           dtype=torch.long)
+    pos, group = grouped[0], grouped[1]
+    return TierSplit(counts, n, n_dev, pos[:n_dev], group[:n_dev], pos[n_dev:], group[n_dev:],
+                     counts if n_dev == 0 else None, kept is None and n_dev == n, not_ready)
 
 
 def compute(rt: MoERuntime, li: int, x: torch.Tensor, weights: torch.Tensor, split: TierSplit) -> torch.Tensor:
@@ -161,20 +191,26 @@ def _fast_tier(rt: MoERuntime, x: torch.Tensor, w_flat: torch.Tensor, split: Tie
 
 
 def account(rt: MoERuntime, li: int, phase: str, split: TierSplit, demand: torch.Tensor | None) -> None:
-    """The layer's demand and tier hits into the counters, then the policy's on_layer (timed as residency)."""
+    """The layer's demand and tier hits into the counters, then the policy's on_layer (timed as
+    scheduling, the copies it makes apart)."""
     c = rt.counters
     if phase != "draft":
         c.freq[li] += split.counts
         c.hits += split.n_dev
         c.misses += split.computed - split.n_dev
         c.not_ready += split.not_ready
-    t_policy = time.perf_counter()
-    rt.policy.after_layer(li)
-    if phase == "draft":
+    if rt.hooks or phase != "draft":
+        clock = rt.cache.copy_clock
+        t0, copied = time.perf_counter(), clock.s
+        if rt.hooks:
+            rt.policy.after_layer(li)
+        if phase != "draft":
+            rt.policy.on_layer(li, split.counts, phase)
+        copies = clock.s - copied
+        c.copy_s += copies
+        c.policy_s += time.perf_counter() - t0 - copies
+    if phase == "draft":  # the runtime's counter (as freq above), which the policy reads when drafting ends
         rt.report_draft_demand(li, split.counts if demand is None else demand)
-    else:
-        rt.policy.on_layer(li, split.counts, phase)
-    c.policy_s += time.perf_counter() - t_policy
 
 
 def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, split: TierSplit,

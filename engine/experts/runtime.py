@@ -64,6 +64,7 @@ class MoERuntime:
         self.expert_budget = expert_budget  # LOSSY when set: verification computes at most this many experts per layer
         policy.bind(cache, top_k)
         self.mode: ForwardMode | None = None  # set only inside `forward`
+        self.hooks = True  # whether the pass in progress calls the policy's before_layer/after_layer
         self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
         self.counters = LayerCounters(len(store.layers), store.num_experts)
         # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses;
@@ -139,6 +140,7 @@ class MoERuntime:
         if self.mode is not None:
             raise RuntimeError(f"a {self.mode.phase} forward is in progress: forwards do not nest")
         self.mode = ForwardMode(phase, start_pos, remap, recorder)
+        self.hooks = self.policy.layer_hooks  # before_layer/after_layer this pass (the thread starts and stops between passes)
         try:
             yield self.mode
         finally:
@@ -149,7 +151,7 @@ class MoERuntime:
     def report_draft_demand(self, li: int, demand: torch.Tensor) -> None:
         """Draft-phase demand [E] of sparse layer li (host int64), the lookahead signal: the one path
         by which both drafters report it, per draft forward (one token) per layer."""
-        self.counters.draft_freq[li] += demand  # this step's draft phase so far: counters reset every step
+        self.counters.draft_rows[li] += demand.numpy()  # this step's draft phase so far: counters reset every step
 
     def end_draft_phase(self) -> None:
         """Drafting is over: the policy sees its demand once per layer, summed over the draft tokens
@@ -159,16 +161,21 @@ class MoERuntime:
         layers = demand.any(dim=1).nonzero().flatten().tolist()  # a reporting layer has demand: k >= 1 per token
         if not layers:
             return
-        t0 = time.perf_counter()
+        clock = self.cache.copy_clock
+        t0, copied = time.perf_counter(), clock.s
+        rows = demand.unbind(0)  # [E] views, made at once
+        hooks = self.policy.layer_hooks
         for li in layers:
-            with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
-                self.policy.before_layer(li, demand[li])
-            self.policy.after_layer(li)
-            self.policy.on_layer(li, demand[li], "draft")
+            counts = rows[li]
+            if hooks:
+                with self.cache.lock:  # as a layer's own freeze is taken: the transfer thread may be serving
+                    self.policy.before_layer(li, counts)
+                self.policy.after_layer(li)
+            self.policy.on_layer(li, counts, "draft")
         self.policy.on_forward_end("draft")
-        spent = time.perf_counter() - t0  # residency work of the MoE layers, done once for the phase:
-        self.counters.policy_s += spent  # counted in layer time too, so host time (layer - wait - policy) stays exact
-        self.counters.layer_s += spent
+        spent = time.perf_counter() - t0  # scheduling work of the MoE layers, done once for the phase:
+        self.counters.add_policy(spent, clock.s - copied)
+        self.counters.layer_s += spent  # counted in layer time too, so host time (layer - wait - policy - copy) stays exact
 
     def reset_counters(self) -> LayerCounters:
         done, self.counters = self.counters, LayerCounters(len(self.store.layers), self.store.num_experts)

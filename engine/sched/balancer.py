@@ -35,6 +35,9 @@ class UnitCosts:
 
 
 class WorkloadBalancer:
+    """Per layer and τ = 0..K, the learned units are plain Python floats: a step's observe and choose
+    are one pass over the layer's E experts into level histograms, then K+1 values (no [K+1, E] tensors)."""
+
     def __init__(self, num_layers: int, utility_bound: int, draft_len: int, costs: UnitCosts,
                  cpu_cost: str = "distinct", smoothing: float = 0.2):
         if cpu_cost not in ("distinct", "activations"):
@@ -43,49 +46,90 @@ class WorkloadBalancer:
         self.costs, self.cpu_cost, self.alpha = costs, cpu_cost, smoothing
         taus = utility_bound + 1  # index τ = 0..K (0 unused: τ > 0)
         # learned per layer and τ: CPU units (activations or distinct experts) and device experts per step
-        self.cpu_units = torch.zeros(num_layers, taus, dtype=torch.float64)
-        self.dev_units = torch.zeros(num_layers, taus, dtype=torch.float64)
-        self.seen = torch.zeros(num_layers, dtype=torch.long)
-        self.tau = torch.full((num_layers,), utility_bound, dtype=torch.long)  # start conservative
+        self._cpu = [[0.0] * taus for _ in range(num_layers)]
+        self._dev = [[0.0] * taus for _ in range(num_layers)]
+        self.seen = [0] * num_layers
+        self.taus = [utility_bound] * num_layers  # start conservative
+
+    cpu_units = property(lambda self: torch.tensor(self._cpu, dtype=torch.float64))  # [L, K+1]
+    dev_units = property(lambda self: torch.tensor(self._dev, dtype=torch.float64))
+    tau = property(lambda self: torch.tensor(self.taus, dtype=torch.long))  # [L]
 
     def observe(self, li: int, s_before: torch.Tensor, f: torch.Tensor) -> None:
         """Learn r_c(τ)·γk and r_g(τ)·b from one step: s_before [E] the utilities it was scheduled with, f [E] its use."""
-        levels = torch.arange(self.K + 1).view(-1, 1)  # [K+1, 1]
-        hot = s_before.view(1, -1) >= levels  # [K+1, E]: on the device under threshold τ
-        used = (f > 0).view(1, -1)
-        cpu = (f.view(1, -1) * ~hot).sum(1) if self.cpu_cost == "activations" else (used & ~hot).sum(1)
-        dev = (used & hot).sum(1)
+        self.observe_row(li, s_before.tolist(), f.tolist())
+
+    def observe_row(self, li: int, s_before: list[int], f: list[int]) -> None:
+        K = self.K
+        # bin of a utility v: min(v, K), -1 below 0; under threshold τ the expert is hot (on the
+        # device) exactly when τ ≤ bin. Counts go to index bin + 1.
+        used = [0] * (K + 2)  # used experts by bin
+        acts = [0] * (K + 2)  # their activations
+        for c, v in zip(f, s_before):
+            if c > 0:
+                b = (v if v <= K else K) + 1 if v >= 0 else 0
+                used[b] += 1
+                acts[b] += c
+        n_used, n_acts = sum(used), sum(acts)
         a = 1.0 if self.seen[li] == 0 else self.alpha  # exponential average, first step taken as is
-        self.cpu_units[li] += a * (cpu.double() - self.cpu_units[li])
-        self.dev_units[li] += a * (dev.double() - self.dev_units[li])
+        cpu_u, dev_u = self._cpu[li], self._dev[li]
+        dev = 0  # used experts hot at τ: bins ≥ τ, summed from the top
+        dev_acts = 0
+        for t in range(K, -1, -1):
+            dev += used[t + 1]
+            dev_acts += acts[t + 1]
+            cpu = n_acts - dev_acts if self.cpu_cost == "activations" else n_used - dev
+            cpu_u[t] += a * (cpu - cpu_u[t])
+            dev_u[t] += a * (dev - dev_u[t])
         self.seen[li] += 1
 
     def times(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Predicted T_cpu(τ), T_gpu(τ) for τ = 0..K (seconds)."""
-        return self.cpu_units[li] * self.costs.cpu_s, self.dev_units[li] * self.costs.device_s
+        t_cpu, t_gpu = self._times(li)
+        return torch.tensor(t_cpu, dtype=torch.float64), torch.tensor(t_gpu, dtype=torch.float64)
+
+    def _times(self, li: int) -> tuple[list[float], list[float]]:
+        cpu_s, dev_s = self.costs.cpu_s, self.costs.device_s
+        return [u * cpu_s for u in self._cpu[li]], [u * dev_s for u in self._dev[li]]
 
     def choose(self, li: int, s: torch.Tensor, resident: torch.Tensor, free_slots: int,
                frozen: torch.Tensor | None = None) -> int:
         """τ for layer li given its utilities s [E] and residency [E]; K when nothing is feasible."""
+        slots = [0 if r else -1 for r in resident.tolist()]
+        return self.choose_row(li, s.tolist(), slots, free_slots, None if frozen is None else frozen.tolist())
+
+    def choose_row(self, li: int, s: list[int], slots: list[int], free_slots: int, frozen: list | None = None) -> int:
+        """choose() on lists: slots [E] the layer's slot row (≥ 0: resident), frozen [E] truthy for
+        residents a prefetch may not displace (default: none)."""
         K = self.K
-        t_cpu, t_gpu = self.times(li)
-        frozen = torch.zeros_like(resident) if frozen is None else frozen
-        levels = torch.arange(K + 1).view(-1, 1)
-        hot = s.view(1, -1) >= levels  # [K+1, E]
-        n = (hot & ~resident.view(1, -1)).sum(1)  # prefetches needed per τ
-        reclaimable = (~hot & resident.view(1, -1) & ~frozen.view(1, -1)).sum(1)  # evictable under τ
+        cold = [0] * (K + 2)  # not resident, by bin (index bin + 1): hot exactly for τ ≤ bin
+        held = [0] * (K + 2)  # evictable residents, by bin
+        for e, (v, slot) in enumerate(zip(s, slots)):
+            b = (v if v <= K else K) + 1 if v >= 0 else 0
+            if slot < 0:
+                cold[b] += 1
+            elif frozen is None or not frozen[e]:
+                held[b] += 1
+        # per τ: prefetches needed n(τ) (not resident, hot) and evictable residents under τ (cold)
+        n, reclaimable, acc = [0] * (K + 1), [0] * (K + 1), 0
+        for t in range(K, -1, -1):
+            acc += cold[t + 1]
+            n[t] = acc
+        acc = held[0]
+        for t in range(K + 1):
+            reclaimable[t] = acc
+            acc += held[t + 1]
+        t_cpu, t_gpu = self._times(li)
         # The transfers overlap this layer as it runs now, i.e. under its current τ. (Evaluated at the
         # candidate τ instead, the window shrinks as exactly the experts being moved leave the CPU, and
         # τ = 1 was almost never feasible on the DeepSeek traces: see docs/scheduling.md.)
-        now = int(self.tau[li])
-        # K+1 values: Python from here
-        t_cpu, t_gpu, n, reclaimable = t_cpu.tolist(), t_gpu.tolist(), n.tolist(), reclaimable.tolist()
+        now = self.taus[li]
         window = max(t_cpu[now], t_gpu[now]) + self.gamma * self.costs.draft_s / self.L
         ok = [t > 0 and n[t] * self.costs.io_s <= window + 1e-12 and n[t] <= free_slots + reclaimable[t]
               for t in range(K + 1)]  # τ > 0
         feasible = [t for t in range(1, K + 1) if ok[t]]
         if not feasible:
-            self.tau[li] = K
+            self.taus[li] = K
             return K
         lo, hi = feasible[0], feasible[-1]  # n(τ) falls with τ, so the feasible set is a range
         diff = [c - g for c, g in zip(t_cpu, t_gpu)]  # rises with τ
@@ -93,7 +137,7 @@ class WorkloadBalancer:
         cands = {lo, hi} | ({math.floor(cross), math.ceil(cross)} if cross is not None else set())
         cands = [t for t in cands if lo <= t <= hi and ok[t]]
         tau = min(cands, key=lambda t: (abs(diff[t]), t))
-        self.tau[li] = tau
+        self.taus[li] = tau
         return tau
 
     def _crossing(self, diff: list[float]) -> float | None:

@@ -29,6 +29,12 @@ class Policy:
     def begin_request(self) -> None:
         """A new request starts: only policies that learn across requests (eam) act on it."""
 
+    @property
+    def layer_hooks(self) -> bool:
+        """Whether before_layer/after_layer do anything now; the runtime asks once per forward pass
+        and, when not, calls neither (they run per MoE layer per pass, drafts included)."""
+        return True
+
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
         """Called before a layer computes, with its counts: the experts it is about to use (in use until after_layer)."""
 
@@ -258,10 +264,11 @@ POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy, LfuPolicy, HotTemporalP
 def make_policy(config: SchedulerConfig | str, draft_len: int = SpecConfig.draft_len, costs=None) -> Policy:
     """The policy a SchedulerConfig (or a policy name) asks for; MoE-SpAc and SP-MoE get γ and the unit costs."""
     config = SchedulerConfig(policy=config) if isinstance(config, str) else config
-    if config.policy == "spac":
+    if config.policy == "spac":  # native where the scheduler library builds, else its Python twin
+        from .native_spac import NativeSpacPolicy, library
         from .spac import SpacPolicy
 
-        return SpacPolicy(config, draft_len, costs)
+        return (NativeSpacPolicy if library() is not None else SpacPolicy)(config, draft_len, costs)
     if config.policy == "spmoe":
         from .spmoe import SpmoePolicy
 
