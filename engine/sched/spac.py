@@ -60,28 +60,16 @@ class SpacPolicy(Policy):
         # thread) and, with demote="zero", ends in their demotion; with neither it changes nothing.
         return self.cache.capacity > 0 and (self.prefetch._thread is not None or self.config.demote == "zero")
 
-    # before_layer and after_layer run per MoE layer per forward pass: their common case (the
-    # prefetcher's freeze_counts and release_all) inline, one Python call each
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
         if self.cache.capacity == 0:
             return
-        frozen = self.prefetch._frozen
-        if li in frozen:
-            self.prefetch.freeze_counts(li, counts)
-        else:
-            frozen[li] = counts  # read only if something must be evicted meanwhile
+        self.prefetch.freeze_counts(li, counts)  # counts read only if something must be evicted meanwhile
         self._held = li
 
     def after_layer(self, li: int) -> None:
         held, self._held = self._held, None
-        if held is None:
-            return
-        pre = self.prefetch
-        if pre._thread is None and pre.demote == "keep":  # no other thread reads the freeze, nothing to demote
-            if pre._frozen.pop(held, None) is not None:
-                pre._late.pop(held, None)
-        else:
-            pre.release_all(held)
+        if held is not None:
+            self.prefetch.release_all(held)
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if self.cache.capacity == 0 or phase == "draft" and not self.config.lookahead:
