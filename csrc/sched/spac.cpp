@@ -29,7 +29,7 @@ inline int64_t expected_one(double unseen, int64_t c, int64_t v, int K) {
 
 struct Params {  // as the Python wrapper packs them (engine/sched/native_spac.py: PARAMS)
     double lam, level_up, level_down, variant_level, draft_len, cpu_s, device_s, io_s, draft_s,
-        cpu_activations, alpha, demote_zero, lookahead, top_k;
+        cpu_activations, alpha, demote_zero, lookahead, top_k, rate_smoothing;
 };
 
 struct Core : Prefetch {
@@ -234,7 +234,7 @@ struct Core : Prefetch {
         observe(li, &levels[li * E], f);
         for (int e = 0; e < E; ++e) {
             int k = li * E + e;
-            rate[k] = rate[k] + 0.4 * (double(f[e]) - rate[k]);
+            rate[k] = rate[k] + p.rate_smoothing * (double(f[e]) - rate[k]);
             fine[k] = rate[k] / (rate[k] + 1);
         }
         estimate(li, f);

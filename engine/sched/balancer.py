@@ -34,12 +34,15 @@ class UnitCosts:
                 raise ValueError(f"{name} must be non-negative, got {getattr(self, name)!r}")
 
 
+SMOOTHING = 0.2  # EMA weight of the newest step in the learned CPU and device units
+
+
 class WorkloadBalancer:
     """Per layer and τ = 0..K, the learned units are plain Python floats: a step's observe and choose
     are one pass over the layer's E experts into level histograms, then K+1 values (no [K+1, E] tensors)."""
 
     def __init__(self, num_layers: int, utility_bound: int, draft_len: int, costs: UnitCosts,
-                 cpu_cost: str = "distinct", smoothing: float = 0.2):
+                 cpu_cost: str = "distinct", smoothing: float = SMOOTHING):
         if cpu_cost not in ("distinct", "activations"):
             raise ValueError(f"cpu cost model must be 'distinct' or 'activations', got {cpu_cost!r}")
         self.K, self.gamma, self.L = utility_bound, draft_len, num_layers

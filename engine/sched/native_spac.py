@@ -26,13 +26,15 @@ import torch
 from .. import native
 from ..config import DEMOTES
 from ..experts.cache import SlotTable
+from .balancer import SMOOTHING
 from .prefetch import FROZEN, ZERO, Prefetcher
-from .spac import SpacPolicy
+from .spac import RATE_SMOOTHING, SpacPolicy
+from .utility import LEVEL_STEP
 
 SOURCE = native.CSRC / "sched" / "spac.cpp"
 NEED_CANCEL, BAD_LEVEL = -2, -3
 PARAMS = ("lam", "level_up", "level_down", "variant_level", "draft_len", "cpu_s", "device_s", "io_s", "draft_s",
-          "cpu_activations", "alpha", "demote_zero", "lookahead", "top_k")  # the order of struct Params
+          "cpu_activations", "alpha", "demote_zero", "lookahead", "top_k", "rate_smoothing")  # the order of struct Params
 READ = {"levels": 0, "fines": 1, "taus": 2, "queued": 3, "demoted": 4, "s": 5, "prev": 6, "up": 7, "down": 8,
         "cpu": 9, "dev": 10, "btau": 11, "seen": 12, "lookahead": 13, "queues": 14}
 
@@ -253,10 +255,11 @@ class NativeSpacPolicy(SpacPolicy):
         self.cache, self.top_k = cache, top_k
         c, (L, E) = self.config, cache.slot_of.shape
         self.window = self.draft_len + 1
-        params = dict(lam=c.forgetting, level_up=1, level_down=1, variant_level=c.utility_variant == "level",
+        params = dict(lam=c.forgetting, level_up=LEVEL_STEP, level_down=LEVEL_STEP, variant_level=c.utility_variant == "level",
                       draft_len=self.draft_len, cpu_s=self.costs.cpu_s, device_s=self.costs.device_s,
                       io_s=self.costs.io_s, draft_s=self.costs.draft_s, cpu_activations=c.cpu_cost == "activations",
-                      alpha=0.2, demote_zero=c.demote == "zero", lookahead=c.lookahead, top_k=top_k)
+                      alpha=SMOOTHING, demote_zero=c.demote == "zero", lookahead=c.lookahead, top_k=top_k,
+                      rate_smoothing=RATE_SMOOTHING)
         self.core = NativeCore(library(), L, E, c.utility_bound, params, cache)
         self.prefetch = NativePrefetcher(self.core, cache, L, E, c.utility_bound, c.demote)
         self.estimator, self.balancer = _Estimator(self.core), _Balancer(self.core)

@@ -18,11 +18,12 @@ import math
 import torch
 
 VARIANTS = ("paper", "level")
+LEVEL_STEP = 1  # `level`: |f - s| that moves s one level, up and down
 
 
 class UtilityEstimator:
     def __init__(self, num_layers: int, num_experts: int, utility_bound: int, draft_len: int,
-                 forgetting: float = 0.1, variant: str = "paper", level_up: int = 1, level_down: int = 1):
+                 forgetting: float = 0.1, variant: str = "paper", level_up: int = LEVEL_STEP, level_down: int = LEVEL_STEP):
         if variant not in VARIANTS:
             raise ValueError(f"utility variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
         if utility_bound < 1:
