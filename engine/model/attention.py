@@ -12,8 +12,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .memory_estimate import cpu_kv_in_float32
+
 NAME = "moechat_sdpa"
-HALF = (torch.bfloat16, torch.float16)
 
 
 def sdpa_float_kv(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
@@ -32,9 +33,9 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # an unregistered name gets no
 
 
 def kv_dtype(device: torch.device, dtype: torch.dtype, latent_kv: bool = False) -> torch.dtype:
-    """The KV cache's dtype for a model computing in `dtype` on `device`: fp32 for half types on the CPU, except
-    a cached latent that attention first multiplies by its weights (DeepSeek's MLA), which stays in `dtype`."""
-    return torch.float32 if device.type == "cpu" and dtype in HALF and not latent_kv else dtype
+    """The KV cache's dtype for a model computing in `dtype` on `device` (the rule: memory_estimate.cpu_kv_in_float32)."""
+    widen = device.type == "cpu" and cpu_kv_in_float32(str(dtype).removeprefix("torch."), latent_kv)
+    return torch.float32 if widen else dtype
 
 
 def use_float_kv_attention(hf) -> None:

@@ -64,8 +64,14 @@ class MemoryEstimate:
         CPU keeps in fp32 for a half-precision model (model/attention.py; DeepSeek's latent stays in its dtype)."""
         from .families import get_family
 
-        widened = DTYPE_BYTES[self.dtype] == 2 and not get_family(self.model_type).latent_kv
+        widened = cpu_kv_in_float32(self.dtype, get_family(self.model_type).latent_kv)
         return self.non_expert_bytes + self.kv_bytes * (2 if widened else 1)
+
+
+def cpu_kv_in_float32(dtype: str, latent_kv: bool) -> bool:
+    """Whether a model computing in `dtype` keeps its KV cache in fp32 on the CPU: half types do (CPU attention is
+    faster in fp32, model/attention.py), except a latent that attention expands with its weights (DeepSeek's MLA)."""
+    return DTYPE_BYTES[dtype] == 2 and not latent_kv
 
 
 def expert_bytes_for(quant: str, dtype: str, hidden: int, inter: int) -> int:
