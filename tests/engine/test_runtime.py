@@ -155,3 +155,29 @@ def test_facade_is_lazy():
 
     with pytest.raises(AttributeError, match="no attribute"):
         engine.NotAName  # noqa: B018
+
+
+def test_small_split_on_lists_equals_the_tensor_split(checkpoint, monkeypatch):
+    """split_tiers groups decode-sized layers on Python lists: the same TierSplit as its tensor path."""
+    from moechat.engine.experts import moe_layer
+
+    engine = engine_for(checkpoint("qwen3_moe"), policy="static", drafter="none")
+    list(engine.generate(Request(token_ids=[5, 17, 42, 7]), SamplingParams(max_new_tokens=3)))  # some experts resident
+    rt = engine.model.runtime
+    rt.hooks = False  # no policy hook between the two splits: both see the same table
+    E = rt.store.num_experts
+    assert len(rt.cache) > 0
+    g, mixed = torch.Generator().manual_seed(0), 0
+    for n in (1, 7, 40):
+        flat = torch.randint(0, E, (n,), generator=g)
+        for kept in (None, torch.sort(torch.randperm(2 * n, generator=g)[:n]).values):
+            got = moe_layer.split_tiers(rt, 0, flat, kept)
+            monkeypatch.setattr(moe_layer, "SMALL", -1)  # the tensor path
+            want = moe_layer.split_tiers(rt, 0, flat, kept)
+            monkeypatch.setattr(moe_layer, "SMALL", 64)
+            assert got.n_dev == want.n_dev and got.computed == want.computed and got.all_rows == want.all_rows
+            for field in ("counts", "dev_pos", "dev_slot", "cpu_pos", "cpu_expert"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), (n, kept is None, field)
+            assert (got.cpu_sizes is None) == (want.cpu_sizes is None)
+            mixed += 0 < got.n_dev < got.computed
+    assert mixed  # both tiers were exercised
