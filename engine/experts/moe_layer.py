@@ -95,9 +95,7 @@ def split_tiers(rt: MoERuntime, li: int, flat: torch.Tensor, kept: torch.Tensor 
         t2 = time.perf_counter()
         slot, not_ready = rt.cache.ready_slots(li, flat)  # [S'] slot per activation, -1: CPU
     t3 = time.perf_counter()
-    copies = clock.s - copied  # an on-demand policy loads in before_layer
-    c.copy_s += copies
-    c.policy_s += t2 - t1 - copies  # the policy's hook: scheduling
+    c.add_policy(t2 - t1, clock.s - copied)  # the policy's hook; an on-demand policy loads in it
     c.view_s += t1 - t0 + t3 - t2  # the executor's view of the table: the lock and the readiness check
     if small:
         return _split_small(rt, counts, ids, slot.tolist(), not_ready, kept)
@@ -206,9 +204,7 @@ def account(rt: MoERuntime, li: int, phase: str, split: TierSplit, demand: torch
             rt.policy.after_layer(li)
         if phase != "draft":
             rt.policy.on_layer(li, split.counts, phase)
-        copies = clock.s - copied
-        c.copy_s += copies
-        c.policy_s += time.perf_counter() - t0 - copies
+        c.add_policy(time.perf_counter() - t0, clock.s - copied)
     if phase == "draft":  # the runtime's counter (as freq above), which the policy reads when drafting ends
         rt.report_draft_demand(li, split.counts if demand is None else demand)
 

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from .. import native
-from ..config import DEMOTES
 from ..experts.cache import SlotTable
 from .balancer import SMOOTHING
 from .prefetch import FROZEN, ZERO, Prefetcher
@@ -79,8 +78,6 @@ class NativePrefetcher(Prefetcher):
 
     def __init__(self, core: NativeCore, table: SlotTable, num_layers: int, num_experts: int, utility_bound: int,
                  demote: str):
-        if demote not in DEMOTES:
-            raise ValueError(f"demote must be one of {', '.join(DEMOTES)}, got {demote!r}")
         self.core, self.table, self.K, self.demote = core, table, utility_bound, demote
         self.L, self.E = num_layers, num_experts
         self._frozen: dict[int, object] = {}  # as Prefetcher: layer -> experts in use
