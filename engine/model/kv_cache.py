@@ -81,7 +81,3 @@ class KVCache(Cache):
 
     def __init__(self, dtype: torch.dtype | None = None):
         super().__init__(layer_class_to_replicate=partial(GrowingLayer, dtype))
-
-    def nbytes(self) -> int:
-        """Bytes the buffers hold (allocated, not only used)."""
-        return sum(t.nbytes for layer in self.layers for t in (layer._k, layer._v) if t is not None)
