@@ -79,12 +79,13 @@ def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
 def test_profile_written_before_quant_loads_as_none(tmp_path):
     """Profiles saved before calibration decided the experts' format have no `quant`: they still load, as "none"."""
     key = model_key(tmp_path)
-    path = save_profile(profile(key))
+    saved = profile(key)  # one object: a second would carry a later `created` stamp
+    path = save_profile(saved)
     text = path.read_text()
     assert 'quant = "none"' in text
     path.write_text(text.replace('quant = "none"\n', ""), encoding="utf-8")
     loaded, notice = load_profile(FP, key)
-    assert notice == "" and loaded.decisions.quant == "none" and loaded == profile(key)
+    assert notice == "" and loaded.decisions.quant == "none" and loaded == saved
 
 
 def _config(argv):
