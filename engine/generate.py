@@ -114,8 +114,7 @@ class Engine:
         if trace:
             trace.begin_forward(step, phase, start)
         with self.model.runtime.forward(phase, start, recorder=trace):
-            out = self.model.hf(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=keep)
-        return out.logits[0].float()
+            return self.model.forward(x, cache, keep)
 
     @torch.inference_mode()
     def _generate(self, prompt: list[int], params: SamplingParams, trace: TraceRecorder | None) -> Iterator[Event]:

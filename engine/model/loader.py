@@ -21,6 +21,7 @@ from .attention import kv_dtype, use_float_kv_attention
 from .checkpoint import Checkpoint, read_config_dict
 from .families import Family, get_family
 from .kv_cache import KVCache
+from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
 from .memory_estimate import MemoryEstimate, estimate_module
 
@@ -36,6 +37,14 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     context_len: int
+    lean: LeanForward | None = None  # decode/verify passes without transformers' module tree; None: its forward always
+
+    def forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
+        """ids [1, T] appended to `cache` -> float32 logits of the last `keep` positions [keep, V]. The one place
+        that picks the lean forward (a few positions after a past) or transformers' (prefill, refused models)."""
+        if self.lean is not None and self.lean.accepts(ids.shape[1], cache.get_seq_length()):
+            return self.lean(ids, cache, keep)
+        return self.hf(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
 
     @property
     def store(self) -> ExpertStore:
@@ -148,8 +157,9 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     if kv_dtype(device, dtype, family.latent_kv) != dtype:
         use_float_kv_attention(hf)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
+    lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
-                       runtime, device, dtype, context_len)
+                       runtime, device, dtype, context_len, lean)
 
 
 def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, act, top_k: int,

@@ -166,7 +166,7 @@ class SelfDraft:
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):
-        runtime, hf = self.target.runtime, self.target.hf
+        runtime = self.target.runtime
         base = self.cache.get_seq_length()  # == len(committed) - 1
         tokens, qs = [], []
         try:
@@ -174,7 +174,7 @@ class SelfDraft:
             for _ in range(n):
                 ids = torch.tensor([feed], device=self.target.device)
                 with runtime.forward("draft", self.cache.get_seq_length(), remap=self.remap):
-                    logits = hf(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                    logits = self.target.forward(ids, self.cache, keep=1)[-1]  # [V] float32
                 token, q = _choose(logits, params, generator)
                 tokens.append(token)
                 qs.append(q)

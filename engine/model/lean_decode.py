@@ -1,0 +1,151 @@
+"""A lean eager forward for decode and verification: the same module weights and the same torch ops in
+the same order as transformers' forward, without its per-layer Python (module calls, kwargs, mask
+creation, rotary recomputation, attention-interface dispatch, output dataclasses).
+
+Used for a few positions after a past (T <= MAX_POSITIONS: a decode step, a verification, a self-draft
+step) on the CPU, for the llama-like decoder-only families; the prefill and everything refused here run
+transformers' forward on the same KV cache. The logits equal transformers' bit for bit (tests/engine/
+test_lean_decode.py), so speculative decoding stays lossless either way. `lean_decode=False` in
+EngineConfig (`--no-lean-decode`) turns it off.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention import NAME as FLOAT_KV_ATTENTION
+
+MAX_POSITIONS = 16  # decode and verification sizes; longer inputs are prefills, where the module calls cost little
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")  # deepseek_v2 (MLA) runs transformers' forward
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (not dynamic, longrope)
+TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many positions
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of these families, op for op (torch.rms_norm rounds differently)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_pos_emb for one tensor: x [1, H, T, D], cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def sliding_window(config, context_len: int) -> int | None:
+    """The sliding window transformers' masks would apply within `context_len` positions, or None."""
+    if config.model_type == "olmoe":  # olmoe's mask is always the plain causal one
+        return None
+    if config.model_type == "qwen2_moe" and "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+        return None  # qwen2_moe slides only the layers its layer_types name (sliding_window is 0 when off)
+    window = getattr(config, "sliding_window", None)
+    # a window wider than the context never cuts a key and never forces a mask where transformers skips it
+    return window if window is not None and window <= context_len else None
+
+
+def refusal(hf, device: torch.device, context_len: int) -> str | None:
+    """Why the lean forward cannot stand in for transformers' on this model, or None when it can."""
+    config = hf.config
+    if device.type != "cpu":
+        return "not on the CPU"
+    if config.model_type not in FAMILIES:
+        return f"model_type {config.model_type}"
+    if config._attn_implementation not in ("sdpa", FLOAT_KV_ATTENTION):
+        return f"attention {config._attn_implementation}"
+    rope_type = getattr(hf.model.rotary_emb, "rope_type", None)
+    if rope_type not in ROPE_TYPES:
+        return f"rope type {rope_type}"
+    if sliding_window(config, context_len) is not None:
+        return "a sliding window"
+    for layer in hf.model.layers:
+        a = layer.self_attn
+        if a.head_dim > 256:  # transformers then packs GQA heads instead of sdpa's enable_gqa
+            return "head_dim > 256"
+        if getattr(a, "is_causal", True) is not True:
+            return "non-causal attention"
+    return None
+
+
+class LeanForward:
+    """ids [1, T] appended to a KV cache that already holds a past -> logits of the last `keep` positions."""
+
+    def __init__(self, hf, context_len: int):
+        self.hf, self.base, self.config = hf, hf.model, hf.config
+        self.context_len = context_len
+        self.eps = float(self.config.rms_norm_eps)
+        self.olmoe = self.config.model_type == "olmoe"  # q/k norm over the whole projection, before the head view
+        self.head_norm = self.config.model_type == "qwen3_moe"  # q/k norm per head, after the view
+        self.clip = getattr(self.config, "clip_qkv", None) if self.olmoe else None
+        self.cos = self.sin = None  # [P, D] in the model's dtype, as transformers' rotary module returns them
+        self.layers = list(self.base.layers[: self.config.num_hidden_layers])
+
+    def accepts(self, positions: int, past: int) -> bool:
+        """A decode or verification pass: a few positions after a past (a prefill stays on transformers')."""
+        return 0 < positions <= MAX_POSITIONS and past > 0
+
+    def _tables(self, end: int, like: torch.Tensor) -> None:
+        """cos/sin for positions 0..end-1 at least, from transformers' own rotary module (per position: exact)."""
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if end <= have:
+            return
+        size = min(max(end, 2 * have, TABLE_BLOCK), max(end, self.context_len))
+        positions = torch.arange(size, device=like.device)[None]  # [1, P]
+        cos, sin = self.base.rotary_emb(like, positions)  # [1, P, D] each, in like's dtype
+        self.cos, self.sin = cos[0], sin[0]
+
+    def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
+        T = ids.shape[1]
+        start = cache.get_seq_length()
+        S = start + T
+        x = self.base.embed_tokens.forward(ids)  # [1, T, H]
+        self._tables(S, x)
+        cos, sin = self.cos[start:S], self.sin[start:S]  # [T, D]
+        # transformers' sdpa mask: none for one query (all keys visible), else boolean causal after the past
+        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(start)  # [T, S]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [1, T, H]
+            x = x + self._attention(layer.self_attn, h, cos, sin, mask, cache, i)
+            h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+            x = x + layer.mlp.forward(h)  # the family's own block: router, OffloadedExperts, shared expert
+        norm = self.base.norm
+        x = rms_norm(x[:, -keep:], norm.weight, norm.variance_epsilon)  # [1, keep, H]: the norm is per position
+        return self.hf.lm_head.forward(x)[0].float()  # [keep, V]
+
+    def _attention(self, a, h: torch.Tensor, cos, sin, mask, cache, i: int) -> torch.Tensor:
+        T, hd = h.shape[1], a.head_dim
+        q, k, v = a.q_proj.forward(h), a.k_proj.forward(h), a.v_proj.forward(h)  # [1, T, H_q*D], [1, T, H_kv*D] x2
+        if self.olmoe:
+            q = rms_norm(q, a.q_norm.weight, a.q_norm.variance_epsilon)
+            k = rms_norm(k, a.k_norm.weight, a.k_norm.variance_epsilon)
+            if self.clip is not None:
+                q.clamp_(min=-self.clip, max=self.clip)
+                k.clamp_(min=-self.clip, max=self.clip)
+                v.clamp_(min=-self.clip, max=self.clip)
+        q, k = q.view(1, T, -1, hd), k.view(1, T, -1, hd)  # [1, T, H, D]
+        if self.head_norm:
+            q = rms_norm(q, a.q_norm.weight, a.q_norm.variance_epsilon)
+            k = rms_norm(k, a.k_norm.weight, a.k_norm.variance_epsilon)
+        q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [1, H, T, D]
+        v = v.view(1, T, -1, hd).transpose(1, 2)  # [1, H_kv, T, D]
+        k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
+        groups = a.num_key_value_groups
+        gqa = {}
+        if groups > 1 and mask is None:
+            gqa["enable_gqa"] = True  # transformers' choice without a mask
+        elif groups > 1:  # with a mask transformers repeats the KV heads (repeat_kv)
+            n, s = k.shape[1], k.shape[2]
+            k = k[:, :, None].expand(1, n, groups, s, hd).reshape(1, n * groups, s, hd)
+            v = v[:, :, None].expand(1, n, groups, s, v.shape[-1]).reshape(1, n * groups, s, v.shape[-1])
+        # query in the cache's dtype, output back in the model's (attention.py: sdpa_float_kv)
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]
+        o = o.transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
+        return a.o_proj.forward(o)  # [1, T, H]
+
+
+def build_lean_forward(hf, device: torch.device, context_len: int) -> LeanForward | None:
+    """The lean forward for this model, or None where transformers' forward must run (see `refusal`)."""
+    return None if refusal(hf, device, context_len) else LeanForward(hf, context_len)
