@@ -1,0 +1,121 @@
+"""The lean decode forward (engine/model/lean_decode.py) gives transformers' logits bit for bit, writes the same
+KV entries, and stands aside where it cannot (deepseek_v2, sliding windows, length-dependent rope, the prefill)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import PROMPT, run_engine
+from tiny import family_config
+
+from moechat.engine.config import EngineConfig
+from moechat.engine.model.lean_decode import LeanForward, refusal, sliding_window
+from moechat.engine.model.loader import load_model
+
+LEAN = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+PAST = 10  # prefill length before the lean passes
+WIDE = {"mixtral": {"intermediate_size": 32}}  # int8 experts need widths in multiples of 16
+
+
+def _hf(m, ids, cache, keep):
+    return m.hf(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
+
+
+def _same_kv(a, b) -> bool:
+    return a.get_seq_length() == b.get_seq_length() and all(
+        torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers, strict=True))
+
+
+def _compare(m, steps=(1, 5, 1, 3)):
+    """Prefill PAST tokens into two caches, then feed the same passes through HF and the lean forward."""
+    gen = torch.Generator().manual_seed(0)
+    hf_cache, lean_cache = m.new_kv_cache(), m.new_kv_cache()
+    prompt = torch.randint(0, 300, (1, PAST), generator=gen)
+    with torch.inference_mode():
+        for cache in (hf_cache, lean_cache):
+            with m.runtime.forward("prefill", 0):
+                _hf(m, prompt, cache, 1)
+        for T in steps:
+            ids = torch.randint(0, 300, (1, T), generator=gen)
+            start = hf_cache.get_seq_length()
+            assert m.lean.accepts(T, start)
+            with m.runtime.forward("verify", start):
+                expected = _hf(m, ids, hf_cache, T)
+            with m.runtime.forward("verify", start):
+                got = m.forward(ids, lean_cache, T)
+            assert got.dtype == torch.float32 and got.shape == expected.shape
+            assert torch.equal(got, expected), f"T={T}: max diff {(got - expected).abs().max().item()}"
+            assert _same_kv(hf_cache, lean_cache), f"T={T}"
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", LEAN)
+def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
+    m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype=dtype, quant=quant))
+    assert isinstance(m.lean, LeanForward)
+    _compare(m)
+
+
+def test_olmoe_clip_qkv(checkpoint):
+    m = load_model(EngineConfig(model_dir=str(checkpoint("olmoe", clip_qkv=0.05))))
+    assert m.hf_config.clip_qkv == 0.05 and m.lean is not None
+    _compare(m)
+
+
+def test_window_wider_than_context_keeps_lean(checkpoint):
+    m = load_model(EngineConfig(model_dir=str(checkpoint("mixtral", sliding_window=4096))))  # context 512
+    assert m.lean is not None
+    _compare(m)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("deepseek_v2", {}),  # MLA
+    ("mixtral", {"sliding_window": 8}),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}),
+])
+def test_refused_models_run_transformers(family, overrides, checkpoint):
+    m = load_model(EngineConfig(model_dir=str(checkpoint(family, **overrides))))
+    assert m.lean is None
+
+
+@pytest.mark.parametrize("rope_type,refused", [("default", False), ("linear", False), ("dynamic", True)])
+def test_rope_whose_tables_depend_on_length_is_refused(rope_type, refused):
+    from transformers import AutoModelForCausalLM
+
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0} | ({} if rope_type == "default" else {"factor": 2.0})
+    hf = AutoModelForCausalLM.from_config(family_config("qwen3_moe", rope_parameters=rope))
+    assert hf.model.rotary_emb.rope_type == rope_type
+    assert (refusal(hf, torch.device("cpu"), 512) is not None) == refused
+
+
+def test_flag_off_and_prefill_stay_on_transformers(checkpoint):
+    assert load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), lean_decode=False)).lean is None
+    lean = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")))).lean
+    assert not lean.accepts(5, 0)  # a prefill
+    assert not lean.accepts(17, 10)  # longer than a verification
+    assert lean.accepts(1, 10) and lean.accepts(16, 10)
+
+
+def test_sliding_window_rules():
+    assert sliding_window(family_config("qwen2_moe"), 512) is None  # use_sliding_window off: sliding_window 0
+    on = family_config("qwen2_moe", use_sliding_window=True, sliding_window=8)
+    on.layer_types = ["sliding_attention"] + on.layer_types[1:]
+    assert sliding_window(on, 512) == 8
+    assert sliding_window(family_config("olmoe", sliding_window=8), 512) is None  # olmoe masks are plain causal
+    assert sliding_window(family_config("mixtral", sliding_window=8), 512) == 8
+    assert sliding_window(family_config("mixtral", sliding_window=4096), 512) is None
+
+
+@pytest.mark.parametrize("drafter", ["none", "self"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_engine_greedy_same_tokens_lean_on_and_off(family, drafter, checkpoint, tokenizer, monkeypatch):
+    calls = []
+    lean_call = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *a: calls.append(1) or lean_call(self, *a))
+    model_dir, prompt = checkpoint(family, 1), tokenizer(PROMPT)["input_ids"]
+    on = run_engine(model_dir, prompt, drafter=drafter, expert_cache_ratio=0.5, dtype="bfloat16")
+    assert calls  # the lean forward served the decode steps
+    calls.clear()
+    off = run_engine(model_dir, prompt, drafter=drafter, expert_cache_ratio=0.5, dtype="bfloat16", lean_decode=False)
+    assert not calls
+    assert on.token_ids == off.token_ids and on.summary.accepted == off.summary.accepted
