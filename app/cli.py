@@ -101,7 +101,8 @@ def engine_config(args):
         model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
         expert_cache_bytes=cache_bytes, host_ram_budget_bytes=ram_budget, quant=args.quant,
         vram_budget_bytes=_gib(_first(args.vram_budget_gib, settings.vram_budget_gib)),
-        context_len=_first(args.context_len, settings.context_len), spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
+        context_len=_first(args.context_len, settings.context_len), lean_decode=args.lean_decode,
+        spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,
             utility_bound=_first(args.utility_bound, settings.utility_bound, d and d.utility_bound, sched.utility_bound),

@@ -46,6 +46,8 @@ def _device_problem(value) -> str | None:
 
 
 def _words(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
     return f"{value:g}" if isinstance(value, float) else "" if value in ([], {}) else str(value)
 
 
@@ -54,7 +56,7 @@ class Option:
     """One user option: its settings key, flag, type, unit, default, check, help and where it shows."""
 
     name: str  # the settings key; the flag is --name-with-dashes
-    kind: type  # int | float | str | list (a repeatable flag) | dict (a settings table)
+    kind: type  # int | float | str | bool (--name / --no-name) | list (a repeatable flag) | dict (a settings table)
     default: object  # None: unset (`unset` says what applies then)
     help: str
     group: str  # engine: a flag of the commands that load a model; sampling: of generate and chat; app: no flag
@@ -110,6 +112,8 @@ class Option:
                 return "must be a non-empty string"
             if self.choices and value not in self.choices:
                 return self.rule()
+        elif self.kind is bool and not isinstance(value, bool):
+            return "must be true or false"
         elif self.kind is list and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             return "must be a list of strings"
         return self.problem_of(value) if self.problem_of else None
@@ -141,6 +145,9 @@ class Option:
         kw = dict(default=default, help=self.help_line(default), metavar=self.metavar)
         if self.kind is list:
             parser.add_argument(self.flag, action="append", **kw)
+        elif self.kind is bool:  # --name and --no-name
+            parser.add_argument(self.flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=self.help_line(default))
         else:
             parser.add_argument(self.flag, type=self.parse, choices=self.choices or None, **kw)
 
@@ -199,6 +206,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("device", str, "cpu", "compute device", "engine", problem_of=_device_problem, setting=False,
            metavar="cpu|cuda[:N]"),
     Option("dtype", str, "float32", "compute dtype", "engine", choices=DTYPES, setting=False),
+    Option("lean_decode", bool, True, "decode and verification steps on the CPU skip transformers' module tree: "
+           "moechat's own forward over the same weights, same logits", "engine", setting=False),
     Option("temperature", float, 0.7, "sampling temperature, 0 is greedy", "sampling", low=0,
            live=True, other_defaults="generate: 0", label="Temperature", metavar="T"),
     Option("top_p", float, 0.9, "nucleus sampling: draw among the likeliest tokens whose probabilities add up to P",
@@ -231,6 +240,8 @@ def markdown_table() -> str:
             "| --- | --- | --- | --- | --- | --- |"]
     for o in OPTIONS:
         flag = f"`{o.flag}`" if o.flag else "-"
+        if o.kind is bool and o.flag:
+            flag += f", `--no-{o.flag[2:]}`"
         key = f"`{o.name}`" if o.setting else "-"
         default = (o.default_text() or "-") + (f" ({o.other_defaults})" if o.other_defaults else "")
         applies = ("live" if o.live else "reload model") if o.setting else "-"

@@ -166,3 +166,11 @@ def test_budget_flags_reach_the_engine_config():
     cfg = engine_config(args)
     assert (cfg.host_ram_budget_bytes, cfg.vram_budget_bytes, cfg.expert_cache_bytes) == (4 << 30, 6 << 30, 1 << 29)
     assert cfg.scheduler.utility_bound == 3
+
+
+def test_lean_decode_flag_reaches_the_engine_config():
+    from moechat.app.cli import engine_config
+
+    assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).lean_decode is True
+    assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--no-lean-decode"])).lean_decode is False
+    assert OPTION["lean_decode"].problem("yes") == "must be true or false" and OPTION["lean_decode"].problem(False) is None
