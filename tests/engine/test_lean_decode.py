@@ -48,7 +48,7 @@ def _compare(m, steps=(1, 5, 1, 3)):
 
 
 @pytest.mark.parametrize("quant", ["none", "int8"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("family", LEAN)
 def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype=dtype, quant=quant))
