@@ -21,6 +21,7 @@ _MODULES = {  # submodule -> the public names it provides
     "model.memory_estimate": ("estimate", "total_params"),
     "model.memory_budgets": ("check_budgets", "max_cache_experts", "physical_ram_bytes", "ram_headroom"),
     "model.checkpoint": ("read_config_dict",),
+    "placement": ("Placement", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
     "calibration.profile": ("Profile", "load_profile", "model_key", "profile_path", "profiles_dir", "save_profile"),

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import MoechatError
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("none", "int8", "int4")  # routed experts' storage format (engine/quant/formats.py)
@@ -100,6 +104,7 @@ class EngineConfig:
     quant: str = "none"  # routed experts: "none" (checkpoint dtype), "int8", "int4"; pre-quantized ones run as they are
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    placement: Placement | None = None  # why this device and dtype, when `auto` chose them (engine/placement.py)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
