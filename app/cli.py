@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -111,7 +112,8 @@ def engine_config(args):
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,
             utility_bound=_first(args.utility_bound, settings.utility_bound, d and d.utility_bound, sched.utility_bound),
-            forgetting=_first(d and d.forgetting, sched.forgetting)),  # λ: the `paper` utility variant's only
+            forgetting=_first(d and d.forgetting, sched.forgetting),  # λ: the `paper` utility variant's only
+            measured=profile.measurements if profile else None),  # the balancer's unit costs, from this machine
     )
 
 
@@ -178,6 +180,7 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile,
                           "quant": engine.model.store.quant, "device": args.device, "dtype": args.dtype,
+                          "costs": dataclasses.asdict(engine.model.runtime.costs),
                           "placement": {"device": args.placement.device_why, "dtype": args.placement.dtype_why}}))
     else:
         print()
@@ -217,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", metavar="FILE", help="record routing to FILE (JSON Lines, see docs/trace-format.md)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: token_ids, text, stats, profile (the calibration profile used, or null), "
-                          "quant (the routed experts' format), device, dtype, placement (why each)")
+                          "quant (the routed experts' format), device, dtype, placement (why each), costs (the scheduler's "
+                          "unit costs and their source: the calibration profile or built-in defaults)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat: the full-screen app on a terminal, line by line with --plain or "

@@ -25,7 +25,7 @@ FIX_DRIVER = "update the NVIDIA driver, or reinstall moechat with installer/inst
 
 
 def run_gpu_checks(as_json: bool) -> int:
-    from ..engine.placement import probe_cuda
+    from ..engine import probe_cuda
 
     t0 = time.perf_counter()
     cuda = probe_cuda()

@@ -55,7 +55,10 @@ class Placement:
 
 def probe_cuda() -> CudaProbe:
     """What PyTorch's CUDA can use here. Never raises: a broken driver is a `problem`, not an error."""
-    import torch
+    try:
+        import torch
+    except ImportError:  # the command then says how to install PyTorch (app/cli.py)
+        return CudaProbe()
 
     if torch.version.cuda is None:
         from .calibration.probe import gpu_info

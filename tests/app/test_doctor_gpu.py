@@ -3,16 +3,18 @@ import json
 
 import pytest
 
+import moechat.engine
 from moechat.app import cli, doctor_gpu
 from moechat.engine import placement
 
 
 def test_without_a_gpu_one_line_and_exit_1(monkeypatch, capsys):
-    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe())
+    monkeypatch.setattr(moechat.engine, "probe_cuda", lambda: placement.CudaProbe(), raising=False)
     assert cli.main(["doctor", "--gpu"]) == 1
     out = capsys.readouterr().out
     assert out == "moechat doctor --gpu: no NVIDIA GPU that PyTorch can use: nothing to check on this machine\n"
-    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe(problem="CUDA failed to start (out of memory)"))
+    monkeypatch.setattr(moechat.engine, "probe_cuda", lambda: placement.CudaProbe(problem="CUDA failed to start (out of memory)"),
+                        raising=False)
     assert cli.main(["doctor", "--gpu", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["checks"][0]["detail"] == "CUDA failed to start (out of memory)"
