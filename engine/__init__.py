@@ -24,9 +24,10 @@ _MODULES = {  # submodule -> the public names it provides
     "placement": ("Placement", "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
-    "calibration.profile": ("Profile", "load_profile", "model_key", "profile_path", "profiles_dir", "save_profile"),
+    "calibration.profile": ("Profile", "load_profile", "measurements_from",
+                             "model_key", "profile_path", "profiles_dir", "save_profile"),
     "calibration.measure": ("bandwidths", "measure", "ram_copy_bandwidth"),
-    "calibration.decide": ("decide", "experts_format"),
+    "calibration.decide": ("decide", "experts_format", "unit_costs"),
     "calibration.known_models": ("KNOWN_MODELS", "known_name"),
     # benchmarks: engine variants on one loaded model, and the kernels on their own
     "model.loader": ("build_runtime",),

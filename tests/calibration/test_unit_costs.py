@@ -82,3 +82,31 @@ def test_generate_json_names_the_source_of_its_costs(checkpoint, capsys):
     assert cli.main(argv) == 0
     costs = json.loads(capsys.readouterr().out)["costs"]
     assert costs["source"].startswith("profile") and costs["cpu_s"] > 0
+
+
+def test_the_simulator_runs_on_the_same_costs(tmp_path, capsys):
+    """One cost model: a calibration profile's timings reach the simulator through the same unit costs as the
+    engine's balancer (`simulate --cost-model PROFILE.toml`), and CostModel.from_unit_costs round-trips them."""
+    import dataclasses
+
+    from moechat.app.cli import main
+    from moechat.engine import CostModel
+    from moechat.engine.calibration.profile import Profile, save_profile
+    from moechat.engine.calibration.types import Decisions, Hardware
+
+    c = UnitCosts(cpu_s=2e-4, device_s=3e-5, io_s=6e-4, draft_s=1e-3)
+    back = CostModel.from_unit_costs(c, expert_bytes=MB).unit_costs()
+    assert all(getattr(back, f) == pytest.approx(getattr(c, f)) for f in ("cpu_s", "device_s", "io_s", "draft_s"))
+
+    meas = measured(3e-3)
+    hw = Hardware("cpu", 2, [], 1 << 34, 1 << 33, 1 << 40)
+    path = save_profile(Profile("fp", "model", hw, meas, Decisions(0.1, 4, 4, 0.1, "self", "spac", "ram")))
+    rows = ["Layer ID,Batch Number,Token,Activated Expert IDs"] + \
+        [f'{layer},0,t{t},"[{t % 6}, {(t + 1) % 6}]"' for layer in (1, 2) for t in range(12)]
+    (tmp_path / "prompt_1.csv").write_text("\n".join(rows) + "\n")
+    assert main(["simulate", "--traces", str(tmp_path), "--policy", "spac", "--expert-cache-ratio", "0.5",
+                 "--draft-len", "4", "--cost-model", str(path), "--json"]) == 0
+    cost = CostModel(**json.loads(capsys.readouterr().out)["cost_model"])
+    expected = unit_costs(meas, top_k=2, num_experts=6, draft_len=4, expert_bytes=MB)
+    assert cost.cpu_ms == pytest.approx(expected.cpu_s * 1e3) and cost.io_ms == pytest.approx(expected.io_s * 1e3)
+    assert dataclasses.asdict(cost)["expert_bytes"] == MB
