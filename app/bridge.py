@@ -187,7 +187,8 @@ class EngineBridge:
             raise
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
-        self._send(EngineReady(name, self._summary(engine, name), "; ".join(engine.model.notices)))
+        placement = config.placement.notice if config.placement else ""
+        self._send(EngineReady(name, self._summary(engine, name), "; ".join(n for n in (placement, *engine.model.notices) if n)))
 
     @staticmethod
     def _summary(engine, name: str) -> str:
@@ -201,7 +202,8 @@ class EngineBridge:
         elif drafter != "none":
             drafter = f"{drafter} (γ {cfg.spec.draft_len})"
         experts = "" if m.store.quant == "none" else f"{m.store.quant} "
-        return (f"{name} on {m.device} ({cfg.dtype}) · {m.cache.capacity}/{total} {experts}experts on {tier} · "
+        where = str(cfg.placement) if cfg.placement else f"{m.device} in {cfg.dtype}"
+        return (f"{name} on {where} · {m.cache.capacity}/{total} {experts}experts on {tier} · "
                 f"drafter {drafter} · policy {cfg.scheduler.policy}")
 
     def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams) -> Message:

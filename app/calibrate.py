@@ -53,22 +53,38 @@ def _progress(name: str, frac: float) -> None:
 
 
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
-              vram_budget: int | None = None, ram_budget: int | None = None, quant: str | None = None):
+              vram_budget: int | None = None, ram_budget: int | None = None, quant: str | None = None,
+              device: str = "auto", dtype: str = "auto"):
     """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) and the
-    experts' format (None: decided) go to `decide`."""
-    import torch
-
-    from ..engine import Profile, decide, estimate, fingerprint, measure, model_key, probe, save_profile
+    experts' format (None: decided) go to `decide`. Timed on the device and dtype a run will use
+    (`device`/`dtype` as the settings give them, `auto` resolved as engine_config resolves it)."""
+    from ..engine import (
+        Profile,
+        decide,
+        estimate,
+        experts_format,
+        fingerprint,
+        measure,
+        model_key,
+        probe,
+        resolve_placement,
+        save_profile,
+    )
     from .demo import eval_prompts
 
     progress("probing the hardware", 0.0)
     hw = probe()
-    # What a run on this machine computes with: the GPU in bfloat16 where there is one, else the
-    # command line's CPU default (float32).
-    device, dtype = ("cuda", "bfloat16") if torch.cuda.is_available() else ("cpu", "float32")
-    est = estimate(model_dir, dtype=dtype, draft_dir=None if drafter in ("none", "self") else drafter)
+    draft_dir = None if drafter in ("none", "self") else drafter
+    fmt = quant or "none"
+    for _ in range(2):  # the experts' format that will run decides the dtype (placement.py), the dtype their size
+        placement = resolve_placement(device, dtype, model_dir, fmt)
+        est = estimate(model_dir, dtype=placement.dtype, draft_dir=draft_dir)
+        if experts_format(hw, est, ram_budget, quant) == fmt:
+            break
+        fmt = experts_format(hw, est, ram_budget, quant)
     meas = measure(model_dir, hw, eval_prompts(3 if quick else 8), drafter, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN,
-                   device=device, dtype=dtype, progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
+                   device=placement.device, dtype=placement.dtype, quant=fmt,
+                   progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
     decisions = decide(hw, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
@@ -91,8 +107,9 @@ def cmd_calibrate(args) -> int:
 
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
-    quant = load_settings()[0].quant  # a format fixed in the settings is calibrated with; unset: decided
-    profile, path = calibrate(model_dir, drafter, args.quick, quant=quant)
+    settings = load_settings()[0]  # a format fixed in the settings is calibrated with; unset: decided
+    profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device or "auto",
+                              dtype=settings.dtype or "auto")
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),

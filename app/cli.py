@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -62,9 +63,10 @@ def _gib(value: float | None) -> int | None:
 
 def engine_config(args):
     """The engine's config: each value from the command line, else the settings file, else this
-    machine's calibration profile for the model, else the engine's default. Sets args.model,
-    args.draft, args.draft_len, args.policy and args.quant to what runs, args.profile to the profile's path or None."""
-    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig
+    machine's calibration profile for the model, else the engine's default; device and dtype `auto` resolved for
+    this machine (engine/placement.py). Sets args.model, args.draft, args.draft_len, args.policy, args.quant,
+    args.device and args.dtype to what runs, args.placement to why, args.profile to the profile's path or None."""
+    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig, resolve_placement
     from .calibrate import machine_profile
     from .demo import resolve_model
     from .settings import load_settings
@@ -86,6 +88,11 @@ def engine_config(args):
     args.draft_len = _first(args.draft_len, settings.draft_len, d and d.draft_len, spec.draft_len)
     args.policy = _first(args.policy, settings.policy, d and d.policy, sched.policy)
     args.quant = _first(args.quant, settings.quant, d and d.quant, "none")
+    args.placement = resolve_placement(_first(args.device, settings.device, "auto"), _first(args.dtype, settings.dtype, "auto"),
+                                       args.model, args.quant)
+    if args.placement.notice:
+        print(f"moechat: warning: {args.placement.notice}", file=sys.stderr)
+    args.device, args.dtype = args.placement.device, args.placement.dtype
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
     ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio)
     cache_bytes = _gib(args.expert_cache_gib)
@@ -98,7 +105,7 @@ def engine_config(args):
     if ram_budget is None and d and d.host_tier == "mmap" and QUANTS.index(args.quant) <= QUANTS.index(d.quant):
         ram_budget = 0  # the profile found the experts (in a format no larger) too big for RAM: read them from disk
     return EngineConfig(
-        model_dir=args.model, device=args.device, dtype=args.dtype, expert_cache_ratio=ratio,
+        model_dir=args.model, device=args.device, dtype=args.dtype, placement=args.placement, expert_cache_ratio=ratio,
         expert_cache_bytes=cache_bytes, host_ram_budget_bytes=ram_budget, quant=args.quant,
         vram_budget_bytes=_gib(_first(args.vram_budget_gib, settings.vram_budget_gib)),
         context_len=_first(args.context_len, settings.context_len), lean_decode=args.lean_decode,
@@ -106,7 +113,8 @@ def engine_config(args):
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,
             utility_bound=_first(args.utility_bound, settings.utility_bound, d and d.utility_bound, sched.utility_bound),
-            forgetting=_first(d and d.forgetting, sched.forgetting)),  # λ: the `paper` utility variant's only
+            forgetting=_first(d and d.forgetting, sched.forgetting),  # λ: the `paper` utility variant's only
+            measured=profile.measurements if profile else None),  # the balancer's unit costs, from this machine
     )
 
 
@@ -172,9 +180,12 @@ def cmd_generate(args) -> int:
     profile = None if args.profile is None else str(args.profile)
     if args.json:
         print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile,
-                          "quant": engine.model.store.quant}))
+                          "quant": engine.model.store.quant, "device": args.device, "dtype": args.dtype,
+                          "costs": dataclasses.asdict(engine.model.runtime.costs),
+                          "placement": {"device": args.placement.device_why, "dtype": args.placement.dtype_why}}))
     else:
         print()
+        print(f"[runs on {args.placement}]", file=sys.stderr)
         if profile:
             print(f"[calibration profile: {profile}]", file=sys.stderr)
         print(f"[{s.new_tokens} tokens, prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s, "
@@ -210,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--trace", metavar="FILE", help="record routing to FILE (JSON Lines, see docs/trace-format.md)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object: token_ids, text, stats, profile (the calibration profile used, or null), "
-                          "quant (the routed experts' format)")
+                          "quant (the routed experts' format), device, dtype, placement (why each), costs (the scheduler's "
+                          "unit costs and their source: the calibration profile or built-in defaults)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat: the full-screen app on a terminal, line by line with --plain or "

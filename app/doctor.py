@@ -2,7 +2,8 @@
 
 Profiles are looked up by name: `<fingerprint>-<model-key>.toml` under platformdirs'
 user_config_dir("moechat")/profiles (written by `moechat calibrate`); doctor only counts them.
-Exit status 0 even with problems: doctor reports, it does not gate.
+Exit status 0 even with problems: doctor reports, it does not gate. `doctor --gpu` (app/doctor_gpu.py) runs
+the CUDA path end to end and does gate: 1 when a part fails or no GPU is usable.
 """
 from __future__ import annotations
 
@@ -26,10 +27,17 @@ def add_doctor(sub) -> None:
                        help="check hardware, PyTorch/CUDA, native kernels and calibration profiles; list problems with fixes")
     p.add_argument("--json", action="store_true",
                    help='print one object {"hardware", "versions", "native", "profiles", "problems": [{"problem", "fix"}]}')
+    p.add_argument("--gpu", action="store_true",
+                   help="check the CUDA path end to end on a small model (under a minute): equality with Hugging Face on "
+                        "the GPU, pinned memory, copies, CPU/GPU overlap; exits 1 when a part fails or no GPU is usable")
     p.set_defaults(func=cmd_doctor)
 
 
 def cmd_doctor(args) -> int:
+    if args.gpu:
+        from .doctor_gpu import main_gpu
+
+        return main_gpu(args)
     report = diagnose()
     if args.json:
         print(json.dumps(report))

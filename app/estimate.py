@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 def add_estimate(sub) -> None:
+    from ..engine import DTYPES
     from .cli import add_renamed
     from .options import OPTION
 
@@ -14,7 +15,7 @@ def add_estimate(sub) -> None:
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",
                    help="checkpoint directory, a model fetched with `moechat pull`, or a known config: "
                         "Qwen3-30B-A3B, DeepSeek-V2-Lite (default: the embedded demo)")
-    p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices,
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="weight and KV dtype (default bfloat16, how the checkpoints ship)")
     OPTION["quant"].add_flag(p, default="none")
     p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ def _keys_problem(value) -> str | None:
 
 
 def _device_problem(value) -> str | None:
-    return None if value == "cpu" or value.startswith("cuda") else "must be cpu or cuda[:N]"
+    return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) else "must be auto, cpu, cuda or cuda:N"
 
 
 def _words(value) -> str:
@@ -203,9 +204,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("expert_budget", int, None, "LOSSY: verification computes at most B experts per MoE layer, the ones the "
            "router weighs most; output then differs from the model's", "engine", low=1, setting=False,
            unset="off", metavar="B"),
-    Option("device", str, "cpu", "compute device", "engine", problem_of=_device_problem, setting=False,
-           metavar="cpu|cuda[:N]"),
-    Option("dtype", str, "float32", "compute dtype", "engine", choices=DTYPES, setting=False),
+    Option("device", str, None, "compute device: auto (CUDA when PyTorch can use an NVIDIA GPU, the one with the most "
+           "free memory, else the CPU), cpu, cuda or cuda:N; an unusable CUDA runs on the CPU with a one-line notice",
+           "engine", problem_of=_device_problem, unset="auto", label="Device", placeholder="auto",
+           metavar="auto|cpu|cuda[:N]"),
+    Option("dtype", str, None, "compute dtype: auto (the checkpoint's where the device computes it well: bfloat16 on "
+           "a GPU that has it, else float16; on a CPU float32 for quantized or small models), float32, bfloat16 or "
+           "float16", "engine", choices=("auto",) + DTYPES, unset="auto", label="Compute dtype", placeholder="auto",
+           widget="select"),
     Option("lean_decode", bool, True, "decode and verification steps on the CPU skip transformers' module tree: "
            "moechat's own forward over the same weights, same logits", "engine", setting=False),
     Option("temperature", float, 0.7, "sampling temperature, 0 is greedy", "sampling", low=0,

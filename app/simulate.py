@@ -39,7 +39,9 @@ def add_simulate(sub) -> None:
                    help="also simulate draft-phase lookahead: the first ⌊A·(γ+1)⌋ tokens' routing is seen before each window")
     p.add_argument("--expert-budget", type=OPTION["expert_budget"].parse, default=None, metavar="B",
                    help="the budget policy's B: experts computed per layer per window (default 4·top-k, 24 on DeepSeek-V2-Lite)")
-    p.add_argument("--cost-model", type=Path, default=None, metavar="FILE", help="TOML or JSON with CostModel fields")
+    p.add_argument("--cost-model", type=Path, default=None, metavar="FILE",
+                   help="TOML or JSON with CostModel fields, or a calibration profile "
+                        "(~/.config/moechat/profiles/*.toml): this machine's measured costs")
     p.add_argument("--utility-variant", default=sched.utility_variant, choices=UTILITY_VARIANTS,
                    help=f"research: spac's utility update (default {sched.utility_variant})")
     p.add_argument("--demote", default=sched.demote, choices=DEMOTES,
@@ -65,8 +67,10 @@ def _trace_files(paths: list[str]) -> list[Path]:
     return files
 
 
-def _cost_model(path: Path | None):
-    from ..engine import CostModel
+def _cost_model(path: Path | None, routing, window: int):
+    """CostModel fields from TOML or JSON; or a calibration profile (`moechat calibrate`'s TOML): its timings
+    through the unit costs the engine's balancer runs on, at this trace's experts and top-k."""
+    from ..engine import CostModel, measurements_from, unit_costs
 
     if path is None:
         return CostModel()
@@ -81,9 +85,14 @@ def _cost_model(path: Path | None):
             fields = tomllib.loads(text)
         else:
             fields = json.loads(text)
+        if "measurements" in fields:  # a calibration profile
+            meas = measurements_from(fields["measurements"])
+            costs = unit_costs(meas, routing.experts.shape[2], routing.num_experts, window - 1, meas.expert_bytes)
+            return CostModel.from_unit_costs(costs, meas.expert_bytes)
         return CostModel(**fields)
     except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"cost model {path} is not usable ({err}): give CostModel fields in TOML or JSON") from None
+        raise ValueError(f"cost model {path} is not usable ({err}): give CostModel fields in TOML or JSON, "
+                         "or a calibration profile") from None
 
 
 def cmd_simulate(args) -> int:
@@ -92,13 +101,13 @@ def cmd_simulate(args) -> int:
     window = args.draft_len + 1  # tokens one verification step scores
     if args.lookahead_accept is not None and not 0 <= args.lookahead_accept <= 1:
         raise ValueError(f"--lookahead-accept must be in [0, 1], got {args.lookahead_accept}")
-    cost = _cost_model(args.cost_model)
     routings = []
     for f in _trace_files(args.traces):
         try:
             routings.append(load_routing(f))
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"cannot read trace {f} ({err})") from None
+    cost = _cost_model(args.cost_model, routings[0], window)
     policies = ["lru", "oracle"] + [p for p in args.policy if p not in ("lru", "oracle")]
     scheduler = dict(utility_variant=args.utility_variant, demote=args.demote)
     rows = []

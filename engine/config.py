@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import MoechatError
+
+if TYPE_CHECKING:
+    from .calibration.types import Measurements
+    from .placement import Placement
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("none", "int8", "int4")  # routed experts' storage format (engine/quant/formats.py)
@@ -53,6 +58,23 @@ class SpecConfig:
 
 
 @dataclass
+class UnitCosts:
+    """MoE-SpAc's unit costs (§3.3), seconds: from the calibration profile's timings (calibration/decide.py
+    `unit_costs`), else these built-in defaults (a PCIe 4.0 desktop with an RTX 4090-class GPU)."""
+
+    cpu_s: float = 0.3e-3  # one CPU expert (per activation or per distinct expert, by cost model)
+    device_s: float = 0.03e-3  # one device expert for ≤ γ+1 tokens
+    io_s: float = 0.7e-3  # one expert host -> device
+    draft_s: float = 4e-3  # one draft token (whole draft model)
+    source: str = "built-in defaults"  # where the figures came from ("profile", or which are defaults)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_s", "device_s", "io_s", "draft_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)!r}")
+
+
+@dataclass
 class SchedulerConfig:
     """Which residency policy runs the fast tier, and MoE-SpAc's knobs (the paper's K = 4, λ = 0.1)."""
 
@@ -71,6 +93,8 @@ class SchedulerConfig:
     # only: on-demand loading, least recently used evicted). The baseline that offloading without CPU
     # compute gives (bench e2e); lossless like every policy.
     cpu_experts: bool = True
+    # The calibration profile's timings: the balancer's unit costs come from them (`unit_costs`); None: defaults.
+    measured: Measurements | None = None
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -101,6 +125,7 @@ class EngineConfig:
     lean_decode: bool = True  # decode/verify steps on the CPU skip transformers' module tree (model/lean_decode.py); same logits
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    placement: Placement | None = None  # why this device and dtype, when `auto` chose them (engine/placement.py)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -16,7 +16,7 @@ import time
 
 
 def add_bench_cpu_experts(sub) -> None:
-    from ...engine import SpecConfig
+    from ...engine import DTYPES, SpecConfig
     from ..cli import add_renamed
     from ..options import OPTION
 
@@ -29,7 +29,7 @@ def add_bench_cpu_experts(sub) -> None:
     # γ on the command line, the window of γ+1 tokens it verifies in args.window
     p.add_argument("--draft-len", dest="window", type=lambda text: OPTION["draft_len"].parse(text) + 1, default=gamma + 1,
                    metavar="N", help=f"γ: one verification window holds γ+1 tokens (default {gamma})")
-    p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--samples", type=int, default=40, metavar="N", help="random routings timed (default 40)")
     p.add_argument("--repeats", type=int, default=3, metavar="R",
                    help="timed calls per routing after one warm-up; the fastest counts (default 3)")

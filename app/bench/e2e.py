@@ -24,7 +24,7 @@ ROWS = ("spac + hybrid + self drafter", "lru + hybrid", "lru on demand, no CPU e
 
 
 def add_bench_e2e(sub) -> None:
-    from ...engine import SpecConfig
+    from ...engine import DTYPES, SpecConfig
     from ..options import OPTION
 
     gamma = SpecConfig.draft_len
@@ -37,7 +37,7 @@ def add_bench_e2e(sub) -> None:
     p.add_argument("--replay-traces", default=os.environ.get(REPLAY_ENV), metavar="PATH",
                    help=f"recorded routing to replay (a DeepSeek CSV(.gz) or a moechat --trace file); default ${REPLAY_ENV}")
     p.add_argument("--device", default=None, help="compute device (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     OPTION["quant"].add_flag(p, default="none")
     p.add_argument("--expert-cache-ratio", type=OPTION["expert_cache_ratio"].parse, default=0.17, metavar="R",
                    help="fast-tier share of the experts (default 0.17)")

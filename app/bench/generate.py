@@ -1,6 +1,7 @@
 """`moechat bench generate`: the engine and Hugging Face `generate` on the same model, side by side."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -81,6 +82,10 @@ def cmd_bench_generate(args) -> int:
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"], **decode},
     }
+    result["costs"] = dataclasses.asdict(engine.model.runtime.costs)
+    predicted = _calibrated_cpu_ms(engine, args)
+    if predicted is not None:
+        result["engine"]["calibrated_cpu_ms_per_token"] = predicted
     if profile is not None:
         result["profile_ms_per_token"] = profile
     if replay is not None:
@@ -149,6 +154,17 @@ def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
     return {k: statistics.median(v) for k, v in rows.items() if v}, decode, same
 
 
+def _calibrated_cpu_ms(engine, args) -> float | None:
+    """Without a drafter or fast tier: the CPU expert time per token the calibration profile's curve predicts
+    (MoE layers × top-k × its time per expert at one token), to set beside the measured `cpu_ms_per_token`."""
+    meas = engine.config.scheduler.measured
+    m = engine.model
+    if meas is None or not meas.cpu_s_per_expert or args.draft != "none" or m.cache.capacity:
+        return None
+    scale = m.store.expert_bytes / meas.expert_bytes if meas.expert_bytes else 1.0  # a profile of another format
+    return 1e3 * len(m.store.layers) * m.family.top_k(m.hf_config) * meas.cpu_s_per_expert[0] * scale
+
+
 def _print_generate(result: dict, args, replay) -> None:
     engine = decode = result["engine"]  # the decode figures sit beside the engine's rates
     print(f"model {args.model}  prompt {result['prompt_tokens']} tokens  new {args.max_new_tokens} tokens  "
@@ -166,7 +182,10 @@ def _print_generate(result: dict, args, replay) -> None:
         print("decode by part, ms per token (under cProfile): " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     print(f"decode: hit rate {decode['hit_rate']:.3f}  loads/token {decode['loads_per_token']:.2f}  "
           f"acceptance {decode['acceptance']:.2f}  CPU experts {decode['cpu_ms_per_token']:.2f} ms/token  "
-          f"fast tier {decode['device_ms_per_token']:.2f} ms/token")
+          f"fast tier {decode['device_ms_per_token']:.2f} ms/token"
+          + (f"  (calibration predicts CPU experts {decode['calibrated_cpu_ms_per_token']:.2f})"
+             if "calibrated_cpu_ms_per_token" in decode else ""))
+    print(f"scheduler unit costs: {result['costs']['source']}")
     if "hf" in result:
         same = result["same_tokens"]
         print(f"same greedy tokens: {same}", file=sys.stderr if same else sys.stdout)

@@ -44,13 +44,14 @@ def _ints(text: str) -> list[int]:
 
 
 def add_bench_kernels(sub) -> None:
+    from ...engine import DTYPES
     from ..options import OPTION
 
     p = sub.add_parser("kernels", help="native kernels vs their PyTorch twins: CPU expert FFN (and GPU transfers)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--tokens", type=_ints, default=[1, 2, 4, 8, 9], metavar="T,..", help="tokens per expert (default 1,2,4,8,9)")
     p.add_argument("--experts", type=_ints, default=[8, 32], metavar="G,..", help="experts per call (default 8,32)")
-    p.add_argument("--dtype", default="bfloat16", choices=OPTION["dtype"].choices, help="weights and activations")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights and activations")
     OPTION["quant"].add_flag(p, default="none")  # int8/int4: the quantized kernel, fp32 activations quantized inside
     p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed calls per row and side, fastest counts (default 5)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads for both sides (default torch's)")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ..config import QUANTS, SchedulerConfig, SpecConfig
+from ..config import QUANTS, SchedulerConfig, SpecConfig, UnitCosts
 from ..errors import BudgetError
 from ..model.memory_budgets import GIB, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
 from .types import Decisions, Hardware, Measurements
@@ -58,6 +58,30 @@ def _per_expert(curve: list[float], n: float) -> float:
     i = min(max(int(n), 1), len(curve) - 1)  # segment [i, i+1] in tokens (1-based)
     lo, hi = curve[i - 1], curve[i]
     return max(lo + (hi - lo) * (max(n, 1.0) - i), 0.0)
+
+
+def unit_costs(meas: Measurements, top_k: int, num_experts: int, draft_len: int, expert_bytes: int,
+               cpu_cost: str = "distinct") -> UnitCosts:
+    """The balancer's unit costs (MoE-SpAc Eq. 7-12) from the profile's timings, at the tokens per expert of a
+    verification window (γ+1 tokens over D(γ+1) distinct experts), for experts of `expert_bytes` (timings of
+    another format scale with the bytes: the kernels and copies are bound by them). Figures the profile lacks
+    (no GPU: device and copies) keep the built-in defaults, and `source` says which."""
+    t = draft_len + 1
+    n = t * top_k / distinct_experts(t, num_experts, top_k)  # tokens per distinct expert
+    scale = expert_bytes / meas.expert_bytes if meas.expert_bytes else 1.0
+    found = {}
+    if meas.cpu_s_per_expert:
+        found["cpu_s"] = _per_expert(meas.cpu_s_per_expert, n) * scale / (n if cpu_cost == "activations" else 1.0)
+    if meas.device_s_per_expert:
+        found["device_s"] = _per_expert(meas.device_s_per_expert, n) * scale
+    if meas.h2d_pinned_bytes_s:
+        found["io_s"] = expert_bytes / meas.h2d_pinned_bytes_s
+    if meas.draft_s_per_token:
+        found["draft_s"] = meas.draft_s_per_token
+    missing = [name for name in ("cpu_s", "device_s", "io_s", "draft_s") if name not in found]
+    source = "built-in defaults" if not found else "profile" if not missing else \
+        f"profile; built-in defaults for {', '.join(missing)}"
+    return UnitCosts(**found, source=source)
 
 
 def layer_seconds(tokens: int, est: MemoryEstimate, meas: Measurements, hot: float, prefetched: float = 0.0) -> float | None:
@@ -147,6 +171,12 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
         reasons["quant"] = (f"int4, read from disk: the experts need {in_dtype}, {need['int8']} in int8 and "
                             f"{need['int4']} in int4, more than the {ram_left}; int4 reads the fewest bytes")
     return sized[chosen]
+
+
+def experts_format(hw: Hardware, est: MemoryEstimate, ram_budget: int | None = None, quant: str | None = None) -> str:
+    """The routed experts' format `decide` settles on (the user's `quant` when given): calibration times that one."""
+    ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
+    return _quant(est, ram, bool(hw.gpus), {}, quant).quant
 
 
 def _gib_short(n: int) -> str:

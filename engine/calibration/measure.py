@@ -22,6 +22,7 @@ from .types import Hardware, Measurements
 
 Progress = Callable[[str, float], None]
 _READ_CAP = 256 * 2**20  # bytes read per tier for the RAM/mmap comparison
+_POOL_BYTES = 2**30  # experts the CPU curve draws from, past any CPU cache (as `bench kernels` does)
 _RAM_SHARE = 0.5  # load the expert store into RAM for timing when it takes at most this share of free RAM
 
 
@@ -77,6 +78,55 @@ def expert_curve(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, activ
         x = torch.randn(active * t, H, dtype=gate_up.dtype).to(gate_up.device)  # [active·t, H]
         curve.append(timer(lambda x=x, ids=ids: grouped_ffn(x, gate_up, down, ids, act)) / active)
     return curve
+
+
+def cpu_curve(layers: list[tuple], active: int, max_tokens: int, repeats: int, seed: int = 0) -> list[float]:
+    """Seconds per expert for t = 1..max_tokens tokens each, timed as decode meets the experts: each call takes
+    `active` experts (a decode step's top-k) at random from a random layer of `layers` [(gate_up [E, 2I, H],
+    down [E, H, I]) tensors, or QuantMatrix for quantized experts], so caches and TLB are as cold as in decode,
+    through the engine's CPU dispatcher (`cpu_ffn.moe_ffn`: the native kernel where built, in the experts'
+    format); the median of `repeats` calls after one warm-up, divided by `active`."""
+    import random
+
+    from ..experts import cpu_ffn
+
+    layers = _pool(layers)
+    gate_up0, down0 = layers[0]
+    H = down0.shape[-2] if isinstance(down0, torch.Tensor) else down0.rows
+    E = gate_up0.shape[0]
+    x_dtype = gate_up0.dtype if isinstance(gate_up0, torch.Tensor) else torch.float32
+    rng = random.Random(seed)
+    curve = []
+    for t in range(1, max_tokens + 1):
+        x = torch.randn(t, H, dtype=x_dtype)  # [t, H] every token routed to every chosen expert
+        offsets = torch.arange(active + 1) * t  # [G+1]
+        rows = torch.arange(t).repeat(active)  # [G·t] grouped by expert
+        weights, out = torch.ones(active * t), torch.zeros(t, H)
+        times = []
+        for _ in range(repeats + 1):
+            gate_up, down = layers[rng.randrange(len(layers))]
+            experts = torch.tensor(sorted(rng.sample(range(E), active)))  # [G]
+            t0 = time.perf_counter()
+            cpu_ffn.moe_ffn(x, gate_up, down, experts, offsets, rows, weights, out, max_tokens=t)
+            times.append(time.perf_counter() - t0)
+        curve.append(statistics.median(times[1:]) / active)
+    return curve
+
+
+def _pool(layers: list[tuple]) -> list[tuple]:
+    """The first layers holding at least _POOL_BYTES of experts (past any CPU cache), every page of them
+    touched once: a long decode has mapped the experts it meets, so page faults are not what it pays."""
+    pool, total = [], 0
+    for pair in layers:
+        pool.append(pair)
+        for w in pair:
+            for t in (w.tensors() if hasattr(w, "tensors") else [w]):
+                flat = t.reshape(-1).view(torch.uint8)
+                flat[::4096].sum()  # one byte per page: the mapping is made, the bytes stay where they are
+                total += flat.numel()
+        if total >= _POOL_BYTES:
+            break
+    return pool
 
 
 def read_bandwidths(ckpt_dir: Path, keys: list[str], repeats: int) -> tuple[float, float]:
@@ -141,14 +191,15 @@ def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     return per_expert * fam.num_experts(cfg) * len(fam.sparse_layers(cfg))
 
 
-def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int):
+def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int, quant: str):
     """The engine to time, with no fast tier: from RAM, or from the mmap'd files (the engine's own disk
-    tier) when the expert store is too big for half the free RAM."""
+    tier) when the expert store is too big for half the free RAM (quantized experts are mapped from their cache file)."""
     from ..config import EngineConfig
     from ..generate import Engine
 
-    ram_budget = 0 if _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes else None
-    return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0,
+    ram_budget = 0 if quant == "none" and _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes \
+        else None
+    return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0, quant=quant,
                                host_ram_budget_bytes=ram_budget, spec=SpecConfig(drafter=drafter, draft_len=draft_len)))
 
 
@@ -159,7 +210,7 @@ def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report
     # where grouped_ffn takes its grouped path; the curve charges each of them its share of that call.
     active = max(1, math.ceil(store.num_experts / 4))
     gate_up, down = store.layer_tensors(len(store.layers) - 1)  # [E, 2I, H], [E, H, I] (a copy on the disk tier)
-    if on_device:
+    if on_device and store.quant == "none":  # quantized slots on a GPU: the dequantizing twin, not timed yet
         report("host<->device bandwidth", 0.25)
         for name, value in bandwidths(store.expert_bytes, engine.model.device, repeats).items():
             setattr(m, name, value)
@@ -170,8 +221,11 @@ def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report
                                                  lambda fn: _best_cuda(fn, repeats))
         del dev_gu, dev_d
     report("CPU time per expert", 0.45)
+    views = [store.layer_views(li) for li in range(len(store.layers))]  # every layer in place: a pool past the caches
+    layers = [v for v in views if v is not None] or [(gate_up, down)]  # the disk tier: one layer, copied
     with torch.inference_mode():
-        m.cpu_s_per_expert = expert_curve(gate_up, down, act, active, m.max_tokens, lambda fn: _best(fn, repeats))
+        top_k = engine.model.family.top_k(engine.model.hf_config)
+        m.cpu_s_per_expert = cpu_curve(layers, top_k, m.max_tokens, repeats)
 
 
 def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens: int, report: Progress) -> None:
@@ -202,10 +256,10 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
 
 def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False,
             draft_len: int = SpecConfig.draft_len, progress: Progress | None = None, device: str | None = None,
-            dtype: str | None = None) -> Measurements:
-    """Time this machine for the model in `model_dir`, generating on `prompts` with `drafter`.
-    device/dtype default to cuda + bfloat16 where CUDA is available, else cpu + float32 (the command
-    line's default)."""
+            dtype: str | None = None, quant: str = "none") -> Measurements:
+    """Time this machine for the model in `model_dir`, generating on `prompts` with `drafter`, its experts in
+    `quant`. device/dtype default to cuda + bfloat16 where CUDA is available, else cpu + float32; the app passes
+    what `auto` resolves to (engine/placement.py)."""
     report = progress or (lambda name, frac: None)
     cuda = torch.cuda.is_available()
     device = device or ("cuda" if cuda else "cpu")
@@ -218,7 +272,7 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
         m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
     report("loading the model", 0.1)
-    engine = _engine(model_path, hw, device, dtype, drafter, draft_len)
+    engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant)
     m.expert_bytes = engine.model.store.expert_bytes
     _time_experts(engine, m, cuda and device.startswith("cuda"), repeats, report)
     _time_generation(engine, m, prompts, 12 if quick else 48, report)

@@ -125,6 +125,11 @@ def _build(cls, raw, where: str):
     return cls(**kwargs)
 
 
+def measurements_from(raw: dict) -> Measurements:
+    """A profile's [measurements] table as Measurements (ValueError when it does not fit)."""
+    return _build(Measurements, raw, "measurements")
+
+
 def _set_aside(path: Path, why: str) -> str:
     bad = path.with_name(path.name + ".bad")
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config import UnitCosts
 from ..errors import MoechatError
 from ..replay import RoutingReplay
 from ..sched.policies import PHASES, Policy
@@ -62,6 +63,7 @@ class MoERuntime:
                                f"give at least {top_k}, or leave it unset to compute every routed expert")
         self.store, self.cache, self.policy, self.device, self.act = store, cache, policy, device, act
         self.expert_budget = expert_budget  # LOSSY when set: verification computes at most this many experts per layer
+        self.costs = getattr(policy, "costs", None) or UnitCosts()  # the balancer's unit costs (build_runtime sets them)
         policy.bind(cache, top_k)
         self.mode: ForwardMode | None = None  # set only inside `forward`
         self.hooks = True  # whether the pass in progress calls the policy's before_layer/after_layer

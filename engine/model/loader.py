@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig
+from ..calibration.decide import unit_costs
+from ..config import EngineConfig, UnitCosts
 from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
@@ -167,9 +168,13 @@ def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, a
     """The wiring store -> fast tier -> policy -> runtime, as `cfg` asks for it. replay: recorded
     routing instead of the routers' (benchmarks); native_cpu=False: the PyTorch CPU tier only."""
     cache = ExpertCache(store, slots_for(store, cfg.expert_cache_ratio, cfg.expert_cache_bytes), device)
-    policy = make_policy(cfg.scheduler, draft_len=cfg.spec.draft_len)
-    runtime = MoERuntime(store, cache, policy, device, act, top_k=top_k, expert_budget=cfg.scheduler.expert_budget,
+    sched = cfg.scheduler
+    costs = UnitCosts() if sched.measured is None else \
+        unit_costs(sched.measured, top_k, store.num_experts, cfg.spec.draft_len, store.expert_bytes, sched.cpu_cost)
+    policy = make_policy(sched, draft_len=cfg.spec.draft_len, costs=costs)
+    runtime = MoERuntime(store, cache, policy, device, act, top_k=top_k, expert_budget=sched.expert_budget,
                          native_cpu=native_cpu)
+    runtime.costs = costs  # what the balancer runs on, and where it came from (generate --json reports it)
     runtime.replay_routing(replay)
     return runtime
 

@@ -14,25 +14,10 @@ reads each expert once per step, as moechat's grouped CPU path does).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class UnitCosts:
-    """Seconds per unit; from the hardware profile, else measured defaults (a PCIe 4.0 desktop)."""
-
-    cpu_s: float = 0.3e-3  # one CPU expert (per activation or per distinct expert, by cost model)
-    device_s: float = 0.03e-3  # one device expert for ≤ γ+1 tokens
-    io_s: float = 0.7e-3  # one expert host -> device
-    draft_s: float = 4e-3  # one draft token (whole draft model)
-
-    def __post_init__(self) -> None:
-        for name in ("cpu_s", "device_s", "io_s", "draft_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)!r}")
-
+from ..config import UnitCosts  # noqa: F401 (the balancer's unit costs, declared with the engine's settings)
 
 SMOOTHING = 0.2  # EMA weight of the newest step in the learned CPU and device units
 

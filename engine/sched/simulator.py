@@ -49,6 +49,18 @@ class CostModel:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
 
+    @classmethod
+    def from_unit_costs(cls, costs, expert_bytes: int, **fields) -> CostModel:
+        """The cost model whose per-expert times are `costs` (a calibration profile's, `calibration/decide.py:
+        unit_costs`, the same the engine's balancer runs on) for experts of `expert_bytes`: one cost model for
+        the engine, `decide` and the simulator."""
+        def gb_s(seconds: float) -> float:
+            return expert_bytes / max(seconds, 1e-12) / 1e9
+
+        return cls(expert_bytes=expert_bytes, pcie_gb_s=gb_s(costs.io_s), cpu_dram_gb_s=gb_s(costs.cpu_s),
+                   device_gb_s=gb_s(costs.device_s), device_ms_per_expert_launch=0.0,
+                   draft_ms_per_token=costs.draft_s * 1e3, **fields)
+
     def unit_costs(self):
         """The same costs in the units MoE-SpAc's balancer takes."""
         from .balancer import UnitCosts

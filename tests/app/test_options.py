@@ -102,7 +102,8 @@ def test_bad_flags_fail_in_one_line(capsys):
     cases = [(["generate", "--prompt", "hi", "--draft-len", "0"], "argument --draft-len: must be a whole number in 1..32"),
              (["generate", "--prompt", "hi", "--ram-budget-gib", "-1"], "must be a number > 0 GiB"),
              (["generate", "--prompt", "hi", "--utility-bound", "x"], "must be a whole number in 1..16"),
-             (["generate", "--prompt", "hi", "--device", "tpu"], "must be cpu or cuda"),
+             (["generate", "--prompt", "hi", "--device", "tpu"], "must be auto, cpu, cuda or cuda:N"),
+             (["generate", "--prompt", "hi", "--device", "cuda:x"], "must be auto, cpu, cuda or cuda:N"),
              (["simulate", "--traces", ".", "--expert-cache-ratio", "0.1,2"], "must be a number in [0, 1]")]
     for argv, words in cases:
         with pytest.raises(SystemExit):

@@ -88,6 +88,15 @@ def test_profile_written_before_quant_loads_as_none(tmp_path):
     assert notice == "" and loaded.decisions.quant == "none" and loaded == saved
 
 
+@pytest.fixture
+def a_gpu(monkeypatch):
+    """`--device cuda` resolves to an RTX 4090 on any machine (engine/placement.py), so the profile's GPU values apply."""
+    from moechat.engine import placement
+
+    gpu = placement.Gpu(0, "NVIDIA GeForce RTX 4090", 22 << 30, 24 << 30, bf16=True)
+    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe((gpu,)))
+
+
 def _config(argv):
     from moechat.app.cli import build_parser, engine_config
 
@@ -96,6 +105,7 @@ def _config(argv):
 
 
 @pytest.mark.notorch
+@pytest.mark.usefixtures("a_gpu")
 def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monkeypatch):
     from moechat.app.demo import DEMO_MODEL
     from moechat.app.settings import settings_path
@@ -108,7 +118,7 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monk
     assert (cfg.spec.draft_len, cfg.spec.drafter, cfg.scheduler.policy) == (6, "self", "lfu")
     assert (cfg.scheduler.utility_bound, cfg.scheduler.forgetting, cfg.expert_cache_ratio) == (3, 0.2, 0.17)
     assert cfg.host_ram_budget_bytes == 0  # host tier mmap
-    cpu, _ = _config([])
+    cpu, _ = _config(["--device", "cpu"])
     assert cpu.expert_cache_ratio == 0.0  # a GPU's ratio is not applied to a CPU fast tier
 
     cli, _ = _config(["--device", "cuda", "--draft-len", "2", "--policy", "lru", "--draft", "none",
@@ -125,6 +135,7 @@ def test_profile_fills_what_settings_and_command_line_leave_unset(tmp_path, monk
 
 
 @pytest.mark.notorch
+@pytest.mark.usefixtures("a_gpu")
 def test_quant_comes_from_the_profile_unless_given():
     """Command line > settings > profile > "none"; the profile's cache ratio is for its own format: experts of
     another size get the VRAM it gave experts (expert_cache bytes), and its disk tier only when they are no smaller."""

@@ -188,7 +188,10 @@ async def _wizard_end_to_end(path):
 
     def gated_calibrate(*args, **kwargs):  # the real calibration, held until the test has checked the busy state
         release.wait(30)
+        calls.append(kwargs)
         return calibrate(*args, **kwargs)
+
+    calls = []
 
     app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=gated_calibrate))
     async with app.run_test(size=(120, 40)) as pilot:
@@ -202,6 +205,13 @@ async def _wizard_end_to_end(path):
         await click(pilot, "#next")
         assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram_budget_gib-error").content)
         screen.query_one("#ram_budget_gib").value = "16"
+        assert screen.query_one("#device").value == "" and screen.query_one("#dtype").value == "auto"
+        assert "auto: the CPU" in str(screen.query_one("#placement-note").content)  # what auto picks here
+        screen.query_one("#device").value = "tpu"
+        await click(pilot, "#next")
+        assert screen.step == 1 and "`device` must be auto, cpu, cuda or cuda:N" in str(screen.query_one("#device-error").content)
+        screen.query_one("#device").value = "cpu"
+        screen.query_one("#dtype").value = "float32"
         await click(pilot, "#next")  # entering the step starts the calibration
         assert screen.step == 2 and screen.busy, str(screen.query_one("#cal-error").content)
         screen.action_next()  # still calibrating: refused
@@ -220,6 +230,7 @@ async def _wizard_end_to_end(path):
         await click(pilot, "#next")
         assert screen.step == 3 and "embedded demo" in str(screen.query_one("#summary").content)
         await click(pilot, "#next")  # Finish
+    assert (calls[0]["device"], calls[0]["dtype"]) == ("cpu", "float32")  # calibrated where it will run
     return app.result, seen, rows
 
 
@@ -239,7 +250,7 @@ def test_wizard_end_to_end_with_the_demo(tmp_path):
     assert value == "int8" and why.startswith("int8: as set; the experts need")
     settings, notice = load_settings(path)
     assert notice is None and settings.model is None and settings.ram_budget_gib == 16 and settings.top_p == 0.5
-    assert settings.quant == "int8"
+    assert settings.quant == "int8" and (settings.device, settings.dtype) == ("cpu", "float32")
     assert "# mine" in path.read_text() and settings.vram_budget_gib is None
 
 

@@ -1,10 +1,11 @@
-"""The first-run wizard (and `moechat --setup`): model -> memory budgets -> calibration -> finish.
+"""The first-run wizard (and `moechat --setup`): model -> device and memory budgets -> calibration -> finish.
 
 Each step checks its input before Next. The model is the embedded demo, a local Hugging Face
 directory (config.json present, architecture supported: the engine's own checks), or a Hub id pulled
-with `moechat pull`'s code. Budgets are prefilled from the probe. Calibration runs on a thread
+with `moechat pull`'s code. Device and dtype start at `auto` (what it picks on this machine is
+shown); budgets are prefilled from the probe. Calibration runs on a thread
 worker with its progress posted as `CalibrationProgress`, and its decisions are shown with their
-reasons. Finish saves the model and budgets to the settings file (comments kept) and dismisses with
+reasons. Finish saves the model, device, dtype and budgets to the settings file (comments kept) and dismisses with
 the model directory; Cancel dismisses with None.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from textual.widgets import (
     ProgressBar,
     RadioButton,
     RadioSet,
+    Select,
     Static,
     Switch,
 )
@@ -40,8 +42,9 @@ from .settings import FieldValidator, field_error, parse_field
 
 GIB = 2**30
 STEPS = ("step-model", "step-budgets", "step-calibrate", "step-finish")
-TITLES = ("1/4 Choose the model", "2/4 Memory budgets", "3/4 Calibrate this machine", "4/4 Done")
-BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step edits
+TITLES = ("1/4 Choose the model", "2/4 Device and memory", "3/4 Calibrate this machine", "4/4 Done")
+BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step edits ...
+PLACEMENT = ("device", "dtype")  # ... with these (auto by default)
 # Calibration decisions as the wizard shows them: (field of Decisions, label); λ only matters to a
 # utility variant users do not run, so it is not shown
 DECISIONS = (("quant", "quantized experts"), ("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
@@ -122,6 +125,14 @@ class WizardScreen(Screen):
                 yield Label("", id="model-error", classes="field-error")
             with Vertical(id="step-budgets"):
                 yield Label(TITLES[1], classes="title")
+                with Horizontal(classes="row"):
+                    yield Label(OPTION["device"].label)
+                    yield Input(id="device", placeholder="auto", validators=[FieldValidator("device")])
+                yield Label("", id="device-error", classes="field-error")
+                with Horizontal(classes="row"):
+                    yield Label(OPTION["dtype"].label)
+                    yield Select([(c, c) for c in OPTION["dtype"].choices], id="dtype", value="auto", allow_blank=False)
+                yield Static("", id="placement-note", classes="hint")
                 yield Static("What moechat may use; prefilled with what is free now. Empty: whatever is free at start.",
                              classes="hint")
                 for name in BUDGETS:
@@ -168,6 +179,11 @@ class WizardScreen(Screen):
         self.hardware = hw
         settings, _ = load_settings(self.path)  # `--setup` again: the budgets chosen before win over the probe
         vram, ram = self.query_one("#vram_budget_gib", Input), self.query_one("#ram_budget_gib", Input)
+        self.query_one("#device", Input).value = settings.device or ""
+        self.query_one("#dtype", Select).value = settings.dtype or "auto"
+        self.query_one("#placement-note", Static).update(
+            f"auto: the GPU ({hw.gpus[0].name}), in bfloat16 where it has it, else float16" if hw.gpus else
+            "auto: the CPU (no NVIDIA GPU found), in float32 for quantized or small models, else the checkpoint's dtype")
         if hw.gpus:
             gpu = hw.gpus[0]
             vram.value = str(settings.vram_budget_gib or round(gpu.free_bytes / GIB, 1))
@@ -184,7 +200,7 @@ class WizardScreen(Screen):
 
     @on(Input.Changed)
     def _input_changed(self, event: Input.Changed) -> None:
-        if event.input.id in BUDGETS:
+        if event.input.id in BUDGETS + ("device",):
             result = event.validation_result
             self.query_one(f"#{event.input.id}-error", Label).update(
                 "" if result is None or result.is_valid else result.failure_descriptions[0])
@@ -264,8 +280,15 @@ class WizardScreen(Screen):
         self.query_one("#model-error", Label).update("")
         self._go(1)
 
+    def _placement(self) -> dict[str, str | None]:
+        """The device and dtype fields as settings values: None where they say auto (the default)."""
+        device = self.query_one("#device", Input).value.strip()
+        dtype = self.query_one("#dtype", Select).value
+        return {"device": None if device in ("", "auto") else device, "dtype": None if dtype == "auto" else dtype}
+
     def _leave_budgets(self) -> None:
         errors = {name: field_error(name, self._budget(name)) for name in BUDGETS}
+        errors["device"] = field_error("device", self._placement()["device"])
         for name, error in errors.items():
             self.query_one(f"#{name}-error", Label).update(error or "")
         if not any(errors.values()):
@@ -280,7 +303,7 @@ class WizardScreen(Screen):
     def _leave_finish(self) -> None:
         settings, _ = load_settings(self.path)  # a broken file: defaults (save_settings keeps the old one aside)
         settings = replace(settings, model=self.model_setting, draft=None,  # the profile's drafter for this model
-                           **{name: self._budget(name) for name in BUDGETS})
+                           **{name: self._budget(name) for name in BUDGETS}, **self._placement())
         try:
             save_settings(settings, self.path)
         except OSError as err:
@@ -302,9 +325,11 @@ class WizardScreen(Screen):
         quick = self.query_one("#quick", Switch).value
         vram, ram = (self._budget(name) for name in BUDGETS)
         quant = load_settings(self.path)[0].quant  # a format the user fixed is calibrated with, as the budgets are
-        self.run_worker(lambda: self._calibrate(quick, vram, ram, quant), thread=True, group="calibrate")
+        where = {k: v or "auto" for k, v in self._placement().items()}  # measured on the device and dtype that will run
+        self.run_worker(lambda: self._calibrate(quick, vram, ram, quant, where), thread=True, group="calibrate")
 
-    def _calibrate(self, quick: bool, vram: float | None, ram: float | None, quant: str | None = None) -> None:
+    def _calibrate(self, quick: bool, vram: float | None, ram: float | None, quant: str | None = None,
+                   where: dict[str, str] | None = None) -> None:
         calibrate = self._calibrate_fn
         if calibrate is None:
             from ...calibrate import calibrate
@@ -315,7 +340,7 @@ class WizardScreen(Screen):
         try:
             profile, path = calibrate(self.model_dir, self.drafter, quick, progress,
                                       vram_budget=None if vram is None else int(vram * GIB),
-                                      ram_budget=None if ram is None else int(ram * GIB), quant=quant)
+                                      ram_budget=None if ram is None else int(ram * GIB), quant=quant, **(where or {}))
         except Exception as err:  # BudgetError and friends are one line already; anything else made one
             from ....engine import MoechatError
 

@@ -1,0 +1,169 @@
+"""Where a model runs: the `auto` device and dtype resolved for this machine, each with its reason.
+
+device auto: CUDA when PyTorch can use an NVIDIA GPU (the one with the most free memory), else the CPU.
+A CUDA device that cannot work (a CPU build of PyTorch, a driver too old, the first allocation failing)
+falls back to the CPU with one line that says why, whether it was chosen or asked for.
+
+dtype auto: the checkpoint's dtype where the device computes it well, float32 only where asked:
+- CUDA: bfloat16 on GPUs that compute it (compute capability 8.0+), else float16; a float32
+  checkpoint runs in the half type too.
+- CPU with quantized experts: float32. The dense layers are quantized as well (quant/dense.py), so the
+  activations' width costs little memory, and PyTorch's remaining ops are faster in float32 on the
+  CPUs measured (docs/benchmarks.md: int4 40.7 against 35.9 tok/s, int8 34.0 against 28.7).
+- CPU, unquantized: float32 for a small model (at most 1 GiB widened), which PyTorch's per-op cost
+  bounds, lower in float32 (the demo: 222-251 against 149-162 tok/s, on an AVX512-BF16 CPU); a larger
+  one stays in its half type, which halves the bytes every token reads and the RAM it takes.
+
+The probe is a plain record (`CudaProbe`) so that the rules are tested on machines this one is not.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+SMALL_MODEL = GIB  # float32 bytes up to which a half-precision checkpoint runs in float32 on the CPU
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    free_bytes: int
+    total_bytes: int
+    bf16: bool  # computes bfloat16 natively (compute capability 8.0 and later)
+
+
+@dataclass(frozen=True)
+class CudaProbe:
+    gpus: tuple[Gpu, ...] = ()
+    problem: str = ""  # why CUDA cannot be used although a GPU may be there; "" when usable or absent
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str  # "cpu" | "cuda:N"
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    device_why: str  # a few words each, for the status line and generate's stats
+    dtype_why: str
+    notice: str = ""  # one line when what was asked for could not be used
+
+    def __str__(self) -> str:
+        return f"{self.device} ({self.device_why}) in {self.dtype} ({self.dtype_why})"
+
+
+def probe_cuda() -> CudaProbe:
+    """What PyTorch's CUDA can use here. Never raises: a broken driver is a `problem`, not an error."""
+    try:
+        import torch
+    except ImportError:  # the command then says how to install PyTorch (app/cli.py)
+        return CudaProbe()
+
+    if torch.version.cuda is None:
+        from .calibration.probe import gpu_info
+
+        gpus, _ = gpu_info()  # NVML sees the card although PyTorch cannot use it
+        return CudaProbe(problem="this PyTorch is a CPU-only build: reinstall moechat with installer/install.sh "
+                                 "to get the CUDA build" if gpus else "")
+    with warnings.catch_warnings(record=True) as caught:  # a driver too old for this build warns, then says False
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    if not available:
+        said = next((str(w.message).strip().splitlines()[0] for w in caught), "")
+        return CudaProbe(problem=f"PyTorch cannot use CUDA ({said})" if said else "")
+    gpus = []
+    try:
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)  # creates the context: fails here when the GPU is unusable
+            gpus.append(Gpu(i, props.name, int(free), int(total), props.major >= 8))
+    except Exception as err:  # out of memory at start, a lost device, a driver/runtime mismatch
+        return CudaProbe(tuple(gpus), f"CUDA failed to start ({_one_line(err)})")
+    return CudaProbe(tuple(gpus))
+
+
+def choose(device: str, dtype: str, checkpoint_dtype: str, quant: str, cuda: CudaProbe, fp32_bytes: int = 0) -> Placement:
+    """device: "auto" | "cpu" | "cuda[:N]"; dtype: "auto" or a dtype name; fp32_bytes: the checkpoint's
+    weights widened to float32 (0: unknown)."""
+    dev, dev_why, notice = _device(device, cuda)
+    gpu = next((g for g in cuda.gpus if f"cuda:{g.index}" == dev), None)
+    if dtype != "auto":
+        return Placement(dev, dtype, dev_why, "set", notice)
+    dt, dt_why = _gpu_dtype(gpu, checkpoint_dtype) if gpu else _cpu_dtype(checkpoint_dtype, quant, fp32_bytes)
+    return Placement(dev, dt, dev_why, dt_why, notice)
+
+
+def _device(device: str, cuda: CudaProbe) -> tuple[str, str, str]:
+    """-> (device, why, notice)."""
+    if device == "cpu":
+        return "cpu", "set", ""
+    asked = device != "auto"
+    if cuda.problem or not cuda.gpus:
+        why = cuda.problem or "no NVIDIA GPU that PyTorch can use"
+        notice = f"{device} was asked for but {why}: running on the CPU" if asked else \
+            f"{why}: running on the CPU" if cuda.problem else ""
+        return "cpu", cuda.problem and "CUDA unusable" or "no usable NVIDIA GPU", notice
+    best = max(cuda.gpus, key=lambda g: (g.free_bytes, -g.index))  # the most free memory; the first of equals
+    if asked and device != "cuda":
+        index = int(device.split(":", 1)[1])
+        chosen = next((g for g in cuda.gpus if g.index == index), None)
+        if chosen is not None:
+            return device, f"set, {_gpu_words(chosen)}", ""
+        count = f"{len(cuda.gpus)} GPU{'s' if len(cuda.gpus) > 1 else ''}"
+        return f"cuda:{best.index}", _gpu_words(best), f"{device} does not exist ({count}): using cuda:{best.index}"
+    most = f", the most free of {len(cuda.gpus)}" if len(cuda.gpus) > 1 else ""
+    return f"cuda:{best.index}", _gpu_words(best) + most, ""
+
+
+def _gpu_words(g: Gpu) -> str:
+    return f"{g.name}, {g.free_bytes / GIB:.1f}/{g.total_bytes / GIB:.0f} GiB free"
+
+
+def _gpu_dtype(gpu: Gpu, checkpoint: str) -> tuple[str, str]:
+    if checkpoint == "float16":
+        return "float16", "the checkpoint's"
+    if gpu.bf16:
+        return "bfloat16", "the checkpoint's" if checkpoint == "bfloat16" else f"half precision for a {checkpoint} checkpoint"
+    return "float16", "this GPU has no native bfloat16"
+
+
+def _cpu_dtype(checkpoint: str, quant: str, fp32_bytes: int) -> tuple[str, str]:
+    if quant != "none":
+        return "float32", f"dense layers {quant} too: float32 activations run faster"
+    if checkpoint == "float32":
+        return "float32", "the checkpoint's"
+    if 0 < fp32_bytes <= SMALL_MODEL:
+        return "float32", "a small model: PyTorch's ops run faster in float32"
+    return checkpoint, "the checkpoint's: half the bytes of float32"
+
+
+def _one_line(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def resolve_placement(device: str, dtype: str, model_dir: str, quant: str, cuda: CudaProbe | None = None) -> Placement:
+    """`choose` for a checkpoint directory on this machine: its dtype and size from the files, and the CUDA
+    probe (skipped when the device is the CPU)."""
+    from .model.checkpoint import read_config_dict
+
+    directory = Path(model_dir).expanduser()
+    raw = read_config_dict(directory)
+    checkpoint = checkpoint_dtype(raw)
+    if raw.get("quantization_config", {}).get("quant_method") == "gptq":
+        quant = "int4"  # runs as it is (quant/gptq.py), its dense layers quantized on a CPU like any int4 model's
+    if cuda is None:
+        cuda = CudaProbe() if device == "cpu" else probe_cuda()
+    widen = 4 // {"float32": 4}.get(checkpoint, 2)  # bytes per weight in float32 over the checkpoint's
+    fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    return choose(device, dtype, checkpoint, quant, cuda, fp32_bytes)
+
+
+def checkpoint_dtype(raw_config: dict) -> str:
+    """The dtype a config.json says its weights are in (`dtype`, older `torch_dtype`); GPTQ's scales are
+    float16; float32 when it says nothing."""
+    if raw_config.get("quantization_config", {}).get("quant_method") == "gptq":
+        return "float16"
+    name = str(raw_config.get("dtype") or raw_config.get("torch_dtype") or "float32").removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else "float32"

@@ -1,0 +1,39 @@
+"""`moechat doctor --gpu`: one line and exit 1 without a GPU; its checks run (here on the CPU device, on a GPU in full)."""
+import json
+
+import pytest
+
+import moechat.engine
+from moechat.app import cli, doctor_gpu
+from moechat.engine import placement
+
+
+def test_without_a_gpu_one_line_and_exit_1(monkeypatch, capsys):
+    monkeypatch.setattr(moechat.engine, "probe_cuda", lambda: placement.CudaProbe(), raising=False)
+    assert cli.main(["doctor", "--gpu"]) == 1
+    out = capsys.readouterr().out
+    assert out == "moechat doctor --gpu: no NVIDIA GPU that PyTorch can use: nothing to check on this machine\n"
+    monkeypatch.setattr(moechat.engine, "probe_cuda", lambda: placement.CudaProbe(problem="CUDA failed to start (out of memory)"),
+                        raising=False)
+    assert cli.main(["doctor", "--gpu", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["checks"][0]["detail"] == "CUDA failed to start (out of memory)"
+
+
+def test_the_checks_run_on_the_cpu_device(tmp_path):
+    """The same checks on the CPU compute device: the model, Hugging Face's greedy output, both engine variants
+    and the slot comparison run; pinning and the GPU overlap do not apply there and report FAIL."""
+    rows = {r["part"]: r for r in doctor_gpu._checks(doctor_gpu._tiny_model(tmp_path), "cpu")}
+    assert rows["equality"]["ok"], rows["equality"]
+    assert rows["copies"]["ok"] and "resident experts" in rows["copies"]["detail"]
+    assert not rows["pinned"]["ok"] and rows["pinned"]["fix"]
+
+
+@pytest.mark.gpu
+def test_doctor_gpu_passes_on_a_gpu(capsys):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert cli.main(["doctor", "--gpu", "--json"]) == 0, capsys.readouterr()
+    assert all(r["ok"] for r in json.loads(capsys.readouterr().out)["checks"])

@@ -1,0 +1,101 @@
+"""Device and dtype `auto`: the rules on stubbed machines (engine/placement.py), and the command line on this one."""
+import json
+
+import pytest
+
+from moechat.engine.placement import CudaProbe, Gpu, checkpoint_dtype, choose, resolve_placement
+
+GIB = 2**30
+RTX_4090 = CudaProbe((Gpu(0, "NVIDIA GeForce RTX 4090", 22 * GIB, 24 * GIB, bf16=True),))
+LAPTOP_8GB = CudaProbe((Gpu(0, "NVIDIA GeForce RTX 2070 Max-Q", 7 * GIB, 8 * GIB, bf16=False),))  # Turing: no bf16
+TWO_GPUS = CudaProbe((Gpu(0, "NVIDIA RTX A4000", 3 * GIB, 16 * GIB, bf16=True),
+                      Gpu(1, "NVIDIA GeForce RTX 3090", 20 * GIB, 24 * GIB, bf16=True)))
+BROKEN = CudaProbe(problem="PyTorch cannot use CUDA (The NVIDIA driver on your system is too old (found version 11040))")
+NO_GPU = CudaProbe()
+BIG = 60 * GIB  # a 30B checkpoint widened to float32
+
+
+def test_rtx_4090_runs_the_checkpoint_dtype_on_cuda():
+    p = choose("auto", "auto", "bfloat16", "none", RTX_4090, BIG)
+    assert (p.device, p.dtype, p.notice) == ("cuda:0", "bfloat16", "")
+    assert "RTX 4090" in p.device_why and p.dtype_why == "the checkpoint's"
+    p = choose("auto", "auto", "float32", "int4", RTX_4090, GIB)  # float32 only where asked: half precision on a GPU
+    assert p.dtype == "bfloat16"
+
+
+def test_laptop_gpu_without_bf16_runs_float16():
+    p = choose("auto", "auto", "bfloat16", "none", LAPTOP_8GB, BIG)
+    assert (p.device, p.dtype) == ("cuda:0", "float16") and "no native bfloat16" in p.dtype_why
+
+
+def test_two_gpus_the_one_with_most_free_memory_unless_set():
+    p = choose("auto", "auto", "bfloat16", "none", TWO_GPUS)
+    assert p.device == "cuda:1" and "most free of 2" in p.device_why
+    assert choose("cuda:0", "auto", "bfloat16", "none", TWO_GPUS).device == "cuda:0"
+    p = choose("cuda:5", "auto", "bfloat16", "none", TWO_GPUS)
+    assert p.device == "cuda:1" and p.notice == "cuda:5 does not exist (2 GPUs): using cuda:1"
+
+
+def test_broken_driver_falls_back_to_the_cpu_in_one_line():
+    p = choose("auto", "auto", "bfloat16", "none", BROKEN, BIG)
+    assert p.device == "cpu" and p.dtype == "bfloat16"  # a 60 GiB float32 model would not be small
+    assert "driver on your system is too old" in p.notice and "\n" not in p.notice and p.notice.endswith("running on the CPU")
+    p = choose("cuda", "auto", "bfloat16", "none", NO_GPU, GIB // 2)  # asked for, absent: one line, CPU
+    assert p.device == "cpu" and p.notice == "cuda was asked for but no NVIDIA GPU that PyTorch can use: running on the CPU"
+    assert choose("auto", "auto", "bfloat16", "none", NO_GPU).notice == ""  # auto on a machine without a GPU: nothing to say
+
+
+@pytest.mark.parametrize("checkpoint,quant,fp32_bytes,expected", [
+    ("bfloat16", "int4", BIG, "float32"),  # quantized dense layers: float32 activations measured faster
+    ("bfloat16", "int8", BIG, "float32"),
+    ("bfloat16", "none", GIB // 4, "float32"),  # small: per-op cost bound, lower in float32
+    ("bfloat16", "none", BIG, "bfloat16"),  # large: half the bytes per token
+    ("float16", "none", BIG, "float16"),
+    ("float32", "none", BIG, "float32"),
+])
+def test_cpu_dtype_rules(checkpoint, quant, fp32_bytes, expected):
+    p = choose("auto", "auto", checkpoint, quant, NO_GPU, fp32_bytes)
+    assert (p.device, p.dtype) == ("cpu", expected) and p.dtype_why
+
+
+def test_a_set_dtype_wins_and_cpu_skips_the_probe():
+    p = choose("cpu", "float16", "bfloat16", "none", RTX_4090)
+    assert (p.device, p.dtype, p.device_why, p.dtype_why) == ("cpu", "float16", "set", "set")
+
+
+def test_checkpoint_dtype_from_config():
+    assert checkpoint_dtype({"dtype": "bfloat16"}) == "bfloat16"
+    assert checkpoint_dtype({"torch_dtype": "float16"}) == "float16"
+    assert checkpoint_dtype({}) == "float32"
+    assert checkpoint_dtype({"torch_dtype": "bfloat16", "quantization_config": {"quant_method": "gptq"}}) == "float16"
+
+
+def test_resolve_reads_the_checkpoint(checkpoint):
+    path = checkpoint("qwen3_moe")
+    p = resolve_placement("auto", "auto", str(path), "none", cuda=BROKEN)
+    assert p.device == "cpu" and p.notice and p.dtype == "float32"
+
+
+def test_generate_says_where_it_runs_and_a_cuda_setting_without_cuda_runs_on_cpu(checkpoint, monkeypatch, capsys):
+    """On this machine (no usable CUDA): no flags -> cpu with auto's dtype, said in the JSON; settings.toml's
+    device = "cuda" -> one warning line, then the CPU."""
+    from moechat.app import cli, settings
+    from moechat.engine import placement
+
+    monkeypatch.setattr(placement, "probe_cuda", lambda: NO_GPU)  # the same answer on a CI machine that has a GPU
+    path = checkpoint("qwen3_moe")
+    argv = ["generate", "--model", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["device"], out["dtype"]) == ("cpu", "float32") and out["placement"]["dtype"]
+
+    settings.settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings.settings_path().write_text('device = "cuda"\n', encoding="utf-8")
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        settings.settings_path().unlink()
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["device"] == "cpu"
+    warnings = [line for line in captured.err.splitlines() if "cuda was asked for" in line]
+    assert warnings == ["moechat: warning: cuda was asked for but no NVIDIA GPU that PyTorch can use: running on the CPU"]
