@@ -146,7 +146,7 @@ def _one_line(err: Exception) -> str:
 def resolve_placement(device: str, dtype: str, model_dir: str, quant: str, cuda: CudaProbe | None = None) -> Placement:
     """`choose` for a checkpoint directory on this machine: its dtype and size from the files, and the CUDA
     probe (skipped when the device is the CPU)."""
-    from .model.checkpoint import read_config_dict
+    from .model.config_file import read_config_dict
 
     directory = Path(model_dir).expanduser()
     raw = read_config_dict(directory)

@@ -10,24 +10,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
+from .config_file import read_config_dict  # noqa: F401 (torch-free: engine_config reads configs without torch)
 
 # safetensors dtype tag -> torch dtype (the ones model weights use)
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
-
-
-def read_config_dict(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist: pass --model a local Hugging Face model directory")
-    if not path.is_file():
-        raise CheckpointError(f"no config.json in {model_dir}: point --model at a Hugging Face model directory")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is not valid JSON ({err}): re-download the model") from None
 
 
 class Checkpoint:

@@ -1,0 +1,20 @@
+"""A checkpoint's config.json as a dict, without torch (the app resolves device and dtype from it before
+PyTorch loads; engine/placement.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+
+def read_config_dict(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise CheckpointError(f"model directory {model_dir} does not exist: pass --model a local Hugging Face model directory")
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {model_dir}: point --model at a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}): re-download the model") from None
