@@ -1,0 +1,72 @@
+"""Incremental detokenizing (engine/generate.py `_Detokenizer`): the streamed text equals one full decode, stop
+strings cut it wherever they fall, and each id is decoded once (no full decode per step)."""
+import random
+
+import pytest
+
+from moechat.engine.generate import _Detokenizer
+
+TEXT = "Hello there, how are you? Ünïcödé 🙂 text, 日本語 and more: the sea is deep. " * 3
+
+
+class Counting:
+    """A tokenizer that counts its full decodes."""
+
+    def __init__(self, tok):
+        self.tok, self.decodes = tok, 0
+        self.backend_tokenizer = tok.backend_tokenizer
+        self.clean_up_tokenization_spaces = getattr(tok, "clean_up_tokenization_spaces", False)
+
+    def decode(self, ids, **kw):
+        self.decodes += 1
+        return self.tok.decode(ids, **kw)
+
+
+def stream(tok, ids, stop=(), step=1):
+    """Feed ids `step` at a time as the engine does -> (concatenated deltas, detokenizer)."""
+    d = _Detokenizer(tok, list(stop))
+    out = []
+    for n in range(step, len(ids) + step, step):
+        d.update(ids[:n])
+        out.append(d.delta())
+    out.append(d.delta(final=True))
+    return "".join(out), d
+
+
+@pytest.fixture(params=["tiny", "demo"])
+def tok(request, tokenizer):
+    if request.param == "tiny":
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    from moechat.app.demo import DEMO_MODEL
+
+    return AutoTokenizer.from_pretrained(DEMO_MODEL)
+
+
+def test_streamed_text_equals_a_full_decode(tok):
+    ids = tok(TEXT)["input_ids"]
+    rng = random.Random(0)
+    shuffled = ids[:]
+    rng.shuffle(shuffled)  # token orders a model could produce: split multi-byte characters, odd joins
+    cut = ids[:-1] if len(ids) > 1 else ids
+    for seq in (ids, shuffled, cut, [rng.randrange(len(tok)) for _ in range(300)]):
+        for step in (1, 3):
+            text, _ = stream(tok, seq, step=step)
+            assert text == tok.decode(seq, skip_special_tokens=True)
+
+
+def test_stop_strings_cut_wherever_they_fall(tok):
+    ids = tok(TEXT)["input_ids"]
+    full = tok.decode(ids, skip_special_tokens=True)
+    for stop in ("are you", "🙂", "deep.", "sea is deep. Hello"):
+        text, d = stream(tok, ids, stop=[stop])
+        assert text == full[: full.index(stop)] and d.stopped
+
+
+def test_each_id_is_decoded_once(tok):
+    ids = tok(TEXT * 3)["input_ids"]
+    counting = Counting(tok)
+    text, _ = stream(counting, ids)
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    assert counting.decodes == 1  # the final text only; a full decode per step would be len(ids) of them
