@@ -63,9 +63,11 @@ class Summary:
     acceptance_rate: float = 0.0
     hit_rate: float = 0.0
     not_ready: int = 0  # of the misses: resident experts whose copy was still in flight
+    reused_tokens: int = 0  # of the prompt: positions whose KV entries the last request left (prefix reuse), not prefilled
 
     def __post_init__(self) -> None:
-        self.prefill_tokens_per_s = self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        prefilled = self.prompt_tokens - self.reused_tokens
+        self.prefill_tokens_per_s = prefilled / self.prefill_s if self.prefill_s > 0 else 0.0
         # the first token comes out of the prefill; decode covers the rest
         self.decode_tokens_per_s = (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
         self.acceptance_rate = self.accepted / self.drafted if self.drafted else 0.0

@@ -36,6 +36,10 @@ class Engine:
         self.model: LoadedModel = load_model(config)
         self.drafter = make_drafter(config.spec, self.model)
         self._stop = threading.Event()
+        # Prefix reuse: the last request's KV cache, and the tokens whose entries it holds (its committed tokens
+        # but the last); None while a pass is under way, so a cache an error left half-written is never reused.
+        self._kv = None
+        self._kv_tokens: list[int] | None = None
 
     def stop(self) -> None:
         """Ask the running `generate` to finish after the current step (thread-safe)."""
@@ -45,6 +49,27 @@ class Engine:
         """Stop every thread the engine started (CPU experts, prefetch transfers, native copier); idempotent.
         The engine serves no request after it."""
         self.model.runtime.close()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the last request's KV cache: the next request prefills its whole prompt (benchmarks of prefill)."""
+        self._kv = self._kv_tokens = None
+        self.drafter.forget()
+
+    def _prefix_cache(self, prompt: list[int]):
+        """The last request's KV cache rewound to the longest prefix it shares with `prompt`, at most all of the
+        prompt but its last token (whose logits the prefill computes); a new cache when there is none.
+        -> (cache, positions reused)."""
+        cache, tokens = self._kv, self._kv_tokens
+        self._kv_tokens = None  # in flux until the prefill is done
+        if cache is None or tokens is None:
+            self._kv = self.model.new_kv_cache()
+            return self._kv, 0
+        limit = min(cache.get_seq_length(), len(tokens), len(prompt) - 1)
+        n = 0
+        while n < limit and tokens[n] == prompt[n]:
+            n += 1
+        rewind_cache(cache, n)
+        return cache, n
 
     def use(self, config: EngineConfig, runtime: MoERuntime, drafter) -> None:
         """Benchmarks: serve the next requests with another fast tier, policy and drafter on the same
@@ -126,7 +151,7 @@ class Engine:
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
-        cache = m.new_kv_cache()  # invariant after each step: the KV entries of committed[:-1]
+        cache, reused = self._prefix_cache(prompt)  # invariant after each step: the KV entries of committed[:-1]
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
         moved0 = m.cache.bytes_moved
@@ -135,19 +160,22 @@ class Engine:
         # Prefill: the whole prompt; its last position gives the first token.
         t_start = time.perf_counter()
         rt.reset_counters()
-        logits = self._forward(prompt, cache, keep=1, phase="prefill", step=0, trace=trace)  # [1, V]
+        logits = self._forward(prompt[reused:], cache, keep=1, phase="prefill", step=0, trace=trace)  # [1, V]
         _, first = accept([], None, logits, params, generator)
         prefill = rt.reset_counters()
         self.drafter.start(prompt, cache)
         prefill_s = time.perf_counter() - t_start
         committed = prompt + [first]
+        self._kv_tokens = committed  # appended in place below; the cache holds all but its last
         reason = self._commit([first], new, detok, m.eos_ids, max_new)
         yield TokenDelta(detok.delta(final=reason is not None), [first])
 
         steps: list[StepStats] = []
         while reason is None and not self._stop.is_set():
+            self._kv_tokens = None  # the step writes past the committed tokens, then trims
             stats, accepted = self._step(len(steps) + 1, committed, cache, max_new - len(new), params, generator, trace)
             committed += accepted
+            self._kv_tokens = committed
             reason = self._commit(accepted, new, detok, m.eos_ids, max_new)
             steps.append(stats)
             yield TokenDelta(detok.delta(final=reason is not None), accepted)
@@ -158,7 +186,7 @@ class Engine:
         if tail:
             yield TokenDelta(tail, [])
         summary = Summary(
-            prompt_tokens=len(prompt), new_tokens=len(new), steps=len(steps),
+            prompt_tokens=len(prompt), reused_tokens=reused, new_tokens=len(new), steps=len(steps),
             drafted=sum(s.drafted for s in steps), accepted=sum(s.accepted for s in steps),
             prefill_s=prefill_s, decode_s=decode_s, ttft_s=prefill_s,
             hits=prefill.hits + sum(s.hits for s in steps), misses=prefill.misses + sum(s.misses for s in steps),

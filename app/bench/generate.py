@@ -33,9 +33,11 @@ DEFAULT_PROMPT = ("Mixture-of-Experts models route every token to a few experts,
 
 
 def run_engine(engine, ids: list[int], params) -> tuple:
-    """One request through the engine: (its Finished event, its StepStats); an Error raises."""
+    """One request through the engine, its whole prompt prefilled (no prefix reused from the run before):
+    (its Finished event, its StepStats); an Error raises."""
     from ...engine import Error, Finished, MoechatError, Request, StepStats
 
+    engine.reset_prefix_cache()
     steps, fin = [], None
     for ev in engine.generate(Request(token_ids=ids), params):
         if isinstance(ev, StepStats):

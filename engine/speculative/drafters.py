@@ -1,7 +1,8 @@
 """Drafters: who proposes the γ tokens a verification step scores.
 
 Contract (mlx-lm style): `start(prompt_ids, target_cache)` once per request, after the target's
-prefill; `draft(committed, n, params, generator)` returns n tokens and, when sampling, the
+prefill (a drafter with its own cache keeps the entries of the prefix the last request shares with this
+prompt; `forget()` drops them); `draft(committed, n, params, generator)` returns n tokens and, when sampling, the
 distributions q [n, V] they were drawn from. A drafter keeps its own KV cache consistent by itself:
 entries past the committed prefix are rewound (`rewind_cache`) at the start of the next `draft`.
 """
@@ -37,6 +38,9 @@ class NoDraft:
     def start(self, prompt_ids: list[int], target_cache) -> None:
         pass
 
+    def forget(self) -> None:
+        pass
+
     def draft(self, committed, n, params, generator):
         return [], None
 
@@ -69,15 +73,31 @@ class DraftModel:
         self.target, self.target_vocab = target, int(target.hf_config.vocab_size)
         self.device = target.device
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
+        self.cache: KVCache | None = None
+        self._tokens: list[int] | None = None  # the committed tokens whose entries the cache holds, the first _valid
+        self._valid = 0
 
     def start(self, prompt_ids: list[int], target_cache) -> None:
-        self.cache = KVCache()
+        """Keep the KV entries of the longest prefix the last request shares with this prompt (prefix reuse);
+        draft() feeds the rest."""
+        if self.cache is None or self._tokens is None:
+            self.cache, self._tokens = KVCache(), None
+            return
+        limit = min(self._valid, len(prompt_ids) - 1, self.cache.get_seq_length())
+        keep = 0
+        while keep < limit and self._tokens[keep] == prompt_ids[keep]:
+            keep += 1
+        rewind_cache(self.cache, keep)
+
+    def forget(self) -> None:
+        self.cache = self._tokens = None
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):
         rewind_cache(self.cache, len(committed) - 1)
         feed = committed[self.cache.get_seq_length():]
         runtime = self.target.runtime
+        self._tokens = None  # in flux: an error below leaves no cache to reuse
         tokens, qs = [], []
         for _ in range(n):
             ids = torch.tensor([feed], device=self.device)
@@ -90,6 +110,7 @@ class DraftModel:
             tokens.append(token)
             qs.append(q)
             feed = [token]
+        self._tokens, self._valid = committed, len(committed) - 1  # entries past these are drafts, rewound next time
         if params.greedy:
             return tokens, None
         q = torch.stack(qs).cpu()
@@ -131,6 +152,9 @@ class SelfDraft:
 
     def start(self, prompt_ids: list[int], target_cache) -> None:
         self.cache = target_cache
+
+    def forget(self) -> None:
+        pass
 
     def distances(self) -> list[torch.Tensor]:
         """Per sparse layer [E, E]; computed once per checkpoint (it reads every expert) and cached on disk."""

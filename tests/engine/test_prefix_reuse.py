@@ -1,0 +1,78 @@
+"""Prefix reuse: a request keeps the KV entries of the prefix it shares with the last one and prefills only the
+rest, and its greedy output equals a full prefill's token for token, for every family and drafter, through
+a continued conversation, an edited earlier message, a regenerate, a switch between conversations and a reply
+cut short."""
+from __future__ import annotations
+
+import pytest
+from tiny import FAMILIES
+
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+from moechat.engine.events import Finished
+from moechat.engine.generate import Engine, Request
+
+NEW = 12
+
+
+def reply(engine: Engine, messages: list[dict], fresh: bool = False) -> Finished:
+    if fresh:
+        engine.reset_prefix_cache()
+    events = list(engine.generate(Request(messages=messages), SamplingParams(max_new_tokens=NEW)))
+    assert isinstance(events[-1], Finished), events[-1]
+    return events[-1]
+
+
+def turns(texts: list[str], answers: list[str]) -> list[dict]:
+    messages = []
+    for i, text in enumerate(texts):
+        messages.append({"role": "user", "content": text})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    return messages
+
+
+@pytest.mark.parametrize("drafter", ["none", "self", "model"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_conversation_equals_a_full_prefill_every_turn(family, drafter, checkpoint, draft_dir):
+    spec = SpecConfig(drafter=str(draft_dir) if drafter == "model" else drafter, draft_len=3)
+    config = EngineConfig(model_dir=str(checkpoint(family)), expert_cache_ratio=0.5, spec=spec,
+                          scheduler=SchedulerConfig(policy="spac"))
+    reused, fresh = Engine(config), Engine(config)
+    a1 = "The expert cache keeps the useful experts on the GPU."
+    conv_a = [turns(["Hello! How are you today?"], []),
+              turns(["Hello! How are you today?", "What is a mixture of experts model?"], [a1]),
+              turns(["Hello! How are you today?", "What is a mixture of experts model?"], [a1])]  # regenerate
+    edited = turns(["Hello! How are you?", "What is a mixture of experts model?"], [a1])  # an earlier message changed
+    conv_b = turns(["Cold experts run on the CPU at the same time."], [])
+    back = conv_a[1] + [{"role": "assistant", "content": "It routes every token."},
+                        {"role": "user", "content": "Thank you."}]
+    seen = []
+    for messages in conv_a + [edited, conv_b, back]:
+        got, want = reply(reused, messages), reply(fresh, messages, fresh=True)
+        assert got.token_ids == want.token_ids, (family, drafter, messages)
+        assert want.summary.reused_tokens == 0
+        seen.append((got.summary.reused_tokens, got.summary.prompt_tokens))
+    continued, regenerate, edited_turn, switch = seen[1], seen[2], seen[3], seen[4]
+    assert continued[0] >= seen[0][1] - 1  # the whole first turn's prompt came from the cache
+    assert regenerate[0] == regenerate[1] - 1  # the same prompt again: only its last token prefilled
+    assert 0 < edited_turn[0] < seen[0][1] - 1  # reused up to the edit (the template's start), no further
+    assert switch[0] < 4  # another conversation shares at most the template's first tokens
+    reused.close()
+    fresh.close()
+
+
+def test_a_reply_cut_short_leaves_a_cache_the_next_turn_reuses(checkpoint):
+    config = EngineConfig(model_dir=str(checkpoint("qwen3_moe")), expert_cache_ratio=0.5,
+                          spec=SpecConfig(drafter="self", draft_len=3))
+    engine, fresh = Engine(config), Engine(config)
+    first = turns(["Hello! How are you today?"], [])
+    events = engine.generate(Request(messages=first), SamplingParams(max_new_tokens=40))
+    for n, _ in enumerate(events):  # Esc / Ctrl-C: the consumer stops reading after a few steps
+        if n == 4:
+            break
+    events.close()
+    follow = turns(["Hello! How are you today?", "What is a mixture of experts model?"], ["I am fine, thank you."])
+    got, want = reply(engine, follow), reply(fresh, follow, fresh=True)
+    assert got.token_ids == want.token_ids and got.summary.reused_tokens > 0
+    engine.close()
+    fresh.close()
