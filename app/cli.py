@@ -240,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.generate import add_bench_generate
 
     add_bench_generate(bench_sub)
+    from .bench.chat import add_bench_chat
+
+    add_bench_chat(bench_sub)
     from .bench.random_model import add_random_model
 
     add_random_model(bench_sub)
