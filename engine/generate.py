@@ -16,7 +16,7 @@ from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
 from .speculative.drafters import make_drafter
-from .speculative.rewind import rewind_cache
+from .speculative.rewind import rewind_cache, rewind_to_shared_prefix
 from .speculative.verify import accept
 from .trace import TraceRecorder
 
@@ -56,20 +56,14 @@ class Engine:
         self.drafter.forget()
 
     def _prefix_cache(self, prompt: list[int]):
-        """The last request's KV cache rewound to the longest prefix it shares with `prompt`, at most all of the
-        prompt but its last token (whose logits the prefill computes); a new cache when there is none.
-        -> (cache, positions reused)."""
+        """The last request's KV cache rewound to the prefix it shares with `prompt`, or a new cache when there is
+        none. -> (cache, positions reused)."""
         cache, tokens = self._kv, self._kv_tokens
         self._kv_tokens = None  # in flux until the prefill is done
         if cache is None or tokens is None:
             self._kv = self.model.new_kv_cache()
             return self._kv, 0
-        limit = min(cache.get_seq_length(), len(tokens), len(prompt) - 1)
-        n = 0
-        while n < limit and tokens[n] == prompt[n]:
-            n += 1
-        rewind_cache(cache, n)
-        return cache, n
+        return cache, rewind_to_shared_prefix(cache, tokens, prompt)
 
     def use(self, config: EngineConfig, runtime: MoERuntime, drafter) -> None:
         """Benchmarks: serve the next requests with another fast tier, policy and drafter on the same

@@ -10,7 +10,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from .config_file import read_config_dict  # noqa: F401 (torch-free: engine_config reads configs without torch)
 
 # safetensors dtype tag -> torch dtype (the ones model weights use)
 _DTYPES = {

@@ -19,7 +19,8 @@ from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, expert_format, gpt
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
 from .attention import kv_dtype, use_float_kv_attention
-from .checkpoint import Checkpoint, read_config_dict
+from .checkpoint import Checkpoint
+from .config_file import read_config_dict
 from .families import Family, get_family
 from .kv_cache import KVCache
 from .lean_decode import LeanForward, build_lean_forward

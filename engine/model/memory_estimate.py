@@ -179,7 +179,7 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if isinstance(source, str | Path) and Path(source).expanduser().is_dir():
         from ..quant.gptq import expert_format, read_gptq_config
-        from .checkpoint import read_config_dict
+        from .config_file import read_config_dict
 
         quant = expert_format(read_gptq_config(read_config_dict(Path(source).expanduser())), quant)
     draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0

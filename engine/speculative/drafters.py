@@ -14,11 +14,11 @@ import torch
 
 from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
-from ..model.checkpoint import read_config_dict
+from ..model.config_file import read_config_dict
 from ..model.kv_cache import KVCache
 from ..model.loader import LoadedModel, load_tokenizer
 from ..quant.formats import QuantMatrix, dequantize
-from .rewind import rewind_cache
+from .rewind import rewind_cache, rewind_to_shared_prefix
 from .router_feed import router_feed
 from .sampling import probs_from_logits, sample
 
@@ -83,11 +83,7 @@ class DraftModel:
         if self.cache is None or self._tokens is None:
             self.cache, self._tokens = KVCache(), None
             return
-        limit = min(self._valid, len(prompt_ids) - 1, self.cache.get_seq_length())
-        keep = 0
-        while keep < limit and self._tokens[keep] == prompt_ids[keep]:
-            keep += 1
-        rewind_cache(self.cache, keep)
+        rewind_to_shared_prefix(self.cache, self._tokens[: self._valid], prompt_ids)
 
     def forget(self) -> None:
         self.cache = self._tokens = None
