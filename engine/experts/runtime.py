@@ -57,13 +57,13 @@ class MoERuntime:
     """Tiers, policy, counters and forward mode shared by every `OffloadedExperts` of a model."""
 
     def __init__(self, store: ExpertStore, cache: ExpertCache, policy: Policy, device: torch.device, act: Callable,
-                 top_k: int = 1, expert_budget: int | None = None, native_cpu: bool = True):
+                 top_k: int = 1, expert_budget: int | None = None, native_cpu: bool = True, costs: UnitCosts | None = None):
         if expert_budget is not None and expert_budget < top_k:
             raise MoechatError(f"expert budget {expert_budget} is below the model's top-k of {top_k}: "
                                f"give at least {top_k}, or leave it unset to compute every routed expert")
         self.store, self.cache, self.policy, self.device, self.act = store, cache, policy, device, act
         self.expert_budget = expert_budget  # LOSSY when set: verification computes at most this many experts per layer
-        self.costs = getattr(policy, "costs", None) or UnitCosts()  # the balancer's unit costs (build_runtime sets them)
+        self.costs = costs or UnitCosts()  # the unit costs the policy was made with, and their source (generate --json)
         policy.bind(cache, top_k)
         self.mode: ForwardMode | None = None  # set only inside `forward`
         self.hooks = True  # whether the pass in progress calls the policy's before_layer/after_layer

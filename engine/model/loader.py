@@ -174,8 +174,7 @@ def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, a
         unit_costs(sched.measured, top_k, store.num_experts, cfg.spec.draft_len, store.expert_bytes, sched.cpu_cost)
     policy = make_policy(sched, draft_len=cfg.spec.draft_len, costs=costs)
     runtime = MoERuntime(store, cache, policy, device, act, top_k=top_k, expert_budget=sched.expert_budget,
-                         native_cpu=native_cpu)
-    runtime.costs = costs  # what the balancer runs on, and where it came from (generate --json reports it)
+                         native_cpu=native_cpu, costs=costs)
     runtime.replay_routing(replay)
     return runtime
 
