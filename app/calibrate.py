@@ -54,10 +54,10 @@ def _progress(name: str, frac: float) -> None:
 
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
               vram_budget: int | None = None, ram_budget: int | None = None, quant: str | None = None,
-              device: str = "auto", dtype: str = "auto"):
+              device: str | None = None, dtype: str | None = None):
     """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) and the
     experts' format (None: decided) go to `decide`. Timed on the device and dtype a run will use
-    (`device`/`dtype` as the settings give them, `auto` resolved as engine_config resolves it)."""
+    (`device`/`dtype` as the settings give them, None or `auto` resolved as engine_config resolves them)."""
     from ..engine import (
         Profile,
         decide,
@@ -75,13 +75,15 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     progress("probing the hardware", 0.0)
     hw = probe()
     draft_dir = None if drafter in ("none", "self") else drafter
-    fmt = quant or "none"
-    for _ in range(2):  # the experts' format that will run decides the dtype (placement.py), the dtype their size
+
+    def placed(fmt: str):  # where a run with experts in `fmt` computes, and the model's sizes there
         placement = resolve_placement(device, dtype, model_dir, fmt)
-        est = estimate(model_dir, dtype=placement.dtype, draft_dir=draft_dir)
-        if experts_format(hw, est, ram_budget, quant) == fmt:
-            break
-        fmt = experts_format(hw, est, ram_budget, quant)
+        return placement, estimate(model_dir, dtype=placement.dtype, draft_dir=draft_dir)
+
+    placement, est = placed(quant or "none")
+    fmt = experts_format(hw, est, ram_budget, quant)
+    if fmt != (quant or "none"):  # the decided format can change the dtype `auto` picks (placement.py): measure that one
+        placement, est = placed(fmt)
     meas = measure(model_dir, hw, eval_prompts(3 if quick else 8), drafter, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN,
                    device=placement.device, dtype=placement.dtype, quant=fmt,
                    progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
@@ -108,8 +110,8 @@ def cmd_calibrate(args) -> int:
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
     settings = load_settings()[0]  # a format fixed in the settings is calibrated with; unset: decided
-    profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device or "auto",
-                              dtype=settings.dtype or "auto")
+    profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
+                              dtype=settings.dtype)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),

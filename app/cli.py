@@ -88,8 +88,8 @@ def engine_config(args):
     args.draft_len = _first(args.draft_len, settings.draft_len, d and d.draft_len, spec.draft_len)
     args.policy = _first(args.policy, settings.policy, d and d.policy, sched.policy)
     args.quant = _first(args.quant, settings.quant, d and d.quant, "none")
-    args.placement = resolve_placement(_first(args.device, settings.device, "auto"), _first(args.dtype, settings.dtype, "auto"),
-                                       args.model, args.quant)
+    args.placement = resolve_placement(_first(args.device, settings.device), _first(args.dtype, settings.dtype), args.model,
+                                       args.quant)
     if args.placement.notice:
         print(f"moechat: warning: {args.placement.notice}", file=sys.stderr)
     args.device, args.dtype = args.placement.device, args.placement.dtype

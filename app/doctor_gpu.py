@@ -22,19 +22,20 @@ from pathlib import Path
 PROMPT = [11, 42, 7, 300, 1024, 5, 99, 2048, 17, 3]
 NEW_TOKENS = 24
 FIX_DRIVER = "update the NVIDIA driver, or reinstall moechat with installer/install.sh for a matching PyTorch CUDA build"
+REPORT = "report it with this output (moechat doctor --gpu --json) at the project's issue tracker"
 
 
 def run_gpu_checks(as_json: bool) -> int:
-    from ..engine import probe_cuda
+    from ..engine import NO_GPU, best_gpu, probe_cuda
 
     t0 = time.perf_counter()
     cuda = probe_cuda()
     if cuda.problem or not cuda.gpus:
-        why = cuda.problem or "no NVIDIA GPU that PyTorch can use"
+        why = cuda.problem or NO_GPU
         print(json.dumps({"ok": False, "checks": [_row("cuda", False, why, FIX_DRIVER)]}) if as_json else
               f"moechat doctor --gpu: {why}: nothing to check on this machine")
         return 1
-    gpu = max(cuda.gpus, key=lambda g: g.free_bytes)
+    gpu = best_gpu(cuda.gpus)  # the one `--device auto` runs on
     rows = [_row("cuda", True, f"cuda:{gpu.index} {gpu.name}, {gpu.free_bytes / 2**30:.1f} GiB free", "")]
     with tempfile.TemporaryDirectory(prefix="moechat-doctor-") as tmp:
         model_dir = _tiny_model(Path(tmp))
@@ -77,8 +78,6 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
     del hf
     torch.cuda.empty_cache()
 
-    fix_engine = "report it with this output (moechat doctor --gpu --json) at the project's issue tracker"
-
     def run(ratio: float, drafter: str):
         engine = Engine(EngineConfig(model_dir=str(model_dir), device=device, dtype="float32", expert_cache_ratio=ratio,
                                      spec=SpecConfig(drafter=drafter), scheduler=SchedulerConfig(policy="spac")))
@@ -92,7 +91,7 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
         mismatches.append("spac + self drafter, half the experts on the GPU")
     steps = [e for e in events if isinstance(e, StepStats)]
     rows.append(_row("equality", not mismatches, "greedy output equals Hugging Face's on CUDA" if not mismatches else
-                     f"greedy output differs from Hugging Face's: {', '.join(mismatches)}", fix_engine))
+                     f"greedy output differs from Hugging Face's: {', '.join(mismatches)}", REPORT))
 
     m = mixed.model
     rows.append(_row("pinned", m.store.pinned and _first_pinned(m.store),
@@ -133,7 +132,7 @@ def _slot_check(m) -> dict:
     ok = bool(resident) and not wrong
     detail = f"{len(resident)} resident experts, every slot equal to the store" if ok else \
         "no expert was resident" if not resident else f"{len(wrong)} of {len(resident)} slots differ from the store"
-    return _row("copies", ok, detail, "report it with this output (moechat doctor --gpu --json)")
+    return _row("copies", ok, detail, REPORT)
 
 
 def main_gpu(args) -> int:

@@ -21,7 +21,7 @@ _MODULES = {  # submodule -> the public names it provides
     "model.memory_estimate": ("estimate", "total_params"),
     "model.memory_budgets": ("check_budgets", "max_cache_experts", "physical_ram_bytes", "ram_headroom"),
     "model.config_file": ("read_config_dict",),
-    "placement": ("Placement", "probe_cuda", "resolve_placement"),
+    "placement": ("NO_GPU", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
     "calibration.profile": ("Profile", "load_profile", "measurements_from",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GIB = 2**30
+NO_GPU = "no NVIDIA GPU that PyTorch can use"
 SMALL_MODEL = GIB  # float32 bytes up to which a half-precision checkpoint runs in float32 on the CPU
 
 
@@ -100,11 +101,11 @@ def _device(device: str, cuda: CudaProbe) -> tuple[str, str, str]:
         return "cpu", "set", ""
     asked = device != "auto"
     if cuda.problem or not cuda.gpus:
-        why = cuda.problem or "no NVIDIA GPU that PyTorch can use"
+        why = cuda.problem or NO_GPU
         notice = f"{device} was asked for but {why}: running on the CPU" if asked else \
             f"{why}: running on the CPU" if cuda.problem else ""
         return "cpu", cuda.problem and "CUDA unusable" or "no usable NVIDIA GPU", notice
-    best = max(cuda.gpus, key=lambda g: (g.free_bytes, -g.index))  # the most free memory; the first of equals
+    best = best_gpu(cuda.gpus)
     if asked and device != "cuda":
         index = int(device.split(":", 1)[1])
         chosen = next((g for g in cuda.gpus if g.index == index), None)
@@ -114,6 +115,11 @@ def _device(device: str, cuda: CudaProbe) -> tuple[str, str, str]:
         return f"cuda:{best.index}", _gpu_words(best), f"{device} does not exist ({count}): using cuda:{best.index}"
     most = f", the most free of {len(cuda.gpus)}" if len(cuda.gpus) > 1 else ""
     return f"cuda:{best.index}", _gpu_words(best) + most, ""
+
+
+def best_gpu(gpus: tuple[Gpu, ...]) -> Gpu:
+    """The GPU `auto` runs on: the most free memory, the first of equals."""
+    return max(gpus, key=lambda g: (g.free_bytes, -g.index))
 
 
 def _gpu_words(g: Gpu) -> str:
@@ -143,9 +149,11 @@ def _one_line(err: Exception) -> str:
     return text[0] if text else type(err).__name__
 
 
-def resolve_placement(device: str, dtype: str, model_dir: str, quant: str, cuda: CudaProbe | None = None) -> Placement:
-    """`choose` for a checkpoint directory on this machine: its dtype and size from the files, and the CUDA
-    probe (skipped when the device is the CPU)."""
+def resolve_placement(device: str | None, dtype: str | None, model_dir: str, quant: str,
+                      cuda: CudaProbe | None = None) -> Placement:
+    """`choose` for a checkpoint directory on this machine (device, dtype None: unset, so auto): its dtype and size
+    from the files, and the CUDA probe (skipped when the device is the CPU)."""
+    device, dtype = device or "auto", dtype or "auto"
     from .model.config_file import read_config_dict
 
     directory = Path(model_dir).expanduser()

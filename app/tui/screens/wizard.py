@@ -43,8 +43,7 @@ from .settings import FieldValidator, field_error, parse_field
 GIB = 2**30
 STEPS = ("step-model", "step-budgets", "step-calibrate", "step-finish")
 TITLES = ("1/4 Choose the model", "2/4 Device and memory", "3/4 Calibrate this machine", "4/4 Done")
-BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step edits ...
-PLACEMENT = ("device", "dtype")  # ... with these (auto by default)
+BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step edits, with device and dtype
 # Calibration decisions as the wizard shows them: (field of Decisions, label); λ only matters to a
 # utility variant users do not run, so it is not shown
 DECISIONS = (("quant", "quantized experts"), ("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
@@ -325,7 +324,7 @@ class WizardScreen(Screen):
         quick = self.query_one("#quick", Switch).value
         vram, ram = (self._budget(name) for name in BUDGETS)
         quant = load_settings(self.path)[0].quant  # a format the user fixed is calibrated with, as the budgets are
-        where = {k: v or "auto" for k, v in self._placement().items()}  # measured on the device and dtype that will run
+        where = self._placement()  # measured on the device and dtype that will run
         self.run_worker(lambda: self._calibrate(quick, vram, ram, quant, where), thread=True, group="calibrate")
 
     def _calibrate(self, quick: bool, vram: float | None, ram: float | None, quant: str | None = None,
