@@ -163,7 +163,7 @@ def resolve_placement(device: str | None, dtype: str | None, model_dir: str, qua
         quant = "int4"  # runs as it is (quant/gptq.py), its dense layers quantized on a CPU like any int4 model's
     if cuda is None:
         cuda = CudaProbe() if device == "cpu" else probe_cuda()
-    widen = 4 // {"float32": 4}.get(checkpoint, 2)  # bytes per weight in float32 over the checkpoint's
+    widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
     fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors"))
     return choose(device, dtype, checkpoint, quant, cuda, fp32_bytes)
 

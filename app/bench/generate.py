@@ -157,14 +157,15 @@ def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
 
 
 def _calibrated_cpu_ms(engine, args) -> float | None:
-    """Without a drafter or fast tier: the CPU expert time per token the calibration profile's curve predicts
-    (MoE layers × top-k × its time per expert at one token), to set beside the measured `cpu_ms_per_token`."""
-    meas = engine.config.scheduler.measured
-    m = engine.model
-    if meas is None or not meas.cpu_s_per_expert or args.draft != "none" or m.cache.capacity:
+    """Without a drafter or fast tier: the CPU expert time per token the calibration profile predicts, to set
+    beside the measured `cpu_ms_per_token`."""
+    from ...engine import cpu_decode_seconds
+
+    meas, m = engine.config.scheduler.measured, engine.model
+    if meas is None or args.draft != "none" or m.cache.capacity:
         return None
-    scale = m.store.expert_bytes / meas.expert_bytes if meas.expert_bytes else 1.0  # a profile of another format
-    return 1e3 * len(m.store.layers) * m.family.top_k(m.hf_config) * meas.cpu_s_per_expert[0] * scale
+    s = cpu_decode_seconds(meas, len(m.store.layers), m.family.top_k(m.hf_config), m.store.expert_bytes)
+    return None if s is None else 1e3 * s
 
 
 def _print_generate(result: dict, args, replay) -> None:

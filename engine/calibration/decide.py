@@ -68,7 +68,7 @@ def unit_costs(meas: Measurements, top_k: int, num_experts: int, draft_len: int,
     (no GPU: device and copies) keep the built-in defaults, and `source` says which."""
     t = draft_len + 1
     n = t * top_k / distinct_experts(t, num_experts, top_k)  # tokens per distinct expert
-    scale = expert_bytes / meas.expert_bytes if meas.expert_bytes else 1.0
+    scale = _bytes_scale(meas, expert_bytes)
     found = {}
     if meas.cpu_s_per_expert:
         found["cpu_s"] = _per_expert(meas.cpu_s_per_expert, n) * scale / (n if cpu_cost == "activations" else 1.0)
@@ -82,6 +82,19 @@ def unit_costs(meas: Measurements, top_k: int, num_experts: int, draft_len: int,
     source = "built-in defaults" if not found else "profile" if not missing else \
         f"profile; built-in defaults for {', '.join(missing)}"
     return UnitCosts(**found, source=source)
+
+
+def _bytes_scale(meas: Measurements, expert_bytes: int) -> float:
+    """Timings of experts of another size (another format than the profile measured) scale with the bytes."""
+    return expert_bytes / meas.expert_bytes if meas.expert_bytes else 1.0
+
+
+def cpu_decode_seconds(meas: Measurements, moe_layers: int, top_k: int, expert_bytes: int) -> float | None:
+    """The CPU experts' time of one decode token with no drafter and no fast tier, from the profile's curve
+    (MoE layers × top-k × its time per expert at one token); None when the profile has no CPU curve."""
+    if not meas.cpu_s_per_expert:
+        return None
+    return moe_layers * top_k * meas.cpu_s_per_expert[0] * _bytes_scale(meas, expert_bytes)
 
 
 def layer_seconds(tokens: int, est: MemoryEstimate, meas: Measurements, hot: float, prefetched: float = 0.0) -> float | None:

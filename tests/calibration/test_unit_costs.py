@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moechat.engine import Engine, EngineConfig, SchedulerConfig
-from moechat.engine.calibration.decide import distinct_experts, unit_costs
+from moechat.engine.calibration.decide import cpu_decode_seconds, distinct_experts, unit_costs
 from moechat.engine.calibration.types import Measurements
 from moechat.engine.config import UnitCosts
 from moechat.engine.sched.balancer import WorkloadBalancer
@@ -33,6 +33,9 @@ def test_unit_costs_from_the_profile():
     c = unit_costs(cpu_only, 2, 6, 8, MB)
     assert c.source == "profile; built-in defaults for device_s, io_s, draft_s" and c.io_s == UnitCosts().io_s
     assert c.cpu_s == pytest.approx(1e-4 + 1e-4 * (n - 1))  # the curve extended past its last point
+    # bench generate's prediction of a decode token's CPU experts: layers × top-k × one token's time, scaled by bytes
+    assert cpu_decode_seconds(measured(3e-3), 8, 2, MB // 2) == pytest.approx(8 * 2 * 3e-3 / 2)
+    assert cpu_decode_seconds(Measurements(expert_bytes=MB), 8, 2, MB) is None
 
 
 def _tau(meas: Measurements) -> int:
