@@ -7,6 +7,7 @@ Every `generate` ends with exactly one of:
   "length" or "cancelled" (`stop()`, also for a reply stopped before it started: text "");
 - EngineFailed(message, request_id): the request failed (no model loaded, a prompt too long for the
   context, an internal error); text already streamed stays as ReplyDelta posted it. No ReplyFinished.
+A ReplyNotice may come first: the oldest turns of a long conversation left out of the request (app/history.py).
 A load or a calibration that fails posts EngineFailed(message) with request_id None; the thread stays
 alive for the next `reload` or `calibrate`.
 
@@ -42,6 +43,7 @@ from .tui.messages import (
     ExpertFrame,
     ReplyDelta,
     ReplyFinished,
+    ReplyNotice,
     ReplyStats,
     Stats,
 )
@@ -71,6 +73,7 @@ class EngineBridge:
         self._thread: threading.Thread | None = None
         self._engine = None  # touched only on the engine thread
         self._load_error = ""  # why there is no engine, for replies asked of none
+        self._notice = ""  # the last request's notice (engine thread)
         self._lock = threading.Lock()  # guards the counters below (UI thread and engine thread)
         self._next_seq = 0  # sequence number of the next generate
         self._cancel_below = 0  # generates numbered below this are cancelled
@@ -215,7 +218,15 @@ class EngineBridge:
             return EngineFailed(f"no model is loaded ({self._load_error or 'the engine has not started'})", request_id)
         from ..engine import Error, Finished, Request, StepStats, TokenDelta
         from .bridge_meter import ReplyMeter
+        from .history import fit_for_engine
 
+        try:
+            messages, notice = fit_for_engine(engine, messages, params.max_new_tokens)
+        except MoechatError as err:
+            return EngineFailed(one_line(err), request_id)
+        if notice and notice != self._notice:  # said once per cut
+            self._send(ReplyNotice(request_id, notice))
+        self._notice = notice
         meter = ReplyMeter(engine, self.frame_interval_s)
         events = engine.generate(Request(messages=messages), params)
         try:

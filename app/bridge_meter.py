@@ -17,6 +17,8 @@ import torch
 from ..engine import Engine, StepStats, Summary, physical_ram_bytes
 from .tui.messages import Frame, Stats
 
+_KV_FIELDS = ("prompt_tokens", "reused_tokens", "kept_conversations", "kept_bytes", "kept_budget")  # Summary -> Stats
+
 
 class ReplyMeter:
     def __init__(self, engine: Engine, interval: float):
@@ -79,7 +81,7 @@ class ReplyMeter:
             tokens_per_s=summary.decode_tokens_per_s, acceptance=summary.acceptance_rate, hit_rate=summary.hit_rate,
             bytes_per_token=summary.bytes_moved / summary.new_tokens if summary.new_tokens else 0.0,
             pcie_bytes_s=self.step_bytes / summary.decode_s if summary.decode_s > 0 else 0.0,
-            new_tokens=summary.new_tokens)  # a step's tokens past an EOS are not part of the reply
+            new_tokens=summary.new_tokens, summary=summary)  # a step's tokens past an EOS are not part of the reply
 
     def final_frame(self) -> Frame | None:
         """The last frame: only when steps ran since the previous one (else the view is current)."""
@@ -87,7 +89,7 @@ class ReplyMeter:
 
     # --- building -------------------------------------------------------------------------------
     def _stats(self, tokens_per_s: float, acceptance: float, hit_rate: float, bytes_per_token: float,
-               pcie_bytes_s: float, new_tokens: int | None = None) -> Stats:
+               pcie_bytes_s: float, new_tokens: int | None = None, summary: Summary | None = None) -> Stats:
         cfg, m = self.engine.config, self.engine.model
         vram_used = vram_budget = None
         if m.device.type == "cuda":
@@ -102,7 +104,8 @@ class ReplyMeter:
             pcie_bytes_s=pcie_bytes_s, cpu_busy_s=self.last.cpu_s if self.last else 0.0,
             device_busy_s=self.last.device_s if self.last else 0.0, vram_used=vram_used, vram_budget=vram_budget,
             ram_used=psutil.Process().memory_info().rss, ram_budget=ram_budget,
-            new_tokens=self.new_tokens if new_tokens is None else new_tokens)
+            new_tokens=self.new_tokens if new_tokens is None else new_tokens,
+            **({k: getattr(summary, k) for k in _KV_FIELDS} if summary is not None else {}))
 
     def frame(self) -> Frame:
         """MoE-SpAc with a fast tier: its utilities s [L, E] and thresholds τ [L]. Other policies (and

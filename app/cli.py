@@ -109,6 +109,7 @@ def engine_config(args):
         expert_cache_bytes=cache_bytes, host_ram_budget_bytes=ram_budget, quant=args.quant,
         vram_budget_bytes=_gib(_first(args.vram_budget_gib, settings.vram_budget_gib)),
         context_len=_first(args.context_len, settings.context_len), lean_decode=args.lean_decode,
+        conversation_cache_bytes=_gib(_first(args.conversation_cache_gib, settings.conversation_cache_gib)),
         spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,

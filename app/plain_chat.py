@@ -10,6 +10,7 @@ HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops
 def cmd_chat(args) -> int:
     from ..engine import Engine, Error, Finished, Request, TokenDelta
     from .cli import engine_config, sampling_params
+    from .history import fit_for_engine
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(engine_config(args))
@@ -19,7 +20,7 @@ def cmd_chat(args) -> int:
                else engine.drafter.name)
     print(f"moechat: {name} on {engine.model.device}, drafter: {drafter}; {HELP}", file=sys.stderr)
     start = [{"role": "system", "content": args.system}] if args.system else []
-    messages = list(start)
+    messages, said = list(start), ""
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -38,9 +39,13 @@ def cmd_chat(args) -> int:
             print("moechat: conversation cleared", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
+        request, notice = fit_for_engine(engine, messages, params.max_new_tokens)
+        if notice and notice != said:  # once per cut
+            print(f"moechat: {notice}", file=sys.stderr)
+        said = notice
         sys.stdout.write("moechat> ")
         reply, finished = [], None
-        events = engine.generate(Request(messages=list(messages)), params)
+        events = engine.generate(Request(messages=request), params)
         try:
             for ev in events:
                 if isinstance(ev, TokenDelta):

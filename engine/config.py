@@ -123,6 +123,7 @@ class EngineConfig:
     context_len: int | None = None  # None: the model's max_position_embeddings
     quant: str = "none"  # routed experts: "none" (checkpoint dtype), "int8", "int4"; pre-quantized ones run as they are
     lean_decode: bool = True  # decode/verify steps on the CPU skip transformers' module tree (model/lean_decode.py); same logits
+    conversation_cache_bytes: int | None = None  # KV caches of recent conversations kept in RAM (prefix_cache.py); None: auto
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     placement: Placement | None = None  # why this device and dtype, when `auto` chose them (engine/placement.py)
@@ -137,3 +138,5 @@ class EngineConfig:
         _check(self.expert_cache_bytes is None or self.expert_cache_bytes >= 0, "expert cache bytes must be >= 0")
         _check(self.vram_budget_bytes is None or self.vram_budget_bytes >= 0, "VRAM budget must be >= 0")
         _check(self.context_len is None or self.context_len >= 1, "context length must be >= 1")
+        _check(self.conversation_cache_bytes is None or self.conversation_cache_bytes >= 0,
+               "conversation cache bytes must be >= 0")

@@ -63,7 +63,10 @@ class Summary:
     acceptance_rate: float = 0.0
     hit_rate: float = 0.0
     not_ready: int = 0  # of the misses: resident experts whose copy was still in flight
-    reused_tokens: int = 0  # of the prompt: positions whose KV entries the last request left (prefix reuse), not prefilled
+    reused_tokens: int = 0  # of the prompt: positions whose KV entries a kept conversation's cache held, not prefilled
+    kept_conversations: int = 0  # KV caches the engine keeps for the next requests (engine/prefix_cache.py)
+    kept_bytes: int = 0  # their bytes, within kept_budget
+    kept_budget: int = 0
 
     def __post_init__(self) -> None:
         prefilled = self.prompt_tokens - self.reused_tokens

@@ -15,8 +15,9 @@ from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
+from .prefix_cache import Kept, PrefixCache, default_budget
 from .speculative.drafters import make_drafter
-from .speculative.rewind import rewind_cache, rewind_to_shared_prefix
+from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
 from .trace import TraceRecorder
 
@@ -36,10 +37,8 @@ class Engine:
         self.model: LoadedModel = load_model(config)
         self.drafter = make_drafter(config.spec, self.model)
         self._stop = threading.Event()
-        # Prefix reuse: the last request's KV cache, and the tokens whose entries it holds (its committed tokens
-        # but the last); None while a pass is under way, so a cache an error left half-written is never reused.
-        self._kv = None
-        self._kv_tokens: list[int] | None = None
+        budget = config.conversation_cache_bytes
+        self.conversations = PrefixCache(default_budget() if budget is None else budget, self.model.device)
 
     def stop(self) -> None:
         """Ask the running `generate` to finish after the current step (thread-safe)."""
@@ -49,21 +48,12 @@ class Engine:
         """Stop every thread the engine started (CPU experts, prefetch transfers, native copier); idempotent.
         The engine serves no request after it."""
         self.model.runtime.close()
+        self.conversations.clear()
 
     def reset_prefix_cache(self) -> None:
-        """Forget the last request's KV cache: the next request prefills its whole prompt (benchmarks of prefill)."""
-        self._kv = self._kv_tokens = None
-        self.drafter.forget()
-
-    def _prefix_cache(self, prompt: list[int]):
-        """The last request's KV cache rewound to the prefix it shares with `prompt`, or a new cache when there is
-        none. -> (cache, positions reused)."""
-        cache, tokens = self._kv, self._kv_tokens
-        self._kv_tokens = None  # in flux until the prefill is done
-        if cache is None or tokens is None:
-            self._kv = self.model.new_kv_cache()
-            return self._kv, 0
-        return cache, rewind_to_shared_prefix(cache, tokens, prompt)
+        """Forget every kept KV cache: the next request prefills its whole prompt (benchmarks of prefill)."""
+        self.conversations.clear()
+        self.drafter.release()
 
     def use(self, config: EngineConfig, runtime: MoERuntime, drafter) -> None:
         """Benchmarks: serve the next requests with another fast tier, policy and drafter on the same
@@ -137,7 +127,7 @@ class Engine:
 
     @torch.inference_mode()
     def _generate(self, prompt: list[int], params: SamplingParams, trace: TraceRecorder | None) -> Iterator[Event]:
-        m, rt = self.model, self.model.runtime
+        m = self.model
         if len(prompt) >= m.context_len:
             raise RequestError(
                 f"the prompt has {len(prompt)} tokens but the context holds {m.context_len}: "
@@ -145,31 +135,47 @@ class Engine:
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
-        cache, reused = self._prefix_cache(prompt)  # invariant after each step: the KV entries of committed[:-1]
+        kept, reused = self.conversations.take(prompt, m.new_kv_cache)  # kept.kv after each step: committed[:-1]
+        kept.tokens, kept.prompt_len = None, len(prompt)  # tokens None while a pass writes the caches
+        try:
+            yield from self._run(prompt, kept, reused, params, generator, trace, max_new)
+        finally:  # stopped, or closed at a yield (Esc, Ctrl-C, a client gone): keep what is consistent
+            self._keep(kept)
+
+    def _keep(self, kept: Kept) -> None:
+        """Give a request's caches to the conversation cache, unless a pass was cut mid-way; once per request."""
+        draft_kv = self.drafter.release()
+        if kept.tokens is not None:
+            self.conversations.keep(Kept(kept.tokens[: kept.kv.get_seq_length()], kept.kv, kept.prompt_len, draft_kv))
+            kept.tokens = None
+
+    def _run(self, prompt: list[int], kept: Kept, reused: int, params: SamplingParams, generator: torch.Generator,
+             trace: TraceRecorder | None, max_new: int) -> Iterator[Event]:
+        m, rt, cache = self.model, self.model.runtime, kept.kv
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
         moved0 = m.cache.bytes_moved
         rt.begin_request()
 
-        # Prefill: the whole prompt; its last position gives the first token.
+        # Prefill: the prompt past the reused prefix; its last position gives the first token.
         t_start = time.perf_counter()
         rt.reset_counters()
         logits = self._forward(prompt[reused:], cache, keep=1, phase="prefill", step=0, trace=trace)  # [1, V]
         _, first = accept([], None, logits, params, generator)
         prefill = rt.reset_counters()
-        self.drafter.start(prompt, cache)
+        self.drafter.start(prompt, cache, kept.draft_kv)
         prefill_s = time.perf_counter() - t_start
         committed = prompt + [first]
-        self._kv_tokens = committed  # appended in place below; the cache holds all but its last
+        kept.tokens = committed  # appended in place below; the cache holds all but its last
         reason = self._commit([first], new, detok, m.eos_ids, max_new)
         yield TokenDelta(detok.delta(final=reason is not None), [first])
 
         steps: list[StepStats] = []
         while reason is None and not self._stop.is_set():
-            self._kv_tokens = None  # the step writes past the committed tokens, then trims
+            kept.tokens = None  # the step writes past the committed tokens, then trims
             stats, accepted = self._step(len(steps) + 1, committed, cache, max_new - len(new), params, generator, trace)
             committed += accepted
-            self._kv_tokens = committed
+            kept.tokens = committed
             reason = self._commit(accepted, new, detok, m.eos_ids, max_new)
             steps.append(stats)
             yield TokenDelta(detok.delta(final=reason is not None), accepted)
@@ -179,6 +185,7 @@ class Engine:
         tail = detok.delta(final=True)
         if tail:
             yield TokenDelta(tail, [])
+        self._keep(kept)  # before the summary, which reports the conversation cache
         summary = Summary(
             prompt_tokens=len(prompt), reused_tokens=reused, new_tokens=len(new), steps=len(steps),
             drafted=sum(s.drafted for s in steps), accepted=sum(s.accepted for s in steps),
@@ -187,6 +194,8 @@ class Engine:
             bytes_moved=m.cache.bytes_moved - moved0, finish_reason=reason or "cancelled",
             expert_budget=rt.expert_budget, dropped=sum(s.dropped for s in steps),
             not_ready=prefill.not_ready + sum(s.not_ready for s in steps),
+            kept_conversations=len(self.conversations), kept_bytes=self.conversations.nbytes(),
+            kept_budget=self.conversations.budget,
         )
         yield Finished(new, detok.text, summary)
 

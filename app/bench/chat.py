@@ -1,58 +1,87 @@
-"""`moechat bench chat`: an N-turn conversation replayed with prefix reuse and with a full prefill every turn,
-in one run: time to first token and prefilled tokens per turn (issue 17)."""
+"""`moechat bench chat`: conversations replayed with the conversation cache (KV prefix reuse) and with a full
+prefill every turn, in one run: time to first token and prefilled tokens per turn, the caches kept and the
+process's memory (issue 17).
+
+User turns are the demo's held-out prompts of at most 64 tokens (typed chat messages), in file order; with
+`--conversations C` they go to C conversations in turn, so each return to one follows C-1 others.
+"""
 from __future__ import annotations
 
 import json
+
+MESSAGE_TOKENS = 64  # a user turn: a held-out prompt at most this long
 
 
 def add_bench_chat(sub) -> None:
     from ..cli import add_engine_args
 
-    p = sub.add_parser("chat", help="a conversation replayed with and without KV prefix reuse: time to first token per turn")
+    p = sub.add_parser("chat", help="conversations replayed with and without KV prefix reuse: time to first token per turn")
     add_engine_args(p)
-    p.add_argument("--turns", type=int, default=8, metavar="N", help="user turns (the demo's held-out prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=48, metavar="N", help="reply length per turn")
+    p.add_argument("--turns", type=int, default=8, metavar="N", help="user turns per conversation")
+    p.add_argument("--conversations", type=int, default=1, metavar="C", help="conversations, their turns taken in turn")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="reply length per turn")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_chat)
 
 
 def cmd_bench_chat(args) -> int:
-    from ...engine import Engine, MoechatError, SamplingParams
+    import psutil
+
+    from ...engine import Engine, MoechatError, Request, SamplingParams
     from ..cli import engine_config
     from ..demo import eval_prompts
 
-    if args.turns < 1 or args.max_new_tokens < 1:
-        raise MoechatError("bench chat needs --turns >= 1 and --max-new-tokens >= 1")
+    if args.turns < 1 or args.max_new_tokens < 1 or args.conversations < 1:
+        raise MoechatError("bench chat needs --turns, --conversations and --max-new-tokens >= 1")
     engine = Engine(engine_config(args))
+    if not getattr(engine.model.tokenizer, "chat_template", None):
+        raise MoechatError("bench chat needs a model whose tokenizer has a chat template")
+    prompts = [p for p in eval_prompts(10_000) if len(engine.encode(Request(prompt=p))) <= MESSAGE_TOKENS]
+    need = args.turns * args.conversations
+    if len(prompts) < need:
+        raise MoechatError(f"bench chat needs {need} short held-out prompts and there are {len(prompts)}: "
+                           "lower --turns or --conversations")
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     engine.reset_prefix_cache()
-    requests, reuse, messages = [], [], []
-    for prompt in eval_prompts(args.turns):  # the conversation, each turn reusing what the one before left
-        messages.append({"role": "user", "content": prompt})
-        requests.append(list(messages))
+    rss_loaded = psutil.Process().memory_info().rss
+    chats: list[list[dict]] = [[] for _ in range(args.conversations)]
+    requests, reuse = [], []
+    for i in range(need):  # round robin over the conversations, each turn reusing what its cache kept
+        messages = chats[i % args.conversations]
+        messages.append({"role": "user", "content": prompts[i]})
+        requests.append((i % args.conversations, len(messages) // 2 + 1, list(messages)))
         fin = _turn(engine, messages, params)
         reuse.append(fin)
         messages.append({"role": "assistant", "content": fin.text})
+    rss_after = psutil.Process().memory_info().rss
+    kept = reuse[-1].summary
     full = []
-    for request in requests:  # the same requests, each prefilled whole
+    for _, _, messages in requests:  # the same requests, each prefilled whole
         engine.reset_prefix_cache()
-        full.append(_turn(engine, request, params))
+        full.append(_turn(engine, messages, params))
     engine.close()
-    rows = [{"turn": i + 1, "prompt_tokens": f.summary.prompt_tokens,
+    rows = [{"conversation": c + 1, "turn": t, "prompt_tokens": f.summary.prompt_tokens,
              "full": {"ttft_s": f.summary.ttft_s, "prefilled_tokens": f.summary.prompt_tokens - f.summary.reused_tokens},
              "reuse": {"ttft_s": u.summary.ttft_s, "prefilled_tokens": u.summary.prompt_tokens - u.summary.reused_tokens},
              "ttft_ratio": f.summary.ttft_s / max(u.summary.ttft_s, 1e-9), "same_tokens": f.token_ids == u.token_ids}
-            for i, (f, u) in enumerate(zip(full, reuse))]
+            for (c, t, _), f, u in zip(requests, full, reuse)]
+    memory = {"rss_loaded": rss_loaded, "rss_after": rss_after, "kept_conversations": kept.kept_conversations,
+              "kept_bytes": kept.kept_bytes, "kept_budget": kept.kept_budget}
     if args.json:
-        print(json.dumps({"model": args.model, "max_new_tokens": args.max_new_tokens, "turns": rows}))
+        print(json.dumps({"model": args.model, "max_new_tokens": args.max_new_tokens, "turns": rows, "memory": memory}))
         return 0
-    print(f"model {args.model}  {args.turns} turns, {args.max_new_tokens} new tokens each")
-    print(f"{'turn':>4} {'prompt':>7} {'prefilled full':>15} {'prefilled reuse':>16} {'TTFT full':>10} {'TTFT reuse':>11} "
-          f"{'ratio':>6}  same")
+    print(f"model {args.model}  {args.conversations} conversation(s) x {args.turns} turns, "
+          f"{args.max_new_tokens} new tokens each")
+    print(f"{'conv':>4} {'turn':>4} {'prompt':>7} {'prefilled full':>15} {'prefilled reuse':>16} {'TTFT full':>10} "
+          f"{'TTFT reuse':>11} {'ratio':>6}  same")
     for r in rows:
         f, u = r["full"], r["reuse"]
-        print(f"{r['turn']:>4} {r['prompt_tokens']:>7} {f['prefilled_tokens']:>15} {u['prefilled_tokens']:>16} "
-              f"{f['ttft_s'] * 1e3:>8.1f}ms {u['ttft_s'] * 1e3:>9.1f}ms {r['ttft_ratio']:>6.1f}  {r['same_tokens']}")
+        print(f"{r['conversation']:>4} {r['turn']:>4} {r['prompt_tokens']:>7} {f['prefilled_tokens']:>15} "
+              f"{u['prefilled_tokens']:>16} {f['ttft_s'] * 1e3:>8.1f}ms {u['ttft_s'] * 1e3:>9.1f}ms "
+              f"{r['ttft_ratio']:>6.1f}  {r['same_tokens']}")
+    mib = 1 << 20
+    print(f"RSS {rss_loaded / mib:.0f} MiB loaded, {rss_after / mib:.0f} MiB after the conversations; "
+          f"KV kept {kept.kept_conversations} conversation(s), {kept.kept_bytes / mib:.1f} of {kept.kept_budget / mib:.0f} MiB")
     return 0
 
 

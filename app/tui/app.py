@@ -96,6 +96,10 @@ class MoechatApp(App):
             return
         await self.chat.reply_delta(msg.request_id, msg.text)
 
+    def on_reply_notice(self, msg: m.ReplyNotice) -> None:
+        if self.is_running:
+            self.notify(msg.text, title="moechat", timeout=8)
+
     def on_reply_stats(self, msg: m.ReplyStats) -> None:
         if not self.is_running:
             return

@@ -45,6 +45,14 @@ class ReplyDelta(Message):
         self.request_id, self.text = request_id, text
 
 
+class ReplyNotice(Message):
+    """One line about reply `request_id` before it starts (e.g. the oldest turns left out of a long conversation)."""
+
+    def __init__(self, request_id: int, text: str) -> None:
+        super().__init__()
+        self.request_id, self.text = request_id, text
+
+
 class ReplyFinished(Message):
     """Reply `request_id` ended: `reason` is "stop", "length" or "cancelled"; `text` is the whole reply."""
 
@@ -69,6 +77,11 @@ class Stats:
     ram_used: int | None = None
     ram_budget: int | None = None
     new_tokens: int = 0
+    prompt_tokens: int = 0  # the reply's prompt, of which reused_tokens came from a kept KV cache (set when it ends)
+    reused_tokens: int = 0
+    kept_conversations: int = 0  # KV caches the engine keeps, their bytes and budget
+    kept_bytes: int = 0
+    kept_budget: int = 0
 
 
 class ReplyStats(Message):

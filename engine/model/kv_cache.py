@@ -81,3 +81,22 @@ class KVCache(Cache):
 
     def __init__(self, dtype: torch.dtype | None = None):
         super().__init__(layer_class_to_replicate=partial(GrowingLayer, dtype))
+
+    def nbytes(self) -> int:
+        """Bytes its buffers hold (capacity, not only the valid entries)."""
+        return sum(layer._k.nbytes + layer._v.nbytes for layer in self.layers if getattr(layer, "_k", None) is not None)
+
+    def copy_prefix(self, length: int, device: torch.device | str | None = None) -> KVCache:
+        """A new cache holding copies of the first `length` positions' entries, buffers exactly that long, on `device`
+        (None: where they are): a branch of a kept conversation, or a kept cache moved to host RAM."""
+        out = KVCache(self.layer_class_to_replicate.args[0])
+        for layer in self.layers:
+            new = GrowingLayer(layer.store_dtype)
+            if layer.is_initialized:
+                n = min(length, layer.length)
+                new._k = layer._k[:, :, :n].to(device or layer._k.device, copy=True)
+                new._v = layer._v[:, :, :n].to(device or layer._v.device, copy=True)
+                new.dtype, new.device, new.is_initialized = layer.dtype, new._k.device, True
+                new._set_length(n)
+            out.layers.append(new)
+        return out

@@ -1,8 +1,9 @@
 """Drafters: who proposes the γ tokens a verification step scores.
 
-Contract (mlx-lm style): `start(prompt_ids, target_cache)` once per request, after the target's
-prefill (a drafter with its own cache keeps the entries of the prefix the last request shares with this
-prompt; `forget()` drops them); `draft(committed, n, params, generator)` returns n tokens and, when sampling, the
+Contract (mlx-lm style): `start(prompt_ids, target_cache, draft_kv)` once per request, after the target's
+prefill (`draft_kv`: a drafter's own cache as the conversation cache kept it, rewound to the prefix shared with this
+prompt, or None); `release()` at the end returns that cache, its entries those of committed tokens only, and lets it
+go; `draft(committed, n, params, generator)` returns n tokens and, when sampling, the
 distributions q [n, V] they were drawn from. A drafter keeps its own KV cache consistent by itself:
 entries past the committed prefix are rewound (`rewind_cache`) at the start of the next `draft`.
 """
@@ -18,7 +19,7 @@ from ..model.config_file import read_config_dict
 from ..model.kv_cache import KVCache
 from ..model.loader import LoadedModel, load_tokenizer
 from ..quant.formats import QuantMatrix, dequantize
-from .rewind import rewind_cache, rewind_to_shared_prefix
+from .rewind import rewind_cache
 from .router_feed import router_feed
 from .sampling import probs_from_logits, sample
 
@@ -35,11 +36,11 @@ class NoDraft:
 
     name = "none"
 
-    def start(self, prompt_ids: list[int], target_cache) -> None:
+    def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
         pass
 
-    def forget(self) -> None:
-        pass
+    def release(self) -> None:
+        return None
 
     def draft(self, committed, n, params, generator):
         return [], None
@@ -74,26 +75,26 @@ class DraftModel:
         self.device = target.device
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
         self.cache: KVCache | None = None
-        self._tokens: list[int] | None = None  # the committed tokens whose entries the cache holds, the first _valid
-        self._valid = 0
+        self._valid = 0  # the cache's entries past this many are drafts (or in flux)
 
-    def start(self, prompt_ids: list[int], target_cache) -> None:
-        """Keep the KV entries of the longest prefix the last request shares with this prompt (prefix reuse);
-        draft() feeds the rest."""
-        if self.cache is None or self._tokens is None:
-            self.cache, self._tokens = KVCache(), None
-            return
-        rewind_to_shared_prefix(self.cache, self._tokens[: self._valid], prompt_ids)
+    def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
+        """Draft on the kept cache of this conversation (entries of a prefix of the prompt) or a new one; draft()
+        feeds the rest."""
+        self.cache = draft_kv if draft_kv is not None else KVCache()
+        self._valid = self.cache.get_seq_length()
 
-    def forget(self) -> None:
-        self.cache = self._tokens = None
+    def release(self) -> KVCache | None:
+        """The cache with the entries of committed tokens only (drafts past them dropped), let go."""
+        cache, self.cache = self.cache, None
+        if cache is not None:
+            rewind_cache(cache, self._valid)
+        return cache
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):
         rewind_cache(self.cache, len(committed) - 1)
         feed = committed[self.cache.get_seq_length():]
         runtime = self.target.runtime
-        self._tokens = None  # in flux: an error below leaves no cache to reuse
         tokens, qs = [], []
         for _ in range(n):
             ids = torch.tensor([feed], device=self.device)
@@ -106,7 +107,7 @@ class DraftModel:
             tokens.append(token)
             qs.append(q)
             feed = [token]
-        self._tokens, self._valid = committed, len(committed) - 1  # entries past these are drafts, rewound next time
+        self._valid = len(committed) - 1  # entries past these are drafts, rewound next time
         if params.greedy:
             return tokens, None
         q = torch.stack(qs).cpu()
@@ -146,11 +147,11 @@ class SelfDraft:
         self._dist: list[torch.Tensor] | None = None  # per sparse layer [E, E] squared L2 distances
         self._tables: dict[int, tuple[int, torch.Tensor | None]] = {}  # li -> (cache version, remap [E])
 
-    def start(self, prompt_ids: list[int], target_cache) -> None:
-        self.cache = target_cache
+    def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
+        self.cache = target_cache  # drafts in the target's cache: nothing of its own to keep
 
-    def forget(self) -> None:
-        pass
+    def release(self) -> None:
+        self.cache = None
 
     def distances(self) -> list[torch.Tensor]:
         """Per sparse layer [E, E]; computed once per checkpoint (it reads every expert) and cached on disk."""

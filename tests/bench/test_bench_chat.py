@@ -1,15 +1,22 @@
-"""`moechat bench chat`: the same conversation with and without prefix reuse, in one run."""
+"""`moechat bench chat`: the same conversations with and without prefix reuse, in one run."""
 import json
 
 from moechat.app.cli import main
 
 
-def test_bench_chat_reuses_the_conversation(capsys):
-    assert main(["bench", "chat", "--turns", "3", "--max-new-tokens", "4", "--draft", "none", "--json"]) == 0
-    turns = json.loads(capsys.readouterr().out)["turns"]
-    assert [t["turn"] for t in turns] == [1, 2, 3] and all(t["same_tokens"] for t in turns)
-    first, later = turns[0], turns[1:]
-    assert first["reuse"]["prefilled_tokens"] == first["full"]["prefilled_tokens"] == first["prompt_tokens"]
-    for t in later:  # only the new message (and the template around it) is prefilled
+def test_bench_chat_reuses_each_conversation(capsys):
+    assert main(["bench", "chat", "--turns", "2", "--conversations", "2", "--max-new-tokens", "4", "--draft", "none",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    turns = out["turns"]
+    assert [(t["conversation"], t["turn"]) for t in turns] == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    assert all(t["same_tokens"] for t in turns)
+    for t in turns:
         assert t["full"]["prefilled_tokens"] == t["prompt_tokens"]
-        assert t["reuse"]["prefilled_tokens"] < t["prompt_tokens"] - turns[0]["prompt_tokens"]
+        if t["turn"] == 1:
+            assert t["reuse"]["prefilled_tokens"] >= t["prompt_tokens"] - 4  # at most the template's start is shared
+    for later, first in zip(turns[2:], turns[:2]):  # a return after the other conversation: only the new message
+        assert later["reuse"]["prefilled_tokens"] < later["prompt_tokens"] - first["prompt_tokens"]
+    memory = out["memory"]
+    assert memory["kept_conversations"] == 2 and 0 < memory["kept_bytes"] <= memory["kept_budget"]
+    assert memory["rss_after"] > 0 and memory["rss_loaded"] > 0

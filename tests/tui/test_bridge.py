@@ -19,6 +19,7 @@ from moechat.app.tui.messages import (
     ExpertFrame,
     ReplyDelta,
     ReplyFinished,
+    ReplyNotice,
     ReplyStats,
 )
 from moechat.engine.config import (
@@ -306,5 +307,32 @@ def test_cuda_stats_and_reload_frees_the_fast_tier(checkpoint):
         assert sum(t.name == "moechat-prefetch" for t in threading.enumerate()) == 1
         bridge.generate(2, CHAT, SamplingParams(max_new_tokens=4))
         assert inbox.ending(2).reason == "length"
+    finally:
+        bridge.close()
+
+
+def test_a_long_conversation_is_trimmed_with_one_notice_and_the_stats_report_reuse(checkpoint):
+    path = checkpoint("qwen3_moe")
+    bridge, inbox = started(lambda: EngineConfig(str(path), context_len=256))
+    try:
+        inbox.wait(EngineReady)
+        messages = [{"role": "system", "content": "Be brief."}]
+        for i in range(12):
+            messages += [{"role": "user", "content": f"Question {i} about the sea?"},
+                         {"role": "assistant", "content": f"Answer {i}: the sea is wide."}]
+        messages.append({"role": "user", "content": "And the lighthouse?"})
+        bridge.generate(1, messages, SamplingParams(max_new_tokens=8))
+        first = inbox.ending(1)
+        notices = inbox.of(ReplyNotice, request_id=1)
+        assert isinstance(first, ReplyFinished) and len(notices) == 1  # it fits, with a line that says so
+        assert "oldest messages no longer fit the 256-token context" in notices[0].text
+        messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Thanks."}]
+        bridge.generate(2, messages, SamplingParams(max_new_tokens=8))
+        second = inbox.ending(2)
+        assert isinstance(second, ReplyFinished) and not inbox.of(ReplyNotice, request_id=2)  # the same cut: said once
+        s = second.stats
+        assert first.stats.prompt_tokens > 100 and 0 < s.reused_tokens < s.prompt_tokens  # the trimmed start reused
+        assert s.reused_tokens >= first.stats.prompt_tokens - 1 and s.kept_conversations == 1
+        assert 0 < s.kept_bytes <= s.kept_budget
     finally:
         bridge.close()

@@ -36,10 +36,10 @@ def make_frame(step: int = 0, seed: int = 0, layers: int = L, experts: int = E) 
     return Frame(utility, resident, tau, K, "utility", step)
 
 
-def make_stats(tokens_per_s: float = 12.5) -> Stats:
+def make_stats(tokens_per_s: float = 12.5, **kv) -> Stats:
     return Stats(tokens_per_s=tokens_per_s, acceptance=0.734, hit_rate=None, bytes_per_token=3.5 * 2**20,
                  pcie_bytes_s=11.5 * 2**30, cpu_busy_s=0.012, device_busy_s=0.004,
-                 vram_used=5 * 2**30, vram_budget=8 * 2**30, ram_used=None, ram_budget=64 * 2**30, new_tokens=40)
+                 vram_used=5 * 2**30, vram_budget=8 * 2**30, ram_used=None, ram_budget=64 * 2**30, new_tokens=40, **kv)
 
 
 class Demo(App):
@@ -187,6 +187,14 @@ def test_stats_panel_formats_values_and_na():
             assert text["busy"].count("█") == 16
             assert text["vram"].endswith("5 GiB / 8 GiB") and text["vram"].count("█") == 10
             assert text["ram"].endswith("n/a")
+            assert text["prompt"] == "prompt      n/a" and text["kv-kept"] == "KV kept     off"
+            panel.update_stats(make_stats(prompt_tokens=1234, reused_tokens=1200, kept_conversations=3,
+                                          kept_bytes=3 << 29, kept_budget=4 << 30))
+            await pilot.pause()
+            text = {w.id: str(w.render()) for w in panel.query(Static)}
+            assert text["prompt"] == "prompt      1,234 tokens, 1,200 reused"
+            assert text["kv-kept"].endswith("1.5 GiB / 4 GiB · 3 chats") and text["kv-kept"].count("█") == 6
+            panel.history.pop()
             assert list(panel.history) == [10.0 + i for i in range(10)]
     asyncio.run(run())
 

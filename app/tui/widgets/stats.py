@@ -1,4 +1,5 @@
-"""The figures beside the heatmap: tokens/s history, acceptance, hit rate, traffic, busy split, memory.
+"""The figures beside the heatmap: tokens/s history, acceptance, hit rate, traffic, busy split, memory, the prompt's
+reused tokens and the conversations' KV caches kept (engine/prefix_cache.py).
 
 One `Static` per line (ids below, so the chat screen and tests can find them) and Textual's
 `Sparkline` for the tokens/s history. Bars are drawn as text with theme variables in Textual
@@ -76,7 +77,7 @@ class StatsPanel(Vertical):
     def compose(self) -> ComposeResult:
         yield Static("tokens/s    n/a", id="tps")
         yield Sparkline([], id="tps-history")
-        for key in ("acceptance", "hit-rate", "bytes-per-token", "pcie", "busy", "vram", "ram"):
+        for key in ("acceptance", "hit-rate", "bytes-per-token", "pcie", "busy", "vram", "ram", "prompt", "kv-kept"):
             yield Static("", id=key)
 
     def on_mount(self) -> None:
@@ -100,6 +101,10 @@ class StatsPanel(Vertical):
                     f"[$warning]CPU[/] {seconds(s.cpu_busy_s)} · [$primary]device[/] {seconds(s.device_busy_s)}",
             "vram": f"VRAM        {memory_line(s.vram_used, s.vram_budget)}",
             "ram": f"RAM         {memory_line(s.ram_used, s.ram_budget)}",
+            "prompt": (f"prompt      {s.prompt_tokens:,} tokens, {s.reused_tokens:,} reused" if s.prompt_tokens
+                       else "prompt      n/a"),
+            "kv-kept": (f"KV kept     {memory_line(s.kept_bytes, s.kept_budget)} · {s.kept_conversations} chats"
+                        if s.kept_budget else "KV kept     off"),
         }
         for key, text in lines.items():
             self.query_one(f"#{key}", Static).update(text)
