@@ -2,7 +2,8 @@
 prefill every turn, in one run: time to first token and prefilled tokens per turn, the caches kept and the
 process's memory (issue 17).
 
-User turns are the demo's held-out prompts of at most 64 tokens (typed chat messages), in file order; with
+User turns are the demo's held-out prompts of at most 64 tokens (typed chat messages), in file order, again from the
+first when more are needed; with
 `--conversations C` they go to C conversations in turn, so each return to one follows C-1 others.
 """
 from __future__ import annotations
@@ -38,33 +39,32 @@ def cmd_bench_chat(args) -> int:
         raise MoechatError("bench chat needs a model whose tokenizer has a chat template")
     prompts = [p for p in eval_prompts(10_000) if len(engine.encode(Request(prompt=p))) <= MESSAGE_TOKENS]
     need = args.turns * args.conversations
-    if len(prompts) < need:
-        raise MoechatError(f"bench chat needs {need} short held-out prompts and there are {len(prompts)}: "
-                           "lower --turns or --conversations")
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    _turn(engine, [{"role": "user", "content": "Hello."}], params)  # warm-up: both arms run warm
     engine.reset_prefix_cache()
     rss_loaded = psutil.Process().memory_info().rss
     chats: list[list[dict]] = [[] for _ in range(args.conversations)]
     requests, reuse = [], []
     for i in range(need):  # round robin over the conversations, each turn reusing what its cache kept
         messages = chats[i % args.conversations]
-        messages.append({"role": "user", "content": prompts[i]})
-        requests.append((i % args.conversations, len(messages) // 2 + 1, list(messages)))
+        messages.append({"role": "user", "content": prompts[i % len(prompts)]})
+        requests.append((i % args.conversations, len(messages) // 2 + 1, list(messages),
+                         len(engine.encode(Request(prompt=messages[-1]["content"])))))
         fin = _turn(engine, messages, params)
         reuse.append(fin)
         messages.append({"role": "assistant", "content": fin.text})
     rss_after = psutil.Process().memory_info().rss
     kept = reuse[-1].summary
     full = []
-    for _, _, messages in requests:  # the same requests, each prefilled whole
+    for _, _, messages, _ in requests:  # the same requests, each prefilled whole
         engine.reset_prefix_cache()
         full.append(_turn(engine, messages, params))
     engine.close()
-    rows = [{"conversation": c + 1, "turn": t, "prompt_tokens": f.summary.prompt_tokens,
+    rows = [{"conversation": c + 1, "turn": t, "prompt_tokens": f.summary.prompt_tokens, "message_tokens": n,
              "full": {"ttft_s": f.summary.ttft_s, "prefilled_tokens": f.summary.prompt_tokens - f.summary.reused_tokens},
              "reuse": {"ttft_s": u.summary.ttft_s, "prefilled_tokens": u.summary.prompt_tokens - u.summary.reused_tokens},
              "ttft_ratio": f.summary.ttft_s / max(u.summary.ttft_s, 1e-9), "same_tokens": f.token_ids == u.token_ids}
-            for (c, t, _), f, u in zip(requests, full, reuse)]
+            for (c, t, _, n), f, u in zip(requests, full, reuse)]
     memory = {"rss_loaded": rss_loaded, "rss_after": rss_after, "kept_conversations": kept.kept_conversations,
               "kept_bytes": kept.kept_bytes, "kept_budget": kept.kept_budget}
     if args.json:
@@ -72,12 +72,12 @@ def cmd_bench_chat(args) -> int:
         return 0
     print(f"model {args.model}  {args.conversations} conversation(s) x {args.turns} turns, "
           f"{args.max_new_tokens} new tokens each")
-    print(f"{'conv':>4} {'turn':>4} {'prompt':>7} {'prefilled full':>15} {'prefilled reuse':>16} {'TTFT full':>10} "
-          f"{'TTFT reuse':>11} {'ratio':>6}  same")
+    print(f"{'conv':>4} {'turn':>4} {'prompt':>7} {'message':>8} {'prefilled full':>15} {'prefilled reuse':>16} "
+          f"{'TTFT full':>10} {'TTFT reuse':>11} {'ratio':>6}  same")
     for r in rows:
         f, u = r["full"], r["reuse"]
-        print(f"{r['conversation']:>4} {r['turn']:>4} {r['prompt_tokens']:>7} {f['prefilled_tokens']:>15} "
-              f"{u['prefilled_tokens']:>16} {f['ttft_s'] * 1e3:>8.1f}ms {u['ttft_s'] * 1e3:>9.1f}ms "
+        print(f"{r['conversation']:>4} {r['turn']:>4} {r['prompt_tokens']:>7} {r['message_tokens']:>8} "
+              f"{f['prefilled_tokens']:>15} {u['prefilled_tokens']:>16} {f['ttft_s'] * 1e3:>8.1f}ms {u['ttft_s'] * 1e3:>9.1f}ms "
               f"{r['ttft_ratio']:>6.1f}  {r['same_tokens']}")
     mib = 1 << 20
     print(f"RSS {rss_loaded / mib:.0f} MiB loaded, {rss_after / mib:.0f} MiB after the conversations; "

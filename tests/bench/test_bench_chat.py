@@ -17,6 +17,8 @@ def test_bench_chat_reuses_each_conversation(capsys):
             assert t["reuse"]["prefilled_tokens"] >= t["prompt_tokens"] - 4  # at most the template's start is shared
     for later, first in zip(turns[2:], turns[:2]):  # a return after the other conversation: only the new message
         assert later["reuse"]["prefilled_tokens"] < later["prompt_tokens"] - first["prompt_tokens"]
+        # the message, the template around it, and the end of the last reply where its text re-tokenizes otherwise
+        assert later["message_tokens"] <= later["reuse"]["prefilled_tokens"] <= later["message_tokens"] + 16
     memory = out["memory"]
     assert memory["kept_conversations"] == 2 and 0 < memory["kept_bytes"] <= memory["kept_budget"]
     assert memory["rss_after"] > 0 and memory["rss_loaded"] > 0
