@@ -135,10 +135,11 @@ class Engine:
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
+        t_start = time.perf_counter()  # the time to first token counts finding and copying a kept cache
         kept, reused = self.conversations.take(prompt, m.new_kv_cache)  # kept.kv after each step: committed[:-1]
         kept.tokens, kept.prompt_len = None, len(prompt)  # tokens None while a pass writes the caches
         try:
-            yield from self._run(prompt, kept, reused, params, generator, trace, max_new)
+            yield from self._run(prompt, kept, reused, params, generator, trace, max_new, t_start)
         finally:  # stopped, or closed at a yield (Esc, Ctrl-C, a client gone): keep what is consistent
             self._keep(kept)
 
@@ -150,7 +151,7 @@ class Engine:
             kept.tokens = None
 
     def _run(self, prompt: list[int], kept: Kept, reused: int, params: SamplingParams, generator: torch.Generator,
-             trace: TraceRecorder | None, max_new: int) -> Iterator[Event]:
+             trace: TraceRecorder | None, max_new: int, t_start: float) -> Iterator[Event]:
         m, rt, cache = self.model, self.model.runtime, kept.kv
         detok = _Detokenizer(m.tokenizer, params.stop)
         new: list[int] = []
@@ -158,7 +159,6 @@ class Engine:
         rt.begin_request()
 
         # Prefill: the prompt past the reused prefix; its last position gives the first token.
-        t_start = time.perf_counter()
         rt.reset_counters()
         logits = self._forward(prompt[reused:], cache, keep=1, phase="prefill", step=0, trace=trace)  # [1, V]
         _, first = accept([], None, logits, params, generator)

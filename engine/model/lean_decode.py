@@ -3,10 +3,10 @@ the same order as transformers' forward, without its per-layer Python (module ca
 creation, rotary recomputation, attention-interface dispatch, output dataclasses).
 
 Used for a few positions after a past (T <= MAX_POSITIONS: a decode step, a verification, a self-draft
-step) on the CPU, for the llama-like decoder-only families; the prefill and everything refused here run
-transformers' forward on the same KV cache. The logits equal transformers' bit for bit (tests/engine/
-test_lean_decode.py), so speculative decoding stays lossless either way. `lean_decode=False` in
-EngineConfig (`--no-lean-decode`) turns it off.
+step, a chat turn's new message after its kept history) on the CPU, for the llama-like decoder-only
+families; the first prefill and everything refused here run transformers' forward on the same KV cache.
+The logits equal transformers' bit for bit (tests/engine/test_lean_decode.py), so speculative decoding
+stays lossless either way. `lean_decode=False` in EngineConfig (`--no-lean-decode`) turns it off.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .attention import NAME as FLOAT_KV_ATTENTION
 
-MAX_POSITIONS = 16  # decode and verification sizes; longer inputs are prefills, where the module calls cost little
+MAX_POSITIONS = 128  # decode, verification, and a chat turn after a kept history; longer prefills: module calls cost little
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")  # deepseek_v2 (MLA) runs transformers' forward
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (not dynamic, longrope)
 TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many positions

@@ -6,7 +6,7 @@ from moechat.app.cli import main
 
 def test_bench_chat_reuses_each_conversation(capsys):
     assert main(["bench", "chat", "--turns", "2", "--conversations", "2", "--max-new-tokens", "4", "--draft", "none",
-                 "--json"]) == 0
+                 "--repeats", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     turns = out["turns"]
     assert [(t["conversation"], t["turn"]) for t in turns] == [(1, 1), (2, 1), (1, 2), (2, 2)]
