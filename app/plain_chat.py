@@ -45,7 +45,7 @@ def cmd_chat(args) -> int:
         said = notice
         sys.stdout.write("moechat> ")
         reply, finished = [], None
-        events = engine.generate(Request(messages=request), params)
+        events = engine.generate(Request(messages=list(request)), params)
         try:
             for ev in events:
                 if isinstance(ev, TokenDelta):

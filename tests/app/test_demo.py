@@ -108,13 +108,13 @@ def test_plain_chat_keeps_the_conversation(monkeypatch, capsys):
     from moechat.app.cli import main
 
     seen = []
-    real = Engine.encode
+    real = Engine.generate
 
-    def spy(self, request):
+    def spy(self, request, *args, **kwargs):  # the requests sent (encode also counts tokens for app/history.py)
         seen.append(request.messages)
-        return real(self, request)
+        return real(self, request, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "encode", spy)
+    monkeypatch.setattr(Engine, "generate", spy)
     monkeypatch.setattr("sys.stdin", io.StringIO(f"{SEA}\nAnd the moon?\n/reset\nHello\n"))
     assert main(["chat", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
