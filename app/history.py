@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
-def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+def _smallest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
     """The smallest i in lo..hi with ok(i), for ok false then true; hi when none is."""
     while lo < hi:
         mid = (lo + hi) // 2
@@ -38,10 +38,10 @@ def fit_history(messages: list[dict], count_tokens: Callable[[list[dict]], int],
     def before(d: int) -> int:  # tokens of the history's first d messages: fixed once they are written
         return count_tokens(history[:d]) if d else 0
 
-    fewest = _first(1, len(history), lambda d: count_tokens(messages[:head] + history[start(d):] + new) <= room)
+    fewest = _smallest(1, len(history), lambda d: count_tokens(messages[:head] + history[start(d):] + new) <= room)
     half = max(1, context_len // 2)
     mark = -(-before(fewest) // half) * half  # the first mark at or past the fewest turns that fit
-    out = messages[:head] + history[start(_first(fewest, len(history), lambda d: before(d) >= mark)):] + new
+    out = messages[:head] + history[start(_smallest(fewest, len(history), lambda d: before(d) >= mark)):] + new
     dropped = len(messages) - len(out)
     return out, dropped, (f"the {dropped} oldest messages no longer fit the {context_len:,}-token context: the model "
                           "no longer sees them (the chat keeps them all)")

@@ -32,15 +32,21 @@ def default_budget() -> int:
 class Kept:
     """One conversation's caches: `kv` holds the target's entries of `tokens`, in order; `draft_kv` (a draft model's)
     those of the first draft_kv.get_seq_length() of them; the first `prompt_len` tokens were the request's prompt,
-    the rest its reply."""
+    the rest its reply. `compact`: in host RAM, buffers exactly as long as the entries."""
 
     tokens: list[int] | None
     kv: KVCache
     prompt_len: int
     draft_kv: KVCache | None = None
+    compact: bool = False
 
     def nbytes(self) -> int:
         return self.kv.nbytes() + (self.draft_kv.nbytes() if self.draft_kv is not None else 0)
+
+    def copy(self, length: int, device: torch.device | str) -> tuple[KVCache, KVCache | None]:
+        """Copies of both caches' first `length` positions on `device`."""
+        draft_kv = self.draft_kv.copy_prefix(length, device) if self.draft_kv is not None else None
+        return self.kv.copy_prefix(length, device), draft_kv
 
 
 def _shared(held: list[int], prompt: list[int]) -> int:
@@ -70,30 +76,26 @@ class PrefixCache:
         if best is None:
             return Kept([], new_kv(), 0), 0
         self.hits += 1
-        if reused >= min(best.prompt_len, len(best.tokens)):  # the conversation's next turn: take its caches
-            # (its reply may come back re-rendered by the chat template: the kept version is then out of date)
+        if reused < min(best.prompt_len, len(best.tokens)):  # a branch: copy the shared part, the kept one stays whole
+            kv, draft_kv = best.copy(reused, self.device)
+        else:  # the conversation's next turn (its reply may come back re-tokenized): take its caches
             self._kept.remove(best)
-            kv, draft_kv = best.kv, best.draft_kv
-            if kv.layers and kv.layers[0]._k is not None and kv.layers[0]._k.device != self.device:
-                kv = kv.copy_prefix(reused, self.device)  # from host RAM back to the compute device
-                draft_kv = draft_kv.copy_prefix(reused, self.device) if draft_kv is not None else None
-        else:  # a branch: copy the shared part, the kept conversation stays whole
-            kv = best.kv.copy_prefix(reused, self.device)
-            draft_kv = best.draft_kv.copy_prefix(reused, self.device) if best.draft_kv is not None else None
-        rewind_cache(kv, reused)
-        if draft_kv is not None:  # its entries are those of a prefix of best.tokens
-            rewind_cache(draft_kv, reused)
+            on_host = best.compact and self.device.type != "cpu"
+            kv, draft_kv = best.copy(reused, self.device) if on_host else (best.kv, best.draft_kv)
+            rewind_cache(kv, reused)
+            if draft_kv is not None:  # its entries are those of a prefix of best.tokens
+                rewind_cache(draft_kv, reused)
         return Kept(best.tokens[:reused], kv, reused, draft_kv), reused
 
     def keep(self, kept: Kept) -> None:
         """Keep a request's caches as the most recent: a kept cache whose tokens they extend is dropped (superseded),
-        older ones move to host RAM, and the least recently used go until the budget holds (this one too, if alone
-        it does not fit)."""
+        older ones are compacted into host RAM, and the least recently used go until the budget holds (this one too,
+        if alone it does not fit)."""
         self._kept = [k for k in self._kept if k.tokens != kept.tokens[: len(k.tokens)]]
         for i, old in enumerate(self._kept):
-            if old.kv.nbytes() and _holds_more_than_needed(old):
-                draft_kv = old.draft_kv.copy_prefix(len(old.tokens), "cpu") if old.draft_kv is not None else None
-                self._kept[i] = Kept(old.tokens, old.kv.copy_prefix(len(old.tokens), "cpu"), old.prompt_len, draft_kv)
+            if not old.compact:
+                kv, draft_kv = old.copy(len(old.tokens), "cpu")
+                self._kept[i] = Kept(old.tokens, kv, old.prompt_len, draft_kv, compact=True)
         self._kept.append(kept)
         while self._kept and self.nbytes() > self.budget:
             self._kept.pop(0)
@@ -106,13 +108,3 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._kept.clear()
-
-
-def _holds_more_than_needed(kept: Kept) -> bool:
-    """True while a kept cache is off the host or has buffer room past its entries (the most recent one keeps both
-    for the conversation's next turn; older ones are compacted in RAM)."""
-    for cache in (kept.kv, kept.draft_kv):
-        for layer in cache.layers if cache is not None else ():
-            if layer._k is not None and (layer._k.device.type != "cpu" or layer.capacity() > layer.length):
-                return True
-    return False

@@ -81,15 +81,16 @@ class KVCache(Cache):
 
     def __init__(self, dtype: torch.dtype | None = None):
         super().__init__(layer_class_to_replicate=partial(GrowingLayer, dtype))
+        self.store_dtype = dtype
 
     def nbytes(self) -> int:
         """Bytes its buffers hold (capacity, not only the valid entries)."""
-        return sum(layer._k.nbytes + layer._v.nbytes for layer in self.layers if getattr(layer, "_k", None) is not None)
+        return sum(layer._k.nbytes + layer._v.nbytes for layer in self.layers if layer.is_initialized)
 
     def copy_prefix(self, length: int, device: torch.device | str | None = None) -> KVCache:
         """A new cache holding copies of the first `length` positions' entries, buffers exactly that long, on `device`
         (None: where they are): a branch of a kept conversation, or a kept cache moved to host RAM."""
-        out = KVCache(self.layer_class_to_replicate.args[0])
+        out = KVCache(self.store_dtype)
         for layer in self.layers:
             new = GrowingLayer(layer.store_dtype)
             if layer.is_initialized:
