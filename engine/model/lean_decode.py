@@ -132,14 +132,8 @@ class LeanForward:
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [1, H, T, D]
         v = v.view(1, T, -1, hd).transpose(1, 2)  # [1, H_kv, T, D]
         k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
-        groups = a.num_key_value_groups
-        gqa = {}
-        if groups > 1 and mask is None:
-            gqa["enable_gqa"] = True  # transformers' choice without a mask
-        elif groups > 1:  # with a mask transformers repeats the KV heads (repeat_kv)
-            n, s = k.shape[1], k.shape[2]
-            k = k[:, :, None].expand(1, n, groups, s, hd).reshape(1, n * groups, s, hd)
-            v = v[:, :, None].expand(1, n, groups, s, v.shape[-1]).reshape(1, n * groups, s, v.shape[-1])
+        # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv
+        gqa = {"enable_gqa": True} if a.num_key_value_groups > 1 else {}
         # query in the cache's dtype, output back in the model's (attention.py: sdpa_float_kv)
         o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]
         o = o.transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
