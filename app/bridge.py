@@ -9,7 +9,8 @@ Every `generate` ends with exactly one of:
   context, an internal error); text already streamed stays as ReplyDelta posted it. No ReplyFinished.
 A ReplyNotice may come first: the oldest turns of a long conversation left out of the request (app/history.py).
 A load or a calibration that fails posts EngineFailed(message) with request_id None; the thread stays
-alive for the next `reload` or `calibrate`.
+alive for the next `reload` or `calibrate`. A factory that returns a `RemoteConfig` (app/remote.py) gets a
+`RemoteEngine` instead: replies stream from an OpenAI-compatible server, with the same messages.
 
 Commands run in the order given: a `reload` or `calibrate` waits for the replies queued before it
 (call `stop()` first to cut them short). `stop()` cancels the running reply and every reply queued
@@ -34,6 +35,7 @@ from pathlib import Path
 from textual.message import Message
 
 from ..engine import EngineConfig, MoechatError, SamplingParams
+from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (
     CalibrationDone,
     CalibrationProgress,
@@ -180,16 +182,23 @@ class EngineBridge:
         self._send(EngineLoading(0.0, "reading the settings"))
         try:
             config = factory()
-            name = model_name(config.model_dir)
-            self._send(EngineLoading(0.1, f"loading {name}"))
-            from ..engine import Engine  # torch and transformers load here, not at UI start
+            if isinstance(config, RemoteConfig):
+                self._send(EngineLoading(0.1, f"connecting to {config.url}"))
+                engine = RemoteEngine(config)
+            else:
+                name = model_name(config.model_dir)
+                self._send(EngineLoading(0.1, f"loading {name}"))
+                from ..engine import Engine  # torch and transformers load here, not at UI start
 
-            engine = Engine(config)
+                engine = Engine(config)
         except Exception:
             self._load_error = "the model failed to load: fix it in the settings, then reload"
             raise
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
+        if isinstance(engine, RemoteEngine):
+            self._send(EngineReady(engine.model, engine.summary, ""))
+            return
         placement = config.placement.notice if config.placement else ""
         self._send(EngineReady(name, self._summary(engine, name), "; ".join(n for n in (placement, *engine.model.notices) if n)))
 
@@ -220,14 +229,17 @@ class EngineBridge:
         from .bridge_meter import ReplyMeter
         from .history import fit_for_engine
 
-        try:
-            messages, notice = fit_for_engine(engine, messages, params.max_new_tokens)
-        except MoechatError as err:
-            return EngineFailed(one_line(err), request_id)
-        if notice and notice != self._notice:  # said once per cut
-            self._send(ReplyNotice(request_id, notice))
-        self._notice = notice
-        meter = ReplyMeter(engine, self.frame_interval_s)
+        if isinstance(engine, RemoteEngine):  # the server fits the context; its figures, no expert frames
+            meter = RemoteMeter(engine, self.frame_interval_s)
+        else:
+            try:
+                messages, notice = fit_for_engine(engine, messages, params.max_new_tokens)
+            except MoechatError as err:
+                return EngineFailed(one_line(err), request_id)
+            if notice and notice != self._notice:  # said once per cut
+                self._send(ReplyNotice(request_id, notice))
+            self._notice = notice
+            meter = ReplyMeter(engine, self.frame_interval_s)
         events = engine.generate(Request(messages=messages), params)
         try:
             for ev in events:

@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat: the full-screen app on a terminal, line by line with --plain or "
                                        "when input or output is not a terminal (what `moechat` alone runs)")
     add_engine_args(chat)
+    add_flags(chat, "backend")
     chat.add_argument("--plain", action="store_true", help="line-by-line chat instead of the full-screen app")
     chat.add_argument("--system", default=None, help="system message (plain chat; the app sets it per conversation)")
     chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
@@ -259,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.quality import add_bench_quality
 
     add_bench_quality(bench_sub)
+    from .bench.serve import add_bench_serve
+
+    add_bench_serve(bench_sub)
+    from .server.command import add_serve
+
+    add_serve(sub)
     from .simulate import add_simulate
 
     add_simulate(sub)

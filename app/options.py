@@ -46,6 +46,10 @@ def _device_problem(value) -> str | None:
     return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) else "must be auto, cpu, cuda or cuda:N"
 
 
+def _url_problem(value) -> str | None:
+    return None if re.fullmatch(r"https?://\S+", value) else "must be an http:// or https:// URL, e.g. http://localhost:8000/v1"
+
+
 def _words(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -60,7 +64,7 @@ class Option:
     kind: type  # int | float | str | bool (--name / --no-name) | list (a repeatable flag) | dict (a settings table)
     default: object  # None: unset (`unset` says what applies then)
     help: str
-    group: str  # engine: a flag of the commands that load a model; sampling: of generate and chat; app: no flag
+    group: str  # engine: flags of the commands that load a model; sampling: of generate and chat; backend: of chat; app: none
     unit: str = ""  # what a number counts, e.g. GiB
     low: float | None = None
     high: float | None = None
@@ -170,6 +174,14 @@ _FROM_PROFILE = "the calibration profile, else {}"
 OPTIONS: tuple[Option, ...] = (
     Option("model", str, None, "checkpoint directory or a model fetched with `moechat pull`", "engine",
            unset="the embedded demo", metavar="DIR|OWNER/NAME"),
+    Option("backend", str, None, "an OpenAI-compatible server to chat through instead of the embedded engine, e.g. "
+           "http://host:8000/v1 (vLLM, SGLang, llama-server, `moechat serve`)", "backend", problem_of=_url_problem,
+           unset="the embedded engine", label="Remote backend (URL)", placeholder="none: the embedded engine",
+           metavar="URL"),
+    Option("backend_model", str, None, "the model to ask the remote backend for", "backend",
+           unset="the first the server lists", label="Remote model", placeholder="the server's first", metavar="NAME"),
+    Option("backend_key_env", str, "MOECHAT_API_KEY", "environment variable holding the remote backend's API key "
+           "(the key itself is never stored)", "backend", label="Remote API key variable", metavar="NAME"),
     Option("vram_budget_gib", float, None, "cap on everything moechat puts on the GPU; what does not fit is refused "
            "before loading", "engine", unit="GiB", low=0, low_open=True, unset="the free VRAM",
            label="VRAM budget (GiB)", placeholder="free VRAM", metavar="GIB"),

@@ -1,4 +1,5 @@
-"""`moechat chat`: a line-by-line terminal chat on the engine (no TUI), also usable with piped input."""
+"""`moechat chat`: a line-by-line terminal chat on the engine or a remote backend (no TUI), also usable with piped
+input. Each conversation is kept in the chat store (app/chats.py), as the app keeps its own: the app lists it."""
 from __future__ import annotations
 
 import sys
@@ -7,20 +8,48 @@ from pathlib import Path
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
 
 
-def cmd_chat(args) -> int:
-    from ..engine import Engine, Error, Finished, Request, TokenDelta
-    from .cli import engine_config, sampling_params
-    from .history import fit_for_engine
+def _open_engine(args):
+    """(engine, one line saying what runs, whether it is remote): the remote backend the flags or settings name, else
+    the embedded engine."""
+    from .remote import RemoteEngine, remote_config
+
+    remote = remote_config(args)
+    if remote is not None:
+        print(f"moechat: connecting to {remote.url}...", file=sys.stderr, flush=True)
+        engine = RemoteEngine(remote)
+        return engine, engine.summary, True
+    from ..engine import Engine
+    from .cli import engine_config
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(engine_config(args))
-    params = sampling_params(args)
     name = Path(args.model).name if Path(args.model).name != "model" else Path(args.model).parent.name
     drafter = (f"draft model {Path(args.draft).parent.name}/{Path(args.draft).name}" if engine.drafter.name == "model"
                else engine.drafter.name)
-    print(f"moechat: {name} on {engine.model.device}, drafter: {drafter}; {HELP}", file=sys.stderr)
-    start = [{"role": "system", "content": args.system}] if args.system else []
-    messages, said = list(start), ""
+    return engine, f"{name} on {engine.model.device}, drafter: {drafter}", False
+
+
+def cmd_chat(args) -> int:
+    from .chats import ChatStore
+    from .cli import sampling_params
+
+    engine, what, remote = _open_engine(args)
+    params = sampling_params(args)
+    print(f"moechat: {what}; {HELP}", file=sys.stderr)
+    store = ChatStore()
+    try:
+        return _chat(engine, store, params, args.system, remote)
+    finally:
+        store.close()
+        engine.close()
+
+
+def _chat(engine, store, params, system: str | None, remote: bool) -> int:
+    from ..engine import Error, Finished, Request, TokenDelta
+    from .history import fit_for_engine
+
+    start = [{"role": "system", "content": system}] if system else []
+    messages, said, conv_id = list(start), "", None
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -35,14 +64,21 @@ def cmd_chat(args) -> int:
         if text.strip() in ("/quit", "/exit"):
             return 0
         if text.strip() == "/reset":
-            messages = list(start)
+            messages, conv_id = list(start), None
             print("moechat: conversation cleared", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
-        request, notice = fit_for_engine(engine, messages, params.max_new_tokens)
+        if remote:  # the server fits its own context
+            request, notice = messages, ""
+        else:
+            request, notice = fit_for_engine(engine, messages, params.max_new_tokens)
         if notice and notice != said:  # once per cut
             print(f"moechat: {notice}", file=sys.stderr)
         said = notice
+        if conv_id is None:
+            conv_id = store.create(title=" ".join(text.split())[:40], system_prompt=system or "")
+        store.add(conv_id, "user", text)
+        reply_id = store.add(conv_id, "assistant", "", finished=False)
         sys.stdout.write("moechat> ")
         reply, finished = [], None
         events = engine.generate(Request(messages=list(request)), params)
@@ -59,13 +95,16 @@ def cmd_chat(args) -> int:
                 elif isinstance(ev, Finished):
                     finished = ev
         except KeyboardInterrupt:
-            events.close()  # cancels the request; the engine is ready for the next one
+            events.close()  # cancels the request; the engine (or the server) is ready for the next one
             print("\nmoechat: stopped", file=sys.stderr)
         print(flush=True)
         if finished is None and not reply:
             messages.pop()  # nothing came back: the user's message can be sent again
+            store.delete_message(reply_id)
             continue
-        messages.append({"role": "assistant", "content": finished.text if finished else "".join(reply)})
+        answer = finished.text if finished else "".join(reply)
+        messages.append({"role": "assistant", "content": answer})
+        store.update(reply_id, answer, finished=finished is not None)
         if finished:
             s = finished.summary
             print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "

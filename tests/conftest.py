@@ -89,3 +89,47 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
     for item in gpu:
         item.add_marker(skip)
+
+
+SERVER_KEY = "test-key"  # the API key `served` starts `moechat serve` with
+
+
+@pytest.fixture(scope="session")
+def served(checkpoint):
+    """`moechat serve` on a tiny qwen3_moe checkpoint in a subprocess, for the tests of remote backends:
+    (its base URL ending in /v1, the checkpoint). It checks the key SERVER_KEY; stopped when the session ends."""
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    model = checkpoint("qwen3_moe", max_position_embeddings=4096)
+    log = open(os.path.join(_HOME, "serve.log"), "w")  # a file, not a pipe nobody drains
+    with socket.socket() as sock:  # a free port (released just before the server binds it)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moechat.app.cli", "serve", "--model", str(model), "--port", str(port),
+                             "--api-key", SERVER_KEY, "--draft", "none"], stderr=log, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moechat serve exited with {proc.returncode}: {Path(log.name).read_text()}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("moechat serve did not answer /health within 120 s")
+        time.sleep(0.2)
+    yield f"{url}/v1", model
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

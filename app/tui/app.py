@@ -294,11 +294,13 @@ def run_tui(args) -> int:
     import copy
 
     from ..cli import engine_config, sampling_params
+    from ..remote import remote_config
 
     base = copy.copy(args)
-    first_run = args.setup or (not settings_path().exists() and args.model is None)
+    first_run = args.setup or (not settings_path().exists() and args.model is None and not args.backend)
     # Sampling: the settings' (the settings screen edits them), with the command line's seed, top-k and stops.
-    app = MoechatApp(lambda: engine_config(copy.copy(base)), first_run=first_run)
+    # The settings (or --backend) may name a remote backend; read again at every reload, as the engine's options are.
+    app = MoechatApp(lambda: remote_config(base) or engine_config(copy.copy(base)), first_run=first_run)
     app.sampling = sampling_from(app.settings, sampling_params(args))
     app.run()
     return 0

@@ -82,6 +82,7 @@ class Stats:
     kept_conversations: int = 0  # KV caches the engine keeps, their bytes and budget
     kept_bytes: int = 0
     kept_budget: int = 0
+    remote: str = ""  # the remote backend's URL (app/remote.py); "": the embedded engine
 
 
 class ReplyStats(Message):

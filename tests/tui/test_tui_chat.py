@@ -331,3 +331,29 @@ async def test_wizard_in_the_app_shows_each_decision_once(tmp_path):
         await pilot.pause(0.5)
         assert wizard.query_one("#decisions").row_count == 2 * len(rows)  # each message once, no echo
         wizard.dismiss(None)
+
+
+@pilot_test
+async def test_the_app_chats_through_a_remote_backend(tmp_path, served, monkeypatch):
+    from conftest import SERVER_KEY
+
+    from moechat.app.remote import RemoteConfig
+
+    url, model = served
+    monkeypatch.setenv("MOECHAT_API_KEY", SERVER_KEY)
+    app = make_app(tmp_path, lambda: RemoteConfig(url), max_new_tokens=6)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: chat.model == model.name, "the remote backend to answer")
+        assert "(remote backend)" in chat.query_one("#status").render().plain
+        await send(pilot, "Hello over the network")
+        await until(pilot, lambda: chat.reply is None and chat.stats is not None, "the remote reply")
+        (conv,) = app.store.conversations()
+        messages = app.store.messages(conv.id)
+        assert [m.role for m in messages] == ["user", "assistant"] and messages[1].finished and messages[1].content
+        assert chat.stats.remote == url and 1 <= chat.stats.new_tokens <= 6
+        assert messages[1].stats["remote"] == url
+        await pilot.press("f3")
+        await pilot.pause()
+        assert f"remote {url}" in str(chat.query_one("#engine").render())
+        assert not errors(app)

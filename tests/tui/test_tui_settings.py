@@ -284,3 +284,39 @@ def test_snapshot_settings_screen(snap_compare, tmp_path):
 
 def test_snapshot_wizard_first_step(snap_compare, tmp_path):
     assert snap_compare(Host(WizardScreen(hardware=fake_hardware(), path=tmp_path / "s.toml")), terminal_size=(120, 40))
+
+
+async def _wizard_remote(path, url):
+    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        errors = []
+        for text in ("http://127.0.0.1:9/v1", url):
+            screen.query_one("#backend-url").value = text  # typing in the box picks the remote source
+            await click(pilot, "#next")
+            for _ in range(200):  # the server is asked on a worker
+                await pilot.pause(0.05)
+                if not screen.busy:
+                    break
+            errors.append(str(screen.query_one("#model-error").content))
+        assert screen.step == 3  # no budgets or calibration for a remote backend
+        summary = str(screen.query_one("#summary").content)
+        await click(pilot, "#next")  # Finish
+    return app.result, errors, summary
+
+
+def test_wizard_chooses_a_remote_backend(tmp_path, served, monkeypatch):
+    from conftest import SERVER_KEY
+
+    url, model = served
+    monkeypatch.setenv("MOECHAT_API_KEY", SERVER_KEY)
+    path = tmp_path / "settings.toml"
+    path.write_text("# mine\nmodel = \"/my/model\"\n", encoding="utf-8")
+    result, errors, summary = asyncio.run(_wizard_remote(path, url))
+    assert "cannot reach the backend at http://127.0.0.1:9/v1" in errors[0] and errors[1] == ""
+    assert url in summary and model.name in summary
+    settings, notice = load_settings(path)
+    assert result == url and notice is None
+    assert settings.backend == url and settings.model == "/my/model"  # the local model stays for later
+    assert "# mine" in path.read_text() and SERVER_KEY not in path.read_text()  # the key is never written

@@ -6,7 +6,8 @@ with `moechat pull`'s code. Device and dtype start at `auto` (what it picks on t
 shown); budgets are prefilled from the probe. Calibration runs on a thread
 worker with its progress posted as `CalibrationProgress`, and its decisions are shown with their
 reasons. Finish saves the model, device, dtype and budgets to the settings file (comments kept) and dismisses with
-the model directory; Cancel dismisses with None.
+the model directory; Cancel dismisses with None. A remote backend (an OpenAI-compatible server's URL) is checked by
+listing its models, skips the budgets and calibration, and is saved as `backend` (dismissing with its URL).
 """
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ def check_model_dir(text: str) -> str:
     return str(path)
 
 
+def check_backend(url: str, settings_path: Path | None) -> str:
+    """The model a remote backend at `url` serves (the settings' `backend_model`, else its first); else MoechatError."""
+    from ...remote import RemoteConfig, RemoteEngine
+
+    settings, _ = load_settings(settings_path)
+    engine = RemoteEngine(RemoteConfig(url.rstrip("/"), settings.backend_model, settings.backend_key_env))
+    engine.close()
+    return engine.model
+
+
 def decision_rows(decisions) -> dict[str, tuple[object, str]]:
     """Decisions -> {label: (value, reason)}, as CalibrationDone carries them."""
     rows = {}
@@ -104,6 +115,8 @@ class WizardScreen(Screen):
         self.drafter = "none"
         self.decisions: dict[str, tuple[object, str]] | None = None
         self.profile_path = ""
+        self.backend: str | None = None  # a remote backend's URL, when that is what was chosen
+        self.backend_model = ""
         self.busy = False
 
     def compose(self) -> ComposeResult:
@@ -115,12 +128,16 @@ class WizardScreen(Screen):
                     yield RadioButton("The embedded demo model (small, runs anywhere)", id="src-demo", value=True)
                     yield RadioButton("A model directory on this machine", id="src-dir")
                     yield RadioButton("A Hugging Face model to download (needs the network)", id="src-hub")
+                    yield RadioButton("A server that speaks the OpenAI API (vLLM, SGLang, moechat serve)", id="src-remote")
                 with Horizontal(classes="row"):
                     yield Label("Directory")
                     yield Input(placeholder="/path/to/Qwen3-30B-A3B", id="model-dir")
                 with Horizontal(classes="row"):
                     yield Label("Hugging Face id")
                     yield Input(placeholder="owner/name, e.g. Qwen/Qwen3-30B-A3B", id="hub-id")
+                with Horizontal(classes="row"):
+                    yield Label("Server URL")
+                    yield Input(placeholder="http://host:8000/v1 (API key from $MOECHAT_API_KEY)", id="backend-url")
                 yield Label("", id="model-error", classes="field-error")
             with Vertical(id="step-budgets"):
                 yield Label(TITLES[1], classes="title")
@@ -207,6 +224,8 @@ class WizardScreen(Screen):
             self.query_one("#src-dir", RadioButton).value = True
         elif event.input.id == "hub-id":
             self.query_one("#src-hub", RadioButton).value = True
+        elif event.input.id == "backend-url":
+            self.query_one("#src-remote", RadioButton).value = True
 
     @on(Input.Submitted)
     def _submitted(self) -> None:
@@ -226,7 +245,7 @@ class WizardScreen(Screen):
     @on(Button.Pressed, "#back")
     def _back(self) -> None:
         if not self.busy and self.step > 0:
-            self._go(self.step - 1)
+            self._go(0 if self.backend else self.step - 1)
 
     @on(Button.Pressed, "#next")
     def action_next(self) -> None:
@@ -241,19 +260,25 @@ class WizardScreen(Screen):
         if source is None or source.id == "src-demo":
             self._model_chosen(str(DEMO_MODEL), None, str(DEMO_DRAFT))
             return
-        text = self.query_one("#model-dir" if source.id == "src-dir" else "#hub-id", Input).value.strip()
+        box, hint, doing = {"src-dir": ("#model-dir", "type a directory", "checking the model…"),
+                            "src-hub": ("#hub-id", "type a Hugging Face id, e.g. Qwen/Qwen3-30B-A3B", "downloading {}…"),
+                            "src-remote": ("#backend-url", "type the server's URL, e.g. http://localhost:8000/v1",
+                                           "connecting to {}…")}[source.id]
+        text = self.query_one(box, Input).value.strip()
         if not text:
-            error.update("type a directory" if source.id == "src-dir" else "type a Hugging Face id, e.g. Qwen/Qwen3-30B-A3B")
+            error.update(hint)
             return
         self.busy = True
-        error.update("checking the model…" if source.id == "src-dir" else f"downloading {text}…")
+        error.update(doing.format(text))
         self.run_worker(lambda: self._resolve_model(source.id, text), thread=True, group="model")
 
     def _resolve_model(self, source: str, text: str) -> None:
         from ....engine import MoechatError
 
         try:
-            if source == "src-dir":
+            if source == "src-remote":
+                self.app.call_from_thread(self._backend_chosen, text.rstrip("/"), check_backend(text, self.path))
+            elif source == "src-dir":
                 path = check_model_dir(text)
                 self.app.call_from_thread(self._model_chosen, path, path, "none")
             else:
@@ -270,8 +295,16 @@ class WizardScreen(Screen):
         self.busy = False
         self.query_one("#model-error", Label).update(message)
 
+    def _backend_chosen(self, url: str, model: str) -> None:
+        """A remote backend answers: nothing to measure here, straight to Finish."""
+        self.busy = False
+        self.backend, self.backend_model = url, model
+        self.query_one("#model-error", Label).update("")
+        self._go(3)
+
     def _model_chosen(self, model_dir: str, setting: str | None, drafter: str) -> None:
         self.busy = False
+        self.backend = None
         if model_dir != self.model_dir:
             self.decisions = None  # another model: calibrate again
             self.query_one("#decisions", DataTable).clear()
@@ -301,14 +334,17 @@ class WizardScreen(Screen):
 
     def _leave_finish(self) -> None:
         settings, _ = load_settings(self.path)  # a broken file: defaults (save_settings keeps the old one aside)
-        settings = replace(settings, model=self.model_setting, draft=None,  # the profile's drafter for this model
-                           **{name: self._budget(name) for name in BUDGETS}, **self._placement())
+        if self.backend:  # the local model and budgets stay as they were, for when the backend is turned off
+            settings = replace(settings, backend=self.backend)
+        else:
+            settings = replace(settings, model=self.model_setting, draft=None,  # the profile's drafter for this model
+                               **{name: self._budget(name) for name in BUDGETS}, **self._placement(), backend=None)
         try:
             save_settings(settings, self.path)
         except OSError as err:
             self.query_one("#summary", Static).update(f"cannot write the settings ({err})")
             return
-        self.dismiss(self.model_dir)
+        self.dismiss(self.backend or self.model_dir)
 
     # --- step 3: calibration ------------------------------------------------------------------
     @on(Button.Pressed, "#run")
@@ -370,6 +406,12 @@ class WizardScreen(Screen):
         self.query_one("#cal-error", Label).update(message)
 
     def _show_summary(self) -> None:
+        if self.backend:
+            self.query_one("#summary", Static).update(
+                f"Remote backend: {self.backend}, model {self.backend_model}\n\n"
+                "Finish saves it to the settings file and opens the chat; replies come from that server "
+                "(the settings' “Remote backend” field turns it off).")
+            return
         vram, ram = (self._budget(name) for name in BUDGETS)
         lines = [f"Model: {self.model_setting or 'the embedded demo'}",
                  f"Budgets: VRAM {'free at start' if vram is None else f'{vram:g} GiB'}, "

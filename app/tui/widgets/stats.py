@@ -1,5 +1,6 @@
-"""The figures beside the heatmap: tokens/s history, acceptance, hit rate, traffic, busy split, memory, the prompt's
-reused tokens and the conversations' KV caches kept (engine/prefix_cache.py).
+"""The figures beside the heatmap: which engine (embedded or a remote backend), tokens/s history, acceptance, hit
+rate, traffic, busy split, memory, the prompt's reused tokens and the conversations' KV caches kept
+(engine/prefix_cache.py).
 
 One `Static` per line (ids below, so the chat screen and tests can find them) and Textual's
 `Sparkline` for the tokens/s history. Bars are drawn as text with theme variables in Textual
@@ -75,6 +76,7 @@ class StatsPanel(Vertical):
         self.stats: Stats | None = None
 
     def compose(self) -> ComposeResult:
+        yield Static("engine      n/a", id="engine")
         yield Static("tokens/s    n/a", id="tps")
         yield Sparkline([], id="tps-history")
         for key in ("acceptance", "hit-rate", "bytes-per-token", "pcie", "busy", "vram", "ram", "prompt", "kv-kept"):
@@ -91,7 +93,9 @@ class StatsPanel(Vertical):
 
     def _show(self) -> None:
         s = self.stats or Stats()
+        where = f"remote {s.remote} (its figures; memory is the server's)" if s.remote else "embedded"
         lines = {
+            "engine": f"engine      {where}" if self.stats else "engine      n/a",
             "tps": f"tokens/s    [b]{s.tokens_per_s:.1f}[/b]" if self.stats else "tokens/s    n/a",
             "acceptance": f"acceptance  {percent(s.acceptance)}",
             "hit-rate": f"hit rate    {percent(s.hit_rate)}",

@@ -1,0 +1,165 @@
+"""The OpenAI API's shapes: request bodies (validated with pydantic; unknown fields ignored, as OpenAI's own
+clients send more than this server reads) mapped to the engine's Request and SamplingParams, and the
+response objects and stream chunks built from the engine's events.
+
+The moechat extension: the non-streaming response, and the stream chunk that carries `finish_reason`, have a
+top-level `"moechat"` object (the engine's Summary, plus the job's `arrival`, `served` and `queued_s`) that
+clients which do not know it ignore.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_MAX_TOKENS = 4096  # when a request names none (the engine also stops at the end of the context)
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_reason -> the API's
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # one model is served: the name is accepted and not checked
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n = 1 is supported: send one request per completion")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or not all(stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    def sampling(self):
+        from ...engine import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=list(self.stop or []),
+                              max_new_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content):
+        if isinstance(content, list) and any(p.type != "text" or p.text is None for p in content):
+            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
+        return content
+
+    def as_engine(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def request(self):
+        from ...engine import Request
+
+        return Request(messages=[m.as_engine() for m in self.messages])
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and len(prompt) != 1:
+            raise ValueError("send one prompt per request (a string, or a list holding one string)")
+        return prompt
+
+    def request(self):
+        from ...engine import Request
+
+        return Request(prompt=self.prompt if isinstance(self.prompt, str) else self.prompt[0])
+
+
+_Body.model_rebuild()
+ChatBody.model_rebuild()
+CompletionBody.model_rebuild()
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class Reply:
+    """Builds one reply's response objects and chunks (chat or text completion) from the engine's events."""
+
+    def __init__(self, chat: bool, model: str, job):
+        self.chat, self.model, self.job = chat, model, job
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def moechat(self, summary) -> dict:
+        return {**summary.to_dict(), "arrival": self.job.arrival, "served": self.job.served, "queued_s": self.job.queued_s}
+
+    @staticmethod
+    def usage(summary) -> dict:
+        return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": summary.new_tokens,
+                "total_tokens": summary.prompt_tokens + summary.new_tokens}
+
+    def whole(self, finished) -> dict:
+        """The non-streaming response."""
+        reason = FINISH.get(finished.summary.finish_reason, "stop")
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": reason}
+        return self._object("chat.completion" if self.chat else "text_completion", [choice],
+                            usage=self.usage(finished.summary), moechat=self.moechat(finished.summary))
+
+    def chunk(self, text: str | None = None, role: bool = False, finished=None) -> dict:
+        """A stream chunk: the opening role (chat), a piece of text, or the last one with finish_reason and moechat."""
+        reason = FINISH.get(finished.summary.finish_reason, "stop") if finished else None
+        extra = {"moechat": self.moechat(finished.summary)} if finished else {}
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            return self._object("chat.completion.chunk", [choice], **extra)
+        return self._object("text_completion", [{"index": 0, "text": text or "", "logprobs": None,
+                                                 "finish_reason": reason}], **extra)
+
+    def usage_chunk(self, summary) -> dict:
+        """stream_options.include_usage: the last chunk, with no choices."""
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=self.usage(summary))

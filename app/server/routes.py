@@ -1,0 +1,160 @@
+"""The HTTP routes of `moechat serve` (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+Requests go to the one engine thread (`EngineWorker`) in arrival order. A streaming reply is server-sent
+events ending in `data: [DONE]`; its client going away cancels the generation (the stream's cleanup), and a
+non-streaming client that leaves while it waits cancels it too (polled). Every error, from a malformed body
+to a full queue, is OpenAI's JSON error shape with a 4xx status and a message that says what to fix.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from .api import ChatBody, CompletionBody, Reply, error_body
+from .worker import EngineWorker, QueueFull
+
+KINDS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error"}
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, KINDS.get(status, "invalid_request_error"), param), status_code=status)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem in one line: the field and what to send."""
+    first = err.errors()[0]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON: send a JSON object", None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    field = ".".join(loc) or "body"
+    message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    return f"{field}: {message}", field
+
+
+def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="moechat", docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        message, param = _validation_message(err)
+        return _error(400, message, param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, err: HTTPException):
+        return _error(err.status_code, str(err.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, err: Exception):
+        return _error(500, f"internal error ({type(err).__name__}: {err}); the server is still running")
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise HTTPException(401, "missing or wrong API key: send the header Authorization: Bearer <key>")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "queued": worker.queued, "running": worker.running,
+                "served": worker.served, "cancelled": worker.cancelled}
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": started, "owned_by": "moechat"}]}
+
+    @v1.post("/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        return await _reply(worker, model_id, body, request, chat=True)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionBody, request: Request):
+        return await _reply(worker, model_id, body, request, chat=False)
+
+    app.include_router(v1)
+    return app
+
+
+async def _next(job, request: Request):
+    """The job's next event; None once the job ended or its client left (the job is then cancelled)."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                return None
+
+
+async def _reply(worker: EngineWorker, model_id: str, body, request: Request, chat: bool):
+    from ...engine import Error, Finished, TokenDelta
+
+    try:
+        job = worker.submit(body.request(), body.sampling(), asyncio.get_running_loop())
+    except QueueFull as err:
+        return _error(429, str(err))
+    except ValueError as err:  # the engine's own checks of the sampling values
+        return _error(400, str(err))
+    reply = Reply(chat, model_id, job)
+    first = await _next(job, request)
+    while isinstance(first, TokenDelta) and not first.text:  # nothing to show yet (held back by a stop string)
+        first = await _next(job, request)
+    if first is None:
+        return _error(499, "the client closed the request")
+    if isinstance(first, Error):  # before anything was sent: a plain 400
+        await _drain(job)
+        return _error(400, first.message)
+    if body.stream:
+        return StreamingResponse(_events(job, reply, first, body.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    event = first
+    while event is not None and not isinstance(event, (Finished, Error)):
+        event = await _next(job, request)
+    if isinstance(event, Finished):
+        return JSONResponse(reply.whole(event))
+    if isinstance(event, Error):
+        return _error(400, event.message)
+    return _error(499, "the client closed the request")
+
+
+async def _drain(job) -> None:
+    while await job.events.get() is not None:
+        pass
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _events(job, reply: Reply, first, include_usage: bool):
+    """Server-sent events from the first event on; leaving early (the client went away) cancels the job."""
+    from ...engine import Error, Finished, TokenDelta
+
+    try:
+        if reply.chat:
+            yield _sse(reply.chunk(role=True))
+        event = first
+        while event is not None:
+            if isinstance(event, TokenDelta) and event.text:
+                yield _sse(reply.chunk(event.text))
+            elif isinstance(event, Finished):
+                yield _sse(reply.chunk(finished=event))
+                if include_usage:
+                    yield _sse(reply.usage_chunk(event.summary))
+            elif isinstance(event, Error):
+                yield _sse(error_body(event.message))
+            event = await job.events.get()
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()  # a no-op once the job has ended

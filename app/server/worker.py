@@ -1,0 +1,107 @@
+"""The server's engine thread: one long-lived thread owns the `Engine` and serves jobs one at a time in
+arrival order from a bounded FIFO; events go back to the asyncio side with `loop.call_soon_threadsafe`.
+
+A job's event queue receives the engine's TokenDelta events, then one Finished or one Error, then None (the
+end). A job cancelled while it waits is skipped; one cancelled while it runs is cut at the engine's next event
+(closing `Engine.generate` at a yield leaves a consistent KV cache), so the engine serves the next job.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ...engine import MoechatError
+
+
+class QueueFull(MoechatError):
+    """Every waiting place is taken: the route answers 429."""
+
+
+@dataclass
+class Job:
+    request: object  # engine Request
+    params: object  # engine SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    arrival: int  # 1, 2, ... in the order requests reached the server
+    t_submit: float = field(default_factory=time.perf_counter)
+    served: int = 0  # 1, 2, ... in the order the engine started them (equal order: FIFO)
+    queued_s: float = 0.0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """The client is gone (thread-safe; a finished job ignores it)."""
+        self.cancelled.set()
+
+    def post(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop closed (server shutting down): nobody is listening
+            pass
+
+
+class EngineWorker:
+    def __init__(self, engine, queue_size: int = 16):
+        if queue_size < 1:
+            raise MoechatError(f"--queue-size must be at least 1, got {queue_size}")
+        self.engine = engine
+        self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self.arrived = self.served = self.cancelled = 0
+        self.running = False
+        self._thread = threading.Thread(target=self._run, name="moechat-serve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, request, params, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue a request; QueueFull when every waiting place is taken."""
+        with self._lock:
+            job = Job(request, params, loop, asyncio.Queue(), self.arrived + 1)
+            try:
+                self._jobs.put_nowait(job)
+            except queue.Full:
+                raise QueueFull(f"the server is busy ({self._jobs.maxsize} requests already waiting): retry shortly") from None
+            self.arrived += 1
+        return job
+
+    def close(self) -> None:
+        """Stop the thread after the job in progress, then the engine's own threads."""
+        while True:  # waiting jobs are dropped: the server is going away
+            try:
+                self._jobs.get_nowait().cancel()
+            except queue.Empty:
+                break
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+        self.engine.close()
+
+    def _run(self) -> None:
+        from ...engine import Error, StepStats
+
+        while (job := self._jobs.get()) is not None:
+            if job.cancelled.is_set():
+                self.cancelled += 1
+                job.post(None)
+                continue
+            self.served += 1
+            job.served, job.queued_s, self.running = self.served, time.perf_counter() - job.t_submit, True
+            events = self.engine.generate(job.request, job.params)
+            try:
+                for ev in events:
+                    if job.cancelled.is_set():  # at a yield: the engine keeps what is consistent
+                        self.cancelled += 1
+                        break
+                    if not isinstance(ev, StepStats):  # per-step figures stay on the server
+                        job.post(ev)
+            except Exception as err:  # the engine turns its own failures into Error; this is a last resort
+                job.post(Error(f"internal error ({type(err).__name__}: {err}); the server is ready for the next request"))
+            finally:
+                events.close()
+                self.running = False
+                job.post(None)
