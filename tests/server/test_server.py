@@ -1,0 +1,204 @@
+"""`moechat serve` (app/server/) driven with the official `openai` client and raw HTTP, in this process on a tiny
+checkpoint: chat and text completions streamed and whole, models, health, usage, stop strings, seeds, greedy
+output equal to the engine's, a client leaving mid-stream, a full queue, API keys, malformed bodies, and the
+command's refusals. The `served` fixture (tests/conftest.py) runs the real `moechat serve` in a subprocess."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from moechat.app.server.command import BackgroundServer
+from moechat.engine import Engine, EngineConfig, Finished, Request, SamplingParams
+
+KEY = "sesame"
+SEA = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return checkpoint("qwen3_moe", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    engine = Engine(EngineConfig(str(model)))
+    with BackgroundServer(engine, "tiny", api_key=KEY, queue_size=1) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def endless(client):
+    """Messages whose greedy reply runs 200 tokens without an end of sequence (a reply that can be cut)."""
+    for word in ("sea", "moon", "stars", "rain", "wind"):
+        messages = [{"role": "user", "content": f"Tell me about the {word}."}]
+        if client.chat.completions.create(model="tiny", messages=messages, max_tokens=200,
+                                          temperature=0).choices[0].finish_reason == "length":
+            return messages
+    pytest.fail("every candidate prompt ends within 200 tokens on this checkpoint")
+
+
+def post(server, path: str, body: bytes | dict, key: str | None = KEY) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(server.url.removesuffix("/v1") + path, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def health(server) -> dict:
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_greedy_chat_equals_the_engine_streamed_or_whole(server, client, model):
+    whole = client.chat.completions.create(model="tiny", messages=SEA, max_tokens=16, temperature=0)
+    engine = Engine(EngineConfig(str(model)))
+    local = next(e for e in engine.generate(Request(messages=SEA), SamplingParams(max_new_tokens=16)) if isinstance(e, Finished))
+    engine.close()
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == local.text
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (local.summary.prompt_tokens, local.summary.new_tokens)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.choices[0].finish_reason == {"eos": "stop"}.get(local.summary.finish_reason, local.summary.finish_reason)
+    extension = whole.model_extra["moechat"]  # the speculative and expert figures of the reply
+    assert extension["new_tokens"] == local.summary.new_tokens and extension["misses"] > 0 and extension["served"] >= 1
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=SEA, max_tokens=16, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == local.text
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == whole.choices[0].finish_reason and "moechat" in last.model_extra
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == local.summary.new_tokens
+
+
+def test_completions_models_and_health(server, client):
+    text = client.completions.create(model="tiny", prompt="The sea is", max_tokens=8, temperature=0)
+    assert text.object == "text_completion" and text.choices[0].text and text.usage.completion_tokens <= 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="The sea is", max_tokens=8,
+                                                                             temperature=0, stream=True) if c.choices)
+    assert streamed == text.choices[0].text
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    status = health(server)
+    assert status["status"] == "ok" and status["model"] == "tiny" and status["served"] >= 2 and not status["running"]
+
+
+def test_stop_strings_and_seeds(client, endless):
+    full = client.chat.completions.create(model="tiny", messages=endless, max_tokens=40, temperature=0).choices[0]
+    stop = full.message.content[10:14]
+    cut = client.chat.completions.create(model="tiny", messages=endless, max_tokens=40, temperature=0, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full.message.content[: full.message.content.index(stop)]
+
+    def sampled(seed: int) -> str:
+        return client.chat.completions.create(model="tiny", messages=SEA, max_tokens=24, temperature=1.0,
+                                              seed=seed).choices[0].message.content
+
+    assert sampled(7) == sampled(7)  # same seed, same sampled text
+    assert len({sampled(s) for s in (1, 2, 3)}) > 1  # sampling does sample
+
+
+def test_a_client_leaving_mid_stream_cancels_and_the_next_request_runs(server, client, endless):
+    cancelled = health(server)["cancelled"]
+    stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while health(server)["cancelled"] == cancelled:
+        assert time.monotonic() < deadline, "the generation went on after its client left"
+        time.sleep(0.05)
+    reply = client.chat.completions.create(model="tiny", messages=SEA, max_tokens=4, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
+
+
+def test_a_full_queue_is_429_and_the_queued_request_still_runs(server, client, endless):
+    stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0, stream=True)
+    next(iter(stream))  # running: the engine is busy
+    queued = {}
+    waiting = threading.Thread(target=lambda: queued.setdefault("reply", client.chat.completions.create(
+        model="tiny", messages=SEA, max_tokens=4, temperature=0)))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while health(server)["queued"] < 1:  # the one waiting place (queue size 1) is taken
+        assert time.monotonic() < deadline and waiting.is_alive()
+        time.sleep(0.02)
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(model="tiny", messages=SEA, max_tokens=4)
+    assert err.value.status_code == 429 and "busy" in err.value.message
+    stream.close()  # the running one is cancelled; the queued one runs
+    waiting.join(60)
+    assert queued["reply"].usage.completion_tokens >= 1
+
+
+def test_api_keys(server):
+    wrong = openai.OpenAI(base_url=server.url, api_key="guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    status, body = post(server, "/v1/chat/completions", {"messages": SEA}, key=None)
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+    assert "Authorization: Bearer" in body["error"]["message"]
+    assert health(server)["status"] == "ok"  # /health needs no key
+
+
+@pytest.mark.parametrize("body, says", [
+    (b"{not json", "not valid JSON"),
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": SEA, "temperature": "hot"}, "temperature"),
+    ({"messages": SEA, "temperature": 3}, "temperature"),
+    ({"messages": SEA, "max_tokens": 0}, "max_tokens"),
+    ({"messages": SEA, "n": 2}, "only n = 1 is supported"),
+    ({"messages": SEA, "stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text content"),
+    ({"messages": [{"role": "user", "content": "sea " * 5000}]}, "context"),
+])
+def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
+    status, reply = post(server, "/v1/chat/completions", body)
+    assert status == 400, reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["type"] == "invalid_request_error"
+    assert says in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+
+
+def test_unknown_routes_and_methods_and_the_server_stays_up(server, client):
+    assert post(server, "/v1/embeddings", {"input": "x"})[0] == 404
+    request = urllib.request.Request(server.url + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=10)
+    assert err.value.code == 405 and "error" in json.loads(err.value.read())
+    assert client.chat.completions.create(model="tiny", messages=SEA, max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_the_command_refuses_a_public_address_without_a_key_before_loading(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no MOECHAT_API_KEY
+    done = subprocess.run([sys.executable, "-m", "moechat.app.cli", "serve", "--host", "0.0.0.0", "--model", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == ("moechat: error: serving on 0.0.0.0 needs an API key: pass --api-key or set "
+                                   "MOECHAT_API_KEY (127.0.0.1 needs none)")  # said before any model loads
+
+
+def test_the_real_command_serves(served):
+    url, model = served  # `moechat serve --model ... --api-key ...` in a subprocess (tests/conftest.py)
+    from conftest import SERVER_KEY
+
+    reply = openai.OpenAI(base_url=url, api_key=SERVER_KEY, max_retries=0).chat.completions.create(
+        model=model.name, messages=SEA, max_tokens=3)
+    assert reply.model == model.name and reply.usage.completion_tokens >= 1
