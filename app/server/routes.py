@@ -17,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ...engine import MoechatError
 from .api import ChatBody, CompletionBody, Reply, error_body
 from .worker import EngineWorker, QueueFull
 
@@ -104,7 +105,7 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
         job = worker.submit(body.request(), body.sampling(), asyncio.get_running_loop())
     except QueueFull as err:
         return _error(429, str(err))
-    except ValueError as err:  # the engine's own checks of the sampling values
+    except (ValueError, MoechatError) as err:  # the engine's own checks of the sampling values
         return _error(400, str(err))
     reply = Reply(chat, model_id, job)
     first = await _next(job, request)
