@@ -35,6 +35,7 @@ from pathlib import Path
 from textual.message import Message
 
 from ..engine import EngineConfig, MoechatError, SamplingParams
+from .models import model_name
 from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (
     CalibrationDone,
@@ -54,11 +55,6 @@ REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "canc
 # close() waits this long: a reply stops within a step, but a load or calibration in progress cannot be
 # cut short, and quitting must not hang on it (the thread is a daemon: it ends with the process)
 JOIN_S = 2.0
-
-
-def model_name(model_dir: str) -> str:
-    path = Path(model_dir)
-    return path.parent.name if path.name == "model" else path.name  # the demo ships <name>/model
 
 
 def one_line(text: str) -> str:

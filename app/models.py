@@ -16,6 +16,12 @@ DISK_MARGIN = 1 << 30  # leave 1 GiB free after a download
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
+def model_name(model_dir: str) -> str:
+    """A model directory's display name (the demo ships <name>/model), as the app, plain chat and the server show it."""
+    path = Path(model_dir)
+    return path.parent.name if path.name == "model" else path.name
+
+
 def models_dir() -> Path:
     from platformdirs import user_data_dir
 

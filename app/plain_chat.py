@@ -20,13 +20,13 @@ def _open_engine(args):
         return engine, engine.summary, True
     from ..engine import Engine
     from .cli import engine_config
+    from .models import model_name
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(engine_config(args))
-    name = Path(args.model).name if Path(args.model).name != "model" else Path(args.model).parent.name
     drafter = (f"draft model {Path(args.draft).parent.name}/{Path(args.draft).name}" if engine.drafter.name == "model"
                else engine.drafter.name)
-    return engine, f"{name} on {engine.model.device}, drafter: {drafter}", False
+    return engine, f"{model_name(args.model)} on {engine.model.device}, drafter: {drafter}", False
 
 
 def cmd_chat(args) -> int:

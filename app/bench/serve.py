@@ -28,9 +28,9 @@ def cmd_bench_serve(args) -> int:
     import psutil
 
     from ...engine import Engine, MoechatError
-    from ..bridge import model_name
     from ..cli import engine_config
     from ..demo import eval_prompts
+    from ..models import model_name
     from ..server.command import BackgroundServer
 
     if min(args.clients, args.requests, args.max_tokens) < 1:

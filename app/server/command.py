@@ -56,8 +56,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> int:
-    from ..bridge import model_name
     from ..cli import engine_config
+    from ..models import model_name
 
     key = args.api_key or os.environ.get(KEY_ENV) or None
     if not is_loopback(args.host) and not key:
