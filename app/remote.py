@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from ..engine import MoechatError, SamplingParams
+from .options import OPTION
 from .tui.messages import Stats
 
 if TYPE_CHECKING:  # the engine's events load torch: imported where a reply runs, not when the app starts
@@ -36,11 +37,12 @@ class RemoteConfig:
 
     url: str
     model: str | None = None
-    key_env: str = "MOECHAT_API_KEY"
+    key_env: str = OPTION["backend_key_env"].default
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise MoechatError(f"backend must be an http:// or https:// URL, got {self.url!r}")
+        object.__setattr__(self, "url", self.url.rstrip("/"))  # one spelling: the client appends its paths
 
     @property
     def api_key(self) -> str:
@@ -55,7 +57,7 @@ def remote_config(args) -> RemoteConfig | None:
     url = getattr(args, "backend", None) or settings.backend
     if not url:
         return None
-    return RemoteConfig(url=url.rstrip("/"), model=getattr(args, "backend_model", None) or settings.backend_model,
+    return RemoteConfig(url=url, model=getattr(args, "backend_model", None) or settings.backend_model,
                         key_env=getattr(args, "backend_key_env", None) or settings.backend_key_env)
 
 

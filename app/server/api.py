@@ -18,6 +18,11 @@ DEFAULT_MAX_TOKENS = 4096  # when a request names none (the engine also stops at
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_reason -> the API's
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -56,11 +61,6 @@ class _Body(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
 
 
 class ContentPart(BaseModel):
@@ -109,11 +109,6 @@ class CompletionBody(_Body):
         from ...engine import Request
 
         return Request(prompt=self.prompt if isinstance(self.prompt, str) else self.prompt[0])
-
-
-_Body.model_rebuild()
-ChatBody.model_rebuild()
-CompletionBody.model_rebuild()
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:

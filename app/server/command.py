@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import threading
+import time
 
 from ...engine import MoechatError
 
@@ -115,7 +116,7 @@ class BackgroundServer:
         while not self.server.started:
             if not self._thread.is_alive():
                 raise MoechatError("the server stopped while starting")
-            threading.Event().wait(0.02)
+            time.sleep(0.02)
         return self
 
     def stop(self) -> None:

@@ -60,14 +60,15 @@ def check_model_dir(text: str) -> str:
     return str(path)
 
 
-def check_backend(url: str, settings_path: Path | None) -> str:
-    """The model a remote backend at `url` serves (the settings' `backend_model`, else its first); else MoechatError."""
+def check_backend(url: str, settings_path: Path | None) -> tuple[str, str]:
+    """(the URL as saved, the model a remote backend there serves: the settings' `backend_model`, else its first);
+    else MoechatError."""
     from ...remote import RemoteConfig, RemoteEngine
 
     settings, _ = load_settings(settings_path)
-    engine = RemoteEngine(RemoteConfig(url.rstrip("/"), settings.backend_model, settings.backend_key_env))
+    engine = RemoteEngine(RemoteConfig(url, settings.backend_model, settings.backend_key_env))
     engine.close()
-    return engine.model
+    return engine.config.url, engine.model
 
 
 def decision_rows(decisions) -> dict[str, tuple[object, str]]:
@@ -137,7 +138,8 @@ class WizardScreen(Screen):
                     yield Input(placeholder="owner/name, e.g. Qwen/Qwen3-30B-A3B", id="hub-id")
                 with Horizontal(classes="row"):
                     yield Label("Server URL")
-                    yield Input(placeholder="http://host:8000/v1 (API key from $MOECHAT_API_KEY)", id="backend-url")
+                    yield Input(placeholder=f"http://host:8000/v1 (API key from ${OPTION['backend_key_env'].default})",
+                                id="backend-url")
                 yield Label("", id="model-error", classes="field-error")
             with Vertical(id="step-budgets"):
                 yield Label(TITLES[1], classes="title")
@@ -277,7 +279,7 @@ class WizardScreen(Screen):
 
         try:
             if source == "src-remote":
-                self.app.call_from_thread(self._backend_chosen, text.rstrip("/"), check_backend(text, self.path))
+                self.app.call_from_thread(self._backend_chosen, *check_backend(text, self.path))
             elif source == "src-dir":
                 path = check_model_dir(text)
                 self.app.call_from_thread(self._model_chosen, path, path, "none")
