@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..quant.dense import fuse
 from .attention import NAME as FLOAT_KV_ATTENTION
 
 MAX_POSITIONS = 128  # decode, verification, and a chat turn after a kept history; longer prefills: module calls cost little
@@ -82,6 +83,8 @@ class LeanForward:
         self.clip = getattr(self.config, "clip_qkv", None) if self.olmoe else None
         self.cos = self.sin = None  # [P, D] in the model's dtype, as transformers' rotary module returns them
         self.layers = list(self.base.layers[: self.config.num_hidden_layers])
+        # quantized q/k/v projections as one native call per layer (None: three module calls)
+        self.qkv = [fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) for layer in self.layers]
 
     def accepts(self, positions: int, past: int) -> bool:
         """A decode or verification pass: a few positions after a past (a prefill stays on transformers')."""
@@ -108,16 +111,17 @@ class LeanForward:
         mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(start)  # [T, S]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [1, T, H]
-            x = x + self._attention(layer.self_attn, h, cos, sin, mask, cache, i)
+            x = x + self._attention(layer.self_attn, self.qkv[i], h, cos, sin, mask, cache, i)
             h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
             x = x + layer.mlp.forward(h)  # the family's own block: router, OffloadedExperts, shared expert
         norm = self.base.norm
         x = rms_norm(x[:, -keep:], norm.weight, norm.variance_epsilon)  # [1, keep, H]: the norm is per position
         return self.hf.lm_head.forward(x)[0].float()  # [keep, V]
 
-    def _attention(self, a, h: torch.Tensor, cos, sin, mask, cache, i: int) -> torch.Tensor:
+    def _attention(self, a, qkv, h: torch.Tensor, cos, sin, mask, cache, i: int) -> torch.Tensor:
         T, hd = h.shape[1], a.head_dim
-        q, k, v = a.q_proj.forward(h), a.k_proj.forward(h), a.v_proj.forward(h)  # [1, T, H_q*D], [1, T, H_kv*D] x2
+        # [1, T, H_q*D], [1, T, H_kv*D] x2
+        q, k, v = qkv(h) if qkv is not None else (a.q_proj.forward(h), a.k_proj.forward(h), a.v_proj.forward(h))
         if self.olmoe:
             q = rms_norm(q, a.q_norm.weight, a.q_norm.variance_epsilon)
             k = rms_norm(k, a.k_norm.weight, a.k_norm.variance_epsilon)

@@ -44,3 +44,37 @@ def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
                 swaps.append((module, child_name, child))
     for parent, child_name, child in swaps:  # a tied head gets its own quantized copy; the embedding keeps its table
         setattr(parent, child_name, QuantLinear(child, fmt))
+
+
+class FusedQuantLinear:
+    """Several QuantLinear layers reading one input, as one native call (the attention's q, k and v): their
+    rows stacked once, each layer's weight re-pointed to its slice (no second copy). Every output row sums
+    in the kernel's fixed order whatever the call's other rows, so each slice's bits equal its layer's own."""
+
+    def __init__(self, layers: list[QuantLinear]):
+        self.weight_q = formats.QuantMatrix.cat([layer.weight_q for layer in layers])
+        self.bias = None
+        if any(layer.bias is not None for layer in layers):
+            self.bias = torch.cat([torch.zeros(layer.out_features) if layer.bias is None else layer.bias for layer in layers])
+        self.sizes = [layer.out_features for layer in layers]
+        start = 0
+        for layer in layers:
+            layer.weight_q = self.weight_q.rows_slice(start, start + layer.out_features)
+            start += layer.out_features
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., K] -> one [..., R_i] per layer, in x's dtype, as each layer's forward returns it."""
+        y = cpu_ffn.q_linear(x.reshape(-1, x.shape[-1]), self.weight_q)  # [T, sum R_i] fp32
+        if self.bias is not None:
+            y += self.bias
+        return tuple(part.to(x.dtype).reshape(*x.shape[:-1], part.shape[-1]) for part in y.split(self.sizes, dim=-1))
+
+
+def fuse(layers: list) -> FusedQuantLinear | None:
+    """The layers as one call when all are QuantLinear of one format and input width, else None."""
+    if not all(type(layer) is QuantLinear for layer in layers):
+        return None
+    first = layers[0].weight_q
+    if any(layer.weight_q.fmt != first.fmt or layer.weight_q.k != first.k or layer.weight_q.q.dim() != 2 for layer in layers):
+        return None
+    return FusedQuantLinear(layers)

@@ -102,6 +102,12 @@ class QuantMatrix:
     def nbytes(self) -> int:
         return sum(t.numel() * t.itemsize for t in self.tensors())
 
+    def rows_slice(self, start: int, end: int) -> QuantMatrix:
+        """Rows start..end-1 of a 2-D matrix (whole 16-row groups), as views: a group's bytes are contiguous."""
+        if start % ROWS or end % ROWS:
+            raise ValueError(f"a row slice takes whole groups of {ROWS} rows, got {start}..{end}")
+        return self._map(lambda t: t[start:end])
+
     def __getitem__(self, i) -> QuantMatrix:
         """Index the leading dims (an expert, a slot)."""
         return self._map(lambda t: t[i])

@@ -53,11 +53,14 @@ def _compare(m, steps=(1, 5, 1, 3, 40)):  # decode, verification, a chat turn af
 def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype=dtype, quant=quant))
     assert isinstance(m.lean, LeanForward)
+    # quantized q/k/v run as one fused native call per layer, and their slices still give transformers' bits
+    assert all((fused is not None) == (quant != "none") for fused in m.lean.qkv)
     _compare(m)
 
 
-def test_olmoe_clip_qkv(checkpoint):
-    m = load_model(EngineConfig(model_dir=str(checkpoint("olmoe", clip_qkv=0.05))))
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_olmoe_clip_qkv(quant, checkpoint):  # int8: the clamp runs in place on slices of the fused q/k/v output
+    m = load_model(EngineConfig(model_dir=str(checkpoint("olmoe", clip_qkv=0.05)), quant=quant))
     assert m.hf_config.clip_qkv == 0.05 and m.lean is not None
     _compare(m)
 
