@@ -188,25 +188,26 @@ def _fast_tier(rt: MoERuntime, x: torch.Tensor, w_flat: torch.Tensor, split: Tie
         rt.counters.host_device_s += time.perf_counter() - t0
 
 
-def account(rt: MoERuntime, li: int, phase: str, split: TierSplit, demand: torch.Tensor | None) -> None:
-    """The layer's demand and tier hits into the counters, then the policy's on_layer (timed as
-    scheduling, the copies it makes apart)."""
+def account(rt: MoERuntime, li: int, phase: str, counts: torch.Tensor, computed: int, n_dev: int, not_ready: int,
+            demand: torch.Tensor | None) -> None:
+    """The layer's demand (counts [E]) and tier hits (n_dev of `computed` on the fast tier) into the counters, then the
+    policy's on_layer (timed as scheduling, the copies it makes apart)."""
     c = rt.counters
     if phase != "draft":
-        c.freq[li] += split.counts
-        c.hits += split.n_dev
-        c.misses += split.computed - split.n_dev
-        c.not_ready += split.not_ready
+        c.freq[li] += counts
+        c.hits += n_dev
+        c.misses += computed - n_dev
+        c.not_ready += not_ready
     if rt.hooks or phase != "draft":
         clock = rt.cache.copy_clock
         t0, copied = time.perf_counter(), clock.s
         if rt.hooks:
             rt.policy.after_layer(li)
         if phase != "draft":
-            rt.policy.on_layer(li, split.counts, phase)
+            rt.policy.on_layer(li, counts, phase)
         c.add_policy(time.perf_counter() - t0, clock.s - copied)
     if phase == "draft":  # the runtime's counter (as freq above), which the policy reads when drafting ends
-        rt.report_draft_demand(li, split.counts if demand is None else demand)
+        rt.report_draft_demand(li, counts if demand is None else demand)
 
 
 def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, split: TierSplit,
@@ -250,3 +251,54 @@ def cpu_experts(rt: MoERuntime, li: int, x: torch.Tensor, experts: torch.Tensor,
         out[start:start + n] = expert_ffn(x[start:start + n], gate_up, down, rt.act)
         start += n
     return out
+
+
+def direct_ok(rt: MoERuntime, mode: ForwardMode, x: torch.Tensor) -> bool:
+    """Whether a layer can go straight from the router to the native kernel (`cpu_direct`): a CPU compute device
+    with no fast tier, no replayed routing, no self-draft remap or expert budget, a decode-sized pass."""
+    return (rt.direct and x.shape[0] <= cpu_ffn.NATIVE_MAX_TOKENS and rt.replay is None and mode.remap is None
+            and (rt.expert_budget is None or mode.phase != "verify") and x.device.type == "cpu")
+
+
+def cpu_direct(rt: MoERuntime, li: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+    """route -> compute -> account in a few ops when every expert runs on the CPU: x [N, H], idx and weights
+    [N, k] -> [N, H], the same bits as the tiered path (`compute`'s CPU tier), or None where that path must run
+    (a disk-tier layer that is not stored stacked). Quantized: each activation's output, weighed and summed in
+    router order by the same ops; otherwise the kernel's per-token sums, in ascending expert order."""
+    mode, store = rt.mode, rt.store
+    num_tokens, top_k = idx.shape
+    flat, w_flat = idx.reshape(-1), weights.reshape(-1)  # [S = N*k]
+    quant = store.quant != "none"
+    views = (store.gate_up[li], store.down[li]) if quant else store.layer_views(li)
+    if views is None or top_k >= len(rt.steps) or not cpu_ffn.usable(views[0], x, num_tokens):
+        return None
+    x = x.contiguous()
+    ones = rt.ones[: len(flat)] if len(flat) <= len(rt.ones) else torch.ones(len(flat))  # unused weights: per activation
+    if mode.recorder is not None and mode.phase != "draft":
+        mode.recorder(li, idx, weights)
+    t0 = time.perf_counter()
+    if quant and num_tokens == 1:  # one token's k distinct experts, each its own group, in router order
+        y = torch.empty(top_k, x.shape[1], dtype=torch.float32)  # [k, H]
+        cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, rt.steps[: top_k + 1], rt.zero_rows[:top_k], ones, y,
+                                 per_activation=True)
+    else:
+        keys, order = torch.sort(flat, stable=True)  # activations grouped by expert, as split_tiers groups the CPU tier
+        experts, sizes = torch.unique_consecutive(keys, return_counts=True)
+        offsets = torch.zeros(len(experts) + 1, dtype=torch.int64)
+        torch.cumsum(sizes, 0, out=offsets[1:])
+        rows = order // top_k  # [S] each activation's token
+        if quant:
+            grouped = torch.empty(len(flat), x.shape[1], dtype=torch.float32)  # [S, H] in grouped order
+            cpu_ffn.moe_ffn_q_native(x, views[0], views[1], experts, offsets, rows, ones, grouped, per_activation=True)
+            y = torch.empty_like(grouped).index_copy_(0, order, grouped)  # [S, H] back in router order
+        else:
+            out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32)  # [N, H] summed per token in the kernel
+            cpu_ffn.moe_ffn_native(x, views[0], views[1], experts, offsets, rows, w_flat[order].float(), out)
+    if quant:  # as compute(): weigh in the promoted dtype, store in x's, sum the k rows of each token
+        y = (y.to(x.dtype) * w_flat[:, None]).to(x.dtype).view(num_tokens, top_k, -1).sum(dim=1)
+    else:
+        y = out.to(x.dtype)
+    rt.counters.cpu_s += time.perf_counter() - t0
+    counts = torch.bincount(flat, minlength=store.num_experts)  # [E]
+    account(rt, li, mode.phase, counts, len(flat), 0, 0, None)
+    return y

@@ -181,3 +181,38 @@ def test_small_split_on_lists_equals_the_tensor_split(checkpoint, monkeypatch):
             assert (got.cpu_sizes is None) == (want.cpu_sizes is None)
             mixed += 0 < got.n_dev < got.computed
     assert mixed  # both tiers were exercised
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("quant,dtype", [("none", "float32"), ("none", "bfloat16"), ("int8", "float32"), ("int4", "float32"),
+                                         ("int4", "bfloat16")])
+def test_direct_cpu_layer_equals_the_tiered_path(quant, dtype, checkpoint):
+    """With every expert on the CPU a layer goes from the router straight to the native kernel (cpu_direct):
+    the same bits and the same counters as the tier split, for a decode step and a verification's 5 tokens."""
+    from moechat.engine.experts import cpu_ffn
+
+    if cpu_ffn.library() is None:
+        pytest.skip(cpu_ffn.notice())
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), quant=quant, dtype=dtype,
+                                 expert_cache_ratio=0.0, spec=SpecConfig("none")))
+    rt = engine.model.runtime
+    assert rt.direct
+    calls = []
+    real = rt._run_layer
+    g = torch.Generator().manual_seed(1)
+    E, k, H = rt.store.num_experts, 2, rt.store.hidden
+    for n in (1, 5):
+        x = torch.randn(n, H, generator=g).to(getattr(torch, dtype))
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])  # [n, k] distinct per token
+        w = torch.softmax(torch.randn(n, k, generator=g), -1).to(x.dtype)
+        outs, freqs = [], []
+        for direct in (True, False):
+            rt.direct = direct
+            rt.reset_counters()
+            with torch.inference_mode(), rt.forward("verify", 3):
+                outs.append(real(0, x, idx, w))
+            freqs.append(rt.counters.freq[0].clone())
+            calls.append((direct, rt.counters.misses))
+        assert torch.equal(outs[0], outs[1]), (n, (outs[0] - outs[1]).abs().max())
+        assert torch.equal(freqs[0], freqs[1]) and int(freqs[0].sum()) == n * k
+    assert [m for _, m in calls] == [2, 2, 10, 10]  # every activation counted as a CPU one either way
