@@ -85,6 +85,21 @@ class LeanForward:
         self.layers = list(self.base.layers[: self.config.num_hidden_layers])
         # quantized q/k/v projections as one native call per layer (None: three module calls)
         self.qkv = [fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) for layer in self.layers]
+        # with them fused, q and k are adjacent in one output: one norm and one rotation for both (elementwise: same bits)
+        norms = [self._joint_norm(layer.self_attn) if fused is not None and not self.olmoe else False
+                 for fused, layer in zip(self.qkv, self.layers)]
+        self.joint = [norm is not False for norm in norms]
+        self.qk_norm = [None if norm is False else norm for norm in norms]
+
+    def _joint_norm(self, a) -> torch.Tensor | None | bool:
+        """Qwen3's per-head q and k norm weights stacked per head [H_q + H_kv, D]; None without head norms;
+        False where the two norms differ in epsilon (then each runs on its own)."""
+        if not self.head_norm:
+            return None
+        if a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
+            return False
+        hq, hk = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
+        return torch.cat([a.q_norm.weight.expand(hq, -1), a.k_norm.weight.expand(hk, -1)])
 
     def accepts(self, positions: int, past: int) -> bool:
         """A decode or verification pass: a few positions after a past (a prefill stays on transformers')."""
@@ -119,6 +134,34 @@ class LeanForward:
         return self.hf.lm_head.forward(x)[0].float()  # [keep, V]
 
     def _attention(self, a, qkv, h: torch.Tensor, cos, sin, mask, cache, i: int) -> torch.Tensor:
+        T = h.shape[1]
+        if self.joint[i]:
+            q, k, v = self._joint_qkv(a, qkv, h, cos, sin, i)
+        else:
+            q, k, v = self._qkv(a, qkv, h, cos, sin)
+        k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
+        # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv
+        gqa = {"enable_gqa": True} if a.num_key_value_groups > 1 else {}
+        # query in the cache's dtype, output back in the model's (attention.py: sdpa_float_kv)
+        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]
+        o = o.transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
+        return a.o_proj.forward(o)  # [1, T, H]
+
+    def _joint_qkv(self, a, qkv, h: torch.Tensor, cos, sin, i: int):
+        """q [1, H_q, T, D] and k, v [1, H_kv, T, D] from one fused projection, q and k normed and rotated together."""
+        T, hd = h.shape[1], a.head_dim
+        y = qkv.whole(h)  # [1, T, (H_q + 2 H_kv) * D]
+        n_qk = qkv.sizes[0] + qkv.sizes[1]
+        qk = y[..., :n_qk].view(1, T, -1, hd)  # [1, T, H_q + H_kv, D]
+        if self.qk_norm[i] is not None:
+            qk = rms_norm(qk, self.qk_norm[i], a.q_norm.variance_epsilon)
+        qk = rotate(qk.transpose(1, 2), cos, sin)  # [1, H_q + H_kv, T, D]
+        heads = qkv.sizes[0] // hd
+        v = y[..., n_qk:].view(1, T, -1, hd).transpose(1, 2)  # [1, H_kv, T, D]
+        return qk[:, :heads], qk[:, heads:], v
+
+    def _qkv(self, a, qkv, h: torch.Tensor, cos, sin):
+        """q [1, H_q, T, D] and k, v [1, H_kv, T, D], each projected, normed and rotated as transformers does."""
         T, hd = h.shape[1], a.head_dim
         # [1, T, H_q*D], [1, T, H_kv*D] x2
         q, k, v = qkv(h) if qkv is not None else (a.q_proj.forward(h), a.k_proj.forward(h), a.v_proj.forward(h))
@@ -135,13 +178,7 @@ class LeanForward:
             k = rms_norm(k, a.k_norm.weight, a.k_norm.variance_epsilon)
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [1, H, T, D]
         v = v.view(1, T, -1, hd).transpose(1, 2)  # [1, H_kv, T, D]
-        k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
-        # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv
-        gqa = {"enable_gqa": True} if a.num_key_value_groups > 1 else {}
-        # query in the cache's dtype, output back in the model's (attention.py: sdpa_float_kv)
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]
-        o = o.transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
-        return a.o_proj.forward(o)  # [1, T, H]
+        return q, k, v
 
 
 def build_lean_forward(hf, device: torch.device, context_len: int) -> LeanForward | None:

@@ -62,12 +62,16 @@ class FusedQuantLinear:
             layer.weight_q = self.weight_q.rows_slice(start, start + layer.out_features)
             start += layer.out_features
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [..., K] -> one [..., R_i] per layer, in x's dtype, as each layer's forward returns it."""
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., sum R_i] in x's dtype: every layer's output side by side."""
         y = cpu_ffn.q_linear(x.reshape(-1, x.shape[-1]), self.weight_q)  # [T, sum R_i] fp32
         if self.bias is not None:
             y += self.bias
-        return tuple(part.to(x.dtype).reshape(*x.shape[:-1], part.shape[-1]) for part in y.split(self.sizes, dim=-1))
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., K] -> one [..., R_i] per layer, in x's dtype, as each layer's forward returns it."""
+        return self.whole(x).split(self.sizes, dim=-1)
 
 
 def fuse(layers: list) -> FusedQuantLinear | None:

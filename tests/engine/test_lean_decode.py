@@ -55,6 +55,7 @@ def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
     assert isinstance(m.lean, LeanForward)
     # quantized q/k/v run as one fused native call per layer, and their slices still give transformers' bits
     assert all((fused is not None) == (quant != "none") for fused in m.lean.qkv)
+    assert all(joint == (quant != "none" and family != "olmoe") for joint in m.lean.joint)  # q and k normed and rotated together
     _compare(m)
 
 
