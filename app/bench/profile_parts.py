@@ -44,7 +44,9 @@ def _cumulative(stats: pstats.Stats, names: tuple[str, ...], callers_in: tuple[s
             continue
         if callers_in is not None:
             total += sum(c[3] for caller, c in callers.items() if _matches(caller, callers_in))
-        elif not any(_matches(caller, names) for caller in callers):
+        elif callers:  # only the calls from outside the part (the kernel is called from the direct layer and from grouped_ffn_q)
+            total += sum(c[3] for caller, c in callers.items() if not _matches(caller, names))
+        else:
             total += cum
     return total
 
