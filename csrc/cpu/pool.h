@@ -9,79 +9,53 @@
 
 namespace {
 
-// ---- thread pool: the caller is thread 0; workers spin briefly between calls, then sleep ------------
-// A decode step makes dozens of kernel calls a few hundred microseconds apart: waking a sleeping worker
-// through the kernel costs tens of microseconds each time, so a worker spins SPIN_US on the call word first.
-#ifndef MOE_POOL_SPIN_US
-#define MOE_POOL_SPIN_US 200
-#endif
-
-inline void cpu_relax() {
-#ifdef MOE_X86
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-}
-
+// ---- thread pool: the caller is thread 0; workers sleep on a condition variable between calls --
 class Pool {
 public:
     // Runs fn(tid) for tid in [0, n) and returns when all are done. One call at a time.
     void run(int n, const std::function<void(int)>& fn) {
         std::lock_guard<std::mutex> call(call_mutex_);
         if (n <= 1) return fn(0);
-        remaining_.store(n - 1, std::memory_order_relaxed);
-        job_ = &fn;
         {
             std::lock_guard<std::mutex> lk(m_);
-            while (started_ < n - 1)  // grow on demand; a new worker waits for the generation after this one
-                std::thread(&Pool::worker, this, started_++, word_.load(std::memory_order_relaxed) >> 16).detach();
-            // one word: a worker that sees this generation sees its thread count too (and job_, written before)
-            word_.store(((word_.load(std::memory_order_relaxed) >> 16) + 1) << 16 | uint64_t(n - 1), std::memory_order_release);
+            while (int(started_) < n - 1) {  // grow on demand; workers are detached and live as long as the process
+                std::thread(&Pool::worker, this, started_++).detach();
+            }
+            job_ = &fn;
+            want_ = n - 1;
+            remaining_ = n - 1;
+            generation_++;
         }
         cv_.notify_all();
         fn(0);
-        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(MOE_POOL_SPIN_US);
-        for (int i = 0; remaining_.load(std::memory_order_acquire) != 0; i++) {
-            if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) {
-                std::unique_lock<std::mutex> lk(m_);
-                done_.wait(lk, [&] { return remaining_.load(std::memory_order_acquire) == 0; });
-                break;
-            }
-            cpu_relax();
-        }
+        std::unique_lock<std::mutex> lk(m_);
+        done_.wait(lk, [&] { return remaining_ == 0; });
         job_ = nullptr;
     }
 
 private:
-    void worker(int id, uint64_t seen) {
+    void worker(int id) {
+        uint64_t seen = 0;
         for (;;) {
-            uint64_t word = word_.load(std::memory_order_acquire);
-            const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(MOE_POOL_SPIN_US);
-            for (int i = 0; (word >> 16) == seen; i++) {
-                if ((i & 63) == 63 && std::chrono::steady_clock::now() > until) {
-                    std::unique_lock<std::mutex> lk(m_);
-                    cv_.wait(lk, [&] { return (word_.load(std::memory_order_acquire) >> 16) != seen; });
-                }
-                cpu_relax();
-                word = word_.load(std::memory_order_acquire);
+            const std::function<void(int)>* job;
+            {
+                std::unique_lock<std::mutex> lk(m_);
+                cv_.wait(lk, [&] { return generation_ != seen; });
+                seen = generation_;
+                if (id >= want_) continue;  // this call uses fewer threads
+                job = job_;
             }
-            seen = word >> 16;
-            if (id >= int(word & 0xFFFF)) continue;  // this call uses fewer threads
-            (*job_)(id + 1);
-            if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-                std::lock_guard<std::mutex> lk(m_);  // the caller may be asleep on done_
-                done_.notify_one();
-            }
+            (*job)(id + 1);
+            std::lock_guard<std::mutex> lk(m_);
+            if (--remaining_ == 0) done_.notify_one();
         }
     }
 
     std::mutex call_mutex_, m_;
     std::condition_variable cv_, done_;
     const std::function<void(int)>* job_ = nullptr;
-    std::atomic<uint64_t> word_{0};  // generation << 16 | threads the current call uses beside the caller
-    std::atomic<int> remaining_{0};
-    int started_ = 0;
+    uint64_t generation_ = 0;
+    int want_ = 0, remaining_ = 0, started_ = 0;
 };
 
 Pool* g_pool = new Pool;  // never destroyed: detached workers may still wait on it at exit
