@@ -253,52 +253,43 @@ def cpu_experts(rt: MoERuntime, li: int, x: torch.Tensor, experts: torch.Tensor,
     return out
 
 
-def direct_ok(rt: MoERuntime, mode: ForwardMode, x: torch.Tensor) -> bool:
-    """Whether a layer can go straight from the router to the native kernel (`cpu_direct`): a CPU compute device
-    with no fast tier, no replayed routing, no self-draft remap or expert budget, a decode-sized pass."""
-    return (rt.direct and x.shape[0] <= cpu_ffn.NATIVE_MAX_TOKENS and rt.replay is None and mode.remap is None
-            and (rt.expert_budget is None or mode.phase != "verify") and x.device.type == "cpu")
-
-
 def cpu_direct(rt: MoERuntime, li: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-    """route -> compute -> account in a few ops when every expert runs on the CPU: x [N, H], idx and weights
-    [N, k] -> [N, H], the same bits as the tiered path (`compute`'s CPU tier), or None where that path must run
-    (a disk-tier layer that is not stored stacked). Quantized: each activation's output, weighed and summed in
-    router order by the same ops; otherwise the kernel's per-token sums, in ascending expert order."""
+    """A decode step's layer when every expert runs on the CPU (`rt.direct`: a CPU device, no fast tier) and
+    nothing stands between router and kernel (no replayed routing, remap or budget): x [1, H], idx and weights
+    [1, k] -> [1, H], the same bits and counters as route -> split -> compute -> account; None where those must run.
+    The token's k distinct experts are k one-activation groups, so nothing is sorted. Quantized: each expert's
+    output, weighed and summed in router order by compute()'s ops; otherwise the kernel's sum, in ascending
+    expert order as the tier split orders the CPU tier."""
     mode, store = rt.mode, rt.store
     num_tokens, top_k = idx.shape
-    flat, w_flat = idx.reshape(-1), weights.reshape(-1)  # [S = N*k]
+    if (not rt.direct or num_tokens != 1 or top_k >= len(_STEPS) or rt.replay is not None or mode.remap is not None
+            or (rt.expert_budget is not None and mode.phase == "verify")):
+        return None
     quant = store.quant != "none"
     views = (store.gate_up[li], store.down[li]) if quant else store.layer_views(li)
-    if views is None or top_k >= len(rt.steps) or not cpu_ffn.usable(views[0], x, num_tokens):
+    if views is None or not cpu_ffn.usable(views[0], x, 1):  # a disk-tier layer not stored stacked
         return None
-    x = x.contiguous()
-    ones = rt.ones[: len(flat)] if len(flat) <= len(rt.ones) else torch.ones(len(flat))  # unused weights: per activation
     if mode.recorder is not None and mode.phase != "draft":
         mode.recorder(li, idx, weights)
+    flat, w_flat = idx.reshape(-1), weights.reshape(-1)  # [k]
+    x = x.contiguous()
     t0 = time.perf_counter()
-    if quant and num_tokens == 1:  # one token's k distinct experts, each its own group, in router order
-        y = torch.empty(top_k, x.shape[1], dtype=torch.float32)  # [k, H]
-        cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, rt.steps[: top_k + 1], rt.zero_rows[:top_k], ones, y,
+    if quant:
+        y = torch.empty(top_k, x.shape[1], dtype=torch.float32)  # [k, H] each expert's output, unweighted
+        cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, _STEPS[: top_k + 1], _ZEROS[:top_k], _ONES[:top_k], y,
                                  per_activation=True)
+        y = (y.to(x.dtype) * w_flat[:, None]).to(x.dtype).view(1, top_k, -1).sum(dim=1)  # as compute(): promoted, then x's dtype
     else:
-        keys, order = torch.sort(flat, stable=True)  # activations grouped by expert, as split_tiers groups the CPU tier
-        experts, sizes = torch.unique_consecutive(keys, return_counts=True)
-        offsets = torch.zeros(len(experts) + 1, dtype=torch.int64)
-        torch.cumsum(sizes, 0, out=offsets[1:])
-        rows = order // top_k  # [S] each activation's token
-        if quant:
-            grouped = torch.empty(len(flat), x.shape[1], dtype=torch.float32)  # [S, H] in grouped order
-            cpu_ffn.moe_ffn_q_native(x, views[0], views[1], experts, offsets, rows, ones, grouped, per_activation=True)
-            y = torch.empty_like(grouped).index_copy_(0, order, grouped)  # [S, H] back in router order
-        else:
-            out = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32)  # [N, H] summed per token in the kernel
-            cpu_ffn.moe_ffn_native(x, views[0], views[1], experts, offsets, rows, w_flat[order].float(), out)
-    if quant:  # as compute(): weigh in the promoted dtype, store in x's, sum the k rows of each token
-        y = (y.to(x.dtype) * w_flat[:, None]).to(x.dtype).view(num_tokens, top_k, -1).sum(dim=1)
-    else:
-        y = out.to(x.dtype)
+        experts, order = torch.sort(flat)
+        out = torch.zeros(1, x.shape[1], dtype=torch.float32)  # [1, H] summed in the kernel
+        y = cpu_ffn.moe_ffn_native(x, views[0], views[1], experts, _STEPS[: top_k + 1], _ZEROS[:top_k],
+                                   w_flat[order].float(), out).to(x.dtype)
     rt.counters.cpu_s += time.perf_counter() - t0
-    counts = torch.bincount(flat, minlength=store.num_experts)  # [E]
-    account(rt, li, mode.phase, counts, len(flat), 0, 0, None)
+    account(rt, li, mode.phase, torch.bincount(flat, minlength=store.num_experts), top_k, 0, 0, None)
     return y
+
+
+# cpu_direct's one-activation groups: offsets 0, 1, .., every activation reading token row 0, unit weights
+_STEPS = torch.arange(65)
+_ZEROS = torch.zeros(64, dtype=torch.int64)
+_ONES = torch.ones(64)

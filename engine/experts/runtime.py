@@ -19,7 +19,7 @@ from ..sched.policies import PHASES, Policy
 from . import cpu_ffn
 from .cache import ExpertCache
 from .counters import LayerCounters
-from .moe_layer import account, apply_budget, compute, cpu_direct, direct_ok, route, split_tiers
+from .moe_layer import account, apply_budget, compute, cpu_direct, route, split_tiers
 from .store import ExpertStore
 
 Remap = Callable[[int], "torch.Tensor | None"]  # sparse layer -> [E] resident substitute per expert, or None
@@ -82,9 +82,6 @@ class MoERuntime:
         # every expert on the CPU and the native kernel built: layers may skip the tier split (moe_layer.cpu_direct)
         self.direct = (device.type == "cpu" and cache.capacity == 0 and self.native_cpu and not policy.layer_hooks
                        and cpu_ffn.library() is not None)
-        self.steps = torch.arange(65)  # [0, 1, ..] offsets of one-activation groups (cpu_direct)
-        self.zero_rows = torch.zeros(64, dtype=torch.int64)  # every activation reads token row 0 (cpu_direct)
-        self.ones = torch.ones(16 * 64)  # row weights a per-activation call ignores (cpu_direct)
 
     # --- threads --------------------------------------------------------------------------------
     def use_cpu_thread(self, on: bool) -> None:
@@ -219,10 +216,9 @@ class MoERuntime:
     def _run_layer(self, li: int, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], idx [N, k], weights [N, k] -> [N, H]: route -> split -> compute -> account."""
         mode = self.mode
-        if direct_ok(self, mode, x):
-            y = cpu_direct(self, li, x, idx, weights)
-            if y is not None:
-                return y
+        y = cpu_direct(self, li, x, idx, weights)  # a decode step with every expert on the CPU, else None
+        if y is not None:
+            return y
         routed = route(self, mode, li, idx, weights)
         if routed.idx is None:  # self-draft with nothing resident: the routed experts are skipped
             self.report_draft_demand(li, routed.demand)

@@ -86,18 +86,13 @@ class LeanForward:
         # quantized q/k/v projections as one native call per layer (None: three module calls)
         self.qkv = [fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) for layer in self.layers]
         # with them fused, q and k are adjacent in one output: one norm and one rotation for both (elementwise: same bits)
-        norms = [self._joint_norm(layer.self_attn) if fused is not None and not self.olmoe else False
-                 for fused, layer in zip(self.qkv, self.layers)]
-        self.joint = [norm is not False for norm in norms]
-        self.qk_norm = [None if norm is False else norm for norm in norms]
+        self.joint = [fused is not None and not self.olmoe for fused in self.qkv]
+        self.qk_norm = [self._stacked_norm(layer.self_attn) if joint and self.head_norm else None
+                        for joint, layer in zip(self.joint, self.layers)]
 
-    def _joint_norm(self, a) -> torch.Tensor | None | bool:
-        """Qwen3's per-head q and k norm weights stacked per head [H_q + H_kv, D]; None without head norms;
-        False where the two norms differ in epsilon (then each runs on its own)."""
-        if not self.head_norm:
-            return None
-        if a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
-            return False
+    @staticmethod
+    def _stacked_norm(a) -> torch.Tensor:
+        """Qwen3's per-head q and k norm weights, one row per head [H_q + H_kv, D] (both norms take rms_norm_eps)."""
         hq, hk = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
         return torch.cat([a.q_norm.weight.expand(hq, -1), a.k_norm.weight.expand(hk, -1)])
 

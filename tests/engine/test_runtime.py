@@ -187,9 +187,9 @@ def test_small_split_on_lists_equals_the_tensor_split(checkpoint, monkeypatch):
 @pytest.mark.parametrize("quant,dtype", [("none", "float32"), ("none", "bfloat16"), ("int8", "float32"), ("int4", "float32"),
                                          ("int4", "bfloat16")])
 def test_direct_cpu_layer_equals_the_tiered_path(quant, dtype, checkpoint):
-    """With every expert on the CPU a layer goes from the router straight to the native kernel (cpu_direct):
-    the same bits and the same counters as the tier split, for a decode step and a verification's 5 tokens."""
-    from moechat.engine.experts import cpu_ffn
+    """With every expert on the CPU a decode step's layer goes from the router straight to the native kernel
+    (cpu_direct): the same bits and the same counters as the tier split. A verification's 5 tokens take the split."""
+    from moechat.engine.experts import cpu_ffn, moe_layer
 
     if cpu_ffn.library() is None:
         pytest.skip(cpu_ffn.notice())
@@ -205,6 +205,9 @@ def test_direct_cpu_layer_equals_the_tiered_path(quant, dtype, checkpoint):
         x = torch.randn(n, H, generator=g).to(getattr(torch, dtype))
         idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)])  # [n, k] distinct per token
         w = torch.softmax(torch.randn(n, k, generator=g), -1).to(x.dtype)
+        with torch.inference_mode(), rt.forward("verify", 3):
+            assert (moe_layer.cpu_direct(rt, 0, x, idx, w) is None) == (n > 1)
+        rt.reset_counters()
         outs, freqs = [], []
         for direct in (True, False):
             rt.direct = direct
