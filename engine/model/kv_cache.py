@@ -53,6 +53,17 @@ class GrowingLayer(DynamicLayer):
         self._set_length(end)
         return self.keys, self.values
 
+    def reserve(self, positions: int) -> int:
+        """Room for `positions` more entries, written in place by the caller (the native attention step), who then
+        calls advance(positions) -> where they start. The layer must be initialized (a prefill ran)."""
+        end = self.length + positions
+        if end > self._k.shape[2]:
+            self._grow(end)
+        return self.length
+
+    def advance(self, positions: int) -> None:
+        self._set_length(self.length + positions)
+
     def _set_length(self, length: int) -> None:
         self.length = length
         self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]  # views: no copy

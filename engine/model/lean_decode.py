@@ -1,40 +1,38 @@
-"""A lean eager forward for decode and verification: the same module weights and the same torch ops in
-the same order as transformers' forward, without its per-layer Python (module calls, kwargs, mask
-creation, rotary recomputation, attention-interface dispatch, output dataclasses).
+"""A lean eager forward for decode and verification: the same module weights, without transformers' per-layer
+Python (module calls, kwargs, mask creation, rotary recomputation, attention-interface dispatch, output
+dataclasses).
 
 Used for a few positions after a past (T <= MAX_POSITIONS: a decode step, a verification, a self-draft
 step, a chat turn's new message after its kept history) on the CPU, for the llama-like decoder-only
 families; the first prefill and everything refused here run transformers' forward on the same KV cache.
-The logits equal transformers' bit for bit (tests/engine/test_lean_decode.py), so speculative decoding
-stays lossless either way. `lean_decode=False` in EngineConfig (`--no-lean-decode`) turns it off.
+Two ways through a layer:
+- native (fp32 activations with the CPU library built; the default): the residual adds with their norms
+  and attention's core (q/k norm, rotary, KV append, attention) are native calls (decode_ops.py), rows
+  computed alone, so a position's logits do not depend on the pass it is in; they differ from
+  transformers' in the last bits (tests/engine/test_lean_decode.py bounds them and checks greedy tokens);
+- torch (`native=False`, other dtypes, no library): transformers' ops in transformers' order, logits
+  equal to transformers' bit for bit.
+`lean_decode=False` in EngineConfig (`--no-lean-decode`) turns both off.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..experts.runtime import OffloadedExperts
 from ..quant.dense import fuse
+from . import decode_ops
 from .attention import NAME as FLOAT_KV_ATTENTION
+from .decode_ops import add_rms_norm, rms_norm, rotate
+from .kv_cache import GrowingLayer
+
+# transformers' routers whose forward is softmax -> top-k -> optional renormalisation (decode_ops.router_topk)
+ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
 
 MAX_POSITIONS = 128  # decode, verification, and a chat turn after a kept history; longer prefills: module calls cost little
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")  # deepseek_v2 (MLA) runs transformers' forward
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (not dynamic, longrope)
 TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many positions
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm of these families, op for op (torch.rms_norm rounds differently)."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + eps)
-    return weight * x.to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary_pos_emb for one tensor: x [1, H, T, D], cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
 def sliding_window(config, context_len: int) -> int | None:
@@ -74,7 +72,7 @@ def refusal(hf, device: torch.device, context_len: int) -> str | None:
 class LeanForward:
     """ids [1, T] appended to a KV cache that already holds a past -> logits of the last `keep` positions."""
 
-    def __init__(self, hf, context_len: int):
+    def __init__(self, hf, context_len: int, native: bool = True):
         self.hf, self.base, self.config = hf, hf.model, hf.config
         self.context_len = context_len
         self.eps = float(self.config.rms_norm_eps)
@@ -89,6 +87,9 @@ class LeanForward:
         self.joint = [fused is not None and not self.olmoe for fused in self.qkv]
         self.qk_norm = [self._stacked_norm(layer.self_attn) if joint and self.head_norm else None
                         for joint, layer in zip(self.joint, self.layers)]
+        # the native layer ops (fp32 activations only; a missing library leaves the torch ops)
+        self.native = native and self.base.embed_tokens.weight.dtype == torch.float32 and decode_ops.available()
+        self.routers = [_router(layer.mlp) for layer in self.layers]  # (weight, k, normalize), or None: the block's forward
 
     @staticmethod
     def _stacked_norm(a) -> torch.Tensor:
@@ -111,6 +112,8 @@ class LeanForward:
         self.cos, self.sin = cos[0], sin[0]
 
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
+        if self.native and len(cache.layers) >= len(self.layers) and all(map(_native_cache, cache.layers[: len(self.layers)])):
+            return self._native_forward(ids, cache, keep)
         T = ids.shape[1]
         start = cache.get_seq_length()
         S = start + T
@@ -127,6 +130,51 @@ class LeanForward:
         norm = self.base.norm
         x = rms_norm(x[:, -keep:], norm.weight, norm.variance_epsilon)  # [1, keep, H]: the norm is per position
         return self.hf.lm_head.forward(x)[0].float()  # [keep, V]
+
+    def _native_forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
+        """The same layers with the native ops: x += sublayer(h); h = norm(x), one call per pair."""
+        T, start = ids.shape[1], cache.get_seq_length()
+        x = self.base.embed_tokens.forward(ids[0])  # [T, H] fp32, the residual stream, added to in place
+        self._tables(start + T, x)
+        cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, D]
+        norms = [*(layer.input_layernorm for layer in self.layers), self.base.norm]
+        h = add_rms_norm(x, None, norms[0].weight, norms[0].variance_epsilon)
+        for i, layer in enumerate(self.layers):
+            attn = self._native_attention(layer.self_attn, self.qkv[i], h, cos, sin, cache.layers[i])  # [T, H]
+            post = layer.post_attention_layernorm
+            h = add_rms_norm(x, attn, post.weight, post.variance_epsilon)
+            mlp = self._native_moe(layer.mlp, self.routers[i], h) if self.routers[i] else layer.mlp.forward(h[None])[0]
+            h = add_rms_norm(x, mlp.contiguous(), norms[i + 1].weight, norms[i + 1].variance_epsilon)
+        return self.hf.lm_head.forward(h[-keep:]).float()  # [keep, V]: the final norm is per position
+
+    @staticmethod
+    def _native_moe(mlp, router, h: torch.Tensor) -> torch.Tensor:
+        """The sparse block with the native router: h [T, H] -> [T, H] (the shared expert as qwen2_moe's block adds it)."""
+        weights, experts = decode_ops.router_topk(h, *router)  # [T, k] each
+        y = mlp.experts(h, experts, weights)
+        if hasattr(mlp, "shared_expert"):
+            y = y + F.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
+        return y
+
+    def _native_attention(self, a, qkv, h: torch.Tensor, cos, sin, layer: GrowingLayer) -> torch.Tensor:
+        if qkv is not None:
+            y = qkv.whole(h)  # [T, (H_q + 2 H_kv) * D]
+            n_q, n_k = qkv.sizes[0], qkv.sizes[1]
+            q, k, v = y[:, :n_q], y[:, n_q: n_q + n_k], y[:, n_q + n_k:]
+        else:
+            q, k, v = a.q_proj.forward(h), a.k_proj.forward(h), a.v_proj.forward(h)  # [T, H_q*D], [T, H_kv*D] x2
+        q_norm = k_norm = None
+        if self.olmoe:  # norms over the whole projection, then the clip: torch ops, as transformers
+            q = rms_norm(q, a.q_norm.weight, a.q_norm.variance_epsilon)
+            k = rms_norm(k, a.k_norm.weight, a.k_norm.variance_epsilon)
+            if self.clip is not None:
+                for t in (q, k, v):
+                    t.clamp_(min=-self.clip, max=self.clip)
+        elif self.head_norm:
+            q_norm, k_norm = a.q_norm.weight, a.k_norm.weight
+        eps = a.q_norm.variance_epsilon if self.head_norm else 0.0
+        o = decode_ops.attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps, a.scaling, a.head_dim)  # [T, H_q*D]
+        return a.o_proj.forward(o)  # [T, H]
 
     def _attention(self, a, qkv, h: torch.Tensor, cos, sin, mask, cache, i: int) -> torch.Tensor:
         T = h.shape[1]
@@ -174,6 +222,24 @@ class LeanForward:
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [1, H, T, D]
         v = v.view(1, T, -1, hd).transpose(1, 2)  # [1, H_kv, T, D]
         return q, k, v
+
+
+def _router(mlp) -> tuple[torch.Tensor, int, bool] | None:
+    """A sparse block whose router is the families' softmax top-k (all four in transformers): its (weight, k, normalize)."""
+    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    if type(gate).__name__ not in ROUTERS or not isinstance(experts, OffloadedExperts) or gate.weight.dtype != torch.float32:
+        return None
+    if type(mlp).__name__ == "Qwen2MoeSparseMoeBlock" and not hasattr(mlp, "shared_expert_gate"):
+        return None
+    # mixtral's router always renormalises (it has no norm_topk_prob)
+    return gate.weight.detach(), gate.top_k, bool(getattr(gate, "norm_topk_prob", True))
+
+
+def _native_cache(layer) -> bool:
+    """A cache layer the native attention step writes into: fp32 buffers, batch 1, contiguous, on the CPU."""
+    return (type(layer) is GrowingLayer and layer.is_initialized and layer._k.dtype == torch.float32
+            and layer._k.shape[0] == 1 and layer._k.is_contiguous() and layer._v.is_contiguous()
+            and layer._k.device.type == "cpu" and layer._v.shape[-1] == layer._k.shape[-1])
 
 
 def build_lean_forward(hf, device: torch.device, context_len: int) -> LeanForward | None:

@@ -229,9 +229,11 @@ def test_evict_drops_the_queued_copy(host_lib):
 @pytest.mark.parametrize("policy", ["spac", "lru"])
 def test_engine_with_the_host_prefetch_engine_matches_transformers(policy, host_lib, checkpoint, tokenizer):
     """The whole engine with every fast-tier copy queued through the native engine (host backend)
-    and, for spac, the transfer thread. The host stream is held and let go only at every 4th
+    and, for spac, the transfer thread. The host stream is held and let go only at every 8th
     layer's readiness check (a slow link): copies are late (their experts run on the CPU), queues
-    build up and the scheduler cancels queued copies; greedy output still equals transformers."""
+    build up and the scheduler cancels queued copies; greedy output still equals transformers. Each check also
+    serves the prefetch queues itself, so what is queued when the scheduler looks never depends on when the
+    transfer thread got a core (a faster forward once left it nothing to cancel)."""
     model_dir = checkpoint("qwen3_moe", 2)
     prompt = tokenizer(PROMPT)["input_ids"]
     engine = make_engine(model_dir, policy, ratio=0.3, demote="zero")
@@ -240,11 +242,14 @@ def test_engine_with_the_host_prefetch_engine_matches_transformers(policy, host_
     cache.after_compute = lambda: eng.mark_compute(0)  # no compute stream: the host build ignores it
     ready_slots, cancel = cache.ready_slots, cache.cancel
     checks, freed = [0], []
+    prefetch = getattr(rt.policy, "prefetch", None)
 
     def ready_slots_(li, experts):
+        if prefetch is not None:
+            prefetch.drain()  # the transfers the thread would have issued by now, issued now
         out = ready_slots(li, experts)
         checks[0] += 1
-        if checks[0] % 4 == 0:  # the link moves: what was issued lands
+        if checks[0] % 8 == 0:  # the link moves: what was issued lands
             eng.hold(False)
             wait_for(lambda: eng.counters()["in_flight"] == 0)
             eng.hold()

@@ -1,0 +1,164 @@
+// The bodies of decode_ops.cpp's kernels, included once per instruction set (inside a namespace and a
+// target region), so one source serves the portable build and the AVX2/AVX-512 builds. No includes here.
+// Every reduction runs in 16 lanes (vector types), summed in one fixed order, so a row's bits never depend
+// on the other rows of its call.
+
+typedef float vec8 __attribute__((vector_size(32)));  // one AVX2 register; two SSE registers elsewhere
+
+inline vec8 load8(const float* p) {
+    vec8 v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+    vec8 lo = {}, hi = {};  // 16 lanes in two independent chains
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        lo += load8(a + i) * load8(b + i);
+        hi += load8(a + i + 8) * load8(b + i + 8);
+    }
+    const vec8 acc = lo + hi;
+    float s = 0.f;
+    for (int l = 0; l < 8; ++l) s += acc[l];
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+}
+
+inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
+
+// y = w * (x * rsqrt(mean(x^2) + eps)), transformers' RMSNorm order; y may be x
+inline void rms_norm_row(const float* x, const float* w, float eps, int64_t n, float* y) {
+    const float r = 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+// x[n] -> x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half]) (apply_rotary_pos_emb)
+inline void rotate_row(float* x, const float* cos, const float* sin, int64_t n, float* tmp) {
+    const int64_t half = n / 2;
+    for (int64_t i = 0; i < half; ++i) tmp[i] = x[i] * cos[i] - x[i + half] * sin[i];
+    for (int64_t i = half; i < n; ++i) tmp[i] = x[i] * cos[i] + x[i - half] * sin[i];
+    for (int64_t i = 0; i < n; ++i) x[i] = tmp[i];
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), within 2 ulp: x = n·ln2 + r, |r| <= ln2/2, a degree-6
+// polynomial for e^r, 2^n from the exponent bits. Branch-free arithmetic, so the loop around it vectorises.
+inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;  // e^-87 ~ 1.6e-38: the smallest normal float; below it the term is 0 for softmax
+    const float n = float(int(x * 1.44269504f + (x < 0.f ? -0.5f : 0.5f)));  // round(x / ln2)
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 split in two: exact first product
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    int32_t bits;
+    std::memcpy(&bits, &p, 4);
+    bits += int32_t(n) << 23;  // p in [0.7, 1.42], n >= -126: the result stays normal
+    float y;
+    std::memcpy(&y, &bits, 4);
+    return y;
+}
+
+// o[D] = softmax(scale · K q)ᵀ V over the first `keys` rows of K, V [keys, D] (rows `stride` floats apart)
+inline void attend_row(const float* q, const float* K, const float* V, int64_t stride, int64_t keys, int64_t D,
+                       float scale, float* scores, float* o) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < keys; ++j) {
+        scores[j] = dot(q, K + j * stride, D) * scale;
+        top = std::max(top, scores[j]);
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < keys; ++j) {
+        scores[j] = exp_nonpositive(scores[j] - top);
+    }
+    for (int64_t j = 0; j < keys; ++j) total += scores[j];
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+    for (int64_t j = 0; j < keys; ++j) {
+        const float p = scores[j];
+        const float* v = V + j * stride;
+        for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+}
+
+// x[t] += r[t] (r may be null), then y[t] = RMSNorm(x[t]) · w, for `rows` rows of n
+inline void add_rms_norm(float* x, const float* r, const float* w, float eps, int64_t rows, int64_t n, float* y) {
+    for (int64_t t = 0; t < rows; ++t) {
+        float* xt = x + t * n;
+        if (r)
+            for (int64_t i = 0; i < n; ++i) xt[i] += r[t * n + i];
+        rms_norm_row(xt, w, eps, n, y + t * n);
+    }
+}
+
+inline void attention_step(const AttentionStep& a, int threads) {
+    const int64_t D = a.D, group = a.Hq / a.Hkv;
+    // 1. per position: q and k heads normed (Qwen3's per-head norm) and rotated in place; k, v appended to the cache
+    std::vector<float> tmp(D);
+    for (int64_t t = 0; t < a.T; ++t) {
+        const float *cos = a.cos + t * D, *sin = a.sin + t * D;
+        for (int64_t h = 0; h < a.Hq; ++h) {
+            float* q = a.q + t * a.q_stride + h * D;
+            if (a.q_norm) rms_norm_row(q, a.q_norm, a.eps, D, q);
+            rotate_row(q, cos, sin, D, tmp.data());
+        }
+        for (int64_t g = 0; g < a.Hkv; ++g) {
+            float* k = a.k + t * a.k_stride + g * D;
+            if (a.k_norm) rms_norm_row(k, a.k_norm, a.eps, D, k);
+            rotate_row(k, cos, sin, D, tmp.data());
+            const int64_t slot = (g * a.capacity + a.past + t) * D;
+            std::memcpy(a.k_cache + slot, k, D * sizeof(float));
+            std::memcpy(a.v_cache + slot, a.v + t * a.v_stride + g * D, D * sizeof(float));
+        }
+    }
+    // 2. query (h, t) attends to keys 0..past+t of its KV head; tasks head-major so a thread's heads share K and V
+    const int64_t tasks = a.Hq * a.T, keys = a.past + a.T;
+    // a second thread costs a hand-off of tens of µs: worth it from about 250 µs of work (a long context, a verification)
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, tasks * keys * D / (1 << 21)));
+    g_pool->run(int(n), [&](int tid) {
+        std::vector<float> scores(keys);
+        for (int64_t task = tasks * tid / n; task < tasks * (tid + 1) / n; ++task) {
+            const int64_t h = task / a.T, t = task % a.T, g = h / group;
+            const float* K = a.k_cache + g * a.capacity * D;
+            const float* V = a.v_cache + g * a.capacity * D;
+            attend_row(a.q + t * a.q_stride + h * D, K, V, D, a.past + t + 1, D, a.scale, scores.data(),
+                       a.out + t * a.out_stride + h * D);
+        }
+    });
+}
+
+// Router of the llama-like MoE families: probs = softmax(x Wᵀ), the k largest (descending; ties: lower expert
+// first), divided by their sum when `normalize`. x [T, H], W [E, H] -> weights [T, k], experts [T, k];
+// logits [T, E] is scratch.
+inline void router_topk(const float* x, const float* W, int64_t T, int64_t E, int64_t H, int64_t k, bool normalize,
+                        float* logits, float* weights, int64_t* experts, int threads) {
+    const int64_t tasks = T * E;  // one logit each; a second thread from about 2 MB of weights read
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, tasks * H / (1 << 19)));
+    g_pool->run(int(n), [&](int tid) {
+        for (int64_t task = tasks * tid / n; task < tasks * (tid + 1) / n; ++task)
+            logits[task] = dot(x + task / E * H, W + task % E * H, H);
+    });
+    for (int64_t t = 0; t < T; ++t) {
+        float* p = logits + t * E;
+        float top = -INFINITY;
+        for (int64_t e = 0; e < E; ++e) top = p[e] > top ? p[e] : top;
+        float total = 0.f;
+        for (int64_t e = 0; e < E; ++e) total += (p[e] = std::exp(p[e] - top));
+        float kept = 0.f;
+        for (int64_t j = 0; j < k; ++j) {  // k passes: k is small (2-16)
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; ++e)
+                if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            experts[t * k + j] = best;
+            weights[t * k + j] = p[best] / total;
+            kept += weights[t * k + j];
+            p[best] = -1.f;  // taken
+        }
+        if (normalize)
+            for (int64_t j = 0; j < k; ++j) weights[t * k + j] /= kept;
+    }
+}

@@ -1,0 +1,89 @@
+// Decode-step pieces of a llama-like decoder layer on the CPU, for a few positions after a past
+// (engine/model/decode_ops.py: their PyTorch twins and the dispatch): the residual add fused with the
+// next RMSNorm, the MoE router's softmax top-k, and attention's core (Qwen3's q/k norm, rotary, the KV cache append, causal softmax
+// attention with grouped KV heads). Each query row is computed alone, in one fixed order, so a
+// position's bits do not depend on the call's other positions: a verification pass and the decode
+// steps it stands for agree bit for bit. fp32 throughout. Plain C ABI for ctypes.
+
+#include "common.h"
+#include "pool.h"
+
+#define API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+struct AttentionStep {
+    float *q, *k;           // [T, *] rows q_stride / k_stride floats apart: H_q (H_kv) heads of D, normed and rotated in place
+    const float* v;         // [T, *] rows v_stride apart: H_kv heads of D
+    int64_t q_stride, k_stride, v_stride, T, Hq, Hkv, D;
+    const float *q_norm, *k_norm;  // [D] per-head norm weights, or null
+    float eps;
+    const float *cos, *sin;        // [T, D]: the rotary tables at positions past..past+T-1
+    float *k_cache, *v_cache;      // [H_kv, capacity, D]; entries past..past+T-1 are written
+    int64_t capacity, past;
+    float scale;
+    float* out;                    // [T, *] rows out_stride apart: H_q heads of D
+    int64_t out_stride;
+};
+
+namespace portable {
+#include "decode_body.h"
+}  // namespace portable
+
+#ifdef MOE_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+namespace avx2 {
+#include "decode_body.h"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+
+bool use_avx2() {
+#ifdef MOE_X86
+    static const bool ok = cpu_has(AVX2);
+    return ok;
+#else
+    return false;
+#endif
+}
+
+}  // namespace
+
+API int moe_add_rms_norm(float* x, const float* r, const float* w, float eps, int64_t rows, int64_t n, float* y) {
+    if (rows < 0 || n <= 0) return 1;
+#ifdef MOE_X86
+    if (use_avx2()) return avx2::add_rms_norm(x, r, w, eps, rows, n, y), 0;
+#endif
+    return portable::add_rms_norm(x, r, w, eps, rows, n, y), 0;
+}
+
+API int moe_attention_step(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                           int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* q_norm, const float* k_norm,
+                           float eps, const float* cos, const float* sin, float* k_cache, float* v_cache,
+                           int64_t capacity, int64_t past, float scale, float* out, int64_t out_stride, int threads) {
+    if (T <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D % 2 || past < 0 || past + T > capacity) return 1;
+    const AttentionStep a{q, k, v, q_stride, k_stride, v_stride, T, Hq, Hkv, D, q_norm, k_norm, eps, cos, sin,
+                          k_cache, v_cache, capacity, past, scale, out, out_stride};
+#ifdef MOE_X86
+    if (use_avx2()) return avx2::attention_step(a, std::max(1, threads)), 0;
+#endif
+    return portable::attention_step(a, std::max(1, threads)), 0;
+}
+
+API int moe_router_topk(const float* x, const float* w, int64_t T, int64_t E, int64_t H, int64_t k, int normalize,
+                        float* logits, float* weights, int64_t* experts, int threads) {
+    if (T <= 0 || E <= 0 || H <= 0 || k <= 0 || k > E) return 1;
+#ifdef MOE_X86
+    if (use_avx2()) return avx2::router_topk(x, w, T, E, H, k, normalize, logits, weights, experts, std::max(1, threads)), 0;
+#endif
+    return portable::router_topk(x, w, T, E, H, k, normalize, logits, weights, experts, std::max(1, threads)), 0;
+}

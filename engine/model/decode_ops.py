@@ -1,0 +1,128 @@
+"""A decode step's small per-layer ops on the CPU, each a native call (csrc/cpu/decode_ops.cpp) with its
+PyTorch twin: the residual add fused with the next RMSNorm, the MoE router's softmax top-k, and attention's
+core (q/k norm, rotary, the KV cache append, causal attention over grouped KV heads).
+
+In PyTorch these are about 40 small ops per layer (3-10 µs each), more than the layer's matrix products
+take on a quantized model; natively they are three calls. The native results differ from the twins' in
+the last bits (another summation order), so the lean forward uses them only where it need not match
+transformers bit for bit (`LeanForward(native=True)`, the engine's default); each native row is
+computed alone, so a position's bits never depend on how many positions share the pass, and speculative
+verification stays exactly as lossless as before. fp32 activations only: the twins serve everything else.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from ..experts import cpu_ffn
+
+_I64, _P, _F, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+_NORM_ARGS = [_P, _P, _P, _F, _I64, _I64, _P]
+_ROUTER_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT]
+_ATTN_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _F, _P, _I64, _INT]
+
+
+def library() -> ctypes.CDLL | None:
+    """The CPU library with these functions typed, or None (not built: the twins run)."""
+    lib = cpu_ffn.library()
+    if lib is not None and not hasattr(lib, "_decode_typed"):
+        lib.moe_add_rms_norm.argtypes, lib.moe_add_rms_norm.restype = _NORM_ARGS, ctypes.c_int
+        lib.moe_attention_step.argtypes, lib.moe_attention_step.restype = _ATTN_ARGS, ctypes.c_int
+        lib.moe_router_topk.argtypes, lib.moe_router_topk.restype = _ROUTER_ARGS, ctypes.c_int
+        lib._decode_typed = True
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of these families, op for op (torch.rms_norm rounds differently)."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_pos_emb for one tensor: x [..., T, D] (heads before T), cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 native: bool = True) -> torch.Tensor:
+    """x += residual (in place; None: nothing added), then RMSNorm(x) · weight. x [..., n] contiguous."""
+    lib = library() if native and x.dtype == torch.float32 and weight.dtype == torch.float32 else None
+    if lib is None or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+        if residual is not None:
+            x.add_(residual)
+        return rms_norm(x, weight, eps)
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    code = lib.moe_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                eps, x.numel() // n, n, out.data_ptr())
+    if code:
+        raise RuntimeError(f"native add_rms_norm failed with code {code}")
+    return out
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routers of qwen3_moe, qwen2_moe, olmoe and mixtral in one native call: x [T, H], weight [E, H] fp32 ->
+    (weights [T, k] fp32, experts [T, k] int64): softmax(x Wᵀ)'s k largest, divided by their sum when `normalize`."""
+    T, E = x.shape[0], weight.shape[0]
+    logits = torch.empty(T, E, dtype=torch.float32)
+    weights, experts = torch.empty(T, k, dtype=torch.float32), torch.empty(T, k, dtype=torch.int64)
+    code = library().moe_router_topk(x.data_ptr(), weight.data_ptr(), T, E, x.shape[1], k, int(normalize), logits.data_ptr(),
+                                     weights.data_ptr(), experts.data_ptr(), torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"native router failed with code {code}")
+    return weights, experts
+
+
+def router_topk_torch(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_topk's twin: the routers' own ops (transformers' *TopKRouter.forward)."""
+    probs = F.softmax(F.linear(x, weight), dtype=torch.float, dim=-1)  # [T, E]
+    weights, experts = torch.topk(probs, k, dim=-1)  # [T, k]
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: float, head_dim: int) -> torch.Tensor:
+    """Native attention core for T positions after the past in `layer` (a kv_cache.GrowingLayer, fp32, batch 1):
+    q [T, H_q·D], k and v [T, H_kv·D] fp32 with unit column stride (views into one fused projection are fine);
+    q and k are normed (q_norm, k_norm: per-head weights [D], or None) and rotated in place, k and v appended to
+    the cache -> [T, H_q·D] fp32, each query attending to the past and the pass's positions up to its own."""
+    T, D = q.shape[0], head_dim
+    start = layer.reserve(T)
+    out = torch.empty(T, q.shape[1], dtype=torch.float32)
+    nk = None if k_norm is None else k_norm.data_ptr()
+    code = library().moe_attention_step(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, q.shape[1] // D,
+        k.shape[1] // D, D, None if q_norm is None else q_norm.data_ptr(), nk, eps, cos.data_ptr(), sin.data_ptr(),
+        layer._k.data_ptr(), layer._v.data_ptr(), layer._k.shape[2], start, scale, out.data_ptr(), out.stride(0),
+        torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"native attention step failed with code {code}")
+    layer.advance(T)
+    return out
+
+
+def attention_step_torch(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: float, head_dim: int) -> torch.Tensor:
+    """attention_step's twin, transformers' ops in transformers' order (q and k are not modified)."""
+    T, D = q.shape[0], head_dim
+    q, k, v = (t.reshape(T, -1, D) for t in (q, k, v))  # [T, H, D]
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = rotate(q.transpose(0, 1), cos, sin)[None], rotate(k.transpose(0, 1), cos, sin)[None]  # [1, H, T, D]
+    keys, values = layer.update(k, v.transpose(0, 1)[None])  # [1, H_kv, S, D]
+    S = keys.shape[2]
+    mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool).tril(S - T)  # [T, S]: causal after the past
+    gqa = {"enable_gqa": True} if q.shape[1] != keys.shape[1] else {}
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, **gqa)  # [1, H_q, T, D]
+    return o[0].transpose(0, 1).reshape(T, -1)

@@ -1,0 +1,107 @@
+"""The native decode ops (csrc/cpu/decode_ops.cpp) against their PyTorch twins (engine/model/decode_ops.py), and the
+property the engine relies on: a position's bits do not depend on how many positions share its call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moechat.engine.experts import cpu_ffn
+from moechat.engine.model import decode_ops
+from moechat.engine.model.kv_cache import GrowingLayer
+
+pytestmark = pytest.mark.native
+
+
+@pytest.fixture(autouse=True)
+def _library():
+    if not decode_ops.available():
+        pytest.skip(cpu_ffn.notice())
+
+
+def _layer(past: torch.Tensor, values: torch.Tensor) -> GrowingLayer:
+    layer = GrowingLayer(torch.float32)
+    layer.update(past.clone(), values.clone())
+    return layer
+
+
+def _tables(start: int, T: int, D: int):
+    pos = torch.arange(start, start + T, dtype=torch.float32)[:, None]  # [T, 1]
+    freq = 10000.0 ** (-(torch.arange(D) % (D // 2)).float() / (D // 2))  # [D], halves repeated as transformers'
+    return (pos * freq).cos(), (pos * freq).sin()  # [T, D] each
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 4, 128), (4, 4, 8), (6, 2, 20), (8, 1, 64)])
+@pytest.mark.parametrize("norms", [True, False])
+@pytest.mark.parametrize("T,past", [(1, 1), (1, 70), (5, 13), (40, 250)])  # 250 + 40 grows the 256-slot buffer
+def test_attention_step_equals_its_twin(heads, kv_heads, head_dim, norms, T, past):
+    gen = torch.Generator().manual_seed(T * 1000 + past)
+    D, nq, nk = head_dim, heads * head_dim, kv_heads * head_dim
+    keys, values = torch.randn(1, kv_heads, past, D, generator=gen), torch.randn(1, kv_heads, past, D, generator=gen)
+    y = torch.randn(T, nq + 2 * nk, generator=gen)  # one fused projection's output: q, k, v side by side
+    cos, sin = _tables(past, T, D)
+    q_norm, k_norm = (torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5) if norms else (None, None)
+    args = (q_norm, k_norm, 1e-6, D ** -0.5, D)
+    native, twin = _layer(keys, values), _layer(keys, values)
+    a, b = y.clone(), y.clone()
+    got = decode_ops.attention_step(a[:, :nq], a[:, nq:nq + nk], a[:, nq + nk:], native, cos, sin, *args)
+    want = decode_ops.attention_step_torch(b[:, :nq], b[:, nq:nq + nk], b[:, nq + nk:], twin, cos, sin, *args)
+    assert got.shape == want.shape == (T, nq)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert native.get_seq_length() == twin.get_seq_length() == past + T
+    torch.testing.assert_close(native.keys, twin.keys, rtol=1e-5, atol=1e-5)  # normed and rotated
+    assert torch.equal(native.values, twin.values)  # copied as they are
+
+
+def test_attention_rows_do_not_depend_on_the_pass():
+    """A verification of 5 positions gives the bits of the 5 decode steps it stands for."""
+    gen = torch.Generator().manual_seed(1)
+    H, G, D, past, T = 8, 2, 32, 20, 5
+    keys, values = torch.randn(1, G, past, D, generator=gen), torch.randn(1, G, past, D, generator=gen)
+    y = torch.randn(T, (H + 2 * G) * D, generator=gen)
+    cos, sin = _tables(past, T, D)
+    norm = torch.rand(D, generator=gen) + 0.5
+    one_pass, steps = _layer(keys, values), _layer(keys, values)
+    nq, nk = H * D, G * D
+    a = y.clone()
+    whole = decode_ops.attention_step(a[:, :nq], a[:, nq:nq + nk], a[:, nq + nk:], one_pass, cos, sin, norm, norm, 1e-6, 0.2, D)
+    rows = []
+    for t in range(T):
+        b = y[t:t + 1].clone()
+        rows.append(decode_ops.attention_step(b[:, :nq], b[:, nq:nq + nk], b[:, nq + nk:], steps, cos[t:t + 1], sin[t:t + 1],
+                                              norm, norm, 1e-6, 0.2, D))
+    assert torch.equal(whole, torch.cat(rows))
+    assert torch.equal(one_pass.keys, steps.keys) and torch.equal(one_pass.values, steps.values)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 2048), (5, 64), (3, 19)])
+@pytest.mark.parametrize("residual", [True, False])
+def test_add_rms_norm_equals_its_twin(rows, n, residual):
+    gen = torch.Generator().manual_seed(rows * n)
+    x, r, w = torch.randn(rows, n, generator=gen), torch.randn(rows, n, generator=gen), torch.rand(n, generator=gen) + 0.5
+    a, b = x.clone(), x.clone()
+    got = decode_ops.add_rms_norm(a, r if residual else None, w, 1e-6)
+    want = decode_ops.add_rms_norm(b, r if residual else None, w, 1e-6, native=False)
+    assert torch.equal(a, b)  # the residual stream, added in place on both sides
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(a, x) if residual else torch.equal(a, x)
+
+
+@pytest.mark.parametrize("T,E,H,k", [(1, 128, 2048, 8), (3, 64, 96, 6), (16, 8, 32, 2)])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_topk_equals_its_twin(T, E, H, k, normalize):
+    gen = torch.Generator().manual_seed(T + E)
+    x, w = torch.randn(T, H, generator=gen), torch.randn(E, H, generator=gen) / H ** 0.5
+    weights, experts = decode_ops.router_topk(x, w, k, normalize)
+    want_w, want_e = decode_ops.router_topk_torch(x, w, k, normalize)
+    assert experts.dtype == torch.int64 and experts.shape == (T, k)
+    assert torch.equal(experts, want_e)  # same experts, in the same (descending) order
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-7)
+    if normalize:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(T))
+
+
+def test_bad_shapes_are_refused_by_the_kernel():
+    lib = decode_ops.library()
+    assert lib.moe_router_topk(0, 0, 1, 4, 8, 5, 1, 0, 0, 0, 1) == 1  # k > E
+    assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 1, 6, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 0, 1.0, 0, 0, 1) == 1  # 6 % 4
+    assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 2, 4, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 15, 1.0, 0, 0, 1) == 1  # no room
