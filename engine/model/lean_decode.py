@@ -90,6 +90,9 @@ class LeanForward:
         # the native layer ops (fp32 activations only; a missing library leaves the torch ops)
         self.native = native and self.base.embed_tokens.weight.dtype == torch.float32 and decode_ops.available()
         self.routers = [_router(layer.mlp) for layer in self.layers]  # (weight, k, normalize), or None: the block's forward
+        # unquantized q/k/v as one product on the native path (weight, bias, (n_q, n_k)); the modules keep views of it
+        self.stacked = [_stack_qkv(layer.self_attn) if self.native and fused is None else None
+                        for fused, layer in zip(self.qkv, self.layers)]
 
     @staticmethod
     def _stacked_norm(a) -> torch.Tensor:
@@ -140,7 +143,7 @@ class LeanForward:
         norms = [*(layer.input_layernorm for layer in self.layers), self.base.norm]
         h = add_rms_norm(x, None, norms[0].weight, norms[0].variance_epsilon)
         for i, layer in enumerate(self.layers):
-            attn = self._native_attention(layer.self_attn, self.qkv[i], h, cos, sin, cache.layers[i])  # [T, H]
+            attn = self._native_attention(layer.self_attn, i, h, cos, sin, cache.layers[i])  # [T, H]
             post = layer.post_attention_layernorm
             h = add_rms_norm(x, attn, post.weight, post.variance_epsilon)
             mlp = self._native_moe(layer.mlp, self.routers[i], h) if self.routers[i] else layer.mlp.forward(h[None])[0]
@@ -156,10 +159,11 @@ class LeanForward:
             y = y + F.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h)
         return y
 
-    def _native_attention(self, a, qkv, h: torch.Tensor, cos, sin, layer: GrowingLayer) -> torch.Tensor:
-        if qkv is not None:
-            y = qkv.whole(h)  # [T, (H_q + 2 H_kv) * D]
-            n_q, n_k = qkv.sizes[0], qkv.sizes[1]
+    def _native_attention(self, a, i: int, h: torch.Tensor, cos, sin, layer: GrowingLayer) -> torch.Tensor:
+        qkv, stacked = self.qkv[i], self.stacked[i]
+        if qkv is not None or stacked is not None:
+            y = qkv.whole(h) if qkv is not None else F.linear(h, stacked[0], stacked[1])  # [T, (H_q + 2 H_kv) * D]
+            n_q, n_k = qkv.sizes[:2] if qkv is not None else stacked[2]
             q, k, v = y[:, :n_q], y[:, n_q: n_q + n_k], y[:, n_q + n_k:]
         else:
             q, k, v = a.q_proj.forward(h), a.k_proj.forward(h), a.v_proj.forward(h)  # [T, H_q*D], [T, H_kv*D] x2
@@ -222,6 +226,26 @@ class LeanForward:
         q, k = rotate(q.transpose(1, 2), cos, sin), rotate(k.transpose(1, 2), cos, sin)  # [1, H, T, D]
         v = v.view(1, T, -1, hd).transpose(1, 2)  # [1, H_kv, T, D]
         return q, k, v
+
+
+def _stack_qkv(a) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None:
+    """q/k/v nn.Linear rows stacked into one weight (and bias), each module's weight re-pointed to its rows (no second
+    copy): (weight [n_q + 2 n_k, H], bias or None, (n_q, n_k)); None where they are not three plain Linear of one dtype."""
+    mods = [a.q_proj, a.k_proj, a.v_proj]
+    if any(type(m) is not torch.nn.Linear for m in mods) or len({(m.weight.dtype, m.in_features) for m in mods}) > 1:
+        return None
+    if len({m.bias is None for m in mods}) > 1:
+        return None
+    weight = torch.cat([m.weight.detach() for m in mods])
+    bias = None if mods[0].bias is None else torch.cat([m.bias.detach() for m in mods])
+    start = 0
+    for m in mods:
+        end = start + m.out_features
+        m.weight.data = weight[start:end]
+        if bias is not None:
+            m.bias.data = bias[start:end]
+        start = end
+    return weight, bias, (mods[0].out_features, mods[1].out_features)
 
 
 def _router(mlp) -> tuple[torch.Tensor, int, bool] | None:

@@ -84,6 +84,11 @@ def test_native_lean_logits_close_to_transformers(family, quant, checkpoint):
     if not decode_ops.available():
         pytest.skip(cpu_ffn.notice())
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype="float32", quant=quant))
+    # unquantized q/k/v as one stacked product, each module's weight a view of its rows (transformers sees the same values)
+    assert all((stacked is not None) == (quant == "none") for stacked in m.lean.stacked)
+    for stacked, layer in zip(m.lean.stacked, m.lean.layers):
+        if stacked is not None:
+            assert layer.self_attn.k_proj.weight.data_ptr() == stacked[0][stacked[2][0]:].data_ptr()
     calls = {"attention_step": 0, "router_topk": 0}
     originals = {name: getattr(decode_ops, name) for name in calls}
 
