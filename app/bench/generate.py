@@ -119,14 +119,15 @@ def _load_hf(args, ids: list[int]):
 
 def _profile(engine, ids: list[int], args) -> dict[str, float]:
     """Decode ms per token by part (app/bench/profile_parts.py), every run exactly max_new_tokens long."""
-    from ...engine import MoechatError, SamplingParams
+    from ...engine import MoechatError, Request, SamplingParams
     from .profile_parts import profile_decode
 
     if args.max_new_tokens < 2:
         raise MoechatError("--by-part needs --max-new-tokens of at least 2")
     eos, engine.model.eos_ids = engine.model.eos_ids, set()
     try:
-        return profile_decode(lambda n: run_engine(engine, ids, SamplingParams(max_new_tokens=n)), args.max_new_tokens)
+        engine.reset_prefix_cache()
+        return profile_decode(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)))
     finally:
         engine.model.eos_ids = eos
 

@@ -1,33 +1,39 @@
 """Where a decode step's time goes, by part: `moechat bench generate --by-part`.
 
-Two runs of the same request under cProfile, one that stops after the prefill and one that decodes N
-tokens; their difference over N-1 tokens is the decode cost per token. Parts are the functions that
-carry them (cumulative time): the routed experts' kernels, the MoE layers' own Python (routing, tier
-split, bookkeeping), the residency policy's hooks (scheduler), the dense matrix products (quantized or
-not; the head included), attention's core, the KV cache's appends and rollbacks, sampling and
-acceptance, detokenizing, and everything else (the `transformers` module tree's other ops: norms,
-rotary, residuals; the engine loop). cProfile slows the Python parts: read the shares, and the total
-beside the unprofiled one.
+One request under cProfile, switched on once the prefill's token is out and off at the end: the decode
+steps alone, over the tokens they made (no difference of two runs, whose noise a short run cannot
+average out). Parts are the functions that carry them (cumulative time): the routed experts' kernels,
+the MoE layers' own Python (routing, tier split, bookkeeping; the native router), the residency
+policy's hooks (scheduler), the dense matrix products (quantized or not; the head included),
+attention's core (the native step writes the new keys and values itself), the KV cache's appends,
+reservations and rollbacks, sampling and acceptance, detokenizing, and everything else (norms, rotary,
+residuals; the engine loop). cProfile slows the Python parts: read the shares, and the total beside
+the unprofiled one.
 """
 from __future__ import annotations
 
 import cProfile
 import pstats
 import time
+from collections.abc import Iterator
+
+from ...engine import Error, Event, Finished, MoechatError, TokenDelta
 
 # part -> the functions (cProfile's name, or "file.py:name" where a name is common) whose cumulative time it is
 PARTS = {
     "experts": ("moe_ffn_q_native", "moe_ffn_native", "moe_ffn_torch", "grouped_ffn", "grouped_ffn_q"),
-    "moe_layer": ("run_layer",),
+    "moe_layer": ("run_layer", "decode_ops.py:router_topk"),
     "scheduler": ("before_layer", "after_layer", "on_layer", "on_forward_end", "end_draft_phase"),
     "dense": ("q_linear", "<built-in method torch._C._nn.linear>"),
-    "attention": ("<built-in method torch._C._nn.scaled_dot_product_attention>",),
-    "kv_cache": ("kv_cache.py:update", "kv_cache.py:crop"),
+    "attention": ("<built-in method torch._C._nn.scaled_dot_product_attention>", "decode_ops.py:attention_step"),
+    "kv_cache": ("kv_cache.py:update", "kv_cache.py:crop", "kv_cache.py:reserve", "kv_cache.py:advance"),
     "sampling": ("verify.py:accept",),
     "detokenize": ("generate.py:update", "generate.py:delta"),
 }
 # the scheduler's hooks the MoE layers call (the rest run between forwards): taken out of moe_layer
 IN_LAYER = ("moe_layer.py:split_tiers", "moe_layer.py:account")
+# the KV cache's calls the native attention step makes: taken out of attention
+IN_ATTENTION = ("decode_ops.py:attention_step",)
 
 
 def _matches(key: tuple[str, int, str], names: tuple[str, ...]) -> bool:
@@ -51,26 +57,34 @@ def _cumulative(stats: pstats.Stats, names: tuple[str, ...], callers_in: tuple[s
     return total
 
 
-def _profiled(run) -> tuple[float, dict[str, float]]:
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    run()
-    prof.disable()
-    wall = time.perf_counter() - t0
-    stats = pstats.Stats(prof)
+def _parts(stats: pstats.Stats) -> dict[str, float]:
     parts = {part: _cumulative(stats, names) for part, names in PARTS.items()}
-    parts["scheduler_in_layer"] = _cumulative(stats, PARTS["scheduler"], callers_in=IN_LAYER)
-    return wall, parts
+    parts["moe_layer"] -= parts["experts"] + _cumulative(stats, PARTS["scheduler"], callers_in=IN_LAYER)  # its own share
+    parts["attention"] -= _cumulative(stats, PARTS["kv_cache"], callers_in=IN_ATTENTION)
+    return parts
 
 
-def profile_decode(run_request, new_tokens: int) -> dict[str, float]:
-    """run_request(max_new_tokens) runs one request; -> ms per decode token by part, and "total"."""
-    wall1, one = _profiled(lambda: run_request(1))
-    walln, many = _profiled(lambda: run_request(new_tokens))
-    per = {part: 1e3 * (many[part] - one[part]) / (new_tokens - 1) for part in many}
-    per["moe_layer"] -= per["experts"] + per.pop("scheduler_in_layer")  # the MoE layers' own share, kernels and hooks excluded
-    total = 1e3 * (walln - wall1) / (new_tokens - 1)
+def profile_decode(events: Iterator[Event]) -> dict[str, float]:
+    """events: one request's, from Engine.generate -> ms per decode token by part, and "total" (an Error raises)."""
+    prof, t0, wall, fin = cProfile.Profile(), None, 0.0, None
+    try:
+        for ev in events:
+            if isinstance(ev, Error):
+                raise MoechatError(ev.message)
+            if t0 is None and isinstance(ev, TokenDelta):  # the prefill's token: decoding starts at the next resume
+                t0 = time.perf_counter()
+                prof.enable()
+            elif isinstance(ev, Finished):
+                fin = ev
+    finally:
+        prof.disable()
+        if t0 is not None:
+            wall = time.perf_counter() - t0
+    tokens = len(fin.token_ids) - 1 if fin is not None else 0
+    if tokens < 1:
+        raise MoechatError("the request made no decode token to profile: raise --max-new-tokens")
+    per = {part: 1e3 * v / tokens for part, v in _parts(pstats.Stats(prof)).items()}
+    total = 1e3 * wall / tokens
     per["other"] = total - sum(per.values())
     per["total"] = total
     return {k: round(v, 3) for k, v in per.items()}
