@@ -1,5 +1,5 @@
 // The bodies of decode_ops.cpp's kernels, included once per instruction set (inside a namespace and a
-// target region), so one source serves the portable build and the AVX2/AVX-512 builds. No includes here.
+// target region), so one source serves the portable build and the AVX2+FMA build. No includes here.
 // Every reduction runs in 16 lanes (vector types), summed in one fixed order, so a row's bits never depend
 // on the other rows of its call.
 

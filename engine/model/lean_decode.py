@@ -75,12 +75,13 @@ class LeanForward:
     def __init__(self, hf, context_len: int, native: bool = True):
         self.hf, self.base, self.config = hf, hf.model, hf.config
         self.context_len = context_len
-        self.eps = float(self.config.rms_norm_eps)
         self.olmoe = self.config.model_type == "olmoe"  # q/k norm over the whole projection, before the head view
         self.head_norm = self.config.model_type == "qwen3_moe"  # q/k norm per head, after the view
         self.clip = getattr(self.config, "clip_qkv", None) if self.olmoe else None
         self.cos = self.sin = None  # [P, D] in the model's dtype, as transformers' rotary module returns them
         self.layers = list(self.base.layers[: self.config.num_hidden_layers])
+        # the norm after each layer's MoE block: the next layer's input norm, and the final norm after the last
+        self.next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.base.norm]
         # quantized q/k/v projections as one native call per layer (None: three module calls)
         self.qkv = [fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]) for layer in self.layers]
         # with them fused, q and k are adjacent in one output: one norm and one rotation for both (elementwise: same bits)
@@ -140,14 +141,15 @@ class LeanForward:
         x = self.base.embed_tokens.forward(ids[0])  # [T, H] fp32, the residual stream, added to in place
         self._tables(start + T, x)
         cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, D]
-        norms = [*(layer.input_layernorm for layer in self.layers), self.base.norm]
-        h = add_rms_norm(x, None, norms[0].weight, norms[0].variance_epsilon)
+        first = self.layers[0].input_layernorm
+        h = add_rms_norm(x, None, first.weight, first.variance_epsilon)
         for i, layer in enumerate(self.layers):
             attn = self._native_attention(layer.self_attn, i, h, cos, sin, cache.layers[i])  # [T, H]
             post = layer.post_attention_layernorm
             h = add_rms_norm(x, attn, post.weight, post.variance_epsilon)
             mlp = self._native_moe(layer.mlp, self.routers[i], h) if self.routers[i] else layer.mlp.forward(h[None])[0]
-            h = add_rms_norm(x, mlp.contiguous(), norms[i + 1].weight, norms[i + 1].variance_epsilon)
+            norm = self.next_norms[i]
+            h = add_rms_norm(x, mlp.contiguous(), norm.weight, norm.variance_epsilon)
         return self.hf.lm_head.forward(h[-keep:]).float()  # [keep, V]: the final norm is per position
 
     @staticmethod
