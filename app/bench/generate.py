@@ -127,7 +127,9 @@ def _profile(engine, ids: list[int], args) -> dict[str, float]:
     eos, engine.model.eos_ids = engine.model.eos_ids, set()
     try:
         engine.reset_prefix_cache()
-        return profile_decode(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)))
+        stack = getattr(engine.model.lean, "stack", None)  # one native call per pass: its own seconds by part
+        return profile_decode(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)),
+                              None if stack is None else stack.seconds)
     finally:
         engine.model.eos_ids = eos
 

@@ -7,7 +7,8 @@ the MoE layers' own Python (routing, tier split, bookkeeping; the native router)
 policy's hooks (scheduler), the dense matrix products (quantized or not; the head included),
 attention's core (the native step writes the new keys and values itself), the KV cache's appends,
 reservations and rollbacks, sampling and acceptance, detokenizing, and everything else (norms, rotary,
-residuals; the engine loop). cProfile slows the Python parts: read the shares, and the total beside
+residuals; the engine loop). A one-call decode stack (engine/model/decode_stack.py) times its own parts
+inside; those seconds join the same parts. cProfile slows the Python parts: read the shares, and the total beside
 the unprofiled one.
 """
 from __future__ import annotations
@@ -22,16 +23,16 @@ from ...engine import Error, Event, Finished, MoechatError, TokenDelta
 # part -> the functions (cProfile's name, or "file.py:name" where a name is common) whose cumulative time it is
 PARTS = {
     "experts": ("moe_ffn_q_native", "moe_ffn_native", "moe_ffn_torch", "grouped_ffn", "grouped_ffn_q"),
-    "moe_layer": ("run_layer", "decode_ops.py:router_topk"),
+    "moe_layer": ("run_layer", "decode_ops.py:router_topk", "decode_stack.py:_account"),
     "scheduler": ("before_layer", "after_layer", "on_layer", "on_forward_end", "end_draft_phase"),
-    "dense": ("q_linear", "<built-in method torch._C._nn.linear>"),
+    "dense": ("q_linear", "<built-in method torch._C._nn.linear>", "decode_ops.py:linear"),
     "attention": ("<built-in method torch._C._nn.scaled_dot_product_attention>", "decode_ops.py:attention_step"),
     "kv_cache": ("kv_cache.py:update", "kv_cache.py:crop", "kv_cache.py:reserve", "kv_cache.py:advance"),
     "sampling": ("verify.py:accept",),
     "detokenize": ("generate.py:update", "generate.py:delta"),
 }
 # the scheduler's hooks the MoE layers call (the rest run between forwards): taken out of moe_layer
-IN_LAYER = ("moe_layer.py:split_tiers", "moe_layer.py:account")
+IN_LAYER = ("moe_layer.py:split_tiers", "moe_layer.py:account")  # (the decode stack's _account calls account)
 # the KV cache's calls the native attention step makes: taken out of attention
 IN_ATTENTION = ("decode_ops.py:attention_step",)
 
@@ -64,14 +65,18 @@ def _parts(stats: pstats.Stats) -> dict[str, float]:
     return parts
 
 
-def profile_decode(events: Iterator[Event]) -> dict[str, float]:
-    """events: one request's, from Engine.generate -> ms per decode token by part, and "total" (an Error raises)."""
+def profile_decode(events: Iterator[Event], native: dict[str, float] | None = None) -> dict[str, float]:
+    """events: one request's, from Engine.generate -> ms per decode token by part, and "total" (an Error raises).
+    native: seconds by part that a native call measures inside itself (a DecodeStack's), running totals: its
+    growth over the window is added to those parts (cProfile sees one call)."""
     prof, t0, wall, fin = cProfile.Profile(), None, 0.0, None
+    before = dict(native or {})
     try:
         for ev in events:
             if isinstance(ev, Error):
                 raise MoechatError(ev.message)
             if t0 is None and isinstance(ev, TokenDelta):  # the prefill's token: decoding starts at the next resume
+                before = dict(native or {})
                 t0 = time.perf_counter()
                 prof.enable()
             elif isinstance(ev, Finished):
@@ -83,7 +88,10 @@ def profile_decode(events: Iterator[Event]) -> dict[str, float]:
     tokens = len(fin.token_ids) - 1 if fin is not None else 0
     if tokens < 1:
         raise MoechatError("the request made no decode token to profile: raise --max-new-tokens")
-    per = {part: 1e3 * v / tokens for part, v in _parts(pstats.Stats(prof)).items()}
+    parts = _parts(pstats.Stats(prof))
+    for part, seconds in (native or {}).items():
+        parts[part] += seconds - before[part]
+    per = {part: 1e3 * v / tokens for part, v in parts.items()}
     total = 1e3 * wall / tokens
     per["other"] = total - sum(per.values())
     per["total"] = total

@@ -85,6 +85,17 @@ inline void attend_row(const float* q, const float* K, const float* V, int64_t s
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
 }
 
+// y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
+// bits do not depend on T; threads split the rows, each thread's weight rows read once for all T tokens
+inline void linear(const float* x, const float* W, const float* b, int64_t T, int64_t R, int64_t K, float* y,
+                   int64_t y_stride, int threads) {
+    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, T * R * K / (1 << 19)));  // as the router
+    g_pool->run(int(n), [&](int tid) {
+        for (int64_t r = R * tid / n; r < R * (tid + 1) / n; ++r)
+            for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, W + r * K, K) + (b ? b[r] : 0.f);
+    });
+}
+
 // x[t] += r[t] (r may be null), then y[t] = RMSNorm(x[t]) · w, for `rows` rows of n
 inline void add_rms_norm(float* x, const float* r, const float* w, float eps, int64_t rows, int64_t n, float* y) {
     for (int64_t t = 0; t < rows; ++t) {

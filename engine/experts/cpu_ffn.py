@@ -24,6 +24,7 @@ from .grouped import expert_ffn
 SOURCE = native.CSRC / "cpu" / "expert_ffn.cpp"
 Q_SOURCE = native.CSRC / "cpu" / "quant_ffn.cpp"
 DECODE_SOURCE = native.CSRC / "cpu" / "decode_ops.cpp"  # engine/model/decode_ops.py's kernels, in the same library
+STACK_SOURCE = native.CSRC / "cpu" / "decode_stack.cpp"  # engine/model/decode_stack.py's: the whole stack per pass
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6}
 Q_ISAS = ("scalar", "avx2", "avx512_vnni")  # the quantized kernel's paths
@@ -33,7 +34,7 @@ NATIVE_MAX_TOKENS = 16
 
 
 def _build():
-    return native.build("cpu", [SOURCE, Q_SOURCE, DECODE_SOURCE], headers=sorted(SOURCE.parent.glob("*.h")))
+    return native.build("cpu", [SOURCE, Q_SOURCE, DECODE_SOURCE, STACK_SOURCE], headers=sorted(SOURCE.parent.glob("*.h")))
 
 
 native.register("cpu", _build)

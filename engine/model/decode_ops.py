@@ -21,6 +21,7 @@ from ..experts import cpu_ffn
 _I64, _P, _F, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _NORM_ARGS = [_P, _P, _P, _F, _I64, _I64, _P]
 _ROUTER_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT]
+_LINEAR_ARGS = [_P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT]
 _ATTN_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _F, _P, _I64, _INT]
 
 
@@ -31,6 +32,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_add_rms_norm.argtypes, lib.moe_add_rms_norm.restype = _NORM_ARGS, ctypes.c_int
         lib.moe_attention_step.argtypes, lib.moe_attention_step.restype = _ATTN_ARGS, ctypes.c_int
         lib.moe_router_topk.argtypes, lib.moe_router_topk.restype = _ROUTER_ARGS, ctypes.c_int
+        lib.moe_linear_f32.argtypes, lib.moe_linear_f32.restype = _LINEAR_ARGS, ctypes.c_int
         lib._decode_typed = True
     return lib
 
@@ -68,6 +70,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                                 eps, x.numel() // n, n, out.data_ptr())
     if code:
         raise RuntimeError(f"native add_rms_norm failed with code {code}")
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] · weight [R, K]ᵀ (+ bias [R]) -> [T, R], all fp32 contiguous: every output one fixed-order dot product,
+    so a row's bits do not depend on T (a GEMM library's do: its kernels change with the row count)."""
+    T, R, K = x.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty(T, R, dtype=torch.float32)
+    code = library().moe_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), T, R, K,
+                                    out.data_ptr(), R, torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"native linear failed with code {code}")
     return out
 
 

@@ -24,6 +24,7 @@ from ..quant.dense import fuse
 from . import decode_ops
 from .attention import NAME as FLOAT_KV_ATTENTION
 from .decode_ops import add_rms_norm, rms_norm, rotate
+from .decode_stack import DecodeStack, build_decode_stack
 from .kv_cache import GrowingLayer
 
 # transformers' routers whose forward is softmax -> top-k -> optional renormalisation (decode_ops.router_topk)
@@ -94,6 +95,8 @@ class LeanForward:
         # unquantized q/k/v as one product on the native path (weight, bias, (n_q, n_k)); the modules keep views of it
         self.stacked = [_stack_qkv(layer.self_attn) if self.native and fused is None else None
                         for fused, layer in zip(self.qkv, self.layers)]
+        # the whole stack in one native call per pass where every expert runs on the CPU (None: op by op)
+        self.stack: DecodeStack | None = build_decode_stack(self)
 
     @staticmethod
     def _stacked_norm(a) -> torch.Tensor:
@@ -141,6 +144,8 @@ class LeanForward:
         x = self.base.embed_tokens.forward(ids[0])  # [T, H] fp32, the residual stream, added to in place
         self._tables(start + T, x)
         cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, D]
+        if self.stack is not None and self.stack.usable():
+            return self.stack.head(self.stack.run(x, cache, cos, sin)[-keep:])  # [keep, V]
         first = self.layers[0].input_layernorm
         h = add_rms_norm(x, None, first.weight, first.variance_epsilon)
         for i, layer in enumerate(self.layers):

@@ -11,6 +11,7 @@ from tiny import family_config
 from moechat.engine.config import EngineConfig
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.model import decode_ops
+from moechat.engine.model.decode_stack import DecodeStack
 from moechat.engine.model.lean_decode import LeanForward, refusal, sliding_window
 from moechat.engine.model.loader import load_model
 
@@ -77,10 +78,29 @@ def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
     _compare(m)
 
 
+STACKED = ("qwen3_moe", "mixtral")  # the families the one-call decode stack takes (no shared expert, no whole-projection norm)
+
+
+def _counting(names):
+    """Counts calls of decode_ops' and DecodeStack's entry points while the block runs: -> the counts."""
+    calls, originals = dict.fromkeys(names, 0), {}
+    owners = {"attention_step": decode_ops, "router_topk": decode_ops, "run": DecodeStack}
+    for name in names:
+        originals[name] = getattr(owners[name], name)
+
+        def call(*args, _name=name):
+            calls[_name] += 1
+            return originals[_name](*args)
+
+        setattr(owners[name], name, call)
+    return calls, lambda: [setattr(owners[n], n, f) for n, f in originals.items()]
+
+
 @pytest.mark.native
+@pytest.mark.parametrize("stack", [True, False])
 @pytest.mark.parametrize("quant", ["none", "int8"])
 @pytest.mark.parametrize("family", LEAN)
-def test_native_lean_logits_close_to_transformers(family, quant, checkpoint):
+def test_native_lean_logits_close_to_transformers(family, quant, stack, checkpoint):
     if not decode_ops.available():
         pytest.skip(cpu_ffn.notice())
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype="float32", quant=quant))
@@ -89,26 +109,56 @@ def test_native_lean_logits_close_to_transformers(family, quant, checkpoint):
     for stacked, layer in zip(m.lean.stacked, m.lean.layers):
         if stacked is not None:
             assert layer.self_attn.k_proj.weight.data_ptr() == stacked[0][stacked[2][0]:].data_ptr()
-    calls = {"attention_step": 0, "router_topk": 0}
-    originals = {name: getattr(decode_ops, name) for name in calls}
-
-    def counted(name):
-        def call(*args):
-            calls[name] += 1
-            return originals[name](*args)
-        return call
-
-    for name in calls:
-        setattr(decode_ops, name, counted(name))
+    assert (m.lean.stack is not None) == (family in STACKED)
+    if not stack:
+        m.lean.stack = None  # op by op
+    elif m.lean.stack is None:
+        pytest.skip(f"{family}: no one-call stack (the op-by-op path serves it)")
+    calls, restore = _counting(("attention_step", "router_topk", "run"))
     try:
         _compare(m, native=True)
     finally:
-        for name, original in originals.items():
-            setattr(decode_ops, name, original)
-    # every pass, every layer went native: attention's core, and the router of every sparse block (dense layers have none)
+        restore()
     sparse = sum(router is not None for router in m.lean.routers)
     assert sparse == sum(hasattr(layer.mlp, "experts") for layer in m.lean.layers) > 0
-    assert calls == {"attention_step": 5 * m.hf_config.num_hidden_layers, "router_topk": 5 * sparse}
+    if stack:  # every pass in one native call
+        assert calls == {"attention_step": 0, "router_topk": 0, "run": 5}
+    else:  # every pass, every layer native: attention's core, and the router of every sparse block (dense layers have none)
+        assert calls == {"attention_step": 5 * m.hf_config.num_hidden_layers, "router_topk": 5 * sparse, "run": 0}
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
+@pytest.mark.parametrize("family", STACKED)
+def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint):
+    """A 5-position pass through the one-call stack gives the bits of 5 one-position passes (logits and KV), and the
+    routing the counters record; the op-by-op native path agrees within 1e-5."""
+    if not decode_ops.available():
+        pytest.skip(cpu_ffn.notice())
+    m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype="float32", quant=quant))
+    assert m.lean.stack is not None and m.runtime.direct
+    gen = torch.Generator().manual_seed(1)
+    prompt, ids = torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
+    caches, logits, freqs = [], [], []
+    with torch.inference_mode():
+        for steps, stack in (((5,), m.lean.stack), ((1,) * 5, m.lean.stack), ((5,), None)):
+            m.lean.stack = stack
+            cache = m.new_kv_cache()
+            with m.runtime.forward("prefill", 0):
+                _hf(m, prompt, cache, 1)
+            m.runtime.reset_counters()
+            out, at = [], 0
+            for T in steps:
+                with m.runtime.forward("verify", PAST + at):
+                    out.append(m.forward(ids[:, at: at + T], cache, T))
+                at += T
+            caches.append(cache)
+            logits.append(torch.cat(out))
+            freqs.append(m.runtime.reset_counters().freq.clone())
+    assert torch.equal(logits[0], logits[1]) and _same_kv(caches[0], caches[1])
+    assert torch.equal(freqs[0], freqs[1]) and torch.equal(freqs[0], freqs[2]) and int(freqs[0].sum()) > 0
+    assert torch.allclose(logits[0], logits[2], rtol=1e-5, atol=1e-5 * logits[2].abs().max().item())
+    assert _close_kv(caches[0], caches[2])
 
 
 @pytest.mark.parametrize("quant", ["none", "int8"])

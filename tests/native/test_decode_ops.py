@@ -100,8 +100,21 @@ def test_router_topk_equals_its_twin(T, E, H, k, normalize):
         torch.testing.assert_close(weights.sum(-1), torch.ones(T))
 
 
+@pytest.mark.parametrize("T,R,K", [(1, 384, 192), (5, 96, 37), (9, 4096, 64), (3, 2048, 2048)])  # 37: a tail past 16 lanes
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_equals_its_twin_and_rows_stand_alone(T, R, K, bias):
+    gen = torch.Generator().manual_seed(R + K)
+    x, w = torch.randn(T, K, generator=gen), torch.randn(R, K, generator=gen)
+    b = torch.randn(R, generator=gen) if bias else None
+    y = decode_ops.linear(x, w, b)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
+    for t in range(T):  # the row computed alone: the same bits (the head of a verification pass equals its decode steps')
+        assert torch.equal(decode_ops.linear(x[t:t + 1].clone(), w, b), y[t:t + 1])
+
+
 def test_bad_shapes_are_refused_by_the_kernel():
     lib = decode_ops.library()
     assert lib.moe_router_topk(0, 0, 1, 4, 8, 5, 1, 0, 0, 0, 1) == 1  # k > E
+    assert lib.moe_linear_f32(0, 0, 0, 1, 8, 4, 0, 7, 1) == 1  # output rows closer than R
     assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 1, 6, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 0, 1.0, 0, 0, 1) == 1  # 6 % 4
     assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 2, 4, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 15, 1.0, 0, 0, 1) == 1  # no room

@@ -1,0 +1,171 @@
+// A llama-like MoE decoder stack for a few positions after a past, in one call: per layer the stacked
+// q/k/v product, attention's core (decode_ops.cpp), the output product, the residual add fused with the
+// next norm, the router's softmax top-k and the routed experts (expert_ffn.cpp / quant_ffn.cpp), every
+// expert on the CPU. It is the per-layer sequence engine/model/lean_decode.py runs op by op, without
+// the ~40 µs of Python per layer between the ops (engine/model/decode_stack.py: the descriptors, the
+// conditions, the accounting). Each position's row is computed alone in a fixed order, and the experts
+// are summed per token in ascending expert id, so a verification pass equals its decode steps bit for
+// bit. fp32 activations; dense weights fp32 or quantized (moe_q_linear's layout). Plain C ABI.
+
+#include <chrono>
+
+#include "common.h"
+
+#define API extern "C" __attribute__((visibility("default")))
+
+extern "C" {  // the pieces, from the same library
+int moe_add_rms_norm(float* x, const float* r, const float* w, float eps, int64_t rows, int64_t n, float* y);
+int moe_attention_step(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* v, int64_t v_stride, int64_t T,
+                       int64_t Hq, int64_t Hkv, int64_t D, const float* q_norm, const float* k_norm, float eps,
+                       const float* cos, const float* sin, float* k_cache, float* v_cache, int64_t capacity, int64_t past,
+                       float scale, float* out, int64_t out_stride, int threads);
+int moe_router_topk(const float* x, const float* w, int64_t T, int64_t E, int64_t H, int64_t k, int normalize,
+                    float* logits, float* weights, int64_t* experts, int threads);
+int moe_linear_f32(const float* x, const float* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
+                   int64_t y_stride, int threads);
+int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int bits, int64_t n_rows, int64_t k,
+                 const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req);
+int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const void* gate_up, const void* down,
+                   int w_dtype, int64_t hidden, int64_t inter, const void* x, int x_dtype, const int64_t* rows,
+                   const float* row_weights, float* out, int num_threads, int isa_req);
+int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const uint8_t* gu_q,
+                     const uint16_t* gu_s, const uint16_t* gu_m, const uint8_t* dn_q, const uint16_t* dn_s,
+                     const uint16_t* dn_m, int bits, int64_t hidden, int64_t inter, const void* x, int x_dtype,
+                     const int64_t* rows, const int64_t* rows_out, const float* row_weights, float* out, int num_threads,
+                     int isa_req);
+}
+
+// One bias-free linear layer: fp32 W [rows, k], or (w null) a quantized matrix in moe_q_linear's layout.
+struct DenseWeight {
+    const float* w;
+    const uint8_t* q;
+    const uint16_t *s, *m;  // m: int4's minimums, null for int8
+    int64_t bits, rows, k;
+};
+
+// One decoder layer. The ctypes twin in engine/model/decode_stack.py must match field for field.
+struct StackLayer {
+    const float *input_norm, *post_norm;  // [H]
+    DenseWeight qkv;                      // [(H_q + 2 H_kv) D, H]: q rows, then k, then v
+    DenseWeight o;                        // [H, H_q D]
+    const float *q_norm, *k_norm;         // [D] Qwen3's per-head norms, or null
+    const float* router;                  // [E, H]; null: a dense MLP layer (gate, up, down below; qwen3_moe's mlp_only_layers)
+    DenseWeight gate, up, down_proj;      // [I', H], [I', H], [H, I']
+    int64_t expert_bits, w_dtype;         // bits 8/4: quantized experts (gu_*/dn_*); 0: float (gate_up/down, w_dtype)
+    const void *gate_up, *down;           // [E, 2I, H], [E, H, I]
+    const uint8_t *gu_q, *dn_q;
+    const uint16_t *gu_s, *gu_m, *dn_s, *dn_m;
+    float *k_cache, *v_cache;             // [H_kv, capacity, D]: this call's cache; entries past..past+T-1 written
+    int64_t capacity;
+};
+
+struct StackShape {
+    int64_t layers, H, Hq, Hkv, D, E, k, I, normalize, float_isa, q_isa;
+    float eps, head_eps, scale;  // the norms' eps, the q/k norms' eps, attention's scale
+};
+
+namespace {
+
+int dense(const DenseWeight& d, const float* x, int64_t T, float* y, int threads, int q_isa) {
+    if (d.w) return moe_linear_f32(x, d.w, nullptr, T, d.rows, d.k, y, d.rows, threads);
+    return moe_q_linear(d.q, d.s, d.m, int(d.bits), d.rows, d.k, x, T, y, threads, q_isa);
+}
+
+enum Part { EXPERTS, DENSE, ATTENTION, ROUTING };  // seconds[part], for `bench generate --by-part`
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// A pass's scratch, sized once per call.
+struct Scratch {
+    std::vector<float> h, qkv, att, o, logits, mlp, row_w, gate, up;
+    std::vector<int64_t> order, ids, offsets, rows;
+};
+
+// mlp [T, H] = down(silu(gate h) · up h): a dense layer among the sparse ones (qwen3_moe's mlp_only_layers)
+int dense_mlp(const StackLayer& L, const float* h, int64_t T, Scratch& b, int threads, int q_isa) {
+    b.gate.resize(T * L.gate.rows), b.up.resize(T * L.gate.rows);
+    if (dense(L.gate, h, T, b.gate.data(), threads, q_isa) || dense(L.up, h, T, b.up.data(), threads, q_isa)) return 1;
+    for (size_t i = 0; i < b.gate.size(); ++i) b.gate[i] = b.gate[i] / (1.f + std::exp(-b.gate[i])) * b.up[i];
+    return dense(L.down_proj, b.gate.data(), T, b.mlp.data(), threads, q_isa);
+}
+
+// mlp [T, H] = the routed experts' weighted sum; experts/weights [T, k] the router's choice
+int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t T, int64_t* experts, float* weights,
+              Scratch& b, double* seconds, int threads) {
+    const int64_t k = s.k, S = T * k;
+    const double t_route = now();
+    if (moe_router_topk(h, L.router, T, s.E, s.H, k, int(s.normalize), b.logits.data(), weights, experts, threads)) return 1;
+    // activations grouped by expert id, ascending, stable: each token's experts summed in ascending id, whatever T
+    for (int64_t a = 0; a < S; ++a) b.order[a] = a;
+    std::stable_sort(b.order.begin(), b.order.end(), [&](int64_t x, int64_t y) { return experts[x] < experts[y]; });
+    int64_t groups = 0;
+    for (int64_t p = 0; p < S; ++p) {
+        const int64_t a = b.order[p], e = experts[a];
+        if (p == 0 || e != b.ids[groups - 1]) b.offsets[groups] = p, b.ids[groups++] = e;
+        b.rows[p] = a / k;
+        b.row_w[p] = weights[a];
+    }
+    b.offsets[groups] = S;
+    std::fill(b.mlp.begin(), b.mlp.end(), 0.f);
+    const double t0 = now();
+    seconds[ROUTING] += t0 - t_route;
+    const int rc = L.expert_bits
+        ? moe_expert_ffn_q(groups, b.ids.data(), b.offsets.data(), L.gu_q, L.gu_s, L.gu_m, L.dn_q, L.dn_s, L.dn_m,
+                           int(L.expert_bits), s.H, s.I, h, F32, b.rows.data(), b.rows.data(), b.row_w.data(), b.mlp.data(),
+                           threads, int(s.q_isa))
+        : moe_expert_ffn(groups, b.ids.data(), b.offsets.data(), L.gate_up, L.down, int(L.w_dtype), s.H, s.I, h, F32,
+                         b.rows.data(), b.row_w.data(), b.mlp.data(), threads, int(s.float_isa));
+    seconds[EXPERTS] += now() - t0;
+    return rc ? 2 : 0;
+}
+
+}  // namespace
+
+// x [T, H]: the embeddings in, the residual stream out; h_out [T, H]: final_norm(x), for the head;
+// experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); cos, sin [T, D] at
+// positions past..; seconds[4] += the experts', the dense products', attention's and the routing's seconds.
+// Returns 0, or (layer + 1) * 16 + the failing stage.
+API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int64_t T, int64_t past, const float* cos,
+                         const float* sin, float* x, const float* final_norm, float* h_out, int64_t* experts_out,
+                         float* weights_out, double* seconds, int threads) {
+    const StackShape& s = *shape;
+    const int64_t H = s.H, k = s.k, Wqkv = (s.Hq + 2 * s.Hkv) * s.D, A = s.Hq * s.D, S = T * k;
+    if (T <= 0 || s.layers <= 0 || k <= 0 || k > s.E) return 1;
+    Scratch b;
+    b.h.resize(T * H), b.qkv.resize(T * Wqkv), b.att.resize(T * A), b.o.resize(T * H), b.logits.resize(T * s.E);
+    b.mlp.resize(T * H), b.row_w.resize(S), b.order.resize(S), b.ids.resize(S), b.offsets.resize(S + 1), b.rows.resize(S);
+    float* h = b.h.data();
+    if (moe_add_rms_norm(x, nullptr, layers[0].input_norm, s.eps, T, H, h)) return 2;
+    for (int64_t l = 0; l < s.layers; ++l) {
+        const StackLayer& L = layers[l];
+        const int fail = int((l + 1) * 16), q_isa = int(s.q_isa);
+        float* q = b.qkv.data();  // [T, Wqkv]: q heads, k heads, v heads
+        const double t0 = now();
+        if (dense(L.qkv, h, T, q, threads, q_isa)) return fail + 1;
+        const double t1 = now();
+        if (moe_attention_step(q, Wqkv, q + A, Wqkv, q + A + s.Hkv * s.D, Wqkv, T, s.Hq, s.Hkv, s.D, L.q_norm, L.k_norm,
+                               s.head_eps, cos, sin, L.k_cache, L.v_cache, L.capacity, past, s.scale, b.att.data(), A, threads))
+            return fail + 2;
+        const double t2 = now();
+        if (dense(L.o, b.att.data(), T, b.o.data(), threads, q_isa)) return fail + 3;
+        const double t3 = now();
+        seconds[DENSE] += (t1 - t0) + (t3 - t2);
+        seconds[ATTENTION] += t2 - t1;
+        if (moe_add_rms_norm(x, b.o.data(), L.post_norm, s.eps, T, H, h)) return fail + 4;
+        int64_t* experts = experts_out + l * S;  // [T, k]
+        float* weights = weights_out + l * S;
+        if (!L.router) {
+            std::fill(experts, experts + S, int64_t(-1));
+            std::fill(weights, weights + S, 0.f);
+            const double t4 = now();
+            if (dense_mlp(L, h, T, b, threads, q_isa)) return fail + 5;
+            seconds[DENSE] += now() - t4;
+        } else if (int rc = moe_block(s, L, h, T, experts, weights, b, seconds, threads)) {
+            return fail + 5 + rc;
+        }
+        const bool last = l + 1 == s.layers;
+        if (moe_add_rms_norm(x, b.mlp.data(), last ? final_norm : layers[l + 1].input_norm, s.eps, T, H, last ? h_out : h))
+            return fail + 8;
+    }
+    return 0;
+}

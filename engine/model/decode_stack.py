@@ -1,0 +1,251 @@
+"""A decode or verification pass's whole decoder stack in one native call (csrc/cpu/decode_stack.cpp).
+
+Where every expert runs on the CPU (`MoERuntime.direct`: a CPU device, no fast tier, no per-layer
+policy hooks), the lean forward's per-layer sequence (q/k/v product, attention core, output product,
+residual + norm, router top-k, experts, residual + norm) needs nothing from Python between its ops, yet
+paid ~40 µs of Python per layer for them: most of a small model's step. Here it runs as one call per
+pass; Python then does what the MoE layers did after each layer, once for all layers (the routing into
+the counters and the policy's on_layer, the trace). Its twin is the op-by-op lean forward
+(`LeanForward(native=False)`), which tests compare it with.
+
+Takes: the llama-like MoE families without shared experts or whole-projection q/k norms (qwen3_moe,
+mixtral), fp32 activations, bias-free attention products in fp32 or quantized. Anything else, or a pass
+with replayed routing, a self-draft remap or an expert budget, keeps the op-by-op path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..experts import cpu_ffn
+from ..experts.moe_layer import account
+from ..experts.runtime import MoERuntime, OffloadedExperts
+from ..quant import formats
+from ..quant.dense import QuantLinear
+from . import decode_ops
+
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class DenseWeight(ctypes.Structure):  # csrc/cpu/decode_stack.cpp's, field for field
+    _fields_ = [("w", _P), ("q", _P), ("s", _P), ("m", _P), ("bits", _I64), ("rows", _I64), ("k", _I64)]
+
+
+class StackLayer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", DenseWeight), ("o", DenseWeight), ("q_norm", _P),
+                ("k_norm", _P), ("router", _P), ("gate", DenseWeight), ("up", DenseWeight), ("down_proj", DenseWeight),
+                ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
+                ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("k_cache", _P),
+                ("v_cache", _P), ("capacity", _I64)]
+
+
+class StackShape(ctypes.Structure):
+    _fields_ = [("layers", _I64), ("H", _I64), ("Hq", _I64), ("Hkv", _I64), ("D", _I64), ("E", _I64), ("k", _I64),
+                ("I", _I64), ("normalize", _I64), ("float_isa", _I64), ("q_isa", _I64), ("eps", _F), ("head_eps", _F),
+                ("scale", _F)]
+
+
+PARTS = ("experts", "dense", "attention", "moe_layer")  # the C side's seconds[], in its order (routing: moe_layer)
+_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+
+
+def library() -> ctypes.CDLL | None:
+    lib = cpu_ffn.library()
+    if lib is not None and not hasattr(lib, "_stack_typed"):
+        lib.moe_decode_stack.argtypes, lib.moe_decode_stack.restype = _ARGS, ctypes.c_int
+        lib._stack_typed = True
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _dense(weight: torch.Tensor | None, quant: formats.QuantMatrix | None) -> DenseWeight | None:
+    """One bias-free product: fp32 [R, K] contiguous, or a 2-D QuantMatrix; None otherwise."""
+    if quant is not None:
+        if quant.q.dim() != 2 or not quant.is_contiguous():
+            return None
+        return DenseWeight(None, _ptr(quant.q), _ptr(quant.scale), _ptr(quant.minimum), formats.BITS[quant.fmt], quant.rows,
+                           quant.k)
+    if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return None
+    return DenseWeight(weight.data_ptr(), None, None, None, 0, weight.shape[0], weight.shape[1])
+
+
+def _linear(module) -> DenseWeight | None:
+    if type(module) is QuantLinear:
+        return _dense(None, module.weight_q) if module.bias is None else None
+    if type(module) is torch.nn.Linear and module.bias is None:
+        return _dense(module.weight.detach(), None)
+    return None
+
+
+class DecodeStack:
+    """Built by build_decode_stack from a LeanForward; run() is one pass: embeddings in, final-normed rows out."""
+
+    def __init__(self, lean, runtime: MoERuntime, shape: StackShape, layers: list[StackLayer], keep: list,
+                 sparse: dict[int, int]):
+        self.lean, self.runtime, self.shape = lean, runtime, shape
+        self.layers = (StackLayer * len(layers))(*layers)
+        self.keep = keep  # every tensor whose address a descriptor holds
+        self.sparse = sparse  # position in the stack of each MoE layer -> its index in the runtime (its counters' row)
+        self.rows = torch.tensor(list(sparse))  # [L_moe] those positions
+        self.final_norm = lean.base.norm.weight
+        self.seconds = dict.fromkeys(PARTS, 0.0)  # native time by part since construction (bench generate --by-part)
+        head = lean.hf.lm_head
+        # an fp32 head as one fixed-order product per row (torch's GEMM rounds a 5-row pass unlike 5 one-row ones)
+        self.head_weight = head.weight if type(head) is torch.nn.Linear and _dense(head.weight, None) is not None else None
+        self.head_bias = head.bias if self.head_weight is not None and head.bias is not None else None
+
+    def usable(self) -> bool:
+        """Whether this pass may skip the MoE layers' own path (as moe_layer.cpu_direct decides per layer)."""
+        rt, mode = self.runtime, self.runtime.mode
+        return (mode is not None and rt.direct and rt.replay is None and mode.remap is None
+                and not (rt.expert_budget is not None and mode.phase == "verify"))
+
+    def run(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H] fp32 embeddings (the residual stream, updated in place), cos/sin [T, D] -> [T, H] final-normed;
+        the pass's keys and values appended to `cache` (GrowingLayers, checked by the caller)."""
+        T, L, k = x.shape[0], self.shape.layers, self.shape.k
+        kv = cache.layers[:L]
+        start = kv[0].length
+        for layer, entry in zip(self.layers, kv):
+            entry.reserve(T)  # may grow (move) the buffers: addresses taken after
+            layer.k_cache, layer.v_cache, layer.capacity = entry._k.data_ptr(), entry._v.data_ptr(), entry._k.shape[2]
+        h = torch.empty_like(x)
+        experts = torch.empty(L, T, k, dtype=torch.int64)
+        weights = torch.empty(L, T, k, dtype=torch.float32)
+        seconds = (ctypes.c_double * len(PARTS))()
+        self.shape.float_isa, self.shape.q_isa = cpu_ffn.ISA[cpu_ffn.default_isa()], cpu_ffn.ISA[cpu_ffn._q_isa(None)]
+        code = library().moe_decode_stack(ctypes.byref(self.shape), self.layers, T, start, cos.data_ptr(), sin.data_ptr(),
+                                          x.data_ptr(), self.final_norm.data_ptr(), h.data_ptr(), experts.data_ptr(),
+                                          weights.data_ptr(), seconds, torch.get_num_threads())
+        if code:
+            raise RuntimeError(f"native decode stack failed at layer {code // 16 - 1}, stage {code % 16}")
+        for entry in kv:
+            entry.advance(T)
+        for part, value in zip(PARTS, seconds):
+            self.seconds[part] += value
+        self._account(experts, weights, seconds[0])
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] final-normed -> logits [T, V] fp32 (a quantized head's kernel already computes rows alone)."""
+        if self.head_weight is None:
+            return self.lean.hf.lm_head.forward(h).float()
+        return decode_ops.linear(h, self.head_weight.detach(), None if self.head_bias is None else self.head_bias.detach())
+
+    def _account(self, experts: torch.Tensor, weights: torch.Tensor, expert_s: float) -> None:
+        """What each MoE layer's own path records (moe_layer.cpu_direct, MoERuntime.run_layer), for all layers."""
+        import time
+
+        rt, mode, c = self.runtime, self.runtime.mode, self.runtime.counters
+        t0 = time.perf_counter()
+        _, T, k = experts.shape
+        experts, weights = experts[self.rows], weights[self.rows]  # [L_moe, T, k]: the MoE layers'
+        L = len(self.rows)
+        counts = torch.zeros(L, self.shape.E, dtype=torch.int64).scatter_add_(
+            1, experts.view(L, T * k), torch.ones(L, T * k, dtype=torch.int64))  # [L_moe, E]
+        c.cpu_s += expert_s
+        for i, li in enumerate(self.sparse.values()):
+            if mode.recorder is not None and mode.phase != "draft":
+                mode.recorder(li, experts[i], weights[i])
+            account(rt, li, mode.phase, counts[i], T * k, 0, 0, None)
+        c.layer_calls += L
+        c.layer_s += expert_s + time.perf_counter() - t0
+        c.wait_s += expert_s
+
+
+def build_decode_stack(lean) -> DecodeStack | None:
+    """The stack's descriptors for a LeanForward on the native path, or None where it does not apply."""
+    if not lean.native or lean.olmoe or library() is None or not hasattr(library(), "moe_decode_stack"):
+        return None
+    layers, keep, sparse = [], [], {}
+    runtime, first_attn = None, lean.layers[0].self_attn
+    head_dim, scaling = first_attn.head_dim, first_attn.scaling
+    eps = lean.base.norm.variance_epsilon
+    routers = {(r[1], r[2]) for r in lean.routers if r is not None}
+    if len(routers) != 1:
+        return None
+    (top_k, normalize), = routers
+    head_eps, inter = 0.0, None
+    for i, layer in enumerate(lean.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        if (hasattr(mlp, "shared_expert") or a.head_dim != head_dim or a.scaling != scaling
+                or not (layer.input_layernorm.variance_epsilon == eps == layer.post_attention_layernorm.variance_epsilon)):
+            return None
+        qkv = lean.qkv[i]
+        if qkv is not None:
+            qkv_w = _dense(None, qkv.weight_q) if qkv.bias is None else None
+        elif lean.stacked[i] is not None and lean.stacked[i][1] is None:
+            qkv_w = _dense(lean.stacked[i][0], None)
+        else:
+            qkv_w = None
+        o_w = _linear(a.o_proj)
+        q_norm = k_norm = None
+        if lean.head_norm:
+            q_norm, k_norm = a.q_norm.weight, a.k_norm.weight
+            if a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
+                return None
+            head_eps = a.q_norm.variance_epsilon
+        router = lean.routers[i][0] if lean.routers[i] is not None else None
+        tensors = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, router, q_norm, k_norm)
+        if qkv_w is None or o_w is None or any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous())
+                                                for t in tensors):
+            return None
+        fields = dict(input_norm=tensors[0].data_ptr(), post_norm=tensors[1].data_ptr(), qkv=qkv_w, o=o_w,
+                      q_norm=_ptr(q_norm), k_norm=_ptr(k_norm))
+        if router is None:
+            mlp_fields = _dense_mlp(mlp)
+        else:
+            experts = getattr(mlp, "experts", None)
+            if type(experts) is not OffloadedExperts or experts.runtime is not (runtime or experts.runtime):
+                return None
+            runtime = experts.runtime
+            mlp_fields = _experts(runtime.store, experts.li)
+            if mlp_fields is not None:
+                width = mlp_fields.pop("inter")
+                if inter not in (None, width):
+                    return None
+                inter = width
+                sparse[i] = experts.li
+        if mlp_fields is None:
+            return None
+        layers.append(StackLayer(router=_ptr(router), **fields, **mlp_fields))
+        keep.append((tensors, qkv, lean.stacked[i], a.o_proj, mlp))
+    if runtime is None or lean.base.norm.weight.dtype != torch.float32:
+        return None
+    keep.append(runtime.store)
+    shape = StackShape(layers=len(layers), H=lean.config.hidden_size, Hq=first_attn.q_proj.out_features // head_dim,
+                       Hkv=first_attn.k_proj.out_features // head_dim, D=head_dim, E=runtime.store.num_experts, k=top_k,
+                       I=inter, normalize=int(normalize), eps=eps, head_eps=head_eps, scale=scaling)
+    return DecodeStack(lean, runtime, shape, layers, keep, sparse)
+
+
+def _dense_mlp(mlp) -> dict | None:
+    """A dense SwiGLU block's three products (qwen3_moe's mlp_only_layers), or None."""
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or not _is_silu(mlp.act_fn):
+        return None
+    weights = dict(gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down_proj=_linear(mlp.down_proj))
+    return None if None in weights.values() else weights
+
+
+def _experts(store, li: int) -> dict | None:
+    """One MoE layer's expert weights as the stack reads them (the store's stacked views), or None."""
+    views = store.layer_views(li)
+    if views is None or not cpu_ffn.usable(views[0], torch.empty(0, dtype=torch.float32), 1):
+        return None
+    gate_up, down = views
+    if isinstance(gate_up, formats.QuantMatrix):
+        return dict(expert_bits=formats.BITS[gate_up.fmt], gu_q=_ptr(gate_up.q), dn_q=_ptr(down.q), gu_s=_ptr(gate_up.scale),
+                    gu_m=_ptr(gate_up.minimum), dn_s=_ptr(down.scale), dn_m=_ptr(down.minimum), inter=down.k)
+    if not down.is_contiguous() or down.dtype != gate_up.dtype:
+        return None
+    return dict(expert_bits=0, w_dtype=cpu_ffn.DTYPE_CODE[gate_up.dtype], gate_up=gate_up.data_ptr(), down=down.data_ptr(),
+                inter=down.shape[-1])
+
+
+def _is_silu(act) -> bool:
+    return getattr(act, "__name__", "") == "silu" or type(act).__name__ in ("SiLU", "SiLUActivation")
