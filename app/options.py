@@ -229,7 +229,8 @@ OPTIONS: tuple[Option, ...] = (
            "float16", "engine", choices=("auto",) + DTYPES, unset="auto", label="Compute dtype", placeholder="auto",
            widget="select"),
     Option("lean_decode", bool, True, "decode and verification steps on the CPU skip transformers' module tree: "
-           "moechat's own forward over the same weights (in fp32 its attention, norms and routers native), same greedy tokens",
+           "moechat's own forward over the same weights (in fp32 native: with every expert on the CPU, the whole layer stack "
+           "in one call per step), same greedy tokens",
            "engine", setting=False),
     Option("temperature", float, 0.7, "sampling temperature, 0 is greedy", "sampling", low=0,
            live=True, other_defaults="generate: 0", label="Temperature", metavar="T"),
