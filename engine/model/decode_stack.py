@@ -15,6 +15,7 @@ with replayed routing, a self-draft remap or an expert budget, keeps the op-by-o
 from __future__ import annotations
 
 import ctypes
+import time
 
 import torch
 
@@ -139,8 +140,6 @@ class DecodeStack:
 
     def _account(self, experts: torch.Tensor, weights: torch.Tensor, expert_s: float) -> None:
         """What each MoE layer's own path records (moe_layer.cpu_direct, MoERuntime.run_layer), for all layers."""
-        import time
-
         rt, mode, c = self.runtime, self.runtime.mode, self.runtime.counters
         t0 = time.perf_counter()
         _, T, k = experts.shape
@@ -164,39 +163,22 @@ def build_decode_stack(lean) -> DecodeStack | None:
         return None
     layers, keep, sparse = [], [], {}
     runtime, first_attn = None, lean.layers[0].self_attn
-    head_dim, scaling = first_attn.head_dim, first_attn.scaling
     eps = lean.base.norm.variance_epsilon
     routers = {(r[1], r[2]) for r in lean.routers if r is not None}
-    if len(routers) != 1:
+    if len(routers) != 1 or not _fp32(lean.base.norm.weight):
         return None
     (top_k, normalize), = routers
-    head_eps, inter = 0.0, None
+    head_eps, inter = set(), set()
     for i, layer in enumerate(lean.layers):
         a, mlp = layer.self_attn, layer.mlp
-        if (hasattr(mlp, "shared_expert") or a.head_dim != head_dim or a.scaling != scaling
-                or not (layer.input_layernorm.variance_epsilon == eps == layer.post_attention_layernorm.variance_epsilon)):
-            return None
-        qkv = lean.qkv[i]
-        if qkv is not None:
-            qkv_w = _dense(None, qkv.weight_q) if qkv.bias is None else None
-        elif lean.stacked[i] is not None and lean.stacked[i][1] is None:
-            qkv_w = _dense(lean.stacked[i][0], None)
-        else:
-            qkv_w = None
-        o_w = _linear(a.o_proj)
-        q_norm = k_norm = None
-        if lean.head_norm:
-            q_norm, k_norm = a.q_norm.weight, a.k_norm.weight
-            if a.q_norm.variance_epsilon != a.k_norm.variance_epsilon:
-                return None
-            head_eps = a.q_norm.variance_epsilon
         router = lean.routers[i][0] if lean.routers[i] is not None else None
-        tensors = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, router, q_norm, k_norm)
-        if qkv_w is None or o_w is None or any(t is not None and (t.dtype != torch.float32 or not t.is_contiguous())
-                                                for t in tensors):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        attention = _attention(lean, i)
+        same_heads = (a.head_dim, a.scaling) == (first_attn.head_dim, first_attn.scaling)
+        if (attention is None or hasattr(mlp, "shared_expert") or not same_heads
+                or any(n.variance_epsilon != eps or not _fp32(n.weight) for n in norms) or not _fp32(router)):
             return None
-        fields = dict(input_norm=tensors[0].data_ptr(), post_norm=tensors[1].data_ptr(), qkv=qkv_w, o=o_w,
-                      q_norm=_ptr(q_norm), k_norm=_ptr(k_norm))
+        head_eps.add(attention.pop("head_eps"))
         if router is None:
             mlp_fields = _dense_mlp(mlp)
         else:
@@ -206,22 +188,45 @@ def build_decode_stack(lean) -> DecodeStack | None:
             runtime = experts.runtime
             mlp_fields = _experts(runtime.store, experts.li)
             if mlp_fields is not None:
-                width = mlp_fields.pop("inter")
-                if inter not in (None, width):
-                    return None
-                inter = width
+                inter.add(mlp_fields.pop("inter"))
                 sparse[i] = experts.li
         if mlp_fields is None:
             return None
-        layers.append(StackLayer(router=_ptr(router), **fields, **mlp_fields))
-        keep.append((tensors, qkv, lean.stacked[i], a.o_proj, mlp))
-    if runtime is None or lean.base.norm.weight.dtype != torch.float32:
+        layers.append(StackLayer(input_norm=norms[0].weight.data_ptr(), post_norm=norms[1].weight.data_ptr(),
+                                 router=_ptr(router), **attention, **mlp_fields))
+        keep.append((layer, lean.qkv[i], lean.stacked[i]))
+    if runtime is None or len(head_eps) != 1 or len(inter) != 1:
         return None
     keep.append(runtime.store)
-    shape = StackShape(layers=len(layers), H=lean.config.hidden_size, Hq=first_attn.q_proj.out_features // head_dim,
-                       Hkv=first_attn.k_proj.out_features // head_dim, D=head_dim, E=runtime.store.num_experts, k=top_k,
-                       I=inter, normalize=int(normalize), eps=eps, head_eps=head_eps, scale=scaling)
+    D = first_attn.head_dim
+    shape = StackShape(layers=len(layers), H=lean.config.hidden_size, Hq=first_attn.q_proj.out_features // D,
+                       Hkv=first_attn.k_proj.out_features // D, D=D, E=runtime.store.num_experts, k=top_k, I=inter.pop(),
+                       normalize=int(normalize), eps=eps, head_eps=head_eps.pop(), scale=first_attn.scaling)
     return DecodeStack(lean, runtime, shape, layers, keep, sparse)
+
+
+def _fp32(t: torch.Tensor | None) -> bool:
+    """None, or an fp32 contiguous tensor the kernels may read in place."""
+    return t is None or (t.dtype == torch.float32 and t.is_contiguous())
+
+
+def _attention(lean, i: int) -> dict | None:
+    """One layer's q/k/v and output products and Qwen3's q/k norms as the stack reads them (and the norms' eps), or None."""
+    a, qkv, stacked = lean.layers[i].self_attn, lean.qkv[i], lean.stacked[i]
+    if qkv is not None:
+        qkv_w = _dense(None, qkv.weight_q) if qkv.bias is None else None
+    else:
+        qkv_w = _dense(stacked[0], None) if stacked is not None and stacked[1] is None else None
+    q_norm = k_norm = None
+    head_eps = 0.0
+    if lean.head_norm:
+        q_norm, k_norm, head_eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon
+        if a.k_norm.variance_epsilon != head_eps or not (_fp32(q_norm) and _fp32(k_norm)):
+            return None
+    o_w = _linear(a.o_proj)
+    if qkv_w is None or o_w is None:
+        return None
+    return dict(qkv=qkv_w, o=o_w, q_norm=_ptr(q_norm), k_norm=_ptr(k_norm), head_eps=head_eps)
 
 
 def _dense_mlp(mlp) -> dict | None:
