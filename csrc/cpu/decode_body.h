@@ -89,7 +89,7 @@ inline void attend_row(const float* q, const float* K, const float* V, int64_t s
 // bits do not depend on T; threads split the rows, each thread's weight rows read once for all T tokens
 inline void linear(const float* x, const float* W, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                    int64_t y_stride, int threads) {
-    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, T * R * K / (1 << 19)));  // as the router
+    const int64_t n = threads_for(threads, 4.0 * T * R * K);
     g_pool->run(int(n), [&](int tid) {
         for (int64_t r = R * tid / n; r < R * (tid + 1) / n; ++r)
             for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, W + r * K, K) + (b ? b[r] : 0.f);
@@ -128,8 +128,7 @@ inline void attention_step(const AttentionStep& a, int threads) {
     }
     // 2. query (h, t) attends to keys 0..past+t of its KV head; tasks head-major so a thread's heads share K and V
     const int64_t tasks = a.Hq * a.T, keys = a.past + a.T;
-    // a second thread costs a hand-off of tens of µs: worth it from about 250 µs of work (a long context, a verification)
-    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, tasks * keys * D / (1 << 21)));
+    const int64_t n = threads_for(threads, 8.0 * tasks * keys * D);  // each task reads its keys' K and V rows
     g_pool->run(int(n), [&](int tid) {
         std::vector<float> scores(keys);
         for (int64_t task = tasks * tid / n; task < tasks * (tid + 1) / n; ++task) {
@@ -147,8 +146,8 @@ inline void attention_step(const AttentionStep& a, int threads) {
 // logits [T, E] is scratch.
 inline void router_topk(const float* x, const float* W, int64_t T, int64_t E, int64_t H, int64_t k, bool normalize,
                         float* logits, float* weights, int64_t* experts, int threads) {
-    const int64_t tasks = T * E;  // one logit each; a second thread from about 2 MB of weights read
-    const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, tasks * H / (1 << 19)));
+    const int64_t tasks = T * E;  // one logit each
+    const int64_t n = threads_for(threads, 4.0 * tasks * H);
     g_pool->run(int(n), [&](int tid) {
         for (int64_t task = tasks * tid / n; task < tasks * (tid + 1) / n; ++task)
             logits[task] = dot(x + task / E * H, W + task % E * H, H);

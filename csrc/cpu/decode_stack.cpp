@@ -91,7 +91,7 @@ int dense_mlp(const StackLayer& L, const float* h, int64_t T, Scratch& b, int th
 
 // mlp [T, H] = the routed experts' weighted sum; experts/weights [T, k] the router's choice
 int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t T, int64_t* experts, float* weights,
-              Scratch& b, double* seconds, int threads) {
+              int64_t* counts, Scratch& b, double* seconds, int threads) {
     const int64_t k = s.k, S = T * k;
     const double t_route = now();
     if (moe_router_topk(h, L.router, T, s.E, s.H, k, int(s.normalize), b.logits.data(), weights, experts, threads)) return 1;
@@ -106,6 +106,7 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
         b.row_w[p] = weights[a];
     }
     b.offsets[groups] = S;
+    for (int64_t g = 0; g < groups; ++g) counts[b.ids[g]] = b.offsets[g + 1] - b.offsets[g];
     std::fill(b.mlp.begin(), b.mlp.end(), 0.f);
     const double t0 = now();
     seconds[ROUTING] += t0 - t_route;
@@ -122,12 +123,13 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
 }  // namespace
 
 // x [T, H]: the embeddings in, the residual stream out; h_out [T, H]: final_norm(x), for the head;
-// experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); cos, sin [T, D] at
+// experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); counts_out
+// [layers, E]: activations per expert (0 in a dense layer); cos, sin [T, D] at
 // positions past..; seconds[4] += the experts', the dense products', attention's and the routing's seconds.
 // Returns 0, or (layer + 1) * 16 + the failing stage.
 API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int64_t T, int64_t past, const float* cos,
                          const float* sin, float* x, const float* final_norm, float* h_out, int64_t* experts_out,
-                         float* weights_out, double* seconds, int threads) {
+                         float* weights_out, int64_t* counts_out, double* seconds, int threads) {
     const StackShape& s = *shape;
     const int64_t H = s.H, k = s.k, Wqkv = (s.Hq + 2 * s.Hkv) * s.D, A = s.Hq * s.D, S = T * k;
     if (T <= 0 || s.layers <= 0 || k <= 0 || k > s.E) return 1;
@@ -154,13 +156,15 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
         if (moe_add_rms_norm(x, b.o.data(), L.post_norm, s.eps, T, H, h)) return fail + 4;
         int64_t* experts = experts_out + l * S;  // [T, k]
         float* weights = weights_out + l * S;
+        int64_t* counts = counts_out + l * s.E;  // [E]
+        std::fill(counts, counts + s.E, int64_t(0));
         if (!L.router) {
             std::fill(experts, experts + S, int64_t(-1));
             std::fill(weights, weights + S, 0.f);
             const double t4 = now();
             if (dense_mlp(L, h, T, b, threads, q_isa)) return fail + 5;
             seconds[DENSE] += now() - t4;
-        } else if (int rc = moe_block(s, L, h, T, experts, weights, b, seconds, threads)) {
+        } else if (int rc = moe_block(s, L, h, T, experts, weights, counts, b, seconds, threads)) {
             return fail + 5 + rc;
         }
         const bool last = l + 1 == s.layers;

@@ -115,9 +115,7 @@ API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* 
 #endif
     };
 
-    // Small calls are not worth waking threads for: ~3 MB of weights per extra thread.
-    const double bytes = double(n_groups) * 3 * H * I * wsize;
-    const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(bytes / 3e6) + 1)));
+    const int threads = threads_for(num_threads, double(n_groups) * 3 * H * I * wsize);
     const int64_t iblocks = (I + RB_ROWS - 1) / RB_ROWS, hblocks = (H + RB_ROWS - 1) / RB_ROWS;
 
     // Phase 1: h[s, i] = silu(gate_e x_s)_i * (up_e x_s)_i over items (group, block of I rows).

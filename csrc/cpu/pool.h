@@ -1,5 +1,16 @@
-// The kernels' thread pool.
+// The kernels' thread pool: one per process, shared by every kernel of the library (expert_ffn.cpp,
+// quant_ffn.cpp, decode_ops.cpp, decode_stack.cpp), so that no two pools' threads fight for the cores.
+//
+// A decode step makes dozens of parallel calls a few microseconds apart (per layer: q/k/v, attention,
+// output, router, experts). Waking a sleeping worker costs 12-40 us on a VM (a futex and, after a pause,
+// an idle vCPU's wake-up), more than most of those calls take. So a worker that finishes a call spins
+// (pause instruction) for up to SPIN_US for the next one before it sleeps on the condition variable,
+// and the caller spins the same while it waits for the workers: within one native decode pass every
+// call after the first is handed over through two atomics. Between passes (Python runs) the workers
+// sleep after SPIN_US, leaving the core to PyTorch and the UI.
 #pragma once
+
+#include <chrono>
 
 #include "common.h"
 
@@ -7,64 +18,101 @@
 #include <pthread.h>
 #endif
 
-namespace {
+namespace moe_pool {
 
-// ---- thread pool: the caller is thread 0; workers sleep on a condition variable between calls --
+constexpr double SPIN_US = 100.0;  // how long a worker or the caller spins before it sleeps
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+inline double now_us() {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 class Pool {
 public:
     // Runs fn(tid) for tid in [0, n) and returns when all are done. One call at a time.
     void run(int n, const std::function<void(int)>& fn) {
         std::lock_guard<std::mutex> call(call_mutex_);
         if (n <= 1) return fn(0);
+        while (started_ < n - 1)  // grow on demand; workers are detached and live as long as the process
+            std::thread(&Pool::worker, this, started_++, generation_.load()).detach();  // the calls before it are not its
+        job_ = &fn;
+        want_ = n - 1;
+        remaining_.store(n - 1, std::memory_order_relaxed);
         {
-            std::lock_guard<std::mutex> lk(m_);
-            while (int(started_) < n - 1) {  // grow on demand; workers are detached and live as long as the process
-                std::thread(&Pool::worker, this, started_++).detach();
-            }
-            job_ = &fn;
-            want_ = n - 1;
-            remaining_ = n - 1;
-            generation_++;
+            std::lock_guard<std::mutex> lk(m_);  // a worker deciding to sleep holds m_: it sees this generation or the notify
+            generation_.fetch_add(1, std::memory_order_release);
         }
-        cv_.notify_all();
+        cv_.notify_all();  // no system call when every worker is spinning
         fn(0);
-        std::unique_lock<std::mutex> lk(m_);
-        done_.wait(lk, [&] { return remaining_ == 0; });
+        const double t0 = now_us();
+        while (remaining_.load(std::memory_order_acquire) != 0) {
+            if (now_us() - t0 > SPIN_US) {
+                std::unique_lock<std::mutex> lk(m_);
+                done_.wait(lk, [&] { return remaining_.load(std::memory_order_acquire) == 0; });
+                break;
+            }
+            cpu_relax();
+        }
         job_ = nullptr;
     }
 
 private:
-    void worker(int id) {
-        uint64_t seen = 0;
+    void worker(int id, uint64_t seen) {
         for (;;) {
-            const std::function<void(int)>* job;
-            {
-                std::unique_lock<std::mutex> lk(m_);
-                cv_.wait(lk, [&] { return generation_ != seen; });
-                seen = generation_;
-                if (id >= want_) continue;  // this call uses fewer threads
-                job = job_;
+            uint64_t g = generation_.load(std::memory_order_acquire);
+            const double t0 = now_us();
+            while (g == seen && now_us() - t0 < SPIN_US) {
+                cpu_relax();
+                g = generation_.load(std::memory_order_acquire);
             }
-            (*job)(id + 1);
-            std::lock_guard<std::mutex> lk(m_);
-            if (--remaining_ == 0) done_.notify_one();
+            if (g == seen) {
+                std::unique_lock<std::mutex> lk(m_);
+                cv_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+                g = generation_.load(std::memory_order_acquire);
+            }
+            seen = g;
+            if (id >= want_) continue;  // this call uses fewer threads
+            (*job_)(id + 1);
+            if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                std::lock_guard<std::mutex> lk(m_);  // the caller may have gone to sleep on done_
+                done_.notify_one();
+            }
         }
     }
 
     std::mutex call_mutex_, m_;
     std::condition_variable cv_, done_;
     const std::function<void(int)>* job_ = nullptr;
-    uint64_t generation_ = 0;
-    int want_ = 0, remaining_ = 0, started_ = 0;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int> remaining_{0};
+    int want_ = 0, started_ = 0;
 };
 
-Pool* g_pool = new Pool;  // never destroyed: detached workers may still wait on it at exit
+// How many of `threads` a call reading about `bytes` should use: one per PER_THREAD_BYTES (a spinning
+// hand-off costs about a microsecond, what one thread reads of these in a few).
+constexpr double PER_THREAD_BYTES = 64 * 1024;
+inline int threads_for(int threads, double bytes) {
+    return int(std::max(1.0, std::min(double(threads), bytes / PER_THREAD_BYTES)));
+}
+
+inline Pool* g_pool = new Pool;  // never destroyed: detached workers may still wait on it at exit
 
 #if defined(__unix__) || defined(__APPLE__)
 // A forked child has none of the parent's threads (nor a sane mutex state): start a fresh pool.
 struct ForkGuard {
     ForkGuard() { pthread_atfork(nullptr, nullptr, [] { g_pool = new Pool; }); }
-} g_fork_guard;
+};
+inline ForkGuard g_fork_guard;
 #endif
 
-}  // namespace
+}  // namespace moe_pool
+
+using moe_pool::g_pool;
+using moe_pool::threads_for;

@@ -113,8 +113,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
     int64_t max_t = 0;
     for (int64_t g = 0; g < n_groups; g++) max_t = std::max(max_t, offsets[g + 1] - offsets[g]);
 
-    const double bytes = double(n_groups) * 3 * H * I * bits / 8;  // ~3 MB of weights per extra thread
-    const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(bytes / 3e6) + 1)));
+    const int threads = threads_for(num_threads, double(n_groups) * 3 * H * I * bits / 8);
     const int64_t iblocks = (I + Q1 - 1) / Q1, hblocks = (H + Q2 - 1) / Q2;
 
     // Phase 1: h[s, i] = silu(gate_e x_s)_i · (up_e x_s)_i over items (group, block of I rows).
@@ -176,8 +175,7 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
     xq.fill(x, k, k, 0, int(n_tokens));
     const QMat W{q, s, m, rb, nb};
     const int64_t blocks = (n_rows + QRB - 1) / QRB;
-    const double bytes = double(n_rows) * k * bits / 8;
-    const int threads = int(std::max<int64_t>(1, std::min<int64_t>(num_threads, int64_t(bytes / 1e6) + 1)));
+    const int threads = threads_for(num_threads, double(n_rows) * k * bits / 8);
     Items items(blocks, threads);
     g_pool->run(threads, [&](int) {
         Items::Cursor cursor;

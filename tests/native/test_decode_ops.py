@@ -118,3 +118,36 @@ def test_bad_shapes_are_refused_by_the_kernel():
     assert lib.moe_linear_f32(0, 0, 0, 1, 8, 4, 0, 7, 1) == 1  # output rows closer than R
     assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 1, 6, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 0, 1.0, 0, 0, 1) == 1  # 6 % 4
     assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 2, 4, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 15, 1.0, 0, 0, 1) == 1  # no room
+
+
+def test_thread_pool_hands_every_call_over_whatever_the_thread_count():
+    """The kernels' shared pool (csrc/cpu/pool.h: workers spin, then sleep): calls with 1 to 6 threads, the count
+    growing (new workers start after many calls) and two Python threads calling at once, each give the bits of a
+    one-thread call; a lost hand-off would hang here, a worker on another call's job would change a result."""
+    import threading
+
+    lib = decode_ops.library()
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(3, 256, generator=gen), torch.randn(512, 256, generator=gen)  # 1.5 MB of weights: every thread used
+
+    def run(threads: int) -> torch.Tensor:
+        y = torch.empty(3, 512)
+        assert lib.moe_linear_f32(x.data_ptr(), w.data_ptr(), None, 3, 512, 256, y.data_ptr(), 512, threads) == 0
+        return y
+
+    one = run(1)
+    failures = []
+
+    def caller(counts: list[int]) -> None:
+        for threads in counts:
+            if not torch.equal(run(threads), one):
+                failures.append(threads)
+
+    caller([2] * 50 + [1, 3, 2, 4, 6, 5, 2] * 10)
+    threads = [threading.Thread(target=caller, args=([2, 3, 4, 1] * 40,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a call never returned: the pool lost a hand-off"
+    assert not failures, f"calls with {sorted(set(failures))} threads differ from one thread's"
