@@ -216,7 +216,7 @@ class Engine:
         c = rt.reset_counters()
         stats = StepStats(
             step=step, drafted=n, accepted=a, expert_freq=c.freq, draft_expert_freq=c.draft_freq,
-            resident=m.cache.resident_mask().clone(), hits=c.hits, misses=c.misses,
+            resident=m.cache.resident_mask(), hits=c.hits, misses=c.misses,
             bytes_moved=m.cache.bytes_moved - moved, cpu_s=c.cpu_s, device_s=c.device_s, draft_s=t1 - t0,
             verify_s=t2 - t1, dropped=c.dropped, not_ready=c.not_ready, layer_s=c.layer_s, host_s=c.host_s,
             policy_s=c.policy_s, copy_s=c.copy_s, view_s=c.view_s, layer_calls=c.layer_calls,

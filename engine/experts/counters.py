@@ -9,8 +9,8 @@ class LayerCounters:
 
     def __init__(self, num_layers: int, num_experts: int):
         with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
-            self.freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] prefill/verify demand
-            self.draft_freq = torch.zeros(num_layers, num_experts, dtype=torch.long)  # [L, E] draft-phase demand
+            # [L, E] prefill/verify demand and [L, E] draft-phase demand, in one allocation (made every step)
+            self.freq, self.draft_freq = torch.zeros(2, num_layers, num_experts, dtype=torch.long).unbind(0)
         self.draft_rows = self.draft_freq.numpy()  # the same memory: a row's += costs ~1 µs there, per draft pass
         self.hits = 0  # activations served by resident experts
         self.misses = 0  # activations computed on the CPU

@@ -162,10 +162,10 @@ class MoERuntime:
         """Drafting is over: the policy sees its demand once per layer, summed over the draft tokens
         (the granularity the simulator replays), then on_forward_end("draft"). No residency moves
         while drafting, so a draft phase computes against one table."""
+        if not self.counters.draft_rows.any():  # no draft pass this step (numpy: a decode step without a drafter pays ~1 µs)
+            return
         demand = self.counters.draft_freq  # [L, E] reported since the step began
         layers = demand.any(dim=1).nonzero().flatten().tolist()  # a reporting layer has demand: k >= 1 per token
-        if not layers:
-            return
         clock = self.cache.copy_clock
         t0, copied = time.perf_counter(), clock.s
         rows = demand.unbind(0)  # [E] views, made at once

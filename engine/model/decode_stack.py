@@ -20,7 +20,7 @@ import time
 import torch
 
 from ..experts import cpu_ffn
-from ..experts.moe_layer import account
+from ..experts.moe_layer import account_layers
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..quant import formats
 from ..quant.dense import QuantLinear
@@ -48,7 +48,7 @@ class StackShape(ctypes.Structure):
 
 
 PARTS = ("experts", "dense", "attention", "moe_layer")  # the C side's seconds[], in its order (routing: moe_layer)
-_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
 
 
 def library() -> ctypes.CDLL | None:
@@ -93,6 +93,8 @@ class DecodeStack:
         self.keep = keep  # every tensor whose address a descriptor holds
         self.sparse = sparse  # position in the stack of each MoE layer -> its index in the runtime (its counters' row)
         self.rows = torch.tensor(list(sparse))  # [L_moe] those positions
+        self.lis = torch.tensor(list(sparse.values()))  # [L_moe] their indices in the runtime
+        self.dense_layers = len(sparse) < len(layers)  # qwen3_moe's mlp_only_layers: rows to pick out
         self.final_norm = lean.base.norm.weight
         self.seconds = dict.fromkeys(PARTS, 0.0)  # native time by part since construction (bench generate --by-part)
         head = lean.hf.lm_head
@@ -109,7 +111,7 @@ class DecodeStack:
     def run(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H] fp32 embeddings (the residual stream, updated in place), cos/sin [T, D] -> [T, H] final-normed;
         the pass's keys and values appended to `cache` (GrowingLayers, checked by the caller)."""
-        T, L, k = x.shape[0], self.shape.layers, self.shape.k
+        T, L, k, E = x.shape[0], self.shape.layers, self.shape.k, self.shape.E
         kv = cache.layers[:L]
         start = kv[0].length
         for layer, entry in zip(self.layers, kv):
@@ -118,18 +120,19 @@ class DecodeStack:
         h = torch.empty_like(x)
         experts = torch.empty(L, T, k, dtype=torch.int64)
         weights = torch.empty(L, T, k, dtype=torch.float32)
+        counts = torch.empty(L, E, dtype=torch.int64)  # [L, E] activations per expert, from the kernel's grouping
         seconds = (ctypes.c_double * len(PARTS))()
         self.shape.float_isa, self.shape.q_isa = cpu_ffn.ISA[cpu_ffn.default_isa()], cpu_ffn.ISA[cpu_ffn._q_isa(None)]
         code = library().moe_decode_stack(ctypes.byref(self.shape), self.layers, T, start, cos.data_ptr(), sin.data_ptr(),
                                           x.data_ptr(), self.final_norm.data_ptr(), h.data_ptr(), experts.data_ptr(),
-                                          weights.data_ptr(), seconds, torch.get_num_threads())
+                                          weights.data_ptr(), counts.data_ptr(), seconds, torch.get_num_threads())
         if code:
             raise RuntimeError(f"native decode stack failed at layer {code // 16 - 1}, stage {code % 16}")
         for entry in kv:
             entry.advance(T)
         for part, value in zip(PARTS, seconds):
             self.seconds[part] += value
-        self._account(experts, weights, seconds[0])
+        self._account(experts, weights, counts, seconds[0])
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -138,21 +141,20 @@ class DecodeStack:
             return self.lean.hf.lm_head.forward(h).float()
         return decode_ops.linear(h, self.head_weight.detach(), None if self.head_bias is None else self.head_bias.detach())
 
-    def _account(self, experts: torch.Tensor, weights: torch.Tensor, expert_s: float) -> None:
-        """What each MoE layer's own path records (moe_layer.cpu_direct, MoERuntime.run_layer), for all layers."""
+    def _account(self, experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, expert_s: float) -> None:
+        """What each MoE layer's own path records (moe_layer.cpu_direct, MoERuntime.run_layer), for all layers:
+        experts, weights [L, T, k] and counts [L, E] of every layer of the stack, dense ones included."""
         rt, mode, c = self.runtime, self.runtime.mode, self.runtime.counters
         t0 = time.perf_counter()
         _, T, k = experts.shape
-        experts, weights = experts[self.rows], weights[self.rows]  # [L_moe, T, k]: the MoE layers'
-        L = len(self.rows)
-        counts = torch.zeros(L, self.shape.E, dtype=torch.int64).scatter_add_(
-            1, experts.view(L, T * k), torch.ones(L, T * k, dtype=torch.int64))  # [L_moe, E]
+        if self.dense_layers:
+            experts, weights, counts = experts[self.rows], weights[self.rows], counts[self.rows]  # the MoE layers'
         c.cpu_s += expert_s
-        for i, li in enumerate(self.sparse.values()):
-            if mode.recorder is not None and mode.phase != "draft":
-                mode.recorder(li, experts[i], weights[i])
-            account(rt, li, mode.phase, counts[i], T * k, 0, 0, None)
-        c.layer_calls += L
+        if mode.recorder is not None and mode.phase != "draft":
+            for li, row_experts, row_weights in zip(self.sparse.values(), experts, weights):
+                mode.recorder(li, row_experts, row_weights)
+        account_layers(rt, self.lis, mode.phase, counts, T * k)
+        c.layer_calls += len(self.lis)
         c.layer_s += expert_s + time.perf_counter() - t0
         c.wait_s += expert_s
 

@@ -19,11 +19,12 @@ BLOCK = 256  # positions a buffer grows by at least; growth doubles, so appends 
 class GrowingLayer(DynamicLayer):
     """One layer's keys and values, [B, H, capacity, D] buffers of which the first `length` positions hold entries."""
 
+    _k: torch.Tensor | None = None  # [B, H_kv, capacity, D_k]
+    _v: torch.Tensor | None = None  # [B, H_kv, capacity, D_v] (D_v may differ: DeepSeek's MLA)
+
     def __init__(self, dtype: torch.dtype | None = None, **kwargs):
         super().__init__(**kwargs)
         self.length, self.store_dtype = 0, dtype  # None: the incoming states' dtype
-        self._k: torch.Tensor | None = None  # [B, H_kv, capacity, D_k]
-        self._v: torch.Tensor | None = None  # [B, H_kv, capacity, D_v] (D_v may differ: DeepSeek's MLA)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = self.store_dtype or key_states.dtype, key_states.device
@@ -65,8 +66,25 @@ class GrowingLayer(DynamicLayer):
         self._set_length(self.length + positions)
 
     def _set_length(self, length: int) -> None:
-        self.length = length
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]  # views: no copy
+        self.length = length  # keys/values are views made when read: a decode step's append and rewind only move this
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # [B, H_kv, length, D_k] view of the entries: no copy
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value: None) -> None:  # transformers' __init__ (and reset code) assign None
+        if value is not None:
+            raise AttributeError("GrowingLayer's keys are a view of its buffer: write through update()")
+
+    @property
+    def values(self) -> torch.Tensor | None:  # [B, H_kv, length, D_v]
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value: None) -> None:
+        if value is not None:
+            raise AttributeError("GrowingLayer's values are a view of its buffer: write through update()")
 
     def get_seq_length(self) -> int:
         return self.length
@@ -93,6 +111,9 @@ class KVCache(Cache):
     def __init__(self, dtype: torch.dtype | None = None):
         super().__init__(layer_class_to_replicate=partial(GrowingLayer, dtype))
         self.store_dtype = dtype
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # every layer is a GrowingLayer: no search for an attention one
+        return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
 
     def nbytes(self) -> int:
         """Bytes its buffers hold (capacity, not only the valid entries)."""

@@ -119,7 +119,7 @@ class LeanForward:
         self.cos, self.sin = cos[0], sin[0]
 
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
-        if self.native and len(cache.layers) >= len(self.layers) and all(map(_native_cache, cache.layers[: len(self.layers)])):
+        if self.native and self._native_ready(cache):
             return self._native_forward(ids, cache, keep)
         T = ids.shape[1]
         start = cache.get_seq_length()
@@ -137,6 +137,16 @@ class LeanForward:
         norm = self.base.norm
         x = rms_norm(x[:, -keep:], norm.weight, norm.variance_epsilon)  # [1, keep, H]: the norm is per position
         return self.hf.lm_head.forward(x)[0].float()  # [keep, V]
+
+    def _native_ready(self, cache) -> bool:
+        """Whether every layer of `cache` is one the native attention writes into; checked once per cache (its layers
+        keep their kind, dtype and layout as they grow and rewind)."""
+        if getattr(cache, "lean_native", False):
+            return True
+        ready = len(cache.layers) >= len(self.layers) and all(map(_native_cache, cache.layers[: len(self.layers)]))
+        if ready:
+            cache.lean_native = True
+        return ready
 
     def _native_forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         """The same layers with the native ops: x += sublayer(h); h = norm(x), one call per pair."""
