@@ -11,7 +11,28 @@ inline vec8 load8(const float* p) {
     return v;
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// bf16 weights: the high half of an fp32, widened exactly, so a product equals the fp32 weight's bit for bit
+inline vec8 load8(const uint16_t* p) {
+    typedef uint16_t u16x8 __attribute__((vector_size(16)));
+    typedef uint32_t u32x8 __attribute__((vector_size(32)));
+    u16x8 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+    vec8 v;
+    __builtin_memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {
+    const uint32_t u = uint32_t(v) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+template <typename W>
+inline float dot(const float* a, const W* b, int64_t n) {
     vec8 lo = {}, hi = {};  // 16 lanes in two independent chains
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -21,7 +42,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
     const vec8 acc = lo + hi;
     float s = 0.f;
     for (int l = 0; l < 8; ++l) s += acc[l];
-    for (; i < n; ++i) s += a[i] * b[i];
+    for (; i < n; ++i) s = std::fma(a[i], widen(b[i]), s);  // explicitly fused: the compiler's contraction varies by loop
     return s;
 }
 
@@ -87,12 +108,13 @@ inline void attend_row(const float* q, const float* K, const float* V, int64_t s
 
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
 // bits do not depend on T; threads split the rows, each thread's weight rows read once for all T tokens
-inline void linear(const float* x, const float* W, const float* b, int64_t T, int64_t R, int64_t K, float* y,
+template <typename W>
+inline void linear(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                    int64_t y_stride, int threads) {
-    const int64_t n = threads_for(threads, 4.0 * T * R * K);
+    const int64_t n = threads_for(threads, double(sizeof(W)) * T * R * K);
     g_pool->run(int(n), [&](int tid) {
         for (int64_t r = R * tid / n; r < R * (tid + 1) / n; ++r)
-            for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, W + r * K, K) + (b ? b[r] : 0.f);
+            for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);
     });
 }
 

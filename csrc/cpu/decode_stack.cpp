@@ -23,6 +23,8 @@ int moe_router_topk(const float* x, const float* w, int64_t T, int64_t E, int64_
                     float* logits, float* weights, int64_t* experts, int threads);
 int moe_linear_f32(const float* x, const float* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                    int64_t y_stride, int threads);
+int moe_linear_bf16w(const float* x, const uint16_t* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
+                     int64_t y_stride, int threads);
 int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int bits, int64_t n_rows, int64_t k,
                  const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req);
 int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const void* gate_up, const void* down,
@@ -35,9 +37,11 @@ int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t* of
                      int isa_req);
 }
 
-// One bias-free linear layer: fp32 W [rows, k], or (w null) a quantized matrix in moe_q_linear's layout.
+// One bias-free linear layer: fp32 W [rows, k], its exact bf16 form w16 (a bf16 checkpoint in fp32: half the bytes,
+// the same bits), or (both null) a quantized matrix in moe_q_linear's layout.
 struct DenseWeight {
     const float* w;
+    const uint16_t* w16;
     const uint8_t* q;
     const uint16_t *s, *m;  // m: int4's minimums, null for int8
     int64_t bits, rows, k;
@@ -67,6 +71,7 @@ struct StackShape {
 namespace {
 
 int dense(const DenseWeight& d, const float* x, int64_t T, float* y, int threads, int q_isa) {
+    if (d.w16) return moe_linear_bf16w(x, d.w16, nullptr, T, d.rows, d.k, y, d.rows, threads);
     if (d.w) return moe_linear_f32(x, d.w, nullptr, T, d.rows, d.k, y, d.rows, threads);
     return moe_q_linear(d.q, d.s, d.m, int(d.bits), d.rows, d.k, x, T, y, threads, q_isa);
 }

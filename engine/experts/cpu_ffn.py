@@ -233,10 +233,13 @@ def quantize(w: torch.Tensor, fmt: str, threads: int | None = None) -> QuantMatr
 
 def usable(gate_up, x: torch.Tensor, max_tokens: int) -> bool:
     """Whether moe_ffn takes the native path for this call. Quantized experts take it at any group size
-    (the alternative dequantizes whole experts); others up to NATIVE_MAX_TOKENS."""
+    (the alternative dequantizes whole experts), and so do experts stored in another dtype than x (bf16 experts of
+    an fp32 model: a GEMM would convert the whole layer first); others up to NATIVE_MAX_TOKENS."""
     if x.dtype not in DTYPE_CODE or gate_up.device.type != "cpu" or not gate_up.is_contiguous() or library() is None:
         return False
-    return isinstance(gate_up, QuantMatrix) or (max_tokens <= NATIVE_MAX_TOKENS and gate_up.dtype in DTYPE_CODE)
+    if isinstance(gate_up, QuantMatrix):
+        return True
+    return gate_up.dtype in DTYPE_CODE and (max_tokens <= NATIVE_MAX_TOKENS or gate_up.dtype != x.dtype)
 
 
 def moe_ffn(x, gate_up, down, experts, offsets, rows, row_weights, out, max_tokens: int | None = None) -> torch.Tensor:

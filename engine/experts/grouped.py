@@ -18,9 +18,10 @@ def _cpu_grouped_ok() -> bool:
 
 
 def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Callable) -> torch.Tensor:
-    """One expert: x [T, H], gate_up [2I, H], down [H, I] -> [T, H]: down(act(gate x) * up x)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [T, I] each
-    return F.linear(act(gate) * up, down)
+    """One expert: x [T, H], gate_up [2I, H], down [H, I] -> [T, H]: down(act(gate x) * up x), in x's dtype (bf16 experts
+    of an fp32 model widened exactly)."""
+    gate, up = F.linear(x, gate_up.to(x.dtype)).chunk(2, dim=-1)  # [T, I] each
+    return F.linear(act(gate) * up, down.to(x.dtype))
 
 
 def uses_grouped_mm(x: torch.Tensor, active_groups: int, groups: int) -> bool:
@@ -39,6 +40,7 @@ def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, grou
     active = sizes.nonzero().flatten()
     if uses_grouped_mm(x, len(active), gate_up.shape[0]):
         offs = sizes.cumsum(0).to(device=x.device, dtype=torch.int32)
+        gate_up, down = gate_up.to(x.dtype), down.to(x.dtype)  # bf16 experts of an fp32 model: widened exactly
         try:
             gate, up = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [S, I] each
             return F.grouped_mm(act(gate) * up, down.transpose(1, 2), offs=offs)

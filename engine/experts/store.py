@@ -16,11 +16,24 @@ from . import cpu_ffn
 QUANT_CHUNK = 8  # experts quantized at a time: bounds the fp32 working set while building the cache
 
 
+def storage_dtype(ckpt: Checkpoint, family: Family, layers: list[int], dtype: torch.dtype, quant: str,
+                  device: torch.device) -> torch.dtype:
+    """The dtype the routed experts are kept in: the compute dtype, but a bf16 checkpoint's experts computed in fp32 on a
+    CPU device by the native kernel stay bf16. Exact (bf16 widens to fp32 without rounding, and the kernel widens in
+    registers: the same products), half the RAM and half the bytes each token reads."""
+    if quant != "none" or dtype != torch.float32 or device.type != "cpu" or not layers or cpu_ffn.library() is None:
+        return dtype
+    first = family.expert_key(layers[0], 0, 0)
+    keys = [first] if first in ckpt else family.fused_keys(layers[0])
+    return torch.bfloat16 if all(k in ckpt and ckpt.dtype_name(k) == "BF16" for k in keys) else dtype
+
+
 class ExpertStore:
     """Routed experts of all sparse layers. `li` is the index into `layers` (sparse layers only).
 
     One expert is gate_up [2I, H] (gate rows then up rows, the layout `transformers` computes with)
-    and down [H, I]: tensors in the compute dtype, or QuantMatrix when `quant` is int8/int4.
+    and down [H, I]: tensors in `dtype` (the compute dtype, or bf16 for fp32 compute: `storage_dtype`), or QuantMatrix
+    when `quant` is int8/int4.
     """
 
     def __init__(self, ckpt: Checkpoint, family: Family, hf_config, layers: list[int], dtype: torch.dtype,

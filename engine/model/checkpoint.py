@@ -82,6 +82,10 @@ class Checkpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._headers[self.key_to_file[key]][1][key]["shape"])
 
+    def dtype_name(self, key: str) -> str:
+        """The tensor's safetensors dtype as stored ("BF16", "F32", ...), from the header."""
+        return self._headers[self.key_to_file[key]][1][key]["dtype"]
+
     def get_many(self, keys):
         """Yield (key, tensor) copies, opening each shard once."""
         by_file: dict[Path, list[str]] = {}

@@ -33,6 +33,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_attention_step.argtypes, lib.moe_attention_step.restype = _ATTN_ARGS, ctypes.c_int
         lib.moe_router_topk.argtypes, lib.moe_router_topk.restype = _ROUTER_ARGS, ctypes.c_int
         lib.moe_linear_f32.argtypes, lib.moe_linear_f32.restype = _LINEAR_ARGS, ctypes.c_int
+        lib.moe_linear_bf16w.argtypes, lib.moe_linear_bf16w.restype = _LINEAR_ARGS, ctypes.c_int
         lib._decode_typed = True
     return lib
 
@@ -74,12 +75,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] · weight [R, K]ᵀ (+ bias [R]) -> [T, R], all fp32 contiguous: every output one fixed-order dot product,
-    so a row's bits do not depend on T (a GEMM library's do: its kernels change with the row count)."""
+    """x [T, K] · weight [R, K]ᵀ (+ bias [R]) -> [T, R], contiguous, fp32 but the weight, fp32 or bf16 (widened
+    exactly: the bits of its fp32 form): every output one fixed-order dot product, so a row's bits do not depend on
+    T (a GEMM library's do: its kernels change with the row count)."""
     T, R, K = x.shape[0], weight.shape[0], weight.shape[1]
     out = torch.empty(T, R, dtype=torch.float32)
-    code = library().moe_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), T, R, K,
-                                    out.data_ptr(), R, torch.get_num_threads())
+    fn = library().moe_linear_bf16w if weight.dtype == torch.bfloat16 else library().moe_linear_f32
+    code = fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), T, R, K, out.data_ptr(), R,
+              torch.get_num_threads())
     if code:
         raise RuntimeError(f"native linear failed with code {code}")
     return out

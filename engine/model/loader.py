@@ -13,7 +13,7 @@ from ..config import EngineConfig, UnitCosts
 from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
-from ..experts.store import ExpertStore
+from ..experts.store import ExpertStore, storage_dtype
 from ..quant.dense import quantize_dense
 from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, expert_format, gptq_prefixes, read_gptq_config
 from ..replay import RoutingReplay
@@ -143,9 +143,11 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
             f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
         )
     quant = expert_format(gptq, cfg.quant)
-    check_load_budgets(cfg, estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant), device)  # before loading
+    expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
+    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant, expert_dtype=str(expert_dtype)[6:])
+    check_load_budgets(cfg, estimate, device)  # before loading
 
-    store = ExpertStore(ckpt, family, hf_config, sparse, dtype, pin=device.type == "cuda",
+    store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
                         ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, gptq=gptq)
     runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
                             top_k=family.top_k(hf_config))

@@ -136,8 +136,9 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
 
 
 def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft_bytes: int = 0,
-                    quant: str = "none") -> MemoryEstimate:
-    """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds."""
+                    quant: str = "none", expert_dtype: str | None = None) -> MemoryEstimate:
+    """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds. expert_dtype:
+    the unquantized experts' storage dtype where it is not the compute dtype (store.storage_dtype)."""
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     family = get_family(hf_config.model_type)
@@ -151,7 +152,7 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
                            f"config says {expert_params * num_total}")
     return MemoryEstimate(
         model_type=family.model_type, dtype=dtype, non_expert_bytes=non_expert * nbytes,
-        expert_bytes=expert_bytes_for(quant, dtype, hidden, inter),
+        expert_bytes=expert_bytes_for(quant, expert_dtype or dtype, hidden, inter),
         num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),
         context_len=int(context_len or getattr(hf_config, "max_position_embeddings", 4096)), draft_bytes=draft_bytes,
         experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),

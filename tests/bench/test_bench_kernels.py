@@ -51,3 +51,23 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     assert parts["total"] > 0
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=0.01)
     assert out["quant"] == "int4" and "hf" not in out
+
+
+def test_bench_generate_skips_hf_where_its_copy_would_not_fit(checkpoint, capsys, monkeypatch):
+    """The HF comparison loads a second copy of the model: where that would not fit the free RAM (a 30B-shaped model in
+    fp32) the engine's figures are still printed, with the reason instead of HF's."""
+    import types
+
+    import psutil
+
+    from moechat.app.bench import generate
+
+    model = str(checkpoint("qwen3_moe"))
+    assert generate._hf_fits(model, "float32")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1024, total=1 << 40))
+    assert not generate._hf_fits(model, "float32")
+    monkeypatch.undo()  # the engine's own budget checks read the real RAM
+    monkeypatch.setattr(generate, "_hf_fits", lambda model_dir, dtype: False)
+    assert main(["bench", "generate", "--model", model, "--max-new-tokens", "4", "--repeats", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "hf" not in out and "would not fit" in out["hf_skipped"] and out["engine"]["decode_tokens_per_s"] > 0

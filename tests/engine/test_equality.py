@@ -82,11 +82,21 @@ def test_disk_tier_and_byte_budget(family, checkpoint, tokenizer):
     assert fin.token_ids == expected
 
 
-def test_bf16_checkpoint(checkpoint, tokenizer):
-    """A bf16 checkpoint computed in float32 equals transformers in float32; computed in bf16 it runs end to end."""
-    model_dir = checkpoint("olmoe", 4, dtype=torch.bfloat16)
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_bf16_checkpoint(family, checkpoint, tokenizer):
+    """A bf16 checkpoint computed in float32 equals transformers in float32, its experts kept in bf16 where the native
+    kernel computes them (exact widening: store.storage_dtype) through the decode stack, a CPU fast tier (PyTorch on
+    widened slots) and the disk tier; computed in bf16 it runs end to end."""
+    from moechat.engine.experts import cpu_ffn
+
+    model_dir = checkpoint(family, 4, dtype=torch.bfloat16)
     prompt = tokenizer(PROMPT)["input_ids"]
-    assert run_engine(model_dir, prompt, drafter="self").token_ids == hf_greedy(model_dir, prompt)
+    expected = hf_greedy(model_dir, prompt)
+    kept = Engine(EngineConfig(model_dir=str(model_dir))).model.store
+    assert kept.dtype == (torch.float32 if cpu_ffn.library() is None else torch.bfloat16) == kept.gate_up[0].dtype
+    assert run_engine(model_dir, prompt, drafter="self").token_ids == expected
+    assert run_engine(model_dir, prompt, expert_cache_ratio=0.5, policy="spac").token_ids == expected
+    assert run_engine(model_dir, prompt, host_ram_budget_bytes=1).token_ids == expected
     engine = Engine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16", spec=SpecConfig("self", 4)))
     assert engine.model.store.gate_up[0].dtype == torch.bfloat16
     fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=16)))[-1]

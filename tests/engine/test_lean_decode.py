@@ -161,6 +161,36 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
     assert _close_kv(caches[0], caches[2])
 
 
+@pytest.mark.native
+def test_decode_stack_reads_a_bf16_checkpoint_in_bf16_with_the_same_bits(checkpoint, monkeypatch):
+    """A bf16 checkpoint computed in fp32: the stack reads its dense products and head as bf16 (exact), and its logits
+    and KV equal those of the same stack reading the fp32 copies, bit for bit."""
+    if not decode_ops.available():
+        pytest.skip(cpu_ffn.notice())
+    from moechat.engine.model import decode_stack
+
+    m = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe", dtype=torch.bfloat16)), dtype="float32"))
+    narrowed = m.lean.stack
+    assert narrowed is not None and narrowed.head_weight.dtype == torch.bfloat16
+    assert all(layer.qkv.w16 and layer.o.w16 for layer in narrowed.layers)
+    monkeypatch.setattr(decode_stack, "_narrow", lambda weight: None)
+    wide = decode_stack.build_decode_stack(m.lean)
+    assert wide.head_weight.dtype == torch.float32 and not wide.layers[0].qkv.w16
+    gen = torch.Generator().manual_seed(2)
+    prompt, ids = torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
+    caches, logits = [], []
+    with torch.inference_mode():
+        for stack in (narrowed, wide):
+            m.lean.stack = stack
+            cache = m.new_kv_cache()
+            with m.runtime.forward("prefill", 0):
+                _hf(m, prompt, cache, 1)
+            with m.runtime.forward("verify", PAST):
+                logits.append(m.forward(ids, cache, 5))
+            caches.append(cache)
+    assert torch.equal(logits[0], logits[1]) and _same_kv(caches[0], caches[1])
+
+
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_olmoe_clip_qkv(quant, checkpoint):  # int8: the clamp runs in place on slices of the fused q/k/v output
     m = load_model(EngineConfig(model_dir=str(checkpoint("olmoe", clip_qkv=0.05)), quant=quant))

@@ -151,3 +151,13 @@ def test_thread_pool_hands_every_call_over_whatever_the_thread_count():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a call never returned: the pool lost a hand-off"
     assert not failures, f"calls with {sorted(set(failures))} threads differ from one thread's"
+
+
+@pytest.mark.parametrize("K", [16, 200, 7])
+def test_linear_on_bf16_weights_equals_their_fp32_widening(K):
+    """A bf16 checkpoint computed in fp32 reads its weights as bf16 (half the bytes): the products are bit for bit those
+    of the same values stored in fp32, the vector body and the scalar tail alike."""
+    gen = torch.Generator().manual_seed(K)
+    x, w = torch.randn(3, K, generator=gen), torch.randn(40, K, generator=gen).to(torch.bfloat16)
+    b = torch.randn(40, generator=gen)
+    assert torch.equal(decode_ops.linear(x, w, b), decode_ops.linear(x, w.float(), b))
