@@ -46,6 +46,28 @@ inline float dot(const float* a, const W* b, int64_t n) {
     return s;
 }
 
+// dot() of one a with 4 rows of b (`stride` apart) at once: each x load serves 4 rows and 8 chains hide the adds'
+// latency; every row's sum runs in dot()'s order (its own two chains, the same lanes, the same tail)
+template <typename W>
+inline void dot4(const float* a, const W* b, int64_t stride, int64_t n, float* out) {
+    vec8 lo[4] = {}, hi[4] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const vec8 x0 = load8(a + i), x1 = load8(a + i + 8);
+        for (int j = 0; j < 4; ++j) {
+            lo[j] += x0 * load8(b + j * stride + i);
+            hi[j] += x1 * load8(b + j * stride + i + 8);
+        }
+    }
+    for (int j = 0; j < 4; ++j) {
+        const vec8 acc = lo[j] + hi[j];
+        float s = 0.f;
+        for (int l = 0; l < 8; ++l) s += acc[l];
+        for (int64_t k = i; k < n; ++k) s = std::fma(a[k], widen(b[j * stride + k]), s);
+        out[j] = s;
+    }
+}
+
 inline float sum_squares(const float* a, int64_t n) { return dot(a, a, n); }
 
 // y = w * (x * rsqrt(mean(x^2) + eps)), transformers' RMSNorm order; y may be x
@@ -112,9 +134,17 @@ template <typename W>
 inline void linear(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                    int64_t y_stride, int threads) {
     const int64_t n = threads_for(threads, double(sizeof(W)) * T * R * K);
+    const int64_t quads = R / 4;  // rows 4q..4q+3 through dot4, the last R % 4 through dot: a row's path depends on r alone
     g_pool->run(int(n), [&](int tid) {
-        for (int64_t r = R * tid / n; r < R * (tid + 1) / n; ++r)
-            for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);
+        for (int64_t q = quads * tid / n; q < quads * (tid + 1) / n; ++q)
+            for (int64_t t = 0; t < T; ++t) {
+                float* yt = y + t * y_stride + 4 * q;
+                dot4(x + t * K, w + 4 * q * K, K, K, yt);
+                for (int j = 0; j < 4; ++j) yt[j] += b ? b[4 * q + j] : 0.f;
+            }
+        if (tid == n - 1)
+            for (int64_t r = 4 * quads; r < R; ++r)
+                for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);
     });
 }
 

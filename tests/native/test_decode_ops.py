@@ -161,3 +161,14 @@ def test_linear_on_bf16_weights_equals_their_fp32_widening(K):
     x, w = torch.randn(3, K, generator=gen), torch.randn(40, K, generator=gen).to(torch.bfloat16)
     b = torch.randn(40, generator=gen)
     assert torch.equal(decode_ops.linear(x, w, b), decode_ops.linear(x, w.float(), b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_in_fours_equal_rows_alone(dtype):
+    """The linear layer dots four weight rows at a time (one activation load for four rows) and the last R % 4 alone:
+    either way a row's bits are those of the row alone, so which path a row takes never shows."""
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 211, generator=gen), torch.randn(11, 211, generator=gen).to(dtype)
+    y = decode_ops.linear(x, w)
+    for r in range(11):
+        assert torch.equal(decode_ops.linear(x, w[r:r + 1].contiguous()), y[:, r:r + 1]), r
