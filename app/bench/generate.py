@@ -113,16 +113,12 @@ def cmd_bench_generate(args) -> int:
 
 def _hf_fits(model_dir: str, dtype: str) -> bool:
     """Whether Hugging Face's model, every weight in `dtype`, fits 80 % of the RAM still free beside the engine."""
-    import math
-
     import psutil
     import torch
 
-    from ...engine.model.checkpoint import Checkpoint
+    from ...engine import estimate, total_params
 
-    ckpt = Checkpoint(model_dir)
-    params = sum(math.prod(ckpt.shape(key)) for key in ckpt.keys())
-    return params * getattr(torch, dtype).itemsize < 0.8 * psutil.virtual_memory().available
+    return total_params(estimate(model_dir, dtype)) * getattr(torch, dtype).itemsize < 0.8 * psutil.virtual_memory().available
 
 
 def _load_hf(args, ids: list[int]):
