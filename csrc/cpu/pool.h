@@ -39,15 +39,18 @@ public:
     // Runs fn(tid) for tid in [0, n) and returns when all are done. One call at a time.
     void run(int n, const std::function<void(int)>& fn) {
         std::lock_guard<std::mutex> call(call_mutex_);
+        n = std::min(n, 1 << 15);
         if (n <= 1) return fn(0);
         while (started_ < n - 1)  // grow on demand; workers are detached and live as long as the process
             std::thread(&Pool::worker, this, started_++, generation_.load()).detach();  // the calls before it are not its
-        job_ = &fn;
-        want_ = n - 1;
+        job_ = &fn;  // read only by this call's workers, each before it counts itself done: no later call overwrites it early
         remaining_.store(n - 1, std::memory_order_relaxed);
         {
             std::lock_guard<std::mutex> lk(m_);  // a worker deciding to sleep holds m_: it sees this generation or the notify
-            generation_.fetch_add(1, std::memory_order_release);
+            // the call's worker count travels in the same word as its generation: a worker that sat out earlier calls
+            // and wakes late reads the count of the call it sees, never a count written for the next one
+            const uint64_t next = (generation_.load(std::memory_order_relaxed) >> 16) + 1;
+            generation_.store(next << 16 | uint64_t(n - 1), std::memory_order_release);
         }
         cv_.notify_all();  // no system call when every worker is spinning
         fn(0);
@@ -78,7 +81,7 @@ private:
                 g = generation_.load(std::memory_order_acquire);
             }
             seen = g;
-            if (id >= want_) continue;  // this call uses fewer threads
+            if (uint64_t(id) >= (g & 0xFFFF)) continue;  // this call uses fewer threads
             (*job_)(id + 1);
             if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
                 std::lock_guard<std::mutex> lk(m_);  // the caller may have gone to sleep on done_
@@ -90,9 +93,9 @@ private:
     std::mutex call_mutex_, m_;
     std::condition_variable cv_, done_;
     const std::function<void(int)>* job_ = nullptr;
-    std::atomic<uint64_t> generation_{0};
+    std::atomic<uint64_t> generation_{0};  // call number << 16 | its worker count
     std::atomic<int> remaining_{0};
-    int want_ = 0, started_ = 0;
+    int started_ = 0;
 };
 
 // How many of `threads` a call reading about `bytes` should use: one per PER_THREAD_BYTES (a spinning

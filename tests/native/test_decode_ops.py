@@ -144,7 +144,7 @@ def test_thread_pool_hands_every_call_over_whatever_the_thread_count():
                 failures.append(threads)
 
     caller([2] * 50 + [1, 3, 2, 4, 6, 5, 2] * 10)
-    threads = [threading.Thread(target=caller, args=([2, 3, 4, 1] * 40,)) for _ in range(2)]
+    threads = [threading.Thread(target=caller, args=([2, 3, 4, 1, 6, 5] * 60,)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
