@@ -88,21 +88,26 @@ API int moe_router_topk(const float* x, const float* w, int64_t T, int64_t E, in
     return portable::router_topk(x, w, T, E, H, k, normalize, logits, weights, experts, std::max(1, threads)), 0;
 }
 
-API int moe_linear_f32(const float* x, const float* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
-                       int64_t y_stride, int threads) {
+namespace {
+// the linear layer's checks and dispatch, for fp32 or bf16 weights
+template <typename W>
+int linear_any(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y, int64_t y_stride,
+               int threads) {
     if (T < 0 || R <= 0 || K <= 0 || y_stride < R) return 1;
 #ifdef MOE_X86
     if (use_avx2()) return avx2::linear(x, w, b, T, R, K, y, y_stride, std::max(1, threads)), 0;
 #endif
     return portable::linear(x, w, b, T, R, K, y, y_stride, std::max(1, threads)), 0;
 }
+}  // namespace
+
+API int moe_linear_f32(const float* x, const float* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
+                       int64_t y_stride, int threads) {
+    return linear_any(x, w, b, T, R, K, y, y_stride, threads);
+}
 
 // moe_linear_f32 with bf16 weights w [R, K] (a bf16 checkpoint computed in fp32): the same bits as its fp32 widening
 API int moe_linear_bf16w(const float* x, const uint16_t* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                          int64_t y_stride, int threads) {
-    if (T < 0 || R <= 0 || K <= 0 || y_stride < R) return 1;
-#ifdef MOE_X86
-    if (use_avx2()) return avx2::linear(x, w, b, T, R, K, y, y_stride, std::max(1, threads)), 0;
-#endif
-    return portable::linear(x, w, b, T, R, K, y, y_stride, std::max(1, threads)), 0;
+    return linear_any(x, w, b, T, R, K, y, y_stride, threads);
 }
