@@ -1,8 +1,8 @@
 // The prefetch engine: copies experts from host RAM into slots of the fast-tier pool on the GPU.
 //
 // One engine = one thread + one CUDA stream (non-blocking: it never syncs with the compute stream
-// by accident). Python queues copies (one item = one expert = up to two segments, gate_up and
-// down) at a priority level; the thread issues them highest level first, FIFO within a level, and
+// by accident). Python queues copies (one item = one expert = up to MAX_SEGMENTS segments: gate_up and
+// down, and their scales and zero points when quantized) at a priority level; the thread issues them highest level first, FIFO within a level, and
 // keeps at most `max_inflight` issued but not complete. A CUDA stream is FIFO, so without that
 // bound everything queued would be issued at once and a late high-level expert would wait behind
 // every low-level one.
@@ -40,7 +40,7 @@
 #include <vector>
 
 #ifndef MOECHAT_HOST_BACKEND
-#include <cuda_runtime_api.h>
+#include "cuda_api.h"  // the runtime functions it calls: libcudart alone, no toolkit headers
 #endif
 
 #define API extern "C" __attribute__((visibility("default")))
@@ -49,6 +49,7 @@ namespace {
 
 enum State { IDLE = 0, QUEUED = 1, IN_FLIGHT = 2, READY = 3 };
 constexpr int BAD_ARGUMENT = -1, FAILED = -2;
+constexpr int MAX_SEGMENTS = 6;  // gate_up and down, each with scales and zero points when quantized
 constexpr size_t LOG_CAP = 1 << 16;
 using Clock = std::chrono::steady_clock;
 
@@ -64,8 +65,12 @@ struct Item {
   uint64_t seq;
   int slot, layer, level, nseg;
   bool pinned;
-  Segment seg[2];
-  size_t bytes() const { return seg[0].bytes + (nseg > 1 ? seg[1].bytes : 0); }
+  Segment seg[MAX_SEGMENTS];
+  size_t bytes() const {
+    size_t total = 0;
+    for (int i = 0; i < nseg; ++i) total += seg[i].bytes;
+    return total;
+  }
 };
 
 struct Flight {  // an issued item, until its copy completed
@@ -93,9 +98,9 @@ struct Slot {
 };
 
 #ifdef MOECHAT_HOST_BACKEND
-struct HostOp {  // one copy on the host "stream"
+struct HostOp {  // one item's copies on the host "stream"
   int slot, nseg;
-  Segment seg[2];
+  Segment seg[MAX_SEGMENTS];
 };
 #else
 std::string cuda_error(const char* what, cudaError_t err) {
@@ -222,7 +227,9 @@ struct Engine {
 
   void record(const Item& it) {  // lock held, right after issue()
 #ifdef MOECHAT_HOST_BACKEND
-    stream.push_back(HostOp{it.slot, it.nseg, {it.seg[0], it.seg[1]}});
+    HostOp op{it.slot, it.nseg, {}};
+    std::copy(it.seg, it.seg + it.nseg, op.seg);
+    stream.push_back(op);
     slots[it.slot].recorded++;
 #else
     (void)it;
@@ -462,23 +469,24 @@ API void moechat_pf_destroy(void* h) {
   delete e;
 }
 
-// One expert into `slot`: up to two segments (src host, dst device, bytes; a second segment with
-// bytes 0 is ignored). pinned: the sources are page-locked (else they are staged). A queued item
-// for the same slot is replaced.
-API int moechat_pf_enqueue(void* h, int slot, int layer, int level, const void* src0, void* dst0, size_t bytes0,
-                           const void* src1, void* dst1, size_t bytes1, int pinned) {
+// One expert into `slot`: nseg segments (srcs[i] host, dsts[i] device, bytes[i]), 1..MAX_SEGMENTS.
+// pinned: the sources are page-locked (else they are staged). A queued item for the same slot is replaced.
+API int moechat_pf_enqueue(void* h, int slot, int layer, int level, int nseg, const void* const* srcs,
+                           void* const* dsts, const size_t* bytes, int pinned) {
   Engine* e = static_cast<Engine*>(h);
   if (slot < 0 || slot >= e->nslots) return bad("slot " + std::to_string(slot) + " out of range");
   if (level < 0 || level >= e->nlevels) return bad("level " + std::to_string(level) + " out of range");
-  if (!src0 || !dst0 || !bytes0 || (bytes1 && (!src1 || !dst1))) return bad("a copy segment without pointers or bytes");
+  if (nseg < 1 || nseg > MAX_SEGMENTS) return bad("an item is 1.." + std::to_string(MAX_SEGMENTS) + " copies");
   Item it{};
+  for (int i = 0; i < nseg; ++i) {
+    if (!srcs[i] || !dsts[i] || !bytes[i]) return bad("a copy segment without pointers or bytes");
+    it.seg[i] = Segment{static_cast<const uint8_t*>(srcs[i]), static_cast<uint8_t*>(dsts[i]), bytes[i]};
+  }
   it.slot = slot;
   it.layer = layer;
   it.level = level;
   it.pinned = pinned != 0;
-  it.nseg = bytes1 ? 2 : 1;
-  it.seg[0] = Segment{static_cast<const uint8_t*>(src0), static_cast<uint8_t*>(dst0), bytes0};
-  it.seg[1] = Segment{static_cast<const uint8_t*>(src1), static_cast<uint8_t*>(dst1), bytes1};
+  it.nseg = nseg;
   std::lock_guard<std::mutex> lk(e->mu);
   if (!e->error.empty()) return failed(e);
   e->drop_queued(slot);

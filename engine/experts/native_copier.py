@@ -2,8 +2,8 @@
 transfer benchmark is app/bench/transfer.py).
 
 Two builds of the same source, registered with engine/native.py:
-- "cuda": the CUDA runtime API (no device kernels, so no nvcc): headers and cudart from the
-  `nvidia-*` pip package a CUDA torch wheel ships, else $CUDA_HOME, /usr/local/cuda;
+- "cuda": the CUDA runtime API (no device kernels, so no nvcc, and no headers: csrc/cuda/cuda_api.h):
+  libcudart from the `nvidia-*` pip package a CUDA torch wheel ships, else $CUDA_HOME, /usr/local/cuda;
 - "prefetch_host": MOECHAT_HOST_BACKEND, memcpy for copies and counters for events; what the
   CPU-only tests run (queues, priorities, cancellation, readiness, staging).
 
@@ -31,28 +31,30 @@ SOURCE = native.CSRC / "cuda" / "prefetch.cpp"
 WARNINGS = ["-Wall", "-Wextra"]
 LEVELS = 64  # priority levels 0..63: above any utility bound K (≤ 16)
 DEMAND = LEVELS - 1  # level of a load without one (on-demand policies): served first
+MAX_SEGMENTS = 6  # copies per item (csrc/cuda/prefetch.cpp): gate_up and down, with scales and zero points when quantized
 MAX_INFLIGHT = 2  # experts issued but not complete: enough to keep the link busy, few enough that priority matters
 
 
-def cuda_paths() -> tuple[Path, Path]:
-    """(include folder, cudart library file) to build against; NativeBuildError when none is found."""
-    roots = [Path(p).parent.parent for entry in sys.path if entry  # nvidia/cuda_runtime (CUDA 12), nvidia/cu13
-             for p in sorted(glob.glob(os.path.join(entry, "nvidia", "*", "include", "cuda_runtime_api.h")))]
-    roots += [Path(p) for p in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if p]
-    for root in roots:
-        if not (root / "include" / "cuda_runtime_api.h").is_file():
-            continue
-        for lib in ("lib64", "lib", "targets/x86_64-linux/lib", "lib/x86_64-linux-gnu"):
-            found = sorted(glob.glob(str(root / lib / "libcudart.so*")), key=len)  # unversioned name first
-            if found:
-                return root / "include", Path(found[0])
-    raise native.NativeBuildError("no CUDA runtime headers and library found (install a CUDA build of torch, "
+def cudart_path() -> Path:
+    """The CUDA runtime library to link against: the one a CUDA build of torch ships (its `nvidia-*` pip
+    package), else the toolkit's; NativeBuildError when there is none. No headers are needed (csrc/cuda/cuda_api.h)."""
+    folders = [Path(p) for entry in sys.path if entry  # nvidia/cuda_runtime/lib (CUDA 12), nvidia/cu13/lib (CUDA 13)
+               for p in sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib")))]
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            folders += [Path(root) / lib for lib in ("lib64", "lib", "targets/x86_64-linux/lib", "lib/x86_64-linux-gnu")]
+    for folder in folders:
+        found = sorted(glob.glob(str(folder / "libcudart.so*")), key=len)  # unversioned name first
+        if found:
+            return Path(found[0])
+    raise native.NativeBuildError("no CUDA runtime library (libcudart) found (install a CUDA build of torch, "
                                   "or the CUDA toolkit, or set CUDA_HOME)")
 
 
 def build_cuda() -> Path:
-    include, cudart = cuda_paths()
-    return native.build("cuda", [SOURCE], [f"-I{include}", *WARNINGS], [str(cudart), f"-Wl,-rpath,{cudart.parent}"])
+    cudart = cudart_path()
+    return native.build("cuda", [SOURCE], WARNINGS, [str(cudart), f"-Wl,-rpath,{cudart.parent}"],
+                        headers=[SOURCE.parent / "cuda_api.h"])
 
 
 def build_host() -> Path:
@@ -73,8 +75,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if getattr(lib, "_moechat_declared", False):
         return lib
     p, i, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    ptrs, sizes = ctypes.POINTER(p), ctypes.POINTER(sz)
     for name, res, args in (
-        ("create", p, [i, i, i, i]), ("destroy", None, [p]), ("enqueue", i, [p, i, i, i, p, p, sz, p, p, sz, i]),
+        ("create", p, [i, i, i, i]), ("destroy", None, [p]), ("enqueue", i, [p, i, i, i, i, ptrs, ptrs, sizes, i]),
         ("query", i, [p, i]), ("cancel", i, [p, i]), ("cancel_below", i, [p, i, i, ctypes.POINTER(ctypes.c_int32), i]),
         ("mark_compute", i, [p, p]), ("pause", None, [p, i]), ("wait_idle", i, [p, ctypes.c_double]),
         ("counters", i, [p, ctypes.POINTER(Counters)]), ("issued", i, [p, ctypes.POINTER(ctypes.c_int32), i]),
@@ -131,21 +134,21 @@ class NativeCopier:
 
     def enqueue(self, slot: int, layer: int, level: int, copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 pinned: bool | None = None) -> Ready:
-        """Queue copies [(src, dst)] (one or two, contiguous, equal bytes) into `slot`; replaces a
+        """Queue copies [(src, dst)] (1..MAX_SEGMENTS, contiguous, equal bytes) into `slot`; replaces a
         queued item of the slot. pinned: page-locked sources (default: asked of torch), else staged."""
-        if not 1 <= len(copies) <= 2:
-            raise ValueError(f"an item is one or two copies, got {len(copies)}")
-        args = []
+        n = len(copies)
+        if not 1 <= n <= MAX_SEGMENTS:
+            raise ValueError(f"an item is 1..{MAX_SEGMENTS} copies, got {n}")
         for src, dst in copies:
             if not (src.is_contiguous() and dst.is_contiguous()) or src.nbytes != dst.nbytes:
                 raise ValueError(f"copy needs contiguous tensors of equal size, got {src.nbytes} and {dst.nbytes} bytes")
-            args += [src.data_ptr(), dst.data_ptr(), src.nbytes]
-        if len(copies) == 1:
-            args += [None, None, 0]
+        srcs = (ctypes.c_void_p * n)(*(src.data_ptr() for src, _ in copies))
+        dsts = (ctypes.c_void_p * n)(*(dst.data_ptr() for _, dst in copies))
+        sizes = (ctypes.c_size_t * n)(*(src.nbytes for src, _ in copies))
         if pinned is None:
             pinned = all(src.is_pinned() for src, _ in copies)
         self._held.setdefault(slot, []).append(copies)
-        self._check(self.lib.moechat_pf_enqueue(self.handle, slot, layer, level, *args, int(pinned)))
+        self._check(self.lib.moechat_pf_enqueue(self.handle, slot, layer, level, n, srcs, dsts, sizes, int(pinned)))
         return Ready(self, slot)
 
     def query(self, slot: int) -> int:
