@@ -39,6 +39,7 @@ class StepStats:
     copy_s: float = 0.0  # of it: the copies the hooks make on the engine's thread (memcpy on a CPU fast tier)
     view_s: float = 0.0  # of host_s: the executor's view of the table (its lock and the readiness check)
     layer_calls: int = 0  # run_layer calls (MoE layers x forward passes, drafts included)
+    cpu_wait_s: float = 0.0  # the engine thread's wait for the CPU worker's experts: cpu_s minus this ran beside its work
 
 
 @dataclass

@@ -220,6 +220,7 @@ class Engine:
             bytes_moved=m.cache.bytes_moved - moved, cpu_s=c.cpu_s, device_s=c.device_s, draft_s=t1 - t0,
             verify_s=t2 - t1, dropped=c.dropped, not_ready=c.not_ready, layer_s=c.layer_s, host_s=c.host_s,
             policy_s=c.policy_s, copy_s=c.copy_s, view_s=c.view_s, layer_calls=c.layer_calls,
+            cpu_wait_s=c.cpu_wait_s,
         )
         return stats, drafts[:a] + [t]
 

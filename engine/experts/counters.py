@@ -34,6 +34,7 @@ class LayerCounters:
         # the view and the copies together (docs/benchmarks.md, Scheduler hot path).
         self.layer_s = 0.0
         self.wait_s = 0.0
+        self.cpu_wait_s = 0.0  # of wait_s: the caller's wait for the CPU worker's result (cpu_s minus it ran beside)
         self.policy_s = 0.0
         self.copy_s = 0.0
         self.view_s = 0.0

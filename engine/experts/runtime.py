@@ -125,7 +125,9 @@ class MoERuntime:
     def wait_cpu(self, job: Future) -> tuple[torch.Tensor, bool]:
         t0 = time.perf_counter()
         y = job.result()
-        self.counters.wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.counters.wait_s += waited
+        self.counters.cpu_wait_s += waited
         return y
 
     # --- requests and forward passes ------------------------------------------------------------
