@@ -258,12 +258,12 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
             draft_len: int = SpecConfig.draft_len, progress: Progress | None = None, device: str | None = None,
             dtype: str | None = None, quant: str = "none") -> Measurements:
     """Time this machine for the model in `model_dir`, generating on `prompts` with `drafter`, its experts in
-    `quant`. device/dtype default to cuda + bfloat16 where CUDA is available, else cpu + float32; the app passes
-    what `auto` resolves to (engine/placement.py)."""
+    `quant`. device/dtype default to cuda + bfloat16 where `hw` has a GPU that CUDA can use, else cpu + float32; the
+    app passes what `auto` resolves to (engine/placement.py)."""
     report = progress or (lambda name, frac: None)
-    cuda = torch.cuda.is_available()
-    device = device or ("cuda" if cuda else "cpu")
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    device = device or ("cuda" if hw.gpus and torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    dtype = dtype or ("bfloat16" if cuda else "float32")
     model_path = Path(model_dir).expanduser().resolve()
     repeats = 10 if quick else 30  # a per-expert call takes microseconds on small models: many repeats are cheap
     m = Measurements(expert_bytes=0, max_tokens=draft_len + 1)
@@ -274,7 +274,7 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
     report("loading the model", 0.1)
     engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant)
     m.expert_bytes = engine.model.store.expert_bytes
-    _time_experts(engine, m, cuda and device.startswith("cuda"), repeats, report)
+    _time_experts(engine, m, cuda, repeats, report)
     _time_generation(engine, m, prompts, 12 if quick else 48, report)
     report("measured", 1.0)
     return m
