@@ -128,6 +128,9 @@ def _hf_offload(args, ids: list[int], vram_bytes: int) -> tuple[float | None, st
                                               max_memory=max_memory).eval()
     hf.generation_config.eos_token_id = None
     rates = []
+    print(f"HF offload: loaded, {sum(p.device.type == 'cuda' for p in hf.parameters())} of "
+          f"{sum(1 for _ in hf.parameters())} tensors on the GPU",
+          file=sys.stderr, flush=True)
     hf_generate(hf, ids, 2)
     for _ in range(args.repeats):
         t1, _ = hf_generate(hf, ids, 1)
@@ -204,12 +207,17 @@ def _rounds(engine, runs: list[Variant], ids: list[int], params, repeats: int) -
             v.drafter.distances()
         engine.use(v.config, v.runtime, v.drafter)
         run_engine(engine, ids, params)
+        print(f"warmed up: {v.name}", file=sys.stderr, flush=True)  # a long run shows where it is
     for r in range(repeats):  # interleaved, each round in a rotated order, so machine noise hits all alike
         for v in runs[r % len(runs):] + runs[:r % len(runs)]:
             engine.use(v.config, v.runtime, v.drafter)
             fin, steps = run_engine(engine, ids, params)
             v.decode.append(fin.summary.decode_tokens_per_s)
             v.stats = decode_stats(steps, engine.model.store.expert_bytes)
+            st = v.stats  # a run cut short still leaves these lines
+            print(f"round {r + 1}/{repeats}: {v.name}: {v.decode[-1]:.2f} tok/s, hit rate {st['hit_rate']:.3f}, "
+                  f"loads/token {st['loads_per_token']:.2f}, layer {st['layer_us_per_layer_step']:.0f} us, "
+                  f"host {st['host_us_per_layer_step']:.0f} us per MoE layer step", file=sys.stderr, flush=True)
 
 
 def _hf_row(args, ids: list[int], m, slots: int, cuda: bool) -> tuple[float | None, str]:

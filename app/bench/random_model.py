@@ -18,8 +18,11 @@ unless scaled down.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # The real models' config.json, the fields that shape the model (vocab aside): DeepSeek-V2-Lite(-Chat)
@@ -109,10 +112,8 @@ def random_config(like: str, layers: int | None = None, hidden: int | None = Non
     return cfg
 
 
-def _layer_tensors(shapes: dict, prefix: str, dtype, std: float):
-    """Random tensors for every checkpoint key under `prefix`, in the checkpoint's per-expert layout."""
-    import torch
-
+def _layer_specs(shapes: dict, prefix: str):
+    """(checkpoint key, shape, ones) for every key under `prefix`, in the checkpoint's per-expert layout."""
     for key, shape in shapes.items():
         if not key.startswith(prefix):
             continue
@@ -120,15 +121,30 @@ def _layer_tensors(shapes: dict, prefix: str, dtype, std: float):
             base = key[: -len("gate_up_proj")]
             for e in range(shape[0]):
                 for name in ("gate_proj", "up_proj"):
-                    yield f"{base}{e}.{name}.weight", torch.empty(shape[1] // 2, shape[2], dtype=dtype).normal_(0, std)
+                    yield f"{base}{e}.{name}.weight", (shape[1] // 2, shape[2]), False
         elif key.endswith("experts.down_proj"):  # [E, H, I] -> per-expert down [H, I]
             base = key[: -len("down_proj")]
             for e in range(shape[0]):
-                yield f"{base}{e}.down_proj.weight", torch.empty(shape[1], shape[2], dtype=dtype).normal_(0, std)
+                yield f"{base}{e}.down_proj.weight", (shape[1], shape[2]), False
         elif "norm" in key.rsplit(".", 2)[-2]:
-            yield key, torch.ones(shape, dtype=dtype)
+            yield key, shape, True
         else:
-            yield key, torch.empty(shape, dtype=dtype).normal_(0, std)
+            yield key, shape, False
+
+
+def _layer_tensors(shapes: dict, prefix: str, dtype, std: float, seed: int, pool) -> dict:
+    """Random tensors for every key under `prefix`, drawn on all cores: each from its own generator, seeded by the
+    seed and its key, so the checkpoint does not depend on the thread count (a full DeepSeek-V2-Lite is 30 GB)."""
+    import torch
+
+    def draw(spec):
+        key, shape, ones = spec
+        if ones:
+            return key, torch.ones(shape, dtype=dtype)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        return key, torch.empty(shape, dtype=dtype).normal_(0, std, generator=g)
+
+    return dict(pool.map(draw, _layer_specs(shapes, prefix)))
 
 
 def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
@@ -142,21 +158,22 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
     shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
     cfg.architectures = [type(meta).__name__]
     dtype = getattr(torch, cfg.dtype if isinstance(cfg.dtype, str) else str(cfg.dtype).split(".")[-1])
-    torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     groups = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers)]
     rest = [k for k in shapes if not k.startswith("model.layers.")]
     names = [f"model-{i + 1:05d}-of-{len(groups) + 1:05d}.safetensors" for i in range(len(groups) + 1)]
     weight_map, total = {}, 0
+    pool = ThreadPoolExecutor(os.cpu_count() or 1)  # torch's fills release the GIL
     for name, prefix in zip(names, groups + [None]):
         if prefix is None:
-            tensors = dict(_layer_tensors({k: shapes[k] for k in rest}, "", dtype, cfg.initializer_range))
+            tensors = _layer_tensors({k: shapes[k] for k in rest}, "", dtype, cfg.initializer_range, seed, pool)
         else:
-            tensors = dict(_layer_tensors(shapes, prefix, dtype, cfg.initializer_range))
+            tensors = _layer_tensors(shapes, prefix, dtype, cfg.initializer_range, seed, pool)
         save_file(tensors, out / name, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))
         del tensors  # one layer in memory at a time
+    pool.shutdown()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     cfg.save_pretrained(out)
