@@ -25,6 +25,7 @@ from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..quant import formats
 from ..quant.dense import QuantLinear
 from . import decode_ops
+from .bf16_linear import Bf16Linear
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -78,6 +79,8 @@ def _dense(weight: torch.Tensor | None, quant: formats.QuantMatrix | None, keep:
             return None
         return DenseWeight(None, None, _ptr(quant.q), _ptr(quant.scale), _ptr(quant.minimum), formats.BITS[quant.fmt],
                            quant.rows, quant.k)
+    if weight is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous():  # Bf16Linear's: read as it is
+        return DenseWeight(None, weight.data_ptr(), None, None, None, 0, weight.shape[0], weight.shape[1])
     if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
         return None
     w16 = _narrow(weight)
@@ -89,7 +92,7 @@ def _dense(weight: torch.Tensor | None, quant: formats.QuantMatrix | None, keep:
 def _linear(module, keep: list) -> DenseWeight | None:
     if type(module) is QuantLinear:
         return _dense(None, module.weight_q, keep) if module.bias is None else None
-    if type(module) is torch.nn.Linear and module.bias is None:
+    if type(module) in (torch.nn.Linear, Bf16Linear) and module.bias is None:
         return _dense(module.weight.detach(), None, keep)
     return None
 
@@ -116,6 +119,8 @@ class DecodeStack:
             w16 = _narrow(head.weight)
             self.head_weight = head.weight.detach() if w16 is None else w16
             self.head_bias = None if head.bias is None else head.bias.detach()
+        elif type(head) is Bf16Linear and head.weight.is_contiguous():
+            self.head_weight, self.head_bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
 
     def usable(self) -> bool:
         """Whether this pass may skip the MoE layers' own path (as moe_layer.cpu_direct decides per layer)."""

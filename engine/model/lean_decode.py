@@ -23,6 +23,7 @@ from ..experts.runtime import OffloadedExperts
 from ..quant.dense import fuse
 from . import decode_ops
 from .attention import NAME as FLOAT_KV_ATTENTION
+from .bf16_linear import Bf16Linear
 from .decode_ops import add_rms_norm, rms_norm, rotate
 from .decode_stack import DecodeStack, build_decode_stack
 from .kv_cache import GrowingLayer
@@ -179,7 +180,7 @@ class LeanForward:
     def _native_attention(self, a, i: int, h: torch.Tensor, cos, sin, layer: GrowingLayer) -> torch.Tensor:
         qkv, stacked = self.qkv[i], self.stacked[i]
         if qkv is not None or stacked is not None:
-            y = qkv.whole(h) if qkv is not None else F.linear(h, stacked[0], stacked[1])  # [T, (H_q + 2 H_kv) * D]
+            y = qkv.whole(h) if qkv is not None else _stacked_product(h, stacked)  # [T, (H_q + 2 H_kv) * D]
             n_q, n_k = qkv.sizes[:2] if qkv is not None else stacked[2]
             q, k, v = y[:, :n_q], y[:, n_q: n_q + n_k], y[:, n_q + n_k:]
         else:
@@ -245,11 +246,19 @@ class LeanForward:
         return q, k, v
 
 
+def _stacked_product(h: torch.Tensor, stacked) -> torch.Tensor:
+    """h [T, H] · the stacked q/k/v weight: a bf16 one (Bf16Linear's) through the native kernel, fp32 through torch."""
+    weight, bias = stacked[0], stacked[1]
+    return decode_ops.linear(h, weight, bias) if weight.dtype == torch.bfloat16 else F.linear(h, weight, bias)
+
+
 def _stack_qkv(a) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None:
-    """q/k/v nn.Linear rows stacked into one weight (and bias), each module's weight re-pointed to its rows (no second
-    copy): (weight [n_q + 2 n_k, H], bias or None, (n_q, n_k)); None where they are not three plain Linear of one dtype."""
+    """q/k/v nn.Linear (or Bf16Linear) rows stacked into one weight (and bias), each module's weight re-pointed to its
+    rows (no second copy): (weight [n_q + 2 n_k, H], bias or None, (n_q, n_k)); None where they are not three plain
+    Linear of one class and dtype."""
     mods = [a.q_proj, a.k_proj, a.v_proj]
-    if any(type(m) is not torch.nn.Linear for m in mods) or len({(m.weight.dtype, m.in_features) for m in mods}) > 1:
+    if (len({type(m) for m in mods}) > 1 or type(mods[0]) not in (torch.nn.Linear, Bf16Linear)
+            or len({(m.weight.dtype, m.in_features) for m in mods}) > 1):
         return None
     if len({m.bias is None for m in mods}) > 1:
         return None

@@ -19,6 +19,7 @@ from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, expert_format, gpt
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
 from .attention import kv_dtype, use_float_kv_attention
+from .bf16_linear import narrow_linears
 from .checkpoint import Checkpoint
 from .config_file import read_config_dict
 from .families import Family, get_family
@@ -144,7 +145,10 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         )
     quant = expert_format(gptq, cfg.quant)
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
-    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant, expert_dtype=str(expert_dtype)[6:])
+    routers = {id(layers[i].mlp.gate) for i in sparse}
+    narrowed = narrow_linears(hf, ckpt, family, device, dtype) if quant == "none" else set()
+    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant, expert_dtype=str(expert_dtype)[6:],
+                               bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed))
     check_load_budgets(cfg, estimate, device)  # before loading
 
     store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
@@ -155,9 +159,9 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
     _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,
-                        gptq)
+                        gptq, narrowed)
     if device.type == "cpu" and store.quant != "none":  # a CPU-only machine: the dense part small too
-        quantize_dense(hf, routers={id(layers[i].mlp.gate) for i in sparse}, fmt=store.quant)
+        quantize_dense(hf, routers=routers, fmt=store.quant)
     if kv_dtype(device, dtype, family.latent_kv) != dtype:
         use_float_kv_attention(hf)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
@@ -194,8 +198,9 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
 
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype,
-                        gptq: GptqSpec | None = None) -> None:
-    """Every non-expert tensor onto the compute device (GPTQ linears dequantized); complain about what is missing."""
+                        gptq: GptqSpec | None = None, bf16: set[str] = frozenset()) -> None:
+    """Every non-expert tensor onto the compute device (GPTQ linears dequantized; the module keys in `bf16` stay bf16:
+    bf16_linear.narrow_linears); complain about what is missing."""
     state = {}
     rest = [k for k in ckpt.keys() if k not in expert_keys]
     quantized = gptq_prefixes(rest) if gptq is not None else set()
@@ -205,7 +210,8 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
                             gptq, dtype=dtype, name=prefix)
         state[family.module_key(f"{prefix}.weight")] = w.to(device)
     for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized):
-        state[family.module_key(key)] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        name = family.module_key(key)
+        state[name] = t.to(device=device, dtype=torch.bfloat16 if name in bf16 else dtype if t.is_floating_point() else t.dtype)
     expected = set(hf.state_dict().keys())
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()
     missing = sorted(expected - state.keys() - tied)

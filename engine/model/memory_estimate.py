@@ -136,9 +136,10 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
 
 
 def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft_bytes: int = 0,
-                    quant: str = "none", expert_dtype: str | None = None) -> MemoryEstimate:
+                    quant: str = "none", expert_dtype: str | None = None, bf16_params: int = 0) -> MemoryEstimate:
     """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds. expert_dtype:
-    the unquantized experts' storage dtype where it is not the compute dtype (store.storage_dtype)."""
+    the unquantized experts' storage dtype where it is not the compute dtype (store.storage_dtype); bf16_params: the
+    non-expert parameters kept in bf16 under another compute dtype (bf16_linear.narrow_linears)."""
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     family = get_family(hf_config.model_type)
@@ -151,7 +152,7 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
         raise RuntimeError(f"{family.model_type}: module tree has {routed} routed-expert parameters, "
                            f"config says {expert_params * num_total}")
     return MemoryEstimate(
-        model_type=family.model_type, dtype=dtype, non_expert_bytes=non_expert * nbytes,
+        model_type=family.model_type, dtype=dtype, non_expert_bytes=(non_expert - bf16_params) * nbytes + bf16_params * 2,
         expert_bytes=expert_bytes_for(quant, expert_dtype or dtype, hidden, inter),
         num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),
         context_len=int(context_len or getattr(hf_config, "max_position_embeddings", 4096)), draft_bytes=draft_bytes,
@@ -171,8 +172,10 @@ def draft_weight_bytes(draft_dir, dtype: str) -> int:
 
 
 def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, draft_dir=None,
-             quant: str = "none") -> MemoryEstimate:
-    """source: a model directory, a known model's config dict or a transformers config; quant: the routed experts' format."""
+             quant: str = "none", cpu: bool = False) -> MemoryEstimate:
+    """source: a model directory, a known model's config dict or a transformers config; quant: the routed experts' format;
+    cpu: computed on a CPU, where a bf16 checkpoint in float32 keeps its experts and dense linears bf16 (as the loader
+    does: experts/store.py storage_dtype, bf16_linear.py)."""
     if context_len is not None and context_len < 1:
         raise MoechatError(f"context length must be >= 1, got {context_len}")
     hf_config = hf_config_from(source)
@@ -184,7 +187,15 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
 
         quant = expert_format(read_gptq_config(read_config_dict(Path(source).expanduser())), quant)
     draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0
-    return estimate_module(meta_model(hf_config), hf_config, dtype, context_len, draft, quant)
+    from . import decode_ops
+    from .bf16_linear import dense_linears
+
+    hf = meta_model(hf_config)
+    if not (cpu and dtype == "float32" and quant == "none" and str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
+            and decode_ops.available()):
+        return estimate_module(hf, hf_config, dtype, context_len, draft, quant)
+    bf16 = sum(m.weight.numel() for _, m in dense_linears(hf))
+    return estimate_module(hf, hf_config, dtype, context_len, draft, quant, expert_dtype="bfloat16", bf16_params=bf16)
 
 
 def total_params(est: MemoryEstimate) -> int:

@@ -9,6 +9,8 @@ from tiny import FAMILIES
 
 from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
 from moechat.engine.generate import Engine, Request
+from moechat.engine.model.bf16_linear import Bf16Linear
+from moechat.engine.model.memory_estimate import estimate
 
 RATIOS = (0.0, 0.1, 0.5, 1.0)
 DRAFT_LENS = (1, 4, 8)
@@ -82,7 +84,7 @@ def test_disk_tier_and_byte_budget(family, checkpoint, tokenizer):
     assert fin.token_ids == expected
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v2"])
 def test_bf16_checkpoint(family, checkpoint, tokenizer):
     """A bf16 checkpoint computed in float32 equals transformers in float32, its experts kept in bf16 where the native
     kernel computes them (exact widening: store.storage_dtype) through the decode stack, a CPU fast tier (PyTorch on
@@ -92,8 +94,18 @@ def test_bf16_checkpoint(family, checkpoint, tokenizer):
     model_dir = checkpoint(family, 4, dtype=torch.bfloat16)
     prompt = tokenizer(PROMPT)["input_ids"]
     expected = hf_greedy(model_dir, prompt)
-    kept = Engine(EngineConfig(model_dir=str(model_dir))).model.store
+    model = Engine(EngineConfig(model_dir=str(model_dir))).model
+    kept = model.store
     assert kept.dtype == (torch.float32 if cpu_ffn.library() is None else torch.bfloat16) == kept.gate_up[0].dtype
+    # the dense linears too (bf16_linear.narrow_linears): every one but the routers, read as bf16, computed in fp32
+    linears = {name: m for name, m in model.hf.named_modules() if isinstance(m, torch.nn.Linear)}
+    narrowed = {name for name, m in linears.items() if type(m) is Bf16Linear and m.weight.dtype == torch.bfloat16}
+    routers = {name for name in linears if name.endswith("mlp.gate")}
+    assert narrowed == (set() if cpu_ffn.library() is None else set(linears) - routers), set(linears) - narrowed
+    held = sum(p.numel() * p.element_size() for p in model.hf.parameters())
+    assert estimate(str(model_dir), "float32", cpu=True).non_expert_bytes == held  # what calibration and auto count
+    if family == "qwen3_moe" and cpu_ffn.library() is not None:  # one native call per pass reads them
+        assert model.lean.stack is not None and model.lean.stack.head_weight.dtype == torch.bfloat16
     assert run_engine(model_dir, prompt, drafter="self").token_ids == expected
     assert run_engine(model_dir, prompt, expert_cache_ratio=0.5, policy="spac").token_ids == expected
     assert run_engine(model_dir, prompt, host_ram_budget_bytes=1).token_ids == expected

@@ -163,29 +163,31 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
 
 @pytest.mark.native
 def test_decode_stack_reads_a_bf16_checkpoint_in_bf16_with_the_same_bits(checkpoint, monkeypatch):
-    """A bf16 checkpoint computed in fp32: the stack reads its dense products and head as bf16 (exact), and its logits
-    and KV equal those of the same stack reading the fp32 copies, bit for bit."""
+    """A bf16 checkpoint computed in fp32: its dense linears are held bf16 (bf16_linear), the stack reads them and the head
+    as bf16 (exact), and the logits and KV equal those of the same model held and read in fp32, bit for bit."""
     if not decode_ops.available():
         pytest.skip(cpu_ffn.notice())
-    from moechat.engine.model import decode_stack
+    from moechat.engine.model import bf16_linear, decode_stack, loader
 
-    m = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe", dtype=torch.bfloat16)), dtype="float32"))
-    narrowed = m.lean.stack
-    assert narrowed is not None and narrowed.head_weight.dtype == torch.bfloat16
-    assert all(layer.qkv.w16 and layer.o.w16 for layer in narrowed.layers)
+    model_dir = str(checkpoint("qwen3_moe", dtype=torch.bfloat16))
+    narrowed = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
+    stack = narrowed.lean.stack
+    assert stack is not None and stack.head_weight.dtype == torch.bfloat16
+    assert all(layer.qkv.w16 and not layer.qkv.w and layer.o.w16 for layer in stack.layers)
+    monkeypatch.setattr(loader, "narrow_linears", lambda *args: set())  # the fp32 modules, read in fp32
     monkeypatch.setattr(decode_stack, "_narrow", lambda weight: None)
-    wide = decode_stack.build_decode_stack(m.lean)
-    assert wide.head_weight.dtype == torch.float32 and not wide.layers[0].qkv.w16
+    wide = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
+    assert wide.lean.stack.head_weight.dtype == torch.float32 and not wide.lean.stack.layers[0].qkv.w16
     gen = torch.Generator().manual_seed(2)
-    prompt, ids = torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
+    past = bf16_linear.NATIVE_MAX_ROWS + 4  # a prefill both compute by GEMM (the fp32 one by torch's whole-weight GEMM)
+    prompt, ids = torch.randint(0, 300, (1, past), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
     caches, logits = [], []
     with torch.inference_mode():
-        for stack in (narrowed, wide):
-            m.lean.stack = stack
+        for m in (narrowed, wide):
             cache = m.new_kv_cache()
             with m.runtime.forward("prefill", 0):
                 _hf(m, prompt, cache, 1)
-            with m.runtime.forward("verify", PAST):
+            with m.runtime.forward("verify", past):
                 logits.append(m.forward(ids, cache, 5))
             caches.append(cache)
     assert torch.equal(logits[0], logits[1]) and _same_kv(caches[0], caches[1])

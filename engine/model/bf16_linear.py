@@ -1,0 +1,84 @@
+"""A bf16 checkpoint computed in float32 on a CPU keeps its dense linear weights in bf16.
+
+bf16 widens to fp32 exactly, so a product over the bf16 weight, widened in registers by the native
+kernel (decode_ops.linear) or widened whole for a GEMM (prefill), is the product over the fp32
+copy it replaces: the same numbers, half the RAM and half the bytes each decoded token reads. The
+routed experts do the same in their store (experts/store.py: storage_dtype); routers stay fp32 (the
+native router reads fp32), and so do embeddings, norms and biases (small, or read a row at a time).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from . import decode_ops
+from .checkpoint import Checkpoint
+
+# rows up to which the native kernel runs: every verification pass (γ + 1 <= 33, SpecConfig), so a row's bits never
+# depend on its company and speculative decoding stays lossless; a GEMM above (prefill)
+NATIVE_MAX_ROWS = 33
+SCRATCH_FLOATS = 1 << 21  # the widening buffer: 8 MB of fp32, weight rows widened per GEMM
+
+
+class Bf16Linear(torch.nn.Linear):
+    """nn.Linear whose weight [out, in] is bf16 and whose input and output are fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if x.dtype == torch.float32 and x.device.type == "cpu" and rows <= NATIVE_MAX_ROWS and decode_ops.available():
+            # each row one fixed-order dot product: a row's bits do not depend on how many rows come with it
+            y = decode_ops.linear(x.reshape(rows, self.in_features).contiguous(), self.weight.detach(), _detach(self.bias))
+            return y.view(*x.shape[:-1], self.out_features)
+        return widened_linear(x, self.weight.detach(), _detach(self.bias))
+
+
+_scratch = threading.local()  # per thread: a reused buffer widens in cache, a fresh one pays a page fault per 4 KB
+
+
+def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] · bf16 weight [R, K]ᵀ (+ bias) in x's dtype, for many rows (prefill): the weight widened a block of
+    rows at a time into a small reused buffer, each block one GEMM (a whole widened copy costs 10x the widening)."""
+    rows, k = weight.shape
+    block = max(1, min(rows, SCRATCH_FLOATS // k))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < block * k or buf.dtype != x.dtype:
+        with torch.inference_mode(False):  # a normal tensor: written in place in and outside inference mode
+            buf = _scratch.buf = torch.empty(block * k, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        w = buf[: (r1 - r0) * k].view(r1 - r0, k).copy_(weight[r0:r1])
+        out[..., r0:r1] = F.linear(x, w, None if bias is None else bias[r0:r1])
+    return out
+
+
+def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def dense_linears(hf):
+    """(name, module) of every nn.Linear that may be held in bf16: all but the routers and a head tied to the embeddings."""
+    routers = {id(layer.mlp.gate) for layer in hf.model.layers if hasattr(getattr(layer, "mlp", None), "experts")}
+    head = hf.get_output_embeddings() if getattr(hf.config, "tie_word_embeddings", False) else None
+    for name, module in hf.named_modules():
+        if type(module) is torch.nn.Linear and id(module) not in routers and module is not head:
+            yield name, module
+
+
+def narrow_linears(hf, ckpt: Checkpoint, family, device: torch.device, dtype: torch.dtype) -> set[str]:
+    """Turn the dense nn.Linear modules of a (meta) module tree into Bf16Linear where the checkpoint stores their weight
+    in bf16 and the model computes in fp32 on the CPU with the native kernels built; -> the state-dict keys of those
+    weights (the loader keeps them bf16)."""
+    if device.type != "cpu" or dtype != torch.float32 or not decode_ops.available():
+        return set()
+    stored = {family.module_key(k): k for k in ckpt.keys()}  # module key -> checkpoint key
+    narrowed = set()
+    for name, module in list(dense_linears(hf)):
+        key = f"{name}.weight"
+        if key in stored and ckpt.dtype_name(stored[key]) == "BF16":
+            module.__class__ = Bf16Linear
+            module.weight = torch.nn.Parameter(module.weight.to(torch.bfloat16), requires_grad=False)  # meta: no bytes
+            narrowed.add(key)
+    return narrowed
