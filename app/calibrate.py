@@ -78,7 +78,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
 
     def placed(fmt: str):  # where a run with experts in `fmt` computes, and the model's sizes there
         placement = resolve_placement(device, dtype, model_dir, fmt)
-        return placement, estimate(model_dir, dtype=placement.dtype, draft_dir=draft_dir)
+        return placement, estimate(model_dir, dtype=placement.dtype, draft_dir=draft_dir, cpu=placement.device == "cpu")
 
     placement, est = placed(quant or "none")
     fmt = experts_format(hw, est, ram_budget, quant)

@@ -225,7 +225,8 @@ OPTIONS: tuple[Option, ...] = (
            "engine", problem_of=_device_problem, unset="auto", label="Device", placeholder="auto",
            metavar="auto|cpu|cuda[:N]"),
     Option("dtype", str, None, "compute dtype: auto (the checkpoint's where the device computes it well: bfloat16 on "
-           "a GPU that has it, else float16; on a CPU float32 for quantized or small models), float32, bfloat16 or "
+           "a GPU that has it, else float16; on a CPU float32 for quantized, small or bf16 models, a bf16 one's "
+           "weights kept bf16), float32, bfloat16 or "
            "float16", "engine", choices=("auto",) + DTYPES, unset="auto", label="Compute dtype", placeholder="auto",
            widget="select"),
     Option("lean_decode", bool, True, "decode and verification steps on the CPU skip transformers' module tree: "

@@ -84,14 +84,15 @@ def probe_cuda() -> CudaProbe:
     return CudaProbe(tuple(gpus))
 
 
-def choose(device: str, dtype: str, checkpoint_dtype: str, quant: str, cuda: CudaProbe, fp32_bytes: int = 0) -> Placement:
+def choose(device: str, dtype: str, checkpoint_dtype: str, quant: str, cuda: CudaProbe, fp32_bytes: int = 0,
+           native: bool = False) -> Placement:
     """device: "auto" | "cpu" | "cuda[:N]"; dtype: "auto" or a dtype name; fp32_bytes: the checkpoint's
-    weights widened to float32 (0: unknown)."""
+    weights widened to float32 (0: unknown); native: the native CPU kernels are built."""
     dev, dev_why, notice = _device(device, cuda)
     gpu = next((g for g in cuda.gpus if f"cuda:{g.index}" == dev), None)
     if dtype != "auto":
         return Placement(dev, dtype, dev_why, "set", notice)
-    dt, dt_why = _gpu_dtype(gpu, checkpoint_dtype) if gpu else _cpu_dtype(checkpoint_dtype, quant, fp32_bytes)
+    dt, dt_why = _gpu_dtype(gpu, checkpoint_dtype) if gpu else _cpu_dtype(checkpoint_dtype, quant, fp32_bytes, native)
     return Placement(dev, dt, dev_why, dt_why, notice)
 
 
@@ -134,13 +135,15 @@ def _gpu_dtype(gpu: Gpu, checkpoint: str) -> tuple[str, str]:
     return "float16", "this GPU has no native bfloat16"
 
 
-def _cpu_dtype(checkpoint: str, quant: str, fp32_bytes: int) -> tuple[str, str]:
+def _cpu_dtype(checkpoint: str, quant: str, fp32_bytes: int, native: bool) -> tuple[str, str]:
     if quant != "none":
         return "float32", f"dense layers {quant} too: float32 activations run faster"
     if checkpoint == "float32":
         return "float32", "the checkpoint's"
     if 0 < fp32_bytes <= SMALL_MODEL:
         return "float32", "a small model: PyTorch's ops run faster in float32"
+    if checkpoint == "bfloat16" and native:  # experts/store.py storage_dtype, model/bf16_linear.py
+        return "float32", "bf16 weights kept, float32 activations: the native kernels' path, twice bf16's decode"
     return checkpoint, "the checkpoint's: half the bytes of float32"
 
 
@@ -165,7 +168,16 @@ def resolve_placement(device: str | None, dtype: str | None, model_dir: str, qua
         cuda = CudaProbe() if device == "cpu" else probe_cuda()
     widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
     fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    return choose(device, dtype, checkpoint, quant, cuda, fp32_bytes)
+    return choose(device, dtype, checkpoint, quant, cuda, fp32_bytes, native=dtype == "auto" and _native_built())
+
+
+def _native_built() -> bool:
+    """Whether the native CPU kernels can run here (built on first use; cached after)."""
+    try:
+        from .model import decode_ops
+    except ImportError:  # no torch: the command then says how to install it
+        return False
+    return decode_ops.available()
 
 
 def checkpoint_dtype(raw_config: dict) -> str:

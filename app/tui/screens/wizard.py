@@ -201,7 +201,8 @@ class WizardScreen(Screen):
         self.query_one("#dtype", Select).value = settings.dtype or "auto"
         self.query_one("#placement-note", Static).update(
             f"auto: the GPU ({hw.gpus[0].name}), in bfloat16 where it has it, else float16" if hw.gpus else
-            "auto: the CPU (no NVIDIA GPU found), in float32 for quantized or small models, else the checkpoint's dtype")
+            "auto: the CPU (no NVIDIA GPU found), in float32 for quantized, small or bf16 models (bf16 weights kept), "
+            "else the checkpoint's dtype")
         if hw.gpus:
             gpu = hw.gpus[0]
             vram.value = str(settings.vram_budget_gib or round(gpu.free_bytes / GIB, 1))
