@@ -16,7 +16,8 @@ SCRIPT = ROOT / "installer" / "install.sh"
 def test_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (.ci/run installs it)")
-    proc = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True)
+    ci = SCRIPT.parent.parent / ".ci"
+    proc = subprocess.run(["shellcheck", str(SCRIPT), str(ci / "run"), str(ci / "gpu-proof")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
