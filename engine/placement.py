@@ -168,16 +168,17 @@ def resolve_placement(device: str | None, dtype: str | None, model_dir: str, qua
         cuda = CudaProbe() if device == "cpu" else probe_cuda()
     widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
     fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    return choose(device, dtype, checkpoint, quant, cuda, fp32_bytes, native=dtype == "auto" and _native_built())
+    native = dtype == "auto" and checkpoint == "bfloat16" and quant == "none" and _native_built()  # only where it decides
+    return choose(device, dtype, checkpoint, quant, cuda, fp32_bytes, native=native)
 
 
 def _native_built() -> bool:
     """Whether the native CPU kernels can run here (built on first use; cached after)."""
     try:
-        from .model import decode_ops
+        from .experts import cpu_ffn
     except ImportError:  # no torch: the command then says how to install it
         return False
-    return decode_ops.available()
+    return cpu_ffn.available()
 
 
 def checkpoint_dtype(raw_config: dict) -> str:

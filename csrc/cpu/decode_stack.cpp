@@ -37,8 +37,8 @@ int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t* of
                      int isa_req);
 }
 
-// One bias-free linear layer: fp32 W [rows, k], its exact bf16 form w16 (a bf16 checkpoint in fp32: half the bytes,
-// the same bits), or (both null) a quantized matrix in moe_q_linear's layout.
+// One bias-free linear layer: fp32 W [rows, k], or bf16 w16 (a bf16 checkpoint in fp32, engine/model/bf16_linear.py:
+// widened as it is read, the same bits), or (both null) a quantized matrix in moe_q_linear's layout.
 struct DenseWeight {
     const float* w;
     const uint16_t* w16;

@@ -1,9 +1,9 @@
 // The prefetch engine: copies experts from host RAM into slots of the fast-tier pool on the GPU.
 //
 // One engine = one thread + one CUDA stream (non-blocking: it never syncs with the compute stream
-// by accident). Python queues copies (one item = one expert = up to MAX_SEGMENTS segments: gate_up and
-// down, and their scales and zero points when quantized) at a priority level; the thread issues them highest level first, FIFO within a level, and
-// keeps at most `max_inflight` issued but not complete. A CUDA stream is FIFO, so without that
+// by accident). Python queues copies (one item = one expert = up to MAX_SEGMENTS segments: gate_up
+// and down, and their scales and zero points when quantized) at a priority level; the thread issues
+// them highest level first, FIFO within a level, and keeps at most `max_inflight` issued but not complete. A CUDA stream is FIFO, so without that
 // bound everything queued would be issued at once and a late high-level expert would wait behind
 // every low-level one.
 //

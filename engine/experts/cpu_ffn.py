@@ -75,6 +75,12 @@ def available() -> bool:
     return library() is not None
 
 
+def keeps_bf16(device_type: str, dtype: torch.dtype, quant: str) -> bool:
+    """Whether a bf16 checkpoint's weights stay bf16 under this compute: float32 on a CPU, unquantized, with the native
+    kernels, which widen bf16 exactly as they read (experts/store.py storage_dtype, model/bf16_linear.py)."""
+    return device_type == "cpu" and dtype == torch.float32 and quant == "none" and available()
+
+
 def isa_supported(isa: str) -> bool:
     lib = library()
     return lib is not None and bool(lib.moe_cpu_isa_supported(ISA[isa]))

@@ -21,7 +21,7 @@ def storage_dtype(ckpt: Checkpoint, family: Family, layers: list[int], dtype: to
     """The dtype the routed experts are kept in: the compute dtype, but a bf16 checkpoint's experts computed in fp32 on a
     CPU device by the native kernel stay bf16. Exact (bf16 widens to fp32 without rounding, and the kernel widens in
     registers: the same products), half the RAM and half the bytes each token reads."""
-    if quant != "none" or dtype != torch.float32 or device.type != "cpu" or not layers or cpu_ffn.library() is None:
+    if not layers or not cpu_ffn.keeps_bf16(device.type, dtype, quant):
         return dtype
     first = family.expert_key(layers[0], 0, 0)
     keys = [first] if first in ckpt else family.fused_keys(layers[0])

@@ -1,7 +1,7 @@
 """A bf16 checkpoint computed in float32 on a CPU keeps its dense linear weights in bf16.
 
 bf16 widens to fp32 exactly, so a product over the bf16 weight, widened in registers by the native
-kernel (decode_ops.linear) or widened whole for a GEMM (prefill), is the product over the fp32
+kernel (decode_ops.linear) or a block of rows at a time for a GEMM (prefill), is the product over the fp32
 copy it replaces: the same numbers, half the RAM and half the bytes each decoded token reads. The
 routed experts do the same in their store (experts/store.py: storage_dtype); routers stay fp32 (the
 native router reads fp32), and so do embeddings, norms and biases (small, or read a row at a time).
@@ -13,6 +13,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..experts import cpu_ffn
 from . import decode_ops
 from .checkpoint import Checkpoint
 
@@ -25,9 +26,9 @@ SCRATCH_FLOATS = 1 << 21  # the widening buffer: 8 MB of fp32, weight rows widen
 class Bf16Linear(torch.nn.Linear):
     """nn.Linear whose weight [out, in] is bf16 and whose input and output are fp32."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # only made where the native kernels are built (narrow_linears)
         rows = x.numel() // self.in_features
-        if x.dtype == torch.float32 and x.device.type == "cpu" and rows <= NATIVE_MAX_ROWS and decode_ops.available():
+        if x.dtype == torch.float32 and rows <= NATIVE_MAX_ROWS:
             # each row one fixed-order dot product: a row's bits do not depend on how many rows come with it
             y = decode_ops.linear(x.reshape(rows, self.in_features).contiguous(), self.weight.detach(), _detach(self.bias))
             return y.view(*x.shape[:-1], self.out_features)
@@ -67,11 +68,11 @@ def dense_linears(hf):
             yield name, module
 
 
-def narrow_linears(hf, ckpt: Checkpoint, family, device: torch.device, dtype: torch.dtype) -> set[str]:
+def narrow_linears(hf, ckpt: Checkpoint, family, device: torch.device, dtype: torch.dtype, quant: str) -> set[str]:
     """Turn the dense nn.Linear modules of a (meta) module tree into Bf16Linear where the checkpoint stores their weight
-    in bf16 and the model computes in fp32 on the CPU with the native kernels built; -> the state-dict keys of those
-    weights (the loader keeps them bf16)."""
-    if device.type != "cpu" or dtype != torch.float32 or not decode_ops.available():
+    in bf16 and the compute keeps it so (cpu_ffn.keeps_bf16); -> the state-dict keys of those weights (the loader keeps
+    them bf16)."""
+    if not cpu_ffn.keeps_bf16(device.type, dtype, quant):
         return set()
     stored = {family.module_key(k): k for k in ckpt.keys()}  # module key -> checkpoint key
     narrowed = set()

@@ -64,36 +64,25 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _narrow(weight: torch.Tensor) -> torch.Tensor | None:
-    """An fp32 weight's bf16 form where it holds exactly the same values (a bf16 checkpoint computed in fp32: half the
-    bytes to read, the same products), else None."""
-    w16 = weight.detach().to(torch.bfloat16)
-    return w16 if torch.equal(w16.float(), weight.detach()) else None
-
-
-def _dense(weight: torch.Tensor | None, quant: formats.QuantMatrix | None, keep: list) -> DenseWeight | None:
-    """One bias-free product: fp32 [R, K] contiguous (read in its exact bf16 form where it has one, kept in `keep`), or
-    a 2-D QuantMatrix; None otherwise."""
+def _dense(weight: torch.Tensor | None, quant: formats.QuantMatrix | None) -> DenseWeight | None:
+    """One bias-free product: an fp32 or bf16 (Bf16Linear's, widened as it is read) [R, K] contiguous weight, or a 2-D
+    QuantMatrix; None otherwise."""
     if quant is not None:
         if quant.q.dim() != 2 or not quant.is_contiguous():
             return None
         return DenseWeight(None, None, _ptr(quant.q), _ptr(quant.scale), _ptr(quant.minimum), formats.BITS[quant.fmt],
                            quant.rows, quant.k)
-    if weight is not None and weight.dtype == torch.bfloat16 and weight.is_contiguous():  # Bf16Linear's: read as it is
-        return DenseWeight(None, weight.data_ptr(), None, None, None, 0, weight.shape[0], weight.shape[1])
-    if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous():
+    if weight is None or weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
         return None
-    w16 = _narrow(weight)
-    if w16 is not None:
-        keep.append(w16)
-    return DenseWeight(weight.data_ptr(), _ptr(w16), None, None, None, 0, weight.shape[0], weight.shape[1])
+    w, w16 = (weight, None) if weight.dtype == torch.float32 else (None, weight)
+    return DenseWeight(_ptr(w), _ptr(w16), None, None, None, 0, weight.shape[0], weight.shape[1])
 
 
-def _linear(module, keep: list) -> DenseWeight | None:
+def _linear(module) -> DenseWeight | None:
     if type(module) is QuantLinear:
-        return _dense(None, module.weight_q, keep) if module.bias is None else None
+        return _dense(None, module.weight_q) if module.bias is None else None
     if type(module) in (torch.nn.Linear, Bf16Linear) and module.bias is None:
-        return _dense(module.weight.detach(), None, keep)
+        return _dense(module.weight.detach(), None)
     return None
 
 
@@ -112,15 +101,13 @@ class DecodeStack:
         self.final_norm = lean.base.norm.weight
         self.seconds = dict.fromkeys(PARTS, 0.0)  # native time by part since construction (bench generate --by-part)
         head = lean.hf.lm_head
-        # an fp32 head as one fixed-order product per row (torch's GEMM rounds a 5-row pass unlike 5 one-row ones),
-        # read in its exact bf16 form where it has one
+        # an fp32 or bf16 (Bf16Linear) head as one fixed-order product per row (torch's GEMM rounds a 5-row pass unlike
+        # 5 one-row ones)
         self.head_weight = self.head_bias = None
-        if type(head) is torch.nn.Linear and head.weight.dtype == torch.float32 and head.weight.is_contiguous():
-            w16 = _narrow(head.weight)
-            self.head_weight = head.weight.detach() if w16 is None else w16
+        if (type(head) in (torch.nn.Linear, Bf16Linear) and head.weight.dtype in (torch.float32, torch.bfloat16)
+                and head.weight.is_contiguous()):
+            self.head_weight = head.weight.detach()
             self.head_bias = None if head.bias is None else head.bias.detach()
-        elif type(head) is Bf16Linear and head.weight.is_contiguous():
-            self.head_weight, self.head_bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
 
     def usable(self) -> bool:
         """Whether this pass may skip the MoE layers' own path (as moe_layer.cpu_direct decides per layer)."""
@@ -195,14 +182,14 @@ def build_decode_stack(lean) -> DecodeStack | None:
         a, mlp = layer.self_attn, layer.mlp
         router = lean.routers[i][0] if lean.routers[i] is not None else None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        attention = _attention(lean, i, keep)
+        attention = _attention(lean, i)
         same_heads = (a.head_dim, a.scaling) == (first_attn.head_dim, first_attn.scaling)
         if (attention is None or hasattr(mlp, "shared_expert") or not same_heads
                 or any(n.variance_epsilon != eps or not _fp32(n.weight) for n in norms) or not _fp32(router)):
             return None
         head_eps.add(attention.pop("head_eps"))
         if router is None:
-            mlp_fields = _dense_mlp(mlp, keep)
+            mlp_fields = _dense_mlp(mlp)
         else:
             experts = getattr(mlp, "experts", None)
             if type(experts) is not OffloadedExperts or experts.runtime is not (runtime or experts.runtime):
@@ -232,30 +219,30 @@ def _fp32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_contiguous())
 
 
-def _attention(lean, i: int, keep: list) -> dict | None:
+def _attention(lean, i: int) -> dict | None:
     """One layer's q/k/v and output products and Qwen3's q/k norms as the stack reads them (and the norms' eps), or None."""
     a, qkv, stacked = lean.layers[i].self_attn, lean.qkv[i], lean.stacked[i]
     if qkv is not None:
-        qkv_w = _dense(None, qkv.weight_q, keep) if qkv.bias is None else None
+        qkv_w = _dense(None, qkv.weight_q) if qkv.bias is None else None
     else:
-        qkv_w = _dense(stacked[0], None, keep) if stacked is not None and stacked[1] is None else None
+        qkv_w = _dense(stacked[0], None) if stacked is not None and stacked[1] is None else None
     q_norm = k_norm = None
     head_eps = 0.0
     if lean.head_norm:
         q_norm, k_norm, head_eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon
         if a.k_norm.variance_epsilon != head_eps or not (_fp32(q_norm) and _fp32(k_norm)):
             return None
-    o_w = _linear(a.o_proj, keep)
+    o_w = _linear(a.o_proj)
     if qkv_w is None or o_w is None:
         return None
     return dict(qkv=qkv_w, o=o_w, q_norm=_ptr(q_norm), k_norm=_ptr(k_norm), head_eps=head_eps)
 
 
-def _dense_mlp(mlp, keep: list) -> dict | None:
+def _dense_mlp(mlp) -> dict | None:
     """A dense SwiGLU block's three products (qwen3_moe's mlp_only_layers), or None."""
     if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or not _is_silu(mlp.act_fn):
         return None
-    weights = dict(gate=_linear(mlp.gate_proj, keep), up=_linear(mlp.up_proj, keep), down_proj=_linear(mlp.down_proj, keep))
+    weights = dict(gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down_proj=_linear(mlp.down_proj))
     return None if None in weights.values() else weights
 
 

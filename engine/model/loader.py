@@ -146,7 +146,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     quant = expert_format(gptq, cfg.quant)
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
     routers = {id(layers[i].mlp.gate) for i in sparse}
-    narrowed = narrow_linears(hf, ckpt, family, device, dtype) if quant == "none" else set()
+    narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
     estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant, expert_dtype=str(expert_dtype)[6:],
                                bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed))
     check_load_budgets(cfg, estimate, device)  # before loading

@@ -187,12 +187,12 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
 
         quant = expert_format(read_gptq_config(read_config_dict(Path(source).expanduser())), quant)
     draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0
-    from . import decode_ops
+    from ..experts.cpu_ffn import keeps_bf16
     from .bf16_linear import dense_linears
 
     hf = meta_model(hf_config)
-    if not (cpu and dtype == "float32" and quant == "none" and str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
-            and decode_ops.available()):
+    bf16_checkpoint = str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
+    if not (cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), quant)):
         return estimate_module(hf, hf_config, dtype, context_len, draft, quant)
     bf16 = sum(m.weight.numel() for _, m in dense_linears(hf))
     return estimate_module(hf, hf_config, dtype, context_len, draft, quant, expert_dtype="bfloat16", bf16_params=bf16)

@@ -167,7 +167,7 @@ def test_decode_stack_reads_a_bf16_checkpoint_in_bf16_with_the_same_bits(checkpo
     as bf16 (exact), and the logits and KV equal those of the same model held and read in fp32, bit for bit."""
     if not decode_ops.available():
         pytest.skip(cpu_ffn.notice())
-    from moechat.engine.model import bf16_linear, decode_stack, loader
+    from moechat.engine.model import bf16_linear, loader
 
     model_dir = str(checkpoint("qwen3_moe", dtype=torch.bfloat16))
     narrowed = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
@@ -175,7 +175,6 @@ def test_decode_stack_reads_a_bf16_checkpoint_in_bf16_with_the_same_bits(checkpo
     assert stack is not None and stack.head_weight.dtype == torch.bfloat16
     assert all(layer.qkv.w16 and not layer.qkv.w and layer.o.w16 for layer in stack.layers)
     monkeypatch.setattr(loader, "narrow_linears", lambda *args: set())  # the fp32 modules, read in fp32
-    monkeypatch.setattr(decode_stack, "_narrow", lambda weight: None)
     wide = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
     assert wide.lean.stack.head_weight.dtype == torch.float32 and not wide.lean.stack.layers[0].qkv.w16
     gen = torch.Generator().manual_seed(2)
