@@ -44,7 +44,7 @@ def _ints(text: str) -> list[int]:
 
 
 def add_bench_kernels(sub) -> None:
-    from ...engine import DTYPES
+    from ...engine import DTYPES, cpu_ffn
     from ..options import OPTION
 
     p = sub.add_parser("kernels", help="native kernels vs their PyTorch twins: CPU expert FFN (and GPU transfers)")
@@ -55,8 +55,7 @@ def add_bench_kernels(sub) -> None:
     OPTION["quant"].add_flag(p, default="none")  # int8/int4: the quantized kernel, fp32 activations quantized inside
     p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed calls per row and side, fastest counts (default 5)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads for both sides (default torch's)")
-    p.add_argument("--isa", default="auto", choices=["auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16",
-                                                     "avx512_vnni"],
+    p.add_argument("--isa", default="auto", choices=list(cpu_ffn.ISA),
                    help="force a native CPU path (default: the best this CPU has)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help='print one object {"cpu": [...], "cuda": [...], ...}')
@@ -198,7 +197,7 @@ def cmd_bench_kernels(args) -> int:
     del meter
     cuda_rows, cuda_note = _cuda_rows()
     dt = getattr(torch, args.dtype)
-    isa = cpu_ffn.resolved_q_isa(args.isa) if args.quant != "none" else cpu_ffn.resolved_isa(args.isa, dt, dt)
+    isa = cpu_ffn.resolved_q_isa(args.isa, args.quant) if args.quant != "none" else cpu_ffn.resolved_isa(args.isa, dt, dt)
     result = {"dtype": args.dtype, "quant": args.quant, "threads": threads, "isa": isa,
               "copy_gbps": statistics.median(r["copy_gbps"] for r in cpu_rows),
               "read_gbps": statistics.median(r["read_gbps"] for r in cpu_rows), "repeats": args.repeats,

@@ -27,7 +27,23 @@
 namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
-enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5, AVX512_VNNI = 6 };
+enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5, AVX512_VNNI = 6, AMX_INT8 = 7 };
+
+// AMX: CPUID.7.0:EDX `bit` and bit 24 (AMX-TILE), and Linux's permission to use tiles; asked once per process
+// (CPUID is a VM exit under a hypervisor: not per call).
+inline bool amx_usable(int bit) {
+#if defined(MOE_X86) && defined(__linux__)
+    static const unsigned edx = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return 0u;
+        return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? d : 0u;
+    }();
+    return edx & (1u << bit);
+#else
+    (void)bit;
+    return false;
+#endif
+}
 
 // What this CPU can run (and, for AMX, what Linux lets this process use).
 bool cpu_has(Isa isa) {
@@ -39,18 +55,8 @@ bool cpu_has(Isa isa) {
                             __builtin_cpu_supports("avx512vl") && cpu_has(AVX2);
         case AVX512_BF16: return cpu_has(AVX512) && __builtin_cpu_supports("avx512bf16");
         case AVX512_VNNI: return cpu_has(AVX512) && __builtin_cpu_supports("avx512vnni");
-        case AMX_BF16: {  // CPUID.7.0:EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), and Linux's permission to use tiles
-#if defined(__linux__)
-            static const bool ok = [] {
-                unsigned a, b, c, d;
-                if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-                return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-            }();
-            return ok && cpu_has(AVX512_BF16);
-#else
-            return false;
-#endif
-        }
+        case AMX_BF16: return amx_usable(22) && cpu_has(AVX512_BF16);  // CPUID.7.0:EDX bit 22: AMX-BF16
+        case AMX_INT8: return amx_usable(25) && cpu_has(AVX512_VNNI);  // bit 25: AMX-INT8
         default: return isa == SCALAR;
     }
 #else

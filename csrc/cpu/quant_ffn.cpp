@@ -15,11 +15,11 @@
 namespace {
 
 Isa resolve_q(int isa) {
-    if (isa == AUTO) return cpu_has(AVX512_VNNI) ? AVX512_VNNI : cpu_has(AVX2) ? AVX2 : SCALAR;
+    if (isa == AUTO) return cpu_has(AMX_INT8) ? AMX_INT8 : cpu_has(AVX512_VNNI) ? AVX512_VNNI : cpu_has(AVX2) ? AVX2 : SCALAR;
     return Isa(isa);
 }
 
-bool runnable_q(Isa isa) { return (isa == SCALAR || isa == AVX2 || isa == AVX512_VNNI) && cpu_has(isa); }
+bool runnable_q(Isa isa) { return (isa == SCALAR || isa == AVX2 || isa == AVX512_VNNI || isa == AMX_INT8) && cpu_has(isa); }
 
 struct QStack {  // E experts' matrices of `rows` rows each, stacked: what the store and the slots hold
     const uint8_t* q;
@@ -59,11 +59,11 @@ private:
     std::atomic<int64_t> next_{0};
 };
 
-struct QBuf {  // quantized activations of S tokens over kp columns
+struct QBuf {  // quantized activations of S tokens over kp columns (+15 zero rows: AMX reads whole 16-row tiles)
     std::vector<int8_t> q;
     std::vector<float> d, ds;
     int64_t kp, nb;
-    QBuf(int64_t S, int64_t kp_) : q(S * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), kp(kp_), nb(kp_ / 32) {}
+    QBuf(int64_t S, int64_t kp_) : q((S + 15) * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), kp(kp_), nb(kp_ / 32) {}
     QActs at(int64_t s0) const { return {q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, kp, nb}; }
     void fill(const float* x, int64_t ldx, int64_t K, int64_t s0, int T) {
         quantize_acts(x, ldx, K, T, kp, q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb);
@@ -181,13 +181,9 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
         Items::Cursor cursor;
         for (int64_t item; (item = items.next(cursor)) >= 0;) {
             const int64_t r0 = item * QRB, nr = std::min(QRB, n_rows - r0);
-            for (int64_t t0 = 0; t0 < n_tokens; t0 += 16) {  // the walk's tiles take any T; bound the scratch
-                const int T = int(std::min<int64_t>(16, n_tokens - t0));
-                float y[16 * QRB];
-                qmat(W, r0, nr, xq.at(t0), T, y, QRB, bits, isa);
-                for (int t = 0; t < T; t++)
-                    for (int64_t r = 0; r < nr; r++) out[(t0 + t) * n_rows + r0 + r] = y[t * QRB + r];
-            }
+            for (int64_t t0 = 0; t0 < n_tokens; t0 += 128)  // tokens in chunks: the AMX walk's sums stay in L1
+                qmat(W, r0, nr, xq.at(t0), int(std::min<int64_t>(128, n_tokens - t0)), out + t0 * n_rows + r0, n_rows,
+                     bits, isa);
         }
     });
     return 0;

@@ -26,8 +26,8 @@ Q_SOURCE = native.CSRC / "cpu" / "quant_ffn.cpp"
 DECODE_SOURCE = native.CSRC / "cpu" / "decode_ops.cpp"  # engine/model/decode_ops.py's kernels, in the same library
 STACK_SOURCE = native.CSRC / "cpu" / "decode_stack.cpp"  # engine/model/decode_stack.py's: the whole stack per pass
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6}
-Q_ISAS = ("scalar", "avx2", "avx512_vnni")  # the quantized kernel's paths
+ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6, "amx_int8": 7}
+Q_ISAS = ("scalar", "avx2", "avx512_vnni", "amx_int8")  # the quantized kernel's paths
 ISA_NAME = {v: k for k, v in ISA.items()}
 # Above this many tokens per expert a GEMM library beats a row-streaming kernel (prefill): torch then.
 NATIVE_MAX_TOKENS = 16
@@ -94,10 +94,12 @@ def resolved_isa(isa: str, w_dtype: torch.dtype, x_dtype: torch.dtype) -> str:
     return ISA_NAME[lib.moe_cpu_resolve_isa(ISA[isa], DTYPE_CODE[w_dtype], DTYPE_CODE[x_dtype])]
 
 
-def resolved_q_isa(isa: str) -> str:
-    """The path a quantized call takes ("auto": VNNI, else AVX2, else scalar)."""
+def resolved_q_isa(isa: str, quant: str = "int8") -> str:
+    """The path a quantized call takes ("auto": AMX-INT8, else VNNI, else AVX2, else scalar). AMX serves int8 alone
+    (from 8 tokens per call; fewer take VNNI), so int4 reads VNNI there."""
     lib = library()
-    return "torch" if lib is None else ISA_NAME[lib.moe_q_resolve_isa(ISA[isa])]
+    name = "torch" if lib is None else ISA_NAME[lib.moe_q_resolve_isa(ISA[isa])]
+    return "avx512_vnni" if name == "amx_int8" and quant == "int4" else name
 
 
 def q_isa_supported(isa: str) -> bool:

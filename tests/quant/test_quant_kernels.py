@@ -158,6 +158,22 @@ def test_the_vector_paths_agree_with_the_portable_one_on_integer_dots():
 
 
 @needs_native
+@pytest.mark.skipif(not cpu_ffn.q_isa_supported("amx_int8"), reason="this CPU (or its kernel) offers no AMX-INT8 tiles")
+def test_amx_tiles_give_the_vnni_paths_bits():
+    """The tiles make the same integer sums and scale them in the same order: equal, not close, from 8 tokens
+    (where AMX takes over) past one 16-token tile, in odd and even numbers of row groups, linear and FFN."""
+    for rows, k, t in ((48, 96, 8), (96, 2048, 17), (32, 160, 40), (16, 64, 16)):
+        w = formats.quantize(torch.randn(rows, k) * 0.05, "int8")
+        x = torch.randn(t, k)
+        assert torch.equal(cpu_ffn.q_linear(x, w, isa="amx_int8"), cpu_ffn.q_linear(x, w, isa="avx512_vnni")), (rows, k, t)
+    for H, I, sizes in ((144, 80, [16, 2, 11]), (256, 192, [9, 8, 1, 20])):
+        x, gu, dn, experts, offsets, rows, w = case(H, I, sizes, "int8", N=24)
+        amx, vnni = (cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(24, H), isa=isa)
+                     for isa in ("amx_int8", "avx512_vnni"))
+        assert torch.equal(amx, vnni), (H, I, sizes)
+
+
+@needs_native
 def test_dispatcher_takes_the_quantized_kernel(monkeypatch):
     x, gu, dn, experts, offsets, rows, w = case(64, 32, [1, 3], "int4")
     calls = []
@@ -183,7 +199,7 @@ def test_portable_build_runs_the_quantized_kernel(tmp_path, monkeypatch):
                         headers=sorted(cpu_ffn.SOURCE.parent.glob("*.h")))
     lib = ctypes.CDLL(str(path))
     lib.moe_q_linear.argtypes = cpu_ffn._QL_ARGTYPES
-    assert [lib.moe_q_isa_supported(cpu_ffn.ISA[i]) for i in cpu_ffn.Q_ISAS] == [1, 0, 0]
+    assert [lib.moe_q_isa_supported(cpu_ffn.ISA[i]) for i in cpu_ffn.Q_ISAS] == [1, 0, 0, 0]
     w = formats.quantize(torch.randn(48, 96) * 0.05, "int4")
     x = torch.randn(3, 96)
     out = torch.empty(3, 48)
