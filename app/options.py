@@ -189,7 +189,8 @@ OPTIONS: tuple[Option, ...] = (
            "mmap'd checkpoint files", "engine", unit="GiB", low=0, low_open=True, unset="the available RAM",
            label="RAM budget (GiB)", placeholder="available RAM", metavar="GIB"),
     Option("quant", str, None, "routed experts' storage: none (the checkpoint's dtype), int8 or int4 (quantized once "
-           "at first load, cached on disk); a pre-quantized GPTQ checkpoint runs as it is", "engine", choices=QUANTS,
+           "at first load, cached on disk); a pre-quantized checkpoint (GPTQ, compressed-tensors) runs as it is", "engine",
+           choices=QUANTS,
            unset=_FROM_PROFILE.format("none"), label="Quantized experts", placeholder="from calibration", widget="select"),
     Option("expert_cache_ratio", float, None, "share of routed experts kept on the compute device, the fast tier",
            "engine", low=0, high=1, unset="the calibration profile on cuda, else 0.25 on cuda, 0 on cpu",

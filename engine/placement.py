@@ -162,8 +162,7 @@ def resolve_placement(device: str | None, dtype: str | None, model_dir: str, qua
     directory = Path(model_dir).expanduser()
     raw = read_config_dict(directory)
     checkpoint = checkpoint_dtype(raw)
-    if raw.get("quantization_config", {}).get("quant_method") == "gptq":
-        quant = "int4"  # runs as it is (quant/gptq.py), its dense layers quantized on a CPU like any int4 model's
+    quant = prequantized_format(raw) or quant  # runs as it is, its dense layers quantized on a CPU like any model's
     if cuda is None:
         cuda = CudaProbe() if device == "cpu" else probe_cuda()
     widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
@@ -179,6 +178,19 @@ def _native_built() -> bool:
     except ImportError:  # no torch: the command then says how to install it
         return False
     return cpu_ffn.available()
+
+
+def prequantized_format(raw_config: dict) -> str | None:
+    """The format a pre-quantized checkpoint runs in, None for a plain one (quant/prequantized.py reads and checks the
+    whole config when it loads; this much needs no torch)."""
+    qc = raw_config.get("quantization_config")
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+    if method == "gptq":
+        return "int4"
+    if method == "compressed-tensors":
+        bits = [(g.get("weights") or {}).get("num_bits") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+        return "int8" if bits and all(b == 8 for b in bits) else "int4"
+    return None
 
 
 def checkpoint_dtype(raw_config: dict) -> str:

@@ -10,7 +10,7 @@ from ..model.families import Family
 from ..model.memory_estimate import expert_bytes_for
 from ..quant import formats
 from ..quant.expert_file import QuantizedExperts, open_quantized
-from ..quant.gptq import SUFFIXES, GptqSpec, gptq_to_matrix
+from ..quant.prequantized import PrequantSpec, linear_keys
 from . import cpu_ffn
 
 QUANT_CHUNK = 8  # experts quantized at a time: bounds the fp32 working set while building the cache
@@ -37,16 +37,17 @@ class ExpertStore:
     """
 
     def __init__(self, ckpt: Checkpoint, family: Family, hf_config, layers: list[int], dtype: torch.dtype,
-                 pin: bool, ram_budget_bytes: int | None, quant: str = "none", gptq: GptqSpec | None = None):
-        assert gptq is None or quant == "int4", "a GPTQ checkpoint's experts are int4"
-        self.ckpt, self.family, self.layers, self.dtype, self.quant, self.gptq = ckpt, family, layers, dtype, quant, gptq
+                 pin: bool, ram_budget_bytes: int | None, quant: str = "none", prequant: PrequantSpec | None = None):
+        assert prequant is None or quant == prequant.fmt, "a pre-quantized checkpoint's experts run in its own format"
+        self.ckpt, self.family, self.layers, self.dtype, self.quant = ckpt, family, layers, dtype, quant
+        self.prequant = prequant
         self.num_experts = family.num_experts(hf_config)
         self.hidden = int(hf_config.hidden_size)
         self.inter = family.expert_dim(hf_config)
         H, I = self.hidden, self.inter
         self.expert_bytes = expert_bytes_for(quant, str(dtype).removeprefix("torch."), H, I)
         self.total_bytes = self.expert_bytes * self.num_experts * len(layers)
-        self.fused = gptq is None and bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
+        self.fused = prequant is None and bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
         self.notices: list[str] = []  # one line each, for the user (a rebuilt quantized cache)
         if quant != "none" and (H % formats.ROWS or I % formats.ROWS):
             raise CheckpointError(f"{quant} experts need a hidden size and expert width in multiples of {formats.ROWS} "
@@ -71,8 +72,8 @@ class ExpertStore:
         page cache is their RAM, so no second copy is made. For CUDA they are copied once into pinned
         memory (asynchronous copies need it) and the file's mapping is dropped."""
         source, label = self._quantize_layer, "quantizing experts"
-        if self.gptq is not None:
-            source, label = self._gptq_layer, "repacking GPTQ experts"
+        if self.prequant is not None:
+            source, label = self._prequant_layer, "repacking pre-quantized experts"
         self.qfile = open_quantized(self.ckpt.dir, self.quant, len(self.layers), self.num_experts, self.hidden, self.inter,
                                     source, self.notices, label)
         for li in range(len(self.layers)):
@@ -85,16 +86,15 @@ class ExpertStore:
         if self.pinned:
             self.qfile.release()
 
-    def _gptq_layer(self, li: int):
-        """(expert, gate_up, down) of a GPTQ checkpoint, repacked into the int4 layout one expert at a time."""
+    def _prequant_layer(self, li: int):
+        """(expert, gate_up, down) of a pre-quantized checkpoint, repacked into its format's layout one expert at a time."""
         layer = self.layers[li]
         for e in range(self.num_experts):
             mats = []
             for which in range(3):
                 prefix = self.family.expert_key(layer, e, which).removesuffix(".weight")
-                t = dict(self.ckpt.get_many(f"{prefix}.{s}" for s in SUFFIXES if f"{prefix}.{s}" in self.ckpt))
-                mats.append(gptq_to_matrix(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"],
-                                           t.get(f"{prefix}.g_idx"), self.gptq, name=prefix))
+                t = dict(self.ckpt.get_many(linear_keys(self.prequant, prefix, self.ckpt)))
+                mats.append(self.prequant.to_matrix(t, prefix))
             gate, up, down = mats
             yield e, formats.QuantMatrix.cat([gate, up])[None], down[None]
 
@@ -117,9 +117,8 @@ class ExpertStore:
         if self.fused:
             return list(self.family.fused_keys(layer))
         keys = [self.family.expert_key(layer, e, w) for e in range(self.num_experts) for w in range(3)]
-        if self.gptq is not None:  # qweight, qzeros, scales (g_idx where present) per linear
-            keys = [f"{k.removesuffix('.weight')}.{s}" for k in keys for s in SUFFIXES[:3]]
-            keys += [k for k in (f"{k.removesuffix('.qweight')}.g_idx" for k in keys if k.endswith(".qweight")) if k in self.ckpt]
+        if self.prequant is not None:  # each linear's quantized tensors (GPTQ: qweight, qzeros, scales, g_idx where present)
+            keys = [k for key in keys for k in linear_keys(self.prequant, key.removesuffix(".weight"), self.ckpt)]
         return keys
 
     def _check_present(self) -> None:

@@ -15,7 +15,7 @@ from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
 from ..quant.dense import quantize_dense
-from ..quant.gptq import SUFFIXES, GptqSpec, dequantize_gptq, expert_format, gptq_prefixes, read_gptq_config
+from ..quant.prequantized import PrequantSpec, expert_format, linear_keys, quantized_prefixes, read_quantization_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
 from .attention import kv_dtype, use_float_kv_attention
@@ -127,7 +127,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
 
     model_dir = Path(cfg.model_dir).expanduser()
     hf_config = load_hf_config(model_dir)
-    gptq = read_gptq_config(read_config_dict(model_dir))
+    prequant = read_quantization_config(read_config_dict(model_dir))
     family = get_family(hf_config.model_type)
     ckpt = Checkpoint(model_dir)
     device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
@@ -143,7 +143,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         raise RuntimeError(
             f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
         )
-    quant = expert_format(gptq, cfg.quant)
+    quant = expert_format(prequant, cfg.quant)
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
     routers = {id(layers[i].mlp.gate) for i in sparse}
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
@@ -152,14 +152,14 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     check_load_budgets(cfg, estimate, device)  # before loading
 
     store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
-                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, gptq=gptq)
+                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, prequant=prequant)
     runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
                             top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
     _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,
-                        gptq, narrowed)
+                        prequant, narrowed)
     if device.type == "cpu" and store.quant != "none":  # a CPU-only machine: the dense part small too
         quantize_dense(hf, routers=routers, fmt=store.quant)
     if kv_dtype(device, dtype, family.latent_kv) != dtype:
@@ -198,17 +198,15 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
 
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype,
-                        gptq: GptqSpec | None = None, bf16: set[str] = frozenset()) -> None:
-    """Every non-expert tensor onto the compute device (GPTQ linears dequantized; the module keys in `bf16` stay bf16:
+                        prequant: PrequantSpec | None = None, bf16: set[str] = frozenset()) -> None:
+    """Every non-expert tensor onto the compute device (pre-quantized linears dequantized; the module keys in `bf16` stay bf16:
     bf16_linear.narrow_linears); complain about what is missing."""
     state = {}
     rest = [k for k in ckpt.keys() if k not in expert_keys]
-    quantized = gptq_prefixes(rest) if gptq is not None else set()
+    quantized = quantized_prefixes(prequant, rest) if prequant is not None else set()
     for prefix in sorted(quantized):
-        t = dict(ckpt.get_many(f"{prefix}.{s}" for s in SUFFIXES if f"{prefix}.{s}" in ckpt))
-        w = dequantize_gptq(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"], t.get(f"{prefix}.g_idx"),
-                            gptq, dtype=dtype, name=prefix)
-        state[family.module_key(f"{prefix}.weight")] = w.to(device)
+        t = dict(ckpt.get_many(linear_keys(prequant, prefix, ckpt)))
+        state[family.module_key(f"{prefix}.weight")] = prequant.dequantize(t, prefix, dtype).to(device)
     for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized):
         name = family.module_key(key)
         state[name] = t.to(device=device, dtype=torch.bfloat16 if name in bf16 else dtype if t.is_floating_point() else t.dtype)

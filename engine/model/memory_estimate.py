@@ -182,10 +182,10 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if isinstance(source, str | Path) and Path(source).expanduser().is_dir():
-        from ..quant.gptq import expert_format, read_gptq_config
+        from ..quant.prequantized import expert_format, read_quantization_config
         from .config_file import read_config_dict
 
-        quant = expert_format(read_gptq_config(read_config_dict(Path(source).expanduser())), quant)
+        quant = expert_format(read_quantization_config(read_config_dict(Path(source).expanduser())), quant)
     draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0
     from ..experts.cpu_ffn import keeps_bf16
     from .bf16_linear import dense_linears

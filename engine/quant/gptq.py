@@ -52,22 +52,29 @@ class GptqSpec:
             raise CheckpointError(f"GPTQ checkpoint_format {self.checkpoint_format!r} is not supported (only gptq and gptq_v2 "
                                   f"are): use a checkpoint saved in the gptq format, or {_USE_BF16}")
 
+    fmt = "int4"  # what its linears map onto
+    marker = "qweight"  # the key suffix that makes a linear a quantized one
+
     def group(self, k: int) -> int:
         """Columns per group for a matrix with K = k inputs."""
         return k if self.group_size == -1 else self.group_size
 
+    def suffixes(self) -> tuple[str, ...]:
+        """The tensors of one quantized linear (g_idx optional, read when present)."""
+        return SUFFIXES[:3]
 
-def read_gptq_config(raw: dict) -> GptqSpec | None:
-    """The GptqSpec of config.json (as a dict); None when it has no quantization_config. Any other
-    quantization method, or a GPTQ variant this module cannot read, raises CheckpointError."""
-    qc = raw.get("quantization_config")
-    if not qc:
-        return None
-    if not isinstance(qc, dict):
-        raise CheckpointError("config.json: quantization_config is not an object: re-download the model")
-    method = str(qc.get("quant_method", "unknown")).lower()
-    if method != "gptq":
-        raise CheckpointError(f"this checkpoint is quantized with {method}, which moechat cannot load: {_USE_BF16}")
+    def to_matrix(self, t: dict[str, torch.Tensor], prefix: str) -> formats.QuantMatrix:
+        return gptq_to_matrix(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"], t.get(f"{prefix}.g_idx"),
+                              self, name=prefix)
+
+    def dequantize(self, t: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_gptq(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"], t.get(f"{prefix}.g_idx"),
+                               self, dtype=dtype, name=prefix)
+
+
+def read_gptq_config(qc: dict) -> GptqSpec:
+    """The GptqSpec of a GPTQ quantization_config (prequantized.read_quantization_config dispatches here);
+    a GPTQ variant this module cannot read raises CheckpointError."""
     fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()  # gptqmodel also writes "format"
     if qc.get("is_marlin_format"):
         fmt = "marlin"
@@ -79,17 +86,6 @@ def read_gptq_config(raw: dict) -> GptqSpec | None:
             raise CheckpointError(f"GPTQ per-module settings (dynamic {pattern!r}) are not supported: {_USE_BF16}")
     return GptqSpec(bits=qc.get("bits", 4), group_size=qc.get("group_size", -1), desc_act=bool(qc.get("desc_act", False)),
                     sym=bool(qc.get("sym", True)), checkpoint_format=fmt)
-
-
-def expert_format(spec: GptqSpec | None, requested: str) -> str:
-    """The format a checkpoint's routed experts run in: int4 for a GPTQ one whatever was asked (it runs as
-    it is), else the request."""
-    return "int4" if spec is not None else requested
-
-
-def gptq_prefixes(keys) -> set[str]:
-    """The quantized linears' prefixes in a checkpoint's key set (each key ending in .qweight)."""
-    return {key[:-len(".qweight")] for key in keys if key.endswith(".qweight")}
 
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from moechat.engine.errors import CheckpointError
 from moechat.engine.quant import formats
-from moechat.engine.quant.gptq import GptqSpec, dequantize_gptq, gptq_prefixes, gptq_to_matrix, read_gptq_config, unpack_gptq
+from moechat.engine.quant.gptq import GptqSpec, dequantize_gptq, gptq_to_matrix, unpack_gptq
+from moechat.engine.quant.prequantized import quantized_prefixes, read_quantization_config
 
 QWEN3_GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True,
               "checkpoint_format": "gptq", "damp_percent": 0.01, "static_groups": False, "true_sequential": True}
@@ -89,15 +90,15 @@ def test_bit_layout():
     assert (pack_gptq(weights(16, 64), 32, sym=True, checkpoint_format="gptq_v2")["qzeros"] == -0x77777778).all()  # 0x88888888
 
 
-def test_read_gptq_config():
-    assert read_gptq_config({"model_type": "qwen3_moe"}) is None
-    assert read_gptq_config({"quantization_config": None}) is None
-    assert read_gptq_config({"quantization_config": QWEN3_GPTQ}) == GptqSpec(4, 128, False, True, "gptq")
+def test_read_quantization_config():
+    assert read_quantization_config({"model_type": "qwen3_moe"}) is None
+    assert read_quantization_config({"quantization_config": None}) is None
+    assert read_quantization_config({"quantization_config": QWEN3_GPTQ}) == GptqSpec(4, 128, False, True, "gptq")
     no_format = {key: v for key, v in QWEN3_GPTQ.items() if key != "checkpoint_format"}
-    assert read_gptq_config({"quantization_config": no_format}).checkpoint_format == "gptq"
+    assert read_quantization_config({"quantization_config": no_format}).checkpoint_format == "gptq"
     v2 = {**no_format, "format": "gptq_v2", "sym": False, "group_size": -1, "dynamic": {"-:.*lm_head": {}}}
-    assert read_gptq_config({"quantization_config": v2}) == GptqSpec(4, -1, False, False, "gptq_v2")
-    assert read_gptq_config({"quantization_config": {**QWEN3_GPTQ, "desc_act": True}}).desc_act
+    assert read_quantization_config({"quantization_config": v2}) == GptqSpec(4, -1, False, False, "gptq_v2")
+    assert read_quantization_config({"quantization_config": {**QWEN3_GPTQ, "desc_act": True}}).desc_act
 
 
 @pytest.mark.parametrize("change,words", [
@@ -116,7 +117,7 @@ def test_read_gptq_config():
 ])
 def test_unsupported_configs_say_what_to_do(change, words):
     with pytest.raises(CheckpointError) as err:
-        read_gptq_config({"quantization_config": {**QWEN3_GPTQ, **change}})
+        read_quantization_config({"quantization_config": {**QWEN3_GPTQ, **change}})
     msg = one_line(err)
     assert all(word in msg for word in words), msg
 
@@ -173,8 +174,8 @@ def test_gptq_prefixes():
     q = "model.layers.0.self_attn.q_proj"
     keys = [f"{q}.qweight", f"{q}.qzeros", f"{q}.scales", f"{q}.g_idx", f"{q}.bias",
             "model.layers.0.mlp.experts.3.gate_proj.qweight", "model.layers.0.input_layernorm.weight", "lm_head.weight"]
-    assert gptq_prefixes(keys) == {q, "model.layers.0.mlp.experts.3.gate_proj"}
-    assert gptq_prefixes([]) == set()
+    assert quantized_prefixes(GptqSpec(), keys) == {q, "model.layers.0.mlp.experts.3.gate_proj"}
+    assert quantized_prefixes(GptqSpec(), []) == set()
 
 
 def test_quantize_rtn_follows_autogptq():
@@ -194,7 +195,7 @@ def test_make_gptq_checkpoint(checkpoint, tmp_path, family, shards, fmt, sym):
     dst = make_gptq_checkpoint(src, tmp_path / "gptq", group_size=32, sym=sym, checkpoint_format=fmt)
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "gptq"
-    spec = read_gptq_config(config)
+    spec = read_quantization_config(config)
     assert spec == GptqSpec(4, 32, False, sym, fmt)
     for f in src.iterdir():
         if f.suffix == ".json" and f.name not in ("config.json", "model.safetensors.index.json") or "token" in f.name:
@@ -208,7 +209,7 @@ def test_make_gptq_checkpoint(checkpoint, tmp_path, family, shards, fmt, sym):
     if shards:
         index = json.loads((dst / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"]) == set(after)
-    prefixes = gptq_prefixes(after)
+    prefixes = quantized_prefixes(GptqSpec(), after)
     experts = {p for p in prefixes if ".experts." in p}
     attention = {p for p in prefixes if ".self_attn." in p}
     assert experts and attention and prefixes == experts | attention
@@ -229,6 +230,6 @@ def test_make_gptq_checkpoint_experts_only(checkpoint, tmp_path):
     keys = set()
     for f in dst.glob("*.safetensors"):
         keys |= set(load_file(f))
-    prefixes = gptq_prefixes(keys)
+    prefixes = quantized_prefixes(GptqSpec(), keys)
     assert prefixes and all(".mlp.experts." in p for p in prefixes)
     assert "model.layers.0.self_attn.q_proj.weight" in keys

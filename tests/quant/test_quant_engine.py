@@ -143,7 +143,7 @@ def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_
     plain = run_engine(gptq, PROMPT_IDS, NEW)
     assert run_engine(gptq, PROMPT_IDS, NEW, drafter="self", policy="spac", expert_cache_ratio=0.5).token_ids == plain.token_ids
     engine = Engine(EngineConfig(model_dir=str(gptq)))
-    assert engine.model.store.quant == "int4" and engine.model.store.gptq is not None
+    assert engine.model.store.quant == "int4" and engine.model.store.prequant is not None
     engine.close()
     # against Hugging Face on GPTQ's own dequantization of the same files
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,46 @@
+"""Checkpoints that arrive quantized, behind one small interface the loader, the expert store and the estimate use:
+GPTQ (gptq.py) and compressed-tensors pack-quantized (compressed.py). A spec says which moechat format its linears
+map onto (`fmt`), which key suffix marks a quantized linear (`marker`) and which tensors make one (`suffixes()`), and
+turns a linear's tensors into a QuantMatrix (`to_matrix`, the experts) or a dense weight (`dequantize`, the rest)."""
+from __future__ import annotations
+
+from ..errors import CheckpointError
+from .compressed import CompressedSpec, read_compressed_config
+from .gptq import GptqSpec, read_gptq_config
+
+PrequantSpec = GptqSpec | CompressedSpec
+_USE_BF16 = "use the bf16 checkpoint with --quant int4 or --quant int8"
+
+
+def read_quantization_config(raw: dict) -> PrequantSpec | None:
+    """The spec of config.json (as a dict); None when it has no quantization_config. Any other quantization method,
+    or a variant of these two that cannot be read, raises CheckpointError."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        raise CheckpointError("config.json: quantization_config is not an object: re-download the model")
+    method = str(qc.get("quant_method", "unknown")).lower()
+    if method == "gptq":
+        return read_gptq_config(qc)
+    if method == "compressed-tensors":
+        return read_compressed_config(qc)
+    raise CheckpointError(f"this checkpoint is quantized with {method}, which moechat cannot load: {_USE_BF16}")
+
+
+def expert_format(spec: PrequantSpec | None, requested: str) -> str:
+    """The format a checkpoint's routed experts run in: a pre-quantized one's own whatever was asked (it runs as it
+    is), else the request."""
+    return spec.fmt if spec is not None else requested
+
+
+def quantized_prefixes(spec: PrequantSpec, keys) -> set[str]:
+    """The quantized linears' prefixes in a checkpoint's key set (each key ending in .<marker>)."""
+    end = f".{spec.marker}"
+    return {key[:-len(end)] for key in keys if key.endswith(end)}
+
+
+def linear_keys(spec: PrequantSpec, prefix: str, present) -> list[str]:
+    """The checkpoint keys of one quantized linear: the required ones, and the optional ones `present` holds."""
+    optional = ("g_idx",) if isinstance(spec, GptqSpec) else ("weight_shape", "weight_g_idx")
+    return [f"{prefix}.{s}" for s in spec.suffixes()] + [k for k in (f"{prefix}.{s}" for s in optional) if k in present]
