@@ -71,3 +71,10 @@ def test_bench_generate_skips_hf_where_its_copy_would_not_fit(checkpoint, capsys
     assert main(["bench", "generate", "--model", model, "--max-new-tokens", "4", "--repeats", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "hf" not in out and "would not fit" in out["hf_skipped"] and out["engine"]["decode_tokens_per_s"] > 0
+
+
+def test_the_isa_flag_offers_every_native_path():
+    """The CLI builds its parser without torch, so the flag's list is written out: it must name cpu_ffn's paths."""
+    from moechat.app.bench import kernels
+
+    assert kernels.ISAS == list(cpu_ffn.ISA)
