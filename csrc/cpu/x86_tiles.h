@@ -39,7 +39,12 @@ AVX512_TARGET void tile_avx512(const WT* W, int64_t ldw, int64_t len, const floa
     int64_t k = 0;
     for (; k + 16 <= len; k += 16) {
         __m512 w[R];
-        for (int r = 0; r < R; r++) w[r] = w16<WT>(W + r * ldw + k);
+        for (int r = 0; r < R; r++) {
+            // the next R rows, one block ahead: each row is its own short stream (2-4 KB), too short for the
+            // hardware prefetcher to ramp up on before it ends; a hint past the matrix's end does not fault
+            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T0);
+            w[r] = w16<WT>(W + r * ldw + k);
+        }
         for (int t = 0; t < TC; t++) {
             __m512 x = _mm512_loadu_ps(X + t * ldx + k);
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], x, acc[r][t]);
