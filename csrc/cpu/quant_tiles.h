@@ -108,6 +108,8 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
         __m512i dot[TC][2];  // two chains per token: vpdpbusd's latency, not its throughput, bounds one chain
         for (int t = 0; t < TC; t++) dot[t][0] = dot[t][1] = _mm512_setzero_si512();
         const int8_t* xb = A.q + t0 * A.kp + 32 * b;
+        for (int line = 0; line < BITS; line++)  // the next group's block (its 4 or 8 cache lines), one group ahead
+            _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T0);
         if (BITS == 8) {
             const uint8_t* qb = q + b * 512;
             for (int i = 0; i < 8; i++) {
@@ -156,6 +158,8 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
         __m256i dot[TC][2];
         for (int t = 0; t < TC; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
         const int8_t* xb = A.q + t0 * A.kp + 32 * b;
+        for (int line = 0; line < BITS; line++)  // as qgroup_vnni
+            _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             if (BITS == 8) {
                 for (int i = 0; i < 8; i++) {

@@ -179,7 +179,10 @@ AVX2_TARGET void tile_avx2(const WT* W, int64_t ldw, int64_t len, const float* X
     int64_t k = 0;
     for (; k + 8 <= len; k += 8) {
         __m256 w[R];
-        for (int r = 0; r < R; r++) w[r] = w8<WT>(W + r * ldw + k);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T0);  // as tile_avx512
+            w[r] = w8<WT>(W + r * ldw + k);
+        }
         for (int t = 0; t < TC; t++) {
             __m256 x = _mm256_loadu_ps(X + t * ldx + k);
             for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(w[r], x, acc[r][t]);
@@ -210,6 +213,7 @@ AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, int64_t ldw, int64_t len, co
     for (; k + 16 <= len; k += 16) {
         __m256 even[R], odd[R];
         for (int r = 0; r < R; r++) {
+            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T0);  // as tile_avx512
             __m256i w = _mm256_loadu_si256((const __m256i*)(W + r * ldw + k));
             even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
             odd[r] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
