@@ -94,11 +94,20 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
     if (S == 0) return 0;
     const QStack gate_up{gu_q, gu_s, gu_m, 2 * I, Hp * bits / 8, Hp / 32}, down{dn_q, dn_s, dn_m, H, Ip * bits / 8, Ip / 32};
 
-    // Activations gathered per group and quantized: xq over Hp columns; h [S, I] fp32, then hq.
+    // Activations gathered per group and quantized: xq over Hp columns (each token once: its copies, one per expert
+    // it routes to, are copied); h [S, I] fp32, then hq.
     QBuf xq(S, Hp), hq(S, Ip);
     {
         std::vector<float> row(H);
+        std::vector<int64_t> first(*std::max_element(rows, rows + S) + 1, -1);  // token row -> its first activation
         for (int64_t s = 0; s < S; s++) {
+            if (const int64_t f = first[rows[s]]; f >= 0) {
+                std::memcpy(&xq.q[s * Hp], &xq.q[f * Hp], Hp);
+                std::memcpy(&xq.d[s * xq.nb], &xq.d[f * xq.nb], xq.nb * sizeof(float));
+                std::memcpy(&xq.ds[s * xq.nb], &xq.ds[f * xq.nb], xq.nb * sizeof(float));
+                continue;
+            }
+            first[rows[s]] = s;
             const float* src;
             if (x_dtype == F32) {
                 src = static_cast<const float*>(x) + rows[s] * H;

@@ -206,6 +206,13 @@ def test_portable_build_runs_the_quantized_kernel(tmp_path, monkeypatch):
     code = lib.moe_q_linear(w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), 4, 48, 96, x.data_ptr(), 3,
                             out.data_ptr(), 1, 0)
     assert code == 0 and rel_err(out, formats.linear(x, w)) < 2e-6
+    # the x86 build quantizes activations with AVX-512 where it can, the portable build in plain C++: the same bytes,
+    # so the scalar path's sums agree bit for bit (ties included: x on the code grid's half-steps)
+    x = torch.cat([torch.randn(2, 96), (torch.randint(-254, 255, (2, 96)) / 2).float()]) * 0.37
+    mine = torch.empty(4, 48)
+    assert lib.moe_q_linear(w.q.data_ptr(), w.scale.data_ptr(), w.minimum.data_ptr(), 4, 48, 96, x.data_ptr(), 4,
+                            mine.data_ptr(), 1, 0) == 0
+    assert torch.equal(mine, cpu_ffn.q_linear(x, w, threads=1, isa="scalar"))
 
 
 @needs_native
