@@ -84,21 +84,41 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=SUFFIX, dir=folder)
     os.close(fd)
-    cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", *cflags,
-           *map(str, sources), "-o", tmp, *ldflags, "-lpthread"]
+    compile_flags = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", *cflags]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.SubprocessError) as err:
+        with tempfile.TemporaryDirectory(prefix=f".{out.stem}-", dir=folder) as objects:
+            if len(sources) == 1:
+                steps = [[[cxx, *compile_flags, "-shared", str(sources[0]), "-o", tmp, *ldflags, "-lpthread"]]]
+            else:  # one compiler per source, all at once (the CPU library's ~12 s of compiling in ~6 on 2 cores), then link
+                objs = [str(Path(objects) / f"{i}.o") for i in range(len(sources))]
+                steps = [[[cxx, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)],
+                         [[cxx, *compile_flags, "-shared", *objs, "-o", tmp, *ldflags, "-lpthread"]]]
+            for step in steps:
+                _run_all(step, cxx, folder / f"libmoechat_{name}.log")
+    except NativeBuildError:
         os.unlink(tmp)
-        raise NativeBuildError(f"the C++ compiler {cxx} could not run ({err})") from None
-    log = folder / f"libmoechat_{name}.log"
-    if done.returncode != 0:
-        os.unlink(tmp)
-        log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
-        first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
-        raise NativeBuildError(f"the build failed ({first.strip()}); full log in {log}")
+        raise
     os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
     return out
+
+
+def _run_all(cmds: list[list[str]], cxx: str, log: Path) -> None:
+    """Run compiler commands at once, at most os.cpu_count() together; NativeBuildError (log written) if one fails."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(cmd):
+        try:
+            return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise NativeBuildError(f"the C++ compiler {cxx} could not run ({err})") from None
+
+    with ThreadPoolExecutor(max_workers=min(len(cmds), os.cpu_count() or 1)) as pool:
+        results = list(pool.map(run, cmds))
+    for cmd, done in results:
+        if done.returncode != 0:
+            log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
+            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+            raise NativeBuildError(f"the build failed ({first.strip()}); full log in {log}")
 
 
 def register(name: str, builder: Callable[[], Path]) -> None:

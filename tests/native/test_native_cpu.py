@@ -235,3 +235,26 @@ def test_portable_build_without_x86_paths(tmp_path, monkeypatch):
     code = lib.moe_expert_ffn(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
                               1, 67, 45, x.data_ptr(), 1, rows.data_ptr(), weights.data_ptr(), out.data_ptr(), 2, 0)
     assert code == 0 and rel_err(out, reference(x, gate_up, down, experts, offsets, rows, weights)) < 2e-5
+
+
+def test_a_failing_source_among_several_gives_one_line_and_a_log(monkeypatch, tmp_path):
+    """Sources compile side by side, then link: one that does not compile fails the build in one line, its log kept."""
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    good, bad = tmp_path / "good.cpp", tmp_path / "bad.cpp"
+    good.write_text('extern "C" __attribute__((visibility("default"))) int answer() { return 42; }\n')
+    bad.write_text("int broken( { return; }\n")
+    with pytest.raises(native.NativeBuildError) as err:
+        native.build("two", [good, bad])
+    msg = str(err.value)
+    assert "\n" not in msg and "the build failed" in msg and "error" in msg
+    log = tmp_path / "cache" / "libmoechat_two.log"
+    assert "bad.cpp" in log.read_text()
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # no temporary files left
+    other = tmp_path / "other.cpp"
+    other.write_text('extern "C" __attribute__((visibility("default"))) int twice(int x) { return 2 * x; }\n')
+    import ctypes
+
+    lib = ctypes.CDLL(str(native.build("two_ok", [good, other])))
+    assert lib.answer() == 42 and lib.twice(21) == 42
