@@ -39,15 +39,12 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
-ISAS = ["auto", "scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16", "avx512_vnni", "amx_int8"]  # cpu_ffn.ISA; no torch here
-
-
 def _ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t.strip()]
 
 
 def add_bench_kernels(sub) -> None:
-    from ...engine import DTYPES
+    from ...engine import DTYPES, native
     from ..options import OPTION
 
     p = sub.add_parser("kernels", help="native kernels vs their PyTorch twins: CPU expert FFN (and GPU transfers)")
@@ -58,7 +55,7 @@ def add_bench_kernels(sub) -> None:
     OPTION["quant"].add_flag(p, default="none")  # int8/int4: the quantized kernel, fp32 activations quantized inside
     p.add_argument("--repeats", type=int, default=5, metavar="R", help="timed calls per row and side, fastest counts (default 5)")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads for both sides (default torch's)")
-    p.add_argument("--isa", default="auto", choices=ISAS,
+    p.add_argument("--isa", default="auto", choices=list(native.CPU_ISA),
                    help="force a native CPU path (default: the best this CPU has)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help='print one object {"cpu": [...], "cuda": [...], ...}')

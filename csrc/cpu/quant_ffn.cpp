@@ -14,9 +14,11 @@
 
 namespace {
 
-Isa resolve_q(int isa) {
-    if (isa == AUTO) return cpu_has(AMX_INT8) ? AMX_INT8 : cpu_has(AVX512_VNNI) ? AVX512_VNNI : cpu_has(AVX2) ? AVX2 : SCALAR;
-    return Isa(isa);
+// The path a call on `bits`-bit weights takes; AUTO: the best this CPU has. AMX tiles serve int8 alone (int4's nibbles
+// would need unpacking into B tiles, which cost what the tiles saved): int4 runs VNNI there.
+Isa resolve_q(int isa, int bits) {
+    if (isa == AUTO) isa = cpu_has(AMX_INT8) ? AMX_INT8 : cpu_has(AVX512_VNNI) ? AVX512_VNNI : cpu_has(AVX2) ? AVX2 : SCALAR;
+    return isa == AMX_INT8 && bits == 4 ? AVX512_VNNI : Isa(isa);
 }
 
 bool runnable_q(Isa isa) { return (isa == SCALAR || isa == AVX2 || isa == AVX512_VNNI || isa == AMX_INT8) && cpu_has(isa); }
@@ -74,7 +76,7 @@ struct QBuf {  // quantized activations of S tokens over kp columns (+15 zero ro
 
 API int moe_q_isa_supported(int isa) { return isa == AUTO || cpu_has(Isa(isa)); }
 
-API int moe_q_resolve_isa(int isa) { return resolve_q(isa); }
+API int moe_q_resolve_isa(int isa, int bits) { return resolve_q(isa, bits); }
 
 // Codes: 0 ok, -1 bad bits or dtype, -2 ISA not supported by this CPU, -3 bad shapes.
 // gate_up: gu_q [E, 2I, Hp·bits/8], gu_s/gu_m [E, 2I, Hp/32]; down: dn_q [E, H, Ip·bits/8], dn_s/dn_m [E, H, Ip/32]
@@ -88,7 +90,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
                          int isa_req) {
     if ((bits != 8 && bits != 4) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
     if (hidden <= 0 || inter <= 0 || n_groups < 0 || hidden % QROWS || inter % QROWS) return -3;  // whole row groups
-    const Isa isa = resolve_q(isa_req);
+    const Isa isa = resolve_q(isa_req, bits);
     if (!runnable_q(isa)) return -2;
     const int64_t S = n_groups ? offsets[n_groups] : 0, H = hidden, I = inter, Hp = pad32(H), Ip = pad32(I);
     if (S == 0) return 0;
@@ -176,7 +178,7 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
                      const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req) {
     if ((bits != 8 && bits != 4) || (bits == 4 && !m)) return -1;
     if (n_rows <= 0 || k <= 0 || n_tokens < 0 || n_rows % QROWS) return -3;
-    const Isa isa = resolve_q(isa_req);
+    const Isa isa = resolve_q(isa_req, bits);
     if (!runnable_q(isa)) return -2;
     if (n_tokens == 0) return 0;
     const int64_t kp = pad32(k), rb = kp * bits / 8, nb = kp / 32;

@@ -323,7 +323,7 @@ void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* 
 void qmat(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy, int bits, Isa isa) {
 #ifdef MOE_X86
     // Registers: VNNI TC tokens x (1 float + 2 int accumulators) + 3 weight vectors of 32 zmm; AVX2 2 x 2 x TC of 16 ymm.
-    if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx(W, r0, nr, A, T, Y, ldy);
+    if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx(W, r0, nr, A, T, Y, ldy);  // int8: resolve_q
     if (isa == AVX512_VNNI || isa == AMX_INT8) {
         if (bits == 8) return qwalk<8, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 8>{});
         return qwalk<4, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 8>{});

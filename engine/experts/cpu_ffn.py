@@ -26,7 +26,7 @@ Q_SOURCE = native.CSRC / "cpu" / "quant_ffn.cpp"
 DECODE_SOURCE = native.CSRC / "cpu" / "decode_ops.cpp"  # engine/model/decode_ops.py's kernels, in the same library
 STACK_SOURCE = native.CSRC / "cpu" / "decode_stack.cpp"  # engine/model/decode_stack.py's: the whole stack per pass
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6, "amx_int8": 7}
+ISA = native.CPU_ISA
 Q_ISAS = ("scalar", "avx2", "avx512_vnni", "amx_int8")  # the quantized kernel's paths
 ISA_NAME = {v: k for k, v in ISA.items()}
 # Above this many tokens per expert a GEMM library beats a row-streaming kernel (prefill): torch then.
@@ -61,7 +61,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_quantize.argtypes = _QZ_ARGTYPES
         lib.moe_quantize.restype = ctypes.c_int
         lib.moe_q_isa_supported.argtypes = [ctypes.c_int]
-        lib.moe_q_resolve_isa.argtypes = [ctypes.c_int]
+        lib.moe_q_resolve_isa.argtypes = [ctypes.c_int, ctypes.c_int]
         lib._moe_typed = True
     return lib
 
@@ -94,12 +94,11 @@ def resolved_isa(isa: str, w_dtype: torch.dtype, x_dtype: torch.dtype) -> str:
     return ISA_NAME[lib.moe_cpu_resolve_isa(ISA[isa], DTYPE_CODE[w_dtype], DTYPE_CODE[x_dtype])]
 
 
-def resolved_q_isa(isa: str, quant: str = "int8") -> str:
-    """The path a quantized call takes ("auto": AMX-INT8, else VNNI, else AVX2, else scalar). AMX serves int8 alone
-    (from 8 tokens per call; fewer take VNNI), so int4 reads VNNI there."""
+def resolved_q_isa(isa: str, quant: str) -> str:
+    """The path a call on `quant` experts takes ("auto": AMX-INT8 for int8, from 8 tokens per call, else VNNI, else AVX2,
+    else scalar)."""
     lib = library()
-    name = "torch" if lib is None else ISA_NAME[lib.moe_q_resolve_isa(ISA[isa])]
-    return "avx512_vnni" if name == "amx_int8" and quant == "int4" else name
+    return "torch" if lib is None else ISA_NAME[lib.moe_q_resolve_isa(ISA[isa], formats.BITS[quant])]
 
 
 def q_isa_supported(isa: str) -> bool:

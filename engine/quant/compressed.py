@@ -23,8 +23,8 @@ import torch
 
 from ..errors import CheckpointError
 from . import formats
+from .formats import PREQUANTIZED_ADVICE as ADVICE
 
-_USE_BF16 = "use the bf16 checkpoint with --quant int4 or --quant int8"
 STRATEGIES = ("group", "channel", "tensor")
 
 
@@ -40,23 +40,24 @@ class CompressedSpec:
     actorder: str | None = None
 
     marker = "weight_packed"  # the key suffix that makes a linear a quantized one
+    optional = ("weight_shape", "weight_g_idx")  # read where present
 
     def __post_init__(self) -> None:
         if self.kind != "int" or self.bits not in (4, 8):
             raise CheckpointError(f"this checkpoint is compressed-tensors {self.kind}{self.bits}, which is not supported "
-                                  f"(int4 and int8 are): {_USE_BF16}")
+                                  f"(int4 and int8 are): {ADVICE}")
         if self.strategy not in STRATEGIES:
             raise CheckpointError(f"compressed-tensors strategy {self.strategy!r} is not supported (only "
-                                  f"{', '.join(STRATEGIES)} are): {_USE_BF16}")
+                                  f"{', '.join(STRATEGIES)} are): {ADVICE}")
         g = self.group_size
         if self.strategy == "group" and not (isinstance(g, int) and g > 0 and g % formats.BLOCK == 0):
             raise CheckpointError(f"compressed-tensors group_size {g!r} is not supported (it must be a multiple of 32): "
-                                  f"use a checkpoint quantized with group_size 32, 64 or 128, or {_USE_BF16}")
+                                  f"use a checkpoint quantized with group_size 32, 64 or 128, or {ADVICE}")
         if self.bits == 8 and not self.symmetric:
-            raise CheckpointError(f"asymmetric int8 compressed-tensors checkpoints are not supported: {_USE_BF16}")
+            raise CheckpointError(f"asymmetric int8 compressed-tensors checkpoints are not supported: {ADVICE}")
         if self.actorder == "group":
             raise CheckpointError(f"activation-ordered (actorder group) compressed-tensors checkpoints are not supported: "
-                                  f"{_USE_BF16}")
+                                  f"{ADVICE}")
 
     @property
     def fmt(self) -> str:
@@ -108,7 +109,7 @@ class CompressedSpec:
         g_idx = t.get(f"{prefix}.weight_g_idx")
         if g_idx is not None and not torch.equal(g_idx.long().flatten(), torch.arange(k) // self.group(k)):
             raise CheckpointError(f"{prefix}.weight_g_idx is not in plain group order (activation order): such "
-                                  f"checkpoints are not supported; {_USE_BF16}")
+                                  f"checkpoints are not supported; {ADVICE}")
         groups = 1 if self.strategy != "group" else -(-k // self.group_size)
         tensor_wide = self.strategy == "tensor" and scale.numel() == 1
         if not scale.is_floating_point() or scale.numel() != n * groups and not tensor_wide:
@@ -138,10 +139,10 @@ def read_compressed_config(qc: dict) -> CompressedSpec:
     formats_seen = {g.get("format") or fmt for g in groups}
     if formats_seen != {"pack-quantized"}:
         raise CheckpointError(f"compressed-tensors format {', '.join(sorted(map(str, formats_seen))) or 'none'} is not "
-                              f"supported (only pack-quantized is): {_USE_BF16}")
+                              f"supported (only pack-quantized is): {ADVICE}")
     schemes = [g.get("weights") for g in groups]
     if not schemes or any(not isinstance(s, dict) or s != schemes[0] for s in schemes):
-        raise CheckpointError(f"compressed-tensors checkpoints with more than one weights scheme are not supported: {_USE_BF16}")
+        raise CheckpointError(f"compressed-tensors checkpoints with more than one weights scheme are not supported: {ADVICE}")
     w = schemes[0]
     return CompressedSpec(bits=w.get("num_bits"), group_size=w.get("group_size"), strategy=str(w.get("strategy", "group")),
                           symmetric=bool(w.get("symmetric", True)), kind=str(w.get("type", "int")),

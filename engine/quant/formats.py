@@ -35,6 +35,7 @@ import torch
 BLOCK = 32  # weights per scale; K is padded to a multiple of this
 ROWS = 16  # rows interleaved per group (one 512-bit vector of int32 row sums)
 FORMATS = ("int8", "int4")
+PREQUANTIZED_ADVICE = "use the bf16 checkpoint with --quant int4 or --quant int8"  # a pre-quantized checkpoint refused
 BITS = {"int8": 8, "int4": 4}
 
 

@@ -24,10 +24,10 @@ import torch
 
 from ..errors import CheckpointError
 from . import formats
+from .formats import PREQUANTIZED_ADVICE as ADVICE
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors (plus an optional bias)
-_USE_BF16 = "use the bf16 checkpoint with --quant int4 or --quant int8"
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,14 @@ class GptqSpec:
         g = self.group_size
         if not isinstance(g, int) or not (g == -1 or (g > 0 and g % formats.BLOCK == 0)):
             raise CheckpointError(f"GPTQ group_size {self.group_size!r} is not supported (it must be -1 or a multiple of 32): "
-                                  f"use a checkpoint quantized with group_size 32, 64 or 128, or {_USE_BF16}")
+                                  f"use a checkpoint quantized with group_size 32, 64 or 128, or {ADVICE}")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise CheckpointError(f"GPTQ checkpoint_format {self.checkpoint_format!r} is not supported (only gptq and gptq_v2 "
-                                  f"are): use a checkpoint saved in the gptq format, or {_USE_BF16}")
+                                  f"are): use a checkpoint saved in the gptq format, or {ADVICE}")
 
     fmt = "int4"  # what its linears map onto
     marker = "qweight"  # the key suffix that makes a linear a quantized one
+    optional = ("g_idx",)  # read where present (old checkpoints lack it)
 
     def group(self, k: int) -> int:
         """Columns per group for a matrix with K = k inputs."""
@@ -79,11 +80,11 @@ def read_gptq_config(qc: dict) -> GptqSpec:
     if qc.get("is_marlin_format"):
         fmt = "marlin"
     if str(qc.get("pack_dtype", "int32")) != "int32":
-        raise CheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']} is not supported (only int32 is): {_USE_BF16}")
+        raise CheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']} is not supported (only int32 is): {ADVICE}")
     for pattern, override in (qc.get("dynamic") or {}).items():  # gptqmodel's per-module settings ("-:" = left unquantized)
         if not str(pattern).startswith("-:") and any(key in override and override[key] != qc.get(key)
                                                      for key in ("bits", "group_size", "sym", "desc_act")):
-            raise CheckpointError(f"GPTQ per-module settings (dynamic {pattern!r}) are not supported: {_USE_BF16}")
+            raise CheckpointError(f"GPTQ per-module settings (dynamic {pattern!r}) are not supported: {ADVICE}")
     return GptqSpec(bits=qc.get("bits", 4), group_size=qc.get("group_size", -1), desc_act=bool(qc.get("desc_act", False)),
                     sym=bool(qc.get("sym", True)), checkpoint_format=fmt)
 
@@ -120,7 +121,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
             raise bad(f"g_idx has shape {tuple(g_idx.shape)}, expected ({k},)")
         if not torch.equal(g_idx.to(plain.device, torch.int64), plain):
             raise CheckpointError(f"{name}.g_idx is not in plain group order (act-order, desc_act): act-order GPTQ "
-                                  f"checkpoints are not supported; use one quantized with desc_act=false, or {_USE_BF16}")
+                                  f"checkpoints are not supported; use one quantized with desc_act=false, or {ADVICE}")
     codes = _nibbles(qweight).permute(1, 0, 2).reshape(n, k)  # [K/8, N, 8] -> [N, K/8, 8] -> [N, K]
     zeros = _nibbles(qzeros).reshape(groups, n)
     if spec.checkpoint_format == "gptq":

@@ -1,15 +1,16 @@
 """Checkpoints that arrive quantized, behind one small interface the loader, the expert store and the estimate use:
 GPTQ (gptq.py) and compressed-tensors pack-quantized (compressed.py). A spec says which moechat format its linears
-map onto (`fmt`), which key suffix marks a quantized linear (`marker`) and which tensors make one (`suffixes()`), and
-turns a linear's tensors into a QuantMatrix (`to_matrix`, the experts) or a dense weight (`dequantize`, the rest)."""
+map onto (`fmt`), which key suffix marks a quantized linear (`marker`), which tensors make one (`suffixes()`, and the
+`optional` ones read where present), and turns a linear's tensors into a QuantMatrix (`to_matrix`, the experts) or a
+dense weight (`dequantize`, the rest)."""
 from __future__ import annotations
 
 from ..errors import CheckpointError
 from .compressed import CompressedSpec, read_compressed_config
+from .formats import PREQUANTIZED_ADVICE as ADVICE
 from .gptq import GptqSpec, read_gptq_config
 
 PrequantSpec = GptqSpec | CompressedSpec
-_USE_BF16 = "use the bf16 checkpoint with --quant int4 or --quant int8"
 
 
 def read_quantization_config(raw: dict) -> PrequantSpec | None:
@@ -25,7 +26,7 @@ def read_quantization_config(raw: dict) -> PrequantSpec | None:
         return read_gptq_config(qc)
     if method == "compressed-tensors":
         return read_compressed_config(qc)
-    raise CheckpointError(f"this checkpoint is quantized with {method}, which moechat cannot load: {_USE_BF16}")
+    raise CheckpointError(f"this checkpoint is quantized with {method}, which moechat cannot load: {ADVICE}")
 
 
 def expert_format(spec: PrequantSpec | None, requested: str) -> str:
@@ -42,5 +43,4 @@ def quantized_prefixes(spec: PrequantSpec, keys) -> set[str]:
 
 def linear_keys(spec: PrequantSpec, prefix: str, present) -> list[str]:
     """The checkpoint keys of one quantized linear: the required ones, and the optional ones `present` holds."""
-    optional = ("g_idx",) if isinstance(spec, GptqSpec) else ("weight_shape", "weight_g_idx")
-    return [f"{prefix}.{s}" for s in spec.suffixes()] + [k for k in (f"{prefix}.{s}" for s in optional) if k in present]
+    return [f"{prefix}.{s}" for s in spec.suffixes()] + [k for k in (f"{prefix}.{s}" for s in spec.optional) if k in present]

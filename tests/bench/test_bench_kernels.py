@@ -74,7 +74,12 @@ def test_bench_generate_skips_hf_where_its_copy_would_not_fit(checkpoint, capsys
 
 
 def test_the_isa_flag_offers_every_native_path():
-    """The CLI builds its parser without torch, so the flag's list is written out: it must name cpu_ffn's paths."""
+    """The CLI builds its parser without torch (engine/native.py holds the names): the flag must offer cpu_ffn's paths."""
+    import argparse
+
     from moechat.app.bench import kernels
 
-    assert kernels.ISAS == list(cpu_ffn.ISA)
+    sub = argparse.ArgumentParser().add_subparsers()
+    kernels.add_bench_kernels(sub)
+    isa = next(a for a in sub.choices["kernels"]._actions if a.dest == "isa")
+    assert list(isa.choices) == list(cpu_ffn.ISA)
