@@ -260,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.quality import add_bench_quality
 
     add_bench_quality(bench_sub)
+    from .bench.answers import add_bench_answers
+
+    add_bench_answers(bench_sub)
     from .bench.serve import add_bench_serve
 
     add_bench_serve(bench_sub)

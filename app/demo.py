@@ -2,11 +2,22 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "assets" / "demo"
 DEMO_MODEL, DEMO_DRAFT = DEMO_DIR / "model", DEMO_DIR / "draft"
 EVAL_PROMPTS = DEMO_DIR / "eval_prompts.jsonl"
+EVAL_WORDS = DEMO_DIR / "eval_words.jsonl"  # held-out definitional questions: word, question, gloss, category
+# words too common in WordNet's glosses to show that a reply knows the word: the answer score ignores them
+STOPWORDS = frozenset(
+    "a an the of to in on at by for with from into onto upon as or and but nor not no any all some each every one "
+    "ones that this these those which who whom whose what when where why how than then there here it its is are "
+    "was were be been being has have had having do does did done can could may might must shall should will would "
+    "such other another more most less least very much many few especially usually often sometimes something "
+    "someone somebody anything person people thing things kind kinds type types form forms part parts used use "
+    "using make made makes making relating related characterized certain various several particular act state "
+    "quality way manner also well like their them they he she him her his our we you your me my".split())
 
 
 def routing_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_PROMPTS, max_new_tokens: int = 16) -> dict:
@@ -30,6 +41,57 @@ def routing_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_PROMPTS,
         "routing_reuse": round(routing_reuse(recorder.records), 3),
         "uniform_reuse": round(engine.model.family.top_k(engine.model.hf_config) / store.num_experts, 3),
     }
+
+
+def content_words(text: str, skip: str = "") -> set[str]:
+    """Lower-case words of 3+ letters, a plural 's' stripped, minus stop words and the words of `skip`."""
+    norm = lambda w: w[:-1] if w.endswith("s") and not w.endswith("ss") and len(w) > 3 else w  # noqa: E731
+    skipped = {norm(w) for w in re.findall(r"[a-z]+", skip.lower())}
+    return {norm(w) for w in re.findall(r"[a-z]{3,}", text.lower()) if w not in STOPWORDS} - skipped
+
+
+def first_sentence(reply: str) -> str:
+    return re.split(r"(?<=[.!?])\s|\n", reply.strip(), maxsplit=1)[0]
+
+
+def answers_the_word(reply: str, word: str, gloss: str, category: list[str]) -> bool:
+    """Does the reply's first sentence name the word's category or a content word of its gloss?"""
+    return bool(content_words(first_sentence(reply), word) & content_words(gloss + " " + " ".join(category), word))
+
+
+def answer_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_WORDS, count: int = 0,
+                  max_new_tokens: int = 48) -> dict:
+    """The answer score: the share of held-out definitional questions whose greedy reply's first sentence names
+    the word's category or a content word of its gloss, with every reply."""
+    from ..engine import Engine, EngineConfig, Finished, Request, SamplingParams
+
+    engine = Engine(EngineConfig(model_dir=str(model_dir)))
+    items = [json.loads(line) for line in open(eval_path, encoding="utf-8") if line.strip()]
+    items = items[:count] if count else items
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    rows = []
+    for it in items:
+        chat = [{"role": "user", "content": it["question"]}]
+        reply = next(e.text for e in engine.generate(Request(messages=chat), params) if isinstance(e, Finished))
+        rows.append({"word": it["word"], "question": it["question"], "reply": reply,
+                     "hit": answers_the_word(reply, it["word"], it["gloss"], it["category"])})
+    return {"questions": len(rows), "score": round(sum(r["hit"] for r in rows) / max(len(rows), 1), 3), "replies": rows}
+
+
+def draft_acceptance(model_dir: Path = DEMO_MODEL, draft_dir: Path = DEMO_DRAFT, eval_path: Path = EVAL_PROMPTS,
+                     draft_len: int = 4, max_new_tokens: int = 32, count: int = 0) -> float:
+    """Accepted / drafted tokens with the draft model at γ = draft_len, greedy, over the (first `count`) held-out prompts."""
+    from ..engine import Engine, EngineConfig, Finished, Request, SamplingParams, SpecConfig
+
+    engine = Engine(EngineConfig(model_dir=str(model_dir), spec=SpecConfig(str(draft_dir), draft_len)))
+    drafted = accepted = 0
+    prompts = [json.loads(line)["prompt"] for line in open(eval_path, encoding="utf-8") if line.strip()]
+    for prompt in prompts[:count] if count else prompts:
+        chat = [{"role": "user", "content": prompt}]
+        summary = next(e.summary for e in engine.generate(Request(messages=chat), SamplingParams(max_new_tokens=max_new_tokens))
+                       if isinstance(e, Finished))
+        drafted, accepted = drafted + summary.drafted, accepted + summary.accepted
+    return round(accepted / max(drafted, 1), 3)
 
 
 def eval_prompts(count: int) -> list[str]:

@@ -1,16 +1,18 @@
 """Train moechat's embedded demo model: a small qwen3_moe chat model and a dense draft with its tokenizer.
 
-    python assets/train_demo.py [--corpus ../shared/corpus] [--out assets/demo]
+    apt-get download wordnet-base && dpkg-deb -x wordnet-base_*.deb /tmp/wordnet
+    python assets/train_demo.py --wordnet /tmp/wordnet/usr/share/wordnet [--out assets/demo]
 
-Runs offline on 2 CPU cores in under an hour (about 50 minutes on a 2-core Xeon; `--device cuda`
-is much faster) and is seeded: the same PyTorch version and thread count give the same weights.
-Writes OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out
-prompts) and OUT/train_stats.json (the figures the model card, assets/demo/README.md, states).
+Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
+Python's language reference. Runs offline on 2 CPU cores in under an hour (`--device cuda` is much
+faster) and is seeded: the same PyTorch version and thread count give the same weights. Writes
+OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts),
+OUT/eval_words.jsonl (held-out definitional questions) and OUT/train_stats.json (the figures the model
+card, assets/demo/README.md, states).
 """
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import random
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 1234
 VOCAB = 4096
 SEQ_LEN, BATCH = 512, 16  # 8192 tokens per step
-TARGET_STEPS, DRAFT_STEPS = 1000, 400
+TARGET_STEPS, DRAFT_STEPS = 550, 350
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen checkpoints use; the demo has no thinking mode
 CHAT_TEMPLATE = (
@@ -37,40 +39,14 @@ CHAT_TEMPLATE = (
 # routers can read its hidden states (SP-MoE's lookahead)
 COMMON = dict(vocab_size=VOCAB, hidden_size=192, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
               max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True, initializer_range=0.02)
-TARGET = dict(num_hidden_layers=6, intermediate_size=768, moe_intermediate_size=64, num_experts=32,
+TARGET = dict(num_hidden_layers=8, intermediate_size=768, moe_intermediate_size=64, num_experts=32,
               num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
               router_aux_loss_coef=0.005)
-DRAFT = dict(num_hidden_layers=2, intermediate_size=512)
+DRAFT = dict(num_hidden_layers=3, intermediate_size=768)
 EVAL_PROMPTS = 64  # held-out prompts kept in OUT/eval_prompts.jsonl to measure the routing skew
-
-
-def read_prompts(path: Path) -> list[str]:
-    """The user turns between PROMPT_START/PROMPT_END marker lines."""
-    blocks = re.split(r"^>{10,}PROMPT_(?:START|END): \d+\n", gzip.open(path, "rt", encoding="utf-8").read(), flags=re.M)
-    return [b.strip() for b in blocks if b.strip() and len(b) < 4000]
-
-
-def pair_by_topic(prompts: list[str]) -> list[str]:
-    """For each prompt, the most similar other prompt (TF-IDF cosine): the demo learns to stay on topic."""
-    words = [set(re.findall(r"[a-z]{3,}", p.lower())) for p in prompts]
-    df: dict[str, int] = {}
-    for ws in words:
-        for w in ws:
-            df[w] = df.get(w, 0) + 1
-    vocab = {w: i for i, w in enumerate(sorted(w for w, c in df.items() if 2 <= c <= len(prompts) // 10))}
-    rows, cols, vals = [], [], []
-    for r, ws in enumerate(words):
-        for w in ws:
-            if w in vocab:
-                rows.append(r), cols.append(vocab[w]), vals.append(math.log(len(prompts) / df[w]))
-    x = torch.sparse_coo_tensor([rows, cols], vals, (len(prompts), len(vocab))).to_dense()  # [N, V]
-    x = F.normalize(x, dim=1)
-    best = []
-    for chunk in torch.split(torch.arange(len(prompts)), 1024):
-        sim = x[chunk] @ x.T  # [c, N]
-        sim[torch.arange(len(chunk)), chunk] = -1  # never itself
-        best += sim.argmax(1).tolist()
-    return [prompts[j] for j in best]
+EVAL_WORDS = 100  # nouns never asked about in training, kept in OUT/eval_words.jsonl for the answer score
+LEXICON = {"n": 2000, "v": 300, "a": 300}  # the most used words of each part of speech (WordNet's tag counts)
+QA_FORMS = 2  # each trained word is asked about in two of its question forms
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
@@ -156,8 +132,10 @@ def train(model, rows, steps, peak_lr, device, loss_fn, label):
 
 @torch.no_grad()
 def eval_loss(model, rows, device) -> float:
-    losses = [model(input_ids=r[:, :-1].to(device), labels=r[:, :-1].to(device)).loss.item() for r in rows.split(BATCH)]
-    return sum(losses) / len(losses)
+    """Mean next-token loss over the rows (each predicts its tokens 1..T-1; HF shifts the labels)."""
+    losses = [model(input_ids=r[:, :-1].to(device), labels=r[:, :-1].to(device)).loss.item() * len(r)
+              for r in rows.split(BATCH)]
+    return sum(losses) / len(rows)
 
 
 def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
@@ -169,43 +147,114 @@ def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
     tokenizer.save_pretrained(out)
 
 
+def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str], list[dict]]:
+    """(train chats, held-out chats, dictionary pages, held-out questions) from the LEXICON most used words.
+
+    EVAL_WORDS nouns are never asked about in training (no question names them), and neither are the held-out
+    chats' words, but every word's entry is in the dictionary text, in three styles: the model reads what words
+    mean and learns from the other words' chats to answer a question from what it read."""
+    from demo_data import answer, dictionary_pages, question, read_senses
+
+    senses = []
+    for pos, n in LEXICON.items():
+        senses += sorted((s for s in read_senses(root, pos)), key=lambda s: -s.count)[:n]
+    held = rng.sample([s for s in senses if s.pos == "n"], EVAL_WORDS)
+    held_words = {s.word for s in held}
+    asked = [s for s in senses if s.word not in held_words]
+    rng.shuffle(asked)
+    n_val = len(asked) * 3 // 100
+    val = [(question(s, rng), answer(s)) for s in asked[:n_val]]
+    val_words = {s.word for s in asked[:n_val]}
+    train = []
+    for s in asked[n_val:]:
+        if s.word in val_words:
+            continue
+        train += [(question(s, rng), answer(s)) for _ in range(QA_FORMS)]
+        if s.examples:
+            train.append((f"Use {s.word} in a sentence.", s.examples[0][:1].upper() + s.examples[0][1:] + "."))
+    evals = [{"word": s.word, "question": question(s), "gloss": s.gloss, "category": s.category} for s in held]
+    pages = [p for style in range(3) for p in dictionary_pages(senses, 16, rng, style)]
+    return train, val, pages, evals
+
+
+def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
+    """The chats and pages, the tokenizer trained on them (saved to model_dir), the packed training rows, and the
+    held-out chats; writes out/eval_prompts.jsonl and out/eval_words.jsonl."""
+    t_start = time.time()
+    train_chats, val, pages, eval_words = wordnet_chats(wordnet, rng)
+    docs = python_doc_chats()
+    rng.shuffle(docs)
+    n_doc_val = len(docs) // 50
+    train_chats, val = train_chats + docs[n_doc_val:], val + docs[:n_doc_val]
+    rng.shuffle(train_chats), rng.shuffle(val)
+    print(f"{len(train_chats) + len(val)} chats ({len(train_chats)} train, {len(val)} held out), {len(pages)} "
+          f"dictionary pages in {time.time() - t_start:.0f}s", flush=True)
+    tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats] + pages, model_dir)
+    docs = [render(tokenizer, *c) for c in train_chats] + pages
+    rng.shuffle(docs)
+    rows, val_docs = pack(docs, tokenizer), [render(tokenizer, *c) for c in val]
+    print(f"{rows.numel() / 1e6:.2f}M training tokens", flush=True)
+    with open(out / "eval_prompts.jsonl", "w") as f:
+        for u, _ in val[:EVAL_PROMPTS]:
+            f.write(json.dumps({"prompt": u}) + "\n")
+    with open(out / "eval_words.jsonl", "w") as f:
+        for e in eval_words:
+            f.write(json.dumps(e) + "\n")
+    counts = {"train_chats": len(train_chats), "heldout_chats": len(val), "dictionary_pages": len(pages)}
+    return tokenizer, rows, val, val_docs, counts
+
+
+def render(tokenizer, user: str, reply: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": user}, {"role": "assistant", "content": reply}],
+                                         tokenize=False)
+
+
+def dcfg_kwargs(eos_ids: list[int]) -> dict:
+    return dict(**COMMON, **DRAFT, eos_token_id=eos_ids[0], bos_token_id=None, pad_token_id=eos_ids[1])
+
+
+def train_draft(target, draft_kwargs: dict, rows: torch.Tensor, args):
+    """The draft: the target's embeddings to start, distilled from it (forward KL, what acceptance rewards)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    draft = Qwen3ForCausalLM(Qwen3Config(**draft_kwargs)).to(args.device)
+    draft.model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    draft.model.norm.weight.data.copy_(target.model.norm.weight.data)
+
+    def kd_loss(m, b):
+        with torch.no_grad():
+            p_log = F.log_softmax(target(input_ids=b[:, :-1]).logits.float(), -1)  # [B, T, V]
+        q_log = F.log_softmax(m(input_ids=b[:, :-1]).logits.float(), -1)
+        return F.kl_div(q_log.flatten(0, 1), p_log.flatten(0, 1), log_target=True, reduction="batchmean")
+
+    t0 = time.time()
+    train(draft, rows, args.draft_steps, 3e-3, args.device, kd_loss, "draft")
+    return draft, time.time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "corpus")
+    ap.add_argument("--wordnet", type=Path, default=Path("/usr/share/wordnet"), help="WordNet 3.0's database files")
     ap.add_argument("--out", type=Path, default=ROOT / "assets" / "demo")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target-steps", type=int, default=TARGET_STEPS)
     ap.add_argument("--draft-steps", type=int, default=DRAFT_STEPS)
+    ap.add_argument("--baseline", type=Path, help="another model directory whose held-out loss to report beside")
     args = ap.parse_args()
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(SEED)
     torch.set_num_threads(args.threads)
     t_start = time.time()
-    puffin = args.corpus / "puffin_prompts.txt.gz"
-    if not puffin.is_file():
-        sys.exit(f"error: {puffin} not found: pass --corpus DIR (the directory with puffin_prompts.txt.gz)")
+    if not (args.wordnet / "data.noun").is_file():
+        sys.exit(f"error: no WordNet database in {args.wordnet}: apt-get download wordnet-base && dpkg-deb -x "
+                 "wordnet-base_*.deb /tmp/wordnet, then pass --wordnet /tmp/wordnet/usr/share/wordnet")
 
-    # data: every Puffin prompt becomes a chat whose reply is its nearest prompt on the same topic,
-    # plus Python's language reference as answers to "Tell me about <section>."
-    prompts = read_prompts(puffin)
-    chats = list(zip(prompts, pair_by_topic(prompts))) + python_doc_chats()
-    random.Random(SEED).shuffle(chats)
-    n_val = len(chats) // 50
-    val, train_chats = chats[:n_val], chats[n_val:]
-    print(f"{len(chats)} chats ({len(train_chats)} train, {n_val} held out) in {time.time() - t_start:.0f}s", flush=True)
-
+    rng = random.Random(SEED)
     model_dir, draft_dir = args.out / "model", args.out / "draft"
-    tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats], model_dir)
-    render = lambda u, a: tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": u}, {"role": "assistant", "content": a}], tokenize=False)
-    rows, val_rows = pack([render(*c) for c in train_chats], tokenizer), pack([render(*c) for c in val], tokenizer)
-    print(f"{rows.numel() / 1e6:.2f}M training tokens, {val_rows.numel() / 1e3:.0f}k held out", flush=True)
-    eval_path = args.out / "eval_prompts.jsonl"
-    with open(eval_path, "w") as f:
-        for u, _ in val[:EVAL_PROMPTS]:
-            f.write(json.dumps({"prompt": u}) + "\n")
+    tokenizer, rows, val, val_docs, counts = build_data(args.wordnet, model_dir, args.out, rng)
+    val_rows = pack(val_docs, tokenizer)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
 
     # the MoE: next-token loss plus a light load-balancing loss (skewed, not collapsed, routing)
@@ -219,40 +268,59 @@ def main() -> None:
     target_s, target_val = time.time() - t0, eval_loss(target, val_rows, args.device)
     print(f"[moe] held-out loss {target_val:.3f}", flush=True)
 
-    # the draft: same embeddings to start, distilled from the MoE (forward KL, what acceptance rewards)
-    dcfg = Qwen3Config(**COMMON, **DRAFT, eos_token_id=eos_ids[0], bos_token_id=None, pad_token_id=eos_ids[1])
-    draft = Qwen3ForCausalLM(dcfg).to(args.device)
-    draft.model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
-    draft.model.norm.weight.data.copy_(target.model.norm.weight.data)
-
-    def kd_loss(m, b):
-        with torch.no_grad():
-            p_log = F.log_softmax(target(input_ids=b[:, :-1]).logits.float(), -1)  # [B, T, V]
-        q_log = F.log_softmax(m(input_ids=b[:, :-1]).logits.float(), -1)
-        return F.kl_div(q_log.flatten(0, 1), p_log.flatten(0, 1), log_target=True, reduction="batchmean")
-
-    t0 = time.time()
-    train(draft, rows, args.draft_steps, 3e-3, args.device, kd_loss, "draft")
-    draft_s, draft_val = time.time() - t0, eval_loss(draft, val_rows, args.device)
+    draft, draft_s = train_draft(target, dcfg_kwargs(eos_ids), rows, args)
+    draft_val = eval_loss(draft, val_rows, args.device)
     print(f"[draft] held-out loss {draft_val:.3f}", flush=True)
 
     save(target, tokenizer, model_dir, eos_ids)
     save(draft, tokenizer, draft_dir, eos_ids)
     total_s = time.time() - t_start
-    from moechat.app.demo import routing_report  # skew and reuse through moechat's own engine
-
-    report = routing_report(model_dir, eval_path)
     stats = {
-        "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], "chats": len(chats), "device": args.device,
+        "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], **counts, "device": args.device,
         "threads": args.threads,
         "train_tokens": rows.numel(), "target_steps": args.target_steps, "draft_steps": args.draft_steps,
         "tokens_per_step": BATCH * SEQ_LEN, "target_train_s": round(target_s), "draft_train_s": round(draft_s),
         "total_s": round(total_s), "target_heldout_loss": round(target_val, 3), "draft_heldout_loss": round(draft_val, 3),
+        "target_heldout_bits_per_char": bits_per_char(target, tokenizer, val_docs, args.device),
         "target_params": sum(p.numel() for p in target.parameters()),
-        "draft_params": sum(p.numel() for p in draft.parameters()), **report,
+        "draft_params": sum(p.numel() for p in draft.parameters()),
     }
+    if args.baseline:
+        stats["baseline"] = baseline_loss(args.baseline, val, args.device)
+    stats.update(demo_figures(model_dir, draft_dir, args.out))
     (args.out / "train_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
     print(json.dumps(stats, indent=1))
+
+
+def baseline_loss(model_dir: Path, val: list[tuple[str, str]], device) -> dict:
+    """Another model's held-out loss (with its own tokenizer) on the same held-out chats."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    docs = [render(tok, *c) for c in val]
+    return {"model": str(model_dir), "heldout_loss": round(eval_loss(base, pack(docs, tok), device), 3),
+            "heldout_bits_per_char": bits_per_char(base, tok, docs, device)}
+
+
+def bits_per_char(model, tokenizer, docs: list[str], device) -> float:
+    """Held-out loss per character of text, comparable across tokenizers."""
+    rows = pack(docs, tokenizer)
+    chars = sum(len(tokenizer.decode(r[1:-1])) for r in rows)  # the predicted tokens' text
+    nats = eval_loss(model, rows, device) * rows[:, 1:-1].numel()
+    return round(nats / chars / math.log(2), 4)
+
+
+def demo_figures(model_dir: Path, draft_dir: Path, out: Path) -> dict:
+    """What the model card states, measured through moechat's own engine."""
+    from moechat.app.demo import answer_report, draft_acceptance, routing_report
+
+    answers = answer_report(model_dir, out / "eval_words.jsonl")
+    return {**routing_report(model_dir, out / "eval_prompts.jsonl"),
+            "draft_acceptance_gamma4": draft_acceptance(model_dir, draft_dir, out / "eval_prompts.jsonl"),
+            "draft_acceptance_first16": draft_acceptance(model_dir, draft_dir, out / "eval_prompts.jsonl", count=16),
+            "answer_score": answers["score"], "answer_questions": answers["questions"],
+            "answer_hits": [r["word"] for r in answers["replies"] if r["hit"]]}
 
 
 if __name__ == "__main__":

@@ -9,7 +9,14 @@ import pytest
 import torch
 from helpers import SEA, chat_ids
 
-from moechat.app.demo import DEMO_DIR, DEMO_DRAFT, DEMO_MODEL, routing_report
+from moechat.app.demo import (
+    DEMO_DIR,
+    DEMO_DRAFT,
+    DEMO_MODEL,
+    answers_the_word,
+    first_sentence,
+    routing_report,
+)
 from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
 from moechat.engine.events import Finished
 from moechat.engine.generate import Engine, Request
@@ -24,8 +31,8 @@ def card_figure(label: str) -> float:
 
 
 def test_demo_is_shipped_within_size():
-    files = [p for p in DEMO_DIR.rglob("*") if p.is_file()]
-    assert sum(p.stat().st_size for p in files) <= 30 * 2**20
+    files = [p for p in DEMO_DIR.parent.rglob("*") if p.is_file()]  # all of assets/
+    assert sum(p.stat().st_size for p in files) < 40e6
     for d in (DEMO_MODEL, DEMO_DRAFT):
         assert (d / "config.json").is_file() and (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
     assert json.loads((DEMO_MODEL / "config.json").read_text())["model_type"] == "qwen3_moe"
@@ -65,6 +72,31 @@ def test_demo_routing_skew_matches_model_card():
     assert report["routing_reuse"] == pytest.approx(card_figure("Routing reuse"), abs=0.01)
     assert report["routing_skew_mean"] > 0.25 + 0.1  # uniform routing puts 25% on the top 25% of experts
     assert report["routing_reuse"] > 2 * report["uniform_reuse"]
+
+
+def test_answer_scorer_reads_the_first_sentence():
+    gloss, category = "a tower with a light that gives warning of shoals to passing ships", ["tower", "structure"]
+    assert first_sentence("A lighthouse is a tall tower. It warns ships.\nMore.") == "A lighthouse is a tall tower."
+    assert answers_the_word("A lighthouse is a tall tower. It warns ships.", "lighthouse", gloss, category)
+    assert answers_the_word("It is a kind of structure.", "lighthouse", gloss, category)  # the category counts
+    assert answers_the_word("Lighthouses warn passing ships!", "lighthouse", gloss, category)  # plural stripped
+    assert not answers_the_word("A lighthouse is a lighthouse. It warns ships.", "lighthouse", gloss, category)
+    assert not answers_the_word("It is something used by people of a kind.", "lighthouse", gloss, category)  # stop words
+
+
+def test_bench_answers_scores_the_held_out_questions(capsys):
+    """`moechat bench answers` asks the held-out definitional questions through the engine and scores each reply."""
+    from moechat.app.cli import main
+
+    assert main(["bench", "answers", "--questions", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    asked = [json.loads(line) for line in (DEMO_DIR / "eval_words.jsonl").read_text().splitlines()[:3]]
+    assert [r["question"] for r in out["replies"]] == [a["question"] for a in asked] and out["questions"] == 3
+    for r, a in zip(out["replies"], asked, strict=True):
+        assert r["reply"].strip() and r["hit"] == answers_the_word(r["reply"], a["word"], a["gloss"], a["category"])
+    assert out["score"] == pytest.approx(sum(r["hit"] for r in out["replies"]) / 3, abs=1e-3)
+    assert 0.0 <= out["draft_acceptance_gamma4"] <= 1.0
+    assert main(["bench", "answers", "--questions", "-1"]) == 1 and "must be >= 0" in capsys.readouterr().err
 
 
 def test_generate_defaults_to_the_demo(capsys):

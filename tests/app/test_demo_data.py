@@ -1,0 +1,42 @@
+"""The demo's training data reader (assets/demo_data.py) on a two-synset WordNet database in wndb(5WN)'s format."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "assets"))
+from demo_data import answer, dictionary_entry, dictionary_pages, question, read_senses  # noqa: E402
+
+HEADER = "  1 This software and database is being provided to you, the LICENSEE, by Princeton University\n"
+DATA_NOUN = HEADER + (
+    "00000100 06 n 04 beacon 0 lighthouse 0 beacon_light 0 pharos 0 001 @ 00000200 n 0000 | a tower with a light that "
+    "gives warning of shoals to passing ships; \"the lighthouse kept the ships off the rocks\"  \n"
+    "00000200 06 n 01 tower 0 000 | a structure taller than its diameter  \n")
+INDEX_NOUN = HEADER + ("lighthouse n 1 1 @ 1 1 00000100  \n"
+                       "tower n 1 0 1 0 00000200  \n"          # never sense-tagged: not a word people use
+                       "beacon n 1 1 @ 1 1 00000100  \n")
+
+
+def test_reader_takes_tagged_lemmas_with_gloss_category_synonyms_and_examples(tmp_path):
+    for pos in ("noun", "verb", "adj"):
+        (tmp_path / f"data.{pos}").write_text(DATA_NOUN if pos == "noun" else HEADER)
+        (tmp_path / f"index.{pos}").write_text(INDEX_NOUN if pos == "noun" else HEADER)
+    (tmp_path / "cntlist.rev").write_text("lighthouse%1:06:00:: 1 3\nbeacon%1:06:00:: 2 1\n")
+    senses = {s.word: s for s in read_senses(tmp_path)}
+    assert set(senses) == {"lighthouse", "beacon"}
+    s = senses["lighthouse"]
+    assert s.gloss == "a tower with a light that gives warning of shoals to passing ships"
+    assert s.examples == ["the lighthouse kept the ships off the rocks"] and s.category == ["tower"]
+    assert s.synonyms == ["beacon", "beacon light", "pharos"] and s.lexname == "noun.artifact"
+    assert s.count == 3 and senses["beacon"].count == 0  # the first sense's tag count only
+    assert senses["beacon"].examples == []  # an example that does not use the word is not its example
+    assert question(s) == "What is a lighthouse?"
+    assert answer(s) == ("A lighthouse is a tower with a light that gives warning of shoals to passing ships. It is a kind "
+                         'of tower. Another word for it is beacon. For example: "The lighthouse kept the ships off the rocks."')
+    assert all("lighthouse" in question(s, random.Random(i)) for i in range(20))  # every form names the word
+    pages = dictionary_pages(list(senses.values()), 1, random.Random(0))
+    assert sorted(p.split(" (")[0] for p in pages) == ["beacon", "lighthouse"]
+    assert "lighthouse (noun): a tower with a light" in "".join(pages) and "Kind of: tower." in "".join(pages)
+    assert dictionary_entry(s, 1).startswith("The noun lighthouse means a tower with a light")
+    assert dictionary_entry(s, 2).endswith("(a noun; see tower).")
