@@ -28,7 +28,7 @@ def routing_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_PROMPTS,
     store = engine.model.store
     recorder = TraceRecorder(store.layers)
     params = SamplingParams(max_new_tokens=max_new_tokens)
-    prompts = [json.loads(line)["prompt"] for line in open(eval_path, encoding="utf-8") if line.strip()]
+    prompts = eval_prompts(0, eval_path)
     for prompt in prompts:
         for _ in engine.generate(Request(messages=[{"role": "user", "content": prompt}]), params, recorder):
             pass
@@ -85,8 +85,7 @@ def draft_acceptance(model_dir: Path = DEMO_MODEL, draft_dir: Path = DEMO_DRAFT,
 
     engine = Engine(EngineConfig(model_dir=str(model_dir), spec=SpecConfig(str(draft_dir), draft_len)))
     drafted = accepted = 0
-    prompts = [json.loads(line)["prompt"] for line in open(eval_path, encoding="utf-8") if line.strip()]
-    for prompt in prompts[:count] if count else prompts:
+    for prompt in eval_prompts(count, eval_path):
         chat = [{"role": "user", "content": prompt}]
         summary = next(e.summary for e in engine.generate(Request(messages=chat), SamplingParams(max_new_tokens=max_new_tokens))
                        if isinstance(e, Finished))
@@ -94,10 +93,10 @@ def draft_acceptance(model_dir: Path = DEMO_MODEL, draft_dir: Path = DEMO_DRAFT,
     return round(accepted / max(drafted, 1), 3)
 
 
-def eval_prompts(count: int) -> list[str]:
-    """The first `count` held-out prompts (what `moechat calibrate` generates on)."""
-    lines = [ln for ln in EVAL_PROMPTS.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    return [json.loads(ln)["prompt"] for ln in lines[:count]]
+def eval_prompts(count: int = 0, path: Path = EVAL_PROMPTS) -> list[str]:
+    """The first `count` (0: all) held-out prompts (what `moechat calibrate` generates on)."""
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return [json.loads(ln)["prompt"] for ln in (lines[:count] if count else lines)]
 
 
 def resolve_model(model: str | None, draft: str | None) -> tuple[str, str]:
