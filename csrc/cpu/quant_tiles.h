@@ -4,7 +4,7 @@
 // 4 columns of 16 rows (int4: 8 columns, in low and high nibbles) and one 16-wide fp16 load holds a
 // block's scales for the group; activations: s8 codes and fp32 scales per token and block (Q8_1),
 // broadcast 4 bytes at a time. No horizontal sums: a vector of 16 int32 is 16 rows' dot products.
-// Paths: AMX-INT8 (tdpbsud; int8 at 8+ tokens), AVX-512 VNNI (vpdpbusd), AVX2 (pmaddubsw + pmaddwd) and portable scalar C++. Each sums a
+// Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens), AVX-512 VNNI (vpdpbusd), AVX2 (pmaddubsw + pmaddwd) and portable scalar C++. Each sums a
 // (row, token) in one fixed order whatever the call's other rows and tokens, so a token's result
 // never depends on its batch.
 #pragma once
@@ -133,11 +133,13 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
     const uint16_t* s = W.s + g * QROWS * W.nb;
     const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    constexpr int CH = TC < 4 ? 2 : 1;  // integer chains per token: two when few tokens hide vpdpbusd's latency; more spill
     __m512 acc[TC];
     for (int t = 0; t < TC; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < W.nb; b++) {
-        __m512i dot[TC][2];  // two chains per token: vpdpbusd's latency, not its throughput, bounds one chain
-        for (int t = 0; t < TC; t++) dot[t][0] = dot[t][1] = _mm512_setzero_si512();
+        __m512i dot[TC][CH];
+        for (int t = 0; t < TC; t++)
+            for (int c = 0; c < CH; c++) dot[t][c] = _mm512_setzero_si512();
         const int8_t* xb = A.q + t0 * A.kp + 32 * b;
         for (int line = 0; line < BITS; line++)  // the next group's block (its 4 or 8 cache lines), one group ahead
             _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T0);
@@ -146,25 +148,25 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
             for (int i = 0; i < 8; i++) {
                 const __m512i w = _mm512_loadu_si512(qb + 64 * i);
                 for (int t = 0; t < TC; t++)
-                    dot[t][i % 2] = _mm512_dpbusd_epi32(dot[t][i % 2], w, _mm512_set1_epi32(x4(xb + t * A.kp + 4 * i)));
+                    dot[t][i % CH] = _mm512_dpbusd_epi32(dot[t][i % CH], w, _mm512_set1_epi32(x4(xb + t * A.kp + 4 * i)));
             }
         } else {
             const uint8_t* qb = q + b * 256;
+            __m512i u[8];  // the block unpacked once for all TC tokens: u[2v] columns 8v..8v+3, u[2v+1] 8v+4..8v+7
             for (int v = 0; v < 4; v++) {
                 const __m512i w = _mm512_loadu_si512(qb + 64 * v);
-                const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
-                for (int t = 0; t < TC; t++) {
-                    dot[t][0] = _mm512_dpbusd_epi32(dot[t][0], lo, _mm512_set1_epi32(x4(xb + t * A.kp + 8 * v)));
-                    dot[t][1] = _mm512_dpbusd_epi32(dot[t][1], hi, _mm512_set1_epi32(x4(xb + t * A.kp + 8 * v + 4)));
-                }
+                u[2 * v] = _mm512_and_si512(w, low), u[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
             }
+            for (int i = 0; i < 8; i++)
+                for (int t = 0; t < TC; t++)
+                    dot[t][i % CH] = _mm512_dpbusd_epi32(dot[t][i % CH], u[i], _mm512_set1_epi32(x4(xb + t * A.kp + 4 * i)));
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + b * QROWS)));
         const __m512 mn = m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + b * QROWS)))
                             : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
         for (int t = 0; t < TC; t++) {
             const int64_t tb = (t0 + t) * A.nb + b;
-            const __m512i sum = _mm512_add_epi32(dot[t][0], dot[t][1]);
+            const __m512i sum = CH == 2 ? _mm512_add_epi32(dot[t][0], dot[t][CH - 1]) : dot[t][0];
             acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(A.d[tb])), acc[t]);
             acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(A.ds[tb]), acc[t]);
         }
@@ -234,10 +236,11 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
 // ---- AMX-INT8, int8 weights only: one tile op per block of 32 columns. A = 16 tokens' codes [16 x 32 s8], loaded
 // straight from the quantized activations; B = a 16-row group's block [8 x 64 u8], loaded straight from the
 // interleaved weights (already the layout B wants); C = [16 tokens x 16 rows] int32: the integer sums vpdpbusd
-// makes, then the VNNI path's scaling in its order, so the bits equal that path's. The per-block scaling bounds it
-// (measured 1.2-1.6x VNNI at 8-256 tokens); int4 stays on VNNI: unpacking nibbles for B cost what the tiles saved.
+// makes, then the VNNI path's scaling in its order, so the bits equal that path's. The per-block tile round trip
+// (store C, reload, scale: about 20 ns per group and block here) bounds it, so it pays only past one VNNI pass
+// (10 tokens); int4 stays on VNNI: unpacking nibbles for B cost what the tiles saved.
 #define AMXQ_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-constexpr int AMXQ_MIN_T = 8;  // fewer tokens: the VNNI path (decode is memory-bound; measured no faster below 8)
+constexpr int AMXQ_MIN_T = 11;  // fewer tokens: one VNNI pass (up to 10 tokens), measured as fast
 
 struct QTileConfig {
     uint8_t palette, start_row, reserved[14];
@@ -313,20 +316,21 @@ void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* 
            std::integer_sequence<int, I...>) {
     constexpr int TCMAX = sizeof...(I);
     static const QGroup tile[TCMAX] = {(VNNI ? qgroup_vnni<BITS, I + 1> : qgroup_avx2<BITS, I + 1>)...};
+    const int passes = (T + TCMAX - 1) / TCMAX, tc = (T + passes - 1) / passes;  // even passes: 14 = 7 + 7, not 10 + 4
     for (int64_t r = r0; r < r0 + nr; r += QROWS)
-        for (int t = 0; t < T; t += TCMAX)
-            tile[std::min(TCMAX, T - t) - 1](W, r / QROWS, A, t, Y + t * ldy + (r - r0), ldy);
+        for (int t = 0; t < T; t += tc)
+            tile[std::min(tc, T - t) - 1](W, r / QROWS, A, t, Y + t * ldy + (r - r0), ldy);
 }
 #endif  // MOE_X86
 
 // Y[t, r - r0] for rows r0..r0+nr of W (both multiples of 16) and T tokens of A, on `isa`.
 void qmat(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy, int bits, Isa isa) {
 #ifdef MOE_X86
-    // Registers: VNNI TC tokens x (1 float + 2 int accumulators) + 3 weight vectors of 32 zmm; AVX2 2 x 2 x TC of 16 ymm.
+    // Registers: VNNI TC tokens x (1 float + 1 int accumulator) + 8 unpacked int4 vectors + 3 of 32 zmm; AVX2 2 x 2 x TC of 16 ymm.
     if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx(W, r0, nr, A, T, Y, ldy);  // int8: resolve_q
     if (isa == AVX512_VNNI || isa == AMX_INT8) {
-        if (bits == 8) return qwalk<8, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 8>{});
-        return qwalk<4, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 8>{});
+        if (bits == 8) return qwalk<8, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
+        return qwalk<4, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
     }
     if (isa == AVX2) {
         if (bits == 8) return qwalk<8, false>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});

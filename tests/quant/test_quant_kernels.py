@@ -125,16 +125,19 @@ def test_expert_ffn_equals_the_twin(isa, fmt, x_dtype):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_tokens_result_does_not_depend_on_its_batch(isa, fmt):
-    """Lossless speculative decoding needs this: verifying γ+1 tokens gives each the bits it gets alone."""
+    """Lossless speculative decoding needs this: verifying γ+1 tokens gives each the bits it gets alone, whether the
+    kernel takes them in one pass (VNNI: up to 10), in even passes (11 = 6 + 5) or on AMX tiles (int8, 11+)."""
     H, I = 256, 96
-    x, gu, dn, *_ = case(H, I, [1], fmt, N=9)
-    batch = torch.zeros(9, H)
-    cpu_ffn.moe_ffn_q_native(x, gu, dn, torch.tensor([2]), torch.tensor([0, 9]), torch.arange(9), torch.ones(9), batch, isa=isa)
-    for t in (0, 4, 8):
-        alone = torch.zeros(1, H)
-        cpu_ffn.moe_ffn_q_native(x[t:t + 1].contiguous(), gu, dn, torch.tensor([2]), torch.tensor([0, 1]), torch.tensor([0]),
-                                 torch.ones(1), alone, isa=isa)
-        assert torch.equal(alone[0], batch[t])
+    for n in (9, 10, 11):
+        x, gu, dn, *_ = case(H, I, [1], fmt, N=n)
+        batch = torch.zeros(n, H)
+        cpu_ffn.moe_ffn_q_native(x, gu, dn, torch.tensor([2]), torch.tensor([0, n]), torch.arange(n), torch.ones(n), batch,
+                                 isa=isa)
+        for t in (0, 4, n - 1):
+            alone = torch.zeros(1, H)
+            cpu_ffn.moe_ffn_q_native(x[t:t + 1].contiguous(), gu, dn, torch.tensor([2]), torch.tensor([0, 1]),
+                                     torch.tensor([0]), torch.ones(1), alone, isa=isa)
+            assert torch.equal(alone[0], batch[t]), (n, t)
 
 
 @needs_native
@@ -160,9 +163,9 @@ def test_the_vector_paths_agree_with_the_portable_one_on_integer_dots():
 @needs_native
 @pytest.mark.skipif(not cpu_ffn.q_isa_supported("amx_int8"), reason="this CPU (or its kernel) offers no AMX-INT8 tiles")
 def test_amx_tiles_give_the_vnni_paths_bits():
-    """The tiles make the same integer sums and scale them in the same order: equal, not close, from 8 tokens
+    """The tiles make the same integer sums and scale them in the same order: equal, not close, from 11 tokens
     (where AMX takes over) past one 16-token tile, in odd and even numbers of row groups, linear and FFN."""
-    for rows, k, t in ((48, 96, 8), (96, 2048, 17), (32, 160, 40), (16, 64, 16)):
+    for rows, k, t in ((48, 96, 11), (96, 2048, 17), (32, 160, 40), (16, 64, 16)):
         w = formats.quantize(torch.randn(rows, k) * 0.05, "int8")
         x = torch.randn(t, k)
         assert torch.equal(cpu_ffn.q_linear(x, w, isa="amx_int8"), cpu_ffn.q_linear(x, w, isa="avx512_vnni")), (rows, k, t)
