@@ -8,7 +8,8 @@ prefix: attention sees exactly the committed positions, no mask over unused slot
 """
 from __future__ import annotations
 
-from functools import partial
+import inspect
+from functools import cache, partial
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -133,3 +134,14 @@ class KVCache(Cache):
                 new._set_length(n)
             out.layers.append(new)
         return out
+
+
+@cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def hf_forward(model, ids, kv, keep: int):
+    """transformers' forward of a *ForCausalLM on ids [1, T] appended to `kv` -> its logits [1, keep, V]. The cache is
+    passed as `cache` from transformers 5.24 on (`past_key_values` is deprecated there) and as `past_key_values` before."""
+    return model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{_cache_keyword(type(model)): kv}).logits

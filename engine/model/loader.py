@@ -23,7 +23,7 @@ from .bf16_linear import narrow_linears
 from .checkpoint import Checkpoint
 from .config_file import read_config_dict
 from .families import Family, get_family
-from .kv_cache import KVCache
+from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
 from .memory_estimate import MemoryEstimate, estimate_module
@@ -47,7 +47,7 @@ class LoadedModel:
         that picks the lean forward (a few positions after a past) or transformers' (prefill, refused models)."""
         if self.lean is not None and self.lean.accepts(ids.shape[1], cache.get_seq_length()):
             return self.lean(ids, cache, keep)
-        return self.hf(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
+        return hf_forward(self.hf, ids, cache, keep)[0].float()
 
     @property
     def store(self) -> ExpertStore:

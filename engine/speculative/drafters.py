@@ -16,7 +16,7 @@ import torch
 from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
 from ..model.config_file import read_config_dict
-from ..model.kv_cache import KVCache
+from ..model.kv_cache import KVCache, hf_forward
 from ..model.loader import LoadedModel, load_tokenizer
 from ..quant.formats import QuantMatrix, dequantize
 from .rewind import rewind_cache
@@ -100,7 +100,7 @@ class DraftModel:
             ids = torch.tensor([feed], device=self.device)
             # a draft forward of the target's runtime: the feed reports its demand into it
             with runtime.forward("draft", self.cache.get_seq_length()):
-                logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                logits = hf_forward(self.model, ids, self.cache, 1)[0, -1]
                 if self.feed is not None:
                     self.feed.report()
             token, q = _choose(logits[: self.target_vocab], params, generator)

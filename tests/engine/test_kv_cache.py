@@ -1,6 +1,8 @@
 """The growing KV cache: in-place appends, rollback by index, and the same attention inputs as DynamicCache."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -84,3 +86,22 @@ def test_half_models_attend_in_float32_on_the_cpu(checkpoint, tokenizer):
     got, _ = sdpa_float_kv(Attn(), q, k, v, None)
     want, _ = sdpa_float_kv(Attn(), q.float(), k, v, None)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+def test_hf_forward_passes_the_cache_under_the_models_own_keyword():
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name warns): whichever the model takes, no
+    warning reaches a user's terminal, and the cache is filled."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moechat.engine.model.kv_cache import hf_forward
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               head_dim=16, num_experts=4, num_experts_per_tok=2)).eval()
+    cache = KVCache()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits = hf_forward(model, torch.tensor([[1, 2, 3]]), cache, 1)
+    assert logits.shape == (1, 1, 64) and cache.get_seq_length() == 3
+    assert not [w for w in caught if "past_key_values" in str(w.message)]

@@ -12,6 +12,7 @@ from moechat.engine.config import EngineConfig
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.model import decode_ops
 from moechat.engine.model.decode_stack import DecodeStack
+from moechat.engine.model.kv_cache import hf_forward
 from moechat.engine.model.lean_decode import LeanForward, refusal, sliding_window
 from moechat.engine.model.loader import load_model
 
@@ -21,7 +22,7 @@ WIDE = {"mixtral": {"intermediate_size": 32}}  # int8 experts need widths in mul
 
 
 def _hf(m, ids, cache, keep):
-    return m.hf(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep).logits[0].float()
+    return hf_forward(m.hf, ids, cache, keep)[0].float()
 
 
 def _same_kv(a, b) -> bool:
