@@ -137,9 +137,14 @@ def answer(s: Sense) -> str:
     return " ".join([first, *more])
 
 
+STYLES = 4  # dictionary_entry's styles
+
+
 def dictionary_entry(s: Sense, style: int) -> str:
-    """One word's entry in one of three styles: the same facts in several forms, so that they can be recalled
-    in a form not trained on (a question)."""
+    """One word's entry in one of STYLES styles: the same facts in several forms, so that they can be recalled
+    in a form not trained on (a question). Style 3 is encyclopedia prose, the sentences a reply states."""
+    if style == 3:
+        return answer(s)
     kind = {"n": "noun", "v": "verb", "a": "adjective", "r": "adverb"}[s.pos]
     cats, syns = ", ".join(dict.fromkeys(s.category[:3])), ", ".join(s.synonyms[:3])
     if style == 0:

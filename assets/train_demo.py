@@ -151,9 +151,9 @@ def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str]
     """(train chats, held-out chats, dictionary pages, held-out questions) from the LEXICON most used words.
 
     EVAL_WORDS nouns are never asked about in training (no question names them), and neither are the held-out
-    chats' words, but every word's entry is in the dictionary text, in three styles: the model reads what words
+    chats' words, but every word's entry is in the dictionary text, in four styles: the model reads what words
     mean and learns from the other words' chats to answer a question from what it read."""
-    from demo_data import answer, dictionary_pages, question, read_senses
+    from demo_data import STYLES, answer, dictionary_pages, question, read_senses
 
     senses = []
     for pos, n in LEXICON.items():
@@ -173,7 +173,7 @@ def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str]
         if s.examples:
             train.append((f"Use {s.word} in a sentence.", s.examples[0][:1].upper() + s.examples[0][1:] + "."))
     evals = [{"word": s.word, "question": question(s), "gloss": s.gloss, "category": s.category} for s in held]
-    pages = [p for style in range(3) for p in dictionary_pages(senses, 16, rng, style)]
+    pages = [p for style in range(STYLES) for p in dictionary_pages(senses, 16, rng, style)]
     return train, val, pages, evals
 
 

@@ -40,3 +40,4 @@ def test_reader_takes_tagged_lemmas_with_gloss_category_synonyms_and_examples(tm
     assert "lighthouse (noun): a tower with a light" in "".join(pages) and "Kind of: tower." in "".join(pages)
     assert dictionary_entry(s, 1).startswith("The noun lighthouse means a tower with a light")
     assert dictionary_entry(s, 2).endswith("(a noun; see tower).")
+    assert dictionary_entry(s, 3) == answer(s)  # encyclopedia prose: what a reply states, read as text
