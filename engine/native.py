@@ -27,7 +27,8 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # the CPU kernels' paths (csrc/cpu/common.h: Isa), by name; here, not in experts/cpu_ffn.py, so the CLI offers them
 # without importing torch
-CPU_ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6, "amx_int8": 7}
+CPU_ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6, "amx_int8": 7,
+           "avx_vnni": 8}
 SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
 
 

@@ -27,7 +27,7 @@
 namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
-enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5, AVX512_VNNI = 6, AMX_INT8 = 7 };
+enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5, AVX512_VNNI = 6, AMX_INT8 = 7, AVX_VNNI = 8 };
 
 // AMX: CPUID.7.0:EDX `bit` and bit 24 (AMX-TILE), and Linux's permission to use tiles; asked once per process
 // (CPUID is a VM exit under a hypervisor: not per call).
@@ -55,6 +55,7 @@ bool cpu_has(Isa isa) {
                             __builtin_cpu_supports("avx512vl") && cpu_has(AVX2);
         case AVX512_BF16: return cpu_has(AVX512) && __builtin_cpu_supports("avx512bf16");
         case AVX512_VNNI: return cpu_has(AVX512) && __builtin_cpu_supports("avx512vnni");
+        case AVX_VNNI: return cpu_has(AVX2) && __builtin_cpu_supports("avxvnni");  // VEX vpdpbusd: Intel Core 12th gen on
         case AMX_BF16: return amx_usable(22) && cpu_has(AVX512_BF16);  // CPUID.7.0:EDX bit 22: AMX-BF16
         case AMX_INT8: return amx_usable(25) && cpu_has(AVX512_VNNI);  // bit 25: AMX-INT8
         default: return isa == SCALAR;

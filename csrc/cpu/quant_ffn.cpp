@@ -17,11 +17,18 @@ namespace {
 // The path a call on `bits`-bit weights takes; AUTO: the best this CPU has. AMX tiles serve int8 alone (int4's nibbles
 // would need unpacking into B tiles, which cost what the tiles saved): int4 runs VNNI there.
 Isa resolve_q(int isa, int bits) {
-    if (isa == AUTO) isa = cpu_has(AMX_INT8) ? AMX_INT8 : cpu_has(AVX512_VNNI) ? AVX512_VNNI : cpu_has(AVX2) ? AVX2 : SCALAR;
+    if (isa == AUTO)
+        isa = cpu_has(AMX_INT8)      ? AMX_INT8
+              : cpu_has(AVX512_VNNI) ? AVX512_VNNI
+              : cpu_has(AVX_VNNI)    ? AVX_VNNI
+              : cpu_has(AVX2)        ? AVX2
+                                     : SCALAR;
     return isa == AMX_INT8 && bits == 4 ? AVX512_VNNI : Isa(isa);
 }
 
-bool runnable_q(Isa isa) { return (isa == SCALAR || isa == AVX2 || isa == AVX512_VNNI || isa == AMX_INT8) && cpu_has(isa); }
+bool runnable_q(Isa isa) {
+    return (isa == SCALAR || isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI || isa == AMX_INT8) && cpu_has(isa);
+}
 
 struct QStack {  // E experts' matrices of `rows` rows each, stacked: what the store and the slots hold
     const uint8_t* q;

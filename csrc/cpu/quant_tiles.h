@@ -4,7 +4,8 @@
 // 4 columns of 16 rows (int4: 8 columns, in low and high nibbles) and one 16-wide fp16 load holds a
 // block's scales for the group; activations: s8 codes and fp32 scales per token and block (Q8_1),
 // broadcast 4 bytes at a time. No horizontal sums: a vector of 16 int32 is 16 rows' dot products.
-// Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens), AVX-512 VNNI (vpdpbusd), AVX2 (pmaddubsw + pmaddwd) and portable scalar C++. Each sums a
+// Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens), AVX-512 VNNI (vpdpbusd), AVX-VNNI (vpdpbusd on ymm), AVX2 (pmaddubsw +
+// pmaddwd) and portable scalar C++. Each sums a
 // (row, token) in one fixed order whatever the call's other rows and tokens, so a token's result
 // never depends on its batch.
 #pragma once
@@ -233,6 +234,70 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
     }
 }
 
+// ---- AVX-VNNI (VEX vpdpbusd on ymm: Intel Core from the 12th generation, which has no AVX-512): each lane a row, so a
+// block's integer sums and their scaling are qgroup_vnni's lane for lane (the same bits). Up to 2 tokens both 8-row
+// halves of the group go together (two independent chains per token); from 3 tokens on, one half at a time, the
+// tokens' chains hiding vpdpbusd's latency, so that 5 tokens' accumulators fit 16 ymm.
+#define AVXVNNI_TARGET __attribute__((target("avx2,avxvnni,fma,f16c")))
+
+template <int BITS, int TC, int NH>  // NH halves from h0
+AVXVNNI_TARGET void qhalves_avxvnni(const QMat& W, int64_t g, int h0, const QActs& A, int t0, float* Y, int64_t ldy) {
+    const uint8_t* q = W.q + g * QROWS * W.row_bytes;
+    const uint16_t* s = W.s + g * QROWS * W.nb;
+    const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[TC][NH];
+    for (int t = 0; t < TC; t++)
+        for (int h = 0; h < NH; h++) acc[t][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < W.nb; b++) {
+        __m256i dot[TC][NH];
+        for (int t = 0; t < TC; t++)
+            for (int h = 0; h < NH; h++) dot[t][h] = _mm256_setzero_si256();
+        const int8_t* xb = A.q + t0 * A.kp + 32 * b;
+        if (h0 == 0)
+            for (int line = 0; line < BITS; line++)  // as qgroup_vnni: the next group's block, one group ahead
+                _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T0);
+        for (int h = 0; h < NH; h++) {
+            const uint8_t* qh = q + 32 * (h0 + h);
+            if (BITS == 8) {
+                for (int i = 0; i < 8; i++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qh + b * 512 + 64 * i));
+                    for (int t = 0; t < TC; t++)
+                        dot[t][h] = _mm256_dpbusd_avx_epi32(dot[t][h], w, _mm256_set1_epi32(x4(xb + t * A.kp + 4 * i)));
+                }
+            } else {
+                for (int v = 0; v < 4; v++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qh + b * 256 + 64 * v));
+                    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    for (int t = 0; t < TC; t++) {
+                        dot[t][h] = _mm256_dpbusd_avx_epi32(dot[t][h], lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v)));
+                        dot[t][h] = _mm256_dpbusd_avx_epi32(dot[t][h], hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4)));
+                    }
+                }
+            }
+        }
+        for (int h = 0; h < NH; h++) {
+            const int64_t sb = b * QROWS + 8 * (h0 + h);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + sb)));
+            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + sb))) : _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+            for (int t = 0; t < TC; t++) {
+                const int64_t tb = (t0 + t) * A.nb + b;
+                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]), _mm256_mul_ps(d, _mm256_set1_ps(A.d[tb])), acc[t][h]);
+                acc[t][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(A.ds[tb]), acc[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < TC; t++)
+        for (int h = 0; h < NH; h++) _mm256_storeu_ps(Y + t * ldy + 8 * (h0 + h), acc[t][h]);
+}
+
+template <int BITS, int TC>
+void qgroup_avxvnni(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, int64_t ldy) {
+    if (TC <= 2) return qhalves_avxvnni<BITS, TC, 2>(W, g, 0, A, t0, Y, ldy);
+    qhalves_avxvnni<BITS, TC, 1>(W, g, 0, A, t0, Y, ldy);
+    qhalves_avxvnni<BITS, TC, 1>(W, g, 1, A, t0, Y, ldy);
+}
+
 // ---- AMX-INT8, int8 weights only: one tile op per block of 32 columns. A = 16 tokens' codes [16 x 32 s8], loaded
 // straight from the quantized activations; B = a 16-row group's block [8 x 64 u8], loaded straight from the
 // interleaved weights (already the layout B wants); C = [16 tokens x 16 rows] int32: the integer sums vpdpbusd
@@ -311,11 +376,14 @@ AMXQ_TARGET void qwalk_amx(const QMat& W, int64_t r0, int64_t nr, const QActs& A
 
 using QGroup = void (*)(const QMat&, int64_t, const QActs&, int, float*, int64_t);
 
-template <int BITS, bool VNNI, int... I>
+enum QPath { Q_VNNI, Q_AVX_VNNI, Q_AVX2 };
+
+template <int BITS, QPath P, int... I>
 void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy,
            std::integer_sequence<int, I...>) {
     constexpr int TCMAX = sizeof...(I);
-    static const QGroup tile[TCMAX] = {(VNNI ? qgroup_vnni<BITS, I + 1> : qgroup_avx2<BITS, I + 1>)...};
+    static const QGroup tile[TCMAX] = {(P == Q_VNNI ? qgroup_vnni<BITS, I + 1>
+                                        : P == Q_AVX_VNNI ? qgroup_avxvnni<BITS, I + 1> : qgroup_avx2<BITS, I + 1>)...};
     const int passes = (T + TCMAX - 1) / TCMAX, tc = (T + passes - 1) / passes;  // even passes: 14 = 7 + 7, not 10 + 4
     for (int64_t r = r0; r < r0 + nr; r += QROWS)
         for (int t = 0; t < T; t += tc)
@@ -326,15 +394,20 @@ void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* 
 // Y[t, r - r0] for rows r0..r0+nr of W (both multiples of 16) and T tokens of A, on `isa`.
 void qmat(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy, int bits, Isa isa) {
 #ifdef MOE_X86
-    // Registers: VNNI TC tokens x (1 float + 1 int accumulator) + 8 unpacked int4 vectors + 3 of 32 zmm; AVX2 2 x 2 x TC of 16 ymm.
+    // Registers: VNNI TC tokens x (1 float + 1 int accumulator) + 8 unpacked int4 vectors + 3 of 32 zmm; AVX-VNNI
+    // 2 x TC + 6 of 16 ymm (one half-group at a time); AVX2 2 x 2 x TC of 16 ymm.
     if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx(W, r0, nr, A, T, Y, ldy);  // int8: resolve_q
     if (isa == AVX512_VNNI || isa == AMX_INT8) {
-        if (bits == 8) return qwalk<8, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
-        return qwalk<4, true>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
+        if (bits == 8) return qwalk<8, Q_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
+        return qwalk<4, Q_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
+    }
+    if (isa == AVX_VNNI) {
+        if (bits == 8) return qwalk<8, Q_AVX_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
+        return qwalk<4, Q_AVX_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
     }
     if (isa == AVX2) {
-        if (bits == 8) return qwalk<8, false>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
-        return qwalk<4, false>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
+        if (bits == 8) return qwalk<8, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
+        return qwalk<4, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
     }
 #else
     (void)isa;

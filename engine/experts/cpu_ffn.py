@@ -27,7 +27,7 @@ DECODE_SOURCE = native.CSRC / "cpu" / "decode_ops.cpp"  # engine/model/decode_op
 STACK_SOURCE = native.CSRC / "cpu" / "decode_stack.cpp"  # engine/model/decode_stack.py's: the whole stack per pass
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ISA = native.CPU_ISA
-Q_ISAS = ("scalar", "avx2", "avx512_vnni", "amx_int8")  # the quantized kernel's paths
+Q_ISAS = ("scalar", "avx2", "avx_vnni", "avx512_vnni", "amx_int8")  # the quantized kernel's paths
 ISA_NAME = {v: k for k, v in ISA.items()}
 # Above this many tokens per expert a GEMM library beats a row-streaming kernel (prefill): torch then.
 NATIVE_MAX_TOKENS = 16
@@ -95,8 +95,8 @@ def resolved_isa(isa: str, w_dtype: torch.dtype, x_dtype: torch.dtype) -> str:
 
 
 def resolved_q_isa(isa: str, quant: str) -> str:
-    """The path a call on `quant` experts takes ("auto": AMX-INT8 for int8, from 8 tokens per call, else VNNI, else AVX2,
-    else scalar)."""
+    """The path a call on `quant` experts takes ("auto": AMX-INT8 for int8, from 11 tokens per call, else AVX-512 VNNI,
+    else AVX-VNNI, else AVX2, else scalar)."""
     lib = library()
     return "torch" if lib is None else ISA_NAME[lib.moe_q_resolve_isa(ISA[isa], formats.BITS[quant])]
 
