@@ -79,6 +79,7 @@ def cmd_bench_generate(args) -> int:
     hf = _load_hf(args, ids) if plain and hf_skipped is None else None
     med, decode, same = _measure(engine, hf, ids, args)
     profile = _profile(engine, ids, args) if args.by_part else None
+    bound = _non_expert_bound(engine, med, decode) if args.by_part and args.draft == "none" else None
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
         "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio,
@@ -93,6 +94,8 @@ def cmd_bench_generate(args) -> int:
         result["engine"]["calibrated_cpu_ms_per_token"] = predicted
     if profile is not None:
         result["profile_ms_per_token"] = profile
+    if bound is not None:
+        result["non_expert"] = bound
     if replay is not None:
         result["replay"] = args.replay_traces
         result["replay_layers"] = replay.layers_used
@@ -149,6 +152,20 @@ def _profile(engine, ids: list[int], args) -> dict[str, float]:
         engine.model.eos_ids = eos
 
 
+def _non_expert_bound(engine, med: dict, decode: dict) -> dict:
+    """Without a drafter: a decode token's time outside the experts against the time to read the non-expert weights it
+    uses at the read bandwidth measured now (issue 16's bound: at most 1.2×)."""
+    import torch
+
+    from .kernels import CopyMeter
+
+    read_gbps = CopyMeter(torch.get_num_threads()).measure_read()
+    mb = engine.model.dense_bytes_per_token() / 1e6
+    ms = 1e3 / med["engine_decode"] - decode["cpu_ms_per_token"] - decode["device_ms_per_token"]
+    return {"weights_mb_per_token": mb, "read_gbps": read_gbps, "ms_per_token": ms, "read_ms_per_token": mb / read_gbps,
+            "ratio": ms / (mb / read_gbps)}
+
+
 def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
     """Alternating runs of the engine and HF: (medians per row, the last run's decode figures, same tokens)."""
     from ...engine import SamplingParams
@@ -203,6 +220,10 @@ def _print_generate(result: dict, args, replay) -> None:
     if "profile_ms_per_token" in result:
         parts = result["profile_ms_per_token"]
         print("decode by part, ms per token (under cProfile): " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    if "non_expert" in result:
+        b = result["non_expert"]
+        print(f"outside the experts: {b['ms_per_token']:.2f} ms per token; its {b['weights_mb_per_token']:.0f} MB of weights "
+              f"take {b['read_ms_per_token']:.2f} ms at the {b['read_gbps']:.1f} GB/s read now: {b['ratio']:.2f}×")
     print(f"decode: hit rate {decode['hit_rate']:.3f}  loads/token {decode['loads_per_token']:.2f}  "
           f"acceptance {decode['acceptance']:.2f}  CPU experts {decode['cpu_ms_per_token']:.2f} ms/token  "
           f"fast tier {decode['device_ms_per_token']:.2f} ms/token"

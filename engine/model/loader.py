@@ -14,7 +14,7 @@ from ..errors import CheckpointError, MoechatError
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
-from ..quant.dense import quantize_dense
+from ..quant.dense import QuantLinear, quantize_dense
 from ..quant.prequantized import PrequantSpec, expert_format, linear_keys, quantized_prefixes, read_quantization_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
@@ -61,6 +61,19 @@ class LoadedModel:
     def notices(self) -> list[str]:
         """One line each for the user: native kernels unavailable, a quantized cache rebuilt."""
         return [n for n in (self.runtime.native_notice, *self.store.notices) if n]
+
+    def dense_bytes_per_token(self) -> int:
+        """Bytes of non-expert weights one decode token reads, as stored (float, bf16 or quantized): every matrix of
+        the attention, routers, dense MLPs and head, but not the embedding table, of which a token reads one row
+        (a tied head reads it whole: counted as the head)."""
+        total = 0
+        for module in self.hf.modules():
+            if isinstance(module, QuantLinear):
+                total += sum(t.nbytes for t in module.weight_q.tensors())
+            elif not isinstance(module, torch.nn.Embedding):
+                weight = getattr(module, "weight", None)
+                total += weight.nbytes if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 0
+        return total
 
     def new_kv_cache(self) -> KVCache:
         """An empty KV cache for this model: fp32 entries for a half-precision model on the CPU (attention.py)."""

@@ -51,6 +51,27 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     assert parts["total"] > 0
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=0.01)
     assert out["quant"] == "int4" and "hf" not in out
+    bound = out["non_expert"]  # no drafter: the time outside the experts against reading the dense weights
+    assert bound["weights_mb_per_token"] > 0 and bound["read_gbps"] > 0 and bound["ms_per_token"] > 0
+    assert bound["ratio"] == pytest.approx(bound["ms_per_token"] / bound["read_ms_per_token"])
+
+
+def test_dense_bytes_per_token_counts_every_matrix_but_the_embedding_table(checkpoint):
+    """As stored: bf16 and float matrices at their size, quantized ones with their scales; a tied head counts once."""
+    import torch
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model.loader import load_model
+
+    model = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), quant="none"))
+    want = 0
+    for name, module in model.hf.named_modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and "embed" not in name:
+            want += w.nbytes
+    assert model.dense_bytes_per_token() == want > 0
+    q = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), quant="int4"))
+    assert 0 < q.dense_bytes_per_token() < want  # the attention and the head in int4
 
 
 def test_bench_generate_skips_hf_where_its_copy_would_not_fit(checkpoint, capsys, monkeypatch):
