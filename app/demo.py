@@ -66,8 +66,7 @@ def answer_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_WORDS, co
     from ..engine import Engine, EngineConfig, Finished, Request, SamplingParams
 
     engine = Engine(EngineConfig(model_dir=str(model_dir)))
-    items = [json.loads(line) for line in open(eval_path, encoding="utf-8") if line.strip()]
-    items = items[:count] if count else items
+    items = _read_jsonl(eval_path, count)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     rows = []
     for it in items:
@@ -93,10 +92,15 @@ def draft_acceptance(model_dir: Path = DEMO_MODEL, draft_dir: Path = DEMO_DRAFT,
     return round(accepted / max(drafted, 1), 3)
 
 
+def _read_jsonl(path: Path, count: int = 0) -> list[dict]:
+    """The first `count` (0: all) records of a JSON-lines file."""
+    lines = [ln for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return [json.loads(ln) for ln in (lines[:count] if count else lines)]
+
+
 def eval_prompts(count: int = 0, path: Path = EVAL_PROMPTS) -> list[str]:
     """The first `count` (0: all) held-out prompts (what `moechat calibrate` generates on)."""
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    return [json.loads(ln)["prompt"] for ln in (lines[:count] if count else lines)]
+    return [r["prompt"] for r in _read_jsonl(path, count)]
 
 
 def resolve_model(model: str | None, draft: str | None) -> tuple[str, str]:

@@ -162,8 +162,9 @@ def _non_expert_bound(engine, med: dict, decode: dict) -> dict:
     read_gbps = CopyMeter(torch.get_num_threads()).measure_read()
     mb = engine.model.dense_bytes_per_token() / 1e6
     ms = 1e3 / med["engine_decode"] - decode["cpu_ms_per_token"] - decode["device_ms_per_token"]
-    return {"weights_mb_per_token": mb, "read_gbps": read_gbps, "ms_per_token": ms, "read_ms_per_token": mb / read_gbps,
-            "ratio": ms / (mb / read_gbps)}
+    read_ms = mb / read_gbps  # MB / (GB/s) = ms
+    return {"weights_mb_per_token": mb, "read_gbps": read_gbps, "ms_per_token": ms, "read_ms_per_token": read_ms,
+            "ratio": ms / read_ms}
 
 
 def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
