@@ -4,7 +4,7 @@
     python assets/train_demo.py --wordnet /tmp/wordnet/usr/share/wordnet [--out assets/demo]
 
 Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
-Python's language reference. Runs offline on 2 CPU cores in under an hour (`--device cuda` is much
+Python's language reference. Runs offline on 2 CPU cores in about 80 minutes (`--device cuda` is much
 faster) and is seeded: the same PyTorch version and thread count give the same weights. Writes
 OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts),
 OUT/eval_words.jsonl (held-out definitional questions) and OUT/train_stats.json (the figures the model
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 1234
 VOCAB = 4096
 SEQ_LEN, BATCH = 512, 16  # 8192 tokens per step
-TARGET_STEPS, DRAFT_STEPS = 550, 350
+TARGET_STEPS, DRAFT_STEPS = 1200, 350
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen checkpoints use; the demo has no thinking mode
 CHAT_TEMPLATE = (
@@ -45,7 +45,7 @@ TARGET = dict(num_hidden_layers=8, intermediate_size=768, moe_intermediate_size=
 DRAFT = dict(num_hidden_layers=3, intermediate_size=768)
 EVAL_PROMPTS = 64  # held-out prompts kept in OUT/eval_prompts.jsonl to measure the routing skew
 EVAL_WORDS = 100  # nouns never asked about in training, kept in OUT/eval_words.jsonl for the answer score
-LEXICON = {"n": 2000, "v": 300, "a": 300}  # the most used words of each part of speech (WordNet's tag counts)
+LEXICON = {"n": 1500, "v": 150, "a": 150}  # the most used words of each part of speech (WordNet's tag counts)
 QA_FORMS = 2  # each trained word is asked about in two of its question forms
 
 
