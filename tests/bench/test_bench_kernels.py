@@ -58,17 +58,19 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
 
 def test_dense_bytes_per_token_counts_every_matrix_but_the_embedding_table(checkpoint):
     """As stored: bf16 and float matrices at their size, quantized ones with their scales; a tied head counts once."""
-    import torch
 
     from moechat.engine.config import EngineConfig
     from moechat.engine.model.loader import load_model
 
     model = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), quant="none"))
-    want = 0
-    for name, module in model.hf.named_modules():
-        w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() == 2 and "embed" not in name:
-            want += w.nbytes
+    c = model.hf.config  # counted from the shapes: q, k, v, o per layer, a router or a dense MLP, and the head
+    H, D, L = c.hidden_size, c.head_dim, c.num_hidden_layers
+    attention = 2 * H * c.num_attention_heads * D + 2 * H * c.num_key_value_heads * D
+    dense = len(c.mlp_only_layers)  # this checkpoint: one dense MLP layer, the rest MoE (decoder_sparse_step 1)
+    assert c.decoder_sparse_step == 1 and 0 < dense < L
+    elements = L * attention + (L - dense) * c.num_experts * H + dense * 3 * H * c.intermediate_size + c.vocab_size * H
+    want = elements * model.hf.lm_head.weight.element_size()
+    assert {p.dtype for p in model.hf.parameters()} == {model.hf.lm_head.weight.dtype}
     assert model.dense_bytes_per_token() == want > 0
     q = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), quant="int4"))
     assert 0 < q.dense_bytes_per_token() < want  # the attention and the head in int4
