@@ -4,7 +4,7 @@
     python assets/train_demo.py --wordnet /tmp/wordnet/usr/share/wordnet [--out assets/demo]
 
 Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
-Python's language reference. Runs offline on 2 CPU cores in about 80 minutes (`--device cuda` is much
+Python's language reference. Runs offline on 2 CPU cores in about 105 minutes (`--device cuda` is much
 faster) and is seeded: the same PyTorch version and thread count give the same weights. Writes
 OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts),
 OUT/eval_words.jsonl (held-out definitional questions) and OUT/train_stats.json (the figures the model
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 1234
 VOCAB = 4096
 SEQ_LEN, BATCH = 512, 16  # 8192 tokens per step
-TARGET_STEPS, DRAFT_STEPS = 1200, 350
+DRAFT_STEPS = 350  # the MoE trains one pass over its rows (CORE_PASSES of the core, the copy chats once)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen checkpoints use; the demo has no thinking mode
 CHAT_TEMPLATE = (
@@ -47,6 +47,10 @@ EVAL_PROMPTS = 64  # held-out prompts kept in OUT/eval_prompts.jsonl to measure 
 EVAL_WORDS = 100  # nouns never asked about in training, kept in OUT/eval_words.jsonl for the answer score
 LEXICON = {"n": 1500, "v": 150, "a": 150}  # the most used words of each part of speech (WordNet's tag counts)
 QA_FORMS = 2  # each trained word is asked about in two of its question forms
+CORE_PASSES = 16  # the LEXICON's chats and dictionary pages are read this often: the recall of what words mean
+# every other tagged lemma (~19 400) is asked about COPY_ASKS times: many words teach the copy of the asked word
+# into the reply (run 5's 1 650 asked words, read 18 times, recited another word's answer instead)
+COPY_ASKS = 4
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
@@ -147,8 +151,9 @@ def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
     tokenizer.save_pretrained(out)
 
 
-def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str], list[dict]]:
-    """(train chats, held-out chats, dictionary pages, held-out questions) from the LEXICON most used words.
+def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str], list[dict], list]:
+    """(train chats, held-out chats, dictionary pages, held-out questions) from the LEXICON most used words, and
+    the copy chats about every other word.
 
     EVAL_WORDS nouns are never asked about in training (no question names them), and neither are the held-out
     chats' words, but every word's entry is in the dictionary text, in four styles: the model reads what words
@@ -174,33 +179,43 @@ def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str]
             train.append((f"Use {s.word} in a sentence.", s.examples[0][:1].upper() + s.examples[0][1:] + "."))
     evals = [{"word": s.word, "question": question(s), "gloss": s.gloss, "category": s.category} for s in held]
     pages = [p for style in range(STYLES) for p in dictionary_pages(senses, 16, rng, style)]
-    return train, val, pages, evals
+    return train, val, pages, evals, copy_chats(root, rng, {s.word for s in senses})
+
+
+def copy_chats(root: Path, rng: random.Random, exclude: set[str]) -> list[tuple[str, str]]:
+    """Every tagged lemma not in `exclude` (the LEXICON's words), asked about COPY_ASKS times, answer only."""
+    from demo_data import answer, question, read_senses
+
+    return [(question(s, rng), answer(s)) for s in read_senses(root) if s.word not in exclude for _ in range(COPY_ASKS)]
 
 
 def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
     """The chats and pages, the tokenizer trained on them (saved to model_dir), the packed training rows, and the
     held-out chats; writes out/eval_prompts.jsonl and out/eval_words.jsonl."""
     t_start = time.time()
-    train_chats, val, pages, eval_words = wordnet_chats(wordnet, rng)
+    train_chats, val, pages, eval_words, copies = wordnet_chats(wordnet, rng)
     docs = python_doc_chats()
     rng.shuffle(docs)
     n_doc_val = len(docs) // 50
     train_chats, val = train_chats + docs[n_doc_val:], val + docs[:n_doc_val]
-    rng.shuffle(train_chats), rng.shuffle(val)
+    rng.shuffle(train_chats), rng.shuffle(val), rng.shuffle(copies)
     print(f"{len(train_chats) + len(val)} chats ({len(train_chats)} train, {len(val)} held out), {len(pages)} "
-          f"dictionary pages in {time.time() - t_start:.0f}s", flush=True)
-    tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats] + pages, model_dir)
+          f"dictionary pages, {len(copies)} copy chats in {time.time() - t_start:.0f}s", flush=True)
+    tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats + copies] + pages, model_dir)
     docs = [render(tokenizer, *c) for c in train_chats] + pages
     rng.shuffle(docs)
-    rows, val_docs = pack(docs, tokenizer), [render(tokenizer, *c) for c in val]
-    print(f"{rows.numel() / 1e6:.2f}M training tokens", flush=True)
+    core, copy_rows = pack(docs, tokenizer), pack([render(tokenizer, *c) for c in copies], tokenizer)
+    rows, val_docs = torch.cat([core] * CORE_PASSES + [copy_rows]), [render(tokenizer, *c) for c in val]
+    print(f"{rows.numel() / 1e6:.2f}M training tokens: {core.numel() / 1e6:.2f}M core x {CORE_PASSES}, "
+          f"{copy_rows.numel() / 1e6:.2f}M copy", flush=True)
     with open(out / "eval_prompts.jsonl", "w") as f:
         for u, _ in val[:EVAL_PROMPTS]:
             f.write(json.dumps({"prompt": u}) + "\n")
     with open(out / "eval_words.jsonl", "w") as f:
         for e in eval_words:
             f.write(json.dumps(e) + "\n")
-    counts = {"train_chats": len(train_chats), "heldout_chats": len(val), "dictionary_pages": len(pages)}
+    counts = {"train_chats": len(train_chats), "heldout_chats": len(val), "dictionary_pages": len(pages),
+              "copy_chats": len(copies), "core_passes": CORE_PASSES}
     return tokenizer, rows, val, val_docs, counts
 
 
@@ -238,7 +253,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "assets" / "demo")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target-steps", type=int, default=TARGET_STEPS)
+    ap.add_argument("--target-steps", type=int, help="MoE steps (default: one pass over the rows)")
     ap.add_argument("--draft-steps", type=int, default=DRAFT_STEPS)
     ap.add_argument("--baseline", type=Path, help="another model directory whose held-out loss to report beside")
     args = ap.parse_args()
@@ -262,6 +277,7 @@ def main() -> None:
                          pad_token_id=eos_ids[1])
     target = Qwen3MoeForCausalLM(cfg).to(args.device)
     lm_loss = lambda m, b: m(input_ids=b[:, :-1], labels=b[:, :-1]).loss  # noqa: E731  (HF shifts labels)
+    args.target_steps = args.target_steps or len(rows) // BATCH
     t0 = time.time()
     train(target, rows, args.target_steps, 3e-3, args.device, lm_loss, "moe")
     target.config.output_router_logits = False

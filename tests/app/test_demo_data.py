@@ -18,11 +18,15 @@ INDEX_NOUN = HEADER + ("lighthouse n 1 1 @ 1 1 00000100  \n"
                        "beacon n 1 1 @ 1 1 00000100  \n")
 
 
-def test_reader_takes_tagged_lemmas_with_gloss_category_synonyms_and_examples(tmp_path):
+def write_wordnet(root: Path) -> None:
     for pos in ("noun", "verb", "adj"):
-        (tmp_path / f"data.{pos}").write_text(DATA_NOUN if pos == "noun" else HEADER)
-        (tmp_path / f"index.{pos}").write_text(INDEX_NOUN if pos == "noun" else HEADER)
-    (tmp_path / "cntlist.rev").write_text("lighthouse%1:06:00:: 1 3\nbeacon%1:06:00:: 2 1\n")
+        (root / f"data.{pos}").write_text(DATA_NOUN if pos == "noun" else HEADER)
+        (root / f"index.{pos}").write_text(INDEX_NOUN if pos == "noun" else HEADER)
+    (root / "cntlist.rev").write_text("lighthouse%1:06:00:: 1 3\nbeacon%1:06:00:: 2 1\n")
+
+
+def test_reader_takes_tagged_lemmas_with_gloss_category_synonyms_and_examples(tmp_path):
+    write_wordnet(tmp_path)
     senses = {s.word: s for s in read_senses(tmp_path)}
     assert set(senses) == {"lighthouse", "beacon"}
     s = senses["lighthouse"]
@@ -41,3 +45,13 @@ def test_reader_takes_tagged_lemmas_with_gloss_category_synonyms_and_examples(tm
     assert dictionary_entry(s, 1).startswith("The noun lighthouse means a tower with a light")
     assert dictionary_entry(s, 2).endswith("(a noun; see tower).")
     assert dictionary_entry(s, 3) == answer(s)  # encyclopedia prose: what a reply states, read as text
+
+
+def test_copy_chats_ask_every_other_tagged_word_and_answer_it(tmp_path):
+    """The training's copy chats: each tagged lemma outside the core lexicon, asked COPY_ASKS times, answered."""
+    import train_demo
+
+    write_wordnet(tmp_path)
+    chats = train_demo.copy_chats(tmp_path, random.Random(0), exclude={"lighthouse"})
+    assert len(chats) == train_demo.COPY_ASKS
+    assert all("beacon" in q and a.startswith("A beacon is a tower with a light") for q, a in chats)
