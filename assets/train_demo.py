@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 1234
 VOCAB = 4096
 SEQ_LEN, BATCH = 512, 16  # 8192 tokens per step
-DRAFT_STEPS = 350  # the MoE trains one pass over its rows (CORE_PASSES of the core, the copy chats once)
+DRAFT_STEPS = 350  # distillation steps for the draft; the MoE trains one pass over its rows (see build_data)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen checkpoints use; the demo has no thinking mode
 CHAT_TEMPLATE = (

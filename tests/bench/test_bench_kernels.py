@@ -58,7 +58,6 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
 
 def test_dense_bytes_per_token_counts_every_matrix_but_the_embedding_table(checkpoint):
     """As stored: bf16 and float matrices at their size, quantized ones with their scales; a tied head counts once."""
-
     from moechat.engine.config import EngineConfig
     from moechat.engine.model.loader import load_model
 
