@@ -4,7 +4,7 @@
     python assets/train_demo.py --wordnet /tmp/wordnet/usr/share/wordnet [--out assets/demo]
 
 Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
-Python's language reference. Runs offline on 2 CPU cores in about 105 minutes (`--device cuda` is much
+Python's language reference. Runs offline on 2 CPU cores in about 110 minutes (`--device cuda` is much
 faster) and is seeded: the same PyTorch version and thread count give the same weights. Writes
 OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts),
 OUT/eval_words.jsonl (held-out definitional questions) and OUT/train_stats.json (the figures the model
@@ -42,15 +42,17 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=192, num_attention_heads=4, num_key_
 TARGET = dict(num_hidden_layers=8, intermediate_size=768, moe_intermediate_size=64, num_experts=32,
               num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
               router_aux_loss_coef=0.005)
-DRAFT = dict(num_hidden_layers=3, intermediate_size=768)
+DRAFT = dict(num_hidden_layers=4, intermediate_size=1024)
 EVAL_PROMPTS = 64  # held-out prompts kept in OUT/eval_prompts.jsonl to measure the routing skew
 EVAL_WORDS = 100  # nouns never asked about in training, kept in OUT/eval_words.jsonl for the answer score
 LEXICON = {"n": 1500, "v": 150, "a": 150}  # the most used words of each part of speech (WordNet's tag counts)
 QA_FORMS = 2  # each trained word is asked about in two of its question forms
-CORE_PASSES = 16  # the LEXICON's chats and dictionary pages are read this often: the recall of what words mean
-# every other tagged lemma (~19 400) is asked about COPY_ASKS times: many words teach the copy of the asked word
-# into the reply (run 5's 1 650 asked words, read 18 times, recited another word's answer instead)
-COPY_ASKS = 4
+CORE_PASSES = 14  # the LEXICON's chats and dictionary pages are read this often: the recall of what words mean
+# every other tagged lemma (~19 400) is asked about COPY_ASKS times and has its dictionary pages read once: many
+# words, each both read and asked, teach answering a question from what was read (run 5's 1 650 asked words
+# recited another word's answer; run 8's copy words, asked but never read, taught the copy but not the recall)
+COPY_ASKS = 2
+POLICY_PROMPTS, POLICY_TOKENS = 4096, 40  # the draft also learns on the target's own greedy replies to these
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
@@ -153,7 +155,7 @@ def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
 
 def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str], list[dict], list]:
     """(train chats, held-out chats, dictionary pages, held-out questions) from the LEXICON most used words, and
-    the copy chats about every other word.
+    (chats, dictionary pages) of every other word.
 
     EVAL_WORDS nouns are never asked about in training (no question names them), and neither are the held-out
     chats' words, but every word's entry is in the dictionary text, in four styles: the model reads what words
@@ -182,29 +184,34 @@ def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str]
     return train, val, pages, evals, copy_chats(root, rng, {s.word for s in senses})
 
 
-def copy_chats(root: Path, rng: random.Random, exclude: set[str]) -> list[tuple[str, str]]:
-    """Every tagged lemma not in `exclude` (the LEXICON's words), asked about COPY_ASKS times, answer only."""
-    from demo_data import answer, question, read_senses
+def copy_chats(root: Path, rng: random.Random, exclude: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Every tagged lemma not in `exclude` (the LEXICON's words): asked about COPY_ASKS times, and its dictionary
+    pages in every style."""
+    from demo_data import STYLES, answer, dictionary_pages, question, read_senses
 
-    return [(question(s, rng), answer(s)) for s in read_senses(root) if s.word not in exclude for _ in range(COPY_ASKS)]
+    senses = [s for s in read_senses(root) if s.word not in exclude]
+    pages = [p for style in range(STYLES) for p in dictionary_pages(senses, 16, rng, style)]
+    return [(question(s, rng), answer(s)) for s in senses for _ in range(COPY_ASKS)], pages
 
 
 def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
     """The chats and pages, the tokenizer trained on them (saved to model_dir), the packed training rows, and the
     held-out chats; writes out/eval_prompts.jsonl and out/eval_words.jsonl."""
     t_start = time.time()
-    train_chats, val, pages, eval_words, copies = wordnet_chats(wordnet, rng)
+    train_chats, val, pages, eval_words, (copies, copy_pages) = wordnet_chats(wordnet, rng)
     docs = python_doc_chats()
     rng.shuffle(docs)
     n_doc_val = len(docs) // 50
     train_chats, val = train_chats + docs[n_doc_val:], val + docs[:n_doc_val]
-    rng.shuffle(train_chats), rng.shuffle(val), rng.shuffle(copies)
+    rng.shuffle(train_chats), rng.shuffle(val)
     print(f"{len(train_chats) + len(val)} chats ({len(train_chats)} train, {len(val)} held out), {len(pages)} "
-          f"dictionary pages, {len(copies)} copy chats in {time.time() - t_start:.0f}s", flush=True)
-    tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats + copies] + pages, model_dir)
-    docs = [render(tokenizer, *c) for c in train_chats] + pages
-    rng.shuffle(docs)
-    core, copy_rows = pack(docs, tokenizer), pack([render(tokenizer, *c) for c in copies], tokenizer)
+          f"dictionary pages, {len(copies)} copy chats and {len(copy_pages)} copy pages in {time.time() - t_start:.0f}s",
+          flush=True)
+    tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats + copies] + pages + copy_pages, model_dir)
+    docs, copy_docs = [render(tokenizer, *c) for c in train_chats] + pages, [render(tokenizer, *c) for c in copies]
+    copy_docs += copy_pages
+    rng.shuffle(docs), rng.shuffle(copy_docs)
+    core, copy_rows = pack(docs, tokenizer), pack(copy_docs, tokenizer)
     rows, val_docs = torch.cat([core] * CORE_PASSES + [copy_rows]), [render(tokenizer, *c) for c in val]
     print(f"{rows.numel() / 1e6:.2f}M training tokens: {core.numel() / 1e6:.2f}M core x {CORE_PASSES}, "
           f"{copy_rows.numel() / 1e6:.2f}M copy", flush=True)
@@ -215,8 +222,8 @@ def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
         for e in eval_words:
             f.write(json.dumps(e) + "\n")
     counts = {"train_chats": len(train_chats), "heldout_chats": len(val), "dictionary_pages": len(pages),
-              "copy_chats": len(copies), "core_passes": CORE_PASSES}
-    return tokenizer, rows, val, val_docs, counts
+              "copy_chats": len(copies), "copy_pages": len(copy_pages), "core_passes": CORE_PASSES}
+    return tokenizer, rows, val, val_docs, counts, [u for u, _ in train_chats]
 
 
 def render(tokenizer, user: str, reply: str) -> str:
@@ -228,10 +235,30 @@ def dcfg_kwargs(eos_ids: list[int]) -> dict:
     return dict(**COMMON, **DRAFT, eos_token_id=eos_ids[0], bos_token_id=None, pad_token_id=eos_ids[1])
 
 
-def train_draft(target, draft_kwargs: dict, rows: torch.Tensor, args):
-    """The draft: the target's embeddings to start, distilled from it (forward KL, what acceptance rewards)."""
+@torch.no_grad()
+def target_replies(target, tokenizer, prompts: list[str], device, batch: int = 64) -> list[str]:
+    """The target's greedy replies (POLICY_TOKENS at most) to the prompts, rendered as chats: the text the draft
+    is asked to predict when it drafts for this target."""
+    tokenizer.padding_side = "left"
+    chats = []
+    for i in range(0, len(prompts), batch):
+        users = prompts[i:i + batch]
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False, add_generation_prompt=True)
+                 for u in users]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = target.generate(**enc, max_new_tokens=POLICY_TOKENS, do_sample=False)  # [B, prompt + new]
+        replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        chats += [render(tokenizer, u, r.strip()) for u, r in zip(users, replies)]
+    return chats
+
+
+def train_draft(target, draft_kwargs: dict, rows: torch.Tensor, args, policy_rows: torch.Tensor):
+    """The draft: the target's embeddings to start, distilled from it (forward KL, what acceptance rewards) on the
+    training text and, as often, on the target's own replies (the text it drafts for)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    pick = torch.randperm(len(rows), generator=torch.Generator().manual_seed(SEED))[:len(policy_rows)]
+    rows = torch.cat([rows[pick], policy_rows])
     draft = Qwen3ForCausalLM(Qwen3Config(**draft_kwargs)).to(args.device)
     draft.model.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
     draft.model.norm.weight.data.copy_(target.model.norm.weight.data)
@@ -268,7 +295,7 @@ def main() -> None:
 
     rng = random.Random(SEED)
     model_dir, draft_dir = args.out / "model", args.out / "draft"
-    tokenizer, rows, val, val_docs, counts = build_data(args.wordnet, model_dir, args.out, rng)
+    tokenizer, rows, val, val_docs, counts, prompts = build_data(args.wordnet, model_dir, args.out, rng)
     val_rows = pack(val_docs, tokenizer)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
 
@@ -284,7 +311,10 @@ def main() -> None:
     target_s, target_val = time.time() - t0, eval_loss(target, val_rows, args.device)
     print(f"[moe] held-out loss {target_val:.3f}", flush=True)
 
-    draft, draft_s = train_draft(target, dcfg_kwargs(eos_ids), rows, args)
+    t0 = time.time()
+    policy_rows = pack(target_replies(target, tokenizer, prompts[:POLICY_PROMPTS], args.device), tokenizer)
+    print(f"[draft] {len(policy_rows)} rows of the target's replies in {time.time() - t0:.0f}s", flush=True)
+    draft, draft_s = train_draft(target, dcfg_kwargs(eos_ids), rows, args, policy_rows)
     draft_val = eval_loss(draft, val_rows, args.device)
     print(f"[draft] held-out loss {draft_val:.3f}", flush=True)
 

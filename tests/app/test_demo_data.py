@@ -48,10 +48,35 @@ def test_reader_takes_tagged_lemmas_with_gloss_category_synonyms_and_examples(tm
 
 
 def test_copy_chats_ask_every_other_tagged_word_and_answer_it(tmp_path):
-    """The training's copy chats: each tagged lemma outside the core lexicon, asked COPY_ASKS times, answered."""
+    """The training's copy words: each tagged lemma outside the core lexicon, asked COPY_ASKS times and answered,
+    and read in every dictionary style."""
     import train_demo
+    from demo_data import STYLES
 
     write_wordnet(tmp_path)
-    chats = train_demo.copy_chats(tmp_path, random.Random(0), exclude={"lighthouse"})
+    chats, pages = train_demo.copy_chats(tmp_path, random.Random(0), exclude={"lighthouse"})
     assert len(chats) == train_demo.COPY_ASKS
     assert all("beacon" in q and a.startswith("A beacon is a tower with a light") for q, a in chats)
+    assert len(pages) == STYLES and all(len(p.splitlines()) == 1 and "beacon" in p.lower() for p in pages)  # one entry
+    assert pages[0].startswith("beacon (noun): a tower with a light")
+
+
+def test_target_replies_batched_with_left_padding_equal_each_prompt_alone(tmp_path):
+    """The draft's on-policy text: the target's greedy replies, generated 64 prompts at a time, must not depend on the
+    padding that batching adds (a wrong attention mask or position would teach the draft another model's text)."""
+    import torch
+    import train_demo
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    texts = ["What is a lighthouse? A lighthouse is a tower with a light.", "Use run in a sentence. He ran home."] * 20
+    tok = train_demo.train_tokenizer(texts, tmp_path)
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                         num_experts_per_tok=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    target = Qwen3MoeForCausalLM(cfg).eval()
+    prompts = ["What is a lighthouse?", "Use run in a sentence, please, with a long prompt.", "Hi"]
+    together = train_demo.target_replies(target, tok, prompts, "cpu")
+    assert together == [train_demo.target_replies(target, tok, [p], "cpu")[0] for p in prompts]
+    assert all(c.startswith(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n") for c, p in zip(together, prompts))
+    assert len({c.split("assistant\n")[1] for c in together}) > 1  # the replies are generated, not empty

@@ -73,11 +73,13 @@ def test_demo_draft_feed_prefetches_for_verification():
     for policy in ("spac", "spmoe"):
         engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL), expert_cache_ratio=0.25, spec=SpecConfig(str(DEMO_DRAFT), 4),
                                      scheduler=SchedulerConfig(policy=policy)))
-        assert [(li, d) for li, d, _ in engine.drafter.feed.pairs] == [(0, 0), (1, 1)]  # a 2-layer draft, 6-layer target
+        n_draft = engine.drafter.model.config.num_hidden_layers  # 4 draft layers, 8 target layers: pairs by index
+        assert n_draft < len(engine.model.store.layers)
+        assert [(li, d) for li, d, _ in engine.drafter.feed.pairs] == [(i, i) for i in range(n_draft)]
         fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=48)))
         steps = [e for e in fin if isinstance(e, StepStats)]
         assert fin[-1].token_ids == expected, policy
         p = engine.model.runtime.policy
         assert p.lookahead_loads > 0 and p.lookahead_hits > 0, policy
-        drafted = sum(int(s.draft_expert_freq[:2].sum()) for s in steps)  # draft-phase demand reaches the step stats
-        assert drafted > 0 and sum(int(s.draft_expert_freq[2:].sum()) for s in steps) == 0, policy
+        drafted = sum(int(s.draft_expert_freq[:n_draft].sum()) for s in steps)  # draft-phase demand reaches the step stats
+        assert drafted > 0 and sum(int(s.draft_expert_freq[n_draft:].sum()) for s in steps) == 0, policy
