@@ -153,7 +153,7 @@ def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
     tokenizer.save_pretrained(out)
 
 
-def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str], list[dict], list]:
+def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str], list[dict], tuple]:
     """(train chats, held-out chats, dictionary pages, held-out questions) from the LEXICON most used words, and
     (chats, dictionary pages) of every other word.
 
@@ -195,8 +195,8 @@ def copy_chats(root: Path, rng: random.Random, exclude: set[str]) -> tuple[list[
 
 
 def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
-    """The chats and pages, the tokenizer trained on them (saved to model_dir), the packed training rows, and the
-    held-out chats; writes out/eval_prompts.jsonl and out/eval_words.jsonl."""
+    """The chats and pages, the tokenizer trained on them (saved to model_dir), the packed training rows, the
+    held-out chats and the training questions; writes out/eval_prompts.jsonl and out/eval_words.jsonl."""
     t_start = time.time()
     train_chats, val, pages, eval_words, (copies, copy_pages) = wordnet_chats(wordnet, rng)
     docs = python_doc_chats()
