@@ -224,7 +224,8 @@ def test_calibrate_posts_progress_and_decisions(checkpoint, tmp_path, monkeypatc
     bridge, inbox = started(lambda: EngineConfig(str(path)))
     try:
         inbox.wait(EngineReady)
-        bridge.calibrate(str(checkpoint("qwen3_moe")), "self", quick=True)  # fails: one line, the thread lives on
+        short = checkpoint("qwen3_moe", max_position_embeddings=12)  # no calibration prompt fits
+        bridge.calibrate(str(short), "self", quick=True)  # fails: one line, the thread lives on
         failed = inbox.wait(EngineFailed)
         assert failed.request_id is None and "\n" not in failed.message and "context" in failed.message
         assert not inbox.of(CalibrationDone)
