@@ -160,7 +160,7 @@ def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str]
     EVAL_WORDS nouns are never asked about in training (no question names them), and neither are the held-out
     chats' words, but every word's entry is in the dictionary text, in four styles: the model reads what words
     mean and learns from the other words' chats to answer a question from what it read."""
-    from demo_data import STYLES, answer, dictionary_pages, question, read_senses
+    from demo_data import answer, question, read_senses
 
     senses = []
     for pos, n in LEXICON.items():
@@ -180,17 +180,24 @@ def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str]
         if s.examples:
             train.append((f"Use {s.word} in a sentence.", s.examples[0][:1].upper() + s.examples[0][1:] + "."))
     evals = [{"word": s.word, "question": question(s), "gloss": s.gloss, "category": s.category} for s in held]
-    pages = [p for style in range(STYLES) for p in dictionary_pages(senses, 16, rng, style)]
-    return train, val, pages, evals, copy_chats(root, rng, {s.word for s in senses})
+    pages = pages_in_every_style(senses, rng)
+    return train, val, pages, evals, copy_words(root, rng, {s.word for s in senses})
 
 
-def copy_chats(root: Path, rng: random.Random, exclude: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
-    """Every tagged lemma not in `exclude` (the LEXICON's words): asked about COPY_ASKS times, and its dictionary
-    pages in every style."""
-    from demo_data import STYLES, answer, dictionary_pages, question, read_senses
+def pages_in_every_style(senses: list, rng: random.Random) -> list[str]:
+    """The senses' dictionary text, 16 entries a page, once in each of demo_data's STYLES."""
+    from demo_data import STYLES, dictionary_pages
+
+    return [p for style in range(STYLES) for p in dictionary_pages(senses, 16, rng, style)]
+
+
+def copy_words(root: Path, rng: random.Random, exclude: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Every tagged lemma not in `exclude` (the LEXICON's words): its chats (asked about COPY_ASKS times) and its
+    dictionary pages in every style."""
+    from demo_data import answer, question, read_senses
 
     senses = [s for s in read_senses(root) if s.word not in exclude]
-    pages = [p for style in range(STYLES) for p in dictionary_pages(senses, 16, rng, style)]
+    pages = pages_in_every_style(senses, rng)
     return [(question(s, rng), answer(s)) for s in senses for _ in range(COPY_ASKS)], pages
 
 
@@ -239,13 +246,12 @@ def dcfg_kwargs(eos_ids: list[int]) -> dict:
 def target_replies(target, tokenizer, prompts: list[str], device, batch: int = 64) -> list[str]:
     """The target's greedy replies (POLICY_TOKENS at most) to the prompts, rendered as chats: the text the draft
     is asked to predict when it drafts for this target."""
-    tokenizer.padding_side = "left"
     chats = []
     for i in range(0, len(prompts), batch):
         users = prompts[i:i + batch]
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": u}], tokenize=False, add_generation_prompt=True)
                  for u in users]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False).to(device)
         out = target.generate(**enc, max_new_tokens=POLICY_TOKENS, do_sample=False)  # [B, prompt + new]
         replies = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
         chats += [render(tokenizer, u, r.strip()) for u, r in zip(users, replies)]

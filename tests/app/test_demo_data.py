@@ -47,14 +47,14 @@ def test_reader_takes_tagged_lemmas_with_gloss_category_synonyms_and_examples(tm
     assert dictionary_entry(s, 3) == answer(s)  # encyclopedia prose: what a reply states, read as text
 
 
-def test_copy_chats_ask_every_other_tagged_word_and_answer_it(tmp_path):
+def test_copy_words_ask_every_other_tagged_word_and_read_it(tmp_path):
     """The training's copy words: each tagged lemma outside the core lexicon, asked COPY_ASKS times and answered,
     and read in every dictionary style."""
     import train_demo
     from demo_data import STYLES
 
     write_wordnet(tmp_path)
-    chats, pages = train_demo.copy_chats(tmp_path, random.Random(0), exclude={"lighthouse"})
+    chats, pages = train_demo.copy_words(tmp_path, random.Random(0), exclude={"lighthouse"})
     assert len(chats) == train_demo.COPY_ASKS
     assert all("beacon" in q and a.startswith("A beacon is a tower with a light") for q, a in chats)
     assert len(pages) == STYLES and all(len(p.splitlines()) == 1 and "beacon" in p.lower() for p in pages)  # one entry

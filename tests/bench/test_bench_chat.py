@@ -1,5 +1,6 @@
 """`moechat bench chat`: the same conversations with and without prefix reuse, in one run."""
 import json
+import os
 
 from moechat.app.cli import main
 
@@ -15,7 +16,7 @@ def shared_prefix_of_first_two_turns() -> int:
     prompts = [p for p in eval_prompts() if len(tok(p)["input_ids"]) <= MESSAGE_TOKENS][:2]
     a, b = (tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True) for p in prompts)
     a, b = (x["input_ids"] if hasattr(x, "keys") else x for x in (a, b))
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return len(os.path.commonprefix([a, b]))  # works on lists
 
 
 def test_bench_chat_reuses_each_conversation(capsys):
