@@ -50,7 +50,8 @@ struct DenseWeight {
 // One decoder layer. The ctypes twin in engine/model/decode_stack.py must match field for field.
 struct StackLayer {
     const float *input_norm, *post_norm;  // [H]
-    DenseWeight qkv;                      // [(H_q + 2 H_kv) D, H]: q rows, then k, then v
+    DenseWeight qkv;                      // [(H_q + 2 H_kv) D, H]: q rows, then k, then v; or q's alone, where kv has rows
+    DenseWeight kv;                       // [2 H_kv D, H]: k rows, then v, in another format (int4's int8); rows 0: none
     DenseWeight o;                        // [H, H_q D]
     const float *q_norm, *k_norm;         // [D] Qwen3's per-head norms, or null
     const float* router;                  // [E, H]; null: a dense MLP layer (gate, up, down below; qwen3_moe's mlp_only_layers)
@@ -146,11 +147,15 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
     for (int64_t l = 0; l < s.layers; ++l) {
         const StackLayer& L = layers[l];
         const int fail = int((l + 1) * 16), q_isa = int(s.q_isa);
-        float* q = b.qkv.data();  // [T, Wqkv]: q heads, k heads, v heads
+        // one product: [T, Wqkv] rows of q heads, k heads, v heads; two: q [T, A], then k and v [T, 2 H_kv D]
+        float* q = b.qkv.data();
+        const int64_t split = L.kv.rows > 0, q_stride = split ? A : Wqkv, kv_stride = split ? Wqkv - A : Wqkv;
+        float* kv = split ? q + T * A : q + A;
         const double t0 = now();
         if (dense(L.qkv, h, T, q, threads, q_isa)) return fail + 1;
+        if (split && dense(L.kv, h, T, kv, threads, q_isa)) return fail + 1;
         const double t1 = now();
-        if (moe_attention_step(q, Wqkv, q + A, Wqkv, q + A + s.Hkv * s.D, Wqkv, T, s.Hq, s.Hkv, s.D, L.q_norm, L.k_norm,
+        if (moe_attention_step(q, q_stride, kv, kv_stride, kv + s.Hkv * s.D, kv_stride, T, s.Hq, s.Hkv, s.D, L.q_norm, L.k_norm,
                                s.head_eps, cos, sin, L.k_cache, L.v_cache, L.capacity, past, s.scale, b.att.data(), A, threads))
             return fail + 2;
         const double t2 = now();

@@ -35,9 +35,9 @@ class DenseWeight(ctypes.Structure):  # csrc/cpu/decode_stack.cpp's, field for f
 
 
 class StackLayer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", DenseWeight), ("o", DenseWeight), ("q_norm", _P),
-                ("k_norm", _P), ("router", _P), ("gate", DenseWeight), ("up", DenseWeight), ("down_proj", DenseWeight),
-                ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", DenseWeight), ("kv", DenseWeight), ("o", DenseWeight),
+                ("q_norm", _P), ("k_norm", _P), ("router", _P), ("gate", DenseWeight), ("up", DenseWeight),
+                ("down_proj", DenseWeight), ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
                 ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("k_cache", _P),
                 ("v_cache", _P), ("capacity", _I64)]
 
@@ -222,8 +222,13 @@ def _fp32(t: torch.Tensor | None) -> bool:
 def _attention(lean, i: int) -> dict | None:
     """One layer's q/k/v and output products and Qwen3's q/k norms as the stack reads them (and the norms' eps), or None."""
     a, qkv, stacked = lean.layers[i].self_attn, lean.qkv[i], lean.stacked[i]
-    if qkv is not None:
-        qkv_w = _dense(None, qkv.weight_q) if qkv.bias is None else None
+    kv_w = DenseWeight()  # rows 0: qkv_w holds q, k and v
+    if qkv is not None:  # one run (q, k, v in one format) or two (int4: q, then k and v in int8)
+        parts = qkv.parts if qkv.bias is None and len(qkv.parts) <= 2 else None
+        if parts is not None and len(parts) == 2 and parts[0].rows != qkv.sizes[0]:
+            parts = None
+        qkv_w = None if parts is None else _dense(None, parts[0])
+        kv_w = _dense(None, parts[1]) if parts is not None and len(parts) == 2 else kv_w
     else:
         qkv_w = _dense(stacked[0], None) if stacked is not None and stacked[1] is None else None
     q_norm = k_norm = None
@@ -233,9 +238,9 @@ def _attention(lean, i: int) -> dict | None:
         if a.k_norm.variance_epsilon != head_eps or not (_fp32(q_norm) and _fp32(k_norm)):
             return None
     o_w = _linear(a.o_proj)
-    if qkv_w is None or o_w is None:
+    if qkv_w is None or kv_w is None or o_w is None:
         return None
-    return dict(qkv=qkv_w, o=o_w, q_norm=_ptr(q_norm), k_norm=_ptr(k_norm), head_eps=head_eps)
+    return dict(qkv=qkv_w, kv=kv_w, o=o_w, q_norm=_ptr(q_norm), k_norm=_ptr(k_norm), head_eps=head_eps)
 
 
 def _dense_mlp(mlp) -> dict | None:

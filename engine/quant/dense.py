@@ -5,6 +5,10 @@ csrc/cpu/quant_ffn.cpp).
 On a CPU-only machine these are a third of the bytes each token reads; llama.cpp's Q8_0 and Q4_K_M
 quantize them too. Routers stay in the compute dtype (they choose experts: a rounding there changes routing),
 as do embeddings (a table read by row) and layers whose outputs are not whole groups of 16.
+
+Under int4 the attention's key and value projections and the output head are int8, as Q4_K_M keeps attn_v
+and the output at 6 bits: on the demo they carry half of int4's perplexity loss (docs/benchmarks.md), and
+with grouped-query attention the K/V projections are a few percent of a token's bytes.
 """
 from __future__ import annotations
 
@@ -33,8 +37,16 @@ class QuantLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.weight_q.fmt}"
 
 
+KV_PROJECTIONS = ("k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # every family's, MLA's included
+
+
+def layer_format(fmt: str, name: str, head: bool) -> str:
+    """The format of the dense layer called `name` (head: the output head) when the experts are in `fmt`."""
+    return "int8" if fmt == "int4" and (head or name in KV_PROJECTIONS) else fmt
+
+
 def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
-    """Swap every eligible nn.Linear of `hf` for a QuantLinear in `fmt`. routers: id() of the router
+    """Swap every eligible nn.Linear of `hf` for a QuantLinear in `layer_format`. routers: id() of the router
     modules, which stay as they are."""
     swaps = []
     for module in hf.modules():
@@ -42,29 +54,40 @@ def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
             if (type(child) is torch.nn.Linear and id(child) not in routers and child.out_features % formats.ROWS == 0
                     and child.weight.device.type == "cpu"):
                 swaps.append((module, child_name, child))
+    head = hf.get_output_embeddings()
     for parent, child_name, child in swaps:  # a tied head gets its own quantized copy; the embedding keeps its table
-        setattr(parent, child_name, QuantLinear(child, fmt))
+        setattr(parent, child_name, QuantLinear(child, layer_format(fmt, child_name, child is head)))
 
 
 class FusedQuantLinear:
-    """Several QuantLinear layers reading one input, as one native call (the attention's q, k and v): their
-    rows stacked once, each layer's weight re-pointed to its slice (no second copy). Every output row sums
-    in the kernel's fixed order whatever the call's other rows, so each slice's bits equal its layer's own."""
+    """Several QuantLinear layers reading one input (the attention's q, k and v) as one native call per run of
+    consecutive layers in one format (int4: q, then k and v in int8): each run's rows stacked once, each layer's
+    weight re-pointed to its slice (no second copy). Every output row sums in the kernel's fixed order whatever
+    the call's other rows, so each slice's bits equal its layer's own."""
 
     def __init__(self, layers: list[QuantLinear]):
-        self.weight_q = formats.QuantMatrix.cat([layer.weight_q for layer in layers])
+        runs = [[layers[0]]]
+        for layer in layers[1:]:
+            if layer.weight_q.fmt == runs[-1][-1].weight_q.fmt:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        self.parts = [formats.QuantMatrix.cat([layer.weight_q for layer in run]) for run in runs]  # one matrix per run
         self.bias = None
         if any(layer.bias is not None for layer in layers):
             self.bias = torch.cat([torch.zeros(layer.out_features) if layer.bias is None else layer.bias for layer in layers])
         self.sizes = [layer.out_features for layer in layers]
-        start = 0
-        for layer in layers:
-            layer.weight_q = self.weight_q.rows_slice(start, start + layer.out_features)
-            start += layer.out_features
+        for run, part in zip(runs, self.parts):
+            start = 0
+            for layer in run:
+                layer.weight_q = part.rows_slice(start, start + layer.out_features)
+                start += layer.out_features
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., sum R_i] in x's dtype: every layer's output side by side."""
-        y = cpu_ffn.q_linear(x.reshape(-1, x.shape[-1]), self.weight_q)  # [T, sum R_i] fp32
+        x2 = x.reshape(-1, x.shape[-1])  # [T, K]
+        ys = [cpu_ffn.q_linear(x2, part) for part in self.parts]  # [T, R_run] fp32 each
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)  # [T, sum R_i]
         if self.bias is not None:
             y += self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -75,10 +98,10 @@ class FusedQuantLinear:
 
 
 def fuse(layers: list) -> FusedQuantLinear | None:
-    """The layers as one call when all are QuantLinear of one format and input width, else None."""
+    """The layers as one call per format when all are QuantLinear of one input width, else None."""
     if not all(type(layer) is QuantLinear for layer in layers):
         return None
     first = layers[0].weight_q
-    if any(layer.weight_q.fmt != first.fmt or layer.weight_q.k != first.k or layer.weight_q.q.dim() != 2 for layer in layers):
+    if any(layer.weight_q.k != first.k or layer.weight_q.q.dim() != 2 for layer in layers):
         return None
     return FusedQuantLinear(layers)

@@ -66,14 +66,16 @@ def _compare(m, steps=(1, 5, 1, 3, 40), native=False):  # decode, verification, 
                 assert _same_kv(hf_cache, lean_cache), f"T={T}"
 
 
-@pytest.mark.parametrize("quant", ["none", "int8"])
+@pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("family", LEAN)
 def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype=dtype, quant=quant))
     assert isinstance(m.lean, LeanForward)
-    # quantized q/k/v run as one fused native call per layer, and their slices still give transformers' bits
+    # quantized q/k/v run as one fused native call per layer and format (int4: q, then k and v in int8), and their
+    # slices still give transformers' bits
     assert all((fused is not None) == (quant != "none") for fused in m.lean.qkv)
+    assert all(len(fused.parts) == 1 + (quant == "int4") for fused in m.lean.qkv if fused is not None)
     assert all(joint == (quant != "none" and family != "olmoe") for joint in m.lean.joint)  # q and k normed and rotated together
     assert m.lean.native == (dtype == "float32" and decode_ops.available())  # the engine's default where it can
     _compare(m)
@@ -138,6 +140,8 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
         pytest.skip(cpu_ffn.notice())
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype="float32", quant=quant))
     assert m.lean.stack is not None and m.runtime.direct
+    # int4's q/k/v: q in int4, k and v in int8 (quant/dense.py), two products the stack writes side by side
+    assert all(len(qkv.parts) == (2 if quant == "int4" else 1) for qkv in m.lean.qkv if qkv is not None)
     gen = torch.Generator().manual_seed(1)
     prompt, ids = torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
     caches, logits, freqs = [], [], []

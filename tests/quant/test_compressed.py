@@ -15,6 +15,7 @@ from moechat.engine.config import EngineConfig
 from moechat.engine.generate import Engine
 from moechat.engine.quant import formats
 from moechat.engine.quant.compressed import CompressedSpec
+from moechat.engine.quant.dense import layer_format
 from moechat.engine.quant.prequantized import expert_format, quantized_prefixes, read_quantization_config
 
 W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
@@ -107,9 +108,10 @@ def test_a_compressed_checkpoint_runs_as_it_is_and_losslessly(family, bits, symm
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(ct, tmp_path / "deq", bits), dtype=torch.float32).eval()
-    for name, module in hf.named_modules():  # on a CPU device the dense layers run in the experts' format: re-quantized
-        if ".self_attn." in name and isinstance(module, torch.nn.Linear):
-            module.weight.data = formats.dequantize(formats.quantize(module.weight.data, f"int{bits}"))
+    for name, module in hf.named_modules():  # on a CPU device the dense layers run quantized too (dense.layer_format)
+        if (".self_attn." in name or name == "lm_head") and isinstance(module, torch.nn.Linear):
+            fmt = layer_format(f"int{bits}", name.split(".")[-1], head=name == "lm_head")
+            module.weight.data = formats.dequantize(formats.quantize(module.weight.data, fmt))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.2  # test_quant_engine.LOGIT_TOL: activations in int8

@@ -24,9 +24,11 @@ NEW = 24
 # Logits of the quantized engine against Hugging Face on the dequantized weights. Without activation
 # quantization the two are the same function (EXACT_TOL: fp32 order). The kernels also quantize
 # activations to int8 per block of 32, as llama.cpp does; in these tiny models (hidden 32: one block
-# per attention row, random weights) that moves logits by up to about 13% of their largest value.
+# per attention row, random weights) that moves a position's logits by about 1% of the largest logit
+# (MEDIAN_TOL), and by up to about 21% where the rounding flips a router's near-tie (LOGIT_TOL).
 EXACT_TOL = 1e-5
-LOGIT_TOL = {"int8": 0.2, "int4": 0.2}
+MEDIAN_TOL = 0.03
+LOGIT_TOL = {"int8": 0.25, "int4": 0.25}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -47,29 +49,29 @@ def test_a_draft_model_is_lossless_on_the_quantized_model(fmt, checkpoint, draft
 
 
 def engine_logits(model_dir, ids, dense: list | None = None, **config) -> torch.Tensor:
-    """Prefill logits [T, V]; dense: filled with the names of the dense layers the engine runs quantized."""
+    """Prefill logits [T, V]; dense: filled with (name, format) of the dense layers the engine runs quantized."""
     engine = Engine(EngineConfig(model_dir=str(model_dir), **config))
     m = engine.model
     with torch.no_grad(), m.runtime.forward("prefill", 0):
         logits = m.hf(torch.tensor([ids], device=m.device)).logits[0].cpu()
     if dense is not None:
-        dense += [name for name, mod in m.hf.named_modules() if isinstance(mod, QuantLinear)]
+        dense += [(name, mod.weight_q.fmt) for name, mod in m.hf.named_modules() if isinstance(mod, QuantLinear)]
     engine.close()
     return logits
 
 
-def reference_logits(model_dir, ids, fmt, dense: list[str]) -> torch.Tensor:
-    """Hugging Face's own model with every routed expert and every quantized dense layer replaced by its
-    dequantized twin."""
+def reference_logits(model_dir, ids, fmt, dense: list[tuple[str, str]]) -> torch.Tensor:
+    """Hugging Face's own model with every routed expert and every quantized dense layer (name, format) replaced by
+    its dequantized twin."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for name, p in hf.named_parameters():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             p.data = formats.dequantize(formats.quantize(p.data, fmt))
-    for name in dense:
+    for name, layer_fmt in dense:
         linear = hf.get_submodule(name)
-        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, fmt))
+        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, layer_fmt))
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
 
@@ -78,16 +80,26 @@ def rel(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def rel_by_position(a, b) -> torch.Tensor:
+    """[T]: each position's largest logit error, relative to b's largest logit."""
+    return (a - b).abs().amax(-1) / b.abs().max()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_engine_is_close_to_the_dequantized_reference(family, fmt, checkpoint, monkeypatch):
     ck = checkpoint(family, **WIDTH.get(family, {}))
-    dense: list[str] = []
+    dense: list[tuple[str, str]] = []
     got = engine_logits(ck, PROMPT_IDS, dense, quant=fmt)
-    assert any(name.endswith("self_attn.o_proj") for name in dense) and not any(name.endswith("mlp.gate") for name in dense)
+    formats_by_layer = {name.split(".")[-1]: layer_fmt for name, layer_fmt in dense}
+    assert "o_proj" in formats_by_layer and "gate" not in formats_by_layer  # the routers stay unquantized
+    # int4 keeps the K/V projections and the head in int8 (as Q4_K_M keeps attn_v and the output at 6 bits)
+    kv = [p for p in ("k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj") if p in formats_by_layer]
+    assert kv and {formats_by_layer[p] for p in [*kv, "lm_head"]} == {"int8"} and formats_by_layer["o_proj"] == fmt
     ref = reference_logits(ck, PROMPT_IDS, fmt, dense)
     full = engine_logits(ck, PROMPT_IDS)
-    assert rel(got, ref) < LOGIT_TOL[fmt]
+    errors = rel_by_position(got, ref)
+    assert float(errors.median()) < MEDIAN_TOL and float(errors.max()) < LOGIT_TOL[fmt]
     with monkeypatch.context() as m:  # the twins without activation quantization: the weights alone, exactly
         m.setattr(cpu_ffn, "library", lambda: None)
         m.setattr(formats, "fake_quantize_activations", lambda x: x)
@@ -148,12 +160,12 @@ def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_
     # against Hugging Face on GPTQ's own dequantization of the same files
     from transformers import AutoModelForCausalLM
 
-    dense: list[str] = []
+    dense: list[tuple[str, str]] = []
     got = engine_logits(gptq, PROMPT_IDS, dense)
     hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(gptq, src, tmp_path / "deq"), dtype=torch.float32).eval()
-    for name in dense:  # on a CPU device the dense layers run in int4 too: GPTQ's attention re-quantized from its own values
+    for name, fmt in dense:  # on a CPU device the dense layers run quantized too: re-quantized from GPTQ's own values
         linear = hf.get_submodule(name)
-        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, "int4"))
+        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, fmt))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT_IDS])).logits[0]
     assert rel(got, ref) < LOGIT_TOL["int4"]
@@ -230,7 +242,7 @@ def test_quantized_slots_on_cuda_are_lossless_and_close_to_the_cpu_run(family, f
     engine = Engine(EngineConfig(model_dir=str(ck), quant=fmt, device="cuda", expert_cache_ratio=1.0))
     assert isinstance(engine.model.cache.gate_up, formats.QuantMatrix) and engine.model.cache.gate_up.device.type == "cuda"
     engine.close()
-    dense: list[str] = []
+    dense: list[tuple[str, str]] = []
     cpu = engine_logits(ck, PROMPT_IDS, dense, quant=fmt, dtype="float32")
     gpu = engine_logits(ck, PROMPT_IDS, quant=fmt, device="cuda", dtype="float32", expert_cache_ratio=1.0)
     assert rel(gpu, cpu) < LOGIT_TOL[fmt]
