@@ -8,7 +8,8 @@ Python's language reference. Runs offline on 2 CPU cores in about 110 minutes (`
 faster) and is seeded: the same PyTorch version and thread count give the same weights. Writes
 OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts),
 OUT/eval_words.jsonl (held-out definitional questions) and OUT/train_stats.json (the figures the model
-card, assets/demo/README.md, states).
+card, assets/demo/README.md, states). `--draft-only` keeps OUT/model and trains the draft again on it (about
+30 minutes here).
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ CORE_PASSES = 14  # the LEXICON's chats and dictionary pages are read this often
 # words, each both read and asked, teach answering a question from what was read (run 5's 1 650 asked words
 # recited another word's answer; run 8's copy words, asked but never read, taught the copy but not the recall)
 COPY_ASKS = 2
-POLICY_PROMPTS, POLICY_TOKENS = 4096, 40  # the draft also learns on the target's own greedy replies to these
+# the draft also learns on the target's own greedy replies to this many training questions (core and copy words)
+POLICY_PROMPTS, POLICY_TOKENS = 16384, 40
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
@@ -201,9 +203,10 @@ def copy_words(root: Path, rng: random.Random, exclude: set[str]) -> tuple[list[
     return [(question(s, rng), answer(s)) for s in senses for _ in range(COPY_ASKS)], pages
 
 
-def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
-    """The chats and pages, the tokenizer trained on them (saved to model_dir), the packed training rows, the
-    held-out chats and the training questions; writes out/eval_prompts.jsonl and out/eval_words.jsonl."""
+def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random, tokenizer=None):
+    """The chats and pages, the tokenizer trained on them (saved to model_dir; or the one given), the packed training
+    rows, the held-out chats and the training questions, shuffled; writes out/eval_prompts.jsonl and
+    out/eval_words.jsonl."""
     t_start = time.time()
     train_chats, val, pages, eval_words, (copies, copy_pages) = wordnet_chats(wordnet, rng)
     docs = python_doc_chats()
@@ -214,7 +217,8 @@ def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
     print(f"{len(train_chats) + len(val)} chats ({len(train_chats)} train, {len(val)} held out), {len(pages)} "
           f"dictionary pages, {len(copies)} copy chats and {len(copy_pages)} copy pages in {time.time() - t_start:.0f}s",
           flush=True)
-    tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats + copies] + pages + copy_pages, model_dir)
+    if tokenizer is None:
+        tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats + copies] + pages + copy_pages, model_dir)
     docs, copy_docs = [render(tokenizer, *c) for c in train_chats] + pages, [render(tokenizer, *c) for c in copies]
     copy_docs += copy_pages
     rng.shuffle(docs), rng.shuffle(copy_docs)
@@ -230,7 +234,9 @@ def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random):
             f.write(json.dumps(e) + "\n")
     counts = {"train_chats": len(train_chats), "heldout_chats": len(val), "dictionary_pages": len(pages),
               "copy_chats": len(copies), "copy_pages": len(copy_pages), "core_passes": CORE_PASSES}
-    return tokenizer, rows, val, val_docs, counts, [u for u, _ in train_chats]
+    questions = [u for u, _ in train_chats + copies]
+    random.Random(SEED).shuffle(questions)
+    return tokenizer, rows, val, val_docs, counts, questions
 
 
 def render(tokenizer, user: str, reply: str) -> str:
@@ -280,32 +286,10 @@ def train_draft(target, draft_kwargs: dict, rows: torch.Tensor, args, policy_row
     return draft, time.time() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--wordnet", type=Path, default=Path("/usr/share/wordnet"), help="WordNet 3.0's database files")
-    ap.add_argument("--out", type=Path, default=ROOT / "assets" / "demo")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target-steps", type=int, help="MoE steps (default: one pass over the rows)")
-    ap.add_argument("--draft-steps", type=int, default=DRAFT_STEPS)
-    ap.add_argument("--baseline", type=Path, help="another model directory whose held-out loss to report beside")
-    args = ap.parse_args()
+def train_target(rows, val_rows, eos_ids: list[int], args):
+    """The MoE: next-token loss plus a light load-balancing loss (skewed, not collapsed, routing)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(SEED)
-    torch.set_num_threads(args.threads)
-    t_start = time.time()
-    if not (args.wordnet / "data.noun").is_file():
-        sys.exit(f"error: no WordNet database in {args.wordnet}: apt-get download wordnet-base && dpkg-deb -x "
-                 "wordnet-base_*.deb /tmp/wordnet, then pass --wordnet /tmp/wordnet/usr/share/wordnet")
-
-    rng = random.Random(SEED)
-    model_dir, draft_dir = args.out / "model", args.out / "draft"
-    tokenizer, rows, val, val_docs, counts, prompts = build_data(args.wordnet, model_dir, args.out, rng)
-    val_rows = pack(val_docs, tokenizer)
-    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-
-    # the MoE: next-token loss plus a light load-balancing loss (skewed, not collapsed, routing)
     cfg = Qwen3MoeConfig(**COMMON, **TARGET, output_router_logits=True, eos_token_id=eos_ids[0], bos_token_id=None,
                          pad_token_id=eos_ids[1])
     target = Qwen3MoeForCausalLM(cfg).to(args.device)
@@ -316,27 +300,63 @@ def main() -> None:
     target.config.output_router_logits = False
     target_s, target_val = time.time() - t0, eval_loss(target, val_rows, args.device)
     print(f"[moe] held-out loss {target_val:.3f}", flush=True)
+    return target, {"target_steps": args.target_steps, "target_train_s": round(target_s),
+                    "target_heldout_loss": round(target_val, 3), "target_params": sum(p.numel() for p in target.parameters())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--wordnet", type=Path, default=Path("/usr/share/wordnet"), help="WordNet 3.0's database files")
+    ap.add_argument("--out", type=Path, default=ROOT / "assets" / "demo")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target-steps", type=int, help="MoE steps (default: one pass over the rows)")
+    ap.add_argument("--draft-steps", type=int, default=DRAFT_STEPS)
+    ap.add_argument("--draft-only", action="store_true",
+                    help="keep OUT/model (the target and tokenizer) and train the draft again on it (bf16, as shipped)")
+    ap.add_argument("--baseline", type=Path, help="another model directory whose held-out loss to report beside")
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(SEED)
+    torch.set_num_threads(args.threads)
+    t_start = time.time()
+    if not (args.wordnet / "data.noun").is_file():
+        sys.exit(f"error: no WordNet database in {args.wordnet}: apt-get download wordnet-base && dpkg-deb -x "
+                 "wordnet-base_*.deb /tmp/wordnet, then pass --wordnet /tmp/wordnet/usr/share/wordnet")
+
+    rng = random.Random(SEED)
+    model_dir, draft_dir = args.out / "model", args.out / "draft"
+    shipped = AutoTokenizer.from_pretrained(model_dir) if args.draft_only else None
+    tokenizer, rows, val, val_docs, counts, prompts = build_data(args.wordnet, model_dir, args.out, rng, shipped)
+    val_rows = pack(val_docs, tokenizer)
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    if args.draft_only:
+        target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
+        stats = json.loads((args.out / "train_stats.json").read_text())
+    else:
+        target, stats = train_target(rows, val_rows, eos_ids, args)
+        stats["target_heldout_bits_per_char"] = bits_per_char(target, tokenizer, val_docs, args.device)
 
     t0 = time.time()
     policy_rows = pack(target_replies(target, tokenizer, prompts[:POLICY_PROMPTS], args.device), tokenizer)
-    print(f"[draft] {len(policy_rows)} rows of the target's replies in {time.time() - t0:.0f}s", flush=True)
+    replies_s = time.time() - t0
+    print(f"[draft] {len(policy_rows)} rows of the target's replies in {replies_s:.0f}s", flush=True)
     draft, draft_s = train_draft(target, dcfg_kwargs(eos_ids), rows, args, policy_rows)
     draft_val = eval_loss(draft, val_rows, args.device)
     print(f"[draft] held-out loss {draft_val:.3f}", flush=True)
 
-    save(target, tokenizer, model_dir, eos_ids)
+    if not args.draft_only:
+        save(target, tokenizer, model_dir, eos_ids)
     save(draft, tokenizer, draft_dir, eos_ids)
-    total_s = time.time() - t_start
-    stats = {
+    stats.update({
         "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], **counts, "device": args.device,
-        "threads": args.threads,
-        "train_tokens": rows.numel(), "target_steps": args.target_steps, "draft_steps": args.draft_steps,
-        "tokens_per_step": BATCH * SEQ_LEN, "target_train_s": round(target_s), "draft_train_s": round(draft_s),
-        "total_s": round(total_s), "target_heldout_loss": round(target_val, 3), "draft_heldout_loss": round(draft_val, 3),
-        "target_heldout_bits_per_char": bits_per_char(target, tokenizer, val_docs, args.device),
-        "target_params": sum(p.numel() for p in target.parameters()),
+        "threads": args.threads, "train_tokens": rows.numel(), "draft_steps": args.draft_steps,
+        "tokens_per_step": BATCH * SEQ_LEN, "policy_prompts": POLICY_PROMPTS, "policy_rows": len(policy_rows),
+        "replies_s": round(replies_s), "draft_train_s": round(draft_s), "draft_heldout_loss": round(draft_val, 3),
         "draft_params": sum(p.numel() for p in draft.parameters()),
-    }
+    })
+    stats["draft_only_s" if args.draft_only else "total_s"] = round(time.time() - t_start)
     if args.baseline:
         stats["baseline"] = baseline_loss(args.baseline, val, args.device)
     stats.update(demo_figures(model_dir, draft_dir, args.out))
