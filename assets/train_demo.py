@@ -18,6 +18,7 @@ import json
 import math
 import random
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -153,6 +154,14 @@ def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
     model.generation_config.bos_token_id = None
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of src over dst's: a tokenizer read back from disk saves two more keys
+    (`is_local`, `local_files_only`), so the draft of `--draft-only` takes the target's files as they are."""
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copyfile(f, dst / f.name)
 
 
 def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str], list[dict], tuple]:
@@ -349,6 +358,8 @@ def main() -> None:
     if not args.draft_only:
         save(target, tokenizer, model_dir, eos_ids)
     save(draft, tokenizer, draft_dir, eos_ids)
+    if args.draft_only:
+        copy_tokenizer(model_dir, draft_dir)
     stats.update({
         "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], **counts, "device": args.device,
         "threads": args.threads, "train_tokens": rows.numel(), "draft_steps": args.draft_steps,

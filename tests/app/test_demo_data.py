@@ -5,6 +5,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "assets"))
 from demo_data import answer, dictionary_entry, dictionary_pages, question, read_senses  # noqa: E402
 
@@ -80,3 +82,19 @@ def test_target_replies_batched_with_left_padding_equal_each_prompt_alone(tmp_pa
     assert together == [train_demo.target_replies(target, tok, [p], "cpu")[0] for p in prompts]
     assert all(c.startswith(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n") for c, p in zip(together, prompts))
     assert len({c.split("assistant\n")[1] for c in together}) > 1  # the replies are generated, not empty
+
+
+def test_draft_only_keeps_the_targets_tokenizer_files_byte_for_byte(tmp_path):
+    """`--draft-only` reads the target's tokenizer back from disk; saved again it gains keys, so the draft takes the
+    target's files as they are (a re-run writes what was shipped)."""
+    import train_demo
+    from transformers import AutoTokenizer
+
+    model, draft = tmp_path / "model", tmp_path / "draft"
+    train_demo.train_tokenizer(["What is a lighthouse? A lighthouse is a tower with a light."] * 20, model)
+    AutoTokenizer.from_pretrained(model).save_pretrained(draft)
+    names = sorted(f.name for f in model.iterdir())
+    if all((model / n).read_bytes() == (draft / n).read_bytes() for n in names):
+        pytest.skip("this transformers saves a reloaded tokenizer unchanged: nothing to copy")
+    train_demo.copy_tokenizer(model, draft)
+    assert all((model / n).read_bytes() == (draft / n).read_bytes() for n in names)
