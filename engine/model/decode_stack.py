@@ -224,11 +224,11 @@ def _attention(lean, i: int) -> dict | None:
     a, qkv, stacked = lean.layers[i].self_attn, lean.qkv[i], lean.stacked[i]
     kv_w = DenseWeight()  # rows 0: qkv_w holds q, k and v
     if qkv is not None:  # one run (q, k, v in one format) or two (int4: q, then k and v in int8)
-        parts = qkv.parts if qkv.bias is None and len(qkv.parts) <= 2 else None
-        if parts is not None and len(parts) == 2 and parts[0].rows != qkv.sizes[0]:
-            parts = None
-        qkv_w = None if parts is None else _dense(None, parts[0])
-        kv_w = _dense(None, parts[1]) if parts is not None and len(parts) == 2 else kv_w
+        parts = qkv.parts
+        usable = qkv.bias is None and (len(parts) == 1 or (len(parts) == 2 and parts[0].rows == qkv.sizes[0]))
+        qkv_w = _dense(None, parts[0]) if usable else None
+        if usable and len(parts) == 2:
+            kv_w = _dense(None, parts[1])
     else:
         qkv_w = _dense(stacked[0], None) if stacked is not None and stacked[1] is None else None
     q_norm = k_norm = None

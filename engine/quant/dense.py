@@ -12,6 +12,8 @@ with grouped-query attention the K/V projections are a few percent of a token's 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..experts import cpu_ffn
@@ -66,12 +68,7 @@ class FusedQuantLinear:
     the call's other rows, so each slice's bits equal its layer's own."""
 
     def __init__(self, layers: list[QuantLinear]):
-        runs = [[layers[0]]]
-        for layer in layers[1:]:
-            if layer.weight_q.fmt == runs[-1][-1].weight_q.fmt:
-                runs[-1].append(layer)
-            else:
-                runs.append([layer])
+        runs = [list(run) for _, run in itertools.groupby(layers, key=lambda layer: layer.weight_q.fmt)]
         self.parts = [formats.QuantMatrix.cat([layer.weight_q for layer in run]) for run in runs]  # one matrix per run
         self.bias = None
         if any(layer.bias is not None for layer in layers):
