@@ -55,7 +55,7 @@ inline void dot4(const float* a, const W* b, int64_t stride, int64_t n, float* o
     for (; i + 16 <= n; i += 16) {
         const vec8 x0 = load8(a + i), x1 = load8(a + i + 8);
         for (int j = 0; j < 4; ++j) {
-            __builtin_prefetch(b + (4 + j) * stride + i);  // the next 4 rows (linear's next quad): short streams, see x86_tiles.h
+            __builtin_prefetch(b + (4 + j) * stride + i, 0, 2);  // the next 4 rows into L2 (locality 2): see x86_tiles.h
             lo[j] += x0 * load8(b + j * stride + i);
             hi[j] += x1 * load8(b + j * stride + i + 8);
         }

@@ -143,7 +143,7 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
             for (int c = 0; c < CH; c++) dot[t][c] = _mm512_setzero_si512();
         const int8_t* xb = A.q + t0 * A.kp + 32 * b;
         for (int line = 0; line < BITS; line++)  // the next group's block (its 4 or 8 cache lines), one group ahead
-            _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
         if (BITS == 8) {
             const uint8_t* qb = q + b * 512;
             for (int i = 0; i < 8; i++) {
@@ -193,7 +193,7 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
         for (int t = 0; t < TC; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
         const int8_t* xb = A.q + t0 * A.kp + 32 * b;
         for (int line = 0; line < BITS; line++)  // as qgroup_vnni
-            _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
         for (int h = 0; h < 2; h++) {
             if (BITS == 8) {
                 for (int i = 0; i < 8; i++) {
@@ -256,7 +256,7 @@ AVXVNNI_TARGET void qhalves_avxvnni(const QMat& W, int64_t g, int h0, const QAct
         const int8_t* xb = A.q + t0 * A.kp + 32 * b;
         if (h0 == 0)
             for (int line = 0; line < BITS; line++)  // as qgroup_vnni: the next group's block, one group ahead
-                _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
         for (int h = 0; h < NH; h++) {
             const uint8_t* qh = q + 32 * (h0 + h);
             if (BITS == 8) {

@@ -41,8 +41,10 @@ AVX512_TARGET void tile_avx512(const WT* W, int64_t ldw, int64_t len, const floa
         __m512 w[R];
         for (int r = 0; r < R; r++) {
             // the next R rows, one block ahead: each row is its own short stream (2-4 KB), too short for the
-            // hardware prefetcher to ramp up on before it ends; a hint past the matrix's end does not fault
-            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T0);
+            // hardware prefetcher to ramp up on before it ends; a hint past the matrix's end does not fault. Into L2
+            // (T1), not L1: an L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, which
+            // capped a core's stream well below DRAM's (docs/benchmarks.md, "Prefetching into L2")
+            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);
             w[r] = w16<WT>(W + r * ldw + k);
         }
         for (int t = 0; t < TC; t++) {
@@ -75,7 +77,10 @@ BF16_TARGET void tile_bf16(const uint16_t* W, int64_t ldw, int64_t len, const ui
     int64_t k = 0;
     for (; k + 32 <= len; k += 32) {  // unmasked: a per-iteration mask keeps GCC from holding acc in registers
         __m512i w[R];
-        for (int r = 0; r < R; r++) w[r] = _mm512_loadu_si512(W + r * ldw + k);
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);  // as tile_avx512
+            w[r] = _mm512_loadu_si512(W + r * ldw + k);
+        }
         for (int t = 0; t < TC; t++) {
             __m512i x = _mm512_loadu_si512(X + t * ldx + k);
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)w[r], (__m512bh)x);
@@ -180,7 +185,7 @@ AVX2_TARGET void tile_avx2(const WT* W, int64_t ldw, int64_t len, const float* X
     for (; k + 8 <= len; k += 8) {
         __m256 w[R];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T0);  // as tile_avx512
+            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);  // as tile_avx512
             w[r] = w8<WT>(W + r * ldw + k);
         }
         for (int t = 0; t < TC; t++) {
@@ -213,7 +218,7 @@ AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, int64_t ldw, int64_t len, co
     for (; k + 16 <= len; k += 16) {
         __m256 even[R], odd[R];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T0);  // as tile_avx512
+            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);  // as tile_avx512
             __m256i w = _mm256_loadu_si256((const __m256i*)(W + r * ldw + k));
             even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
             odd[r] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
