@@ -37,9 +37,11 @@ namespace portable {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #endif
+#define MOE_BODY_AVX2 1
 namespace avx2 {
 #include "decode_body.h"
 }  // namespace avx2
+#undef MOE_BODY_AVX2
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
