@@ -134,23 +134,26 @@ inline void attend_row(const float* q, const float* K, const float* V, int64_t s
 }
 
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
-// bits do not depend on T; threads split the rows, each thread's weight rows read once for all T tokens
+// bits do not depend on T; each weight row is read once for all T tokens. Threads take runs of row quads from a
+// counter (a quarter of an even share each), so a core the VM slows for a while does not hold the others at the end.
 template <typename W>
 inline void linear(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                    int64_t y_stride, int threads) {
     const int64_t n = threads_for(threads, double(sizeof(W)) * T * R * K);
     const int64_t quads = R / 4;  // rows 4q..4q+3 through dot4, the last R % 4 through dot: a row's path depends on r alone
-    g_pool->run(int(n), [&](int tid) {
-        for (int64_t q = quads * tid / n; q < quads * (tid + 1) / n; ++q)
-            for (int64_t t = 0; t < T; ++t) {
-                float* yt = y + t * y_stride + 4 * q;
-                dot4(x + t * K, w + 4 * q * K, K, K, yt);
-                for (int j = 0; j < 4; ++j) yt[j] += b ? b[4 * q + j] : 0.f;
-            }
-        if (tid == n - 1)
-            for (int64_t r = 4 * quads; r < R; ++r)
-                for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);
+    const int64_t run = std::max<int64_t>(1, quads / (4 * n));
+    std::atomic<int64_t> next{0};
+    g_pool->run(int(n), [&](int) {
+        for (int64_t q0; (q0 = next.fetch_add(run)) < quads;)
+            for (int64_t q = q0; q < std::min(quads, q0 + run); ++q)
+                for (int64_t t = 0; t < T; ++t) {
+                    float* yt = y + t * y_stride + 4 * q;
+                    dot4(x + t * K, w + 4 * q * K, K, K, yt);
+                    for (int j = 0; j < 4; ++j) yt[j] += b ? b[4 * q + j] : 0.f;
+                }
     });
+    for (int64_t r = 4 * quads; r < R; ++r)
+        for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);
 }
 
 // x[t] += r[t] (r may be null), then y[t] = RMSNorm(x[t]) · w, for `rows` rows of n
