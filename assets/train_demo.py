@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 1234
 VOCAB = 4096
 SEQ_LEN, BATCH = 512, 16  # 8192 tokens per step
-DRAFT_STEPS = 350  # distillation steps for the draft; the MoE trains one pass over its rows (see build_data)
+DRAFT_STEPS = 700  # distillation steps for the draft; the MoE trains one pass over its rows (see build_data)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen checkpoints use; the demo has no thinking mode
 CHAT_TEMPLATE = (
@@ -54,8 +54,9 @@ CORE_PASSES = 14  # the LEXICON's chats and dictionary pages are read this often
 # words, each both read and asked, teach answering a question from what was read (run 5's 1 650 asked words
 # recited another word's answer; run 8's copy words, asked but never read, taught the copy but not the recall)
 COPY_ASKS = 2
-# the draft also learns on the target's own greedy replies to this many training questions (core and copy words)
-POLICY_PROMPTS, POLICY_TOKENS = 16384, 40
+# the draft also learns on the target's own greedy replies to this many training questions (core and copy words; None:
+# all of them), at most POLICY_TOKENS each
+POLICY_PROMPTS, POLICY_TOKENS = None, 40
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
@@ -348,7 +349,8 @@ def main() -> None:
         stats["target_heldout_bits_per_char"] = bits_per_char(target, tokenizer, val_docs, args.device)
 
     t0 = time.time()
-    policy_rows = pack(target_replies(target, tokenizer, prompts[:POLICY_PROMPTS], args.device), tokenizer)
+    asked = prompts[:POLICY_PROMPTS]
+    policy_rows = pack(target_replies(target, tokenizer, asked, args.device), tokenizer)
     replies_s = time.time() - t0
     print(f"[draft] {len(policy_rows)} rows of the target's replies in {replies_s:.0f}s", flush=True)
     draft, draft_s = train_draft(target, dcfg_kwargs(eos_ids), rows, args, policy_rows)
@@ -363,7 +365,7 @@ def main() -> None:
     stats.update({
         "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], **counts, "device": args.device,
         "threads": args.threads, "train_tokens": rows.numel(), "draft_steps": args.draft_steps,
-        "tokens_per_step": BATCH * SEQ_LEN, "policy_prompts": POLICY_PROMPTS, "policy_rows": len(policy_rows),
+        "tokens_per_step": BATCH * SEQ_LEN, "policy_prompts": len(asked), "policy_rows": len(policy_rows),
         "replies_s": round(replies_s), "draft_train_s": round(draft_s), "draft_heldout_loss": round(draft_val, 3),
         "draft_params": sum(p.numel() for p in draft.parameters()),
     })
