@@ -4,12 +4,12 @@
     python assets/train_demo.py --wordnet /tmp/wordnet/usr/share/wordnet [--out assets/demo]
 
 Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
-Python's language reference. Runs offline on 2 CPU cores in about 110 minutes (`--device cuda` is much
+Python's language reference. Runs offline on 2 CPU cores in about 150 minutes (`--device cuda` is much
 faster) and is seeded: the same PyTorch version and thread count give the same weights. Writes
 OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts),
 OUT/eval_words.jsonl (held-out definitional questions) and OUT/train_stats.json (the figures the model
 card, assets/demo/README.md, states). `--draft-only` keeps OUT/model and trains the draft again on it (about
-30 minutes here).
+65 minutes here: half the target's replies, half the draft's training).
 """
 from __future__ import annotations
 

@@ -5,8 +5,6 @@ import random
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "assets"))
 from demo_data import answer, dictionary_entry, dictionary_pages, question, read_senses  # noqa: E402
 
@@ -93,8 +91,8 @@ def test_draft_only_keeps_the_targets_tokenizer_files_byte_for_byte(tmp_path):
     model, draft = tmp_path / "model", tmp_path / "draft"
     train_demo.train_tokenizer(["What is a lighthouse? A lighthouse is a tower with a light."] * 20, model)
     AutoTokenizer.from_pretrained(model).save_pretrained(draft)
+    config = draft / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("{", '{"stale": 1, ', 1))  # differs whatever this transformers writes
     names = sorted(f.name for f in model.iterdir())
-    if all((model / n).read_bytes() == (draft / n).read_bytes() for n in names):
-        pytest.skip("this transformers saves a reloaded tokenizer unchanged: nothing to copy")
     train_demo.copy_tokenizer(model, draft)
     assert all((model / n).read_bytes() == (draft / n).read_bytes() for n in names)
