@@ -137,15 +137,17 @@ def answer(s: Sense) -> str:
     return " ".join([first, *more])
 
 
-STYLES = 4  # dictionary_entry's styles
+STYLES = 4  # dictionary_entry's styles that every word is read in
+HEADWORD = 4  # a further style, the review's: "The noun afternoon. Afternoon is …" pairs the word as asked with its reply's form
 
 
 def dictionary_entry(s: Sense, style: int) -> str:
-    """One word's entry in one of STYLES styles: the same facts in several forms, so that they can be recalled
-    in a form not trained on (a question). Style 3 is encyclopedia prose, the sentences a reply states."""
-    if style == 3:
-        return answer(s)
+    """One word's entry in one of STYLES styles, or HEADWORD: the same facts in several forms, so that they can be
+    recalled in a form not trained on (a question). Style 3 is encyclopedia prose, the sentences a reply states;
+    HEADWORD puts the word as a question spells it before that prose (whose first word may be spelled otherwise)."""
     kind = {"n": "noun", "v": "verb", "a": "adjective", "r": "adverb"}[s.pos]
+    if style >= 3:
+        return answer(s) if style == 3 else f"The {kind} {s.word}. {answer(s)}"
     cats, syns = ", ".join(dict.fromkeys(s.category[:3])), ", ".join(s.synonyms[:3])
     if style == 0:
         return f"{s.word} ({kind}): {s.gloss}." + (f" Kind of: {cats}." if cats else "") + (f" Also: {syns}." if syns else "")

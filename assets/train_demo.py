@@ -4,12 +4,15 @@
     python assets/train_demo.py --wordnet /tmp/wordnet/usr/share/wordnet [--out assets/demo]
 
 Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
-Python's language reference. Runs offline on 2 CPU cores in about 150 minutes (`--device cuda` is much
-faster) and is seeded: the same PyTorch version and thread count give the same weights. Writes
-OUT/model (the MoE), OUT/draft (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts),
-OUT/eval_words.jsonl (held-out definitional questions) and OUT/train_stats.json (the figures the model
-card, assets/demo/README.md, states). `--draft-only` keeps OUT/model and trains the draft again on it (about
-65 minutes here: half the target's replies, half the draft's training).
+Python's language reference. Three stages: the MoE (one pass over 12.8 M tokens), its review (a second, shorter
+pass that reads the most used words again and pairs each word with its reply's first words) and the draft,
+distilled from the reviewed MoE. Runs offline on 2 CPU cores in about 3 hours (`--device cuda` is much faster) and
+is seeded: the same PyTorch version and thread count give the same weights. Writes OUT/model (the MoE), OUT/draft
+(the dense drafter), OUT/eval_prompts.jsonl (held-out prompts), OUT/eval_words.jsonl (held-out definitional
+questions) and OUT/train_stats.json (the figures the model card, assets/demo/README.md, states).
+`--review-only` takes OUT/model as the first stage left it and runs the other two (about 95 minutes here);
+`--draft-only` keeps OUT/model and trains the draft again on it (about 65 minutes: half the target's replies,
+half the draft's training).
 """
 from __future__ import annotations
 
@@ -57,6 +60,11 @@ COPY_ASKS = 2
 # the draft also learns on the target's own greedy replies to this many training questions (core and copy words; None:
 # all of them), at most POLICY_TOKENS each
 POLICY_PROMPTS, POLICY_TOKENS = None, 40
+# the review, a second stage on the trained target: the REVIEW_WORDS most used copy words' dictionary pages read again
+# REVIEW_PASSES times in every style and asked COPY_ASKS times again, with the core REVIEW_CORE times more; one pass at a
+# lower peak learning rate. Answering well-read words teaches reading the answer from what was read (the extraction of
+# Allen-Zhu and Li's Part 3.1), which the copy words read once could not teach
+REVIEW_WORDS, REVIEW_PASSES, REVIEW_CORE, REVIEW_LR = 6000, 3, 2, 1e-3
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
@@ -154,7 +162,8 @@ def save(model, tokenizer, out: Path, eos_ids: list[int]) -> None:
     model.generation_config.pad_token_id = eos_ids[-1]
     model.generation_config.bos_token_id = None
     model.to(torch.bfloat16).save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:  # None: out holds the tokenizer's files already (a tokenizer read back saves two more keys)
+        tokenizer.save_pretrained(out)
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
@@ -231,6 +240,7 @@ def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random, to
         tokenizer = train_tokenizer([u + "\n" + a for u, a in train_chats + copies] + pages + copy_pages, model_dir)
     docs, copy_docs = [render(tokenizer, *c) for c in train_chats] + pages, [render(tokenizer, *c) for c in copies]
     copy_docs += copy_pages
+    core_docs = list(docs)  # in this order, for the review's mix
     rng.shuffle(docs), rng.shuffle(copy_docs)
     core, copy_rows = pack(docs, tokenizer), pack(copy_docs, tokenizer)
     rows, val_docs = torch.cat([core] * CORE_PASSES + [copy_rows]), [render(tokenizer, *c) for c in val]
@@ -246,7 +256,25 @@ def build_data(wordnet: Path, model_dir: Path, out: Path, rng: random.Random, to
               "copy_chats": len(copies), "copy_pages": len(copy_pages), "core_passes": CORE_PASSES}
     questions = [u for u, _ in train_chats + copies]
     random.Random(SEED).shuffle(questions)
-    return tokenizer, rows, val, val_docs, counts, questions
+    return tokenizer, rows, val, val_docs, counts, questions, core_docs
+
+
+def review_docs(wordnet: Path, tokenizer, core_docs: list[str]) -> list[str]:
+    """The review's documents, shuffled: the REVIEW_WORDS most used copy words' pages REVIEW_PASSES times in every style
+    and the HEADWORD style, and their chats COPY_ASKS times; the core's chats and pages REVIEW_CORE times, and its
+    words' HEADWORD pages (the held-out words' too) REVIEW_PASSES times."""
+    from demo_data import HEADWORD, answer, dictionary_pages, question, read_senses
+
+    core = [s for pos, n in LEXICON.items() for s in sorted(read_senses(wordnet, pos), key=lambda s: -s.count)[:n]]
+    known = {s.word for s in core}
+    words = sorted((s for s in read_senses(wordnet) if s.word not in known), key=lambda s: -s.count)[:REVIEW_WORDS]
+    rng = random.Random(SEED + 2)
+    read = lambda: pages_in_every_style(words, rng) + dictionary_pages(words + core, 16, rng, HEADWORD)  # noqa: E731
+    docs = [p for _ in range(REVIEW_PASSES) for p in read()]
+    docs += [render(tokenizer, question(s, rng), answer(s)) for s in words for _ in range(COPY_ASKS)]
+    docs += core_docs * REVIEW_CORE
+    rng.shuffle(docs)
+    return docs
 
 
 def render(tokenizer, user: str, reply: str) -> str:
@@ -296,6 +324,10 @@ def train_draft(target, draft_kwargs: dict, rows: torch.Tensor, args, policy_row
     return draft, time.time() - t0
 
 
+def lm_loss(m, b):
+    return m(input_ids=b[:, :-1], labels=b[:, :-1]).loss  # HF shifts the labels
+
+
 def train_target(rows, val_rows, eos_ids: list[int], args):
     """The MoE: next-token loss plus a light load-balancing loss (skewed, not collapsed, routing)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -303,7 +335,6 @@ def train_target(rows, val_rows, eos_ids: list[int], args):
     cfg = Qwen3MoeConfig(**COMMON, **TARGET, output_router_logits=True, eos_token_id=eos_ids[0], bos_token_id=None,
                          pad_token_id=eos_ids[1])
     target = Qwen3MoeForCausalLM(cfg).to(args.device)
-    lm_loss = lambda m, b: m(input_ids=b[:, :-1], labels=b[:, :-1]).loss  # noqa: E731  (HF shifts labels)
     args.target_steps = args.target_steps or len(rows) // BATCH
     t0 = time.time()
     train(target, rows, args.target_steps, 3e-3, args.device, lm_loss, "moe")
@@ -314,6 +345,40 @@ def train_target(rows, val_rows, eos_ids: list[int], args):
                     "target_heldout_loss": round(target_val, 3), "target_params": sum(p.numel() for p in target.parameters())}
 
 
+def review_target(target, rows: torch.Tensor, val_rows: torch.Tensor, args) -> dict:
+    """The review: one pass over its rows at REVIEW_LR, on the target's weights as saved (bf16, read in float32)."""
+    target.to(torch.bfloat16).to(torch.float32)
+    target.config.output_router_logits = True
+    t0 = time.time()
+    train(target, rows, len(rows) // BATCH, REVIEW_LR, args.device, lm_loss, "review")
+    target.config.output_router_logits = False
+    review_s, val = time.time() - t0, eval_loss(target, val_rows, args.device)
+    print(f"[review] held-out loss {val:.3f}", flush=True)
+    return {"review_steps": len(rows) // BATCH, "review_train_s": round(review_s), "target_heldout_loss": round(val, 3)}
+
+
+def the_target(args, model_dir: Path, data, val_rows, eos_ids: list[int]):
+    """(target, stats): trained and reviewed; or read from OUT/model, and reviewed there with `--review-only`."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, rows, val, val_docs, counts, prompts, core_docs = data
+    if args.draft_only or args.review_only:
+        target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
+        stats = json.loads((args.out / "train_stats.json").read_text())
+        if args.draft_only:
+            return target, stats
+        if "review_steps" in stats:
+            sys.exit(f"error: {model_dir} is reviewed already (train_stats.json); --review-only takes a first-stage target")
+    else:
+        target, stats = train_target(rows, val_rows, eos_ids, args)
+    stats["first_stage_heldout_loss"] = stats["target_heldout_loss"]
+    review = pack(review_docs(args.wordnet, tokenizer, core_docs), tokenizer)
+    stats.update({"review_words": REVIEW_WORDS, "review_passes": REVIEW_PASSES, "review_core": REVIEW_CORE,
+                  "review_tokens": review.numel()}, **review_target(target, review, val_rows, args))
+    stats["target_heldout_bits_per_char"] = bits_per_char(target, tokenizer, val_docs, args.device)
+    return target, stats
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--wordnet", type=Path, default=Path("/usr/share/wordnet"), help="WordNet 3.0's database files")
@@ -322,11 +387,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target-steps", type=int, help="MoE steps (default: one pass over the rows)")
     ap.add_argument("--draft-steps", type=int, default=DRAFT_STEPS)
-    ap.add_argument("--draft-only", action="store_true",
-                    help="keep OUT/model (the target and tokenizer) and train the draft again on it (bf16, as shipped)")
+    stage = ap.add_mutually_exclusive_group()
+    stage.add_argument("--draft-only", action="store_true",
+                       help="keep OUT/model (the target and tokenizer) and train the draft again on it (bf16, as shipped)")
+    stage.add_argument("--review-only", action="store_true",
+                       help="OUT/model is a target before its review: review it, then train the draft")
     ap.add_argument("--baseline", type=Path, help="another model directory whose held-out loss to report beside")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(SEED)
     torch.set_num_threads(args.threads)
@@ -337,16 +405,16 @@ def main() -> None:
 
     rng = random.Random(SEED)
     model_dir, draft_dir = args.out / "model", args.out / "draft"
-    shipped = AutoTokenizer.from_pretrained(model_dir) if args.draft_only else None
-    tokenizer, rows, val, val_docs, counts, prompts = build_data(args.wordnet, model_dir, args.out, rng, shipped)
+    shipped = AutoTokenizer.from_pretrained(model_dir) if args.draft_only or args.review_only else None
+    data = build_data(args.wordnet, model_dir, args.out, rng, shipped)
+    tokenizer, rows, val, val_docs, counts, prompts, _ = data
     val_rows = pack(val_docs, tokenizer)
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    if args.draft_only:
-        target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
-        stats = json.loads((args.out / "train_stats.json").read_text())
-    else:
-        target, stats = train_target(rows, val_rows, eos_ids, args)
-        stats["target_heldout_bits_per_char"] = bits_per_char(target, tokenizer, val_docs, args.device)
+    target, stats = the_target(args, model_dir, data, val_rows, eos_ids)
+    if not args.draft_only:  # saved now (in bf16), and the draft learns from the target as saved, as with --draft-only
+        save(target, None if shipped else tokenizer, model_dir, eos_ids)
+        (args.out / "train_stats.json").write_text(json.dumps(stats, indent=1) + "\n")  # a reviewed target says so
+        target.to(torch.float32)
 
     t0 = time.time()
     asked = prompts[:POLICY_PROMPTS]
@@ -357,10 +425,8 @@ def main() -> None:
     draft_val = eval_loss(draft, val_rows, args.device)
     print(f"[draft] held-out loss {draft_val:.3f}", flush=True)
 
-    if not args.draft_only:
-        save(target, tokenizer, model_dir, eos_ids)
     save(draft, tokenizer, draft_dir, eos_ids)
-    if args.draft_only:
+    if shipped:
         copy_tokenizer(model_dir, draft_dir)
     stats.update({
         "seed": SEED, "torch": torch.__version__, "python": sys.version.split()[0], **counts, "device": args.device,
@@ -369,7 +435,8 @@ def main() -> None:
         "replies_s": round(replies_s), "draft_train_s": round(draft_s), "draft_heldout_loss": round(draft_val, 3),
         "draft_params": sum(p.numel() for p in draft.parameters()),
     })
-    stats["draft_only_s" if args.draft_only else "total_s"] = round(time.time() - t_start)
+    mode = "draft_only_s" if args.draft_only else "review_only_s" if args.review_only else "total_s"
+    stats[mode] = round(time.time() - t_start)
     if args.baseline:
         stats["baseline"] = baseline_loss(args.baseline, val, args.device)
     stats.update(demo_figures(model_dir, draft_dir, args.out))

@@ -96,3 +96,25 @@ def test_draft_only_keeps_the_targets_tokenizer_files_byte_for_byte(tmp_path):
     names = sorted(f.name for f in model.iterdir())
     train_demo.copy_tokenizer(model, draft)
     assert all((model / n).read_bytes() == (draft / n).read_bytes() for n in names)
+
+
+
+def test_review_reads_the_most_used_copy_words_again_and_asks_them_with_the_core(tmp_path, monkeypatch):
+    """The review stage's documents: each review word's entry REVIEW_PASSES times in every style, its chats COPY_ASKS
+    times, and the core's documents REVIEW_CORE times, nothing else."""
+    import train_demo
+    from demo_data import STYLES
+
+    write_wordnet(tmp_path)
+    monkeypatch.setattr(train_demo, "LEXICON", {"n": 1, "v": 0, "a": 0})  # the core: lighthouse, the higher count
+    tok = train_demo.train_tokenizer(["What is a beacon? A beacon is a tower with a light."] * 20, tmp_path / "tok")
+    core_doc = "lighthouse (noun): a tower with a light."
+    docs = train_demo.review_docs(tmp_path, tok, [core_doc])
+    chats = [d for d in docs if d.startswith("<|im_start|>user")]
+    pages = [d for d in docs if not d.startswith("<|im_start|>") and d != core_doc]
+    assert docs.count(core_doc) == train_demo.REVIEW_CORE
+    assert len(chats) == train_demo.COPY_ASKS and all("assistant\nA beacon is a tower" in c for c in chats)
+    headword = [p for p in pages if "The noun lighthouse. A lighthouse is a tower" in p]  # the core's words too
+    assert len(headword) == train_demo.REVIEW_PASSES and all("The noun beacon. A beacon is" in p for p in headword)
+    assert len(pages) == train_demo.REVIEW_PASSES * (STYLES + 1) and all("beacon" in p.lower() for p in pages)
+    assert len(docs) == len(chats) + len(pages) + train_demo.REVIEW_CORE
