@@ -10,7 +10,7 @@ distilled from the reviewed MoE. Runs offline on 2 CPU cores in about 3 hours (`
 is seeded: the same PyTorch version and thread count give the same weights. Writes OUT/model (the MoE), OUT/draft
 (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts), OUT/eval_words.jsonl (held-out definitional
 questions) and OUT/train_stats.json (the figures the model card, assets/demo/README.md, states).
-`--review-only` takes OUT/model as the first stage left it and runs the other two (about 95 minutes here);
+`--review-only` takes OUT/model as the first stage left it and runs the other two (101 minutes here);
 `--draft-only` keeps OUT/model and trains the draft again on it (about 65 minutes: half the target's replies,
 half the draft's training).
 """
@@ -61,9 +61,10 @@ COPY_ASKS = 2
 # all of them), at most POLICY_TOKENS each
 POLICY_PROMPTS, POLICY_TOKENS = None, 40
 # the review, a second stage on the trained target: the REVIEW_WORDS most used copy words' dictionary pages read again
-# REVIEW_PASSES times in every style and asked COPY_ASKS times again, with the core REVIEW_CORE times more; one pass at a
-# lower peak learning rate. Answering well-read words teaches reading the answer from what was read (the extraction of
-# Allen-Zhu and Li's Part 3.1), which the copy words read once could not teach
+# REVIEW_PASSES times in every style and asked COPY_ASKS times again, the core REVIEW_CORE times more, and every core and
+# review word read in demo_data's HEADWORD style REVIEW_PASSES times; one pass at a lower peak learning rate. Answering
+# well-read words teaches reading the answer from what was read (the extraction of Allen-Zhu and Li's Part 3.1), which
+# the copy words read once could not teach
 REVIEW_WORDS, REVIEW_PASSES, REVIEW_CORE, REVIEW_LR = 6000, 3, 2, 1e-3
 
 
