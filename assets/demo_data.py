@@ -146,8 +146,10 @@ def dictionary_entry(s: Sense, style: int) -> str:
     recalled in a form not trained on (a question). Style 3 is encyclopedia prose, the sentences a reply states;
     HEADWORD puts the word as a question spells it before that prose (whose first word may be spelled otherwise)."""
     kind = {"n": "noun", "v": "verb", "a": "adjective", "r": "adverb"}[s.pos]
-    if style >= 3:
-        return answer(s) if style == 3 else f"The {kind} {s.word}. {answer(s)}"
+    if style == 3:
+        return answer(s)
+    if style == HEADWORD:
+        return f"The {kind} {s.word}. {answer(s)}"
     cats, syns = ", ".join(dict.fromkeys(s.category[:3])), ", ".join(s.synonyms[:3])
     if style == 0:
         return f"{s.word} ({kind}): {s.gloss}." + (f" Kind of: {cats}." if cats else "") + (f" Also: {syns}." if syns else "")

@@ -182,11 +182,9 @@ def wordnet_chats(root: Path, rng: random.Random) -> tuple[list, list, list[str]
     EVAL_WORDS nouns are never asked about in training (no question names them), and neither are the held-out
     chats' words, but every word's entry is in the dictionary text, in four styles: the model reads what words
     mean and learns from the other words' chats to answer a question from what it read."""
-    from demo_data import answer, question, read_senses
+    from demo_data import answer, question
 
-    senses = []
-    for pos, n in LEXICON.items():
-        senses += sorted((s for s in read_senses(root, pos)), key=lambda s: -s.count)[:n]
+    senses = core_senses(root)
     held = rng.sample([s for s in senses if s.pos == "n"], EVAL_WORDS)
     held_words = {s.word for s in held}
     asked = [s for s in senses if s.word not in held_words]
@@ -211,6 +209,13 @@ def pages_in_every_style(senses: list, rng: random.Random) -> list[str]:
     from demo_data import STYLES, dictionary_pages
 
     return [p for style in range(STYLES) for p in dictionary_pages(senses, 16, rng, style)]
+
+
+def core_senses(root: Path) -> list:
+    """The LEXICON: the most used words of each part of speech (WordNet's tag counts), in that order."""
+    from demo_data import read_senses
+
+    return [s for pos, n in LEXICON.items() for s in sorted(read_senses(root, pos), key=lambda s: -s.count)[:n]]
 
 
 def copy_words(root: Path, rng: random.Random, exclude: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
@@ -266,7 +271,7 @@ def review_docs(wordnet: Path, tokenizer, core_docs: list[str]) -> list[str]:
     words' HEADWORD pages (the held-out words' too) REVIEW_PASSES times."""
     from demo_data import HEADWORD, answer, dictionary_pages, question, read_senses
 
-    core = [s for pos, n in LEXICON.items() for s in sorted(read_senses(wordnet, pos), key=lambda s: -s.count)[:n]]
+    core = core_senses(wordnet)
     known = {s.word for s in core}
     words = sorted((s for s in read_senses(wordnet) if s.word not in known), key=lambda s: -s.count)[:REVIEW_WORDS]
     rng = random.Random(SEED + 2)
@@ -362,7 +367,7 @@ def the_target(args, model_dir: Path, data, val_rows, eos_ids: list[int]):
     """(target, stats): trained and reviewed; or read from OUT/model, and reviewed there with `--review-only`."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer, rows, val, val_docs, counts, prompts, core_docs = data
+    tokenizer, rows, _, val_docs, _, _, core_docs = data
     if args.draft_only or args.review_only:
         target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
         stats = json.loads((args.out / "train_stats.json").read_text())

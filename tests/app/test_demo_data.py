@@ -98,7 +98,6 @@ def test_draft_only_keeps_the_targets_tokenizer_files_byte_for_byte(tmp_path):
     assert all((model / n).read_bytes() == (draft / n).read_bytes() for n in names)
 
 
-
 def test_review_reads_the_most_used_copy_words_again_and_asks_them_with_the_core(tmp_path, monkeypatch):
     """The review stage's documents: each review word's entry REVIEW_PASSES times in every style, its chats COPY_ASKS
     times, and the core's documents REVIEW_CORE times, nothing else."""
