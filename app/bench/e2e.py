@@ -243,6 +243,9 @@ def _print(res: dict) -> None:
         if r["not_measured"]:
             print(f"{r['name']:36}  {r['not_measured']}")
             continue
+        if "hit_rate" not in r:  # Hugging Face's row: a rate only (the H200 run lost its table to a KeyError here)
+            print(f"{r['name']:36}{r['decode_tokens_per_s']:13.2f}")
+            continue
         print(f"{r['name']:36}{r['decode_tokens_per_s']:13.2f}{r['hit_rate']:9.3f}{r['loads_per_token']:10.2f}"
               f"{r['host_us_per_layer_step']:9.0f}{r['policy_us_per_layer_step']:10.0f}{r['copy_us_per_layer_step']:9.0f}"
               f"{r['layer_us_per_layer_step']:10.0f}")

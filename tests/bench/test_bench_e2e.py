@@ -69,6 +69,22 @@ def test_bench_e2e_prints_every_row(tmp_path, capsys, monkeypatch):
     assert rows[ROWS[0]]["decode_tokens_per_s"] > 0 and rows[ROWS[3]]["decode_tokens_per_s"] > 0
 
 
+def test_the_table_prints_the_hf_row_as_a_rate(capsys):
+    """On a GPU the HF offload row is measured: a rate without the engine's counters (it raised KeyError on the H200)."""
+    from moechat.app.bench.e2e import _print
+
+    engine_row = {"name": ROWS[1], "not_measured": None, "decode_tokens_per_s": 39.6, "hit_rate": 0.22, "loads_per_token": 25.1,
+                  "host_us_per_layer_step": 1362.0, "policy_us_per_layer_step": 84.0, "copy_us_per_layer_step": 215.0,
+                  "layer_us_per_layer_step": 2743.0}
+    b = bound(num_layers=5, top_k=6, expert_bytes=10**6, ratio=0.17, cpu_bytes_s=70e9, pcie_bytes_s=50e9)
+    _print({"model": "m", "device": "cuda:0", "dtype": "bfloat16", "expert_cache_ratio": 0.17, "prompt_tokens": 54,
+            "new_tokens": 16, "draft_len": 4, "repeats": 1, "replay": "t.csv.gz", "replay_layers": "first 5 of 26",
+            "note": None, "bound": b, "rows": [engine_row, {"name": ROWS[5], "not_measured": None, "decode_tokens_per_s": 3.25}]})
+    lines = capsys.readouterr().out.splitlines()
+    assert any(ln.startswith(ROWS[5]) and ln.split()[-1] == "3.25" for ln in lines)
+    assert any(ln.startswith(ROWS[1]) and "39.60" in ln and "0.220" in ln for ln in lines)
+
+
 def test_bound_formula():
     b = bound(num_layers=26, top_k=6, expert_bytes=10**6, ratio=0.25, cpu_bytes_s=40e9, pcie_bytes_s=20e9)
     assert b["all_cpu_tokens_per_s"] == pytest.approx(40e9 / 156e6)

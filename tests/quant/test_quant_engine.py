@@ -27,6 +27,7 @@ NEW = 24
 # per attention row, random weights) that moves a position's logits by about 1% of the largest logit
 # (MEDIAN_TOL), and by up to about 21% where the rounding flips a router's near-tie (LOGIT_TOL).
 EXACT_TOL = 1e-5
+GPU_EXACT_TOL = 1e-4  # fp32 on a GPU: other kernels, another summation order
 MEDIAN_TOL = 0.03
 LOGIT_TOL = {"int8": 0.25, "int4": 0.25}
 
@@ -230,10 +231,12 @@ def test_widths_the_kernel_cannot_group_are_refused_in_one_line(checkpoint):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
-def test_quantized_slots_on_cuda_are_lossless_and_close_to_the_cpu_run(family, fmt, checkpoint, draft_dir):
-    """The GPU's fast tier holds quantized slots and computes them through the twin (dequantize, multiply).
-    Decoding runs in the dtype `auto` picks there (bfloat16); the logits compare in float32 on both devices,
-    so that only the quantized formats' paths differ (the CPU kernel quantizes activations, the twin does not)."""
+def test_quantized_slots_on_cuda_are_lossless_and_close_to_the_dequantized_reference(family, fmt, checkpoint, draft_dir,
+                                                                                       monkeypatch):
+    """The GPU's fast tier holds quantized slots and computes them through the twin (dequantize, multiply, activations
+    quantized as the CPU kernel does). Decoding runs in the dtype `auto` picks there (bfloat16); the logits compare
+    in float32 with Hugging Face on the dequantized weights. The GPU keeps the dense layers unquantized, so it is
+    compared with that reference, not with the CPU run (whose dense layers are int8: 0.28 apart on the H200)."""
     ck = checkpoint(family)
     plain = run_engine(ck, PROMPT_IDS, NEW, quant=fmt, device="cuda", expert_cache_ratio=0.5).token_ids
     for drafter in ("self", str(draft_dir)):
@@ -242,10 +245,15 @@ def test_quantized_slots_on_cuda_are_lossless_and_close_to_the_cpu_run(family, f
     engine = Engine(EngineConfig(model_dir=str(ck), quant=fmt, device="cuda", expert_cache_ratio=1.0))
     assert isinstance(engine.model.cache.gate_up, formats.QuantMatrix) and engine.model.cache.gate_up.device.type == "cuda"
     engine.close()
+    on_gpu = dict(quant=fmt, device="cuda", dtype="float32", expert_cache_ratio=1.0)
     dense: list[tuple[str, str]] = []
-    cpu = engine_logits(ck, PROMPT_IDS, dense, quant=fmt, dtype="float32")
-    gpu = engine_logits(ck, PROMPT_IDS, quant=fmt, device="cuda", dtype="float32", expert_cache_ratio=1.0)
-    assert rel(gpu, cpu) < LOGIT_TOL[fmt]
+    gpu = engine_logits(ck, PROMPT_IDS, dense, **on_gpu)
+    ref = reference_logits(ck, PROMPT_IDS, fmt, dense)
+    errors = rel_by_position(gpu, ref)
+    assert float(errors.median()) < MEDIAN_TOL and float(errors.max()) < LOGIT_TOL[fmt]
+    with monkeypatch.context() as m:  # without activation quantization the twin on the GPU is the reference's function
+        m.setattr(formats, "fake_quantize_activations", lambda x: x)
+        assert rel(engine_logits(ck, PROMPT_IDS, **on_gpu), ref) < GPU_EXACT_TOL
 
 
 def test_estimate_counts_a_gptq_checkpoints_experts_as_int4(checkpoint, tmp_path):
