@@ -94,6 +94,8 @@ def cmd_bench_generate(args) -> int:
         result["engine"]["calibrated_cpu_ms_per_token"] = predicted
     if profile is not None:
         result["profile_ms_per_token"] = profile
+    if args.by_part and engine.model.device.type == "cuda":
+        result["gpu_per_token"] = _gpu_busy(engine, ids, args)
     if bound is not None:
         result["non_expert"] = bound
     if replay is not None:
@@ -152,6 +154,19 @@ def _profile(engine, ids: list[int], args) -> dict[str, float]:
         engine.model.eos_ids = eos
 
 
+def _gpu_busy(engine, ids: list[int], args) -> dict[str, float]:
+    """On CUDA: the GPU's kernel time, launches and copy time per decode token (profile_parts.device_busy)."""
+    from ...engine import Request, SamplingParams
+    from .profile_parts import device_busy
+
+    eos, engine.model.eos_ids = engine.model.eos_ids, set()
+    try:
+        engine.reset_prefix_cache()
+        return device_busy(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)))
+    finally:
+        engine.model.eos_ids = eos
+
+
 def _non_expert_bound(engine, med: dict, decode: dict) -> dict:
     """Without a drafter: a decode token's time outside the experts against the time to read the non-expert weights it
     uses at the read bandwidth measured now (issue 16's bound: at most 1.2×)."""
@@ -180,6 +195,9 @@ def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
         fin, steps = run_engine(engine, ids, params)
         rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
         rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
+        # as each run ends, so that a run cut at its time limit keeps its figures (the H200's second run lost them)
+        print(f"run {len(rows['engine_decode'])}/{args.repeats}: moechat prefill {fin.summary.prefill_tokens_per_s:.1f}, "
+              f"decode {fin.summary.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
         # the last run's: residency carries over, as between chat turns
         decode = decode_stats(steps, engine.model.store.expert_bytes)
         if hf is not None:
@@ -187,6 +205,8 @@ def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
             tn, hf_tokens = hf_generate(hf, ids, args.max_new_tokens)
             rows["hf_prefill"].append(len(ids) / t1)
             rows["hf_decode"].append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
+            print(f"run {len(rows['hf_decode'])}/{args.repeats}: HF prefill {rows['hf_prefill'][-1]:.1f}, "
+                  f"decode {rows['hf_decode'][-1]:.1f} tok/s", file=sys.stderr, flush=True)
             same &= hf_tokens == fin.token_ids
     engine.model.eos_ids = eos
     return {k: statistics.median(v) for k, v in rows.items() if v}, decode, same
@@ -221,6 +241,11 @@ def _print_generate(result: dict, args, replay) -> None:
     if "profile_ms_per_token" in result:
         parts = result["profile_ms_per_token"]
         print("decode by part, ms per token (under cProfile): " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    if "gpu_per_token" in result:
+        g = result["gpu_per_token"]
+        wall = 1e3 / engine["decode_tokens_per_s"]
+        print(f"GPU per decode token (torch.profiler): kernels {g['busy_ms']:.2f} ms ({g['kernels']:.0f} launches), copies "
+              f"{g['copies_ms']:.2f} ms, of {wall:.2f} ms wall: the GPU works {g['busy_ms'] / wall:.0%} of a token")
     if "non_expert" in result:
         b = result["non_expert"]
         print(f"outside the experts: {b['ms_per_token']:.2f} ms per token; its {b['weights_mb_per_token']:.0f} MB of weights "

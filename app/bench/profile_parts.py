@@ -96,3 +96,35 @@ def profile_decode(events: Iterator[Event], native: dict[str, float] | None = No
     per["other"] = total - sum(per.values())
     per["total"] = total
     return {k: round(v, 3) for k, v in per.items()}
+
+
+def device_busy(events: Iterator[Event]) -> dict[str, float]:
+    """events: one request's on a CUDA device -> its decode steps under torch.profiler, per decode token: the GPU's
+    kernel time (busy_ms), kernel launches, and copy time (copies_ms: the fast tier's loads, hidden states between the
+    tiers). Beside the wall ms per token, busy_ms says how much of a token the GPU works: the rest is the host
+    (Python, launches, syncs), which CUDA graphs would take away (issue 16)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    prof, started, tokens = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), False, 0
+    try:
+        for ev in events:
+            if isinstance(ev, Error):
+                raise MoechatError(ev.message)
+            if isinstance(ev, TokenDelta) and not started:  # the prefill's token: decoding starts at the next resume
+                prof.start()
+                started = True
+            elif isinstance(ev, Finished):
+                tokens = len(ev.token_ids) - 1
+    finally:
+        if started:
+            torch.cuda.synchronize()
+            prof.stop()
+    if tokens < 1:
+        raise MoechatError("the request made no decode token to profile: raise --max-new-tokens")
+    on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [e for e in on_gpu if e.name.startswith(("Memcpy", "Memset"))]
+    kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    return {"busy_ms": round(sum(e.device_time for e in kernels) / 1e3 / tokens, 3),
+            "kernels": round(len(kernels) / tokens, 1),
+            "copies_ms": round(sum(e.device_time for e in copies) / 1e3 / tokens, 3)}

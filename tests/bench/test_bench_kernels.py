@@ -54,6 +54,20 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     bound = out["non_expert"]  # no drafter: the time outside the experts against reading the dense weights
     assert bound["weights_mb_per_token"] > 0 and bound["read_gbps"] > 0 and bound["ms_per_token"] > 0
     assert bound["ratio"] == pytest.approx(bound["ms_per_token"] / bound["read_ms_per_token"])
+    assert ("gpu_per_token" in out) == out["device"].startswith("cuda")  # the GPU's share: only where one ran
+
+
+@pytest.mark.gpu
+def test_bench_generate_by_part_on_cuda_reports_the_gpus_share(checkpoint, capsys):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    argv = ["bench", "generate", "--model", str(checkpoint("qwen3_moe")), "--device", "cuda", "--expert-cache-ratio", "0.5",
+            "--draft", "none", "--max-new-tokens", "6", "--repeats", "1", "--by-part", "--json"]
+    assert main(argv) == 0
+    gpu = json.loads(capsys.readouterr().out)["gpu_per_token"]
+    assert gpu["busy_ms"] > 0 and gpu["kernels"] >= 1 and gpu["copies_ms"] >= 0, gpu
 
 
 def test_dense_bytes_per_token_counts_every_matrix_but_the_embedding_table(checkpoint):

@@ -251,7 +251,8 @@ def test_quantized_slots_on_cuda_are_lossless_and_close_to_the_dequantized_refer
     ref = reference_logits(ck, PROMPT_IDS, fmt, dense)
     errors = rel_by_position(gpu, ref)
     assert float(errors.median()) < MEDIAN_TOL and float(errors.max()) < LOGIT_TOL[fmt]
-    with monkeypatch.context() as m:  # without activation quantization the twin on the GPU is the reference's function
+    with monkeypatch.context() as m:  # without activation quantization the twins are the reference's function
+        m.setattr(cpu_ffn, "library", lambda: None)  # experts still loading at the prefill run on the CPU tier
         m.setattr(formats, "fake_quantize_activations", lambda x: x)
         assert rel(engine_logits(ck, PROMPT_IDS, **on_gpu), ref) < GPU_EXACT_TOL
 
