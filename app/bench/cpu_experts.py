@@ -87,9 +87,10 @@ def measure(hidden: int, inter: int, E: int, k: int, W: int, dtype: str, samples
         x = x_tok[cpu_pos // k]  # [S_cpu, H]
         sizes = torch.bincount(flat, minlength=E) if n_dev == 0 else None  # known only when nothing is resident
         distinct = len(set(cpu_expert.tolist()))
+        span = int(cpu_expert.max()) - int(cpu_expert.min()) + 1  # grouped_ffn's choice looks at the active groups' span
         cases.append(((x, gate_up, down, cpu_expert, F.silu, sizes),
                       {"distinct": distinct, "activations": len(cpu_expert), "resident": len(resident),
-                       "path": "grouped" if uses_grouped_mm(x, distinct, E) else "loop"}))
+                       "path": "grouped" if uses_grouped_mm(x, distinct, span) else "loop"}))
     # Rounds over all routings in a fresh order each time, so a burst of load from other processes
     # hits one call of many routings rather than every call of one; round 0 warms up.
     times = [[] for _ in cases]
