@@ -207,6 +207,42 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
     return 0;
 }
 
+// int4's scale d and minimum m for one block x[32] (formats._fit_int4, step for step in double): the codes of each
+// candidate range (14 + 0.1 i) / (max - min), i < 21, then the d and m minimising sum w (d u + m - x)^2 for them by least
+// squares, w = |x| + rms(x) (llama.cpp's make_qkx2_quants); the best candidate wins, min/max where none is valid.
+#if defined(__clang__)
+#define FIT_NO_CONTRACT _Pragma("clang fp contract(off)")
+#define FIT_ATTR
+#else  // no a*b+c fused into one rounding: the twin rounds each operation
+#define FIT_NO_CONTRACT
+#define FIT_ATTR __attribute__((optimize("fp-contract=off")))
+#endif
+static FIT_ATTR void fit_q4(const float* x, float lo, float hi, float& d_out, float& m_out) {
+    FIT_NO_CONTRACT
+    const double span = double(hi) - double(lo);
+    double d = span / 15, m = lo, best = INFINITY, sq = 0, sw = 0, sx = 0, w[32];
+    for (int j = 0; j < 32; j++) sq += double(x[j]) * double(x[j]);
+    const double rms = std::sqrt(sq / 32);
+    for (int j = 0; j < 32; j++) w[j] = std::fabs(double(x[j])) + rms, sw += w[j], sx += w[j] * double(x[j]);
+    for (int i = 0; span > 0 && i < 21; i++) {
+        const double iscale = (14.0 + 0.1 * i) / span;
+        double u[32], sl = 0, sl2 = 0, sxl = 0;
+        for (int j = 0; j < 32; j++) {
+            u[j] = std::max(0.0, std::min(15.0, std::nearbyint((double(x[j]) - double(lo)) * iscale)));
+            sl += w[j] * u[j], sl2 += w[j] * u[j] * u[j], sxl += w[j] * double(x[j]) * u[j];
+        }
+        const double D = sw * sl2 - sl * sl;
+        const double dd = (sw * sxl - sx * sl) / D, mm = (sl2 * sx - sl * sxl) / D;
+        double err = 0;
+        for (int j = 0; j < 32; j++) {
+            const double r = dd * u[j] + mm - double(x[j]);
+            err += w[j] * (r * r);
+        }
+        if (D > 0 && dd > 0 && err < best) best = err, d = dd, m = mm;
+    }
+    d_out = float(d), m_out = float(m);
+}
+
 // Quantize W [rows, k] (fp32, bf16 or fp16; rows a multiple of 16) into the interleaved layout:
 // q [rows, kp·bits/8], s and m [rows, kp/32] (m null for int8). Bit-identical to formats.quantize.
 API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int bits, uint8_t* q, uint16_t* s,
@@ -228,12 +264,14 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
                     }
                     float lo = blk[0], hi = blk[0], amax = 0.f;
                     for (int j = 0; j < 32; j++) lo = std::min(lo, blk[j]), hi = std::max(hi, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
-                    const uint16_t d16 = f32_to_f16(bits == 8 ? amax / 127.f : (hi - lo) / 15.f);
+                    float d4 = 0.f, m4 = 0.f;
+                    if (bits == 4) fit_q4(blk, lo, hi, d4, m4);
+                    const uint16_t d16 = f32_to_f16(bits == 8 ? amax / 127.f : d4);
                     const float d = f16_to_f32(d16), inv = d > 0.f ? 1.f / d : 0.f;
                     s[g * QROWS * nb + b * QROWS + rr] = d16;
                     float mf = 0.f;
                     if (bits == 4) {
-                        const uint16_t m16 = f32_to_f16(lo);
+                        const uint16_t m16 = f32_to_f16(m4);
                         m[g * QROWS * nb + b * QROWS + rr] = m16;
                         mf = f16_to_f32(m16);
                     }

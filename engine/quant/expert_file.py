@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..model.checkpoint import Checkpoint
 from .formats import QuantMatrix, empty_matrix
 
-FORMAT_VERSION = 1  # bump when the layout in formats.py changes: older caches are rebuilt
+FORMAT_VERSION = 2  # 2: int4 scales fitted (2026-11-28). Bump when the layout in formats.py changes: older caches are rebuilt
 
 # li -> (gate_up [E, 2I, H], down [E, H, I]) quantized, chunk by chunk of experts
 LayerSource = Callable[[int], Iterator[tuple[int, QuantMatrix, QuantMatrix]]]
