@@ -220,33 +220,41 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
 static FIT_ATTR void fit_q4(const float* x, float lo, float hi, float& d_out, float& m_out) {
     FIT_NO_CONTRACT
     const double span = double(hi) - double(lo);
-    double d = span / 15, m = lo, best = INFINITY, sq = 0, sw = 0, sx = 0, w[32];
+    double d = span / 15, m = lo, best = INFINITY, sq = 0, sw = 0, sx = 0, sxx = 0, w[32];
     for (int j = 0; j < 32; j++) sq += double(x[j]) * double(x[j]);
     const double rms = std::sqrt(sq / 32);
-    for (int j = 0; j < 32; j++) w[j] = std::fabs(double(x[j])) + rms, sw += w[j], sx += w[j] * double(x[j]);
+    for (int j = 0; j < 32; j++) {
+        w[j] = std::fabs(double(x[j])) + rms;
+        sw += w[j], sx += w[j] * double(x[j]), sxx += w[j] * double(x[j]) * double(x[j]);
+    }
+    uint8_t prev[32] = {255};  // the last candidate's codes: the same codes give the same fit, not a better one
     for (int i = 0; span > 0 && i < 21; i++) {
         const double iscale = (14.0 + 0.1 * i) / span;
-        double u[32], sl = 0, sl2 = 0, sxl = 0;
+        uint8_t u[32];
+        int changed = 0;
+        double sl = 0, sl2 = 0, sxl = 0;
         for (int j = 0; j < 32; j++) {
-            u[j] = std::max(0.0, std::min(15.0, std::nearbyint((double(x[j]) - double(lo)) * iscale)));
-            sl += w[j] * u[j], sl2 += w[j] * u[j] * u[j], sxl += w[j] * double(x[j]) * u[j];
+            // round half to even as nearbyint (v >= 0, far below 2^51), without a libm call per weight
+            const double uj = std::min(15.0, ((double(x[j]) - double(lo)) * iscale + 0x1p52) - 0x1p52);
+            u[j] = uint8_t(uj), changed |= u[j] != prev[j];
+            sl += w[j] * uj, sl2 += w[j] * uj * uj, sxl += w[j] * double(x[j]) * uj;
         }
+        if (!changed) continue;
+        std::copy(u, u + 32, prev);
         const double D = sw * sl2 - sl * sl;
         const double dd = (sw * sxl - sx * sl) / D, mm = (sl2 * sx - sl * sxl) / D;
-        double err = 0;
-        for (int j = 0; j < 32; j++) {
-            const double r = dd * u[j] + mm - double(x[j]);
-            err += w[j] * (r * r);
-        }
+        // sum w (d u + m - x)^2 expanded: the sums above suffice (float64 keeps the cancellation far below the error)
+        const double err = dd * dd * sl2 + 2 * dd * mm * sl + mm * mm * sw - 2 * dd * sxl - 2 * mm * sx + sxx;
         if (D > 0 && dd > 0 && err < best) best = err, d = dd, m = mm;
     }
     d_out = float(d), m_out = float(m);
 }
 
 // Quantize W [rows, k] (fp32, bf16 or fp16; rows a multiple of 16) into the interleaved layout:
-// q [rows, kp·bits/8], s and m [rows, kp/32] (m null for int8). Bit-identical to formats.quantize.
+// q [rows, kp·bits/8], s and m [rows, kp/32] (m null for int8); int4 with fit_q4's d and m where `fit`, else the
+// block's range. Bit-identical to formats.quantize.
 API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int bits, uint8_t* q, uint16_t* s,
-                     uint16_t* m, int num_threads) {
+                     uint16_t* m, int num_threads, int fit) {
     if ((bits != 8 && bits != 4) || (bits == 4 && !m) || w_dtype < F32 || w_dtype > F16) return -1;
     if (n_rows <= 0 || k <= 0 || n_rows % QROWS) return -3;
     const int64_t kp = pad32(k), nb = kp / 32, rb = kp * bits / 8, groups = n_rows / QROWS;
@@ -265,7 +273,8 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
                     float lo = blk[0], hi = blk[0], amax = 0.f;
                     for (int j = 0; j < 32; j++) lo = std::min(lo, blk[j]), hi = std::max(hi, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
                     float d4 = 0.f, m4 = 0.f;
-                    if (bits == 4) fit_q4(blk, lo, hi, d4, m4);
+                    if (bits == 4 && fit) fit_q4(blk, lo, hi, d4, m4);
+                    else if (bits == 4) d4 = (hi - lo) / 15.f, m4 = lo;  // round-to-nearest on the block's range
                     const uint16_t d16 = f32_to_f16(bits == 8 ? amax / 127.f : d4);
                     const float d = f16_to_f32(d16), inv = d > 0.f ? 1.f / d : 0.f;
                     s[g * QROWS * nb + b * QROWS + rr] = d16;

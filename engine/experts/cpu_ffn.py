@@ -44,7 +44,7 @@ _ARGTYPES = [_I64, _P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, ctypes.c_int, _
 _Q_ARGTYPES = [_I64, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int, _I64, _I64, _P, ctypes.c_int, _P, _P, _P, _P,
                ctypes.c_int, ctypes.c_int]
 _QL_ARGTYPES = [_P, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P, ctypes.c_int, ctypes.c_int]
-_QZ_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, ctypes.c_int, _P, _P, _P, ctypes.c_int]
+_QZ_ARGTYPES = [_P, ctypes.c_int, _I64, _I64, ctypes.c_int, _P, _P, _P, ctypes.c_int, ctypes.c_int]
 
 
 def library() -> ctypes.CDLL | None:
@@ -222,17 +222,17 @@ def q_linear(x: torch.Tensor, w: QuantMatrix, threads: int | None = None, isa: s
     return out
 
 
-def quantize(w: torch.Tensor, fmt: str, threads: int | None = None) -> QuantMatrix:
+def quantize(w: torch.Tensor, fmt: str, threads: int | None = None, fit: bool = True) -> QuantMatrix:
     """formats.quantize (its twin, bit for bit) in native code where built: w [..., R, K] fp32/bf16/fp16 on the CPU."""
     lib = library()
     if lib is None or w.device.type != "cpu" or w.dtype not in DTYPE_CODE or w.shape[-2] % formats.ROWS:
-        return formats.quantize(w, fmt)
+        return formats.quantize(w, fmt, fit)
     w = w.contiguous()
     lead, rows, k = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
     out = formats.empty_matrix(fmt, lead, rows, k)
     m = 0 if out.minimum is None else out.minimum.data_ptr()
     code = lib.moe_quantize(w.data_ptr(), DTYPE_CODE[w.dtype], math.prod(lead) * rows, k, formats.BITS[fmt], out.q.data_ptr(),
-                            out.scale.data_ptr(), m, threads or torch.get_num_threads())
+                            out.scale.data_ptr(), m, threads or torch.get_num_threads(), int(fit))
     if code != 0:
         raise RuntimeError(f"native quantization failed with code {code}")
     return out

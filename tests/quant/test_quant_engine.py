@@ -14,6 +14,7 @@ from moechat.engine.config import EngineConfig
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.generate import Engine
 from moechat.engine.quant import expert_file, formats
+from moechat.engine.quant.dense import FIT as DENSE_FIT
 from moechat.engine.quant.dense import QuantLinear
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"]
@@ -25,11 +26,12 @@ NEW = 24
 # quantization the two are the same function (EXACT_TOL: fp32 order). The kernels also quantize
 # activations to int8 per block of 32, as llama.cpp does; in these tiny models (hidden 32: one block
 # per attention row, random weights) that moves a position's logits by about 1% of the largest logit
-# (MEDIAN_TOL), and by up to about 21% where the rounding flips a router's near-tie (LOGIT_TOL).
+# (MEDIAN_TOL), and by up to about 30% where the rounding flips a router's near-tie (LOGIT_TOL; 0.30 at one of
+# tiny Mixtral's 20 positions once int4's scales were fitted, the median 0.0096).
 EXACT_TOL = 1e-5
 GPU_EXACT_TOL = 1e-4  # fp32 on a GPU: other kernels, another summation order
 MEDIAN_TOL = 0.03
-LOGIT_TOL = {"int8": 0.25, "int4": 0.25}
+LOGIT_TOL = {"int8": 0.25, "int4": 0.35}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -72,7 +74,7 @@ def reference_logits(model_dir, ids, fmt, dense: list[tuple[str, str]]) -> torch
             p.data = formats.dequantize(formats.quantize(p.data, fmt))
     for name, layer_fmt in dense:
         linear = hf.get_submodule(name)
-        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, layer_fmt))
+        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, layer_fmt, fit=DENSE_FIT))
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
 
