@@ -6,7 +6,7 @@
 Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
 Python's language reference. Three stages: the MoE (one pass over 12.8 M tokens), its review (a second, shorter
 pass that reads the most used words again and pairs each word with its reply's first words) and the draft,
-distilled from the reviewed MoE. Runs offline on 2 CPU cores in about 3 hours (`--device cuda` is much faster) and
+distilled from the reviewed MoE. Runs offline on 2 CPU cores in about 3.5 hours (`--device cuda` is much faster) and
 is seeded: the same PyTorch version and thread count give the same weights. Writes OUT/model (the MoE), OUT/draft
 (the dense drafter), OUT/eval_prompts.jsonl (held-out prompts), OUT/eval_words.jsonl (held-out definitional
 questions) and OUT/train_stats.json (the figures the model card, assets/demo/README.md, states).
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SEED = 1234
 VOCAB = 4096
 SEQ_LEN, BATCH = 512, 16  # 8192 tokens per step
-DRAFT_STEPS = 700  # distillation steps for the draft; the MoE trains one pass over its rows (see build_data)
+DRAFT_STEPS = 1100  # distillation steps for the draft; the MoE trains one pass over its rows (see build_data)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen checkpoints use; the demo has no thinking mode
 CHAT_TEMPLATE = (
