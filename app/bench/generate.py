@@ -139,30 +139,30 @@ def _load_hf(args, ids: list[int]):
 
 def _profile(engine, ids: list[int], args) -> dict[str, float]:
     """Decode ms per token by part (app/bench/profile_parts.py), every run exactly max_new_tokens long."""
-    from ...engine import MoechatError, Request, SamplingParams
+    from ...engine import MoechatError
     from .profile_parts import profile_decode
 
     if args.max_new_tokens < 2:
         raise MoechatError("--by-part needs --max-new-tokens of at least 2")
-    eos, engine.model.eos_ids = engine.model.eos_ids, set()
-    try:
-        engine.reset_prefix_cache()
-        stack = getattr(engine.model.lean, "stack", None)  # one native call per pass: its own seconds by part
-        return profile_decode(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)),
-                              None if stack is None else stack.seconds)
-    finally:
-        engine.model.eos_ids = eos
+    stack = getattr(engine.model.lean, "stack", None)  # one native call per pass: its own seconds by part
+    return _one_request(engine, ids, args, lambda events: profile_decode(events, None if stack is None else stack.seconds))
 
 
 def _gpu_busy(engine, ids: list[int], args) -> dict[str, float]:
     """On CUDA: the GPU's kernel time, launches and copy time per decode token (profile_parts.device_busy)."""
-    from ...engine import Request, SamplingParams
     from .profile_parts import device_busy
+
+    return _one_request(engine, ids, args, device_busy)
+
+
+def _one_request(engine, ids: list[int], args, measure):
+    """measure(events) of one request of exactly max_new_tokens (no EOS), its whole prompt prefilled."""
+    from ...engine import Request, SamplingParams
 
     eos, engine.model.eos_ids = engine.model.eos_ids, set()
     try:
         engine.reset_prefix_cache()
-        return device_busy(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)))
+        return measure(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)))
     finally:
         engine.model.eos_ids = eos
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ...engine import Error, Event, Finished, MoechatError, TokenDelta
 
@@ -65,34 +65,49 @@ def _parts(stats: pstats.Stats) -> dict[str, float]:
     return parts
 
 
-def profile_decode(events: Iterator[Event], native: dict[str, float] | None = None) -> dict[str, float]:
-    """events: one request's, from Engine.generate -> ms per decode token by part, and "total" (an Error raises).
-    native: seconds by part that a native call measures inside itself (a DecodeStack's), running totals: its
-    growth over the window is added to those parts (cProfile sees one call)."""
-    prof, t0, wall, fin = cProfile.Profile(), None, 0.0, None
-    before = dict(native or {})
+def _decode_window(events: Iterator[Event], start: Callable[[], None], stop: Callable[[], None]) -> int:
+    """Runs one request's events, calling start() at the prefill's token (decoding starts at the next resume) and stop()
+    at the end, also when it fails: the number of decode tokens. An Error, or no decode token, raises MoechatError."""
+    started, fin = False, None
     try:
         for ev in events:
             if isinstance(ev, Error):
                 raise MoechatError(ev.message)
-            if t0 is None and isinstance(ev, TokenDelta):  # the prefill's token: decoding starts at the next resume
-                before = dict(native or {})
-                t0 = time.perf_counter()
-                prof.enable()
+            if not started and isinstance(ev, TokenDelta):
+                started = True
+                start()
             elif isinstance(ev, Finished):
                 fin = ev
     finally:
-        prof.disable()
-        if t0 is not None:
-            wall = time.perf_counter() - t0
+        if started:
+            stop()
     tokens = len(fin.token_ids) - 1 if fin is not None else 0
     if tokens < 1:
         raise MoechatError("the request made no decode token to profile: raise --max-new-tokens")
+    return tokens
+
+
+def profile_decode(events: Iterator[Event], native: dict[str, float] | None = None) -> dict[str, float]:
+    """events: one request's, from Engine.generate -> ms per decode token by part, and "total" (an Error raises).
+    native: seconds by part that a native call measures inside itself (a DecodeStack's), running totals: its
+    growth over the window is added to those parts (cProfile sees one call)."""
+    prof, before, clock = cProfile.Profile(), dict(native or {}), {}
+
+    def start() -> None:
+        before.update(native or {})
+        clock["t0"] = time.perf_counter()
+        prof.enable()
+
+    def stop() -> None:
+        prof.disable()
+        clock["wall"] = time.perf_counter() - clock["t0"]
+
+    tokens = _decode_window(events, start, stop)
     parts = _parts(pstats.Stats(prof))
     for part, seconds in (native or {}).items():
         parts[part] += seconds - before[part]
     per = {part: 1e3 * v / tokens for part, v in parts.items()}
-    total = 1e3 * wall / tokens
+    total = 1e3 * clock["wall"] / tokens
     per["other"] = total - sum(per.values())
     per["total"] = total
     return {k: round(v, 3) for k, v in per.items()}
@@ -106,22 +121,13 @@ def device_busy(events: Iterator[Event]) -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    prof, started, tokens = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), False, 0
-    try:
-        for ev in events:
-            if isinstance(ev, Error):
-                raise MoechatError(ev.message)
-            if isinstance(ev, TokenDelta) and not started:  # the prefill's token: decoding starts at the next resume
-                prof.start()
-                started = True
-            elif isinstance(ev, Finished):
-                tokens = len(ev.token_ids) - 1
-    finally:
-        if started:
-            torch.cuda.synchronize()
-            prof.stop()
-    if tokens < 1:
-        raise MoechatError("the request made no decode token to profile: raise --max-new-tokens")
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def stop() -> None:
+        torch.cuda.synchronize()
+        prof.stop()
+
+    tokens = _decode_window(events, prof.start, stop)
     on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies = [e for e in on_gpu if e.name.startswith(("Memcpy", "Memset"))]
     kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
