@@ -35,7 +35,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model: LoadedModel = load_model(config)
-        self.drafter = make_drafter(config.spec, self.model)
+        self.drafter = make_drafter(config.spec, self.model, config.lean_decode)
         self._stop = threading.Event()
         budget = config.conversation_cache_bytes
         self.conversations = PrefixCache(default_budget() if budget is None else budget, self.model.device)

@@ -89,14 +89,18 @@ def make_checkpoint(family: str, path: Path, tokenizer_dir: Path | None, seed: i
     return save_model(model, path, tokenizer_dir, shards)
 
 
-def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int = VOCAB) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int = VOCAB, family: str = "llama") -> Path:
+    """A dense draft: llama with one layer, or qwen3 (per-head q/k norms, as the demo's draft) with two."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    return save_model(LlamaForCausalLM(cfg).eval(), path, tokenizer_dir)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, num_hidden_layers=2, head_dim=8))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=1))
+    return save_model(model.eval(), path, tokenizer_dir)
 
 
 def config_json(path: Path) -> dict:

@@ -84,7 +84,7 @@ def _build(engine, v: Variant, replay) -> None:
     m = engine.model
     v.runtime = build_runtime(m.store, v.config, m.device, m.runtime.act, m.family.top_k(m.hf_config),
                               replay=replay, native_cpu=v.native)
-    v.drafter = make_drafter(v.config.spec, m)
+    v.drafter = make_drafter(v.config.spec, m, v.config.lean_decode)
 
 
 def bound(num_layers: int, top_k: int, expert_bytes: int, ratio: float, cpu_bytes_s: float,

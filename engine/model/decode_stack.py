@@ -9,8 +9,9 @@ the counters and the policy's on_layer, the trace). Its twin is the op-by-op lea
 (`LeanForward(native=False)`), which tests compare it with.
 
 Takes: the llama-like MoE families without shared experts or whole-projection q/k norms (qwen3_moe,
-mixtral), fp32 activations, bias-free attention products in fp32 or quantized. Anything else, or a pass
-with replayed routing, a self-draft remap or an expert budget, keeps the op-by-op path.
+mixtral), and the dense draft models of the same layout (qwen3, llama: every layer a dense MLP, no runtime),
+fp32 activations, bias-free attention products in fp32 or quantized. Anything else, or a pass with replayed
+routing, a self-draft remap or an expert budget, keeps the op-by-op path.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def _linear(module) -> DenseWeight | None:
 class DecodeStack:
     """Built by build_decode_stack from a LeanForward; run() is one pass: embeddings in, final-normed rows out."""
 
-    def __init__(self, lean, runtime: MoERuntime, shape: StackShape, layers: list[StackLayer], keep: list,
+    def __init__(self, lean, runtime: MoERuntime | None, shape: StackShape, layers: list[StackLayer], keep: list,
                  sparse: dict[int, int]):
         self.lean, self.runtime, self.shape = lean, runtime, shape
         self.layers = (StackLayer * len(layers))(*layers)
@@ -110,7 +111,10 @@ class DecodeStack:
             self.head_bias = None if head.bias is None else head.bias.detach()
 
     def usable(self) -> bool:
-        """Whether this pass may skip the MoE layers' own path (as moe_layer.cpu_direct decides per layer)."""
+        """Whether this pass may skip the MoE layers' own path (as moe_layer.cpu_direct decides per layer); a dense
+        model's always."""
+        if self.runtime is None:
+            return True
         rt, mode = self.runtime, self.runtime.mode
         return (mode is not None and rt.direct and rt.replay is None and mode.remap is None
                 and not (rt.expert_budget is not None and mode.phase == "verify"))
@@ -139,7 +143,8 @@ class DecodeStack:
             entry.advance(T)
         for part, value in zip(PARTS, seconds):
             self.seconds[part] += value
-        self._account(experts, weights, counts, seconds[0])
+        if self.runtime is not None:
+            self._account(experts, weights, counts, seconds[0])
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -174,9 +179,9 @@ def build_decode_stack(lean) -> DecodeStack | None:
     runtime, first_attn = None, lean.layers[0].self_attn
     eps = lean.base.norm.variance_epsilon
     routers = {(r[1], r[2]) for r in lean.routers if r is not None}
-    if len(routers) != 1 or not _fp32(lean.base.norm.weight):
+    if len(routers) > 1 or not _fp32(lean.base.norm.weight):
         return None
-    (top_k, normalize), = routers
+    (top_k, normalize), = routers or {(1, False)}  # a dense model: one placeholder expert the kernel never routes to
     head_eps, inter = set(), set()
     for i, layer in enumerate(lean.layers):
         a, mlp = layer.self_attn, layer.mlp
@@ -204,12 +209,14 @@ def build_decode_stack(lean) -> DecodeStack | None:
         layers.append(StackLayer(input_norm=norms[0].weight.data_ptr(), post_norm=norms[1].weight.data_ptr(),
                                  router=_ptr(router), **attention, **mlp_fields))
         keep.append((layer, lean.qkv[i], lean.stacked[i]))
-    if runtime is None or len(head_eps) != 1 or len(inter) != 1:
+    if (runtime is None) != (not routers) or len(head_eps) != 1 or len(inter) != (runtime is not None):
         return None
-    keep.append(runtime.store)
+    if runtime is not None:
+        keep.append(runtime.store)
     D = first_attn.head_dim
     shape = StackShape(layers=len(layers), H=lean.config.hidden_size, Hq=first_attn.q_proj.out_features // D,
-                       Hkv=first_attn.k_proj.out_features // D, D=D, E=runtime.store.num_experts, k=top_k, I=inter.pop(),
+                       Hkv=first_attn.k_proj.out_features // D, D=D, E=runtime.store.num_experts if runtime else 1, k=top_k,
+                       I=inter.pop() if inter else 0,
                        normalize=int(normalize), eps=eps, head_eps=head_eps.pop(), scale=first_attn.scaling)
     return DecodeStack(lean, runtime, shape, layers, keep, sparse)
 

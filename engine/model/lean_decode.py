@@ -32,7 +32,8 @@ from .kv_cache import GrowingLayer
 ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
 
 MAX_POSITIONS = 128  # decode, verification, and a chat turn after a kept history; longer prefills: module calls cost little
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")  # deepseek_v2 (MLA) runs transformers' forward
+# deepseek_v2 (MLA) runs transformers' forward; qwen3 and llama: the dense draft models (drafters.DraftModel)
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3", "llama")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (not dynamic, longrope)
 TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many positions
 
@@ -78,7 +79,7 @@ class LeanForward:
         self.hf, self.base, self.config = hf, hf.model, hf.config
         self.context_len = context_len
         self.olmoe = self.config.model_type == "olmoe"  # q/k norm over the whole projection, before the head view
-        self.head_norm = self.config.model_type == "qwen3_moe"  # q/k norm per head, after the view
+        self.head_norm = self.config.model_type in ("qwen3_moe", "qwen3")  # q/k norm per head, after the view
         self.clip = getattr(self.config, "clip_qkv", None) if self.olmoe else None
         self.cos = self.sin = None  # [P, D] in the model's dtype, as transformers' rotary module returns them
         self.layers = list(self.base.layers[: self.config.num_hidden_layers])

@@ -17,6 +17,7 @@ from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
 from ..model.config_file import read_config_dict
 from ..model.kv_cache import KVCache, hf_forward
+from ..model.lean_decode import build_lean_forward
 from ..model.loader import LoadedModel, load_tokenizer
 from ..quant.formats import QuantMatrix, dequantize
 from .rewind import rewind_cache
@@ -49,11 +50,12 @@ class NoDraft:
 class DraftModel:
     """A separate small dense checkpoint with the target's tokenizer. With the target's hidden size,
     its hidden states also go through the target's routers to tell the policy what the
-    verification will need (`router_feed.py`, SP-MoE)."""
+    verification will need (`router_feed.py`, SP-MoE). On the CPU its one-token passes run the lean forward
+    (a qwen3 or llama draft: the whole stack in one native call), as the target's decode steps do."""
 
     name = "model"
 
-    def __init__(self, path: str, target: LoadedModel):
+    def __init__(self, path: str, target: LoadedModel, lean: bool = True):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -74,6 +76,8 @@ class DraftModel:
         self.target, self.target_vocab = target, int(target.hf_config.vocab_size)
         self.device = target.device
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
+        # the feed reads the draft's MLP inputs through module hooks, which the lean forward does not call
+        self.lean = build_lean_forward(self.model, self.device, target.context_len) if lean and self.feed is None else None
         self.cache: KVCache | None = None
         self._valid = 0  # the cache's entries past this many are drafts (or in flux)
 
@@ -100,7 +104,7 @@ class DraftModel:
             ids = torch.tensor([feed], device=self.device)
             # a draft forward of the target's runtime: the feed reports its demand into it
             with runtime.forward("draft", self.cache.get_seq_length()):
-                logits = hf_forward(self.model, ids, self.cache, 1)[0, -1]
+                logits = self._forward(ids)  # [V]
                 if self.feed is not None:
                     self.feed.report()
             token, q = _choose(logits[: self.target_vocab], params, generator)
@@ -114,6 +118,13 @@ class DraftModel:
         if q.shape[1] < self.target_vocab:  # a draft with a smaller (padded) vocab never proposes the rest
             q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[1]))
         return tokens, q
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [1, T] appended to the draft's cache -> the last position's logits [V]: the lean forward for a pass after
+        a past, transformers' for the first (the prompt)."""
+        if self.lean is not None and self.lean.accepts(ids.shape[1], self.cache.get_seq_length()):
+            return self.lean(ids, self.cache, 1)[-1]
+        return hf_forward(self.model, ids, self.cache, 1)[0, -1]
 
 
 def _check_same_vocab(model_dir: Path, raw: dict, target: LoadedModel) -> None:
@@ -246,9 +257,11 @@ def expert_distances(gate_up, down, chunk: int = 1 << 16) -> torch.Tensor:
     return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).float()
 
 
-def make_drafter(spec: SpecConfig, target: LoadedModel):
+def make_drafter(spec: SpecConfig, target: LoadedModel, lean: bool = True):
+    """The drafter `spec` names for this target; lean=False (`--no-lean-decode`): a draft model runs transformers'
+    forward only."""
     if spec.drafter == "none":
         return NoDraft()
     if spec.drafter == "self":
         return SelfDraft(target)
-    return DraftModel(spec.drafter, target)
+    return DraftModel(spec.drafter, target, lean)

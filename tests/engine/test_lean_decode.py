@@ -12,7 +12,7 @@ from moechat.engine.config import EngineConfig
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.model import decode_ops
 from moechat.engine.model.decode_stack import DecodeStack
-from moechat.engine.model.kv_cache import hf_forward
+from moechat.engine.model.kv_cache import KVCache, hf_forward
 from moechat.engine.model.lean_decode import LeanForward, refusal, sliding_window
 from moechat.engine.model.loader import load_model
 
@@ -164,6 +164,40 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
     assert torch.equal(freqs[0], freqs[1]) and torch.equal(freqs[0], freqs[2]) and int(freqs[0].sum()) > 0
     assert torch.allclose(logits[0], logits[2], rtol=1e-5, atol=1e-5 * logits[2].abs().max().item())
     assert _close_kv(caches[0], caches[2])
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("draft_family", ["llama", "qwen3"])
+def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, checkpoint, tokenizer_dir, tmp_path):
+    """A dense draft model's passes after its prompt run the lean forward, the whole stack in one native call (no
+    runtime, no routing): logits within 1e-4 of transformers' with the same argmax, KV entries within rounding."""
+    from tiny import make_draft
+
+    from moechat.engine.speculative.drafters import DraftModel
+
+    if not decode_ops.available():
+        pytest.skip(cpu_ffn.notice())
+    target = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe"))))
+    path = make_draft(tmp_path / "draft", tokenizer_dir, seed=3, family=draft_family)
+    assert DraftModel(str(path), target, lean=False).lean is None  # --no-lean-decode: transformers' forward only
+    draft = DraftModel(str(path), target)
+    assert draft.lean is not None and draft.lean.stack is not None and draft.lean.stack.usable()
+    calls, restore = _counting(("attention_step", "router_topk", "run"))
+    gen = torch.Generator().manual_seed(0)
+    draft.start([], None)
+    hf_cache = KVCache()
+    try:
+        with torch.inference_mode():
+            for T in (PAST, 1, 1, 3, 1):  # the prompt (transformers'), drafts, a catch-up after an acceptance
+                ids = torch.randint(0, 300, (1, T), generator=gen)
+                expected = hf_forward(draft.model, ids, hf_cache, 1)[0, -1].float()
+                got = draft._forward(ids)
+                assert got.shape == expected.shape and torch.equal(got.argmax(), expected.argmax()), f"T={T}"
+                assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item(), f"T={T}"
+                assert _close_kv(hf_cache, draft.cache), f"T={T}"
+    finally:
+        restore()
+    assert calls == {"attention_step": 0, "router_topk": 0, "run": 4}  # one native call per pass after the prompt
 
 
 @pytest.mark.native
