@@ -89,8 +89,9 @@ def make_checkpoint(family: str, path: Path, tokenizer_dir: Path | None, seed: i
     return save_model(model, path, tokenizer_dir, shards)
 
 
-def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int = VOCAB, family: str = "llama") -> Path:
-    """A dense draft: llama with one layer, or qwen3 (per-head q/k norms, as the demo's draft) with two."""
+def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int = VOCAB, family: str = "llama",
+               dtype: torch.dtype = torch.float32) -> Path:
+    """A dense draft, saved in `dtype`: llama with one layer, or qwen3 (per-head q/k norms, as the demo's draft) with two."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
@@ -100,7 +101,7 @@ def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int
         model = Qwen3ForCausalLM(Qwen3Config(**common, num_hidden_layers=2, head_dim=8))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=1))
-    return save_model(model.eval(), path, tokenizer_dir)
+    return save_model(model.to(dtype).eval(), path, tokenizer_dir)
 
 
 def config_json(path: Path) -> dict:

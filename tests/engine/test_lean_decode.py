@@ -167,21 +167,28 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
 
 
 @pytest.mark.native
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
 @pytest.mark.parametrize("draft_family", ["llama", "qwen3"])
-def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, checkpoint, tokenizer_dir, tmp_path):
+def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, stored, checkpoint, tokenizer_dir, tmp_path):
     """A dense draft model's passes after its prompt run the lean forward, the whole stack in one native call (no
-    runtime, no routing): logits within 1e-4 of transformers' with the same argmax, KV entries within rounding."""
+    runtime, no routing), a bf16 draft's linears kept bf16: logits within 1e-4 of transformers' in float32 with the same
+    argmax, KV entries within rounding."""
     from tiny import make_draft
+    from transformers import AutoModelForCausalLM
 
     from moechat.engine.speculative.drafters import DraftModel
 
     if not decode_ops.available():
         pytest.skip(cpu_ffn.notice())
     target = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe"))))
-    path = make_draft(tmp_path / "draft", tokenizer_dir, seed=3, family=draft_family)
+    path = make_draft(tmp_path / "draft", tokenizer_dir, seed=3, family=draft_family, dtype=getattr(torch, stored))
     assert DraftModel(str(path), target, lean=False).lean is None  # --no-lean-decode: transformers' forward only
     draft = DraftModel(str(path), target)
     assert draft.lean is not None and draft.lean.stack is not None and draft.lean.stack.usable()
+    layers = len(draft.model.model.layers)
+    head = not draft.model.config.tie_word_embeddings  # a head tied to the embeddings stays fp32 with them
+    assert draft.bf16_linears == ((7 * layers + head) if stored == "bfloat16" else 0)  # q, k, v, o, gate, up, down
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     calls, restore = _counting(("attention_step", "router_topk", "run"))
     gen = torch.Generator().manual_seed(0)
     draft.start([], None)
@@ -190,7 +197,7 @@ def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, c
         with torch.inference_mode():
             for T in (PAST, 1, 1, 3, 1):  # the prompt (transformers'), drafts, a catch-up after an acceptance
                 ids = torch.randint(0, 300, (1, T), generator=gen)
-                expected = hf_forward(draft.model, ids, hf_cache, 1)[0, -1].float()
+                expected = hf_forward(reference, ids, hf_cache, 1)[0, -1].float()
                 got = draft._forward(ids)
                 assert got.shape == expected.shape and torch.equal(got.argmax(), expected.argmax()), f"T={T}"
                 assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item(), f"T={T}"
