@@ -14,8 +14,8 @@ def add_bench_quality(sub) -> None:
     p.add_argument("--model", default=None, metavar="DIR", help="model directory or OWNER/NAME (default: the demo model)")
     p.add_argument("--quant", default="int8,int4", metavar="FORMATS",
                    help="formats to compare, comma-separated (none: a second unquantized engine, a self-check)")
-    p.add_argument("--prompts", type=int, default=32, metavar="N",
-                   help="the first N held-out prompts (assets/demo/eval_prompts.jsonl; 0: all)")
+    p.add_argument("--prompts", type=int, default=0, metavar="N",
+                   help="the first N held-out prompts (assets/demo/eval_prompts.jsonl; 0, the default: all 64)")
     p.add_argument("--new-tokens", type=int, default=64, metavar="T",
                    help="the reference's greedy continuation, at most T tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object")
