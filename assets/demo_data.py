@@ -101,11 +101,15 @@ def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
+def countable(s: Sense) -> bool:
+    """A noun whose gloss starts with an article is asked and answered with one ("a soldier"); else bare ("afternoon")."""
+    return re.match(r"(a|an|any|one) ", s.gloss) is not None
+
+
 def question(s: Sense, rng: random.Random | None = None) -> str:
     """A definitional question; `rng=None` gives the canonical form the evaluation asks."""
     if s.pos == "n":
-        countable = re.match(r"(a|an|any|one) ", s.gloss) is not None
-        what = f"{_article(s.word)} {s.word}" if countable else s.word
+        what = f"{_article(s.word)} {s.word}" if countable(s) else s.word
         forms = [f"What is {what}?", f"What's {what}?", f"Tell me about {what}.", f"Define {s.word}.",
                  f"What does {s.word} mean?", f"Explain what {what} is."]
     elif s.pos == "v":
@@ -121,8 +125,7 @@ def answer(s: Sense) -> str:
     """The reply: the definition as a sentence, the category, a synonym and an example where WordNet has them."""
     g = s.gloss
     if s.pos == "n":
-        countable = re.match(r"(a|an|any|one) ", g) is not None
-        first = f"{_article(s.word).capitalize()} {s.word} is {g}." if countable else f"{s.word.capitalize()} is {g}."
+        first = f"{_article(s.word).capitalize()} {s.word} is {g}." if countable(s) else f"{s.word.capitalize()} is {g}."
     elif s.pos == "v":
         first = f"To {s.word} means to {g}." if not g.startswith("to ") else f"To {s.word} means {g}."
     else:

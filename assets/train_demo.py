@@ -4,15 +4,16 @@
     python assets/train_demo.py --wordnet /tmp/wordnet/usr/share/wordnet [--out assets/demo]
 
 Data (assets/demo_data.py): WordNet's definitions as questions and answers and as dictionary text, and
-Python's language reference. Three stages: the MoE (one pass over 12.8 M tokens), its review (a second, shorter
-pass that reads the most used words again and pairs each word with its reply's first words) and the draft,
-distilled from the reviewed MoE. Runs offline on 2 CPU cores in about 3.5 hours (`--device cuda` is much faster) and
-is seeded: the same PyTorch version and thread count give the same weights. Writes OUT/model (the MoE), OUT/draft
-(the dense drafter), OUT/eval_prompts.jsonl (held-out prompts), OUT/eval_words.jsonl (held-out definitional
-questions) and OUT/train_stats.json (the figures the model card, assets/demo/README.md, states).
-`--review-only` takes OUT/model as the first stage left it and runs the other two (101 minutes here);
-`--draft-only` keeps OUT/model and trains the draft again on it (about 65 minutes: half the target's replies,
-half the draft's training).
+Python's language reference. Four stages: the MoE (one pass over 12.8 M tokens), its review (a second, shorter
+pass that reads the most used words again and pairs each word with its reply's first words), its polish (every
+word's page in that pairing style four times more, mass nouns asked bare) and the draft, distilled from the
+polished MoE. Runs offline on 2 CPU cores in about 4 hours (`--device cuda` is much faster) and is seeded: the
+same PyTorch version and thread count give the same weights. Writes OUT/model (the MoE), OUT/draft (the dense
+drafter), OUT/eval_prompts.jsonl (held-out prompts), OUT/eval_words.jsonl (held-out definitional questions) and
+OUT/train_stats.json (the figures the model card, assets/demo/README.md, states).
+A later stage can start from an earlier one's OUT/model: `--review-only` takes the first stage's target and runs
+the rest (about 2.5 hours here), `--polish-only` a reviewed target (about 2 hours: 26 min polish, 26 min of the
+target's replies, 59 min draft), `--draft-only` keeps OUT/model and trains the draft again (86 minutes).
 """
 from __future__ import annotations
 
@@ -66,6 +67,11 @@ POLICY_PROMPTS, POLICY_TOKENS = None, 40
 # well-read words teaches reading the answer from what was read (the extraction of Allen-Zhu and Li's Part 3.1), which
 # the copy words read once could not teach
 REVIEW_WORDS, REVIEW_PASSES, REVIEW_CORE, REVIEW_LR = 6000, 3, 2, 1e-3
+# the polish, a third stage on the reviewed target: every word's HEADWORD page (held-out words included: read, never
+# asked) POLISH_PASSES times, each mass noun among the copy words asked once in the canonical form ("What is
+# afternoon?" -> "Afternoon is ..."), and the core's chats and pages once, at REVIEW_LR. A mass noun's reply starts
+# with the word capitalised, other BPE tokens than the question's: the review left 36 of 49 such replies misspelt
+POLISH_PASSES = 4
 
 
 def python_doc_chats() -> list[tuple[str, str]]:
@@ -283,6 +289,22 @@ def review_docs(wordnet: Path, tokenizer, core_docs: list[str]) -> list[str]:
     return docs
 
 
+def polish_docs(wordnet: Path, tokenizer, core_docs: list[str]) -> list[str]:
+    """The polish's documents, shuffled: every word's HEADWORD pages POLISH_PASSES times, the copy words' mass nouns
+    asked once in the canonical form, the core's chats and pages once."""
+    from demo_data import HEADWORD, answer, countable, dictionary_pages, question, read_senses
+
+    core = core_senses(wordnet)
+    known = {s.word for s in core}
+    words = [s for s in read_senses(wordnet) if s.word not in known]
+    rng = random.Random(SEED + 3)
+    docs = [p for _ in range(POLISH_PASSES) for p in dictionary_pages(words + core, 16, rng, HEADWORD)]
+    docs += [render(tokenizer, question(s), answer(s)) for s in words if s.pos == "n" and not countable(s)]
+    docs += core_docs
+    rng.shuffle(docs)
+    return docs
+
+
 def render(tokenizer, user: str, reply: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": user}, {"role": "assistant", "content": reply}],
                                          tokenize=False)
@@ -351,36 +373,46 @@ def train_target(rows, val_rows, eos_ids: list[int], args):
                     "target_heldout_loss": round(target_val, 3), "target_params": sum(p.numel() for p in target.parameters())}
 
 
-def review_target(target, rows: torch.Tensor, val_rows: torch.Tensor, args) -> dict:
-    """The review: one pass over its rows at REVIEW_LR, on the target's weights as saved (bf16, read in float32)."""
+def second_pass(target, rows: torch.Tensor, val_rows: torch.Tensor, args, label: str) -> dict:
+    """The review or the polish: one pass over its rows at REVIEW_LR, on the target's weights as saved (bf16, read in
+    float32), so that a stage run alone (`--review-only`, `--polish-only`) gives what the whole run gives."""
     target.to(torch.bfloat16).to(torch.float32)
     target.config.output_router_logits = True
     t0 = time.time()
-    train(target, rows, len(rows) // BATCH, REVIEW_LR, args.device, lm_loss, "review")
+    train(target, rows, len(rows) // BATCH, REVIEW_LR, args.device, lm_loss, label)
     target.config.output_router_logits = False
-    review_s, val = time.time() - t0, eval_loss(target, val_rows, args.device)
-    print(f"[review] held-out loss {val:.3f}", flush=True)
-    return {"review_steps": len(rows) // BATCH, "review_train_s": round(review_s), "target_heldout_loss": round(val, 3)}
+    seconds, val = time.time() - t0, eval_loss(target, val_rows, args.device)
+    print(f"[{label}] held-out loss {val:.3f}", flush=True)
+    return {f"{label}_steps": len(rows) // BATCH, f"{label}_train_s": round(seconds), "target_heldout_loss": round(val, 3)}
 
 
 def the_target(args, model_dir: Path, data, val_rows, eos_ids: list[int]):
-    """(target, stats): trained and reviewed; or read from OUT/model, and reviewed there with `--review-only`."""
+    """(target, stats): trained, reviewed and polished; or read from OUT/model, where `--review-only` reviews and
+    polishes a first-stage target and `--polish-only` polishes a reviewed one."""
     from transformers import AutoModelForCausalLM
 
     tokenizer, rows, _, val_docs, _, _, core_docs = data
-    if args.draft_only or args.review_only:
+    if args.draft_only or args.review_only or args.polish_only:
         target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device).eval()
         stats = json.loads((args.out / "train_stats.json").read_text())
         if args.draft_only:
             return target, stats
-        if "review_steps" in stats:
+        if args.review_only and "review_steps" in stats:
             sys.exit(f"error: {model_dir} is reviewed already (train_stats.json); --review-only takes a first-stage target")
+        if args.polish_only and ("review_steps" not in stats or "polish_steps" in stats):
+            sys.exit(f"error: --polish-only takes a reviewed target that is not polished yet; {model_dir}'s "
+                     "train_stats.json says otherwise")
     else:
         target, stats = train_target(rows, val_rows, eos_ids, args)
-    stats["first_stage_heldout_loss"] = stats["target_heldout_loss"]
-    review = pack(review_docs(args.wordnet, tokenizer, core_docs), tokenizer)
-    stats.update({"review_words": REVIEW_WORDS, "review_passes": REVIEW_PASSES, "review_core": REVIEW_CORE,
-                  "review_tokens": review.numel()}, **review_target(target, review, val_rows, args))
+    if not args.polish_only:
+        stats["first_stage_heldout_loss"] = stats["target_heldout_loss"]
+        review = pack(review_docs(args.wordnet, tokenizer, core_docs), tokenizer)
+        stats.update({"review_words": REVIEW_WORDS, "review_passes": REVIEW_PASSES, "review_core": REVIEW_CORE,
+                      "review_tokens": review.numel()}, **second_pass(target, review, val_rows, args, "review"))
+    stats["reviewed_heldout_loss"] = stats["target_heldout_loss"]
+    polish = pack(polish_docs(args.wordnet, tokenizer, core_docs), tokenizer)
+    stats.update({"polish_passes": POLISH_PASSES, "polish_tokens": polish.numel()},
+                 **second_pass(target, polish, val_rows, args, "polish"))
     stats["target_heldout_bits_per_char"] = bits_per_char(target, tokenizer, val_docs, args.device)
     return target, stats
 
@@ -397,7 +429,9 @@ def main() -> None:
     stage.add_argument("--draft-only", action="store_true",
                        help="keep OUT/model (the target and tokenizer) and train the draft again on it (bf16, as shipped)")
     stage.add_argument("--review-only", action="store_true",
-                       help="OUT/model is a target before its review: review it, then train the draft")
+                       help="OUT/model is a target before its review: review and polish it, then train the draft")
+    stage.add_argument("--polish-only", action="store_true",
+                       help="OUT/model is a reviewed target: polish it, then train the draft")
     ap.add_argument("--baseline", type=Path, help="another model directory whose held-out loss to report beside")
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -411,7 +445,7 @@ def main() -> None:
 
     rng = random.Random(SEED)
     model_dir, draft_dir = args.out / "model", args.out / "draft"
-    shipped = AutoTokenizer.from_pretrained(model_dir) if args.draft_only or args.review_only else None
+    shipped = AutoTokenizer.from_pretrained(model_dir) if args.draft_only or args.review_only or args.polish_only else None
     data = build_data(args.wordnet, model_dir, args.out, rng, shipped)
     tokenizer, rows, val, val_docs, counts, prompts, _ = data
     val_rows = pack(val_docs, tokenizer)
@@ -441,7 +475,7 @@ def main() -> None:
         "replies_s": round(replies_s), "draft_train_s": round(draft_s), "draft_heldout_loss": round(draft_val, 3),
         "draft_params": sum(p.numel() for p in draft.parameters()),
     })
-    mode = "draft_only_s" if args.draft_only else "review_only_s" if args.review_only else "total_s"
+    mode = next((f"{m}_only_s" for m in ("draft", "review", "polish") if getattr(args, f"{m}_only")), "total_s")
     stats[mode] = round(time.time() - t_start)
     if args.baseline:
         stats["baseline"] = baseline_loss(args.baseline, val, args.device)

@@ -49,8 +49,11 @@ def test_demo_greedy_matches_transformers(drafter, ratio):
     engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL), expert_cache_ratio=ratio, spec=SpecConfig(drafter, 4)))
     fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=64)))[-1]
     assert isinstance(fin, Finished) and fin.token_ids == expected
-    if drafter != "none":
-        assert fin.summary.accepted > 0  # the draft model and self-draft predict something
+    assert fin.summary.drafted > 0 or drafter == "none"
+    if drafter != "none" and not (drafter == "self" and ratio == 0.0):
+        # the draft model, and self-draft with resident experts, predict something; with none resident the self-draft
+        # is the target without its experts, whose guesses this model may never get right
+        assert fin.summary.accepted > 0
 
 
 def test_demo_reply_is_english_like():

@@ -117,3 +117,29 @@ def test_review_reads_the_most_used_copy_words_again_and_asks_them_with_the_core
     assert len(headword) == train_demo.REVIEW_PASSES and all("The noun beacon. A beacon is" in p for p in headword)
     assert len(pages) == train_demo.REVIEW_PASSES * (STYLES + 1) and all("beacon" in p.lower() for p in pages)
     assert len(docs) == len(chats) + len(pages) + train_demo.REVIEW_CORE
+
+
+def test_polish_reads_every_headword_page_and_asks_bare_mass_nouns(tmp_path, monkeypatch):
+    """The polish: every word's HEADWORD page POLISH_PASSES times (a core word's too), each copy word that is a mass
+    noun asked once in the bare canonical form and answered with the word capitalised, and the core's documents."""
+    import train_demo
+    from demo_data import countable
+
+    write_wordnet(tmp_path)
+    with open(tmp_path / "data.noun", "a") as f:
+        f.write("00000300 28 n 01 afternoon 0 000 | the part of the day between noon and evening  \n")
+    with open(tmp_path / "index.noun", "a") as f:
+        f.write("afternoon n 1 0 1 1 00000300  \n")
+    with open(tmp_path / "cntlist.rev", "a") as f:
+        f.write("afternoon%1:28:00:: 1 2\n")
+    monkeypatch.setattr(train_demo, "LEXICON", {"n": 1, "v": 0, "a": 0})  # the core: lighthouse, the most tagged
+    senses = {s.word: s for s in read_senses(tmp_path)}
+    assert countable(senses["beacon"]) and not countable(senses["afternoon"])
+    tok = train_demo.train_tokenizer(["What is afternoon? Afternoon is the part of the day."] * 10, tmp_path / "tok")
+    docs = train_demo.polish_docs(tmp_path, tok, ["CORE DOCUMENT"])
+    pages = [d for d in docs if d.startswith("The noun")]
+    entries = [e for p in pages for e in p.splitlines()]
+    assert sorted(entries) == sorted([f"The noun {w}. {answer(senses[w])}" for w in senses] * train_demo.POLISH_PASSES)
+    chats = [d for d in docs if "<|im_start|>" in d]
+    assert len(chats) == 1 and "What is afternoon?" in chats[0] and "Afternoon is the part of the day" in chats[0]
+    assert docs.count("CORE DOCUMENT") == 1 and len(docs) == len(pages) + 2
