@@ -69,17 +69,19 @@ def dense_linears(hf):
 
 
 def narrow_linears(hf, ckpt: Checkpoint, family, device: torch.device, dtype: torch.dtype, quant: str) -> set[str]:
-    """Turn the dense nn.Linear modules of a (meta) module tree into Bf16Linear where the checkpoint stores their weight
-    in bf16 and the compute keeps it so (cpu_ffn.keeps_bf16); -> the state-dict keys of those weights (the loader keeps
-    them bf16)."""
+    """Turn the dense nn.Linear modules of a module tree (on meta, or loaded in float32 from the checkpoint: a draft
+    model) into Bf16Linear where the checkpoint stores their weight in bf16 and the compute keeps it so
+    (cpu_ffn.keeps_bf16); -> the state-dict keys of those weights (the loader keeps them bf16). family None: the
+    checkpoint's keys are the module tree's (a plain transformers checkpoint)."""
     if not cpu_ffn.keeps_bf16(device.type, dtype, quant):
         return set()
-    stored = {family.module_key(k): k for k in ckpt.keys()}  # module key -> checkpoint key
+    stored = {k if family is None else family.module_key(k): k for k in ckpt.keys()}  # module key -> checkpoint key
     narrowed = set()
     for name, module in list(dense_linears(hf)):
         key = f"{name}.weight"
         if key in stored and ckpt.dtype_name(stored[key]) == "BF16":
             module.__class__ = Bf16Linear
-            module.weight = torch.nn.Parameter(module.weight.to(torch.bfloat16), requires_grad=False)  # meta: no bytes
+            # meta: no bytes; float32 read from bf16: exact
+            module.weight = torch.nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
             narrowed.add(key)
     return narrowed

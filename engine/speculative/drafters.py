@@ -15,8 +15,7 @@ import torch
 
 from ..config import SamplingParams, SpecConfig
 from ..errors import CheckpointError, MoechatError
-from ..experts import cpu_ffn
-from ..model.bf16_linear import Bf16Linear, dense_linears
+from ..model.bf16_linear import narrow_linears
 from ..model.checkpoint import Checkpoint
 from ..model.config_file import read_config_dict
 from ..model.kv_cache import KVCache, hf_forward
@@ -78,7 +77,8 @@ class DraftModel:
             ) from None
         self.target, self.target_vocab = target, int(target.hf_config.vocab_size)
         self.device = target.device
-        self.bf16_linears = _narrow_linears(self.model, model_dir, target.dtype)
+        # a bf16 draft computed in float32 on the CPU keeps its dense linears bf16: half the bytes a drafted token reads
+        self.bf16_linears = len(narrow_linears(self.model, Checkpoint(model_dir), None, self.device, target.dtype, "none"))
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into
         # the feed reads the draft's MLP inputs through module hooks, which the lean forward does not call
         self.lean = build_lean_forward(self.model, self.device, target.context_len) if lean and self.feed is None else None
@@ -129,21 +129,6 @@ class DraftModel:
         if self.lean is not None and self.lean.accepts(ids.shape[1], self.cache.get_seq_length()):
             return self.lean(ids, self.cache, 1)[-1]
         return hf_forward(self.model, ids, self.cache, 1)[0, -1]
-
-
-def _narrow_linears(model, model_dir: Path, dtype: torch.dtype) -> int:
-    """A bf16 draft computed in float32 on the CPU keeps its dense linears bf16 (bf16_linear.py: exact, and half the
-    bytes each drafted token reads); -> how many. Its float32 copy came from the bf16 file, so narrowing loses nothing."""
-    if not cpu_ffn.keeps_bf16(next(model.parameters()).device.type, dtype, "none"):
-        return 0
-    ckpt, count = Checkpoint(model_dir), 0
-    for name, module in list(dense_linears(model)):
-        key = f"{name}.weight"
-        if key in ckpt and ckpt.dtype_name(key) == "BF16":
-            module.__class__ = Bf16Linear
-            module.weight = torch.nn.Parameter(module.weight.detach().to(torch.bfloat16), requires_grad=False)
-            count += 1
-    return count
 
 
 def _check_same_vocab(model_dir: Path, raw: dict, target: LoadedModel) -> None:
