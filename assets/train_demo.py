@@ -373,9 +373,10 @@ def train_target(rows, val_rows, eos_ids: list[int], args):
                     "target_heldout_loss": round(target_val, 3), "target_params": sum(p.numel() for p in target.parameters())}
 
 
-def second_pass(target, rows: torch.Tensor, val_rows: torch.Tensor, args, label: str) -> dict:
-    """The review or the polish: one pass over its rows at REVIEW_LR, on the target's weights as saved (bf16, read in
-    float32), so that a stage run alone (`--review-only`, `--polish-only`) gives what the whole run gives."""
+def later_pass(target, rows: torch.Tensor, val_rows: torch.Tensor, args, label: str) -> dict:
+    """A stage after the first, the review or the polish: one pass over its rows at REVIEW_LR, on the target's weights
+    as saved (bf16, read in float32), so that a stage run alone (`--review-only`, `--polish-only`) gives what the whole
+    run gives."""
     target.to(torch.bfloat16).to(torch.float32)
     target.config.output_router_logits = True
     t0 = time.time()
@@ -408,11 +409,11 @@ def the_target(args, model_dir: Path, data, val_rows, eos_ids: list[int]):
         stats["first_stage_heldout_loss"] = stats["target_heldout_loss"]
         review = pack(review_docs(args.wordnet, tokenizer, core_docs), tokenizer)
         stats.update({"review_words": REVIEW_WORDS, "review_passes": REVIEW_PASSES, "review_core": REVIEW_CORE,
-                      "review_tokens": review.numel()}, **second_pass(target, review, val_rows, args, "review"))
+                      "review_tokens": review.numel()}, **later_pass(target, review, val_rows, args, "review"))
     stats["reviewed_heldout_loss"] = stats["target_heldout_loss"]
     polish = pack(polish_docs(args.wordnet, tokenizer, core_docs), tokenizer)
     stats.update({"polish_passes": POLISH_PASSES, "polish_tokens": polish.numel()},
-                 **second_pass(target, polish, val_rows, args, "polish"))
+                 **later_pass(target, polish, val_rows, args, "polish"))
     stats["target_heldout_bits_per_char"] = bits_per_char(target, tokenizer, val_docs, args.device)
     return target, stats
 
