@@ -9,6 +9,7 @@ prints one line with PASS or FAIL and what to do:
   pinned       the RAM tier is page-locked, so copies to the GPU are asynchronous DMA
   copies       after generation every resident slot holds its expert's bytes exactly and is ready
   overlap      the CPU experts ran on the worker thread while the GPU ran the resident ones
+  graphs       the decode passes' dense path was captured as CUDA graphs and replayed (engine/model/graph_decode.py)
 Exit status 0 when every part passes, 1 otherwise (and on a machine without a usable GPU, after one line).
 """
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
                      "the RAM tier is page-locked" if m.store.pinned else "the RAM tier is pageable: copies stage",
                      "raise the locked-memory limit (ulimit -l) or free RAM; pageable copies work but are slower"))
     rows.append(_slot_check(m))
+    rows.append(_graph_check(m))
     cpu = sum(s.cpu_s for s in steps)
     dev = sum(s.device_s for s in steps)
     hidden = cpu - sum(s.cpu_wait_s for s in steps)  # CPU expert time the engine thread did not wait for
@@ -109,6 +111,17 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
                      "check that no other process saturates the CPU, then report it"))
     mixed.close()
     return rows
+
+
+def _graph_check(m) -> dict:
+    """The engine's passes after the prompt replayed captured graphs (the eager passes gave the tokens checked above)."""
+    graphed = m.lean if hasattr(m.lean, "buffers") else None
+    captured = sum(len(b.graphs) for b in graphed.buffers.values()) if graphed else 0
+    ok = graphed is not None and graphed.capture and graphed.failed is None and captured > 0
+    detail = (f"{captured} segment graphs captured and replayed" if ok else
+              f"capture failed: {graphed.failed}" if graphed is not None and graphed.failed else
+              "no decode pass ran in a CUDA graph")
+    return _row("graphs", ok, detail, "decoding still works without them (eagerly); " + REPORT)
 
 
 def _first_pinned(store) -> bool:

@@ -230,9 +230,10 @@ OPTIONS: tuple[Option, ...] = (
            "weights kept bf16), float32, bfloat16 or "
            "float16", "engine", choices=("auto",) + DTYPES, unset="auto", label="Compute dtype", placeholder="auto",
            widget="select"),
-    Option("lean_decode", bool, True, "decode, verification and draft-model steps on the CPU skip transformers' module "
-           "tree: moechat's own forward over the same weights (in fp32 native: with every expert on the CPU, and for a "
-           "dense draft, the whole layer stack in one call per step), same greedy tokens",
+    Option("lean_decode", bool, True, "decode, verification and draft-model steps skip transformers' module tree: "
+           "moechat's own forward over the same weights (CPU, fp32: native, with every expert on the CPU, and for a "
+           "dense draft, the whole layer stack in one call per step; CUDA: the dense path between MoE layers replayed "
+           "as CUDA graphs), same greedy tokens",
            "engine", setting=False),
     Option("temperature", float, 0.7, "sampling temperature, 0 is greedy", "sampling", low=0,
            live=True, other_defaults="generate: 0", label="Temperature", metavar="T"),

@@ -122,7 +122,7 @@ class EngineConfig:
     vram_budget_bytes: int | None = None  # everything on the GPU (weights, KV, draft, experts, margin); None: free VRAM
     context_len: int | None = None  # None: the model's max_position_embeddings
     quant: str = "none"  # routed experts: "none" (checkpoint dtype), "int8", "int4"; pre-quantized ones run as they are
-    lean_decode: bool = True  # decode/verify steps on the CPU skip transformers' module tree (model/lean_decode.py); same tokens
+    lean_decode: bool = True  # decode/verify steps skip transformers' module tree (lean_decode.py; CUDA: graph_decode.py)
     conversation_cache_bytes: int | None = None  # KV caches of recent conversations kept in RAM (prefix_cache.py); None: auto
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -38,7 +38,7 @@ class GrowingLayer(DynamicLayer):
         capacity = -(-capacity // BLOCK) * BLOCK
         for name in ("_k", "_v"):
             old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], capacity, old.shape[3])
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])  # no NaN bytes: graph_decode reads past the length
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
 

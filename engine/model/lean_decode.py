@@ -3,8 +3,9 @@ Python (module calls, kwargs, mask creation, rotary recomputation, attention-int
 dataclasses).
 
 Used for a few positions after a past (T <= MAX_POSITIONS: a decode step, a verification, a self-draft
-step, a chat turn's new message after its kept history) on the CPU, for the llama-like decoder-only
-families; the first prefill and everything refused here run transformers' forward on the same KV cache.
+step, a chat turn's new message after its kept history) on the CPU (on CUDA: its torch ops in graph_decode.py's
+static passes), for the llama-like decoder-only families; the first prefill and everything refused here run
+transformers' forward on the same KV cache.
 Two ways through a layer:
 - native (fp32 activations with the CPU library built; the default): the residual adds with their norms
   and attention's core (q/k norm, rotary, KV append, attention) are native calls (decode_ops.py), rows
@@ -52,8 +53,8 @@ def sliding_window(config, context_len: int) -> int | None:
 def refusal(hf, device: torch.device, context_len: int) -> str | None:
     """Why the lean forward cannot stand in for transformers' on this model, or None when it can."""
     config = hf.config
-    if device.type != "cpu":
-        return "not on the CPU"
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device.type}"
     if config.model_type not in FAMILIES:
         return f"model_type {config.model_type}"
     if config._attn_implementation not in ("sdpa", FLOAT_KV_ATTENTION):
@@ -293,6 +294,13 @@ def _native_cache(layer) -> bool:
             and layer._k.device.type == "cpu" and layer._v.shape[-1] == layer._k.shape[-1])
 
 
-def build_lean_forward(hf, device: torch.device, context_len: int) -> LeanForward | None:
-    """The lean forward for this model, or None where transformers' forward must run (see `refusal`)."""
-    return None if refusal(hf, device, context_len) else LeanForward(hf, context_len)
+def build_lean_forward(hf, device: torch.device, context_len: int):
+    """The lean forward for this model: on the CPU LeanForward (native where it can), on CUDA its torch ops in CUDA
+    graphs (graph_decode.GraphedDecode); None where transformers' forward must run (see `refusal`)."""
+    if refusal(hf, device, context_len):
+        return None
+    if device.type == "cpu":
+        return LeanForward(hf, context_len)
+    from .graph_decode import GraphedDecode
+
+    return GraphedDecode(LeanForward(hf, context_len, native=False), capture=True)

@@ -22,11 +22,12 @@ def test_without_a_gpu_one_line_and_exit_1(monkeypatch, capsys):
 
 def test_the_checks_run_on_the_cpu_device(tmp_path):
     """The same checks on the CPU compute device: the model, Hugging Face's greedy output, both engine variants
-    and the slot comparison run; pinning and the GPU overlap do not apply there and report FAIL."""
+    and the slot comparison run; pinning, the GPU overlap and CUDA graphs do not apply there and report FAIL."""
     rows = {r["part"]: r for r in doctor_gpu._checks(doctor_gpu._tiny_model(tmp_path), "cpu")}
     assert rows["equality"]["ok"], rows["equality"]
     assert rows["copies"]["ok"] and "resident experts" in rows["copies"]["detail"]
     assert not rows["pinned"]["ok"] and rows["pinned"]["fix"]
+    assert not rows["graphs"]["ok"] and rows["graphs"]["detail"] == "no decode pass ran in a CUDA graph"  # CPU: no graphs
 
 
 @pytest.mark.gpu

@@ -1,0 +1,217 @@
+"""Decode and verification passes in static shapes, captured as CUDA graphs on a GPU (issue 16): the dense path
+between MoE layers is replayed as one graph per segment and pass length, the routed experts (the one dynamic piece:
+the scheduler's decisions, the CPU tier, the copies) run eagerly between the segments.
+
+A segment runs from the previous MoE layer's experts' output (or the embedding) to the next MoE layer's router:
+residual add, norms, attention, dense MLPs, the router's top-k and a shared expert; the last one ends in the head.
+A dense model (a draft) is one segment: its whole pass is one graph. Static shapes: keys and values are written at
+positions held in a device tensor, attention reads the cache's whole buffer under a mask of the valid positions
+(heads grouped per KV head, so no KV repeat), rotary rows are gathered on the device. The ops are LeanForward's
+torch ops (transformers' order), so greedy tokens equal transformers'; logits differ from it in the last bits
+(another attention kernel). On the CPU the same segments run eagerly (the tests); on CUDA a pass length's segments
+are captured on its second pass with the same cache buffers (the first runs eagerly and warms the libraries up),
+and captured again when the buffers grow or another conversation's cache comes. A capture that fails leaves one
+line in the log and the eager path for the rest of the session.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..experts.runtime import OffloadedExperts
+from .decode_ops import rms_norm
+from .lean_decode import ROUTERS, LeanForward
+
+log = logging.getLogger(__name__)
+
+MAX_GRAPH_POSITIONS = 16  # decode, verification and self-draft passes; longer ones (a chat turn's message) run eagerly
+
+
+@dataclass
+class Segment:
+    """Layers [first, end) whole, then layer `end`'s attention and router when `moe` (its mlp's experts run eagerly)."""
+    first: int
+    end: int
+    moe: bool
+
+
+@dataclass
+class PassBuffers:
+    """One pass length's static tensors: inputs filled before a replay, outputs each segment's capture allocated."""
+    ids: torch.Tensor  # [1, T] int64 (input)
+    start: torch.Tensor  # [1] int64: the cache's length before the pass (input)
+    y: torch.Tensor  # [T, H] the last MoE layer's routed experts' output (input of the next segment)
+    key: tuple = ()  # the cache buffers the graphs read and write
+    seen: int = 0  # passes with this key: the second captures
+    graphs: list = field(default_factory=list)  # per segment: torch.cuda.CUDAGraph
+    out: list = field(default_factory=list)  # per segment: its outputs (dict)
+
+
+def segments(layers) -> list[Segment]:
+    """Split the layer stack at each MoE layer's experts."""
+    out, first = [], 0
+    for i, layer in enumerate(layers):
+        if isinstance(getattr(layer.mlp, "experts", None), OffloadedExperts):
+            out.append(Segment(first, i, True))
+            first = i + 1
+    return out + [Segment(first, len(layers), False)]
+
+
+def _splits(mlp) -> bool:
+    """Whether the block is the families' router -> experts (+ sigmoid-gated shared expert), so the router and the shared
+    expert go in the graph; else the whole block runs eagerly."""
+    return type(getattr(mlp, "gate", None)).__name__ in ROUTERS and (
+        not hasattr(mlp, "shared_expert") or hasattr(mlp, "shared_expert_gate"))
+
+
+class GraphedDecode:
+    """ids [1, T] appended to a KV cache that holds a past -> float32 logits of the last `keep` positions [keep, V]."""
+
+    def __init__(self, lean: LeanForward, capture: bool):
+        self.lean, self.capture = lean, capture
+        self.segments = segments(lean.layers)
+        self.buffers: dict[int, PassBuffers] = {}  # per pass length
+        self.failed: str | None = None  # why capturing stopped (the passes then run eagerly)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream() if capture else None
+
+    def accepts(self, positions: int, past: int) -> bool:
+        return self.lean.accepts(positions, past)
+
+    def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
+        T = ids.shape[1]
+        if T > MAX_GRAPH_POSITIONS:
+            return self.lean(ids, cache, keep)
+        start, key = self._prepare(cache, T)
+        buf = self._buffers(T, ids.device)
+        if buf.key != key:  # new buffers: the graphs read the old ones
+            buf.key, buf.seen, buf.graphs, buf.out = key, 0, [], []
+        buf.seen += 1
+        capture = self.capture and self.failed is None and (buf.graphs or buf.seen >= 2)
+        buf.ids.copy_(ids)
+        buf.start.fill_(start)
+        for s, seg in enumerate(self.segments):
+            out = self._run(s, buf, cache, capture)
+            if seg.moe:
+                buf.y.copy_(self._experts(seg.end, out))
+        for i in range(len(self.lean.layers)):
+            cache.layers[i].advance(T)
+        return buf.out[-1]["logits"][-keep:].clone()
+
+    def _prepare(self, cache, T: int) -> tuple[int, tuple]:
+        """Room for T more positions in every layer (buffers grow in blocks, zero-filled: masked slots hold no NaN) and
+        rotary rows for all of them -> (the past's length, the buffers' identity)."""
+        start = cache.get_seq_length()
+        layers = cache.layers[: len(self.lean.layers)]
+        for layer in layers:
+            layer.reserve(T)
+        capacity = layers[0].capacity()
+        self.lean._tables(capacity, self.lean.base.embed_tokens.weight)  # in the model's dtype
+        return start, (capacity, self.lean.cos.data_ptr(), *(layer._k.data_ptr() for layer in layers))
+
+    def _buffers(self, T: int, device) -> PassBuffers:
+        if T not in self.buffers:
+            H = self.lean.config.hidden_size
+            dtype = self.lean.base.embed_tokens.weight.dtype
+            self.buffers[T] = PassBuffers(torch.zeros(1, T, dtype=torch.int64, device=device),
+                                          torch.zeros(1, dtype=torch.int64, device=device),
+                                          torch.zeros(T, H, dtype=dtype, device=device))
+        return self.buffers[T]
+
+    def _run(self, s: int, buf: PassBuffers, cache, capture: bool) -> dict:
+        """Segment s: replayed, captured then replayed, or run eagerly -> its outputs."""
+        if capture and len(buf.graphs) > s:
+            buf.graphs[s].replay()
+            return buf.out[s]
+        if capture:
+            try:
+                graph, out = self._capture(s, buf, cache)
+                buf.graphs.append(graph)
+                buf.out.append(out)
+                graph.replay()
+                return out
+            except Exception as err:  # noqa: BLE001 -- any capture failure: eager from here on, said once
+                self.failed = f"{type(err).__name__}: {err}"
+                log.warning("CUDA graphs off for this session (%s); decoding eagerly", self.failed)
+                buf.graphs, buf.out = [], buf.out[:s]
+        out = self._segment(s, buf, cache)
+        buf.out[s:] = [out]
+        return out
+
+    def _capture(self, s: int, buf: PassBuffers, cache):
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):  # torch.cuda.graph without its per-capture synchronize and gc
+            self._segment(s, buf, cache)  # warm-up on the capture stream (library workspaces); rewrites the same entries
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # the transfer threads copy on
+            try:
+                out = self._segment(s, buf, cache)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return graph, out
+
+    def _segment(self, s: int, buf: PassBuffers, cache) -> dict:
+        lean, seg = self.lean, self.segments[s]
+        T = buf.ids.shape[1]
+        positions = buf.start + torch.arange(T, device=buf.start.device)  # [T]
+        C = cache.layers[0].capacity()
+        visible = torch.arange(C, device=positions.device)[None] <= positions[:, None]  # [T, C]: causal after the past
+        cos, sin = lean.cos.index_select(0, positions), lean.sin.index_select(0, positions)  # [T, D]
+        if s == 0:
+            x = lean.base.embed_tokens.forward(buf.ids)  # [1, T, H]
+        else:
+            prev = buf.out[s - 1]
+            moe_out = buf.y[None] if prev["shared"] is None else buf.y[None] + prev["shared"]  # as the block adds them
+            x = prev["x"] + moe_out
+        for i in range(seg.first, seg.end):
+            x = self._layer(i, x, cos, sin, cache.layers[i], positions, visible)
+        if not seg.moe:
+            norm = lean.base.norm
+            return {"logits": lean.hf.lm_head.forward(rms_norm(x, norm.weight, norm.variance_epsilon))[0].float()}
+        layer = lean.layers[seg.end]
+        x = x + self._attention(seg.end, x, cos, sin, cache.layers[seg.end], positions, visible)
+        post = layer.post_attention_layernorm
+        h = rms_norm(x, post.weight, post.variance_epsilon)[0]  # [T, H]
+        out = {"x": x, "h": h, "shared": None, "weights": None, "experts": None}
+        mlp = layer.mlp
+        if _splits(mlp):
+            _, out["weights"], out["experts"] = mlp.gate(h)  # [T, k] each
+            if hasattr(mlp, "shared_expert"):
+                out["shared"] = (F.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h))[None]  # [1, T, H]
+        return out
+
+    def _experts(self, i: int, out: dict) -> torch.Tensor:
+        """Layer i's routed experts on the segment's outputs (eager: the runtime's decisions and tiers) -> [T, H]."""
+        mlp = self.lean.layers[i].mlp
+        if out["experts"] is not None:
+            return mlp.experts(out["h"], out["experts"], out["weights"])
+        return mlp.forward(out["h"][None])[0]
+
+    def _layer(self, i: int, x, cos, sin, layer_cache, positions, visible) -> torch.Tensor:
+        layer = self.lean.layers[i]
+        x = x + self._attention(i, x, cos, sin, layer_cache, positions, visible)
+        post = layer.post_attention_layernorm
+        return x + layer.mlp.forward(rms_norm(x, post.weight, post.variance_epsilon))
+
+    def _attention(self, i: int, x, cos, sin, layer_cache, positions, visible) -> torch.Tensor:
+        """Layer i's attention sublayer on x [1, T, H]: its entries written at `positions`, every slot of the buffer
+        read, those past each query masked out -> [1, T, H]."""
+        lean, a = self.lean, self.lean.layers[i].self_attn
+        norm = lean.layers[i].input_layernorm
+        h = rms_norm(x, norm.weight, norm.variance_epsilon)
+        T, hd = h.shape[1], a.head_dim
+        q, k, v = (lean._joint_qkv(a, lean.qkv[i], h, cos, sin, i) if lean.joint[i]
+                   else lean._qkv(a, lean.qkv[i], h, cos, sin))  # [1, H_q|H_kv, T, D]
+        keys, values = layer_cache._k, layer_cache._v  # [1, H_kv, C, D]
+        keys.index_copy_(2, positions, k.to(keys.dtype))
+        values.index_copy_(2, positions, v.to(values.dtype))
+        groups = q.shape[1] // keys.shape[1]
+        # query heads kv·G .. kv·G+G-1 read KV head kv (transformers' repeat_kv): [1, H_kv, G·T, D], mask [G·T, C]
+        qg = q.to(keys.dtype).reshape(1, keys.shape[1], groups * T, hd)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible.repeat(groups, 1), scale=a.scaling)
+        o = o.view(1, q.shape[1], T, hd).transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H_q·D]
+        return a.o_proj.forward(o)

@@ -1,0 +1,127 @@
+"""The static-shape passes CUDA graphs capture (engine/model/graph_decode.py): on the CPU they run eagerly and must give
+transformers' logits within rounding, its greedy tokens, and the same KV entries, across buffer growth, rewinds and
+passes too long to capture; on a GPU (marked) the captured replays must give the eager passes' bits."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy, run_engine
+
+from moechat.engine.config import EngineConfig
+from moechat.engine.model import graph_decode, kv_cache, loader
+from moechat.engine.model.graph_decode import MAX_GRAPH_POSITIONS, GraphedDecode, segments
+from moechat.engine.model.kv_cache import hf_forward
+from moechat.engine.model.lean_decode import LeanForward
+from moechat.engine.speculative import drafters, rewind
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+
+
+def _graphed(m, capture: bool = False) -> GraphedDecode:
+    return GraphedDecode(LeanForward(m.hf, m.context_len, native=False), capture=capture)
+
+
+def _passes(m, steps, past: int, seed: int = 0):
+    """Prefill `past` tokens into two caches, then the same passes through transformers and m.lean, with one rewind
+    midway -> [(logits of transformers, of m.lean)] per pass; asserts the KV entries agree after each."""
+    gen = torch.Generator().manual_seed(seed)
+    hf_cache, cache = m.new_kv_cache(), m.new_kv_cache()
+    prompt = torch.randint(0, 300, (1, past), generator=gen).to(m.device)
+    out = []
+    with torch.inference_mode():
+        for c in (hf_cache, cache):
+            with m.runtime.forward("prefill", 0):
+                hf_forward(m.hf, prompt, c, 1)
+        for n, T in enumerate(steps):
+            if n == len(steps) // 2:  # rejected drafts: both caches drop 3 entries
+                for c in (hf_cache, cache):
+                    rewind.rewind_cache(c, c.get_seq_length() - 3)
+            ids = torch.randint(0, 300, (1, T), generator=gen).to(m.device)
+            start = hf_cache.get_seq_length()
+            with m.runtime.forward("verify", start):
+                expected = hf_forward(m.hf, ids, hf_cache, T)[0].float()
+            with m.runtime.forward("verify", start):
+                got = m.forward(ids, cache, T)
+            for a, b in zip(hf_cache.layers, cache.layers, strict=True):
+                assert a.length == b.length
+                assert all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in ((a.keys, b.keys), (a.values, b.values)))
+            out.append((expected, got))
+    return out
+
+
+def test_segments_split_at_each_moe_layer(checkpoint, draft_dir):
+    m = loader.load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe"))))
+    cuts = segments(m.lean.layers)
+    assert [(s.first, s.end, s.moe) for s in cuts] == [(0, 0, True), (1, 2, True), (3, 3, False)]  # layer 1 is dense
+    draft = drafters.DraftModel(str(draft_dir), m, lean=False)
+    assert [(s.first, s.end, s.moe) for s in segments(draft.model.model.layers)] == [(0, 1, False)]  # one graph
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_passes_match_transformers(family, dtype, checkpoint):
+    m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32)), dtype=dtype))
+    m.lean = _graphed(m)
+    # decode, verification, growth past the first 256-slot buffer, a pass too long to capture (eager lean)
+    steps = (1, 5, 1, 3, MAX_GRAPH_POSITIONS + 4, 5, 1, 5)
+    for expected, got in _passes(m, steps, past=240):
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        err = (got - expected).abs().max().item()
+        assert err <= (1e-5 if dtype == "float32" else 2e-2) * expected.abs().max().item(), f"max diff {err}"
+        if dtype == "float32":
+            assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert m.lean.buffers[1].key[0] == 512  # the buffers grew once, and the passes after it read the new ones
+
+
+def test_masked_slots_hold_zeros_after_growth():
+    layer = kv_cache.GrowingLayer()
+    k = torch.randn(1, 2, 3, 4)
+    layer.update(k, k.clone())
+    layer.reserve(300)
+    assert layer.capacity() == 512 and torch.equal(layer._k[:, :, 3:], torch.zeros(1, 2, 509, 4))
+
+
+@pytest.mark.parametrize("drafter", ["none", "self", "draft"])
+def test_engine_with_static_passes_equals_transformers_greedy(drafter, checkpoint, draft_dir, tokenizer, monkeypatch):
+    """The engine's greedy tokens, every decode, verification and draft pass through the static segments."""
+    made = []
+
+    def build(hf, device, context_len):
+        made.append(GraphedDecode(LeanForward(hf, context_len, native=False), capture=False))
+        return made[-1]
+
+    monkeypatch.setattr(loader, "build_lean_forward", build)
+    monkeypatch.setattr(drafters, "build_lean_forward", build)
+    monkeypatch.setattr(drafters, "router_feed", lambda draft, target: None)  # the feed's hooks keep transformers' forward
+    model_dir = checkpoint("qwen3_moe")
+    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
+    name = str(draft_dir) if drafter == "draft" else drafter
+    done = run_engine(model_dir, prompt, drafter=name, expert_cache_ratio=0.5)
+    assert done.token_ids == hf_greedy(model_dir, prompt)
+    assert len(made) == 1 + (drafter == "draft") and all(g.buffers for g in made)  # every model ran static passes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):
+    """On CUDA: the first pass of a length runs eagerly, the second captures, later ones replay; each gives the eager
+    path's bits, and the engine's greedy tokens equal transformers' on the GPU."""
+    cfg = EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32)), device="cuda", dtype="float32",
+                       expert_cache_ratio=0.5)
+    graphed, eager = loader.load_model(cfg), loader.load_model(cfg)
+    assert isinstance(graphed.lean, GraphedDecode) and graphed.lean.capture
+    eager.lean = _graphed(eager, capture=False)
+    steps = (1, 1, 1, 5, 5, 5, 1)
+    for (_, got), (_, want) in zip(_passes(graphed, steps, 12), _passes(eager, steps, 12), strict=True):
+        assert torch.equal(got, want)
+    assert graphed.lean.failed is None and len(graphed.lean.buffers[1].graphs) == len(graphed.lean.segments)
+    assert graph_decode.MAX_GRAPH_POSITIONS >= 5
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_keep_greedy_equal_with_a_drafter(checkpoint, tokenizer):
+    model_dir = checkpoint("qwen3_moe")
+    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
+    done = run_engine(model_dir, prompt, drafter="self", device="cuda", dtype="float32", expert_cache_ratio=0.5)
+    assert done.token_ids == hf_greedy(model_dir, prompt, device="cuda")
+
