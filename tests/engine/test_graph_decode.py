@@ -3,6 +3,8 @@ transformers' logits within rounding, its greedy tokens, and the same KV entries
 passes too long to capture; on a GPU (marked) the captured replays must give the eager passes' bits."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import hf_greedy, run_engine
@@ -15,6 +17,8 @@ from moechat.engine.model.lean_decode import LeanForward
 from moechat.engine.speculative import drafters, rewind
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+# traced ops that read a tensor's value on the host or shape a result by it
+HOST_READS = {"item", "tolist", "nonzero", "masked_select", "unique", "_assert_scalar", "_local_scalar_dense", "__bool__"}
 
 
 def _graphed(m, capture: bool = False) -> GraphedDecode:
@@ -79,6 +83,43 @@ def test_masked_slots_hold_zeros_after_growth():
     layer.update(k, k.clone())
     layer.reserve(300)
     assert layer.capacity() == 512 and torch.equal(layer._k[:, :, 3:], torch.zeros(1, 2, 509, 4))
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "llama", "qwen3"])
+def test_segments_trace_as_one_graph_each(family, checkpoint, tokenizer_dir, tmp_path):
+    """What a CUDA graph capture needs, checked on the CPU: each segment traces in full (torch.compile fullgraph: no
+    data-dependent Python, nothing that breaks a graph), and the traced ops hold none that reads a value back to the host
+    (a sync, which a capture refuses) or makes a shape from values."""
+    if family in FAMILIES:
+        m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32))))
+        model, new_cache, passes = m.hf, m.new_kv_cache, m.runtime.forward
+    else:
+        import tiny
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny.make_draft(tmp_path, tokenizer_dir, family=family)).eval()
+        new_cache, passes = kv_cache.KVCache, lambda phase, start: contextlib.nullcontext()
+    g = GraphedDecode(LeanForward(model, 512, native=False), capture=False)
+    cache = new_cache()
+    with torch.inference_mode():
+        with passes("prefill", 0):
+            hf_forward(model, torch.tensor([[1, 2, 3, 4]]), cache, 1)
+        with passes("verify", 4):
+            g(torch.tensor([[5, 6]]), cache, 1)
+        buf = g.buffers[2]
+        for s in range(len(g.segments)):
+            torch._dynamo.reset()
+            ops = []
+
+            def backend(gm, inputs, ops=ops):
+                ops.extend(str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes)
+                return gm.forward
+
+            traced = torch.compile(lambda s=s: g._segment(s, buf, cache), fullgraph=True, backend=backend)
+            assert set(traced()) == set(buf.out[s])
+            seg = g.segments[s]
+            assert ("index_copy_" in ops) == (seg.moe or seg.end > seg.first)  # KV entries written in the graph
+            assert not HOST_READS.intersection(ops), sorted(set(ops))
 
 
 @pytest.mark.parametrize("drafter", ["none", "self", "draft"])
