@@ -15,6 +15,7 @@ line in the log and the eager path for the rest of the session.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -75,8 +76,9 @@ class GraphedDecode:
         self.segments = segments(lean.layers)
         self.buffers: dict[int, PassBuffers] = {}  # per pass length
         self.failed: str | None = None  # why capturing stopped (the passes then run eagerly)
+        self.device = lean.base.embed_tokens.weight.device  # the model's GPU (not necessarily the current one)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.stream = torch.cuda.Stream() if capture else None
+        self.stream = torch.cuda.Stream(device=self.device) if capture else None
 
     def accepts(self, positions: int, past: int) -> bool:
         return self.lean.accepts(positions, past)
@@ -93,10 +95,11 @@ class GraphedDecode:
         capture = self.capture and self.failed is None and (buf.graphs or buf.seen >= 2)
         buf.ids.copy_(ids)
         buf.start.fill_(start)
-        for s, seg in enumerate(self.segments):
-            out = self._run(s, buf, cache, capture)
-            if seg.moe:
-                buf.y.copy_(self._experts(seg.end, out))
+        with torch.cuda.device(self.device) if self.capture else contextlib.nullcontext():  # replays: on the model's GPU
+            for s, seg in enumerate(self.segments):
+                out = self._run(s, buf, cache, capture)
+                if seg.moe:
+                    buf.y.copy_(self._experts(seg.end, out))
         for i in range(len(self.lean.layers)):
             cache.layers[i].advance(T)
         return buf.out[-1]["logits"][-keep:].clone()
@@ -143,15 +146,15 @@ class GraphedDecode:
 
     def _capture(self, s: int, buf: PassBuffers, cache):
         graph = torch.cuda.CUDAGraph()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):  # torch.cuda.graph without its per-capture synchronize and gc
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # torch.cuda.graph minus its synchronize and gc
             self._segment(s, buf, cache)  # warm-up on the capture stream (library workspaces); rewrites the same entries
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # the transfer threads copy on
             try:
                 out = self._segment(s, buf, cache)
             finally:
                 graph.capture_end()
-        torch.cuda.current_stream().wait_stream(self.stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return graph, out
 
     def _segment(self, s: int, buf: PassBuffers, cache) -> dict:
