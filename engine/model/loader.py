@@ -27,6 +27,7 @@ from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
 from .memory_estimate import MemoryEstimate, estimate_module
+from .mla import absorb_mla
 
 
 @dataclass
@@ -179,6 +180,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         use_float_kv_attention(hf)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
+    if cfg.lean_decode:
+        absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len, lean)
 

@@ -1,0 +1,87 @@
+"""DeepSeek-V2's multi-head latent attention for decode passes, with kv_b_proj absorbed into the query and the output.
+
+transformers (5.x) caches each position's compressed latent c [kv_lora_rank] and rotary key k_pe [rope], then, at
+every step, expands every cached position through kv_b_proj into per-head keys and values: O(context · kv_lora_rank
+· heads · (nope + v)) per layer per token, about 3 GMAC per layer at 1500 positions of DeepSeek-V2-Lite. DeepSeek's
+own trick (llama.cpp and vLLM run it) splits kv_b_proj per head into W_uk [nope, R] and W_uv [v, R] and moves them:
+    scores[h, t, s] = (q_nope[h, t] · W_uk[h]) · c[s] + q_pe[h, t] · k_pe[s]
+    out[h, t]       = W_uv[h] · Σ_s softmax(scaling · scores[h, t])[s] · c[s]
+O(T · heads · (context · (R + rope) + (nope + v) · R)) per layer. The cache holds the same entries, written the same
+way; passes longer than MAX_ABSORBED positions (a prefill) keep transformers' expansion, which costs less there.
+The products run in float32; logits equal transformers' within rounding (tests/engine/test_mla.py).
+"""
+from __future__ import annotations
+
+import torch
+
+MAX_ABSORBED = 16  # positions per pass: decode, verification, self-draft steps
+
+
+class AbsorbedMLA:
+    """A DeepseekV2Attention's forward: absorbed for a few positions after a cache, transformers' own otherwise."""
+
+    def __init__(self, attn):
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+
+        self.attn, self.hf_forward, self.rotary = attn, attn.forward, apply_rotary_emb
+        self._w: tuple[torch.Tensor, torch.Tensor] | None = None  # materialised (W_uk, W_uv) where kv_b_proj is not plain
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
+        if cache is None or hidden_states.shape[0] != 1 or hidden_states.shape[1] > MAX_ABSORBED:
+            return self.hf_forward(hidden_states, attention_mask=attention_mask, cache=cache,
+                                   position_embeddings=position_embeddings, **kwargs)
+        a, T = self.attn, hidden_states.shape[1]
+        if a.q_lora_rank is None:
+            q = a.q_proj(hidden_states)
+        else:
+            q = a.q_b_proj(a.q_a_layernorm(a.q_a_proj(hidden_states)))
+        q = q.view(1, T, -1, a.qk_head_dim).transpose(1, 2)  # [1, H, T, nope + rope]
+        q_nope, q_pe = torch.split(q, [a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+        kv_nope, k_pe = torch.split(a.kv_a_proj_with_mqa(hidden_states), [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+        latent = a.kv_a_layernorm(kv_nope).view(1, 1, T, a.kv_lora_rank)  # [1, 1, T, R]
+        q_pe, k_pe = self.rotary(q_pe, k_pe.view(1, 1, T, a.qk_rope_head_dim), position_embeddings.to(q_pe.device))
+        start = cache.get_seq_length(a.layer_idx)
+        latents, keys = cache.update(latent, k_pe, a.layer_idx)  # [1, 1, S, R], [1, 1, S, rope]: every position so far
+        w_uk, w_uv = self.weights()  # [H, nope, R], [H, v, R]
+        f = torch.float32
+        c = latents[0, 0].to(f)  # [S, R]
+        scores = torch.matmul(torch.matmul(q_nope.to(f), w_uk.to(f)), c.T)  # [1, H, T, S]
+        scores = scores + torch.matmul(q_pe.to(f), keys[0, 0].to(f).T)
+        if T > 1:  # causal after the past: query t sees positions up to start + t
+            visible = torch.ones(T, scores.shape[-1], dtype=torch.bool, device=scores.device).tril(start)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores * a.scaling, dim=-1)
+        out = torch.matmul(torch.matmul(probs, c), w_uv.to(f).transpose(-1, -2))  # [1, H, T, v]
+        out = out.transpose(1, 2).reshape(1, T, -1).to(hidden_states.dtype)  # [1, T, H·v]
+        return a.o_proj(out), None
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight per head, split: W_uk [H, nope, R] and W_uv [H, v, R]. A plain Linear's are views (cast in
+        the products); a quantized or bf16-narrowed one is materialised in float32 once."""
+        if self._w is not None:
+            return self._w
+        a, proj = self.attn, self.attn.kv_b_proj
+        plain = type(proj) is torch.nn.Linear and (proj.weight.dtype == torch.float32 or proj.weight.is_cuda)
+        if plain:
+            w = proj.weight.detach()
+        elif hasattr(proj, "weight_q"):  # quant/dense.QuantLinear
+            from ..quant import formats
+
+            w = formats.dequantize(proj.weight_q)
+        else:
+            w = proj.weight.detach().float()
+        w = w.view(-1, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)  # [H, nope + v, R]
+        split = w[:, : a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
+        if not plain:
+            self._w = split
+        return split
+
+
+def absorb_mla(hf) -> int:
+    """Give every DeepseekV2Attention of `hf` the absorbed decode -> how many."""
+    count = 0
+    for module in hf.modules():
+        if type(module).__name__ == "DeepseekV2Attention" and not isinstance(module.forward, AbsorbedMLA):
+            module.forward = AbsorbedMLA(module)
+            count += 1
+    return count

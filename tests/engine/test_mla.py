@@ -1,0 +1,82 @@
+"""DeepSeek-V2's absorbed latent attention (engine/model/mla.py): decode and verification passes give transformers'
+logits within rounding, write the same cache entries, never expand the cache through kv_b_proj, and keep the engine's
+greedy output equal to transformers' (with quantized dense layers: equal to the expansion through the dequantized
+kv_b_proj)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import hf_greedy, run_engine
+
+from moechat.engine.config import EngineConfig
+from moechat.engine.model.kv_cache import hf_forward
+from moechat.engine.model.loader import load_model
+from moechat.engine.model.mla import MAX_ABSORBED, AbsorbedMLA
+from moechat.engine.quant import formats
+from moechat.engine.speculative.rewind import rewind_cache
+
+STEPS = (1, 5, 1, 3, MAX_ABSORBED + 4, 1)  # decode, verification, a pass long enough for transformers' expansion
+
+
+def _expansions(m) -> list[int]:
+    """Counts kv_b_proj calls (transformers' per-step expansion of the cache)."""
+    calls = [0]
+    for layer in m.hf.model.layers:
+        layer.self_attn.kv_b_proj.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def _dequantized(proj, dtype: str) -> torch.nn.Linear:
+    linear = torch.nn.Linear(proj.in_features, proj.out_features, bias=False)
+    linear.weight.data = formats.dequantize(proj.weight_q).to(getattr(torch, dtype))
+    return linear
+
+
+@pytest.mark.parametrize(("dtype", "quant"), [("float32", "none"), ("float32", "int8"), ("bfloat16", "none")])
+def test_absorbed_passes_match_the_expanded_ones(dtype, quant, checkpoint):
+    absorbed = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype=dtype, quant=quant))
+    expanded = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype=dtype, quant=quant, lean_decode=False))
+    assert all(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in absorbed.hf.model.layers)
+    assert not any(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in expanded.hf.model.layers)
+    if quant != "none":  # absorbed, a quantized kv_b_proj acts through its dequantized weight (no activation to quantize)
+        for layer in expanded.hf.model.layers:
+            layer.self_attn.kv_b_proj = _dequantized(layer.self_attn.kv_b_proj, dtype)
+    calls = _expansions(absorbed)
+    gen = torch.Generator().manual_seed(0)
+    caches = [m.new_kv_cache() for m in (absorbed, expanded)]
+    prompt = torch.randint(0, 300, (1, 12), generator=gen)
+    with torch.inference_mode():
+        for m, cache in zip((absorbed, expanded), caches, strict=True):
+            with m.runtime.forward("prefill", 0):
+                hf_forward(m.hf, prompt, cache, 1)
+        # quantized: the long pass would expand through the quantized kv_b_proj (activations quantized), the reference
+        # through its dequantized weight, so the comparison stops before it
+        for n, T in enumerate(STEPS if quant == "none" else STEPS[:4]):
+            if n == 3:  # rejected drafts
+                for cache in caches:
+                    rewind_cache(cache, cache.get_seq_length() - 2)
+            ids = torch.randint(0, 300, (1, T), generator=gen)
+            before = calls[0]
+            logits = []
+            for m, cache in zip((absorbed, expanded), caches, strict=True):
+                with m.runtime.forward("verify", cache.get_seq_length()):
+                    logits.append(m.forward(ids, cache, T))
+            assert (calls[0] == before) == (T <= MAX_ABSORBED)  # absorbed passes never expand the cache
+            got, want = logits
+            err = (got - want).abs().max().item()
+            assert err <= (1e-5 if dtype == "float32" else 3e-2) * want.abs().max().item(), f"T={T}: max diff {err}"
+            if dtype == "float32":
+                assert torch.equal(got.argmax(-1), want.argmax(-1))
+            # the latents are written as transformers writes them (from layer inputs within rounding: bf16's, or an
+            # activation code of the quantized layers)
+            tol = 3e-2 if dtype == "bfloat16" else 1e-5 if quant == "none" else 1e-3
+            for a, b in zip(*(c.layers for c in caches), strict=True):
+                assert all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in ((a.keys, b.keys), (a.values, b.values)))
+
+
+@pytest.mark.parametrize("drafter", ["none", "self"])
+def test_engine_greedy_equals_transformers_with_absorbed_attention(drafter, checkpoint, tokenizer):
+    model_dir = checkpoint("deepseek_v2")
+    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
+    done = run_engine(model_dir, prompt, drafter=drafter, expert_cache_ratio=0.5)
+    assert done.token_ids == hf_greedy(model_dir, prompt)
