@@ -59,12 +59,17 @@ def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
+KEPT = "kv_b_proj"  # MLA's latent expansion: its decode folds it into the query and the output (model/mla.py)
+
+
 def dense_linears(hf):
-    """(name, module) of every nn.Linear that may be held in bf16: all but the routers and a head tied to the embeddings."""
+    """(name, module) of every nn.Linear that may be held in bf16: all but the routers, a head tied to the embeddings and
+    MLA's kv_b_proj (mla.py reads it per head in the compute dtype)."""
     routers = {id(layer.mlp.gate) for layer in hf.model.layers if hasattr(getattr(layer, "mlp", None), "experts")}
     head = hf.get_output_embeddings() if getattr(hf.config, "tie_word_embeddings", False) else None
     for name, module in hf.named_modules():
-        if type(module) is torch.nn.Linear and id(module) not in routers and module is not head:
+        if (type(module) is torch.nn.Linear and id(module) not in routers and module is not head
+                and not name.endswith(KEPT)):
             yield name, module
 
 

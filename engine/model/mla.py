@@ -56,23 +56,16 @@ class AbsorbedMLA:
         return a.o_proj(out), None
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj's weight per head, split: W_uk [H, nope, R] and W_uv [H, v, R]. A plain Linear's are views (cast in
-        the products); a quantized or bf16-narrowed one is materialised in float32 once."""
+        """kv_b_proj's weight per head, split: W_uk [H, nope, R] and W_uv [H, v, R]: views of a float32 weight or of one on
+        a GPU (cast in the products; kv_b_proj is never narrowed or quantized, bf16_linear.KEPT); a half-precision one on
+        the CPU (--dtype bfloat16) is widened once, not per step."""
         if self._w is not None:
             return self._w
-        a, proj = self.attn, self.attn.kv_b_proj
-        plain = type(proj) is torch.nn.Linear and (proj.weight.dtype == torch.float32 or proj.weight.is_cuda)
-        if plain:
-            w = proj.weight.detach()
-        elif hasattr(proj, "weight_q"):  # quant/dense.QuantLinear
-            from ..quant import formats
-
-            w = formats.dequantize(proj.weight_q)
-        else:
-            w = proj.weight.detach().float()
-        w = w.view(-1, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)  # [H, nope + v, R]
+        a, w = self.attn, self.attn.kv_b_proj.weight.detach()
+        views = w.dtype == torch.float32 or w.is_cuda
+        w = (w if views else w.float()).view(-1, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)  # [H, nope + v, R]
         split = w[:, : a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
-        if not plain:
+        if not views:
             self._w = split
         return split
 

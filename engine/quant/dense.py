@@ -53,12 +53,12 @@ def layer_format(fmt: str, name: str, head: bool) -> str:
 
 def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
     """Swap every eligible nn.Linear of `hf` for a QuantLinear in `layer_format`. routers: id() of the router
-    modules, which stay as they are."""
+    modules, which stay as they are, as does MLA's kv_b_proj (its absorbed decode reads the weight per head)."""
     swaps = []
     for module in hf.modules():
         for child_name, child in module.named_children():
             if (type(child) is torch.nn.Linear and id(child) not in routers and child.out_features % formats.ROWS == 0
-                    and child.weight.device.type == "cpu"):
+                    and child.weight.device.type == "cpu" and child_name != "kv_b_proj"):  # MLA's: model/mla.py reads it
                 swaps.append((module, child_name, child))
     head = hf.get_output_embeddings()
     for parent, child_name, child in swaps:  # a tied head gets its own quantized copy; the embedding keeps its table

@@ -1,7 +1,6 @@
 """DeepSeek-V2's absorbed latent attention (engine/model/mla.py): decode and verification passes give transformers'
 logits within rounding, write the same cache entries, never expand the cache through kv_b_proj, and keep the engine's
-greedy output equal to transformers' (with quantized dense layers: equal to the expansion through the dequantized
-kv_b_proj)."""
+greedy output equal to transformers' (kv_b_proj is never quantized or narrowed: both paths read the same weight)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +11,6 @@ from moechat.engine.config import EngineConfig
 from moechat.engine.model.kv_cache import hf_forward
 from moechat.engine.model.loader import load_model
 from moechat.engine.model.mla import MAX_ABSORBED, AbsorbedMLA
-from moechat.engine.quant import formats
 from moechat.engine.speculative.rewind import rewind_cache
 
 STEPS = (1, 5, 1, 3, MAX_ABSORBED + 4, 1)  # decode, verification, a pass long enough for transformers' expansion
@@ -26,21 +24,13 @@ def _expansions(m) -> list[int]:
     return calls
 
 
-def _dequantized(proj, dtype: str) -> torch.nn.Linear:
-    linear = torch.nn.Linear(proj.in_features, proj.out_features, bias=False)
-    linear.weight.data = formats.dequantize(proj.weight_q).to(getattr(torch, dtype))
-    return linear
-
-
 @pytest.mark.parametrize(("dtype", "quant"), [("float32", "none"), ("float32", "int8"), ("bfloat16", "none")])
 def test_absorbed_passes_match_the_expanded_ones(dtype, quant, checkpoint):
     absorbed = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype=dtype, quant=quant))
     expanded = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype=dtype, quant=quant, lean_decode=False))
     assert all(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in absorbed.hf.model.layers)
     assert not any(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in expanded.hf.model.layers)
-    if quant != "none":  # absorbed, a quantized kv_b_proj acts through its dequantized weight (no activation to quantize)
-        for layer in expanded.hf.model.layers:
-            layer.self_attn.kv_b_proj = _dequantized(layer.self_attn.kv_b_proj, dtype)
+    assert all(type(layer.self_attn.kv_b_proj) is torch.nn.Linear for layer in absorbed.hf.model.layers)  # never quantized
     calls = _expansions(absorbed)
     gen = torch.Generator().manual_seed(0)
     caches = [m.new_kv_cache() for m in (absorbed, expanded)]
@@ -49,9 +39,7 @@ def test_absorbed_passes_match_the_expanded_ones(dtype, quant, checkpoint):
         for m, cache in zip((absorbed, expanded), caches, strict=True):
             with m.runtime.forward("prefill", 0):
                 hf_forward(m.hf, prompt, cache, 1)
-        # quantized: the long pass would expand through the quantized kv_b_proj (activations quantized), the reference
-        # through its dequantized weight, so the comparison stops before it
-        for n, T in enumerate(STEPS if quant == "none" else STEPS[:4]):
+        for n, T in enumerate(STEPS):
             if n == 3:  # rejected drafts
                 for cache in caches:
                     rewind_cache(cache, cache.get_seq_length() - 2)
