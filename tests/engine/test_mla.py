@@ -24,17 +24,21 @@ def _expansions(m) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("dtype", "quant"), [("float32", "none"), ("float32", "int8"), ("bfloat16", "none")])
-def test_absorbed_passes_match_the_expanded_ones(dtype, quant, checkpoint):
-    absorbed = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype=dtype, quant=quant))
-    expanded = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype=dtype, quant=quant, lean_decode=False))
+@pytest.mark.parametrize(("dtype", "quant", "device"), [
+    ("float32", "none", "cpu"), ("float32", "int8", "cpu"), ("bfloat16", "none", "cpu"),
+    pytest.param("float32", "none", "cuda", marks=pytest.mark.gpu),
+    pytest.param("bfloat16", "none", "cuda", marks=pytest.mark.gpu),
+])
+def test_absorbed_passes_match_the_expanded_ones(dtype, quant, device, checkpoint):
+    cfg = {"model_dir": str(checkpoint("deepseek_v2")), "dtype": dtype, "quant": quant, "device": device}
+    absorbed, expanded = load_model(EngineConfig(**cfg)), load_model(EngineConfig(**cfg, lean_decode=False))
     assert all(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in absorbed.hf.model.layers)
     assert not any(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in expanded.hf.model.layers)
     assert all(type(layer.self_attn.kv_b_proj) is torch.nn.Linear for layer in absorbed.hf.model.layers)  # never quantized
     calls = _expansions(absorbed)
     gen = torch.Generator().manual_seed(0)
     caches = [m.new_kv_cache() for m in (absorbed, expanded)]
-    prompt = torch.randint(0, 300, (1, 12), generator=gen)
+    prompt = torch.randint(0, 300, (1, 12), generator=gen).to(device)
     with torch.inference_mode():
         for m, cache in zip((absorbed, expanded), caches, strict=True):
             with m.runtime.forward("prefill", 0):
@@ -43,7 +47,7 @@ def test_absorbed_passes_match_the_expanded_ones(dtype, quant, checkpoint):
             if n == 3:  # rejected drafts
                 for cache in caches:
                     rewind_cache(cache, cache.get_seq_length() - 2)
-            ids = torch.randint(0, 300, (1, T), generator=gen)
+            ids = torch.randint(0, 300, (1, T), generator=gen).to(device)
             before = calls[0]
             logits = []
             for m, cache in zip((absorbed, expanded), caches, strict=True):
