@@ -83,7 +83,7 @@ def cmd_bench_generate(args) -> int:
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
         "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio,
-        "quant": engine.model.store.quant,
+        "quant": engine.model.store.quant, "decode_path": engine.model.decode_path(),
         "prompt_tokens": len(ids),
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"], **decode},
@@ -255,7 +255,7 @@ def _print_generate(result: dict, args, replay) -> None:
           f"fast tier {decode['device_ms_per_token']:.2f} ms/token"
           + (f"  (calibration predicts CPU experts {decode['calibrated_cpu_ms_per_token']:.2f})"
              if "calibrated_cpu_ms_per_token" in decode else ""))
-    print(f"scheduler unit costs: {result['costs']['source']}")
+    print(f"scheduler unit costs: {result['costs']['source']}  decode path: {result['decode_path']}")
     if "hf" in result:
         same = result["same_tokens"]
         print(f"same greedy tokens: {same}", file=sys.stderr if same else sys.stdout)

@@ -27,7 +27,7 @@ from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
 from .memory_estimate import MemoryEstimate, estimate_module
-from .mla import absorb_mla
+from .mla import AbsorbedMLA, absorb_mla
 
 
 @dataclass
@@ -49,6 +49,21 @@ class LoadedModel:
         if self.lean is not None and self.lean.accepts(ids.shape[1], cache.get_seq_length()):
             return self.lean(ids, cache, keep)
         return hf_forward(self.hf, ids, cache, keep)[0].float()
+
+    def decode_path(self) -> str:
+        """Which forward runs the passes after the prompt, in a few words (bench reports)."""
+        lean = self.lean
+        if lean is None:
+            absorbed = any(isinstance(m.forward, AbsorbedMLA) for m in self.hf.modules() if "forward" in m.__dict__)
+            return "transformers" + (", latent attention absorbed" if absorbed else "")
+        if hasattr(lean, "buffers"):  # graph_decode.GraphedDecode
+            captured = sum(len(b.graphs) for b in lean.buffers.values())
+            return (f"static passes, eager (capture failed: {lean.failed})" if lean.failed else
+                    f"CUDA graphs, {captured} captured" if lean.capture else "static passes, eager")
+        stack = lean.stack  # its usable() asks the pass in progress; outside one, the runtime's standing conditions
+        if stack is not None and (stack.runtime is None or (stack.runtime.direct and stack.runtime.replay is None)):
+            return "lean, the layer stack in one native call"
+        return "lean, native ops" if lean.native else "lean, torch ops"
 
     @property
     def store(self) -> ExpertStore:

@@ -75,6 +75,7 @@ def test_static_passes_match_transformers(family, dtype, checkpoint):
         if dtype == "float32":
             assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert m.lean.buffers[1].key[0] == 512  # the buffers grew once, and the passes after it read the new ones
+    assert m.decode_path() == "static passes, eager"  # on CUDA: "CUDA graphs, N captured"
 
 
 def test_masked_slots_hold_zeros_after_growth():
@@ -156,6 +157,7 @@ def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):
     for (_, got), (_, want) in zip(_passes(graphed, steps, 12), _passes(eager, steps, 12), strict=True):
         assert torch.equal(got, want)
     assert graphed.lean.failed is None and len(graphed.lean.buffers[1].graphs) == len(graphed.lean.segments)
+    assert graphed.decode_path() == f"CUDA graphs, {2 * len(graphed.lean.segments)} captured"
     assert graph_decode.MAX_GRAPH_POSITIONS >= 5
 
 

@@ -140,6 +140,7 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
         pytest.skip(cpu_ffn.notice())
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WIDE.get(family, {}))), dtype="float32", quant=quant))
     assert m.lean.stack is not None and m.runtime.direct
+    assert m.decode_path() == "lean, the layer stack in one native call"  # what bench generate reports
     # int4's q/k/v: q in int4, k and v in int8 (quant/dense.py), two products the stack writes side by side
     assert all(len(qkv.parts) == (2 if quant == "int4" else 1) for qkv in m.lean.qkv if qkv is not None)
     gen = torch.Generator().manual_seed(1)

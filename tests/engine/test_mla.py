@@ -35,6 +35,7 @@ def test_absorbed_passes_match_the_expanded_ones(dtype, quant, device, checkpoin
     assert all(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in absorbed.hf.model.layers)
     assert not any(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in expanded.hf.model.layers)
     assert all(type(layer.self_attn.kv_b_proj) is torch.nn.Linear for layer in absorbed.hf.model.layers)  # never quantized
+    assert (absorbed.decode_path(), expanded.decode_path()) == ("transformers, latent attention absorbed", "transformers")
     calls = _expansions(absorbed)
     gen = torch.Generator().manual_seed(0)
     caches = [m.new_kv_cache() for m in (absorbed, expanded)]
