@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..experts import cpu_ffn
 from . import decode_ops
 from .checkpoint import Checkpoint
+from .mla import LATENT_EXPANSION
 
 # rows up to which the native kernel runs: every verification pass (γ + 1 <= 33, SpecConfig), so a row's bits never
 # depend on its company and speculative decoding stays lossless; a GEMM above (prefill)
@@ -59,9 +60,6 @@ def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-KEPT = "kv_b_proj"  # MLA's latent expansion: its decode folds it into the query and the output (model/mla.py)
-
-
 def dense_linears(hf):
     """(name, module) of every nn.Linear that may be held in bf16: all but the routers, a head tied to the embeddings and
     MLA's kv_b_proj (mla.py reads it per head in the compute dtype)."""
@@ -69,7 +67,7 @@ def dense_linears(hf):
     head = hf.get_output_embeddings() if getattr(hf.config, "tie_word_embeddings", False) else None
     for name, module in hf.named_modules():
         if (type(module) is torch.nn.Linear and id(module) not in routers and module is not head
-                and not name.endswith(KEPT)):
+                and not name.endswith(LATENT_EXPANSION)):
             yield name, module
 
 

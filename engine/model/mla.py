@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 
 MAX_ABSORBED = 16  # positions per pass: decode, verification, self-draft steps
+# the module the absorbed decode reads per head: never narrowed to bf16 (bf16_linear.py) nor quantized (quant/dense.py)
+LATENT_EXPANSION = "kv_b_proj"
 
 
 class AbsorbedMLA:
@@ -57,7 +59,7 @@ class AbsorbedMLA:
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight per head, split: W_uk [H, nope, R] and W_uv [H, v, R]: views of a float32 weight or of one on
-        a GPU (cast in the products; kv_b_proj is never narrowed or quantized, bf16_linear.KEPT); a half-precision one on
+        a GPU (cast in the products; see LATENT_EXPANSION); a half-precision one on
         the CPU (--dtype bfloat16) is widened once, not per step."""
         if self._w is not None:
             return self._w

@@ -17,6 +17,7 @@ import itertools
 import torch
 
 from ..experts import cpu_ffn
+from ..model.mla import LATENT_EXPANSION
 from . import formats
 
 # Dense layers are quantized at every load: int4 round-to-nearest, 20 times faster than the experts' fitted int4 (cached
@@ -58,7 +59,7 @@ def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
     for module in hf.modules():
         for child_name, child in module.named_children():
             if (type(child) is torch.nn.Linear and id(child) not in routers and child.out_features % formats.ROWS == 0
-                    and child.weight.device.type == "cpu" and child_name != "kv_b_proj"):  # MLA's: model/mla.py reads it
+                    and child.weight.device.type == "cpu" and child_name != LATENT_EXPANSION):
                 swaps.append((module, child_name, child))
     head = hf.get_output_embeddings()
     for parent, child_name, child in swaps:  # a tied head gets its own quantized copy; the embedding keeps its table
