@@ -115,11 +115,9 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
 
 def _graph_check(m) -> dict:
     """The engine's passes after the prompt replayed captured graphs (the eager passes gave the tokens checked above)."""
-    graphed = m.lean if hasattr(m.lean, "buffers") else None
-    captured = sum(len(b.graphs) for b in graphed.buffers.values()) if graphed else 0
-    ok = graphed is not None and graphed.capture and graphed.failed is None and captured > 0
-    detail = (f"{captured} segment graphs captured and replayed" if ok else
-              f"capture failed: {graphed.failed}" if graphed is not None and graphed.failed else
+    captured, failed = getattr(m.lean, "captured", 0), getattr(m.lean, "failed", None)  # graph_decode.GraphedDecode's
+    ok = captured > 0 and failed is None
+    detail = (f"{captured} segment graphs captured and replayed" if ok else f"capture failed: {failed}" if failed else
               "no decode pass ran in a CUDA graph")
     return _row("graphs", ok, detail, "decoding still works without them (eagerly); " + REPORT)
 

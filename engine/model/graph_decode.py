@@ -83,6 +83,11 @@ class GraphedDecode:
     def accepts(self, positions: int, past: int) -> bool:
         return self.lean.accepts(positions, past)
 
+    @property
+    def captured(self) -> int:
+        """Segment graphs held now, over every pass length."""
+        return sum(len(b.graphs) for b in self.buffers.values())
+
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         T = ids.shape[1]
         if T > MAX_GRAPH_POSITIONS:

@@ -23,6 +23,7 @@ from .bf16_linear import narrow_linears
 from .checkpoint import Checkpoint
 from .config_file import read_config_dict
 from .families import Family, get_family
+from .graph_decode import GraphedDecode
 from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
@@ -56,10 +57,9 @@ class LoadedModel:
         if lean is None:
             absorbed = any(isinstance(m.forward, AbsorbedMLA) for m in self.hf.modules() if "forward" in m.__dict__)
             return "transformers" + (", latent attention absorbed" if absorbed else "")
-        if hasattr(lean, "buffers"):  # graph_decode.GraphedDecode
-            captured = sum(len(b.graphs) for b in lean.buffers.values())
+        if isinstance(lean, GraphedDecode):
             return (f"static passes, eager (capture failed: {lean.failed})" if lean.failed else
-                    f"CUDA graphs, {captured} captured" if lean.capture else "static passes, eager")
+                    f"CUDA graphs, {lean.captured} captured" if lean.capture else "static passes, eager")
         stack = lean.stack  # its usable() asks the pass in progress; outside one, the runtime's standing conditions
         if stack is not None and (stack.runtime is None or (stack.runtime.direct and stack.runtime.replay is None)):
             return "lean, the layer stack in one native call"

@@ -21,8 +21,8 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 HOST_READS = {"item", "tolist", "nonzero", "masked_select", "unique", "_assert_scalar", "_local_scalar_dense", "__bool__"}
 
 
-def _graphed(m, capture: bool = False) -> GraphedDecode:
-    return GraphedDecode(LeanForward(m.hf, m.context_len, native=False), capture=capture)
+def _graphed(hf, context_len: int, capture: bool = False) -> GraphedDecode:
+    return GraphedDecode(LeanForward(hf, context_len, native=False), capture=capture)
 
 
 def _passes(m, steps, past: int, seed: int = 0):
@@ -65,7 +65,7 @@ def test_segments_split_at_each_moe_layer(checkpoint, draft_dir):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_static_passes_match_transformers(family, dtype, checkpoint):
     m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32)), dtype=dtype))
-    m.lean = _graphed(m)
+    m.lean = _graphed(m.hf, m.context_len)
     # decode, verification, growth past the first 256-slot buffer, a pass too long to capture (eager lean)
     steps = (1, 5, 1, 3, MAX_GRAPH_POSITIONS + 4, 5, 1, 5)
     for expected, got in _passes(m, steps, past=240):
@@ -100,7 +100,7 @@ def test_segments_trace_as_one_graph_each(family, checkpoint, tokenizer_dir, tmp
 
         model = AutoModelForCausalLM.from_pretrained(tiny.make_draft(tmp_path, tokenizer_dir, family=family)).eval()
         new_cache, passes = kv_cache.KVCache, lambda phase, start: contextlib.nullcontext()
-    g = GraphedDecode(LeanForward(model, 512, native=False), capture=False)
+    g = _graphed(model, 512)
     cache = new_cache()
     with torch.inference_mode():
         with passes("prefill", 0):
@@ -129,7 +129,7 @@ def test_engine_with_static_passes_equals_transformers_greedy(drafter, checkpoin
     made = []
 
     def build(hf, device, context_len):
-        made.append(GraphedDecode(LeanForward(hf, context_len, native=False), capture=False))
+        made.append(_graphed(hf, context_len))
         return made[-1]
 
     monkeypatch.setattr(loader, "build_lean_forward", build)
@@ -152,7 +152,7 @@ def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):
                        expert_cache_ratio=0.5)
     graphed, eager = loader.load_model(cfg), loader.load_model(cfg)
     assert isinstance(graphed.lean, GraphedDecode) and graphed.lean.capture
-    eager.lean = _graphed(eager, capture=False)
+    eager.lean = _graphed(eager.hf, eager.context_len)
     steps = (1, 1, 1, 5, 5, 5, 1)
     for (_, got), (_, want) in zip(_passes(graphed, steps, 12), _passes(eager, steps, 12), strict=True):
         assert torch.equal(got, want)
