@@ -156,6 +156,57 @@ inline void linear(const float* x, const W* w, const float* b, int64_t T, int64_
         for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);
 }
 
+// linear() per group (attention head) g, each with its own inputs and weight: y[t, g, r] = x_g[t] · W_g[r], where
+// x_g[t] = x + g·x_g + t·x_t, W_g = w + g·w_g with rows K apart, y [T, G, R] contiguous. Every output is dot()'s or
+// dot4()'s lane, as in linear(), so its bits depend neither on T nor on G (MLA's absorbed heads, mla.py).
+template <typename W>
+inline void head_linear(const float* x, int64_t x_g, int64_t x_t, const W* w, int64_t w_g, int64_t T, int64_t G,
+                        int64_t R, int64_t K, float* y, int threads) {
+    const int64_t n = threads_for(threads, double(sizeof(W)) * T * G * R * K);
+    const int64_t quads = R / 4, tasks = G * quads;  // a task: one head's rows 4q..4q+3
+    const int64_t run = std::max<int64_t>(1, tasks / (4 * n));
+    std::atomic<int64_t> next{0};
+    g_pool->run(int(n), [&](int) {
+        for (int64_t a0; (a0 = next.fetch_add(run)) < tasks;)
+            for (int64_t a = a0; a < std::min(tasks, a0 + run); ++a) {
+                const int64_t g = a / quads, q = a % quads;
+                for (int64_t t = 0; t < T; ++t)
+                    dot4(x + g * x_g + t * x_t, w + g * w_g + 4 * q * K, K, K, y + (t * G + g) * R + 4 * q);
+            }
+    });
+    for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = 4 * quads; r < R; ++r)
+            for (int64_t t = 0; t < T; ++t) y[(t * G + g) * R + r] = dot(x + g * x_g + t * x_t, w + g * w_g + r * K, K);
+}
+
+// head_linear's other form, y[t, g, :] = x_g[t] · W_g with W_g [K, R] rows R apart (W_g = w + g·w_g): every output one
+// lane's sum over k = 0..K-1 in order, so its bits depend neither on T nor on G. A thread takes a head and streams its
+// rows once, each row added into the T outputs (in cache) of that head.
+template <typename W>
+inline void head_matmul(const float* x, int64_t x_g, int64_t x_t, const W* w, int64_t w_g, int64_t T, int64_t G,
+                        int64_t R, int64_t K, float* y, int threads) {
+    const int64_t n = threads_for(threads, double(sizeof(W)) * T * G * R * K), vecs = R / 8;
+    std::atomic<int64_t> next{0};
+    g_pool->run(int(n), [&](int) {
+        for (int64_t g; (g = next.fetch_add(1)) < G;) {
+            for (int64_t t = 0; t < T; ++t) std::fill_n(y + (t * G + g) * R, R, 0.f);
+            for (int64_t k = 0; k < K; ++k) {
+                const W* wk = w + g * w_g + k * R;
+                for (int64_t t = 0; t < T; ++t) {
+                    const float xk = x[g * x_g + t * x_t + k];
+                    float* yt = y + (t * G + g) * R;
+                    for (int64_t v = 0; v < vecs; ++v) {
+                        vec8 acc = load8(yt + 8 * v);
+                        acc += (vec8{} + xk) * load8(wk + 8 * v);
+                        __builtin_memcpy(yt + 8 * v, &acc, sizeof acc);
+                    }
+                    for (int64_t c = 8 * vecs; c < R; ++c) yt[c] = std::fma(xk, widen(wk[c]), yt[c]);
+                }
+            }
+        }
+    });
+}
+
 // x[t] += r[t] (r may be null), then y[t] = RMSNorm(x[t]) · w, for `rows` rows of n
 inline void add_rms_norm(float* x, const float* r, const float* w, float eps, int64_t rows, int64_t n, float* y) {
     for (int64_t t = 0; t < rows; ++t) {

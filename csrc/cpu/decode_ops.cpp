@@ -1,9 +1,9 @@
 // Decode-step pieces of a llama-like decoder layer on the CPU, for a few positions after a past
 // (engine/model/decode_ops.py: their PyTorch twins and the dispatch): the residual add fused with the
-// next RMSNorm, the MoE router's softmax top-k, and attention's core (Qwen3's q/k norm, rotary, the KV cache append, causal softmax
-// attention with grouped KV heads). Each query row is computed alone, in one fixed order, so a
-// position's bits do not depend on the call's other positions: a verification pass and the decode
-// steps it stands for agree bit for bit. fp32 throughout. Plain C ABI for ctypes.
+// next RMSNorm, the MoE router's softmax top-k, attention's core (Qwen3's q/k norm, rotary, the KV cache append, causal
+// softmax attention with grouped KV heads) and the per-head products of DeepSeek's absorbed latent attention. Each query
+// row is computed alone, in one fixed order, so a position's bits do not depend on the call's other positions: a
+// verification pass and the decode steps it stands for agree bit for bit. fp32 throughout. Plain C ABI for ctypes.
 
 #include "common.h"
 #include "pool.h"
@@ -113,3 +113,31 @@ API int moe_linear_bf16w(const float* x, const uint16_t* w, const float* b, int6
                          int64_t y_stride, int threads) {
     return linear_any(x, w, b, T, R, K, y, y_stride, threads);
 }
+
+namespace {
+// per-head products (decode_body.h): transposed, x · Wᵀ (head_linear), or not, x · W (head_matmul)
+template <typename W>
+int head_any(int transposed, const float* x, int64_t x_g, int64_t x_t, const W* w, int64_t w_g, int64_t T, int64_t G,
+             int64_t R, int64_t K, float* y, int threads) {
+    if (T <= 0 || G <= 0 || R <= 0 || K <= 0) return 1;
+    threads = std::max(1, threads);
+#ifdef MOE_X86
+    if (use_avx2())
+        return (transposed ? avx2::head_linear(x, x_g, x_t, w, w_g, T, G, R, K, y, threads)
+                           : avx2::head_matmul(x, x_g, x_t, w, w_g, T, G, R, K, y, threads)), 0;
+#endif
+    return (transposed ? portable::head_linear(x, x_g, x_t, w, w_g, T, G, R, K, y, threads)
+                       : portable::head_matmul(x, x_g, x_t, w, w_g, T, G, R, K, y, threads)), 0;
+}
+}  // namespace
+
+API int moe_head_f32(int transposed, const float* x, int64_t x_g, int64_t x_t, const float* w, int64_t w_g, int64_t T,
+                     int64_t G, int64_t R, int64_t K, float* y, int threads) {
+    return head_any(transposed, x, x_g, x_t, w, w_g, T, G, R, K, y, threads);
+}
+
+API int moe_head_bf16w(int transposed, const float* x, int64_t x_g, int64_t x_t, const uint16_t* w, int64_t w_g,
+                       int64_t T, int64_t G, int64_t R, int64_t K, float* y, int threads) {
+    return head_any(transposed, x, x_g, x_t, w, w_g, T, G, R, K, y, threads);
+}
+

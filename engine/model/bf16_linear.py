@@ -60,27 +60,28 @@ def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
-def dense_linears(hf):
-    """(name, module) of every nn.Linear that may be held in bf16: all but the routers, a head tied to the embeddings and
-    MLA's kv_b_proj (mla.py reads it per head in the compute dtype)."""
+def dense_linears(hf, quant: str = "none"):
+    """(name, module) of every nn.Linear that may be held in bf16: all but the routers and a head tied to the embeddings;
+    under quantized experts only MLA's kv_b_proj (quant/dense.py quantizes the others; mla.py reads that one per head)."""
     routers = {id(layer.mlp.gate) for layer in hf.model.layers if hasattr(getattr(layer, "mlp", None), "experts")}
     head = hf.get_output_embeddings() if getattr(hf.config, "tie_word_embeddings", False) else None
     for name, module in hf.named_modules():
         if (type(module) is torch.nn.Linear and id(module) not in routers and module is not head
-                and not name.endswith(LATENT_EXPANSION)):
+                and (quant == "none" or name.endswith(LATENT_EXPANSION))):
             yield name, module
 
 
 def narrow_linears(hf, ckpt: Checkpoint, family, device: torch.device, dtype: torch.dtype, quant: str) -> set[str]:
     """Turn the dense nn.Linear modules of a module tree (on meta, or loaded in float32 from the checkpoint: a draft
     model) into Bf16Linear where the checkpoint stores their weight in bf16 and the compute keeps it so
-    (cpu_ffn.keeps_bf16); -> the state-dict keys of those weights (the loader keeps them bf16). family None: the
-    checkpoint's keys are the module tree's (a plain transformers checkpoint)."""
-    if not cpu_ffn.keeps_bf16(device.type, dtype, quant):
+    (cpu_ffn.keeps_bf16; under quantized experts, only those dense_linears leaves unquantized); -> the state-dict keys of
+    those weights (the loader keeps them bf16). family None: the checkpoint's keys are the module tree's (a plain
+    transformers checkpoint)."""
+    if not cpu_ffn.keeps_bf16(device.type, dtype, "none"):
         return set()
     stored = {k if family is None else family.module_key(k): k for k in ckpt.keys()}  # module key -> checkpoint key
     narrowed = set()
-    for name, module in list(dense_linears(hf)):
+    for name, module in list(dense_linears(hf, quant)):
         key = f"{name}.weight"
         if key in stored and ckpt.dtype_name(stored[key]) == "BF16":
             module.__class__ = Bf16Linear

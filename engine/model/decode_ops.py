@@ -22,6 +22,7 @@ _I64, _P, _F, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_i
 _NORM_ARGS = [_P, _P, _P, _F, _I64, _I64, _P]
 _ROUTER_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT]
 _LINEAR_ARGS = [_P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT]
+_HEAD_ARGS = [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _INT]
 _ATTN_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _F, _P, _I64, _INT]
 
 
@@ -34,6 +35,8 @@ def library() -> ctypes.CDLL | None:
         lib.moe_router_topk.argtypes, lib.moe_router_topk.restype = _ROUTER_ARGS, ctypes.c_int
         lib.moe_linear_f32.argtypes, lib.moe_linear_f32.restype = _LINEAR_ARGS, ctypes.c_int
         lib.moe_linear_bf16w.argtypes, lib.moe_linear_bf16w.restype = _LINEAR_ARGS, ctypes.c_int
+        lib.moe_head_f32.argtypes, lib.moe_head_f32.restype = _HEAD_ARGS, ctypes.c_int
+        lib.moe_head_bf16w.argtypes, lib.moe_head_bf16w.restype = _HEAD_ARGS, ctypes.c_int
         lib._decode_typed = True
     return lib
 
@@ -86,6 +89,44 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if code:
         raise RuntimeError(f"native linear failed with code {code}")
     return out
+
+
+def head_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head products, one native call: x [G, T, K] fp32 (any strides, unit last) · weight [G, R, K]ᵀ (fp32 or bf16,
+    rows K apart, any head stride: views into a projection's weight need no copy) -> [T, G, R] contiguous fp32, each
+    output linear()'s fixed-order dot product: its bits depend neither on T nor on G."""
+    return _heads(x, weight, transposed=True)
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """head_linear's other form: x [G, T, K] · weight [G, K, R] (rows R apart, any head stride) -> [T, G, R], each
+    output one sum over k in order."""
+    return _heads(x, weight, transposed=False)
+
+
+def _heads(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    G, T, K = x.shape
+    R = weight.shape[1 if transposed else 2]
+    want = (G, R, K) if transposed else (G, K, R)
+    if x.stride(2) != 1 or tuple(weight.shape) != want or weight.stride(2) != 1 or weight.stride(1) != want[2]:
+        raise ValueError(f"per-head product: x {tuple(x.shape)}, weight {tuple(weight.shape)}: not [G, T, K] and {want}")
+    out = torch.empty(T, G, R, dtype=torch.float32)
+    fn = library().moe_head_bf16w if weight.dtype == torch.bfloat16 else library().moe_head_f32
+    code = fn(int(transposed), x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), weight.stride(0), T, G, R, K,
+              out.data_ptr(), torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"native per-head product failed with code {code}")
+    return out
+
+
+def head_linear_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """head_linear's twin: one batched matmul over the heads, the weight widened."""
+    return torch.matmul(x, weight.to(x.dtype).transpose(1, 2)).transpose(0, 1).contiguous()  # [T, G, R]
+
+
+def head_matmul_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """head_matmul's twin."""
+    return torch.matmul(x, weight.to(x.dtype)).transpose(0, 1).contiguous()  # [T, G, R]
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -192,9 +192,9 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
 
     hf = meta_model(hf_config)
     bf16_checkpoint = str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
-    if not (cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), quant)):
+    if not (cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), "none")):
         return estimate_module(hf, hf_config, dtype, context_len, draft, quant)
-    bf16 = sum(m.weight.numel() for _, m in dense_linears(hf))
+    bf16 = sum(m.weight.numel() for _, m in dense_linears(hf, quant))  # as the loader narrows (bf16_linear.py)
     return estimate_module(hf, hf_config, dtype, context_len, draft, quant, expert_dtype="bfloat16", bf16_params=bf16)
 
 

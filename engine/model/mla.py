@@ -8,14 +8,19 @@ own trick (llama.cpp and vLLM run it) splits kv_b_proj per head into W_uk [nope,
     out[h, t]       = W_uv[h] · Σ_s softmax(scaling · scores[h, t])[s] · c[s]
 O(T · heads · (context · (R + rope) + (nope + v) · R)) per layer. The cache holds the same entries, written the same
 way; passes longer than MAX_ABSORBED positions (a prefill) keep transformers' expansion, which costs less there.
-The products run in float32; logits equal transformers' within rounding (tests/engine/test_mla.py).
+The products run in float32; logits equal transformers' within rounding (tests/engine/test_mla.py). On a CPU the two
+per-head products are native (decode_ops.head_matmul, head_linear), reading kv_b_proj in place as stored: bf16 from a
+bf16 checkpoint, half the bytes of its fp32 widening (bf16_linear.py narrows it, under a quantized model too: it is
+never quantized).
 """
 from __future__ import annotations
 
 import torch
 
+from . import decode_ops
+
 MAX_ABSORBED = 16  # positions per pass: decode, verification, self-draft steps
-# the module the absorbed decode reads per head: never narrowed to bf16 (bf16_linear.py) nor quantized (quant/dense.py)
+# the module the absorbed decode reads per head: never quantized (quant/dense.py), narrowed to bf16 even under --quant
 LATENT_EXPANSION = "kv_b_proj"
 
 
@@ -26,7 +31,7 @@ class AbsorbedMLA:
         from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
 
         self.attn, self.hf_forward, self.rotary = attn, attn.forward, apply_rotary_emb
-        self._w: tuple[torch.Tensor, torch.Tensor] | None = None  # materialised (W_uk, W_uv) where kv_b_proj is not plain
+        self._widened: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_uk, W_uv) where read widened
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
         if cache is None or hidden_states.shape[0] != 1 or hidden_states.shape[1] > MAX_ABSORBED:
@@ -44,31 +49,35 @@ class AbsorbedMLA:
         q_pe, k_pe = self.rotary(q_pe, k_pe.view(1, 1, T, a.qk_rope_head_dim), position_embeddings.to(q_pe.device))
         start = cache.get_seq_length(a.layer_idx)
         latents, keys = cache.update(latent, k_pe, a.layer_idx)  # [1, 1, S, R], [1, 1, S, rope]: every position so far
-        w_uk, w_uv = self.weights()  # [H, nope, R], [H, v, R]
+        native = hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32 and decode_ops.available()
+        w_uk, w_uv = self.weights(native)
         f = torch.float32
+        if native:  # one native call per product, each output a fixed-order sum over the stored bytes (bits independent of T)
+            head_matmul, head_linear = decode_ops.head_matmul, decode_ops.head_linear
+        else:  # their twins: torch ops, in float32
+            head_matmul, head_linear = decode_ops.head_matmul_torch, decode_ops.head_linear_torch
+        q_latent = head_matmul(q_nope[0].to(f), w_uk).transpose(0, 1)  # [H, T, R]
         c = latents[0, 0].to(f)  # [S, R]
-        scores = torch.matmul(torch.matmul(q_nope.to(f), w_uk.to(f)), c.T)  # [1, H, T, S]
-        scores = scores + torch.matmul(q_pe.to(f), keys[0, 0].to(f).T)
+        scores = torch.matmul(q_latent, c.T) + torch.matmul(q_pe[0].to(f), keys[0, 0].to(f).T)  # [H, T, S]
         if T > 1:  # causal after the past: query t sees positions up to start + t
             visible = torch.ones(T, scores.shape[-1], dtype=torch.bool, device=scores.device).tril(start)
             scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores * a.scaling, dim=-1)
-        out = torch.matmul(torch.matmul(probs, c), w_uv.to(f).transpose(-1, -2))  # [1, H, T, v]
-        out = out.transpose(1, 2).reshape(1, T, -1).to(hidden_states.dtype)  # [1, T, H·v]
-        return a.o_proj(out), None
+        context = torch.matmul(torch.softmax(scores * a.scaling, dim=-1), c)  # [H, T, R]
+        out = head_linear(context, w_uv)  # [T, H, v]
+        return a.o_proj(out.reshape(1, T, -1).to(hidden_states.dtype)), None
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj's weight per head, split: W_uk [H, nope, R] and W_uv [H, v, R]: views of a float32 weight or of one on
-        a GPU (cast in the products; see LATENT_EXPANSION); a half-precision one on
-        the CPU (--dtype bfloat16) is widened once, not per step."""
-        if self._w is not None:
-            return self._w
+    def weights(self, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight [H·(nope + v), R] per head: W_uk [H, nope, R] and W_uv [H, v, R], views of it where the
+        products read it as it is (native: fp32 or bf16; else float32, or on a GPU), else widened once (a half-precision
+        weight on the CPU without the native kernels, or with --dtype bfloat16)."""
+        if self._widened is not None and not native:
+            return self._widened
         a, w = self.attn, self.attn.kv_b_proj.weight.detach()
-        views = w.dtype == torch.float32 or w.is_cuda
+        views = native or w.dtype == torch.float32 or w.is_cuda
         w = (w if views else w.float()).view(-1, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)  # [H, nope + v, R]
         split = w[:, : a.qk_nope_head_dim], w[:, a.qk_nope_head_dim:]
         if not views:
-            self._w = split
+            self._widened = split
         return split
 
 

@@ -1,6 +1,7 @@
 """DeepSeek-V2's absorbed latent attention (engine/model/mla.py): decode and verification passes give transformers'
 logits within rounding, write the same cache entries, never expand the cache through kv_b_proj, and keep the engine's
-greedy output equal to transformers' (kv_b_proj is never quantized or narrowed: both paths read the same weight)."""
+greedy output equal to transformers' (kv_b_proj is never quantized: both paths read the same weight, a bf16
+checkpoint's in bf16)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from helpers import hf_greedy, run_engine
 
 from moechat.engine.config import EngineConfig
+from moechat.engine.model import decode_ops
 from moechat.engine.model.kv_cache import hf_forward
 from moechat.engine.model.loader import load_model
 from moechat.engine.model.mla import MAX_ABSORBED, AbsorbedMLA
@@ -24,19 +26,26 @@ def _expansions(m) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("dtype", "quant", "device"), [
-    ("float32", "none", "cpu"), ("float32", "int8", "cpu"), ("bfloat16", "none", "cpu"),
-    pytest.param("float32", "none", "cuda", marks=pytest.mark.gpu),
-    pytest.param("bfloat16", "none", "cuda", marks=pytest.mark.gpu),
+@pytest.mark.parametrize(("dtype", "quant", "device", "stored"), [
+    ("float32", "none", "cpu", None), ("float32", "int8", "cpu", None), ("bfloat16", "none", "cpu", None),
+    ("float32", "none", "cpu", torch.bfloat16), ("float32", "int4", "cpu", torch.bfloat16),
+    pytest.param("float32", "none", "cuda", None, marks=pytest.mark.gpu),
+    pytest.param("bfloat16", "none", "cuda", None, marks=pytest.mark.gpu),
 ])
-def test_absorbed_passes_match_the_expanded_ones(dtype, quant, device, checkpoint):
-    cfg = {"model_dir": str(checkpoint("deepseek_v2")), "dtype": dtype, "quant": quant, "device": device}
+def test_absorbed_passes_match_the_expanded_ones(dtype, quant, device, stored, checkpoint, monkeypatch):
+    cfg = {"model_dir": str(checkpoint("deepseek_v2", dtype=stored)), "dtype": dtype, "quant": quant, "device": device}
     absorbed, expanded = load_model(EngineConfig(**cfg)), load_model(EngineConfig(**cfg, lean_decode=False))
     assert all(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in absorbed.hf.model.layers)
     assert not any(isinstance(layer.self_attn.forward, AbsorbedMLA) for layer in expanded.hf.model.layers)
-    assert all(type(layer.self_attn.kv_b_proj) is torch.nn.Linear for layer in absorbed.hf.model.layers)  # never quantized
+    for layer in absorbed.hf.model.layers:  # never quantized; a bf16 checkpoint's stays bf16, under --quant too
+        kv_b = layer.self_attn.kv_b_proj
+        assert isinstance(kv_b, torch.nn.Linear) and kv_b.weight.dtype == (stored or getattr(torch, dtype))
     assert (absorbed.decode_path(), expanded.decode_path()) == ("transformers, latent attention absorbed", "transformers")
     calls = _expansions(absorbed)
+    read = []  # the weight dtypes the native per-head products read
+    for name in ("head_matmul", "head_linear"):
+        native = getattr(decode_ops, name)
+        monkeypatch.setattr(decode_ops, name, lambda x, w, f=native: read.append(w.dtype) or f(x, w))
     gen = torch.Generator().manual_seed(0)
     caches = [m.new_kv_cache() for m in (absorbed, expanded)]
     prompt = torch.randint(0, 300, (1, 12), generator=gen).to(device)
@@ -65,6 +74,8 @@ def test_absorbed_passes_match_the_expanded_ones(dtype, quant, device, checkpoin
             tol = 3e-2 if dtype == "bfloat16" else 1e-5 if quant == "none" else 1e-3
             for a, b in zip(*(c.layers for c in caches), strict=True):
                 assert all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in ((a.keys, b.keys), (a.values, b.values)))
+    if device == "cpu" and dtype == "float32" and decode_ops.available():  # natively, on kv_b_proj's stored bytes
+        assert read and set(read) == {stored or torch.float32}
 
 
 @pytest.mark.parametrize("drafter", ["none", "self"])

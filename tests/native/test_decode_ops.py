@@ -172,3 +172,39 @@ def test_linear_rows_in_fours_equal_rows_alone(dtype):
     y = decode_ops.linear(x, w)
     for r in range(11):
         assert torch.equal(decode_ops.linear(x, w[r:r + 1].contiguous()), y[:, r:r + 1]), r
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,G,R,K", [(1, 16, 512, 128), (5, 3, 130, 37), (9, 2, 6, 200)])  # tails: R % 64, K % 16
+@pytest.mark.parametrize("transposed", [True, False])
+def test_per_head_products_equal_their_twins_on_strided_views(transposed, dtype, T, G, R, K):
+    """MLA's per-head products read views: the queries' nope part of [T, H, nope + rope], W_uk and W_uv inside
+    kv_b_proj's weight. Each equals its batched-matmul twin; each (t, head) row equals that row and head computed alone,
+    so its bits depend on neither T nor the other heads; bf16 weights give their fp32 widening's bits."""
+    gen = torch.Generator().manual_seed(T * R + K)
+    x = torch.randn(T, G, K + 3, generator=gen).transpose(0, 1)[..., :K]  # [G, T, K], strides (K + 3, G·(K + 3), 1)
+    if transposed:
+        w = torch.randn(G, R + 2, K, generator=gen).to(dtype)[:, 1:R + 1]  # [G, R, K], head stride (R + 2)·K
+        fn, twin = decode_ops.head_linear, decode_ops.head_linear_torch
+    else:
+        w = torch.randn(G, K + 2, R, generator=gen).to(dtype)[:, 1:K + 1]  # [G, K, R], head stride (K + 2)·R
+        fn, twin = decode_ops.head_matmul, decode_ops.head_matmul_torch
+    y = fn(x, w)
+    assert y.shape == (T, G, R) and y.is_contiguous()
+    torch.testing.assert_close(y, twin(x, w), rtol=1e-5, atol=1e-5 * K ** 0.5)
+    assert torch.equal(y, fn(x, w.float()))
+    for t in range(T):
+        for g in range(G):
+            assert torch.equal(fn(x[g:g + 1, t:t + 1], w[g:g + 1]), y[t:t + 1, g:g + 1]), (t, g)
+
+
+def test_per_head_products_refuse_what_they_cannot_read():
+    x, w = torch.randn(2, 3, 8), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="not"):
+        decode_ops.head_linear(x, w.transpose(1, 2).contiguous().transpose(1, 2))  # rows not K apart
+    with pytest.raises(ValueError, match="not"):
+        decode_ops.head_linear(x, torch.randn(3, 4, 8))  # 3 weight heads for 2 input heads
+    with pytest.raises(ValueError, match="not"):
+        decode_ops.head_matmul(x, w)  # [G, R, K] where [G, K, R] is read
+    assert decode_ops.library().moe_head_f32(1, 0, 0, 0, 0, 0, 1, 2, 0, 8, 0, 1) == 1  # no rows
+

@@ -45,6 +45,15 @@ def test_speculative_equals_plain_decoding_of_the_quantized_model(family, fmt, c
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_speculative_equals_plain_decoding_with_mla_read_in_bf16(fmt, checkpoint):
+    """A bf16 DeepSeek checkpoint under quantized experts keeps kv_b_proj in bf16, which the absorbed decode reads per
+    head natively: verification passes and decode steps still agree token for token."""
+    ck = checkpoint("deepseek_v2", dtype=torch.bfloat16)
+    plain = run_engine(ck, PROMPT_IDS, NEW, quant=fmt).token_ids
+    assert run_engine(ck, PROMPT_IDS, NEW, quant=fmt, drafter="self").token_ids == plain
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_draft_model_is_lossless_on_the_quantized_model(fmt, checkpoint, draft_dir):
     ck = checkpoint("qwen3_moe")
     plain = run_engine(ck, PROMPT_IDS, NEW, quant=fmt).token_ids
