@@ -110,27 +110,142 @@ inline float exp_nonpositive(float x) {
     return y;
 }
 
-// o[D] = softmax(scale · K q)ᵀ V over the first `keys` rows of K, V [keys, D] (rows `stride` floats apart)
-inline void attend_row(const float* q, const float* K, const float* V, int64_t stride, int64_t keys, int64_t D,
-                       float scale, float* scores, float* o) {
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+
+// exp_nonpositive in 8 lanes: the same steps, lane by lane
+inline vec8 exp_nonpositive8(vec8 x) {
+    x = x < -87.f ? vec8{} - 87.f : x;
+    const vec8 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0.f ? vec8{} - 0.5f : vec8{} + 0.5f),
+                                                                   ivec8), vec8);
+    const vec8 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    vec8 p = vec8{} + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    ivec8 bits;
+    __builtin_memcpy(&bits, &p, sizeof bits);
+    bits += __builtin_convertvector(n, ivec8) << 23;
+    __builtin_memcpy(&p, &bits, sizeof p);
+    return p;
+}
+
+// a vector's lanes summed as a tree in one fixed order
+inline float hsum8(vec8 v) {
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+// p[0..n) = exp(p - max), in place -> 1 / their sum; whole vectors in 8 lanes (the sum: 8 running lanes, then hsum8),
+// the last n % 8 entries alone: which path an entry takes depends on n alone, so a row's bits do not
+inline float softmax_row(float* p, int64_t n) {
+    vec8 top8 = vec8{} - INFINITY, sum8 = {};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const vec8 x = load8(p + j);
+        top8 = x > top8 ? x : top8;
+    }
     float top = -INFINITY;
-    for (int64_t j = 0; j < keys; ++j) {
-        scores[j] = dot(q, K + j * stride, D) * scale;
-        top = std::max(top, scores[j]);
+    for (int l = 0; l < 8; ++l) top = std::max(top, top8[l]);
+    for (int64_t m = j; m < n; ++m) top = std::max(top, p[m]);
+    for (j = 0; j + 8 <= n; j += 8) {
+        const vec8 e = exp_nonpositive8(load8(p + j) - top);
+        __builtin_memcpy(p + j, &e, sizeof e);
+        sum8 += e;
     }
-    float total = 0.f;
-    for (int64_t j = 0; j < keys; ++j) {
-        scores[j] = exp_nonpositive(scores[j] - top);
+    float total = hsum8(sum8);
+    for (; j < n; ++j) total += (p[j] = exp_nonpositive(p[j] - top));
+    return 1.f / total;
+}
+
+
+// out[i·NK + j] = a[i] · b[j·stride..] over n, for NR rows a[i] and NK rows of b: each one 8-lane chain, summed by
+// hsum8, then the scalar tail, so every (i, j) has the bits of a 1 × 1 block whatever its company
+template <int NR, int NK>
+inline void dot_block(const float* const* a, const float* b, int64_t stride, int64_t n, float* out) {
+    vec8 acc[NR][NK] = {};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        vec8 bv[NK];
+        for (int j = 0; j < NK; ++j) bv[j] = load8(b + j * stride + k);
+        for (int i = 0; i < NR; ++i) {
+            const vec8 av = load8(a[i] + k);
+            for (int j = 0; j < NK; ++j) acc[i][j] += av * bv[j];
+        }
     }
-    for (int64_t j = 0; j < keys; ++j) total += scores[j];
-    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-    for (int64_t j = 0; j < keys; ++j) {
-        const float p = scores[j];
-        const float* v = V + j * stride;
-        for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
+    for (int i = 0; i < NR; ++i)
+        for (int j = 0; j < NK; ++j) {
+            float s = hsum8(acc[i][j]);
+            for (int64_t m = k; m < n; ++m) s = std::fma(a[i][m], b[j * stride + m], s);
+            out[i * NK + j] = s;
+        }
+}
+
+// out[i·out_stride + 8v..] (NV vectors) += Σ_{s0 <= s < s1} p[i][s] · c[s·stride + 8v..] for NR rows: each output a
+// running sum over s in order, in registers within the call, in memory between calls (first: from 0)
+template <int NR, int NV>
+inline void weighted_block(const float* const* p, const float* c, int64_t stride, int64_t s0, int64_t s1, float* out,
+                           int64_t out_stride, bool first) {
+    vec8 acc[NR][NV];
+    for (int i = 0; i < NR; ++i)
+        for (int v = 0; v < NV; ++v) acc[i][v] = first ? vec8{} : load8(out + i * out_stride + 8 * v);
+    for (int64_t s = s0; s < s1; ++s) {
+        vec8 cv[NV];
+        for (int v = 0; v < NV; ++v) cv[v] = load8(c + s * stride + 8 * v);
+        for (int i = 0; i < NR; ++i) {
+            const vec8 pv = vec8{} + p[i][s];
+            for (int v = 0; v < NV; ++v) acc[i][v] += pv * cv[v];
+        }
     }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    for (int i = 0; i < NR; ++i) __builtin_memcpy(out + i * out_stride, acc[i], sizeof acc[i]);
+}
+
+// One KV head's attention: `rows` query rows q[r] (r = t·group + i) against keys 0..past+t of K and V [*, D] (rows D
+// apart), out[r] = softmax(scale · K q[r])ᵀ V. K and V are read once for every row (grouped query heads share them):
+// scores in blocks of 4 rows × 2 keys, sums in blocks of 4 rows × 16 columns over tiles of 512 keys. p [rows, S] scratch.
+inline void attend_group(const float* const* q, float* const* out, int64_t rows, int64_t group, int64_t past,
+                         const float* K, const float* V, int64_t D, float scale, float* const* p) {
+    const int64_t S = past + rows / group;
+    auto keys = [&](int64_t r) { return past + r / group + 1; };
+    float dots[8];
+    for (int64_t s = 0; s < S; s += 2) {
+        const int nk = S - s >= 2 ? 2 : 1;
+        for (int64_t r = 0; r < rows;) {
+            const int nr = rows - r >= 4 ? 4 : 1;
+            if (nr == 4 && nk == 2) dot_block<4, 2>(q + r, K + s * D, D, D, dots);
+            else if (nr == 4) dot_block<4, 1>(q + r, K + s * D, D, D, dots);
+            else if (nk == 2) dot_block<1, 2>(q + r, K + s * D, D, D, dots);
+            else dot_block<1, 1>(q + r, K + s * D, D, D, dots);
+            for (int i = 0; i < nr; ++i)
+                for (int j = 0; j < nk; ++j) p[r + i][s + j] = dots[i * nk + j] * scale;
+            r += nr;
+        }
+    }
+    std::vector<float> inv(rows);
+    for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_row(p[r], keys(r));
+    constexpr int64_t TILE = 512;
+    for (int64_t s0 = 0; s0 < S; s0 += TILE)
+        for (int64_t c0 = 0; c0 + 8 <= D; c0 += 16)
+            for (int64_t r = 0; r < rows;) {
+                // 4 rows at once where they are one position's heads (the same keys) and 16 columns remain
+                const int nr = r + 4 <= rows && keys(r) == keys(r + 3) && out[r + 3] == out[r] + 3 * D ? 4 : 1;
+                const int64_t s1 = std::min(keys(r), s0 + TILE);
+                if (s0 < s1) {
+                    if (c0 + 16 > D) weighted_block<1, 1>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
+                    else if (nr == 4) weighted_block<4, 2>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
+                    else weighted_block<1, 2>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
+                }
+                r += c0 + 16 > D ? 1 : nr;
+            }
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 8 * (D / 8); d < D; ++d) {  // the last D % 8 columns
+            float sum = 0.f;
+            for (int64_t s = 0; s < keys(r); ++s) sum = std::fma(p[r][s], V[s * D + d], sum);
+            out[r][d] = sum;
+        }
+        for (int64_t d = 0; d < D; ++d) out[r][d] *= inv[r];
+    }
 }
 
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
@@ -237,17 +352,22 @@ inline void attention_step(const AttentionStep& a, int threads) {
             std::memcpy(a.v_cache + slot, a.v + t * a.v_stride + g * D, D * sizeof(float));
         }
     }
-    // 2. query (h, t) attends to keys 0..past+t of its KV head; tasks head-major so a thread's heads share K and V
-    const int64_t tasks = a.Hq * a.T, keys = a.past + a.T;
-    const int64_t n = threads_for(threads, 8.0 * tasks * keys * D);  // each task reads its keys' K and V rows
-    g_pool->run(int(n), [&](int tid) {
-        std::vector<float> scores(keys);
-        for (int64_t task = tasks * tid / n; task < tasks * (tid + 1) / n; ++task) {
-            const int64_t h = task / a.T, t = task % a.T, g = h / group;
-            const float* K = a.k_cache + g * a.capacity * D;
-            const float* V = a.v_cache + g * a.capacity * D;
-            attend_row(a.q + t * a.q_stride + h * D, K, V, D, a.past + t + 1, D, a.scale, scores.data(),
-                       a.out + t * a.out_stride + h * D);
+    // 2. each KV head's query heads attend to keys 0..past+t together (K and V read once for the group); threads take KV
+    // heads, each row computed whole by one, so its bits depend neither on T nor on the thread count
+    const int64_t rows = group * a.T, S = a.past + a.T;
+    const int64_t n = threads_for(threads, 8.0 * a.Hkv * S * D);
+    std::atomic<int64_t> next{0};
+    g_pool->run(int(n), [&](int) {
+        std::vector<float> scores(rows * S);
+        std::vector<const float*> q(rows);
+        std::vector<float*> out(rows), p(rows);
+        for (int64_t g; (g = next.fetch_add(1)) < a.Hkv;) {
+            for (int64_t r = 0; r < rows; ++r) {  // row r: position r / group, query head g·group + r % group
+                const int64_t t = r / group, h = g * group + r % group;
+                q[r] = a.q + t * a.q_stride + h * D, out[r] = a.out + t * a.out_stride + h * D, p[r] = scores.data() + r * S;
+            }
+            attend_group(q.data(), out.data(), rows, group, a.past, a.k_cache + g * a.capacity * D,
+                         a.v_cache + g * a.capacity * D, D, a.scale, p.data());
         }
     });
 }

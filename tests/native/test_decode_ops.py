@@ -52,10 +52,12 @@ def test_attention_step_equals_its_twin(heads, kv_heads, head_dim, norms, T, pas
     assert torch.equal(native.values, twin.values)  # copied as they are
 
 
-def test_attention_rows_do_not_depend_on_the_pass():
-    """A verification of 5 positions gives the bits of the 5 decode steps it stands for."""
+@pytest.mark.parametrize("H,G,D,past", [(8, 2, 32, 20), (32, 4, 128, 700), (6, 2, 20, 515)])  # tiles of 512 keys, D % 16
+def test_attention_rows_do_not_depend_on_the_pass(H, G, D, past):
+    """A verification of 5 positions gives the bits of the 5 decode steps it stands for (rows of one KV head go in
+    blocks of 4 where they can; a row's path never changes its bits)."""
     gen = torch.Generator().manual_seed(1)
-    H, G, D, past, T = 8, 2, 32, 20, 5
+    T = 5
     keys, values = torch.randn(1, G, past, D, generator=gen), torch.randn(1, G, past, D, generator=gen)
     y = torch.randn(T, (H + 2 * G) * D, generator=gen)
     cos, sin = _tables(past, T, D)
@@ -71,6 +73,23 @@ def test_attention_rows_do_not_depend_on_the_pass():
                                               norm, norm, 1e-6, 0.2, D))
     assert torch.equal(whole, torch.cat(rows))
     assert torch.equal(one_pass.keys, steps.keys) and torch.equal(one_pass.values, steps.values)
+
+
+def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch):
+    """Threads take whole KV heads: 1, 2 or 3 threads give the same bits."""
+    gen = torch.Generator().manual_seed(2)
+    H, G, D, past, T = 32, 4, 128, 600, 5
+    keys, values = torch.randn(1, G, past, D, generator=gen), torch.randn(1, G, past, D, generator=gen)
+    y = torch.randn(T, (H + 2 * G) * D, generator=gen)
+    cos, sin = _tables(past, T, D)
+    nq, nk = H * D, G * D
+    outs = []
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        a = y.clone()
+        outs.append(decode_ops.attention_step(a[:, :nq], a[:, nq:nq + nk], a[:, nq + nk:], _layer(keys, values), cos, sin,
+                                              None, None, 1e-6, D ** -0.5, D))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 @pytest.mark.parametrize("rows,n", [(1, 2048), (5, 64), (3, 19)])
