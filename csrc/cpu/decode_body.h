@@ -203,7 +203,7 @@ inline void weighted_block(const float* const* p, const float* c, int64_t stride
 
 // One KV head's attention: `rows` query rows q[r] (r = t·group + i) against keys 0..past+t of K and V [*, D] (rows D
 // apart), out[r] = softmax(scale · K q[r])ᵀ V. K and V are read once for every row (grouped query heads share them):
-// scores in blocks of 4 rows × 2 keys, sums in blocks of 4 rows × 16 columns over tiles of 512 keys. p [rows, S] scratch.
+// scores in blocks of 4 rows × 2 keys, sums in blocks of 2 rows × 32 columns over tiles of 512 keys. p [rows, S] scratch.
 inline void attend_group(const float* const* q, float* const* out, int64_t rows, int64_t group, int64_t past,
                          const float* K, const float* V, int64_t D, float scale, float* const* p) {
     const int64_t S = past + rows / group;
@@ -226,18 +226,21 @@ inline void attend_group(const float* const* q, float* const* out, int64_t rows,
     for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_row(p[r], keys(r));
     constexpr int64_t TILE = 512;
     for (int64_t s0 = 0; s0 < S; s0 += TILE)
-        for (int64_t c0 = 0; c0 + 8 <= D; c0 += 16)
+        for (int64_t c0 = 0; c0 + 8 <= D;) {
+            const int64_t width = c0 + 32 <= D ? 32 : 8;
             for (int64_t r = 0; r < rows;) {
-                // 4 rows at once where they are one position's heads (the same keys) and 16 columns remain
-                const int nr = r + 4 <= rows && keys(r) == keys(r + 3) && out[r + 3] == out[r] + 3 * D ? 4 : 1;
+                // 2 rows at once where they are one position's heads (the same keys, outputs D apart)
+                const int nr = r + 2 <= rows && keys(r) == keys(r + 1) && out[r + 1] == out[r] + D ? 2 : 1;
                 const int64_t s1 = std::min(keys(r), s0 + TILE);
                 if (s0 < s1) {
-                    if (c0 + 16 > D) weighted_block<1, 1>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
-                    else if (nr == 4) weighted_block<4, 2>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
-                    else weighted_block<1, 2>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
+                    if (width == 8) weighted_block<1, 1>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
+                    else if (nr == 2) weighted_block<2, 4>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
+                    else weighted_block<1, 4>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
                 }
-                r += c0 + 16 > D ? 1 : nr;
+                r += width == 8 ? 1 : nr;
             }
+            c0 += width;
+        }
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t d = 8 * (D / 8); d < D; ++d) {  // the last D % 8 columns
             float sum = 0.f;
