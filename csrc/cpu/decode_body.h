@@ -201,13 +201,13 @@ inline void weighted_block(const float* const* p, const float* c, int64_t stride
     for (int i = 0; i < NR; ++i) __builtin_memcpy(out + i * out_stride, acc[i], sizeof acc[i]);
 }
 
-// One KV head's attention: `rows` query rows q[r] (r = t·group + i) against keys 0..past+t of K and V [*, D] (rows D
-// apart), out[r] = softmax(scale · K q[r])ᵀ V. K and V are read once for every row (grouped query heads share them):
-// scores in blocks of 4 rows × 2 keys, sums in blocks of 2 rows × 32 columns over tiles of 512 keys. p [rows, S] scratch.
-inline void attend_group(const float* const* q, float* const* out, int64_t rows, int64_t group, int64_t past,
-                         const float* K, const float* V, int64_t D, float scale, float* const* p) {
-    const int64_t S = past + rows / group;
-    auto keys = [&](int64_t r) { return past + r / group + 1; };
+// One KV head's attention for `rows` query rows: out[r] = softmax(scale · K q[r])ᵀ V over the first keys[r] rows of K and
+// V [*, D] (rows D apart; keys non-decreasing in r). K and V are read once for all the rows (grouped query heads share
+// them): scores in blocks of 4 rows × 2 keys, sums in blocks of 2 rows × 32 columns over tiles of 512 keys.
+// p [rows, max keys] scratch. A row's bits do not depend on which rows come with it.
+inline void attend_group(const float* const* q, float* const* out, const int64_t* keys, int64_t rows, const float* K,
+                         const float* V, int64_t D, float scale, float* const* p) {
+    const int64_t S = keys[rows - 1];
     float dots[8];
     for (int64_t s = 0; s < S; s += 2) {
         const int nk = S - s >= 2 ? 2 : 1;
@@ -223,15 +223,15 @@ inline void attend_group(const float* const* q, float* const* out, int64_t rows,
         }
     }
     std::vector<float> inv(rows);
-    for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_row(p[r], keys(r));
+    for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_row(p[r], keys[r]);
     constexpr int64_t TILE = 512;
     for (int64_t s0 = 0; s0 < S; s0 += TILE)
         for (int64_t c0 = 0; c0 + 8 <= D;) {
             const int64_t width = c0 + 32 <= D ? 32 : 8;
             for (int64_t r = 0; r < rows;) {
                 // 2 rows at once where they are one position's heads (the same keys, outputs D apart)
-                const int nr = r + 2 <= rows && keys(r) == keys(r + 1) && out[r + 1] == out[r] + D ? 2 : 1;
-                const int64_t s1 = std::min(keys(r), s0 + TILE);
+                const int nr = r + 2 <= rows && keys[r] == keys[r + 1] && out[r + 1] == out[r] + D ? 2 : 1;
+                const int64_t s1 = std::min(keys[r], s0 + TILE);
                 if (s0 < s1) {
                     if (width == 8) weighted_block<1, 1>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
                     else if (nr == 2) weighted_block<2, 4>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
@@ -244,7 +244,7 @@ inline void attend_group(const float* const* q, float* const* out, int64_t rows,
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t d = 8 * (D / 8); d < D; ++d) {  // the last D % 8 columns
             float sum = 0.f;
-            for (int64_t s = 0; s < keys(r); ++s) sum = std::fma(p[r][s], V[s * D + d], sum);
+            for (int64_t s = 0; s < keys[r]; ++s) sum = std::fma(p[r][s], V[s * D + d], sum);
             out[r][d] = sum;
         }
         for (int64_t d = 0; d < D; ++d) out[r][d] *= inv[r];
@@ -355,21 +355,27 @@ inline void attention_step(const AttentionStep& a, int threads) {
             std::memcpy(a.v_cache + slot, a.v + t * a.v_stride + g * D, D * sizeof(float));
         }
     }
-    // 2. each KV head's query heads attend to keys 0..past+t together (K and V read once for the group); threads take KV
-    // heads, each row computed whole by one, so its bits depend neither on T nor on the thread count
-    const int64_t rows = group * a.T, S = a.past + a.T;
-    const int64_t n = threads_for(threads, 8.0 * a.Hkv * S * D);
+    // 2. each KV head's query heads attend to keys 0..past+t together (K and V read once for them). Threads take a KV
+    // head, or a part of its query heads where threads outnumber KV heads; each row is computed whole by one thread,
+    // so its bits depend neither on T nor on the thread count
+    const int64_t S = a.past + a.T, n = threads_for(threads, 8.0 * a.Hkv * S * D);
+    const int64_t parts = std::min(group, (n + a.Hkv - 1) / a.Hkv), tasks = a.Hkv * parts;
     std::atomic<int64_t> next{0};
     g_pool->run(int(n), [&](int) {
-        std::vector<float> scores(rows * S);
-        std::vector<const float*> q(rows);
-        std::vector<float*> out(rows), p(rows);
-        for (int64_t g; (g = next.fetch_add(1)) < a.Hkv;) {
-            for (int64_t r = 0; r < rows; ++r) {  // row r: position r / group, query head g·group + r % group
-                const int64_t t = r / group, h = g * group + r % group;
-                q[r] = a.q + t * a.q_stride + h * D, out[r] = a.out + t * a.out_stride + h * D, p[r] = scores.data() + r * S;
-            }
-            attend_group(q.data(), out.data(), rows, group, a.past, a.k_cache + g * a.capacity * D,
+        const int64_t most = (group / parts + 1) * a.T;  // rows of a task at most
+        std::vector<float> scores(most * S);
+        std::vector<const float*> q(most);
+        std::vector<float*> out(most), p(most);
+        std::vector<int64_t> keys(most);
+        for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+            const int64_t g = task / parts, i0 = group * (task % parts) / parts, i1 = group * (task % parts + 1) / parts;
+            int64_t rows = 0;
+            for (int64_t t = 0; t < a.T; ++t)  // rows position-major: one position's heads side by side
+                for (int64_t h = g * group + i0; h < g * group + i1; ++h, ++rows) {
+                    q[rows] = a.q + t * a.q_stride + h * D, out[rows] = a.out + t * a.out_stride + h * D;
+                    p[rows] = scores.data() + rows * S, keys[rows] = a.past + t + 1;
+                }
+            attend_group(q.data(), out.data(), keys.data(), rows, a.k_cache + g * a.capacity * D,
                          a.v_cache + g * a.capacity * D, D, a.scale, p.data());
         }
     });
