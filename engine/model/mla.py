@@ -49,7 +49,8 @@ class AbsorbedMLA:
         q_pe, k_pe = self.rotary(q_pe, k_pe.view(1, 1, T, a.qk_rope_head_dim), position_embeddings.to(q_pe.device))
         start = cache.get_seq_length(a.layer_idx)
         latents, keys = cache.update(latent, k_pe, a.layer_idx)  # [1, 1, S, R], [1, 1, S, rope]: every position so far
-        native = hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32 and decode_ops.available()
+        native = (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32 and decode_ops.available()
+                  and a.kv_b_proj.weight.dtype in (torch.float32, torch.bfloat16))  # what the kernels read
         w_uk, w_uv = self.weights(native)
         f = torch.float32
         if native:  # one native call per product, each output a fixed-order sum over the stored bytes (bits independent of T)
