@@ -37,12 +37,21 @@ def library() -> ctypes.CDLL | None:
         lib.moe_linear_bf16w.argtypes, lib.moe_linear_bf16w.restype = _LINEAR_ARGS, ctypes.c_int
         lib.moe_head_f32.argtypes, lib.moe_head_f32.restype = _HEAD_ARGS, ctypes.c_int
         lib.moe_head_bf16w.argtypes, lib.moe_head_bf16w.restype = _HEAD_ARGS, ctypes.c_int
+        lib.moe_decode_isa.argtypes, lib.moe_decode_isa.restype = [_INT], ctypes.c_int
         lib._decode_typed = True
     return lib
 
 
 def available() -> bool:
     return library() is not None
+
+
+ISAS = ("portable", "avx2", "avx512")  # the builds of csrc/cpu/decode_body.h, narrowest first
+
+
+def isa(cap: str | None = None) -> str:
+    """The path the native decode ops take on this CPU (the widest it has); cap: take none wider (tests run each)."""
+    return ISAS[library().moe_decode_isa(-1 if cap is None else ISAS.index(cap))]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

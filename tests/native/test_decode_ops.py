@@ -12,10 +12,16 @@ from moechat.engine.model.kv_cache import GrowingLayer
 pytestmark = pytest.mark.native
 
 
-@pytest.fixture(autouse=True)
-def _library():
+@pytest.fixture(autouse=True, params=decode_ops.ISAS)
+def _library(request):
+    """Every test on each build of the kernels this CPU runs (AVX-512, AVX2, portable), the widest restored after."""
     if not decode_ops.available():
         pytest.skip(cpu_ffn.notice())
+    if decode_ops.isa(request.param) != request.param:
+        decode_ops.isa("avx512")
+        pytest.skip(f"this CPU has no {request.param}")
+    yield
+    decode_ops.isa("avx512")
 
 
 def _layer(past: torch.Tensor, values: torch.Tensor) -> GrowingLayer:
