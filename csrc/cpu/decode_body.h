@@ -89,35 +89,15 @@ inline void rotate_row(float* x, const float* cos, const float* sin, int64_t n, 
     for (int64_t i = 0; i < n; ++i) x[i] = tmp[i];
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max), within 2 ulp: x = n·ln2 + r, |r| <= ln2/2, a degree-6
-// polynomial for e^r, 2^n from the exponent bits. Branch-free arithmetic, so the loop around it vectorises.
-inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;  // e^-87 ~ 1.6e-38: the smallest normal float; below it the term is 0 for softmax
-    const float n = float(int(x * 1.44269504f + (x < 0.f ? -0.5f : 0.5f)));  // round(x / ln2)
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 split in two: exact first product
-    float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
-    int32_t bits;
-    std::memcpy(&bits, &p, 4);
-    bits += int32_t(n) << 23;  // p in [0.7, 1.42], n >= -126: the result stays normal
-    float y;
-    std::memcpy(&y, &bits, 4);
-    return y;
-}
-
 typedef int32_t ivec8 __attribute__((vector_size(32)));
 
-// exp_nonpositive in 8 lanes: the same steps, lane by lane
+// exp(x) for x <= 0 in 8 lanes (softmax after subtracting the max), within 2 ulp: x = n·ln2 + r, |r| <= ln2/2, a
+// degree-6 polynomial for e^r, 2^n from the exponent bits
 inline vec8 exp_nonpositive8(vec8 x) {
-    x = x < -87.f ? vec8{} - 87.f : x;
-    const vec8 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0.f ? vec8{} - 0.5f : vec8{} + 0.5f),
-                                                                   ivec8), vec8);
-    const vec8 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    x = x < -87.f ? vec8{} - 87.f : x;  // e^-87 ~ 1.6e-38: the smallest normal float; below it the term is 0 for softmax
+    const vec8 half = x < 0.f ? vec8{} - 0.5f : vec8{} + 0.5f;
+    const vec8 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + half, ivec8), vec8);  // round(x/ln2)
+    const vec8 r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;  // ln2 split in two: exact first product
     vec8 p = vec8{} + 1.f / 720.f;
     p = p * r + 1.f / 120.f;
     p = p * r + 1.f / 24.f;
@@ -127,7 +107,7 @@ inline vec8 exp_nonpositive8(vec8 x) {
     p = p * r + 1.f;
     ivec8 bits;
     __builtin_memcpy(&bits, &p, sizeof bits);
-    bits += __builtin_convertvector(n, ivec8) << 23;
+    bits += __builtin_convertvector(n, ivec8) << 23;  // p in [0.7, 1.42], n >= -126: the result stays normal
     __builtin_memcpy(&p, &bits, sizeof p);
     return p;
 }
@@ -137,9 +117,9 @@ inline float hsum8(vec8 v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
-// p[0..n) = exp(p - max), in place -> 1 / their sum; whole vectors in 8 lanes (the sum: 8 running lanes, then hsum8),
-// the last n % 8 entries alone: which path an entry takes depends on n alone, so a row's bits do not
-inline float softmax_row(float* p, int64_t n) {
+// p[0..n) = softmax(p) in place: exponentials 8 lanes at a time (the last n % 8 in a padded vector), their sum in 8
+// running lanes then hsum8 and the tail in order; every step depends on n alone, so a row's bits do not
+inline void softmax_row(float* p, int64_t n) {
     vec8 top8 = vec8{} - INFINITY, sum8 = {};
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
@@ -154,9 +134,17 @@ inline float softmax_row(float* p, int64_t n) {
         __builtin_memcpy(p + j, &e, sizeof e);
         sum8 += e;
     }
+    vec8 tail = vec8{} + top;  // padding: exp(0), never stored nor summed
+    __builtin_memcpy(&tail, p + j, (n - j) * sizeof(float));
+    tail = exp_nonpositive8(tail - top);
     float total = hsum8(sum8);
-    for (; j < n; ++j) total += (p[j] = exp_nonpositive(p[j] - top));
-    return 1.f / total;
+    for (int64_t m = j; m < n; ++m) total += (p[m] = tail[m - j]);
+    const vec8 inv = vec8{} + 1.f / total;
+    for (j = 0; j + 8 <= n; j += 8) {
+        const vec8 y = load8(p + j) * inv;
+        __builtin_memcpy(p + j, &y, sizeof y);
+    }
+    for (; j < n; ++j) p[j] *= inv[0];
 }
 
 
@@ -222,8 +210,7 @@ inline void attend_group(const float* const* q, float* const* out, const int64_t
             r += nr;
         }
     }
-    std::vector<float> inv(rows);
-    for (int64_t r = 0; r < rows; ++r) inv[r] = softmax_row(p[r], keys[r]);
+    for (int64_t r = 0; r < rows; ++r) softmax_row(p[r], keys[r]);
     constexpr int64_t TILE = 512;
     for (int64_t s0 = 0; s0 < S; s0 += TILE)
         for (int64_t c0 = 0; c0 + 8 <= D;) {
@@ -241,14 +228,12 @@ inline void attend_group(const float* const* q, float* const* out, const int64_t
             }
             c0 += width;
         }
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 8 * (D / 8); d < D; ++d) {  // the last D % 8 columns
             float sum = 0.f;
             for (int64_t s = 0; s < keys[r]; ++s) sum = std::fma(p[r][s], V[s * D + d], sum);
             out[r][d] = sum;
         }
-        for (int64_t d = 0; d < D; ++d) out[r][d] *= inv[r];
-    }
 }
 
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
