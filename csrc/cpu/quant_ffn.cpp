@@ -74,8 +74,8 @@ struct QBuf {  // quantized activations of S tokens over kp columns (+15 zero ro
     int64_t kp, nb;
     QBuf(int64_t S, int64_t kp_) : q((S + 15) * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), kp(kp_), nb(kp_ / 32) {}
     QActs at(int64_t s0) const { return {q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, kp, nb}; }
-    void fill(const float* x, int64_t ldx, int64_t K, int64_t s0, int T) {
-        quantize_acts(x, ldx, K, T, kp, q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb);
+    void fill(const float* x, int64_t ldx, int64_t K, int64_t s0, int T, Isa isa) {
+        quantize_acts(x, ldx, K, T, kp, q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, isa);
     }
 };
 
@@ -84,6 +84,14 @@ struct QBuf {  // quantized activations of S tokens over kp columns (+15 zero ro
 API int moe_q_isa_supported(int isa) { return isa == AUTO || cpu_has(Isa(isa)); }
 
 API int moe_q_resolve_isa(int isa, int bits) { return resolve_q(isa, bits); }
+
+// x [T, k] fp32 -> q [T, kp] int8, d and ds [T, kp/32] as every kernel here quantizes its activations (kp: k padded to
+// 32), whole blocks vectorised unless isa is SCALAR: formats.quantize_activations' codes and scales, bit for bit.
+API int moe_quantize_acts(const float* x, int64_t n_tokens, int64_t k, int8_t* q, float* d, float* ds, int isa) {
+    if (n_tokens < 0 || k <= 0) return -3;
+    quantize_acts(x, k, k, int(n_tokens), pad32(k), q, d, ds, Isa(isa));
+    return 0;
+}
 
 // Codes: 0 ok, -1 bad bits or dtype, -2 ISA not supported by this CPU, -3 bad shapes.
 // gate_up: gu_q [E, 2I, Hp·bits/8], gu_s/gu_m [E, 2I, Hp/32]; down: dn_q [E, H, Ip·bits/8], dn_s/dn_m [E, H, Ip/32]
@@ -124,7 +132,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
                 for (int64_t k = 0; k < H; k++) row[k] = load_scalar(x, rows[s] * H + k, x_dtype);
                 src = row.data();
             }
-            xq.fill(src, H, H, s, 1);
+            xq.fill(src, H, H, s, 1, isa);
         }
     }
     std::vector<float> h(S * I);
@@ -152,7 +160,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
                 for (int64_t r = 0; r < nr; r++) h[(s0 + t) * I + i0 + r] = silu(yg[t * Q1 + r]) * yu[t * Q1 + r];
         }
     });
-    hq.fill(h.data(), I, I, 0, int(S));
+    hq.fill(h.data(), I, I, 0, int(S), isa);
 
     // Phase 2: y[s, j] = (down_e h_s)_j over items (group, block of H rows): each activation's row of y
     // is written by one item. Then out[rows[s]] += w_s · y[s] for s in order: a fixed summation order.
@@ -190,7 +198,7 @@ API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int
     if (n_tokens == 0) return 0;
     const int64_t kp = pad32(k), rb = kp * bits / 8, nb = kp / 32;
     QBuf xq(n_tokens, kp);
-    xq.fill(x, k, k, 0, int(n_tokens));
+    xq.fill(x, k, k, 0, int(n_tokens), isa);
     const QMat W{q, s, m, rb, nb};
     const int64_t blocks = (n_rows + QRB - 1) / QRB;
     const int threads = threads_for(num_threads, double(n_rows) * k * bits / 8);

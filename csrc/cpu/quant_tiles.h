@@ -68,38 +68,47 @@ void qmat_scalar(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, f
 #ifdef MOE_X86
 // One whole block of 32 as the loop below quantizes it (max is order-free, vcvtps2dq rounds half to even as
 // nearbyint does under the default rounding mode, the sum is exact): the same bytes and scales.
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void quantize_block_avx512(const float* xr, int8_t* q, float* d,
-                                                                                     float* ds) {
-    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
-    const __m512 a = _mm512_loadu_ps(xr), b = _mm512_loadu_ps(xr + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(a), abs_mask)),
-                                                          _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(b), abs_mask))));
+__attribute__((target("avx2"))) inline void quantize_block_avx2(const float* xr, int8_t* q, float* d, float* ds) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 x[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) x[i] = _mm256_loadu_ps(xr + 8 * i), top = _mm256_max_ps(top, _mm256_and_ps(x[i], abs_mask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
-    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-    const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))), lo), hi);
-    const __m512i qb = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))), lo), hi);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    __m256i c[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        c[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x[i], _mm256_set1_ps(inv))), lo), hi);
+        sum = _mm256_add_epi32(sum, c[i]);
+    }
+    // packs work per 128-bit lane: 4-byte runs come out as columns 0 8 16 24 | 4 12 20 28 (+0..3); put them in order
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     *d = db;
-    *ds = db * float(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    *ds = db * float(_mm_cvtsi128_si32(s4));
 }
 #endif
 
-// Quantize T rows of fp32 activations x [T, K] (row stride ldx) into q [T, kp], d, ds.
-// Bit-identical to formats.quantize_activations: dx = amax/127, q = round-half-even(x·(1/dx)).
-void quantize_acts(const float* x, int64_t ldx, int64_t K, int T, int64_t kp, int8_t* q, float* d, float* ds) {
+// Quantize T rows of fp32 activations x [T, K] (row stride ldx) into q [T, kp], d, ds; whole blocks in AVX2 unless `isa`
+// is SCALAR. Bit-identical to formats.quantize_activations: dx = amax/127, q = round-half-even(x·(1/dx)).
+void quantize_acts(const float* x, int64_t ldx, int64_t K, int T, int64_t kp, int8_t* q, float* d, float* ds, Isa isa) {
     const int64_t nb = kp / 32;
 #ifdef MOE_X86
-    static const bool vector = cpu_has(AVX512);  // the serial part of a call: 8 experts' activations of each token
+    const bool vector = isa != SCALAR && cpu_has(AVX2);  // the serial part of a call: 8 experts' activations of each token
 #else
     constexpr bool vector = false;
+    (void)isa;
 #endif
     for (int t = 0; t < T; t++) {
         const float* xr = x + t * ldx;
         for (int64_t b = 0; b < nb; b++) {
 #ifdef MOE_X86
             if (vector && 32 * b + 32 <= K) {
-                quantize_block_avx512(xr + 32 * b, q + t * kp + 32 * b, d + t * nb + b, ds + t * nb + b);
+                quantize_block_avx2(xr + 32 * b, q + t * kp + 32 * b, d + t * nb + b, ds + t * nb + b);
                 continue;
             }
 #endif

@@ -60,6 +60,8 @@ def library() -> ctypes.CDLL | None:
         lib.moe_q_linear.restype = ctypes.c_int
         lib.moe_quantize.argtypes = _QZ_ARGTYPES
         lib.moe_quantize.restype = ctypes.c_int
+        lib.moe_quantize_acts.argtypes = [_P, _I64, _I64, _P, _P, _P, ctypes.c_int]
+        lib.moe_quantize_acts.restype = ctypes.c_int
         lib.moe_q_isa_supported.argtypes = [ctypes.c_int]
         lib.moe_q_resolve_isa.argtypes = [ctypes.c_int, ctypes.c_int]
         lib._moe_typed = True
@@ -236,6 +238,23 @@ def quantize(w: torch.Tensor, fmt: str, threads: int | None = None, fit: bool = 
     if code != 0:
         raise RuntimeError(f"native quantization failed with code {code}")
     return out
+
+
+def quantize_activations(x: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] fp32 -> (qx int8 [T, Kp], dx, ds fp32 [T, Kp/32]) as the native kernels quantize their inputs; its
+    twin is formats.quantize_activations (ds = dx · sum of the block's codes). isa "scalar": the portable loop."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(native.notice("cpu"))
+    x = x.float().contiguous()
+    kp = formats.padded(x.shape[1])
+    q = torch.empty(x.shape[0], kp, dtype=torch.int8)
+    d, ds = (torch.empty(x.shape[0], kp // formats.BLOCK) for _ in range(2))
+    code = lib.moe_quantize_acts(x.data_ptr(), x.shape[0], x.shape[1], q.data_ptr(), d.data_ptr(), ds.data_ptr(),
+                                 ISA[_q_isa(isa)])
+    if code != 0:
+        raise RuntimeError(f"native activation quantization failed with code {code}")
+    return q, d, ds
 
 
 def usable(gate_up, x: torch.Tensor, max_tokens: int) -> bool:

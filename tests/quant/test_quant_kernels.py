@@ -107,6 +107,22 @@ def test_activation_quantization_is_per_token_and_block():
     assert torch.equal(one[0], qx[1])  # a token's codes do not depend on the others
 
 
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_activation_quantization_is_the_twin_bit_for_bit(isa):
+    """The kernels' own quantization of their inputs (whole blocks vectorised, the rest and "scalar" by the portable
+    loop): the twin's codes and scales exactly, ties rounded to even, a block of zeros and a padded tail included."""
+    x = torch.randn(5, 200) * 3  # 6 whole blocks and a tail of 8 columns
+    x[1, 32:64] = 0
+    x[2, :32] = torch.tensor([127.0] + [k + 0.5 for k in range(-15, 16)])  # dx = 1: every other value a tie
+    x[3, 96:128] *= 1e-30
+    q, d, ds = cpu_ffn.quantize_activations(x, isa)
+    tq, td = formats.quantize_activations(x)
+    assert torch.equal(q, tq) and torch.equal(d, td)
+    assert torch.equal(ds, td * tq.view(5, -1, formats.BLOCK).sum(-1).float())
+    assert q[2, 1:5].tolist() == [-14, -14, -12, -12]  # -14.5, -13.5, -12.5, -11.5 to even
+
+
 def test_bad_format_is_refused_in_one_line():
     with pytest.raises(ValueError, match="int8, int4"):
         formats.quantize(torch.randn(2, 32), "int3")
