@@ -189,51 +189,92 @@ inline void weighted_block(const float* const* p, const float* c, int64_t stride
     for (int i = 0; i < NR; ++i) __builtin_memcpy(out + i * out_stride, acc[i], sizeof acc[i]);
 }
 
-// One KV head's attention for `rows` query rows: out[r] = softmax(scale · K q[r])ᵀ V over the first keys[r] rows of K and
-// V [*, D] (rows D apart; keys non-decreasing in r). K and V are read once for all the rows (grouped query heads share
-// them): scores in blocks of 4 rows × 2 keys, sums in blocks of 2 rows × 32 columns over tiles of 512 keys.
-// p [rows, max keys] scratch. A row's bits do not depend on which rows come with it.
-inline void attend_group(const float* const* q, float* const* out, const int64_t* keys, int64_t rows, const float* K,
-                         const float* V, int64_t D, float scale, float* const* p) {
-    const int64_t S = keys[rows - 1];
-    float dots[8];
+// One KV head's attention for `rows` query rows: out[r] = softmax(scale · (K q[r] + K2 q2[r]))ᵀ V over the first keys[r]
+// rows of the cache (keys non-decreasing in r). K2 and q2, a second part of each key and query (MLA's rotary part), may be
+// null. K (and K2) and V are read once for all the rows (grouped query heads share them): scores in blocks of 4 rows × 2
+// keys, sums in blocks of SUM_ROWS rows × 64 / SUM_ROWS columns over tiles of 512 keys. p [rows, max keys] scratch. A row's bits do not
+// depend on which rows come with it.
+inline void attend_group(const float* const* q, const float* const* q2, float* const* out, const int64_t* keys,
+                         int64_t rows, const KeyRows& c, float scale, float* const* p) {
+    const int64_t S = keys[rows - 1], Dv = c.Dv;
+    float dots[8], dots2[8];
     for (int64_t s = 0; s < S; s += 2) {
         const int nk = S - s >= 2 ? 2 : 1;
         for (int64_t r = 0; r < rows;) {
             const int nr = rows - r >= 4 ? 4 : 1;
-            if (nr == 4 && nk == 2) dot_block<4, 2>(q + r, K + s * D, D, D, dots);
-            else if (nr == 4) dot_block<4, 1>(q + r, K + s * D, D, D, dots);
-            else if (nk == 2) dot_block<1, 2>(q + r, K + s * D, D, D, dots);
-            else dot_block<1, 1>(q + r, K + s * D, D, D, dots);
+            for (int part = 0; part < (c.K2 ? 2 : 1); ++part) {
+                const float* const* a = part ? q2 + r : q + r;
+                const float* b = part ? c.K2 + s * c.k2_stride : c.K + s * c.k_stride;
+                const int64_t stride = part ? c.k2_stride : c.k_stride, n = part ? c.D2 : c.D;
+                float* o = part ? dots2 : dots;
+                if (nr == 4 && nk == 2) dot_block<4, 2>(a, b, stride, n, o);
+                else if (nr == 4) dot_block<4, 1>(a, b, stride, n, o);
+                else if (nk == 2) dot_block<1, 2>(a, b, stride, n, o);
+                else dot_block<1, 1>(a, b, stride, n, o);
+            }
             for (int i = 0; i < nr; ++i)
-                for (int j = 0; j < nk; ++j) p[r + i][s + j] = dots[i * nk + j] * scale;
+                for (int j = 0; j < nk; ++j)
+                    p[r + i][s + j] = (c.K2 ? dots[i * nk + j] + dots2[i * nk + j] : dots[i * nk + j]) * scale;
             r += nr;
         }
     }
     for (int64_t r = 0; r < rows; ++r) softmax_row(p[r], keys[r]);
     constexpr int64_t TILE = 512;
+    constexpr int NR = SUM_ROWS, NV = 8 / SUM_ROWS, WIDTH = 8 * NV;  // a block of sums: NR rows × NV vectors
     for (int64_t s0 = 0; s0 < S; s0 += TILE)
-        for (int64_t c0 = 0; c0 + 8 <= D;) {
-            const int64_t width = c0 + 32 <= D ? 32 : 8;
+        for (int64_t c0 = 0; c0 + 8 <= Dv;) {
+            const int64_t width = c0 + WIDTH <= Dv ? WIDTH : 8;
             for (int64_t r = 0; r < rows;) {
-                // 2 rows at once where they are one position's heads (the same keys, outputs D apart)
-                const int nr = r + 2 <= rows && keys[r] == keys[r + 1] && out[r + 1] == out[r] + D ? 2 : 1;
+                // NR rows at once where they are one position's heads (the same keys, outputs Dv apart)
+                bool block = r + NR <= rows;
+                for (int i = 1; block && i < NR; ++i) block = keys[r + i] == keys[r] && out[r + i] == out[r] + i * Dv;
                 const int64_t s1 = std::min(keys[r], s0 + TILE);
                 if (s0 < s1) {
-                    if (width == 8) weighted_block<1, 1>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
-                    else if (nr == 2) weighted_block<2, 4>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
-                    else weighted_block<1, 4>(p + r, V + c0, D, s0, s1, out[r] + c0, D, s0 == 0);
+                    const float* v = c.V + c0;
+                    if (width == 8) weighted_block<1, 1>(p + r, v, c.v_stride, s0, s1, out[r] + c0, Dv, s0 == 0);
+                    else if (block) weighted_block<NR, NV>(p + r, v, c.v_stride, s0, s1, out[r] + c0, Dv, s0 == 0);
+                    else weighted_block<1, NV>(p + r, v, c.v_stride, s0, s1, out[r] + c0, Dv, s0 == 0);
                 }
-                r += width == 8 ? 1 : nr;
+                r += width == 8 || !block ? 1 : NR;
             }
             c0 += width;
         }
     for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 8 * (D / 8); d < D; ++d) {  // the last D % 8 columns
+        for (int64_t d = 8 * (Dv / 8); d < Dv; ++d) {  // the last Dv % 8 columns
             float sum = 0.f;
-            for (int64_t s = 0; s < keys[r]; ++s) sum = std::fma(p[r][s], V[s * D + d], sum);
+            for (int64_t s = 0; s < keys[r]; ++s) sum = std::fma(p[r][s], c.V[s * c.v_stride + d], sum);
             out[r][d] = sum;
         }
+}
+
+// Rows (t, h), t < T, h < Hq, attend over keys 0..past+t of KV head g = h / (Hq / Hkv) (its cache: `cache(g)`). Threads
+// take a KV head, or a part of its query heads where threads outnumber KV heads; each row is computed whole by one thread,
+// so its bits depend neither on T nor on the thread count.
+template <typename Cache>
+inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
+    const int64_t group = a.Hq / a.Hkv, S = a.past + a.T;
+    const KeyRows c0 = cache(0);
+    const int64_t n = threads_for(threads, 4.0 * a.Hkv * S * (c0.D + c0.D2 + c0.Dv));
+    const int64_t parts = std::min(group, (n + a.Hkv - 1) / a.Hkv), tasks = a.Hkv * parts;
+    std::atomic<int64_t> next{0};
+    g_pool->run(int(n), [&](int) {
+        const int64_t most = (group / parts + 1) * a.T;  // rows of a task at most
+        std::vector<float> scores(most * S);
+        std::vector<const float*> q(most), q2(most);
+        std::vector<float*> out(most), p(most);
+        std::vector<int64_t> keys(most);
+        for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+            const int64_t g = task / parts, i0 = group * (task % parts) / parts, i1 = group * (task % parts + 1) / parts;
+            int64_t rows = 0;
+            for (int64_t t = 0; t < a.T; ++t)  // rows position-major: one position's heads side by side
+                for (int64_t h = g * group + i0; h < g * group + i1; ++h, ++rows) {
+                    q[rows] = a.q + t * a.q_t + h * a.q_h, out[rows] = a.out + t * a.out_t + h * a.out_h;
+                    q2[rows] = a.q2 ? a.q2 + t * a.q2_t + h * a.q2_h : nullptr;
+                    p[rows] = scores.data() + rows * S, keys[rows] = a.past + t + 1;
+                }
+            attend_group(q.data(), q2.data(), out.data(), keys.data(), rows, cache(g), a.scale, p.data());
+        }
+    });
 }
 
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
@@ -321,7 +362,7 @@ inline void add_rms_norm(float* x, const float* r, const float* w, float eps, in
 }
 
 inline void attention_step(const AttentionStep& a, int threads) {
-    const int64_t D = a.D, group = a.Hq / a.Hkv;
+    const int64_t D = a.D;
     // 1. per position: q and k heads normed (Qwen3's per-head norm) and rotated in place; k, v appended to the cache
     std::vector<float> tmp(D);
     for (int64_t t = 0; t < a.T; ++t) {
@@ -340,30 +381,20 @@ inline void attention_step(const AttentionStep& a, int threads) {
             std::memcpy(a.v_cache + slot, a.v + t * a.v_stride + g * D, D * sizeof(float));
         }
     }
-    // 2. each KV head's query heads attend to keys 0..past+t together (K and V read once for them). Threads take a KV
-    // head, or a part of its query heads where threads outnumber KV heads; each row is computed whole by one thread,
-    // so its bits depend neither on T nor on the thread count
-    const int64_t S = a.past + a.T, n = threads_for(threads, 8.0 * a.Hkv * S * D);
-    const int64_t parts = std::min(group, (n + a.Hkv - 1) / a.Hkv), tasks = a.Hkv * parts;
-    std::atomic<int64_t> next{0};
-    g_pool->run(int(n), [&](int) {
-        const int64_t most = (group / parts + 1) * a.T;  // rows of a task at most
-        std::vector<float> scores(most * S);
-        std::vector<const float*> q(most);
-        std::vector<float*> out(most), p(most);
-        std::vector<int64_t> keys(most);
-        for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
-            const int64_t g = task / parts, i0 = group * (task % parts) / parts, i1 = group * (task % parts + 1) / parts;
-            int64_t rows = 0;
-            for (int64_t t = 0; t < a.T; ++t)  // rows position-major: one position's heads side by side
-                for (int64_t h = g * group + i0; h < g * group + i1; ++h, ++rows) {
-                    q[rows] = a.q + t * a.q_stride + h * D, out[rows] = a.out + t * a.out_stride + h * D;
-                    p[rows] = scores.data() + rows * S, keys[rows] = a.past + t + 1;
-                }
-            attend_group(q.data(), out.data(), keys.data(), rows, a.k_cache + g * a.capacity * D,
-                         a.v_cache + g * a.capacity * D, D, a.scale, p.data());
-        }
-    });
+    // 2. each KV head's query heads attend to keys 0..past+t together (K and V read once for them)
+    const HeadRows rows{a.q, nullptr, a.out, a.q_stride, D, 0, 0, a.out_stride, D, a.T, a.Hq, a.Hkv, a.past, a.scale};
+    attend_heads(rows, [&](int64_t g) {
+        const float *K = a.k_cache + g * a.capacity * D, *V = a.v_cache + g * a.capacity * D;
+        return KeyRows{K, nullptr, V, D, 0, D, D, 0, D};
+    }, threads);
+}
+
+// DeepSeek-V2's absorbed attention (mla.py) over its latent cache: every query head attends to the one shared cache, keys
+// [c | k_pe] and values c. Rows (t, h): q_latent (R) and q_pe (Dr) at their strides; out [T, H, R] contiguous.
+inline void latent_attention(const HeadRows& rows, const float* latents, int64_t latent_stride, const float* rope_keys,
+                             int64_t rope_stride, int64_t R, int64_t Dr, int threads) {
+    attend_heads(rows, [&](int64_t) { return KeyRows{latents, rope_keys, latents, latent_stride, rope_stride, latent_stride,
+                                                     R, Dr, R}; }, threads);
 }
 
 // Router of the llama-like MoE families: probs = softmax(x Wᵀ), the k largest (descending; ties: lower expert

@@ -26,7 +26,22 @@ struct AttentionStep {
     int64_t out_stride;
 };
 
+struct HeadRows {  // query rows (t, h) at q + t·q_t + h·q_h (q2: a second part of each, or null), outputs at out + t·out_t + h·out_h
+    const float *q, *q2;
+    float* out;
+    int64_t q_t, q_h, q2_t, q2_h, out_t, out_h, T, Hq, Hkv, past;
+    float scale;
+};
+
+struct KeyRows {  // one KV head's cache: key s = K[s·k_stride..] (D) and K2[s·k2_stride..] (D2, or K2 null), value V[s·v_stride..] (Dv)
+    const float *K, *K2, *V;
+    int64_t k_stride, k2_stride, v_stride, D, D2, Dv;
+};
+
+// Rows per block of attention's weighted sums (8 accumulators: 2 rows × 32 columns or 4 × 16; same bits either way):
+// 4 × 16 measured 1.5-1.8× faster on an AVX2 Zen 3, 2 × 32 10-15 % faster in the AVX-512 build on a Zen 4
 namespace portable {
+constexpr int SUM_ROWS = 2;
 #include "decode_body.h"
 }  // namespace portable
 
@@ -39,6 +54,7 @@ namespace portable {
 #endif
 #define MOE_BODY_AVX2 1
 namespace avx2 {
+constexpr int SUM_ROWS = 4;
 #include "decode_body.h"
 }  // namespace avx2
 #if defined(__clang__)
@@ -51,6 +67,7 @@ namespace avx2 {
 #pragma GCC target("avx2,fma,avx512f,avx512vl,avx512bw,avx512dq")
 #endif
 namespace avx512 {
+constexpr int SUM_ROWS = 2;
 #include "decode_body.h"
 }  // namespace avx512
 #undef MOE_BODY_AVX2
@@ -97,6 +114,16 @@ API int moe_attention_step(float* q, int64_t q_stride, float* k, int64_t k_strid
     const AttentionStep a{q, k, v, q_stride, k_stride, v_stride, T, Hq, Hkv, D, q_norm, k_norm, eps, cos, sin,
                           k_cache, v_cache, capacity, past, scale, out, out_stride};
     return ISA_CALL(attention_step, a, std::max(1, threads)), 0;
+}
+
+// DeepSeek-V2's absorbed attention over the latent cache (engine/model/mla.py): rows (t, h) of q_latent [R] and q_pe [Dr]
+// at their strides, latents [S, R] and rope_keys [S, Dr] (rows at their strides, S = past + T), out [T, H, R] contiguous
+API int moe_latent_attention(const float* q, int64_t q_t, int64_t q_h, const float* q_pe, int64_t pe_t, int64_t pe_h,
+                             const float* latents, int64_t latent_stride, const float* rope_keys, int64_t rope_stride,
+                             int64_t T, int64_t H, int64_t R, int64_t Dr, int64_t past, float scale, float* out, int threads) {
+    if (T <= 0 || H <= 0 || R <= 0 || Dr <= 0 || past < 0 || latent_stride < R || rope_stride < Dr) return 1;
+    const HeadRows rows{q, q_pe, out, q_t, q_h, pe_t, pe_h, H * R, R, T, H, 1, past, scale};
+    return ISA_CALL(latent_attention, rows, latents, latent_stride, rope_keys, rope_stride, R, Dr, std::max(1, threads)), 0;
 }
 
 API int moe_router_topk(const float* x, const float* w, int64_t T, int64_t E, int64_t H, int64_t k, int normalize,

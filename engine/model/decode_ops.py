@@ -1,6 +1,7 @@
 """A decode step's small per-layer ops on the CPU, each a native call (csrc/cpu/decode_ops.cpp) with its
-PyTorch twin: the residual add fused with the next RMSNorm, the MoE router's softmax top-k, and attention's
-core (q/k norm, rotary, the KV cache append, causal attention over grouped KV heads).
+PyTorch twin: the residual add fused with the next RMSNorm, the MoE router's softmax top-k, attention's
+core (q/k norm, rotary, the KV cache append, causal attention over grouped KV heads), and DeepSeek-V2's absorbed
+latent attention (its per-head products and the same core over the latent cache).
 
 In PyTorch these are about 40 small ops per layer (3-10 µs each), more than the layer's matrix products
 take on a quantized model; natively they are three calls. The native results differ from the twins' in
@@ -23,6 +24,7 @@ _NORM_ARGS = [_P, _P, _P, _F, _I64, _I64, _P]
 _ROUTER_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT]
 _LINEAR_ARGS = [_P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT]
 _HEAD_ARGS = [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _INT]
+_LATENT_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _INT]
 _ATTN_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _F, _P, _I64, _INT]
 
 
@@ -37,6 +39,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_linear_bf16w.argtypes, lib.moe_linear_bf16w.restype = _LINEAR_ARGS, ctypes.c_int
         lib.moe_head_f32.argtypes, lib.moe_head_f32.restype = _HEAD_ARGS, ctypes.c_int
         lib.moe_head_bf16w.argtypes, lib.moe_head_bf16w.restype = _HEAD_ARGS, ctypes.c_int
+        lib.moe_latent_attention.argtypes, lib.moe_latent_attention.restype = _LATENT_ARGS, ctypes.c_int
         lib.moe_decode_isa.argtypes, lib.moe_decode_isa.restype = [_INT], ctypes.c_int
         lib._decode_typed = True
     return lib
@@ -136,6 +139,39 @@ def head_linear_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def head_matmul_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """head_matmul's twin."""
     return torch.matmul(x, weight.to(x.dtype)).transpose(0, 1).contiguous()  # [T, G, R]
+
+
+def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, rope_keys: torch.Tensor,
+                     past: int, scale: float) -> torch.Tensor:
+    """DeepSeek-V2's absorbed attention over its latent cache (mla.py) in one native call: q_latent [H, T, R] and q_pe
+    [H, T, Dr] fp32 (any strides, unit last), latents [S, R] and rope_keys [S, Dr] (rows at any stride), S = past + T ->
+    context [T, H, R] contiguous: softmax(scale · (q_latent cᵀ + q_pe k_peᵀ)) c, position t seeing keys up to past + t.
+    attention_step's core (csrc/cpu/decode_body.h): the cache read once for all heads, each row's bits independent of T."""
+    H, T, R = q_latent.shape
+    Dr, S = q_pe.shape[2], latents.shape[0]
+    if (q_pe.shape[:2] != (H, T) or tuple(latents.shape) != (S, R) or tuple(rope_keys.shape) != (S, Dr) or S != past + T
+            or any(t.stride(-1) != 1 or t.dtype != torch.float32 for t in (q_latent, q_pe, latents, rope_keys))):
+        raise ValueError(f"latent attention: q {tuple(q_latent.shape)}, q_pe {tuple(q_pe.shape)}, latents "
+                         f"{tuple(latents.shape)}, rope keys {tuple(rope_keys.shape)}, past {past}: shapes do not agree")
+    out = torch.empty(T, H, R, dtype=torch.float32)
+    code = library().moe_latent_attention(q_latent.data_ptr(), q_latent.stride(1), q_latent.stride(0), q_pe.data_ptr(),
+                                          q_pe.stride(1), q_pe.stride(0), latents.data_ptr(), latents.stride(0),
+                                          rope_keys.data_ptr(), rope_keys.stride(0), T, H, R, Dr, past, scale,
+                                          out.data_ptr(), torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"native latent attention failed with code {code}")
+    return out
+
+
+def latent_attention_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, rope_keys: torch.Tensor,
+                           past: int, scale: float) -> torch.Tensor:
+    """latent_attention's twin: torch's matmuls and softmax, float32."""
+    scores = torch.matmul(q_latent, latents.T) + torch.matmul(q_pe, rope_keys.T)  # [H, T, S]
+    T = q_latent.shape[1]
+    if T > 1:  # causal after the past: query t sees positions up to past + t
+        visible = torch.ones(T, scores.shape[-1], dtype=torch.bool, device=scores.device).tril(past)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(scores * scale, dim=-1), latents).transpose(0, 1).contiguous()  # [T, H, R]
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,10 +8,12 @@ own trick (llama.cpp and vLLM run it) splits kv_b_proj per head into W_uk [nope,
     out[h, t]       = W_uv[h] · Σ_s softmax(scaling · scores[h, t])[s] · c[s]
 O(T · heads · (context · (R + rope) + (nope + v) · R)) per layer. The cache holds the same entries, written the same
 way; passes longer than MAX_ABSORBED positions (a prefill) keep transformers' expansion, which costs less there.
-The products run in float32; logits equal transformers' within rounding (tests/engine/test_mla.py). On a CPU the two
-per-head products are native (decode_ops.head_matmul, head_linear), reading kv_b_proj in place as stored: bf16 from a
-bf16 checkpoint, half the bytes of its fp32 widening (bf16_linear.py narrows it, under a quantized model too: it is
-never quantized).
+The products run in float32; logits equal transformers' within rounding (tests/engine/test_mla.py). On a CPU all
+three steps are native: the two per-head products (decode_ops.head_matmul, head_linear) read kv_b_proj in place as
+stored (bf16 from a bf16 checkpoint, half the bytes of its fp32 widening; bf16_linear.py narrows it, under a quantized
+model too: it is never quantized), and the attention over the latents between them (decode_ops.latent_attention) is
+attention_step's core, the cache read once for all heads. Every output is a fixed-order sum, so a position's bits do
+not depend on how many positions share the pass.
 """
 from __future__ import annotations
 
@@ -53,18 +55,14 @@ class AbsorbedMLA:
                   and a.kv_b_proj.weight.dtype in (torch.float32, torch.bfloat16))  # what the kernels read
         w_uk, w_uv = self.weights(native)
         f = torch.float32
-        if native:  # one native call per product, each output a fixed-order sum over the stored bytes (bits independent of T)
-            head_matmul, head_linear = decode_ops.head_matmul, decode_ops.head_linear
+        if native:  # one native call per op, each output a fixed-order sum (bits independent of T)
+            head_matmul, head_linear, attend = decode_ops.head_matmul, decode_ops.head_linear, decode_ops.latent_attention
         else:  # their twins: torch ops, in float32
             head_matmul, head_linear = decode_ops.head_matmul_torch, decode_ops.head_linear_torch
+            attend = decode_ops.latent_attention_torch
         q_latent = head_matmul(q_nope[0].to(f), w_uk).transpose(0, 1)  # [H, T, R]
-        c = latents[0, 0].to(f)  # [S, R]
-        scores = torch.matmul(q_latent, c.T) + torch.matmul(q_pe[0].to(f), keys[0, 0].to(f).T)  # [H, T, S]
-        if T > 1:  # causal after the past: query t sees positions up to start + t
-            visible = torch.ones(T, scores.shape[-1], dtype=torch.bool, device=scores.device).tril(start)
-            scores = scores.masked_fill(~visible, float("-inf"))
-        context = torch.matmul(torch.softmax(scores * a.scaling, dim=-1), c)  # [H, T, R]
-        out = head_linear(context, w_uv)  # [T, H, v]
+        context = attend(q_latent, q_pe[0].to(f), latents[0, 0].to(f), keys[0, 0].to(f), start, a.scaling)  # [T, H, R]
+        out = head_linear(context.transpose(0, 1), w_uv)  # [T, H, v]
         return a.o_proj(out.reshape(1, T, -1).to(hidden_states.dtype)), None
 
     def weights(self, native: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -224,6 +224,52 @@ def test_per_head_products_equal_their_twins_on_strided_views(transposed, dtype,
             assert torch.equal(fn(x[g:g + 1, t:t + 1], w[g:g + 1]), y[t:t + 1, g:g + 1]), (t, g)
 
 
+def _latent_case(H, T, R, Dr, past, seed):
+    """MLA's inputs as mla.py hands them over: q_latent [H, T, R] (a transposed view), q_pe a view inside the queries
+    [H, T, nope + rope], the latent and rotary caches as row views of larger buffers."""
+    gen = torch.Generator().manual_seed(seed)
+    q_latent = torch.randn(T, H, R, generator=gen).transpose(0, 1)
+    q_pe = torch.randn(H, T, 16 + Dr, generator=gen)[..., 16:]
+    S = past + T
+    latents = torch.randn(S + 3, R + 4, generator=gen)[:S, :R]
+    rope_keys = torch.randn(S, Dr + 2, generator=gen)[:, 2:]
+    return q_latent, q_pe, latents, rope_keys
+
+
+@pytest.mark.parametrize("H,T,R,Dr,past", [(16, 1, 512, 64, 1500), (16, 5, 512, 64, 30), (3, 4, 72, 20, 515), (2, 1, 12, 6, 0)])
+def test_latent_attention_equals_its_twin(H, T, R, Dr, past):
+    """DeepSeek-V2's attention over its latent cache (keys [c | k_pe], values c, every head on one cache): the native
+    core equals torch's matmuls and softmax, causal within the pass, on strided views; tiles of 512 keys, R % 32."""
+    args = _latent_case(H, T, R, Dr, past, seed=H * T + past)
+    got = decode_ops.latent_attention(*args, past, 0.07)
+    want = decode_ops.latent_attention_torch(*args, past, 0.07)
+    assert got.shape == (T, H, R) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_latent_attention_rows_do_not_depend_on_the_pass_or_the_threads(monkeypatch):
+    """A 5-position verification gives the bits of its 5 decode steps, and 1, 2 or 3 threads the same bits (threads
+    split the heads of the one cache)."""
+    H, T, R, Dr, past = 16, 5, 512, 64, 700
+    q_latent, q_pe, latents, rope_keys = _latent_case(H, T, R, Dr, past, seed=3)
+    whole = decode_ops.latent_attention(q_latent, q_pe, latents, rope_keys, past, 0.07)
+    for t in range(T):
+        step = decode_ops.latent_attention(q_latent[:, t:t + 1], q_pe[:, t:t + 1], latents[:past + t + 1],
+                                           rope_keys[:past + t + 1], past + t, 0.07)
+        assert torch.equal(step, whole[t:t + 1]), t
+    for threads in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        assert torch.equal(decode_ops.latent_attention(q_latent, q_pe, latents, rope_keys, past, 0.07), whole), threads
+
+
+def test_latent_attention_refuses_shapes_that_do_not_agree():
+    q_latent, q_pe, latents, rope_keys = _latent_case(2, 3, 8, 4, 5, seed=4)
+    with pytest.raises(ValueError, match="do not agree"):
+        decode_ops.latent_attention(q_latent, q_pe, latents, rope_keys, 4, 0.1)  # 8 cached positions are not 4 + 3
+    with pytest.raises(ValueError, match="do not agree"):
+        decode_ops.latent_attention(q_latent, q_pe[:1], latents, rope_keys, 5, 0.1)
+
+
 def test_per_head_products_refuse_what_they_cannot_read():
     x, w = torch.randn(2, 3, 8), torch.randn(2, 4, 8)
     with pytest.raises(ValueError, match="not"):
