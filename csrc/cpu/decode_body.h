@@ -190,10 +190,10 @@ inline void weighted_block(const float* const* p, const float* c, int64_t stride
 }
 
 // One KV head's attention for `rows` query rows: out[r] = softmax(scale · (K q[r] + K2 q2[r]))ᵀ V over the first keys[r]
-// rows of the cache (keys non-decreasing in r). K2 and q2, a second part of each key and query (MLA's rotary part), may be
-// null. K (and K2) and V are read once for all the rows (grouped query heads share them): scores in blocks of 4 rows × 2
-// keys, sums in blocks of SUM_ROWS rows × 64 / SUM_ROWS columns over tiles of 512 keys. p [rows, max keys] scratch. A row's bits do not
-// depend on which rows come with it.
+// rows of the cache (keys non-decreasing in r). K2 and q2, a second part of each key and query (MLA's rotary part), may
+// be null. K (and K2) and V are read once for all the rows (grouped query heads share them): scores in blocks of 4 rows
+// × 2 keys, sums per tile of V (about 128 KB) in blocks of a position's heads. p [rows, max keys] scratch. A row's bits
+// do not depend on which rows come with it.
 inline void attend_group(const float* const* q, const float* const* q2, float* const* out, const int64_t* keys,
                          int64_t rows, const KeyRows& c, float scale, float* const* p) {
     const int64_t S = keys[rows - 1], Dv = c.Dv;
@@ -219,25 +219,33 @@ inline void attend_group(const float* const* q, const float* const* q2, float* c
         }
     }
     for (int64_t r = 0; r < rows; ++r) softmax_row(p[r], keys[r]);
-    constexpr int64_t TILE = 512;
-    constexpr int NR = SUM_ROWS, NV = 8 / SUM_ROWS, WIDTH = 8 * NV;  // a block of sums: NR rows × NV vectors
-    for (int64_t s0 = 0; s0 < S; s0 += TILE)
-        for (int64_t c0 = 0; c0 + 8 <= Dv;) {
-            const int64_t width = c0 + WIDTH <= Dv ? WIDTH : 8;
-            for (int64_t r = 0; r < rows;) {
-                // NR rows at once where they are one position's heads (the same keys, outputs Dv apart)
-                bool block = r + NR <= rows;
-                for (int i = 1; block && i < NR; ++i) block = keys[r + i] == keys[r] && out[r + i] == out[r] + i * Dv;
-                const int64_t s1 = std::min(keys[r], s0 + TILE);
-                if (s0 < s1) {
-                    const float* v = c.V + c0;
-                    if (width == 8) weighted_block<1, 1>(p + r, v, c.v_stride, s0, s1, out[r] + c0, Dv, s0 == 0);
-                    else if (block) weighted_block<NR, NV>(p + r, v, c.v_stride, s0, s1, out[r] + c0, Dv, s0 == 0);
-                    else weighted_block<1, NV>(p + r, v, c.v_stride, s0, s1, out[r] + c0, Dv, s0 == 0);
-                }
-                r += width == 8 || !block ? 1 : NR;
+    // Sums: per tile of keys, per block of a position's heads (4, 2 or 1 rows: same keys, outputs Dv apart), its columns
+    // in blocks of 8 accumulators (4 rows × 16 columns, 2 × 32, 1 × 32), then 8 columns at a time. A tile of V is
+    // about 128 KB, so it stays in L2 while the row blocks pass over it.
+    const int64_t tile = std::max<int64_t>(32, 32768 / std::max<int64_t>(Dv, 1));
+    for (int64_t s0 = 0; s0 < S; s0 += tile)
+        for (int64_t r = 0; r < rows;) {
+            int nr = 1;
+            for (const int want : {SUM_ROWS, 2}) {
+                bool block = r + want <= rows;
+                for (int i = 1; block && i < want; ++i) block = keys[r + i] == keys[r] && out[r + i] == out[r] + i * Dv;
+                if (block) { nr = want; break; }
             }
-            c0 += width;
+            const int64_t s1 = std::min(keys[r], s0 + tile);
+            if (s0 < s1) {
+                const float* v = c.V;
+                const bool first = s0 == 0;
+                int64_t c0 = 0;
+                if (nr == 4)
+                    for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, c.v_stride, s0, s1, out[r] + c0, Dv, first);
+                else if (nr == 2)
+                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, c.v_stride, s0, s1, out[r] + c0, Dv, first);
+                else
+                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, c.v_stride, s0, s1, out[r] + c0, Dv, first);
+                for (; c0 + 8 <= Dv; c0 += 8)
+                    for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, c.v_stride, s0, s1, out[r + i] + c0, Dv, first);
+            }
+            r += nr;
         }
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t d = 8 * (Dv / 8); d < Dv; ++d) {  // the last Dv % 8 columns

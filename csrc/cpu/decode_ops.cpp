@@ -38,8 +38,9 @@ struct KeyRows {  // one KV head's cache: key s = K[s·k_stride..] (D) and K2[s�
     int64_t k_stride, k2_stride, v_stride, D, D2, Dv;
 };
 
-// Rows per block of attention's weighted sums (8 accumulators: 2 rows × 32 columns or 4 × 16; same bits either way):
-// 4 × 16 measured 1.5-1.8× faster on an AVX2 Zen 3, 2 × 32 10-15 % faster in the AVX-512 build on a Zen 4
+// Rows per block of attention's weighted sums where a position has that many heads (8 accumulators: 4 rows × 16 columns
+// or 2 × 32; same bits either way): 4 × 16 measured 1.5-1.8× faster on an AVX2 Zen 3, 2 × 32 10-15 % faster in the
+// AVX-512 build on a Zen 4
 namespace portable {
 constexpr int SUM_ROWS = 2;
 #include "decode_body.h"
