@@ -234,16 +234,17 @@ inline void attend_group(const float* const* q, const float* const* q2, float* c
             const int64_t s1 = std::min(keys[r], s0 + tile);
             if (s0 < s1) {
                 const float* v = c.V;
+                const int64_t vs = c.v_stride;
                 const bool first = s0 == 0;
                 int64_t c0 = 0;
                 if (nr == 4)
-                    for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, c.v_stride, s0, s1, out[r] + c0, Dv, first);
+                    for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, vs, s0, s1, out[r] + c0, Dv, first);
                 else if (nr == 2)
-                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, c.v_stride, s0, s1, out[r] + c0, Dv, first);
+                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, vs, s0, s1, out[r] + c0, Dv, first);
                 else
-                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, c.v_stride, s0, s1, out[r] + c0, Dv, first);
+                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, vs, s0, s1, out[r] + c0, Dv, first);
                 for (; c0 + 8 <= Dv; c0 += 8)
-                    for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, c.v_stride, s0, s1, out[r + i] + c0, Dv, first);
+                    for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, vs, s0, s1, out[r + i] + c0, Dv, first);
             }
             r += nr;
         }

@@ -26,14 +26,16 @@ struct AttentionStep {
     int64_t out_stride;
 };
 
-struct HeadRows {  // query rows (t, h) at q + t·q_t + h·q_h (q2: a second part of each, or null), outputs at out + t·out_t + h·out_h
+// query rows (t, h) at q + t·q_t + h·q_h (q2: a second part of each, or null); outputs at out + t·out_t + h·out_h
+struct HeadRows {
     const float *q, *q2;
     float* out;
     int64_t q_t, q_h, q2_t, q2_h, out_t, out_h, T, Hq, Hkv, past;
     float scale;
 };
 
-struct KeyRows {  // one KV head's cache: key s = K[s·k_stride..] (D) and K2[s·k2_stride..] (D2, or K2 null), value V[s·v_stride..] (Dv)
+// one KV head's cache: key s = K[s·k_stride..] (D) and K2[s·k2_stride..] (D2; K2 may be null), value V[s·v_stride..] (Dv)
+struct KeyRows {
     const float *K, *K2, *V;
     int64_t k_stride, k2_stride, v_stride, D, D2, Dv;
 };

@@ -239,7 +239,7 @@ def _latent_case(H, T, R, Dr, past, seed):
 @pytest.mark.parametrize("H,T,R,Dr,past", [(16, 1, 512, 64, 1500), (16, 5, 512, 64, 30), (3, 4, 72, 20, 515), (2, 1, 12, 6, 0)])
 def test_latent_attention_equals_its_twin(H, T, R, Dr, past):
     """DeepSeek-V2's attention over its latent cache (keys [c | k_pe], values c, every head on one cache): the native
-    core equals torch's matmuls and softmax, causal within the pass, on strided views; tiles of 512 keys, R % 32."""
+    core equals torch's matmuls and softmax, causal within the pass, on strided views; many tiles of keys, R % 32."""
     args = _latent_case(H, T, R, Dr, past, seed=H * T + past)
     got = decode_ops.latent_attention(*args, past, 0.07)
     want = decode_ops.latent_attention_torch(*args, past, 0.07)
