@@ -1,5 +1,5 @@
 """Lossless: moechat greedy output equals Hugging Face `generate(do_sample=False)` token for token,
-for every family, seed, expert cache ratio, policy, drafter and draft length."""
+for every family, expert cache ratio, policy, drafter and draft length (the settings dealt over three checkpoints per family)."""
 from __future__ import annotations
 
 import pytest
@@ -16,29 +16,47 @@ RATIOS = (0.0, 0.1, 0.5, 1.0)
 DRAFT_LENS = (1, 4, 8)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+SEEDS = (0, 1, 2)
+
+
+def _runs(seed: int) -> list[dict]:
+    """The matrix of engine settings, dealt over the seeds in turn: every (ratio, policy, drafter, γ) runs on one of each
+    family's three checkpoints, and each checkpoint still sees every ratio, policy and drafter."""
+    drafters = [("none", 1), *(("self", g) for g in DRAFT_LENS), *(("draft", g) for g in DRAFT_LENS)]
+    runs = []
+    for ratio in RATIOS:
+        # eam only where residency is a choice (0 < ratio < 1); test_baselines runs it across requests
+        for policy in ("lru", "static", "lfu", "specmoe", "spac", "spmoe") + (("eam",) if 0 < ratio < 1 else ()):
+            runs += [dict(expert_cache_ratio=ratio, policy=policy, drafter=d, draft_len=g) for d, g in drafters]
+        if ratio >= 0.5:  # no CPU experts (bench e2e's on-demand row): every miss loaded before its layer
+            runs += [dict(expert_cache_ratio=ratio, policy="lru", cpu_experts=False, drafter=d, draft_len=g)
+                     for d, g in (("none", 1), ("self", 4))]
+    return runs[seed::len(SEEDS)]
+
+
+def test_the_dealt_matrix_covers_every_setting_on_every_checkpoint():
+    dealt = [_runs(seed) for seed in SEEDS]
+    every = [run for share in dealt for run in share]
+    assert len({tuple(sorted(run.items())) for run in every}) == len(every) == 4 * 6 * 7 + 2 * 7 + 2 * 2
+    for share in dealt:
+        for key in ("expert_cache_ratio", "policy", "drafter", "draft_len"):
+            assert {run[key] for run in share} == {run[key] for run in every}, key
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_matches_transformers(family, seed, checkpoint, draft_dir, tokenizer):
     model_dir = checkpoint(family, seed)
     prompt = tokenizer(PROMPT)["input_ids"]
     expected = hf_greedy(model_dir, prompt)
     assert len(expected) == NEW_TOKENS
-    drafters = [("none", 1)] + [(d, g) for d in ("self", str(draft_dir)) for g in DRAFT_LENS]
     mismatches, rejected = [], 0
-    for ratio in RATIOS:
-        # eam only where residency is a choice (0 < ratio < 1); test_baselines runs it across requests
-        for policy in ("lru", "static", "lfu", "specmoe", "spac", "spmoe") + (("eam",) if 0 < ratio < 1 else ()):
-            for drafter, gamma in drafters:
-                fin = run_engine(model_dir, prompt, expert_cache_ratio=ratio, policy=policy, drafter=drafter, draft_len=gamma)
-                if fin.token_ids != expected:
-                    mismatches.append((ratio, policy, drafter, gamma))
-                rejected += fin.summary.drafted - fin.summary.accepted
-        if ratio >= 0.5:  # no CPU experts (bench e2e's on-demand row): every miss loaded before its layer
-            for drafter, gamma in (("none", 1), ("self", 4)):
-                fin = run_engine(model_dir, prompt, expert_cache_ratio=ratio, policy="lru", cpu_experts=False,
-                                 drafter=drafter, draft_len=gamma)
-                if fin.token_ids != expected:
-                    mismatches.append((ratio, "lru, no CPU experts", drafter, gamma))
+    for run in _runs(seed):
+        drafter = str(draft_dir) if run["drafter"] == "draft" else run["drafter"]
+        fin = run_engine(model_dir, prompt, **{**run, "drafter": drafter})
+        if fin.token_ids != expected:
+            mismatches.append(run)
+        rejected += fin.summary.drafted - fin.summary.accepted
     assert not mismatches, f"{family} seed {seed}: differs from transformers for {mismatches}"
     assert rejected > 0  # rejection and KV trimming were exercised, not only full acceptance
 
