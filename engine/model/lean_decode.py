@@ -33,7 +33,7 @@ from .kv_cache import GrowingLayer
 ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
 
 MAX_POSITIONS = 128  # decode, verification, and a chat turn after a kept history; longer prefills: module calls cost little
-# deepseek_v2 (MLA) runs transformers' forward; qwen3 and llama: the dense draft models (drafters.DraftModel)
+# qwen3 and llama: the dense draft models (drafters.DraftModel); deepseek_v2 (MLA): lean_deepseek.py
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "qwen3", "llama")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only (not dynamic, longrope)
 TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many positions
@@ -182,7 +182,7 @@ class LeanForward:
     def _native_attention(self, a, i: int, h: torch.Tensor, cos, sin, layer: GrowingLayer) -> torch.Tensor:
         qkv, stacked = self.qkv[i], self.stacked[i]
         if qkv is not None or stacked is not None:
-            y = qkv.whole(h) if qkv is not None else _stacked_product(h, stacked)  # [T, (H_q + 2 H_kv) * D]
+            y = qkv.whole(h) if qkv is not None else stacked_product(h, stacked)  # [T, (H_q + 2 H_kv) * D]
             n_q, n_k = qkv.sizes[:2] if qkv is not None else stacked[2]
             q, k, v = y[:, :n_q], y[:, n_q: n_q + n_k], y[:, n_q + n_k:]
         else:
@@ -248,17 +248,22 @@ class LeanForward:
         return q, k, v
 
 
-def _stacked_product(h: torch.Tensor, stacked) -> torch.Tensor:
+def stacked_product(h: torch.Tensor, stacked) -> torch.Tensor:
     """h [T, H] · the stacked q/k/v weight: a bf16 one (Bf16Linear's) through the native kernel, fp32 through torch."""
     weight, bias = stacked[0], stacked[1]
     return decode_ops.linear(h, weight, bias) if weight.dtype == torch.bfloat16 else F.linear(h, weight, bias)
 
 
 def _stack_qkv(a) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None:
-    """q/k/v nn.Linear (or Bf16Linear) rows stacked into one weight (and bias), each module's weight re-pointed to its
-    rows (no second copy): (weight [n_q + 2 n_k, H], bias or None, (n_q, n_k)); None where they are not three plain
-    Linear of one class and dtype."""
-    mods = [a.q_proj, a.k_proj, a.v_proj]
+    """q/k/v as one product: (weight [n_q + 2 n_k, H], bias or None, (n_q, n_k)), or None (see stack_linears)."""
+    stacked = stack_linears([a.q_proj, a.k_proj, a.v_proj])
+    return None if stacked is None else (stacked[0], stacked[1], stacked[2][:2])
+
+
+def stack_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]] | None:
+    """nn.Linear (or Bf16Linear) modules reading one input, their rows stacked into one weight (and bias), each module's
+    weight re-pointed to its rows (no second copy): (weight [sum R_i, K], bias or None, (R_i, ...)); None where they are
+    not plain Linear of one class and dtype."""
     if (len({type(m) for m in mods}) > 1 or type(mods[0]) not in (torch.nn.Linear, Bf16Linear)
             or len({(m.weight.dtype, m.in_features) for m in mods}) > 1):
         return None
@@ -273,7 +278,7 @@ def _stack_qkv(a) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] |
         if bias is not None:
             m.bias.data = bias[start:end]
         start = end
-    return weight, bias, (mods[0].out_features, mods[1].out_features)
+    return weight, bias, tuple(m.out_features for m in mods)
 
 
 def _router(mlp) -> tuple[torch.Tensor, int, bool] | None:
@@ -295,8 +300,13 @@ def _native_cache(layer) -> bool:
 
 
 def build_lean_forward(hf, device: torch.device, context_len: int):
-    """The lean forward for this model: on the CPU LeanForward (native where it can), on CUDA its torch ops in CUDA
-    graphs (graph_decode.GraphedDecode); None where transformers' forward must run (see `refusal`)."""
+    """The lean forward for this model: on the CPU LeanForward (native where it can; DeepSeek-V2: lean_deepseek's), on
+    CUDA its torch ops in CUDA graphs (graph_decode.GraphedDecode); None where transformers' forward must run (see
+    `refusal`)."""
+    if hf.config.model_type == "deepseek_v2":
+        from . import lean_deepseek
+
+        return None if lean_deepseek.refusal(hf, device) else lean_deepseek.LeanDeepseek(hf, context_len)
     if refusal(hf, device, context_len):
         return None
     if device.type == "cpu":

@@ -194,9 +194,9 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     if kv_dtype(device, dtype, family.latent_kv) != dtype:
         use_float_kv_attention(hf)
     context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
-    lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
     if cfg.lean_decode:
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
+    lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
                        runtime, device, dtype, context_len, lean)
 

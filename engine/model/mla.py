@@ -51,19 +51,30 @@ class AbsorbedMLA:
         q_pe, k_pe = self.rotary(q_pe, k_pe.view(1, 1, T, a.qk_rope_head_dim), position_embeddings.to(q_pe.device))
         start = cache.get_seq_length(a.layer_idx)
         latents, keys = cache.update(latent, k_pe, a.layer_idx)  # [1, 1, S, R], [1, 1, S, rope]: every position so far
-        native = (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32 and decode_ops.available()
-                  and a.kv_b_proj.weight.dtype in (torch.float32, torch.bfloat16))  # what the kernels read
+        native = hidden_states.dtype == torch.float32 and self.native_reads()
+        out = self.attend(q_nope[0], q_pe[0], latents[0, 0], keys[0, 0], start, native)  # [T, H·v]
+        return a.o_proj(out.view(1, T, -1).to(hidden_states.dtype)), None
+
+    def native_reads(self) -> bool:
+        """Whether the native kernels can read this layer's kv_b_proj where it is (on the CPU, fp32 or bf16)."""
+        w = self.attn.kv_b_proj.weight
+        return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and decode_ops.available()
+
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, keys: torch.Tensor, start: int,
+               native: bool) -> torch.Tensor:
+        """The absorbed attention of T positions after `start`: q_nope [H, T, nope], q_pe [H, T, rope] (rotated), the
+        layer's latents [S, R] and rotary keys [S, rope] with the pass's appended -> [T, H·v] fp32, o_proj's input."""
+        a, f = self.attn, torch.float32
         w_uk, w_uv = self.weights(native)
-        f = torch.float32
         if native:  # one native call per op, each output a fixed-order sum (bits independent of T)
             head_matmul, head_linear, attend = decode_ops.head_matmul, decode_ops.head_linear, decode_ops.latent_attention
         else:  # their twins: torch ops, in float32
             head_matmul, head_linear = decode_ops.head_matmul_torch, decode_ops.head_linear_torch
             attend = decode_ops.latent_attention_torch
-        q_latent = head_matmul(q_nope[0].to(f), w_uk).transpose(0, 1)  # [H, T, R]
-        context = attend(q_latent, q_pe[0].to(f), latents[0, 0].to(f), keys[0, 0].to(f), start, a.scaling)  # [T, H, R]
+        q_latent = head_matmul(q_nope.to(f), w_uk).transpose(0, 1)  # [H, T, R]
+        context = attend(q_latent, q_pe.to(f), latents.to(f), keys.to(f), start, a.scaling)  # [T, H, R]
         out = head_linear(context.transpose(0, 1), w_uv)  # [T, H, v]
-        return a.o_proj(out.reshape(1, T, -1).to(hidden_states.dtype)), None
+        return out.reshape(out.shape[0], -1)
 
     def weights(self, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight [H·(nope + v), R] per head: W_uk [H, nope, R] and W_uv [H, v, R], views of it where the

@@ -1,6 +1,6 @@
 """The lean decode forward (engine/model/lean_decode.py) gives transformers' logits bit for bit through its torch ops,
 within rounding (and the same greedy tokens) through its native ops, writes the same KV entries, and stands aside
-where it cannot (deepseek_v2, sliding windows, length-dependent rope, the prefill)."""
+where it cannot (sliding windows, length-dependent rope, the prefill); DeepSeek-V2's is tests/engine/test_mla.py's."""
 from __future__ import annotations
 
 import pytest
@@ -255,7 +255,6 @@ def test_window_wider_than_context_keeps_lean(checkpoint):
 
 
 @pytest.mark.parametrize("family,overrides", [
-    ("deepseek_v2", {}),  # MLA
     ("mixtral", {"sliding_window": 8}),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}),
 ])
