@@ -1,9 +1,10 @@
-// A llama-like MoE decoder stack for a few positions after a past, in one call: per layer the stacked
-// q/k/v product, attention's core (decode_ops.cpp), the output product, the residual add fused with the
-// next norm, the router's softmax top-k and the routed experts (expert_ffn.cpp / quant_ffn.cpp), every
-// expert on the CPU. It is the per-layer sequence engine/model/lean_decode.py runs op by op, without
-// the ~40 µs of Python per layer between the ops (engine/model/decode_stack.py: the descriptors, the
-// conditions, the accounting). Each position's row is computed alone in a fixed order, and the experts
+// A MoE decoder stack for a few positions after a past, in one call: per layer the stacked q/k/v product,
+// attention's core (decode_ops.cpp), the output product, the residual add fused with the next norm, the
+// router's softmax top-k and the routed experts (expert_ffn.cpp / quant_ffn.cpp), every expert on the CPU.
+// It is the per-layer sequence engine/model/lean_decode.py runs op by op, without the ~40 µs of Python per
+// layer between the ops (engine/model/decode_stack.py: the descriptors, the conditions, the accounting).
+// DeepSeek-V2's layers (engine/model/lean_deepseek.py) take the same path with the absorbed latent attention
+// (mla_attention) in place of attention's core, the routed weights scaled and the shared experts added. Each position's row is computed alone in a fixed order, and the experts
 // are summed per token in ascending expert id, so a verification pass equals its decode steps bit for
 // bit. fp32 activations; dense weights fp32 or quantized (moe_q_linear's layout). Plain C ABI.
 
@@ -27,6 +28,13 @@ int moe_linear_bf16w(const float* x, const uint16_t* w, const float* b, int64_t 
                      int64_t y_stride, int threads);
 int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int bits, int64_t n_rows, int64_t k,
                  const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req);
+int moe_head_f32(int transposed, const float* x, int64_t x_g, int64_t x_t, const float* w, int64_t w_g, int64_t T,
+                 int64_t G, int64_t R, int64_t K, float* y, int threads);
+int moe_head_bf16w(int transposed, const float* x, int64_t x_g, int64_t x_t, const uint16_t* w, int64_t w_g, int64_t T,
+                   int64_t G, int64_t R, int64_t K, float* y, int threads);
+int moe_latent_attention(const float* q, int64_t q_t, int64_t q_h, const float* q_pe, int64_t pe_t, int64_t pe_h,
+                         const float* latents, int64_t latent_stride, const float* rope_keys, int64_t rope_stride, int64_t T,
+                         int64_t H, int64_t R, int64_t Dr, int64_t past, float scale, float* out, int threads);
 int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const void* gate_up, const void* down,
                    int w_dtype, int64_t hidden, int64_t inter, const void* x, int x_dtype, const int64_t* rows,
                    const float* row_weights, float* out, int num_threads, int isa_req);
@@ -55,18 +63,25 @@ struct StackLayer {
     DenseWeight o;                        // [H, H_q D]
     const float *q_norm, *k_norm;         // [D] Qwen3's per-head norms, or null
     const float* router;                  // [E, H]; null: a dense MLP layer (gate, up, down below; qwen3_moe's mlp_only_layers)
-    DenseWeight gate, up, down_proj;      // [I', H], [I', H], [H, I']
+    DenseWeight gate, up, down_proj;      // [I', H], [I', H], [H, I']: a dense layer's MLP, or `shared` experts' 
     int64_t expert_bits, w_dtype;         // bits 8/4: quantized experts (gu_*/dn_*); 0: float (gate_up/down, w_dtype)
     const void *gate_up, *down;           // [E, 2I, H], [E, H, I]
     const uint8_t *gu_q, *dn_q;
     const uint16_t *gu_s, *gu_m, *dn_s, *dn_m;
     float *k_cache, *v_cache;             // [H_kv, capacity, D]: this call's cache; entries past..past+T-1 written
     int64_t capacity;
+    // DeepSeek-V2 (MLA): qkv holds q [H_q (nope + rope), H] then kv_a [R + rope, H]; k_cache the latents [capacity, R],
+    // v_cache the rotated rope keys [capacity, rope]
+    const float* kv_a_norm;               // [R]; null: not an MLA layer
+    const void* kv_b;                     // [H_q (nope + v), R], fp32, or bf16 where kv_b_bf16
+    int64_t kv_b_bf16, shared;            // shared: gate/up/down_proj are shared experts, added to the routed ones
 };
 
 struct StackShape {
     int64_t layers, H, Hq, Hkv, D, E, k, I, normalize, float_isa, q_isa;
-    float eps, head_eps, scale;  // the norms' eps, the q/k norms' eps, attention's scale
+    float eps, head_eps, scale;  // the norms' eps, the q/k norms' (MLA: the latent norm's) eps, attention's scale
+    int64_t R, nope, rope, vdim;  // MLA's latent rank and per-head widths; R 0: llama-like attention
+    float routed_scale;           // the routed experts' weights times this (DeepSeek's routed_scaling_factor; else 1)
 };
 
 namespace {
@@ -83,16 +98,60 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 // A pass's scratch, sized once per call.
 struct Scratch {
-    std::vector<float> h, qkv, att, o, logits, mlp, row_w, gate, up;
+    std::vector<float> h, qkv, att, o, logits, mlp, row_w, gate, up, shared, q_latent, context;
     std::vector<int64_t> order, ids, offsets, rows;
 };
 
-// mlp [T, H] = down(silu(gate h) · up h): a dense layer among the sparse ones (qwen3_moe's mlp_only_layers)
-int dense_mlp(const StackLayer& L, const float* h, int64_t T, Scratch& b, int threads, int q_isa) {
+// out [T, H] = down(silu(gate h) · up h): a dense layer among the sparse ones (qwen3_moe's mlp_only_layers, DeepSeek's
+// first), or DeepSeek's shared experts
+int dense_mlp(const StackLayer& L, const float* h, int64_t T, float* out, Scratch& b, int threads, int q_isa) {
     b.gate.resize(T * L.gate.rows), b.up.resize(T * L.gate.rows);
     if (dense(L.gate, h, T, b.gate.data(), threads, q_isa) || dense(L.up, h, T, b.up.data(), threads, q_isa)) return 1;
     for (size_t i = 0; i < b.gate.size(); ++i) b.gate[i] = b.gate[i] / (1.f + std::exp(-b.gate[i])) * b.up[i];
-    return dense(L.down_proj, b.gate.data(), T, b.mlp.data(), threads, q_isa);
+    return dense(L.down_proj, b.gate.data(), T, out, threads, q_isa);
+}
+
+// DeepSeek's rotary on interleaved pairs, (x0 + i x1)(cos + i sin) as transformers' complex product: x, y [rope]
+void rotate_pairs(const float* x, const float* cos, const float* sin, float* y, int64_t rope) {
+    for (int64_t j = 0; j < rope / 2; ++j) {
+        const float x0 = x[2 * j], x1 = x[2 * j + 1];
+        y[2 * j] = x0 * cos[j] - x1 * sin[j];
+        y[2 * j + 1] = x0 * sin[j] + x1 * cos[j];
+    }
+}
+
+// DeepSeek-V2's absorbed latent attention (engine/model/mla.py) for T positions after `past`: q [T, H_q (nope + rope)]
+// (its rope parts rotated in place) and c_kpe [T, R + rope], rows q_stride and kv_stride apart -> att [T, H_q v]; the
+// normed latents and rotated rope keys written to the cache. cos, sin [T, rope / 2].
+int mla_attention(const StackShape& s, const StackLayer& L, float* q, int64_t q_stride, const float* c_kpe, int64_t kv_stride,
+                  int64_t T, int64_t past, const float* cos, const float* sin, float* att, Scratch& b, int threads) {
+    const int64_t R = s.R, nope = s.nope, rope = s.rope, Dq = nope + rope, H = s.Hq, half = rope / 2;
+    const int64_t w_g = (nope + s.vdim) * R;  // kv_b's rows per head: W_uk [nope, R], then W_uv [v, R]
+    for (int64_t t = 0; t < T; ++t) {
+        const float* row = c_kpe + t * kv_stride;
+        if (moe_add_rms_norm(const_cast<float*>(row), nullptr, L.kv_a_norm, s.head_eps, 1, R, L.k_cache + (past + t) * R))
+            return 1;  // (x is not written without a residual)
+        rotate_pairs(row + R, cos + t * half, sin + t * half, L.v_cache + (past + t) * rope, rope);
+        for (int64_t h = 0; h < H; ++h) {
+            float* pe = q + t * q_stride + h * Dq + nope;
+            rotate_pairs(pe, cos + t * half, sin + t * half, pe, rope);
+        }
+    }
+    b.q_latent.resize(T * H * R), b.context.resize(T * H * R);
+    const auto* w16 = static_cast<const uint16_t*>(L.kv_b);
+    const auto* w32 = static_cast<const float*>(L.kv_b);
+    // q_latent [T, H, R] = q_nope[h, t] · W_uk[h]
+    if (L.kv_b_bf16 ? moe_head_bf16w(0, q, Dq, q_stride, w16, w_g, T, H, R, nope, b.q_latent.data(), threads)
+                    : moe_head_f32(0, q, Dq, q_stride, w32, w_g, T, H, R, nope, b.q_latent.data(), threads))
+        return 2;
+    // context [T, H, R] = softmax(scale (q_latent cᵀ + q_pe k_peᵀ)) c over the cache, causal after the past
+    if (moe_latent_attention(b.q_latent.data(), H * R, R, q + nope, q_stride, Dq, L.k_cache, R, L.v_cache, rope, T, H, R, rope,
+                             past, s.scale, b.context.data(), threads))
+        return 3;
+    // att [T, H, v] = context[t, h] · W_uv[h]ᵀ
+    const int64_t off = nope * R;
+    return (L.kv_b_bf16 ? moe_head_bf16w(1, b.context.data(), R, H * R, w16 + off, w_g, T, H, s.vdim, R, att, threads)
+                        : moe_head_f32(1, b.context.data(), R, H * R, w32 + off, w_g, T, H, s.vdim, R, att, threads)) ? 4 : 0;
 }
 
 // mlp [T, H] = the routed experts' weighted sum; experts/weights [T, k] the router's choice
@@ -101,6 +160,8 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
     const int64_t k = s.k, S = T * k;
     const double t_route = now();
     if (moe_router_topk(h, L.router, T, s.E, s.H, k, int(s.normalize), b.logits.data(), weights, experts, threads)) return 1;
+    if (s.routed_scale != 1.f)
+        for (int64_t a = 0; a < S; ++a) weights[a] *= s.routed_scale;  // transformers' topk_weights * routed_scaling_factor
     // activations grouped by expert id, ascending, stable: each token's experts summed in ascending id, whatever T
     for (int64_t a = 0; a < S; ++a) b.order[a] = a;
     std::stable_sort(b.order.begin(), b.order.end(), [&](int64_t x, int64_t y) { return experts[x] < experts[y]; });
@@ -130,14 +191,18 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
 
 // x [T, H]: the embeddings in, the residual stream out; h_out [T, H]: final_norm(x), for the head;
 // experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); counts_out
-// [layers, E]: activations per expert (0 in a dense layer); cos, sin [T, D] at
-// positions past..; seconds[4] += the experts', the dense products', attention's and the routing's seconds.
+// [layers, E]: activations per expert (0 in a dense layer); cos, sin [T, D] at positions past.. (MLA: [T, rope / 2],
+// the rotation's real and imaginary parts); seconds[4] += the experts', the dense products', attention's and the routing's seconds.
 // Returns 0, or (layer + 1) * 16 + the failing stage.
 API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int64_t T, int64_t past, const float* cos,
                          const float* sin, float* x, const float* final_norm, float* h_out, int64_t* experts_out,
                          float* weights_out, int64_t* counts_out, double* seconds, int threads) {
     const StackShape& s = *shape;
-    const int64_t H = s.H, k = s.k, Wqkv = (s.Hq + 2 * s.Hkv) * s.D, A = s.Hq * s.D, S = T * k;
+    const bool mla = s.R > 0;
+    const int64_t H = s.H, k = s.k, S = T * k;
+    const int64_t Aq = mla ? s.Hq * (s.nope + s.rope) : s.Hq * s.D;     // q's width
+    const int64_t Wqkv = Aq + (mla ? s.R + s.rope : 2 * s.Hkv * s.D);  // with k and v (MLA: the compressed KV and k_pe)
+    const int64_t A = mla ? s.Hq * s.vdim : Aq;                         // attention's output
     if (T <= 0 || s.layers <= 0 || k <= 0 || k > s.E) return 1;
     Scratch b;
     b.h.resize(T * H), b.qkv.resize(T * Wqkv), b.att.resize(T * A), b.o.resize(T * H), b.logits.resize(T * s.E);
@@ -147,16 +212,18 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
     for (int64_t l = 0; l < s.layers; ++l) {
         const StackLayer& L = layers[l];
         const int fail = int((l + 1) * 16), q_isa = int(s.q_isa);
-        // one product: [T, Wqkv] rows of q heads, k heads, v heads; two: q [T, A], then k and v [T, 2 H_kv D]
+        // one product: [T, Wqkv] rows of q heads, k heads, v heads; two: q [T, Aq], then k and v [T, 2 H_kv D]
         float* q = b.qkv.data();
-        const int64_t split = L.kv.rows > 0, q_stride = split ? A : Wqkv, kv_stride = split ? Wqkv - A : Wqkv;
-        float* kv = split ? q + T * A : q + A;
+        const int64_t split = L.kv.rows > 0, q_stride = split ? Aq : Wqkv, kv_stride = split ? Wqkv - Aq : Wqkv;
+        float* kv = split ? q + T * Aq : q + Aq;
         const double t0 = now();
         if (dense(L.qkv, h, T, q, threads, q_isa)) return fail + 1;
         if (split && dense(L.kv, h, T, kv, threads, q_isa)) return fail + 1;
         const double t1 = now();
-        if (moe_attention_step(q, q_stride, kv, kv_stride, kv + s.Hkv * s.D, kv_stride, T, s.Hq, s.Hkv, s.D, L.q_norm, L.k_norm,
-                               s.head_eps, cos, sin, L.k_cache, L.v_cache, L.capacity, past, s.scale, b.att.data(), A, threads))
+        if (L.kv_a_norm ? mla_attention(s, L, q, q_stride, kv, kv_stride, T, past, cos, sin, b.att.data(), b, threads)
+                        : moe_attention_step(q, q_stride, kv, kv_stride, kv + s.Hkv * s.D, kv_stride, T, s.Hq, s.Hkv, s.D,
+                                             L.q_norm, L.k_norm, s.head_eps, cos, sin, L.k_cache, L.v_cache, L.capacity, past,
+                                             s.scale, b.att.data(), A, threads))
             return fail + 2;
         const double t2 = now();
         if (dense(L.o, b.att.data(), T, b.o.data(), threads, q_isa)) return fail + 3;
@@ -172,10 +239,16 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
             std::fill(experts, experts + S, int64_t(-1));
             std::fill(weights, weights + S, 0.f);
             const double t4 = now();
-            if (dense_mlp(L, h, T, b, threads, q_isa)) return fail + 5;
+            if (dense_mlp(L, h, T, b.mlp.data(), b, threads, q_isa)) return fail + 5;
             seconds[DENSE] += now() - t4;
         } else if (int rc = moe_block(s, L, h, T, experts, weights, counts, b, seconds, threads)) {
             return fail + 5 + rc;
+        } else if (L.shared) {  // routed + shared, as transformers' DeepseekV2Moe adds them
+            b.shared.resize(T * H);
+            const double t4 = now();
+            if (dense_mlp(L, h, T, b.shared.data(), b, threads, q_isa)) return fail + 9;
+            for (int64_t i = 0; i < T * H; ++i) b.mlp[i] += b.shared[i];
+            seconds[DENSE] += now() - t4;
         }
         const bool last = l + 1 == s.layers;
         if (moe_add_rms_norm(x, b.mlp.data(), last ? final_norm : layers[l + 1].input_norm, s.eps, T, H, last ? h_out : h))

@@ -10,8 +10,9 @@ the counters and the policy's on_layer, the trace). Its twin is the op-by-op lea
 
 Takes: the llama-like MoE families without shared experts or whole-projection q/k norms (qwen3_moe,
 mixtral), and the dense draft models of the same layout (qwen3, llama: every layer a dense MLP, no runtime),
-fp32 activations, bias-free attention products in fp32 or quantized. Anything else, or a pass with replayed
-routing, a self-draft remap or an expert budget, keeps the op-by-op path.
+fp32 activations, bias-free attention products in fp32 or quantized; DeepSeek-V2-Lite's layout through
+lean_deepseek.build_mla_stack (the same call, its latent attention in place of attention's core). Anything
+else, or a pass with replayed routing, a self-draft remap or an expert budget, keeps the op-by-op path.
 """
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ class StackLayer(ctypes.Structure):
                 ("q_norm", _P), ("k_norm", _P), ("router", _P), ("gate", DenseWeight), ("up", DenseWeight),
                 ("down_proj", DenseWeight), ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
                 ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("k_cache", _P),
-                ("v_cache", _P), ("capacity", _I64)]
+                ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64), ("shared", _I64)]
 
 
 class StackShape(ctypes.Structure):
     _fields_ = [("layers", _I64), ("H", _I64), ("Hq", _I64), ("Hkv", _I64), ("D", _I64), ("E", _I64), ("k", _I64),
                 ("I", _I64), ("normalize", _I64), ("float_isa", _I64), ("q_isa", _I64), ("eps", _F), ("head_eps", _F),
-                ("scale", _F)]
+                ("scale", _F), ("R", _I64), ("nope", _I64), ("rope", _I64), ("vdim", _I64), ("routed_scale", _F)]
 
 
 PARTS = ("experts", "dense", "attention", "moe_layer")  # the C side's seconds[], in its order (routing: moe_layer)
@@ -217,7 +218,7 @@ def build_decode_stack(lean) -> DecodeStack | None:
     shape = StackShape(layers=len(layers), H=lean.config.hidden_size, Hq=first_attn.q_proj.out_features // D,
                        Hkv=first_attn.k_proj.out_features // D, D=D, E=runtime.store.num_experts if runtime else 1, k=top_k,
                        I=inter.pop() if inter else 0,
-                       normalize=int(normalize), eps=eps, head_eps=head_eps.pop(), scale=first_attn.scaling)
+                       normalize=int(normalize), eps=eps, head_eps=head_eps.pop(), scale=first_attn.scaling, routed_scale=1.0)
     return DecodeStack(lean, runtime, shape, layers, keep, sparse)
 
 

@@ -16,11 +16,16 @@ and CUDA run transformers' forward (with mla.AbsorbedMLA in its attention).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
-from ..quant.dense import fuse
-from . import decode_ops
+from ..experts.runtime import OffloadedExperts
+from ..quant.dense import FusedQuantLinear, fuse
+from . import decode_ops, decode_stack
 from .decode_ops import add_rms_norm, rms_norm
+from .decode_stack import DecodeStack, DenseWeight, StackLayer, StackShape, _dense, _experts, _fp32, _is_silu, _linear, _ptr
 from .lean_decode import ROPE_TYPES, stack_linears, stacked_product
 from .mla import MAX_ABSORBED, AbsorbedMLA
 
@@ -29,8 +34,6 @@ TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many position
 
 class LeanDeepseek:
     """ids [1, T] appended to a KV cache that already holds a past -> logits of the last `keep` positions."""
-
-    stack = None  # no one-call native stack for MLA yet (decode_stack.py takes the llama-like families)
 
     def __init__(self, hf, context_len: int, native: bool = True):
         self.hf, self.base, self.config = hf, hf.model, hf.config
@@ -48,6 +51,9 @@ class LeanDeepseek:
                         for mlp in map(_swiglu_of, self.layers)]
         self.routers = [_greedy_router(layer.mlp) if self.native else None for layer in self.layers]
         self.freqs: torch.Tensor | None = None  # [1, P, rope / 2] complex, as transformers' rotary module returns it
+        self.cos = self.sin = None  # [P, rope / 2] fp32: its real and imaginary parts, for the native stack
+        # the whole stack in one native call per pass where every expert runs on the CPU (None: op by op)
+        self.stack: DecodeStack | None = build_mla_stack(self)
 
     def accepts(self, positions: int, past: int) -> bool:
         """A decode or verification pass: a few positions after a past (a prefill stays on transformers')."""
@@ -59,12 +65,16 @@ class LeanDeepseek:
         if end > have:
             size = min(max(end, 2 * have, TABLE_BLOCK), max(end, self.context_len))
             self.freqs = self.base.rotary_emb(like, torch.arange(size, device=like.device)[None])
+            self.cos, self.sin = self.freqs[0].real.contiguous(), self.freqs[0].imag.contiguous()
         return self.freqs
 
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         T, start, native = ids.shape[1], cache.get_seq_length(), self.native
         x = self.base.embed_tokens.forward(ids[0])  # [T, H]: the residual stream, added to in place
         freqs = self._rotary(start + T, x)[:, start: start + T]  # [1, T, rope / 2]
+        if self.stack is not None and self.stack.usable() and _stack_cache(cache, len(self.layers)):
+            cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, rope / 2]
+            return self.stack.head(self.stack.run(x, cache, cos, sin)[-keep:])  # [keep, V]
         first = self.layers[0].input_layernorm
         h = add_rms_norm(x, None, first.weight, first.variance_epsilon, native)
         for i, layer in enumerate(self.layers):
@@ -80,9 +90,9 @@ class LeanDeepseek:
         a, mla = self.layers[i].self_attn, self.mla[i]
         T, R, nope, rope = h.shape[0], a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim
         if self.q_kv[i] is not None:
-            product, sizes = self.q_kv[i]
-            y = product(h)  # [T, n_q + R + rope]
-            q, kv = y[:, : sizes[0]], y[:, sizes[0]:]
+            joined = self.q_kv[i]
+            y = joined.product(h)  # [T, n_q + R + rope]
+            q, kv = y[:, : joined.sizes[0]], y[:, joined.sizes[0]:]
         else:
             q, kv = _q_in(a).forward(h), a.kv_a_proj_with_mqa.forward(h)
         if a.q_lora_rank is not None:
@@ -137,21 +147,29 @@ def _swiglu(mlp, joined, h: torch.Tensor) -> torch.Tensor:
     """down(act(gate(h)) · up(h)) [T, H], gate and up as one product where joined."""
     if joined is None:
         return mlp.forward(h)
-    product, (n, _) = joined
-    y = product(h)  # [T, 2 I]
+    n = joined.sizes[0]
+    y = joined.product(h)  # [T, 2 I]
     return mlp.down_proj.forward(mlp.act_fn(y[:, :n]) * y[:, n:])
 
 
-def _joined(mods: list, native: bool):
-    """Linears reading one input as one product: (h [T, K] -> [T, sum R_i], (R_i, ...)), or None. Quantized ones as one
-    native call per format; plain ones on the native path stacked (each module's weight a view of its rows)."""
+class Joined(NamedTuple):
+    """Linears reading one input as one product."""
+
+    product: Callable[[torch.Tensor], torch.Tensor]  # h [T, K] -> [T, sum R_i]
+    sizes: tuple[int, ...]  # R_i
+    source: FusedQuantLinear | tuple  # the quantized runs, or stack_linears' (weight, bias, sizes)
+
+
+def _joined(mods: list, native: bool) -> Joined | None:
+    """Quantized linears as one native call per format; plain ones on the native path stacked (each module's weight a
+    view of its rows); None otherwise."""
     fused = fuse(mods)
     if fused is not None:
-        return fused.whole, tuple(fused.sizes)
+        return Joined(fused.whole, tuple(fused.sizes), fused)
     stacked = stack_linears(mods) if native else None
     if stacked is None:
         return None
-    return (lambda h: stacked_product(h, stacked)), stacked[2]
+    return Joined(lambda h: stacked_product(h, stacked), stacked[2], stacked)
 
 
 def _greedy_router(mlp) -> tuple[torch.Tensor, int, float] | None:
@@ -160,3 +178,93 @@ def _greedy_router(mlp) -> tuple[torch.Tensor, int, float] | None:
     if getattr(gate, "topk_method", None) != "greedy" or gate.weight.dtype != torch.float32 or not gate.weight.is_contiguous():
         return None
     return gate.weight.detach(), gate.top_k, float(gate.routed_scaling_factor)
+
+
+def _stack_cache(cache, layers: int) -> bool:
+    """Whether the stack may write this cache's layers in place (fp32 [1, 1, capacity, width] buffers on the CPU); checked
+    once per cache (its layers keep their kind and layout as they grow and rewind)."""
+    if getattr(cache, "mla_native", False):
+        return True
+    from .kv_cache import GrowingLayer
+
+    ready = len(cache.layers) >= layers and all(
+        type(layer) is GrowingLayer and layer.is_initialized and layer._k.dtype == layer._v.dtype == torch.float32
+        and layer._k.shape[:2] == layer._v.shape[:2] == (1, 1) and layer._k.is_contiguous() and layer._v.is_contiguous()
+        and layer._k.device.type == "cpu" for layer in cache.layers[:layers])
+    cache.mla_native = ready
+    return ready
+
+
+def _q_kv_weights(joined: Joined | None) -> tuple[DenseWeight, DenseWeight] | None:
+    """q and kv_a as the stack reads them: one weight (kv rows 0), or q's rows then kv_a's in another format; or None."""
+    if joined is None:
+        return None
+    if isinstance(joined.source, FusedQuantLinear):
+        parts = joined.source.parts
+        if joined.source.bias is not None or len(parts) > 2 or (len(parts) == 2 and parts[0].rows != joined.sizes[0]):
+            return None
+        first, second = _dense(None, parts[0]), _dense(None, parts[1]) if len(parts) == 2 else DenseWeight()
+    else:
+        weight, bias, _ = joined.source
+        first, second = (_dense(weight, None) if bias is None else None), DenseWeight()
+    return None if first is None or second is None else (first, second)
+
+
+def _mla_layer(lean: LeanDeepseek, i: int) -> dict | None:
+    """One layer's attention and SwiGLU fields of the stack's descriptor (and the latent norm's eps), or None."""
+    layer = lean.layers[i]
+    a, swiglu = layer.self_attn, _swiglu_of(layer)
+    q_kv, kv_b = _q_kv_weights(lean.q_kv[i]), a.kv_b_proj.weight
+    latent_norm = a.kv_a_layernorm
+    if (q_kv is None or a.kv_b_proj.bias is not None or kv_b.dtype not in (torch.float32, torch.bfloat16)
+            or not kv_b.is_contiguous() or not _fp32(latent_norm.weight) or swiglu is None or not _is_silu(swiglu.act_fn)):
+        return None
+    fields = dict(qkv=q_kv[0], kv=q_kv[1], o=_linear(a.o_proj), gate=_linear(swiglu.gate_proj), up=_linear(swiglu.up_proj),
+                  down_proj=_linear(swiglu.down_proj))
+    if None in fields.values():
+        return None
+    return dict(fields, kv_a_norm=_ptr(latent_norm.weight), kv_b=_ptr(kv_b), kv_b_bf16=int(kv_b.dtype == torch.bfloat16),
+                latent_eps=latent_norm.variance_epsilon)
+
+
+def build_mla_stack(lean: LeanDeepseek) -> DecodeStack | None:
+    """decode_stack's one native call for DeepSeek-V2-Lite's layout: q_proj (no q_lora), the greedy router on every MoE
+    layer, bias-free products the stack reads (fp32, bf16 or quantized), kv_b_proj fp32 or bf16; None otherwise."""
+    lib = decode_stack.library()
+    if not lean.native or lib is None or not hasattr(lib, "moe_decode_stack") or lean.config.q_lora_rank is not None:
+        return None
+    moe = [i for i, layer in enumerate(lean.layers) if hasattr(layer.mlp, "experts")]
+    routers = {lean.routers[i][1:] for i in moe if lean.routers[i] is not None}
+    eps = lean.base.norm.variance_epsilon
+    if not moe or len(routers) != 1 or any(lean.routers[i] is None for i in moe) or not _fp32(lean.base.norm.weight):
+        return None
+    (top_k, scale), = routers
+    layers, keep, sparse, runtime, inter, latent_eps = [], [], {}, None, set(), set()
+    for i, layer in enumerate(lean.layers):
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        fields = _mla_layer(lean, i)
+        if fields is None or any(n.variance_epsilon != eps or not _fp32(n.weight) for n in norms):
+            return None
+        latent_eps.add(fields.pop("latent_eps"))
+        if i in moe:
+            experts = layer.mlp.experts
+            if type(experts) is not OffloadedExperts or experts.runtime is not (runtime or experts.runtime):
+                return None
+            runtime = experts.runtime
+            routed = _experts(runtime.store, experts.li)
+            if routed is None:
+                return None
+            inter.add(routed.pop("inter"))
+            sparse[i] = experts.li
+            fields.update(routed, router=_ptr(lean.routers[i][0]), shared=1)
+        layers.append(StackLayer(input_norm=_ptr(norms[0].weight), post_norm=_ptr(norms[1].weight), **fields))
+        keep.append((layer, lean.q_kv[i], lean.gate_up[i]))
+    if len(inter) != 1 or len(latent_eps) != 1:
+        return None
+    keep.append(runtime.store)
+    a = lean.layers[0].self_attn
+    shape = StackShape(layers=len(layers), H=lean.config.hidden_size, Hq=a.num_heads, Hkv=1, D=a.qk_head_dim,
+                       E=runtime.store.num_experts, k=top_k, I=inter.pop(), normalize=0, eps=eps, head_eps=latent_eps.pop(),
+                       scale=a.scaling, R=a.kv_lora_rank, nope=a.qk_nope_head_dim, rope=a.qk_rope_head_dim, vdim=a.v_head_dim,
+                       routed_scale=scale)
+    return DecodeStack(lean, runtime, shape, layers, keep, sparse)

@@ -12,7 +12,7 @@ from helpers import hf_greedy, run_engine
 from moechat.engine.config import EngineConfig
 from moechat.engine.model import decode_ops
 from moechat.engine.model.kv_cache import hf_forward
-from moechat.engine.model.lean_deepseek import LeanDeepseek, refusal
+from moechat.engine.model.lean_deepseek import LeanDeepseek, build_mla_stack, refusal
 from moechat.engine.model.loader import load_model
 from moechat.engine.model.mla import MAX_ABSORBED, AbsorbedMLA
 from moechat.engine.speculative.rewind import rewind_cache
@@ -130,13 +130,14 @@ def test_lean_torch_ops_equal_transformers_absorbed_bit_for_bit(overrides, check
                          ids=["group_limited", "greedy", "q_lora"])
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_lean_native_ops_close_to_transformers(overrides, quant, checkpoint, monkeypatch):
-    """fp32: the norms, the router (greedy: DeepSeek-V2-Lite's), the latent attention and the joined products native; q
-    and the compressed KV in one product, a SwiGLU's gate and up in one; logits within rounding, same argmax."""
+    """fp32, op by op: the norms, the router (greedy: DeepSeek-V2-Lite's), the latent attention and the joined products
+    native; q and the compressed KV in one product, a SwiGLU's gate and up in one; logits within rounding, same argmax."""
     if not decode_ops.available():
         pytest.skip("the native decode ops are not built")
     cfg = EngineConfig(model_dir=str(checkpoint("deepseek_v2", **overrides)), quant=quant)
     lean, hf = load_model(cfg), load_model(cfg)
     hf.lean = None
+    lean.lean.stack = None  # op by op (test_mla_stack_* run the one-call stack)
     assert lean.lean.native
     if quant == "none":  # (int8: the tiny kv_a_proj's 24 rows stay fp32 beside an int8 q: two products)
         assert all(joined is not None for joined in lean.lean.q_kv)
@@ -165,3 +166,79 @@ def test_lean_refusals(checkpoint):
     assert not m.lean.accepts(5, 0) and not m.lean.accepts(MAX_ABSORBED + 1, 10)  # a prefill, a long message
     assert m.lean.accepts(1, 10) and m.lean.accepts(MAX_ABSORBED, 10)
     assert load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), lean_decode=False)).lean is None
+
+
+LITE = {"topk_method": "greedy", "qk_rope_head_dim": 16}  # DeepSeek-V2-Lite's router; kv_a's 32 rows quantize
+
+
+@pytest.mark.native
+@pytest.mark.parametrize(("quant", "stored"), [("none", None), ("none", torch.bfloat16), ("int8", None), ("int4", None)])
+def test_mla_stack_verification_equals_decode_steps(quant, stored, checkpoint):
+    """DeepSeek-V2-Lite's layout runs the one-call stack (decode_stack.cpp: mla_attention, routed weights scaled, shared
+    experts added): a 5-position pass gives the bits of 5 one-position passes (logits, latents, rope keys) and the
+    routing the counters record; the op-by-op native path agrees within 1e-5."""
+    if not decode_ops.available():
+        pytest.skip("the native decode ops are not built")
+    m = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2", dtype=stored, **LITE)), quant=quant))
+    stack = m.lean.stack
+    assert stack is not None and m.decode_path() == "lean, the layer stack in one native call"
+    assert stack.shape.routed_scale == m.hf_config.routed_scaling_factor != 1
+    assert all(layer.kv_b_bf16 == (stored is not None) and layer.kv_a_norm for layer in stack.layers)
+    assert [layer.shared for layer in stack.layers] == [0, 1, 1] and not stack.layers[0].router  # dense first layer
+    assert all(bool(layer.kv.rows) == (quant == "int4") for layer in stack.layers)  # int4: q int4, kv_a int8
+    gen = torch.Generator().manual_seed(1)
+    prompt, ids = torch.randint(0, 300, (1, 10), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
+    caches, logits, freqs = [], [], []
+    with torch.inference_mode():
+        for steps, use in (((5,), stack), ((1,) * 5, stack), ((5,), None)):
+            m.lean.stack = use
+            cache = m.new_kv_cache()
+            with m.runtime.forward("prefill", 0):
+                hf_forward(m.hf, prompt, cache, 1)
+            m.runtime.reset_counters()
+            out, at = [], 0
+            for T in steps:
+                with m.runtime.forward("verify", 10 + at):
+                    out.append(m.forward(ids[:, at: at + T], cache, T))
+                at += T
+            caches.append(cache)
+            logits.append(torch.cat(out))
+            freqs.append(m.runtime.reset_counters().freq.clone())
+    assert torch.equal(logits[0], logits[1]) and int(freqs[0].sum()) > 0
+    assert torch.equal(freqs[0], freqs[1]) and torch.equal(freqs[0], freqs[2])
+    for a, b, c in zip(*(cache.layers for cache in caches), strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.allclose(a.keys, c.keys, atol=1e-5) and torch.allclose(a.values, c.values, atol=1e-5)
+    assert torch.allclose(logits[0], logits[2], rtol=1e-5, atol=1e-5 * logits[2].abs().max().item())
+
+
+@pytest.mark.native
+def test_mla_stack_stands_aside(checkpoint):
+    """Group-limited routing (DeepSeek-V2's), a q_lora model and a pass the runtime must see per layer keep the op-by-op
+    path; the engine's greedy output with the stack equals transformers'."""
+    if not decode_ops.available():
+        pytest.skip("the native decode ops are not built")
+    for overrides in ({}, {**LITE, "q_lora_rank": 12}):
+        m = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2", **overrides))))
+        assert m.lean.stack is None and build_mla_stack(m.lean) is None
+    for ratio, usable in ((0.0, True), (0.5, False)):  # a fast tier: the per-layer policy runs
+        m = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2", **LITE)), expert_cache_ratio=ratio))
+        with m.runtime.forward("verify", 10):
+            assert m.lean.stack.usable() == usable
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("drafter", ["none", "self"])
+def test_engine_greedy_equals_transformers_through_the_mla_stack(drafter, checkpoint, tokenizer, monkeypatch):
+    """Decode steps and verifications through the stack (a self-draft's remapped passes op by op): transformers' tokens."""
+    if not decode_ops.available():
+        pytest.skip("the native decode ops are not built")
+    from moechat.engine.model.decode_stack import DecodeStack
+
+    runs = []
+    run = DecodeStack.run
+    monkeypatch.setattr(DecodeStack, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    model_dir = checkpoint("deepseek_v2", **LITE)
+    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
+    done = run_engine(model_dir, prompt, drafter=drafter, policy="spac")  # the default (lru hooks every layer)
+    assert runs and done.token_ids == hf_greedy(model_dir, prompt)
