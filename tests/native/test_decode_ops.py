@@ -126,14 +126,15 @@ def test_router_topk_equals_its_twin(T, E, H, k, normalize):
         torch.testing.assert_close(weights.sum(-1), torch.ones(T))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: widened once for T > 1 rows, as read for 1
 @pytest.mark.parametrize("T,R,K", [(1, 384, 192), (5, 96, 37), (9, 4096, 64), (3, 2048, 2048)])  # 37: a tail past 16 lanes
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_equals_its_twin_and_rows_stand_alone(T, R, K, bias):
+def test_linear_equals_its_twin_and_rows_stand_alone(T, R, K, bias, dtype):
     gen = torch.Generator().manual_seed(R + K)
-    x, w = torch.randn(T, K, generator=gen), torch.randn(R, K, generator=gen)
+    x, w = torch.randn(T, K, generator=gen), torch.randn(R, K, generator=gen).to(dtype)
     b = torch.randn(R, generator=gen) if bias else None
     y = decode_ops.linear(x, w, b)
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5 * K ** 0.5)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float(), b), rtol=1e-5, atol=1e-5 * K ** 0.5)
     for t in range(T):  # the row computed alone: the same bits (the head of a verification pass equals its decode steps')
         assert torch.equal(decode_ops.linear(x[t:t + 1].clone(), w, b), y[t:t + 1])
 
