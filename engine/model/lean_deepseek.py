@@ -8,11 +8,12 @@ DeepSeek-V2-Lite's 27 layers, as long as its int4 experts take to read. Here a l
     q, c, k_pe = [q | kv_a](h)       # one product (q_a on a q_lora model, then q_a's norm and q_b)
     x += o(absorbed_attention(q, norm(c), rotary(k_pe)))   # mla.py: kv_b_proj absorbed, the latent cache read once
     h = norm(x); x += experts(h, router(h)) + shared(h)    # gate and up of a SwiGLU in one product
-with the native ops (fp32 activations, the CPU library built: decode_ops) or their torch twins otherwise. A position's
-logits do not depend on the pass it is in (every native output a fixed-order sum), so speculative verification stays
-exactly as lossless as the decode steps; they differ from transformers' in the last bits (tests/engine/test_mla.py
-bounds them and checks greedy tokens). Passes of up to mla.MAX_ABSORBED positions after a past, on the CPU; prefills
-and CUDA run transformers' forward (with mla.AbsorbedMLA in its attention).
+with the native ops (fp32 activations, the CPU library built: decode_ops) or their torch twins otherwise (transformers'
+absorbed forward's bits). The native results differ from transformers' in the last bits (tests/engine/test_mla.py
+bounds them and checks greedy tokens). With DeepSeek-V2-Lite's layout and every expert on the CPU the whole stack is one
+native call (build_mla_stack, decode_stack.cpp), every output a fixed-order sum: a position's logits do not depend on
+the pass it is in. Passes of up to mla.MAX_ABSORBED positions after a past, on the CPU; prefills and CUDA run
+transformers' forward (with mla.AbsorbedMLA in its attention).
 """
 from __future__ import annotations
 
