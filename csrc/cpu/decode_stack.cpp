@@ -4,9 +4,10 @@
 // It is the per-layer sequence engine/model/lean_decode.py runs op by op, without the ~40 µs of Python per
 // layer between the ops (engine/model/decode_stack.py: the descriptors, the conditions, the accounting).
 // DeepSeek-V2's layers (engine/model/lean_deepseek.py) take the same path with the absorbed latent attention
-// (mla_attention) in place of attention's core, the routed weights scaled and the shared experts added. Each position's row is computed alone in a fixed order, and the experts
-// are summed per token in ascending expert id, so a verification pass equals its decode steps bit for
-// bit. fp32 activations; dense weights fp32 or quantized (moe_q_linear's layout). Plain C ABI.
+// (mla_attention) in place of attention's core, the routed weights scaled and the shared experts added.
+// Each position's row is computed alone in a fixed order, and the experts are summed per token in ascending
+// expert id, so a verification pass equals its decode steps bit for bit. fp32 activations; dense weights
+// fp32, bf16 or quantized (moe_q_linear's layout). Plain C ABI.
 
 #include <chrono>
 
@@ -63,7 +64,7 @@ struct StackLayer {
     DenseWeight o;                        // [H, H_q D]
     const float *q_norm, *k_norm;         // [D] Qwen3's per-head norms, or null
     const float* router;                  // [E, H]; null: a dense MLP layer (gate, up, down below; qwen3_moe's mlp_only_layers)
-    DenseWeight gate, up, down_proj;      // [I', H], [I', H], [H, I']: a dense layer's MLP, or `shared` experts' 
+    DenseWeight gate, up, down_proj;      // [I', H], [I', H], [H, I']: a dense layer's MLP; with a router, shared experts
     int64_t expert_bits, w_dtype;         // bits 8/4: quantized experts (gu_*/dn_*); 0: float (gate_up/down, w_dtype)
     const void *gate_up, *down;           // [E, 2I, H], [E, H, I]
     const uint8_t *gu_q, *dn_q;
@@ -74,7 +75,7 @@ struct StackLayer {
     // v_cache the rotated rope keys [capacity, rope]
     const float* kv_a_norm;               // [R]; null: not an MLA layer
     const void* kv_b;                     // [H_q (nope + v), R], fp32, or bf16 where kv_b_bf16
-    int64_t kv_b_bf16, shared;            // shared: gate/up/down_proj are shared experts, added to the routed ones
+    int64_t kv_b_bf16;
 };
 
 struct StackShape {
@@ -192,7 +193,8 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
 // x [T, H]: the embeddings in, the residual stream out; h_out [T, H]: final_norm(x), for the head;
 // experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); counts_out
 // [layers, E]: activations per expert (0 in a dense layer); cos, sin [T, D] at positions past.. (MLA: [T, rope / 2],
-// the rotation's real and imaginary parts); seconds[4] += the experts', the dense products', attention's and the routing's seconds.
+// the rotation's real and imaginary parts); seconds[4] += the experts', the dense products', attention's and the
+// routing's seconds.
 // Returns 0, or (layer + 1) * 16 + the failing stage.
 API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int64_t T, int64_t past, const float* cos,
                          const float* sin, float* x, const float* final_norm, float* h_out, int64_t* experts_out,
@@ -243,7 +245,7 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
             seconds[DENSE] += now() - t4;
         } else if (int rc = moe_block(s, L, h, T, experts, weights, counts, b, seconds, threads)) {
             return fail + 5 + rc;
-        } else if (L.shared) {  // routed + shared, as transformers' DeepseekV2Moe adds them
+        } else if (L.gate.rows > 0) {  // shared experts: routed + shared, as transformers' DeepseekV2Moe adds them
             b.shared.resize(T * H);
             const double t4 = now();
             if (dense_mlp(L, h, T, b.shared.data(), b, threads, q_isa)) return fail + 9;

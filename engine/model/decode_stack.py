@@ -41,7 +41,7 @@ class StackLayer(ctypes.Structure):
                 ("q_norm", _P), ("k_norm", _P), ("router", _P), ("gate", DenseWeight), ("up", DenseWeight),
                 ("down_proj", DenseWeight), ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
                 ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("k_cache", _P),
-                ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64), ("shared", _I64)]
+                ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64)]
 
 
 class StackShape(ctypes.Structure):

@@ -122,7 +122,7 @@ class LeanForward:
         self.cos, self.sin = cos[0], sin[0]
 
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
-        if self.native and self._native_ready(cache):
+        if self.native and native_cache_ready(cache, len(self.layers)):
             return self._native_forward(ids, cache, keep)
         T = ids.shape[1]
         start = cache.get_seq_length()
@@ -140,16 +140,6 @@ class LeanForward:
         norm = self.base.norm
         x = rms_norm(x[:, -keep:], norm.weight, norm.variance_epsilon)  # [1, keep, H]: the norm is per position
         return self.hf.lm_head.forward(x)[0].float()  # [keep, V]
-
-    def _native_ready(self, cache) -> bool:
-        """Whether every layer of `cache` is one the native attention writes into; checked once per cache (its layers
-        keep their kind, dtype and layout as they grow and rewind)."""
-        if getattr(cache, "lean_native", False):
-            return True
-        ready = len(cache.layers) >= len(self.layers) and all(map(_native_cache, cache.layers[: len(self.layers)]))
-        if ready:
-            cache.lean_native = True
-        return ready
 
     def _native_forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         """The same layers with the native ops: x += sublayer(h); h = norm(x), one call per pair."""
@@ -249,7 +239,7 @@ class LeanForward:
 
 
 def stacked_product(h: torch.Tensor, stacked) -> torch.Tensor:
-    """h [T, H] · the stacked q/k/v weight: a bf16 one (Bf16Linear's) through the native kernel, fp32 through torch."""
+    """h [T, H] · stack_linears' weight: a bf16 one (Bf16Linear's) through the native kernel, fp32 through torch."""
     weight, bias = stacked[0], stacked[1]
     return decode_ops.linear(h, weight, bias) if weight.dtype == torch.bfloat16 else F.linear(h, weight, bias)
 
@@ -292,11 +282,23 @@ def _router(mlp) -> tuple[torch.Tensor, int, bool] | None:
     return gate.weight.detach(), gate.top_k, bool(getattr(gate, "norm_topk_prob", True))
 
 
-def _native_cache(layer) -> bool:
-    """A cache layer the native attention step writes into: fp32 buffers, batch 1, contiguous, on the CPU."""
-    return (type(layer) is GrowingLayer and layer.is_initialized and layer._k.dtype == torch.float32
+def _native_cache(layer, same_widths: bool) -> bool:
+    """A cache layer the native kernels write into: fp32 buffers, batch 1, contiguous, on the CPU (keys and values of one
+    width, except MLA's latents and rope keys)."""
+    return (type(layer) is GrowingLayer and layer.is_initialized and layer._k.dtype == layer._v.dtype == torch.float32
             and layer._k.shape[0] == 1 and layer._k.is_contiguous() and layer._v.is_contiguous()
-            and layer._k.device.type == "cpu" and layer._v.shape[-1] == layer._k.shape[-1])
+            and layer._k.device.type == "cpu" and (not same_widths or layer._v.shape[-1] == layer._k.shape[-1]))
+
+
+def native_cache_ready(cache, layers: int, same_widths: bool = True) -> bool:
+    """Whether the first `layers` layers of `cache` are ones the native kernels write into; checked once per cache (its
+    layers keep their kind, dtype and layout as they grow and rewind)."""
+    if getattr(cache, "lean_native", False):
+        return True
+    ready = len(cache.layers) >= layers and all(_native_cache(layer, same_widths) for layer in cache.layers[:layers])
+    if ready:
+        cache.lean_native = True
+    return ready
 
 
 def build_lean_forward(hf, device: torch.device, context_len: int):

@@ -27,7 +27,7 @@ from ..quant.dense import FusedQuantLinear, fuse
 from . import decode_ops, decode_stack
 from .decode_ops import add_rms_norm, rms_norm
 from .decode_stack import DecodeStack, DenseWeight, StackLayer, StackShape, _dense, _experts, _fp32, _is_silu, _linear, _ptr
-from .lean_decode import ROPE_TYPES, stack_linears, stacked_product
+from .lean_decode import ROPE_TYPES, native_cache_ready, stack_linears, stacked_product
 from .mla import MAX_ABSORBED, AbsorbedMLA
 
 TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many positions
@@ -44,6 +44,7 @@ class LeanDeepseek:
         self.next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.base.norm]
         self.mla = [_absorbed(layer.self_attn) for layer in self.layers]
         self.native = native and self.base.embed_tokens.weight.dtype == torch.float32 and decode_ops.available()
+        self.native_mla = [self.native and mla.native_reads() for mla in self.mla]  # kv_b_proj read by the native ops
         # q (q_a on a q_lora model) and the compressed KV read one input: one product (None: two module calls)
         self.q_kv = [_joined([_q_in(layer.self_attn), layer.self_attn.kv_a_proj_with_mqa], self.native)
                      for layer in self.layers]
@@ -73,7 +74,7 @@ class LeanDeepseek:
         T, start, native = ids.shape[1], cache.get_seq_length(), self.native
         x = self.base.embed_tokens.forward(ids[0])  # [T, H]: the residual stream, added to in place
         freqs = self._rotary(start + T, x)[:, start: start + T]  # [1, T, rope / 2]
-        if self.stack is not None and self.stack.usable() and _stack_cache(cache, len(self.layers)):
+        if self.stack is not None and self.stack.usable() and native_cache_ready(cache, len(self.layers), same_widths=False):
             cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, rope / 2]
             return self.stack.head(self.stack.run(x, cache, cos, sin)[-keep:])  # [keep, V]
         first = self.layers[0].input_layernorm
@@ -104,7 +105,7 @@ class LeanDeepseek:
         # transformers' own rotary (DeepSeek's interleaved pairs, as complex numbers)
         q_pe, k_pe = mla.rotary(q[None, :, :, nope:], kv[:, R:].reshape(1, 1, T, rope), freqs)  # [1, H|1, T, rope]
         latents, keys = layer.update(latent.view(1, 1, T, R), k_pe)  # [1, 1, S, R], [1, 1, S, rope]
-        out = mla.attend(q[:, :, :nope], q_pe[0], latents[0, 0], keys[0, 0], start, self.native and mla.native_reads())
+        out = mla.attend(q[:, :, :nope], q_pe[0], latents[0, 0], keys[0, 0], start, self.native_mla[i])
         return a.o_proj.forward(out.to(h.dtype))  # [T, H]
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -181,21 +182,6 @@ def _greedy_router(mlp) -> tuple[torch.Tensor, int, float] | None:
     return gate.weight.detach(), gate.top_k, float(gate.routed_scaling_factor)
 
 
-def _stack_cache(cache, layers: int) -> bool:
-    """Whether the stack may write this cache's layers in place (fp32 [1, 1, capacity, width] buffers on the CPU); checked
-    once per cache (its layers keep their kind and layout as they grow and rewind)."""
-    if getattr(cache, "mla_native", False):
-        return True
-    from .kv_cache import GrowingLayer
-
-    ready = len(cache.layers) >= layers and all(
-        type(layer) is GrowingLayer and layer.is_initialized and layer._k.dtype == layer._v.dtype == torch.float32
-        and layer._k.shape[:2] == layer._v.shape[:2] == (1, 1) and layer._k.is_contiguous() and layer._v.is_contiguous()
-        and layer._k.device.type == "cpu" for layer in cache.layers[:layers])
-    cache.mla_native = ready
-    return ready
-
-
 def _q_kv_weights(joined: Joined | None) -> tuple[DenseWeight, DenseWeight] | None:
     """q and kv_a as the stack reads them: one weight (kv rows 0), or q's rows then kv_a's in another format; or None."""
     if joined is None:
@@ -257,7 +243,7 @@ def build_mla_stack(lean: LeanDeepseek) -> DecodeStack | None:
                 return None
             inter.add(routed.pop("inter"))
             sparse[i] = experts.li
-            fields.update(routed, router=_ptr(lean.routers[i][0]), shared=1)
+            fields.update(routed, router=_ptr(lean.routers[i][0]))  # with gate/up/down: the shared experts
         layers.append(StackLayer(input_norm=_ptr(norms[0].weight), post_norm=_ptr(norms[1].weight), **fields))
         keep.append((layer, lean.q_kv[i], lean.gate_up[i]))
     if len(inter) != 1 or len(latent_eps) != 1:

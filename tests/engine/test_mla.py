@@ -184,7 +184,9 @@ def test_mla_stack_verification_equals_decode_steps(quant, stored, checkpoint):
     assert stack is not None and m.decode_path() == "lean, the layer stack in one native call"
     assert stack.shape.routed_scale == m.hf_config.routed_scaling_factor != 1
     assert all(layer.kv_b_bf16 == (stored is not None) and layer.kv_a_norm for layer in stack.layers)
-    assert [layer.shared for layer in stack.layers] == [0, 1, 1] and not stack.layers[0].router  # dense first layer
+    # the first layer dense (its MLP), the others routed plus shared experts (gate/up/down beside a router)
+    assert [bool(layer.router) for layer in stack.layers] == [False, True, True]
+    assert all(layer.gate.rows > 0 and layer.down_proj.rows == m.hf_config.hidden_size for layer in stack.layers)
     assert all(bool(layer.kv.rows) == (quant == "int4") for layer in stack.layers)  # int4: q int4, kv_a int8
     gen = torch.Generator().manual_seed(1)
     prompt, ids = torch.randint(0, 300, (1, 10), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
