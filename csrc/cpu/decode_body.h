@@ -27,6 +27,8 @@ inline vec8 load8(const uint16_t* p) {
 #endif
 }
 
+inline vec8 splat8(float x) { return vec8{x, x, x, x, x, x, x, x}; }  // a broadcast; vec8{} + x would add (0 + -0 is +0)
+
 inline float widen(float v) { return v; }
 inline float widen(uint16_t v) {
     const uint32_t u = uint32_t(v) << 16;
@@ -117,10 +119,11 @@ inline float hsum8(vec8 v) {
     return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
-// p[0..n) = softmax(p) in place: exponentials 8 lanes at a time (the last n % 8 in a padded vector), their sum in 8
-// running lanes then hsum8 and the tail in order; every step depends on n alone, so a row's bits do not
-inline void softmax_row(float* p, int64_t n) {
-    vec8 top8 = vec8{} - INFINITY, sum8 = {};
+// p[0..n) -> exp(p - top) in place, top = max(p) (> -inf: n >= 1); returns Σ exp. The exponentials run 8 lanes at a
+// time (the last n % 8 in a padded vector), their sum in 8 running lanes, then hsum8, then the tail in order: every step
+// depends on n alone, so a row's bits do not
+inline float exp_row(float* p, int64_t n, float* top_out) {
+    vec8 top8 = splat8(-INFINITY), sum8 = {};
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
         const vec8 x = load8(p + j);
@@ -134,19 +137,14 @@ inline void softmax_row(float* p, int64_t n) {
         __builtin_memcpy(p + j, &e, sizeof e);
         sum8 += e;
     }
-    vec8 tail = vec8{} + top;  // padding: exp(0), never stored nor summed
+    vec8 tail = splat8(top);  // padding: exp(0), never stored nor summed
     __builtin_memcpy(&tail, p + j, (n - j) * sizeof(float));
     tail = exp_nonpositive8(tail - top);
     float total = hsum8(sum8);
     for (int64_t m = j; m < n; ++m) total += (p[m] = tail[m - j]);
-    const vec8 inv = vec8{} + 1.f / total;
-    for (j = 0; j + 8 <= n; j += 8) {
-        const vec8 y = load8(p + j) * inv;
-        __builtin_memcpy(p + j, &y, sizeof y);
-    }
-    for (; j < n; ++j) p[j] *= inv[0];
+    *top_out = top;
+    return total;
 }
-
 
 // out[i·NK + j] = a[i] · b[j·stride..] over n, for NR rows a[i] and NK rows of b: each one 8-lane chain, summed by
 // hsum8, then the scalar tail, so every (i, j) has the bits of a 1 × 1 block whatever its company
@@ -182,108 +180,236 @@ inline void weighted_block(const float* const* p, const float* c, int64_t stride
         vec8 cv[NV];
         for (int v = 0; v < NV; ++v) cv[v] = load8(c + s * stride + 8 * v);
         for (int i = 0; i < NR; ++i) {
-            const vec8 pv = vec8{} + p[i][s];
+            const vec8 pv = splat8(p[i][s]);
             for (int v = 0; v < NV; ++v) acc[i][v] += pv * cv[v];
         }
     }
     for (int i = 0; i < NR; ++i) __builtin_memcpy(out + i * out_stride, acc[i], sizeof acc[i]);
 }
 
-// One KV head's attention for `rows` query rows: out[r] = softmax(scale · (K q[r] + K2 q2[r]))ᵀ V over the first keys[r]
-// rows of the cache (keys non-decreasing in r). K2 and q2, a second part of each key and query (MLA's rotary part), may
-// be null. K (and K2) and V are read once for all the rows (grouped query heads share them): scores in blocks of 4 rows
-// × 2 keys, sums per tile of V (about 128 KB) in blocks of a position's heads. p [rows, max keys] scratch. A row's bits
-// do not depend on which rows come with it.
-inline void attend_group(const float* const* q, const float* const* q2, float* const* out, const int64_t* keys,
-                         int64_t rows, const KeyRows& c, float scale, float* const* p) {
-    const int64_t S = keys[rows - 1], Dv = c.Dv;
+// Attention runs per chunk of KEY_CHUNK keys at fixed positions [KEY_CHUNK·c, KEY_CHUNK·(c+1)) (flash decoding): a chunk's
+// keys and values are read from memory once for all the query heads that share them and stay in L2 between its scores
+// and its weighted sums, and threads split the keys, not only the heads. Each chunk leaves, per row, its own maximum m,
+// l = Σ exp(score - m) and acc = Σ exp(score - m)·V; a row's chunks are then folded left to right in chunk order. The
+// boundaries are fixed and every sum runs in one fixed order, so a row's bits depend neither on T nor on the threads.
+constexpr int64_t KEY_CHUNK = 128;  // MLA: 128 keys of 576 floats, 295 KB: in L2 with the row blocks passing over them
+
+constexpr int64_t PREFETCH_KEYS = 4;
+
+inline void prefetch_row(const float* p, int64_t n) {  // every cache line of p[0..n)
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+struct ChunkRows {  // one task's rows of one KV head: q, q2 (may be null), their keys, and per row its partial slot
+    const float* const* q;
+    const float* const* q2;
+    const int64_t* keys;  // keys[r]: the row attends to keys 0..keys[r]-1 (non-decreasing in r)
+    float* const* acc;  // acc[r] [Dv]: Σ exp(score - m)·V over the chunk
+    float *m, *l;  // [rows]
+    int64_t rows;
+};
+
+// Scores of rows [0, rows) against keys [s0, s1), scaled, into p[r][s - s0]: blocks of 4 rows × 2 keys (a row block's
+// queries stay in L1 while it passes over the chunk's keys in L2); every (row, key) has a 1 × 1 block's bits.
+inline void chunk_scores(const ChunkRows& a, const KeyRows& c, float scale, int64_t s0, int64_t s1, float* const* p) {
     float dots[8], dots2[8];
-    for (int64_t s = 0; s < S; s += 2) {
-        const int nk = S - s >= 2 ? 2 : 1;
-        for (int64_t r = 0; r < rows;) {
-            const int nr = rows - r >= 4 ? 4 : 1;
+    for (int64_t r = 0; r < a.rows;) {
+        const int nr = a.rows - r >= 4 ? 4 : 1;
+        const int64_t end = std::min(s1, a.keys[r + nr - 1]);  // keys past the block's last row's are never read
+        for (int64_t s = s0; s < end; s += 2) {
+            const int nk = end - s >= 2 ? 2 : 1;
+            if (r == 0)  // the first row block pulls the chunk from memory: keys PREFETCH_KEYS ahead, values as keys pass
+                for (int64_t k = s; k < std::min(s + 2, s1); ++k) {
+                    if (k + PREFETCH_KEYS < s1) {
+                        prefetch_row(c.K + (k + PREFETCH_KEYS) * c.k_stride, c.D);
+                        if (c.K2) prefetch_row(c.K2 + (k + PREFETCH_KEYS) * c.k2_stride, c.D2);
+                    }
+                    if (c.V != c.K) prefetch_row(c.V + k * c.v_stride, c.Dv);
+                }
             for (int part = 0; part < (c.K2 ? 2 : 1); ++part) {
-                const float* const* a = part ? q2 + r : q + r;
+                const float* const* q = part ? a.q2 + r : a.q + r;
                 const float* b = part ? c.K2 + s * c.k2_stride : c.K + s * c.k_stride;
                 const int64_t stride = part ? c.k2_stride : c.k_stride, n = part ? c.D2 : c.D;
                 float* o = part ? dots2 : dots;
-                if (nr == 4 && nk == 2) dot_block<4, 2>(a, b, stride, n, o);
-                else if (nr == 4) dot_block<4, 1>(a, b, stride, n, o);
-                else if (nk == 2) dot_block<1, 2>(a, b, stride, n, o);
-                else dot_block<1, 1>(a, b, stride, n, o);
+                if (nr == 4 && nk == 2) dot_block<4, 2>(q, b, stride, n, o);
+                else if (nr == 4) dot_block<4, 1>(q, b, stride, n, o);
+                else if (nk == 2) dot_block<1, 2>(q, b, stride, n, o);
+                else dot_block<1, 1>(q, b, stride, n, o);
             }
             for (int i = 0; i < nr; ++i)
                 for (int j = 0; j < nk; ++j)
-                    p[r + i][s + j] = (c.K2 ? dots[i * nk + j] + dots2[i * nk + j] : dots[i * nk + j]) * scale;
-            r += nr;
+                    p[r + i][s - s0 + j] = (c.K2 ? dots[i * nk + j] + dots2[i * nk + j] : dots[i * nk + j]) * scale;
         }
+        r += nr;
     }
-    for (int64_t r = 0; r < rows; ++r) softmax_row(p[r], keys[r]);
-    // Sums: per tile of keys, per block of a position's heads (4, 2 or 1 rows: same keys, outputs Dv apart), its columns
-    // in blocks of 8 accumulators (4 rows × 16 columns, 2 × 32, 1 × 32), then 8 columns at a time. A tile of V is
-    // about 128 KB, so it stays in L2 while the row blocks pass over it.
-    const int64_t tile = std::max<int64_t>(32, 32768 / std::max<int64_t>(Dv, 1));
-    for (int64_t s0 = 0; s0 < S; s0 += tile)
-        for (int64_t r = 0; r < rows;) {
-            int nr = 1;
-            for (const int want : {SUM_ROWS, 2}) {
-                bool block = r + want <= rows;
-                for (int i = 1; block && i < want; ++i) block = keys[r + i] == keys[r] && out[r + i] == out[r] + i * Dv;
-                if (block) { nr = want; break; }
-            }
-            const int64_t s1 = std::min(keys[r], s0 + tile);
-            if (s0 < s1) {
-                const float* v = c.V;
-                const int64_t vs = c.v_stride;
-                const bool first = s0 == 0;
-                int64_t c0 = 0;
-                if (nr == 4)
-                    for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, vs, s0, s1, out[r] + c0, Dv, first);
-                else if (nr == 2)
-                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, vs, s0, s1, out[r] + c0, Dv, first);
-                else
-                    for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, vs, s0, s1, out[r] + c0, Dv, first);
-                for (; c0 + 8 <= Dv; c0 += 8)
-                    for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, vs, s0, s1, out[r + i] + c0, Dv, first);
-            }
-            r += nr;
-        }
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 8 * (Dv / 8); d < Dv; ++d) {  // the last Dv % 8 columns
-            float sum = 0.f;
-            for (int64_t s = 0; s < keys[r]; ++s) sum = std::fma(p[r][s], c.V[s * c.v_stride + d], sum);
-            out[r][d] = sum;
-        }
 }
 
-// Rows (t, h), t < T, h < Hq, attend over keys 0..past+t of KV head g = h / (Hq / Hkv) (its cache: `cache(g)`). Threads
-// take a KV head, or a part of its query heads where threads outnumber KV heads; each row is computed whole by one thread,
-// so its bits depend neither on T nor on the thread count.
+// acc[r] = Σ_{s0 <= s < s1(r)} p[r][s - s0]·V[s], s1(r) = min(s1, keys[r]): rows with the same keys (a position's heads)
+// in blocks of SUM_ROWS or 2 rows, their columns in blocks of 8 accumulators (4 rows × 16 columns, 2 × 32, 1 × 32), then
+// 8 columns at a time, the last Dv % 8 one by one; each output one running sum over the keys in order.
+inline void chunk_sums(const ChunkRows& a, const KeyRows& c, int64_t s0, int64_t s1, float* const* p) {
+    const int64_t Dv = c.Dv, vs = c.v_stride;
+    const float* v = c.V + s0 * vs;
+    for (int64_t r = 0; r < a.rows;) {
+        const int64_t n = std::min(s1, a.keys[r]) - s0;
+        int nr = 1;
+        for (const int want : {SUM_ROWS, 2}) {
+            bool block = r + want <= a.rows;
+            for (int i = 1; block && i < want; ++i) block = a.keys[r + i] == a.keys[r] && a.acc[r + i] == a.acc[r] + i * Dv;
+            if (block) { nr = want; break; }
+        }
+        int64_t c0 = 0;
+        if (nr == 4)
+            for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, vs, 0, n, a.acc[r] + c0, Dv, true);
+        else if (nr == 2)
+            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, vs, 0, n, a.acc[r] + c0, Dv, true);
+        else
+            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, vs, 0, n, a.acc[r] + c0, Dv, true);
+        for (; c0 + 8 <= Dv; c0 += 8)
+            for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, vs, 0, n, a.acc[r + i] + c0, Dv, true);
+        for (int i = 0; i < nr; ++i)
+            for (int64_t d = c0; d < Dv; ++d) {
+                float sum = 0.f;
+                for (int64_t k = 0; k < n; ++k) sum = std::fma(p[r + i][k], v[k * vs + d], sum);
+                a.acc[r + i][d] = sum;
+            }
+        r += nr;
+    }
+}
+
+// One chunk [s0, s1) of one KV head for rows that all attend to at least one of its keys (keys[0] > s0): scores,
+// exponentials against the row's maximum over the chunk, their sum, and the weighted sums of V. p [rows][KEY_CHUNK].
+inline void attend_chunk(const ChunkRows& a, const KeyRows& c, float scale, int64_t s0, int64_t s1, float* const* p) {
+    chunk_scores(a, c, scale, s0, s1, p);
+    for (int64_t r = 0; r < a.rows; ++r) a.l[r] = exp_row(p[r], std::min(s1, a.keys[r]) - s0, a.m + r);
+    chunk_sums(a, c, s0, s1, p);
+}
+
+// Folds chunk partials (m, l, acc), in chunk order, into a row's running (top, total, out): out and total are scaled to
+// the larger maximum, each by one exponential. first: out, top and total start from this chunk; last: out /= total.
+inline void fold_chunk(float m, float l, const float* acc, int64_t Dv, bool first, bool last, float* top, float* total,
+                       float* out) {
+    int64_t d = 0;
+    if (first) {
+        *top = m, *total = l;
+        if (out != acc) std::memcpy(out, acc, Dv * sizeof(float));
+    } else {
+        const float next = std::max(*top, m), a = std::exp(*top - next), b = std::exp(m - next);
+        *top = next, *total = *total * a + l * b;
+        const vec8 av = splat8(a), bv = splat8(b);
+        for (; d + 8 <= Dv; d += 8) {
+            const vec8 y = load8(out + d) * av + load8(acc + d) * bv;
+            __builtin_memcpy(out + d, &y, sizeof y);
+        }
+        for (; d < Dv; ++d) out[d] = out[d] * a + acc[d] * b;
+    }
+    if (!last) return;
+    const vec8 inv = splat8(1.f / *total);
+    for (d = 0; d + 8 <= Dv; d += 8) {
+        const vec8 y = load8(out + d) * inv;
+        __builtin_memcpy(out + d, &y, sizeof y);
+    }
+    for (; d < Dv; ++d) out[d] *= inv[0];
+}
+
+// One task's rows: KV head g's query heads [h0, h1) at positions t0..T-1, position-major (a position's heads side by side),
+// with their queries, keys and outputs; acc and the fold's state as the schedule wants them.
+struct TaskRows {
+    std::vector<const float*> q, q2;
+    std::vector<float*> out, acc, p;
+    std::vector<int64_t> keys, index;  // index: the row's number t·Hq + h
+    std::vector<float> m, l, top, total, scores;
+    int64_t rows = 0;
+
+    TaskRows& size(int64_t most, int64_t Dv_partial) {  // room for `most` rows (a thread's buffers grow, never shrink)
+        for (auto* v : {&q, &q2}) v->resize(std::max<size_t>(v->size(), most));
+        for (auto* v : {&out, &acc, &p}) v->resize(std::max<size_t>(v->size(), most));
+        for (auto* v : {&keys, &index}) v->resize(std::max<size_t>(v->size(), most));
+        for (auto* v : {&m, &l, &top, &total}) v->resize(std::max<size_t>(v->size(), most));
+        scores.resize(std::max<size_t>(scores.size(), most * (KEY_CHUNK + Dv_partial)));
+        return *this;
+    }
+
+    void fill(const HeadRows& a, int64_t g, int64_t h0, int64_t h1, int64_t t0) {
+        rows = 0;
+        for (int64_t t = t0; t < a.T; ++t)
+            for (int64_t h = g * (a.Hq / a.Hkv) + h0; h < g * (a.Hq / a.Hkv) + h1; ++h, ++rows) {
+                q[rows] = a.q + t * a.q_t + h * a.q_h, q2[rows] = a.q2 ? a.q2 + t * a.q2_t + h * a.q2_h : nullptr;
+                out[rows] = a.out + t * a.out_t + h * a.out_h, keys[rows] = a.past + t + 1, index[rows] = t * a.Hq + h;
+                p[rows] = scores.data() + rows * KEY_CHUNK;
+            }
+    }
+    ChunkRows from(int64_t r0) {  // rows r0.. (those that reach a chunk: a suffix, rows being position-major)
+        return ChunkRows{q.data() + r0, q2.data() + r0, keys.data() + r0, acc.data() + r0, m.data() + r0, l.data() + r0,
+                         rows - r0};
+    }
+};
+
+// Rows (t, h), t < T, h < Hq, attend over keys 0..past+t of KV head g = h / (Hq / Hkv) (its cache: `cache(g)`), in one of
+// two schedules with the same bits: where many rows share a key (a verification: 40 query rows per KV head at 5
+// positions of Qwen3, 80 of MLA's) the work is arithmetic, so a task takes some of a KV head's query heads over every
+// chunk in order, folding each into the outputs as it goes; where few do (a decode step), memory and latency count, so a
+// task takes one chunk of one KV head for all its rows, and the chunks' partial sums, held in waves of about g_wave_bytes,
+// are folded afterwards. With one chunk in all, the partials are the outputs.
 template <typename Cache>
 inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
-    const int64_t group = a.Hq / a.Hkv, S = a.past + a.T;
+    const int64_t group = a.Hq / a.Hkv, S = a.past + a.T, chunks = (S + KEY_CHUNK - 1) / KEY_CHUNK, nrows = a.T * a.Hq;
     const KeyRows c0 = cache(0);
-    const int64_t n = threads_for(threads, 4.0 * a.Hkv * S * (c0.D + c0.D2 + c0.Dv));
-    const int64_t parts = std::min(group, (n + a.Hkv - 1) / a.Hkv), tasks = a.Hkv * parts;
-    std::atomic<int64_t> next{0};
-    g_pool->run(int(n), [&](int) {
-        const int64_t most = (group / parts + 1) * a.T;  // rows of a task at most
-        std::vector<float> scores(most * S);
-        std::vector<const float*> q(most), q2(most);
-        std::vector<float*> out(most), p(most);
-        std::vector<int64_t> keys(most);
-        for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
-            const int64_t g = task / parts, i0 = group * (task % parts) / parts, i1 = group * (task % parts + 1) / parts;
-            int64_t rows = 0;
-            for (int64_t t = 0; t < a.T; ++t)  // rows position-major: one position's heads side by side
-                for (int64_t h = g * group + i0; h < g * group + i1; ++h, ++rows) {
-                    q[rows] = a.q + t * a.q_t + h * a.q_h, out[rows] = a.out + t * a.out_t + h * a.out_h;
-                    q2[rows] = a.q2 ? a.q2 + t * a.q2_t + h * a.q2_h : nullptr;
-                    p[rows] = scores.data() + rows * S, keys[rows] = a.past + t + 1;
+    const int64_t Dv = c0.Dv, n = threads_for(threads, 4.0 * a.Hkv * S * (c0.D + c0.D2 + c0.Dv));
+    if (group * a.T >= 32 || chunks == 1) {  // a task: heads [i0, i1) of KV head g, every chunk
+        const int64_t parts = std::min(group, (n + a.Hkv - 1) / a.Hkv), tasks = a.Hkv * parts;
+        std::atomic<int64_t> next{0};
+        g_pool->run(int(std::min(n, tasks)), [&](int) {
+            thread_local TaskRows rows_of_thread;
+            TaskRows& tr = rows_of_thread.size((group / parts + 1) * a.T, chunks == 1 ? 0 : Dv);
+            for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+                const int64_t g = task / parts, part = task % parts;
+                tr.fill(a, g, group * part / parts, group * (part + 1) / parts, 0);
+                for (int64_t r = 0; r < tr.rows; ++r)  // one chunk: straight into the outputs
+                    tr.acc[r] = chunks == 1 ? tr.out[r] : tr.scores.data() + tr.rows * KEY_CHUNK + r * Dv;
+                for (int64_t ci = 0, r0 = 0; ci < chunks; ++ci) {
+                    const int64_t s0 = ci * KEY_CHUNK;
+                    while (tr.keys[r0] <= s0) ++r0;  // rows whose keys end before the chunk
+                    attend_chunk(tr.from(r0), cache(g), a.scale, s0, std::min(S, s0 + KEY_CHUNK), tr.p.data() + r0);
+                    for (int64_t r = r0; r < tr.rows; ++r)
+                        fold_chunk(tr.m[r], tr.l[r], tr.acc[r], Dv, ci == 0, (tr.keys[r] + KEY_CHUNK - 1) / KEY_CHUNK == ci + 1,
+                                   &tr.top[r], &tr.total[r], tr.out[r]);
                 }
-            attend_group(q.data(), q2.data(), out.data(), keys.data(), rows, cache(g), a.scale, p.data());
-        }
-    });
+            }
+        });
+        return;
+    }
+    // a task: chunk ci of KV head g for all its rows; partials m, l [chunk][row], acc [chunk][row][Dv] per wave
+    const double wave_bytes = g_wave_bytes.load(std::memory_order_relaxed);
+    const int64_t most_wave = std::clamp<int64_t>(int64_t(wave_bytes / (4.0 * nrows * (Dv + 2))), 1, chunks);
+    thread_local std::vector<float> partial;  // the calling thread's, kept between calls
+    partial.resize(most_wave * nrows * (Dv + 2));
+    float *pm = partial.data(), *pl = pm + most_wave * nrows, *pacc = pl + most_wave * nrows;
+    std::vector<float> top(nrows), total(nrows);
+    for (int64_t w0 = 0; w0 < chunks; w0 += most_wave) {
+        const int64_t wc = std::min(most_wave, chunks - w0), tasks = wc * a.Hkv;
+        std::atomic<int64_t> next{0};
+        g_pool->run(int(std::min(n, tasks)), [&](int) {
+            thread_local TaskRows rows_of_thread;
+            TaskRows& tr = rows_of_thread.size(group * a.T, 0);
+            for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+                const int64_t ci = task / a.Hkv, g = task % a.Hkv, s0 = (w0 + ci) * KEY_CHUNK;
+                tr.fill(a, g, 0, group, std::max<int64_t>(0, s0 - a.past));  // the positions that reach the chunk
+                for (int64_t r = 0; r < tr.rows; ++r) tr.acc[r] = pacc + (ci * nrows + tr.index[r]) * Dv;
+                attend_chunk(tr.from(0), cache(g), a.scale, s0, std::min(S, s0 + KEY_CHUNK), tr.p.data());
+                for (int64_t r = 0; r < tr.rows; ++r) pm[ci * nrows + tr.index[r]] = tr.m[r], pl[ci * nrows + tr.index[r]] = tr.l[r];
+            }
+        });
+        const int64_t nf = threads_for(int(n), 4.0 * wc * nrows * Dv);
+        g_pool->run(int(nf), [&](int tid) {  // fold the wave's chunks into each row, in chunk order
+            for (int64_t row = nrows * tid / nf; row < nrows * (tid + 1) / nf; ++row) {
+                const int64_t t = row / a.Hq, h = row % a.Hq, reach = (a.past + t + KEY_CHUNK) / KEY_CHUNK;
+                for (int64_t ci = w0; ci < std::min(w0 + wc, reach); ++ci)
+                    fold_chunk(pm[(ci - w0) * nrows + row], pl[(ci - w0) * nrows + row], pacc + ((ci - w0) * nrows + row) * Dv,
+                               Dv, ci == 0, ci + 1 == reach, &top[row], &total[row], a.out + t * a.out_t + h * a.out_h);
+            }
+        });
+    }
 }
 
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
@@ -350,7 +476,7 @@ inline void head_matmul(const float* x, int64_t x_g, int64_t x_t, const W* w, in
                     float* yt = y + (t * G + g) * R;
                     for (int64_t v = 0; v < vecs; ++v) {
                         vec8 acc = load8(yt + 8 * v);
-                        acc += (vec8{} + xk) * load8(wk + 8 * v);
+                        acc += splat8(xk) * load8(wk + 8 * v);
                         __builtin_memcpy(yt + 8 * v, &acc, sizeof acc);
                     }
                     for (int64_t c = 8 * vecs; c < R; ++c) yt[c] = std::fma(xk, widen(wk[c]), yt[c]);

@@ -12,6 +12,10 @@
 
 namespace {
 
+// Bytes of attention's chunk partials held at once before they are folded (decode_body.h); a wave's size never changes
+// the bits, and tests shrink it to show that (moe_attention_wave_bytes)
+std::atomic<double> g_wave_bytes{4 << 20};
+
 struct AttentionStep {
     float *q, *k;           // [T, *] rows q_stride / k_stride floats apart: H_q (H_kv) heads of D, normed and rotated in place
     const float* v;         // [T, *] rows v_stride apart: H_kv heads of D
@@ -178,6 +182,12 @@ API int moe_head_bf16w(int transposed, const float* x, int64_t x_g, int64_t x_t,
     return head_any(transposed, x, x_g, x_t, w, w_g, T, G, R, K, y, threads);
 }
 
+
+// Bytes of chunk partials attention holds at once (> 0: set it, for tests); returns the value calls take now
+API double moe_attention_wave_bytes(double bytes) {
+    if (bytes > 0) g_wave_bytes = bytes;
+    return g_wave_bytes.load();
+}
 
 // The widest path the decode ops may take, 0 portable, 1 AVX2, 2 AVX-512 (tests run each the CPU has); -1 asks without
 // setting -> the path calls take now

@@ -41,6 +41,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_head_bf16w.argtypes, lib.moe_head_bf16w.restype = _HEAD_ARGS, ctypes.c_int
         lib.moe_latent_attention.argtypes, lib.moe_latent_attention.restype = _LATENT_ARGS, ctypes.c_int
         lib.moe_decode_isa.argtypes, lib.moe_decode_isa.restype = [_INT], ctypes.c_int
+        lib.moe_attention_wave_bytes.argtypes, lib.moe_attention_wave_bytes.restype = [ctypes.c_double], ctypes.c_double
         lib._decode_typed = True
     return lib
 
@@ -55,6 +56,12 @@ ISAS = ("portable", "avx2", "avx512")  # the builds of csrc/cpu/decode_body.h, n
 def isa(cap: str | None = None) -> str:
     """The path the native decode ops take on this CPU (the widest it has); cap: take none wider (tests run each)."""
     return ISAS[library().moe_decode_isa(-1 if cap is None else ISAS.index(cap))]
+
+
+def attention_wave_bytes(nbytes: float = 0) -> float:
+    """Bytes of chunk partial sums the attention core holds before folding them (csrc/cpu/decode_body.h); nbytes > 0 sets
+    it (tests: a wave's size must not change the bits). Returns the value calls take now."""
+    return library().moe_attention_wave_bytes(float(nbytes))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -146,7 +153,8 @@ def latent_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, latents: torch.
     """DeepSeek-V2's absorbed attention over its latent cache (mla.py) in one native call: q_latent [H, T, R] and q_pe
     [H, T, Dr] fp32 (any strides, unit last), latents [S, R] and rope_keys [S, Dr] (rows at any stride), S = past + T ->
     context [T, H, R] contiguous: softmax(scale · (q_latent cᵀ + q_pe k_peᵀ)) c, position t seeing keys up to past + t.
-    attention_step's core (csrc/cpu/decode_body.h): the cache read once for all heads, each row's bits independent of T."""
+    attention_step's core (csrc/cpu/decode_body.h): each chunk of the cache read once for all heads, threads splitting the
+    chunks, each row's bits independent of T and of the threads."""
     H, T, R = q_latent.shape
     Dr, S = q_pe.shape[2], latents.shape[0]
     if (q_pe.shape[:2] != (H, T) or tuple(latents.shape) != (S, R) or tuple(rope_keys.shape) != (S, Dr) or S != past + T

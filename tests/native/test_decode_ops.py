@@ -58,10 +58,12 @@ def test_attention_step_equals_its_twin(heads, kv_heads, head_dim, norms, T, pas
     assert torch.equal(native.values, twin.values)  # copied as they are
 
 
-@pytest.mark.parametrize("H,G,D,past", [(8, 2, 32, 20), (32, 4, 128, 700), (6, 2, 20, 515)])  # tiles of 512 keys, D % 16
+# one chunk of keys; six; five with D % 16; 55 chunks, which the pass's 160 rows fold in two waves and a step's 32 in one
+@pytest.mark.parametrize("H,G,D,past", [(8, 2, 32, 20), (32, 4, 128, 700), (6, 2, 20, 515), (32, 4, 128, 7000)])
 def test_attention_rows_do_not_depend_on_the_pass(H, G, D, past):
     """A verification of 5 positions gives the bits of the 5 decode steps it stands for (rows of one KV head go in
-    blocks of 4 where they can; a row's path never changes its bits)."""
+    blocks of 4 where they can, positions reach different chunks of keys, partial sums are folded in waves whose size
+    depends on the rows: a row's path never changes its bits)."""
     gen = torch.Generator().manual_seed(1)
     T = 5
     keys, values = torch.randn(1, G, past, D, generator=gen), torch.randn(1, G, past, D, generator=gen)
@@ -81,11 +83,41 @@ def test_attention_rows_do_not_depend_on_the_pass(H, G, D, past):
     assert torch.equal(one_pass.keys, steps.keys) and torch.equal(one_pass.values, steps.values)
 
 
-def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch):
-    """Threads take a KV head, or parts of its query heads where threads outnumber KV heads (5 threads on 2 KV heads:
-    3 parts each): 1, 2, 3 or 5 threads give the same bits."""
+def test_attention_bits_do_not_depend_on_the_wave_size():
+    """Where few rows share a key (3 positions of 4 query heads per KV head), threads take chunks of 128 keys and their
+    partial sums are folded after each wave; one chunk per wave, 3 or all 6 give the same bits, and those of the 3 decode
+    steps (one wave each)."""
+    gen = torch.Generator().manual_seed(5)
+    H, G, D, past, T = 8, 2, 32, 700, 3
+    keys, values = torch.randn(1, G, past, D, generator=gen), torch.randn(1, G, past, D, generator=gen)
+    y = torch.randn(T, (H + 2 * G) * D, generator=gen)
+    cos, sin = _tables(past, T, D)
+    nq, nk = H * D, G * D
+    default = decode_ops.attention_wave_bytes()
+    outs = []
+    try:
+        for wave in (1.0, 3 * 4 * T * H * (D + 2), default):  # bytes: 1 chunk per wave, 3, all (4 MB)
+            decode_ops.attention_wave_bytes(wave)
+            a = y.clone()
+            outs.append(decode_ops.attention_step(a[:, :nq], a[:, nq:nq + nk], a[:, nq + nk:], _layer(keys, values), cos, sin,
+                                                  None, None, 1e-6, D ** -0.5, D))
+    finally:
+        decode_ops.attention_wave_bytes(default)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    steps, layer = [], _layer(keys, values)
+    for t in range(T):
+        b = y[t:t + 1].clone()
+        steps.append(decode_ops.attention_step(b[:, :nq], b[:, nq:nq + nk], b[:, nq + nk:], layer, cos[t:t + 1], sin[t:t + 1],
+                                               None, None, 1e-6, D ** -0.5, D))
+    assert torch.equal(torch.cat(steps), outs[0])
+
+
+@pytest.mark.parametrize("past", [600, 120])  # 5 chunks of keys; one, whose 2 tasks (one per KV head) more threads split in parts
+def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch, past):
+    """Threads take a chunk of keys of a KV head, or parts of its query heads where threads outnumber those tasks: 1, 2,
+    3 or 5 threads give the same bits."""
     gen = torch.Generator().manual_seed(2)
-    H, G, D, past, T = 16, 2, 128, 600, 5
+    H, G, D, T = 16, 2, 128, 5
     keys, values = torch.randn(1, G, past, D, generator=gen), torch.randn(1, G, past, D, generator=gen)
     y = torch.randn(T, (H + 2 * G) * D, generator=gen)
     cos, sin = _tables(past, T, D)
@@ -250,7 +282,7 @@ def test_latent_attention_equals_its_twin(H, T, R, Dr, past):
 
 def test_latent_attention_rows_do_not_depend_on_the_pass_or_the_threads(monkeypatch):
     """A 5-position verification gives the bits of its 5 decode steps, and 1, 2 or 3 threads the same bits (threads
-    split the heads of the one cache)."""
+    split the chunks of keys of the one cache, and its heads where chunks are few)."""
     H, T, R, Dr, past = 16, 5, 512, 64, 700
     q_latent, q_pe, latents, rope_keys = _latent_case(H, T, R, Dr, past, seed=3)
     whole = decode_ops.latent_attention(q_latent, q_pe, latents, rope_keys, past, 0.07)
