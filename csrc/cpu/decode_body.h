@@ -201,15 +201,12 @@ inline void dot_block(const float* const* a, const float* b, int64_t stride, int
         }
 }
 
-// out[i·out_stride + 8v..] (NV vectors) += Σ_{s0 <= s < s1} p[i][s] · c[s·stride + 8v..] for NR rows: each output a
-// running sum over s in order, in registers within the call, in memory between calls (first: from 0)
+// out[i·out_stride + 8v..] (NV vectors) = Σ_{0 <= s < n} p[i][s] · c[s·stride + 8v..] for NR rows: each output one
+// running sum over s in order, in registers
 template <int NR, int NV>
-inline void weighted_block(const float* const* p, const float* c, int64_t stride, int64_t s0, int64_t s1, float* out,
-                           int64_t out_stride, bool first) {
-    vec8 acc[NR][NV];
-    for (int i = 0; i < NR; ++i)
-        for (int v = 0; v < NV; ++v) acc[i][v] = first ? vec8{} : load8(out + i * out_stride + 8 * v);
-    for (int64_t s = s0; s < s1; ++s) {
+inline void weighted_block(const float* const* p, const float* c, int64_t stride, int64_t n, float* out, int64_t out_stride) {
+    vec8 acc[NR][NV] = {};
+    for (int64_t s = 0; s < n; ++s) {
         vec8 cv[NV];
         for (int v = 0; v < NV; ++v) cv[v] = load8(c + s * stride + 8 * v);
         for (int i = 0; i < NR; ++i) {
@@ -296,13 +293,13 @@ inline void chunk_sums(const ChunkRows& a, const KeyRows& c, int64_t s0, int64_t
         }
         int64_t c0 = 0;
         if (nr == 4)
-            for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, vs, 0, n, a.acc[r] + c0, Dv, true);
+            for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, vs, n, a.acc[r] + c0, Dv);
         else if (nr == 2)
-            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, vs, 0, n, a.acc[r] + c0, Dv, true);
+            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, vs, n, a.acc[r] + c0, Dv);
         else
-            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, vs, 0, n, a.acc[r] + c0, Dv, true);
+            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, vs, n, a.acc[r] + c0, Dv);
         for (; c0 + 8 <= Dv; c0 += 8)
-            for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, vs, 0, n, a.acc[r + i] + c0, Dv, true);
+            for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, vs, n, a.acc[r + i] + c0, Dv);
         for (int i = 0; i < nr; ++i)
             for (int64_t d = c0; d < Dv; ++d) {
                 float sum = 0.f;
