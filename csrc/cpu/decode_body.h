@@ -252,9 +252,13 @@ inline void dot_keys(int nk, const float* const* q, const float* k, int64_t k_st
 
 // Scores of rows [0, rows) against keys [s0, s1), scaled, into p[r][s - s0]: blocks of 4 rows × 3 keys (12 chains:
 // 1.5× the rate of 4 × 2 on a Zen 3; a row block's queries stay in L1 while it passes over the chunk's keys in L2);
-// every (row, key) has a 1 × 1 block's bits.
-inline void chunk_scores(const ChunkRows& a, const KeyRows& c, float scale, int64_t s0, int64_t s1, float* const* p) {
+// every (row, key) has a 1 × 1 block's bits. next[0..next_floats): the thread's next chunk, prefetched into L2 a slice
+// per block of the later row blocks (or none).
+inline void chunk_scores(const ChunkRows& a, const KeyRows& c, float scale, int64_t s0, int64_t s1, float* const* p,
+                         const float* next, int64_t next_floats) {
     float dots[12];
+    const int64_t lines = next_floats / 16, blocks = std::max<int64_t>(1, (a.rows / 4 - 1) * ((s1 - s0 + 2) / 3));
+    int64_t line = 0;
     for (int64_t r = 0; r < a.rows;) {
         const int nr = a.rows - r >= 4 ? 4 : 1;
         const int64_t end = std::min(s1, a.keys[r + nr - 1]);  // keys past the block's last row's are never read
@@ -266,6 +270,8 @@ inline void chunk_scores(const ChunkRows& a, const KeyRows& c, float scale, int6
                         prefetch_row(c.K + (k + PREFETCH_KEYS) * c.k_stride, c.D);
                     if (c.V != c.K) prefetch_row(c.V + k * c.v_stride, c.Dv);
                 }
+            for (const int64_t stop = r ? std::min(lines, line + (lines + blocks - 1) / blocks) : 0; line < stop; ++line)
+                __builtin_prefetch(next + 16 * line, 0, 2);
             const float *const *q = a.q + r, *const *q2 = c.K2 ? a.q2 + r : nullptr;
             const float *k = c.K + s * c.k_stride, *k2 = c.K2 ? c.K2 + s * c.k2_stride : nullptr;
             if (nr == 4) dot_keys<4>(nk, q, k, c.k_stride, c.D, q2, k2, c.k2_stride, c.D2, dots);
@@ -312,8 +318,9 @@ inline void chunk_sums(const ChunkRows& a, const KeyRows& c, int64_t s0, int64_t
 
 // One chunk [s0, s1) of one KV head for rows that all attend to at least one of its keys (keys[0] > s0): scores,
 // exponentials against the row's maximum over the chunk, their sum, and the weighted sums of V. p [rows][KEY_CHUNK].
-inline void attend_chunk(const ChunkRows& a, const KeyRows& c, float scale, int64_t s0, int64_t s1, float* const* p) {
-    chunk_scores(a, c, scale, s0, s1, p);
+inline void attend_chunk(const ChunkRows& a, const KeyRows& c, float scale, int64_t s0, int64_t s1, float* const* p,
+                         const float* next = nullptr, int64_t next_floats = 0) {
+    chunk_scores(a, c, scale, s0, s1, p, next, next_floats);
     for (int64_t r = 0; r < a.rows; ++r) a.l[r] = exp_row(p[r], std::min(s1, a.keys[r]) - s0, a.m + r);
     chunk_sums(a, c, s0, s1, p);
 }
@@ -420,16 +427,21 @@ inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
     float *pm = partial.data(), *pl = pm + most_wave * nrows, *pacc = pl + most_wave * nrows;
     std::vector<float> top(nrows), total(nrows);
     for (int64_t w0 = 0; w0 < chunks; w0 += most_wave) {
-        const int64_t wc = std::min(most_wave, chunks - w0), tasks = wc * a.Hkv;
-        std::atomic<int64_t> next{0};
-        g_pool->run(int(std::min(n, tasks)), [&](int) {
+        const int64_t wc = std::min(most_wave, chunks - w0), tasks = wc * a.Hkv, nt = std::min(n, tasks);
+        g_pool->run(int(nt), [&](int tid) {  // thread tid takes tasks tid, tid + nt, ...: it knows its next chunk
             thread_local TaskRows rows_of_thread;
             TaskRows& tr = rows_of_thread.size(group * a.T, 0);
-            for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
+            for (int64_t task = tid; task < tasks; task += nt) {
                 const int64_t ci = task / a.Hkv, g = task % a.Hkv, s0 = (w0 + ci) * KEY_CHUNK;
                 tr.fill(a, g, 0, group, std::max<int64_t>(0, s0 - a.past));  // the positions that reach the chunk
                 for (int64_t r = 0; r < tr.rows; ++r) tr.acc[r] = pacc + (ci * nrows + tr.index[r]) * Dv;
-                attend_chunk(tr.from(0), cache(g), a.scale, s0, std::min(S, s0 + KEY_CHUNK), tr.p.data());
+                // MLA's latents (values = keys) only the hardware prefetcher fetches: prefetch the next chunk's rows
+                const int64_t nx = task + nt, ns0 = (w0 + nx / a.Hkv) * KEY_CHUNK;
+                const KeyRows nc = cache(nx % a.Hkv);
+                const bool ahead = nx < tasks && nc.V == nc.K;
+                const int64_t next_floats = ahead ? (std::min(S, ns0 + KEY_CHUNK) - ns0) * nc.k_stride : 0;
+                attend_chunk(tr.from(0), cache(g), a.scale, s0, std::min(S, s0 + KEY_CHUNK), tr.p.data(),
+                             ahead ? nc.K + ns0 * nc.k_stride : nullptr, next_floats);
                 for (int64_t r = 0; r < tr.rows; ++r)
                     pm[ci * nrows + tr.index[r]] = tr.m[r], pl[ci * nrows + tr.index[r]] = tr.l[r];
             }
