@@ -6,6 +6,8 @@
 // columns, so no two threads write one element and each sums its experts in one fixed order.
 // Also a plain quantized linear layer (dense layers on a CPU device). Plain C ABI for ctypes.
 
+#include <memory>
+
 #include "common.h"
 #include "pool.h"
 #include "quant_tiles.h"
@@ -96,8 +98,9 @@ API int moe_quantize_acts(const float* x, int64_t n_tokens, int64_t k, int8_t* q
 // Codes: 0 ok, -1 bad bits or dtype, -2 ISA not supported by this CPU, -3 bad shapes.
 // gate_up: gu_q [E, 2I, Hp·bits/8], gu_s/gu_m [E, 2I, Hp/32]; down: dn_q [E, H, Ip·bits/8], dn_s/dn_m [E, H, Ip/32]
 // (Hp, Ip: H, I padded to 32; H, I multiples of 16; m null for int8); the rest as moe_expert_ffn: experts [G], offsets [G+1],
-// x [N, H] (fp32, bf16 or fp16), rows [S] (activation s reads x[rows[s]]), row_weights [S] fp32, and out [N, H] fp32
-// accumulated into at rows_out[s] (= rows), or, with rows_out null, out [S, H] set to each activation's output, unweighted.
+// x [N, H] (fp32, bf16 or fp16), rows [S] (activation s reads x[rows[s]]), and out fp32: with rows_out and row_weights
+// [S], out [N, H] accumulated into, out[rows_out[s]] += w_s · y_s in order s; per activation, unweighted: with rows_out
+// alone, out[rows_out[s]] = y_s (router order for the caller: no gather or scatter of its own); with neither, out [S, H].
 API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t* offsets, const uint8_t* gu_q,
                          const uint16_t* gu_s, const uint16_t* gu_m, const uint8_t* dn_q, const uint16_t* dn_s,
                          const uint16_t* dn_m, int bits, int64_t hidden, int64_t inter, const void* x, int x_dtype,
@@ -135,7 +138,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
             xq.fill(src, H, H, s, 1, isa);
         }
     }
-    std::vector<float> h(S * I);
+    std::unique_ptr<float[]> h(new float[S * I]);  // every element written in phase 1
     int64_t max_t = 0;
     for (int64_t g = 0; g < n_groups; g++) max_t = std::max(max_t, offsets[g + 1] - offsets[g]);
 
@@ -160,25 +163,33 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
                 for (int64_t r = 0; r < nr; r++) h[(s0 + t) * I + i0 + r] = silu(yg[t * Q1 + r]) * yu[t * Q1 + r];
         }
     });
-    hq.fill(h.data(), I, I, 0, int(S), isa);
+    hq.fill(h.get(), I, I, 0, int(S), isa);
 
     // Phase 2: y[s, j] = (down_e h_s)_j over items (group, block of H rows): each activation's row of y
-    // is written by one item. Then out[rows[s]] += w_s · y[s] for s in order: a fixed summation order.
-    // Per activation (rows_out null) y is out itself: the caller weighs and sums in router order.
-    std::vector<float> ybuf(rows_out ? S * H : 0);
-    float* y = rows_out ? ybuf.data() : out;
+    // is written by one item. Weighted: then out[rows_out[s]] += w_s · y[s] for s in order, a fixed summation order.
+    // Per activation y is out itself (the caller weighs and sums in router order), or each item's tile is copied to
+    // the rows rows_out names while it is in L1.
+    const bool weighted = rows_out && row_weights, scatter = rows_out && !row_weights;
+    std::vector<float> ybuf(weighted ? S * H : 0);
+    float* y = weighted ? ybuf.data() : out;
     Items items2(n_groups * hblocks, threads);
     g_pool->run(threads, [&](int) {
+        std::vector<float> tile(scatter ? max_t * Q2 : 0);  // [T, Q2] one item's outputs
         Items::Cursor cursor;
         for (int64_t item; (item = items2.next(cursor)) >= 0;) {
             const int64_t g = item / hblocks, j0 = (item % hblocks) * Q2, nr = std::min(Q2, H - j0);
             const int64_t s0 = offsets[g];
             const int T = int(offsets[g + 1] - s0);
             if (T == 0) continue;
-            qmat(down.expert(experts[g]), j0, nr, hq.at(s0), T, y + s0 * H + j0, H, bits, isa);
+            if (!scatter) {
+                qmat(down.expert(experts[g]), j0, nr, hq.at(s0), T, y + s0 * H + j0, H, bits, isa);
+                continue;
+            }
+            qmat(down.expert(experts[g]), j0, nr, hq.at(s0), T, tile.data(), Q2, bits, isa);
+            for (int t = 0; t < T; t++) std::memcpy(out + rows_out[s0 + t] * H + j0, &tile[t * Q2], nr * sizeof(float));
         }
     });
-    if (!rows_out) return 0;
+    if (!weighted) return 0;
     for (int64_t s = 0; s < S; s++) {
         float* o = out + rows_out[s] * H;
         const float w = row_weights[s];

@@ -141,7 +141,7 @@ def compute(rt: MoERuntime, li: int, x: torch.Tensor, weights: torch.Tensor, spl
     if on_cpu:  # copy inputs to the host before any device work is queued behind them
         x_h, w_h = x.to("cpu"), w_flat.to("cpu")
 
-        def run_cpu() -> tuple[torch.Tensor, bool]:
+        def run_cpu() -> tuple[torch.Tensor, str]:
             t0 = time.perf_counter()
             y = cpu_tier(rt, li, x_h, w_h, split, top_k)
             rt.counters.cpu_s += time.perf_counter() - t0
@@ -154,9 +154,11 @@ def compute(rt: MoERuntime, li: int, x: torch.Tensor, weights: torch.Tensor, spl
         _fast_tier(rt, x, w_flat, split, out, top_k)
     summed = None  # [N, H] CPU tier already summed per token (native kernel)
     if on_cpu:
-        y, per_token = rt.wait_cpu(cpu_job) if cpu_job is not None else run_cpu()
-        if per_token:
+        y, layout = rt.wait_cpu(cpu_job) if cpu_job is not None else run_cpu()
+        if layout == "summed":
             summed = y.to(device=x.device, dtype=x.dtype)
+        elif layout == "router":  # every activation, in out's order: it is out
+            out = y.to(device=x.device, dtype=x.dtype)
         else:
             if out is None:
                 out = x.new_zeros(num_tokens * top_k, x.shape[1])
@@ -230,12 +232,17 @@ def account_layers(rt: MoERuntime, lis: torch.Tensor, phase: str, counts: torch.
 
 
 def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, split: TierSplit,
-             top_k: int) -> tuple[torch.Tensor, bool]:
-    """The CPU tier's activations split.cpu_pos [S_cpu] (grouped by split.cpu_expert, ascending):
-    (the native kernel's per-token sums [N, H] fp32, True) where cpu_ffn.usable says so, else
-    (weighted outputs [S_cpu, H], False) from the grouped PyTorch path, which also serves the
-    disk tier's per-expert views and sums in router order as transformers does."""
+             top_k: int) -> tuple[torch.Tensor, str]:
+    """The CPU tier's activations split.cpu_pos [S_cpu] (grouped by split.cpu_expert, ascending) -> (y, layout):
+    "summed": the native kernel's per-token sums [N, H] fp32, where cpu_ffn.usable says so; "router": quantized
+    experts with every activation here, weighted outputs [S, H] in router order, the native kernel reading and writing
+    the rows itself; else "grouped": weighted outputs [S_cpu, H] in cpu_pos order from the grouped path, which also
+    serves the disk tier's per-expert views and sums in router order as transformers does."""
     cpu_pos, sizes = split.cpu_pos, split.cpu_sizes
+    if rt.native_cpu and rt.store.quant != "none" and sizes is not None and len(cpu_pos) == len(w_h):
+        y = cpu_ffn.routed_ffn_q(x_h, rt.store.gate_up[li], rt.store.down[li], cpu_pos, sizes, top_k)  # [S, H] fp32
+        if y is not None:  # weighed as the grouped layout is: in x's dtype, promoted, then x's dtype
+            return (y.mul_(w_h[:, None]) if x_h.dtype == torch.float32 else (y.to(x_h.dtype) * w_h[:, None])), "router"
     views = rt.store.layer_views(li) if rt.native_cpu and rt.store.quant == "none" else None  # quantized: per activation
     if views is not None:
         if sizes is not None:  # every activation is on the CPU: per-expert counts are known
@@ -250,8 +257,8 @@ def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, spli
             # beside a GPU the engine thread keeps one core busy launching kernels: leave it that core
             threads = torch.get_num_threads() - (rt.has_cpu_thread and torch.get_num_threads() > 1)
             return cpu_ffn.moe_ffn_native(x_h.contiguous(), views[0], views[1], ids, offsets, cpu_pos // top_k,
-                                          w_h[cpu_pos].float(), out, threads=threads), True
-    return cpu_experts(rt, li, x_h[cpu_pos // top_k], split.cpu_expert, sizes) * w_h[cpu_pos, None], False
+                                          w_h[cpu_pos].float(), out, threads=threads), "summed"
+    return cpu_experts(rt, li, x_h[cpu_pos // top_k], split.cpu_expert, sizes) * w_h[cpu_pos, None], "grouped"
 
 
 def cpu_experts(rt: MoERuntime, li: int, x: torch.Tensor, experts: torch.Tensor,
@@ -295,7 +302,7 @@ def cpu_direct(rt: MoERuntime, li: int, x: torch.Tensor, idx: torch.Tensor, weig
     t0 = time.perf_counter()
     if quant:
         y = torch.empty(top_k, x.shape[1], dtype=torch.float32)  # [k, H] each expert's output, unweighted
-        cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, _STEPS[: top_k + 1], _ZEROS[:top_k], _ONES[:top_k], y,
+        cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, _STEPS[: top_k + 1], _ZEROS[:top_k], None, y,
                                  per_activation=True)
         y = (y.to(x.dtype) * w_flat[:, None]).to(x.dtype).view(1, top_k, -1).sum(dim=1)  # as compute(): promoted, then x's dtype
     else:
@@ -308,7 +315,6 @@ def cpu_direct(rt: MoERuntime, li: int, x: torch.Tensor, idx: torch.Tensor, weig
     return y
 
 
-# cpu_direct's one-activation groups: offsets 0, 1, .., every activation reading token row 0, unit weights
+# cpu_direct's one-activation groups: offsets 0, 1, .., every activation reading token row 0
 _STEPS = torch.arange(65)
 _ZEROS = torch.zeros(64, dtype=torch.int64)
-_ONES = torch.ones(64)

@@ -297,6 +297,23 @@ def test_the_quantized_model_does_not_depend_on_which_experts_are_resident(fmt, 
     assert torch.equal(logits[0.5], logits[0.0]) and torch.equal(logits[1.0], logits[0.0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_layer_on_the_cpu_alone_is_the_same_bits_with_or_without_the_kernel_writing_router_order(dtype, checkpoint,
+                                                                                                  monkeypatch):
+    """Every activation on the CPU: the kernel reads the token rows and writes router order itself (routed_ffn_q); the
+    grouped path (gather, weigh, scatter) gives the same logits bit for bit."""
+    if not cpu_ffn.available():
+        pytest.skip("native CPU kernels not built")
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), quant="int4", dtype=dtype))
+    routed, calls = cpu_ffn.routed_ffn_q, []
+    monkeypatch.setattr(cpu_ffn, "routed_ffn_q", lambda *a: calls.append(1) or routed(*a))
+    direct = engine.score(PROMPT_IDS)
+    assert len(calls) == 2  # the prefill's two MoE layers
+    monkeypatch.setattr(cpu_ffn, "routed_ffn_q", lambda *a: None)
+    assert torch.equal(engine.score(PROMPT_IDS), direct)
+    engine.close()
+
+
 def test_generate_says_when_it_rebuilt_the_cache(checkpoint, capsys):
     from moechat.app.cli import main
 

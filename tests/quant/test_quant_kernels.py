@@ -179,6 +179,33 @@ def test_a_tokens_result_does_not_depend_on_its_batch(isa, fmt):
 
 @needs_native
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_outputs_written_at_their_rows_equal_outputs_in_group_order(fmt, x_dtype):
+    """routed_ffn_q (the kernel reads x's rows and writes activation i's output to row i) against the per-activation
+    mode over gathered rows (what the grouped path runs), bit for bit, groups of 1 to 40 activations."""
+    g = torch.Generator().manual_seed(3)
+    E, H, I, N, k = 8, 256, 96, 23, 4
+    gu = formats.quantize(torch.randn(E, 2 * I, H, generator=g) * 0.1, fmt)
+    dn = formats.quantize(torch.randn(E, H, I, generator=g) * 0.1, fmt)
+    x = torch.randn(N, H, generator=g).to(x_dtype)
+    flat = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)]).reshape(-1)  # [S] router order
+    flat[flat == 7] = 6  # expert 7 unused; 6 takes 40 activations or so
+    pos = torch.sort(flat, stable=True).indices  # activation ids grouped by expert
+    sizes = torch.bincount(flat, minlength=E)
+    routed = cpu_ffn.routed_ffn_q(x, gu, dn, pos, sizes, k)
+    grouped = cpu_ffn.moe_ffn_q_native(x[pos // k].contiguous(), gu, dn, sizes.nonzero().flatten(),
+                                       torch.tensor([0, *sizes[sizes > 0].cumsum(0)]), torch.arange(len(pos)), None,
+                                       torch.empty(len(pos), H), per_activation=True)  # [S, H] in pos order
+    expected = torch.empty_like(routed)
+    expected[pos] = grouped
+    assert torch.equal(routed, expected) and not torch.equal(routed, grouped)
+    with pytest.raises(AssertionError):  # a row past out would be written past its end: refused before the kernel
+        cpu_ffn.moe_ffn_q_native(x, gu, dn, torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]), None,
+                                 torch.empty(1, H), per_activation=True, out_rows=torch.tensor([1]))
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_threads_do_not_change_the_result(fmt):
     x, gu, dn, experts, offsets, rows, w = case(256, 192, [1, 2, 4, 5], fmt)
     one = cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, 256), threads=1)
