@@ -7,16 +7,17 @@ Every `generate` ends with exactly one of:
   "length" or "cancelled" (`stop()`, also for a reply stopped before it started: text "");
 - EngineFailed(message, request_id): the request failed (no model loaded, a prompt too long for the
   context, an internal error); text already streamed stays as ReplyDelta posted it. No ReplyFinished.
-A ReplyNotice may come first: the oldest turns of a long conversation left out of the request (app/history.py).
+A ReplyNotice may come first: the oldest turns of a long conversation left out of the request (app/history.py);
+ReplyProgress(request_id, done, total) while a long prompt is read, between its prefill passes.
 A load or a calibration that fails posts EngineFailed(message) with request_id None; the thread stays
 alive for the next `reload` or `calibrate`. A factory that returns a `RemoteConfig` (app/remote.py) gets a
 `RemoteEngine` instead: replies stream from an OpenAI-compatible server, with the same messages.
 
 Commands run in the order given: a `reload` or `calibrate` waits for the replies queued before it
 (call `stop()` first to cut them short). `stop()` cancels the running reply and every reply queued
-before the call (a sequence number, so a late stop never hits the next reply); the engine thread turns
-it into `Engine.stop()` at the next event, so the reply ends after the step in progress (the engine
-checks its flag between steps; a stop during the prefill lands after the first token) with Finished
+before the call (a sequence number, so a late stop never hits the next reply) and calls the running reply's
+`Engine.stop()` at once, so the reply ends after the step in progress (the engine checks its flag between
+steps and between a long prompt's prefill passes) with Finished
 "cancelled" and its summary, which gives the final stats (closing the iterator, as Ctrl-C does in
 `moechat chat`, would lose it); the engine stays ready. ReplyStats and ExpertFrame are capped in
 time, see `app/bridge_meter.py`. `close()` is for app exit: it cancels, skips queued loads and
@@ -47,6 +48,7 @@ from .tui.messages import (
     ReplyDelta,
     ReplyFinished,
     ReplyNotice,
+    ReplyProgress,
     ReplyStats,
     Stats,
 )
@@ -76,6 +78,7 @@ class EngineBridge:
         self._next_seq = 0  # sequence number of the next generate
         self._cancel_below = 0  # generates numbered below this are cancelled
         self._pending = 0  # generates queued or running
+        self._running: tuple[int, object] | None = None  # the reply in progress: (its sequence number, its engine)
         self._closed = False
 
     # --- the UI thread's side -------------------------------------------------------------------
@@ -96,8 +99,10 @@ class EngineBridge:
         self._queue.put(("generate", seq, request_id, [dict(m) for m in messages], params))
 
     def stop(self) -> None:
-        with self._lock:
+        with self._lock:  # held while stopping: the engine thread cannot start the next reply in between
             self._cancel_below = self._next_seq
+            if self._running is not None and self._running[1] is not None:
+                self._running[1].stop()  # at once (thread-safe): the engine ends at its next check
 
     def reload(self, config_factory: Callable[[], EngineConfig] | None = None) -> None:
         """Load the model again (from `config_factory`, which later reloads then reuse)."""
@@ -140,12 +145,15 @@ class EngineBridge:
                 continue
             if cmd == "generate":
                 request_id = args[1]
+                with self._lock:
+                    self._running = (args[0], self._engine)
                 try:
                     end = self._reply(*args)
                 except Exception as err:  # the bridge's own bug: still one line, still one ending
                     end = EngineFailed(one_line(f"internal error ({type(err).__name__}: {err})"), request_id)
                 with self._lock:
                     self._pending -= 1  # before the post: the UI reads busy == False in its handler
+                    self._running = None
                 self._send(end)
                 continue
             try:
@@ -221,7 +229,7 @@ class EngineBridge:
         engine = self._engine
         if engine is None:
             return EngineFailed(f"no model is loaded ({self._load_error or 'the engine has not started'})", request_id)
-        from ..engine import Error, Finished, Request, StepStats, TokenDelta
+        from ..engine import Error, Finished, PrefillProgress, Request, StepStats, TokenDelta
         from .bridge_meter import ReplyMeter
         from .history import fit_for_engine
 
@@ -245,6 +253,8 @@ class EngineBridge:
                     meter.tokens(len(ev.token_ids))
                     if ev.text:
                         self._send(ReplyDelta(request_id, ev.text))
+                elif isinstance(ev, PrefillProgress):
+                    self._send(ReplyProgress(request_id, ev.done, ev.total))
                 elif isinstance(ev, StepStats):
                     meter.step(ev)
                     if (stats := meter.stats_now()) is not None:

@@ -15,6 +15,15 @@ class TokenDelta:
 
 
 @dataclass
+class PrefillProgress:
+    """Between two prefill passes of a long prompt: `done` of its `total` positions are in the KV cache (reused ones
+    included). A consumer that stops the engine here ends the request before the next pass."""
+
+    done: int
+    total: int
+
+
+@dataclass
 class StepStats:
     """What one decoding step (draft γ, verify γ+1, accept) did."""
 
@@ -94,6 +103,6 @@ class Error:
     message: str  # one line that says what is wrong and what to do
 
 
-Event = TokenDelta | StepStats | Finished | Error
+Event = TokenDelta | PrefillProgress | StepStats | Finished | Error
 
-__all__ = ["Error", "Event", "Finished", "StepStats", "Summary", "TokenDelta"]
+__all__ = ["Error", "Event", "Finished", "PrefillProgress", "StepStats", "Summary", "TokenDelta"]

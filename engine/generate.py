@@ -12,7 +12,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams
 from .errors import MoechatError, RequestError
-from .events import Error, Event, Finished, StepStats, Summary, TokenDelta
+from .events import Error, Event, Finished, PrefillProgress, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
 from .prefix_cache import Kept, PrefixCache, default_budget
@@ -21,6 +21,11 @@ from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
 from .trace import TraceRecorder
 
+# Prompt positions per prefill pass. A pass's activations grow with its length (8 experts' rows per position), so
+# passes of a bounded length keep a long prompt's memory bounded; between passes a stop ends the request and the
+# consumer hears how far the prompt is read. Each pass reads the experts' weights again: at 512 that is a few % of a
+# pass on a CPU (docs/benchmarks.md, "Long prompts in passes").
+PREFILL_CHUNK = 512
 
 @dataclass
 class Request:
@@ -84,7 +89,8 @@ class Engine:
 
     def generate(self, request: Request, params: SamplingParams | None = None,
                  trace: TraceRecorder | None = None) -> Iterator[Event]:
-        """Stream TokenDelta and StepStats events, then one Finished, or one Error.
+        """Stream TokenDelta and StepStats events (PrefillProgress between the passes of a long prompt), then one
+        Finished, or one Error.
 
         Closing the iterator or calling `stop()` cancels; the engine is ready for the next request.
         """
@@ -103,7 +109,8 @@ class Engine:
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher forcing: the logits at every position of token_ids, [T, V] float32 on the CPU (row i predicts
-        token i+1), from one prefill pass on a fresh KV cache. Nothing is generated; the engine is ready for the next request."""
+        token i+1), from the prefill passes of a fresh KV cache. Nothing is generated; the engine is ready for the next
+        request."""
         if self.model.runtime.closed:
             raise MoechatError("the engine is closed: create a new Engine to score")
         ids = self.encode(Request(token_ids=token_ids))
@@ -111,9 +118,11 @@ class Engine:
             raise RequestError(f"{len(ids)} tokens do not fit the context of {self.model.context_len}")
         self.model.runtime.begin_request()
         self.model.runtime.reset_counters()
-        logits = self._forward(ids, self.model.new_kv_cache(), keep=len(ids), phase="prefill", step=0, trace=None)
+        cache = self.model.new_kv_cache()
+        logits = [self._forward(ids[a:a + PREFILL_CHUNK], cache, keep=len(ids[a:a + PREFILL_CHUNK]), phase="prefill",
+                                step=0, trace=None).cpu() for a in range(0, len(ids), PREFILL_CHUNK)]
         self.model.runtime.reset_counters()
-        return logits.cpu()
+        return torch.cat(logits)
 
     def _forward(self, ids: list[int], cache, keep: int, phase: str, step: int,
                  trace: TraceRecorder | None) -> torch.Tensor:
@@ -160,9 +169,15 @@ class Engine:
 
         # Prefill: the prompt past the reused prefix; its last position gives the first token.
         rt.reset_counters()
-        logits = self._forward(prompt[reused:], cache, keep=1, phase="prefill", step=0, trace=trace)  # [1, V]
-        _, first = accept([], None, logits, params, generator)
+        logits = yield from self._prefill(prompt, reused, cache, trace)  # [1, V]
         prefill = rt.reset_counters()
+        if logits is None:  # stopped while reading the prompt: the passes done are kept, a resend reuses them
+            kept.tokens = prompt
+            self._keep(kept)
+            yield Finished([], "", self._summary(prompt, reused, [], [], prefill, time.perf_counter() - t_start, 0.0,
+                                                 "cancelled", m.cache.bytes_moved - moved0))
+            return
+        _, first = accept([], None, logits, params, generator)
         self.drafter.start(prompt, cache, kept.draft_kv)
         prefill_s = time.perf_counter() - t_start
         committed = prompt + [first]
@@ -186,18 +201,34 @@ class Engine:
         if tail:
             yield TokenDelta(tail, [])
         self._keep(kept)  # before the summary, which reports the conversation cache
-        summary = Summary(
+        yield Finished(new, detok.text, self._summary(prompt, reused, new, steps, prefill, prefill_s, decode_s,
+                                                      reason or "cancelled", m.cache.bytes_moved - moved0))
+
+    def _prefill(self, prompt: list[int], reused: int, cache, trace: TraceRecorder | None) -> Iterator[Event]:
+        """Prompt positions reused.. in passes of at most PREFILL_CHUNK, a PrefillProgress between two, a stop
+        honoured there -> (the generator's return value) the last position's logits [1, V], or None when stopped."""
+        logits = None
+        for start in range(reused, len(prompt), PREFILL_CHUNK):
+            if start > reused:
+                yield PrefillProgress(start, len(prompt))
+                if self._stop.is_set():
+                    return None
+            chunk = prompt[start:start + PREFILL_CHUNK]
+            logits = self._forward(chunk, cache, keep=1, phase="prefill", step=0, trace=trace)
+        return logits
+
+    def _summary(self, prompt: list[int], reused: int, new: list[int], steps: list[StepStats], prefill, prefill_s: float,
+                 decode_s: float, reason: str, moved: int) -> Summary:
+        return Summary(
             prompt_tokens=len(prompt), reused_tokens=reused, new_tokens=len(new), steps=len(steps),
             drafted=sum(s.drafted for s in steps), accepted=sum(s.accepted for s in steps),
             prefill_s=prefill_s, decode_s=decode_s, ttft_s=prefill_s,
             hits=prefill.hits + sum(s.hits for s in steps), misses=prefill.misses + sum(s.misses for s in steps),
-            bytes_moved=m.cache.bytes_moved - moved0, finish_reason=reason or "cancelled",
-            expert_budget=rt.expert_budget, dropped=sum(s.dropped for s in steps),
-            not_ready=prefill.not_ready + sum(s.not_ready for s in steps),
+            bytes_moved=moved, finish_reason=reason, expert_budget=self.model.runtime.expert_budget,
+            dropped=sum(s.dropped for s in steps), not_ready=prefill.not_ready + sum(s.not_ready for s in steps),
             kept_conversations=len(self.conversations), kept_bytes=self.conversations.nbytes(),
             kept_budget=self.conversations.budget,
         )
-        yield Finished(new, detok.text, summary)
 
     def _step(self, step: int, committed: list[int], cache, remaining: int, params: SamplingParams,
               generator: torch.Generator, trace: TraceRecorder | None) -> tuple[StepStats, list[int]]:

@@ -82,7 +82,7 @@ class EngineWorker:
         self.engine.close()
 
     def _run(self) -> None:
-        from ...engine import Error, StepStats
+        from ...engine import Error, PrefillProgress, StepStats
 
         while (job := self._jobs.get()) is not None:
             if job.cancelled.is_set():
@@ -97,7 +97,7 @@ class EngineWorker:
                     if job.cancelled.is_set():  # at a yield: the engine keeps what is consistent
                         self.cancelled += 1
                         break
-                    if not isinstance(ev, StepStats):  # per-step figures stay on the server
+                    if not isinstance(ev, (StepStats, PrefillProgress)):  # per-step figures stay on the server
                         job.post(ev)
             except Exception as err:  # the engine turns its own failures into Error; this is a last resort
                 job.post(Error(f"internal error ({type(err).__name__}: {err}); the server is ready for the next request"))

@@ -100,6 +100,10 @@ class MoechatApp(App):
         if self.is_running:
             self.notify(msg.text, title="moechat", timeout=8)
 
+    def on_reply_progress(self, msg: m.ReplyProgress) -> None:
+        if self.is_running:
+            self.chat.reply_progress(msg.request_id, msg.done, msg.total)
+
     def on_reply_stats(self, msg: m.ReplyStats) -> None:
         if not self.is_running:
             return

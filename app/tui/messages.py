@@ -53,6 +53,14 @@ class ReplyNotice(Message):
         self.request_id, self.text = request_id, text
 
 
+class ReplyProgress(Message):
+    """Reply `request_id` is still reading a long prompt: `done` of its `total` tokens are read."""
+
+    def __init__(self, request_id: int, done: int, total: int) -> None:
+        super().__init__()
+        self.request_id, self.done, self.total = request_id, done, total
+
+
 class ReplyFinished(Message):
     """Reply `request_id` ended: `reason` is "stop", "length" or "cancelled"; `text` is the whole reply."""
 

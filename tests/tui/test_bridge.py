@@ -20,6 +20,7 @@ from moechat.app.tui.messages import (
     ReplyDelta,
     ReplyFinished,
     ReplyNotice,
+    ReplyProgress,
     ReplyStats,
 )
 from moechat.engine.config import (
@@ -140,6 +141,43 @@ def test_demand_frames_without_fast_tier_and_stop(checkpoint):
         assert inbox.ending(4).text == "" and not inbox.of(ReplyDelta, request_id=4)
         bridge.generate(5, CHAT, SamplingParams(max_new_tokens=3))
         assert inbox.ending(5).reason == "length"
+    finally:
+        bridge.close()
+
+
+def test_a_long_prompt_reports_progress_and_stops_between_passes(checkpoint, monkeypatch):
+    """The prompt read in passes of 3 tokens: ReplyProgress per pass, in order; a stop after the first ends the reply
+    before its first token, and the next reply reuses what was read."""
+    from moechat.engine import generate
+
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 3)
+    bridge, inbox = started(lambda: EngineConfig(str(checkpoint("qwen3_moe"))))
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=4))
+        assert inbox.ending(1).reason == "length"
+        progress = inbox.of(ReplyProgress, request_id=1)
+        total = progress[0].total
+        assert [(m.done, m.total) for m in progress] == [(d, total) for d in range(3, total, 3)]
+
+        gate, go = threading.Event(), threading.Event()
+        post = bridge._post
+
+        def hold_at_first_progress(message):  # stop while the engine thread waits at its first ReplyProgress
+            post(message)
+            if isinstance(message, ReplyProgress) and message.request_id == 2 and not gate.is_set():
+                gate.set()
+                go.wait(TIMEOUT)
+            return True
+
+        bridge._post = hold_at_first_progress
+        bridge.generate(2, CHAT + [{"role": "user", "content": "And why is it fast?"}], SamplingParams(max_new_tokens=4))
+        assert gate.wait(TIMEOUT)
+        bridge.stop()
+        go.set()
+        fin = inbox.ending(2)
+        assert isinstance(fin, ReplyFinished) and fin.reason == "cancelled" and fin.text == ""
+        assert len(inbox.of(ReplyProgress, request_id=2)) == 1 and not inbox.of(ReplyDelta, request_id=2)
     finally:
         bridge.close()
 

@@ -191,6 +191,33 @@ async def test_switch_export_help_and_engine_failure(tmp_path, stored):
 
 @pilot_test
 @pytest.mark.notorch
+async def test_a_long_prompt_shows_how_far_it_is_read(tmp_path, stored):
+    """ReplyProgress sets the pending reply's note until its first text comes."""
+    from moechat.app.tui.messages import ReplyDelta, ReplyFinished, ReplyProgress, Stats
+
+    def broken():
+        raise MoechatError("no model in this test")
+
+    app = make_app(tmp_path, broken)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: errors(app), "the load failure")
+        app.bridge.generate = lambda *args: None  # the reply is answered below, as the engine thread would
+        await send(pilot, "Summarize this long document.")
+        await until(pilot, lambda: chat.reply is not None, "the pending reply")
+        reply, note = chat.reply, lambda: chat.reply.view.query_one(".role").render().plain
+        app.post_message(ReplyProgress(reply.request_id, 1024, 4000))
+        await until(pilot, lambda: "reading the prompt: 1,024 of 4,000 tokens" in note(), "the progress note")
+        app.post_message(ReplyProgress(reply.request_id + 1, 2048, 4000))  # another request's: ignored
+        app.post_message(ReplyDelta(reply.request_id, "It says"))
+        await until(pilot, lambda: reply.text == "It says", "the first text")
+        assert "writing" in note() and "reading" not in note()
+        app.post_message(ReplyFinished(reply.request_id, "It says", "stop", Stats()))
+        await until(pilot, lambda: chat.reply is None, "the end of the reply")
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, stored):
     older, newer = stored
     (tmp_path / "settings.toml").write_text('# mine\n[keys]\nnew_chat = "ctrl+b"\nnope = "f6"\n')

@@ -261,10 +261,16 @@ class ChatScreen(Screen):
         self.stats = None
         self.app.bridge.generate(self.next_request, history, self.app.sampling)
 
+    def reply_progress(self, request_id: int, done: int, total: int) -> None:
+        if self.reply is not None and self.reply.request_id == request_id and not self.reply.text:
+            self.reply.view.set_note(f"reading the prompt: {done:,} of {total:,} tokens…")
+
     async def reply_delta(self, request_id: int, text: str) -> None:
         reply = self.reply
         if reply is None or reply.request_id != request_id:
             return  # a stopped or failed reply's late text
+        if not reply.text:
+            reply.view.set_note("writing…")
         reply.text += text
         reply.view.content = reply.text
         await reply.stream.write(text)
