@@ -62,29 +62,29 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def tensor_ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _dense(weight: torch.Tensor | None, quant: formats.QuantMatrix | None) -> DenseWeight | None:
+def dense_weight(weight: torch.Tensor | None, quant: formats.QuantMatrix | None) -> DenseWeight | None:
     """One bias-free product: an fp32 or bf16 (Bf16Linear's, widened as it is read) [R, K] contiguous weight, or a 2-D
     QuantMatrix; None otherwise."""
     if quant is not None:
         if quant.q.dim() != 2 or not quant.is_contiguous():
             return None
-        return DenseWeight(None, None, _ptr(quant.q), _ptr(quant.scale), _ptr(quant.minimum), formats.BITS[quant.fmt],
-                           quant.rows, quant.k)
+        return DenseWeight(None, None, tensor_ptr(quant.q), tensor_ptr(quant.scale), tensor_ptr(quant.minimum),
+                           formats.BITS[quant.fmt], quant.rows, quant.k)
     if weight is None or weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
         return None
     w, w16 = (weight, None) if weight.dtype == torch.float32 else (None, weight)
-    return DenseWeight(_ptr(w), _ptr(w16), None, None, None, 0, weight.shape[0], weight.shape[1])
+    return DenseWeight(tensor_ptr(w), tensor_ptr(w16), None, None, None, 0, weight.shape[0], weight.shape[1])
 
 
-def _linear(module) -> DenseWeight | None:
+def linear_weight(module) -> DenseWeight | None:
     if type(module) is QuantLinear:
-        return _dense(None, module.weight_q) if module.bias is None else None
+        return dense_weight(None, module.weight_q) if module.bias is None else None
     if type(module) in (torch.nn.Linear, Bf16Linear) and module.bias is None:
-        return _dense(module.weight.detach(), None)
+        return dense_weight(module.weight.detach(), None)
     return None
 
 
@@ -180,7 +180,7 @@ def build_decode_stack(lean) -> DecodeStack | None:
     runtime, first_attn = None, lean.layers[0].self_attn
     eps = lean.base.norm.variance_epsilon
     routers = {(r[1], r[2]) for r in lean.routers if r is not None}
-    if len(routers) > 1 or not _fp32(lean.base.norm.weight):
+    if len(routers) > 1 or not is_fp32(lean.base.norm.weight):
         return None
     (top_k, normalize), = routers or {(1, False)}  # a dense model: one placeholder expert the kernel never routes to
     head_eps, inter = set(), set()
@@ -191,7 +191,7 @@ def build_decode_stack(lean) -> DecodeStack | None:
         attention = _attention(lean, i)
         same_heads = (a.head_dim, a.scaling) == (first_attn.head_dim, first_attn.scaling)
         if (attention is None or hasattr(mlp, "shared_expert") or not same_heads
-                or any(n.variance_epsilon != eps or not _fp32(n.weight) for n in norms) or not _fp32(router)):
+                or any(n.variance_epsilon != eps or not is_fp32(n.weight) for n in norms) or not is_fp32(router)):
             return None
         head_eps.add(attention.pop("head_eps"))
         if router is None:
@@ -201,14 +201,14 @@ def build_decode_stack(lean) -> DecodeStack | None:
             if type(experts) is not OffloadedExperts or experts.runtime is not (runtime or experts.runtime):
                 return None
             runtime = experts.runtime
-            mlp_fields = _experts(runtime.store, experts.li)
+            mlp_fields = expert_weights(runtime.store, experts.li)
             if mlp_fields is not None:
                 inter.add(mlp_fields.pop("inter"))
                 sparse[i] = experts.li
         if mlp_fields is None:
             return None
         layers.append(StackLayer(input_norm=norms[0].weight.data_ptr(), post_norm=norms[1].weight.data_ptr(),
-                                 router=_ptr(router), **attention, **mlp_fields))
+                                 router=tensor_ptr(router), **attention, **mlp_fields))
         keep.append((layer, lean.qkv[i], lean.stacked[i]))
     if (runtime is None) != (not routers) or len(head_eps) != 1 or len(inter) != (runtime is not None):
         return None
@@ -222,7 +222,7 @@ def build_decode_stack(lean) -> DecodeStack | None:
     return DecodeStack(lean, runtime, shape, layers, keep, sparse)
 
 
-def _fp32(t: torch.Tensor | None) -> bool:
+def is_fp32(t: torch.Tensor | None) -> bool:
     """None, or an fp32 contiguous tensor the kernels may read in place."""
     return t is None or (t.dtype == torch.float32 and t.is_contiguous())
 
@@ -234,45 +234,46 @@ def _attention(lean, i: int) -> dict | None:
     if qkv is not None:  # one run (q, k, v in one format) or two (int4: q, then k and v in int8)
         parts = qkv.parts
         usable = qkv.bias is None and (len(parts) == 1 or (len(parts) == 2 and parts[0].rows == qkv.sizes[0]))
-        qkv_w = _dense(None, parts[0]) if usable else None
+        qkv_w = dense_weight(None, parts[0]) if usable else None
         if usable and len(parts) == 2:
-            kv_w = _dense(None, parts[1])
+            kv_w = dense_weight(None, parts[1])
     else:
-        qkv_w = _dense(stacked[0], None) if stacked is not None and stacked[1] is None else None
+        qkv_w = dense_weight(stacked[0], None) if stacked is not None and stacked[1] is None else None
     q_norm = k_norm = None
     head_eps = 0.0
     if lean.head_norm:
         q_norm, k_norm, head_eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon
-        if a.k_norm.variance_epsilon != head_eps or not (_fp32(q_norm) and _fp32(k_norm)):
+        if a.k_norm.variance_epsilon != head_eps or not (is_fp32(q_norm) and is_fp32(k_norm)):
             return None
-    o_w = _linear(a.o_proj)
+    o_w = linear_weight(a.o_proj)
     if qkv_w is None or kv_w is None or o_w is None:
         return None
-    return dict(qkv=qkv_w, kv=kv_w, o=o_w, q_norm=_ptr(q_norm), k_norm=_ptr(k_norm), head_eps=head_eps)
+    return dict(qkv=qkv_w, kv=kv_w, o=o_w, q_norm=tensor_ptr(q_norm), k_norm=tensor_ptr(k_norm), head_eps=head_eps)
 
 
 def _dense_mlp(mlp) -> dict | None:
     """A dense SwiGLU block's three products (qwen3_moe's mlp_only_layers), or None."""
-    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or not _is_silu(mlp.act_fn):
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or not is_silu(mlp.act_fn):
         return None
-    weights = dict(gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down_proj=_linear(mlp.down_proj))
+    weights = dict(gate=linear_weight(mlp.gate_proj), up=linear_weight(mlp.up_proj), down_proj=linear_weight(mlp.down_proj))
     return None if None in weights.values() else weights
 
 
-def _experts(store, li: int) -> dict | None:
+def expert_weights(store, li: int) -> dict | None:
     """One MoE layer's expert weights as the stack reads them (the store's stacked views), or None."""
     views = store.layer_views(li)
     if views is None or not cpu_ffn.usable(views[0], torch.empty(0, dtype=torch.float32), 1):
         return None
     gate_up, down = views
     if isinstance(gate_up, formats.QuantMatrix):
-        return dict(expert_bits=formats.BITS[gate_up.fmt], gu_q=_ptr(gate_up.q), dn_q=_ptr(down.q), gu_s=_ptr(gate_up.scale),
-                    gu_m=_ptr(gate_up.minimum), dn_s=_ptr(down.scale), dn_m=_ptr(down.minimum), inter=down.k)
+        return dict(expert_bits=formats.BITS[gate_up.fmt], gu_q=tensor_ptr(gate_up.q), dn_q=tensor_ptr(down.q),
+                    gu_s=tensor_ptr(gate_up.scale), gu_m=tensor_ptr(gate_up.minimum), dn_s=tensor_ptr(down.scale),
+                    dn_m=tensor_ptr(down.minimum), inter=down.k)
     if not down.is_contiguous() or down.dtype != gate_up.dtype:
         return None
     return dict(expert_bits=0, w_dtype=cpu_ffn.DTYPE_CODE[gate_up.dtype], gate_up=gate_up.data_ptr(), down=down.data_ptr(),
                 inter=down.shape[-1])
 
 
-def _is_silu(act) -> bool:
+def is_silu(act) -> bool:
     return getattr(act, "__name__", "") == "silu" or type(act).__name__ in ("SiLU", "SiLUActivation")

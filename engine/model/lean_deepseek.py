@@ -26,7 +26,18 @@ from ..experts.runtime import OffloadedExperts
 from ..quant.dense import FusedQuantLinear, fuse
 from . import decode_ops, decode_stack
 from .decode_ops import add_rms_norm, rms_norm
-from .decode_stack import DecodeStack, DenseWeight, StackLayer, StackShape, _dense, _experts, _fp32, _is_silu, _linear, _ptr
+from .decode_stack import (
+    DecodeStack,
+    DenseWeight,
+    StackLayer,
+    StackShape,
+    dense_weight,
+    expert_weights,
+    is_fp32,
+    is_silu,
+    linear_weight,
+    tensor_ptr,
+)
 from .lean_decode import ROPE_TYPES, native_cache_ready, stack_linears, stacked_product
 from .mla import MAX_ABSORBED, AbsorbedMLA
 
@@ -190,10 +201,10 @@ def _q_kv_weights(joined: Joined | None) -> tuple[DenseWeight, DenseWeight] | No
         parts = joined.source.parts
         if joined.source.bias is not None or len(parts) > 2 or (len(parts) == 2 and parts[0].rows != joined.sizes[0]):
             return None
-        first, second = _dense(None, parts[0]), _dense(None, parts[1]) if len(parts) == 2 else DenseWeight()
+        first, second = dense_weight(None, parts[0]), dense_weight(None, parts[1]) if len(parts) == 2 else DenseWeight()
     else:
         weight, bias, _ = joined.source
-        first, second = (_dense(weight, None) if bias is None else None), DenseWeight()
+        first, second = (dense_weight(weight, None) if bias is None else None), DenseWeight()
     return None if first is None or second is None else (first, second)
 
 
@@ -204,14 +215,14 @@ def _mla_layer(lean: LeanDeepseek, i: int) -> dict | None:
     q_kv, kv_b = _q_kv_weights(lean.q_kv[i]), a.kv_b_proj.weight
     latent_norm = a.kv_a_layernorm
     if (q_kv is None or a.kv_b_proj.bias is not None or kv_b.dtype not in (torch.float32, torch.bfloat16)
-            or not kv_b.is_contiguous() or not _fp32(latent_norm.weight) or swiglu is None or not _is_silu(swiglu.act_fn)):
+            or not kv_b.is_contiguous() or not is_fp32(latent_norm.weight) or swiglu is None or not is_silu(swiglu.act_fn)):
         return None
-    fields = dict(qkv=q_kv[0], kv=q_kv[1], o=_linear(a.o_proj), gate=_linear(swiglu.gate_proj), up=_linear(swiglu.up_proj),
-                  down_proj=_linear(swiglu.down_proj))
+    fields = dict(qkv=q_kv[0], kv=q_kv[1], o=linear_weight(a.o_proj), gate=linear_weight(swiglu.gate_proj),
+                  up=linear_weight(swiglu.up_proj), down_proj=linear_weight(swiglu.down_proj))
     if None in fields.values():
         return None
-    return dict(fields, kv_a_norm=_ptr(latent_norm.weight), kv_b=_ptr(kv_b), kv_b_bf16=int(kv_b.dtype == torch.bfloat16),
-                latent_eps=latent_norm.variance_epsilon)
+    return dict(fields, kv_a_norm=tensor_ptr(latent_norm.weight), kv_b=tensor_ptr(kv_b),
+                kv_b_bf16=int(kv_b.dtype == torch.bfloat16), latent_eps=latent_norm.variance_epsilon)
 
 
 def build_mla_stack(lean: LeanDeepseek) -> DecodeStack | None:
@@ -223,14 +234,14 @@ def build_mla_stack(lean: LeanDeepseek) -> DecodeStack | None:
     moe = [i for i, layer in enumerate(lean.layers) if hasattr(layer.mlp, "experts")]
     routers = {lean.routers[i][1:] for i in moe if lean.routers[i] is not None}
     eps = lean.base.norm.variance_epsilon
-    if not moe or len(routers) != 1 or any(lean.routers[i] is None for i in moe) or not _fp32(lean.base.norm.weight):
+    if not moe or len(routers) != 1 or any(lean.routers[i] is None for i in moe) or not is_fp32(lean.base.norm.weight):
         return None
     (top_k, scale), = routers
     layers, keep, sparse, runtime, inter, latent_eps = [], [], {}, None, set(), set()
     for i, layer in enumerate(lean.layers):
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         fields = _mla_layer(lean, i)
-        if fields is None or any(n.variance_epsilon != eps or not _fp32(n.weight) for n in norms):
+        if fields is None or any(n.variance_epsilon != eps or not is_fp32(n.weight) for n in norms):
             return None
         latent_eps.add(fields.pop("latent_eps"))
         if i in moe:
@@ -238,13 +249,13 @@ def build_mla_stack(lean: LeanDeepseek) -> DecodeStack | None:
             if type(experts) is not OffloadedExperts or experts.runtime is not (runtime or experts.runtime):
                 return None
             runtime = experts.runtime
-            routed = _experts(runtime.store, experts.li)
+            routed = expert_weights(runtime.store, experts.li)
             if routed is None:
                 return None
             inter.add(routed.pop("inter"))
             sparse[i] = experts.li
-            fields.update(routed, router=_ptr(lean.routers[i][0]))  # with gate/up/down: the shared experts
-        layers.append(StackLayer(input_norm=_ptr(norms[0].weight), post_norm=_ptr(norms[1].weight), **fields))
+            fields.update(routed, router=tensor_ptr(lean.routers[i][0]))  # with gate/up/down: the shared experts
+        layers.append(StackLayer(input_norm=tensor_ptr(norms[0].weight), post_norm=tensor_ptr(norms[1].weight), **fields))
         keep.append((layer, lean.q_kv[i], lean.gate_up[i]))
     if len(inter) != 1 or len(latent_eps) != 1:
         return None
