@@ -169,7 +169,11 @@ class Engine:
 
         # Prefill: the prompt past the reused prefix; its last position gives the first token.
         rt.reset_counters()
-        logits = yield from self._prefill(prompt, reused, cache, trace)  # [1, V]
+        try:
+            logits = yield from self._prefill(prompt, reused, cache, trace)  # [1, V]
+        except GeneratorExit:  # closed at a PrefillProgress, between passes: the cache holds whole passes, keep them
+            kept.tokens = prompt
+            raise
         prefill = rt.reset_counters()
         if logits is None:  # stopped while reading the prompt: the passes done are kept, a resend reuses them
             kept.tokens = prompt

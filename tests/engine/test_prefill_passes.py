@@ -67,6 +67,18 @@ def test_a_stop_while_reading_the_prompt_keeps_the_passes_done(family, short_pas
     engine.close()
 
 
+def test_closing_the_stream_between_passes_keeps_them(short_passes, checkpoint, tokenizer):
+    """As the server does when its client goes: the iterator closed at a PrefillProgress."""
+    prompt = tokenizer(PROMPT)["input_ids"]
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("olmoe"))))
+    events = engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=4))
+    assert next(events) == PrefillProgress(CHUNK, len(prompt))
+    assert next(events) == PrefillProgress(2 * CHUNK, len(prompt))
+    events.close()
+    again = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=4)))[-1]
+    assert again.summary.reused_tokens == 2 * CHUNK and len(again.token_ids) == 4
+
+
 def test_scoring_in_passes_equals_one_pass(monkeypatch, checkpoint, tokenizer):
     prompt = tokenizer(PROMPT)["input_ids"]
     engine = Engine(EngineConfig(model_dir=str(checkpoint("olmoe"))))
