@@ -100,17 +100,16 @@ class DraftModel:
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):
+        from ..generate import PREFILL_CHUNK  # (read per call: generate imports this module)
+
         rewind_cache(self.cache, len(committed) - 1)
         feed = committed[self.cache.get_seq_length():]
-        runtime = self.target.runtime
+        while len(feed) > PREFILL_CHUNK:  # a long catch-up (the prompt) in the target's pass length: bounded memory
+            self._draft_pass(feed[:PREFILL_CHUNK])
+            feed = feed[PREFILL_CHUNK:]
         tokens, qs = [], []
         for _ in range(n):
-            ids = torch.tensor([feed], device=self.device)
-            # a draft forward of the target's runtime: the feed reports its demand into it
-            with runtime.forward("draft", self.cache.get_seq_length()):
-                logits = self._forward(ids)  # [V]
-                if self.feed is not None:
-                    self.feed.report()
+            logits = self._draft_pass(feed)  # [V]
             token, q = _choose(logits[: self.target_vocab], params, generator)
             tokens.append(token)
             qs.append(q)
@@ -122,6 +121,15 @@ class DraftModel:
         if q.shape[1] < self.target_vocab:  # a draft with a smaller (padded) vocab never proposes the rest
             q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[1]))
         return tokens, q
+
+    def _draft_pass(self, feed: list[int]) -> torch.Tensor:
+        """feed appended to the draft's cache in a draft forward of the target's runtime (the router feed reports its
+        demand into it) -> the last position's logits [V]."""
+        with self.target.runtime.forward("draft", self.cache.get_seq_length()):
+            logits = self._forward(torch.tensor([feed], device=self.device))
+            if self.feed is not None:
+                self.feed.report()
+        return logits
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [1, T] appended to the draft's cache -> the last position's logits [V]: the lean forward for a pass after

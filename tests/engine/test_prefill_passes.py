@@ -12,6 +12,7 @@ from moechat.engine import generate
 from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig
 from moechat.engine.events import Finished, PrefillProgress, StepStats, TokenDelta
 from moechat.engine.generate import Engine, Request
+from moechat.engine.speculative.drafters import DraftModel
 
 CHUNK = 4
 
@@ -23,13 +24,18 @@ def short_passes(monkeypatch):
 
 @pytest.mark.parametrize("drafter", ["none", "self", "model"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_prompt_read_in_passes_decodes_as_transformers(family, drafter, short_passes, checkpoint, draft_dir, tokenizer):
+def test_a_prompt_read_in_passes_decodes_as_transformers(family, drafter, short_passes, checkpoint, draft_dir, tokenizer,
+                                                          monkeypatch):
     model_dir = checkpoint(family)
     prompt = tokenizer(PROMPT)["input_ids"]
     assert len(prompt) > 2 * CHUNK  # three passes at least, the last a short one
+    draft_passes = []  # a draft model catches up on the prompt in passes of the same length
+    forward = DraftModel._forward
+    monkeypatch.setattr(DraftModel, "_forward", lambda self, ids: draft_passes.append(ids.shape[1]) or forward(self, ids))
     fin = run_engine(model_dir, prompt, expert_cache_ratio=0.5, policy="spac", draft_len=3,
                      drafter=str(draft_dir) if drafter == "model" else drafter)
     assert fin.token_ids == hf_greedy(model_dir, prompt)
+    assert (drafter == "model") == bool(draft_passes) and max(draft_passes, default=0) <= CHUNK
     assert fin.summary.prompt_tokens == len(prompt) and fin.summary.reused_tokens == 0
 
 
