@@ -21,11 +21,12 @@ from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
 from .trace import TraceRecorder
 
-# Prompt positions per prefill pass. A pass's activations grow with its length (8 experts' rows per position), so
+# Prompt positions per prefill pass. A pass's activations grow with its length (top-k expert rows per position), so
 # passes of a bounded length keep a long prompt's memory bounded; between passes a stop ends the request and the
-# consumer hears how far the prompt is read. Each pass reads the experts' weights again: at 512 that is a few % of a
-# pass on a CPU (docs/benchmarks.md, "Long prompts in passes").
+# consumer hears how far the prompt is read. Each pass reads the experts' weights again: at 512 positions that is
+# under 1 % of a pass on a CPU (docs/benchmarks.md, "Long prompts in passes").
 PREFILL_CHUNK = 512
+
 
 @dataclass
 class Request:
