@@ -202,3 +202,43 @@ def test_the_real_command_serves(served):
     reply = openai.OpenAI(base_url=url, api_key=SERVER_KEY, max_retries=0).chat.completions.create(
         model=model.name, messages=SEA, max_tokens=3)
     assert reply.model == model.name and reply.usage.completion_tokens >= 1
+
+
+def test_a_client_leaving_during_a_long_prompt_frees_the_engine_after_the_pass_in_progress(model, monkeypatch):
+    """The worker sees the engine's PrefillProgress (it does not post it) and checks the client's cancel there: the
+    prompt's remaining passes are not run, and the passes done stay cached for the next request."""
+    import asyncio
+
+    from moechat.app.server.worker import EngineWorker
+    from moechat.engine import generate
+
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 2)
+    engine = Engine(EngineConfig(str(model)))
+    prompt = list(range(5, 25))
+    passes, job = [], None
+    forward = engine._forward
+
+    def counted(ids, *args, **kwargs):
+        passes.append(len(ids))
+        if len(passes) == 2:  # the client goes while the second pass runs
+            job.cancel()
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", counted)
+    worker = EngineWorker(engine)
+
+    async def run() -> list:
+        nonlocal job
+        job = worker.submit(Request(token_ids=prompt), SamplingParams(max_new_tokens=4), asyncio.get_running_loop())
+        events = []
+        while (event := await asyncio.wait_for(job.events.get(), 60)) is not None:
+            events.append(event)
+        return events
+
+    try:
+        assert asyncio.run(run()) == [] and worker.cancelled == 1
+        assert passes == [2, 2]  # nothing after the pass the client left in
+        fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=4)))[-1]
+        assert isinstance(fin, Finished) and fin.summary.reused_tokens == 4
+    finally:
+        worker.close()
