@@ -22,8 +22,8 @@ def add_bench_generate(sub) -> None:
                    help="override the routers with a recorded routing (a DeepSeek CSV(.gz) or a moechat --trace file): "
                         "real expert locality on a random-weight model; engine figures only, no HF comparison")
     p.add_argument("--by-part", action="store_true",
-                   help="also profile the decode by part (experts, the MoE layers' own Python, dense products, "
-                        "attention, the rest), in ms per token")
+                   help="also profile the decode and the prefill by part (experts, the MoE layers' own Python, dense "
+                        "products, attention, the rest), in ms per token")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_generate)
 
@@ -79,6 +79,7 @@ def cmd_bench_generate(args) -> int:
     hf = _load_hf(args, ids) if plain and hf_skipped is None else None
     med, decode, same = _measure(engine, hf, ids, args)
     profile = _profile(engine, ids, args) if args.by_part else None
+    prefill_profile = _prefill_profile(engine, ids, args) if args.by_part else None
     bound = _non_expert_bound(engine, med, decode) if args.by_part and args.draft == "none" else None
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
@@ -94,6 +95,7 @@ def cmd_bench_generate(args) -> int:
         result["engine"]["calibrated_cpu_ms_per_token"] = predicted
     if profile is not None:
         result["profile_ms_per_token"] = profile
+        result["prefill_profile_ms_per_token"] = prefill_profile
     if args.by_part and engine.model.device.type == "cuda":
         result["gpu_per_token"] = _gpu_busy(engine, ids, args)
     if bound is not None:
@@ -146,6 +148,13 @@ def _profile(engine, ids: list[int], args) -> dict[str, float]:
         raise MoechatError("--by-part needs --max-new-tokens of at least 2")
     stack = getattr(engine.model.lean, "stack", None)  # one native call per pass: its own seconds by part
     return _one_request(engine, ids, args, lambda events: profile_decode(events, None if stack is None else stack.seconds))
+
+
+def _prefill_profile(engine, ids: list[int], args) -> dict[str, float]:
+    """Prefill ms per prompt token by part (app/bench/profile_parts.py), the whole prompt prefilled."""
+    from .profile_parts import profile_prefill
+
+    return _one_request(engine, ids, args, lambda events: profile_prefill(events, len(ids)))
 
 
 def _gpu_busy(engine, ids: list[int], args) -> dict[str, float]:
@@ -241,6 +250,9 @@ def _print_generate(result: dict, args, replay) -> None:
     if "profile_ms_per_token" in result:
         parts = result["profile_ms_per_token"]
         print("decode by part, ms per token (under cProfile): " + "  ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+        parts = result["prefill_profile_ms_per_token"]
+        print("prefill by part, ms per prompt token (under cProfile): "
+              + "  ".join(f"{k} {v:.3f}" for k, v in parts.items()))
     if "gpu_per_token" in result:
         g = result["gpu_per_token"]
         wall = 1e3 / engine["decode_tokens_per_s"]

@@ -1,4 +1,4 @@
-"""Where a decode step's time goes, by part: `moechat bench generate --by-part`.
+"""Where a decode step's time goes, by part, and a prefill's: `moechat bench generate --by-part`.
 
 One request under cProfile, switched on once the prefill's token is out and off at the end: the decode
 steps alone, over the tokens they made (no difference of two runs, whose noise a short run cannot
@@ -111,6 +111,28 @@ def profile_decode(events: Iterator[Event], native: dict[str, float] | None = No
     per["other"] = total - sum(per.values())
     per["total"] = total
     return {k: round(v, 3) for k, v in per.items()}
+
+
+def profile_prefill(events: Iterator[Event], prompt_tokens: int) -> dict[str, float]:
+    """events: one request's, its whole prompt of prompt_tokens to prefill -> ms per prompt token by part over the
+    prefill (cProfile from the request's start to its first token; the request is closed there), and "total"."""
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        for ev in events:
+            if isinstance(ev, Error):
+                raise MoechatError(ev.message)
+            if isinstance(ev, TokenDelta):
+                break
+    finally:
+        prof.disable()
+        wall = time.perf_counter() - t0
+        events.close()
+    per = {part: 1e3 * v / prompt_tokens for part, v in _parts(pstats.Stats(prof)).items()}
+    per["other"] = 1e3 * wall / prompt_tokens - sum(per.values())
+    per["total"] = 1e3 * wall / prompt_tokens
+    return {k: round(v, 4) for k, v in per.items()}
 
 
 def device_busy(events: Iterator[Event]) -> dict[str, float]:

@@ -50,6 +50,9 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     assert parts["experts"] > 0 and parts["dense"] > 0 and parts["kv_cache"] > 0 and parts["sampling"] > 0, parts
     assert parts["total"] > 0
     assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(parts["total"], abs=0.01)
+    prefill = out["prefill_profile_ms_per_token"]  # the same parts, per prompt token
+    assert set(prefill) == set(parts) and prefill["experts"] > 0 and prefill["dense"] > 0 and prefill["attention"] > 0
+    assert sum(v for k, v in prefill.items() if k != "total") == pytest.approx(prefill["total"], abs=1e-3)
     assert out["quant"] == "int4" and "hf" not in out
     bound = out["non_expert"]  # no drafter: the time outside the experts against reading the dense weights
     assert bound["weights_mb_per_token"] > 0 and bound["read_gbps"] > 0 and bound["ms_per_token"] > 0
