@@ -16,6 +16,16 @@ POLICIES = ("spac", "lru", "static", "lfu", "specmoe", "eam", "spmoe")
 UTILITY_VARIANTS = ("level", "paper")  # research knobs: flags of `simulate` and the benchmarks, not user settings
 DEMOTES = ("zero", "keep")
 CPU_COSTS = ("distinct", "activations")
+# Prompt positions per prefill pass (a draft model's catch-up too). A pass's activations grow with its length (top-k
+# expert rows per position), so passes of a bounded length keep a long prompt's memory bounded; between passes a stop
+# ends the request and the consumer hears how far the prompt is read. Each pass reads the experts' weights again: at
+# 512 positions that is under 1 % of a pass on a CPU (docs/benchmarks.md, "Long prompts in passes").
+PREFILL_CHUNK = 512
+
+
+def prefill_passes(start: int, end: int) -> list[tuple[int, int]]:
+    """Positions [start, end) in passes of at most PREFILL_CHUNK: (first, stop) of each, in order."""
+    return [(a, min(a + PREFILL_CHUNK, end)) for a in range(start, end, PREFILL_CHUNK)]
 
 
 def _check(cond: bool, msg: str) -> None:

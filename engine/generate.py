@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, SamplingParams, prefill_passes
 from .errors import MoechatError, RequestError
 from .events import Error, Event, Finished, PrefillProgress, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
@@ -20,12 +20,6 @@ from .speculative.drafters import make_drafter
 from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
 from .trace import TraceRecorder
-
-# Prompt positions per prefill pass. A pass's activations grow with its length (top-k expert rows per position), so
-# passes of a bounded length keep a long prompt's memory bounded; between passes a stop ends the request and the
-# consumer hears how far the prompt is read. Each pass reads the experts' weights again: at 512 positions that is
-# under 1 % of a pass on a CPU (docs/benchmarks.md, "Long prompts in passes").
-PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -120,8 +114,8 @@ class Engine:
         self.model.runtime.begin_request()
         self.model.runtime.reset_counters()
         cache = self.model.new_kv_cache()
-        logits = [self._forward(ids[a:a + PREFILL_CHUNK], cache, keep=len(ids[a:a + PREFILL_CHUNK]), phase="prefill",
-                                step=0, trace=None).cpu() for a in range(0, len(ids), PREFILL_CHUNK)]
+        logits = [self._forward(ids[a:b], cache, keep=b - a, phase="prefill", step=0, trace=None).cpu()
+                  for a, b in prefill_passes(0, len(ids))]
         self.model.runtime.reset_counters()
         return torch.cat(logits)
 
@@ -210,16 +204,15 @@ class Engine:
                                                       reason or "cancelled", m.cache.bytes_moved - moved0))
 
     def _prefill(self, prompt: list[int], reused: int, cache, trace: TraceRecorder | None) -> Iterator[Event]:
-        """Prompt positions reused.. in passes of at most PREFILL_CHUNK, a PrefillProgress between two, a stop
-        honoured there -> (the generator's return value) the last position's logits [1, V], or None when stopped."""
+        """Prompt positions reused.. in passes (config.prefill_passes), a PrefillProgress between two, a stop honoured
+        there -> (the generator's return value) the last position's logits [1, V], or None when stopped."""
         logits = None
-        for start in range(reused, len(prompt), PREFILL_CHUNK):
-            if start > reused:
-                yield PrefillProgress(start, len(prompt))
+        for a, b in prefill_passes(reused, len(prompt)):
+            if a > reused:
+                yield PrefillProgress(a, len(prompt))
                 if self._stop.is_set():
                     return None
-            chunk = prompt[start:start + PREFILL_CHUNK]
-            logits = self._forward(chunk, cache, keep=1, phase="prefill", step=0, trace=trace)
+            logits = self._forward(prompt[a:b], cache, keep=1, phase="prefill", step=0, trace=trace)
         return logits
 
     def _summary(self, prompt: list[int], reused: int, new: list[int], steps: list[StepStats], prefill, prefill_s: float,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import SamplingParams, SpecConfig
+from ..config import SamplingParams, SpecConfig, prefill_passes
 from ..errors import CheckpointError, MoechatError
 from ..model.bf16_linear import narrow_linears
 from ..model.checkpoint import Checkpoint
@@ -100,13 +100,12 @@ class DraftModel:
 
     @torch.inference_mode()
     def draft(self, committed, n, params, generator):
-        from ..generate import PREFILL_CHUNK  # (read per call: generate imports this module)
-
         rewind_cache(self.cache, len(committed) - 1)
         feed = committed[self.cache.get_seq_length():]
-        while len(feed) > PREFILL_CHUNK:  # a long catch-up (the prompt) in the target's pass length: bounded memory
-            self._draft_pass(feed[:PREFILL_CHUNK])
-            feed = feed[PREFILL_CHUNK:]
+        *catch_up, last = prefill_passes(0, len(feed))  # a long catch-up (the prompt) in the target's passes
+        for a, b in catch_up:
+            self._draft_pass(feed[a:b])
+        feed = feed[last[0]:]
         tokens, qs = [], []
         for _ in range(n):
             logits = self._draft_pass(feed)  # [V]

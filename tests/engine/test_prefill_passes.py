@@ -8,7 +8,7 @@ import torch
 from helpers import NEW_TOKENS, PROMPT, hf_greedy, run_engine
 from tiny import FAMILIES
 
-from moechat.engine import generate
+from moechat.engine import config
 from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig
 from moechat.engine.events import Finished, PrefillProgress, StepStats, TokenDelta
 from moechat.engine.generate import Engine, Request
@@ -19,7 +19,7 @@ CHUNK = 4
 
 @pytest.fixture
 def short_passes(monkeypatch):
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", CHUNK)
+    monkeypatch.setattr(config, "PREFILL_CHUNK", CHUNK)
 
 
 @pytest.mark.parametrize("drafter", ["none", "self", "model"])
@@ -89,7 +89,7 @@ def test_scoring_in_passes_equals_one_pass(monkeypatch, checkpoint, tokenizer):
     prompt = tokenizer(PROMPT)["input_ids"]
     engine = Engine(EngineConfig(model_dir=str(checkpoint("olmoe"))))
     whole = engine.score(prompt)
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", CHUNK)
+    monkeypatch.setattr(config, "PREFILL_CHUNK", CHUNK)
     passes = engine.score(prompt)
     assert passes.shape == whole.shape == (len(prompt), whole.shape[1])
     torch.testing.assert_close(passes, whole, rtol=1e-5, atol=1e-5)

@@ -210,9 +210,9 @@ def test_a_client_leaving_during_a_long_prompt_frees_the_engine_after_the_pass_i
     import asyncio
 
     from moechat.app.server.worker import EngineWorker
-    from moechat.engine import generate
+    from moechat.engine import config
 
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 2)
+    monkeypatch.setattr(config, "PREFILL_CHUNK", 2)
     engine = Engine(EngineConfig(str(model)))
     prompt = list(range(5, 25))
     passes, job = [], None

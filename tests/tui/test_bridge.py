@@ -148,9 +148,9 @@ def test_demand_frames_without_fast_tier_and_stop(checkpoint):
 def test_a_long_prompt_reports_progress_and_stops_between_passes(checkpoint, monkeypatch):
     """The prompt read in passes of 3 tokens: ReplyProgress per pass, in order; a stop after the first ends the reply
     before its first token, and the next reply reuses what was read."""
-    from moechat.engine import generate
+    from moechat.engine import config
 
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 3)
+    monkeypatch.setattr(config, "PREFILL_CHUNK", 3)
     bridge, inbox = started(lambda: EngineConfig(str(checkpoint("qwen3_moe"))))
     try:
         inbox.wait(EngineReady)
