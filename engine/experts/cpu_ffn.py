@@ -163,12 +163,11 @@ def _q_isa(isa: str | None) -> str:
 
 def moe_ffn_q_native(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, experts: torch.Tensor,
                      offsets: torch.Tensor, rows: torch.Tensor, row_weights: torch.Tensor | None, out: torch.Tensor,
-                     threads: int | None = None, isa: str | None = None, per_activation: bool = False,
-                     out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     threads: int | None = None, isa: str | None = None, out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """moe_ffn_native on quantized experts: gate_up [E, 2I, H] and down [E, H, I] as QuantMatrix (contiguous,
-    on the CPU); x [N, H] fp32/bf16/fp16; the rest as moe_ffn_native. per_activation: each activation's output
-    unweighted (row_weights unused), for the caller to weigh and sum in router order: out [S, H] in the order of rows,
-    or with out_rows [S] at out[out_rows[s]] (out [R, H])."""
+    on the CPU); x [N, H] fp32/bf16/fp16; the rest as moe_ffn_native. row_weights None: each activation's output
+    unweighted, for the caller to weigh and sum in router order: out [S, H] in the order of rows, or with out_rows [S]
+    at out[out_rows[s]] (out [R, H])."""
     lib = library()
     if lib is None:
         raise RuntimeError(native.notice("cpu"))
@@ -176,23 +175,21 @@ def moe_ffn_q_native(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, e
     assert gate_up.fmt == down.fmt and gate_up.rows == 2 * I and down.rows == H and x.shape[1] == H
     assert gate_up.is_contiguous() and down.is_contiguous() and x.is_contiguous() and out.is_contiguous()
     assert out.dtype == torch.float32 and out.shape[1] == H
-    if out_rows is not None:  # the kernel writes there: an index out of range would write past out
-        assert per_activation and len(out_rows) == len(rows) and (len(rows) == 0 or 0 <= int(out_rows.min()) <= int(
-            out_rows.max()) < out.shape[0])
+    experts, offsets, rows = (t.to(torch.int64).contiguous() for t in (experts, offsets, rows))
+    if row_weights is not None:  # weighted sums into out [N, H] at the rows read (the kernel's modes: quant_ffn.cpp)
+        assert out_rows is None and row_weights.dtype == torch.float32 and out.shape[0] == x.shape[0]
+        row_weights, out_rows = row_weights.contiguous(), rows
+    elif out_rows is not None:  # the kernel writes there: an index out of range would write past out
+        assert len(out_rows) == len(rows) and (len(rows) == 0 or 0 <= int(out_rows.min()) <= int(out_rows.max()) < out.shape[0])
         out_rows = out_rows.to(torch.int64).contiguous()
     else:
-        assert out.shape[0] == (len(rows) if per_activation else x.shape[0])
-    experts, offsets, rows = (t.to(torch.int64).contiguous() for t in (experts, offsets, rows))
-    if not per_activation:
-        assert row_weights is not None and row_weights.dtype == torch.float32
-        row_weights = row_weights.contiguous()
-    rows_out = rows if not per_activation else out_rows  # the kernel's mode: see csrc/cpu/quant_ffn.cpp
-    weights_ptr = row_weights.data_ptr() if not per_activation else 0
+        assert out.shape[0] == len(rows)
     gu_m, dn_m = (0 if t.minimum is None else t.minimum.data_ptr() for t in (gate_up, down))
     code = lib.moe_expert_ffn_q(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.q.data_ptr(),
                                 gate_up.scale.data_ptr(), gu_m, down.q.data_ptr(), down.scale.data_ptr(), dn_m,
                                 formats.BITS[gate_up.fmt], H, I, x.data_ptr(), DTYPE_CODE[x.dtype], rows.data_ptr(),
-                                0 if rows_out is None else rows_out.data_ptr(), weights_ptr, out.data_ptr(),
+                                0 if out_rows is None else out_rows.data_ptr(),
+                                0 if row_weights is None else row_weights.data_ptr(), out.data_ptr(),
                                 threads or torch.get_num_threads(), ISA[_q_isa(isa)])
     if code != 0:
         raise RuntimeError(f"native quantized expert FFN failed with code {code} (isa {_q_isa(isa)})")
@@ -208,11 +205,16 @@ def routed_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, pos: 
     if not usable(gate_up, x, 0):
         return None
     active = sizes.nonzero().flatten()
-    offsets = torch.zeros(len(active) + 1, dtype=torch.int64)
-    torch.cumsum(sizes[active], 0, out=offsets[1:])
     out = torch.empty(len(pos), x.shape[1], dtype=torch.float32)  # every row written: pos covers [0, S)
-    return moe_ffn_q_native(x.contiguous(), gate_up, down, active, offsets, pos // top_k, None, out, per_activation=True,
+    return moe_ffn_q_native(x.contiguous(), gate_up, down, active, group_offsets(sizes[active]), pos // top_k, None, out,
                             out_rows=pos)
+
+
+def group_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """Rows per group [G] -> the groups' offsets [G + 1] into rows grouped in that order (the kernels' `offsets`)."""
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    return offsets
 
 
 def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act,
@@ -227,12 +229,9 @@ def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, grou
         sizes = torch.bincount(group_ids.cpu(), minlength=gate_up.q.shape[0])  # [G]
     active = sizes.nonzero().flatten()
     if native_ok and usable(gate_up, x, 0):
-        offsets = torch.zeros(len(active) + 1, dtype=torch.int64)
-        torch.cumsum(sizes[active], 0, out=offsets[1:])
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)  # [S, H] every activation its own row
-        rows = torch.arange(x.shape[0])
-        return moe_ffn_q_native(x.contiguous(), gate_up, down, active, offsets, rows, None, out,
-                                per_activation=True).to(x.dtype)
+        return moe_ffn_q_native(x.contiguous(), gate_up, down, active, group_offsets(sizes[active]), torch.arange(x.shape[0]),
+                                None, out).to(x.dtype)
     return formats.grouped_expert_ffn(x, gate_up, down, active.tolist(), sizes[active].tolist(), act).to(x.dtype)
 
 

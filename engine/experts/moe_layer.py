@@ -251,13 +251,11 @@ def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, spli
         else:
             ids, counts = torch.unique_consecutive(split.cpu_expert, return_counts=True)
         if cpu_ffn.usable(views[0], x_h, int(counts.max())):
-            offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
-            torch.cumsum(counts, 0, out=offsets[1:])
             out = torch.zeros(x_h.shape[0], x_h.shape[1], dtype=torch.float32)  # [N, H]
             # beside a GPU the engine thread keeps one core busy launching kernels: leave it that core
             threads = torch.get_num_threads() - (rt.has_cpu_thread and torch.get_num_threads() > 1)
-            return cpu_ffn.moe_ffn_native(x_h.contiguous(), views[0], views[1], ids, offsets, cpu_pos // top_k,
-                                          w_h[cpu_pos].float(), out, threads=threads), "summed"
+            return cpu_ffn.moe_ffn_native(x_h.contiguous(), views[0], views[1], ids, cpu_ffn.group_offsets(counts),
+                                          cpu_pos // top_k, w_h[cpu_pos].float(), out, threads=threads), "summed"
     return cpu_experts(rt, li, x_h[cpu_pos // top_k], split.cpu_expert, sizes) * w_h[cpu_pos, None], "grouped"
 
 
@@ -302,8 +300,7 @@ def cpu_direct(rt: MoERuntime, li: int, x: torch.Tensor, idx: torch.Tensor, weig
     t0 = time.perf_counter()
     if quant:
         y = torch.empty(top_k, x.shape[1], dtype=torch.float32)  # [k, H] each expert's output, unweighted
-        cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, _STEPS[: top_k + 1], _ZEROS[:top_k], None, y,
-                                 per_activation=True)
+        cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, _STEPS[: top_k + 1], _ZEROS[:top_k], None, y)
         y = (y.to(x.dtype) * w_flat[:, None]).to(x.dtype).view(1, top_k, -1).sum(dim=1)  # as compute(): promoted, then x's dtype
     else:
         experts, order = torch.sort(flat)

@@ -195,13 +195,13 @@ def test_outputs_written_at_their_rows_equal_outputs_in_group_order(fmt, x_dtype
     routed = cpu_ffn.routed_ffn_q(x, gu, dn, pos, sizes, k)
     grouped = cpu_ffn.moe_ffn_q_native(x[pos // k].contiguous(), gu, dn, sizes.nonzero().flatten(),
                                        torch.tensor([0, *sizes[sizes > 0].cumsum(0)]), torch.arange(len(pos)), None,
-                                       torch.empty(len(pos), H), per_activation=True)  # [S, H] in pos order
+                                       torch.empty(len(pos), H))  # [S, H] in pos order
     expected = torch.empty_like(routed)
     expected[pos] = grouped
     assert torch.equal(routed, expected) and not torch.equal(routed, grouped)
     with pytest.raises(AssertionError):  # a row past out would be written past its end: refused before the kernel
         cpu_ffn.moe_ffn_q_native(x, gu, dn, torch.tensor([0]), torch.tensor([0, 1]), torch.tensor([0]), None,
-                                 torch.empty(1, H), per_activation=True, out_rows=torch.tensor([1]))
+                                 torch.empty(1, H), out_rows=torch.tensor([1]))
 
 
 @needs_native
