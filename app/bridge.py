@@ -248,7 +248,7 @@ class EngineBridge:
         try:
             for ev in events:
                 if seq < self._cancel_below:
-                    engine.stop()  # the reply ends after this step, with Finished("cancelled")
+                    engine.stop()  # again: a stop() before generate began was cleared by it; ends with Finished("cancelled")
                 if isinstance(ev, TokenDelta):
                     meter.tokens(len(ev.token_ids))
                     if ev.text:
