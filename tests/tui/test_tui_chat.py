@@ -55,6 +55,14 @@ def pilot_test(fn):
     return run
 
 
+def failing(message: str):
+    """A config factory that fails to load with `message` (an app with no model)."""
+    def factory():
+        raise MoechatError(message)
+
+    return factory
+
+
 def errors(app) -> list[str]:
     return [n.message for n in app._notifications if n.severity == "error"]
 
@@ -143,11 +151,7 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
 @pytest.mark.notorch
 async def test_switch_export_help_and_engine_failure(tmp_path, stored):
     older, newer = stored
-
-    def broken():
-        raise MoechatError("no checkpoint at /nowhere: pick a model in the settings")
-
-    app = make_app(tmp_path, broken)
+    app = make_app(tmp_path, failing("no checkpoint at /nowhere: pick a model in the settings"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
         await until(pilot, lambda: errors(app), "the load failure notification")
@@ -195,10 +199,7 @@ async def test_a_long_prompt_shows_how_far_it_is_read(tmp_path, stored):
     """ReplyProgress sets the pending reply's note until its first text comes."""
     from moechat.app.tui.messages import ReplyDelta, ReplyFinished, ReplyProgress, Stats
 
-    def broken():
-        raise MoechatError("no model in this test")
-
-    app = make_app(tmp_path, broken)
+    app = make_app(tmp_path, failing("no model in this test"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
         await until(pilot, lambda: errors(app), "the load failure")
@@ -221,11 +222,7 @@ async def test_a_long_prompt_shows_how_far_it_is_read(tmp_path, stored):
 async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, stored):
     older, newer = stored
     (tmp_path / "settings.toml").write_text('# mine\n[keys]\nnew_chat = "ctrl+b"\nnope = "f6"\n')
-
-    def broken():
-        raise MoechatError("no model here")
-
-    app = make_app(tmp_path, broken)
+    app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
         await pilot.pause()
@@ -326,11 +323,7 @@ def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
 @pytest.mark.notorch
 async def test_corrupt_settings_file_opens_the_app_with_defaults_and_a_notice(tmp_path, stored):
     (tmp_path / "settings.toml").write_text("theme = [unclosed\n", encoding="utf-8")
-
-    def never():
-        raise MoechatError("not needed")
-
-    app = make_app(tmp_path, never)
+    app = make_app(tmp_path, failing("not needed"))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
         notices = [n.message for n in app._notifications]
@@ -345,11 +338,7 @@ async def test_wizard_in_the_app_shows_each_decision_once(tmp_path):
     (the app forwards the engine thread's calibration messages to the screen)."""
     from moechat.app.tui.messages import CalibrationDone, CalibrationProgress
     from moechat.app.tui.screens.wizard import WizardScreen
-
-    def factory():
-        raise MoechatError("no model yet")
-
-    app = MoechatApp(factory, store_path=tmp_path / "chats.sqlite3", settings_file=tmp_path / "settings.toml",
+    app = MoechatApp(failing("no model yet"), store_path=tmp_path / "chats.sqlite3", settings_file=tmp_path / "settings.toml",
                      first_run=True)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause(0.2)
