@@ -269,6 +269,103 @@ static FIT_ATTR void fit_q4(const float* x, float lo, float hi, float& d_out, fl
     d_out = float(d), m_out = float(m);
 }
 
+#ifdef MOE_X86
+// fit_q4 for 4 blocks at once, one per lane: each lane runs fit_q4's operations in its order (no FMA in the target, so
+// nothing is fused), so the same d and m. A candidate whose codes repeat the last one's is computed again rather than
+// skipped: the same sums give the same err, which cannot beat the best. x: 4 blocks of 32; lo, hi: each block's range.
+__attribute__((target("avx2"))) FIT_ATTR static void fit_q4_x4(const float* x, const float* lo, const float* hi,
+                                                                float* d_out, float* m_out) {
+    FIT_NO_CONTRACT
+    const __m256d zero = _mm256_setzero_pd(), sign = _mm256_set1_pd(-0.0);
+    const __m256d vlo = _mm256_cvtps_pd(_mm_loadu_ps(lo)), span = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(hi)), vlo);
+    __m256d X[32], XL[32], W[32], WX[32], sq = zero, sw = zero, sx = zero, sxx = zero;  // [32] weights of the 4 blocks
+    for (int j = 0; j < 32; j++) {
+        X[j] = _mm256_cvtps_pd(_mm_setr_ps(x[j], x[32 + j], x[64 + j], x[96 + j]));
+        sq = _mm256_add_pd(sq, _mm256_mul_pd(X[j], X[j]));
+    }
+    const __m256d rms = _mm256_sqrt_pd(_mm256_div_pd(sq, _mm256_set1_pd(32)));
+    for (int j = 0; j < 32; j++) {
+        W[j] = _mm256_add_pd(_mm256_andnot_pd(sign, X[j]), rms), WX[j] = _mm256_mul_pd(W[j], X[j]);
+        XL[j] = _mm256_sub_pd(X[j], vlo);
+        sw = _mm256_add_pd(sw, W[j]), sx = _mm256_add_pd(sx, WX[j]), sxx = _mm256_add_pd(sxx, _mm256_mul_pd(WX[j], X[j]));
+    }
+    const __m256d valid = _mm256_cmp_pd(span, zero, _CMP_GT_OQ), two = _mm256_set1_pd(2), fifteen = _mm256_set1_pd(15);
+    __m256d d = _mm256_div_pd(span, fifteen), m = vlo, best = _mm256_set1_pd(INFINITY);
+    for (int i = 0; i < 21; i++) {
+        const __m256d iscale = _mm256_div_pd(_mm256_set1_pd(14.0 + 0.1 * i), span);
+        __m256d sl = zero, sl2 = zero, sxl = zero;
+        for (int j = 0; j < 32; j++) {
+            // x - lo >= 0: rounding to the nearest even integer is fit_q4's (v + 2^52) - 2^52
+            const __m256d t = _mm256_round_pd(_mm256_mul_pd(XL[j], iscale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256d u = _mm256_min_pd(t, fifteen), wu = _mm256_mul_pd(W[j], u);
+            sl = _mm256_add_pd(sl, wu), sl2 = _mm256_add_pd(sl2, _mm256_mul_pd(wu, u));
+            sxl = _mm256_add_pd(sxl, _mm256_mul_pd(WX[j], u));
+        }
+        const __m256d D = _mm256_sub_pd(_mm256_mul_pd(sw, sl2), _mm256_mul_pd(sl, sl));
+        const __m256d dd = _mm256_div_pd(_mm256_sub_pd(_mm256_mul_pd(sw, sxl), _mm256_mul_pd(sx, sl)), D);
+        const __m256d mm = _mm256_div_pd(_mm256_sub_pd(_mm256_mul_pd(sl2, sx), _mm256_mul_pd(sl, sxl)), D);
+        const __m256d dd2 = _mm256_mul_pd(two, dd), mm2 = _mm256_mul_pd(two, mm);
+        __m256d err = _mm256_add_pd(_mm256_mul_pd(_mm256_mul_pd(dd, dd), sl2), _mm256_mul_pd(_mm256_mul_pd(dd2, mm), sl));
+        err = _mm256_add_pd(err, _mm256_mul_pd(_mm256_mul_pd(mm, mm), sw));
+        err = _mm256_sub_pd(_mm256_sub_pd(err, _mm256_mul_pd(dd2, sxl)), _mm256_mul_pd(mm2, sx));
+        err = _mm256_add_pd(err, sxx);
+        const __m256d better = _mm256_and_pd(_mm256_and_pd(valid, _mm256_cmp_pd(D, zero, _CMP_GT_OQ)),
+                                             _mm256_and_pd(_mm256_cmp_pd(dd, zero, _CMP_GT_OQ), _mm256_cmp_pd(err, best, _CMP_LT_OQ)));
+        best = _mm256_blendv_pd(best, err, better), d = _mm256_blendv_pd(d, dd, better), m = _mm256_blendv_pd(m, mm, better);
+    }
+    _mm_storeu_ps(d_out, _mm256_cvtpd_ps(d)), _mm_storeu_ps(m_out, _mm256_cvtpd_ps(m));
+}
+#endif
+
+// One row's block scales: int8 amax/127; int4 fit_q4's d and m where `fit` (4 blocks at a time in AVX2), else the
+// block's range. x: the row, zero-padded to nb blocks; d, m: [nb] fp32 before the fp16 rounding.
+static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2, float* d, float* m) {
+    float lo[4], hi[4];
+    for (int64_t b = 0; b < nb; b++) {
+        const float* blk = x + 32 * b;
+        float l = blk[0], h = blk[0], amax = 0.f;
+        for (int j = 0; j < 32; j++) l = std::min(l, blk[j]), h = std::max(h, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
+        if (bits == 8) {
+            d[b] = amax / 127.f;
+        } else if (!fit) {
+            d[b] = (h - l) / 15.f, m[b] = l;  // round-to-nearest on the block's range
+        } else if (avx2 && b / 4 < nb / 4) {  // a whole group of 4 blocks: fitted when its last block's range is in
+            lo[b % 4] = l, hi[b % 4] = h;
+#ifdef MOE_X86
+            if (b % 4 == 3) fit_q4_x4(blk - 96, lo, hi, d + b - 3, m + b - 3);
+#endif
+        } else {
+            fit_q4(blk, l, h, d[b], m[b]);
+        }
+    }
+}
+
+#ifdef MOE_X86
+// block_codes in AVX2: vcvtps2dq rounds half to even under the default rounding mode, as nearbyint does.
+__attribute__((target("avx2"))) static void block_codes_avx2(const float* blk, float mf, float inv, int bits, uint8_t* u) {
+    const __m256i lo = _mm256_set1_epi32(bits == 8 ? -127 : 0), hi = _mm256_set1_epi32(bits == 8 ? 127 : 15);
+    const __m256i bias = _mm256_set1_epi32(bits == 8 ? 128 : 0);
+    alignas(32) int32_t c[32];
+    for (int i = 0; i < 4; i++) {
+        const __m256 x = _mm256_loadu_ps(blk + 8 * i);
+        const __m256 v = bits == 8 ? _mm256_mul_ps(x, _mm256_set1_ps(inv)) : _mm256_mul_ps(_mm256_sub_ps(x, _mm256_set1_ps(mf)), _mm256_set1_ps(inv));
+        const __m256i q = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(v), lo), hi);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8 * i), _mm256_add_epi32(q, bias));
+    }
+    for (int j = 0; j < 32; j++) u[j] = uint8_t(c[j]);
+}
+#endif
+
+// One block's codes u[32] for its scale: int8 round(x·inv) in [-127, 127] + 128, int4 round((x - mf)·inv) in [0, 15].
+static void block_codes(const float* blk, float mf, float inv, int bits, bool avx2, uint8_t* u) {
+#ifdef MOE_X86
+    if (avx2) return block_codes_avx2(blk, mf, inv, bits, u);
+#endif
+    for (int j = 0; j < 32; j++)
+        u[j] = bits == 8 ? uint8_t(std::max(-127, std::min(127, int(std::nearbyint(blk[j] * inv)))) + 128)
+                         : uint8_t(std::max(0, std::min(15, int(std::nearbyint((blk[j] - mf) * inv)))));
+}
+
 // Quantize W [rows, k] (fp32, bf16 or fp16; rows a multiple of 16) into the interleaved layout:
 // q [rows, kp·bits/8], s and m [rows, kp/32] (m null for int8); int4 with fit_q4's d and m where `fit`, else the
 // block's range. Bit-identical to formats.quantize.
@@ -277,40 +374,35 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
     if ((bits != 8 && bits != 4) || (bits == 4 && !m) || w_dtype < F32 || w_dtype > F16) return -1;
     if (n_rows <= 0 || k <= 0 || n_rows % QROWS) return -3;
     const int64_t kp = pad32(k), nb = kp / 32, rb = kp * bits / 8, groups = n_rows / QROWS;
+    const bool avx2 = cpu_has(AVX2);
     std::atomic<int64_t> next{0};
     g_pool->run(std::max(1, num_threads), [&](int) {
-        float blk[32];
+        std::vector<float> row(kp), d_row(nb), m_row(nb);
         for (int64_t g; (g = next.fetch_add(1)) < groups;) {
             uint8_t* qg = q + g * QROWS * rb;
             for (int rr = 0; rr < QROWS; rr++) {
                 const int64_t r = g * QROWS + rr;
+                for (int64_t kk = 0; kk < kp; kk++) row[kk] = kk < k ? load_scalar(w, r * k + kk, w_dtype) : 0.f;
+                row_scales(row.data(), nb, bits, fit, avx2, d_row.data(), m_row.data());
                 for (int64_t b = 0; b < nb; b++) {
-                    for (int j = 0; j < 32; j++) {
-                        const int64_t kk = 32 * b + j;
-                        blk[j] = kk < k ? load_scalar(w, r * k + kk, w_dtype) : 0.f;
-                    }
-                    float lo = blk[0], hi = blk[0], amax = 0.f;
-                    for (int j = 0; j < 32; j++) lo = std::min(lo, blk[j]), hi = std::max(hi, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
-                    float d4 = 0.f, m4 = 0.f;
-                    if (bits == 4 && fit) fit_q4(blk, lo, hi, d4, m4);
-                    else if (bits == 4) d4 = (hi - lo) / 15.f, m4 = lo;  // round-to-nearest on the block's range
-                    const uint16_t d16 = f32_to_f16(bits == 8 ? amax / 127.f : d4);
+                    const float* blk = row.data() + 32 * b;
+                    const uint16_t d16 = f32_to_f16(d_row[b]);
                     const float d = f16_to_f32(d16), inv = d > 0.f ? 1.f / d : 0.f;
                     s[g * QROWS * nb + b * QROWS + rr] = d16;
                     float mf = 0.f;
                     if (bits == 4) {
-                        const uint16_t m16 = f32_to_f16(m4);
+                        const uint16_t m16 = f32_to_f16(m_row[b]);
                         m[g * QROWS * nb + b * QROWS + rr] = m16;
                         mf = f16_to_f32(m16);
                     }
+                    uint8_t u[32];
+                    block_codes(blk, mf, inv, bits, avx2, u);
                     for (int j = 0; j < 32; j++) {
                         if (bits == 8) {
-                            const int u = std::max(-127, std::min(127, int(std::nearbyint(blk[j] * inv)))) + 128;
-                            qg[b * 512 + (j / 4) * 64 + rr * 4 + j % 4] = uint8_t(u);
+                            qg[b * 512 + (j / 4) * 64 + rr * 4 + j % 4] = u[j];
                         } else {
-                            const int u = std::max(0, std::min(15, int(std::nearbyint((blk[j] - mf) * inv))));
                             uint8_t& byte = qg[b * 256 + (j / 8) * 64 + rr * 4 + (j % 8) % 4];
-                            byte = (j % 8) < 4 ? uint8_t((byte & 0xF0) | u) : uint8_t((byte & 0x0F) | (u << 4));
+                            byte = (j % 8) < 4 ? uint8_t((byte & 0xF0) | u[j]) : uint8_t((byte & 0x0F) | (u[j] << 4));
                         }
                     }
                 }

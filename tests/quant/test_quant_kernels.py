@@ -316,12 +316,15 @@ def test_bad_arguments_return_codes_not_crashes():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
-    """The cache is written by the native quantizer: its codes, scales and minimums must be formats.quantize's."""
+    """The cache is written by the native quantizer: its codes, scales and minimums must be formats.quantize's. int4's fit
+    runs 4 blocks of a row at once where the CPU has AVX2, the rest of the row block by block: rows of 4, 64, 6 (4 + 2)
+    and 2 blocks."""
     g = torch.Generator().manual_seed(1)
-    for shape in ((2, 32, 100), (48, 2048), (16, 40)):
+    for shape in ((2, 32, 100), (48, 2048), (32, 180), (16, 40)):
         w = (torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g) * 0.05).to(dtype)
         w[..., 0, :5] = 0
         w[..., 1, :] = 0 if dtype == torch.bfloat16 else 1e-6  # a row whose scales are fp16 subnormals
+        w[..., 2, 32:64] = 0.01  # a block of one value beside fitted ones: no range, min/max
         twin, native_q = formats.quantize(w, fmt), cpu_ffn.quantize(w, fmt)
         for a, b in zip(twin.tensors(), native_q.tensors(), strict=True):
             assert torch.equal(a, b), shape
