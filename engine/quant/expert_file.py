@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -115,14 +116,22 @@ class QuantizedExperts:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            for li in range(self.num_layers):
-                layer = self._matrices()
-                for start, gu, dn in source(li):  # experts start..start+len
-                    layer["gate_up"][start:start + gu.q.shape[0]].copy_(gu)
-                    layer["down"][start:start + dn.q.shape[0]].copy_(dn)
-                save_file(self._tensors(li, layer), str(tmp / f"layer-{li:03d}.safetensors"))
-                if progress:
-                    progress(li + 1, self.num_layers)
+            # a layer is written while the next one is quantized (a slow disk wrote at a fifth of the quantizer's pace);
+            # at most one write in flight, so memory holds two layers
+            with ThreadPoolExecutor(1, thread_name_prefix="moechat-quant-writer") as writer:
+                written = None
+                for li in range(self.num_layers):
+                    layer = self._matrices()
+                    for start, gu, dn in source(li):  # experts start..start+len
+                        layer["gate_up"][start:start + gu.q.shape[0]].copy_(gu)
+                        layer["down"][start:start + dn.q.shape[0]].copy_(dn)
+                    if written is not None:
+                        written.result()
+                    written = writer.submit(save_file, self._tensors(li, layer), str(tmp / f"layer-{li:03d}.safetensors"))
+                    if progress:
+                        progress(li + 1, self.num_layers)
+                if written is not None:
+                    written.result()
             (tmp / "meta.json").write_text(json.dumps(self.meta()))
             if self.problem() is not None:  # nothing usable there (damaged, foreign, absent): ours replaces it
                 shutil.rmtree(self.folder, ignore_errors=True)

@@ -346,3 +346,32 @@ def test_a_cache_built_meanwhile_by_another_process_stands(tmp_path, monkeypatch
     assert second.problem() is None and (folder / "layer-000.safetensors").stat().st_mtime_ns == layer
     assert [p.name for p in tmp_path.iterdir()] == ["m-int4"]  # no private folder left behind
     assert torch.equal(second.layer(1)[0].q, first.layer(1)[0].q)
+
+
+def test_a_full_disk_while_writing_says_what_to_do_and_leaves_nothing(tmp_path, monkeypatch):
+    """Layers are written on a writer thread while the next is quantized: a write that fails (a full disk) still ends the
+    build with one line that says what to do, stops quantizing, and leaves no folder behind."""
+    cache, model = tmp_path / "cache", tmp_path / "model"
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(cache))
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    E, H, I, layers = 2, 32, 16, 4
+    quantized = []
+
+    def source(li):
+        quantized.append(li)
+        g = torch.Generator().manual_seed(li)
+        yield 0, formats.quantize(torch.randn(E, 2 * I, H, generator=g), "int8"), formats.quantize(torch.randn(E, H, I), "int8")
+
+    def full_disk(tensors, path):
+        if path.endswith("layer-001.safetensors"):
+            raise OSError(28, "No space left on device")
+        expert_file_save(tensors, path)
+
+    expert_file_save = expert_file.save_file
+    monkeypatch.setattr(expert_file, "save_file", full_disk)
+    with pytest.raises(CheckpointError) as err:
+        expert_file.open_quantized(model, "int8", layers, E, H, I, source)
+    assert "No space left on device" in str(err.value) and "MOECHAT_QUANT_DIR" in str(err.value) and "\n" not in str(err.value)
+    assert quantized == [0, 1, 2]  # the failed write of layer 1 surfaced before layer 3 was quantized
+    assert list(cache.iterdir()) == []
