@@ -39,6 +39,18 @@ def test_a_prompt_read_in_passes_decodes_as_transformers(family, drafter, short_
     assert fin.summary.prompt_tokens == len(prompt) and fin.summary.reused_tokens == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["none", "self"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_a_prompt_read_in_passes_on_cuda_decodes_as_transformers(family, drafter, short_passes, checkpoint, tokenizer):
+    """On a GPU: spac plans each pass, half the experts resident, the rest on the CPU worker; transformers on the GPU."""
+    model_dir = checkpoint(family)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    fin = run_engine(model_dir, prompt, expert_cache_ratio=0.5, policy="spac", draft_len=3, drafter=drafter,
+                     device="cuda", dtype="float32")
+    assert fin.token_ids == hf_greedy(model_dir, prompt, device="cuda")
+
+
 def test_progress_comes_between_passes(short_passes, checkpoint, tokenizer):
     prompt = tokenizer(PROMPT)["input_ids"]
     engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe"))))
