@@ -317,14 +317,39 @@ __attribute__((target("avx2"))) FIT_ATTR static void fit_q4_x4(const float* x, c
 }
 #endif
 
+#ifdef MOE_X86
+// block_range in AVX2 (of -0 and +0 either may come out: plus_zero stores both as +0)
+__attribute__((target("avx2"))) static void block_range_avx2(const float* blk, float& l, float& h, float& amax) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 lo = _mm256_loadu_ps(blk), hi = lo, am = _mm256_andnot_ps(sign, lo);
+    for (int i = 1; i < 4; i++) {
+        const __m256 v = _mm256_loadu_ps(blk + 8 * i);
+        lo = _mm256_min_ps(lo, v), hi = _mm256_max_ps(hi, v), am = _mm256_max_ps(am, _mm256_andnot_ps(sign, v));
+    }
+    alignas(32) float a[3][8];
+    _mm256_store_ps(a[0], lo), _mm256_store_ps(a[1], hi), _mm256_store_ps(a[2], am);
+    l = a[0][0], h = a[1][0], amax = a[2][0];
+    for (int i = 1; i < 8; i++) l = std::min(l, a[0][i]), h = std::max(h, a[1][i]), amax = std::max(amax, a[2][i]);
+}
+#endif
+
+// A block's minimum, maximum and largest magnitude.
+static void block_range(const float* blk, bool avx2, float& l, float& h, float& amax) {
+#ifdef MOE_X86
+    if (avx2) return block_range_avx2(blk, l, h, amax);
+#endif
+    l = blk[0], h = blk[0], amax = 0.f;
+    for (int j = 0; j < 32; j++) l = std::min(l, blk[j]), h = std::max(h, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
+}
+
 // One row's block scales: int8 amax/127; int4 fit_q4's d and m where `fit` (4 blocks at a time in AVX2), else the
 // block's range. x: the row, zero-padded to nb blocks; d, m: [nb] fp32 before the fp16 rounding.
 static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2, float* d, float* m) {
     float lo[4], hi[4];
     for (int64_t b = 0; b < nb; b++) {
         const float* blk = x + 32 * b;
-        float l = blk[0], h = blk[0], amax = 0.f;
-        for (int j = 0; j < 32; j++) l = std::min(l, blk[j]), h = std::max(h, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
+        float l, h, amax;
+        block_range(blk, avx2, l, h, amax);
         if (bits == 8) {
             d[b] = amax / 127.f;
         } else if (!fit) {
@@ -366,6 +391,22 @@ static void block_codes(const float* blk, float mf, float inv, int bits, bool av
                          : uint8_t(std::max(0, std::min(15, int(std::nearbyint((blk[j] - mf) * inv)))));
 }
 
+// Row `off / k` of W in fp32, zero-padded to kp: one loop per dtype (the bf16 one vectorizes).
+static void load_row(const void* w, int dtype, int64_t off, int64_t k, int64_t kp, float* row) {
+    const uint16_t* h = static_cast<const uint16_t*>(w) + off;
+    if (dtype == BF16) {
+        for (int64_t i = 0; i < k; i++) row[i] = bf16_to_f32(h[i]);
+    } else if (dtype == F16) {
+        for (int64_t i = 0; i < k; i++) row[i] = f16_to_f32(h[i]);
+    } else {
+        std::memcpy(row, static_cast<const float*>(w) + off, k * sizeof(float));
+    }
+    std::fill(row + k, row + kp, 0.f);
+}
+
+// An fp16 scale or minimum as stored: -0 as +0 (which zero min/max found, or a tiny fit rounded from, is noise)
+static uint16_t plus_zero(uint16_t h) { return h == 0x8000 ? 0 : h; }
+
 // Quantize W [rows, k] (fp32, bf16 or fp16; rows a multiple of 16) into the interleaved layout:
 // q [rows, kp·bits/8], s and m [rows, kp/32] (m null for int8); int4 with fit_q4's d and m where `fit`, else the
 // block's range. Bit-identical to formats.quantize.
@@ -382,28 +423,28 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
             uint8_t* qg = q + g * QROWS * rb;
             for (int rr = 0; rr < QROWS; rr++) {
                 const int64_t r = g * QROWS + rr;
-                for (int64_t kk = 0; kk < kp; kk++) row[kk] = kk < k ? load_scalar(w, r * k + kk, w_dtype) : 0.f;
+                load_row(w, w_dtype, r * k, k, kp, row.data());
                 row_scales(row.data(), nb, bits, fit, avx2, d_row.data(), m_row.data());
                 for (int64_t b = 0; b < nb; b++) {
                     const float* blk = row.data() + 32 * b;
-                    const uint16_t d16 = f32_to_f16(d_row[b]);
+                    const uint16_t d16 = plus_zero(f32_to_f16(d_row[b]));
                     const float d = f16_to_f32(d16), inv = d > 0.f ? 1.f / d : 0.f;
                     s[g * QROWS * nb + b * QROWS + rr] = d16;
                     float mf = 0.f;
                     if (bits == 4) {
-                        const uint16_t m16 = f32_to_f16(m_row[b]);
+                        const uint16_t m16 = plus_zero(f32_to_f16(m_row[b]));
                         m[g * QROWS * nb + b * QROWS + rr] = m16;
                         mf = f16_to_f32(m16);
                     }
                     uint8_t u[32];
                     block_codes(blk, mf, inv, bits, avx2, u);
-                    for (int j = 0; j < 32; j++) {
-                        if (bits == 8) {
-                            qg[b * 512 + (j / 4) * 64 + rr * 4 + j % 4] = u[j];
-                        } else {
-                            uint8_t& byte = qg[b * 256 + (j / 8) * 64 + rr * 4 + (j % 8) % 4];
-                            byte = (j % 8) < 4 ? uint8_t((byte & 0xF0) | u[j]) : uint8_t((byte & 0x0F) | (u[j] << 4));
-                        }
+                    // formats.interleave: int8 columns 4i..4i+3 in vector i; int4 columns 8v..8v+3 (low nibbles) and
+                    // 8v+4..8v+7 (high) in vector v; each vector holds 4 bytes per row
+                    if (bits == 8) {
+                        for (int i = 0; i < 8; i++) std::memcpy(qg + b * 512 + i * 64 + rr * 4, u + 4 * i, 4);
+                    } else {
+                        for (int v = 0; v < 4; v++)
+                            for (int c = 0; c < 4; c++) qg[b * 256 + v * 64 + rr * 4 + c] = uint8_t(u[8 * v + c] | (u[8 * v + 4 + c] << 4));
                     }
                 }
             }

@@ -210,7 +210,7 @@ def quantize(w: torch.Tensor, fmt: str, fit: bool = True) -> QuantMatrix:
         else:
             lo, hi = b.amin(-1), b.amax(-1)
             d, m = (hi - lo) / 15, lo
-        d, m = d.half(), m.half()
+        d, m = d.half() + 0, m.half() + 0  # + 0: a zero is stored as +0, whatever sign it had or rounded from (as natively)
         inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
         u = torch.round((b - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
         return from_codes(fmt, w.shape[-1], u.flatten(-2), d, m)

@@ -325,9 +325,12 @@ def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
         w[..., 0, :5] = 0
         w[..., 1, :] = 0 if dtype == torch.bfloat16 else 1e-6  # a row whose scales are fp16 subnormals
         w[..., 2, 32:64] = 0.01  # a block of one value beside fitted ones: no range, min/max
+        w[..., 3, :32], w[..., 3, 24] = 0.0, -0.0  # zeros of both signs: which one is the minimum shows in m's sign
+        w[..., 4, :32] = w[..., 4, :32].abs()
+        w[..., 4, 5], w[..., 4, 9] = -0.0, 0.0
         twin, native_q = formats.quantize(w, fmt), cpu_ffn.quantize(w, fmt)
         for a, b in zip(twin.tensors(), native_q.tensors(), strict=True):
-            assert torch.equal(a, b), shape
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), shape  # bytes: torch.equal(-0., 0.) holds
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
