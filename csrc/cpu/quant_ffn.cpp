@@ -309,8 +309,9 @@ __attribute__((target("avx2"))) FIT_ATTR static void fit_q4_x4(const float* x, c
         err = _mm256_add_pd(err, _mm256_mul_pd(_mm256_mul_pd(mm, mm), sw));
         err = _mm256_sub_pd(_mm256_sub_pd(err, _mm256_mul_pd(dd2, sxl)), _mm256_mul_pd(mm2, sx));
         err = _mm256_add_pd(err, sxx);
-        const __m256d better = _mm256_and_pd(_mm256_and_pd(valid, _mm256_cmp_pd(D, zero, _CMP_GT_OQ)),
-                                             _mm256_and_pd(_mm256_cmp_pd(dd, zero, _CMP_GT_OQ), _mm256_cmp_pd(err, best, _CMP_LT_OQ)));
+        const __m256d ok = _mm256_and_pd(valid, _mm256_cmp_pd(D, zero, _CMP_GT_OQ));
+        const __m256d lower = _mm256_and_pd(_mm256_cmp_pd(dd, zero, _CMP_GT_OQ), _mm256_cmp_pd(err, best, _CMP_LT_OQ));
+        const __m256d better = _mm256_and_pd(ok, lower);
         best = _mm256_blendv_pd(best, err, better), d = _mm256_blendv_pd(d, dd, better), m = _mm256_blendv_pd(m, mm, better);
     }
     _mm_storeu_ps(d_out, _mm256_cvtpd_ps(d)), _mm_storeu_ps(m_out, _mm256_cvtpd_ps(m));
@@ -373,7 +374,7 @@ __attribute__((target("avx2"))) static void block_codes_avx2(const float* blk, f
     alignas(32) int32_t c[32];
     for (int i = 0; i < 4; i++) {
         const __m256 x = _mm256_loadu_ps(blk + 8 * i);
-        const __m256 v = bits == 8 ? _mm256_mul_ps(x, _mm256_set1_ps(inv)) : _mm256_mul_ps(_mm256_sub_ps(x, _mm256_set1_ps(mf)), _mm256_set1_ps(inv));
+        const __m256 v = _mm256_mul_ps(bits == 8 ? x : _mm256_sub_ps(x, _mm256_set1_ps(mf)), _mm256_set1_ps(inv));
         const __m256i q = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(v), lo), hi);
         _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8 * i), _mm256_add_epi32(q, bias));
     }
@@ -444,7 +445,8 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
                         for (int i = 0; i < 8; i++) std::memcpy(qg + b * 512 + i * 64 + rr * 4, u + 4 * i, 4);
                     } else {
                         for (int v = 0; v < 4; v++)
-                            for (int c = 0; c < 4; c++) qg[b * 256 + v * 64 + rr * 4 + c] = uint8_t(u[8 * v + c] | (u[8 * v + 4 + c] << 4));
+                            for (int c = 0; c < 4; c++)
+                                qg[b * 256 + v * 64 + rr * 4 + c] = uint8_t(u[8 * v + c] | (u[8 * v + 4 + c] << 4));
                     }
                 }
             }
