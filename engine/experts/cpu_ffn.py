@@ -250,14 +250,19 @@ def q_linear(x: torch.Tensor, w: QuantMatrix, threads: int | None = None, isa: s
     return out
 
 
-def quantize(w: torch.Tensor, fmt: str, threads: int | None = None, fit: bool = True) -> QuantMatrix:
-    """formats.quantize (its twin, bit for bit) in native code where built: w [..., R, K] fp32/bf16/fp16 on the CPU."""
-    lib = library()
-    if lib is None or w.device.type != "cpu" or w.dtype not in DTYPE_CODE or w.shape[-2] % formats.ROWS:
-        return formats.quantize(w, fmt, fit)
-    w = w.contiguous()
+def quantize(w: torch.Tensor, fmt: str, threads: int | None = None, fit: bool = True,
+             out: QuantMatrix | None = None) -> QuantMatrix:
+    """formats.quantize (its twin, bit for bit) in native code where built: w [..., R, K] fp32/bf16/fp16 on the CPU.
+    out: contiguous storage of w's shape in `fmt` to write into (a slice of a larger matrix: no copy)."""
     lead, rows, k = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
-    out = formats.empty_matrix(fmt, lead, rows, k)
+    if out is not None and (out.fmt != fmt or out.k != k or out.q.shape[:-1] != w.shape[:-1] or not out.is_contiguous()):
+        raise ValueError(f"quantize: out holds {out.fmt} {tuple(out.q.shape[:-1])}x{out.k}, w is {fmt} {tuple(w.shape)}")
+    lib = library()
+    if lib is None or w.device.type != "cpu" or w.dtype not in DTYPE_CODE or rows % formats.ROWS:
+        q = formats.quantize(w, fmt, fit)
+        return q if out is None else out.copy_(q)
+    w = w.contiguous()
+    out = formats.empty_matrix(fmt, lead, rows, k) if out is None else out
     m = 0 if out.minimum is None else out.minimum.data_ptr()
     code = lib.moe_quantize(w.data_ptr(), DTYPE_CODE[w.dtype], math.prod(lead) * rows, k, formats.BITS[fmt], out.q.data_ptr(),
                             out.scale.data_ptr(), m, threads or torch.get_num_threads(), int(fit))

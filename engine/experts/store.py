@@ -102,11 +102,20 @@ class ExpertStore:
         return self._host(lambda pin: formats.empty_matrix(self.quant, (self.num_experts,), rows, k, pin=pin))
 
     def _quantize_layer(self, li: int):
-        """(first expert, gate_up, down) quantized chunk by chunk, read from the checkpoint's mapped file."""
+        """(first expert, gate_up, down) quantized chunk by chunk, read from the checkpoint's mapped file: each matrix
+        straight from its mapped view into its rows of the chunk (gate and up each into their half of gate_up)."""
+        I, H = self.inter, self.hidden
         for start in range(0, self.num_experts, QUANT_CHUNK):
-            pairs = [self._checkpoint_weights(li, e) for e in range(start, min(start + QUANT_CHUNK, self.num_experts))]
-            yield (start, cpu_ffn.quantize(torch.stack([p[0] for p in pairs]), self.quant),
-                   cpu_ffn.quantize(torch.stack([p[1] for p in pairs]), self.quant))
+            n = min(QUANT_CHUNK, self.num_experts - start)
+            gate_up, down = formats.empty_matrix(self.quant, (n,), 2 * I, H), formats.empty_matrix(self.quant, (n,), H, I)
+            for i in range(n):
+                parts, dn = self._checkpoint_parts(li, start + i)
+                row = 0
+                for w in parts:
+                    cpu_ffn.quantize(w, self.quant, out=gate_up[i].rows_slice(row, row + w.shape[0]))
+                    row += w.shape[0]
+                cpu_ffn.quantize(dn, self.quant, out=down[i])
+            yield start, gate_up, down
 
     @property
     def tier(self) -> str:
@@ -171,16 +180,17 @@ class ExpertStore:
 
     def _checkpoint_weights(self, li: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert read from the mapped checkpoint, in its stored dtype."""
+        parts, down = self._checkpoint_parts(li, e)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), down  # the one copy the disk tier pays per use
+
+    def _checkpoint_parts(self, li: int, e: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One expert's gate_up as the mapped views whose rows stack into it ([gate_up] fused, else [gate, up]), and
+        down: no copy."""
         if self.fused:
             gu_key, d_key = self.checkpoint_keys(li)
-            gate_up, down = self.ckpt.view(gu_key)[e], self.ckpt.view(d_key)[e]
-        else:
-            layer = self.layers[li]
-            gate = self.ckpt.view(self.family.expert_key(layer, e, 0))
-            up = self.ckpt.view(self.family.expert_key(layer, e, 1))
-            gate_up = torch.cat([gate, up])  # the one copy the disk tier pays per use
-            down = self.ckpt.view(self.family.expert_key(layer, e, 2))
-        return gate_up, down
+            return [self.ckpt.view(gu_key)[e]], self.ckpt.view(d_key)[e]
+        gate, up, down = (self.ckpt.view(self.family.expert_key(self.layers[li], e, w)) for w in range(3))
+        return [gate, up], down
 
     def layer_views(self, li: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """gate_up [E, 2I, H] and down [E, H, I] of one layer without a copy, in the compute dtype;

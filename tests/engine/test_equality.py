@@ -188,3 +188,5 @@ def test_fused_expert_layout(checkpoint, tokenizer, tmp_path):
     expected = hf_greedy(src, prompt)
     assert run_engine(dst, prompt, expert_cache_ratio=0.5, drafter="self").token_ids == expected
     assert run_engine(dst, prompt, expert_cache_ratio=0.5, host_ram_budget_bytes=1).token_ids == expected
+    # quantized straight from the fused views: the same cache, so the same tokens, as from the per-expert tensors
+    assert run_engine(dst, prompt, quant="int4").token_ids == run_engine(src, prompt, quant="int4").token_ids

@@ -333,6 +333,24 @@ def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), shape  # bytes: torch.equal(-0., 0.) holds
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "twin"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_into_rows_of_a_larger_matrix_is_quantizing_the_whole(fmt, native, monkeypatch):
+    """The cache's builder quantizes gate and up, each straight from the checkpoint, into their halves of gate_up."""
+    if not native:
+        monkeypatch.setattr(cpu_ffn, "library", lambda: None)
+    g = torch.Generator().manual_seed(4)
+    gate, up = ((torch.randn(48, 70, generator=g) * 0.05).to(torch.bfloat16) for _ in range(2))
+    whole = formats.quantize(torch.cat([gate, up]), fmt)
+    into = formats.empty_matrix(fmt, (), 96, 70)
+    assert cpu_ffn.quantize(gate, fmt, out=into.rows_slice(0, 48)).q.data_ptr() == into.q.data_ptr()
+    cpu_ffn.quantize(up, fmt, out=into.rows_slice(48, 96))
+    for a, b in zip(whole.tensors(), into.tensors(), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(ValueError, match="out holds"):
+        cpu_ffn.quantize(gate, fmt, out=into)  # 96 rows for 48
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_batched_twin_is_one_expert_at_a_time_whatever_the_chunks(fmt):
     """The GPU's fast tier dequantizes chunks of experts at once: the same bits as expert by expert."""
