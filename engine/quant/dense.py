@@ -20,7 +20,7 @@ from ..experts import cpu_ffn
 from ..model.mla import LATENT_EXPANSION
 from . import formats
 
-# Dense layers are quantized at every load: int4 round-to-nearest, 20 times faster than the experts' fitted int4 (cached
+# Dense layers are quantized at every load: int4 round-to-nearest, about 5 times faster than the experts' fitted int4 (cached
 # once). Fitting them too took the demo's int4 Δppl from +4.4 to +4.0 % but would add seconds to each start of a 30B model.
 FIT = False
 

@@ -196,7 +196,7 @@ def from_codes(fmt: str, k: int, u: torch.Tensor, d: torch.Tensor, m: torch.Tens
 
 def quantize(w: torch.Tensor, fmt: str, fit: bool = True) -> QuantMatrix:
     """Quantization of w [..., R, K] (any float dtype) into `fmt`: int8 round-to-nearest on the block's absolute
-    maximum, int4 on a fitted scale and minimum (_fit_int4; fit=False: the block's range, 20 times faster natively).
+    maximum, int4 on a fitted scale and minimum (_fit_int4; fit=False: the block's range, about 5 times faster natively).
     The scales are rounded to fp16 first and the codes computed with the rounded scales (nearest code, clamped)."""
     b = _blocks(w)  # [..., R, nb, 32]
     if fmt == "int8":
