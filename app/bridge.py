@@ -194,7 +194,10 @@ class EngineBridge:
                 self._send(EngineLoading(0.1, f"loading {name}"))
                 from ..engine import Engine  # torch and transformers load here, not at UI start
 
-                engine = Engine(config)
+                def progress(what: str, done: int, total: int) -> None:  # a first quantization: minutes, layer by layer
+                    self._send(EngineLoading(0.1 + 0.8 * done / max(total, 1), f"{name}: {what}, layer {done} of {total}"))
+
+                engine = Engine(config, progress)
         except Exception:
             self._load_error = "the model failed to load: fix it in the settings, then reload"
             raise

@@ -1,6 +1,7 @@
 """Typed events `Engine.generate` streams to any consumer (CLI, TUI, benchmarks). Tensors are on the host."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -12,6 +13,10 @@ class TokenDelta:
 
     text: str
     token_ids: list[int]
+
+
+# While a model loads, what takes minutes: (what, done, total); a first load's quantization reports each layer it wrote
+LoadProgress = Callable[[str, int, int], None]
 
 
 @dataclass

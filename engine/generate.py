@@ -12,7 +12,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams, prefill_passes
 from .errors import MoechatError, RequestError
-from .events import Error, Event, Finished, PrefillProgress, StepStats, Summary, TokenDelta
+from .events import Error, Event, Finished, LoadProgress, PrefillProgress, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
 from .prefix_cache import Kept, PrefixCache, default_budget
@@ -32,9 +32,11 @@ class Request:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, progress: LoadProgress | None = None):
+        """Load the model. progress: told of a long step (a first quantization, layer by layer); None: a bar on a
+        terminal's stderr where there is one."""
         self.config = config
-        self.model: LoadedModel = load_model(config)
+        self.model: LoadedModel = load_model(config, progress)
         self.drafter = make_drafter(config.spec, self.model, config.lean_decode)
         self._stop = threading.Event()
         budget = config.conversation_cache_bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CheckpointError
+from ..events import LoadProgress
 from ..model.checkpoint import Checkpoint
 from ..model.families import Family
 from ..model.memory_estimate import expert_bytes_for
@@ -37,7 +38,8 @@ class ExpertStore:
     """
 
     def __init__(self, ckpt: Checkpoint, family: Family, hf_config, layers: list[int], dtype: torch.dtype,
-                 pin: bool, ram_budget_bytes: int | None, quant: str = "none", prequant: PrequantSpec | None = None):
+                 pin: bool, ram_budget_bytes: int | None, quant: str = "none", prequant: PrequantSpec | None = None,
+                 progress: LoadProgress | None = None):
         assert prequant is None or quant == prequant.fmt, "a pre-quantized checkpoint's experts run in its own format"
         self.ckpt, self.family, self.layers, self.dtype, self.quant = ckpt, family, layers, dtype, quant
         self.prequant = prequant
@@ -62,12 +64,12 @@ class ExpertStore:
         self.down: list = []  # per sparse layer [E, H, I]
         self.qfile: QuantizedExperts | None = None
         if quant != "none":
-            self._open_quantized()
+            self._open_quantized(progress)
         elif not self.mmap:
             for li in range(len(layers)):
                 self._load_layer(li)
 
-    def _open_quantized(self) -> None:
+    def _open_quantized(self, progress: LoadProgress | None) -> None:
         """Experts from the quantized cache file (built on first use), used in place as mapped views: the
         page cache is their RAM, so no second copy is made. For CUDA they are copied once into pinned
         memory (asynchronous copies need it) and the file's mapping is dropped."""
@@ -75,7 +77,7 @@ class ExpertStore:
         if self.prequant is not None:
             source, label = self._prequant_layer, "repacking pre-quantized experts"
         self.qfile = open_quantized(self.ckpt.dir, self.quant, len(self.layers), self.num_experts, self.hidden, self.inter,
-                                    source, self.notices, label)
+                                    source, self.notices, label, progress)
         for li in range(len(self.layers)):
             gate_up, down = self.qfile.layer(li)
             if self.pinned:

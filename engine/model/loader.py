@@ -11,6 +11,7 @@ import torch
 from ..calibration.decide import unit_costs
 from ..config import EngineConfig, UnitCosts
 from ..errors import CheckpointError, MoechatError
+from ..events import LoadProgress
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
@@ -151,7 +152,7 @@ def load_hf_config(model_dir: Path):
         raise CheckpointError(f"cannot read {model_dir / 'config.json'} ({err}): re-download the model") from None
 
 
-def load_model(cfg: EngineConfig) -> LoadedModel:
+def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     model_dir = Path(cfg.model_dir).expanduser()
@@ -181,7 +182,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     check_load_budgets(cfg, estimate, device)  # before loading
 
     store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
-                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, prequant=prequant)
+                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, prequant=prequant, progress=progress)
     runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
                             top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
+from ..events import LoadProgress
 from ..model.checkpoint import Checkpoint
 from .formats import QuantMatrix, empty_matrix
 
@@ -118,6 +119,8 @@ class QuantizedExperts:
         try:
             # a layer is written while the next one is quantized (a slow disk wrote at a fifth of the quantizer's pace);
             # at most one write in flight, so memory holds two layers
+            if progress:
+                progress(0, self.num_layers)
             with ThreadPoolExecutor(1, thread_name_prefix="moechat-quant-writer") as writer:
                 written = None
                 for li in range(self.num_layers):
@@ -143,22 +146,25 @@ class QuantizedExperts:
             shutil.rmtree(tmp, ignore_errors=True)
 
 def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int,
-                   source: LayerSource, notices: list[str] | None = None, label: str = "quantizing experts") -> QuantizedExperts:
-    """The model's experts in `fmt` from the cache, built (or rebuilt) from `source` when needed."""
+                   source: LayerSource, notices: list[str] | None = None, label: str = "quantizing experts",
+                   progress: LoadProgress | None = None) -> QuantizedExperts:
+    """The model's experts in `fmt` from the cache, built (or rebuilt) from `source` when needed, each layer written
+    told to `progress` (None: a bar on a terminal's stderr)."""
     qe = QuantizedExperts(cache_root() / model_key(model_dir, fmt), fmt, num_layers, num_experts, hidden, inter)
     why = qe.problem() if qe.folder.exists() else "it does not exist yet"
     if why is not None:
         if qe.folder.exists() and notices is not None:
             notices.append(f"the {fmt} expert cache in {qe.folder} was rebuilt: {why}")
         try:
-            qe.build(source, _progress_bar(label, fmt))
+            what = f"{label} ({fmt}, once)"
+            qe.build(source, _progress_bar(what) if progress is None else lambda done, total: progress(what, done, total))
         except OSError as err:
             raise CheckpointError(f"cannot write the {fmt} expert cache in {qe.folder} ({err}): free disk space, "
                                   "or set MOECHAT_QUANT_DIR to a folder with room") from None
     return qe
 
 
-def _progress_bar(label: str, fmt: str) -> Callable[[int, int], None] | None:
+def _progress_bar(what: str) -> Callable[[int, int], None] | None:
     """A tqdm bar on a terminal's stderr (the TUI captures stderr: no bar there), else nothing."""
     if not sys.stderr.isatty():
         return None
@@ -169,7 +175,7 @@ def _progress_bar(label: str, fmt: str) -> Callable[[int, int], None] | None:
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=f"{label} ({fmt}, once)", unit="layer", file=sys.stderr)
+            bar = tqdm(total=total, desc=what, unit="layer", file=sys.stderr)
         bar.update(done - bar.n)
         if done == total:
             bar.close()

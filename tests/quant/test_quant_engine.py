@@ -375,3 +375,16 @@ def test_a_full_disk_while_writing_says_what_to_do_and_leaves_nothing(tmp_path, 
     assert "No space left on device" in str(err.value) and "MOECHAT_QUANT_DIR" in str(err.value) and "\n" not in str(err.value)
     assert quantized == [0, 1, 2]  # the failed write of layer 1 surfaced before layer 3 was quantized
     assert list(cache.iterdir()) == []
+
+
+def test_a_first_quantization_reports_each_layer_and_a_mapped_cache_nothing(checkpoint):
+    """Engine(config, progress): the layers of a first quantization, 0..L in order; the next start maps the cache."""
+    ck = checkpoint("qwen3_moe", seed=8)
+    told = []
+    Engine(EngineConfig(model_dir=str(ck), quant="int4"), lambda what, done, total: told.append((what, done, total))).close()
+    layers = 2  # the tiny qwen3_moe's sparse layers
+    assert [(d, t) for _, d, t in told] == [(d, layers) for d in range(layers + 1)]
+    assert {w for w, _, _ in told} == {"quantizing experts (int4, once)"}
+    again = []
+    Engine(EngineConfig(model_dir=str(ck), quant="int4"), lambda *a: again.append(a)).close()
+    assert again == []

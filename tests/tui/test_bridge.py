@@ -73,6 +73,21 @@ def started(factory, interval: float = 0.1) -> tuple[EngineBridge, Inbox]:
     return bridge, inbox
 
 
+def test_a_first_quantization_shows_in_the_loading_bar(checkpoint):
+    """Minutes on a real model: the loading messages name the quantization and its layers, in order, before ready."""
+    path = checkpoint("olmoe", seed=9)
+    bridge, inbox = started(lambda: EngineConfig(str(path), quant="int8"))
+    try:
+        inbox.wait(EngineReady)
+        loading = inbox.of(EngineLoading)
+        assert [m.fraction for m in loading] == sorted(m.fraction for m in loading) and loading[-1].label == "ready"
+        layers = [m.label for m in loading if "quantizing experts (int8, once)" in m.label]
+        assert layers and layers[-1].endswith(f"layer {len(layers) - 1} of {len(layers) - 1}")
+        assert all(label.startswith(path.name) for label in layers)
+    finally:
+        bridge.close()
+
+
 def test_load_stream_stats_and_spac_frames(checkpoint):
     path = checkpoint("qwen3_moe")
     bridge, inbox = started(lambda: EngineConfig(str(path), expert_cache_ratio=0.5, spec=SpecConfig("self", 3)),
