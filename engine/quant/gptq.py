@@ -18,6 +18,7 @@ do not map onto blocks and are refused.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -97,11 +98,10 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return (words.unsqueeze(-1) >> _SHIFTS.to(words.device)) & 0xF
 
 
-def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                spec: GptqSpec, name: str = "GPTQ linear") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One quantized linear -> (codes uint8 [N, K], real zero points uint8 [G, N], scales fp16 [G, N]),
-    after checking every shape and that g_idx is the plain k // group_size order. `name` (the prefix)
-    goes into the error messages."""
+def _check(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, spec: GptqSpec,
+           name: str) -> tuple[int, int, int]:
+    """-> (K, N, groups) of one quantized linear, after checking every shape and that g_idx is the plain
+    k // group_size order. `name` (the prefix) goes into the error messages."""
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{name}.{what}: the checkpoint is corrupt or not a 4-bit GPTQ checkpoint; re-download the model")
 
@@ -122,11 +122,42 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
         if not torch.equal(g_idx.to(plain.device, torch.int64), plain):
             raise CheckpointError(f"{name}.g_idx is not in plain group order (act-order, desc_act): act-order GPTQ "
                                   f"checkpoints are not supported; use one quantized with desc_act=false, or {ADVICE}")
-    codes = _nibbles(qweight).permute(1, 0, 2).reshape(n, k)  # [K/8, N, 8] -> [N, K/8, 8] -> [N, K]
+    return k, n, groups
+
+
+def _zeros(qzeros: torch.Tensor, groups: int, n: int, spec: GptqSpec) -> torch.Tensor:
+    """The real zero points uint8 [G, N] (v1 "gptq" stores zero - 1)."""
     zeros = _nibbles(qzeros).reshape(groups, n)
-    if spec.checkpoint_format == "gptq":
-        zeros = zeros + 1
-    return codes.to(torch.uint8), zeros.to(torch.uint8), scales.to(torch.float16)
+    return (zeros + 1 if spec.checkpoint_format == "gptq" else zeros).to(torch.uint8)
+
+
+def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+                spec: GptqSpec, name: str = "GPTQ linear") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One quantized linear -> (codes uint8 [N, K], real zero points uint8 [G, N], scales fp16 [G, N]), checked
+    (`_check`)."""
+    k, n, groups = _check(qweight, qzeros, scales, g_idx, spec, name)
+    codes = _nibbles(qweight).permute(1, 0, 2).reshape(n, k)  # [K/8, N, 8] -> [N, K/8, 8] -> [N, K]
+    return codes.to(torch.uint8), _zeros(qzeros, groups, n, spec), scales.to(torch.float16)
+
+
+def _int32(mask: int) -> int:
+    """A 32-bit mask as the signed value torch's int32 ops take."""
+    return mask - (1 << 32) if mask >= 1 << 31 else mask
+
+
+def _interleaved_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int32 [K/8, N] (K a multiple of 32, N of 16) -> the int4 kernel's bytes [N, K/2], formats.interleave's, by
+    word operations. Word w = 4b + v of a row holds columns 8w..8w+7 (nibble i in bits 4i..4i+3), which is vector v of
+    block b, whose byte c pairs columns 8v+c (low) and 8v+4+c (high): the word's nibbles n0..n7 shuffled to
+    n0 n4 n1 n5 n2 n6 n3 n7 (little-endian: bytes c = 0..3 in order)."""
+    words, n = qweight.shape
+    x = qweight.contiguous()
+    # nibbles n0 n1 n2 n3 n4 n5 n6 n7 -> n0 n1 n4 n5 n2 n3 n6 n7 (bytes 1 and 2 swap) -> n0 n4 n1 n5 n2 n6 n3 n7
+    x = ((x & 0x00FF0000) >> 8) | ((x & 0x0000FF00) << 8) | (x & _int32(0xFF0000FF))
+    x = ((x & 0x0F000F00) >> 4) | ((x & 0x00F000F0) << 4) | (x & _int32(0xF00FF00F))
+    # [nb, v, G, r] -> [G, nb, v, r]: each 16-row group's blocks, vectors, rows in order, 4 bytes each
+    q = x.reshape(words // 4, 4, n // formats.ROWS, formats.ROWS).permute(2, 0, 1, 3).contiguous()
+    return q.view(torch.uint8).reshape(n, words * 4)
 
 
 def gptq_to_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -138,16 +169,19 @@ def gptq_to_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
 
     Rounding m to fp16 is the only change to the weights: its error is at most 2^-11 · |z| · d
     <= 2^-11 · 16 · d, under 1 % of a quantization step d."""
-    codes, zeros, scales = unpack_gptq(qweight, qzeros, scales, g_idx, spec, name)
-    n, k = codes.shape
+    k, n, groups = _check(qweight, qzeros, scales, g_idx, spec, name)
+    zeros = _zeros(qzeros, groups, n, spec)
     kp = formats.padded(k)
-    start = torch.arange(0, kp, formats.BLOCK, device=codes.device)  # first column of each block
+    start = torch.arange(0, kp, formats.BLOCK, device=qweight.device)  # first column of each block
     group = start.clamp(max=k - 1) // spec.group(k)  # [Kp/32]
     real = (start < k).float()
     d = scales.float()[group].T * real  # [N, Kp/32]
     m = -d * zeros.float()[group].T
-    u = torch.nn.functional.pad(codes, (0, kp - k))
-    return formats.from_codes("int4", k, u, d.half(), m.half())
+    if kp == k and n % formats.ROWS == 0 and sys.byteorder == "little":  # every real model: no codes unpacked
+        scale, minimum = formats.interleave_scales(d.half()), formats.interleave_scales(m.half())
+        return formats.QuantMatrix("int4", k, _interleaved_codes(qweight), scale, minimum)
+    codes, _, _ = unpack_gptq(qweight, qzeros, scales, g_idx, spec, name)
+    return formats.from_codes("int4", k, torch.nn.functional.pad(codes, (0, kp - k)), d.half(), m.half())
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,

@@ -57,6 +57,21 @@ def test_round_trip_matches_gptq_dequantization(group_size, sym, fmt):
     assert dequantize_gptq(*tensors(t), spec).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "gptq_v2"])
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+def test_kernel_bytes_straight_from_the_packed_words_are_the_unpacked_codes_interleaved(group_size, fmt, monkeypatch):
+    """gptq_to_matrix builds the int4 bytes from qweight's bytes (K a multiple of 32): the same matrix as unpacking every
+    code and interleaving it, which K not a multiple of 32 still does."""
+    t = pack_gptq(weights(64, 320, seed=7), group_size, sym=False, checkpoint_format=fmt)
+    spec = GptqSpec(group_size=group_size, sym=False, checkpoint_format=fmt)
+    fast = gptq_to_matrix(*tensors(t), spec)
+    monkeypatch.setattr("moechat.engine.quant.gptq.sys.byteorder", "big")  # the unpacking route
+    unpacked = gptq_to_matrix(*tensors(t), spec)
+    for a, b in zip(fast.tensors(), unpacked.tensors(), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(formats.codes(fast), unpack_gptq(*tensors(t), spec)[0])
+
+
 @pytest.mark.parametrize("k,group_size", [(16, 32), (24, 128), (40, 32), (96, 64), (24, -1)])
 def test_k_not_a_multiple_of_the_block(k, group_size):
     """Tiny models' expert dims: K is padded to whole chunks, a block of real columns takes their group,
