@@ -95,8 +95,7 @@ class ExpertStore:
             mats = []
             for which in range(3):
                 prefix = self.family.expert_key(layer, e, which).removesuffix(".weight")
-                t = dict(self.ckpt.get_many(linear_keys(self.prequant, prefix, self.ckpt)))
-                mats.append(self.prequant.to_matrix(t, prefix))
+                mats.append(self.prequant.to_matrix(self.ckpt.views(linear_keys(self.prequant, prefix, self.ckpt)), prefix))
             gate, up, down = mats
             yield e, formats.QuantMatrix.cat([gate, up])[None], down[None]
 

@@ -96,6 +96,13 @@ class Checkpoint:
                 for key in file_keys:
                     yield key, f.get_tensor(key)
 
+    def views(self, keys) -> dict[str, torch.Tensor]:
+        """{key: view} without a copy (the headers are parsed once), or copies (`get_many`) where a dtype has no view."""
+        keys = list(keys)
+        if all(self.dtype_name(k) in _DTYPES for k in keys):
+            return {k: self.view(k) for k in keys}
+        return dict(self.get_many(keys))
+
     def view(self, key: str) -> torch.Tensor:
         """A tensor backed by the page cache of the mmap'd file: no copy until it is read."""
         path = self.key_to_file[key]
