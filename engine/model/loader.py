@@ -237,7 +237,7 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
     rest = [k for k in ckpt.keys() if k not in expert_keys]
     quantized = quantized_prefixes(prequant, rest) if prequant is not None else set()
     for prefix in sorted(quantized):
-        t = dict(ckpt.get_many(linear_keys(prequant, prefix, ckpt)))
+        t = ckpt.views(linear_keys(prequant, prefix, ckpt))  # read once by the dequantization: no copy
         state[family.module_key(f"{prefix}.weight")] = prequant.dequantize(t, prefix, dtype).to(device)
     for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized):
         name = family.module_key(key)

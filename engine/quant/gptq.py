@@ -136,8 +136,13 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     """One quantized linear -> (codes uint8 [N, K], real zero points uint8 [G, N], scales fp16 [G, N]), checked
     (`_check`)."""
     k, n, groups = _check(qweight, qzeros, scales, g_idx, spec, name)
-    codes = _nibbles(qweight).permute(1, 0, 2).reshape(n, k)  # [K/8, N, 8] -> [N, K/8, 8] -> [N, K]
-    return codes.to(torch.uint8), _zeros(qzeros, groups, n, spec), scales.to(torch.float16)
+    return _codes(qweight), _zeros(qzeros, groups, n, spec), scales.to(torch.float16)
+
+
+def _codes(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight int32 [K/8, N] -> codes uint8 [N, K]."""
+    words, n = qweight.shape
+    return _nibbles(qweight).permute(1, 0, 2).reshape(n, words * 8).to(torch.uint8)  # [K/8, N, 8] -> [N, K/8, 8] -> [N, K]
 
 
 def _int32(mask: int) -> int:
@@ -180,8 +185,7 @@ def gptq_to_matrix(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     if kp == k and n % formats.ROWS == 0 and sys.byteorder == "little":  # every real model: no codes unpacked
         scale, minimum = formats.interleave_scales(d.half()), formats.interleave_scales(m.half())
         return formats.QuantMatrix("int4", k, _interleaved_codes(qweight), scale, minimum)
-    codes, _, _ = unpack_gptq(qweight, qzeros, scales, g_idx, spec, name)
-    return formats.from_codes("int4", k, torch.nn.functional.pad(codes, (0, kp - k)), d.half(), m.half())
+    return formats.from_codes("int4", k, torch.nn.functional.pad(_codes(qweight), (0, kp - k)), d.half(), m.half())
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
