@@ -8,10 +8,12 @@ A dense model (a draft) is one segment: its whole pass is one graph. Static shap
 positions held in a device tensor, attention reads the cache's whole buffer under a mask of the valid positions
 (heads grouped per KV head, so no KV repeat), rotary rows are gathered on the device. The ops are LeanForward's
 torch ops (transformers' order), so greedy tokens equal transformers'; logits differ from it in the last bits
-(another attention kernel). On the CPU the same segments run eagerly (the tests); on CUDA a pass length's segments
-are captured on its second pass with the same cache buffers (the first runs eagerly and warms the libraries up),
-and captured again when the buffers grow or another conversation's cache comes. A capture that fails leaves one
-line in the log and the eager path for the rest of the session.
+(another attention kernel). DeepSeek-V2 (LeanDeepseek's modules) runs its latent attention absorbed as mla.py does,
+over the whole latent buffer under the same mask, with transformers' complex rotary.
+On the CPU the same segments run eagerly (the tests); on CUDA a pass length's segments are captured on its second
+pass with the same cache buffers (the first runs eagerly and warms the libraries up), and captured again when the
+buffers grow or another conversation's cache comes. A capture that fails leaves one line in the log and the eager
+path for the rest of the session.
 """
 from __future__ import annotations
 
@@ -23,12 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from ..experts.runtime import OffloadedExperts
-from .decode_ops import rms_norm
+from .decode_ops import head_linear_torch, head_matmul_torch, rms_norm
 from .lean_decode import ROUTERS, LeanForward
+from .lean_deepseek import LeanDeepseek
 
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_POSITIONS = 16  # decode, verification and self-draft passes; longer ones (a chat turn's message) run eagerly
+# routers whose forward is (logits, weights, experts) with no host read: the four families' and DeepSeek-V2's
+GRAPH_ROUTERS = (*ROUTERS, "DeepseekV2TopkRouter")
 
 
 @dataclass
@@ -62,17 +67,18 @@ def segments(layers) -> list[Segment]:
 
 
 def _splits(mlp) -> bool:
-    """Whether the block is the families' router -> experts (+ sigmoid-gated shared expert), so the router and the shared
-    expert go in the graph; else the whole block runs eagerly."""
-    return type(getattr(mlp, "gate", None)).__name__ in ROUTERS and (
+    """Whether the block is the families' router -> experts (+ a sigmoid-gated shared expert, or DeepSeek's shared experts
+    added), so the router and the shared expert go in the graph; else the whole block runs eagerly."""
+    return type(getattr(mlp, "gate", None)).__name__ in GRAPH_ROUTERS and (
         not hasattr(mlp, "shared_expert") or hasattr(mlp, "shared_expert_gate"))
 
 
 class GraphedDecode:
     """ids [1, T] appended to a KV cache that holds a past -> float32 logits of the last `keep` positions [keep, V]."""
 
-    def __init__(self, lean: LeanForward, capture: bool):
+    def __init__(self, lean: LeanForward | LeanDeepseek, capture: bool):
         self.lean, self.capture = lean, capture
+        self.mla = isinstance(lean, LeanDeepseek)  # DeepSeek-V2: latent attention, complex rotary
         self.segments = segments(lean.layers)
         self.buffers: dict[int, PassBuffers] = {}  # per pass length
         self.failed: str | None = None  # why capturing stopped (the passes then run eagerly)
@@ -117,8 +123,16 @@ class GraphedDecode:
         for layer in layers:
             layer.reserve(T)
         capacity = layers[0].capacity()
-        self.lean._tables(capacity, self.lean.base.embed_tokens.weight)  # in the model's dtype
-        return start, (capacity, self.lean.cos.data_ptr(), *(layer._k.data_ptr() for layer in layers))
+        return start, (capacity, self._rotary_table(capacity).data_ptr(), *(layer._k.data_ptr() for layer in layers))
+
+    def _rotary_table(self, end: int) -> torch.Tensor:
+        """The rotary rows of positions 0..end-1 at least, which the segments gather from: cos [P, D] (sin beside it) in
+        the model's dtype, or DeepSeek's complex freqs [P, rope / 2]."""
+        lean, like = self.lean, self.lean.base.embed_tokens.weight
+        if self.mla:
+            return lean._rotary(end, like)[0]
+        lean._tables(end, like)
+        return lean.cos
 
     def _buffers(self, T: int, device) -> PassBuffers:
         if T not in self.buffers:
@@ -168,7 +182,10 @@ class GraphedDecode:
         positions = buf.start + torch.arange(T, device=buf.start.device)  # [T]
         C = cache.layers[0].capacity()
         visible = torch.arange(C, device=positions.device)[None] <= positions[:, None]  # [T, C]: causal after the past
-        cos, sin = lean.cos.index_select(0, positions), lean.sin.index_select(0, positions)  # [T, D]
+        if self.mla:  # [1, T, rope / 2] complex
+            rotary = (lean.freqs[0].index_select(0, positions)[None],)
+        else:  # [T, D] each
+            rotary = (lean.cos.index_select(0, positions), lean.sin.index_select(0, positions))
         if s == 0:
             x = lean.base.embed_tokens.forward(buf.ids)  # [1, T, H]
         else:
@@ -176,12 +193,12 @@ class GraphedDecode:
             moe_out = buf.y[None] if prev["shared"] is None else buf.y[None] + prev["shared"]  # as the block adds them
             x = prev["x"] + moe_out
         for i in range(seg.first, seg.end):
-            x = self._layer(i, x, cos, sin, cache.layers[i], positions, visible)
+            x = self._layer(i, x, rotary, cache.layers[i], positions, visible)
         if not seg.moe:
             norm = lean.base.norm
             return {"logits": lean.hf.lm_head.forward(rms_norm(x, norm.weight, norm.variance_epsilon))[0].float()}
         layer = lean.layers[seg.end]
-        x = x + self._attention(seg.end, x, cos, sin, cache.layers[seg.end], positions, visible)
+        x = x + self._attention(seg.end, x, rotary, cache.layers[seg.end], positions, visible)
         post = layer.post_attention_layernorm
         h = rms_norm(x, post.weight, post.variance_epsilon)[0]  # [T, H]
         out = {"x": x, "h": h, "shared": None, "weights": None, "experts": None}
@@ -190,6 +207,8 @@ class GraphedDecode:
             _, out["weights"], out["experts"] = mlp.gate(h)  # [T, k] each
             if hasattr(mlp, "shared_expert"):
                 out["shared"] = (F.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h))[None]  # [1, T, H]
+            elif hasattr(mlp, "shared_experts"):  # DeepSeek-V2's, added ungated
+                out["shared"] = mlp.shared_experts(h)[None]
         return out
 
     def _experts(self, i: int, out: dict) -> torch.Tensor:
@@ -199,18 +218,21 @@ class GraphedDecode:
             return mlp.experts(out["h"], out["experts"], out["weights"])
         return mlp.forward(out["h"][None])[0]
 
-    def _layer(self, i: int, x, cos, sin, layer_cache, positions, visible) -> torch.Tensor:
+    def _layer(self, i: int, x, rotary, layer_cache, positions, visible) -> torch.Tensor:
         layer = self.lean.layers[i]
-        x = x + self._attention(i, x, cos, sin, layer_cache, positions, visible)
+        x = x + self._attention(i, x, rotary, layer_cache, positions, visible)
         post = layer.post_attention_layernorm
         return x + layer.mlp.forward(rms_norm(x, post.weight, post.variance_epsilon))
 
-    def _attention(self, i: int, x, cos, sin, layer_cache, positions, visible) -> torch.Tensor:
+    def _attention(self, i: int, x, rotary, layer_cache, positions, visible) -> torch.Tensor:
         """Layer i's attention sublayer on x [1, T, H]: its entries written at `positions`, every slot of the buffer
         read, those past each query masked out -> [1, T, H]."""
         lean, a = self.lean, self.lean.layers[i].self_attn
         norm = lean.layers[i].input_layernorm
         h = rms_norm(x, norm.weight, norm.variance_epsilon)
+        if self.mla:
+            return self._latent_attention(i, h, *rotary, layer_cache, positions, visible)
+        cos, sin = rotary
         T, hd = h.shape[1], a.head_dim
         q, k, v = (lean._joint_qkv(a, lean.qkv[i], h, cos, sin, i) if lean.joint[i]
                    else lean._qkv(a, lean.qkv[i], h, cos, sin))  # [1, H_q|H_kv, T, D]
@@ -223,3 +245,26 @@ class GraphedDecode:
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible.repeat(groups, 1), scale=a.scaling)
         o = o.view(1, q.shape[1], T, hd).transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H_q·D]
         return a.o_proj.forward(o)
+
+    def _latent_attention(self, i: int, h, freqs, layer_cache, positions, visible) -> torch.Tensor:
+        """DeepSeek-V2's attention on h [1, T, H] normed, kv_b_proj absorbed (mla.py: AbsorbedMLA's modules and twins in
+        its order), over the whole latent buffer [C, R] under the mask -> [1, T, H]."""
+        a, mla = self.lean.layers[i].self_attn, self.lean.mla[i]
+        T, R, nope, rope = h.shape[1], a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim
+        q = a.q_proj.forward(h) if a.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(h)))
+        q = q.view(1, T, -1, nope + rope).transpose(1, 2)  # [1, H, T, nope + rope]
+        kv = a.kv_a_proj_with_mqa.forward(h)  # [1, T, R + rope]
+        latent = a.kv_a_layernorm(kv[..., :R]).view(1, 1, T, R)
+        q_pe, k_pe = mla.rotary(q[..., nope:], kv[..., R:].reshape(1, 1, T, rope), freqs)  # [1, H|1, T, rope]
+        latents, keys = layer_cache._k, layer_cache._v  # [1, 1, C, R], [1, 1, C, rope]
+        latents.index_copy_(2, positions, latent.to(latents.dtype))
+        keys.index_copy_(2, positions, k_pe.to(keys.dtype))
+        f = torch.float32
+        w_uk, w_uv = mla.weights(native=False)  # [H, nope, R], [H, v, R]
+        c = latents[0, 0].to(f)  # [C, R]
+        q_latent = head_matmul_torch(q[0, :, :, :nope].to(f), w_uk).transpose(0, 1)  # [H, T, R]
+        scores = torch.matmul(q_latent, c.T) + torch.matmul(q_pe[0].to(f), keys[0, 0].to(f).T)  # [H, T, C]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")) * a.scaling, dim=-1)
+        context = torch.matmul(probs, c)  # [H, T, R]
+        out = head_linear_torch(context, w_uv)  # [T, H, v]
+        return a.o_proj.forward(out.reshape(1, T, -1).to(h.dtype))

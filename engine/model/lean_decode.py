@@ -303,16 +303,22 @@ def native_cache_ready(cache, layers: int, same_widths: bool = True) -> bool:
 
 def build_lean_forward(hf, device: torch.device, context_len: int):
     """The lean forward for this model: on the CPU LeanForward (native where it can; DeepSeek-V2: lean_deepseek's), on
-    CUDA its torch ops in CUDA graphs (graph_decode.GraphedDecode); None where transformers' forward must run (see
+    CUDA their torch ops in CUDA graphs (graph_decode.GraphedDecode); None where transformers' forward must run (see
     `refusal`)."""
     if hf.config.model_type == "deepseek_v2":
         from . import lean_deepseek
 
-        return None if lean_deepseek.refusal(hf, device) else lean_deepseek.LeanDeepseek(hf, context_len)
-    if refusal(hf, device, context_len):
+        if lean_deepseek.refusal(hf, device):
+            return None
+        on_cpu = device.type == "cpu"
+        lean = lean_deepseek.LeanDeepseek(hf, context_len, native=on_cpu)
+    elif refusal(hf, device, context_len):
         return None
-    if device.type == "cpu":
-        return LeanForward(hf, context_len)
+    else:
+        on_cpu = device.type == "cpu"
+        lean = LeanForward(hf, context_len, native=on_cpu)
+    if on_cpu:
+        return lean
     from .graph_decode import GraphedDecode
 
-    return GraphedDecode(LeanForward(hf, context_len, native=False), capture=True)
+    return GraphedDecode(lean, capture=True)

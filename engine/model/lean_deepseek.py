@@ -12,8 +12,8 @@ with the native ops (fp32 activations, the CPU library built: decode_ops) or the
 absorbed forward's bits). The native results differ from transformers' in the last bits (tests/engine/test_mla.py
 bounds them and checks greedy tokens). With DeepSeek-V2-Lite's layout and every expert on the CPU the whole stack is one
 native call (build_mla_stack, decode_stack.cpp), every output a fixed-order sum: a position's logits do not depend on
-the pass it is in. Passes of up to mla.MAX_ABSORBED positions after a past, on the CPU; prefills and CUDA run
-transformers' forward (with mla.AbsorbedMLA in its attention).
+the pass it is in. Passes of up to mla.MAX_ABSORBED positions after a past; on CUDA its modules run in graph_decode.py's
+static passes, captured as CUDA graphs; prefills run transformers' forward (with mla.AbsorbedMLA in its attention).
 """
 from __future__ import annotations
 
@@ -135,8 +135,8 @@ class LeanDeepseek:
 
 def refusal(hf, device: torch.device) -> str | None:
     """Why LeanDeepseek cannot stand in for transformers' forward on this model, or None when it can."""
-    if device.type != "cpu":
-        return f"device {device.type}"  # CUDA: transformers' forward, the attention absorbed (mla.py)
+    if device.type not in ("cpu", "cuda"):  # CUDA: its torch ops in CUDA graphs (graph_decode.py)
+        return f"device {device.type}"
     rope_type = getattr(hf.model.rotary_emb, "rope_type", None)
     return None if rope_type in ROPE_TYPES else f"rope type {rope_type}"
 

@@ -14,15 +14,17 @@ from moechat.engine.model import graph_decode, kv_cache, loader
 from moechat.engine.model.graph_decode import MAX_GRAPH_POSITIONS, GraphedDecode, segments
 from moechat.engine.model.kv_cache import hf_forward
 from moechat.engine.model.lean_decode import LeanForward
+from moechat.engine.model.lean_deepseek import LeanDeepseek
 from moechat.engine.speculative import drafters, rewind
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2")
 # traced ops that read a tensor's value on the host or shape a result by it
 HOST_READS = {"item", "tolist", "nonzero", "masked_select", "unique", "_assert_scalar", "_local_scalar_dense", "__bool__"}
 
 
 def _graphed(hf, context_len: int, capture: bool = False) -> GraphedDecode:
-    return GraphedDecode(LeanForward(hf, context_len, native=False), capture=capture)
+    lean = LeanDeepseek if hf.config.model_type == "deepseek_v2" else LeanForward
+    return GraphedDecode(lean(hf, context_len, native=False), capture=capture)
 
 
 def _passes(m, steps, past: int, seed: int = 0):
@@ -78,6 +80,16 @@ def test_static_passes_match_transformers(family, dtype, checkpoint):
     assert m.decode_path() == "static passes, eager"  # on CUDA: "CUDA graphs, N captured"
 
 
+@pytest.mark.parametrize("overrides", [{"topk_method": "greedy"}, {"q_lora_rank": 12}], ids=["greedy", "q_lora"])
+def test_static_latent_attention_matches_transformers(overrides, checkpoint):
+    """DeepSeek-V2's other layouts: DeepSeek-V2-Lite's greedy router, and the q_lora query of the full-size model."""
+    m = loader.load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2", **overrides))))
+    m.lean = _graphed(m.hf, m.context_len)
+    for expected, got in _passes(m, (1, 5, 3, 1), past=20):
+        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 def test_masked_slots_hold_zeros_after_growth():
     layer = kv_cache.GrowingLayer()
     k = torch.randn(1, 2, 3, 4)
@@ -123,8 +135,10 @@ def test_segments_trace_as_one_graph_each(family, checkpoint, tokenizer_dir, tmp
             assert not HOST_READS.intersection(ops), sorted(set(ops))
 
 
-@pytest.mark.parametrize("drafter", ["none", "self", "draft"])
-def test_engine_with_static_passes_equals_transformers_greedy(drafter, checkpoint, draft_dir, tokenizer, monkeypatch):
+@pytest.mark.parametrize(("family", "drafter"), [("qwen3_moe", "none"), ("qwen3_moe", "self"), ("qwen3_moe", "draft"),
+                                                 ("deepseek_v2", "self")])
+def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, checkpoint, draft_dir, tokenizer,
+                                                              monkeypatch):
     """The engine's greedy tokens, every decode, verification and draft pass through the static segments."""
     made = []
 
@@ -135,7 +149,7 @@ def test_engine_with_static_passes_equals_transformers_greedy(drafter, checkpoin
     monkeypatch.setattr(loader, "build_lean_forward", build)
     monkeypatch.setattr(drafters, "build_lean_forward", build)
     monkeypatch.setattr(drafters, "router_feed", lambda draft, target: None)  # the feed's hooks keep transformers' forward
-    model_dir = checkpoint("qwen3_moe")
+    model_dir = checkpoint(family)
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
     name = str(draft_dir) if drafter == "draft" else drafter
     done = run_engine(model_dir, prompt, drafter=name, expert_cache_ratio=0.5)
@@ -144,7 +158,7 @@ def test_engine_with_static_passes_equals_transformers_greedy(drafter, checkpoin
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v2"])
 def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):
     """On CUDA: the first pass of a length runs eagerly, the second captures, later ones replay; each gives the eager
     path's bits, and the engine's greedy tokens equal transformers' on the GPU."""
@@ -162,8 +176,9 @@ def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_keep_greedy_equal_with_a_drafter(checkpoint, tokenizer):
-    model_dir = checkpoint("qwen3_moe")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_cuda_graphs_keep_greedy_equal_with_a_drafter(family, checkpoint, tokenizer):
+    model_dir = checkpoint(family)
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
     done = run_engine(model_dir, prompt, drafter="self", device="cuda", dtype="float32", expert_cache_ratio=0.5)
     assert done.token_ids == hf_greedy(model_dir, prompt, device="cuda")

@@ -43,9 +43,9 @@ def test_absorbed_passes_match_the_expanded_ones(dtype, quant, device, stored, c
         kv_b = layer.self_attn.kv_b_proj
         assert isinstance(kv_b, torch.nn.Linear) and kv_b.weight.dtype == (stored or getattr(torch, dtype))
     lean_path = "lean, native ops" if dtype == "float32" and decode_ops.available() else "lean, torch ops"
-    on_cpu = device == "cpu"  # the lean forward on a CPU; on CUDA transformers' forward with the absorbed attention
+    on_cpu = device == "cpu"  # the lean forward on a CPU; on CUDA its modules in CUDA graphs (test_graph_decode.py)
     assert isinstance(absorbed.lean, LeanDeepseek) == on_cpu and expanded.lean is None
-    assert absorbed.decode_path() == (lean_path if on_cpu else "transformers, latent attention absorbed")
+    assert absorbed.decode_path() == (lean_path if on_cpu else "CUDA graphs, 0 captured")
     assert expanded.decode_path() == "transformers"
     calls = _expansions(absorbed)
     read = []  # the weight dtypes the native per-head products read
@@ -160,7 +160,8 @@ def test_lean_native_ops_close_to_transformers(overrides, quant, checkpoint, mon
 def test_lean_refusals(checkpoint):
     m = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2"))))
     assert refusal(m.hf, torch.device("cpu")) is None
-    assert refusal(m.hf, torch.device("cuda")) == "device cuda"  # CUDA keeps transformers' forward, absorbed
+    assert refusal(m.hf, torch.device("cuda")) is None  # on CUDA in graph_decode's static passes
+    assert refusal(m.hf, torch.device("mps")) == "device mps"
     m.hf.model.rotary_emb.rope_type = "dynamic"  # tables that depend on the length
     assert refusal(m.hf, torch.device("cpu")) == "rope type dynamic"
     assert not m.lean.accepts(5, 0) and not m.lean.accepts(MAX_ABSORBED + 1, 10)  # a prefill, a long message
