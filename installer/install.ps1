@@ -34,7 +34,7 @@ if ($LASTEXITCODE -ne 0) {
     if ($LASTEXITCODE -ne 0) { throw "PyTorch did not install; see the messages above" }
 }
 
-$Target = if ($Dev) { "$Src[test]" } else { "$Src" }
+$Target = if ($Dev) { "$Src[test,kernels]" } else { "$Src" }
 & $Py -m pip install --quiet -e $Target
 if ($LASTEXITCODE -ne 0) { throw "moechat did not install; see the messages above" }
 

@@ -85,7 +85,7 @@ fi
 
 # 4. moechat itself (editable, so `git pull` updates it), and the test tools with --dev.
 if [ "$dev" = 1 ]; then
-  "${pip[@]}" install --quiet -e "${src}[test]"
+  "${pip[@]}" install --quiet -e "${src}[test,kernels]"
 else
   "${pip[@]}" install --quiet -e "$src"
 fi

@@ -27,6 +27,8 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)  # tiny models are dispatch-bound: one intra-op thread is as fast and immune to a busy machine
+        if not torch.cuda.is_available():  # Triton kernels run in its interpreter (read when triton is first imported)
+            os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -58,7 +58,7 @@ def add_bench_kernels(sub) -> None:
     p.add_argument("--isa", default="auto", choices=list(native.CPU_ISA),
                    help="force a native CPU path (default: the best this CPU has)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help='print one object {"cpu": [...], "cuda": [...], ...}')
+    p.add_argument("--json", action="store_true", help='print one object {"cpu": [...], "cuda": [...], "cuda_quant": [...], ...}')
     p.set_defaults(func=cmd_bench_kernels)
 
 
@@ -196,13 +196,19 @@ def cmd_bench_kernels(args) -> int:
     cpu_rows = _cpu_rows(args, threads, meter)
     del meter
     cuda_rows, cuda_note = _cuda_rows()
+    quant_rows, quant_note = [], "not measured: --quant none"
+    if args.quant != "none":
+        from .gpu_experts import gpu_quant_rows
+
+        quant_rows, quant_note = gpu_quant_rows(SHAPES, args.shapes.split(","), args.quant, args.tokens, args.experts,
+                                                args.repeats, args.seed)
     dt = getattr(torch, args.dtype)
     isa = cpu_ffn.resolved_q_isa(args.isa, args.quant) if args.quant != "none" else cpu_ffn.resolved_isa(args.isa, dt, dt)
     result = {"dtype": args.dtype, "quant": args.quant, "threads": threads, "isa": isa,
               "copy_gbps": statistics.median(r["copy_gbps"] for r in cpu_rows),
               "read_gbps": statistics.median(r["read_gbps"] for r in cpu_rows), "repeats": args.repeats,
               "seconds": round(time.perf_counter() - t0, 1),
-              "cpu": cpu_rows, "cuda": cuda_rows, "cuda_note": cuda_note}
+              "cpu": cpu_rows, "cuda": cuda_rows, "cuda_note": cuda_note, "cuda_quant": quant_rows, "cuda_quant_note": quant_note}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -223,4 +229,11 @@ def cmd_bench_kernels(args) -> int:
                   f"ratio {r['ratio']:.2f}")
     else:
         print(f"CUDA transfers: {cuda_note}")
+    if quant_rows:
+        print(f"GPU fast tier, {args.quant} slots: the Triton kernel (codes read in place) vs its twin (dequantize, multiply):")
+        for r in quant_rows:
+            print(f"{r['shape']:>10}{r['tokens']:>7}{r['experts']:>8}  kernel {r['kernel_ms']:.3f} ms ({r['gbps']:.0f} GB/s)  "
+                  f"twin {r['twin_ms']:.3f} ms  {r['speedup']:.1f}×")
+    elif args.quant != "none":
+        print(f"GPU quantized slots: {quant_note}")
     return 0

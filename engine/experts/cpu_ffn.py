@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .. import native
 from ..quant import formats
 from ..quant.formats import QuantMatrix
+from . import triton_ffn
 from .grouped import expert_ffn
 
 SOURCE = native.CSRC / "cpu" / "expert_ffn.cpp"
@@ -220,11 +221,16 @@ def group_offsets(counts: torch.Tensor) -> torch.Tensor:
 def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act,
                   sizes: torch.Tensor | None = None, native_ok: bool = True) -> torch.Tensor:
     """grouped.grouped_ffn on quantized experts: x [S, H] rows sorted by group_ids [S] -> [S, H] in x's dtype,
-    each row through its own expert: the native kernel on a CPU device, else the twin with its
-    dequantization batched over experts (a GPU's fast tier). Both tiers of a quantized layer run through
-    here, so an activation's output has the same bits whichever tier computes it, and the layer sums them
-    in router order: the model's function does not depend on which experts are resident (speculative
-    decoding stays exact). native_ok=False: the twin only (benchmarks' PyTorch baseline)."""
+    each row through its own expert: the native kernel on a CPU device; on a GPU's fast tier the Triton kernel that
+    reads the slots' codes in place (triton_ffn.py), else the twin with its dequantization batched over experts.
+    On a CPU device both tiers of a quantized layer run through the native kernel, so an activation's output has the
+    same bits whichever tier computes it, and the layer sums them in router order: the model's function does not depend
+    on which experts are resident (speculative decoding stays exact); on a GPU the tiers agree to fp32 rounding.
+    native_ok=False: the twin only (benchmarks' PyTorch baseline)."""
+    if native_ok and not usable(gate_up, x, 0):
+        y = triton_ffn.grouped_ffn(x, gate_up, down, group_ids, act)
+        if y is not None:
+            return y.to(x.dtype)
     if sizes is None:
         sizes = torch.bincount(group_ids.cpu(), minlength=gate_up.q.shape[0])  # [G]
     active = sizes.nonzero().flatten()

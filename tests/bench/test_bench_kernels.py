@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from moechat.app.bench import kernels
 from moechat.app.cli import main
@@ -29,6 +30,20 @@ def test_bench_kernels_times_the_quantized_kernel(quant, small_pool, capsys):
     assert [r["tokens"] for r in result["cpu"]] == [1, 3]
     for row in result["cpu"]:
         assert row["native_ms"] > 0 and row["torch_ms"] > 0 and row["read_ratio"] == pytest.approx(row["gbps"] / row["read_gbps"])
+    if not torch.cuda.is_available():  # the GPU's quantized slots: said, not measured
+        assert result["cuda_quant"] == [] and result["cuda_quant_note"] == "not measured: no CUDA device"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_bench_kernels_times_the_gpu_kernel_for_quantized_slots(quant, small_pool, capsys):
+    argv = ["bench", "kernels", "--quant", quant, "--shapes", "qwen3-30b-a3b", "--tokens", "1,5", "--experts", "8",
+            "--repeats", "3", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cuda_quant_note"] == "" and [r["tokens"] for r in result["cuda_quant"]] == [1, 5]
+    for row in result["cuda_quant"]:
+        assert row["kernel_ms"] > 0 and row["twin_ms"] > 0 and row["gbps"] > 0
 
 
 def test_bench_kernels_refuses_a_bf16_path_for_quantized_weights(capsys):

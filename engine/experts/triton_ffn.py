@@ -1,0 +1,166 @@
+"""Quantized experts on a GPU's fast tier, read in place: one Triton kernel per projection over every activation of a
+layer, int4/int8 codes and fp16 scales in the slots' own bytes (formats.py's interleaved layout), activations quantized
+to int8 per block of 32 as the CPU kernel does, integer dot products per block, then per block
+
+    y[s, r] += d[r, b] · dx[s, b] · Σ u[r, b, :] · qx[s, b, :]  +  m[r, b] · ds[s, b]      (ds = dx · Σ qx; int8: m = -128 d)
+
+the CPU kernel's sum (quant_tiles.h: qmat_scalar). Its twin is formats.grouped_expert_ffn, which dequantizes whole experts
+to fp32 and multiplies (tens of kernels and 4-8 bytes written per weight); the two differ in fp32 rounding only.
+Slots are a device tensor, nothing is read back to the host, so a pass can be captured in a CUDA graph. Triton ships
+with PyTorch's CUDA builds; without it (or where a kernel fails to compile) the twin runs, said once in the log. The
+tests run the same kernels on the CPU in Triton's interpreter (`on_cpu()`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+from ..quant import formats
+from ..quant.formats import BLOCK, ROWS, QuantMatrix
+
+log = logging.getLogger(__name__)
+triton = tl = None  # imported on first use: a CPU-only install has no Triton
+
+BLOCK_ROWS = 64  # output rows per program: 4 interleaved groups of 16 (a last tile masked)
+BLOCKS_PER_STEP = 4  # blocks of 32 columns per loop step: [64 rows, 4 blocks · 16 bytes] of int4 codes
+_kernels: dict[bool, object] = {}  # interpreted or compiled -> the jit function
+_failed: str | None = None  # why the kernel is off for this process
+
+
+def _build():
+    """The jit kernel, defined on first use (Triton reads TRITON_INTERPRET when it decorates; its interpreter patches
+    the module's global `tl`)."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def q_matmul(xq, xd, xs, row_slot, wq, ws, wm, out, R, NB, x_stride, d_stride, slot_q, slot_s,
+                 BITS: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr):
+        # program (row tile, activation s): out[s, r0:r0+BR] for the expert in slot row_slot[s]
+        s = tl.program_id(1)
+        r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR] output rows
+        rows = r < R
+        slot = tl.load(row_slot + s).to(tl.int64)
+        row_bytes = NB * (32 * BITS // 8)
+        lane = r % 16
+        q_row = wq + slot * slot_q + (r // 16) * 16 * row_bytes + lane * 4  # [BR] a row's first byte of each vector
+        s_row = ws + slot * slot_s + (r // 16) * 16 * NB + lane  # [BR] its first scale ([group][block][16 rows])
+        m_row = wm + slot * slot_s + (r // 16) * 16 * NB + lane
+        k = tl.arange(0, BB * 16)  # [BB·16]: 16 bytes per block and row (int4); int8 takes two such halves
+        kb, k16 = k // 16, k % 16  # the byte's block in the step, its index in the block's 16 (vector k16 // 4)
+        acc = tl.zeros([BR], dtype=tl.float32)
+        for b0 in range(0, NB, BB):
+            b = b0 + kb  # [BB·16]
+            live = b < NB
+            x_row = xq + s * x_stride + b * 32
+            if BITS == 4:  # byte j of vector v: column 8v + j (low nibble) and 8v + 4 + j (high)
+                at = q_row[:, None] + (b * 256 + (k16 // 4) * 64 + k16 % 4)[None, :]
+                byte = tl.load(at, mask=rows[:, None] & live[None, :], other=0)
+                col = (k16 // 4) * 8 + k16 % 4
+                lo = tl.load(x_row + col, mask=live, other=0).to(tl.int32)
+                hi = tl.load(x_row + col + 4, mask=live, other=0).to(tl.int32)
+                byte = byte.to(tl.int32)
+                prod = (byte & 15) * lo[None, :] + (byte >> 4) * hi[None, :]  # [BR, BB·16]
+            else:  # int8: vector i of a block holds columns 4i..4i+3; two loads of 16 bytes cover its 32
+                base = q_row[:, None] + (b * 512 + (k16 // 4) * 64 + k16 % 4)[None, :]
+                first = tl.load(base, mask=rows[:, None] & live[None, :], other=0).to(tl.int32)
+                second = tl.load(base + 256, mask=rows[:, None] & live[None, :], other=0).to(tl.int32)
+                col = (k16 // 4) * 4 + k16 % 4
+                prod = first * tl.load(x_row + col, mask=live, other=0).to(tl.int32)[None, :]
+                prod += second * tl.load(x_row + col + 16, mask=live, other=0).to(tl.int32)[None, :]
+            dot = tl.sum(tl.reshape(prod, [BR, BB, 16]), axis=2)  # [BR, BB] exact integer sums per block
+            bb = b0 + tl.arange(0, BB)  # [BB]
+            on = bb < NB
+            on2 = rows[:, None] & on[None, :]
+            d = tl.load(s_row[:, None] + bb[None, :] * 16, mask=on2, other=0).to(tl.float32)  # [BR, BB]
+            dx = tl.load(xd + s * d_stride + bb, mask=on, other=0)  # [BB]
+            ds = tl.load(xs + s * d_stride + bb, mask=on, other=0)
+            if BITS == 4:
+                m = tl.load(m_row[:, None] + bb[None, :] * 16, mask=on2, other=0).to(tl.float32)
+            else:
+                m = -128.0 * d
+            acc += tl.sum(dot.to(tl.float32) * (d * dx[None, :]) + m * ds[None, :], axis=1)
+        tl.store(out + s * R + r, acc, mask=rows)
+
+    return q_matmul
+
+
+_on_cpu = False  # the kernels may take CPU tensors: Triton's interpreter (the tests; see on_cpu)
+
+
+@contextlib.contextmanager
+def on_cpu():
+    """Let the kernels take CPU tensors, run by Triton's interpreter. The interpreter must be on before triton is first
+    imported (TRITON_INTERPRET=1: tests/conftest.py sets it on machines without CUDA)."""
+    global _on_cpu
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton's interpreter is off: set TRITON_INTERPRET=1 before triton is imported")
+    _on_cpu = True
+    try:
+        yield
+    finally:
+        _on_cpu = False
+
+
+def usable(w: QuantMatrix, x: torch.Tensor) -> bool:
+    """Whether the kernel takes this call: slots on a GPU (or the interpreter), Triton importable, no failure so far."""
+    if _failed is not None or not (x.is_cuda or _on_cpu) or x.device != w.device:
+        return False
+    try:
+        import triton  # noqa: F401  -- PyTorch's CUDA wheels ship it
+    except ImportError:
+        return False
+    same = w.minimum is None or w.minimum.stride() == w.scale.stride()  # the kernel steps both by the scales' stride
+    return same and w.q.dim() == 3 and all(t.is_contiguous() for t in w.tensors())
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [S, K] -> (qx int8 [S, Kp], dx fp32 [S, nb], ds = dx · Σ qx per block [S, nb]): the CPU kernel's quantize_acts."""
+    qx, dx = formats.quantize_activations(x.float())
+    ds = dx * qx.view(qx.shape[0], -1, BLOCK).sum(-1, dtype=torch.int32).float()
+    return qx, dx.contiguous(), ds.contiguous()
+
+
+def q_matmul(x: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_slot: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
+    """Quantized activations (quantize_activations' three) [S, K] · the slot's W^T for each row -> [S, R] fp32;
+    row_slot [S] int64 on the slots' device, w [slots, R, K] quantized."""
+    qx, dx, ds = x
+    S, R, NB = qx.shape[0], w.rows, w.q.shape[-1] * 8 // formats.BITS[w.fmt] // BLOCK
+    out = torch.empty(S, R, dtype=torch.float32, device=qx.device)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpret not in _kernels:
+        _kernels[interpret] = _build()
+    minimum = w.minimum if w.minimum is not None else w.scale  # int8 never reads it
+    grid = (-(-R // BLOCK_ROWS), S)
+    _kernels[interpret][grid](qx, dx, ds, row_slot, w.q, w.scale, minimum, out, R, NB, qx.stride(0), dx.stride(0),
+                              w.q.stride(0), w.scale.stride(0), BITS=formats.BITS[w.fmt], BR=BLOCK_ROWS,
+                              BB=BLOCKS_PER_STEP)
+    return out
+
+
+def expert_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, act) -> torch.Tensor:
+    """x [S, H], each row through the expert in its slot row_slot [S] (device int64) -> [S, H] fp32: gate and up in
+    one product, act(gate) · up quantized again, then down (formats.grouped_expert_ffn's function)."""
+    gate, up = q_matmul(quantize_activations(x), row_slot, gate_up).chunk(2, dim=-1)  # [S, I] each
+    return q_matmul(quantize_activations(act(gate) * up), row_slot, down)
+
+
+def grouped_ffn(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act) -> torch.Tensor | None:
+    """cpu_ffn.grouped_ffn_q's GPU path: rows sorted by slot group_ids [S] (host) -> [S, H] fp32, or None where the kernel
+    is off (the caller runs the twin). A first failure (a GPU or Triton version it does not compile for) turns it off."""
+    global _failed
+    if not (usable(gate_up, x) and usable(down, x)):
+        return None
+    try:
+        return expert_ffn(x, group_ids.to(device=x.device, dtype=torch.int64), gate_up, down, act)
+    except Exception as err:  # noqa: BLE001 -- any compile or launch failure: the twin from here on, said once
+        _failed = f"{type(err).__name__}: {err}"
+        log.warning("quantized experts on the GPU run the dequantizing twin (the Triton kernel failed: %s)", _failed)
+        return None
+
+
+assert BLOCK_ROWS % ROWS == 0  # a program's rows are whole interleaved groups

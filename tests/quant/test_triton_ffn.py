@@ -1,0 +1,116 @@
+"""The GPU's quantized-expert kernel (engine/experts/triton_ffn.py) against its twin (formats.grouped_expert_ffn) and
+the CPU kernel: on the CPU through Triton's interpreter (the same kernel source the GPU compiles), on CUDA where
+there is one (marked)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_engine
+
+from moechat.engine.experts import cpu_ffn, triton_ffn
+from moechat.engine.quant import formats
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[test,kernels]'; CUDA PyTorch ships it)")
+
+PROMPT = list(range(5, 25))
+TOL = 2e-5  # fp32 rounding: the kernel sums exact integer block dots, the twin multiplies dequantized weights
+
+
+def _slots(fmt: str, n: int, rows: int, k: int, seed: int, device="cpu") -> formats.QuantMatrix:
+    """n experts' [rows, k] matrices quantized, as a fast tier's slots hold them."""
+    w = torch.randn(n, rows, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return _to(cpu_ffn.quantize(w, fmt), device)  # native where built, else its twin (bit for bit)
+
+
+def _to(w: formats.QuantMatrix, device) -> formats.QuantMatrix:
+    return formats.QuantMatrix.from_named(w.fmt, w.k, {n: t.to(device) for n, t in w.named_tensors().items()})
+
+
+def _twin(x, gate_up, down, slot_of_row):
+    """The twin over rows sorted by slot (its contract), put back in the rows' order."""
+    order = torch.argsort(slot_of_row, stable=True)
+    ids, sizes = torch.unique_consecutive(slot_of_row[order], return_counts=True)
+    y = formats.grouped_expert_ffn(x[order], gate_up, down, ids.tolist(), sizes.tolist(), F.silu)
+    return torch.empty_like(y).index_copy_(0, order, y)
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+@pytest.mark.parametrize(("hidden", "inter"), [(64, 32), (96, 80)], ids=["whole-steps", "ragged"])
+def test_kernel_equals_the_twin(fmt, hidden, inter):
+    """Rows (several per slot, slots in any order) through their slots' experts, in the interpreter: the twin's function
+    within fp32 rounding. 96 columns are 3 blocks (a partial step of 4), 80 rows of down a partial tile of 64."""
+    gate_up, down = _slots(fmt, 5, 2 * inter, hidden, 0), _slots(fmt, 5, hidden, inter, 1)
+    x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(2))
+    slot_of_row = torch.tensor([3, 0, 3, 4, 1, 3, 0])
+    with triton_ffn.on_cpu():
+        assert triton_ffn.usable(gate_up, x)
+        got = triton_ffn.expert_ffn(x, slot_of_row, gate_up, down, F.silu)
+    want = _twin(x, gate_up, down, slot_of_row)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max() <= TOL * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_one_projection_is_the_cpu_kernels_sum(fmt):
+    """One product against the CPU kernel's scalar formula written out: per block d·dx·Σu·qx + m·ds."""
+    w = _slots(fmt, 2, 32, 64, 3)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    acts = triton_ffn.quantize_activations(x)
+    with triton_ffn.on_cpu():
+        got = triton_ffn.q_matmul(acts, torch.tensor([1, 0, 1]), w)
+    qx, dx, ds = acts
+    u = formats.codes(w).float().view(2, 32, 2, 32)  # [slot, R, nb, 32]
+    d = formats.deinterleave_scales(w.scale).float()  # [slot, R, nb]
+    m = -128 * d if w.minimum is None else formats.deinterleave_scales(w.minimum).float()
+    for s, slot in enumerate((1, 0, 1)):
+        dots = (u[slot] * qx[s].float().view(2, 32)).sum(-1)  # [R, nb] exact
+        want = (dots * (d[slot] * dx[s]) + m[slot] * ds[s]).sum(-1)
+        assert torch.allclose(got[s], want, rtol=1e-6, atol=1e-7)
+
+
+def test_the_dispatcher_runs_the_kernel_for_slots_off_the_cpu(monkeypatch):
+    """grouped_ffn_q takes the kernel where the slots are not on the CPU (here: the interpreter standing in), and the
+    twin once the kernel has failed, said once."""
+    gate_up, down = _slots("int4", 4, 64, 64, 5), _slots("int4", 4, 64, 32, 6)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(7))
+    slots = torch.tensor([0, 0, 2, 3])
+    calls = []
+    monkeypatch.setattr(cpu_ffn, "usable", lambda *a: False)  # not the CPU kernel: as for a GPU's slots
+    real = triton_ffn.expert_ffn
+    monkeypatch.setattr(triton_ffn, "expert_ffn", lambda *a: calls.append(1) or real(*a))
+    with triton_ffn.on_cpu():
+        y = cpu_ffn.grouped_ffn_q(x, gate_up, down, slots, F.silu)
+        assert calls == [1]
+        monkeypatch.setattr(triton_ffn, "_failed", None)
+        monkeypatch.setattr(triton_ffn, "expert_ffn", lambda *a: (_ for _ in ()).throw(RuntimeError("no sm_61 build")))
+        twin = cpu_ffn.grouped_ffn_q(x, gate_up, down, slots, F.silu)
+        assert triton_ffn._failed == "RuntimeError: no sm_61 build" and not triton_ffn.usable(gate_up, x)
+    assert (y - twin).abs().max() <= TOL * twin.abs().max()
+
+
+def test_the_engine_decodes_through_the_kernel_as_through_the_twin(checkpoint, monkeypatch, fmt="int4"):
+    """Every expert resident, the fast tier computed as on a GPU (no CPU kernel): the kernel's greedy tokens are the
+    twin's, with and without the self drafter."""
+    ck = checkpoint("qwen3_moe")
+    monkeypatch.setattr(cpu_ffn, "usable", lambda *a: False)
+    twin = run_engine(ck, PROMPT, 12, quant=fmt, expert_cache_ratio=1.0).token_ids
+    calls = []
+    real = triton_ffn.expert_ffn
+    monkeypatch.setattr(triton_ffn, "expert_ffn", lambda *a: calls.append(1) or real(*a))
+    with triton_ffn.on_cpu():
+        assert run_engine(ck, PROMPT, 12, quant=fmt, expert_cache_ratio=1.0).token_ids == twin
+        assert run_engine(ck, PROMPT, 12, quant=fmt, expert_cache_ratio=1.0, drafter="self").token_ids == twin
+    assert len(calls) > 24 and triton_ffn._failed is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_kernel_on_cuda_equals_the_twin(fmt):
+    """Compiled for the GPU: the Qwen3-30B-A3B expert shape, 9 rows over 6 slots."""
+    gate_up, down = _slots(fmt, 6, 1536, 2048, 8, "cuda"), _slots(fmt, 6, 2048, 768, 9, "cuda")
+    x = torch.randn(9, 2048, device="cuda")
+    slot_of_row = torch.tensor([5, 0, 0, 2, 3, 3, 3, 1, 4], device="cuda")
+    got = triton_ffn.expert_ffn(x, slot_of_row, gate_up, down, F.silu)
+    want = _twin(x, gate_up, down, slot_of_row)
+    assert triton_ffn._failed is None and (got - want).abs().max() <= 1e-4 * want.abs().max()
