@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 triton = tl = None  # imported on first use: a CPU-only install has no Triton
 
 BLOCK_ROWS = 64  # output rows per program: 4 interleaved groups of 16 (a last tile masked)
-BLOCKS_PER_STEP = 4  # blocks of 32 columns per loop step: [64 rows, 4 blocks · 16 bytes] of int4 codes
+BLOCKS_PER_STEP = 4  # blocks of 32 columns per loop step: [64 rows, 4 blocks · 4 words] of int4 codes
 _kernels: dict[bool, object] = {}  # interpreted or compiled -> the jit function
 _failed: str | None = None  # why the kernel is off for this process
 
@@ -40,39 +40,34 @@ def _build():
     @triton.jit
     def q_matmul(xq, xd, xs, row_slot, wq, ws, wm, out, R, NB, x_stride, d_stride, slot_q, slot_s,
                  BITS: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr):
-        # program (row tile, activation s): out[s, r0:r0+BR] for the expert in slot row_slot[s]
+        # program (row tile, activation s): out[s, r0:r0+BR] for the expert in slot row_slot[s]. The codes are read as
+        # int32 words: per 16-row group and block, vector v of lane r is one word (int4: BITS = 4 vectors, a byte's
+        # low nibble column 8v + j and high nibble 8v + 4 + j; int8: 8 vectors, byte j column 4v + j)
         s = tl.program_id(1)
         r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR] output rows
         rows = r < R
         slot = tl.load(row_slot + s).to(tl.int64)
-        row_bytes = NB * (32 * BITS // 8)
-        lane = r % 16
-        q_row = wq + slot * slot_q + (r // 16) * 16 * row_bytes + lane * 4  # [BR] a row's first byte of each vector
-        s_row = ws + slot * slot_s + (r // 16) * 16 * NB + lane  # [BR] its first scale ([group][block][16 rows])
-        m_row = wm + slot * slot_s + (r // 16) * 16 * NB + lane
-        k = tl.arange(0, BB * 16)  # [BB·16]: 16 bytes per block and row (int4); int8 takes two such halves
-        kb, k16 = k // 16, k % 16  # the byte's block in the step, its index in the block's 16 (vector k16 // 4)
+        q_row = wq + slot * slot_q + (r // 16) * 16 * (NB * BITS) + r % 16  # [BR] the row's word of vector 0, block 0
+        s_row = ws + slot * slot_s + (r // 16) * 16 * NB + r % 16  # [BR] its scale of block 0 ([group][block][16 rows])
+        m_row = wm + slot * slot_s + (r // 16) * 16 * NB + r % 16
+        k = tl.arange(0, BB * BITS)  # [BB·BITS] words of a step: block k // BITS, vector k % BITS
+        kb, v = k // BITS, k % BITS
         acc = tl.zeros([BR], dtype=tl.float32)
         for b0 in range(0, NB, BB):
-            b = b0 + kb  # [BB·16]
+            b = b0 + kb  # [BB·BITS]
             live = b < NB
+            word = tl.load(q_row[:, None] + (b * (16 * BITS) + v * 16)[None, :], mask=rows[:, None] & live[None, :], other=0)
             x_row = xq + s * x_stride + b * 32
-            if BITS == 4:  # byte j of vector v: column 8v + j (low nibble) and 8v + 4 + j (high)
-                at = q_row[:, None] + (b * 256 + (k16 // 4) * 64 + k16 % 4)[None, :]
-                byte = tl.load(at, mask=rows[:, None] & live[None, :], other=0)
-                col = (k16 // 4) * 8 + k16 % 4
-                lo = tl.load(x_row + col, mask=live, other=0).to(tl.int32)
-                hi = tl.load(x_row + col + 4, mask=live, other=0).to(tl.int32)
-                byte = byte.to(tl.int32)
-                prod = (byte & 15) * lo[None, :] + (byte >> 4) * hi[None, :]  # [BR, BB·16]
-            else:  # int8: vector i of a block holds columns 4i..4i+3; two loads of 16 bytes cover its 32
-                base = q_row[:, None] + (b * 512 + (k16 // 4) * 64 + k16 % 4)[None, :]
-                first = tl.load(base, mask=rows[:, None] & live[None, :], other=0).to(tl.int32)
-                second = tl.load(base + 256, mask=rows[:, None] & live[None, :], other=0).to(tl.int32)
-                col = (k16 // 4) * 4 + k16 % 4
-                prod = first * tl.load(x_row + col, mask=live, other=0).to(tl.int32)[None, :]
-                prod += second * tl.load(x_row + col + 16, mask=live, other=0).to(tl.int32)[None, :]
-            dot = tl.sum(tl.reshape(prod, [BR, BB, 16]), axis=2)  # [BR, BB] exact integer sums per block
+            prod = tl.zeros([BR, BB * BITS], dtype=tl.int32)
+            for j in tl.static_range(4):
+                byte = (word >> (8 * j)) & 255  # [BR, BB·BITS]
+                if BITS == 4:
+                    lo = tl.load(x_row + v * 8 + j, mask=live, other=0).to(tl.int32)
+                    hi = tl.load(x_row + v * 8 + 4 + j, mask=live, other=0).to(tl.int32)
+                    prod += (byte & 15) * lo[None, :] + (byte >> 4) * hi[None, :]
+                else:
+                    prod += byte * tl.load(x_row + v * 4 + j, mask=live, other=0).to(tl.int32)[None, :]
+            dot = tl.sum(tl.reshape(prod, [BR, BB, BITS]), axis=2)  # [BR, BB] exact integer sums per block
             bb = b0 + tl.arange(0, BB)  # [BB]
             on = bb < NB
             on2 = rows[:, None] & on[None, :]
@@ -136,8 +131,9 @@ def q_matmul(x: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_slot: torch
         _kernels[interpret] = _build()
     minimum = w.minimum if w.minimum is not None else w.scale  # int8 never reads it
     grid = (-(-R // BLOCK_ROWS), S)
-    _kernels[interpret][grid](qx, dx, ds, row_slot, w.q, w.scale, minimum, out, R, NB, qx.stride(0), dx.stride(0),
-                              w.q.stride(0), w.scale.stride(0), BITS=formats.BITS[w.fmt], BR=BLOCK_ROWS,
+    words = w.q.view(torch.int32)  # [slots, R, bytes / 4]: a row's bytes are whole words (16 or 32 per block)
+    _kernels[interpret][grid](qx, dx, ds, row_slot, words, w.scale, minimum, out, R, NB, qx.stride(0), dx.stride(0),
+                              words.stride(0), w.scale.stride(0), BITS=formats.BITS[w.fmt], BR=BLOCK_ROWS,
                               BB=BLOCKS_PER_STEP)
     return out
 
