@@ -241,6 +241,18 @@ class ExpertCache(SlotTable):
 
     cancels = property(lambda self: self.copier is not None)
 
+    def fill(self) -> bool:
+        """A tier with a slot for every expert takes them all now, at load (a model that fits the GPU: its MoE layers
+        then run on the device, resident.py); the counters start from zero after it. -> whether it filled."""
+        if self.capacity < self.slot_of.numel() or self.capacity == 0:
+            return False
+        for li in range(self.slot_of.shape[0]):
+            for e in range(self.num_experts):
+                self.load(li, e)
+        self.wait_copies()
+        self.bytes_moved = self.loads = 0
+        return True
+
     def close(self) -> None:
         """End the native copier's thread (queued copies dropped, issued ones waited for); idempotent."""
         if self.copier is not None:

@@ -212,20 +212,27 @@ def account(rt: MoERuntime, li: int, phase: str, counts: torch.Tensor, computed:
         rt.report_draft_demand(li, counts if demand is None else demand)
 
 
-def account_layers(rt: MoERuntime, lis: torch.Tensor, phase: str, counts: torch.Tensor, computed: int) -> None:
-    """account() for several layers of one pass whose experts all ran on the CPU (the decode stack's): lis [L] their
-    indices, counts [L, E]; one update of the counters, then the policy's on_layer per layer, as account() makes them."""
+def account_layers(rt: MoERuntime, lis: torch.Tensor, phase: str, counts: torch.Tensor, computed: int,
+                   hits: bool = False) -> None:
+    """account() for several layers of one pass computed by one call: lis [L] their indices, counts [L, E]; one update
+    of the counters, then the policy's hooks per layer, as split_tiers and account() make them. Every expert on the CPU
+    (the decode stack's pass), or with hits every one on the fast tier (resident.py's)."""
     if phase == "draft":
         for li, row in zip(lis.tolist(), counts.unbind(0)):
-            account(rt, li, phase, row, computed, 0, 0, None)
+            account(rt, li, phase, row, computed, computed if hits else 0, 0, None)
         return
     c = rt.counters
     c.freq.index_add_(0, lis, counts)
-    c.misses += computed * len(lis)
+    if hits:
+        c.hits += computed * len(lis)
+    else:
+        c.misses += computed * len(lis)
     clock = rt.cache.copy_clock
     t0, copied = time.perf_counter(), clock.s
     for li, row in zip(lis.tolist(), counts.unbind(0)):
         if rt.hooks:
+            with rt.cache.lock:
+                rt.policy.before_layer(li, row)
             rt.policy.after_layer(li)
         rt.policy.on_layer(li, row, phase)
     c.add_policy(time.perf_counter() - t0, clock.s - copied)

@@ -20,6 +20,7 @@ from . import cpu_ffn
 from .cache import ExpertCache
 from .counters import LayerCounters
 from .moe_layer import account, apply_budget, compute, cpu_direct, route, split_tiers
+from .resident import ResidentExperts
 from .store import ExpertStore
 
 Remap = Callable[[int], "torch.Tensor | None"]  # sparse layer -> [E] resident substitute per expert, or None
@@ -69,6 +70,7 @@ class MoERuntime:
         self.hooks = True  # whether the pass in progress calls the policy's before_layer/after_layer
         self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
         self.counters = LayerCounters(len(store.layers), store.num_experts)
+        self.resident = ResidentExperts(self)  # MoE layers on the device in the static passes, when every expert fits
         # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses;
         # native_cpu=False keeps the PyTorch CPU path (benchmarks compare the two)
         is_silu = getattr(act, "__name__", "") == "silu" or type(act).__name__ in ("SiLU", "SiLUActivation")

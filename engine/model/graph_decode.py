@@ -47,6 +47,8 @@ class Segment:
 @dataclass
 class PassBuffers:
     """One pass length's static tensors: inputs filled before a replay, outputs each segment's capture allocated."""
+    segments: list  # the segments these buffers' passes run: cut at each MoE layer, or one (every expert resident)
+    resident: bool  # the MoE layers run inside the segments, on the device (resident.py)
     ids: torch.Tensor  # [1, T] int64 (input)
     start: torch.Tensor  # [1] int64: the cache's length before the pass (input)
     y: torch.Tensor  # [T, H] the last MoE layer's routed experts' output (input of the next segment)
@@ -73,6 +75,15 @@ def _splits(mlp) -> bool:
         not hasattr(mlp, "shared_expert") or hasattr(mlp, "shared_expert_gate"))
 
 
+def _shared(mlp, h: torch.Tensor) -> torch.Tensor | None:
+    """The block's shared expert on h [T, H] -> [1, T, H]: qwen2_moe's sigmoid-gated one, DeepSeek-V2's added ungated."""
+    if hasattr(mlp, "shared_expert"):
+        return (F.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h))[None]
+    if hasattr(mlp, "shared_experts"):
+        return mlp.shared_experts(h)[None]
+    return None
+
+
 class GraphedDecode:
     """ids [1, T] appended to a KV cache that holds a past -> float32 logits of the last `keep` positions [keep, V]."""
 
@@ -80,7 +91,11 @@ class GraphedDecode:
         self.lean, self.capture = lean, capture
         self.mla = isinstance(lean, LeanDeepseek)  # DeepSeek-V2: latent attention, complex rotary
         self.segments = segments(lean.layers)
-        self.buffers: dict[int, PassBuffers] = {}  # per pass length
+        moe = [layer.mlp for layer in lean.layers if isinstance(getattr(layer.mlp, "experts", None), OffloadedExperts)]
+        self.runtime = moe[0].experts.runtime if moe else None
+        self.moe_layers = [mlp.experts.li for mlp in moe]  # the runtime's indices of the sparse layers, in order
+        self.top_k = moe[0].gate.top_k if moe and all(_splits(mlp) for mlp in moe) else None  # None: no device MoE
+        self.buffers: dict[tuple[int, bool], PassBuffers] = {}  # per pass length and whether the MoE runs in the pass
         self.failed: str | None = None  # why capturing stopped (the passes then run eagerly)
         self.device = lean.base.embed_tokens.weight.device  # the model's GPU (not necessarily the current one)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -99,7 +114,11 @@ class GraphedDecode:
         if T > MAX_GRAPH_POSITIONS:
             return self.lean(ids, cache, keep)
         start, key = self._prepare(cache, T)
-        buf = self._buffers(T, ids.device)
+        rt = self.runtime
+        resident = self.top_k is not None and rt.resident.usable(rt.mode)  # every expert on the device: one segment
+        buf = self._buffers(T, resident, ids.device)
+        if resident:
+            key = (*key, rt.resident.table.data_ptr())
         if buf.key != key:  # new buffers: the graphs read the old ones
             buf.key, buf.seen, buf.graphs, buf.out = key, 0, [], []
         buf.seen += 1
@@ -107,13 +126,16 @@ class GraphedDecode:
         buf.ids.copy_(ids)
         buf.start.fill_(start)
         with torch.cuda.device(self.device) if self.capture else contextlib.nullcontext():  # replays: on the model's GPU
-            for s, seg in enumerate(self.segments):
+            for s, seg in enumerate(buf.segments):
                 out = self._run(s, buf, cache, capture)
                 if seg.moe:
                     buf.y.copy_(self._experts(seg.end, out))
         for i in range(len(self.lean.layers)):
             cache.layers[i].advance(T)
-        return buf.out[-1]["logits"][-keep:].clone()
+        logits = buf.out[-1]["logits"][-keep:].clone()
+        if resident:  # the pass's expert counts to the host: the counters and the policy, as a host MoE layer feeds them
+            rt.resident.account(self.moe_layers, rt.mode.phase, T, self.top_k)
+        return logits
 
     def _prepare(self, cache, T: int) -> tuple[int, tuple]:
         """Room for T more positions in every layer (buffers grow in blocks, zero-filled: masked slots hold no NaN) and
@@ -134,14 +156,15 @@ class GraphedDecode:
         lean._tables(end, like)
         return lean.cos
 
-    def _buffers(self, T: int, device) -> PassBuffers:
-        if T not in self.buffers:
+    def _buffers(self, T: int, resident: bool, device) -> PassBuffers:
+        if (T, resident) not in self.buffers:
             H = self.lean.config.hidden_size
             dtype = self.lean.base.embed_tokens.weight.dtype
-            self.buffers[T] = PassBuffers(torch.zeros(1, T, dtype=torch.int64, device=device),
-                                          torch.zeros(1, dtype=torch.int64, device=device),
-                                          torch.zeros(T, H, dtype=dtype, device=device))
-        return self.buffers[T]
+            cuts = [Segment(0, len(self.lean.layers), False)] if resident else self.segments
+            self.buffers[T, resident] = PassBuffers(cuts, resident, torch.zeros(1, T, dtype=torch.int64, device=device),
+                                                    torch.zeros(1, dtype=torch.int64, device=device),
+                                                    torch.zeros(T, H, dtype=dtype, device=device))
+        return self.buffers[T, resident]
 
     def _run(self, s: int, buf: PassBuffers, cache, capture: bool) -> dict:
         """Segment s: replayed, captured then replayed, or run eagerly -> its outputs."""
@@ -177,7 +200,7 @@ class GraphedDecode:
         return graph, out
 
     def _segment(self, s: int, buf: PassBuffers, cache) -> dict:
-        lean, seg = self.lean, self.segments[s]
+        lean, seg = self.lean, buf.segments[s]
         T = buf.ids.shape[1]
         positions = buf.start + torch.arange(T, device=buf.start.device)  # [T]
         C = cache.layers[0].capacity()
@@ -193,7 +216,7 @@ class GraphedDecode:
             moe_out = buf.y[None] if prev["shared"] is None else buf.y[None] + prev["shared"]  # as the block adds them
             x = prev["x"] + moe_out
         for i in range(seg.first, seg.end):
-            x = self._layer(i, x, rotary, cache.layers[i], positions, visible)
+            x = self._layer(i, x, rotary, cache.layers[i], positions, visible, buf.resident)
         if not seg.moe:
             norm = lean.base.norm
             return {"logits": lean.hf.lm_head.forward(rms_norm(x, norm.weight, norm.variance_epsilon))[0].float()}
@@ -205,10 +228,7 @@ class GraphedDecode:
         mlp = layer.mlp
         if _splits(mlp):
             _, out["weights"], out["experts"] = mlp.gate(h)  # [T, k] each
-            if hasattr(mlp, "shared_expert"):
-                out["shared"] = (F.sigmoid(mlp.shared_expert_gate(h)) * mlp.shared_expert(h))[None]  # [1, T, H]
-            elif hasattr(mlp, "shared_experts"):  # DeepSeek-V2's, added ungated
-                out["shared"] = mlp.shared_experts(h)[None]
+            out["shared"] = _shared(mlp, h)
         return out
 
     def _experts(self, i: int, out: dict) -> torch.Tensor:
@@ -218,11 +238,18 @@ class GraphedDecode:
             return mlp.experts(out["h"], out["experts"], out["weights"])
         return mlp.forward(out["h"][None])[0]
 
-    def _layer(self, i: int, x, rotary, layer_cache, positions, visible) -> torch.Tensor:
+    def _layer(self, i: int, x, rotary, layer_cache, positions, visible, resident: bool) -> torch.Tensor:
         layer = self.lean.layers[i]
         x = x + self._attention(i, x, rotary, layer_cache, positions, visible)
         post = layer.post_attention_layernorm
-        return x + layer.mlp.forward(rms_norm(x, post.weight, post.variance_epsilon))
+        h = rms_norm(x, post.weight, post.variance_epsilon)  # [1, T, H]
+        mlp = layer.mlp
+        if not resident or not isinstance(getattr(mlp, "experts", None), OffloadedExperts):
+            return x + mlp.forward(h)
+        _, weights, experts = mlp.gate(h[0])  # [T, k] each
+        y = self.runtime.resident.ffn(mlp.experts.li, h[0], experts, weights)[None]  # [1, T, H] on the device
+        shared = _shared(mlp, h[0])
+        return x + (y if shared is None else y + shared)  # as the block adds them
 
     def _attention(self, i: int, x, rotary, layer_cache, positions, visible) -> torch.Tensor:
         """Layer i's attention sublayer on x [1, T, H]: its entries written at `positions`, every slot of the buffer

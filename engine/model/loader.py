@@ -214,6 +214,7 @@ def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, a
     runtime = MoERuntime(store, cache, policy, device, act, top_k=top_k, expert_budget=sched.expert_budget,
                          native_cpu=native_cpu, costs=costs)
     runtime.replay_routing(replay)
+    cache.fill()  # every expert fits the fast tier: all of them there from the start
     return runtime
 
 

@@ -76,7 +76,7 @@ def test_static_passes_match_transformers(family, dtype, checkpoint):
         assert err <= (1e-5 if dtype == "float32" else 2e-2) * expected.abs().max().item(), f"max diff {err}"
         if dtype == "float32":
             assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert m.lean.buffers[1].key[0] == 512  # the buffers grew once, and the passes after it read the new ones
+    assert m.lean.buffers[1, False].key[0] == 512  # the buffers grew once, and the passes after it read the new ones
     assert m.decode_path() == "static passes, eager"  # on CUDA: "CUDA graphs, N captured"
 
 
@@ -88,6 +88,50 @@ def test_static_latent_attention_matches_transformers(overrides, checkpoint):
     for expected, got in _passes(m, (1, 5, 3, 1), past=20):
         assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v2"])
+def test_every_expert_resident_runs_the_moe_in_the_pass(family, checkpoint, monkeypatch):
+    """A fast tier that holds every expert fills at load, and the static passes then compute the MoE layers on the device
+    in one segment: transformers' logits and KV entries within rounding, the counters and the policy fed the same
+    activations as the host's MoE layers give them, and no host MoE layer call."""
+    ck = str(checkpoint(family, intermediate_size=32))
+    models = [loader.load_model(EngineConfig(model_dir=ck, expert_cache_ratio=1.0)) for _ in range(2)]
+    for m in models:
+        assert len(m.runtime.cache) == m.runtime.cache.slot_of.numel() and m.runtime.cache.loads == 0  # filled at load
+        m.lean = _graphed(m.hf, m.context_len)
+    device_moe, host_moe = models
+    monkeypatch.setattr(host_moe.runtime.resident, "usable", lambda mode: False)  # the host's MoE layer, cut segments
+    steps = (1, 5, 1, 3, 5)
+    results = [_passes(m, steps, past=20) for m in models]
+    for (expected, got), (_, host) in zip(*results, strict=True):
+        for want in (expected, host):  # transformers', and the host's MoE layers (the same weights, other products)
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert [key for key in device_moe.lean.buffers] == [(1, True), (5, True), (3, True)]
+    assert all(len(b.segments) == 1 for b in device_moe.lean.buffers.values())
+    a, b = device_moe.runtime.counters, host_moe.runtime.counters
+    assert torch.equal(a.freq, b.freq) and a.hits == b.hits > 0 and a.misses == b.misses == 0
+    assert a.layer_calls < b.layer_calls  # the device's passes made no host MoE layer call (the prefill did)
+
+
+def test_quantized_slots_in_the_pass_give_the_host_layers_bits(checkpoint, monkeypatch):
+    """int4 slots computed as on a GPU (the Triton kernel, in its interpreter): each activation's row does not depend on
+    the rows beside it, so the device's MoE layers give the host path's logits bit for bit."""
+    pytest.importorskip("triton")
+    from moechat.engine.experts import cpu_ffn, triton_ffn
+
+    monkeypatch.setattr(cpu_ffn, "usable", lambda *a: False)  # no CPU kernel: the fast tier as a GPU's
+    ck = str(checkpoint("qwen3_moe", intermediate_size=32))
+    models = [loader.load_model(EngineConfig(model_dir=ck, expert_cache_ratio=1.0, quant="int4")) for _ in range(2)]
+    for m in models:
+        m.lean = _graphed(m.hf, m.context_len)
+    monkeypatch.setattr(models[1].runtime.resident, "usable", lambda mode: False)
+    with triton_ffn.on_cpu():
+        results = [_passes(m, (1, 3), past=4) for m in models]
+    for (_, got), (_, host) in zip(*results, strict=True):
+        assert torch.equal(got, host)
+    assert all(key[1] for key in models[0].lean.buffers) and triton_ffn._failed is None
 
 
 def test_masked_slots_hold_zeros_after_growth():
@@ -119,7 +163,7 @@ def test_segments_trace_as_one_graph_each(family, checkpoint, tokenizer_dir, tmp
             hf_forward(model, torch.tensor([[1, 2, 3, 4]]), cache, 1)
         with passes("verify", 4):
             g(torch.tensor([[5, 6]]), cache, 1)
-        buf = g.buffers[2]
+        buf = g.buffers[2, False]
         for s in range(len(g.segments)):
             torch._dynamo.reset()
             ops = []
@@ -170,7 +214,7 @@ def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):
     steps = (1, 1, 1, 5, 5, 5, 1)
     for (_, got), (_, want) in zip(_passes(graphed, steps, 12), _passes(eager, steps, 12), strict=True):
         assert torch.equal(got, want)
-    assert graphed.lean.failed is None and len(graphed.lean.buffers[1].graphs) == len(graphed.lean.segments)
+    assert graphed.lean.failed is None and len(graphed.lean.buffers[1, False].graphs) == len(graphed.lean.segments)
     assert graphed.decode_path() == f"CUDA graphs, {2 * len(graphed.lean.segments)} captured"
     assert graph_decode.MAX_GRAPH_POSITIONS >= 5
 
