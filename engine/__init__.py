@@ -34,9 +34,10 @@ _MODULES = {  # submodule -> the public names it provides
     "speculative.drafters": ("make_drafter",),
     "experts.grouped": ("grouped_ffn", "uses_grouped_mm"),
     "experts.native_copier": ("NativeCopier",),
-    "quant.formats": ("QuantMatrix", "empty_matrix", "matrix_bytes"),
+    "quant.formats": ("QuantMatrix", "empty_matrix", "grouped_expert_ffn", "matrix_bytes"),
 }
-_SUBMODULES = ("native", "experts.cpu_ffn")  # whole modules: the native build registry, the CPU kernel and its twin
+# whole modules: the native build registry, the CPU kernel and its twin, the GPU's quantized-expert kernel
+_SUBMODULES = ("native", "experts.cpu_ffn", "experts.triton_ffn")
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 _EXPORTS |= {sub.rpartition(".")[2]: sub for sub in _SUBMODULES}
 

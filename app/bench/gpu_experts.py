@@ -11,8 +11,7 @@ def gpu_quant_rows(shapes: dict[str, tuple[int, int]], names: list[str], fmt: st
     """Rows {shape, tokens, experts, kernel_ms, twin_ms, speedup, gbps}, or ([], why not)."""
     import torch
 
-    from ...engine.experts import cpu_ffn, triton_ffn
-    from ...engine.quant import formats
+    from ...engine import cpu_ffn, matrix_bytes, triton_ffn
 
     if not torch.cuda.is_available():
         return [], "not measured: no CUDA device"
@@ -24,7 +23,7 @@ def gpu_quant_rows(shapes: dict[str, tuple[int, int]], names: list[str], fmt: st
         down = _on_gpu(cpu_ffn.quantize(torch.randn(POOL_SLOTS, H, I, generator=gen) * 0.02, fmt, fit=False))
         if not triton_ffn.usable(gate_up, torch.empty(0, device="cuda")):
             return rows, "not measured: Triton is not importable"
-        expert_bytes = formats.matrix_bytes(fmt, 2 * I, H) + formats.matrix_bytes(fmt, H, I)
+        expert_bytes = matrix_bytes(fmt, 2 * I, H) + matrix_bytes(fmt, H, I)
         for T in tokens:
             for G in experts:
                 slots = torch.randperm(POOL_SLOTS, generator=gen)[:G].sort().values  # [G] the call's experts
@@ -44,21 +43,20 @@ def _time_sides(slots, T: int, H: int, gate_up, down, repeats: int) -> dict[str,
     import torch
     import torch.nn.functional as F
 
-    from ...engine.experts import triton_ffn
-    from ...engine.quant import formats
+    from ...engine import grouped_expert_ffn, triton_ffn
 
     G = len(slots)
     x = torch.randn(G * T, H, device="cuda")  # [G·T, H] rows sorted by slot
     row_slot = slots.repeat_interleave(T).cuda()
     ids, sizes = slots.tolist(), [T] * G
     return {"kernel": _best_ms(lambda: triton_ffn.expert_ffn(x, row_slot, gate_up, down, F.silu), repeats),
-            "twin": _best_ms(lambda: formats.grouped_expert_ffn(x, gate_up, down, ids, sizes, F.silu), repeats)}
+            "twin": _best_ms(lambda: grouped_expert_ffn(x, gate_up, down, ids, sizes, F.silu), repeats)}
 
 
 def _on_gpu(w):
-    from ...engine.quant import formats
+    from ...engine import QuantMatrix
 
-    return formats.QuantMatrix.from_named(w.fmt, w.k, {n: t.cuda() for n, t in w.named_tensors().items()})
+    return QuantMatrix.from_named(w.fmt, w.k, {n: t.cuda() for n, t in w.named_tensors().items()})
 
 
 def _best_ms(fn, repeats: int) -> float:

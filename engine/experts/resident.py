@@ -70,6 +70,7 @@ class ResidentExperts:
         counts = self.counts.index_select(0, index.to(self.counts.device)).cpu()  # [len(lis), E]
         self.counts.zero_()
         account_layers(self.rt, index, phase, counts, tokens * top_k, hits=True)
+        self.rt.counters.layer_calls += len(lis)  # their time is the graph's: not split out per layer
 
 
 def gathered_ffn(x: torch.Tensor, slots: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:

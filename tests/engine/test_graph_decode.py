@@ -102,6 +102,10 @@ def test_every_expert_resident_runs_the_moe_in_the_pass(family, checkpoint, monk
         m.lean = _graphed(m.hf, m.context_len)
     device_moe, host_moe = models
     monkeypatch.setattr(host_moe.runtime.resident, "usable", lambda mode: False)  # the host's MoE layer, cut segments
+    calls = [0, 0]  # host MoE layer calls per model: the prefill, transformers' reference passes, the host's decode passes
+    for n, m in enumerate(models):
+        monkeypatch.setattr(m.runtime, "run_layer", lambda *a, n=n, run=m.runtime.run_layer: calls.__setitem__(n, calls[n] + 1)
+                            or run(*a))
     steps = (1, 5, 1, 3, 5)
     results = [_passes(m, steps, past=20) for m in models]
     for (expected, got), (_, host) in zip(*results, strict=True):
@@ -112,7 +116,35 @@ def test_every_expert_resident_runs_the_moe_in_the_pass(family, checkpoint, monk
     assert all(len(b.segments) == 1 for b in device_moe.lean.buffers.values())
     a, b = device_moe.runtime.counters, host_moe.runtime.counters
     assert torch.equal(a.freq, b.freq) and a.hits == b.hits > 0 and a.misses == b.misses == 0
-    assert a.layer_calls < b.layer_calls  # the device's passes made no host MoE layer call (the prefill did)
+    assert a.layer_calls == b.layer_calls  # the device's layers counted as calls too
+    assert calls[1] - calls[0] == len(steps) * len(device_moe.lean.moe_layers)  # none in the device model's passes
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v2"])
+def test_a_pass_with_its_moe_layers_traces_as_one_graph(family, checkpoint):
+    """Every expert resident: the whole pass is one segment, and it traces whole with no op that reads back to the host
+    (the slot gather, the experts' products, the counts on the device)."""
+    m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32)), expert_cache_ratio=1.0))
+    g = m.lean = _graphed(m.hf, m.context_len)
+    cache = m.new_kv_cache()
+    with torch.inference_mode():
+        with m.runtime.forward("prefill", 0):
+            hf_forward(m.hf, torch.tensor([[1, 2, 3, 4]]), cache, 1)
+        with m.runtime.forward("verify", 4):
+            m.forward(torch.tensor([[5, 6]]), cache, 1)
+        buf = g.buffers[2, True]
+        torch._dynamo.reset()
+        ops = []
+
+        def backend(gm, inputs):
+            ops.extend(str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes)
+            return gm.forward
+
+        with m.runtime.forward("verify", 6):
+            traced = torch.compile(lambda: g._segment(0, buf, cache), fullgraph=True, backend=backend)
+            assert set(traced()) == {"logits"}
+    assert len(buf.segments) == 1 and "index_add_" in ops and "bmm" in ops
+    assert not HOST_READS.intersection(ops), sorted(set(ops))
 
 
 def test_quantized_slots_in_the_pass_give_the_host_layers_bits(checkpoint, monkeypatch):
