@@ -219,6 +219,9 @@ def account_layers(rt: MoERuntime, lis: torch.Tensor, phase: str, counts: torch.
     (the decode stack's pass), or with hits every one on the fast tier (resident.py's)."""
     if phase == "draft":
         for li, row in zip(lis.tolist(), counts.unbind(0)):
+            if hits and rt.hooks:  # the experts in use, as split_tiers marks them (account() releases them)
+                with rt.cache.lock:
+                    rt.policy.before_layer(li, row)
             account(rt, li, phase, row, computed, computed if hits else 0, 0, None)
         return
     c = rt.counters

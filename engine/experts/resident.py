@@ -7,7 +7,7 @@ products), the outputs weighted and summed per token in router order as moe_laye
 counted on the device. After the pass the counts come back in one copy and feed the counters and the policy as a pass
 of the CPU's decode stack does (moe_layer.account_layers). Only when every expert of every layer is resident and no
 copy is in flight: the policy then has nothing to load or evict, so feeding it after the pass changes no decision.
-Routing replay, a trace recorder, an expert budget and self-draft passes keep the host's MoE layer.
+Routing replay, a trace recorder and an expert budget keep the host's MoE layer.
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ class ResidentExperts:
         self.used: list[int] = []  # the layers the pass in progress computed here, in order
 
     def usable(self, mode: ForwardMode | None) -> bool:
-        """Whether this pass's MoE layers may run here: every expert resident and ready, nothing that needs the host's
-        MoE layer (replay, recorder, budget, a self-draft remap)."""
+        """Whether this pass's MoE layers may run here: every expert resident and ready (a self-draft's remap is then the
+        identity), nothing that needs the host's MoE layer (routing replay, a trace recorder, an expert budget)."""
         rt, cache = self.rt, self.rt.cache
-        if (mode is None or mode.phase == "draft" or mode.recorder is not None or rt.replay is not None
+        if (mode is None or mode.recorder is not None or rt.replay is not None
                 or rt.expert_budget is not None or cache.capacity == 0 or len(cache) < cache.slot_of.numel()):
             return False
         if any(not cache._ready(slot) for slot in list(cache.pending)):  # a copy still in flight

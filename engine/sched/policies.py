@@ -81,7 +81,7 @@ class LruPolicy(Policy):
         want = [(li, e) for e in need.tolist()]
         keep, loaded = set(want), False
         for key in want:
-            if key in self.recency:
+            if self._known(key):
                 continue
             if not self.cache.free:
                 victim = next(k for k in self.recency if k not in keep)  # exists: len(keep) <= capacity
@@ -93,12 +93,22 @@ class LruPolicy(Policy):
         if loaded:  # CUDA: wait for the copies, so the layer finds every slot ready
             self.cache.wait_copies()
 
+    def _known(self, key: tuple[int, int]) -> bool:
+        """Whether the expert is resident, taking one the table holds without this policy's load (a tier filled at
+        load, ExpertCache.fill) as the newest."""
+        if key in self.recency:
+            return True
+        if self.cache.slot_rows[key[0]][key[1]] < 0:
+            return False
+        self.recency[key] = None
+        return True
+
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if phase == "draft" or self.cache.capacity == 0:
             return
         for e in counts.nonzero().flatten().tolist():
             key = (li, e)
-            if key in self.recency:
+            if self._known(key):
                 self.recency.move_to_end(key)
                 continue
             if not self.cache.free:

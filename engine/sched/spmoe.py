@@ -79,7 +79,7 @@ class SpmoePolicy(LruPolicy):
         for e in order.tolist():
             key = (li, e)
             self.fresh.add(key)
-            if key in self.recency:
+            if self._known(key):
                 self.recency.move_to_end(key)  # predicted again: keep it (Alg. 1 only skips it)
                 continue
             if not self.cache.free:

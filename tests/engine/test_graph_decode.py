@@ -211,9 +211,10 @@ def test_segments_trace_as_one_graph_each(family, checkpoint, tokenizer_dir, tmp
             assert not HOST_READS.intersection(ops), sorted(set(ops))
 
 
-@pytest.mark.parametrize(("family", "drafter"), [("qwen3_moe", "none"), ("qwen3_moe", "self"), ("qwen3_moe", "draft"),
-                                                 ("deepseek_v2", "self")])
-def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, checkpoint, draft_dir, tokenizer,
+@pytest.mark.parametrize(("family", "drafter", "ratio"), [("qwen3_moe", "none", 0.5), ("qwen3_moe", "self", 0.5),
+                                                          ("qwen3_moe", "draft", 0.5), ("deepseek_v2", "self", 0.5),
+                                                          ("qwen2_moe", "self", 1.0)])
+def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, ratio, checkpoint, draft_dir, tokenizer,
                                                               monkeypatch):
     """The engine's greedy tokens, every decode, verification and draft pass through the static segments."""
     made = []
@@ -228,9 +229,11 @@ def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, c
     model_dir = checkpoint(family)
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
     name = str(draft_dir) if drafter == "draft" else drafter
-    done = run_engine(model_dir, prompt, drafter=name, expert_cache_ratio=0.5)
+    done = run_engine(model_dir, prompt, drafter=name, expert_cache_ratio=ratio)
     assert done.token_ids == hf_greedy(model_dir, prompt)
     assert len(made) == 1 + (drafter == "draft") and all(g.buffers for g in made)  # every model ran static passes
+    # every expert resident: the draft and verification passes ran their MoE layers in the pass
+    assert {resident for _, resident in made[0].buffers} == {ratio == 1.0}
 
 
 @pytest.mark.gpu
