@@ -5,7 +5,8 @@ temporary directory by `bench random-model`'s code, nothing downloaded) runs on 
 prints one line with PASS or FAIL and what to do:
   cuda         PyTorch sees a usable GPU (the one `--device auto` picks)
   equality     greedy output of the engine on CUDA (experts split between the GPU and the CPU, MoE-SpAc
-               with the self drafter; and every expert on the CPU) equals Hugging Face's on CUDA, float32
+               with the self drafter; every expert on the CPU; every expert on the GPU, its MoE layers inside the
+               graphed passes) equals Hugging Face's on CUDA, float32
   pinned       the RAM tier is page-locked, so copies to the GPU are asynchronous DMA
   copies       after generation every resident slot holds its expert's bytes exactly and is ready
   overlap      the CPU experts ran on the worker thread while the GPU ran the resident ones
@@ -88,6 +89,10 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
     cpu_only, events = run(0.0, "none")
     cpu_only.close()
     mismatches = [] if events[-1].token_ids == expected else ["every expert on the CPU"]
+    on_gpu, events = run(1.0, "none")  # every expert fits: MoE layers inside the graphed passes (resident.py)
+    on_gpu.close()
+    if events[-1].token_ids != expected:
+        mismatches.append("every expert on the GPU")
     mixed, events = run(0.5, "self")  # kept open for the checks of its slots below
     if events[-1].token_ids != expected:
         mismatches.append("spac + self drafter, half the experts on the GPU")

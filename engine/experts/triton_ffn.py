@@ -26,12 +26,12 @@ triton = tl = None  # imported on first use: a CPU-only install has no Triton
 
 BLOCK_ROWS = 64  # output rows per program: 4 interleaved groups of 16 (a last tile masked)
 BLOCKS_PER_STEP = 4  # blocks of 32 columns per loop step: [64 rows, 4 blocks · 4 words] of int4 codes
-_kernels: dict[bool, object] = {}  # interpreted or compiled -> the jit function
+_built: dict[bool, tuple] = {}  # interpreted or compiled -> the jit functions (q_matmul, quantize)
 _failed: str | None = None  # why the kernel is off for this process
 
 
 def _build():
-    """The jit kernel, defined on first use (Triton reads TRITON_INTERPRET when it decorates; its interpreter patches
+    """The jit kernels, defined on first use (Triton reads TRITON_INTERPRET when it decorates; its interpreter patches
     the module's global `tl`)."""
     global triton, tl
     import triton
@@ -81,7 +81,25 @@ def _build():
             acc += tl.sum(dot.to(tl.float32) * (d * dx[None, :]) + m * ds[None, :], axis=1)
         tl.store(out + s * R + r, acc, mask=rows)
 
-    return q_matmul
+    @triton.jit
+    def quantize(x, qx, xd, xs, K, NB, x_stride, q_stride, d_stride, BB: tl.constexpr):
+        # program (row s, blocks b0..b0+BB): x [S, K] -> codes qx int8 [S, Kp], dx = amax / 127 and ds = dx · Σ q
+        # per block [S, nb], formats.quantize_activations' bytes (launched without FMA contraction: the rounding below)
+        s = tl.program_id(0)
+        b = tl.program_id(1) * BB + tl.arange(0, BB)  # [BB]
+        col = b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BB, 32]
+        v = tl.load(x + s * x_stride + col, mask=col < K, other=0.0).to(tl.float32)  # zero-padded to whole blocks
+        d = tl.max(tl.abs(v), axis=1) / 127.0  # [BB]
+        inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)  # a block of zeros: codes 0, no division by 0
+        y = v * inv[:, None]
+        q = (y + 12582912.0) - 12582912.0  # rounded half to even (|y| <= 127 << 2^22), as torch.round and vcvtps2dq
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+        live = b < NB
+        tl.store(qx + s * q_stride + col, q.to(tl.int8), mask=live[:, None])
+        tl.store(xd + s * d_stride + b, d, mask=live)
+        tl.store(xs + s * d_stride + b, d * tl.sum(q, axis=1), mask=live)  # the sum is exact (at most 4064)
+
+    return q_matmul, quantize
 
 
 _on_cpu = False  # the kernels may take CPU tensors: Triton's interpreter (the tests; see on_cpu)
@@ -113,11 +131,25 @@ def usable(w: QuantMatrix, x: torch.Tensor) -> bool:
     return same and w.q.dim() == 3 and all(t.is_contiguous() for t in w.tensors())
 
 
+def _kernels():
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpret not in _built:
+        _built[interpret] = _build()
+    return _built[interpret]
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [S, K] -> (qx int8 [S, Kp], dx fp32 [S, nb], ds = dx · Σ qx per block [S, nb]): the CPU kernel's quantize_acts."""
-    qx, dx = formats.quantize_activations(x.float())
-    ds = dx * qx.view(qx.shape[0], -1, BLOCK).sum(-1, dtype=torch.int32).float()
-    return qx, dx.contiguous(), ds.contiguous()
+    """x [S, K] -> (qx int8 [S, Kp], dx fp32 [S, nb], ds = dx · Σ qx per block [S, nb]) in one launch: the CPU kernel's
+    quantize_acts, formats.quantize_activations' codes and scales."""
+    S, K = x.shape
+    nb = formats.padded(K) // BLOCK
+    qx = torch.empty(S, nb * BLOCK, dtype=torch.int8, device=x.device)
+    dx, ds = torch.empty(S, nb, device=x.device), torch.empty(S, nb, device=x.device)
+    x = x.contiguous()
+    grid = (S, -(-nb // BLOCKS_PER_STEP))
+    _kernels()[1][grid](x, qx, dx, ds, K, nb, x.stride(0), qx.stride(0), dx.stride(0), BB=BLOCKS_PER_STEP,
+                        enable_fp_fusion=False)
+    return qx, dx, ds
 
 
 def q_matmul(x: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_slot: torch.Tensor, w: QuantMatrix) -> torch.Tensor:
@@ -126,13 +158,10 @@ def q_matmul(x: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_slot: torch
     qx, dx, ds = x
     S, R, NB = qx.shape[0], w.rows, w.q.shape[-1] * 8 // formats.BITS[w.fmt] // BLOCK
     out = torch.empty(S, R, dtype=torch.float32, device=qx.device)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if interpret not in _kernels:
-        _kernels[interpret] = _build()
     minimum = w.minimum if w.minimum is not None else w.scale  # int8 never reads it
     grid = (-(-R // BLOCK_ROWS), S)
     words = w.q.view(torch.int32)  # [slots, R, bytes / 4]: a row's bytes are whole words (16 or 32 per block)
-    _kernels[interpret][grid](qx, dx, ds, row_slot, words, w.scale, minimum, out, R, NB, qx.stride(0), dx.stride(0),
+    _kernels()[0][grid](qx, dx, ds, row_slot, words, w.scale, minimum, out, R, NB, qx.stride(0), dx.stride(0),
                               words.stride(0), w.scale.stride(0), BITS=formats.BITS[w.fmt], BR=BLOCK_ROWS,
                               BB=BLOCKS_PER_STEP)
     return out

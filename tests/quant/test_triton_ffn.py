@@ -56,8 +56,8 @@ def test_one_projection_is_the_cpu_kernels_sum(fmt):
     """One product against the CPU kernel's scalar formula written out: per block d·dx·Σu·qx + m·ds."""
     w = _slots(fmt, 2, 32, 64, 3)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
-    acts = triton_ffn.quantize_activations(x)
     with triton_ffn.on_cpu():
+        acts = triton_ffn.quantize_activations(x)
         got = triton_ffn.q_matmul(acts, torch.tensor([1, 0, 1]), w)
     qx, dx, ds = acts
     u = formats.codes(w).float().view(2, 32, 2, 32)  # [slot, R, nb, 32]
@@ -67,6 +67,25 @@ def test_one_projection_is_the_cpu_kernels_sum(fmt):
         dots = (u[slot] * qx[s].float().view(2, 32)).sum(-1)  # [R, nb] exact
         want = (dots * (d[slot] * dx[s]) + m[slot] * ds[s]).sum(-1)
         assert torch.allclose(got[s], want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_quantized_in_one_launch_are_the_twins_bytes(dtype):
+    """Codes, scales and sums equal formats.quantize_activations' exactly: ties to even, a block of zeros, a padded tail
+    (70 columns: 3 blocks, the last 6 wide), 5 blocks for a partial step of 4."""
+    x = torch.randn(4, 70, generator=torch.Generator().manual_seed(9)).to(dtype)
+    x[0, :4] = torch.tensor([0.5, -1.5, 2.5, 127.0])  # with amax 127 the scale is 1: exact ties
+    x[0, 4:32] = 0
+    x[1, 32:64] = 0  # a zero block
+    with triton_ffn.on_cpu():
+        qx, dx, ds = triton_ffn.quantize_activations(x)
+        wide = triton_ffn.quantize_activations(torch.randn(2, 160, generator=torch.Generator().manual_seed(10)))
+    want_q, want_d = formats.quantize_activations(x.float())
+    assert torch.equal(qx, want_q) and torch.equal(dx, want_d)
+    assert qx[0, :4].tolist() == [0, -2, 2, 127]
+    assert torch.equal(ds, want_d * want_q.view(4, -1, 32).sum(-1).float())
+    assert wide[0].shape == (2, 160) and torch.equal(wide[1], formats.quantize_activations(
+        torch.randn(2, 160, generator=torch.Generator().manual_seed(10)))[1])
 
 
 def test_the_dispatcher_runs_the_kernel_for_slots_off_the_cpu(monkeypatch):
@@ -94,14 +113,15 @@ def test_the_engine_decodes_through_the_kernel_as_through_the_twin(checkpoint, m
     twin's, with and without the self drafter."""
     ck = checkpoint("qwen3_moe")
     monkeypatch.setattr(cpu_ffn, "usable", lambda *a: False)
-    twin = run_engine(ck, PROMPT, 12, quant=fmt, expert_cache_ratio=1.0).token_ids
+    prompt = PROMPT[:6]  # short: the interpreter runs each program in Python
+    twin = run_engine(ck, prompt, 8, quant=fmt, expert_cache_ratio=1.0).token_ids
     calls = []
     real = triton_ffn.expert_ffn
     monkeypatch.setattr(triton_ffn, "expert_ffn", lambda *a: calls.append(1) or real(*a))
     with triton_ffn.on_cpu():
-        assert run_engine(ck, PROMPT, 12, quant=fmt, expert_cache_ratio=1.0).token_ids == twin
-        assert run_engine(ck, PROMPT, 12, quant=fmt, expert_cache_ratio=1.0, drafter="self").token_ids == twin
-    assert len(calls) > 24 and triton_ffn._failed is None
+        assert run_engine(ck, prompt, 8, quant=fmt, expert_cache_ratio=1.0).token_ids == twin
+        assert run_engine(ck, prompt, 8, quant=fmt, expert_cache_ratio=1.0, drafter="self").token_ids == twin
+    assert len(calls) > 16 and triton_ffn._failed is None
 
 
 @pytest.mark.gpu
