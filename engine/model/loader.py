@@ -59,8 +59,9 @@ class LoadedModel:
             absorbed = any(isinstance(m.forward, AbsorbedMLA) for m in self.hf.modules() if "forward" in m.__dict__)
             return "transformers" + (", latent attention absorbed" if absorbed else "")
         if isinstance(lean, GraphedDecode):
+            inside = ", MoE layers inside" if any(resident for _, resident in lean.buffers) else ""  # resident.py
             return (f"static passes, eager (capture failed: {lean.failed})" if lean.failed else
-                    f"CUDA graphs, {lean.captured} captured" if lean.capture else "static passes, eager")
+                    f"CUDA graphs, {lean.captured} captured{inside}" if lean.capture else f"static passes, eager{inside}")
         stack = lean.stack  # its usable() asks the pass in progress; outside one, the runtime's standing conditions
         if stack is not None and (stack.runtime is None or (stack.runtime.direct and stack.runtime.replay is None)):
             return "lean, the layer stack in one native call"

@@ -114,6 +114,7 @@ def test_every_expert_resident_runs_the_moe_in_the_pass(family, checkpoint, monk
             assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert [key for key in device_moe.lean.buffers] == [(1, True), (5, True), (3, True)]
     assert all(len(b.segments) == 1 for b in device_moe.lean.buffers.values())
+    assert device_moe.decode_path() == "static passes, eager, MoE layers inside"  # on CUDA: "CUDA graphs, N captured, ..."
     a, b = device_moe.runtime.counters, host_moe.runtime.counters
     assert torch.equal(a.freq, b.freq) and a.hits == b.hits > 0 and a.misses == b.misses == 0
     assert a.layer_calls == b.layer_calls  # the device's layers counted as calls too
