@@ -37,6 +37,10 @@ def _build():
     import triton
     import triton.language as tl
 
+    return _matmul_kernel(), _quantize_kernel()
+
+
+def _matmul_kernel():
     @triton.jit
     def q_matmul(xq, xd, xs, row_slot, wq, ws, wm, out, R, NB, x_stride, d_stride, slot_q, slot_s,
                  BITS: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr):
@@ -81,6 +85,10 @@ def _build():
             acc += tl.sum(dot.to(tl.float32) * (d * dx[None, :]) + m * ds[None, :], axis=1)
         tl.store(out + s * R + r, acc, mask=rows)
 
+    return q_matmul
+
+
+def _quantize_kernel():
     @triton.jit
     def quantize(x, qx, xd, xs, K, NB, x_stride, q_stride, d_stride, BB: tl.constexpr):
         # program (row s, blocks b0..b0+BB): x [S, K] -> codes qx int8 [S, Kp], dx = amax / 127 and ds = dx · Σ q
@@ -99,7 +107,7 @@ def _build():
         tl.store(xd + s * d_stride + b, d, mask=live)
         tl.store(xs + s * d_stride + b, d * tl.sum(q, axis=1), mask=live)  # the sum is exact (at most 4064)
 
-    return q_matmul, quantize
+    return quantize
 
 
 _on_cpu = False  # the kernels may take CPU tensors: Triton's interpreter (the tests; see on_cpu)
