@@ -154,17 +154,25 @@ def test_quantized_slots_in_the_pass_give_the_host_layers_bits(checkpoint, monke
     pytest.importorskip("triton")
     from moechat.engine.experts import cpu_ffn, triton_ffn
 
-    monkeypatch.setattr(cpu_ffn, "usable", lambda *a: False)  # no CPU kernel: the fast tier as a GPU's
     ck = str(checkpoint("qwen3_moe", intermediate_size=32))
     models = [loader.load_model(EngineConfig(model_dir=ck, expert_cache_ratio=1.0, quant="int4")) for _ in range(2)]
-    for m in models:
-        m.lean = _graphed(m.hf, m.context_len)
     monkeypatch.setattr(models[1].runtime.resident, "usable", lambda mode: False)
-    with triton_ffn.on_cpu():
-        results = [_passes(m, (1, 3), past=4) for m in models]
-    for (_, got), (_, host) in zip(*results, strict=True):
-        assert torch.equal(got, host)
-    assert all(key[1] for key in models[0].lean.buffers) and triton_ffn._failed is None
+    caches = [m.new_kv_cache() for m in models]
+    with torch.inference_mode():
+        for m, cache in zip(models, caches, strict=True):  # the prompt through the CPU kernel (the interpreter is slow)
+            m.lean = _graphed(m.hf, m.context_len)
+            with m.runtime.forward("prefill", 0):
+                hf_forward(m.hf, torch.tensor([[1, 2, 3, 4]]), cache, 1)
+        monkeypatch.setattr(cpu_ffn, "usable", lambda *a: False)  # no CPU kernel from here: the fast tier as a GPU's
+        with triton_ffn.on_cpu():
+            for ids in ([[5]], [[6, 7, 8]]):
+                logits = []
+                for m, cache in zip(models, caches, strict=True):
+                    with m.runtime.forward("verify", cache.get_seq_length()):
+                        logits.append(m.forward(torch.tensor(ids), cache, len(ids[0])))
+                assert torch.equal(*logits)
+    assert all(key[1] for key in models[0].lean.buffers) and not any(key[1] for key in models[1].lean.buffers)
+    assert triton_ffn._failed is None
 
 
 def test_masked_slots_hold_zeros_after_growth():

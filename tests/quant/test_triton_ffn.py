@@ -109,8 +109,8 @@ def test_the_dispatcher_runs_the_kernel_for_slots_off_the_cpu(monkeypatch):
 
 
 def test_the_engine_decodes_through_the_kernel_as_through_the_twin(checkpoint, monkeypatch, fmt="int4"):
-    """Every expert resident, the fast tier computed as on a GPU (no CPU kernel): the kernel's greedy tokens are the
-    twin's, with and without the self drafter."""
+    """Every expert resident, the fast tier computed as on a GPU (no CPU kernel): the kernel's greedy tokens with the self
+    drafter are the twin's without it."""
     ck = checkpoint("qwen3_moe")
     monkeypatch.setattr(cpu_ffn, "usable", lambda *a: False)
     prompt = PROMPT[:6]  # short: the interpreter runs each program in Python
@@ -118,10 +118,9 @@ def test_the_engine_decodes_through_the_kernel_as_through_the_twin(checkpoint, m
     calls = []
     real = triton_ffn.expert_ffn
     monkeypatch.setattr(triton_ffn, "expert_ffn", lambda *a: calls.append(1) or real(*a))
-    with triton_ffn.on_cpu():
-        assert run_engine(ck, prompt, 8, quant=fmt, expert_cache_ratio=1.0).token_ids == twin
+    with triton_ffn.on_cpu():  # the self drafter: its draft passes and the verifications through the kernel
         assert run_engine(ck, prompt, 8, quant=fmt, expert_cache_ratio=1.0, drafter="self").token_ids == twin
-    assert len(calls) > 16 and triton_ffn._failed is None
+    assert len(calls) > 8 and triton_ffn._failed is None
 
 
 @pytest.mark.gpu
