@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..quant import formats
 from ..quant.formats import QuantMatrix
 from . import triton_ffn
 from .moe_layer import account_layers
@@ -55,9 +56,8 @@ class ResidentExperts:
         slots = self.table[li].index_select(0, flat)  # [S]
         x = h[:, None].expand(T, k, h.shape[-1]).reshape(T * k, -1)  # [S, H] each activation's token row
         cache = self.rt.cache
-        if isinstance(cache.gate_up, QuantMatrix):
-            y = triton_ffn.expert_ffn(x, slots, cache.gate_up, cache.down, self.rt.act).to(h.dtype)
-        else:
+        y = triton_ffn.resident_ffn(x, slots, cache.gate_up, cache.down, self.rt.act)  # the slots read in place
+        if y is None:  # no Triton (a CPU device): the slots' weights gathered per activation, dequantized where quantized
             y = gathered_ffn(x, slots, cache.gate_up, cache.down, self.rt.act)
         y = (y * weights.reshape(-1, 1)).to(h.dtype)  # float32 router weights (DeepSeek) promote, as moe_layer's
         self.counts[li].index_add_(0, flat, torch.ones_like(flat))
@@ -73,9 +73,15 @@ class ResidentExperts:
         self.rt.counters.layer_calls += len(lis)  # their time is the graph's: not split out per layer
 
 
-def gathered_ffn(x: torch.Tensor, slots: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
+def gathered_ffn(x: torch.Tensor, slots: torch.Tensor, gate_up, down, act) -> torch.Tensor:
     """x [S, H] each row through the expert in its slot: gate_up [P, 2I, H] and down [P, H, I] rows gathered per
-    activation, then batched products (static shapes, no host read) -> [S, H] in x's dtype."""
+    activation (quantized slots dequantized, activations quantized: the twin's function), then batched products
+    (static shapes, no host read) -> [S, H] in x's dtype."""
+    if isinstance(gate_up, QuantMatrix):
+        w1, w2 = formats.dequantize(gate_up[slots]), formats.dequantize(down[slots])  # [S, 2I, H], [S, H, I] fp32
+        gate, up = torch.bmm(w1, formats.fake_quantize_activations(x.float())[:, :, None])[..., 0].chunk(2, dim=-1)
+        h = formats.fake_quantize_activations(act(gate) * up)
+        return torch.bmm(w2, h[:, :, None])[..., 0].to(x.dtype)
     gu = torch.bmm(gate_up.index_select(0, slots).to(x.dtype), x[:, :, None])[..., 0]  # [S, 2I]
     gate, up = gu.chunk(2, dim=-1)
     return torch.bmm(down.index_select(0, slots).to(x.dtype), (act(gate) * up)[:, :, None])[..., 0]  # [S, H]

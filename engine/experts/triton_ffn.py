@@ -26,7 +26,7 @@ triton = tl = None  # imported on first use: a CPU-only install has no Triton
 
 BLOCK_ROWS = 64  # output rows per program: 4 interleaved groups of 16 (a last tile masked)
 BLOCKS_PER_STEP = 4  # blocks of 32 columns per loop step: [64 rows, 4 blocks · 4 words] of int4 codes
-_built: dict[bool, tuple] = {}  # interpreted or compiled -> the jit functions (q_matmul, quantize)
+_built: dict[bool, tuple] = {}  # interpreted or compiled -> the jit functions (q_matmul, quantize, f_matmul)
 _failed: str | None = None  # why the kernel is off for this process
 
 
@@ -37,7 +37,7 @@ def _build():
     import triton
     import triton.language as tl
 
-    return _matmul_kernel(), _quantize_kernel()
+    return _matmul_kernel(), _quantize_kernel(), _float_kernel()
 
 
 def _matmul_kernel():
@@ -86,6 +86,28 @@ def _matmul_kernel():
         tl.store(out + s * R + r, acc, mask=rows)
 
     return q_matmul
+
+
+def _float_kernel():
+    @triton.jit
+    def f_matmul(x, row_slot, w, out, R, K, x_stride, slot_stride, BR: tl.constexpr, BK: tl.constexpr):
+        # program (row tile, activation s): out[s, r] = Σ_k w[slot, r, k] · x[s, k] over the slot's weights in place
+        # (float slots [P, R, K], rows contiguous), fp32 accumulation
+        s = tl.program_id(1)
+        r = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR]
+        rows = r < R
+        slot = tl.load(row_slot + s).to(tl.int64)
+        w_row = w + slot * slot_stride + r.to(tl.int64) * K  # [BR]
+        acc = tl.zeros([BR, BK], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)  # [BK]
+            on = k < K
+            xv = tl.load(x + s * x_stride + k, mask=on, other=0.0).to(tl.float32)
+            wv = tl.load(w_row[:, None] + k[None, :], mask=rows[:, None] & on[None, :], other=0.0).to(tl.float32)
+            acc += wv * xv[None, :]
+        tl.store(out + s * R + r, tl.sum(acc, axis=1), mask=rows)
+
+    return f_matmul
 
 
 def _quantize_kernel():
@@ -180,6 +202,50 @@ def expert_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up: QuantMatrix, do
     one product, act(gate) · up quantized again, then down (formats.grouped_expert_ffn's function)."""
     gate, up = q_matmul(quantize_activations(x), row_slot, gate_up).chunk(2, dim=-1)  # [S, I] each
     return q_matmul(quantize_activations(act(gate) * up), row_slot, down)
+
+
+def f_matmul(x: torch.Tensor, row_slot: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [S, K] · the slot's W^T for each row, float slots w [slots, R, K] read in place -> [S, R] fp32."""
+    S, (R, K) = x.shape[0], w.shape[1:]
+    out = torch.empty(S, R, dtype=torch.float32, device=x.device)
+    x = x.contiguous()
+    _kernels()[2][(-(-R // BLOCK_ROWS), S)](x, row_slot, w, out, R, K, x.stride(0), w.stride(0), BR=BLOCK_ROWS, BK=128)
+    return out
+
+
+def float_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
+    """x [S, H] each row through the expert in its slot (float slots read in place, row_slot [S] on the device) -> [S, H]
+    in x's dtype: gate and up rounded to x's dtype as a product in it would be, then act(gate) · up, then down."""
+    gate, up = f_matmul(x, row_slot, gate_up).to(x.dtype).chunk(2, dim=-1)  # [S, I] each
+    return f_matmul(act(gate) * up, row_slot, down).to(x.dtype)
+
+
+def resident_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up, down, act) -> torch.Tensor | None:
+    """resident.py's experts, quantized or float slots, or None where the kernels are off (a first failure turns them off,
+    as grouped_ffn)."""
+    global _failed
+    quantized = isinstance(gate_up, QuantMatrix)
+    if not (usable(gate_up, x) if quantized else _on_device(gate_up, x)):
+        return None
+    try:
+        if quantized:
+            return expert_ffn(x, row_slot, gate_up, down, act).to(x.dtype)
+        return float_ffn(x, row_slot, gate_up, down, act)
+    except Exception as err:  # noqa: BLE001 -- any compile or launch failure: the caller's fallback from here on
+        _failed = f"{type(err).__name__}: {err}"
+        log.warning("experts on the GPU run without the Triton kernels (they failed: %s)", _failed)
+        return None
+
+
+def _on_device(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Float slots the kernel reads: contiguous [slots, R, K] beside x, on a GPU (or the interpreter)."""
+    if _failed is not None or not (x.is_cuda or _on_cpu) or x.device != w.device or w.dim() != 3 or not w.is_contiguous():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def grouped_ffn(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act) -> torch.Tensor | None:

@@ -88,6 +88,37 @@ def test_activations_quantized_in_one_launch_are_the_twins_bytes(dtype):
         torch.randn(2, 160, generator=torch.Generator().manual_seed(10)))[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_slots_read_in_place_equal_the_gathered_products(dtype):
+    """resident.py's experts on float slots: the kernel (rows of 80: a partial tile; 200 columns: a partial step of 128)
+    against the slots' weights gathered per activation and multiplied in batches."""
+    from moechat.engine.experts.resident import gathered_ffn
+
+    gen = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(4, 2 * 80, 200, generator=gen) * 0.05).to(dtype)  # [slots, 2I, H]
+    down = (torch.randn(4, 200, 80, generator=gen) * 0.05).to(dtype)  # [slots, H, I]
+    x = torch.randn(6, 200, generator=gen).to(dtype)
+    slots = torch.tensor([2, 0, 2, 3, 3, 1])
+    with triton_ffn.on_cpu():
+        got = triton_ffn.resident_ffn(x, slots, gate_up, down, F.silu)
+    want = gathered_ffn(x, slots, gate_up, down, F.silu)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+@pytest.mark.parametrize("fmt", formats.FORMATS)
+def test_quantized_slots_gathered_are_the_twin(fmt):
+    """Without the kernel, resident.py dequantizes the slots gathered per activation: the twin's function."""
+    from moechat.engine.experts.resident import gathered_ffn
+
+    gate_up, down = _slots(fmt, 5, 64, 64, 12), _slots(fmt, 5, 64, 32, 13)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(14))
+    slot_of_row = torch.tensor([4, 1, 1, 0, 4])
+    got, want = gathered_ffn(x, slot_of_row, gate_up, down, F.silu), _twin(x, gate_up, down, slot_of_row)
+    assert (got - want).abs().max() <= TOL * want.abs().max()
+
+
 def test_the_dispatcher_runs_the_kernel_for_slots_off_the_cpu(monkeypatch):
     """grouped_ffn_q takes the kernel where the slots are not on the CPU (here: the interpreter standing in), and the
     twin once the kernel has failed, said once."""
