@@ -150,6 +150,10 @@ class SlotTable:
         not_ready = torch.isin(slot, torch.tensor(late))  # [S]
         return torch.where(not_ready, -1, slot), int(not_ready.sum())
 
+    def copies_done(self) -> bool:
+        """Whether no copy into any slot is still in flight."""
+        return all(self._ready(slot) for slot in list(self.pending))
+
     def _ready(self, slot: int) -> bool:
         event = self.pending.get(slot)
         if event is None:

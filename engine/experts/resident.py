@@ -32,7 +32,6 @@ class ResidentExperts:
         self.table: torch.Tensor | None = None  # [L, E] int64 slot of every expert, on the device
         self.version = -1  # the slot table's version the device copy was made from
         self.counts: torch.Tensor | None = None  # [L, E] int64 activations per expert in the pass, on the device
-        self.used: list[int] = []  # the layers the pass in progress computed here, in order
 
     def usable(self, mode: ForwardMode | None) -> bool:
         """Whether this pass's MoE layers may run here: every expert resident and ready (a self-draft's remap is then the
@@ -41,7 +40,7 @@ class ResidentExperts:
         if (mode is None or mode.recorder is not None or rt.replay is not None
                 or rt.expert_budget is not None or cache.capacity == 0 or len(cache) < cache.slot_of.numel()):
             return False
-        if any(not cache._ready(slot) for slot in list(cache.pending)):  # a copy still in flight
+        if not cache.copies_done():
             return False
         if self.version != cache.version:
             self.table = cache.slot_of.to(rt.device)
