@@ -6,9 +6,11 @@ to int8 per block of 32 as the CPU kernel does, integer dot products per block, 
 
 the CPU kernel's sum (quant_tiles.h: qmat_scalar). Its twin is formats.grouped_expert_ffn, which dequantizes whole experts
 to fp32 and multiplies (tens of kernels and 4-8 bytes written per weight); the two differ in fp32 rounding only.
-Slots are a device tensor, nothing is read back to the host, so a pass can be captured in a CUDA graph. Triton ships
-with PyTorch's CUDA builds; without it (or where a kernel fails to compile) the twin runs, said once in the log. The
-tests run the same kernels on the CPU in Triton's interpreter (`on_cpu()`).
+The activations' quantization is one launch too (`quantize`), and resident.py's float slots have their own kernel
+(`f_matmul`: rows of one slot times one activation, fp32 accumulation). Slots are a device tensor, nothing is read back
+to the host, so a pass can be captured in a CUDA graph. Triton ships with PyTorch's CUDA builds; without it (or where a
+kernel fails to compile) the twin runs, said once in the log. The tests run the same kernels on the CPU in Triton's
+interpreter (`on_cpu()`).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ triton = tl = None  # imported on first use: a CPU-only install has no Triton
 BLOCK_ROWS = 64  # output rows per program: 4 interleaved groups of 16 (a last tile masked)
 BLOCKS_PER_STEP = 4  # blocks of 32 columns per loop step: [64 rows, 4 blocks · 4 words] of int4 codes
 _built: dict[bool, tuple] = {}  # interpreted or compiled -> the jit functions (q_matmul, quantize, f_matmul)
-_failed: str | None = None  # why the kernel is off for this process
+_failed: str | None = None  # why the kernels are off for this process
 
 
 def _build():
