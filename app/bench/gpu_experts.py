@@ -19,8 +19,8 @@ def gpu_quant_rows(shapes: dict[str, tuple[int, int]], names: list[str], fmt: st
     rows = []
     for name in names:
         H, I = shapes[name]
-        gate_up = _on_gpu(cpu_ffn.quantize(torch.randn(POOL_SLOTS, 2 * I, H, generator=gen) * 0.02, fmt, fit=False))
-        down = _on_gpu(cpu_ffn.quantize(torch.randn(POOL_SLOTS, H, I, generator=gen) * 0.02, fmt, fit=False))
+        gate_up = cpu_ffn.quantize(torch.randn(POOL_SLOTS, 2 * I, H, generator=gen) * 0.02, fmt, fit=False).to("cuda")
+        down = cpu_ffn.quantize(torch.randn(POOL_SLOTS, H, I, generator=gen) * 0.02, fmt, fit=False).to("cuda")
         if not triton_ffn.usable(gate_up, torch.empty(0, device="cuda")):
             return rows, "not measured: Triton is not importable"
         expert_bytes = matrix_bytes(fmt, 2 * I, H) + matrix_bytes(fmt, H, I)
@@ -43,33 +43,12 @@ def _time_sides(slots, T: int, H: int, gate_up, down, repeats: int) -> dict[str,
     import torch
     import torch.nn.functional as F
 
-    from ...engine import grouped_expert_ffn, triton_ffn
+    from ...engine import best_cuda_seconds, grouped_expert_ffn, triton_ffn
 
     G = len(slots)
     x = torch.randn(G * T, H, device="cuda")  # [G·T, H] rows sorted by slot
     row_slot = slots.repeat_interleave(T).cuda()
     ids, sizes = slots.tolist(), [T] * G
-    return {"kernel": _best_ms(lambda: triton_ffn.expert_ffn(x, row_slot, gate_up, down, F.silu), repeats),
-            "twin": _best_ms(lambda: grouped_expert_ffn(x, gate_up, down, ids, sizes, F.silu), repeats)}
-
-
-def _on_gpu(w):
-    from ...engine import QuantMatrix
-
-    return QuantMatrix.from_named(w.fmt, w.k, {n: t.cuda() for n, t in w.named_tensors().items()})
-
-
-def _best_ms(fn, repeats: int) -> float:
-    """Fastest of `repeats` calls after one warm-up (compilation), in ms of GPU time."""
-    import torch
-
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
+    sides = {"kernel": lambda: triton_ffn.expert_ffn(x, row_slot, gate_up, down, F.silu),
+             "twin": lambda: grouped_expert_ffn(x, gate_up, down, ids, sizes, F.silu)}
+    return {side: 1e3 * best_cuda_seconds(fn, repeats) for side, fn in sides.items()}  # warm-up call first: compilation

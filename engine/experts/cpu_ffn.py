@@ -227,14 +227,15 @@ def grouped_ffn_q(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, grou
     same bits whichever tier computes it, and the layer sums them in router order: the model's function does not depend
     on which experts are resident (speculative decoding stays exact); on a GPU the tiers agree to fp32 rounding.
     native_ok=False: the twin only (benchmarks' PyTorch baseline)."""
-    if native_ok and not usable(gate_up, x, 0):
-        y = triton_ffn.grouped_ffn(x, gate_up, down, group_ids, act)
+    native = native_ok and usable(gate_up, x, 0)
+    if native_ok and not native:  # rows in any order suit the kernel: sorted by slot is one of them
+        y = triton_ffn.slot_ffn(x, group_ids.to(device=x.device, dtype=torch.int64), gate_up, down, act)
         if y is not None:
-            return y.to(x.dtype)
+            return y
     if sizes is None:
         sizes = torch.bincount(group_ids.cpu(), minlength=gate_up.q.shape[0])  # [G]
     active = sizes.nonzero().flatten()
-    if native_ok and usable(gate_up, x, 0):
+    if native:
         out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)  # [S, H] every activation its own row
         return moe_ffn_q_native(x.contiguous(), gate_up, down, active, group_offsets(sizes[active]), torch.arange(x.shape[0]),
                                 None, out).to(x.dtype)

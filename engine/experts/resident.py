@@ -55,7 +55,7 @@ class ResidentExperts:
         slots = self.table[li].index_select(0, flat)  # [S]
         x = h[:, None].expand(T, k, h.shape[-1]).reshape(T * k, -1)  # [S, H] each activation's token row
         cache = self.rt.cache
-        y = triton_ffn.resident_ffn(x, slots, cache.gate_up, cache.down, self.rt.act)  # the slots read in place
+        y = triton_ffn.slot_ffn(x, slots, cache.gate_up, cache.down, self.rt.act)  # the slots read in place
         if y is None:  # no Triton (a CPU device): the slots' weights gathered per activation, dequantized where quantized
             y = gathered_ffn(x, slots, cache.gate_up, cache.down, self.rt.act)
         y = (y * weights.reshape(-1, 1)).to(h.dtype)  # float32 router weights (DeepSeek) promote, as moe_layer's

@@ -15,6 +15,7 @@ interpreter (`on_cpu()`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -151,14 +152,22 @@ def on_cpu():
         _on_cpu = False
 
 
-def usable(w: QuantMatrix, x: torch.Tensor) -> bool:
-    """Whether the kernel takes this call: slots on a GPU (or the interpreter), Triton importable, no failure so far."""
-    if _failed is not None or not (x.is_cuda or _on_cpu) or x.device != w.device:
-        return False
+@functools.cache
+def _have_triton() -> bool:
     try:
         import triton  # noqa: F401  -- PyTorch's CUDA wheels ship it
     except ImportError:
         return False
+    return True
+
+
+def usable(w: QuantMatrix | torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether the kernels take slots w (quantized, or float [slots, R, K]) for x: on a GPU (or the interpreter), beside
+    x, contiguous, Triton importable, no failure so far."""
+    if _failed is not None or not (x.is_cuda or _on_cpu) or x.device != w.device or not _have_triton():
+        return False
+    if isinstance(w, torch.Tensor):
+        return w.dim() == 3 and w.is_contiguous()
     same = w.minimum is None or w.minimum.stride() == w.scale.stride()  # the kernel steps both by the scales' stride
     return same and w.q.dim() == 3 and all(t.is_contiguous() for t in w.tensors())
 
@@ -194,8 +203,7 @@ def q_matmul(x: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row_slot: torch
     grid = (-(-R // BLOCK_ROWS), S)
     words = w.q.view(torch.int32)  # [slots, R, bytes / 4]: a row's bytes are whole words (16 or 32 per block)
     _kernels()[0][grid](qx, dx, ds, row_slot, words, w.scale, minimum, out, R, NB, qx.stride(0), dx.stride(0),
-                              words.stride(0), w.scale.stride(0), BITS=formats.BITS[w.fmt], BR=BLOCK_ROWS,
-                              BB=BLOCKS_PER_STEP)
+                        words.stride(0), w.scale.stride(0), BITS=formats.BITS[w.fmt], BR=BLOCK_ROWS, BB=BLOCKS_PER_STEP)
     return out
 
 
@@ -222,45 +230,20 @@ def float_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up: torch.Tensor, do
     return f_matmul(act(gate) * up, row_slot, down).to(x.dtype)
 
 
-def resident_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up, down, act) -> torch.Tensor | None:
-    """resident.py's experts, quantized or float slots, or None where the kernels are off (a first failure turns them off,
-    as grouped_ffn)."""
+def slot_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up, down, act) -> torch.Tensor | None:
+    """x [S, H], each row through the expert in its slot row_slot [S] (on the slots' device), the slots quantized or
+    float -> [S, H] in x's dtype; None where the kernels do not take them (the caller's fallback runs). A first failure
+    (a GPU or Triton version they do not compile for) turns them off for the process, said once."""
     global _failed
-    quantized = isinstance(gate_up, QuantMatrix)
-    if not (usable(gate_up, x) if quantized else _on_device(gate_up, x)):
+    if not (usable(gate_up, x) and usable(down, x)):
         return None
     try:
-        if quantized:
+        if isinstance(gate_up, QuantMatrix):
             return expert_ffn(x, row_slot, gate_up, down, act).to(x.dtype)
         return float_ffn(x, row_slot, gate_up, down, act)
     except Exception as err:  # noqa: BLE001 -- any compile or launch failure: the caller's fallback from here on
         _failed = f"{type(err).__name__}: {err}"
         log.warning("experts on the GPU run without the Triton kernels (they failed: %s)", _failed)
-        return None
-
-
-def _on_device(w: torch.Tensor, x: torch.Tensor) -> bool:
-    """Float slots the kernel reads: contiguous [slots, R, K] beside x, on a GPU (or the interpreter)."""
-    if _failed is not None or not (x.is_cuda or _on_cpu) or x.device != w.device or w.dim() != 3 or not w.is_contiguous():
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def grouped_ffn(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix, group_ids: torch.Tensor, act) -> torch.Tensor | None:
-    """cpu_ffn.grouped_ffn_q's GPU path: rows sorted by slot group_ids [S] (host) -> [S, H] fp32, or None where the kernel
-    is off (the caller runs the twin). A first failure (a GPU or Triton version it does not compile for) turns it off."""
-    global _failed
-    if not (usable(gate_up, x) and usable(down, x)):
-        return None
-    try:
-        return expert_ffn(x, group_ids.to(device=x.device, dtype=torch.int64), gate_up, down, act)
-    except Exception as err:  # noqa: BLE001 -- any compile or launch failure: the twin from here on, said once
-        _failed = f"{type(err).__name__}: {err}"
-        log.warning("quantized experts on the GPU run the dequantizing twin (the Triton kernel failed: %s)", _failed)
         return None
 
 

@@ -94,7 +94,8 @@ class GraphedDecode:
         moe = [layer.mlp for layer in lean.layers if isinstance(getattr(layer.mlp, "experts", None), OffloadedExperts)]
         self.runtime = moe[0].experts.runtime if moe else None
         self.moe_layers = [mlp.experts.li for mlp in moe]  # the runtime's indices of the sparse layers, in order
-        self.top_k = moe[0].gate.top_k if moe and all(_splits(mlp) for mlp in moe) else None  # None: no device MoE
+        self.device_moe = bool(moe) and all(_splits(mlp) for mlp in moe)  # the blocks resident.py can run in the pass
+        self.top_k = moe[0].gate.top_k if self.device_moe else 0  # experts per token
         self.buffers: dict[tuple[int, bool], PassBuffers] = {}  # per pass length and whether the MoE runs in the pass
         self.failed: str | None = None  # why capturing stopped (the passes then run eagerly)
         self.device = lean.base.embed_tokens.weight.device  # the model's GPU (not necessarily the current one)
@@ -115,7 +116,7 @@ class GraphedDecode:
             return self.lean(ids, cache, keep)
         start, key = self._prepare(cache, T)
         rt = self.runtime
-        resident = self.top_k is not None and rt.resident.usable(rt.mode)  # every expert on the device: one segment
+        resident = self.device_moe and rt.resident.usable(rt.mode)  # every expert on the device: one segment
         buf = self._buffers(T, resident, ids.device)
         if resident:
             key = (*key, rt.resident.table.data_ptr())

@@ -114,6 +114,9 @@ class QuantMatrix:
         """Index the leading dims (an expert, a slot)."""
         return self._map(lambda t: t[i])
 
+    def to(self, device) -> QuantMatrix:
+        return self._map(lambda t: t.to(device))
+
     def copy_(self, src: QuantMatrix, non_blocking: bool = False) -> QuantMatrix:
         for dst, s in zip(self.tensors(), src.tensors()):
             dst.copy_(s, non_blocking=non_blocking)

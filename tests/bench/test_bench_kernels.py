@@ -20,12 +20,17 @@ def small_pool(monkeypatch):
     monkeypatch.setattr(kernels, "last_level_cache_bytes", lambda: 1 << 20)
 
 
+def _kernels_json(capsys, quant: str, tokens: str, experts: str, repeats: str) -> dict:
+    """`bench kernels --quant QUANT --json` on the Qwen3-30B-A3B shape -> its object."""
+    argv = ["bench", "kernels", "--quant", quant, "--shapes", "qwen3-30b-a3b", "--tokens", tokens, "--experts", experts,
+            "--repeats", repeats, "--json"]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_bench_kernels_times_the_quantized_kernel(quant, small_pool, capsys):
-    argv = ["bench", "kernels", "--quant", quant, "--shapes", "qwen3-30b-a3b", "--tokens", "1,3", "--experts", "2",
-            "--repeats", "1", "--json"]
-    assert main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
+    result = _kernels_json(capsys, quant, "1,3", "2", "1")
     assert result["quant"] == quant and result["isa"] in cpu_ffn.Q_ISAS and result["read_gbps"] > 0
     assert [r["tokens"] for r in result["cpu"]] == [1, 3]
     for row in result["cpu"]:
@@ -37,10 +42,7 @@ def test_bench_kernels_times_the_quantized_kernel(quant, small_pool, capsys):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_bench_kernels_times_the_gpu_kernel_for_quantized_slots(quant, small_pool, capsys):
-    argv = ["bench", "kernels", "--quant", quant, "--shapes", "qwen3-30b-a3b", "--tokens", "1,5", "--experts", "8",
-            "--repeats", "3", "--json"]
-    assert main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
+    result = _kernels_json(capsys, quant, "1,5", "8", "3")
     assert result["cuda_quant_note"] == "" and [r["tokens"] for r in result["cuda_quant"]] == [1, 5]
     for row in result["cuda_quant"]:
         assert row["kernel_ms"] > 0 and row["twin_ms"] > 0 and row["gbps"] > 0

@@ -20,11 +20,7 @@ TOL = 2e-5  # fp32 rounding: the kernel sums exact integer block dots, the twin 
 def _slots(fmt: str, n: int, rows: int, k: int, seed: int, device="cpu") -> formats.QuantMatrix:
     """n experts' [rows, k] matrices quantized, as a fast tier's slots hold them."""
     w = torch.randn(n, rows, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-    return _to(cpu_ffn.quantize(w, fmt), device)  # native where built, else its twin (bit for bit)
-
-
-def _to(w: formats.QuantMatrix, device) -> formats.QuantMatrix:
-    return formats.QuantMatrix.from_named(w.fmt, w.k, {n: t.to(device) for n, t in w.named_tensors().items()})
+    return cpu_ffn.quantize(w, fmt).to(device)  # native where built, else its twin (bit for bit)
 
 
 def _twin(x, gate_up, down, slot_of_row):
@@ -100,7 +96,7 @@ def test_float_slots_read_in_place_equal_the_gathered_products(dtype):
     x = torch.randn(6, 200, generator=gen).to(dtype)
     slots = torch.tensor([2, 0, 2, 3, 3, 1])
     with triton_ffn.on_cpu():
-        got = triton_ffn.resident_ffn(x, slots, gate_up, down, F.silu)
+        got = triton_ffn.slot_ffn(x, slots, gate_up, down, F.silu)
     want = gathered_ffn(x, slots, gate_up, down, F.silu)
     assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
