@@ -29,6 +29,7 @@ triton = tl = None  # imported on first use: a CPU-only install has no Triton
 
 BLOCK_ROWS = 64  # output rows per program: 4 interleaved groups of 16 (a last tile masked)
 BLOCKS_PER_STEP = 4  # blocks of 32 columns per loop step: [64 rows, 4 blocks · 4 words] of int4 codes
+FLOAT_COLS = 64  # f_matmul's columns per step: 72 registers a thread on sm_86/90 (128 columns: 128-167, fewer warps per SM)
 _built: dict[bool, tuple] = {}  # interpreted or compiled -> the jit functions (q_matmul, quantize, f_matmul)
 _failed: str | None = None  # why the kernels are off for this process
 
@@ -219,7 +220,8 @@ def f_matmul(x: torch.Tensor, row_slot: torch.Tensor, w: torch.Tensor) -> torch.
     S, (R, K) = x.shape[0], w.shape[1:]
     out = torch.empty(S, R, dtype=torch.float32, device=x.device)
     x = x.contiguous()
-    _kernels()[2][(-(-R // BLOCK_ROWS), S)](x, row_slot, w, out, R, K, x.stride(0), w.stride(0), BR=BLOCK_ROWS, BK=128)
+    _kernels()[2][(-(-R // BLOCK_ROWS), S)](x, row_slot, w, out, R, K, x.stride(0), w.stride(0), BR=BLOCK_ROWS,
+                                                  BK=FLOAT_COLS)
     return out
 
 

@@ -86,7 +86,7 @@ def test_activations_quantized_in_one_launch_are_the_twins_bytes(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_float_slots_read_in_place_equal_the_gathered_products(dtype):
-    """resident.py's experts on float slots: the kernel (rows of 80: a partial tile; 200 columns: a partial step of 128)
+    """resident.py's experts on float slots: the kernel (rows of 80: a partial tile; 200 columns: a partial step of 64)
     against the slots' weights gathered per activation and multiplied in batches."""
     from moechat.engine.experts.resident import gathered_ffn
 
@@ -148,6 +148,69 @@ def test_the_engine_decodes_through_the_kernel_as_through_the_twin(checkpoint, m
     with triton_ffn.on_cpu():  # the self drafter: its draft passes and the verifications through the kernel
         assert run_engine(ck, prompt, 8, quant=fmt, expert_cache_ratio=1.0, drafter="self").token_ids == twin
     assert len(calls) > 8 and triton_ffn._failed is None
+
+
+_GPUS = {75: "RTX 20", 86: "RTX 30", 89: "RTX 40", 90: "H100/H200", 120: "RTX 50"}
+# Run in a process of its own: this one imported Triton with its interpreter on, which makes even tl.sum interpreted.
+_AOT = """
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moechat.engine.experts import triton_ffn as tf
+
+POINTERS = {"xq": "*i8", "qx": "*i8", "xd": "*fp32", "xs": "*fp32", "out": "*fp32", "row_slot": "*i64", "wq": "*i32",
+            "ws": "*fp16", "wm": "*fp16", "x": "*bf16", "w": "*bf16"}  # slots: int32 words of codes, fp16 scales
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+def build(fn, capability, constants, **options):
+    signature = {n: "constexpr" if p.is_constexpr else POINTERS.get(n, "i32") for n, p in zip(fn.arg_names, fn.params)}
+    # as a launch specializes them: pointers 16-byte aligned, sizes and strides multiples of 16 (Qwen3-30B-A3B's)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n] != "constexpr" and n != "NB"}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=aligned),
+                            target=GPUTarget("cuda", capability, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(line for line in out.splitlines() if "REG:" in line)
+    usage = {k: int(v) for k, v in re.findall(r"([A-Z]+):([0-9]+)", line)}
+    return {**usage, "fma": "fma.rn.f32" in kernel.asm["ptx"]}
+
+q_matmul, quantize, f_matmul = tf._build()
+tiles = {"BR": tf.BLOCK_ROWS, "BB": tf.BLOCKS_PER_STEP}
+got = {}
+for cap in map(int, sys.argv[1:]):
+    got[cap] = {f"q_matmul int{bits}": build(q_matmul, cap, {**tiles, "BITS": bits}) for bits in (4, 8)}
+    got[cap]["f_matmul"] = build(f_matmul, cap, {"BR": tf.BLOCK_ROWS, "BK": tf.FLOAT_COLS})
+    got[cap]["quantize"] = build(quantize, cap, {"BB": tf.BLOCKS_PER_STEP}, enable_fp_fusion=False)
+print(json.dumps(got))
+"""
+
+
+def test_kernels_compile_for_gaming_and_datacenter_gpus():
+    """The interpreter does not lower the kernels. Here Triton compiles them as a GPU would, no GPU needed, down to a
+    cubin for RTX 20, 30, 40 and 50 cards and the H100/H200: with no register spills (local memory would cost a decode step
+    more than the kernels save), and the activations' quantizer without a fused multiply-add (its rounding is the CPU
+    kernel's only without one)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 3):
+        pytest.skip(f"Triton {triton.__version__}: the test compiles through the 3.3+ API")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", _AOT, *map(str, _GPUS)], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.splitlines()[-1])
+    for cap, kernels in got.items():
+        assert set(kernels) == {"q_matmul int4", "q_matmul int8", "f_matmul", "quantize"}
+        for name, usage in kernels.items():
+            assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and usage["REG"] < 255, (_GPUS[int(cap)], name, usage)
+        assert not kernels["quantize"]["fma"] and kernels["q_matmul int4"]["fma"], _GPUS[int(cap)]  # the check can fail
 
 
 @pytest.mark.gpu
