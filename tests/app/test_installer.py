@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,15 @@ def test_shellcheck():
     ci = SCRIPT.parent.parent / ".ci"
     proc = subprocess.run(["shellcheck", str(SCRIPT), str(ci / "run"), str(ci / "gpu-proof")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_the_gpu_proof_runs_every_gpu_test_file():
+    """A device session runs .ci/gpu-proof, which names the test files to run: a new gpu-marked file not among them
+    would never run on a GPU."""
+    proof = (ROOT / ".ci" / "gpu-proof").read_text()
+    gpu = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\b.*\bmark\.gpu\b)", re.M)
+    marked = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py") if gpu.search(p.read_text())}
+    assert len(marked) >= 10 and not {f for f in marked if f not in proof}
 
 
 @pytest.mark.slow
