@@ -37,15 +37,17 @@ def _best(fn: Callable[[], None], repeats: int) -> float:
     return best
 
 
-def best_cuda_seconds(fn: Callable[[], None], repeats: int) -> float:
-    """Fastest GPU time between CUDA events of `repeats` calls after one warm-up call."""
+def best_cuda_seconds(fn: Callable[[], None], repeats: int, device=None) -> float:
+    """Fastest GPU time between CUDA events of `repeats` calls after one warm-up call, on `device`'s current stream
+    (default: the current device's)."""
     fn()
     best = math.inf
+    stream = torch.cuda.current_stream(device)
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         fn()
-        end.record()
+        end.record(stream)
         end.synchronize()
         best = min(best, start.elapsed_time(end) / 1e3)
     return best
@@ -62,7 +64,7 @@ def bandwidths(nbytes: int, device: torch.device, repeats: int) -> dict[str, flo
         "d2h_pinned_bytes_s": lambda: pinned.copy_(dev, non_blocking=True),
         "d2h_pageable_bytes_s": lambda: pageable.copy_(dev),
     }
-    return {name: nbytes / best_cuda_seconds(copy, repeats) for name, copy in copies.items()}
+    return {name: nbytes / best_cuda_seconds(copy, repeats, device) for name, copy in copies.items()}
 
 
 def expert_curve(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, active: int, max_tokens: int,
@@ -218,7 +220,7 @@ def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report
         dev_gu, dev_d = gate_up[:active].to(engine.model.device), down[:active].to(engine.model.device)  # [active, ...] slots
         with torch.inference_mode():
             m.device_s_per_expert = expert_curve(dev_gu, dev_d, act, active, m.max_tokens,
-                                                 lambda fn: best_cuda_seconds(fn, repeats))
+                                                 lambda fn: best_cuda_seconds(fn, repeats, engine.model.device))
         del dev_gu, dev_d
     report("CPU time per expert", 0.45)
     views = [store.layer_views(li) for li in range(len(store.layers))]  # every layer in place: a pool past the caches

@@ -177,14 +177,14 @@ def _fast_tier(rt: MoERuntime, x: torch.Tensor, w_flat: torch.Tensor, split: Tie
     t0, events = time.perf_counter(), None
     if x.is_cuda:
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        events[0].record()
+        events[0].record(torch.cuda.current_stream(x.device))  # the layer's GPU, not necessarily the current one
     pos = split.dev_pos.to(x.device)
     ffn = cpu_ffn.grouped_ffn_q if rt.store.quant != "none" else grouped_ffn
     y = ffn(x[pos // top_k], rt.cache.gate_up, rt.cache.down, split.dev_slot, rt.act)
     out[pos] = (y * w_flat[pos, None]).to(out.dtype)  # float32 router weights (DeepSeek) promote
     rt.cache.after_compute()  # mark the end of this layer's reads of its slots
     if events:
-        events[1].record()
+        events[1].record(torch.cuda.current_stream(x.device))
         rt.counters.device_events.append(events)
     else:
         rt.counters.host_device_s += time.perf_counter() - t0

@@ -42,10 +42,12 @@ class ResidentExperts:
             return False
         if not cache.copies_done():
             return False
-        if self.version != cache.version:
-            self.table = cache.slot_of.to(rt.device)
-            self.version = cache.version
+        if self.table is None:  # allocated once: captured graphs keep reading the same table and counts
+            self.table = torch.empty_like(cache.slot_of, device=rt.device)
             self.counts = torch.zeros_like(self.table)
+        if self.version != cache.version:
+            self.table.copy_(cache.slot_of)
+            self.version = cache.version
         return True
 
     def ffn(self, li: int, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

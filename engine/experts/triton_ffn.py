@@ -123,8 +123,8 @@ def _quantize_kernel():
         b = tl.program_id(1) * BB + tl.arange(0, BB)  # [BB]
         col = b[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BB, 32]
         v = tl.load(x + s * x_stride + col, mask=col < K, other=0.0).to(tl.float32)  # zero-padded to whole blocks
-        d = tl.max(tl.abs(v), axis=1) / 127.0  # [BB]
-        inv = tl.where(d > 0, 1.0 / tl.where(d > 0, d, 1.0), 0.0)  # a block of zeros: codes 0, no division by 0
+        d = tl.math.div_rn(tl.max(tl.abs(v), axis=1), 127.0)  # [BB]; `/` compiles to an approximate division
+        inv = tl.where(d > 0, tl.math.div_rn(1.0, tl.where(d > 0, d, 1.0)), 0.0)  # a block of zeros: codes 0
         y = v * inv[:, None]
         q = (y + 12582912.0) - 12582912.0  # rounded half to even (|y| <= 127 << 2^22), as torch.round and vcvtps2dq
         q = tl.minimum(tl.maximum(q, -127.0), 127.0)
@@ -239,10 +239,11 @@ def slot_ffn(x: torch.Tensor, row_slot: torch.Tensor, gate_up, down, act) -> tor
     global _failed
     if not (usable(gate_up, x) and usable(down, x)):
         return None
-    try:
-        if isinstance(gate_up, QuantMatrix):
-            return expert_ffn(x, row_slot, gate_up, down, act).to(x.dtype)
-        return float_ffn(x, row_slot, gate_up, down, act)
+    try:  # Triton launches on the current device: the slots' GPU, which need not be it (device auto: the most free)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            if isinstance(gate_up, QuantMatrix):
+                return expert_ffn(x, row_slot, gate_up, down, act).to(x.dtype)
+            return float_ffn(x, row_slot, gate_up, down, act)
     except Exception as err:  # noqa: BLE001 -- any compile or launch failure: the caller's fallback from here on
         _failed = f"{type(err).__name__}: {err}"
         log.warning("experts on the GPU run without the Triton kernels (they failed: %s)", _failed)

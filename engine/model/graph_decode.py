@@ -146,7 +146,9 @@ class GraphedDecode:
         for layer in layers:
             layer.reserve(T)
         capacity = layers[0].capacity()
-        return start, (capacity, self._rotary_table(capacity).data_ptr(), *(layer._k.data_ptr() for layer in layers))
+        rotary = self._rotary_table(capacity)
+        sin = () if self.mla else (self.lean.sin.data_ptr(),)
+        return start, (capacity, rotary.data_ptr(), *sin, *(t.data_ptr() for layer in layers for t in (layer._k, layer._v)))
 
     def _rotary_table(self, end: int) -> torch.Tensor:
         """The rotary rows of positions 0..end-1 at least, which the segments gather from: cos [P, D] (sin beside it) in
@@ -176,7 +178,7 @@ class GraphedDecode:
             try:
                 graph, out = self._capture(s, buf, cache)
                 buf.graphs.append(graph)
-                buf.out.append(out)
+                buf.out[s:] = [out]  # the next segment's capture reads these, not the eager pass's outputs
                 graph.replay()
                 return out
             except Exception as err:  # noqa: BLE001 -- any capture failure: eager from here on, said once
@@ -192,6 +194,8 @@ class GraphedDecode:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):  # torch.cuda.graph minus its synchronize and gc
             self._segment(s, buf, cache)  # warm-up on the capture stream (library workspaces); rewrites the same entries
+            if buf.resident:  # its expert counts too, which add up: the replay after the capture counts the pass
+                self.runtime.resident.counts.zero_()
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")  # the transfer threads copy on
             try:
                 out = self._segment(s, buf, cache)
@@ -271,7 +275,8 @@ class GraphedDecode:
         # query heads kv·G .. kv·G+G-1 read KV head kv (transformers' repeat_kv): [1, H_kv, G·T, D], mask [G·T, C]
         qg = q.to(keys.dtype).reshape(1, keys.shape[1], groups * T, hd)
         o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible.repeat(groups, 1), scale=a.scaling)
-        o = o.view(1, q.shape[1], T, hd).transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H_q·D]
+        # reshape, not view: CUDA's fused kernels return [1, G·T, H_kv, D] storage seen as [1, H_kv, G·T, D]
+        o = o.reshape(1, q.shape[1], T, hd).transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H_q·D]
         return a.o_proj.forward(o)
 
     def _latent_attention(self, i: int, h, freqs, layer_cache, positions, visible) -> torch.Tensor:

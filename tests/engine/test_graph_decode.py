@@ -245,6 +245,87 @@ def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, r
     assert {resident for _, resident in made[0].buffers} == {ratio == 1.0}
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_attention_takes_the_fused_kernels_output_layout(family, checkpoint, monkeypatch):
+    """On CUDA, attention under a mask runs the memory-efficient kernel, whose output is [1, L, H, D] storage seen as
+    [1, H, L, D]. With that layout (the same values, the GPU's strides), grouped query heads still give transformers'
+    logits."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+    m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32))))
+    m.lean = _graphed(m.hf, m.context_len)
+    assert m.hf.config.num_attention_heads > m.hf.config.num_key_value_heads > 1
+    for expected, got in _passes(m, (1, 5, 3), past=12):
+        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+class _EmulatedGraph:
+    """torch.cuda.CUDAGraph on the CPU: a capture records the segment it is given and computes nothing that lasts (its
+    outputs are allocated, the one write that accumulates, the expert counts, is undone); a replay runs the segment
+    again into the captured outputs."""
+
+    capturing = None
+
+    def capture_begin(self, **kwargs):
+        _EmulatedGraph.capturing = self
+
+    def capture_end(self):
+        _EmulatedGraph.capturing = None
+
+    def replay(self):
+        for name, value in self.run().items():
+            if value is not None:
+                self.out[name].copy_(value)
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.mark.parametrize(("family", "ratio"), [("qwen3_moe", 0.5), ("qwen3_moe", 1.0), ("deepseek_v2", 0.5)],
+                         ids=["segments", "resident", "deepseek-segments"])
+def test_capture_and_replay_bookkeeping_emulated_on_the_cpu(family, ratio, checkpoint, monkeypatch):
+    """GraphedDecode's capture path with the CUDA graph emulated: passes that run eagerly, capture, replay, and capture
+    again after the buffers grow give the eager model's logits bit for bit, and with every expert resident the
+    counters see each pass's activations once (a capture's warm-up counts nothing)."""
+    real = GraphedDecode._segment
+
+    def segment(g, s, buf, cache):
+        graph = _EmulatedGraph.capturing
+        if graph is None:
+            return real(g, s, buf, cache)
+        graph.run = lambda: real(g, s, buf, cache)
+        counts = g.runtime.resident.counts
+        before = None if counts is None else counts.clone()
+        graph.out = real(g, s, buf, cache)
+        if before is not None:
+            counts.copy_(before)
+        return graph.out
+
+    for name, value in {"CUDAGraph": _EmulatedGraph, "graph_pool_handle": lambda: None, "Stream": _Stream,
+                        "current_stream": lambda *a: _Stream(), "stream": lambda s: contextlib.nullcontext(),
+                        "device": lambda d: contextlib.nullcontext()}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(GraphedDecode, "_segment", segment)
+    cfg = EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32)), expert_cache_ratio=ratio)
+    graphed, eager = loader.load_model(cfg), loader.load_model(cfg)
+    graphed.lean = _graphed(graphed.hf, graphed.context_len, capture=True)
+    eager.lean = _graphed(eager.hf, eager.context_len)
+    steps = (1, 1, 1, 5, 5, 5, 1, 1)  # past 250: the buffers grow at the 5-token passes, so their graphs are captured anew
+    for (_, got), (_, want) in zip(_passes(graphed, steps, 250), _passes(eager, steps, 250), strict=True):
+        assert torch.equal(got, want)
+    g = graphed.lean
+    assert g.failed is None and g.captured > 0 and all(b.key[0] == 512 for b in g.buffers.values())
+    assert graphed.decode_path().startswith(f"CUDA graphs, {g.captured} captured")
+    a, b = graphed.runtime.counters, eager.runtime.counters
+    assert torch.equal(a.freq, b.freq) and a.hits == b.hits and a.layer_calls == b.layer_calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v2"])
 def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):

@@ -175,7 +175,8 @@ def build(fn, capability, constants, **options):
         out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
     line = next(line for line in out.splitlines() if "REG:" in line)
     usage = {k: int(v) for k, v in re.findall(r"([A-Z]+):([0-9]+)", line)}
-    return {**usage, "fma": "fma.rn.f32" in kernel.asm["ptx"]}
+    ptx = kernel.asm["ptx"]
+    return {**usage, "fma": "fma.rn.f32" in ptx, "inexact_div": "div.full" in ptx or "div.approx" in ptx}
 
 q_matmul, quantize, f_matmul = tf._build()
 tiles = {"BR": tf.BLOCK_ROWS, "BB": tf.BLOCKS_PER_STEP}
@@ -191,8 +192,8 @@ print(json.dumps(got))
 def test_kernels_compile_for_gaming_and_datacenter_gpus():
     """The interpreter does not lower the kernels. Here Triton compiles them as a GPU would, no GPU needed, down to a
     cubin for RTX 20, 30, 40 and 50 cards and the H100/H200: with no register spills (local memory would cost a decode step
-    more than the kernels save), and the activations' quantizer without a fused multiply-add (its rounding is the CPU
-    kernel's only without one)."""
+    more than the kernels save), and the activations' quantizer without a fused multiply-add or an approximate division (its
+    rounding is the CPU kernel's only without them)."""
     import json
     import os
     import subprocess
@@ -211,6 +212,7 @@ def test_kernels_compile_for_gaming_and_datacenter_gpus():
         for name, usage in kernels.items():
             assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and usage["REG"] < 255, (_GPUS[int(cap)], name, usage)
         assert not kernels["quantize"]["fma"] and kernels["q_matmul int4"]["fma"], _GPUS[int(cap)]  # the check can fail
+        assert not kernels["quantize"]["inexact_div"], _GPUS[int(cap)]  # IEEE division, as torch's and the CPU kernel's
 
 
 @pytest.mark.gpu
