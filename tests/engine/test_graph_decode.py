@@ -220,46 +220,6 @@ def test_segments_trace_as_one_graph_each(family, checkpoint, tokenizer_dir, tmp
             assert not HOST_READS.intersection(ops), sorted(set(ops))
 
 
-@pytest.mark.parametrize(("family", "drafter", "ratio"), [("qwen3_moe", "none", 0.5), ("qwen3_moe", "self", 0.5),
-                                                          ("qwen3_moe", "draft", 0.5), ("deepseek_v2", "self", 0.5),
-                                                          ("qwen2_moe", "self", 1.0)])
-def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, ratio, checkpoint, draft_dir, tokenizer,
-                                                              monkeypatch):
-    """The engine's greedy tokens, every decode, verification and draft pass through the static segments."""
-    made = []
-
-    def build(hf, device, context_len):
-        made.append(_graphed(hf, context_len))
-        return made[-1]
-
-    monkeypatch.setattr(loader, "build_lean_forward", build)
-    monkeypatch.setattr(drafters, "build_lean_forward", build)
-    monkeypatch.setattr(drafters, "router_feed", lambda draft, target: None)  # the feed's hooks keep transformers' forward
-    model_dir = checkpoint(family)
-    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
-    name = str(draft_dir) if drafter == "draft" else drafter
-    done = run_engine(model_dir, prompt, drafter=name, expert_cache_ratio=ratio)
-    assert done.token_ids == hf_greedy(model_dir, prompt)
-    assert len(made) == 1 + (drafter == "draft") and all(g.buffers for g in made)  # every model ran static passes
-    # every expert resident: the draft and verification passes ran their MoE layers in the pass
-    assert {resident for _, resident in made[0].buffers} == {ratio == 1.0}
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_attention_takes_the_fused_kernels_output_layout(family, checkpoint, monkeypatch):
-    """On CUDA, attention under a mask runs the memory-efficient kernel, whose output is [1, L, H, D] storage seen as
-    [1, H, L, D]. With that layout (the same values, the GPU's strides), grouped query heads still give transformers'
-    logits."""
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
-    m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32))))
-    m.lean = _graphed(m.hf, m.context_len)
-    assert m.hf.config.num_attention_heads > m.hf.config.num_key_value_heads > 1
-    for expected, got in _passes(m, (1, 5, 3), past=12):
-        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
-
-
 class _EmulatedGraph:
     """torch.cuda.CUDAGraph on the CPU: a capture records the segment it is given and computes nothing that lasts (its
     outputs are allocated, the one write that accumulates, the expert counts, is undone); a replay runs the segment
@@ -287,12 +247,10 @@ class _Stream:
         pass
 
 
-@pytest.mark.parametrize(("family", "ratio"), [("qwen3_moe", 0.5), ("qwen3_moe", 1.0), ("deepseek_v2", 0.5)],
-                         ids=["segments", "resident", "deepseek-segments"])
-def test_capture_and_replay_bookkeeping_emulated_on_the_cpu(family, ratio, checkpoint, monkeypatch):
-    """GraphedDecode's capture path with the CUDA graph emulated: passes that run eagerly, capture, replay, and capture
-    again after the buffers grow give the eager model's logits bit for bit, and with every expert resident the
-    counters see each pass's activations once (a capture's warm-up counts nothing)."""
+@pytest.fixture
+def emulated_graphs(monkeypatch):
+    """CUDA graphs emulated on the CPU for GraphedDecode(capture=True): its capture path runs, streams and devices are
+    no-ops."""
     real = GraphedDecode._segment
 
     def segment(g, s, buf, cache):
@@ -300,7 +258,7 @@ def test_capture_and_replay_bookkeeping_emulated_on_the_cpu(family, ratio, check
         if graph is None:
             return real(g, s, buf, cache)
         graph.run = lambda: real(g, s, buf, cache)
-        counts = g.runtime.resident.counts
+        counts = g.runtime.resident.counts if g.runtime is not None else None
         before = None if counts is None else counts.clone()
         graph.out = real(g, s, buf, cache)
         if before is not None:
@@ -312,6 +270,60 @@ def test_capture_and_replay_bookkeeping_emulated_on_the_cpu(family, ratio, check
                         "device": lambda d: contextlib.nullcontext()}.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(GraphedDecode, "_segment", segment)
+
+
+@pytest.mark.parametrize(("family", "drafter", "ratio", "capture"), [
+    ("qwen3_moe", "none", 0.5, False), ("qwen3_moe", "self", 0.5, False), ("qwen3_moe", "draft", 0.5, False),
+    ("deepseek_v2", "self", 0.5, False), ("qwen2_moe", "self", 1.0, False),
+    ("qwen3_moe", "draft", 0.5, True), ("deepseek_v2", "self", 0.5, True), ("qwen2_moe", "self", 1.0, True)],
+    ids=lambda v: {True: "captured", False: "eager"}.get(v, v) if isinstance(v, bool) else None)
+def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, ratio, capture, checkpoint, draft_dir,
+                                                              tokenizer, monkeypatch, request):
+    """The engine's greedy tokens, every decode, verification and draft pass through the static segments: eagerly, and
+    through CUDA graphs emulated on the CPU (captures, replays, rewinds of rejected drafts, the draft model's graphs)."""
+    if capture:
+        request.getfixturevalue("emulated_graphs")
+    made = []
+
+    def build(hf, device, context_len):
+        made.append(_graphed(hf, context_len, capture=capture))
+        return made[-1]
+
+    monkeypatch.setattr(loader, "build_lean_forward", build)
+    monkeypatch.setattr(drafters, "build_lean_forward", build)
+    monkeypatch.setattr(drafters, "router_feed", lambda draft, target: None)  # the feed's hooks keep transformers' forward
+    model_dir = checkpoint(family)
+    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
+    name = str(draft_dir) if drafter == "draft" else drafter
+    done = run_engine(model_dir, prompt, drafter=name, expert_cache_ratio=ratio)
+    assert done.token_ids == hf_greedy(model_dir, prompt)
+    assert len(made) == 1 + (drafter == "draft") and all(g.buffers for g in made)  # every model ran static passes
+    assert all(g.failed is None and (g.captured > 0) == capture for g in made)
+    # every expert resident: the draft and verification passes ran their MoE layers in the pass
+    assert {resident for _, resident in made[0].buffers} == {ratio == 1.0}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_attention_takes_the_fused_kernels_output_layout(family, checkpoint, monkeypatch):
+    """On CUDA, attention under a mask runs the memory-efficient kernel, whose output is [1, L, H, D] storage seen as
+    [1, H, L, D]. With that layout (the same values, the GPU's strides), grouped query heads still give transformers'
+    logits."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: sdpa(*a, **k).transpose(1, 2).contiguous().transpose(1, 2))
+    m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32))))
+    m.lean = _graphed(m.hf, m.context_len)
+    assert m.hf.config.num_attention_heads > m.hf.config.num_key_value_heads > 1
+    for expected, got in _passes(m, (1, 5, 3), past=12):
+        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize(("family", "ratio"), [("qwen3_moe", 0.5), ("qwen3_moe", 1.0), ("deepseek_v2", 0.5)],
+                         ids=["segments", "resident", "deepseek-segments"])
+def test_capture_and_replay_bookkeeping_emulated_on_the_cpu(family, ratio, checkpoint, emulated_graphs):
+    """GraphedDecode's capture path with the CUDA graph emulated: passes that run eagerly, capture, replay, and capture
+    again after the buffers grow give the eager model's logits bit for bit, and with every expert resident the
+    counters see each pass's activations once (a capture's warm-up counts nothing)."""
     cfg = EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32)), expert_cache_ratio=ratio)
     graphed, eager = loader.load_model(cfg), loader.load_model(cfg)
     graphed.lean = _graphed(graphed.hf, graphed.context_len, capture=True)
