@@ -177,8 +177,11 @@ class EngineBridge:
         gc.collect()
         import torch
 
+        from ..engine import release_pinned_cache
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            release_pinned_cache()  # pinned host blocks PyTorch's allocator kept (the store's own are unregistered)
 
     def _load(self, factory: Callable[[], EngineConfig]) -> None:
         self._drop_engine()

@@ -35,6 +35,7 @@ _MODULES = {  # submodule -> the public names it provides
     "experts.grouped": ("grouped_ffn", "uses_grouped_mm"),
     "experts.native_copier": ("NativeCopier",),
     "quant.formats": ("QuantMatrix", "empty_matrix", "grouped_expert_ffn", "matrix_bytes"),
+    "pinned": ("release_pinned_cache",),
 }
 # whole modules: the native build registry, the CPU kernel and its twin, the GPU's quantized-expert kernel
 _SUBMODULES = ("native", "experts.cpu_ffn", "experts.triton_ffn")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import pinned
 from ..errors import CheckpointError
 from ..events import LoadProgress
 from ..model.checkpoint import Checkpoint
@@ -140,7 +141,7 @@ class ExpertStore:
                     )
 
     def _host_empty(self, *shape: int) -> torch.Tensor:
-        return self._host(lambda pin: torch.empty(*shape, dtype=self.dtype, pin_memory=pin))
+        return self._host(lambda pin: pinned.empty(shape, self.dtype) if pin else torch.empty(*shape, dtype=self.dtype))
 
     def _host(self, alloc):
         """alloc(pin) in page-locked memory while the system grants it, pageable from the first refusal on

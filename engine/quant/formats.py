@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import pinned
+
 BLOCK = 32  # weights per scale; K is padded to a multiple of this
 ROWS = 16  # rows interleaved per group (one 512-bit vector of int32 row sums)
 FORMATS = ("int8", "int4")
@@ -136,10 +138,13 @@ class QuantMatrix:
 def empty_matrix(fmt: str, lead: tuple[int, ...], rows: int, k: int, device=None, pin: bool = False) -> QuantMatrix:
     """Uninitialised storage for [*lead, rows, k] in `fmt` (pin: page-locked host memory)."""
     kp = padded(k)
-    kw = dict(device=device, pin_memory=pin) if pin else dict(device=device)
-    q = torch.empty(*lead, rows, kp * BITS[fmt] // 8, dtype=torch.uint8, **kw)
-    scale = torch.empty(*lead, rows, kp // BLOCK, dtype=torch.float16, **kw)
-    minimum = torch.empty(*lead, rows, kp // BLOCK, dtype=torch.float16, **kw) if fmt == "int4" else None
+
+    def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return pinned.empty(shape, dtype) if pin else torch.empty(*shape, dtype=dtype, device=device)
+
+    q = empty(*lead, rows, kp * BITS[fmt] // 8, dtype=torch.uint8)
+    scale = empty(*lead, rows, kp // BLOCK, dtype=torch.float16)
+    minimum = empty(*lead, rows, kp // BLOCK, dtype=torch.float16) if fmt == "int4" else None
     return QuantMatrix(fmt, k, q, scale, minimum)
 
 
