@@ -474,6 +474,7 @@ API void moechat_pf_destroy(void* h) {
 API int moechat_pf_enqueue(void* h, int slot, int layer, int level, int nseg, const void* const* srcs,
                            void* const* dsts, const size_t* bytes, int pinned) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
   if (slot < 0 || slot >= e->nslots) return bad("slot " + std::to_string(slot) + " out of range");
   if (level < 0 || level >= e->nlevels) return bad("level " + std::to_string(level) + " out of range");
   if (nseg < 1 || nseg > MAX_SEGMENTS) return bad("an item is 1.." + std::to_string(MAX_SEGMENTS) + " copies");
@@ -503,6 +504,7 @@ API int moechat_pf_enqueue(void* h, int slot, int layer, int level, int nseg, co
 // completed); -2 when the engine failed.
 API int moechat_pf_query(void* h, int slot) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
   if (slot < 0 || slot >= e->nslots) return bad("slot " + std::to_string(slot) + " out of range");
   std::lock_guard<std::mutex> lk(e->mu);
   if (!e->error.empty()) return failed(e);
@@ -518,6 +520,7 @@ API int moechat_pf_query(void* h, int slot) {
 // Drops the slot's queued item; 1 when there was one, 0 when none (idle, in flight or done).
 API int moechat_pf_cancel(void* h, int slot) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
   if (slot < 0 || slot >= e->nslots) return bad("slot " + std::to_string(slot) + " out of range");
   std::lock_guard<std::mutex> lk(e->mu);
   return e->drop_queued(slot) ? 1 : 0;
@@ -527,6 +530,7 @@ API int moechat_pf_cancel(void* h, int slot) {
 // num_slots: at most one queued item per slot) and returns how many.
 API int moechat_pf_cancel_below(void* h, int layer, int tau, int32_t* out, int cap) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
   if (cap < e->nslots) return bad("cancel_below needs room for num_slots slots");
   std::lock_guard<std::mutex> lk(e->mu);
   int n = 0;
@@ -541,6 +545,7 @@ API int moechat_pf_cancel_below(void* h, int layer, int tau, int32_t* out, int c
 // every copy issued from now on waits for the work queued there so far.
 API int moechat_pf_mark_compute(void* h, void* stream) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
 #ifdef MOECHAT_HOST_BACKEND
   (void)e;
   (void)stream;
@@ -561,6 +566,7 @@ API int moechat_pf_mark_compute(void* h, void* stream) {
 // Stop issuing (queued items wait) or resume.
 API void moechat_pf_pause(void* h, int on) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return;
   std::lock_guard<std::mutex> lk(e->mu);
   e->paused = on != 0;
   e->work.notify_all();
@@ -571,6 +577,7 @@ API void moechat_pf_pause(void* h, int on) {
 // stream stalls copies waiting on compute_done.
 API void moechat_pf_hold(void* h, int on) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return;
   std::lock_guard<std::mutex> lk(e->mu);
   e->hold = on != 0;
   e->work.notify_all();
@@ -580,6 +587,7 @@ API void moechat_pf_hold(void* h, int on) {
 // 0 once nothing is queued or in flight, 1 after timeout_s, -2 when the engine failed.
 API int moechat_pf_wait_idle(void* h, double timeout_s) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
   std::unique_lock<std::mutex> lk(e->mu);
   bool idle = e->idle.wait_for(lk, std::chrono::duration<double>(timeout_s),
                                [e] { return !e->error.empty() || e->is_idle(); });
@@ -589,6 +597,7 @@ API int moechat_pf_wait_idle(void* h, double timeout_s) {
 
 API int moechat_pf_counters(void* h, Counters* out) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
   std::lock_guard<std::mutex> lk(e->mu);
   *out = e->stats;
   out->queued = e->queued;
@@ -600,6 +609,7 @@ API int moechat_pf_counters(void* h, Counters* out) {
 // Moves up to cap slots, in the order their copies were issued, into out; returns how many.
 API int moechat_pf_issued(void* h, int32_t* out, int cap) {
   Engine* e = static_cast<Engine*>(h);
+  if (!e) return bad("the prefetch engine is closed");
   std::lock_guard<std::mutex> lk(e->mu);
   int n = static_cast<int>(std::min(e->log.size(), static_cast<size_t>(cap < 0 ? 0 : cap)));
   std::copy(e->log.begin(), e->log.begin() + n, out);

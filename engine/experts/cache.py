@@ -192,7 +192,7 @@ class ExpertCache(SlotTable):
             self.gate_up = empty_matrix(store.quant, (num_slots,), 2 * I, H, device=device)
             self.down = empty_matrix(store.quant, (num_slots,), H, I, device=device)
         self.copier = None  # the native copier (csrc/cuda/prefetch.cpp), when it builds (MOECHAT_NATIVE=0: never)
-        if device.type == "cuda":
+        if device.type == "cuda" and num_slots > 0:  # no slots: nothing to copy, no copier to report unusable
             from .native_copier import open_copier
 
             self.copier = open_copier(device, num_slots, keep=(self.gate_up, self.down))
@@ -250,9 +250,10 @@ class ExpertCache(SlotTable):
         then run on the device, resident.py); the counters start from zero after it. -> whether it filled."""
         if self.capacity < self.slot_of.numel() or self.capacity == 0:
             return False
-        for li in range(self.slot_of.shape[0]):
-            for e in range(self.num_experts):
-                self.load(li, e)
+        with self.lock:  # the transfer thread runs already: it reads the table this changes
+            for li in range(self.slot_of.shape[0]):
+                for e in range(self.num_experts):
+                    self.load(li, e)
         self.wait_copies()
         self.bytes_moved = self.loads = 0
         return True
@@ -261,6 +262,8 @@ class ExpertCache(SlotTable):
         """End the native copier's thread (queued copies dropped, issued ones waited for); idempotent."""
         if self.copier is not None:
             self.copier.close()
+        elif self.stream is not None:  # PyTorch's side-stream copies: none may still write a pool about to be freed
+            self.stream.synchronize()
 
     def wait_copies(self) -> None:
         t0 = time.perf_counter()

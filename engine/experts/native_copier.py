@@ -16,8 +16,10 @@ from __future__ import annotations
 import atexit
 import ctypes
 import glob
+import logging
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +35,8 @@ LEVELS = 64  # priority levels 0..63: above any utility bound K (≤ 16)
 DEMAND = LEVELS - 1  # level of a load without one (on-demand policies): served first
 MAX_SEGMENTS = 6  # copies per item (csrc/cuda/prefetch.cpp): gate_up and down, with scales and zero points when quantized
 MAX_INFLIGHT = 2  # experts issued but not complete: enough to keep the link busy, few enough that priority matters
+CLOSE_WAIT_S = 70  # close() waits this long for a call in progress (wait_idle takes up to 60 s)
+log = logging.getLogger(__name__)
 
 
 def cudart_path() -> Path:
@@ -116,6 +120,8 @@ class NativeCopier:
     def __init__(self, lib: ctypes.CDLL, device: int = 0, num_slots: int = 1, levels: int = LEVELS,
                  max_inflight: int = MAX_INFLIGHT, keep: object = None):
         self.lib, self.num_slots, self.levels = _declare(lib), num_slots, levels
+        self._guard = threading.Condition(threading.Lock())  # close() waits for the calls in progress
+        self._calls = 0
         self.handle = self.lib.moechat_pf_create(device, num_slots, levels, max_inflight)
         if not self.handle:
             raise MoechatError(f"the prefetch engine could not start: {self._error()}")
@@ -131,6 +137,20 @@ class NativeCopier:
         if rc < 0:
             raise (ValueError if rc == -1 else RuntimeError)(f"prefetch engine: {self._error()}")
         return rc
+
+    def _call(self, name: str, *args):
+        """moechat_pf_<name>(handle, *args), never on a closed engine (its handle freed: a crash, not an error)."""
+        with self._guard:
+            if not self.handle:
+                raise MoechatError("the GPU expert copier is closed: load the model again")
+            handle = self.handle
+            self._calls += 1
+        try:
+            return getattr(self.lib, f"moechat_pf_{name}")(handle, *args)
+        finally:
+            with self._guard:
+                self._calls -= 1
+                self._guard.notify_all()
 
     def enqueue(self, slot: int, layer: int, level: int, copies: Sequence[tuple[torch.Tensor, torch.Tensor]],
                 pinned: bool | None = None) -> Ready:
@@ -148,12 +168,12 @@ class NativeCopier:
         if pinned is None:
             pinned = all(src.is_pinned() for src, _ in copies)
         self._held.setdefault(slot, []).append(copies)
-        self._check(self.lib.moechat_pf_enqueue(self.handle, slot, layer, level, n, srcs, dsts, sizes, int(pinned)))
+        self._check(self._call("enqueue", slot, layer, level, n, srcs, dsts, sizes, int(pinned)))
         return Ready(self, slot)
 
     def query(self, slot: int) -> int:
         """IDLE, QUEUED, IN_FLIGHT or READY (the slot's latest copy completed)."""
-        state = self._check(self.lib.moechat_pf_query(self.handle, slot))
+        state = self._check(self._call("query", slot))
         if state in (self.READY, self.IDLE):
             self._held.pop(slot, None)  # every copy into the slot completed: its tensors may go
         return state
@@ -163,50 +183,56 @@ class NativeCopier:
 
     def cancel(self, slot: int) -> bool:
         """Drop the slot's queued copy; False when there was none (idle, in flight or done)."""
-        return bool(self._check(self.lib.moechat_pf_cancel(self.handle, slot)))
+        return bool(self._check(self._call("cancel", slot)))
 
     def cancel_below(self, layer: int, tau: int) -> list[int]:
         """Drop the queued copies of `layer` queued below level `tau`; returns their slots."""
-        n = self._check(self.lib.moechat_pf_cancel_below(self.handle, layer, tau, self._out, self.num_slots))
+        n = self._check(self._call("cancel_below", layer, tau, self._out, self.num_slots))
         return list(self._out[:n])
 
     def mark_compute(self, stream: int) -> None:
         """Copies issued from now on wait for the work queued so far on `stream` (a cudaStream_t,
         torch.cuda.current_stream().cuda_stream): the compute that may still read a freed slot."""
-        self._check(self.lib.moechat_pf_mark_compute(self.handle, stream))
+        self._check(self._call("mark_compute", stream))
 
     def pause(self, on: bool = True) -> None:
         """Stop issuing (queued copies wait) or resume."""
-        self.lib.moechat_pf_pause(self.handle, int(on))
+        self._call("pause", int(on))
 
     def hold(self, on: bool = True) -> None:
         """Host backend only: stall its stream, so issued copies stay in flight (a busy compute stream)."""
-        self.lib.moechat_pf_hold(self.handle, int(on))
+        self._call("hold", int(on))
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """True once nothing is queued or in flight; False after `timeout` seconds."""
-        return self._check(self.lib.moechat_pf_wait_idle(self.handle, timeout)) == 0
+        return self._check(self._call("wait_idle", timeout)) == 0
 
     def counters(self) -> dict[str, float]:
         """bytes and copies completed, staged_bytes, cancelled, queued and in_flight now, busy_s."""
         c = Counters()
-        self._check(self.lib.moechat_pf_counters(self.handle, ctypes.byref(c)))
+        self._check(self._call("counters", ctypes.byref(c)))
         return {name: getattr(c, name) for name, _ in Counters._fields_}
 
     def issued(self) -> list[int]:
         """Slots in the order their copies were issued since the last call (at most 65536)."""
         out = (ctypes.c_int32 * 4096)()
         slots: list[int] = []
-        while n := self.lib.moechat_pf_issued(self.handle, out, len(out)):
+        while n := self._call("issued", out, len(out)):
             slots += out[:n]
         return slots
 
     def close(self) -> None:
-        """Drop queued copies, wait for issued ones, end the thread."""
-        if self.handle:
-            self.lib.moechat_pf_destroy(self.handle)
-            self.handle = None
-            self._held.clear()
+        """Drop queued copies, wait for issued ones, end the thread; idempotent. Calls from then on raise MoechatError;
+        one still in progress (another thread's) finishes first."""
+        with self._guard:
+            handle, self.handle = self.handle, None
+            if not handle:
+                return
+            if not self._guard.wait_for(lambda: self._calls == 0, timeout=CLOSE_WAIT_S):
+                log.warning("the GPU expert copier is still busy after %d s: left running until exit", CLOSE_WAIT_S)
+                return  # its memory outlives a call still inside it
+        self.lib.moechat_pf_destroy(handle)
+        self._held.clear()
 
     def __del__(self):
         self.close()

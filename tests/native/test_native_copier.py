@@ -194,6 +194,51 @@ def test_destroy_with_work_queued_or_held_does_not_hang(host_lib):
         assert [torch.equal(d, src) for d in dst] == [True] * issued + [False] * (64 - issued), stall
 
 
+def test_a_closed_copier_raises_and_close_waits_for_a_call_in_progress(host_lib):
+    """After close() every call is a one-line error (a freed handle was a crash); a call another thread is inside when
+    close() comes (the server closing under a running job) finishes first, then the engine is freed, once."""
+    eng = P(host_lib, num_slots=2, levels=2)
+    entered, release, destroyed = threading.Event(), threading.Event(), []
+
+    class Lib:  # the library, with wait_idle held open and destroy recorded
+        def __getattr__(self, name):
+            return getattr(host_lib, name)
+
+        def moechat_pf_wait_idle(self, handle, timeout):
+            entered.set()
+            release.wait()
+            return host_lib.moechat_pf_wait_idle(handle, timeout)
+
+        def moechat_pf_destroy(self, handle):
+            destroyed.append(handle)
+            host_lib.moechat_pf_destroy(handle)
+
+    eng.lib = Lib()
+    waiter = threading.Thread(target=eng.wait_idle, args=(1.0,))
+    waiter.start()
+    assert entered.wait(10)
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    closer.join(timeout=0.5)
+    assert closer.is_alive() and not destroyed  # waiting for the call inside the engine
+    release.set()
+    for t in (waiter, closer):
+        t.join(timeout=10)
+        assert not t.is_alive()
+    assert len(destroyed) == 1
+    for call in (lambda: eng.query(0), lambda: eng.wait_idle(0.1), eng.counters, lambda: eng.mark_compute(0)):
+        with pytest.raises(MoechatError, match="copier is closed"):
+            call()
+    eng.close()
+    assert len(destroyed) == 1
+
+
+def test_the_library_refuses_a_null_handle(host_lib):
+    npf._declare(host_lib)
+    assert host_lib.moechat_pf_query(None, 0) == -1 and b"closed" in host_lib.moechat_pf_last_error()
+    host_lib.moechat_pf_pause(None, 1)  # returns, rather than dereferencing NULL
+
+
 def test_bad_arguments_are_one_line_errors(host_lib):
     eng = P(host_lib, num_slots=2, levels=3)
     a, b = torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
