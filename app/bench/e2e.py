@@ -174,11 +174,13 @@ def cmd_bench_e2e(args) -> int:
     on_gpu = m.device.type == "cuda"
     pcie = bandwidths(store.expert_bytes, m.device, 10)["h2d_pinned_bytes_s"] if on_gpu else None
     limit = bound(len(store.layers), k, store.expert_bytes, args.expert_cache_ratio, ram_copy_bandwidth(3), pcie)
-    hf_rate, hf_why = _hf_row(args, ids, m, variants[0].runtime.cache.capacity, cuda)
     rows = [{"name": v.name, "policy": v.config.scheduler.policy, "drafter": v.config.spec.drafter,
              "expert_cache_ratio": v.config.expert_cache_ratio, "cpu_experts": v.config.scheduler.cpu_experts,
              "decode_tokens_per_s": statistics.median(v.decode) if v.decode else None,
              "not_measured": v.skipped or None, **v.stats} for v in variants]
+    # the engine's rows on stderr first: the Hugging Face row can take minutes, and a run cut there keeps them
+    print(json.dumps({"engine_rows_before_hf": rows, "bound": limit}), file=sys.stderr, flush=True)
+    hf_rate, hf_why = _hf_row(args, ids, m, variants[0].runtime.cache.capacity, cuda)
     rows.append({"name": ROWS[5], "decode_tokens_per_s": hf_rate, "not_measured": hf_why or None})
     result = {
         "model": args.model, "device": str(m.device), "dtype": args.dtype, "quant": args.quant,
