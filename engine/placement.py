@@ -40,6 +40,7 @@ class Gpu:
 class CudaProbe:
     gpus: tuple[Gpu, ...] = ()
     problem: str = ""  # why CUDA cannot be used although a GPU may be there; "" when usable or absent
+    skipped: str = ""  # GPUs that failed to start while others did, in one line ("cuda:0 failed to start (...)")
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,18 @@ def probe_cuda() -> CudaProbe:
     if not available:
         said = next((str(w.message).strip().splitlines()[0] for w in caught), "")
         return CudaProbe(problem=f"PyTorch cannot use CUDA ({said})" if said else "")
-    gpus = []
-    try:
-        for i in range(torch.cuda.device_count()):
+    gpus, failed = [], []
+    for i in range(torch.cuda.device_count()):
+        try:
             props = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)  # creates the context: fails here when the GPU is unusable
-            gpus.append(Gpu(i, props.name, int(free), int(total), props.major >= 8))
-    except Exception as err:  # out of memory at start, a lost device, a driver/runtime mismatch
-        return CudaProbe(tuple(gpus), f"CUDA failed to start ({_one_line(err)})")
-    return CudaProbe(tuple(gpus))
+        except Exception as err:  # out of memory at start, a lost device, a driver/runtime mismatch: that GPU only
+            failed.append((i, _one_line(err)))
+            continue
+        gpus.append(Gpu(i, props.name, int(free), int(total), props.major >= 8))
+    if failed and not gpus:
+        return CudaProbe(problem=f"CUDA failed to start ({failed[0][1]})")
+    return CudaProbe(tuple(gpus), skipped="; ".join(f"cuda:{i} failed to start ({why})" for i, why in failed))
 
 
 def choose(device: str, dtype: str, checkpoint_dtype: str, quant: str, cuda: CudaProbe, fp32_bytes: int = 0,
@@ -113,9 +117,10 @@ def _device(device: str, cuda: CudaProbe) -> tuple[str, str, str]:
         if chosen is not None:
             return device, f"set, {_gpu_words(chosen)}", ""
         count = f"{len(cuda.gpus)} GPU{'s' if len(cuda.gpus) > 1 else ''}"
-        return f"cuda:{best.index}", _gpu_words(best), f"{device} does not exist ({count}): using cuda:{best.index}"
+        missing = cuda.skipped if f"{device} failed" in cuda.skipped else f"{device} does not exist ({count})"
+        return f"cuda:{best.index}", _gpu_words(best), f"{missing}: using cuda:{best.index}"
     most = f", the most free of {len(cuda.gpus)}" if len(cuda.gpus) > 1 else ""
-    return f"cuda:{best.index}", _gpu_words(best) + most, ""
+    return f"cuda:{best.index}", _gpu_words(best) + most, f"{cuda.skipped}: using cuda:{best.index}" if cuda.skipped else ""
 
 
 def best_gpu(gpus: tuple[Gpu, ...]) -> Gpu:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 _GROUPED = hasattr(F, "grouped_mm")
 _broken: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where grouped_mm raised once
+_TRANSIENT = tuple(getattr(torch, n) for n in ("OutOfMemoryError", "AcceleratorError") if hasattr(torch, n))
 GROUPED_MM_MAX_GROUPS = 1024  # CUDA's grouped_mm refuses more ("Can't process more than 1024 groups", the H200)
 
 
@@ -55,7 +56,9 @@ def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, grou
             gu, dn = gate_up.to(x.dtype), down.to(x.dtype)  # bf16 experts of an fp32 model: widened exactly
             gate, up = F.grouped_mm(x, gu.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [S, I] each
             return F.grouped_mm(act(gate) * up, dn.transpose(1, 2), offs=offs)
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError) as err:
+            if isinstance(err, _TRANSIENT):  # out of memory now, or an earlier kernel's fault: not grouped_mm's
+                raise
             _broken.add((x.device.type, x.dtype))  # e.g. a dtype this GPU's kernel lacks: loop from now on
     out = torch.empty_like(x)
     start = 0

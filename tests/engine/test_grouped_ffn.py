@@ -28,6 +28,23 @@ def test_the_span_of_active_groups_decides_and_both_paths_agree(monkeypatch):
     assert grouped_ffn(x[:0], gate_up, down, ids[:0], F.silu).shape == (0, H)
 
 
+def test_out_of_memory_is_raised_not_taken_for_a_missing_kernel(monkeypatch):
+    """A kernel the device lacks turns grouped_mm off for that dtype (the loop from then on); running out of memory once
+    is the caller's error and leaves it on."""
+    torch.manual_seed(0)
+    gate_up, down, ids, x = torch.randn(4, 32, 16), torch.randn(4, 16, 16), torch.tensor([0, 2]), torch.randn(2, 16)
+    monkeypatch.setattr(grouped, "_broken", set())
+    for error, broken in ((torch.OutOfMemoryError("CUDA out of memory"), set()),
+                          (NotImplementedError("no kernel for this dtype"), {("cpu", torch.float32)})):
+        monkeypatch.setattr(F, "grouped_mm", lambda *a, error=error, **k: (_ for _ in ()).throw(error))
+        if broken:
+            torch.testing.assert_close(grouped_ffn(x, gate_up, down, ids, F.silu), _one_at_a_time(x, gate_up, down, ids))
+        else:
+            with pytest.raises(torch.OutOfMemoryError):
+                grouped_ffn(x, gate_up, down, ids, F.silu)
+        assert grouped._broken == broken
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_grouped_gemm_takes_any_span_its_kernel_can():
     if not torch.cuda.is_available():

@@ -45,6 +45,38 @@ def test_broken_driver_falls_back_to_the_cpu_in_one_line():
     assert choose("auto", "auto", "bfloat16", "none", NO_GPU).notice == ""  # auto on a machine without a GPU: nothing to say
 
 
+def test_a_gpu_that_fails_to_start_leaves_the_others(monkeypatch):
+    """Two GPUs, the first out of memory when its context starts: the probe keeps the second and says why the first is
+    left out; auto and cuda:0 both run on cuda:1 with that line. Both failing: the CPU, with the reason."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moechat.engine import placement
+
+    fail = {0}
+
+    def mem_get_info(i):
+        if i in fail:
+            raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+        return 20 * GIB, 24 * GIB
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(name=f"GPU {i}", major=8))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    probe = placement.probe_cuda()
+    assert [g.index for g in probe.gpus] == [1] and not probe.problem
+    assert probe.skipped == "cuda:0 failed to start (CUDA error: out of memory)"
+    for asked in ("auto", "cuda:0"):
+        p = choose(asked, "auto", "bfloat16", "none", probe)
+        assert p.device == "cuda:1" and p.notice == "cuda:0 failed to start (CUDA error: out of memory): using cuda:1"
+    fail.add(1)
+    p = choose("auto", "auto", "bfloat16", "none", placement.probe_cuda())
+    assert p.device == "cpu" and p.notice == "CUDA failed to start (CUDA error: out of memory): running on the CPU"
+
+
 @pytest.mark.parametrize("checkpoint,quant,fp32_bytes,native,expected", [
     ("bfloat16", "int4", BIG, True, "float32"),  # quantized dense layers: float32 activations measured faster
     ("bfloat16", "int8", BIG, False, "float32"),
