@@ -52,6 +52,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self.arrived = self.served = self.cancelled = 0
         self.running = False
+        self._current: Job | None = None  # the job in progress: close() cancels it
         self._thread = threading.Thread(target=self._run, name="moechat-serve-engine", daemon=True)
         self._thread.start()
 
@@ -71,15 +72,19 @@ class EngineWorker:
         return job
 
     def close(self) -> None:
-        """Stop the thread after the job in progress, then the engine's own threads."""
+        """Cancel the job in progress (it stops at its next token) and drop the waiting ones, stop the thread, then the
+        engine's own threads: only once this thread is out of the engine, which closing frees."""
         while True:  # waiting jobs are dropped: the server is going away
             try:
                 self._jobs.get_nowait().cancel()
             except queue.Empty:
                 break
+        if (job := self._current) is not None:
+            job.cancel()
         self._jobs.put(None)
         self._thread.join(timeout=30)
-        self.engine.close()
+        if not self._thread.is_alive():  # else it is still inside a step: the process's exit ends it
+            self.engine.close()
 
     def _run(self) -> None:
         from ...engine import Error, PrefillProgress, StepStats
@@ -91,6 +96,7 @@ class EngineWorker:
                 continue
             self.served += 1
             job.served, job.queued_s, self.running = self.served, time.perf_counter() - job.t_submit, True
+            self._current = job
             events = self.engine.generate(job.request, job.params)
             try:
                 for ev in events:
@@ -103,5 +109,5 @@ class EngineWorker:
                 job.post(Error(f"internal error ({type(err).__name__}: {err}); the server is ready for the next request"))
             finally:
                 events.close()
-                self.running = False
+                self.running, self._current = False, None
                 job.post(None)

@@ -242,3 +242,31 @@ def test_a_client_leaving_during_a_long_prompt_frees_the_engine_after_the_pass_i
         assert isinstance(fin, Finished) and fin.summary.reused_tokens == 4
     finally:
         worker.close()
+
+
+def test_closing_the_server_cancels_the_job_in_progress_then_closes_the_engine(model, monkeypatch):
+    """Shutdown during a long reply: the job stops at its next token, and the engine closes once the worker thread is out
+    of it (closing it under a running step freed what the step used)."""
+    import asyncio
+    import threading
+
+    from moechat.app.server.worker import EngineWorker
+
+    engine = Engine(EngineConfig(str(model)))
+    started, passes, closed = threading.Event(), [], []
+    forward, close = engine._forward, engine.close
+
+    def counted(ids, *args, **kwargs):
+        passes.append(len(ids))
+        if len(passes) == 3:
+            started.set()
+        return forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", counted)
+    monkeypatch.setattr(engine, "close", lambda: closed.append(worker._thread.is_alive()) or close())
+    worker = EngineWorker(engine)
+    job = worker.submit(Request(token_ids=list(range(5, 15))), SamplingParams(max_new_tokens=2000), asyncio.new_event_loop())
+    assert started.wait(60)
+    worker.close()
+    assert job.cancelled.is_set() and worker.cancelled == 1 and len(passes) < 2000
+    assert closed == [False]  # closed once, after the thread left the engine
