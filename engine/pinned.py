@@ -1,11 +1,12 @@
 """Page-locked host memory of exactly the size asked for (the RAM tier's store on a CUDA machine).
 
 PyTorch's pinned allocator rounds every block up to a power of two and locks the rounding too: a 738 MB layer of
-DeepSeek-V2-Lite's experts takes 1 GiB, 45 % more locked RAM than the budget counted, and int4 Qwen3-30B-A3B's 16.9 GiB
-of experts 22.5 GiB (each part of a layer rounded: codes 192 to 256 MiB, scales 24 to 32). Here pageable memory of the exact size is registered with the driver (cudaHostRegister, which
-PyTorch exposes as torch.cuda.cudart()) and unregistered when its tensor is collected. Where the driver refuses the
-registration, PyTorch's pinned allocator serves instead; where that refuses too, the caller's RuntimeError handler
-(ExpertStore._host) keeps the rest pageable.
+DeepSeek-V2-Lite's experts takes 1 GiB, 45 % more locked RAM than the budget counted, and int4 Qwen3-30B-A3B's
+16.9 GiB of experts 22.5 GiB (each part of a layer rounded: codes 192 to 256 MiB, scales 24 to 32). Here pageable
+memory of the exact size is registered with the driver (cudaHostRegister, which PyTorch exposes as
+torch.cuda.cudart()) and unregistered when its tensor is collected. Where the driver refuses the registration,
+PyTorch's pinned allocator serves instead; where that refuses too, the caller's RuntimeError handler (ExpertStore._host)
+keeps the rest pageable.
 """
 from __future__ import annotations
 
