@@ -11,6 +11,7 @@ prints one line with PASS or FAIL and what to do:
   copies       after generation every resident slot holds its expert's bytes exactly and is ready
   overlap      the CPU experts ran on the worker thread while the GPU ran the resident ones
   graphs       the decode passes' dense path was captured as CUDA graphs and replayed (engine/model/graph_decode.py)
+  kernels      the Triton kernels that read int8 and int4 slots in place give the dequantizing twin's outputs
 Exit status 0 when every part passes, 1 otherwise (and on a machine without a usable GPU, after one line).
 """
 from __future__ import annotations
@@ -106,6 +107,7 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
                      "raise the locked-memory limit (ulimit -l) or free RAM; pageable copies work but are slower"))
     rows.append(_slot_check(m))
     rows.append(_graph_check(m))
+    rows.append(_kernel_check(m.device))
     cpu = sum(s.cpu_s for s in steps)
     dev = sum(s.device_s for s in steps)
     hidden = cpu - sum(s.cpu_wait_s for s in steps)  # CPU expert time the engine thread did not wait for
@@ -125,6 +127,35 @@ def _graph_check(m) -> dict:
     detail = (f"{captured} segment graphs captured and replayed" if ok else f"capture failed: {failed}" if failed else
               "no decode pass ran in a CUDA graph")
     return _row("graphs", ok, detail, "decoding still works without them (eagerly); " + REPORT)
+
+
+def _kernel_check(device) -> dict:
+    """Quantized slots on this GPU: the Triton kernels (compiled here, for this GPU) against the twin, int8 and int4, 5
+    rows over 4 of 8 slots (experts 64 wide on 64 columns: whole row tiles and partial ones)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..engine import cpu_ffn, grouped_expert_ffn, triton_ffn
+
+    gen = torch.Generator().manual_seed(0)
+    slot_of_row = torch.tensor([0, 2, 2, 5, 7])  # sorted, as the twin takes them
+    worst = 0.0
+    for fmt in ("int8", "int4"):
+        gate_up, down = (cpu_ffn.quantize(torch.randn(8, r, k, generator=gen) * 0.05, fmt, fit=False).to(device)
+                         for r, k in ((128, 64), (64, 64)))
+        x = torch.randn(len(slot_of_row), 64, generator=gen).to(device)
+        got = triton_ffn.slot_ffn(x, slot_of_row.to(device), gate_up, down, F.silu)
+        if got is None:
+            failed = triton_ffn._failed
+            why = failed or ("Triton is not importable" if not triton_ffn._have_triton() else f"{device} is not a GPU")
+            return _row("kernels", triton_ffn._failed is None, f"quantized experts run the dequantizing twin ({why})",
+                        "install Triton (pip install triton) for the faster path" if triton_ffn._failed is None else REPORT)
+        ids, sizes = torch.unique_consecutive(slot_of_row, return_counts=True)
+        want = grouped_expert_ffn(x, gate_up, down, ids.tolist(), sizes.tolist(), F.silu)
+        worst = max(worst, float((got.float() - want).abs().max() / want.abs().max()))
+    ok = worst <= 1e-4
+    return _row("kernels", ok, f"the Triton kernels read int8 and int4 slots in place, {worst:.1e} from the twin at most",
+                REPORT)
 
 
 def _first_pinned(store) -> bool:

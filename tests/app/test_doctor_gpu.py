@@ -28,6 +28,22 @@ def test_the_checks_run_on_the_cpu_device(tmp_path):
     assert rows["copies"]["ok"] and "resident experts" in rows["copies"]["detail"]
     assert not rows["pinned"]["ok"] and rows["pinned"]["fix"]
     assert not rows["graphs"]["ok"] and rows["graphs"]["detail"] == "no decode pass ran in a CUDA graph"  # CPU: no graphs
+    assert "is not a GPU" in rows["kernels"]["detail"] or "not importable" in rows["kernels"]["detail"]
+
+
+def test_the_kernel_check_compares_the_triton_kernels_with_the_twin(monkeypatch):
+    """The kernels part, run by Triton's interpreter on the CPU: it passes, and fails with the kernel's sums off by 1 %."""
+    import torch
+
+    from moechat.engine.experts import triton_ffn
+
+    pytest.importorskip("triton")
+    with triton_ffn.on_cpu():
+        row = doctor_gpu._kernel_check(torch.device("cpu"))
+        assert row["ok"], row
+        real = triton_ffn.q_matmul
+        monkeypatch.setattr(triton_ffn, "q_matmul", lambda *a: real(*a) * 1.01)
+        assert not doctor_gpu._kernel_check(torch.device("cpu"))["ok"]
 
 
 @pytest.mark.gpu
