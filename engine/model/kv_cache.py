@@ -23,9 +23,10 @@ class GrowingLayer(DynamicLayer):
     _k: torch.Tensor | None = None  # [B, H_kv, capacity, D_k]
     _v: torch.Tensor | None = None  # [B, H_kv, capacity, D_v] (D_v may differ: DeepSeek's MLA)
 
-    def __init__(self, dtype: torch.dtype | None = None, **kwargs):
+    def __init__(self, dtype: torch.dtype | None = None, limit: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.length, self.store_dtype = 0, dtype  # None: the incoming states' dtype
+        self.limit = limit  # the context length: growth stops there (the estimate reserves that much, not the doubling)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = self.store_dtype or key_states.dtype, key_states.device
@@ -36,6 +37,8 @@ class GrowingLayer(DynamicLayer):
     def _grow(self, need: int) -> None:
         capacity = max(need, 2 * self._k.shape[2], BLOCK)
         capacity = -(-capacity // BLOCK) * BLOCK
+        if self.limit is not None:  # 40960 positions of context: 40960, not the 65536 the doubling reaches
+            capacity = max(need, min(capacity, -(-self.limit // BLOCK) * BLOCK))
         for name in ("_k", "_v"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])  # no NaN bytes: graph_decode reads past the length
@@ -109,9 +112,9 @@ class KVCache(Cache):
     """A cache of `GrowingLayer`s, one per attention layer, created on first use; entries kept in `dtype`
     (None: the model's; fp32 for a half-precision model on the CPU, see attention.py)."""
 
-    def __init__(self, dtype: torch.dtype | None = None):
-        super().__init__(layer_class_to_replicate=partial(GrowingLayer, dtype))
-        self.store_dtype = dtype
+    def __init__(self, dtype: torch.dtype | None = None, limit: int | None = None):
+        super().__init__(layer_class_to_replicate=partial(GrowingLayer, dtype, limit))
+        self.store_dtype, self.limit = dtype, limit
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # every layer is a GrowingLayer: no search for an attention one
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
@@ -123,9 +126,9 @@ class KVCache(Cache):
     def copy_prefix(self, length: int, device: torch.device | str | None = None) -> KVCache:
         """A new cache holding copies of the first `length` positions' entries, buffers exactly that long, on `device`
         (None: where they are): a branch of a kept conversation, or a kept cache moved to host RAM."""
-        out = KVCache(self.store_dtype)
+        out = KVCache(self.store_dtype, self.limit)
         for layer in self.layers:
-            new = GrowingLayer(layer.store_dtype)
+            new = GrowingLayer(layer.store_dtype, layer.limit)
             if layer.is_initialized:
                 n = min(length, layer.length)
                 new._k = layer._k[:, :, :n].to(device or layer._k.device, copy=True)

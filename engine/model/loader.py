@@ -95,7 +95,7 @@ class LoadedModel:
 
     def new_kv_cache(self) -> KVCache:
         """An empty KV cache for this model: fp32 entries for a half-precision model on the CPU (attention.py)."""
-        return KVCache(kv_dtype(self.device, self.dtype, self.family.latent_kv))
+        return KVCache(kv_dtype(self.device, self.dtype, self.family.latent_kv), limit=self.context_len)
 
     def use_runtime(self, runtime: MoERuntime) -> None:
         """Run the MoE layers on another runtime (benchmarks: a variant built by `build_runtime` on this store)."""

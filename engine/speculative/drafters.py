@@ -88,7 +88,7 @@ class DraftModel:
     def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
         """Draft on the kept cache of this conversation (entries of a prefix of the prompt) or a new one; draft()
         feeds the rest."""
-        self.cache = draft_kv if draft_kv is not None else KVCache()
+        self.cache = draft_kv if draft_kv is not None else KVCache(limit=self.target.context_len)
         self._valid = self.cache.get_seq_length()
 
     def release(self) -> KVCache | None:

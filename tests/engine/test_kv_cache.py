@@ -45,6 +45,22 @@ def test_rewind_moves_an_index_and_appends_write_in_place():
     assert torch.equal(layer.keys[:, :, 4:7], _kv(3, 1)[0])
 
 
+def test_growth_stops_at_the_context_length():
+    """Doubling would take a 40,960-position context to 65,536 positions (1.6x what the memory estimate reserves);
+    with the context length as its limit the buffers stop there, copies of a branch keep the limit, and no limit
+    keeps the doubling."""
+    capped, free = KVCache(limit=40960), KVCache()
+    for step in range(10):
+        k, v = _kv(4096, step)
+        for cache in (capped, free):
+            cache.update(k, v, 0)
+    assert capped.layers[0].capacity() == 40960 and free.layers[0].capacity() == 65536
+    assert torch.equal(capped.layers[0].keys, free.layers[0].keys)
+    branch = capped.copy_prefix(100)
+    branch.update(*_kv(40900, 11), 0)  # 41,000 positions: past the limit only as far as asked
+    assert branch.limit == 40960 and branch.layers[0].capacity() == 41000
+
+
 def test_crop_takes_a_negative_count():
     cache = KVCache()
     cache.update(*_kv(5, 0), 0)
