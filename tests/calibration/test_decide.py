@@ -51,7 +51,7 @@ def synthetic(name: str, est) -> Measurements:
     layers = est.num_experts_total // est.experts_per_layer
     # Fixed part of a pass: 0.25 ms per layer (docs/scheduling.md's cost model) and the non-expert weights' reads.
     fixed = layers * 0.25e-3 + est.non_expert_bytes / (gpu_bw or cpu_bw)
-    meas.verify_s = layers * layer_seconds(9, est, meas, 0.2 if gpu_bw else 0.0) + fixed
+    meas.verify_s = layers * layer_seconds(9, est, meas, 0.0) + fixed  # measured as calibration does: experts on the CPU
     if gpu_bw:  # self-draft: the k routed experts of each layer on the device
         meas.draft_s_per_token = layers * est.top_k * dev[0] + fixed
         meas.acceptance = alpha
@@ -123,21 +123,22 @@ def test_more_vram_or_less_context_never_caches_fewer_experts(known, model):
 
 def test_desktop_qwen3_against_the_paper(known):
     """RTX 4090 (24 GB, PCIe 4.0 x16) + Qwen3-30B-A3B, the paper's machine and model. MoE-SpAc uses
-    ratio 17 %, K = 4, γ = 8; decide() picks ratio 0.291, γ = 2, K = 2 here.
+    ratio 17 %, K = 4, γ = 8 and a self-speculative drafter; decide() picks ratio 0.291 and no drafter here.
 
     Ratio: at the model's full context (40960 tokens, 3.75 GiB of KV) with self-draft (no second
     model) 29 % of the experts fit. The paper also keeps a Qwen3-4B-FP8 draft (≈ 4.5 GiB) in VRAM;
     reserving that brings the ratio to 0.207, near its 17 % (asserted below).
-    γ: not near 8, and the model says why. The cold experts run on the CPU at a cost per *distinct*
-    expert (the engine's measured kernel model, docs/benchmarks.md), so a verification of γ+1
-    tokens costs about D(γ+1) experts per layer, and Qwen3's 128 experts with top-8 reuse little:
-    D(9)/k ≈ 5.6 (real-routing concentration included) against Ω(8, 0.75) = 3.7 tokens, the paper's
-    expert-reuse condition (App. A, Eq. 17) fails at γ = 8. What drafting buys is the fixed part of
-    a pass and the draft-phase prefetch (Eq. 10), which favour a short γ at α = 0.75: γ = 8 predicts
-    8.5 tok/s against 11.9 at γ = 2 and 10.0 without drafting (asserted below). A machine whose
-    verification is dominated by a fixed cost (attention, launch overhead) gets a long γ instead
-    (test_draft_len_maximises_expected_tokens_per_second). These are synthetic unit costs: a real
-    `moechat calibrate` on the GPU replaces them.
+    Drafting: the measured verification (calibration times it with every expert on the CPU) is split
+    into its fixed part and the experts' part at the same ratio, then predicted at the decided ratio.
+    The cold experts run on the CPU at a cost per *distinct* expert (the engine's measured kernel
+    model, docs/benchmarks.md), so a verification of γ+1 tokens costs about D(γ+1) experts per layer,
+    and Qwen3's 128 experts with top-8 reuse little: D(9)/k ≈ 5.6 against Ω(8, 0.75) = 3.7 tokens,
+    the paper's expert-reuse condition (App. A, Eq. 17) fails at γ = 8. What drafting buys is the
+    fixed part of a pass and the draft-phase prefetch (Eq. 10); with these costs that is not enough:
+    15.9 tok/s without drafting, 15.8 at γ = 1, 9.3 at γ = 8, so the drafter is dropped (and lfu
+    serves more than spac without one). A machine whose verification is dominated by a fixed cost
+    (attention, launch overhead) drafts long instead (test_draft_len_maximises_expected_tokens_per_second).
+    These are synthetic unit costs: a real `moechat calibrate` on the GPU replaces them.
     """
     from moechat.engine.calibration.decide import distinct_experts, tokens_per_second
 
@@ -146,19 +147,18 @@ def test_desktop_qwen3_against_the_paper(known):
     hw = MACHINES["desktop-4090"][0]
     meas = synthetic("desktop-4090", est)
     d = decide(hw, est, meas)
-    assert 0.08 <= d.expert_cache_ratio <= 0.35
-    assert 1 <= d.draft_len < 8 and d.utility_bound == min(4, d.draft_len)
-    assert d.drafter == "self" and d.policy == "spac" and d.host_tier == "ram"
+    assert 0.08 <= d.expert_cache_ratio <= 0.35 and d.host_tier == "ram"
+    assert d.drafter == "none" and d.policy == "lfu" and "predicted 0.99×" in d.reasons["drafter"]
     # Eq. 17 fails at the paper's γ: 128·(1 − (15/16)^9)·(1 − 0.225·8/9) = 45.1 distinct experts, a/b = 5.6,
     # against Ω(8, 0.75) = (1 − 0.75^9) / 0.25 = 3.70
     assert distinct_experts(9, 128, 8) == pytest.approx(45.11, abs=0.01) and omega(8, 0.75) == pytest.approx(3.6997, abs=1e-4)
-    assert "Ω" in d.reasons["draft_len"] and "reuse" in d.reasons["draft_len"]
     rate = tokens_per_second(est, meas, d.expert_cache_ratio)
-    assert rate[d.draft_len] == max(rate.values()) > rate[8] and rate[d.draft_len] > rate[0]
-    print(f"desktop + Qwen3-30B-A3B: ratio {d.expert_cache_ratio:.3f}, K {d.utility_bound}, γ {d.draft_len}; "
-          f"{rate[0]:.1f} tok/s without drafting, {rate[d.draft_len]:.1f} at γ, {rate[8]:.1f} at γ = 8")
+    assert rate[0] == max(rate.values()) > rate[1] > rate[8]
+    print(f"desktop + Qwen3-30B-A3B: ratio {d.expert_cache_ratio:.3f}; {rate[0]:.1f} tok/s without drafting, "
+          f"{rate[1]:.1f} at γ = 1, {rate[8]:.1f} at γ = 8")
 
-    with_draft = decide(hw, replace(est, draft_bytes=int(4.5 * GIB)), meas, draft_options=("none", "/models/Qwen3-4B-FP8"))
+    drafted = replace(meas, acceptance=0.9)  # a draft model that agrees with the target more often than self-drafting
+    with_draft = decide(hw, replace(est, draft_bytes=int(4.5 * GIB)), drafted, draft_options=("none", "/models/Qwen3-4B-FP8"))
     assert with_draft.drafter == "/models/Qwen3-4B-FP8" and with_draft.vram_split["draft"] == int(4.5 * GIB)
     assert 0.12 <= with_draft.expert_cache_ratio <= 0.22 < d.expert_cache_ratio
     print(f"  with a 4.5 GiB draft model in VRAM: ratio {with_draft.expert_cache_ratio:.3f}")
