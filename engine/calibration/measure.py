@@ -9,6 +9,7 @@ machines, where the host tier is the only tier.
 """
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import SpecConfig
+from ..pinned import release_pinned_cache
 from .types import Hardware, Measurements
 
 Progress = Callable[[str, float], None]
@@ -275,8 +277,20 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
     report("loading the model", 0.1)
     engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant)
-    m.expert_bytes = engine.model.store.expert_bytes
-    _time_experts(engine, m, cuda, repeats, report)
-    _time_generation(engine, m, prompts, 12 if quick else 48, report)
+    try:
+        m.expert_bytes = engine.model.store.expert_bytes
+        _time_experts(engine, m, cuda, repeats, report)
+        _time_generation(engine, m, prompts, 12 if quick else 48, report)
+    finally:  # the chat's model loads next: its budget check must see this one's VRAM and pinned RAM given back
+        engine.close()
+        del engine
+        _release(cuda)
     report("measured", 1.0)
     return m
+
+
+def _release(cuda: bool) -> None:
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        release_pinned_cache()

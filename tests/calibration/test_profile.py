@@ -175,10 +175,15 @@ def test_unusable_profile_warns_and_runs_on_defaults(capsys):
     assert args.profile is None and (cfg.spec.draft_len, cfg.scheduler.policy, cfg.spec.drafter) == (4, "spac", str(DEMO_DRAFT))
 
 
-def test_measure_on_cpu(checkpoint):
+def test_measure_on_cpu(checkpoint, monkeypatch):
+    from moechat.engine.calibration import measure as measuring
     from moechat.engine.calibration.measure import measure
+    from moechat.engine.generate import Engine
 
-    seen = []
+    seen, closed, released = [], [], []
+    close = Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: closed.append(self) or close(self))
+    monkeypatch.setattr(measuring, "_release", lambda cuda: released.append(cuda))
     m = measure(checkpoint("qwen3_moe"), replace(hardware(), gpus=[]), quick=True, draft_len=2, drafter="self",
                 prompts=["hello"], progress=lambda name, frac: seen.append(frac))
     assert len(m.cpu_s_per_expert) == 3 and all(t > 0 for t in m.cpu_s_per_expert)  # 1..γ+1 tokens
@@ -187,6 +192,7 @@ def test_measure_on_cpu(checkpoint):
     assert m.expert_bytes > 0 and m.max_tokens == 3
     assert m.draft_s_per_token > 0 and 0 <= m.acceptance <= 1
     assert seen == sorted(seen) and seen[-1] == 1.0
+    assert len(closed) == 1 and released == [False]  # its engine closed and collected before the chat's model loads
 
 
 def test_calibrate_quick_then_generate_uses_the_profile(capsys):
