@@ -96,6 +96,7 @@ def engine_config(args):
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
     ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio)
     cache_bytes = _gib(args.expert_cache_gib)
+    user_sized = ratio is not None or cache_bytes is not None  # else the profile's or the default: fitted to free VRAM
     if ratio is None and cache_bytes is None and d and args.device != "cpu":
         if args.quant == d.quant:
             ratio = d.expert_cache_ratio
@@ -106,7 +107,7 @@ def engine_config(args):
         ram_budget = 0  # the profile found the experts (in a format no larger) too big for RAM: read them from disk
     return EngineConfig(
         model_dir=args.model, device=args.device, dtype=args.dtype, placement=args.placement, expert_cache_ratio=ratio,
-        expert_cache_bytes=cache_bytes, host_ram_budget_bytes=ram_budget, quant=args.quant,
+        expert_cache_bytes=cache_bytes, fit_expert_cache=not user_sized, host_ram_budget_bytes=ram_budget, quant=args.quant,
         vram_budget_bytes=_gib(_first(args.vram_budget_gib, settings.vram_budget_gib)),
         context_len=_first(args.context_len, settings.context_len), lean_decode=args.lean_decode,
         conversation_cache_bytes=_gib(_first(args.conversation_cache_gib, settings.conversation_cache_gib)),

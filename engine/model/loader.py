@@ -2,6 +2,7 @@
 experts in the expert store, each sparse block's `experts` swapped for `OffloadedExperts`."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from .families import Family, get_family
 from .graph_decode import GraphedDecode
 from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
-from .memory_budgets import cache_bytes_for, check_budgets, physical_ram_bytes
+from .memory_budgets import cache_bytes_for, check_budgets, gib, max_cache_experts, physical_ram_bytes, vram_fixed, vram_margin
 from .memory_estimate import MemoryEstimate, estimate_module
 from .mla import AbsorbedMLA, absorb_mla
 
@@ -44,6 +45,7 @@ class LoadedModel:
     dtype: torch.dtype
     context_len: int
     lean: LeanForward | None = None  # decode/verify passes without transformers' module tree; None: its forward always
+    load_notice: str = ""  # the load's own line for the user (a fast tier shrunk to the free VRAM)
 
     def forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         """ids [1, T] appended to `cache` -> float32 logits of the last `keep` positions [keep, V]. The one place
@@ -78,7 +80,7 @@ class LoadedModel:
     @property
     def notices(self) -> list[str]:
         """One line each for the user: native kernels unavailable, a quantized cache rebuilt."""
-        return [n for n in (self.runtime.native_notice, *self.store.notices) if n]
+        return [n for n in (self.load_notice, self.runtime.native_notice, *self.store.notices) if n]
 
     def dense_bytes_per_token(self) -> int:
         """Bytes of non-expert weights one decode token reads, as stored (float, bf16 or quantized): every matrix of
@@ -180,7 +182,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
     estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant, expert_dtype=str(expert_dtype)[6:],
                                bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed))
-    check_load_budgets(cfg, estimate, device)  # before loading
+    cfg, budget_notice = check_load_budgets(cfg, estimate, device)  # before loading
 
     store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
                         ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, prequant=prequant, progress=progress)
@@ -200,7 +202,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
-                       runtime, device, dtype, context_len, lean)
+                       runtime, device, dtype, context_len, lean, budget_notice)
 
 
 def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, act, top_k: int,
@@ -219,16 +221,25 @@ def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, a
     return runtime
 
 
-def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.device) -> None:
+def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.device) -> tuple[EngineConfig, str]:
     """Refuse a model that cannot fit, from the config alone: VRAM (free on the device) for the
-    non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store."""
+    non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store.
+    -> the config, its fast tier shrunk to the free VRAM where `fit_expert_cache` allows, and a line saying so."""
     vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     if vram is not None and cfg.vram_budget_bytes is not None:  # the user's budget is a hard limit
         vram = min(vram, cfg.vram_budget_bytes)
     user_ram = cfg.host_ram_budget_bytes
     tier = "mmap" if user_ram is not None and user_ram < est.all_experts_bytes else "ram"  # as ExpertStore decides
     cache = cache_bytes_for(est, cfg.expert_cache_ratio, cfg.expert_cache_bytes) if vram is not None else 0
+    notice = ""
+    if vram is not None and cfg.fit_expert_cache and est.expert_bytes and vram_fixed(est) + vram_margin(vram) <= vram:
+        fit = max_cache_experts(est, vram) * est.expert_bytes
+        if cache > fit:
+            notice = (f"expert cache {gib(fit)} instead of {gib(cache)}: what the {gib(vram)} of free VRAM holds now "
+                      "(other programs use the rest; `moechat calibrate` measures again)")
+            cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
     check_budgets(est, vram, user_ram if user_ram is not None else physical_ram_bytes(), cache, tier)
+    return cfg, notice
 
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype,

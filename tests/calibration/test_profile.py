@@ -242,3 +242,38 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     with pytest.raises(BudgetError, match="VRAM budget is"):
         check_load_budgets(tight, est, gpu)  # 80 GiB free, but the budget is what counts
     check_load_budgets(EngineConfig(model_dir=str(path), device="cuda"), est, gpu)  # no budget: free VRAM
+
+
+def test_a_fast_tier_that_no_longer_fits_shrinks_unless_the_user_set_it(monkeypatch):
+    """Calibration fills the VRAM it measured to the margin; by the next start the CUDA context and other programs
+    took some. A ratio from the profile (or the default) is then a ceiling: the fast tier shrinks to what is free now,
+    in one line. A ratio the user set still refuses, with the numbers."""
+    import torch
+
+    from moechat.engine.calibration.known_models import KNOWN_MODELS
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.errors import BudgetError
+    from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.memory_budgets import max_cache_experts
+    from moechat.engine.model.memory_estimate import estimate
+
+    est = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16", 8192)  # experts read from disk (RAM budget 0): VRAM only
+    measured = 22 * 2**30  # free when calibrated
+    ratio = max_cache_experts(est, measured) / est.num_experts_total  # what decide() picks: full to the margin
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (measured - (400 << 20), 24 << 30))  # a context later
+    gpu = torch.device("cuda")
+
+    def config(**kw):
+        return EngineConfig(model_dir="m", device="cuda", host_ram_budget_bytes=0, **kw)
+
+    profiled = config(expert_cache_ratio=ratio, fit_expert_cache=True)
+    cfg, notice = check_load_budgets(profiled, est, gpu)
+    assert cfg.expert_cache_bytes == max_cache_experts(est, measured - (400 << 20)) * est.expert_bytes
+    assert notice.startswith("expert cache ") and "of free VRAM holds now" in notice and "\n" not in notice
+    with pytest.raises(BudgetError, match="does not fit"):
+        check_load_budgets(config(expert_cache_ratio=ratio), est, gpu)
+    assert config().fit_expert_cache  # the default ratio is a ceiling too
+    assert not config(expert_cache_bytes=1).fit_expert_cache
+    assert check_load_budgets(config(expert_cache_ratio=0.01, fit_expert_cache=True),
+                              est, gpu)[1] == ""  # fits: untouched
+    assert _config([])[0].fit_expert_cache and not _config(["--expert-cache-ratio", "0.5"])[0].fit_expert_cache  # the CLI
