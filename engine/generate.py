@@ -37,7 +37,7 @@ class Engine:
         terminal's stderr where there is one."""
         self.config = config
         self.model: LoadedModel = load_model(config, progress)
-        self.drafter = make_drafter(config.spec, self.model, config.lean_decode)
+        self.drafter = make_drafter(config.spec, self.model, config.lean_decode, progress)
         self._stop = threading.Event()
         budget = config.conversation_cache_bytes
         self.conversations = PrefixCache(default_budget() if budget is None else budget, self.model.device)

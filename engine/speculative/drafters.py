@@ -15,6 +15,7 @@ import torch
 
 from ..config import SamplingParams, SpecConfig, prefill_passes
 from ..errors import CheckpointError, MoechatError
+from ..events import LoadProgress
 from ..model.bf16_linear import narrow_linears
 from ..model.checkpoint import Checkpoint
 from ..model.config_file import read_config_dict
@@ -164,10 +165,13 @@ class SelfDraft:
 
     name = "self"
 
-    def __init__(self, target: LoadedModel):
+    def __init__(self, target: LoadedModel, progress: LoadProgress | None = None):
         self.target = target
         self._dist: list[torch.Tensor] | None = None  # per sparse layer [E, E] squared L2 distances
         self._tables: dict[int, tuple[int, torch.Tensor | None]] = {}  # li -> (cache version, remap [E])
+        cache = target.cache
+        if 0 < cache.capacity < cache.slot_of.numel():  # a remap will be needed: the table now, with the load's progress
+            self.distances(progress)
 
     def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
         self.cache = target_cache  # drafts in the target's cache: nothing of its own to keep
@@ -175,15 +179,20 @@ class SelfDraft:
     def release(self) -> None:
         self.cache = None
 
-    def distances(self) -> list[torch.Tensor]:
-        """Per sparse layer [E, E]; computed once per checkpoint (it reads every expert) and cached on disk."""
+    def distances(self, progress: LoadProgress | None = None) -> list[torch.Tensor]:
+        """Per sparse layer [E, E]; computed once per checkpoint (it reads every expert: Qwen3-30B-A3B's 57 GB, products on
+        the model's GPU where there is one) and cached on disk."""
         if self._dist is None:
             path = _affinity_cache_path(self.target)
             try:
                 self._dist = torch.load(path, weights_only=True)
             except Exception:  # missing or corrupt (any unpickling error): recompute
-                store = self.target.store
-                self._dist = [expert_distances(*store.layer_tensors(li)) for li in range(len(store.layers))]
+                store, what = self.target.store, "expert similarities for the self drafter"
+                self._dist = []
+                for li in range(len(store.layers)):
+                    self._dist.append(expert_distances(*store.layer_tensors(li), device=self.target.device))
+                    if progress is not None:
+                        progress(what, li + 1, len(store.layers))
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     tmp = path.with_suffix(".tmp")
@@ -201,6 +210,8 @@ class SelfDraft:
             resident = cache.slot_of[li] >= 0  # [E]
             if not resident.any():
                 table = None
+            elif resident.all():  # every expert resident: itself, no table needed
+                table = torch.arange(resident.numel())
             else:
                 ids = resident.nonzero().flatten()  # [R]
                 table = ids[self.distances()[li][:, ids].argmin(dim=1)]  # [E]; resident experts are at distance 0
@@ -241,38 +252,39 @@ def _affinity_cache_path(target: LoadedModel) -> Path:
     return Path(user_cache_dir("moechat")) / "affinity" / f"{digest}.pt"
 
 
-def _column_blocks(w, chunk: int):
-    """w [E, R, K] (a tensor or a QuantMatrix) -> float32 [E, n] blocks of its flattened experts."""
-    if isinstance(w, QuantMatrix):  # dequantized a few rows at a time
+def _column_blocks(w, chunk: int, device=None):
+    """w [E, R, K] (a tensor or a QuantMatrix) -> float32 [E, n] blocks of its flattened experts, on `device` (moved
+    there in the stored dtype, widened there)."""
+    if isinstance(w, QuantMatrix):  # a few rows at a time, dequantized where they are multiplied
         rows = max(1, chunk // w.k)
         for r in range(0, w.rows, rows):
             part = QuantMatrix(w.fmt, w.k, w.q[:, r:r + rows], w.scale[:, r:r + rows],
                                None if w.minimum is None else w.minimum[:, r:r + rows])
-            yield dequantize(part).reshape(w.q.shape[0], -1)
+            yield dequantize(part.to(device) if device is not None else part).reshape(w.q.shape[0], -1)
         return
     flat = w.reshape(w.shape[0], -1)
     for j in range(0, flat.shape[1], chunk):
-        yield flat[:, j:j + chunk].float()
+        yield flat[:, j:j + chunk].to(device).float()
 
 
-def expert_distances(gate_up, down, chunk: int = 1 << 16) -> torch.Tensor:
-    """gate_up [E, 2I, H], down [E, H, I] (tensors or quantized) -> [E, E] squared L2 distances between
-    whole experts, from a Gram matrix accumulated over column chunks (float32 GEMMs, float64 sums) so
-    no float32 copy of the layer is made."""
+def expert_distances(gate_up, down, chunk: int = 1 << 16, device=None) -> torch.Tensor:
+    """gate_up [E, 2I, H], down [E, H, I] (tensors or quantized, on the host) -> [E, E] squared L2 distances between
+    whole experts, from a Gram matrix accumulated over column chunks (float32 GEMMs on `device`, float64 sums on the
+    host) so no float32 copy of the layer is made."""
     num_experts = gate_up.q.shape[0] if isinstance(gate_up, QuantMatrix) else gate_up.shape[0]
     gram = torch.zeros(num_experts, num_experts, dtype=torch.float64)
     for w in (gate_up, down):
-        for block in _column_blocks(w, chunk):
-            gram += (block @ block.T).double()
+        for block in _column_blocks(w, chunk, device):
+            gram += (block @ block.T).double().cpu()
     sq = gram.diagonal()
     return (sq[:, None] + sq[None, :] - 2 * gram).clamp_min(0).float()
 
 
-def make_drafter(spec: SpecConfig, target: LoadedModel, lean: bool = True):
+def make_drafter(spec: SpecConfig, target: LoadedModel, lean: bool = True, progress: LoadProgress | None = None):
     """The drafter `spec` names for this target; lean=False (`--no-lean-decode`): a draft model runs transformers'
-    forward only."""
+    forward only; progress: told of the self drafter's expert table, computed at load."""
     if spec.drafter == "none":
         return NoDraft()
     if spec.drafter == "self":
-        return SelfDraft(target)
+        return SelfDraft(target, progress)
     return DraftModel(spec.drafter, target, lean)

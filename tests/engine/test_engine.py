@@ -180,6 +180,26 @@ def test_self_draft_substitutes_nearest_resident(checkpoint):
     assert torch.allclose(dist.double(), torch.cdist(flat, flat) ** 2, rtol=1e-4, atol=1e-6)
 
 
+def test_self_draft_table_is_computed_at_load_with_progress(checkpoint, monkeypatch, tmp_path):
+    """It reads every expert (57 GB for Qwen3-30B-A3B): at load, where the user sees progress, not inside the first
+    reply's first draft; only where a remap can be needed (some experts resident, not all)."""
+    from moechat.engine.generate import Engine
+    from moechat.engine.speculative import drafters
+
+    monkeypatch.setattr(drafters, "_affinity_cache_path", lambda target: tmp_path / f"{target.cache.capacity}.pt")
+    path = checkpoint("olmoe")
+    seen = []
+    engine = Engine(EngineConfig(model_dir=str(path), expert_cache_ratio=0.5, spec=SpecConfig("self", 4)),
+                    progress=lambda what, done, total: seen.append((what, done, total)))
+    layers = len(engine.model.store.layers)
+    assert engine.drafter._dist is not None and [d for _, d, _ in seen] == list(range(1, layers + 1))
+    assert {(w, t) for w, _, t in seen} == {("expert similarities for the self drafter", layers)}
+    for ratio in (0.0, 1.0):  # none resident: no remap; all resident: each expert itself
+        drafter = Engine(EngineConfig(model_dir=str(path), expert_cache_ratio=ratio, spec=SpecConfig("self", 4))).drafter
+        assert drafter._dist is None
+    assert torch.equal(drafter.remap(0), torch.arange(8)) and drafter._dist is None
+
+
 def test_affinity_table_cached_on_disk(checkpoint, monkeypatch):
     from moechat.engine.speculative import drafters
 
