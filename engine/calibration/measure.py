@@ -20,6 +20,7 @@ import torch
 
 from ..config import SpecConfig
 from ..pinned import release_pinned_cache
+from ..quant.formats import QuantMatrix
 from .types import Hardware, Measurements
 
 Progress = Callable[[str, float], None]
@@ -72,15 +73,19 @@ def bandwidths(nbytes: int, device: torch.device, repeats: int) -> dict[str, flo
 def expert_curve(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, active: int, max_tokens: int,
                  timer: Callable[[Callable[[], None]], float]) -> list[float]:
     """Seconds per expert for t = 1..max_tokens rows each: `active` experts of gate_up [G, 2I, H],
-    down [G, H, I] in one `grouped_ffn` call, exactly as the executor calls it, divided by `active`."""
+    down [G, H, I] (tensors, or QuantMatrix slots) in one call of the fast tier's function (`grouped_ffn`, or
+    `grouped_ffn_q`: the Triton kernel on a GPU), exactly as the executor calls it, divided by `active`."""
+    from ..experts.cpu_ffn import grouped_ffn_q
     from ..experts.grouped import grouped_ffn
 
-    H = gate_up.shape[2]
+    quantized = isinstance(gate_up, QuantMatrix)
+    ffn = grouped_ffn_q if quantized else grouped_ffn
+    H, dtype = (down.rows, torch.float32) if quantized else (gate_up.shape[2], gate_up.dtype)
     curve = []
     for t in range(1, max_tokens + 1):
         ids = torch.arange(active).repeat_interleave(t)  # [active·t] rows sorted by expert, as run_layer sorts them
-        x = torch.randn(active * t, H, dtype=gate_up.dtype).to(gate_up.device)  # [active·t, H]
-        curve.append(timer(lambda x=x, ids=ids: grouped_ffn(x, gate_up, down, ids, act)) / active)
+        x = torch.randn(active * t, H, dtype=dtype).to(gate_up.device)  # [active·t, H]
+        curve.append(timer(lambda x=x, ids=ids: ffn(x, gate_up, down, ids, act)) / active)
     return curve
 
 
@@ -195,7 +200,8 @@ def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     return per_expert * fam.num_experts(cfg) * len(fam.sparse_layers(cfg))
 
 
-def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int, quant: str):
+def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int, quant: str,
+            progress=None):
     """The engine to time, with no fast tier: from RAM, or from the mmap'd files (the engine's own disk
     tier) when the expert store is too big for half the free RAM (quantized experts are mapped from their cache file)."""
     from ..config import EngineConfig
@@ -204,7 +210,8 @@ def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: st
     ram_budget = 0 if quant == "none" and _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes \
         else None
     return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0, quant=quant,
-                               host_ram_budget_bytes=ram_budget, spec=SpecConfig(drafter=drafter, draft_len=draft_len)))
+                               host_ram_budget_bytes=ram_budget, spec=SpecConfig(drafter=drafter, draft_len=draft_len)),
+                  progress)
 
 
 def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report: Progress) -> None:
@@ -214,7 +221,7 @@ def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report
     # where grouped_ffn takes its grouped path; the curve charges each of them its share of that call.
     active = max(1, math.ceil(store.num_experts / 4))
     gate_up, down = store.layer_tensors(len(store.layers) - 1)  # [E, 2I, H], [E, H, I] (a copy on the disk tier)
-    if on_device and store.quant == "none":  # quantized slots on a GPU: the dequantizing twin, not timed yet
+    if on_device:
         report("host<->device bandwidth", 0.25)
         for name, value in bandwidths(store.expert_bytes, engine.model.device, repeats).items():
             setattr(m, name, value)
@@ -276,11 +283,13 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
         m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
     report("loading the model", 0.1)
-    engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant)
+    engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant,
+                     lambda what, done, total: report(f"loading the model: {what}", 0.1 + 0.1 * done / max(total, 1)))
     try:
         m.expert_bytes = engine.model.store.expert_bytes
         _time_experts(engine, m, cuda, repeats, report)
-        _time_generation(engine, m, prompts, 12 if quick else 48, report)
+        if drafter != "none":  # generation gives the draft's figures only: nothing to time without one
+            _time_generation(engine, m, prompts, 12 if quick else 48, report)
     finally:  # the chat's model loads next: its budget check must see this one's VRAM and pinned RAM given back
         engine.close()
         del engine

@@ -195,6 +195,30 @@ def test_measure_on_cpu(checkpoint, monkeypatch):
     assert len(closed) == 1 and released == [False]  # its engine closed and collected before the chat's model loads
 
 
+def test_the_device_curve_takes_quantized_slots(checkpoint):
+    """The fast tier's per-expert curve for int4 slots (on a GPU the Triton kernel; here the CPU's dispatcher), as for
+    float slots: quantized experts on a GPU get device figures, which decide() needs to put any expert there."""
+    import torch
+    import torch.nn.functional as F
+
+    from moechat.engine.calibration.measure import expert_curve
+    from moechat.engine.experts import cpu_ffn
+
+    gate_up, down = (cpu_ffn.quantize(torch.randn(4, r, k) * 0.05, "int4") for r, k in ((64, 64), (64, 32)))
+    timed = []
+    curve = expert_curve(gate_up, down, F.silu, 4, 3, lambda fn: timed.append(fn()) or 1e-3)
+    assert curve == [2.5e-4] * 3 and [y.shape for y in timed] == [(4, 64), (8, 64), (12, 64)]
+
+
+def test_measure_without_a_drafter_skips_generation(checkpoint, monkeypatch):
+    from moechat.engine.calibration import measure as measuring
+
+    monkeypatch.setattr(measuring, "_time_generation", lambda *a: pytest.fail("generated without a drafter"))
+    m = measuring.measure(checkpoint("qwen3_moe"), replace(hardware(), gpus=[]), quick=True, drafter="none",
+                          prompts=["hello"])
+    assert m.cpu_s_per_expert and m.acceptance is None and m.verify_s is None
+
+
 def test_calibrate_quick_then_generate_uses_the_profile(capsys):
     """About 3 s here (1 torch thread, quick mode on the embedded demo)."""
     from moechat.app.cli import main
