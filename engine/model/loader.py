@@ -29,7 +29,7 @@ from .graph_decode import GraphedDecode
 from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import cache_bytes_for, check_budgets, gib, max_cache_experts, physical_ram_bytes, vram_fixed, vram_margin
-from .memory_estimate import MemoryEstimate, estimate_module
+from .memory_estimate import MemoryEstimate, draft_model_bytes, estimate_module
 from .mla import AbsorbedMLA, absorb_mla
 
 
@@ -180,7 +180,10 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
     routers = {id(layers[i].mlp.gate) for i in sparse}
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
-    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, quant=quant, expert_dtype=str(expert_dtype)[6:],
+    drafter = cfg.spec.drafter  # a draft model on the GPU: its weights and KV count against the VRAM too
+    draft = draft_model_bytes(drafter, cfg.dtype, cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))) \
+        if device.type == "cuda" and drafter not in ("none", "self") else 0
+    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, draft, quant=quant, expert_dtype=str(expert_dtype)[6:],
                                bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed))
     cfg, budget_notice = check_load_budgets(cfg, estimate, device)  # before loading
 

@@ -32,7 +32,7 @@ class MemoryEstimate:
     num_experts_total: int  # routed experts over all MoE layers
     kv_bytes_per_token: int
     context_len: int
-    draft_bytes: int = 0  # a separate draft model's weights, 0 for none/self
+    draft_bytes: int = 0  # a separate draft model's weights and KV cache, 0 for none/self
     experts_per_layer: int = 0  # E, routed experts in one sparse layer (decide's expert-reuse model)
     top_k: int = 0  # k, experts each token activates per sparse layer
     hidden_size: int = 0  # H: an expert is gate_up [2I, H] + down [H, I]
@@ -161,14 +161,17 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
     )
 
 
-def draft_weight_bytes(draft_dir, dtype: str) -> int:
-    """A separate dense draft model's weights, counted the same way (its config only)."""
+def draft_model_bytes(draft_dir, dtype: str, context_len: int) -> int:
+    """A separate dense draft model on the device: its weights and its KV cache for the whole context, counted as the
+    target's (its config only). Qwen3-0.6B's KV is 112 KiB a token, more than Qwen3-30B-A3B's: 4.4 GiB at 40960."""
     from transformers import AutoConfig
 
     path = Path(draft_dir).expanduser()
     if not (path / "config.json").is_file():
         raise CheckpointError(f"no config.json in draft directory {path}: pass --draft none, self or a model directory")
-    return sum(p.numel() for p in meta_model(AutoConfig.from_pretrained(path)).parameters()) * DTYPE_BYTES[dtype]
+    config = AutoConfig.from_pretrained(path)
+    weights = sum(p.numel() for p in meta_model(config).parameters()) * DTYPE_BYTES[dtype]
+    return weights + kv_bytes_per_token(config, DTYPE_BYTES[dtype]) * context_len
 
 
 def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, draft_dir=None,
@@ -186,7 +189,8 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         from .config_file import read_config_dict
 
         quant = expert_format(read_quantization_config(read_config_dict(Path(source).expanduser())), quant)
-    draft = draft_weight_bytes(draft_dir, dtype) if draft_dir not in (None, "none", "self") else 0
+    ctx = int(context_len or getattr(hf_config, "max_position_embeddings", 4096))
+    draft = draft_model_bytes(draft_dir, dtype, ctx) if draft_dir not in (None, "none", "self") else 0
     from ..experts.cpu_ffn import keeps_bf16
     from .bf16_linear import dense_linears
 
