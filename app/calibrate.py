@@ -54,10 +54,11 @@ def _progress(name: str, frac: float) -> None:
 
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
               vram_budget: int | None = None, ram_budget: int | None = None, quant: str | None = None,
-              device: str | None = None, dtype: str | None = None):
-    """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free) and the
-    experts' format (None: decided) go to `decide`. Timed on the device and dtype a run will use
-    (`device`/`dtype` as the settings give them, None or `auto` resolved as engine_config resolves them)."""
+              device: str | None = None, dtype: str | None = None, context_len: int | None = None):
+    """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free), the context
+    length (None: the model's; the KV cache VRAM reserves) and the experts' format (None: decided) go to `decide`.
+    Timed on the device and dtype a run will use (`device`/`dtype` as the settings give them, None or `auto` resolved
+    as engine_config resolves them)."""
     from ..engine import (
         Profile,
         decide,
@@ -78,7 +79,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
 
     def placed(fmt: str):  # where a run with experts in `fmt` computes, and the model's sizes there
         placement = resolve_placement(device, dtype, model_dir, fmt)
-        return placement, estimate(model_dir, dtype=placement.dtype, draft_dir=draft_dir, cpu=placement.device == "cpu")
+        return placement, estimate(model_dir, dtype=placement.dtype, context_len=context_len, draft_dir=draft_dir,
+                                   cpu=placement.device == "cpu")
 
     placement, est = placed(quant or "none")
     fmt = experts_format(hw, est, ram_budget, quant)
@@ -109,9 +111,11 @@ def cmd_calibrate(args) -> int:
 
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
-    settings = load_settings()[0]  # a format fixed in the settings is calibrated with; unset: decided
+    settings = load_settings()[0]  # the format, budgets and context the settings fix are calibrated with; unset: decided
+    gib = lambda v: None if v is None else int(v * 2**30)  # noqa: E731
     profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
-                              dtype=settings.dtype)
+                              dtype=settings.dtype, vram_budget=gib(settings.vram_budget_gib),
+                              ram_budget=gib(settings.ram_budget_gib), context_len=settings.context_len)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),

@@ -301,3 +301,25 @@ def test_a_fast_tier_that_no_longer_fits_shrinks_unless_the_user_set_it(monkeypa
     assert check_load_budgets(config(expert_cache_ratio=0.01, fit_expert_cache=True),
                               est, gpu)[1] == ""  # fits: untouched
     assert _config([])[0].fit_expert_cache and not _config(["--expert-cache-ratio", "0.5"])[0].fit_expert_cache  # the CLI
+
+
+def test_calibrate_takes_the_budgets_and_context_the_settings_fix(monkeypatch):
+    """`moechat calibrate` decides within the settings' VRAM and RAM budgets and reserves KV for their context length
+    (not the model's 40960 positions), as the run that uses the profile will."""
+    from types import SimpleNamespace
+
+    from moechat.app import calibrate as cal
+    from moechat.app.settings import settings_path
+
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text("vram_budget_gib = 6.0\nram_budget_gib = 20.0\ncontext_len = 8192\n", encoding="utf-8")
+    seen = {}
+
+    def fake(model_dir, drafter, quick, **kw):
+        seen.update(kw)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cal, "calibrate", fake)
+    with pytest.raises(SystemExit):
+        cal.cmd_calibrate(SimpleNamespace(model=None, quick=True, json=True))
+    assert (seen["vram_budget"], seen["ram_budget"], seen["context_len"]) == (6 * 2**30, 20 * 2**30, 8192)

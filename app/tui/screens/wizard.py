@@ -362,9 +362,9 @@ class WizardScreen(Screen):
         self.query_one("#progress", ProgressBar).update(progress=0.0)
         quick = self.query_one("#quick", Switch).value
         vram, ram = (self._budget(name) for name in BUDGETS)
-        quant = load_settings(self.path)[0].quant  # a format the user fixed is calibrated with, as the budgets are
-        where = self._placement()  # measured on the device and dtype that will run
-        self.run_worker(lambda: self._calibrate(quick, vram, ram, quant, where), thread=True, group="calibrate")
+        settings = load_settings(self.path)[0]  # a format and context the user fixed are calibrated with, as the budgets
+        where = {**self._placement(), "context_len": settings.context_len}  # measured on the device and dtype that will run
+        self.run_worker(lambda: self._calibrate(quick, vram, ram, settings.quant, where), thread=True, group="calibrate")
 
     def _calibrate(self, quick: bool, vram: float | None, ram: float | None, quant: str | None = None,
                    where: dict[str, str] | None = None) -> None:
