@@ -73,10 +73,15 @@ class PrefixCache:
             n = _shared(kept.tokens, prompt)
             if n and n >= reused:
                 best, reused = kept, n
+        branch = best is not None and reused < min(best.prompt_len, len(best.tokens))
+        if self.device.type != "cpu":  # a new cache comes on the GPU: the kept ones wait in host RAM (the estimate counts one)
+            at = self._kept.index(best) if best is not None else -1
+            self._to_host(keep=None if branch else best)
+            best = self._kept[at] if at >= 0 else None
         if best is None:
             return Kept([], new_kv(), 0), 0
         self.hits += 1
-        if reused < min(best.prompt_len, len(best.tokens)):  # a branch: copy the shared part, the kept one stays whole
+        if branch:  # a branch: copy the shared part, the kept one stays whole
             kv, draft_kv = best.copy(reused, self.device)
         else:  # the conversation's next turn (its reply may come back re-tokenized): take its caches
             self._kept.remove(best)
@@ -92,13 +97,17 @@ class PrefixCache:
         older ones are compacted into host RAM, and the least recently used go until the budget holds (this one too,
         if alone it does not fit)."""
         self._kept = [k for k in self._kept if k.tokens != kept.tokens[: len(k.tokens)]]
-        for i, old in enumerate(self._kept):
-            if not old.compact:
-                kv, draft_kv = old.copy(len(old.tokens), "cpu")
-                self._kept[i] = Kept(old.tokens, kv, old.prompt_len, draft_kv, compact=True)
+        self._to_host()
         self._kept.append(kept)
         while self._kept and self.nbytes() > self.budget:
             self._kept.pop(0)
+
+    def _to_host(self, keep: Kept | None = None) -> None:
+        """Every kept cache but `keep` compacted into host RAM."""
+        for i, old in enumerate(self._kept):
+            if not old.compact and old is not keep:
+                kv, draft_kv = old.copy(len(old.tokens), "cpu")
+                self._kept[i] = Kept(old.tokens, kv, old.prompt_len, draft_kv, compact=True)
 
     def nbytes(self) -> int:
         return sum(k.nbytes() for k in self._kept)

@@ -76,3 +76,34 @@ def test_a_reply_cut_short_leaves_a_cache_the_next_turn_reuses(checkpoint):
     assert got.token_ids == want.token_ids and got.summary.reused_tokens > 0
     engine.close()
     fresh.close()
+
+
+def test_on_a_gpu_the_kept_caches_leave_it_before_another_comes(monkeypatch):
+    """On a GPU a new conversation, or a branch of a kept one, would put a second KV cache beside the last one (the
+    memory estimate counts one): the kept ones are compacted into host RAM first. The next turn of the last
+    conversation still takes its cache as it is, with no copy. (Caches on the CPU here; the device only says where
+    new ones go.)"""
+    import torch
+
+    from moechat.engine.model.kv_cache import KVCache
+    from moechat.engine.prefix_cache import Kept, PrefixCache
+
+    def cache(n: int) -> KVCache:
+        kv = KVCache()
+        kv.update(torch.ones(1, 2, n, 4), torch.ones(1, 2, n, 4), 0)
+        return kv
+
+    real = KVCache.copy_prefix  # copies "to the GPU" land on the CPU here
+    monkeypatch.setattr(KVCache, "copy_prefix", lambda self, n, device=None: real(self, n, None if device is not None and
+                                                                                  str(device).startswith("cuda") else device))
+    kept = PrefixCache(1 << 30, torch.device("cuda"))
+    last = Kept([1, 2, 3, 4], cache(4), 2)
+    kept.keep(last)
+    got, reused = kept.take([1, 2, 3, 4, 5], lambda: pytest.fail("a new cache for the next turn"))
+    assert reused == 4 and got.kv is last.kv  # the next turn: taken as it is
+    kept.keep(Kept([1, 2, 3, 4, 5, 6], got.kv, 5))
+    new, reused = kept.take([9, 9, 9], lambda: cache(0))  # another conversation
+    assert reused == 0 and all(k.compact for k in kept._kept)
+    kept.keep(Kept([9, 9, 9, 7], cache(4), 3))
+    branch, reused = kept.take([9, 9, 8], lambda: pytest.fail("a branch copies"))  # an edited message
+    assert reused == 2 and all(k.compact for k in kept._kept) and branch.kv.get_seq_length() == 2
