@@ -91,11 +91,26 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
                    progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
-    decisions = decide(hw, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
+    decisions = decide(_free_vram_now(hw, placement.device), est, meas, vram_budget, ram_budget, draft_options=options,
+                       quant=quant)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
     progress("profile saved", 1.0)
     return profile, path
+
+
+def _free_vram_now(hw, device: str):
+    """hw with the serving GPU's free memory as CUDA reports it now: the probe read it through NVML before this process
+    had a CUDA context (about 0.3-0.5 GiB, which every run has), and the measurement has given its own memory back."""
+    if not device.startswith("cuda") or not hw.gpus:
+        return hw
+    import torch
+
+    from ..engine import serving_gpu
+
+    gpu = serving_gpu(hw)
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    return dataclasses.replace(hw, gpus=[dataclasses.replace(g, free_bytes=free) if g is gpu else g for g in hw.gpus])
 
 
 def _fmt_rate(value: float | None) -> str:

@@ -349,3 +349,21 @@ def test_estimate_counts_quantized_experts(known):
         assert (q.non_expert_bytes, q.kv_bytes, total_params(q)) == (bf16.non_expert_bytes, bf16.kv_bytes, total_params(bf16))
     with pytest.raises(BudgetError, match=r"use --quant int8 \(28.69 GiB\), use the mmap tier"):  # the guardrail says which fits
         check_budgets(bf16, None, 32 * GIB, 0, "ram")
+
+
+def test_two_gpus_decide_for_the_one_auto_runs_on(known, monkeypatch):
+    """Placement's `auto` runs on the GPU with the most free memory: decide() sizes the fast tier for that one, not
+    NVML's first; calibration reads its free memory again through CUDA after measuring (the context every run has)."""
+    import torch
+
+    from moechat.app.calibrate import _free_vram_now
+
+    est = known["Qwen3-30B-A3B"]
+    small = GpuInfo("NVIDIA RTX A4000", 16 * GIB, 3 * GIB, "550", 4, 16)  # busy with a display
+    hw = replace(MACHINES["desktop-4090"][0], gpus=[small, MACHINES["desktop-4090"][0].gpus[0]])
+    meas = synthetic("desktop-4090", est)
+    assert decide(hw, est, meas).expert_cache_ratio == decide(MACHINES["desktop-4090"][0], est, meas).expert_cache_ratio
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(23.1 * GIB), 24 * GIB))
+    now = _free_vram_now(hw, "cuda:1")
+    assert [g.free_bytes for g in now.gpus] == [3 * GIB, int(23.1 * GIB)] and _free_vram_now(hw, "cpu") is hw
+    assert decide(now, est, meas).expert_cache_ratio < decide(hw, est, meas).expert_cache_ratio

@@ -11,6 +11,7 @@ listing its models, skips the budgets and calibration, and is saved as `backend`
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -194,18 +195,20 @@ class WizardScreen(Screen):
         self.app.call_from_thread(self._prefill, hw)
 
     def _prefill(self, hw) -> None:
+        from ....engine import serving_gpu
+
         self.hardware = hw
         settings, _ = load_settings(self.path)  # `--setup` again: the budgets chosen before win over the probe
         vram, ram = self.query_one("#vram_budget_gib", Input), self.query_one("#ram_budget_gib", Input)
         self.query_one("#device", Input).value = settings.device or ""
         self.query_one("#dtype", Select).value = settings.dtype or "auto"
         self.query_one("#placement-note", Static).update(
-            f"auto: the GPU ({hw.gpus[0].name}), in bfloat16 where it has it, else float16" if hw.gpus else
+            f"auto: the GPU ({serving_gpu(hw).name}), in bfloat16 where it has it, else float16" if hw.gpus else
             "auto: the CPU (no NVIDIA GPU found), in float32 for quantized, small or bf16 models (bf16 weights kept), "
             "else the checkpoint's dtype")
         if hw.gpus:
-            gpu = hw.gpus[0]
-            vram.value = str(settings.vram_budget_gib or round(gpu.free_bytes / GIB, 1))
+            gpu = serving_gpu(hw)
+            vram.value = str(settings.vram_budget_gib or math.floor(gpu.free_bytes / GIB * 10) / 10)  # never above free
             note = f"{gpu.name}: {gpu.free_bytes / GIB:.1f} of {gpu.total_bytes / GIB:.1f} GiB free. "
         else:
             vram.value, vram.disabled, vram.placeholder = "", True, "no GPU found"
