@@ -288,7 +288,9 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
     try:
         m.expert_bytes = engine.model.store.expert_bytes
         _time_experts(engine, m, cuda, repeats, report)
-        if drafter != "none":  # generation gives the draft's figures only: nothing to time without one
+        # generation gives the draft's figures only: nothing to time without a drafter, nor with the self drafter, which
+        # drafts with the resident experts and this engine has none (it would skip every routed expert: acceptance ~0)
+        if drafter not in ("none", "self"):
             _time_generation(engine, m, prompts, 12 if quick else 48, report)
     finally:  # the chat's model loads next: its budget check must see this one's VRAM and pinned RAM given back
         engine.close()
