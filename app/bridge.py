@@ -113,6 +113,12 @@ class EngineBridge:
     def calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
         self._queue.put(("calibrate", model_dir, drafter, quick))
 
+    def unload(self) -> None:
+        """Stop any reply and free the model: the setup wizard measures this machine's free VRAM and RAM, which the
+        loaded model would hold. A reload brings it back."""
+        self.stop()
+        self._queue.put(("unload",))
+
     def close(self) -> None:
         """Stop any reply (its ReplyFinished "cancelled" is still posted), skip queued loads and
         calibrations, end the thread and join it; idempotent."""
@@ -155,6 +161,11 @@ class EngineBridge:
                     self._pending -= 1  # before the post: the UI reads busy == False in its handler
                     self._running = None
                 self._send(end)
+                continue
+            if cmd == "unload":
+                self._drop_engine()
+                self._load_error = "the model is unloaded while the setup wizard measures this machine"
+                self._send(EngineLoading(0.0, "model unloaded for the setup wizard"))
                 continue
             try:
                 self._load(*args) if cmd == "load" else self._calibrate(*args)

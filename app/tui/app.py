@@ -267,14 +267,15 @@ class MoechatApp(App):
         from .screens.wizard import WizardScreen
 
         def done(model_dir: str | None) -> None:
-            """The wizard saved the model and budgets to the settings file: load what it chose."""
+            """The wizard saved the model and budgets to the settings file (or was left): load what they say."""
             self.settings, self.settings_notice = load_settings(self.settings_file)
             if self.bridge_started:
-                if model_dir:
-                    self.action_reload()
+                self.action_reload()  # the model was unloaded for the wizard's measurements
             else:
                 self.start_engine()
 
+        if self.bridge_started:
+            self.bridge.unload()
         self.push_screen(WizardScreen(path=self.settings_file), done)
 
 

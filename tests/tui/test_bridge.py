@@ -277,10 +277,9 @@ def test_calibrate_posts_progress_and_decisions(checkpoint, tmp_path, monkeypatc
     bridge, inbox = started(lambda: EngineConfig(str(path)))
     try:
         inbox.wait(EngineReady)
-        short = checkpoint("qwen3_moe", max_position_embeddings=12)  # no calibration prompt fits
-        bridge.calibrate(str(short), "self", quick=True)  # fails: one line, the thread lives on
+        bridge.calibrate(str(tmp_path / "no-model"), "self", quick=True)  # fails: one line, the thread lives on
         failed = inbox.wait(EngineFailed)
-        assert failed.request_id is None and "\n" not in failed.message and "context" in failed.message
+        assert failed.request_id is None and "\n" not in failed.message and "no-model" in failed.message
         assert not inbox.of(CalibrationDone)
         bridge.calibrate(str(path), "self", quick=True)
         done = inbox.wait(CalibrationDone)
@@ -293,6 +292,26 @@ def test_calibrate_posts_progress_and_decisions(checkpoint, tmp_path, monkeypatc
         assert done.profile_path.startswith(str(tmp_path / "config")) and len(inbox.of(EngineFailed)) == 1
         bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))  # the loaded engine is untouched
         assert inbox.ending(1).reason == "length"
+    finally:
+        bridge.close()
+
+
+def test_unload_frees_the_model_for_the_wizard_and_reload_brings_it_back(checkpoint):
+    """The setup wizard from the palette measures this machine's free VRAM and RAM: the bridge drops the model first
+    (a reply asked meanwhile is one line), and a reload loads it again."""
+    bridge, inbox = started(lambda: EngineConfig(str(checkpoint("qwen3_moe"))))
+    try:
+        inbox.wait(EngineReady)
+        bridge.unload()
+        inbox.wait(EngineLoading, label="model unloaded for the setup wizard")
+        assert bridge._engine is None
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))
+        failed = inbox.wait(EngineFailed, request_id=1)
+        assert "unloaded while the setup wizard" in failed.message and "\n" not in failed.message
+        bridge.reload()
+        inbox.wait(EngineReady, count=2)
+        bridge.generate(2, CHAT, SamplingParams(max_new_tokens=3))
+        assert inbox.ending(2).reason == "length"
     finally:
         bridge.close()
 
