@@ -113,11 +113,13 @@ class EngineBridge:
     def calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
         self._queue.put(("calibrate", model_dir, drafter, quick))
 
-    def unload(self) -> None:
+    def unload(self) -> threading.Event:
         """Stop any reply and free the model: the setup wizard measures this machine's free VRAM and RAM, which the
-        loaded model would hold. A reload brings it back."""
+        loaded model would hold. -> an event set once it is freed. A reload brings it back."""
+        freed = threading.Event()
         self.stop()
-        self._queue.put(("unload",))
+        self._queue.put(("unload", freed))
+        return freed
 
     def close(self) -> None:
         """Stop any reply (its ReplyFinished "cancelled" is still posted), skip queued loads and
@@ -148,6 +150,8 @@ class EngineBridge:
             if cmd == "quit":
                 break
             if self._closed and cmd != "generate":  # closing: queued loads and calibrations are moot
+                if cmd == "unload":
+                    args[0].set()  # nobody waits long on a closing bridge
                 continue
             if cmd == "generate":
                 request_id = args[1]
@@ -166,6 +170,7 @@ class EngineBridge:
                 self._drop_engine()
                 self._load_error = "the model is unloaded while the setup wizard measures this machine"
                 self._send(EngineLoading(0.0, "model unloaded for the setup wizard"))
+                args[0].set()
                 continue
             try:
                 self._load(*args) if cmd == "load" else self._calibrate(*args)

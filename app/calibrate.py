@@ -87,12 +87,12 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     if fmt != (quant or "none"):  # the decided format can change the dtype `auto` picks (placement.py): measure that one
         placement, est = placed(fmt)
     meas = measure(model_dir, hw, eval_prompts(3 if quick else 8), drafter, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN,
-                   device=placement.device, dtype=placement.dtype, quant=fmt,
+                   device=placement.device, dtype=placement.dtype, quant=fmt, context_len=context_len,
                    progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
     progress("deciding", 0.95)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
-    decisions = decide(_free_vram_now(hw, placement.device), est, meas, vram_budget, ram_budget, draft_options=options,
-                       quant=quant)
+    now = _free_vram_now(hw, placement.device) if device in (None, "auto") else hw  # a GPU set by hand: NVML's figure
+    decisions = decide(now, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
     progress("profile saved", 1.0)

@@ -33,6 +33,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     except (AssertionError, RuntimeError, AttributeError) as err:  # a build without CUDA: torch's allocator says why
         return _refuse(f"no CUDA runtime ({err})", shape, dtype)
     err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))  # 0: cudaHostRegisterDefault
+    if err != 0:
+        _clear_cuda_error()
     if err != 0 or not t.is_pinned():
         if err == 0:
             cudart.cudaHostUnregister(t.data_ptr())
@@ -49,7 +51,17 @@ def _refuse(why: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
 
 
 def _unregister(cudart, ptr: int) -> None:
-    cudart.cudaHostUnregister(ptr)  # an error (a context already torn down) leaves nothing to undo
+    if int(cudart.cudaHostUnregister(ptr)) != 0:  # a context already torn down: nothing to undo, but the error stays
+        _clear_cuda_error()
+
+
+def _clear_cuda_error() -> None:
+    """A failed runtime call stays this thread's last CUDA error, and PyTorch's check after its next kernel launch would
+    report it as that kernel's. A launch here takes it (PyTorch reads the error back, which clears it)."""
+    try:
+        torch.empty(1, device="cuda").zero_()
+    except RuntimeError:  # the stale error, now cleared
+        pass
 
 
 def release_pinned_cache() -> None:

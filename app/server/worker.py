@@ -53,6 +53,7 @@ class EngineWorker:
         self.arrived = self.served = self.cancelled = 0
         self.running = False
         self._current: Job | None = None  # the job in progress: close() cancels it
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="moechat-serve-engine", daemon=True)
         self._thread.start()
 
@@ -79,7 +80,9 @@ class EngineWorker:
                 self._jobs.get_nowait().cancel()
             except queue.Empty:
                 break
-        if (job := self._current) is not None:
+        with self._lock:  # either close() sees the job taken, or the thread sees closing before it starts it
+            self._closing, job = True, self._current
+        if job is not None:
             job.cancel()
         self._jobs.put(None)
         self._thread.join(timeout=30)
@@ -90,13 +93,16 @@ class EngineWorker:
         from ...engine import Error, PrefillProgress, StepStats
 
         while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self._current = job
+                if self._closing:
+                    job.cancel()
             if job.cancelled.is_set():
                 self.cancelled += 1
                 job.post(None)
                 continue
             self.served += 1
             job.served, job.queued_s, self.running = self.served, time.perf_counter() - job.t_submit, True
-            self._current = job
             events = self.engine.generate(job.request, job.params)
             try:
                 for ev in events:

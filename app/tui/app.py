@@ -274,9 +274,8 @@ class MoechatApp(App):
             else:
                 self.start_engine()
 
-        if self.bridge_started:
-            self.bridge.unload()
-        self.push_screen(WizardScreen(path=self.settings_file), done)
+        freed = self.bridge.unload() if self.bridge_started else None
+        self.push_screen(WizardScreen(path=self.settings_file, memory_freed=freed), done)
 
 
 def sampling_from(settings: Settings, base=None):

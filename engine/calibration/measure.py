@@ -201,7 +201,7 @@ def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
 
 
 def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int, quant: str,
-            progress=None):
+            context_len: int | None = None, progress=None):
     """The engine to time, with no fast tier: from RAM, or from the mmap'd files (the engine's own disk
     tier) when the expert store is too big for half the free RAM (quantized experts are mapped from their cache file)."""
     from ..config import EngineConfig
@@ -210,8 +210,8 @@ def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: st
     ram_budget = 0 if quant == "none" and _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes \
         else None
     return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0, quant=quant,
-                               host_ram_budget_bytes=ram_budget, spec=SpecConfig(drafter=drafter, draft_len=draft_len)),
-                  progress)
+                               host_ram_budget_bytes=ram_budget, context_len=context_len,
+                               spec=SpecConfig(drafter=drafter, draft_len=draft_len)), progress)
 
 
 def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report: Progress) -> None:
@@ -267,10 +267,11 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
 
 def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False,
             draft_len: int = SpecConfig.draft_len, progress: Progress | None = None, device: str | None = None,
-            dtype: str | None = None, quant: str = "none") -> Measurements:
+            dtype: str | None = None, quant: str = "none", context_len: int | None = None) -> Measurements:
     """Time this machine for the model in `model_dir`, generating on `prompts` with `drafter`, its experts in
-    `quant`. device/dtype default to cuda + bfloat16 where `hw` has a GPU that CUDA can use, else cpu + float32; the
-    app passes what `auto` resolves to (engine/placement.py)."""
+    `quant`, its KV cache (and a draft model's) sized for `context_len` (None: the model's). device/dtype default to
+    cuda + bfloat16 where `hw` has a GPU that CUDA can use, else cpu + float32; the app passes what `auto` resolves to
+    (engine/placement.py)."""
     report = progress or (lambda name, frac: None)
     device = device or ("cuda" if hw.gpus and torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
@@ -283,7 +284,7 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
         m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
     report("loading the model", 0.1)
-    engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant,
+    engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant, context_len,
                      lambda what, done, total: report(f"loading the model: {what}", 0.1 + 0.1 * done / max(total, 1)))
     try:
         m.expert_bytes = engine.model.store.expert_bytes

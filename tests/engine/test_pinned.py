@@ -58,7 +58,10 @@ def test_quantized_storage_registers_each_part_at_its_size(driver):
 
 
 def test_a_refused_registration_goes_to_pytorchs_allocator_once(monkeypatch, driver):
+    """...and the refusal, which stays the thread's last CUDA error, is taken before a later kernel reports it."""
     driver.refuse = 3  # cudaErrorInitializationError, say
+    cleared = []
+    monkeypatch.setattr(pinned, "_clear_cuda_error", lambda: cleared.append(1))
     asked = []
     real = torch.empty
 
@@ -71,6 +74,7 @@ def test_a_refused_registration_goes_to_pytorchs_allocator_once(monkeypatch, dri
     pinned.empty((8,), torch.float32)
     assert pinned._refused == ["cudaHostRegister returned 3"] and len(driver.calls) == 1  # not asked again
     assert asked == [False, True, True]  # the first try's pageable block, then PyTorch's pinned allocator
+    assert cleared == [1]
 
 
 def test_without_cuda_the_store_keeps_pageable_memory(monkeypatch):
@@ -81,6 +85,16 @@ def test_without_cuda_the_store_keeps_pageable_memory(monkeypatch):
         pytest.skip("this machine has CUDA")
     with pytest.raises(RuntimeError):
         pinned.empty((8,), torch.float32)
+
+
+@pytest.mark.gpu
+def test_a_refused_registration_leaves_no_error_for_the_next_kernel(monkeypatch):
+    """Registering a range twice is refused (already registered): the next kernel launch must not report it."""
+    monkeypatch.setattr(pinned, "_refused", [])
+    t = pinned.empty((1 << 20,), torch.uint8)
+    assert t.is_pinned() and int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)) != 0
+    pinned._clear_cuda_error()
+    assert torch.ones(4, device="cuda").sum().item() == 4  # raised "CUDA error: ..." before the error was taken
 
 
 @pytest.mark.gpu

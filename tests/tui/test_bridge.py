@@ -302,9 +302,9 @@ def test_unload_frees_the_model_for_the_wizard_and_reload_brings_it_back(checkpo
     bridge, inbox = started(lambda: EngineConfig(str(checkpoint("qwen3_moe"))))
     try:
         inbox.wait(EngineReady)
-        bridge.unload()
+        freed = bridge.unload()
+        assert freed.wait(TIMEOUT) and bridge._engine is None  # the wizard probes the memory after this
         inbox.wait(EngineLoading, label="model unloaded for the setup wizard")
-        assert bridge._engine is None
         bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))
         failed = inbox.wait(EngineFailed, request_id=1)
         assert "unloaded while the setup wizard" in failed.message and "\n" not in failed.message

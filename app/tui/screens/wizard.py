@@ -85,6 +85,8 @@ def decision_rows(decisions) -> dict[str, tuple[object, str]]:
     return rows
 
 
+UNLOAD_WAIT_S = 120  # at most this long for a reply in progress to end and the model to unload before probing
+
 class WizardScreen(Screen):
     """`WizardScreen(hardware=None, path=None, calibrate=None)`.
 
@@ -108,9 +110,10 @@ class WizardScreen(Screen):
     WizardScreen DataTable { height: auto; max-height: 14; }
     """
 
-    def __init__(self, hardware=None, path: Path | None = None, calibrate=None) -> None:
+    def __init__(self, hardware=None, path: Path | None = None, calibrate=None, memory_freed=None) -> None:
         super().__init__()
         self.hardware, self.path, self._calibrate_fn = hardware, path, calibrate
+        self.memory_freed = memory_freed  # a threading.Event set once a loaded model has let go of its memory
         self.step = 0
         self.model_dir: str | None = None  # what runs (a directory)
         self.model_setting: str | None = None  # what the settings file keeps: None (the demo), DIR or OWNER/NAME
@@ -191,6 +194,8 @@ class WizardScreen(Screen):
     def _probe(self) -> None:
         from ....engine import probe
 
+        if self.memory_freed is not None:  # the free VRAM and RAM without the model that was loaded
+            self.memory_freed.wait(UNLOAD_WAIT_S)
         hw = probe()
         self.app.call_from_thread(self._prefill, hw)
 
