@@ -26,7 +26,6 @@ thread never keeps the process alive).
 """
 from __future__ import annotations
 
-import gc
 import queue
 import threading
 from collections.abc import Callable
@@ -190,14 +189,9 @@ class EngineBridge:
         del engine
         if not collect:
             return
-        gc.collect()
-        import torch
+        from ..engine import release_cached_memory
 
-        from ..engine import release_pinned_cache
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-            release_pinned_cache()  # pinned host blocks PyTorch's allocator kept (the store's own are unregistered)
+        release_cached_memory()
 
     def _load(self, factory: Callable[[], EngineConfig]) -> None:
         self._drop_engine()

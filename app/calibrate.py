@@ -106,9 +106,9 @@ def _free_vram_now(hw, device: str):
         return hw
     import torch
 
-    from ..engine import serving_gpu
+    from ..engine import best_gpu
 
-    gpu = serving_gpu(hw)
+    gpu = best_gpu(hw.gpus)
     free = torch.cuda.mem_get_info(torch.device(device))[0]
     return dataclasses.replace(hw, gpus=[dataclasses.replace(g, free_bytes=free) if g is gpu else g for g in hw.gpus])
 
@@ -122,15 +122,15 @@ def _fmt_s(value: float | None) -> str:
 
 
 def cmd_calibrate(args) -> int:
+    from .cli import _gib
     from .settings import load_settings
 
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
     settings = load_settings()[0]  # the format, budgets and context the settings fix are calibrated with; unset: decided
-    gib = lambda v: None if v is None else int(v * 2**30)  # noqa: E731
     profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
-                              dtype=settings.dtype, vram_budget=gib(settings.vram_budget_gib),
-                              ram_budget=gib(settings.ram_budget_gib), context_len=settings.context_len)
+                              dtype=settings.dtype, vram_budget=_gib(settings.vram_budget_gib),
+                              ram_budget=_gib(settings.ram_budget_gib), context_len=settings.context_len)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),

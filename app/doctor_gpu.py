@@ -146,10 +146,10 @@ def _kernel_check(device) -> dict:
         x = torch.randn(len(slot_of_row), 64, generator=gen).to(device)
         got = triton_ffn.slot_ffn(x, slot_of_row.to(device), gate_up, down, F.silu)
         if got is None:
-            failed = triton_ffn._failed
-            why = failed or ("Triton is not importable" if not triton_ffn._have_triton() else f"{device} is not a GPU")
-            return _row("kernels", triton_ffn._failed is None, f"quantized experts run the dequantizing twin ({why})",
-                        "install Triton (pip install triton) for the faster path" if triton_ffn._failed is None else REPORT)
+            failed = triton_ffn.failure()
+            why = failed or ("Triton is not importable" if not triton_ffn.importable() else f"{device} is not a GPU")
+            return _row("kernels", failed is None, f"quantized experts run the dequantizing twin ({why})",
+                        "install Triton (pip install triton) for the faster path" if failed is None else REPORT)
         ids, sizes = torch.unique_consecutive(slot_of_row, return_counts=True)
         want = grouped_expert_ffn(x, gate_up, down, ids.tolist(), sizes.tolist(), F.silu)
         worst = max(worst, float((got.float() - want).abs().max() / want.abs().max()))

@@ -27,7 +27,7 @@ _MODULES = {  # submodule -> the public names it provides
     "calibration.profile": ("Profile", "load_profile", "measurements_from",
                              "model_key", "profile_path", "profiles_dir", "save_profile"),
     "calibration.measure": ("bandwidths", "best_cuda_seconds", "measure", "ram_copy_bandwidth"),
-    "calibration.decide": ("cpu_decode_seconds", "decide", "experts_format", "serving_gpu", "unit_costs"),
+    "calibration.decide": ("cpu_decode_seconds", "decide", "experts_format", "unit_costs"),
     "calibration.known_models": ("KNOWN_MODELS", "known_name"),
     # benchmarks: engine variants on one loaded model, and the kernels on their own
     "model.loader": ("build_runtime",),
@@ -35,7 +35,7 @@ _MODULES = {  # submodule -> the public names it provides
     "experts.grouped": ("grouped_ffn", "uses_grouped_mm"),
     "experts.native_copier": ("NativeCopier",),
     "quant.formats": ("QuantMatrix", "empty_matrix", "grouped_expert_ffn", "matrix_bytes"),
-    "pinned": ("release_pinned_cache",),
+    "pinned": ("release_cached_memory",),
 }
 # whole modules: the native build registry, the CPU kernel and its twin, the GPU's quantized-expert kernel
 _SUBMODULES = ("native", "experts.cpu_ffn", "experts.triton_ffn")

@@ -10,6 +10,7 @@ keeps the rest pageable.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 
@@ -64,8 +65,13 @@ def _clear_cuda_error() -> None:
         pass
 
 
-def release_pinned_cache() -> None:
-    """Give back the pinned blocks PyTorch's allocator keeps after their tensors are gone (a model dropped)."""
+def release_cached_memory() -> None:
+    """After a model is dropped: collect it, then give back the blocks PyTorch's CUDA allocators keep after their tensors
+    are gone, on the GPU and pinned on the host (the store's own exact-size memory is unregistered with its tensors)."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
     empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
     if empty_host_cache is not None:
         empty_host_cache()

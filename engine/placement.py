@@ -123,9 +123,9 @@ def _device(device: str, cuda: CudaProbe) -> tuple[str, str, str]:
     return f"cuda:{best.index}", _gpu_words(best) + most, f"{cuda.skipped}: using cuda:{best.index}" if cuda.skipped else ""
 
 
-def best_gpu(gpus: tuple[Gpu, ...]) -> Gpu:
-    """The GPU `auto` runs on: the most free memory, the first of equals."""
-    return max(gpus, key=lambda g: (g.free_bytes, -g.index))
+def best_gpu(gpus):
+    """The GPU `auto` runs on: the most free memory, the first of equals (PyTorch's Gpu or calibration's NVML GpuInfo)."""
+    return max(gpus, key=lambda g: g.free_bytes)  # max keeps the first of equals
 
 
 def _gpu_words(g: Gpu) -> str:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ..config import QUANTS, SchedulerConfig, SpecConfig, UnitCosts
 from ..errors import BudgetError
 from ..model.memory_budgets import GIB, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
+from ..placement import best_gpu
 from .types import Decisions, Hardware, Measurements
 
 if TYPE_CHECKING:  # memory_estimate imports torch; deciding is plain arithmetic
@@ -277,12 +278,6 @@ def _policy(slots: int, drafter: str) -> tuple[str, str]:
     return "spac", "spac: with draft lookahead it serves the most from the GPU (docs/scheduling.md)"
 
 
-def serving_gpu(hw: Hardware):
-    """The GPU a run with `device auto` computes on: the most free memory (placement.best_gpu's rule), the first of
-    equals; None without one."""
-    return max(hw.gpus, key=lambda g: g.free_bytes) if hw.gpus else None  # max keeps the first of equals
-
-
 def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: int | None = None,
            ram_budget: int | None = None, draft_options=("none", "self"), quant: str | None = None) -> Decisions:
     """The settings for this machine and model; budgets (bytes) and `quant` (None: decide) are the user's and always win.
@@ -291,7 +286,7 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     even the minimal configuration cannot fit (see budgets.check_budgets).
     """
     reasons: dict[str, str] = {}
-    gpu = serving_gpu(hw)
+    gpu = best_gpu(hw.gpus) if hw.gpus else None  # the one `auto` runs on
     ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
     given, est = est, _quant(est, ram, gpu is not None, reasons, quant)
     host_tier = _host_tier(est, ram, gpu is not None, reasons)

@@ -9,7 +9,6 @@ machines, where the host tier is the only tier.
 """
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..config import SpecConfig
-from ..pinned import release_pinned_cache
+from ..pinned import release_cached_memory
 from ..quant.formats import QuantMatrix
 from .types import Hardware, Measurements
 
@@ -296,13 +295,6 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
     finally:  # the chat's model loads next: its budget check must see this one's VRAM and pinned RAM given back
         engine.close()
         del engine
-        _release(cuda)
+        release_cached_memory()
     report("measured", 1.0)
     return m
-
-
-def _release(cuda: bool) -> None:
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        release_pinned_cache()

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 _GROUPED = hasattr(F, "grouped_mm")
 _broken: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where grouped_mm raised once
-_TRANSIENT = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # out of memory now: not grouped_mm's fault
 GROUPED_MM_MAX_GROUPS = 1024  # CUDA's grouped_mm refuses more ("Can't process more than 1024 groups", the H200)
 
 
@@ -57,7 +56,7 @@ def grouped_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, grou
             gate, up = F.grouped_mm(x, gu.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [S, I] each
             return F.grouped_mm(act(gate) * up, dn.transpose(1, 2), offs=offs)
         except (RuntimeError, NotImplementedError) as err:
-            if isinstance(err, _TRANSIENT):
+            if isinstance(err, torch.cuda.OutOfMemoryError):  # out of memory now: the caller's, not grouped_mm's
                 raise
             _broken.add((x.device.type, x.dtype))  # e.g. no kernel for this GPU or dtype: loop from now on (a fault
             # an earlier kernel left, which no loop survives either, raises again there)

@@ -154,7 +154,7 @@ def on_cpu():
 
 
 @functools.cache
-def _have_triton() -> bool:
+def importable() -> bool:
     try:
         import triton  # noqa: F401  -- PyTorch's CUDA wheels ship it
     except ImportError:
@@ -162,10 +162,15 @@ def _have_triton() -> bool:
     return True
 
 
+def failure() -> str | None:
+    """Why the kernels turned themselves off in this process (a compile or launch failure); None while they run."""
+    return _failed
+
+
 def usable(w: QuantMatrix | torch.Tensor, x: torch.Tensor) -> bool:
     """Whether the kernels take slots w (quantized, or float [slots, R, K]) for x: on a GPU (or the interpreter), beside
     x, contiguous, Triton importable, no failure so far."""
-    if _failed is not None or not (x.is_cuda or _on_cpu) or x.device != w.device or not _have_triton():
+    if _failed is not None or not (x.is_cuda or _on_cpu) or x.device != w.device or not importable():
         return False
     if isinstance(w, torch.Tensor):
         return w.dim() == 3 and w.is_contiguous()

@@ -183,7 +183,7 @@ def test_measure_on_cpu(checkpoint, monkeypatch):
     seen, closed, released = [], [], []
     close = Engine.close
     monkeypatch.setattr(Engine, "close", lambda self: closed.append(self) or close(self))
-    monkeypatch.setattr(measuring, "_release", lambda cuda: released.append(cuda))
+    monkeypatch.setattr(measuring, "release_cached_memory", lambda: released.append(True))
     m = measure(checkpoint("qwen3_moe"), replace(hardware(), gpus=[]), quick=True, draft_len=2, drafter="self",
                 prompts=["hello"], progress=lambda name, frac: seen.append(frac))
     assert len(m.cpu_s_per_expert) == 3 and all(t > 0 for t in m.cpu_s_per_expert)  # 1..γ+1 tokens
@@ -192,7 +192,7 @@ def test_measure_on_cpu(checkpoint, monkeypatch):
     assert m.expert_bytes > 0 and m.max_tokens == 3
     assert m.draft_s_per_token is None and m.acceptance is None  # self-drafting with no resident expert: not timed
     assert seen == sorted(seen) and seen[-1] == 1.0
-    assert len(closed) == 1 and released == [False]  # its engine closed and collected before the chat's model loads
+    assert len(closed) == 1 and released == [True]  # its engine closed and collected before the chat's model loads
 
 
 def test_the_device_curve_takes_quantized_slots(checkpoint):

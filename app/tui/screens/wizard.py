@@ -87,6 +87,7 @@ def decision_rows(decisions) -> dict[str, tuple[object, str]]:
 
 UNLOAD_WAIT_S = 120  # at most this long for a reply in progress to end and the model to unload before probing
 
+
 class WizardScreen(Screen):
     """`WizardScreen(hardware=None, path=None, calibrate=None)`.
 
@@ -200,7 +201,7 @@ class WizardScreen(Screen):
         self.app.call_from_thread(self._prefill, hw)
 
     def _prefill(self, hw) -> None:
-        from ....engine import serving_gpu
+        from ....engine import best_gpu
 
         self.hardware = hw
         settings, _ = load_settings(self.path)  # `--setup` again: the budgets chosen before win over the probe
@@ -208,11 +209,11 @@ class WizardScreen(Screen):
         self.query_one("#device", Input).value = settings.device or ""
         self.query_one("#dtype", Select).value = settings.dtype or "auto"
         self.query_one("#placement-note", Static).update(
-            f"auto: the GPU ({serving_gpu(hw).name}), in bfloat16 where it has it, else float16" if hw.gpus else
+            f"auto: the GPU ({best_gpu(hw.gpus).name}), in bfloat16 where it has it, else float16" if hw.gpus else
             "auto: the CPU (no NVIDIA GPU found), in float32 for quantized, small or bf16 models (bf16 weights kept), "
             "else the checkpoint's dtype")
         if hw.gpus:
-            gpu = serving_gpu(hw)
+            gpu = best_gpu(hw.gpus)
             vram.value = str(settings.vram_budget_gib or math.floor(gpu.free_bytes / GIB * 10) / 10)  # never above free
             note = f"{gpu.name}: {gpu.free_bytes / GIB:.1f} of {gpu.total_bytes / GIB:.1f} GiB free. "
         else:
