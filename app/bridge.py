@@ -1,5 +1,5 @@
 """The engine thread: one long-lived daemon thread owns the `Engine`, takes commands from a queue
-(load, generate, calibrate, quit) and posts the Message classes of `app/tui/messages.py` back with
+(load, generate, unload, quit) and posts the Message classes of `app/tui/messages.py` back with
 `post` (the Textual App's thread-safe `post_message`). The UI thread never waits on the engine.
 
 Every `generate` ends with exactly one of:
@@ -9,19 +9,19 @@ Every `generate` ends with exactly one of:
   context, an internal error); text already streamed stays as ReplyDelta posted it. No ReplyFinished.
 A ReplyNotice may come first: the oldest turns of a long conversation left out of the request (app/history.py);
 ReplyProgress(request_id, done, total) while a long prompt is read, between its prefill passes.
-A load or a calibration that fails posts EngineFailed(message) with request_id None; the thread stays
-alive for the next `reload` or `calibrate`. A factory that returns a `RemoteConfig` (app/remote.py) gets a
+A load that fails posts EngineFailed(message) with request_id None; the thread stays
+alive for the next `reload`. A factory that returns a `RemoteConfig` (app/remote.py) gets a
 `RemoteEngine` instead: replies stream from an OpenAI-compatible server, with the same messages.
 
-Commands run in the order given: a `reload` or `calibrate` waits for the replies queued before it
+Commands run in the order given: a `reload` waits for the replies queued before it
 (call `stop()` first to cut them short). `stop()` cancels the running reply and every reply queued
 before the call (a sequence number, so a late stop never hits the next reply) and calls the running reply's
 `Engine.stop()` at once, so the reply ends after the step in progress (the engine checks its flag between
 steps and between a long prompt's prefill passes) with Finished
 "cancelled" and its summary, which gives the final stats (closing the iterator, as Ctrl-C does in
 `moechat chat`, would lose it); the engine stays ready. ReplyStats and ExpertFrame are capped in
-time, see `app/bridge_meter.py`. `close()` is for app exit: it cancels, skips queued loads and
-calibrations, and joins for at most JOIN_S (a load in progress cannot be cut short; the daemon
+time, see `app/bridge_meter.py`. `close()` is for app exit: it cancels, skips queued loads, and joins
+for at most JOIN_S (a load in progress cannot be cut short; the daemon
 thread never keeps the process alive).
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import fields
 from pathlib import Path
 
 from textual.message import Message
@@ -38,8 +37,6 @@ from ..engine import EngineConfig, MoechatError, SamplingParams
 from .models import model_name
 from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (
-    CalibrationDone,
-    CalibrationProgress,
     EngineFailed,
     EngineLoading,
     EngineReady,
@@ -53,7 +50,7 @@ from .tui.messages import (
 )
 
 REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # engine -> ReplyFinished
-# close() waits this long: a reply stops within a step, but a load or calibration in progress cannot be
+# close() waits this long: a reply stops within a step, but a load in progress cannot be
 # cut short, and quitting must not hang on it (the thread is a daemon: it ends with the process)
 JOIN_S = 2.0
 
@@ -109,9 +106,6 @@ class EngineBridge:
             self._factory = config_factory
         self._queue.put(("load", self._factory))
 
-    def calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
-        self._queue.put(("calibrate", model_dir, drafter, quick))
-
     def unload(self) -> threading.Event:
         """Stop any reply and free the model: the setup wizard measures this machine's free VRAM and RAM, which the
         loaded model would hold. -> an event set once it is freed. A reload brings it back."""
@@ -121,8 +115,8 @@ class EngineBridge:
         return freed
 
     def close(self) -> None:
-        """Stop any reply (its ReplyFinished "cancelled" is still posted), skip queued loads and
-        calibrations, end the thread and join it; idempotent."""
+        """Stop any reply (its ReplyFinished "cancelled" is still posted), skip queued loads, end the thread and join
+        it; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -148,7 +142,7 @@ class EngineBridge:
             cmd, *args = self._queue.get()
             if cmd == "quit":
                 break
-            if self._closed and cmd != "generate":  # closing: queued loads and calibrations are moot
+            if self._closed and cmd != "generate":  # closing: queued loads are moot
                 if cmd == "unload":
                     args[0].set()  # nobody waits long on a closing bridge
                 continue
@@ -172,12 +166,11 @@ class EngineBridge:
                 args[0].set()
                 continue
             try:
-                self._load(*args) if cmd == "load" else self._calibrate(*args)
+                self._load(*args)
             except MoechatError as err:  # already says what to do
                 self._send(EngineFailed(one_line(err)))
             except Exception as err:  # never a traceback in the UI; the thread waits for the next command
-                what = "load the model" if cmd == "load" else "calibrate"
-                self._send(EngineFailed(one_line(f"cannot {what} ({type(err).__name__}: {err})")))
+                self._send(EngineFailed(one_line(f"cannot load the model ({type(err).__name__}: {err})")))
         self._drop_engine(collect=False)  # closing: end its worker threads; the memory goes with the process
 
     def _drop_engine(self, collect: bool = True) -> None:
@@ -288,19 +281,3 @@ class EngineBridge:
         finally:
             events.close()
         return EngineFailed("the engine ended the reply without a result: send the message again", request_id)
-
-    def _calibrate(self, model_dir: str, drafter: str, quick: bool) -> None:
-        from .calibrate import calibrate
-
-        done = 0.0
-
-        def progress(label: str, fraction: float) -> None:  # a bar never runs backwards (float steps may)
-            nonlocal done
-            done = max(done, min(1.0, fraction))
-            self._send(CalibrationProgress(done, label))
-
-        profile, path = calibrate(model_dir, drafter, quick, progress=progress)
-        d = profile.decisions
-        decisions = {f.name: (getattr(d, f.name), d.reasons.get(f.name, ""))
-                     for f in fields(d) if f.name not in ("vram_split", "reasons")}
-        self._send(CalibrationDone(decisions, str(path)))

@@ -15,3 +15,7 @@ class BudgetError(MoechatError):
 
 class RequestError(MoechatError):
     """A generation request that cannot be served as given (e.g. prompt longer than the context)."""
+
+
+class Cancelled(MoechatError):
+    """Work the user stopped before it finished (a calibration): nothing of it was saved."""

@@ -119,18 +119,6 @@ class MoechatApp(App):
             return
         await self.chat.reply_finished(msg.request_id, msg.text, msg.reason, msg.stats)
 
-    def on_calibration_progress(self, msg: m.CalibrationProgress) -> None:
-        if not self.is_running:
-            return
-        if self.screen is not self.chat:  # the wizard runs the calibration
-            self.screen.post_message(m.CalibrationProgress(msg.fraction, msg.label))
-
-    def on_calibration_done(self, msg: m.CalibrationDone) -> None:
-        if not self.is_running:
-            return
-        if self.screen is not self.chat:
-            self.screen.post_message(m.CalibrationDone(msg.decisions, msg.profile_path))
-
     # ---- actions --------------------------------------------------------------------------------
     def action_stop(self) -> None:
         self.chat.stop()

@@ -128,7 +128,7 @@ class ExpertFrame(Message):
 
 
 class CalibrationProgress(Message):
-    """Calibration step `label` at `fraction` (0..1); posted by the bridge's calibrate command."""
+    """Calibration step `label` at `fraction` (0..1); posted by the wizard's calibration worker."""
 
     def __init__(self, fraction: float, label: str) -> None:
         super().__init__()
@@ -141,3 +141,11 @@ class CalibrationDone(Message):
     def __init__(self, decisions: dict[str, tuple[object, str]], profile_path: str) -> None:
         super().__init__()
         self.decisions, self.profile_path = decisions, profile_path
+
+
+class CalibrationFailed(Message):
+    """Calibration ended without a profile: `message` is one line (why, or that it was cancelled)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message

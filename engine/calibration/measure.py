@@ -249,11 +249,16 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
     chat = bool(getattr(engine.model.tokenizer, "chat_template", None))
     steps: list[StepStats] = []
     for i, prompt in enumerate(prompts):
-        report(f"drafting and verification, prompt {i + 1} of {len(prompts)}", 0.55 + 0.45 * i / len(prompts))
+        label = f"drafting and verification, prompt {i + 1} of {len(prompts)}"
+        report(label, 0.55 + 0.45 * i / len(prompts))
         request = Request(messages=[{"role": "user", "content": prompt}]) if chat else Request(prompt=prompt)
+        done = 0
         for ev in engine.generate(request, params):
             if isinstance(ev, StepStats):
                 steps.append(ev)
+                done += ev.accepted + 1  # the accepted drafts and the target's own token
+                # every step: the bar moves, and a cancelling progress callback stops within one step
+                report(label, 0.55 + 0.45 * (i + min(done, max_new_tokens) / max_new_tokens) / len(prompts))
             elif isinstance(ev, Error):
                 raise MoechatError(f"calibration could not generate with {engine.config.model_dir} ({ev.message})")
     drafted = sum(s.drafted for s in steps)

@@ -195,6 +195,38 @@ def test_measure_on_cpu(checkpoint, monkeypatch):
     assert len(closed) == 1 and released == [True]  # its engine closed and collected before the chat's model loads
 
 
+def test_measure_reports_each_generation_step_and_stops_when_progress_raises(checkpoint, draft_dir, monkeypatch):
+    """The drafting phase reports every step (the bar moves through minutes of generation on a big model), so a progress
+    callback that raises, as the wizard's does when cancelled, stops measuring within a step with its engine closed."""
+    from moechat.engine import Cancelled
+    from moechat.engine.calibration.measure import measure
+    from moechat.engine.generate import Engine
+
+    closed = []
+    close = Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: closed.append(self) or close(self))
+    target = checkpoint("qwen3_moe", max_position_embeddings=4096)
+    seen = []
+    m = measure(target, replace(hardware(), gpus=[]), quick=True, draft_len=2, drafter=str(draft_dir),
+                prompts=["hello", "a river"], progress=lambda name, frac: seen.append((name, frac)))
+    drafting = [frac for name, frac in seen if name.startswith("drafting")]
+    assert len(drafting) >= 2 + 2 * 12 // 3 and drafting == sorted(drafting)  # per prompt, then per step (≤ γ+1 tokens)
+    assert m.acceptance is not None and m.draft_s_per_token > 0 and len(closed) == 1
+
+    seen_now: list = []
+
+    def cancel_on_the_fourth_report(name, frac):
+        if name.startswith("drafting"):
+            seen_now.append(frac)
+            if len(seen_now) > 3:
+                raise Cancelled("calibration cancelled")
+
+    with pytest.raises(Cancelled):
+        measure(target, replace(hardware(), gpus=[]), quick=True, draft_len=2, drafter=str(draft_dir),
+                prompts=["hello", "a river"], progress=cancel_on_the_fourth_report)
+    assert len(seen_now) == 4 and len(closed) == 2  # stopped at the first report past three, its engine closed
+
+
 def test_the_device_curve_takes_quantized_slots(checkpoint):
     """The fast tier's per-expert curve for int4 slots (on a GPU the Triton kernel; here the CPU's dispatcher), as for
     float slots: quantized experts on a GPU get device figures, which decide() needs to put any expert there."""

@@ -1,5 +1,5 @@
 """The engine thread (`app/bridge.py`) against the real engine on tiny models: loading, streaming,
-stats and heatmap frames, stopping, failing and reloading, coalescing, closing, calibration, and
+stats and heatmap frames, stopping, failing and reloading, coalescing, closing, unloading for the wizard, and
 messages arriving on a real Textual app."""
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import pytest
 
 from moechat.app.bridge import EngineBridge
 from moechat.app.tui.messages import (
-    CalibrationDone,
-    CalibrationProgress,
     EngineFailed,
     EngineLoading,
     EngineReady,
@@ -269,31 +267,6 @@ def test_close_during_a_load_does_not_hang(checkpoint):
     release.set()
     bridge._thread.join(TIMEOUT)
     assert loaded == [1] and inbox.ending(1).reason == "cancelled"  # the second load was skipped
-
-
-def test_calibrate_posts_progress_and_decisions(checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the profile lands here
-    path = checkpoint("qwen3_moe", max_position_embeddings=4096)  # the calibration prompts need more than 512
-    bridge, inbox = started(lambda: EngineConfig(str(path)))
-    try:
-        inbox.wait(EngineReady)
-        bridge.calibrate(str(tmp_path / "no-model"), "self", quick=True)  # fails: one line, the thread lives on
-        failed = inbox.wait(EngineFailed)
-        assert failed.request_id is None and "\n" not in failed.message and "no-model" in failed.message
-        assert not inbox.of(CalibrationDone)
-        bridge.calibrate(str(path), "self", quick=True)
-        done = inbox.wait(CalibrationDone)
-        fractions = [m.fraction for m in inbox.of(CalibrationProgress)]
-        fractions = fractions[fractions.index(0.0, 1):]  # the second run's
-        assert fractions == sorted(fractions) and fractions[-1] == 1.0 and len(fractions) > 3
-        assert {"expert_cache_ratio", "utility_bound", "draft_len", "forgetting", "drafter", "policy"} <= set(done.decisions)
-        assert all(isinstance(reason, str) for _, reason in done.decisions.values())
-        assert 1 <= done.decisions["utility_bound"][0] <= 16
-        assert done.profile_path.startswith(str(tmp_path / "config")) and len(inbox.of(EngineFailed)) == 1
-        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))  # the loaded engine is untouched
-        assert inbox.ending(1).reason == "length"
-    finally:
-        bridge.close()
 
 
 def test_unload_frees_the_model_for_the_wizard_and_reload_brings_it_back(checkpoint):

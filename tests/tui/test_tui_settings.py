@@ -254,6 +254,78 @@ def test_wizard_end_to_end_with_the_demo(tmp_path):
     assert "# mine" in path.read_text() and settings.vram_budget_gib is None
 
 
+async def _to_calibration(pilot, screen) -> None:
+    """From the first step to the calibration step, which starts the calibration (the demo, the CPU)."""
+    await click(pilot, "#next")  # the demo is preselected
+    screen.query_one("#device").value = "cpu"
+    await click(pilot, "#next")
+    assert screen.step == 2
+
+
+async def _wizard_calibration_fails_then_is_cancelled(path, outcome: dict):
+    import threading
+    import time
+
+    runs = iter(("fails", "loops", "loops"))
+    outcome["ended"] = threading.Event()
+
+    def calibrate(model_dir, drafter, quick, progress, **kw):  # stands in for app/calibrate.py: calibrate
+        if next(runs) == "fails":
+            raise RuntimeError("measuring went wrong\nsecond line")
+        try:
+            for i in range(10_000):  # 100 s unless the progress callback stops it
+                progress(f"step {i}", i / 10_000)
+                time.sleep(0.01)
+        except Exception as err:
+            outcome.setdefault("raised", []).append(err)
+            raise
+        finally:
+            outcome["ended"].set()
+        raise AssertionError("the calibration was never stopped")
+
+    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=calibrate))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        await _to_calibration(pilot, screen)  # the first run fails
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if not screen.busy:
+                break
+        outcome["failed"] = str(screen.query_one("#cal-error").content)
+        assert not screen.query_one("#run").disabled  # Run calibration tries again
+        await click(pilot, "#run")  # the second loops until cancelled
+        await pilot.pause(0.3)
+        assert screen.busy and screen.query_one("#progress").progress > 0
+        await pilot.press("escape")  # cancels the calibration, not the wizard
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if not screen.busy:
+                break
+        outcome["cancelled"] = str(screen.query_one("#cal-error").content)
+        outcome["still_open"] = app.screen is screen and app.result == "not dismissed"
+        outcome["ended_on_cancel"] = outcome["ended"].is_set()
+        outcome["ended"].clear()
+        await click(pilot, "#run")  # the third is running when the app quits
+        await pilot.pause(0.3)
+        assert screen.busy
+
+
+def test_wizard_calibration_fails_in_one_line_and_cancels_on_escape_and_quit(tmp_path):
+    """A failed calibration is one line and can be run again; Escape during a calibration stops it (the wizard stays
+    open, nothing saved); quitting the app mid-calibration stops it too, so the process does not wait on it."""
+    from moechat.engine import Cancelled
+
+    outcome: dict = {}
+    asyncio.run(_wizard_calibration_fails_then_is_cancelled(tmp_path / "settings.toml", outcome))
+    assert outcome["failed"] == "calibration failed (RuntimeError: measuring went wrong"
+    assert outcome["cancelled"].startswith("calibration cancelled: nothing was saved") and outcome["still_open"]
+    assert outcome["ended_on_cancel"]
+    assert outcome["ended"].wait(10), "quitting the app left the calibration running"
+    assert [type(e) for e in outcome["raised"]] == [Cancelled, Cancelled]
+    assert not (tmp_path / "settings.toml").exists()
+
+
 def test_context_len_setting_reaches_the_engine_config():
     from moechat.app.cli import build_parser, engine_config
     from moechat.app.settings import settings_path

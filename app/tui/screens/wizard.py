@@ -5,9 +5,11 @@ directory (config.json present, architecture supported: the engine's own checks)
 with `moechat pull`'s code. Device and dtype start at `auto` (what it picks on this machine is
 shown); budgets are prefilled from the probe. Calibration runs on a thread
 worker with its progress posted as `CalibrationProgress`, and its decisions are shown with their
-reasons. Finish saves the model, device, dtype and budgets to the settings file (comments kept) and dismisses with
-the model directory; Cancel dismisses with None. A remote backend (an OpenAI-compatible server's URL) is checked by
-listing its models, skips the budgets and calibration, and is saved as `backend` (dismissing with its URL).
+reasons. Cancel (or quitting the app) during a calibration stops it at its next progress step: the worker's
+progress callback raises `Cancelled`, the measuring engine is closed and nothing is saved. Finish saves the model,
+device, dtype and budgets to the settings file (comments kept) and dismisses with the model directory; Cancel
+otherwise dismisses with None. A remote backend (an OpenAI-compatible server's URL) is checked by listing its models,
+skips the budgets and calibration, and is saved as `backend` (dismissing with its URL).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from textual.widgets import (
 from ...demo import DEMO_DRAFT, DEMO_MODEL
 from ...options import OPTION
 from ...settings import load_settings, save_settings
-from ..messages import CalibrationDone, CalibrationProgress
+from ..messages import CalibrationDone, CalibrationFailed, CalibrationProgress
 from .settings import FieldValidator, field_error, parse_field
 
 GIB = 2**30
@@ -124,6 +126,7 @@ class WizardScreen(Screen):
         self.backend: str | None = None  # a remote backend's URL, when that is what was chosen
         self.backend_model = ""
         self.busy = False
+        self._calibration = None  # the calibration's worker while one runs
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -373,15 +376,23 @@ class WizardScreen(Screen):
         vram, ram = (self._budget(name) for name in BUDGETS)
         settings = load_settings(self.path)[0]  # a format and context the user fixed are calibrated with, as the budgets
         where = {**self._placement(), "context_len": settings.context_len}  # measured on the device and dtype that will run
-        self.run_worker(lambda: self._calibrate(quick, vram, ram, settings.quant, where), thread=True, group="calibrate")
+        self._calibration = self.run_worker(lambda: self._calibrate(quick, vram, ram, settings.quant, where), thread=True,
+                                            group="calibrate")
 
     def _calibrate(self, quick: bool, vram: float | None, ram: float | None, quant: str | None = None,
                    where: dict[str, str] | None = None) -> None:
-        calibrate = self._calibrate_fn
+        """The worker thread: messages only (a screen or app that has gone drops them; call_from_thread would block)."""
+        from textual.worker import get_current_worker
+
+        from ....engine import Cancelled, MoechatError
+
+        calibrate, worker = self._calibrate_fn, get_current_worker()
         if calibrate is None:
             from ...calibrate import calibrate
 
         def progress(label: str, fraction: float) -> None:
+            if worker.is_cancelled:  # Cancel, or the app quitting: unwind (measure closes its engine), save nothing
+                raise Cancelled("calibration cancelled: nothing was saved; Run calibration measures again")
             self.post_message(CalibrationProgress(fraction, label))  # thread-safe
 
         try:
@@ -389,10 +400,8 @@ class WizardScreen(Screen):
                                       vram_budget=None if vram is None else int(vram * GIB),
                                       ram_budget=None if ram is None else int(ram * GIB), quant=quant, **(where or {}))
         except Exception as err:  # BudgetError and friends are one line already; anything else made one
-            from ....engine import MoechatError
-
             message = str(err) if isinstance(err, MoechatError) else f"calibration failed ({type(err).__name__}: {err})"
-            self.app.call_from_thread(self._calibration_failed, message.splitlines()[0])
+            self.post_message(CalibrationFailed(message.splitlines()[0]))
             return
         self.post_message(CalibrationDone(decision_rows(profile.decisions), str(path)))
 
@@ -403,7 +412,7 @@ class WizardScreen(Screen):
 
     def on_calibration_done(self, message: CalibrationDone) -> None:
         message.stop()  # as above: a bubbled copy would come back here from the app, again and again
-        self.busy = False
+        self.busy, self._calibration = False, None
         self.decisions, self.profile_path = message.decisions, message.profile_path
         self.query_one("#run", Button).disabled = False
         self.query_one("#progress", ProgressBar).update(progress=1.0)
@@ -412,10 +421,11 @@ class WizardScreen(Screen):
         for label, (value, why) in message.decisions.items():
             table.add_row(label, value, why)
 
-    def _calibration_failed(self, message: str) -> None:
-        self.busy = False
+    def on_calibration_failed(self, message: CalibrationFailed) -> None:
+        message.stop()
+        self.busy, self._calibration = False, None
         self.query_one("#run", Button).disabled = False
-        self.query_one("#cal-error", Label).update(message)
+        self.query_one("#cal-error", Label).update(message.message)
 
     def _show_summary(self) -> None:
         if self.backend:
@@ -433,8 +443,12 @@ class WizardScreen(Screen):
         self.query_one("#summary", Static).update("\n".join(lines))
 
     def action_cancel(self) -> None:
-        if self.busy:
-            self.notify("wait for the model check or calibration to finish", severity="warning")
+        """A calibration in progress is cancelled (the wizard stays); otherwise the wizard closes."""
+        if self._calibration is not None and self._calibration.is_running:
+            self._calibration.cancel()  # the worker stops at its next progress step and posts CalibrationFailed
+            self.query_one("#cal-step", Label).update("cancelling the calibration…")
+        elif self.busy:
+            self.notify("wait for the model check to finish", severity="warning")
         else:
             self.dismiss(None)
 
