@@ -83,7 +83,7 @@ def cmd_bench_generate(args) -> int:
     bound = _non_expert_bound(engine, med, decode) if args.by_part and args.draft == "none" else None
     result = {
         "model": args.model, "device": args.device, "dtype": args.dtype, "drafter": args.draft, "draft_len": args.draft_len,
-        "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.config.expert_cache_ratio,
+        "policy": args.policy, "expert_budget": args.expert_budget, "expert_cache_ratio": engine.model.expert_cache_ratio,
         "quant": engine.model.store.quant, "decode_path": engine.model.decode_path(),
         "prompt_tokens": len(ids),
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),

@@ -78,6 +78,11 @@ class LoadedModel:
         return self.runtime.cache
 
     @property
+    def expert_cache_ratio(self) -> float:
+        """The share of routed experts the fast tier holds as loaded: a ceiling ratio may have shrunk to the free VRAM."""
+        return self.cache.capacity / max(1, self.cache.slot_of.numel())
+
+    @property
     def notices(self) -> list[str]:
         """One line each for the user: native kernels unavailable, a quantized cache rebuilt."""
         return [n for n in (self.load_notice, self.runtime.native_notice, *self.store.notices) if n]

@@ -58,7 +58,7 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     """--by-part: decode ms per token by part, which add up to the total; quantized weights skip the HF run."""
     model = str(checkpoint("qwen3_moe"))
     argv = ["bench", "generate", "--model", model, "--quant", "int4", "--max-new-tokens", "6", "--repeats", "1", "--by-part",
-            "--json"]
+            "--expert-cache-ratio", "0.3", "--json"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     parts = out["profile_ms_per_token"]
@@ -71,6 +71,7 @@ def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     assert set(prefill) == set(parts) and prefill["experts"] > 0 and prefill["dense"] > 0 and prefill["attention"] > 0
     assert sum(v for k, v in prefill.items() if k != "total") == pytest.approx(prefill["total"], abs=1e-3)
     assert out["quant"] == "int4" and "hf" not in out
+    assert out["expert_cache_ratio"] == 5 / 16  # as loaded: 5 of the 16 routed experts, not the 0.3 asked for
     bound = out["non_expert"]  # no drafter: the time outside the experts against reading the dense weights
     assert bound["weights_mb_per_token"] > 0 and bound["read_gbps"] > 0 and bound["ms_per_token"] > 0
     assert bound["ratio"] == pytest.approx(bound["ms_per_token"] / bound["read_ms_per_token"])
