@@ -19,3 +19,7 @@ class RequestError(MoechatError):
 
 class Cancelled(MoechatError):
     """Work the user stopped before it finished (a calibration): nothing of it was saved."""
+
+
+class NumericsError(MoechatError):
+    """The model computed a NaN or infinite logit (float16 overflowing, or corrupt weights)."""

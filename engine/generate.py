@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import EngineConfig, SamplingParams, prefill_passes
-from .errors import MoechatError, RequestError
+from .errors import MoechatError, NumericsError, RequestError
 from .events import Error, Event, Finished, LoadProgress, PrefillProgress, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
@@ -146,6 +146,8 @@ class Engine:
         kept.tokens, kept.prompt_len = None, len(prompt)  # tokens None while a pass writes the caches
         try:
             yield from self._run(prompt, kept, reused, params, generator, trace, max_new, t_start)
+        except NumericsError as err:  # the step that found it kept nothing: the next request starts clean
+            raise NumericsError(f"{err}: {_numerics_advice(m.dtype)}") from None
         finally:  # stopped, or closed at a yield (Esc, Ctrl-C, a client gone): keep what is consistent
             self._keep(kept)
 
@@ -270,6 +272,13 @@ class Engine:
         if detok.stopped:
             return "stop"
         return None
+
+
+def _numerics_advice(dtype: torch.dtype) -> str:
+    """What to do about a NaN or infinite logit, by the dtype that computed it."""
+    if dtype == torch.float16:  # GPUs before compute capability 8.0 have no bfloat16: auto picks float16 there
+        return "float16 overflowed on this model; set dtype to float32 (--dtype float32), or bfloat16 on a GPU that has it"
+    return "the weights hold NaN or infinite values; re-download the model"
 
 
 class _Detokenizer:

@@ -8,9 +8,12 @@ trims both KV caches to the accepted length.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import SamplingParams
+from ..errors import NumericsError
 from .sampling import probs_from_logits, sample
 
 
@@ -46,7 +49,12 @@ def accept_sampling(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, 
 
 def accept(drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator) -> tuple[int, int]:
-    """drafts [n], q [n, V] or None (greedy drafts), target logits [n+1, V] -> (a, t)."""
+    """drafts [n], q [n, V] or None (greedy drafts), target logits [n+1, V] -> (a, t).
+    Raises NumericsError where a position's logits hold a NaN or an infinity: its token would be garbage."""
+    top, index = logits.max(-1)  # [n+1] each; a NaN anywhere in a row is its max (max propagates NaN)
+    top_and_index = torch.stack((top.double(), index.double())).tolist()  # one device sync for both; ids < 2^53
+    if not all(math.isfinite(v) for v in top_and_index[0]):
+        raise NumericsError("the model computed a NaN or infinite logit")
     if params.greedy:
-        return accept_greedy(drafts, logits.argmax(-1).tolist())
+        return accept_greedy(drafts, [int(i) for i in top_and_index[1]])
     return accept_sampling(drafts, q, probs_from_logits(logits, params).cpu(), generator)

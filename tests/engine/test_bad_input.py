@@ -134,6 +134,31 @@ def test_prompt_over_context_keeps_engine_usable(checkpoint, tokenizer):
     assert len(fin.token_ids) == 16 - 3 and fin.summary.finish_reason == "length"  # stops at the context
 
 
+@pytest.mark.parametrize("dtype, advice", [("float16", "float16 overflowed on this model; set dtype to float32"),
+                                           ("float32", "the weights hold NaN or infinite values; re-download")])
+def test_a_nan_logit_ends_the_reply_in_one_line_and_the_engine_recovers(checkpoint, dtype, advice):
+    """float16 overflows on some models (GPUs without bfloat16 run it): a NaN logit would otherwise pick token ids
+    at random, greedy included. The reply ends with what to do, nothing of it is kept, the next one runs."""
+    import torch
+
+    engine = load(checkpoint("qwen3_moe"), dtype=dtype, spec=SpecConfig("self", 2), expert_cache_ratio=0.5)
+    head = engine.model.hf.lm_head.weight
+    good = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=6)))[-1]
+    kept = len(engine.conversations)
+    row = head[9].clone()
+    for params in (SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=0.8, seed=1)):
+        with torch.no_grad():
+            head[9] = float("nan")  # in place: every forward path reads this storage
+        events = list(engine.generate(Request(token_ids=[5, 6, 7]), params))
+        assert isinstance(events[-1], Error) and not any(isinstance(e, Finished) for e in events)
+        assert one_line(Exception(events[-1].message)).startswith(f"the model computed a NaN or infinite logit: {advice}")
+        assert len(engine.conversations) == kept  # the failed reply's cache was not kept
+        with torch.no_grad():
+            head[9] = row
+    again = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=6)))[-1]
+    assert isinstance(again, Finished) and again.token_ids == good.token_ids
+
+
 def test_bad_token_ids(checkpoint):
     engine = load(checkpoint("olmoe"))
     events = list(engine.generate(Request(token_ids=[1, 99999])))
