@@ -55,7 +55,8 @@ def _progress(name: str, frac: float) -> None:
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
               vram_budget: int | None = None, ram_budget: int | None = None, quant: str | None = None,
               device: str | None = None, dtype: str | None = None, context_len: int | None = None):
-    """Probe, estimate, measure, decide, save: (Profile, path). Budgets (bytes, None: what is free), the context
+    """Probe, estimate, measure, decide (where that picks the self drafter: time it with the decided share of experts on
+    the GPU, decide again), save: (Profile, path). Budgets (bytes, None: what is free), the context
     length (None: the model's; the KV cache VRAM reserves) and the experts' format (None: decided) go to `decide`.
     Timed on the device and dtype a run will use (`device`/`dtype` as the settings give them, None or `auto` resolved
     as engine_config resolves them)."""
@@ -66,6 +67,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
         experts_format,
         fingerprint,
         measure,
+        measure_self_draft,
         model_key,
         probe,
         resolve_placement,
@@ -86,13 +88,22 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     fmt = experts_format(hw, est, ram_budget, quant)
     if fmt != (quant or "none"):  # the decided format can change the dtype `auto` picks (placement.py): measure that one
         placement, est = placed(fmt)
-    meas = measure(model_dir, hw, eval_prompts(3 if quick else 8), drafter, quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN,
-                   device=placement.device, dtype=placement.dtype, quant=fmt, context_len=context_len,
-                   progress=lambda name, frac: progress(name, 0.05 + 0.9 * frac))
-    progress("deciding", 0.95)
+    where = dict(quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN, device=placement.device, dtype=placement.dtype, quant=fmt,
+                 context_len=context_len)
+    prompts = eval_prompts(3 if quick else 8)
+    meas = measure(model_dir, hw, prompts, drafter, progress=lambda name, frac: progress(name, 0.05 + 0.7 * frac), **where)
+    progress("deciding", 0.75)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
     now = _free_vram_now(hw, placement.device) if device in (None, "auto") else hw  # a GPU set by hand: NVML's figure
     decisions = decide(now, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
+    if decisions.drafter == "self":  # it drafts with the experts on the GPU: timed with the share just decided there
+        drafted = measure_self_draft(model_dir, hw, prompts, decisions.expert_cache_ratio, **where,
+                                     progress=lambda name, frac: progress(f"self drafter: {name}", 0.77 + 0.2 * frac))
+        meas = dataclasses.replace(meas, draft_s_per_token=drafted.draft_s_per_token, acceptance=drafted.acceptance,
+                                   verify_s=drafted.verify_s, verify_ratio=drafted.verify_ratio)
+        progress("deciding with the self drafter's figures", 0.97)
+        now = _free_vram_now(hw, placement.device) if device in (None, "auto") else hw
+        decisions = decide(now, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
     progress("profile saved", 1.0)

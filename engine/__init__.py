@@ -26,7 +26,7 @@ _MODULES = {  # submodule -> the public names it provides
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
     "calibration.profile": ("Profile", "load_profile", "measurements_from",
                              "model_key", "profile_path", "profiles_dir", "save_profile"),
-    "calibration.measure": ("bandwidths", "best_cuda_seconds", "measure", "ram_copy_bandwidth"),
+    "calibration.measure": ("bandwidths", "best_cuda_seconds", "measure", "measure_self_draft", "ram_copy_bandwidth"),
     "calibration.decide": ("cpu_decode_seconds", "decide", "experts_format", "unit_costs"),
     "calibration.known_models": ("KNOWN_MODELS", "known_name"),
     # benchmarks: engine variants on one loaded model, and the kernels on their own

@@ -122,7 +122,7 @@ def tokens_per_second(est: MemoryEstimate, meas: Measurements, hot: float) -> di
         return {}
     alpha = min(max(alpha, 0.0), 0.99)
     layers = est.num_experts_total // est.experts_per_layer if est.experts_per_layer else 0
-    ref = layer_seconds(meas.max_tokens, est, meas, 0.0)  # as measured: calibration's engine runs every expert on the CPU
+    ref = layer_seconds(meas.max_tokens, est, meas, meas.verify_ratio)  # as measured: that share of experts on the GPU
     # The measured pass = a fixed part (attention, dense, norms, launches) + routed experts; only the latter grows with γ.
     fixed = max(0.0, t_v - layers * ref) if ref is not None else t_v
     # MoE-SpAc Eq. 10: the draft phase is a free I/O window; with lookahead it moves cold experts the

@@ -200,17 +200,24 @@ def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
 
 
 def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int, quant: str,
-            context_len: int | None = None, progress=None):
-    """The engine to time, with no fast tier: from RAM, or from the mmap'd files (the engine's own disk
-    tier) when the expert store is too big for half the free RAM (quantized experts are mapped from their cache file)."""
+            context_len: int | None = None, progress=None, ratio: float = 0.0):
+    """The engine to time, with `ratio` of the experts on the fast tier (a ceiling: what the free VRAM holds) and the rest
+    from RAM, or from the mmap'd files (the engine's own disk tier) when the expert store is too big for half the free RAM
+    (quantized experts are mapped from their cache file)."""
     from ..config import EngineConfig
     from ..generate import Engine
 
     ram_budget = 0 if quant == "none" and _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes \
         else None
-    return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=0.0, quant=quant,
-                               host_ram_budget_bytes=ram_budget, context_len=context_len,
+    return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=ratio,
+                               fit_expert_cache=True, quant=quant, host_ram_budget_bytes=ram_budget, context_len=context_len,
                                spec=SpecConfig(drafter=drafter, draft_len=draft_len)), progress)
+
+
+def _where(hw: Hardware, device: str | None, dtype: str | None) -> tuple[str, str]:
+    """(device, dtype) defaults: cuda + bfloat16 where `hw` has a GPU that CUDA can use, else cpu + float32."""
+    device = device or ("cuda" if hw.gpus and torch.cuda.is_available() else "cpu")
+    return device, dtype or ("bfloat16" if device.startswith("cuda") else "float32")
 
 
 def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report: Progress) -> None:
@@ -277,9 +284,8 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
     cuda + bfloat16 where `hw` has a GPU that CUDA can use, else cpu + float32; the app passes what `auto` resolves to
     (engine/placement.py)."""
     report = progress or (lambda name, frac: None)
-    device = device or ("cuda" if hw.gpus and torch.cuda.is_available() else "cpu")
+    device, dtype = _where(hw, device, dtype)
     cuda = device.startswith("cuda")
-    dtype = dtype or ("bfloat16" if cuda else "float32")
     model_path = Path(model_dir).expanduser().resolve()
     repeats = 10 if quick else 30  # a per-expert call takes microseconds on small models: many repeats are cheap
     m = Measurements(expert_bytes=0, max_tokens=draft_len + 1)
@@ -294,10 +300,33 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         m.expert_bytes = engine.model.store.expert_bytes
         _time_experts(engine, m, cuda, repeats, report)
         # generation gives the draft's figures only: nothing to time without a drafter, nor with the self drafter, which
-        # drafts with the resident experts and this engine has none (it would skip every routed expert: acceptance ~0)
+        # drafts with the resident experts and this engine has none (measure_self_draft times it at the decided share)
         if drafter not in ("none", "self"):
             _time_generation(engine, m, prompts, 12 if quick else 48, report)
     finally:  # the chat's model loads next: its budget check must see this one's VRAM and pinned RAM given back
+        engine.close()
+        del engine
+        release_cached_memory()
+    report("measured", 1.0)
+    return m
+
+
+def measure_self_draft(model_dir, hw: Hardware, prompts: list[str], ratio: float, quick: bool = False,
+                       draft_len: int = SpecConfig.draft_len, progress: Progress | None = None, device: str | None = None,
+                       dtype: str | None = None, quant: str = "none", context_len: int | None = None) -> Measurements:
+    """The self drafter's figures (draft time per token, acceptance, verification time) on an engine whose fast tier
+    holds `ratio` of the experts, as the chat will: it drafts with the resident experts only, so its acceptance is
+    only known where they are. -> Measurements with those figures and verify_ratio, the share that loaded."""
+    report = progress or (lambda name, frac: None)
+    device, dtype = _where(hw, device, dtype)
+    report("loading the model with its fast tier", 0.0)
+    engine = _engine(Path(model_dir).expanduser().resolve(), hw, device, dtype, "self", draft_len, quant, context_len,
+                     lambda what, done, total: report(f"loading the model: {what}", 0.5 * done / max(total, 1)), ratio)
+    try:
+        m = Measurements(expert_bytes=engine.model.store.expert_bytes, max_tokens=draft_len + 1,
+                         verify_ratio=engine.model.expert_cache_ratio)
+        _time_generation(engine, m, prompts, 12 if quick else 48, report)
+    finally:
         engine.close()
         del engine
         release_cached_memory()

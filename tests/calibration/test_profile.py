@@ -270,6 +270,50 @@ def test_calibrate_quick_then_generate_uses_the_profile(capsys):
     assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4 and gen["quant"] == "none"
 
 
+def test_the_self_drafter_is_timed_with_the_experts_it_drafts_with(checkpoint, monkeypatch):
+    """measure()'s engine holds no expert on the fast tier, where the self drafter drafts: calibration times it again on
+    an engine with the share it just decided, and decides with those figures (here a GPU machine whose fast tier is
+    emulated on the CPU)."""
+    import moechat.engine as engine_api
+    from moechat.app.calibrate import calibrate
+    from moechat.engine.calibration import measure as measuring
+
+    gpu_machine = replace(hardware(), ram_total_bytes=64 << 30, ram_available_bytes=48 << 30)
+    monkeypatch.setattr(engine_api, "probe", lambda: gpu_machine)
+    timed = []
+    real = measuring.measure_self_draft
+    monkeypatch.setattr(engine_api, "measure_self_draft", lambda *a, **kw: timed.append((a, kw)) or real(*a, **kw))
+    seen = []
+    profile, _ = calibrate(str(checkpoint("qwen3_moe", max_position_embeddings=4096)), "none", True,
+                           progress=lambda name, frac: seen.append((name, frac)), device="cpu", dtype="float32")
+    (args, kw), = timed
+    d, m = profile.decisions, profile.measurements
+    assert args[3] == d.expert_cache_ratio > 0 and kw["device"] == "cpu"  # at the ratio decided, where it will run
+    assert m.acceptance is not None and m.draft_s_per_token > 0 and m.verify_ratio == d.expert_cache_ratio
+    if d.drafter == "self":  # kept only where the measured figures predict a gain, with the γ they favour
+        assert "maximises" in d.reasons["draft_len"]
+    else:
+        assert d.drafter == "none" and d.reasons["drafter"].startswith("none: drafting is predicted")
+    fractions = [f for _, f in seen]
+    assert fractions == sorted(fractions) and any(name.startswith("self drafter: drafting") for name, _ in seen)
+
+
+def test_verification_timed_with_experts_on_the_gpu_leaves_a_larger_fixed_part():
+    """The fixed part of a verification (attention, dense, launches) is what the measured time leaves after the routed
+    experts of the share measured with: timed with half of them on a fast GPU, less of it was expert work, so the
+    same time predicts slower steps than if every expert had run on the CPU."""
+    from moechat.engine.calibration.decide import tokens_per_second
+    from moechat.engine.calibration.known_models import KNOWN_MODELS
+    from moechat.engine.model.memory_estimate import estimate
+
+    est = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16", 8192)
+    base = Measurements(expert_bytes=est.expert_bytes, h2d_pinned_bytes_s=24e9, cpu_s_per_expert=[2e-4 * t for t in range(1, 10)],
+                        device_s_per_expert=[2e-5] * 9, draft_s_per_token=0.01, verify_s=1.0, acceptance=0.6, max_tokens=9)
+    on_cpu = tokens_per_second(est, base, 0.5)
+    half_on_gpu = tokens_per_second(est, replace(base, verify_ratio=0.5), 0.5)
+    assert set(on_cpu) == set(half_on_gpu) and all(half_on_gpu[g] < on_cpu[g] for g in on_cpu)
+
+
 def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     """The settings' RAM budget bounds the expert store (below the experts' size: the mmap tier); the
     VRAM budget caps what the loader may use on the GPU, below the free VRAM, before any weight loads."""
