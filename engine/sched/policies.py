@@ -32,8 +32,9 @@ class Policy:
     @property
     def layer_hooks(self) -> bool:
         """Whether before_layer/after_layer do anything now; the runtime asks once per forward pass
-        and, when not, calls neither (they run per MoE layer per pass, drafts included)."""
-        return True
+        and, when not, calls neither (they run per MoE layer per pass, drafts included). With no fast tier there is
+        nothing to hold or load: never, which lets a CPU-only machine's decode skip the tier split (MoERuntime.direct)."""
+        return self.cache.capacity > 0
 
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
         """Called before a layer computes, with its counts: the experts it is about to use (in use until after_layer)."""

@@ -184,6 +184,22 @@ def test_small_split_on_lists_equals_the_tensor_split(checkpoint, monkeypatch):
 
 
 @pytest.mark.native
+@pytest.mark.parametrize("policy", ["spac", "lru", "lfu", "static", "specmoe", "eam", "spmoe"])
+def test_every_policy_takes_the_direct_cpu_path_when_no_expert_is_resident(policy, checkpoint):
+    """With no fast tier no policy has anything to hold or load per layer, so none keeps a CPU-only decode off the
+    direct path and the one-call layer stack. A calibration profile on a CPU-only machine chooses lru ("moot"): that
+    decoded the demo at a fifth of the speed."""
+    from moechat.engine.experts import cpu_ffn
+
+    if cpu_ffn.library() is None:
+        pytest.skip(cpu_ffn.notice())
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), expert_cache_ratio=0.0, spec=SpecConfig("none"),
+                                 scheduler=SchedulerConfig(policy=policy)))
+    assert not engine.model.runtime.policy.layer_hooks and engine.model.runtime.direct
+    assert engine.model.decode_path() == "lean, the layer stack in one native call"
+
+
+@pytest.mark.native
 @pytest.mark.parametrize("quant,dtype", [("none", "float32"), ("none", "bfloat16"), ("int8", "float32"), ("int4", "float32"),
                                          ("int4", "bfloat16")])
 def test_direct_cpu_layer_equals_the_tiered_path(quant, dtype, checkpoint):
