@@ -96,6 +96,24 @@ def test_a_set_dtype_wins_and_cpu_skips_the_probe():
     assert (p.device, p.dtype, p.device_why, p.dtype_why) == ("cpu", "float16", "set", "set")
 
 
+@pytest.mark.parametrize("dtype,checkpoint,quant,fp32_bytes,native,says", [
+    ("bfloat16", "bfloat16", "none", BIG, True, "bf16 weights kept, float32 activations"),  # 0.58x auto's decode here
+    ("bfloat16", "bfloat16", "none", GIB // 4, False, "a small model"),  # the demo: 15x slower in bfloat16
+    ("bfloat16", "bfloat16", "int4", BIG, True, "dense layers int4 too"),
+    ("float16", "bfloat16", "none", BIG, False, None),  # no native kernels: auto keeps half precision too
+    ("float32", "bfloat16", "none", BIG, True, None),
+])
+def test_half_precision_set_on_the_cpu_says_what_auto_would_pick(dtype, checkpoint, quant, fp32_bytes, native, says):
+    p = choose("auto", dtype, checkpoint, quant, NO_GPU, fp32_bytes, native=native)
+    assert (p.device, p.dtype, p.dtype_why) == ("cpu", dtype, "set")  # the user's choice runs
+    if says is None:
+        assert p.notice == ""
+    else:
+        assert p.notice.startswith(f"{dtype} as set runs PyTorch's slower ops on the CPU; dtype auto picks float32 here (")
+        assert says in p.notice and "\n" not in p.notice
+    assert choose("auto", dtype, checkpoint, quant, RTX_4090, fp32_bytes, native=native).notice == ""  # a GPU: no such cost
+
+
 def test_checkpoint_dtype_from_config():
     assert checkpoint_dtype({"dtype": "bfloat16"}) == "bfloat16"
     assert checkpoint_dtype({"torch_dtype": "float16"}) == "float16"
