@@ -213,7 +213,7 @@ class EngineBridge:
             self._send(EngineReady(engine.model, engine.summary, ""))
             return
         placement = config.placement.notice if config.placement else ""
-        self._send(EngineReady(name, self._summary(engine, name), "; ".join(n for n in (placement, *engine.model.notices) if n)))
+        self._send(EngineReady(name, self._summary(engine, name), "; ".join(n for n in (placement, *engine.notices) if n)))
 
     @staticmethod
     def _summary(engine, name: str) -> str:

@@ -157,7 +157,7 @@ def cmd_generate(args) -> int:
     from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
 
     engine = Engine(engine_config(args))
-    for notice in engine.model.notices:
+    for notice in engine.notices:
         print(f"note: {notice}", file=sys.stderr)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None

@@ -42,6 +42,11 @@ class Engine:
         budget = config.conversation_cache_bytes
         self.conversations = PrefixCache(default_budget() if budget is None else budget, self.model.device)
 
+    @property
+    def notices(self) -> list[str]:
+        """One line each for the user: the model's (native kernels, a rebuilt cache, a shrunk fast tier), the drafter's."""
+        return [*self.model.notices, *([n] if (n := getattr(self.drafter, "notice", "")) else [])]
+
     def stop(self) -> None:
         """Ask the running `generate` to finish after the current step (thread-safe)."""
         self._stop.set()

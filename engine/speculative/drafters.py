@@ -172,6 +172,10 @@ class SelfDraft:
         cache = target.cache
         if 0 < cache.capacity < cache.slot_of.numel():  # a remap will be needed: the table now, with the load's progress
             self.distances(progress)
+        # no resident expert: every draft skips the routed experts, and verification rejects nearly all of it
+        self.notice = "" if cache.capacity else (
+            "the self drafter drafts with the experts on the fast tier, which holds none: its drafts are rarely accepted "
+            "and slow decoding down; use --draft none, or give the fast tier experts (--expert-cache-ratio)")
 
     def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
         self.cache = target_cache  # drafts in the target's cache: nothing of its own to keep

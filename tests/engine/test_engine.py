@@ -180,6 +180,21 @@ def test_self_draft_substitutes_nearest_resident(checkpoint):
     assert torch.allclose(dist.double(), torch.cdist(flat, flat) ** 2, rtol=1e-4, atol=1e-6)
 
 
+def test_self_draft_with_no_resident_expert_says_so_in_one_line(checkpoint, capsys):
+    """Asked for on a CPU (no fast tier by default), the self drafter drafts without any routed expert: about nothing
+    is accepted (the demo decoded 10x slower). The engine says so at load; with resident experts it says nothing."""
+    from moechat.app.cli import main
+
+    path = str(checkpoint("qwen3_moe"))
+    empty = Engine(EngineConfig(model_dir=path, expert_cache_ratio=0.0, spec=SpecConfig("self", 2)))
+    (notice,) = empty.notices
+    assert notice.startswith("the self drafter drafts with the experts on the fast tier, which holds none")
+    assert "--draft none" in notice and "\n" not in notice
+    assert Engine(EngineConfig(model_dir=path, expert_cache_ratio=0.5, spec=SpecConfig("self", 2))).notices == []
+    assert main(["generate", "--model", path, "--draft", "self", "--prompt-ids", "5,6,7", "--max-new-tokens", "2"]) == 0
+    assert f"note: {notice}" in capsys.readouterr().err
+
+
 def test_self_draft_table_is_computed_at_load_with_progress(checkpoint, monkeypatch, tmp_path):
     """It reads every expert (57 GB for Qwen3-30B-A3B): at load, where the user sees progress, not inside the first
     reply's first draft; only where a remap can be needed (some experts resident, not all)."""
