@@ -37,7 +37,11 @@ class Engine:
         terminal's stderr where there is one."""
         self.config = config
         self.model: LoadedModel = load_model(config, progress)
-        self.drafter = make_drafter(config.spec, self.model, config.lean_decode, progress)
+        try:
+            self.drafter = make_drafter(config.spec, self.model, config.lean_decode, progress)
+        except BaseException:  # a draft that cannot load, or a progress callback that cancels: the model's threads end
+            self.model.runtime.close()
+            raise
         self._stop = threading.Event()
         budget = config.conversation_cache_bytes
         self.conversations = PrefixCache(default_budget() if budget is None else budget, self.model.device)

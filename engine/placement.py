@@ -98,7 +98,8 @@ def choose(device: str, dtype: str, checkpoint_dtype: str, quant: str, cuda: Cud
         if dev == "cpu" and dtype != "float32":  # half-precision compute on a CPU takes PyTorch's ops, not the native stack
             auto, why = _cpu_dtype(checkpoint_dtype, quant, fp32_bytes, native)
             if auto == "float32":
-                notice = notice or f"{dtype} as set runs PyTorch's slower ops on the CPU; dtype auto picks float32 here ({why})"
+                slower = f"{dtype} as set runs PyTorch's slower ops on the CPU; dtype auto picks float32 here ({why})"
+                notice = f"{notice}; {slower}" if notice else slower
         return Placement(dev, dtype, dev_why, "set", notice)
     dt, dt_why = _gpu_dtype(gpu, checkpoint_dtype) if gpu else _cpu_dtype(checkpoint_dtype, quant, fp32_bytes, native)
     return Placement(dev, dt, dev_why, dt_why, notice)
@@ -176,8 +177,9 @@ def resolve_placement(device: str | None, dtype: str | None, model_dir: str, qua
         cuda = CudaProbe() if device == "cpu" else probe_cuda()
     widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
     fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-    # where it decides (auto), or can say what auto would pick instead of half precision set for the CPU
-    native = dtype in ("auto", "bfloat16", "float16") and checkpoint == "bfloat16" and quant == "none" and _native_built()
+    # where it decides (auto), or says what auto would pick instead of a half precision set for the CPU
+    on_cpu = device == "cpu" or not cuda.gpus
+    native = (dtype == "auto" or on_cpu) and checkpoint == "bfloat16" and quant == "none" and _native_built()
     return choose(device, dtype, checkpoint, quant, cuda, fp32_bytes, native=native)
 
 

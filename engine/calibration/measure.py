@@ -13,6 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -260,14 +261,15 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
         report(label, 0.55 + 0.45 * i / len(prompts))
         request = Request(messages=[{"role": "user", "content": prompt}]) if chat else Request(prompt=prompt)
         done = 0
-        for ev in engine.generate(request, params):
-            if isinstance(ev, StepStats):
-                steps.append(ev)
-                done += ev.accepted + 1  # the accepted drafts and the target's own token
-                # every step: the bar moves, and a cancelling progress callback stops within one step
-                report(label, 0.55 + 0.45 * (i + min(done, max_new_tokens) / max_new_tokens) / len(prompts))
-            elif isinstance(ev, Error):
-                raise MoechatError(f"calibration could not generate with {engine.config.model_dir} ({ev.message})")
+        with closing(engine.generate(request, params)) as events:  # a raising report closes the request at once
+            for ev in events:
+                if isinstance(ev, StepStats):
+                    steps.append(ev)
+                    done += ev.accepted + 1  # the accepted drafts and the target's own token
+                    # every step: the bar moves, and a cancelling progress callback stops within one step
+                    report(label, 0.55 + 0.45 * (i + min(done, max_new_tokens) / max_new_tokens) / len(prompts))
+                elif isinstance(ev, Error):
+                    raise MoechatError(f"calibration could not generate with {engine.config.model_dir} ({ev.message})")
     drafted = sum(s.drafted for s in steps)
     if engine.drafter.name != "none" and drafted:  # without a drafter there is nothing to time or accept
         m.draft_s_per_token = sum(s.draft_s for s in steps) / drafted
@@ -294,9 +296,10 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
         m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
     report("loading the model", 0.1)
-    engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant, context_len,
-                     lambda what, done, total: report(f"loading the model: {what}", 0.1 + 0.1 * done / max(total, 1)))
+    engine = None
     try:
+        engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant, context_len,
+                         lambda what, done, total: report(f"loading the model: {what}", 0.1 + 0.1 * done / max(total, 1)))
         m.expert_bytes = engine.model.store.expert_bytes
         _time_experts(engine, m, cuda, repeats, report)
         # generation gives the draft's figures only: nothing to time without a drafter, nor with the self drafter, which
@@ -304,9 +307,10 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         if drafter not in ("none", "self"):
             _time_generation(engine, m, prompts, 12 if quick else 48, report)
     finally:  # the chat's model loads next: its budget check must see this one's VRAM and pinned RAM given back
-        engine.close()
+        if engine is not None:
+            engine.close()
         del engine
-        release_cached_memory()
+        release_cached_memory()  # an exception's traceback may still hold the engine: the caller releases again
     report("measured", 1.0)
     return m
 
@@ -320,14 +324,16 @@ def measure_self_draft(model_dir, hw: Hardware, prompts: list[str], ratio: float
     report = progress or (lambda name, frac: None)
     device, dtype = _where(hw, device, dtype)
     report("loading the model with its fast tier", 0.0)
-    engine = _engine(Path(model_dir).expanduser().resolve(), hw, device, dtype, "self", draft_len, quant, context_len,
-                     lambda what, done, total: report(f"loading the model: {what}", 0.5 * done / max(total, 1)), ratio)
+    engine = None
     try:
+        engine = _engine(Path(model_dir).expanduser().resolve(), hw, device, dtype, "self", draft_len, quant, context_len,
+                         lambda what, done, total: report(f"loading the model: {what}", 0.5 * done / max(total, 1)), ratio)
         m = Measurements(expert_bytes=engine.model.store.expert_bytes, max_tokens=draft_len + 1,
                          verify_ratio=engine.model.expert_cache_ratio)
         _time_generation(engine, m, prompts, 12 if quick else 48, report)
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
         del engine
         release_cached_memory()
     report("measured", 1.0)

@@ -16,6 +16,8 @@ from ..config import SamplingParams
 from ..errors import NumericsError
 from .sampling import probs_from_logits, sample
 
+NONFINITE = "the model computed a NaN or infinite logit"
+
 
 def accept_greedy(drafts: list[int], target_argmax: list[int]) -> tuple[int, int]:
     """drafts [n], target_argmax [n+1]: longest prefix where the draft equals the target's argmax."""
@@ -51,10 +53,13 @@ def accept(drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor, para
            generator: torch.Generator) -> tuple[int, int]:
     """drafts [n], q [n, V] or None (greedy drafts), target logits [n+1, V] -> (a, t).
     Raises NumericsError where a position's logits hold a NaN or an infinity: its token would be garbage."""
-    top, index = logits.max(-1)  # [n+1] each; a NaN anywhere in a row is its max (max propagates NaN)
-    top_and_index = torch.stack((top.double(), index.double())).tolist()  # one device sync for both; ids < 2^53
-    if not all(math.isfinite(v) for v in top_and_index[0]):
-        raise NumericsError("the model computed a NaN or infinite logit")
     if params.greedy:
+        top, index = logits.max(-1)  # [n+1] each; a NaN anywhere in a row is its max (max propagates NaN)
+        top_and_index = torch.stack((top.double(), index.double())).tolist()  # one device sync for both; ids < 2^53
+        if not all(math.isfinite(v) for v in top_and_index[0]):
+            raise NumericsError(NONFINITE)
         return accept_greedy(drafts, [int(i) for i in top_and_index[1]])
-    return accept_sampling(drafts, q, probs_from_logits(logits, params).cpu(), generator)
+    p = probs_from_logits(logits, params).cpu()  # [n+1, V]; a NaN or infinite logit makes its row's sum NaN
+    if not bool(torch.isfinite(p.sum(-1)).all()):
+        raise NumericsError(NONFINITE)
+    return accept_sampling(drafts, q, p, generator)

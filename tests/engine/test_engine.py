@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
 import torch
 
 from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
@@ -178,6 +179,27 @@ def test_self_draft_substitutes_nearest_resident(checkpoint):
     gate_up, down = engine.model.store.layer_tensors(0)
     flat = torch.cat([gate_up.reshape(8, -1), down.reshape(8, -1)], 1).double()
     assert torch.allclose(dist.double(), torch.cdist(flat, flat) ** 2, rtol=1e-4, atol=1e-6)
+
+
+def test_a_load_stopped_while_the_drafter_builds_closes_the_loaded_model(checkpoint, monkeypatch, tmp_path):
+    """The self drafter's expert table reports progress layer by layer (minutes on a large model): a progress callback
+    that raises there (the wizard's Cancel) must not leave the loaded model's threads running."""
+    from moechat.engine import Cancelled
+    from moechat.engine.experts.runtime import MoERuntime
+    from moechat.engine.speculative import drafters
+
+    monkeypatch.setattr(drafters, "_affinity_cache_path", lambda target: tmp_path / "none-yet" / "table.pt")
+    closed = []
+    close = MoERuntime.close
+    monkeypatch.setattr(MoERuntime, "close", lambda self: closed.append(self) or close(self))
+
+    def cancel(what, done, total):
+        raise Cancelled(f"cancelled at {what}")
+
+    with pytest.raises(Cancelled, match="expert similarities"):
+        Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), expert_cache_ratio=0.5, spec=SpecConfig("self", 2)),
+               cancel)
+    assert len(closed) == 1
 
 
 def test_self_draft_with_no_resident_expert_says_so_in_one_line(checkpoint, capsys):

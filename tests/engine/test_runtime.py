@@ -183,6 +183,19 @@ def test_small_split_on_lists_equals_the_tensor_split(checkpoint, monkeypatch):
     assert mixed  # both tiers were exercised
 
 
+@pytest.mark.parametrize("policy", ["spac", "lru", "lfu", "static", "specmoe", "eam", "spmoe"])
+def test_no_policy_asks_for_per_layer_hooks_without_a_fast_tier(policy):
+    """Before/after-layer hooks hold or load resident experts: with none possible they are skipped (and the CPU-only
+    decode may take the direct path); with a fast tier lru and spmoe keep them (spac only with a transfer thread)."""
+    from moechat.engine.experts.cache import SlotTable
+    from moechat.engine.sched.policies import make_policy
+
+    for slots, hooks in ((0, False), (4, policy in ("lru", "spmoe", "static", "lfu", "specmoe", "eam"))):
+        p = make_policy(SchedulerConfig(policy=policy))
+        p.bind(SlotTable(2, 8, slots, 1 << 10), top_k=2)
+        assert p.layer_hooks == hooks, (policy, slots)
+
+
 @pytest.mark.native
 @pytest.mark.parametrize("policy", ["spac", "lru", "lfu", "static", "specmoe", "eam", "spmoe"])
 def test_every_policy_takes_the_direct_cpu_path_when_no_expert_is_resident(policy, checkpoint):

@@ -389,11 +389,15 @@ class WizardScreen(Screen):
         calibrate, worker = self._calibrate_fn, get_current_worker()
         if calibrate is None:
             from ...calibrate import calibrate
+        done = 0.0
 
         def progress(label: str, fraction: float) -> None:
-            if worker.is_cancelled:  # Cancel, or the app quitting: unwind (measure closes its engine), save nothing
+            nonlocal done
+            # Cancel, or the app quitting: unwind (measure closes its engine) before the profile is saved (1.0 after it)
+            if worker.is_cancelled and fraction < 1.0:
                 raise Cancelled("calibration cancelled: nothing was saved; Run calibration measures again")
-            self.post_message(CalibrationProgress(fraction, label))  # thread-safe
+            done = max(done, min(1.0, fraction))  # a load's phases each count from 0: the bar never runs backwards
+            self.post_message(CalibrationProgress(done, label))  # thread-safe
 
         try:
             profile, path = calibrate(self.model_dir, self.drafter, quick, progress,
@@ -402,16 +406,20 @@ class WizardScreen(Screen):
         except Exception as err:  # BudgetError and friends are one line already; anything else made one
             message = str(err) if isinstance(err, MoechatError) else f"calibration failed ({type(err).__name__}: {err})"
             self.post_message(CalibrationFailed(message.splitlines()[0]))
-            return
-        self.post_message(CalibrationDone(decision_rows(profile.decisions), str(path)))
+        else:
+            self.post_message(CalibrationDone(decision_rows(profile.decisions), str(path)))
+        if self._calibrate_fn is None:  # the traceback let go of the measuring engine: its VRAM back before the chat's
+            from ....engine import release_cached_memory
+
+            release_cached_memory()
 
     def on_calibration_progress(self, message: CalibrationProgress) -> None:
-        message.stop()  # handled here: it must not bubble to the app, which forwards the engine's to the screen
+        message.stop()  # handled here: the wizard's own worker posted it
         self.query_one("#progress", ProgressBar).update(progress=message.fraction)
         self.query_one("#cal-step", Label).update(message.label)
 
     def on_calibration_done(self, message: CalibrationDone) -> None:
-        message.stop()  # as above: a bubbled copy would come back here from the app, again and again
+        message.stop()  # as above
         self.busy, self._calibration = False, None
         self.decisions, self.profile_path = message.decisions, message.profile_path
         self.query_one("#run", Button).disabled = False
@@ -444,7 +452,7 @@ class WizardScreen(Screen):
 
     def action_cancel(self) -> None:
         """A calibration in progress is cancelled (the wizard stays); otherwise the wizard closes."""
-        if self._calibration is not None and self._calibration.is_running:
+        if self._calibration is not None:  # until CalibrationDone or CalibrationFailed (a worker cancelled twice is fine)
             self._calibration.cancel()  # the worker stops at its next progress step and posts CalibrationFailed
             self.query_one("#cal-step", Label).update("cancelling the calibration…")
         elif self.busy:
