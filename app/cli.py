@@ -153,12 +153,18 @@ def sampling_params(args):
                           max_new_tokens=args.max_new_tokens, stop=args.stop)
 
 
+def print_notices(engine) -> None:
+    """The loaded engine's lines for the user (native kernels missing, a rebuilt cache, a shrunk fast tier, a drafter
+    with nothing to draft with), one per line on stderr: generate, chat and serve alike."""
+    for notice in engine.notices:
+        print(f"note: {notice}", file=sys.stderr)
+
+
 def cmd_generate(args) -> int:
     from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
 
     engine = Engine(engine_config(args))
-    for notice in engine.notices:
-        print(f"note: {notice}", file=sys.stderr)
+    print_notices(engine)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None
     finished = None

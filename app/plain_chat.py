@@ -19,11 +19,12 @@ def _open_engine(args):
         engine = RemoteEngine(remote)
         return engine, engine.summary, True
     from ..engine import Engine
-    from .cli import engine_config
+    from .cli import engine_config, print_notices
     from .models import model_name
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(engine_config(args))
+    print_notices(engine)
     drafter = (f"draft model {Path(args.draft).parent.name}/{Path(args.draft).name}" if engine.drafter.name == "model"
                else engine.drafter.name)
     return engine, f"{model_name(args.model)} on {engine.model.device}, drafter: {drafter}", False

@@ -57,7 +57,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> int:
-    from ..cli import engine_config
+    from ..cli import engine_config, print_notices
     from ..models import model_name
 
     key = args.api_key or os.environ.get(KEY_ENV) or None
@@ -71,6 +71,7 @@ def cmd_serve(args) -> int:
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(engine_config(args))
+    print_notices(engine)
     server = BackgroundServer(engine, model_name(args.model), key, args.queue_size, sock=sock)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"moechat: serving {server.model_id} at http://{host}:{sock.getsockname()[1]}/v1 "

@@ -1,6 +1,7 @@
 """Generation API: events, stopping, cancellation, chat, traces; the two tiers and their policies."""
 from __future__ import annotations
 
+import io
 import json
 import threading
 
@@ -202,10 +203,11 @@ def test_a_load_stopped_while_the_drafter_builds_closes_the_loaded_model(checkpo
     assert len(closed) == 1
 
 
-def test_self_draft_with_no_resident_expert_says_so_in_one_line(checkpoint, capsys):
+def test_self_draft_with_no_resident_expert_says_so_in_one_line(checkpoint, capsys, monkeypatch):
     """Asked for on a CPU (no fast tier by default), the self drafter drafts without any routed expert: about nothing
     is accepted (the demo decoded 10x slower). The engine says so at load; with resident experts it says nothing."""
     from moechat.app.cli import main
+    from moechat.app.server.command import BackgroundServer
 
     path = str(checkpoint("qwen3_moe"))
     empty = Engine(EngineConfig(model_dir=path, expert_cache_ratio=0.0, spec=SpecConfig("self", 2)))
@@ -214,6 +216,12 @@ def test_self_draft_with_no_resident_expert_says_so_in_one_line(checkpoint, caps
     assert "--draft none" in notice and "\n" not in notice
     assert Engine(EngineConfig(model_dir=path, expert_cache_ratio=0.5, spec=SpecConfig("self", 2))).notices == []
     assert main(["generate", "--model", path, "--draft", "self", "--prompt-ids", "5,6,7", "--max-new-tokens", "2"]) == 0
+    assert f"note: {notice}" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # the plain chat: loaded, then the end of input
+    assert main(["chat", "--plain", "--model", path, "--draft", "self"]) == 0
+    assert f"note: {notice}" in capsys.readouterr().err
+    monkeypatch.setattr(BackgroundServer, "run", lambda self: None)  # the server: loaded, not served
+    assert main(["serve", "--model", path, "--draft", "self", "--port", "0"]) == 0
     assert f"note: {notice}" in capsys.readouterr().err
 
 
