@@ -84,8 +84,12 @@ class LoadedModel:
 
     @property
     def notices(self) -> list[str]:
-        """One line each for the user: native kernels unavailable, a quantized cache rebuilt."""
-        return [n for n in (self.load_notice, self.runtime.native_notice, *self.store.notices) if n]
+        """One line each for the user: a fast tier shrunk or held in RAM, native kernels unavailable, a quantized cache
+        rebuilt."""
+        in_ram = "" if self.device.type != "cpu" or not self.cache.capacity else (
+            f"{self.cache.capacity} experts are cached on the CPU, where the cache is RAM too: the copies buy nothing and "
+            "keep decoding off the native layer stack; set the expert cache ratio to 0 on a machine without a GPU")
+        return [n for n in (self.load_notice, in_ram, self.runtime.native_notice, *self.store.notices) if n]
 
     def dense_bytes_per_token(self) -> int:
         """Bytes of non-expert weights one decode token reads, as stored (float, bf16 or quantized): every matrix of
