@@ -200,8 +200,12 @@ class EngineBridge:
                 self._send(EngineLoading(0.1, f"loading {name}"))
                 from ..engine import Engine  # torch and transformers load here, not at UI start
 
-                def progress(what: str, done: int, total: int) -> None:  # a first quantization: minutes, layer by layer
-                    self._send(EngineLoading(0.1 + 0.8 * done / max(total, 1), f"{name}: {what}, layer {done} of {total}"))
+                top = 0.1
+
+                def progress(what: str, done: int, total: int) -> None:  # minutes on a large model, layer by layer
+                    nonlocal top  # each phase (reading, quantizing, the self drafter's table) counts from 1: no going back
+                    top = max(top, 0.1 + 0.8 * done / max(total, 1))
+                    self._send(EngineLoading(top, f"{name}: {what}, layer {done} of {total}"))
 
                 engine = Engine(config, progress)
         except Exception:

@@ -215,6 +215,19 @@ def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: st
                                spec=SpecConfig(drafter=drafter, draft_len=draft_len)), progress)
 
 
+def _load_progress(report: Progress, lo: float, hi: float):
+    """A load's progress (each of its phases counts layers from 1: reading, quantizing, the self drafter's table) as
+    fractions from lo to hi that never run backwards."""
+    top = lo
+
+    def tell(what: str, done: int, total: int) -> None:
+        nonlocal top
+        top = max(top, lo + (hi - lo) * done / max(total, 1))
+        report(f"loading the model: {what}", top)
+
+    return tell
+
+
 def _where(hw: Hardware, device: str | None, dtype: str | None) -> tuple[str, str]:
     """(device, dtype) defaults: cuda + bfloat16 where `hw` has a GPU that CUDA can use, else cpu + float32."""
     device = device or ("cuda" if hw.gpus and torch.cuda.is_available() else "cpu")
@@ -298,8 +311,7 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
     report("loading the model", 0.1)
     engine = None
     try:
-        engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant, context_len,
-                         lambda what, done, total: report(f"loading the model: {what}", 0.1 + 0.1 * done / max(total, 1)))
+        engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant, context_len, _load_progress(report, 0.1, 0.2))
         m.expert_bytes = engine.model.store.expert_bytes
         _time_experts(engine, m, cuda, repeats, report)
         # generation gives the draft's figures only: nothing to time without a drafter, nor with the self drafter, which
@@ -327,7 +339,7 @@ def measure_self_draft(model_dir, hw: Hardware, prompts: list[str], ratio: float
     engine = None
     try:
         engine = _engine(Path(model_dir).expanduser().resolve(), hw, device, dtype, "self", draft_len, quant, context_len,
-                         lambda what, done, total: report(f"loading the model: {what}", 0.5 * done / max(total, 1)), ratio)
+                         _load_progress(report, 0.0, 0.5), ratio)
         m = Measurements(expert_bytes=engine.model.store.expert_bytes, max_tokens=draft_len + 1,
                          verify_ratio=engine.model.expert_cache_ratio)
         _time_generation(engine, m, prompts, 12 if quick else 48, report)

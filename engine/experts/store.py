@@ -67,8 +67,10 @@ class ExpertStore:
         if quant != "none":
             self._open_quantized(progress)
         elif not self.mmap:
-            for li in range(len(layers)):
+            for li in range(len(layers)):  # a large model's minutes: the bar moves, and a cancelling callback stops it
                 self._load_layer(li)
+                if progress is not None:
+                    progress("reading experts into RAM", li + 1, len(layers))
 
     def _open_quantized(self, progress: LoadProgress | None) -> None:
         """Experts from the quantized cache file (built on first use), used in place as mapped views: the
@@ -84,6 +86,8 @@ class ExpertStore:
             if self.pinned:
                 gate_up = self._host_matrix(2 * self.inter, self.hidden).copy_(gate_up)
                 down = self._host_matrix(self.hidden, self.inter).copy_(down)
+                if progress is not None:
+                    progress("copying experts into pinned RAM", li + 1, len(self.layers))
             self.gate_up.append(gate_up)
             self.down.append(down)
         if self.pinned:
