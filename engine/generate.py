@@ -49,7 +49,7 @@ class Engine:
     @property
     def notices(self) -> list[str]:
         """One line each for the user: the model's (native kernels, a rebuilt cache, a shrunk fast tier), the drafter's."""
-        return [*self.model.notices, *([n] if (n := getattr(self.drafter, "notice", "")) else [])]
+        return [n for n in (*self.model.notices, self.drafter.notice) if n]
 
     def stop(self) -> None:
         """Ask the running `generate` to finish after the current step (thread-safe)."""

@@ -39,6 +39,7 @@ class NoDraft:
     """Plain autoregressive decoding: every step verifies just the last committed token."""
 
     name = "none"
+    notice = ""  # a line for the user at load (SelfDraft's when it has nothing to draft with)
 
     def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
         pass
@@ -57,6 +58,7 @@ class DraftModel:
     (a qwen3 or llama draft: the whole stack in one native call), as the target's decode steps do."""
 
     name = "model"
+    notice = ""
 
     def __init__(self, path: str, target: LoadedModel, lean: bool = True):
         from transformers import AutoModelForCausalLM
@@ -175,7 +177,8 @@ class SelfDraft:
         # no resident expert: every draft skips the routed experts, and verification rejects nearly all of it
         self.notice = "" if cache.capacity else (
             "the self drafter drafts with the experts on the fast tier, which holds none: its drafts are rarely accepted "
-            "and slow decoding down; use --draft none, or give the fast tier experts (--expert-cache-ratio)")
+            "and slow decoding down; use --draft none" + (", or give the fast tier experts (--expert-cache-ratio)"
+                                                          if target.device.type == "cuda" else " on a machine without a GPU"))
 
     def start(self, prompt_ids: list[int], target_cache, draft_kv: KVCache | None = None) -> None:
         self.cache = target_cache  # drafts in the target's cache: nothing of its own to keep
