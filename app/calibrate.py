@@ -92,18 +92,20 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
                  context_len=context_len)
     prompts = eval_prompts(3 if quick else 8)
     meas = measure(model_dir, hw, prompts, drafter, progress=lambda name, frac: progress(name, 0.05 + 0.7 * frac), **where)
-    progress("deciding", 0.75)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
-    now = _free_vram_now(hw, placement.device) if device in (None, "auto") else hw  # a GPU set by hand: NVML's figure
-    decisions = decide(now, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
+
+    def decided(label: str, fraction: float):  # on the VRAM free now that the measuring engine is gone
+        progress(label, fraction)
+        now = _free_vram_now(hw, placement.device) if device in (None, "auto") else hw  # a GPU set by hand: NVML's figure
+        return decide(now, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
+
+    decisions = decided("deciding", 0.75)
     if decisions.drafter == "self":  # it drafts with the experts on the GPU: timed with the share just decided there
         drafted = measure_self_draft(model_dir, hw, prompts, decisions.expert_cache_ratio, **where,
                                      progress=lambda name, frac: progress(f"self drafter: {name}", 0.77 + 0.2 * frac))
         meas = dataclasses.replace(meas, draft_s_per_token=drafted.draft_s_per_token, acceptance=drafted.acceptance,
                                    verify_s=drafted.verify_s, verify_ratio=drafted.verify_ratio)
-        progress("deciding with the self drafter's figures", 0.97)
-        now = _free_vram_now(hw, placement.device) if device in (None, "auto") else hw
-        decisions = decide(now, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
+        decisions = decided("deciding with the self drafter's figures", 0.97)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
     progress("profile saved", 1.0)

@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import torch
@@ -200,19 +200,30 @@ def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     return per_expert * fam.num_experts(cfg) * len(fam.sparse_layers(cfg))
 
 
+@contextmanager
 def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: str, draft_len: int, quant: str,
             context_len: int | None = None, progress=None, ratio: float = 0.0):
     """The engine to time, with `ratio` of the experts on the fast tier (a ceiling: what the free VRAM holds) and the rest
     from RAM, or from the mmap'd files (the engine's own disk tier) when the expert store is too big for half the free RAM
-    (quantized experts are mapped from their cache file)."""
+    (quantized experts are mapped from their cache file). Closed and its memory given back on the way out, also when
+    measuring fails or is cancelled: the chat's model loads next, and its budget check must see this one's VRAM and
+    pinned RAM free (an exception's traceback may still hold the engine: the caller releases again)."""
     from ..config import EngineConfig
     from ..generate import Engine
 
     ram_budget = 0 if quant == "none" and _store_bytes(model_path, getattr(torch, dtype)) > _RAM_SHARE * hw.ram_available_bytes \
         else None
-    return Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=ratio,
-                               fit_expert_cache=True, quant=quant, host_ram_budget_bytes=ram_budget, context_len=context_len,
-                               spec=SpecConfig(drafter=drafter, draft_len=draft_len)), progress)
+    engine = None
+    try:
+        engine = Engine(EngineConfig(model_dir=str(model_path), device=device, dtype=dtype, expert_cache_ratio=ratio,
+                                     fit_expert_cache=True, quant=quant, host_ram_budget_bytes=ram_budget,
+                                     context_len=context_len, spec=SpecConfig(drafter=drafter, draft_len=draft_len)), progress)
+        yield engine
+    finally:
+        if engine is not None:
+            engine.close()
+        del engine
+        release_cached_memory()
 
 
 def _load_progress(report: Progress, lo: float, hi: float):
@@ -309,20 +320,14 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         report("read bandwidth: RAM versus the mmap'd checkpoint", 0.0)
         m.ram_read_bytes_s, m.mmap_read_bytes_s = read_bandwidths(model_path, _expert_keys_last_first(model_path), repeats)
     report("loading the model", 0.1)
-    engine = None
-    try:
-        engine = _engine(model_path, hw, device, dtype, drafter, draft_len, quant, context_len, _load_progress(report, 0.1, 0.2))
+    with _engine(model_path, hw, device, dtype, drafter, draft_len, quant, context_len,
+                 _load_progress(report, 0.1, 0.2)) as engine:
         m.expert_bytes = engine.model.store.expert_bytes
         _time_experts(engine, m, cuda, repeats, report)
         # generation gives the draft's figures only: nothing to time without a drafter, nor with the self drafter, which
         # drafts with the resident experts and this engine has none (measure_self_draft times it at the decided share)
         if drafter not in ("none", "self"):
             _time_generation(engine, m, prompts, 12 if quick else 48, report)
-    finally:  # the chat's model loads next: its budget check must see this one's VRAM and pinned RAM given back
-        if engine is not None:
-            engine.close()
-        del engine
-        release_cached_memory()  # an exception's traceback may still hold the engine: the caller releases again
     report("measured", 1.0)
     return m
 
@@ -336,17 +341,10 @@ def measure_self_draft(model_dir, hw: Hardware, prompts: list[str], ratio: float
     report = progress or (lambda name, frac: None)
     device, dtype = _where(hw, device, dtype)
     report("loading the model with its fast tier", 0.0)
-    engine = None
-    try:
-        engine = _engine(Path(model_dir).expanduser().resolve(), hw, device, dtype, "self", draft_len, quant, context_len,
-                         _load_progress(report, 0.0, 0.5), ratio)
+    with _engine(Path(model_dir).expanduser().resolve(), hw, device, dtype, "self", draft_len, quant, context_len,
+                 _load_progress(report, 0.0, 0.5), ratio) as engine:
         m = Measurements(expert_bytes=engine.model.store.expert_bytes, max_tokens=draft_len + 1,
                          verify_ratio=engine.model.expert_cache_ratio)
         _time_generation(engine, m, prompts, 12 if quick else 48, report)
-    finally:
-        if engine is not None:
-            engine.close()
-        del engine
-        release_cached_memory()
     report("measured", 1.0)
     return m

@@ -384,20 +384,17 @@ class WizardScreen(Screen):
         """The worker thread: messages only (a screen or app that has gone drops them; call_from_thread would block)."""
         from textual.worker import get_current_worker
 
-        from ....engine import Cancelled, MoechatError
+        from ....engine import Cancelled, MoechatError, release_cached_memory
 
         calibrate, worker = self._calibrate_fn, get_current_worker()
         if calibrate is None:
             from ...calibrate import calibrate
-        done = 0.0
 
         def progress(label: str, fraction: float) -> None:
-            nonlocal done
             # Cancel, or the app quitting: unwind (measure closes its engine) before the profile is saved (1.0 after it)
             if worker.is_cancelled and fraction < 1.0:
                 raise Cancelled("calibration cancelled: nothing was saved; Run calibration measures again")
-            done = max(done, min(1.0, fraction))  # a load's phases each count from 0: the bar never runs backwards
-            self.post_message(CalibrationProgress(done, label))  # thread-safe
+            self.post_message(CalibrationProgress(fraction, label))  # thread-safe
 
         try:
             profile, path = calibrate(self.model_dir, self.drafter, quick, progress,
@@ -408,10 +405,7 @@ class WizardScreen(Screen):
             self.post_message(CalibrationFailed(message.splitlines()[0]))
         else:
             self.post_message(CalibrationDone(decision_rows(profile.decisions), str(path)))
-        if self._calibrate_fn is None:  # the traceback let go of the measuring engine: its VRAM back before the chat's
-            from ....engine import release_cached_memory
-
-            release_cached_memory()
+        release_cached_memory()  # the traceback has let go of the measuring engine: its VRAM back before the chat's
 
     def on_calibration_progress(self, message: CalibrationProgress) -> None:
         message.stop()  # handled here: the wizard's own worker posted it
