@@ -1,6 +1,7 @@
 """`moechat bench generate`: the engine and Hugging Face `generate` on the same model, side by side."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -9,18 +10,20 @@ import time
 
 
 def add_bench_generate(sub) -> None:
-    from ..cli import add_engine_args
+    from ..cli import add_engine_args, add_sampling_args
 
     p = sub.add_parser("generate", help="engine vs Hugging Face generate: prefill and decode tokens/s")
     add_engine_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (default: a fixed English paragraph)")
     src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    add_sampling_args(p, temperature=0.0, max_new_tokens=64)  # greedy unless set: tokens compared with HF's
     p.add_argument("--repeats", type=int, default=5, metavar="R", help="alternating runs of each; medians reported")
     p.add_argument("--replay-traces", default=None, metavar="PATH",
                    help="override the routers with a recorded routing (a DeepSeek CSV(.gz) or a moechat --trace file): "
                         "real expert locality on a random-weight model; engine figures only, no HF comparison")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time Hugging Face `generate` and compare its tokens (default); --no-hf skips its load")
     p.add_argument("--by-part", action="store_true",
                    help="also profile the decode and the prefill by part (experts, the MoE layers' own Python, dense "
                         "products, attention, the rest), in ms per token")
@@ -49,13 +52,15 @@ def run_engine(engine, ids: list[int], params) -> tuple:
     return fin, steps
 
 
-def hf_generate(model, ids, max_new: int) -> tuple[float, list[int]]:
-    """Hugging Face greedy `generate` of exactly max_new tokens: (seconds, the new token ids)."""
+def hf_generate(model, ids, max_new: int, params=None) -> tuple[float, list[int]]:
+    """Hugging Face `generate` of exactly max_new tokens, greedy or sampled as `params` say: (seconds, the new ids)."""
     import torch
 
     x = torch.tensor([ids], device=model.device)
+    sampled = {} if params is None or params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
     t0 = time.perf_counter()
-    out = model.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False)
+    out = model.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, **({"do_sample": False} | sampled))
     return time.perf_counter() - t0, out[0, len(ids):].tolist()
 
 
@@ -74,7 +79,9 @@ def cmd_bench_generate(args) -> int:
     # replayed routing or quantized weights: HF's tokens would differ (quality: `moechat bench quality`)
     plain = replay is None and engine.model.store.quant == "none"
     hf_skipped = None
-    if plain and not _hf_fits(engine.config.model_dir, args.dtype):
+    if plain and not args.hf:
+        hf_skipped = "--no-hf"
+    elif plain and not _hf_fits(engine.config.model_dir, args.dtype):
         hf_skipped = "Hugging Face's copy of the model would not fit the free RAM"
     hf = _load_hf(args, ids) if plain and hf_skipped is None else None
     med, decode, same = _measure(engine, hf, ids, args)
@@ -87,6 +94,7 @@ def cmd_bench_generate(args) -> int:
         "quant": engine.model.store.quant, "decode_path": engine.model.decode_path(),
         "prompt_tokens": len(ids),
         "new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
         "engine": {"prefill_tokens_per_s": med["engine_prefill"], "decode_tokens_per_s": med["engine_decode"], **decode},
     }
     result["costs"] = dataclasses.asdict(engine.model.runtime.costs)
@@ -109,7 +117,8 @@ def cmd_bench_generate(args) -> int:
         result["hf"] = {"prefill_tokens_per_s": med["hf_prefill"], "decode_tokens_per_s": med["hf_decode"]}
         result["ratio"] = {"prefill": med["engine_prefill"] / med["hf_prefill"],
                            "decode": med["engine_decode"] / med["hf_decode"]}
-        result["same_tokens"] = same
+        if args.temperature == 0:  # sampled runs draw different tokens by design
+            result["same_tokens"] = same
     engine.close()
     if args.json:
         print(json.dumps(result))
@@ -166,12 +175,13 @@ def _gpu_busy(engine, ids: list[int], args) -> dict[str, float]:
 
 def _one_request(engine, ids: list[int], args, measure):
     """measure(events) of one request of exactly max_new_tokens (no EOS), its whole prompt prefilled."""
-    from ...engine import Request, SamplingParams
+    from ...engine import Request
+    from ..cli import sampling_params
 
     eos, engine.model.eos_ids = engine.model.eos_ids, set()
     try:
         engine.reset_prefix_cache()
-        return measure(engine.generate(Request(token_ids=ids), SamplingParams(max_new_tokens=args.max_new_tokens)))
+        return measure(engine.generate(Request(token_ids=ids), sampling_params(args)))
     finally:
         engine.model.eos_ids = eos
 
@@ -193,10 +203,10 @@ def _non_expert_bound(engine, med: dict, decode: dict) -> dict:
 
 def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
     """Alternating runs of the engine and HF: (medians per row, the last run's decode figures, same tokens)."""
-    from ...engine import SamplingParams
+    from ..cli import sampling_params
 
     eos, engine.model.eos_ids = engine.model.eos_ids, set()  # every run generates exactly max_new_tokens
-    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    params = sampling_params(args)
     run_engine(engine, ids, params)  # warm-up
     rows = {"engine_prefill": [], "engine_decode": [], "hf_prefill": [], "hf_decode": []}
     same, decode = True, None
@@ -210,8 +220,8 @@ def _measure(engine, hf, ids: list[int], args) -> tuple[dict, dict, bool]:
         # the last run's: residency carries over, as between chat turns
         decode = decode_stats(steps, engine.model.store.expert_bytes)
         if hf is not None:
-            t1, _ = hf_generate(hf, ids, 1)  # prefill + the first token
-            tn, hf_tokens = hf_generate(hf, ids, args.max_new_tokens)
+            t1, _ = hf_generate(hf, ids, 1, params)  # prefill + the first token
+            tn, hf_tokens = hf_generate(hf, ids, args.max_new_tokens, params)
             rows["hf_prefill"].append(len(ids) / t1)
             rows["hf_decode"].append((args.max_new_tokens - 1) / max(tn - t1, 1e-9))
             print(f"run {len(rows['hf_decode'])}/{args.repeats}: HF prefill {rows['hf_prefill'][-1]:.1f}, "
@@ -237,7 +247,8 @@ def _print_generate(result: dict, args, replay) -> None:
     engine = decode = result["engine"]  # the decode figures sit beside the engine's rates
     print(f"model {args.model}  prompt {result['prompt_tokens']} tokens  new {args.max_new_tokens} tokens  "
           f"drafter {args.draft}  policy {args.policy}  cache ratio {result['expert_cache_ratio']}  quant {result['quant']}  "
-          f"(median of {args.repeats})")
+          + ("greedy  " if args.temperature == 0 else f"sampled (temperature {args.temperature}, top-p {args.top_p}, "
+                                                      f"top-k {args.top_k})  ") + f"(median of {args.repeats})")
     if replay is not None:
         print(f"routing replayed from {args.replay_traces} ({replay.tokens} tokens, MoE layers {result['replay_layers']})")
     print(f"{'':10}{'prefill tok/s':>15}{'decode tok/s':>15}")
@@ -268,7 +279,7 @@ def _print_generate(result: dict, args, replay) -> None:
           + (f"  (calibration predicts CPU experts {decode['calibrated_cpu_ms_per_token']:.2f})"
              if "calibrated_cpu_ms_per_token" in decode else ""))
     print(f"scheduler unit costs: {result['costs']['source']}  decode path: {result['decode_path']}")
-    if "hf" in result:
+    if "same_tokens" in result:
         same = result["same_tokens"]
         print(f"same greedy tokens: {same}", file=sys.stderr if same else sys.stdout)
         if args.expert_budget is not None:

@@ -11,9 +11,10 @@ width 768, no shared expert; GQA attention, 32 query and 4 KV heads of dimension
 differs between the families (expert count field, which layers are dense) is read through
 `moechat.engine.get_family`.
 
-The tokenizer is the embedded demo model's (4096 tokens), so embedding and head are far smaller
-than the real vocabularies (DeepSeek 102400, Qwen3 151936); every other shape is the real model's
-unless scaled down.
+The tokenizer is the embedded demo model's (4096 tokens), so by default embedding and head are far
+smaller than the real vocabularies (DeepSeek 102400, Qwen3 151936); `--vocab real` pads them to the
+real model's size (what the head reads and sampling sorts per token; ids past the tokenizer's
+decode to nothing). Every other shape is the real model's unless scaled down.
 """
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def add_random_model(sub) -> None:
                         "scale with it; head dimensions stay the model's)")
     p.add_argument("--intermediate", type=int, default=None, metavar="I", help="routed expert width (default the model's)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--vocab", choices=["demo", "real"], default="demo",
+                   help="embedding and head rows: the demo tokenizer's 4096 (default), or the real model's vocabulary "
+                        "(DeepSeek-V2-Lite 102400, Qwen3-30B-A3B 151936)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_random_model)
 
@@ -183,11 +187,12 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
 def cmd_random_model(args) -> int:
     from transformers import AutoTokenizer
 
-    from ...engine import get_family
+    from ...engine import KNOWN_MODELS, get_family
     from ..demo import DEMO_MODEL
 
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    vocab = -(-len(tok) // 64) * 64  # padded, as real checkpoints are
+    real = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}[args.like]
+    vocab = -(-len(tok) // 64) * 64 if args.vocab == "demo" else KNOWN_MODELS[real]["vocab_size"]  # padded, as real ones are
     cfg = random_config(args.like, args.layers, args.hidden, args.intermediate, vocab, args.dtype)
     cfg.eos_token_id = tok.eos_token_id
     total = write_random_checkpoint(args.out, cfg, args.seed)

@@ -35,3 +35,20 @@ def test_bench_generate_json(checkpoint, capsys):
         assert out[side]["prefill_tokens_per_s"] > 0 and out[side]["decode_tokens_per_s"] > 0
     assert set(out["ratio"]) == {"prefill", "decode"} and all(r > 0 for r in out["ratio"].values())
     assert out["same_tokens"] is True  # the engine's greedy tokens equal transformers' on every repeat
+
+
+def test_bench_generate_sampled(checkpoint, capsys):
+    """A chat samples (temperature 0.7, top-p 0.9 by default): the bench times that too, HF sampling with the same
+    warpers; tokens are not compared (they differ by design), and --no-hf skips HF's load."""
+    from moechat.app.cli import main
+
+    model = str(checkpoint("qwen3_moe"))
+    args = ["bench", "generate", "--model", model, "--max-new-tokens", "6", "--repeats", "1", "--json",
+            "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    assert out["hf"]["decode_tokens_per_s"] > 0 and "same_tokens" not in out
+    assert main([*args, "--no-hf"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "hf" not in out and out["hf_skipped"] == "--no-hf" and out["engine"]["decode_tokens_per_s"] > 0

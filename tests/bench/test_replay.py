@@ -112,6 +112,7 @@ def test_random_model_loads_and_replays_shared_trace(tmp_path, capsys):
     assert (cfg["model_type"], cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["first_k_dense_replace"]) == (
         "deepseek_v2", 64, 6, 1)
     assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["n_shared_experts"]) == (64, 32, 3, 2)
+    assert cfg["vocab_size"] == 4096  # the demo tokenizer's, padded to 64 (--vocab demo)
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.2.mlp.experts.63.down_proj.weight" in index  # the real checkpoint's per-expert layout
 
@@ -134,17 +135,18 @@ def test_random_model_loads_and_replays_shared_trace(tmp_path, capsys):
 def test_random_model_qwen3_30b_a3b_loads_estimates_and_replays(tmp_path, capsys):
     out = tmp_path / "qwen3-small"
     rc = main(["bench", "random-model", str(out), "--like", "qwen3-30b-a3b", "--layers", "2", "--hidden", "64",
-               "--intermediate", "32", "--dtype", "float32"])
+               "--intermediate", "32", "--dtype", "float32", "--vocab", "real"])
     assert rc == 0
     assert "2 layers (2 MoE)" in capsys.readouterr().err and (out / "tokenizer.json").is_file()
     cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == 151936  # the real model's head: sampling and the head read what a user's model has
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes num_local_experts
     assert (cfg["model_type"], cfg["architectures"], experts, cfg["num_experts_per_tok"]) == (
         "qwen3_moe", ["Qwen3MoeForCausalLM"], 128, 8)
     assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["head_dim"]) == (64, 32, 2, 128)
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["mlp_only_layers"], cfg["decoder_sparse_step"]) == (
         1, 1, [], 1)
-    assert cfg["norm_topk_prob"] is True and cfg["tie_word_embeddings"] is False and cfg["vocab_size"] % 64 == 0
+    assert cfg["norm_topk_prob"] is True and cfg["tie_word_embeddings"] is False
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in index  # the real checkpoint's per-expert layout
     assert "model.layers.1.mlp.experts.127.down_proj.weight" in index and "model.layers.1.self_attn.k_norm.weight" in index

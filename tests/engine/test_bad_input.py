@@ -146,7 +146,8 @@ def test_a_nan_logit_ends_the_reply_in_one_line_and_the_engine_recovers(checkpoi
     good = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=6)))[-1]
     kept = len(engine.conversations)
     row = head[9].clone()
-    for params in (SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=0.8, seed=1)):
+    for params in (SamplingParams(max_new_tokens=6), SamplingParams(max_new_tokens=6, temperature=0.8, seed=1),
+                   SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=1)):
         with torch.no_grad():
             head[9] = float("nan")  # in place: every forward path reads this storage
         events = list(engine.generate(Request(token_ids=[5, 6, 7]), params))

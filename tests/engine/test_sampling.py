@@ -96,12 +96,34 @@ def test_probs_from_logits_matches_transformers(case, temperature, top_k, top_p)
         expected = hf_probs(logits, temperature, top_k, top_p)
         got = probs_from_logits(logits, params)
         assert got.dtype == torch.float32 and got.shape == logits.shape
+        if case == "ties" and top_p < 1.0:
+            expected = _ties_as_moechat_breaks_them(logits, expected, got)
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
         # the engine also calls it on single rows (prefill, drafters): same answer row by row
         for i in range(logits.shape[0]):
             torch.testing.assert_close(probs_from_logits(logits[i], params), expected[i], rtol=0, atol=1e-6)
         # and on a batch of positions [n+1, V] with a leading dimension (verification)
         torch.testing.assert_close(probs_from_logits(logits[None], params)[0], expected, rtol=0, atol=1e-6)
+
+
+def _ties_as_moechat_breaks_them(logits: torch.Tensor, expected: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """transformers' top-p sorts with an unstable sort, so which of the tokens tied on the cut stay is its sort's
+    accident; moechat keeps the lowest ids. Checks that only one tie group per row differs, that as many of it
+    stay (the same mass), and returns `expected` with that group's survivors moved to the lowest ids."""
+    expected = expected.clone()
+    for row in range(logits.shape[0]):
+        differ = ((got[row] > 0) != (expected[row] > 0)).nonzero().flatten()
+        if not len(differ):
+            continue
+        tie = logits[row, differ].unique()
+        assert len(tie) == 1, f"row {row}: tokens of different logits differ: {differ.tolist()}"
+        group = (logits[row] == tie).nonzero().flatten()  # ascending ids
+        kept = int((expected[row, group] > 0).sum())
+        assert int((got[row, group] > 0).sum()) == kept
+        value = expected[row, group].max()
+        expected[row, group] = 0.0
+        expected[row, group[:kept]] = value
+    return expected
 
 
 def test_probs_from_logits_filters_what_it_should():
@@ -117,6 +139,41 @@ def test_probs_from_logits_filters_what_it_should():
     assert only_top.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     # bf16 logits come back as float32 distributions
     assert probs_from_logits(logits.bfloat16(), SamplingParams(temperature=0.5)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("scale, top_p, nucleus", [(8.0, 0.9, (1, 64)), (2.0, 0.5, (64, 512)), (2.0, 0.9, (4096, 32768)),
+                                                   (0.05, 0.95, (100000, 151936))])
+def test_top_p_on_a_real_vocabulary_matches_transformers(scale, top_p, nucleus):
+    """Qwen3's 151 936 tokens: a peaked row (a nucleus of a few tokens), spread ones (hundreds and thousands: the
+    candidates grow past the first 64, 512 and 4096) and a nearly flat one, in bf16 as a model computes them."""
+    logits = (torch.randn(3, 151936, generator=torch.Generator().manual_seed(7)) * scale).bfloat16()
+    expected = hf_probs(logits.float(), 0.7, 0, top_p)
+    got = probs_from_logits(logits, SamplingParams(temperature=0.7, top_p=top_p))
+    torch.testing.assert_close(got, _ties_as_moechat_breaks_them(logits.float(), expected, got), rtol=0, atol=1e-6)
+    kept = (got > 0).sum(-1)
+    assert nucleus[0] <= kept.min() and kept.max() < nucleus[1]
+
+
+def test_top_p_keeps_the_lowest_ids_of_a_tie_on_the_cut():
+    logits = torch.tensor([1.0, 3.0, 3.0, 3.0, 0.0])  # three tied tokens of 0.3 each; 0.55 needs two of them
+    got = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.55))
+    assert (got > 0).tolist() == [False, True, True, False, False]
+
+
+def test_sample_follows_the_distribution_and_never_draws_a_zero():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    tokens = [sample(probs, g) for _ in range(20000)]
+    assert set(tokens) == {1, 3, 4}
+    assert_distributed({0: tokens}, {0: probs}, "inverse-cdf sampling")
+    again = torch.Generator().manual_seed(0)
+    assert [sample(probs, again) for _ in range(50)] == tokens[:50]  # a seed replays
+
+
+def test_sample_where_the_draw_rounds_up_to_the_total(monkeypatch):
+    """u * total can round up to the total itself: the last token of nonzero probability, not one past the end."""
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))
+    assert sample(torch.tensor([0.25, 0.75, 0.0, 0.0]), torch.Generator()) == 1
 
 
 # --------------------------------------------------------------------------------------------------
