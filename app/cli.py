@@ -68,7 +68,7 @@ def engine_config(args):
     args.device and args.dtype to what runs, args.placement to why, args.profile to the profile's path or None."""
     from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig, resolve_placement
     from .calibrate import machine_profile
-    from .demo import resolve_model
+    from .demo import DEMO_DRAFT, resolve_model
     from .settings import load_settings
 
     settings, notice = load_settings()
@@ -93,6 +93,8 @@ def engine_config(args):
     if args.placement.notice:
         print(f"moechat: warning: {args.placement.notice}", file=sys.stderr)
     args.device, args.dtype = args.placement.device, args.placement.dtype
+    if user_draft is None and d is None and args.draft == str(DEMO_DRAFT) and args.device == "cpu":
+        args.draft = "none"  # on a CPU the demo's draft costs what its target's step does: 0.3-0.6× (docs/benchmarks.md)
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
     ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio)
     cache_bytes = _gib(args.expert_cache_gib)

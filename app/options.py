@@ -216,7 +216,7 @@ OPTIONS: tuple[Option, ...] = (
            placeholder="from calibration", widget="select"),
     Option("draft", str, None, "drafter: none, self (the target with its resident experts), or the directory of a "
            "dense model with the same tokenizer", "engine", unset="the calibration profile, else the demo's draft for "
-           "the demo, none for other models", label="Drafter", placeholder="default", widget="drafter",
+           "the demo on a GPU, none on a CPU and for other models", label="Drafter", placeholder="default", widget="drafter",
            metavar="none|self|DIR"),
     Option("expert_budget", int, None, "LOSSY: verification computes at most B experts per MoE layer, the ones the "
            "router weighs most; output then differs from the model's", "engine", low=1, setting=False,

@@ -172,7 +172,28 @@ def test_unusable_profile_warns_and_runs_on_defaults(capsys):
     cfg, args = _config([])
     err = capsys.readouterr().err
     assert "warning: calibration profile" in err and "corrupt" in err and len(err.strip().splitlines()) == 1
-    assert args.profile is None and (cfg.spec.draft_len, cfg.scheduler.policy, cfg.spec.drafter) == (4, "spac", str(DEMO_DRAFT))
+    assert args.profile is None and (cfg.spec.draft_len, cfg.scheduler.policy, cfg.spec.drafter) == (4, "spac", "none")
+    # "none": the demo's draft without a profile only where a GPU runs it (test_the_demo_drafts_by_default_on_a_gpu_only)
+    assert str(DEMO_DRAFT) != "none"
+
+
+@pytest.mark.notorch
+def test_the_demo_drafts_by_default_on_a_gpu_only(monkeypatch):
+    """Without a profile the demo's draft runs where a GPU runs the demo; on a CPU it cost 0.3-0.6× of no drafter
+    (docs/benchmarks.md), so none, as calibration decides there. A draft the user names is kept anywhere."""
+    from moechat.app.demo import DEMO_DRAFT
+    from moechat.app.settings import settings_path
+    from moechat.engine import placement
+
+    assert _config(["--device", "cpu"])[0].spec.drafter == "none"
+    assert _config(["--device", "cpu", "--draft", str(DEMO_DRAFT)])[0].spec.drafter == str(DEMO_DRAFT)
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text(f"draft = {str(DEMO_DRAFT)!r}\n", encoding="utf-8")
+    assert _config(["--device", "cpu"])[0].spec.drafter == str(DEMO_DRAFT)
+    settings_path().unlink()
+    gpu = placement.Gpu(0, "NVIDIA GeForce RTX 4090", 22 << 30, 24 << 30, bf16=True)
+    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe((gpu,)))
+    assert _config([])[0].spec.drafter == str(DEMO_DRAFT)  # auto picks the GPU
 
 
 def test_measure_on_cpu(checkpoint, monkeypatch):
