@@ -94,7 +94,7 @@ def engine_config(args):
         print(f"moechat: warning: {args.placement.notice}", file=sys.stderr)
     args.device, args.dtype = args.placement.device, args.placement.dtype
     if user_draft is None and d is None and args.draft == str(DEMO_DRAFT) and args.device == "cpu":
-        args.draft = "none"  # on a CPU the demo's draft costs what its target's step does: 0.3-0.6× (docs/benchmarks.md)
+        args.draft = "none"  # on a CPU the demo's draft costs what its target's step does: 0.23-0.56× (docs/benchmarks.md)
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
     ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio)
     cache_bytes = _gib(args.expert_cache_gib)

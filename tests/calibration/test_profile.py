@@ -179,7 +179,7 @@ def test_unusable_profile_warns_and_runs_on_defaults(capsys):
 
 @pytest.mark.notorch
 def test_the_demo_drafts_by_default_on_a_gpu_only(monkeypatch):
-    """Without a profile the demo's draft runs where a GPU runs the demo; on a CPU it cost 0.3-0.6× of no drafter
+    """Without a profile the demo's draft runs where a GPU runs the demo; on a CPU it cost 0.23-0.56× of no drafter
     (docs/benchmarks.md), so none, as calibration decides there. A draft the user names is kept anywhere."""
     from moechat.app.demo import DEMO_DRAFT
     from moechat.app.settings import settings_path

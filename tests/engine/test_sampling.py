@@ -85,11 +85,15 @@ LOGIT_CASES = {
 }
 
 
+@pytest.mark.parametrize("candidates", [64, 1])  # 1: every top-p cut found through the histogram
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
 @pytest.mark.parametrize("top_k", [0, 5])
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 @pytest.mark.parametrize("case", sorted(LOGIT_CASES))
-def test_probs_from_logits_matches_transformers(case, temperature, top_k, top_p):
+def test_probs_from_logits_matches_transformers(case, temperature, top_k, top_p, candidates, monkeypatch):
+    from moechat.engine.speculative import sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
     for seed in range(3):
         logits = LOGIT_CASES[case](torch.Generator().manual_seed(seed))
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
