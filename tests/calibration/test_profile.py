@@ -263,6 +263,26 @@ def test_the_device_curve_takes_quantized_slots(checkpoint):
     assert curve == [2.5e-4] * 3 and [y.shape for y in timed] == [(4, 64), (8, 64), (12, 64)]
 
 
+def test_the_cpu_curve_leaves_the_dispatchers_per_call_cost_out(monkeypatch):
+    """The one-call decode stack calls the kernel from C++ and pays no dispatcher; a layer through the dispatcher
+    pays it once, not per expert. On a fake clock where a call costs 11 units plus 3 per expert, the curve is 3 per
+    expert: counting the call's 11 in would say 5.75 for top-4 (the demo's profile predicted 2.5× its CPU time)."""
+    import torch
+
+    from moechat.engine.calibration import measure
+    from moechat.engine.experts import cpu_ffn
+
+    clock = [0.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+
+    def fake_moe_ffn(x, gate_up, down, experts, offsets, rows, weights, out, max_tokens):
+        clock[0] += 11.0 + 3.0 * len(experts)
+
+    monkeypatch.setattr(cpu_ffn, "moe_ffn", fake_moe_ffn)
+    layer = (torch.zeros(8, 16, 32), torch.zeros(8, 32, 8))  # [E, 2I, H], [E, H, I]
+    assert measure.cpu_curve([layer], active=4, max_tokens=3, repeats=3) == [3.0, 3.0, 3.0]
+
+
 def test_measure_without_a_drafter_skips_generation(checkpoint, monkeypatch):
     from moechat.engine.calibration import measure as measuring
 
