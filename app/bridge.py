@@ -86,13 +86,14 @@ class EngineBridge:
         self._thread.start()
         self._queue.put(("load", self._factory))
 
-    def generate(self, request_id: int, messages: list[dict], params: SamplingParams) -> None:
+    def generate(self, request_id: int, messages: list[dict], params: SamplingParams, thinking: bool | None = None) -> None:
+        """thinking: the chat template's `enable_thinking` (None: its default)."""
         if self._closed:  # nothing would ever answer it
             return
         with self._lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
             self._pending += 1
-        self._queue.put(("generate", seq, request_id, [dict(m) for m in messages], params))
+        self._queue.put(("generate", seq, request_id, [dict(m) for m in messages], params, thinking))
 
     def stop(self) -> None:
         with self._lock:  # held while stopping: the engine thread cannot start the next reply in between
@@ -235,7 +236,8 @@ class EngineBridge:
         return (f"{name} on {where} · {m.cache.capacity}/{total} {experts}experts on {tier} · "
                 f"drafter {drafter} · policy {cfg.scheduler.policy}")
 
-    def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams) -> Message:
+    def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams,
+               thinking: bool | None) -> Message:
         """Stream one reply; return the message that ends it (posted by the caller)."""
         if seq < self._cancel_below:
             return ReplyFinished(request_id, "", "cancelled", Stats())
@@ -257,7 +259,7 @@ class EngineBridge:
                 self._send(ReplyNotice(request_id, notice))
             self._notice = notice
             meter = ReplyMeter(engine, self.frame_interval_s)
-        events = engine.generate(Request(messages=messages), params)
+        events = engine.generate(Request(messages=messages, thinking=thinking), params)
         try:
             for ev in events:
                 if seq < self._cancel_below:

@@ -32,20 +32,20 @@ def _open_engine(args):
 
 def cmd_chat(args) -> int:
     from .chats import ChatStore
-    from .cli import sampling_params
+    from .cli import sampling_params, thinking_flag
 
     engine, what, remote = _open_engine(args)
     params = sampling_params(args)
     print(f"moechat: {what}; {HELP}", file=sys.stderr)
     store = ChatStore()
     try:
-        return _chat(engine, store, params, args.system, remote)
+        return _chat(engine, store, params, args.system, remote, thinking_flag(args.thinking))
     finally:
         store.close()
         engine.close()
 
 
-def _chat(engine, store, params, system: str | None, remote: bool) -> int:
+def _chat(engine, store, params, system: str | None, remote: bool, thinking: bool | None = None) -> int:
     from ..engine import Error, Finished, Request, TokenDelta
     from .history import fit_for_engine
 
@@ -82,7 +82,7 @@ def _chat(engine, store, params, system: str | None, remote: bool) -> int:
         reply_id = store.add(conv_id, "assistant", "", finished=False)
         sys.stdout.write("moechat> ")
         reply, finished = [], None
-        events = engine.generate(Request(messages=list(request)), params)
+        events = engine.generate(Request(messages=list(request), thinking=thinking), params)
         try:
             for ev in events:
                 if isinstance(ev, TokenDelta):

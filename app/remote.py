@@ -120,7 +120,10 @@ class RemoteEngine:
                 model=self.model, messages=request.messages, stream=True, stream_options={"include_usage": True},
                 max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
                 **({"seed": params.seed} if params.seed is not None else {}),
-                **({"stop": params.stop[:4]} if params.stop else {}))
+                **({"stop": params.stop[:4]} if params.stop else {}),
+                # vLLM's, SGLang's and llama.cpp's servers pass these to the chat template (Qwen3: think or not)
+                **({"extra_body": {"chat_template_kwargs": {"enable_thinking": request.thinking}}}
+                   if request.thinking is not None else {}))
             with stream:
                 for chunk in stream:
                     if self._stopping:

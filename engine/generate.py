@@ -29,6 +29,7 @@ class Request:
     messages: list[dict] | None = None
     prompt: str | None = None
     token_ids: list[int] | None = None
+    thinking: bool | None = None  # `enable_thinking` for templates that read it (Qwen3); None: the template's default
 
 
 class Engine:
@@ -85,7 +86,8 @@ class Engine:
         if request.messages is not None:
             if not getattr(tok, "chat_template", None):
                 raise RequestError("this model's tokenizer has no chat template: send a plain prompt instead of chat messages")
-            ids = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True)
+            thinking = {} if request.thinking is None else {"enable_thinking": request.thinking}
+            ids = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, **thinking)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             ids = tok(request.prompt or "", add_special_tokens=True)["input_ids"]

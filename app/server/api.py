@@ -86,13 +86,21 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": text}
 
 
+class TemplateKwargs(BaseModel):
+    """vLLM's and SGLang's `chat_template_kwargs`: the one the engine passes on is Qwen3's `enable_thinking`."""
+    model_config = ConfigDict(extra="ignore")
+    enable_thinking: bool | None = None
+
+
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: TemplateKwargs | None = None
 
     def request(self):
         from ...engine import Request
 
-        return Request(messages=[m.as_engine() for m in self.messages])
+        thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
+        return Request(messages=[m.as_engine() for m in self.messages], thinking=thinking)
 
 
 class CompletionBody(_Body):

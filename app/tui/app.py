@@ -45,6 +45,7 @@ class MoechatApp(App):
         self.settings_file = settings_file or settings_path()
         self.settings, self.settings_notice = load_settings(self.settings_file)
         self.sampling = sampling or sampling_from(self.settings)
+        self.thinking = self.settings.thinking  # auto | on | off: the chat template's enable_thinking
         self.chat = ChatScreen()
         self.bridge_started = False
 
@@ -241,6 +242,7 @@ class MoechatApp(App):
                 return
             self.settings, self.settings_notice = result.settings, None
             self.sampling = sampling_from(result.settings, self.sampling)
+            self.thinking = result.settings.thinking
             notice = self.apply_look(result.settings)
             if notice:
                 self.notify(notice, severity="warning")
@@ -294,5 +296,6 @@ def run_tui(args) -> int:
     # The settings (or --backend) may name a remote backend; read again at every reload, as the engine's options are.
     app = MoechatApp(lambda: remote_config(base) or engine_config(copy.copy(base)), first_run=first_run)
     app.sampling = sampling_from(app.settings, sampling_params(args))
+    app.thinking = args.thinking or app.settings.thinking
     app.run()
     return 0

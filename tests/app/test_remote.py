@@ -50,6 +50,26 @@ def test_the_remote_reply_equals_the_embedded_engines(served, key):
     assert s.misses > 0 and s.hit_rate == 0.0  # the moechat extension: the server's expert figures reach the client
 
 
+def test_the_thinking_switch_goes_to_the_server_as_chat_template_kwargs(served, key, monkeypatch):
+    url, _ = served
+    remote = RemoteEngine(RemoteConfig(url))
+    sent = []
+
+    def create(**kwargs):
+        import openai
+
+        sent.append(kwargs.get("extra_body"))
+        raise openai.APIError("captured", None, body=None)
+
+    monkeypatch.setattr(remote.client.chat.completions, "create", create)
+    for thinking in (None, False, True):
+        events = list(remote.generate(Request(messages=SEA, thinking=thinking), SamplingParams(max_new_tokens=2)))
+        assert isinstance(events[-1], Error)
+    remote.close()
+    assert sent == [None, {"chat_template_kwargs": {"enable_thinking": False}},
+                    {"chat_template_kwargs": {"enable_thinking": True}}]
+
+
 def test_stop_closes_the_stream_and_the_server_serves_the_next_request(served, key):
     url, _ = served
     remote = RemoteEngine(RemoteConfig(url))

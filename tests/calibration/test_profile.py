@@ -196,6 +196,24 @@ def test_the_demo_drafts_by_default_on_a_gpu_only(monkeypatch):
     assert _config([])[0].spec.drafter == str(DEMO_DRAFT)  # auto picks the GPU
 
 
+@pytest.mark.notorch
+def test_thinking_comes_from_the_flag_else_the_settings():
+    from moechat.app.cli import make_request
+    from moechat.app.settings import settings_path
+
+    assert _config([])[1].thinking == "auto"
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text('thinking = "off"\n', encoding="utf-8")
+    _, args = _config([])
+    tokenizer = type("Tok", (), {"chat_template": "{{ messages }}"})()
+    assert args.thinking == "off" and make_request(args, tokenizer).thinking is False
+    _, args = _config(["--thinking", "on"])
+    assert args.thinking == "on" and make_request(args, tokenizer).thinking is True
+    settings_path().write_text('thinking = "maybe"\n', encoding="utf-8")  # a bad value: the defaults, in one line
+    assert _config([])[1].thinking == "auto"
+    settings_path().unlink()
+
+
 def test_measure_on_cpu(checkpoint, monkeypatch):
     from moechat.engine.calibration import measure as measuring
     from moechat.engine.calibration.measure import measure

@@ -108,6 +108,22 @@ def test_chat_template_request(checkpoint, tokenizer):
     assert isinstance(fin, Finished) and len(fin.token_ids) == 5
 
 
+# Qwen3's switch, as its template spells it: with thinking off the reply opens on an empty block
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+                     "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_a_request_passes_its_thinking_switch_to_the_chat_template(checkpoint):
+    engine = engine_for(checkpoint("mixtral"))
+    tok = engine.model.tokenizer
+    tok.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "Hello!"}]
+    default, on, off = (engine.encode(Request(messages=messages, thinking=t)) for t in (None, True, False))
+    assert default == on == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert tok.decode(off).endswith("<|assistant|><think>\n\n</think>\n\n") and off[:len(on)] == on
+
+
 def test_trace_records_routing(checkpoint, tmp_path):
     engine = engine_for(checkpoint("deepseek_v2"), spec=SpecConfig("self", 4))
     trace = TraceRecorder(engine.model.store.layers)

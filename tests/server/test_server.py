@@ -169,12 +169,29 @@ def test_api_keys(server):
     ({"messages": SEA, "stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text content"),
     ({"messages": [{"role": "user", "content": "sea " * 5000}]}, "context"),
+    ({"messages": SEA, "chat_template_kwargs": {"enable_thinking": "maybe"}}, "enable_thinking"),
 ])
 def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
     status, reply = post(server, "/v1/chat/completions", body)
     assert status == 400, reply
     assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["type"] == "invalid_request_error"
     assert says in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+
+
+def test_chat_template_kwargs_switch_thinking(server, client):
+    """vLLM's and SGLang's way to turn Qwen3's thinking off per request reaches the chat template."""
+    tok = server.worker.engine.model.tokenizer
+    template = tok.chat_template
+    tok.chat_template = template.replace("<|assistant|>", "<|assistant|>{% if enable_thinking is defined and "
+                                         "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}")
+    try:
+        usage = [client.chat.completions.create(model="tiny", messages=SEA, max_tokens=1, temperature=0, **kw).usage
+                 for kw in ({}, {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}})]
+        rendered = [len(tok.apply_chat_template(SEA, add_generation_prompt=True, tokenize=True, **kw)["input_ids"])
+                    for kw in ({}, {"enable_thinking": False})]
+    finally:
+        tok.chat_template = template
+    assert [u.prompt_tokens for u in usage] == rendered and rendered[1] > rendered[0]
 
 
 def test_unknown_routes_and_methods_and_the_server_stays_up(server, client):

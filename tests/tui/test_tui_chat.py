@@ -377,3 +377,54 @@ async def test_the_app_chats_through_a_remote_backend(tmp_path, served, monkeypa
         await pilot.pause()
         assert f"remote {url}" in str(chat.query_one("#engine").render())
         assert not errors(app)
+
+
+@pilot_test
+async def test_a_replys_reasoning_folds_above_its_answer(tmp_path):
+    """Qwen3 thinks in <think>…</think> before it answers: the block shows open while the model thinks, folds with a
+    word count once the answer starts, and the answer alone is the Markdown (and what `c` copies). A block the
+    template opened in the prompt (only `</think>` in the reply) moves out of the answer when it closes."""
+    from textual.widgets import Collapsible, Markdown, Static
+
+    from moechat.app.tui.screens.chat import _Reply
+
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    conv = store.create("thought")
+    store.add(conv, "user", "The capital of France?")
+    store.add(conv, "assistant", "<think>\nFrance's capital.\n</think>\n\nParis.")
+    store.close()
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: len(chat.query(MessageView)) == 2, "the stored chat")
+        user, stored = chat.query(MessageView)
+        box = stored.query_one(".reasoning", Collapsible)
+        assert box.display and box.collapsed and box.title == "thought: 2 words"
+        assert stored.query_one(".reasoning-text", Static).render().plain == "France's capital."
+        assert stored.markdown.source == "Paris." and stored.split()[1] == "Paris."
+        assert not user.query_one(".reasoning", Collapsible).display
+
+        async def stream(request_id: int, deltas: list[str], seen: list) -> MessageView:
+            message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)
+            view = MessageView("assistant", "", message_id)
+            await chat.query_one("#log").mount(view)
+            chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
+            for delta in deltas:
+                await chat.reply_delta(request_id, delta)
+                box = view.query_one(".reasoning", Collapsible)
+                seen.append((box.display, box.collapsed, chat.reply.answer))
+            await chat.reply_finished(request_id, "", "eos", None)
+            return view
+
+        seen = []
+        view = await stream(7, ["<th", "ink>\nWhich", " city?", "\n</th", "ink>\n\nPar", "is."], seen)
+        assert seen == [(False, True, ""), (True, False, ""), (True, False, ""), (True, False, ""), (True, True, "Par"),
+                        (True, True, "Paris.")]
+        assert view.markdown.source == "Paris." and view.query_one(".reasoning", Collapsible).title == "thought: 2 words"
+        assert app.store.messages(chat.conv_id)[-1].content == "<think>\nWhich city?\n</think>\n\nParis."  # stored whole
+
+        seen = []
+        view = await stream(8, ["Which", " city?", "\n</think>\n\n", "Paris."], seen)
+        assert [s[2] for s in seen] == ["Which", "Which city?", "", "Paris."]  # the answer so far became reasoning
+        assert view.markdown.source == "Paris."
+        assert view.query_one(".reasoning-text", Static).render().plain == "Which city?"

@@ -117,8 +117,9 @@ async def _live_edit_and_cancel(path):
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         app.screen.query_one("#top_p").value = "0.5"
+        app.screen.query_one("#thinking").value = "off"
         await pilot.pause()
-        assert str(app.screen.query_one("#reload").content) == ""  # sampling applies live
+        assert str(app.screen.query_one("#reload").content) == ""  # sampling and thinking apply live
         await click(pilot, "#save")
         saved = app.result
         app.result = "not dismissed"
@@ -132,7 +133,7 @@ async def _live_edit_and_cancel(path):
 def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):
     path = tmp_path / "settings.toml"
     saved, cancelled = asyncio.run(_live_edit_and_cancel(path))
-    assert saved.needs_reload is False and saved.settings.top_p == 0.5
+    assert saved.needs_reload is False and (saved.settings.top_p, saved.settings.thinking) == (0.5, "off")
     assert cancelled is None and load_settings(path)[0].top_p == 0.5
 
 

@@ -16,6 +16,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import (
+    Collapsible,
     Footer,
     Label,
     ListItem,
@@ -26,6 +27,8 @@ from textual.widgets import (
     TextArea,
 )
 
+from ...cli import thinking_flag
+from ...reasoning import reasoning_title, split_reasoning
 from ..messages import Frame, Stats
 from ..widgets.heatmap import ExpertHeatmap
 from ..widgets.stats import StatsPanel
@@ -65,7 +68,8 @@ class ChatInput(TextArea):
 
 
 class MessageView(Vertical, can_focus=True):
-    """One message: a role line and its Markdown. Focused, `c` copies it and `k` its last code block."""
+    """One message: a role line, a reply's reasoning folded (app/reasoning.py) and its Markdown. Focused, `c` copies
+    the answer and `k` its last code block."""
 
     BINDINGS: ClassVar[list[Binding]] = [Binding("c", "copy", "Copy"), Binding("k", "copy_code", "Copy code")]
 
@@ -76,22 +80,39 @@ class MessageView(Vertical, can_focus=True):
     def compose(self) -> ComposeResult:
         name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
         yield Label(name if self.finished else f"{name} · interrupted", classes="role")
-        yield Markdown(self.content)
+        reasoning, answer, thinking = self.split()
+        box = Collapsible(Static(reasoning, markup=False, classes="reasoning-text"), title=reasoning_title(reasoning, thinking),
+                          collapsed=True, classes="reasoning")
+        box.display = bool(reasoning)
+        yield box
+        yield Markdown(answer)
+
+    def split(self) -> tuple[str, str, bool]:
+        """(reasoning, answer, still thinking): a user's words are all answer."""
+        return split_reasoning(self.content) if self.role == "assistant" else ("", self.content, False)
 
     @property
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
+
+    def show_reasoning(self, reasoning: str, thinking: bool) -> None:
+        """Open while the model thinks, folded once it answers."""
+        box = self.query_one(".reasoning", Collapsible)
+        box.display = bool(reasoning) or thinking
+        box.title = reasoning_title(reasoning, thinking)
+        box.collapsed = not thinking
+        self.query_one(".reasoning-text", Static).update(reasoning)
 
     def set_note(self, note: str) -> None:
         label = self.query_one(".role", Label)
         label.update(f"moechat · {note}" if note else "moechat")
 
     def action_copy(self) -> None:
-        self.app.copy_to_clipboard(self.content)
+        self.app.copy_to_clipboard(self.split()[1])
         self.app.notify("message copied")
 
     def action_copy_code(self) -> None:
-        code = last_code_block(self.content)
+        code = last_code_block(self.split()[1])
         if code is None:
             self.app.notify("this message has no code block", severity="warning")
             return
@@ -115,6 +136,7 @@ class _Reply:
     stream: object
     text: str = ""
     saved_at: float = 0.0
+    answer: str = ""  # the part of text shown as the answer (the rest: reasoning)
 
 
 def status_line(model: str, state: str, stats: Stats | None) -> str:
@@ -259,7 +281,7 @@ class ChatScreen(Screen):
         self.next_request += 1
         self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic())
         self.stats = None
-        self.app.bridge.generate(self.next_request, history, self.app.sampling)
+        self.app.bridge.generate(self.next_request, history, self.app.sampling, thinking_flag(self.app.thinking))
 
     def reply_progress(self, request_id: int, done: int, total: int) -> None:
         if self.reply is not None and self.reply.request_id == request_id and not self.reply.text:
@@ -273,7 +295,7 @@ class ChatScreen(Screen):
             reply.view.set_note("writing…")
         reply.text += text
         reply.view.content = reply.text
-        await reply.stream.write(text)
+        await self._show(reply)
         if time.monotonic() - reply.saved_at >= SAVE_INTERVAL_S:
             self.store.update(reply.message_id, reply.text, finished=False)
             reply.saved_at = time.monotonic()
@@ -292,10 +314,25 @@ class ChatScreen(Screen):
             await reply.view.remove()
             return
         reply.view.content = text
-        await reply.view.markdown.update(text)  # the whole reply, exactly as the engine ended it
+        reasoning, answer, thinking = reply.view.split()
+        reply.view.show_reasoning(reasoning, thinking)
+        await reply.view.markdown.update(answer)  # the whole reply, exactly as the engine ended it
         note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
         reply.view.set_note(note if text else "empty reply")
         self.store.update(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
+
+    async def _show(self, reply: _Reply) -> None:
+        """The reasoning so far in its block, the answer's new text down its stream."""
+        reasoning, answer, thinking = reply.view.split()
+        reply.view.show_reasoning(reasoning, thinking)
+        if answer.startswith(reply.answer):
+            if len(answer) > len(reply.answer):
+                await reply.stream.write(answer[len(reply.answer):])
+        else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
+            await reply.stream.stop()
+            await reply.view.markdown.update(answer)
+            reply.stream = Markdown.get_stream(reply.view.markdown)
+        reply.answer = answer
 
     def save_partial(self) -> None:
         if self.reply is not None:
