@@ -81,10 +81,11 @@ class MessageView(Vertical, can_focus=True):
         name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
         yield Label(name if self.finished else f"{name} · interrupted", classes="role")
         reasoning, answer, thinking = self.split()
-        box = Collapsible(Static(reasoning, markup=False, classes="reasoning-text"), title=reasoning_title(reasoning, thinking),
-                          collapsed=True, classes="reasoning")
-        box.display = bool(reasoning)
-        yield box
+        if self.role == "assistant":
+            box = Collapsible(Static(reasoning, markup=False, classes="reasoning-text"),
+                              title=reasoning_title(reasoning, thinking), collapsed=True, classes="reasoning")
+            box.display = bool(reasoning)
+            yield box
         yield Markdown(answer)
 
     def split(self) -> tuple[str, str, bool]:
