@@ -26,7 +26,9 @@ def split_reasoning(text: str) -> tuple[str, str, bool]:
     return "", text, False
 
 
-def reasoning_title(reasoning: str, thinking: bool) -> str:
-    """The folded block's title."""
+def reasoning_title(reasoning: str, thinking: bool, ended: bool = False) -> str:
+    """The block's title; a reply that ended (stopped, at its length limit) while thinking says so."""
     words = len(reasoning.split())
-    return f"thinking… {words} words" if thinking else f"thought: {words} words"
+    if thinking:
+        return f"reasoning, cut off: {words} words" if ended else f"thinking… {words} words"
+    return f"thought: {words} words"

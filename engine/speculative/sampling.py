@@ -10,7 +10,9 @@ import math
 import torch
 
 from ..config import SamplingParams
+from ..errors import NumericsError
 
+NONFINITE = "the model computed a NaN or infinite logit"
 NUCLEUS_CANDIDATES = 64  # top-p looks for its cut among this many likeliest tokens first (a model's usual nucleus)
 NUCLEUS_BINS = 2048  # past them, it sorts only the tokens of the one logit bin (of this many) the cut falls in
 LOGIT_SPAN = 40.0  # the bins span at most this far below the top logit
@@ -40,7 +42,9 @@ def _row_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def _nucleus(logits: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """logits, probs [V] -> probs with top-p applied and renormalized, [V], as `transformers` decides: sorted
     ascending, the prefix whose cumulative mass is at most 1 - top_p goes; the top token always stays. Where tied
-    tokens straddle the cut, the lower ids stay (transformers' unstable sort picks which; it keeps as many of them).
+    tokens straddle the cut, the lower ids stay (transformers' unstable sort picks which). On a real vocabulary a
+    token whose mass below lies within float32 rounding of 1 - top_p (~1e-4: softmax sums in another order) may go
+    the other way, as it does between transformers on a CPU and on a GPU.
 
     No sort of the vocabulary: the cut is looked for among the likeliest 64 tokens, whose order alone decides it once
     the mass at and below the 64th is at most 1 - top_p; else a histogram finds it (`_kept_by_histogram`).
@@ -50,9 +54,10 @@ def _nucleus(logits: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.T
     # every token at or below the k-th logit sorts before the candidates; with k = V there is none
     kth = top.values[-1] if NUCLEUS_CANDIDATES < V else float("-inf")
     below = torch.where(logits <= kth, probs, 0.0).sum()
-    if bool(below <= 1 - top_p):  # all of them dropped (compared in float32, as transformers compares)
-        kept = _kept_in_order(logits, probs, top.indices[top.values > kth], float(below), top_p, holds_top=True)
-    else:  # the cut is below the candidates: a wide nucleus
+    candidates = top.indices[top.values > kth]  # none where the k-th ties with the top
+    if len(candidates) and bool(below <= 1 - top_p):  # all below dropped (compared in float32, as transformers does)
+        kept = _kept_in_order(logits, probs, candidates, float(below), top_p, holds_top=True)
+    else:  # the cut is at or below the k-th: a wide nucleus, or a tie wider than the candidates
         kept = _kept_by_histogram(logits, probs, top_p)
     out = torch.zeros_like(probs)
     out[kept] = probs[kept] / probs[kept].sum()
@@ -77,6 +82,8 @@ def _kept_by_histogram(logits: torch.Tensor, probs: torch.Tensor, top_p: float) 
     B = NUCLEUS_BINS
     hi = float(logits.max())
     lo = min(max(float(logits.min()), hi - LOGIT_SPAN), hi - 1.0)  # e^-40 of the top and less: bin 0
+    if not hi > lo:  # logits so large (a temperature near 0) that hi - 1 rounds to hi: sort every live token
+        return _kept_in_order(logits, probs, (probs > 0).nonzero().flatten(), 0.0, top_p, holds_top=True)
     bins = (logits - lo).mul_(B / (hi - lo)).clamp_(0, B - 1).int()  # [V], monotone in the logit; the top in bin B-1
     cum = torch.zeros(B, device=logits.device).index_add_(0, bins, probs).double().cumsum(0)  # [B]: mass at and below
     threshold = torch.tensor([1 - top_p], dtype=torch.float64, device=logits.device)
@@ -93,6 +100,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from probs [V] by inverting its cumulative distribution with one uniform draw (`torch.multinomial`
     draws V exponentials); the seeded generator lives on the host, so sampling does too."""
     cdf = probs.cpu().double().cumsum(0)  # [V]
+    if not (math.isfinite(float(cdf[-1])) and float(cdf[-1]) > 0):  # multinomial raised here; a draft of NaN would pass
+        raise NumericsError(NONFINITE)
     u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
     i = int(torch.searchsorted(cdf, u, right=True))  # the first token whose cdf exceeds u: never one of probability 0
     return i if i < len(cdf) else int(probs.cpu().nonzero()[-1])  # u rounded up to the total

@@ -14,9 +14,7 @@ import torch
 
 from ..config import SamplingParams
 from ..errors import NumericsError
-from .sampling import probs_from_logits, sample
-
-NONFINITE = "the model computed a NaN or infinite logit"
+from .sampling import NONFINITE, probs_from_logits, sample
 
 
 def accept_greedy(drafts: list[int], target_argmax: list[int]) -> tuple[int, int]:

@@ -131,6 +131,25 @@ def test_plain_chat_through_a_remote_backend_keeps_the_conversation(served, key,
     assert messages[2].content == "And again?" and all(m.finished for m in messages)
 
 
+def test_plain_chat_sends_the_settings_thinking_switch_to_a_remote_backend(served, key, monkeypatch):
+    from moechat.app.cli import main
+    from moechat.app.settings import settings_path
+
+    url, _ = served
+    sent = []
+    generate = RemoteEngine.generate
+    monkeypatch.setattr(RemoteEngine, "generate", lambda self, request, params=None: sent.append(request.thinking)
+                        or generate(self, request, params))
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text('thinking = "off"\n', encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
+    assert main(["chat", "--plain", "--backend", url, "--max-new-tokens", "2"]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
+    assert main(["chat", "--plain", "--backend", url, "--max-new-tokens", "2", "--thinking", "on"]) == 0
+    settings_path().unlink()
+    assert sent == [False, True]
+
+
 def test_a_remote_error_is_an_error_event_and_the_engine_stays_usable(served, key):
     url, _ = served
     remote = RemoteEngine(RemoteConfig(url))

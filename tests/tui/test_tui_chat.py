@@ -404,16 +404,18 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path):
         assert stored.markdown.source == "Paris." and stored.split()[1] == "Paris."
         assert not user.query(".reasoning")  # a user's message has no reasoning block
 
-        async def stream(request_id: int, deltas: list[str], seen: list) -> MessageView:
+        async def stream(request_id: int, deltas: list[str], seen: list, reason: str = "eos", user=None) -> MessageView:
             message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)
             view = MessageView("assistant", "", message_id)
             await chat.query_one("#log").mount(view)
             chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
-            for delta in deltas:
+            for i, delta in enumerate(deltas):
                 await chat.reply_delta(request_id, delta)
                 box = view.query_one(".reasoning", Collapsible)
                 seen.append((box.display, box.collapsed, chat.reply.answer))
-            await chat.reply_finished(request_id, "", "eos", None)
+                if user and i in user:
+                    box.collapsed = user[i]  # the user folds or opens it: the next tokens leave it so
+            await chat.reply_finished(request_id, "", reason, None)
             return view
 
         seen = []
@@ -422,6 +424,16 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path):
                         (True, True, "Paris.")]
         assert view.markdown.source == "Paris." and view.query_one(".reasoning", Collapsible).title == "thought: 2 words"
         assert app.store.messages(chat.conv_id)[-1].content == "<think>\nWhich city?\n</think>\n\nParis."  # stored whole
+
+        seen = []
+        await stream(9, ["<think>\nWhich", " city?", " France", "\n</think>\n\nPar", "is", "."], seen,
+                     user={1: True, 4: False})
+        # opened as it thinks, folded by the user and left so, folded at the answer, opened by the user and left so
+        assert [s[1] for s in seen] == [False, False, True, True, True, False]
+        seen = []
+        cut = await stream(10, ["<think>\nWhich", " city?"], seen, reason="length")
+        box = cut.query_one(".reasoning", Collapsible)
+        assert box.title == "reasoning, cut off: 2 words" and not box.collapsed and cut.markdown.source == ""
 
         seen = []
         view = await stream(8, ["Which", " city?", "\n</think>\n\n", "Paris."], seen)

@@ -4,6 +4,7 @@ messages here. Every message is stored as it happens: the user's on send, the re
 at its start, re-saved at most every SAVE_INTERVAL_S, and finished at its end."""
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -76,14 +77,16 @@ class MessageView(Vertical, can_focus=True):
     def __init__(self, role: str, content: str, message_id: int | None = None, finished: bool = True) -> None:
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id, self.finished = role, content, message_id, finished
+        self.thinking = False  # the model was thinking at the last update: the block opened for it
 
     def compose(self) -> ComposeResult:
         name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
         yield Label(name if self.finished else f"{name} · interrupted", classes="role")
         reasoning, answer, thinking = self.split()
-        if self.role == "assistant":
+        if self.role == "assistant":  # a stored reply has ended: open only where it ended in its reasoning
             box = Collapsible(Static(reasoning, markup=False, classes="reasoning-text"),
-                              title=reasoning_title(reasoning, thinking), collapsed=True, classes="reasoning")
+                              title=reasoning_title(reasoning, thinking, ended=True), collapsed=not thinking,
+                              classes="reasoning")
             box.display = bool(reasoning)
             yield box
         yield Markdown(answer)
@@ -96,12 +99,13 @@ class MessageView(Vertical, can_focus=True):
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
 
-    def show_reasoning(self, reasoning: str, thinking: bool) -> None:
-        """Open while the model thinks, folded once it answers."""
+    def show_reasoning(self, reasoning: str, thinking: bool, ended: bool = False) -> None:
+        """Opened when the model starts thinking, folded when it starts answering; in between the user's to fold."""
         box = self.query_one(".reasoning", Collapsible)
         box.display = bool(reasoning) or thinking
-        box.title = reasoning_title(reasoning, thinking)
-        box.collapsed = not thinking
+        box.title = reasoning_title(reasoning, thinking, ended)
+        if thinking != self.thinking:
+            box.collapsed, self.thinking = not thinking, thinking
         self.query_one(".reasoning-text", Static).update(reasoning)
 
     def set_note(self, note: str) -> None:
@@ -138,6 +142,13 @@ class _Reply:
     text: str = ""
     saved_at: float = 0.0
     answer: str = ""  # the part of text shown as the answer (the rest: reasoning)
+
+
+async def _stop(stream) -> None:
+    """Stop a Markdown stream; one never written to (a reply still thinking) has not run its task yet, and cancelling
+    a task before it starts raises in the awaiting caller: let it start first."""
+    await asyncio.sleep(0)
+    await stream.stop()
 
 
 def status_line(model: str, state: str, stats: Stats | None) -> str:
@@ -306,7 +317,7 @@ class ChatScreen(Screen):
         if reply is None or reply.request_id != request_id:
             return
         self.reply = None
-        await reply.stream.stop()
+        await _stop(reply.stream)
         text = text or reply.text
         if stats is not None:
             self.show_stats(stats)
@@ -316,7 +327,7 @@ class ChatScreen(Screen):
             return
         reply.view.content = text
         reasoning, answer, thinking = reply.view.split()
-        reply.view.show_reasoning(reasoning, thinking)
+        reply.view.show_reasoning(reasoning, thinking, ended=True)
         await reply.view.markdown.update(answer)  # the whole reply, exactly as the engine ended it
         note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
         reply.view.set_note(note if text else "empty reply")
@@ -330,7 +341,7 @@ class ChatScreen(Screen):
             if len(answer) > len(reply.answer):
                 await reply.stream.write(answer[len(reply.answer):])
         else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
-            await reply.stream.stop()
+            await _stop(reply.stream)
             await reply.view.markdown.update(answer)
             reply.stream = Markdown.get_stream(reply.view.markdown)
         reply.answer = answer
