@@ -196,8 +196,7 @@ def test_the_demo_drafts_by_default_on_a_gpu_only(monkeypatch):
     assert _config([])[0].spec.drafter == str(DEMO_DRAFT)  # auto picks the GPU
 
 
-@pytest.mark.notorch
-def test_thinking_comes_from_the_flag_else_the_settings():
+def test_thinking_comes_from_the_flag_else_the_settings():  # make_request builds the engine's Request: torch
     from moechat.app.cli import make_request
     from moechat.app.settings import settings_path
 
