@@ -319,6 +319,32 @@ def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
 
 
+def test_snapshot_reasoning(tmp_path, snap_compare):
+    """A reply's reasoning folded above its answer, and one cut off while thinking, open (no engine: nothing moves)."""
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    conv = store.create("capital")
+    store.add(conv, "user", "What is the capital of France?")
+    store.add(conv, "assistant", "<think>\nThe capital of France: Paris, on the Seine.\n</think>\n\nIt is **Paris**.")
+    store.add(conv, "user", "And of Italy?")
+    store.add(conv, "assistant", "<think>\nItaly's capital is Rome. Let me check", finished=False)
+    store.close()
+    release = threading.Event()
+
+    def loading():  # the model loads until the app closes: no notification, nothing that moves
+        release.wait()
+        raise MoechatError("closed")
+
+    app = make_app(tmp_path, loading)
+    close = app.bridge.close
+    app.bridge.close = lambda: (release.set(), close())
+
+    async def ready(pilot):
+        await until(pilot, lambda: len(app.chat.query(MessageView)) == 4 and app.chat.state.startswith("loading"), "the chat")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
 @pilot_test
 @pytest.mark.notorch
 async def test_corrupt_settings_file_opens_the_app_with_defaults_and_a_notice(tmp_path, stored):
