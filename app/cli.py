@@ -74,8 +74,6 @@ def engine_config(args):
     settings, notice = load_settings()
     if notice:
         print(f"moechat: warning: {notice}", file=sys.stderr)
-    if hasattr(args, "thinking"):  # a command that sends chat messages: the flag, else the settings
-        args.thinking = args.thinking or settings.thinking
     if args.model is None:  # a configured draft goes with the configured model only
         args.model, args.draft = settings.model, args.draft or settings.draft
     user_draft = args.draft
@@ -136,7 +134,6 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int, top_p: float = 1.0) -> None:
     """The sampling options of app/options.py, with this command's defaults for the three the settings hold."""
     add_flags(p, "sampling", temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p)
-    p.set_defaults(thinking=None)  # unset: the settings' (engine_config), whose own default is auto
 
 
 def make_request(args, tokenizer):
@@ -147,13 +144,17 @@ def make_request(args, tokenizer):
     if not args.raw and getattr(tokenizer, "chat_template", None):
         messages = (([{"role": "system", "content": args.system}] if args.system else [])
                     + [{"role": "user", "content": args.prompt}])
-        return Request(messages=messages, thinking=thinking_flag(args.thinking))
+        return Request(messages=messages, thinking=request_thinking(args))
     return Request(prompt=args.prompt)
 
 
-def thinking_flag(thinking: str) -> bool | None:
-    """The `thinking` option as the chat template's `enable_thinking`: None leaves the template's default."""
-    return {"on": True, "off": False}.get(thinking)
+def request_thinking(args) -> bool | None:
+    """`--thinking`, else the settings' `thinking`, as the chat template's `enable_thinking` (the app reads its own
+    settings, which its screen edits)."""
+    from .reasoning import enable_thinking
+    from .settings import load_settings
+
+    return enable_thinking(args.thinking or load_settings()[0].thinking)
 
 
 def sampling_params(args):

@@ -241,10 +241,10 @@ OPTIONS: tuple[Option, ...] = (
            "sampling", low=0, high=1, low_open=True, live=True, other_defaults="generate: 1", label="Top-p", metavar="P"),
     Option("max_new_tokens", int, 512, "longest reply, in tokens", "sampling", unit="tokens", low=1, live=True,
            other_defaults="generate: 128, chat --plain: 256", label="Max new tokens", metavar="N"),
-    Option("thinking", str, "auto", "models that reason before they answer (Qwen3; DeepSeek-R1's distills always do): "
+    Option("thinking", str, None, "models that reason before they answer (Qwen3; DeepSeek-R1's distills always do): "
            "on thinks first, off answers at once (far sooner on a CPU), auto keeps the chat template's default; the chat "
-           "folds the reasoning above the answer", "sampling", choices=("auto", "on", "off"), live=True, label="Thinking",
-           widget="select"),
+           "folds the reasoning above the answer", "sampling", choices=("auto", "on", "off"), unset="auto", live=True,
+           label="Thinking", placeholder="auto", widget="select"),
     Option("top_k", int, 0, "sample from the K likeliest tokens, 0 turns it off", "sampling", low=0, setting=False,
            metavar="K"),
     Option("seed", int, None, "random seed of sampling", "sampling", setting=False, unset="random",

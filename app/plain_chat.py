@@ -32,16 +32,14 @@ def _open_engine(args):
 
 def cmd_chat(args) -> int:
     from .chats import ChatStore
-    from .cli import sampling_params, thinking_flag
-    from .settings import load_settings
+    from .cli import request_thinking, sampling_params
 
-    args.thinking = args.thinking or load_settings()[0].thinking  # a remote backend's too (engine_config is local)
     engine, what, remote = _open_engine(args)
     params = sampling_params(args)
     print(f"moechat: {what}; {HELP}", file=sys.stderr)
     store = ChatStore()
     try:
-        return _chat(engine, store, params, args.system, remote, thinking_flag(args.thinking))
+        return _chat(engine, store, params, args.system, remote, request_thinking(args))
     finally:
         store.close()
         engine.close()

@@ -26,6 +26,12 @@ def split_reasoning(text: str) -> tuple[str, str, bool]:
     return "", text, False
 
 
+def enable_thinking(thinking: str | None) -> bool | None:
+    """The `thinking` option (auto, on, off; None: unset) as the chat template's `enable_thinking`: None leaves the
+    template's default."""
+    return {"on": True, "off": False}.get(thinking)
+
+
 def reasoning_title(reasoning: str, thinking: bool, ended: bool = False) -> str:
     """The block's title; a reply that ended (stopped, at its length limit) while thinking says so."""
     words = len(reasoning.split())

@@ -45,7 +45,7 @@ class MoechatApp(App):
         self.settings_file = settings_file or settings_path()
         self.settings, self.settings_notice = load_settings(self.settings_file)
         self.sampling = sampling or sampling_from(self.settings)
-        self.thinking = self.settings.thinking  # auto | on | off: the chat template's enable_thinking
+        self.thinking = self.settings.thinking  # auto | on | off (None: auto): the chat template's enable_thinking
         self.chat = ChatScreen()
         self.bridge_started = False
 

@@ -200,16 +200,18 @@ def test_thinking_comes_from_the_flag_else_the_settings():  # make_request build
     from moechat.app.cli import make_request
     from moechat.app.settings import settings_path
 
-    assert _config([])[1].thinking == "auto"
+    tokenizer = type("Tok", (), {"chat_template": "{{ messages }}"})()
+    _, args = _config([])
+    assert args.thinking is None and make_request(args, tokenizer).thinking is None  # auto: the template's default
     settings_path().parent.mkdir(parents=True, exist_ok=True)
     settings_path().write_text('thinking = "off"\n', encoding="utf-8")
     _, args = _config([])
-    tokenizer = type("Tok", (), {"chat_template": "{{ messages }}"})()
-    assert args.thinking == "off" and make_request(args, tokenizer).thinking is False
+    assert make_request(args, tokenizer).thinking is False
     _, args = _config(["--thinking", "on"])
     assert args.thinking == "on" and make_request(args, tokenizer).thinking is True
     settings_path().write_text('thinking = "maybe"\n', encoding="utf-8")  # a bad value: the defaults, in one line
-    assert _config([])[1].thinking == "auto"
+    _, args = _config([])
+    assert make_request(args, tokenizer).thinking is None
     settings_path().unlink()
 
 

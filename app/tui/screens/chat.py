@@ -28,8 +28,7 @@ from textual.widgets import (
     TextArea,
 )
 
-from ...cli import thinking_flag
-from ...reasoning import reasoning_title, split_reasoning
+from ...reasoning import enable_thinking, reasoning_title, split_reasoning
 from ..messages import Frame, Stats
 from ..widgets.heatmap import ExpertHeatmap
 from ..widgets.stats import StatsPanel
@@ -293,7 +292,7 @@ class ChatScreen(Screen):
         self.next_request += 1
         self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic())
         self.stats = None
-        self.app.bridge.generate(self.next_request, history, self.app.sampling, thinking_flag(self.app.thinking))
+        self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
 
     def reply_progress(self, request_id: int, done: int, total: int) -> None:
         if self.reply is not None and self.reply.request_id == request_id and not self.reply.text:
