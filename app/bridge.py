@@ -199,14 +199,12 @@ class EngineBridge:
             else:
                 name = model_name(config.model_dir)
                 self._send(EngineLoading(0.1, f"loading {name}"))
-                from ..engine import Engine  # torch and transformers load here, not at UI start
+                from ..engine import Engine, rising_fraction  # torch and transformers load here, not at UI start
 
-                top = 0.1
+                fraction = rising_fraction(0.1, 0.9)
 
                 def progress(what: str, done: int, total: int) -> None:  # minutes on a large model, layer by layer
-                    nonlocal top  # each phase (reading, quantizing, the self drafter's table) counts from 1: no going back
-                    top = max(top, 0.1 + 0.8 * done / max(total, 1))
-                    self._send(EngineLoading(top, f"{name}: {what}, layer {done} of {total}"))
+                    self._send(EngineLoading(fraction(done, total), f"{name}: {what}, layer {done} of {total}"))
 
                 engine = Engine(config, progress)
         except Exception:

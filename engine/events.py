@@ -19,6 +19,19 @@ class TokenDelta:
 LoadProgress = Callable[[str, int, int], None]
 
 
+def rising_fraction(lo: float, hi: float) -> Callable[[int, int], float]:
+    """A load's (done, total) as a fraction from lo to hi that never runs backwards: each of its phases (reading,
+    quantizing, the self drafter's table) counts its layers from 1."""
+    top = lo
+
+    def fraction(done: int, total: int) -> float:
+        nonlocal top
+        top = max(top, lo + (hi - lo) * done / max(total, 1))
+        return top
+
+    return fraction
+
+
 @dataclass
 class PrefillProgress:
     """Between two prefill passes of a long prompt: `done` of its `total` positions are in the KV cache (reused ones

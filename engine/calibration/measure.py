@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import SpecConfig
+from ..events import rising_fraction
 from ..pinned import release_cached_memory
 from ..quant.formats import QuantMatrix
 from .types import Hardware, Measurements
@@ -232,16 +233,9 @@ def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: st
 
 
 def _load_progress(report: Progress, lo: float, hi: float):
-    """A load's progress (each of its phases counts layers from 1: reading, quantizing, the self drafter's table) as
-    fractions from lo to hi that never run backwards."""
-    top = lo
-
-    def tell(what: str, done: int, total: int) -> None:
-        nonlocal top
-        top = max(top, lo + (hi - lo) * done / max(total, 1))
-        report(f"loading the model: {what}", top)
-
-    return tell
+    """A load's progress as fractions from lo to hi that never run backwards."""
+    fraction = rising_fraction(lo, hi)
+    return lambda what, done, total: report(f"loading the model: {what}", fraction(done, total))
 
 
 def _where(hw: Hardware, device: str | None, dtype: str | None) -> tuple[str, str]:
