@@ -57,10 +57,10 @@ def hf_generate(model, ids, max_new: int, params=None) -> tuple[float, list[int]
     import torch
 
     x = torch.tensor([ids], device=model.device)
-    sampled = {} if params is None or params.greedy else {
+    how = {"do_sample": False} if params is None or params.greedy else {
         "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
     t0 = time.perf_counter()
-    out = model.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, **({"do_sample": False} | sampled))
+    out = model.generate(x, max_new_tokens=max_new, min_new_tokens=max_new, **how)
     return time.perf_counter() - t0, out[0, len(ids):].tolist()
 
 

@@ -299,9 +299,8 @@ def test_moechat_opens_the_app_only_on_a_terminal(monkeypatch):
 
 
 @pytest.mark.notorch
-def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
-    """The chat screen with a stored conversation while the model loads (the factory waits for the
-    app to close, so no engine output makes it differ from run to run)."""
+def still_loading_app(tmp_path: Path) -> MoechatApp:
+    """An app whose model loads until the app closes: no engine output, no notification, nothing that moves."""
     release = threading.Event()
 
     def loading():
@@ -311,6 +310,13 @@ def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
     app = make_app(tmp_path, loading)
     close = app.bridge.close
     app.bridge.close = lambda: (release.set(), close())
+    return app
+
+
+def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
+    """The chat screen with a stored conversation while the model loads (the factory waits for the
+    app to close, so no engine output makes it differ from run to run)."""
+    app = still_loading_app(tmp_path)
 
     async def ready(pilot):
         await until(pilot, lambda: app.chat.state.startswith("loading"), "the loading state")
@@ -328,15 +334,7 @@ def test_snapshot_reasoning(tmp_path, snap_compare):
     store.add(conv, "user", "And of Italy?")
     store.add(conv, "assistant", "<think>\nItaly's capital is Rome. Let me check", finished=False)
     store.close()
-    release = threading.Event()
-
-    def loading():  # the model loads until the app closes: no notification, nothing that moves
-        release.wait()
-        raise MoechatError("closed")
-
-    app = make_app(tmp_path, loading)
-    close = app.bridge.close
-    app.bridge.close = lambda: (release.set(), close())
+    app = still_loading_app(tmp_path)
 
     async def ready(pilot):
         await until(pilot, lambda: len(app.chat.query(MessageView)) == 4 and app.chat.state.startswith("loading"), "the chat")
