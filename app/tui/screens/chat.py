@@ -77,11 +77,13 @@ class MessageView(Vertical, can_focus=True):
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id, self.finished = role, content, message_id, finished
         self.thinking = False  # the model was thinking at the last update: the block opened for it
+        self.reasoning = ""  # the reasoning the block shows: redrawn only when it grows, not at every answer token
 
     def compose(self) -> ComposeResult:
         name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
         yield Label(name if self.finished else f"{name} · interrupted", classes="role")
         reasoning, answer, thinking = self.split()
+        self.reasoning = reasoning
         if self.role == "assistant":  # a stored reply has ended: open only where it ended in its reasoning
             box = Collapsible(Static(reasoning, markup=False, classes="reasoning-text"),
                               title=reasoning_title(reasoning, thinking, ended=True), collapsed=not thinking,
@@ -105,7 +107,9 @@ class MessageView(Vertical, can_focus=True):
         box.title = reasoning_title(reasoning, thinking, ended)
         if thinking != self.thinking:
             box.collapsed, self.thinking = not thinking, thinking
-        self.query_one(".reasoning-text", Static).update(reasoning)
+        if reasoning != self.reasoning:
+            self.query_one(".reasoning-text", Static).update(reasoning)
+            self.reasoning = reasoning
 
     def set_note(self, note: str) -> None:
         label = self.query_one(".role", Label)
