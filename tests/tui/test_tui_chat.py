@@ -298,7 +298,6 @@ def test_moechat_opens_the_app_only_on_a_terminal(monkeypatch):
     assert ran == ["tui", "plain", "plain"]
 
 
-@pytest.mark.notorch
 def still_loading_app(tmp_path: Path) -> MoechatApp:
     """An app whose model loads until the app closes: no engine output, no notification, nothing that moves."""
     release = threading.Event()
@@ -313,6 +312,7 @@ def still_loading_app(tmp_path: Path) -> MoechatApp:
     return app
 
 
+@pytest.mark.notorch
 def test_snapshot_chat_screen(tmp_path, stored, snap_compare):
     """The chat screen with a stored conversation while the model loads (the factory waits for the
     app to close, so no engine output makes it differ from run to run)."""
