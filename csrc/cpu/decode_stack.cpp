@@ -190,22 +190,25 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
 
 }  // namespace
 
-// x [T, H]: the embeddings in, the residual stream out; h_out [T, H]: final_norm(x), for the head;
+// x [T, H]: the embeddings in, the residual stream out; h_out [T, H]: final_norm(x), or null; with `head` (else
+// null), logits [keep, V] = head(final_norm(x)) of the last `keep` rows: the pass and its head in one call;
 // experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); counts_out
-// [layers, E]: activations per expert (0 in a dense layer); cos, sin [T, D] at positions past.. (MLA: [T, rope / 2],
-// the rotation's real and imaginary parts); seconds[4] += the experts', the dense products', attention's and the
-// routing's seconds.
-// Returns 0, or (layer + 1) * 16 + the failing stage.
+// [layers, E]: activations per expert (0 in a dense layer), also added to counts_sum [layers, E] unless null (the
+// step's counters, where their rows are the stack's layers: no torch call to add them); cos, sin [T, D] at positions past.. (MLA: [T, rope / 2],
+// the rotation's real and imaginary parts); seconds[4] += the experts', the dense products' (the head's too),
+// attention's and the routing's seconds.
+// Returns 0, or (layer + 1) * 16 + the failing stage (the head: layer = layers).
 API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int64_t T, int64_t past, const float* cos,
-                         const float* sin, float* x, const float* final_norm, float* h_out, int64_t* experts_out,
-                         float* weights_out, int64_t* counts_out, double* seconds, int threads) {
+                         const float* sin, float* x, const float* final_norm, float* h_out, const DenseWeight* head,
+                         int64_t keep, float* logits, int64_t* experts_out, float* weights_out, int64_t* counts_out,
+                         int64_t* counts_sum, double* seconds, int threads) {
     const StackShape& s = *shape;
     const bool mla = s.R > 0;
     const int64_t H = s.H, k = s.k, S = T * k;
     const int64_t Aq = mla ? s.Hq * (s.nope + s.rope) : s.Hq * s.D;     // q's width
     const int64_t Wqkv = Aq + (mla ? s.R + s.rope : 2 * s.Hkv * s.D);  // with k and v (MLA: the compressed KV and k_pe)
     const int64_t A = mla ? s.Hq * s.vdim : Aq;                         // attention's output
-    if (T <= 0 || s.layers <= 0 || k <= 0 || k > s.E) return 1;
+    if (T <= 0 || s.layers <= 0 || k <= 0 || k > s.E || (head ? keep <= 0 || keep > T || !logits : !h_out)) return 1;
     Scratch b;
     b.h.resize(T * H), b.qkv.resize(T * Wqkv), b.att.resize(T * A), b.o.resize(T * H), b.logits.resize(T * s.E);
     b.mlp.resize(T * H), b.row_w.resize(S), b.order.resize(S), b.ids.resize(S), b.offsets.resize(S + 1), b.rows.resize(S);
@@ -252,9 +255,17 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
             for (int64_t i = 0; i < T * H; ++i) b.mlp[i] += b.shared[i];
             seconds[DENSE] += now() - t4;
         }
+        if (counts_sum)
+            for (int64_t e = 0; e < s.E; ++e) counts_sum[l * s.E + e] += counts[e];
         const bool last = l + 1 == s.layers;
-        if (moe_add_rms_norm(x, b.mlp.data(), last ? final_norm : layers[l + 1].input_norm, s.eps, T, H, last ? h_out : h))
+        if (moe_add_rms_norm(x, b.mlp.data(), last ? final_norm : layers[l + 1].input_norm, s.eps, T, H,
+                             last && h_out ? h_out : h))
             return fail + 8;
     }
+    if (!head) return 0;
+    const double t0 = now();  // the head reads the last `keep` rows of final_norm(x)
+    const float* normed = (h_out ? h_out : h) + (T - keep) * H;
+    if (dense(*head, normed, keep, logits, threads, int(s.q_isa))) return int((s.layers + 1) * 16 + 1);
+    seconds[DENSE] += now() - t0;
     return 0;
 }

@@ -7,11 +7,13 @@ import torch
 class LayerCounters:
     """Filled by the MoE layers during a step; `generate` reads and resets it every step."""
 
-    def __init__(self, num_layers: int, num_experts: int):
-        with torch.inference_mode(False):  # normal tensors: updatable inside and outside inference mode
-            # [L, E] prefill/verify demand and [L, E] draft-phase demand, in one allocation (made every step)
-            self.freq, self.draft_freq = torch.zeros(2, num_layers, num_experts, dtype=torch.long).unbind(0)
-        self.draft_rows = self.draft_freq.numpy()  # the same memory: a row's += costs ~1 µs there, per draft pass
+    def __init__(self, num_layers: int, num_experts: int, demand: tuple | None = None):
+        if demand is None:
+            demand = _demand(1, num_layers, num_experts)[0]
+        # [L, E] prefill/verify demand and [L, E] draft-phase demand; draft_rows: the latter's memory in numpy, where a
+        # row's += costs ~1 µs, per draft pass
+        self.freq, self.draft_freq, self.draft_rows = demand
+        self.drafted = False  # a draft pass reported demand this step
         self.hits = 0  # activations served by resident experts
         self.misses = 0  # activations computed on the CPU
         self.dropped = 0  # activations an expert budget left out (lossy mode)
@@ -56,3 +58,15 @@ class LayerCounters:
             return self.host_device_s
         self.device_events[-1][1].synchronize()
         return sum(start.elapsed_time(end) for start, end in self.device_events) / 1e3
+
+
+def counter_block(n: int, num_layers: int, num_experts: int) -> list[LayerCounters]:
+    """n fresh counters from one allocation: a decode step takes one instead of allocating (its Python runs with the
+    weights just streamed through the CPU's caches, where each torch call costs 10x its warm time)."""
+    return [LayerCounters(num_layers, num_experts, d) for d in _demand(n, num_layers, num_experts)]
+
+
+def _demand(n: int, num_layers: int, num_experts: int) -> list[tuple]:
+    with torch.inference_mode(False):  # normal tensors, views made outside inference mode: updatable in and out of it
+        blocks = torch.zeros(n, 2, num_layers, num_experts, dtype=torch.long).unbind(0)
+        return [(freq, draft, draft.numpy()) for freq, draft in (block.unbind(0) for block in blocks)]

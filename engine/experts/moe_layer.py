@@ -213,10 +213,11 @@ def account(rt: MoERuntime, li: int, phase: str, counts: torch.Tensor, computed:
 
 
 def account_layers(rt: MoERuntime, lis: torch.Tensor, phase: str, counts: torch.Tensor, computed: int,
-                   hits: bool = False) -> None:
+                   hits: bool = False, summed: bool = False) -> None:
     """account() for several layers of one pass computed by one call: lis [L] their indices, counts [L, E]; one update
-    of the counters, then the policy's hooks per layer, as split_tiers and account() make them. Every expert on the CPU
-    (the decode stack's pass), or with hits every one on the fast tier (resident.py's)."""
+    of the counters (with `summed`, the demand already added by the caller), then the policy's hooks per layer, as
+    split_tiers and account() make them. Every expert on the CPU (the decode stack's pass), or with hits every one on
+    the fast tier (resident.py's)."""
     if phase == "draft":
         for li, row in zip(lis.tolist(), counts.unbind(0)):
             if hits and rt.hooks:  # the experts in use, as split_tiers marks them (account() releases them)
@@ -225,19 +226,22 @@ def account_layers(rt: MoERuntime, lis: torch.Tensor, phase: str, counts: torch.
             account(rt, li, phase, row, computed, computed if hits else 0, 0, None)
         return
     c = rt.counters
-    c.freq.index_add_(0, lis, counts)
+    if not summed:
+        c.freq.index_add_(0, lis, counts)
     if hits:
         c.hits += computed * len(lis)
     else:
         c.misses += computed * len(lis)
     clock = rt.cache.copy_clock
     t0, copied = time.perf_counter(), clock.s
-    for li, row in zip(lis.tolist(), counts.unbind(0)):
-        if rt.hooks:
+    if rt.hooks:
+        for li, row in zip(lis.tolist(), counts.unbind(0)):
             with rt.cache.lock:
                 rt.policy.before_layer(li, row)
             rt.policy.after_layer(li)
-        rt.policy.on_layer(li, row, phase)
+            rt.policy.on_layer(li, row, phase)
+    else:
+        rt.policy.on_layers(lis, counts, phase)
     c.add_policy(time.perf_counter() - t0, clock.s - copied)
 
 

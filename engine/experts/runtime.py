@@ -18,11 +18,12 @@ from ..replay import RoutingReplay
 from ..sched.policies import PHASES, Policy
 from . import cpu_ffn
 from .cache import ExpertCache
-from .counters import LayerCounters
+from .counters import LayerCounters, counter_block
 from .moe_layer import account, apply_budget, compute, cpu_direct, route, split_tiers
 from .resident import ResidentExperts
 from .store import ExpertStore
 
+COUNTER_BLOCK = 16  # steps' counters allocated at once
 Remap = Callable[[int], "torch.Tensor | None"]  # sparse layer -> [E] resident substitute per expert, or None
 Recorder = Callable[[int, torch.Tensor, torch.Tensor], None]  # (li, expert ids [N, k], weights [N, k])
 
@@ -70,6 +71,7 @@ class MoERuntime:
         self.hooks = True  # whether the pass in progress calls the policy's before_layer/after_layer
         self.replay: RoutingReplay | None = None  # benchmarks: recorded routing overrides the routers
         self.counters = LayerCounters(len(store.layers), store.num_experts)
+        self._spare_counters: list[LayerCounters] = []  # reset_counters' next ones (counter_block)
         self.resident = ResidentExperts(self)  # MoE layers on the device in the static passes, when every expert fits
         # The fused native CPU kernel needs SwiGLU with SiLU, which every supported family uses;
         # native_cpu=False keeps the PyTorch CPU path (benchmarks compare the two)
@@ -161,12 +163,13 @@ class MoERuntime:
         """Draft-phase demand [E] of sparse layer li (host int64), the lookahead signal: the one path
         by which both drafters report it, per draft forward (one token) per layer."""
         self.counters.draft_rows[li] += demand.numpy()  # this step's draft phase so far: counters reset every step
+        self.counters.drafted = True
 
     def end_draft_phase(self) -> None:
         """Drafting is over: the policy sees its demand once per layer, summed over the draft tokens
         (the granularity the simulator replays), then on_forward_end("draft"). No residency moves
         while drafting, so a draft phase computes against one table."""
-        if not self.counters.draft_rows.any():  # no draft pass this step (numpy: a decode step without a drafter pays ~1 µs)
+        if not self.counters.drafted:  # no draft pass this step
             return
         demand = self.counters.draft_freq  # [L, E] reported since the step began
         layers = demand.any(dim=1).nonzero().flatten().tolist()  # a reporting layer has demand: k >= 1 per token
@@ -187,7 +190,9 @@ class MoERuntime:
         self.counters.layer_s += spent  # counted in layer time too, so host time (layer - wait - policy - copy) stays exact
 
     def reset_counters(self) -> LayerCounters:
-        done, self.counters = self.counters, LayerCounters(len(self.store.layers), self.store.num_experts)
+        if not self._spare_counters:
+            self._spare_counters = counter_block(COUNTER_BLOCK, len(self.store.layers), self.store.num_experts)
+        done, self.counters = self.counters, self._spare_counters.pop()
         return done
 
     def utility_snapshot(self, bound: int) -> UtilitySnapshot:

@@ -28,6 +28,7 @@ from ..quant import formats
 from ..quant.dense import QuantLinear
 from . import decode_ops
 from .bf16_linear import Bf16Linear
+from .kv_cache import GrowingLayer
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -51,7 +52,7 @@ class StackShape(ctypes.Structure):
 
 
 PARTS = ("experts", "dense", "attention", "moe_layer")  # the C side's seconds[], in its order (routing: moe_layer)
-_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
 
 
 def library() -> ctypes.CDLL | None:
@@ -89,7 +90,7 @@ def linear_weight(module) -> DenseWeight | None:
 
 
 class DecodeStack:
-    """Built by build_decode_stack from a LeanForward; run() is one pass: embeddings in, final-normed rows out."""
+    """Built by build_decode_stack from a LeanForward; forward() is one pass: embeddings in, the head's logits out."""
 
     def __init__(self, lean, runtime: MoERuntime | None, shape: StackShape, layers: list[StackLayer], keep: list,
                  sparse: dict[int, int]):
@@ -100,16 +101,17 @@ class DecodeStack:
         self.rows = torch.tensor(list(sparse))  # [L_moe] those positions
         self.lis = torch.tensor(list(sparse.values()))  # [L_moe] their indices in the runtime
         self.dense_layers = len(sparse) < len(layers)  # qwen3_moe's mlp_only_layers: rows to pick out
+        # the counters' rows are the stack's layers, in order: the call adds a verify or prefill pass's counts to them
+        self.sums_in_place = (runtime is not None and list(sparse.values()) == list(range(len(layers)))
+                              and len(runtime.store.layers) == len(layers))
         self.final_norm = lean.base.norm.weight
         self.seconds = dict.fromkeys(PARTS, 0.0)  # native time by part since construction (bench generate --by-part)
-        head = lean.hf.lm_head
-        # an fp32 or bf16 (Bf16Linear) head as one fixed-order product per row (torch's GEMM rounds a 5-row pass unlike
-        # 5 one-row ones)
-        self.head_weight = self.head_bias = None
-        if (type(head) in (torch.nn.Linear, Bf16Linear) and head.weight.dtype in (torch.float32, torch.bfloat16)
-                and head.weight.is_contiguous()):
-            self.head_weight = head.weight.detach()
-            self.head_bias = None if head.bias is None else head.bias.detach()
+        # the head in the same call where the stack's dense product reads it (fp32, bf16 or quantized, no bias): each
+        # row one fixed-order product (torch's GEMM rounds a 5-row pass unlike 5 one-row ones)
+        self.head = linear_weight(lean.hf.lm_head)
+        self.vocab = lean.hf.lm_head.out_features
+        self._outputs: dict[int, tuple] = {}  # T -> the routing's output buffers, reused (the accounting copies them)
+        self._bound = None  # (cache id, GrowingLayer.moves, room): the cache buffers the descriptors point into
 
     def usable(self) -> bool:
         """Whether this pass may skip the MoE layers' own path (as moe_layer.cpu_direct decides per layer); a dense
@@ -120,43 +122,65 @@ class DecodeStack:
         return (mode is not None and rt.direct and rt.replay is None and mode.remap is None
                 and not (rt.expert_budget is not None and mode.phase == "verify"))
 
-    def run(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H] fp32 embeddings (the residual stream, updated in place), cos/sin [T, D] -> [T, H] final-normed;
-        the pass's keys and values appended to `cache` (GrowingLayers, checked by the caller)."""
-        T, L, k, E = x.shape[0], self.shape.layers, self.shape.k, self.shape.E
+    def forward(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor, keep: int) -> torch.Tensor:
+        """x [T, H] fp32 embeddings (the residual stream, updated in place), cos/sin [T, D] -> logits [keep, V] fp32 of
+        the last `keep` positions; the pass's keys and values appended to `cache` (GrowingLayers, checked by the caller).
+        A decode step's Python runs with cold caches (the pass streamed the weights through them), so it does little:
+        the buffers are reused and the cache's addresses set again only when a buffer moved."""
+        T, L = x.shape[0], self.shape.layers
+        keep = min(keep, T)  # as transformers' logits_to_keep: at most every position
         kv = cache.layers[:L]
         start = kv[0].length
-        for layer, entry in zip(self.layers, kv):
-            entry.reserve(T)  # may grow (move) the buffers: addresses taken after
-            layer.k_cache, layer.v_cache, layer.capacity = entry._k.data_ptr(), entry._v.data_ptr(), entry._k.shape[2]
-        h = torch.empty_like(x)
-        experts = torch.empty(L, T, k, dtype=torch.int64)
-        weights = torch.empty(L, T, k, dtype=torch.float32)
-        counts = torch.empty(L, E, dtype=torch.int64)  # [L, E] activations per expert, from the kernel's grouping
-        seconds = (ctypes.c_double * len(PARTS))()
-        self.shape.float_isa, self.shape.q_isa = cpu_ffn.ISA[cpu_ffn.default_isa()], cpu_ffn.ISA[cpu_ffn._q_isa(None)]
-        code = library().moe_decode_stack(ctypes.byref(self.shape), self.layers, T, start, cos.data_ptr(), sin.data_ptr(),
-                                          x.data_ptr(), self.final_norm.data_ptr(), h.data_ptr(), experts.data_ptr(),
-                                          weights.data_ptr(), counts.data_ptr(), seconds, torch.get_num_threads())
+        self._bind(cache, kv, start + T)
+        if T not in self._outputs:
+            k, E = self.shape.k, self.shape.E
+            self._outputs[T] = (torch.empty(L, T, k, dtype=torch.int64), torch.empty(L, T, k, dtype=torch.float32),
+                                torch.empty(L, E, dtype=torch.int64), (ctypes.c_double * len(PARTS))())  # counts [L, E]
+        experts, weights, counts, seconds = self._outputs[T]
+        ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
+        isa = cpu_ffn.default_isa()
+        self.shape.float_isa, self.shape.q_isa = cpu_ffn.ISA[isa], cpu_ffn.ISA[cpu_ffn._q_isa(isa)]
+        h = None if self.head is not None else torch.empty_like(x)
+        logits = torch.empty(keep, self.vocab) if self.head is not None else None
+        summed = self.sums_in_place and self.runtime.mode.phase != "draft"  # the draft phase's demand goes elsewhere
+        code = library().moe_decode_stack(
+            ctypes.byref(self.shape), self.layers, T, start, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
+            self.final_norm.data_ptr(), tensor_ptr(h), None if self.head is None else ctypes.byref(self.head), keep,
+            tensor_ptr(logits), experts.data_ptr(), weights.data_ptr(), counts.data_ptr(),
+            self.runtime.counters.freq.data_ptr() if summed else None, seconds, torch.get_num_threads())
         if code:
-            raise RuntimeError(f"native decode stack failed at layer {code // 16 - 1}, stage {code % 16}")
+            where = "the head" if code // 16 > L else f"layer {code // 16 - 1}, stage {code % 16}"
+            raise RuntimeError(f"native decode stack failed at {where}")
         for entry in kv:
             entry.advance(T)
         for part, value in zip(PARTS, seconds):
             self.seconds[part] += value
         if self.runtime is not None:
-            self._account(experts, weights, counts, seconds[0])
-        return h
+            self._account(experts, weights, counts, seconds[0], summed)
+        if logits is None:  # a head with a bias (one fixed-order product per row as well), or another module
+            head = self.lean.hf.lm_head
+            plain = (type(head) in (torch.nn.Linear, Bf16Linear) and head.weight.dtype in (torch.float32, torch.bfloat16)
+                     and head.weight.is_contiguous())
+            bias = None if head.bias is None else head.bias.detach()
+            logits = decode_ops.linear(h[-keep:], head.weight.detach(), bias) if plain else head.forward(h[-keep:]).float()
+        return logits
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """h [T, H] final-normed -> logits [T, V] fp32 (a quantized head's kernel already computes rows alone)."""
-        if self.head_weight is None:
-            return self.lean.hf.lm_head.forward(h).float()
-        return decode_ops.linear(h, self.head_weight, self.head_bias)
+    def _bind(self, cache, kv: list, end: int) -> None:
+        """Room for positions ..end in every layer of `cache`, and the descriptors pointing at its buffers; nothing to do
+        while the same cache's buffers stay where they were bound and hold `end` positions."""
+        bound = self._bound
+        if bound is not None and bound[0] == id(cache) and bound[1] == GrowingLayer.moves and end <= bound[2]:
+            return
+        for layer, entry in zip(self.layers, kv):
+            entry.reserve(end - entry.length)  # may grow (move) the buffers: addresses taken after
+            layer.k_cache, layer.v_cache, layer.capacity = entry._k.data_ptr(), entry._v.data_ptr(), entry._k.shape[2]
+        self._bound = (id(cache), GrowingLayer.moves, min(entry._k.shape[2] for entry in kv))
 
-    def _account(self, experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, expert_s: float) -> None:
+    def _account(self, experts: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, expert_s: float,
+                 summed: bool) -> None:
         """What each MoE layer's own path records (moe_layer.cpu_direct, MoERuntime.run_layer), for all layers:
-        experts, weights [L, T, k] and counts [L, E] of every layer of the stack, dense ones included."""
+        experts, weights [L, T, k] and counts [L, E] of every layer of the stack, dense ones included (with `summed`,
+        already added to the counters' demand by the call)."""
         rt, mode, c = self.runtime, self.runtime.mode, self.runtime.counters
         t0 = time.perf_counter()
         _, T, k = experts.shape
@@ -166,7 +190,7 @@ class DecodeStack:
         if mode.recorder is not None and mode.phase != "draft":
             for li, row_experts, row_weights in zip(self.sparse.values(), experts, weights):
                 mode.recorder(li, row_experts, row_weights)
-        account_layers(rt, self.lis, mode.phase, counts, T * k)
+        account_layers(rt, self.lis, mode.phase, counts, T * k, summed=summed)
         c.layer_calls += len(self.lis)
         c.layer_s += expert_s + time.perf_counter() - t0
         c.wait_s += expert_s

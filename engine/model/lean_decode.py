@@ -148,7 +148,7 @@ class LeanForward:
         self._tables(start + T, x)
         cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, D]
         if self.stack is not None and self.stack.usable():
-            return self.stack.head(self.stack.run(x, cache, cos, sin)[-keep:])  # [keep, V]
+            return self.stack.forward(x, cache, cos, sin, keep)  # [keep, V]
         first = self.layers[0].input_layernorm
         h = add_rms_norm(x, None, first.weight, first.variance_epsilon)
         for i, layer in enumerate(self.layers):

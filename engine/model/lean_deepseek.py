@@ -87,7 +87,7 @@ class LeanDeepseek:
         freqs = self._rotary(start + T, x)[:, start: start + T]  # [1, T, rope / 2]
         if self.stack is not None and self.stack.usable() and native_cache_ready(cache, len(self.layers), same_widths=False):
             cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, rope / 2]
-            return self.stack.head(self.stack.run(x, cache, cos, sin)[-keep:])  # [keep, V]
+            return self.stack.forward(x, cache, cos, sin, keep)  # [keep, V]
         first = self.layers[0].input_layernorm
         h = add_rms_norm(x, None, first.weight, first.variance_epsilon, native)
         for i, layer in enumerate(self.layers):

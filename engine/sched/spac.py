@@ -71,6 +71,10 @@ class SpacPolicy(Policy):
         if held is not None:
             self.prefetch.release_all(held)
 
+    def on_layers(self, lis: torch.Tensor, counts: torch.Tensor, phase: str) -> None:
+        if self.cache.capacity > 0 and (phase != "draft" or self.config.lookahead):
+            super().on_layers(lis, counts, phase)
+
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
         if self.cache.capacity == 0 or phase == "draft" and not self.config.lookahead:
             return

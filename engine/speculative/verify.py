@@ -53,10 +53,13 @@ def accept(drafts: list[int], q: torch.Tensor | None, logits: torch.Tensor, para
     Raises NumericsError where a position's logits hold a NaN or an infinity: its token would be garbage."""
     if params.greedy:
         top, index = logits.max(-1)  # [n+1] each; a NaN anywhere in a row is its max (max propagates NaN)
-        top_and_index = torch.stack((top.double(), index.double())).tolist()  # one device sync for both; ids < 2^53
-        if not all(math.isfinite(v) for v in top_and_index[0]):
+        if logits.is_cuda:  # one device sync for both; ids < 2^53
+            tops, ids = torch.stack((top.double(), index.double())).tolist()
+        else:  # two reads, three torch calls fewer: a CPU decode step's Python runs with cold caches
+            tops, ids = top.tolist(), index.tolist()
+        if not all(math.isfinite(v) for v in tops):
             raise NumericsError(NONFINITE)
-        return accept_greedy(drafts, [int(i) for i in top_and_index[1]])
+        return accept_greedy(drafts, [int(i) for i in ids])
     p = probs_from_logits(logits, params).cpu()  # [n+1, V]; a NaN or infinite logit makes its row's sum NaN
     if not bool(torch.isfinite(p.sum(-1)).all()):
         raise NumericsError(NONFINITE)

@@ -124,7 +124,7 @@ def test_bf16_checkpoint(family, checkpoint, tokenizer):
     held = sum(p.numel() * p.element_size() for p in model.hf.parameters())
     assert estimate(str(model_dir), "float32", cpu=True).non_expert_bytes == held  # what calibration and auto count
     if family == "qwen3_moe" and cpu_ffn.library() is not None:  # one native call per pass reads them
-        assert model.lean.stack is not None and model.lean.stack.head_weight.dtype == torch.bfloat16
+        assert model.lean.stack is not None and model.lean.stack.head.w16
     assert run_engine(model_dir, prompt, drafter="self").token_ids == expected
     assert run_engine(model_dir, prompt, expert_cache_ratio=0.5, policy="spac").token_ids == expected
     assert run_engine(model_dir, prompt, host_ram_budget_bytes=1).token_ids == expected

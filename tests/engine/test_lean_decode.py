@@ -87,7 +87,7 @@ STACKED = ("qwen3_moe", "mixtral")  # the families the one-call decode stack tak
 def _counting(names):
     """Counts calls of decode_ops' and DecodeStack's entry points while the block runs: -> the counts."""
     calls, originals = dict.fromkeys(names, 0), {}
-    owners = {"attention_step": decode_ops, "router_topk": decode_ops, "run": DecodeStack}
+    owners = {"attention_step": decode_ops, "router_topk": decode_ops, "forward": DecodeStack}
     for name in names:
         originals[name] = getattr(owners[name], name)
 
@@ -117,7 +117,7 @@ def test_native_lean_logits_close_to_transformers(family, quant, stack, checkpoi
         m.lean.stack = None  # op by op
     elif m.lean.stack is None:
         pytest.skip(f"{family}: no one-call stack (the op-by-op path serves it)")
-    calls, restore = _counting(("attention_step", "router_topk", "run"))
+    calls, restore = _counting(("attention_step", "router_topk", "forward"))
     try:
         _compare(m, native=True)
     finally:
@@ -125,9 +125,9 @@ def test_native_lean_logits_close_to_transformers(family, quant, stack, checkpoi
     sparse = sum(router is not None for router in m.lean.routers)
     assert sparse == sum(hasattr(layer.mlp, "experts") for layer in m.lean.layers) > 0
     if stack:  # every pass in one native call
-        assert calls == {"attention_step": 0, "router_topk": 0, "run": 5}
+        assert calls == {"attention_step": 0, "router_topk": 0, "forward": 5}
     else:  # every pass, every layer native: attention's core, and the router of every sparse block (dense layers have none)
-        assert calls == {"attention_step": 5 * m.hf_config.num_hidden_layers, "router_topk": 5 * sparse, "run": 0}
+        assert calls == {"attention_step": 5 * m.hf_config.num_hidden_layers, "router_topk": 5 * sparse, "forward": 0}
 
 
 @pytest.mark.native
@@ -168,6 +168,42 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
 
 
 @pytest.mark.native
+def test_decode_stack_follows_its_caches_when_buffers_move_or_caches_change(checkpoint):
+    """The stack takes its caches' addresses again only when a buffer moved or another cache comes: two conversations
+    decoded in turn, one grown past its first block (its buffers move), give the op-by-op path's logits and KV."""
+    if not decode_ops.available():
+        pytest.skip(cpu_ffn.notice())
+    from moechat.engine.model.kv_cache import BLOCK, GrowingLayer
+
+    m = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), dtype="float32"))
+    stack, gen = m.lean.stack, torch.Generator().manual_seed(4)
+    assert stack is not None
+    prompts = [torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, BLOCK - 2), generator=gen)]
+    steps = [torch.randint(0, 300, (1, T), generator=gen) for T in (1, 5, 1, 3)]
+    caches, logits = {}, {}
+    with torch.inference_mode():
+        for use in (stack, None):
+            m.lean.stack = use
+            pair = [m.new_kv_cache(), m.new_kv_cache()]
+            for cache, prompt in zip(pair, prompts):
+                with m.runtime.forward("prefill", 0):
+                    _hf(m, prompt, cache, 1)
+            out = []
+            for i, ids in enumerate(steps):  # A B, B A, A B, B A: the second's buffers move in its second pass, right
+                for cache in pair[:: 1 - 2 * (i % 2)]:  # after its first
+                    moves, start = GrowingLayer.moves, cache.get_seq_length()
+                    with m.runtime.forward("verify", start):
+                        out.append(m.forward(ids, cache, ids.shape[1]))
+                    grew = start + ids.shape[1] > BLOCK >= start
+                    assert (GrowingLayer.moves > moves) == grew
+            caches[use is None], logits[use is None] = pair, out
+    for got, expected in zip(logits[False], logits[True], strict=True):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert all(_close_kv(a, b) for a, b in zip(caches[False], caches[True], strict=True))
+    assert caches[False][1].layers[0].capacity() > BLOCK  # it did move
+
+
+@pytest.mark.native
 @pytest.mark.parametrize("stored", ["float32", "bfloat16"])
 @pytest.mark.parametrize("draft_family", ["llama", "qwen3"])
 def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, stored, checkpoint, tokenizer_dir, tmp_path):
@@ -190,7 +226,7 @@ def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, s
     head = not draft.model.config.tie_word_embeddings  # a head tied to the embeddings stays fp32 with them
     assert draft.bf16_linears == ((7 * layers + head) if stored == "bfloat16" else 0)  # q, k, v, o, gate, up, down
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    calls, restore = _counting(("attention_step", "router_topk", "run"))
+    calls, restore = _counting(("attention_step", "router_topk", "forward"))
     gen = torch.Generator().manual_seed(0)
     draft.start([], None)
     hf_cache = KVCache()
@@ -205,7 +241,7 @@ def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, s
                 assert _close_kv(hf_cache, draft.cache), f"T={T}"
     finally:
         restore()
-    assert calls == {"attention_step": 0, "router_topk": 0, "run": 4}  # one native call per pass after the prompt
+    assert calls == {"attention_step": 0, "router_topk": 0, "forward": 4}  # one native call per pass after the prompt
 
 
 @pytest.mark.native
@@ -219,11 +255,11 @@ def test_decode_stack_reads_a_bf16_checkpoint_in_bf16_with_the_same_bits(checkpo
     model_dir = str(checkpoint("qwen3_moe", dtype=torch.bfloat16))
     narrowed = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
     stack = narrowed.lean.stack
-    assert stack is not None and stack.head_weight.dtype == torch.bfloat16
+    assert stack is not None and stack.head.w16 and not stack.head.w
     assert all(layer.qkv.w16 and not layer.qkv.w and layer.o.w16 for layer in stack.layers)
     monkeypatch.setattr(loader, "narrow_linears", lambda *args: set())  # the fp32 modules, read in fp32
     wide = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
-    assert wide.lean.stack.head_weight.dtype == torch.float32 and not wide.lean.stack.layers[0].qkv.w16
+    assert wide.lean.stack.head.w and not wide.lean.stack.layers[0].qkv.w16
     gen = torch.Generator().manual_seed(2)
     past = bf16_linear.NATIVE_MAX_ROWS + 4  # a prefill both compute by GEMM (the fp32 one by torch's whole-weight GEMM)
     prompt, ids = torch.randint(0, 300, (1, past), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)

@@ -239,8 +239,8 @@ def test_engine_greedy_equals_transformers_through_the_mla_stack(drafter, checkp
     from moechat.engine.model.decode_stack import DecodeStack
 
     runs = []
-    run = DecodeStack.run
-    monkeypatch.setattr(DecodeStack, "run", lambda self, *a: runs.append(1) or run(self, *a))
+    forward = DecodeStack.forward
+    monkeypatch.setattr(DecodeStack, "forward", lambda self, *a: runs.append(1) or forward(self, *a))
     model_dir = checkpoint("deepseek_v2", **LITE)
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
     done = run_engine(model_dir, prompt, drafter=drafter, policy="spac")  # the default (lru hooks every layer)
