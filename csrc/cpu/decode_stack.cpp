@@ -99,7 +99,7 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 // A pass's scratch, sized once per call.
 struct Scratch {
-    std::vector<float> h, qkv, att, o, logits, mlp, row_w, gate, up, shared, q_latent, context;
+    std::vector<float> x, h, qkv, att, o, logits, mlp, row_w, gate, up, shared, q_latent, context;
     std::vector<int64_t> order, ids, offsets, rows;
 };
 
@@ -190,18 +190,20 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
 
 }  // namespace
 
-// x [T, H]: the embeddings in, the residual stream out; h_out [T, H]: final_norm(x), or null; with `head` (else
+// x [T, H]: the embeddings in, the residual stream out; or null, with ids [T] rows of embed [vocab, H] gathered into
+// scratch instead (out-of-range ids: 3); h_out [T, H]: final_norm(x), or null; with `head` (else
 // null), logits [keep, V] = head(final_norm(x)) of the last `keep` rows: the pass and its head in one call;
 // experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); counts_out
 // [layers, E]: activations per expert (0 in a dense layer), also added to counts_sum [layers, E] unless null (the
-// step's counters, where their rows are the stack's layers: no torch call to add them); cos, sin [T, D] at positions past.. (MLA: [T, rope / 2],
-// the rotation's real and imaginary parts); seconds[4] += the experts', the dense products' (the head's too),
+// step's counters, where their rows are the stack's layers: no torch call to add them); cos, sin [>= past + T, D]
+// tables from position 0, rows past.. read (MLA: [.., rope / 2], the rotation's real and imaginary parts); seconds[4] += the experts', the dense products' (the head's too),
 // attention's and the routing's seconds.
 // Returns 0, or (layer + 1) * 16 + the failing stage (the head: layer = layers).
 API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int64_t T, int64_t past, const float* cos,
-                         const float* sin, float* x, const float* final_norm, float* h_out, const DenseWeight* head,
-                         int64_t keep, float* logits, int64_t* experts_out, float* weights_out, int64_t* counts_out,
-                         int64_t* counts_sum, double* seconds, int threads) {
+                         const float* sin, const int64_t* ids, const float* embed, int64_t vocab, float* x,
+                         const float* final_norm, float* h_out, const DenseWeight* head, int64_t keep, float* logits,
+                         int64_t* experts_out, float* weights_out, int64_t* counts_out, int64_t* counts_sum,
+                         double* seconds, int threads) {
     const StackShape& s = *shape;
     const bool mla = s.R > 0;
     const int64_t H = s.H, k = s.k, S = T * k;
@@ -209,7 +211,16 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
     const int64_t Wqkv = Aq + (mla ? s.R + s.rope : 2 * s.Hkv * s.D);  // with k and v (MLA: the compressed KV and k_pe)
     const int64_t A = mla ? s.Hq * s.vdim : Aq;                         // attention's output
     if (T <= 0 || s.layers <= 0 || k <= 0 || k > s.E || (head ? keep <= 0 || keep > T || !logits : !h_out)) return 1;
+    const int64_t rotary = mla ? s.rope / 2 : s.D;  // the tables' row width
+    cos += past * rotary, sin += past * rotary;
     Scratch b;
+    if (embed) {  // the pass's embeddings gathered here: the residual stream in scratch
+        b.x.resize(T * H), x = b.x.data();
+        for (int64_t t = 0; t < T; ++t) {
+            if (ids[t] < 0 || ids[t] >= vocab) return 3;
+            std::copy(embed + ids[t] * H, embed + (ids[t] + 1) * H, x + t * H);
+        }
+    }
     b.h.resize(T * H), b.qkv.resize(T * Wqkv), b.att.resize(T * A), b.o.resize(T * H), b.logits.resize(T * s.E);
     b.mlp.resize(T * H), b.row_w.resize(S), b.order.resize(S), b.ids.resize(S), b.offsets.resize(S + 1), b.rows.resize(S);
     float* h = b.h.data();

@@ -90,6 +90,7 @@ class SlotTable:
         self.bytes_moved = 0
         self.loads = 0
         self.version = 0  # bumps on every residency change
+        self._mask, self._mask_version = None, -1  # resident_mask() as of a version
         # per thread: seconds spent in copies (and waits for them) on this table so far, which the
         # runtime keeps apart from the scheduling around them (0 where copies are free)
         self.copy_clock = CopyClock()
@@ -98,7 +99,11 @@ class SlotTable:
         return self.capacity - len(self.free)
 
     def resident_mask(self) -> torch.Tensor:
-        return self.slot_of >= 0  # [L, E]
+        """[L, E] bool, made again only after a residency change (each decode step's stats ask): a snapshot, never
+        written in place."""
+        if self._mask_version != self.version:
+            self._mask, self._mask_version = self.slot_of >= 0, self.version
+        return self._mask
 
     def _clock_copy(self, t0: float) -> None:
         self.copy_clock.s += time.perf_counter() - t0

@@ -52,7 +52,7 @@ class StackShape(ctypes.Structure):
 
 
 PARTS = ("experts", "dense", "attention", "moe_layer")  # the C side's seconds[], in its order (routing: moe_layer)
-_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
 
 
 def library() -> ctypes.CDLL | None:
@@ -110,6 +110,9 @@ class DecodeStack:
         # row one fixed-order product (torch's GEMM rounds a 5-row pass unlike 5 one-row ones)
         self.head = linear_weight(lean.hf.lm_head)
         self.vocab = lean.hf.lm_head.out_features
+        table = lean.base.embed_tokens.weight  # fp32 rows the call gathers itself, or the module's own lookup
+        self.embed = table.detach() if is_fp32(table) and type(lean.base.embed_tokens) is torch.nn.Embedding else None
+        self.like = torch.empty(0)  # the rotary tables' dtype and device, for the caller's table builder
         self._outputs: dict[int, tuple] = {}  # T -> the routing's output buffers, reused (the accounting copies them)
         self._bound = None  # (cache id, GrowingLayer.moves, room): the cache buffers the descriptors point into
 
@@ -122,13 +125,16 @@ class DecodeStack:
         return (mode is not None and rt.direct and rt.replay is None and mode.remap is None
                 and not (rt.expert_budget is not None and mode.phase == "verify"))
 
-    def forward(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor, keep: int) -> torch.Tensor:
-        """x [T, H] fp32 embeddings (the residual stream, updated in place), cos/sin [T, D] -> logits [keep, V] fp32 of
-        the last `keep` positions; the pass's keys and values appended to `cache` (GrowingLayers, checked by the caller).
+    def forward(self, ids: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor, keep: int) -> torch.Tensor:
+        """ids [1, T] int64, cos/sin [>= past + T, D] fp32 tables from position 0 -> logits [keep, V] fp32 of the last
+        `keep` positions; the pass's keys and values appended to `cache` (GrowingLayers, checked by the caller).
         A decode step's Python runs with cold caches (the pass streamed the weights through them), so it does little:
-        the buffers are reused and the cache's addresses set again only when a buffer moved."""
-        T, L = x.shape[0], self.shape.layers
+        the call gathers the embeddings, the buffers are reused and the cache's addresses set again only when a buffer
+        moved."""
+        T, L = ids.shape[1], self.shape.layers
         keep = min(keep, T)  # as transformers' logits_to_keep: at most every position
+        if ids.dtype is not torch.int64 or not ids.is_contiguous():
+            ids = ids.to(torch.int64).contiguous()
         kv = cache.layers[:L]
         start = kv[0].length
         self._bind(cache, kv, start + T)
@@ -140,16 +146,19 @@ class DecodeStack:
         ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
         isa = cpu_ffn.default_isa()
         self.shape.float_isa, self.shape.q_isa = cpu_ffn.ISA[isa], cpu_ffn.ISA[cpu_ffn._q_isa(isa)]
-        h = None if self.head is not None else torch.empty_like(x)
+        x = None if self.embed is not None else self.lean.base.embed_tokens.forward(ids[0]).contiguous()  # [T, H]
+        h = None if self.head is not None else torch.empty(T, self.shape.H)
         logits = torch.empty(keep, self.vocab) if self.head is not None else None
         summed = self.sums_in_place and self.runtime.mode.phase != "draft"  # the draft phase's demand goes elsewhere
         code = library().moe_decode_stack(
-            ctypes.byref(self.shape), self.layers, T, start, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
+            ctypes.byref(self.shape), self.layers, T, start, cos.data_ptr(), sin.data_ptr(), ids.data_ptr(),
+            tensor_ptr(self.embed), self.embed.shape[0] if self.embed is not None else 0, tensor_ptr(x),
             self.final_norm.data_ptr(), tensor_ptr(h), None if self.head is None else ctypes.byref(self.head), keep,
             tensor_ptr(logits), experts.data_ptr(), weights.data_ptr(), counts.data_ptr(),
             self.runtime.counters.freq.data_ptr() if summed else None, seconds, torch.get_num_threads())
         if code:
-            where = "the head" if code // 16 > L else f"layer {code // 16 - 1}, stage {code % 16}"
+            where = ("a token id outside the vocabulary" if code == 3 else "the head" if code // 16 > L
+                     else f"layer {code // 16 - 1}, stage {code % 16}")
             raise RuntimeError(f"native decode stack failed at {where}")
         for entry in kv:
             entry.advance(T)

@@ -144,11 +144,12 @@ class LeanForward:
     def _native_forward(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         """The same layers with the native ops: x += sublayer(h); h = norm(x), one call per pair."""
         T, start = ids.shape[1], cache.get_seq_length()
+        if self.stack is not None and self.stack.usable():
+            self._tables(start + T, self.stack.like)
+            return self.stack.forward(ids, cache, self.cos, self.sin, keep)  # [keep, V]
         x = self.base.embed_tokens.forward(ids[0])  # [T, H] fp32, the residual stream, added to in place
         self._tables(start + T, x)
         cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, D]
-        if self.stack is not None and self.stack.usable():
-            return self.stack.forward(x, cache, cos, sin, keep)  # [keep, V]
         first = self.layers[0].input_layernorm
         h = add_rms_norm(x, None, first.weight, first.variance_epsilon)
         for i, layer in enumerate(self.layers):

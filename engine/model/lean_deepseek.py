@@ -83,11 +83,11 @@ class LeanDeepseek:
 
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         T, start, native = ids.shape[1], cache.get_seq_length(), self.native
+        if self.stack is not None and self.stack.usable() and native_cache_ready(cache, len(self.layers), same_widths=False):
+            self._rotary(start + T, self.stack.like)
+            return self.stack.forward(ids, cache, self.cos, self.sin, keep)  # [keep, V]; tables [P, rope / 2]
         x = self.base.embed_tokens.forward(ids[0])  # [T, H]: the residual stream, added to in place
         freqs = self._rotary(start + T, x)[:, start: start + T]  # [1, T, rope / 2]
-        if self.stack is not None and self.stack.usable() and native_cache_ready(cache, len(self.layers), same_widths=False):
-            cos, sin = self.cos[start: start + T], self.sin[start: start + T]  # [T, rope / 2]
-            return self.stack.forward(x, cache, cos, sin, keep)  # [keep, V]
         first = self.layers[0].input_layernorm
         h = add_rms_norm(x, None, first.weight, first.variance_epsilon, native)
         for i, layer in enumerate(self.layers):

@@ -201,6 +201,11 @@ def test_decode_stack_follows_its_caches_when_buffers_move_or_caches_change(chec
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     assert all(_close_kv(a, b) for a, b in zip(caches[False], caches[True], strict=True))
     assert caches[False][1].layers[0].capacity() > BLOCK  # it did move
+    m.lean.stack, cache = stack, caches[False][0]  # the call gathers the embeddings: an id past the table is refused
+    length = cache.get_seq_length()
+    with torch.inference_mode(), m.runtime.forward("verify", length), pytest.raises(RuntimeError, match="outside the vocab"):
+        m.forward(torch.tensor([[stack.embed.shape[0]]]), cache, 1)
+    assert cache.get_seq_length() == length
 
 
 @pytest.mark.native
