@@ -24,7 +24,7 @@ from ...engine import Error, Event, Finished, MoechatError, TokenDelta
 PARTS = {
     "experts": ("moe_ffn_q_native", "moe_ffn_native", "moe_ffn_torch", "grouped_ffn", "grouped_ffn_q"),
     "moe_layer": ("run_layer", "decode_ops.py:router_topk", "decode_stack.py:_account"),
-    "scheduler": ("before_layer", "after_layer", "on_layer", "on_forward_end", "end_draft_phase"),
+    "scheduler": ("before_layer", "after_layer", "on_layer", "on_layers", "on_forward_end", "end_draft_phase"),
     "dense": ("q_linear", "<built-in method torch._C._nn.linear>", "decode_ops.py:linear"),
     "attention": ("<built-in method torch._C._nn.scaled_dot_product_attention>", "decode_ops.py:attention_step"),
     "kv_cache": ("kv_cache.py:update", "kv_cache.py:crop", "kv_cache.py:reserve", "kv_cache.py:advance"),
@@ -32,7 +32,7 @@ PARTS = {
     "detokenize": ("generate.py:update", "generate.py:delta"),
 }
 # the scheduler's hooks the MoE layers call (the rest run between forwards): taken out of moe_layer
-IN_LAYER = ("moe_layer.py:split_tiers", "moe_layer.py:account")  # (the decode stack's _account calls account)
+IN_LAYER = ("moe_layer.py:split_tiers", "moe_layer.py:account", "moe_layer.py:account_layers")  # (the last: a stack's)
 # the KV cache's calls the native attention step makes: taken out of attention
 IN_ATTENTION = ("decode_ops.py:attention_step",)
 
