@@ -190,8 +190,8 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
 
 }  // namespace
 
-// x [T, H]: the embeddings in, the residual stream out; or null, with ids [T] rows of embed [vocab, H] gathered into
-// scratch instead (out-of-range ids: 3); h_out [T, H]: final_norm(x), or null; with `head` (else
+// x [T, H]: the embeddings in, the residual stream out; or null, with ids [T] rows of embed [vocab, H] (fp32, or bf16
+// where embed_bf16) gathered into scratch instead (out-of-range ids: 3); h_out [T, H]: final_norm(x), or null; with `head` (else
 // null), logits [keep, V] = head(final_norm(x)) of the last `keep` rows: the pass and its head in one call;
 // experts_out / weights_out [layers, T, k]: each layer's routing (for the counters; -1 in a dense layer); counts_out
 // [layers, E]: activations per expert (0 in a dense layer), also added to counts_sum [layers, E] unless null (the
@@ -200,7 +200,8 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
 // attention's and the routing's seconds.
 // Returns 0, or (layer + 1) * 16 + the failing stage (the head: layer = layers).
 API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int64_t T, int64_t past, const float* cos,
-                         const float* sin, const int64_t* ids, const float* embed, int64_t vocab, float* x,
+                         const float* sin, const int64_t* ids, const void* embed, int64_t vocab, int64_t embed_bf16,
+                         float* x,
                          const float* final_norm, float* h_out, const DenseWeight* head, int64_t keep, float* logits,
                          int64_t* experts_out, float* weights_out, int64_t* counts_out, int64_t* counts_sum,
                          double* seconds, int threads) {
@@ -218,7 +219,16 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
         b.x.resize(T * H), x = b.x.data();
         for (int64_t t = 0; t < T; ++t) {
             if (ids[t] < 0 || ids[t] >= vocab) return 3;
-            std::copy(embed + ids[t] * H, embed + (ids[t] + 1) * H, x + t * H);
+            if (embed_bf16) {  // widened: the fp32 table's numbers
+                const uint16_t* row = static_cast<const uint16_t*>(embed) + ids[t] * H;
+                for (int64_t i = 0; i < H; ++i) {
+                    const uint32_t bits = uint32_t(row[i]) << 16;
+                    std::memcpy(x + t * H + i, &bits, 4);
+                }
+            } else {
+                const float* row = static_cast<const float*>(embed) + ids[t] * H;
+                std::copy(row, row + H, x + t * H);
+            }
         }
     }
     b.h.resize(T * H), b.qkv.resize(T * Wqkv), b.att.resize(T * A), b.o.resize(T * H), b.logits.resize(T * s.E);

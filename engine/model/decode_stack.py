@@ -27,7 +27,7 @@ from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..quant import formats
 from ..quant.dense import QuantLinear
 from . import decode_ops
-from .bf16_linear import Bf16Linear
+from .bf16_linear import Bf16Embedding, Bf16Linear
 from .kv_cache import GrowingLayer
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -52,7 +52,7 @@ class StackShape(ctypes.Structure):
 
 
 PARTS = ("experts", "dense", "attention", "moe_layer")  # the C side's seconds[], in its order (routing: moe_layer)
-_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+_ARGS = [_P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
 
 
 def library() -> ctypes.CDLL | None:
@@ -110,8 +110,11 @@ class DecodeStack:
         # row one fixed-order product (torch's GEMM rounds a 5-row pass unlike 5 one-row ones)
         self.head = linear_weight(lean.hf.lm_head)
         self.vocab = lean.hf.lm_head.out_features
-        table = lean.base.embed_tokens.weight  # fp32 rows the call gathers itself, or the module's own lookup
-        self.embed = table.detach() if is_fp32(table) and type(lean.base.embed_tokens) is torch.nn.Embedding else None
+        # the rows the call gathers itself (fp32, or bf16 widened: Bf16Embedding's), or None: the module's own lookup
+        table, kind = lean.base.embed_tokens.weight.detach(), type(lean.base.embed_tokens)
+        usable = table.is_contiguous() and (kind, table.dtype) in ((torch.nn.Embedding, torch.float32),
+                                                                   (Bf16Embedding, torch.bfloat16))
+        self.embed = table if usable else None
         self.like = torch.empty(0)  # the rotary tables' dtype and device, for the caller's table builder
         self._outputs: dict[int, tuple] = {}  # T -> the routing's output buffers, reused (the accounting copies them)
         self._bound = None  # (cache id, GrowingLayer.moves, room): the cache buffers the descriptors point into
@@ -152,7 +155,8 @@ class DecodeStack:
         summed = self.sums_in_place and self.runtime.mode.phase != "draft"  # the draft phase's demand goes elsewhere
         code = library().moe_decode_stack(
             ctypes.byref(self.shape), self.layers, T, start, cos.data_ptr(), sin.data_ptr(), ids.data_ptr(),
-            tensor_ptr(self.embed), self.embed.shape[0] if self.embed is not None else 0, tensor_ptr(x),
+            tensor_ptr(self.embed), 0 if self.embed is None else self.embed.shape[0],
+            int(self.embed is not None and self.embed.dtype == torch.bfloat16), tensor_ptr(x),
             self.final_norm.data_ptr(), tensor_ptr(h), None if self.head is None else ctypes.byref(self.head), keep,
             tensor_ptr(logits), experts.data_ptr(), weights.data_ptr(), counts.data_ptr(),
             self.runtime.counters.freq.data_ptr() if summed else None, seconds, torch.get_num_threads())

@@ -24,7 +24,7 @@ from ..experts.runtime import OffloadedExperts
 from ..quant.dense import fuse
 from . import decode_ops
 from .attention import NAME as FLOAT_KV_ATTENTION
-from .bf16_linear import Bf16Linear
+from .bf16_linear import Bf16Linear, fp32_rows
 from .decode_ops import add_rms_norm, rms_norm, rotate
 from .decode_stack import DecodeStack, build_decode_stack
 from .kv_cache import GrowingLayer
@@ -93,7 +93,7 @@ class LeanForward:
         self.qk_norm = [self._stacked_norm(layer.self_attn) if joint and self.head_norm else None
                         for joint, layer in zip(self.joint, self.layers)]
         # the native layer ops (fp32 activations only; a missing library leaves the torch ops)
-        self.native = native and self.base.embed_tokens.weight.dtype == torch.float32 and decode_ops.available()
+        self.native = native and fp32_rows(self.base.embed_tokens) and decode_ops.available()
         self.routers = [_router(layer.mlp) for layer in self.layers]  # (weight, k, normalize), or None: the block's forward
         # unquantized q/k/v as one product on the native path (weight, bias, (n_q, n_k)); the modules keep views of it
         self.stacked = [_stack_qkv(layer.self_attn) if self.native and fused is None else None

@@ -25,6 +25,7 @@ import torch
 from ..experts.runtime import OffloadedExperts
 from ..quant.dense import FusedQuantLinear, fuse
 from . import decode_ops, decode_stack
+from .bf16_linear import fp32_rows
 from .decode_ops import add_rms_norm, rms_norm
 from .decode_stack import (
     DecodeStack,
@@ -54,7 +55,7 @@ class LeanDeepseek:
         # the norm after each layer's MLP: the next layer's input norm, and the final norm after the last
         self.next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.base.norm]
         self.mla = [_absorbed(layer.self_attn) for layer in self.layers]
-        self.native = native and self.base.embed_tokens.weight.dtype == torch.float32 and decode_ops.available()
+        self.native = native and fp32_rows(self.base.embed_tokens) and decode_ops.available()
         self.native_mla = [self.native and mla.native_reads() for mla in self.mla]  # kv_b_proj read by the native ops
         # q (q_a on a q_lora model) and the compressed KV read one input: one product (None: two module calls)
         self.q_kv = [_joined([_q_in(layer.self_attn), layer.self_attn.kv_a_proj_with_mqa], self.native)

@@ -192,13 +192,13 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
     ctx = int(context_len or getattr(hf_config, "max_position_embeddings", 4096))
     draft = draft_model_bytes(draft_dir, dtype, ctx) if draft_dir not in (None, "none", "self") else 0
     from ..experts.cpu_ffn import keeps_bf16
-    from .bf16_linear import dense_linears
+    from .bf16_linear import bf16_params
 
     hf = meta_model(hf_config)
     bf16_checkpoint = str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
     if not (cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), "none")):
         return estimate_module(hf, hf_config, dtype, context_len, draft, quant)
-    bf16 = sum(m.weight.numel() for _, m in dense_linears(hf, quant))  # as the loader narrows (bf16_linear.py)
+    bf16 = bf16_params(hf, quant)  # as the loader narrows (bf16_linear.py)
     return estimate_module(hf, hf_config, dtype, context_len, draft, quant, expert_dtype="bfloat16", bf16_params=bf16)
 
 

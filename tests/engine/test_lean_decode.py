@@ -229,7 +229,9 @@ def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, s
     assert draft.lean is not None and draft.lean.stack is not None and draft.lean.stack.usable()
     layers = len(draft.model.model.layers)
     head = not draft.model.config.tie_word_embeddings  # a head tied to the embeddings stays fp32 with them
-    assert draft.bf16_linears == ((7 * layers + head) if stored == "bfloat16" else 0)  # q, k, v, o, gate, up, down
+    # q, k, v, o, gate, up, down; the head and the embedding table unless tied
+    assert draft.bf16_linears == ((7 * layers + 2 * head) if stored == "bfloat16" else 0)
+    assert draft.lean.stack.embed.dtype == (torch.bfloat16 if stored == "bfloat16" and head else torch.float32)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     calls, restore = _counting(("attention_step", "router_topk", "forward"))
     gen = torch.Generator().manual_seed(0)
@@ -251,20 +253,23 @@ def test_draft_model_passes_run_the_native_stack_within_rounding(draft_family, s
 
 @pytest.mark.native
 def test_decode_stack_reads_a_bf16_checkpoint_in_bf16_with_the_same_bits(checkpoint, monkeypatch):
-    """A bf16 checkpoint computed in fp32: its dense linears are held bf16 (bf16_linear), the stack reads them and the head
-    as bf16 (exact), and the logits and KV equal those of the same model held and read in fp32, bit for bit."""
+    """A bf16 checkpoint computed in fp32: its dense linears and embedding table are held bf16 (bf16_linear), the stack
+    reads them and the head as bf16 (exact), and the logits and KV equal those of the same model held and read in fp32,
+    bit for bit."""
     if not decode_ops.available():
         pytest.skip(cpu_ffn.notice())
     from moechat.engine.model import bf16_linear, loader
+    from moechat.engine.model.bf16_linear import Bf16Embedding
 
     model_dir = str(checkpoint("qwen3_moe", dtype=torch.bfloat16))
     narrowed = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
     stack = narrowed.lean.stack
     assert stack is not None and stack.head.w16 and not stack.head.w
+    assert type(narrowed.hf.get_input_embeddings()) is Bf16Embedding and stack.embed.dtype == torch.bfloat16
     assert all(layer.qkv.w16 and not layer.qkv.w and layer.o.w16 for layer in stack.layers)
     monkeypatch.setattr(loader, "narrow_linears", lambda *args: set())  # the fp32 modules, read in fp32
     wide = load_model(EngineConfig(model_dir=model_dir, dtype="float32"))
-    assert wide.lean.stack.head.w and not wide.lean.stack.layers[0].qkv.w16
+    assert wide.lean.stack.head.w and not wide.lean.stack.layers[0].qkv.w16 and wide.lean.stack.embed.dtype == torch.float32
     gen = torch.Generator().manual_seed(2)
     past = bf16_linear.NATIVE_MAX_ROWS + 4  # a prefill both compute by GEMM (the fp32 one by torch's whole-weight GEMM)
     prompt, ids = torch.randint(0, 300, (1, past), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
