@@ -101,8 +101,9 @@ class SlotTable:
     def resident_mask(self) -> torch.Tensor:
         """[L, E] bool, made again only after a residency change (each decode step's stats ask): a snapshot, never
         written in place."""
-        if self._mask_version != self.version:
-            self._mask, self._mask_version = self.slot_of >= 0, self.version
+        version = self.version  # read first: a load on the transfer thread meanwhile makes the next call build it again
+        if self._mask_version != version:
+            self._mask, self._mask_version = self.slot_of >= 0, version
         return self._mask
 
     def _clock_copy(self, t0: float) -> None:

@@ -109,7 +109,8 @@ class DecodeStack:
         # the head in the same call where the stack's dense product reads it (fp32, bf16 or quantized, no bias): each
         # row one fixed-order product (torch's GEMM rounds a 5-row pass unlike 5 one-row ones)
         self.head = linear_weight(lean.hf.lm_head)
-        self.vocab = lean.hf.lm_head.out_features
+        self.vocab = self.head.rows if self.head is not None else 0
+        keep.append(lean.hf.lm_head)
         # the rows the call gathers itself (fp32, or bf16 widened: Bf16Embedding's), or None: the module's own lookup
         table, kind = lean.base.embed_tokens.weight.detach(), type(lean.base.embed_tokens)
         usable = table.is_contiguous() and (kind, table.dtype) in ((torch.nn.Embedding, torch.float32),
@@ -135,7 +136,7 @@ class DecodeStack:
         the call gathers the embeddings, the buffers are reused and the cache's addresses set again only when a buffer
         moved."""
         T, L = ids.shape[1], self.shape.layers
-        keep = min(keep, T)  # as transformers' logits_to_keep: at most every position
+        keep = T if keep <= 0 else min(keep, T)  # as transformers' logits_to_keep: 0 or past T, every position
         if ids.dtype is not torch.int64 or not ids.is_contiguous():
             ids = ids.to(torch.int64).contiguous()
         kv = cache.layers[:L]

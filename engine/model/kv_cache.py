@@ -9,11 +9,13 @@ prefix: attention sees exactly the committed positions, no mask over unused slot
 from __future__ import annotations
 
 import inspect
+import itertools
 from functools import cache, partial
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+_MOVES = itertools.count(1)  # GrowingLayer.moves' marks: never one twice, whatever threads make buffers at once
 BLOCK = 256  # positions a buffer grows by at least; growth doubles, so appends cost O(1) amortised
 
 
@@ -22,7 +24,7 @@ class GrowingLayer(DynamicLayer):
 
     _k: torch.Tensor | None = None  # [B, H_kv, capacity, D_k]
     _v: torch.Tensor | None = None  # [B, H_kv, capacity, D_v] (D_v may differ: DeepSeek's MLA)
-    moves = 0  # buffers made by any layer in the process so far: unchanged, every address taken since holds (decode_stack)
+    moves = 0  # a unique mark per buffer made by any layer in the process: unchanged, every address taken since holds
 
     def __init__(self, dtype: torch.dtype | None = None, limit: int | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -34,7 +36,7 @@ class GrowingLayer(DynamicLayer):
         self._k = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[3], dtype=self.dtype)
         self._v = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[3], dtype=self.dtype)
         self.is_initialized = True
-        GrowingLayer.moves += 1
+        GrowingLayer.moves = next(_MOVES)
 
     def _grow(self, need: int) -> None:
         capacity = max(need, 2 * self._k.shape[2], BLOCK)
@@ -46,7 +48,7 @@ class GrowingLayer(DynamicLayer):
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])  # no NaN bytes: graph_decode reads past the length
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
-        GrowingLayer.moves += 1
+        GrowingLayer.moves = next(_MOVES)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +139,7 @@ class KVCache(Cache):
                 new._k = layer._k[:, :, :n].to(device or layer._k.device, copy=True)
                 new._v = layer._v[:, :, :n].to(device or layer._v.device, copy=True)
                 new.dtype, new.device, new.is_initialized = layer.dtype, new._k.device, True
-                GrowingLayer.moves += 1
+                GrowingLayer.moves = next(_MOVES)
                 new._set_length(n)
             out.layers.append(new)
         return out
