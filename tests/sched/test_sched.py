@@ -317,3 +317,16 @@ def test_prefetch_thread_serves_the_same_queues():
     finally:
         pre.stop()
     assert pre._thread is None
+
+
+def test_resident_mask_is_made_again_only_after_a_residency_change():
+    """Each decode step's stats ask for the mask: the same snapshot while nothing moves, a new one after a load or an
+    eviction, and a snapshot taken before stays as it was."""
+    table = SlotTable(2, 3, 2, expert_bytes=1)
+    first = table.resident_mask()
+    assert table.resident_mask() is first and not first.any()
+    table.load(1, 2)
+    loaded = table.resident_mask()
+    assert loaded is not first and not first.any() and loaded.tolist() == [[False] * 3, [False, False, True]]
+    table.evict(1, 2)
+    assert not table.resident_mask().any() and loaded[1, 2]
