@@ -108,9 +108,14 @@ class DecodeStack:
         self.seconds = dict.fromkeys(PARTS, 0.0)  # native time by part since construction (bench generate --by-part)
         # the head in the same call where the stack's dense product reads it (fp32, bf16 or quantized, no bias): each
         # row one fixed-order product (torch's GEMM rounds a 5-row pass unlike 5 one-row ones)
-        self.head = linear_weight(lean.hf.lm_head)
+        head = lean.hf.lm_head
+        self.head = linear_weight(head)
         self.vocab = self.head.rows if self.head is not None else 0
-        keep.append(lean.hf.lm_head)
+        keep.append(head)
+        # else (weight, bias) of a head with a bias, also one fixed-order product per row, or None: its module's forward
+        plain = (self.head is None and type(head) in (torch.nn.Linear, Bf16Linear) and head.weight.is_contiguous()
+                 and head.weight.dtype in (torch.float32, torch.bfloat16))
+        self.biased_head = (head.weight.detach(), head.bias.detach()) if plain else None
         # the rows the call gathers itself (fp32, or bf16 widened: Bf16Embedding's), or None: the module's own lookup
         table, kind = lean.base.embed_tokens.weight.detach(), type(lean.base.embed_tokens)
         usable = table.is_contiguous() and (kind, table.dtype) in ((torch.nn.Embedding, torch.float32),
@@ -171,12 +176,9 @@ class DecodeStack:
             self.seconds[part] += value
         if self.runtime is not None:
             self._account(experts, weights, counts, seconds[0], summed)
-        if logits is None:  # a head with a bias (one fixed-order product per row as well), or another module
-            head = self.lean.hf.lm_head
-            plain = (type(head) in (torch.nn.Linear, Bf16Linear) and head.weight.dtype in (torch.float32, torch.bfloat16)
-                     and head.weight.is_contiguous())
-            bias = None if head.bias is None else head.bias.detach()
-            logits = decode_ops.linear(h[-keep:], head.weight.detach(), bias) if plain else head.forward(h[-keep:]).float()
+        if logits is None:
+            logits = (decode_ops.linear(h[-keep:], *self.biased_head) if self.biased_head is not None
+                      else self.lean.hf.lm_head.forward(h[-keep:]).float())
         return logits
 
     def _bind(self, cache, kv: list, end: int) -> None:

@@ -266,7 +266,7 @@ class NativeSpacPolicy(SpacPolicy):
     lookahead_hits = property(lambda self: int(self.core.read("lookahead")[1]))
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
-        if self.cache.capacity == 0 or phase == "draft" and not self.config.lookahead:
+        if not self.acts_on_layers(phase):
             return
         pre, table, core = self.prefetch, self.cache, self.core
         lib, h = core.lib, core.handle

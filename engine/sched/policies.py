@@ -46,11 +46,16 @@ class Policy:
         """counts: [E] int64 on the host, activations per expert in this layer's forward (after after_layer).
         A draft phase's demand arrives once per layer, summed over its draft tokens, when drafting ends."""
 
+    def acts_on_layers(self, phase: str) -> bool:
+        """Whether on_layer does anything in `phase` now (its own guard, asked once per pass by on_layers)."""
+        return True
+
     def on_layers(self, lis: torch.Tensor, counts: torch.Tensor, phase: str) -> None:
         """on_layer for the layers lis [L] of one pass computed by one call, counts [L, E], in order (the decode stack's
         pass: a policy with nothing to do per layer in `phase` returns at once, unlike L calls from Python)."""
-        for li, row in zip(lis.tolist(), counts.unbind(0)):
-            self.on_layer(li, row, phase)
+        if self.acts_on_layers(phase):
+            for li, row in zip(lis.tolist(), counts.unbind(0)):
+                self.on_layer(li, row, phase)
 
     def on_forward_end(self, phase: str) -> None:
         pass
@@ -110,12 +115,11 @@ class LruPolicy(Policy):
         self.recency[key] = None
         return True
 
-    def on_layers(self, lis: torch.Tensor, counts: torch.Tensor, phase: str) -> None:
-        if phase != "draft" and self.cache.capacity > 0:
-            super().on_layers(lis, counts, phase)
+    def acts_on_layers(self, phase: str) -> bool:
+        return phase != "draft" and self.cache.capacity > 0
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
-        if phase == "draft" or self.cache.capacity == 0:
+        if not self.acts_on_layers(phase):
             return
         for e in counts.nonzero().flatten().tolist():
             key = (li, e)

@@ -71,12 +71,11 @@ class SpacPolicy(Policy):
         if held is not None:
             self.prefetch.release_all(held)
 
-    def on_layers(self, lis: torch.Tensor, counts: torch.Tensor, phase: str) -> None:
-        if self.cache.capacity > 0 and (phase != "draft" or self.config.lookahead):
-            super().on_layers(lis, counts, phase)
+    def acts_on_layers(self, phase: str) -> bool:
+        return self.cache.capacity > 0 and (phase != "draft" or self.config.lookahead)
 
     def on_layer(self, li: int, counts: torch.Tensor, phase: str) -> None:
-        if self.cache.capacity == 0 or phase == "draft" and not self.config.lookahead:
+        if not self.acts_on_layers(phase):
             return
         f = counts.tolist()  # [E] ints, read once
         with self.cache.lock:  # one hold for the layer's scheduling (re-entered by the prefetcher)

@@ -14,7 +14,7 @@ import torch
 from ..config import SchedulerConfig, SpecConfig
 from ..experts.cache import SlotTable
 from .balancer import UnitCosts
-from .policies import LruPolicy, Policy
+from .policies import LruPolicy
 
 
 def cutoff_layer(num_layers: int, top_k: int, capacity: int, draft_len: int, costs: UnitCosts) -> int:
@@ -56,7 +56,8 @@ class SpmoePolicy(LruPolicy):
         self.draft_loaded = torch.zeros_like(cache.slot_of, dtype=torch.bool)  # [L, E] prefetched, not yet verified
         self.lookahead_loads = self.lookahead_hits = 0  # of those: how many, and how many the verification used
 
-    on_layers = Policy.on_layers  # its drafts prefetch: not LruPolicy's shortcut
+    def acts_on_layers(self, phase: str) -> bool:  # its drafts prefetch
+        return self.cache.capacity > 0
 
     def before_layer(self, li: int, counts: torch.Tensor) -> None:
         self.in_use = {(li, e) for e in counts.nonzero().flatten().tolist()}
