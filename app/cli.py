@@ -129,11 +129,17 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
     p.add_argument("--system", default=None, help="system message")
     add_sampling_args(p, temperature=0.0, max_new_tokens=128)
+    add_template_args(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int, top_p: float = 1.0) -> None:
     """The sampling options of app/options.py, with this command's defaults for the three the settings hold."""
     add_flags(p, "sampling", temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p)
+
+
+def add_template_args(p: argparse.ArgumentParser) -> None:
+    """The options of app/options.py that shape a chat prompt (a command sending messages, not token ids)."""
+    add_flags(p, "template")
 
 
 def make_request(args, tokenizer):
@@ -154,7 +160,7 @@ def request_thinking(args) -> bool | None:
     from .reasoning import enable_thinking
     from .settings import load_settings
 
-    return enable_thinking(args.thinking or load_settings()[0].thinking)
+    return enable_thinking(_first(args.thinking, load_settings()[0].thinking))
 
 
 def sampling_params(args):
@@ -253,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
     # sampling (exact in distribution): less looping than greedy
     add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)
+    add_template_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     bench = sub.add_parser("bench", help="benchmarks")

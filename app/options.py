@@ -243,7 +243,7 @@ OPTIONS: tuple[Option, ...] = (
            other_defaults="generate: 128, chat --plain: 256", label="Max new tokens", metavar="N"),
     Option("thinking", str, None, "models that reason before they answer (Qwen3; DeepSeek-R1's distills always do): "
            "on thinks first, off answers at once (far sooner on a CPU), auto keeps the chat template's default; the chat "
-           "folds the reasoning above the answer", "sampling", choices=("auto", "on", "off"), unset="auto", live=True,
+           "folds the reasoning above the answer", "template", choices=("auto", "on", "off"), unset="auto", live=True,
            label="Thinking", placeholder="auto", widget="select"),
     Option("top_k", int, 0, "sample from the K likeliest tokens, 0 turns it off", "sampling", low=0, setting=False,
            metavar="K"),
