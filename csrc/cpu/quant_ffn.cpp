@@ -16,7 +16,7 @@
 
 namespace {
 
-// The path a call on `bits`-bit weights takes; AUTO: the best this CPU has. AMX tiles serve int8 alone (int4's nibbles
+// The path a call on `bits`-bit weights takes; AUTO: the best this CPU has. AMX tiles serve int8 alone (int4's and int6's nibbles
 // would need unpacking into B tiles, which cost what the tiles saved): int4 runs VNNI there.
 Isa resolve_q(int isa, int bits) {
     if (isa == AUTO)
@@ -25,8 +25,10 @@ Isa resolve_q(int isa, int bits) {
               : cpu_has(AVX_VNNI)    ? AVX_VNNI
               : cpu_has(AVX2)        ? AVX2
                                      : SCALAR;
-    return isa == AMX_INT8 && bits == 4 ? AVX512_VNNI : Isa(isa);
+    return isa == AMX_INT8 && bits != 8 ? AVX512_VNNI : Isa(isa);
 }
+
+bool valid_bits(int bits) { return bits == 8 || bits == 6 || bits == 4; }  // formats.BITS
 
 bool runnable_q(Isa isa) {
     return (isa == SCALAR || isa == AVX2 || isa == AVX_VNNI || isa == AVX512_VNNI || isa == AMX_INT8) && cpu_has(isa);
@@ -106,7 +108,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
                          const uint16_t* dn_m, int bits, int64_t hidden, int64_t inter, const void* x, int x_dtype,
                          const int64_t* rows, const int64_t* rows_out, const float* row_weights, float* out, int num_threads,
                          int isa_req) {
-    if ((bits != 8 && bits != 4) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
+    if (!valid_bits(bits) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
     if (hidden <= 0 || inter <= 0 || n_groups < 0 || hidden % QROWS || inter % QROWS) return -3;  // whole row groups
     const Isa isa = resolve_q(isa_req, bits);
     if (!runnable_q(isa)) return -2;
@@ -202,7 +204,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
 // A quantized linear layer: out [T, R] fp32 = Q8(x) · W^T, x [T, K] fp32; W q [R, Kp·bits/8], s/m [R, Kp/32].
 API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int bits, int64_t n_rows, int64_t k,
                      const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req) {
-    if ((bits != 8 && bits != 4) || (bits == 4 && !m)) return -1;
+    if (!valid_bits(bits) || (bits == 4 && !m)) return -1;
     if (n_rows <= 0 || k <= 0 || n_tokens < 0 || n_rows % QROWS) return -3;
     const Isa isa = resolve_q(isa_req, bits);
     if (!runnable_q(isa)) return -2;
@@ -343,7 +345,7 @@ static void block_range(const float* blk, bool avx2, float& l, float& h, float& 
     for (int j = 0; j < 32; j++) l = std::min(l, blk[j]), h = std::max(h, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
 }
 
-// One row's block scales: int8 amax/127; int4 fit_q4's d and m where `fit` (4 blocks at a time in AVX2), else the
+// One row's block scales: int8 amax/127, int6 amax/31; int4 fit_q4's d and m where `fit` (4 blocks at a time in AVX2), else the
 // block's range. x: the row, zero-padded to nb blocks; d, m: [nb] fp32 before the fp16 rounding.
 static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2, float* d, float* m) {
     float lo[4], hi[4];
@@ -351,8 +353,8 @@ static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2
         const float* blk = x + 32 * b;
         float l, h, amax;
         block_range(blk, avx2, l, h, amax);
-        if (bits == 8) {
-            d[b] = amax / 127.f;
+        if (bits != 4) {
+            d[b] = amax / (bits == 8 ? 127.f : 31.f);
         } else if (!fit) {
             d[b] = (h - l) / 15.f, m[b] = l;  // round-to-nearest on the block's range
         } else if (avx2 && b / 4 < nb / 4) {  // a whole group of 4 blocks: fitted when its last block's range is in
@@ -369,12 +371,13 @@ static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2
 #ifdef MOE_X86
 // block_codes in AVX2: vcvtps2dq rounds half to even under the default rounding mode, as nearbyint does.
 __attribute__((target("avx2"))) static void block_codes_avx2(const float* blk, float mf, float inv, int bits, uint8_t* u) {
-    const __m256i lo = _mm256_set1_epi32(bits == 8 ? -127 : 0), hi = _mm256_set1_epi32(bits == 8 ? 127 : 15);
-    const __m256i bias = _mm256_set1_epi32(bits == 8 ? 128 : 0);
+    const int top = bits == 8 ? 127 : bits == 6 ? 31 : 15;
+    const __m256i lo = _mm256_set1_epi32(bits == 4 ? 0 : -top), hi = _mm256_set1_epi32(top);
+    const __m256i bias = _mm256_set1_epi32(bits == 4 ? 0 : top + 1);
     alignas(32) int32_t c[32];
     for (int i = 0; i < 4; i++) {
         const __m256 x = _mm256_loadu_ps(blk + 8 * i);
-        const __m256 v = _mm256_mul_ps(bits == 8 ? x : _mm256_sub_ps(x, _mm256_set1_ps(mf)), _mm256_set1_ps(inv));
+        const __m256 v = _mm256_mul_ps(bits != 4 ? x : _mm256_sub_ps(x, _mm256_set1_ps(mf)), _mm256_set1_ps(inv));
         const __m256i q = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(v), lo), hi);
         _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8 * i), _mm256_add_epi32(q, bias));
     }
@@ -382,13 +385,15 @@ __attribute__((target("avx2"))) static void block_codes_avx2(const float* blk, f
 }
 #endif
 
-// One block's codes u[32] for its scale: int8 round(x·inv) in [-127, 127] + 128, int4 round((x - mf)·inv) in [0, 15].
+// One block's codes u[32] for its scale: int8 round(x·inv) in [-127, 127] + 128, int6 in [-31, 31] + 32, int4
+// round((x - mf)·inv) in [0, 15].
 static void block_codes(const float* blk, float mf, float inv, int bits, bool avx2, uint8_t* u) {
 #ifdef MOE_X86
     if (avx2) return block_codes_avx2(blk, mf, inv, bits, u);
 #endif
+    const int top = bits == 8 ? 127 : 31;
     for (int j = 0; j < 32; j++)
-        u[j] = bits == 8 ? uint8_t(std::max(-127, std::min(127, int(std::nearbyint(blk[j] * inv)))) + 128)
+        u[j] = bits != 4 ? uint8_t(std::max(-top, std::min(top, int(std::nearbyint(blk[j] * inv)))) + top + 1)
                          : uint8_t(std::max(0, std::min(15, int(std::nearbyint((blk[j] - mf) * inv)))));
 }
 
@@ -413,7 +418,7 @@ static uint16_t plus_zero(uint16_t h) { return h == 0x8000 ? 0 : h; }
 // block's range. Bit-identical to formats.quantize.
 API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int bits, uint8_t* q, uint16_t* s,
                      uint16_t* m, int num_threads, int fit) {
-    if ((bits != 8 && bits != 4) || (bits == 4 && !m) || w_dtype < F32 || w_dtype > F16) return -1;
+    if (!valid_bits(bits) || (bits == 4 && !m) || w_dtype < F32 || w_dtype > F16) return -1;
     if (n_rows <= 0 || k <= 0 || n_rows % QROWS) return -3;
     const int64_t kp = pad32(k), nb = kp / 32, rb = kp * bits / 8, groups = n_rows / QROWS;
     const bool avx2 = cpu_has(AVX2);
@@ -440,13 +445,22 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
                     uint8_t u[32];
                     block_codes(blk, mf, inv, bits, avx2, u);
                     // formats.interleave: int8 columns 4i..4i+3 in vector i; int4 columns 8v..8v+3 (low nibbles) and
-                    // 8v+4..8v+7 (high) in vector v; each vector holds 4 bytes per row
+                    // 8v+4..8v+7 (high) in vector v; int6 those nibbles, then step i's bits 4-5 in vector 4 + i/4 at
+                    // bits 2(i%4); each vector holds 4 bytes per row
+                    uint8_t* qb = qg + b * bits * 64 + rr * 4;
                     if (bits == 8) {
-                        for (int i = 0; i < 8; i++) std::memcpy(qg + b * 512 + i * 64 + rr * 4, u + 4 * i, 4);
+                        for (int i = 0; i < 8; i++) std::memcpy(qb + i * 64, u + 4 * i, 4);
                     } else {
                         for (int v = 0; v < 4; v++)
-                            for (int c = 0; c < 4; c++)
-                                qg[b * 256 + v * 64 + rr * 4 + c] = uint8_t(u[8 * v + c] | (u[8 * v + 4 + c] << 4));
+                            for (int c = 0; c < 4; c++) qb[v * 64 + c] = uint8_t((u[8 * v + c] & 0xF) | (u[8 * v + 4 + c] << 4));
+                    }
+                    if (bits == 6) {
+                        for (int h = 0; h < 2; h++)
+                            for (int c = 0; c < 4; c++) {
+                                uint8_t top = 0;
+                                for (int k = 0; k < 4; k++) top |= uint8_t((u[4 * (4 * h + k) + c] >> 4) << (2 * k));
+                                qb[256 + h * 64 + c] = top;
+                            }
                     }
                 }
             }

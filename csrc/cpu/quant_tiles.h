@@ -1,7 +1,8 @@
 // Quantized weights x quantized activations (engine/quant/formats.py has the layout and the twin):
 //   Y[t, r] = sum_b d[r,b]·dx[t,b]·(sum_j u[r,32b+j]·qx[t,32b+j]) + m[r,b]·ds[t,b]     (ds = dx·sum_j qx)
-// with int8 m = -128·d. Weights: u8 codes interleaved by groups of 16 rows, so one 64-byte vector holds
-// 4 columns of 16 rows (int4: 8 columns, in low and high nibbles) and one 16-wide fp16 load holds a
+// with int8 m = -128·d, int6 m = -32·d. Weights: u8 codes interleaved by groups of 16 rows, so one 64-byte vector holds
+// 4 columns of 16 rows (int4: 8 columns, in low and high nibbles; int6: int4's nibbles, then 2 vectors of their 2 high
+// bits, 4 steps of 4 columns per vector) and one 16-wide fp16 load holds a
 // block's scales for the group; activations: s8 codes and fp32 scales per token and block (Q8_1),
 // broadcast 4 bytes at a time. No horizontal sums: a vector of 16 int32 is 16 rows' dot products.
 // Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens), AVX-512 VNNI (vpdpbusd), AVX-VNNI (vpdpbusd on ymm), AVX2 (pmaddubsw +
@@ -21,7 +22,7 @@ constexpr int QROWS = 16;  // rows per interleaved group
 struct QMat {  // one expert's matrix: group g (rows 16g..16g+15) at q + 16g·row_bytes, its scales at s + 16g·nb
     const uint8_t* q;
     const uint16_t* s;
-    const uint16_t* m;  // int4 minimums; null for int8
+    const uint16_t* m;  // int4 minimums; null for int8 and int6
     int64_t row_bytes, nb;
 };
 
@@ -34,13 +35,19 @@ struct QActs {  // T tokens' activations, quantized: row t at q + t·kp, scales 
 
 inline float h2f(uint16_t v) { return f16_to_f32(v); }
 
+template <int BITS>
+constexpr float zero_code() { return BITS == 8 ? 128.f : 32.f; }  // a symmetric format's code of 0: m = -zero_code·d
+
 // ---- portable: the same sums, reading the interleaved bytes element by element -------------------
 template <int BITS>
 inline int code_at(const uint8_t* group, int64_t b, int rr, int kk) {  // row rr of the group, column 32b + kk
     if (BITS == 8) return group[b * 512 + (kk / 4) * 64 + rr * 4 + kk % 4];
-    const int j = kk % 8;
-    const uint8_t byte = group[b * 256 + (kk / 8) * 64 + rr * 4 + j % 4];
-    return j < 4 ? byte & 0xF : byte >> 4;
+    const int j = kk % 8, i = kk / 4;  // i: the step (4 columns) the code is in
+    const uint8_t byte = group[b * BITS * 64 + (kk / 8) * 64 + rr * 4 + j % 4];
+    const int low = j < 4 ? byte & 0xF : byte >> 4;
+    if (BITS == 4) return low;
+    const uint8_t top = group[b * BITS * 64 + 256 + (i / 4) * 64 + rr * 4 + kk % 4];
+    return low | (((top >> (2 * (i % 4))) & 3) << 4);
 }
 
 template <int BITS>
@@ -58,7 +65,7 @@ void qmat_scalar(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, f
                 int32_t dot = 0;
                 for (int kk = 0; kk < 32; kk++) dot += code_at<BITS>(group, b, rr, kk) * int(x[32 * b + kk]);
                 const float d = h2f(s[b * QROWS + rr]), dx = A.d[t * A.nb + b], ds = A.ds[t * A.nb + b];
-                acc += float(dot) * (d * dx) + (m ? h2f(m[b * QROWS + rr]) : -128.f * d) * ds;
+                acc += float(dot) * (d * dx) + (m ? h2f(m[b * QROWS + rr]) : -zero_code<BITS>() * d) * ds;
             }
             Y[t * ldy + (r - r0)] = acc;
         }
@@ -135,8 +142,20 @@ inline int32_t x4(const int8_t* p) {  // 4 activation codes as one int32, for a 
 }
 
 #ifdef MOE_X86
-// ---- AVX-512 VNNI: one group of 16 rows x TC tokens; per block 8 (int4: 4 loads, 8) vpdpbusd per token
+// ---- AVX-512 VNNI: one group of 16 rows x TC tokens; per block 8 (int4: 4 loads, int6: 6 loads, 8) vpdpbusd per token
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+// int6: step i's 2 high bits in place (bits 4-5 of each byte, the rest zero), from h, the vector of steps 4(i/4)..+3, with
+// k = i % 4. A 16-bit shift carries bits across bytes only outside the 0x30 mask.
+VNNI_TARGET inline __m512i top_bits512(__m512i h, int k) {
+    const __m512i mask = _mm512_set1_epi8(0x30);
+    switch (k) {
+        case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), mask);
+        case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), mask);
+        case 2: return _mm512_and_si512(h, mask);
+        default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), mask);
+    }
+}
 
 template <int BITS, int TC>
 VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, int64_t ldy) {
@@ -162,11 +181,15 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
                     dot[t][i % CH] = _mm512_dpbusd_epi32(dot[t][i % CH], w, _mm512_set1_epi32(x4(xb + t * A.kp + 4 * i)));
             }
         } else {
-            const uint8_t* qb = q + b * 256;
+            const uint8_t* qb = q + b * BITS * 64;
             __m512i u[8];  // the block unpacked once for all TC tokens: u[2v] columns 8v..8v+3, u[2v+1] 8v+4..8v+7
             for (int v = 0; v < 4; v++) {
                 const __m512i w = _mm512_loadu_si512(qb + 64 * v);
                 u[2 * v] = _mm512_and_si512(w, low), u[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+            }
+            if (BITS == 6) {
+                const __m512i h[2] = {_mm512_loadu_si512(qb + 256), _mm512_loadu_si512(qb + 320)};
+                for (int i = 0; i < 8; i++) u[i] = _mm512_or_si512(u[i], top_bits512(h[i / 4], i % 4));
             }
             for (int i = 0; i < 8; i++)
                 for (int t = 0; t < TC; t++)
@@ -174,7 +197,7 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(s + b * QROWS)));
         const __m512 mn = m ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + b * QROWS)))
-                            : _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
+                            : _mm512_mul_ps(d, _mm512_set1_ps(-zero_code<BITS>()));
         for (int t = 0; t < TC; t++) {
             const int64_t tb = (t0 + t) * A.nb + b;
             const __m512i sum = CH == 2 ? _mm512_add_epi32(dot[t][0], dot[t][CH - 1]) : dot[t][0];
@@ -187,8 +210,19 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
 
 // ---- AVX2: the group as two 8-row halves; pmaddubsw (u8·s8 pairs) + pmaddwd to int32. int8 codes are
 // made signed (u ^ 0x80) for the sign trick (|q|·sign(x, q) cannot overflow int16), which needs no
-// correction: sum q·qx = sum u·qx - 128·sum qx. int4 sums a whole block in int16 (8·2·15·127 < 2^15).
+// correction: sum q·qx = sum u·qx - 128·sum qx. int4 sums a whole block in int16 (8·2·15·127 < 2^15), int6 two steps
+// (2·2·63·127 < 2^15).
 #define AVX2Q_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2Q_TARGET inline __m256i top_bits256(__m256i h, int k) {  // top_bits512 on 32 bytes
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    switch (k) {
+        case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), mask);
+        case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), mask);
+        case 2: return _mm256_and_si256(h, mask);
+        default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), mask);
+    }
+}
 
 template <int BITS, int TC>
 AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, int64_t ldy) {
@@ -214,6 +248,20 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
                         dot[t][h] = _mm256_add_epi32(dot[t][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
                     }
                 }
+            } else if (BITS == 6) {
+                const uint8_t* qb = q + b * 384 + 32 * h;
+                const __m256i top[2] = {_mm256_loadu_si256((const __m256i*)(qb + 256)), _mm256_loadu_si256((const __m256i*)(qb + 320))};
+                for (int v = 0; v < 4; v++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low), top_bits256(top[v / 2], (2 * v) % 4));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
+                                                       top_bits256(top[v / 2], (2 * v + 1) % 4));
+                    for (int t = 0; t < TC; t++) {
+                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v))),
+                                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4))));
+                        dot[t][h] = _mm256_add_epi32(dot[t][h], _mm256_madd_epi16(s16, ones));
+                    }
+                }
             } else {
                 __m256i sum16[TC];
                 for (int t = 0; t < TC; t++) sum16[t] = _mm256_setzero_si256();
@@ -230,11 +278,12 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
         }
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + b * QROWS + 8 * h)));
-            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + b * QROWS + 8 * h))) : _mm256_setzero_ps();
+            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + b * QROWS + 8 * h)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-zero_code<BITS>()));  // int8's sign trick needs none
             for (int t = 0; t < TC; t++) {
                 const int64_t tb = (t0 + t) * A.nb + b;
                 acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]), _mm256_mul_ps(d, _mm256_set1_ps(A.d[tb])), acc[t][h]);
-                if (BITS == 4) acc[t][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(A.ds[tb]), acc[t][h]);
+                if (BITS != 8) acc[t][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(A.ds[tb]), acc[t][h]);
             }
         }
     }
@@ -249,6 +298,16 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
 // halves of the group go together (two independent chains per token); from 3 tokens on, one half at a time, the
 // tokens' chains hiding vpdpbusd's latency, so that 5 tokens' accumulators fit 16 ymm.
 #define AVXVNNI_TARGET __attribute__((target("avx2,avxvnni,fma,f16c")))
+
+AVXVNNI_TARGET inline __m256i top_bits_vnni256(__m256i h, int k) {  // top_bits256 under this path's target
+    const __m256i mask = _mm256_set1_epi8(0x30);
+    switch (k) {
+        case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), mask);
+        case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), mask);
+        case 2: return _mm256_and_si256(h, mask);
+        default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), mask);
+    }
+}
 
 template <int BITS, int TC, int NH>  // NH halves from h0
 AVXVNNI_TARGET void qhalves_avxvnni(const QMat& W, int64_t g, int h0, const QActs& A, int t0, float* Y, int64_t ldy) {
@@ -276,9 +335,16 @@ AVXVNNI_TARGET void qhalves_avxvnni(const QMat& W, int64_t g, int h0, const QAct
                         dot[t][h] = _mm256_dpbusd_avx_epi32(dot[t][h], w, _mm256_set1_epi32(x4(xb + t * A.kp + 4 * i)));
                 }
             } else {
+                const uint8_t* qb = qh + b * BITS * 64;
+                __m256i top[2] = {};
+                if (BITS == 6) top[0] = _mm256_loadu_si256((const __m256i*)(qb + 256)), top[1] = _mm256_loadu_si256((const __m256i*)(qb + 320));
                 for (int v = 0; v < 4; v++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qh + b * 256 + 64 * v));
-                    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
+                    __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    if (BITS == 6) {
+                        lo = _mm256_or_si256(lo, top_bits_vnni256(top[v / 2], (2 * v) % 4));
+                        hi = _mm256_or_si256(hi, top_bits_vnni256(top[v / 2], (2 * v + 1) % 4));
+                    }
                     for (int t = 0; t < TC; t++) {
                         dot[t][h] = _mm256_dpbusd_avx_epi32(dot[t][h], lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v)));
                         dot[t][h] = _mm256_dpbusd_avx_epi32(dot[t][h], hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4)));
@@ -289,7 +355,8 @@ AVXVNNI_TARGET void qhalves_avxvnni(const QMat& W, int64_t g, int h0, const QAct
         for (int h = 0; h < NH; h++) {
             const int64_t sb = b * QROWS + 8 * (h0 + h);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + sb)));
-            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + sb))) : _mm256_mul_ps(d, _mm256_set1_ps(-128.f));
+            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + sb)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-zero_code<BITS>()));
             for (int t = 0; t < TC; t++) {
                 const int64_t tb = (t0 + t) * A.nb + b;
                 acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]), _mm256_mul_ps(d, _mm256_set1_ps(A.d[tb])), acc[t][h]);
@@ -409,20 +476,24 @@ void qmat(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y
     if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx(W, r0, nr, A, T, Y, ldy);  // int8: resolve_q
     if (isa == AVX512_VNNI || isa == AMX_INT8) {
         if (bits == 8) return qwalk<8, Q_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
+        if (bits == 6) return qwalk<6, Q_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
         return qwalk<4, Q_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
     }
     if (isa == AVX_VNNI) {
         if (bits == 8) return qwalk<8, Q_AVX_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
+        if (bits == 6) return qwalk<6, Q_AVX_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
         return qwalk<4, Q_AVX_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
     }
     if (isa == AVX2) {
         if (bits == 8) return qwalk<8, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
+        if (bits == 6) return qwalk<6, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
         return qwalk<4, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
     }
 #else
     (void)isa;
 #endif
     if (bits == 8) qmat_scalar<8>(W, r0, nr, A, T, Y, ldy);
+    else if (bits == 6) qmat_scalar<6>(W, r0, nr, A, T, Y, ldy);
     else qmat_scalar<4>(W, r0, nr, A, T, Y, ldy);
 }
 

@@ -6,9 +6,10 @@ On a CPU-only machine these are a third of the bytes each token reads; llama.cpp
 quantize them too. Routers stay in the compute dtype (they choose experts: a rounding there changes routing),
 as do embeddings (a table read by row) and layers whose outputs are not whole groups of 16.
 
-Under int4 the attention's key and value projections and the output head are int8, as Q4_K_M keeps attn_v
-and the output at 6 bits: on the demo they carry half of int4's perplexity loss (docs/benchmarks.md), and
-with grouped-query attention the K/V projections are a few percent of a token's bytes.
+Under int4 the attention's key and value projections are int8 and the output head int6, as Q4_K_M keeps attn_v
+and the output at 6 bits: on the demo they carry half of int4's perplexity loss (docs/benchmarks.md). With
+grouped-query attention the K/V projections are a few percent of a token's bytes; the head, with a real vocabulary
+(Qwen3's 151 936 rows), is the largest single matrix a token reads, and int6 reads 6.5 bits a weight of it, not 8.5.
 """
 from __future__ import annotations
 
@@ -49,7 +50,9 @@ KV_PROJECTIONS = ("k_proj", "v_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # ever
 
 def layer_format(fmt: str, name: str, head: bool) -> str:
     """The format of the dense layer called `name` (head: the output head) when the experts are in `fmt`."""
-    return "int8" if fmt == "int4" and (head or name in KV_PROJECTIONS) else fmt
+    if fmt != "int4":
+        return fmt
+    return "int6" if head else "int8" if name in KV_PROJECTIONS else fmt
 
 
 def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:

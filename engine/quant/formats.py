@@ -1,10 +1,12 @@
-"""Quantized expert weights: the two formats, laid out for the CPU kernel (csrc/cpu/quant_tiles.h), and
+"""Quantized weights: the three formats, laid out for the CPU kernel (csrc/cpu/quant_tiles.h), and
 their pure-PyTorch twins (quantize, dequantize, the activation quantizer and the matrix product).
 
 A weight matrix W [R, K] (R a multiple of 16) is quantized in blocks of BLOCK = 32 input columns, K
 padded with zeros to whole blocks:
 
     int8   u = round(w / d) + 128 in [1, 255]      w = d · (u - 128)     (symmetric, llama.cpp's Q8_0)
+    int6   u = round(w / d) + 32 in [1, 63]        w = d · (u - 32)      (symmetric, 6.5 bits a weight like Q6_K's 6.56:
+                                                                           the output head under int4, as in Q4_K_M)
     int4   u = round((w - m) / d) in [0, 15]       w = d · u + m          (asymmetric, like Q4_1; d and m fitted
                                                                            by least squares, like Q4_K's)
 
@@ -14,9 +16,11 @@ and, per group and block, one 64-byte vector holds the same 4 columns of all 16 
 
     int8   8 vectors per block: vector i, lane r = row r's codes at columns 4i..4i+3
     int4   4 vectors per block: vector v, lane r = row r's codes at 8v..8v+3 (low nibbles), 8v+4..8v+7 (high)
+    int6   int4's 4 vectors of low nibbles, then 2 of high bits: vector 4 + h, lane r, byte j holds the codes' bits 4-5
+           at columns 4i + j, i = 4h..4h+3, in its bits 2(i - 4h)..2(i - 4h)+1
     d, m   [group][block][16 rows]: one 16-wide fp16 load scales a whole vector of row sums
 
-so a block of 16 rows costs 8 (int4: 4 loads + 8) dot products per token with the activations
+so a block of 16 rows costs 8 (int4: 4 loads + 8, int6: 6 loads + 8) dot products per token with the activations
 broadcast 4 bytes at a time, and no horizontal sums. Tensors keep [..., R, bytes per row] shapes
 (q [..., R, Kp·bits/8], scale/minimum [..., R, Kp/32]); a whole group of 16 rows is contiguous, so
 leading dims (experts, slots) and 16-row slices index them like plain weights. Unsigned codes are
@@ -24,7 +28,7 @@ what u8 · s8 products want; a GPTQ group of 128 is 4 blocks with equal d and m 
 
 Activations are quantized per token and block, to int8 with an fp32 scale (llama.cpp's Q8_1):
 dx = amax / 127, qx = round(x / dx); the kernel then computes, per block, d·dx·Σ u·qx + m·dx·Σ qx
-(int8: m = -128·d). The twin computes the same function from dequantized values in fp32; the two
+(int8: m = -128·d, int6: m = -32·d). The twin computes the same function from dequantized values in fp32; the two
 differ only in fp32 rounding (summation order), never in which codes they use.
 """
 from __future__ import annotations
@@ -37,9 +41,11 @@ from .. import pinned
 
 BLOCK = 32  # weights per scale; K is padded to a multiple of this
 ROWS = 16  # rows interleaved per group (one 512-bit vector of int32 row sums)
-FORMATS = ("int8", "int4")
+FORMATS = ("int8", "int4")  # the experts' formats (--quant)
+LAYOUTS = ("int8", "int6", "int4")  # every format the kernels read: int6 is the output head's under int4 (quant/dense.py)
 PREQUANTIZED_ADVICE = "use the bf16 checkpoint with --quant int4 or --quant int8"  # a pre-quantized checkpoint refused
-BITS = {"int8": 8, "int4": 4}
+BITS = {"int8": 8, "int6": 6, "int4": 4}
+OFFSET = {"int8": 128, "int6": 32}  # the symmetric formats' code of zero: m = -OFFSET·d
 
 
 def padded(k: int) -> int:
@@ -50,14 +56,14 @@ def padded(k: int) -> int:
 def matrix_bytes(fmt: str, rows: int, k: int) -> int:
     """Bytes of one quantized [rows, k] matrix, padding included."""
     kp = padded(k)
-    per_row = kp * BITS[fmt] // 8 + kp // BLOCK * 2 * (1 if fmt == "int8" else 2)
+    per_row = kp * BITS[fmt] // 8 + kp // BLOCK * 2 * (2 if fmt == "int4" else 1)
     return rows * per_row
 
 
 @dataclass
 class QuantMatrix:
     """W [..., R, K] quantized: q uint8 [..., R, Kp·bits/8], scale fp16 [..., R, Kp/32], minimum fp16
-    [..., R, Kp/32] (int4) or None (int8). Leading dims index experts (store) or slots (fast tier)."""
+    [..., R, Kp/32] (int4) or None (int8, int6). Leading dims index experts (store) or slots (fast tier)."""
 
     fmt: str
     k: int  # K before padding
@@ -66,10 +72,10 @@ class QuantMatrix:
     minimum: torch.Tensor | None
 
     def __post_init__(self) -> None:
-        if self.fmt not in FORMATS:
-            raise ValueError(f"quantized format must be one of {', '.join(FORMATS)}, got {self.fmt!r}")
-        if (self.minimum is None) != (self.fmt == "int8"):
-            raise ValueError(f"{self.fmt}: minimum must be {'absent' if self.fmt == 'int8' else 'present'}")
+        if self.fmt not in LAYOUTS:
+            raise ValueError(f"quantized format must be one of {', '.join(LAYOUTS)}, got {self.fmt!r}")
+        if (self.minimum is None) != (self.fmt in OFFSET):
+            raise ValueError(f"{self.fmt}: minimum must be {'absent' if self.fmt in OFFSET else 'present'}")
 
     @property
     def rows(self) -> int:
@@ -80,7 +86,7 @@ class QuantMatrix:
         return (*self.q.shape[:-1], self.k)
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        """The stored fields by name (no minimum for int8): what a file or a copy moves."""
+        """The stored fields by name (no minimum for int8 and int6): what a file or a copy moves."""
         fields = {"q": self.q, "scale": self.scale, "minimum": self.minimum}
         return {name: t for name, t in fields.items() if t is not None}
 
@@ -167,9 +173,16 @@ def interleave(u: torch.Tensor, fmt: str) -> torch.Tensor:
     *lead, R, kp = u.shape
     _check_rows(R)
     g = u.to(torch.uint8).reshape(*lead, R // ROWS, ROWS, kp // BLOCK, 8, 4)  # [.., G, 16, nb, step, 4]
-    if fmt == "int4":  # steps 2v and 2v+1 share vector v: low and high nibbles
-        g = g[..., 0::2, :] | (g[..., 1::2, :] << 4)  # [.., G, 16, nb, 4, 4]
-    g = g.movedim(-4, -2)  # [.., G, nb, step, 16, 4]
+    if fmt != "int8":  # steps 2v and 2v+1 share vector v: low and high nibbles
+        low = g & 0xF
+        nibbles = low[..., 0::2, :] | (low[..., 1::2, :] << 4)  # [.., G, 16, nb, 4, 4]
+        if fmt == "int6":  # steps 4h..4h+3's bits 4-5 share vector 4 + h, two bits each
+            top = (g >> 4).reshape(*g.shape[:-2], 2, 4, 4)  # [.., G, 16, nb, h, i, 4]
+            top = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+            g = torch.cat([nibbles, top], dim=-2)  # [.., G, 16, nb, 6, 4]
+        else:
+            g = nibbles
+    g = g.movedim(-4, -2)  # [.., G, nb, vector, 16, 4]
     return g.reshape(*lead, R, -1)
 
 
@@ -177,10 +190,15 @@ def deinterleave(q: torch.Tensor, fmt: str) -> torch.Tensor:
     """The inverse of interleave: [..., R, Kp·bits/8] -> codes [..., R, Kp] (uint8)."""
     *lead, R, nbytes = q.shape
     kp = nbytes * 8 // BITS[fmt]
-    steps = 8 if fmt == "int8" else 4
-    g = q.reshape(*lead, R // ROWS, kp // BLOCK, steps, ROWS, 4).movedim(-2, -4)  # [.., G, 16, nb, steps, 4]
-    if fmt == "int4":
-        g = torch.stack([g & 0xF, g >> 4], dim=-2).flatten(-3, -2)  # [.., G, 16, nb, 8, 4]
+    vectors = BITS[fmt]  # per block: 8, 6 or 4 vectors of 64 bytes
+    g = q.reshape(*lead, R // ROWS, kp // BLOCK, vectors, ROWS, 4).movedim(-2, -4)  # [.., G, 16, nb, vectors, 4]
+    if fmt != "int8":
+        u = torch.stack([g[..., :4, :] & 0xF, g[..., :4, :] >> 4], dim=-2).flatten(-3, -2)  # [.., G, 16, nb, 8, 4]
+        if fmt == "int6":
+            top = g[..., 4:, :]  # [.., G, 16, nb, 2, 4]
+            top = torch.stack([(top >> (2 * i)) & 3 for i in range(4)], dim=-2).flatten(-3, -2)  # [.., G, 16, nb, 8, 4]
+            u = u | (top << 4)
+        g = u
     return g.reshape(*lead, R, kp)
 
 
@@ -203,14 +221,15 @@ def from_codes(fmt: str, k: int, u: torch.Tensor, d: torch.Tensor, m: torch.Tens
 
 
 def quantize(w: torch.Tensor, fmt: str, fit: bool = True) -> QuantMatrix:
-    """Quantization of w [..., R, K] (any float dtype) into `fmt`: int8 round-to-nearest on the block's absolute
-    maximum, int4 on a fitted scale and minimum (_fit_int4; fit=False: the block's range, about 5 times faster natively).
+    """Quantization of w [..., R, K] (any float dtype) into `fmt`: int8 and int6 round-to-nearest on the block's
+    absolute maximum, int4 on a fitted scale and minimum (_fit_int4; fit=False: the block's range, about 5 times faster natively).
     The scales are rounded to fp16 first and the codes computed with the rounded scales (nearest code, clamped)."""
     b = _blocks(w)  # [..., R, nb, 32]
-    if fmt == "int8":
-        d = (b.abs().amax(-1) / 127).half()  # [..., R, nb]
+    if fmt in OFFSET:
+        top = OFFSET[fmt] - 1  # 127 or 31
+        d = (b.abs().amax(-1) / top).half()  # [..., R, nb]
         inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
-        u = (torch.round(b * inv[..., None]).clamp(-127, 127) + 128).to(torch.uint8)
+        u = (torch.round(b * inv[..., None]).clamp(-top, top) + OFFSET[fmt]).to(torch.uint8)
         return from_codes(fmt, w.shape[-1], u.flatten(-2), d, None)
     if fmt == "int4":
         if fit:
@@ -222,7 +241,7 @@ def quantize(w: torch.Tensor, fmt: str, fit: bool = True) -> QuantMatrix:
         inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
         u = torch.round((b - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
         return from_codes(fmt, w.shape[-1], u.flatten(-2), d, m)
-    raise ValueError(f"quantized format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    raise ValueError(f"quantized format must be one of {', '.join(LAYOUTS)}, got {fmt!r}")
 
 
 FIT_BLOCKS = 1 << 18  # int4 blocks fitted at once: float64 temporaries of 64 MiB
@@ -269,11 +288,11 @@ def codes(qm: QuantMatrix) -> torch.Tensor:
 
 
 def dequantize(qm: QuantMatrix, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[..., R, K] in `dtype`: d·u + m per block (int8: m = -128·d), computed in fp32."""
+    """[..., R, K] in `dtype`: d·u + m per block (int8, int6: m = -OFFSET·d), computed in fp32."""
     u = codes(qm).float()
     u = u.reshape(*u.shape[:-1], -1, BLOCK)  # [..., R, nb, 32]
     d = deinterleave_scales(qm.scale).float()[..., None]
-    m = -128 * d if qm.minimum is None else deinterleave_scales(qm.minimum).float()[..., None]
+    m = -OFFSET[qm.fmt] * d if qm.minimum is None else deinterleave_scales(qm.minimum).float()[..., None]
     w = (u * d + m).flatten(-2)
     return w[..., :qm.k].to(dtype)
 

@@ -10,10 +10,10 @@ from moechat.engine.experts import cpu_ffn
 from moechat.engine.quant.dense import QuantLinear, fuse, layer_format
 
 
-def test_int4_keeps_the_kv_projections_and_the_head_in_int8():
+def test_int4_keeps_the_kv_projections_in_int8_and_the_head_in_int6():
     assert [layer_format("int4", name, head=False) for name in ("q_proj", "k_proj", "v_proj", "o_proj")] == \
         ["int4", "int8", "int8", "int4"]
-    assert layer_format("int4", "kv_b_proj", head=False) == layer_format("int4", "lm_head", head=True) == "int8"
+    assert layer_format("int4", "kv_b_proj", head=False) == "int8" and layer_format("int4", "lm_head", head=True) == "int6"
     assert {layer_format("int8", name, head) for name, head in (("k_proj", False), ("lm_head", True))} == {"int8"}
 
 

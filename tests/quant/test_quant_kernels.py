@@ -1,4 +1,4 @@
-"""The quantized formats (engine/quant/formats.py) and the native int8/int4 CPU kernel
+"""The quantized formats (engine/quant/formats.py) and the native int8/int6/int4 CPU kernel
 (csrc/cpu/quant_ffn.cpp) against their pure-PyTorch twins, on every path this CPU has."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ _built = pytest.mark.skipif(not cpu_ffn.available(), reason=f"native CPU kernels
 def needs_native(test):
     return pytest.mark.native(_built(test))
 ISAS = [isa for isa in cpu_ffn.Q_ISAS if cpu_ffn.q_isa_supported(isa)]
-FORMATS = formats.FORMATS
+FORMATS = formats.LAYOUTS  # the experts' two and the head's int6
 
 
 def rel_err(a, b):
@@ -73,17 +73,21 @@ def test_int4_fits_scale_and_minimum_closer_than_rounding_on_the_range(k):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_interleaving_puts_four_columns_of_sixteen_rows_in_one_vector(fmt):
     """The kernel's layout: per group of 16 rows and block, vector i lane r holds row r's columns 4i..4i+3
-    (int4: 8v..8v+3 in the low nibbles, 8v+4..8v+7 in the high ones)."""
-    u = torch.randint(0, 16 if fmt == "int4" else 256, (32, 64), dtype=torch.uint8)
+    (int4: 8v..8v+3 in the low nibbles, 8v+4..8v+7 in the high ones; int6: those nibbles, then vector 4 + h byte j
+    holds bits 4-5 of columns 4i + j, i = 4h..4h+3, two bits per i)."""
+    u = torch.randint(0, 1 << formats.BITS[fmt], (32, 64), dtype=torch.uint8)
     q = formats.interleave(u, fmt)
     assert torch.equal(formats.deinterleave(q, fmt), u)
-    group1_block1 = q[16:32].reshape(-1)[(512 if fmt == "int8" else 256):]  # second group, second block
+    group1_block1 = q[16:32].reshape(-1)[64 * formats.BITS[fmt]:]  # second group, second block
     r, i = 5, 2
     if fmt == "int8":
         assert group1_block1[64 * i + 4 * r:64 * i + 4 * r + 4].tolist() == u[16 + r, 32 + 4 * i:32 + 4 * i + 4].tolist()
     else:
         byte = group1_block1[64 * i + 4 * r + 1]
-        assert [int(byte & 0xF), int(byte >> 4)] == [int(u[16 + r, 32 + 8 * i + 1]), int(u[16 + r, 32 + 8 * i + 5])]
+        assert [int(byte & 0xF), int(byte >> 4)] == [int(u[16 + r, 32 + 8 * i + 1]) & 0xF, int(u[16 + r, 32 + 8 * i + 5]) & 0xF]
+    if fmt == "int6":  # column 32 + 4·6 + 3 = step 6 (h = 1, its third), byte 3
+        byte = group1_block1[64 * 5 + 4 * r + 3]
+        assert int(byte >> 4) & 3 == int(u[16 + r, 32 + 4 * 6 + 3]) >> 4
     d = torch.randn(32, 2).half()
     assert torch.equal(formats.deinterleave_scales(formats.interleave_scales(d)), d)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
@@ -93,6 +97,7 @@ def test_interleaving_puts_four_columns_of_sixteen_rows_in_one_vector(fmt):
 def test_bytes_per_weight_counts_the_scales():
     weights = 16 * 2048  # whole blocks: no padding
     assert formats.matrix_bytes("int8", 16, 2048) / weights == pytest.approx(8.5 / 8)
+    assert formats.matrix_bytes("int6", 16, 2048) / weights == pytest.approx(6.5 / 8)  # Q6_K: 6.5625
     assert formats.matrix_bytes("int4", 16, 2048) / weights == pytest.approx(5 / 8)
     assert formats.matrix_bytes("int4", 16, 2048) == 16 * 2048 * 5 // 8
 
@@ -124,7 +129,7 @@ def test_native_activation_quantization_is_the_twin_bit_for_bit(isa):
 
 
 def test_bad_format_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="int8, int4"):
+    with pytest.raises(ValueError, match="int8, int6, int4"):
         formats.quantize(torch.randn(2, 32), "int3")
 
 
