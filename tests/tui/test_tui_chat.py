@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from moechat.app.bridge_meter import ReplyMeter
 from moechat.app.chats import ChatStore
 from moechat.app.tui.app import MoechatApp
 from moechat.app.tui.screens.chat import MessageView, last_code_block
@@ -83,7 +84,7 @@ def stored(tmp_path):
 
 
 @pilot_test
-async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
+async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint, monkeypatch):
     path = checkpoint("qwen3_moe", max_position_embeddings=4096)  # room for a reply long enough to stop
     app = make_app(tmp_path, lambda: EngineConfig(str(path)), max_new_tokens=3000)
     async with app.run_test(size=SIZE) as pilot:
@@ -132,12 +133,14 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint):
         assert not errors(app)
 
         app.sampling = SamplingParams(max_new_tokens=3000)
-        # a new chat: this prompt must not hold the stopped first reply, whose length the stop's timing sets (greedy
-        # decoding of a random model after a longer one ended at EOS within 0.3 s on a loaded CI machine)
+        # a new chat: this prompt must not hold the stopped first reply, whose length the stop's timing sets. The random
+        # model ends this one at EOS after a few dozen tokens, so each token is held 0.2 s on the bridge's thread: the
+        # reply is still being written when the app quits, however fast the engine
+        meter_tokens = ReplyMeter.tokens
+        monkeypatch.setattr(ReplyMeter, "tokens", lambda meter, count: (time.sleep(0.2), meter_tokens(meter, count)))
         await pilot.press("ctrl+n")
         await send(pilot, "One more?")
-        await until(pilot, lambda: chat.reply is not None, "the last reply to start")
-        await pilot.pause(0.3)
+        await until(pilot, lambda: chat.reply is not None and chat.reply.text, "the last reply to start")
         partial = chat.reply  # quitting now (leaving run_test) keeps what it wrote, unfinished
         assert partial is not None
         last_conv = next(c for c in app.store.conversations() if c.id != conv.id)
@@ -404,13 +407,16 @@ async def test_the_app_chats_through_a_remote_backend(tmp_path, served, monkeypa
 
 
 @pilot_test
-async def test_a_replys_reasoning_folds_above_its_answer(tmp_path):
+async def test_a_replys_reasoning_folds_above_its_answer(tmp_path, monkeypatch):
     """Qwen3 thinks in <think>…</think> before it answers: the block shows open while the model thinks, folds with a
     word count once the answer starts, and the answer alone is the Markdown (and what `c` copies). A block the
     template opened in the prompt (only `</think>` in the reply) moves out of the answer when it closes."""
     from textual.widgets import Collapsible, Markdown, Static
 
+    from moechat.app.tui.screens import chat as chat_screen
     from moechat.app.tui.screens.chat import _Reply
+
+    monkeypatch.setattr(chat_screen, "REDRAW_S", 0)  # every delta drawn as it comes: the states between them are checked
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     conv = store.create("thought")
@@ -464,3 +470,51 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path):
         assert [s[2] for s in seen] == ["Which", "Which city?", "", "Paris."]  # the answer so far became reasoning
         assert view.markdown.source == "Paris."
         assert view.query_one(".reasoning-text", Static).render().plain == "Which city?"
+
+
+@pilot_test
+async def test_a_reply_is_drawn_at_most_once_a_frame_and_whole_at_its_end(tmp_path, monkeypatch):
+    """Text that comes within a frame of the last redraw waits for one timer, which draws all of it; the reply's end
+    draws it whole at once and cancels that timer. Every delta is stored all the same."""
+    from textual.widgets import Markdown
+
+    from moechat.app.tui.screens import chat as chat_screen
+    from moechat.app.tui.screens.chat import _Reply
+
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    conv = store.create("frames")
+    store.add(conv, "user", "Count.")
+    store.close()
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: len(chat.query(MessageView)) == 1, "the stored chat")
+
+        async def start(request_id: int) -> MessageView:
+            message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)
+            view = MessageView("assistant", "", message_id)
+            await chat.query_one("#log").mount(view)
+            chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
+            return view
+
+        monkeypatch.setattr(chat_screen, "REDRAW_S", 3600.0)  # one frame longer than the test: nothing falls due
+        view = await start(1)
+        for delta in ["One", ", two", ", three"]:
+            await chat.reply_delta(1, delta)
+        reply = chat.reply
+        assert reply.answer == "One" and reply.redraw is not None  # the first drawn at once, the rest held for one timer
+        assert view.content == "One, two, three"
+        await chat.reply_finished(1, "", "stop", None)
+        assert view.markdown.source == "One, two, three"
+        await chat._show_due(reply)  # a timer that fired as the reply ended: the ended reply is left as its end drew it
+        assert view.markdown.source == "One, two, three" and chat.reply is None
+        assert app.store.messages(chat.conv_id)[-1].content == "One, two, three"
+
+        monkeypatch.setattr(chat_screen, "REDRAW_S", 0.05)
+        view = await start(2)
+        for delta in ["Four", ", five", ", six"]:
+            await chat.reply_delta(2, delta)
+        await until(pilot, lambda: chat.reply.answer == "Four, five, six", "the timer to draw the held text")
+        await until(pilot, lambda: view.markdown.source == "Four, five, six", "the stream to write it")
+        await chat.reply_finished(2, "", "stop", None)
+        assert view.markdown.source == "Four, five, six"

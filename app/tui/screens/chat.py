@@ -34,6 +34,9 @@ from ..widgets.heatmap import ExpertHeatmap
 from ..widgets.stats import StatsPanel
 
 SAVE_INTERVAL_S = 0.5
+# A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
+# its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
+REDRAW_S = 1 / 15
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -145,6 +148,8 @@ class _Reply:
     text: str = ""
     saved_at: float = 0.0
     answer: str = ""  # the part of text shown as the answer (the rest: reasoning)
+    shown_at: float = 0.0  # when text was last drawn
+    redraw: object = None  # the Timer that draws text that came since, if one is set
 
 
 async def _stop(stream) -> None:
@@ -310,7 +315,11 @@ class ChatScreen(Screen):
             reply.view.set_note("writing…")
         reply.text += text
         reply.view.content = reply.text
-        await self._show(reply)
+        wait = reply.shown_at + REDRAW_S - time.monotonic()
+        if wait <= 0:
+            await self._show(reply)
+        elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
+            reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
         if time.monotonic() - reply.saved_at >= SAVE_INTERVAL_S:
             self.store.update(reply.message_id, reply.text, finished=False)
             reply.saved_at = time.monotonic()
@@ -320,6 +329,8 @@ class ChatScreen(Screen):
         if reply is None or reply.request_id != request_id:
             return
         self.reply = None
+        if reply.redraw is not None:
+            reply.redraw.stop()
         await _stop(reply.stream)
         text = text or reply.text
         if stats is not None:
@@ -336,8 +347,14 @@ class ChatScreen(Screen):
         reply.view.set_note(note if text else "empty reply")
         self.store.update(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
 
+    async def _show_due(self, reply: _Reply) -> None:
+        reply.redraw = None
+        if self.reply is reply:  # not ended since (its end draws it whole)
+            await self._show(reply)
+
     async def _show(self, reply: _Reply) -> None:
         """The reasoning so far in its block, the answer's new text down its stream."""
+        reply.shown_at = time.monotonic()
         reasoning, answer, thinking = reply.view.split()
         reply.view.show_reasoning(reasoning, thinking)
         if answer.startswith(reply.answer):
