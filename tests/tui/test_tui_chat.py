@@ -518,3 +518,46 @@ async def test_a_reply_is_drawn_at_most_once_a_frame_and_whole_at_its_end(tmp_pa
         await until(pilot, lambda: view.markdown.source == "Four, five, six", "the stream to write it")
         await chat.reply_finished(2, "", "stop", None)
         assert view.markdown.source == "Four, five, six"
+
+
+def test_an_answer_moves_to_a_new_markdown_widget_only_between_blocks():
+    from moechat.app.tui.screens.chat import segment_cut
+
+    assert segment_cut("Intro.\n\n", "One.\n\nTwo") == 6  # the last blank line with a block after it
+    assert segment_cut("", "One.\n\n- a list item") is None  # a list may go on: not split before an item
+    assert segment_cut("", "One.\n\n    indented code") is None and segment_cut("", "One.\n\n") is None
+    assert segment_cut("```\ncode\n", "\n\nstill code") is None  # inside a fence
+    assert segment_cut("```\ncode\n```\n", "\n\nAfter.") == 2
+
+
+@pilot_test
+async def test_a_long_answer_streams_into_several_markdown_widgets_that_hold_it_whole(tmp_path, monkeypatch):
+    """Past SEGMENT_CHARS the stream moves on at a blank line outside code (Textual restyles every block of a widget
+    when one is added); the widgets together hold the answer exactly, during the reply and after its end."""
+    from textual.widgets import Markdown
+
+    from moechat.app.tui.screens import chat as chat_screen
+    from moechat.app.tui.screens.chat import _Reply
+
+    monkeypatch.setattr(chat_screen, "REDRAW_S", 0)
+    monkeypatch.setattr(chat_screen, "SEGMENT_CHARS", 20)
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: chat.conv_id is not None or chat.state, "the chat")
+        chat.conv_id = chat.conv_id or app.store.create("long")
+        message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)
+        view = MessageView("assistant", "", message_id)
+        await chat.query_one("#log").mount(view)
+        chat.reply = _Reply(3, message_id, view, Markdown.get_stream(view.markdown))
+        deltas = ["A first paragraph, long enough.\n\n", "```\nx = 1\n\ny = 2\n```\n\n", "- one\n\n", "- two\n\n",
+                  "Then a closing paragraph.\n\nThe end."]
+        for delta in deltas:
+            await chat.reply_delta(3, delta)
+        whole = "".join(deltas)
+        await until(pilot, lambda: view.answer_source == whole, "the widgets to hold the answer")
+        segments = [m.source for m in view.query(Markdown)]
+        assert len(segments) >= 2 and not any(s.startswith(("- ", "y = 2")) for s in segments)  # never inside a block
+        assert all(s.count("```") % 2 == 0 for s in segments)
+        await chat.reply_finished(3, "", "stop", None)
+        assert view.answer_source == whole and len(view.query(Markdown)) == len(segments)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from textual import events
@@ -37,6 +37,22 @@ SAVE_INTERVAL_S = 0.5
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
+# A streaming answer moves on to a new Markdown widget past this many characters, at a blank line outside code: Textual
+# restyles and lays out every block of a Markdown widget each time one is added, so one widget per reply grew each draw's
+# cost with the reply (most of a core at 30 tok/s after 3 000 tokens).
+SEGMENT_CHARS = 3000
+_CONTINUES_BLOCK = re.compile(r" {0,3}([-*+>|]|\d+[.)])| {4}|\t|\n")  # may join the block before: list, quote, table, code
+
+
+def segment_cut(written: str, new: str) -> int | None:
+    """Where in `new` (text that follows `written`) the answer's next Markdown widget may start: after a blank line,
+    outside a code fence, before a line that starts a block of its own; None where there is no such place."""
+    at = len(new)
+    while (at := new.rfind("\n\n", 0, at)) >= 0:
+        cut = at + 2
+        if cut < len(new) and not _CONTINUES_BLOCK.match(new, cut) and (written + new[:cut]).count("```") % 2 == 0:
+            return cut
+    return None
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -101,7 +117,29 @@ class MessageView(Vertical, can_focus=True):
 
     @property
     def markdown(self) -> Markdown:
-        return self.query_one(Markdown)
+        """The answer's last Markdown widget: the one a reply writes to."""
+        return self.query(Markdown).last()
+
+    @property
+    def answer_source(self) -> str:
+        """The answer as its Markdown widgets hold it."""
+        return "".join(segment.source for segment in self.query(Markdown))
+
+    async def next_segment(self) -> Markdown:
+        """A new Markdown widget after the answer's last: the blank line that ended the last shows as its margin."""
+        self.markdown.add_class("continued")
+        segment = Markdown()
+        await self.mount(segment)
+        return segment
+
+    async def show_answer(self, answer: str, start: int = 0) -> None:
+        """answer[start:] in the last Markdown widget (the others hold answer[:start]); start 0: the only one."""
+        segments = list(self.query(Markdown))
+        if start == 0:
+            for segment in segments[1:]:
+                await segment.remove()
+            segments[0].remove_class("continued")
+        await segments[-1 if start else 0].update(answer[start:])
 
     def show_reasoning(self, reasoning: str, thinking: bool, ended: bool = False) -> None:
         """Opened when the model starts thinking, folded when it starts answering; in between the user's to fold."""
@@ -149,6 +187,8 @@ class _Reply:
     saved_at: float = 0.0
     answer: str = ""  # the part of text shown as the answer (the rest: reasoning)
     shown_at: float = 0.0  # when text was last drawn
+    segment_start: int = 0  # where in the answer the Markdown widget being written starts
+    drawing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one draw at a time: a draw awaits between its steps
     redraw: object = None  # the Timer that draws text that came since, if one is set
 
 
@@ -331,7 +371,8 @@ class ChatScreen(Screen):
         self.reply = None
         if reply.redraw is not None:
             reply.redraw.stop()
-        await _stop(reply.stream)
+        async with reply.drawing:  # a draw under way finishes first; none starts after (self.reply moved on)
+            await _stop(reply.stream)
         text = text or reply.text
         if stats is not None:
             self.show_stats(stats)
@@ -342,7 +383,8 @@ class ChatScreen(Screen):
         reply.view.content = text
         reasoning, answer, thinking = reply.view.split()
         reply.view.show_reasoning(reasoning, thinking, ended=True)
-        await reply.view.markdown.update(answer)  # the whole reply, exactly as the engine ended it
+        start = reply.segment_start if answer.startswith(reply.answer[:reply.segment_start]) else 0
+        await reply.view.show_answer(answer, start)  # the whole reply, exactly as the engine ended it
         note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
         reply.view.set_note(note if text else "empty reply")
         self.store.update(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
@@ -354,16 +396,29 @@ class ChatScreen(Screen):
 
     async def _show(self, reply: _Reply) -> None:
         """The reasoning so far in its block, the answer's new text down its stream."""
+        async with reply.drawing:
+            if self.reply is reply:  # not ended while this draw waited for the last
+                await self._draw(reply)
+
+    async def _draw(self, reply: _Reply) -> None:
         reply.shown_at = time.monotonic()
         reasoning, answer, thinking = reply.view.split()
         reply.view.show_reasoning(reasoning, thinking)
         if answer.startswith(reply.answer):
-            if len(answer) > len(reply.answer):
-                await reply.stream.write(answer[len(reply.answer):])
+            new = answer[len(reply.answer):]
+            long = len(reply.answer) - reply.segment_start >= SEGMENT_CHARS
+            if new and long and (cut := segment_cut(reply.answer, new)) is not None:
+                await reply.stream.write(new[:cut])
+                await _stop(reply.stream)
+                reply.stream = Markdown.get_stream(await reply.view.next_segment())
+                reply.segment_start, new = len(reply.answer) + cut, new[cut:]
+            if new:
+                await reply.stream.write(new)
         else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
             await _stop(reply.stream)
-            await reply.view.markdown.update(answer)
+            await reply.view.show_answer(answer)
             reply.stream = Markdown.get_stream(reply.view.markdown)
+            reply.segment_start = 0
         reply.answer = answer
 
     def save_partial(self) -> None:
