@@ -41,18 +41,24 @@ REDRAW_S = 1 / 15
 # restyles and lays out every block of a Markdown widget each time one is added, so one widget per reply grew each draw's
 # cost with the reply (most of a core at 30 tok/s after 3 000 tokens).
 SEGMENT_CHARS = 3000
-_CONTINUES_BLOCK = re.compile(r" {0,3}([-*+>|]|\d+[.)])| {4}|\t|\n")  # may join the block before: list, quote, table, code
+_CONTINUES_BLOCK = re.compile(r"[ \t\n]|[-*+>|]|\d+[.)]")  # a line that may join the block before: list, quote, table, code
+_FENCE = re.compile(r"^ {0,3}(```|~~~)", re.M)  # a code fence opening or closing
+DECIDE_CHARS = 4  # what must follow a blank line to tell whether the next line starts a block of its own
 
 
-def segment_cut(written: str, new: str) -> int | None:
-    """Where in `new` (text that follows `written`) the answer's next Markdown widget may start: after a blank line,
-    outside a code fence, before a line that starts a block of its own; None where there is no such place."""
-    at = len(new)
-    while (at := new.rfind("\n\n", 0, at)) >= 0:
-        cut = at + 2
-        if cut < len(new) and not _CONTINUES_BLOCK.match(new, cut) and (written + new[:cut]).count("```") % 2 == 0:
-            return cut
-    return None
+def segment_cut(written: str, new: str) -> tuple[int | None, int]:
+    """(cut, upto) for `new`, the text that follows `written`: the answer's next Markdown widget may start at new[cut:]
+    (None: not in this text), and new[:upto] is to be written now. The place is the last blank line, when it is outside
+    a code fence and the line after it starts a block of its own; while that line is too short to tell, the text after
+    the blank line waits (upto) for the next draw."""
+    at = (written[-2:] + new).rfind("\n\n")  # a blank line that ended `written` counts too
+    cut = at + 2 - len(written[-2:])  # where in `new` the line after it starts
+    if at < 0 or cut < 0 or len(_FENCE.findall(written + new[:cut])) % 2:
+        return None, len(new)
+    after = new[cut:]
+    if len(after) < DECIDE_CHARS and "\n" not in after:
+        return None, cut
+    return (None if _CONTINUES_BLOCK.match(after) else cut), len(new)
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -186,9 +192,10 @@ class _Reply:
     text: str = ""
     saved_at: float = 0.0
     answer: str = ""  # the part of text shown as the answer (the rest: reasoning)
-    shown_at: float = 0.0  # when text was last drawn
+    shown_at: float = float("-inf")  # when text was last drawn
     segment_start: int = 0  # where in the answer the Markdown widget being written starts
     drawing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one draw at a time: a draw awaits between its steps
+    ended: bool = False  # reply_finished has begun: no draw starts after it
     redraw: object = None  # the Timer that draws text that came since, if one is set
 
 
@@ -349,7 +356,7 @@ class ChatScreen(Screen):
 
     async def reply_delta(self, request_id: int, text: str) -> None:
         reply = self.reply
-        if reply is None or reply.request_id != request_id:
+        if reply is None or reply.request_id != request_id or reply.ended:
             return  # a stopped or failed reply's late text
         if not reply.text:
             reply.view.set_note("writing…")
@@ -366,12 +373,19 @@ class ChatScreen(Screen):
 
     async def reply_finished(self, request_id: int, text: str, reason: str, stats: Stats | None) -> None:
         reply = self.reply
-        if reply is None or reply.request_id != request_id:
+        if reply is None or reply.request_id != request_id or reply.ended:
             return
-        self.reply = None
+        reply.ended = True
+        try:
+            await self._finish(reply, text, reason, stats)
+        finally:  # busy until the reply is drawn whole: a conversation switched meanwhile would take its view away
+            if self.reply is reply:
+                self.reply = None
+
+    async def _finish(self, reply: _Reply, text: str, reason: str, stats: Stats | None) -> None:
         if reply.redraw is not None:
             reply.redraw.stop()
-        async with reply.drawing:  # a draw under way finishes first; none starts after (self.reply moved on)
+        async with reply.drawing:  # a draw under way finishes first; none starts after (reply.ended)
             await _stop(reply.stream)
         text = text or reply.text
         if stats is not None:
@@ -391,13 +405,12 @@ class ChatScreen(Screen):
 
     async def _show_due(self, reply: _Reply) -> None:
         reply.redraw = None
-        if self.reply is reply:  # not ended since (its end draws it whole)
-            await self._show(reply)
+        await self._show(reply)
 
     async def _show(self, reply: _Reply) -> None:
         """The reasoning so far in its block, the answer's new text down its stream."""
         async with reply.drawing:
-            if self.reply is reply:  # not ended while this draw waited for the last
+            if self.reply is reply and not reply.ended:  # not ended since (its end draws it whole)
                 await self._draw(reply)
 
     async def _draw(self, reply: _Reply) -> None:
@@ -405,13 +418,16 @@ class ChatScreen(Screen):
         reasoning, answer, thinking = reply.view.split()
         reply.view.show_reasoning(reasoning, thinking)
         if answer.startswith(reply.answer):
-            new = answer[len(reply.answer):]
-            long = len(reply.answer) - reply.segment_start >= SEGMENT_CHARS
-            if new and long and (cut := segment_cut(reply.answer, new)) is not None:
+            new, written = answer[len(reply.answer):], len(reply.answer)
+            cut = None
+            if new and written - reply.segment_start >= SEGMENT_CHARS:
+                cut, upto = segment_cut(reply.answer, new)
+                new, answer = new[:upto], answer[:written + upto]  # the rest waits for the next draw (or the end)
+            if cut is not None:
                 await reply.stream.write(new[:cut])
                 await _stop(reply.stream)
                 reply.stream = Markdown.get_stream(await reply.view.next_segment())
-                reply.segment_start, new = len(reply.answer) + cut, new[cut:]
+                reply.segment_start, new = written + cut, new[cut:]
             if new:
                 await reply.stream.write(new)
         else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
