@@ -99,7 +99,7 @@ API int moe_quantize_acts(const float* x, int64_t n_tokens, int64_t k, int8_t* q
 
 // Codes: 0 ok, -1 bad bits or dtype, -2 ISA not supported by this CPU, -3 bad shapes.
 // gate_up: gu_q [E, 2I, Hp·bits/8], gu_s/gu_m [E, 2I, Hp/32]; down: dn_q [E, H, Ip·bits/8], dn_s/dn_m [E, H, Ip/32]
-// (Hp, Ip: H, I padded to 32; H, I multiples of 16; m null for int8); the rest as moe_expert_ffn: experts [G], offsets [G+1],
+// (Hp, Ip: H, I padded to 32; H, I multiples of 16; m null but for int4); the rest as moe_expert_ffn: experts [G], offsets [G+1],
 // x [N, H] (fp32, bf16 or fp16), rows [S] (activation s reads x[rows[s]]), and out fp32: with rows_out and row_weights
 // [S], out [N, H] accumulated into, out[rows_out[s]] += w_s · y_s in order s; per activation, unweighted: with rows_out
 // alone, out[rows_out[s]] = y_s (router order for the caller: no gather or scatter of its own); with neither, out [S, H].
@@ -108,7 +108,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
                          const uint16_t* dn_m, int bits, int64_t hidden, int64_t inter, const void* x, int x_dtype,
                          const int64_t* rows, const int64_t* rows_out, const float* row_weights, float* out, int num_threads,
                          int isa_req) {
-    if (!valid_bits(bits) || x_dtype < F32 || x_dtype > F16 || (bits == 4 && (!gu_m || !dn_m))) return -1;
+    if (!valid_bits(bits) || x_dtype < F32 || x_dtype > F16 || (bits == 4 ? !gu_m || !dn_m : gu_m || dn_m)) return -1;
     if (hidden <= 0 || inter <= 0 || n_groups < 0 || hidden % QROWS || inter % QROWS) return -3;  // whole row groups
     const Isa isa = resolve_q(isa_req, bits);
     if (!runnable_q(isa)) return -2;
@@ -204,7 +204,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
 // A quantized linear layer: out [T, R] fp32 = Q8(x) · W^T, x [T, K] fp32; W q [R, Kp·bits/8], s/m [R, Kp/32].
 API int moe_q_linear(const uint8_t* q, const uint16_t* s, const uint16_t* m, int bits, int64_t n_rows, int64_t k,
                      const float* x, int64_t n_tokens, float* out, int num_threads, int isa_req) {
-    if (!valid_bits(bits) || (bits == 4 && !m)) return -1;
+    if (!valid_bits(bits) || (bits == 4) != bool(m)) return -1;  // minimums: int4's alone
     if (n_rows <= 0 || k <= 0 || n_tokens < 0 || n_rows % QROWS) return -3;
     const Isa isa = resolve_q(isa_req, bits);
     if (!runnable_q(isa)) return -2;
@@ -414,11 +414,11 @@ static void load_row(const void* w, int dtype, int64_t off, int64_t k, int64_t k
 static uint16_t plus_zero(uint16_t h) { return h == 0x8000 ? 0 : h; }
 
 // Quantize W [rows, k] (fp32, bf16 or fp16; rows a multiple of 16) into the interleaved layout:
-// q [rows, kp·bits/8], s and m [rows, kp/32] (m null for int8); int4 with fit_q4's d and m where `fit`, else the
+// q [rows, kp·bits/8], s and m [rows, kp/32] (m null but for int4); int4 with fit_q4's d and m where `fit`, else the
 // block's range. Bit-identical to formats.quantize.
 API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int bits, uint8_t* q, uint16_t* s,
                      uint16_t* m, int num_threads, int fit) {
-    if (!valid_bits(bits) || (bits == 4 && !m) || w_dtype < F32 || w_dtype > F16) return -1;
+    if (!valid_bits(bits) || (bits == 4) != bool(m) || w_dtype < F32 || w_dtype > F16) return -1;
     if (n_rows <= 0 || k <= 0 || n_rows % QROWS) return -3;
     const int64_t kp = pad32(k), nb = kp / 32, rb = kp * bits / 8, groups = n_rows / QROWS;
     const bool avx2 = cpu_has(AVX2);

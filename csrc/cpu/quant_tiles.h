@@ -171,7 +171,7 @@ VNNI_TARGET void qgroup_vnni(const QMat& W, int64_t g, const QActs& A, int t0, f
         for (int t = 0; t < TC; t++)
             for (int c = 0; c < CH; c++) dot[t][c] = _mm512_setzero_si512();
         const int8_t* xb = A.q + t0 * A.kp + 32 * b;
-        for (int line = 0; line < BITS; line++)  // the next group's block (its 4 or 8 cache lines), one group ahead
+        for (int line = 0; line < BITS; line++)  // the next group's block (its 4, 6 or 8 cache lines), one group ahead
             _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
         if (BITS == 8) {
             const uint8_t* qb = q + b * 512;

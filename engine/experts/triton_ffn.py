@@ -175,7 +175,7 @@ def usable(w: QuantMatrix | torch.Tensor, x: torch.Tensor) -> bool:
     if isinstance(w, torch.Tensor):
         return w.dim() == 3 and w.is_contiguous()
     same = w.minimum is None or w.minimum.stride() == w.scale.stride()  # the kernel steps both by the scales' stride
-    return same and w.q.dim() == 3 and all(t.is_contiguous() for t in w.tensors())
+    return w.fmt in formats.FORMATS and same and w.q.dim() == 3 and all(t.is_contiguous() for t in w.tensors())
 
 
 def _kernels():
