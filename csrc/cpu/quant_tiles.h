@@ -299,16 +299,6 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
 // tokens' chains hiding vpdpbusd's latency, so that 5 tokens' accumulators fit 16 ymm.
 #define AVXVNNI_TARGET __attribute__((target("avx2,avxvnni,fma,f16c")))
 
-AVXVNNI_TARGET inline __m256i top_bits_vnni256(__m256i h, int k) {  // top_bits256 under this path's target
-    const __m256i mask = _mm256_set1_epi8(0x30);
-    switch (k) {
-        case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), mask);
-        case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), mask);
-        case 2: return _mm256_and_si256(h, mask);
-        default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), mask);
-    }
-}
-
 template <int BITS, int TC, int NH>  // NH halves from h0
 AVXVNNI_TARGET void qhalves_avxvnni(const QMat& W, int64_t g, int h0, const QActs& A, int t0, float* Y, int64_t ldy) {
     const uint8_t* q = W.q + g * QROWS * W.row_bytes;
@@ -342,8 +332,8 @@ AVXVNNI_TARGET void qhalves_avxvnni(const QMat& W, int64_t g, int h0, const QAct
                     const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
                     __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
                     if (BITS == 6) {
-                        lo = _mm256_or_si256(lo, top_bits_vnni256(top[v / 2], (2 * v) % 4));
-                        hi = _mm256_or_si256(hi, top_bits_vnni256(top[v / 2], (2 * v + 1) % 4));
+                        lo = _mm256_or_si256(lo, top_bits256(top[v / 2], (2 * v) % 4));
+                        hi = _mm256_or_si256(hi, top_bits256(top[v / 2], (2 * v + 1) % 4));
                     }
                     for (int t = 0; t < TC; t++) {
                         dot[t][h] = _mm256_dpbusd_avx_epi32(dot[t][h], lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v)));

@@ -67,6 +67,19 @@ def errors(app) -> list[str]:
     return [n.message for n in app._notifications if n.severity == "error"]
 
 
+async def reply_view(chat, request_id: int) -> MessageView:
+    """A reply begun as start_reply begins one, with no engine: stored unfinished, its view mounted, chat.reply set."""
+    from textual.widgets import Markdown
+
+    from moechat.app.tui.screens.chat import _Reply
+
+    message_id = chat.app.store.add(chat.conv_id, "assistant", "", finished=False)
+    view = MessageView("assistant", "", message_id)
+    await chat.query_one("#log").mount(view)
+    chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
+    return view
+
+
 @pytest.fixture
 def stored(tmp_path):
     """Two stored conversations: 'older' (with a code block) and then 'newer'."""
@@ -412,10 +425,9 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path, monkeypatch):
     """Qwen3 thinks in <think>…</think> before it answers: the block shows open while the model thinks, folds with a
     word count once the answer starts, and the answer alone is the Markdown (and what `c` copies). A block the
     template opened in the prompt (only `</think>` in the reply) moves out of the answer when it closes."""
-    from textual.widgets import Collapsible, Markdown, Static
+    from textual.widgets import Collapsible, Static
 
     from moechat.app.tui.screens import chat as chat_screen
-    from moechat.app.tui.screens.chat import _Reply
 
     monkeypatch.setattr(chat_screen, "REDRAW_S", 0)  # every delta drawn as it comes: the states between them are checked
 
@@ -436,10 +448,7 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path, monkeypatch):
         assert not user.query(".reasoning")  # a user's message has no reasoning block
 
         async def stream(request_id: int, deltas: list[str], seen: list, reason: str = "eos", user=None) -> MessageView:
-            message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)
-            view = MessageView("assistant", "", message_id)
-            await chat.query_one("#log").mount(view)
-            chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
+            view = await reply_view(chat, request_id)
             for i, delta in enumerate(deltas):
                 await chat.reply_delta(request_id, delta)
                 box = view.query_one(".reasoning", Collapsible)
@@ -477,10 +486,8 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path, monkeypatch):
 async def test_a_reply_is_drawn_at_most_once_a_frame_and_whole_at_its_end(tmp_path, monkeypatch):
     """Text that comes within a frame of the last redraw waits for one timer, which draws all of it; the reply's end
     draws it whole at once and cancels that timer. Every delta is stored all the same."""
-    from textual.widgets import Markdown
 
     from moechat.app.tui.screens import chat as chat_screen
-    from moechat.app.tui.screens.chat import _Reply
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     conv = store.create("frames")
@@ -491,15 +498,8 @@ async def test_a_reply_is_drawn_at_most_once_a_frame_and_whole_at_its_end(tmp_pa
         chat = app.chat
         await until(pilot, lambda: len(chat.query(MessageView)) == 1, "the stored chat")
 
-        async def start(request_id: int) -> MessageView:
-            message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)
-            view = MessageView("assistant", "", message_id)
-            await chat.query_one("#log").mount(view)
-            chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
-            return view
-
         monkeypatch.setattr(chat_screen, "REDRAW_S", 3600.0)  # one frame longer than the test: nothing falls due
-        view = await start(1)
+        view = await reply_view(chat, 1)
         for delta in ["One", ", two", ", three"]:
             await chat.reply_delta(1, delta)
         reply = chat.reply
@@ -512,7 +512,7 @@ async def test_a_reply_is_drawn_at_most_once_a_frame_and_whole_at_its_end(tmp_pa
         assert app.store.messages(chat.conv_id)[-1].content == "One, two, three"
 
         monkeypatch.setattr(chat_screen, "REDRAW_S", 0.05)
-        view = await start(2)
+        view = await reply_view(chat, 2)
         for delta in ["Four", ", five", ", six"]:
             await chat.reply_delta(2, delta)
         await until(pilot, lambda: chat.reply.answer == "Four, five, six", "the timer to draw the held text")
@@ -544,7 +544,6 @@ async def test_a_long_answer_streams_into_several_markdown_widgets_that_hold_it_
     from textual.widgets import Markdown
 
     from moechat.app.tui.screens import chat as chat_screen
-    from moechat.app.tui.screens.chat import _Reply
 
     monkeypatch.setattr(chat_screen, "REDRAW_S", 0)
     monkeypatch.setattr(chat_screen, "SEGMENT_CHARS", 20)
@@ -553,10 +552,7 @@ async def test_a_long_answer_streams_into_several_markdown_widgets_that_hold_it_
         chat = app.chat
         await until(pilot, lambda: chat.conv_id is not None or chat.state, "the chat")
         chat.conv_id = chat.conv_id or app.store.create("long")
-        message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)
-        view = MessageView("assistant", "", message_id)
-        await chat.query_one("#log").mount(view)
-        chat.reply = _Reply(3, message_id, view, Markdown.get_stream(view.markdown))
+        view = await reply_view(chat, 3)
         deltas = ["A first paragraph, long enough.\n\n", "```\nx = 1\n\ny = 2\n```\n\n", "- one\n\n", "- two\n\n",
                   "Then a closing paragraph.\n\nThe end."]
         for delta in deltas:
@@ -569,10 +565,7 @@ async def test_a_long_answer_streams_into_several_markdown_widgets_that_hold_it_
         await chat.reply_finished(3, "", "stop", None)
         assert view.answer_source == whole and len(view.query(Markdown)) == len(segments)
 
-        message_id = app.store.add(chat.conv_id, "assistant", "", finished=False)  # a token a draw, as a slow model
-        view = MessageView("assistant", "", message_id)
-        await chat.query_one("#log").mount(view)
-        chat.reply = _Reply(4, message_id, view, Markdown.get_stream(view.markdown))
+        view = await reply_view(chat, 4)  # a token a draw, as from a slow model
         tokens = ["A first", " paragraph", " of words.", "\n\n", "Second", " one.", "\n\n", "2", ".", " a list?", "\n\n",
                   "Third", " and last."]
         for token in tokens:
