@@ -67,6 +67,15 @@ def errors(app) -> list[str]:
     return [n.message for n in app._notifications if n.severity == "error"]
 
 
+def store_chat(tmp_path: Path, title: str, *messages: tuple[str, str]) -> None:
+    """A stored conversation of (role, content) messages, the one the app opens."""
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    conv = store.create(title)
+    for role, content in messages:
+        store.add(conv, role, content)
+    store.close()
+
+
 async def reply_view(chat, request_id: int) -> MessageView:
     """A reply begun as start_reply begins one, with no engine: stored unfinished, its view mounted, chat.reply set."""
     from textual.widgets import Markdown
@@ -431,11 +440,8 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(chat_screen, "REDRAW_S", 0)  # every delta drawn as it comes: the states between them are checked
 
-    store = ChatStore(tmp_path / "chats.sqlite3")
-    conv = store.create("thought")
-    store.add(conv, "user", "The capital of France?")
-    store.add(conv, "assistant", "<think>\nFrance's capital.\n</think>\n\nParis.")
-    store.close()
+    store_chat(tmp_path, "thought", ("user", "The capital of France?"),
+               ("assistant", "<think>\nFrance's capital.\n</think>\n\nParis."))
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
@@ -489,10 +495,7 @@ async def test_a_reply_is_drawn_at_most_once_a_frame_and_whole_at_its_end(tmp_pa
 
     from moechat.app.tui.screens import chat as chat_screen
 
-    store = ChatStore(tmp_path / "chats.sqlite3")
-    conv = store.create("frames")
-    store.add(conv, "user", "Count.")
-    store.close()
+    store_chat(tmp_path, "frames", ("user", "Count."))
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
@@ -547,11 +550,11 @@ async def test_a_long_answer_streams_into_several_markdown_widgets_that_hold_it_
 
     monkeypatch.setattr(chat_screen, "REDRAW_S", 0)
     monkeypatch.setattr(chat_screen, "SEGMENT_CHARS", 20)
+    store_chat(tmp_path, "long", ("user", "Write at length."))
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
-        await until(pilot, lambda: chat.conv_id is not None or chat.state, "the chat")
-        chat.conv_id = chat.conv_id or app.store.create("long")
+        await until(pilot, lambda: len(chat.query(MessageView)) == 1, "the stored chat")
         view = await reply_view(chat, 3)
         deltas = ["A first paragraph, long enough.\n\n", "```\nx = 1\n\ny = 2\n```\n\n", "- one\n\n", "- two\n\n",
                   "Then a closing paragraph.\n\nThe end."]

@@ -16,6 +16,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
+from textual.timer import Timer
 from textual.widgets import (
     Collapsible,
     Footer,
@@ -59,6 +60,8 @@ def segment_cut(written: str, new: str) -> tuple[int | None, int]:
     if len(after) < DECIDE_CHARS and "\n" not in after:
         return None, cut
     return (None if _CONTINUES_BLOCK.match(after) else cut), len(new)
+
+
 CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
@@ -196,7 +199,7 @@ class _Reply:
     segment_start: int = 0  # where in the answer the Markdown widget being written starts
     drawing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one draw at a time: a draw awaits between its steps
     ended: bool = False  # reply_finished has begun: no draw starts after it
-    redraw: object = None  # the Timer that draws text that came since, if one is set
+    redraw: Timer | None = None  # the timer that draws the text that came since the last draw
 
 
 async def _stop(stream) -> None:
