@@ -201,7 +201,7 @@ class MoechatApp(App):
         self.chat.query_one("#sidebar").toggle_class("hidden")
 
     def action_toggle_experts(self) -> None:
-        self.chat.query_one("#side-panel").toggle_class("shown")
+        self.chat.toggle_side_panel()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -106,6 +106,13 @@ def stored(tmp_path):
 
 @pilot_test
 async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint, monkeypatch):
+    from moechat.app.bridge_meter import ReplyMeter  # torch: not at the top of a module that holds notorch tests
+
+    # The random model may end a reply at EOS a few dozen tokens in, within milliseconds: a reply that must still be
+    # streaming when the test acts has each token held on the bridge's thread
+    hold = {"s": 0.05}
+    meter_tokens = ReplyMeter.tokens
+    monkeypatch.setattr(ReplyMeter, "tokens", lambda meter, count: (time.sleep(hold["s"]), meter_tokens(meter, count)))
     path = checkpoint("qwen3_moe", max_position_embeddings=4096)  # room for a reply long enough to stop
     app = make_app(tmp_path, lambda: EngineConfig(str(path)), max_new_tokens=3000)
     async with app.run_test(size=SIZE) as pilot:
@@ -131,7 +138,7 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint, m
         assert "stopped" in reply.view.query_one(".role").render().plain
         assert chat.stats is not None and chat.stats.new_tokens < 3000
 
-        app.sampling = SamplingParams(max_new_tokens=6)
+        app.sampling, hold["s"] = SamplingParams(max_new_tokens=6), 0.0
         await send(pilot, "Hello!")
         await until(pilot, lambda: chat.reply is None and len(app.store.messages(conv.id)) == 4, "the second reply")
         messages = app.store.messages(conv.id)
@@ -149,18 +156,19 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint, m
 
         status = chat.query_one("#status").render().plain
         assert "tok/s" in status and "hit rate" in status and "acceptance" in status
-        await until(pilot, lambda: chat.query_one("#heatmap").frame is not None, "a heatmap frame")
-        assert len(chat.query_one("#heatmap").frame.utility) == 2  # qwen3_moe's two MoE layers
+        heatmap, panel = chat.query_one("#heatmap"), chat.query_one("#stats")
+        assert heatmap.frame is None and heatmap.draws == 0  # the side panel is hidden: nothing drawn there
+        assert panel.stats is chat.stats and "n/a" in panel.query_one("#tps").render().plain
+        await pilot.press("f3")  # shown: the newest figures and frame drawn
+        await until(pilot, lambda: heatmap.frame is not None, "a heatmap frame")
+        assert len(heatmap.frame.utility) == 2  # qwen3_moe's two MoE layers
+        assert f"{chat.stats.tokens_per_s:.1f}" in panel.query_one("#tps").render().plain
+        await pilot.press("f3")
         assert not errors(app)
 
-        app.sampling = SamplingParams(max_new_tokens=3000)
-        # a new chat: this prompt must not hold the stopped first reply, whose length the stop's timing sets. The random
-        # model ends this one at EOS after a few dozen tokens, so each token is held 0.2 s on the bridge's thread: the
-        # reply is still being written when the app quits, however fast the engine
-        from moechat.app.bridge_meter import ReplyMeter  # torch: not at the top of a module that holds notorch tests
-
-        meter_tokens = ReplyMeter.tokens
-        monkeypatch.setattr(ReplyMeter, "tokens", lambda meter, count: (time.sleep(0.2), meter_tokens(meter, count)))
+        # a new chat: this prompt must not hold the stopped first reply, whose length the stop's timing sets. Its
+        # tokens held 0.2 s each, the reply is still being written when the app quits, however fast the engine
+        app.sampling, hold["s"] = SamplingParams(max_new_tokens=3000), 0.2
         await pilot.press("ctrl+n")
         await send(pilot, "One more?")
         await until(pilot, lambda: chat.reply is not None and chat.reply.text, "the last reply to start")

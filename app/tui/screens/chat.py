@@ -228,6 +228,12 @@ class ChatScreen(Screen):
         self.reply: _Reply | None = None
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
+        self.status_text = status_line(self.model, self.state, self.stats)  # what the status line shows
+        # held, not queried: a query walks every widget of the conversation, and stats come ten times a second
+        self.status_label = Static(self.status_text, id="status")
+        self.loading_bar = ProgressBar(total=1.0, show_eta=False, id="loading")  # not `loading`: a Widget reactive
+        self.side_panel = Vertical(id="side-panel")
+        self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
 
     @property
     def store(self):
@@ -242,12 +248,12 @@ class ChatScreen(Screen):
                 yield VerticalScroll(id="log")
                 yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False,
                                 placeholder="Message (Enter sends, Ctrl+J new line, F1 help)")
-            with Vertical(id="side-panel"):
-                yield StatsPanel(id="stats")
-                yield ExpertHeatmap(id="heatmap")
+            with self.side_panel:
+                yield self.stats_panel
+                yield self.heatmap
         with Horizontal(id="status-bar"):
-            yield Static(status_line("", "starting", None), id="status")
-            yield ProgressBar(total=1.0, show_eta=False, id="loading")
+            yield self.status_label
+            yield self.loading_bar
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -257,37 +263,47 @@ class ChatScreen(Screen):
         await self.refresh_conversations()
         self.query_one(ChatInput).focus()
 
-    # ---- status (queries, not query_one: the engine may still post while the app shuts down) -------
+    # ---- status (the engine may still post while the app shuts down: updating an unmounted widget is harmless) ----
     def update_status(self) -> None:
-        for status in self.query("#status").results(Static):
-            status.update(status_line(self.model, self.state, self.stats))
+        text = status_line(self.model, self.state, self.stats)
+        if text != self.status_text:  # one line high whatever its text: no layout of the screen
+            self.status_text = text
+            self.status_label.update(text, layout=False)
 
     def show_loading(self, fraction: float, label: str) -> None:
-        for bar in self.query("#loading").results(ProgressBar):
-            bar.display = True
-            bar.update(progress=fraction)
+        self.loading_bar.display = True
+        self.loading_bar.update(progress=fraction)
         self.state = f"loading: {label} {fraction:.0%}"
         self.update_status()
 
     def show_ready(self, model: str, summary: str) -> None:
-        self.query("#loading").set(display=False)
+        self.loading_bar.display = False
         self.model, self.state = model, summary or "ready"
         self.update_status()
 
     def show_failed(self, message: str) -> None:
-        self.query("#loading").set(display=False)
+        self.loading_bar.display = False
         self.state = "engine stopped: " + message
         self.update_status()
+
+    # The side panel is hidden until asked for: while it is, its widgets keep the newest figures and draw nothing.
+    @property
+    def side_panel_shown(self) -> bool:
+        return self.side_panel.has_class("shown")
+
+    def toggle_side_panel(self) -> None:
+        self.side_panel.toggle_class("shown")
+        if self.side_panel_shown:
+            self.stats_panel.draw()
+            self.heatmap.update_frame()
 
     def show_stats(self, stats: Stats) -> None:
         self.stats = stats
         self.update_status()
-        for panel in self.query("#stats"):
-            panel.update_stats(stats)
+        self.stats_panel.update_stats(stats, draw=self.side_panel_shown)
 
     def show_frame(self, frame: Frame) -> None:
-        for heatmap in self.query("#heatmap"):
-            heatmap.update_frame(frame)
+        self.heatmap.update_frame(frame, draw=self.side_panel_shown)
 
     # ---- conversations ------------------------------------------------------------------------
     async def refresh_conversations(self) -> None:

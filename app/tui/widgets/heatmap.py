@@ -104,10 +104,11 @@ class ExpertHeatmap(ScrollView):
 
     # -- frames in, capped redraws out ------------------------------------------------------------
 
-    def update_frame(self, frame: Frame) -> None:
-        """Keep `frame` as the newest; redraw at most once per INTERVAL_S."""
-        self._pending = frame
-        if self._scheduled:
+    def update_frame(self, frame: Frame | None = None, draw: bool = True) -> None:
+        """Keep `frame` as the newest (None: the newest kept) and redraw at most once per INTERVAL_S; draw=False
+        while the heatmap is hidden."""
+        self._pending = frame if frame is not None else self._pending
+        if not draw or not self.is_mounted or self._pending is None or self._scheduled:
             return
         self._scheduled = True
         delay = self._last_draw + INTERVAL_S - time.monotonic()

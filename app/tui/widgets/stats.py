@@ -74,6 +74,7 @@ class StatsPanel(Vertical):
         super().__init__(name=name, id=id, classes=classes)
         self.history: deque[float] = deque(maxlen=HISTORY)
         self.stats: Stats | None = None
+        self.shown: dict[str, str] = {}  # the text each line shows: a line is updated only when it changes
 
     def compose(self) -> ComposeResult:
         yield Static("engine      n/a", id="engine")
@@ -83,15 +84,16 @@ class StatsPanel(Vertical):
             yield Static("", id=key)
 
     def on_mount(self) -> None:
-        self._show()
+        self.draw()
 
-    def update_stats(self, stats: Stats) -> None:
+    def update_stats(self, stats: Stats, draw: bool = True) -> None:
+        """Keep `stats` (and its rate in the history); draw=False while the panel is hidden: `draw` shows it later."""
         self.stats = stats
         self.history.append(stats.tokens_per_s)
-        if self.is_mounted:
-            self._show()
+        if draw and self.is_mounted:
+            self.draw()
 
-    def _show(self) -> None:
+    def draw(self) -> None:
         s = self.stats or Stats()
         where = f"remote {s.remote} (its figures; memory is the server's)" if s.remote else "embedded"
         lines = {
@@ -111,5 +113,7 @@ class StatsPanel(Vertical):
                         if s.kept_budget else "KV kept     off"),
         }
         for key, text in lines.items():
-            self.query_one(f"#{key}", Static).update(text)
+            if self.shown.get(key) != text:  # one line high whatever its text: no layout of the screen
+                self.query_one(f"#{key}", Static).update(text, layout=False)
+                self.shown[key] = text
         self.query_one(Sparkline).data = list(self.history)
