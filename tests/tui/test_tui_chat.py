@@ -14,7 +14,7 @@ import pytest
 
 from moechat.app.chats import ChatStore
 from moechat.app.tui.app import MoechatApp
-from moechat.app.tui.screens.chat import MessageView, last_code_block
+from moechat.app.tui.screens.chat import LOG_CHARS, MessageView, last_code_block, window_start
 from moechat.app.tui.screens.help import HelpScreen
 from moechat.engine.config import EngineConfig, SamplingParams
 from moechat.engine.errors import MoechatError
@@ -586,3 +586,56 @@ async def test_a_long_answer_streams_into_several_markdown_widgets_that_hold_it_
         segments = [m.source for m in view.query(Markdown)]
         assert "".join(segments) == whole and len(segments) >= 2
         assert not any(s.startswith(("2", ".")) for s in segments)
+
+
+@pytest.mark.notorch
+def test_the_log_window_holds_the_newest_messages_that_add_up_to_its_characters():
+    assert window_start([]) == 0 and window_start([10, 20]) == 0
+    assert window_start([LOG_CHARS, 10, 10]) == 1  # the oldest would pass LOG_CHARS
+    assert window_start([10, LOG_CHARS // 2, LOG_CHARS // 2]) == 1
+    assert window_start([5, 3 * LOG_CHARS, 2 * LOG_CHARS]) == 1  # however long, the last exchange stays
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_long_conversation_shows_its_newest_messages_and_the_rest_behind_a_button(tmp_path):
+    """The log holds the newest LOG_CHARS of a conversation: opened, the rest waits behind "earlier messages"; each
+    press shows the next window above, in order; sending folds the log back to its window."""
+    from textual.widgets import Button
+
+    answer = "An answer.\n\n" + "A paragraph of the answer. " * 40  # about 1 100 characters
+    exchanges = [(("user", f"question {i}"), ("assistant", f"{i}: {answer}")) for i in range(20)]
+    store_chat(tmp_path, "long", *[m for pair in exchanges for m in pair])
+    app = make_app(tmp_path, failing("no model in this test"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: errors(app), "the load failure")
+        stored = app.store.messages(chat.conv_id)
+        ids = [m.id for m in stored]
+
+        def shown() -> list[int]:
+            return [v.message_id for v in chat.shown_views()]
+
+        def button() -> Button | None:
+            return next(iter(chat.query("#earlier").results(Button)), None)
+
+        first = window_start([len(m.content) for m in stored])
+        assert 2 < first < len(stored) - 2 and shown() == ids[first:]
+        assert sum(len(m.content) for m in stored[first:]) <= LOG_CHARS < sum(len(m.content) for m in stored[first - 1:])
+        assert str(button().label) == f"▲ {first} earlier messages"
+        assert chat.query_one("#log").children[0] is button()  # above the first message
+
+        while button() is not None:
+            before = len(shown())
+            chat.query_one("#log").scroll_home(animate=False)  # the log opens at its end: the user scrolls up to it
+            await pilot.pause()
+            await pilot.click("#earlier")
+            await until(pilot, lambda before=before: len(shown()) > before, "earlier messages")
+            assert shown() == ids[-len(shown()):]  # in order, the newest still last
+        assert shown() == ids
+
+        await send(pilot, "one more question")  # stored and shown; the engine has no model, so no reply comes
+        await until(pilot, lambda: len(app.store.messages(chat.conv_id)) == len(ids) + 1, "the message")
+        stored = app.store.messages(chat.conv_id)
+        assert shown() == [m.id for m in stored[window_start([len(m.content) for m in stored[:-1]]):]]
+        assert str(button().label) == f"▲ {len(stored) - len(shown())} earlier messages"

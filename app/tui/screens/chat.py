@@ -18,6 +18,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import (
+    Button,
     Collapsible,
     Footer,
     Label,
@@ -93,6 +94,30 @@ class ChatInput(TextArea):
             self.insert("\n")
             return
         await super()._on_key(event)
+
+
+LOG_CHARS = 8_000  # the newest messages the log holds, by characters: 200-900 widgets of Markdown
+
+
+def window_start(sizes: list[int]) -> int:
+    """The first of the messages of these sizes (characters) that the log shows: the newest that add up to LOG_CHARS,
+    and always the last two (the exchange being written)."""
+    total, start = 0, len(sizes)
+    while start > 0:
+        total += sizes[start - 1]
+        if total > LOG_CHARS and len(sizes) - start >= 2:
+            break
+        start -= 1
+    return start
+
+
+def message_views(messages: list) -> list[MessageView]:
+    """Stored messages -> their views."""
+    return [MessageView(m.role, m.content, m.id, m.finished) for m in messages]
+
+
+def earlier_label(count: int) -> str:
+    return f"▲ {count} earlier message{'s' if count != 1 else ''}"
 
 
 class MessageView(Vertical, can_focus=True):
@@ -320,8 +345,58 @@ class ChatScreen(Screen):
         log = self.query_one("#log", VerticalScroll)
         await log.remove_children()
         if conv_id is not None:
-            await log.mount_all([MessageView(m.role, m.content, m.id, m.finished) for m in self.store.messages(conv_id)])
+            messages = self.store.messages(conv_id)
+            await log.mount_all(message_views(messages[window_start([len(m.content) for m in messages]):]))
+            await self.show_earlier_button()
         log.scroll_end(animate=False)
+
+    # ---- the log's window: Textual lays out every widget of the screen at each frame of a streaming reply (a long
+    # answer's Markdown is about a hundred), so the log holds a conversation's latest LOG_CHARS, the rest behind a button
+    def shown_views(self) -> list[MessageView]:
+        return [child for child in self.query_one("#log").children if isinstance(child, MessageView)]
+
+    def earlier_count(self) -> int:
+        """Stored messages of the conversation before the log's first."""
+        views = self.shown_views()
+        ids = [m.id for m in self.store.messages(self.conv_id)] if self.conv_id is not None else []
+        return ids.index(views[0].message_id) if views and views[0].message_id in ids else 0
+
+    async def show_earlier_button(self) -> None:
+        """The button above the log's first message: how many come before it; none when none do."""
+        log, count = self.query_one("#log"), self.earlier_count()
+        for button in log.query("#earlier").results(Button):
+            if count:
+                button.label = earlier_label(count)
+            else:
+                await button.remove()
+            return
+        if count:
+            await log.mount(Button(earlier_label(count), id="earlier", compact=True), before=0)
+
+    async def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "earlier":
+            event.stop()
+            await self.show_earlier()
+
+    async def show_earlier(self) -> None:
+        """The next LOG_CHARS of older messages above the first shown, which stays where it is on screen."""
+        views = self.shown_views()
+        earlier = self.store.messages(self.conv_id)[:self.earlier_count()]
+        if not earlier or not views:
+            return
+        older = earlier[window_start([len(m.content) for m in earlier]):]
+        await self.query_one("#log").mount_all(message_views(older), before=views[0])
+        await self.show_earlier_button()
+        self.query_one("#log").scroll_to_widget(views[0], animate=False, top=True)
+
+    async def fold_earlier(self) -> None:
+        """Messages beyond the window go back behind the button (a new message is about to come)."""
+        views = self.shown_views()
+        start = window_start([len(view.content) for view in views])
+        if start:
+            for view in views[:start]:
+                await view.remove()
+            await self.show_earlier_button()
 
     async def on_list_view_selected(self, event: ListView.Selected) -> None:
         if isinstance(event.item, ConversationItem) and event.item.conv_id != self.conv_id:
@@ -350,6 +425,7 @@ class ChatScreen(Screen):
             self.conv_id = self.store.create(title=" ".join(text.split())[:40])
             await self.refresh_conversations()
         message_id = self.store.add(self.conv_id, "user", text)
+        await self.fold_earlier()
         await self.query_one("#log").mount(MessageView("user", text, message_id))
         await self.start_reply()
 
