@@ -143,7 +143,7 @@ class MessageView(Vertical, can_focus=True):
                               classes="reasoning")
             box.display = bool(reasoning)
             yield box
-        yield Markdown(answer)
+        yield Markdown(answer, classes="filled" if answer.strip() else None)
 
     def split(self) -> tuple[str, str, bool]:
         """(reasoning, answer, still thinking): a user's words are all answer."""
@@ -174,6 +174,14 @@ class MessageView(Vertical, can_focus=True):
                 await segment.remove()
             segments[0].remove_class("continued")
         await segments[-1 if start else 0].update(answer[start:])
+        self.fit_answer()
+
+    def fit_answer(self) -> None:
+        """The answer's last block keeps no bottom margin (the next message's top margin spaces them), through a class
+        set once the last Markdown widget holds blocks: a `:last-child` rule would make Textual restyle every block of
+        the widget each time one is added."""
+        segment = self.markdown
+        segment.set_class(bool(segment.children), "filled")
 
     def show_reasoning(self, reasoning: str, thinking: bool, ended: bool = False) -> None:
         """Opened when the model starts thinking, folded when it starts answering; in between the user's to fold."""
@@ -255,7 +263,7 @@ class ChatScreen(Screen):
         self.model, self.state, self.stats = "", "starting", None
         self.status_text = status_line(self.model, self.state, self.stats)  # what the status line shows
         # held, not queried: a query walks every widget of the conversation, and stats come ten times a second
-        self.status_label = Static(self.status_text, id="status")
+        self.status_label = Static(self.status_text, id="status", markup=False)  # an error message may hold "[/b]"
         self.loading_bar = ProgressBar(total=1.0, show_eta=False, id="loading")  # not `loading`: a Widget reactive
         self.side_panel = Vertical(id="side-panel")
         self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
@@ -288,7 +296,7 @@ class ChatScreen(Screen):
         await self.refresh_conversations()
         self.query_one(ChatInput).focus()
 
-    # ---- status (the engine may still post while the app shuts down: updating an unmounted widget is harmless) ----
+    # ---- status (the app's handlers drop the engine's messages once it stops running) -------------------------
     def update_status(self) -> None:
         text = status_line(self.model, self.state, self.stats)
         if text != self.status_text:  # one line high whatever its text: no layout of the screen
@@ -379,18 +387,19 @@ class ChatScreen(Screen):
             await self.show_earlier()
 
     async def show_earlier(self) -> None:
-        """The next LOG_CHARS of older messages above the first shown, which stays where it is on screen."""
+        """The next LOG_CHARS of older messages above the first shown, which is scrolled to the top: where the reader was."""
         views = self.shown_views()
         earlier = self.store.messages(self.conv_id)[:self.earlier_count()]
         if not earlier or not views:
             return
         older = earlier[window_start([len(m.content) for m in earlier]):]
-        await self.query_one("#log").mount_all(message_views(older), before=views[0])
+        log = self.query_one("#log")
+        await log.mount_all(message_views(older), before=views[0])
         await self.show_earlier_button()
-        self.query_one("#log").scroll_to_widget(views[0], animate=False, top=True)
+        self.call_after_refresh(log.scroll_to_widget, views[0], animate=False, top=True)  # once laid out
 
     async def fold_earlier(self) -> None:
-        """Messages beyond the window go back behind the button (a new message is about to come)."""
+        """Messages beyond the window go back behind the button (a reply is about to stream)."""
         views = self.shown_views()
         start = window_start([len(view.content) for view in views])
         if start:
@@ -425,7 +434,6 @@ class ChatScreen(Screen):
             self.conv_id = self.store.create(title=" ".join(text.split())[:40])
             await self.refresh_conversations()
         message_id = self.store.add(self.conv_id, "user", text)
-        await self.fold_earlier()
         await self.query_one("#log").mount(MessageView("user", text, message_id))
         await self.start_reply()
 
@@ -435,6 +443,7 @@ class ChatScreen(Screen):
         history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
         history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id) if m.content]
         message_id = self.store.add(self.conv_id, "assistant", "", finished=False)
+        await self.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
         view = MessageView("assistant", "", message_id)
         log = self.query_one("#log", VerticalScroll)
         await log.mount(view)
@@ -525,6 +534,7 @@ class ChatScreen(Screen):
                 reply.segment_start, new = written + cut, new[cut:]
             if new:
                 await reply.stream.write(new)
+            reply.view.fit_answer()  # the stream's blocks come a moment later: at worst a frame with a blank line more
         else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
             await _stop(reply.stream)
             await reply.view.show_answer(answer)

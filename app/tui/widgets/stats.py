@@ -114,6 +114,8 @@ class StatsPanel(Vertical):
         }
         for key, text in lines.items():
             if self.shown.get(key) != text:  # one line high whatever its text: no layout of the screen
-                self.query_one(f"#{key}", Static).update(text, layout=False)
-                self.shown[key] = text
-        self.query_one(Sparkline).data = list(self.history)
+                for line in self.query(f"#{key}").results(Static):  # none once the app has closed
+                    line.update(text, layout=False)
+                    self.shown[key] = text
+        for sparkline in self.query(Sparkline):
+            sparkline.data = list(self.history)
