@@ -534,7 +534,7 @@ class ChatScreen(Screen):
                 reply.segment_start, new = written + cut, new[cut:]
             if new:
                 await reply.stream.write(new)
-            reply.view.fit_answer()  # the stream's blocks come a moment later: at worst a frame with a blank line more
+            reply.view.fit_answer()  # the stream mounts its blocks a moment later: until the next draw, one blank row more
         else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
             await _stop(reply.stream)
             await reply.view.show_answer(answer)
