@@ -111,9 +111,10 @@ def window_start(sizes: list[int]) -> int:
     return start
 
 
-def message_views(messages: list) -> list[MessageView]:
-    """Stored messages -> their views."""
-    return [MessageView(m.role, m.content, m.id, m.finished) for m in messages]
+def window_views(messages: list) -> list[MessageView]:
+    """Stored messages -> the views of those the log's window holds."""
+    return [MessageView(m.role, m.content, m.id, m.finished)
+            for m in messages[window_start([len(m.content) for m in messages]):]]
 
 
 def earlier_label(count: int) -> str:
@@ -261,9 +262,9 @@ class ChatScreen(Screen):
         self.reply: _Reply | None = None
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
-        self.status_text = status_line(self.model, self.state, self.stats)  # what the status line shows
         # held, not queried: a query walks every widget of the conversation, and stats come ten times a second
-        self.status_label = Static(self.status_text, id="status", markup=False)  # an error message may hold "[/b]"
+        self.status_label = Static(status_line(self.model, self.state, self.stats), id="status",
+                                   markup=False)  # an error message may hold "[/b]"
         self.loading_bar = ProgressBar(total=1.0, show_eta=False, id="loading")  # not `loading`: a Widget reactive
         self.side_panel = Vertical(id="side-panel")
         self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
@@ -299,8 +300,7 @@ class ChatScreen(Screen):
     # ---- status (the app's handlers drop the engine's messages once it stops running) -------------------------
     def update_status(self) -> None:
         text = status_line(self.model, self.state, self.stats)
-        if text != self.status_text:  # one line high whatever its text: no layout of the screen
-            self.status_text = text
+        if text != self.status_label.content:  # one line high whatever its text: no layout of the screen
             self.status_label.update(text, layout=False)
 
     def show_loading(self, fraction: float, label: str) -> None:
@@ -354,7 +354,7 @@ class ChatScreen(Screen):
         await log.remove_children()
         if conv_id is not None:
             messages = self.store.messages(conv_id)
-            await log.mount_all(message_views(messages[window_start([len(m.content) for m in messages]):]))
+            await log.mount_all(window_views(messages))
             await self.show_earlier_button()
         log.scroll_end(animate=False)
 
@@ -363,15 +363,16 @@ class ChatScreen(Screen):
     def shown_views(self) -> list[MessageView]:
         return [child for child in self.query_one("#log").children if isinstance(child, MessageView)]
 
-    def earlier_count(self) -> int:
-        """Stored messages of the conversation before the log's first."""
+    def earlier(self) -> list:
+        """The stored messages of the conversation before the log's first."""
         views = self.shown_views()
-        ids = [m.id for m in self.store.messages(self.conv_id)] if self.conv_id is not None else []
-        return ids.index(views[0].message_id) if views and views[0].message_id in ids else 0
+        messages = self.store.messages(self.conv_id) if self.conv_id is not None and views else []
+        ids = [m.id for m in messages]
+        return messages[:ids.index(views[0].message_id)] if views and views[0].message_id in ids else []
 
     async def show_earlier_button(self) -> None:
         """The button above the log's first message: how many come before it; none when none do."""
-        log, count = self.query_one("#log"), self.earlier_count()
+        log, count = self.query_one("#log"), len(self.earlier())
         for button in log.query("#earlier").results(Button):
             if count:
                 button.label = earlier_label(count)
@@ -388,13 +389,11 @@ class ChatScreen(Screen):
 
     async def show_earlier(self) -> None:
         """The next LOG_CHARS of older messages above the first shown, which is scrolled to the top: where the reader was."""
-        views = self.shown_views()
-        earlier = self.store.messages(self.conv_id)[:self.earlier_count()]
-        if not earlier or not views:
+        views, earlier = self.shown_views(), self.earlier()
+        if not earlier:
             return
-        older = earlier[window_start([len(m.content) for m in earlier]):]
         log = self.query_one("#log")
-        await log.mount_all(message_views(older), before=views[0])
+        await log.mount_all(window_views(earlier), before=views[0])
         await self.show_earlier_button()
         self.call_after_refresh(log.scroll_to_widget, views[0], animate=False, top=True)  # once laid out
 

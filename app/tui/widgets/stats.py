@@ -74,7 +74,6 @@ class StatsPanel(Vertical):
         super().__init__(name=name, id=id, classes=classes)
         self.history: deque[float] = deque(maxlen=HISTORY)
         self.stats: Stats | None = None
-        self.shown: dict[str, str] = {}  # the text each line shows: a line is updated only when it changes
 
     def compose(self) -> ComposeResult:
         yield Static("engine      n/a", id="engine")
@@ -113,9 +112,8 @@ class StatsPanel(Vertical):
                         if s.kept_budget else "KV kept     off"),
         }
         for key, text in lines.items():
-            if self.shown.get(key) != text:  # one line high whatever its text: no layout of the screen
-                for line in self.query(f"#{key}").results(Static):  # none once the app has closed
+            for line in self.query(f"#{key}").results(Static):  # none once the app has closed
+                if line.content != text:  # one line high whatever its text: no layout of the screen
                     line.update(text, layout=False)
-                    self.shown[key] = text
         for sparkline in self.query(Sparkline):
             sparkline.data = list(self.history)
