@@ -1,7 +1,8 @@
 """User settings: `settings.toml` in moechat's config directory (platformdirs).
 
-A broken file never stops moechat: it runs on defaults, says so in one line, and leaves the file as
-it is for the user to fix. Only keys this version knows are read. Every engine value set here wins
+A broken file never stops moechat: a file it cannot parse runs on defaults, a key with a bad value on
+that key's default; either says so in one line and leaves the file as it is for the user to fix (a save
+first keeps a copy as `settings.toml.broken`). Only keys this version knows are read. Every engine value set here wins
 over the machine's calibration profile (`moechat calibrate`); unset ones come from the profile.
 `save_settings` rewrites only the keys that changed, so the user's comments and unknown keys stay.
 
@@ -12,6 +13,7 @@ field by building Settings with that field alone, and shows the one-line ValueEr
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 try:
@@ -51,23 +53,41 @@ Settings = make_dataclass("Settings", [(o.name, f"{o.kind.__name__} | None", _fi
 
 
 def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
-    """The saved settings and, when the file could not be used, a one-line notice (defaults then apply)."""
+    """The saved settings and, when the file could not be used whole, a one-line notice: an unreadable file
+    gives the defaults, a bad value its key's default while every other key keeps the file's value."""
     path = path or settings_path()
     if not path.exists():
         return Settings(), None
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        return Settings(**{f.name: raw[f.name] for f in fields(Settings) if f.name in raw}), None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, ValueError) as err:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         return Settings(), f"settings file {path} is not usable ({err}): using defaults; fix or delete the file"
+    good, problems = _checked(raw)
+    if not problems:
+        return Settings(**good), None
+    return Settings(**good), (f"settings file {path}: {'; '.join(problems)}: using the default for "
+                              f"{'it' if len(problems) == 1 else 'them'}; fix the file or set it in the settings screen")
+
+
+def _checked(raw: dict) -> tuple[dict, list[str]]:
+    """The file's known keys -> (those whose values pass their check, one problem per key that does not)."""
+    good, problems = {}, []
+    for f in fields(Settings):
+        if f.name in raw:
+            try:
+                Settings(**{f.name: raw[f.name]})
+                good[f.name] = raw[f.name]
+            except ValueError as err:
+                problems.append(str(err))
+    return good, problems
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> Path:
     """Write `settings`, changing only what differs from the file: comments and unknown keys stay.
 
     A value back to None removes its key; a default value is not added to a file that lacks it.
-    An unreadable file is kept as `settings.toml.broken` before a fresh one is written. Atomic:
-    a temporary file in the same directory replaces the old one.
+    An unreadable file, or one with a bad value (which `settings` replaces), is kept as `settings.toml.broken`
+    first. Atomic: a temporary file in the same directory replaces the old one.
     """
     import tomlkit
     from tomlkit.exceptions import TOMLKitError
@@ -80,6 +100,9 @@ def save_settings(settings: Settings, path: Path | None = None) -> Path:
             doc = tomlkit.parse(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, TOMLKitError):
             os.replace(path, path.with_name(path.name + ".broken"))
+        else:
+            if _checked(doc.unwrap())[1]:  # the user's bad value is about to be replaced: keep what they wrote
+                shutil.copyfile(path, path.with_name(path.name + ".broken"))
     for f in fields(Settings):
         value, default = getattr(settings, f.name), f.default
         if f.name == "keys":

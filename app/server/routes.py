@@ -2,7 +2,7 @@
 
 Requests go to the one engine thread (`EngineWorker`) in arrival order. A streaming reply is server-sent
 events ending in `data: [DONE]`; its client going away cancels the generation (the stream's cleanup), and a
-non-streaming client that leaves while it waits cancels it too (polled). Every error, from a malformed body
+non-streaming client that leaves cancels it too (polled while it waits, tokens flowing or not). Every error, from a malformed body
 to a full queue, is OpenAI's JSON error shape with a 4xx status and a message that says what to fix.
 """
 from __future__ import annotations
@@ -87,15 +87,27 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
     return app
 
 
-async def _next(job, request: Request):
-    """The job's next event; None once the job ended or its client left (the job is then cancelled)."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                job.cancel()
-                return None
+class _Waiter:
+    """A non-streaming request's events. Its client is checked every DISCONNECT_POLL_S whether events arrive or not
+    (while tokens flow, a wait never times out): a client that left cancels the job."""
+
+    def __init__(self, job, request: Request) -> None:
+        self.job, self.request, self.due = job, request, time.monotonic() + DISCONNECT_POLL_S
+
+    async def next(self):
+        """The job's next event; None once its client left (the job is then cancelled)."""
+        while True:
+            wait = self.due - time.monotonic()
+            if wait <= 0:
+                self.due = time.monotonic() + DISCONNECT_POLL_S
+                if await self.request.is_disconnected():
+                    self.job.cancel()
+                    return None
+                continue
+            try:
+                return await asyncio.wait_for(self.job.events.get(), wait)
+            except asyncio.TimeoutError:
+                pass
 
 
 async def _reply(worker: EngineWorker, model_id: str, body, request: Request, chat: bool):
@@ -107,10 +119,10 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
         return _error(429, str(err))
     except (ValueError, MoechatError) as err:  # the engine's own checks of the sampling values
         return _error(400, str(err))
-    reply = Reply(chat, model_id, job)
-    first = await _next(job, request)
+    reply, waiter = Reply(chat, model_id, job), _Waiter(job, request)
+    first = await waiter.next()
     while isinstance(first, TokenDelta) and not first.text:  # nothing to show yet (held back by a stop string)
-        first = await _next(job, request)
+        first = await waiter.next()
     if first is None:
         return _error(499, "the client closed the request")
     if isinstance(first, Error):  # before anything was sent: a plain 400
@@ -121,7 +133,7 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
                                  headers={"Cache-Control": "no-cache"})
     event = first
     while event is not None and not isinstance(event, (Finished, Error)):
-        event = await _next(job, request)
+        event = await waiter.next()
     if isinstance(event, Finished):
         return JSONResponse(reply.whole(event))
     if isinstance(event, Error):

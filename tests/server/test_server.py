@@ -128,6 +128,18 @@ def test_a_client_leaving_mid_stream_cancels_and_the_next_request_runs(server, c
     assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.completion_tokens >= 1
 
 
+def test_a_non_streaming_client_that_gives_up_mid_reply_cancels_it(server, endless):
+    """While tokens flow a wait for the next one never times out: the client is checked on a clock of its own."""
+    impatient = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=1.0)
+    before = health(server)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0)
+    deadline = time.monotonic() + 30
+    while health(server)["cancelled"] == before["cancelled"]:
+        assert time.monotonic() < deadline, "the reply ran on after its client left"
+        time.sleep(0.05)
+
+
 def test_a_full_queue_is_429_and_the_queued_request_still_runs(server, client, endless):
     stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0, stream=True)
     next(iter(stream))  # running: the engine is busy

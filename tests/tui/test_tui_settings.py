@@ -80,6 +80,42 @@ def test_save_keeps_comments_and_unknown_keys(tmp_path):
     assert (tmp_path / "settings.toml.broken").read_text() == "model = [broken\n" and load_settings(path)[0].top_p == 0.5
 
 
+def test_a_bad_value_costs_only_its_key_and_a_save_keeps_the_file_aside(tmp_path):
+    path = tmp_path / "settings.toml"
+    text = '# mine\nmodel = "/models/q3"\nram_budget_gib = 8.0\nquant = "int8"\ntemperature = "0.3"  # quoted\n'
+    path.write_text(text, encoding="utf-8")
+    settings, notice = load_settings(path)
+    assert (settings.model, settings.ram_budget_gib, settings.quant) == ("/models/q3", 8.0, "int8")
+    assert settings.temperature == Settings().temperature  # the bad key alone takes its default
+    assert "`temperature`" in notice and "'0.3'" in notice and "default" in notice and "\n" not in notice
+    assert path.read_text() == text  # loading never rewrites the user's file
+    save_settings(Settings(model="/models/q3", ram_budget_gib=8.0, quant="int8", temperature=0.3), path)
+    assert (tmp_path / "settings.toml.broken").read_text() == text  # what the user wrote, kept before the fix
+    saved = path.read_text()
+    assert "# mine" in saved and load_settings(path) == (Settings(model="/models/q3", ram_budget_gib=8.0, quant="int8",
+                                                                  temperature=0.3), None)
+
+
+async def _fix_the_named_field(path):
+    app = Host(SettingsScreen(path=path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        notice = str(app.screen.query_one("#notice").content)
+        app.screen.query_one("#temperature").value = "0.3"
+        await pilot.pause()
+        await click(pilot, "#save")
+    return notice, app.result
+
+
+def test_the_settings_screen_fixes_a_bad_value_without_losing_the_others(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text('model = "/models/q3"\nram_budget_gib = 8.0\ntemperature = "0.3"\n', encoding="utf-8")
+    notice, result = asyncio.run(_fix_the_named_field(path))
+    assert "`temperature`" in notice and isinstance(result, SettingsResult)
+    settings, notice = load_settings(path)
+    assert notice is None and (settings.model, settings.ram_budget_gib, settings.temperature) == ("/models/q3", 8.0, 0.3)
+
+
 async def _settings_rejects_then_saves(path):
     app = Host(SettingsScreen(path=path))
     async with app.run_test(size=(120, 40)) as pilot:

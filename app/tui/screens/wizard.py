@@ -348,7 +348,7 @@ class WizardScreen(Screen):
         self._go(3)
 
     def _leave_finish(self) -> None:
-        settings, _ = load_settings(self.path)  # a broken file: defaults (save_settings keeps the old one aside)
+        settings, _ = load_settings(self.path)  # a bad value: its default (save_settings keeps the file aside first)
         if self.backend:  # the local model and budgets stay as they were, for when the backend is turned off
             settings = replace(settings, backend=self.backend)
         else:
