@@ -119,6 +119,7 @@ class Finished:
 @dataclass
 class Error:
     message: str  # one line that says what is wrong and what to do
+    request_fault: bool = False  # the request itself was wrong (a server answers 400), not the model or the engine (500)
 
 
 Event = TokenDelta | PrefillProgress | StepStats | Finished | Error

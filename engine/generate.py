@@ -32,6 +32,17 @@ class Request:
     thinking: bool | None = None  # `enable_thinking` for templates that read it (Qwen3); None: the template's default
 
 
+def _check_text(text):
+    """text, refused in one line when it cannot be UTF-8 (a lone surrogate: a JSON escape or a bad byte read leniently)."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise RequestError(f"the text holds {text[err.start]!r} at position {err.start}, which is not Unicode text: "
+                               "send valid UTF-8") from None
+    return text
+
+
 class Engine:
     def __init__(self, config: EngineConfig, progress: LoadProgress | None = None):
         """Load the model. progress: told of a long step (a first quantization, layer by layer); None: a bar on a
@@ -86,14 +97,26 @@ class Engine:
         if request.messages is not None:
             if not getattr(tok, "chat_template", None):
                 raise RequestError("this model's tokenizer has no chat template: send a plain prompt instead of chat messages")
-            thinking = {} if request.thinking is None else {"enable_thinking": request.thinking}
-            ids = tok.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True, **thinking)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            for message in request.messages:
+                _check_text(message.get("content"))
+            ids = self._render_chat(request)
         else:
-            ids = tok(request.prompt or "", add_special_tokens=True)["input_ids"]
+            ids = tok(_check_text(request.prompt or ""), add_special_tokens=True)["input_ids"]
         if not ids:
             raise RequestError("the prompt is empty: type something to send")
         return list(ids)
+
+    def _render_chat(self, request: Request) -> list[int]:
+        import jinja2
+
+        thinking = {} if request.thinking is None else {"enable_thinking": request.thinking}
+        try:
+            ids = self.model.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
+                                                           **thinking)
+        except jinja2.TemplateError as err:  # the model's file, not the request: one line, the engine stays ready
+            raise MoechatError(f"the chat template of {self.config.model_dir} is broken ({type(err).__name__}: {err}): "
+                               "download the model again, or send a plain prompt") from None
+        return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
 
     def generate(self, request: Request, params: SamplingParams | None = None,
                  trace: TraceRecorder | None = None) -> Iterator[Event]:
@@ -110,7 +133,7 @@ class Engine:
         try:
             yield from self._generate(self.encode(request), params, trace)
         except MoechatError as err:
-            yield Error(str(err))
+            yield Error(str(err), request_fault=isinstance(err, RequestError))
         except Exception as err:  # never a traceback in the UI; the engine stays usable
             yield Error(f"internal error ({type(err).__name__}: {err}); the engine is ready for the next message")
 
@@ -151,7 +174,8 @@ class Engine:
                 "shorten the conversation or raise the context length"
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
-        generator = torch.Generator().manual_seed(params.seed if params.seed is not None else random.randrange(2**63))
+        # any whole number seeds (a torch generator takes 64 bits: larger and negative seeds are taken modulo 2^64)
+        generator = torch.Generator().manual_seed(params.seed % 2**64 if params.seed is not None else random.randrange(2**63))
         t_start = time.perf_counter()  # the time to first token counts finding and copying a kept cache
         kept, reused = self.conversations.take(prompt, m.new_kv_cache)  # kept.kv after each step: committed[:-1]
         kept.tokens, kept.prompt_len = None, len(prompt)  # tokens None while a pass writes the caches

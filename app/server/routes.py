@@ -125,9 +125,9 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
         first = await waiter.next()
     if first is None:
         return _error(499, "the client closed the request")
-    if isinstance(first, Error):  # before anything was sent: a plain 400
+    if isinstance(first, Error):  # before anything was sent: a plain 400, or 500 where the model or engine failed
         await _drain(job)
-        return _error(400, first.message)
+        return _error(400 if first.request_fault else 500, first.message)
     if body.stream:
         return StreamingResponse(_events(job, reply, first, body.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -137,7 +137,7 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
     if isinstance(event, Finished):
         return JSONResponse(reply.whole(event))
     if isinstance(event, Error):
-        return _error(400, event.message)
+        return _error(400 if event.request_fault else 500, event.message)
     return _error(499, "the client closed the request")
 
 
@@ -166,7 +166,7 @@ async def _events(job, reply: Reply, first, include_usage: bool):
                 if include_usage:
                     yield _sse(reply.usage_chunk(event.summary))
             elif isinstance(event, Error):
-                yield _sse(error_body(event.message))
+                yield _sse(error_body(event.message, "invalid_request_error" if event.request_fault else "server_error"))
             event = await job.events.get()
         yield "data: [DONE]\n\n"
     finally:

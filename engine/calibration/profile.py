@@ -162,4 +162,7 @@ def load_profile(fingerprint: str, key: str) -> tuple[Profile | None, str]:
         return None, _set_aside(path, "was measured on another machine")
     if profile.model != key:
         return None, _set_aside(path, f"belongs to another model ({profile.model})")
+    drafter = profile.decisions.drafter
+    if drafter not in ("none", "self") and not Path(drafter).is_dir():
+        return None, _set_aside(path, f"drafts with {drafter}, which is no longer there")
     return profile, ""

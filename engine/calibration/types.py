@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import QUANTS
+from ..config import QUANTS, SchedulerConfig, SpecConfig
 
 
 @dataclass
@@ -77,5 +77,13 @@ class Decisions:
     quant: str = "none"  # routed experts' format: "none" | "int8" | "int4"; profiles written before it read as "none"
 
     def __post_init__(self) -> None:
-        if self.quant not in QUANTS:  # a profile's value: refused like any other wrong one (profile.load_profile)
+        """A profile's values pass the checks the engine's configs make, so a wrong one sets the profile aside
+        (profile.load_profile) instead of failing every start with that model."""
+        if self.quant not in QUANTS:
             raise ValueError(f"quant should be one of {', '.join(QUANTS)}, got {self.quant!r}")
+        if not 0.0 <= self.expert_cache_ratio <= 1.0:
+            raise ValueError(f"expert cache ratio must be in [0, 1], got {self.expert_cache_ratio}")
+        if self.host_tier not in ("ram", "mmap"):
+            raise ValueError(f"host tier should be ram or mmap, got {self.host_tier!r}")
+        SpecConfig(self.drafter, self.draft_len)
+        SchedulerConfig(self.policy, self.utility_bound, self.forgetting)

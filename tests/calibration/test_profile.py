@@ -69,6 +69,13 @@ def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
     (lambda t: t.replace(f"schema = {SCHEMA}", f"schema = {SCHEMA - 1}"), "schema"),
     (lambda t: t.replace(f"schema = {SCHEMA}\n", ""), "schema None"),
     (lambda t: t.replace('quant = "none"', 'quant = "int3"'), "quant should be one of none, int8, int4"),
+    # well typed but out of range, or a draft model moved since: each would fail every start with that model
+    (lambda t: t.replace("draft_len = 6", "draft_len = -7"), "draft length must be in 1..32"),
+    (lambda t: t.replace('policy = "lfu"', 'policy = "bogus"'), "policy must be one of"),
+    (lambda t: t.replace("utility_bound = 3", "utility_bound = -1"), "utility bound K must be in 1..16"),
+    (lambda t: t.replace("expert_cache_ratio = 0.17", "expert_cache_ratio = 7.0"), "expert cache ratio must be in [0, 1]"),
+    (lambda t: t.replace('host_tier = "ram"', 'host_tier = "tape"'), "host tier should be ram or mmap"),
+    (lambda t: t.replace('drafter = "self"', 'drafter = "/nonexistent/draft"'), "/nonexistent/draft, which is no longer"),
 ])
 @pytest.mark.notorch
 def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):

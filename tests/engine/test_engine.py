@@ -324,6 +324,31 @@ def test_error_event_for_chat_without_template(checkpoint, tmp_path):
     assert isinstance(events[-1], Error) and "chat template" in events[-1].message
 
 
+def test_a_broken_template_a_lone_surrogate_and_any_seed_are_one_line_or_run(checkpoint, tmp_path):
+    """The model's broken template is its fault (a server answers 500), text that is not Unicode the request's (400);
+    a seed past 64 bits or below 0 seeds (modulo 2^64) instead of overflowing; the engine stays ready after each."""
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint("olmoe"), path)
+    cfg = json.loads((path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for x in %}"
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in path.glob("chat_template.*"):
+        f.unlink()
+    engine = engine_for(path)
+    (broken,) = list(engine.generate(Request(messages=[{"role": "user", "content": "hi"}])))
+    assert isinstance(broken, Error) and not broken.request_fault
+    assert "chat template of" in broken.message and "broken" in broken.message and "internal" not in broken.message
+    for request in (Request(prompt="a\ud800b"), Request(messages=[{"role": "user", "content": "\udcff"}])):
+        (bad,) = list(engine.generate(request))
+        assert isinstance(bad, Error) and bad.request_fault and "not Unicode" in bad.message and "\n" not in bad.message
+    for seed in (2**70, -5):
+        params = SamplingParams(temperature=0.9, seed=seed, max_new_tokens=6)
+        runs = [list(engine.generate(Request(prompt=PROMPT), params))[-1] for _ in range(2)]
+        assert all(isinstance(r, Finished) for r in runs) and runs[0].token_ids == runs[1].token_ids
+
+
 def test_score_is_teacher_forcing_and_leaves_the_engine_ready(checkpoint):
     """Engine.score: the logits at every position in one pass; scoring between requests changes no reply."""
     path, params = checkpoint("qwen3_moe"), SamplingParams(max_new_tokens=16)

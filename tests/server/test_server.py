@@ -182,12 +182,24 @@ def test_api_keys(server):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text content"),
     ({"messages": [{"role": "user", "content": "sea " * 5000}]}, "context"),
     ({"messages": SEA, "chat_template_kwargs": {"enable_thinking": "maybe"}}, "enable_thinking"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "not Unicode"),  # a JSON escape of a lone surrogate
 ])
 def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
     status, reply = post(server, "/v1/chat/completions", body)
     assert status == 400, reply
     assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["type"] == "invalid_request_error"
     assert says in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+
+
+def test_a_broken_chat_template_is_the_servers_fault_and_the_next_request_runs(server, client):
+    tok = server.worker.engine.model.tokenizer
+    template, tok.chat_template = tok.chat_template, "{% for x in %}"
+    try:
+        status, reply = post(server, "/v1/chat/completions", {"messages": SEA, "max_tokens": 2})
+    finally:
+        tok.chat_template = template
+    assert status == 500 and reply["error"]["type"] == "server_error" and "chat template" in reply["error"]["message"]
+    assert client.chat.completions.create(model="tiny", messages=SEA, max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_chat_template_kwargs_switch_thinking(server, client):
