@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 from .. import __version__
 from .options import add_flags
@@ -19,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _fail(message: str, code: int = 1) -> int:
-    print(f"moechat: error: {message}", file=sys.stderr)
+    print(f"moechat: error: {' '.join(str(message).split())}", file=sys.stderr)  # one line, whatever a library said
     return code
 
 
@@ -177,9 +178,20 @@ def print_notices(engine) -> None:
         print(f"note: {notice}", file=sys.stderr)
 
 
+def _check_writable(path: Path, flag: str) -> None:
+    from ..engine import MoechatError
+
+    why = ("it is a folder" if path.is_dir() else "its folder does not exist" if not path.parent.is_dir()
+           else "its folder is not writable" if not os.access(path.parent, os.W_OK) else "")
+    if why:
+        raise MoechatError(f"cannot write {path}: {why}: pick another {flag} path")
+
+
 def cmd_generate(args) -> int:
     from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
 
+    if args.trace:
+        _check_writable(Path(args.trace), "--trace")  # before the model loads, not after the reply
     engine = Engine(engine_config(args))
     print_notices(engine)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
@@ -200,7 +212,10 @@ def cmd_generate(args) -> int:
         print(file=sys.stderr)
         return _fail("interrupted", 130)
     if trace:
-        trace.write(args.trace)
+        try:
+            trace.write(args.trace)
+        except OSError as err:
+            return _fail(f"cannot write the trace to {args.trace} ({err.strerror}): pick another --trace path")
     s = finished.summary
     profile = None if args.profile is None else str(args.profile)
     if args.json:
@@ -317,13 +332,18 @@ def main(argv: list[str] | None = None) -> int:
     # native kernels' threads run on between PyTorch ops (measured: decode 28 -> 33 tok/s, docs/benchmarks.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-") and argv[0].split("=")[0] not in parser._option_string_actions:
+        parser.error(f"{argv[0]} goes after a command, e.g. moechat chat {' '.join(argv)}")  # `moechat --model X`
     args = parser.parse_args(argv)
     if args.setup and getattr(args, "func", None):
         parser.error("--setup opens the chat with the setup wizard first: give it no command")
     if not getattr(args, "func", None):  # `moechat` alone: chat (the app on a terminal); `--setup` rides along
         args = parser.parse_args(["chat"] + (["--setup"] if args.setup else []))
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a reader that left is caught, not at exit
+        return code
     except ModuleNotFoundError as err:
         if err.name == "torch":
             return _fail("PyTorch is not installed: run installer/install.sh, or `pip install torch` "
@@ -331,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"missing Python package {err.name!r}: reinstall moechat (pip install moechat)")
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except BrokenPipeError:  # `moechat models --json | head`: the reader left; say nothing more into the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as err:
         from ..engine import MoechatError
 

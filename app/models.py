@@ -92,7 +92,8 @@ def list_models() -> list[dict]:
     root = models_dir()
     for path in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         try:
-            model_type = json.loads((path / "config.json").read_text()).get("model_type", "?")
+            raw = json.loads((path / "config.json").read_text())
+            model_type = str(raw.get("model_type", "?")) if isinstance(raw, dict) else "? (config.json is not an object)"
         except (OSError, ValueError):
             model_type = "? (no readable config.json)"
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))

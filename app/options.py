@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..engine import DTYPES, POLICIES, QUANTS, SchedulerConfig, SpecConfig
 
+GIB_MAX = 100_000  # a budget above this is a typo, and past ~1e299 GiB its byte count overflows
 THEMES = ("dark", "light")  # besides Textual's built-in theme names
 
 
@@ -183,10 +184,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend_key_env", str, "MOECHAT_API_KEY", "environment variable holding the remote backend's API key "
            "(the key itself is never stored)", "backend", label="Remote API key variable", metavar="NAME"),
     Option("vram_budget_gib", float, None, "cap on everything moechat puts on the GPU; what does not fit is refused "
-           "before loading", "engine", unit="GiB", low=0, low_open=True, unset="the free VRAM",
+           "before loading", "engine", unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the free VRAM",
            label="VRAM budget (GiB)", placeholder="free VRAM", metavar="GIB"),
     Option("ram_budget_gib", float, None, "RAM for the expert store; below the experts' size they are read from the "
-           "mmap'd checkpoint files", "engine", unit="GiB", low=0, low_open=True, unset="the available RAM",
+           "mmap'd checkpoint files", "engine", unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the available RAM",
            label="RAM budget (GiB)", placeholder="available RAM", metavar="GIB"),
     Option("quant", str, None, "routed experts' storage: none (the checkpoint's dtype), int8 or int4 (quantized once "
            "at first load, cached on disk); a pre-quantized checkpoint (GPTQ, compressed-tensors) runs as it is", "engine",
@@ -196,7 +197,7 @@ OPTIONS: tuple[Option, ...] = (
            "engine", low=0, high=1, unset="the calibration profile on cuda, else 0.25 on cuda, 0 on cpu",
            label="Expert cache ratio", placeholder="from calibration", metavar="R"),
     Option("expert_cache_gib", float, None, "the fast tier as a byte budget, overriding the ratio",
-           "engine", unit="GiB", low=0, setting=False, metavar="GIB"),
+           "engine", unit="GiB", low=0, high=GIB_MAX, setting=False, metavar="GIB"),
     Option("utility_bound", int, None, "utility levels 0..K of spac's expert ranking", "engine", low=1, high=16,
            symbol="K", unset=_FROM_PROFILE.format(_SCHED.utility_bound), label="K (utility bound)",
            placeholder="from calibration", metavar="K"),
@@ -207,7 +208,7 @@ OPTIONS: tuple[Option, ...] = (
            label="Context length", placeholder="the model's", metavar="N"),
     Option("conversation_cache_gib", float, None, "KV caches of the most recent conversations kept in RAM, so a "
            "return to one prefills only its new message; the least recently used go first, 0 turns reuse off", "engine",
-           unit="GiB", low=0, unset="a quarter of the RAM free after loading, at most 4", label="Conversation cache (GiB)",
+           unit="GiB", low=0, high=GIB_MAX, unset="a quarter of the RAM free after loading, at most 4", label="Conversation cache (GiB)",
            placeholder="auto", metavar="GIB"),
     Option("policy", str, None, "fast-tier residency policy: lru (on demand), static (pinned by the first prompt), "
            "lfu (most used so far), specmoe (each layer's hottest of the last step), eam (this request's activations "

@@ -195,20 +195,27 @@ def _native_built() -> bool:
 def prequantized_format(raw_config: dict) -> str | None:
     """The format a pre-quantized checkpoint runs in, None for a plain one (quant/prequantized.py reads and checks the
     whole config when it loads; this much needs no torch)."""
-    qc = raw_config.get("quantization_config")
-    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+    method, qc = _quant_method(raw_config)
     if method == "gptq":
         return "int4"
     if method == "compressed-tensors":
-        bits = [(g.get("weights") or {}).get("num_bits") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+        groups = qc.get("config_groups")
+        weights = [g.get("weights") for g in (groups.values() if isinstance(groups, dict) else ()) if isinstance(g, dict)]
+        bits = [w.get("num_bits") if isinstance(w, dict) else None for w in weights]
         return "int8" if bits and all(b == 8 for b in bits) else "int4"
     return None
+
+
+def _quant_method(raw_config: dict) -> tuple[str, dict]:
+    """(quant_method lowercased or "", quantization_config or {}): a malformed one is the loader's to refuse."""
+    qc = raw_config.get("quantization_config")
+    return (str(qc.get("quant_method", "")).lower(), qc) if isinstance(qc, dict) else ("", {})
 
 
 def checkpoint_dtype(raw_config: dict) -> str:
     """The dtype a config.json says its weights are in (`dtype`, older `torch_dtype`); GPTQ's scales are
     float16; float32 when it says nothing."""
-    if raw_config.get("quantization_config", {}).get("quant_method") == "gptq":
+    if _quant_method(raw_config)[0] == "gptq":
         return "float16"
     name = str(raw_config.get("dtype") or raw_config.get("torch_dtype") or "float32").removeprefix("torch.")
     return name if name in ("float32", "bfloat16", "float16") else "float32"

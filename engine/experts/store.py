@@ -137,12 +137,26 @@ class ExpertStore:
         return keys
 
     def _check_present(self) -> None:
+        """Every expert tensor is in the checkpoint with the shape config.json gives (from the headers: nothing read)."""
         for li in range(len(self.layers)):
             for key in self.checkpoint_keys(li):
                 if key not in self.ckpt:
                     raise CheckpointError(
                         f"expert weight {key} is not in the checkpoint: the files do not match config.json; re-download the model"
                     )
+                want = self._expected_shape(key)
+                if want is not None and tuple(self.ckpt.shape(key)) != want:
+                    raise CheckpointError(f"expert weight {key} has shape {list(self.ckpt.shape(key))} where config.json "
+                                          f"gives {list(want)}: the files do not match config.json; re-download the model")
+
+    def _expected_shape(self, key: str) -> tuple[int, ...] | None:
+        """A float checkpoint's expert tensor as the store reads it; None for a pre-quantized one's packed tensors."""
+        E, H, I = self.num_experts, self.hidden, self.inter
+        if self.prequant is not None:
+            return None
+        if self.fused:
+            return (E, 2 * I, H) if key.endswith("gate_up_proj") else (E, H, I)
+        return (H, I) if self._parse(key)[1] == 2 else (I, H)
 
     def _host_empty(self, *shape: int) -> torch.Tensor:
         return self._host(lambda pin: pinned.empty(shape, self.dtype) if pin else torch.empty(*shape, dtype=self.dtype))

@@ -15,6 +15,9 @@ def read_config_dict(model_dir: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"no config.json in {model_dir}: point --model at a Hugging Face model directory")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}): re-download the model") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object: re-download the model")
+    return raw

@@ -136,8 +136,12 @@ def load_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception as err:  # tokenizer libraries raise many types
         raise CheckpointError(
-            f"cannot load the tokenizer in {model_dir} ({type(err).__name__}: {err}): re-download the model"
+            f"cannot load the tokenizer in {model_dir} ({type(err).__name__}: {_one_line(err)}): re-download the model"
         ) from None
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())  # a library's message can span lines (tokenizers' list of what it tried)
 
 
 def eos_token_ids(model_dir: Path, hf_config) -> set[int]:
@@ -157,11 +161,16 @@ def load_hf_config(model_dir: Path):
     from transformers import AutoConfig
 
     raw = read_config_dict(model_dir)
-    get_family(raw.get("model_type", "<missing>"))  # unsupported architectures stop here, with the list
+    family = get_family(raw.get("model_type", "<missing>"))  # unsupported architectures stop here, with the list
     try:
-        return AutoConfig.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        experts, top_k = family.num_experts(config), family.top_k(config)
     except Exception as err:
-        raise CheckpointError(f"cannot read {model_dir / 'config.json'} ({err}): re-download the model") from None
+        raise CheckpointError(f"cannot read {model_dir / 'config.json'} ({_one_line(err)}): re-download the model") from None
+    if not 1 <= top_k <= experts:
+        raise CheckpointError(f"{model_dir / 'config.json'} routes each token to {top_k} of {experts} experts: "
+                              "the file is damaged; re-download the model")
+    return config
 
 
 def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> LoadedModel:

@@ -135,7 +135,8 @@ def _codes(words: torch.Tensor, bits: int) -> torch.Tensor:
 def read_compressed_config(qc: dict) -> CompressedSpec:
     """The CompressedSpec of a compressed-tensors quantization_config; CheckpointError for what cannot be read."""
     fmt = qc.get("format")
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    config_groups = qc.get("config_groups")
+    groups = [g for g in config_groups.values() if isinstance(g, dict)] if isinstance(config_groups, dict) else []
     formats_seen = {g.get("format") or fmt for g in groups}
     if formats_seen != {"pack-quantized"}:
         raise CheckpointError(f"compressed-tensors format {', '.join(sorted(map(str, formats_seen))) or 'none'} is not "

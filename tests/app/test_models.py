@@ -56,5 +56,17 @@ def test_models_lists_downloaded(checkpoint):
         row = next(r for r in rows if r["name"] == "tiny/qwen3-moe")
         assert row["model_type"] == "qwen3_moe" and row["bytes"] > 0 and row["path"] == str(dest)
         assert "tiny/qwen3-moe" in run_cli("models").stdout
+        odd = models.local_dir("tiny/odd")  # a folder whose config.json is JSON but not an object: listed, not fatal
+        odd.mkdir(parents=True)
+        (odd / "config.json").write_text("[1, 2]")
+        proc = run_cli("models", "--json")
+        rows = {r["name"]: r for r in json.loads(proc.stdout)}
+        assert proc.returncode == 0 and "not an object" in rows["tiny/odd"]["model_type"] and "tiny/qwen3-moe" in rows
+        # a reader that leaves at once (`moechat models --json | head -c 1`): no "internal error", no traceback
+        code = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from moechat.app.cli import main; "
+                "sys.exit(main(['models', '--json']))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr == "", proc.stderr
     finally:
         shutil.rmtree(dest)
+        shutil.rmtree(models.local_dir("tiny/odd"), ignore_errors=True)

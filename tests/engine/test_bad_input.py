@@ -45,6 +45,44 @@ def test_corrupt_config(checkpoint, tmp_path):
         load(path)
 
 
+@pytest.mark.parametrize("edit, says", [
+    (lambda c: [1, 2], "holds a JSON list, not an object"),
+    (lambda c: {**c, "quantization_config": "gptq"}, "cannot read"),
+    (lambda c: {**c, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": "x"}}, "format none"),
+    (lambda c: {**c, "num_experts_per_tok": 1000}, "routes each token to 1000 of"),
+    (lambda c: {**c, "num_experts_per_tok": -3}, "routes each token to -3 of"),
+    (lambda c: {**c, "hidden_size": "abc"}, "cannot read"),  # transformers' message spans two lines
+])
+def test_a_config_of_the_wrong_shape_is_one_line(checkpoint, tmp_path, edit, says):
+    path = copy_model(checkpoint("qwen3_moe"), tmp_path)
+    (path / "config.json").write_text(json.dumps(edit(json.loads((path / "config.json").read_text()))))
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    message = one_line(err.value)
+    assert says in message and ("re-download" in message or "--quant" in message), message
+
+
+def test_a_tokenizer_that_cannot_load_is_one_line(checkpoint, tmp_path):
+    path = copy_model(checkpoint("qwen3_moe"), tmp_path)
+    (path / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert "cannot load the tokenizer" in one_line(err.value)
+
+
+def test_an_expert_of_another_shape_than_the_config_says(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_model(checkpoint("qwen3_moe"), tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    key = next(k for k in tensors if ".experts.1." in k and k.endswith("down_proj.weight"))
+    tensors[key] = tensors[key].t().contiguous()  # the same bytes, read the other way
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert f"{key} has shape" in one_line(err.value) and "config.json" in str(err.value)
+
+
 def test_missing_shard(checkpoint, tmp_path):
     path = copy_model(checkpoint("qwen2_moe", 3, shards="40KB"), tmp_path)
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -184,6 +222,9 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path):
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-ratio", "2"], "[0, 1]"),
         (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--expert-cache-gib", "0.0000001"],
          "cannot hold one expert"),
+        (["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--trace", str(tmp_path / "no" / "t.jsonl")],
+         "its folder does not exist: pick another --trace path"),  # before the model loads, not after the reply
+        (["--model", str(checkpoint("qwen3_moe"))], "--model goes after a command, e.g. moechat chat --model"),
     ]
     for args, expected in cases:
         proc = run_cli(*args)
