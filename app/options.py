@@ -208,8 +208,8 @@ OPTIONS: tuple[Option, ...] = (
            label="Context length", placeholder="the model's", metavar="N"),
     Option("conversation_cache_gib", float, None, "KV caches of the most recent conversations kept in RAM, so a "
            "return to one prefills only its new message; the least recently used go first, 0 turns reuse off", "engine",
-           unit="GiB", low=0, high=GIB_MAX, unset="a quarter of the RAM free after loading, at most 4", label="Conversation cache (GiB)",
-           placeholder="auto", metavar="GIB"),
+           unit="GiB", low=0, high=GIB_MAX, unset="a quarter of the RAM free after loading, at most 4",
+           label="Conversation cache (GiB)", placeholder="auto", metavar="GIB"),
     Option("policy", str, None, "fast-tier residency policy: lru (on demand), static (pinned by the first prompt), "
            "lfu (most used so far), specmoe (each layer's hottest of the last step), eam (this request's activations "
            "matched against past requests'), spac (MoE-SpAc), spmoe (lru plus draft-phase prefetch)", "engine",
