@@ -100,7 +100,7 @@ class BackgroundServer:
         self.worker = EngineWorker(engine, queue_size)
         config = uvicorn.Config(build_app(self.worker, model_id, api_key), log_level="warning",
                                 timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = _server(config, self.worker)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         self._thread: threading.Thread | None = None
@@ -121,6 +121,7 @@ class BackgroundServer:
         return self
 
     def stop(self) -> None:
+        self.worker.stop_jobs()
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -130,3 +131,17 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _server(config, worker):
+    """uvicorn's server whose Ctrl-C or SIGTERM first stops the engine's jobs: every request in flight then ends (503,
+    or an error event in its stream) within uvicorn's graceful wait, instead of being killed with a traceback."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # a signal handler: the worker's locks may be held by this very thread, so the jobs stop on another
+            threading.Thread(target=worker.stop_jobs, name="moechat-serve-stop", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -19,9 +19,11 @@ from starlette.exceptions import HTTPException
 
 from ...engine import MoechatError
 from .api import ChatBody, CompletionBody, Reply, error_body
-from .worker import EngineWorker, QueueFull
+from .worker import EngineWorker, QueueFull, ShuttingDown
 
-KINDS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error"}
+KINDS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+         503: "server_error"}
+STOPPING = "the server is shutting down: send the request again once it is back"
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 
 
@@ -117,6 +119,8 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
         job = worker.submit(body.request(), body.sampling(), asyncio.get_running_loop())
     except QueueFull as err:
         return _error(429, str(err))
+    except ShuttingDown as err:
+        return _error(503, str(err))
     except (ValueError, MoechatError) as err:  # the engine's own checks of the sampling values
         return _error(400, str(err))
     reply, waiter = Reply(chat, model_id, job), _Waiter(job, request)
@@ -124,12 +128,12 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
     while isinstance(first, TokenDelta) and not first.text:  # nothing to show yet (held back by a stop string)
         first = await waiter.next()
     if first is None:
-        return _error(499, "the client closed the request")
+        return _ended(worker)
     if isinstance(first, Error):  # before anything was sent: a plain 400, or 500 where the model or engine failed
         await _drain(job)
         return _error(400 if first.request_fault else 500, first.message)
     if body.stream:
-        return StreamingResponse(_events(job, reply, first, body.include_usage), media_type="text/event-stream",
+        return StreamingResponse(_events(job, reply, first, body.include_usage, worker), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     event = first
     while event is not None and not isinstance(event, (Finished, Error)):
@@ -138,7 +142,12 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
         return JSONResponse(reply.whole(event))
     if isinstance(event, Error):
         return _error(400 if event.request_fault else 500, event.message)
-    return _error(499, "the client closed the request")
+    return _ended(worker)
+
+
+def _ended(worker: EngineWorker) -> JSONResponse:
+    """A job that ended without its reply: the server is stopping (503), else its client left (499, seen by nobody)."""
+    return _error(503, STOPPING) if worker.closing else _error(499, "the client closed the request")
 
 
 async def _drain(job) -> None:
@@ -150,15 +159,17 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _events(job, reply: Reply, first, include_usage: bool):
-    """Server-sent events from the first event on; leaving early (the client went away) cancels the job."""
+async def _events(job, reply: Reply, first, include_usage: bool, worker: EngineWorker):
+    """Server-sent events from the first event on; leaving early (the client went away) cancels the job, and a server
+    that stops ends the stream with an error event."""
     from ...engine import Error, Finished, TokenDelta
 
     try:
         if reply.chat:
             yield _sse(reply.chunk(role=True))
-        event = first
+        event, ended = first, False  # ended: a Finished or an Error came
         while event is not None:
+            ended |= isinstance(event, (Finished, Error))
             if isinstance(event, TokenDelta) and event.text:
                 yield _sse(reply.chunk(event.text))
             elif isinstance(event, Finished):
@@ -168,6 +179,8 @@ async def _events(job, reply: Reply, first, include_usage: bool):
             elif isinstance(event, Error):
                 yield _sse(error_body(event.message, "invalid_request_error" if event.request_fault else "server_error"))
             event = await job.events.get()
+        if not ended and worker.closing:
+            yield _sse(error_body(STOPPING, "server_error"))
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()  # a no-op once the job has ended

@@ -20,6 +20,10 @@ class QueueFull(MoechatError):
     """Every waiting place is taken: the route answers 429."""
 
 
+class ShuttingDown(MoechatError):
+    """The server is stopping: the route answers 503."""
+
+
 @dataclass
 class Job:
     request: object  # engine Request
@@ -64,6 +68,8 @@ class EngineWorker:
     def submit(self, request, params, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a request; QueueFull when every waiting place is taken."""
         with self._lock:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down: send the request again once it is back")
             job = Job(request, params, loop, asyncio.Queue(), self.arrived + 1)
             try:
                 self._jobs.put_nowait(job)
@@ -72,18 +78,30 @@ class EngineWorker:
             self.arrived += 1
         return job
 
-    def close(self) -> None:
-        """Cancel the job in progress (it stops at its next token) and drop the waiting ones, stop the thread, then the
-        engine's own threads: only once this thread is out of the engine, which closing frees."""
-        while True:  # waiting jobs are dropped: the server is going away
-            try:
-                self._jobs.get_nowait().cancel()
-            except queue.Empty:
-                break
-        with self._lock:  # either close() sees the job taken, or the thread sees closing before it starts it
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def stop_jobs(self) -> None:
+        """The server is going away: cancel the job in progress (it stops at its next token), drop the waiting ones and
+        refuse new ones, so that every request in flight ends before the HTTP server's graceful wait does."""
+        with self._lock:  # either this sees the job taken, or the thread sees closing before it starts it
             self._closing, job = True, self._current
         if job is not None:
             job.cancel()
+        while True:
+            try:
+                waiting = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if waiting is not None:
+                waiting.cancel()
+                waiting.post(None)
+
+    def close(self) -> None:
+        """stop_jobs, stop the thread, then the engine's own threads: only once this thread is out of the engine, which
+        closing frees."""
+        self.stop_jobs()
         self._jobs.put(None)
         self._thread.join(timeout=30)
         if not self._thread.is_alive():  # else it is still inside a step: the process's exit ends it

@@ -236,6 +236,65 @@ def test_the_command_refuses_a_public_address_without_a_key_before_loading(tmp_p
                                    "MOECHAT_API_KEY (127.0.0.1 needs none)")  # said before any model loads
 
 
+def test_ctrl_c_ends_the_requests_in_flight_with_503_and_no_traceback(model, endless, tmp_path):
+    """Ctrl-C stops the engine's jobs before uvicorn's graceful wait: the running request and the waiting one get a
+    JSON 503, and the command exits 0 without uvicorn's traceback of killed handlers."""
+    import signal
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "moechat.app.cli", "serve", "--model", str(model), "--port", str(port),
+                                 "--draft", "none"], stderr=err, text=True)
+    url, got = f"http://127.0.0.1:{port}", {}
+
+    def state() -> dict:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return json.loads(response.read())
+
+    def ask(name: str, stream: bool) -> None:
+        body = json.dumps({"messages": endless, "max_tokens": 3000, "temperature": 0, "stream": stream}).encode()
+        request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=60).close()
+        except urllib.error.HTTPError as err:
+            got[name] = (err.code, json.loads(err.read()))
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                state()
+                break
+            except OSError:
+                time.sleep(0.2)
+        asking = [threading.Thread(target=ask, args=("running", False)), threading.Thread(target=ask, args=("waiting", True))]
+        asking[0].start()
+        while not state()["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        asking[1].start()
+        while state()["queued"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        for thread in asking:
+            thread.join(30)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for name in ("running", "waiting"):
+        status, reply = got[name]
+        assert status == 503 and reply["error"]["type"] == "server_error" and "shutting down" in reply["error"]["message"]
+    stderr = log.read_text()
+    assert "Traceback" not in stderr and "ERROR" not in stderr and stderr.rstrip().endswith("moechat: server stopped")
+
+
 def test_the_real_command_serves(served):
     url, model = served  # `moechat serve --model ... --api-key ...` in a subprocess (tests/conftest.py)
     from conftest import SERVER_KEY
