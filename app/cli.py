@@ -171,6 +171,11 @@ def sampling_params(args):
                           max_new_tokens=args.max_new_tokens, stop=args.stop)
 
 
+def acceptance(summary) -> str:
+    """The reply's draft acceptance for a stats line; n/a where nothing was drafted (no drafter)."""
+    return f"{summary.acceptance_rate:.2f}" if summary.drafted else "n/a"
+
+
 def print_notices(engine) -> None:
     """The loaded engine's lines for the user (native kernels missing, a rebuilt cache, a shrunk fast tier, a drafter
     with nothing to draft with), one per line on stderr: generate, chat and serve alike."""
@@ -229,7 +234,7 @@ def cmd_generate(args) -> int:
         if profile:
             print(f"[calibration profile: {profile}]", file=sys.stderr)
         print(f"[{s.new_tokens} tokens, prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s, "
-              f"acceptance {s.acceptance_rate:.2f}, expert hit rate {s.hit_rate:.2f}, "
+              f"acceptance {acceptance(s)}, expert hit rate {s.hit_rate:.2f}, "
               f"{s.bytes_moved / 2**20:.1f} MiB moved, finish: {s.finish_reason}]", file=sys.stderr)
     if s.lossy:
         print(f"[{s.lossy}: {s.dropped} activations dropped]", file=sys.stderr)

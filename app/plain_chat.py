@@ -47,6 +47,7 @@ def cmd_chat(args) -> int:
 
 def _chat(engine, store, params, system: str | None, remote: bool, thinking: bool | None = None) -> int:
     from ..engine import Error, Finished, Request, TokenDelta
+    from .cli import acceptance
     from .history import fit_for_engine
 
     start = [{"role": "system", "content": system}] if system else []
@@ -108,5 +109,5 @@ def _chat(engine, store, params, system: str | None, remote: bool, thinking: boo
         store.update(reply_id, answer, finished=finished is not None)
         if finished:
             s = finished.summary
-            print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {s.acceptance_rate:.2f}, "
+            print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {acceptance(s)}, "
                   f"expert hit rate {s.hit_rate:.2f}]" + (f" [{s.lossy}]" if s.lossy else ""), file=sys.stderr)

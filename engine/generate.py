@@ -275,6 +275,7 @@ class Engine:
         n = max(0, min(self.config.spec.draft_len, remaining - 1, m.context_len - len(committed)))
         t0 = time.perf_counter()
         drafts, q = self.drafter.draft(committed, n, params, generator) if n else ([], None)
+        n = len(drafts)  # what came: none without a drafter
         rt.end_draft_phase()  # the policy sees the draft phase's demand before verification
         t1 = time.perf_counter()
         logits = self._forward([committed[-1]] + drafts, cache, keep=n + 1, phase="verify", step=step, trace=trace)  # [n+1, V]

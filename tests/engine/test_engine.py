@@ -42,6 +42,10 @@ def test_events_stream_consistent_stats(checkpoint):
         assert st.resident.dtype == torch.bool and int(st.resident.sum()) <= engine.model.cache.capacity
     assert any(int(st.draft_expert_freq.sum()) > 0 for st in steps)
     assert 0 < s.hit_rate < 1 and s.decode_tokens_per_s > 0 and s.ttft_s > 0
+    events = list(engine_for(checkpoint("qwen3_moe")).generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=8)))
+    steps = [e for e in events if isinstance(e, StepStats)]  # no drafter: nothing drafted, one position verified
+    assert steps and all(st.drafted == 0 and int(st.expert_freq.sum()) == num_layers * top_k for st in steps)
+    assert events[-1].summary.drafted == 0
 
 
 def test_eos_and_stop_strings(checkpoint):
