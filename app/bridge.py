@@ -208,7 +208,8 @@ class EngineBridge:
 
                 engine = Engine(config, progress)
         except Exception:
-            self._load_error = "the model failed to load: fix it in the settings, then reload"
+            self._load_error = ("the model failed to load: pick one with the setup wizard (Ctrl+P, Setup wizard) or fix "
+                                "settings.toml, then reload")
             raise
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))

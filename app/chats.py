@@ -57,6 +57,9 @@ def store_path() -> Path:
     return Path(user_data_dir("moechat")) / "chats.sqlite3"
 
 
+NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
+
+
 @dataclass
 class Conversation:
     id: int
@@ -161,7 +164,7 @@ class ChatStore:
             raise KeyError(f"no conversation {conv_id}")
         return Conversation(*row)
 
-    def create(self, title: str = "New chat", system_prompt: str = "") -> int:
+    def create(self, title: str = NEW_TITLE, system_prompt: str = "") -> int:
         now = time.time()
         cursor = self._write(
             "INSERT INTO conversations (title, system_prompt, created, updated) VALUES (?, ?, ?, ?)",

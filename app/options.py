@@ -236,7 +236,7 @@ OPTIONS: tuple[Option, ...] = (
            "dense draft, the whole layer stack in one call per step; CUDA: the dense path between MoE layers replayed "
            "as CUDA graphs), same greedy tokens",
            "engine", setting=False),
-    Option("temperature", float, 0.7, "sampling temperature, 0 is greedy", "sampling", low=0,
+    Option("temperature", float, 0.7, "sampling temperature, 0 is greedy", "sampling", low=0, high=10,
            live=True, other_defaults="generate: 0", label="Temperature", metavar="T"),
     Option("top_p", float, 0.9, "nucleus sampling: draw among the likeliest tokens whose probabilities add up to P",
            "sampling", low=0, high=1, low_open=True, live=True, other_defaults="generate: 1", label="Top-p", metavar="P"),

@@ -46,6 +46,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        self.temperature = float(self.temperature)  # a whole number past float range would overflow the division
         _check(self.top_k >= 0, f"top-k must be >= 0 (0 turns it off), got {self.top_k}")
         _check(0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p}")
         _check(self.max_new_tokens >= 1, f"max new tokens must be >= 1, got {self.max_new_tokens}")

@@ -53,8 +53,19 @@ class MoechatApp(App):
         return self.chat
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        """Chat actions only on the chat screen (the wizard and settings keep their own keys and footer)."""
+        """Chat actions only on the chat screen (the wizard and settings keep their own keys and footer); settings and
+        the wizard once each: a second one under the first would write back what the first saved."""
+        from .screens.settings import SettingsScreen
+        from .screens.wizard import WizardScreen
+
+        if action in ("settings", "setup") and any(isinstance(s, (SettingsScreen, WizardScreen)) for s in self.screen_stack):
+            return False
         return action not in CHAT_ACTIONS or self.screen is self.chat
+
+    def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
+               markup: bool = False) -> None:
+        """Every toast as plain text: they quote paths, titles and the settings' `[keys]`, which are not markup."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
 
     def on_mount(self) -> None:
         for notice in (self.settings_notice, self.apply_look(self.settings)):
@@ -246,8 +257,9 @@ class MoechatApp(App):
             notice = self.apply_look(result.settings)
             if notice:
                 self.notify(notice, severity="warning")
-            if result.needs_reload:
-                self.notify("settings saved; engine changes apply after “Reload model” (Ctrl+P)", timeout=10)
+            if result.needs_reload and self.bridge_started:  # as the screen's button says: "Save and reload model"
+                self.notify("settings saved; reloading the model")
+                self.action_reload()
             else:
                 self.notify("settings saved and applied")
 
@@ -298,4 +310,4 @@ def run_tui(args) -> int:
     app.sampling = sampling_from(app.settings, sampling_params(args))
     app.thinking = args.thinking or app.settings.thinking
     app.run()
-    return 0
+    return app.return_code or 0  # 1 after an exception Textual showed

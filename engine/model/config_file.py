@@ -11,9 +11,12 @@ from ..errors import CheckpointError
 def read_config_dict(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     if not model_dir.is_dir():
-        raise CheckpointError(f"model directory {model_dir} does not exist: pass --model a local Hugging Face model directory")
+        what = "is a file, not a directory" if model_dir.exists() else "does not exist"
+        raise CheckpointError(f"model directory {model_dir} {what}: name a local Hugging Face model directory (--model, or "
+                              "`model` in the settings; a Hub id needs `moechat pull` first)")
     if not path.is_file():
-        raise CheckpointError(f"no config.json in {model_dir}: point --model at a Hugging Face model directory")
+        raise CheckpointError(f"no config.json in {model_dir}: name a Hugging Face model directory (one holding config.json "
+                              "and *.safetensors)")
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as err:

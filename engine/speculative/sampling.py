@@ -24,7 +24,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     rows = logits.reshape(-1, logits.shape[-1])  # [R, V]
     out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
     for r, row in enumerate(rows):
-        out[r] = _row_probs(row.float() / params.temperature, params)
+        row = row.float()
+        out[r] = _row_probs((row - row.max()) / params.temperature, params)  # shifted first: a tiny T cannot overflow
     return out.reshape(logits.shape)
 
 

@@ -229,6 +229,102 @@ async def test_switch_export_help_and_engine_failure(tmp_path, stored):
 
 @pilot_test
 @pytest.mark.notorch
+async def test_titles_that_look_like_markup_show_as_typed(tmp_path):
+    """A title is the user's text: `[/INST]` once crashed the sidebar at every start, and the delete dialog too."""
+    from moechat.app.tui.screens.dialogs import Confirm
+
+    store_chat(tmp_path, "What does [/INST] mean?", ("user", "What does [/INST] mean?"), ("assistant", "A tag."))
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: errors(app), "the load failure")
+        label = app.chat.query_one("#conversations ListItem Label")
+        assert str(label.content) == "What does [/INST] mean?"
+        app.store.rename(app.chat.conv_id, "[/x] notes [b]")
+        await app.chat.refresh_conversations()
+        assert str(app.chat.query_one("#conversations ListItem Label").content) == "[/x] notes [b]"
+        app.action_delete_chat()
+        await pilot.pause()
+        assert isinstance(app.screen, Confirm) and "[/x] notes [b]" in str(app.screen.query_one(".dialog-title").content)
+        await pilot.press("escape")
+        assert app.is_running and app.return_code is None
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, stored):
+    from moechat.app.tui.screens.chat import ChatInput
+
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: errors(app), "the load failure")
+        await reply_view(chat, 1)  # a reply being written
+        before = len(app.store.messages(chat.conv_id))
+        await send(pilot, "next question")
+        assert chat.query_one(ChatInput).text == "next question"  # refused, not thrown away
+        assert any("a reply is being written" in n.message for n in app._notifications)
+        assert len(app.store.messages(chat.conv_id)) == before
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_chat_opened_empty_takes_its_first_message_as_title(tmp_path, stored):
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: errors(app), "the load failure")
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: len(app.store.conversations()) == 3, "the new chat")
+        await send(pilot, "Second chat about dogs")
+        await until(pilot, lambda: app.store.conversation(chat.conv_id).title == "Second chat about dogs", "the title")
+        assert str(chat.query_one("#conversations ListItem Label").content) == "Second chat about dogs"
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice(tmp_path, stored):
+    from moechat.app.tui.messages import ReplyDelta
+
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: errors(app), "the load failure")
+        await reply_view(chat, 1)
+        other = ChatStore(tmp_path / "chats.sqlite3")  # the other window
+        other.delete(chat.conv_id)
+        other.close()
+        app.post_message(ReplyDelta(1, "some text"))
+        await until(pilot, lambda: any("deleted in another" in n.message for n in app._notifications), "the notice")
+        app.post_message(ReplyDelta(1, " more"))
+        await pilot.pause(0.1)
+        assert app.is_running and app.return_code is None
+        assert sum("deleted in another" in n.message for n in app._notifications) == 1  # said once
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_settings_open_once_and_a_reload_setting_reloads_on_save(tmp_path, stored):
+    from moechat.app.tui.screens.settings import SettingsScreen
+
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: errors(app), "the load failure")
+        reloads = []
+        app.bridge.reload = lambda *a: reloads.append(a)
+        await pilot.press("f12")
+        await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings")
+        await pilot.press("f12")
+        await pilot.pause()
+        assert sum(isinstance(s, SettingsScreen) for s in app.screen_stack) == 1  # not a second one under the first
+        app.screen.query_one("#utility_bound").value = "3"
+        await pilot.pause()
+        app.screen.action_save()
+        await until(pilot, lambda: app.screen is app.chat and reloads, "the settings to close and the model to reload")
+        assert len(reloads) == 1 and app.settings.utility_bound == 3  # "Save and reload model" reloads
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_a_long_prompt_shows_how_far_it_is_read(tmp_path, stored):
     """ReplyProgress sets the pending reply's note until its first text comes."""
     from moechat.app.tui.messages import ReplyDelta, ReplyFinished, ReplyProgress, Stats

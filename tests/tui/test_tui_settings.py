@@ -48,10 +48,10 @@ async def click(pilot, selector: str) -> None:
 def test_settings_validation_names_field_and_range():
     for kw, words in [(dict(utility_bound="abc"), "`utility_bound` (K) must be a whole number in 1..16"),
                       (dict(expert_cache_ratio=2.5), "`expert_cache_ratio` must be a number in [0, 1]"),
-                      (dict(temperature=-1), "`temperature` must be a number >= 0"),
+                      (dict(temperature=-1), "`temperature` must be a number in [0, 10]"),
                       (dict(top_p=0), "`top_p` must be a number in (0, 1]"),
                       (dict(draft_len=0), "`draft_len` (γ) must be a whole number in 1..32"),
-                      (dict(vram_budget_gib=0), "`vram_budget_gib` must be a number > 0"),
+                      (dict(vram_budget_gib=0), "`vram_budget_gib` must be a number in (0, 100000] GiB"),
                       (dict(policy="fifo"), "`policy` must be one of spac"),
                       (dict(theme="nope"), "`theme` must be dark, light"),
                       (dict(keys={"quit": ""}), "`keys` must be a table")]:
@@ -116,13 +116,40 @@ def test_the_settings_screen_fixes_a_bad_value_without_losing_the_others(tmp_pat
     assert notice is None and (settings.model, settings.ram_budget_gib, settings.temperature) == ("/models/q3", 8.0, 0.3)
 
 
+async def _markup_and_odd_paths(path):
+    app = Host(SettingsScreen(path=path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        notice = str(app.screen.query_one("#notice").content)
+        app.screen.query_one("#device").value = "[/"
+        await pilot.pause()
+        device_error = str(app.screen.query_one("#device-error").content)
+        app.screen.query_one("#draft").value = "directory"
+        await pilot.pause()
+        errors = []
+        for text in ("~nobody_here_at_all/x", "/tmp/" + "x" * 300):
+            app.screen.query_one("#draft_dir").value = text
+            await pilot.pause()
+            errors.append(str(app.screen.query_one("#draft_dir-error").content))
+        return notice, device_error, errors, app.return_code
+
+
+def test_settings_show_markup_like_values_and_odd_paths_as_text(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text('theme = 7\nmodel = "/m/[/x]"\n', encoding="utf-8")
+    notice, device_error, draft_errors, code = asyncio.run(_markup_and_odd_paths(path))
+    assert code is None and "`theme`" in notice
+    assert "'[/'" in device_error
+    assert all("`draft`" in e and "not a usable path" in e for e in draft_errors), draft_errors
+
+
 async def _settings_rejects_then_saves(path):
     app = Host(SettingsScreen(path=path))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         screen = app.screen
         for field, text, words in [("utility_bound", "abc", "must be a whole number"),
-                                   ("expert_cache_ratio", "2.5", "in [0, 1]"), ("temperature", "-1", ">= 0")]:
+                                   ("expert_cache_ratio", "2.5", "in [0, 1]"), ("temperature", "-1", "in [0, 10]")]:
             screen.query_one(f"#{field}").value = text
             await pilot.pause()
             assert words in str(screen.query_one(f"#{field}-error").content)

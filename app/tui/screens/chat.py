@@ -30,6 +30,7 @@ from textual.widgets import (
     TextArea,
 )
 
+from ...chats import NEW_TITLE
 from ...reasoning import enable_thinking, reasoning_title, split_reasoning
 from ..messages import Frame, Stats
 from ..widgets.heatmap import ExpertHeatmap
@@ -84,7 +85,8 @@ class ChatInput(TextArea):
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            if self.text.strip():
+            refused = getattr(self.screen, "refuse_while_busy", lambda: False)  # a reply streams: the text stays here
+            if self.text.strip() and not refused():
                 self.post_message(self.Submitted(self.text))
                 self.clear()
             return
@@ -214,7 +216,7 @@ class MessageView(Vertical, can_focus=True):
 
 class ConversationItem(ListItem):
     def __init__(self, conv_id: int, title: str) -> None:
-        super().__init__(Label(title))
+        super().__init__(Label(title, markup=False))  # a title is the user's text: `[/INST]` is not markup
         self.conv_id = conv_id
 
 
@@ -233,6 +235,7 @@ class _Reply:
     segment_start: int = 0  # where in the answer the Markdown widget being written starts
     drawing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one draw at a time: a draw awaits between its steps
     ended: bool = False  # reply_finished has begun: no draw starts after it
+    orphan: bool = False  # its chat was deleted elsewhere (another window): stopped, said once
     redraw: Timer | None = None  # the timer that draws the text that came since the last draw
 
 
@@ -429,8 +432,12 @@ class ChatScreen(Screen):
         text = text.strip()
         if not text or self.refuse_while_busy():
             return
+        title = " ".join(text.split())[:40]
         if self.conv_id is None:
-            self.conv_id = self.store.create(title=" ".join(text.split())[:40])
+            self.conv_id = self.store.create(title=title)
+            await self.refresh_conversations()
+        elif not self.store.messages(self.conv_id) and self.store.conversation(self.conv_id).title == NEW_TITLE:
+            self.store.rename(self.conv_id, title)  # a chat opened empty (Ctrl+N) takes its first message as its title
             await self.refresh_conversations()
         message_id = self.store.add(self.conv_id, "user", text)
         await self.query_one("#log").mount(MessageView("user", text, message_id))
@@ -471,7 +478,7 @@ class ChatScreen(Screen):
         elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
             reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
         if time.monotonic() - reply.saved_at >= SAVE_INTERVAL_S:
-            self.store.update(reply.message_id, reply.text, finished=False)
+            self._save(reply.message_id, reply.text, finished=False)
             reply.saved_at = time.monotonic()
 
     async def reply_finished(self, request_id: int, text: str, reason: str, stats: Stats | None) -> None:
@@ -504,7 +511,19 @@ class ChatScreen(Screen):
         await reply.view.show_answer(answer, start)  # the whole reply, exactly as the engine ended it
         note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
         reply.view.set_note(note if text else "empty reply")
-        self.store.update(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
+        self._save(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
+
+    def _save(self, message_id: int, text: str, finished: bool, stats: dict | None = None) -> None:
+        """The reply so far into the store; its chat deleted meanwhile (another moechat on the same chats): say so once
+        and stop the reply, which has nowhere to go."""
+        try:
+            self.store.update(message_id, text, finished=finished, stats=stats)
+        except KeyError:
+            if self.reply is not None and not self.reply.ended:
+                self.app.bridge.stop()
+            if self.reply is not None and self.reply.message_id == message_id and not self.reply.orphan:
+                self.reply.orphan = True
+                self.app.notify("this chat was deleted in another moechat window: the reply is not kept", severity="warning")
 
     async def _show_due(self, reply: _Reply) -> None:
         reply.redraw = None
@@ -543,7 +562,7 @@ class ChatScreen(Screen):
 
     def save_partial(self) -> None:
         if self.reply is not None:
-            self.store.update(self.reply.message_id, self.reply.text, finished=False)
+            self._save(self.reply.message_id, self.reply.text, finished=False)
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:

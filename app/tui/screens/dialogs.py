@@ -21,7 +21,7 @@ class TextPrompt(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.title_text, classes="dialog-title")
+            yield Label(self.title_text, classes="dialog-title", markup=False)
             if self.multiline:
                 yield TextArea(self.value, id="prompt-text", soft_wrap=True, show_line_numbers=False)
             else:
@@ -62,7 +62,7 @@ class Confirm(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.question, classes="dialog-title")
+            yield Label(self.question, classes="dialog-title", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Yes", variant="error", id="yes")
                 yield Button("No", variant="primary", id="no")

@@ -76,9 +76,11 @@ class DraftDirValidator(Validator):
     def validate(self, value: str) -> ValidationResult:
         if not value.strip():
             return self.failure("`draft` needs the draft model's directory")
-        if not Path(value.strip()).expanduser().is_dir():
-            return self.failure(f"`draft`: no directory {value.strip()!r}")
-        return self.success()
+        try:
+            found = Path(value.strip()).expanduser().is_dir()
+        except (RuntimeError, OSError, ValueError) as err:  # `~nobody`, a name past the file system's limit, a NUL
+            return self.failure(f"`draft`: not a usable path {value.strip()!r} ({err})")
+        return self.success() if found else self.failure(f"`draft`: no directory {value.strip()!r}")
 
 
 def show_error(label: Label, message: str | None) -> None:
@@ -116,7 +118,7 @@ class SettingsScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Header()
-        yield Static(self.notice or "", id="notice")
+        yield Static(self.notice or "", id="notice", markup=False)
         with VerticalScroll():
             for option in FIELDS:
                 yield from getattr(self, f"_{option.widget}_row")(option, getattr(self.initial, option.name))
@@ -131,7 +133,7 @@ class SettingsScreen(Screen):
             yield Label(f"{option.label} {_tag(option.name)}", classes="name")
             yield Input("" if value is None else str(value), placeholder=option.placeholder or option.default_text(),
                         id=option.name, validators=[FieldValidator(option.name)], compact=True)
-        yield Label("", id=f"{option.name}-error", classes="field-error")
+        yield Label("", id=f"{option.name}-error", classes="field-error", markup=False)
 
     def _select_row(self, option, value) -> ComposeResult:
         # an option with a default needs a value; one without may stay unset (the placeholder says what applies)
@@ -151,7 +153,7 @@ class SettingsScreen(Screen):
             yield Label("Draft model directory", classes="name")
             yield Input(value if choice == DIRECTORY else "", placeholder="/path/to/draft-model", id="draft_dir",
                         validators=[DraftDirValidator()], disabled=choice != DIRECTORY, compact=True)
-        yield Label("", id="draft_dir-error", classes="field-error")
+        yield Label("", id="draft_dir-error", classes="field-error", markup=False)
 
     def on_mount(self) -> None:
         self.title = "Settings"

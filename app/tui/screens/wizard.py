@@ -148,25 +148,25 @@ class WizardScreen(Screen):
                     yield Label("Server URL")
                     yield Input(placeholder=f"http://host:8000/v1 (API key from ${OPTION['backend_key_env'].default})",
                                 id="backend-url")
-                yield Label("", id="model-error", classes="field-error")
+                yield Label("", id="model-error", classes="field-error", markup=False)
             with Vertical(id="step-budgets"):
                 yield Label(TITLES[1], classes="title")
                 with Horizontal(classes="row"):
                     yield Label(OPTION["device"].label)
                     yield Input(id="device", placeholder="auto", validators=[FieldValidator("device")])
-                yield Label("", id="device-error", classes="field-error")
+                yield Label("", id="device-error", classes="field-error", markup=False)
                 with Horizontal(classes="row"):
                     yield Label(OPTION["dtype"].label)
                     yield Select([(c, c) for c in OPTION["dtype"].choices], id="dtype", value="auto", allow_blank=False)
-                yield Static("", id="placement-note", classes="hint")
+                yield Static("", id="placement-note", classes="hint", markup=False)
                 yield Static("What moechat may use; prefilled with what is free now. Empty: whatever is free at start.",
                              classes="hint")
                 for name in BUDGETS:
                     with Horizontal(classes="row"):
                         yield Label(OPTION[name].label)
                         yield Input(id=name, validators=[FieldValidator(name)])
-                    yield Label("", id=f"{name}-error", classes="field-error")
-                yield Static("", id="hw-note", classes="hint")
+                    yield Label("", id=f"{name}-error", classes="field-error", markup=False)
+                yield Static("", id="hw-note", classes="hint", markup=False)
             with Vertical(id="step-calibrate"):
                 yield Label(TITLES[2], classes="title")
                 with Horizontal(classes="row"):
@@ -174,12 +174,12 @@ class WizardScreen(Screen):
                     yield Switch(value=True, id="quick")
                     yield Button("Run calibration", id="run", variant="primary")
                 yield ProgressBar(total=1.0, id="progress", show_eta=False)
-                yield Label("", id="cal-step", classes="hint")
-                yield Label("", id="cal-error", classes="field-error")
+                yield Label("", id="cal-step", classes="hint", markup=False)
+                yield Label("", id="cal-error", classes="field-error", markup=False)
                 yield DataTable(id="decisions", cursor_type="none")
             with Vertical(id="step-finish"):
                 yield Label(TITLES[3], classes="title")
-                yield Static("", id="summary")
+                yield Static("", id="summary", markup=False)
         with Horizontal(id="buttons"):
             yield Button("Back", id="back", disabled=True)
             yield Button("Next", id="next", variant="primary")
@@ -200,7 +200,13 @@ class WizardScreen(Screen):
 
         if self.memory_freed is not None:  # the free VRAM and RAM without the model that was loaded
             self.memory_freed.wait(UNLOAD_WAIT_S)
-        hw = probe()
+        try:
+            hw = probe()
+        except Exception as err:  # a locked-down machine (psutil refused, a broken driver): the budgets by hand
+            self.app.call_from_thread(self.query_one("#hw-note", Static).update,
+                                      f"cannot measure this machine ({type(err).__name__}: {err}): enter the budgets "
+                                      "yourself, or leave them empty for what is free at start")
+            return
         self.app.call_from_thread(self._prefill, hw)
 
     def _prefill(self, hw) -> None:
