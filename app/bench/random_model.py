@@ -187,9 +187,12 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
 def cmd_random_model(args) -> int:
     from transformers import AutoTokenizer
 
-    from ...engine import KNOWN_MODELS, get_family
+    from ...engine import KNOWN_MODELS, MoechatError, get_family
     from ..demo import DEMO_MODEL
 
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never over a model (or anything) already there
+        raise MoechatError(f"{out} already exists and is not an empty folder: name a new one")
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     real = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}[args.like]
     vocab = -(-len(tok) // 64) * 64 if args.vocab == "demo" else KNOWN_MODELS[real]["vocab_size"]  # padded, as real ones are

@@ -113,6 +113,11 @@ def test_random_model_loads_and_replays_shared_trace(tmp_path, capsys):
         "deepseek_v2", 64, 6, 1)
     assert (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_hidden_layers"], cfg["n_shared_experts"]) == (64, 32, 3, 2)
     assert cfg["vocab_size"] == 4096  # the demo tokenizer's, padded to 64 (--vocab demo)
+    before = sorted(p.name for p in out.iterdir())  # a second write over it is refused: it never mixes two models
+    capsys.readouterr()
+    assert main(["bench", "random-model", str(out), "--like", "qwen3-30b-a3b", "--layers", "1"]) == 1
+    assert "already exists and is not an empty folder" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.2.mlp.experts.63.down_proj.weight" in index  # the real checkpoint's per-expert layout
 
