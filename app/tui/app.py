@@ -214,6 +214,14 @@ class MoechatApp(App):
     def action_toggle_experts(self) -> None:
         self.chat.toggle_side_panel()
 
+    def action_help_quit(self) -> None:
+        """Ctrl+C (outside the input): stops a reply being written, as in a terminal; else says how to quit."""
+        if self.chat.reply is not None:
+            self.chat.stop()
+            return
+        keys = [key for key, active in self.active_bindings.items() if active.binding.action in ("quit", "app.quit")]
+        self.notify(f"Press {keys[0] if keys else 'ctrl+q'} to quit the app", title="Do you want to quit?")
+
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())

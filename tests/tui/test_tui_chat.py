@@ -264,6 +264,12 @@ async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, sto
         assert chat.query_one(ChatInput).text == "next question"  # refused, not thrown away
         assert any("a reply is being written" in n.message for n in app._notifications)
         assert len(app.store.messages(chat.conv_id)) == before
+        stops = []
+        app.bridge.stop = lambda: stops.append(1)
+        await pilot.press("ctrl+c")  # in the input, nothing selected: stops the reply
+        chat.query_one("#log").focus()
+        await pilot.press("ctrl+c")  # elsewhere: the app's Ctrl+C stops it too
+        assert stops == [1, 1]
 
 
 @pilot_test

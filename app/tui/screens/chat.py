@@ -90,6 +90,11 @@ class ChatInput(TextArea):
                 self.post_message(self.Submitted(self.text))
                 self.clear()
             return
+        if event.key == "ctrl+c" and not self.selected_text and getattr(self.screen, "reply", None) is not None:
+            event.stop()  # nothing selected to copy while a reply streams: Ctrl+C stops it, as in a terminal
+            event.prevent_default()
+            self.screen.stop()
+            return
         if event.key in ("shift+enter", "alt+enter", "ctrl+j"):
             event.stop()
             event.prevent_default()
