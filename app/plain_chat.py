@@ -2,6 +2,7 @@
 input. Each conversation is kept in the chat store (app/chats.py), as the app keeps its own: the app lists it."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -68,6 +69,14 @@ def _chat(engine, store, params, system: str | None, remote: bool, thinking: boo
         if text.strip() == "/reset":
             messages, conv_id = list(start), None
             print("moechat: conversation cleared", file=sys.stderr)
+            continue
+        if re.fullmatch(r"/\w+", text.strip()):  # a lone word after a slash is a command, not a message
+            print(f"moechat: unknown command {text.strip()}: /reset starts over, /quit leaves", file=sys.stderr)
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the terminal's encoding could not read
+            print("moechat: that line is not valid UTF-8 text: not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
         if remote:  # the server fits its own context

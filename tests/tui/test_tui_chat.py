@@ -274,6 +274,25 @@ async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, sto
 
 @pilot_test
 @pytest.mark.notorch
+async def test_quitting_before_a_reply_has_text_keeps_no_empty_reply_and_invisible_text_is_not_sent(tmp_path, stored):
+    from moechat.app.tui.screens.chat import visible
+
+    assert not visible(" \u200b\n\u2060") and visible("a\u200b")
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: errors(app), "the load failure")
+        conv, before = chat.conv_id, [m.id for m in app.store.messages(chat.conv_id)]
+        await send(pilot, "\u200b")  # a zero-width space alone: nothing to send
+        assert [m.id for m in app.store.messages(conv)] == before
+        await reply_view(chat, 1)  # its prompt still being read when the app quits
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    assert [m.id for m in store.messages(conv)] == before  # no empty "interrupted" bubble on the next start
+    store.close()
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_a_chat_opened_empty_takes_its_first_message_as_title(tmp_path, stored):
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:

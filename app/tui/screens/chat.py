@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import unicodedata
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -86,7 +87,7 @@ class ChatInput(TextArea):
             event.stop()
             event.prevent_default()
             refused = getattr(self.screen, "refuse_while_busy", lambda: False)  # a reply streams: the text stays here
-            if self.text.strip() and not refused():
+            if visible(self.text) and not refused():
                 self.post_message(self.Submitted(self.text))
                 self.clear()
             return
@@ -101,6 +102,11 @@ class ChatInput(TextArea):
             self.insert("\n")
             return
         await super()._on_key(event)
+
+
+def visible(text: str) -> bool:
+    """Whether text shows anything: not only spaces and invisible format characters (a zero-width space)."""
+    return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
 
 
 LOG_CHARS = 8_000  # the newest messages the log holds, by characters: 200-900 widgets of Markdown
@@ -435,7 +441,7 @@ class ChatScreen(Screen):
 
     async def send(self, text: str) -> None:
         text = text.strip()
-        if not text or self.refuse_while_busy():
+        if not visible(text) or self.refuse_while_busy():
             return
         title = " ".join(text.split())[:40]
         if self.conv_id is None:
@@ -566,8 +572,12 @@ class ChatScreen(Screen):
         reply.answer = answer
 
     def save_partial(self) -> None:
-        if self.reply is not None:
+        """Quitting mid-reply: what was written is kept, marked interrupted; a reply with no text yet (its prompt was
+        still being read) is dropped, as a stop drops it."""
+        if self.reply is not None and self.reply.text:
             self._save(self.reply.message_id, self.reply.text, finished=False)
+        elif self.reply is not None:
+            self.store.delete_message(self.reply.message_id)
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:
