@@ -83,9 +83,12 @@ class RemoteEngine:
         except openai.AuthenticationError:
             raise MoechatError(f"the backend at {config.url} refused the API key: set ${config.key_env} to its key"
                                ) from None
+        except openai.NotFoundError:  # a server answered, but not an OpenAI API at this path
+            raise MoechatError(f"the backend at {config.url} has no /models: the URL usually ends in /v1 "
+                               "(--backend, or `backend` in the settings)") from None
         except openai.APIError as err:
             raise MoechatError(f"cannot reach the backend at {config.url} ({_one_line(err)}): start the server, "
-                               "or fix `backend` in the settings") from None
+                               "or fix the URL (--backend, or `backend` in the settings)") from None
         if config.model is None and not listed:
             raise MoechatError(f"the backend at {config.url} lists no model: set `backend_model` in the settings")
         self.model = config.model or listed[0]

@@ -99,6 +99,11 @@ def test_bad_urls_and_keys_are_one_line(served, monkeypatch):
     monkeypatch.setenv("MY_KEY", "wrong")
     with pytest.raises(MoechatError, match=r"refused the API key: set \$MY_KEY to its key"):
         RemoteEngine(RemoteConfig(url, key_env="MY_KEY"))
+    from conftest import SERVER_KEY
+
+    monkeypatch.setenv("MY_KEY", SERVER_KEY)  # the server, without the API's path: it answers, 404
+    with pytest.raises(MoechatError, match=r"has no /models: the URL usually ends in /v1"):
+        RemoteEngine(RemoteConfig(url.removesuffix("/v1"), key_env="MY_KEY"))
 
 
 def test_flags_and_settings_pick_the_backend(tmp_path, monkeypatch):
