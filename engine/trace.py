@@ -123,6 +123,8 @@ def load_routing(path: str | Path, num_experts: int | None = None) -> Routing:
             raise ValueError(f"{path} is neither a moechat trace (JSON Lines) nor a routing CSV with a 'Layer ID' header")
     x = torch.tensor(experts, dtype=torch.long)  # [T, L, k]
     n = num_experts or int(x.max()) + 1
+    if x.numel() and int(x.min()) < 0:  # ids past the model's experts are the replay's to refuse, with the count
+        raise ValueError(f"{path}: expert id {int(x.min())} is negative: the trace is damaged")
     return Routing(path.name.split(".")[0], layer_ids, x, n)
 
 

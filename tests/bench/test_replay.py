@@ -97,6 +97,11 @@ def test_replay_refuses_mismatched_shapes(checkpoint, tmp_path, capsys):
     _handmade_trace(wide, tokens=40, layers=[1, 2], experts=64, top_k=2)
     with pytest.raises(MoechatError, match="8 experts per layer"):
         load_replay(wide, 2, 8, 2)
+    negative = tmp_path / "negative.jsonl"  # `moechat simulate` too: one line, not bincount's error
+    negative.write_text('{"step": 0, "phase": "decode", "layer": 1, "positions": [0], "experts": [[3, -1]]}\n')
+    with pytest.raises(MoechatError, match="expert id -1 is negative"):
+        load_replay(negative, 1, 8, 2)
+    capsys.readouterr()  # the tiny checkpoint's build may have drawn a bar (when this test builds it first)
     rc = main(["bench", "generate", "--model", str(model), "--replay-traces", str(top3),
                "--max-new-tokens", "2", "--repeats", "1"])
     err = capsys.readouterr().err.strip()
