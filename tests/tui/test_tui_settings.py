@@ -382,12 +382,39 @@ def test_wizard_calibration_fails_in_one_line_and_cancels_on_escape_and_quit(tmp
 
     outcome: dict = {}
     asyncio.run(_wizard_calibration_fails_then_is_cancelled(tmp_path / "settings.toml", outcome))
-    assert outcome["failed"] == "calibration failed (RuntimeError: measuring went wrong"
+    assert outcome["failed"] == ("calibration failed (RuntimeError: measuring went wrong (Next: finish without a profile, "
+                                 "on defaults)")
     assert outcome["cancelled"].startswith("calibration cancelled: nothing was saved") and outcome["still_open"]
     assert outcome["ended_on_cancel"]
     assert outcome["ended"].wait(10), "quitting the app left the calibration running"
     assert [type(e) for e in outcome["raised"]] == [Cancelled, Cancelled]
     assert not (tmp_path / "settings.toml").exists()
+
+
+async def _wizard_finishes_without_a_calibration(path):
+    def calibrate(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=calibrate))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        await _to_calibration(pilot, screen)
+        for _ in range(50):
+            await pilot.pause(0.1)
+            if not screen.busy:
+                break
+        await click(pilot, "#next")  # on without a profile: a machine that cannot calibrate still finishes
+        summary = str(screen.query_one("#summary").content)
+        await click(pilot, "#next")  # Finish
+    return summary, app.result
+
+
+def test_a_wizard_whose_calibration_fails_still_finishes_on_defaults(tmp_path):
+    path = tmp_path / "settings.toml"
+    summary, result = asyncio.run(_wizard_finishes_without_a_calibration(path))
+    assert "the calibration did not finish" in summary and result is not None and result != "not dismissed"
+    assert load_settings(path)[0].device == "cpu"  # the choices made are saved
 
 
 def test_context_len_setting_reaches_the_engine_config():

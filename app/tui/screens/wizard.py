@@ -90,6 +90,9 @@ def decision_rows(decisions) -> dict[str, tuple[object, str]]:
 UNLOAD_WAIT_S = 120  # at most this long for a reply in progress to end and the model to unload before probing
 
 
+NO_PROFILE = "none: the calibration did not finish; moechat runs on defaults (`moechat calibrate` measures later)"
+
+
 class WizardScreen(Screen):
     """`WizardScreen(hardware=None, path=None, calibrate=None)`.
 
@@ -327,7 +330,7 @@ class WizardScreen(Screen):
         self.busy = False
         self.backend = None
         if model_dir != self.model_dir:
-            self.decisions = None  # another model: calibrate again
+            self.decisions, self.profile_path = None, ""  # another model: calibrate again
             self.query_one("#decisions", DataTable).clear()
         self.model_dir, self.model_setting, self.drafter = model_dir, setting, drafter
         self.query_one("#model-error", Label).update("")
@@ -348,10 +351,10 @@ class WizardScreen(Screen):
             self._go(2)
 
     def _leave_calibrate(self) -> None:
-        if self.decisions is None:
+        if self.decisions is None and self.profile_path == "":
             self.query_one("#cal-error", Label).update("run the calibration first (Run calibration)")
             return
-        self._go(3)
+        self._go(3)  # calibrated, or it failed or was cancelled: on without a profile (defaults; `moechat calibrate`)
 
     def _leave_finish(self) -> None:
         settings, _ = load_settings(self.path)  # a bad value: its default (save_settings keeps the file aside first)
@@ -373,7 +376,7 @@ class WizardScreen(Screen):
         if self.busy or self.model_dir is None:
             return
         self.busy = True
-        self.decisions = None
+        self.decisions, self.profile_path = None, ""
         self.query_one("#run", Button).disabled = True
         self.query_one("#cal-error", Label).update("")
         self.query_one("#decisions", DataTable).clear()
@@ -432,8 +435,9 @@ class WizardScreen(Screen):
     def on_calibration_failed(self, message: CalibrationFailed) -> None:
         message.stop()
         self.busy, self._calibration = False, None
+        self.profile_path = NO_PROFILE  # Next goes on without one, so a machine that cannot calibrate still finishes
         self.query_one("#run", Button).disabled = False
-        self.query_one("#cal-error", Label).update(message.message)
+        self.query_one("#cal-error", Label).update(f"{message.message} (Next: finish without a profile, on defaults)")
 
     def _show_summary(self) -> None:
         if self.backend:
