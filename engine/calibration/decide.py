@@ -205,8 +205,8 @@ def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, 
     host_tier = "ram" if need <= ram else "mmap"
     if host_tier == "mmap" and on_host + ram_headroom(ram) > ram:
         raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts "
-                          f"(non-expert weights, KV cache, headroom), the RAM budget is {gib(ram)}: lower --context-len "
-                          "or use a smaller model")
+                          f"(non-expert weights, KV cache, headroom), the RAM budget is {gib(ram)}: raise the RAM budget, "
+                          "lower the context length, or use a smaller model")
     besides = f"experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)}"
     reasons["host_tier"] = (f"ram: {besides} fit the {gib(ram)} RAM budget" if host_tier == "ram" else
                             f"mmap: {besides} exceed the {gib(ram)} RAM budget; experts are read from "
