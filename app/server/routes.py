@@ -12,7 +12,7 @@ import json
 import secrets
 import time
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -36,10 +36,28 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     first = err.errors()[0]
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON: send a JSON object", None
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
+        return "the request body is not a JSON object: send one, with the header Content-Type: application/json", "body"
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     field = ".".join(loc) or "body"
     message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
     return f"{field}: {message}", field
+
+
+class _KeyCheck:
+    """Every /v1 request needs `Authorization: Bearer <key>`, checked before its body is read (a stranger's malformed
+    body gets 401, not a description of what is wrong with it). Plain ASGI: streams and disconnects pass untouched."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = _error(401, "missing or wrong API key: send the header Authorization: Bearer <key>")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -> FastAPI:
@@ -59,14 +77,9 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
     async def _internal(request: Request, err: Exception):
         return _error(500, f"internal error ({type(err).__name__}: {err}); the server is still running")
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise HTTPException(401, "missing or wrong API key: send the header Authorization: Bearer <key>")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    if api_key is not None:
+        app.add_middleware(_KeyCheck, api_key=api_key)
+    v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
     async def health():

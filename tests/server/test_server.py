@@ -166,6 +166,8 @@ def test_api_keys(server):
     status, body = post(server, "/v1/chat/completions", {"messages": SEA}, key=None)
     assert status == 401 and body["error"]["type"] == "authentication_error"
     assert "Authorization: Bearer" in body["error"]["message"]
+    status, body = post(server, "/v1/chat/completions", b"{not json", key=None)  # the key before the body
+    assert status == 401 and body["error"]["type"] == "authentication_error"
     assert health(server)["status"] == "ok"  # /health needs no key
 
 
@@ -183,6 +185,7 @@ def test_api_keys(server):
     ({"messages": [{"role": "user", "content": "sea " * 5000}]}, "context"),
     ({"messages": SEA, "chat_template_kwargs": {"enable_thinking": "maybe"}}, "enable_thinking"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "not Unicode"),  # a JSON escape of a lone surrogate
+    (b'"messages"', "not a JSON object: send one, with the header Content-Type: application/json"),
 ])
 def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
     status, reply = post(server, "/v1/chat/completions", body)
