@@ -63,9 +63,37 @@ class MoechatCommands(Provider):
                 yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action), help=help_text)
 
 
+MODIFIERS = {"ctrl", "shift", "alt", "meta", "super", "hyper"}
+
+
+def known_key(key: str) -> bool:
+    """Whether Textual can report `key` ("ctrl+g", "f5", "escape", "x", "question_mark"): a typo would bind nothing."""
+    import unicodedata
+
+    from textual.keys import Keys
+
+    *mods, base = key.strip().lower().split("+")
+    if not base or not set(mods) <= MODIFIERS:
+        return False
+    if len(base) == 1 or base in {k.value.split("+")[-1] for k in Keys} or base in ("space", "enter", "backspace", "tab"):
+        return True
+    try:
+        unicodedata.lookup(base.replace("_", " "))  # Textual names printable keys by their Unicode names
+        return True
+    except KeyError:
+        return False
+
+
 def checked_keymap(keys: dict[str, str]) -> tuple[dict[str, str], str | None]:
-    """The settings' `[keys]` (binding id -> keys) this app knows, and a notice naming the unknown ids."""
+    """The settings' `[keys]` (binding id -> keys) this app knows, and a notice naming the unknown ids and keys."""
     ids = {b.id for b in BINDINGS if b.id}
-    unknown = sorted(set(keys) - ids)
-    notice = f"[keys] {', '.join(unknown)} ignored: the ids are {', '.join(sorted(ids))}" if unknown else None
-    return {k: v for k, v in keys.items() if k in ids}, notice
+    problems = [f"{', '.join(sorted(set(keys) - ids))} ignored: the ids are {', '.join(sorted(ids))}"] if set(keys) - ids else []
+    keymap = {}
+    for name, value in keys.items():
+        bad = [k for k in value.split(",") if not known_key(k)]
+        if bad:
+            problems.append(f"{name} = {value!r} ignored: {', '.join(repr(k.strip()) for k in bad)} is not a key name "
+                            "(e.g. ctrl+g, f5, escape)")
+        elif name in ids:
+            keymap[name] = value
+    return keymap, "[keys] " + "; ".join(problems) if problems else None

@@ -376,12 +376,14 @@ async def test_a_long_prompt_shows_how_far_it_is_read(tmp_path, stored):
 @pytest.mark.notorch
 async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, stored):
     older, newer = stored
-    (tmp_path / "settings.toml").write_text('# mine\n[keys]\nnew_chat = "ctrl+b"\nnope = "f6"\n')
+    (tmp_path / "settings.toml").write_text('# mine\n[keys]\nnew_chat = "ctrl+b"\nnope = "f6"\nstop = "notakey"\n')
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
         await pilot.pause()
-        assert any("nope" in n.message for n in app._notifications)  # the unknown binding id is named
+        (notice,) = [n.message for n in app._notifications if "nope" in n.message]  # the unknown binding id is named
+        assert notice.startswith("[keys] nope ignored") and "'notakey' is not a key name" in notice  # plain text
+        assert app.active_bindings.get("escape") and app.active_bindings["escape"].binding.action == "stop"  # kept
 
         await pilot.press("f2", "ctrl+u", *"renamed", "enter")
         assert app.store.conversation(newer).title == "renamed"
