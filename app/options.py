@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..engine import DTYPES, POLICIES, QUANTS, SchedulerConfig, SpecConfig
 
+TOKENS_MAX = 10_000_000  # past any model's context; a larger whole number is not a TOML (64-bit) integer either
 GIB_MAX = 100_000  # a budget above this is a typo, and past ~1e299 GiB its byte count overflows
 THEMES = ("dark", "light")  # besides Textual's built-in theme names
 
@@ -93,7 +94,7 @@ class Option:
         if self.kind is int:
             if self.low is None:
                 return "must be a whole number"
-            return f"must be a whole number in {self.low:g}..{self.high:g}" if self.high is not None \
+            return f"must be a whole number in {int(self.low)}..{int(self.high)}" if self.high is not None \
                 else f"must be a whole number >= {self.low:g}"
         if self.kind is float:
             unit = f" {self.unit}" if self.unit else ""
@@ -204,8 +205,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("draft_len", int, None, "tokens the drafter proposes per step", "engine", unit="tokens", low=1, high=32,
            symbol="γ", unset=_FROM_PROFILE.format(_SPEC.draft_len), label="γ (draft length)",
            placeholder="from calibration", metavar="N"),
-    Option("context_len", int, None, "context length, in tokens", "engine", unit="tokens", low=1, unset="the model's",
-           label="Context length", placeholder="the model's", metavar="N"),
+    Option("context_len", int, None, "context length, in tokens", "engine", unit="tokens", low=1, high=TOKENS_MAX,
+           unset="the model's", label="Context length", placeholder="the model's", metavar="N"),
     Option("conversation_cache_gib", float, None, "KV caches of the most recent conversations kept in RAM, so a "
            "return to one prefills only its new message; the least recently used go first, 0 turns reuse off", "engine",
            unit="GiB", low=0, high=GIB_MAX, unset="a quarter of the RAM free after loading, at most 4",
@@ -240,7 +241,8 @@ OPTIONS: tuple[Option, ...] = (
            live=True, other_defaults="generate: 0", label="Temperature", metavar="T"),
     Option("top_p", float, 0.9, "nucleus sampling: draw among the likeliest tokens whose probabilities add up to P",
            "sampling", low=0, high=1, low_open=True, live=True, other_defaults="generate: 1", label="Top-p", metavar="P"),
-    Option("max_new_tokens", int, 512, "longest reply, in tokens", "sampling", unit="tokens", low=1, live=True,
+    Option("max_new_tokens", int, 512, "longest reply, in tokens", "sampling", unit="tokens", low=1, high=TOKENS_MAX,
+           live=True,
            other_defaults="generate: 128, chat --plain: 256", label="Max new tokens", metavar="N"),
     Option("thinking", str, None, "models that reason before they answer (Qwen3; DeepSeek-R1's distills always do): "
            "on thinks first, off answers at once (far sooner on a CPU), auto keeps the chat template's default; the chat "
