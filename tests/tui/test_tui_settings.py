@@ -417,6 +417,45 @@ def test_a_wizard_whose_calibration_fails_still_finishes_on_defaults(tmp_path):
     assert load_settings(path)[0].device == "cpu"  # the choices made are saved
 
 
+async def _wizard_budgets_changed_after_calibrating(path):
+    from types import SimpleNamespace
+
+    from moechat.engine.calibration.types import Decisions
+
+    calls = []
+
+    def calibrate(*args, **kwargs):  # instant: a profile's decisions, no measuring
+        calls.append(kwargs["ram_budget"])
+        return SimpleNamespace(decisions=Decisions(0.0, 3, 4, 0.1, "none", "lru", "ram")), "/tmp/profile.toml"
+
+    async def calibrated(screen, pilot):
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if not screen.busy:
+                return
+
+    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=calibrate))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        await _to_calibration(pilot, screen)
+        await calibrated(screen, pilot)
+        await click(pilot, "#back")
+        await click(pilot, "#next")  # nothing changed: the profile stands
+        await calibrated(screen, pilot)
+        assert len(calls) == 1 and screen.decisions is not None
+        await click(pilot, "#back")
+        screen.query_one("#ram_budget_gib").value = "3"
+        await click(pilot, "#next")  # another budget: measured again for it
+        await calibrated(screen, pilot)
+    return calls
+
+
+def test_the_wizard_calibrates_again_when_the_budgets_change(tmp_path):
+    calls = asyncio.run(_wizard_budgets_changed_after_calibrating(tmp_path / "settings.toml"))
+    assert len(calls) == 2 and calls[1] == 3 * GIB
+
+
 def test_context_len_setting_reaches_the_engine_config():
     from moechat.app.cli import build_parser, engine_config
     from moechat.app.settings import settings_path

@@ -126,6 +126,7 @@ class WizardScreen(Screen):
         self.drafter = "none"
         self.decisions: dict[str, tuple[object, str]] | None = None
         self.profile_path = ""
+        self._calibrated_with: tuple = ()  # _calibration_inputs() of the last calibration run
         self.backend: str | None = None  # a remote backend's URL, when that is what was chosen
         self.backend_model = ""
         self.busy = False
@@ -348,7 +349,14 @@ class WizardScreen(Screen):
         for name, error in errors.items():
             self.query_one(f"#{name}-error", Label).update(error or "")
         if not any(errors.values()):
+            if self.decisions is not None and self._calibration_inputs() != self._calibrated_with:
+                self.decisions, self.profile_path = None, ""  # budgets or device changed: the profile measured others
+                self.query_one("#decisions", DataTable).clear()
             self._go(2)
+
+    def _calibration_inputs(self) -> tuple:
+        """What a calibration is measured for, besides the model: the budgets, the device and the dtype."""
+        return (*(self._budget(name) for name in BUDGETS), *self._placement().values())
 
     def _leave_calibrate(self) -> None:
         if self.decisions is None and self.profile_path == "":
@@ -383,6 +391,7 @@ class WizardScreen(Screen):
         self.query_one("#progress", ProgressBar).update(progress=0.0)
         quick = self.query_one("#quick", Switch).value
         vram, ram = (self._budget(name) for name in BUDGETS)
+        self._calibrated_with = self._calibration_inputs()
         settings = load_settings(self.path)[0]  # a format and context the user fixed are calibrated with, as the budgets
         where = {**self._placement(), "context_len": settings.context_len}  # measured on the device and dtype that will run
         self._calibration = self.run_worker(lambda: self._calibrate(quick, vram, ram, settings.quant, where), thread=True,
