@@ -104,19 +104,23 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int]  # text, a list holding one text, or token ids (as OpenAI's API takes them)
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and len(prompt) != 1:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("the prompt is empty: send text or token ids")
+        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
             raise ValueError("send one prompt per request (a string, or a list holding one string)")
         return prompt
 
     def request(self):
         from ...engine import Request
 
-        return Request(prompt=self.prompt if isinstance(self.prompt, str) else self.prompt[0])
+        if isinstance(self.prompt, str):
+            return Request(prompt=self.prompt)
+        return Request(prompt=self.prompt[0]) if isinstance(self.prompt[0], str) else Request(token_ids=list(self.prompt))
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:

@@ -94,6 +94,9 @@ def test_completions_models_and_health(server, client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt="The sea is", max_tokens=8,
                                                                              temperature=0, stream=True) if c.choices)
     assert streamed == text.choices[0].text
+    ids = server.worker.engine.model.tokenizer("The sea is", add_special_tokens=True)["input_ids"]
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)  # token ids, as the API allows
+    assert by_ids.choices[0].text == text.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
     assert [m.id for m in client.models.list()] == ["tiny"]
     status = health(server)
     assert status["status"] == "ok" and status["model"] == "tiny" and status["served"] >= 2 and not status["running"]
