@@ -254,6 +254,7 @@ async def test_titles_that_look_like_markup_show_as_typed(tmp_path):
 async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, stored):
     from moechat.app.tui.screens.chat import ChatInput
 
+    _, newer = stored
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
@@ -270,6 +271,11 @@ async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, sto
         chat.query_one("#log").focus()
         await pilot.press("ctrl+c")  # elsewhere: the app's Ctrl+C stops it too
         assert stops == [1, 1]
+        conversations = chat.query_one("#conversations")
+        conversations.focus()
+        await pilot.press("down", "enter")  # another chat: refused while the reply is written
+        await pilot.pause()
+        assert chat.conv_id == newer and conversations.index == 0  # the highlight stays on the chat shown
 
 
 @pilot_test

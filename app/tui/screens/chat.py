@@ -422,7 +422,9 @@ class ChatScreen(Screen):
 
     async def on_list_view_selected(self, event: ListView.Selected) -> None:
         if isinstance(event.item, ConversationItem) and event.item.conv_id != self.conv_id:
-            if self.refuse_while_busy():
+            if self.refuse_while_busy():  # the highlight back on the chat the log shows
+                items = list(event.list_view.query(ConversationItem))
+                event.list_view.index = next((i for i, c in enumerate(items) if c.conv_id == self.conv_id), None)
                 return
             await self.open_conversation(event.item.conv_id)
 
