@@ -109,8 +109,8 @@ class Option:
             return None
         if self.kind in (int, float):
             kinds = (int,) if self.kind is int else (int, float)
-            if not isinstance(value, kinds) or isinstance(value, bool) or not math.isfinite(value):
-                return self.rule()
+            if not isinstance(value, kinds) or isinstance(value, bool) or isinstance(value, float) and not math.isfinite(value):
+                return self.rule()  # a whole number is finite, however long (math.isfinite would overflow on it)
             if (self.low is not None and (value < self.low or self.low_open and value == self.low)) or \
                     (self.high is not None and value > self.high):
                 return self.rule()

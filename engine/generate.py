@@ -113,9 +113,12 @@ class Engine:
         try:
             ids = self.model.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
                                                            **thinking)
-        except jinja2.TemplateError as err:  # the model's file, not the request: one line, the engine stays ready
+        except jinja2.TemplateSyntaxError as err:  # the model's file, not the request: one line, the engine stays ready
             raise MoechatError(f"the chat template of {self.config.model_dir} is broken ({type(err).__name__}: {err}): "
                                "download the model again, or send a plain prompt") from None
+        except jinja2.TemplateError as err:  # the template refuses these messages (roles not alternating, no user turn)
+            raise RequestError(f"the model's chat template refuses this conversation ({err}): check the roles and order "
+                               "of its messages") from None
         return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
 
     def generate(self, request: Request, params: SamplingParams | None = None,

@@ -184,6 +184,11 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
     return total
 
 
+def _partial(name: str) -> bool:
+    """A file an interrupted random-model write leaves behind (its shards and index; config.json is written last)."""
+    return name.startswith("model") and ".safetensors" in name
+
+
 def cmd_random_model(args) -> int:
     from transformers import AutoTokenizer
 
@@ -191,8 +196,10 @@ def cmd_random_model(args) -> int:
     from ..demo import DEMO_MODEL
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # never over a model (or anything) already there
-        raise MoechatError(f"{out} already exists and is not an empty folder: name a new one")
+    if out.exists() and (not out.is_dir() or any(not _partial(f.name) for f in out.iterdir())):
+        raise MoechatError(f"{out} already exists and is not an empty folder: name a new one")  # never over a model
+    for f in out.glob("model*.safetensors*"):  # shards of a write cut short (config.json comes last): written again
+        f.unlink()
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     real = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}[args.like]
     vocab = -(-len(tok) // 64) * 64 if args.vocab == "demo" else KNOWN_MODELS[real]["vocab_size"]  # padded, as real ones are

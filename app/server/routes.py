@@ -3,7 +3,8 @@
 Requests go to the one engine thread (`EngineWorker`) in arrival order. A streaming reply is server-sent
 events ending in `data: [DONE]`; its client going away cancels the generation (the stream's cleanup), and a
 non-streaming client that leaves cancels it too (polled while it waits, tokens flowing or not). Every error, from a malformed body
-to a full queue, is OpenAI's JSON error shape with a 4xx status and a message that says what to fix.
+to a full queue, is OpenAI's JSON error shape with a message that says what to fix: 4xx for the request's fault, 500 for
+the model's (a broken chat template), 503 while the server stops.
 """
 from __future__ import annotations
 

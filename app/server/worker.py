@@ -89,14 +89,19 @@ class EngineWorker:
             self._closing, job = True, self._current
         if job is not None:
             job.cancel()
+        ended = False  # close()'s end marker, met by a later call (a second Ctrl-C): put back for the thread
         while True:
             try:
                 waiting = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if waiting is not None:
+            if waiting is None:
+                ended = True
+            else:
                 waiting.cancel()
                 waiting.post(None)
+        if ended:
+            self._jobs.put(None)
 
     def close(self) -> None:
         """stop_jobs, stop the thread, then the engine's own threads: only once this thread is out of the engine, which

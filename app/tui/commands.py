@@ -70,12 +70,13 @@ def known_key(key: str) -> bool:
     """Whether Textual can report `key` ("ctrl+g", "f5", "escape", "x", "question_mark"): a typo would bind nothing."""
     import unicodedata
 
-    from textual.keys import Keys
+    from textual.keys import Keys, _character_to_key
 
     *mods, base = key.strip().lower().split("+")
     if not base or not set(mods) <= MODIFIERS:
         return False
-    if len(base) == 1 or base in {k.value.split("+")[-1] for k in Keys} or base in ("space", "enter", "backspace", "tab"):
+    named = {k.value.split("+")[-1] for k in Keys} | {_character_to_key(chr(c)) for c in range(33, 127)}  # "minus", "slash"
+    if len(base) == 1 or base in named or base in ("space", "enter", "backspace", "tab"):
         return True
     try:
         unicodedata.lookup(base.replace("_", " "))  # Textual names printable keys by their Unicode names

@@ -163,6 +163,6 @@ def load_profile(fingerprint: str, key: str) -> tuple[Profile | None, str]:
     if profile.model != key:
         return None, _set_aside(path, f"belongs to another model ({profile.model})")
     drafter = profile.decisions.drafter
-    if drafter not in ("none", "self") and not Path(drafter).is_dir():
+    if drafter not in ("none", "self") and not Path(drafter).expanduser().is_dir():  # as the engine reads it
         return None, _set_aside(path, f"drafts with {drafter}, which is no longer there")
     return profile, ""

@@ -102,6 +102,7 @@ def test_bad_flags_fail_in_one_line(capsys):
     cases = [(["generate", "--prompt", "hi", "--draft-len", "0"], "argument --draft-len: must be a whole number in 1..32"),
              (["generate", "--prompt", "hi", "--ram-budget-gib", "-1"], "must be a number in (0, 100000] GiB"),
              (["generate", "--prompt", "hi", "--vram-budget-gib", "1e300"], "must be a number in (0, 100000] GiB"),
+             (["generate", "--prompt", "hi", "--max-new-tokens", "9" * 400], "must be a whole number in 1..10000000"),
              (["generate", "--prompt", "hi", "--utility-bound", "x"], "must be a whole number in 1..16"),
              (["generate", "--prompt", "hi", "--device", "tpu"], "must be auto, cpu, cuda or cuda:N"),
              (["generate", "--prompt", "hi", "--device", "cuda:x"], "must be auto, cpu, cuda or cuda:N"),

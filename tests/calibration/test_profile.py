@@ -83,6 +83,16 @@ def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
 
 
 @pytest.mark.notorch
+def test_a_drafter_under_home_written_with_a_tilde_is_found(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "drafts" / "d").mkdir(parents=True)
+    key = model_key(tmp_path)
+    save_profile(replace(profile(key), decisions=decisions(drafter="~/drafts/d")))
+    loaded, notice = load_profile(FP, key)
+    assert notice == "" and loaded.decisions.drafter == "~/drafts/d"
+
+
+@pytest.mark.notorch
 def test_profile_written_before_quant_loads_as_none(tmp_path):
     """Profiles saved before calibration decided the experts' format have no `quant`: they still load, as "none"."""
     key = model_key(tmp_path)

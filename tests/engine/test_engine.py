@@ -344,6 +344,11 @@ def test_a_broken_template_a_lone_surrogate_and_any_seed_are_one_line_or_run(che
     (broken,) = list(engine.generate(Request(messages=[{"role": "user", "content": "hi"}])))
     assert isinstance(broken, Error) and not broken.request_fault
     assert "chat template of" in broken.message and "broken" in broken.message and "internal" not in broken.message
+    tok = engine.model.tokenizer  # a template that refuses the conversation (Mixtral's roles, Qwen3's user turn): 400
+    tok.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('No user query found') }}{% endif %}x"
+    (refused,) = list(engine.generate(Request(messages=[{"role": "system", "content": "be brief"}])))
+    assert isinstance(refused, Error) and refused.request_fault and "refuses this conversation" in refused.message
+    assert "No user query found" in refused.message
     for request in (Request(prompt="a\ud800b"), Request(messages=[{"role": "user", "content": "\udcff"}])):
         (bad,) = list(engine.generate(request))
         assert isinstance(bad, Error) and bad.request_fault and "not Unicode" in bad.message and "\n" not in bad.message

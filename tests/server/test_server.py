@@ -242,9 +242,10 @@ def test_the_command_refuses_a_public_address_without_a_key_before_loading(tmp_p
                                    "MOECHAT_API_KEY (127.0.0.1 needs none)")  # said before any model loads
 
 
-def test_ctrl_c_ends_the_requests_in_flight_with_503_and_no_traceback(model, endless, tmp_path):
-    """Ctrl-C stops the engine's jobs before uvicorn's graceful wait: the running request and the waiting one get a
-    JSON 503, and the command exits 0 without uvicorn's traceback of killed handlers."""
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_ends_the_requests_in_flight_with_503_and_no_traceback(model, endless, tmp_path, signum):
+    """Ctrl-C (or SIGTERM) stops the engine's jobs before uvicorn's graceful wait: the running request and the waiting
+    one get a JSON 503, and the command exits 0 without uvicorn's traceback of killed handlers."""
     import signal
     import socket
 
@@ -287,7 +288,7 @@ def test_ctrl_c_ends_the_requests_in_flight_with_503_and_no_traceback(model, end
         while state()["queued"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signum))
         for thread in asking:
             thread.join(30)
         assert proc.wait(30) == 0

@@ -315,12 +315,15 @@ async def test_a_chat_opened_empty_takes_its_first_message_as_title(tmp_path, st
 @pytest.mark.notorch
 async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice(tmp_path, stored):
     from moechat.app.tui.messages import ReplyDelta
+    from moechat.app.tui.screens.chat import ChatInput
 
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
         await until(pilot, lambda: errors(app), "the load failure")
         await reply_view(chat, 1)
+        stops = []
+        app.bridge.stop = lambda: stops.append(1)
         other = ChatStore(tmp_path / "chats.sqlite3")  # the other window
         other.delete(chat.conv_id)
         other.close()
@@ -328,8 +331,13 @@ async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice
         await until(pilot, lambda: any("deleted in another" in n.message for n in app._notifications), "the notice")
         app.post_message(ReplyDelta(1, " more"))
         await pilot.pause(0.1)
-        assert app.is_running and app.return_code is None
+        assert app.is_running and app.return_code is None and stops == [1]  # the reply is stopped, once
         assert sum("deleted in another" in n.message for n in app._notifications) == 1  # said once
+        chat.reply = None  # as the stopped reply's end leaves it
+        await send(pilot, "still there?")  # the chat is gone: the text comes back, for a new chat
+        assert chat.query_one(ChatInput).text == "still there?" and chat.conv_id is None and app.return_code is None
+        await pilot.press("enter")
+        await until(pilot, lambda: any(c.title == "still there?" for c in app.store.conversations()), "the new chat")
 
 
 @pilot_test

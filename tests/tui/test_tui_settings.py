@@ -382,8 +382,7 @@ def test_wizard_calibration_fails_in_one_line_and_cancels_on_escape_and_quit(tmp
 
     outcome: dict = {}
     asyncio.run(_wizard_calibration_fails_then_is_cancelled(tmp_path / "settings.toml", outcome))
-    assert outcome["failed"] == ("calibration failed (RuntimeError: measuring went wrong (Next: finish without a profile, "
-                                 "on defaults)")
+    assert outcome["failed"] == "calibration failed (RuntimeError: measuring went wrong (Next: finish without a new profile)"
     assert outcome["cancelled"].startswith("calibration cancelled: nothing was saved") and outcome["still_open"]
     assert outcome["ended_on_cancel"]
     assert outcome["ended"].wait(10), "quitting the app left the calibration running"
@@ -454,6 +453,13 @@ async def _wizard_budgets_changed_after_calibrating(path):
 def test_the_wizard_calibrates_again_when_the_budgets_change(tmp_path):
     calls = asyncio.run(_wizard_budgets_changed_after_calibrating(tmp_path / "settings.toml"))
     assert len(calls) == 2 and calls[1] == 3 * GIB
+
+
+def test_key_names_textual_reports_are_known_and_typos_are_not():
+    from moechat.app.tui.commands import known_key
+
+    assert all(known_key(k) for k in ("minus", "slash", "at", "ctrl+g", "f5", "escape", "question_mark", "shift+tab", "x"))
+    assert not any(known_key(k) for k in ("notakey", "ctrl+", "hyperx+g", "ctrl+notakey", ""))
 
 
 def test_context_len_setting_reaches_the_engine_config():

@@ -446,13 +446,21 @@ class ChatScreen(Screen):
         if not visible(text) or self.refuse_while_busy():
             return
         title = " ".join(text.split())[:40]
-        if self.conv_id is None:
-            self.conv_id = self.store.create(title=title)
+        try:
+            if self.conv_id is None:
+                self.conv_id = self.store.create(title=title)
+                await self.refresh_conversations()
+            elif not self.store.messages(self.conv_id) and self.store.conversation(self.conv_id).title == NEW_TITLE:
+                self.store.rename(self.conv_id, title)  # a chat opened empty (Ctrl+N) takes its first message as title
+                await self.refresh_conversations()
+            message_id = self.store.add(self.conv_id, "user", text)
+        except KeyError:  # deleted in another moechat window since it was opened: the text back, a new chat to send it to
             await self.refresh_conversations()
-        elif not self.store.messages(self.conv_id) and self.store.conversation(self.conv_id).title == NEW_TITLE:
-            self.store.rename(self.conv_id, title)  # a chat opened empty (Ctrl+N) takes its first message as its title
-            await self.refresh_conversations()
-        message_id = self.store.add(self.conv_id, "user", text)
+            await self.open_conversation(None)
+            self.query_one(ChatInput).text = text
+            self.app.notify("this chat was deleted in another moechat window: Enter sends your message to a new chat",
+                            severity="warning")
+            return
         await self.query_one("#log").mount(MessageView("user", text, message_id))
         await self.start_reply()
 

@@ -90,7 +90,8 @@ def decision_rows(decisions) -> dict[str, tuple[object, str]]:
 UNLOAD_WAIT_S = 120  # at most this long for a reply in progress to end and the model to unload before probing
 
 
-NO_PROFILE = "none: the calibration did not finish; moechat runs on defaults (`moechat calibrate` measures later)"
+NO_PROFILE = ("none: the calibration did not finish; moechat uses this model's earlier profile if there is one, else "
+              "defaults (`moechat calibrate` measures later)")
 
 
 class WizardScreen(Screen):
@@ -446,7 +447,7 @@ class WizardScreen(Screen):
         self.busy, self._calibration = False, None
         self.profile_path = NO_PROFILE  # Next goes on without one, so a machine that cannot calibrate still finishes
         self.query_one("#run", Button).disabled = False
-        self.query_one("#cal-error", Label).update(f"{message.message} (Next: finish without a profile, on defaults)")
+        self.query_one("#cal-error", Label).update(f"{message.message} (Next: finish without a new profile)")
 
     def _show_summary(self) -> None:
         if self.backend:
