@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0].startswith("-") and argv[0].split("=")[0] not in parser._option_string_actions:
-        parser.error(f"{argv[0]} goes after a command, e.g. moechat chat {' '.join(argv)}")  # `moechat --model X`
+    flag = argv[0].split("=")[0] if argv and argv[0].startswith("-") else None
+    if flag and not any(known.startswith(flag) for known in parser._option_string_actions):  # argparse takes `--setu`
+        parser.error(f"{flag} goes after a command, e.g. moechat chat {' '.join(argv[:2])}")  # `moechat --model X`
     args = parser.parse_args(argv)
     if args.setup and getattr(args, "func", None):
         parser.error("--setup opens the chat with the setup wizard first: give it no command")
