@@ -311,6 +311,10 @@ def test_sampling_is_reproducible_with_seed(checkpoint):
     a = list(engine.generate(Request(prompt=PROMPT), params))[-1]
     b = list(engine.generate(Request(prompt=PROMPT), params))[-1]
     assert isinstance(a, Finished) and a.token_ids == b.token_ids
+    # a temperature near 0 samples the argmax: the logits are shifted before the division, which overflowed them
+    cold = list(engine.generate(Request(prompt=PROMPT), SamplingParams(temperature=1e-40, seed=5, max_new_tokens=12)))[-1]
+    greedy = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))[-1]
+    assert isinstance(cold, Finished) and cold.token_ids == greedy.token_ids
 
 
 def test_error_event_for_chat_without_template(checkpoint, tmp_path):
