@@ -411,9 +411,12 @@ async def _wizard_finishes_without_a_calibration(path):
 
 def test_a_wizard_whose_calibration_fails_still_finishes_on_defaults(tmp_path):
     path = tmp_path / "settings.toml"
+    path.write_text('temperature = "hot"\n', encoding="utf-8")  # a value moechat cannot use: said before Finish
     summary, result = asyncio.run(_wizard_finishes_without_a_calibration(path))
     assert "the calibration did not finish" in summary and result is not None and result != "not dismissed"
+    assert "keeps a copy of it as settings.toml.broken" in summary
     assert load_settings(path)[0].device == "cpu"  # the choices made are saved
+    assert (tmp_path / "settings.toml.broken").read_text() == 'temperature = "hot"\n'
 
 
 async def _wizard_budgets_changed_after_calibrating(path):

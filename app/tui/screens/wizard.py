@@ -462,6 +462,10 @@ class WizardScreen(Screen):
                  f"RAM {'free at start' if ram is None else f'{ram:g} GiB'}",
                  f"Calibration profile: {self.profile_path}", "",
                  "Finish saves the model and budgets to the settings file and opens the chat."]
+        notice = load_settings(self.path)[1]
+        if notice:  # what Finish does with a file it cannot use whole, said before it does it
+            lines.append(f"Your settings file cannot be used as it is ({notice}); Finish keeps a copy of it as "
+                         f"{self.path.name if self.path else 'settings.toml'}.broken.")
         self.query_one("#summary", Static).update("\n".join(lines))
 
     def action_cancel(self) -> None:
