@@ -77,17 +77,14 @@ def cmd_serve(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"moechat: serving {server.model_id} at http://{host}:{sock.getsockname()[1]}/v1 "
           f"({'API key required' if key else 'no API key'}); Ctrl-C stops", file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)  # uvicorn raises the signal again once it has shut down: as Ctrl-C
+    # uvicorn raises the signal again once it has shut down: SIGTERM then ends as Ctrl-C does (KeyboardInterrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.run()  # here, in the main thread: uvicorn turns Ctrl-C and SIGTERM into a graceful shutdown
     except KeyboardInterrupt:
         pass
     print("moechat: server stopped", file=sys.stderr)
     return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 class BackgroundServer:

@@ -20,11 +20,10 @@ from starlette.exceptions import HTTPException
 
 from ...engine import MoechatError
 from .api import ChatBody, CompletionBody, Reply, error_body
-from .worker import EngineWorker, QueueFull, ShuttingDown
+from .worker import STOPPING, EngineWorker, QueueFull, ShuttingDown
 
 KINDS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
          503: "server_error"}
-STOPPING = "the server is shutting down: send the request again once it is back"
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 
 

@@ -24,6 +24,8 @@ class ShuttingDown(MoechatError):
     """The server is stopping: the route answers 503."""
 
 
+STOPPING = "the server is shutting down: send the request again once it is back"
+
 @dataclass
 class Job:
     request: object  # engine Request
@@ -69,7 +71,7 @@ class EngineWorker:
         """Queue a request; QueueFull when every waiting place is taken."""
         with self._lock:
             if self._closing:
-                raise ShuttingDown("the server is shutting down: send the request again once it is back")
+                raise ShuttingDown(STOPPING)
             job = Job(request, params, loop, asyncio.Queue(), self.arrived + 1)
             try:
                 self._jobs.put_nowait(job)
@@ -83,25 +85,13 @@ class EngineWorker:
         return self._closing
 
     def stop_jobs(self) -> None:
-        """The server is going away: cancel the job in progress (it stops at its next token), drop the waiting ones and
-        refuse new ones, so that every request in flight ends before the HTTP server's graceful wait does."""
+        """The server is going away: refuse new jobs and cancel the one in progress (it stops at its next token); the
+        thread cancels each waiting one as it takes it (no engine work), so every request in flight ends before the HTTP
+        server's graceful wait does."""
         with self._lock:  # either this sees the job taken, or the thread sees closing before it starts it
             self._closing, job = True, self._current
         if job is not None:
             job.cancel()
-        ended = False  # close()'s end marker, met by a later call (a second Ctrl-C): put back for the thread
-        while True:
-            try:
-                waiting = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if waiting is None:
-                ended = True
-            else:
-                waiting.cancel()
-                waiting.post(None)
-        if ended:
-            self._jobs.put(None)
 
     def close(self) -> None:
         """stop_jobs, stop the thread, then the engine's own threads: only once this thread is out of the engine, which
