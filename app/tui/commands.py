@@ -2,7 +2,7 @@
 command palette's entries (Ctrl+P). The ids are the action names."""
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
@@ -66,17 +66,22 @@ class MoechatCommands(Provider):
 MODIFIERS = {"ctrl", "shift", "alt", "meta", "super", "hyper"}
 
 
+@cache
+def _key_names() -> frozenset[str]:
+    """Textual's names of keys: its Keys ("escape", "f5", "pageup") and printable ASCII ("space", "minus", "slash")."""
+    from textual.keys import Keys, _character_to_key
+
+    return frozenset({k.value.split("+")[-1] for k in Keys} | {_character_to_key(chr(c)) for c in range(32, 127)})
+
+
 def known_key(key: str) -> bool:
     """Whether Textual can report `key` ("ctrl+g", "f5", "escape", "x", "question_mark"): a typo would bind nothing."""
     import unicodedata
 
-    from textual.keys import Keys, _character_to_key
-
     *mods, base = key.strip().lower().split("+")
     if not base or not set(mods) <= MODIFIERS:
         return False
-    named = {k.value.split("+")[-1] for k in Keys} | {_character_to_key(chr(c)) for c in range(33, 127)}  # "minus", "slash"
-    if len(base) == 1 or base in named or base in ("space", "enter", "backspace", "tab"):
+    if len(base) == 1 or base in _key_names():
         return True
     try:
         unicodedata.lookup(base.replace("_", " "))  # Textual names printable keys by their Unicode names

@@ -358,7 +358,12 @@ class ChatScreen(Screen):
         await view.clear()
         convs = self.store.conversations()
         await view.extend([ConversationItem(c.id, c.title) for c in convs])
-        ids = [c.id for c in convs]
+        self.highlight_current()
+
+    def highlight_current(self) -> None:
+        """The chat list's highlight on the conversation the log shows (none when it is not listed)."""
+        view = self.query_one("#conversations", ListView)
+        ids = [item.conv_id for item in view.query(ConversationItem)]
         if self.conv_id in ids:
             view.index = ids.index(self.conv_id)
 
@@ -422,9 +427,8 @@ class ChatScreen(Screen):
 
     async def on_list_view_selected(self, event: ListView.Selected) -> None:
         if isinstance(event.item, ConversationItem) and event.item.conv_id != self.conv_id:
-            if self.refuse_while_busy():  # the highlight back on the chat the log shows
-                items = list(event.list_view.query(ConversationItem))
-                event.list_view.index = next((i for i, c in enumerate(items) if c.conv_id == self.conv_id), None)
+            if self.refuse_while_busy():
+                self.highlight_current()  # the highlight back on the chat the log shows
                 return
             await self.open_conversation(event.item.conv_id)
 
@@ -540,11 +544,13 @@ class ChatScreen(Screen):
         try:
             self.store.update(message_id, text, finished=finished, stats=stats)
         except KeyError:
-            if self.reply is not None and not self.reply.ended:
+            reply = self.reply
+            if reply is None or reply.message_id != message_id or reply.orphan:
+                return
+            reply.orphan = True
+            if not reply.ended:
                 self.app.bridge.stop()
-            if self.reply is not None and self.reply.message_id == message_id and not self.reply.orphan:
-                self.reply.orphan = True
-                self.app.notify("this chat was deleted in another moechat window: the reply is not kept", severity="warning")
+            self.app.notify("this chat was deleted in another moechat window: the reply is not kept", severity="warning")
 
     async def _show_due(self, reply: _Reply) -> None:
         reply.redraw = None
