@@ -184,7 +184,7 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
     return total
 
 
-def _partial(name: str) -> bool:
+def _left_by_a_cut_write(name: str) -> bool:
     """A file an interrupted random-model write leaves behind (its shards and index; config.json is written last)."""
     return name.startswith("model") and ".safetensors" in name
 
@@ -196,7 +196,7 @@ def cmd_random_model(args) -> int:
     from ..demo import DEMO_MODEL
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(not _partial(f.name) for f in out.iterdir())):
+    if out.exists() and (not out.is_dir() or any(not _left_by_a_cut_write(f.name) for f in out.iterdir())):
         raise MoechatError(f"{out} already exists and is not an empty folder: name a new one")  # never over a model
     for f in out.glob("model*.safetensors*"):  # shards of a write cut short (config.json comes last): written again
         f.unlink()

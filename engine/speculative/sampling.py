@@ -25,7 +25,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
     for r, row in enumerate(rows):
         row = row.float()
-        out[r] = _row_probs((row - row.max()) / params.temperature, params)  # shifted first: a tiny T cannot overflow
+        out[r] = _row_probs((row - row.max()).div_(params.temperature), params)  # shifted first: a tiny T cannot overflow
     return out.reshape(logits.shape)
 
 

@@ -4,6 +4,7 @@ help, failures as notifications, the command line's TTY switch, and a snapshot o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import sys
 import threading
@@ -61,6 +62,15 @@ def failing(message: str):
         raise MoechatError(message)
 
     return factory
+
+
+@contextlib.asynccontextmanager
+async def without_model(tmp_path: Path):
+    """The app on tmp_path's chats with an engine that failed to load (no replies): (app, pilot) once it has said so."""
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: errors(app), "the load failure")
+        yield app, pilot
 
 
 def errors(app) -> list[str]:
@@ -234,9 +244,7 @@ async def test_titles_that_look_like_markup_show_as_typed(tmp_path):
     from moechat.app.tui.screens.dialogs import Confirm
 
     store_chat(tmp_path, "What does [/INST] mean?", ("user", "What does [/INST] mean?"), ("assistant", "A tag."))
-    app = make_app(tmp_path, failing("no model here"))
-    async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: errors(app), "the load failure")
+    async with without_model(tmp_path) as (app, pilot):
         label = app.chat.query_one("#conversations ListItem Label")
         assert str(label.content) == "What does [/INST] mean?"
         app.store.rename(app.chat.conv_id, "[/x] notes [b]")
@@ -255,10 +263,8 @@ async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, sto
     from moechat.app.tui.screens.chat import ChatInput
 
     _, newer = stored
-    app = make_app(tmp_path, failing("no model here"))
-    async with app.run_test(size=SIZE) as pilot:
+    async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
-        await until(pilot, lambda: errors(app), "the load failure")
         await reply_view(chat, 1)  # a reply being written
         before = len(app.store.messages(chat.conv_id))
         await send(pilot, "next question")
@@ -284,10 +290,8 @@ async def test_quitting_before_a_reply_has_text_keeps_no_empty_reply_and_invisib
     from moechat.app.tui.screens.chat import visible
 
     assert not visible(" \u200b\n\u2060") and visible("a\u200b")
-    app = make_app(tmp_path, failing("no model here"))
-    async with app.run_test(size=SIZE) as pilot:
+    async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
-        await until(pilot, lambda: errors(app), "the load failure")
         conv, before = chat.conv_id, [m.id for m in app.store.messages(chat.conv_id)]
         await send(pilot, "\u200b")  # a zero-width space alone: nothing to send
         assert [m.id for m in app.store.messages(conv)] == before
@@ -300,10 +304,8 @@ async def test_quitting_before_a_reply_has_text_keeps_no_empty_reply_and_invisib
 @pilot_test
 @pytest.mark.notorch
 async def test_a_chat_opened_empty_takes_its_first_message_as_title(tmp_path, stored):
-    app = make_app(tmp_path, failing("no model here"))
-    async with app.run_test(size=SIZE) as pilot:
+    async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
-        await until(pilot, lambda: errors(app), "the load failure")
         await pilot.press("ctrl+n")
         await until(pilot, lambda: len(app.store.conversations()) == 3, "the new chat")
         await send(pilot, "Second chat about dogs")
@@ -317,10 +319,8 @@ async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice
     from moechat.app.tui.messages import ReplyDelta
     from moechat.app.tui.screens.chat import ChatInput
 
-    app = make_app(tmp_path, failing("no model here"))
-    async with app.run_test(size=SIZE) as pilot:
+    async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
-        await until(pilot, lambda: errors(app), "the load failure")
         await reply_view(chat, 1)
         stops = []
         app.bridge.stop = lambda: stops.append(1)
@@ -345,9 +345,7 @@ async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice
 async def test_settings_open_once_and_a_reload_setting_reloads_on_save(tmp_path, stored):
     from moechat.app.tui.screens.settings import SettingsScreen
 
-    app = make_app(tmp_path, failing("no model here"))
-    async with app.run_test(size=SIZE) as pilot:
-        await until(pilot, lambda: errors(app), "the load failure")
+    async with without_model(tmp_path) as (app, pilot):
         reloads = []
         app.bridge.reload = lambda *a: reloads.append(a)
         await pilot.press("f12")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -38,6 +39,15 @@ class Host(App):
 
     def on_mount(self) -> None:
         self.push_screen(self.screen_to_push, lambda result: setattr(self, "result", result))
+
+
+@contextlib.asynccontextmanager
+async def settings_screen(path):
+    """The settings screen on the file at path, mounted: (its host app, pilot)."""
+    app = Host(SettingsScreen(path=path))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        yield app, pilot
 
 
 async def click(pilot, selector: str) -> None:
@@ -97,9 +107,7 @@ def test_a_bad_value_costs_only_its_key_and_a_save_keeps_the_file_aside(tmp_path
 
 
 async def _fix_the_named_field(path):
-    app = Host(SettingsScreen(path=path))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with settings_screen(path) as (app, pilot):
         notice = str(app.screen.query_one("#notice").content)
         app.screen.query_one("#temperature").value = "0.3"
         await pilot.pause()
@@ -117,9 +125,7 @@ def test_the_settings_screen_fixes_a_bad_value_without_losing_the_others(tmp_pat
 
 
 async def _markup_and_odd_paths(path):
-    app = Host(SettingsScreen(path=path))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with settings_screen(path) as (app, pilot):
         notice = str(app.screen.query_one("#notice").content)
         app.screen.query_one("#device").value = "[/"
         await pilot.pause()
@@ -144,9 +150,7 @@ def test_settings_show_markup_like_values_and_odd_paths_as_text(tmp_path):
 
 
 async def _settings_rejects_then_saves(path):
-    app = Host(SettingsScreen(path=path))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with settings_screen(path) as (app, pilot):
         screen = app.screen
         for field, text, words in [("utility_bound", "abc", "must be a whole number"),
                                    ("expert_cache_ratio", "2.5", "in [0, 1]"), ("temperature", "-1", "in [0, 10]")]:
@@ -176,9 +180,7 @@ def test_settings_screen_rejects_garbage_and_keeps_comments(tmp_path):
 
 
 async def _live_edit_and_cancel(path):
-    app = Host(SettingsScreen(path=path))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with settings_screen(path) as (app, pilot):
         app.screen.query_one("#top_p").value = "0.5"
         app.screen.query_one("#thinking").value = "off"
         await pilot.pause()
@@ -201,9 +203,7 @@ def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):
 
 
 async def _open_corrupt(path):
-    app = Host(SettingsScreen(path=path))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
+    async with settings_screen(path) as (app, pilot):
         return str(app.screen.query_one("#notice").content), app.screen.query_one("#temperature").value
 
 
