@@ -140,6 +140,7 @@ def test_a_non_streaming_client_that_gives_up_mid_reply_cancels_it(server, endle
         time.sleep(0.05)
     with pytest.raises(openai.APITimeoutError):
         impatient.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0)
+    impatient.close()  # its connections closed now, not whenever the collector gets to the client
     deadline = time.monotonic() + 60
     while (now := health(server))["cancelled"] == before["cancelled"]:
         assert time.monotonic() < deadline, f"the reply ran on after its client left: {before} -> {now}"
