@@ -20,11 +20,12 @@ from moechat.engine import Engine, EngineConfig, Finished, Request, SamplingPara
 
 KEY = "sesame"
 SEA = [{"role": "user", "content": "Tell me about the sea."}]
+LONG = 12000  # tokens of an `endless` reply: seconds of decoding (3000 took under a second, shorter than a client's patience)
 
 
 @pytest.fixture(scope="module")
 def model(checkpoint):
-    return checkpoint("qwen3_moe", max_position_embeddings=4096)
+    return checkpoint("qwen3_moe", max_position_embeddings=16384)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_stop_strings_and_seeds(client, endless):
 
 def test_a_client_leaving_mid_stream_cancels_and_the_next_request_runs(server, client, endless):
     cancelled = health(server)["cancelled"]
-    stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0, stream=True)
+    stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=LONG, temperature=0, stream=True)
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -139,7 +140,7 @@ def test_a_non_streaming_client_that_gives_up_mid_reply_cancels_it(server, endle
         assert time.monotonic() < deadline, before
         time.sleep(0.05)
     with pytest.raises(openai.APITimeoutError):
-        impatient.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0)
+        impatient.chat.completions.create(model="tiny", messages=endless, max_tokens=LONG, temperature=0)
     impatient.close()  # its connections closed now, not whenever the collector gets to the client
     deadline = time.monotonic() + 60
     while (now := health(server))["cancelled"] == before["cancelled"]:
@@ -148,7 +149,7 @@ def test_a_non_streaming_client_that_gives_up_mid_reply_cancels_it(server, endle
 
 
 def test_a_full_queue_is_429_and_the_queued_request_still_runs(server, client, endless):
-    stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=3000, temperature=0, stream=True)
+    stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=LONG, temperature=0, stream=True)
     next(iter(stream))  # running: the engine is busy
     queued = {}
     waiting = threading.Thread(target=lambda: queued.setdefault("reply", client.chat.completions.create(
@@ -189,7 +190,7 @@ def test_api_keys(server):
     ({"messages": SEA, "n": 2}, "only n = 1 is supported"),
     ({"messages": SEA, "stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text content"),
-    ({"messages": [{"role": "user", "content": "sea " * 5000}]}, "context"),
+    ({"messages": [{"role": "user", "content": "sea " * 20000}]}, "context"),
     ({"messages": SEA, "chat_template_kwargs": {"enable_thinking": "maybe"}}, "enable_thinking"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "not Unicode"),  # a JSON escape of a lone surrogate
     (b'"messages"', "not a JSON object: send one, with the header Content-Type: application/json"),
@@ -267,7 +268,7 @@ def test_ctrl_c_ends_the_requests_in_flight_with_503_and_no_traceback(model, end
             return json.loads(response.read())
 
     def ask(name: str, stream: bool) -> None:
-        body = json.dumps({"messages": endless, "max_tokens": 3000, "temperature": 0, "stream": stream}).encode()
+        body = json.dumps({"messages": endless, "max_tokens": LONG, "temperature": 0, "stream": stream}).encode()
         request = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
         try:
             urllib.request.urlopen(request, timeout=60).close()
