@@ -90,14 +90,16 @@ def expert_curve(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, activ
     return curve
 
 
-def cpu_curve(layers: list[tuple], active: int, max_tokens: int, repeats: int, seed: int = 0) -> list[float]:
+def cpu_curve(layers: list[tuple], active: int, max_tokens: int, repeats: int, seed: int = 0,
+              tick: Callable[[float], None] | None = None) -> list[float]:
     """Seconds per expert for t = 1..max_tokens tokens each, timed as decode meets the experts: each call takes
     `active` experts (a decode step's top-k) at random from a random layer of `layers` [(gate_up [E, 2I, H],
     down [E, H, I]) tensors, or QuantMatrix for quantized experts], so caches and TLB are as cold as in decode,
     through the engine's CPU dispatcher (`cpu_ffn.moe_ffn`: the native kernel where built, in the experts'
     format). Each timed call is paired with one of no expert, whose time (the dispatcher's Python and ctypes, about
     11 µs) is per layer, not per expert, and which the one-call decode stack does not pay at all: the median of
-    `repeats` differences after one warm-up, divided by `active`."""
+    `repeats` differences after one warm-up, divided by `active`. `tick(fraction done)` runs between timed pairs
+    (seconds apart on a big model): a progress callback that raises to cancel stops here, not at the curve's end."""
     import random
 
     from ..experts import cpu_ffn
@@ -116,7 +118,9 @@ def cpu_curve(layers: list[tuple], active: int, max_tokens: int, repeats: int, s
         rows = torch.arange(t).repeat(active)  # [G·t] grouped by expert
         weights, out = torch.ones(active * t), torch.zeros(t, H)
         times = []
-        for _ in range(repeats + 1):
+        for r in range(repeats + 1):
+            if tick is not None:
+                tick(((t - 1) * (repeats + 1) + r) / (max_tokens * (repeats + 1)))
             gate_up, down = layers[rng.randrange(len(layers))]
             experts = torch.tensor(sorted(rng.sample(range(E), active)))  # [G]
             t0 = time.perf_counter()
@@ -266,7 +270,8 @@ def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report
     layers = [v for v in views if v is not None] or [(gate_up, down)]  # the disk tier: one layer, copied
     with torch.inference_mode():
         top_k = engine.model.family.top_k(engine.model.hf_config)
-        m.cpu_s_per_expert = cpu_curve(layers, top_k, m.max_tokens, repeats)
+        m.cpu_s_per_expert = cpu_curve(layers, top_k, m.max_tokens, repeats,
+                                       tick=lambda done: report("CPU time per expert", 0.45 + 0.1 * done))
 
 
 def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens: int, report: Progress) -> None:

@@ -319,6 +319,33 @@ def test_the_cpu_curve_leaves_the_dispatchers_per_call_cost_out(monkeypatch):
     assert measure.cpu_curve([layer], active=4, max_tokens=3, repeats=3) == [3.0, 3.0, 3.0]
 
 
+def test_the_cpu_curve_ticks_between_timed_pairs_so_a_cancel_stops_it_early(monkeypatch):
+    """On a 30B model the curve takes seconds per token count: quitting the wizard waited for all of it (~19 s).
+    Its tick runs before every timed pair with a rising fraction; one that raises ends the curve there."""
+    import torch
+
+    from moechat.engine import Cancelled
+    from moechat.engine.calibration import measure
+    from moechat.engine.experts import cpu_ffn
+
+    calls = []
+    monkeypatch.setattr(cpu_ffn, "moe_ffn", lambda *args, **kwargs: calls.append(kwargs["max_tokens"]))
+    layer = (torch.zeros(8, 16, 32), torch.zeros(8, 32, 8))  # [E, 2I, H], [E, H, I]
+    fractions = []
+    measure.cpu_curve([layer], active=4, max_tokens=3, repeats=3, tick=fractions.append)
+    assert len(fractions) == 3 * 4 and fractions == sorted(fractions) and fractions[0] == 0 and fractions[-1] < 1
+    assert len(calls) == 2 * 3 * 4  # a call with no expert and one with them per pair
+
+    def cancel_halfway(done: float) -> None:
+        if done >= 0.5:
+            raise Cancelled("calibration cancelled")
+
+    calls.clear()
+    with pytest.raises(Cancelled):
+        measure.cpu_curve([layer], active=4, max_tokens=3, repeats=3, tick=cancel_halfway)
+    assert len(calls) == 2 * 6 and max(calls) == 2  # stopped at the first pair past half: token counts 1 and 2 only
+
+
 def test_measure_without_a_drafter_skips_generation(checkpoint, monkeypatch):
     from moechat.engine.calibration import measure as measuring
 
