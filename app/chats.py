@@ -15,10 +15,12 @@ a test) is safe too: sqlite3 connections must not be used by two threads at once
 from __future__ import annotations
 
 import json
+import os
 import re
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,25 @@ def store_path() -> Path:
     return Path(user_data_dir("moechat")) / "chats.sqlite3"
 
 
+class ChatStoreError(MoechatError):
+    """A read or write of the chat database failed (the disk full, the file locked, read-only or damaged): one line
+    that says what to do. What was on screen stays there; the app and `moechat chat` keep running."""
+
+
+def _explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
+    """SQLite's error as what to do about it, `otherwise` where it is none of a full disk, a read-only file or a lock (its
+    error names only exist from Python 3.11: the messages are stable)."""
+    said = str(err)
+    if "full" in said:
+        return f"chat database {path}: the disk is full ({said}); free some space"
+    if "readonly" in said or "read-only" in said:
+        return f"chat database {path} is read-only ({said}): fix the permissions of the file and its folder"
+    if "locked" in said or "busy" in said:
+        return (f"chat database {path} is locked by another program ({said}): close it (a database browser, a backup) "
+                "and try again")
+    return otherwise
+
+
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
 
 
@@ -87,6 +108,7 @@ class ChatStore:
         self._db: sqlite3.Connection | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._check_writable()
             # isolation_level=None: no implicit transactions; every write below says BEGIN itself.
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA foreign_keys=ON")
@@ -99,17 +121,36 @@ class ChatStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
             self._migrate(version)
-        except sqlite3.DatabaseError as err:
+        except sqlite3.Error as err:
             self.close()
-            raise MoechatError(
-                f"chat database {self.path} cannot be used ({err}): move it aside and moechat starts a new one"
-            ) from None
+            raise MoechatError(_explained(self.path, err, f"chat database {self.path} cannot be used ({err}): move it "
+                                                          "aside and moechat starts a new one")) from None
         except OSError as err:
             self.close()
             raise MoechatError(f"cannot create the chat database {self.path} ({err.strerror or err})") from None
         except MoechatError:
             self.close()
             raise
+
+    def _check_writable(self) -> None:
+        """The file and its folder (WAL mode writes `-wal` and `-shm` beside it) writable, else what to fix: SQLite opens
+        a read-only file and fails at the first message, and a folder it cannot write gives 'unable to open'."""
+        for where, what in ((self.path, "file"), (self.path.parent, "folder")):
+            if where.exists() and not os.access(where, os.W_OK | (os.X_OK if what == "folder" else os.R_OK)):
+                raise MoechatError(f"the chat database's {what} {where} is not writable by you: fix its permissions "
+                                   f"(chmod u+rw{'x' if what == 'folder' else ''} '{where}')")
+
+    @contextmanager
+    def _guard(self):
+        """SQLite's failures as ChatStoreError; the store's own KeyError and ValueError pass as they are."""
+        try:
+            yield
+        except sqlite3.Error as err:
+            damaged = "malformed" in str(err) or "not a database" in str(err)
+            otherwise = (f"chat database {self.path} is damaged ({err}): `sqlite3 {self.path} .recover | sqlite3 "
+                         "rescued.sqlite3` rescues what it can (put that file in its place), or move it aside and moechat "
+                         "starts a new one") if damaged else f"chat database {self.path} failed ({err}): check the disk it is on"
+            raise ChatStoreError(_explained(self.path, err, otherwise)) from None
 
     def _migrate(self, version: int) -> None:
         for number in range(version + 1, len(MIGRATIONS) + 1):
@@ -136,9 +177,29 @@ class ChatStore:
         self.close()
 
     def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        """One statement in its own transaction (autocommit)."""
-        with self._lock:
+        """One statement in its own transaction (autocommit); text arguments as UTF-8 can hold them."""
+        args = tuple(_storable(a) if isinstance(a, str) else a for a in args)
+        with self._lock, self._guard():
             return self._conn().execute(sql, args)
+
+    def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock, self._guard():
+            return self._conn().execute(sql, args).fetchall()
+
+    @contextmanager
+    def _transaction(self):
+        """BEGIN IMMEDIATE ... COMMIT under the lock, rolled back on any failure (where SQLite has not already: a full
+        disk ends the transaction itself, and a second ROLLBACK would hide why)."""
+        with self._lock, self._guard():
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -149,20 +210,15 @@ class ChatStore:
 
     def conversations(self) -> list[Conversation]:
         """Most recently updated first."""
-        with self._lock:
-            rows = self._conn().execute(
-                "SELECT id, title, system_prompt, created, updated FROM conversations ORDER BY updated DESC, id DESC"
-            ).fetchall()
+        rows = self._rows("SELECT id, title, system_prompt, created, updated FROM conversations"
+                          " ORDER BY updated DESC, id DESC")
         return [Conversation(*row) for row in rows]
 
     def conversation(self, conv_id: int) -> Conversation:
-        with self._lock:
-            row = self._conn().execute(
-                "SELECT id, title, system_prompt, created, updated FROM conversations WHERE id = ?", (conv_id,)
-            ).fetchone()
-        if row is None:
+        rows = self._rows("SELECT id, title, system_prompt, created, updated FROM conversations WHERE id = ?", (conv_id,))
+        if not rows:
             raise KeyError(f"no conversation {conv_id}")
-        return Conversation(*row)
+        return Conversation(*rows[0])
 
     def create(self, title: str = NEW_TITLE, system_prompt: str = "") -> int:
         now = time.time()
@@ -192,12 +248,8 @@ class ChatStore:
 
     def messages(self, conv_id: int) -> list[ChatMessage]:
         """Oldest first."""
-        with self._lock:
-            rows = self._conn().execute(
-                "SELECT id, conv_id, role, content, finished, created, stats FROM messages"
-                " WHERE conv_id = ? ORDER BY id",
-                (conv_id,),
-            ).fetchall()
+        rows = self._rows("SELECT id, conv_id, role, content, finished, created, stats FROM messages"
+                          " WHERE conv_id = ? ORDER BY id", (conv_id,))
         return [
             ChatMessage(id, conv, role, content, bool(finished), created, json.loads(stats) if stats else None)
             for id, conv, role, content, finished, created, stats in rows
@@ -207,44 +259,24 @@ class ChatStore:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         now = time.time()
-        with self._lock:
-            db = self._conn()
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                touched = db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
-                if touched.rowcount == 0:
-                    raise KeyError(f"no conversation {conv_id}")
-                cursor = db.execute(
-                    "INSERT INTO messages (conv_id, role, content, finished, created) VALUES (?, ?, ?, ?, ?)",
-                    (conv_id, role, content, int(finished), now),
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            touched = db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
+            if touched.rowcount == 0:
+                raise KeyError(f"no conversation {conv_id}")
+            cursor = db.execute("INSERT INTO messages (conv_id, role, content, finished, created) VALUES (?, ?, ?, ?, ?)",
+                                (conv_id, role, _storable(content), int(finished), now))
         return cursor.lastrowid
 
     def update(self, message_id: int, content: str, finished: bool, stats: dict | None = None) -> None:
         """Replaces the content (a streaming reply so far); stats=None keeps the stored stats."""
         stats_json = json.dumps(stats) if stats is not None else None
-        with self._lock:
-            db = self._conn()
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                cursor = db.execute(
-                    "UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats) WHERE id = ?",
-                    (content, int(finished), stats_json, message_id),
-                )
-                if cursor.rowcount == 0:
-                    raise KeyError(f"no message {message_id}")
-                db.execute(
-                    "UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",
-                    (time.time(), message_id),
-                )
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            cursor = db.execute("UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats) WHERE id = ?",
+                                (_storable(content), int(finished), stats_json, message_id))
+            if cursor.rowcount == 0:
+                raise KeyError(f"no message {message_id}")
+            db.execute("UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",
+                       (time.time(), message_id))
 
     def delete_message(self, message_id: int) -> None:
         """Regenerate drops the last reply; an unknown id is a no-op."""
@@ -265,6 +297,15 @@ class ChatStore:
                 body += "\n\n*(interrupted)*"
             parts.append(body)
         return "\n\n".join(parts) + "\n"
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _storable(text: str) -> str:
+    """`text` as UTF-8 can hold it: a lone surrogate (half of an escaped pair split by a remote server's JSON, or pasted)
+    becomes U+FFFD instead of failing the save of the whole reply."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")

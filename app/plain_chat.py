@@ -4,9 +4,70 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
+SAVE_INTERVAL_S = 0.5  # as the app: a kill, or the terminal closed, loses at most this much of a reply
+
+
+class Keeper:
+    """The conversation in the chat store as far as it can be kept: a chat deleted in another window goes on in a new
+    one; a store that fails (the disk full, the database locked) is said once per message and the chat goes on."""
+
+    def __init__(self, store, system: str | None) -> None:
+        self.store, self.system = store, system or ""
+        self.conv_id: int | None = None
+        self.reply_id: int | None = None
+        self.saved_at = 0.0
+
+    def user(self, text: str) -> None:
+        """The user's message stored, and an unfinished reply after it."""
+        from .chats import ChatStoreError
+
+        self.reply_id = None
+        for _ in range(2):  # a second time in a new chat where the first was deleted elsewhere
+            try:
+                if self.conv_id is None:
+                    self.conv_id = self.store.create(title=" ".join(text.split())[:40], system_prompt=self.system)
+                self.store.add(self.conv_id, "user", text)
+                self.reply_id, self.saved_at = self.store.add(self.conv_id, "assistant", "", finished=False), time.monotonic()
+                return
+            except KeyError:
+                print("moechat: this chat was deleted in another moechat window: it goes on in a new one", file=sys.stderr)
+                self.conv_id = None
+            except ChatStoreError as err:
+                print(f"moechat: {err}; this message is not saved", file=sys.stderr)
+                return
+
+    def due(self) -> bool:
+        """Whether the reply streaming has gone unsaved for SAVE_INTERVAL_S."""
+        return self.reply_id is not None and time.monotonic() - self.saved_at >= SAVE_INTERVAL_S
+
+    def reply(self, text: str, finished: bool) -> None:
+        """The reply so far."""
+        from .chats import ChatStoreError
+
+        if self.reply_id is None:
+            return
+        try:
+            self.store.update(self.reply_id, text, finished=finished)
+            self.saved_at = time.monotonic()
+        except (KeyError, ChatStoreError) as err:
+            said = "the chat was deleted in another moechat window" if isinstance(err, KeyError) else str(err)
+            print(f"\nmoechat: {said}; this reply is not saved", file=sys.stderr)
+            self.reply_id = None
+
+    def drop_reply(self) -> None:
+        """Nothing came back: no empty reply kept."""
+        from .chats import ChatStoreError
+
+        if self.reply_id is not None:
+            try:
+                self.store.delete_message(self.reply_id)
+            except ChatStoreError:
+                pass  # an empty unfinished reply stays; the next message still goes on
+            self.reply_id = None
 
 
 def _open_engine(args):
@@ -35,24 +96,23 @@ def cmd_chat(args) -> int:
     from .chats import ChatStore
     from .cli import request_thinking, sampling_params
 
-    engine, what, remote = _open_engine(args)
     params = sampling_params(args)
-    print(f"moechat: {what}; {HELP}", file=sys.stderr)
-    store = ChatStore()
-    try:
-        return _chat(engine, store, params, args.system, remote, request_thinking(args))
-    finally:
-        store.close()
-        engine.close()
+    with ChatStore() as store:  # before the model: a chat database that cannot be used is said before minutes of loading
+        engine, what, remote = _open_engine(args)
+        try:
+            print(f"moechat: {what}; {HELP}", file=sys.stderr)
+            return _chat(engine, Keeper(store, args.system), params, args.system, remote, request_thinking(args))
+        finally:
+            engine.close()
 
 
-def _chat(engine, store, params, system: str | None, remote: bool, thinking: bool | None = None) -> int:
+def _chat(engine, kept: Keeper, params, system: str | None, remote: bool, thinking: bool | None = None) -> int:
     from ..engine import Error, Finished, Request, TokenDelta
     from .cli import acceptance
     from .history import fit_for_engine
 
     start = [{"role": "system", "content": system}] if system else []
-    messages, said, conv_id = list(start), "", None
+    messages, said = list(start), ""
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -67,7 +127,7 @@ def _chat(engine, store, params, system: str | None, remote: bool, thinking: boo
         if text.strip() in ("/quit", "/exit"):
             return 0
         if text.strip() == "/reset":
-            messages, conv_id = list(start), None
+            messages, kept.conv_id = list(start), None
             print("moechat: conversation cleared", file=sys.stderr)
             continue
         if re.fullmatch(r"/\w+", text.strip()):  # a lone word after a slash is a command, not a message
@@ -86,10 +146,7 @@ def _chat(engine, store, params, system: str | None, remote: bool, thinking: boo
         if notice and notice != said:  # once per cut
             print(f"moechat: {notice}", file=sys.stderr)
         said = notice
-        if conv_id is None:
-            conv_id = store.create(title=" ".join(text.split())[:40], system_prompt=system or "")
-        store.add(conv_id, "user", text)
-        reply_id = store.add(conv_id, "assistant", "", finished=False)
+        kept.user(text)
         sys.stdout.write("moechat> ")
         reply, finished = [], None
         events = engine.generate(Request(messages=list(request), thinking=thinking), params)
@@ -99,6 +156,8 @@ def _chat(engine, store, params, system: str | None, remote: bool, thinking: boo
                     reply.append(ev.text)
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
+                    if kept.due():
+                        kept.reply("".join(reply), finished=False)
                 elif isinstance(ev, Error):
                     print(f"\nmoechat: error: {ev.message}"
                           + (" (/reset starts a new conversation)" if "context" in ev.message else ""),
@@ -111,11 +170,11 @@ def _chat(engine, store, params, system: str | None, remote: bool, thinking: boo
         print(flush=True)
         if finished is None and not reply:
             messages.pop()  # nothing came back: the user's message can be sent again
-            store.delete_message(reply_id)
+            kept.drop_reply()
             continue
         answer = finished.text if finished else "".join(reply)
         messages.append({"role": "assistant", "content": answer})
-        store.update(reply_id, answer, finished=finished is not None)
+        kept.reply(answer, finished=finished is not None)
         if finished:
             s = finished.summary
             print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {acceptance(s)}, "

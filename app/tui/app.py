@@ -4,6 +4,7 @@ chat screen. Importing this module imports no torch: the engine loads in the bri
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -13,10 +14,11 @@ from textual.app import App
 from textual.binding import Binding
 
 from ..bridge import EngineBridge
-from ..chats import ChatStore
+from ..chats import ChatStore, ChatStoreError
 from ..settings import Settings, load_settings, save_settings, settings_path
 from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
+from .guard import store_failures_noticed
 from .screens.chat import ChatScreen
 from .screens.dialogs import Confirm, TextPrompt
 from .screens.help import HelpScreen
@@ -48,6 +50,7 @@ class MoechatApp(App):
         self.thinking = self.settings.thinking  # auto | on | off (None: auto): the chat template's enable_thinking
         self.chat = ChatScreen()
         self.bridge_started = False
+        self.unsaved: tuple[str, str] | None = None  # (why, the reply) when quitting could not save the reply
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
@@ -77,9 +80,13 @@ class MoechatApp(App):
             self.call_after_refresh(self.start_engine)  # the screen paints first; the model loads while the UI runs
 
     async def on_unmount(self) -> None:
-        self.chat.save_partial()  # quitting mid-reply keeps what was written, marked interrupted
-        self.bridge.close()
-        self.store.close()
+        try:
+            self.chat.save_partial()  # quitting mid-reply keeps what was written, marked interrupted
+        except ChatStoreError as err:  # the database cannot be written: run_tui prints the reply on the terminal
+            self.unsaved = (str(err), self.chat.reply.text)
+        finally:
+            self.bridge.close()
+            self.store.close()
 
     # ---- what the engine thread posts (dropped once shutting down: on_unmount saves the reply) -------
     def on_engine_loading(self, msg: m.EngineLoading) -> None:
@@ -141,34 +148,53 @@ class MoechatApp(App):
     async def action_regenerate(self) -> None:
         await self.chat.regenerate()
 
+    def _conversation(self, none_yet: str):
+        """The chat the log shows; None, said, where there is none yet or it was deleted in another window."""
+        conv = self.chat.current_conversation()
+        if conv is None and self.chat.conv_id is not None:
+            self.call_later(self.chat.deleted_elsewhere)
+        elif conv is None and none_yet:
+            self.notify(none_yet, severity="warning")
+        return conv
+
+    @store_failures_noticed
     def action_rename_chat(self) -> None:
-        conv = self.chat.current_conversation()
-        if conv is None:
-            self.notify("no conversation yet: send a message first", severity="warning")
+        conv = self._conversation("no conversation yet: send a message first")
+        if conv is not None:
+            self.push_screen(TextPrompt("Rename chat", conv.title), lambda title: self._rename(conv.id, title))
+
+    @store_failures_noticed
+    async def _rename(self, conv_id: int, title: str | None) -> None:
+        if not title:
             return
+        try:
+            self.store.rename(conv_id, title)
+        except KeyError:  # deleted in another window while the dialog was open
+            await self.chat.deleted_elsewhere()
+            return
+        await self.chat.refresh_conversations()
 
-        async def done(title: str | None) -> None:
-            if title:
-                self.store.rename(conv.id, title)
-                await self.chat.refresh_conversations()
-
-        self.push_screen(TextPrompt("Rename chat", conv.title), done)
-
+    @store_failures_noticed
     def action_system_prompt(self) -> None:
-        conv = self.chat.current_conversation()
-        if conv is None:
-            self.notify("no conversation yet: start one with Ctrl+N", severity="warning")
+        conv = self._conversation("no conversation yet: start one with Ctrl+N")
+        if conv is not None:
+            self.push_screen(TextPrompt("System prompt (Ctrl+S saves)", conv.system_prompt, multiline=True),
+                             lambda text: self._set_system_prompt(conv.id, text))
+
+    @store_failures_noticed
+    async def _set_system_prompt(self, conv_id: int, text: str | None) -> None:
+        if text is None:
             return
+        try:
+            self.store.set_system_prompt(conv_id, text)
+        except KeyError:
+            await self.chat.deleted_elsewhere()
+            return
+        self.notify("system prompt saved" if text else "system prompt cleared")
 
-        def done(text: str | None) -> None:
-            if text is not None:
-                self.store.set_system_prompt(conv.id, text)
-                self.notify("system prompt saved" if text else "system prompt cleared")
-
-        self.push_screen(TextPrompt("System prompt (Ctrl+S saves)", conv.system_prompt, multiline=True), done)
-
+    @store_failures_noticed
     def action_delete_chat(self) -> None:
-        conv = self.chat.current_conversation()
+        conv = self._conversation("")
         if conv is None:
             return
 
@@ -178,10 +204,10 @@ class MoechatApp(App):
 
         self.push_screen(Confirm(f"Delete “{conv.title}”?"), done)
 
+    @store_failures_noticed
     def action_export_chat(self) -> Path | None:
-        conv = self.chat.current_conversation()
+        conv = self._conversation("no conversation to export")
         if conv is None:
-            self.notify("no conversation to export", severity="warning")
             return None
         folder = self.export_dir or _documents_dir()
         slug = re.sub(r"[^\w-]+", "-", conv.title).strip("-")[:40] or "chat"
@@ -189,6 +215,9 @@ class MoechatApp(App):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             path.write_text(self.store.export_markdown(conv.id), encoding="utf-8")
+        except KeyError:  # deleted in another window a moment ago
+            self.call_later(self.chat.deleted_elsewhere)
+            return None
         except OSError as err:
             self.notify(f"could not write {path}: {err.strerror}", severity="error")
             return None
@@ -318,4 +347,8 @@ def run_tui(args) -> int:
     app.sampling = sampling_from(app.settings, sampling_params(args))
     app.thinking = args.thinking or app.settings.thinking
     app.run()
+    if app.unsaved is not None:  # quitting could not save the reply being written: here it is, not lost
+        why, text = app.unsaved
+        print(f"moechat: {why}; the reply being written follows", file=sys.stderr)
+        print(text)
     return app.return_code or 0  # 1 after an exception Textual showed

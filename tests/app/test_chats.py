@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import moechat
-from moechat.app.chats import MIGRATIONS, ChatStore, store_path
+from moechat.app.chats import MIGRATIONS, ChatStore, ChatStoreError, store_path
 from moechat.engine.errors import MoechatError
 
 pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
@@ -173,6 +173,58 @@ def test_corrupt_file_is_refused_in_one_line(tmp_path):
     assert "\n" not in message and str(path) in message and "move it aside" in message
     assert err.value.__cause__ is None and err.value.__suppress_context__  # no chained traceback
     assert path.read_bytes() == before
+
+
+def test_a_full_disk_is_one_line_naming_it_and_the_store_goes_on(store):
+    """SQLite ends a transaction that filled the disk itself: a ROLLBACK after it raised 'cannot rollback' over the
+    cause, and the app crashed."""
+    conv = store.create("c")
+    reply = store.add(conv, "assistant", "", finished=False)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")  # the disk full: no page more
+    with pytest.raises(ChatStoreError) as err:
+        store.update(reply, "x" * 200_000, finished=False)
+    message = str(err.value)
+    assert "the disk is full" in message and "free some space" in message and "rollback" not in message
+    assert "\n" not in message and err.value.__cause__ is None and not store._db.in_transaction
+    store.update(reply, "fits", finished=True)  # what fits is still written
+    assert [m.content for m in store.messages(conv)] == ["fits"]
+
+
+def test_a_lock_held_elsewhere_is_one_line_saying_to_close_it(store, tmp_path):
+    conv = store.create("c")
+    store._db.execute("PRAGMA busy_timeout = 50")
+    other = sqlite3.connect(tmp_path / "chats.sqlite3", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(ChatStoreError, match="locked by another program .*: close it"):
+            store.add(conv, "user", "hi")
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    store.add(conv, "user", "hi")
+    assert [m.content for m in store.messages(conv)] == ["hi"]
+
+
+def test_lone_surrogates_are_stored_as_replacement_characters(store):
+    """Half an escaped pair, as a remote server's JSON split may hand over: it failed the save of the whole reply."""
+    conv = store.create("t\ud83d")
+    message = store.add(conv, "user", "a\ud83db")
+    store.update(message, "c\udc00d", finished=True)
+    assert store.conversation(conv).title == "t\ufffd" and store.messages(conv)[0].content == "c\ufffdd"
+
+
+def test_a_file_or_folder_you_cannot_write_says_to_fix_its_permissions(tmp_path, monkeypatch):
+    """SQLite opened a read-only file and failed at the first message; a read-only folder was 'unable to open' with the
+    advice to move a sound file aside. (os.access is stubbed: these tests run as root, who may write anything.)"""
+    path = tmp_path / "chats.sqlite3"
+    ChatStore(path).close()
+    for locked, what in ((path, "file"), (tmp_path, "folder")):
+        monkeypatch.setattr("moechat.app.chats.os.access", lambda where, mode, locked=locked: Path(where) != locked)
+        with pytest.raises(MoechatError) as err:
+            ChatStore(path)
+        message = str(err.value)
+        assert f"{what} {locked} is not writable by you: fix its permissions" in message and "move it aside" not in message
 
 
 _WRITER = """

@@ -15,6 +15,7 @@ from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
 from textual.message import Message
 from textual.screen import Screen
 from textual.timer import Timer
@@ -23,16 +24,17 @@ from textual.widgets import (
     Collapsible,
     Footer,
     Label,
-    ListItem,
-    ListView,
     Markdown,
+    OptionList,
     ProgressBar,
     Static,
     TextArea,
 )
+from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import NEW_TITLE
+from ...chats import NEW_TITLE, ChatStoreError
 from ...reasoning import enable_thinking, reasoning_title, split_reasoning
+from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
 from ..widgets.heatmap import ExpertHeatmap
 from ..widgets.stats import StatsPanel
@@ -225,10 +227,7 @@ class MessageView(Vertical, can_focus=True):
         self.app.notify("code block copied")
 
 
-class ConversationItem(ListItem):
-    def __init__(self, conv_id: int, title: str) -> None:
-        super().__init__(Label(title, markup=False))  # a title is the user's text: `[/INST]` is not markup
-        self.conv_id = conv_id
+DELETED_ELSEWHERE = "this chat was deleted in another moechat window"
 
 
 @dataclass
@@ -247,6 +246,8 @@ class _Reply:
     drawing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one draw at a time: a draw awaits between its steps
     ended: bool = False  # reply_finished has begun: no draw starts after it
     orphan: bool = False  # its chat was deleted elsewhere (another window): stopped, said once
+    replaces: object = None  # Regenerate: the stored reply this one replaces, deleted once this one has text
+    unsaved: bool = False  # a save failed (the disk full, the database locked): said once; later saves try again
     redraw: Timer | None = None  # the timer that draws the text that came since the last draw
 
 
@@ -291,7 +292,7 @@ class ChatScreen(Screen):
         with Horizontal(id="body"):
             with Vertical(id="sidebar"):
                 yield Label("Chats", classes="panel-title")
-                yield ListView(id="conversations")
+                yield OptionList(id="conversations", compact=True)  # one widget: a ListView's item per chat took seconds at 1000
             with Vertical(id="main"):
                 yield VerticalScroll(id="log")
                 yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False,
@@ -305,10 +306,13 @@ class ChatScreen(Screen):
         yield Footer()
 
     async def on_mount(self) -> None:
-        convs = self.store.conversations()
-        if convs:
-            await self.open_conversation(convs[0].id)
-        await self.refresh_conversations()
+        try:
+            convs = self.store.conversations()
+            if convs:
+                await self.open_conversation(convs[0].id)
+            await self.refresh_conversations()
+        except ChatStoreError as err:  # a damaged page, a lock: said, and the app runs (a new chat may still save)
+            self.app.notify(str(err), severity="error", timeout=15)
         self.query_one(ChatInput).focus()
 
     # ---- status (the app's handlers drop the engine's messages once it stops running) -------------------------
@@ -354,18 +358,25 @@ class ChatScreen(Screen):
 
     # ---- conversations ------------------------------------------------------------------------
     async def refresh_conversations(self) -> None:
-        view = self.query_one("#conversations", ListView)
-        await view.clear()
+        view = self.query_one("#conversations", OptionList)
         convs = self.store.conversations()
-        await view.extend([ConversationItem(c.id, c.title) for c in convs])
+        view.clear_options()  # a title is the user's text, not markup (`[/INST]`): Content, not str
+        view.add_options([Option(Content(c.title), id=str(c.id)) for c in convs])
         self.highlight_current()
 
     def highlight_current(self) -> None:
         """The chat list's highlight on the conversation the log shows (none when it is not listed)."""
-        view = self.query_one("#conversations", ListView)
-        ids = [item.conv_id for item in view.query(ConversationItem)]
-        if self.conv_id in ids:
-            view.index = ids.index(self.conv_id)
+        view = self.query_one("#conversations", OptionList)
+        try:
+            view.highlighted = view.get_option_index(str(self.conv_id))
+        except OptionDoesNotExist:
+            view.highlighted = None
+
+    async def deleted_elsewhere(self) -> None:
+        """The chat the log shows was deleted in another moechat window: said, and the screen on no chat."""
+        self.app.notify(f"{DELETED_ELSEWHERE}: Enter sends your message to a new chat", severity="warning")
+        await self.refresh_conversations()
+        await self.open_conversation(None)
 
     async def open_conversation(self, conv_id: int | None) -> None:
         self.conv_id = conv_id
@@ -401,6 +412,7 @@ class ChatScreen(Screen):
         if count:
             await log.mount(Button(earlier_label(count), id="earlier", compact=True), before=0)
 
+    @store_failures_noticed
     async def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "earlier":
             event.stop()
@@ -425,12 +437,13 @@ class ChatScreen(Screen):
                 await view.remove()
             await self.show_earlier_button()
 
-    async def on_list_view_selected(self, event: ListView.Selected) -> None:
-        if isinstance(event.item, ConversationItem) and event.item.conv_id != self.conv_id:
+    @store_failures_noticed
+    async def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        if event.option_list.id == "conversations" and int(event.option.id) != self.conv_id:
             if self.refuse_while_busy():
                 self.highlight_current()  # the highlight back on the chat the log shows
                 return
-            await self.open_conversation(event.item.conv_id)
+            await self.open_conversation(int(event.option.id))
 
     def refuse_while_busy(self) -> bool:
         if self.reply is not None:
@@ -445,6 +458,7 @@ class ChatScreen(Screen):
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
         await self.send(event.text)
 
+    @store_failures_noticed  # past the user's message: it is stored, Ctrl+R asks for the reply again
     async def send(self, text: str) -> None:
         text = text.strip()
         if not visible(text) or self.refuse_while_busy():
@@ -459,21 +473,26 @@ class ChatScreen(Screen):
                 await self.refresh_conversations()
             message_id = self.store.add(self.conv_id, "user", text)
         except KeyError:  # deleted in another moechat window since it was opened: the text back, a new chat to send it to
-            await self.refresh_conversations()
-            await self.open_conversation(None)
+            await self.deleted_elsewhere()
             self.query_one(ChatInput).text = text
-            self.app.notify("this chat was deleted in another moechat window: Enter sends your message to a new chat",
-                            severity="warning")
+            return
+        except ChatStoreError as err:  # not stored (the disk full, the database locked): the text back to send again
+            self.query_one(ChatInput).text = text
+            self.app.notify(f"{err}; your message is back in the input", severity="error", timeout=15)
             return
         await self.query_one("#log").mount(MessageView("user", text, message_id))
         await self.start_reply()
 
-    async def start_reply(self) -> None:
-        """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once."""
+    async def start_reply(self, replaces=None) -> None:
+        """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once. `replaces`: the
+        stored reply Regenerate replaces, left out of the history and kept until this one has text."""
         conv = self.current_conversation()
         history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
-        history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id) if m.content]
+        history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id)
+                    if m.content and (replaces is None or m.id != replaces.id)]
         message_id = self.store.add(self.conv_id, "assistant", "", finished=False)
+        for old in [v for v in self.shown_views() if replaces is not None and v.message_id == replaces.id]:
+            await old.remove()  # off the screen; in the store until the new reply has text
         await self.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
         view = MessageView("assistant", "", message_id)
         log = self.query_one("#log", VerticalScroll)
@@ -481,7 +500,8 @@ class ChatScreen(Screen):
         log.anchor()  # follow the reply as it grows
         view.set_note("writing…")
         self.next_request += 1
-        self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic())
+        self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic(),
+                            replaces=replaces)
         self.stats = None
         self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
 
@@ -503,7 +523,7 @@ class ChatScreen(Screen):
         elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
             reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
         if time.monotonic() - reply.saved_at >= SAVE_INTERVAL_S:
-            self._save(reply.message_id, reply.text, finished=False)
+            self._save(reply, reply.text, finished=False)
             reply.saved_at = time.monotonic()
 
     async def reply_finished(self, request_id: int, text: str, reason: str, stats: Stats | None) -> None:
@@ -525,9 +545,15 @@ class ChatScreen(Screen):
         text = text or reply.text
         if stats is not None:
             self.show_stats(stats)
-        if not text and reason in ("cancelled", "failed"):  # ended before any text: nothing to keep
-            self.store.delete_message(reply.message_id)
+        if not text and reason in ("cancelled", "failed"):  # ended before any text: nothing to keep, a replaced reply back
             await reply.view.remove()
+            old = reply.replaces
+            if old is not None:
+                await self.query_one("#log").mount(MessageView(old.role, old.content, old.id, old.finished))
+            try:
+                self.store.delete_message(reply.message_id)
+            except ChatStoreError as err:  # an empty row left: the next start shows it as an empty reply
+                self.app.notify(str(err), severity="error", timeout=15)
             return
         reply.view.content = text
         reasoning, answer, thinking = reply.view.split()
@@ -536,21 +562,29 @@ class ChatScreen(Screen):
         await reply.view.show_answer(answer, start)  # the whole reply, exactly as the engine ended it
         note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
         reply.view.set_note(note if text else "empty reply")
-        self._save(reply.message_id, text, finished=True, stats=asdict(stats) if stats else None)
+        self._save(reply, text, finished=True, stats=asdict(stats) if stats else None)
 
-    def _save(self, message_id: int, text: str, finished: bool, stats: dict | None = None) -> None:
-        """The reply so far into the store; its chat deleted meanwhile (another moechat on the same chats): say so once
-        and stop the reply, which has nowhere to go."""
+    def _save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None) -> None:
+        """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
+        (another moechat on the same chats): said once, and the reply, which has nowhere to go, stopped. The database
+        failing (the disk full, locked): said once; the reply streams on, on screen, and later saves try again."""
         try:
-            self.store.update(message_id, text, finished=finished, stats=stats)
+            self.store.update(reply.message_id, text, finished=finished, stats=stats)
+            if reply.replaces is not None and text:
+                self.store.delete_message(reply.replaces.id)
+                reply.replaces = None
         except KeyError:
-            reply = self.reply
-            if reply is None or reply.message_id != message_id or reply.orphan:
+            if reply.orphan:
                 return
             reply.orphan = True
             if not reply.ended:
                 self.app.bridge.stop()
-            self.app.notify("this chat was deleted in another moechat window: the reply is not kept", severity="warning")
+            self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+        except ChatStoreError as err:
+            if not reply.unsaved:
+                reply.unsaved = True
+                self.app.notify(f"{err}; this reply is not saved yet: it stays on screen, and c on it copies it",
+                                severity="error", timeout=15)
 
     async def _show_due(self, reply: _Reply) -> None:
         reply.redraw = None
@@ -589,31 +623,40 @@ class ChatScreen(Screen):
 
     def save_partial(self) -> None:
         """Quitting mid-reply: what was written is kept, marked interrupted; a reply with no text yet (its prompt was
-        still being read) is dropped, as a stop drops it."""
-        if self.reply is not None and self.reply.text:
-            self._save(self.reply.message_id, self.reply.text, finished=False)
-        elif self.reply is not None:
-            self.store.delete_message(self.reply.message_id)
+        still being read) is dropped, as a stop drops it, and a reply it was to replace stays. Raises ChatStoreError where
+        the database cannot be written (the app, closing, prints the reply instead)."""
+        reply = self.reply
+        try:
+            if reply is not None and reply.text:
+                self.store.update(reply.message_id, reply.text, finished=False)
+                if reply.replaces is not None:
+                    self.store.delete_message(reply.replaces.id)
+            elif reply is not None:
+                self.store.delete_message(reply.message_id)
+        except KeyError:  # its chat deleted in another window: nowhere to keep it
+            pass
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:
         if self.reply is not None:
             self.app.bridge.stop()
 
+    @store_failures_noticed
     async def regenerate(self) -> None:
+        """A new reply to the last message; the last reply, if any, stays stored until the new one has text (a failed or
+        stopped regeneration gives it back)."""
         if self.conv_id is None or self.refuse_while_busy():
             return
-        messages = self.store.messages(self.conv_id)
+        if self.current_conversation() is None:
+            await self.deleted_elsewhere()
+            return
+        messages, replaced = self.store.messages(self.conv_id), None
         if messages and messages[-1].role == "assistant":
-            self.store.delete_message(messages[-1].id)
-            views = self.query(MessageView)
-            if views:
-                await views.last().remove()
-            messages = messages[:-1]
+            replaced, messages = messages[-1], messages[:-1]
         if not messages or messages[-1].role != "user":
             self.app.notify("nothing to regenerate: send a message first", severity="warning")
             return
-        await self.start_reply()
+        await self.start_reply(replaces=replaced)
 
     def target_message(self) -> MessageView | None:
         """The focused message, else the last reply."""
@@ -622,6 +665,7 @@ class ChatScreen(Screen):
         replies = self.query(".assistant").results(MessageView)
         return next(reversed(list(replies)), None)
 
+    @store_failures_noticed
     async def new_chat(self) -> None:
         if self.refuse_while_busy():
             return
@@ -630,6 +674,7 @@ class ChatScreen(Screen):
         await self.open_conversation(self.conv_id)
         self.query_one(ChatInput).focus()
 
+    @store_failures_noticed
     async def delete_chat(self) -> None:
         if self.conv_id is None or self.refuse_while_busy():
             return

@@ -1,0 +1,73 @@
+"""`moechat chat` (app/plain_chat.py) and the chat store: a reply saved as it streams, so a kill or a closed terminal
+keeps it; a chat deleted in another window goes on in a new one; a store that fails is said and the chat goes on."""
+from __future__ import annotations
+
+import io
+import sys
+
+from moechat.app import plain_chat
+from moechat.app.chats import ChatStore
+from moechat.engine.config import SamplingParams
+from moechat.engine.events import TokenDelta
+
+
+class Streaming:
+    """An engine that streams `words` one by one, and calls `during(i)` before the i-th."""
+
+    def __init__(self, words: list[str], during=lambda i: None) -> None:
+        self.words, self.during = words, during
+
+    def generate(self, request, params):
+        for i, word in enumerate(self.words):
+            self.during(i)
+            yield TokenDelta(word, [i])
+
+
+def run(engine, store, lines: str, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    assert plain_chat._chat(engine, plain_chat.Keeper(store, None), SamplingParams(), None, remote=True) == 0
+
+
+def test_a_reply_is_saved_as_it_streams(tmp_path, monkeypatch, capsys):
+    """It was stored only at its end: a kill, or SIGHUP from a closed terminal, left an empty reply."""
+    monkeypatch.setattr(plain_chat, "SAVE_INTERVAL_S", 0.0)  # a save due at every token
+    seen = []
+
+    def look(i: int) -> None:
+        with ChatStore(tmp_path / "chats.sqlite3") as other:  # what a kill at this moment would leave
+            conv = other.conversations()[0].id
+            seen.append([(m.role, m.content, m.finished) for m in other.messages(conv)])
+
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        run(Streaming(["The ", "sea ", "is ", "wide."], look), store, "tell me about the sea\n", monkeypatch)
+    assert [s[-1][1] for s in seen] == ["", "The ", "The sea ", "The sea is "]  # the reply so far, before each token
+    assert all(s[-1][2] is False for s in seen) and seen[0][0] == ("user", "tell me about the sea", True)
+    capsys.readouterr()
+
+
+def test_a_chat_deleted_elsewhere_goes_on_in_a_new_one(tmp_path, monkeypatch, capsys):
+    """The next line failed with 'internal error (KeyError ...)' and the command exited."""
+    path = tmp_path / "chats.sqlite3"
+
+    def delete_the_chat(i: int) -> None:
+        if i == 0 and len(seen) == 0:
+            seen.append(1)
+            with ChatStore(path) as other:
+                other.delete(other.conversations()[0].id)
+
+    seen: list[int] = []
+    with ChatStore(path) as store:
+        run(Streaming(["Hi."], delete_the_chat), store, "first\nsecond\n", monkeypatch)
+        convs = store.conversations()
+        assert len(convs) == 1 and [(m.role, m.content) for m in store.messages(convs[0].id)] == [
+            ("user", "second"), ("assistant", "Hi.")]
+    err = capsys.readouterr().err
+    assert "deleted in another moechat window" in err and "Traceback" not in err and "internal error" not in err
+
+
+def test_a_store_that_fails_is_said_and_the_chat_goes_on(tmp_path, monkeypatch, capsys):
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        store._db.execute("PRAGMA query_only = ON")  # every write refused, as on a read-only file
+        run(Streaming(["Still ", "here."]), store, "hello\nagain\n", monkeypatch)
+    out, err = capsys.readouterr()
+    assert out.count("Still here.") == 2 and err.count("this message is not saved") == 2 and "Traceback" not in err

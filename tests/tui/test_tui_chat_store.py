@@ -1,0 +1,154 @@
+"""The chat app when its chat database fails or changes under it (app/chats.py, app/tui/guard.py): Regenerate keeps the
+old reply until the new one has text, a full disk or a lock is a notice with the reply kept on screen (and printed at
+quit), a message that cannot be stored comes back to the input, a damaged database opens with a notice, and a chat
+deleted in another window while a dialog is open is said. Textual's Pilot, no model."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import test_tui_chat
+from test_tui_chat import errors, pilot_test, send, titles, until, without_model
+
+from moechat.app.chats import ChatStore
+from moechat.app.tui.messages import ReplyDelta, ReplyFinished
+from moechat.app.tui.screens.chat import ChatInput, MessageView
+
+stored = test_tui_chat.stored  # the fixture: two stored conversations, 'older' and 'newer'
+
+
+def contents(chat) -> list[str]:
+    return [view.content for view in chat.query(MessageView)]
+
+
+def stored_contents(app) -> list[tuple[str, str]]:
+    return [(m.role, m.content) for m in app.store.messages(app.chat.conv_id)]
+
+
+def asked(app) -> list[int]:
+    """The request ids the app asks the engine for, recorded instead of sent."""
+    requests: list[int] = []
+    app.bridge.generate = lambda request_id, *args: requests.append(request_id)
+    return requests
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_regenerate_keeps_the_old_reply_until_the_new_one_has_text(tmp_path, stored):
+    """It deleted the old reply first: a failed engine, a remote server down or Esc before the first token lost it."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        old = [("user", "hello there"), ("assistant", "Hello! How are you today?")]
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: requests == [1], "the regeneration's request")
+        assert stored_contents(app)[:2] == old and contents(chat) == ["hello there", ""]  # stored; off the screen
+        app.post_message(ReplyFinished(1, "", "failed", None))
+        await until(pilot, lambda: chat.reply is None, "the failed reply's end")
+        assert stored_contents(app) == old and contents(chat) == [c for _, c in old]  # given back, no empty reply
+
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: requests == [1, 2], "the second regeneration")
+        app.post_message(ReplyDelta(2, "A fresh answer."))
+        app.post_message(ReplyFinished(2, "A fresh answer.", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert stored_contents(app) == [("user", "hello there"), ("assistant", "A fresh answer.")]
+        assert contents(chat) == ["hello there", "A fresh answer."]
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_full_disk_mid_reply_is_said_once_and_the_reply_is_kept_for_the_terminal(tmp_path, stored):
+    """It crashed the app (SQLite rolls back a full transaction itself, and the store's ROLLBACK raised over the cause)
+    and lost every token since the last save."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "write a lot")
+        await until(pilot, lambda: requests == [1], "the request")
+        pages = app.store._db.execute("PRAGMA page_count").fetchone()[0]
+        app.store._db.execute(f"PRAGMA max_page_count = {pages}")  # the disk full: no page more
+        long = "a long answer that does not fit. " * 2000
+        for at in range(0, len(long), 6000):
+            chat.reply.saved_at = 0.0  # a save due at each delta
+            app.post_message(ReplyDelta(1, long[at:at + 6000]))
+            await pilot.pause()
+        await until(pilot, lambda: chat.reply.text == long, "the deltas")
+        full = [e for e in errors(app) if "the disk is full" in e]
+        assert len(full) == 1 and "not saved yet" in full[0] and "rollback" not in full[0]  # said once, the cause named
+        assert app.is_running and app.return_code is None
+        await app.action_quit()
+    assert app.unsaved is not None and "the disk is full" in app.unsaved[0] and app.unsaved[1] == long
+
+
+@pytest.mark.notorch
+def test_a_reply_that_could_not_be_saved_at_quit_is_printed(monkeypatch, capsys):
+    from moechat.app import cli
+    from moechat.app.tui import app as app_module
+
+    def quits_unsaved(self):
+        self.unsaved = ("chat database x: the disk is full (database or disk is full); free some space", "the reply")
+
+    monkeypatch.setattr(app_module.MoechatApp, "run", quits_unsaved)
+    assert app_module.run_tui(cli.build_parser().parse_args(["chat", "--model", "unused"])) == 0
+    out, err = capsys.readouterr()
+    assert out == "the reply\n" and err.startswith("moechat: chat database x: the disk is full") and "follows" in err
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_message_that_cannot_be_stored_comes_back_to_the_input(tmp_path, stored):
+    """A lock held by another program (a database browser, a backup) crashed the app at Enter and lost the message."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        app.store._db.execute("PRAGMA busy_timeout = 50")  # not the default 5 s of waiting in a test
+        other = sqlite3.connect(tmp_path / "chats.sqlite3", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # holds the write lock
+        try:
+            await send(pilot, "my precious message")
+            await until(pilot, lambda: any("locked" in e for e in errors(app)), "the lock's notice")
+            assert chat.query_one(ChatInput).text == "my precious message" and requests == []
+            assert app.is_running and app.return_code is None
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        await pilot.press("enter")  # the lock gone: it sends
+        await until(pilot, lambda: requests == [1], "the request")
+        assert stored_contents(app)[-2] == ("user", "my precious message")
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_rename_and_system_prompt_on_a_chat_deleted_meanwhile_are_said(tmp_path, stored):
+    async with without_model(tmp_path) as (app, pilot):
+        chat, conv = app.chat, app.chat.conv_id
+        for key, typed in (("f2", "x"), ("ctrl+s", "be terse")):
+            await pilot.press(key)
+            await pilot.pause()
+            other = ChatStore(tmp_path / "chats.sqlite3")  # the other window deletes the chat under the dialog
+            if any(c.id == conv for c in other.conversations()):
+                other.delete(conv)
+            other.close()
+            await pilot.press(*typed, "enter" if key == "f2" else "ctrl+s")
+            await until(pilot, lambda: chat.conv_id is None, "the screen on no chat")
+            assert app.is_running and app.return_code is None
+            assert any("deleted in another moechat window" in n.message for n in app._notifications)
+            assert titles(chat) == ["older"]
+            chat.conv_id = conv  # the system prompt's turn: the log on the deleted chat again
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_damaged_database_opens_with_a_notice(tmp_path):
+    """A damaged page behind a sound header passed the open and crashed the app as it read the first chat."""
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    for c in range(3):
+        conv = store.create(f"chat {c}")
+        for _ in range(60):
+            store.add(conv, "user", "words " * 500)
+    store.close()
+    with open(tmp_path / "chats.sqlite3", "r+b") as f:
+        f.seek(3 * 4096)
+        f.write(b"\xa5" * (3 * 4096))  # pages 4-6: the messages' index, which reading a chat goes through
+    async with without_model(tmp_path) as (app, pilot):
+        await until(pilot, lambda: any("damaged" in e for e in errors(app)), "the damage's notice")
+        (said,) = [e for e in errors(app) if "damaged" in e]
+        assert ".recover" in said and "\n" not in said and app.is_running and app.return_code is None
