@@ -410,12 +410,24 @@ static void load_row(const void* w, int dtype, int64_t off, int64_t k, int64_t k
     std::fill(row + k, row + kp, 0.f);
 }
 
+// Whether x[0..n) holds a NaN or an infinity (exponent bits all set): max and min drop a NaN, so a block's scale
+// would be finite and its codes made up. Read on the bits: vectorizes, and no compiler flag may assume it away.
+static bool any_nonfinite(const float* x, int64_t n) {
+    uint32_t all = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b;
+        std::memcpy(&b, x + i, 4);
+        all |= uint32_t((b & 0x7f800000u) == 0x7f800000u);
+    }
+    return all != 0;
+}
+
 // An fp16 scale or minimum as stored: -0 as +0 (which zero min/max found, or a tiny fit rounded from, is noise)
 static uint16_t plus_zero(uint16_t h) { return h == 0x8000 ? 0 : h; }
 
 // Quantize W [rows, k] (fp32, bf16 or fp16; rows a multiple of 16) into the interleaved layout:
 // q [rows, kp·bits/8], s and m [rows, kp/32] (m null but for int4); int4 with fit_q4's d and m where `fit`, else the
-// block's range. Bit-identical to formats.quantize.
+// block's range. Bit-identical to formats.quantize. -4: W holds a NaN or an infinity (formats.quantize raises too).
 API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int bits, uint8_t* q, uint16_t* s,
                      uint16_t* m, int num_threads, int fit) {
     if (!valid_bits(bits) || (bits == 4) != bool(m) || w_dtype < F32 || w_dtype > F16) return -1;
@@ -423,6 +435,7 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
     const int64_t kp = pad32(k), nb = kp / 32, rb = kp * bits / 8, groups = n_rows / QROWS;
     const bool avx2 = cpu_has(AVX2);
     std::atomic<int64_t> next{0};
+    std::atomic<bool> nonfinite{false};
     g_pool->run(std::max(1, num_threads), [&](int) {
         std::vector<float> row(kp), d_row(nb), m_row(nb);
         for (int64_t g; (g = next.fetch_add(1)) < groups;) {
@@ -430,6 +443,7 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
             for (int rr = 0; rr < QROWS; rr++) {
                 const int64_t r = g * QROWS + rr;
                 load_row(w, w_dtype, r * k, k, kp, row.data());
+                if (any_nonfinite(row.data(), k)) nonfinite.store(true, std::memory_order_relaxed);
                 row_scales(row.data(), nb, bits, fit, avx2, d_row.data(), m_row.data());
                 for (int64_t b = 0; b < nb; b++) {
                     const float* blk = row.data() + 32 * b;
@@ -466,5 +480,5 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
             }
         }
     });
-    return 0;
+    return nonfinite.load() ? -4 : 0;
 }

@@ -259,7 +259,8 @@ def q_linear(x: torch.Tensor, w: QuantMatrix, threads: int | None = None, isa: s
 
 def quantize(w: torch.Tensor, fmt: str, threads: int | None = None, fit: bool = True,
              out: QuantMatrix | None = None) -> QuantMatrix:
-    """formats.quantize (its twin, bit for bit) in native code where built: w [..., R, K] fp32/bf16/fp16 on the CPU.
+    """formats.quantize (its twin, bit for bit, NonFiniteWeights too) in native code where built: w [..., R, K]
+    fp32/bf16/fp16 on the CPU.
     out: contiguous storage of w's shape in `fmt` to write into (a slice of a larger matrix: no copy)."""
     lead, rows, k = tuple(w.shape[:-2]), w.shape[-2], w.shape[-1]
     if out is not None and (out.fmt != fmt or out.k != k or out.q.shape[:-1] != w.shape[:-1] or not out.is_contiguous()):
@@ -273,6 +274,8 @@ def quantize(w: torch.Tensor, fmt: str, threads: int | None = None, fit: bool = 
     m = 0 if out.minimum is None else out.minimum.data_ptr()
     code = lib.moe_quantize(w.data_ptr(), DTYPE_CODE[w.dtype], math.prod(lead) * rows, k, formats.BITS[fmt], out.q.data_ptr(),
                             out.scale.data_ptr(), m, threads or torch.get_num_threads(), int(fit))
+    if code == -4:
+        raise formats.NonFiniteWeights("the weights hold NaN or infinite values")
     if code != 0:
         raise RuntimeError(f"native quantization failed with code {code}")
     return out

@@ -15,6 +15,8 @@ from ..quant.expert_file import QuantizedExperts, open_quantized
 from ..quant.prequantized import PrequantSpec, linear_keys
 from . import cpu_ffn
 
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the weight types the expert store reads
+
 QUANT_CHUNK = 8  # experts quantized at a time: bounds the fp32 working set while building the cache
 
 
@@ -100,7 +102,11 @@ class ExpertStore:
             mats = []
             for which in range(3):
                 prefix = self.family.expert_key(layer, e, which).removesuffix(".weight")
-                mats.append(self.prequant.to_matrix(self.ckpt.views(linear_keys(self.prequant, prefix, self.ckpt)), prefix))
+                mat = self.prequant.to_matrix(self.ckpt.views(linear_keys(self.prequant, prefix, self.ckpt)), prefix)
+                if not all(bool(torch.isfinite(t.float()).all()) for t in (mat.scale, mat.minimum) if t is not None):
+                    raise CheckpointError(f"{prefix} has NaN or infinite scales: the checkpoint is corrupt; re-download the "
+                                          "model")  # its codes would run as numbers: other tokens, no error
+                mats.append(mat)
             gate, up, down = mats
             yield e, formats.QuantMatrix.cat([gate, up])[None], down[None]
 
@@ -117,10 +123,14 @@ class ExpertStore:
             for i in range(n):
                 parts, dn = self._checkpoint_parts(li, start + i)
                 row = 0
-                for w in parts:
-                    cpu_ffn.quantize(w, self.quant, out=gate_up[i].rows_slice(row, row + w.shape[0]))
-                    row += w.shape[0]
-                cpu_ffn.quantize(dn, self.quant, out=down[i])
+                try:
+                    for w in parts:
+                        cpu_ffn.quantize(w, self.quant, out=gate_up[i].rows_slice(row, row + w.shape[0]))
+                        row += w.shape[0]
+                    cpu_ffn.quantize(dn, self.quant, out=down[i])
+                except formats.NonFiniteWeights:  # the unquantized path says so at the first reply: this one would not
+                    raise CheckpointError(f"expert {start + i} of layer {self.layers[li]} holds NaN or infinite values in "
+                                          f"{self.ckpt.dir}: the checkpoint is corrupt; re-download the model") from None
             yield start, gate_up, down
 
     @property
@@ -144,6 +154,10 @@ class ExpertStore:
                     raise CheckpointError(
                         f"expert weight {key} is not in the checkpoint: the files do not match config.json; re-download the model"
                     )
+                if self.prequant is None and self.ckpt.dtype_name(key) not in FLOAT_DTYPES:
+                    raise CheckpointError(f"expert weight {key} is stored as {self.ckpt.dtype_name(key)}, where moechat reads "
+                                          "F32, F16 or BF16 (or GPTQ): the checkpoint is corrupt or in another format; "
+                                          "re-download the model")
                 want = self._expected_shape(key)
                 if want is not None and tuple(self.ckpt.shape(key)) != want:
                     raise CheckpointError(f"expert weight {key} has shape {list(self.ckpt.shape(key))} where config.json "

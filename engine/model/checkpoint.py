@@ -18,6 +18,10 @@ _DTYPES = {
 }
 
 
+def _brief(err: Exception) -> str:
+    return str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+
+
 class Checkpoint:
     """Every tensor of a checkpoint by name, from one or many `*.safetensors` files.
 
@@ -33,9 +37,11 @@ class Checkpoint:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as err:
-                raise CheckpointError(f"{index} is corrupt ({err}): re-download the model") from None
-            files = sorted(set(weight_map.values()))
+                files = sorted(set(weight_map.values()))
+                if not all(isinstance(f, str) and Path(f).name == f and f not in ("", ".", "..") for f in files):
+                    raise ValueError("its weight_map names files outside the model's folder")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:  # a list, a path out of the folder
+                raise CheckpointError(f"{index} is corrupt ({_brief(err)}): re-download the model") from None
             missing = [f for f in files if not (self.dir / f).is_file()]
             if missing:
                 raise CheckpointError(

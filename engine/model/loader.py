@@ -164,12 +164,19 @@ def load_hf_config(model_dir: Path):
     family = get_family(raw.get("model_type", "<missing>"))  # unsupported architectures stop here, with the list
     try:
         config = AutoConfig.from_pretrained(model_dir)
-        experts, top_k = family.num_experts(config), family.top_k(config)
-    except Exception as err:
+        experts, top_k, sparse = family.num_experts(config), family.top_k(config), family.sparse_layers(config)
+    except Exception as err:  # a missing field, a decoder_sparse_step of 0
         raise CheckpointError(f"cannot read {model_dir / 'config.json'} ({_one_line(err)}): re-download the model") from None
     if not 1 <= top_k <= experts:
         raise CheckpointError(f"{model_dir / 'config.json'} routes each token to {top_k} of {experts} experts: "
                               "the file is damaged; re-download the model")
+    if not sparse:
+        raise CheckpointError(f"{model_dir / 'config.json'} gives the model no layer with experts "
+                              f"({config.num_hidden_layers} layers): moechat runs Mixture-of-Experts models; re-download it")
+    problem = family.config_problem(config)
+    if problem is not None:
+        raise CheckpointError(f"{model_dir / 'config.json'} asks for {problem}: the file is damaged or from a newer "
+                              "model; re-download the model")
     return config
 
 
@@ -268,6 +275,7 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
     """Every non-expert tensor onto the compute device (pre-quantized linears dequantized; the module keys in `bf16` stay bf16:
     bf16_linear.narrow_linears); complain about what is missing."""
     state = {}
+    floats = {name for name, t in hf.state_dict().items() if t.is_floating_point()}  # the model's (on meta: no memory)
     rest = [k for k in ckpt.keys() if k not in expert_keys]
     quantized = quantized_prefixes(prequant, rest) if prequant is not None else set()
     for prefix in sorted(quantized):
@@ -275,6 +283,9 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
         state[family.module_key(f"{prefix}.weight")] = prequant.dequantize(t, prefix, dtype).to(device)
     for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized):
         name = family.module_key(key)
+        if name in floats and not t.is_floating_point():  # an int8 embedding ran, every token 0
+            raise CheckpointError(f"{key} is {str(t.dtype).removeprefix('torch.')}, not a floating-point type: the checkpoint "
+                                  "is corrupt or not this model's; re-download the model")
         state[name] = t.to(device=device, dtype=torch.bfloat16 if name in bf16 else dtype if t.is_floating_point() else t.dtype)
     expected = set(hf.state_dict().keys())
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()

@@ -43,9 +43,9 @@ class CompressedSpec:
     optional = ("weight_shape", "weight_g_idx")  # read where present
 
     def __post_init__(self) -> None:
-        if self.kind != "int" or self.bits not in (4, 8):
-            raise CheckpointError(f"this checkpoint is compressed-tensors {self.kind}{self.bits}, which is not supported "
-                                  f"(int4 and int8 are): {ADVICE}")
+        if self.kind != "int" or self.bits not in (4, 8) or not isinstance(self.bits, int):
+            raise CheckpointError(f"this checkpoint is compressed-tensors {self.kind} with num_bits {self.bits!r}, which is "
+                                  f"not supported (int 4 and 8 are): {ADVICE}")
         if self.strategy not in STRATEGIES:
             raise CheckpointError(f"compressed-tensors strategy {self.strategy!r} is not supported (only "
                                   f"{', '.join(STRATEGIES)} are): {ADVICE}")

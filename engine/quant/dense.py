@@ -17,6 +17,7 @@ import itertools
 
 import torch
 
+from ..errors import CheckpointError
 from ..experts import cpu_ffn
 from ..model.mla import LATENT_EXPANSION
 from . import formats
@@ -65,8 +66,14 @@ def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
                     and child.weight.device.type == "cpu" and child_name != LATENT_EXPANSION):
                 swaps.append((module, child_name, child))
     head = hf.get_output_embeddings()
+    names = {id(module): name for name, module in hf.named_modules()}
     for parent, child_name, child in swaps:  # a tied head gets its own quantized copy; the embedding keeps its table
-        setattr(parent, child_name, QuantLinear(child, layer_format(fmt, child_name, child is head)))
+        try:
+            setattr(parent, child_name, QuantLinear(child, layer_format(fmt, child_name, child is head)))
+        except formats.NonFiniteWeights:
+            name = f"{names[id(parent)]}.{child_name}".lstrip(".")
+            raise CheckpointError(f"{name}.weight holds NaN or infinite values: the checkpoint is corrupt; re-download the "
+                                  "model") from None
 
 
 class FusedQuantLinear:

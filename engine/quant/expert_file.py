@@ -1,19 +1,24 @@
 """Quantized experts on disk: written once per (model, revision, format), mmap'd on every later start.
 
 A folder under the user cache (platformdirs; MOECHAT_QUANT_DIR overrides it) per model and format:
-`meta.json` (format version, shapes, source) and one safetensors file per sparse layer holding
-gate_up [E, 2I, ...] and down [E, H, ...] as QuantMatrix fields (`gate_up.q`, `gate_up.scale`, ...).
-The key hashes the checkpoint's path, config.json and every weight file's name, size and mtime, so a
-re-downloaded or edited model gets a new cache. A folder that fails its checks (another moechat
-format version, a truncated or corrupt file, other shapes) is deleted and rebuilt, never trusted.
+`meta.json` (format version, shapes, the model's key, each file's size, mtime and CRC-32) and one
+safetensors file per sparse layer holding gate_up [E, 2I, ...] and down [E, H, ...] as QuantMatrix
+fields (`gate_up.q`, `gate_up.scale`, ...). The key hashes the checkpoint's path, config.json and every
+weight file's name, size and mtime, so a re-downloaded or edited model gets a new cache. A folder that
+fails its checks (another moechat format version, another model's cache, a truncated file, other shapes,
+bytes changed since they were written) is deleted and rebuilt, never trusted. A file whose size and
+mtime are as written is not read at start (16 GB for Qwen3-30B-A3B in int4); one whose mtime moved is
+read whole once and its CRC-32 compared (about 4 GB/s).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,7 +31,9 @@ from ..events import LoadProgress
 from ..model.checkpoint import Checkpoint
 from .formats import QuantMatrix, empty_matrix
 
-FORMAT_VERSION = 2  # 2: int4 scales fitted (2026-11-28). Bump when the layout in formats.py changes: older caches are rebuilt
+# Bump when the layout in formats.py or meta.json changes: older caches are rebuilt.
+# 2: int4 scales fitted (2026-11-28); 3: meta.json holds the model's key and each file's size, mtime and CRC-32
+FORMAT_VERSION = 3
 
 # li -> (gate_up [E, 2I, H], down [E, H, I]) quantized, chunk by chunk of experts
 LayerSource = Callable[[int], Iterator[tuple[int, QuantMatrix, QuantMatrix]]]
@@ -50,6 +57,21 @@ def model_key(model_dir: Path, fmt: str) -> str:
     return f"{model_dir.name}-{fmt}-{digest.hexdigest()[:16]}"
 
 
+def _crc32(path: Path) -> int:
+    """CRC-32 of the file's bytes, read in 64 MiB pieces."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(64 * 2**20):
+            crc = zlib.crc32(piece, crc)
+    return crc
+
+
+def _stamp(path: Path, crc: int | None = None) -> dict:
+    """What meta.json keeps of a file: size and mtime (checked at every start) and CRC-32 (read when the mtime moved)."""
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "crc32": _crc32(path) if crc is None else crc}
+
+
 class QuantizedExperts:
     """The routed experts of one model in one format: `layer(li)` gives zero-copy views of the file."""
 
@@ -59,8 +81,9 @@ class QuantizedExperts:
         self._mapped: Checkpoint | None = None  # the folder's files, mapped on first use
 
     def meta(self) -> dict:
+        """What a cache of this model and format must say about itself (the folder's name is the model's key)."""
         return {"format_version": FORMAT_VERSION, "fmt": self.fmt, "layers": self.num_layers, "experts": self.num_experts,
-                "hidden": self.hidden, "inter": self.inter}
+                "hidden": self.hidden, "inter": self.inter, "source": self.folder.name}
 
     def _matrices(self, device=None) -> dict[str, QuantMatrix]:
         """Empty gate_up and down of a whole layer (device "meta": their shapes alone)."""
@@ -78,9 +101,13 @@ class QuantizedExperts:
             meta = json.loads(meta_path.read_text())
         except (OSError, ValueError):
             return "its meta.json is missing or unreadable"
+        if not isinstance(meta, dict):
+            return "its meta.json is not what moechat writes"
         if meta.get("format_version") != FORMAT_VERSION:
             found = meta.get("format_version")
             return f"it was written by another moechat version (format {found}, this one reads {FORMAT_VERSION})"
+        if meta.get("source") != self.folder.name:
+            return f"it is another model's cache ({meta.get('source')})"
         if {k: meta.get(k) for k in self.meta()} != self.meta():
             return "it holds other shapes than this model's"
         try:
@@ -92,6 +119,29 @@ class QuantizedExperts:
             for key, t in self._tensors(li, shapes).items():
                 if key not in ckpt or ckpt.shape(key) != tuple(t.shape):
                     return f"tensor {key} is missing or has the wrong shape"
+        return self._changed(meta)
+
+    def _changed(self, meta: dict) -> str | None:
+        """Why a file's bytes are not those written (None: they are). A file whose mtime moved but whose CRC-32 holds
+        (copied, touched) gets its new stamp in meta.json, so the next start does not read it again."""
+        files, restamped = meta.get("files"), False
+        names = [f"layer-{li:03d}.safetensors" for li in range(self.num_layers)]
+        if not isinstance(files, dict) or sorted(files) != names:
+            return "its meta.json lists other files"
+        for name in names:
+            kept, path = files[name], self.folder / name
+            st = path.stat()
+            if not isinstance(kept, dict) or st.st_size != kept.get("size"):
+                return f"{name} is not the size it was written"
+            if st.st_mtime_ns != kept.get("mtime_ns"):
+                if _crc32(path) != kept.get("crc32"):
+                    return f"{name} changed since it was written (its CRC-32 differs)"
+                files[name], restamped = _stamp(path, kept["crc32"]), True
+        if restamped:
+            try:
+                _write_meta(self.folder, meta)
+            except OSError:  # a cache folder moechat may not write: read again at the next start
+                pass
         return None
 
     def layer(self, li: int) -> tuple[QuantMatrix, QuantMatrix]:
@@ -113,14 +163,16 @@ class QuantizedExperts:
         """Write every layer from `source` and meta.json into a private folder, then rename it into place in
         one step: a reader never sees half a cache, and of two processes building at once the first to
         finish wins (the other discards its copy and maps the winner's)."""
+        _remove_abandoned(self.folder.parent)
         tmp = self.folder.with_name(f".{self.folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         tmp.mkdir(parents=True)
         try:
             # a layer is written while the next one is quantized (a slow disk wrote at a fifth of the quantizer's pace);
             # at most one write in flight, so memory holds two layers
             if progress:
                 progress(0, self.num_layers)
+            stamps: dict[str, dict] = {}
             with ThreadPoolExecutor(1, thread_name_prefix="moechat-quant-writer") as writer:
                 written = None
                 for li in range(self.num_layers):
@@ -129,21 +181,67 @@ class QuantizedExperts:
                         layer["gate_up"][start:start + gu.q.shape[0]].copy_(gu)
                         layer["down"][start:start + dn.q.shape[0]].copy_(dn)
                     if written is not None:
-                        written.result()
-                    written = writer.submit(save_file, self._tensors(li, layer), str(tmp / f"layer-{li:03d}.safetensors"))
+                        stamps.update(written.result())
+                    written = writer.submit(_save_stamped, self._tensors(li, layer), tmp / f"layer-{li:03d}.safetensors")
                     if progress:
                         progress(li + 1, self.num_layers)
                 if written is not None:
-                    written.result()
-            (tmp / "meta.json").write_text(json.dumps(self.meta()))
-            if self.problem() is not None:  # nothing usable there (damaged, foreign, absent): ours replaces it
-                shutil.rmtree(self.folder, ignore_errors=True)
+                    stamps.update(written.result())
+            _write_meta(tmp, {**self.meta(), "files": stamps})
+            if self.problem() is not None:  # nothing usable there (damaged, foreign, absent, a file): ours replaces it
+                _remove(self.folder)
             os.replace(tmp, self.folder)  # fails when another process put a cache there meanwhile: theirs stands
         except OSError:
             if self.problem() is not None:
                 raise
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)
+
+
+def _save_stamped(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dict]:
+    """Write one layer's file -> {its name: its stamp}; safetensors' own write errors (a full disk) as OSError."""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as err:
+        raise OSError(str(err)) from None
+    return {path.name: _stamp(path)}
+
+
+def _write_meta(folder: Path, meta: dict) -> None:
+    """meta.json replaced in one step: a reader sees the old one or the new one."""
+    tmp = folder / f".meta.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(meta))
+    os.replace(tmp, folder / "meta.json")
+
+
+def _remove(path: Path) -> None:
+    """A folder and what it holds, or a file (a stray file where a cache's folder goes blocked every build)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_abandoned(root: Path) -> None:
+    """Private build folders (`.<key>.<pid>.tmp`) of processes that are gone (killed mid-build): a whole copy of a
+    model's experts each."""
+    for tmp in root.glob(".*.tmp") if root.is_dir() else []:
+        pid = tmp.name.rsplit(".", 2)[-2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            _remove(tmp)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
 
 def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int,
                    source: LayerSource, notices: list[str] | None = None, label: str = "quantizing experts",
@@ -159,8 +257,10 @@ def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int,
             what = f"{label} ({fmt}, once)"
             qe.build(source, _progress_bar(what) if progress is None else lambda done, total: progress(what, done, total))
         except OSError as err:
-            raise CheckpointError(f"cannot write the {fmt} expert cache in {qe.folder} ({err}): free disk space, "
-                                  "or set MOECHAT_QUANT_DIR to a folder with room") from None
+            full = err.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(err)
+            advice = ("free disk space, or set MOECHAT_QUANT_DIR to a folder with room" if full else
+                      "set MOECHAT_QUANT_DIR to a folder you can write")
+            raise CheckpointError(f"cannot write the {fmt} expert cache in {qe.folder} ({err}): {advice}") from None
     return qe
 
 

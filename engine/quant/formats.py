@@ -220,10 +220,18 @@ def from_codes(fmt: str, k: int, u: torch.Tensor, d: torch.Tensor, m: torch.Tens
                        None if m is None else interleave_scales(m.half()))
 
 
+class NonFiniteWeights(ValueError):
+    """The weights to quantize hold a NaN or an infinity: no scale represents them (the native quantizer's max would
+    drop a NaN and make up codes)."""
+
+
 def quantize(w: torch.Tensor, fmt: str, fit: bool = True) -> QuantMatrix:
     """Quantization of w [..., R, K] (any float dtype) into `fmt`: int8 and int6 round-to-nearest on the block's
     absolute maximum, int4 on a fitted scale and minimum (_fit_int4; fit=False: the block's range, about 5 times faster natively).
-    The scales are rounded to fp16 first and the codes computed with the rounded scales (nearest code, clamped)."""
+    The scales are rounded to fp16 first and the codes computed with the rounded scales (nearest code, clamped).
+    Raises NonFiniteWeights where w holds a NaN or an infinity."""
+    if not bool(torch.isfinite(w).all()):
+        raise NonFiniteWeights("the weights hold NaN or infinite values")
     b = _blocks(w)  # [..., R, nb, 32]
     if fmt in OFFSET:
         top = OFFSET[fmt] - 1  # 127 or 31

@@ -42,8 +42,8 @@ class GptqSpec:
     checkpoint_format: str = "gptq"
 
     def __post_init__(self) -> None:
-        if self.bits != 4:
-            raise CheckpointError(f"this checkpoint is GPTQ with {self.bits} bits, which is not supported: "
+        if self.bits != 4 or not isinstance(self.bits, int):  # "4", a string, is a damaged file, not 4 bits
+            raise CheckpointError(f"this checkpoint is GPTQ with bits {self.bits!r}, which is not supported (4 is): "
                                   "use a 4-bit GPTQ checkpoint, or the bf16 model with --quant int8")
         g = self.group_size
         if not isinstance(g, int) or not (g == -1 or (g > 0 and g % formats.BLOCK == 0)):
@@ -82,7 +82,10 @@ def read_gptq_config(qc: dict) -> GptqSpec:
         fmt = "marlin"
     if str(qc.get("pack_dtype", "int32")) != "int32":
         raise CheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']} is not supported (only int32 is): {ADVICE}")
-    for pattern, override in (qc.get("dynamic") or {}).items():  # gptqmodel's per-module settings ("-:" = left unquantized)
+    dynamic = qc.get("dynamic") or {}
+    if not isinstance(dynamic, dict) or not all(isinstance(v, dict) for v in dynamic.values()):
+        raise CheckpointError(f"GPTQ quantization_config's dynamic is not an object of per-module settings: {ADVICE}")
+    for pattern, override in dynamic.items():  # gptqmodel's per-module settings ("-:" = left unquantized)
         if not str(pattern).startswith("-:") and any(key in override and override[key] != qc.get(key)
                                                      for key in ("bits", "group_size", "sym", "desc_act")):
             raise CheckpointError(f"GPTQ per-module settings (dynamic {pattern!r}) are not supported: {ADVICE}")

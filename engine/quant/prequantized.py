@@ -42,5 +42,11 @@ def quantized_prefixes(spec: PrequantSpec, keys) -> set[str]:
 
 
 def linear_keys(spec: PrequantSpec, prefix: str, present) -> list[str]:
-    """The checkpoint keys of one quantized linear: the required ones, and the optional ones `present` holds."""
-    return [f"{prefix}.{s}" for s in spec.suffixes()] + [k for k in (f"{prefix}.{s}" for s in spec.optional) if k in present]
+    """The checkpoint keys of one quantized linear: the required ones (CheckpointError where `present` lacks one), and the
+    optional ones `present` holds."""
+    required = [f"{prefix}.{s}" for s in spec.suffixes()]
+    missing = [k for k in required if k not in present]
+    if missing:
+        raise CheckpointError(f"quantized weight {missing[0]} is not in the checkpoint: the files do not match config.json; "
+                              "re-download the model")
+    return required + [k for k in (f"{prefix}.{s}" for s in spec.optional) if k in present]

@@ -52,6 +52,9 @@ def test_corrupt_config(checkpoint, tmp_path):
     (lambda c: {**c, "num_experts_per_tok": 1000}, "routes each token to 1000 of"),
     (lambda c: {**c, "num_experts_per_tok": -3}, "routes each token to -3 of"),
     (lambda c: {**c, "hidden_size": "abc"}, "cannot read"),  # transformers' message spans two lines
+    (lambda c: {**c, "mlp_only_layers": list(range(c["num_hidden_layers"]))}, "no layer with experts"),  # internal error
+    (lambda c: {**c, "num_hidden_layers": 0}, "no layer with experts"),
+    (lambda c: {**c, "decoder_sparse_step": 0}, "cannot read"),  # ZeroDivisionError, in estimate too
 ])
 def test_a_config_of_the_wrong_shape_is_one_line(checkpoint, tmp_path, edit, says):
     path = copy_model(checkpoint("qwen3_moe"), tmp_path)
@@ -60,6 +63,25 @@ def test_a_config_of_the_wrong_shape_is_one_line(checkpoint, tmp_path, edit, say
         load(path)
     message = one_line(err.value)
     assert says in message and ("re-download" in message or "--quant" in message), message
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+    ({"topk_method": "group_limited_greedy", "n_group": 0}, "n_group 0 does not split"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3}, "n_group 3 does not split"),
+    ({"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 5}, "topk_group 5 is not between 1 and n_group 2"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3}, "cannot come from"),
+    ({"first_k_dense_replace": 9}, "no layer with experts"),
+])
+def test_a_deepseek_router_config_it_cannot_run_is_one_line(checkpoint, tmp_path, edit, says):
+    """These loaded and then failed every reply with an internal error (transformers' router left its weights unset)."""
+    path = copy_model(checkpoint("deepseek_v2"), tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["n_routed_experts"] == 8, "the cases above assume the tiny DeepSeek's 8 experts"
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert says in one_line(err.value) and "re-download" in str(err.value), str(err.value)
 
 
 def test_a_tokenizer_that_cannot_load_is_one_line(checkpoint, tmp_path):
@@ -91,6 +113,16 @@ def test_missing_shard(checkpoint, tmp_path):
     with pytest.raises(CheckpointError) as err:
         load(path)
     assert f"missing shard {victim}" in one_line(err.value)
+
+
+@pytest.mark.parametrize("weight_map", [["model-00001.safetensors"], {"x": "/etc/passwd"}, {"x": "../model.safetensors"}])
+def test_an_index_naming_no_shards_of_this_folder_is_one_line(checkpoint, tmp_path, weight_map):
+    """A list was 'internal error (AttributeError)'; an absolute path opened a file outside the model's folder."""
+    path = copy_model(checkpoint("qwen2_moe", 3, shards="40KB"), tmp_path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert "model.safetensors.index.json is corrupt" in one_line(err.value) and "re-download" in str(err.value)
 
 
 def test_truncated_safetensors(checkpoint, tmp_path):

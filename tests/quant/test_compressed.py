@@ -59,7 +59,9 @@ def _config_with(**change) -> dict:
     return {"quantization_config": qc}
 
 
-@pytest.mark.parametrize("change,words", [({"num_bits": 3}, "int3"), ({"type": "float", "num_bits": 8}, "float8"),
+@pytest.mark.parametrize("change,words", [({"num_bits": 3}, "int with num_bits 3"),
+                                          ({"num_bits": "4"}, "num_bits '4'"),  # it said int4 is not supported
+                                          ({"type": "float", "num_bits": 8}, "float with num_bits 8"),
                                           ({"group_size": 48}, "group_size 48"), ({"strategy": "block"}, "'block'"),
                                           ({"num_bits": 8, "symmetric": False}, "asymmetric int8"),
                                           ({"actorder": "group"}, "actorder"),

@@ -117,8 +117,8 @@ def test_read_quantization_config():
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"bits": 8}, ["8 bits", "4-bit GPTQ", "--quant int8"]),
-    ({"bits": 3}, ["3 bits"]),
+    ({"bits": 8}, ["bits 8", "4-bit GPTQ", "--quant int8"]),
+    ({"bits": 3}, ["bits 3"]),
     ({"group_size": 16}, ["group_size 16", "multiple of 32"]),
     ({"group_size": 0}, ["group_size 0"]),
     ({"group_size": 100}, ["group_size 100"]),

@@ -3,6 +3,7 @@ the twins, the quantized cache file built once and rebuilt when it cannot be tru
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -133,25 +134,59 @@ def cache_folder(model_dir, fmt):
     return expert_file.cache_root() / expert_file.model_key(model_dir, fmt)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "version", "meta"])
+DAMAGES = {"truncate": "truncated", "version": "another moechat version", "meta": "meta.json",
+           "bytes": "changed since it was written", "foreign": "another model's cache", "file": "meta.json"}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
 def test_a_damaged_or_foreign_cache_is_rebuilt_with_a_notice(damage, checkpoint):
+    """Bytes overwritten in place and another model's cache of the same shapes were trusted: other tokens, no notice."""
+    import shutil
+
     ck = checkpoint("olmoe", seed=4)
     first = engine_logits(ck, PROMPT_IDS, quant="int8")
     folder = cache_folder(ck, "int8")
+    layer = folder / "layer-000.safetensors"
     if damage == "truncate":
-        layer = folder / "layer-000.safetensors"
         layer.write_bytes(layer.read_bytes()[:-100])
     elif damage == "version":
         meta = json.loads((folder / "meta.json").read_text())
         (folder / "meta.json").write_text(json.dumps({**meta, "format_version": 0}))
-    else:
+    elif damage == "meta":
         (folder / "meta.json").write_text("{not json")
+    elif damage == "bytes":  # zeros over the last page of codes, the size kept (the mtime moves: its CRC-32 is read)
+        with open(layer, "r+b") as f:
+            f.seek(layer.stat().st_size - 4096)
+            f.write(bytes(4096))
+    elif damage == "foreign":  # another model of the same shapes, its cache copied in with its times (cp -a)
+        other = checkpoint("olmoe", seed=14)
+        engine_logits(other, PROMPT_IDS, quant="int8")
+        shutil.rmtree(folder)
+        shutil.copytree(cache_folder(other, "int8"), folder)
+    else:  # a stray file where the folder goes: every build failed on it, with advice about disk space
+        shutil.rmtree(folder)
+        folder.write_text("stray")
     engine = Engine(EngineConfig(model_dir=str(ck), quant="int8"))
     notices = engine.model.store.notices
     engine.close()
     assert len(notices) == 1 and "rebuilt" in notices[0] and "\n" not in notices[0]
-    assert {"truncate": "truncated", "version": "another moechat version", "meta": "meta.json"}[damage] in notices[0]
+    assert DAMAGES[damage] in notices[0], notices
     assert torch.equal(engine_logits(ck, PROMPT_IDS, quant="int8"), first)
+
+
+def test_a_touched_cache_is_read_once_and_trusted_after(checkpoint, monkeypatch):
+    """A file whose mtime moved but whose bytes hold (copied, touched) is read whole once, then restamped."""
+    ck = checkpoint("olmoe", seed=4)
+    engine_logits(ck, PROMPT_IDS, quant="int8")
+    layer = cache_folder(ck, "int8") / "layer-000.safetensors"
+    os.utime(layer, ns=(layer.stat().st_atime_ns, layer.stat().st_mtime_ns + 10**9))
+    read = []
+    crc32 = expert_file._crc32
+    monkeypatch.setattr(expert_file, "_crc32", lambda path: read.append(path.name) or crc32(path))
+    monkeypatch.setattr(expert_file.QuantizedExperts, "build", lambda *a, **k: pytest.fail("rebuilt a sound cache"))
+    for _ in range(2):
+        Engine(EngineConfig(model_dir=str(ck), quant="int8")).close()
+    assert read == ["layer-000.safetensors"]  # the first start read it; the second found the new stamp
 
 
 def test_the_cache_key_follows_the_checkpoint_files(checkpoint, tmp_path):
@@ -211,8 +246,9 @@ def dequantized_copy(gptq_dir, src_dir, out):
 def test_unsupported_gptq_checkpoints_are_refused_in_one_line(checkpoint, tmp_path):
     gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "g8", group_size=32)
     config = json.loads((gptq / "config.json").read_text())
-    for change, words in (({"bits": 8}, "8 bits"), ({"group_size": 48}, "group_size 48"),
-                          ({"quant_method": "awq"}, "awq")):
+    for change, words in (({"bits": 8}, "bits 8"), ({"bits": "4"}, "bits '4'"), ({"group_size": 48}, "group_size 48"),
+                          ({"quant_method": "awq"}, "awq"), ({"dynamic": [1, 2]}, "dynamic is not an object"),
+                          ({"dynamic": {"+:x": 5}}, "dynamic is not an object")):
         (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {**config["quantization_config"],
                                                                                         **change}}))
         with pytest.raises(CheckpointError) as err:
@@ -365,17 +401,39 @@ def test_a_full_disk_while_writing_says_what_to_do_and_leaves_nothing(tmp_path, 
         yield 0, formats.quantize(torch.randn(E, 2 * I, H, generator=g), "int8"), formats.quantize(torch.randn(E, H, I), "int8")
 
     def full_disk(tensors, path):
-        if path.endswith("layer-001.safetensors"):
-            raise OSError(28, "No space left on device")
+        if path.endswith("layer-001.safetensors"):  # what safetensors raises: not an OSError ('internal error' before)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         expert_file_save(tensors, path)
+
+    from safetensors import SafetensorError
 
     expert_file_save = expert_file.save_file
     monkeypatch.setattr(expert_file, "save_file", full_disk)
     with pytest.raises(CheckpointError) as err:
         expert_file.open_quantized(model, "int8", layers, E, H, I, source)
-    assert "No space left on device" in str(err.value) and "MOECHAT_QUANT_DIR" in str(err.value) and "\n" not in str(err.value)
+    assert "No space left on device" in str(err.value) and "free disk space" in str(err.value) and "\n" not in str(err.value)
     assert quantized == [0, 1, 2]  # the failed write of layer 1 surfaced before layer 3 was quantized
     assert list(cache.iterdir()) == []
+
+
+def test_a_build_clears_the_folders_of_builds_killed_midway(tmp_path, monkeypatch):
+    """A build killed (OOM, power) left its private folder, a whole copy of the experts, for good."""
+    import subprocess
+
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that has exited
+    dead, living = tmp_path / f".m-int4-abc.{gone.pid}.tmp", tmp_path / f".n-int4-abc.{os.getppid()}.tmp"
+    for folder in (dead, living):
+        folder.mkdir()
+        (folder / "layer-000.safetensors").write_bytes(b"half")
+    E, H, I = 2, 32, 16
+
+    def source(li):
+        yield 0, formats.quantize(torch.randn(E, 2 * I, H), "int4"), formats.quantize(torch.randn(E, H, I), "int4")
+
+    expert_file.QuantizedExperts(tmp_path / "m-int4-abc", "int4", 1, E, H, I).build(source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m-int4-abc", living.name])  # a live builder's stays
 
 
 def test_a_first_quantization_reports_each_layer_and_a_mapped_cache_nothing(checkpoint):
@@ -389,3 +447,86 @@ def test_a_first_quantization_reports_each_layer_and_a_mapped_cache_nothing(chec
     again = []
     Engine(EngineConfig(model_dir=str(ck), quant="int4"), lambda *a: again.append(a)).close()
     assert again == []
+
+
+def corrupted_copy(src, dst, pick, value=float("nan")):
+    """A copy of checkpoint `src` with one weight (the first key `pick` accepts) holding `value` at [0, 0]."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    shard = next(dst.glob("*.safetensors"))
+    tensors = load_file(shard)
+    key = next(k for k in sorted(tensors) if pick(k))
+    tensors[key].view(-1, tensors[key].shape[-1])[0, 0] = value
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return dst, key
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_quantizers_refuse_weights_that_are_not_finite(value):
+    """Max and min drop a NaN: the native quantizer made a finite scale and codes out of it (the twin's scale was NaN)."""
+    w = torch.randn(16, 64)
+    w[3, 40] = value
+    for fmt in ("int8", "int4"):
+        for quantize in (formats.quantize, cpu_ffn.quantize):
+            with pytest.raises(formats.NonFiniteWeights):
+                quantize(w, fmt)
+
+
+@pytest.mark.parametrize("where", ["expert", "dense"])
+def test_a_checkpoint_with_nan_weights_is_refused_when_quantized(where, checkpoint, tmp_path):
+    """Unquantized, the first reply says the weights hold NaN; quantized, the NaN became a finite code and the model
+    answered other tokens with no error."""
+    pick = (lambda k: ".experts.3." in k and "up_proj" in k) if where == "expert" else (lambda k: "q_proj" in k)
+    bad, key = corrupted_copy(checkpoint("qwen3_moe"), tmp_path / "nan", pick)
+    for fmt in ("int8", "int4"):
+        with pytest.raises(CheckpointError) as err:
+            Engine(EngineConfig(model_dir=str(bad), quant=fmt))
+        message = str(err.value)
+        assert "NaN or infinite" in message and "re-download" in message and "\n" not in message
+        assert ("expert 3 of layer" in message) if where == "expert" else (key in message), message
+
+
+def test_a_gptq_checkpoint_with_nan_scales_is_refused(checkpoint, tmp_path):
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    bad, key = corrupted_copy(gptq, tmp_path / "nan", lambda k: ".experts.1." in k and k.endswith("down_proj.scales"))
+    with pytest.raises(CheckpointError, match="NaN or infinite scales") as err:
+        Engine(EngineConfig(model_dir=str(bad)))
+    assert key.removesuffix(".scales") in str(err.value)
+
+
+@pytest.mark.parametrize("pick", ["experts.0.gate_proj", "embed_tokens", "model.norm"])
+def test_weights_stored_as_integers_are_refused(pick, checkpoint, tmp_path):
+    """int32 experts were truncated to integers, an int8 embedding answered token 0 forever: no error either way."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "ints"
+    shutil.copytree(checkpoint("qwen3_moe"), bad)
+    shard = next(bad.glob("*.safetensors"))
+    tensors = load_file(shard)
+    key = next(k for k in sorted(tensors) if pick in k)
+    tensors[key] = tensors[key].to(torch.bool if pick == "model.norm" else torch.int32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(bad)))
+    message = str(err.value)
+    assert key in message and "re-download" in message and "\n" not in message
+
+
+def test_a_gptq_linear_missing_a_tensor_is_one_line(checkpoint, tmp_path):
+    """An attention linear without its qzeros was 'internal error (KeyError ...)' in generate, serve and estimate."""
+    from safetensors.torch import load_file, save_file
+
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    shard = next(gptq.glob("*.safetensors"))
+    tensors = load_file(shard)
+    key = next(k for k in sorted(tensors) if "self_attn.q_proj.qzeros" in k)
+    del tensors[key]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(gptq)))
+    assert f"{key} is not in the checkpoint" in str(err.value) and "\n" not in str(err.value)

@@ -24,6 +24,7 @@ class Family:
     weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down in the checkpoint
     shared_experts: str = ""  # one line for docs and `moechat doctor`
     latent_kv: bool = False  # the cache holds a latent that attention expands with its weights (MLA): kept in the model's dtype
+    config_problem: Callable[[object], str | None] = lambda config: None  # what in config.json its router cannot run
 
     def num_experts(self, config) -> int:
         return int(getattr(config, self.num_experts_attr))
