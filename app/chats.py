@@ -110,7 +110,8 @@ class ChatStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._check_writable()
             # isolation_level=None: no implicit transactions; every write below says BEGIN itself.
-            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            # timeout: the wait for another writer's lock, on the app's UI thread (a write takes milliseconds; 5 s froze it)
+            self._db = sqlite3.connect(self.path, timeout=2.0, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA foreign_keys=ON")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]  # before WAL: that writes the file
             if version > len(MIGRATIONS):
@@ -303,9 +304,11 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _storable(text: str) -> str:
-    """`text` as UTF-8 can hold it: a lone surrogate (half of an escaped pair split by a remote server's JSON, or pasted)
-    becomes U+FFFD instead of failing the save of the whole reply."""
-    return _LONE_SURROGATE.sub("\ufffd", text)
+    """`text` as UTF-8 can hold it: surrogate halves that meet again (a pair a remote server's JSON split across two
+    deltas) become their character, a lone one U+FFFD, instead of failing the save of the whole reply."""
+    if _LONE_SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
 
 
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")

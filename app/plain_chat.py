@@ -20,6 +20,7 @@ class Keeper:
         self.conv_id: int | None = None
         self.reply_id: int | None = None
         self.saved_at = 0.0
+        self.said = False  # the store's failure said for the reply being written
 
     def user(self, text: str) -> None:
         """The user's message stored, and an unfinished reply after it."""
@@ -32,6 +33,7 @@ class Keeper:
                     self.conv_id = self.store.create(title=" ".join(text.split())[:40], system_prompt=self.system)
                 self.store.add(self.conv_id, "user", text)
                 self.reply_id, self.saved_at = self.store.add(self.conv_id, "assistant", "", finished=False), time.monotonic()
+                self.said = False
                 return
             except KeyError:
                 print("moechat: this chat was deleted in another moechat window: it goes on in a new one", file=sys.stderr)
@@ -52,11 +54,14 @@ class Keeper:
             return
         try:
             self.store.update(self.reply_id, text, finished=finished)
-            self.saved_at = time.monotonic()
-        except (KeyError, ChatStoreError) as err:
-            said = "the chat was deleted in another moechat window" if isinstance(err, KeyError) else str(err)
-            print(f"\nmoechat: {said}; this reply is not saved", file=sys.stderr)
+        except KeyError:
+            print("\nmoechat: the chat was deleted in another moechat window; this reply is not saved", file=sys.stderr)
             self.reply_id = None
+        except ChatStoreError as err:  # said once per reply; the next save (and its last) tries again
+            if not self.said:
+                print(f"\nmoechat: {err}; this reply is not saved yet", file=sys.stderr)
+            self.said = True
+        self.saved_at = time.monotonic()
 
     def drop_reply(self) -> None:
         """Nothing came back: no empty reply kept."""

@@ -14,7 +14,7 @@ from textual.app import App
 from textual.binding import Binding
 
 from ..bridge import EngineBridge
-from ..chats import ChatStore, ChatStoreError
+from ..chats import ChatStore
 from ..settings import Settings, load_settings, save_settings, settings_path
 from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
@@ -50,7 +50,7 @@ class MoechatApp(App):
         self.thinking = self.settings.thinking  # auto | on | off (None: auto): the chat template's enable_thinking
         self.chat = ChatScreen()
         self.bridge_started = False
-        self.unsaved: tuple[str, str] | None = None  # (why, the reply) when quitting could not save the reply
+        self.unsaved: list[tuple[str, str]] = []  # (why, a reply) for each reply quitting could not save
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
@@ -81,9 +81,7 @@ class MoechatApp(App):
 
     async def on_unmount(self) -> None:
         try:
-            self.chat.save_partial()  # quitting mid-reply keeps what was written, marked interrupted
-        except ChatStoreError as err:  # the database cannot be written: run_tui prints the reply on the terminal
-            self.unsaved = (str(err), self.chat.reply.text)
+            self.unsaved = self.chat.save_partial()  # what the database would not take: run_tui prints it
         finally:
             self.bridge.close()
             self.store.close()
@@ -347,8 +345,7 @@ def run_tui(args) -> int:
     app.sampling = sampling_from(app.settings, sampling_params(args))
     app.thinking = args.thinking or app.settings.thinking
     app.run()
-    if app.unsaved is not None:  # quitting could not save the reply being written: here it is, not lost
-        why, text = app.unsaved
-        print(f"moechat: {why}; the reply being written follows", file=sys.stderr)
+    for why, text in app.unsaved:  # replies the database would not take: here they are, not lost
+        print(f"moechat: {why}; the reply follows", file=sys.stderr)
         print(text)
     return app.return_code or 0  # 1 after an exception Textual showed

@@ -443,7 +443,10 @@ API int moe_quantize(const void* w, int w_dtype, int64_t n_rows, int64_t k, int 
             for (int rr = 0; rr < QROWS; rr++) {
                 const int64_t r = g * QROWS + rr;
                 load_row(w, w_dtype, r * k, k, kp, row.data());
-                if (any_nonfinite(row.data(), k)) nonfinite.store(true, std::memory_order_relaxed);
+                if (any_nonfinite(row.data(), k)) {  // refused (-4); zeros meanwhile: a NaN cast to int is undefined
+                    nonfinite.store(true, std::memory_order_relaxed);
+                    std::fill(row.begin(), row.end(), 0.f);
+                }
                 row_scales(row.data(), nb, bits, fit, avx2, d_row.data(), m_row.data());
                 for (int64_t b = 0; b < nb; b++) {
                     const float* blk = row.data() + 32 * b;

@@ -15,7 +15,7 @@ from ..quant.expert_file import QuantizedExperts, open_quantized
 from ..quant.prequantized import PrequantSpec, linear_keys
 from . import cpu_ffn
 
-FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the weight types the expert store reads
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the weight types the expert store reads
 
 QUANT_CHUNK = 8  # experts quantized at a time: bounds the fp32 working set while building the cache
 
@@ -156,7 +156,7 @@ class ExpertStore:
                     )
                 if self.prequant is None and self.ckpt.dtype_name(key) not in FLOAT_DTYPES:
                     raise CheckpointError(f"expert weight {key} is stored as {self.ckpt.dtype_name(key)}, where moechat reads "
-                                          "F32, F16 or BF16 (or GPTQ): the checkpoint is corrupt or in another format; "
+                                          "floating point (or GPTQ): the checkpoint is corrupt or in another format; "
                                           "re-download the model")
                 want = self._expected_shape(key)
                 if want is not None and tuple(self.ckpt.shape(key)) != want:

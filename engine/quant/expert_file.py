@@ -16,8 +16,10 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +105,8 @@ class QuantizedExperts:
             return "its meta.json is missing or unreadable"
         if not isinstance(meta, dict):
             return "its meta.json is not what moechat writes"
+        if meta.get("format_version") == 2:  # the same layout without stamps, its key only in its folder's name
+            meta = {**meta, "format_version": FORMAT_VERSION, "source": self.folder.name, "files": "unstamped"}
         if meta.get("format_version") != FORMAT_VERSION:
             found = meta.get("format_version")
             return f"it was written by another moechat version (format {found}, this one reads {FORMAT_VERSION})"
@@ -123,25 +127,34 @@ class QuantizedExperts:
 
     def _changed(self, meta: dict) -> str | None:
         """Why a file's bytes are not those written (None: they are). A file whose mtime moved but whose CRC-32 holds
-        (copied, touched) gets its new stamp in meta.json, so the next start does not read it again."""
-        files, restamped = meta.get("files"), False
+        (copied, touched) gets its new stamp in meta.json, so the next start does not read it again; a format 2 cache,
+        the same layout unstamped, is stamped once (a read of every file) instead of quantized again."""
         names = [f"layer-{li:03d}.safetensors" for li in range(self.num_layers)]
-        if not isinstance(files, dict) or sorted(files) != names:
-            return "its meta.json lists other files"
-        for name in names:
-            kept, path = files[name], self.folder / name
-            st = path.stat()
-            if not isinstance(kept, dict) or st.st_size != kept.get("size"):
-                return f"{name} is not the size it was written"
-            if st.st_mtime_ns != kept.get("mtime_ns"):
-                if _crc32(path) != kept.get("crc32"):
-                    return f"{name} changed since it was written (its CRC-32 differs)"
-                files[name], restamped = _stamp(path, kept["crc32"]), True
-        if restamped:
-            try:
-                _write_meta(self.folder, meta)
-            except OSError:  # a cache folder moechat may not write: read again at the next start
-                pass
+        try:
+            if meta.get("files") == "unstamped":
+                return self._restamp(meta, {name: _stamp(self.folder / name) for name in names})
+            files, restamped = meta.get("files"), False
+            if not isinstance(files, dict) or sorted(files) != names:
+                return "its meta.json lists other files"
+            for name in names:
+                kept, path = files[name], self.folder / name
+                st = path.stat()
+                if not isinstance(kept, dict) or st.st_size != kept.get("size"):
+                    return f"{name} is not the size it was written"
+                if st.st_mtime_ns != kept.get("mtime_ns"):
+                    if _crc32(path) != kept.get("crc32"):
+                        return f"{name} changed since it was written (its CRC-32 differs)"
+                    files[name], restamped = _stamp(path, kept["crc32"]), True
+        except OSError as err:  # replaced meanwhile by another process's build, or not readable
+            return f"its files cannot be read ({err.strerror or err})"
+        return self._restamp(meta, files) if restamped else None
+
+    def _restamp(self, meta: dict, files: dict) -> None:
+        """meta.json with these stamps; a folder moechat may not write is stamped again at the next start."""
+        try:
+            _write_meta(self.folder, {**meta, "files": files})
+        except OSError:
+            pass
         return None
 
     def layer(self, li: int) -> tuple[QuantMatrix, QuantMatrix]:
@@ -164,6 +177,8 @@ class QuantizedExperts:
         one step: a reader never sees half a cache, and of two processes building at once the first to
         finish wins (the other discards its copy and maps the winner's)."""
         _remove_abandoned(self.folder.parent)
+        if self.folder.exists() and self.problem() is not None:  # its space back before a second copy is written
+            _remove(self.folder)
         tmp = self.folder.with_name(f".{self.folder.name}.{os.getpid()}.tmp")
         _remove(tmp)
         tmp.mkdir(parents=True)
@@ -224,23 +239,22 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+_BUILDING = re.compile(r"\..+-int[468]-[0-9a-f]{16}\.(\d+)\.tmp")  # a build's private folder: .<key>.<pid>.tmp
+ABANDONED_S = 600  # untouched this long (a live build writes a layer every few seconds), and its process gone
+
+
 def _remove_abandoned(root: Path) -> None:
-    """Private build folders (`.<key>.<pid>.tmp`) of processes that are gone (killed mid-build): a whole copy of a
-    model's experts each."""
-    for tmp in root.glob(".*.tmp") if root.is_dir() else []:
-        pid = tmp.name.rsplit(".", 2)[-2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            _remove(tmp)
+    """Private build folders of processes that are gone (killed mid-build): a whole copy of a model's experts each. Only
+    ones untouched for ABANDONED_S: a cache folder shared between machines sees other hosts' pids."""
+    import psutil
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    for tmp in root.iterdir() if root.is_dir() else []:
+        match = _BUILDING.fullmatch(tmp.name)
+        try:
+            if match and not psutil.pid_exists(int(match[1])) and time.time() - tmp.stat().st_mtime > ABANDONED_S:
+                _remove(tmp)
+        except OSError:  # gone meanwhile, or not ours to look at
+            pass
 
 
 def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int,

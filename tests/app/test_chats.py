@@ -210,8 +210,8 @@ def test_lone_surrogates_are_stored_as_replacement_characters(store):
     """Half an escaped pair, as a remote server's JSON split may hand over: it failed the save of the whole reply."""
     conv = store.create("t\ud83d")
     message = store.add(conv, "user", "a\ud83db")
-    store.update(message, "c\udc00d", finished=True)
-    assert store.conversation(conv).title == "t\ufffd" and store.messages(conv)[0].content == "c\ufffdd"
+    store.update(message, "c\udc00d \ud83d" + "\ude00", finished=True)  # the halves of 😀 met again in one text
+    assert store.conversation(conv).title == "t\ufffd" and store.messages(conv)[0].content == "c\ufffdd 😀"
 
 
 def test_a_file_or_folder_you_cannot_write_says_to_fix_its_permissions(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -172,6 +173,18 @@ def test_a_damaged_or_foreign_cache_is_rebuilt_with_a_notice(damage, checkpoint)
     assert len(notices) == 1 and "rebuilt" in notices[0] and "\n" not in notices[0]
     assert DAMAGES[damage] in notices[0], notices
     assert torch.equal(engine_logits(ck, PROMPT_IDS, quant="int8"), first)
+
+
+def test_a_format_2_cache_is_stamped_in_place_not_quantized_again(checkpoint, monkeypatch):
+    """Format 3 only added the stamps: a format 2 cache (a 30B model's minutes of quantizing) is read once and kept."""
+    ck = checkpoint("olmoe", seed=4)
+    first = engine_logits(ck, PROMPT_IDS, quant="int8")
+    meta_path = cache_folder(ck, "int8") / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps({**{k: v for k, v in meta.items() if k not in ("source", "files")}, "format_version": 2}))
+    monkeypatch.setattr(expert_file.QuantizedExperts, "build", lambda *a, **k: pytest.fail("quantized a format 2 cache again"))
+    assert torch.equal(engine_logits(ck, PROMPT_IDS, quant="int8"), first)
+    assert json.loads(meta_path.read_text()) == meta  # stamped as format 3: the next start reads nothing
 
 
 def test_a_touched_cache_is_read_once_and_trusted_after(checkpoint, monkeypatch):
@@ -423,17 +436,22 @@ def test_a_build_clears_the_folders_of_builds_killed_midway(tmp_path, monkeypatc
     monkeypatch.setenv("MOECHAT_QUANT_DIR", str(tmp_path))
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that has exited
-    dead, living = tmp_path / f".m-int4-abc.{gone.pid}.tmp", tmp_path / f".n-int4-abc.{os.getppid()}.tmp"
-    for folder in (dead, living):
+    key = "m-int4-0123456789abcdef"
+    dead, living, recent = (tmp_path / f".{name}-int4-0123456789abcdef.{pid}.tmp"
+                            for name, pid in (("m", gone.pid), ("n", os.getppid()), ("o", gone.pid)))
+    old = time.time() - 2 * expert_file.ABANDONED_S
+    for folder in (dead, living, recent):
         folder.mkdir()
         (folder / "layer-000.safetensors").write_bytes(b"half")
+        if folder is not recent:  # untouched for long; `recent` may be another host's build in a shared folder
+            os.utime(folder, (old, old))
     E, H, I = 2, 32, 16
 
     def source(li):
         yield 0, formats.quantize(torch.randn(E, 2 * I, H), "int4"), formats.quantize(torch.randn(E, H, I), "int4")
 
-    expert_file.QuantizedExperts(tmp_path / "m-int4-abc", "int4", 1, E, H, I).build(source)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m-int4-abc", living.name])  # a live builder's stays
+    expert_file.QuantizedExperts(tmp_path / key, "int4", 1, E, H, I).build(source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key, living.name, recent.name])
 
 
 def test_a_first_quantization_reports_each_layer_and_a_mapped_cache_nothing(checkpoint):
@@ -464,15 +482,21 @@ def corrupted_copy(src, dst, pick, value=float("nan")):
     return dst, key
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_quantizers_refuse_weights_that_are_not_finite(value):
+@pytest.mark.native
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizers_refuse_weights_that_are_not_finite(value, dtype):
     """Max and min drop a NaN: the native quantizer made a finite scale and codes out of it (the twin's scale was NaN)."""
-    w = torch.randn(16, 64)
-    w[3, 40] = value
-    for fmt in ("int8", "int4"):
+    if cpu_ffn.library() is None:
+        pytest.skip("the native library is not built")
+    w = torch.randn(16, 72).to(dtype)  # K not a multiple of 32: the last block padded
+    w[3, 70] = value
+    for fmt in ("int8", "int6", "int4"):
         for quantize in (formats.quantize, cpu_ffn.quantize):
             with pytest.raises(formats.NonFiniteWeights):
                 quantize(w, fmt)
+    w[3, 70] = 1.0
+    assert formats.quantize(w, "int4").q.equal(cpu_ffn.quantize(w, "int4").q)  # finite again: the twins agree
 
 
 @pytest.mark.parametrize("where", ["expert", "dense"])

@@ -76,7 +76,8 @@ async def test_a_full_disk_mid_reply_is_said_once_and_the_reply_is_kept_for_the_
         assert len(full) == 1 and "not saved yet" in full[0] and "rollback" not in full[0]  # said once, the cause named
         assert app.is_running and app.return_code is None
         await app.action_quit()
-    assert app.unsaved is not None and "the disk is full" in app.unsaved[0] and app.unsaved[1] == long
+    ((why, text),) = app.unsaved
+    assert "the disk is full" in why and text == long
 
 
 @pytest.mark.notorch
@@ -85,7 +86,7 @@ def test_a_reply_that_could_not_be_saved_at_quit_is_printed(monkeypatch, capsys)
     from moechat.app.tui import app as app_module
 
     def quits_unsaved(self):
-        self.unsaved = ("chat database x: the disk is full (database or disk is full); free some space", "the reply")
+        self.unsaved = [("chat database x: the disk is full (database or disk is full); free some space", "the reply")]
 
     monkeypatch.setattr(app_module.MoechatApp, "run", quits_unsaved)
     assert app_module.run_tui(cli.build_parser().parse_args(["chat", "--model", "unused"])) == 0
@@ -117,22 +118,84 @@ async def test_a_message_that_cannot_be_stored_comes_back_to_the_input(tmp_path,
 
 @pilot_test
 @pytest.mark.notorch
-async def test_rename_and_system_prompt_on_a_chat_deleted_meanwhile_are_said(tmp_path, stored):
+@pytest.mark.parametrize("key, typed, ends", [("f2", "x", "enter"), ("ctrl+s", "be terse", "ctrl+s")])
+async def test_rename_and_system_prompt_on_a_chat_deleted_meanwhile_are_said(tmp_path, stored, key, typed, ends):
+    from moechat.app.tui.screens.dialogs import TextPrompt
+
     async with without_model(tmp_path) as (app, pilot):
-        chat, conv = app.chat, app.chat.conv_id
-        for key, typed in (("f2", "x"), ("ctrl+s", "be terse")):
-            await pilot.press(key)
-            await pilot.pause()
-            other = ChatStore(tmp_path / "chats.sqlite3")  # the other window deletes the chat under the dialog
-            if any(c.id == conv for c in other.conversations()):
-                other.delete(conv)
-            other.close()
-            await pilot.press(*typed, "enter" if key == "f2" else "ctrl+s")
-            await until(pilot, lambda: chat.conv_id is None, "the screen on no chat")
-            assert app.is_running and app.return_code is None
-            assert any("deleted in another moechat window" in n.message for n in app._notifications)
-            assert titles(chat) == ["older"]
-            chat.conv_id = conv  # the system prompt's turn: the log on the deleted chat again
+        chat = app.chat
+        app._notifications.clear()
+        await pilot.press(key)
+        await until(pilot, lambda: isinstance(app.screen, TextPrompt), "the dialog")
+        other = ChatStore(tmp_path / "chats.sqlite3")  # the other window deletes the chat under the dialog
+        other.delete(chat.conv_id)
+        other.close()
+        await pilot.press(*typed, ends)
+        await until(pilot, lambda: chat.conv_id is None, "the screen on no chat")
+        assert app.is_running and app.return_code is None
+        assert any("deleted in another moechat window" in n.message for n in app._notifications)
+        assert titles(chat) == ["older"]
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_chat_deleted_while_its_reply_streams_stops_the_reply_and_keeps_the_screen(tmp_path, stored):
+    """Export (or rename) found the chat gone and cleared the log under the streaming reply: the next delta crashed."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        stops = []
+        app.bridge.stop = lambda: stops.append(1)
+        await send(pilot, "go on")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "first words"))
+        other = ChatStore(tmp_path / "chats.sqlite3")
+        other.delete(chat.conv_id)
+        other.close()
+        app.action_export_chat()
+        await pilot.pause()
+        app.post_message(ReplyDelta(1, " and more"))
+        app.post_message(ReplyFinished(1, "first words and more", "cancelled", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert app.is_running and app.return_code is None and stops == [1]
+        assert contents(chat)[-1] == "first words and more"
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_reply_whose_last_save_failed_is_saved_later_or_printed_at_quit(tmp_path, stored):
+    """Its row kept the partial text, the next turn's history was read from it, and at quit nothing was printed."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "one")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.store._db.execute("PRAGMA query_only = ON")  # writes refused from here
+        app.post_message(ReplyDelta(1, "the whole answer"))
+        app.post_message(ReplyFinished(1, "the whole answer", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert any("not saved yet" in e for e in errors(app)) and chat.unsaved
+        app.store._db.execute("PRAGMA query_only = OFF")  # the database writable again: the next send saves it first
+        await send(pilot, "two")
+        await until(pilot, lambda: requests == [1, 2], "the second request")
+        assert ("assistant", "the whole answer") in stored_contents(app) and not chat.unsaved
+        app.store._db.execute("PRAGMA query_only = ON")
+        app.post_message(ReplyFinished(2, "the second answer", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the second reply's end")
+        await app.action_quit()
+    ((why, text),) = app.unsaved
+    assert "read-only" in why and text == "the second answer"
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_regeneration_that_comes_back_empty_gives_the_old_reply_back(tmp_path, stored):
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        old = [("user", "hello there"), ("assistant", "Hello! How are you today?")]
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: requests == [1], "the regeneration's request")
+        app.post_message(ReplyFinished(1, "", "stop", None))  # an end of sequence at once
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert stored_contents(app) == old and contents(chat) == [c for _, c in old]
 
 
 @pilot_test

@@ -40,6 +40,7 @@ from ..widgets.heatmap import ExpertHeatmap
 from ..widgets.stats import StatsPanel
 
 SAVE_INTERVAL_S = 0.5
+RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQLite's busy timeout on this thread)
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
@@ -277,6 +278,8 @@ class ChatScreen(Screen):
         self.reply: _Reply | None = None
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
+        self.unsaved: dict[int, tuple[str, dict | None]] = {}  # finished replies the store would not take: id -> text, stats
+        self.undeleted: set[int] = set()  # messages to go (an empty reply, a replaced one) the store would not delete
         # held, not queried: a query walks every widget of the conversation, and stats come ten times a second
         self.status_label = Static(status_line(self.model, self.state, self.stats), id="status",
                                    markup=False)  # an error message may hold "[/b]"
@@ -372,8 +375,17 @@ class ChatScreen(Screen):
         except OptionDoesNotExist:
             view.highlighted = None
 
+    @store_failures_noticed
     async def deleted_elsewhere(self) -> None:
-        """The chat the log shows was deleted in another moechat window: said, and the screen on no chat."""
+        """The chat the log shows was deleted in another moechat window: said, and the screen on no chat. A reply still
+        streaming into it is stopped instead, its view left until it ends (the next message then finds the chat gone)."""
+        reply = self.reply
+        if reply is not None:
+            if not reply.orphan:
+                reply.orphan = True
+                self.app.bridge.stop()
+                self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+            return
         self.app.notify(f"{DELETED_ELSEWHERE}: Enter sends your message to a new chat", severity="warning")
         await self.refresh_conversations()
         await self.open_conversation(None)
@@ -486,6 +498,7 @@ class ChatScreen(Screen):
     async def start_reply(self, replaces=None) -> None:
         """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once. `replaces`: the
         stored reply Regenerate replaces, left out of the history and kept until this one has text."""
+        self.flush_unsaved()  # a reply whose last save failed: into the store first, which the history is read from
         conv = self.current_conversation()
         history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
         history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id)
@@ -522,7 +535,7 @@ class ChatScreen(Screen):
             await self._show(reply)
         elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
             reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
-        if time.monotonic() - reply.saved_at >= SAVE_INTERVAL_S:
+        if time.monotonic() - reply.saved_at >= (RETRY_S if reply.unsaved else SAVE_INTERVAL_S):
             self._save(reply, reply.text, finished=False)
             reply.saved_at = time.monotonic()
 
@@ -545,15 +558,13 @@ class ChatScreen(Screen):
         text = text or reply.text
         if stats is not None:
             self.show_stats(stats)
-        if not text and reason in ("cancelled", "failed"):  # ended before any text: nothing to keep, a replaced reply back
+        if not text and (reason in ("cancelled", "failed") or reply.replaces is not None):  # nothing to keep; a replaced
+            # reply back (a regeneration that came back empty too: the old one is worth more than nothing)
             await reply.view.remove()
             old = reply.replaces
             if old is not None:
                 await self.query_one("#log").mount(MessageView(old.role, old.content, old.id, old.finished))
-            try:
-                self.store.delete_message(reply.message_id)
-            except ChatStoreError as err:  # an empty row left: the next start shows it as an empty reply
-                self.app.notify(str(err), severity="error", timeout=15)
+            self._drop(reply.message_id)
             return
         reply.view.content = text
         reasoning, answer, thinking = reply.view.split()
@@ -570,9 +581,6 @@ class ChatScreen(Screen):
         failing (the disk full, locked): said once; the reply streams on, on screen, and later saves try again."""
         try:
             self.store.update(reply.message_id, text, finished=finished, stats=stats)
-            if reply.replaces is not None and text:
-                self.store.delete_message(reply.replaces.id)
-                reply.replaces = None
         except KeyError:
             if reply.orphan:
                 return
@@ -580,11 +588,42 @@ class ChatScreen(Screen):
             if not reply.ended:
                 self.app.bridge.stop()
             self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+            return
         except ChatStoreError as err:
+            if finished:  # its last save: kept here, tried again before the next reply and at quit (printed if it fails)
+                self.unsaved[reply.message_id] = (text, stats)
             if not reply.unsaved:
                 reply.unsaved = True
                 self.app.notify(f"{err}; this reply is not saved yet: it stays on screen, and c on it copies it",
                                 severity="error", timeout=15)
+            return
+        if reply.replaces is not None and text:
+            self._drop(reply.replaces.id)
+            reply.replaces = None
+
+    def _drop(self, message_id: int) -> None:
+        """A stored message out (an empty reply, one a regeneration replaced); where the store fails, tried again later."""
+        try:
+            self.store.delete_message(message_id)
+            self.undeleted.discard(message_id)
+        except ChatStoreError:
+            self.undeleted.add(message_id)
+
+    def flush_unsaved(self) -> list[tuple[str, str]]:
+        """The writes that failed, tried again -> (why, text) of each reply still not saved."""
+        left = []
+        for message_id, (text, stats) in list(self.unsaved.items()):
+            try:
+                self.store.update(message_id, text, finished=True, stats=stats)
+            except KeyError:  # its chat deleted meanwhile
+                pass
+            except ChatStoreError as err:
+                left.append((str(err), text))
+                continue
+            del self.unsaved[message_id]
+        for message_id in list(self.undeleted):
+            self._drop(message_id)
+        return left
 
     async def _show_due(self, reply: _Reply) -> None:
         reply.redraw = None
@@ -621,20 +660,26 @@ class ChatScreen(Screen):
             reply.segment_start = 0
         reply.answer = answer
 
-    def save_partial(self) -> None:
-        """Quitting mid-reply: what was written is kept, marked interrupted; a reply with no text yet (its prompt was
-        still being read) is dropped, as a stop drops it, and a reply it was to replace stays. Raises ChatStoreError where
-        the database cannot be written (the app, closing, prints the reply instead)."""
+    def save_partial(self) -> list[tuple[str, str]]:
+        """Quitting: a reply being written is kept as far as it got, marked interrupted (one with no text yet, its prompt
+        still being read, is dropped as a stop drops it, and a reply it was to replace stays); replies whose last save
+        failed are tried again. -> (why, text) of each reply the database would not take (the app prints them)."""
+        left = self.flush_unsaved()
         reply = self.reply
+        if reply is None:
+            return left
         try:
-            if reply is not None and reply.text:
+            if reply.text:
                 self.store.update(reply.message_id, reply.text, finished=False)
-                if reply.replaces is not None:
-                    self.store.delete_message(reply.replaces.id)
-            elif reply is not None:
+            else:
                 self.store.delete_message(reply.message_id)
         except KeyError:  # its chat deleted in another window: nowhere to keep it
-            pass
+            return left
+        except ChatStoreError as err:
+            return left + ([(str(err), reply.text)] if reply.text else [])
+        if reply.text and reply.replaces is not None:
+            self._drop(reply.replaces.id)
+        return left
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:
