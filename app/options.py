@@ -48,8 +48,23 @@ def _device_problem(value) -> str | None:
     return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) else "must be auto, cpu, cuda or cuda:N"
 
 
-def _url_problem(value) -> str | None:
-    return None if re.fullmatch(r"https?://\S+", value) else "must be an http:// or https:// URL, e.g. http://localhost:8000/v1"
+def url_problem(value) -> str | None:
+    """Why `value` cannot be a backend's URL (None: it can)."""
+    from ipaddress import ip_address
+    from urllib.parse import urlsplit
+
+    if not re.fullmatch(r"https?://\S+", value):
+        return "must be an http:// or https:// URL, e.g. http://localhost:8000/v1"
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 (a port that is not a number raises here)
+        if not parts.hostname:
+            raise ValueError("no host")
+        if "[" in parts.netloc:
+            ip_address(parts.hostname)  # a bracketed host must be an IPv6 address
+    except ValueError as err:
+        return f"is not a valid URL ({err}), e.g. http://localhost:8000/v1"
+    return None
 
 
 def _words(value) -> str:
@@ -177,7 +192,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", str, None, "checkpoint directory or a model fetched with `moechat pull`", "engine",
            unset="the embedded demo", metavar="DIR|OWNER/NAME"),
     Option("backend", str, None, "an OpenAI-compatible server to chat through instead of the embedded engine, e.g. "
-           "http://host:8000/v1 (vLLM, SGLang, llama-server, `moechat serve`)", "backend", problem_of=_url_problem,
+           "http://host:8000/v1 (vLLM, SGLang, llama-server, `moechat serve`)", "backend", problem_of=url_problem,
            unset="the embedded engine", label="Remote backend (URL)", placeholder="none: the embedded engine",
            metavar="URL"),
     Option("backend_model", str, None, "the model to ask the remote backend for", "backend",

@@ -19,6 +19,8 @@ class Keeper:
         self.store, self.system = store, system or ""
         self.conv_id: int | None = None
         self.reply_id: int | None = None
+        self.user_id: int | None = None
+        self.new_chat = False  # the message being answered started its chat
         self.saved_at = 0.0
         self.said = False  # the store's failure said for the reply being written
 
@@ -26,12 +28,13 @@ class Keeper:
         """The user's message stored, and an unfinished reply after it."""
         from .chats import ChatStoreError
 
-        self.reply_id = None
+        self.reply_id = self.user_id = None
         for _ in range(2):  # a second time in a new chat where the first was deleted elsewhere
             try:
-                if self.conv_id is None:
+                self.new_chat = self.conv_id is None
+                if self.new_chat:
                     self.conv_id = self.store.create(title=" ".join(text.split())[:40], system_prompt=self.system)
-                self.store.add(self.conv_id, "user", text)
+                self.user_id = self.store.add(self.conv_id, "user", text)
                 self.reply_id, self.saved_at = self.store.add(self.conv_id, "assistant", "", finished=False), time.monotonic()
                 self.said = False
                 return
@@ -63,16 +66,21 @@ class Keeper:
             self.said = True
         self.saved_at = time.monotonic()
 
-    def drop_reply(self) -> None:
-        """Nothing came back: no empty reply kept."""
+    def drop_turn(self) -> None:
+        """Nothing came back (the prompt refused, Ctrl-C before the first token): the message is not in the conversation
+        the model saw, so it goes from the stored one too, with its empty reply (and the chat it alone started)."""
         from .chats import ChatStoreError
 
-        if self.reply_id is not None:
-            try:
-                self.store.delete_message(self.reply_id)
-            except ChatStoreError:
-                pass  # an empty unfinished reply stays; the next message still goes on
-            self.reply_id = None
+        try:
+            if self.new_chat and self.conv_id is not None and self.user_id is not None:
+                self.store.delete(self.conv_id)
+                self.conv_id = None
+            for message_id in (self.reply_id, self.user_id):
+                if message_id is not None:
+                    self.store.delete_message(message_id)
+        except ChatStoreError:
+            pass  # they stay; the next message still goes on
+        self.reply_id = self.user_id = None
 
 
 def _open_engine(args):
@@ -175,7 +183,7 @@ def _chat(engine, kept: Keeper, params, system: str | None, remote: bool, thinki
         print(flush=True)
         if finished is None and not reply:
             messages.pop()  # nothing came back: the user's message can be sent again
-            kept.drop_reply()
+            kept.drop_turn()
             continue
         answer = finished.text if finished else "".join(reply)
         messages.append({"role": "assistant", "content": answer})

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from ..engine import MoechatError, SamplingParams
-from .options import OPTION
+from .options import OPTION, url_problem
 from .tui.messages import Stats
 
 if TYPE_CHECKING:  # the engine's events load torch: imported where a reply runs, not when the app starts
@@ -40,8 +40,9 @@ class RemoteConfig:
     key_env: str = OPTION["backend_key_env"].default
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise MoechatError(f"backend must be an http:// or https:// URL, got {self.url!r}")
+        problem = url_problem(self.url)
+        if problem is not None:
+            raise MoechatError(f"backend {problem}, got {self.url!r}")
         object.__setattr__(self, "url", self.url.rstrip("/"))  # one spelling: the client appends its paths
 
     @property
@@ -54,7 +55,8 @@ def remote_config(args) -> RemoteConfig | None:
     from .settings import load_settings
 
     settings, _ = load_settings()  # a broken file: engine_config says so when the embedded engine loads
-    url = getattr(args, "backend", None) or settings.backend
+    # a --model on the command line asks for the embedded engine: it wins over the settings' backend, as flags do
+    url = getattr(args, "backend", None) or (None if getattr(args, "model", None) else settings.backend)
     if not url:
         return None
     return RemoteConfig(url=url, model=getattr(args, "backend_model", None) or settings.backend_model,
@@ -76,9 +78,9 @@ class RemoteEngine:
 
         self.config = config
         self._stopping = False
-        self.client = openai.OpenAI(base_url=config.url, api_key=config.api_key, max_retries=1,
-                                    timeout=openai.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
         try:
+            self.client = openai.OpenAI(base_url=config.url, api_key=config.api_key, max_retries=1,
+                                        timeout=openai.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
             listed = [m.id for m in self.client.models.list()]
         except openai.AuthenticationError:
             raise MoechatError(f"the backend at {config.url} refused the API key: set ${config.key_env} to its key"
@@ -89,6 +91,11 @@ class RemoteEngine:
         except openai.APIError as err:
             raise MoechatError(f"cannot reach the backend at {config.url} ({_one_line(err)}): start the server, "
                                "or fix the URL (--backend, or `backend` in the settings)") from None
+        except Exception as err:  # the HTTP library's InvalidURL (httpx's or httpx2's: not an APIError, nor a ValueError)
+            if type(err).__name__ != "InvalidURL" and not isinstance(err, ValueError):
+                raise
+            raise MoechatError(f"the backend URL {config.url} is not valid ({_one_line(err)}): fix it (--backend, or "
+                               "`backend` in the settings)") from None
         if config.model is None and not listed:
             raise MoechatError(f"the backend at {config.url} lists no model: set `backend_model` in the settings")
         self.model = config.model or listed[0]

@@ -71,3 +71,22 @@ def test_a_store_that_fails_is_said_and_the_chat_goes_on(tmp_path, monkeypatch, 
         run(Streaming(["Still ", "here."]), store, "hello\nagain\n", monkeypatch)
     out, err = capsys.readouterr()
     assert out.count("Still here.") == 2 and err.count("this message is not saved") == 2 and "Traceback" not in err
+
+
+def test_a_message_that_got_no_reply_is_not_stored(tmp_path, monkeypatch, capsys):
+    """The refused message (a prompt past the context) stayed stored, so the app later sent it back to the model."""
+    from moechat.engine.events import Error
+
+    class Refusing(Streaming):
+        def generate(self, request, params):
+            if request.messages[-1]["content"].startswith("x"):
+                yield Error("the prompt is longer than the context")
+                return
+            yield from super().generate(request, params)
+
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        run(Refusing(["A dog."]), store, "x-too-long\nWhat is a dog?\nxx again\n", monkeypatch)
+        ((conv),) = store.conversations()
+        assert conv.title == "What is a dog?"  # the chat the refused first line started went with it
+        assert [(m.role, m.content) for m in store.messages(conv.id)] == [("user", "What is a dog?"), ("assistant", "A dog.")]
+    capsys.readouterr()

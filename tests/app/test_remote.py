@@ -94,6 +94,10 @@ def test_bad_urls_and_keys_are_one_line(served, monkeypatch):
     url, _ = served
     with pytest.raises(MoechatError, match=r"^backend must be an http:// or https:// URL"):
         RemoteConfig("localhost:8000")
+    for bad, says in (("http://host:abc/v1", "could not be cast"), ("http://[::1", "Invalid IPv6"),
+                      ("http://[zz]/v1", "IPv4 or IPv6")):  # each was 'internal error ... please report it'
+        with pytest.raises(MoechatError, match=rf"^backend is not a valid URL \(.*{says}"):
+            RemoteConfig(bad)
     with pytest.raises(MoechatError, match=r"cannot reach the backend at http://127.0.0.1:9/v1 .*start the server"):
         RemoteEngine(RemoteConfig("http://127.0.0.1:9/v1"))
     monkeypatch.setenv("MY_KEY", "wrong")
@@ -117,6 +121,8 @@ def test_flags_and_settings_pick_the_backend(tmp_path, monkeypatch):
     assert remote_config(none) == RemoteConfig("http://box:8000/v1", "big", "MOECHAT_API_KEY")
     flags = Namespace(backend="https://other/v1", backend_model=None, backend_key_env="VLLM_KEY")
     assert remote_config(flags) == RemoteConfig("https://other/v1", "big", "VLLM_KEY")  # the flags win
+    local = Namespace(backend=None, backend_model=None, backend_key_env=None, model="/models/mine")
+    assert remote_config(local) is None  # a --model on the command line: the embedded engine, whatever the settings say
     with pytest.raises(ValueError, match="`backend` must be an http:// or https:// URL"):
         settings_module.Settings(backend="gpu-box:8000")
 
