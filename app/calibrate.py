@@ -73,8 +73,10 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
         resolve_placement,
         save_profile,
     )
+    from ..engine.calibration.profile import check_profiles_writable
     from .demo import eval_prompts
 
+    check_profiles_writable()
     progress("probing the hardware", 0.0)
     hw = probe()
     draft_dir = None if drafter in ("none", "self") else drafter

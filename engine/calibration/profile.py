@@ -76,17 +76,38 @@ def _plain(value):
     return value
 
 
+def check_profiles_writable() -> None:
+    """MoechatError, before minutes of measuring, where a profile could not be saved (a file where the folder goes, no
+    write permission): it failed after them with an internal error."""
+    from ..errors import MoechatError
+
+    folder = profiles_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError("not writable by you")
+    except OSError as err:
+        raise MoechatError(f"calibration profiles cannot be saved in {folder} ({err.strerror or err}): move what is at that "
+                           "path aside, or fix its permissions") from None
+
+
 def save_profile(profile: Profile) -> Path:
     """Write atomically (a half-written file would read as corrupt); returns the path."""
     import tomlkit
 
+    from ..errors import MoechatError
+
     data = _plain(dataclasses.asdict(profile))
     head = {k: data.pop(k) for k in ("schema", "created", "fingerprint", "model")}
     path = profile_path(profile.fingerprint, profile.model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(tomlkit.dumps({**head, **data}), encoding="utf-8")
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(tomlkit.dumps({**head, **data}), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as err:
+        raise MoechatError(f"cannot save the calibration profile {path} ({err.strerror or err}): free disk space or fix the "
+                           "folder's permissions, then calibrate again") from None
     return path
 
 

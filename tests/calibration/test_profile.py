@@ -503,3 +503,20 @@ def test_calibrate_takes_the_budgets_and_context_the_settings_fix(monkeypatch):
     with pytest.raises(SystemExit):
         cal.cmd_calibrate(SimpleNamespace(model=None, quick=True, json=True))
     assert (seen["vram_budget"], seen["ram_budget"], seen["context_len"]) == (6 * 2**30, 20 * 2**30, 8192)
+
+
+def test_calibrate_says_at_once_where_its_profile_cannot_be_saved(monkeypatch, tmp_path, capsys):
+    """A file where the profiles folder goes failed calibration after all its measuring, with an internal error."""
+    from moechat.app.cli import main
+    from moechat.engine.calibration import profile as profile_module
+
+    blocked = tmp_path / "profiles"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(profile_module, "profiles_dir", lambda: blocked)
+    import moechat.engine
+
+    monkeypatch.setattr(moechat.engine, "probe", lambda: pytest.fail("measured before checking where to save"), raising=False)
+    assert main(["calibrate", "--quick"]) == 1
+    err = capsys.readouterr().err
+    assert f"calibration profiles cannot be saved in {blocked}" in err and "internal error" not in err
+    assert len(err.strip().splitlines()) == 1
