@@ -63,6 +63,7 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         return Settings(), f"settings file {path} is not usable ({err}): using defaults; fix or delete the file"
     good, problems = _checked(raw)
+    problems += _misspelt(raw)
     if not problems:
         return Settings(**good), None
     return Settings(**good), (f"settings file {path}: {'; '.join(problems)}: using the default for "
@@ -80,6 +81,29 @@ def _checked(raw: dict) -> tuple[dict, list[str]]:
             except ValueError as err:
                 problems.append(str(err))
     return good, problems
+
+
+def kept_aside_on_save(path: Path | None = None) -> bool:
+    """Whether save_settings keeps the file as `.broken` first: it cannot be read, or a value of it is bad."""
+    path = path or settings_path()
+    try:
+        return path.exists() and bool(_checked(tomllib.loads(path.read_text(encoding="utf-8")))[1])
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return True
+
+
+def _misspelt(raw: dict) -> list[str]:
+    """Unknown keys that look like a known one (`modle`): said, since the setting meant does not apply. Other unknown
+    keys pass in silence (a newer moechat's, kept by save_settings)."""
+    import difflib
+
+    names = [f.name for f in fields(Settings)]
+    problems = []
+    for key in raw:
+        near = difflib.get_close_matches(key, names, n=1, cutoff=0.8) if key not in names else []
+        if near:
+            problems.append(f"unknown key {key!r} ignored (did you mean {near[0]!r}?)")
+    return problems
 
 
 def save_settings(settings: Settings, path: Path | None = None) -> Path:

@@ -86,6 +86,8 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     if out.exists():
         return out
     folder.mkdir(parents=True, exist_ok=True)
+    if sys.stderr is not None and sys.stderr.isatty():  # a first run waits ~20 s here: said, on a terminal only (not the app)
+        print(f"moechat: building the native {name} kernels (once, about 20 s)...", file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=SUFFIX, dir=folder)
     os.close(fd)
     compile_flags = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", *cflags]

@@ -106,6 +106,21 @@ def test_a_bad_value_costs_only_its_key_and_a_save_keeps_the_file_aside(tmp_path
                                                                   temperature=0.3), None)
 
 
+@pytest.mark.notorch
+def test_a_misspelt_key_is_said_and_the_file_is_not_set_aside(tmp_path):
+    """`modle = ...` ran the demo without a word; an unknown key not close to any (a newer moechat's) stays silent."""
+    from moechat.app.settings import kept_aside_on_save
+
+    path = tmp_path / "settings.toml"
+    path.write_text('modle = "/models/q3"\nmax_new_token = 5\nfrom_a_newer_moechat = 1\n', encoding="utf-8")
+    settings, notice = load_settings(path)
+    assert settings == Settings() and "\n" not in notice
+    assert "unknown key 'modle' ignored (did you mean 'model'?)" in notice and "'max_new_tokens'" in notice
+    assert "from_a_newer_moechat" not in notice and not kept_aside_on_save(path)
+    save_settings(Settings(top_p=0.5), path)
+    assert not (tmp_path / "settings.toml.broken").exists() and "modle" in path.read_text()  # kept as written
+
+
 async def _fix_the_named_field(path):
     async with settings_screen(path) as (app, pilot):
         notice = str(app.screen.query_one("#notice").content)

@@ -40,7 +40,7 @@ from textual.widgets import (
 
 from ...demo import DEMO_DRAFT, DEMO_MODEL
 from ...options import OPTION
-from ...settings import load_settings, save_settings
+from ...settings import kept_aside_on_save, load_settings, save_settings
 from ..messages import CalibrationDone, CalibrationFailed, CalibrationProgress
 from .settings import FieldValidator, field_error, parse_field
 
@@ -463,9 +463,11 @@ class WizardScreen(Screen):
                  f"Calibration profile: {self.profile_path}", "",
                  "Finish saves the model and budgets to the settings file and opens the chat."]
         notice = load_settings(self.path)[1]
-        if notice:  # what Finish does with a file it cannot use whole, said before it does it
+        if notice and kept_aside_on_save(self.path):  # what Finish does with a file it cannot use whole, said first
             lines.append(f"Your settings file cannot be used as it is ({notice}); Finish keeps a copy of it as "
                          f"{self.path.name if self.path else 'settings.toml'}.broken.")
+        elif notice:  # a misspelt key: kept in the file as it is
+            lines.append(f"Your settings file: {notice}.")
         self.query_one("#summary", Static).update("\n".join(lines))
 
     def action_cancel(self) -> None:
