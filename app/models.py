@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import sys
@@ -82,8 +83,36 @@ def pull(repo_id: str, revision: str | None = None) -> Path:
     need = max(0, sum(s.size or 0 for s in files) - have)  # a resumed download needs only the rest
     check_disk_space(need, dest)
     print(f"downloading {repo_id} ({_gib(need)} to fetch) into {dest}", file=sys.stderr)
-    snapshot_download(repo_id, revision=revision, allow_patterns=PATTERNS, local_dir=dest)
+    _interruptible(lambda: snapshot_download(repo_id, revision=revision, allow_patterns=PATTERNS, local_dir=dest),
+                   f"interrupted: what was downloaded stays in {dest}; `moechat pull {repo_id}` resumes")
     return dest
+
+
+def _interruptible(download, said: str) -> None:
+    """Run `download` on a thread of its own, so that Ctrl-C ends the command at once: huggingface_hub's download threads
+    ran each file to its end first (minutes on a 4 GB shard), and Python joins them at exit, hence os._exit."""
+    import threading
+
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            download()
+        except BaseException as err:  # raised again in the caller's thread
+            failed.append(err)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="moechat-pull", daemon=True).start()
+    try:
+        while not done.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        print(f"moechat: {said}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+    if failed:
+        raise failed[0]
 
 
 def list_models() -> list[dict]:

@@ -51,6 +51,9 @@ class Checkpoint:
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             if not files:
+                if any((self.dir / ".cache" / "huggingface" / "download").rglob("*.incomplete")):
+                    raise CheckpointError(f"the download into {self.dir} did not finish: `moechat pull` with the same "
+                                          "model name resumes it")
                 raise CheckpointError(f"no *.safetensors weights in {self.dir}: moechat loads safetensors checkpoints only")
         for name in files:
             path = self.dir / name

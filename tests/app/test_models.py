@@ -32,6 +32,42 @@ def test_pull_without_network_fails_at_once(env):
     assert not models.local_dir("Qwen/Qwen3-30B-A3B").exists()
 
 
+_SLOW_PULL = """
+import time
+import huggingface_hub
+from concurrent.futures import ThreadPoolExecutor
+from moechat.app import models
+
+class Info:
+    siblings = [type("File", (), {"rfilename": "model.safetensors", "size": 10})()]
+
+def a_long_download(*args, **kwargs):  # as huggingface_hub's: a worker thread that runs its file to the end
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(time.sleep, 120).result()
+
+huggingface_hub.HfApi.model_info = lambda self, *args, **kwargs: Info()
+huggingface_hub.snapshot_download = a_long_download
+models.pull("owner/model")
+"""
+
+
+@pytest.mark.notorch
+def test_ctrl_c_ends_a_pull_at_once(tmp_path):
+    """The first Ctrl-C waited for the file being downloaded (a minute on a 200 MB file, the rest of a 4 GB shard)."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PULL], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "XDG_DATA_HOME": str(tmp_path)})
+    assert proc.stderr.readline().startswith("downloading owner/model")  # the download under way
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    try:
+        rest = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "`moechat pull owner/model` resumes" in rest and "Traceback" not in rest, rest
+
+
 @pytest.mark.notorch
 def test_pull_rejects_bad_repo_id():
     with pytest.raises(MoechatError, match="owner/name"):

@@ -12,6 +12,7 @@ from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig,
 from moechat.engine.errors import BudgetError, CheckpointError, MoechatError
 from moechat.engine.events import Error, Finished
 from moechat.engine.generate import Engine, Request
+from moechat.engine.model.checkpoint import Checkpoint
 
 
 def copy_model(src, tmp_path, name="model"):
@@ -123,6 +124,16 @@ def test_an_index_naming_no_shards_of_this_folder_is_one_line(checkpoint, tmp_pa
     with pytest.raises(CheckpointError) as err:
         load(path)
     assert "model.safetensors.index.json is corrupt" in one_line(err.value) and "re-download" in str(err.value)
+
+
+def test_a_download_that_did_not_finish_says_pull_resumes_it(tmp_path):
+    """After a pull stopped in its first shard the folder read as 'no safetensors: safetensors checkpoints only'."""
+    partial = tmp_path / "owner--model"
+    (partial / ".cache" / "huggingface" / "download").mkdir(parents=True)
+    (partial / ".cache" / "huggingface" / "download" / "abc.incomplete").write_bytes(b"half")
+    (partial / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    with pytest.raises(CheckpointError, match="did not finish: `moechat pull` .* resumes it"):
+        Checkpoint(partial)
 
 
 def test_truncated_safetensors(checkpoint, tmp_path):
