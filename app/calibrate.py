@@ -48,8 +48,14 @@ def machine_profile(model_dir: str):
     return profile, (profile_path(fp, key) if profile else None), notice
 
 
+_last_progress: list[str] = [""]  # the line printed last: a step reported many times (each timed call) prints once a percent
+
+
 def _progress(name: str, frac: float) -> None:
-    print(f"[{100 * frac:3.0f}%] {name}", file=sys.stderr, flush=True)
+    line = f"[{100 * frac:3.0f}%] {name}"
+    if line != _last_progress[0]:
+        _last_progress[0] = line
+        print(line, file=sys.stderr, flush=True)
 
 
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
