@@ -131,7 +131,7 @@ class Option:
                 return self.rule()
         elif self.kind is str:
             if not isinstance(value, str) or not value.strip():
-                return "must be a non-empty string"
+                return self.rule()  # "must be one of none, int8, int4" where there are choices
             if self.choices and value not in self.choices:
                 return self.rule()
         elif self.kind is bool and not isinstance(value, bool):
@@ -144,7 +144,8 @@ class Option:
         """Raise ValueError, one line naming the settings key, when `value` is not good."""
         problem = self.problem(value)
         if problem:
-            raise ValueError(f"`{self.name}`{f' ({self.symbol})' if self.symbol else ''} {problem}, got {value!r}")
+            got = ("true" if value else "false") if isinstance(value, bool) else repr(value)  # as the TOML file wrote it
+            raise ValueError(f"`{self.name}`{f' ({self.symbol})' if self.symbol else ''} {problem}, got {got}")
 
     def parse(self, text: str):
         """A flag's text as its value (argparse's `type`); garbage raises ArgumentTypeError in one line."""

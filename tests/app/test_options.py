@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -177,3 +178,12 @@ def test_lean_decode_flag_reaches_the_engine_config():
     assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).lean_decode is True
     assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--no-lean-decode"])).lean_decode is False
     assert OPTION["lean_decode"].problem("yes") == "must be true or false" and OPTION["lean_decode"].problem(False) is None
+
+
+@pytest.mark.notorch
+def test_a_wrong_type_names_the_rule_and_the_value_as_written():
+    """`quant = 4` said "must be a non-empty string" (its choices are the rule) and `draft_len = true` showed Python's True."""
+    for key, value, says in (("quant", 4, "`quant` must be one of none, int8, int4, got 4"),
+                             ("draft_len", True, "whole number in 1..32, got true")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            OPTION[key].check(value)
