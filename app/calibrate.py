@@ -68,6 +68,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     as engine_config resolves them)."""
     from ..engine import (
         Profile,
+        check_profiles_writable,
         decide,
         estimate,
         experts_format,
@@ -79,10 +80,10 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
         resolve_placement,
         save_profile,
     )
-    from ..engine.calibration.profile import check_profiles_writable
     from .demo import eval_prompts
 
     check_profiles_writable()
+    _last_progress[0] = ""
     progress("probing the hardware", 0.0)
     hw = probe()
     draft_dir = None if drafter in ("none", "self") else drafter

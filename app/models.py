@@ -108,7 +108,7 @@ def _interruptible(download, said: str) -> None:
         while not done.wait(0.2):
             pass
     except KeyboardInterrupt:
-        print(f"moechat: {said}", file=sys.stderr, flush=True)
+        print(f"\nmoechat: {said}", file=sys.stderr, flush=True)  # on a line of its own, past the download's bar
         sys.stdout.flush()
         os._exit(130)
     if failed:

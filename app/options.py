@@ -53,7 +53,7 @@ def url_problem(value) -> str | None:
     from ipaddress import ip_address
     from urllib.parse import urlsplit
 
-    if not re.fullmatch(r"https?://\S+", value):
+    if not re.fullmatch(r"https?://\S+", value, re.IGNORECASE):
         return "must be an http:// or https:// URL, e.g. http://localhost:8000/v1"
     try:
         parts = urlsplit(value)

@@ -43,6 +43,8 @@ class RemoteConfig:
         problem = url_problem(self.url)
         if problem is not None:
             raise MoechatError(f"backend {problem}, got {self.url!r}")
+        scheme, rest = self.url.split("://", 1)
+        object.__setattr__(self, "url", f"{scheme.lower()}://{rest}")  # HTTP://: the client wants it lower-case
         object.__setattr__(self, "url", self.url.rstrip("/"))  # one spelling: the client appends its paths
 
     @property
@@ -92,7 +94,7 @@ class RemoteEngine:
             raise MoechatError(f"cannot reach the backend at {config.url} ({_one_line(err)}): start the server, "
                                "or fix the URL (--backend, or `backend` in the settings)") from None
         except Exception as err:  # the HTTP library's InvalidURL (httpx's or httpx2's: not an APIError, nor a ValueError)
-            if type(err).__name__ != "InvalidURL" and not isinstance(err, ValueError):
+            if type(err).__name__ != "InvalidURL":
                 raise
             raise MoechatError(f"the backend URL {config.url} is not valid ({_one_line(err)}): fix it (--backend, or "
                                "`backend` in the settings)") from None

@@ -97,11 +97,16 @@ def _misspelt(raw: dict) -> list[str]:
     keys pass in silence (a newer moechat's, kept by save_settings)."""
     import difflib
 
+    from .options import OPTIONS
+
     names = [f.name for f in fields(Settings)]
+    flags_only = {o.name: o.flag for o in OPTIONS if o.name not in names and o.flag}  # --top-k, --expert-cache-gib
     problems = []
-    for key in raw:
-        near = difflib.get_close_matches(key, names, n=1, cutoff=0.8) if key not in names else []
-        if near:
+    for key in (k for k in raw if k not in names):
+        near = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+        if key in flags_only:
+            problems.append(f"{key!r} is a command-line option only ({flags_only[key]}): ignored in the file")
+        elif near:
             problems.append(f"unknown key {key!r} ignored (did you mean {near[0]!r}?)")
     return problems
 

@@ -24,7 +24,7 @@ _MODULES = {  # submodule -> the public names it provides
     "placement": ("NO_GPU", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
-    "calibration.profile": ("Profile", "load_profile", "measurements_from",
+    "calibration.profile": ("Profile", "check_profiles_writable", "load_profile", "measurements_from",
                              "model_key", "profile_path", "profiles_dir", "save_profile"),
     "calibration.measure": ("bandwidths", "best_cuda_seconds", "measure", "measure_self_draft", "ram_copy_bandwidth"),
     "calibration.decide": ("cpu_decode_seconds", "decide", "experts_format", "unit_costs"),

@@ -86,7 +86,7 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     if out.exists():
         return out
     folder.mkdir(parents=True, exist_ok=True)
-    if sys.stderr is not None and sys.stderr.isatty():  # a first run waits ~20 s here: said, on a terminal only (not the app)
+    if sys.__stderr__ is not None and sys.__stderr__.isatty() and sys.stderr is sys.__stderr__:  # a terminal, not the app
         print(f"moechat: building the native {name} kernels (once, about 20 s)...", file=sys.stderr, flush=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=SUFFIX, dir=folder)
     os.close(fd)

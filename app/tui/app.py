@@ -15,7 +15,7 @@ from textual.binding import Binding
 
 from ..bridge import EngineBridge
 from ..chats import ChatStore
-from ..settings import Settings, load_settings, save_settings, settings_path
+from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
 from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
 from .guard import store_failures_noticed
@@ -263,7 +263,7 @@ class MoechatApp(App):
 
     def action_toggle_theme(self) -> None:
         self.theme = DARK_LIGHT_THEMES[1] if self.theme == DARK_LIGHT_THEMES[0] else DARK_LIGHT_THEMES[0]
-        if self.settings_notice is None:  # never rewrite a file the user has to fix
+        if not kept_aside_on_save(self.settings_file):  # never rewrite a file the user has to fix (a typo'd key is kept)
             self.settings = replace(self.settings, theme="light" if self.theme == DARK_LIGHT_THEMES[1] else "dark")
             try:
                 save_settings(self.settings, self.settings_file)

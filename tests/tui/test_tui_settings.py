@@ -112,10 +112,11 @@ def test_a_misspelt_key_is_said_and_the_file_is_not_set_aside(tmp_path):
     from moechat.app.settings import kept_aside_on_save
 
     path = tmp_path / "settings.toml"
-    path.write_text('modle = "/models/q3"\nmax_new_token = 5\nfrom_a_newer_moechat = 1\n', encoding="utf-8")
+    path.write_text('modle = "/models/q3"\nmax_new_token = 5\nfrom_a_newer_moechat = 1\ntop_k = 5\n', encoding="utf-8")
     settings, notice = load_settings(path)
     assert settings == Settings() and "\n" not in notice
     assert "unknown key 'modle' ignored (did you mean 'model'?)" in notice and "'max_new_tokens'" in notice
+    assert "'top_k' is a command-line option only (--top-k)" in notice  # not "did you mean 'top_p'"
     assert "from_a_newer_moechat" not in notice and not kept_aside_on_save(path)
     save_settings(Settings(top_p=0.5), path)
     assert not (tmp_path / "settings.toml.broken").exists() and "modle" in path.read_text()  # kept as written
