@@ -126,7 +126,9 @@ def list_models() -> list[dict]:
         except (OSError, ValueError):
             model_type = "? (no readable config.json)"
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        rows.append({"name": path.name.replace("--", "/", 1), "path": str(path), "model_type": model_type, "bytes": size})
+        unfinished = any((path / ".cache" / "huggingface" / "download").rglob("*.incomplete"))  # a pull stopped midway
+        rows.append({"name": path.name.replace("--", "/", 1), "path": str(path), "model_type": model_type, "bytes": size,
+                     "complete": not unfinished})
     return rows
 
 
@@ -143,9 +145,10 @@ def cmd_models(args) -> int:
     elif not rows:
         print(f"no models in {models_dir()}: download one with `moechat pull OWNER/NAME`")
     else:
-        width = max(len(r["name"]) for r in rows)
+        width, kind = max(len(r["name"]) for r in rows), max(len(r["model_type"]) for r in rows)
         for r in rows:
-            print(f"{r['name']:<{width}}  {r['model_type']:<12} {_gib(r['bytes']):>9}  {r['path']}")
+            note = "" if r["complete"] else f"  (download not finished: moechat pull {r['name']} resumes it)"
+            print(f"{r['name']:<{width}}  {r['model_type']:<{kind}}  {_gib(r['bytes']):>9}  {r['path']}{note}")
     return 0
 
 

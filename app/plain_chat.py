@@ -86,9 +86,11 @@ class Keeper:
 def _open_engine(args):
     """(engine, one line saying what runs, whether it is remote): the remote backend the flags or settings name, else
     the embedded engine."""
-    from .remote import RemoteEngine, remote_config
+    from .remote import RemoteEngine, backend_overridden, remote_config
 
     remote = remote_config(args)
+    if remote is None and (notice := backend_overridden(args)):
+        print(f"moechat: {notice}", file=sys.stderr)
     if remote is not None:
         print(f"moechat: connecting to {remote.url}...", file=sys.stderr, flush=True)
         engine = RemoteEngine(remote)

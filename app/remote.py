@@ -65,6 +65,17 @@ def remote_config(args) -> RemoteConfig | None:
                         key_env=getattr(args, "backend_key_env", None) or settings.backend_key_env)
 
 
+def backend_overridden(args) -> str | None:
+    """A notice where a --model on the command line runs the embedded engine over the settings' backend (None: not so)."""
+    from .settings import load_settings
+
+    if getattr(args, "backend", None) or not getattr(args, "model", None):
+        return None
+    backend = load_settings()[0].backend
+    return None if not backend else (f"--model {args.model} on the command line runs the embedded engine; the settings' "
+                                     f"backend {backend} applies when moechat starts without --model")
+
+
 def _one_line(err: Exception) -> str:
     message = getattr(err, "message", None) or str(err) or type(err).__name__
     return " ".join(str(message).split())

@@ -51,6 +51,7 @@ class MoechatApp(App):
         self.chat = ChatScreen()
         self.bridge_started = False
         self.unsaved: list[tuple[str, str]] = []  # (why, a reply) for each reply quitting could not save
+        self.engine_notice: Callable[[], str | None] | None = None  # run_tui's: a --model over the settings' backend
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
@@ -272,13 +273,21 @@ class MoechatApp(App):
 
     def start_engine(self) -> None:
         self.bridge_started = True
+        self._say_engine_notice()
         self.bridge.start()
 
     def action_reload(self) -> None:
         if self.chat.reply is not None:
             self.bridge.stop()
         self.chat.show_loading(0.0, "reloading")
+        self._say_engine_notice()
         self.bridge.reload()
+
+    def _say_engine_notice(self) -> None:
+        """What the command line changes about the engine the settings name (a --model over their backend)."""
+        notice = self.engine_notice() if self.engine_notice is not None else None
+        if notice:
+            self.notify(notice, severity="warning", timeout=10)
 
     def action_settings(self) -> None:
         from .screens.settings import SettingsScreen
@@ -335,13 +344,14 @@ def run_tui(args) -> int:
     import copy
 
     from ..cli import engine_config, sampling_params
-    from ..remote import remote_config
+    from ..remote import backend_overridden, remote_config
 
     base = copy.copy(args)
     first_run = args.setup or (not settings_path().exists() and args.model is None and not args.backend)
     # Sampling: the settings' (the settings screen edits them), with the command line's seed, top-k and stops.
     # The settings (or --backend) may name a remote backend; read again at every reload, as the engine's options are.
     app = MoechatApp(lambda: remote_config(base) or engine_config(copy.copy(base)), first_run=first_run)
+    app.engine_notice = lambda: backend_overridden(base)
     app.sampling = sampling_from(app.settings, sampling_params(args))
     app.thinking = args.thinking or app.settings.thinking
     app.run()

@@ -95,9 +95,16 @@ def test_models_lists_downloaded(checkpoint):
         odd = models.local_dir("tiny/odd")  # a folder whose config.json is JSON but not an object: listed, not fatal
         odd.mkdir(parents=True)
         (odd / "config.json").write_text("[1, 2]")
+        half = odd / ".cache" / "huggingface" / "download"  # and a pull stopped midway
+        half.mkdir(parents=True)
+        (half / "model.safetensors.0123.incomplete").write_bytes(b"half")
         proc = run_cli("models", "--json")
         rows = {r["name"]: r for r in json.loads(proc.stdout)}
         assert proc.returncode == 0 and "not an object" in rows["tiny/odd"]["model_type"] and "tiny/qwen3-moe" in rows
+        assert rows["tiny/qwen3-moe"]["complete"] and not rows["tiny/odd"]["complete"]
+        lines = run_cli("models").stdout.splitlines()
+        assert len({line.index("/", line.index("GiB")) for line in lines}) == 1  # the paths line up, long types or not
+        assert "download not finished: moechat pull tiny/odd resumes it" in next(ln for ln in lines if "tiny/odd" in ln)
         # a reader that leaves at once (`moechat models --json | head -c 1`): no "internal error", no traceback
         code = ("import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from moechat.app.cli import main; "
                 "sys.exit(main(['models', '--json']))")

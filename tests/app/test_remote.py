@@ -123,6 +123,11 @@ def test_flags_and_settings_pick_the_backend(tmp_path, monkeypatch):
     assert remote_config(flags) == RemoteConfig("https://other/v1", "big", "VLLM_KEY")  # the flags win
     local = Namespace(backend=None, backend_model=None, backend_key_env=None, model="/models/mine")
     assert remote_config(local) is None  # a --model on the command line: the embedded engine, whatever the settings say
+    from moechat.app.remote import backend_overridden
+
+    notice = backend_overridden(local)  # and says so: the plain chat prints it, the app shows it at each (re)load
+    assert "--model /models/mine" in notice and "http://box:8000/v1/" in notice and "without --model" in notice
+    assert backend_overridden(none) is None and backend_overridden(flags) is None
     with pytest.raises(ValueError, match="`backend` must be an http:// or https:// URL"):
         settings_module.Settings(backend="gpu-box:8000")
 

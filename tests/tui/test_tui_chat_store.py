@@ -215,3 +215,18 @@ async def test_a_damaged_database_opens_with_a_notice(tmp_path):
         await until(pilot, lambda: any("damaged" in e for e in errors(app)), "the damage's notice")
         (said,) = [e for e in errors(app) if "damaged" in e]
         assert ".recover" in said and "\n" not in said and app.is_running and app.return_code is None
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_the_app_says_what_the_command_line_changes_about_the_engine(tmp_path):
+    """A --model on the command line runs the embedded engine over a backend saved in the settings: said at each load."""
+    from test_tui_chat import failing, make_app
+
+    app = make_app(tmp_path, failing("no model here"))
+    app.engine_notice = lambda: "--model X on the command line runs the embedded engine"
+    async with app.run_test() as pilot:
+        await until(pilot, lambda: errors(app), "the load failure")
+        app.action_reload()
+        await pilot.pause()
+        assert sum("--model X" in n.message for n in app._notifications) == 2  # the start and the reload
