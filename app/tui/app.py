@@ -50,7 +50,7 @@ class MoechatApp(App):
         self.thinking = self.settings.thinking  # auto | on | off (None: auto): the chat template's enable_thinking
         self.chat = ChatScreen()
         self.bridge_started = False
-        self.unsaved: list[tuple[str, str]] = []  # (why, a reply) for each reply quitting could not save
+        self.unsaved_replies: list[tuple[str, str]] = []  # (why, a reply) for each reply quitting could not save
         self.engine_notice: Callable[[], str | None] | None = None  # run_tui's: a --model over the settings' backend
 
     def get_default_screen(self) -> ChatScreen:
@@ -82,7 +82,7 @@ class MoechatApp(App):
 
     async def on_unmount(self) -> None:
         try:
-            self.unsaved = self.chat.save_partial()  # what the database would not take: run_tui prints it
+            self.unsaved_replies = self.chat.save_partial()  # what the database would not take: run_tui prints it
         finally:
             self.bridge.close()
             self.store.close()
@@ -355,7 +355,7 @@ def run_tui(args) -> int:
     app.sampling = sampling_from(app.settings, sampling_params(args))
     app.thinking = args.thinking or app.settings.thinking
     app.run()
-    for why, text in app.unsaved:  # replies the database would not take: here they are, not lost
+    for why, text in app.unsaved_replies:  # replies the database would not take: here they are, not lost
         print(f"moechat: {why}; the reply follows", file=sys.stderr)
         print(text)
     return app.return_code or 0  # 1 after an exception Textual showed

@@ -34,16 +34,18 @@ def asked(app) -> list[int]:
 
 @pilot_test
 @pytest.mark.notorch
-async def test_regenerate_keeps_the_old_reply_until_the_new_one_has_text(tmp_path, stored):
-    """It deleted the old reply first: a failed engine, a remote server down or Esc before the first token lost it."""
+@pytest.mark.parametrize("empty_end", ["failed", "stop"])  # stop: an end of sequence at once
+async def test_regenerate_keeps_the_old_reply_until_the_new_one_has_text(tmp_path, stored, empty_end):
+    """It deleted the old reply first: a failed engine, a remote server down, Esc before the first token, or a
+    regeneration that came back empty lost it."""
     async with without_model(tmp_path) as (app, pilot):
         chat, requests = app.chat, asked(app)
         old = [("user", "hello there"), ("assistant", "Hello! How are you today?")]
         await pilot.press("ctrl+r")
         await until(pilot, lambda: requests == [1], "the regeneration's request")
         assert stored_contents(app)[:2] == old and contents(chat) == ["hello there", ""]  # stored; off the screen
-        app.post_message(ReplyFinished(1, "", "failed", None))
-        await until(pilot, lambda: chat.reply is None, "the failed reply's end")
+        app.post_message(ReplyFinished(1, "", empty_end, None))
+        await until(pilot, lambda: chat.reply is None, "the empty reply's end")
         assert stored_contents(app) == old and contents(chat) == [c for _, c in old]  # given back, no empty reply
 
         await pilot.press("ctrl+r")
@@ -76,7 +78,7 @@ async def test_a_full_disk_mid_reply_is_said_once_and_the_reply_is_kept_for_the_
         assert len(full) == 1 and "not saved yet" in full[0] and "rollback" not in full[0]  # said once, the cause named
         assert app.is_running and app.return_code is None
         await app.action_quit()
-    ((why, text),) = app.unsaved
+    ((why, text),) = app.unsaved_replies
     assert "the disk is full" in why and text == long
 
 
@@ -86,7 +88,7 @@ def test_a_reply_that_could_not_be_saved_at_quit_is_printed(monkeypatch, capsys)
     from moechat.app.tui import app as app_module
 
     def quits_unsaved(self):
-        self.unsaved = [("chat database x: the disk is full (database or disk is full); free some space", "the reply")]
+        self.unsaved_replies = [("chat database x: the disk is full (database or disk is full); free some space", "the reply")]
 
     monkeypatch.setattr(app_module.MoechatApp, "run", quits_unsaved)
     assert app_module.run_tui(cli.build_parser().parse_args(["chat", "--model", "unused"])) == 0
@@ -172,30 +174,17 @@ async def test_a_reply_whose_last_save_failed_is_saved_later_or_printed_at_quit(
         app.post_message(ReplyDelta(1, "the whole answer"))
         app.post_message(ReplyFinished(1, "the whole answer", "stop", None))
         await until(pilot, lambda: chat.reply is None, "the reply's end")
-        assert any("not saved yet" in e for e in errors(app)) and chat.unsaved
+        assert any("not saved yet" in e for e in errors(app)) and chat.pending_saves
         app.store._db.execute("PRAGMA query_only = OFF")  # the database writable again: the next send saves it first
         await send(pilot, "two")
         await until(pilot, lambda: requests == [1, 2], "the second request")
-        assert ("assistant", "the whole answer") in stored_contents(app) and not chat.unsaved
+        assert ("assistant", "the whole answer") in stored_contents(app) and not chat.pending_saves
         app.store._db.execute("PRAGMA query_only = ON")
         app.post_message(ReplyFinished(2, "the second answer", "stop", None))
         await until(pilot, lambda: chat.reply is None, "the second reply's end")
         await app.action_quit()
-    ((why, text),) = app.unsaved
+    ((why, text),) = app.unsaved_replies
     assert "read-only" in why and text == "the second answer"
-
-
-@pilot_test
-@pytest.mark.notorch
-async def test_a_regeneration_that_comes_back_empty_gives_the_old_reply_back(tmp_path, stored):
-    async with without_model(tmp_path) as (app, pilot):
-        chat, requests = app.chat, asked(app)
-        old = [("user", "hello there"), ("assistant", "Hello! How are you today?")]
-        await pilot.press("ctrl+r")
-        await until(pilot, lambda: requests == [1], "the regeneration's request")
-        app.post_message(ReplyFinished(1, "", "stop", None))  # an end of sequence at once
-        await until(pilot, lambda: chat.reply is None, "the reply's end")
-        assert stored_contents(app) == old and contents(chat) == [c for _, c in old]
 
 
 @pilot_test

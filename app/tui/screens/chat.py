@@ -248,7 +248,7 @@ class _Reply:
     ended: bool = False  # reply_finished has begun: no draw starts after it
     orphan: bool = False  # its chat was deleted elsewhere (another window): stopped, said once
     replaces: object = None  # Regenerate: the stored reply this one replaces, deleted once this one has text
-    unsaved: bool = False  # a save failed (the disk full, the database locked): said once; later saves try again
+    save_failed: bool = False  # a save failed (the disk full, the database locked): said once; later saves try again
     redraw: Timer | None = None  # the timer that draws the text that came since the last draw
 
 
@@ -278,8 +278,9 @@ class ChatScreen(Screen):
         self.reply: _Reply | None = None
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
-        self.unsaved: dict[int, tuple[str, dict | None]] = {}  # finished replies the store would not take: id -> text, stats
-        self.undeleted: set[int] = set()  # messages to go (an empty reply, a replaced one) the store would not delete
+        # writes the store refused (the disk full, locked), tried again before the next reply and at quit:
+        self.pending_saves: dict[int, tuple[str, bool, dict | None, int | None]] = {}  # id -> text, finished, stats, replaces
+        self.pending_drops: set[int] = set()  # messages to go (an empty reply, a replaced one)
         # held, not queried: a query walks every widget of the conversation, and stats come ten times a second
         self.status_label = Static(status_line(self.model, self.state, self.stats), id="status",
                                    markup=False)  # an error message may hold "[/b]"
@@ -498,14 +499,16 @@ class ChatScreen(Screen):
     async def start_reply(self, replaces=None) -> None:
         """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once. `replaces`: the
         stored reply Regenerate replaces, left out of the history and kept until this one has text."""
-        self.flush_unsaved()  # a reply whose last save failed: into the store first, which the history is read from
+        self.flush_pending()  # a reply whose last save failed: into the store first, which the history is read from
         conv = self.current_conversation()
         history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
         history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id)
                     if m.content and (replaces is None or m.id != replaces.id)]
         message_id = self.store.add(self.conv_id, "assistant", "", finished=False)
-        for old in [v for v in self.shown_views() if replaces is not None and v.message_id == replaces.id]:
-            await old.remove()  # off the screen; in the store until the new reply has text
+        if replaces is not None:  # off the screen; in the store until the new reply has text
+            for view in self.shown_views():
+                if view.message_id == replaces.id:
+                    await view.remove()
         await self.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
         view = MessageView("assistant", "", message_id)
         log = self.query_one("#log", VerticalScroll)
@@ -535,7 +538,7 @@ class ChatScreen(Screen):
             await self._show(reply)
         elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
             reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
-        if time.monotonic() - reply.saved_at >= (RETRY_S if reply.unsaved else SAVE_INTERVAL_S):
+        if time.monotonic() - reply.saved_at >= (RETRY_S if reply.save_failed else SAVE_INTERVAL_S):
             self._save(reply, reply.text, finished=False)
             reply.saved_at = time.monotonic()
 
@@ -578,9 +581,9 @@ class ChatScreen(Screen):
     def _save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None) -> None:
         """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
         (another moechat on the same chats): said once, and the reply, which has nowhere to go, stopped. The database
-        failing (the disk full, locked): said once; the reply streams on, on screen, and later saves try again."""
+        failing (the disk full, locked): said once; the reply streams on, on screen, and the write stays pending."""
         try:
-            self.store.update(reply.message_id, text, finished=finished, stats=stats)
+            self._write_reply(reply.message_id, text, finished, stats, reply.replaces.id if reply.replaces else None)
         except KeyError:
             if reply.orphan:
                 return
@@ -590,38 +593,48 @@ class ChatScreen(Screen):
             self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
             return
         except ChatStoreError as err:
-            if finished:  # its last save: kept here, tried again before the next reply and at quit (printed if it fails)
-                self.unsaved[reply.message_id] = (text, stats)
-            if not reply.unsaved:
-                reply.unsaved = True
+            if not reply.save_failed:
+                reply.save_failed = True
                 self.app.notify(f"{err}; this reply is not saved yet: it stays on screen, and c on it copies it",
                                 severity="error", timeout=15)
             return
-        if reply.replaces is not None and text:
-            self._drop(reply.replaces.id)
+        if text:
             reply.replaces = None
 
+    def _write_reply(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None) -> None:
+        """A reply into the store, and the one it replaces out once it has text. Where the store fails (ChatStoreError)
+        the write stays in pending_saves; KeyError: its chat is gone, and so is the write."""
+        try:
+            self.store.update(message_id, text, finished=finished, stats=stats)
+        except ChatStoreError:
+            self.pending_saves[message_id] = (text, finished, stats, replaces)
+            raise
+        except KeyError:
+            self.pending_saves.pop(message_id, None)
+            raise
+        self.pending_saves.pop(message_id, None)
+        if replaces is not None and text:
+            self._drop(replaces)
+
     def _drop(self, message_id: int) -> None:
-        """A stored message out (an empty reply, one a regeneration replaced); where the store fails, tried again later."""
+        """A stored message out (an empty reply, one a regeneration replaced); where the store fails, pending."""
         try:
             self.store.delete_message(message_id)
-            self.undeleted.discard(message_id)
+            self.pending_drops.discard(message_id)
         except ChatStoreError:
-            self.undeleted.add(message_id)
+            self.pending_drops.add(message_id)
 
-    def flush_unsaved(self) -> list[tuple[str, str]]:
-        """The writes that failed, tried again -> (why, text) of each reply still not saved."""
+    def flush_pending(self) -> list[tuple[str, str]]:
+        """The writes the store refused, tried again -> (why, text) of each reply still not saved."""
         left = []
-        for message_id, (text, stats) in list(self.unsaved.items()):
+        for message_id, (text, finished, stats, replaces) in list(self.pending_saves.items()):
             try:
-                self.store.update(message_id, text, finished=True, stats=stats)
+                self._write_reply(message_id, text, finished, stats, replaces)
             except KeyError:  # its chat deleted meanwhile
                 pass
             except ChatStoreError as err:
                 left.append((str(err), text))
-                continue
-            del self.unsaved[message_id]
-        for message_id in list(self.undeleted):
+        for message_id in list(self.pending_drops):
             self._drop(message_id)
         return left
 
@@ -662,24 +675,14 @@ class ChatScreen(Screen):
 
     def save_partial(self) -> list[tuple[str, str]]:
         """Quitting: a reply being written is kept as far as it got, marked interrupted (one with no text yet, its prompt
-        still being read, is dropped as a stop drops it, and a reply it was to replace stays); replies whose last save
-        failed are tried again. -> (why, text) of each reply the database would not take (the app prints them)."""
-        left = self.flush_unsaved()
+        still being read, is dropped as a stop drops it, and a reply it was to replace stays), with every pending write.
+        -> (why, text) of each reply the database would not take (the app prints them)."""
         reply = self.reply
-        if reply is None:
-            return left
-        try:
-            if reply.text:
-                self.store.update(reply.message_id, reply.text, finished=False)
-            else:
-                self.store.delete_message(reply.message_id)
-        except KeyError:  # its chat deleted in another window: nowhere to keep it
-            return left
-        except ChatStoreError as err:
-            return left + ([(str(err), reply.text)] if reply.text else [])
-        if reply.text and reply.replaces is not None:
-            self._drop(reply.replaces.id)
-        return left
+        if reply is not None and reply.text:
+            self.pending_saves[reply.message_id] = (reply.text, False, None, reply.replaces.id if reply.replaces else None)
+        elif reply is not None:
+            self.pending_drops.add(reply.message_id)
+        return self.flush_pending()
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:
