@@ -48,17 +48,21 @@ def machine_profile(model_dir: str):
     return profile, (profile_path(fp, key) if profile else None), notice
 
 
-_last_progress: list[str] = [""]  # the line printed last: a step reported many times (each timed call) prints once a percent
+def _printed_progress():
+    """progress(name, fraction) printing a line when it changes: a step reported at each timed call prints once a percent."""
+    last = ""
+
+    def progress(name: str, frac: float) -> None:
+        nonlocal last
+        line = f"[{100 * frac:3.0f}%] {name}"
+        if line != last:
+            last = line
+            print(line, file=sys.stderr, flush=True)
+
+    return progress
 
 
-def _progress(name: str, frac: float) -> None:
-    line = f"[{100 * frac:3.0f}%] {name}"
-    if line != _last_progress[0]:
-        _last_progress[0] = line
-        print(line, file=sys.stderr, flush=True)
-
-
-def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
+def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
               vram_budget: int | None = None, ram_budget: int | None = None, quant: str | None = None,
               device: str | None = None, dtype: str | None = None, context_len: int | None = None):
     """Probe, estimate, measure, decide (where that picks the self drafter: time it with the decided share of experts on
@@ -83,7 +87,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=_progress,
     from .demo import eval_prompts
 
     check_profiles_writable()
-    _last_progress[0] = ""
+    progress = progress or _printed_progress()
     progress("probing the hardware", 0.0)
     hw = probe()
     draft_dir = None if drafter in ("none", "self") else drafter

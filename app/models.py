@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..engine import MoechatError
+from ..engine import MoechatError, download_unfinished
 
 # Only what moechat loads: weights, configs, tokenizer files, chat templates.
 PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "merges.txt", "vocab.txt", "*.jinja"]
@@ -126,9 +126,8 @@ def list_models() -> list[dict]:
         except (OSError, ValueError):
             model_type = "? (no readable config.json)"
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        unfinished = any((path / ".cache" / "huggingface" / "download").rglob("*.incomplete"))  # a pull stopped midway
         rows.append({"name": path.name.replace("--", "/", 1), "path": str(path), "model_type": model_type, "bytes": size,
-                     "complete": not unfinished})
+                     "complete": not download_unfinished(path)})  # a pull stopped midway
     return rows
 
 

@@ -116,17 +116,17 @@ def cmd_chat(args) -> int:
         engine, what, remote = _open_engine(args)
         try:
             print(f"moechat: {what}; {HELP}", file=sys.stderr)
-            return _chat(engine, Keeper(store, args.system), params, args.system, remote, request_thinking(args))
+            return _chat(engine, Keeper(store, args.system), params, remote, request_thinking(args))
         finally:
             engine.close()
 
 
-def _chat(engine, kept: Keeper, params, system: str | None, remote: bool, thinking: bool | None = None) -> int:
+def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = None) -> int:
     from ..engine import Error, Finished, Request, TokenDelta
     from .cli import acceptance
     from .history import fit_for_engine
 
-    start = [{"role": "system", "content": system}] if system else []
+    start = [{"role": "system", "content": kept.system}] if kept.system else []
     messages, said = list(start), ""
     interactive = sys.stdin.isatty()
     while True:

@@ -43,9 +43,8 @@ class RemoteConfig:
         problem = url_problem(self.url)
         if problem is not None:
             raise MoechatError(f"backend {problem}, got {self.url!r}")
-        scheme, rest = self.url.split("://", 1)
-        object.__setattr__(self, "url", f"{scheme.lower()}://{rest}")  # HTTP://: the client wants it lower-case
-        object.__setattr__(self, "url", self.url.rstrip("/"))  # one spelling: the client appends its paths
+        scheme, rest = self.url.split("://", 1)  # one spelling: the scheme lower-case, no trailing / (the client adds paths)
+        object.__setattr__(self, "url", f"{scheme.lower()}://{rest.rstrip('/')}")
 
     @property
     def api_key(self) -> str:

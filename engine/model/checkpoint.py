@@ -10,6 +10,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
+from .config_file import download_unfinished
 
 # safetensors dtype tag -> torch dtype (the ones model weights use)
 _DTYPES = {
@@ -51,7 +52,7 @@ class Checkpoint:
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             if not files:
-                if any((self.dir / ".cache" / "huggingface" / "download").rglob("*.incomplete")):
+                if download_unfinished(self.dir):
                     raise CheckpointError(f"the download into {self.dir} did not finish: `moechat pull` with the same "
                                           "model name resumes it")
                 raise CheckpointError(f"no *.safetensors weights in {self.dir}: moechat loads safetensors checkpoints only")

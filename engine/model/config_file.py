@@ -1,11 +1,16 @@
-"""A checkpoint's config.json as a dict, without torch (the app resolves device and dtype from it before
-PyTorch loads; engine/placement.py)."""
+"""A checkpoint's config.json as a dict, and whether its download finished, without torch (the app resolves device and
+dtype from it before PyTorch loads, engine/placement.py; `moechat models` lists downloads)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 from ..errors import CheckpointError
+
+
+def download_unfinished(folder: Path) -> bool:
+    """Whether a Hugging Face download into `folder` stopped midway (huggingface_hub keeps `.incomplete` files there)."""
+    return any((Path(folder) / ".cache" / "huggingface" / "download").rglob("*.incomplete"))
 
 
 def read_config_dict(model_dir: Path) -> dict:

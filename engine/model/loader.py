@@ -275,7 +275,8 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
     """Every non-expert tensor onto the compute device (pre-quantized linears dequantized; the module keys in `bf16` stay bf16:
     bf16_linear.narrow_linears); complain about what is missing."""
     state = {}
-    floats = {name for name, t in hf.state_dict().items() if t.is_floating_point()}  # the model's (on meta: no memory)
+    wanted = hf.state_dict()  # the model's tensors, on meta: names and dtypes, no memory
+    floats = {name for name, t in wanted.items() if t.is_floating_point()}
     rest = [k for k in ckpt.keys() if k not in expert_keys]
     quantized = quantized_prefixes(prequant, rest) if prequant is not None else set()
     for prefix in sorted(quantized):
@@ -287,7 +288,7 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
             raise CheckpointError(f"{key} is {str(t.dtype).removeprefix('torch.')}, not a floating-point type: the checkpoint "
                                   "is corrupt or not this model's; re-download the model")
         state[name] = t.to(device=device, dtype=torch.bfloat16 if name in bf16 else dtype if t.is_floating_point() else t.dtype)
-    expected = set(hf.state_dict().keys())
+    expected = set(wanted)
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()
     missing = sorted(expected - state.keys() - tied)
     if missing:

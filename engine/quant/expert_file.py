@@ -239,7 +239,7 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-_BUILDING = re.compile(r"\..+-int[468]-[0-9a-f]{16}\.(\d+)\.tmp")  # a build's private folder: .<key>.<pid>.tmp
+_BUILDING = re.compile(r"\..+-[0-9a-f]{16}\.(\d+)\.tmp")  # a build's private folder: .<model_key>.<pid>.tmp
 ABANDONED_S = 600  # untouched this long (a live build writes a layer every few seconds), and its process gone
 
 

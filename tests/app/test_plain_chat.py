@@ -25,7 +25,7 @@ class Streaming:
 
 def run(engine, store, lines: str, monkeypatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
-    assert plain_chat._chat(engine, plain_chat.Keeper(store, None), SamplingParams(), None, remote=True) == 0
+    assert plain_chat._chat(engine, plain_chat.Keeper(store, None), SamplingParams(), remote=True) == 0
 
 
 def test_a_reply_is_saved_as_it_streams(tmp_path, monkeypatch, capsys):
