@@ -79,6 +79,8 @@ def _explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
+SAVE_INTERVAL_S = 0.5  # a streaming reply is saved at most this often (the app and plain chat): a kill loses at most this much
+DELETED_ELSEWHERE = "this chat was deleted in another moechat window"  # what both say when the store no longer has it
 
 
 @dataclass

@@ -7,8 +7,9 @@ import sys
 import time
 from pathlib import Path
 
+from .chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStore, ChatStoreError
+
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
-SAVE_INTERVAL_S = 0.5  # as the app: a kill, or the terminal closed, loses at most this much of a reply
 
 
 class Keeper:
@@ -26,8 +27,6 @@ class Keeper:
 
     def user(self, text: str) -> None:
         """The user's message stored, and an unfinished reply after it."""
-        from .chats import ChatStoreError
-
         self.reply_id = self.user_id = None
         for _ in range(2):  # a second time in a new chat where the first was deleted elsewhere
             try:
@@ -39,7 +38,7 @@ class Keeper:
                 self.said = False
                 return
             except KeyError:
-                print("moechat: this chat was deleted in another moechat window: it goes on in a new one", file=sys.stderr)
+                print(f"moechat: {DELETED_ELSEWHERE}: it goes on in a new one", file=sys.stderr)
                 self.conv_id = None
             except ChatStoreError as err:
                 print(f"moechat: {err}; this message is not saved", file=sys.stderr)
@@ -51,14 +50,12 @@ class Keeper:
 
     def reply(self, text: str, finished: bool) -> None:
         """The reply so far."""
-        from .chats import ChatStoreError
-
         if self.reply_id is None:
             return
         try:
             self.store.update(self.reply_id, text, finished=finished)
         except KeyError:
-            print("\nmoechat: the chat was deleted in another moechat window; this reply is not saved", file=sys.stderr)
+            print(f"\nmoechat: {DELETED_ELSEWHERE}; this reply is not saved", file=sys.stderr)
             self.reply_id = None
         except ChatStoreError as err:  # said once per reply; the next save (and its last) tries again
             if not self.said:
@@ -69,8 +66,6 @@ class Keeper:
     def drop_turn(self) -> None:
         """Nothing came back (the prompt refused, Ctrl-C before the first token): the message is not in the conversation
         the model saw, so it goes from the stored one too, with its empty reply (and the chat it alone started)."""
-        from .chats import ChatStoreError
-
         try:
             if self.new_chat and self.conv_id is not None and self.user_id is not None:
                 self.store.delete(self.conv_id)
@@ -108,7 +103,6 @@ def _open_engine(args):
 
 
 def cmd_chat(args) -> int:
-    from .chats import ChatStore
     from .cli import request_thinking, sampling_params
 
     params = sampling_params(args)

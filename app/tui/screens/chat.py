@@ -32,14 +32,13 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import NEW_TITLE, ChatStoreError
+from ...chats import DELETED_ELSEWHERE, NEW_TITLE, SAVE_INTERVAL_S, ChatMessage, ChatStoreError
 from ...reasoning import enable_thinking, reasoning_title, split_reasoning
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
 from ..widgets.heatmap import ExpertHeatmap
 from ..widgets.stats import StatsPanel
 
-SAVE_INTERVAL_S = 0.5
 RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQLite's busy timeout on this thread)
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
@@ -228,9 +227,6 @@ class MessageView(Vertical, can_focus=True):
         self.app.notify("code block copied")
 
 
-DELETED_ELSEWHERE = "this chat was deleted in another moechat window"
-
-
 @dataclass
 class _Reply:
     """The reply being written: its request, stored message, widget, text so far, stream, last save."""
@@ -247,7 +243,7 @@ class _Reply:
     drawing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one draw at a time: a draw awaits between its steps
     ended: bool = False  # reply_finished has begun: no draw starts after it
     orphan: bool = False  # its chat was deleted elsewhere (another window): stopped, said once
-    replaces: object = None  # Regenerate: the stored reply this one replaces, deleted once this one has text
+    replaces: ChatMessage | None = None  # Regenerate: the stored reply this one replaces, deleted once this one has text
     save_failed: bool = False  # a save failed (the disk full, the database locked): said once; later saves try again
     redraw: Timer | None = None  # the timer that draws the text that came since the last draw
 
