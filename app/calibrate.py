@@ -117,7 +117,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
         drafted = measure_self_draft(model_dir, hw, prompts, decisions.expert_cache_ratio, **where,
                                      progress=lambda name, frac: progress(f"self drafter: {name}", 0.77 + 0.2 * frac))
         meas = dataclasses.replace(meas, draft_s_per_token=drafted.draft_s_per_token, acceptance=drafted.acceptance,
-                                   verify_s=drafted.verify_s, verify_ratio=drafted.verify_ratio)
+                                   verify_s=drafted.verify_s, plain_step_s=drafted.plain_step_s,
+                                   verify_ratio=drafted.verify_ratio)
         decisions = decided("deciding with the self drafter's figures", 0.97)
     profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
     path = save_profile(profile)
@@ -174,7 +175,8 @@ def cmd_calibrate(args) -> int:
     print(f"  expert   CPU {_fmt_s(cpu[0] if cpu else None)} (1 token) .. {_fmt_s(cpu[-1] if cpu else None)} "
           f"({len(cpu)} tokens); device {_fmt_s(dev[0] if dev else None)} .. {_fmt_s(dev[-1] if dev else None)}")
     acc = "n/a" if m.acceptance is None else f"{m.acceptance:.2f}"
-    print(f"  drafting {_fmt_s(m.draft_s_per_token)} per token, verification {_fmt_s(m.verify_s)}, acceptance {acc}")
+    print(f"  drafting {_fmt_s(m.draft_s_per_token)} per token, verification {_fmt_s(m.verify_s)}, acceptance {acc}; "
+          f"a step without drafter {_fmt_s(m.plain_step_s)}")
     rows = [("quantized experts", d.quant, "quant"), ("expert cache ratio", f"{d.expert_cache_ratio:g}", "expert_cache_ratio"),
             ("utility bound K", str(d.utility_bound), "utility_bound"), ("draft length γ", str(d.draft_len), "draft_len"),
             ("drafter", d.drafter, "drafter"),

@@ -275,7 +275,31 @@ def _time_experts(engine, m: Measurements, on_device: bool, repeats: int, report
 
 
 def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens: int, report: Progress) -> None:
-    """Fill the drafting, acceptance and verification figures of `m` from real `Engine.generate` runs."""
+    """Fill the drafting, acceptance and verification figures of `m`, and the plain step they are weighed against, from
+    real `Engine.generate` runs (the plain one with the drafter set aside, on the first prompt)."""
+    from ..speculative.drafters import NoDraft
+
+    if engine.drafter.name == "none":  # nothing to time or accept
+        return
+    drafter, engine.drafter = engine.drafter, NoDraft()
+    try:  # the plain step the drafts must beat, as the engine runs it (one token: the native decode path on a CPU)
+        plain = _generation_steps(engine, prompts[:1], max_new_tokens, "plain decoding", report, 0.55, 0.1)
+    finally:
+        engine.reset_prefix_cache()  # the next requests prefill again, with the drafter's own cache
+        engine.drafter = drafter
+    m.plain_step_s = statistics.median(s.verify_s for s in plain) if plain else None
+    steps = _generation_steps(engine, prompts, max_new_tokens, "drafting and verification", report, 0.65, 0.35)
+    drafted = sum(s.drafted for s in steps)
+    if drafted:
+        m.draft_s_per_token = sum(s.draft_s for s in steps) / drafted
+        m.acceptance = sum(s.accepted for s in steps) / drafted
+        full = [s.verify_s for s in steps if s.drafted == m.max_tokens - 1]  # windows of γ+1 tokens only
+        m.verify_s = statistics.median(full) if full else None
+
+
+def _generation_steps(engine, prompts: list[str], max_new_tokens: int, what: str, report: Progress, lo: float,
+                      span: float) -> list:
+    """The StepStats of greedy `Engine.generate` runs on `prompts`, the bar moving from lo by span."""
     from ..config import SamplingParams
     from ..errors import MoechatError
     from ..events import Error, StepStats
@@ -285,8 +309,8 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
     chat = bool(getattr(engine.model.tokenizer, "chat_template", None))
     steps: list[StepStats] = []
     for i, prompt in enumerate(prompts):
-        label = f"drafting and verification, prompt {i + 1} of {len(prompts)}"
-        report(label, 0.55 + 0.45 * i / len(prompts))
+        label = f"{what}, prompt {i + 1} of {len(prompts)}"
+        report(label, lo + span * i / len(prompts))
         request = Request(messages=[{"role": "user", "content": prompt}]) if chat else Request(prompt=prompt)
         done = 0
         with closing(engine.generate(request, params)) as events:  # a raising report closes the request at once
@@ -295,15 +319,10 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
                     steps.append(ev)
                     done += ev.accepted + 1  # the accepted drafts and the target's own token
                     # every step: the bar moves, and a cancelling progress callback stops within one step
-                    report(label, 0.55 + 0.45 * (i + min(done, max_new_tokens) / max_new_tokens) / len(prompts))
+                    report(label, lo + span * (i + min(done, max_new_tokens) / max_new_tokens) / len(prompts))
                 elif isinstance(ev, Error):
                     raise MoechatError(f"calibration could not generate with {engine.config.model_dir} ({ev.message})")
-    drafted = sum(s.drafted for s in steps)
-    if engine.drafter.name != "none" and drafted:  # without a drafter there is nothing to time or accept
-        m.draft_s_per_token = sum(s.draft_s for s in steps) / drafted
-        m.acceptance = sum(s.accepted for s in steps) / drafted
-        full = [s.verify_s for s in steps if s.drafted == m.max_tokens - 1]  # windows of γ+1 tokens only
-        m.verify_s = statistics.median(full) if full else None
+    return steps
 
 
 def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", quick: bool = False,

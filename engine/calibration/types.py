@@ -56,8 +56,9 @@ class Measurements:
     cpu_s_per_expert: list[float] = field(default_factory=list)  # same, the engine's CPU kernel
     draft_s_per_token: float | None = None
     verify_s: float | None = None  # one verification forward of γ+1 tokens
+    plain_step_s: float | None = None  # one decode step without a drafter (one token), as the engine runs it
     acceptance: float | None = None  # draft acceptance rate on the built-in prompts
-    verify_ratio: float = 0.0  # the fast tier's share of experts when verify_s was timed (the self drafter's: decided)
+    verify_ratio: float = 0.0  # the fast tier's share of experts when verify_s and plain_step_s were timed
     ram_read_bytes_s: float | None = None  # CPU-only machines: host tier from RAM ...
     mmap_read_bytes_s: float | None = None  # ... versus from the mmap'd checkpoint (disk tier)
     max_tokens: int = 9  # γ+1 used for the per-expert curves

@@ -269,6 +269,8 @@ def test_measure_reports_each_generation_step_and_stops_when_progress_raises(che
     drafting = [frac for name, frac in seen if name.startswith("drafting")]
     assert len(drafting) >= 2 + 2 * 12 // 3 and drafting == sorted(drafting)  # per prompt, then per step (≤ γ+1 tokens)
     assert m.acceptance is not None and m.draft_s_per_token > 0 and len(closed) == 1
+    plain = [i for i, (name, _) in enumerate(seen) if name.startswith("plain decoding")]
+    assert m.plain_step_s > 0 and plain and max(plain) < seen.index(next(s for s in seen if s[0].startswith("drafting")))
 
     seen_now: list = []
 
@@ -394,6 +396,7 @@ def test_the_self_drafter_is_timed_with_the_experts_it_drafts_with(checkpoint, m
     d, m = profile.decisions, profile.measurements
     assert args[3] == d.expert_cache_ratio > 0 and kw["device"] == "cpu"  # at the ratio decided, where it will run
     assert m.acceptance is not None and m.draft_s_per_token > 0 and m.verify_ratio == d.expert_cache_ratio
+    assert m.plain_step_s > 0  # the step without drafter the drafts are weighed against, at that ratio too
     if d.drafter == "self":  # kept only where the measured figures predict a gain, with the γ they favour
         assert "maximises" in d.reasons["draft_len"]
     else:
