@@ -110,8 +110,19 @@ def resolve_model(model: str | None, draft: str | None) -> tuple[str, str]:
     """
     if model is None:
         return str(DEMO_MODEL), draft or str(DEMO_DRAFT)
-    path = Path(model).expanduser()
-    if not path.exists() and model.count("/") == 1:
+    try:
+        if "\x00" in model:  # Path.exists() says False on Python 3.11+, and resolving it raises later
+            raise ValueError("it holds a NUL character")
+        path = Path(model).expanduser()
+        found = path.exists()
+    except (RuntimeError, OSError, ValueError) as err:  # `~nobody/m`, a name past the file system's limit, a NUL byte
+        from ..engine import CheckpointError
+
+        shown = repr(model) if len(model) <= 80 else f"{model[:80]!r}… ({len(model)} characters)"
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise CheckpointError(f"the model {shown} is not a usable path ({reason}): give a checkpoint directory "
+                              "or the OWNER/NAME of a pulled model (the settings' `model` or --model)") from None
+    if not found and model.count("/") == 1:
         from .models import local_dir
 
         if local_dir(model).is_dir():

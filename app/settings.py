@@ -2,9 +2,10 @@
 
 A broken file never stops moechat: a file it cannot parse runs on defaults, a key with a bad value on
 that key's default; either says so in one line and leaves the file as it is for the user to fix (a save
-first keeps a copy as `settings.toml.broken`). Only keys this version knows are read. Every engine value set here wins
-over the machine's calibration profile (`moechat calibrate`); unset ones come from the profile.
-`save_settings` rewrites only the keys that changed, so the user's comments and unknown keys stay.
+first keeps a copy as `settings.toml.broken`, then `.broken.1`, ...). Only keys this version knows are read. Every
+engine value set here wins over the machine's calibration profile (`moechat calibrate`); unset ones come from the profile.
+`save_settings` writes only the keys it is given into the file as it is at that moment, so the user's comments, unknown
+keys and edits made while the app ran stay; a symlinked file is written through, with its permissions.
 
 `Settings` is built from the settings options of OPTIONS (app/options.py): one field each, with its
 default and check. `Settings(**{name: value})` is the one validator: the settings screen checks each
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 
 try:
@@ -28,6 +30,7 @@ from .options import OPTIONS
 SETTINGS_OPTIONS = tuple(o for o in OPTIONS if o.setting)
 # Fields the running engine cannot take without loading the model again; the rest apply live.
 RELOAD_FIELDS = frozenset(o.name for o in SETTINGS_OPTIONS if not o.live)
+OPTION_DEFAULTS = {o.name: o.default for o in SETTINGS_OPTIONS}
 
 
 def settings_path() -> Path:
@@ -59,15 +62,29 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
     if not path.exists():
         return Settings(), None
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        return Settings(), f"settings file {path} is not usable ({err}): using defaults; fix or delete the file"
+        raw = _read(path)
+    except UNREADABLE as err:
+        return Settings(), f"settings file {path} is not usable ({_short(err)}): using defaults; fix or delete the file"
     good, problems = _checked(raw)
     problems += _misspelt(raw)
     if not problems:
         return Settings(**good), None
     return Settings(**good), (f"settings file {path}: {'; '.join(problems)}: using the default for "
                               f"{'it' if len(problems) == 1 else 'them'}; fix the file or set it in the settings screen")
+
+
+# What reading a file can raise: OSError, ValueError (TOMLDecodeError, UnicodeDecodeError, an integer of more
+# than 4300 digits), RecursionError (thousands of nested arrays)
+UNREADABLE = (OSError, ValueError, RecursionError)
+
+
+def _read(path: Path) -> dict:
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+def _short(err: BaseException, limit: int = 200) -> str:
+    text = str(err)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _checked(raw: dict) -> tuple[dict, list[str]]:
@@ -87,8 +104,8 @@ def kept_aside_on_save(path: Path | None = None) -> bool:
     """Whether save_settings keeps the file as `.broken` first: it cannot be read, or a value of it is bad."""
     path = path or settings_path()
     try:
-        return path.exists() and bool(_checked(tomllib.loads(path.read_text(encoding="utf-8")))[1])
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return path.exists() and bool(_checked(_read(path))[1])
+    except UNREADABLE:
         return True
 
 
@@ -111,49 +128,88 @@ def _misspelt(raw: dict) -> list[str]:
     return problems
 
 
-def save_settings(settings: Settings, path: Path | None = None) -> Path:
-    """Write `settings`, changing only what differs from the file: comments and unknown keys stay.
+def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, str | None]:
+    """Write the settings in `updates` into the file as it is now -> (the settings the file then holds, a notice).
 
-    A value back to None removes its key; a default value is not added to a file that lacks it.
-    An unreadable file, or one with a bad value (which `settings` replaces), is kept as `settings.toml.broken`
-    first. Atomic: a temporary file in the same directory replaces the old one.
+    Only those keys change: comments, unknown keys and anything edited since the app started stay. None removes a
+    key; a default value is not added to a file that lacks it. A file that cannot be read is kept as
+    `settings.toml.broken` (never over an earlier copy) and replaced; a bad value is copied there the same way and
+    dropped (its default). The notice says so. Atomic: a temporary file beside the real one (a symlink's target)
+    replaces it, with its permissions; a read-only file is refused with OSError.
     """
     import tomlkit
     from tomlkit.exceptions import TOMLKitError
 
+    Settings(**updates)  # every value checked before anything is written
     path = path or settings_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = tomlkit.document()
-    if path.exists():
-        try:
-            doc = tomlkit.parse(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, TOMLKitError):
-            os.replace(path, path.with_name(path.name + ".broken"))
-        else:
-            if _checked(doc.unwrap())[1]:  # the user's bad value is about to be replaced: keep what they wrote
-                shutil.copyfile(path, path.with_name(path.name + ".broken"))
-    for f in fields(Settings):
-        value, default = getattr(settings, f.name), f.default
-        if f.name == "keys":
+    target = path.resolve() if path.is_symlink() else path  # dotfiles: the link stays, its file changes
+    target.parent.mkdir(parents=True, exist_ok=True)
+    doc, notice, mode = tomlkit.document(), None, 0o600
+    if target.exists() and not target.is_dir():
+        mode = stat.S_IMODE(target.stat().st_mode)
+        if not mode & 0o222:
+            raise OSError(f"{target} is read-only: make it writable (chmod u+w) to save settings")
+    try:
+        text = target.read_text(encoding="utf-8")
+        tomllib.loads(text)  # readable as load_settings reads it (tomlkit takes some files tomllib refuses)
+        doc = tomlkit.parse(text)
+    except FileNotFoundError:
+        pass
+    except (*UNREADABLE, TOMLKitError) as err:  # moechat could not read it: set aside, start anew
+        kept = _keep_copy(target, move=True)
+        notice = f"the settings file could not be read ({_short(err, 80)}): kept as {kept.name}, a new one written"
+    else:
+        bad = sorted(f.name for f in fields(Settings) if f.name in doc and _checked({f.name: doc[f.name].unwrap()})[1])
+        if bad:  # the user's bad values are about to go: keep what they wrote
+            kept = _keep_copy(target, move=False)
+            notice = f"the bad value of {', '.join(bad)} replaced; the file as it was is kept as {kept.name}"
+            for name in bad:
+                doc.pop(name)  # its default, unless `updates` sets it
+    _apply(doc, updates)
+    _write_atomic(target, tomlkit.dumps(doc), mode)
+    return load_settings(path)[0], notice
+
+
+def _apply(doc, updates: dict) -> None:
+    for name, value in updates.items():
+        default = OPTION_DEFAULTS[name]
+        if name == "keys":
             _update_keys(doc, value)
         elif value is None:
-            doc.pop(f.name, None)
-        elif f.name in doc:
-            if doc[f.name].unwrap() != value or type(doc[f.name].unwrap()) is not type(value):
-                doc[f.name] = value
+            doc.pop(name, None)
+        elif name in doc:
+            if doc[name].unwrap() != value or type(doc[name].unwrap()) is not type(value):
+                doc[name] = value
         elif value != default:
-            doc[f.name] = value
+            doc[name] = value
+
+
+def _keep_copy(path: Path, move: bool) -> Path:
+    """`path` kept as the first free `settings.toml.broken`, `.broken.1`, ...: an earlier copy may be the only full one."""
+    kept = path.with_name(path.name + ".broken")
+    n = 0
+    while kept.exists():
+        n += 1
+        kept = path.with_name(f"{path.name}.broken.{n}")
+    if move:
+        os.replace(path, kept)
+    else:
+        shutil.copyfile(path, kept)
+    return kept
+
+
+def _write_atomic(path: Path, text: str, mode: int) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(tomlkit.dumps(doc))
+            out.write(text)
             out.flush()
+            os.fchmod(out.fileno(), mode)
             os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
 
 
 def _update_keys(doc, keys: dict[str, str]) -> None:

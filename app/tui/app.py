@@ -265,9 +265,9 @@ class MoechatApp(App):
     def action_toggle_theme(self) -> None:
         self.theme = DARK_LIGHT_THEMES[1] if self.theme == DARK_LIGHT_THEMES[0] else DARK_LIGHT_THEMES[0]
         if not kept_aside_on_save(self.settings_file):  # never rewrite a file the user has to fix (a typo'd key is kept)
-            self.settings = replace(self.settings, theme="light" if self.theme == DARK_LIGHT_THEMES[1] else "dark")
+            theme = "light" if self.theme == DARK_LIGHT_THEMES[1] else "dark"
             try:
-                save_settings(self.settings, self.settings_file)
+                self.settings, _ = save_settings({"theme": theme}, self.settings_file)  # the file's other keys as they are now
             except OSError as err:
                 self.notify(f"theme not remembered: {err}", severity="warning")
 
@@ -301,6 +301,8 @@ class MoechatApp(App):
             notice = self.apply_look(result.settings)
             if notice:
                 self.notify(notice, severity="warning")
+            if result.notice:
+                self.notify(result.notice, severity="warning", timeout=10)
             if result.needs_reload and self.bridge_started:  # as the screen's button says: "Save and reload model"
                 self.notify("settings saved; reloading the model")
                 self.action_reload()

@@ -52,3 +52,15 @@ def test_bench_generate_sampled(checkpoint, capsys):
     assert main([*args, "--no-hf"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert "hf" not in out and out["hf_skipped"] == "--no-hf" and out["engine"]["decode_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("model, reason", [("~nobody_here_at_all/m", "home directory"), ("/m/" + "x" * 5000, "too long"),
+                                           ("/m\x00x", "NUL character")])
+def test_a_model_that_is_no_usable_path_is_one_short_line(model, reason, capsys):
+    """`~nobody/m`, a name past the file system's limit and a NUL byte were "internal error ... please report it"."""
+    from moechat.app.cli import main
+
+    code = main(["generate", "--model", model, "--prompt", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1 and len(err) < 400, err
+    assert "is not a usable path" in err and reason in err and "internal error" not in err

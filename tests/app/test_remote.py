@@ -117,7 +117,7 @@ def test_flags_and_settings_pick_the_backend(tmp_path, monkeypatch):
     monkeypatch.setattr(settings_module, "settings_path", lambda: path)
     none = Namespace(backend=None, backend_model=None, backend_key_env=None)
     assert remote_config(none) is None  # nothing set: the embedded engine
-    settings_module.save_settings(settings_module.Settings(backend="http://box:8000/v1/", backend_model="big"), path)
+    settings_module.save_settings({"backend": "http://box:8000/v1/", "backend_model": "big"}, path)
     assert remote_config(none) == RemoteConfig("http://box:8000/v1", "big", "MOECHAT_API_KEY")
     flags = Namespace(backend="https://other/v1", backend_model=None, backend_key_env="VLLM_KEY")
     assert remote_config(flags) == RemoteConfig("https://other/v1", "big", "VLLM_KEY")  # the flags win

@@ -422,10 +422,13 @@ async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, sto
         await pilot.press("escape")
         assert app.screen is chat
 
+        path = tmp_path / "settings.toml"  # edited while the app runs: kept
+        path.write_text("vram_budget_gib = 12  # added later\n" + path.read_text(), encoding="utf-8")
         await pilot.press("ctrl+t")
         assert app.theme == "textual-light"
         text = (tmp_path / "settings.toml").read_text()
         assert 'theme = "light"' in text and "# mine" in text and 'new_chat = "ctrl+b"' in text
+        assert "vram_budget_gib = 12  # added later" in text and app.settings.vram_budget_gib == 12
 
 
 @pilot_test

@@ -76,17 +76,17 @@ def test_save_keeps_comments_and_unknown_keys(tmp_path):
     path.write_text(COMMENTED, encoding="utf-8")
     settings, notice = load_settings(path)
     assert notice is None and settings.utility_bound == 2 and settings.keys == {"quit": "ctrl+q"}
-    save_settings(Settings(utility_bound=3, temperature=0.2, keys={"quit": "ctrl+q", "help": "f1"}), path)
+    save_settings({"utility_bound": 3, "temperature": 0.2, "keys": {"quit": "ctrl+q", "help": "f1"}}, path)
     text = path.read_text(encoding="utf-8")
     assert "# my moechat settings" in text and "# K: measured on my box" in text and "# mine" in text
     assert 'mystery = "kept"  # not moechat\'s' in text
     assert "top_p" not in text  # defaults are not added
     assert load_settings(path)[0] == Settings(utility_bound=3, temperature=0.2, keys={"quit": "ctrl+q", "help": "f1"})
-    save_settings(Settings(temperature=0.2, keys={"quit": "ctrl+q", "help": "f1"}), path)  # K back to None: key gone
+    save_settings({"utility_bound": None}, path)  # K back to None: key gone
     assert "utility_bound" not in path.read_text() and "# my moechat settings" in path.read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["settings.toml"]  # no temporary file left behind
     path.write_text("model = [broken\n", encoding="utf-8")  # unreadable: kept aside, not lost
-    save_settings(Settings(top_p=0.5), path)
+    assert save_settings({"top_p": 0.5}, path)[0].top_p == 0.5
     assert (tmp_path / "settings.toml.broken").read_text() == "model = [broken\n" and load_settings(path)[0].top_p == 0.5
 
 
@@ -99,7 +99,8 @@ def test_a_bad_value_costs_only_its_key_and_a_save_keeps_the_file_aside(tmp_path
     assert settings.temperature == Settings().temperature  # the bad key alone takes its default
     assert "`temperature`" in notice and "'0.3'" in notice and "default" in notice and "\n" not in notice
     assert path.read_text() == text  # loading never rewrites the user's file
-    save_settings(Settings(model="/models/q3", ram_budget_gib=8.0, quant="int8", temperature=0.3), path)
+    _, notice = save_settings({"temperature": 0.3}, path)
+    assert notice == "the bad value of temperature replaced; the file as it was is kept as settings.toml.broken"
     assert (tmp_path / "settings.toml.broken").read_text() == text  # what the user wrote, kept before the fix
     saved = path.read_text()
     assert "# mine" in saved and load_settings(path) == (Settings(model="/models/q3", ram_budget_gib=8.0, quant="int8",
@@ -118,7 +119,7 @@ def test_a_misspelt_key_is_said_and_the_file_is_not_set_aside(tmp_path):
     assert "unknown key 'modle' ignored (did you mean 'model'?)" in notice and "'max_new_tokens'" in notice
     assert "'top_k' is a command-line option only (--top-k)" in notice  # not "did you mean 'top_p'"
     assert "from_a_newer_moechat" not in notice and not kept_aside_on_save(path)
-    save_settings(Settings(top_p=0.5), path)
+    save_settings({"top_p": 0.5}, path)
     assert not (tmp_path / "settings.toml.broken").exists() and "modle" in path.read_text()  # kept as written
 
 
@@ -430,7 +431,7 @@ def test_a_wizard_whose_calibration_fails_still_finishes_on_defaults(tmp_path):
     path.write_text('temperature = "hot"\n', encoding="utf-8")  # a value moechat cannot use: said before Finish
     summary, result = asyncio.run(_wizard_finishes_without_a_calibration(path))
     assert "the calibration did not finish" in summary and result is not None and result != "not dismissed"
-    assert "keeps a copy of it as settings.toml.broken" in summary
+    assert "keeps a copy of it beside it as settings.toml.broken" in summary
     assert load_settings(path)[0].device == "cpu"  # the choices made are saved
     assert (tmp_path / "settings.toml.broken").read_text() == 'temperature = "hot"\n'
 
@@ -485,7 +486,7 @@ def test_context_len_setting_reaches_the_engine_config():
     from moechat.app.cli import build_parser, engine_config
     from moechat.app.settings import settings_path
 
-    save_settings(Settings(context_len=96))
+    save_settings({"context_len": 96})
     assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).context_len == 96
     assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--context-len", "64"])).context_len == 64
     assert settings_path().read_text().strip() == "context_len = 96"
@@ -547,3 +548,84 @@ def test_wizard_chooses_a_remote_backend(tmp_path, served, monkeypatch):
     assert result == url and notice is None
     assert settings.backend == url and settings.model == "/my/model"  # the local model stays for later
     assert "# mine" in path.read_text() and SERVER_KEY not in path.read_text()  # the key is never written
+
+
+@pytest.mark.notorch
+def test_a_save_writes_only_its_keys_into_the_file_as_it_is_now(tmp_path):
+    """The app read the file at start; a save from the screen or the theme toggle wrote that old copy back, deleting a
+    model, budget, key binding or comment added to the file while the app ran."""
+    path = tmp_path / "settings.toml"
+    path.write_text("temperature = 0.5\n", encoding="utf-8")
+    path.write_text('temperature = 0.5\nmodel = "/models/q3"  # my model\nvram_budget_gib = 20\n[keys]\nregenerate = "ctrl+g"\n',
+                    encoding="utf-8")  # edited after the app loaded it
+    settings, notice = save_settings({"top_p": 0.8}, path)
+    assert notice is None and (settings.model, settings.vram_budget_gib, settings.top_p) == ("/models/q3", 20, 0.8)
+    assert settings.keys == {"regenerate": "ctrl+g"} and "# my model" in path.read_text()
+    with pytest.raises(ValueError, match="top_p"):
+        save_settings({"top_p": 7}, path)  # checked before anything is written
+    assert load_settings(path)[0].top_p == 0.8
+
+
+@pytest.mark.notorch
+def test_a_file_the_loader_cannot_read_is_kept_aside_and_no_copy_is_overwritten(tmp_path):
+    """tomlkit takes TOML 1.1 (a trailing comma in an inline table) where the loader's tomllib does not: such a file
+    ran on defaults and a save then rewrote it from them, model and budgets gone, with no copy. Huge integers and deep
+    nesting escaped the loader's except (ValueError, RecursionError) and stopped every command."""
+    from moechat.app.settings import kept_aside_on_save
+
+    path = tmp_path / "settings.toml"
+    texts = ['model = "/models/q3"\nkeys = { regenerate = "ctrl+g", }\n', "x = " + "9" * 5000 + "\n",
+             "x = " + "[" * 5000 + "]" * 5000 + "\n"]
+    for i, text in enumerate(texts):
+        path.write_text(text, encoding="utf-8")
+        settings, notice = load_settings(path)
+        assert settings == Settings() and "not usable" in notice and "\n" not in notice and kept_aside_on_save(path)
+        settings, notice = save_settings({"top_p": 0.5}, path)
+        kept = tmp_path / ("settings.toml.broken" + (f".{i}" if i else ""))
+        assert kept.read_text(encoding="utf-8") == text and kept.name in notice  # each kept, none over another
+        assert settings == Settings(top_p=0.5) and path.read_text() == "top_p = 0.5\n"
+
+
+@pytest.mark.notorch
+def test_a_symlinked_file_is_written_through_with_its_permissions_and_a_read_only_one_is_refused(tmp_path):
+    dotfiles = tmp_path / "dotfiles"
+    dotfiles.mkdir()
+    real = dotfiles / "moechat.toml"
+    real.write_text("temperature = 0.5\n", encoding="utf-8")
+    real.chmod(0o644)
+    path = tmp_path / "settings.toml"
+    path.symlink_to(real)
+    save_settings({"top_p": 0.8}, path)
+    assert path.is_symlink() and load_settings(real)[0].top_p == 0.8 and (real.stat().st_mode & 0o777) == 0o644
+    assert sorted(p.name for p in dotfiles.iterdir()) == ["moechat.toml"]  # no temporary file left
+    real.chmod(0o444)
+    with pytest.raises(OSError, match="read-only"):
+        save_settings({"top_p": 0.9}, path)
+    assert load_settings(path)[0].top_p == 0.8
+
+
+async def _save_after_the_file_changed(path):
+    async with settings_screen(path) as (app, pilot):
+        path.write_text('temperature = 0.5\nmodel = "/models/q3"\n', encoding="utf-8")  # edited while the screen was open
+        app.screen.query_one("#top_p").value = "0.8"
+        await pilot.pause()
+        await click(pilot, "#save")
+    return app.result
+
+
+def test_the_settings_screen_saves_only_what_was_changed_on_it(tmp_path):
+    path = tmp_path / "settings.toml"
+    path.write_text("temperature = 0.5\n", encoding="utf-8")
+    result = asyncio.run(_save_after_the_file_changed(path))
+    assert (result.settings.model, result.settings.top_p, result.settings.temperature) == ("/models/q3", 0.8, 0.5)
+    assert result.needs_reload and result.notice is None  # the model changed under the running engine: reload
+
+
+@pytest.mark.notorch
+def test_text_fields_take_digits_and_a_pasted_page_is_refused_in_a_short_line():
+    from moechat.app.tui.screens.settings import field_error, parse_field
+
+    assert parse_field("backend_model", "1") == "1" and field_error("backend_model", parse_field("backend_model", "1")) is None
+    assert parse_field("top_p", "0.5") == 0.5 and parse_field("utility_bound", "3") == 3
+    error = field_error("temperature", parse_field("temperature", "x" * 100_000))
+    assert len(error) < 200 and "(100002 characters)" in error

@@ -10,7 +10,7 @@ the caller then reloads the model. Sampling and theme apply live.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from textual import on
@@ -32,8 +32,9 @@ DIRECTORY = "directory"  # the drafter Select's choice that enables the director
 class SettingsResult:
     """What the settings screen returns on Save: the saved settings, and whether the model must reload."""
 
-    settings: Settings
+    settings: Settings  # what the file holds after the save (edits made to it meanwhile included)
     needs_reload: bool
+    notice: str | None = None  # the old file kept aside (unreadable, or a bad value replaced)
 
 
 FIELDS = tuple(o for o in SETTINGS_OPTIONS if o.label)  # in the order shown
@@ -41,11 +42,12 @@ TYPED = tuple(o.name for o in FIELDS if o.widget == "input")  # the fields typed
 
 
 def parse_field(name: str, text: str):
-    """The value a field's text stands for: "" -> None (optional) or the default; numbers as numbers, else the text."""
+    """The value a field's text stands for: "" -> None (optional) or the default; a number field's number, else the text
+    (a served model named "1" is text)."""
     text = text.strip()
     if not text:
         return OPTION[name].default
-    for kind in (int, float):
+    for kind in (int, float) if OPTION[name].kind in (int, float) else ():
         try:
             return kind(text)
         except ValueError:
@@ -218,13 +220,14 @@ class SettingsScreen(Screen):
         if errors:
             self.notify(f"{len(errors)} field(s) need fixing: {errors[0]}", severity="error")
             return
-        settings = replace(self.initial, **values)
+        changed = {n: v for n, v in values.items() if v != getattr(self.initial, n)}  # the rest as the file holds it now
         try:
-            save_settings(settings, self.path)
+            settings, notice = save_settings(changed, self.path)
         except OSError as err:
             self.notify(f"cannot write the settings ({err})", severity="error")
             return
-        self.dismiss(SettingsResult(settings, bool(self._changed_reload_fields(values))))
+        reload = any(getattr(settings, n) != getattr(self.initial, n) for n in RELOAD_FIELDS)
+        self.dismiss(SettingsResult(settings, reload, notice))
 
     @on(Button.Pressed, "#cancel")
     def action_cancel(self) -> None:

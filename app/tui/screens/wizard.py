@@ -14,7 +14,6 @@ skips the budgets and calibration, and is saved as `backend` (dismissing with it
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 from textual import on
@@ -366,14 +365,13 @@ class WizardScreen(Screen):
         self._go(3)  # calibrated, or it failed or was cancelled: on without a profile (defaults; `moechat calibrate`)
 
     def _leave_finish(self) -> None:
-        settings, _ = load_settings(self.path)  # a bad value: its default (save_settings keeps the file aside first)
         if self.backend:  # the local model and budgets stay as they were, for when the backend is turned off
-            settings = replace(settings, backend=self.backend)
+            updates = {"backend": self.backend}
         else:
-            settings = replace(settings, model=self.model_setting, draft=None,  # the profile's drafter for this model
-                               **{name: self._budget(name) for name in BUDGETS}, **self._placement(), backend=None)
+            updates = dict(model=self.model_setting, draft=None,  # the profile's drafter for this model
+                           **{name: self._budget(name) for name in BUDGETS}, **self._placement(), backend=None)
         try:
-            save_settings(settings, self.path)
+            save_settings(updates, self.path)  # a bad value elsewhere: its default (the file kept aside first)
         except OSError as err:
             self.query_one("#summary", Static).update(f"cannot write the settings ({err})")
             return
@@ -464,8 +462,8 @@ class WizardScreen(Screen):
                  "Finish saves the model and budgets to the settings file and opens the chat."]
         notice = load_settings(self.path)[1]
         if notice and kept_aside_on_save(self.path):  # what Finish does with a file it cannot use whole, said first
-            lines.append(f"Your settings file cannot be used as it is ({notice}); Finish keeps a copy of it as "
-                         f"{self.path.name if self.path else 'settings.toml'}.broken.")
+            lines.append(f"Your settings file cannot be used as it is ({notice}); Finish keeps a copy of it beside it "
+                         f"as {self.path.name if self.path else 'settings.toml'}.broken (or .broken.1, ...).")
         elif notice:  # a misspelt key: kept in the file as it is
             lines.append(f"Your settings file: {notice}.")
         self.query_one("#summary", Static).update("\n".join(lines))
