@@ -55,6 +55,7 @@ class Engine:
             self.model.runtime.close()
             raise
         self._stop = threading.Event()
+        self._longest_token: int | None = None  # characters in the vocabulary's longest entry (_check_length)
         budget = config.conversation_cache_bytes
         self.conversations = PrefixCache(default_budget() if budget is None else budget, self.model.device)
 
@@ -99,12 +100,27 @@ class Engine:
                 raise RequestError("this model's tokenizer has no chat template: send a plain prompt instead of chat messages")
             for message in request.messages:
                 _check_text(message.get("content"))
+            self._check_length(sum(len(m.get("content") or "") for m in request.messages))
             ids = self._render_chat(request)
         else:
+            self._check_length(len(request.prompt or ""))
             ids = tok(_check_text(request.prompt or ""), add_special_tokens=True)["input_ids"]
         if not ids:
             raise RequestError("the prompt is empty: type something to send")
         return list(ids)
+
+    def _check_length(self, chars: int) -> None:
+        """Refuse, before tokenizing (100 MB of text took minutes and 13 GB), a text no tokenization fits in the context:
+        a token decodes to at most as many characters as its vocabulary entry has (one per byte, or per SentencePiece
+        character); twice that, for normalizers that shorten text."""
+        context = self.model.context_len
+        if chars <= 4 * context:  # every real prompt: the vocabulary is not looked at
+            return
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self.model.tokenizer.get_vocab()), default=1)
+        if chars > 2 * self._longest_token * context:
+            raise RequestError(f"the prompt has {chars:,} characters, more than a context of {context:,} tokens can hold: "
+                               "shorten it or raise the context length")
 
     def _render_chat(self, request: Request) -> list[int]:
         import jinja2

@@ -115,19 +115,15 @@ def served(checkpoint):
                              "--api-key", SERVER_KEY, "--draft", "none"], stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while True:
+    while "moechat: serving" not in Path(log.name).read_text():  # as a user or a script waits: for the line
         if proc.poll() is not None:
             raise RuntimeError(f"moechat serve exited with {proc.returncode}: {Path(log.name).read_text()}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError("moechat serve did not answer /health within 120 s")
-        time.sleep(0.2)
+            raise RuntimeError("moechat serve did not say it serves within 120 s")
+        time.sleep(0.05)
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as response:  # at once: the line comes once it listens
+        assert response.status == 200
     yield f"{url}/v1", model
     proc.send_signal(signal.SIGINT)
     try:

@@ -12,10 +12,15 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 4096  # when a request names none (the engine also stops at the end of the context)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_reason -> the API's
+# What changes a reply and is not implemented here: refused when set (a client asking for tools or JSON must not get
+# prose with a 200); the values that mean "not set" pass, as clients send them by default.
+UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+               "response_format": ({"type": "text"},), "logprobs": (), "top_logprobs": (), "logit_bias": (),
+               "presence_penalty": (), "frequency_penalty": (), "best_of": (1,), "echo": (), "suffix": ()}
 
 
 class StreamOptions(BaseModel):
@@ -36,6 +41,15 @@ class _Body(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, data):
+        for name, unset in UNSUPPORTED.items():
+            value = data.get(name) if isinstance(data, dict) else None
+            if value not in (None, False, 0, "", [], {}) and value not in unset:
+                raise ValueError(f"`{name}` is not supported by this server: leave it out")
+        return data
 
     @field_validator("n")
     @classmethod
@@ -71,7 +85,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[ContentPart]
 
     @field_validator("content")
@@ -83,7 +97,7 @@ class ChatMessage(BaseModel):
 
     def as_engine(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class TemplateKwargs(BaseModel):

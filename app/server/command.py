@@ -73,10 +73,11 @@ def cmd_serve(args) -> int:
     print("moechat: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(engine_config(args))
     print_notices(engine)
-    server = BackgroundServer(engine, model_name(args.model), key, args.queue_size, sock=sock)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"moechat: serving {server.model_id} at http://{host}:{sock.getsockname()[1]}/v1 "
-          f"({'API key required' if key else 'no API key'}); Ctrl-C stops", file=sys.stderr, flush=True)
+    name = model_name(args.model)
+    announce = lambda: print(f"moechat: serving {name} at http://{host}:{sock.getsockname()[1]}/v1 "  # noqa: E731
+                             f"({'API key required' if key else 'no API key'}); Ctrl-C stops", file=sys.stderr, flush=True)
+    server = BackgroundServer(engine, name, key, args.queue_size, sock=sock, announce=announce)
     # uvicorn raises the signal again once it has shut down: SIGTERM then ends as Ctrl-C does (KeyboardInterrupt)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -89,10 +90,11 @@ def cmd_serve(args) -> int:
 
 class BackgroundServer:
     """The server on `sock` (default: a free port on 127.0.0.1): `run()` in this thread, or `start()` a thread;
-    `stop()` ends it and closes the engine. `url` is the base URL clients use (ending in /v1)."""
+    `stop()` ends it and closes the engine. `url` is the base URL clients use (ending in /v1); `announce` is called once
+    the socket accepts connections (a client that connects on the line it prints is served)."""
 
     def __init__(self, engine, model_id: str, api_key: str | None = None, queue_size: int = 16,
-                 sock: socket.socket | None = None):
+                 sock: socket.socket | None = None, announce=None):
         import uvicorn
 
         from .routes import build_app
@@ -103,7 +105,7 @@ class BackgroundServer:
         self.worker = EngineWorker(engine, queue_size)
         config = uvicorn.Config(build_app(self.worker, model_id, api_key), log_level="warning",
                                 timeout_graceful_shutdown=5)
-        self.server = _server(config, self.worker)
+        self.server = _server(config, self.worker, announce)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
         self._thread: threading.Thread | None = None
@@ -136,12 +138,18 @@ class BackgroundServer:
         self.stop()
 
 
-def _server(config, worker):
+def _server(config, worker, announce=None):
     """uvicorn's server whose Ctrl-C or SIGTERM first stops the engine's jobs: every request in flight then ends (503,
-    or an error event in its stream) within uvicorn's graceful wait, instead of being killed with a traceback."""
+    or an error event in its stream) within uvicorn's graceful wait, instead of being killed with a traceback; and that
+    calls `announce` once it listens."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if announce is not None and self.started:
+                announce()
+
         def handle_exit(self, sig, frame) -> None:
             # a signal handler: the worker's locks may be held by this very thread, so the jobs stop on another
             threading.Thread(target=worker.stop_jobs, name="moechat-serve-stop", daemon=True).start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import secrets
 import time
 
@@ -25,6 +26,7 @@ from .worker import STOPPING, EngineWorker, QueueFull, ShuttingDown
 KINDS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
          503: "server_error"}
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+MAX_BODY_BYTES = 32 << 20  # a request body past this is refused unread (413); the engine refuses prompts past the context
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -38,10 +40,52 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON: send a JSON object", None
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
         return "the request body is not a JSON object: send one, with the header Content-Type: application/json", "body"
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # pydantic names the branch of a union it tried (`stop.str`, `prompt.list[int]`): the field is the rest
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_NAME.match(str(p))]
     field = ".".join(loc) or "body"
     message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    if field == "body":  # a check of the whole body (an unsupported parameter): its message names the field
+        return message, None
     return f"{field}: {message}", field
+
+
+_TYPE_NAME = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-\w+\[.*\]|[A-Z]\w*)$")
+
+
+class _BodyLimit:
+    """A body over MAX_BODY_BYTES gets 413 before it is parsed: by its Content-Length unread, else (chunked) once the
+    bytes read pass it. Plain ASGI: the body read is handed on whole, and later receives (a disconnect) pass through."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            return await self._refuse(scope, receive, send)
+        chunks, size, message = [], 0, {"more_body": True}
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > MAX_BODY_BYTES:
+                return await self._refuse(scope, receive, send)
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        await self.app(scope, lambda: _first(whole, receive), send)
+
+    @staticmethod
+    async def _refuse(scope, receive, send) -> None:
+        response = _error(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB, more than this server takes: "
+                               "send a shorter prompt")
+        await response(scope, receive, send)
+
+
+async def _first(pending: list, receive):
+    return pending.pop() if pending else await receive()
 
 
 class _KeyCheck:
@@ -49,12 +93,12 @@ class _KeyCheck:
     body gets 401, not a description of what is wrong with it). Plain ASGI: streams and disconnects pass untouched."""
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):  # RFC 7235: any case
                 response = _error(401, "missing or wrong API key: send the header Authorization: Bearer <key>")
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
@@ -77,8 +121,9 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
     async def _internal(request: Request, err: Exception):
         return _error(500, f"internal error ({type(err).__name__}: {err}); the server is still running")
 
+    app.add_middleware(_BodyLimit)
     if api_key is not None:
-        app.add_middleware(_KeyCheck, api_key=api_key)
+        app.add_middleware(_KeyCheck, api_key=api_key)  # added last, so it runs first: a stranger's body is not read
     v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")
@@ -86,9 +131,15 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
         return {"status": "ok", "model": model_id, "queued": worker.queued, "running": worker.running,
                 "served": worker.served, "cancelled": worker.cancelled}
 
+    card = {"id": model_id, "object": "model", "created": started, "owned_by": "moechat"}
+
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": started, "owned_by": "moechat"}]}
+        return {"object": "list", "data": [card]}
+
+    @v1.get("/models/{name:path}")
+    async def model(name: str):
+        return card if name == model_id else _error(404, f"no model {name!r} here: this server serves {model_id!r}", "model")
 
     @v1.post("/chat/completions")
     async def chat(body: ChatBody, request: Request):

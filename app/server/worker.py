@@ -53,8 +53,8 @@ class EngineWorker:
     def __init__(self, engine, queue_size: int = 16):
         if queue_size < 1:
             raise MoechatError(f"--queue-size must be at least 1, got {queue_size}")
-        self.engine = engine
-        self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.engine, self.queue_size = engine, queue_size
+        self._jobs: queue.Queue = queue.Queue()  # bounded by queue_size live jobs: those whose client left hold no place
         self._lock = threading.Lock()
         self.arrived = self.served = self.cancelled = 0
         self.running = False
@@ -65,18 +65,19 @@ class EngineWorker:
 
     @property
     def queued(self) -> int:
-        return self._jobs.qsize()
+        """Jobs waiting whose client is still there (a cancelled one stays in the FIFO until the thread skips it)."""
+        with self._jobs.mutex:
+            return sum(not job.cancelled.is_set() for job in self._jobs.queue if job is not None)
 
     def submit(self, request, params, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a request; QueueFull when every waiting place is taken."""
         with self._lock:
             if self._closing:
                 raise ShuttingDown(STOPPING)
+            if self.queued >= self.queue_size:
+                raise QueueFull(f"the server is busy ({self.queue_size} requests already waiting): retry shortly")
             job = Job(request, params, loop, asyncio.Queue(), self.arrived + 1)
-            try:
-                self._jobs.put_nowait(job)
-            except queue.Full:
-                raise QueueFull(f"the server is busy ({self._jobs.maxsize} requests already waiting): retry shortly") from None
+            self._jobs.put_nowait(job)
             self.arrived += 1
         return job
 

@@ -23,9 +23,11 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     vocabulary (600 KB in float32) stays in the core's cache through the passes over it; five rows at once did not."""
     rows = logits.reshape(-1, logits.shape[-1])  # [R, V]
     out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
+    # below float32's smallest normal a T rounds to 0 there (0/0 at the top logit); at it the limit is the same: the top
+    t = max(params.temperature, torch.finfo(torch.float32).tiny)
     for r, row in enumerate(rows):
         row = row.float()
-        out[r] = _row_probs((row - row.max()).div_(params.temperature), params)  # shifted first: a tiny T cannot overflow
+        out[r] = _row_probs((row - row.max()).div_(t), params)  # shifted first: a tiny T cannot overflow
     return out.reshape(logits.shape)
 
 

@@ -188,6 +188,14 @@ def test_top_p_at_a_temperature_near_zero():
     assert torch.isfinite(got).all() and float(got.sum()) == pytest.approx(1.0) and int((got > 0).sum()) == 90
 
 
+@pytest.mark.parametrize("temperature", [1e-46, 1e-300, 5e-324])
+def test_a_temperature_below_float32s_range_is_the_top_token(temperature):
+    """A T that rounds to 0 in float32 divided the top logit 0 by 0: a NaN said as broken weights (an HTTP 500)."""
+    row = torch.tensor([0.5, 2.0, 1.0, 2.0])
+    got = probs_from_logits(row, SamplingParams(temperature=temperature))
+    assert torch.equal(got, torch.tensor([0.0, 0.5, 0.0, 0.5]))  # the limit as T -> 0: the tied top tokens
+
+
 @pytest.mark.parametrize("probs", [torch.tensor([0.5, float("nan"), 0.5]), torch.zeros(5),
                                    torch.tensor([float("inf"), 0.0])])
 def test_sample_refuses_what_is_not_a_distribution(probs):

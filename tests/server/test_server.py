@@ -194,6 +194,12 @@ def test_api_keys(server):
     ({"messages": SEA, "chat_template_kwargs": {"enable_thinking": "maybe"}}, "enable_thinking"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "not Unicode"),  # a JSON escape of a lone surrogate
     (b'"messages"', "not a JSON object: send one, with the header Content-Type: application/json"),
+    ({"messages": SEA, "stop": [1, 2]}, "stop: Input should be a valid string"),  # not `stop.str`, pydantic's branch
+    ({"messages": SEA, "tools": [{"type": "function", "function": {"name": "f"}}]}, "`tools` is not supported"),
+    ({"messages": SEA, "response_format": {"type": "json_object"}}, "`response_format` is not supported"),
+    ({"messages": SEA, "logprobs": True}, "`logprobs` is not supported"),
+    ({"messages": SEA, "frequency_penalty": 0.5}, "`frequency_penalty` is not supported"),
+    ({"messages": [{"role": "user", "content": "sea " * 2_000_000}]}, "8,000,000 characters, more than a context"),
 ])
 def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
     status, reply = post(server, "/v1/chat/completions", body)
@@ -382,3 +388,57 @@ def test_closing_the_server_cancels_the_job_in_progress_then_closes_the_engine(m
     worker.close()
     assert job.cancelled.is_set() and worker.cancelled == 1 and len(passes) < 2000
     assert closed == [False]  # closed once, after the thread left the engine
+
+
+def test_what_clients_send_by_default_and_newer_clients_send(server, client):
+    """The `developer` role (newer OpenAI clients), defaults of unsupported parameters, a lowercase `bearer`, a tiny
+    temperature (it rounds to 0 in float32: a 500 that blamed the weights), and one model's card."""
+    reply = client.chat.completions.create(model="tiny", max_tokens=2, temperature=1e-46, logprobs=False, tool_choice="none",
+                                           frequency_penalty=0, response_format={"type": "text"},
+                                           messages=[{"role": "developer", "content": "Be brief."}, *SEA])
+    assert reply.usage.completion_tokens >= 1
+    request = urllib.request.Request(server.url + "/models/tiny", headers={"Authorization": f"bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read())["id"] == "tiny"
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
+        client.models.retrieve("gpt-4")
+
+
+def test_a_body_past_the_limit_is_413_unread_or_chunked(server, monkeypatch):
+    import http.client
+
+    from moechat.app.server import routes
+
+    monkeypatch.setattr(routes, "MAX_BODY_BYTES", 1000)
+    status, reply = post(server, "/v1/completions", {"prompt": "x" * 2000})
+    assert status == 413 and "over" in reply["error"]["message"] and reply["error"]["type"] == "invalid_request_error"
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"prompt": "x" * 2000, "max_tokens": 1}).encode()
+    connection.request("POST", "/v1/completions", body=iter([body[:500], body[500:]]), encode_chunked=True,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 413 and "over" in json.loads(response.read())["error"]["message"]
+    monkeypatch.undo()
+    assert post(server, "/v1/completions", {"prompt": "x" * 2000, "max_tokens": 1})[0] == 200  # under the real limit
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place(server, client, endless):
+    """Clients that gave up waiting kept their places until the engine reached them: real ones got 429."""
+    stream = client.chat.completions.create(model="tiny", messages=endless, max_tokens=LONG, temperature=0, stream=True)
+    next(iter(stream))  # running: the engine is busy
+    impatient = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="tiny", messages=SEA, max_tokens=4)  # waits in the one place, then leaves
+    deadline = time.monotonic() + 30
+    while health(server)["queued"]:  # its waiter sees the client gone within DISCONNECT_POLL_S
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    queued = {}
+    waiting = threading.Thread(target=lambda: queued.setdefault("reply", client.chat.completions.create(
+        model="tiny", messages=SEA, max_tokens=4, temperature=0)))
+    waiting.start()  # the place is free: it waits instead of 429
+    stream.close()
+    waiting.join(60)
+    assert queued["reply"].usage.completion_tokens >= 1
