@@ -115,6 +115,9 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, err: HTTPException):
+        if err.detail == "There was an error parsing the body":  # FastAPI's words for bytes that are not UTF-8 JSON
+            return _error(400, "the request body could not be read as JSON (not UTF-8 text, or nested too deep): "
+                               "send a UTF-8 JSON object", "body")
         return _error(err.status_code, str(err.detail))
 
     @app.exception_handler(Exception)

@@ -194,6 +194,7 @@ def test_api_keys(server):
     ({"messages": SEA, "chat_template_kwargs": {"enable_thinking": "maybe"}}, "enable_thinking"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "not Unicode"),  # a JSON escape of a lone surrogate
     (b'"messages"', "not a JSON object: send one, with the header Content-Type: application/json"),
+    (b'{"messages": "\xff\xfe"}', "could not be read as JSON (not UTF-8 text"),
     ({"messages": SEA, "stop": [1, 2]}, "stop: Input should be a valid string"),  # not `stop.str`, pydantic's branch
     ({"messages": SEA, "tools": [{"type": "function", "function": {"name": "f"}}]}, "`tools` is not supported"),
     ({"messages": SEA, "response_format": {"type": "json_object"}}, "`response_format` is not supported"),
