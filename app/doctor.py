@@ -56,7 +56,27 @@ def diagnose() -> dict:
     profiles = _profiles(fingerprint(hw))
     hardware = asdict(hw) | {"models_dir": str(models), "fingerprint": profiles["fingerprint"]}
     return {"hardware": hardware, "versions": versions, "native": native, "profiles": profiles,
-            "problems": problems(hw, versions, profiles, models, native)}
+            "problems": problems(hw, versions, profiles, models, native) + settings_problems()}
+
+
+def settings_problems() -> list[dict]:
+    """The settings file's one-line notice, and a configured model that is not there: what every start would say."""
+    from ..engine import MoechatError
+    from .demo import resolve_model
+    from .settings import load_settings, settings_path
+
+    settings, notice = load_settings()
+    out = [{"problem": notice, "fix": f"edit {settings_path()} or use the settings screen (F12 in the app)"}] if notice else []
+    if settings.model is not None and settings.backend is None:
+        try:
+            found = Path(resolve_model(settings.model, None)[0]).is_dir()
+            problem = None if found else f"the settings' model {settings.model!r} is not a directory on this machine"
+        except MoechatError as err:
+            problem = str(err)
+        if problem:
+            out.append({"problem": problem, "fix": "`moechat pull OWNER/NAME` to fetch it, or set `model` to a checkpoint "
+                                                   "directory (moechat --setup)"})
+    return out
 
 
 def _versions(hw) -> dict:

@@ -236,3 +236,19 @@ def test_doctor_text(capsys):
     out = capsys.readouterr().out
     assert "native kernels: CPU expert FFN" in out and "physical cores" in out
     assert f"fingerprint {fingerprint(probe())}" in out
+
+
+def test_doctor_reads_the_settings_file(capsys):
+    """A bad value and a configured model that is not there were said at every start but not by doctor."""
+    from moechat.app.settings import settings_path
+
+    path = settings_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('model = "/nowhere/q3"\ntemperature = 99\n', encoding="utf-8")
+    try:
+        problems = {p["problem"]: p["fix"] for p in _doctor_json(capsys)["problems"]}
+    finally:
+        path.unlink()
+    assert any("`temperature`" in problem and str(path) in fix for problem, fix in problems.items())
+    assert any("'/nowhere/q3' is not a directory" in problem and "moechat pull" in fix for problem, fix in problems.items())
+    assert not any("settings" in problem for problem in (p["problem"] for p in _doctor_json(capsys)["problems"]))
