@@ -79,6 +79,7 @@ class DraftModel:
                 f"cannot load the draft model in {model_dir} ({type(err).__name__}: {err}): use a dense Hugging Face checkpoint"
             ) from None
         self.target, self.target_vocab = target, int(target.hf_config.vocab_size)
+        self.draft_vocab = self.model.get_input_embeddings().num_embeddings
         self.device = target.device
         # a bf16 draft computed in float32 on the CPU keeps its dense linears bf16: half the bytes a drafted token reads
         self.bf16_linears = len(narrow_linears(self.model, Checkpoint(model_dir), None, self.device, target.dtype, "none"))
@@ -127,6 +128,8 @@ class DraftModel:
     def _draft_pass(self, feed: list[int]) -> torch.Tensor:
         """feed appended to the draft's cache in a draft forward of the target's runtime (the router feed reports its
         demand into it) -> the last position's logits [V]."""
+        # a target id past a smaller (padded) draft vocabulary: the draft reads token 0 there, which costs only acceptance
+        feed = [t if t < self.draft_vocab else 0 for t in feed]
         with self.target.runtime.forward("draft", self.cache.get_seq_length()):
             logits = self._forward(torch.tensor([feed], device=self.device))
             if self.feed is not None:

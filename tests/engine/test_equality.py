@@ -190,3 +190,17 @@ def test_fused_expert_layout(checkpoint, tokenizer, tmp_path):
     assert run_engine(dst, prompt, expert_cache_ratio=0.5, host_ram_budget_bytes=1).token_ids == expected
     # quantized straight from the fused views: the same cache, so the same tokens, as from the per-expert tensors
     assert run_engine(dst, prompt, quant="int4").token_ids == run_engine(src, prompt, quant="int4").token_ids
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_a_draft_with_a_smaller_padded_vocabulary(lean, checkpoint, tokenizer, tokenizer_dir, tmp_path):
+    """The target (vocab 320, its tokenizer 300 ids) answers ids past a draft whose vocab is 300: the draft was fed them
+    and the request failed ("native decode stack failed at a token id outside the vocabulary", or an IndexError)."""
+    import tiny
+
+    model_dir = checkpoint("qwen3_moe", 3)
+    draft = tiny.make_draft(tmp_path / "draft300", tokenizer_dir, seed=11, vocab=300)
+    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
+    expected = hf_greedy(model_dir, prompt)
+    assert max(expected) >= 300  # the case: an id the draft has no row for is committed and fed to it
+    assert run_engine(model_dir, prompt, drafter=str(draft), draft_len=3, lean_decode=lean).token_ids == expected
