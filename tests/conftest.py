@@ -63,7 +63,7 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
     made: dict = {}
 
     def make(family: str, seed: int = 0, shards: str | None = None, dtype=None, **overrides) -> Path:
-        key = (family, seed, shards, str(dtype), tuple(sorted(overrides.items())))
+        key = (family, seed, shards, str(dtype), tuple(sorted((k, repr(v)) for k, v in overrides.items())))  # dicts too
         if key not in made:
             path = tmp_path_factory.mktemp(f"{family}-s{seed}")
             made[key] = tiny.make_checkpoint(family, path, tokenizer_dir, seed=seed, shards=shards,

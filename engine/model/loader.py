@@ -201,6 +201,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         raise RuntimeError(
             f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
         )
+    cfg, rope_notice = _rope_context(hf, cfg)  # before any weight loads
     quant = expert_format(prequant, cfg.quant)
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
     routers = {id(layers[i].mlp.gate) for i in sparse}
@@ -230,7 +231,29 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config),
-                       runtime, device, dtype, context_len, lean, budget_notice)
+                       runtime, device, dtype, context_len, lean, "; ".join(n for n in (budget_notice, rope_notice) if n))
+
+
+def _rope_context(hf, cfg: EngineConfig) -> tuple[EngineConfig, str]:
+    """(cfg with a context the model's rotary tables allow, a notice when it was cut). transformers' dynamic and longrope
+    tables change for every position once a forward's longest position passes a bound: they follow the passes' shapes,
+    which differ here (prompts in passes, verification windows, kept conversations), so past it moechat would not give
+    transformers' tokens. A context set past the bound is refused; the model's own, cut to it."""
+    rotary = getattr(hf.model, "rotary_emb", None)
+    kind = getattr(rotary, "rope_type", None)
+    if not isinstance(kind, str) or ("dynamic" not in kind and kind != "longrope"):
+        return cfg, ""
+    bound = int(rotary.original_max_seq_len if "dynamic" in kind else
+                hf.config.rope_parameters["original_max_position_embeddings"])
+    context = cfg.context_len or int(getattr(hf.config, "max_position_embeddings", 4096))
+    if context <= bound:
+        return cfg, ""
+    why = (f"its rope_type {kind!r} rescales every position once a sequence passes {bound:,} tokens, which moechat's "
+           "passes cannot reproduce exactly")
+    if cfg.context_len is not None:
+        raise CheckpointError(f"a context of {context:,} tokens does not fit this model: {why}; set the context length to "
+                              f"{bound:,} or less")
+    return dataclasses.replace(cfg, context_len=bound), f"the context is {bound:,} tokens, not {context:,}: {why}"
 
 
 def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, act, top_k: int,

@@ -204,3 +204,29 @@ def test_a_draft_with_a_smaller_padded_vocabulary(lean, checkpoint, tokenizer, t
     expected = hf_greedy(model_dir, prompt)
     assert max(expected) >= 300  # the case: an id the draft has no row for is committed and fed to it
     assert run_engine(model_dir, prompt, drafter=str(draft), draft_len=3, lean_decode=lean).token_ids == expected
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.5, 3.0, 3.5]}
+DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+
+
+@pytest.mark.parametrize("rope, positions", [(LONGROPE, 128), (DYNAMIC, 32)])
+def test_rope_that_rescales_with_the_length_keeps_the_context_where_it_does_not(rope, positions, checkpoint, tokenizer):
+    """transformers picks dynamic and longrope tables per forward from its longest position: past the bound the tables
+    follow the passes' shapes (verification windows, prompts in passes, kept prefixes), and the self drafter's tokens
+    differed from its at the 10th. The model's own context is cut to the bound, with a notice; a longer one set is refused."""
+    from moechat.engine.errors import CheckpointError
+
+    model_dir = checkpoint("qwen3_moe", 2, rope_parameters=rope, max_position_embeddings=positions)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    new = 32 - len(prompt) - 1
+    expected = hf_greedy(model_dir, prompt, new)
+    for drafter in ("none", "self"):
+        engine = Engine(EngineConfig(model_dir=str(model_dir), spec=SpecConfig(drafter, 4)))
+        assert engine.model.context_len == 32
+        assert rope is DYNAMIC or any("rescales every position once a sequence passes 32 tokens" in n for n in engine.notices)
+        fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=new)))[-1]
+        assert fin.token_ids == expected, drafter
+    with pytest.raises(CheckpointError, match="set the context length to 32 or less"):
+        Engine(EngineConfig(model_dir=str(model_dir), context_len=200))
