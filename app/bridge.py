@@ -33,7 +33,7 @@ from pathlib import Path
 
 from textual.message import Message
 
-from ..engine import EngineConfig, MoechatError, SamplingParams
+from ..engine import EngineConfig, MoechatError, RequestError, SamplingParams
 from .models import model_name
 from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (
@@ -253,7 +253,7 @@ class EngineBridge:
             try:
                 messages, notice = fit_for_engine(engine, messages, params.max_new_tokens)
             except MoechatError as err:
-                return EngineFailed(one_line(err), request_id)
+                return EngineFailed(one_line(err), request_id, isinstance(err, RequestError))
             if notice and notice != self._notice:  # said once per cut
                 self._send(ReplyNotice(request_id, notice))
             self._notice = notice
@@ -282,7 +282,7 @@ class EngineBridge:
                         self._send(ExpertFrame(frame))
                     return ReplyFinished(request_id, ev.text, REASONS.get(ev.summary.finish_reason, "stop"), stats)
                 elif isinstance(ev, Error):
-                    return EngineFailed(one_line(ev.message), request_id)
+                    return EngineFailed(one_line(ev.message), request_id, ev.request_fault)
         finally:
             events.close()
         return EngineFailed("the engine ended the reply without a result: send the message again", request_id)

@@ -38,6 +38,8 @@ def fit_history(messages: list[dict], count_tokens: Callable[[list[dict]], int],
     def before(d: int) -> int:  # tokens of the history's first d messages: fixed once they are written
         return count_tokens(history[:d]) if d else 0
 
+    if count_tokens(messages[:head] + new) > room:  # the new message alone does not fit: the engine says so, not a cut
+        return messages, 0, ""
     fewest = _smallest(1, len(history), lambda d: count_tokens(messages[:head] + history[start(d):] + new) <= room)
     half = max(1, context_len // 2)
     mark = -(-before(fewest) // half) * half  # the first mark at or past the fewest turns that fit

@@ -116,7 +116,7 @@ def cmd_chat(args) -> int:
 
 
 def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = None) -> int:
-    from ..engine import Error, Finished, Request, TokenDelta
+    from ..engine import Error, Finished, MoechatError, Request, TokenDelta
     from .cli import acceptance
     from .history import fit_for_engine
 
@@ -148,10 +148,12 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
             print("moechat: that line is not valid UTF-8 text: not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
-        if remote:  # the server fits its own context
-            request, notice = messages, ""
-        else:
-            request, notice = fit_for_engine(engine, messages, params.max_new_tokens)
+        try:
+            request, notice = (messages, "") if remote else fit_for_engine(engine, messages, params.max_new_tokens)
+        except MoechatError as err:  # the chat template refuses it, say: one line, and the next message
+            messages.pop()
+            print(f"moechat: error: {' '.join(str(err).split())}", file=sys.stderr)
+            continue
         if notice and notice != said:  # once per cut
             print(f"moechat: {notice}", file=sys.stderr)
         said = notice

@@ -159,8 +159,9 @@ class RemoteEngine:
                             t_first = t_first or time.perf_counter()
                             text.append(choice.delta.content)
                             yield TokenDelta(choice.delta.content, [])
-        except openai.APIError as err:
-            yield Error(f"the backend at {self.config.url} failed: {_one_line(err)}")
+        except openai.APIError as err:  # a 400 (too long for its context, say) is the request's fault, as here
+            yield Error(f"the backend at {self.config.url} failed: {_one_line(err)}",
+                        request_fault=isinstance(err, openai.BadRequestError))
             return
         t_end = time.perf_counter()
         t_first = t_first or t_end

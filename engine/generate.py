@@ -100,19 +100,19 @@ class Engine:
                 raise RequestError("this model's tokenizer has no chat template: send a plain prompt instead of chat messages")
             for message in request.messages:
                 _check_text(message.get("content"))
-            self._check_length(sum(len(m.get("content") or "") for m in request.messages))
             ids = self._render_chat(request)
         else:
-            self._check_length(len(request.prompt or ""))
             ids = tok(_check_text(request.prompt or ""), add_special_tokens=True)["input_ids"]
         if not ids:
             raise RequestError("the prompt is empty: type something to send")
         return list(ids)
 
-    def _check_length(self, chars: int) -> None:
+    def _check_length(self, request: Request) -> None:
         """Refuse, before tokenizing (100 MB of text took minutes and 13 GB), a text no tokenization fits in the context:
         a token decodes to at most as many characters as its vocabulary entry has (one per byte, or per SentencePiece
         character); twice that, for normalizers that shorten text."""
+        texts = [m.get("content") for m in request.messages] if request.messages is not None else [request.prompt]
+        chars = sum(len(t) for t in texts if isinstance(t, str))
         context = self.model.context_len
         if chars <= 4 * context:  # every real prompt: the vocabulary is not looked at
             return
@@ -150,6 +150,7 @@ class Engine:
             yield Error("the engine is closed: create a new Engine to generate")
             return
         try:
+            self._check_length(request)  # here, not in encode: the app counts a long history's tokens to trim it
             yield from self._generate(self.encode(request), params, trace)
         except MoechatError as err:
             yield Error(str(err), request_fault=isinstance(err, RequestError))

@@ -103,10 +103,13 @@ class MoechatApp(App):
     async def on_engine_failed(self, msg: m.EngineFailed) -> None:
         if not self.is_running:
             return
-        self.notify(msg.message, title="moechat", severity="error", timeout=10)
         if msg.request_id is None:
+            self.notify(msg.message, title="moechat", severity="error", timeout=10)
             self.chat.show_failed(msg.message)
+        elif msg.request_fault and await self.chat.reply_refused(msg.request_id):
+            self.notify(f"{msg.message}; your message is back in the input", title="moechat", severity="error", timeout=15)
         else:
+            self.notify(msg.message, title="moechat", severity="error", timeout=10)
             await self.chat.reply_finished(msg.request_id, "", "failed", None)
 
     async def on_reply_delta(self, msg: m.ReplyDelta) -> None:

@@ -30,11 +30,12 @@ class EngineReady(Message):
 
 
 class EngineFailed(Message):
-    """A one-line, user-facing error (bad checkpoint, budget, ...). `request_id` None: not tied to a reply."""
+    """A one-line, user-facing error (bad checkpoint, budget, ...). `request_id` None: not tied to a reply;
+    `request_fault`: the engine refused the request as sent (too long for the context), not the model or itself."""
 
-    def __init__(self, message: str, request_id: int | None = None) -> None:
+    def __init__(self, message: str, request_id: int | None = None, request_fault: bool = False) -> None:
         super().__init__()
-        self.message, self.request_id = message, request_id
+        self.message, self.request_id, self.request_fault = message, request_id, request_fault
 
 
 class ReplyDelta(Message):

@@ -73,3 +73,26 @@ def test_a_long_chat_keeps_going_past_the_context_and_reuses_the_cache(checkpoin
     assert len(set(notices) - {""}) >= 2, "the conversation must outgrow the context, twice, for this test to mean anything"
     assert reused_same_cut and min(reused_same_cut) > 60  # all of the last request's prompt, not just the system prompt
     engine.close()
+
+
+def test_the_new_message_alone_past_the_context_is_not_said_as_a_cut():
+    """"the 2 oldest messages no longer fit" came before the engine refused a new message too long on its own."""
+    messages = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "reply"},
+                {"role": "user", "content": "new " * 500}]
+    assert fit_history(messages, words, context_len=400, reply_room=0) == (messages, 0, "")
+
+
+def test_a_history_longer_in_characters_than_the_context_holds_is_trimmed_not_refused(checkpoint):
+    """The engine refuses, before tokenizing, text no tokenization fits in the context; trimming counts a long history's
+    tokens through engine.encode first, which must not refuse it (every later message of such a chat failed)."""
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), context_len=256))
+    longest = max(map(len, engine.model.tokenizer.get_vocab()))
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": "the sea is wide " * 40} for i in range(80)]
+    messages = history + [{"role": "user", "content": "And the moon?"}]
+    assert sum(len(m["content"]) for m in messages) > 2 * longest * 256  # past the engine's bound before tokenizing
+    refused = list(engine.generate(Request(messages=messages), SamplingParams(max_new_tokens=4)))[-1]
+    assert "characters, more than a context of 256 tokens can hold" in refused.message
+    request, notice = fit_for_engine(engine, messages, reply_room=16)
+    assert "oldest messages no longer fit" in notice and request[-1] == messages[-1]
+    assert isinstance(list(engine.generate(Request(messages=request), SamplingParams(max_new_tokens=4)))[-1], Finished)
+    engine.close()

@@ -90,3 +90,24 @@ def test_a_message_that_got_no_reply_is_not_stored(tmp_path, monkeypatch, capsys
         assert conv.title == "What is a dog?"  # the chat the refused first line started went with it
         assert [(m.role, m.content) for m in store.messages(conv.id)] == [("user", "What is a dog?"), ("assistant", "A dog.")]
     capsys.readouterr()
+
+
+def test_a_conversation_longer_than_the_context_in_characters_goes_on(tmp_path, monkeypatch, capsys, checkpoint):
+    """With a small context, the history's characters passed the engine's check before tokenizing, which the trimming
+    reached first: the command exited with "moechat: error: the prompt has N characters" and read no more lines."""
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.generate import Engine
+
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), context_len=256))
+    longest = max(map(len, engine.model.tokenizer.get_vocab()))
+    question = "Tell me about the wide sea and the moon over it. " * 2  # 100 characters: a turn fits the context
+    lines = "".join(f"{i}: {question}\n" for i in range(2 * longest * 256 // len(question) + 4)) + "And the stars?\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        assert plain_chat._chat(engine, plain_chat.Keeper(store, None), SamplingParams(max_new_tokens=4), remote=False) == 0
+        ((conv),) = store.conversations()
+        messages = store.messages(conv.id)
+    err = capsys.readouterr().err
+    assert "error" not in err and "oldest messages no longer fit" in err
+    assert [m.content for m in messages if m.role == "user"][-1] == "And the stars?" and messages[-1].role == "assistant"
+    engine.close()

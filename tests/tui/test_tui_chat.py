@@ -432,6 +432,32 @@ async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, sto
 
 
 @pilot_test
+async def test_a_message_too_long_for_the_context_comes_back_to_the_input(tmp_path, checkpoint):
+    """It stayed in the chat, so the next request carried it and was refused too ("the prompt has 3022 tokens")."""
+    from moechat.app.tui.screens.chat import ChatInput
+
+    path = checkpoint("qwen3_moe")
+    app = make_app(tmp_path, lambda: EngineConfig(str(path), context_len=128), max_new_tokens=4)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await until(pilot, lambda: chat.model == path.name, "the engine to load")
+        await send(pilot, "Hello!")
+        await until(pilot, lambda: chat.reply is None and len(app.store.messages(chat.conv_id)) == 2, "the first reply")
+        box = chat.query_one(ChatInput)
+        box.text = "the sea " * 100  # 200-odd tokens: past the 128-token context on its own
+        await pilot.press("enter")
+        await until(pilot, lambda: any("back in the input" in e for e in errors(app)), "the refusal")
+        assert box.text == ("the sea " * 100).strip() and chat.reply is None
+        assert [m.content for m in app.store.messages(chat.conv_id)][0] == "Hello!"
+        assert len(app.store.messages(chat.conv_id)) == 2 and len(chat.shown_views()) == 2  # neither stored nor shown
+        box.text = ""
+        box.focus()  # not a click: the notice's toast lies over the input
+        await pilot.press(*"And the moon?", "enter")
+        await until(pilot, lambda: chat.reply is None and len(app.store.messages(chat.conv_id)) == 4, "the next reply")
+        assert [m.role for m in app.store.messages(chat.conv_id)] == ["user", "assistant"] * 2
+
+
+@pilot_test
 async def test_first_run_opens_the_wizard_before_the_model_loads(tmp_path):
     from moechat.app.tui.screens.wizard import WizardScreen
 

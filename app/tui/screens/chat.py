@@ -246,6 +246,7 @@ class _Reply:
     replaces: ChatMessage | None = None  # Regenerate: the stored reply this one replaces, deleted once this one has text
     save_failed: bool = False  # a save failed (the disk full, the database locked): said once; later saves try again
     redraw: Timer | None = None  # the timer that draws the text that came since the last draw
+    asked: tuple[int, str] | None = None  # the user message that asked it (its id, text); None: a regeneration
 
 
 async def _stop(stream) -> None:
@@ -490,9 +491,9 @@ class ChatScreen(Screen):
             self.app.notify(f"{err}; your message is back in the input", severity="error", timeout=15)
             return
         await self.query_one("#log").mount(MessageView("user", text, message_id))
-        await self.start_reply()
+        await self.start_reply(asked=(message_id, text))
 
-    async def start_reply(self, replaces=None) -> None:
+    async def start_reply(self, replaces=None, asked: tuple[int, str] | None = None) -> None:
         """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once. `replaces`: the
         stored reply Regenerate replaces, left out of the history and kept until this one has text."""
         self.flush_pending()  # a reply whose last save failed: into the store first, which the history is read from
@@ -513,7 +514,7 @@ class ChatScreen(Screen):
         view.set_note("writing…")
         self.next_request += 1
         self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic(),
-                            replaces=replaces)
+                            replaces=replaces, asked=asked)
         self.stats = None
         self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
 
@@ -548,6 +549,28 @@ class ChatScreen(Screen):
         finally:  # busy until the reply is drawn whole: a conversation switched meanwhile would take its view away
             if self.reply is reply:
                 self.reply = None
+
+    async def reply_refused(self, request_id: int) -> bool:
+        """The engine refused the request as sent (too long for the context): the reply ends as a failed one, and the
+        message that asked it leaves the chat for the input, to shorten (kept, every next request would carry it and
+        fail too). -> whether the message came back to the input."""
+        reply = self.reply
+        if reply is None or reply.request_id != request_id or reply.ended:
+            return False
+        await self.reply_finished(request_id, "", "failed", None)
+        if reply.asked is None:  # a regeneration: the conversation was answerable before; it stays as it was
+            return False
+        message_id, text = reply.asked
+        for view in self.shown_views():
+            if view.message_id == message_id:
+                await view.remove()
+        self._drop(message_id)
+        box = self.query_one(ChatInput)
+        if box.text.strip():  # typed meanwhile: kept, the refused message goes after it
+            box.text = f"{box.text.rstrip()}\n\n{text}"
+        else:
+            box.text = text
+        return True
 
     async def _finish(self, reply: _Reply, text: str, reason: str, stats: Stats | None) -> None:
         if reply.redraw is not None:
