@@ -159,7 +159,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
         said = notice
         kept.user(text)
         sys.stdout.write("moechat> ")
-        reply, finished = [], None
+        reply, finished, stopped = [], None, False
         events = engine.generate(Request(messages=list(request), thinking=thinking), params)
         try:
             for ev in events:
@@ -177,6 +177,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
                     finished = ev
         except KeyboardInterrupt:
             events.close()  # cancels the request; the engine (or the server) is ready for the next one
+            stopped = True
             print("\nmoechat: stopped", file=sys.stderr)
         print(flush=True)
         if finished is None and not reply:
@@ -185,7 +186,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
             continue
         answer = finished.text if finished else "".join(reply)
         messages.append({"role": "assistant", "content": answer})
-        kept.reply(answer, finished=finished is not None)
+        kept.reply(answer, finished=finished is not None or stopped)  # stopped by the user, as the app stores it: not cut
         if finished:
             s = finished.summary
             print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {acceptance(s)}, "

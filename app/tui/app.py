@@ -197,7 +197,7 @@ class MoechatApp(App):
     @store_failures_noticed
     def action_delete_chat(self) -> None:
         conv = self._conversation("")
-        if conv is None:
+        if conv is None or self.chat.refuse_while_busy():  # before asking: it would be refused after the answer
             return
 
         async def done(yes: bool | None) -> None:

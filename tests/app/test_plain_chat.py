@@ -111,3 +111,17 @@ def test_a_conversation_longer_than_the_context_in_characters_goes_on(tmp_path, 
     assert "error" not in err and "oldest messages no longer fit" in err
     assert [m.content for m in messages if m.role == "user"][-1] == "And the stars?" and messages[-1].role == "assistant"
     engine.close()
+
+
+def test_a_reply_stopped_with_ctrl_c_is_stored_as_stopped_not_cut(tmp_path, monkeypatch, capsys):
+    """Stored unfinished, the app later showed it as "interrupted" (a crash's mark); the app stores its own stops finished."""
+    def ctrl_c(i: int) -> None:
+        if i == 2:
+            raise KeyboardInterrupt
+
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        run(Streaming(["The ", "sea ", "is ", "wide."], ctrl_c), store, "tell me about the sea\n", monkeypatch)
+        ((conv),) = store.conversations()
+        reply = store.messages(conv.id)[-1]
+    assert (reply.role, reply.content, reply.finished) == ("assistant", "The sea ", True)
+    assert "moechat: stopped" in capsys.readouterr().err

@@ -346,6 +346,32 @@ async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice
 
 @pilot_test
 @pytest.mark.notorch
+async def test_esc_says_the_reply_is_stopping_until_its_step_ends_and_delete_asks_nothing_meanwhile(tmp_path, stored):
+    """A large model's step takes seconds: Esc left "reading the prompt…" on screen and Enter said "Esc stops it"; F8
+    asked "Delete …?" and refused only after the answer."""
+    from moechat.app.tui.messages import ReplyProgress
+    from moechat.app.tui.screens.chat import ChatInput
+    from moechat.app.tui.screens.dialogs import Confirm
+
+    async with without_model(tmp_path) as (app, pilot):
+        chat = app.chat
+        view = await reply_view(chat, 1)
+        app.bridge.stop = lambda: None  # the engine's step in progress goes on
+        await pilot.press("f8")
+        assert not isinstance(app.screen, Confirm) and "a reply is being written" in list(app._notifications)[-1].message
+        await pilot.press("escape")
+        note = lambda: view.query_one(".role").render().plain  # noqa: E731
+        assert "stopping…" in note()
+        app.post_message(ReplyProgress(1, 512, 1664))  # the pass that was under way reports
+        await pilot.pause(0.1)
+        assert "stopping…" in note() and "reading" not in note()
+        chat.query_one(ChatInput).focus()
+        await pilot.press(*"next", "enter")
+        assert "the reply is stopping" in list(app._notifications)[-1].message and chat.query_one(ChatInput).text == "next"
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_settings_open_once_and_a_reload_setting_reloads_on_save(tmp_path, stored):
     from moechat.app.tui.screens.settings import SettingsScreen
 

@@ -247,6 +247,7 @@ class _Reply:
     save_failed: bool = False  # a save failed (the disk full, the database locked): said once; later saves try again
     redraw: Timer | None = None  # the timer that draws the text that came since the last draw
     asked: tuple[int, str] | None = None  # the user message that asked it (its id, text); None: a regeneration
+    stopping: bool = False  # Esc was pressed: the engine stops after its step in progress
 
 
 async def _stop(stream) -> None:
@@ -457,7 +458,8 @@ class ChatScreen(Screen):
 
     def refuse_while_busy(self) -> bool:
         if self.reply is not None:
-            self.app.notify("a reply is being written: Esc stops it", severity="warning")
+            self.app.notify("the reply is stopping (a long step finishes first): send again in a moment"
+                            if self.reply.stopping else "a reply is being written: Esc stops it", severity="warning")
             return True
         return False
 
@@ -519,14 +521,14 @@ class ChatScreen(Screen):
         self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
 
     def reply_progress(self, request_id: int, done: int, total: int) -> None:
-        if self.reply is not None and self.reply.request_id == request_id and not self.reply.text:
+        if self.reply is not None and self.reply.request_id == request_id and not (self.reply.text or self.reply.stopping):
             self.reply.view.set_note(f"reading the prompt: {done:,} of {total:,} tokens…")
 
     async def reply_delta(self, request_id: int, text: str) -> None:
         reply = self.reply
         if reply is None or reply.request_id != request_id or reply.ended:
             return  # a stopped or failed reply's late text
-        if not reply.text:
+        if not (reply.text or reply.stopping):
             reply.view.set_note("writing…")
         reply.text += text
         reply.view.content = reply.text
@@ -707,6 +709,9 @@ class ChatScreen(Screen):
     def stop(self) -> None:
         if self.reply is not None:
             self.app.bridge.stop()
+            if not self.reply.ended:  # a large model's step can take seconds: say that Esc was heard
+                self.reply.stopping = True
+                self.reply.view.set_note("stopping…")
 
     @store_failures_noticed
     async def regenerate(self) -> None:
