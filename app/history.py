@@ -38,7 +38,7 @@ def fit_history(messages: list[dict], count_tokens: Callable[[list[dict]], int],
     def before(d: int) -> int:  # tokens of the history's first d messages: fixed once they are written
         return count_tokens(history[:d]) if d else 0
 
-    if count_tokens(messages[:head] + new) > room:  # the new message alone does not fit: the engine says so, not a cut
+    if count_tokens(messages[:head] + new) >= context_len:  # the new message alone does not fit: the engine says so
         return messages, 0, ""
     fewest = _smallest(1, len(history), lambda d: count_tokens(messages[:head] + history[start(d):] + new) <= room)
     half = max(1, context_len // 2)

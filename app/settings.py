@@ -142,7 +142,10 @@ def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, st
 
     Settings(**updates)  # every value checked before anything is written
     path = path or settings_path()
-    target = path.resolve() if path.is_symlink() else path  # dotfiles: the link stays, its file changes
+    try:
+        target = path.resolve() if path.is_symlink() else path  # dotfiles: the link stays, its file changes
+    except RuntimeError as err:  # a symlink loop (Python 3.11 raises RuntimeError, later ones OSError)
+        raise OSError(f"{path}: {err}") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     doc, notice, mode = tomlkit.document(), None, 0o600
     if target.exists() and not target.is_dir():

@@ -111,6 +111,8 @@ class Engine:
         """Refuse, before tokenizing (100 MB of text took minutes and 13 GB), a text no tokenization fits in the context:
         a token decodes to at most as many characters as its vocabulary entry has (one per byte, or per SentencePiece
         character); twice that, for normalizers that shorten text."""
+        if request.token_ids is not None or self.model.tokenizer is None:  # counted as ids, or refused by encode
+            return
         texts = [m.get("content") for m in request.messages] if request.messages is not None else [request.prompt]
         chars = sum(len(t) for t in texts if isinstance(t, str))
         context = self.model.context_len

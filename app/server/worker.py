@@ -54,7 +54,7 @@ class EngineWorker:
         if queue_size < 1:
             raise MoechatError(f"--queue-size must be at least 1, got {queue_size}")
         self.engine, self.queue_size = engine, queue_size
-        self._jobs: queue.Queue = queue.Queue()  # bounded by queue_size live jobs: those whose client left hold no place
+        self._jobs: queue.Queue = queue.Queue()  # at most queue_size waiting: a job whose client left is pruned
         self._lock = threading.Lock()
         self.arrived = self.served = self.cancelled = 0
         self.running = False
@@ -65,9 +65,16 @@ class EngineWorker:
 
     @property
     def queued(self) -> int:
-        """Jobs waiting whose client is still there (a cancelled one stays in the FIFO until the thread skips it)."""
+        """Jobs waiting whose client is still there: those whose client left go first (their routes have answered), so
+        they hold neither a place nor their request's memory."""
         with self._jobs.mutex:
-            return sum(not job.cancelled.is_set() for job in self._jobs.queue if job is not None)
+            waiting = self._jobs.queue
+            gone = [job for job in waiting if job is not None and job.cancelled.is_set()]
+            for job in gone:
+                waiting.remove(job)
+                job.post(None)
+            self.cancelled += len(gone)
+            return sum(job is not None for job in waiting)
 
     def submit(self, request, params, loop: asyncio.AbstractEventLoop) -> Job:
         """Queue a request; QueueFull when every waiting place is taken."""

@@ -270,7 +270,8 @@ class MoechatApp(App):
         if not kept_aside_on_save(self.settings_file):  # never rewrite a file the user has to fix (a typo'd key is kept)
             theme = "light" if self.theme == DARK_LIGHT_THEMES[1] else "dark"
             try:
-                self.settings, _ = save_settings({"theme": theme}, self.settings_file)  # the file's other keys as they are now
+                save_settings({"theme": theme}, self.settings_file)  # the file's other keys stay as they are now
+                self.settings = replace(self.settings, theme=theme)  # what the engine runs with: a reload reads the rest
             except OSError as err:
                 self.notify(f"theme not remembered: {err}", severity="warning")
 

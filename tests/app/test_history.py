@@ -80,6 +80,9 @@ def test_the_new_message_alone_past_the_context_is_not_said_as_a_cut():
     messages = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "reply"},
                 {"role": "user", "content": "new " * 500}]
     assert fit_history(messages, words, context_len=400, reply_room=0) == (messages, 0, "")
+    fits_without_room = messages[:2] + [{"role": "user", "content": "new " * 340}]  # 342 of 400, past the reply's room
+    out, dropped, notice = fit_history(fits_without_room, words, context_len=400, reply_room=100)
+    assert out == fits_without_room[-1:] and dropped == 2 and "the 2 oldest" in notice  # sent alone: a short reply
 
 
 def test_a_history_longer_in_characters_than_the_context_holds_is_trimmed_not_refused(checkpoint):

@@ -286,3 +286,20 @@ def test_cuda_requested_without_cuda(checkpoint):
     with pytest.raises(MoechatError) as err:
         load(checkpoint("olmoe"), device="cuda")
     assert "CUDA is not available" in one_line(err.value) and "--device cpu" in str(err.value)
+
+
+def test_text_past_the_context_is_refused_before_tokenizing_and_a_model_without_tokenizer_says_so(checkpoint):
+    """100 MB of prompt took minutes and 13 GB to tokenize before the context check refused it; the check before
+    tokenizing must not turn a model without tokenizer files into an internal error."""
+    from moechat.engine.config import EngineConfig, SamplingParams
+    from moechat.engine.events import Error
+    from moechat.engine.generate import Engine, Request
+
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), context_len=64))
+    huge = list(engine.generate(Request(prompt="sea " * 10_000_000), SamplingParams(max_new_tokens=1)))
+    assert len(huge) == 1 and isinstance(huge[0], Error) and huge[0].request_fault
+    assert "40,000,000 characters, more than a context of 64 tokens can hold" in huge[0].message
+    engine.model.tokenizer = None
+    (err,) = list(engine.generate(Request(prompt="sea " * 1000), SamplingParams(max_new_tokens=1)))
+    assert isinstance(err, Error) and "no tokenizer" in err.message and "internal error" not in err.message
+    engine.close()

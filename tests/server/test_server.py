@@ -443,3 +443,38 @@ def test_a_client_that_leaves_the_queue_frees_its_place(server, client, endless)
     stream.close()
     waiting.join(60)
     assert queued["reply"].usage.completion_tokens >= 1
+
+
+def test_jobs_whose_clients_left_hold_no_memory_in_the_queue():
+    """Only live jobs were counted, but a cancelled one stayed in the FIFO with its request until the engine reached it:
+    send-and-leave in a loop grew the queue without bound while one long reply ran."""
+    import asyncio
+
+    from moechat.app.server.worker import EngineWorker
+
+    release = threading.Event()
+
+    class Blocking:
+        def generate(self, request, params):
+            release.wait(30)
+            yield from ()
+
+        def close(self):
+            pass
+
+    worker = EngineWorker(Blocking(), queue_size=2)
+    loop = asyncio.new_event_loop()
+    try:
+        worker.submit(Request(prompt="runs"), SamplingParams(), loop)
+        deadline = time.monotonic() + 10
+        while not worker.running:  # the first job is taken: the engine is busy
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for _ in range(100):
+            worker.submit(Request(prompt="x" * 10_000), SamplingParams(), loop).cancel()  # sent, and its client left
+            assert len(worker._jobs.queue) <= 2
+        assert worker.queued == 0 and worker.cancelled >= 99
+    finally:
+        release.set()
+        worker.close()
+        loop.close()
