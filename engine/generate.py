@@ -120,16 +120,19 @@ class Engine:
             return
         if self._longest_token is None:
             self._longest_token = max(map(len, self.model.tokenizer.get_vocab()), default=1)
+        if chars > 2 * self._longest_token * context and request.messages is not None:  # what the template keeps: Qwen3's
+            chars = len(self._render_chat(request, tokenize=False))  # drops earlier turns' reasoning, say (no tokenizing)
         if chars > 2 * self._longest_token * context:
             raise RequestError(f"the prompt has {chars:,} characters, more than a context of {context:,} tokens can hold: "
                                "shorten it or raise the context length")
 
-    def _render_chat(self, request: Request) -> list[int]:
+    def _render_chat(self, request: Request, tokenize: bool = True) -> list[int] | str:
+        """The chat template applied: token ids, or the text (tokenize=False)."""
         import jinja2
 
         thinking = {} if request.thinking is None else {"enable_thinking": request.thinking}
         try:
-            ids = self.model.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=True,
+            ids = self.model.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=tokenize,
                                                            **thinking)
         except jinja2.TemplateSyntaxError as err:  # the model's file, not the request: one line, the engine stays ready
             raise MoechatError(f"the chat template of {self.config.model_dir} is broken ({type(err).__name__}: {err}): "
@@ -137,7 +140,7 @@ class Engine:
         except jinja2.TemplateError as err:  # the template refuses these messages (roles not alternating, no user turn)
             raise RequestError(f"the model's chat template refuses this conversation ({err}): check the roles and order "
                                "of its messages") from None
-        return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids  # a str when not tokenized
 
     def generate(self, request: Request, params: SamplingParams | None = None,
                  trace: TraceRecorder | None = None) -> Iterator[Event]:

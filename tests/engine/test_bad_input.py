@@ -299,6 +299,15 @@ def test_text_past_the_context_is_refused_before_tokenizing_and_a_model_without_
     huge = list(engine.generate(Request(prompt="sea " * 10_000_000), SamplingParams(max_new_tokens=1)))
     assert len(huge) == 1 and isinstance(huge[0], Error) and huge[0].request_fault
     assert "40,000,000 characters, more than a context of 64 tokens can hold" in huge[0].message
+    tok = engine.model.tokenizer  # a template that keeps only the user's turns, as Qwen3's drops earlier reasoning:
+    template, tok.chat_template = tok.chat_template, ("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}"
+                                                      "{% endif %}{% endfor %}")  # the text it drops is not counted
+    try:
+        dropped = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>" + "x" * 10**6},
+                   {"role": "user", "content": "and?"}]
+        assert isinstance(list(engine.generate(Request(messages=dropped), SamplingParams(max_new_tokens=1)))[-1], Finished)
+    finally:
+        tok.chat_template = template
     engine.model.tokenizer = None
     (err,) = list(engine.generate(Request(prompt="sea " * 1000), SamplingParams(max_new_tokens=1)))
     assert isinstance(err, Error) and "no tokenizer" in err.message and "internal error" not in err.message
