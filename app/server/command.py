@@ -17,6 +17,7 @@ import time
 from ...engine import MoechatError
 
 KEY_ENV = "MOECHAT_API_KEY"
+GRACE_S = 30  # how long a stop waits for the requests in flight to end (the engine's step in progress first)
 
 
 def add_serve(sub) -> None:
@@ -103,8 +104,10 @@ class BackgroundServer:
         self.model_id = model_id
         self.sock = sock or bind("127.0.0.1", 0)
         self.worker = EngineWorker(engine, queue_size)
+        # the job in progress stops at its next step or prompt pass: seconds for a large model's pass on a CPU (past the
+        # wait, uvicorn cancels the request with a plain-text 500 and a traceback); a second Ctrl-C ends at once
         config = uvicorn.Config(build_app(self.worker, model_id, api_key), log_level="warning",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=GRACE_S)
         self.server = _server(config, self.worker, announce)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
@@ -153,6 +156,8 @@ def _server(config, worker, announce=None):
         def handle_exit(self, sig, frame) -> None:
             # a signal handler: the worker's locks may be held by this very thread, so the jobs stop on another
             threading.Thread(target=worker.stop_jobs, name="moechat-serve-stop", daemon=True).start()
+            if worker.running and not self.should_exit:
+                print("moechat: stopping after the step in progress (Ctrl-C again ends at once)", file=sys.stderr, flush=True)
             super().handle_exit(sig, frame)
 
     return Server(config)

@@ -312,6 +312,7 @@ def test_ctrl_c_ends_the_requests_in_flight_with_503_and_no_traceback(model, end
         assert status == 503 and reply["error"]["type"] == "server_error" and "shutting down" in reply["error"]["message"]
     stderr = log.read_text()
     assert "Traceback" not in stderr and "ERROR" not in stderr and stderr.rstrip().endswith("moechat: server stopped")
+    assert "moechat: stopping after the step in progress (Ctrl-C again ends at once)" in stderr  # said while it waits
 
 
 def test_the_real_command_serves(served):
