@@ -26,7 +26,16 @@ if ($LASTEXITCODE -ne 0) {
     $Gpu = Get-Command nvidia-smi -ErrorAction SilentlyContinue
     if ($Gpu) {
         Write-Host "moechat install: NVIDIA GPU found: installing the CUDA build of PyTorch"
-        & $Py -m pip install torch --index-url https://download.pytorch.org/whl/cu124
+        # pytorch.org's build for the newest CUDA the driver supports (12.8 -> cu128, then cu126, ...)
+        $Driver = [version]"99.0"  # not read: try every index, newest first
+        $Line = (& nvidia-smi) | Select-String "CUDA Version:\s*([0-9]+\.[0-9]+)"
+        if ($Line) { $Driver = [version]$Line.Matches[0].Groups[1].Value }
+        foreach ($Tag in @("130", "128", "126", "124", "121", "118")) {
+            $Need = [version]("{0}.{1}" -f $Tag.Substring(0, 2), $Tag.Substring(2))
+            if ($Driver -lt $Need) { continue }
+            & $Py -m pip install torch --index-url "https://download.pytorch.org/whl/cu$Tag"
+            if ($LASTEXITCODE -eq 0) { break }
+        }
     } else {
         Write-Host "moechat install: no NVIDIA GPU: installing the CPU build of PyTorch"
         & $Py -m pip install torch   # Windows wheels on PyPI are CPU-only

@@ -31,6 +31,15 @@ def test_the_gpu_proof_runs_every_gpu_test_file():
     assert len(marked) >= 10 and not {f for f in marked if f not in proof}
 
 
+def test_an_unusable_moechat_python_is_refused_in_one_line(tmp_path):
+    """It was ignored: the install went on with another Python, saying only which."""
+    env = {**os.environ, "HOME": str(tmp_path), "MOECHAT_PYTHON": str(tmp_path / "nope" / "python")}
+    proc = subprocess.run(["bash", str(SCRIPT), "--no-modify-path"], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"moechat install: error: MOECHAT_PYTHON={tmp_path / 'nope' / 'python'} is not a Python 3.10 or newer with the venv "
+        "module: point it at one, or unset it"]
+
+
 @pytest.mark.slow
 def test_install_into_empty_home(tmp_path):
     """A bare interpreter (no torch) and an empty HOME: the CPU build of PyTorch, moechat on PATH, twice; then a chat."""
@@ -56,3 +65,29 @@ def test_install_into_empty_home(tmp_path):
     chat = subprocess.run([str(moechat)], input="Tell me about the sea.\n", capture_output=True, text=True, env=env, timeout=300)
     assert chat.returncode == 0, chat.stderr[-3000:]
     assert "moechat> " in chat.stdout and len(chat.stdout.strip()) > len("moechat> ") and "Traceback" not in chat.stderr
+
+    # a run killed while it made the environment (no pip in it yet) broke every later run: it is made again
+    venv = venv_python.parent.parent
+    shutil.rmtree(next((venv / "lib").glob("python3*/site-packages/pip")))
+    (home / ".bash_profile").write_text("# mine\n")  # bash login shells read it instead of ~/.profile
+    for _ in range(2):
+        proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert subprocess.run([str(venv_python), "-c", "import pip, torch"]).returncode == 0
+    for name in (".profile", ".bashrc", ".bash_profile"):  # where each shell reads it, once each after two runs
+        assert (home / name).read_text().count("# added by moechat") == 1, name
+    assert "is on PATH in new terminals" in proc.stderr
+
+    # an NVIDIA GPU beside the CPU build: the CUDA build replaces it (`moechat doctor` says so); offline here, a
+    # one-line failure that leaves the working CPU build in place
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA GeForce RTX 4090 (UUID: GPU-0)'\n")
+    (stub / "nvidia-smi").chmod(0o755)
+    offline = {**env, "PATH": f"{stub}:{env['PATH']}", "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": str(tmp_path / "none"),
+               "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": ""}
+    proc = subprocess.run(["bash", str(SCRIPT), "--no-modify-path"], capture_output=True, text=True, env=offline, timeout=900)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("moechat install:")]
+    assert proc.returncode == 1 and "the installed PyTorch is a CPU build: installing the CUDA build" in said[-2], said
+    assert said[-1].startswith("moechat install: error: could not install PyTorch"), said
+    assert subprocess.run([str(venv_python), "-c", "import torch"]).returncode == 0
