@@ -154,9 +154,10 @@ def _server(config, worker, announce=None):
                 announce()
 
         def handle_exit(self, sig, frame) -> None:
+            busy = worker.running and not self.should_exit  # read first: the job may end as soon as the stop starts
             # a signal handler: the worker's locks may be held by this very thread, so the jobs stop on another
             threading.Thread(target=worker.stop_jobs, name="moechat-serve-stop", daemon=True).start()
-            if worker.running and not self.should_exit:
+            if busy:
                 print("moechat: stopping after the step in progress (Ctrl-C again ends at once)", file=sys.stderr, flush=True)
             super().handle_exit(sig, frame)
 
