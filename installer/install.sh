@@ -63,8 +63,8 @@ if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import sys, pip' 2>/dev/n
   fi
 else
   say "using $python (Python $(version "$python"))"
-  share=()
-  if "$python" -c 'import torch' 2>/dev/null; then
+  share=()  # not from a venv's interpreter: a venv made from it would see its base's packages, not its torch
+  if "$python" -c 'import sys, torch; sys.exit(sys.prefix != sys.base_prefix)' 2>/dev/null; then
     share=(--system-site-packages)
     say "reusing the PyTorch already installed for $python"
   fi
