@@ -230,3 +230,15 @@ def test_rope_that_rescales_with_the_length_keeps_the_context_where_it_does_not(
         assert fin.token_ids == expected, drafter
     with pytest.raises(CheckpointError, match="set the context length to 32 or less"):
         Engine(EngineConfig(model_dir=str(model_dir), context_len=200))
+
+
+@pytest.mark.parametrize("drafter", ["none", "self", "draft"])
+def test_a_reply_cut_at_the_context_matches_transformers(drafter, checkpoint, draft_dir, tokenizer):
+    """Near the end of the context the drafts shrink to the positions left: the last tokens are still transformers'."""
+    model_dir = checkpoint("qwen3_moe", 1)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    expected = hf_greedy(model_dir, prompt, 10)
+    engine = Engine(EngineConfig(model_dir=str(model_dir), context_len=len(prompt) + 10, expert_cache_ratio=0.5,
+                                 spec=SpecConfig(str(draft_dir) if drafter == "draft" else drafter, 8)))
+    fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=100)))[-1]
+    assert fin.token_ids == expected and fin.summary.finish_reason in ("length", "eos")
