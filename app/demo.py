@@ -117,10 +117,10 @@ def resolve_model(model: str | None, draft: str | None) -> tuple[str, str]:
         found = path.exists()
     except (RuntimeError, OSError, ValueError) as err:  # `~nobody/m`, a name past the file system's limit, a NUL byte
         from ..engine import CheckpointError
+        from .options import shown
 
-        shown = repr(model) if len(model) <= 80 else f"{model[:80]!r}… ({len(model)} characters)"
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-        raise CheckpointError(f"the model {shown} is not a usable path ({reason}): give a checkpoint directory "
+        raise CheckpointError(f"the model {shown(model, 80)} is not a usable path ({reason}): give a checkpoint directory "
                               "or the OWNER/NAME of a pulled model (the settings' `model` or --model)") from None
     if not found and model.count("/") == 1:
         from .models import local_dir

@@ -67,6 +67,11 @@ def url_problem(value) -> str | None:
     return None
 
 
+def shown(value, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters: a pasted page in a field is refused in one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
 def _words(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -144,7 +149,7 @@ class Option:
         """Raise ValueError, one line naming the settings key, when `value` is not good."""
         problem = self.problem(value)
         if problem:
-            got = ("true" if value else "false") if isinstance(value, bool) else _shown(value)  # as the TOML file wrote it
+            got = ("true" if value else "false") if isinstance(value, bool) else shown(value)  # as the TOML file wrote it
             raise ValueError(f"`{self.name}`{f' ({self.symbol})' if self.symbol else ''} {problem}, got {got}")
 
     def parse(self, text: str):
@@ -303,9 +308,3 @@ if __name__ == "__main__":
     if sys.argv[1:] != ["--markdown"]:
         sys.exit("usage: python -m moechat.app.options --markdown")
     sys.stdout.write(markdown_table())
-
-
-def _shown(value, limit: int = 60) -> str:
-    """repr(value), cut to `limit` characters: a pasted page in a field is refused in one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"

@@ -25,12 +25,11 @@ except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI
 from dataclasses import field, fields, make_dataclass
 from pathlib import Path
 
-from .options import OPTIONS
+from .options import OPTION, OPTIONS
 
 SETTINGS_OPTIONS = tuple(o for o in OPTIONS if o.setting)
 # Fields the running engine cannot take without loading the model again; the rest apply live.
 RELOAD_FIELDS = frozenset(o.name for o in SETTINGS_OPTIONS if not o.live)
-OPTION_DEFAULTS = {o.name: o.default for o in SETTINGS_OPTIONS}
 
 
 def settings_path() -> Path:
@@ -114,8 +113,6 @@ def _misspelt(raw: dict) -> list[str]:
     keys pass in silence (a newer moechat's, kept by save_settings)."""
     import difflib
 
-    from .options import OPTIONS
-
     names = [f.name for f in fields(Settings)]
     flags_only = {o.name: o.flag for o in OPTIONS if o.name not in names and o.flag}  # --top-k, --expert-cache-gib
     problems = []
@@ -162,7 +159,8 @@ def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, st
         kept = _keep_copy(target, move=True)
         notice = f"the settings file could not be read ({_short(err, 80)}): kept as {kept.name}, a new one written"
     else:
-        bad = sorted(f.name for f in fields(Settings) if f.name in doc and _checked({f.name: doc[f.name].unwrap()})[1])
+        raw = doc.unwrap()
+        bad = sorted(set(raw) & {f.name for f in fields(Settings)} - _checked(raw)[0].keys())
         if bad:  # the user's bad values are about to go: keep what they wrote
             kept = _keep_copy(target, move=False)
             notice = f"the bad value of {', '.join(bad)} replaced; the file as it was is kept as {kept.name}"
@@ -175,7 +173,7 @@ def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, st
 
 def _apply(doc, updates: dict) -> None:
     for name, value in updates.items():
-        default = OPTION_DEFAULTS[name]
+        default = OPTION[name].default
         if name == "keys":
             _update_keys(doc, value)
         elif value is None:

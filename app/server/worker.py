@@ -65,8 +65,12 @@ class EngineWorker:
 
     @property
     def queued(self) -> int:
-        """Jobs waiting whose client is still there: those whose client left go first (their routes have answered), so
-        they hold neither a place nor their request's memory."""
+        """Jobs waiting whose client is still there."""
+        return self._prune()
+
+    def _prune(self) -> int:
+        """Jobs whose client left leave the FIFO (their routes have answered), so they hold neither a place nor their
+        request's memory -> the jobs left waiting."""
         with self._jobs.mutex:
             waiting = self._jobs.queue
             gone = [job for job in waiting if job is not None and job.cancelled.is_set()]
@@ -81,7 +85,7 @@ class EngineWorker:
         with self._lock:
             if self._closing:
                 raise ShuttingDown(STOPPING)
-            if self.queued >= self.queue_size:
+            if self._prune() >= self.queue_size:
                 raise QueueFull(f"the server is busy ({self.queue_size} requests already waiting): retry shortly")
             job = Job(request, params, loop, asyncio.Queue(), self.arrived + 1)
             self._jobs.put_nowait(job)

@@ -106,11 +106,12 @@ class MoechatApp(App):
         if msg.request_id is None:
             self.notify(msg.message, title="moechat", severity="error", timeout=10)
             self.chat.show_failed(msg.message)
-        elif msg.request_fault and await self.chat.reply_refused(msg.request_id):
-            self.notify(f"{msg.message}; your message is back in the input", title="moechat", severity="error", timeout=15)
-        else:
-            self.notify(msg.message, title="moechat", severity="error", timeout=10)
+            return
+        back = msg.request_fault and await self.chat.reply_refused(msg.request_id)  # the message back to the input
+        if not back:
             await self.chat.reply_finished(msg.request_id, "", "failed", None)
+        self.notify(msg.message + ("; your message is back in the input" if back else ""), title="moechat",
+                    severity="error", timeout=15 if back else 10)
 
     async def on_reply_delta(self, msg: m.ReplyDelta) -> None:
         if not self.is_running:

@@ -135,10 +135,8 @@ def tokens_per_second(est: MemoryEstimate, meas: Measurements, hot: float) -> di
 
     def verify(gamma: int) -> float:  # T_V(γ)
         moved = alpha * gamma * t_d / (layers * t_io) if t_io and layers else 0.0
-        work = layer_seconds(gamma + 1, est, meas, hot, moved)
-        if work is None:
-            return (meas.plain_step_s or t_v) if gamma == 0 else t_v
-        return (fixed_plain if gamma == 0 else fixed) + layers * work
+        work = layer_seconds(gamma + 1, est, meas, hot, moved)  # None without curves: the fixed parts are the passes
+        return (fixed_plain if gamma == 0 else fixed) + (layers * work if work is not None else 0.0)
 
     return {g: omega(g, alpha) / (g * t_d + verify(g)) for g in range(MAX_DRAFT_LEN + 1)}
 

@@ -281,12 +281,13 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
 
     if engine.drafter.name == "none":  # nothing to time or accept
         return
-    drafter, engine.drafter = engine.drafter, NoDraft()
+    drafter, runtime = engine.drafter, engine.model.runtime
+    engine.use(engine.config, runtime, NoDraft())
     try:  # the plain step the drafts must beat, as the engine runs it (one token: the native decode path on a CPU)
         plain = _generation_steps(engine, prompts[:1], max_new_tokens, "plain decoding", report, 0.55, 0.1)
     finally:
         engine.reset_prefix_cache()  # the next requests prefill again, with the drafter's own cache
-        engine.drafter = drafter
+        engine.use(engine.config, runtime, drafter)
     m.plain_step_s = statistics.median(s.verify_s for s in plain) if plain else None
     steps = _generation_steps(engine, prompts, max_new_tokens, "drafting and verification", report, 0.65, 0.35)
     drafted = sum(s.drafted for s in steps)
