@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +30,10 @@ def pytest_configure(config):
         torch.set_num_threads(1)  # tiny models are dispatch-bound: one intra-op thread is as fast and immune to a busy machine
         if not torch.cuda.is_available():  # Triton kernels run in its interpreter (read when triton is first imported)
             os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_HOME, ignore_errors=True)  # the quantized caches and settings the tests wrote (13 MB a run)
 
 
 def pytest_ignore_collect(collection_path, config):
