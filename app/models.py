@@ -9,7 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..engine import MoechatError, download_unfinished
+from ..engine import PULL_MARKER, MoechatError, download_unfinished
 
 # Only what moechat loads: weights, configs, tokenizer files, chat templates.
 PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "merges.txt", "vocab.txt", "*.jinja"]
@@ -37,6 +37,11 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _size(n: int) -> str:
+    """A download's size: in MiB below a GiB, where GiB showed a small model's as 0.0."""
+    return _gib(n) if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def check_disk_space(need: int, dest: Path) -> None:
     """Refuse before downloading when the snapshot would not fit (with a margin)."""
     probe = dest
@@ -59,33 +64,61 @@ def pull(repo_id: str, revision: str | None = None) -> Path:
     if not _REPO_ID.match(repo_id):
         raise MoechatError(f"{repo_id!r} is not a Hugging Face repository id: use the form owner/name, e.g. Qwen/Qwen3-30B-A3B")
     from huggingface_hub import HfApi, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True, timeout=15)
-    except GatedRepoError:
-        raise MoechatError(f"{repo_id} is gated: accept its licence on huggingface.co and log in with `hf auth login`") from None
-    except RevisionNotFoundError:
-        raise MoechatError(f"{repo_id} has no revision {revision!r}: check the branch, tag or commit") from None
-    except RepositoryNotFoundError:
-        raise MoechatError(f"no model {repo_id} on the Hugging Face Hub (or it is private): check the name") from None
     except Exception as err:  # offline mode, DNS, refused connections, timeouts: the HTTP stack raises many types
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise MoechatError(
-            f"cannot reach the Hugging Face Hub ({reason}): check the network connection; "
-            "moechat runs offline with models already on disk"
-        ) from None
+        raise _hub_error(err, repo_id, revision, "cannot reach the Hugging Face Hub ({}): check the network connection; "
+                         "moechat runs offline with models already on disk") from None
     files = [s for s in info.siblings or [] if _wanted(s.rfilename)]
     if not any(s.rfilename.endswith(".safetensors") for s in files):
-        raise MoechatError(f"{repo_id} has no safetensors weights: moechat loads safetensors checkpoints only")
+        gguf = any(s.rfilename.endswith(".gguf") for s in info.siblings or [])
+        raise MoechatError(f"{repo_id} has no safetensors weights" + (" (it holds GGUF files)" if gguf else "") +
+                           ": moechat loads safetensors checkpoints only; pull the original model's repository instead")
     dest = local_dir(repo_id)
     have = sum((dest / s.rfilename).stat().st_size for s in files if (dest / s.rfilename).is_file())
     need = max(0, sum(s.size or 0 for s in files) - have)  # a resumed download needs only the rest
     check_disk_space(need, dest)
-    print(f"downloading {repo_id} ({_gib(need)} to fetch) into {dest}", file=sys.stderr)
-    _interruptible(lambda: snapshot_download(repo_id, revision=revision, allow_patterns=PATTERNS, local_dir=dest),
-                   f"interrupted: what was downloaded stays in {dest}; `moechat pull {repo_id}` resumes")
+    marker = dest / PULL_MARKER  # until every file is checked below, the folder says its download did not finish
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{repo_id}\n")
+    print(f"downloading {repo_id} ({_size(need)} to fetch) into {dest}", file=sys.stderr)
+    resume = f"`moechat pull {repo_id}` resumes"
+    try:  # the commit model_info listed: the files checked below are the ones downloaded, whatever the branch does meanwhile
+        _interruptible(lambda: snapshot_download(repo_id, revision=info.sha or revision, allow_patterns=PATTERNS, local_dir=dest),
+                       f"interrupted: the files that finished stay in {dest}; {resume} the download")
+    except Exception as err:  # a gated repo, a dropped connection, a full disk: huggingface_hub raises them mid-download
+        if dest.is_dir() and all(p.name == ".cache" for p in dest.iterdir()):
+            shutil.rmtree(dest, ignore_errors=True)  # nothing came (a gated repo): no empty folder for `moechat models` to list
+        raise _hub_error(err, repo_id, revision, "the download of " + repo_id + " stopped ({}): " + resume + " it") from None
+    short = [s.rfilename for s in files if not (dest / s.rfilename).is_file()
+             or s.size is not None and (dest / s.rfilename).stat().st_size != s.size]
+    if short:  # huggingface_hub hands back a partial folder as done when the Hub stops answering halfway
+        more = f" and {len(short) - 1} more files" if len(short) > 1 else ""
+        raise MoechatError(f"the download of {repo_id} did not finish ({short[0]}{more} missing or short): {resume} it")
+    for stale in (dest / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
+        stale.unlink()  # partial files of stopped pulls, which huggingface_hub does not pick up again
+    marker.unlink()
     return dest
+
+
+def _hub_error(err: Exception, repo_id: str, revision: str | None, otherwise: str) -> MoechatError:
+    """One line for what huggingface_hub raised: `otherwise` (with the reason in its {}) for the network's failures."""
+    import errno
+
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(err, GatedRepoError):  # before its base class, RepositoryNotFoundError
+        return MoechatError(f"{repo_id} is gated: accept its licence on huggingface.co and log in with `hf auth login`")
+    if isinstance(err, RevisionNotFoundError):
+        return MoechatError(f"{repo_id} has no revision {revision!r}: check the branch, tag or commit")
+    if isinstance(err, RepositoryNotFoundError):
+        return MoechatError(f"no model {repo_id} on the Hugging Face Hub (or it is private): check the name")
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return MoechatError(f"the disk filled while downloading {repo_id} into {local_dir(repo_id)}: free some space; "
+                            f"`moechat pull {repo_id}` resumes the download")
+    reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return MoechatError(otherwise.format(reason))
 
 
 def _interruptible(download, said: str) -> None:
@@ -125,7 +158,7 @@ def list_models() -> list[dict]:
             model_type = str(raw.get("model_type", "?")) if isinstance(raw, dict) else "? (config.json is not an object)"
         except (OSError, ValueError):
             model_type = "? (no readable config.json)"
-        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())  # not a dangling link
         rows.append({"name": path.name.replace("--", "/", 1), "path": str(path), "model_type": model_type, "bytes": size,
                      "complete": not download_unfinished(path)})  # a pull stopped midway
     return rows

@@ -20,7 +20,7 @@ _MODULES = {  # submodule -> the public names it provides
     # memory, hardware and calibration
     "model.memory_estimate": ("estimate", "total_params"),
     "model.memory_budgets": ("check_budgets", "max_cache_experts", "physical_ram_bytes", "ram_headroom"),
-    "model.config_file": ("download_unfinished", "read_config_dict"),
+    "model.config_file": ("PULL_MARKER", "download_unfinished", "read_config_dict"),
     "placement": ("NO_GPU", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),

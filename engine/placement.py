@@ -176,7 +176,8 @@ def resolve_placement(device: str | None, dtype: str | None, model_dir: str, qua
     if cuda is None:
         cuda = CudaProbe() if device == "cpu" else probe_cuda()
     widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
-    fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    # a dangling link counts nothing here: the loader says which file is missing
+    fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors") if p.is_file())
     # where it decides (auto), or says what auto would pick instead of a half precision set for the CPU
     on_cpu = device == "cpu" or not cuda.gpus
     native = (dtype == "auto" or on_cpu) and checkpoint == "bfloat16" and quant == "none" and _native_built()

@@ -67,8 +67,8 @@ class Checkpoint:
     @staticmethod
     def _read_header(path: Path) -> tuple[int, dict]:
         """Parse and check the header: every tensor's bytes must lie inside the file."""
-        size = path.stat().st_size
         try:
+            size = path.stat().st_size  # inside: a dangling link (a pruned Hugging Face cache) is a missing file
             with open(path, "rb") as f:
                 header_len = int.from_bytes(f.read(8), "little")
                 if size < 8 or header_len > size - 8:

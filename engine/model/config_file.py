@@ -7,10 +7,14 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 
+PULL_MARKER = ".cache/moechat-pull-unfinished"  # `moechat pull` writes it first and removes it once every file is checked
+
 
 def download_unfinished(folder: Path) -> bool:
-    """Whether a Hugging Face download into `folder` stopped midway (huggingface_hub keeps `.incomplete` files there)."""
-    return any((Path(folder) / ".cache" / "huggingface" / "download").rglob("*.incomplete"))
+    """Whether a download into `folder` stopped midway: moechat's marker (a pull that failed, was stopped or was killed), or
+    huggingface_hub's `.incomplete` files (a pull by an older moechat)."""
+    folder = Path(folder)
+    return (folder / PULL_MARKER).exists() or any((folder / ".cache" / "huggingface" / "download").rglob("*.incomplete"))
 
 
 def read_config_dict(model_dir: Path) -> dict:
@@ -19,6 +23,9 @@ def read_config_dict(model_dir: Path) -> dict:
         what = "is a file, not a directory" if model_dir.exists() else "does not exist"
         raise CheckpointError(f"model directory {model_dir} {what}: name a local Hugging Face model directory (--model, or "
                               "`model` in the settings; a Hub id needs `moechat pull` first)")
+    if download_unfinished(model_dir):  # its files may be missing or of two revisions: config.json alone proves nothing
+        raise CheckpointError(f"the download into {model_dir} did not finish: `moechat pull` with the same model name "
+                              "resumes it")
     if not path.is_file():
         raise CheckpointError(f"no config.json in {model_dir}: name a Hugging Face model directory (one holding config.json "
                               "and *.safetensors)")

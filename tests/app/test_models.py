@@ -38,8 +38,9 @@ import huggingface_hub
 from concurrent.futures import ThreadPoolExecutor
 from moechat.app import models
 
-class Info:
+class Info:  # as huggingface_hub's ModelInfo: the files and the commit they are at
     siblings = [type("File", (), {"rfilename": "model.safetensors", "size": 10})()]
+    sha = "a" * 40
 
 def a_long_download(*args, **kwargs):  # as huggingface_hub's: a worker thread that runs its file to the end
     with ThreadPoolExecutor(1) as pool:
@@ -113,3 +114,95 @@ def test_models_lists_downloaded(checkpoint):
     finally:
         shutil.rmtree(dest)
         shutil.rmtree(models.local_dir("tiny/odd"), ignore_errors=True)
+
+
+class _Hub:
+    """huggingface_hub's model_info and snapshot_download, in process: `download` writes what came, or raises."""
+
+    def __init__(self, monkeypatch, tmp_path, download):
+        import huggingface_hub
+
+        self.files = {"config.json": b'{"model_type": "qwen3_moe"}', "model.safetensors": b"w" * 1000}
+        siblings = [type("File", (), {"rfilename": n, "size": len(b)})() for n, b in self.files.items()]
+        info = type("Info", (), {"siblings": siblings, "sha": "a" * 40})()
+        monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+        monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: info)
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, local_dir, **k: download(self, local_dir))
+
+    def write(self, dest, *names):
+        for name in names:
+            (dest / name).write_bytes(self.files[name])
+        return str(dest)
+
+
+def _gated():
+    from huggingface_hub.errors import GatedRepoError
+
+    err = GatedRepoError.__new__(GatedRepoError)  # its constructor wants an HTTP response, which differs across versions
+    Exception.__init__(err, "401 Client Error. Cannot access gated repo for url http://hub/owner/model/resolve/main/x")
+    return err
+
+
+def _raise(err, *names):
+    def download(hub, dest):
+        hub.write(dest, *names)
+        raise err() if callable(err) else err
+    return download
+
+
+@pytest.mark.parametrize("download, says, kept", [
+    (_raise(_gated), "owner/model is gated: accept its licence on huggingface.co and log in with `hf auth login`", False),
+    (_raise(OSError(28, "No space left on device"), "config.json"), "the disk filled while downloading owner/model", True),
+    (_raise(ConnectionError("peer closed connection without sending complete message body\nmore"), "config.json"),
+     "the download of owner/model stopped (peer closed connection without sending complete message body): "
+     "`moechat pull owner/model` resumes it", True),
+    (lambda hub, dest: hub.write(dest, "config.json"),  # huggingface_hub's answer when the Hub stops answering halfway
+     "the download of owner/model did not finish (model.safetensors missing or short)", True),
+], ids=["gated", "disk-full", "connection", "partial"])
+@pytest.mark.notorch
+def test_a_pull_that_fails_midway_says_what_to_do_and_its_folder_says_unfinished(monkeypatch, tmp_path, download, says, kept):
+    """These were 'internal error (GatedRepoError: ...); please report it', 'internal error (OSError: [Errno 28] ...)', and a
+    partial folder pull returned as done; afterwards `moechat models` listed each as complete."""
+    _Hub(monkeypatch, tmp_path, download)
+    with pytest.raises(MoechatError) as err:
+        models.pull("owner/model")
+    assert says in str(err.value) and "\n" not in str(err.value)
+    rows = models.list_models()
+    if kept:
+        assert [(r["name"], r["complete"]) for r in rows] == [("owner/model", False)]
+    else:  # nothing came: no empty folder left behind
+        assert rows == [] and not models.local_dir("owner/model").exists()
+
+
+@pytest.mark.notorch
+def test_a_pull_done_after_a_stopped_one_reads_complete(monkeypatch, tmp_path):
+    """huggingface_hub (2.x) downloads into a temporary file of its own per process and never resumes one a Ctrl-C left:
+    that file stayed, and `moechat models` said 'download not finished' after the pull that finished it."""
+    hub = _Hub(monkeypatch, tmp_path, lambda hub, dest: hub.write(dest, "config.json", "model.safetensors"))
+    dest = models.local_dir("owner/model")
+    stale = dest / ".cache" / "huggingface" / "download" / "xGOK.0123abcd.25cf40f1.incomplete"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"w" * 400)  # the stopped pull's
+    hub.write(dest, "config.json")
+    assert models.pull("owner/model") == dest
+    assert [(r["name"], r["complete"]) for r in models.list_models()] == [("owner/model", True)] and not stale.exists()
+
+
+@pytest.mark.notorch
+def test_models_lists_a_folder_with_a_dangling_link(monkeypatch, tmp_path):
+    """A weights file linked to a deleted blob made `moechat models` 'internal error (FileNotFoundError)'."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    folder = models.local_dir("owner/model")
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").symlink_to(tmp_path / "deleted-blob")
+    assert [(r["name"], r["bytes"]) for r in models.list_models()] == [("owner/model", 0)]
+
+
+@pytest.mark.notorch
+def test_a_gguf_repository_says_to_pull_the_original(monkeypatch):
+    import huggingface_hub
+
+    siblings = [type("File", (), {"rfilename": n, "size": 9})() for n in ("README.md", "model-Q4_K_M.gguf")]
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: type("Info", (), {"siblings": siblings})())
+    with pytest.raises(MoechatError, match=r"no safetensors weights \(it holds GGUF files\).*pull the original model"):
+        models.pull("owner/model-GGUF")

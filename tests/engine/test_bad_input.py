@@ -136,6 +136,33 @@ def test_a_download_that_did_not_finish_says_pull_resumes_it(tmp_path):
         Checkpoint(partial)
 
 
+def test_a_model_whose_pull_stopped_is_refused_before_it_loads(checkpoint, tmp_path):
+    """A pull that failed after its files all came (a dropped verification) loaded as complete; one that failed before
+    its weights said 'no *.safetensors weights: safetensors checkpoints only'."""
+    from moechat.engine import PULL_MARKER, resolve_placement
+
+    path = copy_model(checkpoint("olmoe"), tmp_path)
+    (path / PULL_MARKER).parent.mkdir(parents=True, exist_ok=True)
+    (path / PULL_MARKER).write_text("owner/model\n")
+    for attempt in (lambda: load(path), lambda: resolve_placement("cpu", None, str(path), "none")):
+        with pytest.raises(CheckpointError) as err:
+            attempt()
+        assert "did not finish: `moechat pull` with the same model name resumes it" in one_line(err.value)
+
+
+def test_a_dangling_link_for_a_shard_is_one_line(checkpoint, tmp_path):
+    """A pruned Hugging Face cache's snapshot links to a deleted blob: 'internal error (FileNotFoundError)'."""
+    from moechat.engine import resolve_placement
+
+    path = copy_model(checkpoint("olmoe"), tmp_path)
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").symlink_to(tmp_path / "deleted-blob")
+    resolve_placement("cpu", None, str(path), "none")  # the CLI's first look at the folder
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert "model.safetensors is truncated or corrupt" in one_line(err.value) and "re-download" in str(err.value)
+
+
 def test_truncated_safetensors(checkpoint, tmp_path):
     path = copy_model(checkpoint("olmoe"), tmp_path)
     weights = path / "model.safetensors"
