@@ -106,7 +106,7 @@ def eval_prompts(count: int = 0, path: Path = EVAL_PROMPTS) -> list[str]:
 def resolve_model(model: str | None, draft: str | None) -> tuple[str, str]:
     """(model directory, drafter) from the command line or the settings; the embedded demo when neither names one.
 
-    A model may be a directory or the OWNER/NAME of a model fetched with `moechat pull`.
+    A model may be a directory, the OWNER/NAME of a model fetched with `moechat pull`, or one in Hugging Face's cache.
     """
     if model is None:
         return str(DEMO_MODEL), draft or str(DEMO_DRAFT)
@@ -123,8 +123,10 @@ def resolve_model(model: str | None, draft: str | None) -> tuple[str, str]:
         raise CheckpointError(f"the model {shown(model, 80)} is not a usable path ({reason}): give a checkpoint directory "
                               "or the OWNER/NAME of a pulled model (the settings' `model` or --model)") from None
     if not found and model.count("/") == 1:
-        from .models import local_dir
+        from .models import hub_cache_snapshot, local_dir
 
         if local_dir(model).is_dir():
             path = local_dir(model)
+        elif (snapshot := hub_cache_snapshot(model)) is not None:
+            path = snapshot
     return str(path), draft or "none"

@@ -33,6 +33,20 @@ def local_dir(repo_id: str) -> Path:
     return models_dir() / repo_id.replace("/", "--")
 
 
+def hub_cache_snapshot(repo_id: str) -> Path | None:
+    """The snapshot of `repo_id` in Hugging Face's own cache (`~/.cache/huggingface/hub`, what `transformers` and `hf
+    download` fill) when it holds weights: a model already downloaded by another tool runs without a second copy."""
+    if not _REPO_ID.match(repo_id):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not in the cache (LocalEntryNotFoundError) or a cache it cannot read: not found, as before
+        return None
+    return path if any(path.glob("*.safetensors")) else None  # a config fetched alone is not a model
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 

@@ -206,3 +206,32 @@ def test_a_gguf_repository_says_to_pull_the_original(monkeypatch):
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: type("Info", (), {"siblings": siblings})())
     with pytest.raises(MoechatError, match=r"no safetensors weights \(it holds GGUF files\).*pull the original model"):
         models.pull("owner/model-GGUF")
+
+
+def test_a_model_in_the_hugging_face_cache_runs_from_there(checkpoint):
+    """An OWNER/NAME that another tool downloaded (transformers, `hf download`) is found in Hugging Face's cache, the
+    layout huggingface_hub reads (refs/main -> snapshots/COMMIT, files linked to blobs): no second copy."""
+    from huggingface_hub import constants
+
+    from moechat.app.demo import resolve_model
+
+    repo = os.path.join(constants.HF_HUB_CACHE, "models--tinyorg--cached-moe")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = os.path.join(repo, "snapshots", commit)
+    os.makedirs(os.path.join(repo, "refs"), exist_ok=True)
+    os.makedirs(os.path.join(repo, "blobs"), exist_ok=True)
+    try:
+        with open(os.path.join(repo, "refs", "main"), "w") as f:
+            f.write(commit)
+        assert resolve_model("tinyorg/cached-moe", None)[0] == "tinyorg/cached-moe"  # no snapshot yet: not found
+        shutil.copytree(checkpoint("qwen3_moe"), snapshot)
+        for name in os.listdir(snapshot):  # as huggingface_hub lays it out: the snapshot's files are links to blobs
+            blob = os.path.join(repo, "blobs", name)
+            os.replace(os.path.join(snapshot, name), blob)
+            os.symlink(blob, os.path.join(snapshot, name))
+        assert resolve_model("tinyorg/cached-moe", None)[0] == snapshot
+        proc = run_cli("generate", "--model", "tinyorg/cached-moe", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert len(json.loads(proc.stdout)["token_ids"]) >= 1
+    finally:
+        shutil.rmtree(repo, ignore_errors=True)
