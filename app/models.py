@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from ..engine import PULL_MARKER, MoechatError, download_unfinished
@@ -51,7 +52,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     """A download's size: in MiB below a GiB, where GiB showed a small model's as 0.0."""
     return _gib(n) if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -73,7 +74,7 @@ def _wanted(name: str) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in PATTERNS)  # the same matching snapshot_download applies
 
 
-def pull(repo_id: str, revision: str | None = None) -> Path:
+def pull(repo_id: str, revision: str | None = None, progress: Callable[[int, int], None] | None = None) -> Path:
     """Download (or resume) a snapshot into the models directory; return its path."""
     if not _REPO_ID.match(repo_id):
         raise MoechatError(f"{repo_id!r} is not a Hugging Face repository id: use the form owner/name, e.g. Qwen/Qwen3-30B-A3B")
@@ -96,11 +97,18 @@ def pull(repo_id: str, revision: str | None = None) -> Path:
     marker = dest / PULL_MARKER  # until every file is checked below, the folder says its download did not finish
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"{repo_id}\n")
-    print(f"downloading {repo_id} ({_size(need)} to fetch) into {dest}", file=sys.stderr)
+    print(f"downloading {repo_id} ({size_text(need)} to fetch) into {dest}", file=sys.stderr)
     resume = f"`moechat pull {repo_id}` resumes"
+    tick = None
+    if progress is not None:  # the app draws its own: huggingface_hub's bars would go to a terminal the app owns
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+        total = have + need
+        tick = lambda: progress(min(total, _bytes_in(dest, [s.rfilename for s in files])), total)  # noqa: E731
     try:  # the commit model_info listed: the files checked below are the ones downloaded, whatever the branch does meanwhile
         _interruptible(lambda: snapshot_download(repo_id, revision=info.sha or revision, allow_patterns=PATTERNS, local_dir=dest),
-                       f"interrupted: the files that finished stay in {dest}; {resume} the download")
+                       f"interrupted: the files that finished stay in {dest}; {resume} the download", tick)
     except Exception as err:  # a gated repo, a dropped connection, a full disk: huggingface_hub raises them mid-download
         if dest.is_dir() and all(p.name == ".cache" for p in dest.iterdir()):
             shutil.rmtree(dest, ignore_errors=True)  # nothing came (a gated repo): no empty folder for `moechat models` to list
@@ -135,9 +143,22 @@ def _hub_error(err: Exception, repo_id: str, revision: str | None, otherwise: st
     return MoechatError(otherwise.format(reason))
 
 
-def _interruptible(download, said: str) -> None:
+def _bytes_in(folder: Path, names: list[str]) -> int:
+    """Bytes of a download so far: its finished files and huggingface_hub's partial ones (either way the library fetches,
+    HTTP or Xet)."""
+    done = 0
+    for path in [folder / n for n in names] + list((folder / ".cache" / "huggingface" / "download").rglob("*.incomplete")):
+        try:
+            done += path.stat().st_size if path.is_file() else 0
+        except OSError:  # a partial file renamed into place meanwhile
+            pass
+    return done
+
+
+def _interruptible(download, said: str, tick: Callable[[], None] | None = None) -> None:
     """Run `download` on a thread of its own, so that Ctrl-C ends the command at once: huggingface_hub's download threads
-    ran each file to its end first (minutes on a 4 GB shard), and Python joins them at exit, hence os._exit."""
+    ran each file to its end first (minutes on a 4 GB shard), and Python joins them at exit, hence os._exit. `tick` runs
+    every 0.2 s meanwhile."""
     import threading
 
     done, failed = threading.Event(), []
@@ -153,7 +174,8 @@ def _interruptible(download, said: str) -> None:
     threading.Thread(target=run, name="moechat-pull", daemon=True).start()
     try:
         while not done.wait(0.2):
-            pass
+            if tick is not None:
+                tick()
     except KeyboardInterrupt:
         print(f"\nmoechat: {said}", file=sys.stderr, flush=True)  # on a line of its own, past the download's bar
         sys.stdout.flush()

@@ -235,3 +235,31 @@ def test_a_model_in_the_hugging_face_cache_runs_from_there(checkpoint):
         assert len(json.loads(proc.stdout)["token_ids"]) >= 1
     finally:
         shutil.rmtree(repo, ignore_errors=True)
+
+
+@pytest.mark.notorch
+def test_a_pull_reports_its_progress_in_bytes(monkeypatch, tmp_path):
+    """The setup wizard draws a pull's progress (huggingface_hub's own bars would go to the terminal the app owns): the
+    bytes on disk so far, partial files included, of the total."""
+    import threading
+
+    seen, partial = [], threading.Event()
+
+    def download(hub, dest):
+        hub.write(dest, "config.json")
+        part = dest / ".cache" / "huggingface" / "download" / "model.safetensors.0a1b.incomplete"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_bytes(b"w" * 400)
+        assert partial.wait(30), "no progress reported while the file came"
+        part.unlink()
+        return hub.write(dest, "model.safetensors")
+
+    def progress(done, total):
+        seen.append((done, total))
+        if done == len(b'{"model_type": "qwen3_moe"}') + 400:
+            partial.set()
+
+    hub = _Hub(monkeypatch, tmp_path, download)
+    total = sum(len(b) for b in hub.files.values())
+    assert models.pull("owner/model", progress=progress) == models.local_dir("owner/model")
+    assert seen and all(t == total and 0 <= d <= total for d, t in seen) and partial.is_set()

@@ -260,6 +260,47 @@ def test_wizard_refuses_a_model_the_engine_cannot_run(tmp_path):
     assert "is not a Hugging Face repository id" in hub  # `moechat pull`'s own check, before any network
 
 
+async def _wizard_pull_progress(shown):
+    app = Host(WizardScreen(hardware=fake_hardware()))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        app.screen.query_one("#hub-id").value = "owner/model"
+        await click(pilot, "#next")
+        for _ in range(200):  # the pull runs on a worker: the label follows its progress
+            await pilot.pause(0.05)
+            if not app.screen.busy:
+                break
+        shown.append(str(app.screen.query_one("#model-error").content))
+
+
+def test_wizard_shows_a_pulls_progress(monkeypatch):
+    """A pull from the wizard may take an hour: its label says how far it got, in the app (not on the terminal it owns)."""
+    import threading
+
+    from moechat.app import models
+    from moechat.engine import MoechatError
+
+    drawn, labels = threading.Event(), []
+    original = WizardScreen._pull_progress
+
+    def spy(self, repo_id, done, total):  # on the app's thread, as call_from_thread runs it
+        original(self, repo_id, done, total)
+        labels.append(str(self.query_one("#model-error").content))
+        drawn.set()
+
+    def pull(repo_id, revision=None, progress=None):  # on the wizard's worker thread
+        progress(3 * 2**29, 2**32)
+        assert drawn.wait(30)
+        raise MoechatError("the download of owner/model stopped (test): `moechat pull owner/model` resumes it")
+
+    monkeypatch.setattr(models, "pull", pull)
+    monkeypatch.setattr(WizardScreen, "_pull_progress", spy)
+    final = []
+    asyncio.run(_wizard_pull_progress(final))
+    assert labels == ["downloading owner/model: 1.5 GiB of 4.0 GiB"]
+    assert final == ["the download of owner/model stopped (test): `moechat pull owner/model` resumes it"]
+
+
 async def _wizard_end_to_end(path):
     import threading
 

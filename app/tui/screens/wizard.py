@@ -309,12 +309,18 @@ class WizardScreen(Screen):
             else:
                 from ...models import pull
 
-                path = check_model_dir(str(pull(text)))
+                path = check_model_dir(str(pull(text, progress=lambda *done: self.app.call_from_thread(
+                    self._pull_progress, text, *done))))
                 self.app.call_from_thread(self._model_chosen, path, text, "none")
         except MoechatError as err:
             self.app.call_from_thread(self._model_failed, str(err))
         except Exception as err:  # a checkpoint or the network can fail in many ways: one line, never a crash
             self.app.call_from_thread(self._model_failed, f"{type(err).__name__}: {err}".splitlines()[0])
+
+    def _pull_progress(self, repo_id: str, done: int, total: int) -> None:
+        from ...models import size_text
+
+        self.query_one("#model-error", Label).update(f"downloading {repo_id}: {size_text(done)} of {size_text(total)}")
 
     def _model_failed(self, message: str) -> None:
         self.busy = False
