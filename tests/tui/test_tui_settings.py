@@ -266,7 +266,7 @@ async def _wizard_pull_progress(shown):
         await pilot.pause()
         app.screen.query_one("#hub-id").value = "owner/model"
         await click(pilot, "#next")
-        for _ in range(200):  # the pull runs on a worker: the label follows its progress
+        for _ in range(20):  # the pull runs on a worker: the label follows its progress
             await pilot.pause(0.05)
             if not app.screen.busy:
                 break
@@ -299,6 +299,27 @@ def test_wizard_shows_a_pulls_progress(monkeypatch):
     asyncio.run(_wizard_pull_progress(final))
     assert labels == ["downloading owner/model: 1.5 GiB of 4.0 GiB"]
     assert final == ["the download of owner/model stopped (test): `moechat pull owner/model` resumes it"]
+
+
+def test_leaving_the_app_during_a_wizard_pull_does_not_wait_for_the_download(monkeypatch):
+    """The pull's worker thread waited for the download to end, and Python joins worker threads at exit: leaving the app
+    mid-pull waited for the whole download (hours). Its progress calls fail once the app is gone, which ends the wait;
+    the download's own thread is a daemon."""
+    import threading
+
+    from moechat.app import models
+
+    never, left = threading.Event(), threading.Event()
+
+    def pull(repo_id, revision=None, progress=None):
+        try:
+            models._interruptible(lambda: never.wait(300), "stopped", lambda: progress(1, 2))
+        finally:
+            left.set()
+
+    monkeypatch.setattr(models, "pull", pull)
+    asyncio.run(_wizard_pull_progress([]))  # leaves the app while the pull runs (its worker is still busy)
+    assert not never.is_set() and left.wait(30), "the pull's worker still waits for the download after the app left"
 
 
 async def _wizard_end_to_end(path):
