@@ -6,7 +6,7 @@ each update its own transaction, so a crash or a kill leaves every finished mess
 reply as far as it got (finished=False, which the chat screen shows as interrupted).
 
 The schema grows by `MIGRATIONS`, never by editing one: `PRAGMA user_version` counts the scripts
-that ran, each runs in one transaction, and a file written by a newer moechat is refused untouched.
+that ran, the missing ones run in one transaction, and a file written by a newer moechat is refused untouched.
 
 Threads: the Textual app writes from its UI thread only, but the connection is opened with
 `check_same_thread=False` and every call holds `self._lock`, so a call from another thread (a worker,
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sqlite3
 import threading
 import time
@@ -50,7 +51,50 @@ MIGRATIONS = [
     );
     CREATE INDEX messages_by_conversation ON messages(conv_id, id);
     """,
+    # 2: ids are never given out again (AUTOINCREMENT). A chat deleted in one moechat window and one started in another
+    # took the freed id, and the first window's writes (its reply, its next message, F8) went to the other's chat.
+    # Messages whose chat is gone (deleted with foreign keys off, by another program) are not copied: nothing lists them.
+    """
+    CREATE TABLE conversations_v2 (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        title TEXT NOT NULL,
+        system_prompt TEXT NOT NULL DEFAULT '',
+        created REAL NOT NULL,
+        updated REAL NOT NULL
+    );
+    INSERT INTO conversations_v2 (id, title, system_prompt, created, updated)
+        SELECT id, title, system_prompt, created, updated FROM conversations;
+    CREATE TABLE messages_v2 (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        conv_id INTEGER NOT NULL REFERENCES conversations_v2(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+        content TEXT NOT NULL,
+        finished INTEGER NOT NULL DEFAULT 1,
+        created REAL NOT NULL,
+        stats TEXT
+    );
+    INSERT INTO messages_v2 (id, conv_id, role, content, finished, created, stats)
+        SELECT id, conv_id, role, content, finished, created, stats FROM messages
+        WHERE conv_id IN (SELECT id FROM conversations);
+    DROP TABLE messages;
+    DROP TABLE conversations;
+    ALTER TABLE conversations_v2 RENAME TO conversations;
+    ALTER TABLE messages_v2 RENAME TO messages;
+    CREATE INDEX messages_by_conversation ON messages(conv_id, id);
+    """,
 ]
+
+
+def _statements(script: str) -> list[str]:
+    """A migration's statements one by one: executescript would commit the transaction that holds the write lock."""
+    statements, part = [], ""
+    for piece in script.split(";"):
+        part += piece + ";"
+        if sqlite3.complete_statement(part):  # a `;` inside a string or a trigger's body is not the statement's end
+            if part.strip(" \n;"):
+                statements.append(part.strip())
+            part = ""
+    return statements
 
 
 def store_path() -> Path:
@@ -68,7 +112,7 @@ def _explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
     """SQLite's error as what to do about it, `otherwise` where it is none of a full disk, a read-only file or a lock (its
     error names only exist from Python 3.11: the messages are stable)."""
     said = str(err)
-    if "full" in said:
+    if "full" in said or ("disk I/O error" in said and _disk_full(path)):  # a full disk fails WAL's files as I/O errors
         return f"chat database {path}: the disk is full ({said}); free some space"
     if "readonly" in said or "read-only" in said:
         return f"chat database {path} is read-only ({said}): fix the permissions of the file and its folder"
@@ -76,6 +120,28 @@ def _explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
         return (f"chat database {path} is locked by another program ({said}): close it (a database browser, a backup) "
                 "and try again")
     return otherwise
+
+
+def _disk_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path.parent).free < 1 << 20
+    except OSError:
+        return False
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (AttributeError, OSError):  # no statvfs on Windows
+        return False
+
+
+def _damaged(path: Path, err: sqlite3.Error) -> str | None:
+    """What to do about a damaged file (at open too, where a truncated one fails first), else None."""
+    if "malformed" not in str(err) and "not a database" not in str(err):
+        return None
+    return (f"chat database {path} is damaged ({err}): `sqlite3 {path} .recover | sqlite3 rescued.sqlite3` rescues what "
+            "it can (put that file in its place), or move it aside and moechat starts a new one")
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
@@ -116,18 +182,14 @@ class ChatStore:
             self._db = sqlite3.connect(self.path, timeout=2.0, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA foreign_keys=ON")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]  # before WAL: that writes the file
-            if version > len(MIGRATIONS):
-                raise MoechatError(
-                    f"chat database {self.path} was written by a newer moechat (schema {version}, this one "
-                    f"knows {len(MIGRATIONS)}); upgrade, or move it aside"
-                )
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._refuse_newer(version)
+            self._wal()
             self._db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
             self._migrate(version)
         except sqlite3.Error as err:
             self.close()
-            raise MoechatError(_explained(self.path, err, f"chat database {self.path} cannot be used ({err}): move it "
-                                                          "aside and moechat starts a new one")) from None
+            raise MoechatError(_explained(self.path, err, _damaged(self.path, err) or (
+                f"chat database {self.path} cannot be used ({err}): move it aside and moechat starts a new one"))) from None
         except OSError as err:
             self.close()
             raise MoechatError(f"cannot create the chat database {self.path} ({err.strerror or err})") from None
@@ -140,6 +202,9 @@ class ChatStore:
         a read-only file and fails at the first message, and a folder it cannot write gives 'unable to open'."""
         for where, what in ((self.path, "file"), (self.path.parent, "folder")):
             if where.exists() and not os.access(where, os.W_OK | (os.X_OK if what == "folder" else os.R_OK)):
+                if _read_only_mount(where):  # no chmod helps there
+                    raise MoechatError(f"the chat database's {what} {where} is on a read-only file system: remount it "
+                                       "read-write, or run moechat where its data directory can be written")
                 raise MoechatError(f"the chat database's {what} {where} is not writable by you: fix its permissions "
                                    f"(chmod u+rw{'x' if what == 'folder' else ''} '{where}')")
 
@@ -149,23 +214,46 @@ class ChatStore:
         try:
             yield
         except sqlite3.Error as err:
-            damaged = "malformed" in str(err) or "not a database" in str(err)
-            otherwise = (f"chat database {self.path} is damaged ({err}): `sqlite3 {self.path} .recover | sqlite3 "
-                         "rescued.sqlite3` rescues what it can (put that file in its place), or move it aside and moechat "
-                         "starts a new one") if damaged else f"chat database {self.path} failed ({err}): check the disk it is on"
+            otherwise = _damaged(self.path, err) or f"chat database {self.path} failed ({err}): check the disk it is on"
             raise ChatStoreError(_explained(self.path, err, otherwise)) from None
 
-    def _migrate(self, version: int) -> None:
-        for number in range(version + 1, len(MIGRATIONS) + 1):
-            # user_version lives in the file header and is set in the same transaction as the schema.
+    def _refuse_newer(self, version: int) -> None:
+        if version > len(MIGRATIONS):
+            raise MoechatError(f"chat database {self.path} was written by a newer moechat (schema {version}, this one "
+                               f"knows {len(MIGRATIONS)}); upgrade, or move it aside")
+
+    def _wal(self) -> None:
+        """WAL mode, waiting out a moechat starting at the same moment: SQLite says 'locked' at once to a connection
+        that read the file before the other switched it to WAL, while the other migrates, without its busy timeout."""
+        deadline = time.monotonic() + 2.0
+        while True:
             try:
-                self._db.executescript(
-                    f"BEGIN IMMEDIATE;\n{MIGRATIONS[number - 1]}\nPRAGMA user_version = {number};\nCOMMIT;"
-                )
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
+                self._db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _migrate(self, version: int) -> None:
+        """The missing migrations in one transaction, from the version read again under the write lock: two moechats
+        starting at once both read the old version, and the second failed on the tables the first had just made."""
+        if version == len(MIGRATIONS):
+            return
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            self._refuse_newer(version)
+            for number in range(version + 1, len(MIGRATIONS) + 1):
+                for statement in _statements(MIGRATIONS[number - 1]):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {number}")  # in the file header, in the same transaction
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         with self._lock:

@@ -148,20 +148,20 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
             print("moechat: that line is not valid UTF-8 text: not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
-        try:
-            request, notice = (messages, "") if remote else fit_for_engine(engine, messages, params.max_new_tokens)
-        except MoechatError as err:  # the chat template refuses it, say: one line, and the next message
-            messages.pop()
-            print(f"moechat: error: {' '.join(str(err).split())}", file=sys.stderr)
-            continue
-        if notice and notice != said:  # once per cut
-            print(f"moechat: {notice}", file=sys.stderr)
-        said = notice
-        kept.user(text)
-        sys.stdout.write("moechat> ")
-        reply, finished, stopped = [], None, False
-        events = engine.generate(Request(messages=list(request), thinking=thinking), params)
-        try:
+        reply, finished, stopped, events = [], None, False, None
+        try:  # Ctrl-C from here on stops this reply: while a long history is fitted to the context, it ended the chat
+            try:
+                request, notice = (messages, "") if remote else fit_for_engine(engine, messages, params.max_new_tokens)
+            except MoechatError as err:  # the chat template refuses it, say: one line, and the next message
+                messages.pop()
+                print(f"moechat: error: {' '.join(str(err).split())}", file=sys.stderr)
+                continue
+            if notice and notice != said:  # once per cut
+                print(f"moechat: {notice}", file=sys.stderr)
+            said = notice
+            kept.user(text)
+            sys.stdout.write("moechat> ")
+            events = engine.generate(Request(messages=list(request), thinking=thinking), params)
             for ev in events:
                 if isinstance(ev, TokenDelta):
                     reply.append(ev.text)
@@ -176,7 +176,8 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
                 elif isinstance(ev, Finished):
                     finished = ev
         except KeyboardInterrupt:
-            events.close()  # cancels the request; the engine (or the server) is ready for the next one
+            if events is not None:
+                events.close()  # cancels the request; the engine (or the server) is ready for the next one
             stopped = True
             print("\nmoechat: stopped", file=sys.stderr)
         print(flush=True)

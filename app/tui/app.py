@@ -3,6 +3,8 @@ before the model loads (the bridge starts in on_mount) and routes what the engin
 chat screen. Importing this module imports no torch: the engine loads in the bridge's thread."""
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -217,7 +219,7 @@ class MoechatApp(App):
         path = folder / f"moechat-{conv.id}-{slug}.md"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            path.write_text(self.store.export_markdown(conv.id), encoding="utf-8")
+            _write_whole(path, self.store.export_markdown(conv.id))
         except KeyError:  # deleted in another window a moment ago
             self.call_later(self.chat.deleted_elsewhere)
             return None
@@ -337,6 +339,18 @@ def sampling_from(settings: Settings, base=None):
 
     base = base or SamplingParams()
     return replace(base, temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens)
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """`text` into `path` whole or not at all: a disk that filled midway left an earlier export of the chat cut short."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        part.write_text(text, encoding="utf-8")
+        os.replace(part, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            part.unlink()
+        raise
 
 
 def _documents_dir() -> Path:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -149,6 +150,136 @@ def test_failed_migration_leaves_the_file_as_it_was(tmp_path, monkeypatch):
         assert raw.execute("SELECT name FROM sqlite_master WHERE name = 'extra'").fetchone() is None
 
 
+def test_a_deleted_chat_or_message_id_is_never_given_out_again(tmp_path):
+    """Two windows on one file: B deleted the chat A showed and started one of its own, which took the freed ids; A's
+    streaming reply then overwrote B's message, A's next message went into B's chat, and A's F8 deleted it."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as a, ChatStore(path) as b:
+        shown = a.create("A's chat")
+        a.add(shown, "user", "hello")
+        streaming = a.add(shown, "assistant", "", finished=False)
+        b.delete(shown)
+        mine = b.create("B's chat")
+        b.add(mine, "user", "B's message")
+        b.add(mine, "assistant", "B's reply")
+        assert mine != shown and streaming not in [m.id for m in b.messages(mine)]
+        with pytest.raises(KeyError):
+            a.update(streaming, "A's late reply", finished=False)
+        with pytest.raises(KeyError):
+            a.add(shown, "user", "A's next message")
+        a.delete(shown)
+        assert [(m.role, m.content) for m in b.messages(mine)] == [("user", "B's message"), ("assistant", "B's reply")]
+
+
+def test_a_schema_1_database_is_migrated_keeping_every_chat(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    with sqlite3.connect(path) as raw:
+        raw.executescript(MIGRATIONS[0] + "PRAGMA user_version = 1;")
+        raw.execute("INSERT INTO conversations VALUES (1, 'kept', 'be brief', 1.0, 2.0), (2, 'deleted', '', 1.0, 3.0)")
+        raw.execute("INSERT INTO messages VALUES (1, 1, 'user', 'hi', 1, 1.5, NULL),"
+                    " (2, 1, 'assistant', 'cut', 0, 1.6, '{\"tokens\": 3}'), (3, 2, 'user', 'gone', 1, 2.5, NULL)")
+        raw.execute("DELETE FROM conversations WHERE id = 2")  # foreign keys off, as in another program: 3 is left over
+    with ChatStore(path) as store:
+        (conv,) = store.conversations()
+        assert (conv.id, conv.title, conv.system_prompt, conv.created, conv.updated) == (1, "kept", "be brief", 1.0, 2.0)
+        assert [(m.id, m.role, m.content, m.finished, m.created, m.stats) for m in store.messages(1)] == [
+            (1, "user", "hi", True, 1.5, None), (2, "assistant", "cut", False, 1.6, {"tokens": 3})]
+        store.delete(1)
+        assert store.create("new") == 2 and store.add(2, "user", "x") == 3  # not 1 and 1 again: past the ids it held
+        assert store._db.execute("PRAGMA foreign_key_check").fetchall() == []
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def _opened_meanwhile(monkeypatch, path: Path, before: str, then) -> None:
+    """`then()` runs once, when the store being opened is about to execute `before` (another moechat at that moment)."""
+    connect, due = sqlite3.connect, [True]
+
+    class Raced(sqlite3.Connection):
+        def execute(self, sql, *args):
+            if sql == before and due:
+                due.clear()
+                then()
+            return super().execute(sql, *args)
+
+    monkeypatch.setattr("moechat.app.chats.sqlite3.connect", lambda *a, **k: connect(*a, factory=Raced, **k))
+
+
+def test_a_moechat_that_migrated_meanwhile_is_not_migrated_again(tmp_path, monkeypatch):
+    """Two moechats starting at once both read the old schema version, and the second failed on the first's tables
+    ('table conversations already exists': move it aside)."""
+    path = tmp_path / "chats.sqlite3"
+    _opened_meanwhile(monkeypatch, path, "PRAGMA synchronous=NORMAL", lambda: ChatStore(path).create("the other's"))
+    with ChatStore(path) as store:
+        assert [c.title for c in store.conversations()] == ["the other's"]
+
+
+def test_a_lock_while_switching_to_wal_is_waited_out(tmp_path, monkeypatch):
+    """SQLite says 'locked' at once, without its busy timeout, to a connection that switches to WAL while another
+    moechat, starting at the same moment, migrates the file."""
+    path = tmp_path / "chats.sqlite3"
+
+    def locked():
+        raise sqlite3.OperationalError("database is locked")
+
+    _opened_meanwhile(monkeypatch, path, "PRAGMA journal_mode=WAL", locked)
+    with ChatStore(path) as store:
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def _open_at_once(path, barrier, out):
+    barrier.wait()
+    try:
+        ChatStore(Path(path)).close()
+        out.put("ok")
+    except MoechatError as err:
+        out.put(str(err))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fork")
+def test_two_moechats_starting_at_once_on_a_new_file_both_open_it(tmp_path):
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    for trial in range(8):
+        path, barrier, out = tmp_path / f"{trial}.sqlite3", fork.Barrier(2), fork.Queue()
+        procs = [fork.Process(target=_open_at_once, args=(str(path), barrier, out)) for _ in range(2)]
+        for proc in procs:
+            proc.start()
+        said = [out.get(timeout=30) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=30)
+        assert said == ["ok", "ok"], f"trial {trial}: {said}"
+
+
+def test_a_truncated_file_says_it_is_damaged_and_how_to_rescue_it(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as store:
+        for i in range(60):
+            store.add(store.create(f"chat {i}"), "user", "words " * 300)
+        store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    with path.open("r+b") as file:
+        file.truncate(path.stat().st_size // 2)
+    with pytest.raises(MoechatError) as err:
+        ChatStore(path)
+    message = str(err.value)
+    assert "is damaged (database disk image is malformed)" in message and ".recover" in message and "\n" not in message
+
+
+def test_a_full_disk_at_start_says_the_disk_is_full(tmp_path, monkeypatch):
+    """WAL's files on a full disk fail as 'disk I/O error', and the advice was to move the database aside."""
+    path = tmp_path / "chats.sqlite3"
+
+    def io_error():
+        raise sqlite3.OperationalError("disk I/O error")
+
+    _opened_meanwhile(monkeypatch, path, "PRAGMA journal_mode=WAL", io_error)
+    monkeypatch.setattr("moechat.app.chats.shutil.disk_usage", lambda where: shutil._ntuple_diskusage(10 << 30, 10 << 30, 0))
+    with pytest.raises(MoechatError) as err:
+        ChatStore(path)
+    assert "the disk is full" in str(err.value) and "move it aside" not in str(err.value)
+
 def test_database_from_a_newer_moechat_is_refused_untouched(tmp_path):
     path = tmp_path / "chats.sqlite3"
     with sqlite3.connect(path) as raw:
@@ -226,6 +357,20 @@ def test_a_file_or_folder_you_cannot_write_says_to_fix_its_permissions(tmp_path,
         message = str(err.value)
         assert f"{what} {locked} is not writable by you: fix its permissions" in message and "move it aside" not in message
 
+
+
+@pytest.mark.skipif(not hasattr(os, "statvfs"), reason="POSIX")
+def test_a_read_only_file_system_is_named_instead_of_a_chmod(tmp_path, monkeypatch):
+    """A database on a read-only mount (a snapshot, a live system) was told to chmod, which cannot help there."""
+    path = tmp_path / "chats.sqlite3"
+    ChatStore(path).close()
+    monkeypatch.setattr("moechat.app.chats.os.access", lambda where, mode: False)
+    statvfs = os.statvfs
+    monkeypatch.setattr("moechat.app.chats.os.statvfs", lambda where: type("ReadOnly", (), {
+        "f_flag": statvfs(where).f_flag | os.ST_RDONLY})())
+    with pytest.raises(MoechatError) as err:
+        ChatStore(path)
+    assert "read-only file system: remount it read-write" in str(err.value) and "chmod" not in str(err.value)
 
 _WRITER = """
 import sys

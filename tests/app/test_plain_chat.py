@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import sys
 
+import pytest
+
 from moechat.app import plain_chat
 from moechat.app.chats import ChatStore
 from moechat.engine.config import SamplingParams
@@ -124,4 +126,28 @@ def test_a_reply_stopped_with_ctrl_c_is_stored_as_stopped_not_cut(tmp_path, monk
         ((conv),) = store.conversations()
         reply = store.messages(conv.id)[-1]
     assert (reply.role, reply.content, reply.finished) == ("assistant", "The sea ", True)
+    assert "moechat: stopped" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_a_long_history_is_fitted_stops_that_message_not_the_chat(tmp_path, monkeypatch, capsys):
+    """Fitting a long conversation to the context takes a moment (0.4 s at 60 turns of the demo) before the reply starts:
+    a Ctrl-C there ended `moechat chat` ("interrupted", exit 130) and the lines after it were never read."""
+    calls = []
+
+    def fit(engine, messages, reply_room):
+        calls.append(messages[-1]["content"])
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return messages, ""
+
+    monkeypatch.setattr("moechat.app.history.fit_for_engine", fit)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n"))
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        try:
+            assert plain_chat._chat(Streaming(["Hi."]), plain_chat.Keeper(store, None), SamplingParams(), remote=False) == 0
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C ended the chat")
+        ((conv),) = store.conversations()
+        stored = [(m.role, m.content) for m in store.messages(conv.id)]
+    assert calls == ["first", "second"] and stored == [("user", "second"), ("assistant", "Hi.")]
     assert "moechat: stopped" in capsys.readouterr().err

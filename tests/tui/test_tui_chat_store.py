@@ -208,6 +208,53 @@ async def test_a_damaged_database_opens_with_a_notice(tmp_path):
 
 @pilot_test
 @pytest.mark.notorch
+async def test_a_listed_chat_deleted_in_another_window_is_said_when_picked(tmp_path, stored):
+    """It opened as an empty chat, as if its messages were lost, and stayed in the list."""
+    from textual.widgets import OptionList
+
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat = app.chat
+        other = ChatStore(tmp_path / "chats.sqlite3")
+        other.delete(older)
+        other.close()
+        assert titles(chat) == ["newer", "older"]
+        listed = chat.query_one("#conversations", OptionList)
+        listed.highlighted = 1
+        listed.action_select()
+        await until(pilot, lambda: titles(chat) == ["newer"], "the list without the deleted chat")
+        assert chat.conv_id == newer and contents(chat) == ["hello there", "Hello! How are you today?"]
+        assert any("deleted in another moechat window" in n.message for n in app._notifications)
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_an_export_that_fills_the_disk_leaves_the_earlier_export_whole(tmp_path, stored, monkeypatch):
+    """Ctrl+O wrote over the chat's earlier export in place: a disk that filled midway cut it short, and with it the
+    only copy of a reply regenerated since."""
+    from pathlib import Path
+
+    async with without_model(tmp_path) as (app, pilot):
+        earlier = app.action_export_chat()
+        before = earlier.read_bytes()
+        app.store.add(app.chat.conv_id, "user", "more " * 5000)
+        write_text = Path.write_text
+
+        def fills_the_disk(path, text, *args, **kwargs):
+            write_text(path, text[:len(text) // 2], *args, **kwargs)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(Path, "write_text", fills_the_disk)
+        assert app.action_export_chat() is None
+        await pilot.pause()
+        assert "could not write" in errors(app)[-1] and "No space left" in errors(app)[-1]
+        assert earlier.read_bytes() == before and sorted(p.name for p in earlier.parent.iterdir()) == [earlier.name]
+        monkeypatch.undo()
+        assert app.action_export_chat() == earlier and "more more" in earlier.read_text()
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_the_app_says_what_the_command_line_changes_about_the_engine(tmp_path):
     """A --model on the command line runs the embedded engine over a backend saved in the settings: said at each load."""
     from test_tui_chat import failing, make_app

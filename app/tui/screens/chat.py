@@ -454,6 +454,12 @@ class ChatScreen(Screen):
             if self.refuse_while_busy():
                 self.highlight_current()  # the highlight back on the chat the log shows
                 return
+            try:
+                self.store.conversation(int(event.option.id))
+            except KeyError:  # the list was drawn before another window deleted it: it opened empty, as if emptied
+                self.app.notify(DELETED_ELSEWHERE, severity="warning")
+                await self.refresh_conversations()
+                return
             await self.open_conversation(int(event.option.id))
 
     def refuse_while_busy(self) -> bool:
