@@ -145,6 +145,19 @@ def _damaged(path: Path, err: sqlite3.Error) -> str | None:
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
+TITLE_CHARS = 40
+
+
+def title_from(text: str) -> str:
+    """A chat's title from its first message: one line of its first TITLE_CHARS characters, without control characters,
+    lone surrogates or bidirectional overrides (a NUL or a right-to-left override scrambled the chat list's line)."""
+    import unicodedata
+
+    shown = "".join(" " if unicodedata.category(c) in ("Cc", "Cs") else "" if c in _BIDI_CONTROLS else c for c in text)
+    return " ".join(shown.split())[:TITLE_CHARS] or NEW_TITLE
+
+
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # embeddings, overrides, isolates
 SAVE_INTERVAL_S = 0.5  # a streaming reply is saved at most this often (the app and plain chat): a kill loses at most this much
 DELETED_ELSEWHERE = "this chat was deleted in another moechat window"  # what both say when the store no longer has it
 

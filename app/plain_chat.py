@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStore, ChatStoreError
+from .chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStore, ChatStoreError, title_from
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
 
@@ -32,7 +32,7 @@ class Keeper:
             try:
                 self.new_chat = self.conv_id is None
                 if self.new_chat:
-                    self.conv_id = self.store.create(title=" ".join(text.split())[:40], system_prompt=self.system)
+                    self.conv_id = self.store.create(title=title_from(text), system_prompt=self.system)
                 self.user_id = self.store.add(self.conv_id, "user", text)
                 self.reply_id, self.saved_at = self.store.add(self.conv_id, "assistant", "", finished=False), time.monotonic()
                 self.said = False

@@ -433,3 +433,13 @@ def test_killed_mid_reply_keeps_every_finished_message(tmp_path):
     assert reply.role == "assistant" and reply.finished is False
     # the reply got at least as far as the last update the writer reported committed
     assert reply.content.startswith("token1 ") and f"token{seen} " in reply.content
+
+
+def test_a_title_is_one_clean_line_of_the_first_message():
+    """A NUL, a newline or a right-to-left override in a first message scrambled its line in the chat list."""
+    from moechat.app.chats import NEW_TITLE, title_from
+
+    assert title_from("What is\x00 a\tdog?\nTell me.") == "What is a dog? Tell me."
+    assert title_from("\u202eevil\u202c name \U0001F468\u200d\U0001F469") == "evil name \U0001F468\u200d\U0001F469"  # emoji kept
+    assert title_from("x" * 100) == "x" * 40 and title_from("\x00\n\u202e") == NEW_TITLE
+    assert title_from("bad \ud800 surrogate") == "bad surrogate"

@@ -32,7 +32,7 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import DELETED_ELSEWHERE, NEW_TITLE, SAVE_INTERVAL_S, ChatMessage, ChatStoreError
+from ...chats import DELETED_ELSEWHERE, NEW_TITLE, SAVE_INTERVAL_S, ChatMessage, ChatStoreError, title_from
 from ...reasoning import enable_thinking, reasoning_title, split_reasoning
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
@@ -481,7 +481,7 @@ class ChatScreen(Screen):
         text = text.strip()
         if not visible(text) or self.refuse_while_busy():
             return
-        title = " ".join(text.split())[:40]
+        title = title_from(text)
         try:
             if self.conv_id is None:
                 self.conv_id = self.store.create(title=title)
