@@ -15,8 +15,8 @@ import pytest
 
 from moechat.app.chats import ChatStore
 from moechat.app.tui.app import MoechatApp
-from moechat.app.tui.screens.chat import LOG_CHARS, MessageView, last_code_block, window_start
 from moechat.app.tui.screens.help import HelpScreen
+from moechat.app.tui.widgets.message_view import LOG_CHARS, MessageView, last_code_block, window_start
 from moechat.engine.config import EngineConfig, SamplingParams
 from moechat.engine.errors import MoechatError
 
@@ -264,7 +264,7 @@ async def test_titles_that_look_like_markup_show_as_typed(tmp_path):
 @pilot_test
 @pytest.mark.notorch
 async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, stored):
-    from moechat.app.tui.screens.chat import ChatInput
+    from moechat.app.tui.widgets.message_view import ChatInput
 
     _, newer = stored
     async with without_model(tmp_path) as (app, pilot):
@@ -291,7 +291,7 @@ async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, sto
 @pilot_test
 @pytest.mark.notorch
 async def test_quitting_before_a_reply_has_text_keeps_no_empty_reply_and_invisible_text_is_not_sent(tmp_path, stored):
-    from moechat.app.tui.screens.chat import visible
+    from moechat.app.tui.widgets.message_view import visible
 
     assert not visible(" \u200b\n\u2060") and visible("a\u200b")
     async with without_model(tmp_path) as (app, pilot):
@@ -321,7 +321,7 @@ async def test_a_chat_opened_empty_takes_its_first_message_as_title(tmp_path, st
 @pytest.mark.notorch
 async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice(tmp_path, stored):
     from moechat.app.tui.messages import ReplyDelta
-    from moechat.app.tui.screens.chat import ChatInput
+    from moechat.app.tui.widgets.message_view import ChatInput
 
     async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
@@ -350,8 +350,8 @@ async def test_esc_says_the_reply_is_stopping_until_its_step_ends_and_delete_ask
     """A large model's step takes seconds: Esc left "reading the prompt…" on screen and Enter said "Esc stops it"; F8
     asked "Delete …?" and refused only after the answer."""
     from moechat.app.tui.messages import ReplyProgress
-    from moechat.app.tui.screens.chat import ChatInput
     from moechat.app.tui.screens.dialogs import Confirm
+    from moechat.app.tui.widgets.message_view import ChatInput
 
     async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
@@ -460,7 +460,7 @@ async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, sto
 @pilot_test
 async def test_a_message_too_long_for_the_context_comes_back_to_the_input(tmp_path, checkpoint):
     """It stayed in the chat, so the next request carried it and was refused too ("the prompt has 3022 tokens")."""
-    from moechat.app.tui.screens.chat import ChatInput
+    from moechat.app.tui.widgets.message_view import ChatInput
 
     path = checkpoint("qwen3_moe")
     app = make_app(tmp_path, lambda: EngineConfig(str(path), context_len=128), max_new_tokens=4)
@@ -727,7 +727,7 @@ async def test_a_reply_is_drawn_at_most_once_a_frame_and_whole_at_its_end(tmp_pa
 
 
 def test_an_answer_moves_to_a_new_markdown_widget_only_between_blocks():
-    from moechat.app.tui.screens.chat import segment_cut
+    from moechat.app.tui.widgets.message_view import segment_cut
 
     whole = len("Two and more")
     assert segment_cut("Intro.\n\n", "One.\n\nTwo and more") == (6, 6 + whole)  # after the last blank line

@@ -12,7 +12,7 @@ from test_tui_chat import errors, pilot_test, send, titles, until, without_model
 
 from moechat.app.chats import ChatStore
 from moechat.app.tui.messages import ReplyDelta, ReplyFinished
-from moechat.app.tui.screens.chat import ChatInput, MessageView
+from moechat.app.tui.widgets.message_view import ChatInput, MessageView
 
 stored = test_tui_chat.stored  # the fixture: two stored conversations, 'older' and 'newer'
 

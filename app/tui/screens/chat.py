@@ -5,228 +5,46 @@ at its start, re-saved at most every SAVE_INTERVAL_S, and finished at its end.""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import unicodedata
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
 
-from textual import events
 from textual.app import ComposeResult
-from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
-from textual.message import Message
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import (
     Button,
-    Collapsible,
     Footer,
     Label,
     Markdown,
     OptionList,
     ProgressBar,
     Static,
-    TextArea,
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
 from ...chats import DELETED_ELSEWHERE, NEW_TITLE, SAVE_INTERVAL_S, ChatMessage, ChatStoreError, title_from
-from ...reasoning import enable_thinking, reasoning_title, split_reasoning
+from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
 from ..widgets.heatmap import ExpertHeatmap
+from ..widgets.message_view import (
+    SEGMENT_CHARS,
+    ChatInput,
+    MessageView,
+    earlier_label,
+    segment_cut,
+    visible,
+    window_start,
+    window_views,
+)
 from ..widgets.stats import StatsPanel
 
 RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQLite's busy timeout on this thread)
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
-# A streaming answer moves on to a new Markdown widget past this many characters, at a blank line outside code: Textual
-# restyles and lays out every block of a Markdown widget each time one is added, so one widget per reply grew each draw's
-# cost with the reply (most of a core at 30 tok/s after 3 000 tokens).
-SEGMENT_CHARS = 3000
-_CONTINUES_BLOCK = re.compile(r"[ \t\n]|[-*+>|]|\d+[.)]")  # a line that may join the block before: list, quote, table, code
-_FENCE = re.compile(r"^ {0,3}(```|~~~)", re.M)  # a code fence opening or closing
-DECIDE_CHARS = 4  # what must follow a blank line to tell whether the next line starts a block of its own
-
-
-def segment_cut(written: str, new: str) -> tuple[int | None, int]:
-    """(cut, upto) for `new`, the text that follows `written`: the answer's next Markdown widget may start at new[cut:]
-    (None: not in this text), and new[:upto] is to be written now. The place is the last blank line, when it is outside
-    a code fence and the line after it starts a block of its own; while that line is too short to tell, the text after
-    the blank line waits (upto) for the next draw."""
-    at = (written[-2:] + new).rfind("\n\n")  # a blank line that ended `written` counts too
-    cut = at + 2 - len(written[-2:])  # where in `new` the line after it starts
-    if at < 0 or cut < 0 or len(_FENCE.findall(written + new[:cut])) % 2:
-        return None, len(new)
-    after = new[cut:]
-    if len(after) < DECIDE_CHARS and "\n" not in after:
-        return None, cut
-    return (None if _CONTINUES_BLOCK.match(after) else cut), len(new)
-
-
-CODE_BLOCK = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
-
-
-def last_code_block(text: str) -> str | None:
-    blocks = CODE_BLOCK.findall(text)
-    return blocks[-1].rstrip("\n") if blocks else None
-
-
-class ChatInput(TextArea):
-    """Multiline input: Enter sends; Shift+Enter, Alt+Enter or Ctrl+J add a line (Shift+Enter only where
-    the terminal reports it; Ctrl+J works everywhere)."""
-
-    class Submitted(Message):
-        def __init__(self, text: str) -> None:
-            super().__init__()
-            self.text = text
-
-    async def _on_key(self, event: events.Key) -> None:
-        if event.key == "enter":
-            event.stop()
-            event.prevent_default()
-            refused = getattr(self.screen, "refuse_while_busy", lambda: False)  # a reply streams: the text stays here
-            if visible(self.text) and not refused():
-                self.post_message(self.Submitted(self.text))
-                self.clear()
-            return
-        if event.key == "ctrl+c" and not self.selected_text and getattr(self.screen, "reply", None) is not None:
-            event.stop()  # nothing selected to copy while a reply streams: Ctrl+C stops it, as in a terminal
-            event.prevent_default()
-            self.screen.stop()
-            return
-        if event.key in ("shift+enter", "alt+enter", "ctrl+j"):
-            event.stop()
-            event.prevent_default()
-            self.insert("\n")
-            return
-        await super()._on_key(event)
-
-
-def visible(text: str) -> bool:
-    """Whether text shows anything: not only spaces and invisible format characters (a zero-width space)."""
-    return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
-
-
-LOG_CHARS = 8_000  # the newest messages the log holds, by characters: 200-900 widgets of Markdown
-
-
-def window_start(sizes: list[int]) -> int:
-    """The first of the messages of these sizes (characters) that the log shows: the newest that add up to LOG_CHARS,
-    and always the last two (the exchange being written)."""
-    total, start = 0, len(sizes)
-    while start > 0:
-        total += sizes[start - 1]
-        if total > LOG_CHARS and len(sizes) - start >= 2:
-            break
-        start -= 1
-    return start
-
-
-def window_views(messages: list) -> list[MessageView]:
-    """Stored messages -> the views of those the log's window holds."""
-    return [MessageView(m.role, m.content, m.id, m.finished)
-            for m in messages[window_start([len(m.content) for m in messages]):]]
-
-
-def earlier_label(count: int) -> str:
-    return f"▲ {count} earlier message{'s' if count != 1 else ''}"
-
-
-class MessageView(Vertical, can_focus=True):
-    """One message: a role line, a reply's reasoning folded (app/reasoning.py) and its Markdown. Focused, `c` copies
-    the answer and `k` its last code block."""
-
-    BINDINGS: ClassVar[list[Binding]] = [Binding("c", "copy", "Copy"), Binding("k", "copy_code", "Copy code")]
-
-    def __init__(self, role: str, content: str, message_id: int | None = None, finished: bool = True) -> None:
-        super().__init__(classes=f"message {role}")
-        self.role, self.content, self.message_id, self.finished = role, content, message_id, finished
-        self.thinking = False  # the model was thinking at the last update: the block opened for it
-        self.reasoning = ""  # the reasoning the block shows: redrawn only when it grows, not at every answer token
-
-    def compose(self) -> ComposeResult:
-        name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
-        yield Label(name if self.finished else f"{name} · interrupted", classes="role")
-        reasoning, answer, thinking = self.split()
-        self.reasoning = reasoning
-        if self.role == "assistant":  # a stored reply has ended: open only where it ended in its reasoning
-            box = Collapsible(Static(reasoning, markup=False, classes="reasoning-text"),
-                              title=reasoning_title(reasoning, thinking, ended=True), collapsed=not thinking,
-                              classes="reasoning")
-            box.display = bool(reasoning)
-            yield box
-        yield Markdown(answer, classes="filled" if answer.strip() else None)
-
-    def split(self) -> tuple[str, str, bool]:
-        """(reasoning, answer, still thinking): a user's words are all answer."""
-        return split_reasoning(self.content) if self.role == "assistant" else ("", self.content, False)
-
-    @property
-    def markdown(self) -> Markdown:
-        """The answer's last Markdown widget: the one a reply writes to."""
-        return self.query(Markdown).last()
-
-    @property
-    def answer_source(self) -> str:
-        """The answer as its Markdown widgets hold it."""
-        return "".join(segment.source for segment in self.query(Markdown))
-
-    async def next_segment(self) -> Markdown:
-        """A new Markdown widget after the answer's last: the blank line that ended the last shows as its margin."""
-        self.markdown.add_class("continued")
-        segment = Markdown()
-        await self.mount(segment)
-        return segment
-
-    async def show_answer(self, answer: str, start: int = 0) -> None:
-        """answer[start:] in the last Markdown widget (the others hold answer[:start]); start 0: the only one."""
-        segments = list(self.query(Markdown))
-        if start == 0:
-            for segment in segments[1:]:
-                await segment.remove()
-            segments[0].remove_class("continued")
-        await segments[-1 if start else 0].update(answer[start:])
-        self.fit_answer()
-
-    def fit_answer(self) -> None:
-        """The answer's last block keeps no bottom margin (the next message's top margin spaces them), through a class
-        set once the last Markdown widget holds blocks: a `:last-child` rule would make Textual restyle every block of
-        the widget each time one is added."""
-        segment = self.markdown
-        segment.set_class(bool(segment.children), "filled")
-
-    def show_reasoning(self, reasoning: str, thinking: bool, ended: bool = False) -> None:
-        """Opened when the model starts thinking, folded when it starts answering; in between the user's to fold."""
-        box = self.query_one(".reasoning", Collapsible)
-        box.display = bool(reasoning) or thinking
-        box.title = reasoning_title(reasoning, thinking, ended)
-        if thinking != self.thinking:
-            box.collapsed, self.thinking = not thinking, thinking
-        if reasoning != self.reasoning:
-            self.query_one(".reasoning-text", Static).update(reasoning)
-            self.reasoning = reasoning
-
-    def set_note(self, note: str) -> None:
-        label = self.query_one(".role", Label)
-        label.update(f"moechat · {note}" if note else "moechat")
-
-    def action_copy(self) -> None:
-        self.app.copy_to_clipboard(self.split()[1])
-        self.app.notify("message copied")
-
-    def action_copy_code(self) -> None:
-        code = last_code_block(self.split()[1])
-        if code is None:
-            self.app.notify("this message has no code block", severity="warning")
-            return
-        self.app.copy_to_clipboard(code)
-        self.app.notify("code block copied")
-
-
 @dataclass
 class _Reply:
     """The reply being written: its request, stored message, widget, text so far, stream, last save."""
