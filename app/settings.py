@@ -139,10 +139,7 @@ def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, st
 
     Settings(**updates)  # every value checked before anything is written
     path = path or settings_path()
-    try:
-        target = path.resolve() if path.is_symlink() else path  # dotfiles: the link stays, its file changes
-    except RuntimeError as err:  # a symlink loop (Python 3.11 raises RuntimeError, later ones OSError)
-        raise OSError(f"{path}: {err}") from None
+    target = _link_target(path) if path.is_symlink() else path  # dotfiles: the link stays, its file changes
     target.parent.mkdir(parents=True, exist_ok=True)
     doc, notice, mode = tomlkit.document(), None, 0o600
     if target.exists() and not target.is_dir():
@@ -169,6 +166,15 @@ def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, st
     _apply(doc, updates)
     _write_atomic(target, tomlkit.dumps(doc), mode)
     return load_settings(path)[0], notice
+
+
+def _link_target(path: Path) -> Path:
+    """The file a symlink names; a loop raises OSError on every Python (Path.resolve raised RuntimeError on 3.11 and
+    returned the link itself from 3.13, whose save then replaced the link)."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except FileNotFoundError:  # a link to a file not made yet (a fresh dotfiles checkout): it is made there
+        return Path(os.path.realpath(path))
 
 
 def _apply(doc, updates: dict) -> None:
