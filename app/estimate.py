@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -64,12 +65,24 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
         if vram is None and ram is not None and est.host_bytes + ram_headroom(ram) > ram:
-            raise BudgetError(f"non-expert weights and KV cache need {est.host_bytes / 2**30:.2f} "
-                              f"GiB of RAM besides headroom, the RAM budget is {ram / 2**30:.2f} GiB: "
-                              "lower --context-len or use a smaller model")
+            raise BudgetError(f"non-expert weights and KV cache need {est.host_bytes / 2**30:.2f} GiB of RAM and "
+                              f"{ram_headroom(ram) / 2**30:.2f} GiB stay free for the system, the RAM budget is "
+                              f"{ram / 2**30:.2f} GiB: use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, "
+                              "lower --context-len, or use a smaller model")
     except BudgetError as err:
         report.update(fits=False, problem=str(err))
     return report
+
+
+def least_ram_gib(host_bytes: int) -> float:
+    """The smallest RAM budget, in GiB rounded up to 0.01, whose headroom (memory_budgets.ram_headroom) leaves `host_bytes`."""
+    from ..engine import ram_headroom
+
+    gib = 2**30
+    need = max(host_bytes + 2 * gib, host_bytes / 0.95)  # ram_headroom: 2 GiB, or a twentieth of a larger budget
+    while host_bytes + ram_headroom(int(need)) > int(need):
+        need += gib / 100
+    return math.ceil(need / gib * 100) / 100
 
 
 def cmd_estimate(args) -> int:
@@ -101,8 +114,10 @@ def cmd_estimate(args) -> int:
               f"included), quantized once at first load; {plain.all_experts_bytes / gib:.2f} GiB in {est.dtype} "
               f"({plain.expert_bytes / 2**20:.2f} MiB each)")
     if "max_expert_cache_ratio" in fit:
+        from ..engine import ratio_at_most
+
         print(f"VRAM {args.vram_budget_gib:g} GiB: at most {fit['max_expert_cache_experts']} experts cached, "
-              f"expert cache ratio {fit['max_expert_cache_ratio']:.3f}")
+              f"expert cache ratio {ratio_at_most(fit['max_expert_cache_experts'], est.num_experts_total)}")
     if "host_tier" in fit:
         where = ""
         if fit["host_tier"] == "mmap":

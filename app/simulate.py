@@ -1,6 +1,7 @@
 """`moechat simulate`: replay routing traces against residency policies (engine/simulate.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -11,7 +12,10 @@ METRICS = ("served", "distinct_hit_rate", "bytes_per_token", "predicted_step_ms"
 def _csv(parse):
     """A comma-separated list, each item through `parse` (an option's own check)."""
     def parse_list(text: str):
-        return [parse(t.strip()) for t in text.split(",") if t.strip()]
+        values = [parse(t.strip()) for t in text.split(",") if t.strip()]
+        if not values:  # else a table of headers only
+            raise argparse.ArgumentTypeError(f"expected one value or more, comma-separated, got {text!r}")
+        return values
     return parse_list
 
 

@@ -97,35 +97,85 @@ class Routing:
 
 
 def load_routing(path: str | Path, num_experts: int | None = None) -> Routing:
-    """A routing trace: the shared DeepSeek CSV(.gz) format or moechat's own JSON Lines (`--trace`)."""
+    """A routing trace: the shared DeepSeek CSV(.gz) format or moechat's own JSON Lines (`--trace`).
+    A damaged or cut-short file raises ValueError in one line (callers print it)."""
     import gzip
+    import zlib
 
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        first = f.readline()
-        if first.lstrip().startswith("{"):
-            by_pos = _committed_rows([json.loads(first)] + [json.loads(line) for line in f if line.strip()])
-            layer_ids = sorted({layer for rows in by_pos.values() for layer in rows})
-            experts = [[by_pos[p][layer] for layer in layer_ids] for p in sorted(by_pos)]
-        elif first.startswith("Layer ID"):
-            import csv
-
-            per_layer: dict[int, list[list[int]]] = {}
-            for layer, _batch, _token, ids in csv.reader(f):
-                per_layer.setdefault(int(layer), []).append(json.loads(ids))
-            layer_ids = sorted(per_layer)
-            lengths = {len(v) for v in per_layer.values()}
-            if len(lengths) != 1:
-                raise ValueError(f"{path}: layers have different token counts {sorted(lengths)}")
-            experts = [list(rows) for rows in zip(*(per_layer[layer] for layer in layer_ids))]
-        else:
-            raise ValueError(f"{path} is neither a moechat trace (JSON Lines) nor a routing CSV with a 'Layer ID' header")
-    x = torch.tensor(experts, dtype=torch.long)  # [T, L, k]
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            first = f.readline()
+            if first.lstrip().startswith("{"):
+                layer_ids, experts = _jsonl_rows(path, first, f)
+            elif first.startswith("Layer ID"):
+                layer_ids, experts = _csv_rows(path, f)
+            else:
+                raise ValueError(f"{path} is neither a moechat trace (JSON Lines) nor a routing CSV with a 'Layer ID' header")
+    except (EOFError, zlib.error, gzip.BadGzipFile) as err:  # a download or copy cut short: not a bug to report
+        raise ValueError(f"{path} is cut short or corrupt ({err}): copy or record the trace again") from None
+    x = _routing_tensor(path, experts)  # [T, L, k]
     n = num_experts or int(x.max()) + 1
-    if x.numel() and int(x.min()) < 0:  # ids past the model's experts are the replay's to refuse, with the count
+    if int(x.min()) < 0:  # ids past the model's experts are the replay's to refuse, with the count
         raise ValueError(f"{path}: expert id {int(x.min())} is negative: the trace is damaged")
     return Routing(path.name.split(".")[0], layer_ids, x, n)
+
+
+def _jsonl_rows(path: Path, first: str, f) -> tuple[list[int], list]:
+    """(MoE layer ids, experts [T][L][k]) of a moechat --trace file whose first line is `first`."""
+    records = []
+    for line, text in enumerate([first, *f], start=1):
+        try:
+            records += [json.loads(text)] if text.strip() else []
+        except ValueError as err:  # json.loads numbers lines within its one line: say which line of the file
+            raise ValueError(f"{path}: line {line} is not a JSON record ({err}): the trace is damaged or cut short") from None
+    try:
+        by_pos = _committed_rows(records)
+    except (KeyError, TypeError, AttributeError) as err:  # a record that is not the format's object
+        raise ValueError(f"{path}: a record lacks or mangles {err}: the trace is damaged (docs/trace-format.md)") from None
+    layer_ids = sorted({layer for rows in by_pos.values() for layer in rows})
+    for p in sorted(by_pos):
+        missing = [layer for layer in layer_ids if layer not in by_pos[p]]
+        if missing:
+            raise ValueError(f"{path}: position {p} has no routing for layer {missing[0]}: the trace is damaged or cut short")
+    return layer_ids, [[by_pos[p][layer] for layer in layer_ids] for p in sorted(by_pos)]
+
+
+def _csv_rows(path: Path, f) -> tuple[list[int], list]:
+    """(MoE layer ids, experts [T][L][k]) of the shared DeepSeek CSV layout, after its header."""
+    import csv
+
+    per_layer: dict[int, list[list[int]]] = {}
+    for line, row in enumerate(csv.reader(f), start=2):
+        if len(row) != 4:
+            raise ValueError(f"{path}: line {line} has {len(row)} fields, not the 4 of "
+                             "'Layer ID,Batch Number,Token,Activated Expert IDs': the trace is damaged")
+        try:
+            per_layer.setdefault(int(row[0]), []).append(json.loads(row[3]))
+        except ValueError as err:
+            raise ValueError(f"{path}: line {line} is not a routing row ({err}): the trace is damaged or cut short") from None
+    layer_ids = sorted(per_layer)
+    lengths = {len(v) for v in per_layer.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"{path}: layers have different token counts {sorted(lengths)}: the trace is damaged or cut short")
+    return layer_ids, [list(rows) for rows in zip(*(per_layer[layer] for layer in layer_ids))]
+
+
+def _routing_tensor(path: Path, experts: list) -> torch.Tensor:
+    """experts [T][L][k] as an int64 tensor; every token's k ids whole numbers, the same k throughout."""
+    if not experts:
+        raise ValueError(f"{path} holds no routing rows: record the trace again")
+    tops = {len(ids) if isinstance(ids, list) else -1 for token in experts for ids in token}
+    if len(tops) != 1 or min(tops) < 1:
+        raise ValueError(f"{path}: tokens route to {sorted(t for t in tops if t >= 0) or 'no'} experts each, where a "
+                         "trace gives every token the same top-k: the trace is damaged")
+    if any(type(e) is not int for token in experts for ids in token for e in ids):
+        raise ValueError(f"{path}: an expert id is not a whole number: the trace is damaged")
+    try:
+        return torch.tensor(experts, dtype=torch.long)
+    except (RuntimeError, ValueError, OverflowError) as err:  # an id past int64
+        raise ValueError(f"{path}: an expert id is out of range ({err}): the trace is damaged") from None
 
 
 def _committed_rows(records: list[dict]) -> dict[int, dict[int, list[int]]]:

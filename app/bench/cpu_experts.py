@@ -111,6 +111,9 @@ def cmd_bench_cpu_experts(args) -> int:
 
     if not (1 <= args.top_k <= args.experts and args.samples >= 3 and args.repeats >= 1):
         raise MoechatError("need 1 <= --top-k <= --experts, --samples >= 3 and --repeats >= 1")
+    threads = 1 if args.threads is None else args.threads
+    if min(args.hidden, args.intermediate, threads) < 1:  # a zero-sized expert times nothing; torch refuses 0 threads
+        raise MoechatError("--hidden, --intermediate and --threads must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

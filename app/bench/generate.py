@@ -10,13 +10,13 @@ import time
 
 
 def add_bench_generate(sub) -> None:
-    from ..cli import add_engine_args, add_sampling_args
+    from ..cli import _int_list, add_engine_args, add_sampling_args
 
     p = sub.add_parser("generate", help="engine vs Hugging Face generate: prefill and decode tokens/s")
     add_engine_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (default: a fixed English paragraph)")
-    src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids")
+    src.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3", help="prompt as comma-separated token ids")
     add_sampling_args(p, temperature=0.0, max_new_tokens=64)  # greedy unless set: tokens compared with HF's
     p.add_argument("--repeats", type=int, default=5, metavar="R", help="alternating runs of each; medians reported")
     p.add_argument("--replay-traces", default=None, metavar="PATH",
@@ -67,13 +67,15 @@ def hf_generate(model, ids, max_new: int, params=None) -> tuple[float, list[int]
 def cmd_bench_generate(args) -> int:
     import torch
 
-    from ...engine import Engine, Request
+    from ...engine import Engine, MoechatError, Request
     from ..cli import engine_config
 
+    if args.repeats < 1 or args.max_new_tokens < 2:  # medians need a run, decode tok/s a token after the prefill's
+        raise MoechatError("bench generate needs --repeats >= 1 and --max-new-tokens >= 2")
     engine = Engine(engine_config(args))
     replay = attach_replay(engine, args.replay_traces) if args.replay_traces else None
-    if args.prompt_ids:
-        ids = [int(t) for t in args.prompt_ids.split(",")]
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
     else:
         ids = engine.encode(Request(prompt=args.prompt or DEFAULT_PROMPT))
     # replayed routing or quantized weights: HF's tokens would differ (quality: `moechat bench quality`)

@@ -182,6 +182,8 @@ def cmd_bench_kernels(args) -> int:
         raise MoechatError(f"unknown shape {unknown[0]!r}: choose from {', '.join(SHAPES)}")
     if not args.tokens or min(args.tokens) < 1 or not args.experts or min(args.experts) < 1 or args.repeats < 1:
         raise MoechatError("--tokens and --experts need positive integers, --repeats at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise MoechatError(f"--threads must be at least 1, got {args.threads}")
     if not cpu_ffn.available():
         raise MoechatError(native.notice("cpu") or "the native CPU kernels are unavailable")
     if args.quant != "none" and args.isa not in ("auto", *cpu_ffn.Q_ISAS):

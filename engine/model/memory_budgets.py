@@ -8,6 +8,7 @@ in the estimate's format: `est.expert_bytes` is the quantized size when `est.qua
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,11 @@ def max_cache_experts(est: MemoryEstimate, vram_budget: int) -> int:
     return max(0, min(est.num_experts_total, free // est.expert_bytes))
 
 
+def ratio_at_most(experts: int, total: int) -> str:
+    """experts/total as a cache ratio to 3 decimals, rounded down: rounded up, round(ratio·total) can be one expert more."""
+    return f"{math.floor(experts / total * 1000) / 1000:.3f}"
+
+
 def ram_headroom(ram_budget: int) -> int:
     """Left free in RAM besides the expert store: the OS, Python, tokenizer, page cache for the non-expert files."""
     return max(2 * GIB, ram_budget // 20)
@@ -82,8 +88,8 @@ def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int 
             raise BudgetError(
                 f"expert cache of {gib(expert_cache_bytes)} does not fit the {gib(vram_budget - fixed - margin)} "
                 "of VRAM left after non-expert weights, KV cache and margin: "
-                f"use --expert-cache-ratio {fit / est.num_experts_total:.3f} or less "
-                f"(--expert-cache-gib {fit * est.expert_bytes / 2**30:.3f}), or a shorter --context-len"
+                f"use --expert-cache-ratio {ratio_at_most(fit, est.num_experts_total)} or less "
+                f"(--expert-cache-gib {math.floor(fit * est.expert_bytes / 2**30 * 1000) / 1000:.3f}), or a shorter --context-len"
             )
     if ram_budget is not None and host_tier == "ram" and est.all_experts_bytes > ram_budget:
         smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim else ()  # shapes known: formats to suggest

@@ -48,6 +48,9 @@ class CostModel:
         for name in ("expert_bytes", "pcie_gb_s", "cpu_dram_gb_s", "device_gb_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("device_ms_per_expert_launch", "dense_ms_per_layer", "draft_ms_per_token"):  # else negative step times
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)!r}")
 
     @classmethod
     def from_unit_costs(cls, costs, expert_bytes: int, **fields) -> CostModel:

@@ -64,3 +64,24 @@ def test_a_model_that_is_no_usable_path_is_one_short_line(model, reason, capsys)
     err = capsys.readouterr().err.strip()
     assert code != 0 and len(err.splitlines()) == 1 and len(err) < 400, err
     assert "is not a usable path" in err and reason in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--repeats", "0"], "needs --repeats >= 1"),  # was "internal error (KeyError: 'engine_prefill')"
+    (["--max-new-tokens", "1"], "--max-new-tokens >= 2"),  # was a ZeroDivisionError beside HF, 0.0 decode tok/s without
+])
+def test_bench_generate_refuses_runs_that_measure_nothing(flags, says, capsys):
+    from moechat.app.cli import main
+
+    assert main(["bench", "generate", "--repeats", "1", "--max-new-tokens", "4", *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    assert says in err and "internal error" not in err and "\n" not in err
+
+
+def test_bench_generate_prompt_ids_garbage_says_what_it_takes(capsys):
+    """Was "invalid literal for int() with base 10: 'a'", after the model had loaded."""
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "generate", "--prompt-ids", "1,a"])
+    assert "expected comma-separated token ids like 1,2,3, got '1,a'" in capsys.readouterr().err

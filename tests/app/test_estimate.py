@@ -33,3 +33,21 @@ def test_int4_keeps_qwen3_30b_in_32_gib_of_ram(capsys):
     assert out["expert_bytes"] == 1536 * (1024 + 64 * 4) + 2048 * (384 + 24 * 4)
     assert out["total_params"] == plain["total_params"]  # quantizing changes bytes, not parameters
     assert out["max_expert_cache_experts"] > 3 * plain["max_expert_cache_experts"]
+
+
+@pytest.mark.parametrize("model, ram", [("Qwen3-30B-A3B", "4"), (None, "1")])
+def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
+    """It said "need 0.01 GiB of RAM besides headroom, the RAM budget is 1.00 GiB: lower --context-len or use a smaller
+    model" for the demo: the 2 GiB kept free went unshown and neither advice could work. The budget it names fits."""
+    from moechat.app.cli import main
+
+    name = ["--model", model] if model else []
+    assert main(["estimate", *name, "--ram-budget-gib", ram]) == 1
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("does not fit:") and "GiB stay free for the system" in verdict
+    least = re.search(r"use --ram-budget-gib ([\d.]+) or more", verdict).group(1)
+    assert main(["estimate", *name, "--ram-budget-gib", least]) == 0
+    assert capsys.readouterr().out.strip().endswith("fits")
+    below = f"{float(least) - 0.01:.2f}"
+    assert main(["estimate", *name, "--ram-budget-gib", below]) == 1  # the least that fits, not a looser figure
+    capsys.readouterr()

@@ -29,3 +29,12 @@ def test_cpu_experts_prints_both_fits(capsys):
     for row in result["rows"]:  # what was timed is a CPU-tier call: at least one activation, each expert once per distinct
         assert 1 <= row["distinct"] <= row["activations"] <= 3 * 2 and row["ms"] > 0
     assert result["better"] in ("distinct", "activations")
+
+
+@pytest.mark.parametrize("flags", [["--hidden", "0"], ["--intermediate", "-5"], ["--threads", "0"]])
+def test_cpu_experts_refuses_sizes_and_threads_below_one(flags, capsys):
+    """--intermediate -5 was "internal error (RuntimeError: ... negative dimension)"; --hidden 0 and --threads 0 ran and
+    printed fits of nothing."""
+    assert main(["bench", "cpu-experts", "--samples", "3", "--repeats", "1", *flags]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "must be at least 1" in err and "internal error" not in err and "\n" not in err

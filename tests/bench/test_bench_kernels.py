@@ -54,6 +54,14 @@ def test_bench_kernels_refuses_a_bf16_path_for_quantized_weights(capsys):
     assert "has no avx512_bf16 path" in err and "\n" not in err
 
 
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_bench_kernels_refuses_threads_below_one(threads, capsys):
+    """--threads -1 was "internal error (RuntimeError: set_num_threads expects a positive integer)"."""
+    assert main(["bench", "kernels", "--threads", threads, "--tokens", "1", "--experts", "1", "--repeats", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"--threads must be at least 1, got {threads}" in err and "\n" not in err
+
+
 def test_bench_generate_by_part_on_quantized_experts(checkpoint, capsys):
     """--by-part: decode ms per token by part, which add up to the total; quantized weights skip the HF run."""
     model = str(checkpoint("qwen3_moe"))

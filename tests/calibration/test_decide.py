@@ -242,6 +242,29 @@ def test_vram_budget_below_non_expert_weights_is_refused(known):
         decide(hw, est, Measurements(expert_bytes=est.expert_bytes), vram_budget=2 * GIB)
 
 
+@pytest.mark.parametrize("name, context, vram_gib", [("Qwen3-30B-A3B", None, 16), ("DeepSeek-V2-Lite", 8192, 8)])
+def test_the_expert_cache_ratio_advised_fits_when_followed(capsys, name, context, vram_gib):
+    """Both printed ratios were rounded up: estimate said "976 experts cached, expert cache ratio 0.159" for Qwen3-30B-A3B
+    on 16 GiB, and 0.159 caches round(0.159 · 6144) = 977, which the loader refused, naming 0.159 again."""
+    import re
+
+    from moechat.app.cli import main
+    from moechat.engine.model.memory_budgets import cache_bytes_for
+
+    est = estimate(dict(KNOWN_MODELS[name]), "bfloat16", context)
+    vram = vram_gib * GIB
+    with pytest.raises(BudgetError) as err:
+        check_budgets(est, vram, None, est.all_experts_bytes)
+    ratio = float(re.search(r"--expert-cache-ratio ([\d.]+) or less", str(err.value)).group(1))
+    budget = float(re.search(r"--expert-cache-gib ([\d.]+)", str(err.value)).group(1))
+    check_budgets(est, vram, None, cache_bytes_for(est, ratio))
+    check_budgets(est, vram, None, cache_bytes_for(est, 0, int(budget * GIB)))
+    ctx = ["--context-len", str(context)] if context else []
+    assert main(["estimate", "--model", name, "--vram-budget-gib", str(vram_gib), *ctx]) == 0
+    shown = float(re.search(r"expert cache ratio ([\d.]+)", capsys.readouterr().out).group(1))
+    check_budgets(est, vram, None, cache_bytes_for(est, shown))
+
+
 def test_loader_refuses_before_loading(checkpoint, monkeypatch):
     """The loader checks RAM before any expert loads: a machine 'smaller' than the experts is refused."""
     from moechat.engine.config import EngineConfig

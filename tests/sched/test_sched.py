@@ -303,6 +303,59 @@ def test_simulate_cli_reads_the_shared_csv_format(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+HEADER = "Layer ID,Batch Number,Token,Activated Expert IDs\n"
+PREFILL = '{"step": 0, "phase": "prefill", "layer": %d, "positions": %s, "experts": %s}\n'
+
+
+def _cut_gzip(path):
+    import gzip
+
+    whole = gzip.compress((HEADER + '1,0,a,"[1, 2]"\n' * 200).encode())
+    path.write_bytes(whole[: len(whole) // 2])
+
+
+@pytest.mark.parametrize("name, write, says", [
+    ("cut.csv.gz", _cut_gzip, "cut short or corrupt"),  # was "internal error (EOFError ...); please report it"
+    ("no-ids.csv", lambda p: p.write_text(HEADER + '1,0,a,"[]"\n'), "route to [0] experts"),  # was internal error too
+    ("header.csv", lambda p: p.write_text(HEADER), "holds no routing rows"),  # was "different token counts []"
+    ("ragged.csv", lambda p: p.write_text(HEADER + '1,0,a,"[1, 2]"\n1,0,b,"[1, 2, 3]"\n'), "route to [2, 3] experts"),
+    ("float.csv", lambda p: p.write_text(HEADER + '1,0,a,"[1.5, 2]"\n'), "not a whole number"),  # was read as expert 1
+    ("short-row.csv", lambda p: p.write_text(HEADER + "1,0,a\n"), "line 2 has 3 fields"),
+    ("gap.jsonl", lambda p: p.write_text(PREFILL % (1, [0, 1], [[1], [2]]) + PREFILL % (2, [0], [[1]])),
+     "position 1 has no routing for layer 2"),  # was "(2)"
+    ("cut.jsonl", lambda p: p.write_text(PREFILL % (1, [0], [[1]]) + '{"step": 1, "phase": "ver'), "line 2 is not a JSON"),
+    ("no-layer.jsonl", lambda p: p.write_text('{"step": 0}\n'), "lacks or mangles 'layer'"),
+])
+def test_a_damaged_trace_is_one_line_that_names_the_damage(tmp_path, capsys, name, write, says):
+    from moechat.app.cli import main
+
+    write(tmp_path / name)
+    assert main(["simulate", "--traces", str(tmp_path / name)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert says in err and "internal error" not in err and "\n" not in err
+    assert main(["bench", "generate", "--no-hf", "--replay-traces", str(tmp_path / name), "--repeats", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert says in err and "internal error" not in err and err.count("\n") == 0
+
+
+def test_simulate_refuses_an_empty_ratio_list_and_negative_costs(tmp_path, capsys):
+    """`--expert-cache-ratio ,` printed a table of headers only; a negative ms in the cost model cut the predicted step
+    time (143 -> 90 ms on prompt_1) and NaN printed nan."""
+    from moechat.app.cli import main
+
+    (tmp_path / "t.csv").write_text(HEADER + '1,0,a,"[1]"\n')
+    with pytest.raises(SystemExit):
+        main(["simulate", "--traces", str(tmp_path / "t.csv"), "--expert-cache-ratio", ","])
+    assert "expected one value or more" in capsys.readouterr().err
+    for field in ("draft_ms_per_token", "dense_ms_per_layer", "device_ms_per_expert_launch"):
+        for bad in (-1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=field):
+                CostModel(**{field: bad})
+    (tmp_path / "cost.json").write_text('{"dense_ms_per_layer": -5}')
+    assert main(["simulate", "--traces", str(tmp_path / "t.csv"), "--cost-model", str(tmp_path / "cost.json")]) == 1
+    assert "dense_ms_per_layer must be a finite number >= 0" in capsys.readouterr().err
+
+
 def test_prefetch_thread_serves_the_same_queues():
     import time
 
