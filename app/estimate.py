@@ -49,13 +49,12 @@ def _source(model: str | None):
 def fit_report(est, vram: int | None, ram: int | None) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
     `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not."""
-    from ..engine import QUANTS, BudgetError, check_budgets, max_cache_experts, ram_headroom
+    from ..engine import QUANTS, BudgetError, check_budgets, expert_store_room, max_cache_experts, ram_headroom
 
     report: dict = {"fits": True}
     if ram is not None:
-        on_host = 0 if vram is not None else est.host_bytes
-        in_ram = [q for q in QUANTS[QUANTS.index(est.quant):]
-                  if est.with_quant(q).all_experts_bytes + on_host + ram_headroom(ram) <= ram]
+        room = expert_store_room(est, ram, vram is not None)
+        in_ram = [q for q in QUANTS[QUANTS.index(est.quant):] if est.with_quant(q).all_experts_bytes <= room]
         report["host_tier"] = "ram" if est.quant in in_ram else "mmap"
         if report["host_tier"] == "mmap":
             report["ram_quant"] = in_ram[0] if in_ram else None

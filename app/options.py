@@ -170,12 +170,12 @@ class Option:
     def add_flag(self, parser: argparse.ArgumentParser, default=None) -> None:
         """This option as a flag of `parser`; `default` for a command whose default differs."""
         default = self.default if default is None else default
-        kw = dict(default=default, help=self.help_line(default), metavar=self.metavar)
+        help_text = self.help_line(default).replace("%", "%%")  # argparse formats help with %: "5%" broke every --help
+        kw = dict(default=default, help=help_text, metavar=self.metavar)
         if self.kind is list:
             parser.add_argument(self.flag, action="append", **kw)
         elif self.kind is bool:  # --name and --no-name
-            parser.add_argument(self.flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=self.help_line(default))
+            parser.add_argument(self.flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             parser.add_argument(self.flag, type=self.parse, choices=self.choices or None, **kw)
 
@@ -208,8 +208,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("vram_budget_gib", float, None, "cap on everything moechat puts on the GPU; what does not fit is refused "
            "before loading", "engine", unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the free VRAM",
            label="VRAM budget (GiB)", placeholder="free VRAM", metavar="GIB"),
-    Option("ram_budget_gib", float, None, "RAM for the expert store; below the experts' size they are read from the "
-           "mmap'd checkpoint files", "engine", unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the available RAM",
+    Option("ram_budget_gib", float, None, "all the RAM moechat may use: the experts, and without a GPU the weights and KV "
+           "cache, with 2 GiB (or 5%) left for the system; experts that do not fit are read from the mmap'd files", "engine",
+           unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the available RAM",
            label="RAM budget (GiB)", placeholder="available RAM", metavar="GIB"),
     Option("quant", str, None, "routed experts' storage: none (the checkpoint's dtype), int8 or int4 (quantized once "
            "at first load, cached on disk); a pre-quantized checkpoint (GPTQ, compressed-tensors) runs as it is", "engine",

@@ -19,7 +19,7 @@ _MODULES = {  # submodule -> the public names it provides
     "sched.simulator": ("CostModel", "REFERENCES", "simulate"),
     # memory, hardware and calibration
     "model.memory_estimate": ("estimate", "total_params"),
-    "model.memory_budgets": ("check_budgets", "max_cache_experts", "physical_ram_bytes", "ram_headroom",
+    "model.memory_budgets": ("check_budgets", "expert_store_room", "max_cache_experts", "physical_ram_bytes", "ram_headroom",
                              "ratio_at_most"),
     "model.config_file": ("PULL_MARKER", "download_unfinished", "read_config_dict"),
     "placement": ("NO_GPU", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),

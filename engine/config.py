@@ -132,7 +132,7 @@ class EngineConfig:
     # the ratio or bytes are a ceiling, not the user's: a fast tier the free VRAM cannot hold at load shrinks to what it
     # can, with a notice (the default ratio, or a calibration profile's, measured before other programs took VRAM)
     fit_expert_cache: bool = False
-    host_ram_budget_bytes: int | None = None  # below the experts' size: read experts from the mmap'd checkpoint
+    host_ram_budget_bytes: int | None = None  # all the RAM moechat may use; experts past expert_store_room: mmap'd
     vram_budget_bytes: int | None = None  # everything on the GPU (weights, KV, draft, experts, margin); None: free VRAM
     context_len: int | None = None  # None: the model's max_position_embeddings
     quant: str = "none"  # routed experts: "none" (checkpoint dtype), "int8", "int4"; pre-quantized ones run as they are

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ..config import QUANTS, SchedulerConfig, SpecConfig, UnitCosts
 from ..errors import BudgetError
-from ..model.memory_budgets import GIB, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
+from ..model.memory_budgets import GIB, expert_store_room, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
 from ..placement import best_gpu
 from .types import Decisions, Hardware, Measurements
 
@@ -168,7 +168,7 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
     """The estimate in the experts' format: the compute dtype when every routed expert fits the RAM left
     (`_host_tier`'s rule), else the first of int8, int4 that does; int4 when none does (then read from
     disk, the fewest bytes per read). `quant` given: the user's, kept."""
-    left = ram - ram_headroom(ram) - (0 if has_gpu else est.host_bytes)  # as in _host_tier
+    left = expert_store_room(est, ram, has_gpu)  # as in _host_tier
     sized = {q: est if q == est.quant else est.with_quant(q) for q in QUANTS}
     need = {q: _gib_short(e.all_experts_bytes) for q, e in sized.items()}
     ram_left = f"{_gib_short(max(left, 0))} GiB of RAM left"
@@ -206,7 +206,7 @@ def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, 
     """"ram" when every routed expert fits the RAM budget with headroom, else "mmap" (read from the checkpoint)."""
     on_host = 0 if has_gpu else est.host_bytes  # CPU-only: the rest lives in RAM too
     need = est.all_experts_bytes + on_host + ram_headroom(ram)
-    host_tier = "ram" if need <= ram else "mmap"
+    host_tier = "ram" if est.all_experts_bytes <= expert_store_room(est, ram, has_gpu) else "mmap"  # need <= ram
     if host_tier == "mmap" and on_host + ram_headroom(ram) > ram:
         raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts "
                           f"(non-expert weights, KV cache, headroom), the RAM budget is {gib(ram)}: raise the RAM budget, "

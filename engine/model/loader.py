@@ -28,7 +28,16 @@ from .families import Family, get_family
 from .graph_decode import GraphedDecode
 from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
-from .memory_budgets import cache_bytes_for, check_budgets, gib, max_cache_experts, physical_ram_bytes, vram_fixed, vram_margin
+from .memory_budgets import (
+    cache_bytes_for,
+    check_budgets,
+    expert_store_room,
+    gib,
+    max_cache_experts,
+    physical_ram_bytes,
+    vram_fixed,
+    vram_margin,
+)
 from .memory_estimate import MemoryEstimate, draft_model_bytes, estimate_module
 from .mla import AbsorbedMLA, absorb_mla
 
@@ -213,8 +222,10 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
                                bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed))
     cfg, budget_notice = check_load_budgets(cfg, estimate, device)  # before loading
 
+    room = None if cfg.host_ram_budget_bytes is None else expert_store_room(estimate, cfg.host_ram_budget_bytes,
+                                                                             device.type == "cuda")
     store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
-                        ram_budget_bytes=cfg.host_ram_budget_bytes, quant=quant, prequant=prequant, progress=progress)
+                        ram_budget_bytes=room, quant=quant, prequant=prequant, progress=progress)
     runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
                             top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):
@@ -280,7 +291,8 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     if vram is not None and cfg.vram_budget_bytes is not None:  # the user's budget is a hard limit
         vram = min(vram, cfg.vram_budget_bytes)
     user_ram = cfg.host_ram_budget_bytes
-    tier = "mmap" if user_ram is not None and user_ram < est.all_experts_bytes else "ram"  # as ExpertStore decides
+    room = None if user_ram is None else expert_store_room(est, user_ram, device.type == "cuda")
+    tier = "mmap" if room is not None and room < est.all_experts_bytes else "ram"  # as ExpertStore decides from the room
     cache = cache_bytes_for(est, cfg.expert_cache_ratio, cfg.expert_cache_bytes) if vram is not None else 0
     notice = ""
     if vram is not None and cfg.fit_expert_cache and est.expert_bytes and vram_fixed(est) + vram_margin(vram) <= vram:

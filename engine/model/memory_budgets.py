@@ -2,8 +2,8 @@
 
 VRAM holds the non-expert weights, the KV cache for the whole context, a separate draft model, the
 expert cache and a safety margin (CUDA context, activations, staging buffers). The expert store
-(every routed expert) lives in RAM, or is read from the mmap'd checkpoint when the RAM budget is
-below its size (the engine's `host_ram_budget_bytes` rule, engine/experts/store.py). Experts count
+(every routed expert) lives in RAM, or is read from the mmap'd checkpoint when it does not fit the RAM budget's
+room for it (`expert_store_room`: the budget less headroom and, without a GPU, the dense part). Experts count
 in the estimate's format: `est.expert_bytes` is the quantized size when `est.quant` is int8 or int4.
 """
 from __future__ import annotations
@@ -56,6 +56,13 @@ def ratio_at_most(experts: int, total: int) -> str:
 def ram_headroom(ram_budget: int) -> int:
     """Left free in RAM besides the expert store: the OS, Python, tokenizer, page cache for the non-expert files."""
     return max(2 * GIB, ram_budget // 20)
+
+
+def expert_store_room(est: MemoryEstimate, ram_budget: int, on_gpu: bool) -> int:
+    """Of a RAM budget (all the RAM moechat may use), what the expert store may hold: less the headroom and, without a
+    GPU, the non-expert weights and KV cache, which then live in RAM too. Experts that do not fit it are read from the
+    mmap'd files (the one rule of the loader, `decide` and `estimate`)."""
+    return ram_budget - ram_headroom(ram_budget) - (0 if on_gpu else est.host_bytes)
 
 
 def physical_ram_bytes() -> int | None:

@@ -422,7 +422,7 @@ def test_verification_timed_with_experts_on_the_gpu_leaves_a_larger_fixed_part()
 
 
 def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
-    """The settings' RAM budget bounds the expert store (below the experts' size: the mmap tier); the
+    """The settings' RAM budget bounds what moechat keeps in RAM (experts that do not fit: the mmap tier); the
     VRAM budget caps what the loader may use on the GPU, below the free VRAM, before any weight loads."""
     import torch
 
@@ -431,6 +431,7 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     from moechat.engine.errors import BudgetError
     from moechat.engine.generate import Engine
     from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.memory_budgets import ram_headroom
     from moechat.engine.model.memory_estimate import estimate
 
     settings_path().parent.mkdir(parents=True, exist_ok=True)
@@ -442,7 +443,16 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     engine = Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=cfg.host_ram_budget_bytes))
     assert engine.model.store.mmap  # the tiny budget put the experts on the mmap tier
 
+    # the budget is all the RAM moechat may use, as `estimate`, `decide` and the wizard count it: the experts stay in RAM
+    # only where they fit beside the headroom and, without a GPU, the weights and KV cache (they counted alone before)
     est = estimate(path, dtype="float32")
+    from moechat.engine.model.memory_budgets import expert_store_room
+
+    whole = est.all_experts_bytes + est.host_bytes + ram_headroom(est.all_experts_bytes)
+    assert expert_store_room(est, whole, on_gpu=False) == est.all_experts_bytes
+    for budget, mmap in ((est.all_experts_bytes + 1, True), (whole, False)):
+        engine = Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=budget))
+        assert engine.model.store.mmap == mmap, budget
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
     gpu = torch.device("cuda")
     tight = EngineConfig(model_dir=str(path), device="cuda", vram_budget_bytes=est.non_expert_bytes // 2)
