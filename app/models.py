@@ -71,7 +71,38 @@ def check_disk_space(need: int, dest: Path) -> None:
 
 
 def _wanted(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, p) for p in PATTERNS)  # the same matching snapshot_download applies
+    """A file moechat loads: at the repository's top (a subfolder's weights are another format or model)."""
+    return "/" not in name and any(fnmatch.fnmatch(name, p) for p in PATTERNS)
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _indexed(repo_id: str, info, dest: Path, files: list) -> list:
+    """`files` less the weights the index does not name (some repositories hold the same weights twice, in the original
+    format's consolidated*.safetensors too); all of them where there is no index."""
+    from huggingface_hub import hf_hub_download
+
+    if not any(s.rfilename == INDEX for s in files):
+        return files
+    index = hf_hub_download(repo_id, INDEX, revision=info.sha, local_dir=dest)
+    try:
+        shards = set(json.loads(Path(index).read_text(encoding="utf-8"))["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):  # an index that is not one: the loader says so later
+        return files
+    return [s for s in files if not s.rfilename.endswith(".safetensors") or s.rfilename in shards]
+
+
+def _failed(err: Exception, repo_id: str, revision: str | None, dest: Path) -> MoechatError:
+    """A download that stopped, in one line; a folder it left empty (a gated repository) goes."""
+    _drop_if_empty(dest)
+    return _hub_error(err, repo_id, revision, f"the download of {repo_id} stopped ({{}}): `moechat pull {repo_id}` resumes it")
+
+
+def _drop_if_empty(dest: Path) -> None:
+    """No folder for `moechat models` to list where nothing but the index came (a gated repository, a disk too small)."""
+    if dest.is_dir() and all(p.name in (".cache", INDEX) for p in dest.iterdir()):
+        shutil.rmtree(dest, ignore_errors=True)
 
 
 def pull(repo_id: str, revision: str | None = None, progress: Callable[[int, int], None] | None = None) -> Path:
@@ -91,12 +122,20 @@ def pull(repo_id: str, revision: str | None = None, progress: Callable[[int, int
         raise MoechatError(f"{repo_id} has no safetensors weights" + (" (it holds GGUF files)" if gguf else "") +
                            ": moechat loads safetensors checkpoints only; pull the original model's repository instead")
     dest = local_dir(repo_id)
-    have = sum((dest / s.rfilename).stat().st_size for s in files if (dest / s.rfilename).is_file())
-    need = max(0, sum(s.size or 0 for s in files) - have)  # a resumed download needs only the rest
-    check_disk_space(need, dest)
     marker = dest / PULL_MARKER  # until every file is checked below, the folder says its download did not finish
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"{repo_id}\n")
+    try:
+        files = _indexed(repo_id, info, dest, files)
+    except Exception as err:  # the index's download fails as the files' do
+        raise _failed(err, repo_id, revision, dest) from None
+    have = sum((dest / s.rfilename).stat().st_size for s in files if (dest / s.rfilename).is_file())
+    need = max(0, sum(s.size or 0 for s in files) - have)  # a resumed download needs only the rest
+    try:
+        check_disk_space(need, dest)
+    except MoechatError:
+        _drop_if_empty(dest)
+        raise
     print(f"downloading {repo_id} ({size_text(need)} to fetch) into {dest}", file=sys.stderr)
     resume = f"`moechat pull {repo_id}` resumes"
     tick = None
@@ -107,12 +146,11 @@ def pull(repo_id: str, revision: str | None = None, progress: Callable[[int, int
         total = have + need
         tick = lambda: progress(min(total, _bytes_in(dest, [s.rfilename for s in files])), total)  # noqa: E731
     try:  # the commit model_info listed: the files checked below are the ones downloaded, whatever the branch does meanwhile
-        _interruptible(lambda: snapshot_download(repo_id, revision=info.sha or revision, allow_patterns=PATTERNS, local_dir=dest),
+        _interruptible(lambda: snapshot_download(repo_id, revision=info.sha or revision,
+                                                         allow_patterns=[f.rfilename for f in files], local_dir=dest),
                        f"interrupted: the files that finished stay in {dest}; {resume} the download", tick)
     except Exception as err:  # a gated repo, a dropped connection, a full disk: huggingface_hub raises them mid-download
-        if dest.is_dir() and all(p.name == ".cache" for p in dest.iterdir()):
-            shutil.rmtree(dest, ignore_errors=True)  # nothing came (a gated repo): no empty folder for `moechat models` to list
-        raise _hub_error(err, repo_id, revision, "the download of " + repo_id + " stopped ({}): " + resume + " it") from None
+        raise _failed(err, repo_id, revision, dest) from None
     short = [s.rfilename for s in files if not (dest / s.rfilename).is_file()
              or s.size is not None and (dest / s.rfilename).stat().st_size != s.size]
     if short:  # huggingface_hub hands back a partial folder as done when the Hub stops answering halfway

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import namedtuple
+from pathlib import Path
 
 import pytest
 
@@ -263,3 +264,59 @@ def test_a_pull_reports_its_progress_in_bytes(monkeypatch, tmp_path):
     total = sum(len(b) for b in hub.files.values())
     assert models.pull("owner/model", progress=progress) == models.local_dir("owner/model")
     assert seen and all(t == total and 0 <= d <= total for d, t in seen) and partial.is_set()
+
+
+@pytest.mark.notorch
+def test_a_pull_fetches_only_the_shards_the_index_names_at_the_top(monkeypatch, tmp_path):
+    """Some repositories hold the weights twice (the original format's consolidated*.safetensors beside the shards) or
+    other models in subfolders: `*.safetensors` fetched them all, doubling a 280 GB download."""
+    import huggingface_hub
+
+    index = json.dumps({"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                       "b.weight": "model-00002-of-00002.safetensors"}}).encode()
+    asked = []
+
+    def download(hub, dest):
+        return hub.write(dest, *[n for n in hub.files if n in asked[-1]])
+
+    hub = _Hub(monkeypatch, tmp_path, download)
+    hub.files = {"config.json": b"{}", models.INDEX: index, "model-00001-of-00002.safetensors": b"w" * 100,
+                 "model-00002-of-00002.safetensors": b"w" * 100, "consolidated.safetensors": b"w" * 200,
+                 "original/params.json": b"{}", "gptq/model.safetensors": b"w" * 50}
+    siblings = [type("File", (), {"rfilename": n, "size": len(b)})() for n, b in hub.files.items()]
+    info = type("Info", (), {"siblings": siblings, "sha": "a" * 40})()
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, *a, **k: info)
+    snapshot = huggingface_hub.snapshot_download
+
+    def snapshot_download(*a, allow_patterns, local_dir, **k):
+        asked.append(allow_patterns)
+        return snapshot(*a, local_dir=local_dir, **k)
+
+    def hf_hub_download(repo_id, filename, revision, local_dir):
+        return hub.write(Path(local_dir), filename) + "/" + filename
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    dest = models.pull("owner/model")
+    assert sorted(asked[-1]) == sorted(["config.json", models.INDEX, "model-00001-of-00002.safetensors",
+                                        "model-00002-of-00002.safetensors"])
+    assert not (dest / "consolidated.safetensors").exists() and not (dest / "original").exists()
+    assert [(r["name"], r["complete"]) for r in models.list_models()] == [("owner/model", True)]
+
+
+@pytest.mark.notorch
+def test_a_pull_refused_for_disk_space_leaves_no_folder(monkeypatch, tmp_path):
+    """The index comes first (to size the shards it names): a pull the disk cannot take leaves nothing to list."""
+    import huggingface_hub
+
+    hub = _Hub(monkeypatch, tmp_path, lambda hub, dest: pytest.fail("downloaded past the disk check"))
+    hub.files[models.INDEX] = json.dumps({"weight_map": {"a": "model.safetensors"}}).encode()
+    siblings = [type("File", (), {"rfilename": n, "size": len(b)})() for n, b in hub.files.items()]
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",
+                        lambda self, *a, **k: type("Info", (), {"siblings": siblings, "sha": "a" * 40})())
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo_id, filename, revision, local_dir: hub.write(Path(local_dir), filename) + "/" + filename)
+    monkeypatch.setattr(models, "DISK_MARGIN", 1 << 60)
+    with pytest.raises(MoechatError, match="not enough disk space"):
+        models.pull("owner/model")
+    assert not models.local_dir("owner/model").exists() and models.list_models() == []
