@@ -66,6 +66,8 @@ def _trace_files(paths: list[str]) -> list[Path]:
             files += found
         elif path.is_file():
             files.append(path)
+        elif path.exists():  # /dev/null, a pipe: not a file a trace is read from twice
+            raise ValueError(f"trace path {path} is not a file or folder: give trace files (*.csv, *.csv.gz, *.jsonl)")
         else:
             raise ValueError(f"trace path {path} does not exist")
     return files
@@ -112,7 +114,7 @@ def cmd_simulate(args) -> int:
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"cannot read trace {f} ({err})") from None
     cost = _cost_model(args.cost_model, routings[0], window)
-    policies = ["lru", "oracle"] + [p for p in args.policy if p not in ("lru", "oracle")]
+    policies = list(dict.fromkeys(["lru", "oracle", *args.policy]))  # each once: `--policy spac,spac` printed two rows
     scheduler = dict(utility_variant=args.utility_variant, demote=args.demote)
     rows = []
     for ratio in args.expert_cache_ratio:
@@ -128,6 +130,9 @@ def cmd_simulate(args) -> int:
                           "results": rows}))
         return 0
     print(f"{len(routings)} traces, {sum(r.tokens for r in routings)} tokens, window {window}", file=sys.stderr)
+    if args.cost_model is not None:  # a profile's experts are its model's: a trace of another model is priced at them
+        print(f"costs from {args.cost_model}: experts of {cost.expert_bytes / 2**20:.2f} MiB, "
+              f"{cost.pcie_gb_s:.1f} GB/s to the device, the CPU at {cost.cpu_dram_gb_s:.1f} GB/s", file=sys.stderr)
     head = f"{'policy':<22}{'ratio':>6}" + "".join(f"{m:>19}" for m in METRICS)
     print(head)
     for r in rows:

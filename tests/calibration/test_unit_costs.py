@@ -113,3 +113,7 @@ def test_the_simulator_runs_on_the_same_costs(tmp_path, capsys):
     expected = unit_costs(meas, top_k=2, num_experts=6, draft_len=4, expert_bytes=MB)
     assert cost.cpu_ms == pytest.approx(expected.cpu_s * 1e3) and cost.io_ms == pytest.approx(expected.io_s * 1e3)
     assert dataclasses.asdict(cost)["expert_bytes"] == MB
+    assert main(["simulate", "--traces", str(tmp_path), "--policy", "spac", "--expert-cache-ratio", "0.5",
+                 "--draft-len", "4", "--cost-model", str(path)]) == 0
+    said = capsys.readouterr().err  # the profile's experts price the trace: said, since the trace may be another model's
+    assert f"costs from {path}: experts of {MB / 2**20:.2f} MiB" in said

@@ -2,6 +2,8 @@
 simulator's reference rules (DESIGN.md replay protocol)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -354,6 +356,12 @@ def test_simulate_refuses_an_empty_ratio_list_and_negative_costs(tmp_path, capsy
     (tmp_path / "cost.json").write_text('{"dense_ms_per_layer": -5}')
     assert main(["simulate", "--traces", str(tmp_path / "t.csv"), "--cost-model", str(tmp_path / "cost.json")]) == 1
     assert "dense_ms_per_layer must be a finite number >= 0" in capsys.readouterr().err
+    assert main(["simulate", "--traces", "/dev/null"]) == 1  # it exists, but is no trace: said so, not "does not exist"
+    assert "is not a file or folder" in capsys.readouterr().err
+    assert main(["simulate", "--traces", str(tmp_path / "t.csv"), "--policy", "spac,spac,lru", "--expert-cache-ratio", "0.1",
+                 "--json"]) == 0
+    labels = [r["label"] for r in json.loads(capsys.readouterr().out)["results"]]
+    assert len(labels) == len(set(labels)) == 3  # lru, oracle, spac: each once
 
 
 def test_prefetch_thread_serves_the_same_queues():
