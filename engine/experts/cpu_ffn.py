@@ -10,6 +10,7 @@ contract through `moe_ffn_q_native` (csrc/cpu/quant_ffn.cpp); `moe_ffn_torch` is
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import os
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
+from ..errors import MoechatError
 from ..quant import formats
 from ..quant.formats import QuantMatrix
 from . import triton_ffn
@@ -29,6 +31,7 @@ STACK_SOURCE = native.CSRC / "cpu" / "decode_stack.cpp"  # engine/model/decode_s
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ISA = native.CPU_ISA
 Q_ISAS = ("scalar", "avx2", "avx_vnni", "avx512_vnni", "amx_int8")  # the quantized kernel's paths
+FLOAT_ISAS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx_bf16")  # the float kernel's
 ISA_NAME = {v: k for k, v in ISA.items()}
 # Above this many tokens per expert a GEMM library beats a row-streaming kernel (prefill): torch then.
 NATIVE_MAX_TOKENS = 16
@@ -111,7 +114,21 @@ def q_isa_supported(isa: str) -> bool:
 
 def default_isa() -> str:
     """MOECHAT_CPU_ISA forces a path (equality tests, benchmarks); "auto" otherwise."""
-    return os.environ.get("MOECHAT_CPU_ISA", "auto")
+    return _checked_isa(os.environ.get("MOECHAT_CPU_ISA", "auto"))
+
+
+@functools.cache
+def _checked_isa(isa: str) -> str:
+    """A forced path this CPU cannot run fails every kernel call, so it is refused in one line instead."""
+    if isa != "auto" and (isa not in ISA or not isa_supported(isa)):
+        raise MoechatError(f"MOECHAT_CPU_ISA={isa} is not a path this CPU runs: unset it (moechat picks the best), or set one "
+                           f"of {', '.join(name for name in ISA if isa_supported(name))}")
+    return isa
+
+
+def _float_isa(isa: str | None) -> str:
+    isa = isa or default_isa()
+    return isa if isa not in Q_ISAS or isa in FLOAT_ISAS else "auto"  # a quantized-kernel path forced: the best float one
 
 
 def moe_ffn_native(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
@@ -134,9 +151,9 @@ def moe_ffn_native(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e
     code = lib.moe_expert_ffn(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.data_ptr(),
                               down.data_ptr(), DTYPE_CODE[gate_up.dtype], H, I2 // 2, x.data_ptr(),
                               DTYPE_CODE[x.dtype], rows.data_ptr(), row_weights.data_ptr(), out.data_ptr(),
-                              threads or torch.get_num_threads(), ISA[isa or default_isa()])
+                              threads or torch.get_num_threads(), ISA[_float_isa(isa)])
     if code != 0:
-        raise RuntimeError(f"native expert FFN failed with code {code} (isa {isa or default_isa()})")
+        raise RuntimeError(f"native expert FFN failed with code {code} (isa {_float_isa(isa)})")
     return out
 
 

@@ -154,7 +154,7 @@ class DecodeStack:
         experts, weights, counts, seconds = self._outputs[T]
         ctypes.memset(seconds, 0, ctypes.sizeof(seconds))
         isa = cpu_ffn.default_isa()
-        self.shape.float_isa, self.shape.q_isa = cpu_ffn.ISA[isa], cpu_ffn.ISA[cpu_ffn._q_isa(isa)]
+        self.shape.float_isa, self.shape.q_isa = cpu_ffn.ISA[cpu_ffn._float_isa(isa)], cpu_ffn.ISA[cpu_ffn._q_isa(isa)]
         x = None if self.embed is not None else self.lean.base.embed_tokens.forward(ids[0]).contiguous()  # [T, H]
         h = None if self.head is not None else torch.empty(T, self.shape.H)
         logits = torch.empty(keep, self.vocab) if self.head is not None else None

@@ -187,3 +187,14 @@ def test_a_wrong_type_names_the_rule_and_the_value_as_written():
                              ("draft_len", True, "whole number in 1..32, got true")):
         with pytest.raises(ValueError, match=re.escape(says)):
             OPTION[key].check(value)
+
+
+@pytest.mark.parametrize("command,start", [("generate", "moechat generate ["), ("simulate", "`moechat simulate ")])
+def test_the_readmes_synopses_name_every_flag(command, start):
+    text = README.read_text(encoding="utf-8")
+    synopsis = text[text.index(start):][:1200].split("\n\n")[0].split("```")[0]  # the block or paragraph it opens
+    named = set(re.findall(r"--[a-z][a-z0-9-]*", synopsis))
+    actions = [a for a in _subparser(build_parser(), command)._actions if a.help != argparse.SUPPRESS and a.option_strings]
+    missing = [a.option_strings[-1] for a in actions
+               if a.option_strings != ["-h", "--help"] and not named & set(a.option_strings)]
+    assert not missing, f"README's `moechat {command}` synopsis lacks {missing}"

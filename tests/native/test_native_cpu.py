@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from moechat.engine import native
+from moechat.engine.errors import MoechatError
 from moechat.engine.experts import cpu_ffn
 
 pytestmark = pytest.mark.native
@@ -170,6 +171,25 @@ def test_native_off_by_environment(monkeypatch):
     finally:
         native.reset()
 
+
+@needs_native
+@pytest.mark.parametrize("forced", ["foo", *[i for i in native.CPU_ISA if not cpu_ffn.isa_supported(i)]])
+def test_a_forced_path_this_cpu_cannot_run_is_one_line(forced, monkeypatch):
+    monkeypatch.setenv("MOECHAT_CPU_ISA", forced)
+    with pytest.raises(MoechatError, match=f"MOECHAT_CPU_ISA={forced} is not a path this CPU runs: unset it"):
+        cpu_ffn.default_isa()
+
+
+@needs_native
+@pytest.mark.parametrize("forced", [i for i in ("avx_vnni", "avx512_vnni", "amx_int8") if cpu_ffn.isa_supported(i)] or
+                         [pytest.param("avx512_vnni", marks=pytest.mark.skip(reason="no quantized-only path on this CPU"))])
+def test_a_forced_quantized_path_leaves_the_float_kernel_its_best(forced, monkeypatch):
+    monkeypatch.setenv("MOECHAT_CPU_ISA", forced)
+    best = cpu_ffn.resolved_isa("auto", torch.bfloat16, torch.float32)
+    assert cpu_ffn.resolved_isa(cpu_ffn._float_isa(None), torch.bfloat16, torch.float32) == best
+    args = case(128, 96, [1, 2, 4], torch.bfloat16, torch.float32)
+    out = cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, 128))
+    assert rel_err(out, reference(*args)) < 2e-5
 
 @needs_native
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
