@@ -133,9 +133,17 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     add_template_args(p)
 
 
-def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int, top_p: float = 1.0) -> None:
-    """The sampling options of app/options.py, with this command's defaults for the three the settings hold."""
+SETTINGS_SAMPLING = ("temperature", "top_p", "max_new_tokens")  # the sampling options settings.toml holds
+
+
+def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int, top_p: float = 1.0,
+                      from_settings: bool = False) -> None:
+    """The sampling options of app/options.py, with this command's defaults for the three the settings hold; with
+    `from_settings` (the chat) those three default to the settings' values, which the defaults given here are."""
     add_flags(p, "sampling", temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p)
+    for action in p._actions if from_settings else ():  # unset: None, so a flag typed is told from one left out
+        if action.dest in SETTINGS_SAMPLING:
+            action.default, action.help = None, action.help.replace("(default: ", "(default: the settings, else ")
 
 
 def add_template_args(p: argparse.ArgumentParser) -> None:
@@ -164,11 +172,14 @@ def request_thinking(args) -> bool | None:
     return enable_thinking(_first(args.thinking, load_settings()[0].thinking))
 
 
-def sampling_params(args):
+def sampling_params(args, settings=None):
+    """The flags' SamplingParams; the chat's (`settings` given): where a flag was left out, the settings' value."""
     from ..engine import SamplingParams
 
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                          max_new_tokens=args.max_new_tokens, stop=args.stop)
+    given = {name: getattr(args, name) for name in SETTINGS_SAMPLING}
+    if settings is not None:
+        given = {name: getattr(settings, name) if value is None else value for name, value in given.items()}
+    return SamplingParams(top_k=args.top_k, seed=args.seed, stop=args.stop, **given)
 
 
 def acceptance(summary) -> str:
@@ -278,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message (plain chat; the app sets it per conversation)")
     chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
     # sampling (exact in distribution): less looping than greedy
-    add_sampling_args(chat, temperature=0.7, max_new_tokens=256, top_p=0.9)
+    add_sampling_args(chat, temperature=0.7, max_new_tokens=512, top_p=0.9, from_settings=True)
     add_template_args(chat)
     chat.set_defaults(func=cmd_chat)
 

@@ -265,7 +265,7 @@ OPTIONS: tuple[Option, ...] = (
            "sampling", low=0, high=1, low_open=True, live=True, other_defaults="generate: 1", label="Top-p", metavar="P"),
     Option("max_new_tokens", int, 512, "longest reply, in tokens", "sampling", unit="tokens", low=1, high=TOKENS_MAX,
            live=True,
-           other_defaults="generate: 128, chat --plain: 256", label="Max new tokens", metavar="N"),
+           other_defaults="generate: 128", label="Max new tokens", metavar="N"),
     Option("thinking", str, None, "models that reason before they answer (Qwen3; DeepSeek-R1's distills always do): "
            "on thinks first, off answers at once (far sooner on a CPU), auto keeps the chat template's default; the chat "
            "folds the reasoning above the answer", "template", choices=("auto", "on", "off"), unset="auto", live=True,

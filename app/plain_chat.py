@@ -104,8 +104,9 @@ def _open_engine(args):
 
 def cmd_chat(args) -> int:
     from .cli import request_thinking, sampling_params
+    from .settings import load_settings
 
-    params = sampling_params(args)
+    params = sampling_params(args, load_settings()[0])  # a flag typed, else the settings' temperature, top-p, length
     with ChatStore() as store:  # before the model: a chat database that cannot be used is said before minutes of loading
         engine, what, remote = _open_engine(args)
         try:

@@ -302,8 +302,8 @@ class MoechatApp(App):
         def done(result) -> None:  # SettingsResult(settings, needs_reload) or None (cancelled)
             if result is None:
                 return
-            self.settings, self.settings_notice = result.settings, None
-            self.sampling = sampling_from(result.settings, self.sampling)
+            before, self.settings, self.settings_notice = self.settings, result.settings, None
+            self.sampling = sampling_from(result.settings, self.sampling, before)  # a flag typed stays till its field changes
             self.thinking = result.settings.thinking
             notice = self.apply_look(result.settings)
             if notice:
@@ -333,12 +333,15 @@ class MoechatApp(App):
         self.push_screen(WizardScreen(path=self.settings_file, memory_freed=freed), done)
 
 
-def sampling_from(settings: Settings, base=None):
-    """The chat's SamplingParams: the settings' temperature, top-p and max new tokens over `base`."""
+def sampling_from(settings: Settings, base=None, before: Settings | None = None):
+    """The chat's SamplingParams: the settings' temperature, top-p and max new tokens over `base`; given the settings
+    `before` a save, only those the save changed."""
     from ...engine import SamplingParams
 
     base = base or SamplingParams()
-    return replace(base, temperature=settings.temperature, top_p=settings.top_p, max_new_tokens=settings.max_new_tokens)
+    names = ("temperature", "top_p", "max_new_tokens")
+    changed = [n for n in names if before is None or getattr(before, n) != getattr(settings, n)]
+    return replace(base, **{n: getattr(settings, n) for n in changed})
 
 
 def _write_whole(path: Path, text: str) -> None:
@@ -369,11 +372,11 @@ def run_tui(args) -> int:
 
     base = copy.copy(args)
     first_run = args.setup or (not settings_path().exists() and args.model is None and not args.backend)
-    # Sampling: the settings' (the settings screen edits them), with the command line's seed, top-k and stops.
+    # Sampling: a flag typed, else the settings' (the settings screen edits them); the command line's seed, top-k, stops.
     # The settings (or --backend) may name a remote backend; read again at every reload, as the engine's options are.
     app = MoechatApp(lambda: remote_config(base) or engine_config(copy.copy(base)), first_run=first_run)
     app.engine_notice = lambda: backend_overridden(base)
-    app.sampling = sampling_from(app.settings, sampling_params(args))
+    app.sampling = sampling_params(args, app.settings)
     app.thinking = args.thinking or app.settings.thinking
     app.run()
     for why, text in app.unsaved_replies:  # replies the database would not take: here they are, not lost

@@ -85,3 +85,23 @@ def test_bench_generate_prompt_ids_garbage_says_what_it_takes(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "generate", "--prompt-ids", "1,a"])
     assert "expected comma-separated token ids like 1,2,3, got '1,a'" in capsys.readouterr().err
+
+
+def test_the_chat_takes_a_sampling_flag_typed_else_the_settings():
+    """The app replaced --temperature/--top-p/--max-new-tokens with the settings' values, and plain chat ignored the
+    settings: both now take a flag typed, else the settings; a later settings save changes only the fields it changed."""
+    from moechat.app.cli import build_parser, sampling_params
+    from moechat.app.settings import Settings
+    from moechat.app.tui.app import sampling_from
+
+    settings = Settings(temperature=0.3, top_p=0.5, max_new_tokens=7)
+    left_out = sampling_params(build_parser().parse_args(["chat"]), settings)
+    assert (left_out.temperature, left_out.top_p, left_out.max_new_tokens) == (0.3, 0.5, 7)
+    typed = sampling_params(build_parser().parse_args(["chat", "--temperature", "0", "--max-new-tokens", "40"]), settings)
+    assert (typed.temperature, typed.top_p, typed.max_new_tokens) == (0.0, 0.5, 40)
+    default = sampling_params(build_parser().parse_args(["chat"]), Settings())
+    assert (default.temperature, default.top_p, default.max_new_tokens) == (0.7, 0.9, 512)
+    saved = sampling_from(Settings(temperature=0.3, top_p=0.6, max_new_tokens=7), typed, before=settings)
+    assert (saved.temperature, saved.top_p, saved.max_new_tokens) == (0.0, 0.6, 40)  # only top_p changed in the save
+    greedy = sampling_params(build_parser().parse_args(["generate", "--prompt", "x"]))  # generate: its own defaults
+    assert (greedy.temperature, greedy.max_new_tokens) == (0.0, 128)
