@@ -64,7 +64,9 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
         if vram is None and ram is not None and est.host_bytes + ram_headroom(ram) > ram:
-            raise BudgetError(f"non-expert weights and KV cache need {est.host_bytes / 2**30:.2f} GiB of RAM and "
+            widened = est.host_bytes > est.non_expert_bytes + est.kv_bytes
+            widened = " (the KV cache in float32, as a CPU keeps it)" if widened else ""
+            raise BudgetError(f"non-expert weights and KV cache need {est.host_bytes / 2**30:.2f} GiB of RAM{widened} and "
                               f"{ram_headroom(ram) / 2**30:.2f} GiB stay free for the system, the RAM budget is "
                               f"{ram / 2**30:.2f} GiB: use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, "
                               "lower --context-len, or use a smaller model")
