@@ -244,12 +244,13 @@ class EngineBridge:
         if engine is None:
             return EngineFailed(f"no model is loaded ({self._load_error or 'the engine has not started'})", request_id)
         from ..engine import Error, Finished, PrefillProgress, Request, StepStats, TokenDelta
-        from .bridge_meter import ReplyMeter
         from .history import fit_for_engine
 
         if isinstance(engine, RemoteEngine):  # the server fits the context; its figures, no expert frames
             meter = RemoteMeter(engine, self.frame_interval_s)
         else:
+            from .bridge_meter import ReplyMeter  # torch: not for a remote backend's replies
+
             try:
                 messages, notice = fit_for_engine(engine, messages, params.max_new_tokens)
             except MoechatError as err:
@@ -259,6 +260,8 @@ class EngineBridge:
             self._notice = notice
             meter = ReplyMeter(engine, self.frame_interval_s)
         events = engine.generate(Request(messages=messages, thinking=thinking), params)
+        if seq < self._cancel_below:  # a stop() while generate began went to the reply before; one that sends nothing
+            engine.stop()  # (a stalled server) brings no event to look again at
         try:
             for ev in events:
                 if seq < self._cancel_below:
@@ -267,6 +270,8 @@ class EngineBridge:
                     meter.tokens(len(ev.token_ids))
                     if ev.text:
                         self._send(ReplyDelta(request_id, ev.text))
+                    if isinstance(meter, RemoteMeter) and (stats := meter.stats_now()) is not None:  # a server sends no StepStats
+                        self._send(ReplyStats(request_id, stats))
                 elif isinstance(ev, PrefillProgress):
                     self._send(ReplyProgress(request_id, ev.done, ev.total))
                 elif isinstance(ev, StepStats):

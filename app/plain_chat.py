@@ -87,6 +87,10 @@ def _open_engine(args):
     if remote is None and (notice := backend_overridden(args)):
         print(f"moechat: {notice}", file=sys.stderr)
     if remote is not None:
+        from .settings import load_settings
+
+        if notice := load_settings()[1]:  # engine_config says it for the embedded engine; a remote one skips that
+            print(f"moechat: warning: {notice}", file=sys.stderr)
         print(f"moechat: connecting to {remote.url}...", file=sys.stderr, flush=True)
         engine = RemoteEngine(remote)
         return engine, engine.summary, True
@@ -191,5 +195,6 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
         kept.reply(answer, finished=finished is not None or stopped)  # stopped by the user, as the app stores it: not cut
         if finished:
             s = finished.summary
+            hits = f"{s.hit_rate:.2f}" if s.hits + s.misses else "n/a"  # a remote server other than moechat's sends none
             print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {acceptance(s)}, "
-                  f"expert hit rate {s.hit_rate:.2f}]" + (f" [{s.lossy}]" if s.lossy else ""), file=sys.stderr)
+                  f"expert hit rate {hits}]" + (f" [{s.lossy}]" if s.lossy else ""), file=sys.stderr)

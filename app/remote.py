@@ -13,6 +13,10 @@ The API key comes from the environment variable the settings name (`backend_key_
 from __future__ import annotations
 
 import os
+import queue
+import socket
+import ssl
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -27,6 +31,8 @@ if TYPE_CHECKING:  # the engine's events load torch: imported where a reply runs
 
 TIMEOUT_S = 600.0  # a long reply from a loaded server; connecting fails fast regardless (connect timeout below)
 CONNECT_TIMEOUT_S = 10.0
+POLL_S = 0.05  # how often a reply waiting on the server looks for a stop: Esc must not wait for the server
+FIX_URL = "(--backend, or `backend` in the settings)"
 FINISH = {"stop": "stop", "length": "length"}  # OpenAI finish_reason -> Summary.finish_reason; others read "stop"
 
 
@@ -80,6 +86,88 @@ def _one_line(err: Exception) -> str:
     return " ".join(str(message).split())
 
 
+class NotOpenAI(Exception):
+    """A 200 that is not the OpenAI API's shape: a proxy's login page, a server that ignored stream=True."""
+
+
+def _root(err: BaseException) -> BaseException:
+    """The innermost cause: the OpenAI client's 'Connection error.' hides the refused port or the untrusted certificate."""
+    while (inner := err.__cause__ or err.__context__) is not None and inner is not err:
+        err = inner
+    return err
+
+
+def _status(err) -> str:
+    """'HTTP 429: Too many requests' from the server's error body, else the client's own words."""
+    body = err.body if isinstance(err.body, dict) else {}
+    detail = body.get("message") if isinstance(body.get("message"), str) else _one_line(err).split(" - ", 1)[-1]
+    return f"HTTP {err.status_code}: {' '.join(detail.split())[:200]}"
+
+
+def explain(err: Exception, config: RemoteConfig, model: str | None = None) -> str:
+    """One line for what went wrong with the backend and what to do, the API key never in it."""
+    import openai
+
+    at, root = f"the backend at {config.url}", _root(err)
+    if isinstance(err, openai.AuthenticationError):
+        line = f"{at} refused the API key: set ${config.key_env} to its key"
+    elif isinstance(err, openai.PermissionDeniedError):
+        line = f"{at} refused access ({_status(err)}): check that the key in ${config.key_env} may use it"
+    elif isinstance(err, openai.NotFoundError) and model is not None:
+        line = f"{at} has no model {model!r} ({_status(err)}): set --backend-model (`backend_model`) to one it serves"
+    elif isinstance(err, openai.NotFoundError):  # a server answered, but not an OpenAI API at this path
+        line = f"{at} has no /models: the URL usually ends in /v1 {FIX_URL}"
+    elif isinstance(err, (openai.RateLimitError, openai.InternalServerError)) and err.status_code in (429, 503):
+        after = err.response.headers.get("retry-after", "")
+        line = f"{at} is busy ({_status(err)}): try again " + (f"in {after} s" if after.isdigit() else "in a moment")
+    elif isinstance(err, openai.APIStatusError):
+        line = f"{at} failed: {_status(err)}"
+    elif isinstance(err, openai.APITimeoutError):
+        line = f"{at} sent nothing for {TIMEOUT_S:.0f} s: it is stuck or overloaded; check it, then send the message again"
+    elif isinstance(root, ssl.SSLCertVerificationError):
+        line = (f"{at} has a TLS certificate this machine does not trust ({root.verify_message}): set SSL_CERT_FILE "
+                "to its certificate (or its CA's)")
+    elif isinstance(err, openai.APIConnectionError) and model is not None:  # it answered at start: gone since
+        line = f"the connection to {at} broke ({_one_line(root)}): check the server, then send the message again"
+    elif isinstance(err, openai.APIConnectionError):
+        line = f"cannot reach {at} ({_one_line(root)}): start the server, or fix the URL {FIX_URL}"
+    elif isinstance(err, NotOpenAI):
+        line = f"{at} {err}: check that the URL is the server's OpenAI API {FIX_URL}"
+    elif isinstance(err, openai.APIError):  # an error object in the stream: the server's own words
+        line = f"{at} failed: {_one_line(err)}"
+    else:  # JSON that does not parse, bytes that are not UTF-8, a shape the client cannot read
+        line = (f"{at} answered in a way the OpenAI API does not ({type(err).__name__}: {_one_line(err)[:120]}): "
+                f"check that the URL is an OpenAI-compatible server {FIX_URL}")
+    key = config.api_key
+    return line.replace(key, "***") if len(key) >= 4 and key != "none" else line  # a server may echo the key back
+
+
+def _request_fault(err: Exception) -> bool:
+    import openai
+
+    return isinstance(err, openai.BadRequestError)  # a 400 (too long for its context, say) is the request's fault
+
+
+def _parts(chunk) -> tuple:
+    """(text, finish_reason, usage, moechat figures) of one stream chunk; one that is not the API's shape raises."""
+    if not isinstance(chunk.choices, list):
+        raise NotOpenAI(f"sent a chunk without choices ({str(chunk.model_dump(exclude_unset=True))[:80]})")
+    text = "".join(c.delta.content for c in chunk.choices if c.delta and isinstance(c.delta.content, str))
+    finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), None)
+    return text, finish, chunk.usage, (chunk.model_extra or {}).get("moechat")
+
+
+def _hang_up(live: list) -> None:
+    """Shut the reply's socket: closing the response alone neither wakes a read blocked in another thread nor tells
+    the server (the socket stays open until that read returns)."""
+    for stream in live:
+        try:
+            sock = stream.response.extensions["network_stream"].get_extra_info("socket")
+            sock.shutdown(socket.SHUT_RDWR)
+        except Exception:  # no socket to reach (another HTTP library), or already closed: the pump ends at the next chunk
+            pass
+
+
 class RemoteEngine:
     """Chats through an OpenAI-compatible server; connects (and picks the model) on construction."""
 
@@ -89,25 +177,23 @@ class RemoteEngine:
         import openai
 
         self.config = config
-        self._stopping = False
-        try:
-            self.client = openai.OpenAI(base_url=config.url, api_key=config.api_key, max_retries=1,
+        self._cancel = threading.Event()  # the running reply's stop
+        try:  # no retries: a busy server's Retry-After is said in one line, not slept through where Esc cannot stop it
+            self.client = openai.OpenAI(base_url=config.url, api_key=config.api_key, max_retries=0,
                                         timeout=openai.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
-            listed = [m.id for m in self.client.models.list()]
-        except openai.AuthenticationError:
-            raise MoechatError(f"the backend at {config.url} refused the API key: set ${config.key_env} to its key"
-                               ) from None
-        except openai.NotFoundError:  # a server answered, but not an OpenAI API at this path
-            raise MoechatError(f"the backend at {config.url} has no /models: the URL usually ends in /v1 "
-                               "(--backend, or `backend` in the settings)") from None
+            raw = self.client.models.with_raw_response.list()
+            if "json" not in (kind := raw.headers.get("content-type", "")):
+                raise NotOpenAI(f"answered /models with {kind.split(';')[0] or 'untyped'} content, not the API's JSON "
+                                "(a proxy's login page?)")
+            page = raw.parse()
+            listed = [m.id for m in page.data if isinstance(getattr(m, "id", None), str)]
         except openai.APIError as err:
-            raise MoechatError(f"cannot reach the backend at {config.url} ({_one_line(err)}): start the server, "
-                               "or fix the URL (--backend, or `backend` in the settings)") from None
+            raise MoechatError(explain(err, config)) from None
         except Exception as err:  # the HTTP library's InvalidURL (httpx's or httpx2's: not an APIError, nor a ValueError)
-            if type(err).__name__ != "InvalidURL":
-                raise
-            raise MoechatError(f"the backend URL {config.url} is not valid ({_one_line(err)}): fix it (--backend, or "
-                               "`backend` in the settings)") from None
+            if type(err).__name__ == "InvalidURL":
+                raise MoechatError(f"the backend URL {config.url} is not valid ({_one_line(err)}): fix it {FIX_URL}"
+                                   ) from None
+            raise MoechatError(explain(err, config)) from None  # an HTML login page where the models list belongs
         if config.model is None and not listed:
             raise MoechatError(f"the backend at {config.url} lists no model: set `backend_model` in the settings")
         self.model = config.model or listed[0]
@@ -117,55 +203,89 @@ class RemoteEngine:
         return f"{self.model} at {self.config.url} (remote backend)"
 
     def stop(self) -> None:
-        """Ask the running `generate` to end at the next chunk (thread-safe); the server then stops generating."""
-        self._stopping = True
+        """End the running `generate` at once (thread-safe), even while the server sends nothing; the connection is
+        closed, so the server stops generating."""
+        self._cancel.set()
 
     def close(self) -> None:
+        self._cancel.set()
         self.client.close()
 
     def generate(self, request: Request, params: SamplingParams | None = None) -> Iterator[Event]:
         """Stream TokenDelta events, then one Finished, or one Error (never raises for what the server says)."""
-        import openai
+        self._cancel = cancel = threading.Event()  # here, not in the generator: a stop() right after this call counts
+        return self._events(request, params or SamplingParams(), cancel)
 
+    def _events(self, request: Request, params: SamplingParams, cancel: threading.Event) -> Iterator[Event]:
         from ..engine import Error, Finished, TokenDelta
 
-        params = params or SamplingParams()
-        self._stopping = False
         if request.messages is None:
             yield Error("a remote backend takes chat messages: send the prompt as a user message")
             return
         text, usage, extra, reason = [], None, {}, None
         t0 = time.perf_counter()
         t_first = None
+        feed: queue.Queue = queue.Queue()
+        live: list = []  # the pump's open stream, to hang up on a stop
+        threading.Thread(target=self._pump, args=(self._arguments(request, params), feed, cancel, live),
+                         name="moechat-remote", daemon=True).start()
         try:
-            stream = self.client.chat.completions.create(
-                model=self.model, messages=request.messages, stream=True, stream_options={"include_usage": True},
-                max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-                **({"seed": params.seed} if params.seed is not None else {}),
-                **({"stop": params.stop[:4]} if params.stop else {}),
-                # vLLM's, SGLang's and llama.cpp's servers pass these to the chat template (Qwen3: think or not)
-                **({"extra_body": {"chat_template_kwargs": {"enable_thinking": request.thinking}}}
-                   if request.thinking is not None else {}))
-            with stream:
-                for chunk in stream:
-                    if self._stopping:
-                        reason = "cancelled"
-                        break  # closing the stream tells the server the client is gone
-                    usage = chunk.usage or usage
-                    extra = (chunk.model_extra or {}).get("moechat") or extra
-                    for choice in chunk.choices:
-                        reason = choice.finish_reason or reason
-                        if choice.delta and choice.delta.content:
-                            t_first = t_first or time.perf_counter()
-                            text.append(choice.delta.content)
-                            yield TokenDelta(choice.delta.content, [])
-        except openai.APIError as err:  # a 400 (too long for its context, say) is the request's fault, as here
-            yield Error(f"the backend at {self.config.url} failed: {_one_line(err)}",
-                        request_fault=isinstance(err, openai.BadRequestError))
-            return
+            while not cancel.is_set():
+                try:
+                    kind, item = feed.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                if kind == "end":
+                    live.clear()  # done: its connection went back to the pool, not to be shut
+                    break
+                if kind == "error":
+                    live.clear()
+                    yield Error(explain(item, self.config, self.model), request_fault=_request_fault(item))
+                    return
+                content, finish, usage, extra = item[0], item[1] or reason, item[2] or usage, item[3] or extra
+                reason = finish
+                if content:
+                    t_first = t_first or time.perf_counter()
+                    text.append(content)
+                    yield TokenDelta(content, [])
+            else:
+                reason = "cancelled"
+        finally:  # a stop, Ctrl-C closing this generator, or the end: the pump lets go and the server sees the client go
+            cancel.set()
+            _hang_up(live)
         t_end = time.perf_counter()
         t_first = t_first or t_end
         yield Finished([], "".join(text), self._summary(usage, extra, reason, t0, t_first, t_end, len(text)))
+
+    def _arguments(self, request: Request, params: SamplingParams) -> dict:
+        return dict(
+            model=self.model, messages=request.messages, stream=True, stream_options={"include_usage": True},
+            max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+            **({"seed": params.seed} if params.seed is not None else {}),
+            **({"stop": params.stop[:4]} if params.stop else {}),
+            # vLLM's, SGLang's and llama.cpp's servers pass these to the chat template (Qwen3: think or not)
+            **({"extra_body": {"chat_template_kwargs": {"enable_thinking": request.thinking}}}
+               if request.thinking is not None else {}))
+
+    def _pump(self, arguments: dict, feed: queue.Queue, cancel: threading.Event, live: list) -> None:
+        """The HTTP side of one reply, on its own thread (a read blocked on a silent server cannot look at a flag):
+        chunks into `feed`, then ("end", None) or ("error", exception)."""
+        try:
+            with self.client.chat.completions.create(**arguments) as stream:
+                live.append(stream)
+                if cancel.is_set():  # stopped while the server took its time to answer
+                    return
+                kind = stream.response.headers.get("content-type", "").lower()
+                if not kind.startswith("text/event-stream"):  # a proxy's login page, a server that ignored stream=True
+                    raise NotOpenAI(f"answered with {kind.split(';')[0] or 'untyped'} content, not a stream of "
+                                    "server-sent events (a proxy's login page?)")
+                for chunk in stream:
+                    if cancel.is_set():
+                        break
+                    feed.put(("chunk", _parts(chunk)))
+            feed.put(("end", None))
+        except Exception as err:  # everything ends the reply as one line, whatever the server or the client raised
+            feed.put(("error", err))
 
     @staticmethod
     def _summary(usage, extra: dict, reason: str | None, t0: float, t_first: float, t_end: float,

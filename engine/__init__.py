@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 
 _MODULES = {  # submodule -> the public names it provides
-    "generate": ("Engine", "Request"),
+    "generate": ("Engine",),
+    "request": ("Request",),
     "config": ("EngineConfig", "SamplingParams", "SchedulerConfig", "SpecConfig", "DTYPES", "QUANTS", "POLICIES", "DEMOTES",
                "UTILITY_VARIANTS"),
     "events": ("Error", "Event", "Finished", "PrefillProgress", "StepStats", "Summary", "TokenDelta", "rising_fraction"),

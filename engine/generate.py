@@ -6,7 +6,6 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -16,20 +15,11 @@ from .events import Error, Event, Finished, LoadProgress, PrefillProgress, StepS
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
 from .prefix_cache import Kept, PrefixCache, default_budget
+from .request import Request
 from .speculative.drafters import make_drafter
 from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
 from .trace import TraceRecorder
-
-
-@dataclass
-class Request:
-    """Chat messages (rendered with the tokenizer's chat template), plain text, or token ids."""
-
-    messages: list[dict] | None = None
-    prompt: str | None = None
-    token_ids: list[int] | None = None
-    thinking: bool | None = None  # `enable_thinking` for templates that read it (Qwen3); None: the template's default
 
 
 def _check_text(text):

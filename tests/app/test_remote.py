@@ -12,6 +12,7 @@ from argparse import Namespace
 
 import pytest
 from conftest import SERVER_KEY
+from fake_openai import FakeServer
 
 from moechat.app.chats import ChatStore
 from moechat.app.remote import RemoteConfig, RemoteEngine, remote_config
@@ -176,3 +177,131 @@ def test_a_remote_error_is_an_error_event_and_the_engine_stays_usable(served, ke
     again = list(remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=3)))
     remote.close()
     assert isinstance(again[-1], Finished)
+
+
+@pytest.fixture
+def fake():
+    server = FakeServer()
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("mode", ["stall", "stall_first"])
+def test_stop_ends_a_stalled_remote_reply_at_once_and_hangs_up(fake, mode):
+    """Esc on a server that sends nothing more: the reply ends at once (it waited for the next chunk, up to the
+    600 s read timeout, with the app's engine thread busy), and the server sees the client go."""
+    import threading
+
+    fake.modes = [mode, "ok"]
+    remote = RemoteEngine(RemoteConfig(fake.url))
+    events = remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=8))
+    got, done = [], threading.Event()
+    threading.Thread(target=lambda: (got.extend(events), done.set()), daemon=True).start()
+    time.sleep(0.5)  # the request is out, the first chunk (if any) in
+    t0 = time.monotonic()
+    remote.stop()
+    assert done.wait(2), "the reply did not end after stop()"
+    assert time.monotonic() - t0 < 1
+    assert isinstance(got[-1], Finished) and got[-1].summary.finish_reason == "cancelled"
+    assert got[-1].text == ("A" if mode == "stall" else "")
+    if mode == "stall":  # the response was open: the connection is closed, so a server stops generating
+        assert fake.gone.wait(2), "the server never saw the client hang up"
+    again = list(remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=8)))
+    remote.close()
+    assert isinstance(again[-1], Finished) and again[-1].text == "AB"  # ready for the next message
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("garbage", "answered in a way the OpenAI API does not (JSONDecodeError"),
+    ("latin1", "answered in a way the OpenAI API does not (UnicodeDecodeError"),
+    ("no_choices", "sent a chunk without choices"),
+    ("html", "answered with text/html content, not a stream of server-sent events"),
+    ("whole", "answered with application/json content, not a stream"),
+    ("drop", "the connection to the backend at URL broke (peer closed connection"),
+    ("error", "the backend at URL failed: CUDA out of memory"),
+    ("404", "has no model 'fake' (HTTP 404: The model `fake` does not exist.): set --backend-model"),
+    ("429", "is busy (HTTP 429: Too many requests): try again in 7 s"),
+    ("503", "is busy (HTTP 503: Too many requests): try again in 7 s"),
+    ("401", "refused the API key: set $MOECHAT_API_KEY to its key"),
+])
+def test_a_misbehaving_server_is_one_error_line_and_the_next_message_works(fake, mode, says):
+    """Each was a traceback out of `generate` (ending plain chat, 'internal error' in the app), a silent empty reply, or
+    the client's bare 'Connection error.'; a 429/503 slept through its Retry-After where Esc could not stop it."""
+    fake.modes = [mode, "ok"]
+    remote = RemoteEngine(RemoteConfig(fake.url))
+    t0 = time.monotonic()
+    events = list(remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=8)))
+    assert time.monotonic() - t0 < 5  # no Retry-After slept through
+    assert isinstance(events[-1], Error), events
+    message = events[-1].message
+    assert says.replace("URL", fake.url) in message and "\n" not in message
+    again = list(remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=8)))
+    remote.close()
+    assert isinstance(again[-1], Finished) and again[-1].text == "AB"
+
+
+def test_the_api_key_a_server_echoes_is_not_repeated(fake, monkeypatch):
+    monkeypatch.setenv("MOECHAT_API_KEY", "sk-very-secret")
+    fake.modes = ["echo400"]
+    remote = RemoteEngine(RemoteConfig(fake.url))
+    (event,) = list(remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=8)))
+    remote.close()
+    assert fake.seen == ["Bearer sk-very-secret"] and isinstance(event, Error)
+    assert "sk-very-secret" not in event.message and "bad key Bearer ***" in event.message
+
+
+def test_a_proxys_login_page_and_an_untrusted_certificate_are_one_line_at_start(monkeypatch):
+    import ssl
+
+    import openai
+
+    from moechat.app.remote import explain
+
+    server = FakeServer(models_mode="html")
+    try:
+        with pytest.raises(MoechatError, match=r"answered /models with text/html content, not the API's JSON"):
+            RemoteEngine(RemoteConfig(server.url))  # was 'internal error (AttributeError ...); please report it'
+    finally:
+        server.close()
+    cert = ssl.SSLCertVerificationError(1, "certificate verify failed")
+    cert.verify_message = "self-signed certificate"
+    err = openai.APIConnectionError(request=__import__("httpx2").Request("GET", "https://box/v1/models"))
+    err.__cause__ = cert  # as the client raises it: 'Connection error.' over the TLS failure
+    line = explain(err, RemoteConfig("https://box/v1"))
+    assert line == ("the backend at https://box/v1 has a TLS certificate this machine does not trust (self-signed "
+                    "certificate): set SSL_CERT_FILE to its certificate (or its CA's)")  # was 'start the server'
+
+
+def test_plain_chat_goes_on_after_a_broken_remote_reply(fake, monkeypatch, capsys):
+    from moechat.app.cli import main
+    from moechat.app.settings import settings_path
+
+    fake.modes = ["garbage", "ok"]
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text('temperature = "hot"\n', encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", io.StringIO("First try\nSecond try\n"))
+    try:
+        assert main(["chat", "--plain", "--backend", fake.url]) == 0  # was 1: the chat ended on the first reply
+    finally:
+        settings_path().unlink()
+    err = capsys.readouterr().err
+    assert "`temperature` must be a number" in err  # the settings' problem is said with a remote backend too
+    assert err.count("answered in a way the OpenAI API does not") == 1 and "expert hit rate n/a" in err  # not 0.00
+    with ChatStore() as store:
+        conv = next(c for c in store.conversations() if c.title == "First try")
+        messages = [(m.role, m.content, m.finished) for m in store.messages(conv.id)]
+    assert messages == [("user", "First try", True), ("assistant", "A", False),  # what came is kept, marked cut
+                        ("user", "Second try", True), ("assistant", "AB", True)]
+
+
+def test_a_remote_chat_needs_no_pytorch(fake):
+    """The client of a remote server runs without PyTorch: it loaded torch and transformers for the first message
+    (seconds, during which Esc waited), and without them ended with 'PyTorch is not installed'."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['torch'] = None; from moechat.app.cli import main; "
+              f"sys.exit(main(['chat', '--plain', '--backend', {fake.url!r}]))")
+    done = subprocess.run([sys.executable, "-c", script], input="Hi\n", capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("AB") == 1 and "error" not in done.stderr

@@ -382,3 +382,58 @@ def test_a_long_conversation_is_trimmed_with_one_notice_and_the_stats_report_reu
         assert 0 < s.kept_bytes <= s.kept_budget
     finally:
         bridge.close()
+
+
+def test_esc_ends_a_remote_reply_whose_server_sends_nothing():
+    """Esc while the server has not even answered: the reply ends at once (the stop reached the engine before its
+    generate began and was lost, and no event came to look again: the app stayed busy up to the 600 s read timeout)."""
+    from fake_openai import FakeServer
+
+    from moechat.app.remote import RemoteConfig
+
+    server = FakeServer()
+    server.modes = ["stall_first", "ok"]
+    bridge, inbox = started(lambda: RemoteConfig(server.url))
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=8))
+        bridge.stop()  # at once: while the engine thread starts the reply
+        t0 = time.monotonic()
+        end = inbox.ending(1)
+        assert isinstance(end, ReplyFinished) and end.reason == "cancelled" and time.monotonic() - t0 < 2
+        time.sleep(0.3)
+        bridge.generate(2, CHAT, SamplingParams(max_new_tokens=8))
+        time.sleep(0.5)  # the request is out and the server holds it
+        t0 = time.monotonic()
+        bridge.stop()
+        end = inbox.ending(2)
+        assert isinstance(end, ReplyFinished) and end.reason == "cancelled" and time.monotonic() - t0 < 1
+        bridge.generate(3, CHAT, SamplingParams(max_new_tokens=8))
+        assert inbox.ending(3).text == "AB" and not bridge.busy  # the next message works
+    finally:
+        bridge.close()
+        server.close()
+
+
+def test_a_remote_reply_updates_the_stats_panel_while_it_streams():
+    """The panel's tokens/s for a remote reply came only at its end: RemoteMeter.stats_now was called on StepStats,
+    which no server sends."""
+    from fake_openai import FakeServer
+
+    from moechat.app.remote import RemoteConfig
+
+    server = FakeServer()
+    server.modes = ["trickle"]
+    bridge, inbox = started(lambda: RemoteConfig(server.url), interval=0.1)
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=64))
+        assert inbox.ending(1).text == "A" + "x" * 50 + "B"
+        with inbox.cond:
+            kinds = [type(m) for m in inbox.messages if getattr(m, "request_id", None) == 1]
+        live = kinds[:kinds.index(ReplyFinished)][:-1]  # before the final stats
+        assert live.count(ReplyStats) >= 3, kinds
+        assert inbox.of(ReplyStats, request_id=1)[-2].stats.tokens_per_s > 0  # the last live one: tokens came
+    finally:
+        bridge.close()
+        server.close()
