@@ -22,7 +22,8 @@ steps and between a long prompt's prefill passes) with Finished
 `moechat chat`, would lose it); the engine stays ready. ReplyStats and ExpertFrame are capped in
 time, see `app/bridge_meter.py`. `close()` is for app exit: it cancels, skips queued loads, and joins
 for at most JOIN_S (a load in progress cannot be cut short; the daemon
-thread never keeps the process alive).
+thread never keeps the process alive); a first quantization stops at its next layer (its half-written cache removed)
+and is waited for up to LAYER_JOIN_S: a daemon thread still in PyTorch's ops at exit aborts the process.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "canc
 # close() waits this long: a reply stops within a step, but a load in progress cannot be
 # cut short, and quitting must not hang on it (the thread is a daemon: it ends with the process)
 JOIN_S = 2.0
+LAYER_JOIN_S = 30.0  # a first quantization's layer (seconds on a large model) ends before the process does
 
 
 def one_line(text: str) -> str:
@@ -76,6 +78,7 @@ class EngineBridge:
         self._pending = 0  # generates queued or running
         self._running: tuple[int, object] | None = None  # the reply in progress: (its sequence number, its engine)
         self._closed = False
+        self._quantizing = False  # a load reports layers: close() waits for the one in progress
 
     # --- the UI thread's side -------------------------------------------------------------------
     def start(self) -> None:
@@ -124,7 +127,7 @@ class EngineBridge:
         self.stop()
         self._queue.put(("quit",))
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(JOIN_S)
+            self._thread.join(LAYER_JOIN_S if self._quantizing else JOIN_S)
 
     @property
     def busy(self) -> bool:
@@ -199,11 +202,14 @@ class EngineBridge:
             else:
                 name = model_name(config.model_dir)
                 self._send(EngineLoading(0.1, f"loading {name}"))
-                from ..engine import Engine, rising_fraction  # torch and transformers load here, not at UI start
+                from ..engine import Cancelled, Engine, rising_fraction  # torch and transformers load here, not at UI start
 
                 fraction = rising_fraction(0.1, 0.9)
 
                 def progress(what: str, done: int, total: int) -> None:  # minutes on a large model, layer by layer
+                    if self._closed:  # the app quit: unwind now, the half-written cache removed
+                        raise Cancelled("the app closed while the model loaded")
+                    self._quantizing = done < total
                     self._send(EngineLoading(fraction(done, total), f"{name}: {what}, layer {done} of {total}"))
 
                 engine = Engine(config, progress)
@@ -211,13 +217,16 @@ class EngineBridge:
             self._load_error = ("the model failed to load: pick one with the setup wizard (Ctrl+P, Setup wizard) or fix "
                                 "settings.toml, then reload")
             raise
+        finally:
+            self._quantizing = False
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
         if isinstance(engine, RemoteEngine):
             self._send(EngineReady(engine.model, engine.summary, ""))
             return
         placement = config.placement.notice if config.placement else ""
-        self._send(EngineReady(name, self._summary(engine, name), "; ".join(n for n in (placement, *engine.notices) if n)))
+        notices = (placement, *config.notices, *engine.notices)
+        self._send(EngineReady(name, self._summary(engine, name), "; ".join(n for n in notices if n)))
 
     @staticmethod
     def _summary(engine, name: str) -> str:
@@ -232,8 +241,9 @@ class EngineBridge:
             drafter = f"{drafter} (γ {cfg.spec.draft_len})"
         experts = "" if m.store.quant == "none" else f"{m.store.quant} "
         where = str(cfg.placement) if cfg.placement else f"{m.device} in {cfg.dtype}"
+        profiled = " · calibration profile" if cfg.scheduler.measured is not None else ""  # what it did not fix came from it
         return (f"{name} on {where} · {m.cache.capacity}/{total} {experts}experts on {tier} · "
-                f"drafter {drafter} · policy {cfg.scheduler.policy}")
+                f"drafter {drafter} · policy {cfg.scheduler.policy}{profiled}")
 
     def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams,
                thinking: bool | None) -> Message:

@@ -35,8 +35,25 @@ def resolve(model: str | None) -> tuple[str, str]:
     return resolve_model(model, draft)
 
 
-def machine_profile(model_dir: str):
-    """(this machine's profile for the model or None, its path or None, a one-line notice or "")."""
+def run_budgets(vram_budget: int | None, ram_budget: int | None, context_len: int | None) -> dict[str, int]:
+    """The budgets (bytes) and context a profile is decided for, as it records them: unset ones left out."""
+    given = {"vram_budget_bytes": vram_budget, "ram_budget_bytes": ram_budget, "context_len": context_len}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _budgets_changed(decided: dict[str, int], now: dict[str, int]) -> str:
+    """"RAM budget 2.5 GiB (this run: unset)" for each budget or context that differs."""
+    def shown(key: str, value: int | None) -> str:
+        return "unset" if value is None else str(value) if key == "context_len" else f"{value / 2**30:g} GiB"
+
+    labels = {"vram_budget_bytes": "VRAM budget", "ram_budget_bytes": "RAM budget", "context_len": "context length"}
+    return ", ".join(f"{label} {shown(k, decided.get(k))} (this run: {shown(k, now.get(k))})" for k, label in labels.items()
+                     if decided.get(k) != now.get(k))
+
+
+def machine_profile(model_dir: str, budgets: dict[str, int] | None = None):
+    """(this machine's profile for the model or None, its path or None, a one-line notice or ""); one decided for other
+    `budgets` (run_budgets) than the run's is not used (its format, host tier and fast tier were sized for them)."""
     from ..engine import fingerprint, load_profile, model_key, probe, profile_path
 
     try:
@@ -45,6 +62,10 @@ def machine_profile(model_dir: str):
         return None, None, f"cannot probe this machine ({type(err).__name__}: {err}): calibration profile not used"
     key = model_key(model_dir)
     profile, notice = load_profile(fp, key)
+    if profile and budgets is not None and profile.budgets is not None and profile.budgets != budgets:
+        return None, None, (f"calibration profile {profile_path(fp, key)} was decided for "
+                            f"{_budgets_changed(profile.budgets, budgets)}: not used; `moechat calibrate` decides for this "
+                            "run's")
     return profile, (profile_path(fp, key) if profile else None), notice
 
 
@@ -79,6 +100,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
         fingerprint,
         measure,
         measure_self_draft,
+        measurements_from,
+        model_digest,
         model_key,
         probe,
         resolve_placement,
@@ -101,11 +124,13 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
     fmt = experts_format(hw, est, ram_budget, quant)
     if fmt != (quant or "none"):  # the decided format can change the dtype `auto` picks (placement.py): measure that one
         placement, est = placed(fmt)
+    options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
+    # budgets nothing fits (BudgetError) are refused now, not after minutes of measuring and quantizing
+    decide(hw, est, measurements_from({"expert_bytes": est.expert_bytes}), vram_budget, ram_budget, options, quant)
     where = dict(quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN, device=placement.device, dtype=placement.dtype, quant=fmt,
                  context_len=context_len)
     prompts = eval_prompts(3 if quick else 8)
     meas = measure(model_dir, hw, prompts, drafter, progress=lambda name, frac: progress(name, 0.05 + 0.7 * frac), **where)
-    options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
 
     def decided(label: str, fraction: float):  # on the VRAM free now that the measuring engine is gone
         progress(label, fraction)
@@ -120,7 +145,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
                                    verify_s=drafted.verify_s, plain_step_s=drafted.plain_step_s,
                                    verify_ratio=drafted.verify_ratio)
         decisions = decided("deciding with the self drafter's figures", 0.97)
-    profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions)
+    profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions, config_hash=model_digest(model_dir),
+                      budgets=run_budgets(vram_budget, ram_budget, context_len))
     path = save_profile(profile)
     progress("profile saved", 1.0)
     return profile, path

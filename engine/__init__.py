@@ -27,7 +27,7 @@ _MODULES = {  # submodule -> the public names it provides
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
     "calibration.profile": ("Profile", "check_profiles_writable", "load_profile", "measurements_from",
-                             "model_key", "profile_path", "profiles_dir", "save_profile"),
+                             "model_digest", "model_key", "profile_path", "profiles_dir", "save_profile"),
     "calibration.measure": ("bandwidths", "best_cuda_seconds", "measure", "measure_self_draft", "ram_copy_bandwidth"),
     "calibration.decide": ("cpu_decode_seconds", "decide", "experts_format", "unit_costs"),
     "calibration.known_models": ("KNOWN_MODELS", "known_name"),

@@ -141,6 +141,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     placement: Placement | None = None  # why this device and dtype, when `auto` chose them (engine/placement.py)
+    notices: tuple[str, ...] = ()  # lines the app said resolving this config (a profile set aside): the chat shows them
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -176,18 +176,20 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
         reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {ram_left}"
         return sized[quant]
     chosen = next((q for q in QUANTS if sized[q].all_experts_bytes <= left), None)
-    in_dtype = f"{need['none']} GiB in {est.dtype}"
+    plain = sized["none"]  # a bf16 checkpoint's experts stay bf16 under float32 on a CPU (store.storage_dtype)
+    stored = "bfloat16" if plain.dtype == "float32" and plain.expert_bytes == 2 * plain.expert_params else plain.dtype
+    in_dtype = f"{need['none']} GiB in {stored}"
     if chosen == "none":
         reasons["quant"] = f"none: the experts' {in_dtype} fit the {ram_left}"
     elif chosen == "int8":
-        reasons["quant"] = f"int8: the experts need {in_dtype}, more than the {ram_left}; int8 needs {need['int8']}"
+        reasons["quant"] = f"int8: the experts need {in_dtype}, more than the {ram_left}; int8 needs {need['int8']} GiB"
     elif chosen == "int4":
-        reasons["quant"] = (f"int4: the experts need {in_dtype} and {need['int8']} in int8, more than the "
-                            f"{ram_left}; int4 needs {need['int4']}")
+        reasons["quant"] = (f"int4: the experts need {in_dtype} and {need['int8']} GiB in int8, more than the "
+                            f"{ram_left}; int4 needs {need['int4']} GiB")
     else:
         chosen = "int4"
-        reasons["quant"] = (f"int4, read from disk: the experts need {in_dtype}, {need['int8']} in int8 and "
-                            f"{need['int4']} in int4, more than the {ram_left}; int4 reads the fewest bytes")
+        reasons["quant"] = (f"int4, read from disk: the experts need {in_dtype}, {need['int8']} GiB in int8 and "
+                            f"{need['int4']} GiB in int4, more than the {ram_left}; int4 reads the fewest bytes")
     return sized[chosen]
 
 

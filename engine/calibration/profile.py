@@ -4,8 +4,8 @@
 
 (the directory of app/settings.py's settings file; moechat has no environment override for it,
 tests point XDG_CONFIG_HOME elsewhere). A profile that cannot be used (corrupt, written on another
-machine, an older or newer schema) never stops moechat: `load_profile` renames it to `<name>.bad`
-(replacing an older `.bad`), says so in one line, and the caller runs on defaults until the next
+machine, an older or newer schema, measured for another model at its path) never stops moechat: `load_profile`
+renames it to `<name>.bad` (replacing an older `.bad`), says so in one line, and the caller runs on defaults until the next
 `moechat calibrate` writes a fresh one.
 """
 from __future__ import annotations
@@ -43,6 +43,8 @@ class Profile:
     decisions: Decisions
     schema: int = SCHEMA
     created: str = field(default_factory=_now)  # UTC, ISO 8601
+    config_hash: str = ""  # model_digest of the model measured; "" (profiles written before it): not checked
+    budgets: dict[str, int] | None = None  # vram_budget_bytes, ram_budget_bytes, context_len decided for (unset: absent)
 
 
 def profiles_dir() -> Path:
@@ -54,6 +56,14 @@ def profiles_dir() -> Path:
 def model_key(model_dir: str | os.PathLike) -> str:
     """The key a model's profile is saved under: its resolved directory."""
     return str(Path(model_dir).expanduser().resolve())
+
+
+def model_digest(model_dir: str | os.PathLike) -> str:
+    """A hash of the model's config.json ("" when it cannot be read): another model put at the same path differs."""
+    try:
+        return hashlib.sha256((Path(model_dir).expanduser() / "config.json").read_bytes()).hexdigest()[:16]
+    except OSError:
+        return ""
 
 
 def _slug(text: str, keep: int = 40) -> str:
@@ -98,11 +108,11 @@ def save_profile(profile: Profile) -> Path:
     from ..errors import MoechatError
 
     data = _plain(dataclasses.asdict(profile))
-    head = {k: data.pop(k) for k in ("schema", "created", "fingerprint", "model")}
+    head = {k: data.pop(k) for k in ("schema", "created", "fingerprint", "model", "config_hash")}
     path = profile_path(profile.fingerprint, profile.model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # its own: two calibrations saving at once both succeed
         tmp.write_text(tomlkit.dumps({**head, **data}), encoding="utf-8")
         tmp.replace(path)
     except OSError as err:
@@ -183,6 +193,8 @@ def load_profile(fingerprint: str, key: str) -> tuple[Profile | None, str]:
         return None, _set_aside(path, "was measured on another machine")
     if profile.model != key:
         return None, _set_aside(path, f"belongs to another model ({profile.model})")
+    if profile.config_hash and profile.config_hash != model_digest(key):  # its decisions were for that model's sizes
+        return None, _set_aside(path, "was measured for another model at this path (its config.json changed since)")
     drafter = profile.decisions.drafter
     if drafter not in ("none", "self") and not Path(drafter).expanduser().is_dir():  # as the engine reads it
         return None, _set_aside(path, f"drafts with {drafter}, which is no longer there")

@@ -4,7 +4,8 @@ A folder under the user cache (platformdirs; MOECHAT_QUANT_DIR overrides it) per
 `meta.json` (format version, shapes, the model's key, each file's size, mtime and CRC-32) and one
 safetensors file per sparse layer holding gate_up [E, 2I, ...] and down [E, H, ...] as QuantMatrix
 fields (`gate_up.q`, `gate_up.scale`, ...). The key hashes the checkpoint's path, config.json and every
-weight file's name, size and mtime, so a re-downloaded or edited model gets a new cache. A folder that
+weight file's name, size and mtime, so a re-downloaded or edited model gets a new cache (its old one removed once the
+new one is built: meta.json names the model's directory). A folder that
 fails its checks (another moechat format version, another model's cache, a truncated file, other shapes,
 bytes changed since they were written) is deleted and rebuilt, never trusted. A file whose size and
 mtime are as written is not read at start (16 GB for Qwen3-30B-A3B in int4); one whose mtime moved is
@@ -12,6 +13,7 @@ read whole once and its CRC-32 compared (about 4 GB/s).
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import hashlib
 import json
@@ -77,8 +79,9 @@ def _stamp(path: Path, crc: int | None = None) -> dict:
 class QuantizedExperts:
     """The routed experts of one model in one format: `layer(li)` gives zero-copy views of the file."""
 
-    def __init__(self, folder: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int):
-        self.folder, self.fmt = folder, fmt
+    def __init__(self, folder: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int,
+                 model_dir: str = ""):
+        self.folder, self.fmt, self.model_dir = folder, fmt, model_dir  # model_dir: its caches of older revisions go
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
         self._mapped: Checkpoint | None = None  # the folder's files, mapped on first use
 
@@ -157,6 +160,20 @@ class QuantizedExperts:
             pass
         return None
 
+    def _remove_superseded(self) -> None:
+        """This model's caches in this format from before its files or config changed (another key): a whole copy of
+        its experts each (16.9 GiB for Qwen3-30B-A3B in int4) that no start maps again."""
+        for other in self.folder.parent.iterdir() if self.model_dir else []:
+            if other.name.startswith("."):  # another process's build in progress: its own to finish or discard
+                continue
+            try:
+                meta = json.loads((other / "meta.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if (other != self.folder and isinstance(meta, dict) and meta.get("model_dir") == self.model_dir
+                    and meta.get("fmt") == self.fmt):
+                _remove(other)
+
     def layer(self, li: int) -> tuple[QuantMatrix, QuantMatrix]:
         """(gate_up, down) of sparse layer li: views of the mapped file, no copy until read."""
         if self._mapped is None:
@@ -182,6 +199,7 @@ class QuantizedExperts:
         tmp = self.folder.with_name(f".{self.folder.name}.{os.getpid()}.tmp")
         _remove(tmp)
         tmp.mkdir(parents=True)
+        _BUILDS.add(tmp)
         try:
             # a layer is written while the next one is quantized (a slow disk wrote at a fifth of the quantizer's pace);
             # at most one write in flight, so memory holds two layers
@@ -202,15 +220,28 @@ class QuantizedExperts:
                         progress(li + 1, self.num_layers)
                 if written is not None:
                     stamps.update(written.result())
-            _write_meta(tmp, {**self.meta(), "files": stamps})
+            _write_meta(tmp, {**self.meta(), "files": stamps, "model_dir": self.model_dir})
             if self.problem() is not None:  # nothing usable there (damaged, foreign, absent, a file): ours replaces it
                 _remove(self.folder)
             os.replace(tmp, self.folder)  # fails when another process put a cache there meanwhile: theirs stands
+            self._remove_superseded()
         except OSError:
             if self.problem() is not None:
                 raise
         finally:
             _remove(tmp)
+            _BUILDS.discard(tmp)
+
+
+_BUILDS: set[Path] = set()  # this process's private build folders
+
+
+@atexit.register
+def _remove_builds_at_exit() -> None:
+    """The process ends mid-build (the chat app quit while its daemon engine thread quantized, which never reaches
+    build's `finally`): its half copy of the experts goes too, instead of waiting ABANDONED_S for a later build."""
+    for tmp in list(_BUILDS):
+        _remove(tmp)
 
 
 def _save_stamped(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dict]:
@@ -262,7 +293,8 @@ def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int,
                    progress: LoadProgress | None = None) -> QuantizedExperts:
     """The model's experts in `fmt` from the cache, built (or rebuilt) from `source` when needed, each layer written
     told to `progress` (None: a bar on a terminal's stderr)."""
-    qe = QuantizedExperts(cache_root() / model_key(model_dir, fmt), fmt, num_layers, num_experts, hidden, inter)
+    qe = QuantizedExperts(cache_root() / model_key(model_dir, fmt), fmt, num_layers, num_experts, hidden, inter,
+                          str(model_dir.resolve()))
     why = qe.problem() if qe.folder.exists() else "it does not exist yet"
     if why is not None:
         if qe.folder.exists() and notices is not None:

@@ -346,8 +346,8 @@ def test_decide_quantizes_the_experts_only_when_they_do_not_fit_ram(known, check
     meas = Measurements(expert_bytes=est.expert_bytes)
     d = decide(PC_32G, est, meas)
     assert d.quant == "int4" and d.host_tier == "ram"
-    assert d.reasons["quant"] == ("int4: the experts need 54.0 GiB in bfloat16 and 28.7 in int8, more than the 26.0 GiB "
-                                  "of RAM left; int4 needs 16.9")
+    assert d.reasons["quant"] == ("int4: the experts need 54.0 GiB in bfloat16 and 28.7 GiB in int8, more than the "
+                                  "26.0 GiB of RAM left; int4 needs 16.9 GiB")
     int4 = est.with_quant("int4")
     assert d.vram_split["expert_cache"] == round(d.expert_cache_ratio * est.num_experts_total) * int4.expert_bytes
     check_budgets(int4, PC_32G.gpus[0].free_bytes, PC_32G.ram_available_bytes, d.vram_split["expert_cache"], d.host_tier)
@@ -359,12 +359,18 @@ def test_decide_quantizes_the_experts_only_when_they_do_not_fit_ram(known, check
     # more than int4 fits nowhere: int4, read from disk (the mmap tier), and the reasons say so
     oversize = decide(PC_32G, est, meas, ram_budget=8 * GIB)
     assert oversize.quant == "int4" and oversize.host_tier == "mmap"
-    assert oversize.reasons["quant"].startswith("int4, read from disk: the experts need 54.0 GiB in bfloat16, 28.7 in int8")
+    assert oversize.reasons["quant"].startswith("int4, read from disk: the experts need 54.0 GiB in bfloat16, 28.7 GiB in int8")
     assert "int4 files on disk" in oversize.reasons["host_tier"]
     # a small model stays in the compute dtype
     small = decide(PC_32G, estimate(checkpoint("qwen3_moe"), "float32"), meas)
     assert small.quant == "none" and small.host_tier == "ram"
     assert small.reasons["quant"].startswith("none: the experts' 0.00 GiB in float32 fit the 26.0 GiB of RAM left")
+    # a bf16 checkpoint under float32 on a CPU keeps its experts bf16: their size is said in bf16, not as float32's
+    # ("the experts need 1.1 GiB in float32 ...; int8 needs 0.60" for a model whose experts take 2.2 GiB in float32)
+    kept = replace(est, dtype="float32")  # Qwen3-30B-A3B's experts, 2 bytes a weight, computed in float32
+    assert decide(PC_32G, kept, meas).reasons["quant"].startswith("int4: the experts need 54.0 GiB in bfloat16 and")
+    int8 = decide(PC_32G, kept, meas, ram_budget=52 * GIB).reasons["quant"]
+    assert int8.startswith("int8: the experts need 54.0 GiB in bfloat16,") and int8.endswith("int8 needs 28.7 GiB")
 
 
 def test_estimate_counts_quantized_experts(known):

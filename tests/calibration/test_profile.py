@@ -83,6 +83,30 @@ def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
 
 
 @pytest.mark.notorch
+def test_two_calibrations_saving_at_once_both_save(tmp_path, monkeypatch):
+    """Both wrote the same `<name>.tmp`: the second's rename found it gone and its minutes of measuring ended in
+    "cannot save ... free disk space or fix the folder's permissions"."""
+    import os
+    from pathlib import Path
+
+    key, write = model_key(tmp_path), Path.write_text
+    other = replace(profile(key), created="2026-01-01T00:00:00+00:00")
+
+    def write_then_the_other_process_saves(self, *args, **kwargs):
+        written = write(self, *args, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(Path, "write_text", write)
+            m.setattr(os, "getpid", lambda: 424242)  # another process, saving between our write and our rename
+            save_profile(other)
+        return written
+
+    monkeypatch.setattr(Path, "write_text", write_then_the_other_process_saves)
+    mine = profile(key)
+    save_profile(mine)  # raised MoechatError (No such file or directory)
+    assert load_profile(FP, key) == (mine, "") and not list(profile_path(FP, key).parent.glob("*.tmp"))
+
+
+@pytest.mark.notorch
 def test_a_drafter_under_home_written_with_a_tilde_is_found(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "drafts" / "d").mkdir(parents=True)
@@ -103,6 +127,32 @@ def test_profile_written_before_quant_loads_as_none(tmp_path):
     path.write_text(text.replace('quant = "none"\n', ""), encoding="utf-8")
     loaded, notice = load_profile(FP, key)
     assert notice == "" and loaded.decisions.quant == "none" and loaded == saved
+
+
+@pytest.mark.notorch
+def test_a_profile_for_another_model_at_the_same_path_is_set_aside(tmp_path):
+    """A model replaced in its folder (another config.json): the profile's format, budgets and timings were for the old
+    one (a 1 GiB model's int8 ran a 30 MB one quantized), so it is set aside like a profile from another machine."""
+    from moechat.engine.calibration.profile import model_digest
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 512}')
+    key = model_key(tmp_path)
+    save_profile(replace(profile(key), config_hash=model_digest(tmp_path)))
+    assert load_profile(FP, key)[1] == ""  # the same model: used
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v2", "hidden_size": 256}')
+    loaded, notice = load_profile(FP, key)
+    assert loaded is None and "was measured for another model at this path" in notice and "moechat calibrate" in notice
+    assert load_profile(FP, key) == (None, "")  # set aside once, as documented
+
+
+@pytest.mark.notorch
+def test_a_profile_written_before_the_config_hash_still_loads(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    key = model_key(tmp_path)
+    saved = profile(key)
+    assert saved.config_hash == "" and load_profile(FP, key) == (None, "")
+    save_profile(saved)
+    assert load_profile(FP, key) == (saved, "")
 
 
 @pytest.fixture
@@ -189,9 +239,34 @@ def test_unusable_profile_warns_and_runs_on_defaults(capsys):
     cfg, args = _config([])
     err = capsys.readouterr().err
     assert "warning: calibration profile" in err and "corrupt" in err and len(err.strip().splitlines()) == 1
+    assert cfg.notices == (err.strip().removeprefix("moechat: warning: "),)  # the chat app shows it: its stderr is lost
     assert args.profile is None and (cfg.spec.draft_len, cfg.scheduler.policy, cfg.spec.drafter) == (4, "spac", "none")
     # "none": the demo's draft without a profile only where a GPU runs it (test_the_demo_drafts_by_default_on_a_gpu_only)
     assert str(DEMO_DRAFT) != "none"
+
+
+@pytest.mark.notorch
+def test_a_profile_decided_for_other_budgets_is_not_used(capsys):
+    """Calibrated under `ram_budget_gib = 2.5` (int4, experts read from disk), then the budget removed: the profile still
+    ran int4 from disk (a RAM budget of 0) on a machine with RAM to spare. It records the budgets it was decided for."""
+    from moechat.app.demo import DEMO_MODEL
+    from moechat.app.settings import settings_path
+    from moechat.engine.calibration.probe import fingerprint, probe
+
+    tight = replace(profile(model_key(DEMO_MODEL), fingerprint(probe())), budgets={"ram_budget_bytes": int(2.5 * 2**30)},
+                    decisions=decisions(quant="int4", host_tier="mmap"))
+    save_profile(tight)
+    settings_path().write_text("ram_budget_gib = 2.5\n", encoding="utf-8")  # as calibrated: used
+    cfg, args = _config(["--device", "cpu"])
+    assert args.profile is not None and (cfg.quant, cfg.host_ram_budget_bytes) == ("int4", int(2.5 * 2**30))
+    settings_path().write_text("", encoding="utf-8")  # the budget removed: the profile's sizes no longer hold
+    cfg, args = _config(["--device", "cpu"])
+    err = capsys.readouterr().err
+    assert args.profile is None and (cfg.quant, cfg.host_ram_budget_bytes) == ("none", None)
+    assert "was decided for RAM budget 2.5 GiB (this run: unset): not used" in err and len(err.strip().splitlines()) == 1
+    assert cfg.notices == (err.strip().removeprefix("moechat: warning: "),)
+    assert _config(["--device", "cpu", "--ram-budget-gib", "2.5"])[1].profile is not None  # the same budget, given
+    assert load_profile(fingerprint(probe()), model_key(DEMO_MODEL))[0] == tight  # kept for when the budget is back
 
 
 @pytest.mark.notorch
@@ -374,6 +449,15 @@ def test_calibrate_quick_then_generate_uses_the_profile(capsys):
     assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "4", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out)
     assert gen["profile"] == cal["profile_path"] and gen["stats"]["new_tokens"] == 4 and gen["quant"] == "none"
+    # each value calibration decides: what ran, and that it came from the profile (or where else it came from)
+    d = cal["decisions"]
+    assert {k: (c["value"], c["from"]) for k, c in gen["choices"].items()} == {
+        "drafter": (d["drafter"], "profile"), "draft_len": (d["draft_len"], "profile"), "policy": (d["policy"], "profile"),
+        "utility_bound": (d["utility_bound"], "profile"), "quant": ("none", "profile"),
+        "expert_cache": (0, "default")}  # a CPU: the profile's ratio is for a GPU
+    assert main(["generate", "--prompt", "Hello", "--max-new-tokens", "1", "--json", "--policy", "lfu", "--draft-len", "3"]) == 0
+    choices = json.loads(capsys.readouterr().out)["choices"]
+    assert choices["policy"] == {"value": "lfu", "from": "command line"} and choices["draft_len"]["from"] == "command line"
 
 
 def test_the_self_drafter_is_timed_with_the_experts_it_drafts_with(checkpoint, monkeypatch):
@@ -533,3 +617,16 @@ def test_calibrate_says_at_once_where_its_profile_cannot_be_saved(monkeypatch, t
     err = capsys.readouterr().err
     assert f"calibration profiles cannot be saved in {blocked}" in err and "internal error" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_calibrate_refuses_a_budget_nothing_fits_before_measuring(checkpoint, monkeypatch):
+    """A RAM budget below what the model needs besides its experts failed only at `deciding`, after every measurement
+    (and, for a large model, minutes of quantizing a cache nothing would use): now before the first one."""
+    import moechat.engine
+    from moechat.app.calibrate import calibrate
+    from moechat.engine.errors import BudgetError
+
+    monkeypatch.setattr(moechat.engine, "measure", lambda *a, **kw: pytest.fail("measured a budget nothing fits"),
+                        raising=False)
+    with pytest.raises(BudgetError, match="the RAM budget is 1.00 GiB"):
+        calibrate(str(checkpoint("qwen3_moe")), "none", True, lambda name, frac: None, ram_budget=2**30)

@@ -454,6 +454,56 @@ def test_a_build_clears_the_folders_of_builds_killed_midway(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key, living.name, recent.name])
 
 
+def test_a_models_cache_from_before_its_files_changed_is_removed(tmp_path, monkeypatch):
+    """An updated model (config or weight files changed) gets a new cache key: the old cache, a whole copy of its
+    experts, stayed for good. It goes once the new one is built; other models' and other formats' caches stay."""
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(tmp_path / "cache"))
+    E, H, I = 2, 32, 16
+
+    def source(fmt):
+        gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+        return lambda li: iter([(0, formats.quantize(gate_up, fmt), formats.quantize(down, fmt))])
+
+    models = []
+    for where in ("a", "b"):  # two models with the same folder name
+        (tmp_path / where / "m").mkdir(parents=True)
+        (tmp_path / where / "m" / "config.json").write_text("{}")
+        models.append(tmp_path / where / "m")
+    model, same_name = models
+    built = lambda m, fmt="int8": expert_file.open_quantized(m, fmt, 1, E, H, I, source(fmt)).folder.name  # noqa: E731
+    old, other, int4 = built(model), built(same_name), built(model, "int4")
+    (model / "config.json").write_text('{"revision": 2}')
+    new = built(model)
+    assert new != old and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([new, other, int4])
+
+
+def test_a_process_that_ends_mid_build_leaves_no_private_folder(tmp_path):
+    """A build on a daemon thread (the chat app's engine thread) when the process ends never reaches its `finally`: the
+    half copy stayed until a later build found it untouched for ABANDONED_S, or for good if none came."""
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent(f"""
+        import threading, time, torch
+        from pathlib import Path
+        from moechat.engine.quant import expert_file, formats
+
+        def source(li):
+            time.sleep(0.3 if li == 0 else 60)  # the second layer takes a minute: the process ends during it
+            yield 0, formats.quantize(torch.randn(2, 32, 32), "int8"), formats.quantize(torch.randn(2, 32, 16), "int8")
+
+        qe = expert_file.QuantizedExperts(Path({str(tmp_path)!r}) / "m-int8-0123456789abcdef", "int8", 2, 2, 32, 16)
+        threading.Thread(target=qe.build, args=(source,), daemon=True).start()
+        time.sleep(1.5)
+        print(sorted(p.name for p in Path({str(tmp_path)!r}).iterdir()))
+    """)
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("['.m-int8-0123456789abcdef.") and run.stdout.strip().endswith(".tmp']")  # mid-build
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_first_quantization_reports_each_layer_and_a_mapped_cache_nothing(checkpoint):
     """Engine(config, progress): the layers of a first quantization, 0..L in order; the next start maps the cache."""
     ck = checkpoint("qwen3_moe", seed=8)

@@ -86,6 +86,49 @@ def test_a_first_quantization_shows_in_the_loading_bar(checkpoint):
         bridge.close()
 
 
+def test_what_resolving_the_config_said_reaches_the_ready_notice(checkpoint):
+    """engine_config's warnings go to stderr, which the chat app's terminal never shows: a calibration profile set aside
+    (corrupt, from another machine or moechat) was said nowhere in the app; the config carries it to EngineReady."""
+    said = "calibration profile p.toml is corrupt: moved to p.toml.bad"
+    bridge, inbox = started(lambda: EngineConfig(str(checkpoint("qwen3_moe")), notices=(said,)))
+    try:
+        ready = inbox.wait(EngineReady)
+        assert said in ready.notice and "calibration profile" not in ready.summary  # none used
+    finally:
+        bridge.close()
+
+
+def test_the_status_says_when_a_calibration_profile_is_used(checkpoint):
+    from moechat.engine.calibration.types import Measurements
+
+    measured = SchedulerConfig(policy="lru", measured=Measurements(expert_bytes=1, cpu_s_per_expert=[1e-4]))
+    bridge, inbox = started(lambda: EngineConfig(str(checkpoint("qwen3_moe")), scheduler=measured))
+    try:
+        assert inbox.wait(EngineReady).summary.endswith("policy lru · calibration profile")
+    finally:
+        bridge.close()
+
+
+def test_quitting_during_a_first_quantization_stops_it_and_leaves_no_half_cache(checkpoint, tmp_path, monkeypatch):
+    """The app quit while its engine thread quantized: the daemon thread kept going until the process ended, leaving a
+    half-written private copy of the experts for 10 minutes or for good, and aborting the process ("terminate called
+    without an active exception") when PyTorch's threads went away under it. It stops at the next layer now."""
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(tmp_path))
+    path, inbox = checkpoint("olmoe", seed=11), Inbox()
+
+    def post(message) -> bool:
+        inbox(message)
+        if isinstance(message, EngineLoading) and "quantizing" in message.label:
+            bridge.close()  # as the app's quit does, here while the first layer is quantized
+        return True
+
+    bridge = EngineBridge(post, lambda: EngineConfig(str(path), quant="int8"))
+    bridge.start()
+    bridge._thread.join(TIMEOUT)
+    assert not bridge._thread.is_alive() and not inbox.of(EngineReady)
+    assert list(tmp_path.iterdir()) == []  # neither a cache nor a private build folder
+
+
 def test_load_stream_stats_and_spac_frames(checkpoint):
     path = checkpoint("qwen3_moe")
     bridge, inbox = started(lambda: EngineConfig(str(path), expert_cache_ratio=0.5, spec=SpecConfig("self", 3)),
