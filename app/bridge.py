@@ -130,6 +130,11 @@ class EngineBridge:
             self._thread.join(LAYER_JOIN_S if self._quantizing else JOIN_S)
 
     @property
+    def still_running(self) -> bool:
+        """After close(): the engine thread is still at work (a load that cannot be cut short, inside PyTorch)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def busy(self) -> bool:
         """A reply is queued or running (until its ReplyFinished or EngineFailed is posted)."""
         return self._pending > 0

@@ -382,4 +382,9 @@ def run_tui(args) -> int:
     for why, text in app.unsaved_replies:  # replies the database would not take: here they are, not lost
         print(f"moechat: {why}; the reply follows", file=sys.stderr)
         print(text)
-    return app.return_code or 0  # 1 after an exception Textual showed
+    code = app.return_code or 0  # 1 after an exception Textual showed
+    if app.bridge.still_running:  # quit while a model loads: ending the interpreter under a thread inside PyTorch's ops
+        sys.stdout.flush()  # aborts it ("terminate called without an active exception"); chats and settings are on disk
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -129,6 +129,25 @@ def test_quitting_during_a_first_quantization_stops_it_and_leaves_no_half_cache(
     assert list(tmp_path.iterdir()) == []  # neither a cache nor a private build folder
 
 
+def test_a_load_that_outlasts_close_says_it_still_runs():
+    """close() waits a moment for a load; one still running (inside PyTorch's ops, which nothing can cut short) must not
+    be left to the interpreter's exit, which aborts the process under it: run_tui ends with os._exit when it says so."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_config():  # a load that takes longer than close() waits
+        entered.set()
+        release.wait(60)
+        raise RuntimeError("never loads")
+
+    bridge, _ = started(slow_config)
+    assert entered.wait(30)
+    bridge.close()
+    assert bridge.still_running
+    release.set()
+    bridge._thread.join(30)
+    assert not bridge.still_running
+
+
 def test_load_stream_stats_and_spac_frames(checkpoint):
     path = checkpoint("qwen3_moe")
     bridge, inbox = started(lambda: EngineConfig(str(path), expert_cache_ratio=0.5, spec=SpecConfig("self", 3)),
