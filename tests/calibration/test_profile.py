@@ -267,6 +267,10 @@ def test_a_profile_decided_for_other_budgets_is_not_used(capsys):
     assert cfg.notices == (err.strip().removeprefix("moechat: warning: "),)
     assert _config(["--device", "cpu", "--ram-budget-gib", "2.5"])[1].profile is not None  # the same budget, given
     assert load_profile(fingerprint(probe()), model_key(DEMO_MODEL))[0] == tight  # kept for when the budget is back
+    vram = ["--device", "cpu", "--ram-budget-gib", "2.5", "--vram-budget-gib", "8"]
+    assert _config(vram)[1].profile is None  # measured with a GPU: a VRAM budget it did not have changes its split
+    save_profile(replace(tight, hardware=replace(tight.hardware, gpus=[])))
+    assert _config(vram)[1].profile is not None  # measured without one: a VRAM budget changes nothing it decided
 
 
 @pytest.mark.notorch
