@@ -223,19 +223,34 @@ def _interruptible(download, said: str, tick: Callable[[], None] | None = None) 
 
 
 def list_models() -> list[dict]:
-    """Every model directory under the models directory, with its family and size."""
-    rows = []
+    """Every model directory under the models directory, with its family and size; then the models with weights in
+    Hugging Face's own cache that `--model OWNER/NAME` would run from there (moechat's own copy wins)."""
     root = models_dir()
-    for path in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        try:
-            raw = json.loads((path / "config.json").read_text())
-            model_type = str(raw.get("model_type", "?")) if isinstance(raw, dict) else "? (config.json is not an object)"
-        except (OSError, ValueError):
-            model_type = "? (no readable config.json)"
-        size = sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())  # not a dangling link
-        rows.append({"name": path.name.replace("--", "/", 1), "path": str(path), "model_type": model_type, "bytes": size,
-                     "complete": not download_unfinished(path)})  # a pull stopped midway
-    return rows
+    rows = [_row(path.name.replace("--", "/", 1), path, "moechat", not download_unfinished(path))  # a pull stopped midway
+            for path in (sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else [])]
+    named = {r["name"] for r in rows}
+    return rows + [_row(name, path, "huggingface", True) for name, path in _hub_cache_models() if name not in named]
+
+
+def _row(name: str, path: Path, source: str, complete: bool) -> dict:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        model_type = str(raw.get("model_type", "?")) if isinstance(raw, dict) else "? (config.json is not an object)"
+    except (OSError, ValueError):
+        model_type = "? (no readable config.json)"
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())  # not a dangling link
+    return {"name": name, "path": str(path), "model_type": model_type, "bytes": size, "complete": complete, "source": source}
+
+
+def _hub_cache_models() -> list[tuple[str, Path]]:
+    """(OWNER/NAME, snapshot) of each model in Hugging Face's cache whose snapshot hub_cache_snapshot finds."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        repos = sorted(r.repo_id for r in scan_cache_dir().repos if r.repo_type == "model")
+    except Exception:  # no cache folder (CacheNotFound), one it cannot read: nothing from there
+        return []
+    return [(repo, path) for repo in repos if (path := hub_cache_snapshot(repo)) is not None]
 
 
 def cmd_pull(args) -> int:
@@ -254,6 +269,7 @@ def cmd_models(args) -> int:
         width, kind = max(len(r["name"]) for r in rows), max(len(r["model_type"]) for r in rows)
         for r in rows:
             note = "" if r["complete"] else f"  (download not finished: moechat pull {r['name']} resumes it)"
+            note += "  (Hugging Face's cache)" if r["source"] == "huggingface" else ""
             print(f"{r['name']:<{width}}  {r['model_type']:<{kind}}  {_gib(r['bytes']):>9}  {r['path']}{note}")
     return 0
 

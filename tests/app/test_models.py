@@ -231,6 +231,9 @@ def test_a_model_in_the_hugging_face_cache_runs_from_there(checkpoint):
             os.replace(os.path.join(snapshot, name), blob)
             os.symlink(blob, os.path.join(snapshot, name))
         assert resolve_model("tinyorg/cached-moe", None)[0] == snapshot
+        listed = [r for r in json.loads(run_cli("models", "--json").stdout) if r["name"] == "tinyorg/cached-moe"]
+        assert [(r["source"], r["path"], r["model_type"]) for r in listed] == [("huggingface", snapshot, "qwen3_moe")]
+        assert "(Hugging Face's cache)" in next(ln for ln in run_cli("models").stdout.splitlines() if "tinyorg/" in ln)
         proc = run_cli("generate", "--model", "tinyorg/cached-moe", "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json")
         assert proc.returncode == 0, proc.stderr
         assert len(json.loads(proc.stdout)["token_ids"]) >= 1
