@@ -95,7 +95,8 @@ def check_profiles_writable() -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK | os.X_OK):
-            raise PermissionError("not writable by you")
+            read_only = bool(getattr(os, "statvfs", None) and os.statvfs(folder).f_flag & os.ST_RDONLY)
+            raise PermissionError("on a read-only file system: remount it read-write" if read_only else "not writable by you")
     except OSError as err:
         raise MoechatError(f"calibration profiles cannot be saved in {folder} ({err.strerror or err}): move what is at that "
                            "path aside, or fix its permissions") from None

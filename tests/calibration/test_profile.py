@@ -608,6 +608,8 @@ def test_calibrate_takes_the_budgets_and_context_the_settings_fix(monkeypatch):
 
 def test_calibrate_says_at_once_where_its_profile_cannot_be_saved(monkeypatch, tmp_path, capsys):
     """A file where the profiles folder goes failed calibration after all its measuring, with an internal error."""
+    from types import SimpleNamespace
+
     from moechat.app.cli import main
     from moechat.engine.calibration import profile as profile_module
 
@@ -621,6 +623,13 @@ def test_calibrate_says_at_once_where_its_profile_cannot_be_saved(monkeypatch, t
     err = capsys.readouterr().err
     assert f"calibration profiles cannot be saved in {blocked}" in err and "internal error" not in err
     assert len(err.strip().splitlines()) == 1
+    folder = tmp_path / "mounted"  # a folder on a read-only mount: no chmod helps, so the line says so
+    folder.mkdir()
+    monkeypatch.setattr(profile_module, "profiles_dir", lambda: folder)
+    monkeypatch.setattr(profile_module.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(profile_module.os, "statvfs", lambda path: SimpleNamespace(f_flag=profile_module.os.ST_RDONLY))
+    with pytest.raises(moechat.engine.MoechatError, match="on a read-only file system: remount it read-write"):
+        profile_module.check_profiles_writable()
 
 
 def test_calibrate_refuses_a_budget_nothing_fits_before_measuring(checkpoint, monkeypatch):
