@@ -30,7 +30,7 @@ class ReplyMeter:
         self.t_start = time.perf_counter()
         self.t_first: float | None = None  # the first token: prefill done, decode starts
         self.stats_due = self.frame_due = self.t_start + interval
-        self.new_tokens = self.drafted = self.accepted = self.hits = self.misses = self.step_bytes = 0
+        self.new_tokens = self.drafted = self.accepted = self.hits = self.misses = self.step_bytes = 0  # hits: prompt's too
         self.last: StepStats | None = None
         L, E = m.cache.slot_of.shape
         self.freq = torch.zeros(L, E, dtype=torch.long)  # [L, E] verification demand since the last frame
@@ -41,6 +41,7 @@ class ReplyMeter:
     def tokens(self, count: int) -> None:
         if self.t_first is None:
             self.t_first = time.perf_counter()
+            self.hits, self.misses = self.engine.prompt_counts  # the prompt's, as the reply's Summary counts them
         self.new_tokens += count
 
     def step(self, st: StepStats) -> None:

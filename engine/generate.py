@@ -46,6 +46,7 @@ class Engine:
             raise
         self._stop = threading.Event()
         self._longest_token: int | None = None  # characters in the vocabulary's longest entry (_check_length)
+        self.prompt_counts = (0, 0)  # (hits, misses) of the request's prompt passes, which its Summary's hit rate counts
         budget = config.conversation_cache_bytes
         self.conversations = PrefixCache(default_budget() if budget is None else budget, self.model.device)
 
@@ -224,6 +225,7 @@ class Engine:
             kept.tokens = prompt
             raise
         prefill = rt.reset_counters()
+        self.prompt_counts = (prefill.hits, prefill.misses)  # known before the first token: a live hit rate counts them
         if logits is None:  # stopped while reading the prompt: the passes done are kept, a resend reuses them
             kept.tokens = prompt
             self._keep(kept)

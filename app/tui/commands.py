@@ -69,9 +69,17 @@ MODIFIERS = {"ctrl", "shift", "alt", "meta", "super", "hyper"}
 @cache
 def _key_names() -> frozenset[str]:
     """Textual's names of keys: its Keys ("escape", "f5", "pageup") and printable ASCII ("space", "minus", "slash")."""
-    from textual.keys import Keys, _character_to_key
+    from textual.keys import Keys
 
-    return frozenset({k.value.split("+")[-1] for k in Keys} | {_character_to_key(chr(c)) for c in range(32, 127)})
+    return frozenset({k.value.split("+")[-1] for k in Keys} | _printable_names())
+
+
+@cache
+def _printable_names() -> frozenset[str]:
+    """Textual's names of the keys that type a character ("a", "space", "question_mark")."""
+    from textual.keys import _character_to_key
+
+    return frozenset(_character_to_key(chr(c)) for c in range(32, 127))
 
 
 def known_key(key: str) -> bool:
@@ -90,16 +98,67 @@ def known_key(key: str) -> bool:
         return False
 
 
+def normal_key(key: str) -> str:
+    """A key as Textual reports it: "Ctrl+G" -> "ctrl+g", "F5" -> "f5", "?" -> "question_mark" (a letter alone keeps its
+    case: "G" is shift+g). Textual compares key names as written, so "F5" would never fire."""
+    from textual.keys import _character_to_key
+
+    *mods, base = [part.strip() for part in key.strip().split("+")]
+    if len(base) == 1:
+        base = _character_to_key(base.lower() if mods else base)
+    return "+".join([*(m.lower() for m in mods), base if len(base) == 1 else base.lower()])
+
+
+@cache
+def _input_keys() -> dict[str, str]:
+    """Keys the message box takes for itself while it has the focus (nearly always): bound there, they never reach the
+    app."""
+    from textual.widgets import TextArea
+
+    taken = {k.strip(): f"the input's {b.action.replace('_', ' ')}" for b in TextArea.BINDINGS for k in b.key.split(",")}
+    moves = {"tab": "moving the focus", "shift+tab": "moving the focus", "enter": "the input's send"}
+    return {**taken, **moves, **dict.fromkeys(("ctrl+j", "shift+enter", "alt+enter"), "the input's new line")}
+
+
+def _taken(defaults_of: set[str]) -> dict[str, str]:
+    """key -> what holds it: Textual's own keys, the input's, and the defaults of the bindings `defaults_of`."""
+    taken = {"ctrl+q": "quit", "ctrl+c": "stop or copy", "ctrl+p": "the command palette", **_input_keys()}
+    for b in BINDINGS:
+        if b.id in defaults_of:
+            taken.update(dict.fromkeys(b.key.split(","), f"{b.description} ({b.id})"))
+    return taken
+
+
+def _clash(key: str, taken: dict[str, str]) -> str | None:
+    if key in taken:
+        return f"{key} is already {taken[key]}: pick a free key"
+    if "+" not in key and (len(key) == 1 or key in _printable_names()):
+        return f"{key} types into the input: add ctrl+ or alt+"
+    return None
+
+
 def checked_keymap(keys: dict[str, str]) -> tuple[dict[str, str], str | None]:
-    """The settings' `[keys]` (binding id -> keys) this app knows, and a notice naming the unknown ids and keys."""
+    """The settings' `[keys]` (binding id -> keys) this app can honour, and a notice naming the unknown ids, the names
+    that are no key and the keys another action (or the input) already holds: such an entry keeps its default key."""
     ids = {b.id for b in BINDINGS if b.id}
     problems = [f"{', '.join(sorted(set(keys) - ids))} ignored: the ids are {', '.join(sorted(ids))}"] if set(keys) - ids else []
-    keymap = {}
+    named = {}
     for name, value in keys.items():
         bad = [k for k in value.split(",") if not known_key(k)]
         if bad:
             problems.append(f"{name} = {value!r} ignored: {', '.join(repr(k.strip()) for k in bad)} is not a key name "
                             "(e.g. ctrl+g, f5, escape)")
         elif name in ids:
-            keymap[name] = value
+            named[name] = [normal_key(k) for k in value.split(",")]
+    taken, keymap = _taken(ids - set(named)), {}
+    for name, value in named.items():
+        clashes = [c for k in value if (c := _clash(k, taken))]
+        if clashes:  # Textual would take the key from the other action without a word, or the input would swallow it
+            problems.append(f"{name} = {keys[name]!r} ignored: {'; '.join(clashes)}")
+            continue
+        keymap[name] = ",".join(value)
+        taken.update(dict.fromkeys(value, f"{name} in [keys]"))
+    for b in BINDINGS:  # refused: the entry's action keeps its default key, unless another entry took that meanwhile
+        if b.id in named and b.id not in keymap and any(k in v.split(",") for k in b.key.split(",") for v in keymap.values()):
+            problems.append(f"{b.id} has no key now: its default {b.key} went to another action")
     return keymap, "[keys] " + "; ".join(problems) if problems else None

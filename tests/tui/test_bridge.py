@@ -185,6 +185,23 @@ def test_load_stream_stats_and_spac_frames(checkpoint):
         bridge.close()
 
 
+def test_the_live_hit_rate_counts_the_prompt_as_the_replys_summary_does(checkpoint):
+    """The status line's hit rate while a reply streamed left out the prompt's pass, which the reply's Summary counts: on
+    the demo it read 0.71 all reply long and 0.50 at its end. After the last step the running figure is the final one."""
+    path = checkpoint("qwen3_moe")
+    bridge, inbox = started(lambda: EngineConfig(str(path), expert_cache_ratio=0.5, spec=SpecConfig("self", 3)),
+                            interval=0.0)  # a ReplyStats after every step, the last one too
+    try:
+        inbox.wait(EngineReady)
+        bridge.generate(1, CHAT, SamplingParams(max_new_tokens=24))
+        assert isinstance(inbox.ending(1), ReplyFinished)
+        assert sum(bridge._engine.prompt_counts) > 0  # the prompt's activations, which the Summary counts
+        *running, final = [m.stats for m in inbox.of(ReplyStats, request_id=1)]
+        assert running and running[-1].hit_rate == pytest.approx(final.hit_rate)
+    finally:
+        bridge.close()
+
+
 def test_demand_frames_without_fast_tier_and_stop(checkpoint):
     """No fast tier, no drafter: frames show demand (each layer's top-k experts), acceptance and hit
     rate are None; stop() from this thread cancels mid-reply and the next reply runs."""

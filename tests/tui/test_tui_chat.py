@@ -458,6 +458,49 @@ async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, sto
 
 
 @pilot_test
+@pytest.mark.notorch
+async def test_a_remapped_key_another_action_holds_is_refused_with_a_notice(tmp_path, stored):
+    (tmp_path / "settings.toml").write_text('[keys]\nnew_chat = "f3"\nregenerate = "F10"\n')
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat
+        await pilot.pause()
+        (notice,) = [n.message for n in app._notifications if "[keys]" in n.message]
+        assert "new_chat = 'f3' ignored: f3 is already Experts (toggle_experts)" in notice and "F10" not in notice
+        await pilot.press("f3")  # still the expert view, and no new chat
+        assert chat.side_panel_shown and len(app.store.conversations()) == 2
+        await pilot.press("ctrl+n")  # new_chat keeps its default key
+        await until(pilot, lambda: len(app.store.conversations()) == 3, "the new chat")
+        await pilot.press("f1")
+        rows = app.screen.query_one("Markdown").source.splitlines()
+        assert [r for r in rows if "| f3 |" in r.lower()] == ["| f3 | Experts |"]
+        assert any(r.lower().startswith("| f10 | regenerate") for r in rows)  # "F10" as Textual reports it
+
+
+@pilot_test
+@pytest.mark.notorch
+@pytest.mark.parametrize("size", [(80, 24), (60, 20)])
+async def test_a_narrow_terminal_keeps_the_input_dialogs_and_help_on_the_screen(tmp_path, stored, size):
+    """At 60 columns F3 pushed the expert view off the screen and left the input no columns (8 at 80); the help (90
+    wide) and the dialogs (70) were cut at the right, Cancel with them."""
+    app = make_app(tmp_path, failing("no model here"))
+    async with app.run_test(size=size) as pilot:
+        chat, width = app.chat, size[0]
+        await pilot.pause()
+        await pilot.press("f3")
+        await pilot.pause()
+        side, box = chat.query_one("#side-panel").region, chat.query_one("#input").region
+        assert side.right <= width and box.width >= 24 and box.right <= side.x
+        await pilot.press("f4")  # the chat list is back on a key
+        assert chat.query_one("#sidebar").display
+        await pilot.press("f3", "f1")
+        assert app.screen.query_one("#help").region.right <= width
+        await pilot.press("escape", "f2")
+        await pilot.pause()
+        assert app.screen.query_one(".dialog").region.right <= width and app.screen.query_one("#cancel").region.right <= width
+
+
+@pilot_test
 async def test_a_message_too_long_for_the_context_comes_back_to_the_input(tmp_path, checkpoint):
     """It stayed in the chat, so the next request carried it and was refused too ("the prompt has 3022 tokens")."""
     from moechat.app.tui.widgets.message_view import ChatInput

@@ -544,6 +544,25 @@ def test_key_names_textual_reports_are_known_and_typos_are_not():
     assert not any(known_key(k) for k in ("notakey", "ctrl+", "hyperx+g", "ctrl+notakey", ""))
 
 
+def test_a_key_another_action_or_the_input_holds_is_refused_and_key_names_are_written_as_textual_reports_them():
+    """Textual gave a taken key to the remapped action without a word (`new_chat = "f3"`: F3 made chats and the expert
+    view had no key left, the help still said F3 for it); the input swallowed its own keys (f6, ctrl+a) and printable
+    ones; "F10" or "Ctrl+G" never fired, Textual comparing names as written."""
+    from moechat.app.tui.commands import checked_keymap
+
+    keymap, notice = checked_keymap({"new_chat": "f3"})
+    assert keymap == {} and "f3 is already Experts (toggle_experts)" in notice
+    for key, said in (("f6", "the input's select line"), ("ctrl+a", "the input's"), ("ctrl+q", "quit"),
+                      ("ctrl+p", "the command palette"), ("x", "types into the input"), ("?", "types into the input")):
+        keymap, notice = checked_keymap({"new_chat": key})
+        assert keymap == {} and said in notice, key
+    assert checked_keymap({"new_chat": "F10", "regenerate": "Ctrl+G"}) == ({"new_chat": "f10", "regenerate": "ctrl+g"}, None)
+    assert checked_keymap({"new_chat": "f3", "toggle_experts": "ctrl+n"})[0] == {"new_chat": "f3", "toggle_experts": "ctrl+n"}
+    keymap, notice = checked_keymap({"new_chat": "f10", "rename_chat": "f10"})  # one key, two actions: the first keeps it
+    assert keymap == {"new_chat": "f10"} and "rename_chat = 'f10' ignored: f10 is already new_chat" in notice
+    assert checked_keymap({"new_chat": "ctrl+n", "help": "ctrl+question_mark"})[1] is None
+
+
 def test_context_len_setting_reaches_the_engine_config():
     from moechat.app.cli import build_parser, engine_config
     from moechat.app.settings import settings_path

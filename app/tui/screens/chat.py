@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -88,6 +89,9 @@ def status_line(model: str, state: str, stats: Stats | None) -> str:
 
 
 class ChatScreen(Screen):
+    # below 100 columns the chat list (28), the expert view (44) and a usable input do not fit side by side
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (100, "-wide")]
+
     def __init__(self) -> None:
         super().__init__()
         self.conv_id: int | None = None
@@ -164,6 +168,8 @@ class ChatScreen(Screen):
 
     def toggle_side_panel(self) -> None:
         self.side_panel.toggle_class("shown")
+        if self.side_panel_shown and self.has_class("-narrow"):  # the chat list makes room (F4 brings it back)
+            self.query_one("#sidebar").add_class("hidden")
         if self.side_panel_shown:
             self.stats_panel.draw()
             self.heatmap.update_frame()
