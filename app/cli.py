@@ -174,8 +174,21 @@ def add_template_args(p: argparse.ArgumentParser) -> None:
     add_flags(p, "template")
 
 
+def check_prompt_flags(args) -> None:
+    """Before the model loads, refuse what a prompt would silently go without: the chat template's flags beside a
+    prompt that skips the template, and a blank --prompt (an answer to nothing, exit 0)."""
+    from ..engine import RequestError
+
+    skips = "--prompt-ids" if args.prompt_ids is not None else "--raw" if args.raw else None
+    for flag, value in (("--system", args.system), ("--thinking", args.thinking)):
+        if value is not None and skips:
+            raise RequestError(f"{flag} goes into the chat template, which {skips} skips: drop one of the two")
+    if args.prompt is not None and not args.prompt.strip():
+        raise RequestError("--prompt is empty: give the text to send")
+
+
 def make_request(args, tokenizer):
-    from ..engine import Request
+    from ..engine import Request, RequestError
 
     if args.prompt_ids is not None:
         return Request(token_ids=args.prompt_ids)
@@ -183,6 +196,8 @@ def make_request(args, tokenizer):
         messages = (([{"role": "system", "content": args.system}] if args.system else [])
                     + [{"role": "user", "content": args.prompt}])
         return Request(messages=messages, thinking=request_thinking(args))
+    if args.system is not None:  # a plain prompt has no place for it: dropping it would answer without it
+        raise RequestError("this model has no chat template, so --system has nowhere to go: put it in --prompt instead")
     return Request(prompt=args.prompt)
 
 
@@ -210,6 +225,14 @@ def acceptance(summary) -> str:
     return f"{summary.acceptance_rate:.2f}" if summary.drafted else "n/a"
 
 
+def stats_line(s) -> str:
+    """generate's stats line; a reply of one token had no decode step (it comes out of the prefill): no decode rate."""
+    decode = f"{s.decode_tokens_per_s:.1f} tok/s" if s.new_tokens > 1 else "n/a"
+    return (f"[{s.new_tokens} token{'' if s.new_tokens == 1 else 's'}, prefill {s.prefill_tokens_per_s:.1f} tok/s, "
+            f"decode {decode}, acceptance {acceptance(s)}, expert hit rate {s.hit_rate:.2f}, "
+            f"{s.bytes_moved / 2**20:.1f} MiB moved, finish: {s.finish_reason}]")
+
+
 def print_notices(engine) -> None:
     """The loaded engine's lines for the user (native kernels missing, a rebuilt cache, a shrunk fast tier, a drafter
     with nothing to draft with), one per line on stderr: generate, chat and serve alike."""
@@ -235,6 +258,7 @@ def _choices(engine, sources: dict[str, str]) -> dict[str, dict]:
 
 
 def cmd_generate(args) -> int:
+    check_prompt_flags(args)  # before PyTorch loads: a refused flag costs no start-up
     from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
 
     if args.trace:
@@ -276,9 +300,7 @@ def cmd_generate(args) -> int:
         print(f"[runs on {args.placement}]", file=sys.stderr)
         if profile:
             print(f"[calibration profile: {profile}]", file=sys.stderr)
-        print(f"[{s.new_tokens} tokens, prefill {s.prefill_tokens_per_s:.1f} tok/s, decode {s.decode_tokens_per_s:.1f} tok/s, "
-              f"acceptance {acceptance(s)}, expert hit rate {s.hit_rate:.2f}, "
-              f"{s.bytes_moved / 2**20:.1f} MiB moved, finish: {s.finish_reason}]", file=sys.stderr)
+        print(stats_line(s), file=sys.stderr)
     if s.lossy:
         print(f"[{s.lossy}: {s.dropped} activations dropped]", file=sys.stderr)
     return 0

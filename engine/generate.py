@@ -81,8 +81,11 @@ class Engine:
         if request.token_ids is not None:
             ids = [int(i) for i in request.token_ids]
             vocab = int(self.model.hf_config.vocab_size)
-            if not ids or min(ids) < 0 or max(ids) >= vocab:
-                raise RequestError(f"prompt token ids must be non-empty and in 0..{vocab - 1}")
+            if not ids:
+                raise RequestError("the prompt's token ids are empty: give at least one")
+            bad = next((i for i in ids if not 0 <= i < vocab), None)
+            if bad is not None:  # named: in a long list of ids the bad one is otherwise a hunt
+                raise RequestError(f"prompt token id {bad} is not in this model's vocabulary: ids go from 0 to {vocab - 1}")
             return ids
         if tok is None:
             raise RequestError("this model directory has no tokenizer: pass token ids (--prompt-ids) or add the tokenizer files")
@@ -318,6 +321,10 @@ class Engine:
             if tok in eos:
                 detok.update(new)
                 return "eos"
+            if detok.stop:  # per token: a step's drafts accepted after the token completing a stop string are not the reply's
+                detok.update(new)
+                if detok.stopped:
+                    return "stop"
             if len(new) >= max_new:
                 detok.update(new)
                 return "stop" if detok.stopped else "length"

@@ -105,3 +105,52 @@ def test_the_chat_takes_a_sampling_flag_typed_else_the_settings():
     assert (saved.temperature, saved.top_p, saved.max_new_tokens) == (0.0, 0.6, 40)  # only top_p changed in the save
     greedy = sampling_params(build_parser().parse_args(["generate", "--prompt", "x"]))  # generate: its own defaults
     assert (greedy.temperature, greedy.max_new_tokens) == (0.0, 128)
+
+
+@pytest.mark.notorch  # refused before PyTorch loads
+@pytest.mark.parametrize("flags, says", [
+    (["--prompt", "hi", "--raw", "--system", "Answer in French"], "--system goes into the chat template, which --raw skips"),
+    (["--prompt-ids", "1,2", "--system", "Be brief"], "--system goes into the chat template, which --prompt-ids skips"),
+    (["--prompt", "hi", "--raw", "--thinking", "off"], "--thinking goes into the chat template, which --raw skips"),
+    (["--prompt", ""], "--prompt is empty"),  # was an answer to the template's empty user turn, exit 0
+    (["--prompt", " \n"], "--prompt is empty"),
+])
+def test_generate_refuses_a_prompt_flag_it_would_drop(flags, says, capsys):
+    """--system and --thinking beside --raw or --prompt-ids were dropped without a word: a reply without them, exit 0."""
+    from moechat.app.cli import main
+
+    assert main(["generate", "--model", "/nowhere/at/all", *flags]) == 1  # refused before the model is looked for
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
+
+
+def test_generate_refuses_system_for_a_model_without_chat_template(checkpoint, tmp_path, capsys):
+    import shutil
+
+    from moechat.app.cli import main
+
+    model = shutil.copytree(checkpoint("qwen3_moe"), tmp_path / "m")
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    args = ["generate", "--model", str(model), "--prompt", "hi", "--max-new-tokens", "2"]
+    assert main([*args, "--system", "Answer in French"]) == 1
+    captured = capsys.readouterr()
+    assert "has no chat template, so --system has nowhere to go" in captured.err and captured.out == ""
+    assert main(args) == 0  # a plain prompt still runs
+
+
+@pytest.mark.notorch
+def test_generate_stats_line_gives_no_decode_rate_for_a_one_token_reply():
+    """A one-token reply printed "[1 tokens, ..., decode 0.0 tok/s": it had no decode step, so it has no rate."""
+    from moechat.app.cli import stats_line
+    from moechat.engine.events import Summary
+
+    def summary(new_tokens, decode_s):
+        return Summary(prompt_tokens=4, new_tokens=new_tokens, steps=new_tokens - 1, drafted=0, accepted=0, prefill_s=0.1,
+                       decode_s=decode_s, ttft_s=0.1, hits=0, misses=8, bytes_moved=0, finish_reason="length")
+
+    one = stats_line(summary(1, 0.0001))
+    assert one.startswith("[1 token, prefill 40.0 tok/s, decode n/a,")
+    assert stats_line(summary(5, 0.5)).startswith("[5 tokens, prefill 40.0 tok/s, decode 8.0 tok/s,")

@@ -269,9 +269,13 @@ def test_a_nan_logit_ends_the_reply_in_one_line_and_the_engine_recovers(checkpoi
 
 
 def test_bad_token_ids(checkpoint):
+    """The message names the id out of range (was "must be non-empty and in 0..319", whichever of many it was)."""
     engine = load(checkpoint("olmoe"))
-    events = list(engine.generate(Request(token_ids=[1, 99999])))
-    assert isinstance(events[-1], Error) and "token ids" in events[-1].message
+    vocab = engine.model.hf_config.vocab_size
+    for ids, says in (([1, 99999], f"prompt token id 99999 is not in this model's vocabulary: ids go from 0 to {vocab - 1}"),
+                      ([4, -1, 2], "prompt token id -1 is not"), ([], "the prompt's token ids are empty")):
+        events = list(engine.generate(Request(token_ids=ids)))
+        assert isinstance(events[-1], Error) and events[-1].request_fault and events[-1].message.startswith(says)
 
 
 def run_cli(*args):

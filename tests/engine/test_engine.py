@@ -68,6 +68,19 @@ def test_eos_and_stop_strings(checkpoint):
     assert "".join(e.text for e in events if isinstance(e, TokenDelta)) == fin.text
 
 
+def test_a_stop_string_ends_the_reply_at_the_same_token_whatever_the_drafter(checkpoint):
+    # a step accepts several drafts at once: those after the token completing the stop string are not the reply's
+    path, request = checkpoint("qwen3_moe"), Request(prompt=PROMPT)
+    base = list(engine_for(path).generate(request, SamplingParams(max_new_tokens=20)))[-1]
+    stop = base.text[len(base.text) // 2:][:3]
+    want = list(engine_for(path).generate(request, SamplingParams(max_new_tokens=20, stop=[stop])))[-1]
+    drafted = engine_for(path, expert_cache_ratio=1.0, spec=SpecConfig("self", 8))  # every draft accepted
+    fin = list(drafted.generate(request, SamplingParams(max_new_tokens=20, stop=[stop])))[-1]
+    assert fin.summary.accepted > 0 and fin.summary.finish_reason == want.summary.finish_reason == "stop"
+    assert fin.token_ids == want.token_ids and fin.summary.new_tokens == len(want.token_ids) < 20
+    assert fin.text == want.text
+
+
 def test_cancel_by_closing_then_generate_again(checkpoint):
     engine = engine_for(checkpoint("deepseek_v2"), expert_cache_ratio=0.5, spec=SpecConfig("self", 4))
     request, params = Request(prompt=PROMPT), SamplingParams(max_new_tokens=24)
