@@ -257,6 +257,14 @@ def _choices(engine, sources: dict[str, str]) -> dict[str, dict]:
     return {name: {"value": value, "from": sources[name]} for name, value in ran.items()}
 
 
+def _write_trace(trace, path: str) -> int | None:
+    try:
+        trace.write(path)
+    except OSError as err:
+        return _fail(f"cannot write the trace to {path} ({err.strerror}): pick another --trace path")
+    return None
+
+
 def cmd_generate(args) -> int:
     check_prompt_flags(args)  # before PyTorch loads: a refused flag costs no start-up
     from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
@@ -281,12 +289,12 @@ def cmd_generate(args) -> int:
     except KeyboardInterrupt:
         events.close()
         print(file=sys.stderr)
-        return _fail("interrupted", 130)
-    if trace:
-        try:
-            trace.write(args.trace)
-        except OSError as err:
-            return _fail(f"cannot write the trace to {args.trace} ({err.strerror}): pick another --trace path")
+        if trace is not None:
+            trace.drop_unfinished()
+        kept = trace is not None and trace.records and _write_trace(trace, args.trace) is None  # the routing so far stays
+        return _fail("interrupted" + (f": the routing so far is in {args.trace}" if kept else ""), 130)
+    if trace and (failed := _write_trace(trace, args.trace)):
+        return failed
     s = finished.summary
     profile = None if args.profile is None else str(args.profile)
     if args.json:

@@ -129,10 +129,12 @@ def cmd_simulate(args) -> int:
         print(json.dumps({"traces": len(routings), "tokens": sum(r.tokens for r in routings), "cost_model": vars(cost),
                           "results": rows}))
         return 0
-    print(f"{len(routings)} traces, {sum(r.tokens for r in routings)} tokens, window {window}", file=sys.stderr)
-    if args.cost_model is not None:  # a profile's experts are its model's: a trace of another model is priced at them
-        print(f"costs from {args.cost_model}: experts of {cost.expert_bytes / 2**20:.2f} MiB, "
-              f"{cost.pcie_gb_s:.1f} GB/s to the device, the CPU at {cost.cpu_dram_gb_s:.1f} GB/s", file=sys.stderr)
+    n = len(routings)
+    print(f"{n} trace{'' if n == 1 else 's'}, {sum(r.tokens for r in routings)} tokens, window {window}", file=sys.stderr)
+    # the experts and rates the trace is priced at: a profile's are its model's, the defaults DeepSeek-V2-Lite's
+    source = args.cost_model if args.cost_model is not None else "the built-in defaults (DeepSeek-V2-Lite on PCIe 4.0)"
+    print(f"costs from {source}: experts of {cost.expert_bytes / 2**20:.2f} MiB, "
+          f"{cost.pcie_gb_s:.1f} GB/s to the device, the CPU at {cost.cpu_dram_gb_s:.1f} GB/s", file=sys.stderr)
     head = f"{'policy':<22}{'ratio':>6}" + "".join(f"{m:>19}" for m in METRICS)
     print(head)
     for r in rows:

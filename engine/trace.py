@@ -23,9 +23,16 @@ class TraceRecorder:
         self.layers = layers  # sparse-layer index -> decoder layer index
         self.records: list[dict] = []
         self._step, self._phase, self._start = 0, "prefill", 0
+        self._forward_start = 0  # the records of the forward in progress begin here
 
     def begin_forward(self, step: int, phase: str, start_pos: int) -> None:
         self._step, self._phase, self._start = step, phase, start_pos
+        self._forward_start = len(self.records)
+
+    def drop_unfinished(self) -> None:
+        """A forward stopped before its last MoE layer (Ctrl-C) goes: its positions lack layers, and a replay refuses that."""
+        if len(self.records) - self._forward_start < len(self.layers):
+            del self.records[self._forward_start:]
 
     def __call__(self, li: int, idx: torch.Tensor, weights: torch.Tensor) -> None:
         n = idx.shape[0]

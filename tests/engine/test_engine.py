@@ -318,6 +318,41 @@ def test_generate_cli_json_and_trace(checkpoint, tmp_path, capsys):
     assert obj["token_ids"] == list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=10)))[-1].token_ids
 
 
+def test_generate_stopped_with_ctrl_c_keeps_the_routing_so_far(checkpoint, tmp_path, capsys, monkeypatch):
+    """Ctrl-C wrote no trace at all: the routing recorded so far was lost. It is written, less a forward stopped
+    midway (its positions would lack layers, which a replay refuses), and `simulate` reads it."""
+    from moechat.app.cli import main
+    from moechat.engine import TokenDelta
+    from moechat.engine.generate import Engine
+    from moechat.engine.trace import TraceRecorder, load_routing
+
+    real = Engine.generate
+
+    def interrupted(self, request, params, trace=None):
+        for n, ev in enumerate(real(self, request, params, trace)):
+            yield ev
+            if isinstance(ev, TokenDelta) and n >= 3:
+                trace.begin_forward(99, "decode", 10_000)  # a forward cut after its first MoE layer
+                trace(0, torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    path = tmp_path / "cut.jsonl"
+    rc = main(["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", PROMPT, "--raw", "--max-new-tokens", "10",
+               "--trace", str(path)])
+    assert rc == 130 and f"interrupted: the routing so far is in {path}" in capsys.readouterr().err
+    routing = load_routing(path)  # every position has every MoE layer
+    assert routing.experts.shape[0] > 0
+    recorder = TraceRecorder([1, 3])
+    recorder.begin_forward(0, "prefill", 0)
+    recorder(0, torch.tensor([[1]]), torch.tensor([[1.0]]))
+    recorder(1, torch.tensor([[2]]), torch.tensor([[1.0]]))
+    recorder.begin_forward(1, "decode", 1)
+    recorder(0, torch.tensor([[3]]), torch.tensor([[1.0]]))
+    recorder.drop_unfinished()
+    assert [r["layer"] for r in recorder.records] == [1, 3]
+
+
 def test_sampling_is_reproducible_with_seed(checkpoint):
     engine = engine_for(checkpoint("qwen2_moe"), spec=SpecConfig("self", 4))
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=123, max_new_tokens=20)

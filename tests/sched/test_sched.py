@@ -358,6 +358,9 @@ def test_simulate_refuses_an_empty_ratio_list_and_negative_costs(tmp_path, capsy
     assert "dense_ms_per_layer must be a finite number >= 0" in capsys.readouterr().err
     assert main(["simulate", "--traces", "/dev/null"]) == 1  # it exists, but is no trace: said so, not "does not exist"
     assert "is not a file or folder" in capsys.readouterr().err
+    assert main(["simulate", "--traces", str(tmp_path / "t.csv"), "--expert-cache-ratio", "0.1"]) == 0
+    said = capsys.readouterr().err  # one trace, and what it is priced at even with no --cost-model
+    assert said.startswith("1 trace, ") and "costs from the built-in defaults (DeepSeek-V2-Lite on PCIe 4.0)" in said
     assert main(["simulate", "--traces", str(tmp_path / "t.csv"), "--policy", "spac,spac,lru", "--expert-cache-ratio", "0.1",
                  "--json"]) == 0
     labels = [r["label"] for r in json.loads(capsys.readouterr().out)["results"]]
