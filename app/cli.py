@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from .options import add_flags
+from .options import SETTINGS_SAMPLING, add_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,9 +154,6 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system message")
     add_sampling_args(p, temperature=0.0, max_new_tokens=128)
     add_template_args(p)
-
-
-SETTINGS_SAMPLING = ("temperature", "top_p", "max_new_tokens")  # the sampling options settings.toml holds
 
 
 def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_tokens: int, top_p: float = 1.0,

@@ -63,7 +63,7 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
-        if vram is None and ram is not None and est.host_bytes + ram_headroom(ram) > ram:
+        if vram is None and ram is not None and room < 0:  # weights, KV cache and headroom alone exceed it
             widened = est.host_bytes > est.non_expert_bytes + est.kv_bytes
             widened = " (the KV cache in float32, as a CPU keeps it)" if widened else ""
             raise BudgetError(f"non-expert weights and KV cache need {est.host_bytes / 2**30:.2f} GiB of RAM{widened} and "

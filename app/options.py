@@ -281,6 +281,7 @@ OPTIONS: tuple[Option, ...] = (
            problem_of=_keys_problem, live=True),
 )
 OPTION = {o.name: o for o in OPTIONS}
+SETTINGS_SAMPLING = tuple(o.name for o in OPTIONS if o.group == "sampling" and o.setting)  # the chat's, from settings.toml
 
 
 def add_flags(parser: argparse.ArgumentParser, group: str, **defaults) -> None:

@@ -318,19 +318,16 @@ class Engine:
         """Append tokens up to EOS / max_new_tokens / a stop string; return why generation ends, or None."""
         for tok in tokens:
             new.append(tok)
-            if tok in eos:
-                detok.update(new)
-                return "eos"
-            if detok.stop:  # per token: a step's drafts accepted after the token completing a stop string are not the reply's
+            # stop strings are looked for per token: a step's drafts accepted after the one completing it are not the reply's
+            if detok.stop or tok in eos or len(new) >= max_new:
                 detok.update(new)
                 if detok.stopped:
                     return "stop"
-            if len(new) >= max_new:
-                detok.update(new)
-                return "stop" if detok.stopped else "length"
+                if tok in eos:
+                    return "eos"
+                if len(new) >= max_new:
+                    return "length"
         detok.update(new)
-        if detok.stopped:
-            return "stop"
         return None
 
 

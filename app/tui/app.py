@@ -17,6 +17,7 @@ from textual.binding import Binding
 
 from ..bridge import EngineBridge
 from ..chats import ChatStore
+from ..options import SETTINGS_SAMPLING
 from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
 from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
@@ -339,8 +340,7 @@ def sampling_from(settings: Settings, base=None, before: Settings | None = None)
     from ...engine import SamplingParams
 
     base = base or SamplingParams()
-    names = ("temperature", "top_p", "max_new_tokens")
-    changed = [n for n in names if before is None or getattr(before, n) != getattr(settings, n)]
+    changed = [n for n in SETTINGS_SAMPLING if before is None or getattr(before, n) != getattr(settings, n)]
     return replace(base, **{n: getattr(settings, n) for n in changed})
 
 

@@ -208,8 +208,9 @@ def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, 
     """"ram" when every routed expert fits the RAM budget with headroom, else "mmap" (read from the checkpoint)."""
     on_host = 0 if has_gpu else est.host_bytes  # CPU-only: the rest lives in RAM too
     need = est.all_experts_bytes + on_host + ram_headroom(ram)
-    host_tier = "ram" if est.all_experts_bytes <= expert_store_room(est, ram, has_gpu) else "mmap"  # need <= ram
-    if host_tier == "mmap" and on_host + ram_headroom(ram) > ram:
+    room = expert_store_room(est, ram, has_gpu)
+    host_tier = "ram" if est.all_experts_bytes <= room else "mmap"
+    if room < 0:
         raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts "
                           f"(non-expert weights, KV cache, headroom), the RAM budget is {gib(ram)}: raise the RAM budget, "
                           "lower the context length, or use a smaller model")
