@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..engine import MoechatError, SamplingParams
@@ -160,12 +161,20 @@ def _parts(chunk) -> tuple:
 def _hang_up(live: list) -> None:
     """Shut the reply's socket: closing the response alone neither wakes a read blocked in another thread nor tells
     the server (the socket stays open until that read returns)."""
-    for stream in live:
+    for network_stream in live:
         try:
-            sock = stream.response.extensions["network_stream"].get_extra_info("socket")
-            sock.shutdown(socket.SHUT_RDWR)
+            network_stream.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
         except Exception:  # no socket to reach (another HTTP library), or already closed: the pump ends at the next chunk
             pass
+
+
+def _connected(live: list, cancel: threading.Event, event: str, info: dict) -> None:
+    """The HTTP library's trace of a reply's request: the connection it opens goes to `live` as soon as it is open, so
+    a stop shuts it also while the server has not sent the response's headers (there is no response to ask then)."""
+    if event.endswith("connect_tcp.complete"):
+        live.append(info["return_value"])
+        if cancel.is_set():  # stopped while connecting
+            _hang_up(live)
 
 
 class RemoteEngine:
@@ -178,8 +187,13 @@ class RemoteEngine:
 
         self.config = config
         self._cancel = threading.Event()  # the running reply's stop
+        self._pumping = threading.local()  # on a reply's pump thread: its (live, cancel), for `_trace`
+        # a connection per request (no keep-alive): each reply's request opens the connection `_trace` sees
+        limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=openai.DEFAULT_CONNECTION_LIMITS.max_connections,
+                                                        max_keepalive_connections=0)
+        http = openai.DefaultHttpxClient(limits=limits, event_hooks={"request": [self._trace]})
         try:  # no retries: a busy server's Retry-After is said in one line, not slept through where Esc cannot stop it
-            self.client = openai.OpenAI(base_url=config.url, api_key=config.api_key, max_retries=0,
+            self.client = openai.OpenAI(base_url=config.url, api_key=config.api_key, max_retries=0, http_client=http,
                                         timeout=openai.Timeout(TIMEOUT_S, connect=CONNECT_TIMEOUT_S))
             raw = self.client.models.with_raw_response.list()
             if "json" not in (kind := raw.headers.get("content-type", "")):
@@ -226,7 +240,7 @@ class RemoteEngine:
         t0 = time.perf_counter()
         t_first = None
         feed: queue.Queue = queue.Queue()
-        live: list = []  # the pump's open stream, to hang up on a stop
+        live: list = []  # the pump's open connection, to hang up on a stop
         threading.Thread(target=self._pump, args=(self._arguments(request, params), feed, cancel, live),
                          name="moechat-remote", daemon=True).start()
         try:
@@ -236,7 +250,7 @@ class RemoteEngine:
                 except queue.Empty:
                     continue
                 if kind == "end":
-                    live.clear()  # done: its connection went back to the pool, not to be shut
+                    live.clear()  # done: its connection is closed, not to be shut
                     break
                 if kind == "error":
                     live.clear()
@@ -258,21 +272,29 @@ class RemoteEngine:
         yield Finished([], "".join(text), self._summary(usage, extra, reason, t0, t_first, t_end, len(text)))
 
     def _arguments(self, request: Request, params: SamplingParams) -> dict:
+        # not OpenAI's, but vLLM's, SGLang's, llama.cpp's and moechat's servers take top_k, and pass chat_template_kwargs
+        # to the chat template (Qwen3: think or not)
+        extra = {**({"top_k": params.top_k} if params.top_k else {}),
+                 **({"chat_template_kwargs": {"enable_thinking": request.thinking}} if request.thinking is not None else {})}
         return dict(
             model=self.model, messages=request.messages, stream=True, stream_options={"include_usage": True},
             max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
             **({"seed": params.seed} if params.seed is not None else {}),
             **({"stop": params.stop[:4]} if params.stop else {}),
-            # vLLM's, SGLang's and llama.cpp's servers pass these to the chat template (Qwen3: think or not)
-            **({"extra_body": {"chat_template_kwargs": {"enable_thinking": request.thinking}}}
-               if request.thinking is not None else {}))
+            **({"extra_body": extra} if extra else {}))
+
+    def _trace(self, request) -> None:
+        """The HTTP client's request hook: a reply's request reports the connection it opens (`_connected`)."""
+        reply = getattr(self._pumping, "reply", None)
+        if reply is not None:
+            request.extensions["trace"] = partial(_connected, *reply)
 
     def _pump(self, arguments: dict, feed: queue.Queue, cancel: threading.Event, live: list) -> None:
         """The HTTP side of one reply, on its own thread (a read blocked on a silent server cannot look at a flag):
         chunks into `feed`, then ("end", None) or ("error", exception)."""
+        self._pumping.reply = (live, cancel)
         try:
             with self.client.chat.completions.create(**arguments) as stream:
-                live.append(stream)
                 if cancel.is_set():  # stopped while the server took its time to answer
                     return
                 kind = stream.response.headers.get("content-type", "").lower()

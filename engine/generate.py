@@ -338,6 +338,16 @@ def _numerics_advice(dtype: torch.dtype) -> str:
     return "the weights hold NaN or infinite values; re-download the model"
 
 
+def _special_stops(tokenizer, stop: list[str]) -> set[int]:
+    """The ids of the stop strings that are special tokens (`<|im_end|>`): the decoded text leaves those out, so the
+    id, not the text, meets the stop string."""
+    if tokenizer is None:
+        return set()
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in stop}
+    return {i for s, i in ids.items() if isinstance(i, int) and tokenizer.convert_ids_to_tokens(i) == s
+            and not tokenizer.decode([i], skip_special_tokens=True)}
+
+
 class _Detokenizer:
     """Incremental text for the generated ids, cut at stop strings. Each id is decoded once, by the `tokenizers`
     library's streaming decoder (it holds back an incomplete UTF-8 tail): O(1) per token, where decoding every id
@@ -346,6 +356,7 @@ class _Detokenizer:
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.stop_ids = _special_stops(tokenizer, self.stop)  # the text leaves these out: their id is the stop
         self.text, self._sent, self.stopped = "", 0, False
         self._ids: list[int] = []  # the caller's list of ids (appended in place), for the final full decode
         self._n = 0  # how many of them were decoded
@@ -362,6 +373,12 @@ class _Detokenizer:
         if self.tokenizer is None or self.stopped:
             return
         new, self._ids, self._n = ids[self._n:], ids, len(ids)
+        at = next((k for k, i in enumerate(new) if i in self.stop_ids), None)
+        if at is not None:  # the text ends before the special token (whole: the decoder's held-back tail written too)
+            self._searched = 0
+            self.text, self.stopped = self._cut(self.tokenizer.decode(ids[: len(ids) - len(new) + at],
+                                                                      skip_special_tokens=True)), True
+            return
         if self._stream is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
         else:

@@ -68,6 +68,8 @@ class FakeServer:
                                        headers=[("Retry-After", "7")] if error in (429, 503) else [])
                 if mode == "html":
                     return self.answer(200, b"<html><h1>Please log in</h1></html>", "text/html")
+                if mode == "stall_headers":  # a loaded server that has not started the reply: not even its headers
+                    return self.hold()
                 if mode == "whole":  # a server that ignores stream=True
                     return self.answer(200, json.dumps({"choices": [{"index": 0, "message": {"content": "hi"}}]}).encode())
                 self.send_response(200)

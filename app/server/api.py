@@ -20,7 +20,9 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_re
 # prose with a 200); the values that mean "not set" pass, as clients send them by default.
 UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
                "response_format": ({"type": "text"},), "logprobs": (), "top_logprobs": (), "logit_bias": (),
-               "presence_penalty": (), "frequency_penalty": (), "best_of": (1,), "echo": (), "suffix": ()}
+               "presence_penalty": (), "frequency_penalty": (), "best_of": (1,), "echo": (), "suffix": (),
+               # vLLM's and llama.cpp's sampling extras (top_k is honoured)
+               "min_p": (), "repetition_penalty": (1,), "ignore_eos": (), "stop_token_ids": (), "min_tokens": ()}
 
 
 class StreamOptions(BaseModel):
@@ -36,6 +38,7 @@ class _Body(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)  # vLLM's, SGLang's and llama.cpp's (moechat's remote backend sends it); 0 or -1: off
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -45,6 +48,8 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _supported(cls, data):
+        if isinstance(data, dict):  # null is the default, as the API defines its optional fields (temperature: null)
+            data = {name: value for name, value in data.items() if value is not None}
         for name, unset in UNSUPPORTED.items():
             value = data.get(name) if isinstance(data, dict) else None
             if value not in (None, False, 0, "", [], {}) and value not in unset:
@@ -69,7 +74,8 @@ class _Body(BaseModel):
     def sampling(self):
         from ...engine import SamplingParams
 
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, seed=self.seed, stop=list(self.stop or []),
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+                              stop=list(self.stop or []),
                               max_new_tokens=self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS)
 
     @property

@@ -21,6 +21,12 @@ def test_version_and_help_do_not_import_torch():
     assert "moechat" in proc.stdout and "--draft-len" in proc.stdout
 
 
+@pytest.mark.notorch
+def test_python_dash_m_moechat_is_the_command():
+    proc = subprocess.run([sys.executable, "-m", "moechat", "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("moechat "), proc.stderr
+
+
 def test_bench_generate_json(checkpoint, capsys):
     from moechat.app.cli import main
 

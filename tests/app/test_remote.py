@@ -51,6 +51,17 @@ def test_the_remote_reply_equals_the_embedded_engines(served, key):
     assert s.misses > 0 and s.hit_rate == 0.0  # the moechat extension: the server's expert figures reach the client
 
 
+def test_top_k_reaches_the_server(served, key):
+    """`--top-k` (the chat's sampling option) was left out of the request: a remote reply sampled from every token."""
+    url, _ = served
+    remote = RemoteEngine(RemoteConfig(url))
+    greedy = list(remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=12)))[-1].text
+    top_1 = {list(remote.generate(Request(messages=SEA), SamplingParams(temperature=1.0, top_k=1, seed=seed,
+                                                                        max_new_tokens=12)))[-1].text for seed in (1, 2, 3)}
+    remote.close()
+    assert top_1 == {greedy}  # top-k 1 samples the likeliest token: the greedy reply whatever the seed
+
+
 def test_the_thinking_switch_goes_to_the_server_as_chat_template_kwargs(served, key, monkeypatch):
     url, _ = served
     remote = RemoteEngine(RemoteConfig(url))
@@ -186,10 +197,11 @@ def fake():
     server.close()
 
 
-@pytest.mark.parametrize("mode", ["stall", "stall_first"])
+@pytest.mark.parametrize("mode", ["stall", "stall_first", "stall_headers"])
 def test_stop_ends_a_stalled_remote_reply_at_once_and_hangs_up(fake, mode):
     """Esc on a server that sends nothing more: the reply ends at once (it waited for the next chunk, up to the
-    600 s read timeout, with the app's engine thread busy), and the server sees the client go."""
+    600 s read timeout, with the app's engine thread busy), and the server sees the client go. stall_headers: a server
+    that has not even sent the response's headers kept the reading thread and its socket until the 600 s timeout."""
     import threading
 
     fake.modes = [mode, "ok"]
@@ -204,8 +216,11 @@ def test_stop_ends_a_stalled_remote_reply_at_once_and_hangs_up(fake, mode):
     assert time.monotonic() - t0 < 1
     assert isinstance(got[-1], Finished) and got[-1].summary.finish_reason == "cancelled"
     assert got[-1].text == ("A" if mode == "stall" else "")
-    if mode == "stall":  # the response was open: the connection is closed, so a server stops generating
-        assert fake.gone.wait(2), "the server never saw the client hang up"
+    assert fake.gone.wait(2), "the server never saw the client hang up"  # so a server stops generating
+    for thread in threading.enumerate():
+        if thread.name == "moechat-remote":
+            thread.join(2)
+            assert not thread.is_alive(), "the thread reading the reply is still waiting on the server"
     again = list(remote.generate(Request(messages=SEA), SamplingParams(max_new_tokens=8)))
     remote.close()
     assert isinstance(again[-1], Finished) and again[-1].text == "AB"  # ready for the next message

@@ -64,6 +64,18 @@ def test_stop_strings_cut_wherever_they_fall(tok):
         assert text == full[: full.index(stop)] and d.stopped
 
 
+def test_a_special_token_stop_string_ends_the_text_before_it(tok):
+    """The text leaves special tokens out, so `<|im_end|>` as a stop string never matched; its id now ends the text
+    there (one id at a time or several), and the text without it runs on."""
+    ids = tok(TEXT)["input_ids"]
+    end = tok.convert_tokens_to_ids(tok.eos_token)
+    for step in (1, 3):
+        text, d = stream(tok, ids + [end] + ids, stop=["no such text", tok.eos_token], step=step)
+        assert text == tok.decode(ids, skip_special_tokens=True) and d.stopped
+    text, d = stream(tok, ids, stop=[tok.eos_token])
+    assert text == tok.decode(ids, skip_special_tokens=True) and not d.stopped
+
+
 def test_each_id_is_decoded_once(tok):
     ids = tok(TEXT * 3)["input_ids"]
     counting = Counting(tok)

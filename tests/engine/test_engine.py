@@ -81,6 +81,36 @@ def test_a_stop_string_ends_the_reply_at_the_same_token_whatever_the_drafter(che
     assert fin.text == want.text
 
 
+def test_a_special_token_is_a_stop_string_too(checkpoint, tmp_path):
+    """`--stop '<|im_end|>'` (or the API's stop) never matched: the text is decoded without special tokens. The text
+    ends before it, as before a stop string (OpenAI's semantics), at the same token whatever the drafter. The model
+    writes <|user|> here because its embedding and head rows are swapped with those of a token of its reply."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(checkpoint("qwen3_moe"), tmp_path / "swapped")
+    engine, request = engine_for(path), Request(prompt=PROMPT)
+    base = list(engine.generate(request, SamplingParams(max_new_tokens=20)))[-1].token_ids
+    special = engine.model.tokenizer.convert_tokens_to_ids("<|user|>")
+    k = next(k for k in range(3, 20) if base[k] not in base[:k])
+    tensors = load_file(path / "model.safetensors")
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        tensors[name][[special, base[k]]] = tensors[name][[base[k], special]]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    swapped = [special if t == base[k] else t for t in base]
+    tok = engine.model.tokenizer
+    for spec in (SpecConfig("none"), SpecConfig("self", 8)):  # every draft accepted
+        drafted = engine_for(path, expert_cache_ratio=1.0, spec=spec)
+        assert list(drafted.generate(request, SamplingParams(max_new_tokens=20)))[-1].token_ids == swapped
+        events = list(drafted.generate(request, SamplingParams(max_new_tokens=20, stop=["<|user|>"])))
+        fin = events[-1]
+        assert fin.summary.finish_reason == "stop" and fin.token_ids == swapped[: k + 1]
+        assert fin.text == tok.decode(swapped[:k], skip_special_tokens=True) != ""
+        assert "".join(e.text for e in events if isinstance(e, TokenDelta)) == fin.text
+    assert fin.summary.accepted > 0
+
+
 def test_cancel_by_closing_then_generate_again(checkpoint):
     engine = engine_for(checkpoint("deepseek_v2"), expert_cache_ratio=0.5, spec=SpecConfig("self", 4))
     request, params = Request(prompt=PROMPT), SamplingParams(max_new_tokens=24)

@@ -187,6 +187,9 @@ def test_api_keys(server):
     ({"messages": SEA, "temperature": "hot"}, "temperature"),
     ({"messages": SEA, "temperature": 3}, "temperature"),
     ({"messages": SEA, "max_tokens": 0}, "max_tokens"),
+    ({"messages": SEA, "top_k": -2}, "top_k"),
+    ({"messages": SEA, "min_p": 0.05}, "`min_p` is not supported"),
+    ({"messages": SEA, "repetition_penalty": 1.1}, "`repetition_penalty` is not supported"),
     ({"messages": SEA, "n": 2}, "only n = 1 is supported"),
     ({"messages": SEA, "stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text content"),
@@ -405,6 +408,21 @@ def test_what_clients_send_by_default_and_newer_clients_send(server, client):
     assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
         client.models.retrieve("gpt-4")
+
+
+def test_null_is_the_default_and_top_k_is_honoured(server, client):
+    """`"temperature": null` (as the API allows, and the openai client sends for temperature=None) was a 400; `top_k`
+    (vLLM's and llama.cpp's, which moechat's remote backend sends) was ignored: a reply sampled from every token."""
+    body = {"messages": SEA, "max_tokens": 8, "temperature": 0}
+    status, want = post(server, "/v1/chat/completions", body)
+    nulls = {"top_p": None, "n": None, "stream": None, "seed": None, "stop": None, "top_k": None, "max_completion_tokens": None}
+    status, got = post(server, "/v1/chat/completions", {**body, **nulls})
+    assert status == 200 and got["choices"][0]["message"] == want["choices"][0]["message"]
+    status, default = post(server, "/v1/chat/completions", {**body, "temperature": None, "seed": 5})
+    assert status == 200 and default["usage"]["completion_tokens"] == 8
+    top_1 = {client.chat.completions.create(model="tiny", messages=SEA, max_tokens=8, temperature=1.0, seed=seed,
+                                            extra_body={"top_k": 1}).choices[0].message.content for seed in (1, 2, 3)}
+    assert top_1 == {want["choices"][0]["message"]["content"]}  # the likeliest token each time: the greedy reply
 
 
 def test_a_body_past_the_limit_is_413_unread_or_chunked(server, monkeypatch):
