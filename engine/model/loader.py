@@ -317,7 +317,8 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
     for prefix in sorted(quantized):
         t = ckpt.views(linear_keys(prequant, prefix, ckpt))  # read once by the dequantization: no copy
         state[family.module_key(f"{prefix}.weight")] = prequant.dequantize(t, prefix, dtype).to(device)
-    for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized):
+    # a quantized linear's bias stays a float tensor beside its packed weight (Qwen2-MoE's q/k/v in GPTQ and compressed-tensors)
+    for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized or k.endswith(".bias")):
         name = family.module_key(key)
         if name in floats and not t.is_floating_point():  # an int8 embedding ran, every token 0
             raise CheckpointError(f"{key} is {str(t.dtype).removeprefix('torch.')}, not a floating-point type: the checkpoint "

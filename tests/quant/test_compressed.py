@@ -15,7 +15,7 @@ from moechat.engine.config import EngineConfig
 from moechat.engine.generate import Engine
 from moechat.engine.quant import formats
 from moechat.engine.quant.compressed import CompressedSpec
-from moechat.engine.quant.dense import layer_format
+from moechat.engine.quant.dense import QuantLinear, layer_format
 from moechat.engine.quant.prequantized import expert_format, quantized_prefixes, read_quantization_config
 
 W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
@@ -93,7 +93,8 @@ def test_corrupt_tensors_name_the_linear():
         spec.to_matrix({**t, "x.weight_g_idx": torch.arange(64).flip(0) // 32}, "x")
 
 
-@pytest.mark.parametrize("family,bits,symmetric", [("qwen3_moe", 4, True), ("olmoe", 4, False), ("qwen3_moe", 8, True)])
+@pytest.mark.parametrize("family,bits,symmetric", [("qwen3_moe", 4, True), ("olmoe", 4, False), ("qwen3_moe", 8, True),
+                                                   ("qwen2_moe", 8, True)])  # q/k/v biases beside their packed weights
 def test_a_compressed_checkpoint_runs_as_it_is_and_losslessly(family, bits, symmetric, checkpoint, tmp_path):
     """Speculative decoding equals plain decoding of the checkpoint, and the engine's logits stay within int8/int4's
     tolerance of Hugging Face run on the format's own dequantization of the same files."""
@@ -106,14 +107,17 @@ def test_a_compressed_checkpoint_runs_as_it_is_and_losslessly(family, bits, symm
     assert engine.model.store.quant == f"int{bits}" and isinstance(engine.model.store.prequant, CompressedSpec)
     with torch.no_grad():
         got = engine.score(prompt)
+    # on a CPU device the dense layers run quantized too (dense.layer_format): attention, head, shared experts
+    dense = [(name, m.weight_q.fmt) for name, m in engine.model.hf.named_modules() if isinstance(m, QuantLinear)]
     engine.close()
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(ct, tmp_path / "deq", bits), dtype=torch.float32).eval()
-    for name, module in hf.named_modules():  # on a CPU device the dense layers run quantized too (dense.layer_format)
-        if (".self_attn." in name or name == "lm_head") and isinstance(module, torch.nn.Linear):
-            fmt = layer_format(f"int{bits}", name.split(".")[-1], head=name == "lm_head")
-            module.weight.data = formats.dequantize(formats.quantize(module.weight.data, fmt))
+    assert {name for name, _ in dense} >= {n for n, m in hf.named_modules() if ".self_attn." in n and type(m) is torch.nn.Linear}
+    for name, fmt in dense:
+        module = hf.get_submodule(name)
+        assert fmt == layer_format(f"int{bits}", name.split(".")[-1], head=name == "lm_head")
+        module.weight.data = formats.dequantize(formats.quantize(module.weight.data, fmt))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.2  # test_quant_engine.LOGIT_TOL: activations in int8

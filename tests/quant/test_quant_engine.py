@@ -211,7 +211,7 @@ def test_the_cache_key_follows_the_checkpoint_files(checkpoint, tmp_path):
     assert expert_file.model_key(ck, "int4") != key
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])  # qwen2_moe: q/k/v biases beside their qweight
 def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_path):
     src = checkpoint(family, **WIDTH.get(family, {}))
     gptq = make_gptq_checkpoint(src, tmp_path / "gptq", group_size=32, sym=family == "qwen3_moe")
