@@ -14,6 +14,7 @@ a test) is safe too: sqlite3 connections must not be used by two threads at once
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,22 +185,18 @@ class ChatMessage:
 
 
 class ChatStore:
-    def __init__(self, path: Path | None = None):
+    def __init__(self, path: Path | None = None, notice: Callable[[str], None] | None = None):
+        """notice: says in one line what the store did about its file deleted or replaced while it ran."""
         self.path = Path(path) if path is not None else store_path()
+        self.notice = notice
         self._lock = threading.RLock()
         self._db: sqlite3.Connection | None = None
+        self._file: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self._data_version = 0  # PRAGMA data_version when last looked at: it moves when another connection commits
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._check_writable()
-            # isolation_level=None: no implicit transactions; every write below says BEGIN itself.
-            # timeout: the wait for another writer's lock, on the app's UI thread (a write takes milliseconds; 5 s froze it)
-            self._db = sqlite3.connect(self.path, timeout=2.0, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA foreign_keys=ON")
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]  # before WAL: that writes the file
-            self._refuse_newer(version)
-            self._wal()
-            self._db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
-            self._migrate(version)
+            self._db = self._open()
         except sqlite3.Error as err:
             self.close()
             raise MoechatError(_explained(self.path, err, _damaged(self.path, err) or (
@@ -209,6 +207,74 @@ class ChatStore:
         except MoechatError:
             self.close()
             raise
+
+    def _open(self) -> sqlite3.Connection:
+        """A connection to the file at self.path, migrated, in WAL mode; the file's identity and data version noted."""
+        # isolation_level=None: no implicit transactions; every write below says BEGIN itself.
+        # timeout: the wait for another writer's lock, on the app's UI thread (a write takes milliseconds; 5 s froze it)
+        db = sqlite3.connect(self.path, timeout=2.0, check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA foreign_keys=ON")
+            version = db.execute("PRAGMA user_version").fetchone()[0]  # before WAL: that writes the file
+            self._refuse_newer(version)
+            self._wal(db)
+            db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
+            self._migrate(db, version)
+            self._data_version = db.execute("PRAGMA data_version").fetchone()[0]
+            stat = os.stat(self.path)
+        except BaseException:
+            db.close()
+            raise
+        self._file = (stat.st_dev, stat.st_ino)
+        return db
+
+    def _same_file(self) -> bool:
+        """Before a write: the file opened still at self.path, else -> True once what is there is opened. A file (or its
+        folder) deleted while moechat ran took every later save with it at exit: it is made again from the chats this
+        connection still reads. Another file put there (another window made it again) is opened instead."""
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            stat = None
+        except OSError:  # cannot tell: the write goes where it went
+            return False
+        if stat is not None and (stat.st_dev, stat.st_ino) == self._file:
+            return False
+        old, part = self._conn(), self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
+        try:
+            if stat is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                copy = sqlite3.connect(part)
+                try:
+                    old.backup(copy)
+                finally:
+                    copy.close()
+                for stale in ("-wal", "-shm"):  # the deleted file's: SQLite would read them into the new one
+                    Path(f"{self.path}{stale}").unlink(missing_ok=True)
+                os.replace(part, self.path)
+            self._db = self._open()
+        except (sqlite3.Error, OSError) as err:
+            with contextlib.suppress(OSError):
+                part.unlink(missing_ok=True)
+            why = str(err) if isinstance(err, sqlite3.Error) else err.strerror or str(err)
+            raise ChatStoreError(f"chat database {self.path} was deleted while moechat ran and cannot be made again "
+                                 f"({why}): make its folder writable; a reply not saved by then is printed when you quit"
+                                 ) from None
+        old.close()
+        if self.notice is not None:
+            self.notice(f"chat database {self.path} was deleted while moechat ran: made again from the chats this window "
+                        "had open (quit moechat before deleting it)" if stat is None else
+                        f"chat database {self.path} was replaced while moechat ran: this window now uses the new file")
+        return True
+
+    def changed_elsewhere(self) -> bool:
+        """Whether another connection (another moechat window, plain chat) wrote since the last call, or the file was
+        made again: the chat list reads the chats again then. Cheap (PRAGMA data_version reads the WAL index)."""
+        with self._lock, self._guard():
+            reopened = self._same_file()
+            version = self._conn().execute("PRAGMA data_version").fetchone()[0]
+            changed, self._data_version = reopened or version != self._data_version, version
+            return changed
 
     def _check_writable(self) -> None:
         """The file and its folder (WAL mode writes `-wal` and `-shm` beside it) writable, else what to fix: SQLite opens
@@ -235,25 +301,24 @@ class ChatStore:
             raise MoechatError(f"chat database {self.path} was written by a newer moechat (schema {version}, this one "
                                f"knows {len(MIGRATIONS)}); upgrade, or move it aside")
 
-    def _wal(self) -> None:
+    def _wal(self, db: sqlite3.Connection) -> None:
         """WAL mode, waiting out a moechat starting at the same moment: SQLite says 'locked' at once to a connection
         that read the file before the other switched it to WAL, while the other migrates, without its busy timeout."""
         deadline = time.monotonic() + 2.0
         while True:
             try:
-                self._db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA journal_mode=WAL")
                 return
             except sqlite3.OperationalError as err:
                 if "locked" not in str(err) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
 
-    def _migrate(self, version: int) -> None:
+    def _migrate(self, db: sqlite3.Connection, version: int) -> None:
         """The missing migrations in one transaction, from the version read again under the write lock: two moechats
         starting at once both read the old version, and the second failed on the tables the first had just made."""
         if version == len(MIGRATIONS):
             return
-        db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
             version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -284,6 +349,7 @@ class ChatStore:
         """One statement in its own transaction (autocommit); text arguments as UTF-8 can hold them."""
         args = tuple(_storable(a) if isinstance(a, str) else a for a in args)
         with self._lock, self._guard():
+            self._same_file()
             return self._conn().execute(sql, args)
 
     def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
@@ -295,6 +361,7 @@ class ChatStore:
         """BEGIN IMMEDIATE ... COMMIT under the lock, rolled back on any failure (where SQLite has not already: a full
         disk ends the transaction itself, and a second ROLLBACK would hide why)."""
         with self._lock, self._guard():
+            self._same_file()
             db = self._conn()
             db.execute("BEGIN IMMEDIATE")
             try:

@@ -16,7 +16,7 @@ from textual.app import App
 from textual.binding import Binding
 
 from ..bridge import EngineBridge
-from ..chats import ChatStore
+from ..chats import ChatStore, ChatStoreError
 from ..options import SETTINGS_SAMPLING
 from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
 from . import messages as m
@@ -43,7 +43,7 @@ class MoechatApp(App):
                  export_dir: Path | None = None, first_run: bool = False, settings_file: Path | None = None) -> None:
         """sampling: SamplingParams for replies; None: the settings' temperature, top-p and max new tokens."""
         super().__init__()
-        self.store = ChatStore(store_path)
+        self.store = ChatStore(store_path, notice=lambda text: self.notify(text, severity="warning", timeout=15))
         self.store_path = self.store.path
         self.bridge = EngineBridge(self.post_message, config_factory)
         self.export_dir, self.first_run = export_dir, first_run
@@ -85,6 +85,8 @@ class MoechatApp(App):
 
     async def on_unmount(self) -> None:
         try:
+            with contextlib.suppress(ChatStoreError):  # the file deleted a moment ago: made again (else kept pending)
+                self.store.changed_elsewhere()
             self.unsaved_replies = self.chat.save_partial()  # what the database would not take: run_tui prints it
         finally:
             self.bridge.close()
@@ -244,7 +246,7 @@ class MoechatApp(App):
         self._copy(code=True)
 
     def action_toggle_sidebar(self) -> None:
-        self.chat.query_one("#sidebar").toggle_class("hidden")
+        self.chat.toggle_sidebar()
 
     def action_toggle_experts(self) -> None:
         self.chat.toggle_side_panel()

@@ -443,3 +443,31 @@ def test_a_title_is_one_clean_line_of_the_first_message():
     assert title_from("\u202eevil\u202c name \U0001F468\u200d\U0001F469") == "evil name \U0001F468\u200d\U0001F469"  # emoji kept
     assert title_from("x" * 100) == "x" * 40 and title_from("\x00\n\u202e") == NEW_TITLE
     assert title_from("bad \ud800 surrogate") == "bad surrogate"
+
+
+def test_changed_elsewhere_sees_another_connections_writes_only(tmp_path):
+    """What the app's chat list looks at every few seconds to follow another moechat window."""
+    with ChatStore(tmp_path / "chats.sqlite3") as store, ChatStore(tmp_path / "chats.sqlite3") as other:
+        assert not store.changed_elsewhere()
+        store.create("mine")
+        assert not store.changed_elsewhere()
+        other.create("the other's")
+        assert store.changed_elsewhere() and not store.changed_elsewhere()
+
+
+@pytest.mark.parametrize("deleted", ["file", "folder", "file without its -wal"])
+def test_a_file_deleted_while_open_is_made_again_at_the_next_write(tmp_path, deleted):
+    """The writes went on into the deleted file and every chat was gone at close."""
+    path, said = tmp_path / "data" / "chats.sqlite3", []
+    with ChatStore(path, notice=said.append) as store:
+        conv = store.create("kept")
+        store.add(conv, "user", "hi")
+        if deleted == "folder":
+            shutil.rmtree(path.parent)
+        else:
+            for suffix in ("",) if deleted.endswith("-wal") else ("", "-wal", "-shm"):
+                Path(f"{path}{suffix}").unlink()
+        store.add(conv, "assistant", "hello")
+    assert len(said) == 1 and "was deleted while moechat ran" in said[0]
+    with ChatStore(path) as store:
+        assert [m.content for m in store.messages(conv)] == ["hi", "hello"]

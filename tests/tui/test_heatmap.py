@@ -152,6 +152,27 @@ def test_rows_scroll_with_pinned_header_and_legend():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("size", [(60, 20), (80, 24), (100, 30)])
+def test_the_chat_apps_expert_view_shows_layer_rows_on_a_small_terminal(tmp_path, size):
+    """At 60×20 the stats left the heatmap four rows, all four its pinned header and legend: no layer at all."""
+    from test_tui_chat import pilot_test, without_model
+
+    @pilot_test
+    async def run():
+        async with without_model(tmp_path, size) as (app, pilot):
+            app.chat.show_stats(make_stats())
+            app.chat.show_frame(make_frame())
+            await pilot.press("f3")
+            await pilot.pause(2 * INTERVAL_S)
+            heatmap = app.chat.heatmap
+            rows = [line for line in lines(heatmap) if line.split() and line.split()[0].isdigit() and line.rstrip()[-1].isdigit()]
+            assert len(rows) >= min(heatmap.size.height, 3) and rows[0].split()[0] == "0", lines(heatmap)
+            heatmap.scroll_end(animate=False, immediate=True)
+            await pilot.pause()
+            assert any(line.startswith(f"{L - 1} ") for line in lines(heatmap)), lines(heatmap)  # the last one a scroll away
+    run()
+
+
 def test_colours_follow_the_theme():
     async def run():
         app = Demo(stats=False)

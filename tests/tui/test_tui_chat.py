@@ -65,10 +65,10 @@ def failing(message: str):
 
 
 @contextlib.asynccontextmanager
-async def without_model(tmp_path: Path):
+async def without_model(tmp_path: Path, size: tuple[int, int] = SIZE):
     """The app on tmp_path's chats with an engine that failed to load (no replies): (app, pilot) once it has said so."""
     app = make_app(tmp_path, failing("no model here"))
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=size) as pilot:
         await until(pilot, lambda: errors(app), "the load failure")
         yield app, pilot
 
@@ -259,6 +259,20 @@ async def test_titles_that_look_like_markup_show_as_typed(tmp_path):
         assert isinstance(app.screen, Confirm) and "[/x] notes [b]" in str(app.screen.query_one(".dialog-title").content)
         await pilot.press("escape")
         assert app.is_running and app.return_code is None
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_the_delete_dialog_asks_about_a_long_title_whole(tmp_path):
+    """Its question ran off the dialog's right edge: a renamed chat's long title lost its end, and the question mark."""
+    long = "a chat renamed to a title that says a great deal more than forty characters"
+    store_chat(tmp_path, long, ("user", "hi"))
+    async with without_model(tmp_path, (60, 20)) as (app, pilot):
+        app.action_delete_chat()
+        await pilot.pause()
+        question = app.screen.query_one(".dialog-title")
+        shown = " ".join(question.render_line(y).text.strip() for y in range(question.size.height))
+        assert shown == f"Delete “{long}”?" and question.region.right <= app.screen.query_one(".dialog").region.right
 
 
 @pilot_test
@@ -499,6 +513,25 @@ async def test_a_narrow_terminal_keeps_the_input_dialogs_and_help_on_the_screen(
         await pilot.pause()
         assert app.screen.query_one(".dialog").region.right <= width and app.screen.query_one("#cancel").region.right <= width
 
+
+@pilot_test
+@pytest.mark.notorch
+@pytest.mark.parametrize("size, key, panel", [((120, 40), "f4", "#conversations"), ((80, 24), "f3", "#conversations"),
+                                              ((120, 40), "f3", "#heatmap")])
+async def test_hiding_the_panel_that_has_the_focus_gives_it_to_the_input(tmp_path, stored, size, key, panel):
+    """F4 on the chat list (F3 below 100 columns, F3 on the expert view) hid the panel with the focus in it: nothing had
+    the focus, and typing went nowhere until a click."""
+    from moechat.app.tui.widgets.message_view import ChatInput
+
+    async with without_model(tmp_path, size) as (app, pilot):
+        chat = app.chat
+        if panel == "#heatmap":
+            await pilot.press("f3")
+            await pilot.pause()
+        chat.query_one(panel).focus()
+        await pilot.pause()
+        await pilot.press(key, "h", "i")
+        assert app.focused is chat.query_one(ChatInput) and chat.query_one(ChatInput).text == "hi"
 
 @pilot_test
 async def test_a_message_too_long_for_the_context_comes_back_to_the_input(tmp_path, checkpoint):

@@ -266,3 +266,57 @@ async def test_the_app_says_what_the_command_line_changes_about_the_engine(tmp_p
         app.action_reload()
         await pilot.pause()
         assert sum("--model X" in n.message for n in app._notifications) == 2  # the start and the reload
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_the_chat_list_follows_another_window_and_the_reply_streams_on(tmp_path, stored):
+    """Chats another moechat on the same database added, renamed or deleted stayed as the list was drawn at start."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "Half of "))
+        other = ChatStore(tmp_path / "chats.sqlite3")
+        added = other.create("from the other window")
+        other.rename(older, "renamed there")
+        await until(pilot, lambda: sorted(titles(chat)) == ["from the other window", "newer", "renamed there"], "the list")
+        other.delete(added)
+        other.close()
+        await until(pilot, lambda: sorted(titles(chat)) == ["newer", "renamed there"], "the list without the deleted one")
+        app.post_message(ReplyFinished(1, "Half of the answer.", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert chat.conv_id == newer and stored_contents(app)[-2:] == [("user", "a question"),
+                                                                       ("assistant", "Half of the answer.")]
+        assert contents(chat)[-1] == "Half of the answer." and errors(app) == ["no model here"]
+
+
+@pilot_test
+@pytest.mark.notorch
+@pytest.mark.parametrize("deleted", ["file", "folder"])
+async def test_a_chat_database_deleted_while_the_app_runs_is_made_again(tmp_path, deleted):
+    """Its saves went on into the deleted file, unseen, and the conversation was gone at exit."""
+    import shutil
+    from pathlib import Path
+
+    folder = tmp_path / "data"
+    path = folder / "chats.sqlite3"
+    async with without_model(folder) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "keep this")
+        await until(pilot, lambda: requests == [1], "the request")
+        if deleted == "folder":
+            shutil.rmtree(folder)
+        else:
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{path}{suffix}").unlink(missing_ok=True)
+        app.post_message(ReplyDelta(1, "Kept."))
+        app.post_message(ReplyFinished(1, "Kept.", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        await until(pilot, lambda: any("was deleted while moechat ran" in n.message for n in app._notifications), "notice")
+        await app.action_quit()
+    assert app.unsaved_replies == []
+    with ChatStore(path) as store:
+        (conv,) = store.conversations()
+        assert [(m.role, m.content) for m in store.messages(conv.id)] == [("user", "keep this"), ("assistant", "Kept.")]

@@ -46,6 +46,7 @@ RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQ
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
+CHECK_S = 2.0  # how often the chat list looks for another moechat window's changes (one PRAGMA, no lock)
 @dataclass
 class _Reply:
     """The reply being written: its request, stored message, widget, text so far, stream, last save."""
@@ -107,6 +108,8 @@ class ChatScreen(Screen):
         self.loading_bar = ProgressBar(total=1.0, show_eta=False, id="loading")  # not `loading`: a Widget reactive
         self.side_panel = Vertical(id="side-panel")
         self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
+        self.listed: list[tuple[str, str]] = []  # the chat list's (id, title), top first
+        self.check_failed = ""  # what the last look for other windows' changes failed with: said once
 
     @property
     def store(self):
@@ -138,6 +141,22 @@ class ChatScreen(Screen):
         except ChatStoreError as err:  # a damaged page, a lock: said, and the app runs (a new chat may still save)
             self.app.notify(str(err), severity="error", timeout=15)
         self.query_one(ChatInput).focus()
+        self.set_interval(CHECK_S, self.check_elsewhere)
+
+    async def check_elsewhere(self) -> None:
+        """Another moechat window (or plain chat) on these chats added, renamed or deleted one, or the file was made again:
+        the list reads them again (a chat being browsed keeps its highlight); the chat on screen deleted there is said."""
+        try:
+            if not self.store.changed_elsewhere():
+                return
+            await self.refresh_conversations(keep_highlight=True)
+            if self.conv_id is not None and self.current_conversation() is None:
+                await self.deleted_elsewhere()
+            self.check_failed = ""
+        except ChatStoreError as err:  # every CHECK_S: said once
+            if str(err) != self.check_failed:
+                self.check_failed = str(err)
+                self.app.notify(str(err), severity="error", timeout=15)
 
     # ---- status (the app's handlers drop the engine's messages once it stops running) -------------------------
     def update_status(self) -> None:
@@ -167,12 +186,26 @@ class ChatScreen(Screen):
         return self.side_panel.has_class("shown")
 
     def toggle_side_panel(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        in_panel, in_list = self.focus_within(self.side_panel), self.focus_within(sidebar)
         self.side_panel.toggle_class("shown")
         if self.side_panel_shown and self.has_class("-narrow"):  # the chat list makes room (F4 brings it back)
-            self.query_one("#sidebar").add_class("hidden")
+            sidebar.add_class("hidden")
         if self.side_panel_shown:
             self.stats_panel.draw()
             self.heatmap.update_frame()
+        if (in_panel and not self.side_panel_shown) or (in_list and sidebar.has_class("hidden")):
+            self.query_one(ChatInput).focus()  # a hidden panel's focus went nowhere: keys did nothing until a click
+
+    def toggle_sidebar(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        in_list = self.focus_within(sidebar)
+        sidebar.toggle_class("hidden")
+        if in_list and sidebar.has_class("hidden"):
+            self.query_one(ChatInput).focus()
+
+    def focus_within(self, panel) -> bool:
+        return self.focused is not None and panel in self.focused.ancestors_with_self
 
     def show_stats(self, stats: Stats) -> None:
         self.stats = stats
@@ -183,12 +216,21 @@ class ChatScreen(Screen):
         self.heatmap.update_frame(frame, draw=self.side_panel_shown)
 
     # ---- conversations ------------------------------------------------------------------------
-    async def refresh_conversations(self) -> None:
+    async def refresh_conversations(self, keep_highlight: bool = False) -> None:
+        """The list from the store, highlighting the chat the log shows (keep_highlight: the one the user moved to)."""
         view = self.query_one("#conversations", OptionList)
-        convs = self.store.conversations()
-        view.clear_options()  # a title is the user's text, not markup (`[/INST]`): Content, not str
-        view.add_options([Option(Content(c.title), id=str(c.id)) for c in convs])
-        self.highlight_current()
+        listed = [(str(c.id), c.title) for c in self.store.conversations()]
+        if listed == self.listed and keep_highlight:  # another window's streaming reply moves the data version, not the list
+            return
+        kept = view.highlighted_option.id if keep_highlight and view.has_focus and view.highlighted_option else None
+        if listed != self.listed:
+            self.listed = listed
+            view.clear_options()  # a title is the user's text, not markup (`[/INST]`): Content, not str
+            view.add_options([Option(Content(title), id=id) for id, title in listed])
+        if kept in {id for id, _ in listed}:
+            view.highlighted = view.get_option_index(kept)
+        else:
+            self.highlight_current()
 
     def highlight_current(self) -> None:
         """The chat list's highlight on the conversation the log shows (none when it is not listed)."""

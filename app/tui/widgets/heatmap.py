@@ -9,7 +9,9 @@ Layout choice (48 layers × 128 experts must stay readable on a 120×40 terminal
   then each cell's colour slot is taken by utility and there is no room for a per-layer residency
   glyph or a τ per row. So every layer keeps its own row; the widget is a `ScrollView` (line API:
   only visible lines are built) whose header, expert ruler and legend stay pinned while the layer
-  rows scroll (120×40: 35 of 48 layers visible at once, the rest one scroll away).
+  rows scroll (120×40: 35 of 48 layers visible at once, the rest one scroll away). A short pane keeps
+  MIN_ROWS layer rows before those pinned lines: it drops the legend, then the ruler, then the header (a small
+  terminal's expert view showed the four pinned lines and no layer).
 - **Residency is a glyph, utility a background colour**, so both read at once: "●" every expert
   of the cell resident, "•" some, blank none; the glyph takes the contrast colour of its cell.
 - Colours come from the theme (surface → primary → warning → error), so light and dark themes work.
@@ -36,6 +38,7 @@ from moechat.app.tui.messages import Frame
 INTERVAL_S = 0.1  # at most 10 redraws per second
 ALL_RESIDENT, SOME_RESIDENT = "●", "•"
 TOP_LINES, BOTTOM_LINES = 2, 2  # header + expert ruler; legend (levels, marks)
+MIN_ROWS = 3  # layer rows a short pane keeps before its pinned lines
 
 
 def group_size(n_experts: int, cells: int) -> int:
@@ -63,6 +66,13 @@ def columns(frame: Frame) -> tuple[int, int]:
     label_w = max((len(s) for s in layer_labels(frame)), default=1)
     tau_w = max(len(str(t)) for t in [*frame.tau, frame.utility_bound, 0])
     return label_w, tau_w
+
+
+def pinned(height: int, layers: int) -> tuple[int, int]:
+    """(top, bottom) pinned lines in `height` rows: header, ruler, the legend's levels, its marks, in that order, as
+    many as leave min(layers, MIN_ROWS) rows for the layers."""
+    kept = min(TOP_LINES + BOTTOM_LINES, max(0, height - min(layers, MIN_ROWS)))
+    return min(kept, TOP_LINES), max(0, kept - TOP_LINES)
 
 
 def grid_cells(width: int, frame: Frame) -> int:
@@ -101,6 +111,7 @@ class ExpertHeatmap(ScrollView):
         self._styles: list[Style] = []  # cell style per level, for the current palette
         self._labels: list[str] = []
         self._columns = (1, 1)  # (label width, τ width)
+        self._pinned = (TOP_LINES, BOTTOM_LINES)  # (top, bottom) lines kept at this height
 
     # -- frames in, capped redraws out ------------------------------------------------------------
 
@@ -129,11 +140,11 @@ class ExpertHeatmap(ScrollView):
         self._relayout()
 
     def _relayout(self) -> None:
-        """Fold the frame to the current width (once per frame and width, not per line)."""
+        """Fold the frame to the current width (once per frame and size, not per line)."""
         if self.frame is None:
             return
         width = self.scrollable_content_region.width or self.size.width
-        key = (id(self.frame), width)
+        key = (id(self.frame), width, self.size.height)
         if key == self._layout_key:
             return
         self._layout_key = key
@@ -141,7 +152,8 @@ class ExpertHeatmap(ScrollView):
         self._group = group_size(n_experts, grid_cells(width, self.frame))
         self._rows = [fold_row(u, r, self._group) for u, r in zip(self.frame.utility, self.frame.resident)]
         self._labels, self._columns = layer_labels(self.frame), columns(self.frame)
-        self.virtual_size = Size(0, TOP_LINES + len(self._rows) + BOTTOM_LINES)
+        self._pinned = pinned(self.size.height, len(self._rows))
+        self.virtual_size = Size(0, sum(self._pinned) + len(self._rows))
 
     # -- colours ------------------------------------------------------------------------------------
 
@@ -174,13 +186,13 @@ class ExpertHeatmap(ScrollView):
             text = " waiting for the first expert frame…" if y == 0 else ""
             return Strip([Segment(text.ljust(width), base)]).crop(0, width)
         self._relayout()
-        shown = min(self.size.height, self.virtual_size.height)
-        if y < TOP_LINES:
+        shown, (top, bottom) = min(self.size.height, self.virtual_size.height), self._pinned
+        if y < top:
             segments = self._header() if y == 0 else self._ruler()
-        elif shown - BOTTOM_LINES <= y < shown:
-            segments = self._legend(y - (shown - BOTTOM_LINES))
-        elif TOP_LINES <= y < shown - BOTTOM_LINES and y - TOP_LINES + self.scroll_offset.y < len(self._rows):
-            segments = self._row(y - TOP_LINES + self.scroll_offset.y)
+        elif shown - bottom <= y < shown:
+            segments = self._legend(y - (shown - bottom))
+        elif top <= y < shown - bottom and y - top + self.scroll_offset.y < len(self._rows):
+            segments = self._row(y - top + self.scroll_offset.y)
         else:
             segments = []
         return Strip(segments).extend_cell_length(width, base).crop(0, width)
