@@ -2,6 +2,7 @@
 input. Each conversation is kept in the chat store (app/chats.py), as the app keeps its own: the app lists it."""
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import time
@@ -111,7 +112,8 @@ def cmd_chat(args) -> int:
     from .settings import load_settings
 
     params = sampling_params(args, load_settings()[0])  # a flag typed, else the settings' temperature, top-p, length
-    with ChatStore() as store:  # before the model: a chat database that cannot be used is said before minutes of loading
+    said = functools.partial(print, "\nmoechat:", file=sys.stderr)  # the file deleted under it: made again, in one line
+    with ChatStore(notice=said) as store:  # first: a chat database that cannot be used is said before minutes of loading
         engine, what, remote = _open_engine(args)
         try:
             print(f"moechat: {what}; {HELP}", file=sys.stderr)
@@ -153,7 +155,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
             print("moechat: that line is not valid UTF-8 text: not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
-        reply, finished, stopped, events = [], None, False, None
+        reply, finished, stopped, events, stored = [], None, False, None, False
         try:  # Ctrl-C from here on stops this reply: while a long history is fitted to the context, it ended the chat
             try:
                 request, notice = (messages, "") if remote else fit_for_engine(engine, messages, params.max_new_tokens)
@@ -164,6 +166,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
             if notice and notice != said:  # once per cut
                 print(f"moechat: {notice}", file=sys.stderr)
             said = notice
+            stored = True  # drop_turn takes back this message's rows from here on; before, the Keeper holds the last turn's
             kept.user(text)
             sys.stdout.write("moechat> ")
             events = engine.generate(Request(messages=list(request), thinking=thinking), params)
@@ -188,7 +191,8 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
         print(flush=True)
         if finished is None and not reply:
             messages.pop()  # nothing came back: the user's message can be sent again
-            kept.drop_turn()
+            if stored:
+                kept.drop_turn()
             continue
         answer = finished.text if finished else "".join(reply)
         messages.append({"role": "assistant", "content": answer})

@@ -151,3 +151,25 @@ def test_ctrl_c_while_a_long_history_is_fitted_stops_that_message_not_the_chat(t
         stored = [(m.role, m.content) for m in store.messages(conv.id)]
     assert calls == ["first", "second"] and stored == [("user", "second"), ("assistant", "Hi.")]
     assert "moechat: stopped" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_next_message_is_fitted_keeps_the_turns_before(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C before the second message was stored took back the first turn's rows instead (the Keeper still held
+    them), and with them the chat that turn had started: the whole conversation was deleted from the store."""
+    calls = []
+
+    def fit(engine, messages, reply_room):
+        calls.append(messages[-1]["content"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return messages, ""
+
+    monkeypatch.setattr("moechat.app.history.fit_for_engine", fit)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\nthird\n"))
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        assert plain_chat._chat(Streaming(["Hi."]), plain_chat.Keeper(store, None), SamplingParams(), remote=False) == 0
+        convs = store.conversations()
+        stored = [(m.role, m.content) for c in convs for m in store.messages(c.id)]
+    assert calls == ["first", "second", "third"] and len(convs) == 1
+    assert stored == [("user", "first"), ("assistant", "Hi."), ("user", "third"), ("assistant", "Hi.")]
+    capsys.readouterr()
