@@ -62,12 +62,13 @@ def machine_profile(model_dir: str, budgets: dict[str, int] | None = None):
         return None, None, f"cannot probe this machine ({type(err).__name__}: {err}): calibration profile not used"
     key = model_key(model_dir)
     profile, notice = load_profile(fp, key)
+    decided = profile.budgets if profile else None
     if profile and budgets is not None and not profile.hardware.gpus:  # no GPU: a VRAM budget changes nothing decided
         budgets = {k: v for k, v in budgets.items() if k != "vram_budget_bytes"}
-    if profile and budgets is not None and profile.budgets is not None and profile.budgets != budgets:
+        decided = decided and {k: v for k, v in decided.items() if k != "vram_budget_bytes"}
+    if profile and budgets is not None and decided is not None and decided != budgets:
         return None, None, (f"calibration profile {profile_path(fp, key)} was decided for "
-                            f"{_budgets_changed(profile.budgets, budgets)}: not used; `moechat calibrate` decides for this "
-                            "run's")
+                            f"{_budgets_changed(decided, budgets)}: not used; `moechat calibrate` decides for this run's")
     return profile, (profile_path(fp, key) if profile else None), notice
 
 

@@ -35,10 +35,13 @@ class AbsorbedMLA:
         self.attn, self.hf_forward, self.rotary = attn, attn.forward, apply_rotary_emb
         self._widened: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_uk, W_uv) where read widened
 
-    def __call__(self, hidden_states: torch.Tensor, attention_mask=None, cache=None, position_embeddings=None, **kwargs):
+    def __call__(self, hidden_states: torch.Tensor, attention_mask=None, cache=None, position_embeddings=None,
+                 past_key_values=None, **kwargs):
+        named = "cache" if past_key_values is None else "past_key_values"  # transformers before 5.2x: past_key_values
+        cache = past_key_values if cache is None else cache
         if cache is None or hidden_states.shape[0] != 1 or hidden_states.shape[1] > MAX_ABSORBED:
-            return self.hf_forward(hidden_states, attention_mask=attention_mask, cache=cache,
-                                   position_embeddings=position_embeddings, **kwargs)
+            return self.hf_forward(hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings,
+                                   **{named: cache}, **kwargs)
         a, T = self.attn, hidden_states.shape[1]
         if a.q_lora_rank is None:
             q = a.q_proj(hidden_states)

@@ -31,6 +31,21 @@ def test_the_gpu_proof_runs_every_gpu_test_file():
     assert len(marked) >= 10 and not {f for f in marked if f not in proof}
 
 
+def test_the_gpu_proof_runs_this_checkout_from_a_folder_of_any_name(tmp_path):
+    """A device machine runs the proof in a copy of the checkout whose folder is not named moechat, where python3 imports
+    no moechat (or another one): every step failed to import it, or ran another checkout's code."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", "assets", "tests", "__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OUT=str(tmp_path / "out"), RESULTS=str(tmp_path / "results"), PY=sys.executable, STEPS="none",
+               TMPDIR=str(tmp_path))  # the link to the checkout goes there
+    proc = subprocess.run(["bash", ".ci/gpu-proof", str(tmp_path / "no-trace.csv.gz")], cwd=repo, capture_output=True,
+                          text=True, env=env, timeout=300)
+    log = (tmp_path / "out" / "log.txt").read_text()
+    imported = re.search(r"^imports ok, moechat from (\S+)$", log, re.M)
+    assert proc.returncode == 0 and imported and Path(imported.group(1)).resolve() == repo.resolve(), log[-3000:]
+
+
 def test_an_unusable_moechat_python_is_refused_in_one_line(tmp_path):
     """It was ignored: the install went on with another Python, saying only which."""
     env = {**os.environ, "HOME": str(tmp_path), "MOECHAT_PYTHON": str(tmp_path / "nope" / "python")}

@@ -271,6 +271,9 @@ def test_a_profile_decided_for_other_budgets_is_not_used(capsys):
     assert _config(vram)[1].profile is None  # measured with a GPU: a VRAM budget it did not have changes its split
     save_profile(replace(tight, hardware=replace(tight.hardware, gpus=[])))
     assert _config(vram)[1].profile is not None  # measured without one: a VRAM budget changes nothing it decided
+    # calibrated without a GPU under a VRAM budget (it records it): used with that budget, another or none
+    save_profile(replace(tight, hardware=replace(tight.hardware, gpus=[]), budgets={**tight.budgets, "vram_budget_bytes": 2**32}))
+    assert _config(vram)[1].profile is not None and _config(vram[:-2])[1].profile is not None
 
 
 @pytest.mark.notorch

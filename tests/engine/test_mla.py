@@ -245,3 +245,18 @@ def test_engine_greedy_equals_transformers_through_the_mla_stack(drafter, checkp
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
     done = run_engine(model_dir, prompt, drafter=drafter, policy="spac")  # the default (lru hooks every layer)
     assert runs and done.token_ids == hf_greedy(model_dir, prompt)
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_the_absorbed_decode_takes_the_cache_by_either_name(name, checkpoint, monkeypatch):
+    """transformers 5.17 (a GPU image's) passes the cache as past_key_values, 5.24 as cache: under the first the absorbed
+    decode never ran (it fell back to expanding the cache every step)."""
+    m = load_model(EngineConfig(model_dir=str(checkpoint("deepseek_v2"))))
+    attn = m.hf.model.layers[0].self_attn
+    absorbed = []
+    monkeypatch.setattr(AbsorbedMLA, "attend", lambda self, *a: absorbed.append(1) or torch.zeros(1, attn.o_proj.in_features))
+    x = torch.randn(1, 1, m.hf.config.hidden_size)
+    pe = m.hf.model.rotary_emb(x, torch.zeros(1, 1, dtype=torch.long))
+    with torch.inference_mode():
+        attn.forward(x, position_embeddings=pe, **{name: m.new_kv_cache()})
+    assert absorbed == [1]
