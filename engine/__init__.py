@@ -6,6 +6,9 @@ stays light (no torch until a name that needs it is used).
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import threading
 
 _MODULES = {  # submodule -> the public names it provides
     "generate": ("Engine",),
@@ -51,10 +54,28 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'moechat.engine' has no attribute {name!r}")
-    loaded = importlib.import_module(f".{module}", __name__)
+    loaded = _holding_sigint(importlib.import_module, f".{module}", __name__)
     value = loaded if module in _SUBMODULES else getattr(loaded, name)
     globals()[name] = value  # later look-ups skip this function
     return value
+
+
+def _holding_sigint(load, *args):
+    """load(*args) with Ctrl-C held until it returns, then raised: during PyTorch's import (seconds) numpy's import
+    inside it swallowed a KeyboardInterrupt (the command ran on), or pybind11 aborted the process with it."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        return load(*args)
+    came = []
+    before = signal.signal(signal.SIGINT, lambda *_: came.append(True))
+    try:
+        loaded = load(*args)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if came and before is signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGINT)
+    elif came and callable(before):  # Python's own handler raises KeyboardInterrupt
+        before(signal.SIGINT, None)
+    return loaded
 
 
 def __dir__() -> list[str]:
