@@ -51,7 +51,7 @@ class StepStats:
     drafted: int
     accepted: int
     expert_freq: torch.Tensor  # [L, E] f: positions of the verification choosing each expert
-    draft_expert_freq: torch.Tensor  # [L, E] the same for the draft passes (self drafter)
+    draft_expert_freq: torch.Tensor  # [L, E] the same for the draft passes (the self drafter's, or a draft model's router feed)
     resident: torch.Tensor  # [L, E] bool, fast-tier residency after the step
     hits: int  # activations served by resident experts
     misses: int  # activations computed on the CPU

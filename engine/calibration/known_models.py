@@ -5,7 +5,7 @@ Sources: the public config.json files on the Hugging Face Hub (Qwen/Qwen3-30B-A3
 deepseek-ai/DeepSeek-V2-Lite), cross-checked against public training recipes that restate them
 (THUDM/slime scripts/models/qwen3-30B-A3B.sh; Megatron's deepseek_v2_lite.yaml: 27 layers, hidden
 2048, ffn 10944, moe ffn 1408, 64 experts, 2 shared, MLA kv_lora_rank 512, q_lora_rank null).
-Totals this gives (tests/test_hw_decide.py): Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B.
+Totals this gives (tests/calibration/test_decide.py): Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B.
 """
 from __future__ import annotations
 

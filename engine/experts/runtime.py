@@ -122,11 +122,12 @@ class MoERuntime:
     def has_cpu_thread(self) -> bool:
         return self._pool is not None
 
-    def submit_cpu(self, fn: Callable[[], tuple[torch.Tensor, bool]]) -> Future | None:
-        """fn on the CPU-expert worker, or None when there is none (the caller runs it inline)."""
+    def submit_cpu(self, fn: Callable[[], tuple[torch.Tensor, str]]) -> Future | None:
+        """fn (-> the CPU tier's output and its layout, moe_layer.cpu_tier) on the CPU-expert worker, or None when there
+        is none (the caller runs it inline)."""
         return self._pool.submit(fn) if self._pool is not None else None
 
-    def wait_cpu(self, job: Future) -> tuple[torch.Tensor, bool]:
+    def wait_cpu(self, job: Future) -> tuple[torch.Tensor, str]:
         t0 = time.perf_counter()
         y = job.result()
         waited = time.perf_counter() - t0

@@ -38,7 +38,7 @@ from .memory_budgets import (
     vram_fixed,
     vram_margin,
 )
-from .memory_estimate import MemoryEstimate, draft_model_bytes, estimate_module
+from .memory_estimate import MemoryEstimate, context_length, draft_model_bytes, estimate_module
 from .mla import AbsorbedMLA, absorb_mla
 
 
@@ -211,13 +211,13 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
             f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
         )
     cfg, rope_notice = _rope_context(hf, cfg)  # before any weight loads
+    context_len = context_length(hf_config, cfg.context_len)
     quant = expert_format(prequant, cfg.quant)
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
     routers = {id(layers[i].mlp.gate) for i in sparse}
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
     drafter = cfg.spec.drafter  # a draft model on the GPU: its weights and KV count against the VRAM too
-    draft = draft_model_bytes(drafter, cfg.dtype, cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))) \
-        if device.type == "cuda" and drafter not in ("none", "self") else 0
+    draft = draft_model_bytes(drafter, cfg.dtype, context_len) if device.type == "cuda" and drafter not in ("none", "self") else 0
     estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, draft, quant=quant, expert_dtype=str(expert_dtype)[6:],
                                bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed))
     cfg, budget_notice = check_load_budgets(cfg, estimate, device)  # before loading
@@ -226,8 +226,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
                                                                              device.type == "cuda")
     store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
                         ram_budget_bytes=room, quant=quant, prequant=prequant, progress=progress)
-    runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn if sparse else None,
-                            top_k=family.top_k(hf_config))
+    runtime = build_runtime(store, cfg, device, act=layers[sparse[0]].mlp.experts.act_fn, top_k=family.top_k(hf_config))
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
@@ -237,7 +236,6 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         quantize_dense(hf, routers=routers, fmt=store.quant)
     if kv_dtype(device, dtype, family.latent_kv) != dtype:
         use_float_kv_attention(hf)
-    context_len = cfg.context_len or int(getattr(hf_config, "max_position_embeddings", 4096))
     if cfg.lean_decode:
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
@@ -256,7 +254,7 @@ def _rope_context(hf, cfg: EngineConfig) -> tuple[EngineConfig, str]:
         return cfg, ""
     bound = int(rotary.original_max_seq_len if "dynamic" in kind else
                 hf.config.rope_parameters["original_max_position_embeddings"])
-    context = cfg.context_len or int(getattr(hf.config, "max_position_embeddings", 4096))
+    context = context_length(hf.config, cfg.context_len)
     if context <= bound:
         return cfg, ""
     why = (f"its rope_type {kind!r} rescales every position once a sequence passes {bound:,} tokens, which moechat's "

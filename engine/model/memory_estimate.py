@@ -121,6 +121,11 @@ def count_params(hf, hf_config, family: Family) -> tuple[int, int]:
     return total - routed, routed
 
 
+def context_length(hf_config, context_len: int | None = None) -> int:
+    """The context a run holds: `context_len` when set, else the model's max_position_embeddings (4096 without one)."""
+    return int(context_len or getattr(hf_config, "max_position_embeddings", 4096))
+
+
 def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
     """KV cache bytes one token adds, as transformers' own attention caches it."""
     layers = int(hf_config.num_hidden_layers)
@@ -155,7 +160,7 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
         model_type=family.model_type, dtype=dtype, non_expert_bytes=(non_expert - bf16_params) * nbytes + bf16_params * 2,
         expert_bytes=expert_bytes_for(quant, expert_dtype or dtype, hidden, inter),
         num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),
-        context_len=int(context_len or getattr(hf_config, "max_position_embeddings", 4096)), draft_bytes=draft_bytes,
+        context_len=context_length(hf_config, context_len), draft_bytes=draft_bytes,
         experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),
         hidden_size=hidden, expert_dim=inter, quant=quant,
     )
@@ -189,8 +194,8 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         from .config_file import read_config_dict
 
         quant = expert_format(read_quantization_config(read_config_dict(Path(source).expanduser())), quant)
-    ctx = int(context_len or getattr(hf_config, "max_position_embeddings", 4096))
-    draft = draft_model_bytes(draft_dir, dtype, ctx) if draft_dir not in (None, "none", "self") else 0
+    draft_model = draft_dir not in (None, "none", "self")
+    draft = draft_model_bytes(draft_dir, dtype, context_length(hf_config, context_len)) if draft_model else 0
     from ..experts.cpu_ffn import keeps_bf16
     from .bf16_linear import bf16_params
 

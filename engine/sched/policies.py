@@ -286,9 +286,8 @@ class EamPolicy(Policy):
 POLICIES = {p.name: p for p in (LruPolicy, StaticPolicy, LfuPolicy, HotTemporalPolicy, EamPolicy)}
 
 
-def make_policy(config: SchedulerConfig | str, draft_len: int = SpecConfig.draft_len, costs=None) -> Policy:
-    """The policy a SchedulerConfig (or a policy name) asks for; MoE-SpAc and SP-MoE get γ and the unit costs."""
-    config = SchedulerConfig(policy=config) if isinstance(config, str) else config
+def make_policy(config: SchedulerConfig, draft_len: int = SpecConfig.draft_len, costs=None) -> Policy:
+    """The policy a SchedulerConfig asks for (its name checked there); MoE-SpAc and SP-MoE get γ and the unit costs."""
     if config.policy == "spac":  # native where the scheduler library builds, else its Python twin
         from .native_spac import NativeSpacPolicy, library
         from .spac import SpacPolicy
@@ -300,7 +299,4 @@ def make_policy(config: SchedulerConfig | str, draft_len: int = SpecConfig.draft
         return SpmoePolicy(config, draft_len, costs)
     if config.policy == "lru":
         return LruPolicy(cpu_experts=config.cpu_experts)
-    try:
-        return POLICIES[config.policy]()
-    except KeyError:
-        raise MoechatError(f"unknown policy {config.policy!r}: choose one of {', '.join(POLICIES)}, spac, spmoe") from None  # noqa
+    return POLICIES[config.policy]()

@@ -4,7 +4,7 @@ Contract: the drafter proposed d[0..n-1]; the target scored n+1 positions (the l
 followed by the n drafts), so p[i] is the target's distribution for the token after d[i-1].
 Both functions return (a, t): the first a drafts are accepted and t is the target's own next token
 (the correction at the first rejection, or the bonus token when all n are accepted). The caller
-trims both KV caches to the accepted length.
+trims the target's KV cache to the accepted length; a drafter trims its own at its next draft (drafters.py).
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Incremental detokenizing (engine/generate.py `_Detokenizer`): the streamed text equals one full decode, stop
+"""Incremental detokenizing (engine/detokenizer.py `Detokenizer`): the streamed text equals one full decode, stop
 strings cut it wherever they fall, and each id is decoded once (no full decode per step)."""
 import random
 
 import pytest
 
-from moechat.engine.generate import _Detokenizer
+from moechat.engine.detokenizer import Detokenizer
 
 TEXT = "Hello there, how are you? Ünïcödé 🙂 text, 日本語 and more: the sea is deep. " * 3
 
@@ -24,7 +24,7 @@ class Counting:
 
 def stream(tok, ids, stop=(), step=1):
     """Feed ids `step` at a time as the engine does -> (concatenated deltas, detokenizer)."""
-    d = _Detokenizer(tok, list(stop))
+    d = Detokenizer(tok, list(stop))
     out = []
     for n in range(step, len(ids) + step, step):
         d.update(ids[:n])

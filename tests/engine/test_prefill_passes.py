@@ -9,7 +9,7 @@ from helpers import NEW_TOKENS, PROMPT, hf_greedy, run_engine
 from tiny import FAMILIES
 
 from moechat.engine import config
-from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
 from moechat.engine.events import Finished, PrefillProgress, StepStats, TokenDelta
 from moechat.engine.generate import Engine, Request
 from moechat.engine.speculative.drafters import DraftModel
@@ -82,6 +82,29 @@ def test_a_stop_while_reading_the_prompt_keeps_the_passes_done(family, short_pas
     again = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=NEW_TOKENS)))[-1]
     assert again.summary.reused_tokens == 2 * CHUNK and again.summary.finish_reason == "length"
     assert again.token_ids == hf_greedy(model_dir, prompt)
+    engine.close()
+
+
+def test_a_stop_while_reading_the_prompt_keeps_the_draft_models_cache(short_passes, checkpoint, draft_dir, tokenizer,
+                                                                       monkeypatch):
+    """The draft model's cache of the turn before stays kept when the next turn's prompt is stopped mid-way: the
+    resend's draft model catches up only on the positions it lacks, as the target does."""
+    fed = []  # positions each draft pass feeds
+    forward = DraftModel._forward
+    monkeypatch.setattr(DraftModel, "_forward", lambda self, ids: fed.append(ids.shape[1]) or forward(self, ids))
+    spec = SpecConfig(drafter=str(draft_dir), draft_len=3)
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), spec=spec))
+    first = tokenizer(PROMPT)["input_ids"]
+    reply = list(engine.generate(Request(token_ids=first), SamplingParams(max_new_tokens=6)))[-1].token_ids
+    turn = first + reply + first  # the next turn: the conversation so far, then a new message
+    for ev in engine.generate(Request(token_ids=turn), SamplingParams(max_new_tokens=2)):
+        if isinstance(ev, PrefillProgress):
+            engine.stop()
+    fed.clear()
+    again = list(engine.generate(Request(token_ids=turn), SamplingParams(max_new_tokens=3)))[-1]
+    assert again.summary.reused_tokens > len(first + reply) and len(again.token_ids) == 3
+    # one step of one draft: the catch-up and that draft; the first turn's positions came from the kept cache
+    assert sum(fed) <= len(turn) + 1 - len(first)
     engine.close()
 
 
