@@ -74,6 +74,8 @@ class Engine:
     def use(self, config: EngineConfig, runtime: MoERuntime, drafter) -> None:
         """Benchmarks: serve the next requests with another fast tier, policy and drafter on the same
         loaded model (`build_runtime` on its store, `make_drafter` on it)."""
+        if drafter is not self.drafter:  # the kept conversations hold the old drafter's caches, not the new one's
+            self.conversations.clear()
         self.config, self.drafter = config, drafter
         self.model.use_runtime(runtime)
 

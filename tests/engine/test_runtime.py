@@ -113,7 +113,9 @@ def test_use_swaps_runtime_and_drafter(checkpoint):
     first = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))[-1]
     config = EngineConfig(model_dir=str(path), expert_cache_ratio=0.25, scheduler=SchedulerConfig(policy="lru"))
     variant = build_runtime(m.store, config, m.device, m.runtime.act, m.family.top_k(m.hf_config))
+    assert len(engine.conversations) == 1
     engine.use(config, variant, make_drafter(config.spec, m))
+    assert len(engine.conversations) == 0  # another drafter: the kept caches were the old one's
     assert m.runtime is variant and all(mod.runtime is variant for mod in m.hf.modules() if hasattr(mod, "li"))
     second = list(engine.generate(Request(prompt=PROMPT), SamplingParams(max_new_tokens=12)))[-1]
     assert second.token_ids == first.token_ids and second.summary.hits + second.summary.misses > 0
