@@ -30,12 +30,11 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 from textual.message import Message
 
 from ..engine import EngineConfig, MoechatError, RequestError, SamplingParams
-from .models import model_name
+from .models import draft_model_name, model_name
 from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (
     EngineFailed,
@@ -164,7 +163,7 @@ class EngineBridge:
                 except Exception as err:  # the bridge's own bug: still one line, still one ending
                     end = EngineFailed(one_line(f"internal error ({type(err).__name__}: {err})"), request_id)
                 with self._lock:
-                    self._pending -= 1  # before the post: the UI reads busy == False in its handler
+                    self._pending -= 1  # before the post: whoever receives the reply's end sees busy False
                     self._running = None
                 self._send(end)
                 continue
@@ -240,8 +239,7 @@ class EngineBridge:
         tier = "the GPU" if m.device.type == "cuda" else "the fast tier"
         drafter = engine.drafter.name
         if drafter == "model":
-            draft = Path(cfg.spec.drafter)
-            drafter = f"draft model {draft.parent.name}/{draft.name}"  # as `moechat chat` names it
+            drafter = draft_model_name(cfg.spec.drafter)
         elif drafter != "none":
             drafter = f"{drafter} (γ {cfg.spec.draft_len})"
         experts = "" if m.store.quant == "none" else f"{m.store.quant} "

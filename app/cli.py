@@ -412,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     flag = argv[0].split("=")[0] if argv and argv[0].startswith("-") else None
     if flag and not any(known.startswith(flag) for known in parser._option_string_actions):  # argparse takes `--setu`
-        parser.error(f"{flag} goes after a command, e.g. moechat chat {' '.join(argv[:2])}")  # `moechat --model X`
+        commands = parser._subparsers._group_actions[0].choices  # `moechat --model X`: a command that takes the flag
+        taker = next((name for name in ("chat", *commands) if flag in commands[name]._option_string_actions), None)
+        if taker:  # else argparse says it is unrecognized (a typo: `--verison`)
+            parser.error(f"{flag} goes after a command, e.g. moechat {taker} {' '.join(argv[:2])}")
     args = parser.parse_args(argv)
     if args.setup and getattr(args, "func", None):
         parser.error("--setup opens the chat with the setup wizard first: give it no command")

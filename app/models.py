@@ -24,6 +24,12 @@ def model_name(model_dir: str) -> str:
     return path.parent.name if path.name == "model" else path.name
 
 
+def draft_model_name(draft_dir: str) -> str:
+    """A draft model as the app's status line and plain chat name it: its directory's parent/name."""
+    path = Path(draft_dir)
+    return f"draft model {path.parent.name}/{path.name}"
+
+
 def models_dir() -> Path:
     from platformdirs import user_data_dir
 

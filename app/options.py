@@ -72,6 +72,7 @@ def shown(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
+
 def _words(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
@@ -86,7 +87,8 @@ class Option:
     kind: type  # int | float | str | bool (--name / --no-name) | list (a repeatable flag) | dict (a settings table)
     default: object  # None: unset (`unset` says what applies then)
     help: str
-    group: str  # engine: flags of the commands that load a model; sampling: of generate and chat; backend: of chat; app: none
+    group: str  # engine: flags of the commands that load a model; sampling: of generate and chat; template: of those that
+    # send messages (generate, chat); backend: of chat; app: none
     unit: str = ""  # what a number counts, e.g. GiB
     low: float | None = None
     high: float | None = None

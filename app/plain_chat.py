@@ -6,7 +6,6 @@ import functools
 import re
 import sys
 import time
-from pathlib import Path
 
 from .chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStore, ChatStoreError, title_from
 
@@ -97,13 +96,12 @@ def _open_engine(args):
         return engine, engine.summary, True
     from ..engine import Engine
     from .cli import engine_config, print_notices
-    from .models import model_name
+    from .models import draft_model_name, model_name
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)
     engine = Engine(engine_config(args))
     print_notices(engine)
-    drafter = (f"draft model {Path(args.draft).parent.name}/{Path(args.draft).name}" if engine.drafter.name == "model"
-               else engine.drafter.name)
+    drafter = draft_model_name(args.draft) if engine.drafter.name == "model" else engine.drafter.name
     return engine, f"{model_name(args.model)} on {engine.model.device}, drafter: {drafter}", False
 
 

@@ -203,12 +203,10 @@ def _non_expert_bound(engine, paired: dict) -> dict:
 def _measure(engine, hf, ids: list[int], args, paired: dict | None = None) -> tuple[dict, dict, bool]:
     """Alternating runs of the engine and HF: (medians per row, the last run's decode figures, same tokens). With
     `paired`, each engine run's time per token outside the experts and a read bandwidth sampled right after it."""
-    import torch
-
     from ..cli import sampling_params
     from .kernels import CopyMeter
 
-    meter = CopyMeter(torch.get_num_threads()) if paired is not None else None
+    meter = CopyMeter() if paired is not None else None
 
     eos, engine.model.eos_ids = engine.model.eos_ids, set()  # every run generates exactly max_new_tokens
     params = sampling_params(args)

@@ -65,7 +65,7 @@ def add_bench_kernels(sub) -> None:
 class CopyMeter:
     """Memory copy bandwidth: GB/s moved (read + written) by copy_ of buffers larger than the caches."""
 
-    def __init__(self, threads: int):
+    def __init__(self):
         import torch
 
         n = max(512 << 20, 2 * last_level_cache_bytes()) // 4  # float32 elements per buffer
@@ -194,7 +194,7 @@ def cmd_bench_kernels(args) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    meter = CopyMeter(threads)
+    meter = CopyMeter()
     cpu_rows = _cpu_rows(args, threads, meter)
     del meter
     cuda_rows, cuda_note = _cuda_rows()

@@ -307,7 +307,8 @@ class MoechatApp(App):
                 return
             before, self.settings, self.settings_notice = self.settings, result.settings, None
             self.sampling = sampling_from(result.settings, self.sampling, before)  # a flag typed stays till its field changes
-            self.thinking = result.settings.thinking
+            if result.settings.thinking != before.thinking:  # --thinking too
+                self.thinking = result.settings.thinking
             notice = self.apply_look(result.settings)
             if notice:
                 self.notify(notice, severity="warning")

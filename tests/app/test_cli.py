@@ -160,3 +160,18 @@ def test_generate_stats_line_gives_no_decode_rate_for_a_one_token_reply():
     one = stats_line(summary(1, 0.0001))
     assert one.startswith("[1 token, prefill 40.0 tok/s, decode n/a,")
     assert stats_line(summary(5, 0.5)).startswith("[5 tokens, prefill 40.0 tok/s, decode 8.0 tok/s,")
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "m"], "--model goes after a command, e.g. moechat chat --model m"),
+    (["--prompt", "hi"], "--prompt goes after a command, e.g. moechat generate --prompt hi"),  # not chat's: it has none
+    (["--verison"], "unrecognized arguments: --verison"),  # no command takes it: `moechat chat --verison` fails too
+])
+def test_a_flag_before_the_command_names_a_command_that_takes_it(argv, says, capsys):
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err, err

@@ -406,6 +406,31 @@ async def test_settings_open_once_and_a_reload_setting_reloads_on_save(tmp_path,
 
 @pilot_test
 @pytest.mark.notorch
+async def test_a_thinking_flag_typed_stays_through_a_settings_save_that_leaves_thinking(tmp_path, stored):
+    """`moechat chat --thinking off`, then a save of the settings that changed only top-p: the model thought again (the
+    save put the settings' thinking over the flag, where sampling flags stay until their own field changes)."""
+    from moechat.app.tui.screens.settings import SettingsScreen
+
+    async with without_model(tmp_path) as (app, pilot):
+        app.thinking = "off"  # as run_tui sets it from --thinking
+        await pilot.press("f12")
+        await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings")
+        app.screen.query_one("#top_p").value = "0.5"
+        await pilot.pause()
+        app.screen.action_save()
+        await until(pilot, lambda: app.screen is app.chat and app.settings.top_p == 0.5, "the settings to be saved")
+        assert app.sampling.top_p == 0.5 and app.thinking == "off"
+        await pilot.press("f12")
+        await until(pilot, lambda: isinstance(app.screen, SettingsScreen), "the settings")
+        app.screen.query_one("#thinking").value = "on"
+        await pilot.pause()
+        app.screen.action_save()
+        await until(pilot, lambda: app.screen is app.chat and app.settings.thinking == "on", "the settings to be saved")
+        assert app.thinking == "on"  # the field changed on the screen: it wins over the flag
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_a_long_prompt_shows_how_far_it_is_read(tmp_path, stored):
     """ReplyProgress sets the pending reply's note until its first text comes."""
     from moechat.app.tui.messages import ReplyDelta, ReplyFinished, ReplyProgress, Stats

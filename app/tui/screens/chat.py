@@ -47,6 +47,8 @@ RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQ
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
 CHECK_S = 2.0  # how often the chat list looks for another moechat window's changes (one PRAGMA, no lock)
+
+
 @dataclass
 class _Reply:
     """The reply being written: its request, stored message, widget, text so far, stream, last save."""

@@ -4,9 +4,8 @@ Validation has one source of truth: a field's text is parsed (int/float where it
 left as text) and `Settings(**{field: value})` accepts or refuses it; the refusal's one line shows
 under the field. Save writes nothing while any field is refused. The screen dismisses with a
 `SettingsResult` (or None on Cancel): `needs_reload` is True when a field the running engine cannot
-take live changed (`RELOAD_FIELDS`: the options not marked live: budgets, quantized experts, cache ratio, K, γ, policy,
-drafter, context length);
-the caller then reloads the model. Sampling and theme apply live.
+take live changed (`RELOAD_FIELDS`: the options app/options.py does not mark `live`); the caller then reloads the model.
+The rest (sampling, thinking, theme) apply live.
 """
 from __future__ import annotations
 

@@ -94,10 +94,11 @@ NO_PROFILE = ("none: the calibration did not finish; moechat uses this model's e
 
 
 class WizardScreen(Screen):
-    """`WizardScreen(hardware=None, path=None, calibrate=None)`.
+    """`WizardScreen(hardware=None, path=None, calibrate=None, memory_freed=None)`.
 
     hardware: the probe's Hardware (None: probed on a worker); path: the settings file (None: the
-    default); calibrate: `app/calibrate.py: calibrate` unless a test passes another.
+    default); calibrate: `app/calibrate.py: calibrate` unless a test passes another; memory_freed: the bridge's
+    `unload()` event, waited for before probing.
     """
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
