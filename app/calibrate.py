@@ -178,15 +178,15 @@ def _fmt_s(value: float | None) -> str:
 
 
 def cmd_calibrate(args) -> int:
-    from .cli import _gib
+    from .engine_config import gib
     from .settings import load_settings
 
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
     settings = load_settings()[0]  # the format, budgets and context the settings fix are calibrated with; unset: decided
     profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
-                              dtype=settings.dtype, vram_budget=_gib(settings.vram_budget_gib),
-                              ram_budget=_gib(settings.ram_budget_gib), context_len=settings.context_len)
+                              dtype=settings.dtype, vram_budget=gib(settings.vram_budget_gib),
+                              ram_budget=gib(settings.ram_budget_gib), context_len=settings.context_len)
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),

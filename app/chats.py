@@ -5,8 +5,8 @@ mode: a reply is stored as an unfinished assistant message when it starts and up
 each update its own transaction, so a crash or a kill leaves every finished message intact and the
 reply as far as it got (finished=False, which the chat screen shows as interrupted).
 
-The schema grows by `MIGRATIONS`, never by editing one: `PRAGMA user_version` counts the scripts
-that ran, the missing ones run in one transaction, and a file written by a newer moechat is refused untouched.
+The schema grows by migrations, never by editing one (`chat_migrations.py`); a chat's Markdown export is
+`chat_export.py`.
 
 Threads: the Textual app writes from its UI thread only, but the connection is opened with
 `check_same_thread=False` and every call holds `self._lock`, so a call from another thread (a worker,
@@ -28,75 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import MoechatError
+from .chat_migrations import migrate, refuse_newer
 
 ROLES = ("system", "user", "assistant")
-HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}
-
-# Append only: an edited migration would never run again on a database that already has it.
-MIGRATIONS = [
-    """
-    CREATE TABLE conversations (
-        id INTEGER PRIMARY KEY,
-        title TEXT NOT NULL,
-        system_prompt TEXT NOT NULL DEFAULT '',
-        created REAL NOT NULL,
-        updated REAL NOT NULL
-    );
-    CREATE TABLE messages (
-        id INTEGER PRIMARY KEY,
-        conv_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
-        content TEXT NOT NULL,
-        finished INTEGER NOT NULL DEFAULT 1,
-        created REAL NOT NULL,
-        stats TEXT
-    );
-    CREATE INDEX messages_by_conversation ON messages(conv_id, id);
-    """,
-    # 2: ids are never given out again (AUTOINCREMENT). A chat deleted in one moechat window and one started in another
-    # took the freed id, and the first window's writes (its reply, its next message, F8) went to the other's chat.
-    # Messages whose chat is gone (deleted with foreign keys off, by another program) are not copied: nothing lists them.
-    """
-    CREATE TABLE conversations_v2 (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        title TEXT NOT NULL,
-        system_prompt TEXT NOT NULL DEFAULT '',
-        created REAL NOT NULL,
-        updated REAL NOT NULL
-    );
-    INSERT INTO conversations_v2 (id, title, system_prompt, created, updated)
-        SELECT id, title, system_prompt, created, updated FROM conversations;
-    CREATE TABLE messages_v2 (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        conv_id INTEGER NOT NULL REFERENCES conversations_v2(id) ON DELETE CASCADE,
-        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
-        content TEXT NOT NULL,
-        finished INTEGER NOT NULL DEFAULT 1,
-        created REAL NOT NULL,
-        stats TEXT
-    );
-    INSERT INTO messages_v2 (id, conv_id, role, content, finished, created, stats)
-        SELECT id, conv_id, role, content, finished, created, stats FROM messages
-        WHERE conv_id IN (SELECT id FROM conversations);
-    DROP TABLE messages;
-    DROP TABLE conversations;
-    ALTER TABLE conversations_v2 RENAME TO conversations;
-    ALTER TABLE messages_v2 RENAME TO messages;
-    CREATE INDEX messages_by_conversation ON messages(conv_id, id);
-    """,
-]
-
-
-def _statements(script: str) -> list[str]:
-    """A migration's statements one by one: executescript would commit the transaction that holds the write lock."""
-    statements, part = [], ""
-    for piece in script.split(";"):
-        part += piece + ";"
-        if sqlite3.complete_statement(part):  # a `;` inside a string or a trigger's body is not the statement's end
-            if part.strip(" \n;"):
-                statements.append(part.strip())
-            part = ""
-    return statements
 
 
 def store_path() -> Path:
@@ -216,10 +150,10 @@ class ChatStore:
         try:
             db.execute("PRAGMA foreign_keys=ON")
             version = db.execute("PRAGMA user_version").fetchone()[0]  # before WAL: that writes the file
-            self._refuse_newer(version)
+            refuse_newer(self.path, version)
             self._wal(db)
             db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
-            self._migrate(db, version)
+            migrate(db, self.path, version)
             self._data_version = db.execute("PRAGMA data_version").fetchone()[0]
             stat = os.stat(self.path)
         except BaseException:
@@ -296,11 +230,6 @@ class ChatStore:
             otherwise = _damaged(self.path, err) or f"chat database {self.path} failed ({err}): check the disk it is on"
             raise ChatStoreError(_explained(self.path, err, otherwise)) from None
 
-    def _refuse_newer(self, version: int) -> None:
-        if version > len(MIGRATIONS):
-            raise MoechatError(f"chat database {self.path} was written by a newer moechat (schema {version}, this one "
-                               f"knows {len(MIGRATIONS)}); upgrade, or move it aside")
-
     def _wal(self, db: sqlite3.Connection) -> None:
         """WAL mode, waiting out a moechat starting at the same moment: SQLite says 'locked' at once to a connection
         that read the file before the other switched it to WAL, while the other migrates, without its busy timeout."""
@@ -313,25 +242,6 @@ class ChatStore:
                 if "locked" not in str(err) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
-
-    def _migrate(self, db: sqlite3.Connection, version: int) -> None:
-        """The missing migrations in one transaction, from the version read again under the write lock: two moechats
-        starting at once both read the old version, and the second failed on the tables the first had just made."""
-        if version == len(MIGRATIONS):
-            return
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            self._refuse_newer(version)
-            for number in range(version + 1, len(MIGRATIONS) + 1):
-                for statement in _statements(MIGRATIONS[number - 1]):
-                    db.execute(statement)
-                db.execute(f"PRAGMA user_version = {number}")  # in the file header, in the same transaction
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
 
     def close(self) -> None:
         with self._lock:
@@ -453,22 +363,6 @@ class ChatStore:
         """Regenerate drops the last reply; an unknown id is a no-op."""
         self._write("DELETE FROM messages WHERE id = ?", (message_id,))
 
-    # -- export -----------------------------------------------------------------------------------
-
-    def export_markdown(self, conv_id: int) -> str:
-        """The conversation as Markdown: title, system prompt as a blockquote, a heading per message."""
-        conv = self.conversation(conv_id)
-        parts = [f"# {' '.join(conv.title.split()) or 'Untitled chat'}"]
-        if conv.system_prompt.strip():
-            parts.append("\n".join(f"> {line}".rstrip() for line in conv.system_prompt.strip("\n").split("\n")))
-        for message in self.messages(conv_id):
-            parts.append(f"### {HEADINGS[message.role]}")
-            body = _close_fences(message.content.strip("\n"))
-            if not message.finished:
-                body += "\n\n*(interrupted)*"
-            parts.append(body)
-        return "\n\n".join(parts) + "\n"
-
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -479,25 +373,3 @@ def _storable(text: str) -> str:
     if _LONE_SURROGATE.search(text) is None:
         return text
     return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
-
-
-_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
-
-
-def _close_fences(text: str) -> str:
-    """`text` verbatim, plus a closing fence if it ends inside a code block (a reply cut off there)
-
-    so that the next heading of the export is not swallowed by the open block.
-    """
-    opening = None  # the open fence's run of ` or ~, else None
-    for line in text.split("\n"):
-        match = _FENCE.match(line)
-        if match is None:
-            continue
-        run, rest = match.groups()
-        if opening is None:
-            if not (run[0] == "`" and "`" in rest):  # a backtick fence's info string holds no backtick
-                opening = run
-        elif run[0] == opening[0] and len(run) >= len(opening) and not rest.strip():
-            opening = None
-    return text if opening is None else f"{text}\n{opening}"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
+from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
 
 
@@ -52,98 +53,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that loads a model: the engine options of app/options.py."""
     add_flags(p, "engine")
     add_renamed(p, host_ram_mib="--ram-budget-gib (in GiB)", expert_cache_mib="--expert-cache-gib (in GiB)")
-
-
-def _first(*values):
-    return next((v for v in values if v is not None), None)
-
-
-def _pick(sources: dict[str, str], name: str, **where):
-    """The first value that is not None, in the order given (command_line, settings, profile, default); sources[name]
-    says which it was, so `generate --json` can say where each choice came from."""
-    for place, value in where.items():
-        if value is not None:
-            sources[name] = place.replace("_", " ")
-            return value
-    return None
-
-
-def _gib(value: float | None) -> int | None:
-    return None if value is None else int(value * 2**30)
-
-
-def engine_config(args):
-    """The engine's config: each value from the command line, else the settings file, else this
-    machine's calibration profile for the model, else the engine's default; device and dtype `auto` resolved for
-    this machine (engine/placement.py). Sets args.model, args.draft, args.draft_len, args.policy, args.quant,
-    args.device and args.dtype to what runs, args.placement to why, args.profile to the profile's path or None, and
-    args.sources to where the drafter, γ, policy, K, quant and expert cache came from."""
-    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig, resolve_placement
-    from .calibrate import machine_profile, run_budgets
-    from .demo import DEMO_DRAFT, resolve_model
-    from .settings import load_settings
-
-    settings, notice = load_settings()
-    if notice:
-        print(f"moechat: warning: {notice}", file=sys.stderr)
-    args.sources = sources = {}
-    cli_draft = args.draft
-    if args.model is None:  # a configured draft goes with the configured model only
-        args.model, args.draft = settings.model, args.draft or settings.draft
-    user_draft = args.draft
-    sources["drafter"] = "command line" if cli_draft is not None else "settings" if user_draft is not None else "default"
-    args.model, args.draft = resolve_model(args.model, args.draft)
-    vram_budget = _gib(_first(args.vram_budget_gib, settings.vram_budget_gib))
-    ram_budget = _gib(_first(args.ram_budget_gib, settings.ram_budget_gib))  # bounds the expert store
-    context_len = _first(args.context_len, settings.context_len)
-    profile, args.profile, profile_notice = machine_profile(args.model, run_budgets(vram_budget, ram_budget, context_len))
-    if profile_notice:
-        print(f"moechat: warning: {profile_notice}", file=sys.stderr)
-    d = profile.decisions if profile else None
-    if d and user_draft is None:
-        args.draft, sources["drafter"] = d.drafter, "profile"
-    sched, spec = SchedulerConfig(), SpecConfig()
-    args.draft_len = _pick(sources, "draft_len", command_line=args.draft_len, settings=settings.draft_len,
-                           profile=d and d.draft_len, default=spec.draft_len)
-    args.policy = _pick(sources, "policy", command_line=args.policy, settings=settings.policy, profile=d and d.policy,
-                        default=sched.policy)
-    args.quant = _pick(sources, "quant", command_line=args.quant, settings=settings.quant, profile=d and d.quant,
-                       default="none")
-    args.placement = resolve_placement(_first(args.device, settings.device), _first(args.dtype, settings.dtype), args.model,
-                                       args.quant)
-    if args.placement.notice:
-        print(f"moechat: warning: {args.placement.notice}", file=sys.stderr)
-    args.device, args.dtype = args.placement.device, args.placement.dtype
-    if user_draft is None and d is None and args.draft == str(DEMO_DRAFT) and args.device == "cpu":
-        args.draft = "none"  # on a CPU the demo's draft costs what its target's step does: 0.23-0.56× (docs/benchmarks.md)
-    # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
-    ratio = _first(args.expert_cache_ratio, settings.expert_cache_ratio)
-    cache_bytes = _gib(args.expert_cache_gib)
-    sources["expert_cache"] = ("command line" if args.expert_cache_ratio is not None or cache_bytes is not None else
-                               "settings" if ratio is not None else "default")
-    user_sized = ratio is not None or cache_bytes is not None  # else the profile's or the default: fitted to free VRAM
-    if ratio is None and cache_bytes is None and d and args.device != "cpu":
-        sources["expert_cache"] = "profile"
-        if args.quant == d.quant:
-            ratio = d.expert_cache_ratio
-        elif d.vram_split:  # experts of another size than the profile's: the VRAM it gave them, in whole experts of this one
-            cache_bytes = d.vram_split.get("expert_cache")
-    if ram_budget is None and d and d.host_tier == "mmap" and QUANTS.index(args.quant) <= QUANTS.index(d.quant):
-        ram_budget = 0  # the profile found the experts (in a format no larger) too big for RAM: read them from disk
-    return EngineConfig(
-        model_dir=args.model, device=args.device, dtype=args.dtype, placement=args.placement, expert_cache_ratio=ratio,
-        expert_cache_bytes=cache_bytes, fit_expert_cache=not user_sized, host_ram_budget_bytes=ram_budget, quant=args.quant,
-        vram_budget_bytes=vram_budget, context_len=context_len, lean_decode=args.lean_decode,
-        conversation_cache_bytes=_gib(_first(args.conversation_cache_gib, settings.conversation_cache_gib)),
-        spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
-        notices=(profile_notice,) if profile_notice else (),  # the chat app's stderr reaches no screen
-        scheduler=SchedulerConfig(
-            policy=args.policy, expert_budget=args.expert_budget,
-            utility_bound=_pick(sources, "utility_bound", command_line=args.utility_bound, settings=settings.utility_bound,
-                                profile=d and d.utility_bound, default=sched.utility_bound),
-            forgetting=_first(d and d.forgetting, sched.forgetting),  # λ: the `paper` utility variant's only
-            measured=profile.measurements if profile else None),  # the balancer's unit costs, from this machine
-    )
 
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
@@ -204,7 +113,7 @@ def request_thinking(args) -> bool | None:
     from .reasoning import enable_thinking
     from .settings import load_settings
 
-    return enable_thinking(_first(args.thinking, load_settings()[0].thinking))
+    return enable_thinking(first(args.thinking, load_settings()[0].thinking))
 
 
 def sampling_params(args, settings=None):
@@ -244,14 +153,6 @@ def _check_writable(path: Path, flag: str) -> None:
            else "its folder is not writable" if not os.access(path.parent, os.W_OK) else "")
     if why:
         raise MoechatError(f"cannot write {path}: {why}: pick another {flag} path")
-
-
-def _choices(engine, sources: dict[str, str]) -> dict[str, dict]:
-    """What ran of each value calibration decides, and where it came from (command line, settings, profile, default)."""
-    cfg, m = engine.config, engine.model
-    ran = {"drafter": cfg.spec.drafter, "draft_len": cfg.spec.draft_len, "policy": cfg.scheduler.policy,
-           "utility_bound": cfg.scheduler.utility_bound, "quant": m.store.quant, "expert_cache": m.cache.capacity}
-    return {name: {"value": value, "from": sources[name]} for name, value in ran.items()}
 
 
 def _write_trace(trace, path: str) -> int | None:
@@ -296,7 +197,7 @@ def cmd_generate(args) -> int:
     profile = None if args.profile is None else str(args.profile)
     if args.json:
         print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile,
-                          "choices": _choices(engine, args.sources), "quant": engine.model.store.quant,
+                          "choices": choices(engine, args.sources), "quant": engine.model.store.quant,
                           "device": args.device, "dtype": args.dtype,
                           "costs": dataclasses.asdict(engine.model.runtime.costs),
                           "placement": {"device": args.placement.device_why, "dtype": args.placement.dtype_why}}))

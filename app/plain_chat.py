@@ -95,7 +95,8 @@ def _open_engine(args):
         engine = RemoteEngine(remote)
         return engine, engine.summary, True
     from ..engine import Engine
-    from .cli import engine_config, print_notices
+    from .cli import print_notices
+    from .engine_config import engine_config
     from .models import draft_model_name, model_name
 
     print("moechat: loading the model...", file=sys.stderr, flush=True)

@@ -31,8 +31,8 @@ def cmd_bench_chat(args) -> int:
     import psutil
 
     from ...engine import Engine, MoechatError, Request, SamplingParams
-    from ..cli import engine_config
     from ..demo import eval_prompts
+    from ..engine_config import engine_config
 
     if min(args.turns, args.max_new_tokens, args.conversations, args.repeats) < 1:
         raise MoechatError("bench chat needs --turns, --conversations, --max-new-tokens and --repeats >= 1")

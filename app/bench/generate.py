@@ -68,7 +68,7 @@ def cmd_bench_generate(args) -> int:
     import torch
 
     from ...engine import Engine, MoechatError, Request
-    from ..cli import engine_config
+    from ..engine_config import engine_config
 
     if args.repeats < 1 or args.max_new_tokens < 2:  # medians need a run, decode tok/s a token after the prefill's
         raise MoechatError("bench generate needs --repeats >= 1 and --max-new-tokens >= 2")

@@ -28,8 +28,8 @@ def cmd_bench_serve(args) -> int:
     import psutil
 
     from ...engine import Engine, MoechatError
-    from ..cli import engine_config
     from ..demo import eval_prompts
+    from ..engine_config import engine_config
     from ..models import model_name
     from ..server.command import BackgroundServer
 

@@ -59,7 +59,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> int:
-    from ..cli import engine_config, print_notices
+    from ..cli import print_notices
+    from ..engine_config import engine_config
     from ..models import model_name
 
     key = args.api_key or os.environ.get(KEY_ENV) or None

@@ -16,6 +16,7 @@ from textual.app import App
 from textual.binding import Binding
 
 from ..bridge import EngineBridge
+from ..chat_export import export_markdown
 from ..chats import ChatStore, ChatStoreError
 from ..options import SETTINGS_SAMPLING
 from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
@@ -222,7 +223,7 @@ class MoechatApp(App):
         path = folder / f"moechat-{conv.id}-{slug}.md"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            _write_whole(path, self.store.export_markdown(conv.id))
+            _write_whole(path, export_markdown(self.store, conv.id))
         except KeyError:  # deleted in another window a moment ago
             self.call_later(self.chat.deleted_elsewhere)
             return None
@@ -370,7 +371,8 @@ def run_tui(args) -> int:
     """`moechat` on a terminal: the TUI with the command line's engine and sampling options."""
     import copy
 
-    from ..cli import engine_config, sampling_params
+    from ..cli import sampling_params
+    from ..engine_config import engine_config
     from ..remote import backend_overridden, remote_config
 
     base = copy.copy(args)

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 import moechat
-from moechat.app.chats import MIGRATIONS, ChatStore, ChatStoreError, store_path
+from moechat.app.chat_export import export_markdown
+from moechat.app.chat_migrations import MIGRATIONS
+from moechat.app.chats import ChatStore, ChatStoreError, store_path
 from moechat.engine.errors import MoechatError
 
 pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
@@ -107,7 +109,7 @@ def test_export_markdown(store):
     store.add(conv, "user", "Write f.")
     store.add(conv, "assistant", code)
     cut = store.add(conv, "assistant", "Start:\n```bash\necho hi", finished=False)
-    md = store.export_markdown(conv)
+    md = export_markdown(store, conv)
     assert md == (
         "# Sea shanties\n\n"
         "> Be brief.\n>\n> Rhyme.\n\n"
@@ -116,10 +118,10 @@ def test_export_markdown(store):
         "### moechat\n\nStart:\n```bash\necho hi\n```\n\n*(interrupted)*\n"
     )
     store.update(cut, "Start:\n````\n```\nnested\n````", finished=True)  # balanced: left verbatim
-    assert store.export_markdown(conv).endswith("### moechat\n\nStart:\n````\n```\nnested\n````\n")
+    assert export_markdown(store, conv).endswith("### moechat\n\nStart:\n````\n```\nnested\n````\n")
 
     bare = store.create("Empty")
-    assert store.export_markdown(bare) == "# Empty\n"
+    assert export_markdown(store, bare) == "# Empty\n"
 
 
 def test_migrations_from_empty_file_and_idempotent_reopen(tmp_path):
@@ -142,7 +144,7 @@ def test_migrations_from_empty_file_and_idempotent_reopen(tmp_path):
 def test_failed_migration_leaves_the_file_as_it_was(tmp_path, monkeypatch):
     path = tmp_path / "chats.sqlite3"
     ChatStore(path).close()
-    monkeypatch.setattr("moechat.app.chats.MIGRATIONS", MIGRATIONS + ["CREATE TABLE extra (x); SELECT nonsense();"])
+    monkeypatch.setattr("moechat.app.chat_migrations.MIGRATIONS", MIGRATIONS + ["CREATE TABLE extra (x); SELECT nonsense();"])
     with pytest.raises(MoechatError, match="cannot be used"):
         ChatStore(path)
     with sqlite3.connect(path) as raw:

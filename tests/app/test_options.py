@@ -163,7 +163,7 @@ def test_old_settings_file_still_loads(tmp_path):
 
 
 def test_budget_flags_reach_the_engine_config():
-    from moechat.app.cli import engine_config
+    from moechat.app.engine_config import engine_config
 
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--ram-budget-gib", "4", "--vram-budget-gib", "6",
                                       "--expert-cache-gib", "0.5", "--utility-bound", "3"])
@@ -173,7 +173,7 @@ def test_budget_flags_reach_the_engine_config():
 
 
 def test_lean_decode_flag_reaches_the_engine_config():
-    from moechat.app.cli import engine_config
+    from moechat.app.engine_config import engine_config
 
     assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).lean_decode is True
     assert engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--no-lean-decode"])).lean_decode is False

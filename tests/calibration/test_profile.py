@@ -165,7 +165,8 @@ def a_gpu(monkeypatch):
 
 
 def _config(argv):
-    from moechat.app.cli import build_parser, engine_config
+    from moechat.app.cli import build_parser
+    from moechat.app.engine_config import engine_config
 
     args = build_parser().parse_args(["generate", "--prompt", "hi", *argv])
     return engine_config(args), args

@@ -16,7 +16,7 @@ import pytest
 from moechat.app.chats import ChatStore
 from moechat.app.tui.app import MoechatApp
 from moechat.app.tui.screens.help import HelpScreen
-from moechat.app.tui.widgets.message_view import LOG_CHARS, MessageView, last_code_block, window_start
+from moechat.app.tui.widgets.message_view import LOG_CHARS, ChatLog, MessageView, last_code_block, window_start
 from moechat.engine.config import EngineConfig, SamplingParams
 from moechat.engine.errors import MoechatError
 
@@ -576,7 +576,7 @@ async def test_a_message_too_long_for_the_context_comes_back_to_the_input(tmp_pa
         await until(pilot, lambda: any("back in the input" in e for e in errors(app)), "the refusal")
         assert box.text == ("the sea " * 100).strip() and chat.reply is None
         assert [m.content for m in app.store.messages(chat.conv_id)][0] == "Hello!"
-        assert len(app.store.messages(chat.conv_id)) == 2 and len(chat.shown_views()) == 2  # neither stored nor shown
+        assert len(app.store.messages(chat.conv_id)) == 2 and len(chat.query_one(ChatLog).views()) == 2  # not stored, not shown
         box.text = ""
         box.focus()  # not a click: the notice's toast lies over the input
         await pilot.press(*"And the moon?", "enter")
@@ -909,7 +909,7 @@ async def test_a_long_conversation_shows_its_newest_messages_and_the_rest_behind
         ids = [m.id for m in stored]
 
         def shown() -> list[int]:
-            return [v.message_id for v in chat.shown_views()]
+            return [v.message_id for v in chat.query_one(ChatLog).views()]
 
         def button() -> Button | None:
             return next(iter(chat.query("#earlier").results(Button)), None)
@@ -921,7 +921,7 @@ async def test_a_long_conversation_shows_its_newest_messages_and_the_rest_behind
         assert chat.query_one("#log").children[0] is button()  # above the first message
 
         while button() is not None:
-            before = chat.shown_views()
+            before = chat.query_one(ChatLog).views()
             chat.query_one("#log").scroll_home(animate=False)  # the log opens at its end: the user scrolls up to it
             await pilot.pause()
             await pilot.click("#earlier")

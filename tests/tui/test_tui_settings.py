@@ -564,7 +564,8 @@ def test_a_key_another_action_or_the_input_holds_is_refused_and_key_names_are_wr
 
 
 def test_context_len_setting_reaches_the_engine_config():
-    from moechat.app.cli import build_parser, engine_config
+    from moechat.app.cli import build_parser
+    from moechat.app.engine_config import engine_config
     from moechat.app.settings import settings_path
 
     save_settings({"context_len": 96})

@@ -1,7 +1,7 @@
 """The chat screen: conversations (sidebar), the message log with streaming Markdown, the input, the
 expert side panel and the status line. It owns the reply being written; the app routes engine
-messages here. Every message is stored as it happens: the user's on send, the reply as unfinished
-at its start, re-saved at most every SAVE_INTERVAL_S, and finished at its end."""
+messages here. Every message is stored as it happens: the user's on send, the reply as it streams (its writes:
+app/tui/reply_saver.py). The log and its window of the newest messages: `ChatLog` (widgets/message_view.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +10,11 @@ from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 from textual.app import ComposeResult
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import (
-    Button,
     Footer,
     Label,
     Markdown,
@@ -25,24 +24,23 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import DELETED_ELSEWHERE, NEW_TITLE, SAVE_INTERVAL_S, ChatMessage, ChatStoreError, title_from
+from ...chats import DELETED_ELSEWHERE, NEW_TITLE, ChatMessage, ChatStoreError, Conversation, title_from
 from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
+from ..reply_saver import ReplySaver
 from ..widgets.heatmap import ExpertHeatmap
 from ..widgets.message_view import (
     SEGMENT_CHARS,
     ChatInput,
+    ChatLog,
     MessageView,
-    earlier_label,
     segment_cut,
     visible,
-    window_start,
     window_views,
 )
 from ..widgets.stats import StatsPanel
 
-RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQLite's busy timeout on this thread)
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
@@ -101,9 +99,7 @@ class ChatScreen(Screen):
         self.reply: _Reply | None = None
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
-        # writes the store refused (the disk full, locked), tried again before the next reply and at quit:
-        self.pending_saves: dict[int, tuple[str, bool, dict | None, int | None]] = {}  # id -> text, finished, stats, replaces
-        self.pending_drops: set[int] = set()  # messages to go (an empty reply, a replaced one)
+        self.saver = ReplySaver(self)  # the reply into the store, and the writes it refused
         # held, not queried: a query walks every widget of the conversation, and stats come ten times a second
         self.status_label = Static(status_line(self.model, self.state, self.stats), id="status",
                                    markup=False)  # an error message may hold "[/b]"
@@ -123,7 +119,7 @@ class ChatScreen(Screen):
                 yield Label("Chats", classes="panel-title")
                 yield OptionList(id="conversations", compact=True)  # one widget: a ListView's item per chat took seconds at 1000
             with Vertical(id="main"):
-                yield VerticalScroll(id="log")
+                yield ChatLog(self.stored_messages, id="log")
                 yield ChatInput(id="input", soft_wrap=True, show_line_numbers=False,
                                 placeholder="Message (Enter sends, Ctrl+J new line, F1 help)")
             with self.side_panel:
@@ -259,62 +255,17 @@ class ChatScreen(Screen):
 
     async def open_conversation(self, conv_id: int | None) -> None:
         self.conv_id = conv_id
-        log = self.query_one("#log", VerticalScroll)
+        log = self.query_one(ChatLog)
         await log.remove_children()
         if conv_id is not None:
             messages = self.store.messages(conv_id)
             await log.mount_all(window_views(messages))
-            await self.show_earlier_button()
+            await log.show_earlier_button()
         log.scroll_end(animate=False)
 
-    # ---- the log's window: Textual lays out every widget of the screen at each frame of a streaming reply (a long
-    # answer's Markdown is about a hundred), so the log holds a conversation's latest LOG_CHARS, the rest behind a button
-    def shown_views(self) -> list[MessageView]:
-        return [child for child in self.query_one("#log").children if isinstance(child, MessageView)]
-
-    def earlier(self) -> list:
-        """The stored messages of the conversation before the log's first."""
-        views = self.shown_views()
-        messages = self.store.messages(self.conv_id) if self.conv_id is not None and views else []
-        ids = [m.id for m in messages]
-        return messages[:ids.index(views[0].message_id)] if views and views[0].message_id in ids else []
-
-    async def show_earlier_button(self) -> None:
-        """The button above the log's first message: how many come before it; none when none do."""
-        log, count = self.query_one("#log"), len(self.earlier())
-        for button in log.query("#earlier").results(Button):
-            if count:
-                button.label = earlier_label(count)
-            else:
-                await button.remove()
-            return
-        if count:
-            await log.mount(Button(earlier_label(count), id="earlier", compact=True), before=0)
-
-    @store_failures_noticed
-    async def on_button_pressed(self, event: Button.Pressed) -> None:
-        if event.button.id == "earlier":
-            event.stop()
-            await self.show_earlier()
-
-    async def show_earlier(self) -> None:
-        """The next LOG_CHARS of older messages above the first shown, which is scrolled to the top: where the reader was."""
-        views, earlier = self.shown_views(), self.earlier()
-        if not earlier:
-            return
-        log = self.query_one("#log")
-        await log.mount_all(window_views(earlier), before=views[0])
-        await self.show_earlier_button()
-        self.call_after_refresh(log.scroll_to_widget, views[0], animate=False, top=True)  # once laid out
-
-    async def fold_earlier(self) -> None:
-        """Messages beyond the window go back behind the button (a reply is about to stream)."""
-        views = self.shown_views()
-        start = window_start([len(view.content) for view in views])
-        if start:
-            for view in views[:start]:
-                await view.remove()
-            await self.show_earlier_button()
+    def stored_messages(self) -> list[ChatMessage]:
+        """The open conversation's stored messages (the log's, for its window)."""
+        return self.store.messages(self.conv_id) if self.conv_id is not None else []
 
     @store_failures_noticed
     async def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
@@ -337,8 +288,14 @@ class ChatScreen(Screen):
             return True
         return False
 
-    def current_conversation(self):
-        return next((c for c in self.store.conversations() if c.id == self.conv_id), None)
+    def current_conversation(self) -> Conversation | None:
+        """The open conversation as stored; None when none is open or it is gone (deleted in another window)."""
+        if self.conv_id is None:
+            return None
+        try:
+            return self.store.conversation(self.conv_id)  # one row: the list read every chat, at each send
+        except KeyError:
+            return None
 
     # ---- sending and replies ------------------------------------------------------------------
     async def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:
@@ -372,19 +329,19 @@ class ChatScreen(Screen):
     async def start_reply(self, replaces=None, asked: tuple[int, str] | None = None) -> None:
         """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once. `replaces`: the
         stored reply Regenerate replaces, left out of the history and kept until this one has text."""
-        self.flush_pending()  # a reply whose last save failed: into the store first, which the history is read from
+        self.saver.flush()  # a reply whose last save failed: into the store first, which the history is read from
         conv = self.current_conversation()
         history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
         history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id)
                     if m.content and (replaces is None or m.id != replaces.id)]
         message_id = self.store.add(self.conv_id, "assistant", "", finished=False)
         if replaces is not None:  # off the screen; in the store until the new reply has text
-            for view in self.shown_views():
+            for view in self.query_one(ChatLog).views():
                 if view.message_id == replaces.id:
                     await view.remove()
-        await self.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
+        log = self.query_one(ChatLog)
+        await log.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
         view = MessageView("assistant", "", message_id)
-        log = self.query_one("#log", VerticalScroll)
         await log.mount(view)
         log.anchor()  # follow the reply as it grows
         view.set_note("writing…")
@@ -411,9 +368,7 @@ class ChatScreen(Screen):
             await self._show(reply)
         elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
             reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
-        if time.monotonic() - reply.saved_at >= (RETRY_S if reply.save_failed else SAVE_INTERVAL_S):
-            self._save(reply, reply.text, finished=False)
-            reply.saved_at = time.monotonic()
+        self.saver.save_due(reply)
 
     async def reply_finished(self, request_id: int, text: str, reason: str, stats: Stats | None) -> None:
         reply = self.reply
@@ -437,10 +392,10 @@ class ChatScreen(Screen):
         if reply.asked is None:  # a regeneration: the conversation was answerable before; it stays as it was
             return False
         message_id, text = reply.asked
-        for view in self.shown_views():
+        for view in self.query_one(ChatLog).views():
             if view.message_id == message_id:
                 await view.remove()
-        self._drop(message_id)
+        self.saver.drop(message_id)
         box = self.query_one(ChatInput)
         if box.text.strip():  # typed meanwhile: kept, the refused message goes after it
             box.text = f"{box.text.rstrip()}\n\n{text}"
@@ -462,7 +417,7 @@ class ChatScreen(Screen):
             old = reply.replaces
             if old is not None:
                 await self.query_one("#log").mount(MessageView(old.role, old.content, old.id, old.finished))
-            self._drop(reply.message_id)
+            self.saver.drop(reply.message_id)
             return
         reply.view.content = text
         reasoning, answer, thinking = reply.view.split()
@@ -471,67 +426,7 @@ class ChatScreen(Screen):
         await reply.view.show_answer(answer, start)  # the whole reply, exactly as the engine ended it
         note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
         reply.view.set_note(note if text else "empty reply")
-        self._save(reply, text, finished=True, stats=asdict(stats) if stats else None)
-
-    def _save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None) -> None:
-        """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
-        (another moechat on the same chats): said once, and the reply, which has nowhere to go, stopped. The database
-        failing (the disk full, locked): said once; the reply streams on, on screen, and the write stays pending."""
-        try:
-            self._write_reply(reply.message_id, text, finished, stats, reply.replaces.id if reply.replaces else None)
-        except KeyError:
-            if reply.orphan:
-                return
-            reply.orphan = True
-            if not reply.ended:
-                self.app.bridge.stop()
-            self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
-            return
-        except ChatStoreError as err:
-            if not reply.save_failed:
-                reply.save_failed = True
-                self.app.notify(f"{err}; this reply is not saved yet: it stays on screen, and c on it copies it",
-                                severity="error", timeout=15)
-            return
-        if text:
-            reply.replaces = None
-
-    def _write_reply(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None) -> None:
-        """A reply into the store, and the one it replaces out once it has text. Where the store fails (ChatStoreError)
-        the write stays in pending_saves; KeyError: its chat is gone, and so is the write."""
-        try:
-            self.store.update(message_id, text, finished=finished, stats=stats)
-        except ChatStoreError:
-            self.pending_saves[message_id] = (text, finished, stats, replaces)
-            raise
-        except KeyError:
-            self.pending_saves.pop(message_id, None)
-            raise
-        self.pending_saves.pop(message_id, None)
-        if replaces is not None and text:
-            self._drop(replaces)
-
-    def _drop(self, message_id: int) -> None:
-        """A stored message out (an empty reply, one a regeneration replaced); where the store fails, pending."""
-        try:
-            self.store.delete_message(message_id)
-            self.pending_drops.discard(message_id)
-        except ChatStoreError:
-            self.pending_drops.add(message_id)
-
-    def flush_pending(self) -> list[tuple[str, str]]:
-        """The writes the store refused, tried again -> (why, text) of each reply still not saved."""
-        left = []
-        for message_id, (text, finished, stats, replaces) in list(self.pending_saves.items()):
-            try:
-                self._write_reply(message_id, text, finished, stats, replaces)
-            except KeyError:  # its chat deleted meanwhile
-                pass
-            except ChatStoreError as err:
-                left.append((str(err), text))
-        for message_id in list(self.pending_drops):
-            self._drop(message_id)
-        return left
+        self.saver.save(reply, text, finished=True, stats=asdict(stats) if stats else None)
 
     async def _show_due(self, reply: _Reply) -> None:
         reply.redraw = None
@@ -569,15 +464,8 @@ class ChatScreen(Screen):
         reply.answer = answer
 
     def save_partial(self) -> list[tuple[str, str]]:
-        """Quitting: a reply being written is kept as far as it got, marked interrupted (one with no text yet, its prompt
-        still being read, is dropped as a stop drops it, and a reply it was to replace stays), with every pending write.
-        -> (why, text) of each reply the database would not take (the app prints them)."""
-        reply = self.reply
-        if reply is not None and reply.text:
-            self.pending_saves[reply.message_id] = (reply.text, False, None, reply.replaces.id if reply.replaces else None)
-        elif reply is not None:
-            self.pending_drops.add(reply.message_id)
-        return self.flush_pending()
+        """Quitting: the reply being written kept as far as it got, with every pending write (ReplySaver.save_partial)."""
+        return self.saver.save_partial(self.reply)
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:

@@ -1,19 +1,22 @@
-"""One message in the chat log (`MessageView`: role line, folded reasoning, Markdown answer in segments), the input box
-(`ChatInput`) and the pure helpers that decide what the log holds and where a streaming answer starts a new widget."""
+"""One message in the chat log (`MessageView`: role line, folded reasoning, Markdown answer in segments), the log itself
+(`ChatLog`: its window of the newest messages), the input box (`ChatInput`) and the pure helpers that decide what the log
+holds and where a streaming answer starts a new widget."""
 from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import ClassVar
 
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
-from textual.widgets import Collapsible, Label, Markdown, Static, TextArea
+from textual.widgets import Button, Collapsible, Label, Markdown, Static, TextArea
 
 from ...reasoning import reasoning_title, split_reasoning
+from ..guard import store_failures_noticed
 
 # A streaming answer moves on to a new Markdown widget past this many characters, at a blank line outside code: Textual
 # restyles and lays out every block of a Markdown widget each time one is added, so one widget per reply grew each draw's
@@ -197,3 +200,59 @@ class MessageView(Vertical, can_focus=True):
             return
         self.app.copy_to_clipboard(code)
         self.app.notify("code block copied")
+
+
+class ChatLog(VerticalScroll):
+    """The conversation's messages. Textual lays out every widget of the screen at each frame of a streaming reply (a
+    long answer's Markdown is about a hundred), so the log holds a conversation's latest LOG_CHARS, the rest behind a
+    button. `stored`: the conversation's stored messages, oldest first (none while no chat is open)."""
+
+    def __init__(self, stored: Callable[[], list], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.stored = stored
+
+    def views(self) -> list[MessageView]:
+        return [child for child in self.children if isinstance(child, MessageView)]
+
+    def earlier(self) -> list:
+        """The stored messages of the conversation before the log's first."""
+        views = self.views()
+        messages = self.stored() if views else []
+        ids = [m.id for m in messages]
+        return messages[:ids.index(views[0].message_id)] if views and views[0].message_id in ids else []
+
+    async def show_earlier_button(self) -> None:
+        """The button above the log's first message: how many come before it; none when none do."""
+        count = len(self.earlier())
+        for button in self.query("#earlier").results(Button):
+            if count:
+                button.label = earlier_label(count)
+            else:
+                await button.remove()
+            return
+        if count:
+            await self.mount(Button(earlier_label(count), id="earlier", compact=True), before=0)
+
+    @store_failures_noticed
+    async def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "earlier":
+            event.stop()
+            await self.show_earlier()
+
+    async def show_earlier(self) -> None:
+        """The next LOG_CHARS of older messages above the first shown, which is scrolled to the top: where the reader was."""
+        views, earlier = self.views(), self.earlier()
+        if not earlier:
+            return
+        await self.mount_all(window_views(earlier), before=views[0])
+        await self.show_earlier_button()
+        self.call_after_refresh(self.scroll_to_widget, views[0], animate=False, top=True)  # once laid out
+
+    async def fold_earlier(self) -> None:
+        """Messages beyond the window go back behind the button (a reply is about to stream)."""
+        views = self.views()
+        start = window_start([len(view.content) for view in views])
+        if start:
+            for view in views[:start]:
+                await view.remove()
+            await self.show_earlier_button()

@@ -1,0 +1,107 @@
+"""`ReplySaver`: the chat screen's reply into the chat store as it streams (stored unfinished at its start, saved again at
+most every SAVE_INTERVAL_S, finished at its end), and the writes the store refused (the disk full, the database locked):
+kept, tried again before the next reply and at quit, and what still fails given back to be printed."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStoreError
+
+if TYPE_CHECKING:
+    from textual.dom import DOMNode
+
+    from .screens.chat import _Reply
+
+RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQLite's busy timeout on this thread)
+
+
+class ReplySaver:
+    """The screen's writes of its replies: `save_due` while one streams, `save` at its end, `drop` for a message to go,
+    `flush` before the next reply, `save_partial` at quit."""
+
+    def __init__(self, owner: DOMNode) -> None:
+        self.owner = owner  # the chat screen: its app's store, notices and engine thread
+        # writes the store refused (the disk full, locked), tried again before the next reply and at quit:
+        self.pending_saves: dict[int, tuple[str, bool, dict | None, int | None]] = {}  # id -> text, finished, stats, replaces
+        self.pending_drops: set[int] = set()  # messages to go (an empty reply, a replaced one)
+
+    @property
+    def app(self):
+        return self.owner.app
+
+    def save_due(self, reply: _Reply) -> None:
+        """A streaming reply saved if its last save is SAVE_INTERVAL_S old (RETRY_S once a save failed)."""
+        if time.monotonic() - reply.saved_at >= (RETRY_S if reply.save_failed else SAVE_INTERVAL_S):
+            self.save(reply, reply.text, finished=False)
+            reply.saved_at = time.monotonic()
+
+    def save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None) -> None:
+        """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
+        (another moechat on the same chats): said once, and the reply, which has nowhere to go, stopped. The database
+        failing (the disk full, locked): said once; the reply streams on, on screen, and the write stays pending."""
+        try:
+            self._write(reply.message_id, text, finished, stats, reply.replaces.id if reply.replaces else None)
+        except KeyError:
+            if reply.orphan:
+                return
+            reply.orphan = True
+            if not reply.ended:
+                self.app.bridge.stop()
+            self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+            return
+        except ChatStoreError as err:
+            if not reply.save_failed:
+                reply.save_failed = True
+                self.app.notify(f"{err}; this reply is not saved yet: it stays on screen, and c on it copies it",
+                                severity="error", timeout=15)
+            return
+        if text:
+            reply.replaces = None
+
+    def _write(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None) -> None:
+        """A reply into the store, and the one it replaces out once it has text. Where the store fails (ChatStoreError)
+        the write stays in pending_saves; KeyError: its chat is gone, and so is the write."""
+        try:
+            self.app.store.update(message_id, text, finished=finished, stats=stats)
+        except ChatStoreError:
+            self.pending_saves[message_id] = (text, finished, stats, replaces)
+            raise
+        except KeyError:
+            self.pending_saves.pop(message_id, None)
+            raise
+        self.pending_saves.pop(message_id, None)
+        if replaces is not None and text:
+            self.drop(replaces)
+
+    def drop(self, message_id: int) -> None:
+        """A stored message out (an empty reply, one a regeneration replaced); where the store fails, pending."""
+        try:
+            self.app.store.delete_message(message_id)
+            self.pending_drops.discard(message_id)
+        except ChatStoreError:
+            self.pending_drops.add(message_id)
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The writes the store refused, tried again -> (why, text) of each reply still not saved."""
+        left = []
+        for message_id, (text, finished, stats, replaces) in list(self.pending_saves.items()):
+            try:
+                self._write(message_id, text, finished, stats, replaces)
+            except KeyError:  # its chat deleted meanwhile
+                pass
+            except ChatStoreError as err:
+                left.append((str(err), text))
+        for message_id in list(self.pending_drops):
+            self.drop(message_id)
+        return left
+
+    def save_partial(self, reply: _Reply | None) -> list[tuple[str, str]]:
+        """Quitting: a reply being written is kept as far as it got, marked interrupted (one with no text yet, its prompt
+        still being read, is dropped as a stop drops it, and a reply it was to replace stays), with every pending write.
+        -> (why, text) of each reply the database would not take (the app prints them)."""
+        if reply is not None and reply.text:
+            self.pending_saves[reply.message_id] = (reply.text, False, None, reply.replaces.id if reply.replaces else None)
+        elif reply is not None:
+            self.pending_drops.add(reply.message_id)
+        return self.flush()
