@@ -189,7 +189,25 @@ def load_hf_config(model_dir: Path):
     return config
 
 
+# The oldest transformers moechat runs correctly (pyproject.toml's floor): before 5.15 DeepSeek-V2's attention caches its
+# expanded keys and values where moechat's KV cache holds the compressed latents (other tokens than transformers', or a
+# shape error), and before 5.13 transformers' own group-limited router fails.
+TRANSFORMERS_FLOOR = (5, 15)
+
+
+def check_transformers() -> None:
+    """Refuse in one line a transformers below the floor (installed past pip's resolver: --no-deps, a machine's image)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release[:2] < TRANSFORMERS_FLOOR:
+        floor = ".".join(map(str, TRANSFORMERS_FLOOR))
+        raise MoechatError(f"transformers {transformers.__version__} is older than {floor}, the oldest moechat runs "
+                           f"correctly: upgrade it (pip install -U 'transformers>={floor},<6')")
+
+
 def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> LoadedModel:
+    check_transformers()
     from transformers import AutoModelForCausalLM
 
     model_dir = Path(cfg.model_dir).expanduser()

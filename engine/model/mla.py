@@ -37,7 +37,7 @@ class AbsorbedMLA:
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask=None, cache=None, position_embeddings=None,
                  past_key_values=None, **kwargs):
-        named = "cache" if past_key_values is None else "past_key_values"  # transformers before 5.2x: past_key_values
+        named = "cache" if past_key_values is None else "past_key_values"  # transformers before 5.24: past_key_values
         cache = past_key_values if cache is None else cache
         if cache is None or hidden_states.shape[0] != 1 or hidden_states.shape[1] > MAX_ABSORBED:
             return self.hf_forward(hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings,

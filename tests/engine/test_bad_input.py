@@ -213,6 +213,26 @@ def test_draft_with_another_vocabulary(checkpoint, tmp_path):
     assert "different vocabulary" in one_line(err.value) and "--draft self" in str(err.value)
 
 
+@pytest.mark.parametrize("found", ["5.0.0", "5.14.1"])
+def test_a_transformers_below_the_floor_is_refused_in_one_line(checkpoint, monkeypatch, found):
+    """Before 5.15 DeepSeek-V2's greedy tokens differed from transformers' (its attention cached expanded keys and
+    values where moechat's cache holds latents); pip keeps the floor, an image or --no-deps does not."""
+    from pathlib import Path
+
+    from moechat.engine.model.loader import TRANSFORMERS_FLOOR
+
+    floor = ".".join(map(str, TRANSFORMERS_FLOOR))  # the one pip keeps
+    assert f'"transformers>={floor},<6"' in (Path(__file__).parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    path = checkpoint("deepseek_v2")  # built first: that can put another transformers module in sys.modules
+    monkeypatch.setattr("transformers.__version__", found)
+    with pytest.raises(MoechatError) as err:
+        load(path)
+    assert f"transformers {found} is older than {floor}" in one_line(err.value)
+    assert f"pip install -U 'transformers>={floor},<6'" in str(err.value)
+    monkeypatch.setattr("transformers.__version__", f"{floor}.0")
+    assert load(path).model.family.model_type == "deepseek_v2"
+
+
 def test_cache_budget_below_one_expert(checkpoint):
     with pytest.raises(BudgetError) as err:
         load(checkpoint("qwen3_moe"), expert_cache_bytes=100)
