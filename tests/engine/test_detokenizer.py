@@ -33,10 +33,24 @@ def stream(tok, ids, stop=(), step=1):
     return "".join(out), d
 
 
-@pytest.fixture(params=["tiny", "demo"])
+def byte_fallback_tokenizer():
+    """Mixtral's kind, built here: SentencePiece-style BPE over `▁`-words with byte fallback, where `<0x0A>` is a newline
+    and a character the vocab lacks (Ü, 日, 🙂) is its UTF-8 bytes, one `<0xNN>` token each."""
+    from transformers import LlamaTokenizer
+
+    chars = [chr(c) for c in range(33, 127)]
+    words = ["▁t", "▁th", "▁the", "▁s", "▁se", "▁sea"]
+    vocab = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["▁"] + chars + words
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("▁", "s"), ("▁s", "e"), ("▁se", "a")]
+    return LlamaTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=merges)
+
+
+@pytest.fixture(params=["tiny", "demo", "byte-fallback"])
 def tok(request, tokenizer):
     if request.param == "tiny":
         return tokenizer
+    if request.param == "byte-fallback":
+        return byte_fallback_tokenizer()
     from transformers import AutoTokenizer
 
     from moechat.app.demo import DEMO_MODEL
@@ -82,3 +96,15 @@ def test_each_id_is_decoded_once(tok):
     text, _ = stream(counting, ids)
     assert text == tok.decode(ids, skip_special_tokens=True)
     assert counting.decodes == 1  # the final text only; a full decode per step would be len(ids) of them
+
+
+def test_byte_fallback_text_a_later_byte_turns_into_u_fffd_is_not_streamed():
+    """Byte fallback decodes a run of byte tokens as one: a run that is not valid UTF-8 is U+FFFD for every byte, those
+    of a whole character before included. A newline, half an emoji and a word raised in tokenizers' DecodeStream (the
+    reply ended in an error); 中 then a byte that starts no character was streamed, then taken back by the full decode."""
+    tok = byte_fallback_tokenizer()
+    for tokens in (["▁the", "<0x0A>", "<0xF0>", "<0x9F>", "▁sea"], ["▁the", "<0xE4>", "<0xB8>", "<0xAD>", "<0xE6>"]):
+        ids = tok.convert_tokens_to_ids(tokens)
+        for step in (1, 2):
+            text, d = stream(tok, ids, step=step)
+            assert text == d.text == tok.decode(ids, skip_special_tokens=True)
