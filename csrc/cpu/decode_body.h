@@ -598,8 +598,8 @@ inline void router_topk(const float* x, const float* W, int64_t T, int64_t E, in
         float kept = 0.f;
         for (int64_t j = 0; j < k; ++j) {  // k passes: k is small (2-16)
             int64_t best = -1;
-            for (int64_t e = 0; e < E; ++e)
-                if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            for (int64_t e = 0; e < E; ++e)  // a NaN (a NaN or infinite logit) is a candidate: k real experts, NaN weights
+                if (!(p[e] < 0.f) && (best < 0 || p[e] > p[best])) best = e;
             experts[t * k + j] = best;
             weights[t * k + j] = p[best] / total;
             kept += weights[t * k + j];

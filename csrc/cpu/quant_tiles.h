@@ -74,14 +74,17 @@ void qmat_scalar(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, f
 
 #ifdef MOE_X86
 // One whole block of 32 as the loop below quantizes it (max is order-free, vcvtps2dq rounds half to even as
-// nearbyint does under the default rounding mode, the sum is exact): the same bytes and scales.
+// nearbyint does under the default rounding mode, the sum is exact): the same bytes and scales; a NaN makes dx NaN.
 __attribute__((target("avx2"))) inline void quantize_block_avx2(const float* xr, int8_t* q, float* d, float* ds) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 x[4], top = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) x[i] = _mm256_loadu_ps(xr + 8 * i), top = _mm256_max_ps(top, _mm256_and_ps(x[i], abs_mask));
+    __m256 x[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();  // maxps drops a NaN: found apart
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(xr + 8 * i), top = _mm256_max_ps(top, _mm256_and_ps(x[i], abs_mask));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x[i], x[i], _CMP_UNORD_Q));
+    }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float amax = _mm256_movemask_ps(nan) ? NAN : _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
     const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
     __m256i c[4], sum = _mm256_setzero_si256();
@@ -101,7 +104,8 @@ __attribute__((target("avx2"))) inline void quantize_block_avx2(const float* xr,
 #endif
 
 // Quantize T rows of fp32 activations x [T, K] (row stride ldx) into q [T, kp], d, ds; whole blocks in AVX2 unless `isa`
-// is SCALAR. Bit-identical to formats.quantize_activations: dx = amax/127, q = round-half-even(x·(1/dx)).
+// is SCALAR. Bit-identical to formats.quantize_activations: dx = amax/127, q = round-half-even(x·(1/dx)); a block holding a
+// NaN gets dx NaN, as the twin's amax does, so that its products are NaN (std::max and maxps would drop it: finite garbage).
 void quantize_acts(const float* x, int64_t ldx, int64_t K, int T, int64_t kp, int8_t* q, float* d, float* ds, Isa isa) {
     const int64_t nb = kp / 32;
 #ifdef MOE_X86
@@ -121,11 +125,14 @@ void quantize_acts(const float* x, int64_t ldx, int64_t K, int T, int64_t kp, in
             }
 #endif
             float amax = 0.f;
-            for (int64_t k = 32 * b; k < std::min(K, 32 * b + 32); k++) amax = std::max(amax, std::fabs(xr[k]));
+            for (int64_t k = 32 * b; k < std::min(K, 32 * b + 32); k++) {
+                const float a = std::fabs(xr[k]);
+                amax = a > amax || a != a ? a : amax;  // a NaN stays
+            }
             const float db = amax / 127.f, inv = db > 0.f ? 1.f / db : 0.f;
             int32_t sum = 0;
-            for (int64_t k = 32 * b; k < 32 * b + 32; k++) {
-                const int qi = std::max(-127, std::min(127, int(std::nearbyint(k < K ? xr[k] * inv : 0.f))));
+            for (int64_t k = 32 * b; k < 32 * b + 32; k++) {  // clamped before the cast: a NaN (NaN or inf · 0) casts to 127
+                const int qi = int(std::nearbyint(std::max(-127.f, std::min(127.f, k < K ? xr[k] * inv : 0.f))));
                 q[t * kp + k] = int8_t(qi);
                 sum += qi;
             }

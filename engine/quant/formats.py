@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import pinned
@@ -268,19 +269,27 @@ def _fit_int4(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return d.reshape(b.shape[:-1]), m.reshape(b.shape[:-1])
 
 
+def _sum(t: torch.Tensor) -> torch.Tensor:
+    """t [N, 32] -> [N], each row summed left to right as fit_q4 sums it (a CPU cumsum runs in order): sum(-1) adds in
+    another order, whose last bits decide between candidates of (nearly) equal error (a block of one value and zeros)."""
+    return t.cumsum(-1)[:, -1]
+
+
 def _fit_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, 32] float64 -> (d, m) [N] fp32: _fit_int4 for N blocks."""
     lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)  # [N, 1]
     span = hi - lo
-    w = x.abs() + (x.square().sum(-1, keepdim=True) / 32).sqrt()  # [N, 32]
-    sw, sx, sxx = w.sum(-1), (w * x).sum(-1), (w * x * x).sum(-1)  # [N]
+    # rms by numpy: correctly rounded, as fit_q4's std::sqrt (torch's float64 sqrt is 1 ulp off for about 1 % of values)
+    rms = torch.from_numpy(np.sqrt((_sum(x.square()) / 32).cpu().numpy())).to(x.device)
+    w = x.abs() + rms[:, None]  # [N, 32]
+    sw, sx, sxx = _sum(w), _sum(w * x), _sum(w * x * x)  # [N]
     # scalar / tensor runs as a product with the reciprocal in PyTorch: tensor / tensor divides, as the native twin does
     d, m, best = (span / torch.full_like(span, 15.0)).squeeze(-1), lo.squeeze(-1), torch.full_like(sw, float("inf"))
     valid = span.squeeze(-1) > 0
     for i in range(21):
         iscale = torch.full_like(span, 14 + 0.1 * i) / span.clamp_min(1e-300)
         u = torch.round((x - lo) * iscale).clamp_(0, 15)  # [N, 32] this candidate's codes
-        sl, sl2, sxl = (w * u).sum(-1), (w * u * u).sum(-1), (w * x * u).sum(-1)
+        sl, sl2, sxl = _sum(w * u), _sum(w * u * u), _sum(w * x * u)
         det = sw * sl2 - sl * sl
         dd, mm = (sw * sxl - sx * sl) / det, (sl2 * sx - sl * sxl) / det  # least squares for d and m given the codes
         # Σ w (d u + m − x)² expanded, in the native twin's order (float64 keeps the cancellation far below the error)

@@ -158,6 +158,23 @@ def test_router_topk_equals_its_twin(T, E, H, k, normalize):
         torch.testing.assert_close(weights.sum(-1), torch.ones(T))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_router_topk_on_a_non_finite_row_names_real_experts_with_nan_weights(bad):
+    """A NaN or infinite hidden state makes the row's probabilities NaN: the twin (torch.topk) still names k experts, with
+    NaN weights, which the engine's non-finite logits check then reports. The kernel took no expert (-1) and read and wrote
+    before the row (the first row: before the buffer, a heap corruption); here the second row, so that it fails cleanly."""
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(3, 32, generator=gen), torch.randn(16, 32, generator=gen) / 32 ** 0.5
+    x[1, 5] = bad
+    weights, experts = decode_ops.router_topk(x, w, 4, True)
+    want_w, want_e = decode_ops.router_topk_torch(x, w, 4, True)
+    assert bool(((experts >= 0) & (experts < 16)).all()) and all(len(set(row)) == 4 for row in experts.tolist())
+    assert bool(weights[1].isnan().all()) and bool(want_w[1].isnan().all())
+    for t in (0, 2):  # the finite rows as before
+        assert torch.equal(experts[t], want_e[t])
+        torch.testing.assert_close(weights[t], want_w[t], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: widened once for T > 1 rows, as read for 1
 @pytest.mark.parametrize("T,R,K", [(1, 384, 192), (5, 96, 37), (9, 4096, 64), (3, 2048, 2048)])  # 37: a tail past 16 lanes
 @pytest.mark.parametrize("bias", [True, False])

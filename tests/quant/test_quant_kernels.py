@@ -166,6 +166,24 @@ def test_expert_ffn_equals_the_twin(isa, fmt, x_dtype):
 @needs_native
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_a_nan_activation_gives_nan_outputs_as_in_the_twin(isa, fmt):
+    """A NaN in a token's activations makes its block's dx NaN in the twin (amax keeps it), so every product of that token
+    is NaN and the engine's check of the logits reports it. The kernels' max dropped the NaN: a finite scale, made-up
+    codes, finite garbage for the token (phase 2 dropped the NaN of silu(NaN) again)."""
+    x, gu, dn, experts, offsets, rows, w = case(64, 32, [2, 1], fmt)
+    x[rows[0], 40] = float("nan")
+    ref = cpu_ffn.moe_ffn_torch(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, 64))
+    out = cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(5, 64), isa=isa)
+    assert bool(ref[rows[0]].isnan().all()) and torch.equal(out.isnan(), ref.isnan())
+    y, want = cpu_ffn.q_linear(x, gu[0], isa=isa), formats.linear(x, gu[0])
+    assert bool(want[rows[0]].isnan().all()) and torch.equal(y.isnan(), want.isnan())
+    _, d, _ = cpu_ffn.quantize_activations(x, isa)
+    assert torch.equal(d.isnan(), formats.quantize_activations(x)[1].isnan())  # that block's scale alone
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_tokens_result_does_not_depend_on_its_batch(isa, fmt):
     """Lossless speculative decoding needs this: verifying γ+1 tokens gives each the bits it gets alone, whether the
     kernel takes them in one pass (VNNI: up to 10), in even passes (11 = 6 + 5) or on AMX tiles (int8, 11+)."""
@@ -336,6 +354,18 @@ def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
         twin, native_q = formats.quantize(w, fmt), cpu_ffn.quantize(w, fmt)
         for a, b in zip(twin.tensors(), native_q.tensors(), strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), shape  # bytes: torch.equal(-0., 0.) holds
+
+
+@needs_native
+@pytest.mark.parametrize("k", [1, 33, 257])
+def test_native_int4_fit_is_the_twin_bit_for_bit_on_blocks_of_one_value(k):
+    """A block of one weight and zeros (the padded tail of a width that is not a multiple of 32, or a pruned block) fits
+    every candidate with an error of about 1e-20: which one wins is decided by the sums' last bits, so the twin must add
+    in fit_q4's order (torch's sum(-1) did not: other scales and codes in 11 of 16 rows at k = 1)."""
+    w = torch.randn(48, k, generator=torch.Generator().manual_seed(k)) * 0.1
+    twin, native_q = formats.quantize(w, "int4"), cpu_ffn.quantize(w, "int4")
+    for a, b in zip(twin.tensors(), native_q.tensors(), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "twin"])
