@@ -29,7 +29,7 @@ PARTS = {
     "attention": ("<built-in method torch._C._nn.scaled_dot_product_attention>", "decode_ops.py:attention_step"),
     "kv_cache": ("kv_cache.py:update", "kv_cache.py:crop", "kv_cache.py:reserve", "kv_cache.py:advance"),
     "sampling": ("verify.py:accept",),
-    "detokenize": ("generate.py:update", "generate.py:delta"),
+    "detokenize": ("detokenizer.py:update", "detokenizer.py:delta"),
 }
 # the scheduler's hooks the MoE layers call (the rest run between forwards): taken out of moe_layer
 IN_LAYER = ("moe_layer.py:split_tiers", "moe_layer.py:account", "moe_layer.py:account_layers")  # (the last: a stack's)
