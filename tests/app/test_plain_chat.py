@@ -129,18 +129,24 @@ def test_a_reply_stopped_with_ctrl_c_is_stored_as_stopped_not_cut(tmp_path, monk
     assert "moechat: stopped" in capsys.readouterr().err
 
 
-def test_ctrl_c_while_a_long_history_is_fitted_stops_that_message_not_the_chat(tmp_path, monkeypatch, capsys):
-    """Fitting a long conversation to the context takes a moment (0.4 s at 60 turns of the demo) before the reply starts:
-    a Ctrl-C there ended `moechat chat` ("interrupted", exit 130) and the lines after it were never read."""
+def interrupt_the_fit_of(n: int, monkeypatch) -> list[str]:
+    """Ctrl-C while the n-th message is fitted to the context -> the messages fitted, as they come."""
     calls = []
 
     def fit(engine, messages, reply_room):
         calls.append(messages[-1]["content"])
-        if len(calls) == 1:
+        if len(calls) == n:
             raise KeyboardInterrupt
         return messages, ""
 
     monkeypatch.setattr("moechat.app.history.fit_for_engine", fit)
+    return calls
+
+
+def test_ctrl_c_while_a_long_history_is_fitted_stops_that_message_not_the_chat(tmp_path, monkeypatch, capsys):
+    """Fitting a long conversation to the context takes a moment (0.4 s at 60 turns of the demo) before the reply starts:
+    a Ctrl-C there ended `moechat chat` ("interrupted", exit 130) and the lines after it were never read."""
+    calls = interrupt_the_fit_of(1, monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n"))
     with ChatStore(tmp_path / "chats.sqlite3") as store:
         try:
@@ -156,15 +162,7 @@ def test_ctrl_c_while_a_long_history_is_fitted_stops_that_message_not_the_chat(t
 def test_ctrl_c_while_the_next_message_is_fitted_keeps_the_turns_before(tmp_path, monkeypatch, capsys):
     """A Ctrl-C before the second message was stored took back the first turn's rows instead (the Keeper still held
     them), and with them the chat that turn had started: the whole conversation was deleted from the store."""
-    calls = []
-
-    def fit(engine, messages, reply_room):
-        calls.append(messages[-1]["content"])
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return messages, ""
-
-    monkeypatch.setattr("moechat.app.history.fit_for_engine", fit)
+    calls = interrupt_the_fit_of(2, monkeypatch)
     monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\nthird\n"))
     with ChatStore(tmp_path / "chats.sqlite3") as store:
         assert plain_chat._chat(Streaming(["Hi."]), plain_chat.Keeper(store, None), SamplingParams(), remote=False) == 0
