@@ -12,6 +12,17 @@ def _special_stops(tokenizer, stop: list[str]) -> set[int]:
             and not tokenizer.decode([i], skip_special_tokens=True)}
 
 
+def _cleans_spaces(tokenizer, backend) -> bool:
+    """Whether the tokenizer's decode joins what its backend's leaves apart (" ." -> "."): a setting transformers
+    ignores for BPE models, so it is asked of the decode itself."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    if backend is None:
+        return True
+    ids = backend.encode("a . b , c ? d ! e 's", add_special_tokens=False).ids
+    return tokenizer.decode(ids, skip_special_tokens=True) != backend.decode(ids, skip_special_tokens=True)
+
+
 def _byte_ids(backend) -> set[int]:
     """The ids of byte-fallback tokens (`<0x0A>`, Mixtral's): the decoder writes a run of them as one, U+FFFD for every
     byte when the run is not valid UTF-8, so the text a run gave so far can change with its next byte."""
@@ -23,7 +34,7 @@ class Detokenizer:
     after that one for context (a decoder strips the first token's space): O(1) per token, where decoding every id
     again each step was quadratic in the reply. Text is settled, and streamed, up to an id that ends neither in an
     incomplete character nor in a run of byte tokens. The final text is one full decode. Tokenizers without a Rust
-    backend, or that clean up spaces across tokens, decode in full each step."""
+    backend, or whose decode cleans up spaces across tokens, decode in full each step."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
@@ -35,8 +46,8 @@ class Detokenizer:
         self._settled = ""  # the text of ids[:_ctx + 1] (none at first), final: a later id does not change it
         self._ctx, self._ctx_text = 0, ""  # ids[_ctx:] are decoded each step; ids[_ctx] alone gives _ctx_text
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._backend = None
-        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        self._backend, self._cleans = None, tokenizer is not None and _cleans_spaces(tokenizer, backend)
+        if backend is not None and not self._cleans:
             self._backend, self._bytes = backend, _byte_ids(backend)
 
     def update(self, ids: list[int]) -> None:
@@ -53,7 +64,8 @@ class Detokenizer:
         self._searched = min(self._searched, len(self._settled))  # the text after the settled may change
         if self._backend is None:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            self._settled = text.rstrip("\ufffd")
+            settled = text.rstrip("\ufffd")  # a clean-up can still drop a space 4 characters back: " n'" + "t" -> "n't"
+            self._settled = settled[: max(0, len(settled) - 4)] if self._cleans else settled
         else:
             text = self._decode_tail(ids)
         self.text = self._cut(text)

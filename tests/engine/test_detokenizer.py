@@ -108,3 +108,20 @@ def test_byte_fallback_text_a_later_byte_turns_into_u_fffd_is_not_streamed():
         for step in (1, 2):
             text, d = stream(tok, ids, step=step)
             assert text == d.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_clean_up_setting_the_decode_ignores_costs_no_full_decodes(tokenizer_dir):
+    """OLMoE's tokenizer sets `clean_up_tokenization_spaces`, which transformers ignores for BPE models: its text is
+    decoded once, not in full at each step; a decode that does clean up (forced here) is followed exactly."""
+    from transformers import AutoTokenizer
+
+    ids = None
+    for force in (False, True):
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir, clean_up_tokenization_spaces=True,
+                                            clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=force)
+        ids = ids or tok("Is it so ? Yes , it is . It 's there !")["input_ids"]
+        counting = Counting(tok)
+        text, _ = stream(counting, ids)
+        assert text == tok.decode(ids, skip_special_tokens=True)
+        assert (" ?" in text) is not force  # the forced decode cleaned the spaces up, the other one kept them
+        assert counting.decodes == 1 + (len(ids) if force else 1)  # the clean-up's probe, then each step or the end
