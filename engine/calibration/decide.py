@@ -19,6 +19,7 @@ cache ratio, γ's copy times) is made with.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -66,7 +67,8 @@ def unit_costs(meas: Measurements, top_k: int, num_experts: int, draft_len: int,
     """The balancer's unit costs (MoE-SpAc Eq. 7-12) from the profile's timings, at the tokens per expert of a
     verification window (γ+1 tokens over D(γ+1) distinct experts), for experts of `expert_bytes` (timings of
     another format scale with the bytes: the kernels and copies are bound by them). Figures the profile lacks
-    (no GPU: device and copies) keep the built-in defaults, and `source` says which."""
+    (no GPU: device and copies), or holds damaged (NaN, infinite, negative), keep the built-in defaults, and
+    `source` says which."""
     t = draft_len + 1
     n = t * top_k / distinct_experts(t, num_experts, top_k)  # tokens per distinct expert
     scale = _bytes_scale(meas, expert_bytes)
@@ -79,6 +81,7 @@ def unit_costs(meas: Measurements, top_k: int, num_experts: int, draft_len: int,
         found["io_s"] = expert_bytes / meas.h2d_pinned_bytes_s
     if meas.draft_s_per_token:
         found["draft_s"] = meas.draft_s_per_token
+    found = {k: v for k, v in found.items() if math.isfinite(v) and v >= 0}  # a damaged figure (NaN, inf, < 0): not measured
     missing = [name for name in ("cpu_s", "device_s", "io_s", "draft_s") if name not in found]
     source = "built-in defaults" if not found else "profile" if not missing else \
         f"profile; built-in defaults for {', '.join(missing)}"

@@ -38,6 +38,20 @@ def test_unit_costs_from_the_profile():
     assert cpu_decode_seconds(Measurements(expert_bytes=MB), 8, 2, MB) is None
 
 
+
+def test_a_damaged_profile_figure_keeps_the_built_in_default():
+    """A NaN, infinite or negative figure in a profile (a damaged or hand-edited file) is not a cost: the balancer
+    keeps the built-in default for it and `source` names it, instead of every engine load failing with
+    'cpu_s must be non-negative, got nan'."""
+    meas = Measurements(expert_bytes=MB, h2d_pinned_bytes_s=-1.0, cpu_s_per_expert=[float("nan")] * 9,
+                        device_s_per_expert=[1e-3] * 9, draft_s_per_token=float("inf"))
+    c = unit_costs(meas, top_k=2, num_experts=6, draft_len=8, expert_bytes=MB)
+    d = UnitCosts()
+    assert (c.cpu_s, c.device_s, c.io_s, c.draft_s) == (d.cpu_s, 1e-3, d.io_s, d.draft_s)
+    assert c.source == "profile; built-in defaults for cpu_s, io_s, draft_s"
+    inf_cpu = unit_costs(measured(float("inf")), 2, 6, 8, MB)
+    assert inf_cpu.cpu_s == d.cpu_s and inf_cpu.source == "profile; built-in defaults for cpu_s"
+
 def _tau(meas: Measurements) -> int:
     """τ of one layer after the step of test_sched's balancer example (f = s = [4, 3, 2, 1, 0, 0])."""
     bal = WorkloadBalancer(1, utility_bound=4, draft_len=8, costs=unit_costs(meas, 2, 6, 8, MB), cpu_cost="distinct")

@@ -53,11 +53,13 @@ def snapshot(p, table: SlotTable) -> tuple:
 
 
 def drive(policy, x: torch.Tensor, experts: int, slots: int, window: int, prompt: int, accept: float | None,
-          skip_idle: bool = False):
+          skip_idle: bool = False, idle_layer: int | None = None, fail_every: int = 0):
     """The engine's calls on one table: a prefill of `prompt` tokens, then per window of the rest a
     draft phase (the first ⌊accept·w⌋ tokens' routing summed per layer: every layer, as the
     simulator calls it, or with `skip_idle` only the layers with demand, as the runtime does), then
-    the verification. Yields a snapshot per forward."""
+    the verification. `idle_layer`: a layer no token routes through in the verifications; `fail_every`:
+    every n-th verification fails half-way (its first layers ran, no on_forward_end). Yields a snapshot
+    per forward."""
     T, L, k = x.shape
     table = SlotTable(L, experts, slots, expert_bytes=1)
     policy.bind(table, top_k=k)
@@ -67,15 +69,20 @@ def drive(policy, x: torch.Tensor, experts: int, slots: int, window: int, prompt
         seen = int(accept * min(window, T - start)) if accept is not None else 0
         if seen:
             phases.append(("draft", counts_of(x[start:start + seen], experts)))
-        phases.append(("verify", counts_of(x[start:start + window], experts)))
-    for phase, counts in phases:
-        for li in range(L):
+        counts = counts_of(x[start:start + window], experts)
+        if idle_layer is not None:
+            counts[idle_layer] = 0
+        phases.append(("verify", counts))
+    for i, (phase, counts) in enumerate(phases):
+        failed = fail_every and phase == "verify" and i % fail_every == 0
+        for li in range(L // 2 + 1 if failed else L):
             if skip_idle and phase == "draft" and not counts[li].any():
                 continue
             policy.before_layer(li, counts[li])
             policy.after_layer(li)
             policy.on_layer(li, counts[li], phase)
-        policy.on_forward_end(phase)
+        if not failed:
+            policy.on_forward_end(phase)
         yield snapshot(policy, table)
 
 
@@ -110,6 +117,36 @@ def test_spac_takes_the_reference_decisions(impl, settings, draft_len, ratio, ac
     if accept and settings.get("lookahead", True):
         assert ref[-1][-2] > 0  # and prefetched while drafting
 
+
+
+EDGES = {  # (experts, top-k, scheduler settings, draft length, slots, lookahead acceptance, drive's options)
+    "no fast tier": (12, 2, dict(), 4, 0, 0.6, {}),
+    "every expert fits": (12, 2, dict(), 4, 36, 0.6, {}),
+    "one slot": (12, 2, dict(utility_variant="paper"), 4, 1, 0.6, {}),
+    "K at least E": (4, 2, dict(utility_bound=8), 8, 3, 0.6, {}),
+    "K at least E, top-k = E": (4, 4, dict(utility_bound=16, demote="zero"), 8, 4, 1.0, {}),
+    "γ = 0": (12, 2, dict(), 0, 8, None, {}),
+    "γ = 0, paper": (12, 2, dict(utility_variant="paper"), 0, 8, 1.0, {}),
+    "a layer with no routed tokens": (12, 2, dict(), 4, 8, 0.6, dict(idle_layer=1)),
+    "steps after failed verifications": (12, 2, dict(), 4, 8, 0.6, dict(fail_every=3)),
+}
+
+
+@pytest.mark.parametrize("edge", EDGES)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_spac_takes_the_reference_decisions_at_the_edges(impl, edge):
+    """As above at the edges: no fast tier, all of it, one slot, K ≥ E, γ = 0, a layer with no tokens, a
+    verification that fails half-way; with equal CPU and device costs, so utilities and |T_cpu − T_gpu| tie."""
+    E, k, settings, draft_len, slots, accept, options = EDGES[edge]
+    x = routing(3, 60, 3, E, k)
+    costs = UnitCosts(cpu_s=0.1e-3, device_s=0.1e-3, io_s=0.05e-3, draft_s=0.5e-3)
+    make = lambda cls: cls(SchedulerConfig(policy="spac", **settings), draft_len=draft_len, costs=costs)  # noqa: E731
+    ours = list(drive(make(POLICY[impl]), x, E, slots, draft_len + 1, 5, accept, **options))
+    ref = list(drive(make(RefSpac), x, E, slots, draft_len + 1, 5, accept, **options))
+    assert len(ours) == len(ref) > 10
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a == b, f"forward {i} differs"
+    assert (ref[-1][2] > 0) == (slots > 0)  # experts moved wherever there is a fast tier
 
 def prefetcher(impl: str, table: SlotTable, L: int, E: int, K: int, demote: str) -> Prefetcher:
     if impl == "python":
