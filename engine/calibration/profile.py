@@ -43,7 +43,7 @@ class Profile:
     decisions: Decisions
     schema: int = SCHEMA
     created: str = field(default_factory=_now)  # UTC, ISO 8601
-    config_hash: str = ""  # model_digest of the model measured; "" (profiles written before it): not checked
+    config_hash: str = ""  # model_digest of the model measured; "" (profiles written before it): config.json's mtime
     budgets: dict[str, int] | None = None  # vram_budget_bytes, ram_budget_bytes, context_len decided for (unset: absent)
 
 
@@ -162,6 +162,16 @@ def measurements_from(raw: dict) -> Measurements:
     return _build(Measurements, raw, "measurements")
 
 
+def _written_after(model_dir: str, created: str) -> bool:
+    """Whether the model's config.json was written after a profile from before `config_hash` (its decisions were for that
+    model's sizes): a `git pull` that brought another demo model, a model downloaded again into its folder."""
+    try:
+        written = (Path(model_dir).expanduser() / "config.json").stat().st_mtime
+        return written > datetime.fromisoformat(created).timestamp() + 1  # `created` is cut to the second
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def _set_aside(path: Path, why: str) -> str:
     bad = path.with_name(path.name + ".bad")
     try:
@@ -194,7 +204,8 @@ def load_profile(fingerprint: str, key: str) -> tuple[Profile | None, str]:
         return None, _set_aside(path, "was measured on another machine")
     if profile.model != key:
         return None, _set_aside(path, f"belongs to another model ({profile.model})")
-    if profile.config_hash and profile.config_hash != model_digest(key):  # its decisions were for that model's sizes
+    changed = profile.config_hash != model_digest(key) if profile.config_hash else _written_after(key, profile.created)
+    if changed:  # its decisions were for that model's sizes
         return None, _set_aside(path, "was measured for another model at this path (its config.json changed since)")
     drafter = profile.decisions.drafter
     if drafter not in ("none", "self") and not Path(drafter).expanduser().is_dir():  # as the engine reads it

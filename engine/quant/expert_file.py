@@ -108,8 +108,10 @@ class QuantizedExperts:
             return "its meta.json is missing or unreadable"
         if not isinstance(meta, dict):
             return "its meta.json is not what moechat writes"
-        if meta.get("format_version") == 2:  # the same layout without stamps, its key only in its folder's name
-            meta = {**meta, "format_version": FORMAT_VERSION, "source": self.folder.name, "files": "unstamped"}
+        if meta.get("format_version") == 2:  # the same layout without stamps, its key only in its folder's name; its
+            # model named too, or a later update of the model left this copy of its experts for good
+            meta = {**meta, "format_version": FORMAT_VERSION, "source": self.folder.name, "files": "unstamped",
+                    "model_dir": self.model_dir}
         if meta.get("format_version") != FORMAT_VERSION:
             found = meta.get("format_version")
             return f"it was written by another moechat version (format {found}, this one reads {FORMAT_VERSION})"

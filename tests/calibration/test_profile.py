@@ -155,6 +155,26 @@ def test_a_profile_written_before_the_config_hash_still_loads(tmp_path):
     assert load_profile(FP, key) == (saved, "")
 
 
+@pytest.mark.notorch
+def test_a_profile_written_before_the_config_hash_is_set_aside_once_its_model_is_newer(tmp_path):
+    """A `git pull` past 2026-11-27 replaced the demo model (6 layers to 8) in the same folder: a profile calibrated for the
+    old demo, which records no config_hash, ran the new one on the old one's decisions and timings without a word."""
+    import os
+    from datetime import datetime
+
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 6}')
+    key = model_key(tmp_path)
+    saved = profile(key)
+    save_profile(saved)
+    calibrated = datetime.fromisoformat(saved.created).timestamp()
+    os.utime(tmp_path / "config.json", (calibrated - 3600, calibrated - 3600))  # the model it measured
+    assert load_profile(FP, key) == (saved, "")
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 8}')  # the pull, later
+    os.utime(tmp_path / "config.json", (calibrated + 3600, calibrated + 3600))
+    loaded, notice = load_profile(FP, key)
+    assert loaded is None and "was measured for another model at this path" in notice and "moechat calibrate" in notice
+
+
 @pytest.fixture
 def a_gpu(monkeypatch):
     """`--device cuda` resolves to an RTX 4090 on any machine (engine/placement.py), so the profile's GPU values apply."""

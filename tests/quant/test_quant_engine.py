@@ -477,6 +477,26 @@ def test_a_models_cache_from_before_its_files_changed_is_removed(tmp_path, monke
     assert new != old and sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted([new, other, int4])
 
 
+def test_a_format_2_cache_is_removed_once_its_model_changes(tmp_path, monkeypatch):
+    """A format 2 cache (2026-11-28 to 30) names no model in its meta.json; stamped as format 3 without one, it stayed for
+    good once its model was updated (16.9 GiB for Qwen3-30B-A3B in int4)."""
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(tmp_path / "cache"))
+    E, H, I = 2, 32, 16
+    gate_up, down = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    source = lambda li: iter([(0, formats.quantize(gate_up, "int8"), formats.quantize(down, "int8"))])  # noqa: E731
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    old = expert_file.open_quantized(model, "int8", 1, E, H, I, source).folder
+    meta = json.loads((old / "meta.json").read_text())
+    (old / "meta.json").write_text(json.dumps({k: meta[k] for k in ("fmt", "layers", "experts", "hidden", "inter")}
+                                              | {"format_version": 2}))  # as moechat wrote it then
+    assert expert_file.open_quantized(model, "int8", 1, E, H, I, source).folder == old  # stamped, not quantized again
+    (model / "config.json").write_text('{"revision": 2}')
+    new = expert_file.open_quantized(model, "int8", 1, E, H, I, source).folder
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [new.name]
+
+
 def test_a_process_that_ends_mid_build_leaves_no_private_folder(tmp_path):
     """A build on a daemon thread (the chat app's engine thread) when the process ends never reaches its `finally`: the
     half copy stayed until a later build found it untouched for ABANDONED_S, or for good if none came."""
