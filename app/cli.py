@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .. import __version__
+from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
 
@@ -226,7 +226,7 @@ def cmd_chat(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moechat", description="Chat with Mixture-of-Experts models larger than your GPU.")
-    parser.add_argument("--version", action="version", version=f"moechat {__version__}")
+    parser.add_argument("--version", action="version", version=version_text())
     parser.add_argument("--setup", action="store_true",
                         help="open the setup wizard (model, memory budgets, calibration), then the chat")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from .. import __version__
+from .. import __version__, commit
 
 GIB = 2**30
 MIN_RAM_AVAILABLE = 8 * GIB
@@ -87,7 +87,7 @@ def _versions(hw) -> dict:
         with warnings.catch_warnings():  # a CUDA build without a driver warns here; the problem list says it
             warnings.simplefilter("ignore")
             cuda_available = bool(torch.cuda.is_available())
-    return {"moechat": __version__, "python": platform.python_version(), "torch": hw.torch_version,
+    return {"moechat": __version__, "commit": commit(), "python": platform.python_version(), "torch": hw.torch_version,
             "cuda": hw.cuda_version, "cuda_available": cuda_available, "driver": hw.gpus[0].driver if hw.gpus else ""}
 
 
@@ -197,7 +197,8 @@ def render(report: dict) -> str:
     torch = f"PyTorch {v['torch']}" if v["torch"] else "PyTorch not installed"
     cuda = (f"CUDA {v['cuda']} ({'available' if v['cuda_available'] else 'not available'})" if v["cuda"]
             else "CPU build (no CUDA)")
-    lines.append(f"versions: moechat {v['moechat']}, Python {v['python']}, {torch}, {cuda}")
+    commit = f" (commit {v['commit']})" if v.get("commit") else ""
+    lines.append(f"versions: moechat {v['moechat']}{commit}, Python {v['python']}, {torch}, {cuda}")
     lines.append(f"native kernels: {report['native']['status']}")
     mine = ", ".join(prof["models"]) if prof["models"] else "none for this machine"
     lines.append(f"profiles: {prof['count']} in {prof['dir']}; {mine} (fingerprint {prof['fingerprint']})")

@@ -175,3 +175,23 @@ def test_a_flag_before_the_command_names_a_command_that_takes_it(argv, says, cap
         main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+@pytest.mark.notorch
+def test_version_names_the_checkouts_commit(tmp_path):
+    """moechat runs from its checkout: `--version` and `doctor` name the commit (loose or packed ref, or detached)."""
+    from moechat import commit, version_text
+
+    sha = "4782904aa0c1e2f3b4d5e6f708192a3b4c5d6e7f"
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    assert commit(tmp_path) == ""  # an unborn branch
+    (git / "packed-refs").write_text(f"# pack-refs with: peeled\n{sha} refs/heads/main\n")
+    assert commit(tmp_path) == sha[:9]
+    (git / "refs" / "heads" / "main").write_text(sha.replace("4", "5") + "\n")
+    assert commit(tmp_path) == sha.replace("4", "5")[:9]
+    (git / "HEAD").write_text(sha + "\n")
+    assert commit(tmp_path) == sha[:9]
+    assert commit(tmp_path / "elsewhere") == ""
+    assert version_text().startswith("moechat 0.1.0")
