@@ -211,7 +211,8 @@ OPTIONS: tuple[Option, ...] = (
            "before loading", "engine", unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the free VRAM",
            label="VRAM budget (GiB)", placeholder="free VRAM", metavar="GIB"),
     Option("ram_budget_gib", float, None, "all the RAM moechat may use: the experts, and without a GPU the weights and KV "
-           "cache, with 2 GiB (or 5%) left for the system; experts that do not fit are read from the mmap'd files", "engine",
+           "cache, with 2 GiB (or 5%) left for the system; when the experts do not all fit, all are read in place from the "
+           "mmap'd files (the OS page cache keeps what fits)", "engine",
            unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the available RAM",
            label="RAM budget (GiB)", placeholder="available RAM", metavar="GIB"),
     Option("quant", str, None, "routed experts' storage: none (the checkpoint's dtype), int8 or int4 (quantized once "

@@ -60,13 +60,12 @@ API int moe_cpu_isa_supported(int isa) { return isa == AUTO || cpu_has(Isa(isa))
 
 API int moe_cpu_resolve_isa(int isa, int w_dtype, int x_dtype) { return resolve(isa, w_dtype, x_dtype); }
 
-// experts [G] expert ids into gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I];
-// offsets [G+1]: activations offsets[g]..offsets[g+1] belong to group g; rows [S]: each
-// activation's token row in x [N, H]; row_weights [S] fp32; out [N, H] fp32, accumulated into.
-API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* offsets,
-                       const void* gate_up, const void* down, int w_dtype, int64_t hidden, int64_t inter,
-                       const void* x, int x_dtype, const int64_t* rows, const float* row_weights,
-                       float* out, int num_threads, int isa_req) {
+// Group g's expert through its own three matrices: gate[g] and up[g] [I, H], down[g] [H, I] (each contiguous,
+// anywhere: the disk tier's per-expert tensors of a mapped checkpoint); the rest as moe_expert_ffn.
+API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void* const* gate, const void* const* up,
+                            const void* const* down, int w_dtype, int64_t hidden, int64_t inter,
+                            const void* x, int x_dtype, const int64_t* rows, const float* row_weights,
+                            float* out, int num_threads, int isa_req) {
     if (w_dtype < F32 || w_dtype > F16 || x_dtype < F32 || x_dtype > F16) return -1;
     if (hidden <= 0 || inter <= 0 || n_groups < 0) return -3;
     Isa isa = resolve(isa_req, w_dtype, x_dtype);
@@ -128,11 +127,10 @@ API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* 
             const int64_t s0 = offsets[g];
             const int T = int(offsets[g + 1] - s0);
             if (T == 0) continue;
-            const char* base = static_cast<const char*>(gate_up) + size_t(experts[g]) * 2 * I * H * wsize;
             const void* X = bf16 ? static_cast<const void*>(&xs16[s0 * H]) : &xs[s0 * H];
             const uint16_t* P = amx ? &xp[g * H * AMX_N] : nullptr;
-            mat(base + i0 * H * wsize, nr, H, X, P, T, yg.data());
-            mat(base + (I + i0) * H * wsize, nr, H, X, P, T, yu.data());
+            mat(static_cast<const char*>(gate[g]) + i0 * H * wsize, nr, H, X, P, T, yg.data());
+            mat(static_cast<const char*>(up[g]) + i0 * H * wsize, nr, H, X, P, T, yu.data());
             for (int t = 0; t < T; t++)
                 for (int64_t r = 0; r < nr; r++)
                     h[(s0 + t) * I + i0 + r] = silu(yg[t * RB_ROWS + r]) * yu[t * RB_ROWS + r];
@@ -159,7 +157,7 @@ API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* 
                 const int64_t s0 = offsets[g];
                 const int T = int(offsets[g + 1] - s0);
                 if (T == 0) continue;
-                const char* base = static_cast<const char*>(down) + size_t(experts[g]) * H * I * wsize;
+                const char* base = static_cast<const char*>(down[g]);
                 const void* X = bf16 ? static_cast<const void*>(&h16[s0 * I]) : &h[s0 * I];
                 mat(base + j0 * I * wsize, nr, I, X, amx ? &hp[g * I * AMX_N] : nullptr, T, yd.data());
                 for (int t = 0; t < T; t++) {
@@ -172,4 +170,23 @@ API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* 
         if (amx) amx_end();
     });
     return 0;
+}
+
+// experts [G] expert ids into gate_up [E, 2I, H] (gate rows, then up rows) and down [E, H, I];
+// offsets [G+1]: activations offsets[g]..offsets[g+1] belong to group g; rows [S]: each
+// activation's token row in x [N, H]; row_weights [S] fp32; out [N, H] fp32, accumulated into.
+API int moe_expert_ffn(int64_t n_groups, const int64_t* experts, const int64_t* offsets,
+                       const void* gate_up, const void* down, int w_dtype, int64_t hidden, int64_t inter,
+                       const void* x, int x_dtype, const int64_t* rows, const float* row_weights,
+                       float* out, int num_threads, int isa_req) {
+    if (n_groups < 0) return -3;
+    const size_t wsize = w_dtype == F32 ? 4 : 2, matrix = size_t(inter) * size_t(hidden) * wsize;
+    std::vector<const void*> g(n_groups), u(n_groups), d(n_groups);
+    for (int64_t i = 0; i < n_groups; i++) {
+        g[i] = static_cast<const char*>(gate_up) + size_t(experts[i]) * 2 * matrix;
+        u[i] = static_cast<const char*>(g[i]) + matrix;
+        d[i] = static_cast<const char*>(down) + size_t(experts[i]) * matrix;
+    }
+    return moe_expert_ffn_ptrs(n_groups, offsets, g.data(), u.data(), d.data(), w_dtype, hidden, inter, x, x_dtype, rows,
+                               row_weights, out, num_threads, isa_req);
 }

@@ -56,6 +56,8 @@ def library() -> ctypes.CDLL | None:
     if lib is not None and not hasattr(lib, "_moe_typed"):
         lib.moe_expert_ffn.argtypes = _ARGTYPES
         lib.moe_expert_ffn.restype = ctypes.c_int
+        lib.moe_expert_ffn_ptrs.argtypes = [_I64, _P, _P, _P, _P, *_ARGTYPES[5:]]
+        lib.moe_expert_ffn_ptrs.restype = ctypes.c_int
         lib.moe_cpu_isa_supported.argtypes = [ctypes.c_int]
         lib.moe_cpu_resolve_isa.argtypes = [ctypes.c_int] * 3
         lib.moe_expert_ffn_q.argtypes = _Q_ARGTYPES
@@ -152,6 +154,29 @@ def moe_ffn_native(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, e
                               down.data_ptr(), DTYPE_CODE[gate_up.dtype], H, I2 // 2, x.data_ptr(),
                               DTYPE_CODE[x.dtype], rows.data_ptr(), row_weights.data_ptr(), out.data_ptr(),
                               threads or torch.get_num_threads(), ISA[_float_isa(isa)])
+    if code != 0:
+        raise RuntimeError(f"native expert FFN failed with code {code} (isa {_float_isa(isa)})")
+    return out
+
+
+def moe_ffn_native_ptrs(x: torch.Tensor, ptrs: torch.Tensor, w_dtype: torch.dtype, inter: int, offsets: torch.Tensor,
+                        rows: torch.Tensor, row_weights: torch.Tensor, out: torch.Tensor, threads: int | None = None,
+                        isa: str | None = None) -> torch.Tensor:
+    """moe_ffn_native with each group's expert as three matrices anywhere in memory (the disk tier's per-expert tensors of
+    a mapped checkpoint): ptrs [G, 3] int64, the addresses of its gate and up [I, H] and down [H, I], contiguous in
+    `w_dtype`, alive for the call. The same kernel, so the same bits as the stacked layer."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(native.notice("cpu"))
+    H = x.shape[1]
+    assert x.is_contiguous() and out.is_contiguous() and out.shape == (x.shape[0], H) and out.dtype == torch.float32
+    assert row_weights.dtype == torch.float32 and ptrs.dtype == torch.int64 and ptrs.shape == (len(offsets) - 1, 3)
+    gate, up, down = (ptrs[:, i].contiguous() for i in range(3))
+    offsets, rows, row_weights = offsets.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous(), row_weights.contiguous()
+    code = lib.moe_expert_ffn_ptrs(len(gate), offsets.data_ptr(), gate.data_ptr(), up.data_ptr(), down.data_ptr(),
+                                   DTYPE_CODE[w_dtype], H, inter, x.data_ptr(), DTYPE_CODE[x.dtype], rows.data_ptr(),
+                                   row_weights.data_ptr(), out.data_ptr(), threads or torch.get_num_threads(),
+                                   ISA[_float_isa(isa)])
     if code != 0:
         raise RuntimeError(f"native expert FFN failed with code {code} (isa {_float_isa(isa)})")
     return out
@@ -321,9 +346,13 @@ def usable(gate_up, x: torch.Tensor, max_tokens: int) -> bool:
     an fp32 model: a GEMM would convert the whole layer first); others up to NATIVE_MAX_TOKENS."""
     if x.dtype not in DTYPE_CODE or gate_up.device.type != "cpu" or not gate_up.is_contiguous() or library() is None:
         return False
-    if isinstance(gate_up, QuantMatrix):
-        return True
-    return gate_up.dtype in DTYPE_CODE and (max_tokens <= NATIVE_MAX_TOKENS or gate_up.dtype != x.dtype)
+    return isinstance(gate_up, QuantMatrix) or float_usable(gate_up.dtype, x, max_tokens)
+
+
+def float_usable(w_dtype: torch.dtype, x: torch.Tensor, max_tokens: int) -> bool:
+    """`usable` for float experts in `w_dtype` on the CPU, wherever they lie (moe_ffn_native_ptrs)."""
+    return (x.dtype in DTYPE_CODE and w_dtype in DTYPE_CODE and library() is not None
+            and (max_tokens <= NATIVE_MAX_TOKENS or w_dtype != x.dtype))
 
 
 def moe_ffn(x, gate_up, down, experts, offsets, rows, row_weights, out, max_tokens: int | None = None) -> torch.Tensor:

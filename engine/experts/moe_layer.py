@@ -248,28 +248,35 @@ def account_layers(rt: MoERuntime, lis: torch.Tensor, phase: str, counts: torch.
 def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, split: TierSplit,
              top_k: int) -> tuple[torch.Tensor, str]:
     """The CPU tier's activations split.cpu_pos [S_cpu] (grouped by split.cpu_expert, ascending) -> (y, layout):
-    "summed": the native kernel's per-token sums [N, H] fp32, where cpu_ffn.usable says so; "router": quantized
-    experts with every activation here, weighted outputs [S, H] in router order, the native kernel reading and writing
-    the rows itself; else "grouped": weighted outputs [S_cpu, H] in cpu_pos order from the grouped path, which also
-    serves the disk tier's per-expert views and sums in router order as transformers does."""
+    "summed": the native kernel's per-token sums [N, H] fp32, where cpu_ffn.usable says so (the disk tier's per-expert
+    tensors read in place by address: store.expert_pointers); "router": quantized experts with every activation here,
+    weighted outputs [S, H] in router order, the native kernel reading and writing the rows itself; else "grouped":
+    weighted outputs [S_cpu, H] in cpu_pos order from the grouped path, which also serves the disk tier's per-expert
+    views (a prefill's large groups, a dtype to convert) and sums in router order as transformers does."""
     cpu_pos, sizes = split.cpu_pos, split.cpu_sizes
     if rt.native_cpu and rt.store.quant != "none" and sizes is not None and len(cpu_pos) == len(w_h):
         y = cpu_ffn.routed_ffn_q(x_h, rt.store.gate_up[li], rt.store.down[li], cpu_pos, sizes, top_k)  # [S, H] fp32
         if y is not None:  # weighed as the grouped layout is: in x's dtype, promoted, then x's dtype
             return (y.mul_(w_h[:, None]) if x_h.dtype == torch.float32 else (y.to(x_h.dtype) * w_h[:, None])), "router"
-    views = rt.store.layer_views(li) if rt.native_cpu and rt.store.quant == "none" else None  # quantized: per activation
-    if views is not None:
+    store = rt.store
+    views = store.layer_views(li) if rt.native_cpu and store.quant == "none" else None  # quantized: per activation
+    ptrs = store.expert_pointers(li) if rt.native_cpu and views is None else None  # the disk tier's per-expert tensors
+    if views is not None or ptrs is not None:
         if sizes is not None:  # every activation is on the CPU: per-expert counts are known
             ids = sizes.nonzero().flatten()
             counts = sizes[ids]
         else:
             ids, counts = torch.unique_consecutive(split.cpu_expert, return_counts=True)
-        if cpu_ffn.usable(views[0], x_h, int(counts.max())):
+        if cpu_ffn.usable(views[0], x_h, int(counts.max())) if views is not None else \
+                cpu_ffn.float_usable(store.dtype, x_h, int(counts.max())):
             out = torch.zeros(x_h.shape[0], x_h.shape[1], dtype=torch.float32)  # [N, H]
             # beside a GPU the engine thread keeps one core busy launching kernels: leave it that core
             threads = torch.get_num_threads() - (rt.has_cpu_thread and torch.get_num_threads() > 1)
-            return cpu_ffn.moe_ffn_native(x_h.contiguous(), views[0], views[1], ids, cpu_ffn.group_offsets(counts),
-                                          cpu_pos // top_k, w_h[cpu_pos].float(), out, threads=threads), "summed"
+            x_c, offsets, rows, row_w = x_h.contiguous(), cpu_ffn.group_offsets(counts), cpu_pos // top_k, w_h[cpu_pos].float()
+            if views is None:
+                return cpu_ffn.moe_ffn_native_ptrs(x_c, ptrs[ids], store.dtype, store.inter, offsets, rows, row_w, out,
+                                                   threads=threads), "summed"
+            return cpu_ffn.moe_ffn_native(x_c, views[0], views[1], ids, offsets, rows, row_w, out, threads=threads), "summed"
     return cpu_experts(rt, li, x_h[cpu_pos // top_k], split.cpu_expert, sizes) * w_h[cpu_pos, None], "grouped"
 
 

@@ -66,6 +66,7 @@ class ExpertStore:
         self.gate_up: list = []  # per sparse layer [E, 2I, H] (RAM tier; quantized: also the mapped file's views)
         self.down: list = []  # per sparse layer [E, H, I]
         self.qfile: QuantizedExperts | None = None
+        self._pointers: dict[int, torch.Tensor | None] = {}  # disk tier: per layer, each expert's matrices' addresses
         if quant != "none":
             self._open_quantized(progress)
         elif not self.mmap:
@@ -237,6 +238,18 @@ class ExpertStore:
             if gate_up.dtype == down.dtype == self.dtype and gate_up.is_contiguous() and down.is_contiguous():
                 return gate_up, down
         return None
+
+    def expert_pointers(self, li: int) -> torch.Tensor | None:
+        """The disk tier's experts of one layer for the native kernel without a copy: [E, 3] int64, the addresses of each
+        expert's gate, up and down in the mapped checkpoint (cpu_ffn.moe_ffn_native_ptrs); None where a matrix is not
+        stored contiguous in the store's dtype (then converted per use) or the tier is another."""
+        if not self.mmap or self.quant != "none":
+            return None
+        if li not in self._pointers:
+            rows = [[*parts, down] for parts, down in (self._checkpoint_parts(li, e) for e in range(self.num_experts))]
+            usable = all(len(r) == 3 and all(t.dtype == self.dtype and t.is_contiguous() for t in r) for r in rows)
+            self._pointers[li] = torch.tensor([[t.data_ptr() for t in r] for r in rows]) if usable else None
+        return self._pointers[li]  # the mappings live as long as the checkpoint: the addresses stay valid
 
     def layer_tensors(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of one layer: gate_up [E, 2I, H], down [E, H, I] (a copy on the disk tier)."""

@@ -66,6 +66,21 @@ def test_native_equals_reference(isa, w_dtype, x_dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_dtype,x_dtype", DTYPES[:3], ids=lambda d: str(d).replace("torch.", ""))
+def test_experts_by_address_equal_the_stacked_layer(isa, w_dtype, x_dtype):
+    """moe_ffn_native_ptrs (the disk tier: each expert's gate, up and down wherever the mapped file holds them) gives
+    the stacked layer's bits, with the matrices copied apart in another order."""
+    for H, I, sizes in SHAPES:
+        x, gate_up, down, experts, offsets, rows, weights = case(H, I, sizes, w_dtype, x_dtype)
+        want = cpu_ffn.moe_ffn_native(x, gate_up, down, experts, offsets, rows, weights, torch.zeros(5, H), isa=isa)
+        apart = [(gate_up[e, I:].clone(), down[e].clone(), gate_up[e, :I].clone()) for e in experts.tolist()]
+        ptrs = torch.tensor([[g.data_ptr(), u.data_ptr(), d.data_ptr()] for u, d, g in apart])
+        got = cpu_ffn.moe_ffn_native_ptrs(x, ptrs, w_dtype, I, offsets, rows, weights, torch.zeros(5, H), isa=isa)
+        assert torch.equal(got, want), (isa, H, I, sizes)
+
+
+@needs_native
 def test_bf16_paths_match_torch_bf16_rounding():
     """Where activations are rounded to bf16, the result is as close to torch's own bf16 twin as
     torch bf16 is to float32: no path adds error beyond the format's."""
