@@ -11,6 +11,7 @@ from pathlib import Path
 from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
+from .terminal_text import for_terminal
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,12 +174,12 @@ def cmd_generate(args) -> int:
     print_notices(engine)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None
-    finished = None
+    finished, shown = None, for_terminal(sys.stdout)
     events = engine.generate(request, params, trace)
     try:
         for ev in events:
             if isinstance(ev, TokenDelta) and not args.json:
-                sys.stdout.write(ev.text)
+                sys.stdout.write(shown(ev.text))
                 sys.stdout.flush()
             elif isinstance(ev, Error):
                 return _fail(ev.message)
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch loads: OpenMP's idle threads sleep instead of spinning, so they do not take the cores the
     # native kernels' threads run on between PyTorch ops (measured: decode 28 -> 33 tok/s, docs/benchmarks.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "utf" not in (getattr(sys.stdout, "encoding", None) or "utf").lower():  # an ASCII or Latin-1 locale: what its
+        sys.stdout.reconfigure(errors="replace")  # encoding lacks is a "?" (it ended generate, and plain chat, reply lost)
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     flag = argv[0].split("=")[0] if argv and argv[0].startswith("-") else None

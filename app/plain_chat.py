@@ -8,6 +8,7 @@ import sys
 import time
 
 from .chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStore, ChatStoreError, title_from
+from .terminal_text import for_terminal
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
 
@@ -128,7 +129,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
 
     start = [{"role": "system", "content": kept.system}] if kept.system else []
     messages, said = list(start), ""
-    interactive = sys.stdin.isatty()
+    interactive, shown = sys.stdin.isatty(), for_terminal(sys.stdout)
     while True:
         try:
             text = input("you> " if interactive else "")
@@ -172,7 +173,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
             for ev in events:
                 if isinstance(ev, TokenDelta):
                     reply.append(ev.text)
-                    sys.stdout.write(ev.text)
+                    sys.stdout.write(shown(ev.text))
                     sys.stdout.flush()
                     if kept.due():
                         kept.reply("".join(reply), finished=False)

@@ -3,9 +3,11 @@ before the model loads (the bridge starts in on_mount) and routes what the engin
 chat screen. Importing this module imports no torch: the engine loads in the bridge's thread."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,12 +16,14 @@ from typing import ClassVar
 
 from textual.app import App
 from textual.binding import Binding
+from textual.filter import LineFilter
 
 from ..bridge import EngineBridge
 from ..chat_export import export_markdown
 from ..chats import ChatStore, ChatStoreError
 from ..options import SETTINGS_SAMPLING
 from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
+from ..terminal_text import CONTROLS
 from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
 from .guard import store_failures_noticed
@@ -32,6 +36,19 @@ DARK_LIGHT_THEMES = ("textual-dark", "textual-light")
 
 def textual_theme(name: str) -> str:
     return {"dark": DARK_LIGHT_THEMES[0], "light": DARK_LIGHT_THEMES[1]}.get(name, name)
+
+
+class ControlFilter(LineFilter):
+    """Drops the control characters of what the app draws (a reply's, a pasted message's): Textual drops only BEL, BS,
+    VT, FF and CR, so a reply's `ESC ]0;…` retitled the terminal and its `ESC [2J` cleared it. They take no cells in
+    Textual's layout, so the lines keep their widths."""
+
+    def apply(self, segments: list, background) -> list:
+        return [segment._replace(text=CONTROLS.sub("", segment.text))
+                if not segment.control and CONTROLS.search(segment.text) else segment for segment in segments]
+
+
+CONTROL_FILTER = ControlFilter()
 
 
 class MoechatApp(App):
@@ -60,6 +77,9 @@ class MoechatApp(App):
     def get_default_screen(self) -> ChatScreen:
         return self.chat
 
+    def get_line_filters(self) -> list[LineFilter]:
+        return [*super().get_line_filters(), CONTROL_FILTER]
+
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Chat actions only on the chat screen (the wizard and settings keep their own keys and footer); settings and
         the wizard once each: a second one under the first would write back what the first saved."""
@@ -76,6 +96,10 @@ class MoechatApp(App):
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
 
     def on_mount(self) -> None:
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # Windows, or not the main thread: as before
+            # `kill` (SIGTERM) quits as Ctrl+Q does: it ended the process with the terminal left in the app's screen,
+            # mouse and raw modes, and the reply being written unsaved since its last save
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self.exit)
         for notice in (self.settings_notice, self.apply_look(self.settings)):
             if notice:
                 self.notify(notice, severity="warning", timeout=10)
@@ -90,6 +114,8 @@ class MoechatApp(App):
                 self.store.changed_elsewhere()
             self.unsaved_replies = self.chat.save_partial()  # what the database would not take: run_tui prints it
         finally:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)  # a later SIGTERM: the default again
             self.bridge.close()
             self.store.close()
 

@@ -195,3 +195,29 @@ def test_version_names_the_checkouts_commit(tmp_path):
     assert commit(tmp_path) == sha[:9]
     assert commit(tmp_path / "elsewhere") == ""
     assert version_text().startswith("moechat 0.1.0")
+
+
+def test_generate_shows_a_replys_control_characters_on_a_terminal_and_writes_what_the_locale_can(checkpoint, monkeypatch):
+    """To a terminal, a reply's `ESC ]0;…BEL` retitled the window (it went raw); under an ASCII locale a reply's "é"
+    ended generate with "'ascii' codec can't encode", exit 1."""
+    import io
+
+    from moechat.app.cli import main
+    from moechat.engine import Engine, TokenDelta
+
+    class Terminal(io.BytesIO):
+        def isatty(self) -> bool:
+            return True
+
+    real = Engine.generate
+
+    def generate(self, *args, **kwargs):
+        yield TokenDelta("Caf\u00e9\x1b]0;owned\x07", [])
+        yield from real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", generate)
+    out = io.TextIOWrapper(Terminal(), encoding="ascii", errors="strict")
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
+    out.flush()
+    assert out.buffer.getvalue().decode("ascii").startswith("Caf?^[]0;owned^G")

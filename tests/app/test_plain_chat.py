@@ -171,3 +171,46 @@ def test_ctrl_c_while_the_next_message_is_fitted_keeps_the_turns_before(tmp_path
     assert calls == ["first", "second", "third"] and len(convs) == 1
     assert stored == [("user", "first"), ("assistant", "Hi."), ("user", "third"), ("assistant", "Hi.")]
     capsys.readouterr()
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_replys_escape_sequences_reach_a_terminal_as_caret_notation_and_the_store_as_they_are(tmp_path, monkeypatch,
+                                                                                                   tty):
+    """A reply's `ESC ]0;…BEL` retitled the user's terminal window and its `ESC [2J` cleared it: they went to it raw.
+    A pipe still gets the reply byte for byte."""
+    out = Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        run(Streaming(["Hi\x1b]0;owned\x07 ", "there\x1b[2J\x9b1m."]), store, "hello\n", monkeypatch)
+        stored = store.messages(store.conversations()[0].id)[-1].content
+    assert stored == "Hi\x1b]0;owned\x07 there\x1b[2J\x9b1m."
+    shown = "Hi^[]0;owned^G there^[[2JM-^[1m." if tty else stored
+    assert out.getvalue() == f"moechat> {shown}\n"
+
+
+class Closing(Streaming):
+    def close(self) -> None:
+        pass
+
+
+def test_a_reply_the_locales_encoding_cannot_write_is_kept_and_the_chat_goes_on(tmp_path, monkeypatch):
+    """Under an ASCII locale (PYTHONUTF8=0 LC_ALL=C) a reply's "é" ended the chat ("moechat: error: 'ascii' codec
+    can't encode ..."), exit 1, and the reply was lost: its row stayed empty and unfinished."""
+    from moechat.app.cli import main
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii", errors="surrogateescape")  # how Python opens it there
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    monkeypatch.setattr(plain_chat, "_open_engine", lambda args: (Closing(["Caf\u00e9 ", "\U0001f642."]), "fake", True))
+    monkeypatch.setattr(plain_chat, "ChatStore", lambda notice: ChatStore(tmp_path / "chats.sqlite3", notice=notice))
+    assert main(["chat", "--plain"]) == 0
+    out.flush()
+    assert out.buffer.getvalue().decode("ascii") == "moechat> Caf? ?.\n" * 2
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        stored = [m.content for m in store.messages(store.conversations()[0].id)]
+    assert stored == ["hello", "Caf\u00e9 \U0001f642.", "again", "Caf\u00e9 \U0001f642."]

@@ -190,6 +190,33 @@ def test_colours_follow_the_theme():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("bound", [4, 12])
+def test_without_colour_a_cell_shows_its_utility_and_residency_in_text(monkeypatch, bound):
+    """Utility was a background colour alone: under NO_COLOR (Textual draws in grey) level K came out darker than K-1
+    and 1 as 0, so the heatmap no longer said which experts were hot."""
+    monkeypatch.setenv("NO_COLOR", "1")
+
+    async def run():
+        app = Demo(stats=False)
+        async with app.run_test(size=(80, 16)) as pilot:
+            heatmap = app.query_one(ExpertHeatmap)
+            utility = [[0, 1, bound // 2, bound, bound + 1, 0] * 4] * 2  # in-use experts report K+1
+            resident = [[False, True, False, True, False, False] * 4] * 2
+            heatmap.update_frame(Frame(utility, resident, [1, 1], bound, "spac"))
+            await pilot.pause(2 * INTERVAL_S)
+            await pilot.pause()
+            row = heatmap.render_line(2)
+            marks = ["·", "1", "2", "4", "4", "·"] if bound == 4 else ["·", "1", "5", "9", "9", "·"]
+            assert row.text.split()[:2] == ["0", "".join(marks) * 4]
+            cells = [(char, bool(segment.style.reverse)) for segment in row if segment.text.strip(" ") and segment.text[0] in
+                     "·123456789" for char in segment.text]
+            assert cells[:6] == [(m, bool(r)) for m, r in zip(marks, resident[0])]
+            text = lines(heatmap)
+            assert any(line.startswith(f" utility 0-{bound}: · is 0") for line in text)
+            assert any(line.startswith(" 2 resident") for line in text)
+    asyncio.run(run())
+
+
 def test_stats_panel_formats_values_and_na():
     async def run():
         app = Demo(heatmap=False)

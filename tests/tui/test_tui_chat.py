@@ -937,3 +937,42 @@ async def test_a_long_conversation_shows_its_newest_messages_and_the_rest_behind
         stored = app.store.messages(chat.conv_id)
         assert shown() == [m.id for m in stored[window_start([len(m.content) for m in stored]):]]
         assert str(button().label) == f"▲ {len(stored) - len(shown())} earlier messages"
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_control_characters_in_a_chat_never_reach_the_terminal(tmp_path):
+    """A reply's `ESC ]0;…BEL` went to the terminal as it was (Textual drops only BEL, BS, VT, FF and CR): it retitled
+    the window and swallowed what followed; `ESC [2J` cleared the screen under the app."""
+    store_chat(tmp_path, "escapes", ("user", "say \x1b[31mred\x00"), ("assistant", "Done\x1b]0;owned\x07 here\x1b[2J\x9b1m."))
+    async with without_model(tmp_path) as (app, pilot):
+        await pilot.pause()
+        drawn = app.screen._compositor.render_full_update().render_segments(app.console)
+        assert "Done]0;owned here[2J1m." in drawn and "say [31mred" in drawn  # the text stays, its controls go
+        assert "\x1b]0;owned" not in drawn and "\x1b[2J" not in drawn and "\x9b" not in drawn and "\x1b[31mred" not in drawn
+        assert app.store.messages(app.chat.conv_id)[-1].content == "Done\x1b]0;owned\x07 here\x1b[2J\x9b1m."
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_sigterm_quits_as_ctrl_q_does_keeping_the_reply_being_written(tmp_path, stored):
+    """`kill` ended the app at once: the terminal stayed in its screen, mouse and raw modes, and the reply being written
+    lost what came after its last save."""
+    import os
+    import signal
+
+    caught: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))  # in place of the kill itself
+    try:
+        async with without_model(tmp_path) as (app, pilot):
+            view = await reply_view(app.chat, 7)
+            await app.chat.reply_delta(7, "the sea is")
+            await until(pilot, lambda: view.answer_source == "the sea is", "the reply on screen")
+            os.kill(os.getpid(), signal.SIGTERM)
+            await until(pilot, lambda: not app.is_running, "the app to quit", timeout=10)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not caught and app.return_code == 0
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        last = store.messages(store.conversations()[0].id)[-1]
+    assert (last.role, last.content, last.finished) == ("assistant", "the sea is", False)

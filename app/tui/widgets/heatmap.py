@@ -15,6 +15,9 @@ Layout choice (48 layers × 128 experts must stay readable on a 120×40 terminal
 - **Residency is a glyph, utility a background colour**, so both read at once: "●" every expert
   of the cell resident, "•" some, blank none; the glyph takes the contrast colour of its cell.
 - Colours come from the theme (surface → primary → warning → error), so light and dark themes work.
+- **Without colour** (`NO_COLOR`: Textual draws in grey, where K came out darker than K-1 and 0 as 1) a cell shows its
+  utility as a digit ("·" for 0; K > 9 scaled to 1..9) and residency as a style: reversed every expert resident,
+  underlined some.
 
 `update_frame` only stores the newest frame and schedules at most one redraw per `INTERVAL_S`:
 a flood of frames never queues renders, and folding happens once per redraw, not per frame.
@@ -39,6 +42,7 @@ INTERVAL_S = 0.1  # at most 10 redraws per second
 ALL_RESIDENT, SOME_RESIDENT = "●", "•"
 TOP_LINES, BOTTOM_LINES = 2, 2  # header + expert ruler; legend (levels, marks)
 MIN_ROWS = 3  # layer rows a short pane keeps before its pinned lines
+MARKED = (Style(), Style(underline=True), Style(reverse=True))  # without colour: no, some, every expert resident
 
 
 def group_size(n_experts: int, cells: int) -> int:
@@ -53,6 +57,12 @@ def fold_row(utility: list[int], resident: list[bool], group: int) -> list[tuple
         u, r = utility[start:start + group], resident[start:start + group]
         cells.append((max(u), sum(bool(x) for x in r), len(u)))
     return cells
+
+
+def level_mark(level: int, bound: int) -> str:
+    """A cell's utility as one character, for a terminal without colour: "·" for 0, else 1..9 (K > 9 scaled)."""
+    level = min(max(level, 0), bound)
+    return "·" if level == 0 else str(level if bound <= 9 else math.ceil(9 * level / bound))
 
 
 def layer_labels(frame: Frame) -> list[str]:
@@ -225,12 +235,16 @@ class ExpertHeatmap(ScrollView):
                             self.get_component_rich_style("expert-heatmap--label"))]
         styles, top = self.level_styles(f.utility_bound), f.utility_bound
         run, run_style = "", None  # neighbouring cells of one style become one segment
+        plain = self.app.no_color
+        marked = [self.rich_style + style for style in MARKED]
         for level, n_resident, n in self._rows[layer]:
             style = styles[min(max(level, 0), top)]
+            if plain:
+                style = marked[2 if n_resident == n else 1 if n_resident else 0]
             if style is not run_style and run:
                 segments.append(Segment(run, run_style))
                 run = ""
-            run += ALL_RESIDENT if n_resident == n else SOME_RESIDENT if n_resident else " "
+            run += level_mark(level, top) if plain else ALL_RESIDENT if n_resident == n else SOME_RESIDENT if n_resident else " "
             run_style = style
         if run:
             segments.append(Segment(run, run_style))
@@ -241,11 +255,18 @@ class ExpertHeatmap(ScrollView):
 
     def _legend(self, line: int) -> list[Segment]:
         f, muted = self.frame, self.get_component_rich_style("expert-heatmap--label")
+        if line == 1 and self.app.no_color:
+            some = [Segment("  ", muted), Segment("2", muted + MARKED[1]), Segment(" partly", muted)] if self._group > 1 else []
+            return [Segment(" ", muted), Segment("2", muted + MARKED[2]), Segment(" resident", muted), *some,
+                    Segment("  τ threshold (keep utility ≥ τ)", muted)]
         if line == 1:
             some = f"  {SOME_RESIDENT} partly" if self._group > 1 else ""
             text = f" {ALL_RESIDENT} resident{some}  τ threshold (keep utility ≥ τ)"
             return [Segment(text, muted)]
         bound = f.utility_bound
+        if self.app.no_color:
+            scaled = f", 1-9 scaled from 1-{bound}" if bound > 9 else ""
+            return [Segment(f" utility 0-{bound}: · is 0{scaled}", muted)]
         # Up to 12 swatches: large K shows evenly spaced levels, always including 0 and K.
         levels = sorted({round(i * bound / min(bound, 11)) for i in range(min(bound, 11) + 1)}) if bound else [0]
         segments = [Segment(" utility ", muted)]
