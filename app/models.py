@@ -163,8 +163,8 @@ def pull(repo_id: str, revision: str | None = None, progress: Callable[[int, int
         more = f" and {len(short) - 1} more files" if len(short) > 1 else ""
         raise MoechatError(f"the download of {repo_id} did not finish ({short[0]}{more} missing or short): {resume} it")
     for stale in (dest / ".cache" / "huggingface" / "download").rglob("*.incomplete"):
-        stale.unlink()  # partial files of stopped pulls, which huggingface_hub does not pick up again
-    marker.unlink()
+        stale.unlink(missing_ok=True)  # partial files of stopped pulls, which huggingface_hub does not pick up again
+    marker.unlink(missing_ok=True)  # a second pull of the same model that finished first took it away already
     return dest
 
 

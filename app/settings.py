@@ -17,6 +17,8 @@ import os
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 
 try:
     import tomllib
@@ -132,15 +134,43 @@ def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, st
     key; a default value is not added to a file that lacks it. A file that cannot be read is kept as
     `settings.toml.broken` (never over an earlier copy) and replaced; a bad value is copied there the same way and
     dropped (its default). The notice says so. Atomic: a temporary file beside the real one (a symlink's target)
-    replaces it, with its permissions; a read-only file is refused with OSError.
+    replaces it, with its permissions; a read-only file is refused with OSError. Two processes saving at once take turns.
     """
-    import tomlkit
-    from tomlkit.exceptions import TOMLKitError
-
     Settings(**updates)  # every value checked before anything is written
     path = path or settings_path()
     target = _link_target(path) if path.is_symlink() else path  # dotfiles: the link stays, its file changes
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.parent):  # another process saving at once (a second window): it reads what this one writes
+        notice = _rewrite(target, updates)
+    return load_settings(path)[0], notice
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on the settings' folder while a save reads, changes and replaces the file: of two processes
+    saving at once, the last to write dropped the other's key. Where the folder cannot be locked (Windows has no fcntl, a
+    file system may refuse) saves run unlocked, as before."""
+    try:
+        import fcntl
+
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        fd = None
+    try:
+        if fd is not None:
+            with suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with it
+
+
+def _rewrite(target: Path, updates: dict) -> str | None:
+    """save_settings' read, change and atomic write of `target` -> its notice."""
+    import tomlkit
+    from tomlkit.exceptions import TOMLKitError
+
     doc, notice, mode = tomlkit.document(), None, 0o600
     if target.exists() and not target.is_dir():
         mode = stat.S_IMODE(target.stat().st_mode)
@@ -165,7 +195,7 @@ def save_settings(updates: dict, path: Path | None = None) -> tuple[Settings, st
                 doc.pop(name)  # its default, unless `updates` sets it
     _apply(doc, updates)
     _write_atomic(target, tomlkit.dumps(doc), mode)
-    return load_settings(path)[0], notice
+    return notice
 
 
 def _link_target(path: Path) -> Path:

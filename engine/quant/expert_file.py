@@ -25,6 +25,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -298,18 +299,71 @@ def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int,
     qe = QuantizedExperts(cache_root() / model_key(model_dir, fmt), fmt, num_layers, num_experts, hidden, inter,
                           str(model_dir.resolve()))
     why = qe.problem() if qe.folder.exists() else "it does not exist yet"
-    if why is not None:
-        if qe.folder.exists() and notices is not None:
-            notices.append(f"the {fmt} expert cache in {qe.folder} was rebuilt: {why}")
+    if why is None:  # a start that maps the cache clears killed builds' folders too (a build does): none may come again
+        _remove_abandoned(qe.folder.parent)
+    else:
         try:
             what = f"{label} ({fmt}, once)"
-            qe.build(source, _progress_bar(what) if progress is None else lambda done, total: progress(what, done, total))
+            with _one_build_at_a_time(qe.folder.parent, _waiting(progress, num_layers)):
+                why = qe.problem() if qe.folder.exists() else ""  # None: built by the process waited for
+                if why and notices is not None:
+                    notices.append(f"the {fmt} expert cache in {qe.folder} was rebuilt: {why}")
+                if why is not None:
+                    qe.build(source, _progress_bar(what) if progress is None else lambda done, total: progress(what, done, total))
         except OSError as err:
             full = err.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(err)
             advice = ("free disk space, or set MOECHAT_QUANT_DIR to a folder with room" if full else
                       "set MOECHAT_QUANT_DIR to a folder you can write")
             raise CheckpointError(f"cannot write the {fmt} expert cache in {qe.folder} ({err}): {advice}") from None
     return qe
+
+
+WAITING = "waiting for another moechat process to finish quantizing"
+
+
+@contextmanager
+def _one_build_at_a_time(root: Path, waiting: Callable[[], None]) -> Iterator[None]:
+    """An exclusive lock on the cache folder while a process quantizes into it: of two first loads at once (the chat app
+    and `moechat serve`), both quantized, with twice the disk (a 16.9 GiB copy each for Qwen3-30B-A3B in int4) and each
+    slowing the other; the second now waits (`waiting()`, each second) and maps the first one's cache (another model's build
+    is waited for too: the two shared the cores). Where the folder cannot be locked (Windows has no fcntl, a file system
+    may refuse) both build and the first to finish wins, as before."""
+    try:
+        import fcntl
+
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY)
+    except (ImportError, OSError):
+        fd = None
+    try:
+        while fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waiting()  # may raise: the app that quits meanwhile (Cancelled) does not wait for the other build
+                time.sleep(1)
+            except OSError:
+                break
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # the lock goes with it
+
+
+def _waiting(progress: LoadProgress | None, total: int) -> Callable[[], None]:
+    """What a load waiting for another process's build does each second: tell its progress (the app's loading bar, whose
+    callback ends the load when the app quits), else say it once on a terminal's stderr."""
+    said = []
+
+    def wait() -> None:
+        if progress is not None:
+            progress(WAITING, 0, total)
+        elif not said and sys.stderr.isatty():
+            print(f"moechat: {WAITING}...", file=sys.stderr, flush=True)
+            said.append(True)
+
+    return wait
 
 
 def _progress_bar(what: str) -> Callable[[int, int], None] | None:

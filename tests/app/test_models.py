@@ -190,6 +190,48 @@ def test_a_pull_done_after_a_stopped_one_reads_complete(monkeypatch, tmp_path):
 
 
 @pytest.mark.notorch
+def test_two_pulls_of_one_model_at_once_both_finish(monkeypatch, tmp_path):
+    """`moechat pull` of one model in two terminals (or the app's and a terminal's): the one that finished second said
+    'internal error (FileNotFoundError: .../moechat-pull-unfinished); please report it', the first having removed the
+    marker; the files were all there."""
+    import threading
+
+    first_in, second_in, first_done, calls = threading.Event(), threading.Event(), threading.Event(), []
+
+    def download(hub, dest):  # the first pull finishes while the second is downloading (huggingface_hub's locks: waiting)
+        calls.append(dest)
+        if len(calls) == 1:
+            first_in.set()
+            assert second_in.wait(60)
+        else:
+            second_in.set()
+            assert first_done.wait(60)
+        return hub.write(dest, "config.json", "model.safetensors")
+
+    _Hub(monkeypatch, tmp_path, download)
+    results = {}
+
+    def pull(name):
+        try:
+            results[name] = models.pull("owner/model")
+        except Exception as err:  # the test says which
+            results[name] = err
+        finally:
+            if name == "first":
+                first_done.set()
+
+    threads = [threading.Thread(target=pull, args=(name,)) for name in ("first", "second")]
+    threads[0].start()
+    assert first_in.wait(60)
+    threads[1].start()
+    for thread in threads:
+        thread.join(60)
+    dest = models.local_dir("owner/model")
+    assert results == {"first": dest, "second": dest}
+    assert [(r["name"], r["complete"]) for r in models.list_models()] == [("owner/model", True)]
+
+
+@pytest.mark.notorch
 def test_models_lists_a_folder_with_a_dangling_link(monkeypatch, tmp_path):
     """A weights file linked to a deleted blob made `moechat models` 'internal error (FileNotFoundError)'."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))

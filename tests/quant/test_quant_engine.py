@@ -398,6 +398,53 @@ def test_a_cache_built_meanwhile_by_another_process_stands(tmp_path, monkeypatch
     assert torch.equal(second.layer(1)[0].q, first.layer(1)[0].q)
 
 
+def test_a_second_first_load_waits_for_the_first_quantization_and_maps_its_cache(tmp_path, monkeypatch):
+    """The chat app and `moechat serve` started together on a model not yet quantized: both quantized it, with two copies
+    on disk at once (16.9 GiB each for Qwen3-30B-A3B in int4) and each slowing the other. The second waits, says so, and
+    maps the first one's cache."""
+    import threading
+
+    cache, model = tmp_path / "cache", tmp_path / "model"
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(cache))
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    E, H, I = 2, 32, 16
+    began, second_waits, quantized, told = threading.Event(), threading.Event(), [], []
+
+    def source(li):  # the first build, holding on after its first layer until the second load waits (or builds)
+        quantized.append(threading.current_thread().name)
+        began.set()
+        if threading.current_thread() is not first:
+            second_waits.set()  # a second build (before the lock): let the first one finish
+        elif li == 1:
+            assert second_waits.wait(60)
+        g = torch.Generator().manual_seed(li)
+        gate_up, down = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+        yield 0, formats.quantize(gate_up, "int4"), formats.quantize(down, "int4")
+
+    def progress(what, done, total):
+        told.append(what)
+        if what.startswith("waiting"):
+            second_waits.set()
+
+    built = {}
+    first = threading.Thread(target=lambda: built.update(first=expert_file.open_quantized(model, "int4", 2, E, H, I, source)),
+                             name="first")
+    first.start()
+    assert began.wait(60)  # the first build has begun (it holds the lock)
+
+    def quits(what, done, total):  # the app's progress when it quits meanwhile
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a load that waits ends when its app quits, not after the other's build
+        expert_file.open_quantized(model, "int4", 2, E, H, I, source, progress=quits)
+    second = expert_file.open_quantized(model, "int4", 2, E, H, I, source, progress=progress)
+    first.join(60)
+    assert set(quantized) == {"first"} and set(told) == {"waiting for another moechat process to finish quantizing"}
+    assert second.problem() is None and torch.equal(second.layer(1)[0].q, built["first"].layer(1)[0].q)
+    assert [p.name for p in cache.iterdir()] == [second.folder.name]
+
+
 def test_a_full_disk_while_writing_says_what_to_do_and_leaves_nothing(tmp_path, monkeypatch):
     """Layers are written on a writer thread while the next is quantized: a write that fails (a full disk) still ends the
     build with one line that says what to do, stops quantizing, and leaves no folder behind."""
@@ -452,6 +499,32 @@ def test_a_build_clears_the_folders_of_builds_killed_midway(tmp_path, monkeypatc
 
     expert_file.QuantizedExperts(tmp_path / key, "int4", 1, E, H, I).build(source)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key, living.name, recent.name])
+
+
+def test_a_start_that_maps_the_cache_clears_the_folders_of_builds_killed_midway(tmp_path, monkeypatch):
+    """A first quantization killed (SIGKILL, the OOM killer, SIGHUP of a closed terminal: no atexit) and started again at
+    once: the new build kept the young half copy, and no later start built anything, so it stayed for good."""
+    import subprocess
+
+    cache, model = tmp_path / "cache", tmp_path / "model"
+    monkeypatch.setenv("MOECHAT_QUANT_DIR", str(cache))
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    E, H, I = 2, 32, 16
+
+    def source(li):
+        yield 0, formats.quantize(torch.randn(E, 2 * I, H), "int4"), formats.quantize(torch.randn(E, H, I), "int4")
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that has exited
+    built = expert_file.open_quantized(model, "int4", 1, E, H, I, source).folder
+    killed = cache / f".{built.name}.{gone.pid}.tmp"  # the killed build's, from before the one that built the cache
+    killed.mkdir()
+    (killed / "layer-000.safetensors").write_bytes(b"half")
+    old = time.time() - 2 * expert_file.ABANDONED_S
+    os.utime(killed, (old, old))  # a later start, after ABANDONED_S
+    assert expert_file.open_quantized(model, "int4", 1, E, H, I, source).folder == built  # mapped, not built again
+    assert [p.name for p in cache.iterdir()] == [built.name]
 
 
 def test_a_models_cache_from_before_its_files_changed_is_removed(tmp_path, monkeypatch):

@@ -649,6 +649,38 @@ def test_a_save_writes_only_its_keys_into_the_file_as_it_is_now(tmp_path):
 
 
 @pytest.mark.notorch
+def test_two_processes_saving_at_once_keep_both_keys(tmp_path, monkeypatch):
+    """The settings screens of two windows saving at once: each read the file, set its key and replaced the file, so the
+    last to write dropped the other's key. The second save now reads the file after the first one has written it."""
+    import threading
+
+    from moechat.app import settings as settings_module
+
+    fcntl = pytest.importorskip("fcntl")  # POSIX: elsewhere saves run unlocked
+    path = tmp_path / "settings.toml"
+    path.write_text("top_p = 0.5\n")
+    apply, flock, second_waits = settings_module._apply, fcntl.flock, threading.Event()
+
+    def waiting(fd, op):  # the second save reached the lock: it waits there until the first one has written
+        if threading.current_thread() is second:
+            second_waits.set()
+        flock(fd, op)
+
+    def apply_then_let_the_second_in(doc, updates):  # the first save, between reading the file and writing it
+        if threading.current_thread() is not second and not second.is_alive():
+            second.start()
+            assert second_waits.wait(60)  # before the lock: set when the second save returned, its key written
+        apply(doc, updates)
+
+    second = threading.Thread(target=lambda: (save_settings({"temperature": 0.3}, path), second_waits.set()))
+    monkeypatch.setattr(fcntl, "flock", waiting)
+    monkeypatch.setattr(settings_module, "_apply", apply_then_let_the_second_in)
+    save_settings({"max_new_tokens": 64}, path)
+    second.join(60)
+    assert load_settings(path)[0] == Settings(top_p=0.5, temperature=0.3, max_new_tokens=64)
+
+
+@pytest.mark.notorch
 def test_a_file_the_loader_cannot_read_is_kept_aside_and_no_copy_is_overwritten(tmp_path):
     """tomlkit takes TOML 1.1 (a trailing comma in an inline table) where the loader's tomllib does not: such a file
     ran on defaults and a save then rewrote it from them, model and budgets gone, with no copy. Huge integers and deep
