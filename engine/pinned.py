@@ -72,6 +72,7 @@ def release_cached_memory() -> None:
     if not torch.cuda.is_available():
         return
     torch.cuda.empty_cache()
-    empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+    empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or \
+        getattr(torch._C, "_host_emptyCache", None)  # PyTorch 2.11 (the H200 image's) has only CUDA's own call
     if empty_host_cache is not None:
         empty_host_cache()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -24,12 +25,47 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_configure(config):
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # started in the background (`pytest &` in a script): the
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # children would inherit it and never see Ctrl-C
     if HAVE_TORCH:
         import torch
 
         torch.set_num_threads(1)  # tiny models are dispatch-bound: one intra-op thread is as fast and immune to a busy machine
         if not torch.cuda.is_available():  # Triton kernels run in its interpreter (read when triton is first imported)
             os.environ.setdefault("TRITON_INTERPRET", "1")
+            _interpreter_takes_this_numpy()
+
+
+def _interpreter_takes_this_numpy():
+    """Triton's interpreter up to 3.6 (PyTorch 2.11's) reads a scalar argument as int() of a 1-element array, which numpy
+    2.4 refuses: a kernel's `range(0, NB, BB)` failed with 'only 0-dimensional arrays can be converted to Python scalars'
+    (triton-lang/triton#9171; the compiled kernels never meet it). Its fix, the element taken first, patched in there."""
+    import numpy as np
+
+    try:
+        int(np.ones(1))
+        return  # numpy before 2.4 converts it
+    except TypeError:
+        pass
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return
+
+    def index(self):
+        return int(self.handle.data.item())
+
+    def patch_lang_tensor(tensor, *scope):  # scope: the patches undone after the kernel (newer Triton)
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 def pytest_unconfigure(config):

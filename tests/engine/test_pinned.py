@@ -87,6 +87,27 @@ def test_without_cuda_the_store_keeps_pageable_memory(monkeypatch):
         pinned.empty((8,), torch.float32)
 
 
+def test_a_dropped_model_gives_back_the_pinned_cache_on_pytorch_2_11(monkeypatch):
+    """PyTorch 2.11 (the H200 image's) has no torch.accelerator.empty_host_cache: the blocks its pinned
+    allocator keeps (the RAM tier where registration is refused) go back through the CUDA allocator's own call."""
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache", raising=False)
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(True), raising=False)
+    pinned.release_cached_memory()
+    assert emptied
+
+
+@pytest.mark.gpu
+def test_a_dropped_pinned_block_goes_back_to_the_driver():
+    t = torch.empty(1 << 24, dtype=torch.uint8, pin_memory=True)  # PyTorch's allocator: cached when t goes
+    del t
+    held = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    pinned.release_cached_memory()
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] <= held - (1 << 24)
+
+
 @pytest.mark.gpu
 def test_a_refused_registration_leaves_no_error_for_the_next_kernel(monkeypatch):
     """Registering a range twice is refused (already registered): the next kernel launch must not report it."""
