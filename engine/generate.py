@@ -2,6 +2,7 @@
 prefill -> [draft γ -> verify γ+1 -> accept -> trim] -> events."""
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -32,6 +33,23 @@ def _check_text(text):
             raise RequestError(f"the text holds {text[err.start]!r} at position {err.start}, which is not Unicode text: "
                                "send valid UTF-8") from None
     return text
+
+
+def _alternating(messages: list[dict]) -> list[dict]:
+    """The messages as templates that take only alternating user and assistant turns accept them: a leading system
+    message opens the first user message (as Mistral's later templates place it), and messages of one role in a row
+    (a user message whose reply was stopped before its first token, or came back empty) are joined."""
+    out = [dict(m) for m in messages]
+    if len(out) > 1 and out[0].get("role") == "system" and out[1].get("role") == "user":
+        system = out.pop(0)
+        out[0]["content"] = f"{system['content']}\n\n{out[0]['content']}"
+    joined: list[dict] = []
+    for m in out:
+        if joined and m.get("role") == joined[-1].get("role") and m.get("role") in ("user", "assistant"):
+            joined[-1]["content"] = f"{joined[-1]['content']}\n\n{m['content']}"
+        else:
+            joined.append(m)
+    return joined
 
 
 class Engine:
@@ -128,16 +146,25 @@ class Engine:
         import jinja2
 
         thinking = {} if request.thinking is None else {"enable_thinking": request.thinking}
-        try:
-            ids = self.model.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=tokenize,
+
+        def render(messages: list[dict]) -> list[int] | str:
+            ids = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
                                                            **thinking)
+            return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids  # a str when not tokenized
+
+        try:
+            return render(request.messages)
         except jinja2.TemplateSyntaxError as err:  # the model's file, not the request: one line, the engine stays ready
             raise MoechatError(f"the chat template of {self.config.model_dir} is broken ({type(err).__name__}: {err}): "
                                "download the model again, or send a plain prompt") from None
         except jinja2.TemplateError as err:  # the template refuses these messages (roles not alternating, no user turn)
-            raise RequestError(f"the model's chat template refuses this conversation ({err}): check the roles and order "
-                               "of its messages") from None
-        return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids  # a str when not tokenized
+            refused = err
+        alternating = _alternating(request.messages)  # Mixtral's first template: no system role, user/assistant strictly
+        if alternating != request.messages:
+            with contextlib.suppress(jinja2.TemplateError):
+                return render(alternating)
+        raise RequestError(f"the model's chat template refuses this conversation ({refused}): check the roles and order "
+                           "of its messages")
 
     def generate(self, request: Request, params: SamplingParams | None = None,
                  trace: TraceRecorder | None = None) -> Iterator[Event]:

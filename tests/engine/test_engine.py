@@ -155,6 +155,35 @@ def test_chat_template_request(checkpoint, tokenizer):
     assert isinstance(fin, Finished) and len(fin.token_ids) == 5
 
 
+# Mixtral-8x7B-Instruct-v0.1's first template, verbatim: no system role, and user and assistant strictly in turn
+MIXTRAL_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+                    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+                    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+                    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+
+
+def test_a_template_that_takes_no_system_role_gets_the_system_prompt_in_the_first_user_message(checkpoint):
+    """A system prompt (Ctrl+S, --system) opens the first user message, as Mistral's later templates put it, and two user
+    messages in a row (a reply stopped before its first token) go as one: the conversation runs, nothing is left out."""
+    engine = engine_for(checkpoint("mixtral"))
+    tok = engine.model.tokenizer
+    template, tok.chat_template = tok.chat_template, MIXTRAL_TEMPLATE
+    try:
+        system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"},
+                  {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Who are you?"}]
+        assert tok.decode(engine.encode(Request(messages=system))).endswith(
+            "[INST] Be brief.\n\nHello! [/INST]Hi.<|end|>[INST] Who are you? [/INST]")
+        fin = list(engine.generate(Request(messages=system), SamplingParams(max_new_tokens=3)))[-1]
+        assert isinstance(fin, Finished) and len(fin.token_ids) == 3
+        stranded = [{"role": "user", "content": "Hello!"}, {"role": "user", "content": "Are you there?"}]
+        assert tok.decode(engine.encode(Request(messages=stranded))).endswith("[INST] Hello!\n\nAre you there? [/INST]")
+        (refused,) = list(engine.generate(Request(messages=[{"role": "assistant", "content": "Hi."}])))
+        assert isinstance(refused, Error) and refused.request_fault and "roles must alternate" in refused.message
+    finally:
+        tok.chat_template = template
+
+
 # Qwen3's switch, as its template spells it: with thinking off the reply opens on an empty block
 THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                      "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
