@@ -274,6 +274,7 @@ def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, spli
             threads = torch.get_num_threads() - (rt.has_cpu_thread and torch.get_num_threads() > 1)
             x_c, offsets, rows, row_w = x_h.contiguous(), cpu_ffn.group_offsets(counts), cpu_pos // top_k, w_h[cpu_pos].float()
             if views is None:
+                store.will_need(li, ids.tolist())  # cold pages read ahead of the kernel's faults
                 return cpu_ffn.moe_ffn_native_ptrs(x_c, ptrs[ids], store.dtype, store.inter, offsets, rows, row_w, out,
                                                    threads=threads), "summed"
             return cpu_ffn.moe_ffn_native(x_c, views[0], views[1], ids, offsets, rows, row_w, out, threads=threads), "summed"

@@ -67,6 +67,7 @@ class ExpertStore:
         self.down: list = []  # per sparse layer [E, H, I]
         self.qfile: QuantizedExperts | None = None
         self._pointers: dict[int, torch.Tensor | None] = {}  # disk tier: per layer, each expert's matrices' addresses
+        self._spans: dict[int, list[list[tuple]]] = {}  # disk tier: per layer, each expert's byte ranges in the files
         if quant != "none":
             self._open_quantized(progress)
         elif not self.mmap:
@@ -250,6 +251,25 @@ class ExpertStore:
             usable = all(len(r) == 3 and all(t.dtype == self.dtype and t.is_contiguous() for t in r) for r in rows)
             self._pointers[li] = torch.tensor([[t.data_ptr() for t in r] for r in rows]) if usable else None
         return self._pointers[li]  # the mappings live as long as the checkpoint: the addresses stay valid
+
+    def will_need(self, li: int, experts: list[int]) -> None:
+        """Disk tier: ask the kernel to read these experts' bytes of sparse layer li ahead of the kernel's page faults."""
+        if li not in self._spans:
+            self.expert_pointers(li)  # maps the files
+            self._spans[li] = [self._expert_spans(li, e) for e in range(self.num_experts)]
+        for e in experts:
+            for span in self._spans[li][e]:
+                self.ckpt.will_need(*span)
+
+    def _expert_spans(self, li: int, e: int) -> list[tuple]:
+        """One expert's byte ranges in the checkpoint's files, adjacent ones joined."""
+        spans: list[list] = []
+        for path, start, end in sorted(self.ckpt.byte_range(self.family.expert_key(self.layers[li], e, w)) for w in range(3)):
+            if spans and spans[-1][0] == path and spans[-1][2] == start:
+                spans[-1][2] = end
+            else:
+                spans.append([path, start, end])
+        return [tuple(s) for s in spans]
 
     def layer_tensors(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of one layer: gate_up [E, 2I, H], down [E, H, I] (a copy on the disk tier)."""

@@ -1,6 +1,7 @@
 """A Hugging Face checkpoint directory: config, shards (+ index), validated before anything loads."""
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -18,6 +19,17 @@ _DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
 
+_LIBC = ctypes.CDLL(None, use_errno=True) if hasattr(mmap, "MADV_WILLNEED") else None  # mincore, madvise: not on Windows
+if _LIBC is not None:
+    _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def all_resident(address: int, length: int) -> bool:
+    """Whether every page of the mapped range [address, address + length) is in the page cache (mincore; page-aligned
+    address). About 7 µs for an expert's 9 MiB of pages already mapped."""
+    pages = ctypes.create_string_buffer((length + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+    return _LIBC.mincore(address, length, pages) == 0 and 0 not in pages.raw
+
 
 def _brief(err: Exception) -> str:
     return str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
@@ -34,6 +46,7 @@ class Checkpoint:
         self.key_to_file: dict[str, Path] = {}
         self._headers: dict[Path, tuple[int, dict]] = {}
         self._maps: dict[Path, mmap.mmap] = {}
+        self._bases: dict[Path, int] = {}  # each mapping's address
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -113,6 +126,28 @@ class Checkpoint:
             return {k: self.view(k) for k in keys}
         return dict(self.get_many(keys))
 
+    def byte_range(self, key: str) -> tuple[Path, int, int]:
+        """(file, start, end): where the tensor's bytes lie in its file."""
+        path = self.key_to_file[key]
+        header_len, header = self._headers[path]
+        start, end = header[key]["data_offsets"]
+        return path, 8 + header_len + start, 8 + header_len + end
+
+    def will_need(self, path: Path, start: int, end: int) -> bool:
+        """Ask the kernel to start reading bytes [start, end) of a mapped file (MADV_WILLNEED) unless every page is in the
+        page cache: cold pages then come in large asynchronous reads, not one page fault's read-around at a time.
+        Whether it asked (the request walks the page cache: ~110 µs per resident 9 MiB, hence the check)."""
+        if _LIBC is None or path not in self._maps:
+            return False
+        first = start - start % mmap.PAGESIZE
+        if all_resident(self._bases[path] + first, end - first):
+            return False
+        try:
+            self._maps[path].madvise(mmap.MADV_WILLNEED, first, end - first)
+        except OSError:  # advice only: the kernel's faults read the pages as before
+            return False
+        return True
+
     def view(self, key: str) -> torch.Tensor:
         """A tensor backed by the page cache of the mmap'd file: no copy until it is read."""
         path = self.key_to_file[key]
@@ -121,6 +156,7 @@ class Checkpoint:
         if path not in self._maps:
             with open(path, "rb") as f:  # ACCESS_COPY: writable for torch.frombuffer, never written back
                 self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._bases[path] = ctypes.addressof(ctypes.c_char.from_buffer(self._maps[path]))
         dtype = _DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         count = (end - start) // dtype.itemsize

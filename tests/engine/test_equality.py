@@ -132,6 +132,85 @@ def test_disk_tier_runs_the_native_kernel_on_per_expert_tensors(family, dtype, c
     assert fin.token_ids == expected
 
 
+def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for start, end in sorted(spans):
+        if out and out[-1][1] == start:
+            out[-1][1] = end
+        else:
+            out.append([start, end])
+    return [tuple(s) for s in out]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_disk_tier_reads_the_routed_experts_ahead(family, checkpoint, tokenizer, monkeypatch):
+    """Before the native kernel reads the disk tier's experts in place, the OS is asked to read exactly those experts'
+    bytes (Checkpoint.will_need: MADV_WILLNEED where a page is not in the page cache; cold experts came by one page
+    fault's read-around at a time): each call's ranges are, joined, the kernel's experts' gate, up and down. Same tokens."""
+    from moechat.engine.experts import cpu_ffn
+
+    if cpu_ffn.library() is None:
+        pytest.skip(cpu_ffn.notice())
+    model_dir = checkpoint(family, 9, **({"intermediate_size": 32} if family == "mixtral" else {}))
+    prompt = tokenizer(PROMPT)["input_ids"]
+    expected = hf_greedy(model_dir, prompt)
+    engine = Engine(EngineConfig(model_dir=str(model_dir), host_ram_budget_bytes=1))
+    store, ckpt = engine.model.store, engine.model.store.ckpt
+    assert store.tier == "mmap" and not store.fused
+    asked, calls = [], []
+    will_need, kernel = ckpt.will_need, cpu_ffn.moe_ffn_native_ptrs
+
+    def record_will_need(path, start, end):
+        asked.append((ckpt._bases[path] + start, ckpt._bases[path] + end))  # addresses in the mapping
+        return will_need(path, start, end)
+
+    def record_kernel(x, ptrs, w_dtype, inter, *args, **kw):
+        size = inter * x.shape[1] * w_dtype.itemsize  # gate, up and down: I x H each
+        calls.append((_joined([(a, a + size) for a in ptrs.flatten().tolist()]), _joined(asked)))
+        asked.clear()
+        return kernel(x, ptrs, w_dtype, inter, *args, **kw)
+
+    monkeypatch.setattr(ckpt, "will_need", record_will_need)
+    monkeypatch.setattr(cpu_ffn, "moe_ffn_native_ptrs", record_kernel)
+    fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=NEW_TOKENS)))[-1]
+    assert fin.token_ids == expected
+    assert len(calls) >= NEW_TOKENS and not asked
+    for read, wanted in calls:
+        assert wanted == read
+
+
+def test_will_need_asks_for_the_pages_not_in_the_page_cache(checkpoint, monkeypatch):
+    """Checkpoint.will_need: MADV_WILLNEED on the range from its page's start, only where a page is not resident (asking
+    walks the page cache: ~110 µs per resident 9 MiB expert, the mincore check ~10 µs)."""
+    import mmap
+
+    from moechat.engine.model import checkpoint as ck
+
+    if not hasattr(mmap, "MADV_WILLNEED"):
+        pytest.skip("no madvise on this system")
+    model_dir = checkpoint("qwen3_moe")
+    ckpt = ck.Checkpoint(model_dir)
+    key = "model.layers.0.mlp.experts.1.up_proj.weight"
+    path, start, end = ckpt.byte_range(key)
+    assert not ckpt.will_need(path, start, end)  # not mapped yet: nothing to ask
+    ckpt.view(key).sum()  # mapped and read: resident
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def madvise(self, *args):
+            self.calls.append(args)
+
+    real, ckpt._maps[path] = ckpt._maps[path], Recorder()
+    assert not ckpt.will_need(path, start, end) and ckpt._maps[path].calls == []
+    monkeypatch.setattr(ck, "all_resident", lambda address, length: False)
+    assert ckpt.will_need(path, start, end)
+    first = start - start % mmap.PAGESIZE
+    assert ckpt._maps[path].calls == [(mmap.MADV_WILLNEED, first, end - first)] and start % mmap.PAGESIZE
+    ckpt._maps[path] = real
+
+
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v2"])
 def test_bf16_checkpoint(family, checkpoint, tokenizer):
     """A bf16 checkpoint computed in float32 equals transformers in float32, its experts kept in bf16 where the native
