@@ -310,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch loads: OpenMP's idle threads sleep instead of spinning, so they do not take the cores the
     # native kernels' threads run on between PyTorch ops (measured: decode 28 -> 33 tok/s, docs/benchmarks.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if "utf" not in (getattr(sys.stdout, "encoding", None) or "utf").lower():  # an ASCII or Latin-1 locale: what its
-        sys.stdout.reconfigure(errors="replace")  # encoding lacks is a "?" (it ended generate, and plain chat, reply lost)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)  # a text file's; a stream a caller put there may lack it
+    if reconfigure and "utf" not in (getattr(sys.stdout, "encoding", None) or "utf").lower():  # an ASCII or Latin-1
+        reconfigure(errors="replace")  # locale: what its encoding lacks is a "?" (it ended generate, and plain chat, reply lost)
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     flag = argv[0].split("=")[0] if argv and argv[0].startswith("-") else None

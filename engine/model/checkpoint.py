@@ -5,6 +5,7 @@ import ctypes
 import json
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ class Checkpoint:
         self._headers: dict[Path, tuple[int, dict]] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         self._bases: dict[Path, int] = {}  # each mapping's address
+        self._map_lock = threading.Lock()
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -153,12 +155,20 @@ class Checkpoint:
         path = self.key_to_file[key]
         header_len, header = self._headers[path]
         info = header[key]
-        if path not in self._maps:
-            with open(path, "rb") as f:  # ACCESS_COPY: writable for torch.frombuffer, never written back
-                self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._bases[path] = ctypes.addressof(ctypes.c_char.from_buffer(self._maps[path]))
         dtype = _DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
         count = (end - start) // dtype.itemsize
-        flat = torch.frombuffer(self._maps[path], dtype=dtype, count=count, offset=8 + header_len + start)
+        flat = torch.frombuffer(self._mapped(path), dtype=dtype, count=count, offset=8 + header_len + start)
         return flat.view(info["shape"])
+
+    def _mapped(self, path: Path) -> mmap.mmap:
+        """The file's one mapping, made on first use under a lock: the disk tier's kernel keeps raw addresses into it
+        (ExpertStore.expert_pointers, on the CPU-expert thread), and a second mapping another thread made at once would
+        replace it here, leaving those addresses in one that nothing keeps."""
+        with self._map_lock:
+            if path not in self._maps:
+                with open(path, "rb") as f:  # ACCESS_COPY: writable for torch.frombuffer, never written back
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._bases[path] = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+                self._maps[path] = mapped  # after its base: will_need reads both once it finds the map
+            return self._maps[path]

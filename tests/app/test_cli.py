@@ -221,3 +221,21 @@ def test_generate_shows_a_replys_control_characters_on_a_terminal_and_writes_wha
     assert main(["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--max-new-tokens", "2"]) == 0
     out.flush()
     assert out.buffer.getvalue().decode("ascii").startswith("Caf?^[]0;owned^G")
+
+
+@pytest.mark.notorch
+def test_a_stdout_without_reconfigure_in_an_ascii_locale_still_runs(monkeypatch, capsys):
+    """main() sets errors="replace" on an ASCII stdout; a stream a caller put there that is not a text file (no
+    `reconfigure`) ended every command with AttributeError."""
+    import io
+
+    from moechat.app.cli import main
+
+    class Ascii(io.StringIO):
+        encoding = "ascii"
+
+    out = Ascii()
+    monkeypatch.setattr(sys, "stdout", out)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and out.getvalue().startswith("moechat ")

@@ -211,6 +211,34 @@ def test_will_need_asks_for_the_pages_not_in_the_page_cache(checkpoint, monkeypa
     ckpt._maps[path] = real
 
 
+def test_two_threads_opening_a_file_at_once_share_one_mapping(checkpoint, monkeypatch):
+    """The disk tier's kernel keeps raw addresses into a file's mapping (ExpertStore.expert_pointers, on the CPU-expert
+    thread, while the engine thread maps experts for the GPU): a second thread that mapped the same file meanwhile
+    replaced the first mapping in the dict, which nothing then kept, so the addresses pointed into unmapped memory."""
+    import mmap
+    import threading
+
+    from moechat.engine.model import checkpoint as ck
+
+    ckpt = ck.Checkpoint(checkpoint("qwen3_moe"))
+    key = "model.layers.0.mlp.experts.1.up_proj.weight"
+    real, maps, other, threads = mmap.mmap, [], {}, []
+
+    def mapping(*args, **kwargs):  # the first thread, mid-mmap: the other one opens the same file
+        maps.append(real(*args, **kwargs))
+        made = maps[-1]
+        if len(maps) == 1:
+            threads.append(threading.Thread(target=lambda: other.update(view=ckpt.view(key))))
+            threads[0].start()
+            threads[0].join(2)  # it waits for this mapping to be made: the join times out
+        return made
+
+    monkeypatch.setattr(ck.mmap, "mmap", mapping)
+    first = ckpt.view(key)
+    threads[0].join(60)
+    assert len(maps) == 1 and other["view"].data_ptr() == first.data_ptr()
+
+
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v2"])
 def test_bf16_checkpoint(family, checkpoint, tokenizer):
     """A bf16 checkpoint computed in float32 equals transformers in float32, its experts kept in bf16 where the native
