@@ -152,13 +152,10 @@ class Checkpoint:
 
     def view(self, key: str) -> torch.Tensor:
         """A tensor backed by the page cache of the mmap'd file: no copy until it is read."""
-        path = self.key_to_file[key]
-        header_len, header = self._headers[path]
-        info = header[key]
+        path, start, end = self.byte_range(key)
+        info = self._headers[path][1][key]
         dtype = _DTYPES[info["dtype"]]
-        start, end = info["data_offsets"]
-        count = (end - start) // dtype.itemsize
-        flat = torch.frombuffer(self._mapped(path), dtype=dtype, count=count, offset=8 + header_len + start)
+        flat = torch.frombuffer(self._mapped(path), dtype=dtype, count=(end - start) // dtype.itemsize, offset=start)
         return flat.view(info["shape"])
 
     def _mapped(self, path: Path) -> mmap.mmap:
