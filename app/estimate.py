@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,7 +48,7 @@ def _source(model: str | None):
 def fit_report(est, vram: int | None, ram: int | None) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
     `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not."""
-    from ..engine import QUANTS, BudgetError, check_budgets, expert_store_room, max_cache_experts, ram_headroom
+    from ..engine import QUANTS, BudgetError, check_budgets, check_host_room, expert_store_room, max_cache_experts
 
     report: dict = {"fits": True}
     if ram is not None:
@@ -63,27 +62,11 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
-        if vram is None and ram is not None and room < 0:  # weights, KV cache and headroom alone exceed it
-            widened = est.host_bytes > est.non_expert_bytes + est.kv_bytes
-            widened = " (the KV cache in float32, as a CPU keeps it)" if widened else ""
-            raise BudgetError(f"non-expert weights and KV cache need {est.host_bytes / 2**30:.2f} GiB of RAM{widened} and "
-                              f"{ram_headroom(ram) / 2**30:.2f} GiB stay free for the system, the RAM budget is "
-                              f"{ram / 2**30:.2f} GiB: use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, "
-                              "lower --context-len, or use a smaller model")
+        if vram is None and ram is not None:
+            check_host_room(est, ram)
     except BudgetError as err:
         report.update(fits=False, problem=str(err))
     return report
-
-
-def least_ram_gib(host_bytes: int) -> float:
-    """The smallest RAM budget, in GiB rounded up to 0.01, whose headroom (memory_budgets.ram_headroom) leaves `host_bytes`."""
-    from ..engine import ram_headroom
-
-    gib = 2**30
-    need = max(host_bytes + 2 * gib, host_bytes / 0.95)  # ram_headroom: 2 GiB, or a twentieth of a larger budget
-    while host_bytes + ram_headroom(int(need)) > int(need):
-        need += gib / 100
-    return math.ceil(need / gib * 100) / 100
 
 
 def cmd_estimate(args) -> int:

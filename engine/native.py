@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -86,23 +87,45 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     if out.exists():
         return out
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(folder)
     if sys.__stderr__ is not None and sys.__stderr__.isatty() and sys.stderr is sys.__stderr__:  # a terminal, not the app
         print(f"moechat: building the native {name} kernels (once, about 20 s)...", file=sys.stderr, flush=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}-", suffix=SUFFIX, dir=folder)
-    os.close(fd)
     compile_flags = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", *cflags]
-    try:
-        with tempfile.TemporaryDirectory(prefix=f".{out.stem}-", dir=folder) as objects:
-            # one compiler per source, all at once (the CPU library's ~12 s of compiling in ~7 on 2 cores), then link
-            objs = [str(Path(objects) / f"{i}.o") for i in range(len(sources))]
-            log = folder / f"libmoechat_{name}.log"
-            _run_all([[cxx, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)], cxx, log)
-            _run_all([[cxx, *compile_flags, "-shared", *objs, "-o", tmp, *ldflags, "-lpthread"]], cxx, log)
-    except NativeBuildError:
-        os.unlink(tmp)
-        raise
-    os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+    # objects and the library in a folder of this build's own (its pid in the name: _remove_abandoned), then the library
+    # renamed into place
+    with tempfile.TemporaryDirectory(prefix=f".{out.stem}.{os.getpid()}-", suffix=".tmp", dir=folder) as work:
+        # one compiler per source, all at once (the CPU library's ~12 s of compiling in ~7 on 2 cores), then link
+        objs, tmp = [str(Path(work) / f"{i}.o") for i in range(len(sources))], Path(work) / out.name
+        log = folder / f"libmoechat_{name}.log"
+        _run_all([[cxx, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)], cxx, log)
+        _run_all([[cxx, *compile_flags, "-shared", *objs, "-o", str(tmp), *ldflags, "-lpthread"]], cxx, log)
+        os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
     return out
+
+
+ABANDONED_S = 3600  # a build's folder untouched this long (a compiler runs at most 600 s) and its process gone: killed
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Leftovers of builds that were killed (their objects and library, ~300 KB for the CPU kernels each): the hidden
+    `.libmoechat_*` entries untouched for ABANDONED_S whose process is gone (one named by no pid is an older moechat's).
+    A cache folder shared between machines sees other hosts' pids: hence the age too."""
+    import re
+
+    import psutil
+
+    for entry in folder.iterdir():
+        pid = re.fullmatch(r"\.libmoechat_.+\.(\d+)-\w+\.tmp", entry.name)
+        try:
+            if not entry.name.startswith(".libmoechat_") or time.time() - entry.stat().st_mtime <= ABANDONED_S \
+                    or (pid and psutil.pid_exists(int(pid[1]))):
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError:  # gone meanwhile, or not ours to remove
+            pass
 
 
 def _run_all(cmds: list[list[str]], cxx: str, log: Path) -> None:
@@ -154,6 +177,22 @@ def load(name: str) -> ctypes.CDLL | None:
                 _notices[name] = f"native {name} kernels failed to load ({err}); the pure-PyTorch path is used"
         _loaded[name] = lib
         return lib
+
+
+BUS_ERROR = ("a model file changed or shrank on disk while moechat read it in place (bus error): start moechat again once "
+             "what wrote it (a download, a copy) has finished, or download the model again")
+_bus_error: dict = {"lib": None, "before": ""}
+
+
+def report_bus_errors(lib: ctypes.CDLL | None = None, before: str | None = None) -> None:
+    """A bus error (SIGBUS: a page of a mapped file the kernel cannot read, as when a model file read in place is truncated)
+    killed moechat without a word. With the CPU library's handler (csrc/cpu/bus_error.cpp) it ends with `before` and
+    BUS_ERROR on stderr, still by SIGBUS. The loader passes the library (without one nothing changes); the app `before`, its
+    terminal reset while the TUI holds the terminal ("" after), kept for a library installed later."""
+    with _lock:
+        _bus_error.update({k: v for k, v in (("lib", lib), ("before", before)) if v is not None})
+        if _bus_error["lib"] is not None:
+            _bus_error["lib"].moe_report_bus_errors(f"{_bus_error['before']}moechat: error: {BUS_ERROR}\n".encode())
 
 
 def unusable(name: str, why: str) -> None:

@@ -18,6 +18,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.filter import LineFilter
 
+from ...engine import native
 from ..bridge import EngineBridge
 from ..chat_export import export_markdown
 from ..chats import ChatStore, ChatStoreError
@@ -393,6 +394,12 @@ def _documents_dir() -> Path:
     return path if path.is_dir() else Path.cwd()
 
 
+# What Textual's driver writes as it gives the terminal back (linux_driver.py: stop_application_mode), written before the
+# line of a bus error that ends the process under the app (the shell restores the terminal's modes, not these): mouse and
+# focus reports, bracketed paste and in-band resize off, Kitty's keyboard protocol popped, the main screen, the cursor
+TERMINAL_RESET = "\x1b[?1000l\x1b[?1003l\x1b[?1015l\x1b[?1006l\x1b[?2004l\x1b[?2048l\x1b[<u\x1b[?1049l\x1b[?25h\x1b[?1004l"
+
+
 def run_tui(args) -> int:
     """`moechat` on a terminal: the TUI with the command line's engine and sampling options."""
     import copy
@@ -409,7 +416,11 @@ def run_tui(args) -> int:
     app.engine_notice = lambda: backend_overridden(base)
     app.sampling = sampling_params(args, app.settings)
     app.thinking = args.thinking or app.settings.thinking
-    app.run()
+    native.report_bus_errors(before=TERMINAL_RESET)  # a model file truncated under the app: the terminal back, then the line
+    try:
+        app.run()
+    finally:
+        native.report_bus_errors(before="")
     for why, text in app.unsaved_replies:  # replies the database would not take: here they are, not lost
         print(f"moechat: {why}; the reply follows", file=sys.stderr)
         print(text)

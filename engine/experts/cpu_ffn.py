@@ -28,6 +28,7 @@ SOURCE = native.CSRC / "cpu" / "expert_ffn.cpp"
 Q_SOURCE = native.CSRC / "cpu" / "quant_ffn.cpp"
 DECODE_SOURCE = native.CSRC / "cpu" / "decode_ops.cpp"  # engine/model/decode_ops.py's kernels, in the same library
 STACK_SOURCE = native.CSRC / "cpu" / "decode_stack.cpp"  # engine/model/decode_stack.py's: the whole stack per pass
+BUS_SOURCE = native.CSRC / "cpu" / "bus_error.cpp"  # native.report_bus_errors
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 ISA = native.CPU_ISA
 Q_ISAS = ("scalar", "avx2", "avx_vnni", "avx512_vnni", "amx_int8")  # the quantized kernel's paths
@@ -38,7 +39,8 @@ NATIVE_MAX_TOKENS = 16
 
 
 def _build():
-    return native.build("cpu", [SOURCE, Q_SOURCE, DECODE_SOURCE, STACK_SOURCE], headers=sorted(SOURCE.parent.glob("*.h")))
+    return native.build("cpu", [SOURCE, Q_SOURCE, DECODE_SOURCE, STACK_SOURCE, BUS_SOURCE],
+                        headers=sorted(SOURCE.parent.glob("*.h")))
 
 
 native.register("cpu", _build)
@@ -70,6 +72,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_quantize_acts.restype = ctypes.c_int
         lib.moe_q_isa_supported.argtypes = [ctypes.c_int]
         lib.moe_q_resolve_isa.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.moe_report_bus_errors.argtypes = [ctypes.c_char_p]
         lib._moe_typed = True
     return lib
 

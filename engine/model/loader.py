@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 
+from .. import native
 from ..calibration.decide import unit_costs
 from ..config import EngineConfig, UnitCosts
 from ..errors import CheckpointError, MoechatError
 from ..events import LoadProgress
+from ..experts import cpu_ffn
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
@@ -31,6 +33,7 @@ from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import (
     cache_bytes_for,
     check_budgets,
+    check_host_room,
     expert_store_room,
     gib,
     max_cache_experts,
@@ -211,6 +214,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     from transformers import AutoModelForCausalLM
 
     model_dir = Path(cfg.model_dir).expanduser()
+    native.report_bus_errors(cpu_ffn.library())  # weights read in place: a file truncated meanwhile ends moechat in a line
     hf_config = load_hf_config(model_dir)
     prequant = read_quantization_config(read_config_dict(model_dir))
     family = get_family(hf_config.model_type)
@@ -301,7 +305,8 @@ def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, a
 
 def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.device) -> tuple[EngineConfig, str]:
     """Refuse a model that cannot fit, from the config alone: VRAM (free on the device) for the
-    non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store.
+    non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store (and without a GPU,
+    the user's budget for the non-expert weights and KV cache).
     -> the config, its fast tier shrunk to the free VRAM where `fit_expert_cache` allows, and a line saying so."""
     vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     if vram is not None and cfg.vram_budget_bytes is not None:  # the user's budget is a hard limit
@@ -318,6 +323,8 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
                       "(other programs use the rest; `moechat calibrate` measures again)")
             cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
     check_budgets(est, vram, user_ram if user_ram is not None else physical_ram_bytes(), cache, tier)
+    if user_ram and device.type != "cuda":  # 0: a profile's "experts from disk", no budget to hold the rest to
+        check_host_room(est, user_ram)
     return cfg, notice
 
 

@@ -65,6 +65,26 @@ def expert_store_room(est: MemoryEstimate, ram_budget: int, on_gpu: bool) -> int
     return ram_budget - ram_headroom(ram_budget) - (0 if on_gpu else est.host_bytes)
 
 
+def least_ram_gib(host_bytes: int) -> float:
+    """The smallest RAM budget, in GiB rounded up to 0.01, whose headroom (ram_headroom) leaves `host_bytes`."""
+    need = max(host_bytes + 2 * GIB, host_bytes / 0.95)  # ram_headroom: 2 GiB, or a twentieth of a larger budget
+    while host_bytes + ram_headroom(int(need)) > int(need):
+        need += GIB / 100
+    return math.ceil(need / GIB * 100) / 100
+
+
+def check_host_room(est: MemoryEstimate, ram_budget: int) -> None:
+    """Without a GPU: refuse a RAM budget that the non-expert weights, KV cache and headroom alone exceed (experts that do
+    not fit are read from disk; these cannot be)."""
+    if expert_store_room(est, ram_budget, on_gpu=False) >= 0:
+        return
+    widened = " (the KV cache in float32, as a CPU keeps it)" if est.host_bytes > est.non_expert_bytes + est.kv_bytes else ""
+    raise BudgetError(f"non-expert weights and KV cache need {gib(est.host_bytes)} of RAM{widened} and "
+                      f"{gib(ram_headroom(ram_budget))} stay free for the system, the RAM budget is {gib(ram_budget)}: "
+                      f"use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, lower --context-len, "
+                      "or use a smaller model")
+
+
 def physical_ram_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -9,6 +9,8 @@ entries past the committed prefix are rewound (`rewind_cache`) at the start of t
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -203,13 +205,14 @@ class SelfDraft:
                     self._dist.append(expert_distances(*store.layer_tensors(li), device=self.target.device))
                     if progress is not None:
                         progress(what, li + 1, len(store.layers))
+                tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # its own: another process may write one too
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    tmp = path.with_suffix(".tmp")
                     torch.save(self._dist, tmp)
                     tmp.replace(path)  # atomic: a killed process never leaves half a table
-                except OSError:
-                    pass  # a read-only cache directory only costs the recomputation next time
+                except OSError:  # a read-only cache directory only costs the recomputation next time
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()  # half written (the disk full)
         return self._dist
 
     def remap(self, li: int) -> torch.Tensor | None:

@@ -53,3 +53,25 @@ def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
     below = f"{float(least) - 0.01:.2f}"
     assert main(["estimate", *name, "--ram-budget-gib", below]) == 1  # the least that fits, not a looser figure
     capsys.readouterr()
+
+
+def test_load_refuses_a_ram_budget_below_the_dense_part_as_estimate_does(capsys, tmp_path, monkeypatch):
+    """`estimate --ram-budget-gib 1` said it does not fit, and `generate --ram-budget-gib 1` ran anyway: a budget that
+    cannot hold even the non-expert weights and the system's headroom is one line at load, estimate's. The engine's
+    0 (a profile's mmap tier: experts read from disk) still loads, the experts mapped."""
+    from moechat.app.cli import main
+    from moechat.app.demo import DEMO_MODEL
+    from moechat.engine import Engine, EngineConfig
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # no settings, no profile
+    assert main(["estimate", "--ram-budget-gib", "1"]) == 1
+    least = re.search(r"use --ram-budget-gib ([\d.]+) or more", capsys.readouterr().out).group(1)
+    assert main(["generate", "--ram-budget-gib", "1", "--prompt", "hi", "--max-new-tokens", "1"]) == 1
+    out, err = capsys.readouterr()  # the weights in float32 here, as they run on this CPU; estimate counts bf16
+    assert out == "" and err.strip().splitlines()[-1].startswith("moechat: error: non-expert weights and KV cache need ")
+    assert f"the RAM budget is 1.00 GiB: use --ram-budget-gib {least} or more" in err
+    engine = Engine(EngineConfig(model_dir=str(DEMO_MODEL), host_ram_budget_bytes=0))
+    try:
+        assert engine.model.store.mmap
+    finally:
+        engine.close()

@@ -552,8 +552,10 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     assert cfg.vram_budget_bytes == int(1.5 * 2**30) and cfg.host_ram_budget_bytes == int(0.0000001 * 2**30)
 
     path = checkpoint("qwen3_moe")
-    engine = Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=cfg.host_ram_budget_bytes))
-    assert engine.model.store.mmap  # the tiny budget put the experts on the mmap tier
+    with pytest.raises(BudgetError, match="stay free for the system"):  # not even the weights fit it: as `estimate` says
+        Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=cfg.host_ram_budget_bytes))
+    engine = Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=0))
+    assert engine.model.store.mmap  # 0, a profile's mmap tier: the experts read from disk
 
     # the budget is all the RAM moechat may use, as `estimate`, `decide` and the wizard count it: the experts stay in RAM
     # only where they fit beside the headroom and, without a GPU, the weights and KV cache (they counted alone before)
@@ -562,7 +564,7 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
 
     whole = est.all_experts_bytes + est.host_bytes + ram_headroom(est.all_experts_bytes)
     assert expert_store_room(est, whole, on_gpu=False) == est.all_experts_bytes
-    for budget, mmap in ((est.all_experts_bytes + 1, True), (whole, False)):
+    for budget, mmap in ((whole - 1, True), (whole, False)):
         engine = Engine(EngineConfig(model_dir=str(path), host_ram_budget_bytes=budget))
         assert engine.model.store.mmap == mmap, budget
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))

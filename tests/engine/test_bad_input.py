@@ -363,3 +363,39 @@ def test_text_past_the_context_is_refused_before_tokenizing_and_a_model_without_
     (err,) = list(engine.generate(Request(prompt="sea " * 1000), SamplingParams(max_new_tokens=1)))
     assert isinstance(err, Error) and "no tokenizer" in err.message and "internal error" not in err.message
     engine.close()
+
+
+def test_a_model_file_truncated_while_read_in_place_ends_in_one_line(checkpoint, tmp_path):
+    """The disk tier reads experts from the mapped checkpoint: a shard truncated under a running moechat (a `cp` over it,
+    a download started again) killed it by SIGBUS without a word, the TUI's terminal left in its modes. It still ends by
+    SIGBUS (the shell then restores the terminal's modes), after the app's terminal reset and one line."""
+    import signal
+
+    from moechat.engine.experts import cpu_ffn
+
+    if not cpu_ffn.available():
+        pytest.skip(f"native CPU kernels not built: {cpu_ffn.notice()}")
+    path = copy_model(checkpoint("qwen3_moe"), tmp_path)
+    shard = path / "model.safetensors"
+    code = f"""if True:
+        import os
+        from moechat.app.tui.app import TERMINAL_RESET
+        from moechat.engine import native
+        from moechat.engine.config import EngineConfig, SamplingParams
+        from moechat.engine.generate import Engine, Request
+
+        native.report_bus_errors(before=TERMINAL_RESET)  # as the app does before its model loads
+        engine = Engine(EngineConfig(model_dir={str(path)!r}, host_ram_budget_bytes=0))  # experts read in place
+        assert engine.model.store.mmap
+        with open({str(shard)!r}, "rb") as f:
+            os.truncate({str(shard)!r}, 8 + int.from_bytes(f.read(8), "little"))  # the header left, no tensor
+        list(engine.generate(Request(token_ids=[1, 2, 3]), SamplingParams(max_new_tokens=2)))
+        print("not reached")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    from moechat.app.tui.app import TERMINAL_RESET
+    from moechat.engine import native
+
+    assert done.returncode == -signal.SIGBUS and done.stdout == ""
+    assert done.stderr.endswith(f"{TERMINAL_RESET}moechat: error: {native.BUS_ERROR}\n"), done.stderr[-500:]
+    assert "Traceback" not in done.stderr and "\n" not in native.BUS_ERROR

@@ -360,6 +360,20 @@ def test_affinity_table_cached_on_disk(checkpoint, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, fresh))
 
 
+def test_affinity_table_written_beside_another_process_writing_it(checkpoint, monkeypatch, tmp_path):
+    """Two processes computing the same table wrote the same `<digest>.tmp`: one renamed the other's half-written file into
+    place, or its own was taken away before its rename. Each writes its own temporary file now, and leaves no other."""
+    from moechat.engine.speculative import drafters
+
+    monkeypatch.setattr(drafters, "_affinity_cache_path", lambda target: tmp_path / "table.pt")
+    theirs = tmp_path / "table.tmp"
+    theirs.write_bytes(b"another process's half-written table")
+    engine_for(checkpoint("mixtral", 3), expert_cache_ratio=0.5, spec=SpecConfig("self", 4)).drafter.distances()
+    assert theirs.read_bytes() == b"another process's half-written table"
+    assert torch.load(tmp_path / "table.pt", weights_only=True) and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["table.pt", "table.tmp"]
+
+
 def test_generate_cli_json_and_trace(checkpoint, tmp_path, capsys):
     from moechat.app.cli import main
 

@@ -96,7 +96,7 @@ def test_disk_tier_and_byte_budget(family, checkpoint, tokenizer):
     model_dir = checkpoint(family)
     prompt = tokenizer(PROMPT)["input_ids"]
     expected = hf_greedy(model_dir, prompt)
-    engine = Engine(EngineConfig(model_dir=str(model_dir), host_ram_budget_bytes=1, expert_cache_bytes=3 * 16 * 32 * 4 * 3))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), host_ram_budget_bytes=0, expert_cache_bytes=3 * 16 * 32 * 4 * 3))
     assert engine.model.store.tier == "mmap"
     assert engine.model.cache.capacity == 3
     fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=NEW_TOKENS)))[-1]
@@ -117,7 +117,7 @@ def test_disk_tier_runs_the_native_kernel_on_per_expert_tensors(family, dtype, c
     model_dir = checkpoint(family, 8, dtype=dtype, **({"intermediate_size": 32} if family == "mixtral" else {}))
     prompt = tokenizer(PROMPT)["input_ids"]
     expected = hf_greedy(model_dir, prompt, 24)
-    engine = Engine(EngineConfig(model_dir=str(model_dir), host_ram_budget_bytes=1, spec=SpecConfig("self", 4)))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), host_ram_budget_bytes=0, spec=SpecConfig("self", 4)))
     store = engine.model.store
     assert store.tier == "mmap" and not store.fused and store.dtype == dtype
     copy, runtime = store.weights, engine.model.runtime
@@ -154,7 +154,7 @@ def test_disk_tier_reads_the_routed_experts_ahead(family, checkpoint, tokenizer,
     model_dir = checkpoint(family, 9, **({"intermediate_size": 32} if family == "mixtral" else {}))
     prompt = tokenizer(PROMPT)["input_ids"]
     expected = hf_greedy(model_dir, prompt)
-    engine = Engine(EngineConfig(model_dir=str(model_dir), host_ram_budget_bytes=1))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), host_ram_budget_bytes=0))
     store, ckpt = engine.model.store, engine.model.store.ckpt
     assert store.tier == "mmap" and not store.fused
     asked, calls = [], []
@@ -264,7 +264,7 @@ def test_bf16_checkpoint(family, checkpoint, tokenizer):
         assert model.lean.stack is not None and model.lean.stack.head.w16
     assert run_engine(model_dir, prompt, drafter="self").token_ids == expected
     assert run_engine(model_dir, prompt, expert_cache_ratio=0.5, policy="spac").token_ids == expected
-    assert run_engine(model_dir, prompt, host_ram_budget_bytes=1).token_ids == expected
+    assert run_engine(model_dir, prompt, host_ram_budget_bytes=0).token_ids == expected
     engine = Engine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16", spec=SpecConfig("self", 4)))
     assert engine.model.store.gate_up[0].dtype == torch.bfloat16
     fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=16)))[-1]
@@ -324,7 +324,7 @@ def test_fused_expert_layout(checkpoint, tokenizer, tmp_path):
     prompt = tokenizer(PROMPT)["input_ids"]
     expected = hf_greedy(src, prompt)
     assert run_engine(dst, prompt, expert_cache_ratio=0.5, drafter="self").token_ids == expected
-    assert run_engine(dst, prompt, expert_cache_ratio=0.5, host_ram_budget_bytes=1).token_ids == expected
+    assert run_engine(dst, prompt, expert_cache_ratio=0.5, host_ram_budget_bytes=0).token_ids == expected
     # quantized straight from the fused views: the same cache, so the same tokens, as from the per-expert tensors
     assert run_engine(dst, prompt, quant="int4").token_ids == run_engine(src, prompt, quant="int4").token_ids
 

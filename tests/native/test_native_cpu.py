@@ -293,3 +293,37 @@ def test_a_failing_source_among_several_gives_one_line_and_a_log(monkeypatch, tm
 
     lib = ctypes.CDLL(str(native.build("two_ok", [good, other])))
     assert lib.answer() == 42 and lib.twice(21) == 42
+
+
+def test_a_build_killed_midway_leaves_nothing_the_next_build_keeps(monkeypatch, tmp_path):
+    """A build killed while compiling (kill -9, a closed laptop) left its objects and an empty library file, about 300 KB
+    for the CPU kernels, each time: the next build clears the leftovers of processes that are gone (untouched for
+    ABANDONED_S, as a cache folder shared between machines sees other hosts' builds), and leaves a live build's alone."""
+    import os
+    import subprocess
+    import time
+
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    cache = tmp_path / "cache"
+    good = tmp_path / "good.cpp"
+    good.write_text('extern "C" __attribute__((visibility("default"))) int answer() { return 42; }\n')
+    killer = tmp_path / "cxx"  # writes its object, then kills the build that started it
+    killer.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\nwhile [ "$1" != -o ]; do shift; done\n'
+                      'head -c 300000 /dev/zero > "$2"\nkill -9 $PPID\n')
+    killer.chmod(0o755)
+    env = {**os.environ, "MOECHAT_NATIVE_DIR": str(cache), "CXX": str(killer)}
+    code = f"from moechat.engine import native; native.build('k', [__import__('pathlib').Path({str(good)!r})])"
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == -9
+    left = [p for p in cache.iterdir() if p.name.startswith(".")]
+    assert left and sum(f.stat().st_size for p in left for f in [p, *p.rglob("*")] if f.is_file()) >= 300000
+    live = cache / f".libmoechat_k-{'0' * 16}.{os.getpid()}-x.tmp"  # a build of this (live) process: kept
+    live.mkdir()
+    old = time.time() - 2 * 3600  # past ABANDONED_S
+    for p in [*left, live]:
+        os.utime(p, (old, old))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(cache))
+    import ctypes
+
+    assert ctypes.CDLL(str(native.build("k", [good]))).answer() == 42
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == [live.name]
