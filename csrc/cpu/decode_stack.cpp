@@ -13,6 +13,11 @@
 
 #include "common.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>  // mincore, madvise: the disk tier's experts asked for ahead
+#include <unistd.h>
+#endif
+
 #define API extern "C" __attribute__((visibility("default")))
 
 extern "C" {  // the pieces, from the same library
@@ -69,6 +74,7 @@ struct StackLayer {
     const void *gate_up, *down;           // [E, 2I, H], [E, H, I]
     const uint8_t *gu_q, *dn_q;
     const uint16_t *gu_s, *gu_m, *dn_s, *dn_m;
+    int64_t read_ahead;                   // 1: the experts are read in place from a mapped file (the disk tier)
     float *k_cache, *v_cache;             // [H_kv, capacity, D]: this call's cache; entries past..past+T-1 written
     int64_t capacity;
     // DeepSeek-V2 (MLA): qkv holds q [H_q (nope + rope), H] then kv_a [R + rope, H]; k_cache the latents [capacity, R],
@@ -101,6 +107,7 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 struct Scratch {
     std::vector<float> x, h, qkv, att, o, logits, mlp, row_w, gate, up, shared, q_latent, context;
     std::vector<int64_t> order, ids, offsets, rows;
+    std::vector<unsigned char> pages;  // mincore's answer
 };
 
 // out [T, H] = down(silu(gate h) · up h): a dense layer among the sparse ones (qwen3_moe's mlp_only_layers, DeepSeek's
@@ -155,6 +162,62 @@ int mla_attention(const StackShape& s, const StackLayer& L, float* q, int64_t q_
                         : moe_head_f32(1, b.context.data(), R, H * R, w32 + off, w_g, T, H, s.vdim, R, att, threads)) ? 4 : 0;
 }
 
+// Whether every page of [p, p + bytes) is in the page cache (mincore, ~1 µs a call); Linux only (elsewhere: yes).
+bool resident(const void* p, int64_t bytes, std::vector<unsigned char>& pages) {
+#if defined(__linux__)
+    static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    const uintptr_t first = uintptr_t(p) & ~(page - 1), span = uintptr_t(p) + uintptr_t(bytes) - first;
+    pages.resize((span + page - 1) / page);
+    return mincore(reinterpret_cast<void*>(first), span, pages.data()) != 0 ||
+           std::all_of(pages.begin(), pages.end(), [](unsigned char v) { return v & 1; });
+#else
+    (void)p, (void)bytes, (void)pages;
+    return true;
+#endif
+}
+
+// Ask the kernel to read [p, p + bytes) of a mapped file now, exactly those pages in one request, unless all are in the
+// page cache (asking walks the page cache even where every page is there). Without it a cold range came in by page
+// faults, each reading the device's read-around window (8 MiB on some disks) of mostly other experts.
+void will_need(const void* p, int64_t bytes, std::vector<unsigned char>& pages) {
+#if defined(__linux__)
+    if (resident(p, bytes, pages)) return;
+    static const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    const uintptr_t first = uintptr_t(p) & ~(page - 1);
+    madvise(reinterpret_cast<void*>(first), uintptr_t(p) + uintptr_t(bytes) - first, MADV_WILLNEED);  // advice only
+#else
+    (void)p, (void)bytes, (void)pages;
+#endif
+}
+
+// The disk tier: the routed experts of layer L (ids[0..groups)) asked for before the kernel reads them. A quantized
+// expert is six ranges of its cache file (q, scale and minimum of gate_up and down, each field stacked over the experts),
+// a float one two. One mincore per expert on warm steps: its gate_up (the largest range, its bytes read with the rest
+// each time it is routed) stands for all; only where it is missing are the others checked and asked for.
+void read_experts_ahead(const StackShape& s, const StackLayer& L, const int64_t* ids, int64_t groups, Scratch& b) {
+    const int64_t H = s.H, I = s.I, bits = L.expert_bits, Hp = (H + 31) / 32 * 32, Ip = (I + 31) / 32 * 32;
+    const int64_t w_size = L.w_dtype == F32 ? 4 : 2, gu_q = 2 * I * Hp * bits / 8, gu_s = 2 * I * Hp / 32;
+    const int64_t dn_q = H * Ip * bits / 8, dn_s = H * Ip / 32;  // bytes, elements (fp16) per expert
+    for (int64_t g = 0; g < groups; ++g) {
+        const int64_t e = ids[g];
+        if (!bits) {
+            const auto* gate_up = static_cast<const char*>(L.gate_up) + e * 2 * I * H * w_size;
+            if (!resident(gate_up, 2 * I * H * w_size, b.pages)) {
+                will_need(gate_up, 2 * I * H * w_size, b.pages);
+                will_need(static_cast<const char*>(L.down) + e * H * I * w_size, H * I * w_size, b.pages);
+            }
+            continue;
+        }
+        if (resident(L.gu_q + e * gu_q, gu_q, b.pages)) continue;
+        will_need(L.gu_q + e * gu_q, gu_q, b.pages);
+        will_need(L.dn_q + e * dn_q, dn_q, b.pages);
+        for (const uint16_t* gu : {L.gu_s, L.gu_m})
+            if (gu) will_need(gu + e * gu_s, gu_s * 2, b.pages);
+        for (const uint16_t* dn : {L.dn_s, L.dn_m})
+            if (dn) will_need(dn + e * dn_s, dn_s * 2, b.pages);
+    }
+}
+
 // mlp [T, H] = the routed experts' weighted sum; experts/weights [T, k] the router's choice
 int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t T, int64_t* experts, float* weights,
               int64_t* counts, Scratch& b, double* seconds, int threads) {
@@ -178,6 +241,7 @@ int moe_block(const StackShape& s, const StackLayer& L, const float* h, int64_t 
     std::fill(b.mlp.begin(), b.mlp.end(), 0.f);
     const double t0 = now();
     seconds[ROUTING] += t0 - t_route;
+    if (L.read_ahead) read_experts_ahead(s, L, b.ids.data(), groups, b);
     const int rc = L.expert_bits
         ? moe_expert_ffn_q(groups, b.ids.data(), b.offsets.data(), L.gu_q, L.gu_s, L.gu_m, L.dn_q, L.dn_s, L.dn_m,
                            int(L.expert_bits), s.H, s.I, h, F32, b.rows.data(), b.rows.data(), b.row_w.data(), b.mlp.data(),

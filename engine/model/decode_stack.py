@@ -41,8 +41,8 @@ class StackLayer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", DenseWeight), ("kv", DenseWeight), ("o", DenseWeight),
                 ("q_norm", _P), ("k_norm", _P), ("router", _P), ("gate", DenseWeight), ("up", DenseWeight),
                 ("down_proj", DenseWeight), ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
-                ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("k_cache", _P),
-                ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64)]
+                ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("read_ahead", _I64),
+                ("k_cache", _P), ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64)]
 
 
 class StackShape(ctypes.Structure):
@@ -300,7 +300,8 @@ def _dense_mlp(mlp) -> dict | None:
 
 
 def expert_weights(store, li: int) -> dict | None:
-    """One MoE layer's expert weights as the stack reads them (the store's stacked views), or None."""
+    """One MoE layer's expert weights as the stack reads them (the store's stacked views), or None. On the disk tier
+    (read_ahead) the call asks the OS for each layer's routed experts not in the page cache once its top-k is known."""
     views = store.layer_views(li)
     if views is None or not cpu_ffn.usable(views[0], torch.empty(0, dtype=torch.float32), 1):
         return None
@@ -308,11 +309,11 @@ def expert_weights(store, li: int) -> dict | None:
     if isinstance(gate_up, formats.QuantMatrix):
         return dict(expert_bits=formats.BITS[gate_up.fmt], gu_q=tensor_ptr(gate_up.q), dn_q=tensor_ptr(down.q),
                     gu_s=tensor_ptr(gate_up.scale), gu_m=tensor_ptr(gate_up.minimum), dn_s=tensor_ptr(down.scale),
-                    dn_m=tensor_ptr(down.minimum), inter=down.k)
+                    dn_m=tensor_ptr(down.minimum), read_ahead=int(store.mmap), inter=down.k)
     if not down.is_contiguous() or down.dtype != gate_up.dtype:
         return None
     return dict(expert_bits=0, w_dtype=cpu_ffn.DTYPE_CODE[gate_up.dtype], gate_up=gate_up.data_ptr(), down=down.data_ptr(),
-                inter=down.shape[-1])
+                read_ahead=int(store.mmap), inter=down.shape[-1])
 
 
 def is_silu(act) -> bool:

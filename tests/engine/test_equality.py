@@ -211,6 +211,84 @@ def test_will_need_asks_for_the_pages_not_in_the_page_cache(checkpoint, monkeypa
     ckpt._maps[path] = real
 
 
+def _resident_pages(path) -> set[int]:
+    """The file's pages in the page cache (mincore on a mapping of its own)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    pages = ctypes.create_string_buffer((len(m) + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
+    assert libc.mincore(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m), pages) == 0
+    m.close()
+    return {i for i, v in enumerate(pages.raw) if v & 1}
+
+
+def _evict(ckpt) -> None:
+    """A checkpoint's files out of the page cache: the mappings' page-table entries dropped (never written), then the pages
+    (written back first: a file just written keeps its dirty pages)."""
+    import mmap
+    import os
+
+    for path, m in ckpt._maps.items():
+        m.madvise(mmap.MADV_DONTNEED)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_disk_tier_stack_reads_the_routed_quantized_experts_ahead(checkpoint, monkeypatch):
+    """int4 experts on the disk tier decode inside the native stack, read in place from the cache file: an expert is six
+    ranges (q, scale and minimum of gate_up and down, each field stacked over the experts). Cold, each came in by page
+    faults that read the device's read-around window, mostly other experts' bytes (745 MB read for a token's 94 MB of
+    a Qwen3-30B-A3B shape on an 8 MiB read-ahead disk). After each layer's top-k the stack asks the OS for exactly the
+    routed experts' pages: with the cache files evicted before every pass, a pass leaves those pages in the page cache
+    and no others. The same tokens as the RAM tier."""
+    import mmap
+
+    from moechat.engine.experts import cpu_ffn
+    from moechat.engine.model import decode_stack
+
+    if cpu_ffn.library() is None or not hasattr(mmap, "MADV_WILLNEED"):
+        pytest.skip(cpu_ffn.notice() or "no madvise on this system")
+    model_dir = checkpoint("qwen3_moe", 5, moe_intermediate_size=1024)  # an expert's gate_up codes: 8 pages
+    prompt = list(range(5, 25))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), quant="int4", host_ram_budget_bytes=0))
+    store, qfile = engine.model.store, engine.model.store.qfile._mapped
+    assert store.tier == "mmap" and engine.model.decode_path() == "lean, the layer stack in one native call"
+    _evict(qfile)
+    if any(_resident_pages(path) for path in qfile._maps):
+        pytest.skip("this file system keeps the cache files' pages (tmpfs?)")
+    passes, forward = [], decode_stack.DecodeStack.forward
+
+    def cold_forward(self, ids, *args):
+        if self.runtime.store is not store:  # the RAM tier's engine below
+            return forward(self, ids, *args)
+        _evict(qfile)
+        logits = forward(self, ids, *args)
+        wanted = set()
+        for row, li in self.sparse.items():
+            for e in self._outputs[ids.shape[1]][0][row].unique().tolist():  # the pass's routed experts
+                for key in (f"{li}.{name}.{field}" for name in ("gate_up", "down") for field in ("q", "scale", "minimum")):
+                    path, start, end = qfile.byte_range(key)
+                    size = (end - start) // store.num_experts
+                    first, last = start + e * size, start + (e + 1) * size - 1
+                    wanted |= {(path, page) for page in range(first // mmap.PAGESIZE, last // mmap.PAGESIZE + 1)}
+        passes.append((wanted, {(path, page) for path in qfile._maps for page in _resident_pages(path)}))
+        return logits
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "forward", cold_forward)
+    fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=8)))[-1]
+    engine.close()
+    assert len(passes) == 7  # every decode step
+    for wanted, resident in passes:
+        assert resident == wanted
+    assert fin.token_ids == run_engine(model_dir, prompt, 8, quant="int4").token_ids  # the RAM tier's (its own mapping)
+
+
 def test_two_threads_opening_a_file_at_once_share_one_mapping(checkpoint, monkeypatch):
     """The disk tier's kernel keeps raw addresses into a file's mapping (ExpertStore.expert_pointers, on the CPU-expert
     thread, while the engine thread maps experts for the GPU): a second thread that mapped the same file meanwhile
