@@ -1,13 +1,19 @@
 """The chat database's schema: `MIGRATIONS`, appended to and never edited, run by `migrate`.
 
 `PRAGMA user_version` counts the scripts that ran; the missing ones run in one transaction, and a file written by a
-newer moechat is refused untouched (`refuse_newer`)."""
+newer moechat is refused untouched (`refuse_newer`), as is another program's (`moechat_version`: `PRAGMA application_id`
+marks moechat's from schema 3 on)."""
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
 from ..engine import MoechatError
+
+APPLICATION_ID = 0x6D6F6563  # "moec"
+# The tables of a schema from before the application id (1 and 2: the same columns), by which a file is known as moechat's
+_BEFORE_THE_ID = {"conversations": ["id", "title", "system_prompt", "created", "updated"],
+                  "messages": ["id", "conv_id", "role", "content", "finished", "created", "stats"]}
 
 # Append only: an edited migration would never run again on a database that already has it.
 MIGRATIONS = [
@@ -61,6 +67,9 @@ MIGRATIONS = [
     ALTER TABLE messages_v2 RENAME TO messages;
     CREATE INDEX messages_by_conversation ON messages(conv_id, id);
     """,
+    # 3: the file says it is moechat's (SQLite's application id in its header): another program's database put at this
+    # path took moechat's tables beside its own, or failed on a table name both use.
+    f"PRAGMA application_id = {APPLICATION_ID}",
 ]
 
 
@@ -74,6 +83,24 @@ def _statements(script: str) -> list[str]:
                 statements.append(part.strip())
             part = ""
     return statements
+
+
+def moechat_version(db: sqlite3.Connection, path: Path) -> int:
+    """The schema version of moechat's database at `path`, read without writing; another program's SQLite file is
+    refused untouched. Moechat's: its application id, or a file with no table yet, or one from before the id (schema 1
+    or 2 with moechat's two tables as they were)."""
+    db.execute("BEGIN")  # one snapshot: another moechat migrating the file meanwhile is seen before or after, never half
+    app, version = (db.execute(f"PRAGMA {name}").fetchone()[0] for name in ("application_id", "user_version"))
+    names = db.execute("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name")
+    tables = {name: [column[1] for column in db.execute("SELECT * FROM pragma_table_info(?)", (name,))]
+              for (name,) in names.fetchall()}
+    db.execute("COMMIT")
+    new, before_the_id = (version, tables) == (0, {}), version in (1, 2) and tables == _BEFORE_THE_ID
+    if app == APPLICATION_ID or app == 0 and (new or before_the_id):
+        return version
+    whose = f"application id {app:#x}" if app else f"tables {', '.join(tables)}" if tables else f"user_version {version}"
+    raise MoechatError(f"{path} is not moechat's chat database but another program's ({whose}): move it aside and "
+                       "moechat starts a new one")
 
 
 def refuse_newer(path: Path, version: int) -> None:

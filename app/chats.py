@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import MoechatError
-from .chat_migrations import migrate, refuse_newer
+from .chat_migrations import migrate, moechat_version, refuse_newer
 
 ROLES = ("system", "user", "assistant")
 
@@ -76,8 +76,19 @@ def _damaged(path: Path, err: sqlite3.Error) -> str | None:
     """What to do about a damaged file (at open too, where a truncated one fails first), else None."""
     if "malformed" not in str(err) and "not a database" not in str(err):
         return None
+    if not _sqlite_header(path):  # no SQLite file at all: nothing to rescue
+        return f"{path} is not moechat's chat database (not an SQLite file): move it aside and moechat starts a new one"
     return (f"chat database {path} is damaged ({err}): `sqlite3 {path} .recover | sqlite3 rescued.sqlite3` rescues what "
             "it can (put that file in its place), or move it aside and moechat starts a new one")
+
+
+def _sqlite_header(path: Path) -> bool:
+    """Whether the file starts as an SQLite database does (or cannot be read: then it may be one)."""
+    try:
+        with path.open("rb") as file:
+            return file.read(16) == b"SQLite format 3\0"
+    except OSError:
+        return True
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
@@ -149,7 +160,7 @@ class ChatStore:
         db = sqlite3.connect(self.path, timeout=2.0, check_same_thread=False, isolation_level=None)
         try:
             db.execute("PRAGMA foreign_keys=ON")
-            version = db.execute("PRAGMA user_version").fetchone()[0]  # before WAL: that writes the file
+            version = moechat_version(db, self.path)  # before WAL: that writes the file
             refuse_newer(self.path, version)
             self._wal(db)
             db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss

@@ -11,7 +11,7 @@ from pathlib import Path
 from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
-from .terminal_text import for_terminal
+from .terminal_text import as_typed, for_terminal
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,10 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="a user message (sent through the model's chat template unless --raw)")
+    src.add_argument("--prompt", type=as_typed, help="a user message (sent through the model's chat template unless --raw)")
     src.add_argument("--prompt-ids", type=_int_list, metavar="1,2,3", help="prompt as token ids")
     p.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
-    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--system", type=as_typed, default=None, help="system message")
     add_sampling_args(p, temperature=0.0, max_new_tokens=128)
     add_template_args(p)
 
@@ -124,7 +124,7 @@ def sampling_params(args, settings=None):
     given = {name: getattr(args, name) for name in SETTINGS_SAMPLING}
     if settings is not None:
         given = {name: getattr(settings, name) if value is None else value for name, value in given.items()}
-    return SamplingParams(top_k=args.top_k, seed=args.seed, stop=args.stop, **given)
+    return SamplingParams(top_k=args.top_k, seed=args.seed, stop=[as_typed(s) for s in args.stop], **given)
 
 
 def acceptance(summary) -> str:
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_flags(chat, "backend")
     chat.add_argument("--plain", action="store_true", help="line-by-line chat instead of the full-screen app")
-    chat.add_argument("--system", default=None, help="system message (plain chat; the app sets it per conversation)")
+    chat.add_argument("--system", type=as_typed, help="system message (plain chat; the app sets it per conversation)")
     chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
     # sampling (exact in distribution): less looping than greedy
     add_sampling_args(chat, temperature=0.7, max_new_tokens=512, top_p=0.9, from_settings=True)

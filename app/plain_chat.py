@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 import re
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 
 from .chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStore, ChatStoreError, title_from
-from .terminal_text import for_terminal
+from .terminal_text import as_typed, for_terminal
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
 
@@ -79,6 +82,38 @@ class Keeper:
         self.reply_id = self.user_id = None
 
 
+class CtrlC:
+    """Plain chat's SIGINT: a KeyboardInterrupt while `armed` (at the prompt and during a reply, which catch it), else held
+    until `arm` raises it (the next prompt takes it as its own). Between a reply's end and the next prompt (the reply
+    stored, its stats said) a Ctrl-C ended the whole chat, the reply's end unsaved."""
+
+    def __init__(self) -> None:
+        self.armed, self.held = True, False
+
+    def __call__(self, signum, frame) -> None:
+        if self.armed:
+            raise KeyboardInterrupt
+        self.held = True
+
+    def arm(self) -> None:
+        self.armed = True
+        if self.held:
+            self.held = False
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def installed(self):
+        """This as the SIGINT handler, where Python's own is (the main thread; not where Ctrl-C is ignored)."""
+        mine = threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        before = signal.signal(signal.SIGINT, self) if mine else None
+        try:
+            yield self
+        finally:
+            if mine:
+                signal.signal(signal.SIGINT, before)
+
+
 def _open_engine(args):
     """(engine, one line saying what runs, whether it is remote): the remote backend the flags or settings name, else
     the embedded engine."""
@@ -112,6 +147,9 @@ def cmd_chat(args) -> int:
     from .settings import load_settings
 
     params = sampling_params(args, load_settings()[0])  # a flag typed, else the settings' temperature, top-p, length
+    reconfigure = getattr(sys.stdin, "reconfigure", None)  # a text file's; a stream a caller put there may lack it
+    if reconfigure:  # a byte that is not UTF-8 under a UTF-8 locale: its line refused, not the chat ended (UnicodeDecodeError)
+        reconfigure(errors="surrogateescape")
     said = functools.partial(print, "\nmoechat:", file=sys.stderr)  # the file deleted under it: made again, in one line
     with ChatStore(notice=said) as store:  # first: a chat database that cannot be used is said before minutes of loading
         engine, what, remote = _open_engine(args)
@@ -123,6 +161,11 @@ def cmd_chat(args) -> int:
 
 
 def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = None) -> int:
+    with CtrlC().installed() as ctrl_c:
+        return _lines(engine, kept, params, remote, thinking, ctrl_c)
+
+
+def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ctrl_c: CtrlC) -> int:
     from ..engine import Error, Finished, MoechatError, Request, TokenDelta
     from .cli import acceptance
     from .history import fit_for_engine
@@ -132,7 +175,9 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
     interactive, shown = sys.stdin.isatty(), for_terminal(sys.stdout)
     while True:
         try:
-            text = input("you> " if interactive else "")
+            ctrl_c.arm()  # a Ctrl-C held since the last reply ended is one here
+            text = as_typed(input("you> " if interactive else ""))
+            ctrl_c.armed = False  # until the reply starts: held
         except EOFError:
             return 0
         except KeyboardInterrupt:
@@ -157,6 +202,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
         messages.append({"role": "user", "content": text})
         reply, finished, stopped, events, stored = [], None, False, None, False
         try:  # Ctrl-C from here on stops this reply: while a long history is fitted to the context, it ended the chat
+            ctrl_c.arm()
             try:
                 request, notice = (messages, "") if remote else fit_for_engine(engine, messages, params.max_new_tokens)
             except MoechatError as err:  # the chat template refuses it, say: one line, and the next message
@@ -183,7 +229,9 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
                           file=sys.stderr)
                 elif isinstance(ev, Finished):
                     finished = ev
+            ctrl_c.armed = False  # the reply's end stored and said before the next prompt: a Ctrl-C meanwhile waits for it
         except KeyboardInterrupt:
+            ctrl_c.armed = False
             if events is not None:
                 events.close()  # cancels the request; the engine (or the server) is ready for the next one
             stopped = True

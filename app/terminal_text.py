@@ -21,6 +21,16 @@ def caret_notation(text: str) -> str:
     return CONTROLS.sub(_caret, text)
 
 
+def as_typed(text: str) -> str:
+    """A line read or an argument as the user typed it. Under an ASCII locale (LC_ALL=C without UTF-8 mode) Python reads
+    each byte past ASCII as a lone surrogate (surrogateescape), so "café" came as 'caf\\udcc3\\udca9' and was refused as
+    not UTF-8; those bytes are decoded as UTF-8 here. Bytes that are not UTF-8 stay as they came, refused where used."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8")
+    except UnicodeError:
+        return text
+
+
 def for_terminal(stream) -> Callable[[str], str]:
     """What to write to `stream` of a text moechat did not write: caret_notation on a terminal, the text elsewhere."""
     isatty = getattr(stream, "isatty", None)

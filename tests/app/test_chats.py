@@ -14,7 +14,7 @@ import pytest
 
 import moechat
 from moechat.app.chat_export import export_markdown
-from moechat.app.chat_migrations import MIGRATIONS
+from moechat.app.chat_migrations import APPLICATION_ID, MIGRATIONS
 from moechat.app.chats import ChatStore, ChatStoreError, store_path
 from moechat.engine.errors import MoechatError
 
@@ -286,6 +286,7 @@ def test_database_from_a_newer_moechat_is_refused_untouched(tmp_path):
     path = tmp_path / "chats.sqlite3"
     with sqlite3.connect(path) as raw:
         raw.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+        raw.execute(f"PRAGMA application_id = {APPLICATION_ID}")  # a newer moechat's file says it is moechat's
         raw.execute("CREATE TABLE future (x)")
     before = path.read_bytes()
     with pytest.raises(MoechatError) as err:
@@ -296,6 +297,43 @@ def test_database_from_a_newer_moechat_is_refused_untouched(tmp_path):
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("other", [
+    "CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT); INSERT INTO notes (body) VALUES ('mine')",
+    "CREATE TABLE conversations (id INTEGER PRIMARY KEY, peer TEXT)",
+    "PRAGMA application_id = 1234",  # no table yet
+    MIGRATIONS[0] + "; CREATE TABLE notes (body TEXT); PRAGMA user_version = 1",
+    MIGRATIONS[0] + "; PRAGMA user_version = 7",  # a version moechat never wrote without its mark
+], ids=["its tables", "a table name moechat uses", "its application id", "moechat's tables and more", "user_version 7"])
+def test_another_programs_database_is_refused_untouched(tmp_path, other):
+    """It was taken as a new chat database: moechat's tables were written beside the other program's (and the file
+    switched to WAL), or, where a table name was taken, it failed with "table conversations already exists"."""
+    path = tmp_path / "chats.sqlite3"
+    with sqlite3.connect(path) as raw:
+        raw.executescript(other)
+    before = path.read_bytes()
+    with pytest.raises(MoechatError) as err:
+        ChatStore(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "another program's" in message and "move it aside" in message
+    assert path.read_bytes() == before and not Path(f"{path}-wal").exists()
+
+
+@pytest.mark.parametrize("version", range(len(MIGRATIONS)))
+def test_a_database_of_every_older_moechat_opens_migrated_and_marked_moechats(tmp_path, version):
+    path = tmp_path / "chats.sqlite3"
+    with sqlite3.connect(path) as raw:
+        raw.executescript("".join(MIGRATIONS[:version]) + f";PRAGMA user_version = {version};")
+        if version:
+            raw.execute("INSERT INTO conversations (title, created, updated) VALUES ('kept', 1.0, 2.0)")
+            raw.execute("INSERT INTO messages (conv_id, role, content, created) VALUES (1, 'user', 'hi', 1.5)")
+    with ChatStore(path) as store:
+        assert [(c.title, [m.content for m in store.messages(c.id)]) for c in store.conversations()] == (
+            [("kept", ["hi"])] if version else [])
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+        assert raw.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+
+
 def test_corrupt_file_is_refused_in_one_line(tmp_path):
     path = tmp_path / "chats.sqlite3"
     path.write_bytes(b"this is not a database, it is a shopping list\n" * 100)
@@ -304,6 +342,7 @@ def test_corrupt_file_is_refused_in_one_line(tmp_path):
         ChatStore(path)
     message = str(err.value)
     assert "\n" not in message and str(path) in message and "move it aside" in message
+    assert "not an SQLite file" in message and ".recover" not in message  # not a damaged database: nothing to rescue
     assert err.value.__cause__ is None and err.value.__suppress_context__  # no chained traceback
     assert path.read_bytes() == before
 

@@ -239,3 +239,18 @@ def test_a_stdout_without_reconfigure_in_an_ascii_locale_still_runs(monkeypatch,
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and out.getvalue().startswith("moechat ")
+
+
+@pytest.mark.notorch
+def test_utf8_arguments_under_an_ascii_locale_are_taken_as_typed():
+    """Under PYTHONUTF8=0 LC_ALL=C Python reads `--prompt café` as 'caf\\udcc3\\udca9' (surrogateescape), and generate
+    refused it after loading the model: "the text holds '\\udcc3' at position 3, which is not Unicode text"."""
+    from moechat.app.cli import build_parser, sampling_params
+
+    def typed(text: str) -> str:  # what Python's argv holds under an ASCII locale for `text` typed in UTF-8
+        return text.encode("utf-8").decode("ascii", "surrogateescape")
+
+    args = build_parser().parse_args(["generate", "--prompt", typed("café"), "--system", typed("Réponds"),
+                                      "--stop", typed("été"), "--stop", "caf\udce9"])
+    assert (args.prompt, args.system, sampling_params(args).stop) == ("café", "Réponds", ["été", "caf\udce9"])  # not UTF-8: kept
+    assert build_parser().parse_args(["chat", "--system", typed("Sé bref")]).system == "Sé bref"

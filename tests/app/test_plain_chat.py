@@ -3,6 +3,7 @@ keeps it; a chat deleted in another window goes on in a new one; a store that fa
 from __future__ import annotations
 
 import io
+import signal
 import sys
 
 import pytest
@@ -173,6 +174,47 @@ def test_ctrl_c_while_the_next_message_is_fitted_keeps_the_turns_before(tmp_path
     capsys.readouterr()
 
 
+def ctrl_c_in(method: str, monkeypatch) -> None:
+    """A real Ctrl-C the first time Keeper.<method> runs: SIGINT, whose handler Python runs before raise_signal returns."""
+    original, came = getattr(plain_chat.Keeper, method), []
+
+    def pressed(self, *args, **kw):
+        if not came:
+            came.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(plain_chat.Keeper, method, pressed)
+
+
+@pytest.mark.parametrize("moment", ["reply", "drop_turn"])
+def test_ctrl_c_as_a_reply_ends_is_a_ctrl_c_at_the_prompt(tmp_path, monkeypatch, capsys, moment):
+    """Between a reply's end and the next prompt (the reply stored, its stats said: milliseconds) a Ctrl-C ended the whole
+    chat ("interrupted", exit 130), the lines after it unread and the reply's end unsaved; so did one pressed while a
+    reply stopped before its first token was taken back from the store."""
+    monkeypatch.setattr(plain_chat, "SAVE_INTERVAL_S", 1e9)  # Keeper.reply runs once a turn: as the reply ends
+    ctrl_c_in(moment, monkeypatch)
+    first = [True] if moment == "drop_turn" else []  # the first reply stopped before its first token
+
+    def stop(i: int) -> None:
+        if first:
+            first.clear()
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\nsecond\n"))
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        try:
+            assert plain_chat._chat(Streaming(["Hi."], stop), plain_chat.Keeper(store, None), SamplingParams(),
+                                    remote=True) == 0
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C ended the chat")
+        stored = [(m.role, m.content) for c in store.conversations() for m in store.messages(c.id)]
+    assert stored == ([("user", "first"), ("assistant", "Hi.")] if moment == "reply" else []) + [
+        ("user", "second"), ("assistant", "Hi.")]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back as it was
+    capsys.readouterr()
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
@@ -214,3 +256,21 @@ def test_a_reply_the_locales_encoding_cannot_write_is_kept_and_the_chat_goes_on(
     with ChatStore(tmp_path / "chats.sqlite3") as store:
         stored = [m.content for m in store.messages(store.conversations()[0].id)]
     assert stored == ["hello", "Caf\u00e9 \U0001f642.", "again", "Caf\u00e9 \U0001f642."]
+
+
+@pytest.mark.parametrize("errors", ["surrogateescape", "strict"])
+def test_utf8_lines_are_taken_and_a_line_that_is_not_is_refused_alone(tmp_path, monkeypatch, capsys, errors):
+    """Under an ASCII locale (PYTHONUTF8=0 LC_ALL=C: stdin ascii, surrogateescape) "café" typed or piped was refused as
+    "not valid UTF-8"; under a UTF-8 one (stdin strict) a byte that is not UTF-8 ended the chat (exit 1, "'utf-8' codec
+    can't decode byte 0xe9"), the lines after it unread."""
+    from moechat.app.cli import main
+
+    encoding = "ascii" if errors == "surrogateescape" else "utf-8"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xc3\xa9\ncaf\xe9\nagain\n"), encoding, errors))
+    monkeypatch.setattr(plain_chat, "_open_engine", lambda args: (Closing(["Oui."]), "fake", True))
+    monkeypatch.setattr(plain_chat, "ChatStore", lambda notice: ChatStore(tmp_path / "chats.sqlite3", notice=notice))
+    assert main(["chat", "--plain"]) == 0
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        stored = [m.content for m in store.messages(store.conversations()[0].id)]
+    assert stored == ["caf\u00e9", "Oui.", "again", "Oui."]
+    assert capsys.readouterr().err.count("that line is not valid UTF-8 text: not sent") == 1
