@@ -8,6 +8,7 @@ from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 BINDINGS = [
+    Binding("f1", "help", "Help", id="help"),  # first: below 100 columns the footer cuts its last keys, and this one lists them
     Binding("escape", "stop", "Stop", id="stop"),
     Binding("ctrl+n", "new_chat", "New chat", id="new_chat"),
     Binding("f2", "rename_chat", "Rename", id="rename_chat"),
@@ -21,7 +22,6 @@ BINDINGS = [
     Binding("f3", "toggle_experts", "Experts", id="toggle_experts"),
     Binding("f12", "settings", "Settings", show=False, id="settings"),
     Binding("ctrl+t", "toggle_theme", "Theme", show=False, id="toggle_theme"),
-    Binding("f1", "help", "Help", id="help"),
 ]
 
 # (action, palette name, help) for the command palette; the action names are the bindings' ids too.

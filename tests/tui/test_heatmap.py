@@ -27,6 +27,15 @@ pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
 L, E, K = 48, 128, 4
 
 
+@pytest.fixture(autouse=True)
+def truecolor(monkeypatch):
+    """Drawn as on a terminal of true colour, whatever TERM and COLORTERM the tests run under (TERM=xterm alone is 16
+    colours, where the levels show as digits); a test asks for fewer colours itself."""
+    from textual import constants
+
+    monkeypatch.setattr(constants, "COLOR_SYSTEM", "truecolor")  # read as each app is made
+
+
 def make_frame(step: int = 0, seed: int = 0, layers: int = L, experts: int = E) -> Frame:
     """Deterministic frame: seeded utilities, resident where utility ≥ τ, τ cycling 1..K."""
     rng = random.Random(seed)
@@ -217,6 +226,37 @@ def test_without_colour_a_cell_shows_its_utility_and_residency_in_text(monkeypat
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("system", ["standard", "256", "truecolor"])
+def test_each_level_reads_apart_in_the_terminals_colours(monkeypatch, system):
+    """On a terminal of 16 colours (TERM=xterm, no COLORTERM) the theme's ramp fell on two or three ANSI colours: levels
+    0 and 1, K-1 and K looked the same. There a cell shows its utility as a digit, as without colour."""
+    from rich.console import COLOR_SYSTEMS
+    from textual import constants
+
+    monkeypatch.setattr(constants, "COLOR_SYSTEM", system)
+    bound = 8
+
+    async def run():
+        app = Demo(stats=False)
+        async with app.run_test(size=(80, 16)) as pilot:
+            assert app.console.color_system == system
+            heatmap = app.query_one(ExpertHeatmap)
+            utility = [list(range(bound + 1)) * 2] * 2
+            heatmap.update_frame(Frame(utility, [[False] * len(utility[0])] * 2, [1, 1], bound, "spac"))
+            await pilot.pause(2 * INTERVAL_S)
+            await pilot.pause()
+            for theme in ("textual-dark", "textual-light"):
+                app.theme = theme
+                await pilot.pause()
+                sent = {tuple(style.bgcolor.downgrade(COLOR_SYSTEMS[system]).get_ansi_codes(False))
+                        for style in heatmap.level_styles(bound)}  # what the terminal is sent for levels 0..K
+                alike = len(sent) < bound + 1
+                assert alike == (system == "standard") or system == "256"  # 256 colours: alike at this K on some themes
+                cells = "".join(segment.text for segment in heatmap.render_line(2))[2:2 + bound + 1]
+                assert cells == ("·12345678" if alike else " " * (bound + 1)), (theme, sent)  # no expert resident
+    asyncio.run(run())
+
+
 def test_stats_panel_formats_values_and_na():
     async def run():
         app = Demo(heatmap=False)
@@ -244,6 +284,31 @@ def test_stats_panel_formats_values_and_na():
             assert text["kv-kept"].endswith("1.5 GiB / 4 GiB · 3 chats") and text["kv-kept"].count("█") == 6
             panel.history.pop()
             assert list(panel.history) == [10.0 + i for i in range(10)]
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("width", [29, 39])  # the stats' width in the expert view at 60 and 80 columns
+def test_a_narrow_stats_panel_shows_the_figures_beside_its_bars(width):
+    """At 60 columns the busy, VRAM and RAM lines showed their labels alone (the 16-cell bar left no room, and the line
+    wrapped out of its one row); at 80 the device time and the VRAM budget were cut off."""
+    async def run():
+        app = Demo(heatmap=False)
+        async with app.run_test(size=(80, 16)) as pilot:
+            panel = app.query_one(StatsPanel)
+            panel.styles.width = width
+            deadline = time.monotonic() + 10
+            while panel.content_region.width != width - 2:  # the new width laid out (padding 0 1)
+                assert time.monotonic() < deadline, panel.content_region
+                await pilot.pause(0.02)
+            panel.update_stats(make_stats(kept_conversations=3, kept_bytes=3 << 29, kept_budget=4 << 30))
+            await pilot.pause()
+            shown = {key: panel.query_one(f"#{key}").render_line(0).text.rstrip() for key in ("busy", "vram", "ram", "kv-kept")}
+            assert shown["busy"].startswith("busy        CPU 12.0 ms ·"), shown
+            assert shown["vram"].startswith("VRAM        ") and shown["vram"].endswith(" 5 GiB / 8 GiB"), shown
+            assert shown["ram"].startswith("RAM         ") and shown["ram"].endswith(" n/a"), shown
+            if width == 39:
+                assert shown["busy"].startswith("busy        CPU 12.0 ms · device 4.0"), shown
+                assert shown["kv-kept"] == "KV kept     1.5 GiB / 4 GiB · 3 chats", shown
     asyncio.run(run())
 
 

@@ -541,6 +541,26 @@ async def test_a_narrow_terminal_keeps_the_input_dialogs_and_help_on_the_screen(
 
 @pilot_test
 @pytest.mark.notorch
+@pytest.mark.parametrize("size", [(80, 24), (60, 20)])
+async def test_a_narrow_terminals_footer_shows_f1_for_the_help(tmp_path, size):
+    """Below 100 columns the footer's last keys went under the command palette's, F1 Help with them, while the input's
+    placeholder said "F1 help": an 80-column terminal showed no way to the keys."""
+    from textual.widgets import Footer
+    from textual.widgets._footer import FooterKey
+
+    async with without_model(tmp_path, size) as (app, pilot):
+        def keys():
+            return {key.action: key.region for key in app.screen.query_one(Footer).query(FooterKey)}
+
+        await until(pilot, lambda: {"help", "command_palette"} <= keys().keys() and all(r.width for r in keys().values()),
+                    "the footer's keys laid out")
+        shown, palette = keys()["help"], keys()["command_palette"]
+        assert shown.right <= palette.x, (shown, palette)
+        assert "F1 help" in str(app.chat.query_one("#input").placeholder)
+
+
+@pilot_test
+@pytest.mark.notorch
 @pytest.mark.parametrize("size, key, panel", [((120, 40), "f4", "#conversations"), ((80, 24), "f3", "#conversations"),
                                               ((120, 40), "f3", "#heatmap")])
 async def test_hiding_the_panel_that_has_the_focus_gives_it_to_the_input(tmp_path, stored, size, key, panel):

@@ -596,6 +596,63 @@ def test_snapshot_wizard_first_step(snap_compare, tmp_path):
     assert snap_compare(Host(WizardScreen(hardware=fake_hardware(), path=tmp_path / "s.toml")), terminal_size=(120, 40))
 
 
+def shown_whole(screen, selector: str) -> bool:
+    """Whether the widget at `selector` is on the screen whole (not cut by a step's bottom)."""
+    from textual.errors import NoWidget
+
+    widget = screen.query_one(selector)
+    try:
+        return 0 < screen.find_widget(widget).visible_region.height == widget.region.height
+    except NoWidget:
+        return False
+
+
+async def seen_whole(pilot, selector: str, timeout: float = 5.0) -> bool:
+    """Whether the widget at `selector` comes on the screen whole within `timeout` (the scroll follows a refresh)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not shown_whole(pilot.app.screen, selector):
+        if time.monotonic() > deadline:
+            return False
+        await pilot.pause(0.02)
+    return True
+
+
+async def _wizard_on_a_short_terminal(path, seen: dict) -> None:
+    app = Host(WizardScreen(hardware=fake_hardware(), path=path))
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        for box in ("#hub-id", "#backend-url"):
+            screen.query_one(box).focus()  # Tab moves there as well
+            seen[box] = await seen_whole(pilot, box)
+        screen.query_one("#src-hub").value = True
+        await click(pilot, "#next")  # no id typed: the line under the fields says so
+        seen["model-error"] = str(screen.query_one("#model-error").content), await seen_whole(pilot, "#model-error")
+        screen.query_one("#src-demo").value = True
+        await click(pilot, "#next")
+        assert screen.step == 1
+        screen.query_one("#ram_budget_gib").focus()
+        seen["#ram_budget_gib"] = await seen_whole(pilot, "#ram_budget_gib")
+        screen.query_one("#ram_budget_gib").value = "-3"
+        screen.query_one("#device").focus()
+        await click(pilot, "#next")
+        seen["ram-error"] = (str(screen.query_one("#ram_budget_gib-error").content),
+                             await seen_whole(pilot, "#ram_budget_gib-error"))
+        assert screen.step == 1
+
+
+def test_a_short_terminal_reaches_every_field_and_message_of_the_wizard(tmp_path):
+    """At 60×20 (80×24 alike, a field less) the wizard's steps were cut at the bottom, with no way to scroll: the Hugging
+    Face id, the server's URL and the RAM budget could not be seen, nor the line under them saying what was wrong."""
+    seen = {}
+    asyncio.run(_wizard_on_a_short_terminal(tmp_path / "s.toml", seen))
+    assert seen["#hub-id"] and seen["#backend-url"] and seen["#ram_budget_gib"], seen
+    assert seen["model-error"] == ("type a Hugging Face id, e.g. Qwen/Qwen3-30B-A3B", True)
+    assert seen["ram-error"][0] and seen["ram-error"][1], seen
+
+
 async def _wizard_remote(path, url):
     app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path))
     async with app.run_test(size=(120, 40)) as pilot:

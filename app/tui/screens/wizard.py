@@ -104,6 +104,7 @@ class WizardScreen(Screen):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
     DEFAULT_CSS = """
     WizardScreen ContentSwitcher { padding: 1 2; height: 1fr; }
+    WizardScreen ContentSwitcher > Vertical { overflow-y: auto; }  /* a short terminal cut a step's last fields off */
     WizardScreen .title { text-style: bold; padding-bottom: 1; }
     WizardScreen .row { height: auto; }
     WizardScreen .row Label { width: 24; padding: 1 1 0 0; }
@@ -279,9 +280,16 @@ class WizardScreen(Screen):
             return
         getattr(self, f"_leave_{STEPS[self.step].split('-')[1]}")()
 
+    def _say(self, label: str, text: str) -> None:
+        """`text` in a step's label (a field's error, a pull's progress), scrolled into view: on a short terminal the
+        label, below the step's fields, was off the screen."""
+        widget = self.query_one(label, Label)
+        widget.update(text)
+        if text:
+            widget.scroll_visible(animate=False)
+
     def _leave_model(self) -> None:
-        error = self.query_one("#model-error", Label)
-        error.update("")
+        self._say("#model-error", "")
         source = self.query_one("#source", RadioSet).pressed_button
         if source is None or source.id == "src-demo":
             self._model_chosen(str(DEMO_MODEL), None, str(DEMO_DRAFT))
@@ -292,10 +300,10 @@ class WizardScreen(Screen):
                                            "connecting to {}…")}[source.id]
         text = self.query_one(box, Input).value.strip()
         if not text:
-            error.update(hint)
+            self._say("#model-error", hint)
             return
         self.busy = True
-        error.update(doing.format(text))
+        self._say("#model-error", doing.format(text))
         self.run_worker(lambda: self._resolve_model(source.id, text), thread=True, group="model")
 
     def _resolve_model(self, source: str, text: str) -> None:
@@ -321,11 +329,11 @@ class WizardScreen(Screen):
     def _pull_progress(self, repo_id: str, done: int, total: int) -> None:
         from ...models import size_text
 
-        self.query_one("#model-error", Label).update(f"downloading {repo_id}: {size_text(done)} of {size_text(total)}")
+        self._say("#model-error", f"downloading {repo_id}: {size_text(done)} of {size_text(total)}")
 
     def _model_failed(self, message: str) -> None:
         self.busy = False
-        self.query_one("#model-error", Label).update(message)
+        self._say("#model-error", message)
 
     def _backend_chosen(self, url: str, model: str) -> None:
         """A remote backend answers: nothing to measure here, straight to Finish."""
@@ -354,7 +362,7 @@ class WizardScreen(Screen):
         errors = {name: field_error(name, self._budget(name)) for name in BUDGETS}
         errors["device"] = field_error("device", self._placement()["device"])
         for name, error in errors.items():
-            self.query_one(f"#{name}-error", Label).update(error or "")
+            self._say(f"#{name}-error", error or "")
         if not any(errors.values()):
             if self.decisions is not None and self._calibration_inputs() != self._calibrated_with:
                 self.decisions, self.profile_path = None, ""  # budgets or device changed: the profile measured others

@@ -15,9 +15,10 @@ Layout choice (48 layers × 128 experts must stay readable on a 120×40 terminal
 - **Residency is a glyph, utility a background colour**, so both read at once: "●" every expert
   of the cell resident, "•" some, blank none; the glyph takes the contrast colour of its cell.
 - Colours come from the theme (surface → primary → warning → error), so light and dark themes work.
-- **Without colour** (`NO_COLOR`: Textual draws in grey, where K came out darker than K-1 and 0 as 1) a cell shows its
-  utility as a digit ("·" for 0; K > 9 scaled to 1..9) and residency as a style: reversed every expert resident,
-  underlined some.
+- **Without colour** (`NO_COLOR`: Textual draws in grey, where K came out darker than K-1 and 0 as 1), and where the
+  terminal's colours show two levels alike (16 colours: the theme's ramp falls on two or three of them; 256 at a large
+  K), a cell shows its utility as a digit ("·" for 0; K > 9 scaled to 1..9) and residency as a style: reversed every
+  expert resident, underlined some.
 
 `update_frame` only stores the newest frame and schedules at most one redraw per `INTERVAL_S`:
 a flood of frames never queues renders, and folding happens once per redraw, not per frame.
@@ -29,6 +30,7 @@ import math
 import time
 from typing import ClassVar
 
+from rich.console import COLOR_SYSTEMS
 from rich.segment import Segment
 from rich.style import Style
 from textual.color import Color, Gradient
@@ -118,6 +120,7 @@ class ExpertHeatmap(ScrollView):
         self._layout_key: tuple | None = None
         self._palette_key: tuple | None = None
         self._palette: list[Color] = []
+        self._alike = False  # two levels of the palette look the same on this terminal's colours
         self._styles: list[Style] = []  # cell style per level, for the current palette
         self._labels: list[str] = []
         self._columns = (1, 1)  # (label width, τ width)
@@ -180,7 +183,16 @@ class ExpertHeatmap(ScrollView):
             # A cell's glyph takes the contrast colour of its background.
             self._styles = [Style(bgcolor=bg.rich_color, color=bg.get_contrast_text(1.0).rich_color)
                             for bg in self._palette]
+            system = COLOR_SYSTEMS.get(self.app.console.color_system or "truecolor")
+            shown = {tuple(bg.rich_color.downgrade(system).get_ansi_codes(False)) for bg in self._palette}
+            self._alike = len(shown) < len(self._palette)  # what the terminal is sent: 16 colours made K and K-1 one
         return self._palette
+
+    def plain(self, bound: int) -> bool:
+        """Utility as digits, residency as a style: without colour (NO_COLOR), or where the terminal's colours cannot
+        tell the levels 0..K apart."""
+        self.level_colors(bound)
+        return self.app.no_color or self._alike
 
     def level_styles(self, bound: int) -> list[Style]:
         """Cell style of utility 0..K (index with min(level, K): in-use experts may report K+1)."""
@@ -235,7 +247,7 @@ class ExpertHeatmap(ScrollView):
                             self.get_component_rich_style("expert-heatmap--label"))]
         styles, top = self.level_styles(f.utility_bound), f.utility_bound
         run, run_style = "", None  # neighbouring cells of one style become one segment
-        plain = self.app.no_color
+        plain = self.plain(top)
         marked = [self.rich_style + style for style in MARKED]
         for level, n_resident, n in self._rows[layer]:
             style = styles[min(max(level, 0), top)]
@@ -255,7 +267,8 @@ class ExpertHeatmap(ScrollView):
 
     def _legend(self, line: int) -> list[Segment]:
         f, muted = self.frame, self.get_component_rich_style("expert-heatmap--label")
-        if line == 1 and self.app.no_color:
+        plain = self.plain(f.utility_bound)
+        if line == 1 and plain:
             some = [Segment("  ", muted), Segment("2", muted + MARKED[1]), Segment(" partly", muted)] if self._group > 1 else []
             return [Segment(" ", muted), Segment("2", muted + MARKED[2]), Segment(" resident", muted), *some,
                     Segment("  τ threshold (keep utility ≥ τ)", muted)]
@@ -264,7 +277,7 @@ class ExpertHeatmap(ScrollView):
             text = f" {ALL_RESIDENT} resident{some}  τ threshold (keep utility ≥ τ)"
             return [Segment(text, muted)]
         bound = f.utility_bound
-        if self.app.no_color:
+        if plain:
             scaled = f", 1-9 scaled from 1-{bound}" if bound > 9 else ""
             return [Segment(f" utility 0-{bound}: · is 0{scaled}", muted)]
         # Up to 12 swatches: large K shows evenly spaced levels, always including 0 and K.

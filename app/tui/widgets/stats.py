@@ -18,6 +18,7 @@ from moechat.app.tui.messages import Stats
 
 HISTORY = 120  # tokens/s samples kept for the sparkline
 BAR_WIDTH = 16
+LABEL_WIDTH = 12  # "bytes/token " before each figure
 
 
 def human_bytes(n: float) -> str:
@@ -44,21 +45,38 @@ def bar(fraction: float, width: int = BAR_WIDTH, colour: str = "$primary") -> st
     return f"[{colour}]{'█' * filled}[/][$text-muted]{'░' * (width - filled)}[/]"
 
 
+def bar_width(room: int, figures: str) -> int:
+    """Cells for a bar before `figures` in `room` columns: BAR_WIDTH, less where the figures would not fit beside it, none
+    under 4. The figures come first: a narrow expert view cut them off (at 60 columns the line wrapped, leaving its label
+    alone)."""
+    width = min(BAR_WIDTH, room - len(figures) - 1)
+    return width if width >= 4 else 0
+
+
+def with_bar(drawn: str, figures: str) -> str:
+    return f"{drawn} {figures}" if drawn else figures
+
+
 def busy_bar(cpu_s: float, device_s: float, width: int = BAR_WIDTH) -> str:
     """CPU share then device share of the step's expert time in one bar."""
     total = cpu_s + device_s
+    if width <= 0:
+        return ""
     if total <= 0:
         return f"[$text-muted]{'░' * width}[/]"
     cpu = round(width * cpu_s / total)
     return f"[$warning]{'█' * cpu}[/][$primary]{'█' * (width - cpu)}[/]"
 
 
-def memory_line(used: int | None, budget: int | None) -> str:
-    if used is None:
-        return f"[$text-muted]{'░' * BAR_WIDTH}[/] n/a"
-    if budget is None:
-        return f"[$text-muted]{'░' * BAR_WIDTH}[/] {human_bytes(used)} / n/a"
-    return f"{bar(used / budget if budget else 2.0)} {human_bytes(used)} / {human_bytes(budget)}"
+def memory_line(used: int | None, budget: int | None, room: int, more: str = "") -> str:
+    """Used of budget as a bar and figures (then `more`) in `room` columns."""
+    figures = ("n/a" if used is None else f"{human_bytes(used)} / {'n/a' if budget is None else human_bytes(budget)}") + more
+    width = bar_width(room, figures)
+    if not width:
+        return figures
+    if used is None or budget is None:
+        return f"[$text-muted]{'░' * width}[/] {figures}"
+    return f"{bar(used / budget if budget else 2.0, width)} {figures}"
 
 
 class StatsPanel(Vertical):
@@ -66,7 +84,7 @@ class StatsPanel(Vertical):
 
     DEFAULT_CSS = """
     StatsPanel { height: auto; padding: 0 1; }
-    StatsPanel > Static { height: 1; }
+    StatsPanel > Static { height: 1; text-wrap: nowrap; text-overflow: ellipsis; }
     StatsPanel > Sparkline { height: 2; margin-bottom: 1; }
     """
 
@@ -85,6 +103,9 @@ class StatsPanel(Vertical):
     def on_mount(self) -> None:
         self.draw()
 
+    def on_resize(self) -> None:
+        self.draw()  # the bars take what the figures leave of the width
+
     def update_stats(self, stats: Stats, draw: bool = True) -> None:
         """Keep `stats` (and its rate in the history); draw=False while the panel is hidden: `draw` shows it later."""
         self.stats = stats
@@ -94,6 +115,9 @@ class StatsPanel(Vertical):
 
     def draw(self) -> None:
         s = self.stats or Stats()
+        room = (self.content_region.width or 80) - LABEL_WIDTH  # columns after the labels
+        cpu, device = seconds(s.cpu_busy_s), seconds(s.device_busy_s)
+        busy = busy_bar(s.cpu_busy_s, s.device_busy_s, bar_width(room, f"CPU {cpu} · device {device}"))
         where = f"remote {s.remote} (its figures; memory is the server's)" if s.remote else "embedded"
         lines = {
             "engine": f"engine      {where}" if self.stats else "engine      n/a",
@@ -102,13 +126,12 @@ class StatsPanel(Vertical):
             "hit-rate": f"hit rate    {percent(s.hit_rate)}",
             "bytes-per-token": f"bytes/token {human_bytes(s.bytes_per_token)}",
             "pcie": f"PCIe        {human_bytes(s.pcie_bytes_s)}/s",
-            "busy": f"busy        {busy_bar(s.cpu_busy_s, s.device_busy_s)} "
-                    f"[$warning]CPU[/] {seconds(s.cpu_busy_s)} · [$primary]device[/] {seconds(s.device_busy_s)}",
-            "vram": f"VRAM        {memory_line(s.vram_used, s.vram_budget)}",
-            "ram": f"RAM         {memory_line(s.ram_used, s.ram_budget)}",
+            "busy": f"busy        {with_bar(busy, f'[$warning]CPU[/] {cpu} · [$primary]device[/] {device}')}",
+            "vram": f"VRAM        {memory_line(s.vram_used, s.vram_budget, room)}",
+            "ram": f"RAM         {memory_line(s.ram_used, s.ram_budget, room)}",
             "prompt": (f"prompt      {s.prompt_tokens:,} tokens, {s.reused_tokens:,} reused" if s.prompt_tokens
                        else "prompt      n/a"),
-            "kv-kept": (f"KV kept     {memory_line(s.kept_bytes, s.kept_budget)} · {s.kept_conversations} chats"
+            "kv-kept": ("KV kept     " + memory_line(s.kept_bytes, s.kept_budget, room, f" · {s.kept_conversations} chats")
                         if s.kept_budget else "KV kept     off"),
         }
         for key, text in lines.items():
