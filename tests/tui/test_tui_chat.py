@@ -353,7 +353,8 @@ async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice
         assert sum("deleted in another" in n.message for n in app._notifications) == 1  # said once
         chat.reply = None  # as the stopped reply's end leaves it
         await send(pilot, "still there?")  # the chat is gone: the text comes back, for a new chat
-        assert chat.query_one(ChatInput).text == "still there?" and chat.conv_id is None and app.return_code is None
+        await until(pilot, lambda: chat.query_one(ChatInput).text == "still there?", "the text back in the input")
+        assert chat.conv_id is None and app.return_code is None
         await pilot.press("enter")
         await until(pilot, lambda: any(c.title == "still there?" for c in app.store.conversations()), "the new chat")
 
