@@ -223,8 +223,7 @@ class Engine:
                 "shorten the conversation or raise the context length"
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
-        # any whole number seeds (a torch generator takes 64 bits: larger and negative seeds are taken modulo 2^64)
-        generator = torch.Generator().manual_seed(params.seed % 2**64 if params.seed is not None else random.randrange(2**63))
+        generator = _generator(params.seed if params.seed is not None else random.randrange(2**64))
         t_start = time.perf_counter()  # the time to first token counts finding and copying a kept cache
         kept, reused = self.conversations.take(prompt, m.new_kv_cache)  # kept.kv after each step: committed[:-1]
         kept.tokens, kept.prompt_len = None, len(prompt)  # tokens None while a pass writes the caches
@@ -361,6 +360,14 @@ class Engine:
                     return "length"
         detok.update(new)
         return None
+
+
+def _generator(seed: int) -> torch.Generator:
+    """The request's random stream for any whole number. torch's CPU generator keeps only the low 32 bits of its seed
+    (7 and 7 + 2^32 drew the same reply), so the bits above, modulo 2^64, are folded into them; a seed below 2^32 is
+    taken as it is."""
+    s = seed % 2**64
+    return torch.Generator().manual_seed((s ^ (s >> 32) * 0x9E3779B1) % 2**32)
 
 
 def _numerics_advice(dtype: torch.dtype) -> str:

@@ -438,6 +438,34 @@ def test_sampling_is_reproducible_with_seed(checkpoint):
     assert isinstance(cold, Finished) and cold.token_ids == greedy.token_ids
 
 
+@pytest.mark.parametrize("drafter", ["none", "model", "self"])
+def test_a_seed_repeats_a_sampled_reply_with_each_drafter(checkpoint, draft_dir, drafter):
+    """Same seed, settings, prompt and fast-tier contents: the same tokens, on one engine for none and a draft model, on
+    two fresh ones for the self drafter (its drafts follow the fast tier, which the first request's policy moved)."""
+    config = dict(expert_cache_ratio=0.5, conversation_cache_bytes=0, scheduler=SchedulerConfig(policy="spac"),
+                  spec=SpecConfig(str(draft_dir) if drafter == "model" else drafter, 4))
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_new_tokens=24)
+    engine = engine_for(checkpoint("qwen3_moe"), **config)
+    runs = [list(engine.generate(Request(prompt=PROMPT), params)) for _ in range(2)]
+    if drafter == "self":
+        runs[1] = list(engine_for(checkpoint("qwen3_moe"), **config).generate(Request(prompt=PROMPT), params))
+    first, second = (r[-1] for r in runs)
+    assert isinstance(first, Finished) and first.token_ids == second.token_ids
+    assert drafter == "none" or first.summary.drafted > first.summary.accepted > 0  # drafts were sampled and judged
+
+
+def test_seeds_apart_by_2_to_the_32_draw_different_replies(checkpoint):
+    """torch's CPU generator seeds from a seed's low 32 bits: 7 and 7 + 2^32 (or -1 and 2^32 - 1) drew one reply."""
+    engine = engine_for(checkpoint("qwen3_moe"))
+
+    def reply(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=16)
+        return list(engine.generate(Request(prompt=PROMPT), params))[-1].token_ids
+
+    assert reply(7) == reply(7) and reply(7) != reply(8)
+    assert reply(7 + 2**32) != reply(7) and reply(-1) != reply(2**32 - 1)
+
+
 def test_error_event_for_chat_without_template(checkpoint, tmp_path):
     import shutil
 
