@@ -86,7 +86,7 @@ class EngineBridge:
             return
         self._thread = threading.Thread(target=self._run, name="moechat-engine", daemon=True)
         self._thread.start()
-        self._queue.put(("load", self._factory))
+        self._queue.put(("load",))
 
     def generate(self, request_id: int, messages: list[dict], params: SamplingParams, thinking: bool | None = None) -> None:
         """thinking: the chat template's `enable_thinking` (None: its default)."""
@@ -103,11 +103,9 @@ class EngineBridge:
             if self._running is not None and self._running[1] is not None:
                 self._running[1].stop()  # at once (thread-safe): the engine ends at its next check
 
-    def reload(self, config_factory: Callable[[], EngineConfig] | None = None) -> None:
-        """Load the model again (from `config_factory`, which later reloads then reuse)."""
-        if config_factory is not None:
-            self._factory = config_factory
-        self._queue.put(("load", self._factory))
+    def reload(self) -> None:
+        """Load the model again, from the config the factory gives now."""
+        self._queue.put(("load",))
 
     def unload(self) -> threading.Event:
         """Stop any reply and free the model: the setup wizard measures this machine's free VRAM and RAM, which the
@@ -174,7 +172,7 @@ class EngineBridge:
                 args[0].set()
                 continue
             try:
-                self._load(*args)
+                self._load()
             except MoechatError as err:  # already says what to do
                 self._send(EngineFailed(one_line(err)))
             except Exception as err:  # never a traceback in the UI; the thread waits for the next command
@@ -194,12 +192,12 @@ class EngineBridge:
 
         release_cached_memory()
 
-    def _load(self, factory: Callable[[], EngineConfig]) -> None:
+    def _load(self) -> None:
         self._drop_engine()
         self._load_error = "the model is loading"
         self._send(EngineLoading(0.0, "reading the settings"))
         try:
-            config = factory()
+            config = self._factory()
             if isinstance(config, RemoteConfig):
                 self._send(EngineLoading(0.1, f"connecting to {config.url}"))
                 engine = RemoteEngine(config)

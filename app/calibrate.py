@@ -51,7 +51,7 @@ def _budgets_changed(decided: dict[str, int], now: dict[str, int]) -> str:
                      if decided.get(k) != now.get(k))
 
 
-def machine_profile(model_dir: str, budgets: dict[str, int] | None = None):
+def machine_profile(model_dir: str, budgets: dict[str, int]):
     """(this machine's profile for the model or None, its path or None, a one-line notice or ""); one decided for other
     `budgets` (run_budgets) than the run's is not used (its format, host tier and fast tier were sized for them)."""
     from ..engine import fingerprint, load_profile, model_key, probe, profile_path
@@ -63,10 +63,10 @@ def machine_profile(model_dir: str, budgets: dict[str, int] | None = None):
     key = model_key(model_dir)
     profile, notice = load_profile(fp, key)
     decided = profile.budgets if profile else None
-    if profile and budgets is not None and not profile.hardware.gpus:  # no GPU: a VRAM budget changes nothing decided
+    if profile and not profile.hardware.gpus:  # no GPU: a VRAM budget changes nothing decided
         budgets = {k: v for k, v in budgets.items() if k != "vram_budget_bytes"}
         decided = decided and {k: v for k, v in decided.items() if k != "vram_budget_bytes"}
-    if profile and budgets is not None and decided is not None and decided != budgets:
+    if profile and decided is not None and decided != budgets:
         return None, None, (f"calibration profile {profile_path(fp, key)} was decided for "
                             f"{_budgets_changed(decided, budgets)}: not used; `moechat calibrate` decides for this run's")
     return profile, (profile_path(fp, key) if profile else None), notice

@@ -424,14 +424,6 @@ int failed(Engine* e) {  // lock held
 
 API const char* moechat_pf_last_error() { return t_error.c_str(); }
 
-API int moechat_pf_host_backend() {
-#ifdef MOECHAT_HOST_BACKEND
-  return 1;
-#else
-  return 0;
-#endif
-}
-
 // device: CUDA ordinal (ignored by the host backend); num_slots: pool size; num_levels: priority
 // levels 0..num_levels-1; max_inflight: copies issued but not complete. NULL on failure.
 API void* moechat_pf_create(int device, int num_slots, int num_levels, int max_inflight) {

@@ -85,7 +85,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         ("query", i, [p, i]), ("cancel", i, [p, i]), ("cancel_below", i, [p, i, i, ctypes.POINTER(ctypes.c_int32), i]),
         ("mark_compute", i, [p, p]), ("pause", None, [p, i]), ("wait_idle", i, [p, ctypes.c_double]),
         ("counters", i, [p, ctypes.POINTER(Counters)]), ("issued", i, [p, ctypes.POINTER(ctypes.c_int32), i]),
-        ("last_error", ctypes.c_char_p, []), ("host_backend", i, []),
+        ("last_error", ctypes.c_char_p, []),
     ):
         fn = getattr(lib, f"moechat_pf_{name}")
         fn.restype, fn.argtypes = res, args

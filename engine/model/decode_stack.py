@@ -214,7 +214,7 @@ class DecodeStack:
 
 def build_decode_stack(lean) -> DecodeStack | None:
     """The stack's descriptors for a LeanForward on the native path, or None where it does not apply."""
-    if not lean.native or lean.olmoe or library() is None or not hasattr(library(), "moe_decode_stack"):
+    if not lean.native or lean.olmoe or library() is None:
         return None
     layers, keep, sparse = [], [], {}
     runtime, first_attn = None, lean.layers[0].self_attn

@@ -230,7 +230,7 @@ def build_mla_stack(lean: LeanDeepseek) -> DecodeStack | None:
     """decode_stack's one native call for DeepSeek-V2-Lite's layout: q_proj (no q_lora), the greedy router on every MoE
     layer, bias-free products the stack reads (fp32, bf16 or quantized), kv_b_proj fp32 or bf16; None otherwise."""
     lib = decode_stack.library()
-    if not lean.native or lib is None or not hasattr(lib, "moe_decode_stack") or lean.config.q_lora_rank is not None:
+    if not lean.native or lib is None or lean.config.q_lora_rank is not None:
         return None
     moe = [i for i, layer in enumerate(lean.layers) if hasattr(layer.mlp, "experts")]
     routers = {lean.routers[i][1:] for i in moe if lean.routers[i] is not None}

@@ -67,7 +67,6 @@ def test_cuda_build_compiles_cleanly():
         assert done.returncode == 0, done.stderr[-2000:]
     lib = native.load("cuda")
     assert lib is not None, native.notice("cuda")
-    assert npf._declare(lib).moechat_pf_host_backend() == 0
     if not torch.cuda.is_available():  # links and loads; starting needs a device
         with pytest.raises(MoechatError, match="prefetch engine could not start: cudaSetDevice") as err:
             P(lib, 0, 4)

@@ -275,7 +275,8 @@ def test_a_long_prompt_reports_progress_and_stops_between_passes(checkpoint, mon
 
 
 def test_bad_model_then_reload(checkpoint, tmp_path):
-    bridge, inbox = started(lambda: EngineConfig(str(tmp_path / "no-such-model")))
+    configs = [lambda: EngineConfig(str(tmp_path / "no-such-model"))]  # the factory's config, as the settings say now
+    bridge, inbox = started(lambda: configs[-1]())
     try:
         failed = inbox.wait(EngineFailed)
         assert failed.request_id is None and "\n" not in failed.message and "no-such-model" in failed.message
@@ -284,10 +285,12 @@ def test_bad_model_then_reload(checkpoint, tmp_path):
         end = inbox.ending(1)
         assert isinstance(end, EngineFailed) and "no model is loaded" in end.message and not bridge.busy
 
-        bridge.reload(lambda: EngineConfig(str(checkpoint("mixtral")), dtype="float64"))  # bad config: its own message
+        configs.append(lambda: EngineConfig(str(checkpoint("mixtral")), dtype="float64"))  # bad config: its own message
+        bridge.reload()
         assert "dtype must be one of" in inbox.wait(EngineFailed, 3).message
 
-        bridge.reload(lambda: EngineConfig(str(checkpoint("mixtral"))))
+        configs.append(lambda: EngineConfig(str(checkpoint("mixtral"))))
+        bridge.reload()
         inbox.wait(EngineReady)
         bridge.generate(2, CHAT, SamplingParams(max_new_tokens=4))
         end = inbox.ending(2)

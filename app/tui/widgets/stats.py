@@ -38,10 +38,10 @@ def seconds(s: float) -> str:
     return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def bar(fraction: float, width: int = BAR_WIDTH, colour: str = "$primary") -> str:
+def bar(fraction: float, width: int = BAR_WIDTH) -> str:
     """A filled/empty bar in Textual markup; over 1.0 turns $error (over budget)."""
     filled = round(min(max(fraction, 0.0), 1.0) * width)
-    colour = "$error" if fraction > 1.0 else colour
+    colour = "$error" if fraction > 1.0 else "$primary"
     return f"[{colour}]{'█' * filled}[/][$text-muted]{'░' * (width - filled)}[/]"
 
 

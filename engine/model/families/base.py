@@ -22,7 +22,6 @@ class Family:
     sparse_layers: Callable[[object], list[int]]  # config -> indices of layers with routed experts
     block_name: str = "mlp"  # checkpoint name of the sparse block (`model.layers.N.<block_name>`)
     weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down in the checkpoint
-    shared_experts: str = ""  # one line for docs and `moechat doctor`
     latent_kv: bool = False  # the cache holds a latent that attention expands with its weights (MLA): kept in the model's dtype
     config_problem: Callable[[object], str | None] = lambda config: None  # what in config.json its router cannot run
 

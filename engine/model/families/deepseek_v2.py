@@ -30,7 +30,6 @@ FAMILY = Family(
     num_experts_attr="n_routed_experts",
     expert_dim_attr="moe_intermediate_size",
     sparse_layers=sparse_layers,
-    shared_experts="n_shared_experts experts fused into one MLP, added unweighted; always on the compute device",
     latent_kv=True,
     config_problem=config_problem,
 )

@@ -8,5 +8,4 @@ FAMILY = Family(
     sparse_layers=lambda config: list(range(config.num_hidden_layers)),
     block_name="block_sparse_moe",
     weight_names=("w1", "w3", "w2"),
-    shared_experts="none",
 )

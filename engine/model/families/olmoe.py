@@ -6,5 +6,4 @@ FAMILY = Family(
     num_experts_attr="num_experts",
     expert_dim_attr="intermediate_size",
     sparse_layers=lambda config: list(range(config.num_hidden_layers)),
-    shared_experts="none",
 )

@@ -7,5 +7,4 @@ FAMILY = Family(
     num_experts_attr="num_experts",
     expert_dim_attr="moe_intermediate_size",
     sparse_layers=sparse_layers,
-    shared_experts="one shared expert, output scaled by sigmoid(shared_expert_gate(x)); always on the compute device",
 )

@@ -16,5 +16,4 @@ FAMILY = Family(
     num_experts_attr="num_experts",
     expert_dim_attr="moe_intermediate_size",
     sparse_layers=sparse_layers,
-    shared_experts="none",
 )
