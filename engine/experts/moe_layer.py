@@ -253,12 +253,13 @@ def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, spli
     weighted outputs [S, H] in router order, the native kernel reading and writing the rows itself; else "grouped":
     weighted outputs [S_cpu, H] in cpu_pos order from the grouped path, which also serves the disk tier's per-expert
     views (a prefill's large groups, a dtype to convert) and sums in router order as transformers does."""
-    cpu_pos, sizes = split.cpu_pos, split.cpu_sizes
-    if rt.native_cpu and rt.store.quant != "none" and sizes is not None and len(cpu_pos) == len(w_h):
-        y = cpu_ffn.routed_ffn_q(x_h, rt.store.gate_up[li], rt.store.down[li], cpu_pos, sizes, top_k)  # [S, H] fp32
+    cpu_pos, sizes, store = split.cpu_pos, split.cpu_sizes, rt.store
+    if store.mmap:  # the disk tier's cold pages read ahead of the kernels' faults
+        store.will_need(li, (sizes.nonzero().flatten() if sizes is not None else split.cpu_expert.unique_consecutive()).tolist())
+    if rt.native_cpu and store.quant != "none" and sizes is not None and len(cpu_pos) == len(w_h):
+        y = cpu_ffn.routed_ffn_q(x_h, store.gate_up[li], store.down[li], cpu_pos, sizes, top_k)  # [S, H] fp32
         if y is not None:  # weighed as the grouped layout is: in x's dtype, promoted, then x's dtype
             return (y.mul_(w_h[:, None]) if x_h.dtype == torch.float32 else (y.to(x_h.dtype) * w_h[:, None])), "router"
-    store = rt.store
     views = store.layer_views(li) if rt.native_cpu and store.quant == "none" else None  # quantized: per activation
     ptrs = store.expert_pointers(li) if rt.native_cpu and views is None else None  # the disk tier's per-expert tensors
     if views is not None or ptrs is not None:
@@ -274,7 +275,6 @@ def cpu_tier(rt: MoERuntime, li: int, x_h: torch.Tensor, w_h: torch.Tensor, spli
             threads = torch.get_num_threads() - (rt.has_cpu_thread and torch.get_num_threads() > 1)
             x_c, offsets, rows, row_w = x_h.contiguous(), cpu_ffn.group_offsets(counts), cpu_pos // top_k, w_h[cpu_pos].float()
             if views is None:
-                store.will_need(li, ids.tolist())  # cold pages read ahead of the kernel's faults
                 return cpu_ffn.moe_ffn_native_ptrs(x_c, ptrs[ids], store.dtype, store.inter, offsets, rows, row_w, out,
                                                    threads=threads), "summed"
             return cpu_ffn.moe_ffn_native(x_c, views[0], views[1], ids, offsets, rows, row_w, out, threads=threads), "summed"
@@ -320,6 +320,8 @@ def cpu_direct(rt: MoERuntime, li: int, x: torch.Tensor, idx: torch.Tensor, weig
     flat, w_flat = idx.reshape(-1), weights.reshape(-1)  # [k]
     x = x.contiguous()
     t0 = time.perf_counter()
+    if store.mmap:  # the disk tier's cold pages read ahead of the kernel's faults
+        store.will_need(li, flat.tolist())
     if quant:
         y = torch.empty(top_k, x.shape[1], dtype=torch.float32)  # [k, H] each expert's output, unweighted
         cpu_ffn.moe_ffn_q_native(x, views[0], views[1], flat, _STEPS[: top_k + 1], _ZEROS[:top_k], None, y)

@@ -67,7 +67,7 @@ class ExpertStore:
         self.down: list = []  # per sparse layer [E, H, I]
         self.qfile: QuantizedExperts | None = None
         self._pointers: dict[int, torch.Tensor | None] = {}  # disk tier: per layer, each expert's matrices' addresses
-        self._spans: dict[int, list[list[tuple]]] = {}  # disk tier: per layer, each expert's byte ranges in the files
+        self._spans: dict[int, tuple] = {}  # disk tier: per layer, the mapped files and each expert's byte ranges in them
         if quant != "none":
             self._open_quantized(progress)
         elif not self.mmap:
@@ -253,13 +253,35 @@ class ExpertStore:
         return self._pointers[li]  # the mappings live as long as the checkpoint: the addresses stay valid
 
     def will_need(self, li: int, experts: list[int]) -> None:
-        """Disk tier: ask the kernel to read these experts' bytes of sparse layer li ahead of the kernel's page faults."""
+        """Disk tier: ask the OS to read these experts' bytes of sparse layer li not in the page cache, ahead of the
+        kernels' page faults (each reading the device's read-around window, mostly other experts' bytes). One mincore
+        per expert where its largest range is resident (read with the others each time it is routed); where it is
+        not, each range is checked and asked for. Elsewhere nothing."""
+        if not self.mmap:
+            return
         if li not in self._spans:
-            self.expert_pointers(li)  # maps the files
-            self._spans[li] = [self._expert_spans(li, e) for e in range(self.num_experts)]
+            self._spans[li] = self._layer_spans(li)
+        ckpt, spans = self._spans[li]
         for e in experts:
-            for span in self._spans[li][e]:
-                self.ckpt.will_need(*span)
+            largest, *others = spans[e]
+            if ckpt.will_need(*largest):
+                for span in others:
+                    ckpt.will_need(*span)
+
+    def _layer_spans(self, li: int) -> tuple[Checkpoint, list[list[tuple]]]:
+        """The mapped files holding sparse layer li's experts and each expert's byte ranges in them, the largest first:
+        a quantized expert's six (int8: four) ranges of its cache file and a fused checkpoint's two, each tensor stacked
+        over the experts; a per-expert checkpoint's tensors, adjacent ones joined."""
+        if self.quant != "none" or self.fused:
+            ckpt, keys = self.qfile.stacked_keys(li) if self.quant != "none" else (self.ckpt, self.checkpoint_keys(li))
+            self.layer_views(li)  # maps the files
+            ranges = [(path, start, (end - start) // self.num_experts) for path, start, end in map(ckpt.byte_range, keys)]
+            spans = [[(path, start + e * size, start + (e + 1) * size) for path, start, size in ranges]
+                     for e in range(self.num_experts)]
+        else:
+            ckpt, spans = self.ckpt, [self._expert_spans(li, e) for e in range(self.num_experts)]
+            self.expert_pointers(li)  # maps the files
+        return ckpt, [sorted(s, key=lambda span: span[1] - span[2]) for s in spans]  # the largest first
 
     def _expert_spans(self, li: int, e: int) -> list[tuple]:
         """One expert's byte ranges in the checkpoint's files, adjacent ones joined."""

@@ -188,6 +188,12 @@ class QuantizedExperts:
 
         return matrix("gate_up", self.hidden), matrix("down", self.inter)
 
+    def stacked_keys(self, li: int) -> tuple[Checkpoint, list[str]]:
+        """The mapped files and sparse layer li's tensors in them, each stacked over the experts ("<li>.<matrix>.<field>")."""
+        if self._mapped is None:
+            self.layer(li)
+        return self._mapped, list(self._tensors(li, self._matrices("meta")))
+
     def release(self) -> None:
         """Drop the mapping (views already handed out keep their pages until they go)."""
         self._mapped = None

@@ -289,6 +289,72 @@ def test_disk_tier_stack_reads_the_routed_quantized_experts_ahead(checkpoint, mo
     assert fin.token_ids == run_engine(model_dir, prompt, 8, quant="int4").token_ids  # the RAM tier's (its own mapping)
 
 
+def _expert_pages(qfile, li: int, e: int, num_experts: int) -> set[tuple]:
+    """(file, page) of one int4 expert's six ranges in its layer's cache file."""
+    import mmap
+
+    pages = set()
+    for key in (f"{li}.{name}.{field}" for name in ("gate_up", "down") for field in ("q", "scale", "minimum")):
+        path, start, end = qfile.byte_range(key)
+        size = (end - start) // num_experts
+        first, last = start + e * size, start + (e + 1) * size - 1
+        pages |= {(path, page) for page in range(first // mmap.PAGESIZE, last // mmap.PAGESIZE + 1)}
+    return pages
+
+
+@pytest.mark.parametrize("stack", [True, False])
+def test_disk_tier_op_by_op_reads_the_routed_quantized_experts_ahead(stack, checkpoint, monkeypatch):
+    """Outside the native stack (the prompt's prefill; with the stack set aside, every step: cpu_direct) the disk tier's
+    int4 experts came in by page faults, each reading the device's read-around window of mostly other experts (a 4-token
+    prefill read 1.06 GB for 209 MB of routed experts of a Qwen3-30B-A3B shape). ExpertStore.will_need now asks the OS
+    for exactly the routed experts' ranges: with the cache files evicted before every pass, a pass leaves those pages in
+    the page cache and no others. The same tokens as the RAM tier."""
+    import gc
+    import mmap
+
+    from moechat.engine.experts import cpu_ffn
+    from moechat.engine.model.loader import LoadedModel
+
+    if cpu_ffn.library() is None or not hasattr(mmap, "MADV_WILLNEED"):
+        pytest.skip(cpu_ffn.notice() or "no madvise on this system")
+    model_dir = checkpoint("qwen3_moe", 5, moe_intermediate_size=1024)  # an expert's gate_up codes: 8 pages
+    prompt = list(range(5, 25))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), quant="int4", host_ram_budget_bytes=0))
+    model, store, qfile = engine.model, engine.model.store, engine.model.store.qfile._mapped
+    if not stack:
+        model.lean.stack = None
+    assert store.tier == "mmap" and model.decode_path() == ("lean, the layer stack in one native call" if stack else
+                                                            "lean, native ops")
+    gc.collect()  # an earlier test's engine that mapped the same cache files: its mapped pages stay in the page cache
+    _evict(qfile)
+    if any(_resident_pages(path) for path in qfile._maps):
+        pytest.skip("this file system keeps the cache files' pages (tmpfs?)")
+    passes, routed, forward, run_layer = [], set(), LoadedModel.forward, model.runtime.run_layer
+
+    def record_layer(li, x, idx, weights):
+        routed.update((li, e) for e in idx.reshape(-1).tolist())
+        return run_layer(li, x, idx, weights)
+
+    def cold_forward(self, ids, cache, keep):
+        if self is not model:  # the RAM tier's engine below
+            return forward(self, ids, cache, keep)
+        _evict(qfile)
+        routed.clear()
+        logits = forward(self, ids, cache, keep)
+        wanted = set().union(*(_expert_pages(qfile, li, e, store.num_experts) for li, e in routed))
+        passes.append((ids.shape[1], wanted, {(path, page) for path in qfile._maps for page in _resident_pages(path)}))
+        return logits
+
+    monkeypatch.setattr(model.runtime, "run_layer", record_layer)
+    monkeypatch.setattr(LoadedModel, "forward", cold_forward)
+    fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=8)))[-1]
+    engine.close()
+    assert [n for n, _, _ in passes] == [len(prompt)] + [1] * 7  # the prefill, then every decode step
+    for _, wanted, resident in passes if not stack else passes[:1]:  # the stack's own steps: the test above
+        assert wanted and resident == wanted
+    assert fin.token_ids == run_engine(model_dir, prompt, 8, quant="int4").token_ids  # the RAM tier's (its own mapping)
+
+
 def test_two_threads_opening_a_file_at_once_share_one_mapping(checkpoint, monkeypatch):
     """The disk tier's kernel keeps raw addresses into a file's mapping (ExpertStore.expert_pointers, on the CPU-expert
     thread, while the engine thread maps experts for the GPU): a second thread that mapped the same file meanwhile
