@@ -306,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the command `argv` names (`moechat bench generate`'s for bench generate), else `parser`."""
+    for word in argv:
+        commands = parser._subparsers._group_actions[0].choices if parser._subparsers else {}
+        if word in commands:
+            parser = commands[word]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     # Before torch loads: OpenMP's idle threads sleep instead of spinning, so they do not take the cores the
     # native kernels' threads run on between PyTorch ops (measured: decode 28 -> 33 tok/s, docs/benchmarks.md).
@@ -321,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         taker = next((name for name in ("chat", *commands) if flag in commands[name]._option_string_actions), None)
         if taker:  # else argparse says it is unrecognized (a typo: `--verison`)
             parser.error(f"{flag} goes after a command, e.g. moechat {taker} {' '.join(argv[:2])}")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's parser: `moechat serve --prot 1` points to `moechat serve --help`, which lists its flags
+        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.setup and getattr(args, "func", None):
         parser.error("--setup opens the chat with the setup wizard first: give it no command")
     if not getattr(args, "func", None):  # `moechat` alone: chat (the app on a terminal); `--setup` rides along

@@ -178,6 +178,21 @@ def test_a_flag_before_the_command_names_a_command_that_takes_it(argv, says, cap
 
 
 @pytest.mark.notorch
+@pytest.mark.parametrize("argv, help_", [
+    (["serve", "--prot", "8080"], "moechat serve --help"),  # the top-level help does not list serve's flags
+    (["bench", "generate", "--prompt", "serve", "--bogus"], "moechat bench generate --help"),
+    (["--verison"], "moechat --help"),
+])
+def test_an_unknown_flag_points_to_the_help_of_its_command(argv, help_, capsys):
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "unrecognized arguments:" in err and err.endswith(f"(see `{help_}`)"), err
+
+
+@pytest.mark.notorch
 def test_version_names_the_checkouts_commit(tmp_path):
     """moechat runs from its checkout: `--version` and `doctor` name the commit (loose or packed ref, or detached)."""
     from moechat import commit, version_text

@@ -101,3 +101,19 @@ def test_the_readme_names_every_event_generate_yields():
                and isinstance(n.value.func, ast.Name) and n.value.func.id in events}
     section = README.read_text(encoding="utf-8").split("- `generate.py`: ")[1].split("\n- ")[0]
     assert yielded and [e for e in sorted(yielded) if f"`{e}`" not in section] == []
+
+
+@pytest.mark.notorch
+def test_the_readme_names_every_command_that_takes_the_engine_flags():
+    from moechat.app.cli import build_parser
+
+    def commands(parser, words=()):
+        for name, sub in (parser._subparsers._group_actions[0].choices.items() if parser._subparsers else ()):
+            yield from commands(sub, (*words, name))
+        if words and not parser._subparsers:
+            yield " ".join(words), parser
+
+    takers = {name for name, parser in commands(build_parser()) if "--conversation-cache-gib" in parser._option_string_actions}
+    text = README.read_text(encoding="utf-8")
+    sentence = text[text.index("Engine flags apply to"):].split(";")[0]
+    assert set(re.findall(r"`([a-z -]+)`", sentence)) == takers

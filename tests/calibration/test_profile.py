@@ -286,6 +286,7 @@ def test_a_profile_decided_for_other_budgets_is_not_used(capsys):
     assert args.profile is None and (cfg.quant, cfg.host_ram_budget_bytes) == ("none", None)
     assert "was decided for RAM budget 2.5 GiB (this run: unset): not used" in err and len(err.strip().splitlines()) == 1
     assert cfg.notices == (err.strip().removeprefix("moechat: warning: "),)
+    assert "`moechat calibrate` decides for the budgets and context length the settings give" in err  # it has no flags for them
     assert _config(["--device", "cpu", "--ram-budget-gib", "2.5"])[1].profile is not None  # the same budget, given
     assert load_profile(fingerprint(probe()), model_key(DEMO_MODEL))[0] == tight  # kept for when the budget is back
     vram = ["--device", "cpu", "--ram-budget-gib", "2.5", "--vram-budget-gib", "8"]
