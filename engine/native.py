@@ -187,12 +187,13 @@ _bus_error: dict = {"lib": None, "before": ""}
 def report_bus_errors(lib: ctypes.CDLL | None = None, before: str | None = None) -> None:
     """A bus error (SIGBUS: a page of a mapped file the kernel cannot read, as when a model file read in place is truncated)
     killed moechat without a word. With the CPU library's handler (csrc/cpu/bus_error.cpp) it ends with `before` and
-    BUS_ERROR on stderr, still by SIGBUS. The loader passes the library (without one nothing changes); the app `before`, its
-    terminal reset while the TUI holds the terminal ("" after), kept for a library installed later."""
+    BUS_ERROR on stderr (`before` alone for a SIGBUS no file caused: kill, a hardware memory error), still by SIGBUS. The
+    loader passes the library (without one nothing changes); the app `before`, its terminal reset while the TUI holds the
+    terminal ("" after), kept for a library installed later."""
     with _lock:
         _bus_error.update({k: v for k, v in (("lib", lib), ("before", before)) if v is not None})
         if _bus_error["lib"] is not None:
-            _bus_error["lib"].moe_report_bus_errors(f"{_bus_error['before']}moechat: error: {BUS_ERROR}\n".encode())
+            _bus_error["lib"].moe_report_bus_errors(_bus_error["before"].encode(), f"moechat: error: {BUS_ERROR}\n".encode())
 
 
 def unusable(name: str, why: str) -> None:

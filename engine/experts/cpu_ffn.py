@@ -72,7 +72,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_quantize_acts.restype = ctypes.c_int
         lib.moe_q_isa_supported.argtypes = [ctypes.c_int]
         lib.moe_q_resolve_isa.argtypes = [ctypes.c_int, ctypes.c_int]
-        lib.moe_report_bus_errors.argtypes = [ctypes.c_char_p]
+        lib.moe_report_bus_errors.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
         lib._moe_typed = True
     return lib
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -205,14 +206,19 @@ class SelfDraft:
                     self._dist.append(expert_distances(*store.layer_tensors(li), device=self.target.device))
                     if progress is not None:
                         progress(what, li + 1, len(store.layers))
-                tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")  # its own: another process may write one too
+                tmp = None
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
+                    # its own file: another process may write one too (a pid is no name: containers sharing the folder)
+                    fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".tmp", dir=path.parent)
+                    os.close(fd)
                     torch.save(self._dist, tmp)
-                    tmp.replace(path)  # atomic: a killed process never leaves half a table
-                except OSError:  # a read-only cache directory only costs the recomputation next time
-                    with contextlib.suppress(OSError):
-                        tmp.unlink()  # half written (the disk full)
+                    os.replace(tmp, path)  # atomic: a killed process never leaves half a table
+                except (OSError, RuntimeError):  # a read-only cache directory or a full disk (torch.save's writer
+                    # raises RuntimeError) only costs the recomputation next time
+                    if tmp is not None:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp)  # half written (the disk full)
         return self._dist
 
     def remap(self, li: int) -> torch.Tensor | None:

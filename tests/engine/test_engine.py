@@ -374,6 +374,37 @@ def test_affinity_table_written_beside_another_process_writing_it(checkpoint, mo
         ["table.pt", "table.tmp"]
 
 
+def test_affinity_table_written_beside_a_process_of_the_same_pid(checkpoint, monkeypatch, tmp_path):
+    """Two containers sharing a cache folder number their processes alike (each moechat pid 1, say): a temporary file
+    named by the pid was the other's, half written, taken over and renamed into place under it. Each write has a file
+    of its own whatever the pid."""
+    import os
+
+    from moechat.engine.speculative import drafters
+
+    monkeypatch.setattr(drafters, "_affinity_cache_path", lambda target: tmp_path / "table.pt")
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    theirs = tmp_path / "table.1.tmp"  # the other container's pid 1, writing
+    theirs.write_bytes(b"another process's half-written table")
+    engine_for(checkpoint("mixtral", 3), expert_cache_ratio=0.5, spec=SpecConfig("self", 4)).drafter.distances()
+    assert theirs.read_bytes() == b"another process's half-written table"
+    assert torch.load(tmp_path / "table.pt", weights_only=True) and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["table.1.tmp", "table.pt"]
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="no /dev/full")
+def test_affinity_table_not_kept_on_a_full_disk_still_serves(checkpoint, monkeypatch, tmp_path):
+    """torch.save on a full disk raises RuntimeError ("[enforce fail at inline_container.cc] ... unexpected pos"), not
+    OSError: the table, computed, ended the load instead of costing its recomputation next time."""
+    from moechat.engine.speculative import drafters
+
+    monkeypatch.setattr(drafters, "_affinity_cache_path", lambda target: tmp_path / "table.pt")
+    save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f: save(obj, "/dev/full"))  # the writes of a full disk
+    engine = engine_for(checkpoint("mixtral", 3), expert_cache_ratio=0.5, spec=SpecConfig("self", 4))
+    assert engine.drafter.distances() and list(tmp_path.iterdir()) == []  # no half-written file left
+
+
 def test_generate_cli_json_and_trace(checkpoint, tmp_path, capsys):
     from moechat.app.cli import main
 

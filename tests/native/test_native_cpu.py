@@ -327,3 +327,19 @@ def test_a_build_killed_midway_leaves_nothing_the_next_build_keeps(monkeypatch, 
 
     assert ctypes.CDLL(str(native.build("k", [good]))).answer() == 42
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == [live.name]
+
+
+@needs_native
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGBUS on Windows")
+@pytest.mark.parametrize("send", ["os.kill(os.getpid(), signal.SIGBUS)", "signal.raise_signal(signal.SIGBUS)"])
+def test_a_bus_error_no_file_caused_is_not_said_to_be_a_model_file(send):
+    """The handler said "a model file changed or shrank on disk ... download the model again" for every SIGBUS: one sent
+    by `kill -BUS` (or a machine-check memory error) too. It gives the terminal back for those and says nothing else."""
+    import signal
+    import subprocess
+
+    code = ("import os, signal\nfrom moechat.engine import native\nfrom moechat.engine.experts import cpu_ffn\n"
+            f"native.report_bus_errors(cpu_ffn.library(), before='<reset>')\n{send}\nprint('not reached')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGBUS and done.stdout == ""
+    assert done.stderr == "<reset>", done.stderr[-500:]
