@@ -2,7 +2,8 @@
 
 `PRAGMA user_version` counts the scripts that ran; the missing ones run in one transaction, and a file written by a
 newer moechat is refused untouched (`refuse_newer`), as is another program's (`moechat_version`: `PRAGMA application_id`
-marks moechat's from schema 3 on)."""
+marks moechat's, written by `mark` into every file it opens; a header field, not a migration, so an older moechat still
+opens the file)."""
 from __future__ import annotations
 
 import sqlite3
@@ -67,9 +68,6 @@ MIGRATIONS = [
     ALTER TABLE messages_v2 RENAME TO messages;
     CREATE INDEX messages_by_conversation ON messages(conv_id, id);
     """,
-    # 3: the file says it is moechat's (SQLite's application id in its header): another program's database put at this
-    # path took moechat's tables beside its own, or failed on a table name both use.
-    f"PRAGMA application_id = {APPLICATION_ID}",
 ]
 
 
@@ -101,6 +99,13 @@ def moechat_version(db: sqlite3.Connection, path: Path) -> int:
     whose = f"application id {app:#x}" if app else f"tables {', '.join(tables)}" if tables else f"user_version {version}"
     raise MoechatError(f"{path} is not moechat's chat database but another program's ({whose}): move it aside and "
                        "moechat starts a new one")
+
+
+def mark(db: sqlite3.Connection) -> None:
+    """The file says it is moechat's (SQLite's application id in its header): another program's database put at this
+    path took moechat's tables beside its own, or failed on a table name both use. Files from before the id get it here."""
+    if db.execute("PRAGMA application_id").fetchone()[0] != APPLICATION_ID:
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
 
 
 def refuse_newer(path: Path, version: int) -> None:

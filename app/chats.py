@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import MoechatError
-from .chat_migrations import migrate, moechat_version, refuse_newer
+from .chat_migrations import mark, migrate, moechat_version, refuse_newer
 
 ROLES = ("system", "user", "assistant")
 
@@ -165,6 +165,7 @@ class ChatStore:
             self._wal(db)
             db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
             migrate(db, self.path, version)
+            mark(db)
             self._data_version = db.execute("PRAGMA data_version").fetchone()[0]
             stat = os.stat(self.path)
         except BaseException:
