@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import sqlite3
 import threading
@@ -186,7 +187,9 @@ class ChatStore:
             return False
         if stat is not None and (stat.st_dev, stat.st_ino) == self._file:
             return False
-        old, part = self._conn(), self.path.with_name(f".{self.path.name}.{os.getpid()}.part")
+        # the copy in a file of its own: another window may make the file again too (not by its pid: containers sharing
+        # the folder number alike)
+        old, part = self._conn(), self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.part")
         try:
             if stat is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,14 +16,16 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+from .leftovers import private_prefix, remove_abandoned
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # the CPU kernels' paths (csrc/cpu/common.h: Isa), by name; here, not in experts/cpu_ffn.py, so the CLI offers them
@@ -91,9 +93,8 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     if sys.__stderr__ is not None and sys.__stderr__.isatty() and sys.stderr is sys.__stderr__:  # a terminal, not the app
         print(f"moechat: building the native {name} kernels (once, about 20 s)...", file=sys.stderr, flush=True)
     compile_flags = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", *cflags]
-    # objects and the library in a folder of this build's own (its pid in the name: _remove_abandoned), then the library
-    # renamed into place
-    with tempfile.TemporaryDirectory(prefix=f".{out.stem}.{os.getpid()}-", suffix=".tmp", dir=folder) as work:
+    # objects and the library in a folder of this build's own (leftovers.py), then the library renamed into place
+    with tempfile.TemporaryDirectory(prefix=private_prefix(out.stem), suffix=".tmp", dir=folder) as work:
         # one compiler per source, all at once (the CPU library's ~12 s of compiling in ~7 on 2 cores), then link
         objs, tmp = [str(Path(work) / f"{i}.o") for i in range(len(sources))], Path(work) / out.name
         log = folder / f"libmoechat_{name}.log"
@@ -104,28 +105,13 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
 
 
 ABANDONED_S = 3600  # a build's folder untouched this long (a compiler runs at most 600 s) and its process gone: killed
+# a build's private folder (its process named: leftovers.py), or an older moechat's hidden `.libmoechat_*` leftover
+_BUILDING = re.compile(r"\.libmoechat_(?:.+\.(?P<pid>\d+)-(?:(?P<start>\d+)\.)?\w+\.tmp|.*)")
 
 
 def _remove_abandoned(folder: Path) -> None:
-    """Leftovers of builds that were killed (their objects and library, ~300 KB for the CPU kernels each): the hidden
-    `.libmoechat_*` entries untouched for ABANDONED_S whose process is gone (one named by no pid is an older moechat's).
-    A cache folder shared between machines sees other hosts' pids: hence the age too."""
-    import re
-
-    import psutil
-
-    for entry in folder.iterdir():
-        pid = re.fullmatch(r"\.libmoechat_.+\.(\d+)-\w+\.tmp", entry.name)
-        try:
-            if not entry.name.startswith(".libmoechat_") or time.time() - entry.stat().st_mtime <= ABANDONED_S \
-                    or (pid and psutil.pid_exists(int(pid[1]))):
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-        except OSError:  # gone meanwhile, or not ours to remove
-            pass
+    """Leftovers of builds that were killed: their objects and library, ~300 KB for the CPU kernels each."""
+    remove_abandoned(folder, _BUILDING, ABANDONED_S)
 
 
 def _run_all(cmds: list[list[str]], cxx: str, log: Path) -> None:

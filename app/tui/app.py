@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import re
+import secrets
 import signal
 import sys
 from collections.abc import Callable
@@ -377,7 +378,7 @@ def sampling_from(settings: Settings, base=None, before: Settings | None = None)
 
 def _write_whole(path: Path, text: str) -> None:
     """`text` into `path` whole or not at all: a disk that filled midway left an earlier export of the chat cut short."""
-    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    part = path.with_name(f".{path.name}.{secrets.token_hex(8)}.part")  # its own (not by pid: containers number alike)
     try:
         part.write_text(text, encoding="utf-8")
         os.replace(part, path)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
 import time
@@ -33,6 +34,7 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..events import LoadProgress
+from ..leftovers import private_prefix, remove_abandoned
 from ..model.checkpoint import Checkpoint
 from .formats import QuantMatrix, empty_matrix
 
@@ -205,9 +207,11 @@ class QuantizedExperts:
         _remove_abandoned(self.folder.parent)
         if self.folder.exists() and self.problem() is not None:  # its space back before a second copy is written
             _remove(self.folder)
-        tmp = self.folder.with_name(f".{self.folder.name}.{os.getpid()}.tmp")
-        _remove(tmp)
-        tmp.mkdir(parents=True)
+        # a folder of its own whatever the pid (another container's moechat may have ours): mkdir fails rather than share
+        # one (not mkdtemp, whose mode 0700 the cache would keep)
+        tmp = self.folder.with_name(f"{private_prefix(self.folder.name)}{secrets.token_hex(4)}.tmp")
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         _BUILDS.add(tmp)
         try:
             # a layer is written while the next one is quantized (a slow disk wrote at a fifth of the quantizer's pace);
@@ -266,9 +270,12 @@ def _save_stamped(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dic
 
 def _write_meta(folder: Path, meta: dict) -> None:
     """meta.json replaced in one step: a reader sees the old one or the new one."""
-    tmp = folder / f".meta.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, folder / "meta.json")
+    tmp = folder / f".meta.{secrets.token_hex(8)}.tmp"  # its own: another container's moechat may have our pid
+    try:
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, folder / "meta.json")
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _remove(path: Path) -> None:
@@ -279,22 +286,14 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-_BUILDING = re.compile(r"\..+-[0-9a-f]{16}\.(\d+)\.tmp")  # a build's private folder: .<model_key>.<pid>.tmp
+# a build's private folder: .<model_key>.<pid>-<start>.<random>.tmp (leftovers.py), or an older moechat's .<model_key>.<pid>.tmp
+_BUILDING = re.compile(r"\..+-[0-9a-f]{16}\.(?P<pid>\d+)(?:-(?P<start>\d+)\.\w+)?\.tmp")
 ABANDONED_S = 600  # untouched this long (a live build writes a layer every few seconds), and its process gone
 
 
 def _remove_abandoned(root: Path) -> None:
-    """Private build folders of processes that are gone (killed mid-build): a whole copy of a model's experts each. Only
-    ones untouched for ABANDONED_S: a cache folder shared between machines sees other hosts' pids."""
-    import psutil
-
-    for tmp in root.iterdir() if root.is_dir() else []:
-        match = _BUILDING.fullmatch(tmp.name)
-        try:
-            if match and not psutil.pid_exists(int(match[1])) and time.time() - tmp.stat().st_mtime > ABANDONED_S:
-                _remove(tmp)
-        except OSError:  # gone meanwhile, or not ours to look at
-            pass
+    """Private build folders of processes that are gone (killed mid-build): a whole copy of a model's experts each."""
+    remove_abandoned(root, _BUILDING, ABANDONED_S)
 
 
 def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int, hidden: int, inter: int,

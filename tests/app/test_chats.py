@@ -487,6 +487,25 @@ def test_a_title_is_one_clean_line_of_the_first_message():
     assert title_from("bad \ud800 surrogate") == "bad surrogate"
 
 
+def test_a_deleted_file_made_again_beside_another_containers_window_of_the_same_pid(tmp_path, monkeypatch):
+    """Containers sharing the chats' folder number their processes alike (each one's moechat pid 1, say): a window making
+    the deleted file again wrote its copy into the other's `.chats.sqlite3.1.part`, so one of them failed ("file is not
+    a database") and deleted the other's copy."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    path = tmp_path / "chats.sqlite3"
+    theirs = tmp_path / f".{path.name}.1.part"
+    with ChatStore(path, notice=lambda line: None) as store:
+        conv = store.create("kept")
+        store.add(conv, "user", "hi")
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink()
+        theirs.write_bytes(b"the other window's copy, being written")
+        store.add(conv, "assistant", "hello")
+    assert theirs.read_bytes() == b"the other window's copy, being written"
+    with ChatStore(path) as store:
+        assert [m.content for m in store.messages(conv)] == ["hi", "hello"]
+
+
 def test_changed_elsewhere_sees_another_connections_writes_only(tmp_path):
     """What the app's chat list looks at every few seconds to follow another moechat window."""
     with ChatStore(tmp_path / "chats.sqlite3") as store, ChatStore(tmp_path / "chats.sqlite3") as other:

@@ -107,6 +107,30 @@ def test_two_calibrations_saving_at_once_both_save(tmp_path, monkeypatch):
 
 
 @pytest.mark.notorch
+def test_two_calibrations_of_the_same_pid_saving_at_once_both_save(tmp_path, monkeypatch):
+    """Containers sharing the profiles folder number their processes alike (each one's moechat pid 1, say): both wrote
+    `<name>.1.tmp`, and the second's minutes of measuring ended in "cannot save ... free disk space"."""
+    import os
+    from pathlib import Path
+
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    key, write = model_key(tmp_path), Path.write_text
+    other = replace(profile(key), created="2026-01-01T00:00:00+00:00")
+
+    def write_then_the_other_container_saves(self, *args, **kwargs):
+        written = write(self, *args, **kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(Path, "write_text", write)
+            save_profile(other)
+        return written
+
+    monkeypatch.setattr(Path, "write_text", write_then_the_other_container_saves)
+    mine = profile(key)
+    save_profile(mine)  # raised MoechatError (No such file or directory)
+    assert load_profile(FP, key) == (mine, "") and not list(profile_path(FP, key).parent.glob("*.tmp"))
+
+
+@pytest.mark.notorch
 def test_a_drafter_under_home_written_with_a_tilde_is_found(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "drafts" / "d").mkdir(parents=True)

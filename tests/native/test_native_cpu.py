@@ -330,6 +330,29 @@ def test_a_build_killed_midway_leaves_nothing_the_next_build_keeps(monkeypatch, 
 
 
 @needs_native
+def test_a_killed_build_of_a_pid_alive_here_is_removed_once_old(tmp_path):
+    """A build killed in another container (its pid 1, alive here too) left its folder for good: the pid was alive. A pid
+    alive here that started at another time is another process; this process's own build folder is kept."""
+    import os
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    name, other = f".libmoechat_k-{'0' * 16}", int(psutil.Process(1).create_time()) - 100
+    with tempfile.TemporaryDirectory(prefix=native.private_prefix(name[1:]), suffix=".tmp", dir=tmp_path) as work:
+        mine = Path(work)  # named as native.build names its folder
+        theirs, young = tmp_path / f"{name}.1-{other}.abcd_123.tmp", tmp_path / f"{name}.1-{other}.efgh_456.tmp"
+        old = time.time() - 2 * native.ABANDONED_S
+        for p in (theirs, young):  # young: another host's, building
+            p.mkdir()
+        for p in (theirs, mine):
+            os.utime(p, (old, old))
+        native._remove_abandoned(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, young.name])
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="no SIGBUS on Windows")
 @pytest.mark.parametrize("send", ["os.kill(os.getpid(), signal.SIGBUS)", "signal.raise_signal(signal.SIGBUS)"])
 def test_a_bus_error_no_file_caused_is_not_said_to_be_a_model_file(send):

@@ -527,6 +527,67 @@ def test_a_start_that_maps_the_cache_clears_the_folders_of_builds_killed_midway(
     assert [p.name for p in cache.iterdir()] == [built.name]
 
 
+def test_a_build_beside_another_containers_build_of_the_same_pid(tmp_path, monkeypatch):
+    """Containers sharing a cache folder number their processes alike (each one's moechat pid 1, say): a build named its
+    folder by the pid, so it first deleted the other's live build, then both wrote into one folder (the winner's layer
+    files rewritten under a process that mapped them: SIGBUS). Each build has a folder of its own whatever the pid."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    key = "m-int8-0123456789abcdef"
+    theirs = tmp_path / f".{key}.1.tmp"  # the other container's build, writing (an older moechat's name)
+    theirs.mkdir()
+    (theirs / "layer-000.safetensors").write_bytes(b"their layer, being written")
+    E, H, I = 2, 32, 16
+
+    def source(li):
+        yield 0, formats.quantize(torch.randn(E, 2 * I, H), "int8"), formats.quantize(torch.randn(E, H, I), "int8")
+
+    qe = expert_file.QuantizedExperts(tmp_path / key, "int8", 1, E, H, I)
+    qe.build(source)
+    assert qe.problem() is None and (theirs / "layer-000.safetensors").read_bytes() == b"their layer, being written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, key]
+
+
+def test_a_killed_build_of_a_pid_alive_here_is_removed_once_old(tmp_path):
+    """A build killed in another container (its pid 1, which is alive here too) left a whole copy of the experts that no
+    later build removed: the pid was alive. A pid alive here that started at another time is another process."""
+    import psutil
+
+    me = psutil.Process()
+    key = "m-int4-0123456789abcdef"
+    theirs = tmp_path / f".n-int4-0123456789abcdef.1-{int(psutil.Process(1).create_time()) - 100}.abcd1234.tmp"
+    mine = tmp_path / f".o-int4-0123456789abcdef.{me.pid}-{int(me.create_time())}.abcd1234.tmp"  # this live process's
+    old = time.time() - 2 * expert_file.ABANDONED_S
+    for folder in (theirs, mine):
+        folder.mkdir()
+        (folder / "layer-000.safetensors").write_bytes(b"half")
+        os.utime(folder, (old, old))
+    E, H, I = 2, 32, 16
+
+    def source(li):
+        yield 0, formats.quantize(torch.randn(E, 2 * I, H), "int4"), formats.quantize(torch.randn(E, H, I), "int4")
+
+    expert_file.QuantizedExperts(tmp_path / key, "int4", 1, E, H, I).build(source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([key, mine.name])
+
+
+def test_a_restamp_beside_another_containers_of_the_same_pid(tmp_path, monkeypatch):
+    """A copied cache (its files' mtimes moved) is stamped again at start by every process that maps it: two containers'
+    pid 1 wrote one `.meta.1.tmp`, and one renamed the other's half-written meta.json into place (the next start rebuilt
+    the whole cache: "its meta.json is missing or unreadable")."""
+    key = "m-int8-0123456789abcdef"
+    E, H, I = 2, 32, 16
+    qe = expert_file.QuantizedExperts(tmp_path / key, "int8", 1, E, H, I)
+    qe.build(lambda li: iter([(0, formats.quantize(torch.randn(E, 2 * I, H), "int8"),
+                               formats.quantize(torch.randn(E, H, I), "int8"))]))
+    layer = qe.folder / "layer-000.safetensors"
+    os.utime(layer, (time.time() - 60, time.time() - 60))  # copied: the same bytes, another mtime
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+    theirs = qe.folder / ".meta.1.tmp"
+    theirs.write_text('{"format_version": ')  # the other container's, being written
+    assert qe.problem() is None and theirs.read_text() == '{"format_version": '
+    assert json.loads((qe.folder / "meta.json").read_text())["files"][layer.name]["mtime_ns"] == layer.stat().st_mtime_ns
+
+
 def test_a_models_cache_from_before_its_files_changed_is_removed(tmp_path, monkeypatch):
     """An updated model (config or weight files changed) gets a new cache key: the old cache, a whole copy of its
     experts, stayed for good. It goes once the new one is built; other models' and other formats' caches stay."""

@@ -255,6 +255,22 @@ async def test_an_export_that_fills_the_disk_leaves_the_earlier_export_whole(tmp
 
 @pilot_test
 @pytest.mark.notorch
+async def test_an_export_beside_another_containers_export_of_the_same_pid(tmp_path, stored, monkeypatch):
+    """Containers sharing a folder number their processes alike (each one's moechat pid 1, say): two exports of a chat
+    wrote one `.<name>.1.part`, so one renamed the other's half-written copy into place and the other failed."""
+    import os
+
+    async with without_model(tmp_path) as (app, pilot):
+        path = app.action_export_chat()
+        monkeypatch.setattr(os, "getpid", lambda: 1)
+        theirs = path.with_name(f".{path.name}.1.part")
+        theirs.write_text("the other window's export, being written")
+        assert app.action_export_chat() == path and "Hello! How are you today?" in path.read_text()
+        assert theirs.read_text() == "the other window's export, being written"
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_the_app_says_what_the_command_line_changes_about_the_engine(tmp_path):
     """A --model on the command line runs the embedded engine over a backend saved in the settings: said at each load."""
     from test_tui_chat import failing, make_app
