@@ -455,3 +455,58 @@ def test_engine_sampling_matches_target_distribution(qwen3_dir):
     # the most frequent first token alone, as a sanity check with its own (looser) bound
     top = max(groups, key=lambda f: len(groups[f]))
     assert_distributed({top: groups[top]}, {top: p_second[top]}, f"second token after {top}")
+
+
+def assert_warped(logits: torch.Tensor, got: torch.Tensor, temperature: float, top_k: int, top_p: float) -> None:
+    """got [R, V] is transformers' warped distribution of logits [R, V] (top-p's cut aside, see above)."""
+    expected = hf_probs(logits, temperature, top_k, top_p)
+    if top_p < 1.0:
+        assert_equal_but_at_the_cut(logits, expected, got, temperature, top_k, top_p)
+    else:
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ["model", "self"])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 0.9), (1.0, 3, 1.0), (1.5, 5, 0.8)])
+def test_the_rule_gets_the_warped_distributions_of_each_drafted_position(checkpoint, draft_dir, drafter, temperature,
+                                                                         top_k, top_p, monkeypatch):
+    """What the engine hands the rejection rule (whose losslessness the tests above check): per drafted position the
+    target's distribution p and the drafter's q, each with the request's temperature, top-k and top-p, after the same
+    prefix, and drafts q can draw; computed again with transformers' models and warpers. The self drafter runs with every
+    expert on its fast tier, so its q is the target's. A q or p left unwarped, or a row one position off, fails here;
+    the end-to-end distribution test above samples only top-k, and only with the self drafter."""
+    from transformers import AutoModelForCausalLM
+
+    from moechat.engine.speculative import verify
+
+    calls, rule = [], verify.accept_sampling
+
+    def spy(drafts, q, p, generator):
+        a, t = rule(drafts, q, p, generator)
+        calls.append((list(drafts), q, p, a, t))
+        return a, t
+
+    monkeypatch.setattr(verify, "accept_sampling", spy)
+    target_dir = checkpoint("qwen3_moe")
+    engine = Engine(EngineConfig(model_dir=str(target_dir), expert_cache_ratio=1.0, conversation_cache_bytes=0,
+                                 spec=SpecConfig(drafter=str(draft_dir) if drafter == "model" else drafter, draft_len=3)))
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir).eval() if drafter == "model" else target
+    drafted = 0
+    for seed in range(3):
+        calls.clear()
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_new_tokens=12)
+        fin = list(engine.generate(Request(token_ids=PROMPT_IDS), params))[-1]
+        assert isinstance(fin, Finished), fin
+        committed = list(PROMPT_IDS)
+        for drafts, q, p, a, t in calls:
+            n, ids = len(drafts), torch.tensor([committed + drafts])
+            with torch.no_grad():  # rows i: the distributions after committed + drafts[:i]
+                assert_warped(target(ids).logits[0, len(committed) - 1:].float(), p, temperature, top_k, top_p)
+                if n:
+                    assert_warped(draft(ids).logits[0, len(committed) - 1:-1].float(), q, temperature, top_k, top_p)
+                    assert all(float(q[i, d]) > 0 for i, d in enumerate(drafts))  # each draft is one q could draw
+            drafted += n
+            committed += drafts[:a] + [t]
+        assert committed[len(PROMPT_IDS):][:len(fin.token_ids)] == fin.token_ids  # the calls replayed the reply
+    assert drafted > 0
