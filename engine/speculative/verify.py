@@ -37,7 +37,7 @@ def accept_sampling(drafts: list[int], q: torch.Tensor | None, p: torch.Tensor, 
         d = torch.tensor(drafts)
         ratio = p[torch.arange(n), d] / q[torch.arange(n), d]  # [n]; q_i(d_i) > 0 since d_i ~ q_i
         u = torch.rand(n, generator=generator)
-        rejected = (u >= ratio).nonzero()
+        rejected = (~(u < ratio)).nonzero()  # a NaN ratio (0/0: a draft no distribution allows) is rejected
         if len(rejected):
             i = int(rejected[0])
             residual = (p[i] - q[i]).clamp_min(0)  # [V]

@@ -510,3 +510,12 @@ def test_the_rule_gets_the_warped_distributions_of_each_drafted_position(checkpo
             committed += drafts[:a] + [t]
         assert committed[len(PROMPT_IDS):][:len(fin.token_ids)] == fin.token_ids  # the calls replayed the reply
     assert drafted > 0
+
+
+def test_accept_sampling_rejects_a_draft_that_neither_distribution_allows():
+    """p(d) = q(d) = 0 gave a ratio of 0/0 = NaN, and `u >= NaN` is False: the draft was kept, a token p forbids."""
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    for seed in range(20):
+        a, t = accept_sampling([2], q, p, torch.Generator().manual_seed(seed))
+        assert a == 0 and t in (0, 1)
