@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -68,8 +69,8 @@ def machine_profile(model_dir: str, budgets: dict[str, int]):
         decided = decided and {k: v for k, v in decided.items() if k != "vram_budget_bytes"}
     if profile and decided is not None and decided != budgets:
         return None, None, (f"calibration profile {profile_path(fp, key)} was decided for "
-                            f"{_budgets_changed(decided, budgets)}: not used; `moechat calibrate` decides for the budgets and "
-                            "context length the settings give (it takes none on its command line)")
+                            f"{_budgets_changed(decided, budgets)}: not used; `moechat calibrate --model {shlex.quote(key)}` "
+                            "decides for the budgets and context length the settings give (it takes none on its command line)")
     return profile, (profile_path(fp, key) if profile else None), notice
 
 

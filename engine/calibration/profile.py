@@ -16,6 +16,7 @@ import hashlib
 import os
 import re
 import secrets
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -177,14 +178,15 @@ def _written_after(model_dir: str, created: str) -> bool:
         return False
 
 
-def _set_aside(path: Path, why: str) -> str:
+def _set_aside(path: Path, why: str, key: str) -> str:
     bad = path.with_name(path.name + ".bad")
     try:
         path.replace(bad)
         where = f"moved to {bad.name}"
     except OSError as err:
         where = f"left in place ({err.strerror})"
-    return f"calibration profile {path} {why}: {where}; running on defaults, recalibrate with `moechat calibrate`"
+    return (f"calibration profile {path} {why}: {where}; running on defaults, recalibrate with "
+            f"`moechat calibrate --model {shlex.quote(key)}`")
 
 
 def load_profile(fingerprint: str, key: str) -> tuple[Profile | None, str]:
@@ -196,23 +198,23 @@ def load_profile(fingerprint: str, key: str) -> tuple[Profile | None, str]:
     except FileNotFoundError:
         return None, ""
     except (OSError, UnicodeDecodeError) as err:
-        return None, _set_aside(path, f"cannot be read ({err})")
+        return None, _set_aside(path, f"cannot be read ({err})", key)
     try:
         raw = tomllib.loads(text)
         schema = raw.get("schema")
         if schema != SCHEMA:
-            return None, _set_aside(path, f"has schema {schema!r}, this moechat writes {SCHEMA}")
+            return None, _set_aside(path, f"has schema {schema!r}, this moechat writes {SCHEMA}", key)
         profile = _build(Profile, raw, "")
     except Exception as err:  # bad TOML, wrong types, a record refusing its values: never a crash
-        return None, _set_aside(path, f"is corrupt ({err})")
+        return None, _set_aside(path, f"is corrupt ({err})", key)
     if profile.fingerprint != fingerprint:
-        return None, _set_aside(path, "was measured on another machine")
+        return None, _set_aside(path, "was measured on another machine", key)
     if profile.model != key:
-        return None, _set_aside(path, f"belongs to another model ({profile.model})")
+        return None, _set_aside(path, f"belongs to another model ({profile.model})", key)
     changed = profile.config_hash != model_digest(key) if profile.config_hash else _written_after(key, profile.created)
     if changed:  # its decisions were for that model's sizes
-        return None, _set_aside(path, "was measured for another model at this path (its config.json changed since)")
+        return None, _set_aside(path, "was measured for another model at this path (its config.json changed since)", key)
     drafter = profile.decisions.drafter
     if drafter not in ("none", "self") and not Path(drafter).expanduser().is_dir():  # as the engine reads it
-        return None, _set_aside(path, f"drafts with {drafter}, which is no longer there")
+        return None, _set_aside(path, f"drafts with {drafter}, which is no longer there", key)
     return profile, ""

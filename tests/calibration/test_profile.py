@@ -54,7 +54,7 @@ def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
     path.write_text(edit(path.read_text()), encoding="utf-8")
     loaded, notice = load_profile(FP, key)
     assert loaded is None
-    assert "\n" not in notice and "moechat calibrate" in notice
+    assert "\n" not in notice and f"recalibrate with `moechat calibrate --model {key}`" in notice  # this model, not the settings'
     assert not path.exists() and path.with_name(path.name + ".bad").exists()  # set aside, documented
     assert load_profile(FP, key) == (None, "")  # next start: as if never calibrated
     return notice
@@ -310,7 +310,7 @@ def test_a_profile_decided_for_other_budgets_is_not_used(capsys):
     assert args.profile is None and (cfg.quant, cfg.host_ram_budget_bytes) == ("none", None)
     assert "was decided for RAM budget 2.5 GiB (this run: unset): not used" in err and len(err.strip().splitlines()) == 1
     assert cfg.notices == (err.strip().removeprefix("moechat: warning: "),)
-    assert "`moechat calibrate` decides for the budgets and context length the settings give" in err  # it has no flags for them
+    assert "`moechat calibrate --model " in err and "decides for the budgets and context length the settings give" in err
     assert _config(["--device", "cpu", "--ram-budget-gib", "2.5"])[1].profile is not None  # the same budget, given
     assert load_profile(fingerprint(probe()), model_key(DEMO_MODEL))[0] == tight  # kept for when the budget is back
     vram = ["--device", "cpu", "--ram-budget-gib", "2.5", "--vram-budget-gib", "8"]
