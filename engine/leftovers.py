@@ -1,6 +1,8 @@
 """Builds' private folders in a folder other processes share (the native libraries' cache, the quantized expert cache),
 and the removal of those a killed build left (kill -9, the OOM killer: no `finally` ran).
 
+A file written whole (`write_whole`) goes through a temporary file of its own beside it, renamed into place.
+
 A private folder is named `.<stem>.<pid>-<start>.<random>.tmp`: the random part makes it the build's own whatever its pid
 (containers sharing a cache folder number their processes alike, each one's moechat pid 1, say), the pid and the process's
 start time say which process made it. One is abandoned once untouched for the caller's age and that process is not
@@ -8,10 +10,13 @@ running here: a pid alive here is another process when it started at another tim
 container, which this one cannot see, is judged by the age alone."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -20,6 +25,19 @@ def private_prefix(stem: str) -> str:
     import psutil
 
     return f".{stem}.{os.getpid()}-{int(psutil.Process(os.getpid()).create_time())}."
+
+
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(tmp)`, then tmp renamed to `path`: a reader sees the old file or the new one, never half (a full disk, a kill).
+    tmp is this call's own (random, not by pid: containers sharing a folder number their processes alike); removed on
+    failure. write's errors propagate."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def remove_abandoned(folder: Path, name: re.Pattern, age_s: float) -> None:

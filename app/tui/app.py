@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import re
-import secrets
 import signal
 import sys
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.filter import LineFilter
 
-from ...engine import native
+from ...engine import native, write_whole
 from ..bridge import EngineBridge
 from ..chat_export import export_markdown
 from ..chats import ChatStore, ChatStoreError
@@ -251,7 +250,8 @@ class MoechatApp(App):
         path = folder / f"moechat-{conv.id}-{slug}.md"
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            _write_whole(path, export_markdown(self.store, conv.id))
+            text = export_markdown(self.store, conv.id)
+            write_whole(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))  # a full disk keeps the last export
         except KeyError:  # deleted in another window a moment ago
             self.call_later(self.chat.deleted_elsewhere)
             return None
@@ -376,16 +376,6 @@ def sampling_from(settings: Settings, base=None, before: Settings | None = None)
     return replace(base, **{n: getattr(settings, n) for n in changed})
 
 
-def _write_whole(path: Path, text: str) -> None:
-    """`text` into `path` whole or not at all: a disk that filled midway left an earlier export of the chat cut short."""
-    part = path.with_name(f".{path.name}.{secrets.token_hex(8)}.part")  # its own (not by pid: containers number alike)
-    try:
-        part.write_text(text, encoding="utf-8")
-        os.replace(part, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            part.unlink()
-        raise
 
 
 def _documents_dir() -> Path:

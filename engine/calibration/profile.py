@@ -10,12 +10,10 @@ renames it to `<name>.bad` (replacing an older `.bad`), says so in one line, and
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
 import re
-import secrets
 import shlex
 import types
 import typing
@@ -23,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..leftovers import write_whole
 from .types import Decisions, Hardware, Measurements
 
 try:
@@ -114,15 +113,10 @@ def save_profile(profile: Profile) -> Path:
     data = _plain(dataclasses.asdict(profile))
     head = {k: data.pop(k) for k in ("schema", "created", "fingerprint", "model", "config_hash")}
     path = profile_path(profile.fingerprint, profile.model)
-    # its own: two calibrations saving at once both succeed (not by its pid: containers sharing the folder number alike)
-    tmp = path.with_name(f"{path.stem}.{secrets.token_hex(8)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(tomlkit.dumps({**head, **data}), encoding="utf-8")
-        tmp.replace(path)
+        write_whole(path, lambda tmp: tmp.write_text(tomlkit.dumps({**head, **data}), encoding="utf-8"))
     except OSError as err:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)  # half written (a full disk)
         raise MoechatError(f"cannot save the calibration profile {path} ({err.strerror or err}): free disk space or fix the "
                            "folder's permissions, then calibrate again") from None
     return path

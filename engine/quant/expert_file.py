@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..events import LoadProgress
-from ..leftovers import private_prefix, remove_abandoned
+from ..leftovers import private_prefix, remove_abandoned, write_whole
 from ..model.checkpoint import Checkpoint
 from .formats import QuantMatrix, empty_matrix
 
@@ -270,12 +270,7 @@ def _save_stamped(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dic
 
 def _write_meta(folder: Path, meta: dict) -> None:
     """meta.json replaced in one step: a reader sees the old one or the new one."""
-    tmp = folder / f".meta.{secrets.token_hex(8)}.tmp"  # its own: another container's moechat may have our pid
-    try:
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, folder / "meta.json")
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_whole(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta)))
 
 
 def _remove(path: Path) -> None:

@@ -9,9 +9,6 @@ entries past the committed prefix are rewound (`rewind_cache`) at the start of t
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +16,7 @@ import torch
 from ..config import SamplingParams, SpecConfig, prefill_passes
 from ..errors import CheckpointError, MoechatError
 from ..events import LoadProgress
+from ..leftovers import write_whole
 from ..model.bf16_linear import narrow_linears
 from ..model.checkpoint import Checkpoint
 from ..model.config_file import read_config_dict
@@ -206,19 +204,11 @@ class SelfDraft:
                     self._dist.append(expert_distances(*store.layer_tensors(li), device=self.target.device))
                     if progress is not None:
                         progress(what, li + 1, len(store.layers))
-                tmp = None
                 try:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    # its own file: another process may write one too (a pid is no name: containers sharing the folder)
-                    fd, tmp = tempfile.mkstemp(prefix=f"{path.stem}.", suffix=".tmp", dir=path.parent)
-                    os.close(fd)
-                    torch.save(self._dist, tmp)
-                    os.replace(tmp, path)  # atomic: a killed process never leaves half a table
+                    write_whole(path, lambda tmp: torch.save(self._dist, tmp))
                 except (OSError, RuntimeError):  # a read-only cache directory or a full disk (torch.save's writer
-                    # raises RuntimeError) only costs the recomputation next time
-                    if tmp is not None:
-                        with contextlib.suppress(OSError):
-                            os.unlink(tmp)  # half written (the disk full)
+                    pass  # raises RuntimeError) only costs the recomputation next time
         return self._dist
 
     def remap(self, li: int) -> torch.Tensor | None:
