@@ -83,12 +83,16 @@ def test_unusable_profile_is_set_aside_with_a_notice(tmp_path, edit, says):
 
 
 @pytest.mark.notorch
-def test_two_calibrations_saving_at_once_both_save(tmp_path, monkeypatch):
+@pytest.mark.parametrize("theirs", [424242, None], ids=["another pid", "the same pid"])
+def test_two_calibrations_saving_at_once_both_save(tmp_path, monkeypatch, theirs):
     """Both wrote the same `<name>.tmp`: the second's rename found it gone and its minutes of measuring ended in
-    "cannot save ... free disk space or fix the folder's permissions"."""
+    "cannot save ... free disk space or fix the folder's permissions". Named by pid since, it was still shared by
+    containers sharing the profiles folder, which number their processes alike (each one's moechat pid 1, say)."""
     import os
     from pathlib import Path
 
+    if theirs is None:
+        monkeypatch.setattr(os, "getpid", lambda: 1)
     key, write = model_key(tmp_path), Path.write_text
     other = replace(profile(key), created="2026-01-01T00:00:00+00:00")
 
@@ -96,35 +100,12 @@ def test_two_calibrations_saving_at_once_both_save(tmp_path, monkeypatch):
         written = write(self, *args, **kwargs)
         with monkeypatch.context() as m:
             m.setattr(Path, "write_text", write)
-            m.setattr(os, "getpid", lambda: 424242)  # another process, saving between our write and our rename
+            if theirs is not None:
+                m.setattr(os, "getpid", lambda: theirs)  # another process, saving between our write and our rename
             save_profile(other)
         return written
 
     monkeypatch.setattr(Path, "write_text", write_then_the_other_process_saves)
-    mine = profile(key)
-    save_profile(mine)  # raised MoechatError (No such file or directory)
-    assert load_profile(FP, key) == (mine, "") and not list(profile_path(FP, key).parent.glob("*.tmp"))
-
-
-@pytest.mark.notorch
-def test_two_calibrations_of_the_same_pid_saving_at_once_both_save(tmp_path, monkeypatch):
-    """Containers sharing the profiles folder number their processes alike (each one's moechat pid 1, say): both wrote
-    `<name>.1.tmp`, and the second's minutes of measuring ended in "cannot save ... free disk space"."""
-    import os
-    from pathlib import Path
-
-    monkeypatch.setattr(os, "getpid", lambda: 1)
-    key, write = model_key(tmp_path), Path.write_text
-    other = replace(profile(key), created="2026-01-01T00:00:00+00:00")
-
-    def write_then_the_other_container_saves(self, *args, **kwargs):
-        written = write(self, *args, **kwargs)
-        with monkeypatch.context() as m:
-            m.setattr(Path, "write_text", write)
-            save_profile(other)
-        return written
-
-    monkeypatch.setattr(Path, "write_text", write_then_the_other_container_saves)
     mine = profile(key)
     save_profile(mine)  # raised MoechatError (No such file or directory)
     assert load_profile(FP, key) == (mine, "") and not list(profile_path(FP, key).parent.glob("*.tmp"))
