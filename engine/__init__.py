@@ -26,7 +26,7 @@ _MODULES = {  # submodule -> the public names it provides
     "model.memory_budgets": ("check_budgets", "check_host_room", "expert_store_room", "max_cache_experts", "physical_ram_bytes",
                              "ram_headroom", "ratio_at_most"),
     "model.config_file": ("PULL_MARKER", "download_unfinished", "read_config_dict"),
-    "leftovers": ("write_whole",),
+    "shared_files": ("write_whole",),
     "placement": ("NO_GPU", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from .leftovers import private_prefix, remove_abandoned
+from .shared_files import private_prefix, remove_abandoned
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # the CPU kernels' paths (csrc/cpu/common.h: Isa), by name; here, not in experts/cpu_ffn.py, so the CLI offers them
@@ -93,7 +93,7 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     if sys.__stderr__ is not None and sys.__stderr__.isatty() and sys.stderr is sys.__stderr__:  # a terminal, not the app
         print(f"moechat: building the native {name} kernels (once, about 20 s)...", file=sys.stderr, flush=True)
     compile_flags = ["-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", *cflags]
-    # objects and the library in a folder of this build's own (leftovers.py), then the library renamed into place
+    # objects and the library in a folder of this build's own (shared_files.py), then the library renamed into place
     with tempfile.TemporaryDirectory(prefix=private_prefix(out.stem), suffix=".tmp", dir=folder) as work:
         # one compiler per source, all at once (the CPU library's ~12 s of compiling in ~7 on 2 cores), then link
         objs, tmp = [str(Path(work) / f"{i}.o") for i in range(len(sources))], Path(work) / out.name
@@ -105,7 +105,7 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
 
 
 ABANDONED_S = 3600  # a build's folder untouched this long (a compiler runs at most 600 s) and its process gone: killed
-# a build's private folder (its process named: leftovers.py), or an older moechat's hidden `.libmoechat_*` leftover
+# a build's private folder (its process named: shared_files.py), or an older moechat's hidden `.libmoechat_*` leftover
 _BUILDING = re.compile(r"\.libmoechat_(?:.+\.(?P<pid>\d+)-(?:(?P<start>\d+)\.)?\w+\.tmp|.*)")
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..leftovers import write_whole
+from ..shared_files import write_whole
 from .types import Decisions, Hardware, Measurements
 
 try:

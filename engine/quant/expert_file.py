@@ -34,8 +34,8 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from ..events import LoadProgress
-from ..leftovers import private_prefix, remove_abandoned, write_whole
 from ..model.checkpoint import Checkpoint
+from ..shared_files import private_prefix, remove_abandoned, write_whole
 from .formats import QuantMatrix, empty_matrix
 
 # Bump when the layout in formats.py or meta.json changes: older caches are rebuilt.
@@ -281,7 +281,8 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-# a build's private folder: .<model_key>.<pid>-<start>.<random>.tmp (leftovers.py), or an older moechat's .<model_key>.<pid>.tmp
+# a build's private folder: .<model_key>.<pid>-<start>.<random>.tmp (shared_files.py), or an older moechat's
+# .<model_key>.<pid>.tmp
 _BUILDING = re.compile(r"\..+-[0-9a-f]{16}\.(?P<pid>\d+)(?:-(?P<start>\d+)\.\w+)?\.tmp")
 ABANDONED_S = 600  # untouched this long (a live build writes a layer every few seconds), and its process gone
 

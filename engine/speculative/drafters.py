@@ -16,7 +16,6 @@ import torch
 from ..config import SamplingParams, SpecConfig, prefill_passes
 from ..errors import CheckpointError, MoechatError
 from ..events import LoadProgress
-from ..leftovers import write_whole
 from ..model.bf16_linear import narrow_linears
 from ..model.checkpoint import Checkpoint
 from ..model.config_file import read_config_dict
@@ -24,6 +23,7 @@ from ..model.kv_cache import KVCache, hf_forward
 from ..model.lean_decode import build_lean_forward
 from ..model.loader import LoadedModel, load_tokenizer
 from ..quant.formats import QuantMatrix, dequantize
+from ..shared_files import write_whole
 from .rewind import rewind_cache
 from .router_feed import router_feed
 from .sampling import probs_from_logits, sample

@@ -1,4 +1,4 @@
-"""Builds' private folders in a folder other processes share (the native libraries' cache, the quantized expert cache),
+"""Files in folders other processes share: builds' private folders (the native libraries' cache, the quantized expert cache),
 and the removal of those a killed build left (kill -9, the OOM killer: no `finally` ran).
 
 A file written whole (`write_whole`) goes through a temporary file of its own beside it, renamed into place.
