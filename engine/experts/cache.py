@@ -225,6 +225,7 @@ class ExpertCache(SlotTable):
 
     def _copy(self, slot: int, li: int, e: int, level: int | None):
         """The copy itself: synchronous on a CPU device, queued (returns its event) on CUDA."""
+        self.store.will_need(li, [e])  # disk tier: its ranges asked of the disk at once, not one read-around fault at a time
         gate_up, down = self.store.weights(li, e)  # host views: pinned when the store could pin them
         if self.copier is not None:  # queued: the copier's thread issues it by level, after compute_done
             from .native_copier import DEMAND

@@ -179,6 +179,47 @@ def test_disk_tier_reads_the_routed_experts_ahead(family, checkpoint, tokenizer,
         assert wanted == read
 
 
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_fast_tier_copies_from_the_disk_tier_read_the_expert_ahead(quant, checkpoint, tokenizer, monkeypatch):
+    """A copy into a fast-tier slot (a GPU's, here the CPU's) from the disk tier asks the OS for exactly that expert's
+    ranges first (ExpertStore.will_need), as the CPU kernels' reads do, rather than one read-around page fault at a
+    time. Same tokens."""
+    model_dir = checkpoint("qwen3_moe", 9, moe_intermediate_size=64)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    engine = Engine(EngineConfig(model_dir=str(model_dir), quant=quant, host_ram_budget_bytes=0, expert_cache_ratio=0.5))
+    store, cache = engine.model.store, engine.model.runtime.cache
+    assert store.tier == "mmap" and cache.capacity > 0
+    ckpt = store._layer_spans(0)[0]  # the mapped files the experts are read from
+    asked, copies = [], []
+    will_need, weights = ckpt.will_need, store.weights
+
+    def record_will_need(path, start, end):
+        asked.append((path, start, end))
+        will_need(path, start, end)
+        return True  # as if every page were missing: each of the expert's ranges is then asked
+
+    def record_copy(slot, li, e, level):
+        asked.clear()  # the CPU kernels' own requests before this copy
+        copying.append(True)
+        try:
+            return copy(slot, li, e, level)
+        finally:
+            copying.clear()
+
+    def record_weights(li, e):
+        if copying:  # the copy's read of the expert
+            copies.append((sorted(store._layer_spans(li)[1][e]), sorted(set(asked))))
+        return weights(li, e)
+
+    copy, copying = cache._copy, []
+    monkeypatch.setattr(ckpt, "will_need", record_will_need)
+    monkeypatch.setattr(cache, "_copy", record_copy)
+    monkeypatch.setattr(store, "weights", record_weights)
+    fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=NEW_TOKENS)))[-1]
+    assert copies and all(wanted == read for wanted, read in copies)
+    assert fin.token_ids == run_engine(model_dir, prompt, NEW_TOKENS, quant=quant).token_ids
+
+
 def test_will_need_asks_for_the_pages_not_in_the_page_cache(checkpoint, monkeypatch):
     """Checkpoint.will_need: MADV_WILLNEED on the range from its page's start, only where a page is not resident (asking
     walks the page cache: ~110 µs per resident 9 MiB expert, the mincore check ~10 µs)."""
