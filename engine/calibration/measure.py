@@ -217,7 +217,9 @@ def _engine(model_path: Path, hw: Hardware, device: str, dtype: str, drafter: st
     from RAM, or from the mmap'd files (the engine's own disk tier) when the expert store is too big for half the free RAM
     (quantized experts are mapped from their cache file). Closed and its memory given back on the way out, also when
     measuring fails or is cancelled: the chat's model loads next, and its budget check must see this one's VRAM and
-    pinned RAM free (an exception's traceback may still hold the engine: the caller releases again)."""
+    pinned RAM free. The caller deletes its `as` name at the end of its block: still bound there, it holds the engine
+    through the release, which then gives back none of it (an exception's traceback may hold it too: the caller
+    releases again)."""
     from ..config import EngineConfig
     from ..generate import Engine
 
@@ -352,6 +354,7 @@ def measure(model_dir, hw: Hardware, prompts: list[str], drafter: str = "none", 
         # drafts with the resident experts and this engine has none (measure_self_draft times it at the decided share)
         if drafter not in ("none", "self"):
             _time_generation(engine, m, prompts, 12 if quick else 48, report)
+        del engine  # _engine's reference the last one: the engine is gone when its memory is given back
     report("measured", 1.0)
     return m
 
@@ -370,5 +373,6 @@ def measure_self_draft(model_dir, hw: Hardware, prompts: list[str], ratio: float
         m = Measurements(expert_bytes=engine.model.store.expert_bytes, max_tokens=draft_len + 1,
                          verify_ratio=engine.model.expert_cache_ratio)
         _time_generation(engine, m, prompts, 12 if quick else 48, report)
+        del engine  # _engine's reference the last one: the engine is gone when its memory is given back
     report("measured", 1.0)
     return m

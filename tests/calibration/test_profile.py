@@ -361,6 +361,34 @@ def test_measure_on_cpu(checkpoint, monkeypatch):
     assert len(closed) == 1 and released == [True]  # its engine closed and collected before the chat's model loads
 
 
+@pytest.mark.parametrize("which", ["measure", "measure_self_draft"])
+def test_the_measuring_engine_is_gone_when_its_memory_is_given_back(which, checkpoint, monkeypatch):
+    """release_cached_memory returns the CUDA allocator's free blocks to the driver: run while the caller's `as engine`
+    still held the engine, it freed nothing of it, and calibration then decided the fast tier on a free VRAM short of the
+    measuring engine's dense weights and KV cache (measure_self_draft's: its whole fast tier too)."""
+    import gc
+    import weakref
+
+    from moechat.engine.calibration import measure as measuring
+    from moechat.engine.generate import Engine
+
+    made, alive = [], []
+    init = Engine.__init__
+
+    def release():  # as release_cached_memory: what nothing refers to any more is collected first
+        gc.collect()
+        alive.append(made[-1]() is not None)
+
+    monkeypatch.setattr(Engine, "__init__", lambda self, *a, **kw: made.append(weakref.ref(self)) or init(self, *a, **kw))
+    monkeypatch.setattr(measuring, "release_cached_memory", release)
+    where = dict(quick=True, draft_len=2, device="cpu", dtype="float32")
+    if which == "measure":
+        measuring.measure(checkpoint("qwen3_moe"), replace(hardware(), gpus=[]), ["hello"], "none", **where)
+    else:
+        measuring.measure_self_draft(checkpoint("qwen3_moe"), hardware(), ["hello"], 0.5, **where)
+    assert alive == [False]
+
+
 def test_measure_reports_each_generation_step_and_stops_when_progress_raises(checkpoint, draft_dir, monkeypatch):
     """The drafting phase reports every step (the bar moves through minutes of generation on a big model), so a progress
     callback that raises, as the wizard's does when cancelled, stops measuring within a step with its engine closed."""

@@ -478,6 +478,29 @@ def test_greedy_matches_transformers_cuda(family, checkpoint, draft_dir, tokeniz
             assert fin.token_ids == expected, (family, ratio, drafter)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_disk_tier_beside_a_gpu(quant, checkpoint, tokenizer):
+    """Experts read from the mapped files beside a GPU, half of them on its fast tier: copies from pageable pages
+    (staged by the copier, each expert's ranges asked of the disk first: ExpertStore.will_need) and the CPU tier
+    reading them in place (float: moe_ffn_native_ptrs); the tokens of every expert in RAM, and where the experts are
+    not quantized, transformers' greedy on the GPU."""
+    model_dir = checkpoint("qwen3_moe", 9, moe_intermediate_size=64)
+    prompt = tokenizer(PROMPT)["input_ids"]
+    tokens = []
+    for ram in (0, None):
+        engine = Engine(EngineConfig(model_dir=str(model_dir), device="cuda", quant=quant, host_ram_budget_bytes=ram,
+                                     expert_cache_ratio=0.5, spec=SpecConfig("self", 4)))
+        assert engine.model.store.tier == ("mmap" if ram == 0 else "ram") and engine.model.cache.capacity > 0
+        fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=NEW_TOKENS)))[-1]
+        engine.close()
+        assert isinstance(fin, Finished), fin
+        tokens.append(fin.token_ids)
+    assert tokens[0] == tokens[1]
+    if quant == "none":
+        assert tokens[0] == hf_greedy(model_dir, prompt, device="cuda")
+
+
 def test_tied_embeddings(checkpoint, tokenizer):
     model_dir = checkpoint("olmoe", 6, tie_word_embeddings=True)
     from safetensors import safe_open

@@ -519,3 +519,53 @@ def test_accept_sampling_rejects_a_draft_that_neither_distribution_allows():
     for seed in range(20):
         a, t = accept_sampling([2], q, p, torch.Generator().manual_seed(seed))
         assert a == 0 and t in (0, 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# On a GPU: the warpers run on the logits' device, the draws on the host's seeded generator
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale, temperature, top_k, top_p", [(8.0, 0.7, 0, 0.9), (2.0, 0.7, 0, 0.9), (0.05, 0.7, 0, 0.95),
+                                                               (2.0, 1.3, 50, 0.8), (2.0, 0.7, 40, 1.0)])
+def test_the_warpers_on_a_gpu_keep_what_transformers_keeps(scale, temperature, top_k, top_p):
+    """Top-p on CUDA (its candidates, the histogram's index_add_ and searchsorted, the cut's sorts), top-k and the
+    temperature on a real vocabulary in bf16, as the target's and a draft model's logits come: transformers' warpers'
+    distribution, on the device, and a token drawn from it with the request's CPU generator."""
+    for seed in range(2):
+        logits = (torch.randn(3, 151936, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16().cuda()
+        got = probs_from_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+        assert got.device == logits.device and got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert_warped(logits.float().cpu(), got.cpu(), temperature, top_k, top_p)
+        token = sample(got[0], torch.Generator().manual_seed(seed))
+        assert float(got[0, token]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["none", "self", "model"])
+def test_a_seed_repeats_a_sampled_reply_on_a_gpu(drafter, checkpoint, draft_dir, monkeypatch):
+    """Sampled decoding on CUDA with temperature, top-k and top-p, each drafter (the self drafter with half the experts
+    on the GPU): the drafts' q and the target's p reach the rejection rule on the host, where the request's generator
+    draws, and the same seed gives the same reply from the same start."""
+    from moechat.engine.speculative import verify
+
+    seen, rule = [], verify.accept_sampling
+
+    def spy(drafts, q, p, generator):
+        seen.append((p.device.type, None if q is None else q.device.type))
+        return rule(drafts, q, p, generator)
+
+    monkeypatch.setattr(verify, "accept_sampling", spy)
+    config = EngineConfig(model_dir=str(checkpoint("qwen3_moe")), device="cuda", expert_cache_ratio=0.5,
+                          spec=SpecConfig(drafter=str(draft_dir) if drafter == "model" else drafter, draft_len=3))
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7, max_new_tokens=12)
+    replies = []
+    for _ in range(2):  # each from the same start: the fast tier's contents, which the self drafter drafts with, too
+        engine = Engine(config)
+        replies.append(list(engine.generate(Request(token_ids=PROMPT_IDS), params))[-1])
+        engine.close()
+    assert all(isinstance(fin, Finished) for fin in replies), replies
+    assert replies[0].token_ids == replies[1].token_ids and len(replies[0].token_ids) > 0
+    assert seen and all(p == "cpu" and q in (None, "cpu") for p, q in seen)
+    if drafter != "none":
+        assert any(q == "cpu" for _, q in seen)  # drafts were sampled and judged
