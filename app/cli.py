@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -356,7 +357,17 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(err, (MoechatError, ValueError)):
             return _fail(str(err))
+        if _out_of_memory(err):
+            return _fail(f"out of memory ({err}): close other programs, or give moechat less to hold: a --ram-budget-gib "
+                         "below the experts' size (read from disk then), --quant int4, or a shorter --context-len")
         return _fail(f"internal error ({type(err).__name__}: {err}); please report it")
+
+
+def _out_of_memory(err: Exception) -> bool:
+    """An allocation the system refused (a limit on the process's memory, Windows' commit limit; Linux's OOM killer says
+    nothing): Python's MemoryError, an mmap's ENOMEM, PyTorch's CPU allocator's message."""
+    return (isinstance(err, MemoryError) or getattr(err, "errno", None) == errno.ENOMEM
+            or any(s in str(err) for s in ("Cannot allocate memory", "can't allocate memory", "not enough memory")))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from ..experts import cpu_ffn
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
-from ..quant.dense import QuantLinear, quantize_dense
+from ..quant.dense import QuantLinear, quantize_dense, quantized_linears
 from ..quant.prequantized import PrequantSpec, expert_format, linear_keys, quantized_prefixes, read_quantization_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
@@ -31,6 +31,7 @@ from .graph_decode import GraphedDecode
 from .kv_cache import KVCache, hf_forward
 from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import (
+    available_ram_bytes,
     cache_bytes_for,
     check_budgets,
     check_host_room,
@@ -38,6 +39,7 @@ from .memory_budgets import (
     gib,
     max_cache_experts,
     physical_ram_bytes,
+    smaller_quant_that_fits,
     vram_fixed,
     vram_margin,
 )
@@ -252,9 +254,12 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
+    quantized = device.type == "cpu" and store.quant != "none"  # a CPU-only machine: the dense part small too
+    # what quantize_dense quantizes stays as stored until then (a bf16 checkpoint's not widened to float32 first)
+    as_stored = narrowed | ({f"{name}.weight" for name, *_ in quantized_linears(hf, routers)} if quantized else set())
     _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,
-                        prequant, narrowed)
-    if device.type == "cpu" and store.quant != "none":  # a CPU-only machine: the dense part small too
+                        prequant, as_stored)
+    if quantized:
         quantize_dense(hf, routers=routers, fmt=store.quant)
     if kv_dtype(device, dtype, family.latent_kv) != dtype:
         use_float_kv_attention(hf)
@@ -311,27 +316,47 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     if vram is not None and cfg.vram_budget_bytes is not None:  # the user's budget is a hard limit
         vram = min(vram, cfg.vram_budget_bytes)
+    machine = physical_ram_bytes()
+    cfg, notices = _held_to_the_machine(cfg, est, machine, device.type == "cuda")
     user_ram = cfg.host_ram_budget_bytes
     room = None if user_ram is None else expert_store_room(est, user_ram, device.type == "cuda")
     tier = "mmap" if room is not None and room < est.all_experts_bytes else "ram"  # as ExpertStore decides from the room
     cache = cache_bytes_for(est, cfg.expert_cache_ratio, cfg.expert_cache_bytes) if vram is not None else 0
-    notice = ""
     if vram is not None and cfg.fit_expert_cache and est.expert_bytes and vram_fixed(est) + vram_margin(vram) <= vram:
         fit = max_cache_experts(est, vram) * est.expert_bytes
         if cache > fit:
-            notice = (f"expert cache {gib(fit)} instead of {gib(cache)}: what the {gib(vram)} of free VRAM holds now "
-                      "(other programs use the rest; `moechat calibrate` measures again)")
+            notices.append(f"expert cache {gib(fit)} instead of {gib(cache)}: what the {gib(vram)} of free VRAM holds now "
+                           "(other programs use the rest; `moechat calibrate` measures again)")
             cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
-    check_budgets(est, vram, user_ram if user_ram is not None else physical_ram_bytes(), cache, tier)
+    check_budgets(est, vram, user_ram if user_ram is not None else machine, cache, tier)
     if user_ram and device.type != "cuda":  # 0: a profile's "experts from disk", no budget to hold the rest to
         check_host_room(est, user_ram)
-    return cfg, notice
+    return cfg, "; ".join(notices)
+
+
+def _held_to_the_machine(cfg: EngineConfig, est: MemoryEstimate, machine: int | None, on_gpu: bool) -> tuple[EngineConfig, list]:
+    """The RAM budget the store is sized by, and lines saying what changed: a budget above the machine's RAM is held to
+    it; with none, the RAM free now is the budget where the experts do not fit it beside the rest (they are then read in
+    place from the model's files, as `estimate` and calibration decide), else none."""
+    user_ram = cfg.host_ram_budget_bytes
+    if user_ram and machine and user_ram > machine:  # held to, it would keep in RAM experts the machine cannot hold
+        return dataclasses.replace(cfg, host_ram_budget_bytes=machine), [
+            f"RAM budget {gib(machine)} instead of {gib(user_ram)}: this machine has no more"]
+    free = available_ram_bytes() if user_ram is None else None
+    if free is None or expert_store_room(est, free, on_gpu) >= est.all_experts_bytes:
+        return cfg, []
+    fits = smaller_quant_that_fits(est, expert_store_room(est, free, on_gpu))
+    quant = f"; --quant {fits} ({gib(est.with_quant(fits).all_experts_bytes)}) keeps them in RAM" if fits else ""
+    return dataclasses.replace(cfg, host_ram_budget_bytes=free), [
+        f"experts read in place from the model's files: their {gib(est.all_experts_bytes)} do not fit the {gib(free)} of "
+        f"free RAM beside the rest{quant}"]
 
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype,
-                        prequant: PrequantSpec | None = None, bf16: set[str] = frozenset()) -> None:
-    """Every non-expert tensor onto the compute device (pre-quantized linears dequantized; the module keys in `bf16` stay bf16:
-    bf16_linear.narrow_linears); complain about what is missing."""
+                        prequant: PrequantSpec | None = None, as_stored: set[str] = frozenset()) -> None:
+    """Every non-expert tensor onto the compute device (pre-quantized linears dequantized; the module keys in `as_stored`
+    keep the checkpoint's dtype: bf16_linear.narrow_linears's bf16, and what quant/dense.py quantizes next); complain about
+    what is missing."""
     state = {}
     wanted = hf.state_dict()  # the model's tensors, on meta: names and dtypes, no memory
     floats = {name for name, t in wanted.items() if t.is_floating_point()}
@@ -346,7 +371,7 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
         if name in floats and not t.is_floating_point():  # an int8 embedding ran, every token 0
             raise CheckpointError(f"{key} is {str(t.dtype).removeprefix('torch.')}, not a floating-point type: the checkpoint "
                                   "is corrupt or not this model's; re-download the model")
-        state[name] = t.to(device=device, dtype=torch.bfloat16 if name in bf16 else dtype if t.is_floating_point() else t.dtype)
+        state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() and name not in as_stored else t.dtype)
     expected = set(wanted)
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()
     missing = sorted(expected - state.keys() - tied)

@@ -85,6 +85,22 @@ def check_host_room(est: MemoryEstimate, ram_budget: int) -> None:
                       "or use a smaller model")
 
 
+def smaller_quant_that_fits(est: MemoryEstimate, room: int) -> str | None:
+    """The first format smaller than the estimate's whose experts fit `room` bytes (None: none, or shapes unknown)."""
+    smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim else ()
+    return next((q for q in smaller if est.with_quant(q).all_experts_bytes <= room), None)
+
+
+def available_ram_bytes() -> int | None:
+    """The RAM free now, the page cache's reclaimable part included (psutil's `available`)."""
+    import psutil
+
+    try:
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):  # a system psutil cannot read
+        return None
+
+
 def physical_ram_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -118,13 +134,15 @@ def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int 
                 f"use --expert-cache-ratio {ratio_at_most(fit, est.num_experts_total)} or less "
                 f"(--expert-cache-gib {math.floor(fit * est.expert_bytes / 2**30 * 1000) / 1000:.3f}), or a shorter --context-len"
             )
-    if ram_budget is not None and host_tier == "ram" and est.all_experts_bytes > ram_budget:
-        smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim else ()  # shapes known: formats to suggest
-        fits = next((q for q in smaller if est.with_quant(q).all_experts_bytes <= ram_budget), None)
+    room = None if ram_budget is None else expert_store_room(est, ram_budget, on_gpu=vram_budget is not None)
+    if room is not None and host_tier == "ram" and est.all_experts_bytes > room:  # the rule the tier is chosen by
+        fits = smaller_quant_that_fits(est, room)
         quant = f"use --quant {fits} ({gib(est.with_quant(fits).all_experts_bytes)}), " if fits else ""
+        rest = "the system" if vram_budget is not None else "the non-expert weights, KV cache and system"
         raise BudgetError(
             f"the routed experts need {gib(est.all_experts_bytes)} of RAM"
-            f"{'' if est.quant == 'none' else ' in ' + est.quant}, the RAM budget is {gib(ram_budget)}: {quant}"
+            f"{'' if est.quant == 'none' else ' in ' + est.quant}, the RAM budget is {gib(ram_budget)}, "
+            f"{gib(max(0, room))} once {rest} have theirs: {quant}"
             f"use the mmap tier (--ram-budget-gib {ram_budget / 2**30:.2f} reads experts from the checkpoint files), "
             "or use a smaller model"
         )

@@ -56,22 +56,26 @@ def layer_format(fmt: str, name: str, head: bool) -> str:
     return "int6" if head else "int8" if name in KV_PROJECTIONS else fmt
 
 
-def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
-    """Swap every eligible nn.Linear of `hf` for a QuantLinear in `layer_format`. routers: id() of the router
-    modules, which stay as they are, as does MLA's kv_b_proj (its absorbed decode reads the weight per head)."""
-    swaps = []
-    for module in hf.modules():
+def quantized_linears(hf: torch.nn.Module, routers: set[int]):
+    """(name, parent, child name, child) of every nn.Linear quantize_dense swaps: all but the routers (id() in
+    `routers`), layers whose outputs are not whole groups of rows and MLA's kv_b_proj (its absorbed decode reads the
+    weight per head)."""
+    for name, module in hf.named_modules():
         for child_name, child in module.named_children():
             if (type(child) is torch.nn.Linear and id(child) not in routers and child.out_features % formats.ROWS == 0
-                    and child.weight.device.type == "cpu" and child_name != LATENT_EXPANSION):
-                swaps.append((module, child_name, child))
-    head = hf.get_output_embeddings()
-    names = {id(module): name for name, module in hf.named_modules()}
-    for parent, child_name, child in swaps:  # a tied head gets its own quantized copy; the embedding keeps its table
-        try:
-            setattr(parent, child_name, QuantLinear(child, layer_format(fmt, child_name, child is head)))
+                    and child_name != LATENT_EXPANSION):
+                yield f"{name}.{child_name}".lstrip("."), module, child_name, child
+
+
+def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
+    """Swap every quantized_linears layer of `hf` on the CPU for a QuantLinear in `layer_format`."""
+    swaps = [swap for swap in quantized_linears(hf, routers) if swap[3].weight.device.type == "cpu"]
+    head = id(hf.get_output_embeddings())
+    while swaps:  # each float weight goes once its quantized copy is made: the model's dense part is never held twice
+        name, parent, child_name, child = swaps.pop(0)
+        try:  # a tied head gets its own quantized copy; the embedding keeps its table
+            setattr(parent, child_name, QuantLinear(child, layer_format(fmt, child_name, id(child) == head)))
         except formats.NonFiniteWeights:
-            name = f"{names[id(parent)]}.{child_name}".lstrip(".")
             raise CheckpointError(f"{name}.weight holds NaN or infinite values: the checkpoint is corrupt; re-download the "
                                   "model") from None
 

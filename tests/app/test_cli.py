@@ -72,6 +72,29 @@ def test_a_model_that_is_no_usable_path_is_one_short_line(model, reason, capsys)
     assert "is not a usable path" in err and reason in err and "internal error" not in err
 
 
+def test_memory_the_system_refuses_is_one_line_that_says_what_to_do(monkeypatch, capsys):
+    """A refused allocation (a process memory limit, Windows' commit limit) while loading a model said "internal error
+    (RuntimeError: [enforce fail at alloc_cpu.cpp:127] ...); please report it", as did an mmap of a shard (OSError 12)."""
+    import torch
+
+    from moechat.app import estimate
+    from moechat.app.cli import main
+
+    for fail in (lambda args: torch.empty(2**62, dtype=torch.uint8), lambda args: mmap_fails()):
+        monkeypatch.setattr(estimate, "cmd_estimate", fail)
+        assert main(["estimate"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moechat: error: out of memory (") and "--ram-budget-gib" in err and "\n" not in err, err
+        assert "internal error" not in err
+
+
+def mmap_fails():
+    import errno
+    import os
+
+    raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))  # what mmap.mmap raised under `prlimit --as`
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--repeats", "0"], "needs --repeats >= 1"),  # was "internal error (KeyError: 'engine_prefill')"
     (["--max-new-tokens", "1"], "--max-new-tokens >= 2"),  # was a ZeroDivisionError beside HF, 0.0 decode tok/s without

@@ -276,6 +276,36 @@ def test_loader_refuses_before_loading(checkpoint, monkeypatch):
         loader.load_model(EngineConfig(model_dir=str(checkpoint("olmoe"))))
 
 
+def test_loader_keeps_experts_in_ram_only_beside_the_rest(known, monkeypatch):
+    """Without a RAM budget the loader kept DeepSeek-V2-Lite's 26.8 GiB of bf16 experts in RAM on a 32 GiB machine, as they
+    alone fit it: with the non-expert weights, the KV cache and the system's share the load took more than the machine
+    has (estimate and calibration read them from disk there). A budget above the machine's RAM kept Qwen3-30B-A3B's 54 GiB
+    in RAM the same way. Now the first reads them from the model's files, sized by the RAM free now (the README's default),
+    and says so; the second is held to the machine's RAM (the mmap tier too). What fits stays in RAM, silently."""
+    import torch
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import loader
+    from moechat.engine.model.memory_budgets import expert_store_room
+
+    monkeypatch.setattr(loader, "physical_ram_bytes", lambda: 32 * GIB)
+    monkeypatch.setattr(loader, "available_ram_bytes", lambda: 30 * GIB)
+    cpu, cfg = torch.device("cpu"), EngineConfig(model_dir="unused")
+    lite = estimate(KNOWN_MODELS["DeepSeek-V2-Lite"], "bfloat16")  # its own context, as generate runs it
+    assert lite.all_experts_bytes < 30 * GIB < lite.all_experts_bytes + lite.host_bytes + 2 * GIB
+    held, notice = loader.check_load_budgets(cfg, lite, cpu)
+    assert held.host_ram_budget_bytes == 30 * GIB
+    assert notice == ("experts read in place from the model's files: their 26.81 GiB do not fit the 30.00 GiB of free RAM "
+                      "beside the rest; --quant int8 (14.24 GiB) keeps them in RAM")
+    assert expert_store_room(lite, held.host_ram_budget_bytes, on_gpu=False) < lite.all_experts_bytes  # read from disk
+    assert loader.check_load_budgets(cfg, lite.with_quant("int8"), cpu) == (cfg, "")  # fits: in RAM, no budget
+    qwen = known["Qwen3-30B-A3B"]
+    held, notice = loader.check_load_budgets(replace(cfg, host_ram_budget_bytes=64 * GIB), qwen, cpu)
+    assert held.host_ram_budget_bytes == 32 * GIB
+    assert notice == "RAM budget 32.00 GiB instead of 64.00 GiB: this machine has no more"
+    assert expert_store_room(qwen, held.host_ram_budget_bytes, on_gpu=False) < qwen.all_experts_bytes  # read from disk
+
+
 def test_estimate_command_json(capsys):
     from moechat.app.cli import main
 
@@ -384,7 +414,8 @@ def test_estimate_counts_quantized_experts(known):
         assert q.expert_bytes == matrix_bytes(quant, 2 * 768, 2048) + matrix_bytes(quant, 2048, 768)
         assert q.expert_bytes / bf16.expert_bytes == pytest.approx(ratio)  # 2048 and 768 need no padding
         assert (q.non_expert_bytes, q.kv_bytes, total_params(q)) == (bf16.non_expert_bytes, bf16.kv_bytes, total_params(bf16))
-    with pytest.raises(BudgetError, match=r"use --quant int8 \(28.69 GiB\), use the mmap tier"):  # the guardrail says which fits
+    # the guardrail says which fits beside the rest (int8's 28.69 GiB would leave the weights, KV cache and system 3.31)
+    with pytest.raises(BudgetError, match=r"use --quant int4 \(16.88 GiB\), use the mmap tier"):
         check_budgets(bf16, None, 32 * GIB, 0, "ram")
 
 

@@ -33,3 +33,36 @@ def test_fused_layers_in_two_formats_give_each_layers_own_bits(T):
     assert all(torch.equal(a, b) for a, b in zip(fused(x), alone))
     assert all(torch.equal(layer(x), a) for layer, a in zip(layers, alone))  # re-pointed into the fused rows, same bits
     assert fused.whole(x).shape == (T, 128)
+
+
+def test_a_bf16_checkpoints_dense_layers_are_quantized_as_stored_one_at_a_time(checkpoint, monkeypatch):
+    """Under --quant on a CPU the loader widened every dense weight of a bf16 checkpoint to float32 and held them all, and
+    each quantized copy besides, until the last was made: 4.5 GiB of float32 for Qwen3-30B-A3B's attention and head (a
+    4-layer model with its shapes and vocabulary peaked at 1.99 GiB of anonymous memory while loading, 0.56 after). Each
+    is now quantized from the checkpoint's bf16 and let go before the next, into the same codes (bf16 widens exactly)."""
+    import weakref
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model.checkpoint import Checkpoint
+    from moechat.engine.model.loader import load_model
+    from moechat.engine.quant import dense
+
+    path = checkpoint("qwen3_moe", dtype=torch.bfloat16)
+    handed, alive = [], []  # each weight quantize_dense hands over: (dtype, weakref); how many before it were still held
+    make = dense.QuantLinear.__init__
+
+    def spy(self, linear, fmt):
+        alive.append(sum(ref() is not None for _, ref in handed))
+        handed.append((linear.weight.dtype, weakref.ref(linear.weight)))
+        make(self, linear, fmt)
+
+    monkeypatch.setattr(dense.QuantLinear, "__init__", spy)
+    model = load_model(EngineConfig(model_dir=str(path), quant="int4"))
+    assert len(handed) > 4 and {dtype for dtype, _ in handed} == {torch.bfloat16} and set(alive) == {0}
+    ckpt = Checkpoint(path)
+    layers = [(name, m) for name, m in model.hf.named_modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == len(handed)
+    for name, layer in layers:
+        widened = ckpt.view(f"{name}.weight").float()  # what the loader quantized before (qwen3_moe: keys are names)
+        want = cpu_ffn.quantize(widened, layer.weight_q.fmt, fit=dense.FIT).named_tensors()
+        assert all(torch.equal(t, want[field]) for field, t in layer.weight_q.named_tensors().items()), name
