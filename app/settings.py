@@ -241,7 +241,8 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             out.write(text)
             out.flush()
-            os.fchmod(out.fileno(), mode)
+            if hasattr(os, "fchmod"):  # not on Windows before Python 3.13 (its files have no such modes)
+                os.fchmod(out.fileno(), mode)
             os.fsync(out.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,8 @@ _notices: dict[str, str] = {}
 _paths: dict[str, Path] = {}
 # name -> () -> (library path), raising NativeBuildError; registered by the modules that own the sources
 _builders: dict[str, Callable[[], Path]] = {}
+BUILD_TIMEOUT_S = 600  # one library's build, all its sources (it takes about 20 s): a compiler past it hangs
+_hung: set[str] = set()  # compilers that ran past it in this process: no later build waits for them again
 
 
 def enabled() -> bool:
@@ -79,6 +82,8 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler found (install g++ or clang++, or set CXX)")
+    if cxx in _hung:
+        raise NativeBuildError(_hung_line(cxx))
     digest = hashlib.sha256()
     for part in (cxx, _version(cxx), platform.machine(), platform.system(), *cflags, "|", *ldflags):
         digest.update(part.encode() + b"\0")
@@ -97,14 +102,14 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     with tempfile.TemporaryDirectory(prefix=private_prefix(out.stem), suffix=".tmp", dir=folder) as work:
         # one compiler per source, all at once (the CPU library's ~12 s of compiling in ~7 on 2 cores), then link
         objs, tmp = [str(Path(work) / f"{i}.o") for i in range(len(sources))], Path(work) / out.name
-        log = folder / f"libmoechat_{name}.log"
-        _run_all([[cxx, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)], cxx, log)
-        _run_all([[cxx, *compile_flags, "-shared", *objs, "-o", str(tmp), *ldflags, "-lpthread"]], cxx, log)
+        log, deadline = folder / f"libmoechat_{name}.log", time.monotonic() + BUILD_TIMEOUT_S
+        _run_all([[cxx, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)], cxx, log, deadline)
+        _run_all([[cxx, *compile_flags, "-shared", *objs, "-o", str(tmp), *ldflags, "-lpthread"]], cxx, log, deadline)
         os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
     return out
 
 
-ABANDONED_S = 3600  # a build's folder untouched this long (a compiler runs at most 600 s) and its process gone: killed
+ABANDONED_S = 3600  # a build's folder untouched this long (a build runs at most BUILD_TIMEOUT_S) and its process gone: killed
 # a build's private folder (its process named: shared_files.py), or an older moechat's hidden `.libmoechat_*` leftover
 _BUILDING = re.compile(r"\.libmoechat_(?:.+\.(?P<pid>\d+)-(?:(?P<start>\d+)\.)?\w+\.tmp|.*)")
 
@@ -114,13 +119,26 @@ def _remove_abandoned(folder: Path) -> None:
     remove_abandoned(folder, _BUILDING, ABANDONED_S)
 
 
-def _run_all(cmds: list[list[str]], cxx: str, log: Path) -> None:
-    """Run compiler commands at once, at most os.cpu_count() together; NativeBuildError (log written) if one fails."""
+def _hung_line(cxx: str) -> str:
+    return (f"the C++ compiler {cxx} did not finish within {BUILD_TIMEOUT_S} s (a build takes about 20 s): set CXX to "
+            "another compiler, or MOECHAT_NATIVE=0")
+
+
+def _run_all(cmds: list[list[str]], cxx: str, log: Path, deadline: float) -> None:
+    """Run compiler commands at once, at most os.cpu_count() together, all done by `deadline` (time.monotonic());
+    NativeBuildError (log written) if one fails, and at once for those not started when one ran past it."""
     from concurrent.futures import ThreadPoolExecutor
 
     def run(cmd):
+        left = deadline - time.monotonic()
+        if left <= 0 or cxx in _hung:
+            _hung.add(cxx)
+            raise NativeBuildError(_hung_line(cxx))
         try:
-            return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            return cmd, subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            _hung.add(cxx)
+            raise NativeBuildError(_hung_line(cxx)) from None
         except (OSError, subprocess.SubprocessError) as err:
             raise NativeBuildError(f"the C++ compiler {cxx} could not run ({err})") from None
 
@@ -129,7 +147,8 @@ def _run_all(cmds: list[list[str]], cxx: str, log: Path) -> None:
     for cmd, done in results:
         if done.returncode != 0:
             log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
-            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200])
+            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200]) or \
+                f"{Path(cmd[0]).name} exited with status {done.returncode}"  # a compiler that failed without a word
             raise NativeBuildError(f"the build failed ({first.strip()}); full log in {log}")
 
 
@@ -208,6 +227,7 @@ def reset() -> None:
         _loaded.clear()
         _notices.clear()
         _paths.clear()
+        _hung.clear()
 
 
 def _register_all() -> None:

@@ -3,8 +3,8 @@
 #
 #   powershell -ExecutionPolicy Bypass -File installer\install.ps1 [-Dev]
 #
-# Creates %LOCALAPPDATA%\moechat\venv, installs PyTorch (the CUDA 12.4 build where an NVIDIA GPU
-# is present, otherwise the CPU build; an installed torch is reused) and moechat, and adds the
+# Creates %LOCALAPPDATA%\moechat\venv, installs PyTorch (the CUDA build for the newest CUDA the driver
+# supports where an NVIDIA GPU is present, otherwise the CPU build; an installed torch is reused) and moechat, and adds the
 # environment's Scripts folder to the user PATH.
 param([switch]$Dev)
 $ErrorActionPreference = "Stop"
@@ -20,9 +20,19 @@ if (-not (Test-Path $Py)) {
     if ($Base) { & py -3 -m venv $Venv } else { & python -m venv $Venv }
     if (-not (Test-Path $Py)) { throw "no Python 3.10+ found: install it from python.org and run again" }
 }
+& $Py -c "import sys; sys.exit(sys.version_info < (3, 10))"
+if ($LASTEXITCODE -ne 0) {  # made from an older Python: removed, else every later run would reuse it
+    $Found = & $Py -c "import sys; print(sys.version.split()[0])"
+    Remove-Item -Recurse -Force $Venv
+    throw "Python $Found is too old (moechat needs 3.10 or newer): install a newer one from python.org and run again"
+}
 
+# Windows PowerShell 5.1 turns a native command's redirected stderr into an error, fatal under "Stop"
+$ErrorActionPreference = "Continue"
 & $Py -c "import torch" 2>$null
-if ($LASTEXITCODE -ne 0) {
+$HasTorch = $LASTEXITCODE -eq 0
+$ErrorActionPreference = "Stop"
+if (-not $HasTorch) {
     $Gpu = Get-Command nvidia-smi -ErrorAction SilentlyContinue
     if ($Gpu) {
         Write-Host "moechat install: NVIDIA GPU found: installing the CUDA build of PyTorch"
@@ -30,11 +40,16 @@ if ($LASTEXITCODE -ne 0) {
         $Driver = [version]"99.0"  # not read: try every index, newest first
         $Line = (& nvidia-smi) | Select-String "CUDA Version:\s*([0-9]+\.[0-9]+)"
         if ($Line) { $Driver = [version]$Line.Matches[0].Groups[1].Value }
+        $Installed = $false
         foreach ($Tag in @("130", "128", "126", "124", "121", "118")) {
             $Need = [version]("{0}.{1}" -f $Tag.Substring(0, 2), $Tag.Substring(2))
             if ($Driver -lt $Need) { continue }
             & $Py -m pip install torch --index-url "https://download.pytorch.org/whl/cu$Tag"
-            if ($LASTEXITCODE -eq 0) { break }
+            if ($LASTEXITCODE -eq 0) { $Installed = $true; break }
+        }
+        if (-not $Installed) {  # a driver older than every CUDA build: without this, no PyTorch at all and no error
+            Write-Host "moechat install: no CUDA build of PyTorch for this driver: installing the CPU build (update the driver)"
+            & $Py -m pip install torch
         }
     } else {
         Write-Host "moechat install: no NVIDIA GPU: installing the CPU build of PyTorch"

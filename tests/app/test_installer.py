@@ -55,6 +55,19 @@ def test_an_unusable_moechat_python_is_refused_in_one_line(tmp_path):
         "module: point it at one, or unset it"]
 
 
+def test_the_windows_installer_survives_windows_powershell_and_refuses_an_old_python():
+    """install.ps1 (no Windows here: read, not run). Windows PowerShell 5.1, which the README's `powershell -File` starts,
+    turns a native command's redirected stderr into an error that `$ErrorActionPreference = "Stop"` makes fatal: its
+    `import torch` probe of a new environment (a ModuleNotFoundError) ended every first install before PyTorch. And
+    a Python older than 3.10 made the environment, which every later run reused, failing at pip's requires-python."""
+    text = (ROOT / "installer" / "install.ps1").read_text()
+    preference = None
+    for line in (ln.split("#", 1)[0] for ln in text.splitlines()):
+        preference = (re.findall(r'\$ErrorActionPreference\s*=\s*"(\w+)"', line) or [preference])[-1]
+        assert not (re.search(r"\s2>", line) and preference == "Stop"), line  # a redirect under "Stop"
+    assert "sys.exit(sys.version_info < (3, 10))" in text  # as install.sh's usable_python
+
+
 @pytest.mark.slow
 def test_install_into_empty_home(tmp_path):
     """A bare interpreter (no torch) and an empty HOME: the CPU build of PyTorch, moechat on PATH, twice; then a chat."""

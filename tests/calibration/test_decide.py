@@ -306,6 +306,27 @@ def test_loader_keeps_experts_in_ram_only_beside_the_rest(known, monkeypatch):
     assert expert_store_room(qwen, held.host_ram_budget_bytes, on_gpu=False) < qwen.all_experts_bytes  # read from disk
 
 
+def test_the_machines_ram_is_known_on_windows_where_os_has_no_sysconf(known, monkeypatch):
+    """Windows' os has no sysconf: the physical RAM was unknown there, so a RAM budget above the machine's was taken as
+    given and experts the machine cannot hold were copied into RAM (the pagefile thrashing). psutil knows it."""
+    import collections
+    import os
+
+    import psutil
+    import torch
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import loader
+
+    monkeypatch.delattr(os, "sysconf")
+    memory = collections.namedtuple("svmem", "total available")(32 * GIB, 30 * GIB)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    assert loader.physical_ram_bytes() == 32 * GIB
+    cfg = EngineConfig(model_dir="unused", host_ram_budget_bytes=64 * GIB)
+    held, notice = loader.check_load_budgets(cfg, known["Qwen3-30B-A3B"], torch.device("cpu"))
+    assert held.host_ram_budget_bytes == 32 * GIB and "this machine has no more" in notice
+
+
 def test_estimate_command_json(capsys):
     from moechat.app.cli import main
 

@@ -295,6 +295,48 @@ def test_a_failing_source_among_several_gives_one_line_and_a_log(monkeypatch, tm
     assert lib.answer() == 42 and lib.twice(21) == 42
 
 
+def test_a_compiler_that_fails_without_a_word_says_its_exit_status(monkeypatch, tmp_path):
+    """CXX=/bin/false, or a wrapper that exits 1 silently: the notice said `the build failed ()`."""
+    silent = tmp_path / "cxx"
+    silent.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\nexit 3\n')
+    silent.chmod(0o755)
+    monkeypatch.setenv("CXX", str(silent))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "s.cpp"
+    source.write_text("int f() { return 1; }\n")
+    with pytest.raises(native.NativeBuildError, match=r"the build failed \(cxx exited with status 3\); full log in"):
+        native.build("silent", [source])
+
+
+def test_a_compiler_that_hangs_costs_one_timeout_not_one_per_source_and_library(monkeypatch, tmp_path):
+    """A compiler that never finishes: each source waited its own 600 s, as many at a time as the cores (the CPU library's
+    five on 2 cores: 30 minutes), then the scheduler's library the same again, before the first answer. Now one build
+    waits BUILD_TIMEOUT_S in all, and a later build in the process does not start that compiler again."""
+    import os
+
+    starts = tmp_path / "starts"
+    hangs = tmp_path / "cxx"
+    hangs.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\necho x >> "{starts}"\nexec sleep 30\n')
+    hangs.chmod(0o755)
+    monkeypatch.setenv("CXX", str(hangs))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 3, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    sources = []
+    for i in range(5):
+        sources.append(tmp_path / f"s{i}.cpp")
+        sources[-1].write_text(f"int f{i}() {{ return {i}; }}\n")
+    native.reset()
+    try:
+        for name in ("first", "second"):
+            with pytest.raises(native.NativeBuildError, match="did not finish within 3 s") as err:
+                native.build(name, sources)
+            assert "\n" not in str(err.value)
+    finally:
+        native.reset()
+    assert len(starts.read_text().split()) == 2  # the first two sources only: none started after the time was up
+
+
 def test_a_build_killed_midway_leaves_nothing_the_next_build_keeps(monkeypatch, tmp_path):
     """A build killed while compiling (kill -9, a closed laptop) left its objects and an empty library file, about 300 KB
     for the CPU kernels, each time: the next build clears the leftovers of processes that are gone (untouched for

@@ -738,6 +738,22 @@ def test_two_processes_saving_at_once_keep_both_keys(tmp_path, monkeypatch):
 
 
 @pytest.mark.notorch
+def test_a_save_works_on_windows_where_os_has_no_fchmod_and_there_is_no_fcntl(tmp_path, monkeypatch):
+    """Windows' os has no fchmod before Python 3.13: every save (the wizard's last step, the settings screen, the theme
+    toggle) ended in AttributeError, which none of them catches, and the first start's wizard took the app down."""
+    import os
+    import sys
+
+    monkeypatch.delattr(os, "fchmod", raising=False)
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # `import fcntl` fails, as on Windows
+    path = tmp_path / "settings.toml"
+    path.write_text("temperature = 0.5  # mine\n", encoding="utf-8")
+    settings, notice = save_settings({"top_p": 0.8}, path)
+    assert notice is None and (settings.temperature, settings.top_p) == (0.5, 0.8) and "# mine" in path.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["settings.toml"]  # no temporary file left
+
+
+@pytest.mark.notorch
 def test_a_file_the_loader_cannot_read_is_kept_aside_and_no_copy_is_overwritten(tmp_path):
     """tomlkit takes TOML 1.1 (a trailing comma in an inline table) where the loader's tomllib does not: such a file
     ran on defaults and a save then rewrote it from them, model and budgets gone, with no copy. Huge integers and deep
