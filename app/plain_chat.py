@@ -223,10 +223,9 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
                     sys.stdout.flush()
                     if kept.due():
                         kept.reply("".join(reply), finished=False)
-                elif isinstance(ev, Error):
-                    print(f"\nmoechat: error: {ev.message}"
-                          + (" (/reset starts a new conversation)" if "context" in ev.message else ""),
-                          file=sys.stderr)
+                elif isinstance(ev, Error):  # the embedded engine is sent no turn that does not fit: the message is too long
+                    hint = " (/reset starts a new conversation)" if remote else " (this message alone is too long: shorten it)"
+                    print(f"\nmoechat: error: {ev.message}" + (hint if "context" in ev.message else ""), file=sys.stderr)
                 elif isinstance(ev, Finished):
                     finished = ev
             ctrl_c.armed = False  # the reply's end stored and said before the next prompt: a Ctrl-C meanwhile waits for it

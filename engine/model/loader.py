@@ -278,7 +278,7 @@ def _rope_context(hf, cfg: EngineConfig) -> tuple[EngineConfig, str]:
     rotary = getattr(hf.model, "rotary_emb", None)
     kind = getattr(rotary, "rope_type", None)
     if not isinstance(kind, str) or ("dynamic" not in kind and kind != "longrope"):
-        return cfg, ""
+        return cfg, _past_positions(hf.config, cfg.context_len, kind)
     bound = int(rotary.original_max_seq_len if "dynamic" in kind else
                 hf.config.rope_parameters["original_max_position_embeddings"])
     context = context_length(hf.config, cfg.context_len)
@@ -290,6 +290,16 @@ def _rope_context(hf, cfg: EngineConfig) -> tuple[EngineConfig, str]:
         raise CheckpointError(f"a context of {context:,} tokens does not fit this model: {why}; set the context length to "
                               f"{bound:,} or less")
     return dataclasses.replace(cfg, context_len=bound), f"the context is {bound:,} tokens, not {context:,}: {why}"
+
+
+def _past_positions(hf_config, context_len: int | None, kind: str | None) -> str:
+    """A line when a context set is past the positions a rope without scaling was trained for (max_position_embeddings):
+    it runs, as transformers runs it, but replies there may lose the thread. Scaled ropes (yarn, linear) reach past it."""
+    trained = getattr(hf_config, "max_position_embeddings", None)
+    if context_len is None or not trained or context_len <= trained or kind not in (None, "default"):
+        return ""
+    return (f"the context of {context_len:,} tokens is past the {trained:,} positions this model was trained for "
+            f"(max_position_embeddings): replies past them may lose the thread; set the context length to {trained:,} or less")
 
 
 def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, act, top_k: int,
@@ -316,7 +326,7 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     if vram is not None and cfg.vram_budget_bytes is not None:  # the user's budget is a hard limit
         vram = min(vram, cfg.vram_budget_bytes)
-    machine = physical_ram_bytes()
+    machine, given = physical_ram_bytes(), cfg.host_ram_budget_bytes
     cfg, notices = _held_to_the_machine(cfg, est, machine, device.type == "cuda")
     user_ram = cfg.host_ram_budget_bytes
     room = None if user_ram is None else expert_store_room(est, user_ram, device.type == "cuda")
@@ -328,9 +338,11 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
             notices.append(f"expert cache {gib(fit)} instead of {gib(cache)}: what the {gib(vram)} of free VRAM holds now "
                            "(other programs use the rest; `moechat calibrate` measures again)")
             cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
-    check_budgets(est, vram, user_ram if user_ram is not None else machine, cache, tier)
-    if user_ram and device.type != "cuda":  # 0: a profile's "experts from disk", no budget to hold the rest to
+    if given and device.type != "cuda":  # 0: a profile's "experts from disk", no budget to hold the rest to
         check_host_room(est, user_ram)
+    elif given is None and device.type != "cuda" and machine:  # no budget: the KV cache at the context, on this machine
+        check_host_room(est, machine, machine=True)
+    check_budgets(est, vram, user_ram if user_ram is not None else machine, cache, tier)
     return cfg, "; ".join(notices)
 
 

@@ -73,14 +73,21 @@ def least_ram_gib(host_bytes: int) -> float:
     return math.ceil(need / GIB * 100) / 100
 
 
-def check_host_room(est: MemoryEstimate, ram_budget: int) -> None:
+def check_host_room(est: MemoryEstimate, ram_budget: int, machine: bool = False) -> None:
     """Without a GPU: refuse a RAM budget that the non-expert weights, KV cache and headroom alone exceed (experts that do
-    not fit are read from disk; these cannot be)."""
+    not fit are read from disk; these cannot be). machine: no budget was set, `ram_budget` is the machine's RAM."""
     if expert_store_room(est, ram_budget, on_gpu=False) >= 0:
         return
     widened = " (the KV cache in float32, as a CPU keeps it)" if est.host_bytes > est.non_expert_bytes + est.kv_bytes else ""
-    raise BudgetError(f"non-expert weights and KV cache need {gib(est.host_bytes)} of RAM{widened} and "
-                      f"{gib(ram_headroom(ram_budget))} stay free for the system, the RAM budget is {gib(ram_budget)}: "
+    need = (f"non-expert weights and KV cache need {gib(est.host_bytes)} of RAM{widened} and "
+            f"{gib(ram_headroom(ram_budget))} stay free for the system")
+    if machine:  # a budget past the machine's RAM is no way out: the context that fits is
+        kv_room = ram_budget - ram_headroom(ram_budget) - est.non_expert_bytes
+        fits = kv_room * est.context_len // (est.host_bytes - est.non_expert_bytes) if est.context_len else 0
+        raise BudgetError(f"{need}, this machine has {gib(ram_budget)} of RAM: "
+                          + (f"lower --context-len to {fits:,} or less, or use a smaller model" if fits > 0 else
+                             "use a smaller model"))
+    raise BudgetError(f"{need}, the RAM budget is {gib(ram_budget)}: "
                       f"use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, lower --context-len, "
                       "or use a smaller model")
 

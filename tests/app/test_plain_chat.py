@@ -116,6 +116,24 @@ def test_a_conversation_longer_than_the_context_in_characters_goes_on(tmp_path, 
     engine.close()
 
 
+def test_a_message_longer_than_the_context_alone_is_not_told_to_reset(tmp_path, monkeypatch, capsys, checkpoint):
+    """The earlier turns are left out of a request before the engine counts it, so a refusal for the context is the new
+    message alone: the line said "(/reset starts a new conversation)", which cannot help; the conversation goes on."""
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.generate import Engine
+
+    engine = Engine(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), context_len=64))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello!\n" + "the sea " * 60 + "\nAnd the moon?\n"))
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        assert plain_chat._chat(engine, plain_chat.Keeper(store, None), SamplingParams(max_new_tokens=4), remote=False) == 0
+        ((conv),) = store.conversations()
+        users = [m.content for m in store.messages(conv.id) if m.role == "user"]
+    err = capsys.readouterr().err
+    assert "but the context holds 64" in err and "/reset" not in err and "this message alone is too long" in err
+    assert users == ["Hello!", "And the moon?"]  # the refused message is not stored; the turns around it are
+    engine.close()
+
+
 def test_a_reply_stopped_with_ctrl_c_is_stored_as_stopped_not_cut(tmp_path, monkeypatch, capsys):
     """Stored unfinished, the app later showed it as "interrupted" (a crash's mark); the app stores its own stops finished."""
     def ctrl_c(i: int) -> None:

@@ -271,8 +271,9 @@ def test_loader_refuses_before_loading(checkpoint, monkeypatch):
     from moechat.engine.model import loader
 
     monkeypatch.setattr(loader, "physical_ram_bytes", lambda: 1024)
+    monkeypatch.setattr(loader, "available_ram_bytes", lambda: 1024)
     monkeypatch.setattr(loader.ExpertStore, "__init__", lambda *a, **k: pytest.fail("experts loaded before the check"))
-    with pytest.raises(BudgetError, match="use the mmap tier"):
+    with pytest.raises(BudgetError, match="this machine has 0.00 GiB of RAM: use a smaller model"):
         loader.load_model(EngineConfig(model_dir=str(checkpoint("olmoe"))))
 
 
@@ -325,6 +326,27 @@ def test_the_machines_ram_is_known_on_windows_where_os_has_no_sysconf(known, mon
     cfg = EngineConfig(model_dir="unused", host_ram_budget_bytes=64 * GIB)
     held, notice = loader.check_load_budgets(cfg, known["Qwen3-30B-A3B"], torch.device("cpu"))
     assert held.host_ram_budget_bytes == 32 * GIB and "this machine has no more" in notice
+
+
+def test_loader_refuses_a_context_whose_kv_cache_the_machine_cannot_hold(checkpoint, monkeypatch):
+    """Without a RAM budget a CPU run counted only the experts against the machine's RAM: a context whose KV cache needs
+    more than the machine has loaded without a word (a 10M-token context on the demo: 57 GiB of KV on a 24 GB machine),
+    and the process was killed once a conversation grew into it. The line names the longest context that fits."""
+    import re
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import loader
+
+    model_dir = str(checkpoint("olmoe"))  # 256 bytes of KV a token in float32
+    monkeypatch.setattr(loader, "physical_ram_bytes", lambda: 4 * GIB)
+    monkeypatch.setattr(loader, "available_ram_bytes", lambda: 4 * GIB)
+    with monkeypatch.context() as m:
+        m.setattr(loader.ExpertStore, "__init__", lambda *a, **k: pytest.fail("experts loaded before the check"))
+        with pytest.raises(BudgetError, match=r"this machine has 4.00 GiB of RAM: lower --context-len to [\d,]+ or less") as err:
+            loader.load_model(EngineConfig(model_dir=model_dir, context_len=10_000_000))
+    fits = int(re.search(r"--context-len to ([\d,]+)", str(err.value)).group(1).replace(",", ""))
+    assert 8_000_000 < fits < 10_000_000
+    assert loader.load_model(EngineConfig(model_dir=model_dir, context_len=fits)).context_len == fits
 
 
 def test_estimate_command_json(capsys):

@@ -577,6 +577,17 @@ def test_rope_that_rescales_with_the_length_keeps_the_context_where_it_does_not(
         Engine(EngineConfig(model_dir=str(model_dir), context_len=200))
 
 
+def test_a_context_past_the_models_positions_is_said(checkpoint):
+    """A context set past max_position_embeddings (a rope that does not rescale) loaded without a word: the model has
+    never seen those positions, and the chat trims its history only at the larger context."""
+    model_dir = checkpoint("qwen3_moe", 2, max_position_embeddings=64)
+    past = Engine(EngineConfig(model_dir=str(model_dir), context_len=100))
+    assert past.model.context_len == 100  # it runs, as transformers runs it
+    assert any("100 tokens is past the 64 positions" in n for n in past.notices), past.notices
+    for context in (None, 64):
+        assert not any("past the" in n for n in Engine(EngineConfig(model_dir=str(model_dir), context_len=context)).notices)
+
+
 @pytest.mark.parametrize("drafter", ["none", "self", "draft"])
 def test_a_reply_cut_at_the_context_matches_transformers(drafter, checkpoint, draft_dir, tokenizer):
     """Near the end of the context the drafts shrink to the positions left: the last tokens are still transformers'."""
