@@ -233,7 +233,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("context_len", int, None, "context length, in tokens", "engine", unit="tokens", low=1, high=TOKENS_MAX,
            unset="the model's", label="Context length", placeholder="the model's", metavar="N"),
     Option("conversation_cache_gib", float, None, "KV caches of the most recent conversations kept in RAM, so a "
-           "return to one prefills only its new message; the least recently used go first, 0 turns reuse off", "engine",
+           "return to one prefills only its new message; the least recently used go first (the running chat's stays between "
+           "its turns even when larger), 0 turns reuse off", "engine",
            unit="GiB", low=0, high=GIB_MAX, unset="a quarter of the RAM free after loading, at most 4",
            label="Conversation cache (GiB)", placeholder="auto", metavar="GIB"),
     Option("policy", str, None, "fast-tier residency policy: lru (on demand), static (pinned by the first prompt), "

@@ -6,8 +6,10 @@ that cache's last prompt (the next turn of its conversation), the cache itself i
 part; when the prompt departs from it earlier (an edited message, a regenerate, another conversation with the same
 system prompt), the shared part is copied into a new cache and the kept one stays for its own conversation. Either
 way the request prefills only the rest. After the request, its cache is kept as the most recent; older ones live in
-host RAM, compacted to their valid entries. The budget counts every byte kept, so it is never exceeded; 0 turns
-reuse off.
+host RAM, compacted to their valid entries. The budget counts every byte kept, except the latest conversation's own
+caches: they are the KV the memory estimate reserves for the running conversation, so they are kept between its turns
+even when alone larger than the budget (a long chat would otherwise prefill all of itself every turn), and dropped as
+soon as a request does not continue them. 0 turns reuse off.
 """
 from __future__ import annotations
 
@@ -74,6 +76,9 @@ class PrefixCache:
             if n and n >= reused:
                 best, reused = kept, n
         branch = best is not None and reused < min(best.prompt_len, len(best.tokens))
+        if branch and best.nbytes() > self.budget:  # kept only as the latest conversation: taken, not copied beside it
+            branch = False
+        self._kept = [k for k in self._kept if k is best or k.nbytes() <= self.budget]  # the latest, not continued: gone
         if self.device.type != "cpu":  # a new cache comes on the GPU: the kept ones wait in host RAM (the estimate counts one)
             at = self._kept.index(best) if best is not None else -1
             self._to_host(keep=None if branch else best)
@@ -94,12 +99,15 @@ class PrefixCache:
 
     def keep(self, kept: Kept) -> None:
         """Keep a request's caches as the most recent: a kept cache whose tokens they extend is dropped (superseded),
-        older ones are compacted into host RAM, and the least recently used go until the budget holds (this one too,
-        if alone it does not fit)."""
+        older ones are compacted into host RAM, and the least recently used go until the budget holds (this one stays
+        if alone it does not fit: the next turn takes it, any other request drops it)."""
         self._kept = [k for k in self._kept if k.tokens != kept.tokens[: len(k.tokens)]]
         self._to_host()
+        if self.budget <= 0:  # reuse off
+            self._kept.clear()
+            return
         self._kept.append(kept)
-        while self._kept and self.nbytes() > self.budget:
+        while len(self._kept) > 1 and self.nbytes() > self.budget:
             self._kept.pop(0)
 
     def _to_host(self, keep: Kept | None = None) -> None:
