@@ -59,7 +59,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", type=as_typed, help="a user message (sent through the model's chat template unless --raw)")
+    src.add_argument("--prompt", type=as_typed, help="a user message (sent through the model's chat template unless --raw); "
+                     "- reads it from standard input (a long document: one argument holds at most 128 KiB)")
     src.add_argument("--prompt-ids", type=_int_list, metavar="1,2,3", help="prompt as token ids")
     p.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
     p.add_argument("--system", type=as_typed, default=None, help="system message")
@@ -87,6 +88,8 @@ def check_prompt_flags(args) -> None:
     prompt that skips the template, and a blank --prompt (an answer to nothing, exit 0)."""
     from ..engine import RequestError
 
+    if args.prompt == "-":  # cat doc.txt | moechat generate --prompt -
+        args.prompt = as_typed(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"))
     skips = "--prompt-ids" if args.prompt_ids is not None else "--raw" if args.raw else None
     for flag, value in (("--system", args.system), ("--thinking", args.thinking)):
         if value is not None and skips:

@@ -292,3 +292,21 @@ def test_utf8_arguments_under_an_ascii_locale_are_taken_as_typed():
                                       "--stop", typed("été"), "--stop", "caf\udce9"])
     assert (args.prompt, args.system, sampling_params(args).stop) == ("café", "Réponds", ["été", "caf\udce9"])  # not UTF-8: kept
     assert build_parser().parse_args(["chat", "--system", typed("Sé bref")]).system == "Sé bref"
+
+
+def test_generate_reads_a_prompt_of_dash_from_standard_input(checkpoint, monkeypatch, capsys):
+    """A long document could not be sent to `generate`: one argument holds at most 128 KiB on Linux (a 32k-token prompt
+    ended in "Argument list too long"). `--prompt -` reads it from standard input, as UTF-8; an empty one is refused."""
+    import io
+
+    from moechat.app.cli import main
+
+    args = ["generate", "--model", str(checkpoint("qwen3_moe")), "--max-new-tokens", "3", "--json"]
+    assert main([*args, "--prompt", "Tell me about the café."]) == 0
+    want = json.loads(capsys.readouterr().out)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("Tell me about the café.".encode())))
+    assert main([*args, "--prompt", "-"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want["token_ids"] and got["stats"]["prompt_tokens"] == want["stats"]["prompt_tokens"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    assert main([*args, "--prompt", "-"]) == 1 and "--prompt is empty" in capsys.readouterr().err
