@@ -266,6 +266,9 @@ class Store(SimpleNamespace):
     def weights(self, li, e):
         return self.gate_up[li, e], self.down[li, e]
 
+    def will_need(self, li, experts):  # the RAM tier's: nothing to ask of the disk
+        pass
+
 
 def host_cache(lib, slots: int) -> ExpertCache:
     cache = ExpertCache(Store(), slots, torch.device("cpu"))
