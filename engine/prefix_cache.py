@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from .model.kv_cache import KVCache
+from .model.memory_budgets import available_ram_bytes
 from .speculative.rewind import rewind_cache
 
 DEFAULT_CAP = 4 << 30  # the default budget: a quarter of the RAM free after loading, at most this
@@ -27,7 +27,7 @@ DEFAULT_CAP = 4 << 30  # the default budget: a quarter of the RAM free after loa
 
 def default_budget() -> int:
     """Bytes to keep when the user set no budget: a quarter of the RAM available now, at most 4 GiB."""
-    return min(DEFAULT_CAP, psutil.virtual_memory().available // 4)
+    return min(DEFAULT_CAP, (available_ram_bytes() or 0) // 4)
 
 
 @dataclass

@@ -376,8 +376,6 @@ def sampling_from(settings: Settings, base=None, before: Settings | None = None)
     return replace(base, **{n: getattr(settings, n) for n in changed})
 
 
-
-
 def _documents_dir() -> Path:
     from platformdirs import user_documents_dir
 

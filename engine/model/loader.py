@@ -355,9 +355,10 @@ def _held_to_the_machine(cfg: EngineConfig, est: MemoryEstimate, machine: int | 
         return dataclasses.replace(cfg, host_ram_budget_bytes=machine), [
             f"RAM budget {gib(machine)} instead of {gib(user_ram)}: this machine has no more"]
     free = available_ram_bytes() if user_ram is None else None
-    if free is None or expert_store_room(est, free, on_gpu) >= est.all_experts_bytes:
+    room = None if free is None else expert_store_room(est, free, on_gpu)
+    if room is None or room >= est.all_experts_bytes:
         return cfg, []
-    fits = smaller_quant_that_fits(est, expert_store_room(est, free, on_gpu))
+    fits = smaller_quant_that_fits(est, room)
     quant = f"; --quant {fits} ({gib(est.with_quant(fits).all_experts_bytes)}) keeps them in RAM" if fits else ""
     return dataclasses.replace(cfg, host_ram_budget_bytes=free), [
         f"experts read in place from the model's files: their {gib(est.all_experts_bytes)} do not fit the {gib(free)} of "

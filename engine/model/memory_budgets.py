@@ -9,7 +9,6 @@ in the estimate's format: `est.expert_bytes` is the quantized size when `est.qua
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING
 
 from ..config import QUANTS  # the experts' formats, largest first
@@ -99,25 +98,22 @@ def smaller_quant_that_fits(est: MemoryEstimate, room: int) -> str | None:
 
 
 def available_ram_bytes() -> int | None:
-    """The RAM free now, the page cache's reclaimable part included (psutil's `available`)."""
-    import psutil
-
-    try:
-        return int(psutil.virtual_memory().available)
-    except (OSError, RuntimeError, AttributeError):  # a system psutil cannot read
-        return None
+    """The RAM free now, the page cache's reclaimable part included."""
+    return _virtual_memory("available")
 
 
 def physical_ram_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not POSIX (Windows)
-        pass
-    try:
-        import psutil
+    """The machine's RAM."""
+    return _virtual_memory("total")
 
-        return psutil.virtual_memory().total
-    except Exception:  # a locked-down machine: no budget to check against
+
+def _virtual_memory(field: str) -> int | None:
+    """psutil's figure (every OS: Windows' os has no sysconf); None where the system does not say."""
+    import psutil
+
+    try:
+        return int(getattr(psutil.virtual_memory(), field))
+    except (OSError, RuntimeError, AttributeError):  # a system psutil cannot read
         return None
 
 
