@@ -200,7 +200,7 @@ class LeanForward:
         k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
         # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv
         gqa = {"enable_gqa": True} if a.num_key_value_groups > 1 else {}
-        # query in the cache's dtype, output back in the model's (attention.py: sdpa_float_kv)
+        # query in the cache's dtype, output back in the model's (attention.py: cpu_sdpa)
         o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]
         o = o.transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
         return a.o_proj.forward(o)  # [1, T, H]

@@ -79,7 +79,7 @@ def test_half_models_attend_in_float32_on_the_cpu(checkpoint, tokenizer):
 
     from moechat.engine.config import EngineConfig, SamplingParams, SpecConfig
     from moechat.engine.generate import Engine, Request
-    from moechat.engine.model.attention import NAME, sdpa_float_kv
+    from moechat.engine.model.attention import NAME, cpu_sdpa
 
     model_dir = checkpoint("qwen3_moe", 4, dtype=torch.bfloat16)
     prompt = tokenizer(PROMPT)["input_ids"]
@@ -99,8 +99,8 @@ def test_half_models_attend_in_float32_on_the_cpu(checkpoint, tokenizer):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 3, 8, generator=g).bfloat16()
     k, v = torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
-    got, _ = sdpa_float_kv(Attn(), q, k, v, None)
-    want, _ = sdpa_float_kv(Attn(), q.float(), k, v, None)
+    got, _ = cpu_sdpa(Attn(), q, k, v, None)
+    want, _ = cpu_sdpa(Attn(), q.float(), k, v, None)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
 
 
@@ -121,3 +121,31 @@ def test_hf_forward_passes_the_cache_under_the_models_own_keyword():
         logits = hf_forward(model, torch.tensor([[1, 2, 3]]), cache, 1)
     assert logits.shape == (1, 1, 64) and cache.get_seq_length() == 3
     assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_cpu_attention_reads_grouped_kv_heads_in_place(monkeypatch):
+    """A masked pass after a past: transformers copies each KV head per query head (1.25 GiB per layer at 40k positions
+    on Qwen3-30B-A3B); moechat's CPU attention hands SDPA the KV heads as they are, with the same bits."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from moechat.engine.model.attention import cpu_sdpa
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, is_causal = 4, True
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 8, 5, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+    mask = torch.ones(5, 12, dtype=torch.bool).tril(7)[None, None]
+    want_masked, _ = sdpa_attention_forward(Attn(), q, k, v, mask, scaling=0.25)
+    want_causal, _ = sdpa_attention_forward(Attn(), q, k, v, None, scaling=0.25)  # an empty cache: keys cut to the queries
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q_, k_, *a, **kw: seen.append(k_.shape[1]) or sdpa(q_, k_, *a, **kw))
+    got_masked, _ = cpu_sdpa(Attn(), q, k, v, mask, scaling=0.25)
+    got_causal, _ = cpu_sdpa(Attn(), q, k, v, None, scaling=0.25)
+    assert seen == [2, 2]  # KV heads, not query heads
+    assert torch.equal(got_masked, want_masked) and torch.equal(got_causal, want_causal)
+    half, _ = cpu_sdpa(Attn(), q.bfloat16(), k, v, mask, scaling=0.25)  # a bf16 model's query on float32 K/V
+    want_half, _ = sdpa_attention_forward(Attn(), q.bfloat16().float(), k, v, mask, scaling=0.25)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, want_half.bfloat16())
