@@ -1,4 +1,4 @@
-"""`moechat simulate`: replay routing traces against residency policies (engine/simulate.py)."""
+"""`moechat simulate`: replay routing traces against residency policies (engine/sched/simulator.py)."""
 from __future__ import annotations
 
 import argparse

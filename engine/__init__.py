@@ -24,7 +24,7 @@ _MODULES = {  # submodule -> the public names it provides
     # memory, hardware and calibration
     "model.memory_estimate": ("estimate", "total_params"),
     "model.memory_budgets": ("check_budgets", "check_host_room", "expert_store_room", "max_cache_experts", "physical_ram_bytes",
-                             "ram_headroom", "ratio_at_most"),
+                             "ratio_at_most"),
     "model.config_file": ("PULL_MARKER", "download_unfinished", "read_config_dict"),
     "shared_files": ("write_whole",),
     "placement": ("NO_GPU", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
@@ -40,7 +40,7 @@ _MODULES = {  # submodule -> the public names it provides
     "speculative.drafters": ("make_drafter",),
     "experts.grouped": ("grouped_ffn", "uses_grouped_mm"),
     "experts.native_copier": ("NativeCopier",),
-    "quant.formats": ("QuantMatrix", "empty_matrix", "grouped_expert_ffn", "matrix_bytes"),
+    "quant.formats": ("empty_matrix", "grouped_expert_ffn", "matrix_bytes"),
     "pinned": ("release_cached_memory",),
 }
 # whole modules: the native build registry, the CPU kernel and its twin, the GPU's quantized-expert kernel

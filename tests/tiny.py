@@ -1,7 +1,6 @@
 """Tiny random checkpoints of every supported family, built with `transformers` (never downloaded)."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -102,10 +101,6 @@ def make_draft(path: Path, tokenizer_dir: Path | None, seed: int = 0, vocab: int
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, num_hidden_layers=1))
     return save_model(model.to(dtype).eval(), path, tokenizer_dir)
-
-
-def config_json(path: Path) -> dict:
-    return json.loads((path / "config.json").read_text())
 
 
 def main(argv=None) -> None:

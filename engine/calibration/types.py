@@ -3,7 +3,7 @@
     probe.probe()            -> Hardware        facts, no timing (nvidia-ml-py, psutil, CPU flags)
     measure.measure(...)     -> Measurements    timings on this machine with the engine's own kernels
     decide.decide(...)       -> Decisions       experts' format, cache ratio, K, γ, λ, drafter, policy, host tier, VRAM split
-    profile.save/load        -> Profile         all of the above as TOML, keyed by fingerprint and model
+    profile.save_profile() / load_profile() -> Profile   all of the above as TOML, keyed by fingerprint and model
 
 `decide` also takes a model's MemoryEstimate (engine/model/memory_estimate.py: bytes from its config alone).
 

@@ -23,7 +23,7 @@ SMOOTHING = 0.2  # EMA weight of the newest step in the learned CPU and device u
 
 
 class WorkloadBalancer:
-    """Per layer and τ = 0..K, the learned units are plain Python floats: a step's observe and choose
+    """Per layer and τ = 0..K, the learned units are plain Python floats: a step's observe_row and choose_row
     are one pass over the layer's E experts into level histograms, then K+1 values (no [K+1, E] tensors)."""
 
     def __init__(self, num_layers: int, utility_bound: int, draft_len: int, costs: UnitCosts,
@@ -43,11 +43,8 @@ class WorkloadBalancer:
     dev_units = property(lambda self: torch.tensor(self._dev, dtype=torch.float64))
     tau = property(lambda self: torch.tensor(self.taus, dtype=torch.long))  # [L]
 
-    def observe(self, li: int, s_before: torch.Tensor, f: torch.Tensor) -> None:
-        """Learn r_c(τ)·γk and r_g(τ)·b from one step: s_before [E] the utilities it was scheduled with, f [E] its use."""
-        self.observe_row(li, s_before.tolist(), f.tolist())
-
     def observe_row(self, li: int, s_before: list[int], f: list[int]) -> None:
+        """Learn r_c(τ)·γk and r_g(τ)·b from one step: s_before [E] the utilities it was scheduled with, f [E] its use."""
         K = self.K
         # bin of a utility v: min(v, K), -1 below 0; under threshold τ the expert is hot (on the
         # device) exactly when τ ≤ bin. Counts go to index bin + 1.
@@ -71,24 +68,14 @@ class WorkloadBalancer:
             dev_u[t] += a * (dev - dev_u[t])
         self.seen[li] += 1
 
-    def times(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def times(self, li: int) -> tuple[list[float], list[float]]:
         """Predicted T_cpu(τ), T_gpu(τ) for τ = 0..K (seconds)."""
-        t_cpu, t_gpu = self._times(li)
-        return torch.tensor(t_cpu, dtype=torch.float64), torch.tensor(t_gpu, dtype=torch.float64)
-
-    def _times(self, li: int) -> tuple[list[float], list[float]]:
         cpu_s, dev_s = self.costs.cpu_s, self.costs.device_s
         return [u * cpu_s for u in self._cpu[li]], [u * dev_s for u in self._dev[li]]
 
-    def choose(self, li: int, s: torch.Tensor, resident: torch.Tensor, free_slots: int,
-               frozen: torch.Tensor | None = None) -> int:
-        """τ for layer li given its utilities s [E] and residency [E]; K when nothing is feasible."""
-        slots = [0 if r else -1 for r in resident.tolist()]
-        return self.choose_row(li, s.tolist(), slots, free_slots, None if frozen is None else frozen.tolist())
-
     def choose_row(self, li: int, s: list[int], slots: list[int], free_slots: int, frozen: list | None = None) -> int:
-        """choose() on lists: slots [E] the layer's slot row (≥ 0: resident), frozen [E] truthy for
-        residents a prefetch may not displace (default: none)."""
+        """τ for layer li given its utilities s [E] and slot row [E] (≥ 0: resident); K when nothing is feasible.
+        frozen [E]: truthy for residents a prefetch may not displace (default: none)."""
         K = self.K
         cold = [0] * (K + 2)  # not resident, by bin (index bin + 1): hot exactly for τ ≤ bin
         held = [0] * (K + 2)  # evictable residents, by bin
@@ -107,7 +94,7 @@ class WorkloadBalancer:
         for t in range(K + 1):
             reclaimable[t] = acc
             acc += held[t + 1]
-        t_cpu, t_gpu = self._times(li)
+        t_cpu, t_gpu = self.times(li)
         # The transfers overlap this layer as it runs now, i.e. under its current τ. (Evaluated at the
         # candidate τ instead, the window shrinks as exactly the experts being moved leave the CPU, and
         # τ = 1 was almost never feasible on the DeepSeek traces: see docs/scheduling.md.)

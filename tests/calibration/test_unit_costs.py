@@ -3,7 +3,6 @@ engine's policy, reported by `generate --json`, and moving τ the way the paper'
 import json
 
 import pytest
-import torch
 
 from moechat.engine import Engine, EngineConfig, SchedulerConfig
 from moechat.engine.calibration.decide import cpu_decode_seconds, distinct_experts, unit_costs
@@ -55,9 +54,9 @@ def test_a_damaged_profile_figure_keeps_the_built_in_default():
 def _tau(meas: Measurements) -> int:
     """τ of one layer after the step of test_sched's balancer example (f = s = [4, 3, 2, 1, 0, 0])."""
     bal = WorkloadBalancer(1, utility_bound=4, draft_len=8, costs=unit_costs(meas, 2, 6, 8, MB), cpu_cost="distinct")
-    s = torch.tensor([4, 3, 2, 1, 0, 0])
-    bal.observe(0, s, s.clone())
-    return bal.choose(0, s, resident=torch.zeros(6, dtype=torch.bool), free_slots=6)
+    s = [4, 3, 2, 1, 0, 0]
+    bal.observe_row(0, s, s)
+    return bal.choose_row(0, s, slots=[-1] * 6, free_slots=6)  # nothing resident
 
 
 def test_a_slow_cpu_lowers_tau_a_fast_one_raises_it():

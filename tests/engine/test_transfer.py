@@ -156,7 +156,7 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["spac", "lru"])
 def test_async_transfers_on_cuda(policy, checkpoint, tokenizer, monkeypatch):
-    """The pure-PyTorch transfer path (the native engine's fallback; see test_native_prefetch.py)."""
+    """The pure-PyTorch transfer path (the native engine's fallback; see tests/native/test_native_copier.py)."""
     monkeypatch.setenv("MOECHAT_NATIVE", "0")
     model_dir = checkpoint("qwen3_moe", 2)
     prompt = tokenizer(PROMPT)["input_ids"]

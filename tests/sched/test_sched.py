@@ -230,35 +230,35 @@ def test_balancer_balances_cpu_and_device_time():
     # 1 layer, K = 4; a step with f = [4, 3, 2, 1, 0, 0] scheduled with s = [4, 3, 2, 1, 0, 0]
     costs = UnitCosts(cpu_s=1.0, device_s=1.0, io_s=0.0, draft_s=0.0)
     bal = WorkloadBalancer(1, utility_bound=4, draft_len=8, costs=costs, cpu_cost="distinct")
-    s = torch.tensor([4, 3, 2, 1, 0, 0])
-    bal.observe(0, s, torch.tensor([4, 3, 2, 1, 0, 0]))
+    s = [4, 3, 2, 1, 0, 0]
+    bal.observe_row(0, s, [4, 3, 2, 1, 0, 0])
     # τ=1: cpu 0, dev 4; τ=2: cpu 1, dev 3; τ=3: cpu 2, dev 2 (balanced); τ=4: cpu 3, dev 1
-    assert bal.choose(0, s, resident=torch.ones(6, dtype=torch.bool), free_slots=0) == 3
+    assert bal.choose_row(0, s, slots=list(range(6)), free_slots=0) == 3  # every expert resident
 
 
 def test_balancer_io_and_memory_limits_and_fallback():
     costs = UnitCosts(cpu_s=1.0, device_s=1.0, io_s=10.0, draft_s=0.0)
     bal = WorkloadBalancer(1, utility_bound=4, draft_len=8, costs=costs, cpu_cost="distinct")
-    s = torch.tensor([4, 3, 2, 1, 0, 0])
-    bal.observe(0, s, torch.tensor([4, 3, 2, 1, 0, 0]))
-    none = torch.zeros(6, dtype=torch.bool)
+    s = [4, 3, 2, 1, 0, 0]
+    bal.observe_row(0, s, [4, 3, 2, 1, 0, 0])
+    none = [-1] * 6  # no expert resident
     # nothing resident: τ needs n(τ) prefetches of 10 s each within a ~3 s window: only τ = 4 (n = 1)
     # fails too (10 > max(3, 1)), so nothing is feasible and τ falls back to K
-    assert bal.choose(0, s, none, free_slots=6) == 4
+    assert bal.choose_row(0, s, none, free_slots=6) == 4
     cheap = WorkloadBalancer(1, 4, 8, UnitCosts(cpu_s=1.0, device_s=1.0, io_s=0.5, draft_s=0.0), "distinct")
-    cheap.observe(0, s, torch.tensor([4, 3, 2, 1, 0, 0]))
+    cheap.observe_row(0, s, [4, 3, 2, 1, 0, 0])
     # I/O is cheap now, but only one free slot: n(τ) ≤ 1 leaves τ = 4 alone
-    assert cheap.choose(0, s, none, free_slots=1) == 4
-    assert cheap.choose(0, s, none, free_slots=6) == 3
+    assert cheap.choose_row(0, s, none, free_slots=1) == 4
+    assert cheap.choose_row(0, s, none, free_slots=6) == 3
 
 
 def test_balancer_activation_cost_model_counts_tokens():
     costs = UnitCosts(cpu_s=1.0, device_s=1.0, io_s=0.0, draft_s=0.0)
     bal = WorkloadBalancer(1, 4, 8, costs, cpu_cost="activations")
-    s = torch.tensor([4, 3, 2, 1, 0, 0])
-    bal.observe(0, s, torch.tensor([4, 3, 2, 1, 0, 0]))
+    s = [4, 3, 2, 1, 0, 0]
+    bal.observe_row(0, s, [4, 3, 2, 1, 0, 0])
     t_cpu, t_gpu = bal.times(0)
-    assert t_cpu.tolist() == [0, 0, 1, 3, 6] and t_gpu.tolist() == [4, 4, 3, 2, 1]
+    assert t_cpu == [0, 0, 1, 3, 6] and t_gpu == [4, 4, 3, 2, 1]
 
 
 # --- MoE-SpAc in the real engine ------------------------------------------------------------------
