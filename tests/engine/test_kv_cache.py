@@ -134,7 +134,8 @@ def test_cpu_attention_reads_grouped_kv_heads_in_place(monkeypatch):
         num_key_value_groups, is_causal = 4, True
 
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 8, 5, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+    q = torch.randn(1, 8, 5, 16, generator=g)
+    k, v = torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
     mask = torch.ones(5, 12, dtype=torch.bool).tril(7)[None, None]
     want_masked, _ = sdpa_attention_forward(Attn(), q, k, v, mask, scaling=0.25)
     want_causal, _ = sdpa_attention_forward(Attn(), q, k, v, None, scaling=0.25)  # an empty cache: keys cut to the queries
