@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import MoechatError
-from .chat_migrations import mark, migrate, moechat_version, refuse_newer
+from .chat_migrations import APPLICATION_ID, mark, migrate, moechat_version, refuse_newer
 
 ROLES = ("system", "user", "assistant")
 
@@ -90,6 +90,25 @@ def _sqlite_header(path: Path) -> bool:
             return file.read(16) == b"SQLite format 3\0"
     except OSError:
         return True
+
+
+def _refuse_a_log_not_its_own(path: Path) -> None:
+    """A write-ahead log (`-wal`) with frames beside a file that was never in WAL mode or is another program's: left by a
+    moechat stopped abruptly before another file was put there (a copy, another program's). SQLite would write the log's
+    pages into that file at the first read, whatever file it is; refused untouched."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(100)
+        logged = os.path.getsize(f"{path}-wal") > 32  # the log's header alone holds no page
+    except OSError:  # no file or no log: nothing to apply
+        return
+    if not logged or len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
+        return  # no page to apply, or no database (refused as such at open)
+    if header[18:20] == b"\2\2" and int.from_bytes(header[68:72], "big") in (0, APPLICATION_ID):
+        return
+    raise MoechatError(f"chat database {path} has a write-ahead log {path}-wal that is not its own (moechat stopped abruptly "
+                       "before this file was put there): move the -wal and -shm files beside it aside, and moechat opens "
+                       "the file as it is")
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
@@ -158,6 +177,7 @@ class ChatStore:
         """A connection to the file at self.path, migrated, in WAL mode; the file's identity and data version noted."""
         # isolation_level=None: no implicit transactions; every write below says BEGIN itself.
         # timeout: the wait for another writer's lock, on the app's UI thread (a write takes milliseconds; 5 s froze it)
+        _refuse_a_log_not_its_own(self.path)
         db = sqlite3.connect(self.path, timeout=2.0, check_same_thread=False, isolation_level=None)
         try:
             db.execute("PRAGMA foreign_keys=ON")
@@ -190,6 +210,9 @@ class ChatStore:
         # the copy in a file of its own: another window may make the file again too (not by its pid: containers sharing
         # the folder number alike)
         old, part = self._conn(), self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.part")
+        # another file put there: the old one's log (-wal, beside it) emptied into it first, else SQLite reads it into the new
+        if stat is not None and old.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
+            raise sqlite3.OperationalError("database is locked")  # a reader of the old file holds the log: the next write
         try:
             if stat is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

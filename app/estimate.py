@@ -7,7 +7,6 @@ from pathlib import Path
 
 
 def add_estimate(sub) -> None:
-    from ..engine import DTYPES
     from .cli import add_renamed
     from .options import OPTION
 
@@ -15,8 +14,8 @@ def add_estimate(sub) -> None:
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",
                    help="checkpoint directory, a model fetched with `moechat pull`, or a known config: "
                         "Qwen3-30B-A3B, DeepSeek-V2-Lite (default: the embedded demo)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                   help="weight and KV dtype (default bfloat16, how the checkpoints ship)")
+    OPTION["device"].add_flag(p)  # where and in which dtype a run computes: its KV cache and weights as it keeps them
+    OPTION["dtype"].add_flag(p)
     OPTION["quant"].add_flag(p, default="none")
     p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",
                    help="context length in tokens (default: the model's)")
@@ -40,7 +39,7 @@ def _source(model: str | None):
         return path, path
     name = known_name(model)
     if name is not None:
-        return name, dict(KNOWN_MODELS[name])
+        return name, dict(KNOWN_MODELS[name], dtype="bfloat16")  # as their checkpoints ship
     raise MoechatError(f"no model directory {model}: pass a checkpoint directory, a model fetched with `moechat pull`, "
                        f"or a known config ({', '.join(KNOWN_MODELS)})")
 
@@ -69,33 +68,48 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
     return report
 
 
+def placement(args, source, vram: int | None):
+    """Where a run of `source` computes and in which dtype, as a run resolves them (flags, else the settings, else
+    auto: app/engine_config.py); with a VRAM budget, on a GPU of that size."""
+    from ..engine import CudaProbe, Gpu, resolve_placement
+    from .settings import load_settings
+
+    settings = load_settings()[0]
+    gpu = None if vram is None else CudaProbe((Gpu(0, "a GPU of the VRAM budget", vram, vram, True),))
+    return resolve_placement(args.device or settings.device, args.dtype or settings.dtype, source, args.quant, gpu)
+
+
 def cmd_estimate(args) -> int:
     from ..engine import estimate, total_params
 
     name, source = _source(args.model)
-    est = estimate(source, args.dtype, args.context_len, args.draft, args.quant)
     gib = 2**30
     vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * gib)
     ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
+    where = placement(args, source, vram)
+    on_cpu = where.device == "cpu"
+    est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
+    kv = est.host_bytes - est.non_expert_bytes if on_cpu else est.kv_bytes  # a CPU keeps a half type's in float32
     fit = fit_report(est, vram, ram) if vram is not None or ram is not None else {}
     if args.json:
-        print(json.dumps({"model": str(name), **asdict(est), "total_params": total_params(est),
-                          "all_experts_bytes": est.all_experts_bytes, "kv_bytes": est.kv_bytes, **fit}))
+        print(json.dumps({"model": str(name), "device": where.device, **asdict(est), "total_params": total_params(est),
+                          "all_experts_bytes": est.all_experts_bytes, "kv_bytes_per_token": kv // est.context_len,
+                          "kv_bytes": kv, **fit}))
         return 0 if fit.get("fits", True) else 1
-    print(f"{name} ({est.model_type}, {est.dtype}, {total_params(est) / 1e9:.2f} B parameters)")
+    print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {total_params(est) / 1e9:.2f} B parameters)")
     print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  "
           "(embeddings, attention, norms, routers, shared experts, head)")
     print(f"  routed experts      {est.all_experts_bytes / gib:8.2f} GiB  "
           f"({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB"
           f"{', ' + est.quant if est.quant != 'none' else ''})")
-    print(f"  KV cache            {est.kv_bytes / gib:8.2f} GiB  "
-          f"({est.context_len} tokens x {est.kv_bytes_per_token / 1024:.1f} KiB)")
+    print(f"  KV cache            {kv / gib:8.2f} GiB  "
+          f"({est.context_len} tokens x {kv / est.context_len / 1024:.1f} KiB)")
     if est.draft_bytes:
         print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
     if est.quant != "none":
         plain = est.with_quant("none")
         print(f"experts stored as {est.quant}: {8 * est.expert_bytes / est.expert_params:.2f} bits per weight (fp16 scales "
-              f"included), quantized once at first load; {plain.all_experts_bytes / gib:.2f} GiB in {est.dtype} "
+              f"included), quantized once at first load; {plain.all_experts_bytes / gib:.2f} GiB in {plain.expert_dtype} "
               f"({plain.expert_bytes / 2**20:.2f} MiB each)")
     if "max_expert_cache_ratio" in fit:
         from ..engine import ratio_at_most

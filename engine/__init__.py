@@ -27,7 +27,7 @@ _MODULES = {  # submodule -> the public names it provides
                              "ratio_at_most"),
     "model.config_file": ("PULL_MARKER", "download_unfinished", "read_config_dict"),
     "shared_files": ("write_whole",),
-    "placement": ("NO_GPU", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
+    "placement": ("NO_GPU", "CudaProbe", "Gpu", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
     "calibration.profile": ("Profile", "check_profiles_writable", "load_profile", "measurements_from",

@@ -12,6 +12,7 @@ folder; CXX names the compiler.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -48,6 +49,7 @@ _paths: dict[str, Path] = {}
 _builders: dict[str, Callable[[], Path]] = {}
 BUILD_TIMEOUT_S = 600  # one library's build, all its sources (it takes about 20 s): a compiler past it hangs
 _hung: set[str] = set()  # compilers that ran past it in this process: no later build waits for them again
+HUNG_RETRY_S = 86400  # a compiler that ran past it is remembered on disk this long (per path and version), then tried again
 
 
 def enabled() -> bool:
@@ -82,17 +84,19 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler found (install g++ or clang++, or set CXX)")
-    if cxx in _hung:
-        raise NativeBuildError(_hung_line(cxx))
+    version, folder = _version(cxx), cache_dir()
+    ldflags = [*ldflags, *_static_runtime(version)]
     digest = hashlib.sha256()
-    for part in (cxx, _version(cxx), platform.machine(), platform.system(), *cflags, "|", *ldflags):
+    for part in (cxx, version, platform.machine(), platform.system(), *cflags, "|", *ldflags):
         digest.update(part.encode() + b"\0")
     for src in (*sources, *headers):
         digest.update(src.read_bytes())
-    folder = cache_dir()
     out = folder / f"libmoechat_{name}-{digest.hexdigest()[:16]}{SUFFIX}"
     if out.exists():
         return out
+    hung = folder / f"hung-{hashlib.sha256((cxx + chr(0) + version).encode()).hexdigest()[:16]}"  # this compiler ran past
+    if cxx in _hung or _recent(hung):
+        raise NativeBuildError(_hung_line(cxx))
     folder.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(folder)
     if sys.__stderr__ is not None and sys.__stderr__.isatty() and sys.stderr is sys.__stderr__:  # a terminal, not the app
@@ -103,10 +107,31 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
         # one compiler per source, all at once (the CPU library's ~12 s of compiling in ~7 on 2 cores), then link
         objs, tmp = [str(Path(work) / f"{i}.o") for i in range(len(sources))], Path(work) / out.name
         log, deadline = folder / f"libmoechat_{name}.log", time.monotonic() + BUILD_TIMEOUT_S
-        _run_all([[cxx, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)], cxx, log, deadline)
-        _run_all([[cxx, *compile_flags, "-shared", *objs, "-o", str(tmp), *ldflags, "-lpthread"]], cxx, log, deadline)
+        try:
+            _run_all([[cxx, *compile_flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)], cxx, log, deadline)
+            _run_all([[cxx, *compile_flags, "-shared", *objs, "-o", str(tmp), *ldflags, "-lpthread"]], cxx, log, deadline)
+        except NativeBuildError:
+            if cxx in _hung:  # the next start refuses at once too, not after another BUILD_TIMEOUT_S
+                with contextlib.suppress(OSError):
+                    hung.write_text(f"{cxx}\n{version}")
+            raise
         os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
     return out
+
+
+def _recent(marker: Path) -> bool:
+    """Whether `marker` was written less than HUNG_RETRY_S ago."""
+    try:
+        return time.time() - marker.stat().st_mtime < HUNG_RETRY_S
+    except OSError:
+        return False
+
+
+def _static_runtime(version: str) -> list[str]:
+    """Link flags that put the compiler's runtime in the library: MinGW's g++ on Windows, whose DLL otherwise needs
+    libstdc++-6.dll, libgcc_s_seh-1.dll and libwinpthread-1.dll beside it (`-static`: all three; the system's stay DLLs)."""
+    gcc = "Free Software Foundation" in version and "clang" not in version.lower()
+    return ["-static"] if sys.platform == "win32" and gcc else []
 
 
 ABANDONED_S = 3600  # a build's folder untouched this long (a build runs at most BUILD_TIMEOUT_S) and its process gone: killed

@@ -162,22 +162,26 @@ def _one_line(err: Exception) -> str:
     return text[0] if text else type(err).__name__
 
 
-def resolve_placement(device: str | None, dtype: str | None, model_dir: str, quant: str,
+def resolve_placement(device: str | None, dtype: str | None, model_dir: str | dict, quant: str,
                       cuda: CudaProbe | None = None) -> Placement:
     """`choose` for a checkpoint directory on this machine (device, dtype None: unset, so auto): its dtype and size
-    from the files, and the CUDA probe (skipped when the device is the CPU)."""
+    from the files, and the CUDA probe (skipped when the device is the CPU). model_dir: or a config dict (a known
+    model's, `moechat estimate`: its size unknown, so not a small model)."""
     device, dtype = device or "auto", dtype or "auto"
     from .model.config_file import read_config_dict
 
-    directory = Path(model_dir).expanduser()
-    raw = read_config_dict(directory)
+    if isinstance(model_dir, dict):
+        raw, files = model_dir, []
+    else:
+        directory = Path(model_dir).expanduser()
+        raw, files = read_config_dict(directory), directory.glob("*.safetensors")
     checkpoint = checkpoint_dtype(raw)
     quant = prequantized_format(raw) or quant  # runs as it is, its dense layers quantized on a CPU like any model's
     if cuda is None:
         cuda = CudaProbe() if device == "cpu" else probe_cuda()
     widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
     # a dangling link counts nothing here: the loader says which file is missing
-    fp32_bytes = widen * sum(p.stat().st_size for p in directory.glob("*.safetensors") if p.is_file())
+    fp32_bytes = widen * sum(p.stat().st_size for p in files if p.is_file())
     # where it decides (auto), or says what auto would pick instead of a half precision set for the CPU
     on_cpu = device == "cpu" or not cuda.gpus
     native = (dtype == "auto" or on_cpu) and checkpoint == "bfloat16" and quant == "none" and _native_built()

@@ -179,9 +179,7 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
         reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {ram_left}"
         return sized[quant]
     chosen = next((q for q in QUANTS if sized[q].all_experts_bytes <= left), None)
-    plain = sized["none"]  # a bf16 checkpoint's experts stay bf16 under float32 on a CPU (store.storage_dtype)
-    stored = "bfloat16" if plain.dtype == "float32" and plain.expert_bytes == 2 * plain.expert_params else plain.dtype
-    in_dtype = f"{need['none']} GiB in {stored}"
+    in_dtype = f"{need['none']} GiB in {sized['none'].expert_dtype}"  # a CPU keeps a bf16 checkpoint's bf16 (store.storage_dtype)
     if chosen == "none":
         reasons["quant"] = f"none: the experts' {in_dtype} fit the {ram_left}"
     elif chosen == "int8":

@@ -18,7 +18,7 @@ from ..experts import cpu_ffn
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
-from ..quant.dense import QuantLinear, quantize_dense, quantized_linears
+from ..quant.dense import QuantLinear, quantize_dense, quantized_dense_size, quantized_linears
 from ..quant.prequantized import PrequantSpec, expert_format, linear_keys, quantized_prefixes, read_quantization_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
@@ -43,7 +43,7 @@ from .memory_budgets import (
     vram_fixed,
     vram_margin,
 )
-from .memory_estimate import MemoryEstimate, context_length, draft_model_bytes, estimate_module
+from .memory_estimate import MemoryEstimate, context_length, draft_model_bytes, estimate_module, routers_of
 from .mla import AbsorbedMLA, absorb_mla
 
 
@@ -238,12 +238,14 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     context_len = context_length(hf_config, cfg.context_len)
     quant = expert_format(prequant, cfg.quant)
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
-    routers = {id(layers[i].mlp.gate) for i in sparse}
+    routers = routers_of(hf)
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
+    quantized = device.type == "cpu" and quant != "none"  # a CPU-only machine: the dense part small too
     drafter = cfg.spec.drafter  # a draft model on the GPU: its weights and KV count against the VRAM too
     draft = draft_model_bytes(drafter, cfg.dtype, context_len) if device.type == "cuda" and drafter not in ("none", "self") else 0
     estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, draft, quant=quant, expert_dtype=str(expert_dtype)[6:],
-                               bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed))
+                               bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed),
+                               quantized_dense=quantized_dense_size(hf, routers, quant) if quantized else (0, 0))
     cfg, budget_notice = check_load_budgets(cfg, estimate, device)  # before loading
 
     room = None if cfg.host_ram_budget_bytes is None else expert_store_room(estimate, cfg.host_ram_budget_bytes,
@@ -254,7 +256,6 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
-    quantized = device.type == "cpu" and store.quant != "none"  # a CPU-only machine: the dense part small too
     # what quantize_dense quantizes stays as stored until then (a bf16 checkpoint's not widened to float32 first)
     as_stored = narrowed | ({f"{name}.weight" for name, *_ in quantized_linears(hf, routers)} if quantized else set())
     _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,

@@ -38,6 +38,8 @@ class MemoryEstimate:
     hidden_size: int = 0  # H: an expert is gate_up [2I, H] + down [H, I]
     expert_dim: int = 0  # I, one routed expert's intermediate size
     quant: str = "none"  # routed experts' storage: "none" (dtype), "int8", "int4"
+    non_expert_params: int = 0  # the parameters non_expert_bytes holds, whatever their format
+    expert_dtype: str = ""  # the unquantized experts' storage dtype ("": dtype; a CPU keeps a bf16 checkpoint's bf16)
 
     @property
     def expert_params(self) -> int:
@@ -48,7 +50,8 @@ class MemoryEstimate:
         """The same model with its routed experts stored in `quant` (calibration weighs the formats with it)."""
         if not (self.hidden_size and self.expert_dim):
             raise ValueError("this estimate has no expert shapes (hidden_size, expert_dim): build it with estimate()")
-        return replace(self, quant=quant, expert_bytes=expert_bytes_for(quant, self.dtype, self.hidden_size, self.expert_dim))
+        expert_bytes = expert_bytes_for(quant, self.expert_dtype or self.dtype, self.hidden_size, self.expert_dim)
+        return replace(self, quant=quant, expert_bytes=expert_bytes)
 
     @property
     def all_experts_bytes(self) -> int:
@@ -141,10 +144,12 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
 
 
 def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft_bytes: int = 0,
-                    quant: str = "none", expert_dtype: str | None = None, bf16_params: int = 0) -> MemoryEstimate:
+                    quant: str = "none", expert_dtype: str | None = None, bf16_params: int = 0,
+                    quantized_dense: tuple[int, int] = (0, 0)) -> MemoryEstimate:
     """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds. expert_dtype:
     the unquantized experts' storage dtype where it is not the compute dtype (store.storage_dtype); bf16_params: the
-    non-expert parameters kept in bf16 under another compute dtype (bf16_linear.narrow_linears)."""
+    non-expert parameters kept in bf16 under another compute dtype (bf16_linear.narrow_linears); quantized_dense: the
+    dense weights quantized on a CPU and their bytes (quant/dense.quantized_dense_size)."""
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     family = get_family(hf_config.model_type)
@@ -157,12 +162,13 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
         raise RuntimeError(f"{family.model_type}: module tree has {routed} routed-expert parameters, "
                            f"config says {expert_params * num_total}")
     return MemoryEstimate(
-        model_type=family.model_type, dtype=dtype, non_expert_bytes=(non_expert - bf16_params) * nbytes + bf16_params * 2,
+        model_type=family.model_type, dtype=dtype,
+        non_expert_bytes=(non_expert - bf16_params - quantized_dense[0]) * nbytes + bf16_params * 2 + quantized_dense[1],
         expert_bytes=expert_bytes_for(quant, expert_dtype or dtype, hidden, inter),
         num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),
         context_len=context_length(hf_config, context_len), draft_bytes=draft_bytes,
         experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),
-        hidden_size=hidden, expert_dim=inter, quant=quant,
+        hidden_size=hidden, expert_dim=inter, quant=quant, non_expert_params=non_expert, expert_dtype=expert_dtype or dtype,
     )
 
 
@@ -197,16 +203,24 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
     draft_model = draft_dir not in (None, "none", "self")
     draft = draft_model_bytes(draft_dir, dtype, context_length(hf_config, context_len)) if draft_model else 0
     from ..experts.cpu_ffn import keeps_bf16
+    from ..quant.dense import quantized_dense_size
     from .bf16_linear import bf16_params
 
     hf = meta_model(hf_config)
+    dense = quantized_dense_size(hf, routers_of(hf), quant) if cpu and quant != "none" else (0, 0)  # as the loader
     bf16_checkpoint = str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
     if not (cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), "none")):
-        return estimate_module(hf, hf_config, dtype, context_len, draft, quant)
+        return estimate_module(hf, hf_config, dtype, context_len, draft, quant, quantized_dense=dense)
     bf16 = bf16_params(hf, quant)  # as the loader narrows (bf16_linear.py)
-    return estimate_module(hf, hf_config, dtype, context_len, draft, quant, expert_dtype="bfloat16", bf16_params=bf16)
+    return estimate_module(hf, hf_config, dtype, context_len, draft, quant, expert_dtype="bfloat16", bf16_params=bf16,
+                           quantized_dense=dense)
+
+
+def routers_of(hf) -> set[int]:
+    """id() of each MoE layer's router (they stay in the compute dtype: quant/dense.py)."""
+    return {id(layer.mlp.gate) for layer in hf.model.layers if hasattr(getattr(layer, "mlp", None), "experts")}
 
 
 def total_params(est: MemoryEstimate) -> int:
     """Parameters of the model (a quantized expert still counts 3·H·I), the draft model's not included."""
-    return est.non_expert_bytes // DTYPE_BYTES[est.dtype] + est.expert_params * est.num_experts_total
+    return est.non_expert_params + est.expert_params * est.num_experts_total

@@ -67,6 +67,18 @@ def quantized_linears(hf: torch.nn.Module, routers: set[int]):
                 yield f"{name}.{child_name}".lstrip("."), module, child_name, child
 
 
+def quantized_dense_size(hf: torch.nn.Module, routers: set[int], fmt: str) -> tuple[int, int]:
+    """(float weights replaced, bytes of their quantized copies) of what quantize_dense swaps on `hf` (on meta too): a head
+    tied to the embeddings replaces nothing (the embedding keeps its table) but adds its copy."""
+    head, embedding = hf.get_output_embeddings(), hf.get_input_embeddings()
+    replaced = held = 0
+    for _, _, child_name, child in quantized_linears(hf, routers):
+        out, k = child.weight.shape
+        held += formats.matrix_bytes(layer_format(fmt, child_name, child is head), out, k)
+        replaced += 0 if child.weight is getattr(embedding, "weight", None) else out * k
+    return replaced, held
+
+
 def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
     """Swap every quantized_linears layer of `hf` on the CPU for a QuantLinear in `layer_format`."""
     swaps = [swap for swap in quantized_linears(hf, routers) if swap[3].weight.device.type == "cpu"]

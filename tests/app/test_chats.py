@@ -532,3 +532,58 @@ def test_a_file_deleted_while_open_is_made_again_at_the_next_write(tmp_path, del
     assert len(said) == 1 and "was deleted while moechat ran" in said[0]
     with ChatStore(path) as store:
         assert [m.content for m in store.messages(conv)] == ["hi", "hello"]
+
+
+def _a_log_left_by_a_crash(path: Path) -> bytes:
+    """The -wal of a moechat stopped abruptly with chats not yet checkpointed into its file (its file then gone)."""
+    store = ChatStore(path)
+    store.add(store.create("the crashed session's"), "user", "hi")
+    log = Path(f"{path}-wal").read_bytes()
+    store.close()
+    path.unlink()
+    return log
+
+
+@pytest.mark.parametrize("other", ["CREATE TABLE notes (body TEXT); INSERT INTO notes VALUES ('mine')",
+                                   "PRAGMA journal_mode=WAL; CREATE TABLE notes (body TEXT); INSERT INTO notes VALUES ('mine'); "
+                                   "PRAGMA application_id = 7"],
+                         ids=["rollback journal", "another program's id"])
+def test_a_log_left_by_a_crash_is_not_written_into_a_file_put_there_later(tmp_path, other):
+    """SQLite applies a -wal to whatever file has the name: another program's file (or one never in WAL mode) put where a
+    crashed moechat left its log became a chat database, the other program's pages overwritten. Refused untouched."""
+    path = tmp_path / "chats.sqlite3"
+    log = _a_log_left_by_a_crash(path)
+    with sqlite3.connect(tmp_path / "other.sqlite3", isolation_level=None) as raw:
+        raw.executescript(other)
+        raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    raw.close()
+    shutil.copy(tmp_path / "other.sqlite3", path)
+    Path(f"{path}-wal").write_bytes(log)
+    before = path.read_bytes()
+    with pytest.raises(MoechatError) as err:
+        ChatStore(path)
+    message = str(err.value)
+    assert "\n" not in message and "not its own" in message and "-wal" in message and "aside" in message
+    assert path.read_bytes() == before and Path(f"{path}-wal").read_bytes() == log
+    Path(f"{path}-wal").unlink()
+    Path(f"{path}-shm").unlink(missing_ok=True)
+    with sqlite3.connect(path) as raw:  # moved aside, the file is the other program's as it was
+        assert raw.execute("SELECT body FROM notes").fetchall() == [("mine",)]
+
+
+def test_a_file_put_in_place_while_open_is_opened_as_it_is(tmp_path):
+    """A backup restored (renamed over the file) while moechat ran: the notice said the window used the new file, but its
+    first write opened it with the old file's -wal still there, and SQLite wrote the old file's pages over the backup."""
+    path, said = tmp_path / "chats.sqlite3", []
+    with ChatStore(tmp_path / "backup.sqlite3") as backup:
+        backup.add(backup.create("from the backup"), "user", "kept")
+    with ChatStore(path, notice=said.append) as store:
+        store.add(store.create("live"), "user", "not checkpointed yet")
+        shutil.copy(tmp_path / "backup.sqlite3", tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", path)
+        store.create("after the restore")
+        assert sorted(c.title for c in store.conversations()) == ["after the restore", "from the backup"]
+    assert len(said) == 1 and "was replaced while moechat ran" in said[0]
+    with ChatStore(path) as store:
+        backup = next(c for c in store.conversations() if c.title == "from the backup")
+        assert [m.content for m in store.messages(backup.id)] == ["kept"]

@@ -43,10 +43,13 @@ def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
 
     name = ["--model", model] if model else []
     assert main(["estimate", *name, "--ram-budget-gib", ram]) == 1
-    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    out = capsys.readouterr().out
+    verdict = out.strip().splitlines()[-1]
     assert verdict.startswith("does not fit:") and "GiB stay free for the system" in verdict
-    # the KV cache listed above is in the checkpoint's bf16; the verdict's sum holds it in float32, as a CPU keeps it
-    assert "(the KV cache in float32, as a CPU keeps it)" in verdict  # both checkpoints are bf16
+    # the weights and KV cache listed are those the verdict sums (the KV cache listed in bf16 made them not add up)
+    listed = [float(re.search(rf"{part} +([\d.]+) GiB", out).group(1)) for part in ("non-expert weights", "KV cache")]
+    need = float(re.search(r"need ([\d.]+) GiB of RAM", verdict).group(1))
+    assert sum(listed) == pytest.approx(need, abs=0.011)
     least = re.search(r"use --ram-budget-gib ([\d.]+) or more", verdict).group(1)
     assert main(["estimate", *name, "--ram-budget-gib", least]) == 0
     assert capsys.readouterr().out.strip().endswith("fits")
@@ -75,3 +78,26 @@ def test_load_refuses_a_ram_budget_below_the_dense_part_as_estimate_does(capsys,
         assert engine.model.store.mmap
     finally:
         engine.close()
+
+
+def test_the_kv_cache_shown_is_the_one_the_run_keeps(capsys, monkeypatch):
+    """estimate counted the KV cache in bfloat16 whatever the device, half of what a CPU run keeps (float32 for a half
+    type) and half of what the load checks. It resolves the device and dtype as a run does: `auto` on this machine
+    (a CPU), the settings, the flags; a VRAM budget means a GPU of that size."""
+    from moechat.app.cli import main
+    from moechat.engine import placement
+
+    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe())  # a machine without a GPU, also where CI has one
+
+    def shown(*argv) -> dict:
+        assert main(["estimate", "--model", "Qwen3-30B-A3B", "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    bf16 = 48 * 4 * 128 * 2 * 2 * 40960  # layers x KV heads x head_dim x (K, V) x 2 bytes x context
+    on_gpu = shown("--vram-budget-gib", "80")
+    assert on_gpu["device"] == "cuda:0" and on_gpu["dtype"] == "bfloat16" and on_gpu["kv_bytes"] == bf16
+    half_on_cpu = shown("--device", "cpu", "--dtype", "bfloat16")
+    assert half_on_cpu["device"] == "cpu" and half_on_cpu["kv_bytes"] == 2 * bf16  # attention in float32 (attention.py)
+    auto = shown()  # this machine: no GPU
+    assert auto["device"] == "cpu" and auto["kv_bytes"] == 2 * bf16 == auto["kv_bytes_per_token"] * 40960
+    assert on_gpu["total_params"] == half_on_cpu["total_params"] == auto["total_params"]  # bf16 weights kept counted once

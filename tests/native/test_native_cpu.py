@@ -337,6 +337,67 @@ def test_a_compiler_that_hangs_costs_one_timeout_not_one_per_source_and_library(
     assert len(starts.read_text().split()) == 2  # the first two sources only: none started after the time was up
 
 
+def test_a_compiler_that_hung_is_refused_at_once_by_the_next_start_until_a_day_or_a_new_compiler(monkeypatch, tmp_path):
+    """`_hung` was per process: every start of moechat waited BUILD_TIMEOUT_S (600 s) for the same hanging compiler again.
+    It is remembered on disk beside the libraries, by the compiler's path and version, for HUNG_RETRY_S."""
+    import os
+    import time
+
+    starts, version = tmp_path / "starts", tmp_path / "version"
+    version.write_text("1.0")
+    hangs = tmp_path / "cxx"
+    hangs.write_text(f'#!/bin/sh\n[ "$1" = --version ] && cat "{version}" && exit 0\necho x >> "{starts}"\nexec sleep 30\n')
+    hangs.chmod(0o755)
+    monkeypatch.setenv("CXX", str(hangs))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 2, raising=False)
+    source = tmp_path / "s.cpp"
+    source.write_text("int f() { return 1; }\n")
+
+    def started_by_a_new_process() -> int:
+        native.reset()  # what a new process starts with
+        before = len(starts.read_text().split()) if starts.exists() else 0
+        with pytest.raises(native.NativeBuildError, match="did not finish within 2 s"):
+            native.build("hangs", [source])
+        return len(starts.read_text().split()) - before
+
+    try:
+        assert started_by_a_new_process() == 1
+        assert started_by_a_new_process() == 0  # refused at once, the same line
+        marker, = (tmp_path / "cache").glob("hung-*")
+        os.utime(marker, (time.time() - native.HUNG_RETRY_S - 1,) * 2)
+        assert started_by_a_new_process() == 1  # a day later: tried again
+        assert started_by_a_new_process() == 0
+        version.write_text("2.0")  # the compiler updated
+        assert started_by_a_new_process() == 1
+    finally:
+        native.reset()
+
+
+@pytest.mark.parametrize(("platform", "said", "static"), [
+    ("win32", "g++.exe (Rev3, Built by MSYS2 project) 13.2.0\nCopyright (C) 2023 Free Software Foundation, Inc.", True),
+    ("win32", "clang version 17.0.6\nTarget: x86_64-w64-windows-gnu", False),
+    ("linux", "g++ (GCC) 13.2.0\nCopyright (C) 2023 Free Software Foundation, Inc.", False),
+], ids=["mingw g++", "clang on windows", "g++ on linux"])
+def test_a_windows_gcc_build_links_its_runtime_into_the_dll(monkeypatch, tmp_path, platform, said, static):
+    """MinGW's g++ made a DLL that needs libstdc++-6.dll (and libgcc, libwinpthread) beside it, which Python's DLL search
+    does not find: the kernels failed to load. Read from the commands of a compiler that records them."""
+    calls = tmp_path / "calls"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then printf "%s\\n" "{said}"; exit 0; fi\n'
+                   f'echo "$@" >> "{calls}"\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "platform", platform)
+    source = tmp_path / "s.cpp"
+    source.write_text("int f() { return 1; }\n")
+    native.build("runtime", [source])
+    compile_line, link_line = calls.read_text().splitlines()
+    assert "-shared" in link_line.split() and "-shared" not in compile_line.split()
+    assert ("-static" in link_line.split()) == static and "-static" not in compile_line.split()
+
+
 def test_a_build_killed_midway_leaves_nothing_the_next_build_keeps(monkeypatch, tmp_path):
     """A build killed while compiling (kill -9, a closed laptop) left its objects and an empty library file, about 300 KB
     for the CPU kernels, each time: the next build clears the leftovers of processes that are gone (untouched for

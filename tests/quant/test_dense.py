@@ -66,3 +66,24 @@ def test_a_bf16_checkpoints_dense_layers_are_quantized_as_stored_one_at_a_time(c
         widened = ckpt.view(f"{name}.weight").float()  # what the loader quantized before (qwen3_moe: keys are names)
         want = cpu_ffn.quantize(widened, layer.weight_q.fmt, fit=dense.FIT).named_tensors()
         assert all(torch.equal(t, want[field]) for field, t in layer.weight_q.named_tensors().items()), name
+
+
+@pytest.mark.parametrize("family,quant,dtype", [("qwen3_moe", "int4", torch.bfloat16), ("qwen3_moe", "int8", torch.float32),
+                                                ("deepseek_v2", "int4", torch.bfloat16)])
+def test_the_estimate_counts_the_dense_part_as_a_quantized_cpu_load_holds_it(family, quant, dtype, checkpoint):
+    """Under --quant on a CPU the dense linears are quantized too; the estimate counted them in the compute dtype
+    (Qwen3-30B-A3B under int4: 5.16 GiB where the load holds 1.43), so `estimate`, the load's RAM check and the room left
+    for experts saw about 3.7 GiB that is never held."""
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model.loader import load_model
+    from moechat.engine.model.memory_estimate import estimate, total_params
+
+    path = checkpoint(family, dtype=dtype)
+    model = load_model(EngineConfig(model_dir=str(path), quant=quant))
+    quantized = [m for m in model.hf.modules() if isinstance(m, QuantLinear)]
+    assert quantized  # the test's subject
+    held = (sum(p.numel() * p.element_size() for p in model.hf.parameters())
+            + sum(m.weight_q.nbytes + (0 if m.bias is None else m.bias.nbytes) for m in quantized))
+    est = estimate(str(path), "float32", quant=quant, cpu=True)
+    assert est.non_expert_bytes == held
+    assert total_params(est) == total_params(estimate(str(path), "float32", cpu=True))  # parameters, whatever the format
