@@ -81,23 +81,27 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
     return uint16_t(u >> 16);
 }
 
-inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);  // inf / NaN
-    } else if (exp != 0) {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        u = sign;
-    } else {  // subnormal: normalise
-        int e = -1;
-        do { e++; man <<= 1; } while (!(man & 0x400));
-        u = sign | uint32_t(112 - e) << 23 | ((man & 0x3ff) << 13);
-    }
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
+template <typename To, typename From>
+inline To cast_bits(From v) {
+    static_assert(sizeof(To) == sizeof(From), "bits of one size");
+    To t;
+    std::memcpy(&t, &v, sizeof t);
+    return t;
 }
+
+inline float bits_f32(uint32_t u) { return cast_bits<float>(u); }
+
+// fp16 bits (zero-extended in U: uint32_t, or a vector of them; F: float, or the like vector) -> fp32 bits, exact and
+// branch-free, so a loop of it vectorizes: moved into a float's place and rebiased; a subnormal made normal by one exact
+// subtraction (no float denormal appears, which DAZ would zero); inf and NaN keep their mantissa
+template <typename U, typename F>
+inline U f16_bits(U h) {
+    const U em = (h & 0x7fff) << 13, exp = em & 0x0f800000u, u = em + (112u << 23);
+    const U sub = cast_bits<U>(cast_bits<F>(U(u + (1u << 23))) - bits_f32(113u << 23));  // 2^-14·(1 + m) - 2^-14
+    return (exp == 0x0f800000u ? u + (112u << 23) : exp == 0 ? sub : u) | (h & 0x8000) << 16;
+}
+
+inline float f16_to_f32(uint16_t h) { return bits_f32(f16_bits<uint32_t, float>(h)); }
 
 inline uint16_t f32_to_f16(float f) {  // round to nearest even, as torch's .half(); subnormals and overflow included
     uint32_t u;
@@ -116,11 +120,15 @@ inline uint16_t f32_to_f16(float f) {  // round to nearest even, as torch's .hal
     return uint16_t(sign | (base + up));
 }
 
-inline float load_scalar(const void* p, int64_t i, int dtype) {
-    switch (dtype) {
-        case BF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-        case F16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-        default: return static_cast<const float*>(p)[i];
+// out[i] = p[off + i] in fp32, i < n: one loop per dtype (each vectorizes)
+inline void to_f32(const void* p, int dtype, int64_t off, int64_t n, float* out) {
+    const uint16_t* h = static_cast<const uint16_t*>(p) + off;
+    if (dtype == BF16) {
+        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(h[i]);
+    } else if (dtype == F16) {
+        for (int64_t i = 0; i < n; i++) out[i] = f16_to_f32(h[i]);
+    } else {
+        std::memcpy(out, static_cast<const float*>(p) + off, n * sizeof(float));
     }
 }
 
@@ -136,15 +144,80 @@ struct MatJob {
     int64_t ldy;
 };
 
-void mat_scalar(const MatJob& j, int dtype) {
-    const float* X = static_cast<const float*>(j.X);
+// ---- the portable path: 4-lane vectors (one SSE2 or NEON register: the baseline of x86-64 and aarch64, which GCC and clang
+// build from these types without target flags), 16 independent lanes per chain, no dtype switch inside a loop; a·b + c
+// is fused where the baseline has FMA (aarch64: fmla, the compilers' default contraction), two roundings on SSE2
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x4 __attribute__((vector_size(8)));
+
+inline f32x4 load4(const float* p) {
+    f32x4 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// 4 weights in fp32: bf16 by a shift, fp16 by f16_bits lane by lane
+template <int DT>
+inline f32x4 weights4(const void* W, int64_t i) {
+    if (DT == F32) return load4(static_cast<const float*>(W) + i);
+    u16x4 h;
+    std::memcpy(&h, static_cast<const uint16_t*>(W) + i, sizeof h);
+    const u32x4 u = __builtin_convertvector(h, u32x4);
+    return cast_bits<f32x4>(DT == BF16 ? u << 16 : f16_bits<u32x4, f32x4>(u));
+}
+
+template <int DT>
+inline float weight_at(const void* W, int64_t i) {
+    if (DT == BF16) return bf16_to_f32(static_cast<const uint16_t*>(W)[i]);
+    if (DT == F16) return f16_to_f32(static_cast<const uint16_t*>(W)[i]);
+    return static_cast<const float*>(W)[i];
+}
+
+// Y[t, r] for tokens t0..t0+TC-1: each block of 16 weights widened once for the TC tokens, 16 lanes per token; a token's
+// lanes, their tree and its tail run in one order whatever TC, so its bits do not depend on the call's other tokens
+template <int DT, int TC>
+void mat_portable_rows(const MatJob& j, int t0) {
+    const float* X = static_cast<const float*>(j.X) + t0 * j.ldx;
+    const int64_t n16 = j.len / 16 * 16;
     for (int64_t r = 0; r < j.rows; r++) {
-        for (int t = 0; t < j.T; t++) j.Y[t * j.ldy + r] = 0.f;
-        for (int64_t k = 0; k < j.len; k++) {
-            float w = load_scalar(j.W, r * j.ldw + k, dtype);
-            for (int t = 0; t < j.T; t++) j.Y[t * j.ldy + r] += w * X[t * j.ldx + k];
+        const int64_t row = r * j.ldw;
+        f32x4 acc[TC][4] = {};
+        for (int64_t k = 0; k < n16; k += 16) {
+            f32x4 w[4];
+            for (int v = 0; v < 4; v++) w[v] = weights4<DT>(j.W, row + k + 4 * v);
+            for (int t = 0; t < TC; t++)
+                for (int v = 0; v < 4; v++) acc[t][v] += w[v] * load4(X + t * j.ldx + k + 4 * v);
+        }
+        for (int t = 0; t < TC; t++) {
+            const f32x4 a = (acc[t][0] + acc[t][2]) + (acc[t][1] + acc[t][3]);
+            float s = (a[0] + a[2]) + (a[1] + a[3]);
+            for (int64_t k = n16; k < j.len; k++) s += weight_at<DT>(j.W, row + k) * X[t * j.ldx + k];
+            j.Y[(t0 + t) * j.ldy + r] = s;
         }
     }
+}
+
+// Tokens in passes of PORTABLE_TC: 16 lanes × TC accumulators fit NEON's 32 registers, SSE2's 16 take 2 tokens
+#if defined(__aarch64__)
+constexpr int PORTABLE_TC = 4;
+#else
+constexpr int PORTABLE_TC = 2;
+#endif
+
+template <int DT>
+void mat_portable_dt(const MatJob& j) {
+    int t = 0;
+    for (; t + PORTABLE_TC <= j.T; t += PORTABLE_TC) mat_portable_rows<DT, PORTABLE_TC>(j, t);
+    if (j.T - t == 3) mat_portable_rows<DT, 3>(j, t);
+    else if (j.T - t == 2) mat_portable_rows<DT, 2>(j, t);
+    else if (j.T - t == 1) mat_portable_rows<DT, 1>(j, t);
+}
+
+void mat_scalar(const MatJob& j, int dtype) {
+    if (dtype == BF16) mat_portable_dt<BF16>(j);
+    else if (dtype == F16) mat_portable_dt<F16>(j);
+    else mat_portable_dt<F32>(j);
 }
 
 // Per 16-block of a row: its 8 even entries, then its 8 odd ones (the order mat_avx2_pairs reads).

@@ -4,7 +4,7 @@
 // dotted with all of its group's tokens while it sits in registers/L1, in fp32.
 //
 // Paths, chosen at run time: AVX-512 BF16 (vdpbf16ps, bf16 weights and activations), AVX-512F and
-// AVX2+FMA (weights bf16/fp16/fp32 converted to fp32 in registers), and portable scalar C++.
+// AVX2+FMA (weights bf16/fp16/fp32 converted to fp32 in registers), and portable C++ (4-lane vectors: SSE2, NEON).
 // Threads: a persistent pool (caller + n-1 workers that sleep when idle); phase 1 splits (expert,
 // block of I rows), phase 2 splits blocks of H output columns, so no two threads write one element
 // and every element sums its experts in the same order whatever the thread count.
@@ -86,8 +86,7 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
     for (int64_t s = 0; s < S; s++) {
         const int64_t src = rows[s] * H;
         if (bf16) std::memcpy(&xs16[s * H], static_cast<const uint16_t*>(x) + src, H * 2);
-        else if (x_dtype == F32) std::memcpy(&xs[s * H], static_cast<const float*>(x) + src, H * 4);
-        else for (int64_t k = 0; k < H; k++) xs[s * H + k] = load_scalar(x, src + k, x_dtype);
+        else to_f32(x, x_dtype, src, H, &xs[s * H]);
     }
     if (amx)
         for (int64_t g = 0; g < n_groups; g++)

@@ -134,7 +134,7 @@ API int moe_expert_ffn_q(int64_t n_groups, const int64_t* experts, const int64_t
             if (x_dtype == F32) {
                 src = static_cast<const float*>(x) + rows[s] * H;
             } else {
-                for (int64_t k = 0; k < H; k++) row[k] = load_scalar(x, rows[s] * H + k, x_dtype);
+                to_f32(x, x_dtype, rows[s] * H, H, row.data());
                 src = row.data();
             }
             xq.fill(src, H, H, s, 1, isa);
@@ -397,16 +397,9 @@ static void block_codes(const float* blk, float mf, float inv, int bits, bool av
                          : uint8_t(std::max(0, std::min(15, int(std::nearbyint((blk[j] - mf) * inv)))));
 }
 
-// Row `off / k` of W in fp32, zero-padded to kp: one loop per dtype (the bf16 one vectorizes).
+// Row `off / k` of W in fp32, zero-padded to kp
 static void load_row(const void* w, int dtype, int64_t off, int64_t k, int64_t kp, float* row) {
-    const uint16_t* h = static_cast<const uint16_t*>(w) + off;
-    if (dtype == BF16) {
-        for (int64_t i = 0; i < k; i++) row[i] = bf16_to_f32(h[i]);
-    } else if (dtype == F16) {
-        for (int64_t i = 0; i < k; i++) row[i] = f16_to_f32(h[i]);
-    } else {
-        std::memcpy(row, static_cast<const float*>(w) + off, k * sizeof(float));
-    }
+    to_f32(w, dtype, off, k, row);
     std::fill(row + k, row + kp, 0.f);
 }
 

@@ -6,7 +6,7 @@
 // block's scales for the group; activations: s8 codes and fp32 scales per token and block (Q8_1),
 // broadcast 4 bytes at a time. No horizontal sums: a vector of 16 int32 is 16 rows' dot products.
 // Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens), AVX-512 VNNI (vpdpbusd), AVX-VNNI (vpdpbusd on ymm), AVX2 (pmaddubsw +
-// pmaddwd) and portable scalar C++. Each sums a
+// pmaddwd) and portable C++ (4-lane vectors: SSE2, NEON). Each sums a
 // (row, token) in one fixed order whatever the call's other rows and tokens, so a token's result
 // never depends on its batch.
 #pragma once
@@ -38,38 +38,60 @@ inline float h2f(uint16_t v) { return f16_to_f32(v); }
 template <int BITS>
 constexpr float zero_code() { return BITS == 8 ? 128.f : 32.f; }  // a symmetric format's code of 0: m = -zero_code·d
 
-// ---- portable: the same sums, reading the interleaved bytes element by element -------------------
+// ---- portable: the same sums in 4-lane float vectors (SSE2, NEON: common.h). Every product u·qx and every partial sum
+// of a block is an integer below 2^24 (32·255·127), so float arithmetic gives the integer dot product exactly, in any
+// order, fused or not; the block's scaling then runs as the integer paths' scalar form did, one row per lane.
+
+// Group block b's codes as floats: c[i][4·rr + j] = row rr's code of column 4i + j (i: the step of 4 columns)
 template <int BITS>
-inline int code_at(const uint8_t* group, int64_t b, int rr, int kk) {  // row rr of the group, column 32b + kk
-    if (BITS == 8) return group[b * 512 + (kk / 4) * 64 + rr * 4 + kk % 4];
-    const int j = kk % 8, i = kk / 4;  // i: the step (4 columns) the code is in
-    const uint8_t byte = group[b * BITS * 64 + (kk / 8) * 64 + rr * 4 + j % 4];
-    const int low = j < 4 ? byte & 0xF : byte >> 4;
-    if (BITS == 4) return low;
-    const uint8_t top = group[b * BITS * 64 + 256 + (i / 4) * 64 + rr * 4 + kk % 4];
-    return low | (((top >> (2 * (i % 4))) & 3) << 4);
+inline void block_codes_f32(const uint8_t* qb, float (*c)[64]) {
+    for (int i = 0; i < 8; i++) {
+        const uint8_t* v = qb + 64 * (BITS == 8 ? i : i / 2);  // int4/int6: steps 2v, 2v+1 in vector v's nibbles
+        const uint8_t* top = qb + 256 + 64 * (i / 4);  // int6: step i's bits 4-5 at bits 2(i % 4)
+        for (int j = 0; j < 64; j++) {
+            int u = BITS == 8 ? v[j] : i % 2 ? v[j] >> 4 : v[j] & 0xF;
+            if (BITS == 6) u |= ((top[j] >> (2 * (i % 4))) & 3) << 4;
+            c[i][j] = float(u);
+        }
+    }
+}
+
+// Y[t, 0..15] for group g's 16 rows and T tokens: each block's codes widened once for all T tokens, each token alone
+template <int BITS>
+void qgroup_portable(const QMat& W, int64_t g, const QActs& A, int T, float* Y, int64_t ldy) {
+    const uint8_t* q = W.q + g * QROWS * W.row_bytes;
+    const uint16_t* s = W.s + g * QROWS * W.nb;
+    const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
+    alignas(16) float c[8][64];
+    for (int t = 0; t < T; t++) std::fill(Y + t * ldy, Y + t * ldy + QROWS, 0.f);
+    for (int64_t b = 0; b < W.nb; b++) {
+        block_codes_f32<BITS>(q + b * BITS * 64, c);
+        for (int t = 0; t < T; t++) {
+            const int8_t* xb = A.q + t * A.kp + 32 * b;
+            f32x4 x[8];
+            for (int i = 0; i < 8; i++)
+                x[i] = f32x4{float(xb[4 * i]), float(xb[4 * i + 1]), float(xb[4 * i + 2]), float(xb[4 * i + 3])};
+            alignas(16) float dot[QROWS];
+            for (int rr = 0; rr < QROWS; rr++) {
+                f32x4 lane = load4(&c[0][4 * rr]) * x[0];
+                for (int i = 1; i < 8; i++) lane += load4(&c[i][4 * rr]) * x[i];
+                dot[rr] = (lane[0] + lane[2]) + (lane[1] + lane[3]);
+            }
+            const float dx = A.d[t * A.nb + b], ds = A.ds[t * A.nb + b];
+            for (int v = 0; v < QROWS / 4; v++) {
+                const f32x4 d = weights4<F16>(s, b * QROWS + 4 * v);
+                const f32x4 mn = m ? weights4<F16>(m, b * QROWS + 4 * v) : -zero_code<BITS>() * d;
+                float* y = Y + t * ldy + 4 * v;
+                const f32x4 acc = load4(y) + (load4(dot + 4 * v) * (d * dx) + mn * ds);
+                std::memcpy(y, &acc, sizeof acc);
+            }
+        }
+    }
 }
 
 template <int BITS>
 void qmat_scalar(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy) {
-    for (int64_t r = r0; r < r0 + nr; r++) {
-        const int64_t g = r / QROWS;
-        const int rr = int(r % QROWS);
-        const uint8_t* group = W.q + g * QROWS * W.row_bytes;
-        const uint16_t* s = W.s + g * QROWS * W.nb;
-        const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
-        for (int t = 0; t < T; t++) {
-            const int8_t* x = A.q + t * A.kp;
-            float acc = 0.f;
-            for (int64_t b = 0; b < W.nb; b++) {
-                int32_t dot = 0;
-                for (int kk = 0; kk < 32; kk++) dot += code_at<BITS>(group, b, rr, kk) * int(x[32 * b + kk]);
-                const float d = h2f(s[b * QROWS + rr]), dx = A.d[t * A.nb + b], ds = A.ds[t * A.nb + b];
-                acc += float(dot) * (d * dx) + (m ? h2f(m[b * QROWS + rr]) : -zero_code<BITS>() * d) * ds;
-            }
-            Y[t * ldy + (r - r0)] = acc;
-        }
-    }
+    for (int64_t r = r0; r < r0 + nr; r += QROWS) qgroup_portable<BITS>(W, r / QROWS, A, T, Y + (r - r0), ldy);
 }
 
 #ifdef MOE_X86

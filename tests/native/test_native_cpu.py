@@ -93,6 +93,41 @@ def test_bf16_paths_match_torch_bf16_rounding():
 
 
 @needs_native
+def test_fp16_subnormal_and_extreme_weights_are_widened_exactly():
+    """fp16 weights of every kind (subnormals, both zeros, the largest finite values), widened branch-free by the portable
+    path (csrc/cpu/common.h f16_bits): equal to the float32 reference, whose widening is torch's exact one. The weights
+    are mostly subnormal, so a subnormal flushed or misread would dominate the result."""
+    g = torch.Generator().manual_seed(5)
+    E, H, I = 3, 67, 45
+    bits = torch.randint(1, 0x400, (E * 3 * I * H,), generator=g) | (torch.randint(0, 2, (E * 3 * I * H,), generator=g) << 15)
+    bits[::97], bits[1::97], bits[2::389] = 0, 0x8000, 0x7BFF  # +0, -0 and 65504 among them
+    w = (bits.to(torch.int16)).view(torch.float16).view(E, 3 * I, H)
+    gate_up, down = w[:, :2 * I].contiguous(), w[:, 2 * I:].reshape(E, H, I).contiguous()
+    x = torch.randn(4, H, generator=g)
+    args = (x, gate_up, down, torch.tensor([2, 0]), torch.tensor([0, 3, 4]), torch.tensor([0, 1, 2, 3]),
+            torch.rand(4, generator=g))
+    ref = reference(*args)
+    assert bool(ref.isfinite().all()) and float(ref.abs().max()) > 0
+    for isa in ISAS:
+        assert rel_err(cpu_ffn.moe_ffn_native(*args, out=torch.zeros(4, H), isa=isa), ref) < 2e-5, isa
+
+
+@needs_native
+@pytest.mark.parametrize("isa", [i for i in ISAS if i not in ROUNDS_TO_BF16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d).replace("torch.", ""))
+def test_a_tokens_result_does_not_depend_on_its_batch(isa, w_dtype):
+    """Speculative verification needs it: a token's bits are the same alone and among 1-9 others of its expert."""
+    x, gate_up, down, *_ = case(67, 45, [9], w_dtype, torch.float32, N=9)
+    one = torch.ones(9)
+    batch = cpu_ffn.moe_ffn_native(x, gate_up, down, torch.tensor([1]), torch.tensor([0, 9]), torch.arange(9), one,
+                                   torch.zeros(9, 67), isa=isa)
+    for t in range(9):
+        alone = cpu_ffn.moe_ffn_native(x[t:t + 1].contiguous(), gate_up, down, torch.tensor([1]), torch.tensor([0, 1]),
+                                       torch.tensor([0]), one[:1], torch.zeros(1, 67), isa=isa)
+        assert torch.equal(alone[0], batch[t]), t
+
+
+@needs_native
 def test_threads_do_not_change_the_result():
     """Each output element sums its experts in one order whatever the thread count: bitwise equal."""
     args = case(256, 128, [3, 1, 0, 7, 2], torch.float32, torch.float32, E=8)
