@@ -21,6 +21,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_re
 UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
                "response_format": ({"type": "text"},), "logprobs": (), "top_logprobs": (), "logit_bias": (),
                "presence_penalty": (), "frequency_penalty": (), "best_of": (1,), "echo": (), "suffix": (),
+               "audio": (), "modalities": (["text"],),  # spoken replies
                # vLLM's and llama.cpp's sampling extras (top_k is honoured)
                "min_p": (), "repetition_penalty": (1,), "ignore_eos": (), "stop_token_ids": (), "min_tokens": ()}
 
@@ -124,23 +125,23 @@ class ChatBody(_Body):
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str] | list[int]  # text, a list holding one text, or token ids (as OpenAI's API takes them)
+    # text or token ids, or a list holding one of either (as OpenAI's API takes them)
+    prompt: str | list[str] | list[int] | list[list[int]]
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty: send text or token ids")
-        if isinstance(prompt, list) and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise ValueError("send one prompt per request (a string, or a list holding one string)")
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+            raise ValueError("send one prompt per request (text or token ids, or a list holding one of either)")
         return prompt
 
     def request(self):
         from ...engine import Request
 
-        if isinstance(self.prompt, str):
-            return Request(prompt=self.prompt)
-        return Request(prompt=self.prompt[0]) if isinstance(self.prompt[0], str) else Request(token_ids=list(self.prompt))
+        one = self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) else self.prompt
+        return Request(prompt=one) if isinstance(one, str) else Request(token_ids=list(one))
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:

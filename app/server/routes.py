@@ -16,6 +16,7 @@ import time
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -27,10 +28,15 @@ KINDS = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_e
          503: "server_error"}
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 MAX_BODY_BYTES = 32 << 20  # a request body past this is refused unread (413); the engine refuses prompts past the context
+LOOPBACK_ORIGIN = r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d+)?"  # a page served from this machine
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, KINDS.get(status, "invalid_request_error"), param), status_code=status)
+ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health"
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, KINDS.get(status, "invalid_request_error"), param), status_code=status,
+                        headers=headers)
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
@@ -118,6 +124,9 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
         if err.detail == "There was an error parsing the body":  # FastAPI's words for bytes that are not UTF-8 JSON
             return _error(400, "the request body could not be read as JSON (not UTF-8 text, or nested too deep): "
                                "send a UTF-8 JSON object", "body")
+        if err.status_code in (404, 405):  # no such route, or not with this method (its Allow header kept)
+            return _error(err.status_code, f"this server does not serve {request.method} {request.url.path}: it serves "
+                                           f"{ROUTES} (a client's base URL ends in /v1)", headers=err.headers)
         return _error(err.status_code, str(err.detail))
 
     @app.exception_handler(Exception)
@@ -126,7 +135,12 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
 
     app.add_middleware(_BodyLimit)
     if api_key is not None:
-        app.add_middleware(_KeyCheck, api_key=api_key)  # added last, so it runs first: a stranger's body is not read
+        app.add_middleware(_KeyCheck, api_key=api_key)  # a stranger's body is not read
+    # browser front ends call from their own origin: with a key, any origin may (vLLM's and llama.cpp's default; the key is
+    # still checked), without one only a page served from this machine (Ollama's default), not any website the user visits.
+    # Added last, so it runs first: a preflight carries no key, and a 401 reaches the page that sent the request.
+    app.add_middleware(CORSMiddleware, allow_origins=["*"] if api_key is not None else [], allow_methods=["GET", "POST"],
+                       allow_origin_regex=None if api_key is not None else LOOPBACK_ORIGIN, allow_headers=["*"])
     v1 = APIRouter(prefix="/v1")
 
     @app.get("/health")

@@ -203,6 +203,8 @@ def test_api_keys(server):
     ({"messages": SEA, "response_format": {"type": "json_object"}}, "`response_format` is not supported"),
     ({"messages": SEA, "logprobs": True}, "`logprobs` is not supported"),
     ({"messages": SEA, "frequency_penalty": 0.5}, "`frequency_penalty` is not supported"),
+    ({"messages": SEA, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "`audio` is not"),
+    ({"messages": SEA, "modalities": ["audio"]}, "`modalities` is not supported"),  # was a 200 with text and no audio
     ({"messages": [{"role": "user", "content": "sea " * 2_000_000}]}, "more than a context of 16,384 tokens can hold"),
 ])
 def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
@@ -399,7 +401,7 @@ def test_what_clients_send_by_default_and_newer_clients_send(server, client):
     """The `developer` role (newer OpenAI clients), defaults of unsupported parameters, a lowercase `bearer`, a tiny
     temperature (it rounds to 0 in float32: a 500 that blamed the weights), and one model's card."""
     reply = client.chat.completions.create(model="tiny", max_tokens=2, temperature=1e-46, logprobs=False, tool_choice="none",
-                                           frequency_penalty=0, response_format={"type": "text"},
+                                           frequency_penalty=0, response_format={"type": "text"}, modalities=["text"],
                                            messages=[{"role": "developer", "content": "Be brief."}, *SEA])
     assert reply.usage.completion_tokens >= 1
     request = urllib.request.Request(server.url + "/models/tiny", headers={"Authorization": f"bearer {KEY}"})
@@ -497,3 +499,80 @@ def test_jobs_whose_clients_left_hold_no_memory_in_the_queue():
         release.set()
         worker.close()
         loop.close()
+
+
+def call(url: str, method: str, headers: dict, body: dict | None = None) -> tuple[int, dict, dict]:
+    """A request as a browser sends it -> (status, headers with lowercase names, the JSON body or {})."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, got, text = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as err:
+        status, got, text = err.code, err.headers, err.read()
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        reply = {}
+    return status, {name.lower(): value for name, value in got.items()}, reply
+
+
+def preflight(server, origin: str) -> tuple[int, dict]:
+    status, headers, _ = call(server.url + "/chat/completions", "OPTIONS", {
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    return status, headers
+
+
+def test_browser_front_ends_get_cors_and_a_key_is_still_required(server):
+    """A web UI (Open WebUI's direct connections, a chat page) calls from its own origin: the browser's preflight got 401
+    (405 without a key) and no Access-Control headers, so no browser front end could use the server. With a key, any
+    origin (as vLLM and llama.cpp): the key is still checked; without one (loopback), only pages served from this machine
+    (as Ollama)."""
+    status, headers = preflight(server, "https://chat.example.com")
+    assert status == 200 and headers["access-control-allow-origin"] in ("*", "https://chat.example.com")
+    assert "authorization" in headers["access-control-allow-headers"].lower()
+    assert "POST" in headers["access-control-allow-methods"]
+    cross = {"Origin": "https://chat.example.com", "Content-Type": "application/json"}
+    status, headers, reply = call(server.url + "/chat/completions", "POST", cross, {"messages": SEA, "max_tokens": 1})
+    assert status == 401 and reply["error"]["type"] == "authentication_error"  # the page can read why
+    assert "access-control-allow-origin" in headers
+    status, headers, reply = call(server.url + "/chat/completions", "POST", {**cross, "Authorization": f"Bearer {KEY}"},
+                                  {"messages": SEA, "max_tokens": 1})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 1 and "access-control-allow-origin" in headers
+
+    from types import SimpleNamespace
+
+    with BackgroundServer(SimpleNamespace(close=lambda: None), "tiny") as keyless:  # no request reaches the engine
+        for origin in ("http://localhost:3000", "http://127.0.0.1:8081", "http://[::1]:5173"):
+            status, headers = preflight(keyless, origin)
+            assert status == 200 and headers["access-control-allow-origin"] == origin, origin
+        for origin in ("https://chat.example.com", "http://localhost.example.com", "http://127.0.0.1.example.com"):
+            assert "access-control-allow-origin" not in preflight(keyless, origin)[1], origin
+        status, headers, reply = call(keyless.url + "/models", "GET", {"Origin": "https://chat.example.com"})
+        assert status == 200 and "access-control-allow-origin" not in headers  # the page cannot read it
+
+
+def test_a_route_not_served_says_which_are(server):
+    """A base URL without /v1 (`http://127.0.0.1:8080`), or a route this server lacks, was `{"message": "Not Found"}` and a
+    GET of a POST route `Method Not Allowed`: nothing said what to send, and the 405 lost its Allow header."""
+    status, reply = post(server, "/chat/completions", {"messages": SEA})
+    assert status == 404 and reply["error"]["type"] == "not_found_error"
+    assert "POST /chat/completions" in reply["error"]["message"] and "/v1/chat/completions" in reply["error"]["message"]
+    status, headers, reply = call(server.url + "/chat/completions", "GET", {"Authorization": f"Bearer {KEY}"})
+    assert status == 405 and "GET /v1/chat/completions" in reply["error"]["message"] and headers["allow"] == "POST"
+    assert "\n" not in reply["error"]["message"]
+
+
+def test_a_prompt_of_token_ids_in_a_list_is_taken_as_one_of_text_is(server):
+    """OpenAI's API takes a prompt as text, token ids, or a list of either; a list holding one text was taken, one holding
+    token ids was refused with `prompt: Input should be a valid string`, which says nothing of what to send."""
+    ids = server.worker.engine.model.tokenizer("The sea is", add_special_tokens=True)["input_ids"]
+    body = {"max_tokens": 4, "temperature": 0}
+    status, flat = post(server, "/v1/completions", {**body, "prompt": ids})
+    status, nested = post(server, "/v1/completions", {**body, "prompt": [ids]})
+    assert status == 200 and nested["choices"][0]["text"] == flat["choices"][0]["text"]
+    assert nested["usage"]["prompt_tokens"] == len(ids)
+    for batch in ([ids, ids], ["The sea is", "The moon is"]):
+        status, reply = post(server, "/v1/completions", {**body, "prompt": batch})
+        assert status == 400 and "send one prompt per request" in reply["error"]["message"], reply
