@@ -271,12 +271,17 @@ static FIT_ATTR void fit_q4(const float* x, float lo, float hi, float& d_out, fl
     d_out = float(d), m_out = float(m);
 }
 
+// The quantizer's portable twins: lanes in vector types of one baseline register (common.h's f32x4 and these).
+typedef double f64x2 __attribute__((vector_size(16)));
+typedef int64_t i64x2 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
 #ifdef MOE_X86
 // fit_q4 for 4 blocks at once, one per lane: each lane runs fit_q4's operations in its order (no FMA in the target, so
 // nothing is fused), so the same d and m. A candidate whose codes repeat the last one's is computed again rather than
 // skipped: the same sums give the same err, which cannot beat the best. x: 4 blocks of 32; lo, hi: each block's range.
-__attribute__((target("avx2"))) FIT_ATTR static void fit_q4_x4(const float* x, const float* lo, const float* hi,
-                                                                float* d_out, float* m_out) {
+__attribute__((target("avx2"))) FIT_ATTR static void fit_q4_x4_avx2(const float* x, const float* lo, const float* hi,
+                                                                     float* d_out, float* m_out) {
     FIT_NO_CONTRACT
     const __m256d zero = _mm256_setzero_pd(), sign = _mm256_set1_pd(-0.0);
     const __m256d vlo = _mm256_cvtps_pd(_mm_loadu_ps(lo)), span = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(hi)), vlo);
@@ -320,6 +325,43 @@ __attribute__((target("avx2"))) FIT_ATTR static void fit_q4_x4(const float* x, c
 }
 #endif
 
+// fit_q4 for 2 blocks at once in portable vectors, as fit_q4_x4_avx2 for 4 (the same operations: rounding by fit_q4's
+// 2^52, min and blends by comparisons, false for a NaN as there; no NaN reaches a code), so the same d and m.
+static FIT_ATTR void fit_q4_x2(const float* x, const float* lo, const float* hi, float* d_out, float* m_out) {
+    FIT_NO_CONTRACT
+    const f64x2 vlo = {lo[0], lo[1]}, span = f64x2{hi[0], hi[1]} - vlo, zero = {}, fifteen = zero + 15.0, shift = zero + 0x1p52;
+    f64x2 X[32], XL[32], W[32], WX[32], sq = zero, sw = zero, sx = zero, sxx = zero;  // [32] weights of the 2 blocks
+    for (int j = 0; j < 32; j++) X[j] = f64x2{x[j], x[32 + j]}, sq += X[j] * X[j];
+    const f64x2 rms = {std::sqrt(sq[0] / 32), std::sqrt(sq[1] / 32)};
+    for (int j = 0; j < 32; j++) {
+        W[j] = cast_bits<f64x2>(cast_bits<i64x2>(X[j]) & INT64_MAX) + rms, WX[j] = W[j] * X[j], XL[j] = X[j] - vlo;
+        sw += W[j], sx += WX[j], sxx += WX[j] * X[j];
+    }
+    const i64x2 valid = span > zero;
+    f64x2 d = span / fifteen, m = vlo, best = zero + double(INFINITY);
+    for (int i = 0; i < 21; i++) {
+        const f64x2 iscale = (zero + (14.0 + 0.1 * i)) / span;
+        f64x2 sl = zero, sl2 = zero, sxl = zero;
+        for (int j = 0; j < 32; j++) {
+            const f64x2 t = (XL[j] * iscale + shift) - shift, u = t < fifteen ? t : fifteen, wu = W[j] * u;
+            sl += wu, sl2 += wu * u, sxl += WX[j] * u;
+        }
+        const f64x2 D = sw * sl2 - sl * sl, dd = (sw * sxl - sx * sl) / D, mm = (sl2 * sx - sl * sxl) / D;
+        const f64x2 err = dd * dd * sl2 + 2.0 * dd * mm * sl + mm * mm * sw - 2.0 * dd * sxl - 2.0 * mm * sx + sxx;
+        const i64x2 better = valid & (D > zero) & (dd > zero) & (err < best);
+        best = better ? err : best, d = better ? dd : d, m = better ? mm : m;
+    }
+    for (int l = 0; l < 2; l++) d_out[l] = float(d[l]), m_out[l] = float(m[l]);
+}
+
+// fit_q4 for 4 blocks x[4][32] with ranges lo, hi [4]: in AVX2 where the CPU has it, else as two pairs
+static void fit_q4_x4(const float* x, const float* lo, const float* hi, float* d_out, float* m_out, bool avx2) {
+#ifdef MOE_X86
+    if (avx2) return fit_q4_x4_avx2(x, lo, hi, d_out, m_out);
+#endif
+    fit_q4_x2(x, lo, hi, d_out, m_out), fit_q4_x2(x + 64, lo + 2, hi + 2, d_out + 2, m_out + 2);
+}
+
 #ifdef MOE_X86
 // block_range in AVX2 (of -0 and +0 either may come out: plus_zero stores both as +0)
 __attribute__((target("avx2"))) static void block_range_avx2(const float* blk, float& l, float& h, float& amax) {
@@ -336,16 +378,21 @@ __attribute__((target("avx2"))) static void block_range_avx2(const float* blk, f
 }
 #endif
 
-// A block's minimum, maximum and largest magnitude.
+// A block's minimum, maximum and largest magnitude (no NaN: rows holding one are zeros by now), as block_range_avx2.
 static void block_range(const float* blk, bool avx2, float& l, float& h, float& amax) {
 #ifdef MOE_X86
     if (avx2) return block_range_avx2(blk, l, h, amax);
 #endif
-    l = blk[0], h = blk[0], amax = 0.f;
-    for (int j = 0; j < 32; j++) l = std::min(l, blk[j]), h = std::max(h, blk[j]), amax = std::max(amax, std::fabs(blk[j]));
+    f32x4 lo = load4(blk), hi = lo, am = cast_bits<f32x4>(cast_bits<i32x4>(lo) & INT32_MAX);
+    for (int i = 4; i < 32; i += 4) {
+        const f32x4 v = load4(blk + i), a = cast_bits<f32x4>(cast_bits<i32x4>(v) & INT32_MAX);
+        lo = v < lo ? v : lo, hi = v > hi ? v : hi, am = a > am ? a : am;
+    }
+    l = std::min(std::min(lo[0], lo[1]), std::min(lo[2], lo[3])), h = std::max(std::max(hi[0], hi[1]), std::max(hi[2], hi[3]));
+    amax = std::max(std::max(am[0], am[1]), std::max(am[2], am[3]));
 }
 
-// One row's block scales: int8 amax/127, int6 amax/31; int4 fit_q4's d and m where `fit` (4 blocks at a time in AVX2), else the
+// One row's block scales: int8 amax/127, int6 amax/31; int4 fit_q4's d and m where `fit` (4 blocks at a time), else the
 // block's range. x: the row, zero-padded to nb blocks; d, m: [nb] fp32 before the fp16 rounding.
 static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2, float* d, float* m) {
     float lo[4], hi[4];
@@ -357,11 +404,9 @@ static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2
             d[b] = amax / (bits == 8 ? 127.f : 31.f);
         } else if (!fit) {
             d[b] = (h - l) / 15.f, m[b] = l;  // round-to-nearest on the block's range
-        } else if (avx2 && b / 4 < nb / 4) {  // a whole group of 4 blocks: fitted when its last block's range is in
+        } else if (b / 4 < nb / 4) {  // a whole group of 4 blocks: fitted when its last block's range is in
             lo[b % 4] = l, hi[b % 4] = h;
-#ifdef MOE_X86
-            if (b % 4 == 3) fit_q4_x4(blk - 96, lo, hi, d + b - 3, m + b - 3);
-#endif
+            if (b % 4 == 3) fit_q4_x4(blk - 96, lo, hi, d + b - 3, m + b - 3, avx2);
         } else {
             fit_q4(blk, l, h, d[b], m[b]);
         }
@@ -372,13 +417,13 @@ static void row_scales(const float* x, int64_t nb, int bits, bool fit, bool avx2
 // block_codes in AVX2: vcvtps2dq rounds half to even under the default rounding mode, as nearbyint does.
 __attribute__((target("avx2"))) static void block_codes_avx2(const float* blk, float mf, float inv, int bits, uint8_t* u) {
     const int top = bits == 8 ? 127 : bits == 6 ? 31 : 15;
-    const __m256i lo = _mm256_set1_epi32(bits == 4 ? 0 : -top), hi = _mm256_set1_epi32(top);
+    const __m256 lo = _mm256_set1_ps(float(bits == 4 ? 0 : -top)), hi = _mm256_set1_ps(float(top));
     const __m256i bias = _mm256_set1_epi32(bits == 4 ? 0 : top + 1);
     alignas(32) int32_t c[32];
     for (int i = 0; i < 4; i++) {
         const __m256 x = _mm256_loadu_ps(blk + 8 * i);
         const __m256 v = _mm256_mul_ps(bits != 4 ? x : _mm256_sub_ps(x, _mm256_set1_ps(mf)), _mm256_set1_ps(inv));
-        const __m256i q = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(v), lo), hi);
+        const __m256i q = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));  // clamped first: see block_codes
         _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8 * i), _mm256_add_epi32(q, bias));
     }
     for (int j = 0; j < 32; j++) u[j] = uint8_t(c[j]);
@@ -386,15 +431,21 @@ __attribute__((target("avx2"))) static void block_codes_avx2(const float* blk, f
 #endif
 
 // One block's codes u[32] for its scale: int8 round(x·inv) in [-127, 127] + 128, int6 in [-31, 31] + 32, int4
-// round((x - mf)·inv) in [0, 15].
+// round((x - mf)·inv) in [0, 15]. Clamped before rounding (the same codes), so that a value beyond int32 (an int4
+// minimum beyond fp16's range is -inf) clamps as in formats.quantize rather than converting to INT_MIN; a NaN (inf·0)
+// gives the lowest code. Portable: rounded half to even by adding and subtracting 1.5·2^23, exact below 2^22.
 static void block_codes(const float* blk, float mf, float inv, int bits, bool avx2, uint8_t* u) {
 #ifdef MOE_X86
     if (avx2) return block_codes_avx2(blk, mf, inv, bits, u);
 #endif
-    const int top = bits == 8 ? 127 : 31;
-    for (int j = 0; j < 32; j++)
-        u[j] = bits != 4 ? uint8_t(std::max(-top, std::min(top, int(std::nearbyint(blk[j] * inv)))) + top + 1)
-                         : uint8_t(std::max(0, std::min(15, int(std::nearbyint((blk[j] - mf) * inv)))));
+    const f32x4 zero = {}, top = zero + float(bits == 8 ? 127 : bits == 6 ? 31 : 15), shift = zero + 0x1.8p23f;
+    const f32x4 lo = bits == 4 ? zero : -top, bias = bits == 4 ? zero : top + 1;
+    for (int i = 0; i < 32; i += 4) {
+        f32x4 x = (bits == 4 ? load4(blk + i) - mf : load4(blk + i)) * inv;
+        x = x > lo ? x : lo, x = x < top ? x : top;
+        const i32x4 c = __builtin_convertvector((x + shift) - shift + bias, i32x4);
+        for (int j = 0; j < 4; j++) u[i + j] = uint8_t(c[j]);
+    }
 }
 
 // Row `off / k` of W in fp32, zero-padded to kp

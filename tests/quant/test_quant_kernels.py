@@ -299,14 +299,23 @@ def test_twin_grouped_ffn_matches_one_expert_at_a_time(monkeypatch):
         assert torch.allclose(y[i], formats.expert_ffn(x[i:i + 1], gu[e], dn[e], F.silu)[0], atol=1e-6)
 
 
-@needs_native
-def test_portable_build_runs_the_quantized_kernel(tmp_path, monkeypatch):
-    """As the library builds on ARM: only the scalar path, equal to the twin."""
-    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
-    path = native.build("cpu_portable_q", [cpu_ffn.SOURCE, cpu_ffn.Q_SOURCE], ["-DMOE_PORTABLE_ONLY"],
-                        headers=sorted(cpu_ffn.SOURCE.parent.glob("*.h")))
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """The quantized kernels and the quantizer as they build on ARM: the portable paths alone."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOECHAT_NATIVE_DIR", str(tmp_path_factory.mktemp("native")))
+        path = native.build("cpu_portable_q", [cpu_ffn.SOURCE, cpu_ffn.Q_SOURCE], ["-DMOE_PORTABLE_ONLY"],
+                            headers=sorted(cpu_ffn.SOURCE.parent.glob("*.h")))
     lib = ctypes.CDLL(str(path))
-    lib.moe_q_linear.argtypes = cpu_ffn._QL_ARGTYPES
+    lib.moe_q_linear.argtypes, lib.moe_quantize.argtypes = cpu_ffn._QL_ARGTYPES, cpu_ffn._QZ_ARGTYPES
+    lib.moe_quantize.restype = ctypes.c_int
+    return lib
+
+
+@needs_native
+def test_portable_build_runs_the_quantized_kernel(portable):
+    """As the library builds on ARM: only the scalar path, equal to the twin."""
+    lib = portable
     assert [lib.moe_q_isa_supported(cpu_ffn.ISA[i]) for i in cpu_ffn.Q_ISAS] == [1, 0, 0, 0, 0]
     w = formats.quantize(torch.randn(48, 96) * 0.05, "int4")
     x = torch.randn(3, 96)
@@ -336,12 +345,16 @@ def test_bad_arguments_return_codes_not_crashes():
 
 
 @needs_native
+@pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
-    """The cache is written by the native quantizer: its codes, scales and minimums must be formats.quantize's. int4's fit
-    runs 4 blocks of a row at once where the CPU has AVX2, the rest of the row block by block: rows of 4, 64, 6 (4 + 2)
-    and 2 blocks."""
+def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype, build, request, monkeypatch):
+    """The cache is written by the native quantizer: its codes, scales and minimums must be formats.quantize's, on this
+    CPU's path (AVX2 where it has it) and on the portable one (ARM's). int4's fit runs 4 blocks of a row at once (2 and
+    2 in the portable vectors), the rest of the row block by block: rows of 4, 64, 6 (4 + 2) and 2 blocks."""
+    if build == "portable":
+        lib = request.getfixturevalue("portable")
+        monkeypatch.setattr(cpu_ffn, "library", lambda: lib)
     g = torch.Generator().manual_seed(1)
     for shape in ((2, 32, 100), (48, 2048), (32, 180), (16, 40)):
         w = (torch.randn(*shape, generator=g) * torch.rand(*shape[:-1], 1, generator=g) * 0.05).to(dtype)
@@ -351,6 +364,11 @@ def test_native_quantize_is_the_twin_bit_for_bit(fmt, dtype):
         w[..., 3, :32], w[..., 3, 24] = 0.0, -0.0  # zeros of both signs: which one is the minimum shows in m's sign
         w[..., 4, :32] = w[..., 4, :32].abs()
         w[..., 4, 5], w[..., 4, 9] = -0.0, 0.0
+        w[..., 5, :32] = (torch.arange(32) - 16.5) / 128  # ties between int8's codes (d = 1/128)...
+        w[..., 6, :32] = (torch.arange(32) - 16.5) / 32  # ... and int6's (d = 1/32): to even
+        w[..., 5:7, 0] = torch.tensor([127 / 128, 31 / 32])
+        if dtype != torch.float16:  # int4's minimum beyond fp16's range (-inf): codes clamped to 15, not INT_MIN's 0
+            w[..., 7, :32] = -1e5 - 1024 * torch.arange(32)
         twin, native_q = formats.quantize(w, fmt), cpu_ffn.quantize(w, fmt)
         for a, b in zip(twin.tensors(), native_q.tensors(), strict=True):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), shape  # bytes: torch.equal(-0., 0.) holds
