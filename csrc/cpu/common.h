@@ -17,8 +17,8 @@
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(MOE_PORTABLE_ONLY)
 #include <immintrin.h>
 #define MOE_X86 1
-#if defined(__linux__)
 #include <cpuid.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -45,17 +45,27 @@ inline bool amx_usable(int bit) {
 #endif
 }
 
+#ifdef MOE_X86
+// CPUID.leaf.sub's register `reg` (0-3: EAX, EBX, ECX, EDX) bit `bit`: for the features clang 14's __builtin_cpu_supports
+// does not name (f16c, avxvnni), which would fail the whole build there; their state is the AVX state the builtin checks
+inline bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
+    unsigned r[4] = {0, 0, 0, 0};
+    if (!__get_cpuid_count(leaf, sub, &r[0], &r[1], &r[2], &r[3])) return false;
+    return r[reg] & (1u << bit);
+}
+#endif
+
 // What this CPU can run (and, for AMX, what Linux lets this process use).
 bool cpu_has(Isa isa) {
 #ifdef MOE_X86
     __builtin_cpu_init();
     switch (isa) {
-        case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpuid_bit(1, 0, 2, 29);  // F16C
         case AVX512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                             __builtin_cpu_supports("avx512vl") && cpu_has(AVX2);
         case AVX512_BF16: return cpu_has(AVX512) && __builtin_cpu_supports("avx512bf16");
         case AVX512_VNNI: return cpu_has(AVX512) && __builtin_cpu_supports("avx512vnni");
-        case AVX_VNNI: return cpu_has(AVX2) && __builtin_cpu_supports("avxvnni");  // VEX vpdpbusd: Intel Core 12th gen on
+        case AVX_VNNI: return cpu_has(AVX2) && cpuid_bit(7, 1, 0, 4);  // AVX-VNNI, VEX vpdpbusd: Intel Core 12th gen on
         case AMX_BF16: return amx_usable(22) && cpu_has(AVX512_BF16);  // CPUID.7.0:EDX bit 22: AMX-BF16
         case AMX_INT8: return amx_usable(25) && cpu_has(AVX512_VNNI);  // bit 25: AMX-INT8
         default: return isa == SCALAR;

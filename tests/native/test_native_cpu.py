@@ -1,6 +1,7 @@
 """The native CPU expert FFN (csrc/cpu) against its pure-PyTorch twin, on every path this CPU has."""
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 from types import SimpleNamespace
@@ -305,6 +306,33 @@ def test_portable_build_without_x86_paths(tmp_path, monkeypatch):
     code = lib.moe_expert_ffn(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
                               1, 67, 45, x.data_ptr(), 1, rows.data_ptr(), weights.data_ptr(), out.data_ptr(), 2, 0)
     assert code == 0 and rel_err(out, reference(x, gate_up, down, experts, offsets, rows, weights)) < 2e-5
+
+
+@pytest.mark.native
+@pytest.mark.skipif(shutil.which("clang++") is None, reason="no clang++ on PATH")
+def test_the_library_builds_with_clang_and_finds_the_same_paths(tmp_path, monkeypatch):
+    """clang (CXX=clang++, macOS's only compiler) builds the whole CPU library: clang 14's __builtin_cpu_supports knows
+    neither f16c nor avxvnni, which failed the build there, so those two are read from CPUID; it finds the paths gcc's
+    build finds, and its kernel equals the reference."""
+    import ctypes
+
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "clang++")
+    sources = [cpu_ffn.SOURCE, cpu_ffn.Q_SOURCE, cpu_ffn.DECODE_SOURCE, cpu_ffn.STACK_SOURCE, cpu_ffn.BUS_SOURCE]
+    lib = ctypes.CDLL(str(native.build("cpu_clang", sources, headers=sorted(cpu_ffn.SOURCE.parent.glob("*.h")))))
+    lib.moe_expert_ffn.argtypes = cpu_ffn._ARGTYPES
+    code = cpu_ffn.ISA
+    isas = [i for i in code if i != "auto"]
+    if cpu_ffn.available():  # the paths gcc's build finds on this CPU
+        gcc = cpu_ffn.library()
+        assert [lib.moe_cpu_isa_supported(code[i]) for i in isas] == [gcc.moe_cpu_isa_supported(code[i]) for i in isas]
+    x, gate_up, down, experts, offsets, rows, weights = case(67, 45, [9, 0, 3, 1], torch.bfloat16, torch.float32)
+    want = reference(x, gate_up, down, experts, offsets, rows, weights)
+    for isa in [i for i in isas if i not in ROUNDS_TO_BF16 and lib.moe_cpu_isa_supported(code[i])]:
+        out = torch.zeros(5, 67)
+        rc = lib.moe_expert_ffn(len(experts), experts.data_ptr(), offsets.data_ptr(), gate_up.data_ptr(), down.data_ptr(),
+                                1, 67, 45, x.data_ptr(), 0, rows.data_ptr(), weights.data_ptr(), out.data_ptr(), 2, code[isa])
+        assert rc == 0 and rel_err(out, want) < 2e-5, isa
 
 
 def test_a_failing_source_among_several_gives_one_line_and_a_log(monkeypatch, tmp_path):
