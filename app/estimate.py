@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -87,6 +88,8 @@ def cmd_estimate(args) -> int:
     vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * gib)
     ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
     where = placement(args, source, vram)
+    if where.notice:  # as a run says it (engine_config.py): a device or dtype asked for that is not what counts here
+        print(f"moechat: warning: {where.notice}", file=sys.stderr)
     on_cpu = where.device == "cpu"
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
     kv = est.host_bytes - est.non_expert_bytes if on_cpu else est.kv_bytes  # a CPU keeps a half type's in float32

@@ -95,8 +95,10 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     if out.exists():
         return out
     hung = folder / f"hung-{hashlib.sha256((cxx + chr(0) + version).encode()).hexdigest()[:16]}"  # this compiler ran past
-    if cxx in _hung or _recent(hung):
+    if cxx in _hung:
         raise NativeBuildError(_hung_line(cxx))
+    if _recent(hung):  # this start runs nothing: the line says when, and how to try it again sooner
+        raise NativeBuildError(f"{_hung_line(cxx, 'when moechat last built with it')}; delete {hung} to try it again")
     folder.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(folder)
     if sys.__stderr__ is not None and sys.__stderr__.isatty() and sys.stderr is sys.__stderr__:  # a terminal, not the app
@@ -120,9 +122,10 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
 
 
 def _recent(marker: Path) -> bool:
-    """Whether `marker` was written less than HUNG_RETRY_S ago."""
+    """Whether `marker` was written less than HUNG_RETRY_S ago (or ahead: a file server's clock a little ahead of this
+    machine's; one far ahead, a clock set wrong, would hold it for as long)."""
     try:
-        return time.time() - marker.stat().st_mtime < HUNG_RETRY_S
+        return abs(time.time() - marker.stat().st_mtime) < HUNG_RETRY_S
     except OSError:
         return False
 
@@ -144,9 +147,9 @@ def _remove_abandoned(folder: Path) -> None:
     remove_abandoned(folder, _BUILDING, ABANDONED_S)
 
 
-def _hung_line(cxx: str) -> str:
-    return (f"the C++ compiler {cxx} did not finish within {BUILD_TIMEOUT_S} s (a build takes about 20 s): set CXX to "
-            "another compiler, or MOECHAT_NATIVE=0")
+def _hung_line(cxx: str, when: str = "") -> str:
+    return (f"the C++ compiler {cxx} did not finish within {BUILD_TIMEOUT_S} s{' ' + when if when else ''} (a build takes "
+            "about 20 s): set CXX to another compiler, or MOECHAT_NATIVE=0")
 
 
 def _run_all(cmds: list[list[str]], cxx: str, log: Path, deadline: float) -> None:

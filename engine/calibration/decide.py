@@ -171,14 +171,14 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
     """The estimate in the experts' format: the compute dtype when every routed expert fits the RAM left
     (`_host_tier`'s rule), else the first of int8, int4 that does; int4 when none does (then read from
     disk, the fewest bytes per read). `quant` given: the user's, kept."""
-    left = expert_store_room(est, ram, has_gpu)  # as in _host_tier
     sized = {q: est if q == est.quant else est.with_quant(q) for q in QUANTS}
-    need = {q: _gib_short(e.all_experts_bytes) for q, e in sized.items()}
-    ram_left = f"{_gib_short(max(left, 0))} GiB of RAM left"
+    left = {q: expert_store_room(e, ram, has_gpu) for q, e in sized.items()}  # as in _host_tier; a CPU's dense part
+    need = {q: _gib_short(e.all_experts_bytes) for q, e in sized.items()}  # is quantized with the experts
+    ram_left = f"{_gib_short(max(left[quant or 'none'], 0))} GiB of RAM left"
     if quant is not None:
         reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {ram_left}"
         return sized[quant]
-    chosen = next((q for q in QUANTS if sized[q].all_experts_bytes <= left), None)
+    chosen = next((q for q in QUANTS if sized[q].all_experts_bytes <= left[q]), None)
     in_dtype = f"{need['none']} GiB in {sized['none'].expert_dtype}"  # a CPU keeps a bf16 checkpoint's bf16 (store.storage_dtype)
     if chosen == "none":
         reasons["quant"] = f"none: the experts' {in_dtype} fit the {ram_left}"

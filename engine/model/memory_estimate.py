@@ -9,7 +9,7 @@ padding included); everything else stays in the compute dtype.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,8 @@ class MemoryEstimate:
     quant: str = "none"  # routed experts' storage: "none" (dtype), "int8", "int4"
     non_expert_params: int = 0  # the parameters non_expert_bytes holds, whatever their format
     expert_dtype: str = ""  # the unquantized experts' storage dtype ("": dtype; a CPU keeps a bf16 checkpoint's bf16)
+    cpu_dense_bytes: dict[str, int] = field(default_factory=dict)  # quant -> non_expert_bytes where a CPU quantizes the
+    # dense layers with the experts (estimate(cpu=True)); empty: the same in every format
 
     @property
     def expert_params(self) -> int:
@@ -47,11 +49,13 @@ class MemoryEstimate:
         return 3 * self.hidden_size * self.expert_dim
 
     def with_quant(self, quant: str) -> MemoryEstimate:
-        """The same model with its routed experts stored in `quant` (calibration weighs the formats with it)."""
+        """The same model with its routed experts stored in `quant` (calibration weighs the formats with it), and on a CPU
+        its dense layers as the load quantizes them under it."""
         if not (self.hidden_size and self.expert_dim):
             raise ValueError("this estimate has no expert shapes (hidden_size, expert_dim): build it with estimate()")
         expert_bytes = expert_bytes_for(quant, self.expert_dtype or self.dtype, self.hidden_size, self.expert_dim)
-        return replace(self, quant=quant, expert_bytes=expert_bytes)
+        dense = self.cpu_dense_bytes.get(quant, self.non_expert_bytes)
+        return replace(self, quant=quant, expert_bytes=expert_bytes, non_expert_bytes=dense)
 
     @property
     def all_experts_bytes(self) -> int:
@@ -207,13 +211,22 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
     from .bf16_linear import bf16_params
 
     hf = meta_model(hf_config)
-    dense = quantized_dense_size(hf, routers_of(hf), quant) if cpu and quant != "none" else (0, 0)  # as the loader
     bf16_checkpoint = str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
-    if not (cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), "none")):
-        return estimate_module(hf, hf_config, dtype, context_len, draft, quant, quantized_dense=dense)
-    bf16 = bf16_params(hf, quant)  # as the loader narrows (bf16_linear.py)
-    return estimate_module(hf, hf_config, dtype, context_len, draft, quant, expert_dtype="bfloat16", bf16_params=bf16,
-                           quantized_dense=dense)
+    narrowed = cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), "none")
+
+    def sized(fmt: str) -> MemoryEstimate:  # as the loader keeps it with experts in `fmt`
+        dense = quantized_dense_size(hf, routers_of(hf), fmt) if cpu and fmt != "none" else (0, 0)
+        if not narrowed:
+            return estimate_module(hf, hf_config, dtype, context_len, draft, fmt, quantized_dense=dense)
+        bf16 = bf16_params(hf, fmt)  # as the loader narrows (bf16_linear.py)
+        return estimate_module(hf, hf_config, dtype, context_len, draft, fmt, expert_dtype="bfloat16", bf16_params=bf16,
+                               quantized_dense=dense)
+
+    est = sized(quant)
+    if not cpu:
+        return est
+    return replace(est, cpu_dense_bytes={fmt: est.non_expert_bytes if fmt == quant else sized(fmt).non_expert_bytes
+                                         for fmt in QUANTS})
 
 
 def routers_of(hf) -> set[int]:

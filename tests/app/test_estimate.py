@@ -101,3 +101,16 @@ def test_the_kv_cache_shown_is_the_one_the_run_keeps(capsys, monkeypatch):
     auto = shown()  # this machine: no GPU
     assert auto["device"] == "cpu" and auto["kv_bytes"] == 2 * bf16 == auto["kv_bytes_per_token"] * 40960
     assert on_gpu["total_params"] == half_on_cpu["total_params"] == auto["total_params"]  # bf16 weights kept counted once
+
+
+def test_a_device_asked_for_but_not_here_is_said(capsys, monkeypatch):
+    """`--device cuda` on a machine without a GPU: a run says it runs on the CPU instead; estimate showed the CPU's
+    figures without a word, as if they were the GPU's (a GPU's figures: --vram-budget-gib)."""
+    from moechat.app.cli import main
+    from moechat.engine import placement
+
+    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe())
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--device", "cuda", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["device"] == "cpu"  # stdout stays one JSON object
+    assert err.startswith("moechat: warning: cuda was asked for but no NVIDIA GPU")

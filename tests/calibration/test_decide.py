@@ -478,3 +478,23 @@ def test_two_gpus_decide_for_the_one_auto_runs_on(known, monkeypatch):
     now = _free_vram_now(hw, "cuda:1")
     assert [g.free_bytes for g in now.gpus] == [3 * GIB, int(23.1 * GIB)] and _free_vram_now(hw, "cpu") is hw
     assert decide(now, est, meas).expert_cache_ratio < decide(hw, est, meas).expert_cache_ratio
+
+
+def test_calibration_counts_the_dense_part_as_a_cpu_quantizes_it(monkeypatch):
+    """On a CPU --quant quantizes the dense layers too: `estimate` and the load counted Qwen3-30B-A3B's 1.43 GiB under
+    int4, calibration (which weighs the formats with with_quant) the 2.89 GiB of none, and so put int4 experts that the
+    load keeps in RAM on the mmap tier (a profile's mmap then reads them from disk on every run)."""
+    from moechat.app.estimate import fit_report
+
+    config = dict(KNOWN_MODELS["Qwen3-30B-A3B"], dtype="bfloat16")  # as its checkpoint ships (app/estimate.py)
+    plain = estimate(config, "float32", cpu=True)  # what calibration passes decide (app/calibrate.py)
+    int4 = estimate(config, "float32", quant="int4", cpu=True)  # what `moechat estimate --quant int4` and the load count
+    assert int4.non_expert_bytes < plain.non_expert_bytes and plain.with_quant("int4") == int4
+    assert int4.with_quant("none") == plain
+    ram = int(28.5 * GIB)
+    assert fit_report(int4, None, ram) == {"fits": True, "host_tier": "ram"}
+    cpu_box = Hardware("a CPU", 8, ["avx2"], 64 * GIB, 60 * GIB, 100 * GB)
+    meas = Measurements(expert_bytes=plain.expert_bytes)
+    assert decide(cpu_box, plain, meas, ram_budget=ram, quant="int4").host_tier == "ram"
+    chosen = decide(cpu_box, plain, meas, ram_budget=ram)
+    assert (chosen.quant, chosen.host_tier) == ("int4", "ram")

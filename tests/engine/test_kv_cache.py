@@ -150,3 +150,27 @@ def test_cpu_attention_reads_grouped_kv_heads_in_place(monkeypatch):
     half, _ = cpu_sdpa(Attn(), q.bfloat16(), k, v, mask, scaling=0.25)  # a bf16 model's query on float32 K/V
     want_half, _ = sdpa_attention_forward(Attn(), q.bfloat16().float(), k, v, mask, scaling=0.25)
     assert half.dtype == torch.bfloat16 and torch.equal(half, want_half.bfloat16())
+
+
+def test_a_half_model_set_to_eager_attention_runs_on_the_cpu(checkpoint, tokenizer, tmp_path):
+    """A checkpoint whose config.json asks for eager attention keeps transformers' eager attention (moechat's float32
+    attention replaces sdpa only), which multiplies the query by the keys in one dtype: its KV cache, kept in float32 for
+    a half model all the same, failed every message with 'internal error (expected scalar type Float but found BFloat16)'."""
+    import json
+    import shutil
+
+    from helpers import PROMPT
+
+    from moechat.engine.config import EngineConfig, SamplingParams
+    from moechat.engine.events import Finished
+    from moechat.engine.generate import Engine, Request
+
+    model_dir = tmp_path / "eager"
+    shutil.copytree(checkpoint("qwen3_moe", 4, dtype=torch.bfloat16), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attn_implementation": "eager"}))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), dtype="bfloat16"))
+    assert engine.model.hf.config._attn_implementation == "eager"
+    prompt = tokenizer(PROMPT)["input_ids"]
+    events = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=4)))
+    assert isinstance(events[-1], Finished) and len(events[-1].token_ids) == 4, events[-1]

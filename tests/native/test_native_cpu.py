@@ -437,6 +437,43 @@ def test_a_compiler_that_hung_is_refused_at_once_by_the_next_start_until_a_day_o
         native.reset()
 
 
+def test_a_compiler_remembered_as_hung_says_so_and_how_to_try_it_again(monkeypatch, tmp_path):
+    """The next start refused at once with 'did not finish within 600 s' (false for that run, which ran nothing) and no
+    way to try the compiler again but waiting a day; a marker dated a year ahead (a clock set wrong, a home shared with
+    such a machine) held it for that year."""
+    import os
+    import time
+
+    starts = tmp_path / "starts"
+    hangs = tmp_path / "cxx"
+    hangs.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo 1.0 && exit 0\necho x >> "{starts}"\nexec sleep 30\n')
+    hangs.chmod(0o755)
+    monkeypatch.setenv("CXX", str(hangs))
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 2, raising=False)
+    source = tmp_path / "s.cpp"
+    source.write_text("int f() { return 1; }\n")
+
+    def started_by_a_new_process() -> tuple[int, str]:
+        native.reset()  # what a new process starts with
+        before = len(starts.read_text().split()) if starts.exists() else 0
+        with pytest.raises(native.NativeBuildError) as err:
+            native.build("hangs", [source])
+        return len(starts.read_text().split()) - before, str(err.value)
+
+    try:
+        assert started_by_a_new_process()[0] == 1
+        marker, = (tmp_path / "cache").glob("hung-*")
+        ran, said = started_by_a_new_process()
+        assert ran == 0 and "when moechat last built with it" in said and f"delete {marker} to try it again" in said
+        marker.unlink()
+        assert started_by_a_new_process()[0] == 1
+        os.utime(marker, (time.time() + 365 * 86400,) * 2)
+        assert started_by_a_new_process()[0] == 1
+    finally:
+        native.reset()
+
+
 @pytest.mark.parametrize(("platform", "said", "static"), [
     ("win32", "g++.exe (Rev3, Built by MSYS2 project) 13.2.0\nCopyright (C) 2023 Free Software Foundation, Inc.", True),
     ("win32", "clang version 17.0.6\nTarget: x86_64-w64-windows-gnu", False),
