@@ -292,6 +292,8 @@ def q_linear(x: torch.Tensor, w: QuantMatrix, threads: int | None = None, isa: s
     lib = library()
     if lib is None or w.device.type != "cpu" or x.device.type != "cpu":
         return formats.linear(x, w)
+    if x.dim() != 2 or x.shape[1] != w.k:  # the kernel reads [T, w.k]: a narrower x would be read past its end
+        raise ValueError(f"quantized linear: x {tuple(x.shape)} is not [T, {w.k}]")
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], w.rows, dtype=torch.float32)
     m = 0 if w.minimum is None else w.minimum.data_ptr()

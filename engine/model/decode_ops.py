@@ -101,6 +101,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     exactly: the bits of its fp32 form): every output one fixed-order dot product, so a row's bits do not depend on
     T (a GEMM library's do: its kernels change with the row count)."""
     T, R, K = x.shape[0], weight.shape[0], weight.shape[1]
+    if (x.dim() != 2 or x.shape[1] != K or not (x.is_contiguous() and weight.is_contiguous())
+            or (bias is not None and bias.shape != (R,))):  # the kernel reads x [T, K], weight [R, K], bias [R] as laid out
+        raise ValueError(f"native linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}: not [T, K] and [R, K], contiguous")
     out = torch.empty(T, R, dtype=torch.float32)
     fn = library().moe_linear_bf16w if weight.dtype == torch.bfloat16 else library().moe_linear_f32
     code = fn(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), T, R, K, out.data_ptr(), R,

@@ -196,6 +196,16 @@ def test_bad_shapes_are_refused_by_the_kernel():
     assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 2, 4, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 15, 1.0, 0, 0, 1) == 1  # no room
 
 
+def test_linear_refuses_what_it_cannot_read():
+    """linear() hands the kernel x [T, K], weight [R, K] and bias [R] as laid out: a narrower x or a shorter bias was read
+    past its end (heap overflow under ASan), a column slice read across rows; refused before the call."""
+    x, w = torch.randn(3, 24), torch.randn(8, 32)
+    for args in ((x, w), (torch.randn(3, 64)[:, :32], w), (torch.randn(3, 32), torch.randn(32, 8).T),
+                 (torch.randn(3, 32), w, torch.randn(4))):
+        with pytest.raises(ValueError, match="native linear"):
+            decode_ops.linear(*args)
+
+
 def test_thread_pool_hands_every_call_over_whatever_the_thread_count():
     """The kernels' shared pool (csrc/cpu/pool.h: workers spin, then sleep): calls with 1 to 6 threads, the count
     growing (new workers start after many calls) and two Python threads calling at once, each give the bits of a

@@ -345,6 +345,16 @@ def test_bad_arguments_return_codes_not_crashes():
 
 
 @needs_native
+def test_a_quantized_linear_refuses_inputs_of_another_width():
+    """The kernel reads x as [T, w.k]: a narrower x was read past its end (heap overflow under ASan) and a wider one
+    misread, where the twin raises; refused before the call."""
+    w = formats.quantize(torch.randn(32, 64), "int8")
+    for x in (torch.randn(2, 40), torch.randn(2, 96), torch.randn(1, 2, 64)):
+        with pytest.raises(ValueError, match="not \\[T, 64\\]"):
+            cpu_ffn.q_linear(x, w)
+
+
+@needs_native
 @pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
