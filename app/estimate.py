@@ -92,7 +92,7 @@ def cmd_estimate(args) -> int:
         print(f"moechat: warning: {where.notice}", file=sys.stderr)
     on_cpu = where.device == "cpu"
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
-    kv = est.host_bytes - est.non_expert_bytes if on_cpu else est.kv_bytes  # a CPU keeps a half type's in float32
+    kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
     fit = fit_report(est, vram, ram) if vram is not None or ram is not None else {}
     if args.json:
         print(json.dumps({"model": str(name), "device": where.device, **asdict(est), "total_params": total_params(est),

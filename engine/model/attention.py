@@ -55,10 +55,11 @@ AttentionInterface.register(NAME, cpu_sdpa)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # an unregistered name gets no causal mask at all
 
 
-def kv_dtype(device: torch.device, dtype: torch.dtype, latent_kv: bool = False) -> torch.dtype:
-    """The KV cache's dtype for a model computing in `dtype` on `device` (the rule: memory_estimate.cpu_kv_in_float32)."""
-    widen = device.type == "cpu" and cpu_kv_in_float32(str(dtype).removeprefix("torch."), latent_kv)
-    return torch.float32 if widen else dtype
+def kv_dtype(hf, dtype: torch.dtype, latent_kv: bool = False) -> torch.dtype:
+    """The KV cache's dtype for `hf` computing in `dtype`: float32 where cpu_sdpa reads it and the rule says so
+    (memory_estimate.cpu_kv_in_float32); another attention (on CUDA, or eager where a config asks) reads `dtype`."""
+    ours = hf.config._attn_implementation == NAME  # use_cpu_attention: a CPU device only
+    return torch.float32 if ours and cpu_kv_in_float32(str(dtype).removeprefix("torch."), latent_kv) else dtype
 
 
 def use_cpu_attention(hf) -> None:

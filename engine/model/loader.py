@@ -22,7 +22,6 @@ from ..quant.dense import QuantLinear, quantize_dense, quantized_dense_size, qua
 from ..quant.prequantized import PrequantSpec, expert_format, linear_keys, quantized_prefixes, read_quantization_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
-from .attention import NAME as CPU_ATTENTION
 from .attention import kv_dtype, use_cpu_attention
 from .bf16_linear import narrow_linears
 from .checkpoint import Checkpoint
@@ -120,10 +119,8 @@ class LoadedModel:
         return total
 
     def new_kv_cache(self) -> KVCache:
-        """An empty KV cache for this model: fp32 entries for a half-precision model on the CPU, which moechat's attention
-        reads (attention.py); another attention a config asks for (eager) reads its own dtype."""
-        ours = self.hf.config._attn_implementation == CPU_ATTENTION
-        return KVCache(kv_dtype(self.device, self.dtype, self.family.latent_kv) if ours else self.dtype, limit=self.context_len)
+        """An empty KV cache for this model: fp32 entries for a half-precision model on the CPU (attention.kv_dtype)."""
+        return KVCache(kv_dtype(self.hf, self.dtype, self.family.latent_kv), limit=self.context_len)
 
     def use_runtime(self, runtime: MoERuntime) -> None:
         """Run the MoE layers on another runtime (benchmarks: a variant built by `build_runtime` on this store)."""

@@ -82,7 +82,7 @@ def check_host_room(est: MemoryEstimate, ram_budget: int, machine: bool = False)
             f"{gib(ram_headroom(ram_budget))} stay free for the system")
     if machine:  # a budget past the machine's RAM is no way out: the context that fits is
         kv_room = ram_budget - ram_headroom(ram_budget) - est.non_expert_bytes
-        fits = kv_room * est.context_len // (est.host_bytes - est.non_expert_bytes) if est.context_len else 0
+        fits = kv_room * est.context_len // est.cpu_kv_bytes if est.context_len else 0
         raise BudgetError(f"{need}, this machine has {gib(ram_budget)} of RAM: "
                           + (f"lower --context-len to {fits:,} or less, or use a smaller model" if fits > 0 else
                              "use a smaller model"))

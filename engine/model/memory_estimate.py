@@ -66,13 +66,17 @@ class MemoryEstimate:
         return self.kv_bytes_per_token * self.context_len
 
     @property
-    def host_bytes(self) -> int:
-        """What a CPU-only run holds in RAM besides the experts: the dense weights and the KV cache, which the
-        CPU keeps in fp32 for a half-precision model (model/attention.py; DeepSeek's latent stays in its dtype)."""
+    def cpu_kv_bytes(self) -> int:
+        """The KV cache a CPU run keeps: fp32 for a half-precision model (model/attention.py; DeepSeek's latent stays in
+        its dtype)."""
         from .families import get_family
 
-        widened = cpu_kv_in_float32(self.dtype, get_family(self.model_type).latent_kv)
-        return self.non_expert_bytes + self.kv_bytes * (2 if widened else 1)
+        return self.kv_bytes * (2 if cpu_kv_in_float32(self.dtype, get_family(self.model_type).latent_kv) else 1)
+
+    @property
+    def host_bytes(self) -> int:
+        """What a CPU-only run holds in RAM besides the experts: the dense weights and the KV cache as it keeps it."""
+        return self.non_expert_bytes + self.cpu_kv_bytes
 
 
 def cpu_kv_in_float32(dtype: str, latent_kv: bool) -> bool:
