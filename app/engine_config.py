@@ -19,6 +19,17 @@ def _pick(sources: dict[str, str], name: str, **where):
     return None
 
 
+def run_placement(device: str | None, dtype: str | None, settings, model, quant: str, cuda=None):
+    """Device and dtype as a run resolves them: the flag, else the settings, else `auto` for this machine
+    (engine/placement.py); what differs from what was asked said on stderr."""
+    from ..engine import resolve_placement
+
+    placement = resolve_placement(first(device, settings.device), first(dtype, settings.dtype), model, quant, cuda)
+    if placement.notice:
+        print(f"moechat: warning: {placement.notice}", file=sys.stderr)
+    return placement
+
+
 def gib(value: float | None) -> int | None:
     return None if value is None else int(value * 2**30)
 
@@ -29,7 +40,7 @@ def engine_config(args):
     this machine (engine/placement.py). Sets args.model, args.draft, args.draft_len, args.policy, args.quant,
     args.device and args.dtype to what runs, args.placement to why, args.profile to the profile's path or None, and
     args.sources to where the drafter, γ, policy, K, quant and expert cache came from."""
-    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig, resolve_placement
+    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig
     from .calibrate import machine_profile, run_budgets
     from .demo import DEMO_DRAFT, resolve_model
     from .settings import load_settings
@@ -60,10 +71,7 @@ def engine_config(args):
                         default=sched.policy)
     args.quant = _pick(sources, "quant", command_line=args.quant, settings=settings.quant, profile=d and d.quant,
                        default="none")
-    args.placement = resolve_placement(first(args.device, settings.device), first(args.dtype, settings.dtype), args.model,
-                                       args.quant)
-    if args.placement.notice:
-        print(f"moechat: warning: {args.placement.notice}", file=sys.stderr)
+    args.placement = run_placement(args.device, args.dtype, settings, args.model, args.quant)
     args.device, args.dtype = args.placement.device, args.placement.dtype
     if user_draft is None and d is None and args.draft == str(DEMO_DRAFT) and args.device == "cpu":
         args.draft = "none"  # on a CPU the demo's draft costs what its target's step does: 0.23-0.56× (docs/benchmarks.md)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -70,14 +69,14 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
 
 
 def placement(args, source, vram: int | None):
-    """Where a run of `source` computes and in which dtype, as a run resolves them (flags, else the settings, else
-    auto: app/engine_config.py); with a VRAM budget, on a GPU of that size."""
-    from ..engine import CudaProbe, Gpu, resolve_placement
+    """Where a run of `source` computes and in which dtype, as a run resolves them; with a VRAM budget, on a GPU of
+    that size."""
+    from ..engine import CudaProbe, Gpu
+    from .engine_config import run_placement
     from .settings import load_settings
 
-    settings = load_settings()[0]
     gpu = None if vram is None else CudaProbe((Gpu(0, "a GPU of the VRAM budget", vram, vram, True),))
-    return resolve_placement(args.device or settings.device, args.dtype or settings.dtype, source, args.quant, gpu)
+    return run_placement(args.device, args.dtype, load_settings()[0], source, args.quant, gpu)
 
 
 def cmd_estimate(args) -> int:
@@ -88,8 +87,6 @@ def cmd_estimate(args) -> int:
     vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * gib)
     ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
     where = placement(args, source, vram)
-    if where.notice:  # as a run says it (engine_config.py): a device or dtype asked for that is not what counts here
-        print(f"moechat: warning: {where.notice}", file=sys.stderr)
     on_cpu = where.device == "cpu"
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
     kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
