@@ -83,13 +83,22 @@ def _damaged(path: Path, err: sqlite3.Error) -> str | None:
             "it can (put that file in its place), or move it aside and moechat starts a new one")
 
 
-def _sqlite_header(path: Path) -> bool:
-    """Whether the file starts as an SQLite database does (or cannot be read: then it may be one)."""
+SQLITE_MAGIC = b"SQLite format 3\0"
+
+
+def _header(path: Path) -> bytes | None:
+    """The database header (its first 100 bytes; fewer for a short file), None when the file cannot be read."""
     try:
         with path.open("rb") as file:
-            return file.read(16) == b"SQLite format 3\0"
+            return file.read(100)
     except OSError:
-        return True
+        return None
+
+
+def _sqlite_header(path: Path) -> bool:
+    """Whether the file starts as an SQLite database does (or cannot be read: then it may be one)."""
+    header = _header(path)
+    return header is None or header.startswith(SQLITE_MAGIC)
 
 
 def _refuse_a_log_not_its_own(path: Path) -> None:
@@ -97,12 +106,11 @@ def _refuse_a_log_not_its_own(path: Path) -> None:
     moechat stopped abruptly before another file was put there (a copy, another program's). SQLite would write the log's
     pages into that file at the first read, whatever file it is; refused untouched."""
     try:
-        with path.open("rb") as file:
-            header = file.read(100)
         logged = os.path.getsize(f"{path}-wal") > 32  # the log's header alone holds no page
-    except OSError:  # no file or no log: nothing to apply
+    except OSError:  # no log: nothing to apply
         return
-    if not logged or len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
+    header = _header(path)
+    if not logged or header is None or len(header) < 100 or not header.startswith(SQLITE_MAGIC):
         return  # no page to apply, or no database (refused as such at open)
     if header[18:20] == b"\2\2" and int.from_bytes(header[68:72], "big") in (0, APPLICATION_ID):
         return
