@@ -371,42 +371,11 @@ def test_a_compiler_that_fails_without_a_word_says_its_exit_status(monkeypatch, 
         native.build("silent", [source])
 
 
-def test_a_compiler_that_hangs_costs_one_timeout_not_one_per_source_and_library(monkeypatch, tmp_path):
-    """A compiler that never finishes: each source waited its own 600 s, as many at a time as the cores (the CPU library's
-    five on 2 cores: 30 minutes), then the scheduler's library the same again, before the first answer. Now one build
-    waits BUILD_TIMEOUT_S in all, and a later build in the process does not start that compiler again."""
-    import os
-
-    starts = tmp_path / "starts"
-    hangs = tmp_path / "cxx"
-    hangs.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exit 0\necho x >> "{starts}"\nexec sleep 30\n')
-    hangs.chmod(0o755)
-    monkeypatch.setenv("CXX", str(hangs))
-    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 3, raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    sources = []
-    for i in range(5):
-        sources.append(tmp_path / f"s{i}.cpp")
-        sources[-1].write_text(f"int f{i}() {{ return {i}; }}\n")
-    native.reset()
-    try:
-        for name in ("first", "second"):
-            with pytest.raises(native.NativeBuildError, match="did not finish within 3 s") as err:
-                native.build(name, sources)
-            assert "\n" not in str(err.value)
-    finally:
-        native.reset()
-    assert len(starts.read_text().split()) == 2  # the first two sources only: none started after the time was up
-
-
-def test_a_compiler_that_hung_is_refused_at_once_by_the_next_start_until_a_day_or_a_new_compiler(monkeypatch, tmp_path):
-    """`_hung` was per process: every start of moechat waited BUILD_TIMEOUT_S (600 s) for the same hanging compiler again.
-    It is remembered on disk beside the libraries, by the compiler's path and version, for HUNG_RETRY_S."""
-    import os
-    import time
-
-    starts, version = tmp_path / "starts", tmp_path / "version"
+@pytest.fixture
+def hanging_compiler(monkeypatch, tmp_path):
+    """A C++ compiler that hangs (its version read from a file the test may change), builds timed out after 2 s, and
+    start(): a build as a new process makes it -> (compilers started, the error's line)."""
+    starts, version, source = tmp_path / "starts", tmp_path / "version", tmp_path / "s.cpp"
     version.write_text("1.0")
     hangs = tmp_path / "cxx"
     hangs.write_text(f'#!/bin/sh\n[ "$1" = --version ] && cat "{version}" && exit 0\necho x >> "{starts}"\nexec sleep 30\n')
@@ -414,47 +383,9 @@ def test_a_compiler_that_hung_is_refused_at_once_by_the_next_start_until_a_day_o
     monkeypatch.setenv("CXX", str(hangs))
     monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 2, raising=False)
-    source = tmp_path / "s.cpp"
     source.write_text("int f() { return 1; }\n")
 
-    def started_by_a_new_process() -> int:
-        native.reset()  # what a new process starts with
-        before = len(starts.read_text().split()) if starts.exists() else 0
-        with pytest.raises(native.NativeBuildError, match="did not finish within 2 s"):
-            native.build("hangs", [source])
-        return len(starts.read_text().split()) - before
-
-    try:
-        assert started_by_a_new_process() == 1
-        assert started_by_a_new_process() == 0  # refused at once, the same line
-        marker, = (tmp_path / "cache").glob("hung-*")
-        os.utime(marker, (time.time() - native.HUNG_RETRY_S - 1,) * 2)
-        assert started_by_a_new_process() == 1  # a day later: tried again
-        assert started_by_a_new_process() == 0
-        version.write_text("2.0")  # the compiler updated
-        assert started_by_a_new_process() == 1
-    finally:
-        native.reset()
-
-
-def test_a_compiler_remembered_as_hung_says_so_and_how_to_try_it_again(monkeypatch, tmp_path):
-    """The next start refused at once with 'did not finish within 600 s' (false for that run, which ran nothing) and no
-    way to try the compiler again but waiting a day; a marker dated a year ahead (a clock set wrong, a home shared with
-    such a machine) held it for that year."""
-    import os
-    import time
-
-    starts = tmp_path / "starts"
-    hangs = tmp_path / "cxx"
-    hangs.write_text(f'#!/bin/sh\n[ "$1" = --version ] && echo 1.0 && exit 0\necho x >> "{starts}"\nexec sleep 30\n')
-    hangs.chmod(0o755)
-    monkeypatch.setenv("CXX", str(hangs))
-    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "BUILD_TIMEOUT_S", 2, raising=False)
-    source = tmp_path / "s.cpp"
-    source.write_text("int f() { return 1; }\n")
-
-    def started_by_a_new_process() -> tuple[int, str]:
+    def start() -> tuple[int, str]:
         native.reset()  # what a new process starts with
         before = len(starts.read_text().split()) if starts.exists() else 0
         with pytest.raises(native.NativeBuildError) as err:
@@ -462,16 +393,66 @@ def test_a_compiler_remembered_as_hung_says_so_and_how_to_try_it_again(monkeypat
         return len(starts.read_text().split()) - before, str(err.value)
 
     try:
-        assert started_by_a_new_process()[0] == 1
-        marker, = (tmp_path / "cache").glob("hung-*")
-        ran, said = started_by_a_new_process()
-        assert ran == 0 and "when moechat last built with it" in said and f"delete {marker} to try it again" in said
-        marker.unlink()
-        assert started_by_a_new_process()[0] == 1
-        os.utime(marker, (time.time() + 365 * 86400,) * 2)
-        assert started_by_a_new_process()[0] == 1
+        yield SimpleNamespace(start=start, version=version, cache=tmp_path / "cache", starts=starts)
     finally:
         native.reset()
+
+
+def test_a_compiler_that_hangs_costs_one_timeout_not_one_per_source_and_library(hanging_compiler, monkeypatch, tmp_path):
+    """A compiler that never finishes: each source waited its own 600 s, as many at a time as the cores (the CPU library's
+    five on 2 cores: 30 minutes), then the scheduler's library the same again, before the first answer. Now one build
+    waits BUILD_TIMEOUT_S in all, and a later build in the process does not start that compiler again."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    sources = []
+    for i in range(5):
+        sources.append(tmp_path / f"s{i}.cpp")
+        sources[-1].write_text(f"int f{i}() {{ return {i}; }}\n")
+    native.reset()
+    for name in ("first", "second"):
+        with pytest.raises(native.NativeBuildError, match="did not finish within 2 s") as err:
+            native.build(name, sources)
+        assert "\n" not in str(err.value)
+    assert len(hanging_compiler.starts.read_text().split()) == 2  # the first two sources only: none started after the time was up
+
+
+def test_a_compiler_that_hung_is_refused_at_once_by_the_next_start_until_a_day_or_a_new_compiler(hanging_compiler):
+    """`_hung` was per process: every start of moechat waited BUILD_TIMEOUT_S (600 s) for the same hanging compiler again.
+    It is remembered on disk beside the libraries, by the compiler's path and version, for HUNG_RETRY_S."""
+    import os
+    import time
+
+    def started_by_a_new_process() -> int:
+        ran, said = hanging_compiler.start()
+        assert "did not finish within 2 s" in said
+        return ran
+
+    assert started_by_a_new_process() == 1
+    assert started_by_a_new_process() == 0  # refused at once, the same line
+    marker, = hanging_compiler.cache.glob("hung-*")
+    os.utime(marker, (time.time() - native.HUNG_RETRY_S - 1,) * 2)
+    assert started_by_a_new_process() == 1  # a day later: tried again
+    assert started_by_a_new_process() == 0
+    hanging_compiler.version.write_text("2.0")  # the compiler updated
+    assert started_by_a_new_process() == 1
+
+
+def test_a_compiler_remembered_as_hung_says_so_and_how_to_try_it_again(hanging_compiler):
+    """The next start refused at once with 'did not finish within 600 s' (false for that run, which ran nothing) and no
+    way to try the compiler again but waiting a day; a marker dated a year ahead (a clock set wrong, a home shared with
+    such a machine) held it for that year."""
+    import os
+    import time
+
+    assert hanging_compiler.start()[0] == 1
+    marker, = hanging_compiler.cache.glob("hung-*")
+    ran, said = hanging_compiler.start()
+    assert ran == 0 and "when moechat last built with it" in said and f"delete {marker} to try it again" in said
+    marker.unlink()
+    assert hanging_compiler.start()[0] == 1
+    os.utime(marker, (time.time() + 365 * 86400,) * 2)
+    assert hanging_compiler.start()[0] == 1
 
 
 @pytest.mark.parametrize(("platform", "said", "static"), [
