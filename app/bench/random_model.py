@@ -1,4 +1,4 @@
-"""`moechat bench random-model OUT --like deepseek-v2-lite|qwen3-30b-a3b`: a random-weight checkpoint with a real model's shapes.
+"""`moechat bench random-model OUT --like qwen3-30b-a3b|deepseek-v2-lite|mixtral-8x7b|olmoe-1b-7b`: random weights, real shapes.
 
 Paired with `bench generate --replay-traces` it benchmarks the scheduler at real expert sizes with
 real routing, without downloading the model. Written one decoder layer per safetensors shard, each
@@ -6,13 +6,14 @@ tensor filled in place in the target dtype, so at most one layer (about 1.2 GB a
 DeepSeek-V2-Lite size in bf16, 1.25 GB for Qwen3-30B-A3B) is in memory, never the model.
 
 Shapes (`LIKE`): DeepSeek-V2-Lite (27 layers, the first dense; 64 routed experts top-6 of width
-1408, 2 shared; MLA attention) and Qwen3-30B-A3B (48 layers, all sparse; 128 experts top-8 of
-width 768, no shared expert; GQA attention, 32 query and 4 KV heads of dimension 128). What
-differs between the families (expert count field, which layers are dense) is read through
-`moechat.engine.get_family`.
+1408, 2 shared; MLA attention), Qwen3-30B-A3B (48 layers, all sparse; 128 experts top-8 of
+width 768, no shared expert; GQA attention, 32 query and 4 KV heads of dimension 128), Mixtral-8x7B
+(32 layers; 8 experts top-2 of width 14336; 32 query and 8 KV heads) and OLMoE-1B-7B (16 layers; 64
+experts top-8 of width 1024; 16 heads, q/k norms). What differs between the families (expert count
+field, which layers are dense) is read through `moechat.engine.get_family`.
 
 The tokenizer is the embedded demo model's (4096 tokens), so by default embedding and head are far
-smaller than the real vocabularies (DeepSeek 102400, Qwen3 151936); `--vocab real` pads them to the
+smaller than the real vocabularies (DeepSeek 102400, Qwen3 151936, Mixtral 32000, OLMoE 50304); `--vocab real` pads them to the
 real model's size (what the head reads and sampling sorts per token; ids past the tokenizer's
 decode to nothing). Every other shape is the real model's unless scaled down.
 """
@@ -26,24 +27,11 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# The real models' config.json, the fields that shape the model (vocab aside): DeepSeek-V2-Lite(-Chat)
-# and Qwen3-30B-A3B (the same fields as moechat.engine.KNOWN_MODELS, which the tests cross-check).
-LIKE = {
-    "deepseek-v2-lite": dict(
-        model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=27, first_k_dense_replace=1, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
-        num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, head_dim=64, topk_method="greedy", n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, norm_topk_prob=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-        num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0,
-        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False, attention_bias=False,
-    ),
-}
+from ...engine.calibration.known_models import KNOWN_MODELS
+
+# The real models' config.json (moechat's known-model copies), by the name `--like` takes; the vocabulary is set apart.
+LIKE = {name.lower(): {k: v for k, v in fields.items() if k != "vocab_size"} for name, fields in KNOWN_MODELS.items()}
+REAL_NAME = {name.lower(): name for name in KNOWN_MODELS}
 
 
 def add_random_model(sub) -> None:
@@ -52,15 +40,15 @@ def add_random_model(sub) -> None:
     p.add_argument("--like", required=True, choices=sorted(LIKE), help="whose shapes")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="decoder layers (default the model's; DeepSeek-V2-Lite: 27 = 1 dense + 26 MoE, a replay trace "
-                        "then drives the first N-1 MoE layers; Qwen3-30B-A3B: 48, all MoE)")
+                        "then drives the first N-1 MoE layers; the others: every layer MoE)")
     p.add_argument("--hidden", type=int, default=None, metavar="H",
                    help="scale the model down: hidden size H (attention heads, KV heads or KV rank, and the dense MLP "
-                        "scale with it; head dimensions stay the model's)")
+                        "scale with it, Mixtral's and OLMoE's experts too unless --intermediate; head dimensions stay the "
+                        "model's)")
     p.add_argument("--intermediate", type=int, default=None, metavar="I", help="routed expert width (default the model's)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--vocab", choices=["demo", "real"], default="demo",
-                   help="embedding and head rows: the demo tokenizer's 4096 (default), or the real model's vocabulary "
-                        "(DeepSeek-V2-Lite 102400, Qwen3-30B-A3B 151936)")
+                   help="embedding and head rows: the demo tokenizer's 4096 (default), or the real model's vocabulary")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_random_model)
 
@@ -116,27 +104,29 @@ def random_config(like: str, layers: int | None = None, hidden: int | None = Non
     return cfg
 
 
-def _layer_specs(shapes: dict, prefix: str):
-    """(checkpoint key, shape, ones) for every key under `prefix`, in the checkpoint's per-expert layout."""
+def _layer_specs(shapes: dict, prefix: str, family):
+    """(checkpoint key, shape, ones) for every key under `prefix`, in the family's per-expert checkpoint layout."""
+    import re
+
     for key, shape in shapes.items():
         if not key.startswith(prefix):
             continue
-        if key.endswith("experts.gate_up_proj"):  # transformers' fused [E, 2I, H] -> per-expert gate/up [I, H]
-            base = key[: -len("gate_up_proj")]
+        fused = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)", key)
+        if fused:  # transformers' fused [E, 2I, H] -> per-expert gate/up [I, H]; [E, H, I] -> per-expert down [H, I]
+            layer = int(fused[1])
             for e in range(shape[0]):
-                for name in ("gate_proj", "up_proj"):
-                    yield f"{base}{e}.{name}.weight", (shape[1] // 2, shape[2]), False
-        elif key.endswith("experts.down_proj"):  # [E, H, I] -> per-expert down [H, I]
-            base = key[: -len("down_proj")]
-            for e in range(shape[0]):
-                yield f"{base}{e}.down_proj.weight", (shape[1], shape[2]), False
-        elif "norm" in key.rsplit(".", 2)[-2]:
-            yield key, shape, True
-        else:
-            yield key, shape, False
+                if fused[2] == "down_proj":
+                    yield family.expert_key(layer, e, 2), (shape[1], shape[2]), False
+                else:
+                    for which in (0, 1):
+                        yield family.expert_key(layer, e, which), (shape[1] // 2, shape[2]), False
+            continue
+        if family.block_name != "mlp":  # the sparse block's other tensors (router) under its checkpoint name
+            key = key.replace(".mlp.", f".{family.block_name}.")
+        yield key, shape, "norm" in key.rsplit(".", 2)[-2]
 
 
-def _layer_tensors(shapes: dict, prefix: str, dtype, std: float, seed: int, pool) -> dict:
+def _layer_tensors(shapes: dict, prefix: str, family, dtype, std: float, seed: int, pool) -> dict:
     """Random tensors for every key under `prefix`, drawn on all cores: each from its own generator, seeded by the
     seed and its key, so the checkpoint does not depend on the thread count (a full DeepSeek-V2-Lite is 30 GB)."""
     import torch
@@ -148,7 +138,7 @@ def _layer_tensors(shapes: dict, prefix: str, dtype, std: float, seed: int, pool
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
         return key, torch.empty(shape, dtype=dtype).normal_(0, std, generator=g)
 
-    return dict(pool.map(draw, _layer_specs(shapes, prefix)))
+    return dict(pool.map(draw, _layer_specs(shapes, prefix, family)))
 
 
 def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
@@ -157,6 +147,9 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    from ...engine import get_family
+
+    family = get_family(cfg.model_type)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     shapes = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
@@ -170,9 +163,9 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
     pool = ThreadPoolExecutor(os.cpu_count() or 1)  # torch's fills release the GIL
     for name, prefix in zip(names, groups + [None]):
         if prefix is None:
-            tensors = _layer_tensors({k: shapes[k] for k in rest}, "", dtype, cfg.initializer_range, seed, pool)
+            tensors = _layer_tensors({k: shapes[k] for k in rest}, "", family, dtype, cfg.initializer_range, seed, pool)
         else:
-            tensors = _layer_tensors(shapes, prefix, dtype, cfg.initializer_range, seed, pool)
+            tensors = _layer_tensors(shapes, prefix, family, dtype, cfg.initializer_range, seed, pool)
         save_file(tensors, out / name, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))
@@ -192,7 +185,7 @@ def _left_by_a_cut_write(name: str) -> bool:
 def cmd_random_model(args) -> int:
     from transformers import AutoTokenizer
 
-    from ...engine import KNOWN_MODELS, MoechatError, get_family
+    from ...engine import MoechatError, get_family
     from ..demo import DEMO_MODEL
 
     out = Path(args.out)
@@ -201,8 +194,7 @@ def cmd_random_model(args) -> int:
     for f in out.glob("model*.safetensors*"):  # shards of a write cut short (config.json comes last): written again
         f.unlink()
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
-    real = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B"}[args.like]
-    vocab = -(-len(tok) // 64) * 64 if args.vocab == "demo" else KNOWN_MODELS[real]["vocab_size"]  # padded, as real ones are
+    vocab = -(-len(tok) // 64) * 64 if args.vocab == "demo" else KNOWN_MODELS[REAL_NAME[args.like]]["vocab_size"]  # padded
     cfg = random_config(args.like, args.layers, args.hidden, args.intermediate, vocab, args.dtype)
     cfg.eos_token_id = tok.eos_token_id
     total = write_random_checkpoint(args.out, cfg, args.seed)

@@ -1,11 +1,14 @@
-"""config.json of the two reference models, so `moechat estimate` and the decision tests need no download.
+"""config.json of the MoE models the README names, so `moechat estimate`, `bench random-model` and the decision tests
+need no download.
 
 Only the fields that shape parameters and the KV cache (plus routing, for a faithful config).
 Sources: the public config.json files on the Hugging Face Hub (Qwen/Qwen3-30B-A3B,
-deepseek-ai/DeepSeek-V2-Lite), cross-checked against public training recipes that restate them
-(THUDM/slime scripts/models/qwen3-30B-A3B.sh; Megatron's deepseek_v2_lite.yaml: 27 layers, hidden
-2048, ffn 10944, moe ffn 1408, 64 experts, 2 shared, MLA kv_lora_rank 512, q_lora_rank null).
-Totals this gives (tests/calibration/test_decide.py): Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B.
+deepseek-ai/DeepSeek-V2-Lite, mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0924), the first two
+cross-checked against public training recipes that restate them (THUDM/slime
+scripts/models/qwen3-30B-A3B.sh; Megatron's deepseek_v2_lite.yaml: 27 layers, hidden 2048, ffn 10944,
+moe ffn 1408, 64 experts, 2 shared, MLA kv_lora_rank 512, q_lora_rank null). Their chat and instruct
+variants share these fields (`known_name`). Totals this gives (tests/calibration/test_decide.py):
+Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B, Mixtral-8x7B 46.70 B, OLMoE-1B-7B 6.92 B.
 """
 from __future__ import annotations
 
@@ -62,10 +65,49 @@ DEEPSEEK_V2_LITE = {
     "attention_bias": False,
 }
 
-KNOWN_MODELS = {"Qwen3-30B-A3B": QWEN3_30B_A3B, "DeepSeek-V2-Lite": DEEPSEEK_V2_LITE}
+MIXTRAL_8X7B = {
+    "model_type": "mixtral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,  # every expert's width: there is no dense MLP
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-5,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+}
+
+OLMOE_1B_7B = {
+    "model_type": "olmoe",
+    "vocab_size": 50304,
+    "hidden_size": 2048,
+    "intermediate_size": 1024,  # every expert's width: there is no dense MLP
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": False,
+    "clip_qkv": None,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+
+KNOWN_MODELS = {"Qwen3-30B-A3B": QWEN3_30B_A3B, "DeepSeek-V2-Lite": DEEPSEEK_V2_LITE, "Mixtral-8x7B": MIXTRAL_8X7B,
+                "OLMoE-1B-7B": OLMOE_1B_7B}
 
 
 def known_name(name: str) -> str | None:
-    """The known model a name means (case-insensitive, an OWNER/ prefix allowed), else None."""
+    """The known model a name means (case-insensitive, an OWNER/ prefix allowed, and its variants: a name that goes
+    on with `-`, as Qwen3-30B-A3B-Instruct-2507, DeepSeek-V2-Lite-Chat or Mixtral-8x7B-Instruct-v0.1), else None."""
     key = name.rsplit("/", 1)[-1].lower()
-    return next((known for known in KNOWN_MODELS if known.lower() == key), None)
+    return next((known for known in KNOWN_MODELS if key == known.lower() or key.startswith(known.lower() + "-")), None)

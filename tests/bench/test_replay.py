@@ -174,18 +174,43 @@ def test_random_model_qwen3_30b_a3b_loads_estimates_and_replays(tmp_path, capsys
     assert len(events[-1].token_ids) == 6
 
 
-def test_random_model_qwen3_30b_a3b_shapes():
-    """Full size is Qwen3-30B-A3B's config (moechat's known-model copy of it) but for the demo vocabulary."""
+@pytest.mark.parametrize("name", ["Qwen3-30B-A3B", "DeepSeek-V2-Lite", "Mixtral-8x7B", "OLMoE-1B-7B"])
+def test_random_model_shapes_are_the_known_configs(name):
+    """Full size is the real model's config (moechat's known-model copy of it) but for the demo vocabulary."""
     from moechat.app.bench.random_model import random_config
     from moechat.engine import KNOWN_MODELS
 
-    cfg = random_config("qwen3-30b-a3b")
-    for field, value in KNOWN_MODELS["Qwen3-30B-A3B"].items():
+    cfg = random_config(name.lower())
+    for field, value in KNOWN_MODELS[name].items():
         if field == "rope_theta":
             assert cfg.rope_parameters["rope_theta"] == value
         elif field != "vocab_size":
             assert getattr(cfg, field) == value, field
-    assert cfg.vocab_size == 4096 and cfg.max_position_embeddings == 40960
+    assert cfg.vocab_size == 4096
+
+
+@pytest.mark.parametrize("like, expert_key, router_key", [
+    ("mixtral-8x7b", "model.layers.1.block_sparse_moe.experts.7.w2.weight", "model.layers.0.block_sparse_moe.gate.weight"),
+    ("olmoe-1b-7b", "model.layers.1.mlp.experts.63.down_proj.weight", "model.layers.0.mlp.gate.weight"),
+])
+def test_random_model_mixtral_and_olmoe_write_their_checkpoint_names(tmp_path, capsys, like, expert_key, router_key):
+    """Written in the real checkpoints' names (Mixtral's block_sparse_moe and w1/w3/w2), so moechat and llama.cpp's
+    converter read them as they read the real model (before, Mixtral's were transformers' module names: refused)."""
+    out = tmp_path / like
+    assert main(["bench", "random-model", str(out), "--like", like, "--layers", "2", "--hidden", "64", "--intermediate",
+                 "32", "--dtype", "float32"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert expert_key in index and router_key in index
+    capsys.readouterr()
+    assert main(["bench", "generate", "--model", str(out), "--max-new-tokens", "3", "--repeats", "1", "--draft", "none",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["same_tokens"] is True  # greedy equal to transformers on the written checkpoint
+
+
+def test_random_model_scaled_shapes():
+    from moechat.app.bench.random_model import random_config
+
     assert round(total_params(estimate(random_config("qwen3-30b-a3b", layers=8))) / 1e9, 2) == 5.0  # the 8-layer bench model
 
     half = random_config("qwen3-30b-a3b", hidden=512)  # heads scale with the hidden size, head_dim stays, KV heads divide

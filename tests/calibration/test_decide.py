@@ -69,6 +69,11 @@ def synthetic(name: str, est) -> Measurements:
 # least 0.5 GiB: desktop (23.5 GiB, margin 1.175 GiB) 20 083 793 101 B // 9 437 184 = 2128 Qwen3
 # experts, 21 093 216 461 B // 17 301 504 = 1219 DeepSeek ones; laptop (7.5 GiB, margin 0.5 GiB)
 # 1230 int4 Qwen3 experts and 504 int8 DeepSeek ones (384 and 268 in bf16).
+# Mixtral-8x7B: 84.0 GiB of experts (256 of 352 321 536 B; int8 187 170 816, 44.6 GiB; int4 110 100 480, 26.2 GiB),
+# 2.99 GiB non-expert, 1.0 GiB KV: int8 in the desktop's RAM, 105 slots ((23.5 - 2.99 - 1.0 - 1.175) GiB // int8
+# expert); the laptop's 25 GiB left hold not even int4: read from disk, 29 int4 slots. OLMoE-1B-7B: 12.0 GiB (1024
+# of 12 582 912 B; int8 6.4 GiB), 0.89 GiB, 1.0 GiB: every expert in the desktop's VRAM, 436 on the laptop, int8 in
+# the 16 GB box's RAM.
 EXPECTED = {  # (machine, model): (experts' format, host tier, expert slots, VRAM margin)
     ("desktop-4090", "Qwen3-30B-A3B"): ("none", "ram", 2128, 1261646643),
     ("desktop-4090", "DeepSeek-V2-Lite"): ("none", "ram", 1219, 1261646643),
@@ -76,6 +81,12 @@ EXPECTED = {  # (machine, model): (experts' format, host tier, expert slots, VRA
     ("laptop-8g", "DeepSeek-V2-Lite"): ("int8", "ram", 504, GIB // 2),
     ("cpu-16g", "Qwen3-30B-A3B"): ("int4", "mmap", 0, None),
     ("cpu-16g", "DeepSeek-V2-Lite"): ("int4", "mmap", 0, None),
+    ("desktop-4090", "Mixtral-8x7B"): ("int8", "ram", 105, 1261646643),
+    ("laptop-8g", "Mixtral-8x7B"): ("int4", "mmap", 29, GIB // 2),
+    ("cpu-16g", "Mixtral-8x7B"): ("int4", "mmap", 0, None),
+    ("desktop-4090", "OLMoE-1B-7B"): ("none", "ram", 1024, 1261646643),
+    ("laptop-8g", "OLMoE-1B-7B"): ("none", "ram", 436, GIB // 2),
+    ("cpu-16g", "OLMoE-1B-7B"): ("int8", "ram", 0, None),
 }
 
 
@@ -114,10 +125,12 @@ def test_more_vram_or_less_context_never_caches_fewer_experts(known, model):
     meas = synthetic("desktop-4090", est)
     by_vram = [decide(hw, est, meas, vram_budget=g * GIB).expert_cache_ratio for g in (5, 8, 12, 16, 20, 23)]
     assert by_vram == sorted(by_vram) and by_vram[0] < by_vram[-1]
-    by_context = [decide(hw, replace(est, context_len=n), meas).expert_cache_ratio for n in (1024, 8192, 32768)]
+    # at a 12 GiB budget no model here fits every expert (OLMoE's all fit the 4090's 23.5 GiB at any context)
+    by_context = [decide(hw, replace(est, context_len=n), meas, vram_budget=12 * GIB).expert_cache_ratio
+                  for n in (1024, 8192, 32768)]
     assert by_context == sorted(by_context, reverse=True) and by_context[0] > by_context[-1]
     more_ram = replace(hw, ram_available_bytes=1024 * GIB, ram_total_bytes=1024 * GIB)
-    assert decide(more_ram, est, meas, ram_budget=8 * GIB).host_tier == "mmap"  # the user's budget wins
+    assert decide(more_ram, est, meas, ram_budget=2 * GIB).host_tier == "mmap"  # the user's budget wins (no int4 fits)
     assert decide(more_ram, est, meas).host_tier == "ram"
 
 
@@ -198,9 +211,11 @@ def test_unmeasured_drafter_keeps_the_default(known):
 
 
 def test_known_model_totals(known):
-    """Public totals: Qwen3-30B-A3B 30.5 B parameters, DeepSeek-V2-Lite 15.7 B."""
+    """Public totals: Qwen3-30B-A3B 30.5 B parameters, DeepSeek-V2-Lite 15.7 B, Mixtral-8x7B 46.7 B, OLMoE-1B-7B 6.9 B."""
     assert total_params(known["Qwen3-30B-A3B"]) == pytest.approx(30.5e9, rel=0.02)
     assert total_params(known["DeepSeek-V2-Lite"]) == pytest.approx(15.7e9, rel=0.02)
+    assert total_params(known["Mixtral-8x7B"]) == pytest.approx(46.7e9, rel=0.02)
+    assert total_params(known["OLMoE-1B-7B"]) == pytest.approx(6.9e9, rel=0.02)
     q = known["Qwen3-30B-A3B"]
     assert (q.num_experts_total, q.expert_bytes) == (48 * 128, 3 * 2048 * 768 * 2)
     assert q.kv_bytes_per_token == 48 * 4 * 128 * 2 * 2
@@ -208,6 +223,10 @@ def test_known_model_totals(known):
     assert ds.num_experts_total == 26 * 64  # the first layer is dense
     assert ds.kv_bytes_per_token == 27 * (512 + 64) * 2  # MLA: the compressed latent and the rope key
     assert known_name("qwen3-30b-a3b") == known_name("Qwen/Qwen3-30B-A3B") == "Qwen3-30B-A3B" and known_name("nope") is None
+    # chat and instruct variants share the base model's shapes; a name that merely starts alike does not
+    assert known_name("Qwen/Qwen3-30B-A3B-Instruct-2507") == "Qwen3-30B-A3B"
+    assert known_name("mistralai/Mixtral-8x7B-Instruct-v0.1") == "Mixtral-8x7B" and known_name("Mixtral-8x22B") is None
+    assert known_name("allenai/OLMoE-1B-7B-0924-Instruct") == "OLMoE-1B-7B" and known_name("qwen3-30b-a3bx") is None
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"])
