@@ -1,5 +1,5 @@
-"""The OpenAI API's shapes: request bodies (validated with pydantic; unknown fields ignored, as OpenAI's own
-clients send more than this server reads) mapped to the engine's Request and SamplingParams, and the
+"""The OpenAI API's shapes: request bodies (validated with pydantic, strictly as to JSON types; unknown fields
+ignored, as OpenAI's own clients send more than this server reads) mapped to the engine's Request and SamplingParams, and the
 response objects and stream chunks built from the engine's events.
 
 The moechat extension: the non-streaming response, and the stream chunk that carries `finish_reason`, have a
@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 4096  # when a request names none (the engine also stops at the end of the context)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_reason -> the API's
@@ -24,15 +24,18 @@ UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none", "auto"), "f
                "audio": (), "modalities": (["text"],),  # spoken replies
                # vLLM's and llama.cpp's sampling extras (top_k is honoured)
                "min_p": (), "repetition_penalty": (1,), "ignore_eos": (), "stop_token_ids": (), "min_tokens": ()}
+UNCALLED = {"tools": "tool_choice", "functions": "function_call"}  # tools the model must not call ("none"): left out
+# strict: a value of the wrong JSON type is a client's bug, refused (`"max_tokens": true` was 1); an integer is a number
+STRICT = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None  # one model is served: the name is accepted and not checked
     max_tokens: int | None = Field(None, ge=1)
@@ -49,10 +52,14 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _supported(cls, data):
-        if isinstance(data, dict):  # null is the default, as the API defines its optional fields (temperature: null)
-            data = {name: value for name, value in data.items() if value is not None}
+        if not isinstance(data, dict):
+            return data  # pydantic says it is not an object
+        # null is the default, as the API defines its optional fields (temperature: null)
+        data = {name: value for name, value in data.items() if value is not None}
         for name, unset in UNSUPPORTED.items():
-            value = data.get(name) if isinstance(data, dict) else None
+            value = data.get(name)
+            if name in UNCALLED and data.get(UNCALLED[name]) == "none":  # as OpenAI and vLLM take them
+                continue
             if value not in (None, False, 0, "", [], {}) and value not in unset:
                 raise ValueError(f"`{name}` is not supported by this server: leave it out")
         return data
@@ -85,13 +92,13 @@ class _Body(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
     content: str | list[ContentPart]
 
@@ -109,7 +116,7 @@ class ChatMessage(BaseModel):
 
 class TemplateKwargs(BaseModel):
     """vLLM's and SGLang's `chat_template_kwargs`: the one the engine passes on is Qwen3's `enable_thinking`."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     enable_thinking: bool | None = None
 
 
@@ -128,14 +135,26 @@ class CompletionBody(_Body):
     # text or token ids, or a list holding one of either (as OpenAI's API takes them)
     prompt: str | list[str] | list[int] | list[list[int]]
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _one_prompt(cls, prompt):
+    def _one_prompt(cls, prompt, handler):
+        try:
+            prompt = handler(prompt)
+        except ValidationError:  # pydantic's message names the union's first branch: `Input should be a valid string`
+            raise ValueError("send text or token ids (integers), or a list holding one of either") from None
         if isinstance(prompt, list) and not prompt:
             raise ValueError("the prompt is empty: send text or token ids")
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) and len(prompt) != 1:
             raise ValueError("send one prompt per request (text or token ids, or a list holding one of either)")
         return prompt
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_logprobs(cls, data):
+        """The legacy API's `logprobs` counts the alternatives to list: 0 still asks for each chosen token's logprob."""
+        if isinstance(data, dict) and data.get("logprobs") == 0 and data.get("logprobs") is not False:
+            raise ValueError("`logprobs` is not supported by this server: leave it out")
+        return data
 
     def request(self):
         from ...engine import Request

@@ -31,6 +31,7 @@ MAX_BODY_BYTES = 32 << 20  # a request body past this is refused unread (413); t
 LOOPBACK_ORIGIN = r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d+)?"  # a page served from this machine
 
 
+GET = ["GET", "HEAD"]  # Starlette's routes answer HEAD where they answer GET; FastAPI's do not unless told
 ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health"
 
 
@@ -105,9 +106,35 @@ class _KeyCheck:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):  # RFC 7235: any case
-                response = _error(401, "missing or wrong API key: send the header Authorization: Bearer <key>")
+                response = _error(401, "missing or wrong API key: send the header Authorization: Bearer <key>",
+                                  headers={"WWW-Authenticate": "Bearer"})  # the scheme it takes (RFC 6750)
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _Internal:
+    """An exception no route turned into a reply is a JSON 500 sent from inside the CORS middleware, so a browser front end
+    can read it (Starlette's own handler sits outside every middleware), then raised again for uvicorn's log. Plain ASGI;
+    a reply already under way (a stream) is left as it ends."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def watched(message) -> None:
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as err:
+            if scope["type"] == "http" and not started:
+                await _error(500, f"internal error ({type(err).__name__}: {err}); the server is still running")(
+                    scope, receive, send)
+            raise
 
 
 def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -> FastAPI:
@@ -129,32 +156,29 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
                                            f"{ROUTES} (a client's base URL ends in /v1)", headers=err.headers)
         return _error(err.status_code, str(err.detail))
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, err: Exception):
-        return _error(500, f"internal error ({type(err).__name__}: {err}); the server is still running")
-
     app.add_middleware(_BodyLimit)
     if api_key is not None:
         app.add_middleware(_KeyCheck, api_key=api_key)  # a stranger's body is not read
+    app.add_middleware(_Internal)
     # browser front ends call from their own origin: with a key, any origin may (vLLM's and llama.cpp's default; the key is
     # still checked), without one only a page served from this machine (Ollama's default), not any website the user visits.
-    # Added last, so it runs first: a preflight carries no key, and a 401 reaches the page that sent the request.
+    # Added last, so it runs first: a preflight carries no key, and a 401 or a 500 reaches the page that sent the request.
     app.add_middleware(CORSMiddleware, allow_origins=["*"] if api_key is not None else [], allow_methods=["GET", "POST"],
                        allow_origin_regex=None if api_key is not None else LOOPBACK_ORIGIN, allow_headers=["*"])
     v1 = APIRouter(prefix="/v1")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=GET)
     async def health():
         return {"status": "ok", "model": model_id, "queued": worker.queued, "running": worker.running,
                 "served": worker.served, "cancelled": worker.cancelled}
 
     card = {"id": model_id, "object": "model", "created": started, "owned_by": "moechat"}
 
-    @v1.get("/models")
+    @v1.api_route("/models", methods=GET)
     async def models():
         return {"object": "list", "data": [card]}
 
-    @v1.get("/models/{name:path}")
+    @v1.api_route("/models/{name:path}", methods=GET)
     async def model(name: str):
         return card if name == model_id else _error(404, f"no model {name!r} here: this server serves {model_id!r}", "model")
 

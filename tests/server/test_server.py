@@ -576,3 +576,76 @@ def test_a_prompt_of_token_ids_in_a_list_is_taken_as_one_of_text_is(server):
     for batch in ([ids, ids], ["The sea is", "The moon is"]):
         status, reply = post(server, "/v1/completions", {**body, "prompt": batch})
         assert status == 400 and "send one prompt per request" in reply["error"]["message"], reply
+
+
+def test_tools_the_model_may_not_call_are_taken(server, client):
+    """`tools` with `tool_choice: "none"` (a client that keeps its tool list on every turn, as agents do) was a 400;
+    OpenAI and vLLM take it, since the model may call none of them. Tools it might call are still refused."""
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+    plain = client.chat.completions.create(model="tiny", messages=SEA, max_tokens=4, temperature=0)
+    reply = client.chat.completions.create(model="tiny", messages=SEA, max_tokens=4, temperature=0, tools=tools,
+                                           tool_choice="none")
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+    functions = [{"name": "weather", "parameters": {}}]
+    status, _ = post(server, "/v1/chat/completions", {"messages": SEA, "max_tokens": 1, "functions": functions,
+                                                      "function_call": "none"})
+    assert status == 200
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"}):
+        status, reply = post(server, "/v1/chat/completions", {"messages": SEA, "tools": tools, **choice})
+        assert status == 400 and "`tools` is not supported" in reply["error"]["message"], choice
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"logprobs": 0}, "`logprobs` is not supported"),  # 0 asks for each chosen token's logprob: it was a 200 with null
+    ({"logprobs": 2}, "`logprobs` is not supported"),
+    ({"max_tokens": True}, "max_tokens: Input should be a valid integer"),  # was taken as 1
+    ({"max_tokens": 2.0}, "max_tokens: Input should be a valid integer"),
+    ({"temperature": "0.5"}, "temperature: Input should be a valid number"),
+    ({"n": 1.0}, "n: Input should be a valid integer"),
+    ({"stream": "true"}, "stream: Input should be a valid boolean"),  # was a stream
+    ({"seed": "7"}, "seed: Input should be a valid integer"),
+    ({"prompt": [1, True]}, "prompt: send text or token ids (integers)"),  # was token id 1
+    ({"prompt": 5}, "prompt: send text or token ids (integers)"),  # was `Input should be a valid string`
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+])
+def test_a_wrong_type_is_a_400_not_coerced(server, body, says):
+    """pydantic's lax mode read `"max_tokens": true` as 1, `"stream": "true"` as a stream and `"temperature": "0.5"` as
+    0.5: a client's bug answered as if it meant something (OpenAI refuses each). A JSON integer is still a float."""
+    status, reply = post(server, "/v1/completions", {"prompt": "The sea is", "max_tokens": 1, **body})
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply
+    assert says in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+    status, reply = post(server, "/v1/completions", {"prompt": "The sea is", "max_tokens": 1, "temperature": 0, "top_p": 1})
+    assert status == 200, reply
+
+
+def test_a_missing_key_says_which_scheme(server):
+    """RFC 6750 (and RFC 9110): a 401 names the scheme it wants in `WWW-Authenticate`; there was none."""
+    for headers in ({}, {"Authorization": "Bearer guess"}):
+        status, got, reply = call(server.url + "/models", "GET", headers)
+        assert status == 401 and got.get("www-authenticate") == "Bearer", got
+        assert reply["error"]["type"] == "authentication_error"
+
+
+def test_an_internal_error_reaches_a_browser_front_end(server, monkeypatch):
+    """The catch-all 500 was sent by Starlette's ServerErrorMiddleware, outside the CORS middleware: a web UI got no
+    Access-Control-Allow-Origin and could not read why its request failed."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("the worker broke")
+
+    monkeypatch.setattr(server.worker, "submit", broken)
+    cross = {"Origin": "https://chat.example.com", "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    status, headers, reply = call(server.url + "/chat/completions", "POST", cross, {"messages": SEA, "max_tokens": 1})
+    assert status == 500 and reply["error"]["type"] == "server_error" and "the worker broke" in reply["error"]["message"]
+    assert headers.get("access-control-allow-origin") in ("*", "https://chat.example.com"), headers
+    monkeypatch.undo()
+    assert post(server, "/v1/chat/completions", {"messages": SEA, "max_tokens": 1})[0] == 200  # still serving
+
+
+def test_head_is_served_where_get_is(server):
+    """FastAPI's routes, unlike Starlette's, do not answer HEAD for GET: `HEAD /health` (an uptime probe's default) was
+    405."""
+    status, headers, _ = call(server.url.removesuffix("/v1") + "/health", "HEAD", {})
+    assert status == 200 and headers["content-type"] == "application/json"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert call(server.url + "/models", "HEAD", auth)[0] == 200 and call(server.url + "/models/tiny", "HEAD", auth)[0] == 200
+    assert call(server.url + "/chat/completions", "HEAD", auth)[0] == 405
