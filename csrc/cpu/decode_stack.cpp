@@ -67,7 +67,7 @@ struct StackLayer {
     DenseWeight qkv;                      // [(H_q + 2 H_kv) D, H]: q rows, then k, then v; or q's alone, where kv has rows
     DenseWeight kv;                       // [2 H_kv D, H]: k rows, then v, in another format (int4's int8); rows 0: none
     DenseWeight o;                        // [H, H_q D]
-    const float *q_norm, *k_norm;         // [D] Qwen3's per-head norms, or null
+    const float *q_norm, *k_norm;         // [D] Qwen3's per-head norms, or [H_q D], [H_kv D] OLMoE's (whole_qk_norm); or null
     const float* router;                  // [E, H]; null: a dense MLP layer (gate, up, down below; qwen3_moe's mlp_only_layers)
     DenseWeight gate, up, down_proj;      // [I', H], [I', H], [H, I']: a dense layer's MLP; with a router, shared experts
     int64_t expert_bits, w_dtype;         // bits 8/4: quantized experts (gu_*/dn_*); 0: float (gate_up/down, w_dtype)
@@ -89,6 +89,8 @@ struct StackShape {
     float eps, head_eps, scale;  // the norms' eps, the q/k norms' (MLA: the latent norm's) eps, attention's scale
     int64_t R, nope, rope, vdim;  // MLA's latent rank and per-head widths; R 0: llama-like attention
     float routed_scale;           // the routed experts' weights times this (DeepSeek's routed_scaling_factor; else 1)
+    int64_t whole_qk_norm;        // 1: q_norm and k_norm span the whole projection, before the head view (OLMoE)
+    float clip;                   // > 0: q, k and v clamped to [-clip, clip] after those norms (OLMoE's clip_qkv); 0: none
 };
 
 namespace {
@@ -117,6 +119,22 @@ int dense_mlp(const StackLayer& L, const float* h, int64_t T, float* out, Scratc
     if (dense(L.gate, h, T, b.gate.data(), threads, q_isa) || dense(L.up, h, T, b.up.data(), threads, q_isa)) return 1;
     for (size_t i = 0; i < b.gate.size(); ++i) b.gate[i] = b.gate[i] / (1.f + std::exp(-b.gate[i])) * b.up[i];
     return dense(L.down_proj, b.gate.data(), T, out, threads, q_isa);
+}
+
+// OLMoE's q and k norms over the whole projection (transformers' q_norm(q_proj(h)) before the head view), then its
+// clip_qkv on q, k and v, in place: q [T, H_q D] and k, v [T, H_kv D] each, rows q_stride and kv_stride apart
+void whole_qk_norm(const StackShape& s, const StackLayer& L, float* q, int64_t q_stride, float* kv, int64_t kv_stride,
+                   int64_t T) {
+    const int64_t nq = s.Hq * s.D, nk = s.Hkv * s.D;
+    for (int64_t t = 0; t < T; ++t) {
+        float *qt = q + t * q_stride, *kt = kv + t * kv_stride;
+        moe_add_rms_norm(qt, nullptr, L.q_norm, s.head_eps, 1, nq, qt);
+        moe_add_rms_norm(kt, nullptr, L.k_norm, s.head_eps, 1, nk, kt);
+        if (s.clip > 0.f) {
+            for (int64_t i = 0; i < nq; ++i) qt[i] = std::min(std::max(qt[i], -s.clip), s.clip);
+            for (int64_t i = 0; i < 2 * nk; ++i) kt[i] = std::min(std::max(kt[i], -s.clip), s.clip);  // k, then v
+        }
+    }
 }
 
 // DeepSeek's rotary on interleaved pairs, (x0 + i x1)(cos + i sin) as transformers' complex product: x, y [rope]
@@ -310,9 +328,11 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
         if (dense(L.qkv, h, T, q, threads, q_isa)) return fail + 1;
         if (split && dense(L.kv, h, T, kv, threads, q_isa)) return fail + 1;
         const double t1 = now();
+        if (s.whole_qk_norm) whole_qk_norm(s, L, q, q_stride, kv, kv_stride, T);
+        const float *q_norm = s.whole_qk_norm ? nullptr : L.q_norm, *k_norm = s.whole_qk_norm ? nullptr : L.k_norm;
         if (L.kv_a_norm ? mla_attention(s, L, q, q_stride, kv, kv_stride, T, past, cos, sin, b.att.data(), b, threads)
                         : moe_attention_step(q, q_stride, kv, kv_stride, kv + s.Hkv * s.D, kv_stride, T, s.Hq, s.Hkv, s.D,
-                                             L.q_norm, L.k_norm, s.head_eps, cos, sin, L.k_cache, L.v_cache, L.capacity, past,
+                                             q_norm, k_norm, s.head_eps, cos, sin, L.k_cache, L.v_cache, L.capacity, past,
                                              s.scale, b.att.data(), A, threads))
             return fail + 2;
         const double t2 = now();

@@ -8,11 +8,12 @@ pass; Python then does what the MoE layers did after each layer, once for all la
 the counters and the policy's on_layer, the trace). Its twin is the op-by-op lean forward
 (`LeanForward(native=False)`), which tests compare it with.
 
-Takes: the llama-like MoE families without shared experts or whole-projection q/k norms (qwen3_moe,
-mixtral), and the dense draft models of the same layout (qwen3, llama: every layer a dense MLP, no runtime),
-fp32 activations, bias-free attention products in fp32 or quantized; DeepSeek-V2-Lite's layout through
-lean_deepseek.build_mla_stack (the same call, its latent attention in place of attention's core). Anything
-else, or a pass with replayed routing, a self-draft remap or an expert budget, keeps the op-by-op path.
+Takes: the llama-like MoE families without shared experts (qwen3_moe, mixtral, olmoe with its q/k norms over
+the whole projection and its clip_qkv), and the dense draft models of the same layout (qwen3, llama: every
+layer a dense MLP, no runtime), fp32 activations, bias-free attention products in fp32 or quantized;
+DeepSeek-V2-Lite's layout through lean_deepseek.build_mla_stack (the same call, its latent attention in place
+of attention's core). Anything else, or a pass with replayed routing, a self-draft remap or an expert budget,
+keeps the op-by-op path.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class StackLayer(ctypes.Structure):
 class StackShape(ctypes.Structure):
     _fields_ = [("layers", _I64), ("H", _I64), ("Hq", _I64), ("Hkv", _I64), ("D", _I64), ("E", _I64), ("k", _I64),
                 ("I", _I64), ("normalize", _I64), ("float_isa", _I64), ("q_isa", _I64), ("eps", _F), ("head_eps", _F),
-                ("scale", _F), ("R", _I64), ("nope", _I64), ("rope", _I64), ("vdim", _I64), ("routed_scale", _F)]
+                ("scale", _F), ("R", _I64), ("nope", _I64), ("rope", _I64), ("vdim", _I64), ("routed_scale", _F),
+                ("whole_qk_norm", _I64), ("clip", _F)]
 
 
 PARTS = ("experts", "dense", "attention", "moe_layer")  # the C side's seconds[], in its order (routing: moe_layer)
@@ -214,7 +216,7 @@ class DecodeStack:
 
 def build_decode_stack(lean) -> DecodeStack | None:
     """The stack's descriptors for a LeanForward on the native path, or None where it does not apply."""
-    if not lean.native or lean.olmoe or library() is None:
+    if not lean.native or library() is None or (lean.clip is not None and lean.clip <= 0):
         return None
     layers, keep, sparse = [], [], {}
     runtime, first_attn = None, lean.layers[0].self_attn
@@ -258,7 +260,8 @@ def build_decode_stack(lean) -> DecodeStack | None:
     shape = StackShape(layers=len(layers), H=lean.config.hidden_size, Hq=first_attn.q_proj.out_features // D,
                        Hkv=first_attn.k_proj.out_features // D, D=D, E=runtime.store.num_experts if runtime else 1, k=top_k,
                        I=inter.pop() if inter else 0,
-                       normalize=int(normalize), eps=eps, head_eps=head_eps.pop(), scale=first_attn.scaling, routed_scale=1.0)
+                       normalize=int(normalize), eps=eps, head_eps=head_eps.pop(), scale=first_attn.scaling, routed_scale=1.0,
+                       whole_qk_norm=int(lean.olmoe), clip=lean.clip or 0.0)
     return DecodeStack(lean, runtime, shape, layers, keep, sparse)
 
 
@@ -268,7 +271,8 @@ def is_fp32(t: torch.Tensor | None) -> bool:
 
 
 def _attention(lean, i: int) -> dict | None:
-    """One layer's q/k/v and output products and Qwen3's q/k norms as the stack reads them (and the norms' eps), or None."""
+    """One layer's q/k/v and output products and its q/k norms (Qwen3's per head, OLMoE's over the whole projection) as the
+    stack reads them (and the norms' eps), or None."""
     a, qkv, stacked = lean.layers[i].self_attn, lean.qkv[i], lean.stacked[i]
     kv_w = DenseWeight()  # rows 0: qkv_w holds q, k and v
     if qkv is not None:  # one run (q, k, v in one format) or two (int4: q, then k and v in int8)
@@ -281,7 +285,7 @@ def _attention(lean, i: int) -> dict | None:
         qkv_w = dense_weight(stacked[0], None) if stacked is not None and stacked[1] is None else None
     q_norm = k_norm = None
     head_eps = 0.0
-    if lean.head_norm:
+    if lean.head_norm or lean.olmoe:
         q_norm, k_norm, head_eps = a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon
         if a.k_norm.variance_epsilon != head_eps or not (is_fp32(q_norm) and is_fp32(k_norm)):
             return None

@@ -81,7 +81,7 @@ def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
     _compare(m)
 
 
-STACKED = ("qwen3_moe", "mixtral")  # the families the one-call decode stack takes (no shared expert, no whole-projection norm)
+STACKED = ("qwen3_moe", "mixtral", "olmoe")  # the families the one-call decode stack takes (no shared expert)
 
 
 def _counting(names):
@@ -290,7 +290,8 @@ def test_olmoe_clip_qkv(quant, checkpoint):  # int8: the clamp runs in place on 
     m = load_model(EngineConfig(model_dir=str(checkpoint("olmoe", clip_qkv=0.05)), quant=quant))
     assert m.hf_config.clip_qkv == 0.05 and m.lean is not None
     _compare(m)
-    if m.lean.native:
+    if m.lean.native:  # the one-call stack clamps after its whole-projection norms
+        assert m.lean.stack is not None and m.lean.stack.shape.clip == pytest.approx(0.05)
         _compare(m, native=True)
 
 
