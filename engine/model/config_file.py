@@ -17,8 +17,15 @@ def download_unfinished(folder: Path) -> bool:
     return (folder / PULL_MARKER).exists() or any((folder / ".cache" / "huggingface" / "download").rglob("*.incomplete"))
 
 
+def _gguf(what: str) -> CheckpointError:
+    return CheckpointError(f"{what} llama.cpp's GGUF format, which moechat does not run: it runs Hugging Face checkpoints "
+                           "(config.json and *.safetensors); `moechat pull` the original model's OWNER/NAME")
+
+
 def read_config_dict(model_dir: Path) -> dict:
     path = model_dir / "config.json"
+    if model_dir.suffix.lower() == ".gguf" and model_dir.is_file():
+        raise _gguf(f"{model_dir} is a file in")
     if not model_dir.is_dir():
         what = "is a file, not a directory" if model_dir.exists() else "does not exist"
         raise CheckpointError(f"model directory {model_dir} {what}: name a local Hugging Face model directory (--model, or "
@@ -27,6 +34,8 @@ def read_config_dict(model_dir: Path) -> dict:
         raise CheckpointError(f"the download into {model_dir} did not finish: `moechat pull` with the same model name "
                               "resumes it")
     if not path.is_file():
+        if any(model_dir.glob("*.gguf")):
+            raise _gguf(f"{model_dir} holds no config.json but files in")
         raise CheckpointError(f"no config.json in {model_dir}: name a Hugging Face model directory (one holding config.json "
                               "and *.safetensors)")
     try:

@@ -39,6 +39,16 @@ def test_missing_directory_and_config(tmp_path):
         load(tmp_path / "empty")
 
 
+def test_a_gguf_file_or_a_folder_of_them_is_named_as_llama_cpps_format(tmp_path):
+    gguf = tmp_path / "Qwen3-30B-A3B-Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(CheckpointError) as err:
+        load(gguf)
+    assert "GGUF format, which moechat does not run" in one_line(err.value) and "moechat pull" in str(err.value)
+    with pytest.raises(CheckpointError, match="holds no config.json but files in llama.cpp's GGUF format"):
+        load(tmp_path)
+
+
 def test_corrupt_config(checkpoint, tmp_path):
     path = copy_model(checkpoint("qwen3_moe"), tmp_path)
     (path / "config.json").write_text("{ not json")

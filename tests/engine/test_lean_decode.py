@@ -310,6 +310,16 @@ def test_refused_models_run_transformers(family, overrides, checkpoint):
     assert m.lean is None
 
 
+def test_a_window_shorter_than_the_context_says_decoding_is_slower_and_the_context_that_keeps_it_fast(checkpoint):
+    path = str(checkpoint("mixtral", sliding_window=8))  # a Mixtral fine-tune's config.json from before the window was dropped
+    m = load_model(EngineConfig(model_dir=path))  # context 512
+    assert m.lean is None
+    (line,) = [n for n in m.notices if "sliding window" in n]
+    assert "sliding window of 8 tokens" in line and "context length to 7 or less" in line
+    m = load_model(EngineConfig(model_dir=path, context_len=7))  # fewer keys than the window: no mask to apply
+    assert m.lean is not None and not any("sliding window" in n for n in m.notices)
+
+
 @pytest.mark.parametrize("rope_type,refused", [("default", False), ("linear", False), ("dynamic", True)])
 def test_rope_whose_tables_depend_on_length_is_refused(rope_type, refused):
     from transformers import AutoModelForCausalLM
