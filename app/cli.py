@@ -203,7 +203,7 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile,
                           "choices": choices(engine, args.sources), "quant": engine.model.store.quant,
-                          "device": args.device, "dtype": args.dtype,
+                          "device": args.device, "dtype": args.dtype, "decode_path": engine.model.decode_path(),
                           "costs": dataclasses.asdict(engine.model.runtime.costs),
                           "placement": {"device": args.placement.device_why, "dtype": args.placement.dtype_why}}))
     else:

@@ -139,6 +139,7 @@ def test_generate_says_where_it_runs_and_a_cuda_setting_without_cuda_runs_on_cpu
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["device"], out["dtype"]) == ("cpu", "float32") and out["placement"]["dtype"]
+    assert out["decode_path"].startswith("lean")  # which forward decoded, as bench generate reports it
 
     settings.settings_path().parent.mkdir(parents=True, exist_ok=True)
     settings.settings_path().write_text('device = "cuda"\n', encoding="utf-8")
