@@ -27,7 +27,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ...engine.calibration.known_models import KNOWN_MODELS
+from ...engine import KNOWN_MODELS
 
 # The real models' config.json (moechat's known-model copies), by the name `--like` takes; the vocabulary is set apart.
 LIKE = {name.lower(): {k: v for k, v in fields.items() if k != "vocab_size"} for name, fields in KNOWN_MODELS.items()}
