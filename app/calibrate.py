@@ -98,8 +98,10 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
     as engine_config resolves them)."""
     from ..engine import (
         Profile,
+        best_gpu,
         check_profiles_writable,
         decide,
+        default_context,
         estimate,
         experts_format,
         fingerprint,
@@ -120,10 +122,16 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
     hw = probe()
     draft_dir = None if drafter in ("none", "self") else drafter
 
-    def placed(fmt: str):  # where a run with experts in `fmt` computes, and the model's sizes there
+    def placed(fmt: str):  # where a run with experts in `fmt` computes, and the model's sizes there at the context it holds
         placement = resolve_placement(device, dtype, model_dir, fmt)
-        return placement, estimate(model_dir, dtype=placement.dtype, context_len=context_len, draft_dir=draft_dir,
-                                   cpu=placement.device == "cpu")
+        on_cpu = placement.device == "cpu"
+        sizes = dict(dtype=placement.dtype, draft_dir=draft_dir, cpu=on_cpu)
+        est = estimate(model_dir, context_len=context_len, **sizes)
+        if context_len is None:  # unset, a run cuts the model's context where its KV would crowd out the experts
+            vram = None if on_cpu or not hw.gpus else vram_budget or best_gpu(hw.gpus).free_bytes
+            fits = default_context(est.with_quant(fmt), vram, ram_budget or hw.ram_available_bytes)
+            est = estimate(model_dir, context_len=fits, **sizes)
+        return placement, est
 
     placement, est = placed(quant or "none")
     fmt = experts_format(hw, est, ram_budget, quant)
@@ -133,7 +141,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
     # budgets nothing fits (BudgetError) are refused now, not after minutes of measuring and quantizing
     decide(hw, est, measurements_from({"expert_bytes": est.expert_bytes}), vram_budget, ram_budget, options, quant)
     where = dict(quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN, device=placement.device, dtype=placement.dtype, quant=fmt,
-                 context_len=context_len)
+                 context_len=est.context_len)
     prompts = eval_prompts(3 if quick else 8)
     meas = measure(model_dir, hw, prompts, drafter, progress=lambda name, frac: progress(name, 0.05 + 0.7 * frac), **where)
 

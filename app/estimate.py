@@ -80,7 +80,7 @@ def placement(args, source, vram: int | None):
 
 
 def cmd_estimate(args) -> int:
-    from ..engine import estimate, total_params
+    from ..engine import default_context, estimate, total_params
 
     name, source = _source(args.model)
     gib = 2**30
@@ -89,10 +89,15 @@ def cmd_estimate(args) -> int:
     where = placement(args, source, vram)
     on_cpu = where.device == "cpu"
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
+    model_context = est.context_len
+    if args.context_len is None and (vram is not None or ram is not None):  # the context a run holds on these budgets
+        est = estimate(source, where.dtype, default_context(est, vram, ram if vram is None else None), args.draft, args.quant,
+                       cpu=on_cpu)
     kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
     fit = fit_report(est, vram, ram) if vram is not None or ram is not None else {}
     if args.json:
         print(json.dumps({"model": str(name), "device": where.device, **asdict(est), "total_params": total_params(est),
+                          "model_context_len": model_context,
                           "all_experts_bytes": est.all_experts_bytes, "kv_bytes_per_token": kv // est.context_len,
                           "kv_bytes": kv, **fit}))
         return 0 if fit.get("fits", True) else 1
@@ -102,8 +107,9 @@ def cmd_estimate(args) -> int:
     print(f"  routed experts      {est.all_experts_bytes / gib:8.2f} GiB  "
           f"({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB"
           f"{', ' + est.quant if est.quant != 'none' else ''})")
+    cut = f", the model's {model_context}: cut to leave the experts room" if est.context_len < model_context else ""
     print(f"  KV cache            {kv / gib:8.2f} GiB  "
-          f"({est.context_len} tokens x {kv / est.context_len / 1024:.1f} KiB)")
+          f"({est.context_len} tokens x {kv / est.context_len / 1024:.1f} KiB{cut})")
     if est.draft_bytes:
         print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
     if est.quant != "none":

@@ -231,7 +231,8 @@ OPTIONS: tuple[Option, ...] = (
            symbol="γ", unset=_FROM_PROFILE.format(_SPEC.draft_len), label="γ (draft length)",
            placeholder="from calibration", metavar="N"),
     Option("context_len", int, None, "context length, in tokens", "engine", unit="tokens", low=1, high=TOKENS_MAX,
-           unset="the model's", label="Context length", placeholder="the model's", metavar="N"),
+           unset="the model's, cut to what fits beside the experts", label="Context length", placeholder="the model's",
+           metavar="N"),
     Option("conversation_cache_gib", float, None, "KV caches of the most recent conversations kept in RAM, so a "
            "return to one prefills only its new message; the least recently used go first (the running chat's stays between "
            "its turns even when larger), 0 turns reuse off", "engine",

@@ -35,6 +35,7 @@ from .memory_budgets import (
     cache_bytes_for,
     check_budgets,
     check_host_room,
+    default_context,
     expert_store_room,
     gib,
     max_cache_experts,
@@ -234,6 +235,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         raise RuntimeError(
             f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
         )
+    context_set = cfg.context_len is not None  # by the user: kept, or refused where it cannot fit
     cfg, rope_notice = _rope_context(hf, cfg)  # before any weight loads
     context_len = context_length(hf_config, cfg.context_len)
     quant = expert_format(prequant, cfg.quant)
@@ -241,13 +243,13 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     routers = routers_of(hf)
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
     quantized = device.type == "cpu" and quant != "none"  # a CPU-only machine: the dense part small too
-    drafter = cfg.spec.drafter  # a draft model on the GPU: its weights and KV count against the VRAM too
-    draft = draft_model_bytes(drafter, cfg.dtype, context_len) if device.type == "cuda" and drafter not in ("none", "self") else 0
-    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, draft, quant=quant, expert_dtype=str(expert_dtype)[6:],
-                               bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed),
+    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, _draft_bytes(cfg, device, context_len), quant=quant,
+                               expert_dtype=str(expert_dtype)[6:], bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed),
                                quantized_dense=quantized_dense_size(hf, routers, quant) if quantized else (0, 0))
+    if not context_set:  # the model's context, cut where its KV cache would crowd out the experts
+        cfg, estimate, rope_notice = _default_context(cfg, estimate, device, rope_notice)
+    context_len = estimate.context_len
     cfg, budget_notice = check_load_budgets(cfg, estimate, device)  # before loading
-
     room = None if cfg.host_ram_budget_bytes is None else expert_store_room(estimate, cfg.host_ram_budget_bytes,
                                                                              device.type == "cuda")
     store = ExpertStore(ckpt, family, hf_config, sparse, expert_dtype, pin=device.type == "cuda",
@@ -270,6 +272,32 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     window = _window_notice(hf_config, context_len) if cfg.lean_decode and lean is None else ""
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config), runtime,
                        device, dtype, context_len, lean, "; ".join(n for n in (budget_notice, rope_notice, window) if n))
+
+
+def _draft_bytes(cfg: EngineConfig, device: torch.device, context_len: int) -> int:
+    """A draft model on the GPU: its weights and KV count against the VRAM too."""
+    drafter = cfg.spec.drafter
+    return draft_model_bytes(drafter, cfg.dtype, context_len) if device.type == "cuda" and drafter not in ("none", "self") else 0
+
+
+def _default_context(cfg: EngineConfig, est: MemoryEstimate, device: torch.device,
+                     notice: str) -> tuple[EngineConfig, MemoryEstimate, str]:
+    """cfg and the estimate at the context a run holds when none is set (memory_budgets.default_context), and the
+    notice with a line where it is shorter than the model's."""
+    vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    if vram is not None and cfg.vram_budget_bytes is not None:
+        vram = min(vram, cfg.vram_budget_bytes)
+    ram = cfg.host_ram_budget_bytes or available_ram_bytes()
+    context = default_context(est, vram, ram)
+    if context >= est.context_len:
+        return cfg, est, notice
+    draft = _draft_bytes(cfg, device, context)
+    where = "VRAM" if vram is not None else "RAM"
+    line = (f"the context is {context:,} tokens, not the model's {est.context_len:,}: a longer one's KV cache would "
+            f"crowd the experts out of the {gib(vram if vram is not None else ram)} of {where} (set the context length "
+            "to choose)")
+    return (dataclasses.replace(cfg, context_len=context), dataclasses.replace(est, context_len=context, draft_bytes=draft),
+            "; ".join(n for n in (notice, line) if n))
 
 
 def _window_notice(hf_config, context_len: int) -> str:

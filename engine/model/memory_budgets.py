@@ -91,6 +91,31 @@ def check_host_room(est: MemoryEstimate, ram_budget: int, machine: bool = False)
                       "or use a smaller model")
 
 
+CONTEXT_FLOOR = 4096  # a context moechat picks is never shorter (a conversation needs room): a model too big is refused
+CONTEXT_STEP = 1024
+
+
+def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> int:
+    """The context a run holds when none is set: the model's, cut where its KV cache would crowd out the experts (a
+    context of 262,144 tokens is 24 GiB of KV on Qwen3-30B-A3B). On a GPU the KV may take half of the VRAM the
+    non-expert weights, a draft model and the margin leave (the other half caches experts); on a CPU what the dense
+    weights, the headroom and the experts leave of the RAM where the experts fit beside a CONTEXT_FLOOR cache, else
+    half of it (the other half is the page cache the experts are read through). vram: the free VRAM (None: a CPU run);
+    ram: the RAM budget or free RAM (None: unknown). Whole multiples of CONTEXT_STEP, never below CONTEXT_FLOOR."""
+    if vram is not None:
+        per_token = est.kv_bytes_per_token
+        kv_room = (vram - vram_margin(vram) - est.non_expert_bytes - est.draft_bytes) // 2
+    elif ram is not None:
+        per_token = est.cpu_kv_bytes // est.context_len
+        room = ram - ram_headroom(ram) - (est.host_bytes - est.cpu_kv_bytes)
+        beside = room - est.all_experts_bytes
+        kv_room = beside if beside >= CONTEXT_FLOOR * per_token else room // 2
+    else:
+        return est.context_len
+    fits = max(0, kv_room) // max(1, per_token) // CONTEXT_STEP * CONTEXT_STEP
+    return est.context_len if fits >= est.context_len else min(est.context_len, max(fits, CONTEXT_FLOOR))
+
+
 def smaller_quant_that_fits(est: MemoryEstimate, room: int) -> str | None:
     """The first format smaller than the estimate's whose experts fit `room` bytes (None: none, or shapes unknown)."""
     smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim else ()

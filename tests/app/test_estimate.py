@@ -114,3 +114,23 @@ def test_a_device_asked_for_but_not_here_is_said(capsys, monkeypatch):
     out, err = capsys.readouterr()
     assert json.loads(out)["device"] == "cpu"  # stdout stays one JSON object
     assert err.startswith("moechat: warning: cuda was asked for but no NVIDIA GPU")
+
+
+def test_a_context_a_run_would_cut_is_shown_cut(tmp_path, capsys):
+    """Qwen3-30B-A3B-Instruct-2507 (a context of 262,144 tokens, 24 GiB of KV) on a 16 GiB GPU: a run cuts the context it
+    was not given to what leaves the experts room, so `estimate` shows that and fits (it said "does not fit"); a
+    context set by hand is checked as it is."""
+    from moechat.app.cli import main
+    from moechat.engine import KNOWN_MODELS
+
+    model = tmp_path / "Qwen3-30B-A3B-Instruct-2507"
+    model.mkdir()
+    config = dict(KNOWN_MODELS["Qwen3-30B-A3B"], max_position_embeddings=262144, architectures=["Qwen3MoeForCausalLM"])
+    (model / "config.json").write_text(json.dumps(config))
+    argv = ["estimate", "--model", str(model), "--quant", "int4", "--vram-budget-gib", "16", "--ram-budget-gib", "32"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["context_len"], out["model_context_len"], out["fits"]) == (66560, 262144, True)
+    assert main(argv) == 0 and "66560 tokens x 96.0 KiB, the model's 262144: cut" in capsys.readouterr().out
+    assert main([*argv, "--context-len", "262144"]) == 1
+    assert "does not fit" in capsys.readouterr().out

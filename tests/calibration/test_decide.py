@@ -517,3 +517,26 @@ def test_calibration_counts_the_dense_part_as_a_cpu_quantizes_it(monkeypatch):
     assert decide(cpu_box, plain, meas, ram_budget=ram, quant="int4").host_tier == "ram"
     chosen = decide(cpu_box, plain, meas, ram_budget=ram)
     assert (chosen.quant, chosen.host_tier) == ("int4", "ram")
+
+
+def test_a_default_context_leaves_the_experts_their_room():
+    """Qwen3-30B-A3B-Instruct-2507 is Qwen3-30B-A3B at a context of 262,144 tokens: 24 GiB of KV in bf16, 48 in float32 on
+    a CPU. Unset, the context is cut where its KV would crowd out the experts (worked by hand, 96 KiB per token on a GPU,
+    192 on a CPU): on a GPU to half of what the dense weights (2.87 GiB) and the margin leave; on a CPU to what the dense
+    weights (int4: 1.41 GiB), the 2 GiB headroom and the experts leave, or half of it where the experts cannot stay."""
+    from moechat.engine.model.memory_budgets import CONTEXT_FLOOR, default_context
+
+    long = dict(KNOWN_MODELS["Qwen3-30B-A3B"], max_position_embeddings=262144)
+    gpu = estimate(long, "bfloat16")
+    assert default_context(gpu, 24 * GIB, None) == 108544  # (24 - 1.2 - 2.87) / 2 GiB of KV
+    assert default_context(gpu, 16 * GIB, None) == 66560 and default_context(gpu, 8 * GIB, None) == 24576
+    assert default_context(estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16"), 24 * GIB, None) == 40960  # fits: the model's
+    int4, bf16 = estimate(long, "bfloat16", quant="int4", cpu=True), estimate(long, "bfloat16", cpu=True)
+    assert default_context(int4, None, 30 * GIB) == 52224  # 30 - 2 - 1.41 - 16.88 GiB of KV: the experts stay in RAM
+    assert default_context(int4, None, 14 * GIB) == 28672  # they cannot: half of 14 - 2 - 1.41 GiB
+    assert default_context(bf16, None, 30 * GIB) == 68608
+    assert default_context(int4, None, 4 * GIB) == CONTEXT_FLOOR  # never shorter: a budget that small is refused as before
+    assert default_context(int4, None, None) == 262144  # nothing known: the model's
+    for machine in (24 * GIB, 16 * GIB, 8 * GIB):
+        context = default_context(gpu, machine, None)
+        check_budgets(replace(gpu, context_len=context), machine, None, 0, "ram")  # what it picks passes the guardrail

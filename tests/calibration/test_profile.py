@@ -567,6 +567,25 @@ def test_verification_timed_with_experts_on_the_gpu_leaves_a_larger_fixed_part()
     assert set(on_cpu) == set(half_on_gpu) and all(half_on_gpu[g] < on_cpu[g] for g in on_cpu)
 
 
+def test_a_context_too_long_for_the_ram_is_cut_unless_set(checkpoint):
+    """A model whose context's KV cache cannot fit beside its weights (Qwen3-30B-A3B-Instruct-2507's 262,144 tokens take
+    48 GiB on a CPU) was refused at every load; unset, the context is now cut to what fits, with a line; set, it is
+    still refused with the context that fits."""
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.errors import BudgetError
+    from moechat.engine.model.loader import load_model
+    from moechat.engine.model.memory_budgets import CONTEXT_FLOOR, CONTEXT_STEP, GIB
+
+    path = checkpoint("qwen3_moe", max_position_embeddings=1 << 26)
+    budget = 3 * GIB  # 1 GiB beside the 2 GiB headroom: far from the KV of 2^26 positions
+    m = load_model(EngineConfig(model_dir=str(path), host_ram_budget_bytes=budget))
+    assert CONTEXT_FLOOR <= m.context_len < 1 << 26 and m.context_len % CONTEXT_STEP == 0
+    assert f"not the model's {1 << 26:,}" in m.load_notice and "set the context length" in m.load_notice
+    assert m.new_kv_cache().limit == m.context_len
+    with pytest.raises(BudgetError, match="lower --context-len"):
+        load_model(EngineConfig(model_dir=str(path), host_ram_budget_bytes=budget, context_len=1 << 26))
+
+
 def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     """The settings' RAM budget bounds what moechat keeps in RAM (experts that do not fit: the mmap tier); the
     VRAM budget caps what the loader may use on the GPU, below the free VRAM, before any weight loads."""
