@@ -12,7 +12,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams, prefill_passes
 from .detokenizer import Detokenizer
-from .errors import MoechatError, NumericsError, RequestError
+from .errors import CheckpointError, MoechatError, NumericsError, RequestError
 from .events import Error, Event, Finished, LoadProgress, PrefillProgress, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
@@ -120,6 +120,10 @@ class Engine:
             ids = tok(_check_text(request.prompt or ""), add_special_tokens=True)["input_ids"]
         if not ids:
             raise RequestError("the prompt is empty: type something to send")
+        vocab = int(self.model.hf_config.vocab_size)
+        if (bad := next((i for i in ids if i >= vocab), None)) is not None:  # the embedding would fail with an IndexError
+            raise CheckpointError(f"the tokenizer gave token id {bad}, past this model's {vocab} embedding rows: its tokenizer "
+                                  "files are not this model's; re-download the model")
         return list(ids)
 
     def _check_length(self, request: Request) -> None:

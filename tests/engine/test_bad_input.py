@@ -308,6 +308,23 @@ def test_bad_token_ids(checkpoint):
         assert isinstance(events[-1], Error) and events[-1].request_fault and events[-1].message.startswith(says)
 
 
+def test_a_tokenizer_that_is_not_the_models_is_named(checkpoint, tmp_path):
+    """Tokenizer files beside a model with fewer embedding rows (a mismatched download) gave "internal error (IndexError:
+    index out of range in self)"; now one line that names the files to fix."""
+    from moechat.app.demo import DEMO_MODEL
+
+    path = copy_model(checkpoint("olmoe"), tmp_path)
+    for f in DEMO_MODEL.iterdir():  # the demo's 4096-token tokenizer beside a 320-row model
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, path / f.name)
+    engine = load(path)
+    events = list(engine.generate(Request(prompt="The sea is deep and the sky is wide.")))
+    assert isinstance(events[-1], Error) and not events[-1].request_fault
+    assert "past this model's 320 embedding rows: its tokenizer files are not this model's" in one_line(
+        Exception(events[-1].message))
+    assert isinstance(list(engine.generate(Request(token_ids=[5, 6])))[-1], Finished)  # still serving
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "moechat.app.cli", *args], capture_output=True, text=True, timeout=300)
 
