@@ -85,6 +85,10 @@ def make_checkpoint(family: str, path: Path, tokenizer_dir: Path | None, seed: i
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(family_config(family, seed, **overrides)).to(dtype).eval()
+    with torch.no_grad():  # transformers initialises biases to 0 (Qwen2-MoE's q/k/v): a real checkpoint's are not
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(std=0.1)
     return save_model(model, path, tokenizer_dir, shards)
 
 

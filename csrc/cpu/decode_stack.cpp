@@ -4,7 +4,8 @@
 // It is the per-layer sequence engine/model/lean_decode.py runs op by op, without the ~40 µs of Python per
 // layer between the ops (engine/model/decode_stack.py: the descriptors, the conditions, the accounting).
 // DeepSeek-V2's layers (engine/model/lean_deepseek.py) take the same path with the absorbed latent attention
-// (mla_attention) in place of attention's core, the routed weights scaled and the shared experts added.
+// (mla_attention) in place of attention's core, the routed weights scaled and the shared experts added; Qwen2-MoE's
+// with its q/k/v biases added after their product and its shared expert scaled by its sigmoid gate.
 // Each position's row is computed alone in a fixed order, and the experts are summed per token in ascending
 // expert id, so a verification pass equals its decode steps bit for bit. fp32 activations; dense weights
 // fp32, bf16 or quantized (moe_q_linear's layout). Plain C ABI.
@@ -82,6 +83,9 @@ struct StackLayer {
     const float* kv_a_norm;               // [R]; null: not an MLA layer
     const void* kv_b;                     // [H_q (nope + v), R], fp32, or bf16 where kv_b_bf16
     int64_t kv_b_bf16;
+    // Qwen2-MoE: q/k/v's biases and its shared expert's gate
+    const float* qkv_bias;                // [(H_q + 2 H_kv) D], added after the q/k/v product(s); or null
+    DenseWeight shared_gate;              // [1, H]: the shared experts' output scaled by sigmoid(shared_gate h); rows 0: none
 };
 
 struct StackShape {
@@ -107,7 +111,7 @@ double now() { return std::chrono::duration<double>(std::chrono::steady_clock::n
 
 // A pass's scratch, sized once per call.
 struct Scratch {
-    std::vector<float> x, h, qkv, att, o, logits, mlp, row_w, gate, up, shared, q_latent, context;
+    std::vector<float> x, h, qkv, att, o, logits, mlp, row_w, gate, up, shared, shared_w, q_latent, context;
     std::vector<int64_t> order, ids, offsets, rows;
     std::vector<unsigned char> pages;  // mincore's answer
 };
@@ -119,6 +123,31 @@ int dense_mlp(const StackLayer& L, const float* h, int64_t T, float* out, Scratc
     if (dense(L.gate, h, T, b.gate.data(), threads, q_isa) || dense(L.up, h, T, b.up.data(), threads, q_isa)) return 1;
     for (size_t i = 0; i < b.gate.size(); ++i) b.gate[i] = b.gate[i] / (1.f + std::exp(-b.gate[i])) * b.up[i];
     return dense(L.down_proj, b.gate.data(), T, out, threads, q_isa);
+}
+
+// mlp [T, H] += the shared experts of h: DeepseekV2Moe's added as they are, Qwen2MoeSparseMoeBlock's shared expert times
+// sigmoid(shared_expert_gate h) per token (transformers' order: scaled, then added)
+int add_shared(const StackLayer& L, const float* h, int64_t T, int64_t H, float* mlp, Scratch& b, int threads, int q_isa) {
+    b.shared.resize(T * H), b.shared_w.assign(T, 1.f);
+    if (dense_mlp(L, h, T, b.shared.data(), b, threads, q_isa)) return 1;
+    if (L.shared_gate.rows > 0) {
+        if (L.shared_gate.rows != 1 || dense(L.shared_gate, h, T, b.shared_w.data(), threads, q_isa)) return 1;
+        for (float& g : b.shared_w) g = 1.f / (1.f + std::exp(-g));
+    }
+    for (int64_t t = 0; t < T; ++t)  // (an ungated one times 1: its own bits)
+        for (int64_t i = 0; i < H; ++i) mlp[t * H + i] += b.shared_w[t] * b.shared[t * H + i];
+    return 0;
+}
+
+// q [T, nq] and k, v [T, nkv] (rows q_stride and kv_stride apart) += bias [nq + nkv]: Qwen2-MoE's q/k/v biases, one fp32
+// add per output after the product, as quant/dense.py's FusedQuantLinear adds them (int4's two products: q's part, then
+// k and v's)
+void add_qkv_bias(const float* bias, float* q, int64_t q_stride, int64_t nq, float* kv, int64_t kv_stride, int64_t nkv,
+                  int64_t T) {
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t i = 0; i < nq; ++i) q[t * q_stride + i] += bias[i];
+        for (int64_t i = 0; i < nkv; ++i) kv[t * kv_stride + i] += bias[nq + i];
+    }
 }
 
 // OLMoE's q and k norms over the whole projection (transformers' q_norm(q_proj(h)) before the head view), then its
@@ -327,6 +356,7 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
         const double t0 = now();
         if (dense(L.qkv, h, T, q, threads, q_isa)) return fail + 1;
         if (split && dense(L.kv, h, T, kv, threads, q_isa)) return fail + 1;
+        if (L.qkv_bias) add_qkv_bias(L.qkv_bias, q, q_stride, Aq, kv, kv_stride, Wqkv - Aq, T);
         const double t1 = now();
         if (s.whole_qk_norm) whole_qk_norm(s, L, q, q_stride, kv, kv_stride, T);
         const float *q_norm = s.whole_qk_norm ? nullptr : L.q_norm, *k_norm = s.whole_qk_norm ? nullptr : L.k_norm;
@@ -353,11 +383,9 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
             seconds[DENSE] += now() - t4;
         } else if (int rc = moe_block(s, L, h, T, experts, weights, counts, b, seconds, threads)) {
             return fail + 5 + rc;
-        } else if (L.gate.rows > 0) {  // shared experts: routed + shared, as transformers' DeepseekV2Moe adds them
-            b.shared.resize(T * H);
+        } else if (L.gate.rows > 0) {  // shared experts: routed + shared
             const double t4 = now();
-            if (dense_mlp(L, h, T, b.shared.data(), b, threads, q_isa)) return fail + 9;
-            for (int64_t i = 0; i < T * H; ++i) b.mlp[i] += b.shared[i];
+            if (add_shared(L, h, T, H, b.mlp.data(), b, threads, q_isa)) return fail + 9;
             seconds[DENSE] += now() - t4;
         }
         if (counts_sum)

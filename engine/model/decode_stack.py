@@ -8,9 +8,10 @@ pass; Python then does what the MoE layers did after each layer, once for all la
 the counters and the policy's on_layer, the trace). Its twin is the op-by-op lean forward
 (`LeanForward(native=False)`), which tests compare it with.
 
-Takes: the llama-like MoE families without shared experts (qwen3_moe, mixtral, olmoe with its q/k norms over
-the whole projection and its clip_qkv), and the dense draft models of the same layout (qwen3, llama: every
-layer a dense MLP, no runtime), fp32 activations, bias-free attention products in fp32 or quantized;
+Takes: the llama-like MoE families (qwen3_moe, mixtral, olmoe with its q/k norms over the whole projection and its
+clip_qkv, qwen2_moe with its q/k/v biases and its sigmoid-gated shared expert), and the dense draft models of the same
+layout (qwen3, llama: every layer a dense MLP, no runtime), fp32 activations, attention products in fp32, bf16 or
+quantized (biases fp32: q/k/v's only);
 DeepSeek-V2-Lite's layout through lean_deepseek.build_mla_stack (the same call, its latent attention in place
 of attention's core). Anything else, or a pass with replayed routing, a self-draft remap or an expert budget,
 keeps the op-by-op path.
@@ -43,7 +44,8 @@ class StackLayer(ctypes.Structure):
                 ("q_norm", _P), ("k_norm", _P), ("router", _P), ("gate", DenseWeight), ("up", DenseWeight),
                 ("down_proj", DenseWeight), ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
                 ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("read_ahead", _I64),
-                ("k_cache", _P), ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64)]
+                ("k_cache", _P), ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64),
+                ("qkv_bias", _P), ("shared_gate", DenseWeight)]
 
 
 class StackShape(ctypes.Structure):
@@ -232,7 +234,7 @@ def build_decode_stack(lean) -> DecodeStack | None:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         attention = _attention(lean, i)
         same_heads = (a.head_dim, a.scaling) == (first_attn.head_dim, first_attn.scaling)
-        if (attention is None or hasattr(mlp, "shared_expert") or not same_heads
+        if (attention is None or not same_heads
                 or any(n.variance_epsilon != eps or not is_fp32(n.weight) for n in norms) or not is_fp32(router)):
             return None
         head_eps.add(attention.pop("head_eps"))
@@ -244,6 +246,9 @@ def build_decode_stack(lean) -> DecodeStack | None:
                 return None
             runtime = experts.runtime
             mlp_fields = expert_weights(runtime.store, experts.li)
+            if hasattr(mlp, "shared_expert"):  # qwen2_moe's, gated
+                shared = _shared_expert(mlp)
+                mlp_fields = None if mlp_fields is None or shared is None else {**mlp_fields, **shared}
             if mlp_fields is not None:
                 inter.add(mlp_fields.pop("inter"))
                 sparse[i] = experts.li
@@ -271,18 +276,21 @@ def is_fp32(t: torch.Tensor | None) -> bool:
 
 
 def _attention(lean, i: int) -> dict | None:
-    """One layer's q/k/v and output products and its q/k norms (Qwen3's per head, OLMoE's over the whole projection) as the
-    stack reads them (and the norms' eps), or None."""
+    """One layer's q/k/v products (and their biases: Qwen2-MoE's, fp32, kept by lean.qkv or lean.stacked), output product
+    and q/k norms (Qwen3's per head, OLMoE's over the whole projection) as the stack reads them (and the norms' eps), or
+    None."""
     a, qkv, stacked = lean.layers[i].self_attn, lean.qkv[i], lean.stacked[i]
     kv_w = DenseWeight()  # rows 0: qkv_w holds q, k and v
     if qkv is not None:  # one run (q, k, v in one format) or two (int4: q, then k and v in int8)
-        parts = qkv.parts
-        usable = qkv.bias is None and (len(parts) == 1 or (len(parts) == 2 and parts[0].rows == qkv.sizes[0]))
+        parts, bias = qkv.parts, qkv.bias
+        usable = len(parts) == 1 or (len(parts) == 2 and parts[0].rows == qkv.sizes[0])
         qkv_w = dense_weight(None, parts[0]) if usable else None
         if usable and len(parts) == 2:
             kv_w = dense_weight(None, parts[1])
     else:
-        qkv_w = dense_weight(stacked[0], None) if stacked is not None and stacked[1] is None else None
+        qkv_w, bias = (dense_weight(stacked[0], None), stacked[1]) if stacked is not None else (None, None)
+    if not is_fp32(bias):
+        return None
     q_norm = k_norm = None
     head_eps = 0.0
     if lean.head_norm or lean.olmoe:
@@ -292,7 +300,8 @@ def _attention(lean, i: int) -> dict | None:
     o_w = linear_weight(a.o_proj)
     if qkv_w is None or kv_w is None or o_w is None:
         return None
-    return dict(qkv=qkv_w, kv=kv_w, o=o_w, q_norm=tensor_ptr(q_norm), k_norm=tensor_ptr(k_norm), head_eps=head_eps)
+    return dict(qkv=qkv_w, kv=kv_w, o=o_w, q_norm=tensor_ptr(q_norm), k_norm=tensor_ptr(k_norm), head_eps=head_eps,
+                qkv_bias=tensor_ptr(bias))
 
 
 def _dense_mlp(mlp) -> dict | None:
@@ -301,6 +310,16 @@ def _dense_mlp(mlp) -> dict | None:
         return None
     weights = dict(gate=linear_weight(mlp.gate_proj), up=linear_weight(mlp.up_proj), down_proj=linear_weight(mlp.down_proj))
     return None if None in weights.values() else weights
+
+
+def _shared_expert(mlp) -> dict | None:
+    """Qwen2-MoE's shared expert (a SwiGLU) and its gate, a one-row product whose sigmoid scales the expert's output
+    per token (transformers' Qwen2MoeSparseMoeBlock), or None."""
+    fields, gate = _dense_mlp(mlp.shared_expert), getattr(mlp, "shared_expert_gate", None)
+    shared_gate = linear_weight(gate) if gate is not None else None
+    if fields is None or shared_gate is None or shared_gate.rows != 1:
+        return None
+    return dict(fields, shared_gate=shared_gate)
 
 
 def expert_weights(store, li: int) -> dict | None:

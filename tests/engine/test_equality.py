@@ -424,7 +424,7 @@ def test_two_threads_opening_a_file_at_once_share_one_mapping(checkpoint, monkey
     assert len(maps) == 1 and other["view"].data_ptr() == first.data_ptr()
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe", "qwen2_moe", "deepseek_v2"])
 def test_bf16_checkpoint(family, checkpoint, tokenizer):
     """A bf16 checkpoint computed in float32 equals transformers in float32, its experts kept in bf16 where the native
     kernel computes them (exact widening: store.storage_dtype) through the decode stack, a CPU fast tier (PyTorch on
@@ -445,8 +445,10 @@ def test_bf16_checkpoint(family, checkpoint, tokenizer):
     assert narrowed == (set() if cpu_ffn.library() is None else set(linears) - routers), set(linears) - narrowed
     held = sum(p.numel() * p.element_size() for p in model.hf.parameters())
     assert estimate(str(model_dir), "float32", cpu=True).non_expert_bytes == held  # what calibration and auto count
-    if family == "qwen3_moe" and cpu_ffn.library() is not None:  # one native call per pass reads them
+    if family in ("qwen3_moe", "qwen2_moe") and cpu_ffn.library() is not None:  # one native call per pass reads them
         assert model.lean.stack is not None and model.lean.stack.head.w16
+        sparse = [layer for layer in model.lean.stack.layers if layer.router]
+        assert sparse and all(bool(layer.shared_gate.w16 and layer.qkv_bias) == (family == "qwen2_moe") for layer in sparse)
     assert run_engine(model_dir, prompt, drafter="self").token_ids == expected
     assert run_engine(model_dir, prompt, expert_cache_ratio=0.5, policy="spac").token_ids == expected
     assert run_engine(model_dir, prompt, host_ram_budget_bytes=0).token_ids == expected

@@ -30,9 +30,9 @@ def _same_kv(a, b) -> bool:
         torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers, strict=True))
 
 
-def _close_kv(a, b) -> bool:
+def _close_kv(a, b, atol=1e-5) -> bool:
     return a.get_seq_length() == b.get_seq_length() and all(
-        torch.allclose(x.keys, y.keys, rtol=1e-5, atol=1e-5) and torch.allclose(x.values, y.values, rtol=1e-5, atol=1e-5)
+        torch.allclose(x.keys, y.keys, rtol=1e-5, atol=atol) and torch.allclose(x.values, y.values, rtol=1e-5, atol=atol)
         for x, y in zip(a.layers, b.layers, strict=True))
 
 
@@ -40,6 +40,8 @@ def _compare(m, steps=(1, 5, 1, 3, 40), native=False):  # decode, verification, 
     """Prefill PAST tokens into two caches, then feed the same passes through HF and the lean forward: with its torch
     ops the same bits; with its native ops (fp32) logits within 1e-4 of the largest and the same argmax everywhere."""
     m.lean.native = native
+    # quantized q/k/v quantize their input to int8: h's last bits (native ops) can move one rounding, ~1e-4 on k or v
+    quantized = any(fused is not None for fused in m.lean.qkv)
     gen = torch.Generator().manual_seed(0)
     hf_cache, lean_cache = m.new_kv_cache(), m.new_kv_cache()
     prompt = torch.randint(0, 300, (1, PAST), generator=gen)
@@ -60,7 +62,8 @@ def _compare(m, steps=(1, 5, 1, 3, 40), native=False):  # decode, verification, 
                 err = (got - expected).abs().max().item()
                 assert err <= 1e-4 * expected.abs().max().item(), f"T={T}: max diff {err}"
                 assert torch.equal(got.argmax(-1), expected.argmax(-1)), f"T={T}"
-                assert _close_kv(hf_cache, lean_cache), f"T={T}"
+                kv_max = max(max(x.keys.abs().max().item(), x.values.abs().max().item()) for x in hf_cache.layers)
+                assert _close_kv(hf_cache, lean_cache, 1e-4 * kv_max if quantized else 1e-5), f"T={T}"
             else:
                 assert torch.equal(got, expected), f"T={T}: max diff {(got - expected).abs().max().item()}"
                 assert _same_kv(hf_cache, lean_cache), f"T={T}"
@@ -81,7 +84,7 @@ def test_lean_logits_equal_transformers(family, dtype, quant, checkpoint):
     _compare(m)
 
 
-STACKED = ("qwen3_moe", "mixtral", "olmoe")  # the families the one-call decode stack takes (no shared expert)
+STACKED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")  # the families the one-call decode stack takes (all of LEAN)
 
 
 def _counting(names):
