@@ -31,7 +31,7 @@ def add_estimate(sub) -> None:
 
 def _source(model: str | None):
     """(name, source): a directory (given, or pulled with `moechat pull`), else a known model's config dict."""
-    from ..engine import KNOWN_MODELS, MoechatError, known_name
+    from ..engine import KNOWN_MODELS, MoechatError, known_config, known_name
     from .demo import resolve_model
 
     path = resolve_model(model, None)[0]
@@ -39,7 +39,7 @@ def _source(model: str | None):
         return path, path
     name = known_name(model)
     if name is not None:
-        return name, dict(KNOWN_MODELS[name], dtype="bfloat16")  # as their checkpoints ship
+        return name, dict(known_config(model), dtype="bfloat16")  # as their checkpoints ship
     raise MoechatError(f"no model directory {model}: pass a checkpoint directory, a model fetched with `moechat pull`, "
                        f"or a known config ({', '.join(KNOWN_MODELS)})")
 

@@ -34,7 +34,7 @@ _MODULES = {  # submodule -> the public names it provides
                              "model_digest", "model_key", "profile_path", "profiles_dir", "save_profile"),
     "calibration.measure": ("bandwidths", "best_cuda_seconds", "measure", "measure_self_draft", "ram_copy_bandwidth"),
     "calibration.decide": ("cpu_decode_seconds", "decide", "experts_format", "unit_costs"),
-    "calibration.known_models": ("KNOWN_MODELS", "known_name"),
+    "calibration.known_models": ("KNOWN_MODELS", "known_config", "known_name"),
     # benchmarks: engine variants on one loaded model, and the kernels on their own
     "model.loader": ("build_runtime",),
     "speculative.drafters": ("make_drafter",),

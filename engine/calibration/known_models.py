@@ -7,8 +7,8 @@ deepseek-ai/DeepSeek-V2-Lite, mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0
 cross-checked against public training recipes that restate them (THUDM/slime
 scripts/models/qwen3-30B-A3B.sh; Megatron's deepseek_v2_lite.yaml: 27 layers, hidden 2048, ffn 10944,
 moe ffn 1408, 64 experts, 2 shared, MLA kv_lora_rank 512, q_lora_rank null). Their chat and instruct
-variants share these fields (`known_name`). Totals this gives (tests/calibration/test_decide.py):
-Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B, Mixtral-8x7B 46.70 B, OLMoE-1B-7B 6.92 B.
+variants share these fields (`known_name`), but for VARIANTS' own (`known_config`). Totals this gives
+(tests/calibration/test_decide.py): Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B, Mixtral-8x7B 46.70 B, OLMoE-1B-7B 6.92 B.
 """
 from __future__ import annotations
 
@@ -104,6 +104,10 @@ OLMOE_1B_7B = {
 
 KNOWN_MODELS = {"Qwen3-30B-A3B": QWEN3_30B_A3B, "DeepSeek-V2-Lite": DEEPSEEK_V2_LITE, "Mixtral-8x7B": MIXTRAL_8X7B,
                 "OLMoE-1B-7B": OLMOE_1B_7B}
+# Variants whose config.json differs from their base model's in these fields: Qwen3's 2507 updates hold 262,144 tokens
+# (Qwen/Qwen3-30B-A3B-Instruct-2507's and -Thinking-2507's model cards: "Context Length: 262,144 natively").
+VARIANTS = {"qwen3-30b-a3b-instruct-2507": {"max_position_embeddings": 262144},
+            "qwen3-30b-a3b-thinking-2507": {"max_position_embeddings": 262144}}
 
 
 def known_name(name: str) -> str | None:
@@ -111,3 +115,13 @@ def known_name(name: str) -> str | None:
     on with `-`, as Qwen3-30B-A3B-Instruct-2507, DeepSeek-V2-Lite-Chat or Mixtral-8x7B-Instruct-v0.1), else None."""
     key = name.rsplit("/", 1)[-1].lower()
     return next((known for known in KNOWN_MODELS if key == known.lower() or key.startswith(known.lower() + "-")), None)
+
+
+def known_config(name: str) -> dict | None:
+    """The config.json fields of the known model a name means (known_name), a variant's own where they differ, else None."""
+    known = known_name(name)
+    if known is None:
+        return None
+    key = name.rsplit("/", 1)[-1].lower()
+    own = next((fields for variant, fields in VARIANTS.items() if key == variant or key.startswith(variant + "-")), {})
+    return {**KNOWN_MODELS[known], **own}

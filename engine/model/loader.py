@@ -44,7 +44,7 @@ from .memory_budgets import (
     vram_fixed,
     vram_margin,
 )
-from .memory_estimate import MemoryEstimate, context_length, draft_model_bytes, estimate_module, routers_of
+from .memory_estimate import MemoryEstimate, context_length, draft_model_sizes, estimate_module, routers_of
 from .mla import AbsorbedMLA, absorb_mla
 
 
@@ -237,13 +237,12 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         )
     context_set = cfg.context_len is not None  # by the user: kept, or refused where it cannot fit
     cfg, rope_notice = _rope_context(hf, cfg)  # before any weight loads
-    context_len = context_length(hf_config, cfg.context_len)
     quant = expert_format(prequant, cfg.quant)
     expert_dtype = storage_dtype(ckpt, family, sparse, dtype, quant, device)
     routers = routers_of(hf)
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
     quantized = device.type == "cpu" and quant != "none"  # a CPU-only machine: the dense part small too
-    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, _draft_bytes(cfg, device, context_len), quant=quant,
+    estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, _draft_sizes(cfg, device), quant=quant,
                                expert_dtype=str(expert_dtype)[6:], bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed),
                                quantized_dense=quantized_dense_size(hf, routers, quant) if quantized else (0, 0))
     if not context_set:  # the model's context, cut where its KV cache would crowd out the experts
@@ -274,10 +273,10 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
                        device, dtype, context_len, lean, "; ".join(n for n in (budget_notice, rope_notice, window) if n))
 
 
-def _draft_bytes(cfg: EngineConfig, device: torch.device, context_len: int) -> int:
-    """A draft model on the GPU: its weights and KV count against the VRAM too."""
+def _draft_sizes(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
+    """A draft model on the GPU: its weights and KV count against the VRAM too (memory_estimate.draft_model_sizes)."""
     drafter = cfg.spec.drafter
-    return draft_model_bytes(drafter, cfg.dtype, context_len) if device.type == "cuda" and drafter not in ("none", "self") else 0
+    return draft_model_sizes(drafter, cfg.dtype) if device.type == "cuda" and drafter not in ("none", "self") else (0, 0)
 
 
 def _default_context(cfg: EngineConfig, est: MemoryEstimate, device: torch.device,
@@ -291,12 +290,11 @@ def _default_context(cfg: EngineConfig, est: MemoryEstimate, device: torch.devic
     context = default_context(est, vram, ram)
     if context >= est.context_len:
         return cfg, est, notice
-    draft = _draft_bytes(cfg, device, context)
     where = "VRAM" if vram is not None else "RAM"
     line = (f"the context is {context:,} tokens, not the model's {est.context_len:,}: a longer one's KV cache would "
             f"crowd the experts out of the {gib(vram if vram is not None else ram)} of {where} (set the context length "
             "to choose)")
-    return (dataclasses.replace(cfg, context_len=context), dataclasses.replace(est, context_len=context, draft_bytes=draft),
+    return (dataclasses.replace(cfg, context_len=context), est.at_context(context),
             "; ".join(n for n in (notice, line) if n))
 
 

@@ -97,14 +97,16 @@ CONTEXT_STEP = 1024
 
 def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> int:
     """The context a run holds when none is set: the model's, cut where its KV cache would crowd out the experts (a
-    context of 262,144 tokens is 24 GiB of KV on Qwen3-30B-A3B). On a GPU the KV may take half of the VRAM the
-    non-expert weights, a draft model and the margin leave (the other half caches experts); on a CPU what the dense
-    weights, the headroom and the experts leave of the RAM where the experts fit beside a CONTEXT_FLOOR cache, else
-    half of it (the other half is the page cache the experts are read through). vram: the free VRAM (None: a CPU run);
-    ram: the RAM budget or free RAM (None: unknown). Whole multiples of CONTEXT_STEP, never below CONTEXT_FLOOR."""
+    context of 262,144 tokens is 24 GiB of KV on Qwen3-30B-A3B). On a GPU the KV (a draft model's with it) may take half
+    of the VRAM the non-expert weights, a draft model's weights and the margin leave (the other half caches experts); on
+    a CPU what the dense weights, the headroom and the experts leave of the RAM where the experts fit beside a
+    CONTEXT_FLOOR cache, else half of it (the other half is the page cache the experts are read through). vram: the
+    free VRAM (None: a CPU run); ram: the RAM budget or free RAM (None: unknown). Whole multiples of CONTEXT_STEP, never
+    below CONTEXT_FLOOR."""
     if vram is not None:
-        per_token = est.kv_bytes_per_token
-        kv_room = (vram - vram_margin(vram) - est.non_expert_bytes - est.draft_bytes) // 2
+        per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token
+        draft_weights = est.draft_bytes - est.draft_kv_bytes_per_token * est.context_len
+        kv_room = (vram - vram_margin(vram) - est.non_expert_bytes - draft_weights) // 2
     elif ram is not None:
         per_token = est.cpu_kv_bytes // est.context_len
         room = ram - ram_headroom(ram) - (est.host_bytes - est.cpu_kv_bytes)

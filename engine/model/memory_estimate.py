@@ -33,6 +33,7 @@ class MemoryEstimate:
     kv_bytes_per_token: int
     context_len: int
     draft_bytes: int = 0  # a separate draft model's weights and KV cache, 0 for none/self
+    draft_kv_bytes_per_token: int = 0  # of draft_bytes, what each token of the context adds (the draft model's KV cache)
     experts_per_layer: int = 0  # E, routed experts in one sparse layer (decide's expert-reuse model)
     top_k: int = 0  # k, experts each token activates per sparse layer
     hidden_size: int = 0  # H: an expert is gate_up [2I, H] + down [H, I]
@@ -56,6 +57,11 @@ class MemoryEstimate:
         expert_bytes = expert_bytes_for(quant, self.expert_dtype or self.dtype, self.hidden_size, self.expert_dim)
         dense = self.cpu_dense_bytes.get(quant, self.non_expert_bytes)
         return replace(self, quant=quant, expert_bytes=expert_bytes, non_expert_bytes=dense)
+
+    def at_context(self, context_len: int) -> MemoryEstimate:
+        """The same model holding `context_len` tokens, a draft model's KV cache with its own."""
+        draft = self.draft_bytes - self.draft_kv_bytes_per_token * (self.context_len - context_len)
+        return replace(self, context_len=context_len, draft_bytes=draft)
 
     @property
     def all_experts_bytes(self) -> int:
@@ -151,13 +157,14 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
     return layers * kv_heads * head_dim * 2 * dtype_bytes  # K and V
 
 
-def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft_bytes: int = 0,
+def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft: tuple[int, int] = (0, 0),
                     quant: str = "none", expert_dtype: str | None = None, bf16_params: int = 0,
                     quantized_dense: tuple[int, int] = (0, 0)) -> MemoryEstimate:
     """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds. expert_dtype:
     the unquantized experts' storage dtype where it is not the compute dtype (store.storage_dtype); bf16_params: the
     non-expert parameters kept in bf16 under another compute dtype (bf16_linear.narrow_linears); quantized_dense: the
-    dense weights quantized on a CPU and their bytes (quant/dense.quantized_dense_size)."""
+    dense weights quantized on a CPU and their bytes (quant/dense.quantized_dense_size); draft: a draft model's
+    draft_model_sizes."""
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     family = get_family(hf_config.model_type)
@@ -166,6 +173,7 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
     num_total = family.num_experts(hf_config) * len(family.sparse_layers(hf_config))
     hidden, inter = int(hf_config.hidden_size), family.expert_dim(hf_config)
     expert_params = 3 * hidden * inter  # gate, up [I, H]; down [H, I]
+    context = context_length(hf_config, context_len)
     if routed != expert_params * num_total:
         raise RuntimeError(f"{family.model_type}: module tree has {routed} routed-expert parameters, "
                            f"config says {expert_params * num_total}")
@@ -174,14 +182,14 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
         non_expert_bytes=(non_expert - bf16_params - quantized_dense[0]) * nbytes + bf16_params * 2 + quantized_dense[1],
         expert_bytes=expert_bytes_for(quant, expert_dtype or dtype, hidden, inter),
         num_experts_total=num_total, kv_bytes_per_token=kv_bytes_per_token(hf_config, nbytes),
-        context_len=context_length(hf_config, context_len), draft_bytes=draft_bytes,
+        context_len=context, draft_bytes=draft[0] + draft[1] * context, draft_kv_bytes_per_token=draft[1],
         experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),
         hidden_size=hidden, expert_dim=inter, quant=quant, non_expert_params=non_expert, expert_dtype=expert_dtype or dtype,
     )
 
 
-def draft_model_bytes(draft_dir, dtype: str, context_len: int) -> int:
-    """A separate dense draft model on the device: its weights and its KV cache for the whole context, counted as the
+def draft_model_sizes(draft_dir, dtype: str) -> tuple[int, int]:
+    """A separate dense draft model on the device: its weights' bytes and its KV cache's bytes per token, counted as the
     target's (its config only). Qwen3-0.6B's KV is 112 KiB a token, more than Qwen3-30B-A3B's: 4.4 GiB at 40960."""
     from transformers import AutoConfig
 
@@ -190,7 +198,7 @@ def draft_model_bytes(draft_dir, dtype: str, context_len: int) -> int:
         raise CheckpointError(f"no config.json in draft directory {path}: pass --draft none, self or a model directory")
     config = AutoConfig.from_pretrained(path)
     weights = sum(p.numel() for p in meta_model(config).parameters()) * DTYPE_BYTES[dtype]
-    return weights + kv_bytes_per_token(config, DTYPE_BYTES[dtype]) * context_len
+    return weights, kv_bytes_per_token(config, DTYPE_BYTES[dtype])
 
 
 def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, draft_dir=None,
@@ -209,7 +217,7 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
 
         quant = expert_format(read_quantization_config(read_config_dict(Path(source).expanduser())), quant)
     draft_model = draft_dir not in (None, "none", "self")
-    draft = draft_model_bytes(draft_dir, dtype, context_length(hf_config, context_len)) if draft_model else 0
+    draft = draft_model_sizes(draft_dir, dtype) if draft_model else (0, 0)
     from ..experts.cpu_ffn import keeps_bf16
     from ..quant.dense import quantized_dense_size
     from .bf16_linear import bf16_params

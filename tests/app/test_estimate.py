@@ -134,3 +134,19 @@ def test_a_context_a_run_would_cut_is_shown_cut(tmp_path, capsys):
     assert main(argv) == 0 and "66560 tokens x 96.0 KiB, the model's 262144: cut" in capsys.readouterr().out
     assert main([*argv, "--context-len", "262144"]) == 1
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_a_known_variant_with_its_own_context_is_estimated_at_it(capsys):
+    """Qwen3-30B-A3B-Instruct-2507 has Qwen3-30B-A3B's shapes and a context of 262,144 tokens, not 40,960: by name,
+    `estimate` shows what its pulled directory shows (the run's context cut from 262,144 on a 16 GiB GPU); it showed
+    40,960 tokens, the base model's."""
+    from moechat.app.cli import main
+
+    argv = ["estimate", "--model", "Qwen/Qwen3-30B-A3B-Instruct-2507", "--quant", "int4", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["context_len"] == 262144
+    assert main([*argv, "--vram-budget-gib", "16", "--ram-budget-gib", "32"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["context_len"], out["model_context_len"]) == (66560, 262144)  # as test_a_context_a_run_would_cut_is_shown_cut
+    assert main(["estimate", "--model", "mistralai/Mixtral-8x7B-Instruct-v0.1", "--json"]) == 0  # a variant without its own
+    assert json.loads(capsys.readouterr().out)["context_len"] == 32768

@@ -540,3 +540,28 @@ def test_a_default_context_leaves_the_experts_their_room():
     for machine in (24 * GIB, 16 * GIB, 8 * GIB):
         context = default_context(gpu, machine, None)
         check_budgets(replace(gpu, context_len=context), machine, None, 0, "ram")  # what it picks passes the guardrail
+
+
+def test_a_default_context_with_a_draft_model_shares_the_kv_room_with_its_kv(tmp_path):
+    """A draft model's KV cache grows with the context as the target's: Qwen3-0.6B's (1.11 GiB of weights, 112 KiB a
+    token) beside Qwen3-30B-A3B-Instruct-2507 on a 24 GiB GPU takes half of what the weights and the margin leave with the
+    target's 96 KiB a token: (24 - 1.2 - 2.87 - 1.11) / 2 GiB at 208 KiB a token. Its KV for the model's 262,144 tokens
+    (28 GiB) counted as fixed cut the context to the 4,096 floor."""
+    from moechat.engine.model.memory_budgets import default_context, vram_margin
+
+    draft = tmp_path / "Qwen3-0.6B"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        tie_word_embeddings=True)))
+    est = estimate(dict(KNOWN_MODELS["Qwen3-30B-A3B"], max_position_embeddings=262144), "bfloat16", draft_dir=draft)
+    context = default_context(est, 24 * GIB, None)
+    assert context == 47104  # was 4096
+    weights = est.draft_bytes - 262144 * est.draft_kv_bytes_per_token
+    assert est.draft_kv_bytes_per_token == 28 * 8 * 128 * 2 * 2 and weights == pytest.approx(1.11 * GIB, rel=0.01)
+    room = 24 * GIB - vram_margin(24 * GIB) - est.non_expert_bytes - weights
+    assert context == room // 2 // (est.kv_bytes_per_token + est.draft_kv_bytes_per_token) // 1024 * 1024
+    held = est.at_context(context)
+    assert held.draft_bytes == weights + context * est.draft_kv_bytes_per_token
+    assert held.kv_bytes + held.draft_bytes - weights <= room // 2  # the other half caches experts
