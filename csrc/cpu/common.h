@@ -152,6 +152,9 @@ struct MatJob {
     int T;
     float* Y;
     int64_t ldy;
+    // rows of ldw the thread reads right after this job's last (another expert's, or the up rows after the gate's): the
+    // last tiles prefetch them instead of the rows past this matrix's end, so the next job does not start cold; null: none
+    const void* next = nullptr;
 };
 
 // ---- the portable path: 4-lane vectors (one SSE2 or NEON register: the baseline of x86-64 and aarch64, which GCC and clang

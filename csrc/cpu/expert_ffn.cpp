@@ -95,8 +95,10 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
     if (pairs)
         for (int64_t s = 0; s < S; s++) permute_pairs(&xs[s * H], H);
 
-    // Y [T, RB] = W [nr, K] . X^T for one group: AMX on whole 16-row blocks, the vector path elsewhere.
-    auto mat = [&](const char* W, int64_t nr, int64_t K, const void* X, const uint16_t* P, int T, float* Y) {
+    // Y [T, RB] = W [nr, K] . X^T for one group: AMX on whole 16-row blocks, the vector path elsewhere. next: the rows
+    // of K this thread reads after these (MatJob::next), prefetched as the last tiles run.
+    auto mat = [&](const char* W, int64_t nr, int64_t K, const void* X, const uint16_t* P, int T, float* Y,
+                   const char* next) {
 #ifdef MOE_X86
         int64_t done = 0;
         if (amx) {
@@ -104,20 +106,25 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
             if (done) mat_amx(reinterpret_cast<const uint16_t*>(W), K, done, K, P, T, Y, RB_ROWS);
         }
         if (done < nr) {
-            run_mat({W + done * K * wsize, K, nr - done, K, X, K, T, Y + done, RB_ROWS}, w_dtype,
+            run_mat({W + done * K * wsize, K, nr - done, K, X, K, T, Y + done, RB_ROWS, next}, w_dtype,
                     amx ? AVX512_BF16 : isa);
         }
 #else
         (void)P;
-        run_mat({W, K, nr, K, X, K, T, Y, RB_ROWS}, w_dtype, isa);
+        run_mat({W, K, nr, K, X, K, T, Y, RB_ROWS, next}, w_dtype, isa);
 #endif
     };
 
     const int threads = threads_for(num_threads, double(n_groups) * 3 * H * I * wsize);
     const int64_t iblocks = (I + RB_ROWS - 1) / RB_ROWS, hblocks = (H + RB_ROWS - 1) / RB_ROWS;
 
-    // Phase 1: h[s, i] = silu(gate_e x_s)_i * (up_e x_s)_i over items (group, block of I rows).
+    // Phase 1: h[s, i] = silu(gate_e x_s)_i * (up_e x_s)_i over items (group, block of I rows). The gate's rows go on
+    // into the up's, the up's into the gate rows of the item this thread likely takes next (the threads take turns).
     std::atomic<int64_t> next{0};
+    auto gate_rows = [&](int64_t item) -> const char* {  // null past the last item
+        if (item >= n_groups * iblocks) return nullptr;
+        return static_cast<const char*>(gate[item / iblocks]) + (item % iblocks) * RB_ROWS * H * wsize;
+    };
     g_pool->run(threads, [&](int) {
         if (amx) amx_begin();
         std::vector<float> yg(max_t * RB_ROWS), yu(max_t * RB_ROWS);
@@ -128,8 +135,9 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
             if (T == 0) continue;
             const void* X = bf16 ? static_cast<const void*>(&xs16[s0 * H]) : &xs[s0 * H];
             const uint16_t* P = amx ? &xp[g * H * AMX_N] : nullptr;
-            mat(static_cast<const char*>(gate[g]) + i0 * H * wsize, nr, H, X, P, T, yg.data());
-            mat(static_cast<const char*>(up[g]) + i0 * H * wsize, nr, H, X, P, T, yu.data());
+            const char* up_rows = static_cast<const char*>(up[g]) + i0 * H * wsize;
+            mat(gate_rows(item), nr, H, X, P, T, yg.data(), up_rows);
+            mat(up_rows, nr, H, X, P, T, yu.data(), gate_rows(item + threads));
             for (int t = 0; t < T; t++)
                 for (int64_t r = 0; r < nr; r++)
                     h[(s0 + t) * I + i0 + r] = silu(yg[t * RB_ROWS + r]) * yu[t * RB_ROWS + r];
@@ -158,7 +166,12 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
                 if (T == 0) continue;
                 const char* base = static_cast<const char*>(down[g]);
                 const void* X = bf16 ? static_cast<const void*>(&h16[s0 * I]) : &h[s0 * I];
-                mat(base + j0 * I * wsize, nr, I, X, amx ? &hp[g * I * AMX_N] : nullptr, T, yd.data());
+                // then the next group's rows of this block, after the last the first group's of this thread's next block
+                const int64_t ahead = item + threads;
+                const char* following = g + 1 < n_groups ? static_cast<const char*>(down[g + 1]) + j0 * I * wsize
+                                        : ahead < hblocks ? static_cast<const char*>(down[0]) + ahead * RB_ROWS * I * wsize
+                                                          : nullptr;
+                mat(base + j0 * I * wsize, nr, I, X, amx ? &hp[g * I * AMX_N] : nullptr, T, yd.data(), following);
                 for (int t = 0; t < T; t++) {
                     float* o = out + rows[s0 + t] * H + j0;
                     const float w = row_weights[s0 + t];

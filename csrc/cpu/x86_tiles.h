@@ -32,7 +32,8 @@ template <> AVX512_TARGET inline __m512 w16m<Half>(const Half* p, __mmask16 m) {
 }
 
 template <typename WT, int R, int TC>
-AVX512_TARGET void tile_avx512(const WT* W, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y, int64_t ldy) {
+AVX512_TARGET void tile_avx512(const WT* W, const WT* P, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y,
+                               int64_t ldy) {
     __m512 acc[R][TC];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TC; t++) acc[r][t] = _mm512_setzero_ps();
@@ -40,11 +41,12 @@ AVX512_TARGET void tile_avx512(const WT* W, int64_t ldw, int64_t len, const floa
     for (; k + 16 <= len; k += 16) {
         __m512 w[R];
         for (int r = 0; r < R; r++) {
-            // the next R rows, one block ahead: each row is its own short stream (2-4 KB), too short for the
-            // hardware prefetcher to ramp up on before it ends; a hint past the matrix's end does not fault. Into L2
-            // (T1), not L1: an L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, which
-            // capped a core's stream well below DRAM's (docs/benchmarks.md, "Prefetching into L2")
-            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);
+            // the next R rows (P: the walk's, past the job's end its `next`), one block ahead: each row is its own short
+            // stream (2-4 KB), too short for the hardware prefetcher to ramp up on before it ends; a hint past the
+            // matrix's end does not fault. Into L2 (T1), not L1: an L1 prefetch holds one of the core's few L1 miss
+            // buffers until its line arrives, which capped a core's stream well below DRAM's (docs/benchmarks.md,
+            // "Prefetching into L2")
+            _mm_prefetch(reinterpret_cast<const char*>(P + r * ldw + k), _MM_HINT_T1);
             w[r] = w16<WT>(W + r * ldw + k);
         }
         for (int t = 0; t < TC; t++) {
@@ -69,8 +71,8 @@ AVX512_TARGET void tile_avx512(const WT* W, int64_t ldw, int64_t len, const floa
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
 template <int R, int TC>
-BF16_TARGET void tile_bf16(const uint16_t* W, int64_t ldw, int64_t len, const uint16_t* X, int64_t ldx, float* Y,
-                           int64_t ldy) {
+BF16_TARGET void tile_bf16(const uint16_t* W, const uint16_t* P, int64_t ldw, int64_t len, const uint16_t* X, int64_t ldx,
+                           float* Y, int64_t ldy) {
     __m512 acc[R][TC];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TC; t++) acc[r][t] = _mm512_setzero_ps();
@@ -78,7 +80,7 @@ BF16_TARGET void tile_bf16(const uint16_t* W, int64_t ldw, int64_t len, const ui
     for (; k + 32 <= len; k += 32) {  // unmasked: a per-iteration mask keeps GCC from holding acc in registers
         __m512i w[R];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);  // as tile_avx512
+            _mm_prefetch(reinterpret_cast<const char*>(P + r * ldw + k), _MM_HINT_T1);  // as tile_avx512
             w[r] = _mm512_loadu_si512(W + r * ldw + k);
         }
         for (int t = 0; t < TC; t++) {
@@ -177,7 +179,8 @@ AVX2_TARGET inline float hsum8(__m256 v) {
 }
 
 template <typename WT, int R, int TC>
-AVX2_TARGET void tile_avx2(const WT* W, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y, int64_t ldy) {
+AVX2_TARGET void tile_avx2(const WT* W, const WT* P, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y,
+                           int64_t ldy) {
     __m256 acc[R][TC];
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TC; t++) acc[r][t] = _mm256_setzero_ps();
@@ -185,7 +188,7 @@ AVX2_TARGET void tile_avx2(const WT* W, int64_t ldw, int64_t len, const float* X
     for (; k + 8 <= len; k += 8) {
         __m256 w[R];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);  // as tile_avx512
+            _mm_prefetch(reinterpret_cast<const char*>(P + r * ldw + k), _MM_HINT_T1);  // as tile_avx512
             w[r] = w8<WT>(W + r * ldw + k);
         }
         for (int t = 0; t < TC; t++) {
@@ -208,8 +211,8 @@ AVX2_TARGET void tile_avx2(const WT* W, int64_t ldw, int64_t len, const float* X
 // block costs 1 load + 2 ALU ops for 16 weights instead of 2 widening loads + 2 shifts.
 
 template <int R, int TC>
-AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y,
-                                 int64_t ldy) {
+AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, const uint16_t* P, int64_t ldw, int64_t len, const float* X,
+                                 int64_t ldx, float* Y, int64_t ldy) {
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
     __m256 acc[R][TC];
     for (int r = 0; r < R; r++)
@@ -218,7 +221,7 @@ AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, int64_t ldw, int64_t len, co
     for (; k + 16 <= len; k += 16) {
         __m256 even[R], odd[R];
         for (int r = 0; r < R; r++) {
-            _mm_prefetch(reinterpret_cast<const char*>(W + (R + r) * ldw + k), _MM_HINT_T1);  // as tile_avx512
+            _mm_prefetch(reinterpret_cast<const char*>(P + r * ldw + k), _MM_HINT_T1);  // as tile_avx512
             __m256i w = _mm256_loadu_si256((const __m256i*)(W + r * ldw + k));
             even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
             odd[r] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
@@ -243,17 +246,19 @@ template <typename Family, int R, int... I>
 void walk(const MatJob& j, std::integer_sequence<int, I...>) {
     using WT = typename Family::W;
     using XT = typename Family::X;
-    using Tile = void (*)(const WT*, int64_t, int64_t, const XT*, int64_t, float*, int64_t);
+    using Tile = void (*)(const WT*, const WT*, int64_t, int64_t, const XT*, int64_t, float*, int64_t);
     constexpr int TCMAX = sizeof...(I);
     static const Tile block[TCMAX] = {Family::template tile<R, I + 1>...};
     static const Tile single[TCMAX] = {Family::template tile<1, I + 1>...};
-    const WT* W = static_cast<const WT*>(j.W);
+    const WT *W = static_cast<const WT*>(j.W), *next = static_cast<const WT*>(j.next);
     const XT* X = static_cast<const XT*>(j.X);
     for (int64_t r = 0; r < j.rows;) {
         const bool full = r + R <= j.rows;
+        const int64_t ahead = r + (full ? R : 1);  // the first row the tile prefetches: past the end, the next job's
+        const WT* P = next && ahead >= j.rows ? next + (ahead - j.rows) * j.ldw : W + ahead * j.ldw;
         for (int t = 0; t < j.T; t += TCMAX) {
             const int tc = std::min(TCMAX, j.T - t);
-            (full ? block : single)[tc - 1](W + r * j.ldw, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
+            (full ? block : single)[tc - 1](W + r * j.ldw, P, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
         }
         r += full ? R : 1;
     }
