@@ -13,6 +13,7 @@ verification stays exactly as lossless as before. fp32 activations only: the twi
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,9 @@ def library() -> ctypes.CDLL | None:
         lib.moe_latent_attention.argtypes, lib.moe_latent_attention.restype = _LATENT_ARGS, ctypes.c_int
         lib.moe_decode_isa.argtypes, lib.moe_decode_isa.restype = [_INT], ctypes.c_int
         lib.moe_attention_wave_bytes.argtypes, lib.moe_attention_wave_bytes.restype = [ctypes.c_double], ctypes.c_double
+        cap = NARROW_FORCED.get(os.environ.get("MOECHAT_CPU_ISA", ""))
+        if cap is not None:  # a forced path without AVX-512 (an ARM or AVX2-only CPU emulated): the decode ops no wider
+            lib.moe_decode_isa(ISAS.index(cap))
         lib._decode_typed = True
     return lib
 
@@ -51,6 +55,7 @@ def available() -> bool:
 
 
 ISAS = ("portable", "avx2", "avx512")  # the builds of csrc/cpu/decode_body.h, narrowest first
+NARROW_FORCED = {"scalar": "portable", "avx2": "avx2", "avx_vnni": "avx2"}  # MOECHAT_CPU_ISA -> the decode ops' widest
 
 
 def isa(cap: str | None = None) -> str:

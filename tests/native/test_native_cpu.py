@@ -1,6 +1,7 @@
 """The native CPU expert FFN (csrc/cpu) against its pure-PyTorch twin, on every path this CPU has."""
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import threading
@@ -241,6 +242,25 @@ def test_a_forced_quantized_path_leaves_the_float_kernel_its_best(forced, monkey
     args = case(128, 96, [1, 2, 4], torch.bfloat16, torch.float32)
     out = cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, 128))
     assert rel_err(out, reference(*args)) < 2e-5
+
+@needs_native
+@pytest.mark.parametrize("forced, decode", [("scalar", "portable"), ("avx2", "avx2"), ("", None)])
+def test_a_forced_narrow_path_takes_the_decode_ops_with_it(forced, decode):
+    """MOECHAT_CPU_ISA=scalar emulated an ARM CPU's expert kernels but left attention, norms and the dense products on
+    AVX-512: now the decode ops take no wider a path (a fresh process: the library reads it once)."""
+    import subprocess
+
+    from moechat.engine.model import decode_ops
+
+    if forced and not cpu_ffn.isa_supported(forced):
+        pytest.skip(f"this CPU has no {forced}")
+    env = {k: v for k, v in os.environ.items() if k != "MOECHAT_CPU_ISA"} | ({"MOECHAT_CPU_ISA": forced} if forced else {})
+    code = "from moechat.engine.model import decode_ops; print(decode_ops.isa())"
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    widest = decode_ops.isa()  # this process: never forced
+    assert got.stdout.strip() == (decode or widest)
+
 
 @needs_native
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
