@@ -38,8 +38,9 @@ def _source(model: str | None):
     if Path(path).exists():
         return path, path
     name = known_name(model)
-    if name is not None:
-        return name, dict(known_config(model), dtype="bfloat16")  # as their checkpoints ship
+    if name is not None:  # a variant by its own name: its base's shapes, bar known_config's own fields
+        given = model.rsplit("/", 1)[-1]
+        return name if given.lower() == name.lower() else given, dict(known_config(model), dtype="bfloat16")
     raise MoechatError(f"no model directory {model}: pass a checkpoint directory, a model fetched with `moechat pull`, "
                        f"or a known config ({', '.join(KNOWN_MODELS)})")
 

@@ -148,5 +148,9 @@ def test_a_known_variant_with_its_own_context_is_estimated_at_it(capsys):
     assert main([*argv, "--vram-budget-gib", "16", "--ram-budget-gib", "32"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["context_len"], out["model_context_len"]) == (66560, 262144)  # as test_a_context_a_run_would_cut_is_shown_cut
+    assert out["model"] == "Qwen3-30B-A3B-Instruct-2507"  # named as asked, not as its base
     assert main(["estimate", "--model", "mistralai/Mixtral-8x7B-Instruct-v0.1", "--json"]) == 0  # a variant without its own
-    assert json.loads(capsys.readouterr().out)["context_len"] == 32768
+    out = json.loads(capsys.readouterr().out)
+    assert (out["context_len"], out["model"]) == (32768, "Mixtral-8x7B-Instruct-v0.1")
+    assert main(["estimate", "--model", "qwen3-30b-a3b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "Qwen3-30B-A3B"  # the base, as spelt by its publisher
