@@ -125,12 +125,11 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
     def placed(fmt: str):  # where a run with experts in `fmt` computes, and the model's sizes there at the context it holds
         placement = resolve_placement(device, dtype, model_dir, fmt)
         on_cpu = placement.device == "cpu"
-        sizes = dict(dtype=placement.dtype, draft_dir=draft_dir, cpu=on_cpu)
-        est = estimate(model_dir, context_len=context_len, **sizes)
+        est = estimate(model_dir, dtype=placement.dtype, context_len=context_len, draft_dir=draft_dir, cpu=on_cpu)
         if context_len is None:  # unset, a run cuts the model's context where its KV would crowd out the experts
-            vram = None if on_cpu or not hw.gpus else vram_budget or best_gpu(hw.gpus).free_bytes
-            fits = default_context(est.with_quant(fmt), vram, ram_budget or hw.ram_available_bytes)
-            est = estimate(model_dir, context_len=fits, **sizes)
+            free = None if on_cpu or not hw.gpus else best_gpu(hw.gpus).free_bytes
+            vram = free if free is None or vram_budget is None else min(free, vram_budget)  # as decide holds it
+            est = est.at_context(default_context(est.with_quant(fmt), vram, ram_budget or hw.ram_available_bytes))
         return placement, est
 
     placement, est = placed(quant or "none")

@@ -92,8 +92,7 @@ def cmd_estimate(args) -> int:
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
     model_context = est.context_len
     if args.context_len is None and (vram is not None or ram is not None):  # the context a run holds on these budgets
-        est = estimate(source, where.dtype, default_context(est, vram, ram if vram is None else None), args.draft, args.quant,
-                       cpu=on_cpu)
+        est = est.at_context(default_context(est, vram, ram))
     kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
     fit = fit_report(est, vram, ram) if vram is not None or ram is not None else {}
     if args.json:

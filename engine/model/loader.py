@@ -273,6 +273,14 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
                        device, dtype, context_len, lean, "; ".join(n for n in (budget_notice, rope_notice, window) if n))
 
 
+def _vram(cfg: EngineConfig, device: torch.device) -> int | None:
+    """The VRAM a load may plan with: free on the device now, held to the user's budget (a hard limit); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    free = torch.cuda.mem_get_info(device)[0]
+    return free if cfg.vram_budget_bytes is None else min(free, cfg.vram_budget_bytes)
+
+
 def _draft_sizes(cfg: EngineConfig, device: torch.device) -> tuple[int, int]:
     """A draft model on the GPU: its weights and KV count against the VRAM too (memory_estimate.draft_model_sizes)."""
     drafter = cfg.spec.drafter
@@ -283,9 +291,7 @@ def _default_context(cfg: EngineConfig, est: MemoryEstimate, device: torch.devic
                      notice: str) -> tuple[EngineConfig, MemoryEstimate, str]:
     """cfg and the estimate at the context a run holds when none is set (memory_budgets.default_context), and the
     notice with a line where it is shorter than the model's."""
-    vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    if vram is not None and cfg.vram_budget_bytes is not None:
-        vram = min(vram, cfg.vram_budget_bytes)
+    vram = _vram(cfg, device)
     ram = cfg.host_ram_budget_bytes or available_ram_bytes()
     context = default_context(est, vram, ram)
     if context >= est.context_len:
@@ -361,9 +367,7 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store (and without a GPU,
     the user's budget for the non-expert weights and KV cache).
     -> the config, its fast tier shrunk to the free VRAM where `fit_expert_cache` allows, and a line saying so."""
-    vram = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    if vram is not None and cfg.vram_budget_bytes is not None:  # the user's budget is a hard limit
-        vram = min(vram, cfg.vram_budget_bytes)
+    vram = _vram(cfg, device)
     machine, given = physical_ram_bytes(), cfg.host_ram_budget_bytes
     cfg, notices = _held_to_the_machine(cfg, est, machine, device.type == "cuda")
     user_ram = cfg.host_ram_budget_bytes
