@@ -13,11 +13,11 @@ verification stays exactly as lossless as before. fp32 activations only: the twi
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import MoechatError
 from ..experts import cpu_ffn
 
 _I64, _P, _F, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -43,11 +43,20 @@ def library() -> ctypes.CDLL | None:
         lib.moe_latent_attention.argtypes, lib.moe_latent_attention.restype = _LATENT_ARGS, ctypes.c_int
         lib.moe_decode_isa.argtypes, lib.moe_decode_isa.restype = [_INT], ctypes.c_int
         lib.moe_attention_wave_bytes.argtypes, lib.moe_attention_wave_bytes.restype = [ctypes.c_double], ctypes.c_double
-        cap = NARROW_FORCED.get(os.environ.get("MOECHAT_CPU_ISA", ""))
+        cap = NARROW_FORCED.get(_forced_isa())
         if cap is not None:  # a forced path without AVX-512 (an ARM or AVX2-only CPU emulated): the decode ops no wider
             lib.moe_decode_isa(ISAS.index(cap))
         lib._decode_typed = True
     return lib
+
+
+def _forced_isa() -> str:
+    """The expert kernels' path MOECHAT_CPU_ISA forces (cpu_ffn.default_isa), "auto" where none or one this CPU lacks
+    (refused in one line by the first kernel call)."""
+    try:
+        return cpu_ffn.default_isa()
+    except MoechatError:
+        return "auto"
 
 
 def available() -> bool:
