@@ -120,9 +120,9 @@ class Engine:
             ids = tok(_check_text(request.prompt or ""), add_special_tokens=True)["input_ids"]
         if not ids:
             raise RequestError("the prompt is empty: type something to send")
-        vocab = int(self.model.hf_config.vocab_size)
-        if (bad := next((i for i in ids if i >= vocab), None)) is not None:  # the embedding would fail with an IndexError
-            raise CheckpointError(f"the tokenizer gave token id {bad}, past this model's {vocab} embedding rows: its tokenizer "
+        vocab, top = int(self.model.hf_config.vocab_size), max(ids)  # one C-level pass over a long prompt
+        if top >= vocab:  # the embedding would fail with an IndexError
+            raise CheckpointError(f"the tokenizer gave token id {top}, past this model's {vocab} embedding rows: its tokenizer "
                                   "files are not this model's; re-download the model")
         return list(ids)
 

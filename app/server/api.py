@@ -152,7 +152,8 @@ class CompletionBody(_Body):
     @classmethod
     def _no_logprobs(cls, data):
         """The legacy API's `logprobs` counts the alternatives to list: 0 still asks for each chosen token's logprob."""
-        if isinstance(data, dict) and data.get("logprobs") == 0 and data.get("logprobs") is not False:
+        logprobs = data.get("logprobs") if isinstance(data, dict) else None
+        if logprobs == 0 and not isinstance(logprobs, bool):  # false stays the unset value
             raise ValueError("`logprobs` is not supported by this server: leave it out")
         return data
 
