@@ -95,9 +95,9 @@ class ReplyMeter:
         vram_used = vram_budget = None
         if m.device.type == "cuda":
             vram_used = int(torch.cuda.memory_allocated(m.device))
-            # The config bounds only the fast tier (expert_cache_bytes); the whole VRAM the engine may
-            # use is the device's memory, which the loader checked the model against.
-            vram_budget = int(torch.cuda.mem_get_info(m.device)[1])
+            # what the engine may use: the user's VRAM budget (the loader's hard limit), else the device's memory
+            total = int(torch.cuda.mem_get_info(m.device)[1])
+            vram_budget = total if cfg.vram_budget_bytes is None else min(total, cfg.vram_budget_bytes)
         ram_budget = cfg.host_ram_budget_bytes or physical_ram_bytes()  # as the loader checks; 0 means "mmap tier"
         return Stats(
             tokens_per_s=tokens_per_s, acceptance=acceptance if self.has_drafter else None,

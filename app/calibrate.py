@@ -127,18 +127,20 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
         on_cpu = placement.device == "cpu"
         est = estimate(model_dir, dtype=placement.dtype, context_len=context_len, draft_dir=draft_dir, cpu=on_cpu)
         if context_len is None:  # unset, a run cuts the model's context where its KV would crowd out the experts
-            free = None if on_cpu or not hw.gpus else best_gpu(hw.gpus).free_bytes
+            seen = _run_hardware(hw, placement.device)
+            free = best_gpu(seen.gpus).free_bytes if seen.gpus else None
             vram = free if free is None or vram_budget is None else min(free, vram_budget)  # as decide holds it
             est = est.at_context(default_context(est.with_quant(fmt), vram, ram_budget or hw.ram_available_bytes))
         return placement, est
 
     placement, est = placed(quant or "none")
-    fmt = experts_format(hw, est, ram_budget, quant)
+    fmt = experts_format(_run_hardware(hw, placement.device), est, ram_budget, quant)
     if fmt != (quant or "none"):  # the decided format can change the dtype `auto` picks (placement.py): measure that one
         placement, est = placed(fmt)
     options = ("none", "self") + ((drafter,) if drafter not in ("none", "self") else ())  # the draft model measured
     # budgets nothing fits (BudgetError) are refused now, not after minutes of measuring and quantizing
-    decide(hw, est, measurements_from({"expert_bytes": est.expert_bytes}), vram_budget, ram_budget, options, quant)
+    decide(_run_hardware(hw, placement.device), est, measurements_from({"expert_bytes": est.expert_bytes}), vram_budget,
+           ram_budget, options, quant)
     where = dict(quick=quick, draft_len=MAX_MEASURED_DRAFT_LEN, device=placement.device, dtype=placement.dtype, quant=fmt,
                  context_len=est.context_len)
     prompts = eval_prompts(3 if quick else 8)
@@ -146,8 +148,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
 
     def decided(label: str, fraction: float):  # on the VRAM free now that the measuring engine is gone
         progress(label, fraction)
-        now = _free_vram_now(hw, placement.device) if device in (None, "auto") else hw  # a GPU set by hand: NVML's figure
-        return decide(now, est, meas, vram_budget, ram_budget, draft_options=options, quant=quant)
+        return decide(_run_hardware(hw, placement.device), est, meas, vram_budget, ram_budget, draft_options=options,
+                      quant=quant)
 
     decisions = decided("deciding", 0.75)
     if decisions.drafter == "self":  # it drafts with the experts on the GPU: timed with the share just decided there
@@ -164,18 +166,25 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
     return profile, path
 
 
-def _free_vram_now(hw, device: str):
-    """hw with the serving GPU's free memory as CUDA reports it now: the probe read it through NVML before this process
-    had a CUDA context (about 0.3-0.5 GiB, which every run has), and the measurement has given its own memory back."""
-    if not device.startswith("cuda") or not hw.gpus:
-        return hw
+def _run_hardware(hw, device: str):
+    """hw as decide() must see it for a run on `device`. On the CPU no GPU: one beside it (set aside, or one this PyTorch
+    cannot use) runs nothing, and decided for, it gave a fast tier, a self drafter and RAM sized as if the weights and KV
+    cache lived in VRAM. On a GPU the serving one alone, its free memory as CUDA reports it now: the probe read it through
+    NVML before this process had a CUDA context (about 0.3-0.5 GiB, which every run has; the placement's probe made one on
+    every GPU), and the measurement has given its own memory back. The others go: their NVML figures lack that context,
+    so beside an equal GPU the serving one would no longer be decide's most free. Where NVML listed none (no nvidia-ml-py,
+    a driver it cannot read), the serving GPU as CUDA describes it: decided without one, a GPU run got no fast tier."""
+    if not device.startswith("cuda"):
+        return dataclasses.replace(hw, gpus=[]) if hw.gpus else hw
     import torch
 
-    from ..engine import best_gpu
+    from ..engine import GpuInfo, best_gpu
 
-    gpu = best_gpu(hw.gpus)
-    free = torch.cuda.mem_get_info(torch.device(device))[0]
-    return dataclasses.replace(hw, gpus=[dataclasses.replace(g, free_bytes=free) if g is gpu else g for g in hw.gpus])
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    name = torch.cuda.get_device_name(torch.device(device))
+    named = [g for g in hw.gpus if g.name == name]  # NVML's record of it (its PCIe link); NVML's order need not be CUDA's
+    gpu = best_gpu(named or hw.gpus) if hw.gpus else GpuInfo(name, int(total), 0)
+    return dataclasses.replace(hw, gpus=[dataclasses.replace(gpu, free_bytes=int(free))])
 
 
 def _fmt_rate(value: float | None) -> str:

@@ -486,7 +486,7 @@ def test_two_gpus_decide_for_the_one_auto_runs_on(known, monkeypatch):
     NVML's first; calibration reads its free memory again through CUDA after measuring (the context every run has)."""
     import torch
 
-    from moechat.app.calibrate import _free_vram_now
+    from moechat.app.calibrate import _run_hardware
 
     est = known["Qwen3-30B-A3B"]
     small = GpuInfo("NVIDIA RTX A4000", 16 * GIB, 3 * GIB, "550", 4, 16)  # busy with a display
@@ -494,9 +494,64 @@ def test_two_gpus_decide_for_the_one_auto_runs_on(known, monkeypatch):
     meas = synthetic("desktop-4090", est)
     assert decide(hw, est, meas).expert_cache_ratio == decide(MACHINES["desktop-4090"][0], est, meas).expert_cache_ratio
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(23.1 * GIB), 24 * GIB))
-    now = _free_vram_now(hw, "cuda:1")
-    assert [g.free_bytes for g in now.gpus] == [3 * GIB, int(23.1 * GIB)] and _free_vram_now(hw, "cpu") is hw
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: hw.gpus[1].name)
+    now = _run_hardware(hw, "cuda:1")
+    assert [g.free_bytes for g in now.gpus] == [int(23.1 * GIB)]
     assert decide(now, est, meas).expert_cache_ratio < decide(hw, est, meas).expert_cache_ratio
+    # the smaller one set by hand: its own NVML record (its PCIe link), not the most free one's, with CUDA's free memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(2.5 * GIB), 16 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: small.name)
+    assert _run_hardware(hw, "cuda:0").gpus == [replace(small, free_bytes=int(2.5 * GIB))]
+
+
+def test_two_equal_gpus_decide_for_the_serving_one_as_cuda_reads_it(known, monkeypatch):
+    """Two equal GPUs (NVML read both before this process had a CUDA context): after measuring, calibration reads the
+    serving GPU's free memory through CUDA, its context taken. The other GPU's NVML figure, which lacks that context, must
+    not become decide's most free: the fast tier was sized 0.4 GiB over what a run finds, and every chat start shrank it
+    with a notice that calibrating again would not clear."""
+    import torch
+
+    from moechat.app.calibrate import _run_hardware
+    from moechat.engine.model.loader import check_load_budgets
+
+    est = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16", 8192)
+    gpu = MACHINES["desktop-4090"][0].gpus[0]
+    hw = replace(MACHINES["desktop-4090"][0], gpus=[gpu, replace(gpu)])  # two boards, read alike
+    meas = synthetic("desktop-4090", est)
+    cuda_free = gpu.free_bytes - (400 << 20)  # what a run sees: the context every process has
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (cuda_free, gpu.total_bytes))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu.name)
+    ratio = decide(_run_hardware(hw, "cuda:0"), est, meas, quant="none").expert_cache_ratio
+    assert ratio == decide(replace(hw, gpus=[replace(gpu, free_bytes=cuda_free)]), est, meas, quant="none").expert_cache_ratio
+    from moechat.engine.config import EngineConfig
+
+    run = EngineConfig(model_dir="m", device="cuda", host_ram_budget_bytes=0, expert_cache_ratio=ratio, fit_expert_cache=True)
+    assert check_load_budgets(run, est, torch.device("cuda:0"))[1] == ""  # the profile's ratio fits: no shrink notice
+
+
+def test_a_run_on_the_cpu_is_decided_without_the_gpu_beside_it(known, monkeypatch):
+    """A machine with a GPU whose run is on the CPU (device cpu set, or a CPU build of PyTorch): decide() sees no GPU, as
+    the run has none. Seen, it gave a fast tier and a self drafter, and counted the RAM as if the weights and the KV cache
+    sat in VRAM: Qwen3-30B-A3B's bf16 experts were kept beside them in 64 GiB, where the load then reads them from disk
+    every token (int8 holds them in RAM). A GPU run where NVML lists none (no nvidia-ml-py) is decided for the serving
+    GPU as CUDA describes it: decided without one, it got no fast tier."""
+    import torch
+
+    from moechat.app.calibrate import _run_hardware
+
+    est = known["Qwen3-30B-A3B"]
+    hw = MACHINES["desktop-4090"][0]
+    meas = synthetic("desktop-4090", est)
+    on_cpu = decide(_run_hardware(hw, "cpu"), est, meas)
+    assert on_cpu == decide(replace(hw, gpus=[]), est, meas)  # as on a machine without one
+    assert on_cpu.expert_cache_ratio == 0 and on_cpu.drafter == "none" and on_cpu.quant == "int8"
+    assert decide(hw, est, meas).quant == "none"  # what it decided with the GPU seen
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(23.1 * GIB), 24 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA GeForce RTX 4090")
+    unlisted = _run_hardware(replace(hw, gpus=[]), "cuda:0")
+    assert [(g.name, g.free_bytes, g.total_bytes) for g in unlisted.gpus] == [("NVIDIA GeForce RTX 4090", int(23.1 * GIB),
+                                                                               24 * GIB)]
+    assert decide(unlisted, est, meas).expert_cache_ratio > 0
 
 
 def test_calibration_counts_the_dense_part_as_a_cpu_quantizes_it(monkeypatch):

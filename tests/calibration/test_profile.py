@@ -527,11 +527,13 @@ def test_the_self_drafter_is_timed_with_the_experts_it_drafts_with(checkpoint, m
     an engine with the share it just decided, and decides with those figures (here a GPU machine whose fast tier is
     emulated on the CPU)."""
     import moechat.engine as engine_api
+    from moechat.app import calibrate as cal
     from moechat.app.calibrate import calibrate
     from moechat.engine.calibration import measure as measuring
 
     gpu_machine = replace(hardware(), ram_total_bytes=64 << 30, ram_available_bytes=48 << 30)
     monkeypatch.setattr(engine_api, "probe", lambda: gpu_machine)
+    monkeypatch.setattr(cal, "_run_hardware", lambda hw, device: hw)  # decided for its GPU though the run is on the CPU
     timed = []
     real = measuring.measure_self_draft
     monkeypatch.setattr(engine_api, "measure_self_draft", lambda *a, **kw: timed.append((a, kw)) or real(*a, **kw))
@@ -549,6 +551,22 @@ def test_the_self_drafter_is_timed_with_the_experts_it_drafts_with(checkpoint, m
         assert d.drafter == "none" and d.reasons["drafter"].startswith("none: drafting is predicted")
     fractions = [f for _, f in seen]
     assert fractions == sorted(fractions) and any(name.startswith("self drafter: drafting") for name, _ in seen)
+
+
+def test_calibrating_a_run_on_the_cpu_of_a_gpu_machine_decides_without_the_gpu(checkpoint, monkeypatch):
+    """device cpu on a machine with a GPU (or a CPU build of PyTorch beside one): the run has no fast tier, so calibration
+    decides as on a machine without a GPU. It decided for the GPU it measured nothing on: a fast tier "filling the VRAM",
+    and the experts' format and host tier for RAM that held no weights or KV cache."""
+    import moechat.engine as engine_api
+    from moechat.app.calibrate import calibrate
+
+    monkeypatch.setattr(engine_api, "probe", lambda: replace(hardware(), ram_total_bytes=64 << 30,
+                                                             ram_available_bytes=48 << 30))
+    profile, _ = calibrate(str(checkpoint("qwen3_moe", max_position_embeddings=4096)), "none", True, progress=lambda *a: None,
+                           device="cpu", dtype="float32")
+    d = profile.decisions
+    assert d.expert_cache_ratio == 0 and d.vram_split == {} and d.reasons["vram_split"] == "no GPU: nothing in VRAM"
+    assert profile.hardware.gpus  # the machine as probed: its fingerprint is the one a run looks the profile up by
 
 
 def test_verification_timed_with_experts_on_the_gpu_leaves_a_larger_fixed_part():

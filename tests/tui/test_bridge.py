@@ -439,6 +439,30 @@ def test_cuda_stats_and_reload_frees_the_fast_tier(checkpoint):
         bridge.close()
 
 
+def test_the_vram_figure_is_held_to_the_budget_the_user_set(checkpoint, monkeypatch):
+    """On CUDA the stats panel's VRAM line sets PyTorch's allocated memory against the user's VRAM budget (the loader's
+    hard limit) where one is set: with 4 GiB set on a 141 GiB card it showed 3 of 141 GiB used, a bar nearly empty for a
+    budget nearly spent. Here on the CPU with the model's device and CUDA's two figures stood in."""
+    import dataclasses
+
+    import torch
+
+    from moechat.app.bridge_meter import ReplyMeter
+    from moechat.engine import Engine
+
+    engine = Engine(EngineConfig(str(checkpoint("qwen3_moe")), vram_budget_bytes=4 << 30))
+    try:
+        monkeypatch.setattr(engine.model, "device", torch.device("cuda"))
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 << 30)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 << 30, 141 << 30))
+        stats = ReplyMeter(engine, 1.0)._stats(10.0, 0.0, 0.0, 0.0, 0.0)
+        assert (stats.vram_used, stats.vram_budget) == (3 << 30, 4 << 30)
+        engine.config = dataclasses.replace(engine.config, vram_budget_bytes=None)  # none set: the device's memory
+        assert ReplyMeter(engine, 1.0)._stats(10.0, 0.0, 0.0, 0.0, 0.0).vram_budget == 141 << 30
+    finally:
+        engine.close()
+
+
 def test_a_long_conversation_is_trimmed_with_one_notice_and_the_stats_report_reuse(checkpoint):
     path = checkpoint("qwen3_moe")
     bridge, inbox = started(lambda: EngineConfig(str(path), context_len=256))
