@@ -68,6 +68,15 @@ def family_config(family: str, seed: int = 0, **overrides):
 
 
 FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2")
+# sliding windows of 6 keys, far shorter than the tests' prompts and replies: a Mixtral fine-tune's config.json that kept
+# its window (every layer), Qwen3-MoE's use_sliding_window (every layer), Qwen2-MoE's (layers 0 and 2, as its
+# max_window_layers 3 makes them; family_config sets attributes after the config computed layer_types, so they are given)
+WINDOWED = {
+    "mixtral": {"sliding_window": 6},
+    "qwen3_moe": {"use_sliding_window": True, "sliding_window": 6},
+    "qwen2_moe": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 3,
+                  "layer_types": ["sliding_attention", "full_attention"] * 2},
+}
 
 
 def save_model(model, path: Path, tokenizer_dir: Path | None, shards: str | None = None) -> Path:

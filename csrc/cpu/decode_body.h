@@ -235,7 +235,8 @@ inline void prefetch_row(const float* p, int64_t n) {  // every cache line of p[
 struct ChunkRows {  // one task's rows of one KV head: q, q2 (may be null), their keys, and per row its partial slot
     const float* const* q;
     const float* const* q2;
-    const int64_t* keys;  // keys[r]: the row attends to keys 0..keys[r]-1 (non-decreasing in r)
+    const int64_t* keys;  // keys[r]: the row attends to keys lo[r]..keys[r]-1 (both non-decreasing in r)
+    const int64_t* lo;    // 0, or where a sliding window starts
     float* const* acc;  // acc[r] [Dv]: Σ exp(score - m)·V over the chunk
     float *m, *l;  // [rows]
     int64_t rows;
@@ -262,7 +263,7 @@ inline void chunk_scores(const ChunkRows& a, const KeyRows& c, float scale, int6
     for (int64_t r = 0; r < a.rows;) {
         const int nr = a.rows - r >= 4 ? 4 : 1;
         const int64_t end = std::min(s1, a.keys[r + nr - 1]);  // keys past the block's last row's are never read
-        for (int64_t s = s0; s < end; s += 3) {
+        for (int64_t s = std::max(s0, a.lo[r]); s < end; s += 3) {  // nor those before its first row's window
             const int nk = int(std::min<int64_t>(3, end - s));
             if (r == 0)  // the first row block pulls the chunk from memory: short keys PREFETCH_KEYS ahead, values as keys pass
                 for (int64_t k = s; k < std::min(s + 3, s1); ++k) {
@@ -283,45 +284,52 @@ inline void chunk_scores(const ChunkRows& a, const KeyRows& c, float scale, int6
     }
 }
 
-// acc[r] = Σ_{s0 <= s < s1(r)} p[r][s - s0]·V[s], s1(r) = min(s1, keys[r]): rows with the same keys (a position's heads)
-// in blocks of SUM_ROWS or 2 rows, their columns in blocks of 8 accumulators (4 rows × 16 columns, 2 × 32, 1 × 32), then
-// 8 columns at a time, the last Dv % 8 one by one; each output one running sum over the keys in order.
-inline void chunk_sums(const ChunkRows& a, const KeyRows& c, int64_t s0, int64_t s1, float* const* p) {
+// acc[r] = Σ_{s0(r) <= s < s1(r)} p[r][s - s0]·V[s], s0(r) = max(s0, lo[r]), s1(r) = min(s1, keys[r]): rows with the
+// same keys (a position's heads) in blocks of SUM_ROWS or 2 rows, their columns in blocks of 8 accumulators (4 rows × 16
+// columns, 2 × 32, 1 × 32), then 8 columns at a time, the last Dv % 8 one by one; each output one running sum over the
+// keys in order.
+inline void chunk_sums(const ChunkRows& a, const KeyRows& c, int64_t s0, int64_t s1, float* const* rows_p) {
     const int64_t Dv = c.Dv, vs = c.v_stride;
-    const float* v = c.V + s0 * vs;
+    const float* p[4];  // the block's rows from their first key
     for (int64_t r = 0; r < a.rows;) {
-        const int64_t n = std::min(s1, a.keys[r]) - s0;
+        const int64_t skip = std::max<int64_t>(0, a.lo[r] - s0), n = std::min(s1, a.keys[r]) - s0 - skip;
+        const float* v = c.V + (s0 + skip) * vs;
         int nr = 1;
         for (const int want : {SUM_ROWS, 2}) {
             bool block = r + want <= a.rows;
             for (int i = 1; block && i < want; ++i) block = a.keys[r + i] == a.keys[r] && a.acc[r + i] == a.acc[r] + i * Dv;
             if (block) { nr = want; break; }
         }
+        for (int i = 0; i < nr; ++i) p[i] = rows_p[r + i] + skip;  // (same keys: the same window)
         int64_t c0 = 0;
         if (nr == 4)
-            for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p + r, v + c0, vs, n, a.acc[r] + c0, Dv);
+            for (; c0 + 16 <= Dv; c0 += 16) weighted_block<4, 2>(p, v + c0, vs, n, a.acc[r] + c0, Dv);
         else if (nr == 2)
-            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p + r, v + c0, vs, n, a.acc[r] + c0, Dv);
+            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<2, 4>(p, v + c0, vs, n, a.acc[r] + c0, Dv);
         else
-            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p + r, v + c0, vs, n, a.acc[r] + c0, Dv);
+            for (; c0 + 32 <= Dv; c0 += 32) weighted_block<1, 4>(p, v + c0, vs, n, a.acc[r] + c0, Dv);
         for (; c0 + 8 <= Dv; c0 += 8)
-            for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + r + i, v + c0, vs, n, a.acc[r + i] + c0, Dv);
+            for (int i = 0; i < nr; ++i) weighted_block<1, 1>(p + i, v + c0, vs, n, a.acc[r + i] + c0, Dv);
         for (int i = 0; i < nr; ++i)
             for (int64_t d = c0; d < Dv; ++d) {
                 float sum = 0.f;
-                for (int64_t k = 0; k < n; ++k) sum = std::fma(p[r + i][k], v[k * vs + d], sum);
+                for (int64_t k = 0; k < n; ++k) sum = std::fma(p[i][k], v[k * vs + d], sum);
                 a.acc[r + i][d] = sum;
             }
         r += nr;
     }
 }
 
-// One chunk [s0, s1) of one KV head for rows that all attend to at least one of its keys (keys[0] > s0): scores,
-// exponentials against the row's maximum over the chunk, their sum, and the weighted sums of V. p [rows][KEY_CHUNK].
+// One chunk [s0, s1) of one KV head for rows that all attend to at least one of its keys (keys[0] > s0, lo[rows - 1] <
+// s1): scores, exponentials against the row's maximum over the chunk, their sum, and the weighted sums of V.
+// p [rows][KEY_CHUNK].
 inline void attend_chunk(const ChunkRows& a, const KeyRows& c, float scale, int64_t s0, int64_t s1, float* const* p,
                          const float* next = nullptr, int64_t next_floats = 0) {
     chunk_scores(a, c, scale, s0, s1, p, next, next_floats);
-    for (int64_t r = 0; r < a.rows; ++r) a.l[r] = exp_row(p[r], std::min(s1, a.keys[r]) - s0, a.m + r);
+    for (int64_t r = 0; r < a.rows; ++r) {
+        const int64_t skip = std::max<int64_t>(0, a.lo[r] - s0);
+        a.l[r] = exp_row(p[r] + skip, std::min(s1, a.keys[r]) - s0 - skip, a.m + r);
+    }
     chunk_sums(a, c, s0, s1, p);
 }
 
@@ -352,68 +360,78 @@ inline void fold_chunk(float m, float l, const float* acc, int64_t Dv, bool firs
     for (; d < Dv; ++d) out[d] *= inv[0];
 }
 
-// One task's rows: KV head g's query heads [h0, h1) at positions t0..T-1, position-major (a position's heads side by side),
+// The first key position t of a pass attends to: with a sliding window, keys (p - window, p] at p = past + t
+// (transformers' sliding_window_overlay); else 0
+inline int64_t first_key(const HeadRows& a, int64_t t) {
+    return a.window > 0 ? std::max<int64_t>(0, a.past + t + 1 - a.window) : 0;
+}
+
+// One task's rows: KV head g's query heads [h0, h1) at positions t0..t1-1, position-major (a position's heads side by side),
 // with their queries, keys and outputs; acc and the fold's state as the schedule wants them.
 struct TaskRows {
     std::vector<const float*> q, q2;
     std::vector<float*> out, acc, p;
-    std::vector<int64_t> keys, index;  // index: the row's number t·Hq + h
+    std::vector<int64_t> keys, lo, index;  // index: the row's number t·Hq + h
     std::vector<float> m, l, top, total, scores;
     int64_t rows = 0;
 
     TaskRows& size(int64_t most, int64_t Dv_partial) {  // room for `most` rows (a thread's buffers grow, never shrink)
         for (auto* v : {&q, &q2}) v->resize(std::max<size_t>(v->size(), most));
         for (auto* v : {&out, &acc, &p}) v->resize(std::max<size_t>(v->size(), most));
-        for (auto* v : {&keys, &index}) v->resize(std::max<size_t>(v->size(), most));
+        for (auto* v : {&keys, &lo, &index}) v->resize(std::max<size_t>(v->size(), most));
         for (auto* v : {&m, &l, &top, &total}) v->resize(std::max<size_t>(v->size(), most));
         scores.resize(std::max<size_t>(scores.size(), most * (KEY_CHUNK + Dv_partial)));
         return *this;
     }
 
-    void fill(const HeadRows& a, int64_t g, int64_t h0, int64_t h1, int64_t t0) {
+    void fill(const HeadRows& a, int64_t g, int64_t h0, int64_t h1, int64_t t0, int64_t t1) {
         rows = 0;
-        for (int64_t t = t0; t < a.T; ++t)
+        for (int64_t t = t0; t < t1; ++t)
             for (int64_t h = g * (a.Hq / a.Hkv) + h0; h < g * (a.Hq / a.Hkv) + h1; ++h, ++rows) {
                 q[rows] = a.q + t * a.q_t + h * a.q_h, q2[rows] = a.q2 ? a.q2 + t * a.q2_t + h * a.q2_h : nullptr;
                 out[rows] = a.out + t * a.out_t + h * a.out_h, keys[rows] = a.past + t + 1, index[rows] = t * a.Hq + h;
+                lo[rows] = first_key(a, t);
                 p[rows] = scores.data() + rows * KEY_CHUNK;
             }
     }
-    ChunkRows from(int64_t r0) {  // rows r0.. (those that reach a chunk: a suffix, rows being position-major)
-        return ChunkRows{q.data() + r0, q2.data() + r0, keys.data() + r0, acc.data() + r0, m.data() + r0, l.data() + r0,
-                         rows - r0};
+    ChunkRows from(int64_t r0, int64_t r1) {  // rows r0..r1-1 (those that reach a chunk: a run, rows being position-major)
+        return ChunkRows{q.data() + r0, q2.data() + r0, keys.data() + r0, lo.data() + r0, acc.data() + r0, m.data() + r0,
+                         l.data() + r0, r1 - r0};
     }
 };
 
-// Rows (t, h), t < T, h < Hq, attend over keys 0..past+t of KV head g = h / (Hq / Hkv) (its cache: `cache(g)`), in one of
-// two schedules with the same bits: where many rows share a key (a verification: 40 query rows per KV head at 5
+// Rows (t, h), t < T, h < Hq, attend over keys first_key(t)..past+t of KV head g = h / (Hq / Hkv) (its cache: `cache(g)`),
+// in one of two schedules with the same bits: where many rows share a key (a verification: 40 query rows per KV head at 5
 // positions of Qwen3, 80 of MLA's) the work is arithmetic, so a task takes some of a KV head's query heads over every
 // chunk in order, folding each into the outputs as it goes; where few do (a decode step), memory and latency count, so a
 // task takes one chunk of one KV head for all its rows, and the chunks' partial sums, held in waves of about g_wave_bytes,
-// are folded afterwards. With one chunk in all, the partials are the outputs.
+// are folded afterwards. With one chunk in all, the partials are the outputs. A sliding window's rows skip the chunks
+// before it: each row's chunks are fixed by its position alone, so its bits still depend neither on T nor on the threads.
 template <typename Cache>
 inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
     const int64_t group = a.Hq / a.Hkv, S = a.past + a.T, chunks = (S + KEY_CHUNK - 1) / KEY_CHUNK, nrows = a.T * a.Hq;
+    const int64_t c_first = first_key(a, 0) / KEY_CHUNK, span = chunks - c_first;  // the chunks any row reaches
     const KeyRows c0 = cache(0);
-    const int64_t Dv = c0.Dv, n = threads_for(threads, 4.0 * a.Hkv * S * (c0.D + c0.D2 + c0.Dv));
-    if (group * a.T >= 32 || chunks == 1) {  // a task: heads [i0, i1) of KV head g, every chunk
+    const int64_t Dv = c0.Dv, n = threads_for(threads, 4.0 * a.Hkv * (S - c_first * KEY_CHUNK) * (c0.D + c0.D2 + c0.Dv));
+    if (group * a.T >= 32 || span == 1) {  // a task: heads [i0, i1) of KV head g, every chunk
         const int64_t parts = std::min(group, (n + a.Hkv - 1) / a.Hkv), tasks = a.Hkv * parts;
         std::atomic<int64_t> next{0};
         g_pool->run(int(std::min(n, tasks)), [&](int) {
             thread_local TaskRows rows_of_thread;
-            TaskRows& tr = rows_of_thread.size((group / parts + 1) * a.T, chunks == 1 ? 0 : Dv);
+            TaskRows& tr = rows_of_thread.size((group / parts + 1) * a.T, span == 1 ? 0 : Dv);
             for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
                 const int64_t g = task / parts, part = task % parts;
-                tr.fill(a, g, group * part / parts, group * (part + 1) / parts, 0);
+                tr.fill(a, g, group * part / parts, group * (part + 1) / parts, 0, a.T);
                 for (int64_t r = 0; r < tr.rows; ++r)  // one chunk: straight into the outputs
-                    tr.acc[r] = chunks == 1 ? tr.out[r] : tr.scores.data() + tr.rows * KEY_CHUNK + r * Dv;
-                for (int64_t ci = 0, r0 = 0; ci < chunks; ++ci) {
-                    const int64_t s0 = ci * KEY_CHUNK;
+                    tr.acc[r] = span == 1 ? tr.out[r] : tr.scores.data() + tr.rows * KEY_CHUNK + r * Dv;
+                for (int64_t ci = c_first, r0 = 0, r1 = 0; ci < chunks; ++ci) {
+                    const int64_t s0 = ci * KEY_CHUNK, s1 = std::min(S, s0 + KEY_CHUNK);
                     while (tr.keys[r0] <= s0) ++r0;  // rows whose keys end before the chunk
-                    attend_chunk(tr.from(r0), cache(g), a.scale, s0, std::min(S, s0 + KEY_CHUNK), tr.p.data() + r0);
-                    for (int64_t r = r0; r < tr.rows; ++r)
-                        fold_chunk(tr.m[r], tr.l[r], tr.acc[r], Dv, ci == 0, (tr.keys[r] + KEY_CHUNK - 1) / KEY_CHUNK == ci + 1,
-                                   &tr.top[r], &tr.total[r], tr.out[r]);
+                    while (r1 < tr.rows && tr.lo[r1] < s1) ++r1;  // rows whose window starts before its end
+                    attend_chunk(tr.from(r0, r1), cache(g), a.scale, s0, s1, tr.p.data() + r0);
+                    for (int64_t r = r0; r < r1; ++r)
+                        fold_chunk(tr.m[r], tr.l[r], tr.acc[r], Dv, ci == tr.lo[r] / KEY_CHUNK,
+                                   (tr.keys[r] + KEY_CHUNK - 1) / KEY_CHUNK == ci + 1, &tr.top[r], &tr.total[r], tr.out[r]);
                 }
             }
         });
@@ -421,26 +439,28 @@ inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
     }
     // a task: chunk ci of KV head g for all its rows; partials m, l [chunk][row], acc [chunk][row][Dv] per wave
     const double wave_bytes = g_wave_bytes.load(std::memory_order_relaxed);
-    const int64_t most_wave = std::clamp<int64_t>(int64_t(wave_bytes / (4.0 * nrows * (Dv + 2))), 1, chunks);
+    const int64_t most_wave = std::clamp<int64_t>(int64_t(wave_bytes / (4.0 * nrows * (Dv + 2))), 1, span);
     thread_local std::vector<float> partial;  // the calling thread's, kept between calls
     partial.resize(most_wave * nrows * (Dv + 2));
     float *pm = partial.data(), *pl = pm + most_wave * nrows, *pacc = pl + most_wave * nrows;
     std::vector<float> top(nrows), total(nrows);
-    for (int64_t w0 = 0; w0 < chunks; w0 += most_wave) {
+    for (int64_t w0 = c_first; w0 < chunks; w0 += most_wave) {
         const int64_t wc = std::min(most_wave, chunks - w0), tasks = wc * a.Hkv, nt = std::min(n, tasks);
         g_pool->run(int(nt), [&](int tid) {  // thread tid takes tasks tid, tid + nt, ...: it knows its next chunk
             thread_local TaskRows rows_of_thread;
             TaskRows& tr = rows_of_thread.size(group * a.T, 0);
             for (int64_t task = tid; task < tasks; task += nt) {
-                const int64_t ci = task / a.Hkv, g = task % a.Hkv, s0 = (w0 + ci) * KEY_CHUNK;
-                tr.fill(a, g, 0, group, std::max<int64_t>(0, s0 - a.past));  // the positions that reach the chunk
+                const int64_t ci = task / a.Hkv, g = task % a.Hkv, s0 = (w0 + ci) * KEY_CHUNK, s1 = std::min(S, s0 + KEY_CHUNK);
+                // the positions that reach the chunk: their keys end after s0, their window (if any) starts before s1
+                const int64_t t1 = a.window > 0 ? std::min(a.T, s1 + a.window - a.past - 1) : a.T;
+                tr.fill(a, g, 0, group, std::max<int64_t>(0, s0 - a.past), t1);
                 for (int64_t r = 0; r < tr.rows; ++r) tr.acc[r] = pacc + (ci * nrows + tr.index[r]) * Dv;
                 // MLA's latents (values = keys) only the hardware prefetcher fetches: prefetch the next chunk's rows
                 const int64_t nx = task + nt, ns0 = (w0 + nx / a.Hkv) * KEY_CHUNK;
                 const KeyRows nc = cache(nx % a.Hkv);
                 const bool ahead = nx < tasks && nc.V == nc.K;
                 const int64_t next_floats = ahead ? (std::min(S, ns0 + KEY_CHUNK) - ns0) * nc.k_stride : 0;
-                attend_chunk(tr.from(0), cache(g), a.scale, s0, std::min(S, s0 + KEY_CHUNK), tr.p.data(),
+                attend_chunk(tr.from(0, tr.rows), cache(g), a.scale, s0, s1, tr.p.data(),
                              ahead ? nc.K + ns0 * nc.k_stride : nullptr, next_floats);
                 for (int64_t r = 0; r < tr.rows; ++r)
                     pm[ci * nrows + tr.index[r]] = tr.m[r], pl[ci * nrows + tr.index[r]] = tr.l[r];
@@ -450,9 +470,10 @@ inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
         g_pool->run(int(nf), [&](int tid) {  // fold the wave's chunks into each row, in chunk order
             for (int64_t row = nrows * tid / nf; row < nrows * (tid + 1) / nf; ++row) {
                 const int64_t t = row / a.Hq, h = row % a.Hq, reach = (a.past + t + KEY_CHUNK) / KEY_CHUNK;
-                for (int64_t ci = w0; ci < std::min(w0 + wc, reach); ++ci)
+                const int64_t first = first_key(a, t) / KEY_CHUNK;
+                for (int64_t ci = std::max(w0, first); ci < std::min(w0 + wc, reach); ++ci)
                     fold_chunk(pm[(ci - w0) * nrows + row], pl[(ci - w0) * nrows + row], pacc + ((ci - w0) * nrows + row) * Dv,
-                               Dv, ci == 0, ci + 1 == reach, &top[row], &total[row], a.out + t * a.out_t + h * a.out_h);
+                               Dv, ci == first, ci + 1 == reach, &top[row], &total[row], a.out + t * a.out_t + h * a.out_h);
             }
         });
     }
@@ -562,8 +583,10 @@ inline void attention_step(const AttentionStep& a, int threads) {
             std::memcpy(a.v_cache + slot, a.v + t * a.v_stride + g * D, D * sizeof(float));
         }
     }
-    // 2. each KV head's query heads attend to keys 0..past+t together (K and V read once for them)
-    const HeadRows rows{a.q, nullptr, a.out, a.q_stride, D, 0, 0, a.out_stride, D, a.T, a.Hq, a.Hkv, a.past, a.scale};
+    // 2. each KV head's query heads attend to keys 0..past+t (a sliding window's last `window`) together (K and V read
+    // once for them)
+    const HeadRows rows{a.q, nullptr, a.out, a.q_stride, D, 0, 0, a.out_stride, D, a.T, a.Hq, a.Hkv, a.past, a.scale,
+                        a.window};
     attend_heads(rows, [&](int64_t g) {
         const float *K = a.k_cache + g * a.capacity * D, *V = a.v_cache + g * a.capacity * D;
         return KeyRows{K, nullptr, V, D, 0, D, D, 0, D};

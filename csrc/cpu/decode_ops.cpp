@@ -1,9 +1,10 @@
 // Decode-step pieces of a llama-like decoder layer on the CPU, for a few positions after a past
 // (engine/model/decode_ops.py: their PyTorch twins and the dispatch): the residual add fused with the
 // next RMSNorm, the MoE router's softmax top-k, attention's core (Qwen3's q/k norm, rotary, the KV cache append, causal
-// softmax attention with grouped KV heads) and the per-head products of DeepSeek's absorbed latent attention. Each query
-// row is computed alone, in one fixed order, so a position's bits do not depend on the call's other positions: a
-// verification pass and the decode steps it stands for agree bit for bit. fp32 throughout. Plain C ABI for ctypes.
+// softmax attention with grouped KV heads, within the layer's sliding window where it has one) and the per-head products
+// of DeepSeek's absorbed latent attention. Each query row is computed alone, in one fixed order, so a position's bits do
+// not depend on the call's other positions: a verification pass and the decode steps it stands for agree bit for bit.
+// fp32 throughout. Plain C ABI for ctypes.
 
 #include "common.h"
 #include "pool.h"
@@ -28,6 +29,7 @@ struct AttentionStep {
     float scale;
     float* out;                    // [T, *] rows out_stride apart: H_q heads of D
     int64_t out_stride;
+    int64_t window;                // > 0: position p attends to keys (p - window, p] only (a sliding window); 0: all
 };
 
 // query rows (t, h) at q + t·q_t + h·q_h (q2: a second part of each, or null); outputs at out + t·out_t + h·out_h
@@ -36,6 +38,7 @@ struct HeadRows {
     float* out;
     int64_t q_t, q_h, q2_t, q2_h, out_t, out_h, T, Hq, Hkv, past;
     float scale;
+    int64_t window;  // > 0: row (t, h) attends to the last `window` keys up to past + t only; 0: all of them
 };
 
 // one KV head's cache: key s = K[s·k_stride..] (D) and K2[s·k2_stride..] (D2; K2 may be null), value V[s·v_stride..] (Dv)
@@ -116,10 +119,11 @@ API int moe_add_rms_norm(float* x, const float* r, const float* w, float eps, in
 API int moe_attention_step(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* v, int64_t v_stride,
                            int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float* q_norm, const float* k_norm,
                            float eps, const float* cos, const float* sin, float* k_cache, float* v_cache,
-                           int64_t capacity, int64_t past, float scale, float* out, int64_t out_stride, int threads) {
-    if (T <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D % 2 || past < 0 || past + T > capacity) return 1;
+                           int64_t capacity, int64_t past, int64_t window, float scale, float* out, int64_t out_stride,
+                           int threads) {
+    if (T <= 0 || Hkv <= 0 || Hq % Hkv || D <= 0 || D % 2 || past < 0 || past + T > capacity || window < 0) return 1;
     const AttentionStep a{q, k, v, q_stride, k_stride, v_stride, T, Hq, Hkv, D, q_norm, k_norm, eps, cos, sin,
-                          k_cache, v_cache, capacity, past, scale, out, out_stride};
+                          k_cache, v_cache, capacity, past, scale, out, out_stride, window};
     return ISA_CALL(attention_step, a, std::max(1, threads)), 0;
 }
 
@@ -129,7 +133,7 @@ API int moe_latent_attention(const float* q, int64_t q_t, int64_t q_h, const flo
                              const float* latents, int64_t latent_stride, const float* rope_keys, int64_t rope_stride,
                              int64_t T, int64_t H, int64_t R, int64_t Dr, int64_t past, float scale, float* out, int threads) {
     if (T <= 0 || H <= 0 || R <= 0 || Dr <= 0 || past < 0 || latent_stride < R || rope_stride < Dr) return 1;
-    const HeadRows rows{q, q_pe, out, q_t, q_h, pe_t, pe_h, H * R, R, T, H, 1, past, scale};
+    const HeadRows rows{q, q_pe, out, q_t, q_h, pe_t, pe_h, H * R, R, T, H, 1, past, scale, 0};
     return ISA_CALL(latent_attention, rows, latents, latent_stride, rope_keys, rope_stride, R, Dr, std::max(1, threads)), 0;
 }
 

@@ -26,7 +26,7 @@ int moe_add_rms_norm(float* x, const float* r, const float* w, float eps, int64_
 int moe_attention_step(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* v, int64_t v_stride, int64_t T,
                        int64_t Hq, int64_t Hkv, int64_t D, const float* q_norm, const float* k_norm, float eps,
                        const float* cos, const float* sin, float* k_cache, float* v_cache, int64_t capacity, int64_t past,
-                       float scale, float* out, int64_t out_stride, int threads);
+                       int64_t window, float scale, float* out, int64_t out_stride, int threads);
 int moe_router_topk(const float* x, const float* w, int64_t T, int64_t E, int64_t H, int64_t k, int normalize,
                     float* logits, float* weights, int64_t* experts, int threads);
 int moe_linear_f32(const float* x, const float* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
@@ -86,6 +86,7 @@ struct StackLayer {
     // Qwen2-MoE: q/k/v's biases and its shared expert's gate
     const float* qkv_bias;                // [(H_q + 2 H_kv) D], added after the q/k/v product(s); or null
     DenseWeight shared_gate;              // [1, H]: the shared experts' output scaled by sigmoid(shared_gate h); rows 0: none
+    int64_t window;                       // > 0: a sliding window, position p attending to keys (p - window, p]; 0: none
 };
 
 struct StackShape {
@@ -363,7 +364,7 @@ API int moe_decode_stack(const StackShape* shape, const StackLayer* layers, int6
         if (L.kv_a_norm ? mla_attention(s, L, q, q_stride, kv, kv_stride, T, past, cos, sin, b.att.data(), b, threads)
                         : moe_attention_step(q, q_stride, kv, kv_stride, kv + s.Hkv * s.D, kv_stride, T, s.Hq, s.Hkv, s.D,
                                              q_norm, k_norm, s.head_eps, cos, sin, L.k_cache, L.v_cache, L.capacity, past,
-                                             s.scale, b.att.data(), A, threads))
+                                             L.window, s.scale, b.att.data(), A, threads))
             return fail + 2;
         const double t2 = now();
         if (dense(L.o, b.att.data(), T, b.o.data(), threads, q_isa)) return fail + 3;

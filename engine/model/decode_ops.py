@@ -26,7 +26,8 @@ _ROUTER_ARGS = [_P, _P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT]
 _LINEAR_ARGS = [_P, _P, _P, _I64, _I64, _I64, _P, _I64, _INT]
 _HEAD_ARGS = [_INT, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _INT]
 _LATENT_ARGS = [_P, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _P, _INT]
-_ATTN_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _F, _P, _I64, _INT]
+_ATTN_ARGS = [_P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _P, _I64, _I64, _I64, _F, _P, _I64,
+              _INT]
 
 
 def library() -> ctypes.CDLL | None:
@@ -221,11 +222,24 @@ def router_topk_torch(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: 
     return weights, experts
 
 
-def attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: float, head_dim: int) -> torch.Tensor:
+def causal_mask(T: int, past: int, window: int, device) -> torch.Tensor | None:
+    """transformers' sdpa mask for T queries after `past` keys: None where one query sees every key, else boolean
+    [T, past + T], the query at position p seeing keys up to p, and with a sliding `window` > 0 only those after
+    p - window (masking_utils' sliding_window_overlay; it masks one query too once the keys reach the window)."""
+    S = past + T
+    if T == 1 and (window <= 0 or S < window):
+        return None
+    mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(past)
+    return mask.triu(past - window + 1) if window > 0 else mask
+
+
+def attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: float, head_dim: int,
+                   window: int = 0) -> torch.Tensor:
     """Native attention core for T positions after the past in `layer` (a kv_cache.GrowingLayer, fp32, batch 1):
     q [T, H_q·D], k and v [T, H_kv·D] fp32 with unit column stride (views into one fused projection are fine);
     q and k are normed (q_norm, k_norm: per-head weights [D], or None) and rotated in place, k and v appended to
-    the cache -> [T, H_q·D] fp32, each query attending to the past and the pass's positions up to its own."""
+    the cache -> [T, H_q·D] fp32, each query attending to the past and the pass's positions up to its own (with a
+    sliding `window` > 0, the query at position p to keys p - window + 1..p only)."""
     T, D = q.shape[0], head_dim
     start = layer.reserve(T)
     out = torch.empty(T, q.shape[1], dtype=torch.float32)
@@ -233,7 +247,7 @@ def attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: 
     code = library().moe_attention_step(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), T, q.shape[1] // D,
         k.shape[1] // D, D, None if q_norm is None else q_norm.data_ptr(), nk, eps, cos.data_ptr(), sin.data_ptr(),
-        layer._k.data_ptr(), layer._v.data_ptr(), layer._k.shape[2], start, scale, out.data_ptr(), out.stride(0),
+        layer._k.data_ptr(), layer._v.data_ptr(), layer._k.shape[2], start, window, scale, out.data_ptr(), out.stride(0),
         torch.get_num_threads())
     if code:
         raise RuntimeError(f"native attention step failed with code {code}")
@@ -241,7 +255,8 @@ def attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: 
     return out
 
 
-def attention_step_torch(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: float, head_dim: int) -> torch.Tensor:
+def attention_step_torch(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, scale: float, head_dim: int,
+                         window: int = 0) -> torch.Tensor:
     """attention_step's twin, transformers' ops in transformers' order (q and k are not modified)."""
     T, D = q.shape[0], head_dim
     q, k, v = (t.reshape(T, -1, D) for t in (q, k, v))  # [T, H, D]
@@ -249,8 +264,7 @@ def attention_step_torch(q, k, v, layer, cos, sin, q_norm, k_norm, eps: float, s
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = rotate(q.transpose(0, 1), cos, sin)[None], rotate(k.transpose(0, 1), cos, sin)[None]  # [1, H, T, D]
     keys, values = layer.update(k, v.transpose(0, 1)[None])  # [1, H_kv, S, D]
-    S = keys.shape[2]
-    mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool).tril(S - T)  # [T, S]: causal after the past
+    mask = causal_mask(T, keys.shape[2] - T, window, q.device)  # [T, S] or None
     gqa = {"enable_gqa": True} if q.shape[1] != keys.shape[1] else {}
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, **gqa)  # [1, H_q, T, D]
     return o[0].transpose(0, 1).reshape(T, -1)

@@ -10,8 +10,8 @@ the counters and the policy's on_layer, the trace). Its twin is the op-by-op lea
 
 Takes: the llama-like MoE families (qwen3_moe, mixtral, olmoe with its q/k norms over the whole projection and its
 clip_qkv, qwen2_moe with its q/k/v biases and its sigmoid-gated shared expert), and the dense draft models of the same
-layout (qwen3, llama: every layer a dense MLP, no runtime), fp32 activations, attention products in fp32, bf16 or
-quantized (biases fp32: q/k/v's only);
+layout (qwen3, llama: every layer a dense MLP, no runtime), each layer's sliding window where it has one, fp32
+activations, attention products in fp32, bf16 or quantized (biases fp32: q/k/v's only);
 DeepSeek-V2-Lite's layout through lean_deepseek.build_mla_stack (the same call, its latent attention in place
 of attention's core). Anything else, or a pass with replayed routing, a self-draft remap or an expert budget,
 keeps the op-by-op path.
@@ -45,7 +45,7 @@ class StackLayer(ctypes.Structure):
                 ("down_proj", DenseWeight), ("expert_bits", _I64), ("w_dtype", _I64), ("gate_up", _P), ("down", _P),
                 ("gu_q", _P), ("dn_q", _P), ("gu_s", _P), ("gu_m", _P), ("dn_s", _P), ("dn_m", _P), ("read_ahead", _I64),
                 ("k_cache", _P), ("v_cache", _P), ("capacity", _I64), ("kv_a_norm", _P), ("kv_b", _P), ("kv_b_bf16", _I64),
-                ("qkv_bias", _P), ("shared_gate", DenseWeight)]
+                ("qkv_bias", _P), ("shared_gate", DenseWeight), ("window", _I64)]
 
 
 class StackShape(ctypes.Structure):
@@ -255,7 +255,7 @@ def build_decode_stack(lean) -> DecodeStack | None:
         if mlp_fields is None:
             return None
         layers.append(StackLayer(input_norm=norms[0].weight.data_ptr(), post_norm=norms[1].weight.data_ptr(),
-                                 router=tensor_ptr(router), **attention, **mlp_fields))
+                                 router=tensor_ptr(router), window=lean.windows[i], **attention, **mlp_fields))
         keep.append((layer, lean.qkv[i], lean.stacked[i]))
     if (runtime is None) != (not routers) or len(head_eps) != 1 or len(inter) != (runtime is not None):
         return None

@@ -6,10 +6,11 @@ A segment runs from the previous MoE layer's experts' output (or the embedding) 
 residual add, norms, attention, dense MLPs, the router's top-k and a shared expert; the last one ends in the head.
 A dense model (a draft) is one segment: its whole pass is one graph. Static shapes: keys and values are written at
 positions held in a device tensor, attention reads the cache's whole buffer under a mask of the valid positions
-(heads grouped per KV head, so no KV repeat), rotary rows are gathered on the device. The ops are LeanForward's
-torch ops (transformers' order), so greedy tokens equal transformers'; logits differ from it in the last bits
-(another attention kernel). DeepSeek-V2 (LeanDeepseek's modules) runs its latent attention absorbed as mla.py does,
-over the whole latent buffer under the same mask, with transformers' complex rotary.
+(heads grouped per KV head, so no KV repeat; a sliding window's layers under their window's mask), rotary rows are
+gathered on the device. The ops are LeanForward's torch ops (transformers' order), so greedy tokens equal
+transformers'; logits differ from it in the last bits (another attention kernel). DeepSeek-V2 (LeanDeepseek's
+modules) runs its latent attention absorbed as mla.py does, over the whole latent buffer under the same mask, with
+transformers' complex rotary.
 On the CPU the same segments run eagerly (the tests); on CUDA a pass length's segments are captured on its second
 pass with the same cache buffers (the first runs eagerly and warms the libraries up), and captured again when the
 buffers grow or another conversation's cache comes. A capture that fails leaves one line in the log and the eager
@@ -209,7 +210,11 @@ class GraphedDecode:
         T = buf.ids.shape[1]
         positions = buf.start + torch.arange(T, device=buf.start.device)  # [T]
         C = cache.layers[0].capacity()
-        visible = torch.arange(C, device=positions.device)[None] <= positions[:, None]  # [T, C]: causal after the past
+        slots = torch.arange(C, device=positions.device)[None]  # [1, C]
+        visible = slots <= positions[:, None]  # [T, C]: causal after the past
+        # per sliding window (LeanForward.windows; 0: none) its mask: the query at p sees only the slots after p - window
+        windows = lean.windows
+        masks = {w: visible & (slots > positions[:, None] - w) if w > 0 else visible for w in set(windows)}
         if self.mla:  # [1, T, rope / 2] complex
             rotary = (lean.freqs[0].index_select(0, positions)[None],)
         else:  # [T, D] each
@@ -221,12 +226,12 @@ class GraphedDecode:
             moe_out = buf.y[None] if prev["shared"] is None else buf.y[None] + prev["shared"]  # as the block adds them
             x = prev["x"] + moe_out
         for i in range(seg.first, seg.end):
-            x = self._layer(i, x, rotary, cache.layers[i], positions, visible, buf.resident)
+            x = self._layer(i, x, rotary, cache.layers[i], positions, masks[windows[i]], buf.resident)
         if not seg.moe:
             norm = lean.base.norm
             return {"logits": lean.hf.lm_head.forward(rms_norm(x, norm.weight, norm.variance_epsilon))[0].float()}
         layer = lean.layers[seg.end]
-        x = x + self._attention(seg.end, x, rotary, cache.layers[seg.end], positions, visible)
+        x = x + self._attention(seg.end, x, rotary, cache.layers[seg.end], positions, masks[windows[seg.end]])
         post = layer.post_attention_layernorm
         h = rms_norm(x, post.weight, post.variance_epsilon)[0]  # [T, H]
         out = {"x": x, "h": h, "shared": None, "weights": None, "experts": None}

@@ -4,8 +4,9 @@ dataclasses).
 
 Used for a few positions after a past (T <= MAX_POSITIONS: a decode step, a verification, a self-draft
 step, a chat turn's new message after its kept history) on the CPU (on CUDA: its torch ops in graph_decode.py's
-static passes), for the llama-like decoder-only families; the first prefill and everything refused here run
-transformers' forward on the same KV cache.
+static passes), for the llama-like decoder-only families, each layer's sliding window applied as transformers' masks
+apply it (the KV cache keeps every position: a window only masks keys); the first prefill and everything refused here
+run transformers' forward on the same KV cache.
 Two ways through a layer:
 - native (fp32 activations with the CPU library built; the default): the residual adds with their norms
   and attention's core (q/k norm, rotary, KV append, attention) are native calls (decode_ops.py), rows
@@ -25,7 +26,7 @@ from ..quant.dense import fuse
 from . import decode_ops
 from .attention import NAME as FLOAT_KV_ATTENTION
 from .bf16_linear import Bf16Linear, fp32_rows
-from .decode_ops import add_rms_norm, rms_norm, rotate
+from .decode_ops import add_rms_norm, causal_mask, rms_norm, rotate
 from .decode_stack import DecodeStack, build_decode_stack
 from .kv_cache import GrowingLayer
 
@@ -39,18 +40,21 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the po
 TABLE_BLOCK = 256  # rotary tables grow by doubling, at least this many positions
 
 
-def sliding_window(config, context_len: int) -> int | None:
-    """The sliding window transformers' masks would apply within `context_len` positions, or None."""
-    if config.model_type == "olmoe":  # olmoe's mask is always the plain causal one
-        return None
-    if config.model_type == "qwen2_moe" and "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
-        return None  # qwen2_moe slides only the layers its layer_types name (sliding_window is 0 when off)
-    window = getattr(config, "sliding_window", None)
-    # a window wider than the context never cuts a key and never forces a mask where transformers skips it
-    return window if window is not None and window <= context_len else None
+def layer_windows(config) -> list[int]:
+    """Per decoder layer, the sliding window transformers' mask applies to it (the query at position p sees keys
+    (p - window, p]), 0 where the mask is plainly causal, -1 where a layer slides by a window that is no positive int."""
+    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    if config.model_type in ("mixtral", "qwen3_moe"):  # every layer, once the config names a window (None: off)
+        sliding = [window is not None] * n
+    elif config.model_type in ("qwen2_moe", "qwen3"):  # the layers layer_types names (qwen2_moe: sliding_window 0 when off)
+        sliding = [kind == "sliding_attention" for kind in (getattr(config, "layer_types", None) or ["full_attention"] * n)]
+    else:  # olmoe, llama: always the plain causal mask
+        sliding = [False] * n
+    usable = type(window) is int and window > 0
+    return [(window if usable else -1) if slides else 0 for slides in sliding[:n]]
 
 
-def refusal(hf, device: torch.device, context_len: int) -> str | None:
+def refusal(hf, device: torch.device) -> str | None:
     """Why the lean forward cannot stand in for transformers' on this model, or None when it can."""
     config = hf.config
     if device.type not in ("cpu", "cuda"):
@@ -62,8 +66,8 @@ def refusal(hf, device: torch.device, context_len: int) -> str | None:
     rope_type = getattr(hf.model.rotary_emb, "rope_type", None)
     if rope_type not in ROPE_TYPES:
         return f"rope type {rope_type}"
-    if sliding_window(config, context_len) is not None:
-        return "a sliding window"
+    if -1 in layer_windows(config):
+        return f"sliding window {getattr(config, 'sliding_window', None)!r}"
     for layer in hf.model.layers:
         a = layer.self_attn
         if a.head_dim > 256:  # transformers then packs GQA heads instead of sdpa's enable_gqa
@@ -84,6 +88,7 @@ class LeanForward:
         self.clip = getattr(self.config, "clip_qkv", None) if self.olmoe else None
         self.cos = self.sin = None  # [P, D] in the model's dtype, as transformers' rotary module returns them
         self.layers = list(self.base.layers[: self.config.num_hidden_layers])
+        self.windows = layer_windows(self.config)  # per layer its sliding window, 0: none (every key up to the query's)
         # the norm after each layer's MoE block: the next layer's input norm, and the final norm after the last
         self.next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.base.norm]
         # quantized q/k/v projections as one native call per layer (None: three module calls)
@@ -130,11 +135,11 @@ class LeanForward:
         x = self.base.embed_tokens.forward(ids)  # [1, T, H]
         self._tables(S, x)
         cos, sin = self.cos[start:S], self.sin[start:S]  # [T, D]
-        # transformers' sdpa mask: none for one query (all keys visible), else boolean causal after the past
-        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=x.device).tril(start)  # [T, S]
+        # transformers' sdpa masks [T, S], per window: none for one query that sees every key, else boolean
+        masks = {window: causal_mask(T, start, window, x.device) for window in set(self.windows)}
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)  # [1, T, H]
-            x = x + self._attention(layer.self_attn, self.qkv[i], h, cos, sin, mask, cache, i)
+            x = x + self._attention(layer.self_attn, self.qkv[i], h, cos, sin, masks[self.windows[i]], cache, i)
             h = rms_norm(x, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
             x = x + layer.mlp.forward(h)  # the family's own block: router, OffloadedExperts, shared expert
         norm = self.base.norm
@@ -188,7 +193,8 @@ class LeanForward:
         elif self.head_norm:
             q_norm, k_norm = a.q_norm.weight, a.k_norm.weight
         eps = a.q_norm.variance_epsilon if self.head_norm else 0.0
-        o = decode_ops.attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps, a.scaling, a.head_dim)  # [T, H_q*D]
+        o = decode_ops.attention_step(q, k, v, layer, cos, sin, q_norm, k_norm, eps, a.scaling, a.head_dim,
+                                      self.windows[i])  # [T, H_q*D]
         return a.o_proj.forward(o)  # [T, H]
 
     def _attention(self, a, qkv, h: torch.Tensor, cos, sin, mask, cache, i: int) -> torch.Tensor:
@@ -198,11 +204,14 @@ class LeanForward:
         else:
             q, k, v = self._qkv(a, qkv, h, cos, sin)
         k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
+        groups = a.num_key_value_groups
+        if T == 1 and mask is not None and groups > 1:  # one query under a sliding window's mask: transformers' pack_gqa,
+            q = q.reshape(1, k.shape[1], groups, -1)  # the query heads as rows of their KV head [1, H_kv, G, D], one mask
         # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv
-        gqa = {"enable_gqa": True} if a.num_key_value_groups > 1 else {}
+        gqa = {"enable_gqa": True} if groups > 1 and q.shape[1] > k.shape[1] else {}
         # query in the cache's dtype, output back in the model's (attention.py: cpu_sdpa)
         o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]
-        o = o.transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
+        o = o.reshape(1, -1, T, o.shape[-1]).transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
         return a.o_proj.forward(o)  # [1, T, H]
 
     def _joint_qkv(self, a, qkv, h: torch.Tensor, cos, sin, i: int):
@@ -313,7 +322,7 @@ def build_lean_forward(hf, device: torch.device, context_len: int):
             return None
         on_cpu = device.type == "cpu"
         lean = lean_deepseek.LeanDeepseek(hf, context_len, native=on_cpu)
-    elif refusal(hf, device, context_len):
+    elif refusal(hf, device):
         return None
     else:
         on_cpu = device.type == "cpu"

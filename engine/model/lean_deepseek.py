@@ -52,6 +52,7 @@ class LeanDeepseek:
         self.hf, self.base, self.config = hf, hf.model, hf.config
         self.context_len = context_len
         self.layers = list(self.base.layers[: self.config.num_hidden_layers])
+        self.windows = [0] * len(self.layers)  # no sliding window (LeanForward.windows, for graph_decode's masks)
         # the norm after each layer's MLP: the next layer's input norm, and the final norm after the last
         self.next_norms = [*(layer.input_layernorm for layer in self.layers[1:]), self.base.norm]
         self.mla = [_absorbed(layer.self_attn) for layer in self.layers]

@@ -29,7 +29,7 @@ from .config_file import read_config_dict
 from .families import Family, get_family
 from .graph_decode import GraphedDecode
 from .kv_cache import KVCache, hf_forward
-from .lean_decode import LeanForward, build_lean_forward, sliding_window
+from .lean_decode import LeanForward, build_lean_forward
 from .memory_budgets import (
     available_ram_bytes,
     cache_bytes_for,
@@ -268,9 +268,8 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     if cfg.lean_decode:
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
-    window = _window_notice(hf_config, context_len) if cfg.lean_decode and lean is None else ""
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config), runtime,
-                       device, dtype, context_len, lean, "; ".join(n for n in (budget_notice, rope_notice, window) if n))
+                       device, dtype, context_len, lean, "; ".join(n for n in (budget_notice, rope_notice) if n))
 
 
 def _vram(cfg: EngineConfig, device: torch.device) -> int | None:
@@ -302,16 +301,6 @@ def _default_context(cfg: EngineConfig, est: MemoryEstimate, device: torch.devic
             "to choose)")
     return (dataclasses.replace(cfg, context_len=context), est.at_context(context),
             "; ".join(n for n in (notice, line) if n))
-
-
-def _window_notice(hf_config, context_len: int) -> str:
-    """A line when the model's sliding window keeps decoding on transformers' slower forward: the lean passes attend to
-    every key, as transformers does only while a pass sees fewer keys than the window."""
-    window = sliding_window(hf_config, context_len)
-    if window is None:
-        return ""
-    return (f"decoding runs transformers' slower forward, which applies this model's sliding window of {window:,} tokens "
-            f"to the context of {context_len:,}: set the context length to {window - 1:,} or less to decode faster")
 
 
 def _rope_context(hf, cfg: EngineConfig) -> tuple[EngineConfig, str]:

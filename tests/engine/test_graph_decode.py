@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 from helpers import hf_greedy, run_engine
+from tiny import WINDOWED
 
 from moechat.engine.config import EngineConfig
 from moechat.engine.model import graph_decode, kv_cache, loader
@@ -78,6 +79,19 @@ def test_static_passes_match_transformers(family, dtype, checkpoint):
             assert torch.equal(got.argmax(-1), expected.argmax(-1))
     assert m.lean.buffers[1, False].key[0] == 512  # the buffers grew once, and the passes after it read the new ones
     assert m.decode_path() == "static passes, eager"  # on CUDA: "CUDA graphs, N captured"
+
+
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_static_passes_apply_sliding_windows(family, checkpoint):
+    """A sliding window's layers (6 keys; qwen2_moe's layers 0 and 2) read the cache's whole buffer under their window's
+    mask: transformers' logits within rounding and its argmax, the same KV entries, across a rewind of rejected drafts
+    and a pass too long to capture (the eager lean forward's torch ops, bit for bit)."""
+    m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, **WINDOWED[family]))))
+    m.lean = _graphed(m.hf, m.context_len)
+    assert 6 in m.lean.lean.windows
+    for expected, got in _passes(m, (1, 5, 1, 3, MAX_GRAPH_POSITIONS + 4, 5, 1), past=20):
+        assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 @pytest.mark.parametrize("overrides", [{"topk_method": "greedy"}, {"q_lora_rank": 12}], ids=["greedy", "q_lora"])
@@ -183,13 +197,15 @@ def test_masked_slots_hold_zeros_after_growth():
     assert layer.capacity() == 512 and torch.equal(layer._k[:, :, 3:], torch.zeros(1, 2, 509, 4))
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "llama", "qwen3"])
+@pytest.mark.parametrize("family", [*FAMILIES, "llama", "qwen3", "qwen2_moe-window"])
 def test_segments_trace_as_one_graph_each(family, checkpoint, tokenizer_dir, tmp_path):
     """What a CUDA graph capture needs, checked on the CPU: each segment traces in full (torch.compile fullgraph: no
     data-dependent Python, nothing that breaks a graph), and the traced ops hold none that reads a value back to the host
-    (a sync, which a capture refuses) or makes a shape from values."""
+    (a sync, which a capture refuses) or makes a shape from values; sliding windows' masks too."""
+    family, _, window = family.partition("-")
     if family in FAMILIES:
-        m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32))))
+        overrides = WINDOWED[family] if window else {}
+        m = loader.load_model(EngineConfig(model_dir=str(checkpoint(family, intermediate_size=32, **overrides))))
         model, new_cache, passes = m.hf, m.new_kv_cache, m.runtime.forward
     else:
         import tiny
@@ -303,6 +319,26 @@ def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, r
     assert {resident for _, resident in made[0].buffers} == {ratio == 1.0}
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "captured"])
+def test_engine_with_static_passes_applies_sliding_windows(capture, checkpoint, tokenizer, monkeypatch, request):
+    """A Qwen2-MoE whose layers 0 and 2 slide by 6 keys: the engine's greedy tokens through the static segments, eagerly
+    and through CUDA graphs emulated on the CPU (self-drafts, verifications, rewinds), equal transformers'."""
+    if capture:
+        request.getfixturevalue("emulated_graphs")
+    made = []
+
+    def build(hf, device, context_len):
+        made.append(_graphed(hf, context_len, capture=capture))
+        return made[-1]
+
+    monkeypatch.setattr(loader, "build_lean_forward", build)
+    model_dir = checkpoint("qwen2_moe", **WINDOWED["qwen2_moe"])
+    prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
+    done = run_engine(model_dir, prompt, drafter="self", expert_cache_ratio=0.5)
+    assert done.token_ids == hf_greedy(model_dir, prompt)
+    assert len(made) == 1 and made[0].buffers and made[0].failed is None and (made[0].captured > 0) == capture
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_attention_takes_the_fused_kernels_output_layout(family, checkpoint, monkeypatch):
     """On CUDA, attention under a mask runs the memory-efficient kernel, whose output is [1, L, H, D] storage seen as
@@ -357,9 +393,10 @@ def test_cuda_graph_replays_equal_the_eager_passes(family, checkpoint):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "qwen2_moe-window"])
 def test_cuda_graphs_keep_greedy_equal_with_a_drafter(family, checkpoint, tokenizer):
-    model_dir = checkpoint(family)
+    family, _, window = family.partition("-")  # qwen2_moe-window: its layers 0 and 2 slide by 6 keys
+    model_dir = checkpoint(family, **(WINDOWED[family] if window else {}))
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
     done = run_engine(model_dir, prompt, drafter="self", device="cuda", dtype="float32", expert_cache_ratio=0.5)
     assert done.token_ids == hf_greedy(model_dir, prompt, device="cuda")

@@ -1,19 +1,21 @@
 """The lean decode forward (engine/model/lean_decode.py) gives transformers' logits bit for bit through its torch ops,
-within rounding (and the same greedy tokens) through its native ops, writes the same KV entries, and stands aside
-where it cannot (sliding windows, length-dependent rope, the prefill); DeepSeek-V2's is tests/engine/test_mla.py's."""
+within rounding (and the same greedy tokens) through its native ops, writes the same KV entries (sliding windows
+applied), and stands aside where it cannot (length-dependent rope, the prefill); DeepSeek-V2's is tests/engine/test_mla.py's."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
-from helpers import PROMPT, run_engine
-from tiny import family_config
+from helpers import NEW_TOKENS, PROMPT, hf_greedy, run_engine
+from tiny import WINDOWED, family_config
 
 from moechat.engine.config import EngineConfig
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.model import decode_ops
 from moechat.engine.model.decode_stack import DecodeStack
 from moechat.engine.model.kv_cache import KVCache, hf_forward
-from moechat.engine.model.lean_decode import LeanForward, refusal, sliding_window
+from moechat.engine.model.lean_decode import LeanForward, layer_windows, refusal
 from moechat.engine.model.loader import load_model
 
 LEAN = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
@@ -304,25 +306,6 @@ def test_window_wider_than_context_keeps_lean(checkpoint):
     _compare(m)
 
 
-@pytest.mark.parametrize("family,overrides", [
-    ("mixtral", {"sliding_window": 8}),
-    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}),
-])
-def test_refused_models_run_transformers(family, overrides, checkpoint):
-    m = load_model(EngineConfig(model_dir=str(checkpoint(family, **overrides))))
-    assert m.lean is None
-
-
-def test_a_window_shorter_than_the_context_says_decoding_is_slower_and_the_context_that_keeps_it_fast(checkpoint):
-    path = str(checkpoint("mixtral", sliding_window=8))  # a Mixtral fine-tune's config.json from before the window was dropped
-    m = load_model(EngineConfig(model_dir=path))  # context 512
-    assert m.lean is None
-    (line,) = [n for n in m.notices if "sliding window" in n]
-    assert "sliding window of 8 tokens" in line and "context length to 7 or less" in line
-    m = load_model(EngineConfig(model_dir=path, context_len=7))  # fewer keys than the window: no mask to apply
-    assert m.lean is not None and not any("sliding window" in n for n in m.notices)
-
-
 @pytest.mark.parametrize("rope_type,refused", [("default", False), ("linear", False), ("dynamic", True)])
 def test_rope_whose_tables_depend_on_length_is_refused(rope_type, refused):
     from transformers import AutoModelForCausalLM
@@ -330,7 +313,7 @@ def test_rope_whose_tables_depend_on_length_is_refused(rope_type, refused):
     rope = {"rope_type": rope_type, "rope_theta": 10000.0} | ({} if rope_type == "default" else {"factor": 2.0})
     hf = AutoModelForCausalLM.from_config(family_config("qwen3_moe", rope_parameters=rope))
     assert hf.model.rotary_emb.rope_type == rope_type
-    assert (refusal(hf, torch.device("cpu"), 512) is not None) == refused
+    assert (refusal(hf, torch.device("cpu")) is not None) == refused
 
 
 def test_flag_off_and_prefill_stay_on_transformers(checkpoint):
@@ -341,14 +324,129 @@ def test_flag_off_and_prefill_stay_on_transformers(checkpoint):
     assert lean.accepts(1, 10) and lean.accepts(16, 10) and lean.accepts(128, 10)
 
 
-def test_sliding_window_rules():
-    assert sliding_window(family_config("qwen2_moe"), 512) is None  # use_sliding_window off: sliding_window 0
-    on = family_config("qwen2_moe", use_sliding_window=True, sliding_window=8)
-    on.layer_types = ["sliding_attention"] + on.layer_types[1:]
-    assert sliding_window(on, 512) == 8
-    assert sliding_window(family_config("olmoe", sliding_window=8), 512) is None  # olmoe masks are plain causal
-    assert sliding_window(family_config("mixtral", sliding_window=8), 512) == 8
-    assert sliding_window(family_config("mixtral", sliding_window=4096), 512) is None
+def test_layer_windows_follow_transformers_masks():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    assert layer_windows(family_config("qwen2_moe")) == [0] * 4  # use_sliding_window off: sliding_window 0
+    assert layer_windows(family_config("qwen2_moe", **WINDOWED["qwen2_moe"])) == [6, 0, 6, 0]
+    assert layer_windows(family_config("qwen3_moe", **WINDOWED["qwen3_moe"])) == [6] * 3
+    assert layer_windows(family_config("olmoe", sliding_window=8)) == [0, 0]  # olmoe masks are plain causal
+    assert layer_windows(family_config("mixtral", sliding_window=4096)) == [4096, 4096]  # wider than the context: harmless
+    assert layer_windows(family_config("mixtral")) == [0, 0]
+    draft = Qwen3Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    assert layer_windows(draft) == [0, 6, 6]  # the dense qwen3 drafts slide the layers from max_window_layers on
+    broken = family_config("mixtral", sliding_window=0)  # transformers' mask would hide every key
+    assert layer_windows(broken) == [-1, -1]
+    assert refusal(AutoModelForCausalLM.from_config(broken), torch.device("cpu")) == "sliding window 0"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_sliding_window_models_decode_lean(family, dtype, checkpoint):
+    """A model whose sliding window (6) is shorter than every pass's keys decodes on the lean forward (it ran transformers'
+    forward, 3x slower, and a notice said to cut the context below the window): the torch ops give transformers' logits
+    and KV bit for bit, each layer masked by its own window (qwen2_moe: layers 0 and 2 only); in fp32 the one-call stack
+    and the op-by-op native ops within rounding, the same argmax."""
+    m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WINDOWED[family])), dtype=dtype))
+    assert m.lean is not None and m.lean.windows == layer_windows(m.hf_config) and not m.notices
+    _compare(m)
+    if dtype == "float32" and decode_ops.available():
+        assert [layer.window for layer in m.lean.stack.layers] == m.lean.windows
+        _compare(m, native=True)
+        m.lean.stack = None
+        _compare(m, native=True)
+
+
+@pytest.mark.native
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_windowed_stack_verification_equals_decode_steps(family, checkpoint):
+    """With a sliding window, a 5-position pass through the one-call stack still gives the bits of its 5 decode steps
+    (each row's keys fixed by its position alone), logits and KV."""
+    if not decode_ops.available():
+        pytest.skip(cpu_ffn.notice())
+    m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WINDOWED[family])), dtype="float32"))
+    gen = torch.Generator().manual_seed(3)
+    prompt, ids = torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
+    caches, logits = [], []
+    with torch.inference_mode():
+        for steps in ((5,), (1,) * 5):
+            cache = m.new_kv_cache()
+            with m.runtime.forward("prefill", 0):
+                _hf(m, prompt, cache, 1)
+            out, at = [], 0
+            for T in steps:
+                with m.runtime.forward("verify", PAST + at):
+                    out.append(m.forward(ids[:, at: at + T], cache, T))
+                at += T
+            caches.append(cache)
+            logits.append(torch.cat(out))
+    assert m.decode_path() == "lean, the layer stack in one native call"
+    assert torch.equal(logits[0], logits[1]) and _same_kv(caches[0], caches[1])
+
+
+@pytest.mark.parametrize("drafter", ["none", "self", "model"])
+@pytest.mark.parametrize("family", list(WINDOWED))
+def test_sliding_window_greedy_equals_transformers(family, drafter, checkpoint, draft_dir, tokenizer, monkeypatch):
+    """Greedy tokens equal transformers' generate (its sliding-window cache) with the window far shorter than prompt and
+    reply, every pass after the prompt on the lean forward: decode steps, verifications and their rollbacks, a draft
+    model's passes; and with the prompt read in passes of 4 (the later ones lean too)."""
+    from moechat.engine import config
+
+    calls = []
+    lean_call = LeanForward.__call__
+    monkeypatch.setattr(LeanForward, "__call__", lambda self, *a: calls.append(1) or lean_call(self, *a))
+    model_dir, prompt = checkpoint(family, **WINDOWED[family]), tokenizer(PROMPT)["input_ids"]
+    expected = hf_greedy(model_dir, prompt)
+    name = str(draft_dir) if drafter == "model" else drafter
+    fin = run_engine(model_dir, prompt, drafter=name, draft_len=3)
+    assert fin.token_ids == expected and calls
+    assert drafter == "none" or fin.summary.drafted > fin.summary.accepted  # drafts were rejected, the cache rewound
+    monkeypatch.setattr(config, "PREFILL_CHUNK", 4)
+    calls.clear()
+    assert run_engine(model_dir, prompt, drafter=name, draft_len=3, expert_cache_ratio=0.5).token_ids == expected
+    assert len(calls) > NEW_TOKENS // 4
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_sliding_window_conversation_reuses_its_cache(family, checkpoint):
+    """A second turn reuses the first's KV entries (every position kept: the window only masks) and decodes its new message
+    on the lean forward past the window: the tokens of a full prefill."""
+    from moechat.engine.config import SamplingParams, SpecConfig
+    from moechat.engine.events import Finished
+    from moechat.engine.generate import Engine, Request
+
+    config = EngineConfig(model_dir=str(checkpoint(family, **WINDOWED[family])), spec=SpecConfig("self", 3))
+    reused, fresh = Engine(config), Engine(config)
+    first = [{"role": "user", "content": "Hello! How are you today?"}]
+    second = [*first, {"role": "assistant", "content": "I am fine, thank you."},
+              {"role": "user", "content": "What is a mixture of experts model?"}]
+    for messages in (first, second):
+        fresh.reset_prefix_cache()
+        got, want = (list(e.generate(Request(messages=messages), SamplingParams(max_new_tokens=12)))[-1]
+                     for e in (reused, fresh))
+        assert isinstance(got, Finished) and got.token_ids == want.token_ids
+    assert got.summary.reused_tokens > 2 * 6 and want.summary.reused_tokens == 0
+    reused.close()
+    fresh.close()
+
+
+@pytest.mark.native
+def test_generate_json_says_a_windowed_model_decodes_on_the_stack(checkpoint, capsys):
+    """`generate --json`'s decode_path for a Mixtral whose config keeps a sliding window: the one-call stack (it was
+    "transformers"), transformers' greedy tokens, and no line about the window."""
+    from moechat.app import cli
+
+    if not decode_ops.available():
+        pytest.skip(cpu_ffn.notice())
+    path, prompt = checkpoint("mixtral", **WINDOWED["mixtral"]), list(range(1, 21))
+    argv = ["generate", "--model", str(path), "--device", "cpu", "--prompt-ids", ",".join(map(str, prompt)),
+            "--max-new-tokens", "16", "--json"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["decode_path"] == "lean, the layer stack in one native call"
+    assert out["token_ids"] == hf_greedy(path, prompt, 16)
+    assert "window" not in captured.err
 
 
 @pytest.mark.parametrize("drafter", ["none", "self"])

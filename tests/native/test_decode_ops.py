@@ -131,6 +131,45 @@ def test_attention_bits_do_not_depend_on_the_thread_count(monkeypatch, past):
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+# (heads, KV heads, T, past, window): a decode step whose window starts inside the second chunk of keys (its tasks: one
+# chunk each, folded after); a verification of 40 query rows per KV head (a task: heads over every chunk); its 20-row
+# form (chunks as tasks); a window of 1 key; one ending on a chunk's edge; one wider than the keys; a pass longer than it
+@pytest.mark.parametrize("H,G,T,past,window", [(8, 2, 1, 300, 64), (32, 4, 5, 700, 200), (8, 2, 5, 700, 200), (8, 2, 5, 300, 1),
+                                               (8, 2, 3, 253, 128), (8, 2, 5, 20, 4096), (8, 2, 40, 250, 6)])
+def test_sliding_window_attention_equals_its_twin_and_rows_stand_alone(H, G, T, past, window, monkeypatch):
+    """With a sliding window the position p attends to keys (p - window, p] only (transformers' sliding_window_overlay):
+    the native core gives its twin's outputs within rounding, a pass the bits of its rows computed alone, and the same
+    bits whatever the threads and the waves; without the window the outputs differ (the window cuts keys)."""
+    gen = torch.Generator().manual_seed(past + window)
+    D = 32
+    keys, values = torch.randn(1, G, past, D, generator=gen), torch.randn(1, G, past, D, generator=gen)
+    y = torch.randn(T, (H + 2 * G) * D, generator=gen)
+    cos, sin = _tables(past, T, D)
+    nq, nk = H * D, G * D
+
+    def step(rows, layer, c, s, w=window):
+        return decode_ops.attention_step(rows[:, :nq], rows[:, nq:nq + nk], rows[:, nq + nk:], layer, c, s, None, None,
+                                         1e-6, D ** -0.5, D, w)
+
+    got = step(y.clone(), _layer(keys, values), cos, sin)
+    b, twin = y.clone(), _layer(keys, values)
+    want = decode_ops.attention_step_torch(b[:, :nq], b[:, nq:nq + nk], b[:, nq + nk:], twin, cos, sin, None, None, 1e-6,
+                                           D ** -0.5, D, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (window >= past + T) == torch.allclose(step(y.clone(), _layer(keys, values), cos, sin, 0), got, atol=1e-5)
+    layer = _layer(keys, values)
+    alone = [step(y[t:t + 1].clone(), layer, cos[t:t + 1], sin[t:t + 1]) for t in range(T)]
+    assert torch.equal(torch.cat(alone), got)
+    default = decode_ops.attention_wave_bytes()
+    try:
+        for threads, wave in ((1, default), (3, 1.0), (5, default)):
+            monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+            decode_ops.attention_wave_bytes(wave)
+            assert torch.equal(step(y.clone(), _layer(keys, values), cos, sin), got), (threads, wave)
+    finally:
+        decode_ops.attention_wave_bytes(default)
+
+
 @pytest.mark.parametrize("rows,n", [(1, 2048), (5, 64), (3, 19)])
 @pytest.mark.parametrize("residual", [True, False])
 def test_add_rms_norm_equals_its_twin(rows, n, residual):
@@ -192,8 +231,9 @@ def test_bad_shapes_are_refused_by_the_kernel():
     lib = decode_ops.library()
     assert lib.moe_router_topk(0, 0, 1, 4, 8, 5, 1, 0, 0, 0, 1) == 1  # k > E
     assert lib.moe_linear_f32(0, 0, 0, 1, 8, 4, 0, 7, 1) == 1  # output rows closer than R
-    assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 1, 6, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 0, 1.0, 0, 0, 1) == 1  # 6 % 4
-    assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 2, 4, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 15, 1.0, 0, 0, 1) == 1  # no room
+    assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 1, 6, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 0, 0, 1.0, 0, 0, 1) == 1  # 6 % 4
+    assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 2, 4, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 15, 0, 1.0, 0, 0, 1) == 1  # no room
+    assert lib.moe_attention_step(0, 0, 0, 0, 0, 0, 1, 4, 4, 8, 0, 0, 1e-6, 0, 0, 0, 0, 16, 0, -1, 1.0, 0, 0, 1) == 1  # window
 
 
 def test_linear_refuses_what_it_cannot_read():
