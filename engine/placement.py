@@ -55,8 +55,11 @@ class Placement:
         return f"{self.device} ({self.device_why}) in {self.dtype} ({self.dtype_why})"
 
 
-def probe_cuda() -> CudaProbe:
-    """What PyTorch's CUDA can use here. Never raises: a broken driver is a `problem`, not an error."""
+def probe_cuda(device: str = "auto") -> CudaProbe:
+    """What PyTorch's CUDA can use here, for a run asking for `device` ("auto", "cuda" or "cuda:N"). Never raises: a
+    broken driver is a `problem`, not an error. Free memory is NVML's where it lists the GPU, so that only the GPU the
+    run takes gets a CUDA context (each holds 0.3-0.5 GiB of its GPU for the process' life); a GPU it does not list
+    gets one to read CUDA's."""
     try:
         import torch
     except ImportError:  # the command then says how to install PyTorch (app/cli.py)
@@ -74,18 +77,61 @@ def probe_cuda() -> CudaProbe:
     if not available:
         said = next((str(w.message).strip().splitlines()[0] for w in caught), "")
         return CudaProbe(problem=f"PyTorch cannot use CUDA ({said})" if said else "")
-    gpus, failed = [], []
+    gpus, failed, started = _cuda_gpus(torch)
+    gpus = _start_chosen(torch, gpus, failed, started, device)
+    if failed and not gpus:
+        return CudaProbe(problem=f"CUDA failed to start ({min(failed)[1]})")
+    return CudaProbe(tuple(gpus), skipped="; ".join(f"cuda:{i} failed to start ({why})" for i, why in sorted(failed)))
+
+
+def _cuda_gpus(torch) -> tuple[list[Gpu], list[tuple[int, str]], set[int]]:
+    """CUDA's GPUs with their memory -> (gpus, (index, why) of those that failed to start, indices started here): NVML's
+    record of the same PCI address without a context, else CUDA's, which starts the GPU's context."""
+    from .calibration.probe import gpu_memory_by_pci
+
+    nvml = gpu_memory_by_pci()
+    gpus, failed, started, seen = [], [], set(), set()
     for i in range(torch.cuda.device_count()):
         try:
             props = torch.cuda.get_device_properties(i)
-            free, total = torch.cuda.mem_get_info(i)  # creates the context: fails here when the GPU is unusable
+            address = _pci_address(props)
+            # MIG's instances share their card's address: NVML's figure is the card's, so CUDA reads each
+            memory = nvml.get(address) if address not in seen and _pci_count(torch, address) == 1 else None
+            seen.add(address)
+            if memory is None:
+                memory = torch.cuda.mem_get_info(i)  # creates the context: fails here when the GPU is unusable
+                started.add(i)
         except Exception as err:  # out of memory at start, a lost device, a driver/runtime mismatch: that GPU only
             failed.append((i, _one_line(err)))
             continue
-        gpus.append(Gpu(i, props.name, int(free), int(total), props.major >= 8))
-    if failed and not gpus:
-        return CudaProbe(problem=f"CUDA failed to start ({failed[0][1]})")
-    return CudaProbe(tuple(gpus), skipped="; ".join(f"cuda:{i} failed to start ({why})" for i, why in failed))
+        gpus.append(Gpu(i, props.name, int(memory[0]), int(memory[1]), props.major >= 8))
+    return gpus, failed, started
+
+
+def _pci_count(torch, address: tuple | None) -> int:
+    """How many CUDA devices sit at this PCI address (more than one: MIG instances of one card)."""
+    return sum(_pci_address(torch.cuda.get_device_properties(i)) == address for i in range(torch.cuda.device_count()))
+
+
+def _pci_address(props) -> tuple | None:
+    """A CUDA device's PCI address (domain, bus, device) as NVML gives it; None where this PyTorch does not say."""
+    address = tuple(getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device"))
+    return None if None in address else address
+
+
+def _start_chosen(torch, gpus: list[Gpu], failed: list, started: set[int], device: str) -> list[Gpu]:
+    """gpus less those whose context fails to start, tried in the order `choose` takes them (the one asked for, then the
+    most free, the first of equals) until one starts: the GPU the run takes, the only one given a context here."""
+    for gpu in sorted(gpus, key=lambda g: (f"cuda:{g.index}" != device, -g.free_bytes)):
+        if gpu.index in started:
+            return gpus
+        try:
+            torch.cuda.mem_get_info(gpu.index)
+            return gpus
+        except Exception as err:  # as in _cuda_gpus: the next one
+            failed.append((gpu.index, _one_line(err)))
+            gpus = [g for g in gpus if g is not gpu]
+    return gpus
 
 
 def choose(device: str, dtype: str, checkpoint_dtype: str, quant: str, cuda: CudaProbe, fp32_bytes: int = 0,
@@ -178,7 +224,7 @@ def resolve_placement(device: str | None, dtype: str | None, model_dir: str | di
     checkpoint = checkpoint_dtype(raw)
     quant = prequantized_format(raw) or quant  # runs as it is, its dense layers quantized on a CPU like any model's
     if cuda is None:
-        cuda = CudaProbe() if device == "cpu" else probe_cuda()
+        cuda = CudaProbe() if device == "cpu" else probe_cuda(device)
     widen = 1 if checkpoint == "float32" else 2  # a half-precision checkpoint doubles in float32
     # a dangling link counts nothing here: the loader says which file is missing
     fp32_bytes = widen * sum(p.stat().st_size for p in files if p.is_file())

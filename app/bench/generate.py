@@ -173,7 +173,7 @@ def _gpu_busy(engine, ids: list[int], args) -> dict[str, float]:
     """On CUDA: the GPU's kernel time, launches and copy time per decode token (profile_parts.device_busy)."""
     from .profile_parts import device_busy
 
-    return _one_request(engine, ids, args, device_busy)
+    return _one_request(engine, ids, args, lambda events: device_busy(events, engine.model.device))
 
 
 def _one_request(engine, ids: list[int], args, measure):
@@ -192,8 +192,12 @@ def _one_request(engine, ids: list[int], args, measure):
 def _non_expert_bound(engine, paired: dict) -> dict:
     """Without a drafter: a decode token's time outside the experts against the time to read the non-expert weights it
     uses at the read bandwidth sampled right after that run (issue 16's bound: at most 1.2×). A shared VM's bandwidth
-    moves by 2× within minutes, so each run is set against its own sample, and the median ratio is reported."""
+    moves by 2× within minutes, so each run is set against its own sample, and the median ratio is reported. On a GPU
+    the weights are read from its memory, which is not sampled: no bandwidth and no ratio (None)."""
     mb = engine.model.dense_bytes_per_token() / 1e6
+    if not paired["read_gbps"]:
+        return {"weights_mb_per_token": mb, "ms_per_token": statistics.median(paired["outside_ms"]), "read_gbps": None,
+                "ratio": None}
     ratios = [ms / (mb / gbps) for ms, gbps in zip(paired["outside_ms"], paired["read_gbps"], strict=True)]  # MB/(GB/s) = ms
     read_gbps, ms = statistics.median(paired["read_gbps"]), statistics.median(paired["outside_ms"])
     return {"weights_mb_per_token": mb, "read_gbps": read_gbps, "ms_per_token": ms, "read_ms_per_token": mb / read_gbps,
@@ -202,11 +206,12 @@ def _non_expert_bound(engine, paired: dict) -> dict:
 
 def _measure(engine, hf, ids: list[int], args, paired: dict | None = None) -> tuple[dict, dict, bool]:
     """Alternating runs of the engine and HF: (medians per row, the last run's decode figures, same tokens). With
-    `paired`, each engine run's time per token outside the experts and a read bandwidth sampled right after it."""
+    `paired`, each engine run's time per token outside the experts and (on the CPU) the host RAM's read bandwidth sampled
+    right after it."""
     from ..cli import sampling_params
     from .kernels import CopyMeter
 
-    meter = CopyMeter() if paired is not None else None
+    meter = CopyMeter() if paired is not None and engine.model.device.type == "cpu" else None  # a GPU reads its own memory
 
     eos, engine.model.eos_ids = engine.model.eos_ids, set()  # every run generates exactly max_new_tokens
     params = sampling_params(args)
@@ -222,10 +227,11 @@ def _measure(engine, hf, ids: list[int], args, paired: dict | None = None) -> tu
               f"decode {fin.summary.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
         # the last run's: residency carries over, as between chat turns
         decode = decode_stats(steps, engine.model.store.expert_bytes)
-        if meter is not None:
+        if paired is not None:
             paired["outside_ms"].append(1e3 / fin.summary.decode_tokens_per_s - decode["cpu_ms_per_token"]
                                         - decode["device_ms_per_token"])
-            paired["read_gbps"].append(meter.measure_read())
+            if meter is not None:  # on the CPU: the RAM the weights are read from
+                paired["read_gbps"].append(meter.measure_read())
         if hf is not None:
             t1, _ = hf_generate(hf, ids, 1, params)  # prefill + the first token
             tn, hf_tokens = hf_generate(hf, ids, args.max_new_tokens, params)
@@ -276,7 +282,11 @@ def _print_generate(result: dict, args, replay) -> None:
         wall = 1e3 / engine["decode_tokens_per_s"]
         print(f"GPU per decode token (torch.profiler): kernels {g['busy_ms']:.2f} ms ({g['kernels']:.0f} launches), copies "
               f"{g['copies_ms']:.2f} ms, of {wall:.2f} ms wall: the GPU works {g['busy_ms'] / wall:.0%} of a token")
-    if "non_expert" in result:
+    if "non_expert" in result and result["non_expert"]["ratio"] is None:
+        b = result["non_expert"]
+        print(f"outside the experts: {b['ms_per_token']:.2f} ms per token; its {b['weights_mb_per_token']:.0f} MB of weights "
+              "are read from the GPU's memory: the bound against the host RAM's bandwidth is n/a")
+    elif "non_expert" in result:
         b = result["non_expert"]
         print(f"outside the experts: {b['ms_per_token']:.2f} ms per token; its {b['weights_mb_per_token']:.0f} MB of weights "
               f"take {b['read_ms_per_token']:.2f} ms at {b['read_gbps']:.1f} GB/s (medians; read after each run): "

@@ -135,8 +135,8 @@ def profile_prefill(events: Iterator[Event], prompt_tokens: int) -> dict[str, fl
     return {k: round(v, 4) for k, v in per.items()}
 
 
-def device_busy(events: Iterator[Event]) -> dict[str, float]:
-    """events: one request's on a CUDA device -> its decode steps under torch.profiler, per decode token: the GPU's
+def device_busy(events: Iterator[Event], device) -> dict[str, float]:
+    """events: one request's on the CUDA `device` -> its decode steps under torch.profiler, per decode token: the GPU's
     kernel time (busy_ms), kernel launches, and copy time (copies_ms: the fast tier's loads, hidden states between the
     tiers). Beside the wall ms per token, busy_ms says how much of a token the GPU works: the rest is the host
     (Python, launches, syncs), which CUDA graphs would take away (issue 16)."""
@@ -146,7 +146,7 @@ def device_busy(events: Iterator[Event]) -> dict[str, float]:
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
 
     def stop() -> None:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # the model's GPU, not the current one (cuda:0)
         prof.stop()
 
     tokens = _decode_window(events, prof.start, stop)

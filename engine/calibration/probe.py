@@ -102,6 +102,28 @@ def gpu_info() -> tuple[list[GpuInfo], str]:
     return gpus, "" if gpus else "the NVIDIA driver reports no GPU"
 
 
+def gpu_memory_by_pci() -> dict[tuple[int, int, int], tuple[int, int]]:
+    """(free, total) bytes of each GPU NVML lists, by PCI address (domain, bus, device), read without a CUDA context;
+    {} without NVML or where it fails."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # ImportError, no driver, ...: the caller asks CUDA
+        return {}
+    try:
+        memory = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pci, info = pynvml.nvmlDeviceGetPciInfo(handle), pynvml.nvmlDeviceGetMemoryInfo(handle)
+            memory[int(pci.domain), int(pci.bus), int(pci.device)] = int(info.free), int(info.total)
+        return memory
+    except Exception:
+        return {}
+    finally:
+        _optional(pynvml.nvmlShutdown)
+
+
 def _device(pynvml, handle, driver: str) -> GpuInfo:
     memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
     return GpuInfo(

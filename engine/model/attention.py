@@ -1,4 +1,4 @@
-"""Attention on the CPU: transformers' SDPA call, with two changes.
+"""Attention: transformers' SDPA call, with two changes on the CPU and one on CUDA.
 
 - Half-precision models attend in float32. PyTorch's CPU SDPA is several times slower in bf16 than in fp32 (decode,
   32 query heads over 4 KV heads of 128: 289 against 49 µs at 64 positions, 4.1 against 0.5 ms at 1024, on this
@@ -7,6 +7,11 @@
 - Grouped query heads read their KV head in place (SDPA's `enable_gqa`). With a mask (every pass after a past),
   transformers copies each KV head once per query head first (`repeat_kv`): on Qwen3-30B-A3B, 8 copies, about
   1.25 GiB per layer for a 512-token pass at 40,960 positions. The CPU kernel gives the same bits without them.
+- On CUDA (`cuda_sdpa`) SDPA's fused kernels take no grouped query heads under a mask (flash: no mask; memory-efficient:
+  no GQA), so transformers copies the KV heads there too, and `enable_gqa` with a mask lands on the math kernel, which
+  copies them in fp32 and writes every score. Several queries under a mask instead fold each KV head's query heads into
+  the query length (`folded_sdpa`, as graph_decode does), which the memory-efficient kernel takes with the mask repeated
+  per head: no copy. Another kernel: logits may differ from transformers' in the last bits, greedy tokens do not.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .memory_estimate import cpu_kv_in_float32
 
-NAME = "moechat_sdpa"
+NAME = "moechat_sdpa"  # the CPU's (cpu_sdpa)
+CUDA_NAME = "moechat_sdpa_folded"  # CUDA's (cuda_sdpa)
 
 
 def cpu_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
@@ -35,8 +41,7 @@ def cpu_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _grouped_in_place(module, query: torch.Tensor, kwargs: dict) -> bool:
     """Whether transformers would copy KV heads per query head here (GQA, more than one query; one query it packs)."""
-    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("output_attentions")
-    return query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1 and plain
+    return query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1 and query.shape[2] > 1 and _plain(kwargs)
 
 
 def _sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -51,8 +56,50 @@ def _sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.
     return out.transpose(1, 2).contiguous()
 
 
+def folds_heads(device_type: str, groups: int, positions: int, masked: bool) -> bool:
+    """Whether SDPA over grouped query heads runs as folded_sdpa: on CUDA, several queries under a mask (one query
+    transformers packs, and without a mask flash attention reads the KV heads in place)."""
+    return device_type == "cuda" and groups > 1 and positions > 1 and masked
+
+
+def folded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+                dropout: float = 0.0) -> torch.Tensor:
+    """query [B, H, T, D]; key, value [B, H_kv, S, D]; mask [T, S] or [B|1, 1|H, T, S] (bool, True: attend; or
+    additive) -> [B, H, T, Dv] as SDPA with enable_gqa: query heads kv·G .. kv·G+G-1 (transformers' repeat_kv) as the
+    G·T rows of one query per KV head [B, H_kv, G·T, D] under the mask repeated per head, so no KV head is copied."""
+    B, H, T, D = query.shape
+    kv = key.shape[1]
+    groups = H // kv
+    mask = mask[None, None] if mask.dim() == 2 else mask
+    if mask.shape[1] == 1:  # [B|1, 1, G·T, S]: rows g·T + t are row t
+        mask = mask.repeat(1, 1, groups, 1)
+    else:  # a mask per query head: its rows for the KV head's query heads in the same order
+        mask = mask.reshape(mask.shape[0], kv, groups * T, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, kv, groups * T, D), key, value, attn_mask=mask,
+                                                           dropout_p=dropout, scale=scale)  # [B, H_kv, G·T, Dv]
+    # reshape, not view: CUDA's fused kernels return [B, G·T, H_kv, Dv] storage seen as [B, H_kv, G·T, Dv]
+    return out.reshape(B, H, T, value.shape[-1])
+
+
+def cuda_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
+    """transformers' sdpa_attention_forward, grouped query heads folded (folded_sdpa) where it would copy the KV heads
+    per query head on CUDA (several queries under a mask; is_causal is then False in transformers too) -> [B, T, H, D]."""
+    if _plain(kwargs) and folds_heads(query.device.type, getattr(module, "num_key_value_groups", 1), query.shape[2],
+                                      attention_mask is not None):
+        out = folded_sdpa(query, key, value, attention_mask, kwargs.get("scaling"), kwargs.get("dropout", 0.0))
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _plain(kwargs: dict) -> bool:
+    """No position bias, softcap or attention weights asked for (transformers' own call handles those)."""
+    return kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("output_attentions")
+
+
 AttentionInterface.register(NAME, cpu_sdpa)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # an unregistered name gets no causal mask at all
+AttentionInterface.register(CUDA_NAME, cuda_sdpa)
+for _name in (NAME, CUDA_NAME):
+    AttentionMaskInterface.register(_name, sdpa_mask)  # an unregistered name gets no causal mask at all
 
 
 def kv_dtype(hf, dtype: torch.dtype, latent_kv: bool = False) -> torch.dtype:
@@ -66,3 +113,9 @@ def use_cpu_attention(hf) -> None:
     """Point every attention layer of `hf` at cpu_sdpa (a model whose config says sdpa; others are left alone)."""
     if hf.config._attn_implementation == "sdpa":
         hf.set_attn_implementation(NAME)
+
+
+def use_cuda_attention(hf) -> None:
+    """Point every attention layer of `hf` at cuda_sdpa (a model whose config says sdpa; others are left alone)."""
+    if hf.config._attn_implementation == "sdpa":
+        hf.set_attn_implementation(CUDA_NAME)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..experts.runtime import OffloadedExperts
+from .attention import folded_sdpa
 from .decode_ops import head_linear_torch, head_matmul_torch, rms_norm
 from .lean_decode import ROUTERS, LeanForward
 from .lean_deepseek import LeanDeepseek
@@ -270,18 +271,15 @@ class GraphedDecode:
         if self.mla:
             return self._latent_attention(i, h, *rotary, layer_cache, positions, visible)
         cos, sin = rotary
-        T, hd = h.shape[1], a.head_dim
+        T = h.shape[1]
         q, k, v = (lean._joint_qkv(a, lean.qkv[i], h, cos, sin, i) if lean.joint[i]
                    else lean._qkv(a, lean.qkv[i], h, cos, sin))  # [1, H_q|H_kv, T, D]
         keys, values = layer_cache._k, layer_cache._v  # [1, H_kv, C, D]
         keys.index_copy_(2, positions, k.to(keys.dtype))
         values.index_copy_(2, positions, v.to(values.dtype))
-        groups = q.shape[1] // keys.shape[1]
-        # query heads kv·G .. kv·G+G-1 read KV head kv (transformers' repeat_kv): [1, H_kv, G·T, D], mask [G·T, C]
-        qg = q.to(keys.dtype).reshape(1, keys.shape[1], groups * T, hd)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=visible.repeat(groups, 1), scale=a.scaling)
-        # reshape, not view: CUDA's fused kernels return [1, G·T, H_kv, D] storage seen as [1, H_kv, G·T, D]
-        o = o.reshape(1, q.shape[1], T, hd).transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H_q·D]
+        # query heads kv·G .. kv·G+G-1 read KV head kv (transformers' repeat_kv) as [1, H_kv, G·T, D], mask [G·T, C]
+        o = folded_sdpa(q.to(keys.dtype), keys, values, visible, a.scaling)  # [1, H_q, T, D]
+        o = o.transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H_q·D]
         return a.o_proj.forward(o)
 
     def _latent_attention(self, i: int, h, freqs, layer_cache, positions, visible) -> torch.Tensor:

@@ -13,7 +13,9 @@ Two ways through a layer:
   computed alone, so a position's logits do not depend on the pass it is in; they differ from
   transformers' in the last bits (tests/engine/test_lean_decode.py bounds them and checks greedy tokens);
 - torch (`native=False`, other dtypes, no library): transformers' ops in transformers' order, logits
-  equal to transformers' bit for bit.
+  equal to transformers' bit for bit on the CPU; on CUDA (graph_decode's eager passes, over its MAX_GRAPH_POSITIONS) a
+  pass's grouped query heads attend folded into the query length (attention.folded_sdpa: no K/V copy per query
+  head), another kernel than transformers' copy: logits may differ in the last bits, greedy tokens equal.
 `lean_decode=False` in EngineConfig (`--no-lean-decode`) turns both off.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from ..experts.runtime import OffloadedExperts
 from ..quant.dense import fuse
 from . import decode_ops
+from .attention import CUDA_NAME, folded_sdpa, folds_heads
 from .attention import NAME as FLOAT_KV_ATTENTION
 from .bf16_linear import Bf16Linear, fp32_rows
 from .decode_ops import add_rms_norm, causal_mask, rms_norm, rotate
@@ -61,7 +64,7 @@ def refusal(hf, device: torch.device) -> str | None:
         return f"device {device.type}"
     if config.model_type not in FAMILIES:
         return f"model_type {config.model_type}"
-    if config._attn_implementation not in ("sdpa", FLOAT_KV_ATTENTION):
+    if config._attn_implementation not in ("sdpa", FLOAT_KV_ATTENTION, CUDA_NAME):
         return f"attention {config._attn_implementation}"
     rope_type = getattr(hf.model.rotary_emb, "rope_type", None)
     if rope_type not in ROPE_TYPES:
@@ -205,9 +208,12 @@ class LeanForward:
             q, k, v = self._qkv(a, qkv, h, cos, sin)
         k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
         groups = a.num_key_value_groups
+        if folds_heads(k.device.type, groups, T, mask is not None):  # CUDA: no K/V copy per query head (attention.py)
+            o = folded_sdpa(q.to(k.dtype), k, v, mask, a.scaling)  # [1, H, T, D]
+            return a.o_proj.forward(o.transpose(1, 2).reshape(1, T, -1).to(h.dtype))  # [1, T, H]
         if T == 1 and mask is not None and groups > 1:  # one query under a sliding window's mask: transformers' pack_gqa,
             q = q.reshape(1, k.shape[1], groups, -1)  # the query heads as rows of their KV head [1, H_kv, G, D], one mask
-        # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv
+        # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv on the CPU
         gqa = {"enable_gqa": True} if groups > 1 and q.shape[1] > k.shape[1] else {}
         # query in the cache's dtype, output back in the model's (attention.py: cpu_sdpa)
         o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]

@@ -22,7 +22,7 @@ from ..quant.dense import QuantLinear, quantize_dense, quantized_dense_size, qua
 from ..quant.prequantized import PrequantSpec, expert_format, linear_keys, quantized_prefixes, read_quantization_config
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
-from .attention import kv_dtype, use_cpu_attention
+from .attention import kv_dtype, use_cpu_attention, use_cuda_attention
 from .bf16_linear import narrow_linears
 from .checkpoint import Checkpoint
 from .config_file import read_config_dict
@@ -265,6 +265,8 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         quantize_dense(hf, routers=routers, fmt=store.quant)
     if device.type == "cpu":  # float32 K/V for a half model, grouped heads read in place (attention.py)
         use_cpu_attention(hf)
+    elif device.type == "cuda":  # grouped heads folded under a mask, not copied per query head (attention.py)
+        use_cuda_attention(hf)
     if cfg.lean_decode:
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None

@@ -16,6 +16,7 @@ import torch
 from ..config import SamplingParams, SpecConfig, prefill_passes
 from ..errors import CheckpointError, MoechatError
 from ..events import LoadProgress
+from ..model.attention import use_cuda_attention
 from ..model.bf16_linear import narrow_linears
 from ..model.checkpoint import Checkpoint
 from ..model.config_file import read_config_dict
@@ -82,6 +83,8 @@ class DraftModel:
         self.target, self.target_vocab = target, int(target.hf_config.vocab_size)
         self.draft_vocab = self.model.get_input_embeddings().num_embeddings
         self.device = target.device
+        if self.device.type == "cuda":  # its grouped heads folded under a mask, not copied per query head (attention.py)
+            use_cuda_attention(self.model)
         # a bf16 draft computed in float32 on the CPU keeps its dense linears bf16: half the bytes a drafted token reads
         self.bf16_linears = len(narrow_linears(self.model, Checkpoint(model_dir), None, self.device, target.dtype, "none"))
         self.feed = router_feed(self.model, target)  # None: different hidden size, or nothing to prefetch into

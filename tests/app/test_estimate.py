@@ -87,7 +87,7 @@ def test_the_kv_cache_shown_is_the_one_the_run_keeps(capsys, monkeypatch):
     from moechat.app.cli import main
     from moechat.engine import placement
 
-    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe())  # a machine without a GPU, also where CI has one
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe())  # no GPU, also where CI has one
 
     def shown(*argv) -> dict:
         assert main(["estimate", "--model", "Qwen3-30B-A3B", "--json", *argv]) == 0
@@ -109,7 +109,7 @@ def test_a_device_asked_for_but_not_here_is_said(capsys, monkeypatch):
     from moechat.app.cli import main
     from moechat.engine import placement
 
-    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe())
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe())
     assert main(["estimate", "--model", "Qwen3-30B-A3B", "--device", "cuda", "--json"]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["device"] == "cpu"  # stdout stays one JSON object

@@ -150,3 +150,63 @@ def test_the_isa_flag_offers_every_native_path():
     kernels.add_bench_kernels(sub)
     isa = next(a for a in sub.choices["kernels"]._actions if a.dest == "isa")
     assert list(isa.choices) == list(cpu_ffn.ISA)
+
+
+def test_non_expert_bound_on_a_gpu_samples_no_host_ram(monkeypatch, capsys):
+    """--by-part without a drafter: on the CPU each run's time outside the experts against the host RAM's read bandwidth;
+    on a GPU the weights are read from its memory, so no host bandwidth is sampled and the bound says n/a (it set the
+    GPU's time against the host's DRAM)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from moechat.app import cli
+    from moechat.app.bench import generate
+
+    meters = []
+
+    class Meter:
+        def __init__(self):
+            meters.append(self)
+
+        def measure_read(self):
+            return 20.0
+
+    summary = SimpleNamespace(prefill_tokens_per_s=100.0, decode_tokens_per_s=50.0)  # 20 ms per token
+    monkeypatch.setattr(kernels, "CopyMeter", Meter)
+    monkeypatch.setattr(generate, "run_engine", lambda *a: (SimpleNamespace(summary=summary, token_ids=[]), []))
+    monkeypatch.setattr(generate, "decode_stats", lambda *a: {"cpu_ms_per_token": 4.0, "device_ms_per_token": 6.0})
+    monkeypatch.setattr(cli, "sampling_params", lambda args: None)
+    args = argparse.Namespace(repeats=2)
+    for device, ratio in (("cpu", 10.0 / (100 / 20.0)), ("cuda:1", None)):
+        meters.clear()
+        model = SimpleNamespace(device=torch.device(device), eos_ids=set(), store=SimpleNamespace(expert_bytes=1),
+                                dense_bytes_per_token=lambda: 100e6)
+        engine = SimpleNamespace(model=model)
+        paired = {"read_gbps": [], "outside_ms": []}
+        generate._measure(engine, None, [1, 2], args, paired)
+        bound = generate._non_expert_bound(engine, paired)
+        assert paired["outside_ms"] == [10.0, 10.0] and bound["ms_per_token"] == 10.0
+        assert len(meters) == (device == "cpu") and bound["ratio"] == ratio, (device, bound)
+    generate._print_generate({"engine": {"prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 50.0, "hit_rate": 0.0,
+                                         "loads_per_token": 0.0, "acceptance": 0.0, "cpu_ms_per_token": 4.0,
+                                         "device_ms_per_token": 6.0},
+                              "prompt_tokens": 2, "expert_cache_ratio": 0.5, "quant": "none", "non_expert": bound,
+                              "costs": {"source": "defaults"}, "decode_path": "lean"},
+                             argparse.Namespace(model="m", max_new_tokens=4, draft="none", policy="spac", temperature=0.0,
+                                                repeats=2), None)
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("outside the experts"))
+    assert line.endswith("is n/a") and "GB/s" not in line
+
+
+def test_device_busy_synchronizes_the_models_gpu(monkeypatch):
+    """The profile's end waits for the model's GPU (cuda:1 when auto picked it), not the current one (cuda:0)."""
+    from types import SimpleNamespace
+
+    from moechat.app.bench import profile_parts
+    from moechat.engine import Finished, TokenDelta
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    events = iter([TokenDelta("a", [1]), TokenDelta("b", [2]), Finished([1, 2], "ab", SimpleNamespace())])
+    busy = profile_parts.device_busy(events, torch.device("cuda:1"))
+    assert synced == [torch.device("cuda:1")] and busy["busy_ms"] == 0.0

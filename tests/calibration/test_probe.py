@@ -47,6 +47,7 @@ def fake_nvml(gpus=(), init_error=None, failing=()):
         "nvmlSystemGetDriverVersion": lambda: "550.54.14",
         "nvmlDeviceGetHandleByIndex": lambda i: gpus[i],
         "nvmlDeviceGetName": lambda h: h["name"].encode(),  # older pynvml returns bytes
+        "nvmlDeviceGetPciInfo": lambda h: SimpleNamespace(domain=0, bus=h.get("bus", 1), device=0),
         "nvmlDeviceGetMemoryInfo": lambda h: SimpleNamespace(total=h["total"], free=h["free"], used=h["total"] - h["free"]),
         "nvmlDeviceGetCurrPcieLinkGeneration": lambda h: h["gen"],
         "nvmlDeviceGetCurrPcieLinkWidth": lambda h: h["width"],
@@ -252,3 +253,20 @@ def test_doctor_reads_the_settings_file(capsys):
     assert any("`temperature`" in problem and str(path) in fix for problem, fix in problems.items())
     assert any("'/nowhere/q3' is not a directory" in problem and "moechat pull" in fix for problem, fix in problems.items())
     assert not any("settings" in problem for problem in (p["problem"] for p in _doctor_json(capsys)["problems"]))
+
+
+def test_gpu_memory_by_pci_address(monkeypatch):
+    """NVML's free and total bytes per PCI address (placement.probe_cuda matches CUDA's devices to them); nothing where
+    NVML is missing or fails."""
+    from moechat.engine.calibration.probe import gpu_memory_by_pci
+
+    nvml = fake_nvml([RTX_4090, {**RTX_4090, "bus": 65, "free": GIB}])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert gpu_memory_by_pci() == {(0, 1, 0): (RTX_4090["free"], RTX_4090["total"]), (0, 65, 0): (GIB, RTX_4090["total"])}
+    assert nvml.shut_down
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml([RTX_4090], failing=("nvmlDeviceGetPciInfo",)))
+    assert gpu_memory_by_pci() == {}
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml([RTX_4090], init_error=NVMLError_LibraryNotFound("no lib")))
+    assert gpu_memory_by_pci() == {}
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert gpu_memory_by_pci() == {}

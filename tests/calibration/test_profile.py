@@ -186,7 +186,7 @@ def a_gpu(monkeypatch):
     from moechat.engine import placement
 
     gpu = placement.Gpu(0, "NVIDIA GeForce RTX 4090", 22 << 30, 24 << 30, bf16=True)
-    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe((gpu,)))
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe((gpu,)))
 
 
 def _config(argv):
@@ -318,7 +318,7 @@ def test_the_demo_drafts_by_default_on_a_gpu_only(monkeypatch):
     assert _config(["--device", "cpu"])[0].spec.drafter == str(DEMO_DRAFT)
     settings_path().unlink()
     gpu = placement.Gpu(0, "NVIDIA GeForce RTX 4090", 22 << 30, 24 << 30, bf16=True)
-    monkeypatch.setattr(placement, "probe_cuda", lambda: placement.CudaProbe((gpu,)))
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe((gpu,)))
     assert _config([])[0].spec.drafter == str(DEMO_DRAFT)  # auto picks the GPU
 
 

@@ -77,6 +77,58 @@ def test_a_gpu_that_fails_to_start_leaves_the_others(monkeypatch):
     assert p.device == "cpu" and p.notice == "CUDA failed to start (CUDA error: out of memory): running on the CPU"
 
 
+def test_only_the_gpu_a_run_takes_gets_a_cuda_context(monkeypatch):
+    """Three GPUs NVML lists, matched to CUDA's by PCI address (CUDA's order is not the bus order): the probe reads their
+    memory there and starts a CUDA context (0.3-0.5 GiB held for the process' life) on the GPU the run takes only: auto's
+    (the most free), the one asked for, the next where it fails to start; a GPU NVML does not list is read through CUDA."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moechat.engine import placement
+    from moechat.engine.calibration import probe
+
+    nvml = {(0, 1, 0): (10 * GIB, 24 * GIB), (0, 2, 0): (20 * GIB, 24 * GIB), (0, 3, 0): (5 * GIB, 12 * GIB)}
+    buses, started, fail = [2, 1, 3], [], set()
+
+    def mem_get_info(i):
+        started.append(i)
+        if i in fail:
+            raise RuntimeError("CUDA error: out of memory")
+        return 4 * GIB, 12 * GIB
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(
+        name=f"GPU {i}", major=8, pci_domain_id=0, pci_bus_id=buses[i], pci_device_id=0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(probe, "gpu_memory_by_pci", lambda: nvml)
+
+    cuda = placement.probe_cuda()
+    assert [(g.index, g.free_bytes, g.total_bytes) for g in cuda.gpus] == [
+        (0, 20 * GIB, 24 * GIB), (1, 10 * GIB, 24 * GIB), (2, 5 * GIB, 12 * GIB)]
+    assert started == [0] and choose("auto", "auto", "bfloat16", "none", cuda).device == "cuda:0"
+    started.clear()
+    assert choose("cuda:2", "auto", "bfloat16", "none", placement.probe_cuda("cuda:2")).device == "cuda:2"
+    assert started == [2]
+    started.clear()
+    fail.add(0)
+    cuda = placement.probe_cuda()
+    assert started == [0, 1] and [g.index for g in cuda.gpus] == [1, 2]
+    p = choose("auto", "auto", "bfloat16", "none", cuda)
+    assert p.device == "cuda:1" and p.notice == "cuda:0 failed to start (CUDA error: out of memory): using cuda:1"
+    started.clear()
+    fail.clear()
+    del nvml[0, 3, 0]
+    cuda = placement.probe_cuda()
+    assert started == [2, 0] and cuda.gpus[2].free_bytes == 4 * GIB  # CUDA's figure, its context started to read it
+    started.clear()
+    buses[2] = 1  # MIG: two instances at one card's address, NVML's figure the card's: CUDA reads each
+    cuda = placement.probe_cuda()
+    assert sorted(started) == [0, 1, 2] and [g.free_bytes for g in cuda.gpus] == [20 * GIB, 4 * GIB, 4 * GIB]
+
+
 @pytest.mark.parametrize("checkpoint,quant,fp32_bytes,native,expected", [
     ("bfloat16", "int4", BIG, True, "float32"),  # quantized dense layers: float32 activations measured faster
     ("bfloat16", "int8", BIG, False, "float32"),
@@ -133,7 +185,7 @@ def test_generate_says_where_it_runs_and_a_cuda_setting_without_cuda_runs_on_cpu
     from moechat.app import cli, settings
     from moechat.engine import placement
 
-    monkeypatch.setattr(placement, "probe_cuda", lambda: NO_GPU)  # the same answer on a CI machine that has a GPU
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: NO_GPU)  # the same answer on a CI machine that has a GPU
     path = checkpoint("qwen3_moe")
     argv = ["generate", "--model", str(path), "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--json"]
     assert cli.main(argv) == 0

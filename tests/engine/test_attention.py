@@ -1,0 +1,152 @@
+"""Grouped query heads on CUDA, folded into the query length under a mask (attention.folded_sdpa) rather than copied per
+query head: the computation on CPU tensors, the branch a CUDA pass takes, and on a GPU the memory it saves."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny import WINDOWED
+
+from moechat.engine.config import EngineConfig
+from moechat.engine.model import attention, lean_decode
+from moechat.engine.model.attention import CUDA_NAME, folded_sdpa, folds_heads, use_cuda_attention
+from moechat.engine.model.decode_ops import causal_mask
+from moechat.engine.model.kv_cache import hf_forward
+from moechat.engine.model.lean_decode import LeanForward, refusal
+from moechat.engine.model.loader import load_model
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("past", [0, 20])
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (32, 4)])
+def test_folded_attention_equals_grouped(heads, kv_heads, T, past, window):
+    """As SDPA with enable_gqa (transformers' repeat_kv), for every form of mask transformers or the lean forward gives."""
+    gen = torch.Generator().manual_seed(1000 * T + past + window)
+    S = past + T
+    q = torch.randn(1, heads, T, 16, generator=gen)
+    k, v = torch.randn(1, kv_heads, S, 16, generator=gen), torch.randn(1, kv_heads, S, 16, generator=gen)
+    mask = causal_mask(T, past, window, "cpu")
+    mask = torch.ones(T, S, dtype=torch.bool) if mask is None else mask
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=heads > kv_heads)
+    additive = torch.zeros(T, S).masked_fill(~mask, float("-inf"))
+    for form in (mask, mask[None, None], additive[None, None], mask.expand(1, heads, T, S)):
+        got = folded_sdpa(q, k, v, form, 0.3)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_folds_only_several_queries_of_grouped_heads_under_a_mask():
+    assert folds_heads("cuda", 8, 64, True)
+    assert not folds_heads("cpu", 8, 64, True)  # the CPU reads grouped heads in place with transformers' bits
+    assert not folds_heads("cuda", 1, 64, True)  # one query head per KV head: nothing to copy
+    assert not folds_heads("cuda", 8, 1, True)  # one query: packed per KV head, as transformers does
+    assert not folds_heads("cuda", 8, 64, False)  # no mask: flash attention reads grouped heads in place
+
+
+@pytest.fixture
+def as_cuda(monkeypatch):
+    """The fold decided as on a CUDA device, on CPU tensors -> the SDPA calls made: (query heads, key heads, masked,
+    enable_gqa)."""
+    real, sdpa, calls = folds_heads, F.scaled_dot_product_attention, []
+
+    def record(q, k, v, attn_mask=None, enable_gqa=False, **kwargs):
+        calls.append((q.shape[1], k.shape[1], attn_mask is not None, enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
+
+    for module in (attention, lean_decode):
+        monkeypatch.setattr(module, "folds_heads", lambda _device, *args: real("cuda", *args))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", record)  # lean_decode's, ours and transformers'
+    return calls
+
+
+def _passes(m, forward, reference, T: int):
+    """10 random positions into two caches by transformers' forward, then a T-position pass on each: `forward` on one,
+    `reference` on the other -> (logits, expected)."""
+    gen = torch.Generator().manual_seed(T)
+    caches = m.new_kv_cache(), m.new_kv_cache()
+    prompt, ids = torch.randint(0, 300, (1, 10), generator=gen), torch.randint(0, 300, (1, T), generator=gen)
+    with torch.inference_mode():
+        for cache in caches:
+            with m.runtime.forward("prefill", 0):
+                hf_forward(m.hf, prompt.to(m.device), cache, 1)
+        with m.runtime.forward("prefill", 10):
+            got = forward(ids.to(m.device), caches[0])
+        with m.runtime.forward("prefill", 10):
+            return got, reference(ids.to(m.device), caches[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral-windowed"])
+def test_a_cuda_pass_folds_grouped_heads_with_transformers_greedy(family, checkpoint, as_cuda):
+    """A lean pass (40 positions after a past) and transformers' forward through cuda_sdpa (200), both as on a CUDA
+    device: no SDPA call takes grouped query heads with a mask (on CUDA the math kernel, which copies the KV heads) or
+    KV heads repeated; logits as transformers' within float rounding, the same argmax."""
+    name, _, windowed = family.partition("-")
+    m = load_model(EngineConfig(model_dir=str(checkpoint(name, **(WINDOWED[name] if windowed else {}))), dtype="float32"))
+    groups = m.hf.config.num_attention_heads // m.hf.config.num_key_value_heads
+    assert isinstance(m.lean, LeanForward) and groups > 1
+    m.lean.native = False  # CUDA's: the torch ops
+    m.hf.set_attn_implementation("sdpa")  # as loaded for CUDA, before load_model points it at cuda_sdpa
+    use_cuda_attention(m.hf)  # the lean forward still stands in
+    assert m.hf.config._attn_implementation == CUDA_NAME and refusal(m.hf, torch.device("cuda")) is None
+
+    def transformers(ids, cache):
+        m.hf.set_attn_implementation("sdpa")
+        try:
+            return hf_forward(m.hf, ids, cache, ids.shape[1])[0].float()
+        finally:
+            m.hf.set_attn_implementation(CUDA_NAME)
+
+    for T, forward in ((40, lambda ids, cache: m.lean(ids, cache, ids.shape[1])),
+                       (200, lambda ids, cache: hf_forward(m.hf, ids, cache, ids.shape[1])[0].float())):
+        got, want = _passes(m, lambda ids, cache, run=forward: (as_cuda.clear(), run(ids, cache))[1], transformers, T)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), T
+        ours = as_cuda[: len(m.lean.layers)]  # the pass under test's calls (transformers' reference ran after it)
+        assert len(ours) == len(m.lean.layers) and all(
+            q_heads * groups == m.hf.config.num_attention_heads and k_heads == q_heads and masked and not gqa
+            for q_heads, k_heads, masked, gqa in ours), (T, ours)
+
+
+@pytest.mark.gpu
+def test_a_pass_after_a_long_past_on_cuda_copies_no_kv_heads():
+    """Qwen3-30B-A3B's attention (32 query heads over 4 KV heads of 128, bf16) for a 64-position pass after 40,896: the
+    peak memory far below one copy of K and V per query head, the output SDPA's with the heads repeated."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    heads, kv_heads, D, past, T = 32, 4, 128, 40_896, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, T, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, kv_heads, past + T, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    mask = causal_mask(T, past, 0, q.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = folded_sdpa(q, k, v, mask, D ** -0.5)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    copy = 2 * heads * (past + T) * D * 2  # K and V per query head in bf16 (the math kernel's are fp32: twice this)
+    assert peak < copy / 4, (peak, copy)
+    want = F.scaled_dot_product_attention(q.float(), repeat_kv(k.float(), 8), repeat_kv(v.float(), 8), attn_mask=mask,
+                                          scale=D ** -0.5)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_cuda_passes_after_a_past_give_transformers_greedy(checkpoint):
+    """On a GPU: the model attends through cuda_sdpa; a 64-position lean pass (eager: past graph_decode's 16) and a
+    200-position transformers pass after a past give transformers' own sdpa's argmax."""
+    m = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), device="cuda", dtype="float32"))
+    assert m.hf.config._attn_implementation == CUDA_NAME and m.lean is not None
+
+    def transformers(ids, cache):
+        m.hf.set_attn_implementation("sdpa")
+        try:
+            return hf_forward(m.hf, ids, cache, ids.shape[1])[0].float()
+        finally:
+            m.hf.set_attn_implementation(CUDA_NAME)
+
+    for T in (64, 200):
+        got, want = _passes(m, lambda ids, cache, T=T: m.forward(ids, cache, T), transformers, T)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), T
