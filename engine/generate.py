@@ -3,6 +3,7 @@ prefill -> [draft γ -> verify γ+1 -> accept -> trim] -> events."""
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import threading
 import time
@@ -33,6 +34,14 @@ def _check_text(text):
             raise RequestError(f"the text holds {text[err.start]!r} at position {err.start}, which is not Unicode text: "
                                "send valid UTF-8") from None
     return text
+
+
+def _chat_texts(request: Request) -> list:
+    """A chat request's texts: each message's content, and as JSON its tool calls and the request's tools (the template
+    writes them out)."""
+    texts = [m.get("content") for m in request.messages]
+    texts += [json.dumps(m["tool_calls"], ensure_ascii=False) for m in request.messages if m.get("tool_calls")]
+    return texts + [json.dumps(request.tools, ensure_ascii=False)] if request.tools else texts
 
 
 def _alternating(messages: list[dict]) -> list[dict]:
@@ -113,8 +122,8 @@ class Engine:
         if request.messages is not None:
             if not getattr(tok, "chat_template", None):
                 raise RequestError("this model's tokenizer has no chat template: send a plain prompt instead of chat messages")
-            for message in request.messages:
-                _check_text(message.get("content"))
+            for text in _chat_texts(request):
+                _check_text(text)
             ids = self._render_chat(request)
         else:
             ids = tok(_check_text(request.prompt or ""), add_special_tokens=True)["input_ids"]
@@ -132,7 +141,7 @@ class Engine:
         character); twice that, for normalizers that shorten text."""
         if request.token_ids is not None or self.model.tokenizer is None:  # counted as ids, or refused by encode
             return
-        texts = [m.get("content") for m in request.messages] if request.messages is not None else [request.prompt]
+        texts = _chat_texts(request) if request.messages is not None else [request.prompt]
         chars = sum(len(t) for t in texts if isinstance(t, str))
         context = self.model.context_len
         if chars <= 4 * context:  # every real prompt: the vocabulary is not looked at
@@ -146,18 +155,29 @@ class Engine:
                                "shorten it or raise the context length")
 
     def _render_chat(self, request: Request, tokenize: bool = True) -> list[int] | str:
-        """The chat template applied: token ids, or the text (tokenize=False)."""
+        """The chat template applied (with the request's tools): token ids, or the text (tokenize=False)."""
         import jinja2
 
         thinking = {} if request.thinking is None else {"enable_thinking": request.thinking}
 
-        def render(messages: list[dict]) -> list[int] | str:
-            ids = self.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
-                                                           **thinking)
+        def render(messages: list[dict], tools: list[dict] | None, tokenize: bool = tokenize) -> list[int] | str:
+            ids = self.model.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                           tokenize=tokenize, **thinking)
             return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids  # a str when not tokenized
 
+        def offered(messages: list[dict]) -> list[int] | str:
+            """Rendered; refused where the tools leave the text as it is (Mixtral's and DeepSeek-V2's templates)."""
+            if request.tools:
+                text = render(messages, request.tools, False)
+                if text == render(messages, None, False):
+                    raise RequestError("this model's chat template takes no tools: leave `tools` out, or send "
+                                       "`tool_choice: \"none\"`")
+                if not tokenize:
+                    return text
+            return render(messages, request.tools)
+
         try:
-            return render(request.messages)
+            return offered(request.messages)
         except jinja2.TemplateSyntaxError as err:  # the model's file, not the request: one line, the engine stays ready
             raise MoechatError(f"the chat template of {self.config.model_dir} is broken ({type(err).__name__}: {err}): "
                                "download the model again, or send a plain prompt") from None
@@ -166,7 +186,7 @@ class Engine:
         alternating = _alternating(request.messages)  # Mixtral's first template: no system role, user/assistant strictly
         if alternating != request.messages:
             with contextlib.suppress(jinja2.TemplateError):
-                return render(alternating)
+                return offered(alternating)
         raise RequestError(f"the model's chat template refuses this conversation ({refused}): check the roles and order "
                            "of its messages")
 

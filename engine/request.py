@@ -12,3 +12,4 @@ class Request:
     prompt: str | None = None
     token_ids: list[int] | None = None
     thinking: bool | None = None  # `enable_thinking` for templates that read it (Qwen3); None: the template's default
+    tools: list[dict] | None = None  # function tools (OpenAI's shape) for the chat template to offer; None: no tools

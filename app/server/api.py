@@ -8,16 +8,17 @@ clients which do not know it ignore.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 4096  # when a request names none (the engine also stops at the end of the context)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_reason -> the API's
-# What changes a reply and is not implemented here: refused when set (a client asking for tools or JSON must not get
-# prose with a 200); the values that mean "not set" pass, as clients send them by default.
+# What changes a reply and is not implemented here: refused when set (a client asking for JSON must not get prose with a
+# 200); the values that mean "not set" pass, as clients send them by default. Chat completions serve tools (ChatBody).
 UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
                "response_format": ({"type": "text"},), "logprobs": (), "top_logprobs": (), "logit_bias": (),
                "presence_penalty": (), "frequency_penalty": (), "best_of": (1,), "echo": (), "suffix": (),
@@ -36,6 +37,7 @@ class StreamOptions(BaseModel):
 
 class _Body(BaseModel):
     model_config = STRICT
+    SERVED: ClassVar[tuple[str, ...]] = ()  # of UNSUPPORTED, what this body serves
 
     model: str | None = None  # one model is served: the name is accepted and not checked
     max_tokens: int | None = Field(None, ge=1)
@@ -58,6 +60,8 @@ class _Body(BaseModel):
         data = {name: value for name, value in data.items() if value is not None}
         for name, unset in UNSUPPORTED.items():
             value = data.get(name)
+            if name in cls.SERVED:
+                continue
             if name in UNCALLED and data.get(UNCALLED[name]) == "none":  # as OpenAI and vLLM take them
                 continue
             if value not in (None, False, 0, "", [], {}) and value not in unset:
@@ -90,6 +94,10 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def tool_calls(self):
+        """What reads tool calls out of the reply (`tools.ToolCalls`); None where the request offered no tools."""
+        return None
+
 
 class ContentPart(BaseModel):
     model_config = STRICT
@@ -97,10 +105,40 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str  # JSON, as the API sends it; "" (a call without arguments, as some clients keep it): {}
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, arguments: str) -> str:
+        try:
+            json.loads(arguments or "{}")
+        except ValueError:
+            raise ValueError("send the call's arguments as a JSON text, as the reply gave them") from None
+        return arguments or "{}"
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant message made (history)."""
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def as_engine(self) -> dict:
+        """The shape transformers' templates read: arguments a mapping (Qwen2.5's writes them with `tojson`)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]  # developer: OpenAI's newer name for system
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -109,9 +147,24 @@ class ChatMessage(BaseModel):
             raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported")
         return content
 
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is missing: send the message's text (an assistant's may be null beside its "
+                             "tool_calls)")
+        return self
+
     def as_engine(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_engine() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class TemplateKwargs(BaseModel):
@@ -120,15 +173,54 @@ class TemplateKwargs(BaseModel):
     enable_thinking: bool | None = None
 
 
+class Function(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # JSON Schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: Function
+
+
 class ChatBody(_Body):
+    SERVED = ("tools", "tool_choice")
     messages: list[ChatMessage] = Field(min_length=1)
     chat_template_kwargs: TemplateKwargs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None  # "auto" when tools are given; "none": they are left out
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _served_choice(cls, choice):
+        if choice in ("auto", "none"):
+            return choice
+        if choice == "required" or isinstance(choice, dict):  # a call forced needs constrained decoding
+            raise ValueError("only \"auto\" and \"none\" are supported by this server (it cannot make the model call "
+                             "a tool): send \"auto\" or leave it out")
+        raise ValueError("send \"auto\" or \"none\"")
+
+    @property
+    def offers_tools(self) -> bool:
+        """Tools the model may call: given, and not `tool_choice: "none"` (then left out of the prompt, as before)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_calls(self):
+        from .tools import ToolCalls
+
+        return ToolCalls(self.parallel_tool_calls) if self.offers_tools else None
 
     def request(self):
         from ...engine import Request
 
         thinking = self.chat_template_kwargs.enable_thinking if self.chat_template_kwargs else None
-        return Request(messages=[m.as_engine() for m in self.messages], thinking=thinking)
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools] if self.offers_tools else None
+        return Request(messages=[m.as_engine() for m in self.messages], thinking=thinking, tools=tools)
 
 
 class CompletionBody(_Body):
@@ -169,10 +261,11 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class Reply:
-    """Builds one reply's response objects and chunks (chat or text completion) from the engine's events."""
+    """Builds one reply's response objects and chunks (chat or text completion) from the engine's events; a chat reply
+    that offered tools reads its calls out of the text as it comes (`ToolCalls`)."""
 
-    def __init__(self, chat: bool, model: str, job):
-        self.chat, self.model, self.job = chat, model, job
+    def __init__(self, chat: bool, model: str, job, tools=None):
+        self.chat, self.model, self.job, self.tools = chat, model, job, tools  # tools: the body's `tool_calls()`
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -187,22 +280,39 @@ class Reply:
         return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": summary.new_tokens,
                 "total_tokens": summary.prompt_tokens + summary.new_tokens}
 
+    def _reason(self, finished) -> str:
+        return "tool_calls" if self.tools and self.tools.calls else FINISH.get(finished.summary.finish_reason, "stop")
+
     def whole(self, finished) -> dict:
         """The non-streaming response."""
-        reason = FINISH.get(finished.summary.finish_reason, "stop")
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": finished.text}, "finish_reason": reason}
+            message = {"role": "assistant", "content": finished.text}
+            if self.tools:
+                content, calls = self.tools.feed(finished.text, end=True)
+                message |= {"content": content or None, "tool_calls": calls} if calls else {}
+            choice = {"index": 0, "message": message, "finish_reason": self._reason(finished)}
         else:
-            choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": finished.text, "logprobs": None, "finish_reason": self._reason(finished)}
         return self._object("chat.completion" if self.chat else "text_completion", [choice],
                             usage=self.usage(finished.summary), moechat=self.moechat(finished.summary))
 
-    def chunk(self, text: str | None = None, role: bool = False, finished=None) -> dict:
-        """A stream chunk: the opening role (chat), a piece of text, or the last one with finish_reason and moechat."""
-        reason = FINISH.get(finished.summary.finish_reason, "stop") if finished else None
+    def chunks(self, text: str, end: bool = False) -> list[dict]:
+        """A piece of the reply's text as stream chunks: text, and with tools the calls that closed in it (end: the
+        reply's last piece, after which nothing is held back)."""
+        first, calls = len(self.tools.calls) if self.tools else 0, []
+        if self.tools:
+            text, calls = self.tools.feed(text, end)
+        return ([self.chunk(text)] if text else []) + [self.chunk(call={"index": first + i, **call})
+                                                      for i, call in enumerate(calls)]
+
+    def chunk(self, text: str | None = None, role: bool = False, finished=None, call: dict | None = None) -> dict:
+        """A stream chunk: the opening role (chat), a piece of text, a tool call, or the last one with finish_reason and
+        moechat."""
+        reason = self._reason(finished) if finished else None
         extra = {"moechat": self.moechat(finished.summary)} if finished else {}
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            delta = ({"role": "assistant", "content": ""} if role else {"tool_calls": [call]} if call else
+                     {} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice], **extra)
         return self._object("text_completion", [{"index": 0, "text": text or "", "logprobs": None,

@@ -228,7 +228,7 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
         return _error(503, str(err))
     except (ValueError, MoechatError) as err:  # the engine's own checks of the sampling values
         return _error(400, str(err))
-    reply, waiter = Reply(chat, model_id, job), _Waiter(job, request)
+    reply, waiter = Reply(chat, model_id, job, body.tool_calls()), _Waiter(job, request)
     first = await waiter.next()
     while isinstance(first, TokenDelta) and not first.text:  # nothing to show yet (held back by a stop string)
         first = await waiter.next()
@@ -276,8 +276,11 @@ async def _events(job, reply: Reply, first, include_usage: bool, worker: EngineW
         while event is not None:
             ended |= isinstance(event, (Finished, Error))
             if isinstance(event, TokenDelta) and event.text:
-                yield _sse(reply.chunk(event.text))
+                for chunk in reply.chunks(event.text):
+                    yield _sse(chunk)
             elif isinstance(event, Finished):
+                for chunk in reply.chunks("", end=True):  # what was held back: the start of a tag that did not come
+                    yield _sse(chunk)
                 yield _sse(reply.chunk(finished=event))
                 if include_usage:
                     yield _sse(reply.usage_chunk(event.summary))

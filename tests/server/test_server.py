@@ -199,7 +199,7 @@ def test_api_keys(server):
     (b'"messages"', "not a JSON object: send one, with the header Content-Type: application/json"),
     (b'{"messages": "\xff\xfe"}', "could not be read as JSON (not UTF-8 text"),
     ({"messages": SEA, "stop": [1, 2]}, "stop: Input should be a valid string"),  # not `stop.str`, pydantic's branch
-    ({"messages": SEA, "tools": [{"type": "function", "function": {"name": "f"}}]}, "`tools` is not supported"),
+    ({"messages": SEA, "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template takes no tools"),
     ({"messages": SEA, "response_format": {"type": "json_object"}}, "`response_format` is not supported"),
     ({"messages": SEA, "logprobs": True}, "`logprobs` is not supported"),
     ({"messages": SEA, "frequency_penalty": 0.5}, "`frequency_penalty` is not supported"),
@@ -580,7 +580,8 @@ def test_a_prompt_of_token_ids_in_a_list_is_taken_as_one_of_text_is(server):
 
 def test_tools_the_model_may_not_call_are_taken(server, client):
     """`tools` with `tool_choice: "none"` (a client that keeps its tool list on every turn, as agents do) was a 400;
-    OpenAI and vLLM take it, since the model may call none of them. Tools it might call are still refused."""
+    OpenAI and vLLM take it, since the model may call none of them. Tools it might call are refused where the chat
+    template takes none (this one), and a call forced everywhere (tests/server/test_tools.py)."""
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
     plain = client.chat.completions.create(model="tiny", messages=SEA, max_tokens=4, temperature=0)
     reply = client.chat.completions.create(model="tiny", messages=SEA, max_tokens=4, temperature=0, tools=tools,
@@ -590,9 +591,11 @@ def test_tools_the_model_may_not_call_are_taken(server, client):
     status, _ = post(server, "/v1/chat/completions", {"messages": SEA, "max_tokens": 1, "functions": functions,
                                                       "function_call": "none"})
     assert status == 200
-    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"}):
+    for choice in ({}, {"tool_choice": "auto"}):
         status, reply = post(server, "/v1/chat/completions", {"messages": SEA, "tools": tools, **choice})
-        assert status == 400 and "`tools` is not supported" in reply["error"]["message"], choice
+        assert status == 400 and "chat template takes no tools" in reply["error"]["message"], choice
+    status, reply = post(server, "/v1/completions", {"prompt": "The sea is", "tools": tools})  # the legacy API has none
+    assert status == 400 and "`tools` is not supported" in reply["error"]["message"], reply
 
 
 @pytest.mark.parametrize("body, says", [
