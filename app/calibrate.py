@@ -52,13 +52,21 @@ def _budgets_changed(decided: dict[str, int], now: dict[str, int]) -> str:
                      if decided.get(k) != now.get(k))
 
 
-def machine_profile(model_dir: str, budgets: dict[str, int]):
-    """(this machine's profile for the model or None, its path or None, a one-line notice or ""); one decided for other
-    `budgets` (run_budgets) than the run's is not used (its format, host tier and fast tier were sized for them)."""
+def profile_hardware(hw, device: str | None):
+    """The machine as a run on `device` (as asked: the flag, else the settings; None: auto) keeps its profile, under this
+    machine's fingerprint: without its GPUs where the CPU is asked for. A run on the CPU is decided without them
+    (_run_hardware): no fast tier, no self drafter; kept under the GPU's fingerprint, a later run on the GPU took that."""
+    return dataclasses.replace(hw, gpus=[]) if device == "cpu" and hw.gpus else hw
+
+
+def machine_profile(model_dir: str, budgets: dict[str, int], device: str | None = None):
+    """(this machine's profile for the model or None, its path or None, a one-line notice or ""), for a run on `device`
+    as asked (profile_hardware); one decided for other `budgets` (run_budgets) than the run's is not used (its format,
+    host tier and fast tier were sized for them)."""
     from ..engine import fingerprint, load_profile, model_key, probe, profile_path
 
     try:
-        fp = fingerprint(probe())
+        fp = fingerprint(profile_hardware(probe(), device))
     except Exception as err:  # the probe promises not to raise; if it does, defaults still run
         return None, None, f"cannot probe this machine ({type(err).__name__}: {err}): calibration profile not used"
     key = model_key(model_dir)
@@ -159,7 +167,8 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
                                    verify_s=drafted.verify_s, plain_step_s=drafted.plain_step_s,
                                    verify_ratio=drafted.verify_ratio)
         decisions = decided("deciding with the self drafter's figures", 0.97)
-    profile = Profile(fingerprint(hw), model_key(model_dir), hw, meas, decisions, config_hash=model_digest(model_dir),
+    kept = profile_hardware(hw, device)  # what a run on this device looks its profile up by
+    profile = Profile(fingerprint(kept), model_key(model_dir), kept, meas, decisions, config_hash=model_digest(model_dir),
                       budgets=run_budgets(vram_budget, ram_budget, context_len))
     path = save_profile(profile)
     progress("profile saved", 1.0)

@@ -48,12 +48,13 @@ def cmd_doctor(args) -> int:
 
 def diagnose() -> dict:
     from ..engine import default_models_dir, fingerprint, probe
+    from .calibrate import profile_hardware
 
     models = default_models_dir()
     hw = probe(models)
     versions = _versions(hw)
     native = _native()
-    profiles = _profiles(fingerprint(hw))
+    profiles = _profiles(fingerprint(hw), fingerprint(profile_hardware(hw, "cpu")))
     hardware = asdict(hw) | {"models_dir": str(models), "fingerprint": profiles["fingerprint"]}
     return {"hardware": hardware, "versions": versions, "native": native, "profiles": profiles,
             "problems": problems(hw, versions, profiles, models, native) + settings_problems()}
@@ -113,12 +114,16 @@ def _native() -> dict:
     return {"built": bool(cpu.get("built")), "status": "; ".join(parts), "libraries": libs}
 
 
-def _profiles(fp: str) -> dict:
+def _profiles(fp: str, cpu_fp: str) -> dict:
+    """This machine's profiles: a run's on it (fingerprint fp), and where it has a GPU, those of runs set on its CPU
+    (cpu_fp: calibrate.profile_hardware), named "(device cpu)"."""
     from ..engine import profiles_dir
 
     folder = profiles_dir()
     files = sorted(folder.glob("*.toml")) if folder.is_dir() else []
     matching = [f.name[len(fp) + 1:-len(".toml")] for f in files if f.name.startswith(f"{fp}-")]
+    if cpu_fp != fp:
+        matching += [f"{f.name[len(cpu_fp) + 1:-len('.toml')]} (device cpu)" for f in files if f.name.startswith(f"{cpu_fp}-")]
     return {"dir": str(folder), "count": len(files), "fingerprint": fp, "models": matching}
 
 

@@ -58,7 +58,8 @@ def engine_config(args):
     vram_budget = gib(first(args.vram_budget_gib, settings.vram_budget_gib))
     ram_budget = gib(first(args.ram_budget_gib, settings.ram_budget_gib))  # bounds the expert store
     context_len = first(args.context_len, settings.context_len)
-    profile, args.profile, profile_notice = machine_profile(args.model, run_budgets(vram_budget, ram_budget, context_len))
+    profile, args.profile, profile_notice = machine_profile(args.model, run_budgets(vram_budget, ram_budget, context_len),
+                                                            first(args.device, settings.device))
     if profile_notice:
         print(f"moechat: warning: {profile_notice}", file=sys.stderr)
     d = profile.decisions if profile else None

@@ -154,6 +154,17 @@ class Engine:
             raise RequestError(f"the prompt has {chars:,} characters, more than a context of {context:,} tokens can hold: "
                                "shorten it or raise the context length")
 
+    def opens_reasoning(self, request: Request) -> bool:
+        """Whether the chat prompt of `request` opens a think block the reply goes on with (it ends in `<think>`: Qwen3's
+        Thinking-2507 templates, DeepSeek-R1's distills): the reply is reasoning up to its `</think>`. False where the
+        prompt cannot be rendered (generate then says why)."""
+        if request.messages is None or self.model.tokenizer is None:
+            return False
+        try:
+            return self._render_chat(request, tokenize=False).rstrip().endswith("<think>")
+        except Exception:  # noqa: BLE001 - the request's own error comes from generate, in one line
+            return False
+
     def _render_chat(self, request: Request, tokenize: bool = True) -> list[int] | str:
         """The chat template applied (with the request's tools): token ids, or the text (tokenize=False)."""
         import jinja2

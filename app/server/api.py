@@ -94,8 +94,9 @@ class _Body(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def tool_calls(self):
-        """What reads tool calls out of the reply (`tools.ToolCalls`); None where the request offered no tools."""
+    def tool_calls(self, opened: bool = False):
+        """What reads tool calls out of the reply (`tools.ToolCalls`; opened: the prompt opened a think block); None where
+        the request offered no tools."""
         return None
 
 
@@ -210,10 +211,10 @@ class ChatBody(_Body):
         """Tools the model may call: given, and not `tool_choice: "none"` (then left out of the prompt, as before)."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    def tool_calls(self):
+    def tool_calls(self, opened: bool = False):
         from .tools import ToolCalls
 
-        return ToolCalls(self.parallel_tool_calls) if self.offers_tools else None
+        return ToolCalls(self.parallel_tool_calls, opened) if self.offers_tools else None
 
     def request(self):
         from ...engine import Request

@@ -221,14 +221,17 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
     from ...engine import Error, Finished, TokenDelta
 
     try:
-        job = worker.submit(body.request(), body.sampling(), asyncio.get_running_loop())
+        engine_request = body.request()
+        job = worker.submit(engine_request, body.sampling(), asyncio.get_running_loop())
     except QueueFull as err:
         return _error(429, str(err))
     except ShuttingDown as err:
         return _error(503, str(err))
     except (ValueError, MoechatError) as err:  # the engine's own checks of the sampling values
         return _error(400, str(err))
-    reply, waiter = Reply(chat, model_id, job, body.tool_calls()), _Waiter(job, request)
+    # with tools, whether the reply starts inside reasoning the prompt opened (its calls there are not calls)
+    opened = chat and body.offers_tools and worker.engine.opens_reasoning(engine_request)
+    reply, waiter = Reply(chat, model_id, job, body.tool_calls(opened)), _Waiter(job, request)
     first = await waiter.next()
     while isinstance(first, TokenDelta) and not first.text:  # nothing to show yet (held back by a stop string)
         first = await waiter.next()

@@ -3,8 +3,9 @@
 
 Read as the reply streams: text is sent as it comes, but for the start of a `<tool_call>` tag that may be arriving (held
 back, as stop strings are); a block is sent as a call once it closes. A block that is not a JSON object with a `name`
-stays text, as in vLLM; so does a `<tool_call>` inside the think block a reply opens with (the model's reasoning); the
-whitespace between and after calls is dropped. Whole or streamed, a reply reads the same.
+stays text, as in vLLM; so does a `<tool_call>` inside the think block a reply opens with, or the prompt opened for it
+(Qwen3's Thinking-2507 templates: the reply starts in its reasoning, up to `</think>`); the whitespace between and after
+calls is dropped. Whole or streamed, a reply reads the same.
 """
 from __future__ import annotations
 
@@ -38,14 +39,14 @@ class ToolCalls:
     """One reply's text read as it streams: `feed` each piece, the last with end=True. parallel False (the request's
     `parallel_tool_calls`): the first call only, later ones dropped (as vLLM)."""
 
-    def __init__(self, parallel: bool = True) -> None:
-        self.parallel = parallel
+    def __init__(self, parallel: bool = True, opened: bool = False) -> None:
+        self.parallel = parallel  # opened: the prompt opened the think block (Engine.opens_reasoning)
         self.text = ""  # the reply so far
         self.done = 0  # characters of it sent as text or read as calls
         self.held = ""  # whitespace after a call: sent once other text follows it
         self.calls: list[dict] = []  # every call so far
         self.start: int | None = None  # where calls may start: after the think block the reply opens with
-        self.thinking = False  # in that block
+        self.thinking = opened  # in that block
 
     def feed(self, piece: str, end: bool = False) -> tuple[str, list[dict]]:
         """The next piece of the reply -> (text to send now, calls that closed in it)."""

@@ -566,7 +566,33 @@ def test_calibrating_a_run_on_the_cpu_of_a_gpu_machine_decides_without_the_gpu(c
                            device="cpu", dtype="float32")
     d = profile.decisions
     assert d.expert_cache_ratio == 0 and d.vram_split == {} and d.reasons["vram_split"] == "no GPU: nothing in VRAM"
-    assert profile.hardware.gpus  # the machine as probed: its fingerprint is the one a run looks the profile up by
+    assert not profile.hardware.gpus  # the machine as a run on its CPU sees it: the fingerprint such a run looks it up by
+
+
+@pytest.mark.usefixtures("a_gpu")
+def test_a_profile_decided_for_the_cpu_is_not_taken_by_a_run_on_the_gpu(checkpoint, monkeypatch):
+    """Calibrated with device cpu on a machine with a GPU, the profile (no fast tier, no drafter) was saved under the
+    machine's fingerprint, which every run looks its profile up by: a later run on the GPU took it, and ran with every
+    expert on the CPU (expert cache 0 "from the profile"). Each device asked for keeps its own; the GPU's is not touched."""
+    import moechat.engine as engine_api
+    from moechat.app.calibrate import calibrate
+    from moechat.engine.calibration.probe import fingerprint
+    from moechat.engine.calibration.profile import model_digest
+
+    machine = replace(hardware(), ram_total_bytes=64 << 30, ram_available_bytes=48 << 30)
+    monkeypatch.setattr(engine_api, "probe", lambda: machine)
+    model = str(checkpoint("qwen3_moe", max_position_embeddings=4096))
+    on_gpu = save_profile(replace(profile(model_key(model), fingerprint(machine)), config_hash=model_digest(model)))
+    _, path = calibrate(model, "none", True, progress=lambda *a: None, device="cpu", dtype="float32")
+    assert path != on_gpu and on_gpu.exists()
+    cfg, args = _config(["--model", model])  # device auto: the GPU, with the GPU's profile
+    assert cfg.device == "cuda:0" and args.profile == on_gpu and cfg.expert_cache_ratio == 0.17
+    cpu, args = _config(["--model", model, "--device", "cpu"])
+    assert args.profile == path and cpu.spec.drafter == "none" and args.sources["drafter"] == "profile"
+    from moechat.app.doctor import _profiles
+
+    listed = _profiles(fingerprint(machine), fingerprint(replace(machine, gpus=[])))["models"]  # `moechat doctor`: both
+    assert len(listed) == 2 and listed[1] == f"{listed[0]} (device cpu)"
 
 
 def test_verification_timed_with_experts_on_the_gpu_leaves_a_larger_fixed_part():

@@ -311,3 +311,30 @@ def test_a_template_that_takes_no_tools_is_refused(scripted):
         tok.chat_template = template
     assert err.value.body["message"].startswith("this model's chat template takes no tools: leave `tools` out")
     assert kept.choices[0].message.content == "Fine."
+
+
+def test_a_call_in_reasoning_the_prompt_opened_stays_text(scripted):
+    """Qwen3-30B-A3B-Thinking-2507's template opens the think block in the prompt (`<|im_start|>assistant\\n<think>\\n`):
+    the reply starts in its reasoning with no `<think>` of its own. A call drafted there was read as a call (the agent
+    ran weather("Rome")); it stays text, as inside a `<think>` the reply opens, and the call after `</think>` is read."""
+    server, script, client = scripted
+    tok = server.worker.engine.model.tokenizer
+    opening = QWEN3_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert opening != QWEN3_TEMPLATE
+    reasoning = f"Rome first? {CALL % 'Rome'} No: the user asked for Paris.\n</think>\n\n"
+    script["text"] = reasoning + CALL % "Paris"
+    template, tok.chat_template = tok.chat_template, opening
+    try:
+        whole = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], temperature=0).choices[0]
+        chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], temperature=0,
+                                                     stream=True))
+    finally:
+        tok.chat_template = template
+    assert whole.finish_reason == "tool_calls" and whole.message.content == reasoning
+    assert [c.function.arguments for c in whole.message.tool_calls] == ['{"city": "Paris"}']
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == reasoning
+    assert [c.function.arguments for d in deltas for c in d.tool_calls or []] == ['{"city": "Paris"}']
+    script["text"] = CALL % "Paris"  # the template's own: the reply is no reasoning, its call is read
+    plain = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], temperature=0).choices[0]
+    assert [c.function.arguments for c in plain.message.tool_calls] == ['{"city": "Paris"}']
