@@ -59,6 +59,14 @@ def _explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
     return otherwise
 
 
+def _unusable(path: Path, err: sqlite3.Error | MoechatError) -> str:
+    """Why the file at `path` cannot be opened, and what to do."""
+    if isinstance(err, MoechatError):
+        return str(err)
+    return _explained(path, err, _damaged(path, err) or (
+        f"chat database {path} cannot be used ({err}): move it aside and moechat starts a new one"))
+
+
 def _disk_full(path: Path) -> bool:
     try:
         return shutil.disk_usage(path.parent).free < 1 << 20
@@ -119,6 +127,31 @@ def _refuse_a_log_not_its_own(path: Path) -> None:
                        "the file as it is")
 
 
+_LOGS = ("-wal", "-shm")  # WAL mode's files beside the database, found by its name
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, None where there is none."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _put_unless_there(part: Path, path: Path) -> None:
+    """The file made again put at `path`, unless another window made it again first: its copy of the same chats stays,
+    with what that window saved into it since (os.replace put this one over it, and those saves were lost)."""
+    try:
+        os.link(part, path)
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links on this file system (FAT, some network shares)
+        os.replace(part, path)
+        return
+    part.unlink()
+
+
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
 TITLE_CHARS = 40
 
@@ -165,6 +198,7 @@ class ChatStore:
         self._lock = threading.RLock()
         self._db: sqlite3.Connection | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self._logs: dict[str, tuple[int, int] | None] = {}  # (device, inode) of its -wal and -shm, as opened
         self._data_version = 0  # PRAGMA data_version when last looked at: it moves when another connection commits
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,8 +206,7 @@ class ChatStore:
             self._db = self._open()
         except sqlite3.Error as err:
             self.close()
-            raise MoechatError(_explained(self.path, err, _damaged(self.path, err) or (
-                f"chat database {self.path} cannot be used ({err}): move it aside and moechat starts a new one"))) from None
+            raise MoechatError(_unusable(self.path, err)) from None
         except OSError as err:
             self.close()
             raise MoechatError(f"cannot create the chat database {self.path} ({err.strerror or err})") from None
@@ -201,6 +234,7 @@ class ChatStore:
             db.close()
             raise
         self._file = (stat.st_dev, stat.st_ino)
+        self._logs = {log: _identity(Path(f"{self.path}{log}")) for log in _LOGS}
         return db
 
     def _same_file(self) -> bool:
@@ -229,13 +263,18 @@ class ChatStore:
                     old.backup(copy)
                 finally:
                     copy.close()
-                for stale in ("-wal", "-shm"):  # the deleted file's: SQLite would read them into the new one
-                    Path(f"{self.path}{stale}").unlink(missing_ok=True)
-                os.replace(part, self.path)
+            self._drop_old_logs()
+            if stat is None:
+                _put_unless_there(part, self.path)
             self._db = self._open()
-        except (sqlite3.Error, OSError) as err:
+        except (sqlite3.Error, OSError, MoechatError) as err:
             with contextlib.suppress(OSError):
                 part.unlink(missing_ok=True)
+            if isinstance(err, MoechatError) or stat is not None and isinstance(err, sqlite3.Error):
+                # the file put there refused as at start (another program's, a newer moechat's, damaged), not a crash of the
+                # app that took the reply on screen with it: the old file stays open, the write waits for the file moved aside
+                raise ChatStoreError(f"{_unusable(self.path, err)}; a reply not saved by then is printed when you quit"
+                                     ) from None
             why = str(err) if isinstance(err, sqlite3.Error) else err.strerror or str(err)
             raise ChatStoreError(f"chat database {self.path} was deleted while moechat ran and cannot be made again "
                                  f"({why}): make its folder writable; a reply not saved by then is printed when you quit"
@@ -246,6 +285,14 @@ class ChatStore:
                         "had open (quit moechat before deleting it)" if stat is None else
                         f"chat database {self.path} was replaced while moechat ran: this window now uses the new file")
         return True
+
+    def _drop_old_logs(self) -> None:
+        """The old file's -wal and -shm out of the new one's way: SQLite would read them into it, and the new file's log
+        beside the old one's connections (another window's, still on the old file) was theirs to checkpoint into the old
+        file and truncate (the new file's saves lost). Theirs keep them open. Those another window's new file uses stay."""
+        for log in _LOGS:
+            if _identity(Path(f"{self.path}{log}")) == self._logs.get(log):
+                Path(f"{self.path}{log}").unlink(missing_ok=True)
 
     def changed_elsewhere(self) -> bool:
         """Whether another connection (another moechat window, plain chat) wrote since the last call, or the file was

@@ -534,6 +534,83 @@ def test_a_file_deleted_while_open_is_made_again_at_the_next_write(tmp_path, del
         assert [m.content for m in store.messages(conv)] == ["hi", "hello"]
 
 
+
+def _chats(path: Path) -> dict[str, list[str]]:
+    with ChatStore(path) as store:
+        return {c.title: [m.content for m in store.messages(c.id)] for c in store.conversations()}
+
+
+def test_a_file_replaced_under_two_windows_keeps_what_the_first_to_notice_saved(tmp_path):
+    """A backup restored while two moechat windows ran: the first to write opened it beside the old file's log and saved
+    into that log; the second, still on the old file, then emptied the log into the old file and truncated it. The first
+    window's chat was gone, and its next reply went into the second's chat, which took the freed id."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(tmp_path / "backup.sqlite3") as backup:
+        backup.add(backup.create("from the backup"), "user", "kept")
+    with ChatStore(path, notice=lambda line: None) as a, ChatStore(path, notice=lambda line: None) as b:
+        a.add(a.create("before"), "user", "replaced with the file")
+        shutil.copy(tmp_path / "backup.sqlite3", tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", path)
+        mine = a.create("the first window's")
+        a.add(mine, "user", "saved after the restore")
+        b.add(b.create("the second window's"), "user", "saved after it")
+        a.add(mine, "assistant", "its reply")
+        assert sorted(c.title for c in b.conversations()) == ["from the backup", "the first window's", "the second window's"]
+    assert _chats(path) == {"from the backup": ["kept"], "the first window's": ["saved after the restore", "its reply"],
+                            "the second window's": ["saved after it"]}
+
+
+def test_a_deleted_file_made_again_by_two_windows_at_once_keeps_both_windows_saves(tmp_path):
+    """Two windows made the deleted file again at the same moment: the second's copy, renamed over the first's, took the
+    reply the first window had saved into its own copy meanwhile."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path, notice=lambda line: None) as a, ChatStore(path, notice=lambda line: None) as b:
+        conv = a.create("shared")
+        a.add(conv, "user", "hi")
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink()
+
+        class Copying:  # the second window's connection to the deleted file: the first saves while it copies
+            def __init__(self, db):
+                self.db = db
+
+            def __getattr__(self, name):
+                return getattr(self.db, name)
+
+            def backup(self, target):
+                a.add(conv, "assistant", "the first window's reply")
+                self.db.backup(target)
+
+        b._db = Copying(b._db)
+        b.add(conv, "user", "the second window's message")
+        a.add(conv, "user", "the first window's next message")
+    assert _chats(path) == {"shared": ["hi", "the first window's reply", "the second window's message",
+                                       "the first window's next message"]}
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
+@pytest.mark.parametrize("put", ["another program's", "a newer moechat's"])
+def test_a_file_moechat_refuses_put_in_place_while_open_is_said_as_a_store_failure(tmp_path, put):
+    """It was refused with a MoechatError, which the app's handlers do not take as the store's failure: Textual's crash
+    screen took the reply streaming on screen with it. Said in one line, the file left as it is; moved aside, the chats
+    this window holds are made again."""
+    path = tmp_path / "chats.sqlite3"
+    with sqlite3.connect(tmp_path / "put.sqlite3") as raw:
+        raw.executescript("CREATE TABLE notes (body TEXT)" if put == "another program's" else
+                          f"PRAGMA application_id = {APPLICATION_ID}; PRAGMA user_version = {len(MIGRATIONS) + 1}")
+    raw.close()
+    with ChatStore(path, notice=lambda line: None) as store:
+        conv = store.create("kept")
+        store.add(conv, "user", "hi")
+        os.replace(tmp_path / "put.sqlite3", path)
+        before = path.read_bytes()
+        with pytest.raises(ChatStoreError) as err:
+            store.add(conv, "assistant", "hello")
+        assert "\n" not in str(err.value) and "move it aside" in str(err.value) and path.read_bytes() == before
+        os.replace(path, tmp_path / "aside.sqlite3")
+        store.add(conv, "assistant", "hello")
+    assert _chats(path) == {"kept": ["hi", "hello"]}
+
 def _a_log_left_by_a_crash(path: Path) -> bytes:
     """The -wal of a moechat stopped abruptly with chats not yet checkpointed into its file (its file then gone)."""
     store = ChatStore(path)
