@@ -139,6 +139,19 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return stat.st_dev, stat.st_ino
 
 
+def _newest(db: sqlite3.Connection) -> list[tuple[str, int, float]]:
+    """The newest conversation and message of the file `db` reads: (table, id, created)."""
+    return [(table, *row) for table in ("conversations", "messages")
+            for row in db.execute(f"SELECT id, created FROM {table} ORDER BY id DESC LIMIT 1")]
+
+
+def _holds(db: sqlite3.Connection, newest: list[tuple[str, int, float]]) -> bool:
+    """Whether the file `db` reads has those rows (ids and creation times): a copy of the file they were read from, made
+    again by another window after it was deleted, whose ids name the same chats. A backup restored lacks the newest."""
+    return all(db.execute(f"SELECT 1 FROM {table} WHERE id = ? AND created = ?", (id, created)).fetchone()
+               for table, id, created in newest)
+
+
 def _put_unless_there(part: Path, path: Path) -> None:
     """The file made again put at `path`, unless another window made it again first: its copy of the same chats stays,
     with what that window saved into it since (os.replace put this one over it, and those saves were lost)."""
@@ -168,6 +181,22 @@ def title_from(text: str) -> str:
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # embeddings, overrides, isolates
 SAVE_INTERVAL_S = 0.5  # a streaming reply is saved at most this often (the app and plain chat): a kill loses at most this much
 DELETED_ELSEWHERE = "this chat was deleted in another moechat window"  # what both say when the store no longer has it
+REPLACED_ELSEWHERE = "this chat is not in the file put in place of the chat database"  # and when the file was replaced
+
+
+class ReplacedError(KeyError):
+    """A write naming rows by ids read before another file was put in place of the chat database (a backup restored):
+    there the same ids are other chats' rows, so the reply's next save overwrote the backup's message and the next message
+    went into the backup's chat. A KeyError, as a write to a chat deleted elsewhere is: the app and plain chat drop their
+    ids on it as they do on that."""
+
+    def __str__(self) -> str:
+        return REPLACED_ELSEWHERE
+
+
+def elsewhere(err: KeyError) -> str:
+    """What a write refused for its chat gone says: deleted in another window, or not in the file put in its place."""
+    return REPLACED_ELSEWHERE if isinstance(err, ReplacedError) else DELETED_ELSEWHERE
 
 
 @dataclass
@@ -200,6 +229,9 @@ class ChatStore:
         self._file: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._logs: dict[str, tuple[int, int] | None] = {}  # (device, inode) of its -wal and -shm, as opened
         self._data_version = 0  # PRAGMA data_version when last looked at: it moves when another connection commits
+        # the files opened since start that another file put in place was (not the file made again, which keeps the ids):
+        # ids read before it name other rows in it, and a write given an earlier generation is refused (ReplacedError)
+        self.generation = 0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._check_writable()
@@ -240,7 +272,8 @@ class ChatStore:
     def _same_file(self) -> bool:
         """Before a write: the file opened still at self.path, else -> True once what is there is opened. A file (or its
         folder) deleted while moechat ran took every later save with it at exit: it is made again from the chats this
-        connection still reads. Another file put there (another window made it again) is opened instead."""
+        connection still reads. Another file put there (another window made it again, a backup restored) is opened
+        instead; unless it holds this one's newest rows, the ids read before name other chats there (generation)."""
         try:
             stat = os.stat(self.path)
         except FileNotFoundError:
@@ -255,6 +288,7 @@ class ChatStore:
         # another file put there: the old one's log (-wal, beside it) emptied into it first, else SQLite reads it into the new
         if stat is not None and old.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
             raise sqlite3.OperationalError("database is locked")  # a reader of the old file holds the log: the next write
+        newest = _newest(old) if stat is not None else []
         try:
             if stat is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,6 +314,9 @@ class ChatStore:
                                  f"({why}): make its folder writable; a reply not saved by then is printed when you quit"
                                  ) from None
         old.close()
+        self._data_version = -1  # the chat list reads the chats of the file opened at its next look (changed_elsewhere)
+        if not _holds(self._db, newest):  # a backup, not the file another window made again from this one: other rows
+            self.generation += 1
         if self.notice is not None:
             self.notice(f"chat database {self.path} was deleted while moechat ran: made again from the chats this window "
                         "had open (quit moechat before deleting it)" if stat is None else
@@ -348,23 +385,31 @@ class ChatStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _write(self, sql: str, args: tuple = ()) -> sqlite3.Cursor:
-        """One statement in its own transaction (autocommit); text arguments as UTF-8 can hold them."""
+    def _write(self, sql: str, args: tuple = (), generation: int | None = None) -> sqlite3.Cursor:
+        """One statement in its own transaction (autocommit); text arguments as UTF-8 can hold them. generation: the
+        store's when the ids in `args` were read (None: just now)."""
         args = tuple(_storable(a) if isinstance(a, str) else a for a in args)
         with self._lock, self._guard():
             self._same_file()
+            self._ids_from(generation)
             return self._conn().execute(sql, args)
+
+    def _ids_from(self, generation: int | None) -> None:
+        """After _same_file: ids read from a file since replaced name other chats' rows here (ReplacedError)."""
+        if generation is not None and generation != self.generation:
+            raise ReplacedError(f"ids of the chat database before it was replaced (generation {generation})")
 
     def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
         with self._lock, self._guard():
             return self._conn().execute(sql, args).fetchall()
 
     @contextmanager
-    def _transaction(self):
+    def _transaction(self, generation: int | None = None):
         """BEGIN IMMEDIATE ... COMMIT under the lock, rolled back on any failure (where SQLite has not already: a full
-        disk ends the transaction itself, and a second ROLLBACK would hide why)."""
+        disk ends the transaction itself, and a second ROLLBACK would hide why). generation: as _write's."""
         with self._lock, self._guard():
             self._same_file()
+            self._ids_from(generation)
             db = self._conn()
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -402,15 +447,19 @@ class ChatStore:
         )
         return cursor.lastrowid
 
-    def rename(self, conv_id: int, title: str) -> None:
-        self._expect_row(self._write("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id)), conv_id)
+    # The writes below that name rows take `generation`: the store's when the caller read those ids (see _ids_from).
+    def rename(self, conv_id: int, title: str, generation: int | None = None) -> None:
+        cursor = self._write("UPDATE conversations SET title = ? WHERE id = ?", (title, conv_id), generation)
+        self._expect_row(cursor, conv_id)
 
-    def delete(self, conv_id: int) -> None:
-        """Deletes the conversation and (ON DELETE CASCADE) its messages; an unknown id is a no-op."""
-        self._write("DELETE FROM conversations WHERE id = ?", (conv_id,))
+    def delete(self, conv_id: int, generation: int | None = None) -> None:
+        """Deletes the conversation and (ON DELETE CASCADE) its messages; an unknown id is a no-op, and so is one of a
+        file since replaced (none of its rows are in this one)."""
+        with contextlib.suppress(ReplacedError):
+            self._write("DELETE FROM conversations WHERE id = ?", (conv_id,), generation)
 
-    def set_system_prompt(self, conv_id: int, text: str) -> None:
-        cursor = self._write("UPDATE conversations SET system_prompt = ? WHERE id = ?", (text, conv_id))
+    def set_system_prompt(self, conv_id: int, text: str, generation: int | None = None) -> None:
+        cursor = self._write("UPDATE conversations SET system_prompt = ? WHERE id = ?", (text, conv_id), generation)
         self._expect_row(cursor, conv_id)
 
     @staticmethod
@@ -429,11 +478,11 @@ class ChatStore:
             for id, conv, role, content, finished, created, stats in rows
         ]
 
-    def add(self, conv_id: int, role: str, content: str, finished: bool = True) -> int:
+    def add(self, conv_id: int, role: str, content: str, finished: bool = True, generation: int | None = None) -> int:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         now = time.time()
-        with self._transaction() as db:
+        with self._transaction(generation) as db:
             touched = db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
             if touched.rowcount == 0:
                 raise KeyError(f"no conversation {conv_id}")
@@ -441,10 +490,11 @@ class ChatStore:
                                 (conv_id, role, _storable(content), int(finished), now))
         return cursor.lastrowid
 
-    def update(self, message_id: int, content: str, finished: bool, stats: dict | None = None) -> None:
+    def update(self, message_id: int, content: str, finished: bool, stats: dict | None = None,
+               generation: int | None = None) -> None:
         """Replaces the content (a streaming reply so far); stats=None keeps the stored stats."""
         stats_json = json.dumps(stats) if stats is not None else None
-        with self._transaction() as db:
+        with self._transaction(generation) as db:
             cursor = db.execute("UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats) WHERE id = ?",
                                 (_storable(content), int(finished), stats_json, message_id))
             if cursor.rowcount == 0:
@@ -452,9 +502,10 @@ class ChatStore:
             db.execute("UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",
                        (time.time(), message_id))
 
-    def delete_message(self, message_id: int) -> None:
-        """Regenerate drops the last reply; an unknown id is a no-op."""
-        self._write("DELETE FROM messages WHERE id = ?", (message_id,))
+    def delete_message(self, message_id: int, generation: int | None = None) -> None:
+        """Regenerate drops the last reply; an unknown id is a no-op, as one of a file since replaced is (see delete)."""
+        with contextlib.suppress(ReplacedError):
+            self._write("DELETE FROM messages WHERE id = ?", (message_id,), generation)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

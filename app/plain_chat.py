@@ -10,19 +10,21 @@ import threading
 import time
 from contextlib import contextmanager
 
-from .chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStore, ChatStoreError, title_from
+from .chats import SAVE_INTERVAL_S, ChatStore, ChatStoreError, elsewhere, title_from
 from .terminal_text import as_typed, for_terminal
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
 
 
 class Keeper:
-    """The conversation in the chat store as far as it can be kept: a chat deleted in another window goes on in a new
-    one; a store that fails (the disk full, the database locked) is said once per message and the chat goes on."""
+    """The conversation in the chat store as far as it can be kept: a chat deleted in another window, or not in the file
+    put in place of the database (a backup restored: its ids are other chats there), goes on in a new one; a store that
+    fails (the disk full, the database locked) is said once per message and the chat goes on."""
 
     def __init__(self, store, system: str | None) -> None:
         self.store, self.system = store, system or ""
         self.conv_id: int | None = None
+        self.generation = store.generation  # the store's when the ids below were read: its writes name it
         self.reply_id: int | None = None
         self.user_id: int | None = None
         self.new_chat = False  # the message being answered started its chat
@@ -37,12 +39,13 @@ class Keeper:
                 self.new_chat = self.conv_id is None
                 if self.new_chat:
                     self.conv_id = self.store.create(title=title_from(text), system_prompt=self.system)
-                self.user_id = self.store.add(self.conv_id, "user", text)
-                self.reply_id, self.saved_at = self.store.add(self.conv_id, "assistant", "", finished=False), time.monotonic()
-                self.said = False
+                    self.generation = self.store.generation
+                self.user_id = self.store.add(self.conv_id, "user", text, generation=self.generation)
+                self.reply_id = self.store.add(self.conv_id, "assistant", "", finished=False, generation=self.generation)
+                self.saved_at, self.said = time.monotonic(), False
                 return
-            except KeyError:
-                print(f"moechat: {DELETED_ELSEWHERE}: it goes on in a new one", file=sys.stderr)
+            except KeyError as err:
+                print(f"moechat: {elsewhere(err)}: it goes on in a new one", file=sys.stderr)
                 self.conv_id = None
             except ChatStoreError as err:
                 print(f"moechat: {err}; this message is not saved", file=sys.stderr)
@@ -57,9 +60,9 @@ class Keeper:
         if self.reply_id is None:
             return
         try:
-            self.store.update(self.reply_id, text, finished=finished)
-        except KeyError:
-            print(f"\nmoechat: {DELETED_ELSEWHERE}; this reply is not saved", file=sys.stderr)
+            self.store.update(self.reply_id, text, finished=finished, generation=self.generation)
+        except KeyError as err:
+            print(f"\nmoechat: {elsewhere(err)}; this reply is not saved", file=sys.stderr)
             self.reply_id = None
         except ChatStoreError as err:  # said once per reply; the next save (and its last) tries again
             if not self.said:
@@ -72,11 +75,11 @@ class Keeper:
         the model saw, so it goes from the stored one too, with its empty reply (and the chat it alone started)."""
         try:
             if self.new_chat and self.conv_id is not None and self.user_id is not None:
-                self.store.delete(self.conv_id)
+                self.store.delete(self.conv_id, self.generation)
                 self.conv_id = None
             for message_id in (self.reply_id, self.user_id):
                 if message_id is not None:
-                    self.store.delete_message(message_id)
+                    self.store.delete_message(message_id, self.generation)
         except ChatStoreError:
             pass  # they stay; the next message still goes on
         self.reply_id = self.user_id = None

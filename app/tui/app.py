@@ -195,16 +195,17 @@ class MoechatApp(App):
 
     @store_failures_noticed
     def action_rename_chat(self) -> None:
-        conv = self._conversation("no conversation yet: send a message first")
+        conv, generation = self._conversation("no conversation yet: send a message first"), self.chat.generation
         if conv is not None:
-            self.push_screen(TextPrompt("Rename chat", conv.title), lambda title: self._rename(conv.id, title))
+            self.push_screen(TextPrompt("Rename chat", conv.title), lambda title: self._rename(conv.id, title, generation))
 
     @store_failures_noticed
-    async def _rename(self, conv_id: int, title: str | None) -> None:
+    async def _rename(self, conv_id: int, title: str | None, generation: int) -> None:
+        """generation: the store's when the dialog opened (a backup restored while it was open has another chat of its id)."""
         if not title:
             return
         try:
-            self.store.rename(conv_id, title)
+            self.store.rename(conv_id, title, generation)
         except KeyError:  # deleted in another window while the dialog was open
             await self.chat.deleted_elsewhere()
             return
@@ -212,17 +213,18 @@ class MoechatApp(App):
 
     @store_failures_noticed
     def action_system_prompt(self) -> None:
-        conv = self._conversation("no conversation yet: start one with Ctrl+N")
+        conv, generation = self._conversation("no conversation yet: start one with Ctrl+N"), self.chat.generation
         if conv is not None:
             self.push_screen(TextPrompt("System prompt (Ctrl+S saves)", conv.system_prompt, multiline=True),
-                             lambda text: self._set_system_prompt(conv.id, text))
+                             lambda text: self._set_system_prompt(conv.id, text, generation))
 
     @store_failures_noticed
-    async def _set_system_prompt(self, conv_id: int, text: str | None) -> None:
+    async def _set_system_prompt(self, conv_id: int, text: str | None, generation: int) -> None:
+        """generation: as _rename's."""
         if text is None:
             return
         try:
-            self.store.set_system_prompt(conv_id, text)
+            self.store.set_system_prompt(conv_id, text, generation)
         except KeyError:
             await self.chat.deleted_elsewhere()
             return

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..chats import DELETED_ELSEWHERE, SAVE_INTERVAL_S, ChatStoreError
+from ..chats import DELETED_ELSEWHERE, REPLACED_ELSEWHERE, SAVE_INTERVAL_S, ChatStoreError, ReplacedError
 
 if TYPE_CHECKING:
     from textual.dom import DOMNode
@@ -23,8 +23,10 @@ class ReplySaver:
     def __init__(self, owner: DOMNode) -> None:
         self.owner = owner  # the chat screen: its app's store, notices and engine thread
         # writes the store refused (the disk full, locked), tried again before the next reply and at quit:
-        self.pending_saves: dict[int, tuple[str, bool, dict | None, int | None]] = {}  # id -> text, finished, stats, replaces
-        self.pending_drops: set[int] = set()  # messages to go (an empty reply, a replaced one)
+        # id -> text, finished, stats, replaces, and the store's generation when the ids were read:
+        self.pending_saves: dict[int, tuple[str, bool, dict | None, int | None, int]] = {}
+        self.pending_drops: dict[int, int] = {}  # messages to go (an empty reply, a replaced one) -> their generation
+        self.lost: dict[int, str] = {}  # replies whose chat is not in the file put in place of the database: printed at quit
 
     @property
     def app(self):
@@ -38,17 +40,14 @@ class ReplySaver:
 
     def save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None) -> None:
         """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
-        (another moechat on the same chats): said once, and the reply, which has nowhere to go, stopped. The database
-        failing (the disk full, locked): said once; the reply streams on, on screen, and the write stays pending."""
+        (another moechat on the same chats), or not in the file put in place of the database: said once, and the reply,
+        which has nowhere to go, stopped. The database failing (the disk full, locked): said once; the reply streams on,
+        on screen, and the write stays pending."""
         try:
-            self._write(reply.message_id, text, finished, stats, reply.replaces.id if reply.replaces else None)
-        except KeyError:
-            if reply.orphan:
-                return
-            reply.orphan = True
-            if not reply.ended:
-                self.app.bridge.stop()
-            self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+            self._write(reply.message_id, text, finished, stats, reply.replaces.id if reply.replaces else None,
+                        reply.generation)
+        except KeyError as err:
+            self.orphan(reply, replaced=isinstance(err, ReplacedError))
             return
         except ChatStoreError as err:
             if not reply.save_failed:
@@ -59,49 +58,66 @@ class ReplySaver:
         if text:
             reply.replaces = None
 
-    def _write(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None) -> None:
+    def orphan(self, reply: _Reply, replaced: bool) -> None:
+        """A reply whose chat is gone, deleted in another window or not in the file put in place of the database
+        (`replaced`): it has nowhere to go, so it stops, said once; the replaced file's is printed at quit."""
+        if reply.orphan:
+            return
+        reply.orphan = True
+        if not reply.ended:
+            self.app.bridge.stop()
+        self.app.notify(f"{REPLACED_ELSEWHERE}: the reply is printed when you quit" if replaced else
+                        f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+
+    def _write(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None,
+               generation: int) -> None:
         """A reply into the store, and the one it replaces out once it has text. Where the store fails (ChatStoreError)
-        the write stays in pending_saves; KeyError: its chat is gone, and so is the write."""
+        the write stays in pending_saves; KeyError: its chat is gone, and so is the write (where the file was replaced its
+        text goes to `lost`, printed at quit: a backup restored is not the user asking for the reply to go)."""
         try:
-            self.app.store.update(message_id, text, finished=finished, stats=stats)
+            self.app.store.update(message_id, text, finished=finished, stats=stats, generation=generation)
         except ChatStoreError:
-            self.pending_saves[message_id] = (text, finished, stats, replaces)
+            self.pending_saves[message_id] = (text, finished, stats, replaces, generation)
             raise
-        except KeyError:
+        except KeyError as err:
             self.pending_saves.pop(message_id, None)
+            if isinstance(err, ReplacedError) and text:
+                self.lost[message_id] = text
             raise
         self.pending_saves.pop(message_id, None)
         if replaces is not None and text:
-            self.drop(replaces)
+            self.drop(replaces, generation)
 
-    def drop(self, message_id: int) -> None:
+    def drop(self, message_id: int, generation: int) -> None:
         """A stored message out (an empty reply, one a regeneration replaced); where the store fails, pending."""
         try:
-            self.app.store.delete_message(message_id)
-            self.pending_drops.discard(message_id)
+            self.app.store.delete_message(message_id, generation)
+            self.pending_drops.pop(message_id, None)
         except ChatStoreError:
-            self.pending_drops.add(message_id)
+            self.pending_drops[message_id] = generation
 
     def flush(self) -> list[tuple[str, str]]:
         """The writes the store refused, tried again -> (why, text) of each reply still not saved."""
         left = []
-        for message_id, (text, finished, stats, replaces) in list(self.pending_saves.items()):
+        for message_id, (text, finished, stats, replaces, generation) in list(self.pending_saves.items()):
             try:
-                self._write(message_id, text, finished, stats, replaces)
-            except KeyError:  # its chat deleted meanwhile
+                self._write(message_id, text, finished, stats, replaces, generation)
+            except KeyError:  # its chat deleted meanwhile (or not in the file put in place: in lost)
                 pass
             except ChatStoreError as err:
                 left.append((str(err), text))
-        for message_id in list(self.pending_drops):
-            self.drop(message_id)
+        for message_id, generation in list(self.pending_drops.items()):
+            self.drop(message_id, generation)
         return left
 
     def save_partial(self, reply: _Reply | None) -> list[tuple[str, str]]:
         """Quitting: a reply being written is kept as far as it got, marked interrupted (one with no text yet, its prompt
         still being read, is dropped as a stop drops it, and a reply it was to replace stays), with every pending write.
-        -> (why, text) of each reply the database would not take (the app prints them)."""
+        -> (why, text) of each reply the database would not take (the app prints them), and of those the file put in its
+        place took away."""
         if reply is not None and reply.text:
-            self.pending_saves[reply.message_id] = (reply.text, False, None, reply.replaces.id if reply.replaces else None)
+            self.pending_saves[reply.message_id] = (reply.text, False, None, reply.replaces.id if reply.replaces else None,
+                                                    reply.generation)
         elif reply is not None:
-            self.pending_drops.add(reply.message_id)
-        return self.flush()
+            self.pending_drops[reply.message_id] = reply.generation
+        return self.flush() + [(REPLACED_ELSEWHERE, text) for text in self.lost.values()]

@@ -1,6 +1,7 @@
 """The chat store: CRUD, migrations, refusing files it must not touch, export, and surviving a kill."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -528,7 +529,7 @@ def test_a_file_deleted_while_open_is_made_again_at_the_next_write(tmp_path, del
         else:
             for suffix in ("",) if deleted.endswith("-wal") else ("", "-wal", "-shm"):
                 Path(f"{path}{suffix}").unlink()
-        store.add(conv, "assistant", "hello")
+        store.add(conv, "assistant", "hello", generation=0)  # made again from this connection: the ids are as they were
     assert len(said) == 1 and "was deleted while moechat ran" in said[0]
     with ChatStore(path) as store:
         assert [m.content for m in store.messages(conv)] == ["hi", "hello"]
@@ -664,3 +665,77 @@ def test_a_file_put_in_place_while_open_is_opened_as_it_is(tmp_path):
     with ChatStore(path) as store:
         backup = next(c for c in store.conversations() if c.title == "from the backup")
         assert [m.content for m in store.messages(backup.id)] == ["kept"]
+
+
+def _rows(path: Path) -> list[tuple]:
+    with sqlite3.connect(path) as raw:
+        return [raw.execute(f"SELECT * FROM {table} ORDER BY id").fetchall() for table in ("conversations", "messages")]
+
+
+def _a_backup(tmp_path: Path) -> Path:
+    """Another moechat's chats.sqlite3, whose ids are the ones the live window holds (chat 1, messages 1 and 2)."""
+    with ChatStore(tmp_path / "backup.sqlite3") as backup:
+        conv = backup.create("a chat in the backup")
+        backup.add(conv, "user", "backup question")
+        backup.add(conv, "assistant", "backup answer")
+    return tmp_path / "backup.sqlite3"
+
+
+@pytest.mark.parametrize("noticed_by", ["the reply's save", "the chat list's look"])
+def test_a_reply_streaming_as_a_backup_is_restored_leaves_the_backups_rows_as_they_were(tmp_path, noticed_by):
+    """The store opened the backup at its next write, and the reply's next save overwrote the backup's message of the same
+    id; the next message went into the backup's chat. Ids read before the switch are refused there."""
+    path, backup = tmp_path / "chats.sqlite3", _a_backup(tmp_path)
+    before = _rows(backup)
+    with ChatStore(path, notice=lambda line: None) as store:
+        generation = store.generation
+        conv = store.create("live chat")
+        store.add(conv, "user", "live question", generation=generation)
+        reply = store.add(conv, "assistant", "", finished=False, generation=generation)
+        shutil.copy(backup, tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", path)
+        if noticed_by == "the chat list's look":
+            assert store.changed_elsewhere()
+        with pytest.raises(KeyError) as err:
+            store.update(reply, "the live reply, streaming", finished=False, generation=generation)
+        assert str(err.value) == "this chat is not in the file put in place of the chat database"
+        with pytest.raises(KeyError):
+            store.add(conv, "user", "the user's next message", generation=generation)
+        assert store.changed_elsewhere() == (noticed_by == "the reply's save")  # the list reads the backup's chats
+        assert store.generation == generation + 1
+        mine = store.create("after the restore")  # ids read since are the new file's
+        store.add(mine, "user", "kept", generation=store.generation)
+    assert _rows(path)[0][:1] == before[0] and _rows(path)[1][:2] == before[1]
+
+
+@pytest.mark.parametrize("write", ["regenerate", "rename", "system prompt", "delete"])
+def test_a_write_to_the_open_chat_after_a_backup_is_restored_leaves_the_backups_rows_as_they_were(tmp_path, write):
+    path, backup = tmp_path / "chats.sqlite3", _a_backup(tmp_path)
+    with ChatStore(path, notice=lambda line: None) as store:
+        generation = store.generation
+        conv = store.create("live chat")
+        store.add(conv, "user", "live question", generation=generation)
+        reply = store.add(conv, "assistant", "live answer", generation=generation)
+        shutil.copy(backup, tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", path)
+        with pytest.raises(KeyError) if write in ("rename", "system prompt") else contextlib.nullcontext():
+            {"regenerate": lambda: store.delete_message(reply, generation),
+             "rename": lambda: store.rename(conv, "renamed", generation),
+             "system prompt": lambda: store.set_system_prompt(conv, "be terse", generation),
+             "delete": lambda: store.delete(conv, generation)}[write]()
+    assert _rows(path) == _rows(backup)
+
+
+def test_a_deleted_file_another_window_made_again_keeps_this_windows_ids(tmp_path):
+    """That copy is of the file this window had open: its ids name the same chats, and its streaming reply saves on."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path, notice=lambda line: None) as a, ChatStore(path, notice=lambda line: None) as b:
+        conv = a.create("shared")
+        a.add(conv, "user", "hi", generation=a.generation)
+        reply = a.add(conv, "assistant", "", finished=False, generation=a.generation)
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink()
+        b.create("the other window's")  # made again from its connection to the deleted file
+        a.update(reply, "hello", finished=True, generation=0)
+        assert a.generation == 0
+    assert _chats(path) == {"shared": ["hi", "hello"], "the other window's": []}

@@ -68,6 +68,44 @@ def test_a_chat_deleted_elsewhere_goes_on_in_a_new_one(tmp_path, monkeypatch, ca
     assert "deleted in another moechat window" in err and "Traceback" not in err and "internal error" not in err
 
 
+def test_a_backup_restored_while_a_reply_streams_keeps_its_rows_and_the_chat_goes_on_in_a_new_one(tmp_path, monkeypatch,
+                                                                                                   capsys):
+    """The reply's next save overwrote the backup's message of the same id, and the next line went into the backup's chat
+    of the same id."""
+    import os
+    import shutil
+    import sqlite3
+
+    monkeypatch.setattr(plain_chat, "SAVE_INTERVAL_S", 0.0)  # a save due at every token
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(tmp_path / "backup.sqlite3") as backup:  # chat 1, messages 1 to 3: the ids the chat holds
+        conv = backup.create("from the backup")
+        for role, content in (("user", "q"), ("assistant", "a"), ("user", "q2")):
+            backup.add(conv, role, content)
+
+    def rows(file) -> list[list[tuple]]:
+        with sqlite3.connect(file) as raw:
+            return [raw.execute(f"SELECT * FROM {table} ORDER BY id").fetchall() for table in ("conversations", "messages")]
+
+    def restore(i: int) -> None:
+        if i == 1 and not restored:  # as the first reply streams
+            restored.append(1)
+            shutil.copy(tmp_path / "backup.sqlite3", tmp_path / "restoring")
+            os.replace(tmp_path / "restoring", path)
+
+    before, restored = rows(tmp_path / "backup.sqlite3"), []
+    with ChatStore(path, notice=lambda line: None) as store:
+        run(Streaming(["Hi ", "there."], restore), store, "first\nsecond\n", monkeypatch)
+        chats = {c.title: [(m.role, m.content) for m in store.messages(c.id)] for c in store.conversations()}
+    after = rows(path)
+    assert after[0][:1] == before[0] and after[1][:3] == before[1]
+    assert chats == {"from the backup": [("user", "q"), ("assistant", "a"), ("user", "q2")],
+                     "second": [("user", "second"), ("assistant", "Hi there.")]}
+    err = capsys.readouterr().err
+    assert "this chat is not in the file put in place of the chat database; this reply is not saved" in err
+    assert "it goes on in a new one" in err and "Traceback" not in err
+
+
 def test_a_store_that_fails_is_said_and_the_chat_goes_on(tmp_path, monkeypatch, capsys):
     with ChatStore(tmp_path / "chats.sqlite3") as store:
         store._db.execute("PRAGMA query_only = ON")  # every write refused, as on a read-only file

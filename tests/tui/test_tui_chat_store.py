@@ -352,3 +352,115 @@ async def test_the_open_chat_is_looked_up_alone_not_in_the_whole_list(tmp_path, 
         assert chat.current_conversation() is None and reads == []
         chat.conv_id = None
         assert chat.current_conversation() is None
+
+
+def backup_rows(path) -> list[list[tuple]]:
+    with sqlite3.connect(path) as raw:
+        return [raw.execute(f"SELECT * FROM {table} ORDER BY id").fetchall() for table in ("conversations", "messages")]
+
+
+@pilot_test
+@pytest.mark.notorch
+@pytest.mark.parametrize("noticed_by", ["the reply's save", "the chat list's look"])
+async def test_a_backup_restored_while_a_reply_streams_keeps_its_rows_and_the_reply_is_printed(tmp_path, stored, noticed_by):
+    """A backup restored over the chat database (os.replace) while a reply streamed: the store opened it at the next write,
+    and the reply's next save overwrote the backup's message of the same id; the next message went into the backup's
+    chat of the open chat's id."""
+    import os
+    import shutil
+
+    with ChatStore(tmp_path / "backup.sqlite3") as backup:  # chats 1 and 2, messages 1 to 6: the ids the app holds
+        for title in ("backup one", "backup two"):
+            conv = backup.create(title)
+            for role, content in (("user", "q"), ("assistant", "a"), ("user", "q2")):
+                backup.add(conv, role, content)
+    before = backup_rows(tmp_path / "backup.sqlite3")
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests, stops = app.chat, asked(app), []
+        app.bridge.stop = lambda: stops.append(1)
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "Half of "))
+        await until(pilot, lambda: chat.reply.text == "Half of ", "the first words")
+        shutil.copy(tmp_path / "backup.sqlite3", tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", tmp_path / "chats.sqlite3")
+        if noticed_by == "the chat list's look":
+            await chat.check_elsewhere()  # the CHECK_S timer's call
+        chat.reply.saved_at = 0.0  # a save due at the next delta
+        app.post_message(ReplyDelta(1, "the answer."))
+        await until(pilot, lambda: stops == [1], "the reply stopped")
+        app.post_message(ReplyFinished(1, "Half of the answer.", "cancelled", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert backup_rows(tmp_path / "chats.sqlite3") == before and contents(chat)[-1] == "Half of the answer."
+        await chat.check_elsewhere()  # the list: the backup's chats (a look after the reply's end: the screen on no chat)
+        assert sorted(titles(chat)) == ["backup one", "backup two"] and backup_rows(tmp_path / "chats.sqlite3") == before
+        await send(pilot, "the next message")
+        if noticed_by == "the chat list's look":  # the log still on the reply's chat: refused there, back in the input
+            await until(pilot, lambda: chat.conv_id is None and chat.query_one(ChatInput).text == "the next message", "back")
+            assert backup_rows(tmp_path / "chats.sqlite3") == before
+            await pilot.press("enter")
+        await until(pilot, lambda: requests == [1, 2], "the second request")
+        said = [n.message for n in app._notifications if "not in the file put in place" in n.message]
+        assert said == ["this chat is not in the file put in place of the chat database: the reply is printed when you quit",
+                        "this chat is not in the file put in place of the chat database: Enter sends your message to a new chat"]
+        assert stored_contents(app) == [("user", "the next message"), ("assistant", "")]
+        await app.action_quit()
+    assert app.unsaved_replies == [("this chat is not in the file put in place of the chat database", "Half of the answer.")]
+    rows = backup_rows(tmp_path / "chats.sqlite3")
+    assert rows[0][:2] == before[0] and rows[1][:6] == before[1]  # the backup's chats as they were, the new one after them
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_quitting_as_a_reply_streams_after_a_backup_is_restored_prints_the_reply(tmp_path, stored):
+    """Quitting looks for the file replaced first, then saves the reply as far as it got: into the backup's row of its id."""
+    import os
+    import shutil
+
+    with ChatStore(tmp_path / "backup.sqlite3") as backup:
+        conv = backup.create("from the backup")
+        for content in ("one", "two", "three", "four", "five", "six"):
+            backup.add(conv, "user", content)
+    before = backup_rows(tmp_path / "backup.sqlite3")
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "So far"))
+        await until(pilot, lambda: chat.reply.text == "So far", "the first words")
+        shutil.copy(tmp_path / "backup.sqlite3", tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", tmp_path / "chats.sqlite3")
+        await app.action_quit()
+    assert app.unsaved_replies == [("this chat is not in the file put in place of the chat database", "So far")]
+    assert backup_rows(tmp_path / "chats.sqlite3") == before
+
+
+@pilot_test
+@pytest.mark.notorch
+@pytest.mark.parametrize("key, then", [("f2", ("x", "enter")), ("ctrl+s", ("x", "ctrl+s")), ("f8", ("y",)), ("ctrl+r", ())],
+                         ids=["rename", "system prompt", "delete", "regenerate"])
+async def test_a_write_to_the_open_chat_after_a_backup_is_restored_leaves_the_backups_rows(tmp_path, stored, key, then):
+    """Rename, system prompt and delete (their dialog open as the backup was restored) and Regenerate wrote into the
+    backup's chat of the open chat's id."""
+    import os
+    import shutil
+
+    with ChatStore(tmp_path / "backup.sqlite3") as backup:  # chats 1 and 2, as the app's
+        for title in ("backup one", "backup two"):
+            backup.add(backup.create(title), "user", "q")
+    before = backup_rows(tmp_path / "backup.sqlite3")
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        if then:  # the dialog open as the backup is restored
+            await pilot.press(key)
+            await until(pilot, lambda: app.screen is not chat, "the dialog")
+        shutil.copy(tmp_path / "backup.sqlite3", tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", tmp_path / "chats.sqlite3")
+        await pilot.press(*(then or (key,)))
+        await until(pilot, lambda: any("was replaced while moechat ran" in n.message for n in app._notifications), "notice")
+        await pilot.pause()
+        assert backup_rows(tmp_path / "chats.sqlite3") == before and requests == [] and app.is_running
+        assert sorted(titles(chat)) == ["backup one", "backup two"]
+        if key != "f8":  # delete: nothing of the chat is in the backup to delete, and the screen shows its chats
+            assert chat.conv_id is None and any(n.message.startswith("this chat is not in the file put in place")
+                                                for n in app._notifications)

@@ -24,7 +24,7 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import DELETED_ELSEWHERE, NEW_TITLE, ChatMessage, ChatStoreError, Conversation, title_from
+from ...chats import DELETED_ELSEWHERE, NEW_TITLE, REPLACED_ELSEWHERE, ChatMessage, ChatStoreError, Conversation, title_from
 from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
@@ -68,6 +68,7 @@ class _Reply:
     redraw: Timer | None = None  # the timer that draws the text that came since the last draw
     asked: tuple[int, str] | None = None  # the user message that asked it (its id, text); None: a regeneration
     stopping: bool = False  # Esc was pressed: the engine stops after its step in progress
+    generation: int = 0  # the store's when its ids were read: a file put in place of the database since refuses them
 
 
 async def _stop(stream) -> None:
@@ -96,6 +97,7 @@ class ChatScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self.conv_id: int | None = None
+        self.generation = 0  # the store's when conv_id was read (ChatStore.generation): its writes name it
         self.reply: _Reply | None = None
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
@@ -231,30 +233,31 @@ class ChatScreen(Screen):
             self.highlight_current()
 
     def highlight_current(self) -> None:
-        """The chat list's highlight on the conversation the log shows (none when it is not listed)."""
+        """The chat list's highlight on the conversation the log shows (none when it is not listed, or the file put in
+        place of the database lists another chat of its id)."""
         view = self.query_one("#conversations", OptionList)
         try:
-            view.highlighted = view.get_option_index(str(self.conv_id))
+            view.highlighted = view.get_option_index(str(self.conv_id if self.generation == self.store.generation else None))
         except OptionDoesNotExist:
             view.highlighted = None
 
     @store_failures_noticed
     async def deleted_elsewhere(self) -> None:
-        """The chat the log shows was deleted in another moechat window: said, and the screen on no chat. A reply still
-        streaming into it is stopped instead, its view left until it ends (the next message then finds the chat gone)."""
-        reply = self.reply
-        if reply is not None:
-            if not reply.orphan:
-                reply.orphan = True
-                self.app.bridge.stop()
-                self.app.notify(f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+        """The chat the log shows was deleted in another moechat window, or is not in the file put in place of the chat
+        database (a backup restored: the same ids are its other chats there): said, and the screen on no chat. A reply
+        still streaming into it is stopped instead, its view left until it ends (the next message then finds the chat
+        gone)."""
+        replaced = self.generation != self.store.generation
+        if self.reply is not None:
+            self.saver.orphan(self.reply, replaced)
             return
-        self.app.notify(f"{DELETED_ELSEWHERE}: Enter sends your message to a new chat", severity="warning")
+        self.app.notify(f"{REPLACED_ELSEWHERE if replaced else DELETED_ELSEWHERE}: Enter sends your message to a new chat",
+                        severity="warning")
         await self.refresh_conversations()
         await self.open_conversation(None)
 
     async def open_conversation(self, conv_id: int | None) -> None:
-        self.conv_id = conv_id
+        self.conv_id, self.generation = conv_id, self.store.generation
         log = self.query_one(ChatLog)
         await log.remove_children()
         if conv_id is not None:
@@ -269,7 +272,8 @@ class ChatScreen(Screen):
 
     @store_failures_noticed
     async def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        if event.option_list.id == "conversations" and int(event.option.id) != self.conv_id:
+        if event.option_list.id == "conversations" and (  # the log's chat id in a file since replaced: another chat
+                int(event.option.id) != self.conv_id or self.generation != self.store.generation):
             if self.refuse_while_busy():
                 self.highlight_current()  # the highlight back on the chat the log shows
                 return
@@ -289,8 +293,9 @@ class ChatScreen(Screen):
         return False
 
     def current_conversation(self) -> Conversation | None:
-        """The open conversation as stored; None when none is open or it is gone (deleted in another window)."""
-        if self.conv_id is None:
+        """The open conversation as stored; None when none is open or it is gone (deleted in another window, or the file
+        put in place of the database has another chat of its id)."""
+        if self.conv_id is None or self.generation != self.store.generation:
             return None
         try:
             return self.store.conversation(self.conv_id)  # one row: the list read every chat, at each send
@@ -310,11 +315,12 @@ class ChatScreen(Screen):
         try:
             if self.conv_id is None:
                 self.conv_id = self.store.create(title=title)
+                self.generation = self.store.generation  # of the file the chat was made in
                 await self.refresh_conversations()
             elif not self.store.messages(self.conv_id) and self.store.conversation(self.conv_id).title == NEW_TITLE:
-                self.store.rename(self.conv_id, title)  # a chat opened empty (Ctrl+N) takes its first message as title
+                self.store.rename(self.conv_id, title, self.generation)  # one opened empty (Ctrl+N): its first message
                 await self.refresh_conversations()
-            message_id = self.store.add(self.conv_id, "user", text)
+            message_id = self.store.add(self.conv_id, "user", text, generation=self.generation)
         except KeyError:  # deleted in another moechat window since it was opened: the text back, a new chat to send it to
             await self.deleted_elsewhere()
             self.query_one(ChatInput).text = text
@@ -334,7 +340,13 @@ class ChatScreen(Screen):
         history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
         history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id)
                     if m.content and (replaces is None or m.id != replaces.id)]
-        message_id = self.store.add(self.conv_id, "assistant", "", finished=False)
+        try:
+            message_id = self.store.add(self.conv_id, "assistant", "", finished=False, generation=self.generation)
+        except KeyError:  # the chat deleted, or the file replaced, since it was read (its first write since: the flush)
+            await self.deleted_elsewhere()
+            if asked is not None:  # its message went with the chat: back to the input, as send gives it back
+                self.query_one(ChatInput).text = asked[1]
+            return
         if replaces is not None:  # off the screen; in the store until the new reply has text
             for view in self.query_one(ChatLog).views():
                 if view.message_id == replaces.id:
@@ -347,7 +359,7 @@ class ChatScreen(Screen):
         view.set_note("writing…")
         self.next_request += 1
         self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic(),
-                            replaces=replaces, asked=asked)
+                            replaces=replaces, asked=asked, generation=self.generation)
         self.stats = None
         self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
 
@@ -395,7 +407,7 @@ class ChatScreen(Screen):
         for view in self.query_one(ChatLog).views():
             if view.message_id == message_id:
                 await view.remove()
-        self.saver.drop(message_id)
+        self.saver.drop(message_id, reply.generation)
         box = self.query_one(ChatInput)
         if box.text.strip():  # typed meanwhile: kept, the refused message goes after it
             box.text = f"{box.text.rstrip()}\n\n{text}"
@@ -417,7 +429,7 @@ class ChatScreen(Screen):
             old = reply.replaces
             if old is not None:
                 await self.query_one("#log").mount(MessageView(old.role, old.content, old.id, old.finished))
-            self.saver.drop(reply.message_id)
+            self.saver.drop(reply.message_id, reply.generation)
             return
         reply.view.content = text
         reasoning, answer, thinking = reply.view.split()
@@ -512,7 +524,7 @@ class ChatScreen(Screen):
     async def delete_chat(self) -> None:
         if self.conv_id is None or self.refuse_while_busy():
             return
-        self.store.delete(self.conv_id)
+        self.store.delete(self.conv_id, self.generation)  # not in a file put in place of the database since: kept there
         convs = self.store.conversations()
         await self.open_conversation(convs[0].id if convs else None)
         await self.refresh_conversations()
