@@ -288,7 +288,7 @@ class ChatStore:
         # another file put there: the old one's log (-wal, beside it) emptied into it first, else SQLite reads it into the new
         if stat is not None and old.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
             raise sqlite3.OperationalError("database is locked")  # a reader of the old file holds the log: the next write
-        newest = _newest(old) if stat is not None else []
+        newest = _newest(old)  # deleted too: what opens may be a backup put there meanwhile (rm, then mv), not a copy
         try:
             if stat is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)

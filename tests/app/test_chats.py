@@ -739,3 +739,29 @@ def test_a_deleted_file_another_window_made_again_keeps_this_windows_ids(tmp_pat
         a.update(reply, "hello", finished=True, generation=0)
         assert a.generation == 0
     assert _chats(path) == {"shared": ["hi", "hello"], "the other window's": []}
+
+
+def test_a_backup_put_where_this_window_makes_the_deleted_file_again_refuses_the_old_ids(tmp_path, monkeypatch):
+    """The file deleted and a backup put in its place (rm, then mv) while this window made it again: its link found the
+    backup there and opened it, ids taken as its own copy's, and the reply's next save overwrote the backup's message."""
+    from moechat.app import chats
+
+    path, backup = tmp_path / "chats.sqlite3", _a_backup(tmp_path)
+    before, put = _rows(backup), chats._put_unless_there
+
+    def restored_meanwhile(part: Path, where: Path) -> None:
+        shutil.copy(backup, tmp_path / "restoring")
+        os.replace(tmp_path / "restoring", where)
+        put(part, where)
+
+    with ChatStore(path, notice=lambda line: None) as store:
+        generation = store.generation
+        conv = store.create("live chat")
+        store.add(conv, "user", "live question", generation=generation)
+        reply = store.add(conv, "assistant", "", finished=False, generation=generation)
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink()
+        monkeypatch.setattr(chats, "_put_unless_there", restored_meanwhile)
+        with pytest.raises(KeyError):
+            store.update(reply, "the live reply, streaming", finished=False, generation=generation)
+    assert _rows(path) == before
