@@ -198,6 +198,7 @@ def test_non_expert_bound_on_a_gpu_samples_no_host_ram(monkeypatch, capsys):
     assert line.endswith("is n/a") and "GB/s" not in line
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available, disabling CUDA profiling")  # the profiler on a CPU, as here
 def test_device_busy_synchronizes_the_models_gpu(monkeypatch):
     """The profile's end waits for the model's GPU (cuda:1 when auto picked it), not the current one (cuda:0)."""
     from types import SimpleNamespace
