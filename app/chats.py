@@ -194,9 +194,9 @@ class ReplacedError(KeyError):
         return REPLACED_ELSEWHERE
 
 
-def elsewhere(err: KeyError) -> str:
-    """What a write refused for its chat gone says: deleted in another window, or not in the file put in its place."""
-    return REPLACED_ELSEWHERE if isinstance(err, ReplacedError) else DELETED_ELSEWHERE
+def elsewhere(replaced: bool) -> str:
+    """What a chat gone says: not in the file put in place of the database (`replaced`), else deleted in another window."""
+    return REPLACED_ELSEWHERE if replaced else DELETED_ELSEWHERE
 
 
 @dataclass

@@ -121,9 +121,11 @@ def _profiles(fp: str, cpu_fp: str) -> dict:
 
     folder = profiles_dir()
     files = sorted(folder.glob("*.toml")) if folder.is_dir() else []
-    matching = [f.name[len(fp) + 1:-len(".toml")] for f in files if f.name.startswith(f"{fp}-")]
-    if cpu_fp != fp:
-        matching += [f"{f.name[len(cpu_fp) + 1:-len('.toml')]} (device cpu)" for f in files if f.name.startswith(f"{cpu_fp}-")]
+
+    def models(key: str) -> list[str]:  # the model keys of the profiles named `{key}-{model}.toml`
+        return [f.name[len(key) + 1:-len(".toml")] for f in files if f.name.startswith(f"{key}-")]
+
+    matching = models(fp) + ([f"{m} (device cpu)" for m in models(cpu_fp)] if cpu_fp != fp else [])
     return {"dir": str(folder), "count": len(files), "fingerprint": fp, "models": matching}
 
 

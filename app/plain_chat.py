@@ -10,7 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from .chats import SAVE_INTERVAL_S, ChatStore, ChatStoreError, elsewhere, title_from
+from .chats import SAVE_INTERVAL_S, ChatStore, ChatStoreError, ReplacedError, elsewhere, title_from
 from .terminal_text import as_typed, for_terminal
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
@@ -45,7 +45,7 @@ class Keeper:
                 self.saved_at, self.said = time.monotonic(), False
                 return
             except KeyError as err:
-                print(f"moechat: {elsewhere(err)}: it goes on in a new one", file=sys.stderr)
+                print(f"moechat: {elsewhere(isinstance(err, ReplacedError))}: it goes on in a new one", file=sys.stderr)
                 self.conv_id = None
             except ChatStoreError as err:
                 print(f"moechat: {err}; this message is not saved", file=sys.stderr)
@@ -62,7 +62,7 @@ class Keeper:
         try:
             self.store.update(self.reply_id, text, finished=finished, generation=self.generation)
         except KeyError as err:
-            print(f"\nmoechat: {elsewhere(err)}; this reply is not saved", file=sys.stderr)
+            print(f"\nmoechat: {elsewhere(isinstance(err, ReplacedError))}; this reply is not saved", file=sys.stderr)
             self.reply_id = None
         except ChatStoreError as err:  # said once per reply; the next save (and its last) tries again
             if not self.said:

@@ -89,15 +89,13 @@ def _cuda_gpus(torch) -> tuple[list[Gpu], list[tuple[int, str]], set[int]]:
     record of the same PCI address without a context, else CUDA's, which starts the GPU's context."""
     from .calibration.probe import gpu_memory_by_pci
 
-    nvml = gpu_memory_by_pci()
-    gpus, failed, started, seen = [], [], set(), set()
-    for i in range(torch.cuda.device_count()):
+    nvml, addresses = gpu_memory_by_pci(), _pci_addresses(torch)
+    gpus, failed, started = [], [], set()
+    for i, address in enumerate(addresses):
         try:
             props = torch.cuda.get_device_properties(i)
-            address = _pci_address(props)
             # MIG's instances share their card's address: NVML's figure is the card's, so CUDA reads each
-            memory = nvml.get(address) if address not in seen and _pci_count(torch, address) == 1 else None
-            seen.add(address)
+            memory = nvml.get(address) if addresses.count(address) == 1 else None
             if memory is None:
                 memory = torch.cuda.mem_get_info(i)  # creates the context: fails here when the GPU is unusable
                 started.add(i)
@@ -108,9 +106,15 @@ def _cuda_gpus(torch) -> tuple[list[Gpu], list[tuple[int, str]], set[int]]:
     return gpus, failed, started
 
 
-def _pci_count(torch, address: tuple | None) -> int:
-    """How many CUDA devices sit at this PCI address (more than one: MIG instances of one card)."""
-    return sum(_pci_address(torch.cuda.get_device_properties(i)) == address for i in range(torch.cuda.device_count()))
+def _pci_addresses(torch) -> list[tuple | None]:
+    """Each CUDA device's PCI address; None where it is not known (_cuda_gpus then says why a device fails)."""
+    addresses = []
+    for i in range(torch.cuda.device_count()):
+        try:
+            addresses.append(_pci_address(torch.cuda.get_device_properties(i)))
+        except Exception:  # noqa: BLE001 - that device's failure is reported where its memory is read
+            addresses.append(None)
+    return addresses
 
 
 def _pci_address(props) -> tuple | None:

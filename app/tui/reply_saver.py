@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..chats import DELETED_ELSEWHERE, REPLACED_ELSEWHERE, SAVE_INTERVAL_S, ChatStoreError, ReplacedError
+from ..chats import REPLACED_ELSEWHERE, SAVE_INTERVAL_S, ChatStoreError, ReplacedError, elsewhere
 
 if TYPE_CHECKING:
     from textual.dom import DOMNode
@@ -66,8 +66,8 @@ class ReplySaver:
         reply.orphan = True
         if not reply.ended:
             self.app.bridge.stop()
-        self.app.notify(f"{REPLACED_ELSEWHERE}: the reply is printed when you quit" if replaced else
-                        f"{DELETED_ELSEWHERE}: the reply is not kept", severity="warning")
+        self.app.notify(f"{elsewhere(replaced)}: the reply is {'printed when you quit' if replaced else 'not kept'}",
+                        severity="warning")
 
     def _write(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None,
                generation: int) -> None:

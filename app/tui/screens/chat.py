@@ -24,7 +24,7 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import DELETED_ELSEWHERE, NEW_TITLE, REPLACED_ELSEWHERE, ChatMessage, ChatStoreError, Conversation, title_from
+from ...chats import DELETED_ELSEWHERE, NEW_TITLE, ChatMessage, ChatStoreError, Conversation, elsewhere, title_from
 from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
@@ -237,7 +237,7 @@ class ChatScreen(Screen):
         place of the database lists another chat of its id)."""
         view = self.query_one("#conversations", OptionList)
         try:
-            view.highlighted = view.get_option_index(str(self.conv_id if self.generation == self.store.generation else None))
+            view.highlighted = view.get_option_index(str(None if self.replaced else self.conv_id))
         except OptionDoesNotExist:
             view.highlighted = None
 
@@ -247,12 +247,10 @@ class ChatScreen(Screen):
         database (a backup restored: the same ids are its other chats there): said, and the screen on no chat. A reply
         still streaming into it is stopped instead, its view left until it ends (the next message then finds the chat
         gone)."""
-        replaced = self.generation != self.store.generation
         if self.reply is not None:
-            self.saver.orphan(self.reply, replaced)
+            self.saver.orphan(self.reply, self.replaced)
             return
-        self.app.notify(f"{REPLACED_ELSEWHERE if replaced else DELETED_ELSEWHERE}: Enter sends your message to a new chat",
-                        severity="warning")
+        self.app.notify(f"{elsewhere(self.replaced)}: Enter sends your message to a new chat", severity="warning")
         await self.refresh_conversations()
         await self.open_conversation(None)
 
@@ -273,7 +271,7 @@ class ChatScreen(Screen):
     @store_failures_noticed
     async def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         if event.option_list.id == "conversations" and (  # the log's chat id in a file since replaced: another chat
-                int(event.option.id) != self.conv_id or self.generation != self.store.generation):
+                int(event.option.id) != self.conv_id or self.replaced):
             if self.refuse_while_busy():
                 self.highlight_current()  # the highlight back on the chat the log shows
                 return
@@ -292,10 +290,15 @@ class ChatScreen(Screen):
             return True
         return False
 
+    @property
+    def replaced(self) -> bool:
+        """Whether a file was put in place of the chat database since conv_id was read: there it names another chat."""
+        return self.generation != self.store.generation
+
     def current_conversation(self) -> Conversation | None:
         """The open conversation as stored; None when none is open or it is gone (deleted in another window, or the file
         put in place of the database has another chat of its id)."""
-        if self.conv_id is None or self.generation != self.store.generation:
+        if self.conv_id is None or self.replaced:
             return None
         try:
             return self.store.conversation(self.conv_id)  # one row: the list read every chat, at each send
