@@ -208,15 +208,15 @@ class LeanForward:
             q, k, v = self._qkv(a, qkv, h, cos, sin)
         k, v = cache.update(k, v, i)  # [1, H_kv, S, D] in the cache's dtype (fp32 for bf16 on the CPU)
         groups = a.num_key_value_groups
+        # query in the cache's dtype, output back in the model's (attention.py: cpu_sdpa)
         if folds_heads(k.device.type, groups, T, mask is not None):  # CUDA: no K/V copy per query head (attention.py)
             o = folded_sdpa(q.to(k.dtype), k, v, mask, a.scaling)  # [1, H, T, D]
-            return a.o_proj.forward(o.transpose(1, 2).reshape(1, T, -1).to(h.dtype))  # [1, T, H]
-        if T == 1 and mask is not None and groups > 1:  # one query under a sliding window's mask: transformers' pack_gqa,
-            q = q.reshape(1, k.shape[1], groups, -1)  # the query heads as rows of their KV head [1, H_kv, G, D], one mask
-        # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv on the CPU
-        gqa = {"enable_gqa": True} if groups > 1 and q.shape[1] > k.shape[1] else {}
-        # query in the cache's dtype, output back in the model's (attention.py: cpu_sdpa)
-        o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H, T, D]
+        else:
+            if T == 1 and mask is not None and groups > 1:  # one query under a sliding window's mask: transformers'
+                q = q.reshape(1, k.shape[1], groups, -1)  # pack_gqa, the query heads as rows of their KV head [1, H_kv, G, D]
+            # GQA without repeating the KV heads: with or without a mask, bit-equal to transformers' repeat_kv on the CPU
+            gqa = {"enable_gqa": True} if groups > 1 and q.shape[1] > k.shape[1] else {}
+            o = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=a.scaling, **gqa)  # [1, H|H_kv, T|G, D]
         o = o.reshape(1, -1, T, o.shape[-1]).transpose(1, 2).reshape(1, T, -1).to(h.dtype)  # [1, T, H*D]
         return a.o_proj.forward(o)  # [1, T, H]
 

@@ -76,6 +76,18 @@ def _passes(m, forward, reference, T: int):
             return got, reference(ids.to(m.device), caches[1])
 
 
+def _transformers_sdpa(m):
+    """(ids, cache) -> transformers' logits through its own sdpa attention, m's cuda_sdpa restored after."""
+    def transformers(ids, cache):
+        m.hf.set_attn_implementation("sdpa")
+        try:
+            return hf_forward(m.hf, ids, cache, ids.shape[1])[0].float()
+        finally:
+            m.hf.set_attn_implementation(CUDA_NAME)
+
+    return transformers
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral-windowed"])
 def test_a_cuda_pass_folds_grouped_heads_with_transformers_greedy(family, checkpoint, as_cuda):
     """A lean pass (40 positions after a past) and transformers' forward through cuda_sdpa (200), both as on a CUDA
@@ -90,13 +102,7 @@ def test_a_cuda_pass_folds_grouped_heads_with_transformers_greedy(family, checkp
     use_cuda_attention(m.hf)  # the lean forward still stands in
     assert m.hf.config._attn_implementation == CUDA_NAME and refusal(m.hf, torch.device("cuda")) is None
 
-    def transformers(ids, cache):
-        m.hf.set_attn_implementation("sdpa")
-        try:
-            return hf_forward(m.hf, ids, cache, ids.shape[1])[0].float()
-        finally:
-            m.hf.set_attn_implementation(CUDA_NAME)
-
+    transformers = _transformers_sdpa(m)
     for T, forward in ((40, lambda ids, cache: m.lean(ids, cache, ids.shape[1])),
                        (200, lambda ids, cache: hf_forward(m.hf, ids, cache, ids.shape[1])[0].float())):
         got, want = _passes(m, lambda ids, cache, run=forward: (as_cuda.clear(), run(ids, cache))[1], transformers, T)
@@ -139,13 +145,7 @@ def test_cuda_passes_after_a_past_give_transformers_greedy(checkpoint):
     m = load_model(EngineConfig(model_dir=str(checkpoint("qwen3_moe")), device="cuda", dtype="float32"))
     assert m.hf.config._attn_implementation == CUDA_NAME and m.lean is not None
 
-    def transformers(ids, cache):
-        m.hf.set_attn_implementation("sdpa")
-        try:
-            return hf_forward(m.hf, ids, cache, ids.shape[1])[0].float()
-        finally:
-            m.hf.set_attn_implementation(CUDA_NAME)
-
+    transformers = _transformers_sdpa(m)
     for T in (64, 200):
         got, want = _passes(m, lambda ids, cache, T=T: m.forward(ids, cache, T), transformers, T)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
