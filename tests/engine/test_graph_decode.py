@@ -28,6 +28,19 @@ def _graphed(hf, context_len: int, capture: bool = False) -> GraphedDecode:
     return GraphedDecode(lean(hf, context_len, native=False), capture=capture)
 
 
+def _static_passes_built(monkeypatch, capture: bool) -> list[GraphedDecode]:
+    """The loader (and a draft model) builds GraphedDecode in place of the lean forward -> the list of those built."""
+    made = []
+
+    def build(hf, device, context_len):
+        made.append(_graphed(hf, context_len, capture=capture))
+        return made[-1]
+
+    monkeypatch.setattr(loader, "build_lean_forward", build)
+    monkeypatch.setattr(drafters, "build_lean_forward", build)
+    return made
+
+
 def _passes(m, steps, past: int, seed: int = 0):
     """Prefill `past` tokens into two caches, then the same passes through transformers and m.lean, with one rewind
     midway -> [(logits of transformers, of m.lean)] per pass; asserts the KV entries agree after each."""
@@ -299,14 +312,7 @@ def test_engine_with_static_passes_equals_transformers_greedy(family, drafter, r
     through CUDA graphs emulated on the CPU (captures, replays, rewinds of rejected drafts, the draft model's graphs)."""
     if capture:
         request.getfixturevalue("emulated_graphs")
-    made = []
-
-    def build(hf, device, context_len):
-        made.append(_graphed(hf, context_len, capture=capture))
-        return made[-1]
-
-    monkeypatch.setattr(loader, "build_lean_forward", build)
-    monkeypatch.setattr(drafters, "build_lean_forward", build)
+    made = _static_passes_built(monkeypatch, capture)
     monkeypatch.setattr(drafters, "router_feed", lambda draft, target: None)  # the feed's hooks keep transformers' forward
     model_dir = checkpoint(family)
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
@@ -325,13 +331,7 @@ def test_engine_with_static_passes_applies_sliding_windows(capture, checkpoint, 
     and through CUDA graphs emulated on the CPU (self-drafts, verifications, rewinds), equal transformers'."""
     if capture:
         request.getfixturevalue("emulated_graphs")
-    made = []
-
-    def build(hf, device, context_len):
-        made.append(_graphed(hf, context_len, capture=capture))
-        return made[-1]
-
-    monkeypatch.setattr(loader, "build_lean_forward", build)
+    made = _static_passes_built(monkeypatch, capture)
     model_dir = checkpoint("qwen2_moe", **WINDOWED["qwen2_moe"])
     prompt = tokenizer("What is a mixture of experts model?")["input_ids"]
     done = run_engine(model_dir, prompt, drafter="self", expert_cache_ratio=0.5)

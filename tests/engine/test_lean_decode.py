@@ -135,6 +135,20 @@ def test_native_lean_logits_close_to_transformers(family, quant, stack, checkpoi
         assert calls == {"attention_step": 5 * m.hf_config.num_hidden_layers, "router_topk": 5 * sparse, "forward": 0}
 
 
+def _in_passes(m, prompt, ids, steps) -> tuple:
+    """prompt prefilled by transformers' forward into a new cache, then ids in passes of `steps` positions through
+    m.forward -> (the cache, the passes' logits one after the other)."""
+    cache, out, at = m.new_kv_cache(), [], 0
+    with torch.inference_mode():
+        with m.runtime.forward("prefill", 0):
+            _hf(m, prompt, cache, 1)
+        for T in steps:
+            with m.runtime.forward("verify", PAST + at):
+                out.append(m.forward(ids[:, at: at + T], cache, T))
+            at += T
+    return cache, torch.cat(out)
+
+
 @pytest.mark.native
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("family", STACKED)
@@ -151,21 +165,13 @@ def test_decode_stack_verification_equals_decode_steps(family, quant, checkpoint
     gen = torch.Generator().manual_seed(1)
     prompt, ids = torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
     caches, logits, freqs = [], [], []
-    with torch.inference_mode():
-        for steps, stack in (((5,), m.lean.stack), ((1,) * 5, m.lean.stack), ((5,), None)):
-            m.lean.stack = stack
-            cache = m.new_kv_cache()
-            with m.runtime.forward("prefill", 0):
-                _hf(m, prompt, cache, 1)
-            m.runtime.reset_counters()
-            out, at = [], 0
-            for T in steps:
-                with m.runtime.forward("verify", PAST + at):
-                    out.append(m.forward(ids[:, at: at + T], cache, T))
-                at += T
-            caches.append(cache)
-            logits.append(torch.cat(out))
-            freqs.append(m.runtime.reset_counters().freq.clone())
+    for steps, stack in (((5,), m.lean.stack), ((1,) * 5, m.lean.stack), ((5,), None)):
+        m.lean.stack = stack
+        m.runtime.reset_counters()
+        cache, out = _in_passes(m, prompt, ids, steps)
+        caches.append(cache)
+        logits.append(out)
+        freqs.append(m.runtime.reset_counters().freq.clone())
     assert torch.equal(logits[0], logits[1]) and _same_kv(caches[0], caches[1])
     assert torch.equal(freqs[0], freqs[1]) and torch.equal(freqs[0], freqs[2]) and int(freqs[0].sum()) > 0
     assert torch.allclose(logits[0], logits[2], rtol=1e-5, atol=1e-5 * logits[2].abs().max().item())
@@ -367,19 +373,7 @@ def test_windowed_stack_verification_equals_decode_steps(family, checkpoint):
     m = load_model(EngineConfig(model_dir=str(checkpoint(family, **WINDOWED[family])), dtype="float32"))
     gen = torch.Generator().manual_seed(3)
     prompt, ids = torch.randint(0, 300, (1, PAST), generator=gen), torch.randint(0, 300, (1, 5), generator=gen)
-    caches, logits = [], []
-    with torch.inference_mode():
-        for steps in ((5,), (1,) * 5):
-            cache = m.new_kv_cache()
-            with m.runtime.forward("prefill", 0):
-                _hf(m, prompt, cache, 1)
-            out, at = [], 0
-            for T in steps:
-                with m.runtime.forward("verify", PAST + at):
-                    out.append(m.forward(ids[:, at: at + T], cache, T))
-                at += T
-            caches.append(cache)
-            logits.append(torch.cat(out))
+    (caches, logits) = zip(*(_in_passes(m, prompt, ids, steps) for steps in ((5,), (1,) * 5)), strict=True)
     assert m.decode_path() == "lean, the layer stack in one native call"
     assert torch.equal(logits[0], logits[1]) and _same_kv(caches[0], caches[1])
 
