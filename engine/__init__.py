@@ -16,7 +16,8 @@ _MODULES = {  # submodule -> the public names it provides
     "config": ("EngineConfig", "SamplingParams", "SchedulerConfig", "SpecConfig", "DTYPES", "QUANTS", "POLICIES", "DEMOTES",
                "UTILITY_VARIANTS"),
     "events": ("Error", "Event", "Finished", "PrefillProgress", "StepStats", "Summary", "TokenDelta", "rising_fraction"),
-    "errors": ("BudgetError", "Cancelled", "CheckpointError", "MoechatError", "NumericsError", "RequestError"),
+    "errors": ("BudgetError", "Cancelled", "CheckpointError", "ContextLengthError", "MoechatError", "NumericsError",
+               "RequestError"),
     # routing traces, their replay and the simulator
     "trace": ("TraceRecorder", "load_trace", "load_routing", "expert_counts", "routing_reuse", "routing_skew"),
     "replay": ("load_replay",),

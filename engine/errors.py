@@ -17,6 +17,12 @@ class RequestError(MoechatError):
     """A generation request that cannot be served as given (e.g. prompt longer than the context)."""
 
 
+class ContextLengthError(RequestError):
+    """A prompt longer than the context: `code` is the OpenAI API's, which clients read to trim a conversation."""
+
+    code = "context_length_exceeded"
+
+
 class Cancelled(MoechatError):
     """Work the user stopped before it finished (a calibration): nothing of it was saved."""
 

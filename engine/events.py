@@ -122,6 +122,7 @@ class Finished:
 class Error:
     message: str  # one line that says what is wrong and what to do
     request_fault: bool = False  # the request itself was wrong (a server answers 400), not the model or the engine (500)
+    code: str | None = None  # what kind, where an API client acts on it ("context_length_exceeded": it trims the history)
 
 
 Event = TokenDelta | PrefillProgress | StepStats | Finished | Error

@@ -13,7 +13,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams, prefill_passes
 from .detokenizer import Detokenizer
-from .errors import CheckpointError, MoechatError, NumericsError, RequestError
+from .errors import CheckpointError, ContextLengthError, MoechatError, NumericsError, RequestError
 from .events import Error, Event, Finished, LoadProgress, PrefillProgress, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
@@ -151,7 +151,7 @@ class Engine:
         if chars > 2 * self._longest_token * context and request.messages is not None:  # what the template keeps: Qwen3's
             chars = len(self._render_chat(request, tokenize=False))  # drops earlier turns' reasoning, say (no tokenizing)
         if chars > 2 * self._longest_token * context:
-            raise RequestError(f"the prompt has {chars:,} characters, more than a context of {context:,} tokens can hold: "
+            raise ContextLengthError(f"the prompt has {chars:,} characters, more than a context of {context:,} tokens can hold: "
                                "shorten it or raise the context length")
 
     def opens_reasoning(self, request: Request) -> bool:
@@ -217,7 +217,7 @@ class Engine:
             self._check_length(request)  # here, not in encode: the app counts a long history's tokens to trim it
             yield from self._generate(self.encode(request), params, trace)
         except MoechatError as err:
-            yield Error(str(err), request_fault=isinstance(err, RequestError))
+            yield Error(str(err), request_fault=isinstance(err, RequestError), code=getattr(err, "code", None))
         except Exception as err:  # never a traceback in the UI; the engine stays usable
             yield Error(f"internal error ({type(err).__name__}: {err}); the engine is ready for the next message")
 
@@ -230,7 +230,7 @@ class Engine:
             raise MoechatError("the engine is closed: create a new Engine to score")
         ids = self.encode(Request(token_ids=token_ids))
         if len(ids) > self.model.context_len:
-            raise RequestError(f"{len(ids)} tokens do not fit the context of {self.model.context_len}")
+            raise ContextLengthError(f"{len(ids)} tokens do not fit the context of {self.model.context_len}")
         self.model.runtime.begin_request()
         self.model.runtime.reset_counters()
         cache = self.model.new_kv_cache()
@@ -253,7 +253,7 @@ class Engine:
     def _generate(self, prompt: list[int], params: SamplingParams, trace: TraceRecorder | None) -> Iterator[Event]:
         m = self.model
         if len(prompt) >= m.context_len:
-            raise RequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens but the context holds {m.context_len}: "
                 "shorten the conversation or raise the context length"
             )

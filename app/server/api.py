@@ -16,6 +16,9 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 4096  # when a request names none (the engine also stops at the end of the context)
+# OpenAI takes 4 stop strings, llama.cpp, Ollama and vLLM any number, and clients written for them send more (Continue's
+# autocomplete: its FIM template's special tokens and its own, a dozen); each is searched for at every token
+MAX_STOPS = 32
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine finish_reason -> the API's
 # What changes a reply and is not implemented here: refused when set (a client asking for JSON must not get prose with a
 # 200); the values that mean "not set" pass, as clients send them by default. Chat completions serve tools (ChatBody).
@@ -79,8 +82,8 @@ class _Body(BaseModel):
     @classmethod
     def _stops(cls, stop):
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > 4 or not all(stops):
-            raise ValueError("stop takes up to 4 non-empty strings")
+        if len(stops) > MAX_STOPS or not all(stops):
+            raise ValueError(f"takes up to {MAX_STOPS} non-empty strings")
         return stops
 
     def sampling(self):
@@ -257,8 +260,8 @@ class CompletionBody(_Body):
         return Request(prompt=one) if isinstance(one, str) else Request(token_ids=list(one))
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class Reply:

@@ -35,8 +35,9 @@ GET = ["GET", "HEAD"]  # Starlette's routes answer HEAD where they answer GET; F
 ROUTES = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /health"
 
 
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, KINDS.get(status, "invalid_request_error"), param), status_code=status,
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, KINDS.get(status, "invalid_request_error"), param, code), status_code=status,
                         headers=headers)
 
 
@@ -47,6 +48,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
         return "the request body is not valid JSON: send a JSON object", None
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("model_attributes_type", "dict_type"):
         return "the request body is not a JSON object: send one, with the header Content-Type: application/json", "body"
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") == "missing":  # no bytes: was `Field required`
+        return "the request body is empty: send a JSON object, with the header Content-Type: application/json", "body"
     # pydantic names the branch of a union it tried (`stop.str`, `prompt.list[int]`): the field is the rest
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_NAME.match(str(p))]
     field = ".".join(loc) or "body"
@@ -164,7 +167,8 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
     # still checked), without one only a page served from this machine (Ollama's default), not any website the user visits.
     # Added last, so it runs first: a preflight carries no key, and a 401 or a 500 reaches the page that sent the request.
     app.add_middleware(CORSMiddleware, allow_origins=["*"] if api_key is not None else [], allow_methods=["GET", "POST"],
-                       allow_origin_regex=None if api_key is not None else LOOPBACK_ORIGIN, allow_headers=["*"])
+                       allow_origin_regex=None if api_key is not None else LOOPBACK_ORIGIN, allow_headers=["*"],
+                       expose_headers=["Retry-After"])  # a page reads only the headers named here (and the safelisted)
     v1 = APIRouter(prefix="/v1")
 
     @app.api_route("/health", methods=GET)
@@ -223,8 +227,8 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
     try:
         engine_request = body.request()
         job = worker.submit(engine_request, body.sampling(), asyncio.get_running_loop())
-    except QueueFull as err:
-        return _error(429, str(err))
+    except QueueFull as err:  # Retry-After: the openai SDK's retries wait that long, not their own guess
+        return _error(429, str(err), headers={"Retry-After": str(err.retry_after)})
     except ShuttingDown as err:
         return _error(503, str(err))
     except (ValueError, MoechatError) as err:  # the engine's own checks of the sampling values
@@ -239,7 +243,7 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
         return _ended(worker)
     if isinstance(first, Error):  # before anything was sent: a plain 400, or 500 where the model or engine failed
         await _drain(job)
-        return _error(400 if first.request_fault else 500, first.message)
+        return _error(400 if first.request_fault else 500, first.message, code=first.code)
     if body.stream:
         return StreamingResponse(_events(job, reply, first, body.include_usage, worker), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -249,7 +253,7 @@ async def _reply(worker: EngineWorker, model_id: str, body, request: Request, ch
     if isinstance(event, Finished):
         return JSONResponse(reply.whole(event))
     if isinstance(event, Error):
-        return _error(400 if event.request_fault else 500, event.message)
+        return _error(400 if event.request_fault else 500, event.message, code=event.code)
     return _ended(worker)
 
 
@@ -288,7 +292,8 @@ async def _events(job, reply: Reply, first, include_usage: bool, worker: EngineW
                 if include_usage:
                     yield _sse(reply.usage_chunk(event.summary))
             elif isinstance(event, Error):
-                yield _sse(error_body(event.message, "invalid_request_error" if event.request_fault else "server_error"))
+                yield _sse(error_body(event.message, "invalid_request_error" if event.request_fault else "server_error",
+                                      code=event.code))
             event = await job.events.get()
         if not ended and worker.closing:
             yield _sse(error_body(STOPPING, "server_error"))

@@ -8,6 +8,7 @@ end). A job cancelled while it waits is skipped; one cancelled while it runs is 
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -17,7 +18,11 @@ from ...engine import MoechatError
 
 
 class QueueFull(MoechatError):
-    """Every waiting place is taken: the route answers 429."""
+    """Every waiting place is taken: the route answers 429, with `retry_after` (whole seconds) as its Retry-After."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ShuttingDown(MoechatError):
@@ -25,6 +30,7 @@ class ShuttingDown(MoechatError):
 
 
 STOPPING = "the server is shutting down: send the request again once it is back"
+RETRY_AFTER_MAX_S = 60  # a place may free sooner (a reply ends early, a client leaves); the openai SDK gives up past 120
 
 @dataclass
 class Job:
@@ -58,6 +64,7 @@ class EngineWorker:
         self._lock = threading.Lock()
         self.arrived = self.served = self.cancelled = 0
         self.running = False
+        self._spent_s, self._ended, self._since = 0.0, 0, 0.0  # the engine's time on the jobs it ended; the running one's start
         self._current: Job | None = None  # the job in progress: close() cancels it
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="moechat-serve-engine", daemon=True)
@@ -86,11 +93,20 @@ class EngineWorker:
             if self._closing:
                 raise ShuttingDown(STOPPING)
             if self._prune() >= self.queue_size:
-                raise QueueFull(f"the server is busy ({self.queue_size} requests already waiting): retry shortly")
+                wait = self._retry_after()
+                raise QueueFull(f"the server is busy ({self.queue_size} requests already waiting): retry in {wait} s", wait)
             job = Job(request, params, loop, asyncio.Queue(), self.arrived + 1)
             self._jobs.put_nowait(job)
             self.arrived += 1
         return job
+
+    def _retry_after(self) -> int:
+        """Whole seconds until a waiting place is likely free: one frees as the running request ends, estimated by the
+        engine's mean time per request (the running one's time so far counted), 1 to RETRY_AFTER_MAX_S."""
+        spent, count = self._spent_s, self._ended
+        if self.running:
+            spent, count = spent + time.perf_counter() - self._since, count + 1
+        return min(RETRY_AFTER_MAX_S, max(1, math.ceil(spent / count))) if count else 1
 
     @property
     def closing(self) -> bool:
@@ -127,7 +143,8 @@ class EngineWorker:
                 job.post(None)
                 continue
             self.served += 1
-            job.served, job.queued_s, self.running = self.served, time.perf_counter() - job.t_submit, True
+            self._since = time.perf_counter()
+            job.served, job.queued_s, self.running = self.served, self._since - job.t_submit, True
             events = self.engine.generate(job.request, job.params)
             try:
                 for ev in events:
@@ -140,5 +157,6 @@ class EngineWorker:
                 job.post(Error(f"internal error ({type(err).__name__}: {err}); the server is ready for the next request"))
             finally:
                 events.close()
+                self._spent_s, self._ended = self._spent_s + time.perf_counter() - self._since, self._ended + 1
                 self.running, self._current = False, None
                 job.post(None)

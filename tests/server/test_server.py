@@ -108,6 +108,12 @@ def test_stop_strings_and_seeds(client, endless):
     stop = full.message.content[10:14]
     cut = client.chat.completions.create(model="tiny", messages=endless, max_tokens=40, temperature=0, stop=[stop]).choices[0]
     assert cut.finish_reason == "stop" and cut.message.content == full.message.content[: full.message.content.index(stop)]
+    # Continue's autocomplete sends every stop it has (its FIM template's and its own) to any server but OpenAI's: was a 400
+    continues = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>",
+                 "<|file_sep|>", "<|im_start|>", "<|im_end|>", "/src/", "#- coding: utf-8", "```"]
+    many = client.chat.completions.create(model="tiny", messages=endless, max_tokens=40, temperature=0,
+                                          stop=continues + [stop]).choices[0]
+    assert many.finish_reason == "stop" and many.message.content == cut.message.content
 
     def sampled(seed: int) -> str:
         return client.chat.completions.create(model="tiny", messages=SEA, max_tokens=24, temperature=1.0,
@@ -162,6 +168,8 @@ def test_a_full_queue_is_429_and_the_queued_request_still_runs(server, client, e
     with pytest.raises(openai.RateLimitError) as err:
         client.chat.completions.create(model="tiny", messages=SEA, max_tokens=4)
     assert err.value.status_code == 429 and "busy" in err.value.message
+    wait = err.value.response.headers.get("retry-after", "")  # the openai SDK's retries wait this long
+    assert wait.isdigit() and 1 <= int(wait) <= 60 and f"retry in {wait} s" in err.value.message
     stream.close()  # the running one is cancelled; the queued one runs
     waiting.join(60)
     assert queued["reply"].usage.completion_tokens >= 1
@@ -191,12 +199,13 @@ def test_api_keys(server):
     ({"messages": SEA, "min_p": 0.05}, "`min_p` is not supported"),
     ({"messages": SEA, "repetition_penalty": 1.1}, "`repetition_penalty` is not supported"),
     ({"messages": SEA, "n": 2}, "only n = 1 is supported"),
-    ({"messages": SEA, "stop": ["a", "b", "c", "d", "e"]}, "up to 4"),
+    ({"messages": SEA, "stop": [f"s{i}" for i in range(33)]}, "up to 32"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "only text content"),
     ({"messages": [{"role": "user", "content": "sea " * 20000}]}, "context"),
     ({"messages": SEA, "chat_template_kwargs": {"enable_thinking": "maybe"}}, "enable_thinking"),
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "not Unicode"),  # a JSON escape of a lone surrogate
     (b'"messages"', "not a JSON object: send one, with the header Content-Type: application/json"),
+    (b"", "the request body is empty: send a JSON object"),  # was `Field required`, naming nothing
     (b'{"messages": "\xff\xfe"}', "could not be read as JSON (not UTF-8 text"),
     ({"messages": SEA, "stop": [1, 2]}, "stop: Input should be a valid string"),  # not `stop.str`, pydantic's branch
     ({"messages": SEA, "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template takes no tools"),
@@ -212,6 +221,8 @@ def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
     assert status == 400, reply
     assert set(reply["error"]) == {"message", "type", "param", "code"} and reply["error"]["type"] == "invalid_request_error"
     assert says in reply["error"]["message"] and "\n" not in reply["error"]["message"]
+    # OpenAI's code for a prompt past the context: clients read it to trim the conversation and send it again
+    assert reply["error"]["code"] == ("context_length_exceeded" if "context" in says else None)
 
 
 def test_a_broken_chat_template_is_the_servers_fault_and_the_next_request_runs(server, client):
@@ -501,6 +512,62 @@ def test_jobs_whose_clients_left_hold_no_memory_in_the_queue():
         loop.close()
 
 
+def test_a_full_queues_retry_after_is_the_engines_mean_time_per_request(monkeypatch):
+    """429s carried no Retry-After: the openai SDK retried after its own 0.5-8 s, whatever the server's pace. A place frees
+    as the running request ends: the wait is the mean time per request (the running one's time so far counted), 1 to 60 s."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from moechat.app.server import worker as worker_module
+    from moechat.app.server.worker import EngineWorker, QueueFull
+
+    now = [0.0]
+    monkeypatch.setattr(worker_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    releases = {}
+
+    class Held:
+        def generate(self, request, params):
+            releases.setdefault(request.prompt, threading.Event()).wait(30)
+            yield from ()
+
+        def close(self):
+            pass
+
+    worker, loop = EngineWorker(Held(), queue_size=1), asyncio.new_event_loop()
+
+    def refused() -> QueueFull:
+        with pytest.raises(QueueFull) as err:
+            worker.submit(Request(prompt="refused"), SamplingParams(), loop)
+        return err.value
+
+    def running(prompt: str) -> None:
+        deadline = time.monotonic() + 10
+        while not (prompt in releases and worker.running):  # its generate is waiting: the worker has started it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    try:
+        worker.submit(Request(prompt="a"), SamplingParams(), loop)
+        running("a")
+        worker.submit(Request(prompt="b"), SamplingParams(), loop)  # the one waiting place
+        assert refused().retry_after == 1  # no time spent yet: at least 1
+        now[0] = 10.0
+        assert refused().retry_after == 10 and "retry in 10 s" in str(refused())
+        now[0] = 30.0
+        releases["a"].set()  # a took 30 s; b runs from 30
+        running("b")
+        worker.submit(Request(prompt="c"), SamplingParams(), loop)
+        now[0] = 40.5
+        assert refused().retry_after == 21  # (30 + 10.5) / 2, rounded up
+        now[0] = 1000.0
+        assert refused().retry_after == 60
+    finally:
+        for prompt in "abc":
+            releases.setdefault(prompt, threading.Event()).set()
+        worker.close()
+        loop.close()
+
+
 def call(url: str, method: str, headers: dict, body: dict | None = None) -> tuple[int, dict, dict]:
     """A request as a browser sends it -> (status, headers with lowercase names, the JSON body or {})."""
     data = None if body is None else json.dumps(body).encode()
@@ -540,6 +607,7 @@ def test_browser_front_ends_get_cors_and_a_key_is_still_required(server):
     status, headers, reply = call(server.url + "/chat/completions", "POST", {**cross, "Authorization": f"Bearer {KEY}"},
                                   {"messages": SEA, "max_tokens": 1})
     assert status == 200 and reply["usage"]["completion_tokens"] == 1 and "access-control-allow-origin" in headers
+    assert headers["access-control-expose-headers"].lower() == "retry-after"  # a 429's wait, readable by the page
 
     from types import SimpleNamespace
 
