@@ -178,8 +178,8 @@ def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict 
             "free space there (MoE checkpoints take 15-60 GiB), or keep models on a larger disk and pass --model DIR")
     if native is not None and not native["built"]:
         add(f"the native CPU expert kernel is not in use: {native['status']}",
-            "install a C++ compiler (Debian/Ubuntu: apt install g++; macOS: xcode-select --install), then run "
-            "`moechat doctor` again to build it")
+            "install a C++ compiler (Debian/Ubuntu: apt install g++; macOS: xcode-select --install; Windows: winget install "
+            "BrechtSanders.WinLibs.POSIX.UCRT, in a new terminal), then run `moechat doctor` again to build it")
     if not profiles["models"]:
         add(f"no calibration profile for this machine (fingerprint {profiles['fingerprint']})",
             "run `moechat calibrate` (add --model DIR for a model other than the default)")

@@ -35,6 +35,8 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 CPU_ISA = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4, "amx_bf16": 5, "avx512_vnni": 6, "amx_int8": 7,
            "avx_vnni": 8}
 SUFFIX = {"win32": ".dll", "darwin": ".dylib"}.get(sys.platform, ".so")
+# where no compiler is found on Windows: MinGW-w64's g++ with posix threads (csrc/cpu/pool.h), in a terminal opened after
+WINDOWS_COMPILER = "install MinGW-w64's g++: winget install BrechtSanders.WinLibs.POSIX.UCRT, then open a new terminal"
 
 
 class NativeBuildError(Exception):
@@ -83,7 +85,8 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
     there already (keyed by sources, the headers they include, flags, compiler and platform)."""
     cxx = compiler()
     if cxx is None:
-        raise NativeBuildError("no C++ compiler found (install g++ or clang++, or set CXX)")
+        install = WINDOWS_COMPILER if sys.platform == "win32" else "install g++ or clang++"
+        raise NativeBuildError(f"no C++ compiler found ({install}, or set CXX)")
     version, folder = _version(cxx), cache_dir()
     ldflags = [*ldflags, *_static_runtime(version)]
     digest = hashlib.sha256()
@@ -117,7 +120,11 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
                 with contextlib.suppress(OSError):
                     hung.write_text(f"{cxx}\n{version}")
             raise
-        os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+        try:
+            os.replace(tmp, out)  # atomic: a concurrent process sees the whole library or none
+        except PermissionError:  # Windows: another process built the same library and has it loaded; it is this one
+            if not out.exists():
+                raise
     return out
 
 
@@ -175,7 +182,8 @@ def _run_all(cmds: list[list[str]], cxx: str, log: Path, deadline: float) -> Non
     for cmd, done in results:
         if done.returncode != 0:
             log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
-            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:200]) or \
+            said = done.stderr.strip().splitlines()  # GNU as says `Error:`, GCC `error:`
+            first = next((ln for ln in said if "error:" in ln.lower()), said[0][:200] if said else "") or \
                 f"{Path(cmd[0]).name} exited with status {done.returncode}"  # a compiler that failed without a word
             raise NativeBuildError(f"the build failed ({first.strip()}); full log in {log}")
 

@@ -68,4 +68,18 @@ if (-not ($UserPath -split ";" | Where-Object { $_ -eq $Scripts })) {
     [Environment]::SetEnvironmentVariable("Path", "$UserPath;$Scripts", "User")
     Write-Host "moechat install: added $Scripts to your PATH (open a new terminal)"
 }
+
+# Native kernels, built now with this machine's C++ compiler (else on first use), as install.sh does. Optional: without
+# one moechat runs on its PyTorch paths
+$ErrorActionPreference = "Continue"
+& $Py -m moechat.engine.native *> $null
+$Built = $LASTEXITCODE -eq 0
+$ErrorActionPreference = "Stop"
+if ($Built) {
+    Write-Host "moechat install: native kernels built"
+} else {
+    Write-Host ("moechat install: native CPU kernels not built (no C++ compiler? winget install " +
+                "BrechtSanders.WinLibs.POSIX.UCRT, then run this again in a new terminal); moechat uses its PyTorch paths. " +
+                "See: moechat doctor")
+}
 & "$Scripts\moechat.exe" --version

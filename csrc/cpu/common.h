@@ -22,6 +22,18 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#if defined(_WIN32) && defined(_tile_loadd_internal)
+// GCC 12's AMX macros pass the stride as `long`, 32 bits on Windows: no address register, the assembler rejects the
+// build; these are its macros with the stride in 64 bits (__PTRDIFF_TYPE__, as later GCCs have them)
+#undef _tile_loadd_internal
+#define _tile_loadd_internal(dst, base, stride)                                                       \
+    __asm__ volatile("{tileloadd\t(%0,%1,1), %%tmm" #dst "|tileloadd\t%%tmm" #dst ", [%0+%1*1]}" :: \
+                         "r"((const void*)(base)), "r"((__PTRDIFF_TYPE__)(stride)))
+#undef _tile_stored_internal
+#define _tile_stored_internal(src, base, stride)                                                        \
+    __asm__ volatile("{tilestored\t%%tmm" #src ", (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm" #src "}" :: \
+                         "r"((void*)(base)), "r"((__PTRDIFF_TYPE__)(stride)) : "memory")
+#endif
 #endif
 
 namespace {

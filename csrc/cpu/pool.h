@@ -18,6 +18,10 @@
 #include <pthread.h>
 #endif
 
+#if defined(__GLIBCXX__) && !defined(_GLIBCXX_HAS_GTHREADS)  // MinGW-w64's g++ before GCC 13 built with win32 threads
+#error "this g++ has no std::thread: use a MinGW-w64 g++ with posix threads (WinLibs' POSIX build, MSYS2's) or GCC 13 or later"
+#endif
+
 namespace moe_pool {
 
 constexpr double SPIN_US = 100.0;  // how long a worker or the caller spins before it sleeps

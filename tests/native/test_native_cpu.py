@@ -1,6 +1,7 @@
 """The native CPU expert FFN (csrc/cpu) against its pure-PyTorch twin, on every path this CPU has."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import sys
@@ -215,6 +216,16 @@ def test_missing_compiler_gives_a_notice_and_the_torch_path(monkeypatch, tmp_pat
         native.reset()
 
 
+def test_no_compiler_on_windows_names_one_to_install(monkeypatch, tmp_path):
+    """On Windows the line said `install g++ or clang++`: no package manager there has a package by either name."""
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    monkeypatch.setattr(sys, "platform", "win32")
+    with pytest.raises(native.NativeBuildError, match=r"^no C\+\+ compiler found \(install MinGW-w64's g\+\+: winget install "
+                       r"BrechtSanders\.WinLibs\.POSIX\.UCRT, then open a new terminal, or set CXX\)$"):
+        native.build("none", [tmp_path / "s.cpp"])
+
+
 def test_native_off_by_environment(monkeypatch):
     monkeypatch.setenv("MOECHAT_NATIVE", "0")
     native.reset()
@@ -376,6 +387,41 @@ def test_a_failing_source_among_several_gives_one_line_and_a_log(monkeypatch, tm
 
     lib = ctypes.CDLL(str(native.build("two_ok", [good, other])))
     assert lib.answer() == 42 and lib.twice(21) == 42
+
+
+def test_a_library_another_process_built_and_holds_open_is_used(monkeypatch, tmp_path):
+    """Windows refuses to replace a DLL a process has loaded: two first starts building at once, the second's rename over
+    the first's (loaded) library failed, and it ran on the PyTorch paths. The same library is there: it is used."""
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "one.cpp"
+    source.write_text('extern "C" __attribute__((visibility("default"))) int answer() { return 42; }\n')
+    replace = os.replace
+
+    def loaded_elsewhere(src, dst):
+        replace(src, dst)  # the other process's build landed first, and it has the file open
+        raise PermissionError(13, "Access is denied", str(dst))
+
+    monkeypatch.setattr(native.os, "replace", loaded_elsewhere)
+    path = native.build("held", [source])
+    monkeypatch.setattr(native.os, "replace", replace)
+    assert ctypes.CDLL(str(path)).answer() == 42
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_an_assembler_failure_is_one_line_that_names_it(monkeypatch, tmp_path):
+    """GNU as says `Error:` (capitalized; GCC 12's AMX macros on Windows met one): the notice was the first 200 characters
+    of the output, lines and all, starting with `Assembler messages:`."""
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "asm.cpp"
+    source.write_text('void f() { asm volatile("no_such_instruction %eax"); }\n')
+    with pytest.raises(native.NativeBuildError) as err:
+        native.build("asm", [source])
+    msg = str(err.value)
+    assert "\n" not in msg and "no_such_instruction" in msg and "full log in" in msg, msg
 
 
 def test_a_compiler_that_fails_without_a_word_says_its_exit_status(monkeypatch, tmp_path):
