@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from textual.message import Message
 
-from ..engine import EngineConfig, MoechatError, RequestError, SamplingParams
+from ..engine import EngineConfig, MoechatError, RequestError, SamplingParams, out_of_vram
 from .models import draft_model_name, model_name
 from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (
@@ -176,7 +176,7 @@ class EngineBridge:
             except MoechatError as err:  # already says what to do
                 self._send(EngineFailed(one_line(err)))
             except Exception as err:  # never a traceback in the UI; the thread waits for the next command
-                self._send(EngineFailed(one_line(f"cannot load the model ({type(err).__name__}: {err})")))
+                self._send(EngineFailed(one_line(out_of_vram(err) or f"cannot load the model ({type(err).__name__}: {err})")))
         self._drop_engine(collect=False)  # closing: end its worker threads; the memory goes with the process
 
     def _drop_engine(self, collect: bool = True) -> None:

@@ -356,10 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as err:
-        from ..engine import MoechatError
+        from ..engine import MoechatError, out_of_vram
 
         if isinstance(err, (MoechatError, ValueError)):
             return _fail(str(err))
+        if out_of_vram(err):
+            return _fail(out_of_vram(err))
         if _out_of_memory(err):
             return _fail(f"out of memory ({err}): close other programs, or give moechat less to hold: a --ram-budget-gib "
                          "below the experts' size (read from disk then), --quant int4, or a shorter --context-len")

@@ -13,7 +13,7 @@ import torch
 
 from .config import EngineConfig, SamplingParams, prefill_passes
 from .detokenizer import Detokenizer
-from .errors import CheckpointError, ContextLengthError, MoechatError, NumericsError, RequestError
+from .errors import CheckpointError, ContextLengthError, MoechatError, NumericsError, RequestError, out_of_vram
 from .events import Error, Event, Finished, LoadProgress, PrefillProgress, StepStats, Summary, TokenDelta
 from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
@@ -219,7 +219,8 @@ class Engine:
         except MoechatError as err:
             yield Error(str(err), request_fault=isinstance(err, RequestError), code=getattr(err, "code", None))
         except Exception as err:  # never a traceback in the UI; the engine stays usable
-            yield Error(f"internal error ({type(err).__name__}: {err}); the engine is ready for the next message")
+            yield Error(out_of_vram(err) or f"internal error ({type(err).__name__}: {err}); the engine is ready for the next "
+                        "message")
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

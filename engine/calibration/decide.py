@@ -25,7 +25,16 @@ from typing import TYPE_CHECKING
 
 from ..config import QUANTS, SchedulerConfig, SpecConfig, UnitCosts
 from ..errors import BudgetError
-from ..model.memory_budgets import GIB, expert_store_room, gib, max_cache_experts, ram_headroom, vram_fixed, vram_margin
+from ..model.memory_budgets import (
+    GIB,
+    expert_store_room,
+    gib,
+    max_cache_experts,
+    ram_headroom,
+    vram_fixed,
+    vram_margin,
+    vram_too_small,
+)
 from ..placement import best_gpu
 from .types import Decisions, Hardware, Measurements
 
@@ -247,12 +256,7 @@ def _vram_split(est: MemoryEstimate, vram: int, reasons: dict[str, str]) -> tupl
     """(expert slots, the VRAM split): as many experts as fit beside the fixed part and the margin."""
     margin, fixed = vram_margin(vram), vram_fixed(est)
     if fixed + margin > vram:
-        raise BudgetError(
-            f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached "
-            f"(non-expert {gib(est.non_expert_bytes)}, KV for {est.context_len} tokens {gib(est.kv_bytes)}, "
-            f"draft {gib(est.draft_bytes)}, margin {gib(margin)}), the VRAM budget is {gib(vram)}: "
-            "lower --context-len, use a smaller model, or run on the CPU"
-        )
+        raise BudgetError(vram_too_small(est, vram))
     slots = max_cache_experts(est, vram)
     cache = slots * est.expert_bytes
     reasons["expert_cache_ratio"] = (f"{slots / est.num_experts_total:.3f}: {slots} of {est.num_experts_total} experts "

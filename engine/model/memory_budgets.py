@@ -144,6 +144,23 @@ def _virtual_memory(field: str) -> int | None:
         return None
 
 
+def vram_too_small(est: MemoryEstimate, vram_budget: int) -> str:
+    """The line refusing a VRAM budget that the weights, KV cache and margin exceed before any expert is cached, with what
+    makes it fit: the context whose KV cache fits beside the weights (none where the weights alone do not fit), no draft
+    model, the CPU."""
+    margin = vram_margin(vram_budget)
+    parts = f"non-expert weights {gib(est.non_expert_bytes)} + KV cache for {est.context_len} tokens {gib(est.kv_bytes)}"
+    if est.draft_bytes:
+        parts += f" + draft model {gib(est.draft_bytes)}"
+    per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token
+    weights = vram_fixed(est) - per_token * est.context_len  # the target's and a draft model's, without their KV caches
+    fits = (vram_budget - margin - weights) // per_token if per_token else 0
+    ways = ([f"lower --context-len to {fits:,} or less"] if fits > 0 else []) + \
+        (["use a smaller draft or none"] if est.draft_bytes else []) + ["run on the CPU (--device cpu)"]
+    return (f"{est.model_type} needs {gib(vram_fixed(est) + margin)} of VRAM before any expert is cached ({parts} + margin "
+            f"{gib(margin)}), the VRAM budget is {gib(vram_budget)}: {', '.join(ways)}, or use a smaller model")
+
+
 def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int | None,
                   expert_cache_bytes: int = 0, host_tier: str = "ram") -> None:
     """Raise a one-line BudgetError with the numbers and what to change when the model cannot fit.
@@ -154,14 +171,7 @@ def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int 
     if vram_budget is not None:
         fixed, margin = vram_fixed(est), vram_margin(vram_budget)
         if fixed + margin > vram_budget:
-            parts = f"non-expert weights {gib(est.non_expert_bytes)} + KV cache for {est.context_len} tokens {gib(est.kv_bytes)}"
-            if est.draft_bytes:
-                parts += f" + draft model {gib(est.draft_bytes)}"
-            raise BudgetError(
-                f"{est.model_type} needs {gib(fixed + margin)} of VRAM before any expert is cached "
-                f"({parts} + margin {gib(margin)}), the VRAM budget is {gib(vram_budget)}: lower --context-len, "
-                "use a smaller draft or none, or use a smaller model"
-            )
+            raise BudgetError(vram_too_small(est, vram_budget))
         if fixed + margin + expert_cache_bytes > vram_budget:
             fit = max_cache_experts(est, vram_budget)
             raise BudgetError(

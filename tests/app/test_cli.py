@@ -88,6 +88,24 @@ def test_memory_the_system_refuses_is_one_line_that_says_what_to_do(monkeypatch,
         assert "internal error" not in err
 
 
+def test_the_gpu_out_of_memory_at_load_is_one_line_that_says_what_to_do(monkeypatch, capsys):
+    """A load whose allocation the GPU refused (a game took VRAM between the free read and the allocation) said "internal
+    error (OutOfMemoryError: CUDA out of memory. ...); please report it"; the driver's own wording went the same way."""
+    import torch
+
+    from moechat.app import estimate
+    from moechat.app.cli import main
+
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+                                         "11.99 GiB of which 3.44 MiB is free."),
+                  RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")):
+        monkeypatch.setattr(estimate, "cmd_estimate", lambda args, error=error: (_ for _ in ()).throw(error))
+        assert main(["estimate"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("moechat: error: the GPU is out of memory (") and "\n" not in err, err
+        assert "close programs that use it" in err and "--vram-budget-gib" in err and "internal error" not in err
+
+
 def mmap_fails():
     import errno
     import os

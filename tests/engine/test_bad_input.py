@@ -298,6 +298,34 @@ def test_a_nan_logit_ends_the_reply_in_one_line_and_the_engine_recovers(checkpoi
     assert isinstance(again, Finished) and again.token_ids == good.token_ids
 
 
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 1.12 GiB. GPU 0 has a total capacity of 11.99 GiB of which 312.00 MiB "
+            "is free. Including non-PyTorch memory, this process has 10.30 GiB memory in use.")
+
+
+def test_the_gpu_out_of_memory_mid_reply_says_what_to_do(checkpoint, monkeypatch):
+    """A game or a browser that takes VRAM after the load sized the expert cache and KV room to what was free: the
+    next allocation fails, and the reply ended in "internal error (OutOfMemoryError: CUDA out of memory. ...)". It says
+    the GPU is full and what frees it; the next reply runs."""
+    import torch
+
+    engine = load(checkpoint("qwen3_moe"))
+    good = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=4)))[-1]
+    real = engine._generate
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(engine, "_generate", full)
+    events = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=4)))
+    message = one_line(Exception(events[-1].message))
+    assert len(events) == 1 and isinstance(events[0], Error) and "internal error" not in message
+    assert message.startswith("the GPU is out of memory (CUDA out of memory. Tried to allocate 1.12 GiB): close programs")
+    assert "--vram-budget-gib" in message
+    monkeypatch.setattr(engine, "_generate", real)
+    again = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=4)))[-1]
+    assert isinstance(again, Finished) and again.token_ids == good.token_ids
+
+
 def test_bad_token_ids(checkpoint):
     """The message names the id out of range (was "must be non-empty and in 0..319", whichever of many it was)."""
     engine = load(checkpoint("olmoe"))
