@@ -220,7 +220,8 @@ OPTIONS: tuple[Option, ...] = (
            choices=QUANTS,
            unset=_FROM_PROFILE.format("none"), label="Quantized experts", placeholder="from calibration", widget="select"),
     Option("expert_cache_ratio", float, None, "share of routed experts kept on the compute device, the fast tier",
-           "engine", low=0, high=1, unset="the calibration profile on cuda, else 0.25 on cuda, 0 on cpu",
+           "engine", low=0, high=1, unset="the calibration profile on cuda, else what the free VRAM holds beside "
+           "the weights, KV cache and margin on cuda, 0 on cpu",
            label="Expert cache ratio", placeholder="from calibration", metavar="R"),
     Option("expert_cache_gib", float, None, "the fast tier as a byte budget, overriding the ratio",
            "engine", unit="GiB", low=0, high=GIB_MAX, setting=False, metavar="GIB"),

@@ -127,10 +127,12 @@ class EngineConfig:
     model_dir: str
     device: str = "cpu"  # compute device: "cpu" or "cuda[:N]"
     dtype: str = "float32"  # compute dtype
-    expert_cache_ratio: float | None = None  # share of routed experts on the fast tier; None: 0.25 on CUDA, 0 on CPU
+    # share of routed experts on the fast tier; None: on CUDA what the free VRAM holds beside the rest and the margin (all
+    # of them at most, as calibration's VRAM split), on a CPU 0
+    expert_cache_ratio: float | None = None
     expert_cache_bytes: int | None = None  # byte budget for the fast tier; overrides the ratio
     # the ratio or bytes are a ceiling, not the user's: a fast tier the free VRAM cannot hold at load shrinks to what it
-    # can, with a notice (the default ratio, or a calibration profile's, measured before other programs took VRAM)
+    # can, with a notice (a calibration profile's, measured before other programs took VRAM)
     fit_expert_cache: bool = False
     host_ram_budget_bytes: int | None = None  # all the RAM moechat may use; experts past expert_store_room: mmap'd
     vram_budget_bytes: int | None = None  # everything on the GPU (weights, KV, draft, experts, margin); None: free VRAM
@@ -147,10 +149,10 @@ class EngineConfig:
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.quant in QUANTS, f"quant must be one of {', '.join(QUANTS)}, got {self.quant!r}")
         _check(self.device == "cpu" or self.device.startswith("cuda"), f"device must be cpu or cuda, got {self.device!r}")
-        if self.expert_cache_ratio is None:  # on a CPU-only machine the fast tier is RAM too: copies buy nothing
-            self.expert_cache_ratio = 0.0 if self.device == "cpu" else 0.25
-            self.fit_expert_cache = self.fit_expert_cache or self.expert_cache_bytes is None  # a default: fitted
-        _check(0.0 <= self.expert_cache_ratio <= 1.0, f"expert cache ratio must be in [0, 1], got {self.expert_cache_ratio}")
+        if self.expert_cache_ratio is None and self.device == "cpu":  # the fast tier is RAM too: copies buy nothing
+            self.expert_cache_ratio = 0.0
+        _check(self.expert_cache_ratio is None or 0.0 <= self.expert_cache_ratio <= 1.0,
+               f"expert cache ratio must be in [0, 1], got {self.expert_cache_ratio}")
         _check(self.expert_cache_bytes is None or self.expert_cache_bytes >= 0, "expert cache bytes must be >= 0")
         _check(self.vram_budget_bytes is None or self.vram_budget_bytes >= 0, "VRAM budget must be >= 0")
         _check(self.context_len is None or self.context_len >= 1, "context length must be >= 1")

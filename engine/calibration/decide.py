@@ -153,6 +153,15 @@ def tokens_per_second(est: MemoryEstimate, meas: Measurements, hot: float) -> di
     return {g: omega(g, alpha) / (g * t_d + verify(g)) for g in range(MAX_DRAFT_LEN + 1)}
 
 
+def _times(speedup: float) -> str:
+    """A predicted speed-up over no drafter, "0.87×": a third decimal where two read 1.00 for one that is not 1 (a drafter
+    is kept above 1 and dropped below: "predicted 1.00×" for a dropped one said neither)."""
+    if f"{speedup:.2f}" != "1.00" or speedup == 1.0:
+        return f"{speedup:.2f}×"
+    text = f"{speedup:.3f}"
+    return (text if text != "1.000" else "0.999" if speedup < 1 else "1.001") + "×"
+
+
 def choose_draft_len(est: MemoryEstimate, meas: Measurements, hot: float) -> tuple[int, float, str]:
     """(γ, predicted speed-up over no drafter, reason)."""
     rate = tokens_per_second(est, meas, hot)
@@ -166,7 +175,7 @@ def choose_draft_len(est: MemoryEstimate, meas: Measurements, hot: float) -> tup
         held = "holds" if a_b < omega(gamma, alpha) else "fails, so the gain is the fixed part of T_V and draft-phase prefetch"
         reuse = f"; expert reuse a/b = {a_b:.1f} vs Ω: {held}"
     why = (f"γ = {gamma} maximises Ω/(γ·T_D + T_V) at α = {alpha:.2f}, T_D = {meas.draft_s_per_token * 1e3:.1f} ms: "
-           f"Ω = {omega(gamma, alpha):.2f} tokens/step, {rate[gamma]:.1f} tok/s, {speedup:.2f}× no drafter{reuse}")
+           f"Ω = {omega(gamma, alpha):.2f} tokens/step, {rate[gamma]:.1f} tok/s, {_times(speedup)} no drafter{reuse}")
     return gamma, speedup, why
 
 
@@ -214,19 +223,22 @@ def _gib_short(n: int) -> str:
     return f"{n / GIB:.1f}" if n >= GIB else f"{n / GIB:.2f}"
 
 
-def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]) -> str:
-    """"ram" when every routed expert fits the RAM budget with headroom, else "mmap" (read from the checkpoint)."""
+def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], budget: bool) -> str:
+    """"ram" when every routed expert fits the RAM budget (budget False: none set, `ram` is the RAM free) with headroom,
+    else "mmap" (read from the checkpoint)."""
     on_host = 0 if has_gpu else est.host_bytes  # CPU-only: the rest lives in RAM too
     need = est.all_experts_bytes + on_host + ram_headroom(ram)
     room = expert_store_room(est, ram, has_gpu)
     host_tier = "ram" if est.all_experts_bytes <= room else "mmap"
     if room < 0:
+        short = (f"the RAM budget is {gib(ram)}: raise the RAM budget" if budget else
+                 f"{gib(ram)} of RAM is free: close other programs")
         raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts "
-                          f"(non-expert weights, KV cache, headroom), the RAM budget is {gib(ram)}: raise the RAM budget, "
-                          "lower the context length, or use a smaller model")
+                          f"(non-expert weights, KV cache, headroom), {short}, lower the context length, or use a smaller model")
     besides = f"experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)}"
-    reasons["host_tier"] = (f"ram: {besides} fit the {gib(ram)} RAM budget" if host_tier == "ram" else
-                            f"mmap: {besides} exceed the {gib(ram)} RAM budget; experts are read from "
+    of = f"{gib(ram)} RAM budget" if budget else f"{gib(ram)} of free RAM"
+    reasons["host_tier"] = (f"ram: {besides} fit the {of}" if host_tier == "ram" else
+                            f"mmap: {besides} exceed the {of}; experts are read from "
                             + ("the checkpoint files" if est.quant == "none" else f"their {est.quant} files on disk"))
     return host_tier
 
@@ -239,9 +251,9 @@ def _decide_cpu_only(est: MemoryEstimate, meas: Measurements, host_tier: str, dr
     drafter = draft_models[0] if draft_models and speedup > 1.0 and meas.acceptance is not None else "none"
     reasons.update(
         expert_cache_ratio="0: no GPU, the fast tier would be RAM too and copies buy nothing",
-        drafter=(f"{drafter}: predicted {speedup:.2f}× no drafter on the CPU" if drafter != "none" else
+        drafter=(f"{drafter}: predicted {_times(speedup)} no drafter on the CPU" if drafter != "none" else
                  "none: no GPU, so self-draft has no resident experts, and no draft model was measured to pay" +
-                 (f" (predicted {speedup:.2f}× no drafter)" if draft_models and meas.acceptance is not None else "")),
+                 (f" (predicted {_times(speedup)} no drafter)" if draft_models and meas.acceptance is not None else "")),
         draft_len=why if drafter != "none" else f"γ = {gamma}, unused with no drafter",
         policy="lru: with no fast tier the residency policy is moot",
     )
@@ -272,7 +284,7 @@ def _vram_split(est: MemoryEstimate, vram: int, reasons: dict[str, str]) -> tupl
 def _drafter_reason(drafter: str, speedup: float, est: MemoryEstimate, draft_options) -> tuple[str, str]:
     """(the drafter kept, why): one that is predicted to slow decoding down is dropped."""
     if drafter != "none" and speedup < 1.0:
-        return "none", f"none: drafting is predicted {speedup:.2f}× of no drafter on this machine"
+        return "none", f"none: drafting is predicted {_times(speedup)} of no drafter on this machine"
     if drafter == "self":
         return drafter, "self: the target drafts with its resident experts, no second model in VRAM"
     if drafter != "none":
@@ -302,7 +314,7 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     gpu = best_gpu(hw.gpus) if hw.gpus else None  # the one `auto` runs on
     ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
     given, est = est, _quant(est, ram, gpu is not None, reasons, quant)
-    host_tier = _host_tier(est, ram, gpu is not None, reasons)
+    host_tier = _host_tier(est, ram, gpu is not None, reasons, budget=ram_budget is not None)
     draft_models = [d for d in draft_options if d not in ("none", "self")]
     if gpu is None:
         return _decide_cpu_only(est, meas, host_tier, draft_models, reasons)
@@ -317,7 +329,7 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     gamma, speedup, why = choose_draft_len(est, meas, ratio)
     if drafter != "none" and speedup < 1.0 and est.draft_bytes:  # decide again without reserving VRAM for the draft model
         d = decide(hw, replace(given, draft_bytes=0), meas, vram_budget, ram_budget, ("none",), quant)
-        d.reasons["drafter"] = f"none: {drafter} is predicted {speedup:.2f}× of no drafter on this machine"
+        d.reasons["drafter"] = f"none: {drafter} is predicted {_times(speedup)} of no drafter on this machine"
         return d
     drafter, reasons["drafter"] = _drafter_reason(drafter, speedup, est, draft_options)
     reasons["draft_len"] = why if drafter != "none" else f"γ = {gamma}, unused with no drafter"

@@ -357,20 +357,26 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     """Refuse a model that cannot fit, from the config alone: VRAM (free on the device) for the
     non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store (and without a GPU,
     the user's budget for the non-expert weights and KV cache).
-    -> the config, its fast tier shrunk to the free VRAM where `fit_expert_cache` allows, and a line saying so."""
+    -> the config, its fast tier sized to the free VRAM (none set: what it holds; a ceiling `fit_expert_cache` allows
+    shrunk to it), and a line saying where a ceiling shrank."""
     vram = _vram(cfg, device)
     machine, given = physical_ram_bytes(), cfg.host_ram_budget_bytes
     cfg, notices = _held_to_the_machine(cfg, est, machine, device.type == "cuda")
     user_ram = cfg.host_ram_budget_bytes
     room = None if user_ram is None else expert_store_room(est, user_ram, device.type == "cuda")
     tier = "mmap" if room is not None and room < est.all_experts_bytes else "ram"  # as ExpertStore decides from the room
-    cache = cache_bytes_for(est, cfg.expert_cache_ratio, cfg.expert_cache_bytes) if vram is not None else 0
-    if vram is not None and cfg.fit_expert_cache and est.expert_bytes and vram_fixed(est) + vram_margin(vram) <= vram:
-        fit = max_cache_experts(est, vram) * est.expert_bytes
-        if cache > fit:
-            notices.append(f"expert cache {gib(fit)} instead of {gib(cache)}: what the {gib(vram)} of free VRAM holds now "
-                           "(other programs use the rest; `moechat calibrate` measures again)")
-            cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
+    fits = vram is not None and est.expert_bytes > 0 and vram_fixed(est) + vram_margin(vram) <= vram
+    fit = max_cache_experts(est, vram) * est.expert_bytes if fits else 0
+    if vram is None:
+        cache = 0
+    elif cfg.expert_cache_ratio is None and cfg.expert_cache_bytes is None:  # none set: what the free VRAM holds
+        cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
+    else:
+        cache = cache_bytes_for(est, cfg.expert_cache_ratio, cfg.expert_cache_bytes)
+    if fits and cfg.fit_expert_cache and cache > fit:
+        notices.append(f"expert cache {gib(fit)} instead of the calibration profile's {gib(cache)}: what the {gib(vram)} of "
+                       "free VRAM holds now (other programs took the rest since; `moechat calibrate` measures again)")
+        cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
     if given and device.type != "cuda":  # 0: a profile's "experts from disk", no budget to hold the rest to
         check_host_room(est, user_ram)
     elif given is None and device.type != "cuda" and machine:  # no budget: the KV cache at the context, on this machine

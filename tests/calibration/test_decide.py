@@ -436,6 +436,41 @@ def test_cpu_only_takes_a_draft_model_only_when_it_pays(known, monkeypatch):
     assert d.drafter == "none" and "predicted 0." in d.reasons["drafter"], d.reasons["drafter"]
 
 
+def test_a_dropped_drafter_is_never_said_to_be_predicted_at_1x(known, monkeypatch):
+    """A drafter is kept above 1× and dropped below: one predicted 0.996× was dropped as "predicted 1.00× of no drafter",
+    which says neither; a kept one at 1.004× read "predicted 1.00×" too."""
+    from moechat.engine.calibration import decide as decide_module
+
+    est = known["Qwen3-30B-A3B"]
+    cases = (("desktop-4090", ("none", "self"), est),
+             ("desktop-4090", ("none", "/models/draft"), replace(est, draft_bytes=int(4.5 * GIB))),  # decided again
+             ("cpu-16g", ("none", "/models/draft"), est))
+    for speedup, said, kept in ((0.996, "0.996×", False), (0.9999, "0.999×", False), (1.004, "1.004×", True)):
+        monkeypatch.setattr(decide_module, "choose_draft_len", lambda est, meas, hot, s=speedup: (4, s, "γ = 4"))
+        for machine, options, e in cases:
+            meas = replace(synthetic(machine, est), acceptance=0.6)
+            d = decide(MACHINES[machine][0], e, meas, draft_options=options)
+            assert (d.drafter != "none") == kept, (speedup, machine, options)
+            if not kept or machine == "cpu-16g":  # the GPU's kept drafters give no figure
+                assert said in d.reasons["drafter"] and "1.00×" not in d.reasons["drafter"], d.reasons["drafter"]
+
+
+def test_the_host_tier_names_the_ram_budget_only_where_one_is_set(known):
+    """Without a RAM budget decide() counts the RAM free now: its reason said "the 58.00 GiB RAM budget" all the same, and
+    a machine short of RAM was told to raise a budget it never set."""
+    est = known["Qwen3-30B-A3B"]
+    hw = MACHINES["desktop-4090"][0]
+    meas = synthetic("desktop-4090", est)
+    assert decide(hw, est, meas).reasons["host_tier"].endswith("fit the 58.00 GiB of free RAM")
+    assert decide(hw, est, meas, ram_budget=30 * GIB).reasons["host_tier"].endswith("fit the 30.00 GiB RAM budget")
+    small = replace(MACHINES["cpu-16g"][0], ram_available_bytes=4 * GIB)
+    with pytest.raises(BudgetError, match="4.00 GiB of RAM is free: close other programs, lower the context length") as err:
+        decide(small, est, synthetic("cpu-16g", est))
+    assert "budget" not in str(err.value)
+    with pytest.raises(BudgetError, match="the RAM budget is 4.00 GiB: raise the RAM budget"):
+        decide(small, est, synthetic("cpu-16g", est), ram_budget=4 * GIB)
+
+
 def test_estimate_counts_a_draft_model(checkpoint, draft_dir):
     from moechat.engine.model.checkpoint import Checkpoint
 

@@ -698,13 +698,50 @@ def test_a_fast_tier_that_no_longer_fits_shrinks_unless_the_user_set_it(monkeypa
     cfg, notice = check_load_budgets(profiled, est, gpu)
     assert cfg.expert_cache_bytes == max_cache_experts(est, measured - (400 << 20)) * est.expert_bytes
     assert notice.startswith("expert cache ") and "of free VRAM holds now" in notice and "\n" not in notice
+    assert "calibration profile's" in notice
     with pytest.raises(BudgetError, match="does not fit"):
         check_load_budgets(config(expert_cache_ratio=ratio), est, gpu)
-    assert config().fit_expert_cache  # the default ratio is a ceiling too
     assert not config(expert_cache_bytes=1).fit_expert_cache
     assert check_load_budgets(config(expert_cache_ratio=0.01, fit_expert_cache=True),
                               est, gpu)[1] == ""  # fits: untouched
     assert _config([])[0].fit_expert_cache and not _config(["--expert-cache-ratio", "0.5"])[0].fit_expert_cache  # the CLI
+
+
+@pytest.mark.usefixtures("a_gpu")
+def test_with_no_ratio_set_the_fast_tier_is_what_the_free_vram_holds(monkeypatch):
+    """No profile, no ratio set: a GPU user gets the fast tier the free VRAM holds beside the weights, the KV cache and
+    the margin (as calibration's VRAM split), all experts at most, without a notice. It was a fixed 0.25, shrunk with a
+    notice blaming other programs on every start of a 12 GB card with Qwen3-30B-A3B in bf16, and a quarter of the
+    experts on a 24 GB card with int4, where all fit. A ratio or size the user sets keeps its meaning."""
+    import torch
+
+    from moechat.engine.calibration.known_models import KNOWN_MODELS
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.errors import BudgetError
+    from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.memory_budgets import max_cache_experts
+    from moechat.engine.model.memory_estimate import estimate
+
+    bf16 = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16", 8192)
+    gpu = torch.device("cuda")
+    for est, free in ((bf16, int(11.4 * 2**30)), (bf16.with_quant("int4"), int(23.1 * 2**30))):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, free + (1 << 30)))
+
+        def config(quant=est.quant, **kw):
+            return EngineConfig(model_dir="m", device="cuda", quant=quant, host_ram_budget_bytes=0, **kw)
+
+        slots = max_cache_experts(est, free)
+        cfg, notice = check_load_budgets(config(), est, gpu)
+        assert (cfg.expert_cache_bytes, notice) == (slots * est.expert_bytes, ""), est.quant
+        assert _config(["--device", "cuda"])[0].expert_cache_ratio is None  # the CLI with nothing set: the same default
+        if est.quant == "int4":
+            assert slots == est.num_experts_total  # 16.9 GiB of int4 experts: all of them on a 24 GB card
+            assert check_load_budgets(config(expert_cache_ratio=0.25), est, gpu)[0].expert_cache_bytes is None  # the user's
+        else:
+            assert 0 < slots < est.num_experts_total / 4
+            with pytest.raises(BudgetError, match="does not fit"):  # a ratio the user sets still refuses, with the numbers
+                check_load_budgets(config(expert_cache_ratio=0.25), est, gpu)
+    assert EngineConfig(model_dir="m").expert_cache_ratio == 0.0  # on a CPU: none
 
 
 def test_calibrate_takes_the_budgets_and_context_the_settings_fix(monkeypatch):

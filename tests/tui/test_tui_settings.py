@@ -238,7 +238,7 @@ async def _wizard_model_errors(bad_dir, unsupported_dir):
     messages = []
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
-        assert app.screen.query_one("#vram_budget_gib").value == "22.0"  # the fake GPU's free memory, prefilled
+        assert app.screen.query_one("#vram_budget_gib").placeholder == "free at each start (22.0 GiB now)"  # the fake GPU's
         for box, text in (("#model-dir", bad_dir), ("#model-dir", unsupported_dir), ("#hub-id", "not-an-id")):
             app.screen.query_one(box).value = str(text)  # typing in a box picks its source
             await click(pilot, "#next")
@@ -343,7 +343,8 @@ async def _wizard_end_to_end(path):
         await click(pilot, "#next")  # the demo is preselected
         assert screen.step == 1
         # from the probe
-        assert screen.query_one("#ram_budget_gib").value == "20.0" and screen.query_one("#vram_budget_gib").disabled
+        assert screen.query_one("#ram_budget_gib").placeholder == "free at each start (20.0 GiB now)"
+        assert screen.query_one("#vram_budget_gib").disabled
         screen.query_one("#ram_budget_gib").value = "-3"
         await click(pilot, "#next")
         assert screen.step == 1 and "ram_budget_gib" in str(screen.query_one("#ram_budget_gib-error").content)
@@ -535,6 +536,48 @@ async def _wizard_budgets_changed_after_calibrating(path):
 def test_the_wizard_calibrates_again_when_the_budgets_change(tmp_path):
     calls = asyncio.run(_wizard_budgets_changed_after_calibrating(tmp_path / "settings.toml"))
     assert len(calls) == 2 and calls[1] == 3 * GIB
+
+
+async def _wizard_with_the_budgets_left_as_they_are(path):
+    from types import SimpleNamespace
+
+    from moechat.engine.calibration.types import Decisions
+
+    calls, shown = [], {}
+
+    def calibrate(*args, **kwargs):  # instant: a profile's decisions, no measuring
+        calls.append((kwargs["vram_budget"], kwargs["ram_budget"]))
+        return SimpleNamespace(decisions=Decisions(0.0, 3, 4, 0.1, "none", "lru", "ram")), "/tmp/profile.toml"
+
+    app = Host(WizardScreen(hardware=fake_hardware(), path=path, calibrate=calibrate))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        shown.update({name: (screen.query_one(f"#{name}").value, screen.query_one(f"#{name}").placeholder)
+                      for name in ("vram_budget_gib", "ram_budget_gib")})
+        await _to_calibration(pilot, screen)
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if not screen.busy:
+                break
+        await click(pilot, "#next")
+        shown["summary"] = str(screen.query_one("#summary").content)
+        await click(pilot, "#next")  # Finish
+    return calls, shown
+
+
+def test_the_wizard_saves_no_budget_the_user_did_not_enter(tmp_path):
+    """The wizard showed the RAM free at setup as the RAM budget's value and saved it as a hard budget: a later start with
+    less RAM free still pinned every expert in RAM (the budget, not the RAM free, decides then), past what the machine
+    had free: swapping, or the OOM killer. What is free now is shown; a budget is saved only where one is typed."""
+    path = tmp_path / "settings.toml"
+    calls, shown = asyncio.run(_wizard_with_the_budgets_left_as_they_are(path))
+    assert shown["vram_budget_gib"] == ("", "free at each start (22.0 GiB now)")
+    assert shown["ram_budget_gib"] == ("", "free at each start (20.0 GiB now)")
+    assert calls == [(None, None)]  # calibrated for what a run without budgets holds
+    assert "Budgets: VRAM free at start, RAM free at start" in shown["summary"]
+    settings, _ = load_settings(path)
+    assert (settings.vram_budget_gib, settings.ram_budget_gib) == (None, None)
 
 
 def test_key_names_textual_reports_are_known_and_typos_are_not():

@@ -3,9 +3,9 @@
 Each step checks its input before Next. The model is the embedded demo, a local Hugging Face
 directory (config.json present, architecture supported: the engine's own checks), or a Hub id pulled
 with `moechat pull`'s code. Device and dtype start at `auto` (what it picks on this machine is
-shown); budgets are prefilled from the probe. Calibration runs on a thread
-worker with its progress posted as `CalibrationProgress`, and its decisions are shown with their
-reasons. Cancel (or quitting the app) during a calibration stops it at its next progress step: the worker's
+shown); the budgets' fields show what the probe found free and stay empty (what is free at each start) unless one
+is entered. Calibration runs on a thread worker with its progress posted as `CalibrationProgress`, and its decisions
+are shown with their reasons. Cancel (or quitting the app) during a calibration stops it at its next progress step: the worker's
 progress callback raises `Cancelled`, the measuring engine is closed and nothing is saved. Finish saves the model,
 device, dtype and budgets to the settings file (comments kept) and dismisses with the model directory; Cancel
 otherwise dismisses with None. A remote backend (an OpenAI-compatible server's URL) is checked by listing its models,
@@ -13,7 +13,6 @@ skips the budgets and calibration, and is saved as `backend` (dismissing with it
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from textual import on
@@ -51,6 +50,11 @@ BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step 
 # utility variant users do not run, so it is not shown
 DECISIONS = (("quant", "quantized experts"), ("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
              ("draft_len", "draft length γ"), ("drafter", "drafter"), ("policy", "policy"), ("host_tier", "host tier"))
+
+
+def _entered(budget: float | None) -> str:
+    """A budget's field: the one the settings hold (`--setup` again), else empty."""
+    return "" if budget is None else str(budget)
 
 
 def check_model_dir(text: str) -> str:
@@ -165,7 +169,7 @@ class WizardScreen(Screen):
                     yield Label(OPTION["dtype"].label)
                     yield Select([(c, c) for c in OPTION["dtype"].choices], id="dtype", value="auto", allow_blank=False)
                 yield Static("", id="placement-note", classes="hint", markup=False)
-                yield Static("What moechat may use; prefilled with what is free now. Empty: whatever is free at start.",
+                yield Static("What moechat may use. Empty: what is free at each start; a figure is a hard limit.",
                              classes="hint")
                 for name in BUDGETS:
                     with Horizontal(classes="row"):
@@ -227,14 +231,18 @@ class WizardScreen(Screen):
             f"auto: the GPU ({best_gpu(hw.gpus).name}), in bfloat16 where it has it, else float16" if hw.gpus else
             "auto: the CPU (no NVIDIA GPU found), in float32 for quantized, small or bf16 models (bf16 weights kept), "
             "else the checkpoint's dtype")
+        # what is free now is shown, not entered: saved as a budget, it would be a hard limit at every later start (a RAM
+        # budget keeps the experts in RAM however little is free then)
         if hw.gpus:
             gpu = best_gpu(hw.gpus)
-            vram.value = str(settings.vram_budget_gib or math.floor(gpu.free_bytes / GIB * 10) / 10)  # never above free
+            vram.value = _entered(settings.vram_budget_gib)
+            vram.placeholder = f"free at each start ({gpu.free_bytes / GIB:.1f} GiB now)"
             note = f"{gpu.name}: {gpu.free_bytes / GIB:.1f} of {gpu.total_bytes / GIB:.1f} GiB free. "
         else:
             vram.value, vram.disabled, vram.placeholder = "", True, "no GPU found"
             note = f"No NVIDIA GPU ({hw.gpu_note or 'none found'}): experts run on the CPU. "
-        ram.value = str(settings.ram_budget_gib or round(hw.ram_available_bytes / GIB, 1))
+        ram.value = _entered(settings.ram_budget_gib)
+        ram.placeholder = f"free at each start ({hw.ram_available_bytes / GIB:.1f} GiB now)"
         note += f"RAM: {hw.ram_available_bytes / GIB:.1f} of {hw.ram_total_bytes / GIB:.1f} GiB available."
         self.query_one("#hw-note", Static).update(note)
 
