@@ -110,6 +110,8 @@ def cmd_estimate(args) -> int:
     cut = f", the model's {model_context}: cut to leave the experts room" if est.context_len < model_context else ""
     print(f"  KV cache            {kv / gib:8.2f} GiB  "
           f"({est.context_len} tokens x {kv / est.context_len / 1024:.1f} KiB{cut})")
+    if not on_cpu and est.pass_bytes:
+        print(f"  attention           {est.pass_bytes / gib:8.2f} GiB  (what a pass holds on the GPU besides, at that context)")
     if est.draft_bytes:
         print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
     if est.quant != "none":

@@ -48,3 +48,51 @@ def chat_ids(text: str) -> list[int]:
 
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+class PeakBytes:
+    """The most bytes of tensors made inside `with PeakBytes() as p:` alive at once (p.peak): every op's outputs that own
+    new storage (not an input's, as a view or an in-place write), counted until the storage is freed. Memory the CPU's
+    kernels take inside an op is not seen, what a CUDA pass allocates between ops is."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker._outputs(out, args, kwargs or {})
+                return out
+
+        self.mode, self.live, self.peak, self.seen = Mode(), 0, 0, set()
+
+    def _outputs(self, out, args, kwargs) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if key in inputs or key in self.seen or size == 0:
+                continue
+            self.seen.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._freed, key, size)
+
+    def _freed(self, key: int, size: int) -> None:
+        self.seen.discard(key)
+        self.live -= size
+
+    def __enter__(self) -> PeakBytes:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.mode.__exit__(*exc)

@@ -272,10 +272,10 @@ def _vram_split(est: MemoryEstimate, vram: int, reasons: dict[str, str]) -> tupl
     slots = max_cache_experts(est, vram)
     cache = slots * est.expert_bytes
     reasons["expert_cache_ratio"] = (f"{slots / est.num_experts_total:.3f}: {slots} of {est.num_experts_total} experts "
-                                     f"({gib(cache)}) fill the VRAM left after non-expert weights, KV for {est.context_len} "
-                                     f"tokens and margin ({gib(vram - fixed - margin)})")
-    split = {"non_expert": est.non_expert_bytes, "kv_cache": est.kv_bytes, "draft": est.draft_bytes,
-             "expert_cache": cache, "margin": margin}
+                                     f"({gib(cache)}) fill the VRAM left after non-expert weights, KV and attention for "
+                                     f"{est.context_len} tokens and margin ({gib(vram - fixed - margin)})")
+    split = {"non_expert": est.non_expert_bytes, "kv_cache": est.kv_bytes, "attention": est.pass_bytes,
+             "draft": est.draft_bytes, "expert_cache": cache, "margin": margin}
     reasons["vram_split"] = (f"{gib(sum(split.values()))} of {gib(vram)}: " +
                              ", ".join(f"{k} {v / GIB:.2f}" for k, v in split.items()) + " GiB")
     return slots, split

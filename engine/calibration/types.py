@@ -73,7 +73,7 @@ class Decisions:
     drafter: str  # "none" | "self" | a draft model directory
     policy: str
     host_tier: str  # "ram" | "mmap"
-    vram_split: dict[str, int] = field(default_factory=dict)  # non_expert, kv_cache, draft, expert_cache, margin
+    vram_split: dict[str, int] = field(default_factory=dict)  # non_expert, kv_cache, attention, draft, expert_cache, margin
     reasons: dict[str, str] = field(default_factory=dict)  # decision name -> one line for the UI
     quant: str = "none"  # routed experts' format: "none" | "int8" | "int4"; profiles written before it read as "none"
 

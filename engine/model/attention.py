@@ -12,8 +12,10 @@
   copies them in fp32 and writes every score. Several queries under a mask instead fold each KV head's query heads into
   the query length (`folded_sdpa`, as graph_decode does), which the memory-efficient kernel takes with the mask repeated
   per head: no K/V copy and no score matrix (the math kernel's fp32 scores, 2.7 GB per layer for a 512-token pass of
-  Qwen3-30B-A3B at 40,960 positions); what remains is the mask, G·T·S (about 0.5 GB there, bool and its float form).
-  Another kernel: logits may differ from transformers' in the last bits, greedy tokens do not.
+  Qwen3-30B-A3B at 40,960 positions). At most FOLD_ROWS query rows fold per call, so the mask repeats only for short
+  passes: a 512-token pass attends one query head per KV head at a time under the mask as given (repeated, its bool and
+  float copies were about 0.7 GB there; memory_estimate.pass_bytes_per_token counts what remains). Another kernel:
+  logits may differ from transformers' in the last bits, greedy tokens do not.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .memory_estimate import cpu_kv_in_float32
 
 NAME = "moechat_sdpa"  # the CPU's (cpu_sdpa)
 CUDA_NAME = "moechat_sdpa_folded"  # CUDA's (cuda_sdpa)
+FOLD_ROWS = 128  # query rows per KV head in one folded call: decode and verification passes whole (16 positions, 8 heads)
 
 
 def cpu_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, **kwargs):
@@ -68,17 +71,27 @@ def folded_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mas
                 dropout: float = 0.0) -> torch.Tensor:
     """query [B, H, T, D]; key, value [B, H_kv, S, D]; mask [T, S] or [B|1, 1|H, T, S] (bool, True: attend; or
     additive) -> [B, H, T, Dv] as SDPA with enable_gqa: query heads kv·G .. kv·G+G-1 (transformers' repeat_kv) as the
-    G·T rows of one query per KV head [B, H_kv, G·T, D] under the mask repeated per head, so no KV head is copied."""
+    G·T rows of one query per KV head [B, H_kv, G·T, D] under the mask repeated per head, so no KV head is copied; where
+    G·T passes FOLD_ROWS, a few of the G heads per call (one for a prefill pass), so the mask is not repeated G times."""
     B, H, T, D = query.shape
     kv = key.shape[1]
     groups = H // kv
+    fold = max(1, min(groups, FOLD_ROWS // T))  # query heads per KV head in one call
     mask = mask[None, None] if mask.dim() == 2 else mask
-    if mask.shape[1] == 1:  # [B|1, 1, G·T, S]: rows g·T + t are row t
-        mask = mask.repeat(1, 1, groups, 1)
-    else:  # a mask per query head: its rows for the KV head's query heads in the same order
-        mask = mask.reshape(mask.shape[0], kv, groups * T, mask.shape[-1])
-    out = torch.nn.functional.scaled_dot_product_attention(query.reshape(B, kv, groups * T, D), key, value, attn_mask=mask,
-                                                           dropout_p=dropout, scale=scale)  # [B, H_kv, G·T, Dv]
+    heads = query.reshape(B, kv, groups, T, D)
+    per_head = mask.shape[1] != 1  # a mask per query head: its rows for the KV head's query heads in the same order
+    if per_head:
+        mask = mask.reshape(mask.shape[0], kv, groups, T, mask.shape[-1])
+    else:  # [B|1, 1, fold·T, S]: rows f·T + t are row t
+        mask = mask if fold == 1 else mask.repeat(1, 1, fold, 1)
+    outs = []
+    for g in range(0, groups, fold):
+        f = min(fold, groups - g)
+        rows = mask[:, :, g: g + f].reshape(mask.shape[0], kv, f * T, -1) if per_head else mask[:, :, : f * T]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            heads[:, :, g: g + f].reshape(B, kv, f * T, D), key, value, attn_mask=rows, dropout_p=dropout,
+            scale=scale))  # [B, H_kv, f·T, Dv]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [B, H_kv, G·T, Dv]
     # reshape, not view: CUDA's fused kernels return [B, G·T, H_kv, Dv] storage seen as [B, H_kv, G·T, Dv]
     return out.reshape(B, H, T, value.shape[-1])
 

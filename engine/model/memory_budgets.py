@@ -1,7 +1,8 @@
 """Guardrails: refuse, before any weight loads, a model that cannot fit the memory budgets.
 
-VRAM holds the non-expert weights, the KV cache for the whole context, a separate draft model, the
-expert cache and a safety margin (CUDA context, activations, staging buffers). The expert store
+VRAM holds the non-expert weights, the KV cache for the whole context, what the passes' attention holds at that
+context (`est.pass_bytes`: a prompt pass's masks and DeepSeek's expanded heads, the decode graphs' pool), a separate draft
+model, the expert cache and a safety margin (CUDA context, other activations, staging buffers). The expert store
 (every routed expert) lives in RAM, or is read from the mmap'd checkpoint when it does not fit the RAM budget's
 room for it (`expert_store_room`: the budget less headroom and, without a GPU, the dense part). Experts count
 in the estimate's format: `est.expert_bytes` is the quantized size when `est.quant` is int8 or int4.
@@ -31,7 +32,7 @@ def vram_margin(vram_budget: int) -> int:
 
 def vram_fixed(est: MemoryEstimate) -> int:
     """What VRAM must hold before any expert is cached there."""
-    return est.non_expert_bytes + est.kv_bytes + est.draft_bytes
+    return est.non_expert_bytes + est.kv_bytes + est.pass_bytes + est.draft_bytes
 
 
 def cache_bytes_for(est: MemoryEstimate, ratio: float, budget_bytes: int | None = None) -> int:
@@ -103,8 +104,8 @@ def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> i
     CONTEXT_FLOOR cache, else half of it (the other half is the page cache the experts are read through). vram: the
     free VRAM (None: a CPU run); ram: the RAM budget or free RAM (None: unknown). Whole multiples of CONTEXT_STEP, never
     below CONTEXT_FLOOR."""
-    if vram is not None:
-        per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token
+    if vram is not None:  # the passes' attention grows with the context too (est.pass_bytes)
+        per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token + est.pass_bytes_per_token
         draft_weights = est.draft_bytes - est.draft_kv_bytes_per_token * est.context_len
         kv_room = (vram - vram_margin(vram) - est.non_expert_bytes - draft_weights) // 2
     elif ram is not None:
@@ -150,9 +151,11 @@ def vram_too_small(est: MemoryEstimate, vram_budget: int) -> str:
     model, the CPU."""
     margin = vram_margin(vram_budget)
     parts = f"non-expert weights {gib(est.non_expert_bytes)} + KV cache for {est.context_len} tokens {gib(est.kv_bytes)}"
+    if est.pass_bytes:
+        parts += f" + attention at that context {gib(est.pass_bytes)}"
     if est.draft_bytes:
         parts += f" + draft model {gib(est.draft_bytes)}"
-    per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token
+    per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token + est.pass_bytes_per_token
     weights = vram_fixed(est) - per_token * est.context_len  # the target's and a draft model's, without their KV caches
     fits = (vram_budget - margin - weights) // per_token if per_token else 0
     ways = ([f"lower --context-len to {fits:,} or less"] if fits > 0 else []) + \
@@ -176,7 +179,7 @@ def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int 
             fit = max_cache_experts(est, vram_budget)
             raise BudgetError(
                 f"expert cache of {gib(expert_cache_bytes)} does not fit the {gib(vram_budget - fixed - margin)} "
-                "of VRAM left after non-expert weights, KV cache and margin: "
+                "of VRAM left after non-expert weights, KV cache, attention and margin: "
                 f"use --expert-cache-ratio {ratio_at_most(fit, est.num_experts_total)} or less "
                 f"(--expert-cache-gib {math.floor(fit * est.expert_bytes / 2**30 * 1000) / 1000:.3f}), or a shorter --context-len"
             )

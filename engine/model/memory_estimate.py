@@ -43,6 +43,7 @@ class MemoryEstimate:
     expert_dtype: str = ""  # the unquantized experts' storage dtype ("": dtype; a CPU keeps a bf16 checkpoint's bf16)
     cpu_dense_bytes: dict[str, int] = field(default_factory=dict)  # quant -> non_expert_bytes where a CPU quantizes the
     # dense layers with the experts (estimate(cpu=True)); empty: the same in every format
+    pass_bytes_per_token: int = 0  # VRAM each token of the context adds to what the passes hold besides (pass_bytes)
 
     @property
     def expert_params(self) -> int:
@@ -70,6 +71,11 @@ class MemoryEstimate:
     @property
     def kv_bytes(self) -> int:
         return self.kv_bytes_per_token * self.context_len
+
+    @property
+    def pass_bytes(self) -> int:
+        """What the passes hold on a GPU besides the weights and KV cache at the whole context (pass_bytes_per_token)."""
+        return self.pass_bytes_per_token * self.context_len
 
     @property
     def cpu_kv_bytes(self) -> int:
@@ -157,6 +163,39 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
     return layers * kv_heads * head_dim * 2 * dtype_bytes  # K and V
 
 
+def prefill_bytes_per_token(hf_config, dtype_bytes: int, positions: int | None = None) -> int:
+    """VRAM one cached position adds to what a prompt pass of `positions` (config.PREFILL_CHUNK) holds at once in a layer
+    on CUDA: transformers' bool mask, SDPA's additive copy of it in the dtype and that copy aligned for the memory-efficient
+    kernel (attention.folded_sdpa repeats no mask that long), and DeepSeek-V2's keys and values of the heads it expands at
+    once (mla.HEAD_GROUP)."""
+    from ..config import PREFILL_CHUNK
+
+    rows = positions or PREFILL_CHUNK
+    mask = rows * (1 + 2 * dtype_bytes)
+    if hf_config.model_type != "deepseek_v2":
+        return mask
+    from .mla import HEAD_GROUP
+
+    c = hf_config
+    heads = min(int(c.num_attention_heads), HEAD_GROUP)
+    return mask + heads * (2 * int(c.qk_nope_head_dim) + int(c.v_head_dim) + int(c.qk_rope_head_dim)) * dtype_bytes
+
+
+def decode_graph_bytes_per_token(hf_config, dtype_bytes: int) -> int:
+    """VRAM one cached position adds to what the decode passes' CUDA graphs keep in their memory pool (graph_decode.py:
+    a segment's intermediates at its longest pass, MAX_GRAPH_POSITIONS): the grouped heads' folded mask as SDPA converts
+    it, or DeepSeek-V2's latent buffer in float32 and three score matrices of every head."""
+    from .attention import FOLD_ROWS
+    from .graph_decode import MAX_GRAPH_POSITIONS as T
+
+    heads = int(hf_config.num_attention_heads)
+    if hf_config.model_type == "deepseek_v2":
+        widened = 0 if dtype_bytes == 4 else 4 * (int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim))
+        return T + widened + 3 * 4 * heads * T
+    groups = heads // int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    return T + min(groups, max(1, FOLD_ROWS // T)) * T * (1 + 2 * dtype_bytes)
+
+
 def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, draft: tuple[int, int] = (0, 0),
                     quant: str = "none", expert_dtype: str | None = None, bf16_params: int = 0,
                     quantized_dense: tuple[int, int] = (0, 0)) -> MemoryEstimate:
@@ -185,6 +224,7 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
         context_len=context, draft_bytes=draft[0] + draft[1] * context, draft_kv_bytes_per_token=draft[1],
         experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),
         hidden_size=hidden, expert_dim=inter, quant=quant, non_expert_params=non_expert, expert_dtype=expert_dtype or dtype,
+        pass_bytes_per_token=prefill_bytes_per_token(hf_config, nbytes) + decode_graph_bytes_per_token(hf_config, nbytes),
     )
 
 

@@ -7,7 +7,11 @@ own trick (llama.cpp and vLLM run it) splits kv_b_proj per head into W_uk [nope,
     scores[h, t, s] = (q_nope[h, t] · W_uk[h]) · c[s] + q_pe[h, t] · k_pe[s]
     out[h, t]       = W_uv[h] · Σ_s softmax(scaling · scores[h, t])[s] · c[s]
 O(T · heads · (context · (R + rope) + (nope + v) · R)) per layer. The cache holds the same entries, written the same
-way; passes longer than MAX_ABSORBED positions (a prefill) keep transformers' expansion, which costs less there.
+way; passes longer than MAX_ABSORBED positions (a prefill) keep transformers' expansion, which costs less there. On CUDA
+such a pass expands the cache HEAD_GROUP heads at a time (`grouped`), each group's keys and values only while it attends:
+all heads at once are 14 KiB per cached position in bf16 on DeepSeek-V2-Lite (1.9 GiB per layer at 139,264 positions),
+a group of four 3.5 KiB, which memory_estimate.pass_bytes_per_token counts. Each head's products are transformers';
+logits may differ in the last bits (a product over fewer rows), greedy tokens do not.
 The products run in float32; logits equal transformers' within rounding (tests/engine/test_mla.py). On a CPU all
 three steps are native: the two per-head products (decode_ops.head_matmul, head_linear) read kv_b_proj in place as
 stored (bf16 from a bf16 checkpoint, half the bytes of its fp32 widening; bf16_linear.py narrows it, under a quantized
@@ -22,6 +26,7 @@ import torch
 from . import decode_ops
 
 MAX_ABSORBED = 16  # positions per pass: decode, verification, self-draft steps
+HEAD_GROUP = 4  # heads whose keys and values a longer pass on CUDA expands at once (grouped)
 # the module the absorbed decode reads per head: never quantized (quant/dense.py), narrowed to bf16 even under --quant
 LATENT_EXPANSION = "kv_b_proj"
 
@@ -30,9 +35,11 @@ class AbsorbedMLA:
     """A DeepseekV2Attention's forward: absorbed for a few positions after a cache, transformers' own otherwise."""
 
     def __init__(self, attn):
-        from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb, eager_attention_forward
 
         self.attn, self.hf_forward, self.rotary = attn, attn.forward, apply_rotary_emb
+        self.attention_functions, self.eager = ALL_ATTENTION_FUNCTIONS, eager_attention_forward  # grouped's, as transformers'
         self._widened: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_uk, W_uv) where read widened
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask=None, cache=None, position_embeddings=None,
@@ -40,8 +47,19 @@ class AbsorbedMLA:
         named = "cache" if past_key_values is None else "past_key_values"  # transformers before 5.24: past_key_values
         cache = past_key_values if cache is None else cache
         if cache is None or hidden_states.shape[0] != 1 or hidden_states.shape[1] > MAX_ABSORBED:
+            if cache is not None and hidden_states.shape[0] == 1 and self.expands_in_groups(hidden_states.device.type):
+                return self.grouped(hidden_states, attention_mask, cache, position_embeddings, kwargs), None
             return self.hf_forward(hidden_states, attention_mask=attention_mask, position_embeddings=position_embeddings,
                                    **{named: cache}, **kwargs)
+        T = hidden_states.shape[1]
+        q_nope, q_pe, latents, keys, start = self._project(hidden_states, cache, position_embeddings)
+        native = hidden_states.dtype == torch.float32 and self.native_reads()
+        out = self.attend(q_nope[0], q_pe[0], latents[0, 0], keys[0, 0], start, native)  # [T, H·v]
+        return self.attn.o_proj(out.view(1, T, -1).to(hidden_states.dtype)), None
+
+    def _project(self, hidden_states: torch.Tensor, cache, position_embeddings):
+        """transformers' projections of the pass, its latents and rotary keys appended to the cache -> (q_nope, q_pe
+        [1, H, T, nope|rope], every position's latents [1, 1, S, R] and rotary keys [1, 1, S, rope], the past's length)."""
         a, T = self.attn, hidden_states.shape[1]
         if a.q_lora_rank is None:
             q = a.q_proj(hidden_states)
@@ -54,9 +72,37 @@ class AbsorbedMLA:
         q_pe, k_pe = self.rotary(q_pe, k_pe.view(1, 1, T, a.qk_rope_head_dim), position_embeddings.to(q_pe.device))
         start = cache.get_seq_length(a.layer_idx)
         latents, keys = cache.update(latent, k_pe, a.layer_idx)  # [1, 1, S, R], [1, 1, S, rope]: every position so far
-        native = hidden_states.dtype == torch.float32 and self.native_reads()
-        out = self.attend(q_nope[0], q_pe[0], latents[0, 0], keys[0, 0], start, native)  # [T, H·v]
-        return a.o_proj(out.view(1, T, -1).to(hidden_states.dtype)), None
+        return q_nope, q_pe, latents, keys, start
+
+    def expands_in_groups(self, device_type: str) -> bool:
+        """Whether a pass past MAX_ABSORBED expands the cache HEAD_GROUP heads at a time: on CUDA (VRAM is what the budget
+        counts), where kv_b_proj is a plain linear and there are more heads than a group."""
+        a = self.attn
+        return device_type == "cuda" and type(a.kv_b_proj) is torch.nn.Linear and a.num_heads > HEAD_GROUP
+
+    def grouped(self, hidden_states: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> torch.Tensor:
+        """transformers' forward with the cache expanded HEAD_GROUP heads at a time, through the model's attention
+        function (cuda_sdpa) under transformers' mask -> o_proj's output [1, T, hidden]."""
+        a, T = self.attn, hidden_states.shape[1]
+        q_nope, q_pe, latents, keys, _ = self._project(hidden_states, cache, position_embeddings)
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [1, H, T, nope + rope]
+        attention = self.attention_functions.get_interface(a.config._attn_implementation, self.eager)
+        outs = [self._group(h, query, latents, keys, attention, attention_mask, kwargs)
+                for h in range(0, a.num_heads, HEAD_GROUP)]  # [1, T, g, v] each
+        return a.o_proj(torch.cat(outs, dim=2).reshape(1, T, -1))
+
+    def _group(self, h: int, query, latents, keys, attention, attention_mask, kwargs: dict) -> torch.Tensor:
+        """Heads h .. h+HEAD_GROUP-1: their keys and values expanded as transformers' expand_kv does, attended, and let go
+        on return -> [1, T, g, v]."""
+        a = self.attn
+        width, S = a.qk_nope_head_dim + a.v_head_dim, latents.shape[2]
+        w = a.kv_b_proj.weight[h * width: (h + HEAD_GROUP) * width]  # the group's rows: [g·(nope + v), R]
+        kv = torch.nn.functional.linear(latents, w).view(1, S, -1, width).transpose(1, 2)  # [1, g, S, nope + v]
+        k_nope, value = torch.split(kv, [a.qk_nope_head_dim, a.v_head_dim], dim=-1)
+        key = torch.cat((k_nope, keys.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [1, g, S, nope + rope]
+        out, _ = attention(a, query[:, h: h + HEAD_GROUP], key, value, attention_mask, dropout=0.0, scaling=a.scaling,
+                           **kwargs)
+        return out
 
     def native_reads(self) -> bool:
         """Whether the native kernels can read this layer's kv_b_proj where it is (on the CPU, fp32 or bf16)."""

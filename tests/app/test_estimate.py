@@ -130,8 +130,8 @@ def test_a_context_a_run_would_cut_is_shown_cut(tmp_path, capsys):
     argv = ["estimate", "--model", str(model), "--quant", "int4", "--vram-budget-gib", "16", "--ram-budget-gib", "32"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["context_len"], out["model_context_len"], out["fits"]) == (66560, 262144, True)
-    assert main(argv) == 0 and "66560 tokens x 96.0 KiB, the model's 262144: cut" in capsys.readouterr().out
+    assert (out["context_len"], out["model_context_len"], out["fits"]) == (64512, 262144, True)
+    assert main(argv) == 0 and "64512 tokens x 96.0 KiB, the model's 262144: cut" in capsys.readouterr().out
     assert main([*argv, "--context-len", "262144"]) == 1
     assert "does not fit" in capsys.readouterr().out
 
@@ -147,7 +147,7 @@ def test_a_known_variant_with_its_own_context_is_estimated_at_it(capsys):
     assert json.loads(capsys.readouterr().out)["context_len"] == 262144
     assert main([*argv, "--vram-budget-gib", "16", "--ram-budget-gib", "32"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["context_len"], out["model_context_len"]) == (66560, 262144)  # as test_a_context_a_run_would_cut_is_shown_cut
+    assert (out["context_len"], out["model_context_len"]) == (64512, 262144)  # as test_a_context_a_run_would_cut_is_shown_cut
     assert out["model"] == "Qwen3-30B-A3B-Instruct-2507"  # named as asked, not as its base
     assert main(["estimate", "--model", "mistralai/Mixtral-8x7B-Instruct-v0.1", "--json"]) == 0  # a variant without its own
     out = json.loads(capsys.readouterr().out)

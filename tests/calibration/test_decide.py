@@ -74,18 +74,19 @@ def synthetic(name: str, est) -> Measurements:
 # expert); the laptop's 25 GiB left hold not even int4: read from disk, 29 int4 slots. OLMoE-1B-7B: 12.0 GiB (1024
 # of 12 582 912 B; int8 6.4 GiB), 0.89 GiB, 1.0 GiB: every expert in the desktop's VRAM, 436 on the laptop, int8 in
 # the 16 GB box's RAM.
-EXPECTED = {  # (machine, model): (experts' format, host tier, expert slots, VRAM margin)
-    ("desktop-4090", "Qwen3-30B-A3B"): ("none", "ram", 2128, 1261646643),
-    ("desktop-4090", "DeepSeek-V2-Lite"): ("none", "ram", 1219, 1261646643),
-    ("laptop-8g", "Qwen3-30B-A3B"): ("int4", "ram", 1230, GIB // 2),
-    ("laptop-8g", "DeepSeek-V2-Lite"): ("int8", "ram", 504, GIB // 2),
+EXPECTED = {  # (machine, model): (experts' format, host tier, expert slots, VRAM margin); slots after the attention a pass
+    # holds at the context (est.pass_bytes: DeepSeek-V2-Lite's 90 MiB at 8,192 tokens took 6 experts of 1,219)
+    ("desktop-4090", "Qwen3-30B-A3B"): ("none", "ram", 2125, 1261646643),
+    ("desktop-4090", "DeepSeek-V2-Lite"): ("none", "ram", 1213, 1261646643),
+    ("laptop-8g", "Qwen3-30B-A3B"): ("int4", "ram", 1221, GIB // 2),
+    ("laptop-8g", "DeepSeek-V2-Lite"): ("int8", "ram", 494, GIB // 2),
     ("cpu-16g", "Qwen3-30B-A3B"): ("int4", "mmap", 0, None),
     ("cpu-16g", "DeepSeek-V2-Lite"): ("int4", "mmap", 0, None),
     ("desktop-4090", "Mixtral-8x7B"): ("int8", "ram", 105, 1261646643),
     ("laptop-8g", "Mixtral-8x7B"): ("int4", "mmap", 29, GIB // 2),
     ("cpu-16g", "Mixtral-8x7B"): ("int4", "mmap", 0, None),
     ("desktop-4090", "OLMoE-1B-7B"): ("none", "ram", 1024, 1261646643),
-    ("laptop-8g", "OLMoE-1B-7B"): ("none", "ram", 436, GIB // 2),
+    ("laptop-8g", "OLMoE-1B-7B"): ("none", "ram", 434, GIB // 2),
     ("cpu-16g", "OLMoE-1B-7B"): ("int8", "ram", 0, None),
 }
 
@@ -638,13 +639,14 @@ def test_a_default_context_leaves_the_experts_their_room():
     """Qwen3-30B-A3B-Instruct-2507 is Qwen3-30B-A3B at a context of 262,144 tokens: 24 GiB of KV in bf16, 48 in float32 on
     a CPU. Unset, the context is cut where its KV would crowd out the experts (worked by hand, 96 KiB per token on a GPU,
     192 on a CPU): on a GPU to half of what the dense weights (2.87 GiB) and the margin leave; on a CPU to what the dense
-    weights (int4: 1.41 GiB), the 2 GiB headroom and the experts leave, or half of it where the experts cannot stay."""
+    weights (int4: 1.41 GiB), the 2 GiB headroom and the experts leave, or half of it where the experts cannot stay. On a
+    GPU a token also adds 3.1 KiB to what a pass's attention holds (est.pass_bytes), which shares the KV's half."""
     from moechat.engine.model.memory_budgets import CONTEXT_FLOOR, default_context
 
     long = dict(KNOWN_MODELS["Qwen3-30B-A3B"], max_position_embeddings=262144)
     gpu = estimate(long, "bfloat16")
-    assert default_context(gpu, 24 * GIB, None) == 108544  # (24 - 1.2 - 2.87) / 2 GiB of KV
-    assert default_context(gpu, 16 * GIB, None) == 66560 and default_context(gpu, 8 * GIB, None) == 24576
+    assert default_context(gpu, 24 * GIB, None) == 104448  # (24 - 1.2 - 2.87) / 2 GiB of KV and attention, 99.1 KiB a token
+    assert default_context(gpu, 16 * GIB, None) == 64512 and default_context(gpu, 8 * GIB, None) == 23552
     assert default_context(estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16"), 24 * GIB, None) == 40960  # fits: the model's
     int4, bf16 = estimate(long, "bfloat16", quant="int4", cpu=True), estimate(long, "bfloat16", cpu=True)
     assert default_context(int4, None, 30 * GIB) == 52224  # 30 - 2 - 1.41 - 16.88 GiB of KV: the experts stay in RAM
@@ -655,6 +657,30 @@ def test_a_default_context_leaves_the_experts_their_room():
     for machine in (24 * GIB, 16 * GIB, 8 * GIB):
         context = default_context(gpu, machine, None)
         check_budgets(replace(gpu, context_len=context), machine, None, 0, "ram")  # what it picks passes the guardrail
+
+
+def test_a_12_gb_card_leaves_deepseek_v2_lite_room_for_a_pass_at_its_whole_context():
+    """DeepSeek-V2-Lite on a 12 GB card (11.2 GiB free): the context and expert cache a run picks leave, beside the weights,
+    the KV cache and the margin, what the passes hold on the GPU at that context, worked from the shapes: a 512-position
+    prompt pass's mask (bool, SDPA's bf16 copy and its aligned copy), four heads' keys and values expanded at once
+    (mla.HEAD_GROUP: k_nope and v from kv_b_proj, the key with k_pe), and the decode graphs' pool (16 positions: the
+    latents and rotary keys in float32, three score matrices of 16 heads). The memory model left only the margin (0.56 GiB)
+    for them: at the 141,312 positions it picked, the pass's expansion of all 16 heads alone was 1.89 GiB a layer; now
+    102,400 positions."""
+    from moechat.engine.model.memory_budgets import default_context, max_cache_experts, vram_margin
+
+    vram = int(11.2 * GIB)
+    est = estimate(KNOWN_MODELS["DeepSeek-V2-Lite"], "bfloat16")
+    est = est.at_context(default_context(est, vram, None))
+    assert est.context_len == 102400
+    mask, heads, graph = 512 * (1 + 2 + 2), 4 * (128 + 128 + 128 + 64) * 2, 16 + 4 * (512 + 64) + 3 * 4 * 16 * 16
+    assert est.pass_bytes_per_token == mask + heads + graph
+    cache = max_cache_experts(est, vram) * est.expert_bytes
+    held = est.non_expert_bytes + est.kv_bytes + cache + est.context_len * (mask + heads + graph)
+    assert cache > 0 and held + vram_margin(vram) <= vram
+    check_budgets(est, vram, None, cache, "ram")
+    every_head = 16 * (128 + 128 + 128 + 64) * 2  # transformers' expansion: 14 KiB a position, past what is left
+    assert held - est.context_len * heads + est.context_len * every_head + vram_margin(vram) > vram
 
 
 def test_a_default_context_with_a_draft_model_shares_the_kv_room_with_its_kv(tmp_path):
@@ -672,11 +698,12 @@ def test_a_default_context_with_a_draft_model_shares_the_kv_room_with_its_kv(tmp
         tie_word_embeddings=True)))
     est = estimate(dict(KNOWN_MODELS["Qwen3-30B-A3B"], max_position_embeddings=262144), "bfloat16", draft_dir=draft)
     context = default_context(est, 24 * GIB, None)
-    assert context == 47104  # was 4096
+    assert context == 46080  # was 4096
     weights = est.draft_bytes - 262144 * est.draft_kv_bytes_per_token
     assert est.draft_kv_bytes_per_token == 28 * 8 * 128 * 2 * 2 and weights == pytest.approx(1.11 * GIB, rel=0.01)
     room = 24 * GIB - vram_margin(24 * GIB) - est.non_expert_bytes - weights
-    assert context == room // 2 // (est.kv_bytes_per_token + est.draft_kv_bytes_per_token) // 1024 * 1024
+    per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token + est.pass_bytes_per_token  # and the attention's
+    assert context == room // 2 // per_token // 1024 * 1024
     held = est.at_context(context)
     assert held.draft_bytes == weights + context * est.draft_kv_bytes_per_token
     assert held.kv_bytes + held.draft_bytes - weights <= room // 2  # the other half caches experts

@@ -9,7 +9,7 @@ from tiny import WINDOWED
 
 from moechat.engine.config import EngineConfig
 from moechat.engine.model import attention, lean_decode
-from moechat.engine.model.attention import CUDA_NAME, folded_sdpa, folds_heads, use_cuda_attention
+from moechat.engine.model.attention import CUDA_NAME, FOLD_ROWS, folded_sdpa, folds_heads, use_cuda_attention
 from moechat.engine.model.decode_ops import causal_mask
 from moechat.engine.model.kv_cache import hf_forward
 from moechat.engine.model.lean_decode import LeanForward, refusal
@@ -18,10 +18,11 @@ from moechat.engine.model.loader import load_model
 
 @pytest.mark.parametrize("window", [0, 6])
 @pytest.mark.parametrize("past", [0, 20])
-@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("T", [1, 7, 40, 200])  # 40: 3, 3 and 2 of 8 query heads per call; 200: one per call
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (32, 4)])
 def test_folded_attention_equals_grouped(heads, kv_heads, T, past, window):
-    """As SDPA with enable_gqa (transformers' repeat_kv), for every form of mask transformers or the lean forward gives."""
+    """As SDPA with enable_gqa (transformers' repeat_kv), for every form of mask transformers or the lean forward gives, the
+    heads folded whole or FOLD_ROWS rows at a time."""
     gen = torch.Generator().manual_seed(1000 * T + past + window)
     S = past + T
     q = torch.randn(1, heads, T, 16, generator=gen)
@@ -47,11 +48,12 @@ def test_cuda_folds_only_several_queries_of_grouped_heads_under_a_mask():
 @pytest.fixture
 def as_cuda(monkeypatch):
     """The fold decided as on a CUDA device, on CPU tensors -> the SDPA calls made: (query heads, key heads, masked,
-    enable_gqa)."""
+    enable_gqa, the mask's rows: query rows it holds over every head)."""
     real, sdpa, calls = folds_heads, F.scaled_dot_product_attention, []
 
     def record(q, k, v, attn_mask=None, enable_gqa=False, **kwargs):
-        calls.append((q.shape[1], k.shape[1], attn_mask is not None, enable_gqa))
+        rows = 0 if attn_mask is None else attn_mask.numel() // attn_mask.shape[-1]
+        calls.append((q.shape[1], k.shape[1], attn_mask is not None, enable_gqa, rows))
         return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa, **kwargs)
 
     for module in (attention, lean_decode):
@@ -92,7 +94,9 @@ def _transformers_sdpa(m):
 def test_a_cuda_pass_folds_grouped_heads_with_transformers_greedy(family, checkpoint, as_cuda):
     """A lean pass (40 positions after a past) and transformers' forward through cuda_sdpa (200), both as on a CUDA
     device: no SDPA call takes grouped query heads with a mask (on CUDA the math kernel, which copies the KV heads) or
-    KV heads repeated; logits as transformers' within float rounding, the same argmax."""
+    KV heads repeated; logits as transformers' within float rounding, the same argmax. The 200-position pass attends one
+    query head per KV head at a time: no call's mask holds more than the pass's rows (repeated per query head it held G
+    times as many: 0.7 GB of mask per layer for a 512-token pass of Qwen3-30B-A3B at 40,960 positions on CUDA)."""
     name, _, windowed = family.partition("-")
     m = load_model(EngineConfig(model_dir=str(checkpoint(name, **(WINDOWED[name] if windowed else {}))), dtype="float32"))
     groups = m.hf.config.num_attention_heads // m.hf.config.num_key_value_heads
@@ -108,10 +112,12 @@ def test_a_cuda_pass_folds_grouped_heads_with_transformers_greedy(family, checkp
         got, want = _passes(m, lambda ids, cache, run=forward: (as_cuda.clear(), run(ids, cache))[1], transformers, T)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert torch.equal(got.argmax(-1), want.argmax(-1)), T
-        ours = as_cuda[: len(m.lean.layers)]  # the pass under test's calls (transformers' reference ran after it)
-        assert len(ours) == len(m.lean.layers) and all(
+        calls = len(m.lean.layers) * (1 if T * groups <= FOLD_ROWS else groups)  # per layer: one, or one per query head
+        ours = as_cuda[:calls]  # the pass under test's calls (transformers' reference ran after it)
+        assert len(ours) == calls and all(
             q_heads * groups == m.hf.config.num_attention_heads and k_heads == q_heads and masked and not gqa
-            for q_heads, k_heads, masked, gqa in ours), (T, ours)
+            and rows == (T * groups if calls == len(m.lean.layers) else T)
+            for q_heads, k_heads, masked, gqa, rows in ours), (T, ours)
 
 
 @pytest.mark.gpu

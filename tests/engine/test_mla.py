@@ -260,3 +260,45 @@ def test_the_absorbed_decode_takes_the_cache_by_either_name(name, checkpoint, mo
     with torch.inference_mode():
         attn.forward(x, position_embeddings=pe, **{name: m.new_kv_cache()})
     assert absorbed == [1]
+
+
+def test_a_long_pass_on_cuda_expands_a_group_of_heads_at_a_time(checkpoint, monkeypatch):
+    """On CUDA a pass past MAX_ABSORBED expands the latent cache HEAD_GROUP heads at a time (mla.AbsorbedMLA.grouped, the
+    branch forced on CPU tensors, attending through cuda_sdpa as loaded for CUDA): the prompt's passes and a 40-position
+    pass after 2,000 give transformers' logits within rounding and its argmax, and the pass holds at most what the memory
+    model counts per cached position (prefill_bytes_per_token); transformers' expansion of all 16 heads holds more."""
+    from helpers import PeakBytes
+
+    from moechat.engine.config import prefill_passes
+    from moechat.engine.model.attention import CUDA_NAME, use_cuda_attention
+    from moechat.engine.model.memory_estimate import prefill_bytes_per_token
+
+    real = AbsorbedMLA.expands_in_groups
+    grouped = []
+    monkeypatch.setattr(AbsorbedMLA, "expands_in_groups", lambda self, _device: grouped.append(1) or real(self, "cuda"))
+    cfg = {"model_dir": str(checkpoint("deepseek_v2", num_attention_heads=16, num_key_value_heads=16,
+                                       max_position_embeddings=4096)), "dtype": "float32"}
+    ours, transformers = load_model(EngineConfig(**cfg)), load_model(EngineConfig(**cfg, lean_decode=False))
+    ours.hf.set_attn_implementation("sdpa")
+    use_cuda_attention(ours.hf)
+    assert ours.hf.config._attn_implementation == CUDA_NAME
+    gen = torch.Generator().manual_seed(0)
+    past, T = 2000, 40
+    prompt, ids = torch.randint(0, 300, (1, past), generator=gen), torch.randint(0, 300, (1, T), generator=gen)
+    caches, peaks, logits = [m.new_kv_cache() for m in (ours, transformers)], [], []
+    with torch.inference_mode():
+        for m, cache in zip((ours, transformers), caches, strict=True):
+            for a, b in prefill_passes(0, past):
+                with m.runtime.forward("prefill", a):
+                    hf_forward(m.hf, prompt[:, a:b], cache, 1)
+            for layer in cache.layers:
+                layer.reserve(T)  # no buffer grows inside the measured pass
+            with m.runtime.forward("prefill", past), PeakBytes() as p:
+                logits.append(hf_forward(m.hf, ids, cache, T)[0].float())
+            peaks.append(p.peak)
+    got, want = logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert grouped and all(torch.equal(a.keys, b.keys) for a, b in zip(*(c.layers for c in caches), strict=True))
+    bound = (past + T) * prefill_bytes_per_token(ours.hf.config, 4, T)
+    assert peaks[0] <= bound < peaks[1], (peaks, bound)
