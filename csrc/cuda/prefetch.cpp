@@ -103,8 +103,9 @@ struct HostOp {  // one item's copies on the host "stream"
   Segment seg[MAX_SEGMENTS];
 };
 #else
-std::string cuda_error(const char* what, cudaError_t err) {
-  return std::string(what) + " failed: " + cudaGetErrorString(err);
+std::string cuda_error(const char* what, cudaError_t err) {  // NULL for every code: CUDA 13 on Windows without a driver
+  const char* said = cudaGetErrorString(err);
+  return std::string(what) + " failed: " + (said ? said : "CUDA error " + std::to_string(err));
 }
 #define CUDA_TRY(call)                                      \
   do {                                                      \

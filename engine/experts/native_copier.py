@@ -4,6 +4,7 @@ transfer benchmark is app/bench/transfer.py).
 Two builds of the same source, registered with engine/native.py:
 - "cuda": the CUDA runtime API (no device kernels, so no nvcc, and no headers: csrc/cuda/cuda_api.h):
   libcudart from the `nvidia-*` pip package a CUDA torch wheel ships, else $CUDA_HOME, /usr/local/cuda;
+  on Windows cudart64_*.dll, torch's own (torch/lib) first, linked directly by MinGW's ld (no import library);
 - "prefetch_host": MOECHAT_HOST_BACKEND, memcpy for copies and counters for events; what the
   CPU-only tests run (queues, priorities, cancellation, readiness, staging).
 
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 def cudart_path() -> Path:
     """The CUDA runtime library to link against: the one a CUDA build of torch ships (its `nvidia-*` pip
     package), else the toolkit's; NativeBuildError when there is none. No headers are needed (csrc/cuda/cuda_api.h)."""
+    if sys.platform == "win32":
+        return _cudart_dll()
     folders = [Path(p) for entry in sys.path if entry  # nvidia/cuda_runtime/lib (CUDA 12), nvidia/cu13/lib (CUDA 13)
                for p in sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib")))]
     for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
@@ -55,8 +58,36 @@ def cudart_path() -> Path:
                                   "or the CUDA toolkit, or set CUDA_HOME)")
 
 
+TORCH_LIB = Path(torch.__file__).parent / "lib"
+
+
+def _cudart_dll() -> Path:
+    """Windows: the CUDA runtime DLL. torch's own first (torch/lib, or a conda environment's Library/bin): torch loaded it
+    into this process, so the library's import of the same name resolves to it; then an `nvidia-cuda-runtime` pip
+    package's (nvidia/cuda_runtime/bin for CUDA 12, nvidia/cu13/bin/x86_64 for 13), then the toolkit's (CUDA 13: bin/x64)."""
+    folders = [TORCH_LIB, Path(sys.exec_prefix) / "Library" / "bin"]
+    folders += [Path(p) for entry in sys.path if entry for sub in ("bin", "bin/x86_64")
+                for p in sorted(glob.glob(os.path.join(entry, "nvidia", "*", sub)))]
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")):
+        if root:
+            folders += [Path(root) / "bin", Path(root) / "bin" / "x64"]
+    for folder in folders:
+        found = sorted(glob.glob(str(folder / "cudart64_*.dll")))
+        if found:
+            return Path(found[0])
+    raise native.NativeBuildError("no CUDA runtime library (cudart64_*.dll) found (install a CUDA build of torch, "
+                                  "or the CUDA toolkit, or set CUDA_PATH)")
+
+
+_dll_folders: dict[Path, object] = {}  # Windows: folders added to the DLL search, kept for the process's life
+
+
 def build_cuda() -> Path:
     cudart = cudart_path()
+    if sys.platform == "win32":  # MinGW's ld links the DLL itself; Python's loader finds it where torch's is, or here
+        if cudart.parent not in _dll_folders and hasattr(os, "add_dll_directory"):
+            _dll_folders[cudart.parent] = os.add_dll_directory(str(cudart.parent))
+        return native.build("cuda", [SOURCE], WARNINGS, [str(cudart)], headers=[SOURCE.parent / "cuda_api.h"])
     return native.build("cuda", [SOURCE], WARNINGS, [str(cudart), f"-Wl,-rpath,{cudart.parent}"],
                         headers=[SOURCE.parent / "cuda_api.h"])
 
