@@ -347,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except ModuleNotFoundError as err:
         if err.name == "torch":
-            return _fail("PyTorch is not installed: run installer/install.sh, or `pip install torch` "
+            from ..engine import INSTALLER
+
+            return _fail(f"PyTorch is not installed: run {INSTALLER}, or `pip install torch` "
                          "(CPU-only machines: --index-url https://download.pytorch.org/whl/cpu)")
         return _fail(f"missing Python package {err.name!r}: reinstall moechat (pip install moechat)")
     except KeyboardInterrupt:

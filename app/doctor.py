@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__, commit
+from ..engine import INSTALLER
 
 GIB = 2**30
 MIN_RAM_AVAILABLE = 8 * GIB
@@ -139,7 +140,7 @@ def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict 
 
     py = sys.executable or "python"  # moechat's own environment
     if not hw.torch_version:
-        add("PyTorch is not installed", "run installer/install.sh, or install PyTorch as in the README's Quick start")
+        add("PyTorch is not installed", f"run {INSTALLER}, or install PyTorch as in the README's Quick start")
     no_nvml = hw.gpu_note.startswith(NOTE_NO_NVML)
     if no_nvml:
         add("nvidia-ml-py is not installed, so NVIDIA GPUs cannot be probed",
@@ -156,7 +157,7 @@ def problems(hw, versions: dict, profiles: dict, models_dir: Path, native: dict 
                 f"is much smaller: {py} -m pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/cpu")
     elif not hw.gpus and not versions["cuda_available"] and not no_nvml and hw.torch_version:
         add(f"no NVIDIA GPU in use, so moechat runs on the CPU ({hw.gpu_note})",
-            "for speed, install an NVIDIA driver and the CUDA build of PyTorch (installer/install.sh picks it when "
+            f"for speed, install an NVIDIA driver and the CUDA build of PyTorch ({INSTALLER} picks it when "
             "`nvidia-smi` lists a GPU)")
     if hw.gpus and hw.torch_version and not hw.cuda_version:
         # as the installers

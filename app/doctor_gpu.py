@@ -22,10 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..engine import INSTALLER
+
 PROMPT = [11, 42, 7, 300, 1024, 5, 99, 2048, 17, 3]
 NEW_TOKENS = 24
 OVERLAP_SHARE = 0.25  # the share of CPU expert time that must run beside the engine thread's work, not waited for
-FIX_DRIVER = "update the NVIDIA driver, or reinstall moechat with installer/install.sh for a matching PyTorch CUDA build"
+FIX_DRIVER = f"update the NVIDIA driver, or reinstall moechat with {INSTALLER} for a matching PyTorch CUDA build"
 REPORT = "report it with this output (moechat doctor --gpu --json) at the project's issue tracker"
 
 
@@ -104,7 +106,8 @@ def _checks(model_dir: Path, device: str) -> list[dict]:
     m = mixed.model
     rows.append(_row("pinned", m.store.pinned and _first_pinned(m.store),
                      "the RAM tier is page-locked" if m.store.pinned else "the RAM tier is pageable: copies stage",
-                     "raise the locked-memory limit (ulimit -l) or free RAM; pageable copies work but are slower"))
+                     "free RAM" + ("" if sys.platform == "win32" else " or raise the locked-memory limit (ulimit -l)") +
+                     "; pageable copies work but are slower"))
     rows.append(_slot_check(m))
     rows.append(_graph_check(m))
     rows.append(_kernel_check(m.device))

@@ -17,7 +17,7 @@ _MODULES = {  # submodule -> the public names it provides
                "UTILITY_VARIANTS"),
     "events": ("Error", "Event", "Finished", "PrefillProgress", "StepStats", "Summary", "TokenDelta", "rising_fraction"),
     "errors": ("BudgetError", "Cancelled", "CheckpointError", "ContextLengthError", "MoechatError", "NumericsError",
-               "RequestError", "out_of_vram"),
+               "RequestError", "out_of_vram", "INSTALLER"),
     # routing traces, their replay and the simulator
     "trace": ("TraceRecorder", "load_trace", "load_routing", "expert_counts", "routing_reuse", "routing_skew"),
     "replay": ("load_replay",),

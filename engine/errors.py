@@ -1,4 +1,8 @@
 """User-facing errors: one line that says what is wrong and what to do."""
+import sys
+
+# the installer a line tells a user to run again (a CUDA build of PyTorch, a fresh environment): this OS's
+INSTALLER = r"installer\install.ps1" if sys.platform == "win32" else "installer/install.sh"
 
 
 class MoechatError(Exception):

@@ -22,6 +22,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import INSTALLER
+
 GIB = 2**30
 NO_GPU = "no NVIDIA GPU that PyTorch can use"
 SMALL_MODEL = GIB  # float32 bytes up to which a half-precision checkpoint runs in float32 on the CPU
@@ -69,7 +71,7 @@ def probe_cuda(device: str = "auto") -> CudaProbe:
         from .calibration.probe import gpu_info
 
         gpus, _ = gpu_info()  # NVML sees the card although PyTorch cannot use it
-        return CudaProbe(problem="this PyTorch is a CPU-only build: reinstall moechat with installer/install.sh "
+        return CudaProbe(problem=f"this PyTorch is a CPU-only build: reinstall moechat with {INSTALLER} "
                                  "to get the CUDA build" if gpus else "")
     with warnings.catch_warnings(record=True) as caught:  # a driver too old for this build warns, then says False
         warnings.simplefilter("always")
