@@ -143,8 +143,9 @@ class EngineWorker:
                 job.post(None)
                 continue
             self.served += 1
-            self._since = time.perf_counter()
-            job.served, job.queued_s, self.running = self.served, self._since - job.t_submit, True
+            with self._lock:  # submit's Retry-After reads the three together
+                self._since = time.perf_counter()
+                job.served, job.queued_s, self.running = self.served, self._since - job.t_submit, True
             events = self.engine.generate(job.request, job.params)
             try:
                 for ev in events:
@@ -157,6 +158,7 @@ class EngineWorker:
                 job.post(Error(f"internal error ({type(err).__name__}: {err}); the server is ready for the next request"))
             finally:
                 events.close()
-                self._spent_s, self._ended = self._spent_s + time.perf_counter() - self._since, self._ended + 1
-                self.running, self._current = False, None
+                with self._lock:
+                    self._spent_s, self._ended = self._spent_s + time.perf_counter() - self._since, self._ended + 1
+                    self.running, self._current = False, None
                 job.post(None)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..config import SamplingParams, SpecConfig, prefill_passes
-from ..errors import CheckpointError, MoechatError
+from ..errors import CheckpointError, MoechatError, out_of_vram
 from ..events import LoadProgress
 from ..model.attention import use_cuda_attention
 from ..model.bf16_linear import narrow_linears
@@ -77,6 +77,8 @@ class DraftModel:
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=target.dtype).to(target.device).eval()
         except Exception as err:
+            if out_of_vram(err):  # the GPU is full, not the checkpoint wrong: the caller's handler says what frees it
+                raise
             raise CheckpointError(
                 f"cannot load the draft model in {model_dir} ({type(err).__name__}: {err}): use a dense Hugging Face checkpoint"
             ) from None

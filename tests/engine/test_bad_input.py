@@ -326,6 +326,25 @@ def test_the_gpu_out_of_memory_mid_reply_says_what_to_do(checkpoint, monkeypatch
     assert isinstance(again, Finished) and again.token_ids == good.token_ids
 
 
+def test_the_gpu_out_of_memory_loading_a_draft_model_says_so(checkpoint, draft_dir, monkeypatch):
+    """The draft model moves to the GPU after the target filled its share of the free VRAM: a game that took some since
+    made the load say "cannot load the draft model (OutOfMemoryError: ...): use a dense Hugging Face checkpoint", which
+    it was. The GPU's line reaches the user (the command line's and the app's handlers), not the checkpoint's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moechat.engine.errors import out_of_vram
+
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError(CUDA_OOM)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", full)
+    with pytest.raises(Exception) as err:
+        load(checkpoint("qwen3_moe"), spec=SpecConfig(drafter=str(draft_dir)))
+    assert not isinstance(err.value, CheckpointError), err.value
+    assert out_of_vram(err.value).startswith("the GPU is out of memory (CUDA out of memory. Tried to allocate 1.12 GiB)")
+
+
 def test_bad_token_ids(checkpoint):
     """The message names the id out of range (was "must be non-empty and in 0..319", whichever of many it was)."""
     engine = load(checkpoint("olmoe"))

@@ -424,7 +424,7 @@ class WizardScreen(Screen):
         """The worker thread: messages only (a screen or app that has gone drops them; call_from_thread would block)."""
         from textual.worker import get_current_worker
 
-        from ....engine import Cancelled, MoechatError, release_cached_memory
+        from ....engine import Cancelled, MoechatError, out_of_vram, release_cached_memory
 
         calibrate, worker = self._calibrate_fn, get_current_worker()
         if calibrate is None:
@@ -441,7 +441,8 @@ class WizardScreen(Screen):
                                       vram_budget=None if vram is None else int(vram * GIB),
                                       ram_budget=None if ram is None else int(ram * GIB), quant=quant, **(where or {}))
         except Exception as err:  # BudgetError and friends are one line already; anything else made one
-            message = str(err) if isinstance(err, MoechatError) else f"calibration failed ({type(err).__name__}: {err})"
+            message = str(err) if isinstance(err, MoechatError) else \
+                out_of_vram(err) or f"calibration failed ({type(err).__name__}: {err})"
             self.post_message(CalibrationFailed(message.splitlines()[0]))
         else:
             self.post_message(CalibrationDone(decision_rows(profile.decisions), str(path)))
