@@ -43,7 +43,8 @@ def run_gpu_checks(as_json: bool) -> int:
         return 1
     gpu = best_gpu(cuda.gpus)  # the one `--device auto` runs on
     rows = [_row("cuda", True, f"cuda:{gpu.index} {gpu.name}, {gpu.free_bytes / 2**30:.1f} GiB free", "")]
-    with tempfile.TemporaryDirectory(prefix="moechat-doctor-") as tmp:
+    # Windows cannot delete a file still mapped (the tiny model's weights, until the engines are collected): left behind
+    with tempfile.TemporaryDirectory(prefix="moechat-doctor-", ignore_cleanup_errors=True) as tmp:
         model_dir = _tiny_model(Path(tmp))
         rows += _checks(model_dir, f"cuda:{gpu.index}")
     ok = all(r["ok"] for r in rows)
