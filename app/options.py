@@ -287,6 +287,14 @@ OPTIONS: tuple[Option, ...] = (
            problem_of=_keys_problem, live=True),
 )
 OPTION = {o.name: o for o in OPTIONS}
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def in_app_words(line: str) -> str:
+    """An engine line shown in the app: each option's flag as its settings screen label (`lower --context-len to 4,096`
+    -> `lower "Context length" to 4,096`), which is where a user of the app changes it; other flags stay."""
+    labels = {o.flag: o.label for o in OPTIONS if o.flag and o.label}
+    return _FLAG.sub(lambda m: f'"{labels[m.group()]}"' if m.group() in labels else m.group(), line)
 SETTINGS_SAMPLING = tuple(o.name for o in OPTIONS if o.group == "sampling" and o.setting)  # the chat's, from settings.toml
 
 

@@ -22,7 +22,7 @@ from ...engine import native, write_whole
 from ..bridge import EngineBridge
 from ..chat_export import export_markdown
 from ..chats import ChatStore, ChatStoreError
-from ..options import SETTINGS_SAMPLING
+from ..options import SETTINGS_SAMPLING, in_app_words
 from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
 from ..terminal_text import CONTROLS
 from . import messages as m
@@ -136,14 +136,15 @@ class MoechatApp(App):
     async def on_engine_failed(self, msg: m.EngineFailed) -> None:
         if not self.is_running:
             return
+        said = in_app_words(msg.message)  # the settings screen's names, not the command line's flags
         if msg.request_id is None:
-            self.notify(msg.message, title="moechat", severity="error", timeout=10)
-            self.chat.show_failed(msg.message)
+            self.notify(said, title="moechat", severity="error", timeout=10)
+            self.chat.show_failed(said)
             return
         back = msg.request_fault and await self.chat.reply_refused(msg.request_id)  # the message back to the input
         if not back:
             await self.chat.reply_finished(msg.request_id, "", "failed", None)
-        self.notify(msg.message + ("; your message is back in the input" if back else ""), title="moechat",
+        self.notify(said + ("; your message is back in the input" if back else ""), title="moechat",
                     severity="error", timeout=15 if back else 10)
 
     async def on_reply_delta(self, msg: m.ReplyDelta) -> None:

@@ -198,3 +198,17 @@ def test_the_readmes_synopses_name_every_flag(command, start):
     missing = [a.option_strings[-1] for a in actions
                if a.option_strings != ["-h", "--help"] and not named & set(a.option_strings)]
     assert not missing, f"README's `moechat {command}` synopsis lacks {missing}"
+
+
+def test_engine_lines_in_the_app_name_settings_not_flags():
+    """The app's user changes a budget on the settings screen, where there is no --context-len: an engine line shown
+    there names the field; flags of no field stay (--expert-cache-gib has none)."""
+    from moechat.app.options import in_app_words
+
+    line = ("qwen3_moe needs 3.75 GiB of VRAM: lower --context-len to 1,414 or less, run on the CPU (--device cpu), "
+            "or --expert-cache-gib 2")
+    assert in_app_words(line) == ('qwen3_moe needs 3.75 GiB of VRAM: lower "Context length" to 1,414 or less, run on the '
+                                  'CPU ("Device" cpu), or --expert-cache-gib 2')
+    for option in OPTIONS:  # every field's flag is replaced
+        if option.flag and option.label:
+            assert option.flag not in in_app_words(f"set {option.flag} 1"), option.name

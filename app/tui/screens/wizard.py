@@ -37,7 +37,7 @@ from textual.widgets import (
 )
 
 from ...demo import DEMO_DRAFT, DEMO_MODEL
-from ...options import OPTION
+from ...options import OPTION, in_app_words
 from ...settings import kept_aside_on_save, load_settings, save_settings
 from ..messages import CalibrationDone, CalibrationFailed, CalibrationProgress
 from .settings import FieldValidator, field_error, parse_field
@@ -469,7 +469,7 @@ class WizardScreen(Screen):
         self.busy, self._calibration = False, None
         self.profile_path = NO_PROFILE  # Next goes on without one, so a machine that cannot calibrate still finishes
         self.query_one("#run", Button).disabled = False
-        self.query_one("#cal-error", Label).update(f"{message.message} (Next: finish without a new profile)")
+        self.query_one("#cal-error", Label).update(f"{in_app_words(message.message)} (Next: finish without a new profile)")
 
     def _show_summary(self) -> None:
         if self.backend:
