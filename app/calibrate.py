@@ -205,15 +205,20 @@ def _fmt_s(value: float | None) -> str:
 
 
 def cmd_calibrate(args) -> int:
+    from ..engine import BudgetError
     from .engine_config import gib
+    from .options import in_app_words
     from .settings import load_settings
 
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
     settings = load_settings()[0]  # the format, budgets and context the settings fix are calibrated with; unset: decided
-    profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
-                              dtype=settings.dtype, vram_budget=gib(settings.vram_budget_gib),
-                              ram_budget=gib(settings.ram_budget_gib), context_len=settings.context_len)
+    try:
+        profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
+                                  dtype=settings.dtype, vram_budget=gib(settings.vram_budget_gib),
+                                  ram_budget=gib(settings.ram_budget_gib), context_len=settings.context_len)
+    except BudgetError as err:  # it takes its budgets, context and device from the settings file, not from flags
+        raise BudgetError(in_app_words(str(err), keys=True)) from None
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps({"hardware": dataclasses.asdict(profile.hardware),

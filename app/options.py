@@ -290,11 +290,14 @@ OPTION = {o.name: o for o in OPTIONS}
 _FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 
 
-def in_app_words(line: str) -> str:
+def in_app_words(line: str, keys: bool = False) -> str:
     """An engine line shown in the app: each option's flag as its settings screen label (`lower --context-len to 4,096`
-    -> `lower "Context length" to 4,096`), which is where a user of the app changes it; other flags stay."""
-    labels = {o.flag: o.label for o in OPTIONS if o.flag and o.label}
-    return _FLAG.sub(lambda m: f'"{labels[m.group()]}"' if m.group() in labels else m.group(), line)
+    -> `lower "Context length" to 4,096`), which is where a user of the app changes it; other flags stay. keys: as its
+    settings.toml key instead (`lower settings' context_len to 4,096`), for a command that reads the settings file and
+    takes no such flag (calibrate)."""
+    names = {o.flag: f"settings' {o.name}" if keys else f'"{o.label}"' for o in OPTIONS
+             if o.flag and (o.setting if keys else o.label)}
+    return _FLAG.sub(lambda m: names.get(m.group(), m.group()), line)
 SETTINGS_SAMPLING = tuple(o.name for o in OPTIONS if o.group == "sampling" and o.setting)  # the chat's, from settings.toml
 
 

@@ -212,3 +212,11 @@ def test_engine_lines_in_the_app_name_settings_not_flags():
     for option in OPTIONS:  # every field's flag is replaced
         if option.flag and option.label:
             assert option.flag not in in_app_words(f"set {option.flag} 1"), option.name
+
+
+def test_calibrates_lines_name_the_settings_keys_it_reads():
+    """`moechat calibrate` takes budgets, context and device from settings.toml and has no --context-len."""
+    from moechat.app.options import in_app_words
+
+    assert in_app_words("lower --context-len to 1,414 or less, run on the CPU (--device cpu)", keys=True) == \
+        "lower settings' context_len to 1,414 or less, run on the CPU (settings' device cpu)"

@@ -766,6 +766,22 @@ def test_calibrate_takes_the_budgets_and_context_the_settings_fix(monkeypatch):
     assert (seen["vram_budget"], seen["ram_budget"], seen["context_len"]) == (6 * 2**30, 20 * 2**30, 8192)
 
 
+def test_calibrates_refusal_names_the_settings_it_reads_not_flags(monkeypatch):
+    """`moechat calibrate` has no --context-len or --device: a budget nothing fits names the settings' keys instead."""
+    from types import SimpleNamespace
+
+    from moechat.app import calibrate as cal
+    from moechat.engine.errors import BudgetError
+
+    def refused(*args, **kw):
+        raise BudgetError("qwen3_moe needs 3.75 GiB of VRAM: lower --context-len to 1,414 or less, run on the CPU (--device cpu)")
+
+    monkeypatch.setattr(cal, "calibrate", refused)
+    with pytest.raises(BudgetError) as err:
+        cal.cmd_calibrate(SimpleNamespace(model=None, quick=True, json=True))
+    assert "--" not in str(err.value) and "settings' context_len to 1,414" in str(err.value), str(err.value)
+
+
 def test_calibrate_says_at_once_where_its_profile_cannot_be_saved(monkeypatch, tmp_path, capsys):
     """A file where the profiles folder goes failed calibration after all its measuring, with an internal error."""
     from types import SimpleNamespace
