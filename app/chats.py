@@ -6,7 +6,8 @@ each update its own transaction, so a crash or a kill leaves every finished mess
 reply as far as it got (finished=False, which the chat screen shows as interrupted).
 
 The schema grows by migrations, never by editing one (`chat_migrations.py`); a chat's Markdown export is
-`chat_export.py`.
+`chat_export.py`; the file itself beside other processes (a log not its own, its identity when it is deleted or replaced
+while open) and SQLite's failures on it as what to do are `chat_file.py`.
 
 Threads: the Textual app writes from its UI thread only, but the connection is opened with
 `check_same_thread=False` and every call holds `self._lock`, so a call from another thread (a worker,
@@ -19,7 +20,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import sqlite3
 import threading
 import time
@@ -29,7 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine import MoechatError
-from .chat_migrations import APPLICATION_ID, mark, migrate, moechat_version, refuse_newer
+from .chat_file import (
+    LOGS,
+    damaged,
+    explained,
+    holds,
+    identity,
+    newest,
+    put_unless_there,
+    read_only_mount,
+    refuse_a_log_not_its_own,
+    unusable,
+)
+from .chat_migrations import mark, migrate, moechat_version, refuse_newer
 
 ROLES = ("system", "user", "assistant")
 
@@ -45,124 +57,6 @@ class ChatStoreError(MoechatError):
     that says what to do. What was on screen stays there; the app and `moechat chat` keep running."""
 
 
-def _explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
-    """SQLite's error as what to do about it, `otherwise` where it is none of a full disk, a read-only file or a lock (its
-    error names only exist from Python 3.11: the messages are stable)."""
-    said = str(err)
-    if "full" in said or ("disk I/O error" in said and _disk_full(path)):  # a full disk fails WAL's files as I/O errors
-        return f"chat database {path}: the disk is full ({said}); free some space"
-    if "readonly" in said or "read-only" in said:
-        return f"chat database {path} is read-only ({said}): fix the permissions of the file and its folder"
-    if "locked" in said or "busy" in said:
-        return (f"chat database {path} is locked by another program ({said}): close it (a database browser, a backup) "
-                "and try again")
-    return otherwise
-
-
-def _unusable(path: Path, err: sqlite3.Error | MoechatError) -> str:
-    """Why the file at `path` cannot be opened, and what to do."""
-    if isinstance(err, MoechatError):
-        return str(err)
-    return _explained(path, err, _damaged(path, err) or (
-        f"chat database {path} cannot be used ({err}): move it aside and moechat starts a new one"))
-
-
-def _disk_full(path: Path) -> bool:
-    try:
-        return shutil.disk_usage(path.parent).free < 1 << 20
-    except OSError:
-        return False
-
-
-def _read_only_mount(path: Path) -> bool:
-    try:
-        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-    except (AttributeError, OSError):  # no statvfs on Windows
-        return False
-
-
-def _damaged(path: Path, err: sqlite3.Error) -> str | None:
-    """What to do about a damaged file (at open too, where a truncated one fails first), else None."""
-    if "malformed" not in str(err) and "not a database" not in str(err):
-        return None
-    if not _sqlite_header(path):  # no SQLite file at all: nothing to rescue
-        return f"{path} is not moechat's chat database (not an SQLite file): move it aside and moechat starts a new one"
-    return (f"chat database {path} is damaged ({err}): `sqlite3 {path} .recover | sqlite3 rescued.sqlite3` rescues what "
-            "it can (put that file in its place), or move it aside and moechat starts a new one")
-
-
-SQLITE_MAGIC = b"SQLite format 3\0"
-
-
-def _header(path: Path) -> bytes | None:
-    """The database header (its first 100 bytes; fewer for a short file), None when the file cannot be read."""
-    try:
-        with path.open("rb") as file:
-            return file.read(100)
-    except OSError:
-        return None
-
-
-def _sqlite_header(path: Path) -> bool:
-    """Whether the file starts as an SQLite database does (or cannot be read: then it may be one)."""
-    header = _header(path)
-    return header is None or header.startswith(SQLITE_MAGIC)
-
-
-def _refuse_a_log_not_its_own(path: Path) -> None:
-    """A write-ahead log (`-wal`) with frames beside a file that was never in WAL mode or is another program's: left by a
-    moechat stopped abruptly before another file was put there (a copy, another program's). SQLite would write the log's
-    pages into that file at the first read, whatever file it is; refused untouched."""
-    try:
-        logged = os.path.getsize(f"{path}-wal") > 32  # the log's header alone holds no page
-    except OSError:  # no log: nothing to apply
-        return
-    header = _header(path)
-    if not logged or header is None or len(header) < 100 or not header.startswith(SQLITE_MAGIC):
-        return  # no page to apply, or no database (refused as such at open)
-    if header[18:20] == b"\2\2" and int.from_bytes(header[68:72], "big") in (0, APPLICATION_ID):
-        return
-    raise MoechatError(f"chat database {path} has a write-ahead log {path}-wal that is not its own (moechat stopped abruptly "
-                       "before this file was put there): move the -wal and -shm files beside it aside, and moechat opens "
-                       "the file as it is")
-
-
-_LOGS = ("-wal", "-shm")  # WAL mode's files beside the database, found by its name
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of the file at `path`, None where there is none."""
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
-    return stat.st_dev, stat.st_ino
-
-
-def _newest(db: sqlite3.Connection) -> list[tuple[str, int, float]]:
-    """The newest conversation and message of the file `db` reads: (table, id, created)."""
-    return [(table, *row) for table in ("conversations", "messages")
-            for row in db.execute(f"SELECT id, created FROM {table} ORDER BY id DESC LIMIT 1")]
-
-
-def _holds(db: sqlite3.Connection, newest: list[tuple[str, int, float]]) -> bool:
-    """Whether the file `db` reads has those rows (ids and creation times): a copy of the file they were read from, made
-    again by another window after it was deleted, whose ids name the same chats. A backup restored lacks the newest."""
-    return all(db.execute(f"SELECT 1 FROM {table} WHERE id = ? AND created = ?", (id, created)).fetchone()
-               for table, id, created in newest)
-
-
-def _put_unless_there(part: Path, path: Path) -> None:
-    """The file made again put at `path`, unless another window made it again first: its copy of the same chats stays,
-    with what that window saved into it since (os.replace put this one over it, and those saves were lost)."""
-    try:
-        os.link(part, path)
-    except FileExistsError:
-        pass
-    except OSError:  # no hard links on this file system (FAT, some network shares)
-        os.replace(part, path)
-        return
-    part.unlink()
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
@@ -238,7 +132,7 @@ class ChatStore:
             self._db = self._open()
         except sqlite3.Error as err:
             self.close()
-            raise MoechatError(_unusable(self.path, err)) from None
+            raise MoechatError(unusable(self.path, err)) from None
         except OSError as err:
             self.close()
             raise MoechatError(f"cannot create the chat database {self.path} ({err.strerror or err})") from None
@@ -250,7 +144,7 @@ class ChatStore:
         """A connection to the file at self.path, migrated, in WAL mode; the file's identity and data version noted."""
         # isolation_level=None: no implicit transactions; every write below says BEGIN itself.
         # timeout: the wait for another writer's lock, on the app's UI thread (a write takes milliseconds; 5 s froze it)
-        _refuse_a_log_not_its_own(self.path)
+        refuse_a_log_not_its_own(self.path)
         db = sqlite3.connect(self.path, timeout=2.0, check_same_thread=False, isolation_level=None)
         try:
             db.execute("PRAGMA foreign_keys=ON")
@@ -266,7 +160,7 @@ class ChatStore:
             db.close()
             raise
         self._file = (stat.st_dev, stat.st_ino)
-        self._logs = {log: _identity(Path(f"{self.path}{log}")) for log in _LOGS}
+        self._logs = {log: identity(Path(f"{self.path}{log}")) for log in LOGS}
         return db
 
     def _same_file(self) -> bool:
@@ -288,7 +182,7 @@ class ChatStore:
         # another file put there: the old one's log (-wal, beside it) emptied into it first, else SQLite reads it into the new
         if stat is not None and old.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:
             raise sqlite3.OperationalError("database is locked")  # a reader of the old file holds the log: the next write
-        newest = _newest(old)  # deleted too: what opens may be a backup put there meanwhile (rm, then mv), not a copy
+        kept = newest(old)  # deleted too: what opens may be a backup put there meanwhile (rm, then mv), not a copy
         try:
             if stat is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -299,7 +193,7 @@ class ChatStore:
                     copy.close()
             self._drop_old_logs()
             if stat is None:
-                _put_unless_there(part, self.path)
+                put_unless_there(part, self.path)
             self._db = self._open()
         except (sqlite3.Error, OSError, MoechatError) as err:
             with contextlib.suppress(OSError):
@@ -307,7 +201,7 @@ class ChatStore:
             if isinstance(err, MoechatError) or stat is not None and isinstance(err, sqlite3.Error):
                 # the file put there refused as at start (another program's, a newer moechat's, damaged), not a crash of the
                 # app that took the reply on screen with it: the old file stays open, the write waits for the file moved aside
-                raise ChatStoreError(f"{_unusable(self.path, err)}; a reply not saved by then is printed when you quit"
+                raise ChatStoreError(f"{unusable(self.path, err)}; a reply not saved by then is printed when you quit"
                                      ) from None
             why = str(err) if isinstance(err, sqlite3.Error) else err.strerror or str(err)
             raise ChatStoreError(f"chat database {self.path} was deleted while moechat ran and cannot be made again "
@@ -315,7 +209,7 @@ class ChatStore:
                                  ) from None
         old.close()
         self._data_version = -1  # the chat list reads the chats of the file opened at its next look (changed_elsewhere)
-        if not _holds(self._db, newest):  # a backup, not the file another window made again from this one: other rows
+        if not holds(self._db, kept):  # a backup, not the file another window made again from this one: other rows
             self.generation += 1
         if self.notice is not None:
             self.notice(f"chat database {self.path} was deleted while moechat ran: made again from the chats this window "
@@ -327,8 +221,8 @@ class ChatStore:
         """The old file's -wal and -shm out of the new one's way: SQLite would read them into it, and the new file's log
         beside the old one's connections (another window's, still on the old file) was theirs to checkpoint into the old
         file and truncate (the new file's saves lost). Theirs keep them open. Those another window's new file uses stay."""
-        for log in _LOGS:
-            if _identity(Path(f"{self.path}{log}")) == self._logs.get(log):
+        for log in LOGS:
+            if identity(Path(f"{self.path}{log}")) == self._logs.get(log):
                 Path(f"{self.path}{log}").unlink(missing_ok=True)
 
     def changed_elsewhere(self) -> bool:
@@ -345,7 +239,7 @@ class ChatStore:
         a read-only file and fails at the first message, and a folder it cannot write gives 'unable to open'."""
         for where, what in ((self.path, "file"), (self.path.parent, "folder")):
             if where.exists() and not os.access(where, os.W_OK | (os.X_OK if what == "folder" else os.R_OK)):
-                if _read_only_mount(where):  # no chmod helps there
+                if read_only_mount(where):  # no chmod helps there
                     raise MoechatError(f"the chat database's {what} {where} is on a read-only file system: remount it "
                                        "read-write, or run moechat where its data directory can be written")
                 raise MoechatError(f"the chat database's {what} {where} is not writable by you: fix its permissions "
@@ -357,8 +251,8 @@ class ChatStore:
         try:
             yield
         except sqlite3.Error as err:
-            otherwise = _damaged(self.path, err) or f"chat database {self.path} failed ({err}): check the disk it is on"
-            raise ChatStoreError(_explained(self.path, err, otherwise)) from None
+            otherwise = damaged(self.path, err) or f"chat database {self.path} failed ({err}): check the disk it is on"
+            raise ChatStoreError(explained(self.path, err, otherwise)) from None
 
     def _wal(self, db: sqlite3.Connection) -> None:
         """WAL mode, waiting out a moechat starting at the same moment: SQLite says 'locked' at once to a connection

@@ -278,7 +278,7 @@ def test_a_full_disk_at_start_says_the_disk_is_full(tmp_path, monkeypatch):
         raise sqlite3.OperationalError("disk I/O error")
 
     _opened_meanwhile(monkeypatch, path, "PRAGMA journal_mode=WAL", io_error)
-    monkeypatch.setattr("moechat.app.chats.shutil.disk_usage", lambda where: shutil._ntuple_diskusage(10 << 30, 10 << 30, 0))
+    monkeypatch.setattr("moechat.app.chat_file.shutil.disk_usage", lambda where: shutil._ntuple_diskusage(10 << 30, 10 << 30, 0))
     with pytest.raises(MoechatError) as err:
         ChatStore(path)
     assert "the disk is full" in str(err.value) and "move it aside" not in str(err.value)
@@ -409,7 +409,7 @@ def test_a_read_only_file_system_is_named_instead_of_a_chmod(tmp_path, monkeypat
     ChatStore(path).close()
     monkeypatch.setattr("moechat.app.chats.os.access", lambda where, mode: False)
     statvfs = os.statvfs
-    monkeypatch.setattr("moechat.app.chats.os.statvfs", lambda where: type("ReadOnly", (), {
+    monkeypatch.setattr("moechat.app.chat_file.os.statvfs", lambda where: type("ReadOnly", (), {
         "f_flag": statvfs(where).f_flag | os.ST_RDONLY})())
     with pytest.raises(MoechatError) as err:
         ChatStore(path)
@@ -747,7 +747,7 @@ def test_a_backup_put_where_this_window_makes_the_deleted_file_again_refuses_the
     from moechat.app import chats
 
     path, backup = tmp_path / "chats.sqlite3", _a_backup(tmp_path)
-    before, put = _rows(backup), chats._put_unless_there
+    before, put = _rows(backup), chats.put_unless_there
 
     def restored_meanwhile(part: Path, where: Path) -> None:
         shutil.copy(backup, tmp_path / "restoring")
@@ -761,7 +761,7 @@ def test_a_backup_put_where_this_window_makes_the_deleted_file_again_refuses_the
         reply = store.add(conv, "assistant", "", finished=False, generation=generation)
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink()
-        monkeypatch.setattr(chats, "_put_unless_there", restored_meanwhile)
+        monkeypatch.setattr(chats, "put_unless_there", restored_meanwhile)
         with pytest.raises(KeyError):
             store.update(reply, "the live reply, streaming", finished=False, generation=generation)
     assert _rows(path) == before

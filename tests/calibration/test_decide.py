@@ -313,10 +313,10 @@ def test_the_expert_cache_ratio_advised_fits_when_followed(capsys, name, context
 def test_loader_refuses_before_loading(checkpoint, monkeypatch):
     """The loader checks RAM before any expert loads: a machine 'smaller' than the experts is refused."""
     from moechat.engine.config import EngineConfig
-    from moechat.engine.model import loader
+    from moechat.engine.model import load_budgets, loader
 
-    monkeypatch.setattr(loader, "physical_ram_bytes", lambda: 1024)
-    monkeypatch.setattr(loader, "available_ram_bytes", lambda: 1024)
+    monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: 1024)
+    monkeypatch.setattr(load_budgets, "available_ram_bytes", lambda: 1024)
     monkeypatch.setattr(loader.ExpertStore, "__init__", lambda *a, **k: pytest.fail("experts loaded before the check"))
     with pytest.raises(BudgetError, match="this machine has 0.00 GiB of RAM: use a smaller model"):
         loader.load_model(EngineConfig(model_dir=str(checkpoint("olmoe"))))
@@ -331,22 +331,22 @@ def test_loader_keeps_experts_in_ram_only_beside_the_rest(known, monkeypatch):
     import torch
 
     from moechat.engine.config import EngineConfig
-    from moechat.engine.model import loader
+    from moechat.engine.model import load_budgets
     from moechat.engine.model.memory_budgets import expert_store_room
 
-    monkeypatch.setattr(loader, "physical_ram_bytes", lambda: 32 * GIB)
-    monkeypatch.setattr(loader, "available_ram_bytes", lambda: 30 * GIB)
+    monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: 32 * GIB)
+    monkeypatch.setattr(load_budgets, "available_ram_bytes", lambda: 30 * GIB)
     cpu, cfg = torch.device("cpu"), EngineConfig(model_dir="unused")
     lite = estimate(KNOWN_MODELS["DeepSeek-V2-Lite"], "bfloat16")  # its own context, as generate runs it
     assert lite.all_experts_bytes < 30 * GIB < lite.all_experts_bytes + lite.host_bytes + 2 * GIB
-    held, notice = loader.check_load_budgets(cfg, lite, cpu)
+    held, notice = load_budgets.check_load_budgets(cfg, lite, cpu)
     assert held.host_ram_budget_bytes == 30 * GIB
     assert notice == ("experts read in place from the model's files: their 26.81 GiB do not fit the 30.00 GiB of free RAM "
                       "beside the rest; --quant int8 (14.24 GiB) keeps them in RAM")
     assert expert_store_room(lite, held.host_ram_budget_bytes, on_gpu=False) < lite.all_experts_bytes  # read from disk
-    assert loader.check_load_budgets(cfg, lite.with_quant("int8"), cpu) == (cfg, "")  # fits: in RAM, no budget
+    assert load_budgets.check_load_budgets(cfg, lite.with_quant("int8"), cpu) == (cfg, "")  # fits: in RAM, no budget
     qwen = known["Qwen3-30B-A3B"]
-    held, notice = loader.check_load_budgets(replace(cfg, host_ram_budget_bytes=64 * GIB), qwen, cpu)
+    held, notice = load_budgets.check_load_budgets(replace(cfg, host_ram_budget_bytes=64 * GIB), qwen, cpu)
     assert held.host_ram_budget_bytes == 32 * GIB
     assert notice == "RAM budget 32.00 GiB instead of 64.00 GiB: this machine has no more"
     assert expert_store_room(qwen, held.host_ram_budget_bytes, on_gpu=False) < qwen.all_experts_bytes  # read from disk
@@ -362,14 +362,14 @@ def test_the_machines_ram_is_known_on_windows_where_os_has_no_sysconf(known, mon
     import torch
 
     from moechat.engine.config import EngineConfig
-    from moechat.engine.model import loader
+    from moechat.engine.model import load_budgets
 
     monkeypatch.delattr(os, "sysconf")
     memory = collections.namedtuple("svmem", "total available")(32 * GIB, 30 * GIB)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
-    assert loader.physical_ram_bytes() == 32 * GIB
+    assert load_budgets.physical_ram_bytes() == 32 * GIB
     cfg = EngineConfig(model_dir="unused", host_ram_budget_bytes=64 * GIB)
-    held, notice = loader.check_load_budgets(cfg, known["Qwen3-30B-A3B"], torch.device("cpu"))
+    held, notice = load_budgets.check_load_budgets(cfg, known["Qwen3-30B-A3B"], torch.device("cpu"))
     assert held.host_ram_budget_bytes == 32 * GIB and "this machine has no more" in notice
 
 
@@ -380,11 +380,11 @@ def test_loader_refuses_a_context_whose_kv_cache_the_machine_cannot_hold(checkpo
     import re
 
     from moechat.engine.config import EngineConfig
-    from moechat.engine.model import loader
+    from moechat.engine.model import load_budgets, loader
 
     model_dir = str(checkpoint("olmoe"))  # 256 bytes of KV a token in float32
-    monkeypatch.setattr(loader, "physical_ram_bytes", lambda: 4 * GIB)
-    monkeypatch.setattr(loader, "available_ram_bytes", lambda: 4 * GIB)
+    monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: 4 * GIB)
+    monkeypatch.setattr(load_budgets, "available_ram_bytes", lambda: 4 * GIB)
     with monkeypatch.context() as m:
         m.setattr(loader.ExpertStore, "__init__", lambda *a, **k: pytest.fail("experts loaded before the check"))
         with pytest.raises(BudgetError, match=r"this machine has 4.00 GiB of RAM: lower --context-len to [\d,]+ or less") as err:
@@ -573,7 +573,7 @@ def test_two_equal_gpus_decide_for_the_serving_one_as_cuda_reads_it(known, monke
     import torch
 
     from moechat.app.calibrate import _run_hardware
-    from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.load_budgets import check_load_budgets
 
     est = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "bfloat16", 8192)
     gpu = MACHINES["desktop-4090"][0].gpus[0]

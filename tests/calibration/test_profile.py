@@ -639,7 +639,7 @@ def test_settings_budgets_bound_the_engine(checkpoint, monkeypatch):
     from moechat.engine.config import EngineConfig
     from moechat.engine.errors import BudgetError
     from moechat.engine.generate import Engine
-    from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.load_budgets import check_load_budgets
     from moechat.engine.model.memory_budgets import ram_headroom
     from moechat.engine.model.memory_estimate import estimate
 
@@ -681,7 +681,7 @@ def test_a_fast_tier_that_no_longer_fits_shrinks_unless_the_user_set_it(monkeypa
     from moechat.engine.calibration.known_models import KNOWN_MODELS
     from moechat.engine.config import EngineConfig
     from moechat.engine.errors import BudgetError
-    from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.load_budgets import check_load_budgets
     from moechat.engine.model.memory_budgets import max_cache_experts
     from moechat.engine.model.memory_estimate import estimate
 
@@ -718,7 +718,7 @@ def test_with_no_ratio_set_the_fast_tier_is_what_the_free_vram_holds(monkeypatch
     from moechat.engine.calibration.known_models import KNOWN_MODELS
     from moechat.engine.config import EngineConfig
     from moechat.engine.errors import BudgetError
-    from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.load_budgets import check_load_budgets
     from moechat.engine.model.memory_budgets import max_cache_experts
     from moechat.engine.model.memory_estimate import estimate
 

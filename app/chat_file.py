@@ -1,0 +1,137 @@
+"""The chat database's file as it is on disk, beside other processes (`chats.py`'s ChatStore holds the connection and the rows).
+
+What is at its path: an SQLite file or not (its header), a write-ahead log beside it that is not its own (refused before
+SQLite applies it), the file's identity (device, inode) and its logs', so a file deleted, replaced by a backup or made
+again by another window is told apart, and whether the file put there holds the same chats; and SQLite's failures on it
+(a full disk, a read-only file or mount, a lock, a damaged file) as one line that says what to do.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+from ..engine import MoechatError
+from .chat_migrations import APPLICATION_ID
+
+SQLITE_MAGIC = b"SQLite format 3\0"
+
+
+def header(path: Path) -> bytes | None:
+    """The database header (its first 100 bytes; fewer for a short file), None when the file cannot be read."""
+    try:
+        with path.open("rb") as file:
+            return file.read(100)
+    except OSError:
+        return None
+
+
+def sqlite_header(path: Path) -> bool:
+    """Whether the file starts as an SQLite database does (or cannot be read: then it may be one)."""
+    head = header(path)
+    return head is None or head.startswith(SQLITE_MAGIC)
+
+
+def refuse_a_log_not_its_own(path: Path) -> None:
+    """A write-ahead log (`-wal`) with frames beside a file that was never in WAL mode or is another program's: left by a
+    moechat stopped abruptly before another file was put there (a copy, another program's). SQLite would write the log's
+    pages into that file at the first read, whatever file it is; refused untouched."""
+    try:
+        logged = os.path.getsize(f"{path}-wal") > 32  # the log's header alone holds no page
+    except OSError:  # no log: nothing to apply
+        return
+    head = header(path)
+    if not logged or head is None or len(head) < 100 or not head.startswith(SQLITE_MAGIC):
+        return  # no page to apply, or no database (refused as such at open)
+    if head[18:20] == b"\2\2" and int.from_bytes(head[68:72], "big") in (0, APPLICATION_ID):
+        return
+    raise MoechatError(f"chat database {path} has a write-ahead log {path}-wal that is not its own (moechat stopped abruptly "
+                       "before this file was put there): move the -wal and -shm files beside it aside, and moechat opens "
+                       "the file as it is")
+
+
+LOGS = ("-wal", "-shm")  # WAL mode's files beside the database, found by its name
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at `path`, None where there is none."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def newest(db: sqlite3.Connection) -> list[tuple[str, int, float]]:
+    """The newest conversation and message of the file `db` reads: (table, id, created)."""
+    return [(table, *row) for table in ("conversations", "messages")
+            for row in db.execute(f"SELECT id, created FROM {table} ORDER BY id DESC LIMIT 1")]
+
+
+def holds(db: sqlite3.Connection, rows: list[tuple[str, int, float]]) -> bool:
+    """Whether the file `db` reads has those rows (ids and creation times): a copy of the file they were read from, made
+    again by another window after it was deleted, whose ids name the same chats. A backup restored lacks the newest."""
+    return all(db.execute(f"SELECT 1 FROM {table} WHERE id = ? AND created = ?", (id, created)).fetchone()
+               for table, id, created in rows)
+
+
+def put_unless_there(part: Path, path: Path) -> None:
+    """The file made again put at `path`, unless another window made it again first: its copy of the same chats stays,
+    with what that window saved into it since (os.replace put this one over it, and those saves were lost)."""
+    try:
+        os.link(part, path)
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links on this file system (FAT, some network shares)
+        os.replace(part, path)
+        return
+    part.unlink()
+
+
+# -- its failures as what to do --------------------------------------------------------------------------------
+
+def explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
+    """SQLite's error as what to do about it, `otherwise` where it is none of a full disk, a read-only file or a lock (its
+    error names only exist from Python 3.11: the messages are stable)."""
+    said = str(err)
+    if "full" in said or ("disk I/O error" in said and disk_full(path)):  # a full disk fails WAL's files as I/O errors
+        return f"chat database {path}: the disk is full ({said}); free some space"
+    if "readonly" in said or "read-only" in said:
+        return f"chat database {path} is read-only ({said}): fix the permissions of the file and its folder"
+    if "locked" in said or "busy" in said:
+        return (f"chat database {path} is locked by another program ({said}): close it (a database browser, a backup) "
+                "and try again")
+    return otherwise
+
+
+def unusable(path: Path, err: sqlite3.Error | MoechatError) -> str:
+    """Why the file at `path` cannot be opened, and what to do."""
+    if isinstance(err, MoechatError):
+        return str(err)
+    return explained(path, err, damaged(path, err) or (
+        f"chat database {path} cannot be used ({err}): move it aside and moechat starts a new one"))
+
+
+def disk_full(path: Path) -> bool:
+    try:
+        return shutil.disk_usage(path.parent).free < 1 << 20
+    except OSError:
+        return False
+
+
+def read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (AttributeError, OSError):  # no statvfs on Windows
+        return False
+
+
+def damaged(path: Path, err: sqlite3.Error) -> str | None:
+    """What to do about a damaged file (at open too, where a truncated one fails first), else None."""
+    if "malformed" not in str(err) and "not a database" not in str(err):
+        return None
+    if not sqlite_header(path):  # no SQLite file at all: nothing to rescue
+        return f"{path} is not moechat's chat database (not an SQLite file): move it aside and moechat starts a new one"
+    return (f"chat database {path} is damaged ({err}): `sqlite3 {path} .recover | sqlite3 rescued.sqlite3` rescues what "
+            "it can (put that file in its place), or move it aside and moechat starts a new one")
