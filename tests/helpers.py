@@ -53,11 +53,14 @@ def chat_ids(text: str) -> list[int]:
 class PeakBytes:
     """The most bytes of tensors made inside `with PeakBytes() as p:` alive at once (p.peak): every op's outputs that own
     new storage (not an input's, as a view or an in-place write), counted until the storage is freed. Memory the CPU's
-    kernels take inside an op is not seen, what a CUDA pass allocates between ops is."""
+    kernels take inside an op is not seen, what a CUDA pass allocates between ops is. PeakBytes("cuda"): the CUDA caching
+    allocator's own count instead (max_memory_allocated less what was allocated on entry, the device synchronized on entry
+    and exit): everything the pass allocated on the current device, inside ops too, at the allocator's 512-byte blocks."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
         from torch.utils._python_dispatch import TorchDispatchMode
 
+        self.cuda = torch.device(device).type == "cuda"
         tracker = self
 
         class Mode(TorchDispatchMode):
@@ -91,8 +94,17 @@ class PeakBytes:
         self.live -= size
 
     def __enter__(self) -> PeakBytes:
-        self.mode.__enter__()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()  # the peak starts at what is allocated now
+            self.before = torch.cuda.memory_allocated()
+        else:
+            self.mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.mode.__exit__(*exc)
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.before
+        else:
+            self.mode.__exit__(*exc)

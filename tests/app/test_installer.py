@@ -24,9 +24,10 @@ def test_shellcheck():
 
 def test_the_gpu_proof_runs_every_gpu_test_file():
     """A device session runs .ci/gpu-proof, which names the test files to run: a new gpu-marked file not among them
-    would never run on a GPU."""
+    would never run on a GPU, nor would a file whose only gpu-marked tests are a parametrized test's CUDA cases (a
+    pytest.param marked gpu), which this check did not see."""
     proof = (ROOT / ".ci" / "gpu-proof").read_text()
-    gpu = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\b.*\bmark\.gpu\b)", re.M)
+    gpu = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\b.*\bmark\.gpu\b)|\bmarks=.*\bmark\.gpu\b", re.M)  # or a param's
     marked = {p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py") if gpu.search(p.read_text())}
     assert len(marked) >= 10 and not {f for f in marked if f not in proof}
 

@@ -156,3 +156,70 @@ def test_cuda_passes_after_a_past_give_transformers_greedy(checkpoint):
         got, want = _passes(m, lambda ids, cache, T=T: m.forward(ids, cache, T), transformers, T)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
         assert torch.equal(got.argmax(-1), want.argmax(-1)), T
+
+
+LONG_PAST = 3000  # positions before the measured passes: 3,000 + 512 fill the model's context
+FOLD_EDGES = (16, 17, FOLD_ROWS, FOLD_ROWS + 1, 512)  # graphs' longest pass (G·T = FOLD_ROWS), 7 heads then 1, the lean
+# forward's longest (one head a call), transformers' forward's shortest, PREFILL_CHUNK
+FOLD_ACTIVATIONS = 4 << 20  # what a pass holds besides its per-position share: see the test below
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_passes_at_the_fold_edges_after_a_long_past_hold_what_the_estimate_counts(device, checkpoint, as_cuda):
+    """Qwen3-MoE with 16 query heads over 2 KV heads (G = 8): passes of FOLD_EDGES positions after 3,000, each on the path
+    a CUDA device takes for it (16: the decode graphs' segments, eager on a pass length's first pass; 17 and 128: the lean
+    forward; 129 and 512: transformers' through cuda_sdpa), give transformers' own sdpa's argmax; each SDPA call takes
+    FOLD_ROWS // T of a KV head's 8 query heads (one at least, 8 at most); and the memory each pass allocates beyond what
+    was held before stays within the estimate's pass_bytes_per_token per position of the cache's buffer (the graphs read
+    all of it) plus FOLD_ACTIVATIONS: what grows with the pass's positions and not with the past (the logits, the
+    queries), left to the margin; the CPU variant measures 1.3 MiB of it at 512 positions, the rest is room for the CUDA
+    allocator's rounding. On a GPU the caching allocator's peak; on the CPU CUDA's branches forced on CPU tensors, whose
+    SDPA kernel takes the bool mask without the float and aligned copies the estimate counts (PeakBytes would not see
+    them inside the op: the bound there leaves them out). The mask repeated per query head (what a 512-position pass
+    held before FOLD_ROWS: 8 times its rows) fails the check on either."""
+    from helpers import PeakBytes
+
+    from moechat.engine.config import PREFILL_CHUNK, prefill_passes
+    from moechat.engine.model.graph_decode import MAX_GRAPH_POSITIONS
+    from moechat.engine.model.memory_estimate import estimate
+    from moechat.engine.speculative.rewind import rewind_cache
+
+    model_dir = checkpoint("qwen3_moe", num_attention_heads=16, num_key_value_heads=2,
+                           max_position_embeddings=LONG_PAST + PREFILL_CHUNK)
+    m = load_model(EngineConfig(model_dir=str(model_dir), device=device, dtype="float32"))
+    groups, layers = 8, len(m.hf.model.layers)
+    if device == "cpu":  # CUDA's torch ops and attention (as_cuda: the fold decided as on CUDA)
+        m.lean.native = False
+        m.hf.set_attn_implementation("sdpa")
+        use_cuda_attention(m.hf)
+    transformers = _transformers_sdpa(m)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 300, (1, LONG_PAST), generator=gen).to(m.device)
+    caches = m.new_kv_cache(), m.new_kv_cache()
+    est = estimate(model_dir, "float32")
+    rows = PREFILL_CHUNK + min(groups, FOLD_ROWS // MAX_GRAPH_POSITIONS) * MAX_GRAPH_POSITIONS  # the masks it counts
+    per_position = est.pass_bytes_per_token - (0 if device == "cuda" else 2 * 4 * rows)  # less the CPU's unseen copies
+    with torch.inference_mode():
+        for cache in caches:
+            for a, b in prefill_passes(0, LONG_PAST):
+                with m.runtime.forward("prefill", a):
+                    hf_forward(m.hf, prompt[:, a:b], cache, 1)
+            for layer in cache.layers:
+                layer.reserve(PREFILL_CHUNK)  # no buffer grows inside a measured pass
+        positions = caches[0].layers[0].capacity()
+        for T in FOLD_EDGES:
+            ids = torch.randint(0, 300, (1, T), generator=gen).to(m.device)
+            for cache in caches:
+                rewind_cache(cache, LONG_PAST)
+            as_cuda.clear()
+            with m.runtime.forward("prefill", LONG_PAST), PeakBytes(device) as p:
+                got = m.forward(ids, caches[0], T)
+            calls = list(as_cuda)
+            with m.runtime.forward("prefill", LONG_PAST):
+                want = transformers(ids, caches[1])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), T
+            fold = max(1, min(groups, FOLD_ROWS // T))
+            assert len(calls) == layers * -(-groups // fold) and all(
+                q_heads == k_heads == 2 and masked and not gqa for q_heads, k_heads, masked, gqa, _ in calls), (T, calls)
+            assert p.peak <= positions * per_position + FOLD_ACTIVATIONS, (T, p.peak, positions)

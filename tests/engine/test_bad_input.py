@@ -345,6 +345,47 @@ def test_the_gpu_out_of_memory_loading_a_draft_model_says_so(checkpoint, draft_d
     assert out_of_vram(err.value).startswith("the GPU is out of memory (CUDA out of memory. Tried to allocate 1.12 GiB)")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_real_out_of_memory_mid_reply_says_what_to_do(device, checkpoint, monkeypatch):
+    """What the device raises when an allocation is refused, for real: torch.empty of twice the GPU's memory raises
+    torch.OutOfMemoryError ("CUDA out of memory. Tried to allocate ..."), which out_of_vram turns into its line; the same
+    allocation in a reply's third pass ends the reply in that line, and the next reply is the first one's tokens. On
+    the CPU the refusal is RAM's, a RuntimeError out_of_vram leaves alone: the reply ends in "internal error"."""
+    import torch
+
+    from moechat.engine.errors import out_of_vram
+
+    engine = load(checkpoint("qwen3_moe"), device=device)
+    params = SamplingParams(max_new_tokens=8)
+    good = list(engine.generate(Request(token_ids=[5, 6, 7]), params))[-1]
+    too_much = 2 * torch.cuda.mem_get_info()[1] if device == "cuda" else 1 << 62  # bytes; 1 << 62: past any address space
+    with pytest.raises(Exception) as refused:
+        torch.empty(too_much, dtype=torch.uint8, device=device)
+    said = out_of_vram(refused.value)
+    if device == "cuda":
+        assert isinstance(refused.value, torch.OutOfMemoryError), refused.value
+        assert said.startswith("the GPU is out of memory (CUDA out of memory. Tried to allocate "), said
+        assert said.endswith("--expert-cache-ratio or --context-len") and "\n" not in said
+    else:
+        assert said == "", refused.value
+    real, passes = engine.model.forward, []
+
+    def forward(*args):
+        passes.append(1)
+        if len(passes) == 3:  # the second decode pass: a reply under way
+            torch.empty(too_much, dtype=torch.uint8, device=device)
+        return real(*args)
+
+    monkeypatch.setattr(engine.model, "forward", forward)
+    events = list(engine.generate(Request(token_ids=[5, 6, 7]), params))
+    assert len(passes) == 3 and isinstance(events[-1], Error) and not events[-1].request_fault, events[-1]
+    message = one_line(Exception(events[-1].message))
+    assert message == said if said else message.startswith("internal error (RuntimeError: "), message
+    again = list(engine.generate(Request(token_ids=[5, 6, 7]), params))[-1]
+    engine.close()
+    assert isinstance(again, Finished) and again.token_ids == good.token_ids
+
+
 def test_bad_token_ids(checkpoint):
     """The message names the id out of range (was "must be non-empty and in 0..319", whichever of many it was)."""
     engine = load(checkpoint("olmoe"))

@@ -503,6 +503,38 @@ def test_disk_tier_beside_a_gpu(quant, checkpoint, tokenizer):
         assert tokens[0] == hf_greedy(model_dir, prompt, device="cuda")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_with_no_ratio_set_a_gpu_caches_what_its_vram_holds(device, checkpoint, tokenizer, monkeypatch):
+    """No expert cache ratio or size set on CUDA: the fast tier is max_cache_experts(estimate, VRAM) experts, the VRAM the
+    free memory held to vram_budget_bytes (engine/model/loader.py check_load_budgets). A budget of the fixed part, the
+    margin and 5.5 experts' bytes, far below what an 80-140 GB card has free, so the budget decides: 5 of the 16 experts
+    cached, greedy as transformers' on the GPU. The CPU variant runs the same arithmetic through check_load_budgets as
+    for a CUDA device with 139 GiB free (the engine itself needs one)."""
+    from moechat.engine.model.loader import check_load_budgets
+    from moechat.engine.model.memory_budgets import max_cache_experts, vram_fixed, vram_margin
+
+    model_dir = checkpoint("qwen3_moe")
+    est = estimate(model_dir, "float32", context_len=512)
+    budget = vram_fixed(est) + vram_margin(1 << 30) + 5 * est.expert_bytes + est.expert_bytes // 2
+    assert vram_margin(budget) == vram_margin(1 << 30) and max_cache_experts(est, budget) == 5 < est.num_experts_total
+    cfg = EngineConfig(model_dir=str(model_dir), device="cuda", context_len=512, vram_budget_bytes=budget)
+    assert cfg.expert_cache_ratio is None and cfg.expert_cache_bytes is None
+    if device == "cpu":
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (139 << 30, 141 << 30))
+        fitted, notice = check_load_budgets(cfg, est, torch.device("cuda"))
+        assert (fitted.expert_cache_bytes, notice) == (5 * est.expert_bytes, "")
+        return
+    assert torch.cuda.mem_get_info()[0] > budget  # the budget decides, not what is free
+    engine = Engine(cfg)
+    try:
+        assert engine.model.cache.capacity == 5 and engine.model.load_notice == ""
+        prompt = tokenizer(PROMPT)["input_ids"]
+        fin = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=NEW_TOKENS)))[-1]
+    finally:
+        engine.close()
+    assert isinstance(fin, Finished) and fin.token_ids == hf_greedy(model_dir, prompt, device="cuda")
+
+
 def test_tied_embeddings(checkpoint, tokenizer):
     model_dir = checkpoint("olmoe", 6, tie_word_embeddings=True)
     from safetensors import safe_open

@@ -302,3 +302,64 @@ def test_a_long_pass_on_cuda_expands_a_group_of_heads_at_a_time(checkpoint, monk
     assert grouped and all(torch.equal(a.keys, b.keys) for a, b in zip(*(c.layers for c in caches), strict=True))
     bound = (past + T) * prefill_bytes_per_token(ours.hf.config, 4, T)
     assert peaks[0] <= bound < peaks[1], (peaks, bound)
+
+
+LONG_PAST = 3000  # positions before the measured pass: 3,512 with its 512, not a multiple of SDPA's 16-element alignment
+PASS_ACTIVATIONS = 16 << 20  # what a pass holds besides its per-position share: see the test below
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_prompt_pass_after_a_long_past_holds_what_the_estimate_counts(device, checkpoint, monkeypatch):
+    """A 512-position prompt pass (PREFILL_CHUNK) after 3,000 on a 16-head DeepSeek-V2 (heads of 64 + 8, values of 64):
+    greedy as transformers', and the memory it allocates beyond what it held before stays within the estimate's
+    prefill_bytes_per_token (pass_bytes_per_token less the decode graphs' pool, which a prompt pass does not use) per
+    position, plus PASS_ACTIVATIONS: what grows with the pass's 512 positions and not with the past (the queries, the
+    heads' outputs, the logits), left to the margin; the CPU variant measures 7.3 MiB of it (PeakBytes at 512 and 3,512
+    positions), the rest is room for the CUDA allocator's rounding. On a GPU the caching allocator's peak; on the CPU the
+    grouped branch forced on CPU tensors, whose SDPA kernel takes the bool mask without the float and aligned copies
+    the estimate counts (PeakBytes would not see them inside the op: the bound there leaves them out). Transformers'
+    expansion of all 16 heads at once holds more, as would every head expanded for each group: the check fails there."""
+    from helpers import PeakBytes
+
+    from moechat.engine.config import PREFILL_CHUNK as T
+    from moechat.engine.config import prefill_passes
+    from moechat.engine.model.attention import use_cuda_attention
+    from moechat.engine.model.memory_estimate import decode_graph_bytes_per_token, estimate, prefill_bytes_per_token
+
+    real, grouped = AbsorbedMLA.grouped, []
+    monkeypatch.setattr(AbsorbedMLA, "grouped", lambda self, *a: grouped.append(1) or real(self, *a))
+    if device == "cpu":  # CUDA's branch and attention on CPU tensors
+        expands = AbsorbedMLA.expands_in_groups
+        monkeypatch.setattr(AbsorbedMLA, "expands_in_groups", lambda self, _device: expands(self, "cuda"))
+    model_dir = checkpoint("deepseek_v2", num_attention_heads=16, num_key_value_heads=16, qk_nope_head_dim=64, v_head_dim=64,
+                           max_position_embeddings=LONG_PAST + T)
+    cfg = {"model_dir": str(model_dir), "dtype": "float32", "device": device}
+    ours, transformers = load_model(EngineConfig(**cfg)), load_model(EngineConfig(**cfg, lean_decode=False))
+    if device == "cpu":
+        ours.hf.set_attn_implementation("sdpa")
+        use_cuda_attention(ours.hf)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 300, (1, LONG_PAST), generator=gen).to(device)
+    ids = torch.randint(0, 300, (1, T), generator=gen).to(device)
+    caches, peaks, logits = [m.new_kv_cache() for m in (ours, transformers)], [], []
+    with torch.inference_mode():
+        for m, cache in zip((ours, transformers), caches, strict=True):
+            for a, b in prefill_passes(0, LONG_PAST):
+                with m.runtime.forward("prefill", a):
+                    m.forward(prompt[:, a:b], cache, 1)
+            for layer in cache.layers:
+                layer.reserve(T)  # no buffer grows inside the measured pass
+            grouped.clear()
+            with m.runtime.forward("prefill", LONG_PAST), PeakBytes(device) as p:
+                logits.append(m.forward(ids, cache, T))
+            peaks.append(p.peak)
+            assert len(grouped) == (len(m.hf.model.layers) if m is ours else 0)
+    got, want = logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    est = estimate(model_dir, "float32")
+    per_position = prefill_bytes_per_token(ours.hf.config, 4)
+    assert est.pass_bytes_per_token == per_position + decode_graph_bytes_per_token(ours.hf.config, 4)
+    unseen = 0 if device == "cuda" else 2 * T * 4  # the mask's float and aligned copies: inside the CPU's kernel, unseen
+    bound = (LONG_PAST + T) * (per_position - unseen) + PASS_ACTIVATIONS
+    assert peaks[0] <= bound < peaks[1], (peaks, bound)
