@@ -192,6 +192,10 @@ def main_gpu(args) -> int:
     try:
         return run_gpu_checks(args.json)
     except Exception as err:  # a check that crashes is a failed check, in one line
-        print(f"FAIL  doctor --gpu stopped: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-              file=sys.stderr)
+        from ..engine import out_of_vram
+
+        said = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if out_of_vram(err):  # its tiny model needs little: what else holds the GPU is what to free
+            said = out_of_vram(err).split(": close programs")[0] + ": close programs that use the GPU and run it again"
+        print(f"FAIL  doctor --gpu stopped: {said}", file=sys.stderr)
         return 1

@@ -20,6 +20,23 @@ def test_without_a_gpu_one_line_and_exit_1(monkeypatch, capsys):
     assert report["ok"] is False and report["checks"][0]["detail"] == "CUDA failed to start (out of memory)"
 
 
+def test_doctor_gpu_out_of_memory_says_to_free_the_gpu(monkeypatch, capsys):
+    """The GPU full (a game) while the checks ran ended in the allocator's hint (PYTORCH_CUDA_ALLOC_CONF=...)."""
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    def full(as_json):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 23.99 GiB "
+                               "of which 0 bytes is free. If reserved but unallocated memory is large try setting "
+                               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+
+    monkeypatch.setattr(doctor_gpu, "run_gpu_checks", full)
+    assert doctor_gpu.main_gpu(type("Args", (), {"json": False})()) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("FAIL  doctor --gpu stopped: the GPU is out of memory (CUDA out of memory. Tried to allocate 20.00")
+    assert err.rstrip().endswith("close programs that use the GPU and run it again") and "ALLOC_CONF" not in err, err
+
+
 def test_the_checks_run_on_the_cpu_device(tmp_path):
     """The same checks on the CPU compute device: the model, Hugging Face's greedy output, both engine variants
     and the slot comparison run; pinning, the GPU overlap and CUDA graphs do not apply there and report FAIL."""
