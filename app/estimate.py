@@ -89,6 +89,8 @@ def cmd_estimate(args) -> int:
     ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
     where = placement(args, source, vram)
     on_cpu = where.device == "cpu"
+    notice = "--vram-budget-gib not counted: this run computes on the CPU" if on_cpu and vram is not None else ""
+    vram = None if on_cpu else vram  # a CPU run's context and fit are the RAM's
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
     model_context = est.context_len
     if args.context_len is None and (vram is not None or ram is not None):  # the context a run holds on these budgets
@@ -99,7 +101,7 @@ def cmd_estimate(args) -> int:
         print(json.dumps({"model": str(name), "device": where.device, **asdict(est), "total_params": total_params(est),
                           "model_context_len": model_context,
                           "all_experts_bytes": est.all_experts_bytes, "kv_bytes_per_token": kv // est.context_len,
-                          "kv_bytes": kv, **fit}))
+                          "kv_bytes": kv, **fit, **({"notice": notice} if notice else {})}))
         return 0 if fit.get("fits", True) else 1
     print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {total_params(est) / 1e9:.2f} B parameters)")
     print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  "
@@ -133,4 +135,6 @@ def cmd_estimate(args) -> int:
         print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}{where}")
     if fit:
         print("fits" if fit["fits"] else f"does not fit: {fit['problem']}")
+    if notice:
+        print(notice)
     return 0 if fit.get("fits", True) else 1

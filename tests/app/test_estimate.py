@@ -154,3 +154,15 @@ def test_a_known_variant_with_its_own_context_is_estimated_at_it(capsys):
     assert (out["context_len"], out["model"]) == (32768, "Mixtral-8x7B-Instruct-v0.1")
     assert main(["estimate", "--model", "qwen3-30b-a3b", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == "Qwen3-30B-A3B"  # the base, as spelt by its publisher
+
+
+def test_a_vram_budget_is_not_counted_for_a_cpu_run(capsys):
+    """`--device cpu --vram-budget-gib 12` printed experts cached in VRAM and a context cut to leave them room: a CPU run
+    has neither; its context is the RAM's (none given: the model's)."""
+    from moechat.app.cli import main
+
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu", "--vram-budget-gib", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "VRAM" not in out.replace("--vram-budget-gib", "") and "cut to leave" not in out, out
+    assert out.rstrip().endswith("--vram-budget-gib not counted: this run computes on the CPU")
+    assert "40960 tokens" in out
