@@ -406,6 +406,14 @@ async def _to_calibration(pilot, screen) -> None:
     assert screen.step == 2
 
 
+async def _until_calibration_ends(pilot, screen) -> None:
+    """Up to 5 s for the calibration worker to post its outcome (done, failed or cancelled)."""
+    for _ in range(50):
+        await pilot.pause(0.1)
+        if not screen.busy:
+            break
+
+
 async def _wizard_calibration_fails_then_is_cancelled(path, outcome: dict):
     import threading
     import time
@@ -432,20 +440,14 @@ async def _wizard_calibration_fails_then_is_cancelled(path, outcome: dict):
         await pilot.pause()
         screen = app.screen
         await _to_calibration(pilot, screen)  # the first run fails
-        for _ in range(50):
-            await pilot.pause(0.1)
-            if not screen.busy:
-                break
+        await _until_calibration_ends(pilot, screen)
         outcome["failed"] = str(screen.query_one("#cal-error").content)
         assert not screen.query_one("#run").disabled  # Run calibration tries again
         await click(pilot, "#run")  # the second loops until cancelled
         await pilot.pause(0.3)
         assert screen.busy and screen.query_one("#progress").progress > 0
         await pilot.press("escape")  # cancels the calibration, not the wizard
-        for _ in range(50):
-            await pilot.pause(0.1)
-            if not screen.busy:
-                break
+        await _until_calibration_ends(pilot, screen)
         outcome["cancelled"] = str(screen.query_one("#cal-error").content)
         outcome["still_open"] = app.screen is screen and app.result == "not dismissed"
         outcome["ended_on_cancel"] = outcome["ended"].is_set()
@@ -483,10 +485,7 @@ async def _wizard_calibration_out_of_vram(path, outcome: dict):
         await pilot.pause()
         screen = app.screen
         await _to_calibration(pilot, screen)
-        for _ in range(50):
-            await pilot.pause(0.1)
-            if not screen.busy:
-                break
+        await _until_calibration_ends(pilot, screen)
         outcome["failed"] = str(screen.query_one("#cal-error").content)
 
 
@@ -509,10 +508,7 @@ async def _wizard_finishes_without_a_calibration(path):
         await pilot.pause()
         screen = app.screen
         await _to_calibration(pilot, screen)
-        for _ in range(50):
-            await pilot.pause(0.1)
-            if not screen.busy:
-                break
+        await _until_calibration_ends(pilot, screen)
         await click(pilot, "#next")  # on without a profile: a machine that cannot calibrate still finishes
         summary = str(screen.query_one("#summary").content)
         await click(pilot, "#next")  # Finish
