@@ -472,36 +472,26 @@ def test_wizard_calibration_fails_in_one_line_and_cancels_on_escape_and_quit(tmp
     assert not (tmp_path / "settings.toml").exists()
 
 
-async def _wizard_calibration_out_of_vram(path, outcome: dict):
-    import torch
-
-    def calibrate(model_dir, drafter, quick, progress, **kw):  # a game took the VRAM the measuring engine sized its share by
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 11.99 "
-                                     "GiB of which 3.44 MiB is free. If reserved but unallocated memory is large try setting "
-                                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
-
-    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=calibrate))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.pause()
-        screen = app.screen
-        await _to_calibration(pilot, screen)
-        await _until_calibration_ends(pilot, screen)
-        outcome["failed"] = str(screen.query_one("#cal-error").content)
-
-
 def test_wizard_calibration_out_of_gpu_memory_says_what_to_do(tmp_path):
     """The GPU out of memory while calibration measured said "calibration failed (OutOfMemoryError: CUDA out of memory.
     ... try setting PYTORCH_CUDA_ALLOC_CONF=...": the line the command line and the chat give says what frees it."""
+    import torch
+
+    full = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 11.99 GiB "
+                                  "of which 3.44 MiB is free. If reserved but unallocated memory is large try setting "
+                                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
     outcome: dict = {}
-    asyncio.run(_wizard_calibration_out_of_vram(tmp_path / "settings.toml", outcome))
+    asyncio.run(_wizard_finishes_without_a_calibration(tmp_path / "settings.toml", full, outcome))
     assert outcome["failed"].startswith("the GPU is out of memory (CUDA out of memory. Tried to allocate 20.00 MiB): close "
                                         "programs that use it"), outcome["failed"]
     assert "PYTORCH_CUDA_ALLOC_CONF" not in outcome["failed"]
 
 
-async def _wizard_finishes_without_a_calibration(path):
+async def _wizard_finishes_without_a_calibration(path, error=None, outcome=None):
+    """The wizard through a calibration that raises `error` (the driver's out-of-memory by default), its failure line
+    in outcome["failed"], then on to Finish -> (the summary, the app's result)."""
     def calibrate(*args, **kwargs):
-        raise RuntimeError("CUDA error: out of memory")
+        raise error or RuntimeError("CUDA error: out of memory")
 
     app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=calibrate))
     async with app.run_test(size=(120, 40)) as pilot:
@@ -509,6 +499,8 @@ async def _wizard_finishes_without_a_calibration(path):
         screen = app.screen
         await _to_calibration(pilot, screen)
         await _until_calibration_ends(pilot, screen)
+        if outcome is not None:
+            outcome["failed"] = str(screen.query_one("#cal-error").content)
         await click(pilot, "#next")  # on without a profile: a machine that cannot calibrate still finishes
         summary = str(screen.query_one("#summary").content)
         await click(pilot, "#next")  # Finish
