@@ -362,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(err, (MoechatError, ValueError)):
             return _fail(str(err))
-        if out_of_vram(err):
-            return _fail(out_of_vram(err))
+        if said := out_of_vram(err):
+            return _fail(said)
         if _out_of_memory(err):
             return _fail(f"out of memory ({err}): close other programs, or give moechat less to hold: a --ram-budget-gib "
                          "below the experts' size (read from disk then), --quant int4, or a shorter --context-len")

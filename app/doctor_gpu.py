@@ -194,8 +194,8 @@ def main_gpu(args) -> int:
     except Exception as err:  # a check that crashes is a failed check, in one line
         from ..engine import out_of_vram
 
-        said = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        if out_of_vram(err):  # its tiny model needs little: what else holds the GPU is what to free
-            said = out_of_vram(err).split(": close programs")[0] + ": close programs that use the GPU and run it again"
+        # its tiny model needs little: on a full GPU, what else holds it is what to free
+        said = out_of_vram(err, "close programs that use the GPU and run it again") or \
+            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         print(f"FAIL  doctor --gpu stopped: {said}", file=sys.stderr)
         return 1

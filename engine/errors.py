@@ -35,13 +35,14 @@ class NumericsError(MoechatError):
     """The model computed a NaN or infinite logit (float16 overflowing, or corrupt weights)."""
 
 
-def out_of_vram(err: BaseException) -> str:
+def out_of_vram(err: BaseException, remedy: str = "") -> str:
     """The line for an allocation the GPU refused (torch's OutOfMemoryError, the driver's "CUDA error: out of memory"), ""
-    for any other error: after a load sized its share of the free VRAM, another program (a game, a browser) took some,
-    or a pass needed more than the margin kept free."""
+    for any other error; `remedy` replaces the run's advice (its flags) for a caller that takes none. After a load sized its
+    share of the free VRAM, another program (a game, a browser) took some, or a pass needed more than the margin kept."""
     text = str(err).strip()
     if type(err).__name__ != "OutOfMemoryError" and "CUDA out of memory" not in text and "CUDA error: out of memory" not in text:
         return ""
     said = ". ".join(text.splitlines()[0].split(". ")[:2]) if text else type(err).__name__  # what ran out, what was asked
-    return (f"the GPU is out of memory ({said}): close programs that use it (a game, a browser's hardware acceleration), "
-            "or leave moechat less of it: a lower --vram-budget-gib, --expert-cache-ratio or --context-len")
+    return f"the GPU is out of memory ({said}): " + (remedy or "close programs that use it (a game, a browser's hardware "
+                                                     "acceleration), or leave moechat less of it: a lower "
+                                                     "--vram-budget-gib, --expert-cache-ratio or --context-len")
