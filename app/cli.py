@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("text", nargs="?", type=as_typed, metavar="PROMPT", help="the user message, as --prompt gives it "
+                     "(`moechat generate \"Hello\"`)")
     src.add_argument("--prompt", type=as_typed, help="a user message (sent through the model's chat template unless --raw); "
                      "- reads it from standard input (a long document: one argument holds at most 128 KiB)")
     src.add_argument("--prompt-ids", type=_int_list, metavar="1,2,3", help="prompt as token ids")
@@ -88,6 +91,8 @@ def check_prompt_flags(args) -> None:
     prompt that skips the template, and a blank --prompt (an answer to nothing, exit 0)."""
     from ..engine import RequestError
 
+    if args.text is not None:  # moechat generate "Hello": the positional form of --prompt
+        args.prompt = args.text
     if args.prompt == "-":  # cat doc.txt | moechat generate --prompt -
         args.prompt = as_typed(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"))
     skips = "--prompt-ids" if args.prompt_ids is not None else "--raw" if args.raw else None
@@ -95,7 +100,7 @@ def check_prompt_flags(args) -> None:
         if value is not None and skips:
             raise RequestError(f"{flag} goes into the chat template, which {skips} skips: drop one of the two")
     if args.prompt is not None and not args.prompt.strip():
-        raise RequestError("--prompt is empty: give the text to send")
+        raise RequestError("the prompt is empty: give the text to send")
 
 
 def make_request(args, tokenizer):
@@ -334,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         taker = next((name for name in ("chat", *commands) if flag in commands[name]._option_string_actions), None)
         if taker:  # else argparse says it is unrecognized (a typo: `--verison`)
             parser.error(f"{flag} goes after a command, e.g. moechat {taker} {' '.join(argv[:2])}")
+    commands = parser._subparsers._group_actions[0].choices
+    if argv and not argv[0].startswith("-") and argv[0] not in commands and len(argv[0].split()) > 1:  # a message
+        parser.error(f"{argv[0]!r} is not a command; to send it as a message: moechat generate {shlex.quote(argv[0])}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser: `moechat serve --prot 1` points to `moechat serve --help`, which lists its flags
         _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")

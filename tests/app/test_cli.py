@@ -159,8 +159,10 @@ def test_the_chat_takes_a_sampling_flag_typed_else_the_settings():
     (["--prompt", "hi", "--raw", "--system", "Answer in French"], "--system goes into the chat template, which --raw skips"),
     (["--prompt-ids", "1,2", "--system", "Be brief"], "--system goes into the chat template, which --prompt-ids skips"),
     (["--prompt", "hi", "--raw", "--thinking", "off"], "--thinking goes into the chat template, which --raw skips"),
-    (["--prompt", ""], "--prompt is empty"),  # was an answer to the template's empty user turn, exit 0
-    (["--prompt", " \n"], "--prompt is empty"),
+    (["--prompt", ""], "the prompt is empty"),  # was an answer to the template's empty user turn, exit 0
+    (["--prompt", " \n"], "the prompt is empty"),
+    ([""], "the prompt is empty"),  # the positional form
+    (["hi", "--raw", "--system", "Be brief"], "--system goes into the chat template, which --raw skips"),
 ])
 def test_generate_refuses_a_prompt_flag_it_would_drop(flags, says, capsys):
     """--system and --thinking beside --raw or --prompt-ids were dropped without a word: a reply without them, exit 0."""
@@ -216,6 +218,20 @@ def test_a_flag_before_the_command_names_a_command_that_takes_it(argv, says, cap
         main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+@pytest.mark.notorch
+def test_a_message_in_place_of_a_command_says_how_to_send_it(capsys):
+    """`moechat "What is MoE?"` said only that it was no command; `generate` takes the message itself, and refuses two."""
+    from moechat.app.cli import main
+
+    for argv, says in ((["What is MoE?"], "not a command; to send it as a message: moechat generate 'What is MoE?'"),
+                       (["generate", "hi", "--prompt", "hi"], "argument --prompt: not allowed with argument PROMPT"),
+                       (["generate", "hi", "--prompt-ids", "1,2"], "argument --prompt-ids: not allowed with argument PROMPT")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and says in err and "\n" not in err, err
 
 
 @pytest.mark.notorch
@@ -327,4 +343,9 @@ def test_generate_reads_a_prompt_of_dash_from_standard_input(checkpoint, monkeyp
     got = json.loads(capsys.readouterr().out)
     assert got["token_ids"] == want["token_ids"] and got["stats"]["prompt_tokens"] == want["stats"]["prompt_tokens"]
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
-    assert main([*args, "--prompt", "-"]) == 1 and "--prompt is empty" in capsys.readouterr().err
+    assert main([*args, "--prompt", "-"]) == 1 and "the prompt is empty" in capsys.readouterr().err
+    assert main([*args, "Tell me about the café."]) == 0  # the positional form, as `moechat generate "Hello"`
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want["token_ids"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("Tell me about the café.".encode())))
+    assert main([*args, "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want["token_ids"]
