@@ -13,6 +13,7 @@ from pathlib import Path
 from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
+from .other_tools import THEIR_FLAGS, instead, their_command
 from .terminal_text import as_typed, for_terminal
 
 
@@ -20,6 +21,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports bad input in one line, never a usage dump."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
+        if message.startswith("one of the arguments PROMPT"):  # `moechat generate` alone, or with its input piped
+            message = f'no message to send: {self.prog} "Hello", or {self.prog} - to read it from standard input'
         self.exit(2, f"moechat: error: {message} (see `{self.prog} --help`)\n")
 
 
@@ -175,6 +178,9 @@ def _write_trace(trace, path: str) -> int | None:
 
 def cmd_generate(args) -> int:
     check_prompt_flags(args)  # before PyTorch loads: a refused flag costs no start-up
+    if args.temperature == 0 and (args.top_p != 1 or args.top_k or args.seed is not None):  # llama.cpp's default samples
+        print("note: generate decodes greedily unless --temperature is above 0, so --top-p, --top-k and --seed do nothing "
+              "here: add --temperature 0.7 to sample", file=sys.stderr)
     from ..engine import Engine, Error, Finished, TokenDelta, TraceRecorder
 
     if args.trace:
@@ -333,18 +339,23 @@ def main(argv: list[str] | None = None) -> int:
         reconfigure(errors="replace")  # locale: what its encoding lacks is a "?" (it ended generate, and plain chat, reply lost)
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    commands = parser._subparsers._group_actions[0].choices
     flag = argv[0].split("=")[0] if argv and argv[0].startswith("-") else None
     if flag and not any(known.startswith(flag) for known in parser._option_string_actions):  # argparse takes `--setu`
-        commands = parser._subparsers._group_actions[0].choices  # `moechat --model X`: a command that takes the flag
-        taker = next((name for name in ("chat", *commands) if flag in commands[name]._option_string_actions), None)
+        ours = THEIR_FLAGS.get(flag, flag)  # `moechat --model X`, `moechat -m X`: a command that takes the flag
+        taker = next((name for name in ("chat", *commands) if ours in commands[name]._option_string_actions), None)
         if taker:  # else argparse says it is unrecognized (a typo: `--verison`)
-            parser.error(f"{flag} goes after a command, e.g. moechat {taker} {' '.join(argv[:2])}")
-    commands = parser._subparsers._group_actions[0].choices
-    if argv and not argv[0].startswith("-") and argv[0] not in commands and len(argv[0].split()) > 1:  # a message
-        parser.error(f"{argv[0]!r} is not a command; to send it as a message: moechat generate {shlex.quote(argv[0])}")
+            said = f"{flag} goes after a command" if ours == flag else f"{flag} is llama.cpp's; moechat's goes after a command"
+            parser.error(f"{said}, e.g. moechat {taker} {' '.join([ours, *argv[1:2]])}")
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        if len(argv[0].split()) > 1:  # a message
+            parser.error(f"{argv[0]!r} is not a command; to send it as a message: moechat generate {shlex.quote(argv[0])}")
+        if said := their_command(argv, commands):
+            parser.error(said)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser: `moechat serve --prot 1` points to `moechat serve --help`, which lists its flags
-        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
+        command = _command_parser(parser, argv)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}{instead(command, args, unknown)}")
     if args.setup and getattr(args, "func", None):
         parser.error("--setup opens the chat with the setup wizard first: give it no command")
     if not getattr(args, "func", None):  # `moechat` alone: chat (the app on a terminal); `--setup` rides along

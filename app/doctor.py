@@ -27,7 +27,8 @@ def add_doctor(sub) -> None:
     p = sub.add_parser("doctor",
                        help="check hardware, PyTorch/CUDA, native kernels and calibration profiles; list problems with fixes")
     p.add_argument("--json", action="store_true",
-                   help='print one object {"hardware", "versions", "native", "profiles", "problems": [{"problem", "fix"}]}')
+                   help='print one object {"hardware", "versions", "native", "profiles", "settings": {"path", "exists"}, '
+                        '"problems": [{"problem", "fix"}]}')
     p.add_argument("--gpu", action="store_true",
                    help="check the CUDA path end to end on a small model (under a minute): equality with Hugging Face on "
                         "the GPU, pinned memory, copies, CPU/GPU overlap; exits 1 when a part fails or no GPU is usable")
@@ -50,6 +51,7 @@ def cmd_doctor(args) -> int:
 def diagnose() -> dict:
     from ..engine import default_models_dir, fingerprint, probe
     from .calibrate import profile_hardware
+    from .settings import settings_path
 
     models = default_models_dir()
     hw = probe(models)
@@ -57,7 +59,8 @@ def diagnose() -> dict:
     native = _native()
     profiles = _profiles(fingerprint(hw), fingerprint(profile_hardware(hw, "cpu")))
     hardware = asdict(hw) | {"models_dir": str(models), "fingerprint": profiles["fingerprint"]}
-    return {"hardware": hardware, "versions": versions, "native": native, "profiles": profiles,
+    settings = {"path": str(settings_path()), "exists": settings_path().exists()}  # where to set a default model
+    return {"hardware": hardware, "versions": versions, "native": native, "profiles": profiles, "settings": settings,
             "problems": problems(hw, versions, profiles, models, native) + settings_problems()}
 
 
@@ -210,6 +213,8 @@ def render(report: dict) -> str:
     lines.append(f"native kernels: {report['native']['status']}")
     mine = ", ".join(prof["models"]) if prof["models"] else "none for this machine"
     lines.append(f"profiles: {prof['count']} in {prof['dir']}; {mine} (fingerprint {prof['fingerprint']})")
+    settings = report["settings"]
+    lines.append(f"settings: {settings['path']}" + ("" if settings["exists"] else " (not there yet: every value its default)"))
     if report["problems"]:
         lines.append("problems")
         for p in report["problems"]:

@@ -7,13 +7,14 @@ from pathlib import Path
 
 
 def add_estimate(sub) -> None:
+    from ..engine import KNOWN_MODELS
     from .cli import add_renamed
     from .options import OPTION
 
     p = sub.add_parser("estimate", help="memory a model needs, from its config alone (no weights are loaded)")
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",
                    help="checkpoint directory, a model fetched with `moechat pull`, or a known config: "
-                        "Qwen3-30B-A3B, DeepSeek-V2-Lite (default: the embedded demo)")
+                        f"{', '.join(KNOWN_MODELS)} (default: the embedded demo)")
     OPTION["device"].add_flag(p)  # where and in which dtype a run computes: its KV cache and weights as it keeps them
     OPTION["dtype"].add_flag(p)
     OPTION["quant"].add_flag(p, default="none")

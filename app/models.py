@@ -114,7 +114,9 @@ def _drop_if_empty(dest: Path) -> None:
 def pull(repo_id: str, revision: str | None = None, progress: Callable[[int, int], None] | None = None) -> Path:
     """Download (or resume) a snapshot into the models directory; return its path."""
     if not _REPO_ID.match(repo_id):
-        raise MoechatError(f"{repo_id!r} is not a Hugging Face repository id: use the form owner/name, e.g. Qwen/Qwen3-30B-A3B")
+        page = re.search(r"(?:huggingface\.co|hf\.co)/([\w.-]+/[\w.-]+)", repo_id)  # the model's page, copied whole
+        raise MoechatError(f"{repo_id!r} is not a Hugging Face repository id: use the form owner/name, "
+                           + (f"here {page[1]}" if page else "e.g. Qwen/Qwen3-30B-A3B"))
     from huggingface_hub import HfApi, snapshot_download
 
     try:
@@ -283,9 +285,9 @@ def cmd_models(args) -> int:
 def add_model_commands(sub) -> None:
     p = sub.add_parser("pull",
                        help="download a Hugging Face model (safetensors, config, tokenizer) into moechat's models directory")
-    p.add_argument("repo_id", help="owner/name, e.g. Qwen/Qwen3-30B-A3B")
-    p.add_argument("--revision", default=None, help="branch, tag or commit")
+    p.add_argument("repo_id", metavar="OWNER/NAME", help="the model's Hugging Face id, e.g. Qwen/Qwen3-30B-A3B")
+    p.add_argument("--revision", default=None, help="branch, tag or commit (default: the repository's default branch, main)")
     p.set_defaults(func=cmd_pull)
     p = sub.add_parser("models", help="list downloaded models")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON list: name, path, model_type, bytes, complete, source")
     p.set_defaults(func=cmd_models)

@@ -37,7 +37,7 @@ REAL_NAME = {name.lower(): name for name in KNOWN_MODELS}
 def add_random_model(sub) -> None:
     p = sub.add_parser("random-model", help="write a random-weight checkpoint with a real MoE model's shapes")
     p.add_argument("out", type=Path, help="output directory (created)")
-    p.add_argument("--like", required=True, choices=sorted(LIKE), help="whose shapes")
+    p.add_argument("--like", required=True, type=str.lower, choices=sorted(LIKE), help="whose shapes (any case)")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="decoder layers (default the model's; DeepSeek-V2-Lite: 27 = 1 dense + 26 MoE, a replay trace "
                         "then drives the first N-1 MoE layers; the others: every layer MoE)")

@@ -28,6 +28,9 @@ def read_config_dict(model_dir: Path) -> dict:
         raise _gguf(f"{model_dir} is a file in")
     if not model_dir.is_dir():
         what = "is a file, not a directory" if model_dir.exists() else "does not exist"
+        if not model_dir.exists() and not model_dir.is_absolute() and len(model_dir.parts) == 2:  # a Hub id not pulled
+            raise CheckpointError(f"model {model_dir.as_posix()} is not downloaded (nor a directory here): `moechat pull "
+                                  f"{model_dir.as_posix()}` downloads it")
         raise CheckpointError(f"model directory {model_dir} {what}: name a local Hugging Face model directory (--model, or "
                               "`model` in the settings; a Hub id needs `moechat pull` first)")
     if download_unfinished(model_dir):  # its files may be missing or of two revisions: config.json alone proves nothing

@@ -349,3 +349,63 @@ def test_generate_reads_a_prompt_of_dash_from_standard_input(checkpoint, monkeyp
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("Tell me about the café.".encode())))
     assert main([*args, "-"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == want["token_ids"]
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["run", "Qwen/Qwen3-30B-A3B"], "'run' is not a command; to chat with a model: moechat chat --model Qwen/Qwen3-30B-A3B"),
+    (["run", "m", "Why?"], "'run' is not a command; to ask m once: moechat generate --model m 'Why?'"),
+    (["list"], "'list' is not a command; moechat models lists the downloaded models"),
+    (["ls"], "'ls' is not a command; moechat models lists the downloaded models"),
+    (["rm", "m"], "'rm' is not a command; delete the model's folder (moechat models lists their paths)"),
+    (["help", "serve"], "'help' is not a command: moechat serve --help"),
+    (["-m", "m"], "-m is llama.cpp's; moechat's goes after a command, e.g. moechat chat --model m"),
+    (["generate", "hi", "-n", "5"], "unrecognized arguments: -n 5; -n is llama.cpp's, moechat's is --max-new-tokens"),
+    (["chat", "-ngl", "99"], "moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
+    (["chat", "Qwen/Qwen3-30B-A3B"], "name the model with --model: moechat chat --model Qwen/Qwen3-30B-A3B"),
+    (["serve", "llama3"], "name the model with --model: moechat serve --model llama3"),
+    (["chat", "What", "is", "MoE?"], "type the message once the chat opens, or send it alone: moechat generate 'What is MoE?'"),
+    (["generate", "What", "is", "MoE?"], "unrecognized arguments: is MoE?; quote the message: moechat generate 'What is MoE?'"),
+    (["generate", "Qwen/Qwen3-30B-A3B", "Hi"], "name the model with --model: moechat generate --model Qwen/Qwen3-30B-A3B Hi"),
+    (["generate"], 'no message to send: moechat generate "Hello", or moechat generate - to read it from standard input'),
+])
+def test_what_ollama_and_llama_cpp_taught_is_answered_with_what_to_type(argv, says, capsys):
+    """A new user's first attempts, as those tools taught them, said only "invalid choice" or "unrecognized arguments"."""
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+def test_generate_says_when_its_sampling_flags_do_nothing(capsys):
+    """`--top-k 40 --seed 1` without a temperature decoded greedily without a word (llama.cpp samples by default)."""
+    from moechat.app.cli import main
+
+    assert main(["generate", "--model", "/nowhere/at/all", "hi", "--top-k", "40"]) == 1
+    assert "so --top-p, --top-k and --seed do nothing here: add --temperature 0.7" in capsys.readouterr().err
+    assert main(["generate", "--model", "/nowhere/at/all", "hi", "--top-k", "40", "--temperature", "0.5"]) == 1
+    assert main(["generate", "--model", "/nowhere/at/all", "hi"]) == 1
+    assert "do nothing" not in capsys.readouterr().err
+
+
+def test_a_hub_id_not_downloaded_names_the_pull_that_fetches_it(capsys):
+    from moechat.app.cli import main
+
+    assert main(["generate", "--model", "NoSuchOwner/NoSuchModel", "hi"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "`moechat pull NoSuchOwner/NoSuchModel` downloads it" in err and "\n" not in err, err
+
+
+@pytest.mark.notorch
+def test_help_lists_every_known_config_and_random_model_takes_their_names_as_estimate_does(capsys):
+    """estimate's help named two of its four built-in configs; random-model refused estimate's spelling of them."""
+    from moechat.app.cli import build_parser
+    from moechat.engine import KNOWN_MODELS
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["estimate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in KNOWN_MODELS), text
+    assert build_parser().parse_args(["bench", "random-model", "out", "--like", "Qwen3-30B-A3B"]).like == "qwen3-30b-a3b"

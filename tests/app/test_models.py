@@ -365,3 +365,13 @@ def test_a_pull_refused_for_disk_space_leaves_no_folder(monkeypatch, tmp_path):
     with pytest.raises(MoechatError, match="not enough disk space"):
         models.pull("owner/model")
     assert not models.local_dir("owner/model").exists() and models.list_models() == []
+
+
+@pytest.mark.notorch
+def test_a_models_page_given_to_pull_says_its_id():
+    """`moechat pull https://huggingface.co/Qwen/Qwen3-30B-A3B`, the address copied from the browser, said only "e.g."."""
+    for given in ("https://huggingface.co/Qwen/Qwen3-30B-A3B", "hf.co/Qwen/Qwen3-30B-A3B/tree/main"):
+        with pytest.raises(MoechatError, match="use the form owner/name, here Qwen/Qwen3-30B-A3B$"):
+            models.pull(given)
+    with pytest.raises(MoechatError, match="e.g. Qwen/Qwen3-30B-A3B$"):
+        models.pull("qwen3")

@@ -172,7 +172,7 @@ def _doctor_json(capsys) -> dict:
 
 def test_doctor_json(capsys):
     report = _doctor_json(capsys)
-    assert set(report) == {"hardware", "versions", "native", "profiles", "problems"}
+    assert set(report) == {"hardware", "versions", "native", "profiles", "settings", "problems"}
     assert report["hardware"]["physical_cores"] >= 1 and report["versions"]["torch"] == torch.__version__
     from moechat.engine.experts import cpu_ffn
 
@@ -237,6 +237,9 @@ def test_doctor_text(capsys):
     out = capsys.readouterr().out
     assert "native kernels: CPU expert FFN" in out and "physical cores" in out
     assert f"fingerprint {fingerprint(probe())}" in out
+    from moechat.app.settings import settings_path  # where a default model is set: said before the file exists
+
+    assert f"settings: {settings_path()} (not there yet: every value its default)" in out
 
 
 def test_doctor_reads_the_settings_file(capsys):
