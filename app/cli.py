@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
-from .other_tools import THEIR_FLAGS, instead, their_command
+from .other_tools import GPU_LAYERS, ON_THE_GPU, THEIR_FLAGS, instead, their_command
 from .terminal_text import as_typed, for_terminal
 
 
@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = parser._subparsers._group_actions[0].choices
     flag = argv[0].split("=")[0] if argv and argv[0].startswith("-") else None
+    if flag in ON_THE_GPU:  # `moechat -ngl 99 ...`
+        parser.error(f"{flag} is llama.cpp's; {GPU_LAYERS}")
     if flag and not any(known.startswith(flag) for known in parser._option_string_actions):  # argparse takes `--setu`
         ours = THEIR_FLAGS.get(flag, flag)  # `moechat --model X`, `moechat -m X`: a command that takes the flag
         taker = next((name for name in ("chat", *commands) if ours in commands[name]._option_string_actions), None)

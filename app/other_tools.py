@@ -8,7 +8,8 @@ import shlex
 
 # What llama.cpp's flags are here; its layers on the GPU have none: moechat places the experts itself.
 THEIR_FLAGS = {"-m": "--model", "-p": "--prompt", "-n": "--max-new-tokens", "-c": "--context-len"}
-_ON_THE_GPU = ("-ngl", "--n-gpu-layers")
+ON_THE_GPU = ("-ngl", "--n-gpu-layers")
+GPU_LAYERS = "moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"
 
 
 def _looks_like_a_model(word: str) -> bool:
@@ -35,9 +36,9 @@ def their_command(argv: list[str], commands) -> str | None:
 def instead(command: argparse.ArgumentParser, args, unknown: list[str]) -> str:
     """What to type for arguments another tool taught (llama.cpp's -m, a model without --model, a message unquoted), or ''."""
     flags, words = command._option_string_actions, [w for w in unknown if not w.startswith("-")]
-    flag = next((w for w in unknown if w in THEIR_FLAGS or w in _ON_THE_GPU), None)
-    if flag in _ON_THE_GPU and "--vram-budget-gib" in flags:
-        return "; moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"
+    flag = next((w for w in unknown if w in THEIR_FLAGS or w in ON_THE_GPU), None)
+    if flag in ON_THE_GPU and "--vram-budget-gib" in flags:
+        return f"; {GPU_LAYERS}"
     if THEIR_FLAGS.get(flag) in flags:
         return f"; {flag} is llama.cpp's, moechat's is {THEIR_FLAGS[flag]}"
     if not words or "--model" not in flags:

@@ -362,6 +362,7 @@ def test_generate_reads_a_prompt_of_dash_from_standard_input(checkpoint, monkeyp
     (["-m", "m"], "-m is llama.cpp's; moechat's goes after a command, e.g. moechat chat --model m"),
     (["generate", "hi", "-n", "5"], "unrecognized arguments: -n 5; -n is llama.cpp's, moechat's is --max-new-tokens"),
     (["chat", "-ngl", "99"], "moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
+    (["-ngl", "99"], "-ngl is llama.cpp's; moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
     (["chat", "Qwen/Qwen3-30B-A3B"], "name the model with --model: moechat chat --model Qwen/Qwen3-30B-A3B"),
     (["serve", "llama3"], "name the model with --model: moechat serve --model llama3"),
     (["chat", "What", "is", "MoE?"], "type the message once the chat opens, or send it alone: moechat generate 'What is MoE?'"),
