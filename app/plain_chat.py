@@ -194,7 +194,7 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
             messages, kept.conv_id = list(start), None
             print("moechat: conversation cleared", file=sys.stderr)
             continue
-        if re.fullmatch(r"/\w+", text.strip()):  # a lone word after a slash is a command, not a message
+        if re.fullmatch(r"/(\w+|\?)", text.strip()):  # a lone word (or ollama's /?) after a slash is a command, not a message
             print(f"moechat: unknown command {text.strip()}: /reset starts over, /quit leaves", file=sys.stderr)
             continue
         try:

@@ -152,9 +152,10 @@ def test_plain_chat_keeps_the_conversation(monkeypatch, capsys):
 
     monkeypatch.setattr(Engine, "generate", spy)
     # a line the terminal could not decode (surrogate escapes) and an unknown command are said, not sent
-    monkeypatch.setattr("sys.stdin", io.StringIO(f"{SEA}\nAnd the moon?\n\udcff\udcfe bad\n/foo\n/reset\nHello\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{SEA}\nAnd the moon?\n\udcff\udcfe bad\n/foo\n/?\n/reset\nHello\n"))
     assert main(["chat", "--max-new-tokens", "8"]) == 0
     out, err = capsys.readouterr()
     assert out.count("moechat> ") == 3 and "not valid UTF-8" in err and "unknown command /foo" in err
+    assert "unknown command /?: /reset starts over" in err  # ollama's help, not sent as a message
     assert [len(m) for m in seen] == [1, 3, 1]  # history grows, /reset clears it
     assert seen[1][0]["content"] == SEA and seen[1][1]["role"] == "assistant"
