@@ -16,8 +16,8 @@
 
 namespace {
 
-// The path a call on `bits`-bit weights takes; AUTO: the best this CPU has. AMX tiles serve int8 alone (int4's and int6's nibbles
-// would need unpacking into B tiles, which cost what the tiles saved): int4 runs VNNI there.
+// The path a call on `bits`-bit weights takes; AUTO: the best this CPU has. AMX tiles serve int8 and int4 (its nibbles
+// unpacked into B tiles once per row group; qmat keeps small groups on VNNI); int6, the head's alone, runs VNNI there.
 Isa resolve_q(int isa, int bits) {
     if (isa == AUTO)
         isa = cpu_has(AMX_INT8)      ? AMX_INT8
@@ -25,7 +25,7 @@ Isa resolve_q(int isa, int bits) {
               : cpu_has(AVX_VNNI)    ? AVX_VNNI
               : cpu_has(AVX2)        ? AVX2
                                      : SCALAR;
-    return isa == AMX_INT8 && bits != 8 ? AVX512_VNNI : Isa(isa);
+    return isa == AMX_INT8 && bits == 6 ? AVX512_VNNI : Isa(isa);
 }
 
 bool valid_bits(int bits) { return bits == 8 || bits == 6 || bits == 4; }  // formats.BITS

@@ -5,7 +5,7 @@
 // bits, 4 steps of 4 columns per vector) and one 16-wide fp16 load holds a
 // block's scales for the group; activations: s8 codes and fp32 scales per token and block (Q8_1),
 // broadcast 4 bytes at a time. No horizontal sums: a vector of 16 int32 is 16 rows' dot products.
-// Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens), AVX-512 VNNI (vpdpbusd), AVX-VNNI (vpdpbusd on ymm), AVX2 (pmaddubsw +
+// Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens, int4 at 40+), AVX-512 VNNI (vpdpbusd), AVX-VNNI (vpdpbusd on ymm), AVX2 (pmaddubsw +
 // pmaddwd) and portable C++ (4-lane vectors: SSE2, NEON). Each sums a
 // (row, token) in one fixed order whatever the call's other rows and tokens, so a token's result
 // never depends on its batch.
@@ -394,14 +394,16 @@ void qgroup_avxvnni(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, 
     qhalves_avxvnni<BITS, TC, 1>(W, g, 1, A, t0, Y, ldy);
 }
 
-// ---- AMX-INT8, int8 weights only: one tile op per block of 32 columns. A = 16 tokens' codes [16 x 32 s8], loaded
-// straight from the quantized activations; B = a 16-row group's block [8 x 64 u8], loaded straight from the
-// interleaved weights (already the layout B wants); C = [16 tokens x 16 rows] int32: the integer sums vpdpbusd
-// makes, then the VNNI path's scaling in its order, so the bits equal that path's. The per-block tile round trip
-// (store C, reload, scale: about 20 ns per group and block here) bounds it, so it pays only past one VNNI pass
-// (10 tokens); int4 stays on VNNI: unpacking nibbles for B cost what the tiles saved.
+// ---- AMX-INT8, int8 and int4 weights: one tile op per block of 32 columns. A = 16 tokens' codes [16 x 32 s8], loaded
+// straight from the quantized activations; B = a 16-row group's block [8 x 64 u8]: int8's interleaved codes as they
+// are (already the layout B wants), int4's nibbles unpacked into that layout once per group and call; C = [16 tokens x
+// 16 rows] int32: the integer sums vpdpbusd makes, then the VNNI path's scaling in its order, so the bits equal that
+// path's. The per-block round trip (store C, reload, scale: 4 vector ops per token, row group and block) bounds it,
+// so it pays only past one VNNI pass, and for int4, whose VNNI pass is cheaper (its nibbles unpacked once for 10 tokens),
+// only past two whole 16-token tiles.
 #define AMXQ_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-constexpr int AMXQ_MIN_T = 11;  // fewer tokens: one VNNI pass (up to 10 tokens), measured as fast
+constexpr int AMXQ_MIN_T = 11;  // int8, fewer tokens: one VNNI pass (up to 10 tokens), measured as fast
+constexpr int AMXQ4_MIN_T = 40;  // int4, fewer: VNNI as fast or faster (even at 32, a loss at 36: a third tile mostly empty)
 
 struct QTileConfig {
     uint8_t palette, start_row, reserved[14];
@@ -409,63 +411,92 @@ struct QTileConfig {
     uint8_t rows[16];
 };
 
-AMXQ_TARGET inline void amxq_config() {  // tmm0 A [16 x 32 B], tmm1-2 B [8 x 64 B], tmm3-4 C [16 x 64 B]
+AMXQ_TARGET inline void amxq_config() {  // two sets, A [16 x 32 B], B [8 x 64 B], C [16 x 64 B]: tmm0-2 and tmm3-5
     QTileConfig c{};
     c.palette = 1;
-    c.rows[0] = 16, c.colsb[0] = 32;
-    for (int i = 1; i < 3; i++) c.rows[i] = 8, c.colsb[i] = 64;
-    for (int i = 3; i < 5; i++) c.rows[i] = 16, c.colsb[i] = 64;
+    for (int i = 0; i < 6; i += 3) {
+        c.rows[i] = 16, c.colsb[i] = 32;
+        c.rows[i + 1] = 8, c.colsb[i + 1] = 64;
+        c.rows[i + 2] = 16, c.colsb[i + 2] = 64;
+    }
     asm volatile("" : : "r"(&c) : "memory");  // GCC 12 does not see ldtilecfg read c: keep the stores
     _tile_loadconfig(&c);
 }
 
-// acc [tc][16] += block b's sums C [tc][16], scaled as qgroup_vnni<8> scales them
-AMXQ_TARGET inline void amxq_scale(const int32_t* C, const QMat& W, int64_t g, int64_t b, const QActs& A, int t0, int tc,
-                                   float* acc) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.s + g * QROWS * W.nb + b * QROWS)));
-    const __m512 mn = _mm512_mul_ps(d, _mm512_set1_ps(-128.f));
-    for (int t = 0; t < tc; t++) {
-        const int64_t tb = (t0 + t) * A.nb + b;
-        __m512 a = _mm512_loadu_ps(acc + 16 * t);
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * t)), _mm512_mul_ps(d, _mm512_set1_ps(A.d[tb])), a);
-        _mm512_storeu_ps(acc + 16 * t, _mm512_fmadd_ps(mn, _mm512_set1_ps(A.ds[tb]), a));
+// acc[t] += block b's sums C [16][16] for 16 tokens, scaled as qgroup_vnni<BITS> scales them; token t's dx and ds at
+// A.d/A.ds + tb[t] + b
+template <int BITS>
+AMXQ_TARGET inline void amxq_scale(const int32_t* C, const QMat& W, int64_t g, int64_t b, const int64_t* tb, const QActs& A,
+                                   __m512* acc) {
+    const int64_t sb = g * QROWS * W.nb + b * QROWS;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.s + sb)));
+    const __m512 mn = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.m + sb)))
+                                : _mm512_mul_ps(d, _mm512_set1_ps(-zero_code<BITS>()));
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; t++) {
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * t)), _mm512_mul_ps(d, _mm512_set1_ps(A.d[tb[t] + b])),
+                                 acc[t]);
+        acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(A.ds[tb[t] + b]), acc[t]);
     }
 }
 
-// Y[t, r - r0] as qwalk<8> writes it. Per pair of row groups and block: B tiles loaded once, then every 16-token A
-// tile against them. A tiles are always 16 rows: activation buffers carry 15 rows of padding past their last token
-// (QBuf), whose sums are never read.
+// int4 group: its nb blocks' nibbles into int8's layout, u [nb][512] (vector v's low nibbles are columns 8v..8v+3,
+// int8's vector 2v; its high nibbles 8v+4..8v+7, vector 2v + 1)
+AMXQ_TARGET inline void amxq_unpack4(const uint8_t* q, int64_t nb, uint8_t* u) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t i = 0; i < 4 * nb; i++) {
+        const __m512i w = _mm512_loadu_si512(q + 64 * i);
+        _mm512_storeu_si512(u + 128 * i, _mm512_and_si512(w, low));
+        _mm512_storeu_si512(u + 128 * i + 64, _mm512_and_si512(_mm512_srli_epi16(w, 4), low));
+    }
+}
+
+// Y[t, r - r0] as qwalk<BITS> writes it. Per row group and 16-token tile, its sums in 16 zmm over the blocks; block
+// b+1's tile ops (the other tile set and C buffer) go before block b's scaling, so the two overlap. A tiles are always
+// 16 rows: activation buffers carry 15 rows of padding past their last token (QBuf), whose sums are never stored.
+template <int BITS>
 AMXQ_TARGET void qwalk_amx(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy) {
     alignas(64) int32_t C[2][16 * 16];
-    std::vector<float> acc(2 * 16 * int64_t(T));  // [2 groups][T tokens][16 rows]
-    float* acc1 = acc.data() + 16 * int64_t(T);
+    static thread_local std::vector<uint8_t> unpacked;  // int4: one group's blocks in int8's layout, for all its tiles
+    if (BITS == 4 && unpacked.size() < size_t(512 * W.nb)) unpacked.resize(512 * W.nb);
     amxq_config();
-    for (int64_t r = r0; r < r0 + nr; r += 2 * QROWS) {
-        const bool two = r + 2 * QROWS <= r0 + nr;
+    for (int64_t r = r0; r < r0 + nr; r += QROWS) {
         const int64_t g = r / QROWS;
-        const uint8_t* q0 = W.q + g * QROWS * W.row_bytes;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t b = 0; b < W.nb; b++) {
-            _tile_loadd(1, q0 + b * 512, 64);
-            if (two) _tile_loadd(2, q0 + QROWS * W.row_bytes + b * 512, 64);
-            for (int t0 = 0; t0 < T; t0 += 16) {
-                const int tc = std::min(16, T - t0);
-                _tile_loadd(0, A.q + t0 * A.kp + 32 * b, A.kp);
-                _tile_zero(3);
-                _tile_dpbsud(3, 0, 1);
-                _tile_stored(3, C[0], 64);
-                if (two) {
-                    _tile_zero(4);
-                    _tile_dpbsud(4, 0, 2);
-                    _tile_stored(4, C[1], 64);
+        const uint8_t* B = W.q + g * QROWS * W.row_bytes;  // block b's B tile at B + 512 b
+        if (BITS == 4) amxq_unpack4(B, W.nb, unpacked.data()), B = unpacked.data();
+        for (int t0 = 0; t0 < T; t0 += 16) {
+            const int8_t* a = A.q + t0 * A.kp;
+            __m512 acc[16];
+            int64_t tb[16];  // past the last token: its scales again (finite), for sums never stored
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps(), tb[t] = (t0 + std::min(t, T - t0 - 1)) * A.nb;
+            _tile_loadd(0, a, A.kp);
+            _tile_loadd(1, B, 64);
+            _tile_zero(2);
+            _tile_dpbsud(2, 0, 1);
+            _tile_stored(2, C[0], 64);
+            for (int64_t b = 0; b < W.nb; b += 2) {
+                if (b + 1 < W.nb) {
+                    _tile_loadd(3, a + 32 * (b + 1), A.kp);
+                    _tile_loadd(4, B + 512 * (b + 1), 64);
+                    _tile_zero(5);
+                    _tile_dpbsud(5, 3, 4);
+                    _tile_stored(5, C[1], 64);
                 }
-                amxq_scale(C[0], W, g, b, A, t0, tc, acc.data() + 16 * t0);
-                if (two) amxq_scale(C[1], W, g + 1, b, A, t0, tc, acc1 + 16 * t0);
+                amxq_scale<BITS>(C[0], W, g, b, tb, A, acc);
+                if (b + 2 < W.nb) {
+                    _tile_loadd(0, a + 32 * (b + 2), A.kp);
+                    _tile_loadd(1, B + 512 * (b + 2), 64);
+                    _tile_zero(2);
+                    _tile_dpbsud(2, 0, 1);
+                    _tile_stored(2, C[0], 64);
+                }
+                if (b + 1 < W.nb) amxq_scale<BITS>(C[1], W, g, b + 1, tb, A, acc);
             }
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; t++)
+                if (t0 + t < T) _mm512_storeu_ps(Y + (t0 + t) * ldy + (r - r0), acc[t]);
         }
-        for (int i = 0; i < (two ? 2 : 1); i++)
-            for (int t = 0; t < T; t++)
-                std::memcpy(Y + t * ldy + (r - r0) + 16 * i, (i ? acc1 : acc.data()) + 16 * t, 16 * sizeof(float));
     }
     _tile_release();
 }
@@ -492,7 +523,8 @@ void qmat(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y
 #ifdef MOE_X86
     // Registers: VNNI TC tokens x (1 float + 1 int accumulator) + 8 unpacked int4 vectors + 3 of 32 zmm; AVX-VNNI
     // 2 x TC + 6 of 16 ymm (one half-group at a time); AVX2 2 x 2 x TC of 16 ymm.
-    if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx(W, r0, nr, A, T, Y, ldy);  // int8: resolve_q
+    if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx<8>(W, r0, nr, A, T, Y, ldy);
+    if (isa == AMX_INT8 && bits == 4 && T >= AMXQ4_MIN_T) return qwalk_amx<4>(W, r0, nr, A, T, Y, ldy);  // int6: resolve_q
     if (isa == AVX512_VNNI || isa == AMX_INT8) {
         if (bits == 8) return qwalk<8, Q_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
         if (bits == 6) return qwalk<6, Q_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 10>{});
