@@ -451,6 +451,17 @@ AMXQ_TARGET inline void amxq_unpack4(const uint8_t* q, int64_t nb, uint8_t* u) {
     }
 }
 
+// One block's integer sums into C [16 tokens x 16 rows]: A tile (tokens) times B tile (rows) in tiles ta, tb, tc. A macro:
+// GCC's tile intrinsics paste their tile numbers into the assembly, so a template parameter cannot name them.
+#define AMXQ_BLOCK(ta, tb, tc, a, lda, b, C) \
+    do {                                     \
+        _tile_loadd(ta, a, lda);             \
+        _tile_loadd(tb, b, 64);              \
+        _tile_zero(tc);                      \
+        _tile_dpbsud(tc, ta, tb);            \
+        _tile_stored(tc, C, 64);             \
+    } while (0)
+
 // Y[t, r - r0] as qwalk<BITS> writes it. Per row group and 16-token tile, its sums in 16 zmm over the blocks; block
 // b+1's tile ops (the other tile set and C buffer) go before block b's scaling, so the two overlap. A tiles are always
 // 16 rows: activation buffers carry 15 rows of padding past their last token (QBuf), whose sums are never stored.
@@ -470,27 +481,11 @@ AMXQ_TARGET void qwalk_amx(const QMat& W, int64_t r0, int64_t nr, const QActs& A
             int64_t tb[16];  // past the last token: its scales again (finite), for sums never stored
 #pragma GCC unroll 16
             for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps(), tb[t] = (t0 + std::min(t, T - t0 - 1)) * A.nb;
-            _tile_loadd(0, a, A.kp);
-            _tile_loadd(1, B, 64);
-            _tile_zero(2);
-            _tile_dpbsud(2, 0, 1);
-            _tile_stored(2, C[0], 64);
+            AMXQ_BLOCK(0, 1, 2, a, A.kp, B, C[0]);
             for (int64_t b = 0; b < W.nb; b += 2) {
-                if (b + 1 < W.nb) {
-                    _tile_loadd(3, a + 32 * (b + 1), A.kp);
-                    _tile_loadd(4, B + 512 * (b + 1), 64);
-                    _tile_zero(5);
-                    _tile_dpbsud(5, 3, 4);
-                    _tile_stored(5, C[1], 64);
-                }
+                if (b + 1 < W.nb) AMXQ_BLOCK(3, 4, 5, a + 32 * (b + 1), A.kp, B + 512 * (b + 1), C[1]);
                 amxq_scale<BITS>(C[0], W, g, b, tb, A, acc);
-                if (b + 2 < W.nb) {
-                    _tile_loadd(0, a + 32 * (b + 2), A.kp);
-                    _tile_loadd(1, B + 512 * (b + 2), 64);
-                    _tile_zero(2);
-                    _tile_dpbsud(2, 0, 1);
-                    _tile_stored(2, C[0], 64);
-                }
+                if (b + 2 < W.nb) AMXQ_BLOCK(0, 1, 2, a + 32 * (b + 2), A.kp, B + 512 * (b + 2), C[0]);
                 if (b + 1 < W.nb) amxq_scale<BITS>(C[1], W, g, b + 1, tb, A, acc);
             }
 #pragma GCC unroll 16
