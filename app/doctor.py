@@ -59,7 +59,8 @@ def diagnose() -> dict:
     native = _native()
     profiles = _profiles(fingerprint(hw), fingerprint(profile_hardware(hw, "cpu")))
     hardware = asdict(hw) | {"models_dir": str(models), "fingerprint": profiles["fingerprint"]}
-    settings = {"path": str(settings_path()), "exists": settings_path().exists()}  # where to set a default model
+    path = settings_path()
+    settings = {"path": str(path), "exists": path.exists()}  # where to set a default model
     return {"hardware": hardware, "versions": versions, "native": native, "profiles": profiles, "settings": settings,
             "problems": problems(hw, versions, profiles, models, native) + settings_problems()}
 
