@@ -16,11 +16,17 @@ The tokenizer is the embedded demo model's (4096 tokens), so by default embeddin
 smaller than the real vocabularies (DeepSeek 102400, Qwen3 151936, Mixtral 32000, OLMoE 50304); `--vocab real` pads them to the
 real model's size (what the head reads and sampling sorts per token; ids past the tokenizer's
 decode to nothing). Every other shape is the real model's unless scaled down.
+
+`--gptq` writes the routed experts and the attention projections as a GPTQ int4 checkpoint laid out as the official
+Qwen/Qwen3-30B-A3B-GPTQ-Int4 (group 128, symmetric, `qweight`/`qzeros`/`scales`/`g_idx`), with random codes and
+scales drawn directly (nothing to round: the weights are random anyway), so a full-size Qwen3-30B-A3B is 16.5 GB, not
+61: the size of the run a 24-32 GB machine holds.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import zlib
@@ -32,6 +38,9 @@ from ...engine import KNOWN_MODELS
 # The real models' config.json (moechat's known-model copies), by the name `--like` takes; the vocabulary is set apart.
 LIKE = {name.lower(): {k: v for k, v in fields.items() if k != "vocab_size"} for name, fields in KNOWN_MODELS.items()}
 REAL_NAME = {name.lower(): name for name in KNOWN_MODELS}
+GPTQ_GROUP = 128  # the official Qwen3-30B-A3B-GPTQ-Int4's group size
+GPTQ_LINEAR = re.compile(r"\.(experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
+                         r"|self_attn\.(q_proj|k_proj|v_proj|o_proj))\.weight$")
 
 
 def add_random_model(sub) -> None:
@@ -46,10 +55,14 @@ def add_random_model(sub) -> None:
                         "scale with it, Mixtral's and OLMoE's experts too unless --intermediate; head dimensions stay the "
                         "model's)")
     p.add_argument("--intermediate", type=int, default=None, metavar="I", help="routed expert width (default the model's)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the weights' dtype (default bfloat16, what the real models ship)")
     p.add_argument("--vocab", choices=["demo", "real"], default="demo",
                    help="embedding and head rows: the demo tokenizer's 4096 (default), or the real model's vocabulary")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gptq", action="store_true",
+                   help="routed experts and attention projections as GPTQ int4 (group 128, symmetric), as the official "
+                        "Qwen3-30B-A3B-GPTQ-Int4 stores them: a quarter of the bytes")
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default 0)")
     p.set_defaults(func=cmd_random_model)
 
 
@@ -126,7 +139,7 @@ def _layer_specs(shapes: dict, prefix: str, family):
         yield key, shape, "norm" in key.rsplit(".", 2)[-2]
 
 
-def _layer_tensors(shapes: dict, prefix: str, family, dtype, std: float, seed: int, pool) -> dict:
+def _layer_tensors(shapes: dict, prefix: str, family, dtype, std: float, seed: int, pool, gptq: bool = False) -> dict:
     """Random tensors for every key under `prefix`, drawn on all cores: each from its own generator, seeded by the
     seed and its key, so the checkpoint does not depend on the thread count (a full DeepSeek-V2-Lite is 30 GB)."""
     import torch
@@ -134,15 +147,34 @@ def _layer_tensors(shapes: dict, prefix: str, family, dtype, std: float, seed: i
     def draw(spec):
         key, shape, ones = spec
         if ones:
-            return key, torch.ones(shape, dtype=dtype)
+            return {key: torch.ones(shape, dtype=dtype)}
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-        return key, torch.empty(shape, dtype=dtype).normal_(0, std, generator=g)
+        if gptq and GPTQ_LINEAR.search(key):
+            return _gptq_linear(key[:-len(".weight")], shape, std, g)
+        return {key: torch.empty(shape, dtype=dtype).normal_(0, std, generator=g)}
 
-    return dict(pool.map(draw, _layer_specs(shapes, prefix, family)))
+    return {k: t for part in pool.map(draw, _layer_specs(shapes, prefix, family)) for k, t in part.items()}
 
 
-def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
-    """config.json + one safetensors shard per decoder layer (+ one for embeddings, norm and head); returns bytes written."""
+def _gptq_linear(prefix: str, shape: tuple, std: float, g) -> dict:
+    """A random GPTQ int4 linear [N, K] (v1 "gptq" layout, symmetric: every stored zero 7, read as 8): codes uniform
+    in 1..15 but 8 twice as likely (a code 0 made 8), so scale·(code - 8) has mean 0 and a standard deviation of about
+    4.3·scale; scales around std / 4.3."""
+    import torch
+
+    n, k = shape
+    groups = -(-k // GPTQ_GROUP)
+    qweight = torch.randint(-2**31, 2**31, (k // 8, n), dtype=torch.int64, generator=g).to(torch.int32)  # 8 codes per word
+    nonzero = (qweight | qweight >> 1 | qweight >> 2 | qweight >> 3) & 0x11111111  # bit 0 of each nibble: any of its bits
+    qweight |= (~nonzero & 0x11111111) << 3  # a zero nibble becomes 8
+    scales = (torch.rand(groups, n, generator=g) + 0.5).mul_(std / 4.3).half()
+    return {f"{prefix}.qweight": qweight, f"{prefix}.qzeros": torch.full((groups, n // 8), 0x77777777, dtype=torch.int32),
+            f"{prefix}.scales": scales, f"{prefix}.g_idx": (torch.arange(k) // GPTQ_GROUP).to(torch.int32)}
+
+
+def write_random_checkpoint(out: Path, cfg, seed: int = 0, gptq: bool = False) -> int:
+    """config.json + one safetensors shard per decoder layer (+ one for embeddings, norm and head); returns bytes written.
+    gptq: the routed experts and attention projections as GPTQ int4 (config.json says so)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -165,7 +197,7 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
         if prefix is None:
             tensors = _layer_tensors({k: shapes[k] for k in rest}, "", family, dtype, cfg.initializer_range, seed, pool)
         else:
-            tensors = _layer_tensors(shapes, prefix, family, dtype, cfg.initializer_range, seed, pool)
+            tensors = _layer_tensors(shapes, prefix, family, dtype, cfg.initializer_range, seed, pool, gptq)
         save_file(tensors, out / name, metadata={"format": "pt"})
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, name))
@@ -173,6 +205,10 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0) -> int:
     pool.shutdown()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if gptq:
+        cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "desc_act": False, "sym": True,
+                                   "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
+                                   "damp_percent": 0.01}
     cfg.save_pretrained(out)
     return total
 
@@ -197,7 +233,7 @@ def cmd_random_model(args) -> int:
     vocab = -(-len(tok) // 64) * 64 if args.vocab == "demo" else KNOWN_MODELS[REAL_NAME[args.like]]["vocab_size"]  # padded
     cfg = random_config(args.like, args.layers, args.hidden, args.intermediate, vocab, args.dtype)
     cfg.eos_token_id = tok.eos_token_id
-    total = write_random_checkpoint(args.out, cfg, args.seed)
+    total = write_random_checkpoint(args.out, cfg, args.seed, args.gptq)
     for f in DEMO_MODEL.iterdir():  # the demo's tokenizer and chat template
         if f.name.startswith(("tokenizer", "chat_template")):
             shutil.copy(f, args.out / f.name)
@@ -205,5 +241,6 @@ def cmd_random_model(args) -> int:
     moe = len(family.sparse_layers(cfg))
     print(f"{args.out}: {args.like}-shaped random {cfg.model_type}, {cfg.num_hidden_layers} layers ({moe} MoE), "
           f"hidden {cfg.hidden_size}, {family.num_experts(cfg)} experts top-{family.top_k(cfg)} of width "
-          f"{family.expert_dim(cfg)}, {args.dtype}, {total / 1e9:.2f} GB", file=sys.stderr)
+          f"{family.expert_dim(cfg)}, {args.dtype}{' (GPTQ int4 experts and attention)' if args.gptq else ''}, "
+          f"{total / 1e9:.2f} GB", file=sys.stderr)
     return 0

@@ -227,3 +227,33 @@ def test_bf16_deepseek_with_fast_tier(checkpoint):
     engine = Engine(EngineConfig(model_dir=str(checkpoint("deepseek_v2")), dtype="bfloat16", expert_cache_ratio=0.5))
     fin = list(engine.generate(Request(token_ids=[5, 17, 42]), SamplingParams(max_new_tokens=4)))[-1]
     assert len(fin.token_ids) == 4 and fin.summary.hits > 0
+
+
+def test_random_model_gptq_is_the_official_int4_layout_and_runs(tmp_path, capsys):
+    """--gptq: routed experts and attention projections as GPTQ int4 (group 128, symmetric, v1), the layout of
+    Qwen/Qwen3-30B-A3B-GPTQ-Int4, random codes whose dequantized weights have the model's scale; moechat runs it as
+    it is, in int4."""
+    from tests.quant.gptq_pack import reference_dequant
+
+    out = tmp_path / "qwen3-gptq"
+    assert main(["bench", "random-model", str(out), "--like", "qwen3-30b-a3b", "--layers", "2", "--hidden", "256",
+                 "--intermediate", "128", "--gptq"]) == 0
+    assert "GPTQ int4" in capsys.readouterr().err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"] | {"group_size": 128, "bits": 4, "sym": True, "checkpoint_format": "gptq"} == (
+        cfg["quantization_config"])
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for linear in ("mlp.experts.5.gate_proj", "mlp.experts.127.down_proj", "self_attn.q_proj", "self_attn.o_proj"):
+        key = f"model.layers.1.{linear}"
+        assert f"{key}.weight" not in index and all(f"{key}.{s}" in index for s in ("qweight", "qzeros", "scales", "g_idx"))
+    assert "model.layers.1.mlp.gate.weight" in index and "model.layers.1.self_attn.k_norm.weight" in index  # left as they were
+    from safetensors.torch import load_file
+
+    shard = load_file(out / index["model.layers.1.mlp.experts.5.gate_proj.qweight"])
+    w = reference_dequant({s: shard[f"model.layers.1.mlp.experts.5.gate_proj.{s}"] for s in ("qweight", "qzeros", "scales",
+                                                                                                "g_idx")})
+    assert w.shape == (128, 256) and abs(w.mean()) < 2e-3 and 0.015 < w.std() < 0.025  # around zero, at initializer_range
+    assert main(["bench", "generate", "--model", str(out), "--max-new-tokens", "3", "--repeats", "1", "--draft", "none",
+                 "--no-hf", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["quant"] == "int4" and result["new_tokens"] == 3
