@@ -6,24 +6,58 @@ import dataclasses
 import errno
 import json
 import os
-import shlex
 import sys
 from pathlib import Path
 
 from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
-from .other_tools import GPU_LAYERS, ON_THE_GPU, THEIR_FLAGS, instead, their_command
+from .other_tools import GPU_LAYERS, ON_THE_GPU, THEIR_FLAGS, instead, not_a_command, their_command
 from .terminal_text import as_typed, for_terminal
+
+MISSING = ("the following arguments are required: ", "one of the arguments ")  # argparse's words for what is missing
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad input in one line, never a usage dump."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)  # what error() reads again for flags it does not know
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):  # noqa: D401 - argparse API
-        if message.startswith("one of the arguments PROMPT"):  # `moechat generate` alone, or with its input piped
+        if message.startswith(MISSING) and (unknown := self._unknown_beside_missing()):
+            args, extras = unknown  # argparse checks what is missing first: `generate --bogus` said "no message to send"
+            message = f"unrecognized arguments: {' '.join(extras)}{instead(self, args, extras)}"
+        elif message.startswith("one of the arguments PROMPT"):  # `moechat generate` alone, or with its input piped
             message = f'no message to send: {self.prog} "Hello", or {self.prog} - to read it from standard input'
+        elif message.startswith(MISSING[0]):
+            message = self._needs(message[len(MISSING[0]):]) or message
         self.exit(2, f"moechat: error: {message} (see `{self.prog} --help`)\n")
+
+    def _unknown_beside_missing(self) -> tuple[argparse.Namespace, list[str]] | None:
+        """(args, the arguments this parser does not know) parsed again with nothing required, else None."""
+        if getattr(self, "_given", None) is None:
+            return None
+        required = [a for a in [*self._actions, *self._mutually_exclusive_groups] if a.required]
+        for item in required:
+            item.required = False
+        try:
+            args, extras = super().parse_known_args(self._given)
+        finally:
+            for item in required:
+                item.required = True
+        return (args, extras) if extras else None
+
+    def _needs(self, names: str) -> str | None:
+        """What the one required argument `names` lists takes, as its help says (None: several, or no help)."""
+        command = self.prog.partition(" ")[2] or self.prog
+        found = [a for a in self._actions if names in (*a.option_strings, a.metavar, a.dest)]
+        if found and isinstance(found[0], argparse._SubParsersAction):  # `moechat bench` alone said "bench_command"
+            return f"{command} needs one of: {', '.join(found[0].choices)}"
+        if found and found[0].help and "%" not in found[0].help:  # `simulate` alone: where traces come from
+            return f"{command} needs {names}: {found[0].help}"
+        return None
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -69,7 +103,7 @@ def add_request_args(p: argparse.ArgumentParser) -> None:
                      "- reads it from standard input (a long document: one argument holds at most 128 KiB)")
     src.add_argument("--prompt-ids", type=_int_list, metavar="1,2,3", help="prompt as token ids")
     p.add_argument("--raw", action="store_true", help="send --prompt as plain text, without the chat template")
-    p.add_argument("--system", type=as_typed, default=None, help="system message")
+    p.add_argument("--system", type=as_typed, default=None, metavar="TEXT", help="system message")
     add_sampling_args(p, temperature=0.0, max_new_tokens=128)
     add_template_args(p)
 
@@ -176,6 +210,16 @@ def _write_trace(trace, path: str) -> int | None:
     return None
 
 
+def generate_json(args, engine, token_ids: list[int], text: str, stats: dict | None, interrupted: bool = False) -> str:
+    """generate --json's object; an interrupted reply's is what came so far, with no stats (the run did not finish)."""
+    return json.dumps({"token_ids": token_ids, "text": text, "stats": stats, "interrupted": interrupted,
+                       "profile": None if args.profile is None else str(args.profile),
+                       "choices": choices(engine, args.sources), "quant": engine.model.store.quant,
+                       "device": args.device, "dtype": args.dtype, "decode_path": engine.model.decode_path(),
+                       "costs": dataclasses.asdict(engine.model.runtime.costs),
+                       "placement": {"device": args.placement.device_why, "dtype": args.placement.dtype_why}})
+
+
 def cmd_generate(args) -> int:
     check_prompt_flags(args)  # before PyTorch loads: a refused flag costs no start-up
     if args.temperature == 0 and (args.top_p != 1 or args.top_k or args.seed is not None):  # llama.cpp's default samples
@@ -189,13 +233,16 @@ def cmd_generate(args) -> int:
     print_notices(engine)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None
-    finished, shown = None, for_terminal(sys.stdout)
+    finished, shown, ids, pieces = None, for_terminal(sys.stdout), [], []  # the reply so far: its token ids and text
     events = engine.generate(request, params, trace)
     try:
         for ev in events:
-            if isinstance(ev, TokenDelta) and not args.json:
-                sys.stdout.write(shown(ev.text))
-                sys.stdout.flush()
+            if isinstance(ev, TokenDelta):
+                ids += ev.token_ids
+                pieces.append(ev.text)
+                if not args.json:
+                    sys.stdout.write(shown(ev.text))
+                    sys.stdout.flush()
             elif isinstance(ev, Error):
                 return _fail(ev.message)
             elif isinstance(ev, Finished):
@@ -203,6 +250,8 @@ def cmd_generate(args) -> int:
     except KeyboardInterrupt:
         events.close()
         print(file=sys.stderr)
+        if args.json:  # a script still gets one object: the reply so far
+            print(generate_json(args, engine, ids, "".join(pieces), None, interrupted=True))
         if trace is not None:
             trace.drop_unfinished()
         kept = trace is not None and trace.records and _write_trace(trace, args.trace) is None  # the routing so far stays
@@ -210,18 +259,13 @@ def cmd_generate(args) -> int:
     if trace and (failed := _write_trace(trace, args.trace)):
         return failed
     s = finished.summary
-    profile = None if args.profile is None else str(args.profile)
     if args.json:
-        print(json.dumps({"token_ids": finished.token_ids, "text": finished.text, "stats": s.to_dict(), "profile": profile,
-                          "choices": choices(engine, args.sources), "quant": engine.model.store.quant,
-                          "device": args.device, "dtype": args.dtype, "decode_path": engine.model.decode_path(),
-                          "costs": dataclasses.asdict(engine.model.runtime.costs),
-                          "placement": {"device": args.placement.device_why, "dtype": args.placement.dtype_why}}))
+        print(generate_json(args, engine, finished.token_ids, finished.text, s.to_dict()))
     else:
         print()
         print(f"[runs on {args.placement}]", file=sys.stderr)
-        if profile:
-            print(f"[calibration profile: {profile}]", file=sys.stderr)
+        if args.profile is not None:
+            print(f"[calibration profile: {args.profile}]", file=sys.stderr)
         print(stats_line(s), file=sys.stderr)
     if s.lossy:
         print(f"[{s.lossy}: {s.dropped} activations dropped]", file=sys.stderr)
@@ -252,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_args(gen)
     gen.add_argument("--trace", metavar="FILE", help="record routing to FILE (JSON Lines, see docs/trace-format.md)")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object: token_ids, text, stats, profile (the calibration profile used, or null), "
+                     help="print one JSON object: token_ids, text, stats (null when interrupted), interrupted (Ctrl-C "
+                          "ended the reply: the object holds what came so far, exit 130), profile (the calibration "
+                          "profile used, or null), "
                           "choices (drafter, draft_len, policy, utility_bound, quant, expert_cache (experts on the fast "
                           "tier): each value that ran and where it came from: command line, settings, profile or default), "
                           "quant (the routed experts' format), device, dtype, placement (why each), costs (the scheduler's "
@@ -264,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_flags(chat, "backend")
     chat.add_argument("--plain", action="store_true", help="line-by-line chat instead of the full-screen app")
-    chat.add_argument("--system", type=as_typed, help="system message (plain chat; the app sets it per conversation)")
+    chat.add_argument("--system", type=as_typed, metavar="TEXT",
+                      help="system message (plain chat; the app sets it per conversation)")
     chat.add_argument("--setup", action="store_true", help=argparse.SUPPRESS)  # set by `moechat --setup`
     # sampling (exact in distribution): less looping than greedy
     add_sampling_args(chat, temperature=0.7, max_new_tokens=512, top_p=0.9, from_settings=True)
@@ -349,11 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         if taker:  # else argparse says it is unrecognized (a typo: `--verison`)
             said = f"{flag} goes after a command" if ours == flag else f"{flag} is llama.cpp's; moechat's goes after a command"
             parser.error(f"{said}, e.g. moechat {taker} {' '.join([ours, *argv[1:2]])}")
+    if argv[:1] == ["help"]:  # as `git help`: the help asked for, `moechat help serve` serve's
+        _command_parser(parser, argv[1:]).print_help()
+        return 0
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
-        if len(argv[0].split()) > 1:  # a message
-            parser.error(f"{argv[0]!r} is not a command; to send it as a message: moechat generate {shlex.quote(argv[0])}")
-        if said := their_command(argv, commands):
-            parser.error(said)
+        parser.error(their_command(argv, commands) or not_a_command(argv, commands))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser: `moechat serve --prot 1` points to `moechat serve --help`, which lists its flags
         command = _command_parser(parser, argv)

@@ -46,9 +46,10 @@ def _source(model: str | None):
                        f"or a known config ({', '.join(KNOWN_MODELS)})")
 
 
-def fit_report(est, vram: int | None, ram: int | None) -> dict:
+def fit_report(est, vram: int | None, ram: int | None, machine: bool = False) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
-    `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not."""
+    `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not.
+    machine: the budgets are this machine's RAM and VRAM (none was given), so no budget flag is advice."""
     from ..engine import QUANTS, BudgetError, check_budgets, check_host_room, expert_store_room, max_cache_experts
 
     report: dict = {"fits": True}
@@ -64,7 +65,7 @@ def fit_report(est, vram: int | None, ram: int | None) -> dict:
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
         if vram is None and ram is not None:
-            check_host_room(est, ram)
+            check_host_room(est, ram, machine)
     except BudgetError as err:
         report.update(fits=False, problem=str(err))
     return report
@@ -81,8 +82,46 @@ def placement(args, source, vram: int | None):
     return run_placement(args.device, args.dtype, load_settings()[0], source, args.quant, gpu)
 
 
+def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine: bool = False):
+    """(the estimate at the context a run holds on these budgets where none is given, fit_report's verdict there)."""
+    from ..engine import default_context
+
+    est = est if context_given else est.at_context(default_context(est, vram, ram))
+    return est, fit_report(est, vram, ram, machine)
+
+
+def this_machine(est, on_cpu: bool, context_given: bool) -> dict | None:
+    """Whether a run fits this machine, by fit_report as for budgets: its RAM (psutil) and, for a GPU run, the VRAM of
+    the GPU `auto` takes (NVML); None where the RAM cannot be read."""
+    from ..engine import NO_GPU, best_gpu, gpu_info, physical_ram_bytes
+
+    ram, (gpus, note) = physical_ram_bytes(), gpu_info()
+    if ram is None:
+        return None
+    gpu = best_gpu(gpus) if gpus else None
+    vram = None if on_cpu or gpu is None else gpu.total_bytes  # a CPU run's fit is the RAM's
+    at, fit = fitted(est, vram, ram, context_given, machine=True)
+    return {"ram_bytes": ram, "gpu": gpu and gpu.name, "vram_bytes": gpu and gpu.total_bytes,
+            "gpu_note": note or (NO_GPU if gpu is None else ""), "gpu_counted": vram is not None,
+            "context_len": at.context_len, **fit}
+
+
+def machine_line(m: dict, model_context: int) -> str:
+    """this_machine's verdict in one line."""
+    gib = 2**30
+    gpu = "no NVIDIA GPU" if m["gpu"] is None else f"{m['gpu']} with {m['vram_bytes'] / gib:.1f} GiB"
+    if m["gpu"] is not None and not m["gpu_counted"]:
+        gpu += " (not counted: this run computes on the CPU)"
+    verdict = "fits" if m["fits"] else f"does not fit: {m['problem']}"
+    if m["fits"] and m["context_len"] < model_context:
+        verdict += f", the context cut to {m['context_len']} tokens"
+    if m["fits"] and m.get("host_tier") == "mmap":
+        verdict += " (experts read from disk" + (f"; --quant {m['ram_quant']} keeps them in RAM)" if m.get("ram_quant") else ")")
+    return f"this machine ({m['ram_bytes'] / gib:.1f} GiB of RAM, {gpu}): {verdict}"
+
+
 def cmd_estimate(args) -> int:
-    from ..engine import default_context, estimate, total_params
+    from ..engine import estimate, total_params
 
     name, source = _source(args.model)
     gib = 2**30
@@ -93,16 +132,18 @@ def cmd_estimate(args) -> int:
     notice = "--vram-budget-gib not counted: this run computes on the CPU" if on_cpu and vram is not None else ""
     vram = None if on_cpu else vram  # a CPU run's context and fit are the RAM's
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
-    model_context = est.context_len
-    if args.context_len is None and (vram is not None or ram is not None):  # the context a run holds on these budgets
-        est = est.at_context(default_context(est, vram, ram))
+    model_context, fit, machine = est.context_len, {}, None
+    if vram is not None or ram is not None:  # the budgets given; without, the sizes and whether this machine holds them
+        est, fit = fitted(est, vram, ram, args.context_len is not None)
+    elif args.vram_budget_gib is None:
+        machine = this_machine(est, on_cpu, args.context_len is not None)
     kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
-    fit = fit_report(est, vram, ram) if vram is not None or ram is not None else {}
     if args.json:
         print(json.dumps({"model": str(name), "device": where.device, **asdict(est), "total_params": total_params(est),
                           "model_context_len": model_context,
                           "all_experts_bytes": est.all_experts_bytes, "kv_bytes_per_token": kv // est.context_len,
-                          "kv_bytes": kv, **fit, **({"notice": notice} if notice else {})}))
+                          "kv_bytes": kv, **fit, **({"notice": notice} if notice else {}),
+                          **({"this_machine": machine} if machine else {})}))
         return 0 if fit.get("fits", True) else 1
     print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {total_params(est) / 1e9:.2f} B parameters)")
     print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  "
@@ -136,6 +177,8 @@ def cmd_estimate(args) -> int:
         print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}{where}")
     if fit:
         print("fits" if fit["fits"] else f"does not fit: {fit['problem']}")
+    if machine:
+        print(machine_line(machine, model_context))
     if notice:
         print(notice)
     return 0 if fit.get("fits", True) else 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import itertools
 import os
 import shlex
 
@@ -17,7 +19,7 @@ def _looks_like_a_model(word: str) -> bool:
 
 
 def their_command(argv: list[str], commands) -> str | None:
-    """What to type instead of ollama's commands (`ollama run MODEL [PROMPT]`, list, rm) and `help`, else None."""
+    """What to type instead of ollama's commands (`ollama run MODEL [PROMPT]`, list, rm), else None."""
     word, rest = argv[0], [shlex.quote(a) for a in argv[1:]]
     model = rest[0] if rest else "NAME"
     if word == "run":
@@ -28,14 +30,27 @@ def their_command(argv: list[str], commands) -> str | None:
         return f"{word!r} is not a command; moechat models lists the downloaded models"
     if word == "rm":
         return "'rm' is not a command; delete the model's folder (moechat models lists their paths)"
-    if word == "help":
-        return f"'help' is not a command: moechat {argv[1] + ' ' if argv[1:2] and argv[1] in commands else ''}--help"
     return None
+
+
+def not_a_command(argv: list[str], commands) -> str:
+    """A word where a command goes: the command it is a typo of (`chta`), else how to use it as a model or a message."""
+    word, words = argv[0], list(itertools.takewhile(lambda a: not a.startswith("-"), argv))
+    close = difflib.get_close_matches(word.lower(), commands, n=1, cutoff=0.7) if len(word.split()) == 1 else []
+    # a typo stays an error (`moechat chta` never sends "chta" to a model); words after it a command without
+    # positionals cannot take are a message (`moechat what is MoE`)
+    if close and (len(words) == 1 or commands[close[0]]._get_positional_actions()):
+        return f"{word!r} is not a command; did you mean: moechat {' '.join([close[0], *map(shlex.quote, argv[1:])])}"
+    if _looks_like_a_model(word):
+        return f"{word!r} is not a command; to chat with a model: moechat chat --model {shlex.quote(word)}"
+    return (f"{word!r} is not a command; to send it as a message: moechat generate {shlex.quote(' '.join(words))}, "
+            "or moechat chat for a conversation")
 
 
 def instead(command: argparse.ArgumentParser, args, unknown: list[str]) -> str:
     """What to type for arguments another tool taught (llama.cpp's -m, a model without --model, a message unquoted), or ''."""
-    flags, words = command._option_string_actions, [w for w in unknown if not w.startswith("-")]
+    flags = command._option_string_actions  # a word after an unknown flag is its value (`serve --prot 8080`), not a model
+    words = [w for i, w in enumerate(unknown) if not w.startswith("-") and not (i and unknown[i - 1].startswith("-"))]
     flag = next((w for w in unknown if w in THEIR_FLAGS or w in ON_THE_GPU), None)
     if flag in ON_THE_GPU and "--vram-budget-gib" in flags:
         return f"; {GPU_LAYERS}"

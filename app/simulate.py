@@ -31,7 +31,8 @@ def add_simulate(sub) -> None:
     sched, gamma = SchedulerConfig(), SpecConfig().draft_len
     p = sub.add_parser("simulate", help="replay routing traces against residency policies (served share, predicted speed)")
     p.add_argument("--traces", nargs="+", required=True, metavar="PATH",
-                   help="trace files or directories: the shared DeepSeek CSV(.gz) format or `moechat generate --trace` files")
+                   help="trace files, or folders of them: recorded by `moechat generate --trace FILE`, or routing "
+                        "traces in the shared DeepSeek CSV(.gz) format")
     p.add_argument("--policy", type=_policies, default=["spac"], metavar="P[,P...]",
                    help="policies besides the references lru and oracle: spac, spmoe, static, lfu, specmoe, eam, belady, "
                         "budget (lru with a LOSSY expert budget, MoE-Spec) (default spac)")

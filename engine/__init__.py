@@ -30,7 +30,7 @@ _MODULES = {  # submodule -> the public names it provides
     "shared_files": ("write_whole",),
     "placement": ("NO_GPU", "CudaProbe", "Gpu", "Placement", "best_gpu", "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
-    "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "probe"),
+    "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "gpu_info", "probe"),
     "calibration.types": ("GpuInfo",),
     "calibration.profile": ("Profile", "check_profiles_writable", "load_profile", "measurements_from",
                              "model_digest", "model_key", "profile_path", "profiles_dir", "save_profile"),

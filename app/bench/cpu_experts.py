@@ -29,12 +29,12 @@ def add_bench_cpu_experts(sub) -> None:
     # γ on the command line, the window of γ+1 tokens it verifies in args.window
     p.add_argument("--draft-len", dest="window", type=lambda text: OPTION["draft_len"].parse(text) + 1, default=gamma + 1,
                    metavar="N", help=f"γ: one verification window holds γ+1 tokens (default {gamma})")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the experts' weights and activations (default bfloat16)")
     p.add_argument("--samples", type=int, default=40, metavar="N", help="random routings timed (default 40)")
     p.add_argument("--repeats", type=int, default=3, metavar="R",
                    help="timed calls per routing after one warm-up; the fastest counts (default 3)")
     p.add_argument("--threads", type=int, default=None, metavar="T", help="torch intra-op threads (default torch's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random weights and routings (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_renamed(p, window="--draft-len (the window is γ+1)")
     p.set_defaults(func=cmd_bench_cpu_experts)

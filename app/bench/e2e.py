@@ -36,14 +36,16 @@ def add_bench_e2e(sub) -> None:
                         "(default: the embedded demo; a trace for it comes from `moechat generate --trace`)")
     p.add_argument("--replay-traces", default=os.environ.get(REPLAY_ENV), metavar="PATH",
                    help=f"recorded routing to replay (a DeepSeek CSV(.gz) or a moechat --trace file); default ${REPLAY_ENV}")
-    p.add_argument("--device", default=None, help="compute device (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--device", default=None, metavar="cpu|cuda[:N]",
+                   help="compute device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="compute dtype, for moechat and HF offload (default bfloat16)")
     OPTION["quant"].add_flag(p, default="none")
     p.add_argument("--expert-cache-ratio", type=OPTION["expert_cache_ratio"].parse, default=0.17, metavar="R",
                    help="fast-tier share of the experts (default 0.17)")
     p.add_argument("--draft-len", type=OPTION["draft_len"].parse, default=gamma, metavar="N",
                    help=f"the self drafter's γ (default {gamma})")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="tokens generated per run (default 32)")
     p.add_argument("--repeats", type=int, default=3, metavar="R", help="interleaved rounds; medians reported")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_e2e)

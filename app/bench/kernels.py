@@ -48,7 +48,8 @@ def add_bench_kernels(sub) -> None:
     from ..options import OPTION
 
     p = sub.add_parser("kernels", help="native kernels vs their PyTorch twins: CPU expert FFN (and GPU transfers)")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(SHAPES), metavar="NAME[,NAME...]",
+                   help=f"the models whose expert shapes are timed, of {', '.join(SHAPES)} (default all)")
     p.add_argument("--tokens", type=_ints, default=[1, 2, 4, 8, 9], metavar="T,..", help="tokens per expert (default 1,2,4,8,9)")
     p.add_argument("--experts", type=_ints, default=[8, 32], metavar="G,..", help="experts per call (default 8,32)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weights and activations")
@@ -57,7 +58,7 @@ def add_bench_kernels(sub) -> None:
     p.add_argument("--threads", type=int, default=None, metavar="N", help="threads for both sides (default torch's)")
     p.add_argument("--isa", default="auto", choices=list(native.CPU_ISA),
                    help="force a native CPU path (default: the best this CPU has)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random weights and inputs (default 0)")
     p.add_argument("--json", action="store_true", help='print one object {"cpu": [...], "cuda": [...], "cuda_quant": [...], ...}')
     p.set_defaults(func=cmd_bench_kernels)
 

@@ -46,7 +46,8 @@ GPTQ_LINEAR = re.compile(r"\.(experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w
 def add_random_model(sub) -> None:
     p = sub.add_parser("random-model", help="write a random-weight checkpoint with a real MoE model's shapes")
     p.add_argument("out", type=Path, help="output directory (created)")
-    p.add_argument("--like", required=True, type=str.lower, choices=sorted(LIKE), help="whose shapes (any case)")
+    p.add_argument("--like", required=True, type=str.lower, choices=sorted(LIKE),
+                   help="the real model whose shapes it takes (any case)")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="decoder layers (default the model's; DeepSeek-V2-Lite: 27 = 1 dense + 26 MoE, a replay trace "
                         "then drives the first N-1 MoE layers; the others: every layer MoE)")
@@ -56,13 +57,14 @@ def add_random_model(sub) -> None:
                         "model's)")
     p.add_argument("--intermediate", type=int, default=None, metavar="I", help="routed expert width (default the model's)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="the weights' dtype (default bfloat16, what the real models ship)")
+                   help="the weights' dtype on disk (default bfloat16)")
     p.add_argument("--vocab", choices=["demo", "real"], default="demo",
                    help="embedding and head rows: the demo tokenizer's 4096 (default), or the real model's vocabulary")
     p.add_argument("--gptq", action="store_true",
                    help="routed experts and attention projections as GPTQ int4 (group 128, symmetric), as the official "
                         "Qwen3-30B-A3B-GPTQ-Int4 stores them: a quarter of the bytes")
-    p.add_argument("--seed", type=int, default=0, help="the random weights' seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the random weights: the same seed writes the same checkpoint (default 0)")
     p.set_defaults(func=cmd_random_model)
 
 

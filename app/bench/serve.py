@@ -16,9 +16,9 @@ def add_bench_serve(sub) -> None:
 
     p = sub.add_parser("serve", help="concurrent clients through `moechat serve` (load check)")
     add_engine_args(p)
-    p.add_argument("--clients", type=int, default=8, help="clients sending at once (default: 8)")
-    p.add_argument("--requests", type=int, default=5, help="requests per client, one after another (default: 5)")
-    p.add_argument("--max-tokens", type=int, default=64, help="longest reply per request (default: 64)")
+    p.add_argument("--clients", type=int, default=8, metavar="N", help="clients sending at once (default: 8)")
+    p.add_argument("--requests", type=int, default=5, metavar="N", help="requests per client, one after another (default: 5)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="longest reply per request (default: 64)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_serve)
 

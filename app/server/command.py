@@ -28,10 +28,10 @@ def add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only; "
                                                        "any other needs an API key)")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
-    p.add_argument("--api-key", default=None, help=f"the bearer key clients must send (default: ${KEY_ENV}; "
-                                                   "none on loopback)")
-    p.add_argument("--queue-size", type=int, default=16, help="requests that may wait while one runs; more get HTTP 429 "
-                                                              "(default: 16)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"the bearer key clients must send (default: ${KEY_ENV}; none on loopback)")
+    p.add_argument("--queue-size", type=int, default=16, metavar="N",
+                   help="requests that may wait while one runs; more get HTTP 429 (default: 16)")
     p.set_defaults(func=cmd_serve)
 
 

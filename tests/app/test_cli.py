@@ -358,7 +358,6 @@ def test_generate_reads_a_prompt_of_dash_from_standard_input(checkpoint, monkeyp
     (["list"], "'list' is not a command; moechat models lists the downloaded models"),
     (["ls"], "'ls' is not a command; moechat models lists the downloaded models"),
     (["rm", "m"], "'rm' is not a command; delete the model's folder (moechat models lists their paths)"),
-    (["help", "serve"], "'help' is not a command: moechat serve --help"),
     (["-m", "m"], "-m is llama.cpp's; moechat's goes after a command, e.g. moechat chat --model m"),
     (["generate", "hi", "-n", "5"], "unrecognized arguments: -n 5; -n is llama.cpp's, moechat's is --max-new-tokens"),
     (["chat", "-ngl", "99"], "moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
@@ -410,3 +409,103 @@ def test_help_lists_every_known_config_and_random_model_takes_their_names_as_est
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in KNOWN_MODELS), text
     assert build_parser().parse_args(["bench", "random-model", "out", "--like", "Qwen3-30B-A3B"]).like == "qwen3-30b-a3b"
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["Hello"], "'Hello' is not a command; to send it as a message: moechat generate Hello, or moechat chat for a conversation"),
+    (["what", "is", "MoE?"], "to send it as a message: moechat generate 'what is MoE?', or moechat chat"),  # not `chat is`
+    (["chta"], "'chta' is not a command; did you mean: moechat chat"),  # a typo stays an error, never a message sent
+    (["Chat", "--model", "m"], "'Chat' is not a command; did you mean: moechat chat --model m"),
+    (["genrate", "Hi there"], "'genrate' is not a command; did you mean: moechat generate 'Hi there'"),
+    (["Qwen/Qwen3-30B-A3B"], "is not a command; to chat with a model: moechat chat --model Qwen/Qwen3-30B-A3B"),
+])
+def test_a_word_in_place_of_a_command_names_the_command_or_how_to_send_it(argv, says, capsys):
+    """`moechat Hello` got argparse's "invalid choice: 'Hello' (choose from 'generate', 'chat', ...)"."""
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err and "invalid choice" not in err, err
+
+
+@pytest.mark.notorch
+def test_help_as_a_command_prints_the_help_asked_for(capsys):
+    """`moechat help` said "'help' is not a command: moechat --help (see `moechat --help`)", the same advice twice."""
+    from moechat.app.cli import _command_parser, build_parser, main
+
+    parser = build_parser()
+    for argv, words in (([], []), (["serve"], ["serve"]), (["bench", "generate"], ["bench", "generate"])):
+        assert main(["help", *argv]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == _command_parser(parser, words).format_help() and captured.err == ""
+    assert "usage: moechat bench generate" in _command_parser(parser, ["bench", "generate"]).format_help()
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--bogus"], "unrecognized arguments: --bogus (see `moechat generate --help`)"),  # was "no message to send"
+    (["generate", "-n", "5"], "unrecognized arguments: -n; -n is llama.cpp's, moechat's is --max-new-tokens"),
+    (["simulate", "--bogus"], "unrecognized arguments: --bogus (see `moechat simulate --help`)"),  # was "required: --traces"
+    (["bench", "--bogus"], "unrecognized arguments: --bogus (see `moechat bench --help`)"),
+    (["simulate"], "simulate needs --traces: trace files, or folders of them: recorded by `moechat generate --trace FILE`"),
+    (["bench"], "bench needs one of: generate, chat, random-model,"),  # was "the following arguments are required: bench_command"
+    (["serve", "--prot", "8080"], "unrecognized arguments: --prot 8080 (see"),  # 8080 is the flag's value, not a model name
+])
+def test_an_unknown_flag_is_reported_before_what_is_missing_and_what_is_missing_says_what_it_takes(argv, says, capsys):
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+@pytest.mark.notorch
+def test_every_flag_says_what_it_does_and_what_it_takes():
+    """bench random-model's --dtype and --seed (and four more) showed no help; --system showed `--system SYSTEM`."""
+    import argparse
+
+    from moechat.app.cli import build_parser
+
+    def flags(parser, prog):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from flags(sub, f"{prog} {name}")
+            elif action.help != argparse.SUPPRESS:
+                yield prog, action
+
+    seen = list(flags(build_parser(), "moechat"))
+    assert len(seen) > 100
+    no_help = [f"{prog} {'/'.join(a.option_strings) or a.dest}" for prog, a in seen if not a.help]
+    assert no_help == []
+    system = {prog: a.metavar for prog, a in seen if "--system" in a.option_strings}
+    assert system == {"moechat generate": "TEXT", "moechat chat": "TEXT"}
+
+
+def test_generate_json_interrupted_prints_the_reply_so_far_and_exits_130(checkpoint, monkeypatch, capsys):
+    """Ctrl-C during `generate --json` printed nothing on stdout: a script lost what had come and got no object."""
+    from moechat.app.cli import main
+    from moechat.engine import Engine, TokenDelta
+
+    real = Engine.generate
+
+    def interrupted(self, *args, **kwargs):
+        for ev in real(self, *args, **kwargs):
+            yield ev
+            if isinstance(ev, TokenDelta) and len(ev.token_ids) > 0:
+                raise KeyboardInterrupt  # what Ctrl-C raises between two steps
+
+    argv = ["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--max-new-tokens", "6", "--json"]
+    assert main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert whole["interrupted"] is False and whole["stats"]["finish_reason"] in ("length", "eos")
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    assert main(argv) == 130
+    out, err = capsys.readouterr()
+    got = json.loads(out)  # one object, as without Ctrl-C
+    assert got["interrupted"] is True and got["stats"] is None and err.strip().endswith("moechat: error: interrupted")
+    assert got["token_ids"] == whole["token_ids"][:1] and whole["text"].startswith(got["text"])
+    assert set(got) == set(whole)

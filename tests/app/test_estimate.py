@@ -166,3 +166,39 @@ def test_a_vram_budget_is_not_counted_for_a_cpu_run(capsys):
     assert "VRAM" not in out.replace("--vram-budget-gib", "") and "cut to leave" not in out, out
     assert out.rstrip().endswith("--vram-budget-gib not counted: this run computes on the CPU")
     assert "40960 tokens" in out
+
+
+def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, monkeypatch):
+    """`estimate` alone printed sizes only, and left a new user to ask what their machine holds. It judges this machine's
+    RAM (and a GPU run's VRAM) by the budgets' own rule: the verdict a budget of the machine's size gets."""
+    from moechat import engine
+    from moechat.app.cli import main
+    from moechat.engine import GpuInfo, placement
+
+    gib = 2**30
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe())  # a CPU run, also where CI has a GPU
+
+    def machine(ram_gib, gpus=()):
+        monkeypatch.setattr(engine, "physical_ram_bytes", lambda: ram_gib * gib)
+        monkeypatch.setattr(engine, "gpu_info", lambda: (list(gpus), "" if gpus else "no NVIDIA driver"))
+
+    def shown(*argv) -> tuple[int, str]:
+        rc = main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", *argv])
+        return rc, capsys.readouterr().out
+
+    for ram_gib in (64, 4):
+        machine(ram_gib)
+        rc, out = shown()
+        rc_budget, budget = shown("--ram-budget-gib", str(ram_gib))
+        assert rc == 0 and rc_budget == (0 if ram_gib == 64 else 1)  # sizes alone still exit 0
+        line = out.strip().splitlines()[-1]
+        assert line.startswith(f"this machine ({ram_gib}.0 GiB of RAM, no NVIDIA GPU): ")
+        assert line.endswith(": fits") == budget.strip().endswith("fits") == (ram_gib == 64), line
+    assert "this machine has 4.00 GiB of RAM" in line and "--ram-budget-gib" not in line  # no budget flag to raise here
+    rc, out = shown("--json")
+    mine = json.loads(out)["this_machine"]
+    assert (mine["ram_bytes"], mine["gpu"], mine["gpu_note"], mine["fits"]) == (4 * gib, None, "no NVIDIA driver", False)
+    assert "this_machine" not in json.loads(shown("--json", "--ram-budget-gib", "64")[1])  # a budget asks of another machine
+
+    machine(64, [GpuInfo("NVIDIA RTX 4090", 24 * gib, 23 * gib)])  # NVML sees it; this run computes on the CPU
+    assert "RTX 4090 with 24.0 GiB (not counted: this run computes on the CPU)): fits" in shown()[1]
