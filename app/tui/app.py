@@ -359,6 +359,8 @@ class MoechatApp(App):
 
         def done(model_dir: str | None) -> None:
             """The wizard saved the model and budgets to the settings file (or was left): load what they say."""
+            if model_dir is None and not self.settings_file.exists():
+                self._skip_setup()
             self.settings, self.settings_notice = load_settings(self.settings_file)
             if self.bridge_started:
                 self.action_reload()  # the model was unloaded for the wizard's measurements
@@ -367,6 +369,18 @@ class MoechatApp(App):
 
         freed = self.bridge.unload() if self.bridge_started else None
         self.push_screen(WizardScreen(path=self.settings_file, memory_freed=freed), done)
+
+    def _skip_setup(self) -> None:
+        """The first start's wizard left: an empty settings file (the defaults, the demo), so that the next start does not
+        open it again (it did at every start until it was finished); said where it is."""
+        try:
+            save_settings({}, self.settings_file)
+        except OSError as err:
+            self.notify(f"setup skipped, but cannot write the settings ({err}): the wizard opens at the next start",
+                        severity="warning", timeout=10)
+            return
+        self.notify("setup skipped: the setup wizard is in the command palette (Ctrl+P), and `moechat --setup` opens it",
+                    timeout=10)
 
 
 def sampling_from(settings: Settings, base=None, before: Settings | None = None):

@@ -284,6 +284,9 @@ def test_stats_panel_formats_values_and_na():
             assert text["kv-kept"].endswith("1.5 GiB / 4 GiB · 3 chats") and text["kv-kept"].count("█") == 6
             panel.history.pop()
             assert list(panel.history) == [10.0 + i for i in range(10)]
+            panel.update_stats(make_stats(prompt_tokens=9, kept_conversations=1, kept_bytes=1 << 20, kept_budget=4 << 30))
+            await pilot.pause()
+            assert str(panel.query_one("#kv-kept").render()).endswith("1 MiB / 4 GiB · 1 chat")  # not "1 chats"
     asyncio.run(run())
 
 

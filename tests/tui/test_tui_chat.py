@@ -383,6 +383,10 @@ async def test_esc_says_the_reply_is_stopping_until_its_step_ends_and_delete_ask
         chat.query_one(ChatInput).focus()
         await pilot.press(*"next", "enter")
         assert "the reply is stopping" in list(app._notifications)[-1].message and chat.query_one(ChatInput).text == "next"
+        conv = chat.conv_id
+        await pilot.press("ctrl+n")  # not a send: "send again in a moment" named the wrong thing
+        said = list(app._notifications)[-1].message
+        assert "the reply is stopping" in said and "try again" in said and "send" not in said and chat.conv_id == conv
 
 
 @pilot_test
@@ -578,6 +582,42 @@ async def test_hiding_the_panel_that_has_the_focus_gives_it_to_the_input(tmp_pat
         await pilot.pause()
         await pilot.press(key, "h", "i")
         assert app.focused is chat.query_one(ChatInput) and chat.query_one(ChatInput).text == "hi"
+
+@pilot_test
+@pytest.mark.notorch
+async def test_narrowing_the_terminal_with_the_expert_view_shown_hides_the_chat_list(tmp_path, stored):
+    """F3 on a wide terminal, then the window made narrow: the chat list stayed, and the chat was left 14 columns at 60
+    (one word a line). As F3 on a narrow terminal does, the list makes room; F4 brings it back and a resize that stays
+    narrow leaves it."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat = app.chat
+        await pilot.press("f3")
+        await pilot.pause()
+        assert chat.query_one("#sidebar").display
+        await pilot.resize_terminal(60, 20)
+        await until(pilot, lambda: chat.has_class("-narrow"), "the narrow layout")
+        await pilot.pause()
+        assert not chat.query_one("#sidebar").display and chat.query_one("#input").region.width >= 24
+        await pilot.press("f4")
+        await pilot.resize_terminal(62, 20)
+        await pilot.pause()
+        assert chat.query_one("#sidebar").display  # brought back on purpose: kept
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_users_line_breaks_show_as_typed(tmp_path):
+    """A pasted list of lines (or lines typed with Ctrl+J) showed joined into one line: Markdown joins a paragraph's lines."""
+    from textual.widgets._markdown import MarkdownParagraph
+
+    store_chat(tmp_path, "lines", ("user", "first line\nsecond line\nthird line"), ("assistant", "one\ntwo"))
+    async with without_model(tmp_path) as (app, pilot):
+        await until(pilot, lambda: len(app.chat.query(MessageView)) == 2, "the chat")
+        await pilot.pause()
+        user, reply = app.chat.query(MessageView)
+        assert user.query_one(MarkdownParagraph).region.height == 3
+        assert reply.query_one(MarkdownParagraph).region.height == 1  # a model's Markdown reads as Markdown
+
 
 @pilot_test
 async def test_a_message_too_long_for_the_context_comes_back_to_the_input(tmp_path, checkpoint):

@@ -212,6 +212,18 @@ async def _live_edit_and_cancel(path):
     return saved, app.result
 
 
+def test_the_save_button_shows_its_whole_label_when_it_reloads(tmp_path):
+    """A field that reloads the model made the button "Save and reload model", drawn "Save and" (a Button keeps its width)."""
+    async def run():
+        async with settings_screen(tmp_path / "settings.toml") as (app, pilot):
+            app.screen.query_one("#utility_bound").value = "3"
+            await pilot.pause()
+            save = app.screen.query_one("#save")
+            assert str(save.label) == "Save and reload model" and save.content_region.width >= len(str(save.label))
+
+    asyncio.run(run())
+
+
 def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):
     path = tmp_path / "settings.toml"
     saved, cancelled = asyncio.run(_live_edit_and_cancel(path))
@@ -885,3 +897,27 @@ def test_text_fields_take_digits_and_a_pasted_page_is_refused_in_a_short_line():
     assert parse_field("top_p", "0.5") == 0.5 and parse_field("utility_bound", "3") == 3
     error = field_error("temperature", parse_field("temperature", "x" * 100_000))
     assert len(error) < 200 and "(100002 characters)" in error
+
+
+def test_skipping_the_first_starts_wizard_does_not_open_it_at_every_start(tmp_path):
+    """Esc on the first start's wizard wrote nothing, so every later start opened the wizard again; now the settings file
+    exists (empty: the defaults) and a notice says where the wizard is."""
+    from moechat.app.tui.app import MoechatApp
+    from moechat.engine.errors import MoechatError
+
+    def no_model():
+        raise MoechatError("no model here")
+
+    path = tmp_path / "config" / "moechat" / "settings.toml"
+    app = MoechatApp(no_model, store_path=tmp_path / "chats.sqlite3", settings_file=path, first_run=True)
+
+    async def run():
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause(0.2)
+            assert isinstance(app.screen, WizardScreen)
+            await pilot.press("escape")
+            await pilot.pause(0.2)
+            assert app.screen is app.chat and path.read_text(encoding="utf-8") == ""
+            assert any("command palette" in n.message for n in app._notifications)
+
+    asyncio.run(run())

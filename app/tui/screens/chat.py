@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
+from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
@@ -44,6 +45,7 @@ from ..widgets.stats import StatsPanel
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
+NARROW = 100  # columns below which the chat list (28), the expert view (44) and a usable input do not fit side by side
 CHECK_S = 2.0  # how often the chat list looks for another moechat window's changes (one PRAGMA, no lock)
 
 
@@ -91,8 +93,7 @@ def status_line(model: str, state: str, stats: Stats | None) -> str:
 
 
 class ChatScreen(Screen):
-    # below 100 columns the chat list (28), the expert view (44) and a usable input do not fit side by side
-    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (100, "-wide")]
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [(0, "-narrow"), (NARROW, "-wide")]
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,6 +111,7 @@ class ChatScreen(Screen):
         self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
         self.listed: list[tuple[str, str]] = []  # the chat list's (id, title), top first
         self.check_failed = ""  # what the last look for other windows' changes failed with: said once
+        self.was_narrow = False  # the terminal's width at the last resize was under NARROW
 
     @property
     def store(self):
@@ -186,16 +188,30 @@ class ChatScreen(Screen):
         return self.side_panel.has_class("shown")
 
     def toggle_side_panel(self) -> None:
-        sidebar = self.query_one("#sidebar")
-        in_panel, in_list = self.focus_within(self.side_panel), self.focus_within(sidebar)
+        in_panel = self.focus_within(self.side_panel)
         self.side_panel.toggle_class("shown")
         if self.side_panel_shown and self.has_class("-narrow"):  # the chat list makes room (F4 brings it back)
-            sidebar.add_class("hidden")
+            self.hide_chat_list()
         if self.side_panel_shown:
             self.stats_panel.draw()
             self.heatmap.update_frame()
-        if (in_panel and not self.side_panel_shown) or (in_list and sidebar.has_class("hidden")):
+        if in_panel and not self.side_panel_shown:
             self.query_one(ChatInput).focus()  # a hidden panel's focus went nowhere: keys did nothing until a click
+
+    def hide_chat_list(self) -> None:
+        sidebar = self.query_one("#sidebar")
+        in_list = self.focus_within(sidebar)
+        sidebar.add_class("hidden")
+        if in_list:
+            self.query_one(ChatInput).focus()
+
+    def on_resize(self, event: events.Resize) -> None:
+        """Narrowed past the breakpoint with the expert view shown: the chat list makes room, as F3 there does (the chat
+        was left 14 columns at 60); a resize that stays narrow leaves a list that F4 brought back."""
+        narrow = event.size.width < NARROW
+        if narrow and not self.was_narrow and self.side_panel_shown:
+            self.hide_chat_list()
+        self.was_narrow = narrow
 
     def toggle_sidebar(self) -> None:
         sidebar = self.query_one("#sidebar")
@@ -285,7 +301,7 @@ class ChatScreen(Screen):
 
     def refuse_while_busy(self) -> bool:
         if self.reply is not None:
-            self.app.notify("the reply is stopping (a long step finishes first): send again in a moment"
+            self.app.notify("the reply is stopping (a long step finishes first): try again in a moment"
                             if self.reply.stopping else "a reply is being written: Esc stops it", severity="warning")
             return True
         return False

@@ -211,7 +211,11 @@ class SettingsScreen(Screen):
         changed = self._changed_reload_fields(values)
         self.query_one("#reload", Static).update(
             f"Reload model needed for: {', '.join(OPTION[n].label or n for n in changed)} (Save reloads it)" if changed else "")
-        self.query_one("#save", Button).label = "Save and reload model" if changed else "Save"
+        save = self.query_one("#save", Button)
+        label = "Save and reload model" if changed else "Save"
+        if str(save.label) != label:
+            save.label = label
+            save.refresh(layout=True)  # a new label does not resize a Button: "Save and reload model" showed "Save and"
 
     @on(Button.Pressed, "#save")
     def action_save(self) -> None:

@@ -8,6 +8,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import ClassVar
 
+from markdown_it import MarkdownIt
 from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -111,6 +112,19 @@ def earlier_label(count: int) -> str:
     return f"▲ {count} earlier message{'s' if count != 1 else ''}"
 
 
+def _typed_lines() -> MarkdownIt:
+    """Markdown as a user's message reads: each line break typed (Ctrl+J) or pasted is kept (Markdown joins a paragraph's
+    lines, so a pasted list of lines showed as one)."""
+    def hard_breaks(state) -> None:
+        for token in state.tokens:
+            for child in token.children or ():
+                child.type = "hardbreak" if child.type == "softbreak" else child.type
+
+    parser = MarkdownIt("gfm-like")
+    parser.core.ruler.push("typed_lines", hard_breaks)
+    return parser
+
+
 class MessageView(Vertical, can_focus=True):
     """One message: a role line, a reply's reasoning folded (app/reasoning.py) and its Markdown. Focused, `c` copies
     the answer and `k` its last code block."""
@@ -134,7 +148,8 @@ class MessageView(Vertical, can_focus=True):
                               classes="reasoning")
             box.display = bool(reasoning)
             yield box
-        yield Markdown(answer, classes="filled" if answer.strip() else None)
+        yield Markdown(answer, classes="filled" if answer.strip() else None,
+                       parser_factory=_typed_lines if self.role == "user" else None)
 
     def split(self) -> tuple[str, str, bool]:
         """(reasoning, answer, still thinking): a user's words are all answer."""

@@ -118,6 +118,7 @@ class StatsPanel(Vertical):
         room = (self.content_region.width or 80) - LABEL_WIDTH  # columns after the labels
         cpu, device = seconds(s.cpu_busy_s), seconds(s.device_busy_s)
         busy = busy_bar(s.cpu_busy_s, s.device_busy_s, bar_width(room, f"CPU {cpu} · device {device}"))
+        chats = f"{s.kept_conversations} chat" + ("" if s.kept_conversations == 1 else "s")
         where = f"remote {s.remote} (its figures; memory is the server's)" if s.remote else "embedded"
         lines = {
             "engine": f"engine      {where}" if self.stats else "engine      n/a",
@@ -131,7 +132,7 @@ class StatsPanel(Vertical):
             "ram": f"RAM         {memory_line(s.ram_used, s.ram_budget, room)}",
             "prompt": (f"prompt      {s.prompt_tokens:,} tokens, {s.reused_tokens:,} reused" if s.prompt_tokens
                        else "prompt      n/a"),
-            "kv-kept": ("KV kept     " + memory_line(s.kept_bytes, s.kept_budget, room, f" · {s.kept_conversations} chats")
+            "kv-kept": ("KV kept     " + memory_line(s.kept_bytes, s.kept_budget, room, f" · {chats}")
                         if s.kept_budget else "KV kept     off"),
         }
         for key, text in lines.items():
