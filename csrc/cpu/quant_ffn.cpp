@@ -72,11 +72,11 @@ private:
     std::atomic<int64_t> next_{0};
 };
 
-struct QBuf {  // quantized activations of S tokens over kp columns (+15 zero rows: AMX reads whole 16-row tiles)
+struct QBuf {  // quantized activations of S tokens over kp columns
     std::vector<int8_t> q;
     std::vector<float> d, ds;
     int64_t kp, nb;
-    QBuf(int64_t S, int64_t kp_) : q((S + 15) * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), kp(kp_), nb(kp_ / 32) {}
+    QBuf(int64_t S, int64_t kp_) : q(S * kp_), d(S * (kp_ / 32)), ds(S * (kp_ / 32)), kp(kp_), nb(kp_ / 32) {}
     QActs at(int64_t s0) const { return {q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, kp, nb}; }
     void fill(const float* x, int64_t ldx, int64_t K, int64_t s0, int T, Isa isa) {
         quantize_acts(x, ldx, K, T, kp, q.data() + s0 * kp, d.data() + s0 * nb, ds.data() + s0 * nb, isa);

@@ -5,7 +5,7 @@
 // bits, 4 steps of 4 columns per vector) and one 16-wide fp16 load holds a
 // block's scales for the group; activations: s8 codes and fp32 scales per token and block (Q8_1),
 // broadcast 4 bytes at a time. No horizontal sums: a vector of 16 int32 is 16 rows' dot products.
-// Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens, int4 at 40+), AVX-512 VNNI (vpdpbusd), AVX-VNNI (vpdpbusd on ymm), AVX2 (pmaddubsw +
+// Paths: AMX-INT8 (tdpbsud; int8 at 11+ tokens, int4 at 28+), AVX-512 VNNI (vpdpbusd), AVX-VNNI (vpdpbusd on ymm), AVX2 (pmaddubsw +
 // pmaddwd) and portable C++ (4-lane vectors: SSE2, NEON). Each sums a
 // (row, token) in one fixed order whatever the call's other rows and tokens, so a token's result
 // never depends on its batch.
@@ -13,6 +13,7 @@
 
 #include "common.h"
 
+#include <array>
 #include <utility>
 
 namespace {
@@ -394,16 +395,17 @@ void qgroup_avxvnni(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, 
     qhalves_avxvnni<BITS, TC, 1>(W, g, 1, A, t0, Y, ldy);
 }
 
-// ---- AMX-INT8, int8 and int4 weights: one tile op per block of 32 columns. A = 16 tokens' codes [16 x 32 s8], loaded
-// straight from the quantized activations; B = a 16-row group's block [8 x 64 u8]: int8's interleaved codes as they
-// are (already the layout B wants), int4's nibbles unpacked into that layout once per group and call; C = [16 tokens x
-// 16 rows] int32: the integer sums vpdpbusd makes, then the VNNI path's scaling in its order, so the bits equal that
-// path's. The per-block round trip (store C, reload, scale: 4 vector ops per token, row group and block) bounds it,
-// so it pays only past one VNNI pass, and for int4, whose VNNI pass is cheaper (its nibbles unpacked once for 10 tokens),
-// only past two whole 16-token tiles.
+// ---- AMX-INT8, int8 and int4 weights: one tile op per block of 32 columns. A = up to 16 tokens' codes [TT x 32 s8],
+// loaded straight from the quantized activations; B = a 16-row group's block [8 x 64 u8]: int8's interleaved codes as
+// they are (already the layout B wants), int4's nibbles unpacked into that layout once per group and call; C = [TT
+// tokens x 16 rows] int32: the integer sums vpdpbusd makes, then the VNNI path's scaling in its order, so the bits
+// equal that path's. The per-block round trip (store C, reload, scale: 4 vector ops per token, row group and block)
+// bounds it, so it pays only past one VNNI pass, and for int4, whose VNNI pass is cheaper (its nibbles unpacked once for
+// 10 tokens), from 28 tokens. A last tile of fewer than 16 tokens is configured that many rows and scales only those
+// (at 16 + 4 tokens a whole second tile's scaling was the loss that kept int4 off the tiles below 40).
 #define AMXQ_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 constexpr int AMXQ_MIN_T = 11;  // int8, fewer tokens: one VNNI pass (up to 10 tokens), measured as fast
-constexpr int AMXQ4_MIN_T = 40;  // int4, fewer: VNNI as fast or faster (even at 32, a loss at 36: a third tile mostly empty)
+constexpr int AMXQ4_MIN_T = 28;  // int4, fewer: VNNI as fast or faster (its nibbles unpacked once for up to 10 tokens)
 
 struct QTileConfig {
     uint8_t palette, start_row, reserved[14];
@@ -411,21 +413,21 @@ struct QTileConfig {
     uint8_t rows[16];
 };
 
-AMXQ_TARGET inline void amxq_config() {  // two sets, A [16 x 32 B], B [8 x 64 B], C [16 x 64 B]: tmm0-2 and tmm3-5
+AMXQ_TARGET inline void amxq_config(int tokens) {  // two sets, A [tokens x 32 B], B [8 x 64 B], C [tokens x 64 B]: tmm0-2, 3-5
     QTileConfig c{};
     c.palette = 1;
     for (int i = 0; i < 6; i += 3) {
-        c.rows[i] = 16, c.colsb[i] = 32;
+        c.rows[i] = uint8_t(tokens), c.colsb[i] = 32;
         c.rows[i + 1] = 8, c.colsb[i + 1] = 64;
-        c.rows[i + 2] = 16, c.colsb[i + 2] = 64;
+        c.rows[i + 2] = uint8_t(tokens), c.colsb[i + 2] = 64;
     }
     asm volatile("" : : "r"(&c) : "memory");  // GCC 12 does not see ldtilecfg read c: keep the stores
     _tile_loadconfig(&c);
 }
 
-// acc[t] += block b's sums C [16][16] for 16 tokens, scaled as qgroup_vnni<BITS> scales them; token t's dx and ds at
+// acc[t] += block b's sums C [TT][16] for TT tokens, scaled as qgroup_vnni<BITS> scales them; token t's dx and ds at
 // A.d/A.ds + tb[t] + b
-template <int BITS>
+template <int BITS, int TT>
 AMXQ_TARGET inline void amxq_scale(const int32_t* C, const QMat& W, int64_t g, int64_t b, const int64_t* tb, const QActs& A,
                                    __m512* acc) {
     const int64_t sb = g * QROWS * W.nb + b * QROWS;
@@ -433,7 +435,7 @@ AMXQ_TARGET inline void amxq_scale(const int32_t* C, const QMat& W, int64_t g, i
     const __m512 mn = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(W.m + sb)))
                                 : _mm512_mul_ps(d, _mm512_set1_ps(-zero_code<BITS>()));
 #pragma GCC unroll 16
-    for (int t = 0; t < 16; t++) {
+    for (int t = 0; t < TT; t++) {
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * t)), _mm512_mul_ps(d, _mm512_set1_ps(A.d[tb[t] + b])),
                                  acc[t]);
         acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(A.ds[tb[t] + b]), acc[t]);
@@ -462,35 +464,51 @@ AMXQ_TARGET inline void amxq_unpack4(const uint8_t* q, int64_t nb, uint8_t* u) {
         _tile_stored(tc, C, 64);             \
     } while (0)
 
-// Y[t, r - r0] as qwalk<BITS> writes it. Per row group and 16-token tile, its sums in 16 zmm over the blocks; block
-// b+1's tile ops (the other tile set and C buffer) go before block b's scaling, so the two overlap. A tiles are always
-// 16 rows: activation buffers carry 15 rows of padding past their last token (QBuf), whose sums are never stored.
+// Tokens t0..t0+TT-1 (TT <= 16, the tiles configured TT rows) of row group g into Y: their sums in TT zmm over the
+// blocks; block b+1's tile ops (the other tile set and C buffer) go before block b's scaling, so the two overlap.
+template <int BITS, int TT>
+AMXQ_TARGET void amxq_tokens(const QMat& W, int64_t g, const uint8_t* B, const QActs& A, int t0, float* Y, int64_t ldy) {
+    alignas(64) int32_t C[2][16 * 16];
+    const int8_t* a = A.q + t0 * A.kp;
+    __m512 acc[TT];
+    int64_t tb[TT];
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; t++) acc[t] = _mm512_setzero_ps(), tb[t] = (t0 + t) * A.nb;
+    AMXQ_BLOCK(0, 1, 2, a, A.kp, B, C[0]);
+    for (int64_t b = 0; b < W.nb; b += 2) {
+        if (b + 1 < W.nb) AMXQ_BLOCK(3, 4, 5, a + 32 * (b + 1), A.kp, B + 512 * (b + 1), C[1]);
+        amxq_scale<BITS, TT>(C[0], W, g, b, tb, A, acc);
+        if (b + 2 < W.nb) AMXQ_BLOCK(0, 1, 2, a + 32 * (b + 2), A.kp, B + 512 * (b + 2), C[0]);
+        if (b + 1 < W.nb) amxq_scale<BITS, TT>(C[1], W, g, b + 1, tb, A, acc);
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < TT; t++) _mm512_storeu_ps(Y + (t0 + t) * ldy, acc[t]);
+}
+
+using AmxTokens = void (*)(const QMat&, int64_t, const uint8_t*, const QActs&, int, float*, int64_t);
+
+template <int BITS, int... I>
+constexpr std::array<AmxTokens, sizeof...(I)> amxq_tokens_table(std::integer_sequence<int, I...>) {
+    return {amxq_tokens<BITS, I + 1>...};
+}
+
+// Y[t, r - r0] as qwalk<BITS> writes it: per row group (int4's nibbles unpacked once for all its tiles), 16-token tiles,
+// the last one as many tokens as are left (the tiles configured again for it, and for 16 at the next group)
 template <int BITS>
 AMXQ_TARGET void qwalk_amx(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy) {
-    alignas(64) int32_t C[2][16 * 16];
+    static constexpr auto tile = amxq_tokens_table<BITS>(std::make_integer_sequence<int, 16>{});
     static thread_local std::vector<uint8_t> unpacked;  // int4: one group's blocks in int8's layout, for all its tiles
     if (BITS == 4 && unpacked.size() < size_t(512 * W.nb)) unpacked.resize(512 * W.nb);
-    amxq_config();
+    int rows = std::min(16, T);
+    amxq_config(rows);
     for (int64_t r = r0; r < r0 + nr; r += QROWS) {
         const int64_t g = r / QROWS;
         const uint8_t* B = W.q + g * QROWS * W.row_bytes;  // block b's B tile at B + 512 b
         if (BITS == 4) amxq_unpack4(B, W.nb, unpacked.data()), B = unpacked.data();
         for (int t0 = 0; t0 < T; t0 += 16) {
-            const int8_t* a = A.q + t0 * A.kp;
-            __m512 acc[16];
-            int64_t tb[16];  // past the last token: its scales again (finite), for sums never stored
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps(), tb[t] = (t0 + std::min(t, T - t0 - 1)) * A.nb;
-            AMXQ_BLOCK(0, 1, 2, a, A.kp, B, C[0]);
-            for (int64_t b = 0; b < W.nb; b += 2) {
-                if (b + 1 < W.nb) AMXQ_BLOCK(3, 4, 5, a + 32 * (b + 1), A.kp, B + 512 * (b + 1), C[1]);
-                amxq_scale<BITS>(C[0], W, g, b, tb, A, acc);
-                if (b + 2 < W.nb) AMXQ_BLOCK(0, 1, 2, a + 32 * (b + 2), A.kp, B + 512 * (b + 2), C[0]);
-                if (b + 1 < W.nb) amxq_scale<BITS>(C[1], W, g, b + 1, tb, A, acc);
-            }
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; t++)
-                if (t0 + t < T) _mm512_storeu_ps(Y + (t0 + t) * ldy + (r - r0), acc[t]);
+            const int tt = std::min(16, T - t0);
+            if (tt != rows) amxq_config(rows = tt);
+            tile[tt - 1](W, g, B, A, t0, Y + (r - r0), ldy);
         }
     }
     _tile_release();

@@ -186,9 +186,9 @@ def test_a_nan_activation_gives_nan_outputs_as_in_the_twin(isa, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_tokens_result_does_not_depend_on_its_batch(isa, fmt):
     """Lossless speculative decoding needs this: verifying γ+1 tokens gives each the bits it gets alone, whether the
-    kernel takes them in one pass (VNNI: up to 10), in even passes (11 = 6 + 5) or on AMX tiles (int8 11+, int4 40+)."""
+    kernel takes them in one pass (VNNI: up to 10), in even passes (11 = 6 + 5) or on AMX tiles (int8 11+, int4 28+)."""
     H, I = 256, 96
-    for n in (9, 10, 11, 40):
+    for n in (9, 10, 11, 29, 40):
         x, gu, dn, *_ = case(H, I, [1], fmt, N=n)
         batch = torch.zeros(n, H)
         cpu_ffn.moe_ffn_q_native(x, gu, dn, torch.tensor([2]), torch.tensor([0, n]), torch.arange(n), torch.ones(n), batch,
@@ -249,11 +249,11 @@ def test_the_vector_paths_agree_with_the_portable_one_on_integer_dots():
 
 @needs_native
 @pytest.mark.skipif(not cpu_ffn.q_isa_supported("amx_int8"), reason="this CPU (or its kernel) offers no AMX-INT8 tiles")
-@pytest.mark.parametrize("fmt, first", [("int8", 11), ("int4", 40)])
+@pytest.mark.parametrize("fmt, first", [("int8", 11), ("int4", 28)])
 def test_amx_tiles_give_the_vnni_paths_bits(fmt, first):
     """The tiles make the same integer sums (int4's nibbles unpacked into int8's layout) and scale them in the same
     order: equal, not close, around the token count where AMX takes over, past one and two 16-token tiles (a last tile
-    part empty), in odd and even numbers of row groups and blocks, linear and FFN; int6 (the head) stays on VNNI."""
+    of fewer rows), in odd and even numbers of row groups and blocks, linear and FFN; int6 (the head) stays on VNNI."""
     assert cpu_ffn.resolved_q_isa("amx_int8", fmt) == "amx_int8" and cpu_ffn.resolved_q_isa("amx_int8", "int6") == "avx512_vnni"
     assert cpu_ffn.resolved_q_isa("avx512_vnni", fmt) == "avx512_vnni"  # MOECHAT_CPU_ISA=avx512_vnni still forces VNNI
     for rows, k, t in ((48, 96, first), (96, 2048, first + 1), (32, 160, first - 1), (16, 64, 16), (48, 352, 2 * first + 3),
