@@ -188,27 +188,33 @@ def utility_bound(gamma: int) -> int:
 def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], quant: str | None) -> MemoryEstimate:
     """The estimate in the experts' format: the compute dtype when every routed expert fits the RAM left
     (`_host_tier`'s rule), else the first of int8, int4 that does; int4 when none does (then read from
-    disk, the fewest bytes per read). `quant` given: the user's, kept."""
+    disk, the fewest bytes per read). `quant` given: the user's, kept; a pre-quantized checkpoint: its own."""
     sized = {q: est if q == est.quant else est.with_quant(q) for q in QUANTS}
     left = {q: expert_store_room(e, ram, has_gpu) for q, e in sized.items()}  # as in _host_tier; a CPU's dense part
     need = {q: _gib_short(e.all_experts_bytes) for q, e in sized.items()}  # is quantized with the experts
-    ram_left = f"{_gib_short(max(left[quant or 'none'], 0))} GiB of RAM left"
+
+    def room(q: str) -> str:
+        return f"{_gib_short(max(left[q], 0))} GiB of RAM left"
+
+    if est.prequantized:
+        reasons["quant"] = f"{est.quant}: the checkpoint is quantized and runs as it is; its experts need {need[est.quant]} GiB"
+        return est
     if quant is not None:
-        reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {ram_left}"
+        reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {room(quant)}"
         return sized[quant]
     chosen = next((q for q in QUANTS if sized[q].all_experts_bytes <= left[q]), None)
     in_dtype = f"{need['none']} GiB in {sized['none'].expert_dtype}"  # a CPU keeps a bf16 checkpoint's bf16 (store.storage_dtype)
     if chosen == "none":
-        reasons["quant"] = f"none: the experts' {in_dtype} fit the {ram_left}"
+        reasons["quant"] = f"none: the experts' {in_dtype} fit the {room('none')}"
     elif chosen == "int8":
-        reasons["quant"] = f"int8: the experts need {in_dtype}, more than the {ram_left}; int8 needs {need['int8']} GiB"
+        reasons["quant"] = f"int8: the experts need {in_dtype}, more than the {room('none')}; int8 needs {need['int8']} GiB"
     elif chosen == "int4":
         reasons["quant"] = (f"int4: the experts need {in_dtype} and {need['int8']} GiB in int8, more than the "
-                            f"{ram_left}; int4 needs {need['int4']} GiB")
+                            f"{room('int8')}; int4 needs {need['int4']} GiB")
     else:
         chosen = "int4"
         reasons["quant"] = (f"int4, read from disk: the experts need {in_dtype}, {need['int8']} GiB in int8 and "
-                            f"{need['int4']} GiB in int4, more than the {ram_left}; int4 reads the fewest bytes")
+                            f"{need['int4']} GiB in int4, more than the {room('int4')}; int4 reads the fewest bytes")
     return sized[chosen]
 
 

@@ -182,22 +182,21 @@ def ram_copy_bandwidth(repeats: int) -> float:
 
 
 def _expert_keys_last_first(model_dir: Path) -> list[str]:
-    """Checkpoint keys of routed experts, last layer first (the ones a short prompt touched least)."""
+    """Checkpoint keys of routed experts, last layer first (the ones a short prompt touched least): per-expert, fused or
+    pre-quantized (GPTQ's qweight, scales, ...: the names under each layer's `experts.`)."""
+    import re
+
     from ..model.checkpoint import Checkpoint
     from ..model.families import get_family
     from ..model.loader import load_hf_config
 
-    hf_config = load_hf_config(model_dir)
-    family = get_family(hf_config.model_type)
-    ckpt = Checkpoint(model_dir)
-    keys = []
-    for layer in reversed(family.sparse_layers(hf_config)):
-        fused = family.expert_key(layer, 0, 0) not in ckpt
-        if fused:
-            keys += list(family.fused_keys(layer))
-        else:
-            keys += [family.expert_key(layer, e, w) for e in range(family.num_experts(hf_config)) for w in range(3)]
-    return keys
+    family = get_family(load_hf_config(model_dir).model_type)
+    expert = re.compile(rf"model\.layers\.(\d+)\.{re.escape(family.block_name)}\.experts\.")
+    by_layer: dict[int, list[str]] = {}
+    for key in Checkpoint(model_dir).keys():
+        if found := expert.match(key):
+            by_layer.setdefault(int(found[1]), []).append(key)
+    return [key for layer in sorted(by_layer, reverse=True) for key in by_layer[layer]]
 
 
 def _store_bytes(model_dir: Path, dtype: torch.dtype) -> int:

@@ -44,6 +44,7 @@ class MemoryEstimate:
     cpu_dense_bytes: dict[str, int] = field(default_factory=dict)  # quant -> non_expert_bytes where a CPU quantizes the
     # dense layers with the experts (estimate(cpu=True)); empty: the same in every format
     pass_bytes_per_token: int = 0  # VRAM each token of the context adds to what the passes hold besides (pass_bytes)
+    prequantized: bool = False  # the checkpoint arrives quantized (GPTQ, compressed-tensors): it runs in `quant` as it is
 
     @property
     def expert_params(self) -> int:
@@ -255,7 +256,10 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         from ..quant.prequantized import expert_format, read_quantization_config
         from .config_file import read_config_dict
 
-        quant = expert_format(read_quantization_config(read_config_dict(Path(source).expanduser())), quant)
+        spec = read_quantization_config(read_config_dict(Path(source).expanduser()))
+        quant, prequantized = expert_format(spec, quant), spec is not None
+    else:
+        prequantized = False
     draft_model = draft_dir not in (None, "none", "self")
     draft = draft_model_sizes(draft_dir, dtype) if draft_model else (0, 0)
     from ..experts.cpu_ffn import keeps_bf16
@@ -274,7 +278,7 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         return estimate_module(hf, hf_config, dtype, context_len, draft, fmt, expert_dtype="bfloat16", bf16_params=bf16,
                                quantized_dense=dense)
 
-    est = sized(quant)
+    est = replace(sized(quant), prequantized=prequantized)
     if not cpu:
         return est
     return replace(est, cpu_dense_bytes={fmt: est.non_expert_bytes if fmt == quant else sized(fmt).non_expert_bytes

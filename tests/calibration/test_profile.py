@@ -819,3 +819,23 @@ def test_calibrate_refuses_a_budget_nothing_fits_before_measuring(checkpoint, mo
                         raising=False)
     with pytest.raises(BudgetError, match="the RAM budget is 1.00 GiB"):
         calibrate(str(checkpoint("qwen3_moe")), "none", True, lambda name, frac: None, ram_budget=2**30)
+
+
+def test_calibrate_a_gptq_checkpoint(checkpoint, tmp_path, capsys):
+    """A pre-quantized checkpoint calibrates (its read-bandwidth probe met only fused names and stopped on a KeyError:
+    GPTQ's experts are qweight, scales, ...), and its format is its own, said so, not weighed against RAM as if it could
+    run in bf16."""
+    from moechat.app.cli import main
+    from moechat.engine.calibration.measure import _expert_keys_last_first
+    from moechat.engine.model.checkpoint import Checkpoint
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    keys = _expert_keys_last_first(gptq)
+    layers = [int(k.split(".")[2]) for k in keys]
+    assert keys and all(k in Checkpoint(gptq) for k in keys) and layers == sorted(layers, reverse=True)
+    assert any(k.endswith(".qweight") for k in keys) and not any(".self_attn." in k for k in keys)
+    assert main(["calibrate", "--model", str(gptq), "--quick", "--json"]) == 0
+    decisions = json.loads(capsys.readouterr().out)["decisions"]
+    assert decisions["quant"] == "int4" and decisions["reasons"]["quant"].startswith(
+        "int4: the checkpoint is quantized and runs as it is")
