@@ -20,7 +20,14 @@ from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
 from ..quant.dense import QuantLinear, quantize_dense, quantized_dense_size, quantized_linears
-from ..quant.prequantized import PrequantSpec, expert_format, linear_keys, quantized_prefixes, read_quantization_config
+from ..quant.prequantized import (
+    PrequantSpec,
+    expert_format,
+    format_notice,
+    linear_keys,
+    quantized_prefixes,
+    read_quantization_config,
+)
 from ..replay import RoutingReplay
 from ..sched.policies import make_policy
 from .attention import kv_dtype, use_cpu_attention, use_cuda_attention
@@ -260,7 +267,8 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config), runtime,
-                       device, dtype, context_len, lean, "; ".join(n for n in (budget_notice, rope_notice) if n))
+                       device, dtype, context_len, lean,
+                       "; ".join(n for n in (budget_notice, rope_notice, format_notice(prequant, cfg.quant)) if n))
 
 
 

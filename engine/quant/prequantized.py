@@ -35,6 +35,13 @@ def expert_format(spec: PrequantSpec | None, requested: str) -> str:
     return spec.fmt if spec is not None else requested
 
 
+def format_notice(spec: PrequantSpec | None, requested: str) -> str:
+    """A line for the user when another format was asked of a pre-quantized checkpoint (it runs in its own); else ""."""
+    if spec is None or requested in ("none", spec.fmt):
+        return ""
+    return f"quant {requested} does not apply: the checkpoint is quantized in {spec.fmt} and runs as it is"
+
+
 def quantized_prefixes(spec: PrequantSpec, keys) -> set[str]:
     """The quantized linears' prefixes in a checkpoint's key set (each key ending in .<marker>)."""
     end = f".{spec.marker}"

@@ -219,7 +219,12 @@ def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_
     assert run_engine(gptq, PROMPT_IDS, NEW, drafter="self", policy="spac", expert_cache_ratio=0.5).token_ids == plain.token_ids
     engine = Engine(EngineConfig(model_dir=str(gptq)))
     assert engine.model.store.quant == "int4" and engine.model.store.prequant is not None
+    assert not any("does not apply" in n for n in engine.notices)
     engine.close()
+    asked = Engine(EngineConfig(model_dir=str(gptq), quant="int8"))  # runs as it is, and says so
+    assert asked.model.store.quant == "int4" and (
+        "quant int8 does not apply: the checkpoint is quantized in int4 and runs as it is" in "; ".join(asked.notices))
+    asked.close()
     # against Hugging Face on GPTQ's own dequantization of the same files
     from transformers import AutoModelForCausalLM
 
