@@ -34,6 +34,7 @@ from collections.abc import Callable
 from textual.message import Message
 
 from ..engine import EngineConfig, MoechatError, RequestError, SamplingParams, out_of_vram
+from .chats import finish_of
 from .models import draft_model_name, model_name
 from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (
@@ -49,7 +50,6 @@ from .tui.messages import (
     Stats,
 )
 
-REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "cancelled"}  # engine -> ReplyFinished
 # close() waits this long: a reply stops within a step, but a load in progress cannot be
 # cut short, and quitting must not hang on it (the thread is a daemon: it ends with the process)
 JOIN_S = 2.0
@@ -296,7 +296,7 @@ class EngineBridge:
                     self._send(ReplyStats(request_id, stats))
                     if (frame := meter.final_frame()) is not None:
                         self._send(ExpertFrame(frame))
-                    return ReplyFinished(request_id, ev.text, REASONS.get(ev.summary.finish_reason, "stop"), stats)
+                    return ReplyFinished(request_id, ev.text, finish_of(ev.summary.finish_reason), stats)
                 elif isinstance(ev, Error):
                     return EngineFailed(one_line(ev.message), request_id, ev.request_fault)
         finally:

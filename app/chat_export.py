@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from .chats import ChatStore
+from .chats import ChatStore, end_note
 
 HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}
 
@@ -17,8 +17,9 @@ def export_markdown(store: ChatStore, conv_id: int) -> str:
     for message in store.messages(conv_id):
         parts.append(f"### {HEADINGS[message.role]}")
         body = _close_fences(message.content.strip("\n"))
-        if not message.finished:
-            body += "\n\n*(interrupted)*"
+        note = end_note(message.finished, message.finish)
+        if note:  # as the app says it beside the reply
+            body += f"\n\n*({note})*"
         parts.append(body)
     return "\n\n".join(parts) + "\n"
 

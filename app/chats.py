@@ -3,7 +3,8 @@
 The file is `chats.sqlite3` in moechat's data directory (`~/.local/share/moechat/` on Linux), in WAL
 mode: a reply is stored as an unfinished assistant message when it starts and updated as it streams,
 each update its own transaction, so a crash or a kill leaves every finished message intact and the
-reply as far as it got (finished=False, which the chat screen shows as interrupted).
+reply as far as it got (finished=False, which the chat screen shows as interrupted); a reply that ended keeps why
+(`finish`: stopped by the user, cut at the length limit, failed, or the model's end of turn).
 
 The schema grows by migrations, never by editing one (`chat_migrations.py`); a chat's Markdown export is
 `chat_export.py`; the file itself beside other processes (a log not its own, its identity when it is deleted or replaced
@@ -64,15 +65,44 @@ TITLE_CHARS = 40
 
 
 def title_from(text: str) -> str:
-    """A chat's title from its first message: one line of its first TITLE_CHARS characters, without control characters,
-    lone surrogates or bidirectional overrides (a NUL or a right-to-left override scrambled the chat list's line)."""
+    """A chat's title from its first message: its words on one line, cut after a whole word with "…" past TITLE_CHARS
+    characters (a title ended mid-word), without Markdown's fences and markers (a pasted code block titled a chat
+    "```python"), control characters, lone surrogates or bidirectional overrides (a NUL or a right-to-left override
+    scrambled the chat list's line)."""
     import unicodedata
 
-    shown = "".join(" " if unicodedata.category(c) in ("Cc", "Cs") else "" if c in _BIDI_CONTROLS else c for c in text)
-    return " ".join(shown.split())[:TITLE_CHARS] or NEW_TITLE
+    words = _INLINE_MARK.sub("", _LINE_MARK.sub("", _FENCE_LINE.sub("", text)))
+    shown = "".join(" " if unicodedata.category(c) in ("Cc", "Cs") else "" if c in _BIDI_CONTROLS else c for c in words)
+    title = " ".join(shown.split())
+    if len(title) <= TITLE_CHARS:
+        return title or NEW_TITLE
+    cut = title[:TITLE_CHARS]
+    if cut.rfind(" ") >= TITLE_CHARS // 2:  # a word past the middle ends there; else one long word is cut
+        cut = cut[:cut.rfind(" ")]
+    return cut[:TITLE_CHARS - 1].rstrip(" ,.;:-") + "…"
+
+
+_FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,}).*$", re.M)  # a code fence's line, with its language
+_LINE_MARK = re.compile(r"^[ \t]*(#{1,6}|>[> ]*|[-*+]|\d+[.)])[ \t]+", re.M)  # a heading, quote or list item's mark
+_INLINE_MARK = re.compile(r"`+|(?<!\w)\*+(?=\w)|(?<=\w)\*+(?!\w)")  # code spans' backticks, emphasis' stars (not 2*3)
 
 
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # embeddings, overrides, isolates
+# why a reply ended, as stored and as the app's ReplyFinished says: the model's end of turn (or a stop string), the length
+# limit, stopped by the user, an error -> what the chat screen and the export say of it ("": nothing)
+FINISHES = {"stop": "", "length": "cut at the length limit", "cancelled": "stopped", "failed": "failed"}
+
+
+def finish_of(finish_reason: str) -> str:
+    """The engine's Summary.finish_reason ("eos", "stop", "length", "cancelled") as FINISHES names it."""
+    return finish_reason if finish_reason in FINISHES else "stop"
+
+
+def end_note(finished: bool, finish: str | None) -> str:
+    """What a stored reply's heading says of its end: interrupted (cut off by a crash or a kill), else why it ended."""
+    return FINISHES.get(finish or "stop", "") if finished else "interrupted"
+
+
 SAVE_INTERVAL_S = 0.5  # a streaming reply is saved at most this often (the app and plain chat): a kill loses at most this much
 DELETED_ELSEWHERE = "this chat was deleted in another moechat window"  # what both say when the store no longer has it
 REPLACED_ELSEWHERE = "this chat is not in the file put in place of the chat database"  # and when the file was replaced
@@ -111,6 +141,7 @@ class ChatMessage:
     finished: bool  # False: a reply still streaming, or one cut off by a crash
     created: float  # epoch seconds
     stats: dict | None  # the reply's stats (tokens/s, acceptance, ...), JSON in the database
+    finish: str | None = None  # why it ended (FINISHES); None while unfinished, or stored before moechat kept it
 
 
 class ChatStore:
@@ -365,11 +396,11 @@ class ChatStore:
 
     def messages(self, conv_id: int) -> list[ChatMessage]:
         """Oldest first."""
-        rows = self._rows("SELECT id, conv_id, role, content, finished, created, stats FROM messages"
+        rows = self._rows("SELECT id, conv_id, role, content, finished, created, stats, finish FROM messages"
                           " WHERE conv_id = ? ORDER BY id", (conv_id,))
         return [
-            ChatMessage(id, conv, role, content, bool(finished), created, json.loads(stats) if stats else None)
-            for id, conv, role, content, finished, created, stats in rows
+            ChatMessage(id, conv, role, content, bool(finished), created, json.loads(stats) if stats else None, finish)
+            for id, conv, role, content, finished, created, stats, finish in rows
         ]
 
     def add(self, conv_id: int, role: str, content: str, finished: bool = True, generation: int | None = None) -> int:
@@ -385,12 +416,17 @@ class ChatStore:
         return cursor.lastrowid
 
     def update(self, message_id: int, content: str, finished: bool, stats: dict | None = None,
-               generation: int | None = None) -> None:
-        """Replaces the content (a streaming reply so far); stats=None keeps the stored stats."""
+               generation: int | None = None, finish: str | None = None) -> None:
+        """Replaces the content (a streaming reply so far); stats=None keeps the stored stats. finish: why a finished
+        reply ended (FINISHES; None: the stored reason kept, as a save tried again does); an unfinished one has none."""
+        if finish is not None and finish not in FINISHES:
+            raise ValueError(f"finish must be one of {', '.join(FINISHES)}, got {finish!r}")
         stats_json = json.dumps(stats) if stats is not None else None
         with self._transaction(generation) as db:
-            cursor = db.execute("UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats) WHERE id = ?",
-                                (_storable(content), int(finished), stats_json, message_id))
+            cursor = db.execute("UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats),"
+                                " finish = COALESCE(?, CASE WHEN ? THEN finish END) WHERE id = ?",  # unsaid: kept if finished
+                                (_storable(content), int(finished), stats_json, finish if finished else None, int(finished),
+                                 message_id))
             if cursor.rowcount == 0:
                 raise KeyError(f"no message {message_id}")
             db.execute("UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",

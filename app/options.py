@@ -48,6 +48,11 @@ def _device_problem(value) -> str | None:
     return None if re.fullmatch(r"auto|cpu|cuda(:\d+)?", value) else "must be auto, cpu, cuda or cuda:N"
 
 
+def _env_name_problem(value) -> str | None:
+    ok = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value)
+    return None if ok else "must be an environment variable's name ([A-Za-z_][A-Za-z0-9_]*, e.g. MOECHAT_API_KEY)"
+
+
 def url_problem(value) -> str | None:
     """Why `value` cannot be a backend's URL (None: it can)."""
     from ipaddress import ip_address
@@ -206,7 +211,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend_model", str, None, "the model to ask the remote backend for", "backend",
            unset="the first the server lists", label="Remote model", placeholder="the server's first", metavar="NAME"),
     Option("backend_key_env", str, "MOECHAT_API_KEY", "environment variable holding the remote backend's API key "
-           "(the key itself is never stored)", "backend", label="Remote API key variable", metavar="NAME"),
+           "(the key itself is never stored)", "backend", label="Remote API key variable", metavar="NAME",
+           problem_of=_env_name_problem),
     Option("vram_budget_gib", float, None, "cap on everything moechat puts on the GPU; what does not fit is refused "
            "before loading", "engine", unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the free VRAM",
            label="VRAM budget (GiB)", placeholder="free VRAM", metavar="GIB"),

@@ -10,7 +10,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from .chats import SAVE_INTERVAL_S, ChatStore, ChatStoreError, ReplacedError, elsewhere, title_from
+from .chats import SAVE_INTERVAL_S, ChatStore, ChatStoreError, ReplacedError, elsewhere, finish_of, title_from
 from .terminal_text import as_typed, for_terminal
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
@@ -55,12 +55,12 @@ class Keeper:
         """Whether the reply streaming has gone unsaved for SAVE_INTERVAL_S."""
         return self.reply_id is not None and time.monotonic() - self.saved_at >= SAVE_INTERVAL_S
 
-    def reply(self, text: str, finished: bool) -> None:
-        """The reply so far."""
+    def reply(self, text: str, finished: bool, finish: str | None = None) -> None:
+        """The reply so far; finish: why a finished one ended (chats.FINISHES)."""
         if self.reply_id is None:
             return
         try:
-            self.store.update(self.reply_id, text, finished=finished, generation=self.generation)
+            self.store.update(self.reply_id, text, finished=finished, generation=self.generation, finish=finish)
         except KeyError as err:
             print(f"\nmoechat: {elsewhere(isinstance(err, ReplacedError))}; this reply is not saved", file=sys.stderr)
             self.reply_id = None
@@ -203,7 +203,7 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
             print("moechat: that line is not valid UTF-8 text: not sent", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": text})
-        reply, finished, stopped, events, stored = [], None, False, None, False
+        reply, finished, stopped, failed, events, stored = [], None, False, False, None, False
         try:  # Ctrl-C from here on stops this reply: while a long history is fitted to the context, it ended the chat
             ctrl_c.arm()
             try:
@@ -229,6 +229,7 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
                 elif isinstance(ev, Error):  # the embedded engine is sent no turn that does not fit: the message is too long
                     hint = " (/reset starts a new conversation)" if remote else " (this message alone is too long: shorten it)"
                     print(f"\nmoechat: error: {ev.message}" + (hint if "context" in ev.message else ""), file=sys.stderr)
+                    failed = True
                 elif isinstance(ev, Finished):
                     finished = ev
             ctrl_c.armed = False  # the reply's end stored and said before the next prompt: a Ctrl-C meanwhile waits for it
@@ -246,7 +247,9 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
             continue
         answer = finished.text if finished else "".join(reply)
         messages.append({"role": "assistant", "content": answer})
-        kept.reply(answer, finished=finished is not None or stopped)  # stopped by the user, as the app stores it: not cut
+        # stopped by the user, or failed, as the app stores it: ended, not cut off
+        why = finished.summary.finish_reason if finished else "cancelled" if stopped else "failed" if failed else None
+        kept.reply(answer, finished=why is not None, finish=finish_of(why) if why else None)
         if finished:
             s = finished.summary
             hits = f"{s.hit_rate:.2f}" if s.hits + s.misses else "n/a"  # a remote server other than moechat's sends none

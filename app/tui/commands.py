@@ -115,7 +115,10 @@ def _input_keys() -> dict[str, str]:
     app."""
     from textual.widgets import TextArea
 
-    taken = {k.strip(): f"the input's {b.action.replace('_', ' ')}" for b in TextArea.BINDINGS for k in b.key.split(",")}
+    from .widgets.message_view import ChatInput
+
+    taken = {k.strip(): f"the input's {b.action.replace('_', ' ')}" for b in (*TextArea.BINDINGS, *ChatInput.BINDINGS)
+             for k in b.key.split(",")}
     moves = {"tab": "moving the focus", "shift+tab": "moving the focus", "enter": "the input's send"}
     return {**taken, **moves, **dict.fromkeys(("ctrl+j", "shift+enter", "alt+enter"), "the input's new line")}
 

@@ -23,8 +23,8 @@ class ReplySaver:
     def __init__(self, owner: DOMNode) -> None:
         self.owner = owner  # the chat screen: its app's store, notices and engine thread
         # writes the store refused (the disk full, locked), tried again before the next reply and at quit:
-        # id -> text, finished, stats, replaces, and the store's generation when the ids were read:
-        self.pending_saves: dict[int, tuple[str, bool, dict | None, int | None, int]] = {}
+        # id -> text, finished, stats, replaces, the store's generation when the ids were read, and why it ended:
+        self.pending_saves: dict[int, tuple[str, bool, dict | None, int | None, int, str | None]] = {}
         self.pending_drops: dict[int, int] = {}  # messages to go (an empty reply, a replaced one) -> their generation
         self.lost: dict[int, str] = {}  # replies whose chat is not in the file put in place of the database: printed at quit
 
@@ -38,14 +38,14 @@ class ReplySaver:
             self.save(reply, reply.text, finished=False)
             reply.saved_at = time.monotonic()
 
-    def save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None) -> None:
+    def save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None, finish: str | None = None) -> None:
         """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
         (another moechat on the same chats), or not in the file put in place of the database: said once, and the reply,
         which has nowhere to go, stopped. The database failing (the disk full, locked): said once; the reply streams on,
-        on screen, and the write stays pending."""
+        on screen, and the write stays pending. finish: why it ended (chats.FINISHES)."""
         try:
             self._write(reply.message_id, text, finished, stats, reply.replaces.id if reply.replaces else None,
-                        reply.generation)
+                        reply.generation, finish)
         except KeyError as err:
             self.orphan(reply, replaced=isinstance(err, ReplacedError))
             return
@@ -70,14 +70,14 @@ class ReplySaver:
                         severity="warning")
 
     def _write(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None,
-               generation: int) -> None:
+               generation: int, finish: str | None = None) -> None:
         """A reply into the store, and the one it replaces out once it has text. Where the store fails (ChatStoreError)
         the write stays in pending_saves; KeyError: its chat is gone, and so is the write (where the file was replaced its
         text goes to `lost`, printed at quit: a backup restored is not the user asking for the reply to go)."""
         try:
-            self.app.store.update(message_id, text, finished=finished, stats=stats, generation=generation)
+            self.app.store.update(message_id, text, finished=finished, stats=stats, generation=generation, finish=finish)
         except ChatStoreError:
-            self.pending_saves[message_id] = (text, finished, stats, replaces, generation)
+            self.pending_saves[message_id] = (text, finished, stats, replaces, generation, finish)
             raise
         except KeyError as err:
             self.pending_saves.pop(message_id, None)
@@ -99,9 +99,9 @@ class ReplySaver:
     def flush(self) -> list[tuple[str, str]]:
         """The writes the store refused, tried again -> (why, text) of each reply still not saved."""
         left = []
-        for message_id, (text, finished, stats, replaces, generation) in list(self.pending_saves.items()):
+        for message_id, (text, finished, stats, replaces, generation, finish) in list(self.pending_saves.items()):
             try:
-                self._write(message_id, text, finished, stats, replaces, generation)
+                self._write(message_id, text, finished, stats, replaces, generation, finish)
             except KeyError:  # its chat deleted meanwhile (or not in the file put in place: in lost)
                 pass
             except ChatStoreError as err:
@@ -117,7 +117,7 @@ class ReplySaver:
         place took away."""
         if reply is not None and reply.text:
             self.pending_saves[reply.message_id] = (reply.text, False, None, reply.replaces.id if reply.replaces else None,
-                                                    reply.generation)
+                                                    reply.generation, None)
         elif reply is not None:
             self.pending_drops[reply.message_id] = reply.generation
         return self.flush() + [(REPLACED_ELSEWHERE, text) for text in self.lost.values()]

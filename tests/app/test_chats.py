@@ -120,6 +120,10 @@ def test_export_markdown(store):
     )
     store.update(cut, "Start:\n````\n```\nnested\n````", finished=True)  # balanced: left verbatim
     assert export_markdown(store, conv).endswith("### moechat\n\nStart:\n````\n```\nnested\n````\n")
+    store.update(cut, "Start:", finished=True, finish="cancelled")  # stopped by the user: said as the app says it
+    assert export_markdown(store, conv).endswith("### moechat\n\nStart:\n\n*(stopped)*\n")
+    store.update(cut, "Start:", finished=True, finish="length")
+    assert export_markdown(store, conv).endswith("### moechat\n\nStart:\n\n*(cut at the length limit)*\n")
 
     bare = store.create("Empty")
     assert export_markdown(store, bare) == "# Empty\n"
@@ -193,6 +197,28 @@ def test_a_schema_1_database_is_migrated_keeping_every_chat(tmp_path):
     with sqlite3.connect(path) as raw:
         assert raw.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
         assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_why_a_reply_ended_is_stored_and_a_schema_2_file_opens_without_it(tmp_path):
+    """A reply stopped by the user read as a plain, complete one after a restart: only unfinished ones were marked."""
+    path = tmp_path / "chats.sqlite3"
+    with sqlite3.connect(path) as raw:  # as moechat wrote it before the column: schema 2, marked
+        raw.executescript("".join(MIGRATIONS[:2]) + f"PRAGMA user_version = 2; PRAGMA application_id = {APPLICATION_ID};")
+        raw.execute("INSERT INTO conversations VALUES (1, 'kept', '', 1.0, 2.0)")
+        raw.execute("INSERT INTO messages VALUES (1, 1, 'user', 'hi', 1, 1.5, NULL), (2, 1, 'assistant', 'cut', 0, 1.6, NULL)")
+    with ChatStore(path) as store:
+        assert [(m.content, m.finished, m.finish) for m in store.messages(1)] == [("hi", True, None), ("cut", False, None)]
+        for finish in ("cancelled", "length", "failed", "stop"):
+            store.update(2, "cut", finished=True, finish=finish)
+            assert store.messages(1)[1].finish == finish
+        store.update(2, "cut", finished=False, finish="stop")  # not finished: no reason to keep
+        assert store.messages(1)[1].finish is None
+        with pytest.raises(ValueError, match="finish"):
+            store.update(2, "cut", finished=True, finish="eos")
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 3
+        with pytest.raises(sqlite3.IntegrityError):  # the column refuses what no moechat writes
+            raw.execute("UPDATE messages SET finish = 'whatever' WHERE id = 2")
 
 
 def _opened_meanwhile(monkeypatch, path: Path, before: str, then) -> None:
@@ -319,7 +345,7 @@ def test_another_programs_database_is_refused_untouched(tmp_path, other):
     assert path.read_bytes() == before and not Path(f"{path}-wal").exists()
 
 
-@pytest.mark.parametrize("version", range(len(MIGRATIONS) + 1))  # the last: today's schema from before the mark
+@pytest.mark.parametrize("version", range(3))  # 0 (no table yet), 1 and 2: every schema moechat wrote before the mark
 def test_a_database_of_every_older_moechat_opens_migrated_and_marked_moechats(tmp_path, version):
     """The mark is a header field, not a migration: the file keeps the schema an older moechat opens."""
     path = tmp_path / "chats.sqlite3"
@@ -484,8 +510,21 @@ def test_a_title_is_one_clean_line_of_the_first_message():
 
     assert title_from("What is\x00 a\tdog?\nTell me.") == "What is a dog? Tell me."
     assert title_from("\u202eevil\u202c name \U0001F468\u200d\U0001F469") == "evil name \U0001F468\u200d\U0001F469"  # emoji kept
-    assert title_from("x" * 100) == "x" * 40 and title_from("\x00\n\u202e") == NEW_TITLE
+    assert title_from("x" * 100) == "x" * 39 + "…" and title_from("\x00\n\u202e") == NEW_TITLE
     assert title_from("bad \ud800 surrogate") == "bad surrogate"
+
+
+def test_a_title_ends_at_a_word_and_leaves_out_markdowns_marks():
+    """Titles were cut at 40 characters mid-word, and a first message that opened with a pasted code block was titled
+    "```python"."""
+    from moechat.app.chats import NEW_TITLE, TITLE_CHARS, title_from
+
+    long = title_from("What is a mixture of experts model, and why is it fast on a CPU?")
+    assert long == "What is a mixture of experts model, and…" and len(long) <= TITLE_CHARS
+    assert title_from("```python\nprint(1 / 0)\n```\nWhy does this fail?") == "print(1 / 0) Why does this fail?"
+    assert title_from("# Plan\n\n- **buy** milk\n1. call `mum`\n> later") == "Plan buy milk call mum later"
+    assert title_from("2*3 and #include <stdio.h> and __init__") == "2*3 and #include <stdio.h> and __init__"  # not marks
+    assert title_from("~~~\n~~~") == NEW_TITLE
 
 
 def test_a_deleted_file_made_again_beside_another_containers_window_of_the_same_pid(tmp_path, monkeypatch):
@@ -765,3 +804,16 @@ def test_a_backup_put_where_this_window_makes_the_deleted_file_again_refuses_the
         with pytest.raises(KeyError):
             store.update(reply, "the live reply, streaming", finished=False, generation=generation)
     assert _rows(path) == before
+
+
+@pytest.mark.notorch
+def test_a_finished_replys_end_is_kept_by_an_update_that_does_not_say_it(tmp_path):
+    """A save tried again (or any later update) without a finish keeps the stored one; an unfinished reply has none."""
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    conv = store.create("t")
+    mid = store.add(conv, "assistant", "", finished=False)
+    store.update(mid, "half", finished=True, finish="cancelled")
+    store.update(mid, "half", finished=True)
+    assert store.messages(conv)[-1].finish == "cancelled"
+    store.update(mid, "half", finished=False)
+    assert store.messages(conv)[-1].finish is None

@@ -107,7 +107,8 @@ def test_bad_flags_fail_in_one_line(capsys):
              (["generate", "--prompt", "hi", "--utility-bound", "x"], "must be a whole number in 1..16"),
              (["generate", "--prompt", "hi", "--device", "tpu"], "must be auto, cpu, cuda or cuda:N"),
              (["generate", "--prompt", "hi", "--device", "cuda:x"], "must be auto, cpu, cuda or cuda:N"),
-             (["simulate", "--traces", ".", "--expert-cache-ratio", "0.1,2"], "must be a number in [0, 1]")]
+             (["simulate", "--traces", ".", "--expert-cache-ratio", "0.1,2"], "must be a number in [0, 1]"),
+             (["chat", "--backend-key-env", "MY KEY"], "must be an environment variable's name ([A-Za-z_][A-Za-z0-9_]*")]
     for argv, words in cases:
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)

@@ -182,8 +182,37 @@ def test_a_reply_stopped_with_ctrl_c_is_stored_as_stopped_not_cut(tmp_path, monk
         run(Streaming(["The ", "sea ", "is ", "wide."], ctrl_c), store, "tell me about the sea\n", monkeypatch)
         ((conv),) = store.conversations()
         reply = store.messages(conv.id)[-1]
-    assert (reply.role, reply.content, reply.finished) == ("assistant", "The sea ", True)
+    assert (reply.role, reply.content, reply.finished, reply.finish) == ("assistant", "The sea ", True, "cancelled")
     assert "moechat: stopped" in capsys.readouterr().err
+
+
+class Ending(Streaming):
+    """Streams `words`, then ends with `end`: a Finished whose finish_reason it names, or an Error."""
+
+    def __init__(self, words: list[str], end: str) -> None:
+        super().__init__(words)
+        self.end = end
+
+    def generate(self, request, params):
+        from moechat.engine.events import Error, Finished, Summary
+
+        yield from super().generate(request, params)
+        if self.end == "error":
+            yield Error("the server went away")
+            return
+        yield Finished(list(range(len(self.words))), "".join(self.words),
+                       Summary(1, len(self.words), len(self.words), 0, 0, 0.1, 0.1, 0.1, 0, 0, 0, self.end))
+
+
+@pytest.mark.parametrize("end, finish", [("length", "length"), ("eos", "stop"), ("error", "failed")])
+def test_why_a_reply_ended_is_stored_as_the_app_stores_it(tmp_path, monkeypatch, capsys, end, finish):
+    """The app shows a reply cut at the length limit, or failed, as such after a restart: plain chat stores why too."""
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        run(Ending(["The ", "sea."], end), store, "tell me about the sea\n", monkeypatch)
+        ((conv),) = store.conversations()
+        reply = store.messages(conv.id)[-1]
+    assert (reply.content, reply.finished, reply.finish) == ("The sea.", True, finish)
+    capsys.readouterr()
 
 
 def interrupt_the_fit_of(n: int, monkeypatch) -> list[str]:

@@ -304,9 +304,9 @@ def test_plain_chat_goes_on_after_a_broken_remote_reply(fake, monkeypatch, capsy
     assert err.count("answered in a way the OpenAI API does not") == 1 and "expert hit rate n/a" in err  # not 0.00
     with ChatStore() as store:
         conv = next(c for c in store.conversations() if c.title == "First try")
-        messages = [(m.role, m.content, m.finished) for m in store.messages(conv.id)]
-    assert messages == [("user", "First try", True), ("assistant", "A", False),  # what came is kept, marked cut
-                        ("user", "Second try", True), ("assistant", "AB", True)]
+        messages = [(m.role, m.content, m.finished, m.finish) for m in store.messages(conv.id)]
+    assert messages == [("user", "First try", True, None), ("assistant", "A", True, "failed"),  # what came is kept, failed
+                        ("user", "Second try", True, None), ("assistant", "AB", True, "stop")]  # as the app keeps them
 
 
 def test_a_remote_chat_needs_no_pytorch(fake):

@@ -321,6 +321,28 @@ async def test_quitting_before_a_reply_has_text_keeps_no_empty_reply_and_invisib
 
 @pilot_test
 @pytest.mark.notorch
+async def test_a_stopped_reply_still_says_so_after_a_restart(tmp_path, stored):
+    """A reply stopped with Esc showed as stopped while the app ran, and as a plain, complete reply at the next start."""
+    from moechat.app.tui.messages import ReplyDelta, ReplyFinished, Stats
+
+    def notes(app) -> list[str]:
+        return [view.query_one(".role").render().plain for view in app.chat.query(MessageView)]
+
+    ends = [("cancelled", "moechat · stopped"), ("length", "moechat · cut at the length limit"), ("stop", "moechat")]
+    async with without_model(tmp_path) as (app, pilot):
+        for request_id, (reason, _) in enumerate(ends, 1):
+            await reply_view(app.chat, request_id)
+            app.post_message(ReplyDelta(request_id, f"reply {request_id}"))
+            app.post_message(ReplyFinished(request_id, f"reply {request_id}", reason, Stats()))
+            await until(pilot, lambda: app.chat.reply is None, "the reply's end")
+        live = notes(app)[-3:]
+    async with without_model(tmp_path) as (app, pilot):
+        await until(pilot, lambda: len(app.chat.query(MessageView)) == 5, "the chat")
+        assert notes(app)[-3:] == live == [said for _, said in ends]
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_a_chat_opened_empty_takes_its_first_message_as_title(tmp_path, stored):
     async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
@@ -503,6 +525,35 @@ async def test_rename_system_prompt_delete_theme_and_remapped_keys(tmp_path, sto
 
 @pilot_test
 @pytest.mark.notorch
+async def test_the_dialogs_show_their_own_keys_and_rename_replaces_the_title_selected(tmp_path, stored):
+    """The rename, system prompt and delete dialogs' footer showed only "f1 Help" (the chat screen's, under them), not
+    their Esc and Ctrl+S; Ctrl+A in the rename box went to the line's start, so a title typed after it went first."""
+    from textual.widgets import Footer
+    from textual.widgets._footer import FooterKey
+
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        def footer() -> dict[str, str]:
+            return {key.action: key.description for key in app.screen.query_one(Footer).query(FooterKey)}
+
+        await pilot.press("f2")
+        await until(pilot, lambda: footer() == {"cancel": "Cancel", "save": "Save"}, "the rename dialog's keys")
+        await pilot.press(*"Dogs", "enter")  # it opens with the title selected: typing replaces it
+        assert app.store.conversation(newer).title == "Dogs"
+        await pilot.press("f2", "end", *" and cats", "ctrl+a", *"Cats", "enter")  # Ctrl+A selects it all, as in most apps
+        assert app.store.conversation(newer).title == "Cats"
+        await pilot.press("ctrl+s")
+        await until(pilot, lambda: footer() == {"cancel": "Cancel", "save": "Save"}, "the system prompt dialog's keys")
+        await pilot.press(*"Be brief.", "ctrl+a", *"Rhyme.", "ctrl+s")
+        assert app.store.conversation(newer).system_prompt == "Rhyme."
+        await pilot.press("f8")
+        await until(pilot, lambda: footer() == {"no": "No", "yes": "Yes"}, "the delete dialog's keys")
+        await pilot.press("escape")
+        assert len(app.store.conversations()) == 2
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_a_remapped_key_another_action_holds_is_refused_with_a_notice(tmp_path, stored):
     (tmp_path / "settings.toml").write_text('[keys]\nnew_chat = "f3"\nregenerate = "F10"\n')
     app = make_app(tmp_path, failing("no model here"))
@@ -617,6 +668,32 @@ async def test_a_users_line_breaks_show_as_typed(tmp_path):
         user, reply = app.chat.query(MessageView)
         assert user.query_one(MarkdownParagraph).region.height == 3
         assert reply.query_one(MarkdownParagraph).region.height == 1  # a model's Markdown reads as Markdown
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_page_keys_in_the_message_box_scroll_the_chat_log(tmp_path):
+    """PageUp/PageDown typed in the message box did nothing: a keyboard-only user had to Shift+Tab onto a message. A
+    message taller than the box still pages through itself."""
+    from moechat.app.tui.widgets.message_view import ChatInput
+
+    store_chat(tmp_path, "long", *[("user" if i % 2 == 0 else "assistant", f"message {i}\n\nmore of {i}") for i in range(30)])
+    async with without_model(tmp_path) as (app, pilot):
+        log, box = app.chat.query_one(ChatLog), app.chat.query_one(ChatInput)
+        await until(pilot, lambda: log.max_scroll_y > 0 and log.scroll_y == log.max_scroll_y, "the chat at its end")
+        bottom = log.max_scroll_y
+        assert app.focused is box
+        for key, at in [("pageup", lambda y: 0 < y < bottom), ("ctrl+home", lambda y: y == 0),
+                        ("pagedown", lambda y: 0 < y < bottom), ("ctrl+end", lambda y: y == bottom)]:
+            await pilot.press(key)
+            await until(pilot, lambda at=at: at(log.scroll_y), f"{key} to scroll the log")
+        box.text = "line\n" * 20  # 21 lines: the box scrolls
+        box.move_cursor(box.document.end)
+        await pilot.pause()
+        assert box.max_scroll_y > 0 and box.cursor_location[0] == 20
+        await pilot.press("pageup")
+        await pilot.pause()
+        assert box.cursor_location[0] < 20 and log.scroll_y == bottom and app.focused is box
 
 
 @pilot_test
@@ -817,7 +894,7 @@ async def test_a_replys_reasoning_folds_above_its_answer(tmp_path, monkeypatch):
         assert stored.markdown.source == "Paris." and stored.split()[1] == "Paris."
         assert not user.query(".reasoning")  # a user's message has no reasoning block
 
-        async def stream(request_id: int, deltas: list[str], seen: list, reason: str = "eos", user=None) -> MessageView:
+        async def stream(request_id: int, deltas: list[str], seen: list, reason: str = "stop", user=None) -> MessageView:
             view = await reply_view(chat, request_id)
             for i, delta in enumerate(deltas):
                 await chat.reply_delta(request_id, delta)

@@ -64,7 +64,8 @@ def test_settings_validation_names_field_and_range():
                       (dict(vram_budget_gib=0), "`vram_budget_gib` must be a number in (0, 100000] GiB"),
                       (dict(policy="fifo"), "`policy` must be one of spac"),
                       (dict(theme="nope"), "`theme` must be dark, light"),
-                      (dict(keys={"quit": ""}), "`keys` must be a table")]:
+                      (dict(keys={"quit": ""}), "`keys` must be a table"),
+                      (dict(backend_key_env="-5"), "`backend_key_env` must be an environment variable's name")]:
         with pytest.raises(ValueError) as err:
             Settings(**kw)
         assert str(err.value).startswith(words) and "\n" not in str(err.value)
@@ -170,14 +171,16 @@ async def _settings_rejects_then_saves(path):
     async with settings_screen(path) as (app, pilot):
         screen = app.screen
         for field, text, words in [("utility_bound", "abc", "must be a whole number"),
-                                   ("expert_cache_ratio", "2.5", "in [0, 1]"), ("temperature", "-1", "in [0, 10]")]:
+                                   ("expert_cache_ratio", "2.5", "in [0, 1]"), ("temperature", "-1", "in [0, 10]"),
+                                   ("backend_key_env", "-5", "must be an environment variable's name ([A-Za-z_]")]:
             screen.query_one(f"#{field}").value = text
             await pilot.pause()
             assert words in str(screen.query_one(f"#{field}-error").content)
         before = path.read_bytes()
         await click(pilot, "#save")
         assert path.read_bytes() == before and app.screen is screen and app.result == "not dismissed"
-        for field, text in [("utility_bound", "3"), ("expert_cache_ratio", "0.5"), ("temperature", "0")]:
+        for field, text in [("utility_bound", "3"), ("expert_cache_ratio", "0.5"), ("temperature", "0"),
+                            ("backend_key_env", "MY_KEY_2")]:
             screen.query_one(f"#{field}").value = text
         await pilot.pause()
         assert "Reload model" in str(screen.query_one("#reload").content)
@@ -191,6 +194,7 @@ def test_settings_screen_rejects_garbage_and_keeps_comments(tmp_path):
     result = asyncio.run(_settings_rejects_then_saves(path))
     assert isinstance(result, SettingsResult) and result.needs_reload
     assert (result.settings.utility_bound, result.settings.expert_cache_ratio, result.settings.temperature) == (3, 0.5, 0)
+    assert result.settings.backend_key_env == "MY_KEY_2"
     text = path.read_text(encoding="utf-8")
     assert "# K: measured on my box" in text and "# my moechat settings" in text and "mystery" in text
     assert load_settings(path)[0] == result.settings
@@ -370,8 +374,10 @@ async def _wizard_end_to_end(path):
         screen.query_one("#dtype").value = "float32"
         await click(pilot, "#next")  # entering the step starts the calibration
         assert screen.step == 2 and screen.busy, str(screen.query_one("#cal-error").content)
-        screen.action_next()  # still calibrating: refused
-        assert screen.step == 2
+        await click(pilot, "#next")  # still calibrating: refused, and said (they did nothing without a word)
+        await click(pilot, "#back")
+        assert screen.step == 2 and screen.busy
+        assert [n.message for n in app._notifications][-2:] == ["calibration is running: Esc (or Cancel) stops it"] * 2
         release.set()
         seen = set()
         for _ in range(600):

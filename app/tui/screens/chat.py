@@ -25,7 +25,16 @@ from textual.widgets import (
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import DELETED_ELSEWHERE, NEW_TITLE, ChatMessage, ChatStoreError, Conversation, elsewhere, title_from
+from ...chats import (
+    DELETED_ELSEWHERE,
+    NEW_TITLE,
+    ChatMessage,
+    ChatStoreError,
+    Conversation,
+    elsewhere,
+    end_note,
+    title_from,
+)
 from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
@@ -447,7 +456,7 @@ class ChatScreen(Screen):
             await reply.view.remove()
             old = reply.replaces
             if old is not None:
-                await self.query_one("#log").mount(MessageView(old.role, old.content, old.id, old.finished))
+                await self.query_one("#log").mount(MessageView(old.role, old.content, old.id, old.finished, old.finish))
             self.saver.drop(reply.message_id, reply.generation)
             return
         reply.view.content = text
@@ -455,9 +464,8 @@ class ChatScreen(Screen):
         reply.view.show_reasoning(reasoning, thinking, ended=True)
         start = reply.segment_start if answer.startswith(reply.answer[:reply.segment_start]) else 0
         await reply.view.show_answer(answer, start)  # the whole reply, exactly as the engine ended it
-        note = {"cancelled": "stopped", "length": "length limit", "failed": "failed"}.get(reason, "")
-        reply.view.set_note(note if text else "empty reply")
-        self.saver.save(reply, text, finished=True, stats=asdict(stats) if stats else None)
+        reply.view.set_note(end_note(True, reason) if text else "empty reply")  # as a restored reply says it
+        self.saver.save(reply, text, finished=True, stats=asdict(stats) if stats else None, finish=reason)
 
     async def _show_due(self, reply: _Reply) -> None:
         reply.redraw = None

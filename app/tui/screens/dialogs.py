@@ -1,4 +1,5 @@
-"""Small modal dialogs of the chat screen: a one-field text prompt (rename, system prompt) and a yes/no."""
+"""Small modal dialogs of the chat screen: a one-field text prompt (rename, system prompt) and a yes/no, each with a
+footer of its own keys (the chat screen's, under it, showed only F1 while a dialog was open)."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -7,13 +8,16 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, TextArea
+from textual.widgets import Button, Footer, Input, Label, TextArea
 
 
 class TextPrompt(ModalScreen[str | None]):
-    """Edit one text value; dismisses with the text (Enter on one line, Ctrl+S, Save) or None (Esc, Cancel)."""
+    """Edit one text value, opened selected; dismisses with the text (Enter on one line, Ctrl+S, Save) or None (Esc,
+    Cancel). Ctrl+A selects it all, as in most apps' dialogs (the field's own Ctrl+A went to the line's start, so a title
+    typed after it went before the old one)."""
 
-    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save"),
+                                         Binding("ctrl+a", "select_all", "Select all", show=False, priority=True)]
 
     def __init__(self, title: str, value: str = "", multiline: bool = False) -> None:
         super().__init__()
@@ -29,12 +33,16 @@ class TextPrompt(ModalScreen[str | None]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save")
                 yield Button("Cancel", id="cancel")
+        yield Footer()
 
     def on_mount(self) -> None:
         field = self.query_one("#prompt-text")
         field.focus()
         if self.multiline:
             field.move_cursor(field.document.end)
+
+    def action_select_all(self) -> None:
+        self.query_one("#prompt-text").select_all()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
@@ -66,6 +74,7 @@ class Confirm(ModalScreen[bool]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Yes", variant="error", id="yes")
                 yield Button("No", variant="primary", id="no")
+        yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()

@@ -12,6 +12,8 @@ from textual.widgets import Markdown
 INPUT_KEYS = [
     ("Enter", "send the message"),
     ("Ctrl+J, Shift+Enter, Alt+Enter", "new line in the message (Shift+Enter only where the terminal reports it)"),
+    ("PageUp, PageDown, Ctrl+Home, Ctrl+End", "scroll the chat from the input (a message taller than the input: "
+                                               "PageUp and PageDown page through it)"),
     ("Ctrl+P", "command palette: every action by name"),
     ("c / k on a focused message", "copy the message / its last code block"),
     ("Tab, Shift+Tab", "move between the chat list, the messages and the input"),

@@ -279,14 +279,21 @@ class WizardScreen(Screen):
 
     @on(Button.Pressed, "#back")
     def _back(self) -> None:
-        if not self.busy and self.step > 0:
+        if not self._said_busy() and self.step > 0:
             self._go(0 if self.backend else self.step - 1)
 
     @on(Button.Pressed, "#next")
     def action_next(self) -> None:
-        if self.busy:
+        if self._said_busy():
             return
         getattr(self, f"_leave_{STEPS[self.step].split('-')[1]}")()
+
+    def _said_busy(self) -> bool:
+        """Whether a calibration or the model's check runs, said: Back and Next then did nothing without a word."""
+        if self.busy:
+            self.notify("calibration is running: Esc (or Cancel) stops it" if self._calibration is not None else
+                        "wait for the model check to finish", severity="warning")
+        return self.busy
 
     def _say(self, label: str, text: str) -> None:
         """`text` in a step's label (a field's error, a pull's progress), scrolled into view: on a short terminal the

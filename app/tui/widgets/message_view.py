@@ -16,6 +16,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Collapsible, Label, Markdown, Static, TextArea
 
+from ...chats import end_note
 from ...reasoning import reasoning_title, split_reasoning
 from ..guard import store_failures_noticed
 
@@ -53,7 +54,12 @@ def last_code_block(text: str) -> str | None:
 
 class ChatInput(TextArea):
     """Multiline input: Enter sends; Shift+Enter, Alt+Enter or Ctrl+J add a line (Shift+Enter only where
-    the terminal reports it; Ctrl+J works everywhere)."""
+    the terminal reports it; Ctrl+J works everywhere). PageUp/PageDown and Ctrl+Home/Ctrl+End scroll the chat log (a
+    keyboard user had to Shift+Tab onto a message), PageUp/PageDown through the message itself where it is taller than
+    the box."""
+
+    BINDINGS: ClassVar[list[Binding]] = [Binding("ctrl+home", "scroll_log('home')", "Chat start", show=False),
+                                         Binding("ctrl+end", "scroll_log('end')", "Chat end", show=False)]
 
     class Submitted(Message):
         def __init__(self, text: str) -> None:
@@ -81,6 +87,17 @@ class ChatInput(TextArea):
             return
         await super()._on_key(event)
 
+    def action_cursor_page_up(self) -> None:
+        super().action_cursor_page_up() if self.max_scroll_y else self.action_scroll_log("page_up")
+
+    def action_cursor_page_down(self) -> None:
+        super().action_cursor_page_down() if self.max_scroll_y else self.action_scroll_log("page_down")
+
+    def action_scroll_log(self, where: str) -> None:
+        """The chat log scrolled as its own keys scroll it (`where`: page_up, page_down, home, end)."""
+        log = self.screen.query_one(ChatLog)
+        getattr(log, f"scroll_{where}")()
+
 
 def visible(text: str) -> bool:
     """Whether text shows anything: not only spaces and invisible format characters (a zero-width space)."""
@@ -104,7 +121,7 @@ def window_start(sizes: list[int]) -> int:
 
 def window_views(messages: list) -> list[MessageView]:
     """Stored messages -> the views of those the log's window holds."""
-    return [MessageView(m.role, m.content, m.id, m.finished)
+    return [MessageView(m.role, m.content, m.id, m.finished, m.finish)
             for m in messages[window_start([len(m.content) for m in messages]):]]
 
 
@@ -131,15 +148,19 @@ class MessageView(Vertical, can_focus=True):
 
     BINDINGS: ClassVar[list[Binding]] = [Binding("c", "copy", "Copy"), Binding("k", "copy_code", "Copy code")]
 
-    def __init__(self, role: str, content: str, message_id: int | None = None, finished: bool = True) -> None:
+    def __init__(self, role: str, content: str, message_id: int | None = None, finished: bool = True,
+                 finish: str | None = None) -> None:
+        """finished, finish: a stored reply's end (chats.end_note), said beside its role."""
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id, self.finished = role, content, message_id, finished
+        self.finish = finish
         self.thinking = False  # the model was thinking at the last update: the block opened for it
         self.reasoning = ""  # the reasoning the block shows: redrawn only when it grows, not at every answer token
 
     def compose(self) -> ComposeResult:
         name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
-        yield Label(name if self.finished else f"{name} · interrupted", classes="role")
+        note = end_note(self.finished, self.finish)
+        yield Label(f"{name} · {note}" if note else name, classes="role")
         reasoning, answer, thinking = self.split()
         self.reasoning = reasoning
         if self.role == "assistant":  # a stored reply has ended: open only where it ended in its reasoning
