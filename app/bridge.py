@@ -241,6 +241,7 @@ class EngineBridge:
         elif drafter != "none":
             drafter = f"{drafter} (γ {cfg.spec.draft_len})"
         experts = "" if m.store.quant == "none" else f"{m.store.quant} "
+        experts += f"({m.store.prequant.label}) " if m.store.prequant is not None else ""  # as the checkpoint came
         where = str(cfg.placement) if cfg.placement else f"{m.device} in {cfg.dtype}"
         profiled = " · calibration profile" if cfg.scheduler.measured is not None else ""  # what it did not fix came from it
         return (f"{name} on {where} · {m.cache.capacity}/{total} {experts}experts on {tier} · "

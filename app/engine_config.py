@@ -107,8 +107,10 @@ def engine_config(args):
 
 
 def choices(engine, sources: dict[str, str]) -> dict[str, dict]:
-    """What ran of each value calibration decides, and where it came from (command line, settings, profile, default)."""
+    """What ran of each value calibration decides, and where it came from (command line, settings, profile, default;
+    a pre-quantized checkpoint's format: checkpoint)."""
     cfg, m = engine.config, engine.model
     ran = {"drafter": cfg.spec.drafter, "draft_len": cfg.spec.draft_len, "policy": cfg.scheduler.policy,
            "utility_bound": cfg.scheduler.utility_bound, "quant": m.store.quant, "expert_cache": m.cache.capacity}
+    sources = dict(sources, quant="checkpoint") if m.store.prequant is not None else sources  # it runs as it is
     return {name: {"value": value, "from": sources[name]} for name, value in ran.items()}

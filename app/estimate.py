@@ -55,7 +55,8 @@ def fit_report(est, vram: int | None, ram: int | None, machine: bool = False) ->
     report: dict = {"fits": True}
     if ram is not None:
         room = expert_store_room(est, ram, vram is not None)
-        in_ram = [q for q in QUANTS[QUANTS.index(est.quant):] if est.with_quant(q).all_experts_bytes <= room]
+        formats = [est.quant] if est.prequantized else QUANTS[QUANTS.index(est.quant):]  # pre-quantized: runs in its own
+        in_ram = [q for q in formats if est.with_quant(q).all_experts_bytes <= room]
         report["host_tier"] = "ram" if est.quant in in_ram else "mmap"
         if report["host_tier"] == "mmap":
             report["ram_quant"] = in_ram[0] if in_ram else None
@@ -120,6 +121,16 @@ def machine_line(m: dict, model_context: int) -> str:
     return f"this machine ({m['ram_bytes'] / gib:.1f} GiB of RAM, {gpu}): {verdict}"
 
 
+def format_line(est) -> str:
+    """The quantized experts' size per weight and where the format comes from: a pre-quantized checkpoint, or --quant."""
+    gib, bits = 2**30, f"{8 * est.expert_bytes / est.expert_params:.2f} bits per weight (fp16 scales included)"
+    if est.prequantized:
+        return f"experts stored as {est.quant} in the checkpoint ({est.prequantized}): {bits}, repacked once at first load"
+    plain = est.with_quant("none")
+    return (f"experts stored as {est.quant}: {bits}, quantized once at first load; {plain.all_experts_bytes / gib:.2f} GiB in "
+            f"{plain.expert_dtype} ({plain.expert_bytes / 2**20:.2f} MiB each)")
+
+
 def cmd_estimate(args) -> int:
     from ..engine import estimate, total_params
 
@@ -129,9 +140,12 @@ def cmd_estimate(args) -> int:
     ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
     where = placement(args, source, vram)
     on_cpu = where.device == "cpu"
-    notice = "--vram-budget-gib not counted: this run computes on the CPU" if on_cpu and vram is not None else ""
+    notices = ["--vram-budget-gib not counted: this run computes on the CPU"] if on_cpu and vram is not None else []
     vram = None if on_cpu else vram  # a CPU run's context and fit are the RAM's
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
+    if est.prequantized and args.quant not in ("none", est.quant):  # as the load's notice says (quant/prequantized.py)
+        notices.append(f"--quant {args.quant} does not apply: the checkpoint is quantized in {est.quant} and runs as it is")
+    notice = "; ".join(notices)
     model_context, fit, machine = est.context_len, {}, None
     if vram is not None or ram is not None:  # the budgets given; without, the sizes and whether this machine holds them
         est, fit = fitted(est, vram, ram, args.context_len is not None)
@@ -159,10 +173,7 @@ def cmd_estimate(args) -> int:
     if est.draft_bytes:
         print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
     if est.quant != "none":
-        plain = est.with_quant("none")
-        print(f"experts stored as {est.quant}: {8 * est.expert_bytes / est.expert_params:.2f} bits per weight (fp16 scales "
-              f"included), quantized once at first load; {plain.all_experts_bytes / gib:.2f} GiB in {plain.expert_dtype} "
-              f"({plain.expert_bytes / 2**20:.2f} MiB each)")
+        print(format_line(est))
     if "max_expert_cache_ratio" in fit:
         from ..engine import ratio_at_most
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ..engine import PULL_MARKER, MoechatError, download_unfinished
+from ..engine import PULL_MARKER, MoechatError, download_unfinished, prequantized_label
 
 # Only what moechat loads: weights, configs, tokenizer files, chat templates.
 PATTERNS = ["*.safetensors", "*.json", "tokenizer.model", "merges.txt", "vocab.txt", "*.jinja"]
@@ -244,10 +244,12 @@ def _row(name: str, path: Path, source: str, complete: bool) -> dict:
     try:
         raw = json.loads((path / "config.json").read_text())
         model_type = str(raw.get("model_type", "?")) if isinstance(raw, dict) else "? (config.json is not an object)"
+        quant = prequantized_label(raw) if isinstance(raw, dict) else ""
     except (OSError, ValueError):
-        model_type = "? (no readable config.json)"
+        model_type, quant = "? (no readable config.json)", ""
     size = sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())  # not a dangling link
-    return {"name": name, "path": str(path), "model_type": model_type, "bytes": size, "complete": complete, "source": source}
+    return {"name": name, "path": str(path), "model_type": model_type, "quant": quant, "bytes": size, "complete": complete,
+            "source": source}
 
 
 def _hub_cache_models() -> list[tuple[str, Path]]:
@@ -274,6 +276,8 @@ def cmd_models(args) -> int:
     elif not rows:
         print(f"no models in {models_dir()}: download one with `moechat pull OWNER/NAME`")
     else:
+        for r in rows:  # a pre-quantized model's format beside its family
+            r["model_type"] += f" ({r['quant']})" if r["quant"] else ""
         width, kind = max(len(r["name"]) for r in rows), max(len(r["model_type"]) for r in rows)
         for r in rows:
             note = "" if r["complete"] else f"  (download not finished: moechat pull {r['name']} resumes it)"
@@ -289,5 +293,6 @@ def add_model_commands(sub) -> None:
     p.add_argument("--revision", default=None, help="branch, tag or commit (default: the repository's default branch, main)")
     p.set_defaults(func=cmd_pull)
     p = sub.add_parser("models", help="list downloaded models")
-    p.add_argument("--json", action="store_true", help="print one JSON list: name, path, model_type, bytes, complete, source")
+    p.add_argument("--json", action="store_true", help="print one JSON list: name, path, model_type, quant (a pre-quantized "
+                        "model's format), bytes, complete, source")
     p.set_defaults(func=cmd_models)

@@ -263,6 +263,12 @@ def prequantized_format(raw_config: dict) -> str | None:
     return None
 
 
+def prequantized_label(raw_config: dict) -> str:
+    """"GPTQ int4", "compressed-tensors int8", ...: how a pre-quantized checkpoint arrives, for a listing; "" for a plain one."""
+    fmt = prequantized_format(raw_config)
+    return "" if fmt is None else f"{'GPTQ' if _quant_method(raw_config)[0] == 'gptq' else 'compressed-tensors'} {fmt}"
+
+
 def _quant_method(raw_config: dict) -> tuple[str, dict]:
     """(quant_method lowercased or "", quantization_config or {}): a malformed one is the loader's to refuse."""
     qc = raw_config.get("quantization_config")

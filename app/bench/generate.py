@@ -80,7 +80,7 @@ def cmd_bench_generate(args) -> int:
         ids = engine.encode(Request(prompt=args.prompt or DEFAULT_PROMPT))
     # replayed routing or quantized weights: HF's tokens would differ (quality: `moechat bench quality`)
     plain = replay is None and engine.model.store.quant == "none"
-    hf_skipped = None
+    hf_skipped = None if plain or replay is not None or not args.hf else _quantized_reason(engine)
     if plain and not args.hf:
         hf_skipped = "--no-hf"
     elif plain and not _hf_fits(engine.config.model_dir, args.dtype):
@@ -138,6 +138,15 @@ def _hf_fits(model_dir: str, dtype: str) -> bool:
     from ...engine import estimate, total_params
 
     return total_params(estimate(model_dir, dtype)) * getattr(torch, dtype).itemsize < 0.8 * psutil.virtual_memory().available
+
+
+def _quantized_reason(engine) -> str:
+    """Why Hugging Face's side is left out of a run with quantized experts, in a few words."""
+    store = engine.model.store
+    if store.prequant is None:
+        return f"experts in {store.quant}: Hugging Face's unquantized tokens would differ; `moechat bench quality` compares them"
+    needs = "optimum or gptqmodel" if store.prequant.label == "GPTQ" else "the compressed-tensors package"
+    return f"a {store.prequant.label} {store.quant} checkpoint: transformers loads it only through {needs}"
 
 
 def _load_hf(args, ids: list[int]):

@@ -34,7 +34,9 @@ def cmd_bench_quality(args) -> int:
         raise MoechatError("--new-tokens must be >= 1 and --prompts >= 0")
     model = resolve_model(args.model, None)[0]
     if "quantization_config" in read_config_dict(Path(model)):
-        raise MoechatError(f"{model} is pre-quantized: the reference must be an unquantized checkpoint")
+        raise MoechatError(f"{model} is pre-quantized: bench quality measures moechat's int8 and int4 against the "
+                           "unquantized model, so pass the unquantized checkpoint (a pre-quantized one's loss is its "
+                           "quantizer's, published with it)")
     texts = eval_prompts(args.prompts or 10**9)
     ref = Engine(EngineConfig(model_dir=model, device="cpu", dtype="float32", quant="none"))
     samples, skipped = _reference_samples(ref, texts, args.new_tokens)

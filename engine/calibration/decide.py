@@ -197,7 +197,8 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
         return f"{_gib_short(max(left[q], 0))} GiB of RAM left"
 
     if est.prequantized:
-        reasons["quant"] = f"{est.quant}: the checkpoint is quantized and runs as it is; its experts need {need[est.quant]} GiB"
+        reasons["quant"] = (f"{est.quant}: the checkpoint is {est.prequantized}-quantized and runs as it is; its experts "
+                            f"need {need[est.quant]} GiB")
         return est
     if quant is not None:
         reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {room(quant)}"

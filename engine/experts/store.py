@@ -12,7 +12,7 @@ from ..model.families import Family
 from ..model.memory_estimate import expert_bytes_for
 from ..quant import formats
 from ..quant.expert_file import QuantizedExperts, open_quantized
-from ..quant.prequantized import PrequantSpec, linear_keys
+from ..quant.prequantized import PrequantSpec, check_weights_match, linear_keys
 from . import cpu_ffn
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the weight types the expert store reads
@@ -55,8 +55,9 @@ class ExpertStore:
         self.fused = prequant is None and bool(layers) and family.expert_key(layers[0], 0, 0) not in ckpt
         self.notices: list[str] = []  # one line each, for the user (a rebuilt quantized cache)
         if quant != "none" and (H % formats.ROWS or I % formats.ROWS):
+            instead = "run it with --quant none" if prequant is None else "run its unquantized checkpoint"  # none: as is
             raise CheckpointError(f"{quant} experts need a hidden size and expert width in multiples of {formats.ROWS} "
-                                  f"(this model: {H} and {I}): run it with --quant none")
+                                  f"(this model: {H} and {I}): {instead}")
         self._check_present()
         self.mmap = ram_budget_bytes is not None and ram_budget_bytes < self.total_bytes
         # Page-locked RAM tier (CUDA): fast-tier copies become asynchronous DMA. Pinned once, at
@@ -150,6 +151,7 @@ class ExpertStore:
 
     def _check_present(self) -> None:
         """Every expert tensor is in the checkpoint with the shape config.json gives (from the headers: nothing read)."""
+        check_weights_match(self.prequant, self.ckpt.keys())  # first: a config.json that disagrees names no one tensor
         for li in range(len(self.layers)):
             for key in self.checkpoint_keys(li):
                 if key not in self.ckpt:
@@ -166,10 +168,14 @@ class ExpertStore:
                                           f"gives {list(want)}: the files do not match config.json; re-download the model")
 
     def _expected_shape(self, key: str) -> tuple[int, ...] | None:
-        """A float checkpoint's expert tensor as the store reads it; None for a pre-quantized one's packed tensors."""
+        """An expert tensor as the store reads it: a float checkpoint's, a pre-quantized one's packed codes (None for its
+        scales and zero points, which the repacking checks against the codes)."""
         E, H, I = self.num_experts, self.hidden, self.inter
         if self.prequant is not None:
-            return None
+            marker = f".{self.prequant.marker}"
+            if not key.endswith(marker):
+                return None
+            return self.prequant.marker_shape(*((H, I) if self._parse(key[:-len(marker)] + ".weight")[1] == 2 else (I, H)))
         if self.fused:
             return (E, 2 * I, H) if key.endswith("gate_up_proj") else (E, H, I)
         return (H, I) if self._parse(key)[1] == 2 else (I, H)

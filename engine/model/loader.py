@@ -210,8 +210,6 @@ def check_transformers() -> None:
 
 def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> LoadedModel:
     check_transformers()
-    from transformers import AutoModelForCausalLM
-
     model_dir = Path(cfg.model_dir).expanduser()
     native.report_bus_errors(cpu_ffn.library())  # weights read in place: a file truncated meanwhile ends moechat in a line
     hf_config = load_hf_config(model_dir)
@@ -220,17 +218,8 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     ckpt = Checkpoint(model_dir)
     device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
 
-    # Build the module tree without allocating: every parameter starts on `meta`.
-    with torch.device("meta"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    hf.eval().requires_grad_(False)
+    hf, sparse = _meta_model(hf_config, family, dtype)
     layers = hf.model.layers
-    sparse = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "mlp", None), "experts")]
-    if sparse != family.sparse_layers(hf_config):
-        raise RuntimeError(
-            f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
-        )
     context_set = cfg.context_len is not None  # by the user: kept, or refused where it cannot fit
     cfg, rope_notice = _rope_context(hf, cfg)  # before any weight loads
     quant = expert_format(prequant, cfg.quant)
@@ -241,6 +230,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, draft_sizes(cfg, device), quant=quant,
                                expert_dtype=str(expert_dtype)[6:], bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed),
                                quantized_dense=quantized_dense_size(hf, routers, quant) if quantized else (0, 0))
+    estimate = dataclasses.replace(estimate, prequantized=getattr(prequant, "label", ""))  # no other format suggested
     if not context_set:  # the model's context, cut where its KV cache would crowd out the experts
         cfg, estimate, rope_notice = context_for_load(cfg, estimate, device, rope_notice)
     context_len = estimate.context_len
@@ -270,6 +260,23 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
                        device, dtype, context_len, lean,
                        "; ".join(n for n in (budget_notice, rope_notice, format_notice(prequant, cfg.quant)) if n))
 
+
+
+def _meta_model(hf_config, family: Family, dtype: torch.dtype):
+    """transformers' module tree without allocating (every parameter on `meta`) -> (it, its sparse layers' indices),
+    checked against the family record's."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    hf.eval().requires_grad_(False)
+    sparse = [i for i, layer in enumerate(hf.model.layers) if hasattr(getattr(layer, "mlp", None), "experts")]
+    if sparse != family.sparse_layers(hf_config):
+        raise RuntimeError(
+            f"{family.model_type}: transformers built sparse layers {sparse}, family says {family.sparse_layers(hf_config)}"
+        )
+    return hf, sparse
 
 
 def _rope_context(hf, cfg: EngineConfig) -> tuple[EngineConfig, str]:

@@ -120,8 +120,9 @@ def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> i
 
 
 def smaller_quant_that_fits(est: MemoryEstimate, room: int) -> str | None:
-    """The first format smaller than the estimate's whose experts fit `room` bytes (None: none, or shapes unknown)."""
-    smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim else ()
+    """The first format smaller than the estimate's whose experts fit `room` bytes (None: none, shapes unknown, or a
+    pre-quantized checkpoint, which runs in its own)."""
+    smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim and not est.prequantized else ()
     return next((q for q in smaller if est.with_quant(q).all_experts_bytes <= room), None)
 
 

@@ -44,7 +44,7 @@ class MemoryEstimate:
     cpu_dense_bytes: dict[str, int] = field(default_factory=dict)  # quant -> non_expert_bytes where a CPU quantizes the
     # dense layers with the experts (estimate(cpu=True)); empty: the same in every format
     pass_bytes_per_token: int = 0  # VRAM each token of the context adds to what the passes hold besides (pass_bytes)
-    prequantized: bool = False  # the checkpoint arrives quantized (GPTQ, compressed-tensors): it runs in `quant` as it is
+    prequantized: str = ""  # the method of a checkpoint that arrives quantized (GPTQ, compressed-tensors): runs in `quant` as is
 
     @property
     def expert_params(self) -> int:
@@ -257,9 +257,9 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         from .config_file import read_config_dict
 
         spec = read_quantization_config(read_config_dict(Path(source).expanduser()))
-        quant, prequantized = expert_format(spec, quant), spec is not None
+        quant, prequantized = expert_format(spec, quant), spec.label if spec is not None else ""
     else:
-        prequantized = False
+        prequantized = ""
     draft_model = draft_dir not in (None, "none", "self")
     draft = draft_model_sizes(draft_dir, dtype) if draft_model else (0, 0)
     from ..experts.cpu_ffn import keeps_bf16

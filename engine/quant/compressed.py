@@ -39,6 +39,7 @@ class CompressedSpec:
     kind: str = "int"  # the scheme's "type": int or float
     actorder: str | None = None
 
+    label = "compressed-tensors"  # the method's name, for the user
     marker = "weight_packed"  # the key suffix that makes a linear a quantized one
     optional = ("weight_shape", "weight_g_idx")  # read where present
 
@@ -66,6 +67,10 @@ class CompressedSpec:
     def suffixes(self) -> tuple[str, ...]:
         """The tensors of one quantized linear (weight_shape optional, read when present)."""
         return ("weight_packed", "weight_scale") + (() if self.symmetric else ("weight_zero_point",))
+
+    def marker_shape(self, n: int, k: int) -> tuple[int, int]:
+        """weight_packed's shape for a linear W [N, K]."""
+        return n, -(-k * self.bits // 32)
 
     def group(self, k: int) -> int:
         """Columns per scale for a matrix with K = k inputs."""

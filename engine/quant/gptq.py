@@ -54,6 +54,7 @@ class GptqSpec:
                                   f"are): use a checkpoint saved in the gptq format, or {ADVICE}")
 
     fmt = "int4"  # what its linears map onto
+    label = "GPTQ"  # the method's name, for the user
     marker = "qweight"  # the key suffix that makes a linear a quantized one
     optional = ("g_idx",)  # read where present (old checkpoints lack it)
 
@@ -64,6 +65,10 @@ class GptqSpec:
     def suffixes(self) -> tuple[str, ...]:
         """The tensors of one quantized linear (g_idx optional, read when present)."""
         return SUFFIXES[:3]
+
+    def marker_shape(self, n: int, k: int) -> tuple[int, int]:
+        """qweight's shape for a linear W [N, K]."""
+        return -(-k // 8), n
 
     def to_matrix(self, t: dict[str, torch.Tensor], prefix: str) -> formats.QuantMatrix:
         return gptq_to_matrix(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"], t.get(f"{prefix}.g_idx"),
@@ -113,9 +118,11 @@ def _check(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     groups = -(-k // spec.group(k))
     if n % 8 or qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (groups, n // 8):
-        raise bad(f"qzeros is {qzeros.dtype} {tuple(qzeros.shape)}, expected int32 {(groups, n // 8)} (N = {n}, K = {k})")
+        raise bad(f"qzeros is {qzeros.dtype} {tuple(qzeros.shape)}, expected int32 {(groups, n // 8)} (N = {n}, K = {k}, "
+                  f"config.json's group_size {spec.group_size})")
     if not scales.is_floating_point() or tuple(scales.shape) != (groups, n):
-        raise bad(f"scales is {scales.dtype} {tuple(scales.shape)}, expected fp16 {(groups, n)} (N = {n}, K = {k})")
+        raise bad(f"scales is {scales.dtype} {tuple(scales.shape)}, expected fp16 {(groups, n)} (N = {n}, K = {k}, "
+                  f"config.json's group_size {spec.group_size})")
     plain = torch.arange(k, device=qweight.device) // spec.group(k)
     if g_idx is None and spec.desc_act:
         raise bad("g_idx is missing (a desc_act checkpoint needs it)")

@@ -42,6 +42,24 @@ def format_notice(spec: PrequantSpec | None, requested: str) -> str:
     return f"quant {requested} does not apply: the checkpoint is quantized in {spec.fmt} and runs as it is"
 
 
+MARKERS = {"qweight": "GPTQ", "weight_packed": "compressed-tensors"}  # a quantized linear's key suffix, by method
+
+
+def check_weights_match(spec: PrequantSpec | None, keys) -> None:
+    """CheckpointError where config.json and the weights disagree: a quantization_config over unquantized weights, or
+    quantized weights under a config.json without one (an edited or mixed-up config.json)."""
+    keys = list(keys)
+    if spec is not None and not any(key.endswith(f".{spec.marker}") for key in keys):
+        raise CheckpointError(f"config.json says the checkpoint is {spec.label} {spec.fmt} (quantization_config), but no "
+                              f"weight in its files is (none ends in .{spec.marker}): remove quantization_config from "
+                              "config.json if the weights are unquantized, or re-download the model")
+    found = next((key for key in keys if key.rsplit(".", 1)[-1] in MARKERS), None) if spec is None else None
+    if found is not None:
+        raise CheckpointError(f"the checkpoint's weights are {MARKERS[found.rsplit('.', 1)[-1]]}-quantized ({found}), but "
+                              "config.json has no quantization_config: restore config.json from the model's repository "
+                              "(re-download the model)")
+
+
 def quantized_prefixes(spec: PrequantSpec, keys) -> set[str]:
     """The quantized linears' prefixes in a checkpoint's key set (each key ending in .<marker>)."""
     end = f".{spec.marker}"

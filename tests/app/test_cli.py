@@ -509,3 +509,15 @@ def test_generate_json_interrupted_prints_the_reply_so_far_and_exits_130(checkpo
     assert got["interrupted"] is True and got["stats"] is None and err.strip().endswith("moechat: error: interrupted")
     assert got["token_ids"] == whole["token_ids"][:1] and whole["text"].startswith(got["text"])
     assert set(got) == set(whole)
+
+
+def test_generate_json_says_a_pre_quantized_checkpoints_format_came_from_the_checkpoint(checkpoint, tmp_path, capsys):
+    """choices.quant said int4 came from the command line where --quant int8 was typed (and from the default without it):
+    a GPTQ checkpoint's format is its own."""
+    from moechat.app.cli import main
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    assert main(["generate", "--model", str(gptq), "hi", "--max-new-tokens", "2", "--quant", "int8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["quant"] == "int4" and out["choices"]["quant"] == {"value": "int4", "from": "checkpoint"}

@@ -89,6 +89,12 @@ def test_the_troubleshooting_table_quotes_the_prequantized_refusals():
     with pytest.raises(MoechatError) as compressed:
         read_compressed_config(fp8)
     assert str(compressed.value).startswith(_troubleshooting_message("compressed-tensors"))
+    from moechat.engine.quant.prequantized import check_weights_match
+
+    for spec, keys, starts in ((GptqSpec(), ["x.weight"], "config.json says"), (None, ["x.qweight"], "the checkpoint's weights")):
+        with pytest.raises(MoechatError) as mismatch:
+            check_weights_match(spec, keys)
+        assert str(mismatch.value).split("(")[0] == _troubleshooting_message(starts).split("(")[0]
 
 
 @pytest.mark.notorch

@@ -202,3 +202,20 @@ def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, mon
 
     machine(64, [GpuInfo("NVIDIA RTX 4090", 24 * gib, 23 * gib)])  # NVML sees it; this run computes on the CPU
     assert "RTX 4090 with 24.0 GiB (not counted: this run computes on the CPU)): fits" in shown()[1]
+
+
+def test_a_gptq_checkpoint_is_estimated_as_it_runs(checkpoint, tmp_path, capsys):
+    """It said 'quantized once at first load' and compared a bf16 size no file holds, and --quant int8 went unsaid (the
+    run says it does not apply); now: the checkpoint's format and method, repacked, and the notice."""
+    from moechat.app.cli import main
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    assert main(["estimate", "--model", str(gptq), "--quant", "int8"]) == 0
+    out = capsys.readouterr().out
+    assert "experts stored as int4 in the checkpoint (GPTQ)" in out and "repacked once at first load" in out
+    assert "quantized once" not in out and "in bfloat16" not in out
+    assert out.rstrip().endswith("--quant int8 does not apply: the checkpoint is quantized in int4 and runs as it is")
+    assert main(["estimate", "--model", str(gptq), "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["quant"] == "int4" and est["prequantized"] == "GPTQ" and "notice" not in est

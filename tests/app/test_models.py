@@ -375,3 +375,24 @@ def test_a_models_page_given_to_pull_says_its_id():
             models.pull(given)
     with pytest.raises(MoechatError, match="e.g. Qwen/Qwen3-30B-A3B$"):
         models.pull("qwen3")
+
+
+@pytest.mark.notorch
+def test_models_names_a_pre_quantized_models_format(monkeypatch, tmp_path, capsys):
+    """A GPTQ or compressed-tensors checkpoint was listed as its family alone, like its bf16 original beside it."""
+    from moechat.app.cli import main
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    configs = {"o/plain": {"model_type": "qwen3_moe"},
+               "o/gptq": {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq", "bits": 4}},
+               "o/w8": {"model_type": "qwen3_moe", "quantization_config": {
+                   "quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 8}}}}}}
+    for name, config in configs.items():
+        models.local_dir(name).mkdir(parents=True)
+        (models.local_dir(name) / "config.json").write_text(json.dumps(config))
+    assert {r["name"]: r["quant"] for r in models.list_models()} == {"o/plain": "", "o/gptq": "GPTQ int4",
+                                                                     "o/w8": "compressed-tensors int8"}
+    assert main(["models"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "qwen3_moe (GPTQ int4)" in lines["o/gptq"] and "qwen3_moe (compressed-tensors int8)" in lines["o/w8"]
+    assert "(" not in lines["o/plain"]

@@ -52,4 +52,5 @@ def test_bench_quality_refuses_a_pre_quantized_reference(checkpoint, tmp_path, c
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
     assert main(["bench", "quality", "--model", str(model)]) == 1
-    assert "pre-quantized" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pre-quantized" in err and "pass the unquantized checkpoint" in err and "\n" not in err.strip()

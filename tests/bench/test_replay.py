@@ -257,3 +257,7 @@ def test_random_model_gptq_is_the_official_int4_layout_and_runs(tmp_path, capsys
                  "--no-hf", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["quant"] == "int4" and result["new_tokens"] == 3
+    # with Hugging Face asked for: transformers needs optimum or gptqmodel for GPTQ (not installed), one line says so
+    assert main(["bench", "generate", "--model", str(out), "--max-new-tokens", "3", "--repeats", "1", "--draft", "none"]) == 0
+    said = capsys.readouterr().out
+    assert "HF: not compared (a GPTQ int4 checkpoint: transformers loads it only through optimum or gptqmodel" in said

@@ -838,4 +838,4 @@ def test_calibrate_a_gptq_checkpoint(checkpoint, tmp_path, capsys):
     assert main(["calibrate", "--model", str(gptq), "--quick", "--json"]) == 0
     decisions = json.loads(capsys.readouterr().out)["decisions"]
     assert decisions["quant"] == "int4" and decisions["reasons"]["quant"].startswith(
-        "int4: the checkpoint is quantized and runs as it is")
+        "int4: the checkpoint is GPTQ-quantized and runs as it is")

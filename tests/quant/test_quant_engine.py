@@ -2,8 +2,10 @@
 the twins, the quantized cache file built once and rebuilt when it cannot be trusted, GPTQ checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -763,3 +765,103 @@ def test_a_gptq_linear_missing_a_tensor_is_one_line(checkpoint, tmp_path):
     with pytest.raises(CheckpointError) as err:
         Engine(EngineConfig(model_dir=str(gptq)))
     assert f"{key} is not in the checkpoint" in str(err.value) and "\n" not in str(err.value)
+
+
+def _edit_gptq(gptq, edit=None, config=None):
+    """A GPTQ checkpoint's one shard and config.json changed in place: edit(tensors), config(dict)."""
+    from safetensors.torch import load_file, save_file
+
+    if edit is not None:
+        shard = next(gptq.glob("*.safetensors"))
+        t = load_file(shard)
+        edit(t)
+        save_file(t, shard, metadata={"format": "pt"})
+    if config is not None:
+        raw = json.loads((gptq / "config.json").read_text())
+        config(raw)
+        (gptq / "config.json").write_text(json.dumps(raw))
+    return gptq
+
+
+def test_a_gptq_expert_of_another_shape_than_config_json_says_is_one_line(checkpoint, tmp_path):
+    """Its qweight, qzeros and scales agree with each other but not with config.json: the repacking stopped on an
+    internal error (a RuntimeError from joining gate and up); now the shape check names the tensor before any read."""
+    from gptq_pack import pack_gptq
+
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    prefix = "model.layers.0.mlp.experts.0.gate_proj"
+
+    def wider(t):  # [32, 32] where config.json gives [16, 32]
+        t.update({f"{prefix}.{s}": v for s, v in pack_gptq(torch.randn(32, 32) * 0.05, 32).items()})
+
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(_edit_gptq(gptq, wider))))
+    assert f"{prefix}.qweight has shape [4, 32] where config.json gives [4, 16]" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("pack", ["gptq", "compressed"])
+def test_config_json_and_weights_that_disagree_on_quantization_say_which(pack, checkpoint, tmp_path):
+    """A quantization_config over unquantized weights said 'quantized weight ...qweight is not in the checkpoint', and
+    quantized weights under a config.json without one 'expert weight ...gate_up_proj is not in the checkpoint' (a fused
+    name no file of the model holds): each now says which side is wrong and what to do."""
+    from compressed_pack import make_compressed_checkpoint
+
+    src = checkpoint("qwen3_moe")
+    make = make_gptq_checkpoint if pack == "gptq" else make_compressed_checkpoint
+    quantized = make(src, tmp_path / "q", group_size=32)
+    qc = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    plain = tmp_path / "plain"
+    shutil.copytree(src, plain)
+    _edit_gptq(plain, config=lambda raw: raw.update(quantization_config=qc))
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(plain)))
+    label = "GPTQ" if pack == "gptq" else "compressed-tensors"
+    assert f"config.json says the checkpoint is {label} int4" in str(err.value)
+    assert "remove quantization_config from config.json" in str(err.value)
+    _edit_gptq(quantized, config=lambda raw: raw.pop("quantization_config"))
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(quantized)))
+    assert f"weights are {label}-quantized" in str(err.value) and "no quantization_config" in str(err.value)
+    assert "gate_up_proj" not in str(err.value)
+
+
+def test_a_group_size_config_json_does_not_match_is_named(checkpoint, tmp_path):
+    """group 32 on disk, 64 in config.json (hidden 32: gate and up are one group either way; down's K is 16)."""
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe", hidden_size=64, head_dim=16), tmp_path / "gptq", group_size=32)
+    _edit_gptq(gptq, config=lambda raw: raw["quantization_config"].update(group_size=64))
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(gptq)))
+    assert "config.json's group_size 64" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_prequantized_width_the_kernel_cannot_group_is_not_told_to_use_quant_none(checkpoint, tmp_path):
+    """--quant none does nothing to a GPTQ checkpoint (it runs as it is): the line names the unquantized checkpoint."""
+    gptq = make_gptq_checkpoint(checkpoint("mixtral"), tmp_path / "gptq", group_size=32)  # expert width 24
+    with pytest.raises(CheckpointError) as err:
+        Engine(EngineConfig(model_dir=str(gptq)))
+    assert "multiples of 16" in str(err.value) and "--quant none" not in str(err.value)
+    assert "unquantized checkpoint" in str(err.value)
+
+
+def test_no_other_format_is_suggested_for_a_prequantized_checkpoints_experts(checkpoint, tmp_path):
+    """A compressed-tensors int8 checkpoint runs in int8 whatever --quant says: a RAM too small for its experts must not
+    be answered with --quant int4, which would not apply."""
+    from compressed_pack import make_compressed_checkpoint
+
+    from moechat.app.estimate import fit_report
+    from moechat.engine.model.memory_budgets import smaller_quant_that_fits
+    from moechat.engine.model.memory_estimate import estimate
+
+    ct = make_compressed_checkpoint(checkpoint("qwen3_moe"), tmp_path / "ct8", bits=8, strategy="channel")
+    est = estimate(str(ct), "float32", cpu=True)
+    assert (est.quant, est.prequantized) == ("int8", "compressed-tensors")
+    room = est.with_quant("int4").all_experts_bytes  # int4's experts would fit, int8's do not
+    assert smaller_quant_that_fits(dataclasses.replace(est, prequantized=""), room) == "int4"
+    assert smaller_quant_that_fits(est, room) is None
+    from moechat.engine import expert_store_room
+
+    ram = 2**33 - expert_store_room(est, 2**33, False) + room  # a RAM budget whose room for experts is `room`
+    assert expert_store_room(est, ram, False) == room
+    report = fit_report(est, None, ram)
+    assert report["host_tier"] == "mmap" and report["ram_quant"] is None

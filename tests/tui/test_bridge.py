@@ -129,6 +129,20 @@ def test_quitting_during_a_first_quantization_stops_it_and_leaves_no_half_cache(
     assert list(tmp_path.iterdir()) == []  # neither a cache nor a private build folder
 
 
+def test_the_status_names_a_pre_quantized_checkpoints_format_and_a_quant_that_does_not_apply(checkpoint, tmp_path):
+    """A GPTQ checkpoint's status said '0/16 int4 experts' as for moechat's own int4, and the settings' quant int8 on it
+    reached the load's notice only; the status names GPTQ, the notice says int8 does not apply."""
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    bridge, inbox = started(lambda: EngineConfig(str(gptq), quant="int8"))
+    try:
+        ready = inbox.wait(EngineReady)
+        assert "int4 (GPTQ) experts" in ready.summary
+        assert "quant int8 does not apply: the checkpoint is quantized in int4" in ready.notice
+    finally:
+        bridge.close()
+
 def test_a_load_that_outlasts_close_says_it_still_runs():
     """close() waits a moment for a load; one still running (inside PyTorch's ops, which nothing can cut short) must not
     be left to the interpreter's exit, which aborts the process under it: run_tui ends with os._exit when it says so."""
