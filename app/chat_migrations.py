@@ -132,6 +132,7 @@ def migrate(db: sqlite3.Connection, path: Path, version: int) -> None:
             for statement in _statements(MIGRATIONS[number - 1]):
                 db.execute(statement)
             db.execute(f"PRAGMA user_version = {number}")  # in the file header, in the same transaction
+        mark(db)  # with the schema: a crash after the commit left a schema 3 without the id, refused as another program's
         db.execute("COMMIT")
     except BaseException:
         if db.in_transaction:

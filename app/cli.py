@@ -397,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
             said = f"{flag} goes after a command" if ours == flag else f"{flag} is llama.cpp's; moechat's goes after a command"
             parser.error(f"{said}, e.g. moechat {taker} {' '.join([ours, *argv[1:2]])}")
     if argv[:1] == ["help"]:  # as `git help`: the help asked for, `moechat help serve` serve's
-        _command_parser(parser, argv[1:]).print_help()
+        words = [w for w in argv[1:] if not w.startswith("-")]
+        command = _command_parser(parser, words)
+        if command.prog != " ".join([parser.prog, *words]):  # `moechat help chta` printed moechat's help, exit 0
+            parser.error(f"{' '.join(words)!r} is not a command")
+        command.print_help()
         return 0
     if argv and not argv[0].startswith("-") and argv[0] not in commands:
         parser.error(their_command(argv, commands) or not_a_command(argv, commands))

@@ -19,7 +19,7 @@ decode to nothing). Every other shape is the real model's unless scaled down.
 
 `--gptq` writes the routed experts and the attention projections as a GPTQ int4 checkpoint laid out as the official
 Qwen/Qwen3-30B-A3B-GPTQ-Int4 (group 128, symmetric, `qweight`/`qzeros`/`scales`/`g_idx`), with random codes and
-scales drawn directly (nothing to round: the weights are random anyway), so a full-size Qwen3-30B-A3B is 16.5 GB, not
+scales drawn directly (nothing to round: the weights are random anyway), so a full-size Qwen3-30B-A3B is 15.7 GB, not
 61: the size of the run a 24-32 GB machine holds.
 """
 from __future__ import annotations

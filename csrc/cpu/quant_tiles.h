@@ -453,7 +453,7 @@ AMXQ_TARGET inline void amxq_unpack4(const uint8_t* q, int64_t nb, uint8_t* u) {
     }
 }
 
-// One block's integer sums into C [16 tokens x 16 rows]: A tile (tokens) times B tile (rows) in tiles ta, tb, tc. A macro:
+// One block's integer sums into C [TT tokens x 16 rows]: A tile (tokens) times B tile (rows) in tiles ta, tb, tc. A macro:
 // GCC's tile intrinsics paste their tile numbers into the assembly, so a template parameter cannot name them.
 #define AMXQ_BLOCK(ta, tb, tc, a, lda, b, C) \
     do {                                     \

@@ -261,7 +261,6 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
                        "; ".join(n for n in (budget_notice, rope_notice, format_notice(prequant, cfg.quant)) if n))
 
 
-
 def _meta_model(hf_config, family: Family, dtype: torch.dtype):
     """transformers' module tree without allocating (every parameter on `meta`) -> (it, its sparse layers' indices),
     checked against the family record's."""

@@ -817,3 +817,19 @@ def test_a_finished_replys_end_is_kept_by_an_update_that_does_not_say_it(tmp_pat
     assert store.messages(conv)[-1].finish == "cancelled"
     store.update(mid, "half", finished=False)
     assert store.messages(conv)[-1].finish is None
+
+
+@pytest.mark.notorch
+def test_a_migration_marks_the_file_as_moechats_in_its_own_transaction(tmp_path):
+    """A start ended right after the migration's commit (a crash, a kill) must not leave a schema the next start
+    refuses as another program's: the application id is written with the schema, not after it."""
+    from moechat.app.chat_migrations import migrate, moechat_version
+
+    path = tmp_path / "chats.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None)
+    migrate(db, path, 0)  # and nothing after it: the process ends here
+    db.close()
+    again = sqlite3.connect(path, isolation_level=None)
+    assert again.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+    assert moechat_version(again, path) == len(MIGRATIONS)
+    again.close()

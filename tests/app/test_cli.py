@@ -441,6 +441,11 @@ def test_help_as_a_command_prints_the_help_asked_for(capsys):
         captured = capsys.readouterr()
         assert captured.out == _command_parser(parser, words).format_help() and captured.err == ""
     assert "usage: moechat bench generate" in _command_parser(parser, ["bench", "generate"]).format_help()
+    for argv, word in ((["chta"], "'chta'"), (["bench", "genrate"], "'bench genrate'")):  # moechat's help, exit 0, hid the typo
+        with pytest.raises(SystemExit) as exit_:
+            main(["help", *argv])
+        captured = capsys.readouterr()
+        assert exit_.value.code == 2 and captured.out == "" and f"moechat: error: {word} is not a command" in captured.err
 
 
 @pytest.mark.notorch

@@ -253,7 +253,7 @@ def test_the_vector_paths_agree_with_the_portable_one_on_integer_dots():
 def test_amx_tiles_give_the_vnni_paths_bits(fmt, first):
     """The tiles make the same integer sums (int4's nibbles unpacked into int8's layout) and scale them in the same
     order: equal, not close, around the token count where AMX takes over, past one and two 16-token tiles (a last tile
-    of fewer rows), in odd and even numbers of row groups and blocks, linear and FFN; int6 (the head) stays on VNNI."""
+    of every size, 1-16 rows), in odd and even numbers of row groups and blocks, linear and FFN; int6 (the head) stays on VNNI."""
     assert cpu_ffn.resolved_q_isa("amx_int8", fmt) == "amx_int8" and cpu_ffn.resolved_q_isa("amx_int8", "int6") == "avx512_vnni"
     assert cpu_ffn.resolved_q_isa("avx512_vnni", fmt) == "avx512_vnni"  # MOECHAT_CPU_ISA=avx512_vnni still forces VNNI
     for rows, k, t in ((48, 96, first), (96, 2048, first + 1), (32, 160, first - 1), (16, 64, 16), (48, 352, 2 * first + 3),
@@ -266,6 +266,10 @@ def test_amx_tiles_give_the_vnni_paths_bits(fmt, first):
         amx, vnni = (cpu_ffn.moe_ffn_q_native(x, gu, dn, experts, offsets, rows, w, torch.zeros(24, H), isa=isa)
                      for isa in ("amx_int8", "avx512_vnni"))
         assert torch.equal(amx, vnni), (H, I, sizes)
+    w = formats.quantize(torch.randn(32, 96) * 0.05, fmt)  # each last tile's own code (amxq_tokens<BITS, TT>): 1-16 rows
+    for t in range(max(first, 17), max(first, 17) + 16):
+        x = torch.randn(t, 96)
+        assert torch.equal(cpu_ffn.q_linear(x, w, isa="amx_int8"), cpu_ffn.q_linear(x, w, isa="avx512_vnni")), t
 
 
 @needs_native

@@ -143,6 +143,7 @@ def test_the_status_names_a_pre_quantized_checkpoints_format_and_a_quant_that_do
     finally:
         bridge.close()
 
+
 def test_a_load_that_outlasts_close_says_it_still_runs():
     """close() waits a moment for a load; one still running (inside PyTorch's ops, which nothing can cut short) must not
     be left to the interpreter's exit, which aborts the process under it: run_tui ends with os._exit when it says so."""
