@@ -30,6 +30,19 @@ def run_placement(device: str | None, dtype: str | None, settings, model, quant:
     return placement
 
 
+def _arriving_format(model) -> str | None:
+    """The format a pre-quantized checkpoint runs in (GPTQ, compressed-tensors), None for a plain one or an unreadable
+    config.json (the load says what is wrong with it)."""
+    from pathlib import Path
+
+    from ..engine import MoechatError, prequantized_format, read_config_dict
+
+    try:
+        return prequantized_format(read_config_dict(Path(model)))
+    except (MoechatError, OSError):
+        return None
+
+
 def gib(value: float | None) -> int | None:
     return None if value is None else int(value * 2**30)
 
@@ -70,7 +83,8 @@ def engine_config(args):
                            profile=d and d.draft_len, default=spec.draft_len)
     args.policy = _pick(sources, "policy", command_line=args.policy, settings=settings.policy, profile=d and d.policy,
                         default=sched.policy)
-    args.quant = _pick(sources, "quant", command_line=args.quant, settings=settings.quant, profile=d and d.quant,
+    own = _arriving_format(args.model)  # a pre-quantized checkpoint's: a profile made before moechat knew may say another
+    args.quant = _pick(sources, "quant", command_line=args.quant, settings=settings.quant, profile=own or (d and d.quant),
                        default="none")
     args.placement = run_placement(args.device, args.dtype, settings, args.model, args.quant)
     args.device, args.dtype = args.placement.device, args.placement.dtype

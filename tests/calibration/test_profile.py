@@ -839,3 +839,21 @@ def test_calibrate_a_gptq_checkpoint(checkpoint, tmp_path, capsys):
     decisions = json.loads(capsys.readouterr().out)["decisions"]
     assert decisions["quant"] == "int4" and decisions["reasons"]["quant"].startswith(
         "int4: the checkpoint is GPTQ-quantized and runs as it is")
+
+
+def test_a_stale_profiles_format_does_not_reach_a_pre_quantized_checkpoint(checkpoint, tmp_path):
+    """A profile calibrated for a GPTQ checkpoint before moechat kept its own format (on a GPU machine `decide` could
+    pick int8 for it) gave every load a "quant int8 does not apply" notice nobody asked for; the checkpoint's own format
+    goes first now, and a format the user asks for still gets the notice."""
+    from moechat.app.cli import build_parser
+    from moechat.app.engine_config import engine_config
+    from moechat.engine.calibration.probe import fingerprint, probe
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    gptq = make_gptq_checkpoint(checkpoint("qwen3_moe"), tmp_path / "gptq", group_size=32)
+    save_profile(replace(profile(model_key(gptq), fingerprint(probe())), decisions=decisions(quant="int8")))
+    cfg = engine_config(build_parser().parse_args(["generate", "hi", "--model", str(gptq), "--device", "cpu"]))
+    assert cfg.quant == "int4"
+    asked = engine_config(build_parser().parse_args(["generate", "hi", "--model", str(gptq), "--device", "cpu",
+                                                     "--quant", "int8"]))
+    assert asked.quant == "int8"  # the user's: the load says it does not apply (tests/quant/test_quant_engine.py)
