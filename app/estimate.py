@@ -132,7 +132,7 @@ def format_line(est) -> str:
 
 
 def cmd_estimate(args) -> int:
-    from ..engine import estimate, total_params
+    from ..engine import estimate, format_notice, total_params
 
     name, source = _source(args.model)
     gib = 2**30
@@ -143,8 +143,8 @@ def cmd_estimate(args) -> int:
     notices = ["--vram-budget-gib not counted: this run computes on the CPU"] if on_cpu and vram is not None else []
     vram = None if on_cpu else vram  # a CPU run's context and fit are the RAM's
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
-    if est.prequantized and args.quant not in ("none", est.quant):  # as the load's notice says (quant/prequantized.py)
-        notices.append(f"--quant {args.quant} does not apply: the checkpoint is quantized in {est.quant} and runs as it is")
+    if asked := format_notice(est.quant if est.prequantized else None, args.quant, "--quant"):  # as the load says it
+        notices.append(asked)
     notice = "; ".join(notices)
     model_context, fit, machine = est.context_len, {}, None
     if vram is not None or ram is not None:  # the budgets given; without, the sizes and whether this machine holds them

@@ -44,6 +44,7 @@ _MODULES = {  # submodule -> the public names it provides
     "experts.grouped": ("grouped_ffn", "uses_grouped_mm"),
     "experts.native_copier": ("NativeCopier",),
     "quant.formats": ("empty_matrix", "grouped_expert_ffn", "matrix_bytes"),
+    "quant.prequantized": ("format_notice",),
     "pinned": ("release_cached_memory",),
 }
 # whole modules: the native build registry, the CPU kernel and its twin, the GPU's quantized-expert kernel

@@ -257,8 +257,8 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config), runtime,
-                       device, dtype, context_len, lean,
-                       "; ".join(n for n in (budget_notice, rope_notice, format_notice(prequant, cfg.quant)) if n))
+                       device, dtype, context_len, lean, "; ".join(n for n in (
+                           budget_notice, rope_notice, format_notice(prequant and prequant.fmt, cfg.quant)) if n))
 
 
 def _meta_model(hf_config, family: Family, dtype: torch.dtype):

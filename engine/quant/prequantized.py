@@ -35,14 +35,15 @@ def expert_format(spec: PrequantSpec | None, requested: str) -> str:
     return spec.fmt if spec is not None else requested
 
 
-def format_notice(spec: PrequantSpec | None, requested: str) -> str:
-    """A line for the user when another format was asked of a pre-quantized checkpoint (it runs in its own); else ""."""
-    if spec is None or requested in ("none", spec.fmt):
+def format_notice(fmt: str | None, requested: str, asked: str = "quant") -> str:
+    """A line for the user when another format (`asked` names the flag or setting) was asked of a checkpoint that arrives
+    quantized in `fmt` (it runs in its own); "" for a plain checkpoint (fmt None) or nothing else asked."""
+    if fmt is None or requested in ("none", fmt):
         return ""
-    return f"quant {requested} does not apply: the checkpoint is quantized in {spec.fmt} and runs as it is"
+    return f"{asked} {requested} does not apply: the checkpoint is quantized in {fmt} and runs as it is"
 
 
-MARKERS = {"qweight": "GPTQ", "weight_packed": "compressed-tensors"}  # a quantized linear's key suffix, by method
+MARKERS = {spec.marker: spec.label for spec in (GptqSpec, CompressedSpec)}  # a quantized linear's key suffix -> method
 
 
 def check_weights_match(spec: PrequantSpec | None, keys) -> None:
