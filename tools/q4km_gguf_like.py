@@ -3,8 +3,12 @@ needs (61 GB for Qwen3-30B-A3B, more than the benchmark machine's disk holds bes
 and non-layer tensors of llama.cpp's own Q4_K_M conversion of a 1-layer model of the same shapes
 (`moechat bench random-model DIR --like qwen3-30b-a3b --layers 1`, then `../shared/peers/llamacpp.sh DIR q4_k_m`);
 every layer's tensors in the types llama-quantize's Q4_K_M gives LAYERS layers of that architecture (src/llama-quant.cpp:
-Q4_K, but attn_v and ffn_down(_exps) Q6_K where use_more_bits(i, LAYERS); norms and router F32, copied), with random
-blocks whose fp16 scales are finite. The side-by-side partner of `bench random-model --gptq` (docs/benchmarks.md,
+the template's types, but attn_v and ffn_down* Q6_K where use_more_bits(i, LAYERS), else Q4_K, each falling back to Q8_0
+and Q5_0 where a row is not a multiple of 256; norms and router F32, copied), with random blocks whose fp16 scales are
+finite. Layer i takes the template's layer min(i, template layers - 1): a model with leading dense layers (DeepSeek's
+first_k_dense_replace) needs a template of those plus one MoE layer, e.g. `--like deepseek-v2-lite --layers 2`, whose
+bf16 GGUF's block_count is set to the real count before llama-quantize (llama.cpp takes 26 or 27 layers as the Lite
+model that has no q_lora_rank). The side-by-side partner of `bench random-model --gptq` (docs/benchmarks.md,
 "Full size"). Needs llama.cpp's gguf-py on PYTHONPATH (the peers cache: .../vendor/llama.cpp/gguf-py).
 usage: python tools/q4km_gguf_like.py ONE_LAYER_Q4_K_M.gguf OUT.gguf [LAYERS (default 48)]"""
 import sys
@@ -28,12 +32,15 @@ for key, f in r.fields.items():
 def more_bits(i, n):
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
-BLOCK = {Q.Q4_K: (144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (210, [(208, 1e-5)])}  # bytes per 256 weights, fp16 fields
+# weights and bytes per block, its fp16 fields (offset, value)
+BLOCK = {Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (256, 210, [(208, 1e-5)]),
+         Q.Q5_0: (32, 22, [(0, 1e-4)]), Q.Q8_0: (32, 34, [(0, 1e-5)])}
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama-quant.cpp's types for rows that are not a multiple of 256
 rng = np.random.default_rng(0)
 
 def random_blocks(qtype, weights):
-    size, halves = BLOCK[qtype]
-    b = np.frombuffer(rng.bytes(weights // 256 * size), np.uint8).reshape(-1, size).copy()
+    per, size, halves = BLOCK[qtype]
+    b = np.frombuffer(rng.bytes(weights // per * size), np.uint8).reshape(-1, size).copy()
     for off, val in halves:
         b[:, off:off + 2] = np.frombuffer(np.float16(val).tobytes(), np.uint8)
     return b
@@ -42,18 +49,23 @@ plan = []  # (name, numpy byte shape, raw type, data maker)
 for t in r.tensors:
     if not t.name.startswith("blk."):
         plan.append((t.name, t.data.shape, t.tensor_type, lambda t=t: np.asarray(t.data)))
+template_layers = 1 + max(int(t.name.split(".")[1]) for t in r.tensors if t.name.startswith("blk."))
 for i in range(layers):
+    src_prefix = f"blk.{min(i, template_layers - 1)}."
     for t in r.tensors:
-        if not t.name.startswith("blk.0."):
+        if not t.name.startswith(src_prefix):
             continue
-        name = f"blk.{i}." + t.name[len("blk.0."):]
+        name = f"blk.{i}." + t.name[len(src_prefix):]
         if t.tensor_type == Q.F32:
             plan.append((name, t.data.shape, t.tensor_type, lambda t=t: np.asarray(t.data)))
             continue
-        qt = Q.Q6_K if (".attn_v." in name or ".ffn_down" in name) and more_bits(i, layers) else Q.Q4_K
         ne = [int(x) for x in t.shape]  # ggml order: ne0 first
+        qt = t.tensor_type
+        if ".attn_v." in name or ".ffn_down" in name:
+            qt = Q.Q6_K if more_bits(i, layers) else Q.Q4_K
+            qt = FALLBACK[qt] if ne[0] % 256 else qt
         weights = int(np.prod(ne))
-        shape = tuple(reversed(ne[1:])) + (ne[0] // 256 * BLOCK[qt][0],)
+        shape = tuple(reversed(ne[1:])) + (ne[0] // BLOCK[qt][0] * BLOCK[qt][1],)
         plan.append((name, shape, qt, lambda qt=qt, weights=weights, shape=shape: random_blocks(qt, weights).reshape(shape)))
 for name, shape, qt, _ in plan:
     nbytes = int(np.prod(shape)) * (4 if qt == Q.F32 else 1)
