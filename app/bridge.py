@@ -53,6 +53,7 @@ from .tui.messages import (
 # close() waits this long: a reply stops within a step, but a load in progress cannot be
 # cut short, and quitting must not hang on it (the thread is a daemon: it ends with the process)
 JOIN_S = 2.0
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # the status line's short form
 LAYER_JOIN_S = 30.0  # a first quantization's layer (seconds on a large model) ends before the process does
 
 
@@ -224,28 +225,33 @@ class EngineBridge:
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
         if isinstance(engine, RemoteEngine):
-            self._send(EngineReady(engine.model, engine.summary, ""))
+            self._send(EngineReady(engine.model, engine.summary, f"remote {engine.config.url}"))
             return
         placement = config.placement.notice if config.placement else ""
         notices = (placement, *config.notices, *engine.notices)
-        self._send(EngineReady(name, self._summary(engine, name), "; ".join(n for n in notices if n)))
+        self._send(EngineReady(name, *self._summary(engine, name), "; ".join(n for n in notices if n)))
 
     @staticmethod
-    def _summary(engine, name: str) -> str:
+    def _summary(engine, name: str) -> tuple[str, str]:
+        """(the status line's summary of what runs, its short form for a narrow terminal: no model name, no reasons)."""
         m, cfg = engine.model, engine.config
         total = m.cache.slot_of.numel()
         tier = "the GPU" if m.device.type == "cuda" else "the fast tier"
-        drafter = engine.drafter.name
+        drafter = short_drafter = engine.drafter.name
         if drafter == "model":
-            drafter = draft_model_name(cfg.spec.drafter)
+            drafter = short_drafter = draft_model_name(cfg.spec.drafter)
         elif drafter != "none":
-            drafter = f"{drafter} (γ {cfg.spec.draft_len})"
+            drafter, short_drafter = f"{drafter} (γ {cfg.spec.draft_len})", f"{drafter} γ{cfg.spec.draft_len}"
         experts = "" if m.store.quant == "none" else f"{m.store.quant} "
         experts += f"({m.store.prequant.label}) " if m.store.prequant is not None else ""  # as the checkpoint came
         where = str(cfg.placement) if cfg.placement else f"{m.device} in {cfg.dtype}"
         profiled = " · calibration profile" if cfg.scheduler.measured is not None else ""  # what it did not fix came from it
-        return (f"{name} on {where} · {m.cache.capacity}/{total} {experts}experts on {tier} · "
-                f"drafter {drafter} · policy {cfg.scheduler.policy}{profiled}")
+        experts = f"{m.cache.capacity}/{total} {experts}experts"
+        summary = f"{name} on {where} · {experts} on {tier} · drafter {drafter} · policy {cfg.scheduler.policy}{profiled}"
+        brief = (f"{m.device} {SHORT_DTYPES.get(cfg.dtype, cfg.dtype)} · {experts} · "
+                 f"{'no drafter' if drafter == 'none' else 'drafter ' + short_drafter} · "
+                 f"policy {cfg.scheduler.policy}{' · profile' if profiled else ''}")
+        return summary, brief
 
     def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams,
                thinking: bool | None) -> Message:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from .chats import ChatStore, end_note
+from .chats import EMPTY_REPLY, ChatStore, end_note, visible
 
 HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}
 
@@ -17,6 +17,8 @@ def export_markdown(store: ChatStore, conv_id: int) -> str:
     for message in store.messages(conv_id):
         parts.append(f"### {HEADINGS[message.role]}")
         body = _close_fences(message.content.strip("\n"))
+        if message.role == "assistant" and message.finished and not visible(body):  # as the app shows it
+            body = f"*{EMPTY_REPLY}*"
         note = end_note(message.finished, message.finish)
         if note:  # as the app says it beside the reply
             body += f"\n\n*({note})*"

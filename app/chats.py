@@ -24,6 +24,7 @@ import secrets
 import sqlite3
 import threading
 import time
+import unicodedata
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,6 +102,14 @@ def finish_of(finish_reason: str) -> str:
 def end_note(finished: bool, finish: str | None) -> str:
     """What a stored reply's heading says of its end: interrupted (cut off by a crash or a kill), else why it ended."""
     return FINISHES.get(finish or "stop", "") if finished else "interrupted"
+
+
+EMPTY_REPLY = "(empty reply)"  # what the chat screen and the export show for a reply with no text (the model ended at once)
+
+
+def visible(text: str) -> bool:
+    """Whether text shows anything: not only spaces and invisible format characters (a zero-width space)."""
+    return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
 
 
 SAVE_INTERVAL_S = 0.5  # a streaming reply is saved at most this often (the app and plain chat): a kill loses at most this much

@@ -240,6 +240,19 @@ def list_models() -> list[dict]:
     return rows + [_row(name, path, "huggingface", True) for name, path in _hub_cache_models() if name not in named]
 
 
+def arriving_quant(model: str | None) -> str:
+    """How the model `model` names (a directory or a pulled OWNER/NAME; None: the demo) arrives quantized, as `models`
+    lists it ("GPTQ int4"), read from config.json without torch; "" for a plain one, or one not found (its load says
+    why)."""
+    from .demo import resolve_model
+
+    try:
+        raw = json.loads((Path(resolve_model(model, None)[0]) / "config.json").read_text())
+    except (MoechatError, OSError, ValueError):
+        return ""
+    return prequantized_label(raw) if isinstance(raw, dict) else ""
+
+
 def _row(name: str, path: Path, source: str, complete: bool) -> dict:
     try:
         raw = json.loads((path / "config.json").read_text())

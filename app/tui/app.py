@@ -74,6 +74,7 @@ class MoechatApp(App):
         self.bridge_started = False
         self.unsaved_replies: list[tuple[str, str]] = []  # (why, a reply) for each reply quitting could not save
         self.engine_notice: Callable[[], str | None] | None = None  # run_tui's: a --model over the settings' backend
+        self.model_flag: str | None = None  # run_tui's --model: the model the engine loads over the settings'
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
@@ -82,14 +83,21 @@ class MoechatApp(App):
         return [*super().get_line_filters(), CONTROL_FILTER]
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
+        return self.runs_on(action, self.screen)
+
+    def runs_on(self, action: str, screen) -> bool:
         """Chat actions only on the chat screen (the wizard and settings keep their own keys and footer); settings and
-        the wizard once each: a second one under the first would write back what the first saved."""
+        the wizard once each: a second one under the first would write back what the first saved. In a dialog its own
+        keys only, as its footer shows them: Textual keeps the app's F1 from a modal screen, but not the palette's Ctrl+P,
+        whose entries did nothing there."""
         from .screens.settings import SettingsScreen
         from .screens.wizard import WizardScreen
 
         if action in ("settings", "setup") and any(isinstance(s, (SettingsScreen, WizardScreen)) for s in self.screen_stack):
             return False
-        return action not in CHAT_ACTIONS or self.screen is self.chat
+        if action == "command_palette" and isinstance(screen, (TextPrompt, Confirm)):
+            return False
+        return action not in CHAT_ACTIONS or screen is self.chat
 
     def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,
                markup: bool = False) -> None:
@@ -129,7 +137,7 @@ class MoechatApp(App):
     def on_engine_ready(self, msg: m.EngineReady) -> None:
         if not self.is_running:
             return
-        self.chat.show_ready(msg.model, msg.summary)
+        self.chat.show_ready(msg.model, msg.summary, msg.brief)
         if msg.notice:
             self.notify(msg.notice, title="moechat", severity="warning", timeout=8)
 
@@ -292,8 +300,10 @@ class MoechatApp(App):
         self.notify(f"Press {keys[0] if keys else 'ctrl+q'} to quit the app", title="Do you want to quit?")
 
     def action_help(self) -> None:
+        """The app's keys; on a screen with help of its own (the settings), that."""
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            own = getattr(self.screen, "help_markdown", None)
+            self.push_screen(HelpScreen(own() if own else None))
 
     def apply_look(self, settings: Settings) -> str | None:
         """Theme and keys from the settings; a notice when some of them cannot be used."""
@@ -352,7 +362,7 @@ class MoechatApp(App):
             else:
                 self.notify("settings saved and applied")
 
-        self.push_screen(SettingsScreen(self.settings, self.settings_notice, self.settings_file), done)
+        self.push_screen(SettingsScreen(self.settings, self.settings_notice, self.settings_file, self.model_flag), done)
 
     def action_setup(self) -> None:
         from .screens.wizard import WizardScreen
@@ -420,6 +430,7 @@ def run_tui(args) -> int:
     # The settings (or --backend) may name a remote backend; read again at every reload, as the engine's options are.
     app = MoechatApp(lambda: remote_config(base) or engine_config(copy.copy(base)), first_run=first_run)
     app.engine_notice = lambda: backend_overridden(base)
+    app.model_flag = args.model
     app.sampling = sampling_params(args, app.settings)
     app.thinking = args.thinking or app.settings.thinking
     native.report_bus_errors(before=TERMINAL_RESET)  # a model file truncated under the app: the terminal back, then the line

@@ -49,15 +49,19 @@ CHAT_ACTIONS = {action for action, _, _ in COMMANDS} - {"settings", "setup", "he
 
 
 class MoechatCommands(Provider):
-    """The palette's moechat actions (Ctrl+P), found by fuzzy name."""
+    """The palette's moechat actions (Ctrl+P), found by fuzzy name: those that run on the screen it opened over (the chat's
+    did nothing over the settings or the wizard)."""
+
+    def _commands(self) -> list[tuple[str, str, str]]:
+        return [command for command in COMMANDS if self.app.runs_on(command[0], self.screen)]
 
     async def discover(self) -> Hits:
-        for action, name, help_text in COMMANDS:
+        for action, name, help_text in self._commands():
             yield DiscoveryHit(name, partial(self.app.run_action, action), help=help_text)
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
-        for action, name, help_text in COMMANDS:
+        for action, name, help_text in self._commands():
             score = matcher.match(name)
             if score > 0:
                 yield Hit(score, matcher.highlight(name), partial(self.app.run_action, action), help=help_text)

@@ -22,11 +22,13 @@ class EngineLoading(Message):
 
 
 class EngineReady(Message):
-    """The engine loaded `model` and waits for commands; `summary` is one line for the status bar."""
+    """The engine loaded `model` and waits for commands; `summary` is one line for the status bar, `brief` its short
+    form for a narrow one (parts joined by " · ", the least wanted last)."""
 
-    def __init__(self, model: str, summary: str, notice: str = "") -> None:
+    def __init__(self, model: str, summary: str, brief: str, notice: str = "") -> None:
         super().__init__()
-        self.model, self.summary, self.notice = model, summary, notice  # notice: e.g. native kernels unavailable
+        self.model, self.summary, self.brief = model, summary, brief
+        self.notice = notice  # e.g. native kernels unavailable
 
 
 class EngineFailed(Message):

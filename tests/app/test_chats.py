@@ -124,6 +124,10 @@ def test_export_markdown(store):
     assert export_markdown(store, conv).endswith("### moechat\n\nStart:\n\n*(stopped)*\n")
     store.update(cut, "Start:", finished=True, finish="length")
     assert export_markdown(store, conv).endswith("### moechat\n\nStart:\n\n*(cut at the length limit)*\n")
+    store.update(cut, "", finished=True, finish="length")  # no text at all: said, as the app says it, not a blank
+    assert export_markdown(store, conv).endswith("### moechat\n\n*(empty reply)*\n\n*(cut at the length limit)*\n")
+    store.update(cut, "\u200b", finished=True, finish="stop")
+    assert export_markdown(store, conv).endswith("### moechat\n\n*(empty reply)*\n")
 
     bare = store.create("Empty")
     assert export_markdown(store, bare) == "# Empty\n"

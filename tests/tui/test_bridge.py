@@ -138,7 +138,7 @@ def test_the_status_names_a_pre_quantized_checkpoints_format_and_a_quant_that_do
     bridge, inbox = started(lambda: EngineConfig(str(gptq), quant="int8"))
     try:
         ready = inbox.wait(EngineReady)
-        assert "int4 (GPTQ) experts" in ready.summary
+        assert "int4 (GPTQ) experts" in ready.summary and "int4 (GPTQ) experts" in ready.brief
         assert "quant int8 does not apply: the checkpoint is quantized in int4" in ready.notice
     finally:
         bridge.close()
@@ -173,6 +173,7 @@ def test_load_stream_stats_and_spac_frames(checkpoint):
         assert [m.fraction for m in loading] == sorted(m.fraction for m in loading) and loading[-1].fraction == 1.0
         assert ready.model == path.name and "\n" not in ready.summary
         assert "8/16 experts" in ready.summary and "self" in ready.summary and "spac" in ready.summary
+        assert ready.brief == "cpu fp32 · 8/16 experts · drafter self γ3 · policy spac"  # the status line's short form
 
         bridge.generate(7, CHAT, SamplingParams(max_new_tokens=24))
         assert bridge.busy

@@ -98,7 +98,7 @@ async def reply_view(chat, request_id: int) -> MessageView:
     from moechat.app.tui.screens.chat import _Reply
 
     message_id = chat.app.store.add(chat.conv_id, "assistant", "", finished=False)
-    view = MessageView("assistant", "", message_id)
+    view = MessageView("assistant", "", message_id, finished=False)
     await chat.query_one("#log").mount(view)
     chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
     return view
@@ -170,7 +170,7 @@ async def test_chat_streams_stores_stops_and_chats_again(tmp_path, checkpoint, m
         assert [v.message_id for v in chat.query(MessageView)] == [m.id for m in again]
 
         status = chat.query_one("#status").render().plain
-        assert "tok/s" in status and "hit rate" in status and "acceptance" in status
+        assert f"{chat.stats.tokens_per_s:.1f} tok/s" in status and f"{chat.stats.new_tokens} tok" in status  # 120 columns: short
         heatmap, panel = chat.query_one("#heatmap"), chat.query_one("#stats")
         assert heatmap.frame is None and heatmap.draws == 0  # the side panel is hidden: nothing drawn there
         assert panel.stats is chat.stats and "n/a" in panel.query_one("#tps").render().plain
@@ -339,6 +339,37 @@ async def test_a_stopped_reply_still_says_so_after_a_restart(tmp_path, stored):
     async with without_model(tmp_path) as (app, pilot):
         await until(pilot, lambda: len(app.chat.query(MessageView)) == 5, "the chat")
         assert notes(app)[-3:] == live == [said for _, said in ends]
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_an_empty_reply_shows_a_placeholder_live_after_a_restart_and_in_the_export(tmp_path, stored):
+    """A reply the model ended at once (or cut at the length limit before any text) said "empty reply" while the app ran
+    and was an invisible blank at the next start, its end unsaid."""
+    from moechat.app.chat_export import export_markdown
+    from moechat.app.tui.messages import ReplyFinished, Stats
+
+    def shown(app) -> list[tuple[str, bool]]:  # the last two replies: (role line, placeholder shown)
+        return [(view.query_one(".role").render().plain, view.query_one(".empty-reply").display)
+                for view in list(app.chat.query(".assistant").results(MessageView))[-2:]]
+
+    async with without_model(tmp_path) as (app, pilot):
+        for request_id, reason in enumerate(("stop", "length"), 1):
+            view = await reply_view(app.chat, request_id)
+            await pilot.pause()
+            assert not view.query_one(".empty-reply").display  # not while it streams
+            app.post_message(ReplyFinished(request_id, "", reason, Stats()))
+            await until(pilot, lambda: app.chat.reply is None, "the reply's end")
+        live, conv = shown(app), app.chat.conv_id
+        assert live == [("moechat", True), ("moechat · cut at the length limit", True)]
+        assert all(view.query_one(".empty-reply").region.height == 1 for view in app.chat.query(".assistant").results(MessageView)
+                   if view.shows_nothing)
+        exported = export_markdown(app.store, conv)
+    async with without_model(tmp_path) as (app, pilot):
+        await until(pilot, lambda: len(app.chat.query(MessageView)) == 4, "the chat")
+        assert shown(app) == live
+        assert not app.chat.query(MessageView).first(MessageView).query(".empty-reply")  # the user's message has none
+    assert exported.endswith("### moechat\n\n*(empty reply)*\n\n### moechat\n\n*(empty reply)*\n\n*(cut at the length limit)*\n")
 
 
 @pilot_test
@@ -554,6 +585,55 @@ async def test_the_dialogs_show_their_own_keys_and_rename_replaces_the_title_sel
 
 @pilot_test
 @pytest.mark.notorch
+async def test_f1_and_the_palette_do_what_each_screen_offers(tmp_path, stored):
+    """Over a dialog Ctrl+P opened a palette whose entries did nothing there (F1, which Textual keeps from a modal screen,
+    and Ctrl+P are not in its footer); over the settings and the wizard the palette offered the chat's actions, which
+    did nothing, and F1 showed the chat's keys. A dialog now keeps to its own keys, the palette lists what runs where
+    it opened, and F1 on the settings explains their fields."""
+    from textual.command import CommandPalette
+    from textual.widgets import Footer
+    from textual.widgets._footer import FooterKey
+
+    from moechat.app.tui.commands import MoechatCommands
+    from moechat.app.tui.screens.settings import SettingsScreen
+    from moechat.app.tui.screens.wizard import WizardScreen
+
+    async with without_model(tmp_path) as (app, pilot):
+        async def offered() -> list[str]:  # the palette's entries over the screen shown
+            return [hit.text async for hit in MoechatCommands(app.screen).discover()]
+
+        assert "New chat" in await offered()
+        for key, dialog in (("f2", "TextPrompt"), ("f8", "Confirm")):
+            await pilot.press(key)
+            await until(pilot, lambda d=dialog: type(app.screen).__name__ == d, f"the {dialog} dialog")
+            await pilot.press("f1", "ctrl+p")
+            await pilot.pause()
+            assert type(app.screen).__name__ == dialog and not CommandPalette.is_open(app)
+            footer = {k.action for k in app.screen.query_one(Footer).query(FooterKey)}
+            assert not footer & {"help", "command_palette"}
+            await pilot.press("escape")
+        for key, screen in (("f12", SettingsScreen), (None, WizardScreen)):
+            if key:
+                await pilot.press(key)
+            else:
+                app.action_setup()
+            await until(pilot, lambda s=screen: isinstance(app.screen, s), screen.__name__)
+            assert await offered() == ["Help", "Toggle theme"]  # the chat's actions do nothing here; settings and setup are open
+            await pilot.press("ctrl+p")
+            await until(pilot, lambda: CommandPalette.is_open(app), "the palette")
+            await pilot.press("escape")
+            await until(pilot, lambda s=screen: isinstance(app.screen, s), screen.__name__)
+            await pilot.press("f1")
+            await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
+            source = app.screen.query_one("Markdown").source
+            if screen is SettingsScreen:  # its fields, as the README's options table says them
+                assert "| Quantized experts | reload model | routed experts' storage" in source and "ctrl+n" not in source.lower()
+            await pilot.press("escape", "escape")
+            await until(pilot, lambda: app.screen is app.chat, "the chat")
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_a_remapped_key_another_action_holds_is_refused_with_a_notice(tmp_path, stored):
     (tmp_path / "settings.toml").write_text('[keys]\nnew_chat = "f3"\nregenerate = "F10"\n')
     app = make_app(tmp_path, failing("no model here"))
@@ -653,6 +733,42 @@ async def test_narrowing_the_terminal_with_the_expert_view_shown_hides_the_chat_
         await pilot.resize_terminal(62, 20)
         await pilot.pause()
         assert chat.query_one("#sidebar").display  # brought back on purpose: kept
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_the_chat_list_that_made_room_comes_back_with_the_width_but_never_against_f4(tmp_path, stored):
+    """Widened again after the chat list made room for the expert view, the list stayed hidden until F4. It comes back
+    with the width, or when the expert view closes; a list F4 hid (wide or narrow) stays hidden."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat = app.chat
+
+        async def resize(width: int) -> None:
+            await pilot.resize_terminal(width, 30)
+            await until(pilot, lambda: chat.has_class("-narrow") == (width < 100), f"the layout at {width} columns")
+            await pilot.pause()
+
+        def listed() -> bool:
+            return chat.query_one("#sidebar").display
+
+        await pilot.press("f3")
+        await resize(60)
+        assert not listed()
+        await resize(120)
+        assert listed() and chat.side_panel_shown  # back with the width
+        await resize(60)
+        await pilot.press("f3")
+        assert listed()  # the expert view closed: nothing to make room for
+        await pilot.press("f3", "f4")  # the list hidden by the view, then shown by F4, then hidden by F4 on purpose
+        assert listed()
+        await pilot.press("f4")
+        await resize(120)
+        assert not listed()  # the user's choice
+        await pilot.press("f4", "f3")  # shown by F4; hidden wide by F4, then narrowed with the view shown
+        await pilot.press("f4")
+        await resize(60)
+        await resize(120)
+        assert not listed()
 
 
 @pilot_test
@@ -1114,3 +1230,43 @@ async def test_sigterm_quits_as_ctrl_q_does_keeping_the_reply_being_written(tmp_
     with ChatStore(tmp_path / "chats.sqlite3") as store:
         last = store.messages(store.conversations()[0].id)[-1]
     assert (last.role, last.content, last.finished) == ("assistant", "the sea is", False)
+
+
+LONG_SUMMARY = ("Qwen3-30B-A3B-GPTQ-Int4 on cuda:0 (the only GPU) in bfloat16 (the GPU supports it) · 48/6144 int4 (GPTQ) "
+                "experts on the GPU · drafter self (γ 4) · policy spac · calibration profile",
+                "cuda:0 bf16 · 48/6144 int4 (GPTQ) experts · drafter self γ4 · policy spac · profile")
+DEMO_SUMMARY = ("demo on cpu in float32 · 0/256 experts on the fast tier · drafter none · policy spac",
+                "cpu fp32 · 0/256 experts · no drafter · policy spac")
+
+
+@pilot_test
+@pytest.mark.notorch
+@pytest.mark.parametrize("model, summary, figures, said", [
+    ("demo", DEMO_SUMMARY, (23.4, None, None, 4), {
+        160: "demo  ·  23.4 tok/s  ·  acceptance –  ·  hit rate –  ·  4 tokens  ·  " + DEMO_SUMMARY[0],
+        120: "demo · 23.4 tok/s · 4 tok · cpu fp32 · 0/256 experts · no drafter · policy spac",
+        80: "demo · 23.4 tok/s · 4 tok · cpu fp32 · 0/256 experts · no drafter"}),
+    ("Qwen3-30B-A3B-GPTQ-Int4", LONG_SUMMARY, (23.4, 0.81, 0.95, 120), {
+        160: "Qwen3-30B-A3B-GPTQ-Int4 · 23.4 tok/s · acc 0.81 · hit 0.95 · 120 tok · " + LONG_SUMMARY[1],
+        120: "Qwen3-30B-A3B-GPTQ-Int4 · 23.4 tok/s · acc 0.81 · hit 0.95 · 120 tok · cuda:0 bf16 · 48/6144 int4 (GPTQ) experts",
+        80: "Qwen3-30B-A3B-GPTQ-Int4 · 23.4 tok/s · acc 0.81 · hit 0.95 · 120 tok"}),
+])
+async def test_the_status_line_takes_a_short_form_that_fits_rather_than_a_cut(tmp_path, model, summary, figures, said):
+    """Below about 150 columns the status line's engine summary was cut mid-word (`... · 0/256 experts on the fa`). The
+    figures stay first; a narrower terminal gets them abbreviated and the summary's short form, whole parts only."""
+    from moechat.app.tui.messages import EngineReady, Stats
+
+    tps, acceptance, hit_rate, tokens = figures
+    async with without_model(tmp_path, (160, 30)) as (app, pilot):
+        app.post_message(EngineReady(model, *summary))
+        await until(pilot, lambda: app.chat.model == model, "the engine ready")
+        app.chat.show_stats(Stats(tokens_per_s=tps, acceptance=acceptance, hit_rate=hit_rate, new_tokens=tokens))
+        status = app.chat.query_one("#status")
+        for width, line in said.items():
+            await pilot.resize_terminal(width, 30)
+            await until(pilot, lambda w=width: status.content_size.width == w - 2, f"the status line at {width} columns")
+            await pilot.pause()
+            assert status.render().plain == line and len(line) <= width - 2
+        app.chat.show_failed("the model failed to load: pick one with the setup wizard")  # not a summary: kept whole
+        await pilot.pause()
+        assert status.render().plain.endswith("engine stopped: the model failed to load: pick one with the setup wizard")

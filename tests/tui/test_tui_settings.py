@@ -228,6 +228,39 @@ def test_the_save_button_shows_its_whole_label_when_it_reloads(tmp_path):
     asyncio.run(run())
 
 
+@pytest.mark.notorch
+@pytest.mark.parametrize("quantization_config, said", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "this checkpoint is GPTQ int4 and runs as it is"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 8}}}},
+     "this checkpoint is compressed-tensors int8 and runs as it is"),
+    (None, None)])
+@pytest.mark.parametrize("named_by", ["settings", "command line"])
+def test_the_quant_field_says_a_pre_quantized_checkpoint_runs_as_it_is(tmp_path, quantization_config, said, named_by):
+    """The quant field offered none/int8/int4 for a GPTQ checkpoint without a word: it runs in its own format whatever
+    the field says. The model is the settings' or --model's, whose config.json is read as `moechat models` reads it."""
+    from moechat.app.models import list_models
+
+    model = tmp_path / "data" / "moechat" / "models" / "Org--Model-GPTQ"  # XDG_DATA_HOME: own_config_dir
+    model.mkdir(parents=True)
+    config = {"model_type": "qwen3_moe"} | ({"quantization_config": quantization_config} if quantization_config else {})
+    (model / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "settings.toml"
+    save_settings({"model": "Org/Model-GPTQ"} if named_by == "settings" else {}, path)  # a pulled model by its name
+
+    async def run():
+        app = Host(SettingsScreen(path=path, model=str(model) if named_by == "command line" else None))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            hints = app.screen.query("#quant-hint")
+            return str(hints.first().content) if hints else None, hints.first().region if hints else None
+
+    hint, region = asyncio.run(run())
+    assert hint == said
+    listed = list_models()[0]["quant"]  # as `moechat models` labels it
+    assert (said is None) == (not listed) and (said is None or f" {listed} " in said)
+    assert region is None or region.height == 1
+
+
 def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):
     path = tmp_path / "settings.toml"
     saved, cancelled = asyncio.run(_live_edit_and_cancel(path))

@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
+from rich.cells import cell_len
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
@@ -32,7 +33,6 @@ from ...chats import (
     ChatStoreError,
     Conversation,
     elsewhere,
-    end_note,
     title_from,
 )
 from ...reasoning import enable_thinking
@@ -89,16 +89,45 @@ async def _stop(stream) -> None:
     await stream.stop()
 
 
-def status_line(model: str, state: str, stats: Stats | None) -> str:
-    """Model, then the reply's figures (so a narrow terminal cuts the engine summary, not them), then the state."""
+def status_line(model: str, state: str, stats: Stats | None, brief: str = "", width: int | None = None) -> str:
+    """Model, then the reply's figures (they matter most), then the state: the engine's summary once it is ready. Wider
+    than `width`: the figures abbreviated, those with no value left out, and the summary's short form `brief`, whose last
+    parts go until it fits (Textual cut the line mid-word below about 150 columns)."""
     parts = [model or "no model"]
     if stats is not None:
         parts.append(f"{stats.tokens_per_s:.1f} tok/s")
         parts.append("acceptance –" if stats.acceptance is None else f"acceptance {stats.acceptance:.2f}")
         parts.append("hit rate –" if stats.hit_rate is None else f"hit rate {stats.hit_rate:.2f}")
         parts.append(f"{stats.new_tokens} tokens")
-    parts.append(state)
-    return "  ·  ".join(p for p in parts if p)
+    line = "  ·  ".join(p for p in [*parts, state] if p)
+    if width is None or cell_len(line) <= width:
+        return line
+    short = [model or "no model"]
+    if stats is not None:
+        short.append(f"{stats.tokens_per_s:.1f} tok/s")
+        short += [f"{name} {value:.2f}" for name, value in (("acc", stats.acceptance), ("hit", stats.hit_rate))
+                  if value is not None]
+        short.append(f"{stats.new_tokens} tok")
+    tail = brief.split(" · ") if brief else [state]  # a loading or failure line kept whole: cut, with an ellipsis
+    while len(tail) > (0 if brief else 1) and cell_len(" · ".join(short + tail)) > width:
+        tail.pop()
+    return " · ".join(short + tail)
+
+
+class StatusLine(Static):
+    """The status line: `status_line` for its width, chosen again when the terminal's width changes."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(markup=False, **kwargs)  # an error message may hold "[/b]"
+        self.parts: tuple = ("", "starting", None, "")  # model, state, stats, brief
+
+    def show(self, *parts) -> None:
+        if parts != self.parts:
+            self.parts = parts
+            self.refresh()  # one line high whatever its text: no layout of the screen
+
+    def render(self) -> Content:
+        return Content(status_line(*self.parts, width=self.content_size.width or None))
 
 
 class ChatScreen(Screen):
@@ -111,16 +140,17 @@ class ChatScreen(Screen):
         self.reply: _Reply | None = None
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
+        self.brief = ""  # the engine summary's short form while the state is that summary
         self.saver = ReplySaver(self)  # the reply into the store, and the writes it refused
         # held, not queried: a query walks every widget of the conversation, and stats come ten times a second
-        self.status_label = Static(status_line(self.model, self.state, self.stats), id="status",
-                                   markup=False)  # an error message may hold "[/b]"
+        self.status_label = StatusLine(id="status")
         self.loading_bar = ProgressBar(total=1.0, show_eta=False, id="loading")  # not `loading`: a Widget reactive
         self.side_panel = Vertical(id="side-panel")
         self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
         self.listed: list[tuple[str, str]] = []  # the chat list's (id, title), top first
         self.check_failed = ""  # what the last look for other windows' changes failed with: said once
         self.was_narrow = False  # the terminal's width at the last resize was under NARROW
+        self.list_made_room = False  # the chat list is hidden for the expert view on a narrow terminal, not by F4
 
     @property
     def store(self):
@@ -171,24 +201,22 @@ class ChatScreen(Screen):
 
     # ---- status (the app's handlers drop the engine's messages once it stops running) -------------------------
     def update_status(self) -> None:
-        text = status_line(self.model, self.state, self.stats)
-        if text != self.status_label.content:  # one line high whatever its text: no layout of the screen
-            self.status_label.update(text, layout=False)
+        self.status_label.show(self.model, self.state, self.stats, self.brief)
 
     def show_loading(self, fraction: float, label: str) -> None:
         self.loading_bar.display = True
         self.loading_bar.update(progress=fraction)
-        self.state = f"loading: {label} {fraction:.0%}"
+        self.state, self.brief = f"loading: {label} {fraction:.0%}", ""
         self.update_status()
 
-    def show_ready(self, model: str, summary: str) -> None:
+    def show_ready(self, model: str, summary: str, brief: str = "") -> None:
         self.loading_bar.display = False
-        self.model, self.state = model, summary or "ready"
+        self.model, self.state, self.brief = model, summary or "ready", brief
         self.update_status()
 
     def show_failed(self, message: str) -> None:
         self.loading_bar.display = False
-        self.state = "engine stopped: " + message
+        self.state, self.brief = "engine stopped: " + message, ""
         self.update_status()
 
     # The side panel is hidden until asked for: while it is, its widgets keep the newest figures and draw nothing.
@@ -201,6 +229,8 @@ class ChatScreen(Screen):
         self.side_panel.toggle_class("shown")
         if self.side_panel_shown and self.has_class("-narrow"):  # the chat list makes room (F4 brings it back)
             self.hide_chat_list()
+        elif not self.side_panel_shown:
+            self.restore_chat_list()
         if self.side_panel_shown:
             self.stats_panel.draw()
             self.heatmap.update_frame()
@@ -208,23 +238,35 @@ class ChatScreen(Screen):
             self.query_one(ChatInput).focus()  # a hidden panel's focus went nowhere: keys did nothing until a click
 
     def hide_chat_list(self) -> None:
+        """The chat list makes room for the expert view; remembered, unless F4 had hidden it already."""
         sidebar = self.query_one("#sidebar")
         in_list = self.focus_within(sidebar)
+        self.list_made_room = self.list_made_room or not sidebar.has_class("hidden")
         sidebar.add_class("hidden")
         if in_list:
             self.query_one(ChatInput).focus()
 
+    def restore_chat_list(self) -> None:
+        """The chat list back where it made room for the expert view (never where F4 hid it)."""
+        if self.list_made_room:
+            self.list_made_room = False
+            self.query_one("#sidebar").remove_class("hidden")
+
     def on_resize(self, event: events.Resize) -> None:
         """Narrowed past the breakpoint with the expert view shown: the chat list makes room, as F3 there does (the chat
-        was left 14 columns at 60); a resize that stays narrow leaves a list that F4 brought back."""
+        was left 14 columns at 60), and comes back when the width does (it stayed hidden until F4); a resize that stays
+        narrow leaves a list that F4 brought back."""
         narrow = event.size.width < NARROW
         if narrow and not self.was_narrow and self.side_panel_shown:
             self.hide_chat_list()
+        elif not narrow:
+            self.restore_chat_list()
         self.was_narrow = narrow
 
     def toggle_sidebar(self) -> None:
         sidebar = self.query_one("#sidebar")
         in_list = self.focus_within(sidebar)
+        self.list_made_room = False  # the user's choice from now on
         sidebar.toggle_class("hidden")
         if in_list and sidebar.has_class("hidden"):
             self.query_one(ChatInput).focus()
@@ -381,7 +423,7 @@ class ChatScreen(Screen):
                     await view.remove()
         log = self.query_one(ChatLog)
         await log.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
-        view = MessageView("assistant", "", message_id)
+        view = MessageView("assistant", "", message_id, finished=False)  # as stored: no placeholder while it streams
         await log.mount(view)
         log.anchor()  # follow the reply as it grows
         view.set_note("writing…")
@@ -464,7 +506,7 @@ class ChatScreen(Screen):
         reply.view.show_reasoning(reasoning, thinking, ended=True)
         start = reply.segment_start if answer.startswith(reply.answer[:reply.segment_start]) else 0
         await reply.view.show_answer(answer, start)  # the whole reply, exactly as the engine ended it
-        reply.view.set_note(end_note(True, reason) if text else "empty reply")  # as a restored reply says it
+        reply.view.show_end(reason)  # as a restored reply says it
         self.saver.save(reply, text, finished=True, stats=asdict(stats) if stats else None, finish=reason)
 
     async def _show_due(self, reply: _Reply) -> None:

@@ -40,11 +40,17 @@ def help_markdown(app) -> str:
 
 
 class HelpScreen(ModalScreen[None]):
+    """The app's keys, or `text`: the help of the screen F1 was pressed on (the settings' fields)."""
+
     BINDINGS: ClassVar[list[Binding]] = [Binding("escape,q,f1", "dismiss", "Close")]
+
+    def __init__(self, text: str | None = None) -> None:
+        super().__init__()
+        self.text = text
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
-            yield Markdown(help_markdown(self.app))
+            yield Markdown(self.text or help_markdown(self.app))
 
     async def action_dismiss(self, result=None) -> None:
         self.dismiss(None)

@@ -21,8 +21,9 @@ from textual.screen import Screen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
+from ...models import arriving_quant
 from ...options import OPTION
-from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings
+from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings, settings_path
 
 DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
 
@@ -95,7 +96,8 @@ def _tag(name: str) -> str:
 
 
 class SettingsScreen(Screen):
-    """Edit settings. `SettingsScreen(settings, notice, path)`; with no settings, the file at `path` is loaded."""
+    """Edit settings. `SettingsScreen(settings, notice, path, model)`; with no settings, the file at `path` is loaded.
+    `model`: the one the engine loads (--model over the settings'), whose pre-quantized format the quant field names."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
     DEFAULT_CSS = """
@@ -104,18 +106,21 @@ class SettingsScreen(Screen):
     SettingsScreen .row Label.name { width: 36; padding-right: 1; }
     SettingsScreen .row Input, SettingsScreen .row Select { width: 1fr; }
     SettingsScreen .field-error { color: $error; padding-left: 36; height: auto; width: 1fr; display: none; }
+    SettingsScreen .field-hint { color: $text-muted; padding-left: 36; height: auto; width: 1fr; }
     SettingsScreen #notice { color: $warning; padding: 0 2; height: auto; }
     SettingsScreen #reload { color: $warning; padding: 0 2; height: auto; }
     SettingsScreen #buttons { height: auto; padding: 1 2; }
     SettingsScreen #buttons Button { margin-right: 2; }
     """
 
-    def __init__(self, settings: Settings | None = None, notice: str | None = None, path: Path | None = None) -> None:
+    def __init__(self, settings: Settings | None = None, notice: str | None = None, path: Path | None = None,
+                 model: str | None = None) -> None:
         super().__init__()
         self.path = path
         if settings is None:
             settings, notice = load_settings(path)
         self.initial, self.notice = settings, notice
+        self.model = model or settings.model
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -143,6 +148,8 @@ class SettingsScreen(Screen):
             yield Select([(c, c) for c in option.widget_choices()], value=Select.NULL if value is None else value,
                          id=option.name, prompt=option.placeholder or "Select", allow_blank=option.default is None,
                          compact=True)
+        if option.name == "quant" and (arrives := arriving_quant(self.model)):  # the field cannot change it
+            yield Label(f"this checkpoint is {arrives} and runs as it is", id="quant-hint", classes="field-hint")
 
     def _drafter_row(self, option, value) -> ComposeResult:
         choice = value if value in (None, "none", "self") else DIRECTORY
@@ -158,6 +165,13 @@ class SettingsScreen(Screen):
 
     def on_mount(self) -> None:
         self.title = "Settings"
+
+    def help_markdown(self) -> str:
+        """F1's help here: what each field does (app/options.py's help, as the README's table says it) and the keys."""
+        rows = "\n".join(f"| {o.label} | {'reload model' if o.name in RELOAD_FIELDS else 'live'} | {o.help} |" for o in FIELDS)
+        return ("# Settings\n\n| key | action |\n|---|---|\n| Ctrl+S | save (and reload the model where a field needs it) |\n"
+                "| Esc | cancel |\n\n| setting | applies | what it does |\n|---|---|---|\n" + rows +
+                f"\n\nSaved to `{self.path or settings_path()}`. Esc closes this screen.")
 
     @on(Input.Changed)
     def _show_validation(self, event: Input.Changed) -> None:

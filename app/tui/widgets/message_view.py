@@ -4,7 +4,6 @@ holds and where a streaming answer starts a new widget."""
 from __future__ import annotations
 
 import re
-import unicodedata
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -16,7 +15,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Collapsible, Label, Markdown, Static, TextArea
 
-from ...chats import end_note
+from ...chats import EMPTY_REPLY, end_note, visible
 from ...reasoning import reasoning_title, split_reasoning
 from ..guard import store_failures_noticed
 
@@ -99,11 +98,6 @@ class ChatInput(TextArea):
         getattr(log, f"scroll_{where}")()
 
 
-def visible(text: str) -> bool:
-    """Whether text shows anything: not only spaces and invisible format characters (a zero-width space)."""
-    return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
-
-
 LOG_CHARS = 8_000  # the newest messages the log holds, by characters: 200-900 widgets of Markdown
 
 
@@ -171,6 +165,16 @@ class MessageView(Vertical, can_focus=True):
             yield box
         yield Markdown(answer, classes="filled" if answer.strip() else None,
                        parser_factory=_typed_lines if self.role == "user" else None)
+        if self.role == "assistant":
+            placeholder = Static(EMPTY_REPLY, classes="empty-reply")
+            placeholder.display = self.shows_nothing
+            yield placeholder
+
+    @property
+    def shows_nothing(self) -> bool:
+        """A reply that ended with no text to show, reasoning or answer (the model ended its turn at once): an invisible
+        blank without its placeholder."""
+        return self.finished and self.role == "assistant" and not visible("".join(self.split()[:2]))
 
     def split(self) -> tuple[str, str, bool]:
         """(reasoning, answer, still thinking): a user's words are all answer."""
@@ -220,6 +224,12 @@ class MessageView(Vertical, can_focus=True):
         if reasoning != self.reasoning:
             self.query_one(".reasoning-text", Static).update(reasoning)
             self.reasoning = reasoning
+
+    def show_end(self, finish: str) -> None:
+        """The reply ended (chats.FINISHES' key): why, as a restored reply says it, and the placeholder if it is empty."""
+        self.finished, self.finish = True, finish
+        self.set_note(end_note(True, finish))
+        self.query_one(".empty-reply").display = self.shows_nothing
 
     def set_note(self, note: str) -> None:
         label = self.query_one(".role", Label)
