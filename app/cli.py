@@ -211,13 +211,18 @@ def _write_trace(trace, path: str) -> int | None:
 
 
 def generate_json(args, engine, token_ids: list[int], text: str, stats: dict | None, interrupted: bool = False) -> str:
-    """generate --json's object; an interrupted reply's is what came so far, with no stats (the run did not finish)."""
+    """generate --json's object; an interrupted reply's is what came so far, with no stats (the run did not finish); one
+    interrupted while the model loaded (engine None) has null for what only the loaded model knows."""
+    where, profile = getattr(args, "placement", None), getattr(args, "profile", None)  # unset: stopped before they were
+    loaded = engine is not None
     return json.dumps({"token_ids": token_ids, "text": text, "stats": stats, "interrupted": interrupted,
-                       "profile": None if args.profile is None else str(args.profile),
-                       "choices": choices(engine, args.sources), "quant": engine.model.store.quant,
-                       "device": args.device, "dtype": args.dtype, "decode_path": engine.model.decode_path(),
-                       "costs": dataclasses.asdict(engine.model.runtime.costs),
-                       "placement": {"device": args.placement.device_why, "dtype": args.placement.dtype_why}})
+                       "profile": None if profile is None else str(profile),
+                       "choices": choices(engine, args.sources) if loaded else None,
+                       "quant": engine.model.store.quant if loaded else None,
+                       "device": where and where.device, "dtype": where and where.dtype,
+                       "decode_path": engine.model.decode_path() if loaded else None,
+                       "costs": dataclasses.asdict(engine.model.runtime.costs) if loaded else None,
+                       "placement": where and {"device": where.device_why, "dtype": where.dtype_why}})
 
 
 def cmd_generate(args) -> int:
@@ -229,7 +234,12 @@ def cmd_generate(args) -> int:
 
     if args.trace:
         _check_writable(Path(args.trace), "--trace")  # before the model loads, not after the reply
-    engine = Engine(engine_config(args))
+    try:
+        engine = Engine(engine_config(args))
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: nothing generated, and a script still gets its object
+        if args.json:
+            print(generate_json(args, None, [], "", None, interrupted=True))
+        raise
     print_notices(engine)
     request, params = make_request(args, engine.model.tokenizer), sampling_params(args)
     trace = TraceRecorder(engine.model.store.layers) if args.trace else None

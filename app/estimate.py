@@ -64,7 +64,7 @@ def fit_report(est, vram: int | None, ram: int | None, machine: bool = False) ->
         slots = max_cache_experts(est, vram)
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
     try:
-        check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"))
+        check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"), free_vram=machine)
         if vram is None and ram is not None:
             check_host_room(est, ram, machine)
     except BudgetError as err:
@@ -92,47 +92,66 @@ def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine:
 
 
 def this_machine(est, on_cpu: bool, context_given: bool) -> dict | None:
-    """Whether a run fits this machine, by fit_report as for budgets: its RAM (psutil) and, for a GPU run, the VRAM of
-    the GPU `auto` takes (NVML); None where the RAM cannot be read."""
+    """Whether a run fits this machine, by fit_report as for budgets: its RAM (psutil) and, for a GPU run, the VRAM free
+    now on the GPU `auto` takes (NVML), which a load plans with; None where the RAM cannot be read."""
     from ..engine import NO_GPU, best_gpu, gpu_info, physical_ram_bytes
 
     ram, (gpus, note) = physical_ram_bytes(), gpu_info()
     if ram is None:
         return None
     gpu = best_gpu(gpus) if gpus else None
-    vram = None if on_cpu or gpu is None else gpu.total_bytes  # a CPU run's fit is the RAM's
+    vram = None if on_cpu or gpu is None else gpu.free_bytes  # a CPU run's fit is the RAM's
     at, fit = fitted(est, vram, ram, context_given, machine=True)
     return {"ram_bytes": ram, "gpu": gpu and gpu.name, "vram_bytes": gpu and gpu.total_bytes,
+            "vram_free_bytes": gpu and gpu.free_bytes,
             "gpu_note": note or (NO_GPU if gpu is None else ""), "gpu_counted": vram is not None,
             "context_len": at.context_len, **fit}
 
 
-def machine_line(m: dict, model_context: int) -> str:
+def read_from(quant: str, fit: dict) -> str:
+    """Where the experts are read from when the RAM does not hold them, and the format that would, in a budget's verdict
+    and the machine's alike ("" when they stay in RAM)."""
+    if fit.get("host_tier") != "mmap":
+        return ""
+    files = "the mmap'd checkpoint" if quant == "none" else f"their {quant} files on disk"
+    return f" (experts read from {files}" + (f"; --quant {fit['ram_quant']} keeps them in RAM)" if fit.get("ram_quant") else ")")
+
+
+def machine_line(m: dict, model_context: int, quant: str) -> str:
     """this_machine's verdict in one line."""
     gib = 2**30
-    gpu = "no NVIDIA GPU" if m["gpu"] is None else f"{m['gpu']} with {m['vram_bytes'] / gib:.1f} GiB"
+    gpu = "no NVIDIA GPU" if m["gpu"] is None else \
+        f"{m['gpu']} with {m['vram_free_bytes'] / gib:.1f} GiB free of {m['vram_bytes'] / gib:.1f} GiB"
     if m["gpu"] is not None and not m["gpu_counted"]:
         gpu += " (not counted: this run computes on the CPU)"
     verdict = "fits" if m["fits"] else f"does not fit: {m['problem']}"
     if m["fits"] and m["context_len"] < model_context:
         verdict += f", the context cut to {m['context_len']} tokens"
-    if m["fits"] and m.get("host_tier") == "mmap":
-        verdict += " (experts read from disk" + (f"; --quant {m['ram_quant']} keeps them in RAM)" if m.get("ram_quant") else ")")
+    if m["fits"]:
+        verdict += read_from(quant, m)
     return f"this machine ({m['ram_bytes'] / gib:.1f} GiB of RAM, {gpu}): {verdict}"
 
 
 def format_line(est) -> str:
     """The quantized experts' size per weight and where the format comes from: a pre-quantized checkpoint, or --quant."""
-    gib, bits = 2**30, f"{8 * est.expert_bytes / est.expert_params:.2f} bits per weight (fp16 scales included)"
+    from ..engine import gib
+
+    bits = f"{8 * est.expert_bytes / est.expert_params:.2f} bits per weight (fp16 scales included)"
     if est.prequantized:
         return f"experts stored as {est.quant} in the checkpoint ({est.prequantized}): {bits}, repacked once at first load"
     plain = est.with_quant("none")
-    return (f"experts stored as {est.quant}: {bits}, quantized once at first load; {plain.all_experts_bytes / gib:.2f} GiB in "
-            f"{plain.expert_dtype} ({plain.expert_bytes / 2**20:.2f} MiB each)")
+    return (f"experts stored as {est.quant}: {bits}, quantized once at first load; {gib(plain.all_experts_bytes)} in "
+            f"{plain.expert_dtype} ({gib(plain.expert_bytes)} each)")
+
+
+def _count(n: int) -> str:
+    """A parameter count in billions, under a tenth of one in millions (a tiny model's read 0.00 B)."""
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
 
 
 def cmd_estimate(args) -> int:
     from ..engine import estimate, format_notice, total_params
+    from ..engine import gib as size
 
     name, source = _source(args.model)
     gib = 2**30
@@ -159,19 +178,19 @@ def cmd_estimate(args) -> int:
                           "kv_bytes": kv, **fit, **({"notice": notice} if notice else {}),
                           **({"this_machine": machine} if machine else {})}))
         return 0 if fit.get("fits", True) else 1
-    print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {total_params(est) / 1e9:.2f} B parameters)")
-    print(f"  non-expert weights  {est.non_expert_bytes / gib:8.2f} GiB  "
+    print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {_count(total_params(est))} parameters)")
+    print(f"  non-expert weights  {size(est.non_expert_bytes):>12}  "
           "(embeddings, attention, norms, routers, shared experts, head)")
-    print(f"  routed experts      {est.all_experts_bytes / gib:8.2f} GiB  "
-          f"({est.num_experts_total} experts x {est.expert_bytes / 2**20:.2f} MiB"
+    print(f"  routed experts      {size(est.all_experts_bytes):>12}  "
+          f"({est.num_experts_total} experts x {size(est.expert_bytes)}"
           f"{', ' + est.quant if est.quant != 'none' else ''})")
     cut = f", the model's {model_context}: cut to leave the experts room" if est.context_len < model_context else ""
-    print(f"  KV cache            {kv / gib:8.2f} GiB  "
+    print(f"  KV cache            {size(kv):>12}  "
           f"({est.context_len} tokens x {kv / est.context_len / 1024:.1f} KiB{cut})")
     if not on_cpu and est.pass_bytes:
-        print(f"  attention           {est.pass_bytes / gib:8.2f} GiB  (what a pass holds on the GPU besides, at that context)")
+        print(f"  attention           {size(est.pass_bytes):>12}  (what a pass holds on the GPU besides, at that context)")
     if est.draft_bytes:
-        print(f"  draft model         {est.draft_bytes / gib:8.2f} GiB")
+        print(f"  draft model         {size(est.draft_bytes):>12}")
     if est.quant != "none":
         print(format_line(est))
     if "max_expert_cache_ratio" in fit:
@@ -180,16 +199,11 @@ def cmd_estimate(args) -> int:
         print(f"VRAM {args.vram_budget_gib:g} GiB: at most {fit['max_expert_cache_experts']} experts cached, "
               f"expert cache ratio {ratio_at_most(fit['max_expert_cache_experts'], est.num_experts_total)}")
     if "host_tier" in fit:
-        where = ""
-        if fit["host_tier"] == "mmap":
-            files = "the mmap'd checkpoint" if est.quant == "none" else f"their {est.quant} files on disk"
-            hint = f"; --quant {fit['ram_quant']} keeps them in RAM" if fit.get("ram_quant") else ""
-            where = f" (experts read from {files}{hint})"
-        print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}{where}")
+        print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}{read_from(est.quant, fit)}")
     if fit:
         print("fits" if fit["fits"] else f"does not fit: {fit['problem']}")
     if machine:
-        print(machine_line(machine, model_context))
+        print(machine_line(machine, model_context, est.quant))
     if notice:
         print(notice)
     return 0 if fit.get("fits", True) else 1

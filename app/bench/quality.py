@@ -1,5 +1,6 @@
 """`moechat bench quality`: quantized experts against the unquantized model (float32 on the CPU) on the
-held-out prompts: teacher-forced top-1 agreement, greedy exact-match length, and perplexity."""
+held-out prompts: teacher-forced top-1 agreement, greedy exact-match length, and perplexity; a pre-quantized checkpoint
+(GPTQ, compressed-tensors) against its unquantized original (`--reference`)."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,13 @@ TARGETS = {"int8": "top-1 agreement >= 99%", "int4": "perplexity loss < 5%"}  # 
 
 def add_bench_quality(sub) -> None:
     p = sub.add_parser("quality", help="quantized experts vs the unquantized model: top-1 agreement and perplexity")
-    p.add_argument("--model", default=None, metavar="DIR", help="model directory or OWNER/NAME (default: the demo model)")
-    p.add_argument("--quant", default="int8,int4", metavar="FORMATS",
-                   help="formats to compare, comma-separated (none: a second unquantized engine, a self-check)")
+    p.add_argument("--model", default=None, metavar="DIR", help="model directory or OWNER/NAME (default: the demo model); "
+                   "a pre-quantized one (GPTQ, compressed-tensors) is measured as it is, against --reference")
+    p.add_argument("--reference", default=None, metavar="DIR", help="the unquantized original to measure against, with "
+                   "the same tokenizer and shapes (default: --model itself; a pre-quantized --model needs it)")
+    p.add_argument("--quant", default=None, metavar="FORMATS",
+                   help="formats to compare, comma-separated (none: a second unquantized engine, a self-check; default: "
+                        "int8,int4, or a pre-quantized model's own)")
     p.add_argument("--prompts", type=int, default=0, metavar="N",
                    help="the first N held-out prompts (assets/demo/eval_prompts.jsonl; 0, the default: all 64)")
     p.add_argument("--new-tokens", type=int, default=64, metavar="T",
@@ -22,33 +27,73 @@ def add_bench_quality(sub) -> None:
     p.set_defaults(func=cmd_bench_quality)
 
 
-def cmd_bench_quality(args) -> int:
-    from ...engine import QUANTS, Engine, EngineConfig, MoechatError, read_config_dict
-    from ..demo import eval_prompts, resolve_model
+SHAPES = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts",
+          "num_experts_per_tok", "first_k_dense_replace", "kv_lora_rank", "q_lora_rank")  # what makes logits comparable
 
-    formats = [q.strip() for q in args.quant.split(",") if q.strip()]
-    bad = [q for q in formats if q not in QUANTS]
-    if bad or not formats:
+
+def _models(args) -> tuple[str, str, dict[str, str]]:
+    """(the model, its reference, {row: the format it runs in}): a pre-quantized model runs in its own ("GPTQ int4"),
+    against --reference."""
+    from ...engine import QUANTS, MoechatError, prequantized_format, prequantized_label, read_config_dict
+    from ..demo import resolve_model
+
+    model = resolve_model(args.model, None)[0]
+    config = read_config_dict(Path(model))
+    own = prequantized_format(config) if "quantization_config" in config else None
+    if "quantization_config" in config and (own is None or args.reference is None):
+        raise MoechatError(f"{model} is pre-quantized: pass its unquantized original with --reference DIR to measure it "
+                           "against that" if own else f"{model} is quantized by a method moechat does not run")
+    if own and args.quant is not None:
+        raise MoechatError(f"--quant does not apply: {model} is quantized in {own} and runs as it is")
+    formats = {prequantized_label(config): own} if own else \
+        {q.strip(): q.strip() for q in (args.quant or "int8,int4").split(",") if q.strip()}
+    if any(q not in QUANTS for q in formats.values()) or not formats:
         raise MoechatError(f"--quant takes formats from {', '.join(QUANTS)}, got {args.quant!r}")
+    if args.reference is None:
+        return model, model, formats
+    reference = resolve_model(args.reference, None)[0]
+    _check_same_model(model, config, reference, read_config_dict(Path(reference)))
+    return model, reference, formats
+
+
+def _check_same_model(model: str, config: dict, reference: str, ref_config: dict) -> None:
+    """Refuse, in one line, a reference that is quantized, shaped otherwise or tokenizes otherwise than the model."""
+    from transformers import AutoTokenizer
+
+    from ...engine import MoechatError
+
+    if "quantization_config" in ref_config:
+        raise MoechatError(f"--reference {reference} is quantized too: pass the unquantized original")
+    text = {**ref_config.get("text_config", {}), **ref_config}, {**config.get("text_config", {}), **config}
+    differ = [f"{k} {text[0].get(k)} against {text[1].get(k)}" for k in SHAPES if text[0].get(k) != text[1].get(k)]
+    if differ:
+        raise MoechatError(f"--reference {reference} is not shaped as {model}: {', '.join(differ)}")
+    ours, theirs = AutoTokenizer.from_pretrained(model), AutoTokenizer.from_pretrained(reference)
+    if ours.get_vocab() != theirs.get_vocab() or ours.all_special_ids != theirs.all_special_ids:
+        raise MoechatError(f"--reference {reference} has another tokenizer than {model}: their token ids do not compare")
+
+
+def cmd_bench_quality(args) -> int:
+    from ...engine import Engine, EngineConfig, MoechatError
+    from ..demo import eval_prompts
+
     if args.new_tokens < 1 or args.prompts < 0:
         raise MoechatError("--new-tokens must be >= 1 and --prompts >= 0")
-    model = resolve_model(args.model, None)[0]
-    if "quantization_config" in read_config_dict(Path(model)):
-        raise MoechatError(f"{model} is pre-quantized: bench quality measures moechat's int8 and int4 against the "
-                           "unquantized model, so pass the unquantized checkpoint (a pre-quantized one's loss is its "
-                           "quantizer's, published with it)")
+    model, reference, formats = _models(args)
     texts = eval_prompts(args.prompts or 10**9)
-    ref = Engine(EngineConfig(model_dir=model, device="cpu", dtype="float32", quant="none"))
+    ref = Engine(EngineConfig(model_dir=reference, device="cpu", dtype="float32", quant="none"))
     samples, skipped = _reference_samples(ref, texts, args.new_tokens)
     if not samples:
         raise MoechatError(f"none of the {len(texts)} prompts fits the model's context with {args.new_tokens} new tokens")
     ref_scores = _scores(ref, samples)
     ref.close()
     result = {"model": model, "prompts": len(samples), "skipped_prompts": skipped, "tokens": args.new_tokens,
-              "reference": {"quant": "none", "dtype": "float32", "device": "cpu", **_ppl(ref_scores)}, "formats": {}}
-    for q in formats:
+              "reference": {"model": reference, "quant": "none", "dtype": "float32", "device": "cpu", **_ppl(ref_scores)},
+              "formats": {}}
+    for row, q in formats.items():
         engine = Engine(EngineConfig(model_dir=model, device="cpu", dtype="float32", quant=q))
-        result["formats"][q] = _compare(engine, samples, ref_scores, result["reference"], q)
+        result["formats"][row] = _compare(engine, samples, ref_scores, result["reference"], row)
         engine.close()
     if args.json:
         print(json.dumps(result))
@@ -155,14 +200,15 @@ def _prefix(a: list[int], b: list[int]) -> int:
 def _print(r: dict) -> None:
     ref = r["reference"]
     skipped = f" ({r['skipped_prompts']} skipped: too long for the context)" if r["skipped_prompts"] else ""
-    print(f"model {r['model']}  {r['prompts']} held-out prompts{skipped}  reference: quant none, float32, CPU, "
+    other = f"{ref['model']}, " if ref.get("model", r["model"]) != r["model"] else ""
+    print(f"model {r['model']}  {r['prompts']} held-out prompts{skipped}  reference: {other}quant none, float32, CPU, "
           f"greedy continuation of up to {r['tokens']} tokens ({ref['continuation_tokens']} in all)")
-    print(f"{'format':8}{'top-1 agree':>13}{'(contin.)':>11}{'exact-match tok':>17}{'ppl contin.':>13}{'ppl prompt':>12}"
+    print(f"{'format':12}{'top-1 agree':>13}{'(contin.)':>11}{'exact-match tok':>17}{'ppl contin.':>13}{'ppl prompt':>12}"
           f"{'Δppl contin.':>14}{'Δppl prompt':>13}")
-    print(f"{'none':8}{'100.00%':>13}{'100.00%':>11}{ref['continuation_tokens'] / r['prompts']:17.1f}"
+    print(f"{'none':12}{'100.00%':>13}{'100.00%':>11}{ref['continuation_tokens'] / r['prompts']:17.1f}"
           f"{ref['ppl_continuation']:13.3f}{ref['ppl_prompt']:12.3f}{'':>14}{'':>13}")
     for q, row in r["formats"].items():
-        print(f"{q:8}{row['agreement']:13.2%}{row['agreement_continuation']:11.2%}{row['exact_match_tokens']:17.1f}"
+        print(f"{q:12}{row['agreement']:13.2%}{row['agreement_continuation']:11.2%}{row['exact_match_tokens']:17.1f}"
               f"{row['ppl_continuation']:13.3f}{row['ppl_prompt']:12.3f}{row['dppl_continuation']:+14.2%}{row['dppl_prompt']:+13.2%}")
     for q, row in r["formats"].items():
         if "target" in row:

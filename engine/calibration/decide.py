@@ -271,11 +271,12 @@ def _decide_cpu_only(est: MemoryEstimate, meas: Measurements, host_tier: str, dr
     return Decisions(0.0, k, gamma, FORGETTING, drafter, "lru", host_tier, {}, reasons, quant=est.quant)
 
 
-def _vram_split(est: MemoryEstimate, vram: int, reasons: dict[str, str]) -> tuple[int, dict[str, int]]:
-    """(expert slots, the VRAM split): as many experts as fit beside the fixed part and the margin."""
+def _vram_split(est: MemoryEstimate, vram: int, reasons: dict[str, str], free: bool) -> tuple[int, dict[str, int]]:
+    """(expert slots, the VRAM split): as many experts as fit beside the fixed part and the margin. free: `vram` is the
+    GPU's free VRAM, not the user's budget."""
     margin, fixed = vram_margin(vram), vram_fixed(est)
     if fixed + margin > vram:
-        raise BudgetError(vram_too_small(est, vram))
+        raise BudgetError(vram_too_small(est, vram, free))
     slots = max_cache_experts(est, vram)
     cache = slots * est.expert_bytes
     reasons["expert_cache_ratio"] = (f"{slots / est.num_experts_total:.3f}: {slots} of {est.num_experts_total} experts "
@@ -329,7 +330,7 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     vram = min(vram_budget, gpu.free_bytes) if vram_budget is not None else gpu.free_bytes
     drafter = draft_models[0] if draft_models else "self" if "self" in draft_options else "none"
     est = replace(est, draft_bytes=est.draft_bytes if draft_models else 0)
-    slots, split = _vram_split(est, vram, reasons)
+    slots, split = _vram_split(est, vram, reasons, vram != vram_budget)
     ratio = slots / est.num_experts_total
     if drafter == "self" and slots == 0:
         drafter = "none"  # self-draft runs on resident experts only

@@ -86,7 +86,7 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
         check_host_room(est, user_ram)
     elif given is None and device.type != "cuda" and machine:  # no budget: the KV cache at the context, on this machine
         check_host_room(est, machine, machine=True)
-    check_budgets(est, vram, user_ram if user_ram is not None else machine, cache, tier)
+    check_budgets(est, vram, user_ram if user_ram is not None else machine, cache, tier, free_vram=vram != cfg.vram_budget_bytes)
     return cfg, "; ".join(notices)
 
 

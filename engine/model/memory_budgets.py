@@ -22,7 +22,11 @@ GIB = 2**30
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """A size in GiB to 2 decimals; under a tenth of one in MiB, under a tenth of that in KiB (a size never reads 0.00)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if n == 0 or abs(n) >= scale / 10:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1024:.2f} KiB"
 
 
 def vram_margin(vram_budget: int) -> int:
@@ -146,10 +150,10 @@ def _virtual_memory(field: str) -> int | None:
         return None
 
 
-def vram_too_small(est: MemoryEstimate, vram_budget: int) -> str:
+def vram_too_small(est: MemoryEstimate, vram_budget: int, free: bool = False) -> str:
     """The line refusing a VRAM budget that the weights, KV cache and margin exceed before any expert is cached, with what
     makes it fit: the context whose KV cache fits beside the weights (none where the weights alone do not fit), no draft
-    model, the CPU."""
+    model, the CPU. free: `vram_budget` is the GPU's free VRAM (no budget was set, or one above it)."""
     margin = vram_margin(vram_budget)
     parts = f"non-expert weights {gib(est.non_expert_bytes)} + KV cache for {est.context_len} tokens {gib(est.kv_bytes)}"
     if est.pass_bytes:
@@ -162,20 +166,22 @@ def vram_too_small(est: MemoryEstimate, vram_budget: int) -> str:
     ways = ([f"lower --context-len to {fits:,} or less"] if fits > 0 else []) + \
         (["use a smaller draft or none"] if est.draft_bytes else []) + ["run on the CPU (--device cpu)"]
     return (f"{est.model_type} needs {gib(vram_fixed(est) + margin)} of VRAM before any expert is cached ({parts} + margin "
-            f"{gib(margin)}), the VRAM budget is {gib(vram_budget)}: {', '.join(ways)}, or use a smaller model")
+            f"{gib(margin)}), {'the GPU has' if free else 'the VRAM budget is'} {gib(vram_budget)}{' free' if free else ''}: "
+            f"{', '.join(ways)}, or use a smaller model")
 
 
 def check_budgets(est: MemoryEstimate, vram_budget: int | None, ram_budget: int | None,
-                  expert_cache_bytes: int = 0, host_tier: str = "ram") -> None:
+                  expert_cache_bytes: int = 0, host_tier: str = "ram", free_vram: bool = False) -> None:
     """Raise a one-line BudgetError with the numbers and what to change when the model cannot fit.
 
-    vram_budget None: no GPU (everything is in RAM, checked against ram_budget only for the store).
+    vram_budget None: no GPU (everything is in RAM, checked against ram_budget only for the store); free_vram: it is the
+    GPU's free VRAM, not a budget the user set.
     ram_budget None: no RAM budget set. host_tier: "ram" (the store is copied into RAM) or "mmap".
     """
     if vram_budget is not None:
         fixed, margin = vram_fixed(est), vram_margin(vram_budget)
         if fixed + margin > vram_budget:
-            raise BudgetError(vram_too_small(est, vram_budget))
+            raise BudgetError(vram_too_small(est, vram_budget, free_vram))
         if fixed + margin + expert_cache_bytes > vram_budget:
             fit = max_cache_experts(est, vram_budget)
             raise BudgetError(

@@ -516,6 +516,30 @@ def test_generate_json_interrupted_prints_the_reply_so_far_and_exits_130(checkpo
     assert set(got) == set(whole)
 
 
+def test_generate_json_interrupted_while_the_model_loads_still_prints_one_object(checkpoint, monkeypatch, capsys):
+    """Ctrl-C before the model had loaded printed no object at all under --json (nothing was generated yet): a script got
+    nothing to parse. It gets the object an interrupted reply gives, with no tokens, and exit 130."""
+    from moechat import engine
+    from moechat.app.cli import main
+
+    argv = ["generate", "--model", str(checkpoint("qwen3_moe")), "--prompt", "hi", "--max-new-tokens", "2", "--json"]
+    assert main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)
+
+    def loading(config, *args, **kwargs):
+        raise KeyboardInterrupt  # what Ctrl-C raises in the middle of a load
+
+    monkeypatch.setattr(engine, "Engine", loading)
+    assert main(argv) == 130
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert set(got) == set(whole) and err.strip().endswith("moechat: error: interrupted")
+    assert (got["interrupted"], got["token_ids"], got["text"], got["stats"]) == (True, [], "", None)
+    assert (got["device"], got["dtype"]) == (whole["device"], whole["dtype"])  # resolved before the load began
+    assert got["choices"] is None and got["costs"] is None  # only a loaded model knows these
+    assert main(argv[:-1]) == 130 and capsys.readouterr().out == ""  # without --json: no object
+
+
 def test_generate_json_says_a_pre_quantized_checkpoints_format_came_from_the_checkpoint(checkpoint, tmp_path, capsys):
     """choices.quant said int4 came from the command line where --quant int8 was typed (and from the default without it):
     a GPTQ checkpoint's format is its own."""

@@ -6,6 +6,12 @@ import re
 
 import pytest
 
+SIZE = r"([\d.]+) ([KMG]iB)"  # a size as estimate prints it: GiB, or MiB and KiB under a tenth of the unit above
+
+
+def _gib(match) -> float:
+    return float(match.group(1)) / 1024 ** "GMK".index(match.group(2)[0])
+
 
 def _estimate(capsys, *argv) -> tuple[int, str]:
     from moechat.app.cli import main
@@ -47,9 +53,9 @@ def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
     verdict = out.strip().splitlines()[-1]
     assert verdict.startswith("does not fit:") and "GiB stay free for the system" in verdict
     # the weights and KV cache listed are those the verdict sums (the KV cache listed in bf16 made them not add up)
-    listed = [float(re.search(rf"{part} +([\d.]+) GiB", out).group(1)) for part in ("non-expert weights", "KV cache")]
-    need = float(re.search(r"need ([\d.]+) GiB of RAM", verdict).group(1))
-    assert sum(listed) == pytest.approx(need, abs=0.011)
+    listed = [_gib(re.search(rf"{part} +{SIZE}", out)) for part in ("non-expert weights", "KV cache")]
+    need = _gib(re.search(rf"need {SIZE} of RAM", verdict))
+    assert need > 0 and sum(listed) == pytest.approx(need, abs=0.011)
     least = re.search(r"use --ram-budget-gib ([\d.]+) or more", verdict).group(1)
     assert main(["estimate", *name, "--ram-budget-gib", least]) == 0
     assert capsys.readouterr().out.strip().endswith("fits")
@@ -201,7 +207,58 @@ def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, mon
     assert "this_machine" not in json.loads(shown("--json", "--ram-budget-gib", "64")[1])  # a budget asks of another machine
 
     machine(64, [GpuInfo("NVIDIA RTX 4090", 24 * gib, 23 * gib)])  # NVML sees it; this run computes on the CPU
-    assert "RTX 4090 with 24.0 GiB (not counted: this run computes on the CPU)): fits" in shown()[1]
+    assert "RTX 4090 with 23.0 GiB free of 24.0 GiB (not counted: this run computes on the CPU)): fits" in shown()[1]
+
+
+def _gpu_machine(monkeypatch, ram_gib: float, total_gib: float, free_gib: float) -> None:
+    """This machine as a GPU one: NVML lists the GPU and CUDA takes it (the probes `auto` reads)."""
+    from moechat import engine
+    from moechat.engine import GpuInfo, placement
+
+    gib = 2**30
+    monkeypatch.setattr(engine, "physical_ram_bytes", lambda: int(ram_gib * gib))
+    monkeypatch.setattr(engine, "gpu_info", lambda: ([GpuInfo("NVIDIA RTX 4090", int(total_gib * gib), int(free_gib * gib))], ""))
+    gpu = placement.Gpu(0, "NVIDIA RTX 4090", int(free_gib * gib), int(total_gib * gib), True)
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe((gpu,)))
+
+
+def test_a_gpu_machine_is_judged_by_the_vram_a_load_plans_with(capsys, monkeypatch):
+    """The machine line counted the GPU's total VRAM, where a load plans with what is free (a browser, a game hold the
+    rest): it said the experts cached were those of 24 GiB with 6 free. It counts the free VRAM, as a budget of that size."""
+    from moechat.app.cli import main
+
+    _gpu_machine(monkeypatch, ram_gib=64, total_gib=24, free_gib=6)
+    argv = ["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--json"]
+    assert main(argv) == 0
+    mine = json.loads(capsys.readouterr().out)["this_machine"]
+    assert main([*argv, "--vram-budget-gib", "6", "--ram-budget-gib", "64"]) == 0
+    budget = json.loads(capsys.readouterr().out)
+    assert mine["max_expert_cache_experts"] == budget["max_expert_cache_experts"] > 0
+    assert (mine["context_len"], mine["vram_bytes"], mine["vram_free_bytes"]) == (budget["context_len"], 24 * 2**30, 6 * 2**30)
+    assert main(argv[:-1]) == 0
+    assert "this machine (64.0 GiB of RAM, NVIDIA RTX 4090 with 6.0 GiB free of 24.0 GiB): fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ram, free", [(24, 20), (64, 4)])
+def test_a_gpu_machine_short_of_memory_is_told_what_to_change_on_it(capsys, monkeypatch, ram, free):
+    """Without budgets, a GPU machine's verdict spoke of budgets ("the VRAM budget is 4.00 GiB") the user never set: it
+    names the machine's memory, and gives the advice a budget of that size gets, in its words (short of RAM: where the
+    experts are read from and the format that keeps them in RAM; short of VRAM: the context, the CPU)."""
+    from moechat.app.cli import main
+
+    _gpu_machine(monkeypatch, ram_gib=ram, total_gib=24, free_gib=free)
+    argv = ["estimate", "--model", "Qwen3-30B-A3B", "--context-len", "40960"]
+    rc = main(argv)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 0 and line.startswith("this machine") and "budget" not in line, line
+    main([*argv, "--vram-budget-gib", str(free), "--ram-budget-gib", str(ram)])
+    budgeted = capsys.readouterr().out
+    if ram == 24:  # the RAM's verdict line, as the budget's RAM line words it
+        assert line.endswith(": fits (experts read from the mmap'd checkpoint; --quant int4 keeps them in RAM)")
+        assert "host tier mmap (experts read from the mmap'd checkpoint; --quant int4 keeps them in RAM)" in budgeted
+    else:
+        advice = budgeted.strip().splitlines()[-1].split("the VRAM budget is 4.00 GiB: ")[1]
+        assert advice.startswith("lower --context-len to ") and line.endswith(f"the GPU has 4.00 GiB free: {advice}")
 
 
 def test_a_gptq_checkpoint_is_estimated_as_it_runs(checkpoint, tmp_path, capsys):
@@ -219,3 +276,23 @@ def test_a_gptq_checkpoint_is_estimated_as_it_runs(checkpoint, tmp_path, capsys)
     assert main(["estimate", "--model", str(gptq), "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
     assert est["quant"] == "int4" and est["prequantized"] == "GPTQ" and "notice" not in est
+
+
+@pytest.mark.notorch
+def test_a_size_never_reads_zero_unless_it_is():
+    """Sizes were written in GiB to 2 decimals, so a tiny model's need read "0.00 GiB" beside "use --ram-budget-gib 2.01":
+    under a tenth of a unit they are written in the next smaller one."""
+    from moechat.engine import gib
+
+    sizes = {0: "0.00 GiB", 3 * 2**30: "3.00 GiB", 2**30 // 5: "0.20 GiB", 5 * 2**20: "5.00 MiB", 1536: "1.50 KiB",
+             -2 * 2**20: "-2.00 MiB"}
+    assert {n: gib(n) for n in sizes} == sizes
+
+
+def test_a_tiny_models_need_is_shown_in_a_unit_that_holds_it(checkpoint, capsys):
+    from moechat.app.cli import main
+
+    assert main(["estimate", "--model", str(checkpoint("qwen3_moe")), "--ram-budget-gib", "1"]) == 1
+    out = capsys.readouterr().out
+    need = re.search(rf"need {SIZE} of RAM", out)
+    assert _gib(need) > 0 and need.group(2) != "GiB" and " 0.00 " not in out, out

@@ -51,6 +51,52 @@ def test_bench_quality_refuses_a_pre_quantized_reference(checkpoint, tmp_path, c
     model = shutil.copytree(checkpoint("qwen3_moe"), tmp_path / "gptq")
     cfg = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    capsys.readouterr()  # the checkpoint's build
     assert main(["bench", "quality", "--model", str(model)]) == 1
     err = capsys.readouterr().err
-    assert "pre-quantized" in err and "pass the unquantized checkpoint" in err and "\n" not in err.strip()
+    assert "pre-quantized" in err and "with --reference DIR" in err and "\n" not in err.strip()
+
+
+def test_bench_quality_measures_a_gptq_checkpoint_against_its_original(checkpoint, tmp_path, capsys):
+    """A GPTQ checkpoint could not be measured at all (it was refused as a reference, and no other could be named):
+    --reference takes its original, which scores the prompts; the checkpoint runs as it is, in its own format."""
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    original = checkpoint("qwen3_moe", max_position_embeddings=26)
+    gptq = make_gptq_checkpoint(original, tmp_path / "gptq", group_size=32)
+    argv = ["bench", "quality", "--prompts", "3", "--new-tokens", "8", "--json"]
+    assert main([*argv, "--model", str(gptq), "--reference", str(original)]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*argv, "--model", str(original), "--quant", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = res["reference"]
+    assert (res["model"], ref["model"], list(res["formats"])) == (str(gptq), str(original), ["GPTQ int4"])
+    assert (ref["ppl_continuation"], ref["ppl_prompt"]) == (plain["reference"]["ppl_continuation"],
+                                                            plain["reference"]["ppl_prompt"])  # the original scored it
+    row = res["formats"]["GPTQ int4"]
+    assert 0 < row["agreement"] <= 1 and "target" not in row  # moechat's targets are for its own formats
+    assert row["ppl_prompt"] != ref["ppl_prompt"] and math.isfinite(row["ppl_prompt"])  # the int4 weights ran
+    assert main(["bench", "quality", "--model", str(gptq), "--reference", str(original), "--quant", "int8"]) == 1
+    assert capsys.readouterr().err.strip().endswith("--quant does not apply: " + f"{gptq} is quantized in int4 and runs as it is")
+
+
+def test_bench_quality_refuses_a_reference_of_another_model(checkpoint, tmp_path, capsys):
+    """A reference whose logits do not compare (other shapes, another tokenizer, quantized itself): one line each."""
+    import shutil
+
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    original = checkpoint("qwen3_moe")
+    gptq = make_gptq_checkpoint(original, tmp_path / "gptq", group_size=32)
+    retokenized = shutil.copytree(original, tmp_path / "retokenized")
+    tok = json.loads((retokenized / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped: the same words, other ids
+    (retokenized / "tokenizer.json").write_text(json.dumps(tok))
+    other = checkpoint("qwen3_moe", hidden_size=96)
+    capsys.readouterr()  # the checkpoints' builds
+    for reference, said in ((other, "is not shaped as"), (retokenized, "has another tokenizer than"), (gptq, "is quantized too")):
+        assert main(["bench", "quality", "--model", str(gptq), "--reference", str(reference)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"moechat: error: --reference {reference} {said}") and "\n" not in err, err

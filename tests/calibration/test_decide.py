@@ -318,7 +318,7 @@ def test_loader_refuses_before_loading(checkpoint, monkeypatch):
     monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: 1024)
     monkeypatch.setattr(load_budgets, "available_ram_bytes", lambda: 1024)
     monkeypatch.setattr(loader.ExpertStore, "__init__", lambda *a, **k: pytest.fail("experts loaded before the check"))
-    with pytest.raises(BudgetError, match="this machine has 0.00 GiB of RAM: use a smaller model"):
+    with pytest.raises(BudgetError, match="this machine has 1.00 KiB of RAM: use a smaller model"):
         loader.load_model(EngineConfig(model_dir=str(checkpoint("olmoe"))))
 
 

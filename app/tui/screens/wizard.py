@@ -19,6 +19,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import (
     Button,
@@ -298,7 +299,10 @@ class WizardScreen(Screen):
     def _say(self, label: str, text: str) -> None:
         """`text` in a step's label (a field's error, a pull's progress), scrolled into view: on a short terminal the
         label, below the step's fields, was off the screen."""
-        widget = self.query_one(label, Label)
+        try:
+            widget = self.query_one(label, Label)
+        except NoMatches:  # the app is leaving and took the step's widgets first: a pull's progress can still come
+            return
         widget.update(text)
         if text:
             widget.scroll_visible(animate=False)
