@@ -225,15 +225,16 @@ class EngineBridge:
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
         if isinstance(engine, RemoteEngine):
-            self._send(EngineReady(engine.model, engine.summary, f"remote {engine.config.url}"))
+            self._send(EngineReady(engine.model, f"at {engine.config.url} (remote backend)", f"remote {engine.config.url}"))
             return
         placement = config.placement.notice if config.placement else ""
         notices = (placement, *config.notices, *engine.notices)
-        self._send(EngineReady(name, *self._summary(engine, name), "; ".join(n for n in notices if n)))
+        self._send(EngineReady(name, *self._summary(engine), "; ".join(n for n in notices if n)))
 
     @staticmethod
-    def _summary(engine, name: str) -> tuple[str, str]:
-        """(the status line's summary of what runs, its short form for a narrow terminal: no model name, no reasons)."""
+    def _summary(engine) -> tuple[str, str]:
+        """(the status line's summary of what runs, its short form for a narrow terminal: no reasons); neither names the
+        model, which the status line says first."""
         m, cfg = engine.model, engine.config
         total = m.cache.slot_of.numel()
         tier = "the GPU" if m.device.type == "cuda" else "the fast tier"
@@ -247,7 +248,7 @@ class EngineBridge:
         where = str(cfg.placement) if cfg.placement else f"{m.device} in {cfg.dtype}"
         profiled = " · calibration profile" if cfg.scheduler.measured is not None else ""  # what it did not fix came from it
         experts = f"{m.cache.capacity}/{total} {experts}experts"
-        summary = f"{name} on {where} · {experts} on {tier} · drafter {drafter} · policy {cfg.scheduler.policy}{profiled}"
+        summary = f"on {where} · {experts} on {tier} · drafter {drafter} · policy {cfg.scheduler.policy}{profiled}"
         brief = (f"{m.device} {SHORT_DTYPES.get(cfg.dtype, cfg.dtype)} · {experts} · "
                  f"{'no drafter' if drafter == 'none' else 'drafter ' + short_drafter} · "
                  f"policy {cfg.scheduler.policy}{' · profile' if profiled else ''}")

@@ -1232,10 +1232,10 @@ async def test_sigterm_quits_as_ctrl_q_does_keeping_the_reply_being_written(tmp_
     assert (last.role, last.content, last.finished) == ("assistant", "the sea is", False)
 
 
-LONG_SUMMARY = ("Qwen3-30B-A3B-GPTQ-Int4 on cuda:0 (the only GPU) in bfloat16 (the GPU supports it) · 48/6144 int4 (GPTQ) "
+LONG_SUMMARY = ("on cuda:0 (the only GPU) in bfloat16 (the GPU supports it) · 48/6144 int4 (GPTQ) "
                 "experts on the GPU · drafter self (γ 4) · policy spac · calibration profile",
                 "cuda:0 bf16 · 48/6144 int4 (GPTQ) experts · drafter self γ4 · policy spac · profile")
-DEMO_SUMMARY = ("demo on cpu in float32 · 0/256 experts on the fast tier · drafter none · policy spac",
+DEMO_SUMMARY = ("on cpu in float32 · 0/256 experts on the fast tier · drafter none · policy spac",
                 "cpu fp32 · 0/256 experts · no drafter · policy spac")
 
 
