@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from .chats import EMPTY_REPLY, ChatStore, end_note, visible
+from .chats import EMPTY_REPLY, ChatStore, end_note, shows_nothing
 
 HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}
 
@@ -17,7 +17,7 @@ def export_markdown(store: ChatStore, conv_id: int) -> str:
     for message in store.messages(conv_id):
         parts.append(f"### {HEADINGS[message.role]}")
         body = _close_fences(message.content.strip("\n"))
-        if message.role == "assistant" and message.finished and not visible(body):  # as the app shows it
+        if message.role == "assistant" and message.finished and shows_nothing(body):  # as the app shows it
             body = f"*{EMPTY_REPLY}*"
         note = end_note(message.finished, message.finish)
         if note:  # as the app says it beside the reply

@@ -44,6 +44,7 @@ from .chat_file import (
     unusable,
 )
 from .chat_migrations import mark, migrate, moechat_version, refuse_newer
+from .reasoning import split_reasoning
 
 ROLES = ("system", "user", "assistant")
 
@@ -110,6 +111,11 @@ EMPTY_REPLY = "(empty reply)"  # what the chat screen and the export show for a 
 def visible(text: str) -> bool:
     """Whether text shows anything: not only spaces and invisible format characters (a zero-width space)."""
     return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
+
+
+def shows_nothing(reply: str) -> bool:
+    """Whether a reply shows no text as the app splits it, reasoning or answer (an empty `<think>` block is none)."""
+    return not visible("".join(split_reasoning(reply)[:2]))
 
 
 SAVE_INTERVAL_S = 0.5  # a streaming reply is saved at most this often (the app and plain chat): a kill loses at most this much

@@ -10,7 +10,17 @@ import threading
 import time
 from contextlib import contextmanager
 
-from .chats import SAVE_INTERVAL_S, ChatStore, ChatStoreError, ReplacedError, elsewhere, finish_of, title_from
+from .chats import (
+    EMPTY_REPLY,
+    SAVE_INTERVAL_S,
+    ChatStore,
+    ChatStoreError,
+    ReplacedError,
+    elsewhere,
+    finish_of,
+    shows_nothing,
+    title_from,
+)
 from .terminal_text import as_typed, for_terminal
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
@@ -239,6 +249,8 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
                 events.close()  # cancels the request; the engine (or the server) is ready for the next one
             stopped = True
             print("\nmoechat: stopped", file=sys.stderr)
+        if finished is not None and shows_nothing(finished.text):  # the model ended its turn at once: as the app says it
+            sys.stdout.write(EMPTY_REPLY)
         print(flush=True)
         if finished is None and not reply:
             messages.pop()  # nothing came back: the user's message can be sent again

@@ -53,20 +53,22 @@ def _models(args) -> tuple[str, str, dict[str, str]]:
     if args.reference is None:
         return model, model, formats
     reference = resolve_model(args.reference, None)[0]
-    _check_same_model(model, config, reference, read_config_dict(Path(reference)))
+    _check_same_model(model, reference, read_config_dict(Path(reference)))
     return model, reference, formats
 
 
-def _check_same_model(model: str, config: dict, reference: str, ref_config: dict) -> None:
+def _check_same_model(model: str, reference: str, ref_config: dict) -> None:
     """Refuse, in one line, a reference that is quantized, shaped otherwise or tokenizes otherwise than the model."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from ...engine import MoechatError
 
     if "quantization_config" in ref_config:
         raise MoechatError(f"--reference {reference} is quantized too: pass the unquantized original")
-    text = {**ref_config.get("text_config", {}), **ref_config}, {**config.get("text_config", {}), **config}
-    differ = [f"{k} {text[0].get(k)} against {text[1].get(k)}" for k in SHAPES if text[0].get(k) != text[1].get(k)]
+    # as transformers reads them: a re-saved original names a field otherwise (Qwen3-MoE's num_experts: num_local_experts)
+    configs = [AutoConfig.from_pretrained(path).get_text_config() for path in (reference, model)]
+    shape = [{k: getattr(c, k, None) for k in SHAPES} for c in configs]
+    differ = [f"{k} {shape[0][k]} against {shape[1][k]}" for k in SHAPES if shape[0][k] != shape[1][k]]
     if differ:
         raise MoechatError(f"--reference {reference} is not shaped as {model}: {', '.join(differ)}")
     ours, theirs = AutoTokenizer.from_pretrained(model), AutoTokenizer.from_pretrained(reference)

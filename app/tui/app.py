@@ -97,6 +97,8 @@ class MoechatApp(App):
             return False
         if action == "command_palette" and isinstance(screen, (TextPrompt, Confirm)):
             return False
+        if action == "help" and isinstance(screen, HelpScreen):  # shown already: F1 there closes it
+            return False
         return action not in CHAT_ACTIONS or screen is self.chat
 
     def notify(self, message: str, *, title: str = "", severity="information", timeout: float | None = None,

@@ -128,6 +128,11 @@ def test_export_markdown(store):
     assert export_markdown(store, conv).endswith("### moechat\n\n*(empty reply)*\n\n*(cut at the length limit)*\n")
     store.update(cut, "\u200b", finished=True, finish="stop")
     assert export_markdown(store, conv).endswith("### moechat\n\n*(empty reply)*\n")
+    for empty in ("<think>\n\n</think>\n\n", "</think>\n\n"):  # an empty block (the prompt may open it): the app's placeholder
+        store.update(cut, empty, finished=True, finish="stop")
+        assert export_markdown(store, conv).endswith("### moechat\n\n*(empty reply)*\n")
+    store.update(cut, "<think>\nhmm\n</think>\n\n", finished=True, finish="stop")  # reasoning only: shown, not empty
+    assert export_markdown(store, conv).endswith("### moechat\n\n<think>\nhmm\n</think>\n")
 
     bare = store.create("Empty")
     assert export_markdown(store, bare) == "# Empty\n"

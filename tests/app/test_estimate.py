@@ -261,6 +261,30 @@ def test_a_gpu_machine_short_of_memory_is_told_what_to_change_on_it(capsys, monk
         assert advice.startswith("lower --context-len to ") and line.endswith(f"the GPU has 4.00 GiB free: {advice}")
 
 
+def test_a_load_refuses_a_gpu_machine_in_the_words_of_estimates_machine_line(capsys, monkeypatch):
+    """estimate judges a GPU machine by its free VRAM "as a load plans": the load, with no budget or one above what is
+    free, refuses in the same words and numbers (the GPU's free VRAM, not a budget nobody set)."""
+    import torch
+
+    from moechat.app.cli import main
+    from moechat.engine import BudgetError, EngineConfig, estimate, known_config
+    from moechat.engine.model import load_budgets
+
+    gib = 2**30
+    _gpu_machine(monkeypatch, ram_gib=64, total_gib=24, free_gib=4)
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--context-len", "40960", "--json"]) == 0
+    problem = json.loads(capsys.readouterr().out)["this_machine"]["problem"]
+    assert "the GPU has 4.00 GiB free" in problem
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (4 * gib, 24 * gib))
+    monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: 64 * gib)
+    monkeypatch.setattr(load_budgets, "available_ram_bytes", lambda: 64 * gib)
+    est = estimate(dict(known_config("Qwen3-30B-A3B"), dtype="bfloat16"), "bfloat16", 40960, None, "none", cpu=False)
+    for budget in (None, 8 * gib):
+        with pytest.raises(BudgetError) as err:
+            load_budgets.check_load_budgets(EngineConfig(model_dir="x", vram_budget_bytes=budget), est, torch.device("cuda:0"))
+        assert str(err.value) == problem
+
+
 def test_a_gptq_checkpoint_is_estimated_as_it_runs(checkpoint, tmp_path, capsys):
     """It said 'quantized once at first load' and compared a bf16 size no file holds, and --quant int8 went unsaid (the
     run says it does not apply); now: the checkpoint's format and method, repacked, and the notice."""

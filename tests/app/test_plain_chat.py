@@ -359,3 +359,13 @@ def test_utf8_lines_are_taken_and_a_line_that_is_not_is_refused_alone(tmp_path, 
         stored = [m.content for m in store.messages(store.conversations()[0].id)]
     assert stored == ["caf\u00e9", "Oui.", "again", "Oui."]
     assert capsys.readouterr().err.count("that line is not valid UTF-8 text: not sent") == 1
+
+
+@pytest.mark.parametrize("words", [[], ["<think>\n\n</think>\n\n"]])
+def test_an_empty_reply_says_so_as_the_app_does(tmp_path, monkeypatch, capsys, words):
+    """A reply the model ended at once printed a blank line where the app and the export say "(empty reply)"."""
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        run(Ending(words, "eos"), store, "hello\n", monkeypatch)
+        reply = store.messages(store.conversations()[0].id)[-1]
+    assert (reply.content, reply.finished) == ("".join(words), True)
+    assert "moechat> " + "".join(words) + "(empty reply)\n" in capsys.readouterr().out

@@ -100,3 +100,24 @@ def test_bench_quality_refuses_a_reference_of_another_model(checkpoint, tmp_path
         assert main(["bench", "quality", "--model", str(gptq), "--reference", str(reference)]) == 1
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"moechat: error: --reference {reference} {said}") and "\n" not in err, err
+
+
+def test_bench_quality_takes_an_original_whose_config_names_a_field_otherwise(checkpoint, tmp_path, capsys):
+    """The shapes were compared by config.json's keys: Qwen3-30B-A3B's original says num_experts where transformers, which
+    wrote the GPTQ checkpoint (or an original re-saved in float32), says num_local_experts, and the same model was refused as
+    "not shaped as" it. They are compared as transformers reads them."""
+    import shutil
+
+    from tests.quant.gptq_pack import make_gptq_checkpoint
+
+    original = checkpoint("qwen3_moe")
+    gptq = make_gptq_checkpoint(original, tmp_path / "gptq", group_size=32)
+    hub = shutil.copytree(original, tmp_path / "hub")
+    cfg = json.loads((hub / "config.json").read_text())
+    cfg["num_experts"] = cfg.pop("num_local_experts")  # as the Hub's config.json names it
+    (hub / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()  # the checkpoints' builds
+    assert main(["bench", "quality", "--model", str(gptq), "--reference", str(hub), "--prompts", "1", "--new-tokens", "2",
+                 "--json"]) == 0, capsys.readouterr().err
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["reference"]["model"] == str(hub) and list(res["formats"]) == ["GPTQ int4"]

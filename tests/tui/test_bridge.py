@@ -172,6 +172,7 @@ def test_load_stream_stats_and_spac_frames(checkpoint):
         loading = inbox.of(EngineLoading)
         assert [m.fraction for m in loading] == sorted(m.fraction for m in loading) and loading[-1].fraction == 1.0
         assert ready.model == path.name and "\n" not in ready.summary
+        assert ready.summary.startswith("on cpu in float32 · ") and path.name not in ready.summary  # the line names it first
         assert "8/16 experts" in ready.summary and "self" in ready.summary and "spac" in ready.summary
         assert ready.brief == "cpu fp32 · 8/16 experts · drafter self γ3 · policy spac"  # the status line's short form
 

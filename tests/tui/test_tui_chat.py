@@ -625,6 +625,7 @@ async def test_f1_and_the_palette_do_what_each_screen_offers(tmp_path, stored):
             await until(pilot, lambda s=screen: isinstance(app.screen, s), screen.__name__)
             await pilot.press("f1")
             await until(pilot, lambda: isinstance(app.screen, HelpScreen), "the help")
+            assert await offered() == ["Toggle theme"]  # "Help" did nothing over the help
             source = app.screen.query_one("Markdown").source
             if screen is SettingsScreen:  # its fields, as the README's options table says them
                 assert "| Quantized experts | reload model | routed experts' storage" in source and "ctrl+n" not in source.lower()
@@ -972,7 +973,8 @@ async def test_the_app_chats_through_a_remote_backend(tmp_path, served, monkeypa
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
         await until(pilot, lambda: chat.model == model.name, "the remote backend to answer")
-        assert "(remote backend)" in chat.query_one("#status").render().plain
+        status = chat.query_one("#status").render().plain
+        assert "(remote backend)" in status and status.count(model.name) == 1  # named once, first
         await send(pilot, "Hello over the network")
         await until(pilot, lambda: chat.reply is None and chat.stats is not None, "the remote reply")
         (conv,) = app.store.conversations()

@@ -15,7 +15,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Collapsible, Label, Markdown, Static, TextArea
 
-from ...chats import EMPTY_REPLY, end_note, visible
+from ...chats import EMPTY_REPLY, end_note, shows_nothing, visible
 from ...reasoning import reasoning_title, split_reasoning
 from ..guard import store_failures_noticed
 
@@ -174,7 +174,7 @@ class MessageView(Vertical, can_focus=True):
     def shows_nothing(self) -> bool:
         """A reply that ended with no text to show, reasoning or answer (the model ended its turn at once): an invisible
         blank without its placeholder."""
-        return self.finished and self.role == "assistant" and not visible("".join(self.split()[:2]))
+        return self.finished and self.role == "assistant" and shows_nothing(self.content)
 
     def split(self) -> tuple[str, str, bool]:
         """(reasoning, answer, still thinking): a user's words are all answer."""
