@@ -3,7 +3,8 @@ needs (61 GB for Qwen3-30B-A3B, more than the benchmark machine's disk holds bes
 and non-layer tensors of llama.cpp's own Q4_K_M conversion of a 1-layer model of the same shapes
 (`moechat bench random-model DIR --like qwen3-30b-a3b --layers 1`, then `../shared/peers/llamacpp.sh DIR q4_k_m`);
 every layer's tensors in the types llama-quantize's Q4_K_M gives LAYERS layers of that architecture (src/llama-quant.cpp:
-the template's types, but attn_v and ffn_down* Q6_K where use_more_bits(i, LAYERS), else Q4_K, each falling back to Q8_0
+the template's types, but attn_v (Q8_0 for 8 experts, as the template has it) and ffn_down* Q6_K where
+use_more_bits(i, LAYERS), else Q4_K, each falling back to Q8_0
 and Q5_0 where a row is not a multiple of 256; norms and router F32, copied), with random blocks whose fp16 scales are
 finite. Layer i takes the template's layer min(i, template layers - 1): a model with leading dense layers (DeepSeek's
 first_k_dense_replace) needs a template of those plus one MoE layer, e.g. `--like deepseek-v2-lite --layers 2`, whose
@@ -21,6 +22,7 @@ src, dst = sys.argv[1], sys.argv[2]
 layers = int(sys.argv[3]) if len(sys.argv) > 3 else 48
 r = GGUFReader(src)
 arch = r.fields["general.architecture"].contents()
+experts = r.fields[f"{arch}.expert_count"].contents() if f"{arch}.expert_count" in r.fields else 0
 w = GGUFWriter(dst, arch)
 for key, f in r.fields.items():
     if key.startswith("GGUF.") or key == "general.architecture":
@@ -33,7 +35,8 @@ def more_bits(i, n):
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 # weights and bytes per block, its fp16 fields (offset, value)
-BLOCK = {Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q6_K: (256, 210, [(208, 1e-5)]),
+BLOCK = {Q.Q4_K: (256, 144, [(0, 1e-4), (2, 1e-4)]), Q.Q5_K: (256, 176, [(0, 1e-4), (2, 1e-4)]),
+         Q.Q6_K: (256, 210, [(208, 1e-5)]),
          Q.Q5_0: (32, 22, [(0, 1e-4)]), Q.Q8_0: (32, 34, [(0, 1e-5)])}
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # llama-quant.cpp's types for rows that are not a multiple of 256
 rng = np.random.default_rng(0)
@@ -61,7 +64,7 @@ for i in range(layers):
             continue
         ne = [int(x) for x in t.shape]  # ggml order: ne0 first
         qt = t.tensor_type
-        if ".attn_v." in name or ".ffn_down" in name:
+        if (".attn_v." in name and experts != 8) or ".ffn_down" in name:  # 8 experts: attn_v Q8_0 in every layer
             qt = Q.Q6_K if more_bits(i, layers) else Q.Q4_K
             qt = FALLBACK[qt] if ne[0] % 256 else qt
         weights = int(np.prod(ne))
