@@ -629,6 +629,8 @@ async def test_f1_and_the_palette_do_what_each_screen_offers(tmp_path, stored):
             source = app.screen.query_one("Markdown").source
             if screen is SettingsScreen:  # its fields, as the README's options table says them
                 assert "| Quantized experts | reload model | routed experts' storage" in source and "ctrl+n" not in source.lower()
+            else:  # its steps and keys, not the chat's
+                assert "1/4 Choose the model" in source and "Esc | cancel" in source and "ctrl+n" not in source.lower()
             await pilot.press("escape", "escape")
             await until(pilot, lambda: app.screen is app.chat, "the chat")
 
