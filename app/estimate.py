@@ -46,10 +46,11 @@ def _source(model: str | None):
                        f"or a known config ({', '.join(KNOWN_MODELS)})")
 
 
-def fit_report(est, vram: int | None, ram: int | None, machine: bool = False) -> dict:
+def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None = None) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
     `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not.
-    machine: the budgets are this machine's RAM and VRAM (none was given), so no budget flag is advice."""
+    machine_ram: no budget was given, `ram` is the RAM available now and this the machine's, which a load holds a CPU
+    run's weights and KV cache to (load_budgets.check_load_budgets); no budget flag is advice."""
     from ..engine import QUANTS, BudgetError, check_budgets, check_host_room, expert_store_room, max_cache_experts
 
     report: dict = {"fits": True}
@@ -63,10 +64,11 @@ def fit_report(est, vram: int | None, ram: int | None, machine: bool = False) ->
     if vram is not None:
         slots = max_cache_experts(est, vram)
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
+    machine = machine_ram is not None
     try:
         check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"), free_vram=machine)
         if vram is None and ram is not None:
-            check_host_room(est, ram, machine)
+            check_host_room(est, machine_ram if machine else ram, machine)
     except BudgetError as err:
         report.update(fits=False, problem=str(err))
     return report
@@ -83,26 +85,27 @@ def placement(args, source, vram: int | None):
     return run_placement(args.device, args.dtype, load_settings()[0], source, args.quant, gpu)
 
 
-def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine: bool = False):
+def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine_ram: int | None = None):
     """(the estimate at the context a run holds on these budgets where none is given, fit_report's verdict there)."""
     from ..engine import default_context
 
     est = est if context_given else est.at_context(default_context(est, vram, ram))
-    return est, fit_report(est, vram, ram, machine)
+    return est, fit_report(est, vram, ram, machine_ram)
 
 
 def this_machine(est, on_cpu: bool, context_given: bool) -> dict | None:
-    """Whether a run fits this machine, by fit_report as for budgets: its RAM (psutil) and, for a GPU run, the VRAM free
-    now on the GPU `auto` takes (NVML), which a load plans with; None where the RAM cannot be read."""
-    from ..engine import NO_GPU, best_gpu, gpu_info, physical_ram_bytes
+    """Whether a run fits this machine now, by fit_report as for budgets, with what a load plans with: the RAM available
+    (psutil; the machine's for a CPU run's weights and KV cache) and, for a GPU run, the VRAM free on the GPU `auto`
+    takes (NVML); None where the RAM cannot be read."""
+    from ..engine import NO_GPU, available_ram_bytes, best_gpu, gpu_info, physical_ram_bytes
 
-    ram, (gpus, note) = physical_ram_bytes(), gpu_info()
-    if ram is None:
+    ram, available, (gpus, note) = physical_ram_bytes(), available_ram_bytes(), gpu_info()
+    if ram is None or available is None:
         return None
     gpu = best_gpu(gpus) if gpus else None
     vram = None if on_cpu or gpu is None else gpu.free_bytes  # a CPU run's fit is the RAM's
-    at, fit = fitted(est, vram, ram, context_given, machine=True)
-    return {"ram_bytes": ram, "gpu": gpu and gpu.name, "vram_bytes": gpu and gpu.total_bytes,
+    at, fit = fitted(est, vram, available, context_given, machine_ram=ram)
+    return {"ram_bytes": ram, "ram_available_bytes": available, "gpu": gpu and gpu.name, "vram_bytes": gpu and gpu.total_bytes,
             "vram_free_bytes": gpu and gpu.free_bytes,
             "gpu_note": note or (NO_GPU if gpu is None else ""), "gpu_counted": vram is not None,
             "context_len": at.context_len, **fit}
@@ -119,9 +122,10 @@ def read_from(quant: str, fit: dict) -> str:
 
 def machine_line(m: dict, model_context: int, quant: str) -> str:
     """this_machine's verdict in one line."""
-    gib = 2**30
+    from ..engine import GIB
+
     gpu = "no NVIDIA GPU" if m["gpu"] is None else \
-        f"{m['gpu']} with {m['vram_free_bytes'] / gib:.1f} GiB free of {m['vram_bytes'] / gib:.1f} GiB"
+        f"{m['gpu']} with {m['vram_free_bytes'] / GIB:.1f} GiB free of {m['vram_bytes'] / GIB:.1f} GiB"
     if m["gpu"] is not None and not m["gpu_counted"]:
         gpu += " (not counted: this run computes on the CPU)"
     verdict = "fits" if m["fits"] else f"does not fit: {m['problem']}"
@@ -129,7 +133,8 @@ def machine_line(m: dict, model_context: int, quant: str) -> str:
         verdict += f", the context cut to {m['context_len']} tokens"
     if m["fits"]:
         verdict += read_from(quant, m)
-    return f"this machine ({m['ram_bytes'] / gib:.1f} GiB of RAM, {gpu}): {verdict}"
+    ram = f"{m['ram_available_bytes'] / GIB:.1f} GiB of RAM available of {m['ram_bytes'] / GIB:.1f} GiB"
+    return f"this machine ({ram}, {gpu}): {verdict}"
 
 
 def format_line(est) -> str:
@@ -150,13 +155,11 @@ def _count(n: int) -> str:
 
 
 def cmd_estimate(args) -> int:
-    from ..engine import estimate, format_notice, total_params
-    from ..engine import gib as size
+    from ..engine import GIB, estimate, format_notice, gib, total_params
 
     name, source = _source(args.model)
-    gib = 2**30
-    vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * gib)
-    ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * gib)
+    vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * GIB)
+    ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * GIB)
     where = placement(args, source, vram)
     on_cpu = where.device == "cpu"
     notices = ["--vram-budget-gib not counted: this run computes on the CPU"] if on_cpu and vram is not None else []
@@ -179,18 +182,18 @@ def cmd_estimate(args) -> int:
                           **({"this_machine": machine} if machine else {})}))
         return 0 if fit.get("fits", True) else 1
     print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {_count(total_params(est))} parameters)")
-    print(f"  non-expert weights  {size(est.non_expert_bytes):>12}  "
+    print(f"  non-expert weights  {gib(est.non_expert_bytes):>12}  "
           "(embeddings, attention, norms, routers, shared experts, head)")
-    print(f"  routed experts      {size(est.all_experts_bytes):>12}  "
-          f"({est.num_experts_total} experts x {size(est.expert_bytes)}"
+    print(f"  routed experts      {gib(est.all_experts_bytes):>12}  "
+          f"({est.num_experts_total} experts x {gib(est.expert_bytes)}"
           f"{', ' + est.quant if est.quant != 'none' else ''})")
     cut = f", the model's {model_context}: cut to leave the experts room" if est.context_len < model_context else ""
-    print(f"  KV cache            {size(kv):>12}  "
+    print(f"  KV cache            {gib(kv):>12}  "
           f"({est.context_len} tokens x {kv / est.context_len / 1024:.1f} KiB{cut})")
     if not on_cpu and est.pass_bytes:
-        print(f"  attention           {size(est.pass_bytes):>12}  (what a pass holds on the GPU besides, at that context)")
+        print(f"  attention           {gib(est.pass_bytes):>12}  (what a pass holds on the GPU besides, at that context)")
     if est.draft_bytes:
-        print(f"  draft model         {size(est.draft_bytes):>12}")
+        print(f"  draft model         {gib(est.draft_bytes):>12}")
     if est.quant != "none":
         print(format_line(est))
     if "max_expert_cache_ratio" in fit:

@@ -213,8 +213,14 @@ class RemoteEngine:
         self.model = config.model or listed[0]
 
     @property
+    def where(self) -> str:
+        """The status line's summary beside the model's name, which the line says first."""
+        return f"at {self.config.url} (remote backend)"
+
+    @property
     def summary(self) -> str:
-        return f"{self.model} at {self.config.url} (remote backend)"
+        """What plain chat says runs."""
+        return f"{self.model} {self.where}"
 
     def stop(self) -> None:
         """End the running `generate` at once (thread-safe), even while the server sends nothing; the connection is

@@ -186,6 +186,7 @@ def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, mon
 
     def machine(ram_gib, gpus=()):
         monkeypatch.setattr(engine, "physical_ram_bytes", lambda: ram_gib * gib)
+        monkeypatch.setattr(engine, "available_ram_bytes", lambda: ram_gib * gib)  # nothing else runs
         monkeypatch.setattr(engine, "gpu_info", lambda: (list(gpus), "" if gpus else "no NVIDIA driver"))
 
     def shown(*argv) -> tuple[int, str]:
@@ -198,7 +199,7 @@ def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, mon
         rc_budget, budget = shown("--ram-budget-gib", str(ram_gib))
         assert rc == 0 and rc_budget == (0 if ram_gib == 64 else 1)  # sizes alone still exit 0
         line = out.strip().splitlines()[-1]
-        assert line.startswith(f"this machine ({ram_gib}.0 GiB of RAM, no NVIDIA GPU): ")
+        assert line.startswith(f"this machine ({ram_gib}.0 GiB of RAM available of {ram_gib}.0 GiB, no NVIDIA GPU): ")
         assert line.endswith(": fits") == budget.strip().endswith("fits") == (ram_gib == 64), line
     assert "this machine has 4.00 GiB of RAM" in line and "--ram-budget-gib" not in line  # no budget flag to raise here
     rc, out = shown("--json")
@@ -217,6 +218,7 @@ def _gpu_machine(monkeypatch, ram_gib: float, total_gib: float, free_gib: float)
 
     gib = 2**30
     monkeypatch.setattr(engine, "physical_ram_bytes", lambda: int(ram_gib * gib))
+    monkeypatch.setattr(engine, "available_ram_bytes", lambda: int(ram_gib * gib))
     monkeypatch.setattr(engine, "gpu_info", lambda: ([GpuInfo("NVIDIA RTX 4090", int(total_gib * gib), int(free_gib * gib))], ""))
     gpu = placement.Gpu(0, "NVIDIA RTX 4090", int(free_gib * gib), int(total_gib * gib), True)
     monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe((gpu,)))
@@ -236,7 +238,8 @@ def test_a_gpu_machine_is_judged_by_the_vram_a_load_plans_with(capsys, monkeypat
     assert mine["max_expert_cache_experts"] == budget["max_expert_cache_experts"] > 0
     assert (mine["context_len"], mine["vram_bytes"], mine["vram_free_bytes"]) == (budget["context_len"], 24 * 2**30, 6 * 2**30)
     assert main(argv[:-1]) == 0
-    assert "this machine (64.0 GiB of RAM, NVIDIA RTX 4090 with 6.0 GiB free of 24.0 GiB): fits" in capsys.readouterr().out
+    line = "this machine (64.0 GiB of RAM available of 64.0 GiB, NVIDIA RTX 4090 with 6.0 GiB free of 24.0 GiB): fits"
+    assert line in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("ram, free", [(24, 20), (64, 4)])
@@ -283,6 +286,43 @@ def test_a_load_refuses_a_gpu_machine_in_the_words_of_estimates_machine_line(cap
         with pytest.raises(BudgetError) as err:
             load_budgets.check_load_budgets(EngineConfig(model_dir="x", vram_budget_bytes=budget), est, torch.device("cuda:0"))
         assert str(err.value) == problem
+
+
+@pytest.mark.parametrize("ram, available", [(64, 24), (64, 12), (4, 3)])
+def test_a_load_holds_a_cpu_machine_to_the_context_and_words_of_estimates_machine_line(capsys, monkeypatch, ram, available):
+    """estimate planned a CPU run with the machine's RAM where a load plans with the RAM available now: with 24 GiB of 64
+    available it said "fits" at the model's 40960 tokens, and the load cut them to 19456. It plans as the load does: the
+    context, where the experts are read from, and a refusal's words (the weights and KV cache held to the machine's RAM)."""
+    import torch
+
+    from moechat import engine
+    from moechat.app.cli import main
+    from moechat.engine import BudgetError, EngineConfig, estimate, known_config
+    from moechat.engine.model import load_budgets
+
+    gib = 2**30
+    for module in (engine, load_budgets):
+        monkeypatch.setattr(module, "physical_ram_bytes", lambda: ram * gib)
+        monkeypatch.setattr(module, "available_ram_bytes", lambda: available * gib)
+    monkeypatch.setattr(engine, "gpu_info", lambda: ([], "no NVIDIA driver"))
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu", "--json"]) == 0
+    mine = json.loads(capsys.readouterr().out)["this_machine"]
+    assert (mine["ram_bytes"], mine["ram_available_bytes"]) == (ram * gib, available * gib)
+    est = estimate(dict(known_config("Qwen3-30B-A3B"), dtype="bfloat16"), "float32", None, None, "int4", cpu=True)
+    cpu = torch.device("cpu")
+    cfg, est, notice = load_budgets.context_for_load(EngineConfig(model_dir="x", device="cpu"), est, cpu, "")
+    assert mine["context_len"] == est.context_len < 40960 and "not the model's 40,960" in notice
+    try:
+        cfg, notice = load_budgets.check_load_budgets(cfg, est, cpu)
+    except BudgetError as err:
+        assert mine["problem"] == str(err) and f"this machine has {ram}.00 GiB of RAM" in mine["problem"]
+    else:
+        assert mine["fits"] and (mine["host_tier"] == "mmap") == (cfg.host_ram_budget_bytes == available * gib)
+        assert (mine["host_tier"] == "mmap") == ("experts read in place" in notice)
+    assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"this machine ({available}.0 GiB of RAM available of {ram}.0 GiB, no NVIDIA GPU): "), line
+    assert ("fits, the context cut to" in line) == mine["fits"]
 
 
 def test_a_gptq_checkpoint_is_estimated_as_it_runs(checkpoint, tmp_path, capsys):

@@ -967,16 +967,20 @@ async def test_wizard_in_the_app_shows_each_decision_once(tmp_path):
 async def test_the_app_chats_through_a_remote_backend(tmp_path, served, monkeypatch):
     from conftest import SERVER_KEY
 
-    from moechat.app.remote import RemoteConfig
+    from moechat.app.remote import RemoteConfig, RemoteEngine
 
     url, model = served
     monkeypatch.setenv("MOECHAT_API_KEY", SERVER_KEY)
+    remote = RemoteEngine(RemoteConfig(url))
+    remote.close()
+    assert remote.summary == f"{model.name} {remote.where}"  # plain chat's line: the model, then where, in one wording
     app = make_app(tmp_path, lambda: RemoteConfig(url), max_new_tokens=6)
     async with app.run_test(size=SIZE) as pilot:
         chat = app.chat
         await until(pilot, lambda: chat.model == model.name, "the remote backend to answer")
         status = chat.query_one("#status").render().plain
-        assert "(remote backend)" in status and status.count(model.name) == 1  # named once, first
+        assert f"at {url} (remote backend)" == remote.where and remote.where in status
+        assert status.count(model.name) == 1  # named once, first
         await send(pilot, "Hello over the network")
         await until(pilot, lambda: chat.reply is None and chat.stats is not None, "the remote reply")
         (conv,) = app.store.conversations()

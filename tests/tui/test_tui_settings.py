@@ -252,13 +252,41 @@ def test_the_quant_field_says_a_pre_quantized_checkpoint_runs_as_it_is(tmp_path,
         async with app.run_test(size=(120, 40)) as pilot:
             await pilot.pause()
             hints = app.screen.query("#quant-hint")
-            return str(hints.first().content) if hints else None, hints.first().region if hints else None
+            return (str(hints.first().content), hints.first().region) if hints and hints.first().display else (None, None)
 
     hint, region = asyncio.run(run())
     assert hint == said
     listed = list_models()[0]["quant"]  # as `moechat models` labels it
     assert (said is None) == (not listed) and (said is None or f" {listed} " in said)
     assert region is None or region.height == 1
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("named_by", ["settings", "command line"])
+def test_the_quant_hint_hides_under_a_remote_backend_set_in_the_form(tmp_path, named_by):
+    """A remote backend set in the form runs no checkpoint here, yet the hint said the checkpoint's format runs as it is.
+    It follows the backend field, saved or typed; a --model runs the embedded engine over any backend, and keeps it."""
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    (gptq / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128}}))
+    path = tmp_path / "settings.toml"
+    save_settings({"backend": "http://box:8000/v1"} | ({"model": str(gptq)} if named_by == "settings" else {}), path)
+
+    async def run():
+        app = Host(SettingsScreen(path=path, model=str(gptq) if named_by == "command line" else None))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            hint, shown = app.screen.query_one("#quant-hint"), []
+            for backend in ("", "http://other:8000/v1", " "):
+                shown.append(hint.display)
+                app.screen.query_one("#backend").value = backend
+                await pilot.pause()
+            return [*shown, hint.display], str(hint.content)
+
+    shown, said = asyncio.run(run())
+    assert said == "this checkpoint is GPTQ int4 and runs as it is"
+    assert shown == ([False, True, False, True] if named_by == "settings" else [True] * 4)
 
 
 def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):

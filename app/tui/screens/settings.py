@@ -97,7 +97,8 @@ def _tag(name: str) -> str:
 
 class SettingsScreen(Screen):
     """Edit settings. `SettingsScreen(settings, notice, path, model)`; with no settings, the file at `path` is loaded.
-    `model`: the one the engine loads (--model over the settings'), whose pre-quantized format the quant field names."""
+    `model`: --model, which the engine loads over the settings' model and backend; the quant field names the pre-quantized
+    format of the model a load takes (that, else the settings', and none under a remote backend in the form)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
     DEFAULT_CSS = """
@@ -106,7 +107,7 @@ class SettingsScreen(Screen):
     SettingsScreen .row Label.name { width: 36; padding-right: 1; }
     SettingsScreen .row Input, SettingsScreen .row Select { width: 1fr; }
     SettingsScreen .field-error { color: $error; padding-left: 36; height: auto; width: 1fr; display: none; }
-    SettingsScreen .field-hint { color: $text-muted; padding-left: 36; height: auto; width: 1fr; }
+    SettingsScreen .field-hint { color: $text-muted; padding-left: 36; height: auto; width: 1fr; display: none; }
     SettingsScreen #notice { color: $warning; padding: 0 2; height: auto; }
     SettingsScreen #reload { color: $warning; padding: 0 2; height: auto; }
     SettingsScreen #buttons { height: auto; padding: 1 2; }
@@ -120,7 +121,8 @@ class SettingsScreen(Screen):
         if settings is None:
             settings, notice = load_settings(path)
         self.initial, self.notice = settings, notice
-        self.model = model or settings.model
+        self.model_flag = model
+        self.arrives = arriving_quant(model or settings.model)  # read once: the form has no model field
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -148,8 +150,8 @@ class SettingsScreen(Screen):
             yield Select([(c, c) for c in option.widget_choices()], value=Select.NULL if value is None else value,
                          id=option.name, prompt=option.placeholder or "Select", allow_blank=option.default is None,
                          compact=True)
-        if option.name == "quant" and (arrives := arriving_quant(self.model)):  # the field cannot change it
-            yield Label(f"this checkpoint is {arrives} and runs as it is", id="quant-hint", classes="field-hint")
+        if option.name == "quant" and self.arrives:  # the field cannot change it; shown by _follow_backend
+            yield Label(f"this checkpoint is {self.arrives} and runs as it is", id="quant-hint", classes="field-hint")
 
     def _drafter_row(self, option, value) -> ComposeResult:
         choice = value if value in (None, "none", "self") else DIRECTORY
@@ -165,6 +167,16 @@ class SettingsScreen(Screen):
 
     def on_mount(self) -> None:
         self.title = "Settings"
+        self._follow_backend()
+
+    def _follow_backend(self) -> None:
+        """The quant hint hides while a remote backend is set in the form (the quant does not apply there), unless --model
+        runs the embedded engine over it."""
+        try:
+            hint, backend = self.query_one("#quant-hint", Label), self.query_one("#backend", Input).value
+        except NoMatches:  # no hint, or mid-compose: on_mount shows it
+            return
+        hint.display = bool(self.model_flag) or not backend.strip()
 
     def help_markdown(self) -> str:
         """F1's help here: what each field does (app/options.py's help, as the README's table says it) and the keys."""
@@ -178,6 +190,8 @@ class SettingsScreen(Screen):
         result = event.validation_result
         show_error(self.query_one(f"#{event.input.id}-error", Label),
                    None if result is None or result.is_valid else result.failure_descriptions[0])
+        if event.input.id == "backend":
+            self._follow_backend()
         self._show_reload()
 
     @on(Select.Changed)
