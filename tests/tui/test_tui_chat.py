@@ -35,7 +35,8 @@ def debug(app) -> str:
             f"stored={[(m.role, m.content[:30], m.finished) for m in stored]} notices={[n.message for n in app._notifications]}")
 
 
-async def until(pilot, cond, what: str, timeout: float = 30.0) -> None:
+async def until(pilot, cond, what: str, timeout: float = 120.0) -> None:
+    """Wait for cond; the timeout bounds a hang, it times nothing (a loaded 2-core machine took over 30 s to load)."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}: {debug(pilot.app)}"
