@@ -71,8 +71,6 @@ def title_from(text: str) -> str:
     characters (a title ended mid-word), without Markdown's fences and markers (a pasted code block titled a chat
     "```python"), control characters, lone surrogates or bidirectional overrides (a NUL or a right-to-left override
     scrambled the chat list's line)."""
-    import unicodedata
-
     words = _INLINE_MARK.sub("", _LINE_MARK.sub("", _FENCE_LINE.sub("", text)))
     shown = "".join(" " if unicodedata.category(c) in ("Cc", "Cs") else "" if c in _BIDI_CONTROLS else c for c in words)
     title = " ".join(shown.split())

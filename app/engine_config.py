@@ -30,19 +30,6 @@ def run_placement(device: str | None, dtype: str | None, settings, model, quant:
     return placement
 
 
-def _arriving_format(model) -> str | None:
-    """The format a pre-quantized checkpoint runs in (GPTQ, compressed-tensors), None for a plain one or an unreadable
-    config.json (the load says what is wrong with it)."""
-    from pathlib import Path
-
-    from ..engine import MoechatError, prequantized_format, read_config_dict
-
-    try:
-        return prequantized_format(read_config_dict(Path(model)))
-    except (MoechatError, OSError):
-        return None
-
-
 def gib(value: float | None) -> int | None:
     return None if value is None else int(value * 2**30)
 
@@ -53,9 +40,10 @@ def engine_config(args):
     this machine (engine/placement.py). Sets args.model, args.draft, args.draft_len, args.policy, args.quant,
     args.device and args.dtype to what runs, args.placement to why, args.profile to the profile's path or None, and
     args.sources to where the drafter, γ, policy, K, quant and expert cache came from."""
-    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig
+    from ..engine import QUANTS, EngineConfig, SchedulerConfig, SpecConfig, prequantized_format
     from .calibrate import machine_profile, run_budgets
     from .demo import DEMO_DRAFT, resolve_model
+    from .models import checkpoint_config
     from .settings import load_settings
 
     settings, notice = load_settings()
@@ -83,7 +71,7 @@ def engine_config(args):
                            profile=d and d.draft_len, default=spec.draft_len)
     args.policy = _pick(sources, "policy", command_line=args.policy, settings=settings.policy, profile=d and d.policy,
                         default=sched.policy)
-    own = _arriving_format(args.model)  # a pre-quantized checkpoint's: a profile made before moechat knew may say another
+    own = prequantized_format(checkpoint_config(args.model))  # a profile made before moechat knew it may say another
     args.quant = _pick(sources, "quant", command_line=args.quant, settings=settings.quant, profile=own or (d and d.quant),
                        default="none")
     args.placement = run_placement(args.device, args.dtype, settings, args.model, args.quant)

@@ -240,17 +240,17 @@ def list_models() -> list[dict]:
     return rows + [_row(name, path, "huggingface", True) for name, path in _hub_cache_models() if name not in named]
 
 
-def arriving_quant(model: str | None) -> str:
-    """How the model `model` names (a directory or a pulled OWNER/NAME; None: the demo) arrives quantized, as `models`
-    lists it ("GPTQ int4"), read from config.json without torch; "" for a plain one, or one not found (its load says
-    why)."""
+def checkpoint_config(model: str | None) -> dict:
+    """config.json of the model `model` names (a directory or a pulled OWNER/NAME; None: the demo), read without torch;
+    {} where it cannot be read (its load says why). What a pre-quantized checkpoint runs in, before a load, is read here:
+    `prequantized_format` / `prequantized_label` of it."""
+    from ..engine import read_config_dict
     from .demo import resolve_model
 
     try:
-        raw = json.loads((Path(resolve_model(model, None)[0]) / "config.json").read_text())
-    except (MoechatError, OSError, ValueError):
-        return ""
-    return prequantized_label(raw) if isinstance(raw, dict) else ""
+        return read_config_dict(Path(resolve_model(model, None)[0]))
+    except (MoechatError, OSError):
+        return {}
 
 
 def _row(name: str, path: Path, source: str, complete: bool) -> dict:

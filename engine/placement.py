@@ -263,10 +263,13 @@ def prequantized_format(raw_config: dict) -> str | None:
     return None
 
 
+METHOD_LABELS = {"gptq": "GPTQ", "compressed-tensors": "compressed-tensors"}  # quant_method -> its name for the user
+
+
 def prequantized_label(raw_config: dict) -> str:
     """"GPTQ int4", "compressed-tensors int8", ...: how a pre-quantized checkpoint arrives, for a listing; "" for a plain one."""
     fmt = prequantized_format(raw_config)
-    return "" if fmt is None else f"{'GPTQ' if _quant_method(raw_config)[0] == 'gptq' else 'compressed-tensors'} {fmt}"
+    return "" if fmt is None else f"{METHOD_LABELS[_quant_method(raw_config)[0]]} {fmt}"
 
 
 def _quant_method(raw_config: dict) -> tuple[str, dict]:

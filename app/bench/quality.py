@@ -40,7 +40,7 @@ def _models(args) -> tuple[str, str, dict[str, str]]:
 
     model = resolve_model(args.model, None)[0]
     config = read_config_dict(Path(model))
-    own = prequantized_format(config) if "quantization_config" in config else None
+    own = prequantized_format(config)
     if "quantization_config" in config and (own is None or args.reference is None):
         raise MoechatError(f"{model} is pre-quantized: pass its unquantized original with --reference DIR to measure it "
                            "against that" if own else f"{model} is quantized by a method moechat does not run")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
+from ..placement import METHOD_LABELS
 from . import formats
 from .formats import PREQUANTIZED_ADVICE as ADVICE
 
@@ -39,7 +40,7 @@ class CompressedSpec:
     kind: str = "int"  # the scheme's "type": int or float
     actorder: str | None = None
 
-    label = "compressed-tensors"  # the method's name, for the user
+    label = METHOD_LABELS["compressed-tensors"]  # the method's name, for the user
     marker = "weight_packed"  # the key suffix that makes a linear a quantized one
     optional = ("weight_shape", "weight_g_idx")  # read where present
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError
+from ..placement import METHOD_LABELS
 from . import formats
 from .formats import PREQUANTIZED_ADVICE as ADVICE
 
@@ -54,7 +55,7 @@ class GptqSpec:
                                   f"are): use a checkpoint saved in the gptq format, or {ADVICE}")
 
     fmt = "int4"  # what its linears map onto
-    label = "GPTQ"  # the method's name, for the user
+    label = METHOD_LABELS["gptq"]  # the method's name, for the user
     marker = "qweight"  # the key suffix that makes a linear a quantized one
     optional = ("g_idx",)  # read where present (old checkpoints lack it)
 

@@ -364,7 +364,7 @@ async def test_an_empty_reply_shows_a_placeholder_live_after_a_restart_and_in_th
         live, conv = shown(app), app.chat.conv_id
         assert live == [("moechat", True), ("moechat · cut at the length limit", True)]
         assert all(view.query_one(".empty-reply").region.height == 1 for view in app.chat.query(".assistant").results(MessageView)
-                   if view.shows_nothing)
+                   if view.empty_reply)
         exported = export_markdown(app.store, conv)
     async with without_model(tmp_path) as (app, pilot):
         await until(pilot, lambda: len(app.chat.query(MessageView)) == 4, "the chat")

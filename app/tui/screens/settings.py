@@ -21,7 +21,8 @@ from textual.screen import Screen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
-from ...models import arriving_quant
+from ....engine import prequantized_label
+from ...models import checkpoint_config
 from ...options import OPTION
 from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings, settings_path
 
@@ -122,7 +123,7 @@ class SettingsScreen(Screen):
             settings, notice = load_settings(path)
         self.initial, self.notice = settings, notice
         self.model_flag = model
-        self.arrives = arriving_quant(model or settings.model)  # read once: the form has no model field
+        self.arrives = prequantized_label(checkpoint_config(model or settings.model))  # read once: the form has no model field
 
     def compose(self) -> ComposeResult:
         yield Header()

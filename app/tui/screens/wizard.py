@@ -123,19 +123,6 @@ class WizardScreen(Screen):
     WizardScreen DataTable { height: auto; max-height: 14; }
     """
 
-    def help_markdown(self) -> str:
-        """F1's help here (the chat's keys do not run on this screen): the steps and the keys."""
-        return ("# Setup\n\n| key | action |\n|---|---|\n| Tab, Shift+Tab | next, previous field |\n"
-                "| Enter | the focused button (Back, Next, Finish) |\n| Esc | cancel: a calibration that runs stops, nothing is "
-                f"saved |\n\n- **{TITLES[0]}**: the embedded demo, a model directory, a Hugging Face id (downloaded as "
-                "`moechat pull` does) or a remote server's URL.\n"
-                f"- **{TITLES[1]}**: `auto` picks the GPU when one is usable and the dtype it computes well; budgets left "
-                "empty use what is free at each start.\n"
-                f"- **{TITLES[2]}**: measures this machine and decides the expert cache ratio, K and γ, each with its "
-                "reason.\n"
-                f"- **{TITLES[3]}**: Finish saves them to `{self.path or settings_path()}`; the settings screen (F12 by "
-                "default) edits them later. Esc closes this help.")
-
     def __init__(self, hardware=None, path: Path | None = None, calibrate=None, memory_freed=None) -> None:
         super().__init__()
         self.hardware, self.path, self._calibrate_fn = hardware, path, calibrate
@@ -151,6 +138,19 @@ class WizardScreen(Screen):
         self.backend_model = ""
         self.busy = False
         self._calibration = None  # the calibration's worker while one runs
+
+    def help_markdown(self) -> str:
+        """F1's help here (the chat's keys do not run on this screen): the steps and the keys."""
+        return ("# Setup\n\n| key | action |\n|---|---|\n| Tab, Shift+Tab | next, previous field |\n"
+                "| Enter | the focused button (Back, Next, Finish) |\n| Esc | cancel: a calibration that runs stops, nothing is "
+                f"saved |\n\n- **{TITLES[0]}**: the embedded demo, a model directory, a Hugging Face id (downloaded as "
+                "`moechat pull` does) or a remote server's URL.\n"
+                f"- **{TITLES[1]}**: `auto` picks the GPU when one is usable and the dtype it computes well; budgets left "
+                "empty use what is free at each start.\n"
+                f"- **{TITLES[2]}**: measures this machine and decides the expert cache ratio, K and γ, each with its "
+                "reason.\n"
+                f"- **{TITLES[3]}**: Finish saves them to `{self.path or settings_path()}`; the settings screen (F12 by "
+                "default) edits them later. Esc closes this help.")
 
     def compose(self) -> ComposeResult:
         yield Header()

@@ -167,11 +167,11 @@ class MessageView(Vertical, can_focus=True):
                        parser_factory=_typed_lines if self.role == "user" else None)
         if self.role == "assistant":
             placeholder = Static(EMPTY_REPLY, classes="empty-reply")
-            placeholder.display = self.shows_nothing
+            placeholder.display = self.empty_reply
             yield placeholder
 
     @property
-    def shows_nothing(self) -> bool:
+    def empty_reply(self) -> bool:
         """A reply that ended with no text to show, reasoning or answer (the model ended its turn at once): an invisible
         blank without its placeholder."""
         return self.finished and self.role == "assistant" and shows_nothing(self.content)
@@ -229,7 +229,7 @@ class MessageView(Vertical, can_focus=True):
         """The reply ended (chats.FINISHES' key): why, as a restored reply says it, and the placeholder if it is empty."""
         self.finished, self.finish = True, finish
         self.set_note(end_note(True, finish))
-        self.query_one(".empty-reply").display = self.shows_nothing
+        self.query_one(".empty-reply").display = self.empty_reply
 
     def set_note(self, note: str) -> None:
         label = self.query_one(".role", Label)
