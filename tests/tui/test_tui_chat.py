@@ -777,8 +777,9 @@ async def test_the_chat_list_that_made_room_comes_back_with_the_width_but_never_
 
 @pilot_test
 @pytest.mark.notorch
-async def test_a_users_line_breaks_show_as_typed(tmp_path):
-    """A pasted list of lines (or lines typed with Ctrl+J) showed joined into one line: Markdown joins a paragraph's lines."""
+async def test_line_breaks_show_as_written(tmp_path):
+    """A pasted list of lines (or lines typed with Ctrl+J), or a reply's poem, showed joined into one line: Markdown joins
+    a paragraph's lines. Kept in a reply's later Markdown widget too (a long reply's next segment)."""
     from textual.widgets._markdown import MarkdownParagraph
 
     store_chat(tmp_path, "lines", ("user", "first line\nsecond line\nthird line"), ("assistant", "one\ntwo"))
@@ -787,7 +788,11 @@ async def test_a_users_line_breaks_show_as_typed(tmp_path):
         await pilot.pause()
         user, reply = app.chat.query(MessageView)
         assert user.query_one(MarkdownParagraph).region.height == 3
-        assert reply.query_one(MarkdownParagraph).region.height == 1  # a model's Markdown reads as Markdown
+        assert reply.query_one(MarkdownParagraph).region.height == 2
+        segment = await reply.next_segment()
+        await segment.update("roses\nviolets\nsugar")
+        await pilot.pause()
+        assert segment.query_one(MarkdownParagraph).region.height == 3
 
 
 @pilot_test

@@ -123,9 +123,9 @@ def earlier_label(count: int) -> str:
     return f"▲ {count} earlier message{'s' if count != 1 else ''}"
 
 
-def _typed_lines() -> MarkdownIt:
-    """Markdown as a user's message reads: each line break typed (Ctrl+J) or pasted is kept (Markdown joins a paragraph's
-    lines, so a pasted list of lines showed as one)."""
+def kept_lines() -> MarkdownIt:
+    """Markdown with each line break kept, as chat front ends render it (remark-breaks, marked's `breaks`): CommonMark
+    joins a paragraph's lines, so a pasted list of lines, or a reply's poem or address, showed as one line."""
     def hard_breaks(state) -> None:
         for token in state.tokens:
             for child in token.children or ():
@@ -163,8 +163,7 @@ class MessageView(Vertical, can_focus=True):
                               classes="reasoning")
             box.display = bool(reasoning)
             yield box
-        yield Markdown(answer, classes="filled" if answer.strip() else None,
-                       parser_factory=_typed_lines if self.role == "user" else None)
+        yield Markdown(answer, classes="filled" if answer.strip() else None, parser_factory=kept_lines)
         if self.role == "assistant":
             placeholder = Static(EMPTY_REPLY, classes="empty-reply")
             placeholder.display = self.empty_reply
@@ -193,7 +192,7 @@ class MessageView(Vertical, can_focus=True):
     async def next_segment(self) -> Markdown:
         """A new Markdown widget after the answer's last: the blank line that ended the last shows as its margin."""
         self.markdown.add_class("continued")
-        segment = Markdown()
+        segment = Markdown(parser_factory=kept_lines)
         await self.mount(segment)
         return segment
 
