@@ -307,6 +307,13 @@ def in_app_words(line: str, keys: bool = False) -> str:
 SETTINGS_SAMPLING = tuple(o.name for o in OPTIONS if o.group == "sampling" and o.setting)  # the chat's, from settings.toml
 
 
+def winning_flags(args) -> dict[str, object]:
+    """The settings typed as flags on the command line: they win over settings.toml at every load of this run (the engine's
+    and the backend's options; the sampling ones give way once their field is saved)."""
+    return {o.name: value for o in OPTIONS if o.group in ("engine", "backend") and o.setting
+            and (value := getattr(args, o.name, None)) is not None}
+
+
 def add_flags(parser: argparse.ArgumentParser, group: str, **defaults) -> None:
     """The flags of one group; `defaults` overrides a default where this command's differs."""
     for o in OPTIONS:

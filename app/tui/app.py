@@ -22,7 +22,7 @@ from ...engine import native, write_whole
 from ..bridge import EngineBridge
 from ..chat_export import export_markdown
 from ..chats import ChatStore, ChatStoreError
-from ..options import SETTINGS_SAMPLING, in_app_words
+from ..options import SETTINGS_SAMPLING, in_app_words, winning_flags
 from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
 from ..terminal_text import CONTROLS
 from . import messages as m
@@ -74,7 +74,7 @@ class MoechatApp(App):
         self.bridge_started = False
         self.unsaved_replies: list[tuple[str, str]] = []  # (why, a reply) for each reply quitting could not save
         self.engine_notice: Callable[[], str | None] | None = None  # run_tui's: a --model over the settings' backend
-        self.model_flag: str | None = None  # run_tui's --model: the model the engine loads over the settings'
+        self.flags: dict[str, object] = {}  # run_tui's settings typed as flags: every load takes them over the file
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
@@ -364,7 +364,7 @@ class MoechatApp(App):
             else:
                 self.notify("settings saved and applied")
 
-        self.push_screen(SettingsScreen(self.settings, self.settings_notice, self.settings_file, self.model_flag), done)
+        self.push_screen(SettingsScreen(self.settings, self.settings_notice, self.settings_file, self.flags), done)
 
     def action_setup(self) -> None:
         from .screens.wizard import WizardScreen
@@ -432,7 +432,7 @@ def run_tui(args) -> int:
     # The settings (or --backend) may name a remote backend; read again at every reload, as the engine's options are.
     app = MoechatApp(lambda: remote_config(base) or engine_config(copy.copy(base)), first_run=first_run)
     app.engine_notice = lambda: backend_overridden(base)
-    app.model_flag = args.model
+    app.flags = winning_flags(args)
     app.sampling = sampling_params(args, app.settings)
     app.thinking = args.thinking or app.settings.thinking
     native.report_bus_errors(before=TERMINAL_RESET)  # a model file truncated under the app: the terminal back, then the line

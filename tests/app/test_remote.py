@@ -142,6 +142,14 @@ def test_flags_and_settings_pick_the_backend(tmp_path, monkeypatch):
     assert backend_overridden(none) is None and backend_overridden(flags) is None
     with pytest.raises(ValueError, match="`backend` must be an http:// or https:// URL"):
         settings_module.Settings(backend="gpu-box:8000")
+    from moechat.app.cli import build_parser
+
+    settings_module.save_settings({"backend_key_env": "BOX_KEY"}, path)  # the flag's default hid the settings' variable
+    parse = build_parser().parse_args
+    assert remote_config(parse(["chat"])) == RemoteConfig("http://box:8000/v1", "big", "BOX_KEY")
+    assert remote_config(parse(["chat", "--backend-key-env", "VLLM_KEY"])).key_env == "VLLM_KEY"
+    path.write_text('backend = "http://box:8000/v1"\n')
+    assert remote_config(parse(["chat"])).key_env == "MOECHAT_API_KEY"  # neither: the default
 
 
 def test_plain_chat_through_a_remote_backend_keeps_the_conversation(served, key, monkeypatch, capsys):

@@ -248,7 +248,7 @@ def test_the_quant_field_says_a_pre_quantized_checkpoint_runs_as_it_is(tmp_path,
     save_settings({"model": "Org/Model-GPTQ"} if named_by == "settings" else {}, path)  # a pulled model by its name
 
     async def run():
-        app = Host(SettingsScreen(path=path, model=str(model) if named_by == "command line" else None))
+        app = Host(SettingsScreen(path=path, flags={"model": str(model)} if named_by == "command line" else None))
         async with app.run_test(size=(120, 40)) as pilot:
             await pilot.pause()
             hints = app.screen.query("#quant-hint")
@@ -274,7 +274,7 @@ def test_the_quant_hint_hides_under_a_remote_backend_set_in_the_form(tmp_path, n
     save_settings({"backend": "http://box:8000/v1"} | ({"model": str(gptq)} if named_by == "settings" else {}), path)
 
     async def run():
-        app = Host(SettingsScreen(path=path, model=str(gptq) if named_by == "command line" else None))
+        app = Host(SettingsScreen(path=path, flags={"model": str(gptq)} if named_by == "command line" else None))
         async with app.run_test(size=(120, 40)) as pilot:
             await pilot.pause()
             hint, shown = app.screen.query_one("#quant-hint"), []
@@ -287,6 +287,37 @@ def test_the_quant_hint_hides_under_a_remote_backend_set_in_the_form(tmp_path, n
     shown, said = asyncio.run(run())
     assert said == "this checkpoint is GPTQ int4 and runs as it is"
     assert shown == ([False, True, False, True] if named_by == "settings" else [True] * 4)
+
+
+@pytest.mark.notorch
+def test_a_field_whose_flag_was_typed_says_the_flag_wins(tmp_path):
+    """`moechat chat --quant int4`, then int8 saved in the settings screen and the model reloaded: still int4 (every load of the
+    run takes the flag first), and nothing said so. Each such field says it; the quant hint follows --backend too."""
+    from moechat.app.cli import build_parser
+    from moechat.app.options import winning_flags
+
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    (gptq / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128}}))
+    path = tmp_path / "settings.toml"
+    save_settings({"model": str(gptq), "quant": "int8"}, path)
+    args = build_parser().parse_args(["chat", "--quant", "int4", "--backend", "http://box:8000/v1", "--temperature", "0.3"])
+    flags = winning_flags(args)
+    assert flags == {"quant": "int4", "backend": "http://box:8000/v1"}  # sampling flags give way to a saved field
+
+    async def run():
+        app = Host(SettingsScreen(path=path, flags=flags))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            hints = {h.id: (str(h.content), h.region.height) for h in app.screen.query(".field-hint") if h.display}
+            return hints, app.screen.query_one("#quant").value
+
+    hints, quant = asyncio.run(run())
+    assert quant == "int8"  # the file's value, which a save keeps
+    assert hints == {"quant-flag": ("--quant int4 on the command line wins for this run", 1),
+                     "backend-flag": ("--backend http://box:8000/v1 on the command line wins for this run", 1)}
+    # and no quant-hint: the backend runs no checkpoint here
 
 
 def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):

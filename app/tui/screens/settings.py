@@ -97,9 +97,10 @@ def _tag(name: str) -> str:
 
 
 class SettingsScreen(Screen):
-    """Edit settings. `SettingsScreen(settings, notice, path, model)`; with no settings, the file at `path` is loaded.
-    `model`: --model, which the engine loads over the settings' model and backend; the quant field names the pre-quantized
-    format of the model a load takes (that, else the settings', and none under a remote backend in the form)."""
+    """Edit settings. `SettingsScreen(settings, notice, path, flags)`; with no settings, the file at `path` is loaded.
+    `flags`: the settings typed on the command line (`options.winning_flags`), which every load of this run takes over the
+    file: each such field says so. The quant field names the pre-quantized format of the model a load takes (--model's,
+    else the settings', and none under a remote backend: --backend's, else the form's, unless --model runs the engine)."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
     DEFAULT_CSS = """
@@ -116,14 +117,14 @@ class SettingsScreen(Screen):
     """
 
     def __init__(self, settings: Settings | None = None, notice: str | None = None, path: Path | None = None,
-                 model: str | None = None) -> None:
+                 flags: dict[str, object] | None = None) -> None:
         super().__init__()
         self.path = path
         if settings is None:
             settings, notice = load_settings(path)
-        self.initial, self.notice = settings, notice
-        self.model_flag = model
-        self.arrives = prequantized_label(checkpoint_config(model or settings.model))  # read once: the form has no model field
+        self.initial, self.notice, self.flags = settings, notice, flags or {}
+        model = self.flags.get("model") or settings.model
+        self.arrives = prequantized_label(checkpoint_config(model))  # read once: the form has no model field
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -143,6 +144,15 @@ class SettingsScreen(Screen):
             yield Input("" if value is None else str(value), placeholder=option.placeholder or option.default_text(),
                         id=option.name, validators=[FieldValidator(option.name)], compact=True)
         yield Label("", id=f"{option.name}-error", classes="field-error", markup=False)
+        yield from self._flag_hint(option)
+
+    def _flag_hint(self, option) -> ComposeResult:
+        """A field whose flag was typed: saving it changes the file, not this run (engine_config takes the flag first)."""
+        if option.name in self.flags:
+            hint = Label(f"{option.flag} {self.flags[option.name]} on the command line wins for this run",
+                         id=f"{option.name}-flag", classes="field-hint", markup=False)
+            hint.display = True
+            yield hint
 
     def _select_row(self, option, value) -> ComposeResult:
         # an option with a default needs a value; one without may stay unset (the placeholder says what applies)
@@ -151,6 +161,7 @@ class SettingsScreen(Screen):
             yield Select([(c, c) for c in option.widget_choices()], value=Select.NULL if value is None else value,
                          id=option.name, prompt=option.placeholder or "Select", allow_blank=option.default is None,
                          compact=True)
+        yield from self._flag_hint(option)
         if option.name == "quant" and self.arrives:  # the field cannot change it; shown by _follow_backend
             yield Label(f"this checkpoint is {self.arrives} and runs as it is", id="quant-hint", classes="field-hint")
 
@@ -165,19 +176,21 @@ class SettingsScreen(Screen):
             yield Input(value if choice == DIRECTORY else "", placeholder="/path/to/draft-model", id="draft_dir",
                         validators=[DraftDirValidator()], disabled=choice != DIRECTORY, compact=True)
         yield Label("", id="draft_dir-error", classes="field-error", markup=False)
+        yield from self._flag_hint(option)
 
     def on_mount(self) -> None:
         self.title = "Settings"
         self._follow_backend()
 
     def _follow_backend(self) -> None:
-        """The quant hint hides while a remote backend is set in the form (the quant does not apply there), unless --model
-        runs the embedded engine over it."""
+        """The quant hint hides under a remote backend (the quant does not apply there): --backend's, else the form's, unless
+        --model runs the embedded engine over it."""
         try:
             hint, backend = self.query_one("#quant-hint", Label), self.query_one("#backend", Input).value
         except NoMatches:  # no hint, or mid-compose: on_mount shows it
             return
-        hint.display = bool(self.model_flag) or not backend.strip()
+        backend = self.flags.get("backend") or ("" if "model" in self.flags else backend)
+        hint.display = not str(backend).strip()
 
     def help_markdown(self) -> str:
         """F1's help here: what each field does (app/options.py's help, as the README's table says it) and the keys."""
