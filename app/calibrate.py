@@ -206,13 +206,15 @@ def _fmt_s(value: float | None) -> str:
 
 def cmd_calibrate(args) -> int:
     from ..engine import BudgetError
-    from .engine_config import gib
+    from .engine_config import gib, held_to_the_machine
     from .options import in_app_words
     from .settings import load_settings
 
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
     settings = load_settings()[0]  # the format, budgets and context the settings fix are calibrated with; unset: decided
+    for line in held_to_the_machine(args, settings, settings.device != "cpu")[1]:  # decide holds them as a load does
+        print(f"moechat: warning: {line}", file=sys.stderr)
     try:
         profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
                                   dtype=settings.dtype, vram_budget=gib(settings.vram_budget_gib),

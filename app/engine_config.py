@@ -34,6 +34,24 @@ def gib(value: float | None) -> int | None:
     return None if value is None else int(value * 2**30)
 
 
+def held_to_the_machine(args, settings, on_gpu: bool) -> tuple[int | None, list[str]]:
+    """The RAM budget a run takes (the flag, else the settings) held to this machine's RAM, and one line for each budget
+    above the machine's memory, said at start where it was given (a VRAM budget above the GPU's is left as it is: a load
+    plans with the VRAM free). A CPU run does not count a VRAM budget; `args` without the flags (calibrate): the settings'."""
+    from .options import OPTION, budget_hint, machine_memory
+
+    given = {name: first(getattr(args, name, None), getattr(settings, name)) for name in ("ram_budget_gib", "vram_budget_gib")}
+    given["vram_budget_gib"] = given["vram_budget_gib"] if on_gpu else None
+    if not any(given.values()):
+        return None, []
+    ram, vram = machine_memory(gpus=given["vram_budget_gib"] is not None)
+    where = {name: OPTION[name].flag if getattr(args, name, None) is not None else "settings' " + name for name in given}
+    lines = [f"{where[name]} {value:g} is {hint}" for name, value in given.items()
+             if (hint := budget_hint(name, value, ram, vram))]
+    budget = gib(given["ram_budget_gib"])
+    return (budget if budget is None or ram is None else min(budget, ram)), lines
+
+
 def engine_config(args):
     """The engine's config: each value from the command line, else the settings file, else this
     machine's calibration profile for the model, else the engine's default; device and dtype `auto` resolved for
@@ -76,6 +94,9 @@ def engine_config(args):
                        default="none")
     args.placement = run_placement(args.device, args.dtype, settings, args.model, args.quant)
     args.device, args.dtype = args.placement.device, args.placement.dtype
+    ram_budget, above = held_to_the_machine(args, settings, args.device != "cpu")  # held here, or the load says it again
+    for line in above:
+        print(f"moechat: warning: {line}", file=sys.stderr)
     if user_draft is None and d is None and args.draft == str(DEMO_DRAFT) and args.device == "cpu":
         args.draft = "none"  # on a CPU the demo's draft costs what its target's step does: 0.23-0.56× (docs/benchmarks.md)
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
@@ -98,7 +119,7 @@ def engine_config(args):
         vram_budget_bytes=vram_budget, context_len=context_len, lean_decode=args.lean_decode,
         conversation_cache_bytes=gib(first(args.conversation_cache_gib, settings.conversation_cache_gib)),
         spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
-        notices=(profile_notice,) if profile_notice else (),  # the chat app's stderr reaches no screen
+        notices=tuple(n for n in (profile_notice, *above) if n),  # the chat app's stderr reaches no screen
         scheduler=SchedulerConfig(
             policy=args.policy, expert_budget=args.expert_budget,
             utility_bound=_pick(sources, "utility_bound", command_line=args.utility_bound, settings=settings.utility_bound,

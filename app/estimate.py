@@ -49,8 +49,8 @@ def _source(model: str | None):
 def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None = None) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
     `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not.
-    machine_ram: no budget was given, `ram` is the RAM available now and this the machine's, which a load holds a CPU
-    run's weights and KV cache to (load_budgets.check_load_budgets); no budget flag is advice."""
+    machine_ram: no budget was given, `ram` is the RAM available now (which a load holds a CPU run's weights and KV cache
+    to: load_budgets.check_load_budgets) and this the machine's; no budget flag is advice."""
     from ..engine import QUANTS, BudgetError, check_budgets, check_host_room, expert_store_room, max_cache_experts
 
     report: dict = {"fits": True}
@@ -64,11 +64,10 @@ def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None =
     if vram is not None:
         slots = max_cache_experts(est, vram)
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
-    machine = machine_ram is not None
     try:
-        check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"), free_vram=machine)
+        check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"), free_vram=machine_ram is not None)
         if vram is None and ram is not None:
-            check_host_room(est, machine_ram if machine else ram, machine)
+            check_host_room(est, ram, machine_ram)
     except BudgetError as err:
         report.update(fits=False, problem=str(err))
     return report
@@ -95,8 +94,7 @@ def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine_
 
 def this_machine(est, on_cpu: bool, context_given: bool) -> dict | None:
     """Whether a run fits this machine now, by fit_report as for budgets, with what a load plans with: the RAM available
-    (psutil; the machine's for a CPU run's weights and KV cache) and, for a GPU run, the VRAM free on the GPU `auto`
-    takes (NVML); None where the RAM cannot be read."""
+    (psutil) and, for a GPU run, the VRAM free on the GPU `auto` takes (NVML); None where the RAM cannot be read."""
     from ..engine import NO_GPU, available_ram_bytes, best_gpu, gpu_info, physical_ram_bytes
 
     ram, available, (gpus, note) = physical_ram_bytes(), available_ram_bytes(), gpu_info()

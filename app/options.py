@@ -304,6 +304,29 @@ def in_app_words(line: str, keys: bool = False) -> str:
     names = {o.flag: f"settings' {o.name}" if keys else f'"{o.label}"' for o in OPTIONS
              if o.flag and (o.setting if keys else o.label)}
     return _FLAG.sub(lambda m: names.get(m.group(), m.group()), line)
+
+
+BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options whose value this machine's memory bounds
+
+
+def machine_memory(gpus: bool = True) -> tuple[int | None, int | None]:
+    """This machine's RAM and its largest GPU's memory (NVML; None where unknown, or not asked: `gpus` False)."""
+    from ..engine import gpu_info, physical_ram_bytes
+
+    return physical_ram_bytes(), max((g.total_bytes for g in gpu_info()[0]), default=None) if gpus else None
+
+
+def budget_hint(name: str, value, ram: int | None, vram: int | None) -> str:
+    """A budget above this machine's memory (ram, vram: machine_memory's) in one line, "" for any other value: said where
+    it is typed, not refused, since a load holds it to the machine (and a settings file may move to a larger one)."""
+    if name not in BUDGETS or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return ""
+    from ..engine import above_the_machine
+
+    on_gpu = name == "vram_budget_gib"
+    return above_the_machine(value * 2**30, vram if on_gpu else ram, vram=on_gpu)
+
+
 SETTINGS_SAMPLING = tuple(o.name for o in OPTIONS if o.group == "sampling" and o.setting)  # the chat's, from settings.toml
 
 

@@ -27,6 +27,7 @@ from ..config import QUANTS, SchedulerConfig, SpecConfig, UnitCosts
 from ..errors import BudgetError
 from ..model.memory_budgets import (
     GIB,
+    check_host_room,
     expert_store_room,
     gib,
     max_cache_experts,
@@ -230,18 +231,21 @@ def _gib_short(n: int) -> str:
     return f"{n / GIB:.1f}" if n >= GIB else f"{n / GIB:.2f}"
 
 
-def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], budget: bool) -> str:
-    """"ram" when every routed expert fits the RAM budget (budget False: none set, `ram` is the RAM free) with headroom,
-    else "mmap" (read from the checkpoint)."""
+def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], machine: int | None) -> str:
+    """"ram" when every routed expert fits the RAM budget (machine given: none set, `ram` is the RAM free, this the
+    machine's) with headroom, else "mmap" (read from the checkpoint). A CPU's refusal is the load's (check_host_room)."""
     on_host = 0 if has_gpu else est.host_bytes  # CPU-only: the rest lives in RAM too
     need = est.all_experts_bytes + on_host + ram_headroom(ram)
     room = expert_store_room(est, ram, has_gpu)
     host_tier = "ram" if est.all_experts_bytes <= room else "mmap"
-    if room < 0:
+    if not has_gpu:
+        check_host_room(est, ram, machine)
+    budget = machine is None
+    if has_gpu and room < 0:  # beside a GPU only the system's headroom (a CPU's: check_host_room)
         short = (f"the RAM budget is {gib(ram)}: raise the RAM budget" if budget else
                  f"{gib(ram)} of RAM is free: close other programs")
-        raise BudgetError(f"{est.model_type} needs {gib(on_host + ram_headroom(ram))} of RAM besides the experts "
-                          f"(non-expert weights, KV cache, headroom), {short}, lower the context length, or use a smaller model")
+        raise BudgetError(f"{est.model_type} needs {gib(ram_headroom(ram))} of RAM for the system besides the experts, "
+                          f"{short}, or use a smaller model")
     besides = f"experts {gib(est.all_experts_bytes)} + {gib(need - est.all_experts_bytes)}"
     of = f"{gib(ram)} RAM budget" if budget else f"{gib(ram)} of free RAM"
     reasons["host_tier"] = (f"ram: {besides} fit the {of}" if host_tier == "ram" else
@@ -322,7 +326,7 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     gpu = best_gpu(hw.gpus) if hw.gpus else None  # the one `auto` runs on
     ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
     given, est = est, _quant(est, ram, gpu is not None, reasons, quant)
-    host_tier = _host_tier(est, ram, gpu is not None, reasons, budget=ram_budget is not None)
+    host_tier = _host_tier(est, ram, gpu is not None, reasons, machine=None if ram_budget is not None else hw.ram_total_bytes)
     draft_models = [d for d in draft_options if d not in ("none", "self")]
     if gpu is None:
         return _decide_cpu_only(est, meas, host_tier, draft_models, reasons)

@@ -11,6 +11,7 @@ import torch
 
 from ..config import EngineConfig
 from .memory_budgets import (
+    above_the_machine,
     available_ram_bytes,
     cache_bytes_for,
     check_budgets,
@@ -60,13 +61,14 @@ def context_for_load(cfg: EngineConfig, est: MemoryEstimate, device: torch.devic
 
 def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.device) -> tuple[EngineConfig, str]:
     """Refuse a model that cannot fit, from the config alone: VRAM (free on the device) for the
-    non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store (and without a GPU,
-    the user's budget for the non-expert weights and KV cache).
+    non-expert weights, the KV cache of the whole context and the expert cache; RAM for the store (and without a GPU, the
+    non-expert weights and KV cache: against the user's budget, else the RAM available now, as estimate and calibration).
     -> the config, its fast tier sized to the free VRAM (none set: what it holds; a ceiling `fit_expert_cache` allows
     shrunk to it), and a line saying where a ceiling shrank."""
     vram = _vram(cfg, device)
     machine, given = physical_ram_bytes(), cfg.host_ram_budget_bytes
-    cfg, notices = _held_to_the_machine(cfg, est, machine, device.type == "cuda")
+    free = available_ram_bytes() if not given else None  # no budget (0: a profile's mmap tier): the RAM available now
+    cfg, notices = _held_to_the_machine(cfg, est, machine, free, device.type == "cuda")
     user_ram = cfg.host_ram_budget_bytes
     room = None if user_ram is None else expert_store_room(est, user_ram, device.type == "cuda")
     tier = "mmap" if room is not None and room < est.all_experts_bytes else "ram"  # as ExpertStore decides from the room
@@ -82,24 +84,24 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
         notices.append(f"expert cache {gib(fit)} instead of the calibration profile's {gib(cache)}: what the {gib(vram)} of "
                        "free VRAM holds now (other programs took the rest since; `moechat calibrate` measures again)")
         cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
-    if given and device.type != "cuda":  # 0: a profile's "experts from disk", no budget to hold the rest to
+    if given and device.type != "cuda":
         check_host_room(est, user_ram)
-    elif given is None and device.type != "cuda" and machine:  # no budget: the KV cache at the context, on this machine
-        check_host_room(est, machine, machine=True)
+    elif device.type != "cuda" and machine:  # no budget: what must stay resident against the RAM available, as estimate
+        check_host_room(est, free or machine, machine)
     check_budgets(est, vram, user_ram if user_ram is not None else machine, cache, tier, free_vram=vram != cfg.vram_budget_bytes)
     return cfg, "; ".join(notices)
 
 
-def _held_to_the_machine(cfg: EngineConfig, est: MemoryEstimate, machine: int | None, on_gpu: bool) -> tuple[EngineConfig, list]:
+def _held_to_the_machine(cfg: EngineConfig, est: MemoryEstimate, machine: int | None, free: int | None,
+                         on_gpu: bool) -> tuple[EngineConfig, list]:
     """The RAM budget the store is sized by, and lines saying what changed: a budget above the machine's RAM is held to
     it; with none, the RAM free now is the budget where the experts do not fit it beside the rest (they are then read in
     place from the model's files, as `estimate` and calibration decide), else none."""
     user_ram = cfg.host_ram_budget_bytes
     if user_ram and machine and user_ram > machine:  # held to, it would keep in RAM experts the machine cannot hold
         return dataclasses.replace(cfg, host_ram_budget_bytes=machine), [
-            f"RAM budget {gib(machine)} instead of {gib(user_ram)}: this machine has no more"]
-    free = available_ram_bytes() if user_ram is None else None
-    room = None if free is None else expert_store_room(est, free, on_gpu)
+            f"RAM budget {gib(user_ram)} is {above_the_machine(user_ram, machine)}"]
+    room = None if free is None or user_ram is not None else expert_store_room(est, free, on_gpu)
     if room is None or room >= est.all_experts_bytes:
         return cfg, []
     fits = smaller_quant_that_fits(est, room)

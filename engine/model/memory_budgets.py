@@ -22,11 +22,15 @@ GIB = 2**30
 
 
 def gib(n: float) -> str:
-    """A size in GiB to 2 decimals; under a tenth of one in MiB, under a tenth of that in KiB (a size never reads 0.00)."""
+    """A size in GiB to 2 decimals; under a tenth of one in MiB, under a tenth of that in KiB, under 1 KiB in bytes (a size
+    never reads 0.00)."""
     for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
         if n == 0 or abs(n) >= scale / 10:
             return f"{n / scale:.2f} {unit}"
-    return f"{n / 1024:.2f} KiB"
+    if abs(n) >= 1024:
+        return f"{n / 1024:.2f} KiB"
+    whole = round(n)
+    return f"{whole} byte{'' if abs(whole) == 1 else 's'}"
 
 
 def vram_margin(vram_budget: int) -> int:
@@ -77,23 +81,43 @@ def least_ram_gib(host_bytes: int) -> float:
     return math.ceil(need / GIB * 100) / 100
 
 
-def check_host_room(est: MemoryEstimate, ram_budget: int, machine: bool = False) -> None:
+PROCESS_RAM = GIB  # Python, PyTorch and the tokenizer beside the weights: what the RAM available must hold besides them
+
+
+def kept_free(ram_budget: int, machine: int | None) -> int:
+    """What a CPU run leaves of `ram_budget` beside its weights and KV cache: a budget's headroom; with none (`ram_budget`
+    the RAM available of `machine`), the machine's headroom less what other programs already use, and at least moechat's
+    own process (a small model still runs on a busy machine; on an idle one the verdict is a budget of its size's)."""
+    if machine is None:
+        return ram_headroom(ram_budget)
+    return max(PROCESS_RAM, ram_headroom(machine) - (machine - ram_budget))
+
+
+def check_host_room(est: MemoryEstimate, ram_budget: int, machine: int | None = None) -> None:
     """Without a GPU: refuse a RAM budget that the non-expert weights, KV cache and headroom alone exceed (experts that do
-    not fit are read from disk; these cannot be). machine: no budget was set, `ram_budget` is the machine's RAM."""
-    if expert_store_room(est, ram_budget, on_gpu=False) >= 0:
+    not fit are read from disk; these cannot be). machine: no budget was set, `ram_budget` is the RAM available now (what a
+    load plans the context and the experts' place with) and this the machine's RAM (`kept_free`)."""
+    keep = kept_free(ram_budget, machine)
+    if ram_budget - keep - est.host_bytes >= 0:
         return
     widened = " (the KV cache in float32, as a CPU keeps it)" if est.host_bytes > est.non_expert_bytes + est.kv_bytes else ""
-    need = (f"non-expert weights and KV cache need {gib(est.host_bytes)} of RAM{widened} and "
-            f"{gib(ram_headroom(ram_budget))} stay free for the system")
-    if machine:  # a budget past the machine's RAM is no way out: the context that fits is
-        kv_room = ram_budget - ram_headroom(ram_budget) - est.non_expert_bytes
-        fits = kv_room * est.context_len // est.cpu_kv_bytes if est.context_len else 0
-        raise BudgetError(f"{need}, this machine has {gib(ram_budget)} of RAM: "
-                          + (f"lower --context-len to {fits:,} or less, or use a smaller model" if fits > 0 else
-                             "use a smaller model"))
-    raise BudgetError(f"{need}, the RAM budget is {gib(ram_budget)}: "
-                      f"use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, lower --context-len, "
-                      "or use a smaller model")
+    need = (f"non-expert weights and KV cache need {gib(est.host_bytes)} of RAM{widened} and {gib(keep)} "
+            + "stay free for the system")
+    if machine is None:
+        raise BudgetError(f"{need}, the RAM budget is {gib(ram_budget)}: "
+                          f"use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, lower --context-len, "
+                          "or use a smaller model")
+    # a budget past the machine's RAM is no way out: fewer programs, a shorter context or smaller dense layers are
+    kv_room = ram_budget - keep - est.non_expert_bytes
+    fits = kv_room * est.context_len // est.cpu_kv_bytes if est.context_len and est.cpu_kv_bytes else 0
+    smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim and not est.prequantized else ()
+    quant = next((q for q in smaller if ram_budget - keep - est.with_quant(q).host_bytes >= 0), None)
+    idle = machine - ram_headroom(machine) - est.host_bytes >= 0  # the machine with nothing else running holds it
+    ways = (["close other programs"] if ram_budget < machine and idle else []) \
+        + ([f"lower --context-len to {fits:,} or less"] if fits > 0 else []) + ([f"use --quant {quant}"] if quant else [])
+    ram = f"{gib(ram_budget)} of RAM available of {gib(machine)}" if ram_budget < machine else f"{gib(machine)} of RAM"
+    raise BudgetError(f"{need}, this machine has {ram}: " + "".join(f"{w}, " for w in ways) + ("or " if ways else "")
+                      + "use a smaller model")
 
 
 CONTEXT_FLOOR = 4096  # a context moechat picks is never shorter (a conversation needs room): a model too big is refused
@@ -107,7 +131,8 @@ def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> i
     a CPU what the dense weights, the headroom and the experts leave of the RAM where the experts fit beside a
     CONTEXT_FLOOR cache, else half of it (the other half is the page cache the experts are read through). vram: the
     free VRAM (None: a CPU run); ram: the RAM budget or free RAM (None: unknown). Whole multiples of CONTEXT_STEP, never
-    below CONTEXT_FLOOR."""
+    below CONTEXT_FLOOR. Experts first: a machine just large enough to hold them gets a shorter context than one too
+    small to (whose KV takes half the room), as a longer one would push them out of RAM."""
     if vram is not None:  # the passes' attention grows with the context too (est.pass_bytes)
         per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token + est.pass_bytes_per_token
         draft_weights = est.draft_bytes - est.draft_kv_bytes_per_token * est.context_len
@@ -128,6 +153,17 @@ def smaller_quant_that_fits(est: MemoryEstimate, room: int) -> str | None:
     pre-quantized checkpoint, which runs in its own)."""
     smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim and not est.prequantized else ()
     return next((q for q in smaller if est.with_quant(q).all_experts_bytes <= room), None)
+
+
+def above_the_machine(budget: float, machine: int | None, vram: bool = False) -> str:
+    """What a budget above the machine's memory gets, in words ("" where it is not above, or the machine is unknown): a
+    RAM budget is held to the machine's RAM, a GPU run planned with the VRAM free (load_budgets). vram: `machine` is the
+    largest GPU's memory."""
+    if machine is None or budget <= machine:
+        return ""
+    if vram:
+        return f"more than this machine's {gib(machine)} of GPU memory: a load plans with what is free on it"
+    return f"more than this machine's {gib(machine)} of RAM: a load holds it to that"
 
 
 def available_ram_bytes() -> int | None:

@@ -288,16 +288,33 @@ def test_a_load_refuses_a_gpu_machine_in_the_words_of_estimates_machine_line(cap
         assert str(err.value) == problem
 
 
-@pytest.mark.parametrize("ram, available", [(64, 24), (64, 12), (4, 3)])
-def test_a_load_holds_a_cpu_machine_to_the_context_and_words_of_estimates_machine_line(capsys, monkeypatch, ram, available):
+class _Measured(Exception):
+    """Calibration got past its refusals to its first measurement: what it would measure with."""
+
+
+@pytest.mark.parametrize("ram, available, verdict", [
+    (64, 24, "fits, the context cut to 19456 tokens"),
+    (64, 12, "fits, the context cut to 22528 tokens (experts read from their int4 files on disk)"),
+    (64, 4, "fits, the context cut to 4096 tokens (experts read from their int4 files on disk)"),  # others use the headroom
+    (64, 3, "this machine has 3.00 GiB of RAM available of 64.00 GiB: close other programs, lower --context-len to 3,107 "
+            "or less, or use a smaller model"),
+    (64, 2, "this machine has 2.00 GiB of RAM available of 64.00 GiB: close other programs, or use a smaller model"),
+    (4, 3, "this machine has 3.00 GiB of RAM available of 4.00 GiB: lower --context-len to 3,107 or less, or use a smaller "
+           "model")])
+def test_a_load_holds_a_cpu_machine_to_the_context_and_words_of_estimates_machine_line(capsys, monkeypatch, tmp_path, ram,
+                                                                                      available, verdict):
     """estimate planned a CPU run with the machine's RAM where a load plans with the RAM available now: with 24 GiB of 64
     available it said "fits" at the model's 40960 tokens, and the load cut them to 19456. It plans as the load does: the
-    context, where the experts are read from, and a refusal's words (the weights and KV cache held to the machine's RAM)."""
+    context, where the experts are read from, and a refusal's words. The weights and KV cache, which must stay resident
+    (experts that do not fit are read in place), were held to the machine's 64 GiB while 4 were available: the load ran at
+    4,096 tokens into swap or the OOM killer. They are held to the RAM available, by estimate, the load and calibration."""
     import torch
 
     from moechat import engine
+    from moechat.app.calibrate import calibrate
     from moechat.app.cli import main
     from moechat.engine import BudgetError, EngineConfig, estimate, known_config
+    from moechat.engine.calibration.types import Hardware
     from moechat.engine.model import load_budgets
 
     gib = 2**30
@@ -308,21 +325,33 @@ def test_a_load_holds_a_cpu_machine_to_the_context_and_words_of_estimates_machin
     assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu", "--json"]) == 0
     mine = json.loads(capsys.readouterr().out)["this_machine"]
     assert (mine["ram_bytes"], mine["ram_available_bytes"]) == (ram * gib, available * gib)
-    est = estimate(dict(known_config("Qwen3-30B-A3B"), dtype="bfloat16"), "float32", None, None, "int4", cpu=True)
+    config = dict(known_config("Qwen3-30B-A3B"), dtype="bfloat16")
+    est = estimate(config, "float32", None, None, "int4", cpu=True)
     cpu = torch.device("cpu")
     cfg, est, notice = load_budgets.context_for_load(EngineConfig(model_dir="x", device="cpu"), est, cpu, "")
-    assert mine["context_len"] == est.context_len < 40960 and "not the model's 40,960" in notice
+    assert mine["context_len"] == est.context_len and ("not the model's 40,960" in notice) == (est.context_len < 40960)
+    model = tmp_path / "Qwen3-30B-A3B"  # calibration of the same run: its refusal before measuring, else what it measures
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(dict(config, architectures=["Qwen3MoeForCausalLM"])))
+    monkeypatch.setattr(engine, "probe", lambda: Hardware("a CPU", 8, ["avx2"], ram * gib, available * gib, 500 * gib))
+    monkeypatch.setattr(engine, "measure", lambda *a, **kw: (_ for _ in ()).throw(_Measured(kw)))
     try:
         cfg, notice = load_budgets.check_load_budgets(cfg, est, cpu)
     except BudgetError as err:
-        assert mine["problem"] == str(err) and f"this machine has {ram}.00 GiB of RAM" in mine["problem"]
+        assert not mine["fits"] and mine["problem"] == str(err) and str(err).endswith(verdict)
+        with pytest.raises(BudgetError) as refused:
+            calibrate(str(model), "none", True, lambda *a: None, quant="int4", device="cpu")
+        assert str(refused.value) == str(err)
     else:
         assert mine["fits"] and (mine["host_tier"] == "mmap") == (cfg.host_ram_budget_bytes == available * gib)
         assert (mine["host_tier"] == "mmap") == ("experts read in place" in notice)
+        with pytest.raises(_Measured) as measured:
+            calibrate(str(model), "none", True, lambda *a: None, quant="int4", device="cpu")
+        assert measured.value.args[0]["context_len"] == est.context_len
     assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"this machine ({available}.0 GiB of RAM available of {ram}.0 GiB, no NVIDIA GPU): "), line
-    assert ("fits, the context cut to" in line) == mine["fits"]
+    assert line.endswith(verdict), line
 
 
 def test_a_gptq_checkpoint_is_estimated_as_it_runs(checkpoint, tmp_path, capsys):
@@ -345,11 +374,11 @@ def test_a_gptq_checkpoint_is_estimated_as_it_runs(checkpoint, tmp_path, capsys)
 @pytest.mark.notorch
 def test_a_size_never_reads_zero_unless_it_is():
     """Sizes were written in GiB to 2 decimals, so a tiny model's need read "0.00 GiB" beside "use --ram-budget-gib 2.01":
-    under a tenth of a unit they are written in the next smaller one."""
+    under a tenth of a unit they are written in the next smaller one, under 1 KiB in bytes (5 bytes read "0.00 KiB")."""
     from moechat.engine import gib
 
     sizes = {0: "0.00 GiB", 3 * 2**30: "3.00 GiB", 2**30 // 5: "0.20 GiB", 5 * 2**20: "5.00 MiB", 1536: "1.50 KiB",
-             -2 * 2**20: "-2.00 MiB"}
+             -2 * 2**20: "-2.00 MiB", 1024: "1.00 KiB", 1023: "1023 bytes", 5: "5 bytes", 1: "1 byte", -3: "-3 bytes"}
     assert {n: gib(n) for n in sizes} == sizes
 
 

@@ -173,6 +173,40 @@ def test_budget_flags_reach_the_engine_config():
     assert cfg.scheduler.utility_bound == 3
 
 
+def test_a_budget_above_the_machine_is_said_at_start_where_it_was_given(monkeypatch, capsys):
+    """`--ram-budget-gib 500` (or `ram_budget_gib = 500` in settings.toml) on a 16 GiB machine was said only once the
+    model had loaded, as "RAM budget 16.00 GiB instead of 500.00 GiB". It is one line at start naming where it was given,
+    not an error: the run takes the machine's RAM (so the load says nothing again). A VRAM budget above the GPU's memory
+    is said the same way and left to the load, which plans with the VRAM free; a CPU run does not count one."""
+    from moechat import engine
+    from moechat.app.engine_config import engine_config
+    from moechat.app.settings import save_settings
+    from moechat.engine import GpuInfo, placement
+
+    gib = 2**30
+    monkeypatch.setattr(engine, "physical_ram_bytes", lambda: 16 * gib)
+    monkeypatch.setattr(engine, "gpu_info", lambda: ([GpuInfo("NVIDIA RTX 4090", 24 * gib, 20 * gib)], ""))
+    gpu = placement.Gpu(0, "NVIDIA RTX 4090", 20 * gib, 24 * gib, True)
+    monkeypatch.setattr(placement, "probe_cuda", lambda *_: placement.CudaProbe((gpu,)))
+
+    def config(*flags):
+        cfg = engine_config(build_parser().parse_args(["generate", "--prompt", "hi", *flags]))
+        return cfg, capsys.readouterr().err
+
+    ram = "more than this machine's 16.00 GiB of RAM: a load holds it to that"
+    cfg, err = config("--ram-budget-gib", "500", "--vram-budget-gib", "100")
+    said = [f"--ram-budget-gib 500 is {ram}",
+            "--vram-budget-gib 100 is more than this machine's 24.00 GiB of GPU memory: a load plans with what is free on it"]
+    assert err.splitlines() == [f"moechat: warning: {line}" for line in said] and cfg.notices == tuple(said)
+    assert (cfg.host_ram_budget_bytes, cfg.vram_budget_bytes) == (16 * gib, 100 * gib)
+    cfg, err = config("--ram-budget-gib", "12", "--vram-budget-gib", "100", "--device", "cpu")
+    assert err == "" and cfg.notices == () and cfg.host_ram_budget_bytes == 12 * gib
+    save_settings({"ram_budget_gib": 500})
+    cfg, err = config()
+    assert err.splitlines() == [f"moechat: warning: settings' ram_budget_gib 500 is {ram}"]
+    assert cfg.host_ram_budget_bytes == 16 * gib
+
+
 def test_lean_decode_flag_reaches_the_engine_config():
     from moechat.app.engine_config import engine_config
 

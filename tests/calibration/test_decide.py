@@ -348,7 +348,7 @@ def test_loader_keeps_experts_in_ram_only_beside_the_rest(known, monkeypatch):
     qwen = known["Qwen3-30B-A3B"]
     held, notice = load_budgets.check_load_budgets(replace(cfg, host_ram_budget_bytes=64 * GIB), qwen, cpu)
     assert held.host_ram_budget_bytes == 32 * GIB
-    assert notice == "RAM budget 32.00 GiB instead of 64.00 GiB: this machine has no more"
+    assert notice == "RAM budget 64.00 GiB is more than this machine's 32.00 GiB of RAM: a load holds it to that"
     assert expert_store_room(qwen, held.host_ram_budget_bytes, on_gpu=False) < qwen.all_experts_bytes  # read from disk
 
 
@@ -370,7 +370,7 @@ def test_the_machines_ram_is_known_on_windows_where_os_has_no_sysconf(known, mon
     assert load_budgets.physical_ram_bytes() == 32 * GIB
     cfg = EngineConfig(model_dir="unused", host_ram_budget_bytes=64 * GIB)
     held, notice = load_budgets.check_load_budgets(cfg, known["Qwen3-30B-A3B"], torch.device("cpu"))
-    assert held.host_ram_budget_bytes == 32 * GIB and "this machine has no more" in notice
+    assert held.host_ram_budget_bytes == 32 * GIB and "more than this machine's 32.00 GiB of RAM" in notice
 
 
 def test_loader_refuses_a_context_whose_kv_cache_the_machine_cannot_hold(checkpoint, monkeypatch):
@@ -464,11 +464,11 @@ def test_the_host_tier_names_the_ram_budget_only_where_one_is_set(known):
     meas = synthetic("desktop-4090", est)
     assert decide(hw, est, meas).reasons["host_tier"].endswith("fit the 58.00 GiB of free RAM")
     assert decide(hw, est, meas, ram_budget=30 * GIB).reasons["host_tier"].endswith("fit the 30.00 GiB RAM budget")
-    small = replace(MACHINES["cpu-16g"][0], ram_available_bytes=4 * GIB)
-    with pytest.raises(BudgetError, match="4.00 GiB of RAM is free: close other programs, lower the context length") as err:
+    small = replace(MACHINES["cpu-16g"][0], ram_available_bytes=4 * GIB)  # the load's words (check_host_room)
+    with pytest.raises(BudgetError, match="this machine has 4.00 GiB of RAM available of 16.00 GiB: close other programs") as err:
         decide(small, est, synthetic("cpu-16g", est))
     assert "budget" not in str(err.value)
-    with pytest.raises(BudgetError, match="the RAM budget is 4.00 GiB: raise the RAM budget"):
+    with pytest.raises(BudgetError, match="the RAM budget is 4.00 GiB: use --ram-budget-gib [.0-9]+ or more"):
         decide(small, est, synthetic("cpu-16g", est), ram_budget=4 * GIB)
 
 

@@ -766,6 +766,24 @@ def test_calibrate_takes_the_budgets_and_context_the_settings_fix(monkeypatch):
     assert (seen["vram_budget"], seen["ram_budget"], seen["context_len"]) == (6 * 2**30, 20 * 2**30, 8192)
 
 
+def test_calibrate_says_a_settings_budget_above_the_machine(monkeypatch, capsys):
+    """`ram_budget_gib = 500` in the settings on a 16 GiB machine: calibration decided with the machine's RAM without a
+    word. It says so at start, in the words a run's start says it (engine_config.held_to_the_machine)."""
+    from types import SimpleNamespace
+
+    import moechat.engine
+    from moechat.app import calibrate as cal
+    from moechat.app.settings import save_settings
+
+    save_settings({"ram_budget_gib": 500})
+    monkeypatch.setattr(moechat.engine, "physical_ram_bytes", lambda: 16 << 30)
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **kw: (_ for _ in ()).throw(SystemExit(0)))
+    with pytest.raises(SystemExit):
+        cal.cmd_calibrate(SimpleNamespace(model=None, quick=True, json=True))
+    assert capsys.readouterr().err == ("moechat: warning: settings' ram_budget_gib 500 is more than this machine's 16.00 GiB "
+                                       "of RAM: a load holds it to that\n")
+
+
 def test_calibrates_refusal_names_the_settings_it_reads_not_flags(monkeypatch):
     """`moechat calibrate` has no --context-len or --device: a budget nothing fits names the settings' keys instead."""
     from types import SimpleNamespace

@@ -320,6 +320,72 @@ def test_a_field_whose_flag_was_typed_says_the_flag_wins(tmp_path):
     # and no quant-hint: the backend runs no checkpoint here
 
 
+RAM_ABOVE = "more than this machine's {} GiB of RAM: a load holds it to that"
+VRAM_ABOVE = "more than this machine's 24.00 GiB of GPU memory: a load plans with what is free on it"
+
+
+@pytest.mark.notorch
+def test_a_budget_above_the_machine_is_said_under_its_field_and_saved(tmp_path, monkeypatch):
+    """A RAM budget of 500 GiB on a 16 GiB machine, in the settings file or typed in its field, was said only at load. The
+    field says it (as the quant field's hint), and it is not refused: a load holds it to the machine, and the file may
+    move to a larger one. The VRAM field says one above the GPU's memory."""
+    from moechat import engine
+
+    monkeypatch.setattr(engine, "physical_ram_bytes", lambda: 16 * GIB)
+    monkeypatch.setattr(engine, "gpu_info", lambda: ([GpuInfo("Test GPU", 24 * GIB, 22 * GIB)], ""))
+    path = tmp_path / "settings.toml"
+    save_settings({"ram_budget_gib": 500}, path)
+
+    async def run():
+        shown = []
+        async with settings_screen(path) as (app, pilot):
+            await app.screen.workers.wait_for_complete()
+            for name, value in (("ram_budget_gib", None), ("ram_budget_gib", "12"), ("ram_budget_gib", "-1"),
+                                ("vram_budget_gib", "100"), ("ram_budget_gib", "64")):
+                if value is not None:
+                    app.screen.query_one(f"#{name}").value = value
+                    await pilot.pause()
+                hint = app.screen.query_one(f"#{name}-hint")
+                shown.append(str(hint.content) if hint.display else None)
+            await click(pilot, "#save")
+        return app.result, shown
+
+    result, shown = asyncio.run(run())
+    ram = RAM_ABOVE.format("16.00")
+    assert shown == [ram, None, None, VRAM_ABOVE, ram]  # a refused value (-1) shows its error, not the hint
+    assert result.settings.ram_budget_gib == 64 and load_settings(path)[0].ram_budget_gib == 64  # said, not refused
+
+
+def test_the_wizards_budget_fields_say_one_above_the_machine_it_probed(tmp_path):
+    """The wizard's budget fields say a budget above the machine's RAM and its GPU's memory as the probe found them (32
+    and 24 GiB here), as the settings screen does, and go on to calibration with it."""
+    from types import SimpleNamespace
+
+    from moechat.engine.calibration.types import Decisions
+
+    def calibrate(*args, **kwargs):  # instant: a profile's decisions, no measuring
+        return SimpleNamespace(decisions=Decisions(0.0, 3, 4, 0.1, "none", "lru", "ram")), "/tmp/profile.toml"
+
+    async def run():
+        shown = []
+        app = Host(WizardScreen(hardware=fake_hardware(), path=tmp_path / "settings.toml", calibrate=calibrate))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            await click(pilot, "#next")  # the demo: to the budgets
+            for name, value in (("ram_budget_gib", "64"), ("vram_budget_gib", "30"), ("vram_budget_gib", "")):
+                app.screen.query_one(f"#{name}").value = value
+                await pilot.pause()
+                hint = app.screen.query_one(f"#{name}-hint")
+                shown.append(str(hint.content) if hint.display else None)
+            app.screen.query_one("#device").value = "cpu"
+            await click(pilot, "#next")
+            shown.append(app.screen.step)
+            await _until_calibration_ends(pilot, app.screen)
+        return shown
+
+    assert asyncio.run(run()) == [RAM_ABOVE.format("32.00"), VRAM_ABOVE, None, 2]
+
+
 def test_live_field_needs_no_reload_and_cancel_discards(tmp_path):
     path = tmp_path / "settings.toml"
     saved, cancelled = asyncio.run(_live_edit_and_cancel(path))

@@ -9,6 +9,7 @@ The rest (sampling, thinking, theme) apply live.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
 from ....engine import prequantized_label
 from ...models import checkpoint_config
-from ...options import OPTION
+from ...options import BUDGETS, OPTION, budget_hint, machine_memory
 from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings, settings_path
 
 DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
@@ -125,6 +126,7 @@ class SettingsScreen(Screen):
         self.initial, self.notice, self.flags = settings, notice, flags or {}
         model = self.flags.get("model") or settings.model
         self.arrives = prequantized_label(checkpoint_config(model))  # read once: the form has no model field
+        self.memory: tuple[int | None, int | None] = (None, None)  # the machine's RAM and GPU memory, read once mounted
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -144,6 +146,8 @@ class SettingsScreen(Screen):
             yield Input("" if value is None else str(value), placeholder=option.placeholder or option.default_text(),
                         id=option.name, validators=[FieldValidator(option.name)], compact=True)
         yield Label("", id=f"{option.name}-error", classes="field-error", markup=False)
+        if option.name in BUDGETS:  # a budget above the machine's memory: said, not refused
+            yield Label("", id=f"{option.name}-hint", classes="field-hint", markup=False)
         yield from self._flag_hint(option)
 
     def _flag_hint(self, option) -> ComposeResult:
@@ -181,6 +185,18 @@ class SettingsScreen(Screen):
     def on_mount(self) -> None:
         self.title = "Settings"
         self._follow_backend()
+        self.run_worker(self._read_memory(), group="memory", exit_on_error=False)
+
+    async def _read_memory(self) -> None:
+        """The machine's memory, off the event loop (NVML can take a while to start), then the budget fields' hints."""
+        self.memory = await asyncio.to_thread(machine_memory)
+        for name in BUDGETS:
+            self._show_budget_hint(name)
+
+    def _show_budget_hint(self, name: str) -> None:
+        value = parse_field(name, self.query_one(f"#{name}", Input).value)
+        hint = None if field_error(name, value) else budget_hint(name, value, *self.memory)
+        show_error(self.query_one(f"#{name}-hint", Label), hint)
 
     def _follow_backend(self) -> None:
         """The quant hint hides under a remote backend (the quant does not apply there): --backend's, else the form's, unless
@@ -206,6 +222,8 @@ class SettingsScreen(Screen):
                    None if result is None or result.is_valid else result.failure_descriptions[0])
         if event.input.id == "backend":
             self._follow_backend()
+        elif event.input.id in BUDGETS:
+            self._show_budget_hint(event.input.id)
         self._show_reload()
 
     @on(Select.Changed)

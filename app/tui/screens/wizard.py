@@ -38,15 +38,14 @@ from textual.widgets import (
 )
 
 from ...demo import DEMO_DRAFT, DEMO_MODEL
-from ...options import OPTION, in_app_words
+from ...options import BUDGETS, OPTION, budget_hint, in_app_words
 from ...settings import kept_aside_on_save, load_settings, save_settings, settings_path
 from ..messages import CalibrationDone, CalibrationFailed, CalibrationProgress
-from .settings import FieldValidator, field_error, parse_field
+from .settings import FieldValidator, field_error, parse_field, show_error
 
 GIB = 2**30
 STEPS = ("step-model", "step-budgets", "step-calibrate", "step-finish")
 TITLES = ("1/4 Choose the model", "2/4 Device and memory", "3/4 Calibrate this machine", "4/4 Done")
-BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options the budgets step edits, with device and dtype
 # Calibration decisions as the wizard shows them: (field of Decisions, label); λ only matters to a
 # utility variant users do not run, so it is not shown
 DECISIONS = (("quant", "quantized experts"), ("expert_cache_ratio", "expert cache ratio"), ("utility_bound", "utility bound K"),
@@ -116,6 +115,7 @@ class WizardScreen(Screen):
     WizardScreen .row Input { width: 1fr; }
     WizardScreen .field-error { color: $error; height: auto; }
     WizardScreen .hint { color: $text-muted; height: auto; }
+    WizardScreen .budget-hint { display: none; }
     WizardScreen #buttons { height: auto; padding: 0 2 1 2; }
     WizardScreen #buttons Button { margin-right: 2; }
     WizardScreen #progress { margin: 1 0; }
@@ -190,6 +190,7 @@ class WizardScreen(Screen):
                         yield Label(OPTION[name].label)
                         yield Input(id=name, validators=[FieldValidator(name)])
                     yield Label("", id=f"{name}-error", classes="field-error", markup=False)
+                    yield Label("", id=f"{name}-hint", classes="hint budget-hint", markup=False)  # above the machine's
                 yield Static("", id="hw-note", classes="hint", markup=False)
             with Vertical(id="step-calibrate"):
                 yield Label(TITLES[2], classes="title")
@@ -260,6 +261,12 @@ class WizardScreen(Screen):
         note += f"RAM: {hw.ram_available_bytes / GIB:.1f} of {hw.ram_total_bytes / GIB:.1f} GiB available."
         self.query_one("#hw-note", Static).update(note)
 
+    def _show_budget_hint(self, name: str, valid: bool = True) -> None:
+        """A budget above what the probe found (the machine's RAM, its largest GPU), said under the field: not refused."""
+        hw = self.hardware
+        memory = (hw.ram_total_bytes, max((g.total_bytes for g in hw.gpus), default=None)) if hw else (None, None)
+        show_error(self.query_one(f"#{name}-hint", Label), valid and budget_hint(name, self._budget(name), *memory) or None)
+
     def _budget(self, name: str) -> float | None:
         return parse_field(name, self.query_one(f"#{name}", Input).value)
 
@@ -267,8 +274,10 @@ class WizardScreen(Screen):
     def _input_changed(self, event: Input.Changed) -> None:
         if event.input.id in BUDGETS + ("device",):
             result = event.validation_result
-            self.query_one(f"#{event.input.id}-error", Label).update(
-                "" if result is None or result.is_valid else result.failure_descriptions[0])
+            valid = result is None or result.is_valid
+            self.query_one(f"#{event.input.id}-error", Label).update("" if valid else result.failure_descriptions[0])
+            if event.input.id in BUDGETS:
+                self._show_budget_hint(event.input.id, valid)
         elif event.input.id == "model-dir":
             self.query_one("#src-dir", RadioButton).value = True
         elif event.input.id == "hub-id":
