@@ -195,28 +195,28 @@ def _quant(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str]
     need = {q: _gib_short(e.all_experts_bytes) for q, e in sized.items()}  # is quantized with the experts
 
     def room(q: str) -> str:
-        return f"{_gib_short(max(left[q], 0))} GiB of RAM left"
+        return f"{_gib_short(max(left[q], 0))} of RAM left"
 
     if est.prequantized:
         reasons["quant"] = (f"{est.quant}: the checkpoint is {est.prequantized}-quantized and runs as it is; its experts "
-                            f"need {need[est.quant]} GiB")
+                            f"need {need[est.quant]}")
         return est
     if quant is not None:
-        reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} GiB in it, with {room(quant)}"
+        reasons["quant"] = f"{quant}: as set; the experts need {need[quant]} in it, with {room(quant)}"
         return sized[quant]
     chosen = next((q for q in QUANTS if sized[q].all_experts_bytes <= left[q]), None)
-    in_dtype = f"{need['none']} GiB in {sized['none'].expert_dtype}"  # a CPU keeps a bf16 checkpoint's bf16 (store.storage_dtype)
+    in_dtype = f"{need['none']} in {sized['none'].expert_dtype}"  # a CPU keeps a bf16 checkpoint's bf16 (store.storage_dtype)
     if chosen == "none":
         reasons["quant"] = f"none: the experts' {in_dtype} fit the {room('none')}"
     elif chosen == "int8":
-        reasons["quant"] = f"int8: the experts need {in_dtype}, more than the {room('none')}; int8 needs {need['int8']} GiB"
+        reasons["quant"] = f"int8: the experts need {in_dtype}, more than the {room('none')}; int8 needs {need['int8']}"
     elif chosen == "int4":
-        reasons["quant"] = (f"int4: the experts need {in_dtype} and {need['int8']} GiB in int8, more than the "
-                            f"{room('int8')}; int4 needs {need['int4']} GiB")
+        reasons["quant"] = (f"int4: the experts need {in_dtype} and {need['int8']} in int8, more than the "
+                            f"{room('int8')}; int4 needs {need['int4']}")
     else:
         chosen = "int4"
-        reasons["quant"] = (f"int4, read from disk: the experts need {in_dtype}, {need['int8']} GiB in int8 and "
-                            f"{need['int4']} GiB in int4, more than the {room('int4')}; int4 reads the fewest bytes")
+        reasons["quant"] = (f"int4, read from disk: the experts need {in_dtype}, {need['int8']} in int8 and "
+                            f"{need['int4']} in int4, more than the {room('int4')}; int4 reads the fewest bytes")
     return sized[chosen]
 
 
@@ -227,8 +227,8 @@ def experts_format(hw: Hardware, est: MemoryEstimate, ram_budget: int | None = N
 
 
 def _gib_short(n: int) -> str:
-    """GiB with one decimal; two below 1 GiB (a small model's experts are not 0.0)."""
-    return f"{n / GIB:.1f}" if n >= GIB else f"{n / GIB:.2f}"
+    """A size in GiB with one decimal; below 1 GiB as `gib` writes it (a small model's experts are not 0.00 GiB)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else gib(n)
 
 
 def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], machine: int | None) -> str:

@@ -517,7 +517,7 @@ def test_decide_quantizes_the_experts_only_when_they_do_not_fit_ram(known, check
     # a small model stays in the compute dtype
     small = decide(PC_32G, estimate(checkpoint("qwen3_moe"), "float32"), meas)
     assert small.quant == "none" and small.host_tier == "ram"
-    assert small.reasons["quant"].startswith("none: the experts' 0.00 GiB in float32 fit the 26.0 GiB of RAM left")
+    assert small.reasons["quant"].startswith("none: the experts' 96.00 KiB in float32 fit the 26.0 GiB of RAM left")
     # a bf16 checkpoint under float32 on a CPU keeps its experts bf16: their size is said in bf16, not as float32's
     # ("the experts need 1.1 GiB in float32 ...; int8 needs 0.60" for a model whose experts take 2.2 GiB in float32)
     kept = replace(est, dtype="float32")  # Qwen3-30B-A3B's experts, 2 bytes a weight, computed in float32
