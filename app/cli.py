@@ -114,10 +114,10 @@ def add_sampling_args(p: argparse.ArgumentParser, temperature: float, max_new_to
     `from_settings` (the chat) those three default to the settings' values, which the defaults given here are."""
     add_flags(p, "sampling", temperature=temperature, max_new_tokens=max_new_tokens, top_p=top_p)
     if from_settings:
-        settings_first(p, SETTINGS_SAMPLING)
+        default_to_settings(p, SETTINGS_SAMPLING)
 
 
-def settings_first(p: argparse.ArgumentParser, names) -> None:
+def default_to_settings(p: argparse.ArgumentParser, names) -> None:
     """These flags unset default to None, so a flag typed is told from one left out and the settings' value applies."""
     for action in p._actions:
         if action.dest in names:
@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "when input or output is not a terminal (what `moechat` alone runs)")
     add_engine_args(chat)
     add_flags(chat, "backend")
-    settings_first(chat, ("backend_key_env",))  # the settings' variable, else MOECHAT_API_KEY: the flag's default hid it
+    default_to_settings(chat, ("backend_key_env",))  # the settings' variable, else MOECHAT_API_KEY: the flag's default hid it
     chat.add_argument("--plain", action="store_true", help="line-by-line chat instead of the full-screen app")
     chat.add_argument("--system", type=as_typed, metavar="TEXT",
                       help="system message (plain chat; the app sets it per conversation)")

@@ -78,7 +78,8 @@ def shown(value, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
-def _words(value) -> str:
+def value_words(value) -> str:
+    """A value as the help and the settings screen write it: on/off, 16 rather than 16.0."""
     if isinstance(value, bool):
         return "on" if value else "off"
     return f"{value:g}" if isinstance(value, float) else "" if value in ([], {}) else str(value)
@@ -187,14 +188,14 @@ class Option:
             parser.add_argument(self.flag, type=self.parse, choices=self.choices or None, **kw)
 
     def help_line(self, default) -> str:
-        when = self.unset if default is None else _words(default)
+        when = self.unset if default is None else value_words(default)
         if default is None and self.setting:
             when = f"the settings, else {when}"
         return f"{self.help} (default: {when})" if when else self.help
 
     def default_text(self) -> str:
         """The default in words: the value, or what applies when unset."""
-        return self.unset if self.default is None else _words(self.default)
+        return self.unset if self.default is None else value_words(self.default)
 
 
 _SCHED, _SPEC = SchedulerConfig(), SpecConfig()

@@ -231,16 +231,13 @@ def _gib_short(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else gib(n)
 
 
-def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], machine: int | None) -> str:
-    """"ram" when every routed expert fits the RAM budget (machine given: none set, `ram` is the RAM free, this the
-    machine's) with headroom, else "mmap" (read from the checkpoint). A CPU's refusal is the load's (check_host_room)."""
+def _host_tier(est: MemoryEstimate, ram: int, has_gpu: bool, reasons: dict[str, str], budget: bool) -> str:
+    """"ram" when every routed expert fits the RAM budget (budget False: none set, `ram` is the RAM free) with headroom,
+    else "mmap" (read from the checkpoint). A CPU's refusal is the load's (check_host_room, in decide)."""
     on_host = 0 if has_gpu else est.host_bytes  # CPU-only: the rest lives in RAM too
     need = est.all_experts_bytes + on_host + ram_headroom(ram)
     room = expert_store_room(est, ram, has_gpu)
     host_tier = "ram" if est.all_experts_bytes <= room else "mmap"
-    if not has_gpu:
-        check_host_room(est, ram, machine)
-    budget = machine is None
     if has_gpu and room < 0:  # beside a GPU only the system's headroom (a CPU's: check_host_room)
         short = (f"the RAM budget is {gib(ram)}: raise the RAM budget" if budget else
                  f"{gib(ram)} of RAM is free: close other programs")
@@ -326,7 +323,9 @@ def decide(hw: Hardware, est: MemoryEstimate, meas: Measurements, vram_budget: i
     gpu = best_gpu(hw.gpus) if hw.gpus else None  # the one `auto` runs on
     ram = min(ram_budget, hw.ram_total_bytes) if ram_budget is not None else hw.ram_available_bytes
     given, est = est, _quant(est, ram, gpu is not None, reasons, quant)
-    host_tier = _host_tier(est, ram, gpu is not None, reasons, machine=None if ram_budget is not None else hw.ram_total_bytes)
+    if gpu is None:  # the load's refusal: a budget at or above the machine is held to it, so in the machine's words
+        check_host_room(est, ram, None if ram_budget is not None and ram_budget < hw.ram_total_bytes else hw.ram_total_bytes)
+    host_tier = _host_tier(est, ram, gpu is not None, reasons, budget=ram_budget is not None)
     draft_models = [d for d in draft_options if d not in ("none", "self")]
     if gpu is None:
         return _decide_cpu_only(est, meas, host_tier, draft_models, reasons)

@@ -84,8 +84,8 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
         notices.append(f"expert cache {gib(fit)} instead of the calibration profile's {gib(cache)}: what the {gib(vram)} of "
                        "free VRAM holds now (other programs took the rest since; `moechat calibrate` measures again)")
         cfg, cache = dataclasses.replace(cfg, expert_cache_bytes=fit), fit
-    if given and device.type != "cuda":
-        check_host_room(est, user_ram)
+    if given and device.type != "cuda":  # one held to the machine: raising it is no way out, the machine's words
+        check_host_room(est, user_ram, machine if machine and user_ram >= machine else None)
     elif device.type != "cuda" and machine:  # no budget: what must stay resident against the RAM available, as estimate
         check_host_room(est, free or machine, machine)
     check_budgets(est, vram, user_ram if user_ram is not None else machine, cache, tier, free_vram=vram != cfg.vram_budget_bytes)

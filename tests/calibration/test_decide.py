@@ -472,6 +472,28 @@ def test_the_host_tier_names_the_ram_budget_only_where_one_is_set(known):
         decide(small, est, synthetic("cpu-16g", est), ram_budget=4 * GIB)
 
 
+def test_a_ram_budget_above_the_machine_is_refused_in_the_machines_words(known, monkeypatch):
+    """`--ram-budget-gib 500` on a 16 GiB machine is held to its 16 GiB; a context whose KV cache that does not hold was
+    refused with "use --ram-budget-gib 28.02 or more" (500 was given, and any budget is held to 16). The load and
+    calibration say what the machine holds instead, as without a budget; a budget below the machine keeps its words."""
+    import torch
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import load_budgets
+
+    est = estimate(KNOWN_MODELS["Qwen3-30B-A3B"], "float32", 131072, quant="int4", cpu=True)  # 24 GiB of KV
+    hw = MACHINES["cpu-16g"][0]
+    monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: hw.ram_total_bytes)
+    machine = "this machine has 16.00 GiB of RAM: lower --context-len to [0-9,]+ or less, or use a smaller model$"
+    for budget in (500 * GIB, 16 * GIB):
+        with pytest.raises(BudgetError, match=machine):
+            load_budgets.check_load_budgets(EngineConfig(model_dir="x", host_ram_budget_bytes=budget), est, torch.device("cpu"))
+        with pytest.raises(BudgetError, match=machine):
+            decide(hw, est, synthetic("cpu-16g", est), ram_budget=budget, quant="int4")
+    with pytest.raises(BudgetError, match="the RAM budget is 12.00 GiB: use --ram-budget-gib [.0-9]+ or more"):
+        decide(hw, est, synthetic("cpu-16g", est), ram_budget=12 * GIB, quant="int4")
+
+
 def test_estimate_counts_a_draft_model(checkpoint, draft_dir):
     from moechat.engine.model.checkpoint import Checkpoint
 

@@ -320,6 +320,27 @@ def test_a_field_whose_flag_was_typed_says_the_flag_wins(tmp_path):
     # and no quant-hint: the backend runs no checkpoint here
 
 
+@pytest.mark.notorch
+def test_the_fields_a_typed_model_sets_aside_say_so(tmp_path):
+    """`moechat chat --model DIR`: the settings' drafter goes with the settings' model and their backend gives way to the
+    embedded engine, so saving either did nothing this run, unsaid; a typed budget read "16.0" where the start said 16."""
+    from moechat.app.cli import build_parser
+    from moechat.app.options import winning_flags
+
+    path = tmp_path / "settings.toml"
+    save_settings({"backend": "http://box:8000/v1", "draft": "self"}, path)
+    flags = winning_flags(build_parser().parse_args(["chat", "--model", str(tmp_path), "--ram-budget-gib", "16"]))
+
+    async def run():
+        async with Host(SettingsScreen(path=path, flags=flags)).run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            return {h.id: str(h.content) for h in pilot.app.screen.query(".field-hint") if h.display}
+
+    model = f"--model {tmp_path} on the command line wins for this run"
+    assert asyncio.run(run()) == {"draft-flag": model, "backend-flag": model,
+                                  "ram_budget_gib-flag": "--ram-budget-gib 16 on the command line wins for this run"}
+
+
 RAM_ABOVE = "more than this machine's {} GiB of RAM: a load holds it to that"
 VRAM_ABOVE = "more than this machine's 24.00 GiB of GPU memory: a load plans with what is free on it"
 

@@ -24,10 +24,11 @@ from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
 from ....engine import prequantized_label
 from ...models import checkpoint_config
-from ...options import BUDGETS, OPTION, budget_hint, machine_memory
+from ...options import BUDGETS, OPTION, budget_hint, machine_memory, value_words
 from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings, settings_path
 
 DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
+MODEL_BOUND = ("draft", "backend")  # the settings a --model typed sets aside (engine_config, remote_config)
 
 
 @dataclass
@@ -151,9 +152,11 @@ class SettingsScreen(Screen):
         yield from self._flag_hint(option)
 
     def _flag_hint(self, option) -> ComposeResult:
-        """A field whose flag was typed: saving it changes the file, not this run (engine_config takes the flag first)."""
-        if option.name in self.flags:
-            hint = Label(f"{option.flag} {self.flags[option.name]} on the command line wins for this run",
+        """A field whose flag was typed, or that --model sets aside (the settings' drafter goes with the settings' model, and
+        it runs the embedded engine over their backend): saving it changes the file, not this run."""
+        name = option.name if option.name in self.flags else "model" if option.name in MODEL_BOUND else None
+        if name in self.flags:
+            hint = Label(f"{OPTION[name].flag} {value_words(self.flags[name])} on the command line wins for this run",
                          id=f"{option.name}-flag", classes="field-hint", markup=False)
             hint.display = True
             yield hint

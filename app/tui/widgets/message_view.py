@@ -123,7 +123,7 @@ def earlier_label(count: int) -> str:
     return f"▲ {count} earlier message{'s' if count != 1 else ''}"
 
 
-def kept_lines() -> MarkdownIt:
+def markdown_with_breaks() -> MarkdownIt:
     """Markdown with each line break kept, as chat front ends render it (remark-breaks, marked's `breaks`): CommonMark
     joins a paragraph's lines, so a pasted list of lines, or a reply's poem or address, showed as one line."""
     def hard_breaks(state) -> None:
@@ -163,7 +163,7 @@ class MessageView(Vertical, can_focus=True):
                               classes="reasoning")
             box.display = bool(reasoning)
             yield box
-        yield Markdown(answer, classes="filled" if answer.strip() else None, parser_factory=kept_lines)
+        yield Markdown(answer, classes="filled" if answer.strip() else None, parser_factory=markdown_with_breaks)
         if self.role == "assistant":
             placeholder = Static(EMPTY_REPLY, classes="empty-reply")
             placeholder.display = self.empty_reply
@@ -192,7 +192,7 @@ class MessageView(Vertical, can_focus=True):
     async def next_segment(self) -> Markdown:
         """A new Markdown widget after the answer's last: the blank line that ended the last shows as its margin."""
         self.markdown.add_class("continued")
-        segment = Markdown(parser_factory=kept_lines)
+        segment = Markdown(parser_factory=markdown_with_breaks)
         await self.mount(segment)
         return segment
 
