@@ -332,10 +332,11 @@ SETTINGS_SAMPLING = tuple(o.name for o in OPTIONS if o.group == "sampling" and o
 
 
 def winning_flags(args) -> dict[str, object]:
-    """The settings typed as flags on the command line: they win over settings.toml at every load of this run (the engine's
-    and the backend's options; the sampling ones give way once their field is saved)."""
-    return {o.name: value for o in OPTIONS if o.group in ("engine", "backend") and o.setting
-            and (value := getattr(args, o.name, None)) is not None}
+    """The engine's and the backend's flags typed on the command line: they win over settings.toml at every load of this run
+    (a flag that is no setting, such as --expert-cache-gib over the settings' ratio, where it differs from its default; the
+    sampling flags give way once their field is saved)."""
+    return {o.name: value for o in OPTIONS if o.group in ("engine", "backend")
+            and (value := getattr(args, o.name, None)) is not None and (o.setting or value != o.default)}
 
 
 def add_flags(parser: argparse.ArgumentParser, group: str, **defaults) -> None:

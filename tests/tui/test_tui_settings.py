@@ -329,7 +329,9 @@ def test_the_fields_a_typed_model_sets_aside_say_so(tmp_path):
 
     path = tmp_path / "settings.toml"
     save_settings({"backend": "http://box:8000/v1", "draft": "self"}, path)
-    flags = winning_flags(build_parser().parse_args(["chat", "--model", str(tmp_path), "--ram-budget-gib", "16"]))
+    flags = winning_flags(build_parser().parse_args(["chat", "--model", str(tmp_path), "--ram-budget-gib", "16",
+                                                     "--expert-cache-gib", "4"]))
+    assert "lean_decode" not in flags  # a flag left at its default
 
     async def run():
         async with Host(SettingsScreen(path=path, flags=flags)).run_test(size=(120, 40)) as pilot:
@@ -338,7 +340,8 @@ def test_the_fields_a_typed_model_sets_aside_say_so(tmp_path):
 
     model = f"--model {tmp_path} on the command line wins for this run"
     assert asyncio.run(run()) == {"draft-flag": model, "backend-flag": model,
-                                  "ram_budget_gib-flag": "--ram-budget-gib 16 on the command line wins for this run"}
+                                  "ram_budget_gib-flag": "--ram-budget-gib 16 on the command line wins for this run",
+                                  "expert_cache_ratio-flag": "--expert-cache-gib 4 on the command line wins for this run"}
 
 
 RAM_ABOVE = "more than this machine's {} GiB of RAM: a load holds it to that"

@@ -28,7 +28,8 @@ from ...options import BUDGETS, OPTION, budget_hint, machine_memory, value_words
 from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings, settings_path
 
 DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
-MODEL_BOUND = ("draft", "backend")  # the settings a --model typed sets aside (engine_config, remote_config)
+SET_ASIDE_BY = {"draft": "model", "backend": "model",  # a --model typed runs without the settings' drafter and backend
+                "expert_cache_ratio": "expert_cache_gib"}  # the fast tier as bytes overrides the ratio (engine_config)
 
 
 @dataclass
@@ -152,9 +153,9 @@ class SettingsScreen(Screen):
         yield from self._flag_hint(option)
 
     def _flag_hint(self, option) -> ComposeResult:
-        """A field whose flag was typed, or that --model sets aside (the settings' drafter goes with the settings' model, and
-        it runs the embedded engine over their backend): saving it changes the file, not this run."""
-        name = option.name if option.name in self.flags else "model" if option.name in MODEL_BOUND else None
+        """A field whose flag was typed, or that another typed flag sets aside (SET_ASIDE_BY): saving it changes the file, not
+        this run."""
+        name = option.name if option.name in self.flags else SET_ASIDE_BY.get(option.name)
         if name in self.flags:
             hint = Label(f"{OPTION[name].flag} {value_words(self.flags[name])} on the command line wins for this run",
                          id=f"{option.name}-flag", classes="field-hint", markup=False)
