@@ -206,19 +206,20 @@ def _fmt_s(value: float | None) -> str:
 
 def cmd_calibrate(args) -> int:
     from ..engine import BudgetError
-    from .engine_config import gib, held_to_the_machine
+    from .engine_config import gib_bytes, held_ram_budget
     from .options import in_app_words
     from .settings import load_settings
 
     model_dir, drafter = resolve(args.model)
     t0 = time.perf_counter()
     settings = load_settings()[0]  # the format, budgets and context the settings fix are calibrated with; unset: decided
-    for line in held_to_the_machine(args, settings, settings.device != "cpu")[1]:  # decide holds them as a load does
+    ram, vram = gib_bytes(settings.ram_budget_gib), gib_bytes(settings.vram_budget_gib)
+    for line in held_ram_budget(args, ram, vram if settings.device != "cpu" else None)[1]:  # decide holds them as a load does
         print(f"moechat: warning: {line}", file=sys.stderr)
     try:
         profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
-                                  dtype=settings.dtype, vram_budget=gib(settings.vram_budget_gib),
-                                  ram_budget=gib(settings.ram_budget_gib), context_len=settings.context_len)
+                                  dtype=settings.dtype, vram_budget=vram,
+                                  ram_budget=ram, context_len=settings.context_len)
     except BudgetError as err:  # it takes its budgets, context and device from the settings file, not from flags
         raise BudgetError(in_app_words(str(err), keys=True)) from None
     seconds = time.perf_counter() - t0

@@ -30,26 +30,27 @@ def run_placement(device: str | None, dtype: str | None, settings, model, quant:
     return placement
 
 
-def gib(value: float | None) -> int | None:
+def gib_bytes(value: float | None) -> int | None:
+    """A size given in GiB (a flag's, a setting's) in bytes."""
     return None if value is None else int(value * 2**30)
 
 
-def held_to_the_machine(args, settings, on_gpu: bool) -> tuple[int | None, list[str]]:
-    """The RAM budget a run takes (the flag, else the settings) held to this machine's RAM, and one line for each budget
-    above the machine's memory, said at start where it was given (a VRAM budget above the GPU's is left as it is: a load
-    plans with the VRAM free). A CPU run does not count a VRAM budget; `args` without the flags (calibrate): the settings'."""
+def held_ram_budget(args, ram_budget: int | None, vram_budget: int | None) -> tuple[int | None, list[str]]:
+    """The RAM budget a run takes held to this machine's RAM, and one line for each budget above the machine's memory,
+    said at start where it was given (its flag where typed, else the settings'); a VRAM budget (None: a CPU run, which does
+    not count one) is left as it is: a load plans with the VRAM free."""
+    from ..engine import GIB
     from .options import OPTION, budget_hint, machine_memory
 
-    given = {name: first(getattr(args, name, None), getattr(settings, name)) for name in ("ram_budget_gib", "vram_budget_gib")}
-    given["vram_budget_gib"] = given["vram_budget_gib"] if on_gpu else None
-    if not any(given.values()):
+    if ram_budget is None and vram_budget is None:
         return None, []
-    ram, vram = machine_memory(gpus=given["vram_budget_gib"] is not None)
-    where = {name: OPTION[name].flag if getattr(args, name, None) is not None else "settings' " + name for name in given}
-    lines = [f"{where[name]} {value:g} is {hint}" for name, value in given.items()
-             if (hint := budget_hint(name, value, ram, vram))]
-    budget = gib(given["ram_budget_gib"])
-    return (budget if budget is None or ram is None else min(budget, ram)), lines
+    ram, vram = machine_memory(gpus=vram_budget is not None)
+    lines = []
+    for name, value in (("ram_budget_gib", ram_budget), ("vram_budget_gib", vram_budget)):
+        where = OPTION[name].flag if getattr(args, name, None) is not None else f"settings' {name}"
+        if value is not None and (hint := budget_hint(name, value / GIB, ram, vram)):
+            lines.append(f"{where} {value / GIB:g} is {hint}")
+    return (ram_budget if ram_budget is None or ram is None else min(ram_budget, ram)), lines
 
 
 def engine_config(args):
@@ -74,8 +75,8 @@ def engine_config(args):
     user_draft = args.draft
     sources["drafter"] = "command line" if cli_draft is not None else "settings" if user_draft is not None else "default"
     args.model, args.draft = resolve_model(args.model, args.draft)
-    vram_budget = gib(first(args.vram_budget_gib, settings.vram_budget_gib))
-    ram_budget = gib(first(args.ram_budget_gib, settings.ram_budget_gib))  # bounds the expert store
+    vram_budget = gib_bytes(first(args.vram_budget_gib, settings.vram_budget_gib))
+    ram_budget = gib_bytes(first(args.ram_budget_gib, settings.ram_budget_gib))  # bounds the expert store
     context_len = first(args.context_len, settings.context_len)
     profile, args.profile, profile_notice = machine_profile(args.model, run_budgets(vram_budget, ram_budget, context_len),
                                                             first(args.device, settings.device))
@@ -94,14 +95,15 @@ def engine_config(args):
                        default="none")
     args.placement = run_placement(args.device, args.dtype, settings, args.model, args.quant)
     args.device, args.dtype = args.placement.device, args.placement.dtype
-    ram_budget, above = held_to_the_machine(args, settings, args.device != "cpu")  # held here, or the load says it again
+    # held here, or the load says it again; the profile above was looked up by the budget as given
+    ram_budget, above = held_ram_budget(args, ram_budget, vram_budget if args.device != "cpu" else None)
     for line in above:
         print(f"moechat: warning: {line}", file=sys.stderr)
     if user_draft is None and d is None and args.draft == str(DEMO_DRAFT) and args.device == "cpu":
         args.draft = "none"  # on a CPU the demo's draft costs what its target's step does: 0.23-0.56× (docs/benchmarks.md)
     # The profile's ratio is for the GPU it measured; a CPU fast tier is RAM too, copies buy nothing there.
     ratio = first(args.expert_cache_ratio, settings.expert_cache_ratio)
-    cache_bytes = gib(args.expert_cache_gib)
+    cache_bytes = gib_bytes(args.expert_cache_gib)
     sources["expert_cache"] = ("command line" if args.expert_cache_ratio is not None or cache_bytes is not None else
                                "settings" if ratio is not None else "default")
     user_sized = ratio is not None or cache_bytes is not None  # else the profile's or the default: fitted to free VRAM
@@ -117,7 +119,7 @@ def engine_config(args):
         model_dir=args.model, device=args.device, dtype=args.dtype, placement=args.placement, expert_cache_ratio=ratio,
         expert_cache_bytes=cache_bytes, fit_expert_cache=not user_sized, host_ram_budget_bytes=ram_budget, quant=args.quant,
         vram_budget_bytes=vram_budget, context_len=context_len, lean_decode=args.lean_decode,
-        conversation_cache_bytes=gib(first(args.conversation_cache_gib, settings.conversation_cache_gib)),
+        conversation_cache_bytes=gib_bytes(first(args.conversation_cache_gib, settings.conversation_cache_gib)),
         spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         notices=tuple(n for n in (profile_notice, *above) if n),  # the chat app's stderr reaches no screen
         scheduler=SchedulerConfig(

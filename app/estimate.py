@@ -153,11 +153,11 @@ def _count(n: int) -> str:
 
 
 def cmd_estimate(args) -> int:
-    from ..engine import GIB, estimate, format_notice, gib, total_params
+    from ..engine import estimate, format_notice, gib, total_params
+    from .engine_config import gib_bytes
 
     name, source = _source(args.model)
-    vram = None if args.vram_budget_gib is None else int(args.vram_budget_gib * GIB)
-    ram = None if args.ram_budget_gib is None else int(args.ram_budget_gib * GIB)
+    vram, ram = gib_bytes(args.vram_budget_gib), gib_bytes(args.ram_budget_gib)
     where = placement(args, source, vram)
     on_cpu = where.device == "cpu"
     notices = ["--vram-budget-gib not counted: this run computes on the CPU"] if on_cpu and vram is not None else []
