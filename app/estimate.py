@@ -48,10 +48,19 @@ def _source(model: str | None):
 
 def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None = None) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
-    `ram_quant`: the largest format that would keep the experts in RAM, or None); `problem` says why not.
+    `ram_quant`: the largest format that would keep the experts in RAM, or None; on a CPU `ram_context_len`: the longest
+    context that would, or None); `problem` says why not.
     machine_ram: no budget was given, `ram` is the RAM available now (which a load holds a CPU run's weights and KV cache
     to: load_budgets.check_load_budgets) and this the machine's; no budget flag is advice."""
-    from ..engine import QUANTS, BudgetError, check_budgets, check_host_room, expert_store_room, max_cache_experts
+    from ..engine import (
+        QUANTS,
+        BudgetError,
+        check_budgets,
+        check_host_room,
+        context_keeping_experts,
+        expert_store_room,
+        max_cache_experts,
+    )
 
     report: dict = {"fits": True}
     if ram is not None:
@@ -61,6 +70,7 @@ def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None =
         report["host_tier"] = "ram" if est.quant in in_ram else "mmap"
         if report["host_tier"] == "mmap":
             report["ram_quant"] = in_ram[0] if in_ram else None
+            report["ram_context_len"] = None if vram is not None else context_keeping_experts(est, ram)
     if vram is not None:
         slots = max_cache_experts(est, vram)
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
@@ -115,7 +125,9 @@ def read_from(quant: str, fit: dict) -> str:
     if fit.get("host_tier") != "mmap":
         return ""
     files = "the mmap'd checkpoint" if quant == "none" else f"their {quant} files on disk"
-    return f" (experts read from {files}" + (f"; --quant {fit['ram_quant']} keeps them in RAM)" if fit.get("ram_quant") else ")")
+    ways = ([f"--context-len {fit['ram_context_len']:,}"] if fit.get("ram_context_len") else []) + \
+        ([f"--quant {fit['ram_quant']}"] if fit.get("ram_quant") else [])
+    return f" (experts read from {files}" + (f"; {' or '.join(ways)} keeps them in RAM)" if ways else ")")
 
 
 def machine_line(m: dict, model_context: int, quant: str) -> str:

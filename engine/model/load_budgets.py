@@ -16,6 +16,7 @@ from .memory_budgets import (
     cache_bytes_for,
     check_budgets,
     check_host_room,
+    context_keeping_experts,
     default_context,
     expert_store_room,
     gib,
@@ -104,8 +105,9 @@ def _held_to_the_machine(cfg: EngineConfig, est: MemoryEstimate, machine: int | 
     room = None if free is None or user_ram is not None else expert_store_room(est, free, on_gpu)
     if room is None or room >= est.all_experts_bytes:
         return cfg, []
-    fits = smaller_quant_that_fits(est, room)
-    quant = f"; --quant {fits} ({gib(est.with_quant(fits).all_experts_bytes)}) keeps them in RAM" if fits else ""
+    fits, context = smaller_quant_that_fits(est, room), None if on_gpu else context_keeping_experts(est, free)
+    ways = ([f"--context-len {context:,}"] if context else []) + \
+        ([f"--quant {fits} ({gib(est.with_quant(fits).all_experts_bytes)})"] if fits else [])
     return dataclasses.replace(cfg, host_ram_budget_bytes=free), [
         f"experts read in place from the model's files: their {gib(est.all_experts_bytes)} do not fit the {gib(free)} of "
-        f"free RAM beside the rest{quant}"]
+        f"free RAM beside the rest" + (f"; {' or '.join(ways)} keeps them in RAM" if ways else "")]

@@ -102,7 +102,7 @@ def check_host_room(est: MemoryEstimate, ram_budget: int, machine: int | None = 
         return
     widened = " (the KV cache in float32, as a CPU keeps it)" if est.host_bytes > est.non_expert_bytes + est.kv_bytes else ""
     need = (f"non-expert weights and KV cache need {gib(est.host_bytes)} of RAM{widened} and {gib(keep)} "
-            + "stay free for the system")
+            + "stay free for moechat's process and the system")
     if machine is None:
         raise BudgetError(f"{need}, the RAM budget is {gib(ram_budget)}: "
                           f"use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, lower --context-len, "
@@ -114,14 +114,15 @@ def check_host_room(est: MemoryEstimate, ram_budget: int, machine: int | None = 
     quant = next((q for q in smaller if ram_budget - keep - est.with_quant(q).host_bytes >= 0), None)
     idle = machine - ram_headroom(machine) - est.host_bytes >= 0  # the machine with nothing else running holds it
     ways = (["close other programs"] if ram_budget < machine and idle else []) \
-        + ([f"lower --context-len to {fits:,} or less"] if fits > 0 else []) + ([f"use --quant {quant}"] if quant else [])
+        + ([f"lower --context-len to {fits:,} or less"] if fits >= CONTEXT_STEP else []) \
+        + ([f"use --quant {quant}"] if quant else [])
     ram = f"{gib(ram_budget)} of RAM available of {gib(machine)}" if ram_budget < machine else f"{gib(machine)} of RAM"
     raise BudgetError(f"{need}, this machine has {ram}: " + "".join(f"{w}, " for w in ways) + ("or " if ways else "")
                       + "use a smaller model")
 
 
 CONTEXT_FLOOR = 4096  # a context moechat picks is never shorter (a conversation needs room): a model too big is refused
-CONTEXT_STEP = 1024
+CONTEXT_STEP = 1024  # also the shortest context a refusal advises: a shorter one holds no conversation
 
 
 def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> int:
@@ -146,6 +147,18 @@ def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> i
         return est.context_len
     fits = max(0, kv_room) // max(1, per_token) // CONTEXT_STEP * CONTEXT_STEP
     return est.context_len if fits >= est.context_len else min(est.context_len, max(fits, CONTEXT_FLOOR))
+
+
+def context_keeping_experts(est: MemoryEstimate, ram: int) -> int | None:
+    """On a CPU, the longest context shorter than the estimate's (whole CONTEXT_STEPs, at least CONTEXT_FLOOR) whose KV
+    cache leaves every expert room in `ram` beside it (expert_store_room's rule); None where none does. A context
+    moechat picks is never longer (default_context), so this is advice for one that was set."""
+    if not est.context_len or not est.cpu_kv_bytes:
+        return None
+    per_token = est.cpu_kv_bytes // est.context_len
+    beside = ram - ram_headroom(ram) - (est.host_bytes - est.cpu_kv_bytes) - est.all_experts_bytes
+    fits = max(0, beside) // max(1, per_token) // CONTEXT_STEP * CONTEXT_STEP
+    return fits if CONTEXT_FLOOR <= fits < est.context_len else None
 
 
 def smaller_quant_that_fits(est: MemoryEstimate, room: int) -> str | None:
@@ -199,7 +212,7 @@ def vram_too_small(est: MemoryEstimate, vram_budget: int, free: bool = False) ->
     per_token = est.kv_bytes_per_token + est.draft_kv_bytes_per_token + est.pass_bytes_per_token
     weights = vram_fixed(est) - per_token * est.context_len  # the target's and a draft model's, without their KV caches
     fits = (vram_budget - margin - weights) // per_token if per_token else 0
-    ways = ([f"lower --context-len to {fits:,} or less"] if fits > 0 else []) + \
+    ways = ([f"lower --context-len to {fits:,} or less"] if fits >= CONTEXT_STEP else []) + \
         (["use a smaller draft or none"] if est.draft_bytes else []) + ["run on the CPU (--device cpu)"]
     return (f"{est.model_type} needs {gib(vram_fixed(est) + margin)} of VRAM before any expert is cached ({parts} + margin "
             f"{gib(margin)}), {'the GPU has' if free else 'the VRAM budget is'} {gib(vram_budget)}{' free' if free else ''}: "

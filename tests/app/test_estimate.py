@@ -41,6 +41,20 @@ def test_int4_keeps_qwen3_30b_in_32_gib_of_ram(capsys):
     assert out["max_expert_cache_experts"] > 3 * plain["max_expert_cache_experts"]
 
 
+def test_a_context_that_pushes_the_experts_to_disk_is_told_the_one_that_keeps_them_in_ram(capsys):
+    """On a CPU a set context's float32 KV cache shares the RAM with the experts: estimate said only "experts read from
+    their int4 files on disk" where a shorter context keeps them in RAM. It names the longest, which then fits in RAM."""
+    from moechat.app.cli import main
+
+    argv = ["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu", "--ram-budget-gib", "24"]
+    assert main([*argv, "--context-len", "40960"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-2]
+    assert line == ("RAM 24 GiB: host tier mmap (experts read from their int4 files on disk; --context-len 19,456 keeps them "
+                    "in RAM)")
+    assert main([*argv, "--context-len", "19456", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_tier"] == "ram"
+
+
 @pytest.mark.parametrize("model, ram", [("Qwen3-30B-A3B", "4"), (None, "1")])
 def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
     """It said "need 0.01 GiB of RAM besides headroom, the RAM budget is 1.00 GiB: lower --context-len or use a smaller
@@ -51,7 +65,7 @@ def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
     assert main(["estimate", *name, "--ram-budget-gib", ram]) == 1
     out = capsys.readouterr().out
     verdict = out.strip().splitlines()[-1]
-    assert verdict.startswith("does not fit:") and "GiB stay free for the system" in verdict
+    assert verdict.startswith("does not fit:") and "GiB stay free for moechat's process and the system" in verdict
     # the weights and KV cache listed are those the verdict sums (the KV cache listed in bf16 made them not add up)
     listed = [_gib(re.search(rf"{part} +{SIZE}", out)) for part in ("non-expert weights", "KV cache")]
     need = _gib(re.search(rf"need {SIZE} of RAM", verdict))

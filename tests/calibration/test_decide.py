@@ -352,6 +352,27 @@ def test_loader_keeps_experts_in_ram_only_beside_the_rest(known, monkeypatch):
     assert expert_store_room(qwen, held.host_ram_budget_bytes, on_gpu=False) < qwen.all_experts_bytes  # read from disk
 
 
+def test_experts_pushed_out_by_a_set_context_are_told_the_context_that_keeps_them_in_ram(monkeypatch):
+    """A context the user set whose KV cache pushed the experts out of RAM was told only a smaller format: Qwen3-30B-A3B in
+    int4 at 40,960 tokens (7.5 GiB of float32 KV) on 24 GiB free. The notice names the longest context that keeps them
+    in RAM, in whole steps; at it they stay, one step more and they are read in place again."""
+    import torch
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import load_budgets
+
+    monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: 32 * GIB)
+    monkeypatch.setattr(load_budgets, "available_ram_bytes", lambda: 24 * GIB)
+    cpu, cfg = torch.device("cpu"), EngineConfig(model_dir="unused", context_len=40960)
+    est = estimate(dict(KNOWN_MODELS["Qwen3-30B-A3B"], dtype="bfloat16"), "bfloat16", 40960, None, "int4", cpu=True)
+    held, notice = load_budgets.check_load_budgets(cfg, est, cpu)
+    assert held.host_ram_budget_bytes == 24 * GIB
+    assert notice == ("experts read in place from the model's files: their 16.88 GiB do not fit the 24.00 GiB of free RAM "
+                      "beside the rest; --context-len 19,456 keeps them in RAM")
+    assert load_budgets.check_load_budgets(replace(cfg, context_len=19456), est.at_context(19456), cpu)[1] == ""
+    assert "read in place" in load_budgets.check_load_budgets(cfg, est.at_context(19456 + 1024), cpu)[1]
+
+
 def test_the_machines_ram_is_known_on_windows_where_os_has_no_sysconf(known, monkeypatch):
     """Windows' os has no sysconf: the physical RAM was unknown there, so a RAM budget above the machine's was taken as
     given and experts the machine cannot hold were copied into RAM (the pagefile thrashing). psutil knows it."""
@@ -729,3 +750,27 @@ def test_a_default_context_with_a_draft_model_shares_the_kv_room_with_its_kv(tmp
     held = est.at_context(context)
     assert held.draft_bytes == weights + context * est.draft_kv_bytes_per_token
     assert held.kv_bytes + held.draft_bytes - weights <= room // 2  # the other half caches experts
+
+
+@pytest.mark.parametrize("spare_tokens, advised", [(5000, True), (1023, False)])
+def test_a_refusal_advises_a_context_only_where_it_holds_a_conversation(known, spare_tokens, advised):
+    """The RAM refusal advised "lower --context-len to 376 or less": a context no conversation fits in. Under
+    CONTEXT_STEP tokens it is no way out and is not named; from it, the context named fits (the VRAM refusal alike)."""
+    import re
+
+    from moechat.engine.model.memory_budgets import CONTEXT_STEP, PROCESS_RAM, check_host_room, vram_margin, vram_too_small
+
+    est, machine = known["Qwen3-30B-A3B"], 64 * GIB
+    per_token = est.cpu_kv_bytes // est.context_len
+    ram = est.non_expert_bytes + spare_tokens * per_token + PROCESS_RAM  # a busy machine keeps moechat's process free
+    with pytest.raises(BudgetError) as err:
+        check_host_room(est, ram, machine)
+    named = re.search(r"lower --context-len to ([\d,]+) or less", str(err.value))
+    assert (named is not None) == advised, str(err.value)
+    if named:
+        fits = int(named.group(1).replace(",", ""))
+        assert fits >= CONTEXT_STEP
+        check_host_room(est.at_context(fits), ram, machine)
+    vram = est.non_expert_bytes + spare_tokens * est.kv_bytes_per_token
+    vram += vram_margin(vram)
+    assert ("lower --context-len" in vram_too_small(est, vram)) == advised
