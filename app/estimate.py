@@ -46,12 +46,13 @@ def _source(model: str | None):
                        f"or a known config ({', '.join(KNOWN_MODELS)})")
 
 
-def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None = None) -> dict:
+def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None = None, free_vram: bool = False) -> dict:
     """Whether the estimate fits the budgets, the largest cache ratio that does, the host tier (on mmap,
     `ram_quant`: the largest format that would keep the experts in RAM, or None; on a CPU `ram_context_len`: the longest
     context that would, or None); `problem` says why not.
     machine_ram: no budget was given, `ram` is the RAM available now (which a load holds a CPU run's weights and KV cache
-    to: load_budgets.check_load_budgets) and this the machine's; no budget flag is advice."""
+    to: load_budgets.check_load_budgets) and this the machine's; no budget flag is advice. free_vram: `vram` is the VRAM
+    free on the GPU, not a budget (it is whenever machine_ram is given)."""
     from ..engine import (
         QUANTS,
         BudgetError,
@@ -75,7 +76,7 @@ def fit_report(est, vram: int | None, ram: int | None, machine_ram: int | None =
         slots = max_cache_experts(est, vram)
         report.update(max_expert_cache_experts=slots, max_expert_cache_ratio=slots / est.num_experts_total)
     try:
-        check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"), free_vram=machine_ram is not None)
+        check_budgets(est, vram, ram, 0, report.get("host_tier", "ram"), free_vram=free_vram or machine_ram is not None)
         if vram is None and ram is not None:
             check_host_room(est, ram, machine_ram)
     except BudgetError as err:
@@ -94,12 +95,21 @@ def placement(args, source, vram: int | None):
     return run_placement(args.device, args.dtype, load_settings()[0], source, args.quant, gpu)
 
 
-def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine_ram: int | None = None):
+def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine_ram: int | None = None,
+           free_vram: bool = False):
     """(the estimate at the context a run holds on these budgets where none is given, fit_report's verdict there)."""
     from ..engine import default_context
 
     est = est if context_given else est.at_context(default_context(est, vram, ram))
-    return est, fit_report(est, vram, ram, machine_ram)
+    return est, fit_report(est, vram, ram, machine_ram, free_vram)
+
+
+def free_vram_of_the_gpu() -> tuple[int, str] | None:
+    """The VRAM free on the GPU `auto` takes and its name (NVML, as this_machine reads it); None where NVML lists none."""
+    from ..engine import best_gpu, gpu_info
+
+    gpus = gpu_info()[0]
+    return (best_gpu(gpus).free_bytes, best_gpu(gpus).name) if gpus else None
 
 
 def this_machine(est, on_cpu: bool, context_given: bool) -> dict | None:
@@ -177,10 +187,17 @@ def cmd_estimate(args) -> int:
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
     if asked := format_notice(est.quant if est.prequantized else None, args.quant, "--quant"):  # as the load says it
         notices.append(asked)
-    notice = "; ".join(notices)
     model_context, fit, machine = est.context_len, {}, None
+    vram_words = None if vram is None else f"VRAM {args.vram_budget_gib:g} GiB"
+    if vram is None and ram is not None and not on_cpu:  # a RAM budget alone on a GPU run: the VRAM free, as a load plans
+        if (gpu := free_vram_of_the_gpu()) is None:
+            notices.append("VRAM not counted: NVML names no GPU to read the free VRAM of (--vram-budget-gib sets one)")
+        else:
+            vram, vram_words = gpu[0], f"VRAM {gib(gpu[0])} free on the {gpu[1]}"
+            notices.append(f"{vram_words} counted, as a load plans with it (--vram-budget-gib sets a budget)")
+    notice = "; ".join(notices)
     if vram is not None or ram is not None:  # the budgets given; without, the sizes and whether this machine holds them
-        est, fit = fitted(est, vram, ram, args.context_len is not None)
+        est, fit = fitted(est, vram, ram, args.context_len is not None, free_vram=args.vram_budget_gib is None)
     elif args.vram_budget_gib is None:
         machine = this_machine(est, on_cpu, args.context_len is not None)
     kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
@@ -209,7 +226,7 @@ def cmd_estimate(args) -> int:
     if "max_expert_cache_ratio" in fit:
         from ..engine import ratio_at_most
 
-        print(f"VRAM {args.vram_budget_gib:g} GiB: at most {fit['max_expert_cache_experts']} experts cached, "
+        print(f"{vram_words}: at most {fit['max_expert_cache_experts']} experts cached, "
               f"expert cache ratio {ratio_at_most(fit['max_expert_cache_experts'], est.num_experts_total)}")
     if "host_tier" in fit:
         print(f"RAM {args.ram_budget_gib:g} GiB: host tier {fit['host_tier']}{read_from(est.quant, fit)}")

@@ -278,6 +278,28 @@ def test_a_gpu_machine_short_of_memory_is_told_what_to_change_on_it(capsys, monk
         assert advice.startswith("lower --context-len to ") and line.endswith(f"the GPU has 4.00 GiB free: {advice}")
 
 
+def test_a_ram_budget_alone_on_a_gpu_machine_is_planned_with_its_free_vram(capsys, monkeypatch):
+    """`estimate --ram-budget-gib 32` on a GPU machine planned a CPU run (the dense weights and KV cache in RAM, no expert
+    cached on the GPU) although the run computes on the GPU: it plans with the VRAM free there, as a load does, and says
+    so; a refusal speaks of the free VRAM, not of a budget nobody set."""
+    from moechat.app.cli import main
+
+    _gpu_machine(monkeypatch, ram_gib=64, total_gib=24, free_gib=6)
+    argv = ["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--ram-budget-gib", "32"]
+    assert main([*argv, "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--vram-budget-gib", "6", "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert alone["max_expert_cache_experts"] == both["max_expert_cache_experts"] > 0
+    assert alone["context_len"] == both["context_len"] and alone["host_tier"] == both["host_tier"] == "ram"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "VRAM 6.00 GiB free on the NVIDIA RTX 4090: at most " in out and "counted, as a load plans with it" in out
+    _gpu_machine(monkeypatch, ram_gib=64, total_gib=24, free_gib=1)
+    assert main([*argv, "--context-len", "40960"]) == 1
+    assert "the GPU has 1.00 GiB free: " in capsys.readouterr().out
+
+
 def test_a_load_refuses_a_gpu_machine_in_the_words_of_estimates_machine_line(capsys, monkeypatch):
     """estimate judges a GPU machine by its free VRAM "as a load plans": the load, with no budget or one above what is
     free, refuses in the same words and numbers (the GPU's free VRAM, not a budget nobody set)."""
