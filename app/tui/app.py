@@ -72,7 +72,8 @@ class MoechatApp(App):
         self.thinking = self.settings.thinking  # auto | on | off (None: auto): the chat template's enable_thinking
         self.chat = ChatScreen()
         self.bridge_started = False
-        self.unsaved_replies: list[tuple[str, str]] = []  # (why, a reply) for each reply quitting could not save
+        self.unsaved_replies: list[tuple[str, str]] = []  # (why, the text) for each reply quitting could not save, and a
+        # message held while a reply stopped
         self.engine_notice: Callable[[], str | None] | None = None  # run_tui's: a --model over the settings' backend
         self.flags: dict[str, object] = {}  # run_tui's settings typed as flags: every load takes them over the file
 
@@ -441,7 +442,7 @@ def run_tui(args) -> int:
     finally:
         native.report_bus_errors(before="")
     for why, text in app.unsaved_replies:  # replies the database would not take: here they are, not lost
-        print(f"moechat: {why}; the reply follows", file=sys.stderr)
+        print(f"moechat: {why}; the text follows", file=sys.stderr)
         print(text)
     code = app.return_code or 0  # 1 after an exception Textual showed
     if app.bridge.still_running:  # quit while a model loads: ending the interpreter under a thread inside PyTorch's ops

@@ -417,8 +417,10 @@ async def test_a_chat_deleted_in_another_window_mid_reply_stops_it_with_a_notice
 @pytest.mark.notorch
 async def test_esc_says_the_reply_is_stopping_until_its_step_ends_and_delete_asks_nothing_meanwhile(tmp_path, stored):
     """A large model's step takes seconds: Esc left "reading the prompt…" on screen and Enter said "Esc stops it"; F8
-    asked "Delete …?" and refused only after the answer."""
-    from moechat.app.tui.messages import ReplyProgress
+    asked "Delete …?" and refused only after the answer. Enter then ("try again in a moment", the text left in the input,
+    even on the demo, whose stop lands in milliseconds) holds the message and sends it once the stop lands; a second
+    one meanwhile is refused and stays in the input."""
+    from moechat.app.tui.messages import ReplyFinished, ReplyProgress
     from moechat.app.tui.screens.dialogs import Confirm
     from moechat.app.tui.widgets.message_view import ChatInput
 
@@ -436,11 +438,19 @@ async def test_esc_says_the_reply_is_stopping_until_its_step_ends_and_delete_ask
         assert "stopping…" in note() and "reading" not in note()
         chat.query_one(ChatInput).focus()
         await pilot.press(*"next", "enter")
-        assert "the reply is stopping" in list(app._notifications)[-1].message and chat.query_one(ChatInput).text == "next"
+        assert chat.query_one(ChatInput).text == "" and chat.held == "next" and "your message is sent next" in note()
+        await pilot.press(*"more", "enter")
+        assert "the reply is stopping" in list(app._notifications)[-1].message and chat.query_one(ChatInput).text == "more"
         conv = chat.conv_id
         await pilot.press("ctrl+n")  # not a send: "send again in a moment" named the wrong thing
         said = list(app._notifications)[-1].message
         assert "the reply is stopping" in said and "try again" in said and "send" not in said and chat.conv_id == conv
+        sent = []
+        app.bridge.generate = lambda *a: sent.append(a)
+        app.post_message(ReplyFinished(1, "", "cancelled", None))  # the stop lands
+        await until(pilot, lambda: sent, "the held message sent")
+        assert [m.content for m in app.store.messages(conv) if m.role == "user"][-1] == "next" and chat.held is None
+        assert chat.reply is not None and chat.query_one(ChatInput).text == "more"
 
 
 @pilot_test

@@ -164,6 +164,29 @@ async def test_a_chat_deleted_while_its_reply_streams_stops_the_reply_and_keeps_
 
 @pilot_test
 @pytest.mark.notorch
+async def test_a_message_held_while_the_reply_stops_is_printed_when_moechat_quits_first(tmp_path, stored):
+    """Esc, Enter (the message held until the stop lands), then Ctrl+Q before it lands: the message is printed at quit,
+    as a reply the database would not take is, not lost with the screen."""
+    from moechat.app.tui.widgets.message_view import ChatInput
+
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "one")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.bridge.stop = lambda: None  # the engine's step in progress goes on
+        app.post_message(ReplyDelta(1, "half"))
+        await until(pilot, lambda: chat.reply.text == "half", "the reply's text")
+        await pilot.press("escape")
+        chat.query_one(ChatInput).focus()
+        await pilot.press(*"two", "enter")
+        assert chat.held == "two"
+        await app.action_quit()
+    ((why, text),) = app.unsaved_replies
+    assert "not sent" in why and text == "two"
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_a_reply_whose_last_save_failed_is_saved_later_or_printed_at_quit(tmp_path, stored):
     """Its row kept the partial text, the next turn's history was read from it, and at quit nothing was printed."""
     async with without_model(tmp_path) as (app, pilot):

@@ -138,6 +138,7 @@ class ChatScreen(Screen):
         self.conv_id: int | None = None
         self.generation = 0  # the store's when conv_id was read (ChatStore.generation): its writes name it
         self.reply: _Reply | None = None
+        self.held: str | None = None  # a message sent while the reply stops (Esc, then Enter): sent once the stop lands
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
         self.brief = ""  # the engine summary's short form while the state is that summary
@@ -350,6 +351,13 @@ class ChatScreen(Screen):
                 return
             await self.open_conversation(int(event.option.id))
 
+    def refuse_send(self) -> bool:
+        """Whether a send is refused now: while a reply streams (Esc stops it); not while it stops, once (held)."""
+        return not self.holds_a_send() and self.refuse_while_busy()
+
+    def holds_a_send(self) -> bool:
+        return self.reply is not None and self.reply.stopping and not self.reply.ended and self.held is None
+
     def refuse_while_busy(self) -> bool:
         if self.reply is not None:
             self.app.notify("the reply is stopping (a long step finishes first): try again in a moment"
@@ -379,6 +387,10 @@ class ChatScreen(Screen):
     @store_failures_noticed  # past the user's message: it is stored, Ctrl+R asks for the reply again
     async def send(self, text: str) -> None:
         text = text.strip()
+        if visible(text) and self.holds_a_send():  # Esc, then Enter: a step can take seconds to end; sent as it does
+            self.held = text
+            self.reply.view.set_note("stopping… your message is sent next")
+            return
         if not visible(text) or self.refuse_while_busy():
             return
         title = title_from(text)
@@ -462,6 +474,13 @@ class ChatScreen(Screen):
         finally:  # busy until the reply is drawn whole: a conversation switched meanwhile would take its view away
             if self.reply is reply:
                 self.reply = None
+            if self.held is not None:  # after whatever follows this end (a refused message back to the input)
+                self.call_after_refresh(self.send_held)
+
+    async def send_held(self) -> None:
+        text, self.held = self.held, None
+        if text is not None:
+            await self.send(text)
 
     async def reply_refused(self, request_id: int) -> bool:
         """The engine refused the request as sent (too long for the context): the reply ends as a failed one, and the
@@ -545,8 +564,10 @@ class ChatScreen(Screen):
         reply.answer = answer
 
     def save_partial(self) -> list[tuple[str, str]]:
-        """Quitting: the reply being written kept as far as it got, with every pending write (ReplySaver.save_partial)."""
-        return self.saver.save_partial(self.reply)
+        """Quitting: the reply being written kept as far as it got, with every pending write (ReplySaver.save_partial);
+        a message held until the stop landed comes back to be printed, as a reply the database would not take."""
+        held = [("your message was not sent: quit while the reply stopped", self.held)] if self.held is not None else []
+        return self.saver.save_partial(self.reply) + held
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:

@@ -69,7 +69,7 @@ class ChatInput(TextArea):
         if event.key == "enter":
             event.stop()
             event.prevent_default()
-            refused = getattr(self.screen, "refuse_while_busy", lambda: False)  # a reply streams: the text stays here
+            refused = getattr(self.screen, "refuse_send", lambda: False)  # a reply streams: the text stays here
             if visible(self.text) and not refused():
                 self.post_message(self.Submitted(self.text))
                 self.clear()
