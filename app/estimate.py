@@ -217,8 +217,9 @@ def cmd_estimate(args) -> int:
     cut = f", the model's {model_context}: cut to leave the experts room" if est.context_len < model_context else ""
     print(f"  KV cache            {gib(kv):>12}  "
           f"({est.context_len} tokens x {kv / est.context_len / 1024:.1f} KiB{cut})")
-    if not on_cpu and est.pass_bytes:
-        print(f"  attention           {gib(est.pass_bytes):>12}  (what a pass holds on the GPU besides, at that context)")
+    if (held := est.cpu_pass_bytes if on_cpu else est.pass_bytes):
+        print(f"  attention           {gib(held):>12}  (what a pass holds on the {'CPU' if on_cpu else 'GPU'} besides, at that "
+              "context)")
     if est.draft_bytes:
         print(f"  draft model         {gib(est.draft_bytes):>12}")
     if est.quant != "none":

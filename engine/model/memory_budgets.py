@@ -100,8 +100,10 @@ def check_host_room(est: MemoryEstimate, ram_budget: int, machine: int | None = 
     keep = kept_free(ram_budget, machine)
     if ram_budget - keep - est.host_bytes >= 0:
         return
-    widened = " (the KV cache in float32, as a CPU keeps it)" if est.host_bytes > est.non_expert_bytes + est.kv_bytes else ""
-    need = (f"non-expert weights and KV cache need {gib(est.host_bytes)} of RAM{widened} and {gib(keep)} "
+    widened = " (the KV cache in float32, as a CPU keeps it)" if est.cpu_kv_bytes > est.kv_bytes else ""
+    parts = "non-expert weights, KV cache and a prompt pass's attention" if est.cpu_pass_bytes else \
+        "non-expert weights and KV cache"
+    need = (f"{parts} need {gib(est.host_bytes)} of RAM{widened} and {gib(keep)} "
             + "stay free for moechat's process and the system")
     if machine is None:
         raise BudgetError(f"{need}, the RAM budget is {gib(ram_budget)}: "
@@ -109,7 +111,7 @@ def check_host_room(est: MemoryEstimate, ram_budget: int, machine: int | None = 
                           "or use a smaller model")
     # a budget past the machine's RAM is no way out: fewer programs, a shorter context or smaller dense layers are
     kv_room = ram_budget - keep - est.non_expert_bytes
-    fits = kv_room * est.context_len // est.cpu_kv_bytes if est.context_len and est.cpu_kv_bytes else 0
+    fits = kv_room * est.context_len // est.cpu_context_bytes if est.context_len and est.cpu_context_bytes else 0
     smaller = QUANTS[QUANTS.index(est.quant) + 1:] if est.expert_dim and not est.prequantized else ()
     quant = next((q for q in smaller if ram_budget - keep - est.with_quant(q).host_bytes >= 0), None)
     idle = machine - ram_headroom(machine) - est.host_bytes >= 0  # the machine with nothing else running holds it
@@ -139,8 +141,8 @@ def default_context(est: MemoryEstimate, vram: int | None, ram: int | None) -> i
         draft_weights = est.draft_bytes - est.draft_kv_bytes_per_token * est.context_len
         kv_room = (vram - vram_margin(vram) - est.non_expert_bytes - draft_weights) // 2
     elif ram is not None:
-        per_token = est.cpu_kv_bytes // est.context_len
-        room = ram - ram_headroom(ram) - (est.host_bytes - est.cpu_kv_bytes)
+        per_token = est.cpu_context_bytes // est.context_len
+        room = ram - ram_headroom(ram) - (est.host_bytes - est.cpu_context_bytes)
         beside = room - est.all_experts_bytes
         kv_room = beside if beside >= CONTEXT_FLOOR * per_token else room // 2
     else:
@@ -153,10 +155,10 @@ def context_keeping_experts(est: MemoryEstimate, ram: int) -> int | None:
     """On a CPU, the longest context shorter than the estimate's (whole CONTEXT_STEPs, at least CONTEXT_FLOOR) whose KV
     cache leaves every expert room in `ram` beside it (expert_store_room's rule); None where none does. A context
     moechat picks is never longer (default_context), so this is advice for one that was set."""
-    if not est.context_len or not est.cpu_kv_bytes:
+    if not est.context_len or not est.cpu_context_bytes:
         return None
-    per_token = est.cpu_kv_bytes // est.context_len
-    beside = ram - ram_headroom(ram) - (est.host_bytes - est.cpu_kv_bytes) - est.all_experts_bytes
+    per_token = est.cpu_context_bytes // est.context_len
+    beside = ram - ram_headroom(ram) - (est.host_bytes - est.cpu_context_bytes) - est.all_experts_bytes
     fits = max(0, beside) // max(1, per_token) // CONTEXT_STEP * CONTEXT_STEP
     return fits if CONTEXT_FLOOR <= fits < est.context_len else None
 

@@ -44,6 +44,7 @@ class MemoryEstimate:
     cpu_dense_bytes: dict[str, int] = field(default_factory=dict)  # quant -> non_expert_bytes where a CPU quantizes the
     # dense layers with the experts (estimate(cpu=True)); empty: the same in every format
     pass_bytes_per_token: int = 0  # VRAM each token of the context adds to what the passes hold besides (pass_bytes)
+    cpu_pass_bytes_per_token: int = 0  # the same in RAM on a CPU run (cpu_pass_bytes)
     prequantized: str = ""  # the method of a checkpoint that arrives quantized (GPTQ, compressed-tensors): runs in `quant` as is
 
     @property
@@ -87,9 +88,21 @@ class MemoryEstimate:
         return self.kv_bytes * (2 if cpu_kv_in_float32(self.dtype, get_family(self.model_type).latent_kv) else 1)
 
     @property
+    def cpu_pass_bytes(self) -> int:
+        """What a prompt pass holds in RAM on a CPU run at the whole context besides the KV cache (DeepSeek-V2's expanded
+        heads: cpu_prefill_bytes_per_token)."""
+        return self.cpu_pass_bytes_per_token * self.context_len
+
+    @property
+    def cpu_context_bytes(self) -> int:
+        """What the context costs a CPU run in RAM: its KV cache and what a prompt pass holds at it."""
+        return self.cpu_kv_bytes + self.cpu_pass_bytes
+
+    @property
     def host_bytes(self) -> int:
-        """What a CPU-only run holds in RAM besides the experts: the dense weights and the KV cache as it keeps it."""
-        return self.non_expert_bytes + self.cpu_kv_bytes
+        """What a CPU-only run holds in RAM besides the experts: the dense weights, the KV cache as it keeps it and what a
+        prompt pass holds at that context."""
+        return self.non_expert_bytes + self.cpu_context_bytes
 
 
 def cpu_kv_in_float32(dtype: str, latent_kv: bool) -> bool:
@@ -182,6 +195,21 @@ def prefill_bytes_per_token(hf_config, dtype_bytes: int, positions: int | None =
     return mask + heads * (2 * int(c.qk_nope_head_dim) + int(c.v_head_dim) + int(c.qk_rope_head_dim)) * dtype_bytes
 
 
+def cpu_prefill_bytes_per_token(hf_config, positions: int | None = None) -> int:
+    """RAM one cached position adds to what a prompt pass of `positions` holds at once on a CPU, where it attends in
+    float32: DeepSeek-V2's expanded heads (mla.HEAD_GROUP at a time: their keys and values, the values padded to the keys'
+    width for SDPA's flash kernel) and the mask, bool and the float copy the kernel makes; other families attend over
+    their KV cache in place, their mask a small share beside it (0 here)."""
+    if hf_config.model_type != "deepseek_v2":
+        return 0
+    from ..config import PREFILL_CHUNK
+    from .mla import HEAD_GROUP
+
+    c, rows = hf_config, positions or PREFILL_CHUNK
+    heads, key = min(int(c.num_attention_heads), HEAD_GROUP), int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim)
+    return rows * (1 + 4) + heads * (int(c.qk_nope_head_dim) + int(c.v_head_dim) + 2 * key) * 4
+
+
 def decode_graph_bytes_per_token(hf_config, dtype_bytes: int) -> int:
     """VRAM one cached position adds to what the decode passes' CUDA graphs keep in their memory pool (graph_decode.py:
     a segment's intermediates at its longest pass, MAX_GRAPH_POSITIONS): the grouped heads' folded mask as SDPA converts
@@ -226,6 +254,7 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
         experts_per_layer=family.num_experts(hf_config), top_k=family.top_k(hf_config),
         hidden_size=hidden, expert_dim=inter, quant=quant, non_expert_params=non_expert, expert_dtype=expert_dtype or dtype,
         pass_bytes_per_token=prefill_bytes_per_token(hf_config, nbytes) + decode_graph_bytes_per_token(hf_config, nbytes),
+        cpu_pass_bytes_per_token=cpu_prefill_bytes_per_token(hf_config),
     )
 
 

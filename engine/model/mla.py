@@ -7,11 +7,12 @@ own trick (llama.cpp and vLLM run it) splits kv_b_proj per head into W_uk [nope,
     scores[h, t, s] = (q_nope[h, t] · W_uk[h]) · c[s] + q_pe[h, t] · k_pe[s]
     out[h, t]       = W_uv[h] · Σ_s softmax(scaling · scores[h, t])[s] · c[s]
 O(T · heads · (context · (R + rope) + (nope + v) · R)) per layer. The cache holds the same entries, written the same
-way; passes longer than MAX_ABSORBED positions (a prefill) keep transformers' expansion, which costs less there. On CUDA
-such a pass expands the cache HEAD_GROUP heads at a time (`grouped`), each group's keys and values only while it attends:
-all heads at once are 14 KiB per cached position in bf16 on DeepSeek-V2-Lite (1.9 GiB per layer at 139,264 positions),
-a group of four 3.5 KiB, which memory_estimate.pass_bytes_per_token counts. Each head's products are transformers';
-logits may differ in the last bits (a product over fewer rows), greedy tokens do not.
+way; passes longer than MAX_ABSORBED positions (a prefill) keep transformers' expansion, which costs less there, but
+HEAD_GROUP heads at a time (`grouped`), each group's keys and values only while it attends: on CUDA all heads at once
+are 14 KiB per cached position in bf16 on DeepSeek-V2-Lite (1.9 GiB per layer at 139,264 positions), a group of four
+3.5 KiB (memory_estimate.pass_bytes_per_token); on a CPU, where SDPA's flash kernel takes a group's values padded to the
+keys' width, about 100 KiB and 11 (the math kernel wrote every head's scores; cpu_prefill_bytes_per_token). Each head's
+products are transformers'; logits may differ in the last bits (a product over fewer rows), greedy tokens do not.
 The products run in float32; logits equal transformers' within rounding (tests/engine/test_mla.py). On a CPU all
 three steps are native: the two per-head products (decode_ops.head_matmul, head_linear) read kv_b_proj in place as
 stored (bf16 from a bf16 checkpoint, half the bytes of its fp32 widening; bf16_linear.py narrows it, under a quantized
@@ -24,9 +25,10 @@ from __future__ import annotations
 import torch
 
 from . import decode_ops
+from .attention import NAME as CPU_ATTENTION
 
 MAX_ABSORBED = 16  # positions per pass: decode, verification, self-draft steps
-HEAD_GROUP = 4  # heads whose keys and values a longer pass on CUDA expands at once (grouped)
+HEAD_GROUP = 4  # heads whose keys and values a longer pass expands at once (grouped)
 # the module the absorbed decode reads per head: never quantized (quant/dense.py), narrowed to bf16 even under --quant
 LATENT_EXPANSION = "kv_b_proj"
 
@@ -75,10 +77,13 @@ class AbsorbedMLA:
         return q_nope, q_pe, latents, keys, start
 
     def expands_in_groups(self, device_type: str) -> bool:
-        """Whether a pass past MAX_ABSORBED expands the cache HEAD_GROUP heads at a time: on CUDA (VRAM is what the budget
-        counts), where kv_b_proj is a plain linear and there are more heads than a group."""
+        """Whether a pass past MAX_ABSORBED expands the cache HEAD_GROUP heads at a time: where there are more heads than
+        a group and kv_b_proj is a plain linear, or on the CPU its bf16 twin (Bf16Linear, widened a group at a time).
+        Transformers' expansion of every head held 100 KiB per cached position on a CPU (DeepSeek-V2-Lite's 16 heads,
+        their scores written by SDPA's math kernel): 18 GiB at the model's 163,840."""
         a = self.attn
-        return device_type == "cuda" and type(a.kv_b_proj) is torch.nn.Linear and a.num_heads > HEAD_GROUP
+        linear = isinstance(a.kv_b_proj, torch.nn.Linear) if device_type == "cpu" else type(a.kv_b_proj) is torch.nn.Linear
+        return device_type in ("cuda", "cpu") and linear and a.num_heads > HEAD_GROUP
 
     def grouped(self, hidden_states: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict) -> torch.Tensor:
         """transformers' forward with the cache expanded HEAD_GROUP heads at a time, through the model's attention
@@ -96,13 +101,16 @@ class AbsorbedMLA:
         on return -> [1, T, g, v]."""
         a = self.attn
         width, S = a.qk_nope_head_dim + a.v_head_dim, latents.shape[2]
-        w = a.kv_b_proj.weight[h * width: (h + HEAD_GROUP) * width]  # the group's rows: [g·(nope + v), R]
+        w = a.kv_b_proj.weight[h * width: (h + HEAD_GROUP) * width].to(latents.dtype)  # the group's rows: [g·(nope + v), R]
         kv = torch.nn.functional.linear(latents, w).view(1, S, -1, width).transpose(1, 2)  # [1, g, S, nope + v]
         k_nope, value = torch.split(kv, [a.qk_nope_head_dim, a.v_head_dim], dim=-1)
         key = torch.cat((k_nope, keys.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [1, g, S, nope + rope]
+        padded = a.config._attn_implementation == CPU_ATTENTION and value.shape[-1] < key.shape[-1]
+        if padded:  # the CPU's flash kernel takes values as wide as the keys; other widths go to the math kernel's scores
+            value = torch.nn.functional.pad(value, (0, key.shape[-1] - value.shape[-1]))  # [1, g, S, nope + rope]
         out, _ = attention(a, query[:, h: h + HEAD_GROUP], key, value, attention_mask, dropout=0.0, scaling=a.scaling,
                            **kwargs)
-        return out
+        return out[..., :a.v_head_dim] if padded else out
 
     def native_reads(self) -> bool:
         """Whether the native kernels can read this layer's kv_b_proj where it is (on the CPU, fp32 or bf16)."""

@@ -363,3 +363,67 @@ def test_a_prompt_pass_after_a_long_past_holds_what_the_estimate_counts(device, 
     unseen = 0 if device == "cuda" else 2 * T * 4  # the mask's float and aligned copies: inside the CPU's kernel, unseen
     bound = (LONG_PAST + T) * (per_position - unseen) + PASS_ACTIVATIONS
     assert peaks[0] <= bound < peaks[1], (peaks, bound)
+
+
+def _peak_rss_growth(run) -> int:
+    """Bytes the process's resident set grew to at most while run() ran (Linux's VmHWM, reset first): it sees what a
+    kernel allocates inside an op, as PeakBytes does not."""
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field)) * 1024
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident set starts at the resident set now
+    except OSError:
+        pytest.skip("no /proc/self/clear_refs to reset the peak resident set")
+    before = status("VmRSS:")
+    run()
+    return status("VmHWM:") - before
+
+
+def test_a_cpu_prompt_pass_expands_a_group_of_heads_as_the_estimate_counts(checkpoint):
+    """On a CPU transformers' expansion of every head at once sent DeepSeek-V2's attention (values narrower than keys)
+    to SDPA's math kernel, which writes every head's scores: about 100 KiB per cached position per pass on
+    DeepSeek-V2-Lite, 18 GiB at its 163,840 positions, counted nowhere. A pass past MAX_ABSORBED expands HEAD_GROUP
+    heads at a time with their values padded to the keys' width for the flash kernel: on a 16-head model its logits are
+    transformers' within rounding with its argmax, and the RAM the process grows by in a 512-position pass after 6,000
+    stays within what the estimate counts per position (cpu_prefill_bytes_per_token) and 32 MiB for what does not grow
+    with the past; transformers' pass grows past that."""
+    from moechat.engine.config import PREFILL_CHUNK as T
+    from moechat.engine.config import prefill_passes
+    from moechat.engine.model.memory_estimate import cpu_prefill_bytes_per_token, estimate
+
+    past = 6000
+    model_dir = checkpoint("deepseek_v2", num_attention_heads=16, num_key_value_heads=16, qk_nope_head_dim=64,
+                           v_head_dim=64, max_position_embeddings=past + T)
+    cfg = {"model_dir": str(model_dir), "dtype": "float32"}
+    ours, transformers = load_model(EngineConfig(**cfg)), load_model(EngineConfig(**cfg, lean_decode=False))
+    gen = torch.Generator().manual_seed(0)
+    prompt, ids = torch.randint(0, 300, (1, past), generator=gen), torch.randint(0, 300, (1, T), generator=gen)
+    grew, logits = [], []
+    with torch.inference_mode():
+        for m in (ours, transformers):
+            cache = m.new_kv_cache()
+            for a, b in prefill_passes(0, past):
+                with m.runtime.forward("prefill", a):
+                    m.forward(prompt[:, a:b], cache, 1)
+            for layer in cache.layers:
+                layer.reserve(T)  # no buffer grows inside the measured pass
+            with m.runtime.forward("prefill", past):
+                grew.append(_peak_rss_growth(lambda m=m, cache=cache: logits.append(m.forward(ids, cache, T))))
+    got, want = logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    per_position = cpu_prefill_bytes_per_token(ours.hf.config)
+    assert estimate(model_dir, "float32").cpu_pass_bytes_per_token == per_position
+    bound = (past + T) * per_position + (32 << 20)
+    assert grew[0] <= bound < grew[1], (grew, bound)
+
+
+def test_engine_greedy_equals_transformers_through_grouped_prompt_passes_on_a_cpu(checkpoint, tokenizer):
+    """The engine's tokens on a 16-head model, whose prompt passes expand four heads at a time: transformers'."""
+    model_dir = checkpoint("deepseek_v2", num_attention_heads=16, num_key_value_heads=16, **LITE)
+    prompt = tokenizer("What is a mixture of experts model? Say it in a few words, then again at length.")["input_ids"]
+    assert len(prompt) > MAX_ABSORBED
+    assert run_engine(model_dir, prompt).token_ids == hf_greedy(model_dir, prompt)
