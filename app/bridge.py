@@ -175,9 +175,9 @@ class EngineBridge:
             try:
                 self._load()
             except MoechatError as err:  # already says what to do
-                self._send(EngineFailed(one_line(err)))
+                self._load_failed(one_line(err))
             except Exception as err:  # never a traceback in the UI; the thread waits for the next command
-                self._send(EngineFailed(one_line(out_of_vram(err) or f"cannot load the model ({type(err).__name__}: {err})")))
+                self._load_failed(one_line(out_of_vram(err) or f"cannot load the model ({type(err).__name__}: {err})"))
         self._drop_engine(collect=False)  # closing: end its worker threads; the memory goes with the process
 
     def _drop_engine(self, collect: bool = True) -> None:
@@ -216,10 +216,6 @@ class EngineBridge:
                     self._send(EngineLoading(fraction(done, total), f"{name}: {what}, layer {done} of {total}"))
 
                 engine = Engine(config, progress)
-        except Exception:
-            self._load_error = ("the model failed to load: pick one with the setup wizard (Ctrl+P, Setup wizard) or fix "
-                                "settings.toml, then reload")
-            raise
         finally:
             self._quantizing = False
         self._engine, self._load_error = engine, ""
@@ -230,6 +226,12 @@ class EngineBridge:
         placement = config.placement.notice if config.placement else ""
         notices = (placement, *config.notices, *engine.notices)
         self._send(EngineReady(name, *self._summary(engine), "; ".join(n for n in notices if n)))
+
+    def _load_failed(self, why: str) -> None:
+        """Said now, and again to each message sent before the next load: the notice may have gone by unread."""
+        self._load_error = (f"it failed to load: {why}; fix it in the settings, whose Save loads it again, or pick another "
+                            "model with Ctrl+P's Setup wizard")
+        self._send(EngineFailed(why))
 
     @staticmethod
     def _summary(engine) -> tuple[str, str]:

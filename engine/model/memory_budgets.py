@@ -105,10 +105,12 @@ def check_host_room(est: MemoryEstimate, ram_budget: int, machine: int | None = 
         "non-expert weights and KV cache"
     need = (f"{parts} need {gib(est.host_bytes)} of RAM{widened} and {gib(keep)} "
             + "stay free for moechat's process and the system")
-    if machine is None:
-        raise BudgetError(f"{need}, the RAM budget is {gib(ram_budget)}: "
-                          f"use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more, lower --context-len, "
-                          "or use a smaller model")
+    if machine is None:  # a shorter context or a smaller model only where the budget leaves them room (the demo's 1 GiB)
+        ways = [f"use --ram-budget-gib {least_ram_gib(est.host_bytes):.2f} or more"] \
+            + (["lower --context-len"] if ram_budget - keep > est.non_expert_bytes else []) \
+            + (["use a smaller model"] if ram_budget > keep else [])
+        raise BudgetError(f"{need}, the RAM budget is {gib(ram_budget)}: " + ", ".join(ways[:-1]) + ", or " * (len(ways) > 1)
+                          + ways[-1])
     # a budget past the machine's RAM is no way out: fewer programs, a shorter context or smaller dense layers are
     kv_room = ram_budget - keep - est.non_expert_bytes
     fits = kv_room * est.context_len // est.cpu_context_bytes if est.context_len and est.cpu_context_bytes else 0

@@ -55,10 +55,13 @@ def test_a_context_that_pushes_the_experts_to_disk_is_told_the_one_that_keeps_th
     assert json.loads(capsys.readouterr().out)["host_tier"] == "ram"
 
 
-@pytest.mark.parametrize("model, ram", [("Qwen3-30B-A3B", "4"), (None, "1")])
-def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
+@pytest.mark.parametrize("model, ram, ways", [("Qwen3-30B-A3B", "4", (False, True)), ("Qwen3-30B-A3B", "5", (True, True)),
+                                              (None, "1", (False, False))])
+def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram, ways):
     """It said "need 0.01 GiB of RAM besides headroom, the RAM budget is 1.00 GiB: lower --context-len or use a smaller
-    model" for the demo: the 2 GiB kept free went unshown and neither advice could work. The budget it names fits."""
+    model" for the demo: the 2 GiB kept free went unshown and neither advice could work. The budget it names fits, and
+    the other ways are offered only where they could: a shorter context where the budget holds the dense weights beside
+    what stays free, a smaller model where it holds more than what stays free (not 1 GiB, below the 2 GiB kept free)."""
     from moechat.app.cli import main
 
     name = ["--model", model] if model else []
@@ -66,6 +69,7 @@ def test_ram_below_the_dense_part_names_a_budget_that_fits(capsys, model, ram):
     out = capsys.readouterr().out
     verdict = out.strip().splitlines()[-1]
     assert verdict.startswith("does not fit:") and "GiB stay free for moechat's process and the system" in verdict
+    assert ("lower --context-len" in verdict, "use a smaller model" in verdict) == ways, verdict
     # the weights and KV cache listed are those the verdict sums (the KV cache listed in bf16 made them not add up)
     listed = [_gib(re.search(rf"{part} +{SIZE}", out)) for part in ("non-expert weights", "KV cache")]
     need = _gib(re.search(rf"need {SIZE} of RAM", verdict))

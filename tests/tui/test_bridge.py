@@ -301,6 +301,7 @@ def test_bad_model_then_reload(checkpoint, tmp_path):
         bridge.generate(1, CHAT, SamplingParams(max_new_tokens=3))  # no engine: the request fails, one line
         end = inbox.ending(1)
         assert isinstance(end, EngineFailed) and "no model is loaded" in end.message and not bridge.busy
+        assert failed.message in end.message  # why, again: the load's notice may have gone by unread
 
         configs.append(lambda: EngineConfig(str(checkpoint("mixtral")), dtype="float64"))  # bad config: its own message
         bridge.reload()

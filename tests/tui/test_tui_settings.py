@@ -914,6 +914,41 @@ def test_a_short_terminal_reaches_every_field_and_message_of_the_wizard(tmp_path
     assert seen["ram-error"][0] and seen["ram-error"][1], seen
 
 
+async def _wizard_lines_at_80_columns(path, missing, seen: dict) -> None:
+    def calibrate(model_dir, drafter, quick, progress, **kwargs):
+        progress("probing the hardware", 0.0)
+        raise RuntimeError("measuring went wrong")
+
+    app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path, calibrate=calibrate))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        screen = app.screen
+        screen.query_one("#model-dir").value = str(missing)
+        await click(pilot, "#next")
+        for _ in range(100):  # the check runs on a worker
+            await pilot.pause(0.05)
+            if not screen.busy:
+                break
+        error = screen.query_one("#model-error")
+        await seen_whole(pilot, "#model-error")
+        seen["model-error"] = str(error.content), screen.find_widget(error).visible_region == error.region
+        screen.query_one("#src-demo").value = True
+        await _to_calibration(pilot, screen)
+        await _until_calibration_ends(pilot, screen)
+        seen["cal-step"] = str(screen.query_one("#cal-step").content)
+
+
+def test_the_wizards_lines_wrap_on_an_80_column_terminal_and_a_failed_calibration_shows_no_step(tmp_path):
+    """At 80 columns a field's error ran off the screen's right edge ("no config.json in /tmp: name a Hugging Face model
+    directory (one holding c"): the part that says what to do was never seen. A calibration that failed left its last
+    step ("probing the hardware") above its failure, as if it still ran."""
+    seen = {}
+    asyncio.run(_wizard_lines_at_80_columns(tmp_path / "s.toml", tmp_path / "no-such-model", seen))
+    text, whole = seen["model-error"]
+    assert "does not exist" in text and len(text) > 80 and whole, seen
+    assert seen["cal-step"] == "", seen
+
+
 async def _wizard_remote(path, url):
     app = Host(WizardScreen(hardware=fake_hardware(gpu=False), path=path))
     async with app.run_test(size=(120, 40)) as pilot:

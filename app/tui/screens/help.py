@@ -17,6 +17,7 @@ INPUT_KEYS = [
     ("Ctrl+P", "command palette: every action by name"),
     ("c / k on a focused message", "copy the message / its last code block"),
     ("Tab, Shift+Tab", "move between the chat list, the messages and the input"),
+    ("Ctrl+Q", "quit (the chats are saved as they are written)"),
 ]
 
 

@@ -113,8 +113,8 @@ class WizardScreen(Screen):
     WizardScreen .row { height: auto; }
     WizardScreen .row Label { width: 24; padding: 1 1 0 0; }
     WizardScreen .row Input { width: 1fr; }
-    WizardScreen .field-error { color: $error; height: auto; }
-    WizardScreen .hint { color: $text-muted; height: auto; }
+    WizardScreen .field-error { color: $error; height: auto; width: 1fr; }  /* wrapped: a long one ran off the screen */
+    WizardScreen .hint { color: $text-muted; height: auto; width: 1fr; }
     WizardScreen .budget-hint { display: none; }
     WizardScreen #buttons { height: auto; padding: 0 2 1 2; }
     WizardScreen #buttons Button { margin-right: 2; }
@@ -327,7 +327,7 @@ class WizardScreen(Screen):
             return
         widget.update(text)
         if text:
-            widget.scroll_visible(animate=False)
+            self.call_after_refresh(widget.scroll_visible, animate=False)  # once laid out at its wrapped height
 
     def _leave_model(self) -> None:
         self._say("#model-error", "")
@@ -502,6 +502,7 @@ class WizardScreen(Screen):
         self.busy, self._calibration = False, None
         self.profile_path = NO_PROFILE  # Next goes on without one, so a machine that cannot calibrate still finishes
         self.query_one("#run", Button).disabled = False
+        self.query_one("#cal-step", Label).update("")  # its last step ("probing the hardware") read as still running
         self.query_one("#cal-error", Label).update(f"{in_app_words(message.message)} (Next: finish without a new profile)")
 
     def _show_summary(self) -> None:
