@@ -33,6 +33,8 @@ class _Parser(argparse.ArgumentParser):
             message = f'no message to send: {self.prog} "Hello", or {self.prog} - to read it from standard input'
         elif message.startswith(MISSING[0]):
             message = self._needs(message[len(MISSING[0]):]) or message
+        elif "invalid choice" in message:
+            message = self._not_a_subcommand(message) or message
         self.exit(2, f"moechat: error: {message} (see `{self.prog} --help`)\n")
 
     def _unknown_beside_missing(self) -> tuple[argparse.Namespace, list[str]] | None:
@@ -48,6 +50,21 @@ class _Parser(argparse.ArgumentParser):
             for item in required:
                 item.required = True
         return (args, extras) if extras else None
+
+    def _not_a_subcommand(self, message: str) -> str | None:
+        """`moechat bench nothing`: argparse's "argument bench_command: invalid choice" named its own variable; the closest
+        command instead, else the ones there are (None: a flag's choice, whose argparse words name the flag)."""
+        import difflib
+        import re
+
+        found = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        word = re.search(r"invalid choice: '([^']*)'", message)
+        if not found or not word or not message.startswith(f"argument {found[0].dest}:"):
+            return None
+        command, names = self.prog.partition(" ")[2] or self.prog, list(found[0].choices)
+        close = difflib.get_close_matches(word[1], names, n=1, cutoff=0.7)
+        return f"{word[1]!r} is not a {command} command; " + (f"did you mean: {self.prog} {close[0]}" if close else
+                                                              f"{command} takes one of: {', '.join(names)}")
 
     def _needs(self, names: str) -> str | None:
         """What the one required argument `names` lists takes, as its help says (None: several, or no help)."""

@@ -14,12 +14,13 @@ def add_estimate(sub) -> None:
     p = sub.add_parser("estimate", help="memory a model needs, from its config alone (no weights are loaded)")
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",
                    help="checkpoint directory, a model fetched with `moechat pull`, or a known config: "
-                        f"{', '.join(KNOWN_MODELS)} (default: the embedded demo)")
+                        f"{', '.join(KNOWN_MODELS)} (default: the settings, else the embedded demo)")
     OPTION["device"].add_flag(p)  # where and in which dtype a run computes: its KV cache and weights as it keeps them
     OPTION["dtype"].add_flag(p)
-    OPTION["quant"].add_flag(p, default="none")
+    p.add_argument("--quant", type=OPTION["quant"].parse, choices=OPTION["quant"].choices, default=None,
+                   help=f"{OPTION['quant'].help} (default: the settings, else none)")
     p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",
-                   help="context length in tokens (default: the model's)")
+                   help="context length in tokens (default: the settings, else the model's)")
     p.add_argument("--draft", default=None, metavar="DIR", help="a separate draft model's directory, counted in VRAM")
     p.add_argument("--vram-budget-gib", type=OPTION["vram_budget_gib"].parse, default=None, metavar="GIB",
                    help="VRAM budget: does it fit, and how many experts can be cached")
@@ -176,13 +177,21 @@ def _count(n: int) -> str:
 
 def cmd_estimate(args) -> int:
     from ..engine import estimate, format_notice, gib, total_params
-    from .engine_config import gib_bytes
+    from .engine_config import first, gib_bytes
+    from .settings import load_settings
 
+    settings = load_settings()[0]  # what a run takes where no flag is typed: it estimated the demo beside a configured model
+    args.model, args.context_len = first(args.model, settings.model), first(args.context_len, settings.context_len)
+    args.quant = first(args.quant, settings.quant, "none")
     name, source = _source(args.model)
-    vram, ram = gib_bytes(args.vram_budget_gib), gib_bytes(args.ram_budget_gib)
-    where = placement(args, source, vram)
+    where = placement(args, source, gib_bytes(args.vram_budget_gib))
     on_cpu = where.device == "cpu"
-    notices = ["--vram-budget-gib not counted: this run computes on the CPU"] if on_cpu and vram is not None else []
+    notices = ["--vram-budget-gib not counted: this run computes on the CPU"] if on_cpu and args.vram_budget_gib else []
+    for key in ("ram_budget_gib", "vram_budget_gib"):  # the settings' where no flag is typed, as a run holds to them
+        if getattr(args, key) is None and (value := getattr(settings, key)) is not None and (key[0] == "r" or not on_cpu):
+            setattr(args, key, value)
+            notices.append(f"the settings' {key} {value:g} counted, as a run holds to it")
+    vram, ram = gib_bytes(args.vram_budget_gib), gib_bytes(args.ram_budget_gib)
     vram = None if on_cpu else vram  # a CPU run's context and fit are the RAM's
     est = estimate(source, where.dtype, args.context_len, args.draft, args.quant, cpu=on_cpu)
     if asked := format_notice(est.quant if est.prequantized else None, args.quant, "--quant"):  # as the load says it

@@ -30,7 +30,7 @@ UNSUPPORTED = {"tools": (), "functions": (), "tool_choice": ("none", "auto"), "f
                "min_p": (), "repetition_penalty": (1,), "ignore_eos": (), "stop_token_ids": (), "min_tokens": ()}
 UNCALLED = {"tools": "tool_choice", "functions": "function_call"}  # tools the model must not call ("none"): left out
 # strict: a value of the wrong JSON type is a client's bug, refused (`"max_tokens": true` was 1); an integer is a number
-STRICT = ConfigDict(extra="ignore", strict=True)
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # NaN: "should be a finite number", not "<= 2"
 
 
 class StreamOptions(BaseModel):

@@ -147,6 +147,9 @@ def build_app(worker: EngineWorker, model_id: str, api_key: str | None = None) -
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
         message, param = _validation_message(err)
+        kind = request.headers.get("content-type", "")
+        if param == "body" and kind and "json" not in kind:  # curl -d without -H sends a form: its JSON was never read
+            message = f"the request's Content-Type is {kind}, not JSON: send the header Content-Type: application/json"
         return _error(400, message, param)
 
     @app.exception_handler(HTTPException)

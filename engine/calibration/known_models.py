@@ -7,7 +7,8 @@ deepseek-ai/DeepSeek-V2-Lite, mistralai/Mixtral-8x7B-v0.1, allenai/OLMoE-1B-7B-0
 cross-checked against public training recipes that restate them (THUDM/slime
 scripts/models/qwen3-30B-A3B.sh; Megatron's deepseek_v2_lite.yaml: 27 layers, hidden 2048, ffn 10944,
 moe ffn 1408, 64 experts, 2 shared, MLA kv_lora_rank 512, q_lora_rank null). Their chat and instruct
-variants share these fields (`known_name`), but for VARIANTS' own (`known_config`). Totals this gives
+variants share these fields (`known_name`), but for VARIANTS' own and a pre-quantized upload's quantization_config
+(`known_config`). Totals this gives
 (tests/calibration/test_decide.py): Qwen3-30B-A3B 30.53 B, DeepSeek-V2-Lite 15.71 B, Mixtral-8x7B 46.70 B, OLMoE-1B-7B 6.92 B.
 """
 from __future__ import annotations
@@ -110,6 +111,12 @@ VARIANTS = {"qwen3-30b-a3b-instruct-2507": {"max_position_embeddings": 262144},
             "qwen3-30b-a3b-thinking-2507": {"max_position_embeddings": 262144}}
 
 
+# Pre-quantized uploads by their name's last part, with the quantization_config their config.json holds: estimate sizes the
+# GPTQ one as a load runs it and refuses the others as a load does (it counted both as the bf16 base).
+QUANTIZED = {"gptq-int4": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+             "fp8": {"quant_method": "fp8"}, "awq": {"quant_method": "awq"}}
+
+
 def known_name(name: str) -> str | None:
     """The known model a name means (case-insensitive, an OWNER/ prefix allowed, and its variants: a name that goes
     on with `-`, as Qwen3-30B-A3B-Instruct-2507, DeepSeek-V2-Lite-Chat or Mixtral-8x7B-Instruct-v0.1), else None."""
@@ -124,4 +131,5 @@ def known_config(name: str) -> dict | None:
         return None
     key = name.rsplit("/", 1)[-1].lower()
     own = next((fields for variant, fields in VARIANTS.items() if key == variant or key.startswith(variant + "-")), {})
-    return {**KNOWN_MODELS[known], **own}
+    quantized = next(({"quantization_config": qc} for end, qc in QUANTIZED.items() if key.endswith("-" + end)), {})
+    return {**KNOWN_MODELS[known], **own, **quantized}

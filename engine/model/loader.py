@@ -351,10 +351,8 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()
     missing = sorted(expected - state.keys() - tied)
     if missing:
-        raise CheckpointError(
-            f"checkpoint lacks {missing[0]} ({len(missing)} tensors missing): the files do not match config.json; "
-            "re-download the model"
-        )
+        more = f" and {len(missing) - 1} more tensor{'s' if len(missing) > 2 else ''}" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint lacks {missing[0]}{more}: the files do not match config.json; re-download the model")
     try:
         hf.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
     except RuntimeError as err:

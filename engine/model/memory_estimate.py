@@ -281,11 +281,11 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
     hf_config = hf_config_from(source)
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    if isinstance(source, str | Path) and Path(source).expanduser().is_dir():
+    if isinstance(source, dict) or isinstance(source, str | Path) and Path(source).expanduser().is_dir():
         from ..quant.prequantized import expert_format, read_quantization_config
         from .config_file import read_config_dict
 
-        spec = read_quantization_config(read_config_dict(Path(source).expanduser()))
+        spec = read_quantization_config(source if isinstance(source, dict) else read_config_dict(Path(source).expanduser()))
         quant, prequantized = expert_format(spec, quant), spec.label if spec is not None else ""
     else:
         prequantized = ""

@@ -456,6 +456,9 @@ def test_help_as_a_command_prints_the_help_asked_for(capsys):
     (["bench", "--bogus"], "unrecognized arguments: --bogus (see `moechat bench --help`)"),
     (["simulate"], "simulate needs --traces: trace files, or folders of them: recorded by `moechat generate --trace FILE`"),
     (["bench"], "bench needs one of: generate, chat, random-model,"),  # was "the following arguments are required: bench_command"
+    (["bench", "nothing"], "'nothing' is not a bench command; bench takes one of: generate, chat,"),  # was "argument
+    (["bench", "sreve"], "'sreve' is not a bench command; did you mean: moechat bench serve"),  # bench_command: invalid choice"
+    (["generate", "--quant", "int3"], "argument --quant: must be one of none, int8, int4, got 'int3'"),  # a flag's own words
     (["serve", "--prot", "8080"], "unrecognized arguments: --prot 8080 (see"),  # 8080 is the flag's value, not a model name
 ])
 def test_an_unknown_flag_is_reported_before_what_is_missing_and_what_is_missing_says_what_it_takes(argv, says, capsys):

@@ -180,6 +180,66 @@ def test_a_known_variant_with_its_own_context_is_estimated_at_it(capsys):
     assert json.loads(capsys.readouterr().out)["model"] == "Qwen3-30B-A3B"  # the base, as spelt by its publisher
 
 
+def test_a_pre_quantized_upload_by_name_is_sized_as_it_runs(capsys):
+    """`estimate --model Qwen/Qwen3-30B-A3B-GPTQ-Int4` (the README's pull beside the base) counted the bf16 base's 54 GiB of
+    experts read from disk, where the load repacks its int4 experts (16.9 GiB); an FP8 upload, which a load refuses, was
+    called a fit. By name it is sized as its pulled directory is, and an FP8 one refused in the load's words."""
+    from moechat.app.cli import main
+
+    argv = ["estimate", "--model", "Qwen/Qwen3-30B-A3B-GPTQ-Int4", "--ram-budget-gib", "32", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["quant"], out["prequantized"], out["host_tier"]) == ("int4", "GPTQ", "ram"), out
+    assert main(["estimate", "--model", "Qwen/Qwen3-30B-A3B-Instruct-2507-FP8"]) == 1
+    assert "quantized with fp8, which moechat cannot load" in capsys.readouterr().err
+
+
+def test_a_configured_model_quant_and_context_are_estimated_as_a_run_takes_them(capsys):
+    """With `model`, `quant` and `context_len` in the settings, `estimate` alone sized the embedded demo in its dtype at
+    its own context, beside the model `generate` and `chat` then ran; a flag typed still wins over the file."""
+    from moechat.app.cli import main
+    from moechat.app.settings import settings_path
+
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text('model = "Qwen/Qwen3-30B-A3B-Instruct-2507"\nquant = "int4"\ncontext_len = 8192\n')
+    try:
+        assert main(["estimate", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["model"], out["quant"], out["context_len"]) == ("Qwen3-30B-A3B-Instruct-2507", "int4", 8192)
+        assert main(["estimate", "--json", "--model", "OLMoE-1B-7B", "--quant", "none", "--context-len", "1024"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert (out["model"], out["quant"], out["context_len"]) == ("OLMoE-1B-7B", "none", 1024)
+    finally:
+        settings_path().unlink()
+
+
+def test_the_settings_budgets_are_counted_as_a_run_holds_to_them(capsys, monkeypatch):
+    """With `ram_budget_gib = 2.01` in the settings `estimate` said "fits" and `generate` refused the model: the settings'
+    budgets count where no flag is typed (the VRAM one only where the run computes on a GPU, as a run ignores it on a
+    CPU), said in a line; a flag typed wins."""
+    from moechat.app.cli import main
+    from moechat.app.settings import settings_path
+
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text("ram_budget_gib = 2.01\nvram_budget_gib = 6.0\n")
+    try:
+        assert main(["estimate", "--model", "Qwen3-30B-A3B", "--device", "cpu"]) == 1
+        out = capsys.readouterr().out
+        assert "does not fit" in out and "the settings' ram_budget_gib 2.01 counted" in out and "vram" not in out
+        assert main(["estimate", "--model", "Qwen3-30B-A3B", "--device", "cpu", "--ram-budget-gib", "64"]) == 0
+        assert "the settings'" not in capsys.readouterr().out
+        _gpu_machine(monkeypatch, ram_gib=64, total_gib=24, free_gib=20)
+        assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--ram-budget-gib", "64", "--json"]) == 0
+        capped = json.loads(capsys.readouterr().out)
+        assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--ram-budget-gib", "64", "--json",
+                     "--vram-budget-gib", "6"]) == 0
+        typed = json.loads(capsys.readouterr().out)
+        assert capped["max_expert_cache_experts"] == typed["max_expert_cache_experts"]
+        assert "the settings' vram_budget_gib 6 counted" in capped["notice"]
+    finally:
+        settings_path().unlink()
+
+
 def test_a_vram_budget_is_not_counted_for_a_cpu_run(capsys):
     """`--device cpu --vram-budget-gib 12` printed experts cached in VRAM and a context cut to leave them room: a CPU run
     has neither; its context is the RAM's (none given: the model's)."""

@@ -208,7 +208,12 @@ def test_checkpoint_missing_a_tensor(checkpoint, tmp_path):
     tensors = load_file(path / "model.safetensors")
     del tensors["model.norm.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="lacks model.norm.weight"):
+    with pytest.raises(CheckpointError) as err:
+        load(path)
+    assert "lacks model.norm.weight: the files do not match" in one_line(err.value)  # was "(1 tensors missing)"
+    del tensors["model.embed_tokens.weight"], tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks lm_head.weight and 2 more tensors: the files"):
         load(path)
 
 

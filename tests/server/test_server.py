@@ -194,6 +194,7 @@ def test_api_keys(server):
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"messages": SEA, "temperature": "hot"}, "temperature"),
     ({"messages": SEA, "temperature": 3}, "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "temperature: Input should be a finite number"),
     ({"messages": SEA, "max_tokens": 0}, "max_tokens"),
     ({"messages": SEA, "top_k": -2}, "top_k"),
     ({"messages": SEA, "min_p": 0.05}, "`min_p` is not supported"),
@@ -223,6 +224,20 @@ def test_malformed_bodies_are_400_in_the_apis_shape(server, body, says):
     assert says in reply["error"]["message"] and "\n" not in reply["error"]["message"]
     # OpenAI's code for a prompt past the context: clients read it to trim the conversation and send it again
     assert reply["error"]["code"] == ("context_length_exceeded" if "context" in says else None)
+
+
+def test_a_body_sent_as_a_form_names_the_content_type(server, client):
+    """`curl URL -d '{"messages": ...}'` without -H sends Content-Type application/x-www-form-urlencoded: the reply said
+    the body "is not a JSON object" (it is one); it names the header to send, and the server serves the next request."""
+    body = json.dumps({"messages": SEA, "max_tokens": 2}).encode()
+    request = urllib.request.Request(server.url + "/chat/completions", data=body, headers={"Authorization": f"Bearer {KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 400
+    message = json.loads(err.value.read())["error"]["message"]
+    assert message == ("the request's Content-Type is application/x-www-form-urlencoded, not JSON: send the header "
+                       "Content-Type: application/json"), message
+    assert client.chat.completions.create(model="tiny", messages=SEA, max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_a_broken_chat_template_is_the_servers_fault_and_the_next_request_runs(server, client):
