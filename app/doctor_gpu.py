@@ -28,6 +28,7 @@ PROMPT = [11, 42, 7, 300, 1024, 5, 99, 2048, 17, 3]
 NEW_TOKENS = 24
 OVERLAP_SHARE = 0.25  # the share of CPU expert time that must run beside the engine thread's work, not waited for
 FIX_DRIVER = f"update the NVIDIA driver, or reinstall moechat with {INSTALLER} for a matching PyTorch CUDA build"
+NO_GPU_FIX = f"with an NVIDIA GPU in this machine, install its driver (nvidia-smi lists the GPU), then run {INSTALLER} again"
 REPORT = "report it with this output (moechat doctor --gpu --json) at the project's issue tracker"
 
 
@@ -37,9 +38,10 @@ def run_gpu_checks(as_json: bool) -> int:
     t0 = time.perf_counter()
     cuda = probe_cuda()
     if cuda.problem or not cuda.gpus:
-        why = cuda.problem or NO_GPU
-        print(json.dumps({"ok": False, "checks": [_row("cuda", False, why, FIX_DRIVER)]}) if as_json else
-              f"moechat doctor --gpu: {why}: nothing to check on this machine")
+        why = cuda.problem or NO_GPU  # a CPU build of PyTorch beside a GPU: its problem says to reinstall
+        fix = NO_GPU_FIX if not cuda.problem else "" if INSTALLER in cuda.problem else FIX_DRIVER
+        print(json.dumps({"ok": False, "checks": [_row("cuda", False, why, fix)]}) if as_json else
+              f"moechat doctor --gpu: {why}: nothing to check on this machine" + (f" ({fix})" if fix else ""))
         return 1
     gpu = best_gpu(cuda.gpus)  # the one `--device auto` runs on
     rows = [_row("cuda", True, f"cuda:{gpu.index} {gpu.name}, {gpu.free_bytes / 2**30:.1f} GiB free", "")]

@@ -164,7 +164,7 @@ def _device(device: str, cuda: CudaProbe) -> tuple[str, str, str]:
     asked = device != "auto"
     if cuda.problem or not cuda.gpus:
         why = cuda.problem or NO_GPU
-        notice = f"{device} was asked for but {why}: running on the CPU" if asked else \
+        notice = f"{device} was asked for but {why}: running on the CPU (moechat doctor says what it finds)" if asked else \
             f"{why}: running on the CPU" if cuda.problem else ""
         return "cpu", cuda.problem and "CUDA unusable" or "no usable NVIDIA GPU", notice
     best = best_gpu(cuda.gpus)

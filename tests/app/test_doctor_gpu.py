@@ -5,19 +5,30 @@ import pytest
 
 import moechat.engine
 from moechat.app import cli, doctor_gpu
-from moechat.engine import placement
+from moechat.engine import INSTALLER, placement
 
 
 def test_without_a_gpu_one_line_and_exit_1(monkeypatch, capsys):
-    monkeypatch.setattr(moechat.engine, "probe_cuda", lambda: placement.CudaProbe(), raising=False)
+    """One line that says what to do: without a GPU it told a machine with none to "update the NVIDIA driver" (--json),
+    and its line said nothing (a GPU whose driver is missing looks the same to PyTorch); a CPU build beside a GPU is
+    told to reinstall by the probe's own words, not twice."""
+    def probe(cuda):
+        monkeypatch.setattr(moechat.engine, "probe_cuda", lambda: cuda, raising=False)
+
+    probe(placement.CudaProbe())
     assert cli.main(["doctor", "--gpu"]) == 1
     out = capsys.readouterr().out
-    assert out == "moechat doctor --gpu: no NVIDIA GPU that PyTorch can use: nothing to check on this machine\n"
-    monkeypatch.setattr(moechat.engine, "probe_cuda", lambda: placement.CudaProbe(problem="CUDA failed to start (out of memory)"),
-                        raising=False)
+    assert out == ("moechat doctor --gpu: no NVIDIA GPU that PyTorch can use: nothing to check on this machine (with an "
+                   f"NVIDIA GPU in this machine, install its driver (nvidia-smi lists the GPU), then run {INSTALLER} again)\n")
+    probe(placement.CudaProbe(problem="CUDA failed to start (out of memory)"))
     assert cli.main(["doctor", "--gpu", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["checks"][0]["detail"] == "CUDA failed to start (out of memory)"
+    assert report["checks"][0]["fix"] == doctor_gpu.FIX_DRIVER
+    probe(placement.CudaProbe(problem=f"this PyTorch is a CPU-only build: reinstall moechat with {INSTALLER} to get the "
+                                      "CUDA build"))
+    assert cli.main(["doctor", "--gpu"]) == 1
+    assert capsys.readouterr().out.count(INSTALLER) == 1
 
 
 def test_doctor_gpu_out_of_memory_says_to_free_the_gpu(monkeypatch, capsys):

@@ -41,7 +41,8 @@ def test_broken_driver_falls_back_to_the_cpu_in_one_line():
     assert p.device == "cpu" and p.dtype == "bfloat16"  # a 60 GiB float32 model would not be small
     assert "driver on your system is too old" in p.notice and "\n" not in p.notice and p.notice.endswith("running on the CPU")
     p = choose("cuda", "auto", "bfloat16", "none", NO_GPU, GIB // 2)  # asked for, absent: one line, CPU
-    assert p.device == "cpu" and p.notice == "cuda was asked for but no NVIDIA GPU that PyTorch can use: running on the CPU"
+    assert p.device == "cpu" and p.notice == ("cuda was asked for but no NVIDIA GPU that PyTorch can use: running on the CPU "
+                                              "(moechat doctor says what it finds)")
     assert choose("auto", "auto", "bfloat16", "none", NO_GPU).notice == ""  # auto on a machine without a GPU: nothing to say
 
 
@@ -202,4 +203,5 @@ def test_generate_says_where_it_runs_and_a_cuda_setting_without_cuda_runs_on_cpu
     captured = capsys.readouterr()
     assert json.loads(captured.out)["device"] == "cpu"
     warnings = [line for line in captured.err.splitlines() if "cuda was asked for" in line]
-    assert warnings == ["moechat: warning: cuda was asked for but no NVIDIA GPU that PyTorch can use: running on the CPU"]
+    assert warnings == ["moechat: warning: cuda was asked for but no NVIDIA GPU that PyTorch can use: running on the CPU "
+                        "(moechat doctor says what it finds)"]
