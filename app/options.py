@@ -256,7 +256,7 @@ OPTIONS: tuple[Option, ...] = (
            "the demo on a GPU, none on a CPU and for other models", label="Drafter", placeholder="default", widget="drafter",
            metavar="none|self|DIR"),
     Option("expert_budget", int, None, "LOSSY: verification computes at most B experts per MoE layer, the ones the "
-           "router weighs most; output then differs from the model's", "engine", low=1, setting=False,
+           "router weighs most; output then differs from the model's (off without a drafter)", "engine", low=1, setting=False,
            unset="off", metavar="B"),
     Option("device", str, None, "compute device: auto (CUDA when PyTorch can use an NVIDIA GPU, the one with the most "
            "free memory, else the CPU), cpu, cuda or cuda:N; an unusable CUDA runs on the CPU with a one-line notice",

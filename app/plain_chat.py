@@ -265,5 +265,6 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
         if finished:
             s = finished.summary
             hits = f"{s.hit_rate:.2f}" if s.hits + s.misses else "n/a"  # a remote server other than moechat's sends none
+            cut = " [cut at the length limit: --max-new-tokens raises it]" if s.finish_reason == "length" else ""
             print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {acceptance(s)}, "
-                  f"expert hit rate {hits}]" + (f" [{s.lossy}]" if s.lossy else ""), file=sys.stderr)
+                  f"expert hit rate {hits}]" + (f" [{s.lossy}]" if s.lossy else "") + cut, file=sys.stderr)

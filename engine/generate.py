@@ -19,7 +19,7 @@ from .experts.runtime import MoERuntime
 from .model.loader import LoadedModel, load_model
 from .prefix_cache import Kept, PrefixCache, default_budget
 from .request import Request
-from .speculative.drafters import make_drafter
+from .speculative.drafters import NoDraft, make_drafter
 from .speculative.rewind import rewind_cache
 from .speculative.verify import accept
 from .trace import TraceRecorder
@@ -72,6 +72,7 @@ class Engine:
         except BaseException:  # a draft that cannot load, or a progress callback that cancels: the model's threads end
             self.model.runtime.close()
             raise
+        self._budget_off = self._no_budget_without_a_drafter()
         self._stop = threading.Event()
         self._longest_token: int | None = None  # characters in the vocabulary's longest entry (_check_length)
         self.prompt_counts = (0, 0)  # (hits, misses) of the request's prompt passes, which its Summary's hit rate counts
@@ -81,7 +82,16 @@ class Engine:
     @property
     def notices(self) -> list[str]:
         """One line each for the user: the model's (native kernels, a rebuilt cache, a shrunk fast tier), the drafter's."""
-        return [n for n in (*self.model.notices, self.drafter.notice) if n]
+        return [n for n in (*self.model.notices, self.drafter.notice, self._budget_off) if n]
+
+    def _no_budget_without_a_drafter(self) -> str:
+        """The lossy expert budget limits verification passes, which only a drafter makes: without one it would change
+        nothing but take the fast tier's resident path away and mark every reply lossy. Off, with a line saying so."""
+        budget = self.model.runtime.expert_budget
+        if budget is None or not isinstance(self.drafter, NoDraft):
+            return ""
+        self.model.runtime.expert_budget = None
+        return f"expert budget {budget} off: it limits verification passes, which need a drafter (--draft self or a model)"
 
     def stop(self) -> None:
         """Ask the running `generate` to finish after the current step (thread-safe)."""

@@ -206,13 +206,15 @@ class Ending(Streaming):
 
 @pytest.mark.parametrize("end, finish", [("length", "length"), ("eos", "stop"), ("error", "failed")])
 def test_why_a_reply_ended_is_stored_as_the_app_stores_it(tmp_path, monkeypatch, capsys, end, finish):
-    """The app shows a reply cut at the length limit, or failed, as such after a restart: plain chat stores why too."""
+    """The app shows a reply cut at the length limit, or failed, as such after a restart: plain chat stores why too, and
+    says a cut one is cut (it stopped mid-word with its usual stats line)."""
     with ChatStore(tmp_path / "chats.sqlite3") as store:
         run(Ending(["The ", "sea."], end), store, "tell me about the sea\n", monkeypatch)
         ((conv),) = store.conversations()
         reply = store.messages(conv.id)[-1]
     assert (reply.content, reply.finished, reply.finish) == ("The sea.", True, finish)
-    capsys.readouterr()
+    said = capsys.readouterr().err
+    assert ("cut at the length limit: --max-new-tokens raises it" in said) == (end == "length"), said
 
 
 def interrupt_the_fit_of(n: int, monkeypatch) -> list[str]:

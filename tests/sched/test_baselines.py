@@ -163,6 +163,25 @@ def test_eam_is_lossless_across_requests(checkpoint, tokenizer):
     assert fin.summary.hits > 0 and fin.summary.lossy == ""
 
 
+def test_an_expert_budget_without_a_drafter_is_off_and_says_so(checkpoint, tokenizer):
+    """`--expert-budget 2` with no drafter limited nothing (it acts on verification passes) yet marked every reply
+    lossy and took the fast tier's resident path away, silently: it is off, in a line, and the reply is the model's."""
+    from helpers import PROMPT, hf_greedy
+
+    from moechat.engine.config import EngineConfig, SchedulerConfig, SpecConfig
+    from moechat.engine.generate import Engine
+
+    model_dir = checkpoint("qwen3_moe", 1)
+    eng = Engine(EngineConfig(model_dir=str(model_dir), expert_cache_ratio=0.5, spec=SpecConfig("none"),
+                              scheduler=SchedulerConfig(expert_budget=2)))
+    assert eng.model.runtime.expert_budget is None
+    assert any(n.startswith("expert budget 2 off: it limits verification passes") for n in eng.notices), eng.notices
+    prompt = tokenizer(PROMPT)["input_ids"]
+    fin, _ = generate(eng, prompt)
+    assert fin.summary.lossy == "" and fin.token_ids == hf_greedy(model_dir, prompt, 24)
+    assert engine(model_dir, budget=2).model.runtime.expert_budget == 2  # with a drafter: on
+
+
 def test_budget_truncates_like_the_paper(checkpoint):
     """run_layer under a budget: the B experts with the most router weight run, the rest contribute
     zero, kept weights are not renormalised (MoE-Spec Eq. 7), on both tiers."""
