@@ -207,7 +207,7 @@ def cmd_estimate(args) -> int:
     notice = "; ".join(notices)
     if vram is not None or ram is not None:  # the budgets given; without, the sizes and whether this machine holds them
         est, fit = fitted(est, vram, ram, args.context_len is not None, free_vram=args.vram_budget_gib is None)
-    elif args.vram_budget_gib is None:
+    else:  # no budget counted (a VRAM one on a CPU run is not): this machine's verdict
         machine = this_machine(est, on_cpu, args.context_len is not None)
     kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
     if args.json:

@@ -242,14 +242,15 @@ def test_the_settings_budgets_are_counted_as_a_run_holds_to_them(capsys, monkeyp
 
 def test_a_vram_budget_is_not_counted_for_a_cpu_run(capsys):
     """`--device cpu --vram-budget-gib 12` printed experts cached in VRAM and a context cut to leave them room: a CPU run
-    has neither; its context is the RAM's (none given: the model's)."""
+    has neither; its context is the RAM's (none given: the model's). Then it gave no verdict at all: with no budget
+    counted, this machine's, as without the flag."""
     from moechat.app.cli import main
 
     assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu", "--vram-budget-gib", "12"]) == 0
     out = capsys.readouterr().out
     assert "VRAM" not in out.replace("--vram-budget-gib", "") and "cut to leave" not in out, out
     assert out.rstrip().endswith("--vram-budget-gib not counted: this run computes on the CPU")
-    assert "40960 tokens" in out
+    assert "40960 tokens" in out and "\nthis machine (" in out
 
 
 def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, monkeypatch):
