@@ -61,6 +61,19 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split()) or "unknown error"
 
 
+def _experts_words(m) -> tuple[str, str]:
+    """Where the routed experts run, long and short: the fast tier's share where there is one; without one every expert runs
+    on the CPU, and a CPU run's short form leaves the count out ("0/256 experts" read as none used)."""
+    kind = "" if m.store.quant == "none" else f"{m.store.quant} "
+    kind += f"({m.store.prequant.label}) " if m.store.prequant is not None else ""  # as the checkpoint came
+    total, on_gpu = m.cache.slot_of.numel(), m.device.type == "cuda"
+    if m.cache.capacity:
+        share, tier = f"{m.cache.capacity}/{total} {kind}", "GPU" if on_gpu else "fast tier"
+        return f"{share}experts on the {tier}", f"{share}on {tier}"
+    short = f"{kind}experts on CPU" if on_gpu else f"{kind}experts" if kind else ""  # a CPU run's device says where
+    return f"all {total} {kind}experts on the CPU", short
+
+
 class EngineBridge:
     def __init__(self, post: Callable[[Message], object], config_factory: Callable[[], EngineConfig],
                  frame_interval_s: float = 0.1):
@@ -238,22 +251,18 @@ class EngineBridge:
         """(the status line's summary of what runs, its short form for a narrow terminal: no reasons); neither names the
         model, which the status line says first."""
         m, cfg = engine.model, engine.config
-        total = m.cache.slot_of.numel()
-        tier = "the GPU" if m.device.type == "cuda" else "the fast tier"
         drafter = short_drafter = engine.drafter.name
         if drafter == "model":
             drafter = short_drafter = draft_model_name(cfg.spec.drafter)
         elif drafter != "none":
             drafter, short_drafter = f"{drafter} (γ {cfg.spec.draft_len})", f"{drafter} γ{cfg.spec.draft_len}"
-        experts = "" if m.store.quant == "none" else f"{m.store.quant} "
-        experts += f"({m.store.prequant.label}) " if m.store.prequant is not None else ""  # as the checkpoint came
         where = str(cfg.placement) if cfg.placement else f"{m.device} in {cfg.dtype}"
         profiled = " · calibration profile" if cfg.scheduler.measured is not None else ""  # what it did not fix came from it
-        experts = f"{m.cache.capacity}/{total} {experts}experts"
-        summary = f"on {where} · {experts} on {tier} · drafter {drafter} · policy {cfg.scheduler.policy}{profiled}"
-        brief = (f"{m.device} {SHORT_DTYPES.get(cfg.dtype, cfg.dtype)} · {experts} · "
-                 f"{'no drafter' if drafter == 'none' else 'drafter ' + short_drafter} · "
-                 f"policy {cfg.scheduler.policy}{' · profile' if profiled else ''}")
+        experts, short_experts = _experts_words(m)
+        summary = f"on {where} · {experts} · drafter {drafter} · policy {cfg.scheduler.policy}{profiled}"
+        brief = " · ".join(p for p in (f"{m.device} {SHORT_DTYPES.get(cfg.dtype, cfg.dtype)}", short_experts,
+                                       "no drafter" if drafter == "none" else "drafter " + short_drafter,
+                                       f"policy {cfg.scheduler.policy}", "profile" if profiled else "") if p)
         return summary, brief
 
     def _reply(self, seq: int, request_id: int, messages: list[dict], params: SamplingParams,

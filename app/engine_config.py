@@ -36,9 +36,10 @@ def gib_bytes(value: float | None) -> int | None:
 
 
 def held_ram_budget(args, ram_budget: int | None, vram_budget: int | None) -> tuple[int | None, list[str]]:
-    """The RAM budget a run takes held to this machine's RAM, and one line for each budget above the machine's memory,
-    said at start where it was given (its flag where typed, else the settings'); a VRAM budget (None: a CPU run, which does
-    not count one) is left as it is: a load plans with the VRAM free."""
+    """The RAM budget a run takes held to this machine's RAM, and one line for each budget above the machine's memory (or
+    a RAM budget the system's headroom takes whole: `budget_hint`), said at start where it was given (its flag where
+    typed, else the settings'); a VRAM budget (None: a CPU run, which does not count one) is left as it is: a load plans
+    with the VRAM free."""
     from ..engine import GIB
     from .options import OPTION, budget_hint, machine_memory
 

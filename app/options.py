@@ -318,14 +318,16 @@ def machine_memory(gpus: bool = True) -> tuple[int | None, int | None]:
 
 
 def budget_hint(name: str, value, ram: int | None, vram: int | None) -> str:
-    """A budget above this machine's memory (ram, vram: machine_memory's) in one line, "" for any other value: said where
-    it is typed, not refused, since a load holds it to the machine (and a settings file may move to a larger one)."""
+    """A budget above this machine's memory (ram, vram: machine_memory's), or a RAM budget the system's headroom takes
+    whole, in one line, "" for any other value: said where it is typed, not refused, since a load holds it to the machine
+    (and a settings file may move to a larger one)."""
     if name not in BUDGETS or isinstance(value, bool) or not isinstance(value, (int, float)):
         return ""
-    from ..engine import above_the_machine
+    from ..engine import above_the_machine, within_the_headroom
 
-    on_gpu = name == "vram_budget_gib"
-    return above_the_machine(value * 2**30, vram if on_gpu else ram, vram=on_gpu)
+    if name == "vram_budget_gib":
+        return above_the_machine(value * 2**30, vram, vram=True)
+    return above_the_machine(value * 2**30, ram) or within_the_headroom(value * 2**30)
 
 
 SETTINGS_SAMPLING = tuple(o.name for o in OPTIONS if o.group == "sampling" and o.setting)  # the chat's, from settings.toml

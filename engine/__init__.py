@@ -26,7 +26,7 @@ _MODULES = {  # submodule -> the public names it provides
     "model.memory_estimate": ("estimate", "total_params"),
     "model.memory_budgets": ("GIB", "above_the_machine", "available_ram_bytes", "check_budgets", "check_host_room",
                              "context_keeping_experts", "default_context", "expert_store_room", "gib", "max_cache_experts",
-                             "physical_ram_bytes", "ratio_at_most"),
+                             "physical_ram_bytes", "ratio_at_most", "within_the_headroom"),
     "model.config_file": ("PULL_MARKER", "download_unfinished", "read_config_dict"),
     "shared_files": ("write_whole",),
     "placement": ("NO_GPU", "CudaProbe", "Gpu", "Placement", "best_gpu", "prequantized_format", "prequantized_label",

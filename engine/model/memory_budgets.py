@@ -183,6 +183,13 @@ def above_the_machine(budget: float, machine: int | None, vram: bool = False) ->
     return f"more than this machine's {gib(machine)} of RAM: a load holds it to that"
 
 
+def within_the_headroom(ram_budget: float) -> str:
+    """A RAM budget its headroom (ram_headroom) takes whole, in words ("" where some is left): said where it is typed, as
+    "RAM budget" reads as what moechat may use, and the load's refusal came only after a Save."""
+    keep = ram_headroom(int(ram_budget))
+    return "" if ram_budget > keep else f"at most the {gib(keep)} kept free for the system: nothing left for moechat"
+
+
 def available_ram_bytes() -> int | None:
     """The RAM free now, the page cache's reclaimable part included."""
     return _virtual_memory("available")

@@ -201,6 +201,9 @@ def test_a_budget_above_the_machine_is_said_at_start_where_it_was_given(monkeypa
     assert (cfg.host_ram_budget_bytes, cfg.vram_budget_bytes) == (16 * gib, 100 * gib)
     cfg, err = config("--ram-budget-gib", "12", "--vram-budget-gib", "100", "--device", "cpu")
     assert err == "" and cfg.notices == () and cfg.host_ram_budget_bytes == 12 * gib
+    cfg, err = config("--ram-budget-gib", "1.5", "--device", "cpu")  # the system's 2 GiB take it whole: the load refuses it
+    said = "--ram-budget-gib 1.5 is at most the 2.00 GiB kept free for the system: nothing left for moechat"
+    assert err.splitlines() == [f"moechat: warning: {said}"] and cfg.notices == (said,)
     save_settings({"ram_budget_gib": 500})
     cfg, err = config()
     assert err.splitlines() == [f"moechat: warning: settings' ram_budget_gib 500 is {ram}"]

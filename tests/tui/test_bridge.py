@@ -174,7 +174,7 @@ def test_load_stream_stats_and_spac_frames(checkpoint):
         assert ready.model == path.name and "\n" not in ready.summary
         assert ready.summary.startswith("on cpu in float32 · ") and path.name not in ready.summary  # the line names it first
         assert "8/16 experts" in ready.summary and "self" in ready.summary and "spac" in ready.summary
-        assert ready.brief == "cpu fp32 · 8/16 experts · drafter self γ3 · policy spac"  # the status line's short form
+        assert ready.brief == "cpu fp32 · 8/16 on fast tier · drafter self γ3 · policy spac"  # the status line's short form
 
         bridge.generate(7, CHAT, SamplingParams(max_new_tokens=24))
         assert bridge.busy
@@ -220,12 +220,15 @@ def test_the_live_hit_rate_counts_the_prompt_as_the_replys_summary_does(checkpoi
 
 
 def test_demand_frames_without_fast_tier_and_stop(checkpoint):
-    """No fast tier, no drafter: frames show demand (each layer's top-k experts), acceptance and hit
+    """No fast tier, no drafter: the status says every expert runs on the CPU, and its short form leaves out the count,
+    which read "0/16 experts" (as if none were used); frames show demand (each layer's top-k experts), acceptance and hit
     rate are None; stop() from this thread cancels mid-reply and the next reply runs."""
     path = checkpoint("olmoe")
     bridge, inbox = started(lambda: EngineConfig(str(path), scheduler=SchedulerConfig(policy="lru")), interval=0.0)
     try:
-        inbox.wait(EngineReady)
+        ready = inbox.wait(EngineReady)
+        assert ready.summary == "on cpu in float32 · all 16 experts on the CPU · drafter none · policy lru"
+        assert ready.brief == "cpu fp32 · no drafter · policy lru"
         bridge.generate(1, CHAT, SamplingParams(max_new_tokens=480))
         inbox.wait(ReplyDelta, 3, request_id=1)
         bridge.stop()
@@ -440,7 +443,8 @@ def test_cuda_stats_and_reload_frees_the_fast_tier(checkpoint):
 
     bridge, inbox = started(factory, interval=0.0)
     try:
-        inbox.wait(EngineReady)
+        ready = inbox.wait(EngineReady)
+        assert "8/16 experts on the GPU" in ready.summary and " · 8/16 on GPU · " in ready.brief  # the short form says where
         bridge.generate(1, CHAT, SamplingParams(max_new_tokens=16))
         fin = inbox.ending(1)
         assert isinstance(fin, ReplyFinished) and fin.reason == "length"

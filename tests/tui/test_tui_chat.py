@@ -752,6 +752,36 @@ async def test_narrowing_the_terminal_with_the_expert_view_shown_hides_the_chat_
 
 @pilot_test
 @pytest.mark.notorch
+async def test_the_expert_view_says_no_model_is_loaded_and_a_reload_waits_for_frames_again(tmp_path):
+    """F3 after a failed load said "waiting for the first expert frame…", as if a reply were coming: it says no model is
+    loaded and what to do, wrapped to the panel (a frame from the model before is gone too); a load waits again."""
+    from moechat.app.tui.messages import Frame
+
+    async with without_model(tmp_path) as (app, pilot):
+        chat = app.chat
+        await pilot.press("f3")
+        await pilot.pause()
+
+        def shown() -> str:
+            heatmap = chat.heatmap
+            assert all(len(heatmap.render_line(y).text) == heatmap.size.width for y in range(heatmap.size.height))
+            return " ".join(" ".join(heatmap.render_line(y).text.split()) for y in range(heatmap.size.height)).strip()
+
+        said = shown()
+        assert said.startswith("no model is loaded (the status line says why): fix the settings") and "waiting" not in said
+        assert said.endswith("pick a model with Ctrl+P's Setup wizard")
+        chat.show_loading(0.5, "reading the weights")
+        await pilot.pause()
+        assert shown() == "waiting for the first expert frame…"
+        chat.show_frame(Frame([[1, 0]], [[True, False]], [1], 2, "utility", 7))
+        await until(pilot, lambda: chat.heatmap.frame is not None, "the frame drawn")
+        chat.show_failed("the model failed to load")
+        await pilot.pause()
+        assert chat.heatmap.frame is None and shown().startswith("no model is loaded")
+
+
+@pilot_test
+@pytest.mark.notorch
 async def test_the_chat_list_that_made_room_comes_back_with_the_width_but_never_against_f4(tmp_path, stored):
     """Widened again after the chat list made room for the expert view, the list stayed hidden until F4. It comes back
     with the width, or when the expert view closes; a list F4 hid (wide or narrow) stays hidden."""
@@ -1259,9 +1289,9 @@ async def test_sigterm_quits_as_ctrl_q_does_keeping_the_reply_being_written(tmp_
 
 LONG_SUMMARY = ("on cuda:0 (the only GPU) in bfloat16 (the GPU supports it) · 48/6144 int4 (GPTQ) "
                 "experts on the GPU · drafter self (γ 4) · policy spac · calibration profile",
-                "cuda:0 bf16 · 48/6144 int4 (GPTQ) experts · drafter self γ4 · policy spac · profile")
-DEMO_SUMMARY = ("on cpu in float32 · 0/256 experts on the fast tier · drafter none · policy spac",
-                "cpu fp32 · 0/256 experts · no drafter · policy spac")
+                "cuda:0 bf16 · 48/6144 int4 (GPTQ) on GPU · drafter self γ4 · policy spac · profile")
+DEMO_SUMMARY = ("on cpu in float32 · all 256 experts on the CPU · drafter none · policy spac",
+                "cpu fp32 · no drafter · policy spac")
 
 
 @pilot_test
@@ -1269,11 +1299,11 @@ DEMO_SUMMARY = ("on cpu in float32 · 0/256 experts on the fast tier · drafter 
 @pytest.mark.parametrize("model, summary, figures, said", [
     ("demo", DEMO_SUMMARY, (23.4, None, None, 4), {
         160: "demo  ·  23.4 tok/s  ·  acceptance –  ·  hit rate –  ·  4 tokens  ·  " + DEMO_SUMMARY[0],
-        120: "demo · 23.4 tok/s · 4 tok · cpu fp32 · 0/256 experts · no drafter · policy spac",
-        80: "demo · 23.4 tok/s · 4 tok · cpu fp32 · 0/256 experts · no drafter"}),
+        120: "demo · 23.4 tok/s · 4 tok · cpu fp32 · no drafter · policy spac",
+        80: "demo · 23.4 tok/s · 4 tok · cpu fp32 · no drafter · policy spac"}),
     ("Qwen3-30B-A3B-GPTQ-Int4", LONG_SUMMARY, (23.4, 0.81, 0.95, 120), {
         160: "Qwen3-30B-A3B-GPTQ-Int4 · 23.4 tok/s · acc 0.81 · hit 0.95 · 120 tok · " + LONG_SUMMARY[1],
-        120: "Qwen3-30B-A3B-GPTQ-Int4 · 23.4 tok/s · acc 0.81 · hit 0.95 · 120 tok · cuda:0 bf16 · 48/6144 int4 (GPTQ) experts",
+        120: "Qwen3-30B-A3B-GPTQ-Int4 · 23.4 tok/s · acc 0.81 · hit 0.95 · 120 tok · cuda:0 bf16 · 48/6144 int4 (GPTQ) on GPU",
         80: "Qwen3-30B-A3B-GPTQ-Int4 · 23.4 tok/s · acc 0.81 · hit 0.95 · 120 tok"}),
 ])
 async def test_the_status_line_takes_a_short_form_that_fits_rather_than_a_cut(tmp_path, model, summary, figures, said):

@@ -25,6 +25,16 @@ def own_config_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
 
 
+@pytest.fixture(autouse=True)
+def a_machine_with_a_gpu(monkeypatch):
+    """The settings screen's budget hints read this machine (32 GiB of RAM, a 24 GiB GPU), not the one running the tests:
+    without a GPU the VRAM field says so; a test may pin another."""
+    from moechat import engine
+
+    monkeypatch.setattr(engine, "physical_ram_bytes", lambda: 32 * GIB)
+    monkeypatch.setattr(engine, "gpu_info", lambda: ([GpuInfo("Test GPU", 24 * GIB, 22 * GIB)], ""))
+
+
 def fake_hardware(gpu: bool = True) -> Hardware:
     gpus = [GpuInfo("Test GPU", 24 * GIB, 22 * GIB, "550.1", 4, 16)] if gpu else []
     return Hardware("Test CPU", 4, ["avx2"], 32 * GIB, 20 * GIB, 500 * GIB, gpus=gpus, gpu_note="" if gpu else "no driver")
@@ -380,6 +390,40 @@ def test_a_budget_above_the_machine_is_said_under_its_field_and_saved(tmp_path, 
     assert result.settings.ram_budget_gib == 64 and load_settings(path)[0].ram_budget_gib == 64  # said, not refused
 
 
+@pytest.mark.notorch
+def test_the_budget_fields_say_a_machine_without_a_gpu_and_a_ram_budget_the_system_keeps_whole(tmp_path, monkeypatch):
+    """A walkthrough on a machine without a GPU: the VRAM field took a value without a word, and a RAM budget of 1 GiB
+    for the demo too, whose load then failed (moechat keeps 2 GiB of it free). Both are said under their fields; a RAM
+    budget above what is kept free, or empty, says nothing; neither is refused."""
+    from moechat import engine
+
+    monkeypatch.setattr(engine, "physical_ram_bytes", lambda: 16 * GIB)
+    monkeypatch.setattr(engine, "gpu_info", lambda: ([], "no NVIDIA driver: its NVML library is missing"))
+    path = tmp_path / "settings.toml"
+
+    async def run():
+        shown = []
+        async with settings_screen(path) as (app, pilot):
+            await app.screen.workers.wait_for_complete()
+            await pilot.pause()
+            for name, value in (("vram_budget_gib", None), ("vram_budget_gib", "8"), ("ram_budget_gib", None),
+                                ("ram_budget_gib", "1"), ("ram_budget_gib", "2"), ("ram_budget_gib", "2.5")):
+                if value is not None:
+                    app.screen.query_one(f"#{name}").value = value
+                    await pilot.pause()
+                hint = app.screen.query_one(f"#{name}-hint")
+                shown.append(str(hint.content) if hint.display else None)
+            app.screen.query_one("#ram_budget_gib").value = "1"
+            await click(pilot, "#save")
+        return app.result, shown
+
+    result, shown = asyncio.run(run())
+    no_gpu = "this machine has no NVIDIA GPU that PyTorch can use: the VRAM budget is not counted here"
+    kept = "at most the 2.00 GiB kept free for the system: nothing left for moechat"
+    assert shown == [no_gpu, no_gpu, None, kept, kept, None]
+    assert result.settings.ram_budget_gib == 1 and result.settings.vram_budget_gib == 8  # said, not refused
+
+
 def test_the_wizards_budget_fields_say_one_above_the_machine_it_probed(tmp_path):
     """The wizard's budget fields say a budget above the machine's RAM and its GPU's memory as the probe found them (32
     and 24 GiB here), as the settings screen does, and go on to calibration with it."""
@@ -447,6 +491,40 @@ async def _wizard_model_errors(bad_dir, unsupported_dir):
             messages.append(str(app.screen.query_one("#model-error").content))
         assert app.screen.step == 0
     return messages
+
+
+def test_enter_on_the_wizards_model_list_takes_the_source_and_goes_on(tmp_path):
+    """Enter on the first step, where the focus starts (the model list, the demo taken), did nothing: only Tab to Next
+    went on. It takes the highlighted source and goes on as Next does: the demo to the budgets; a source whose box is
+    empty says what to type and puts the cursor there; one whose box holds a model checks it."""
+    from moechat.app.demo import DEMO_MODEL
+
+    async def run():
+        seen = []
+        app = Host(WizardScreen(hardware=fake_hardware(), path=tmp_path / "settings.toml"))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            screen = app.screen
+            seen.append(app.focused.id)
+            await pilot.press("enter")
+            seen.append(screen.step)
+            await click(pilot, "#back")
+            screen.query_one("#source").focus()
+            await pilot.press("down", "enter")  # "A model directory", its box empty
+            await pilot.pause()
+            seen += [screen.step, screen.query_one("#source").pressed_button.id, app.focused.id,
+                     str(screen.query_one("#model-error").content)]
+            screen.query_one("#model-dir").value = str(DEMO_MODEL)
+            screen.query_one("#source").focus()
+            await pilot.press("enter")
+            for _ in range(200):  # the check runs on a worker
+                await pilot.pause(0.05)
+                if screen.step == 1:
+                    break
+            seen += [screen.step, screen.model_dir]
+        return seen
+
+    assert asyncio.run(run()) == ["source", 1, 0, "src-dir", "model-dir", "type a directory", 1, str(DEMO_MODEL)]
 
 
 def test_wizard_refuses_a_model_the_engine_cannot_run(tmp_path):

@@ -39,7 +39,7 @@ from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed
 from ..messages import Frame, Stats
 from ..reply_saver import ReplySaver
-from ..widgets.heatmap import ExpertHeatmap
+from ..widgets.heatmap import WAITING, ExpertHeatmap
 from ..widgets.message_view import (
     SEGMENT_CHARS,
     ChatInput,
@@ -54,6 +54,8 @@ from ..widgets.stats import StatsPanel
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
 REDRAW_S = 1 / 15
+NO_MODEL = ("no model is loaded (the status line says why): fix the settings, whose Save loads it again, or pick a "
+            "model with Ctrl+P's Setup wizard")
 NARROW = 100  # columns below which the chat list (28), the expert view (44) and a usable input do not fit side by side
 CHECK_S = 2.0  # how often the chat list looks for another moechat window's changes (one PRAGMA, no lock)
 
@@ -208,6 +210,7 @@ class ChatScreen(Screen):
         self.loading_bar.display = True
         self.loading_bar.update(progress=fraction)
         self.state, self.brief = f"loading: {label} {fraction:.0%}", ""
+        self.heatmap.say(WAITING)  # the last model's frame, or that none is loaded, is over
         self.update_status()
 
     def show_ready(self, model: str, summary: str, brief: str = "") -> None:
@@ -218,6 +221,7 @@ class ChatScreen(Screen):
     def show_failed(self, message: str) -> None:
         self.loading_bar.display = False
         self.state, self.brief = "engine stopped: " + message, ""
+        self.heatmap.say(NO_MODEL)
         self.update_status()
 
     # The side panel is hidden until asked for: while it is, its widgets keep the newest figures and draw nothing.

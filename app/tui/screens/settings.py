@@ -22,7 +22,7 @@ from textual.screen import Screen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
-from ....engine import prequantized_label
+from ....engine import NO_GPU, prequantized_label
 from ...models import checkpoint_config
 from ...options import BUDGETS, OPTION, budget_hint, machine_memory, value_words
 from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings, settings_path
@@ -128,7 +128,7 @@ class SettingsScreen(Screen):
         self.initial, self.notice, self.flags = settings, notice, flags or {}
         model = self.flags.get("model") or settings.model
         self.arrives = prequantized_label(checkpoint_config(model))  # read once: the form has no model field
-        self.memory: tuple[int | None, int | None] = (None, None)  # the machine's RAM and GPU memory, read once mounted
+        self.memory: tuple[int | None, int | None] | None = None  # the machine's RAM and GPU memory, read once mounted
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -198,8 +198,15 @@ class SettingsScreen(Screen):
             self._show_budget_hint(name)
 
     def _show_budget_hint(self, name: str) -> None:
+        """Under a budget: one above the machine, a RAM budget the system's headroom takes whole, and the VRAM field
+        whatever its value where the machine has no GPU (the wizard disables it there; this form may be for another)."""
         value = parse_field(name, self.query_one(f"#{name}", Input).value)
-        hint = None if field_error(name, value) else budget_hint(name, value, *self.memory)
+        if self.memory is None or field_error(name, value):
+            hint = None
+        elif name == "vram_budget_gib" and self.memory[1] is None:
+            hint = f"this machine has {NO_GPU}: the VRAM budget is not counted here"
+        else:
+            hint = budget_hint(name, value, *self.memory)
         show_error(self.query_one(f"#{name}-hint", Label), hint)
 
     def _follow_backend(self) -> None:

@@ -14,12 +14,14 @@ skips the budgets and calibration, and is saved as `backend` (dismissing with it
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import (
     Button,
@@ -97,6 +99,24 @@ NO_PROFILE = ("none: the calibration did not finish; moechat uses this model's e
               "defaults (`moechat calibrate` measures later)")
 
 
+class SourceList(RadioSet):
+    """The model's sources: Enter takes the highlighted one and goes on, as Enter in a box does (Space only takes it). A
+    RadioSet's Enter toggles, which on the source already taken (the demo, at first) did nothing."""
+
+    BINDINGS: ClassVar[list[Binding]] = [Binding("enter", "choose", "Choose", show=False)]
+
+    class Chosen(Message):
+        def __init__(self, source: str) -> None:
+            super().__init__()
+            self.source = source
+
+    def action_choose(self) -> None:
+        if self._selected is not None:  # RadioSet's highlighted button, which its arrows move
+            button = self.children[self._selected]
+            button.value = True
+            self.post_message(self.Chosen(button.id))
+
+
 class WizardScreen(Screen):
     """`WizardScreen(hardware=None, path=None, calibrate=None, memory_freed=None)`.
 
@@ -142,8 +162,9 @@ class WizardScreen(Screen):
     def help_markdown(self) -> str:
         """F1's help here (the chat's keys do not run on this screen): the steps and the keys."""
         return ("# Setup\n\n| key | action |\n|---|---|\n| Tab, Shift+Tab | next, previous field |\n"
-                "| Enter | the focused button (Back, Next, Finish) |\n| Esc | cancel: a calibration that runs stops, nothing is "
-                f"saved |\n\n- **{TITLES[0]}**: the embedded demo, a model directory, a Hugging Face id (downloaded as "
+                "| Enter | the focused button (Back, Next, Finish); in a box or the model list, Next |\n"
+                "| Esc | cancel: a calibration that runs stops, nothing is saved |\n\n"
+                f"- **{TITLES[0]}**: the embedded demo, a model directory, a Hugging Face id (downloaded as "
                 "`moechat pull` does) or a remote server's URL.\n"
                 f"- **{TITLES[1]}**: `auto` picks the GPU when one is usable and the dtype it computes well; budgets left "
                 "empty use what is free at each start.\n"
@@ -157,7 +178,7 @@ class WizardScreen(Screen):
         with ContentSwitcher(initial=STEPS[0]):
             with Vertical(id="step-model"):
                 yield Label(TITLES[0], classes="title")
-                with RadioSet(id="source"):
+                with SourceList(id="source"):
                     yield RadioButton("The embedded demo model (small, runs anywhere)", id="src-demo", value=True)
                     yield RadioButton("A model directory on this machine", id="src-dir")
                     yield RadioButton("A Hugging Face model to download (needs the network)", id="src-hub")
@@ -289,6 +310,11 @@ class WizardScreen(Screen):
     def _submitted(self) -> None:
         self.action_next()  # Enter in a box: Next
 
+    @on(SourceList.Chosen)
+    def _source_chosen(self, event: SourceList.Chosen) -> None:
+        if not self._said_busy():
+            self._leave_model(event.source)  # the list has not handled the press yet: its pressed_button is the old one
+
     # --- navigation ---------------------------------------------------------------------------
     def _go(self, step: int) -> None:
         self.step = step
@@ -329,23 +355,26 @@ class WizardScreen(Screen):
         if text:
             self.call_after_refresh(widget.scroll_visible, animate=False)  # once laid out at its wrapped height
 
-    def _leave_model(self) -> None:
+    def _leave_model(self, source: str | None = None) -> None:
+        """Next from the source `source`, else the one pressed; an empty box says what to type and takes the focus."""
         self._say("#model-error", "")
-        source = self.query_one("#source", RadioSet).pressed_button
-        if source is None or source.id == "src-demo":
+        pressed = self.query_one("#source", RadioSet).pressed_button
+        source = source or (pressed.id if pressed else "src-demo")
+        if source == "src-demo":
             self._model_chosen(str(DEMO_MODEL), None, str(DEMO_DRAFT))
             return
         box, hint, doing = {"src-dir": ("#model-dir", "type a directory", "checking the model…"),
                             "src-hub": ("#hub-id", "type a Hugging Face id, e.g. Qwen/Qwen3-30B-A3B", "downloading {}…"),
                             "src-remote": ("#backend-url", "type the server's URL, e.g. http://localhost:8000/v1",
-                                           "connecting to {}…")}[source.id]
+                                           "connecting to {}…")}[source]
         text = self.query_one(box, Input).value.strip()
         if not text:
             self._say("#model-error", hint)
+            self.query_one(box, Input).focus()
             return
         self.busy = True
         self._say("#model-error", doing.format(text))
-        self.run_worker(lambda: self._resolve_model(source.id, text), thread=True, group="model")
+        self.run_worker(lambda: self._resolve_model(source, text), thread=True, group="model")
 
     def _resolve_model(self, source: str, text: str) -> None:
         from ....engine import MoechatError

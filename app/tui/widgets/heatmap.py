@@ -27,6 +27,7 @@ Give it a height (e.g. `height: 1fr`); it scrolls itself, so don't wrap it in a 
 from __future__ import annotations
 
 import math
+import textwrap
 import time
 from typing import ClassVar
 
@@ -45,6 +46,7 @@ ALL_RESIDENT, SOME_RESIDENT = "●", "•"
 TOP_LINES, BOTTOM_LINES = 2, 2  # header + expert ruler; legend (levels, marks)
 MIN_ROWS = 3  # layer rows a short pane keeps before its pinned lines
 MARKED = (Style(), Style(underline=True), Style(reverse=True))  # without colour: no, some, every expert resident
+WAITING = "waiting for the first expert frame…"
 
 
 def group_size(n_experts: int, cells: int) -> int:
@@ -125,6 +127,14 @@ class ExpertHeatmap(ScrollView):
         self._labels: list[str] = []
         self._columns = (1, 1)  # (label width, τ width)
         self._pinned = (TOP_LINES, BOTTOM_LINES)  # (top, bottom) lines kept at this height
+        self.idle = WAITING  # shown, wrapped, while there is no frame
+
+    def say(self, text: str) -> None:
+        """`text` in place of a frame: none came yet, or the model that sent it is gone (its frame would still show)."""
+        if self.frame is None and self._pending is None and self.idle == text:
+            return
+        self.frame, self._pending, self.idle = None, None, text
+        self.refresh()
 
     # -- frames in, capped redraws out ------------------------------------------------------------
 
@@ -205,7 +215,8 @@ class ExpertHeatmap(ScrollView):
         width = self.scrollable_content_region.width or self.size.width
         base = self.rich_style
         if self.frame is None:
-            text = " waiting for the first expert frame…" if y == 0 else ""
+            said = textwrap.wrap(self.idle, max(width - 2, 8))
+            text = " " + said[y] if y < len(said) else ""
             return Strip([Segment(text.ljust(width), base)]).crop(0, width)
         self._relayout()
         shown, (top, bottom) = min(self.size.height, self.virtual_size.height), self._pinned

@@ -69,8 +69,10 @@ def busy_bar(cpu_s: float, device_s: float, width: int = BAR_WIDTH) -> str:
 
 
 def memory_line(used: int | None, budget: int | None, room: int, more: str = "") -> str:
-    """Used of budget as a bar and figures (then `more`) in `room` columns."""
-    figures = ("n/a" if used is None else f"{human_bytes(used)} / {'n/a' if budget is None else human_bytes(budget)}") + more
+    """Used of budget as a bar and figures (then `more`, where it fits whole: a narrow panel cut it mid-word) in `room`
+    columns."""
+    figures = "n/a" if used is None else f"{human_bytes(used)} / {'n/a' if budget is None else human_bytes(budget)}"
+    figures += more if len(figures + more) <= room else ""
     width = bar_width(room, figures)
     if not width:
         return figures
@@ -118,7 +120,8 @@ class StatsPanel(Vertical):
         room = (self.content_region.width or 80) - LABEL_WIDTH  # columns after the labels
         cpu, device = seconds(s.cpu_busy_s), seconds(s.device_busy_s)
         busy = busy_bar(s.cpu_busy_s, s.device_busy_s, bar_width(room, f"CPU {cpu} · device {device}"))
-        chats = f"{s.kept_conversations} chat" + ("" if s.kept_conversations == 1 else "s")
+        # the engine's kept prompts, not the chat list's chats: a stopped reply and its regeneration are two
+        kept = f"{s.kept_conversations} prompt" + ("" if s.kept_conversations == 1 else "s")
         where = f"remote {s.remote} (its figures; memory is the server's)" if s.remote else "embedded"
         lines = {
             "engine": f"engine      {where}" if self.stats else "engine      n/a",
@@ -132,7 +135,7 @@ class StatsPanel(Vertical):
             "ram": f"RAM         {memory_line(s.ram_used, s.ram_budget, room)}",
             "prompt": (f"prompt      {s.prompt_tokens:,} tokens, {s.reused_tokens:,} reused" if s.prompt_tokens
                        else "prompt      n/a"),
-            "kv-kept": ("KV kept     " + memory_line(s.kept_bytes, s.kept_budget, room, f" · {chats}")
+            "kv-kept": ("KV kept     " + memory_line(s.kept_bytes, s.kept_budget, room, f" · {kept}")
                         if s.kept_budget else "KV kept     off"),
         }
         for key, text in lines.items():
