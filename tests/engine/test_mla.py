@@ -387,14 +387,14 @@ def test_a_cpu_prompt_pass_expands_a_group_of_heads_as_the_estimate_counts(check
     to SDPA's math kernel, which writes every head's scores: about 100 KiB per cached position per pass on
     DeepSeek-V2-Lite, 18 GiB at its 163,840 positions, counted nowhere. A pass past MAX_ABSORBED expands HEAD_GROUP
     heads at a time with their values padded to the keys' width for the flash kernel: on a 16-head model its logits are
-    transformers' within rounding with its argmax, and the RAM the process grows by in a 512-position pass after 6,000
+    transformers' within rounding with its argmax, and the RAM the process grows by in a 512-position pass after 3,000
     stays within what the estimate counts per position (cpu_prefill_bytes_per_token) and 32 MiB for what does not grow
     with the past; transformers' pass grows past that."""
     from moechat.engine.config import PREFILL_CHUNK as T
     from moechat.engine.config import prefill_passes
     from moechat.engine.model.memory_estimate import cpu_prefill_bytes_per_token, estimate
 
-    past = 6000
+    past = 3000
     model_dir = checkpoint("deepseek_v2", num_attention_heads=16, num_key_value_heads=16, qk_nope_head_dim=64,
                            v_head_dim=64, max_position_embeddings=past + T)
     cfg = {"model_dir": str(model_dir), "dtype": "float32"}
