@@ -481,7 +481,8 @@ async def _wizard_model_errors(bad_dir, unsupported_dir):
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
         assert app.screen.query_one("#vram_budget_gib").placeholder == "free at each start (22.0 GiB now)"  # the fake GPU's
-        for box, text in (("#model-dir", bad_dir), ("#model-dir", unsupported_dir), ("#hub-id", "not-an-id")):
+        for box, text in (("#model-dir", bad_dir), ("#model-dir", unsupported_dir), ("#hub-id", "not-an-id"),
+                          ("#model-dir", bad_dir / "gone"), ("#model-dir", "Qwen/Qwen3-30B-A3B")):
             app.screen.query_one(box).value = str(text)  # typing in a box picks its source
             await click(pilot, "#next")
             for _ in range(100):  # the check runs on a worker
@@ -530,10 +531,16 @@ def test_enter_on_the_wizards_model_list_takes_the_source_and_goes_on(tmp_path):
 def test_wizard_refuses_a_model_the_engine_cannot_run(tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    missing, unsupported, hub = asyncio.run(_wizard_model_errors(tmp_path, tmp_path / "other"))
+    missing, unsupported, hub, gone, hub_id = asyncio.run(_wizard_model_errors(tmp_path, tmp_path / "other"))
     assert "no config.json" in missing
     assert "unsupported architecture model_type='llama'" in unsupported
     assert "is not a Hugging Face repository id" in hub  # `moechat pull`'s own check, before any network
+    # the loader's command-line advice (`--model`, `moechat pull`) in the wizard's words: its own Hugging Face choice
+    assert gone.endswith('does not exist: name a local Hugging Face model directory (a Hugging Face id: "A Hugging Face '
+                         'model to download" above)'), gone
+    assert hub_id.endswith('is not downloaded (nor a directory here): "A Hugging Face model to download" above downloads '
+                           'Qwen/Qwen3-30B-A3B'), hub_id
+    assert "moechat pull" not in gone + hub_id and "--model" not in gone
 
 
 async def _wizard_pull_progress(shown):
@@ -923,6 +930,24 @@ def test_setup_flag_reaches_the_chat_command(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--setup", "generate", "--prompt", "hi"])
     assert exit_.value.code == 2 and "give it no command" in capsys.readouterr().err
+
+
+def test_the_settings_name_the_model_and_where_to_change_it(tmp_path):
+    """The settings screen had no model: a user looking there for it found nothing that said the wizard changes it. It
+    names the model a load takes (a typed --model over the file's) and the way to change it."""
+    path = tmp_path / "settings.toml"
+    path.write_text('model = "/models/qwen3"\n', encoding="utf-8")
+
+    async def shown(flags):
+        app = Host(SettingsScreen(path=path, flags=flags))
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.pause()
+            return str(app.screen.query_one("#model-name").content)
+
+    assert asyncio.run(shown({})) == "/models/qwen3 (Ctrl+P's Setup wizard, from the chat, changes it)"
+    assert asyncio.run(shown({"model": "/models/olmoe"})).startswith("/models/olmoe ")
+    path.write_text("", encoding="utf-8")
+    assert asyncio.run(shown({})).startswith("the embedded demo ")
 
 
 def test_snapshot_settings_screen(snap_compare, tmp_path):

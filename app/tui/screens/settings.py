@@ -134,6 +134,11 @@ class SettingsScreen(Screen):
         yield Header()
         yield Static(self.notice or "", id="notice", markup=False)
         with VerticalScroll():
+            with Horizontal(classes="row"):  # no field: the wizard checks a model (and downloads one) before it is taken
+                yield Label("Model", classes="name")
+                model = self.flags.get("model") or self.initial.model
+                yield Label(f"{model or 'the embedded demo'} (Ctrl+P's Setup wizard, from the chat, changes it)",
+                            id="model-name", markup=False)
             for option in FIELDS:
                 yield from getattr(self, f"_{option.widget}_row")(option, getattr(self.initial, option.name))
         yield Static("", id="reload")

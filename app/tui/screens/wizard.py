@@ -13,6 +13,7 @@ skips the budgets and calibration, and is saved as `backend` (dismissing with it
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import ClassVar
 
@@ -97,6 +98,19 @@ UNLOAD_WAIT_S = 120  # at most this long for a reply in progress to end and the 
 
 NO_PROFILE = ("none: the calibration did not finish; moechat uses this model's earlier profile if there is one, else "
               "defaults (`moechat calibrate` measures later)")
+
+
+HUB_SOURCE = '"A Hugging Face model to download"'
+
+
+def wizard_words(message: str) -> str:
+    """The loader's advice in this step's words: where it names the command line (`--model`, `moechat pull`), the
+    wizard's own choices."""
+    message = message.replace(" (--model, or `model` in the settings; a Hub id needs `moechat pull` first)",
+                              f" (a Hugging Face id: {HUB_SOURCE} above)")
+    message = re.sub(r"`moechat pull ([^`]+)` downloads it", rf"{HUB_SOURCE} above downloads \1", message)
+    return message.replace("`moechat pull` with the same model name resumes it",
+                           f"{HUB_SOURCE} above, with the same name, resumes it")
 
 
 class SourceList(RadioSet):
@@ -403,7 +417,7 @@ class WizardScreen(Screen):
 
     def _model_failed(self, message: str) -> None:
         self.busy = False
-        self._say("#model-error", message)
+        self._say("#model-error", wizard_words(message))
 
     def _backend_chosen(self, url: str, model: str) -> None:
         """A remote backend answers: nothing to measure here, straight to Finish."""
