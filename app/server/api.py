@@ -78,9 +78,13 @@ class _Body(BaseModel):
             raise ValueError("only n = 1 is supported: send one request per completion")
         return n
 
-    @field_validator("stop")
+    @field_validator("stop", mode="wrap")
     @classmethod
-    def _stops(cls, stop):
+    def _stops(cls, stop, handler):
+        try:
+            stop = handler(stop)
+        except ValidationError:  # pydantic's message names the union's first branch: `Input should be a valid string`
+            raise ValueError("send a string or a list of strings") from None
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > MAX_STOPS or not all(stops):
             raise ValueError(f"takes up to {MAX_STOPS} non-empty strings")

@@ -208,7 +208,8 @@ def test_api_keys(server):
     (b'"messages"', "not a JSON object: send one, with the header Content-Type: application/json"),
     (b"", "the request body is empty: send a JSON object"),  # was `Field required`, naming nothing
     (b'{"messages": "\xff\xfe"}', "could not be read as JSON (not UTF-8 text"),
-    ({"messages": SEA, "stop": [1, 2]}, "stop: Input should be a valid string"),  # not `stop.str`, pydantic's branch
+    ({"messages": SEA, "stop": [1, 2]}, "stop: send a string or a list of strings"),  # not `stop.str`, pydantic's branch
+    ({"messages": SEA, "stop": 5}, "stop: send a string or a list of strings"),  # was `should be a valid string` alone
     ({"messages": SEA, "tools": [{"type": "function", "function": {"name": "f"}}]}, "chat template takes no tools"),
     ({"messages": SEA, "response_format": {"type": "json_object"}}, "`response_format` is not supported"),
     ({"messages": SEA, "logprobs": True}, "`logprobs` is not supported"),
