@@ -234,7 +234,7 @@ class EngineBridge:
         self._engine, self._load_error = engine, ""
         self._send(EngineLoading(1.0, "ready"))
         if isinstance(engine, RemoteEngine):
-            self._send(EngineReady(engine.model, engine.where, f"remote {engine.config.url}"))
+            self._send(EngineReady(engine.model, engine.where, f"remote {engine.config.url}", remote=True))
             return
         placement = config.placement.notice if config.placement else ""
         notices = (placement, *config.notices, *engine.notices)

@@ -140,7 +140,7 @@ class MoechatApp(App):
     def on_engine_ready(self, msg: m.EngineReady) -> None:
         if not self.is_running:
             return
-        self.chat.show_ready(msg.model, msg.summary, msg.brief)
+        self.chat.show_ready(msg.model, msg.summary, msg.brief, msg.remote)
         if msg.notice:
             self.notify(msg.notice, title="moechat", severity="warning", timeout=8)
 

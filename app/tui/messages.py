@@ -25,10 +25,11 @@ class EngineReady(Message):
     """The engine loaded `model` and waits for commands; `summary` is one line for the status bar, `brief` its short
     form for a narrow one (parts joined by " · ", the least wanted last)."""
 
-    def __init__(self, model: str, summary: str, brief: str, notice: str = "") -> None:
+    def __init__(self, model: str, summary: str, brief: str, notice: str = "", remote: bool = False) -> None:
         super().__init__()
         self.model, self.summary, self.brief = model, summary, brief
         self.notice = notice  # e.g. native kernels unavailable
+        self.remote = remote  # a remote backend: it sends no expert frames
 
 
 class EngineFailed(Message):

@@ -754,8 +754,9 @@ async def test_narrowing_the_terminal_with_the_expert_view_shown_hides_the_chat_
 @pytest.mark.notorch
 async def test_the_expert_view_says_no_model_is_loaded_and_a_reload_waits_for_frames_again(tmp_path):
     """F3 after a failed load said "waiting for the first expert frame…", as if a reply were coming: it says no model is
-    loaded and what to do, wrapped to the panel (a frame from the model before is gone too); a load waits again."""
-    from moechat.app.tui.messages import Frame
+    loaded and what to do, wrapped to the panel (a frame from the model before is gone too); a load waits again, and a
+    remote backend, which sends none, says so."""
+    from moechat.app.tui.messages import EngineReady, Frame
 
     async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
@@ -773,6 +774,11 @@ async def test_the_expert_view_says_no_model_is_loaded_and_a_reload_waits_for_fr
         chat.show_loading(0.5, "reading the weights")
         await pilot.pause()
         assert shown() == "waiting for the first expert frame…"
+        app.post_message(EngineReady("served-model", "remote", "remote http://host:8000/v1", remote=True))
+        await pilot.pause()  # a remote backend sends no frames: it waited for them for ever
+        assert shown().startswith("a remote server runs the model: its experts are not seen here")
+        chat.show_loading(0.5, "reading the weights")
+        await pilot.pause()
         chat.show_frame(Frame([[1, 0]], [[True, False]], [1], 2, "utility", 7))
         await until(pilot, lambda: chat.heatmap.frame is not None, "the frame drawn")
         chat.show_failed("the model failed to load")

@@ -56,6 +56,7 @@ from ..widgets.stats import StatsPanel
 REDRAW_S = 1 / 15
 NO_MODEL = ("no model is loaded (the status line says why): fix the settings, whose Save loads it again, or pick a "
             "model with Ctrl+P's Setup wizard")
+REMOTE = "a remote server runs the model: its experts are not seen here (this view shows the embedded engine's)"
 NARROW = 100  # columns below which the chat list (28), the expert view (44) and a usable input do not fit side by side
 CHECK_S = 2.0  # how often the chat list looks for another moechat window's changes (one PRAGMA, no lock)
 
@@ -213,9 +214,11 @@ class ChatScreen(Screen):
         self.heatmap.say(WAITING)  # the last model's frame, or that none is loaded, is over
         self.update_status()
 
-    def show_ready(self, model: str, summary: str, brief: str = "") -> None:
+    def show_ready(self, model: str, summary: str, brief: str = "", remote: bool = False) -> None:
         self.loading_bar.display = False
         self.model, self.state, self.brief = model, summary or "ready", brief
+        if remote:  # it waited for frames that never come
+            self.heatmap.say(REMOTE)
         self.update_status()
 
     def show_failed(self, message: str) -> None:
