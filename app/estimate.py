@@ -8,7 +8,7 @@ from pathlib import Path
 
 def add_estimate(sub) -> None:
     from ..engine import KNOWN_MODELS
-    from .cli import add_renamed
+    from .cli import add_renamed, default_to_settings
     from .options import OPTION
 
     p = sub.add_parser("estimate", help="memory a model needs, from its config alone (no weights are loaded)")
@@ -17,8 +17,7 @@ def add_estimate(sub) -> None:
                         f"{', '.join(KNOWN_MODELS)} (default: the settings, else the embedded demo)")
     OPTION["device"].add_flag(p)  # where and in which dtype a run computes: its KV cache and weights as it keeps them
     OPTION["dtype"].add_flag(p)
-    p.add_argument("--quant", type=OPTION["quant"].parse, choices=OPTION["quant"].choices, default=None,
-                   help=f"{OPTION['quant'].help} (default: the settings, else none)")
+    OPTION["quant"].add_flag(p)
     p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",
                    help="context length in tokens (default: the settings, else the model's)")
     p.add_argument("--draft", default=None, metavar="DIR", help="a separate draft model's directory, counted in VRAM")
@@ -28,6 +27,7 @@ def add_estimate(sub) -> None:
                    help="RAM budget: experts in RAM or read from the mmap'd files")
     add_renamed(p, vram_gib="--vram-budget-gib", ram_gib="--ram-budget-gib")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    default_to_settings(p, ("quant",))  # left out: the settings' format, as a run takes it
     p.set_defaults(func=cmd_estimate)
 
 
@@ -105,23 +105,22 @@ def fitted(est, vram: int | None, ram: int | None, context_given: bool, machine_
     return est, fit_report(est, vram, ram, machine_ram, free_vram)
 
 
-def free_vram_of_the_gpu() -> tuple[int, str] | None:
-    """The VRAM free on the GPU `auto` takes and its name (NVML, as this_machine reads it); None where NVML lists none."""
+def gpu_auto_takes():
+    """(NVML's GpuInfo of the GPU `auto` takes, None where NVML lists none; NVML's note)."""
     from ..engine import best_gpu, gpu_info
 
-    gpus = gpu_info()[0]
-    return (best_gpu(gpus).free_bytes, best_gpu(gpus).name) if gpus else None
+    gpus, note = gpu_info()
+    return (best_gpu(gpus) if gpus else None), note
 
 
 def this_machine(est, on_cpu: bool, context_given: bool) -> dict | None:
     """Whether a run fits this machine now, by fit_report as for budgets, with what a load plans with: the RAM available
     (psutil) and, for a GPU run, the VRAM free on the GPU `auto` takes (NVML); None where the RAM cannot be read."""
-    from ..engine import NO_GPU, available_ram_bytes, best_gpu, gpu_info, physical_ram_bytes
+    from ..engine import NO_GPU, available_ram_bytes, physical_ram_bytes
 
-    ram, available, (gpus, note) = physical_ram_bytes(), available_ram_bytes(), gpu_info()
+    ram, available, (gpu, note) = physical_ram_bytes(), available_ram_bytes(), gpu_auto_takes()
     if ram is None or available is None:
         return None
-    gpu = best_gpu(gpus) if gpus else None
     vram = None if on_cpu or gpu is None else gpu.free_bytes  # a CPU run's fit is the RAM's
     at, fit = fitted(est, vram, available, context_given, machine_ram=ram)
     return {"ram_bytes": ram, "ram_available_bytes": available, "gpu": gpu and gpu.name, "vram_bytes": gpu and gpu.total_bytes,
@@ -187,8 +186,9 @@ def cmd_estimate(args) -> int:
     where = placement(args, source, gib_bytes(args.vram_budget_gib))
     on_cpu = where.device == "cpu"
     notices = ["--vram-budget-gib not counted: this run computes on the CPU"] if on_cpu and args.vram_budget_gib else []
-    for key in ("ram_budget_gib", "vram_budget_gib"):  # the settings' where no flag is typed, as a run holds to them
-        if getattr(args, key) is None and (value := getattr(settings, key)) is not None and (key[0] == "r" or not on_cpu):
+    counted = ("ram_budget_gib",) if on_cpu else ("ram_budget_gib", "vram_budget_gib")  # a CPU run ignores a VRAM one
+    for key in counted:  # the settings' where no flag is typed, as a run holds to them
+        if getattr(args, key) is None and (value := getattr(settings, key)) is not None:
             setattr(args, key, value)
             notices.append(f"the settings' {key} {value:g} counted, as a run holds to it")
     vram, ram = gib_bytes(args.vram_budget_gib), gib_bytes(args.ram_budget_gib)
@@ -199,10 +199,10 @@ def cmd_estimate(args) -> int:
     model_context, fit, machine = est.context_len, {}, None
     vram_words = None if vram is None else f"VRAM {args.vram_budget_gib:g} GiB"
     if vram is None and ram is not None and not on_cpu:  # a RAM budget alone on a GPU run: the VRAM free, as a load plans
-        if (gpu := free_vram_of_the_gpu()) is None:
+        if (gpu := gpu_auto_takes()[0]) is None:
             notices.append("VRAM not counted: NVML names no GPU to read the free VRAM of (--vram-budget-gib sets one)")
         else:
-            vram, vram_words = gpu[0], f"VRAM {gib(gpu[0])} free on the {gpu[1]}"
+            vram, vram_words = gpu.free_bytes, f"VRAM {gib(gpu.free_bytes)} free on the {gpu.name}"
             notices.append(f"{vram_words} counted, as a load plans with it (--vram-budget-gib sets a budget)")
     notice = "; ".join(notices)
     if vram is not None or ram is not None:  # the budgets given; without, the sizes and whether this machine holds them
