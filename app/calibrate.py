@@ -82,18 +82,36 @@ def machine_profile(model_dir: str, budgets: dict[str, int], device: str | None 
     return profile, (profile_path(fp, key) if profile else None), notice
 
 
-def _printed_progress():
-    """progress(name, fraction) printing a line when it changes: a step reported at each timed call prints once a percent."""
-    last = ""
+class PrintedProgress:
+    """progress(name, fraction) on a stream: on a terminal one line per phase, its percent rewritten in place (a step
+    reported at each timed call printed a line a percent, ~100 lines); elsewhere (a log) a line per phase and per 10 %.
+    A context manager: the last line is ended however the run ends, so an error starts a line of its own."""
 
-    def progress(name: str, frac: float) -> None:
-        nonlocal last
+    def __init__(self, stream=None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.name, self.frac, self.shown, self.open = None, 0.0, "", False
+
+    def __call__(self, name: str, frac: float) -> None:
         line = f"[{100 * frac:3.0f}%] {name}"
-        if line != last:
-            last = line
-            print(line, file=sys.stderr, flush=True)
+        if line == self.shown:
+            return
+        if self.tty:
+            self.stream.write(("\n" if self.open and name != self.name else "\r\x1b[K" if self.open else "") + line)
+            self.open = True
+        elif name != self.name or round(100 * frac) // 10 != round(100 * self.frac) // 10:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self.name, self.frac, self.shown = name, frac, line
 
-    return progress
+    def __enter__(self) -> PrintedProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
 
 
 def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
@@ -125,7 +143,7 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
     from .demo import eval_prompts
 
     check_profiles_writable()
-    progress = progress or _printed_progress()
+    progress = progress or PrintedProgress()
     progress("probing the hardware", 0.0)
     hw = probe()
     draft_dir = None if drafter in ("none", "self") else drafter
@@ -217,9 +235,10 @@ def cmd_calibrate(args) -> int:
     for line in held_ram_budget(args, ram, vram if settings.device != "cpu" else None)[1]:  # decide holds them as a load does
         print(f"moechat: warning: {line}", file=sys.stderr)
     try:
-        profile, path = calibrate(model_dir, drafter, args.quick, quant=settings.quant, device=settings.device,
-                                  dtype=settings.dtype, vram_budget=vram,
-                                  ram_budget=ram, context_len=settings.context_len)
+        with PrintedProgress() as progress:
+            profile, path = calibrate(model_dir, drafter, args.quick, progress=progress, quant=settings.quant,
+                                      device=settings.device, dtype=settings.dtype, vram_budget=vram, ram_budget=ram,
+                                      context_len=settings.context_len)
     except BudgetError as err:  # it takes its budgets, context and device from the settings file, not from flags
         raise BudgetError(in_app_words(str(err), keys=True)) from None
     seconds = time.perf_counter() - t0

@@ -289,13 +289,20 @@ def _time_generation(engine, m: Measurements, prompts: list[str], max_new_tokens
     finally:
         engine.reset_prefix_cache()  # the next requests prefill again, with the drafter's own cache
         engine.use(engine.config, runtime, drafter)
-    m.plain_step_s = statistics.median(s.verify_s for s in plain) if plain else None
     steps = _generation_steps(engine, prompts, max_new_tokens, "drafting and verification", report, 0.65, 0.35)
-    drafted = sum(s.drafted for s in steps)
-    if drafted:
-        m.draft_s_per_token = sum(s.draft_s for s in steps) / drafted
-        m.acceptance = sum(s.accepted for s in steps) / drafted
-        full = [s.verify_s for s in steps if s.drafted == m.max_tokens - 1]  # windows of γ+1 tokens only
+    step_figures(m, plain, steps)
+
+
+def step_figures(m: Measurements, plain: list, steps: list) -> None:
+    """The plain step, drafting, acceptance and verification figures of `m` from the StepStats of plain and drafting runs.
+    Times are medians over steps, as the plain step's was: one step slowed by another process (a shared machine) moves a
+    mean, and the drafter is kept or dropped on the ratio of these times."""
+    m.plain_step_s = statistics.median(s.verify_s for s in plain) if plain else None
+    drafting = [s for s in steps if s.drafted]
+    if drafting:
+        m.draft_s_per_token = statistics.median(s.draft_s / s.drafted for s in drafting)
+        m.acceptance = sum(s.accepted for s in drafting) / sum(s.drafted for s in drafting)
+        full = [s.verify_s for s in drafting if s.drafted == m.max_tokens - 1]  # windows of γ+1 tokens only
         m.verify_s = statistics.median(full) if full else None
 
 
