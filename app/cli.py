@@ -201,12 +201,21 @@ def acceptance(summary) -> str:
     return f"{summary.acceptance_rate:.2f}" if summary.drafted else "n/a"
 
 
-def stats_line(s) -> str:
-    """generate's stats line; a reply of one token had no decode step (it comes out of the prefill): no decode rate."""
+def fast_tier(engine) -> bool:
+    """Whether the embedded engine keeps experts in a fast tier (VRAM, or a RAM pool): without one every expert runs on
+    the CPU, no hit can happen and nothing moves (a stats line's "expert hit rate 0.00" read as a fault)."""
+    model = getattr(engine, "model", None)  # a remote backend has none
+    return model is not None and model.cache.capacity > 0
+
+
+def stats_line(s, experts_cached: bool = True) -> str:
+    """generate's stats line; a reply of one token had no decode step (it comes out of the prefill): no decode rate.
+    experts_cached: the run has a fast tier, whose hit rate and copies are said."""
     decode = f"{s.decode_tokens_per_s:.1f} tok/s" if s.new_tokens > 1 else "n/a"
+    experts = (f"expert hit rate {s.hit_rate:.2f}, {s.bytes_moved / 2**20:.1f} MiB moved" if experts_cached else
+               "experts all on the CPU")
     return (f"[{s.new_tokens} token{'' if s.new_tokens == 1 else 's'}, prefill {s.prefill_tokens_per_s:.1f} tok/s, "
-            f"decode {decode}, acceptance {acceptance(s)}, expert hit rate {s.hit_rate:.2f}, "
-            f"{s.bytes_moved / 2**20:.1f} MiB moved, finish: {s.finish_reason}]")
+            f"decode {decode}, acceptance {acceptance(s)}, {experts}, finish: {s.finish_reason}]")
 
 
 def print_notices(engine) -> None:
@@ -299,7 +308,7 @@ def cmd_generate(args) -> int:
         print(f"[runs on {args.placement}]", file=sys.stderr)
         if args.profile is not None:
             print(f"[calibration profile: {args.profile}]", file=sys.stderr)
-        print(stats_line(s), file=sys.stderr)
+        print(stats_line(s, fast_tier(engine)), file=sys.stderr)
     if s.lossy:
         print(f"[{s.lossy}: {s.dropped} activations dropped]", file=sys.stderr)
     return 0

@@ -180,7 +180,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
 
 def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ctrl_c: CtrlC) -> int:
     from ..engine import Error, Finished, MoechatError, Request, TokenDelta
-    from .cli import acceptance
+    from .cli import acceptance, fast_tier
     from .history import fit_for_engine
 
     start = [{"role": "system", "content": kept.system}] if kept.system else []
@@ -265,6 +265,7 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
         if finished:
             s = finished.summary
             hits = f"{s.hit_rate:.2f}" if s.hits + s.misses else "n/a"  # a remote server other than moechat's sends none
+            experts = f"expert hit rate {hits}" if remote or fast_tier(engine) else "experts all on the CPU"
             cut = " [cut at the length limit: --max-new-tokens raises it]" if s.finish_reason == "length" else ""
             print(f"[{s.new_tokens} tokens, {s.decode_tokens_per_s:.1f} tok/s, acceptance {acceptance(s)}, "
-                  f"expert hit rate {hits}]" + (f" [{s.lossy}]" if s.lossy else "") + cut, file=sys.stderr)
+                  f"{experts}]" + (f" [{s.lossy}]" if s.lossy else "") + cut, file=sys.stderr)

@@ -553,3 +553,14 @@ def test_generate_json_says_a_pre_quantized_checkpoints_format_came_from_the_che
     assert main(["generate", "--model", str(gptq), "hi", "--max-new-tokens", "2", "--quant", "int8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["quant"] == "int4" and out["choices"]["quant"] == {"value": "int4", "from": "checkpoint"}
+
+
+@pytest.mark.parametrize("ratio, said", [("0", "experts all on the CPU"), ("0.5", "expert hit rate ")])
+def test_the_stats_line_speaks_of_hits_only_with_a_fast_tier(checkpoint, capsys, ratio, said):
+    """A CPU run keeps every expert in RAM (ratio 0): no hit can happen, and "expert hit rate 0.00" read as a fault."""
+    from moechat.app.cli import main
+
+    model = str(checkpoint("qwen3_moe"))
+    assert main(["generate", "--model", model, "hi", "--max-new-tokens", "2", "--expert-cache-ratio", ratio]) == 0
+    stats = capsys.readouterr().err.splitlines()[-1]
+    assert said in stats and ("MiB moved" in stats) == (ratio != "0"), stats
