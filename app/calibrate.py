@@ -224,7 +224,7 @@ def _fmt_s(value: float | None) -> str:
 
 def cmd_calibrate(args) -> int:
     from ..engine import BudgetError
-    from .engine_config import gib_bytes, held_ram_budget
+    from .engine_config import gib_bytes, held_to_the_machine
     from .options import in_app_words
     from .settings import load_settings
 
@@ -232,7 +232,8 @@ def cmd_calibrate(args) -> int:
     t0 = time.perf_counter()
     settings = load_settings()[0]  # the format, budgets and context the settings fix are calibrated with; unset: decided
     ram, vram = gib_bytes(settings.ram_budget_gib), gib_bytes(settings.vram_budget_gib)
-    for line in held_ram_budget(args, ram, vram if settings.device != "cpu" else None)[1]:  # decide holds them as a load does
+    budgets = {"ram_budget_gib": ram, "vram_budget_gib": vram if settings.device != "cpu" else None}
+    for line in held_to_the_machine(args, budgets)[1]:  # decide holds them as a load does
         print(f"moechat: warning: {line}", file=sys.stderr)
     try:
         with PrintedProgress() as progress:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import time
 from pathlib import Path
 
 from ..engine import MoechatError
@@ -103,6 +104,38 @@ def explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
         return (f"chat database {path} is locked by another program ({said}): close it (a database browser, a backup) "
                 "and try again")
     return otherwise
+
+
+class DamagedFile(MoechatError):
+    """A chat database that is not an SQLite file, or a damaged one: moving it aside cures it, which the app offers."""
+
+    def __init__(self, line: str, path: Path, why: str | None) -> None:
+        super().__init__(line)
+        self.path, self.why = path, why  # why: SQLite's word for the damage; None: not an SQLite file at all
+
+
+def refusal(path: Path, err: sqlite3.Error) -> MoechatError:
+    """unusable's line as the error the open raises: DamagedFile where the file is junk or damaged (not a full disk, a
+    read-only file or a lock, which moving the file aside would not cure)."""
+    said, damage = unusable(path, err), damaged(path, err)
+    if said != damage:
+        return MoechatError(said)
+    return DamagedFile(said, path, str(err) if sqlite_header(path) else None)
+
+
+def move_aside(path: Path) -> Path:
+    """The file renamed `NAME.damaged-YYYYmmdd-HHMMSS` beside itself (`-2`, `-3`, ... where taken: never over a file),
+    its -wal and -shm with it (SQLite finds them by its name; left behind, they would be read into the new file)."""
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    aside = path.with_name(f"{path.name}.damaged-{stamp}")
+    while any(os.path.lexists(f"{aside}{log}") for log in ("", *LOGS)):
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    os.rename(path, aside)
+    for log in LOGS:
+        if os.path.lexists(f"{path}{log}"):
+            os.rename(f"{path}{log}", f"{aside}{log}")
+    return aside
 
 
 def unusable(path: Path, err: sqlite3.Error | MoechatError) -> str:

@@ -40,6 +40,7 @@ from .chat_file import (
     newest,
     put_unless_there,
     read_only_mount,
+    refusal,
     refuse_a_log_not_its_own,
     unusable,
 )
@@ -176,7 +177,7 @@ class ChatStore:
             self._db = self._open()
         except sqlite3.Error as err:
             self.close()
-            raise MoechatError(unusable(self.path, err)) from None
+            raise refusal(self.path, err) from None
         except OSError as err:
             self.close()
             raise MoechatError(f"cannot create the chat database {self.path} ({err.strerror or err})") from None

@@ -6,13 +6,14 @@ import dataclasses
 import errno
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
 from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
-from .other_tools import GPU_LAYERS, ON_THE_GPU, THEIR_FLAGS, instead, not_a_command, their_command
+from .other_tools import GPU_LAYERS, ON_THE_GPU, THEIR_FLAGS, instead, not_a_command, ours, their_command
 from .terminal_text import as_typed, for_terminal
 
 MISSING = ("the following arguments are required: ", "one of the arguments ")  # argparse's words for what is missing
@@ -26,9 +27,11 @@ class _Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        if message.startswith(MISSING) and (unknown := self._unknown_beside_missing()):
+        if translated := self._translated():
+            message = translated
+        elif message.startswith(MISSING) and (unknown := self._unknown_beside_missing()):
             args, extras = unknown  # argparse checks what is missing first: `generate --bogus` said "no message to send"
-            message = f"unrecognized arguments: {' '.join(extras)}{instead(self, args, extras)}"
+            message = self.unrecognized(args, extras)
         elif message.startswith("one of the arguments PROMPT"):  # `moechat generate` alone, or with its input piped
             message = f'no message to send: {self.prog} "Hello", or {self.prog} - to read it from standard input'
         elif message.startswith(MISSING[0]):
@@ -36,6 +39,40 @@ class _Parser(argparse.ArgumentParser):
         elif "invalid choice" in message:
             message = self._not_a_subcommand(message) or message
         self.exit(2, f"moechat: error: {message} (see `{self.prog} --help`)\n")
+
+    def unrecognized(self, args: argparse.Namespace, unknown: list[str]) -> str:
+        """What to say of arguments this command does not take: flags typed wrong as the command line with the flags meant
+        (argparse's `suggest_on_error` is Python 3.14's, and for choices only), else another tool's habit (`instead`)."""
+        typos = self._typos(unknown)
+        if typos and getattr(self, "_given", None) is not None:
+            return f"unrecognized arguments: {' '.join(unknown)}; did you mean: {self._line(typos)}"
+        return f"unrecognized arguments: {' '.join(unknown)}{instead(self, args, unknown)}"
+
+    def _typos(self, words: list[str]) -> dict[str, str]:
+        """{typed: meant} for the long flags among `words` this parser lacks but has one close to (`--prot`: `--port`)."""
+        import difflib
+
+        flags = [f for f, action in self._option_string_actions.items()
+                 if f.startswith("--") and not isinstance(action, _Renamed)]  # not a removed flag's old name
+        typed = {w.split("=")[0] for w in words if w.startswith("--")} - set(flags)
+        return {w: close[0] for w in typed if (close := difflib.get_close_matches(w, flags, n=1, cutoff=0.7))}
+
+    def _line(self, fixes: dict[str, str]) -> str:
+        """The command line as given to this parser, each flag in `fixes` replaced (`--prot=1`: `--port=1`)."""
+        def fixed(word: str) -> str:
+            flag, eq, value = word.partition("=")
+            return fixes.get(flag, flag) + eq + value
+
+        return shlex.join([*self.prog.split(), *map(fixed, self._given)])
+
+    def _translated(self) -> str | None:
+        """llama.cpp's flags in place of moechat's as the line with moechat's, whatever argparse made of them (`generate -n
+        5 Hi` said "unrecognized arguments: -n Hi": it took 5 for the message); None without them."""
+        theirs = ours(self, getattr(self, "_given", None) or [])
+        if not theirs:
+            return None
+        flag = next(iter(theirs))
+        return f"{flag} is llama.cpp's; moechat's is {theirs[flag]}: {self._line({**self._typos(self._given), **theirs})}"
 
     def _unknown_beside_missing(self) -> tuple[argparse.Namespace, list[str]] | None:
         """(args, the arguments this parser does not know) parsed again with nothing required, else None."""
@@ -451,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # said by the command's parser: `moechat serve --prot 1` points to `moechat serve --help`, which lists its flags
         command = _command_parser(parser, argv)
-        command.error(f"unrecognized arguments: {' '.join(unknown)}{instead(command, args, unknown)}")
+        command.error(command.unrecognized(args, unknown))
     if args.setup and getattr(args, "func", None):
         parser.error("--setup opens the chat with the setup wizard first: give it no command")
     if not getattr(args, "func", None):  # `moechat` alone: chat (the app on a terminal); `--setup` rides along

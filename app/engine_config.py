@@ -35,23 +35,24 @@ def gib_bytes(value: float | None) -> int | None:
     return None if value is None else int(value * 2**30)
 
 
-def held_ram_budget(args, ram_budget: int | None, vram_budget: int | None) -> tuple[int | None, list[str]]:
-    """The RAM budget a run takes held to this machine's RAM, and one line for each budget above the machine's memory (or
-    a RAM budget the system's headroom takes whole: `budget_hint`), said at start where it was given (its flag where
-    typed, else the settings'); a VRAM budget (None: a CPU run, which does not count one) is left as it is: a load plans
-    with the VRAM free."""
+def held_to_the_machine(args, budgets: dict[str, int | None]) -> tuple[dict[str, int | None], list[str]]:
+    """The budgets a run takes (bytes, by option name: `HELD`'s), those of RAM held to this machine's RAM, and one line for
+    each above the machine's memory (or a RAM budget the system's headroom takes whole: `budget_hint`), said at start where
+    it was given (its flag where typed, else the settings'); a VRAM budget (None: a CPU run, which does not count one) is
+    left as it is: a load plans with the VRAM free."""
     from ..engine import GIB
     from .options import OPTION, budget_hint, machine_memory
 
-    if ram_budget is None and vram_budget is None:
-        return None, []
-    ram, vram = machine_memory(gpus=vram_budget is not None)
+    if all(value is None for value in budgets.values()):
+        return budgets, []
+    ram, vram = machine_memory(gpus=budgets.get("vram_budget_gib") is not None)
     lines = []
-    for name, value in (("ram_budget_gib", ram_budget), ("vram_budget_gib", vram_budget)):
+    for name, value in budgets.items():
         where = OPTION[name].flag if getattr(args, name, None) is not None else f"settings' {name}"
         if value is not None and (hint := budget_hint(name, value / GIB, ram, vram)):
             lines.append(f"{where} {value / GIB:g} is {hint}")
-    return (ram_budget if ram_budget is None or ram is None else min(ram_budget, ram)), lines
+    return {name: value if value is None or ram is None or name == "vram_budget_gib" else min(value, ram)
+            for name, value in budgets.items()}, lines
 
 
 def engine_config(args):
@@ -97,7 +98,10 @@ def engine_config(args):
     args.placement = run_placement(args.device, args.dtype, settings, args.model, args.quant)
     args.device, args.dtype = args.placement.device, args.placement.dtype
     # held here, or the load says it again; the profile above was looked up by the budget as given
-    ram_budget, above = held_ram_budget(args, ram_budget, vram_budget if args.device != "cpu" else None)
+    conversation_cache = gib_bytes(first(args.conversation_cache_gib, settings.conversation_cache_gib))
+    held, above = held_to_the_machine(args, {"ram_budget_gib": ram_budget, "conversation_cache_gib": conversation_cache,
+                                             "vram_budget_gib": vram_budget if args.device != "cpu" else None})
+    ram_budget, conversation_cache = held["ram_budget_gib"], held["conversation_cache_gib"]
     for line in above:
         print(f"moechat: warning: {line}", file=sys.stderr)
     if user_draft is None and d is None and args.draft == str(DEMO_DRAFT) and args.device == "cpu":
@@ -120,7 +124,7 @@ def engine_config(args):
         model_dir=args.model, device=args.device, dtype=args.dtype, placement=args.placement, expert_cache_ratio=ratio,
         expert_cache_bytes=cache_bytes, fit_expert_cache=not user_sized, host_ram_budget_bytes=ram_budget, quant=args.quant,
         vram_budget_bytes=vram_budget, context_len=context_len, lean_decode=args.lean_decode,
-        conversation_cache_bytes=gib_bytes(first(args.conversation_cache_gib, settings.conversation_cache_gib)),
+        conversation_cache_bytes=conversation_cache,
         spec=SpecConfig(drafter=args.draft, draft_len=args.draft_len),
         notices=tuple(n for n in (profile_notice, *above) if n),  # the chat app's stderr reaches no screen
         scheduler=SchedulerConfig(

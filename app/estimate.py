@@ -214,8 +214,8 @@ def cmd_estimate(args) -> int:
         print(json.dumps({"model": str(name), "device": where.device, **asdict(est), "total_params": total_params(est),
                           "model_context_len": model_context,
                           "all_experts_bytes": est.all_experts_bytes, "kv_bytes_per_token": kv // est.context_len,
-                          "kv_bytes": kv, **fit, **({"notice": notice} if notice else {}),
-                          **({"this_machine": machine} if machine else {})}))
+                          "kv_bytes": kv, **fit, "fits": fit.get("fits", machine and machine["fits"]),  # one to test
+                          **({"notice": notice} if notice else {}), **({"this_machine": machine} if machine else {})}))
         return 0 if fit.get("fits", True) else 1
     print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {_count(total_params(est))} parameters)")
     print(f"  non-expert weights  {gib(est.non_expert_bytes):>12}  "

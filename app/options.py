@@ -307,7 +307,8 @@ def in_app_words(line: str, keys: bool = False) -> str:
     return _FLAG.sub(lambda m: names.get(m.group(), m.group()), line)
 
 
-BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the options whose value this machine's memory bounds
+BUDGETS = ("vram_budget_gib", "ram_budget_gib")  # the memory budgets (the wizard's fields)
+HELD = (*BUDGETS, "conversation_cache_gib")  # the options whose value this machine's memory bounds
 
 
 def machine_memory(gpus: bool = True) -> tuple[int | None, int | None]:
@@ -321,12 +322,14 @@ def budget_hint(name: str, value, ram: int | None, vram: int | None) -> str:
     """A budget above this machine's memory (ram, vram: machine_memory's), or a RAM budget the system's headroom takes
     whole, in one line, "" for any other value: said where it is typed, not refused, since a load holds it to the machine
     (and a settings file may move to a larger one)."""
-    if name not in BUDGETS or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if name not in HELD or isinstance(value, bool) or not isinstance(value, (int, float)):
         return ""
     from ..engine import above_the_machine, within_the_headroom
 
     if name == "vram_budget_gib":
         return above_the_machine(value * 2**30, vram, vram=True)
+    if name == "conversation_cache_gib":  # what moechat keeps, not what it may use: no headroom to leave
+        return above_the_machine(value * 2**30, ram)
     return above_the_machine(value * 2**30, ram) or within_the_headroom(value * 2**30)
 
 

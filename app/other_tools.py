@@ -47,15 +47,17 @@ def not_a_command(argv: list[str], commands) -> str:
             "or moechat chat for a conversation")
 
 
+def ours(command: argparse.ArgumentParser, unknown: list[str]) -> dict[str, str]:
+    """llama.cpp's flags among `unknown` that `command` takes under moechat's name: {theirs: ours}."""
+    return {w: THEIR_FLAGS[w] for w in unknown if THEIR_FLAGS.get(w) in command._option_string_actions}
+
+
 def instead(command: argparse.ArgumentParser, args, unknown: list[str]) -> str:
-    """What to type for arguments another tool taught (llama.cpp's -m, a model without --model, a message unquoted), or ''."""
+    """What to type for arguments another tool taught (llama.cpp's -ngl, a model without --model, a message unquoted), or ''."""
     flags = command._option_string_actions  # a word after an unknown flag is its value (`serve --prot 8080`), not a model
     words = [w for i, w in enumerate(unknown) if not w.startswith("-") and not (i and unknown[i - 1].startswith("-"))]
-    flag = next((w for w in unknown if w in THEIR_FLAGS or w in ON_THE_GPU), None)
-    if flag in ON_THE_GPU and "--vram-budget-gib" in flags:
+    if any(w in ON_THE_GPU for w in unknown) and "--vram-budget-gib" in flags:
         return f"; {GPU_LAYERS}"
-    if THEIR_FLAGS.get(flag) in flags:
-        return f"; {flag} is llama.cpp's, moechat's is {THEIR_FLAGS[flag]}"
     if not words or "--model" not in flags:
         return ""
     text = getattr(args, "text", None)  # generate's message: the unknown words followed it

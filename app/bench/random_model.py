@@ -207,6 +207,9 @@ def write_random_checkpoint(out: Path, cfg, seed: int = 0, gptq: bool = False) -
     pool.shutdown()
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    mode = (out / "model.safetensors.index.json").stat().st_mode & 0o777  # the umask's, as a file written by open()
+    for name in names:
+        os.chmod(out / name, mode)  # safetensors writes its files 0600 (through a temporary file of its own)
     if gptq:
         cfg.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "desc_act": False, "sym": True,
                                    "checkpoint_format": "gptq", "static_groups": False, "true_sequential": True,
@@ -238,7 +241,7 @@ def cmd_random_model(args) -> int:
     total = write_random_checkpoint(args.out, cfg, args.seed, args.gptq)
     for f in DEMO_MODEL.iterdir():  # the demo's tokenizer and chat template
         if f.name.startswith(("tokenizer", "chat_template")):
-            shutil.copy(f, args.out / f.name)
+            shutil.copyfile(f, args.out / f.name)  # the umask's mode, not the installed demo's
     family = get_family(cfg.model_type)
     moe = len(family.sparse_layers(cfg))
     print(f"{args.out}: {args.like}-shaped random {cfg.model_type}, {cfg.num_hidden_layers} layers ({moe} MoE), "

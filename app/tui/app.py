@@ -21,6 +21,7 @@ from textual.filter import LineFilter
 from ...engine import native, write_whole
 from ..bridge import EngineBridge
 from ..chat_export import export_markdown
+from ..chat_file import DamagedFile
 from ..chats import ChatStore, ChatStoreError
 from ..options import SETTINGS_SAMPLING, in_app_words, winning_flags
 from ..settings import Settings, kept_aside_on_save, load_settings, save_settings, settings_path
@@ -29,6 +30,7 @@ from . import messages as m
 from .commands import BINDINGS, CHAT_ACTIONS, MoechatCommands, checked_keymap
 from .guard import store_failures_noticed
 from .screens.chat import ChatScreen
+from .screens.damaged_chats import moved_aside
 from .screens.dialogs import Confirm, TextPrompt
 from .screens.help import HelpScreen
 
@@ -76,6 +78,7 @@ class MoechatApp(App):
         # message held while a reply stopped
         self.engine_notice: Callable[[], str | None] | None = None  # run_tui's: a --model over the settings' backend
         self.flags: dict[str, object] = {}  # run_tui's settings typed as flags: every load takes them over the file
+        self.store_notice: str | None = None  # run_tui's: where a damaged chat database went
 
     def get_default_screen(self) -> ChatScreen:
         return self.chat
@@ -115,6 +118,8 @@ class MoechatApp(App):
         for notice in (self.settings_notice, self.apply_look(self.settings)):
             if notice:
                 self.notify(notice, severity="warning", timeout=10)
+        if self.store_notice:  # a path to note down: longer
+            self.notify(self.store_notice, severity="warning", timeout=30)
         if self.first_run:  # the model the wizard picks loads when it closes, not the default one first
             self.action_setup()
         else:
@@ -431,7 +436,15 @@ def run_tui(args) -> int:
     first_run = args.setup or (not settings_path().exists() and args.model is None and not args.backend)
     # Sampling: a flag typed, else the settings' (the settings screen edits them); the command line's seed, top-k, stops.
     # The settings (or --backend) may name a remote backend; read again at every reload, as the engine's options are.
-    app = MoechatApp(lambda: remote_config(base) or engine_config(copy.copy(base)), first_run=first_run)
+    def config():
+        return remote_config(base) or engine_config(copy.copy(base))
+
+    try:
+        app, moved = MoechatApp(config, first_run=first_run), None
+    except DamagedFile as err:  # junk or damaged: the dialog offers to move it aside (Quit: the line, as before)
+        moved = moved_aside(err)
+        app = MoechatApp(config, first_run=first_run)
+    app.store_notice = moved
     app.engine_notice = lambda: backend_overridden(base)
     app.flags = winning_flags(args)
     app.sampling = sampling_params(args, app.settings)

@@ -15,6 +15,7 @@ import pytest
 
 import moechat
 from moechat.app.chat_export import export_markdown
+from moechat.app.chat_file import DamagedFile, move_aside
 from moechat.app.chat_migrations import APPLICATION_ID, MIGRATIONS
 from moechat.app.chats import ChatStore, ChatStoreError, store_path
 from moechat.engine.errors import MoechatError
@@ -303,6 +304,7 @@ def test_a_truncated_file_says_it_is_damaged_and_how_to_rescue_it(tmp_path):
         ChatStore(path)
     message = str(err.value)
     assert "is damaged (database disk image is malformed)" in message and ".recover" in message and "\n" not in message
+    assert isinstance(err.value, DamagedFile) and err.value.why == "database disk image is malformed"  # the app offers a move
 
 
 def test_a_full_disk_at_start_says_the_disk_is_full(tmp_path, monkeypatch):
@@ -317,6 +319,7 @@ def test_a_full_disk_at_start_says_the_disk_is_full(tmp_path, monkeypatch):
     with pytest.raises(MoechatError) as err:
         ChatStore(path)
     assert "the disk is full" in str(err.value) and "move it aside" not in str(err.value)
+    assert not isinstance(err.value, DamagedFile)  # moving it aside cures nothing
 
 def test_database_from_a_newer_moechat_is_refused_untouched(tmp_path):
     path = tmp_path / "chats.sqlite3"
@@ -330,7 +333,7 @@ def test_database_from_a_newer_moechat_is_refused_untouched(tmp_path):
     message = str(err.value)
     assert "\n" not in message and str(path) in message
     assert "newer moechat" in message and "move it aside" in message
-    assert path.read_bytes() == before
+    assert path.read_bytes() == before and not isinstance(err.value, DamagedFile)  # its chats: the app offers no move
 
 
 @pytest.mark.parametrize("other", [
@@ -351,7 +354,7 @@ def test_another_programs_database_is_refused_untouched(tmp_path, other):
         ChatStore(path)
     message = str(err.value)
     assert "\n" not in message and str(path) in message and "another program's" in message and "move it aside" in message
-    assert path.read_bytes() == before and not Path(f"{path}-wal").exists()
+    assert path.read_bytes() == before and not Path(f"{path}-wal").exists() and not isinstance(err.value, DamagedFile)
 
 
 @pytest.mark.parametrize("version", range(3))  # 0 (no table yet), 1 and 2: every schema moechat wrote before the mark
@@ -380,8 +383,26 @@ def test_corrupt_file_is_refused_in_one_line(tmp_path):
     message = str(err.value)
     assert "\n" not in message and str(path) in message and "move it aside" in message
     assert "not an SQLite file" in message and ".recover" not in message  # not a damaged database: nothing to rescue
+    assert isinstance(err.value, DamagedFile) and err.value.why is None
     assert err.value.__cause__ is None and err.value.__suppress_context__  # no chained traceback
     assert path.read_bytes() == before
+
+
+def test_a_file_moved_aside_takes_its_logs_and_never_goes_over_another(tmp_path, monkeypatch):
+    """`.damaged-STAMP` taken (by the file or a log of an earlier move): the next free `-N`, each log beside it."""
+    monkeypatch.setattr("moechat.app.chat_file.time.strftime", lambda form: "20250102-030405")
+    path = tmp_path / "chats.sqlite3"
+    taken = {tmp_path / "chats.sqlite3.damaged-20250102-030405": b"earlier",
+             tmp_path / "chats.sqlite3.damaged-20250102-030405-2-wal": b"an earlier one's log"}
+    for where, data in taken.items():
+        where.write_bytes(data)
+    for part in ("", "-wal", "-shm"):
+        Path(f"{path}{part}").write_bytes(f"damaged{part}".encode())
+    aside = move_aside(path)
+    assert aside == tmp_path / "chats.sqlite3.damaged-20250102-030405-3"
+    assert [Path(f"{aside}{part}").read_bytes() for part in ("", "-wal", "-shm")] == [b"damaged", b"damaged-wal", b"damaged-shm"]
+    assert all(where.read_bytes() == data for where, data in taken.items()) and not list(tmp_path.glob("chats.sqlite3-*"))
+    assert not path.exists()
 
 
 def test_a_full_disk_is_one_line_naming_it_and_the_store_goes_on(store):

@@ -250,6 +250,43 @@ def test_an_unknown_flag_points_to_the_help_of_its_command(argv, help_, capsys):
 
 
 @pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["serve", "--prot", "1"], "unrecognized arguments: --prot 1; did you mean: moechat serve --port 1 (see"),
+    (["estimate", "--modle", "X"], "unrecognized arguments: --modle X; did you mean: moechat estimate --model X (see"),
+    (["--verison"], "unrecognized arguments: --verison; did you mean: moechat --version (see"),
+    (["bench", "generate", "--repets=3"], "did you mean: moechat bench generate --repeats=3 (see"),
+    (["generate", "What is MoE?", "--temprature", "0.5"], "did you mean: moechat generate 'What is MoE?' --temperature 0.5"),
+    (["generate", "--bogus"], "unrecognized arguments: --bogus (see"),  # nothing close: no guess
+])
+def test_a_flag_typed_wrong_says_the_command_line_with_the_flag_meant(argv, says, capsys):
+    """Command typos got a "did you mean", flags' none (Python 3.14's argparse suggests for choices only)."""
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "-n", "5", "Hi"], "-n is llama.cpp's; moechat's is --max-new-tokens: moechat generate --max-new-tokens 5 Hi"),
+    (["generate", "-n", "5", "--prompt", "Hi"], "moechat's is --max-new-tokens: moechat generate --max-new-tokens 5 --prompt Hi"),
+    (["generate", "-m", "m", "Hi", "--temprature", "1"], "-m is llama.cpp's; moechat's is --model: moechat generate --model m Hi "
+                                                         "--temperature 1"),
+])
+def test_llama_cpps_flag_before_the_message_is_not_said_to_be_the_message(argv, says, capsys):
+    """`generate -n 5 Hi` said "unrecognized arguments: -n Hi" (argparse took 5 for the message), and with --prompt that the
+    prompt was given twice."""
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err and "not allowed" not in err, err
+
+
+@pytest.mark.notorch
 def test_version_names_the_checkouts_commit(tmp_path):
     """moechat runs from its checkout: `--version` and `doctor` name the commit (loose or packed ref, or detached)."""
     from moechat import commit, version_text
@@ -359,7 +396,7 @@ def test_generate_reads_a_prompt_of_dash_from_standard_input(checkpoint, monkeyp
     (["ls"], "'ls' is not a command; moechat models lists the downloaded models"),
     (["rm", "m"], "'rm' is not a command; delete the model's folder (moechat models lists their paths)"),
     (["-m", "m"], "-m is llama.cpp's; moechat's goes after a command, e.g. moechat chat --model m"),
-    (["generate", "hi", "-n", "5"], "unrecognized arguments: -n 5; -n is llama.cpp's, moechat's is --max-new-tokens"),
+    (["generate", "hi", "-n", "5"], "-n is llama.cpp's; moechat's is --max-new-tokens: moechat generate hi --max-new-tokens 5"),
     (["chat", "-ngl", "99"], "moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
     (["-ngl", "99"], "-ngl is llama.cpp's; moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
     (["chat", "Qwen/Qwen3-30B-A3B"], "name the model with --model: moechat chat --model Qwen/Qwen3-30B-A3B"),
@@ -451,7 +488,7 @@ def test_help_as_a_command_prints_the_help_asked_for(capsys):
 @pytest.mark.notorch
 @pytest.mark.parametrize("argv, says", [
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see `moechat generate --help`)"),  # was "no message to send"
-    (["generate", "-n", "5"], "unrecognized arguments: -n; -n is llama.cpp's, moechat's is --max-new-tokens"),
+    (["generate", "-n", "5"], "-n is llama.cpp's; moechat's is --max-new-tokens: moechat generate --max-new-tokens 5 (see"),
     (["simulate", "--bogus"], "unrecognized arguments: --bogus (see `moechat simulate --help`)"),  # was "required: --traces"
     (["bench", "--bogus"], "unrecognized arguments: --bogus (see `moechat bench --help`)"),
     (["simulate"], "simulate needs --traces: trace files, or folders of them: recorded by `moechat generate --trace FILE`"),
@@ -459,7 +496,7 @@ def test_help_as_a_command_prints_the_help_asked_for(capsys):
     (["bench", "nothing"], "'nothing' is not a bench command; bench takes one of: generate, chat,"),  # was "argument
     (["bench", "sreve"], "'sreve' is not a bench command; did you mean: moechat bench serve"),  # bench_command: invalid choice"
     (["generate", "--quant", "int3"], "argument --quant: must be one of none, int8, int4, got 'int3'"),  # a flag's own words
-    (["serve", "--prot", "8080"], "unrecognized arguments: --prot 8080 (see"),  # 8080 is the flag's value, not a model name
+    (["serve", "--prot", "8080"], "unrecognized arguments: --prot 8080; did you mean"),  # 8080 is the flag's value, not a model
 ])
 def test_an_unknown_flag_is_reported_before_what_is_missing_and_what_is_missing_says_what_it_takes(argv, says, capsys):
     from moechat.app.cli import main

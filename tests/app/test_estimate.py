@@ -284,7 +284,11 @@ def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, mon
     rc, out = shown("--json")
     mine = json.loads(out)["this_machine"]
     assert (mine["ram_bytes"], mine["gpu"], mine["gpu_note"], mine["fits"]) == (4 * gib, None, "no NVIDIA driver", False)
-    assert "this_machine" not in json.loads(shown("--json", "--ram-budget-gib", "64")[1])  # a budget asks of another machine
+    assert rc == 0 and json.loads(out)["fits"] is False  # the exit status stays 0: the one key a script tests says it
+    budget = json.loads(shown("--json", "--ram-budget-gib", "64")[1])
+    assert "this_machine" not in budget and budget["fits"] is True  # a budget asks of another machine
+    monkeypatch.setattr(engine, "available_ram_bytes", lambda: None)  # a system psutil cannot read: no verdict
+    assert json.loads(shown("--json")[1])["fits"] is None
 
     machine(64, [GpuInfo("NVIDIA RTX 4090", 24 * gib, 23 * gib)])  # NVML sees it; this run computes on the CPU
     assert "RTX 4090 with 23.0 GiB free of 24.0 GiB (not counted: this run computes on the CPU)): fits" in shown()[1]

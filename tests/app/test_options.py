@@ -210,6 +210,32 @@ def test_a_budget_above_the_machine_is_said_at_start_where_it_was_given(monkeypa
     assert cfg.host_ram_budget_bytes == 16 * gib
 
 
+def test_a_conversation_cache_above_the_machine_is_said_at_start_as_a_ram_budget_is(monkeypatch, capsys):
+    """`--conversation-cache-gib 100000` got no line, though `--ram-budget-gib 100000` did; the same line now, and the run
+    holds it to the machine's RAM as it holds the RAM budget."""
+    from moechat import engine
+    from moechat.app.engine_config import engine_config
+    from moechat.app.settings import save_settings
+
+    gib = 2**30
+    monkeypatch.setattr(engine, "physical_ram_bytes", lambda: 16 * gib)
+
+    def config(*flags):
+        cfg = engine_config(build_parser().parse_args(["generate", "--prompt", "hi", "--device", "cpu", *flags]))
+        return cfg, capsys.readouterr().err
+
+    ram = "more than this machine's 16.00 GiB of RAM: a load holds it to that"
+    cfg, err = config("--conversation-cache-gib", "100000")
+    said = f"--conversation-cache-gib 100000 is {ram}"
+    assert err.splitlines() == [f"moechat: warning: {said}"] and cfg.notices == (said,)
+    assert cfg.conversation_cache_bytes == 16 * gib
+    cfg, err = config("--conversation-cache-gib", "1.5")  # what moechat keeps: the system's headroom is no matter here
+    assert err == "" and cfg.notices == () and cfg.conversation_cache_bytes == int(1.5 * gib)
+    save_settings({"conversation_cache_gib": 100000})
+    cfg, err = config()
+    assert err.splitlines() == [f"moechat: warning: settings' conversation_cache_gib 100000 is {ram}"]
+
+
 def test_lean_decode_flag_reaches_the_engine_config():
     from moechat.app.engine_config import engine_config
 

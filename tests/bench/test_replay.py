@@ -261,3 +261,19 @@ def test_random_model_gptq_is_the_official_int4_layout_and_runs(tmp_path, capsys
     assert main(["bench", "generate", "--model", str(out), "--max-new-tokens", "3", "--repeats", "1", "--draft", "none"]) == 0
     said = capsys.readouterr().out
     assert "HF: not compared (a GPTQ int4 checkpoint: transformers loads it only through optimum or gptqmodel" in said
+
+
+def test_random_model_files_follow_the_umask(tmp_path, capsys):
+    """Its shards were 0600 (safetensors' own), its other files the umask's: another user of a shared model folder (a
+    benchmark machine's) could read config.json and not the weights."""
+    import os
+
+    out = tmp_path / "shared"
+    umask = os.umask(0o027)
+    try:
+        assert main(["bench", "random-model", str(out), "--like", "olmoe-1b-7b", "--layers", "1", "--hidden", "64",
+                     "--intermediate", "32", "--dtype", "float32"]) == 0
+    finally:
+        os.umask(umask)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes) and set(modes.values()) == {"0o640"}, modes

@@ -768,7 +768,7 @@ def test_calibrate_takes_the_budgets_and_context_the_settings_fix(monkeypatch):
 
 def test_calibrate_says_a_settings_budget_above_the_machine(monkeypatch, capsys):
     """`ram_budget_gib = 500` in the settings on a 16 GiB machine: calibration decided with the machine's RAM without a
-    word. It says so at start, in the words a run's start says it (engine_config.held_ram_budget)."""
+    word. It says so at start, in the words a run's start says it (engine_config.held_to_the_machine)."""
     from types import SimpleNamespace
 
     import moechat.engine

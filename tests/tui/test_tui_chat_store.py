@@ -1,18 +1,22 @@
 """The chat app when its chat database fails or changes under it (app/chats.py, app/tui/guard.py): Regenerate keeps the
 old reply until the new one has text, a full disk or a lock is a notice with the reply kept on screen (and printed at
-quit), a message that cannot be stored comes back to the input, a damaged database opens with a notice, and a chat
-deleted in another window while a dialog is open is said. Textual's Pilot, no model."""
+quit), a message that cannot be stored comes back to the input, a damaged database opens with a notice, a chat
+deleted in another window while a dialog is open is said, and a junk or damaged database at start is offered to be moved
+aside. Textual's Pilot, no model."""
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+from pathlib import Path
 
 import pytest
 import test_tui_chat
 from test_tui_chat import errors, pilot_test, send, titles, until, without_model
 
-from moechat.app.chats import ChatStore
+from moechat.app.chats import ChatStore, store_path
 from moechat.app.tui.messages import ReplyDelta, ReplyFinished
 from moechat.app.tui.widgets.message_view import ChatInput, MessageView
+from moechat.engine.errors import MoechatError
 
 stored = test_tui_chat.stored  # the fixture: two stored conversations, 'older' and 'newer'
 
@@ -493,3 +497,112 @@ async def test_a_write_to_the_open_chat_after_a_backup_is_restored_leaves_the_ba
         if key != "f8":  # delete: nothing of the chat is in the backup to delete, and the screen shows its chats
             assert chat.conv_id is None and any(n.message.startswith("this chat is not in the file put in place")
                                                 for n in app._notifications)
+
+
+@pytest.fixture
+def own_dirs(tmp_path, monkeypatch):
+    """The chat database and settings where no other test's are (platformdirs reads these at each call)."""
+    for var in ("XDG_DATA_HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+
+
+def damaged_store(kind: str) -> tuple[Path, bytes]:
+    """The chat database at its own path made junk or damaged (a truncated SQLite file): (its path, its bytes)."""
+    path = store_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "junk":
+        path.write_bytes(b"my shopping list\n" * 100)
+    else:
+        with ChatStore(path) as store:
+            for i in range(60):
+                store.add(store.create(f"chat {i}"), "user", "words " * 300)
+            store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        with path.open("r+b") as file:
+            file.truncate(path.stat().st_size // 2)
+    return path, path.read_bytes()
+
+
+def answering(monkeypatch, *keys: str) -> list[str]:
+    """The damaged database's dialog run headless, answered with `keys` (a button's #id is clicked): what it said."""
+    from moechat.app.tui.screens import damaged_chats
+
+    def run(self):
+        async def answer(pilot):
+            await until(pilot, lambda: isinstance(pilot.app.screen, damaged_chats.MoveAside), "the dialog")
+            said.append(str(pilot.app.screen.query_one(".dialog-title").render()))
+            for key in keys:
+                await (pilot.click(key) if key.startswith("#") else pilot.press(key))
+
+        return asyncio.run(self.run_async(headless=True, size=(100, 30), auto_pilot=answer))
+
+    said: list[str] = []
+    monkeypatch.setattr(damaged_chats.Asking, "run", run)
+    return said
+
+
+def run_tui(monkeypatch) -> list[str | None]:
+    """The chat command on a terminal up to the chat app's run: the notices it was given."""
+    from moechat.app import cli
+    from moechat.app.tui import app as app_module
+
+    notices: list[str | None] = []
+    monkeypatch.setattr(app_module.MoechatApp, "run", lambda self: notices.append(self.store_notice))
+    assert app_module.run_tui(cli.build_parser().parse_args(["chat", "--model", "unused"])) == 0
+    return notices
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("kind", ["junk", "damaged"])
+@pytest.mark.parametrize("answer", ["#move", "m"])
+def test_a_junk_or_damaged_database_is_moved_aside_when_the_dialog_says_so(own_dirs, monkeypatch, kind, answer):
+    """moechat exited with a line telling the user to move the file by hand before they could chat."""
+    path, before = damaged_store(kind)
+    said = answering(monkeypatch, answer)
+    (notice,) = run_tui(monkeypatch)
+    (aside,) = path.parent.glob(f"{path.name}.damaged-*")
+    assert aside.read_bytes() == before
+    assert "\n" in said[0] and ("is damaged (database disk image is malformed)" if kind == "damaged" else
+                                "is not an SQLite file") in said[0]
+    assert str(aside) in notice and "\n" not in notice and (f"sqlite3 {aside} .recover" in notice) == (kind == "damaged")
+    with ChatStore(path) as store:  # a new one, where the app reads it
+        assert store.conversations() == []
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("kind", ["junk", "damaged"])
+def test_quit_in_the_dialog_leaves_the_file_and_says_the_line(own_dirs, monkeypatch, kind):
+    from moechat.app.chat_file import DamagedFile
+
+    path, before = damaged_store(kind)
+    answering(monkeypatch, "escape")
+    with pytest.raises(DamagedFile) as err:
+        run_tui(monkeypatch)
+    line = str(err.value)  # today's, as `moechat` says it and exits
+    assert "\n" not in line and "move it aside" in line and (".recover" in line) == (kind == "damaged")
+    assert path.read_bytes() == before and not list(path.parent.glob("*.damaged-*"))
+
+
+@pytest.mark.notorch
+def test_a_newer_moechats_database_asks_nothing_and_says_its_line(own_dirs, monkeypatch):
+    """Moving aside a newer moechat's chats (or another program's, a locked or read-only file) would be wrong: no dialog."""
+    from moechat.app.chat_migrations import APPLICATION_ID, MIGRATIONS
+
+    path = store_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(path) as raw:
+        raw.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+        raw.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    said = answering(monkeypatch, "#move")
+    with pytest.raises(MoechatError) as err:
+        run_tui(monkeypatch)
+    assert "newer moechat" in str(err.value) and said == [] and not list(path.parent.glob("*.damaged-*"))
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_where_the_database_went_is_said_in_the_app(tmp_path):
+    app = test_tui_chat.make_app(tmp_path, test_tui_chat.failing("no model here"))
+    app.store_notice = "the chat database was damaged: moved aside to /x/chats.sqlite3.damaged-1"
+    async with app.run_test(size=test_tui_chat.SIZE) as pilot:
+        await until(pilot, lambda: errors(app), "the load failure")
+        assert [n.message for n in app._notifications if n.severity == "warning"] == [app.store_notice]

@@ -362,7 +362,7 @@ VRAM_ABOVE = "more than this machine's 24.00 GiB of GPU memory: a load plans wit
 def test_a_budget_above_the_machine_is_said_under_its_field_and_saved(tmp_path, monkeypatch):
     """A RAM budget of 500 GiB on a 16 GiB machine, in the settings file or typed in its field, was said only at load. The
     field says it (as the quant field's hint), and it is not refused: a load holds it to the machine, and the file may
-    move to a larger one. The VRAM field says one above the GPU's memory."""
+    move to a larger one. The VRAM field says one above the GPU's memory, the conversation cache's one above the RAM."""
     from moechat import engine
 
     monkeypatch.setattr(engine, "physical_ram_bytes", lambda: 16 * GIB)
@@ -375,7 +375,8 @@ def test_a_budget_above_the_machine_is_said_under_its_field_and_saved(tmp_path, 
         async with settings_screen(path) as (app, pilot):
             await app.screen.workers.wait_for_complete()
             for name, value in (("ram_budget_gib", None), ("ram_budget_gib", "12"), ("ram_budget_gib", "-1"),
-                                ("vram_budget_gib", "100"), ("ram_budget_gib", "64")):
+                                ("vram_budget_gib", "100"), ("ram_budget_gib", "64"), ("conversation_cache_gib", "100000"),
+                                ("conversation_cache_gib", "1")):
                 if value is not None:
                     app.screen.query_one(f"#{name}").value = value
                     await pilot.pause()
@@ -386,7 +387,7 @@ def test_a_budget_above_the_machine_is_said_under_its_field_and_saved(tmp_path, 
 
     result, shown = asyncio.run(run())
     ram = RAM_ABOVE.format("16.00")
-    assert shown == [ram, None, None, VRAM_ABOVE, ram]  # a refused value (-1) shows its error, not the hint
+    assert shown == [ram, None, None, VRAM_ABOVE, ram, ram, None]  # a refused value (-1) shows its error, not the hint
     assert result.settings.ram_budget_gib == 64 and load_settings(path)[0].ram_budget_gib == 64  # said, not refused
 
 

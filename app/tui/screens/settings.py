@@ -24,7 +24,7 @@ from textual.widgets import Button, Footer, Header, Input, Label, Select, Static
 
 from ....engine import NO_GPU, prequantized_label
 from ...models import checkpoint_config
-from ...options import BUDGETS, OPTION, budget_hint, machine_memory, value_words
+from ...options import HELD, OPTION, budget_hint, machine_memory, value_words
 from ...settings import RELOAD_FIELDS, SETTINGS_OPTIONS, Settings, load_settings, save_settings, settings_path
 
 DIRECTORY = "directory"  # the drafter Select's choice that enables the directory Input
@@ -153,7 +153,7 @@ class SettingsScreen(Screen):
             yield Input("" if value is None else str(value), placeholder=option.placeholder or option.default_text(),
                         id=option.name, validators=[FieldValidator(option.name)], compact=True)
         yield Label("", id=f"{option.name}-error", classes="field-error", markup=False)
-        if option.name in BUDGETS:  # a budget above the machine's memory: said, not refused
+        if option.name in HELD:  # a budget above the machine's memory: said, not refused
             yield Label("", id=f"{option.name}-hint", classes="field-hint", markup=False)
         yield from self._flag_hint(option)
 
@@ -199,7 +199,7 @@ class SettingsScreen(Screen):
     async def _read_memory(self) -> None:
         """The machine's memory, off the event loop (NVML can take a while to start), then the budget fields' hints."""
         self.memory = await asyncio.to_thread(machine_memory)
-        for name in BUDGETS:
+        for name in HELD:
             self._show_budget_hint(name)
 
     def _show_budget_hint(self, name: str) -> None:
@@ -238,7 +238,7 @@ class SettingsScreen(Screen):
                    None if result is None or result.is_valid else result.failure_descriptions[0])
         if event.input.id == "backend":
             self._follow_backend()
-        elif event.input.id in BUDGETS:
+        elif event.input.id in HELD:
             self._show_budget_hint(event.input.id)
         self._show_reload()
 
