@@ -132,9 +132,9 @@ class ReplacedError(KeyError):
         return REPLACED_ELSEWHERE
 
 
-def elsewhere(replaced: bool) -> str:
+def elsewhere(replaced: bool, chat: str = "this chat") -> str:
     """What a chat gone says: not in the file put in place of the database (`replaced`), else deleted in another window."""
-    return REPLACED_ELSEWHERE if replaced else DELETED_ELSEWHERE
+    return (REPLACED_ELSEWHERE if replaced else DELETED_ELSEWHERE).replace("this chat", chat, 1)
 
 
 @dataclass

@@ -75,7 +75,7 @@ class MoechatApp(App):
         self.chat = ChatScreen()
         self.bridge_started = False
         self.unsaved_replies: list[tuple[str, str]] = []  # (why, the text) for each reply quitting could not save, and a
-        # message held while a reply stopped
+        # message refused while its chat was not shown
         self.engine_notice: Callable[[], str | None] | None = None  # run_tui's: a --model over the settings' backend
         self.flags: dict[str, object] = {}  # run_tui's settings typed as flags: every load takes them over the file
         self.store_notice: str | None = None  # run_tui's: where a damaged chat database went
@@ -157,11 +157,10 @@ class MoechatApp(App):
             self.notify(said, title="moechat", severity="error", timeout=10)
             self.chat.show_failed(said)
             return
-        back = msg.request_fault and await self.chat.reply_refused(msg.request_id)  # the message back to the input
+        back = await self.chat.reply_refused(msg.request_id) if msg.request_fault else ""  # where the message went
         if not back:
             await self.chat.reply_finished(msg.request_id, "", "failed", None)
-        self.notify(said + ("; your message is back in the input" if back else ""), title="moechat",
-                    severity="error", timeout=15 if back else 10)
+        self.notify(said + back, title="moechat", severity="error", timeout=15 if back else 10)
 
     async def on_reply_delta(self, msg: m.ReplyDelta) -> None:
         if not self.is_running:
@@ -250,7 +249,7 @@ class MoechatApp(App):
     @store_failures_noticed
     def action_delete_chat(self) -> None:
         conv = self._conversation("")
-        if conv is None or self.chat.refuse_while_busy():  # before asking: it would be refused after the answer
+        if conv is None or self.chat.refuse_delete():  # before asking: it would be refused after the answer
             return
 
         async def done(yes: bool | None) -> None:

@@ -11,7 +11,7 @@ from ..chats import REPLACED_ELSEWHERE, SAVE_INTERVAL_S, ChatStoreError, Replace
 if TYPE_CHECKING:
     from textual.dom import DOMNode
 
-    from .screens.chat import _Reply
+    from .live_reply import Reply
 
 RETRY_S = 10.0  # once a save failed (the database locked: each try waits out SQLite's busy timeout on this thread)
 
@@ -32,13 +32,13 @@ class ReplySaver:
     def app(self):
         return self.owner.app
 
-    def save_due(self, reply: _Reply) -> None:
+    def save_due(self, reply: Reply) -> None:
         """A streaming reply saved if its last save is SAVE_INTERVAL_S old (RETRY_S once a save failed)."""
         if time.monotonic() - reply.saved_at >= (RETRY_S if reply.save_failed else SAVE_INTERVAL_S):
             self.save(reply, reply.text, finished=False)
             reply.saved_at = time.monotonic()
 
-    def save(self, reply: _Reply, text: str, finished: bool, stats: dict | None = None, finish: str | None = None) -> None:
+    def save(self, reply: Reply, text: str, finished: bool, stats: dict | None = None, finish: str | None = None) -> None:
         """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
         (another moechat on the same chats), or not in the file put in place of the database: said once, and the reply,
         which has nowhere to go, stopped. The database failing (the disk full, locked): said once; the reply streams on,
@@ -58,7 +58,7 @@ class ReplySaver:
         if text:
             reply.replaces = None
 
-    def orphan(self, reply: _Reply, replaced: bool) -> None:
+    def orphan(self, reply: Reply, replaced: bool) -> None:
         """A reply whose chat is gone, deleted in another window or not in the file put in place of the database
         (`replaced`): it has nowhere to go, so it stops, said once; the replaced file's is printed at quit."""
         if reply.orphan:
@@ -66,7 +66,8 @@ class ReplySaver:
         reply.orphan = True
         if not reply.ended:
             self.app.bridge.stop()
-        self.app.notify(f"{elsewhere(replaced)}: the reply is {'printed when you quit' if replaced else 'not kept'}",
+        chat = "this chat" if reply.view is not None else "the chat being written"  # not shown: another
+        self.app.notify(f"{elsewhere(replaced, chat)}: the reply is {'printed when you quit' if replaced else 'not kept'}",
                         severity="warning")
 
     def _write(self, message_id: int, text: str, finished: bool, stats: dict | None, replaces: int | None,
@@ -110,7 +111,7 @@ class ReplySaver:
             self.drop(message_id, generation)
         return left
 
-    def save_partial(self, reply: _Reply | None) -> list[tuple[str, str]]:
+    def save_partial(self, reply: Reply | None) -> list[tuple[str, str]]:
         """Quitting: a reply being written is kept as far as it got, marked interrupted (one with no text yet, its prompt
         still being read, is dropped as a stop drops it, and a reply it was to replace stays), with every pending write.
         -> (why, text) of each reply the database would not take (the app prints them), and of those the file put in its

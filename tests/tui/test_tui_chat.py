@@ -96,12 +96,14 @@ async def reply_view(chat, request_id: int) -> MessageView:
     """A reply begun as start_reply begins one, with no engine: stored unfinished, its view mounted, chat.reply set."""
     from textual.widgets import Markdown
 
-    from moechat.app.tui.screens.chat import _Reply
+    from moechat.app.tui.live_reply import Reply
 
     message_id = chat.app.store.add(chat.conv_id, "assistant", "", finished=False)
     view = MessageView("assistant", "", message_id, finished=False)
     await chat.query_one("#log").mount(view)
-    chat.reply = _Reply(request_id, message_id, view, Markdown.get_stream(view.markdown))
+    chat.reply = Reply(request_id, message_id, chat.conv_id, view, Markdown.get_stream(view.markdown),
+                       generation=chat.generation)
+    chat.draw_list(chat.listed)  # its chat marked, as start_reply marks it
     return view
 
 
@@ -282,7 +284,7 @@ async def test_the_delete_dialog_asks_about_a_long_title_whole(tmp_path):
 async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, stored):
     from moechat.app.tui.widgets.message_view import ChatInput
 
-    _, newer = stored
+    older, newer = stored
     async with without_model(tmp_path) as (app, pilot):
         chat = app.chat
         await reply_view(chat, 1)  # a reply being written
@@ -299,9 +301,9 @@ async def test_text_typed_while_a_reply_streams_stays_in_the_input(tmp_path, sto
         assert stops == [1, 1]
         conversations = chat.query_one("#conversations")
         conversations.focus()
-        await pilot.press("down", "enter")  # another chat: refused while the reply is written
-        await pilot.pause()
-        assert chat.conv_id == newer and conversations.highlighted == 0  # the highlight stays on the chat shown
+        await pilot.press("down", "enter")  # another chat: opened, the reply goes on in the background
+        await until(pilot, lambda: chat.conv_id == older, "the other chat")
+        assert chat.reply.view is None and titles(chat) == ["✎ newer", "older"]  # the chat being written marked
 
 
 @pilot_test
@@ -439,19 +441,19 @@ async def test_esc_says_the_reply_is_stopping_until_its_step_ends_and_delete_ask
         assert "stopping…" in note() and "reading" not in note()
         chat.query_one(ChatInput).focus()
         await pilot.press(*"next", "enter")
-        assert chat.query_one(ChatInput).text == "" and chat.held == "next" and "your message is sent next" in note()
+        assert chat.query_one(ChatInput).text == "" and chat.held.text == "next" and "your message is sent next" in note()
         await pilot.press(*"more", "enter")
         assert "the reply is stopping" in list(app._notifications)[-1].message and chat.query_one(ChatInput).text == "more"
         conv = chat.conv_id
-        await pilot.press("ctrl+n")  # not a send: "send again in a moment" named the wrong thing
-        said = list(app._notifications)[-1].message
-        assert "the reply is stopping" in said and "try again" in said and "send" not in said and chat.conv_id == conv
+        await pilot.press("ctrl+n")  # a new chat, while the reply stops: the held message still goes to its own
+        await until(pilot, lambda: chat.conv_id != conv, "the new chat")
         sent = []
         app.bridge.generate = lambda *a: sent.append(a)
         app.post_message(ReplyFinished(1, "", "cancelled", None))  # the stop lands
         await until(pilot, lambda: sent, "the held message sent")
         assert [m.content for m in app.store.messages(conv) if m.role == "user"][-1] == "next" and chat.held is None
-        assert chat.reply is not None and chat.query_one(ChatInput).text == "more"
+        assert sent[0][1][-1] == {"role": "user", "content": "next"}  # its chat's history, not the chat shown
+        assert chat.reply.conv_id == conv and chat.reply.view is None and chat.query_one(ChatInput).text == "more"
 
 
 @pilot_test
@@ -1164,10 +1166,11 @@ async def test_a_long_answer_streams_into_several_markdown_widgets_that_hold_it_
     when one is added); the widgets together hold the answer exactly, during the reply and after its end."""
     from textual.widgets import Markdown
 
+    from moechat.app.tui import live_reply
     from moechat.app.tui.screens import chat as chat_screen
 
     monkeypatch.setattr(chat_screen, "REDRAW_S", 0)
-    monkeypatch.setattr(chat_screen, "SEGMENT_CHARS", 20)
+    monkeypatch.setattr(live_reply, "SEGMENT_CHARS", 20)
     store_chat(tmp_path, "long", ("user", "Write at length."))
     app = make_app(tmp_path, failing("no model here"))
     async with app.run_test(size=SIZE) as pilot:

@@ -168,9 +168,9 @@ async def test_a_chat_deleted_while_its_reply_streams_stops_the_reply_and_keeps_
 
 @pilot_test
 @pytest.mark.notorch
-async def test_a_message_held_while_the_reply_stops_is_printed_when_moechat_quits_first(tmp_path, stored):
-    """Esc, Enter (the message held until the stop lands), then Ctrl+Q before it lands: the message is printed at quit,
-    as a reply the database would not take is, not lost with the screen."""
+async def test_a_message_held_while_the_reply_stops_is_kept_when_moechat_quits_first(tmp_path, stored):
+    """Esc, Enter (the message held until the stop lands), then Ctrl+Q before it lands: the message is kept in its chat
+    (stored as it was sent, Ctrl+R asks for its reply at the next start), not lost with the screen."""
     from moechat.app.tui.widgets.message_view import ChatInput
 
     async with without_model(tmp_path) as (app, pilot):
@@ -183,10 +183,13 @@ async def test_a_message_held_while_the_reply_stops_is_printed_when_moechat_quit
         await pilot.press("escape")
         chat.query_one(ChatInput).focus()
         await pilot.press(*"two", "enter")
-        assert chat.held == "two"
+        assert chat.held.text == "two" and contents(chat)[-2:] == ["half", "two"]
+        conv = chat.conv_id
         await app.action_quit()
-    ((why, text),) = app.unsaved_replies
-    assert "not sent" in why and text == "two"
+    assert app.unsaved_replies == []
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        assert [(m.role, m.content, m.finished) for m in store.messages(conv)][-3:] == [
+            ("user", "one", True), ("assistant", "half", False), ("user", "two", True)]
 
 
 @pilot_test
@@ -324,10 +327,10 @@ async def test_the_chat_list_follows_another_window_and_the_reply_streams_on(tmp
         other = ChatStore(tmp_path / "chats.sqlite3")
         added = other.create("from the other window")
         other.rename(older, "renamed there")
-        await until(pilot, lambda: sorted(titles(chat)) == ["from the other window", "newer", "renamed there"], "the list")
+        await until(pilot, lambda: sorted(titles(chat)) == ["from the other window", "renamed there", "✎ newer"], "the list")
         other.delete(added)
         other.close()
-        await until(pilot, lambda: sorted(titles(chat)) == ["newer", "renamed there"], "the list without the deleted one")
+        await until(pilot, lambda: sorted(titles(chat)) == ["renamed there", "✎ newer"], "the list without the deleted one")
         app.post_message(ReplyFinished(1, "Half of the answer.", "stop", None))
         await until(pilot, lambda: chat.reply is None, "the reply's end")
         assert chat.conv_id == newer and stored_contents(app)[-2:] == [("user", "a question"),

@@ -1,28 +1,26 @@
 """The chat screen: conversations (sidebar), the message log with streaming Markdown, the input, the
-expert side panel and the status line. It owns the reply being written; the app routes engine
-messages here. Every message is stored as it happens: the user's on send, the reply as it streams (its writes:
+expert side panel and the status line. It owns the reply being written, in the chat shown or, while the user reads or
+writes in another, in the background (its state and drawing: app/tui/live_reply.py); the app routes engine messages
+here. Every message is stored as it happens: the user's on send, the reply as it streams (its writes:
 app/tui/reply_saver.py). The log and its window of the newest messages: `ChatLog` (widgets/message_view.py)."""
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import ClassVar
 
-from rich.cells import cell_len
 from textual import events
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.screen import Screen
-from textual.timer import Timer
 from textual.widgets import (
     Footer,
     Label,
     Markdown,
     OptionList,
     ProgressBar,
-    Static,
 )
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
@@ -37,19 +35,13 @@ from ...chats import (
 )
 from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed
+from ..live_reply import Held, Reply, attach, busy_line, detach, draw, draw_end, joined, live_note, shown_messages, stop_stream
 from ..messages import Frame, Stats
 from ..reply_saver import ReplySaver
 from ..widgets.heatmap import WAITING, ExpertHeatmap
-from ..widgets.message_view import (
-    SEGMENT_CHARS,
-    ChatInput,
-    ChatLog,
-    MessageView,
-    segment_cut,
-    visible,
-    window_views,
-)
+from ..widgets.message_view import ChatInput, ChatLog, MessageView, visible, window_views
 from ..widgets.stats import StatsPanel
+from ..widgets.status_line import StatusLine
 
 # A reply's new text is drawn at most this often: each redraw lays out the conversation again (Textual's cost grows with
 # its length), and per token at 30-90 tok/s that took most of a core and the GIL from the engine (docs/benchmarks.md).
@@ -59,78 +51,7 @@ NO_MODEL = ("no model is loaded (the status line says why): fix the settings, wh
 REMOTE = "a remote server runs the model: its experts are not seen here (this view shows the embedded engine's)"
 NARROW = 100  # columns below which the chat list (28), the expert view (44) and a usable input do not fit side by side
 CHECK_S = 2.0  # how often the chat list looks for another moechat window's changes (one PRAGMA, no lock)
-
-
-@dataclass
-class _Reply:
-    """The reply being written: its request, stored message, widget, text so far, stream, last save."""
-
-    request_id: int
-    message_id: int
-    view: MessageView
-    stream: object
-    text: str = ""
-    saved_at: float = 0.0
-    answer: str = ""  # the part of text shown as the answer (the rest: reasoning)
-    shown_at: float = float("-inf")  # when text was last drawn
-    segment_start: int = 0  # where in the answer the Markdown widget being written starts
-    drawing: asyncio.Lock = field(default_factory=asyncio.Lock)  # one draw at a time: a draw awaits between its steps
-    ended: bool = False  # reply_finished has begun: no draw starts after it
-    orphan: bool = False  # its chat was deleted elsewhere (another window): stopped, said once
-    replaces: ChatMessage | None = None  # Regenerate: the stored reply this one replaces, deleted once this one has text
-    save_failed: bool = False  # a save failed (the disk full, the database locked): said once; later saves try again
-    redraw: Timer | None = None  # the timer that draws the text that came since the last draw
-    asked: tuple[int, str] | None = None  # the user message that asked it (its id, text); None: a regeneration
-    stopping: bool = False  # Esc was pressed: the engine stops after its step in progress
-    generation: int = 0  # the store's when its ids were read: a file put in place of the database since refuses them
-
-
-async def _stop(stream) -> None:
-    """Stop a Markdown stream; one never written to (a reply still thinking) has not run its task yet, and cancelling
-    a task before it starts raises in the awaiting caller: let it start first."""
-    await asyncio.sleep(0)
-    await stream.stop()
-
-
-def status_line(model: str, state: str, stats: Stats | None, brief: str = "", width: int | None = None) -> str:
-    """Model, then the reply's figures (they matter most), then the state: the engine's summary once it is ready. Wider
-    than `width`: the figures abbreviated, those with no value left out, and the summary's short form `brief`, whose last
-    parts go until it fits (Textual cut the line mid-word below about 150 columns)."""
-    parts = [model or "no model"]
-    if stats is not None:
-        parts.append(f"{stats.tokens_per_s:.1f} tok/s")
-        parts.append("acceptance –" if stats.acceptance is None else f"acceptance {stats.acceptance:.2f}")
-        parts.append("hit rate –" if stats.hit_rate is None else f"hit rate {stats.hit_rate:.2f}")
-        parts.append(f"{stats.new_tokens} tokens")
-    line = "  ·  ".join(p for p in [*parts, state] if p)
-    if width is None or cell_len(line) <= width:
-        return line
-    short = [model or "no model"]
-    if stats is not None:
-        short.append(f"{stats.tokens_per_s:.1f} tok/s")
-        short += [f"{name} {value:.2f}" for name, value in (("acc", stats.acceptance), ("hit", stats.hit_rate))
-                  if value is not None]
-        short.append(f"{stats.new_tokens} tok")
-    tail = brief.split(" · ") if brief else [state]  # a loading or failure line kept whole: cut, with an ellipsis
-    while len(tail) > (0 if brief else 1) and cell_len(" · ".join(short + tail)) > width:
-        tail.pop()
-    return " · ".join(short + tail)
-
-
-class StatusLine(Static):
-    """The status line: `status_line` for its width, chosen again when the terminal's width changes."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(markup=False, **kwargs)  # an error message may hold "[/b]"
-        self.parts: tuple = ("", "starting", None, "")  # model, state, stats, brief
-
-    def show(self, *parts) -> None:
-        if parts != self.parts:
-            self.parts = parts
-            self.refresh()  # one line high whatever its text: no layout of the screen
-
-    def render(self) -> Content:
-        return Content(status_line(*self.parts, width=self.content_size.width or None))
+WRITING = "✎ "  # before the title of the chat a reply is being written into, in the chat list
 
 
 class ChatScreen(Screen):
@@ -140,8 +61,9 @@ class ChatScreen(Screen):
         super().__init__()
         self.conv_id: int | None = None
         self.generation = 0  # the store's when conv_id was read (ChatStore.generation): its writes name it
-        self.reply: _Reply | None = None
-        self.held: str | None = None  # a message sent while the reply stops (Esc, then Enter): sent once the stop lands
+        self.reply: Reply | None = None  # in the chat shown or another: the engine serves one request at a time
+        self.held: Held | None = None  # a message sent while a reply is written elsewhere, or stops: answered after it
+        self.returned: dict[tuple[int, int], str] = {}  # messages refused while their chat was not shown: to its input
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
         self.brief = ""  # the engine summary's short form while the state is that summary
@@ -152,6 +74,7 @@ class ChatScreen(Screen):
         self.side_panel = Vertical(id="side-panel")
         self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
         self.listed: list[tuple[str, str]] = []  # the chat list's (id, title), top first
+        self.marked: str | None = None  # the listed chat marked as being written
         self.check_failed = ""  # what the last look for other windows' changes failed with: said once
         self.was_narrow = False  # the terminal's width at the last resize was under NARROW
         self.list_made_room = False  # the chat list is hidden for the expert view on a narrow terminal, not by F4
@@ -190,13 +113,17 @@ class ChatScreen(Screen):
 
     async def check_elsewhere(self) -> None:
         """Another moechat window (or plain chat) on these chats added, renamed or deleted one, or the file was made again:
-        the list reads them again (a chat being browsed keeps its highlight); the chat on screen deleted there is said."""
+        the list reads them again (a chat being browsed keeps its highlight); the chat on screen deleted there is said, and
+        a reply being written into another chat deleted there stopped."""
         try:
             if not self.store.changed_elsewhere():
                 return
             await self.refresh_conversations(keep_highlight=True)
             if self.conv_id is not None and self.current_conversation() is None:
                 await self.deleted_elsewhere()
+            reply = self.reply
+            if reply is not None and reply.view is None and self.conversation(reply.conv_id, reply.generation) is None:
+                self.saver.orphan(reply, replaced=reply.generation != self.store.generation)
             self.check_failed = ""
         except ChatStoreError as err:  # every CHECK_S: said once
             if str(err) != self.check_failed:
@@ -293,19 +220,32 @@ class ChatScreen(Screen):
     # ---- conversations ------------------------------------------------------------------------
     async def refresh_conversations(self, keep_highlight: bool = False) -> None:
         """The list from the store, highlighting the chat the log shows (keep_highlight: the one the user moved to)."""
+        self.draw_list([(str(c.id), c.title) for c in self.store.conversations()], keep_highlight)
+
+    def draw_list(self, listed: list[tuple[str, str]], keep_highlight: bool = True) -> None:
+        """The chat list as `listed`, the chat being written marked (WRITING); drawn again only where either changed."""
         view = self.query_one("#conversations", OptionList)
-        listed = [(str(c.id), c.title) for c in self.store.conversations()]
-        if listed == self.listed and keep_highlight:  # another window's streaming reply moves the data version, not the list
-            return
+        reply = self.reply
+        marked = str(reply.conv_id) if reply is not None and reply.generation == self.store.generation else None
+        if (listed, marked) == (self.listed, self.marked) and keep_highlight:  # another window's streaming reply moves
+            return  # the data version, not the list
         kept = view.highlighted_option.id if keep_highlight and view.has_focus and view.highlighted_option else None
+        titles = dict(listed)  # a title is the user's text, not markup (`[/INST]`): Content, not str
         if listed != self.listed:
-            self.listed = listed
-            view.clear_options()  # a title is the user's text, not markup (`[/INST]`): Content, not str
-            view.add_options([Option(Content(title), id=id) for id, title in listed])
-        if kept in {id for id, _ in listed}:
+            view.clear_options()
+            view.add_options([Option(Content(WRITING + title if id == marked else title), id=id) for id, title in listed])
+        else:  # a reply began or ended: its chat's line alone
+            for id in {self.marked, marked} & titles.keys():
+                view.replace_option_prompt(id, Content(WRITING + titles[id] if id == marked else titles[id]))
+        self.listed, self.marked = listed, marked
+        if kept in titles:
             view.highlighted = view.get_option_index(kept)
         else:
             self.highlight_current()
+
+    def title_of(self, conv_id: int) -> str:
+        """A chat's title as the list shows it (no store read: said in notices, also when the store fails)."""
+        return dict(self.listed).get(str(conv_id), NEW_TITLE)
 
     def highlight_current(self) -> None:
         """The chat list's highlight on the conversation the log shows (none when it is not listed, or the file put in
@@ -322,7 +262,7 @@ class ChatScreen(Screen):
         database (a backup restored: the same ids are its other chats there): said, and the screen on no chat. A reply
         still streaming into it is stopped instead, its view left until it ends (the next message then finds the chat
         gone)."""
-        if self.reply is not None:
+        if self.reply is not None and self.on_screen(self.reply):
             self.saver.orphan(self.reply, self.replaced)
             return
         self.app.notify(f"{elsewhere(self.replaced)}: Enter sends your message to a new chat", severity="warning")
@@ -330,14 +270,28 @@ class ChatScreen(Screen):
         await self.open_conversation(None)
 
     async def open_conversation(self, conv_id: int | None) -> None:
-        self.conv_id, self.generation = conv_id, self.store.generation
-        log = self.query_one(ChatLog)
-        await log.remove_children()
-        if conv_id is not None:
-            messages = self.store.messages(conv_id)
-            await log.mount_all(window_views(messages))
-            await log.show_earlier_button()
-        log.scroll_end(animate=False)
+        """The log on this chat. The reply being written leaves the screen with its chat and goes on in the background;
+        opening its chat again rebuilds its view from its text so far (live_reply: detach, attach)."""
+        reply = self.reply
+        async with reply.drawing if reply is not None else contextlib.nullcontext():  # not amid a draw, or its end's
+            if reply is not None and reply.view is not None:
+                await detach(reply)
+            self.conv_id, self.generation = conv_id, self.store.generation
+            log = self.query_one(ChatLog)
+            await log.remove_children()
+            if conv_id is not None:
+                live = reply if reply is not None and reply is self.reply and self.on_screen(reply) else None
+                await log.mount_all(window_views(shown_messages(self.store.messages(conv_id), live)))
+                await log.show_earlier_button()
+                view = next((v for v in log.views() if live is not None and v.message_id == live.message_id), None)
+                if view is not None:
+                    attach(live, view, live_note(live, self.held))
+                    log.anchor()  # following the reply as it grows, as when it started
+            log.scroll_end(animate=False)
+        self.show_held()
+        if (conv_id, self.generation) in self.returned:
+            self.give_back(self.returned.pop((conv_id, self.generation)))
+            self.app.notify("your message the model refused is back in the input", severity="warning")
 
     def stored_messages(self) -> list[ChatMessage]:
         """The open conversation's stored messages (the log's, for its window)."""
@@ -347,9 +301,6 @@ class ChatScreen(Screen):
     async def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         if event.option_list.id == "conversations" and (  # the log's chat id in a file since replaced: another chat
                 int(event.option.id) != self.conv_id or self.replaced):
-            if self.refuse_while_busy():
-                self.highlight_current()  # the highlight back on the chat the log shows
-                return
             try:
                 self.store.conversation(int(event.option.id))
             except KeyError:  # the list was drawn before another window deleted it: it opened empty, as if emptied
@@ -359,18 +310,33 @@ class ChatScreen(Screen):
             await self.open_conversation(int(event.option.id))
 
     def refuse_send(self) -> bool:
-        """Whether a send is refused now: while a reply streams (Esc stops it); not while it stops, once (held)."""
-        return not self.holds_a_send() and self.refuse_while_busy()
+        """Whether a send is refused now (its text stays in the input): while the reply in this chat streams (Esc stops
+        it); not while it stops, or while one streams in another chat: held, once."""
+        return not self.holds_a_send() and self.refuse_while_busy(sending=True)
 
     def holds_a_send(self) -> bool:
-        return self.reply is not None and self.reply.stopping and not self.reply.ended and self.held is None
+        """Whether a message sent now is stored and answered once the reply being written ends: the engine serves one
+        request at a time. One in another chat, or this chat's after Esc; one message at a time."""
+        reply = self.reply
+        return (reply is not None and not reply.ended and self.held is None
+                and (reply.stopping or not self.on_screen(reply)))
 
-    def refuse_while_busy(self) -> bool:
-        if self.reply is not None:
-            self.app.notify("the reply is stopping (a long step finishes first): try again in a moment"
-                            if self.reply.stopping else "a reply is being written: Esc stops it", severity="warning")
-            return True
-        return False
+    def refuse_while_busy(self, sending: bool = False) -> bool:
+        """A send that cannot be held, Regenerate, or deleting the chat being written: refused while a reply is (said)."""
+        reply = self.reply
+        if reply is None and self.held is None:
+            return False
+        where = "" if reply is None or self.on_screen(reply) else f" in «{self.title_of(reply.conv_id)}»"
+        self.app.notify(busy_line(reply, self.held, where, sending), severity="warning")
+        return True
+
+    def refuse_delete(self) -> bool:
+        """Deleting the chat a reply is being written into: refused (Esc stops it first); any other chat goes."""
+        return self.reply is not None and self.on_screen(self.reply) and self.refuse_while_busy()
+
+    def on_screen(self, reply: Reply | Held) -> bool:
+        """Whether the chat of this reply (or held message) is the one the log shows."""
+        return (reply.conv_id, reply.generation) == (self.conv_id, self.generation)
 
     @property
     def replaced(self) -> bool:
@@ -380,10 +346,14 @@ class ChatScreen(Screen):
     def current_conversation(self) -> Conversation | None:
         """The open conversation as stored; None when none is open or it is gone (deleted in another window, or the file
         put in place of the database has another chat of its id)."""
-        if self.conv_id is None or self.replaced:
+        return self.conversation(self.conv_id, self.generation)
+
+    def conversation(self, conv_id: int | None, generation: int) -> Conversation | None:
+        """A chat as stored; None when it is gone (deleted elsewhere, or not in the file put in place of the database)."""
+        if conv_id is None or generation != self.store.generation:
             return None
         try:
-            return self.store.conversation(self.conv_id)  # one row: the list read every chat, at each send
+            return self.store.conversation(conv_id)  # one row: the list read every chat, at each send
         except KeyError:
             return None
 
@@ -394,11 +364,8 @@ class ChatScreen(Screen):
     @store_failures_noticed  # past the user's message: it is stored, Ctrl+R asks for the reply again
     async def send(self, text: str) -> None:
         text = text.strip()
-        if visible(text) and self.holds_a_send():  # Esc, then Enter: a step can take seconds to end; sent as it does
-            self.held = text
-            self.reply.view.set_note("stopping… your message is sent next")
-            return
-        if not visible(text) or self.refuse_while_busy():
+        hold = self.holds_a_send()  # a reply is written in another chat, or stops (Esc, then Enter: a step can take seconds)
+        if not visible(text) or (not hold and self.refuse_while_busy(sending=True)):
             return
         title = title_from(text)
         try:
@@ -419,56 +386,76 @@ class ChatScreen(Screen):
             self.app.notify(f"{err}; your message is back in the input", severity="error", timeout=15)
             return
         await self.query_one("#log").mount(MessageView("user", text, message_id))
-        await self.start_reply(asked=(message_id, text))
+        if hold and self.reply is not None:  # (not ended meanwhile: its end sends what is held)
+            self.held = Held(self.conv_id, self.generation, message_id, text)
+            self.show_held()
+            return
+        await self.start_reply(self.conv_id, self.generation, asked=(message_id, text))
 
-    async def start_reply(self, replaces=None, asked: tuple[int, str] | None = None) -> None:
-        """Ask the engine for a reply to the stored conversation; the reply is stored unfinished at once. `replaces`: the
-        stored reply Regenerate replaces, left out of the history and kept until this one has text."""
+    async def start_reply(self, conv_id: int, generation: int, replaces=None, asked: tuple[int, str] | None = None) -> None:
+        """Ask the engine for a reply to the stored chat (the one shown, or a held message's); the reply is stored
+        unfinished at once. `replaces`: the stored reply Regenerate replaces, left out of the history and kept until this
+        one has text."""
         self.saver.flush()  # a reply whose last save failed: into the store first, which the history is read from
-        conv = self.current_conversation()
+        conv = self.conversation(conv_id, generation)
         history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
-        history += [{"role": m.role, "content": m.content} for m in self.store.messages(self.conv_id)
+        history += [{"role": m.role, "content": m.content} for m in self.store.messages(conv_id)
                     if m.content and (replaces is None or m.id != replaces.id)]
         try:
-            message_id = self.store.add(self.conv_id, "assistant", "", finished=False, generation=self.generation)
+            message_id = self.store.add(conv_id, "assistant", "", finished=False, generation=generation)
         except KeyError:  # the chat deleted, or the file replaced, since it was read (its first write since: the flush)
-            await self.deleted_elsewhere()
+            if (conv_id, generation) == (self.conv_id, self.generation):
+                await self.deleted_elsewhere()
+            else:  # a held message's chat, not shown
+                self.app.notify("the chat of your waiting message was deleted: the message is back in the input",
+                                severity="warning")
             if asked is not None:  # its message went with the chat: back to the input, as send gives it back
-                self.query_one(ChatInput).text = asked[1]
+                self.give_back(asked[1])
             return
+        view = await self.mount_reply(message_id, replaces) if (conv_id, generation) == (self.conv_id, self.generation) else None
+        if view is not None and (not view.is_attached or (conv_id, generation) != (self.conv_id, self.generation)):
+            view = None  # its chat left as it mounted (Ctrl+N is the app's key, run beside the screen's handlers)
+        self.next_request += 1
+        stream = Markdown.get_stream(view.markdown) if view is not None else None
+        self.reply = Reply(self.next_request, message_id, conv_id, view, stream, saved_at=time.monotonic(), replaces=replaces,
+                           asked=asked, generation=generation)
+        self.stats = None
+        self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
+        self.draw_list(self.listed)  # its chat marked
+
+    async def mount_reply(self, message_id: int, replaces: ChatMessage | None) -> MessageView:
+        """The view of a reply about to stream, at the log's end (the one it replaces off the screen)."""
+        log = self.query_one(ChatLog)
         if replaces is not None:  # off the screen; in the store until the new reply has text
-            for view in self.query_one(ChatLog).views():
+            for view in log.views():
                 if view.message_id == replaces.id:
                     await view.remove()
-        log = self.query_one(ChatLog)
         await log.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
         view = MessageView("assistant", "", message_id, finished=False)  # as stored: no placeholder while it streams
         await log.mount(view)
         log.anchor()  # follow the reply as it grows
         view.set_note("writing…")
-        self.next_request += 1
-        self.reply = _Reply(self.next_request, message_id, view, Markdown.get_stream(view.markdown), saved_at=time.monotonic(),
-                            replaces=replaces, asked=asked, generation=self.generation)
-        self.stats = None
-        self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
+        return view
 
     def reply_progress(self, request_id: int, done: int, total: int) -> None:
-        if self.reply is not None and self.reply.request_id == request_id and not (self.reply.text or self.reply.stopping):
-            self.reply.view.set_note(f"reading the prompt: {done:,} of {total:,} tokens…")
+        reply = self.reply
+        if reply is not None and reply.request_id == request_id and reply.view is not None and not (reply.text or reply.stopping):
+            reply.view.set_note(f"reading the prompt: {done:,} of {total:,} tokens…")
 
     async def reply_delta(self, request_id: int, text: str) -> None:
         reply = self.reply
         if reply is None or reply.request_id != request_id or reply.ended:
             return  # a stopped or failed reply's late text
-        if not (reply.text or reply.stopping):
-            reply.view.set_note("writing…")
-        reply.text += text
-        reply.view.content = reply.text
-        wait = reply.shown_at + REDRAW_S - time.monotonic()
-        if wait <= 0:
-            await self._show(reply)
-        elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
-            reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
+        first, reply.text = not reply.text, reply.text + text
+        if reply.view is not None:  # its chat shown (else only stored)
+            if first and not reply.stopping:
+                reply.view.set_note("writing…")
+            reply.view.content = reply.text
+            wait = reply.shown_at + REDRAW_S - time.monotonic()
+            if wait <= 0:
+                await self._show(reply)
+            elif reply.redraw is None:  # drawn a moment ago: draw this text and whatever follows it when the frame is due
+                reply.redraw = self.set_timer(wait, lambda: self._show_due(reply))
         self.saver.save_due(reply)
 
     async def reply_finished(self, request_id: int, text: str, reason: str, stats: Stats | None) -> None:
@@ -478,111 +465,126 @@ class ChatScreen(Screen):
         reply.ended = True
         try:
             await self._finish(reply, text, reason, stats)
-        finally:  # busy until the reply is drawn whole: a conversation switched meanwhile would take its view away
+        finally:  # busy until the reply is drawn whole: a message sent meanwhile is held, not a second reply begun
             if self.reply is reply:
                 self.reply = None
+                self.draw_list(self.listed)  # its chat no longer marked
             if self.held is not None:  # after whatever follows this end (a refused message back to the input)
                 self.call_after_refresh(self.send_held)
 
+    @store_failures_noticed
     async def send_held(self) -> None:
-        text, self.held = self.held, None
-        if text is not None:
-            await self.send(text)
+        held, self.held = self.held, None
+        if held is None or self.reply is not None:  # (a reply began meanwhile: held until it ends)
+            self.held = held
+            return
+        for view in self.query_one(ChatLog).views() if self.on_screen(held) else []:
+            if view.message_id == held.message_id:
+                view.set_note("")
+        await self.start_reply(held.conv_id, held.generation, asked=(held.message_id, held.text))
 
-    async def reply_refused(self, request_id: int) -> bool:
+    def show_held(self) -> None:
+        """The held message said where it is shown: on the stopping reply in its own chat, else on the message itself."""
+        held, reply = self.held, self.reply
+        if held is None or reply is None or not self.on_screen(held):
+            return
+        if self.on_screen(reply):
+            if reply.view is not None:
+                reply.view.set_note(live_note(reply, self.held))
+            return
+        for view in self.query_one(ChatLog).views():
+            if view.message_id == held.message_id:
+                view.set_note(f"sent when the reply in «{self.title_of(reply.conv_id)}» ends")
+
+    def give_back(self, text: str) -> None:
+        """A message that was not sent, back in the input: after what was typed meanwhile."""
+        box = self.query_one(ChatInput)
+        box.text = joined(box.text, text)
+
+    async def reply_refused(self, request_id: int) -> str:
         """The engine refused the request as sent (too long for the context): the reply ends as a failed one, and the
         message that asked it leaves the chat for the input, to shorten (kept, every next request would carry it and
-        fail too). -> whether the message came back to the input."""
+        fail too); its chat not shown, for the input when that chat is opened again (one input for every chat).
+        -> what the notice adds of where the message went ("": it stayed, a regeneration)."""
         reply = self.reply
         if reply is None or reply.request_id != request_id or reply.ended:
-            return False
+            return ""
         await self.reply_finished(request_id, "", "failed", None)
         if reply.asked is None:  # a regeneration: the conversation was answerable before; it stays as it was
-            return False
+            return ""
         message_id, text = reply.asked
-        for view in self.query_one(ChatLog).views():
-            if view.message_id == message_id:
-                await view.remove()
-        self.saver.drop(message_id, reply.generation)
-        box = self.query_one(ChatInput)
-        if box.text.strip():  # typed meanwhile: kept, the refused message goes after it
-            box.text = f"{box.text.rstrip()}\n\n{text}"
-        else:
-            box.text = text
-        return True
+        async with reply.drawing:  # not while its chat is being opened
+            self.saver.drop(message_id, reply.generation)
+            if not self.on_screen(reply):
+                key = (reply.conv_id, reply.generation)
+                self.returned[key] = joined(self.returned.get(key, ""), text)
+                return f"; your message goes back to the input when you open «{self.title_of(reply.conv_id)}»"
+            for view in self.query_one(ChatLog).views():
+                if view.message_id == message_id:
+                    await view.remove()
+            self.give_back(text)
+        return "; your message is back in the input"
 
-    async def _finish(self, reply: _Reply, text: str, reason: str, stats: Stats | None) -> None:
+    async def _finish(self, reply: Reply, text: str, reason: str, stats: Stats | None) -> None:
         if reply.redraw is not None:
             reply.redraw.stop()
-        async with reply.drawing:  # a draw under way finishes first; none starts after (reply.ended)
-            await _stop(reply.stream)
         text = text or reply.text
         if stats is not None:
             self.show_stats(stats)
-        if not text and (reason in ("cancelled", "failed") or reply.replaces is not None):  # nothing to keep; a replaced
-            # reply back (a regeneration that came back empty too: the old one is worth more than nothing)
-            await reply.view.remove()
-            old = reply.replaces
-            if old is not None:
-                await self.query_one("#log").mount(MessageView(old.role, old.content, old.id, old.finished, old.finish))
+        # nothing to keep; a replaced reply back (a regeneration that came back empty too: the old one is worth more)
+        empty = not text and (reason in ("cancelled", "failed") or reply.replaces is not None)
+        async with reply.drawing:  # a draw, or its chat opened or left, finishes first; no draw starts after (ended)
+            if reply.stream is not None:
+                await stop_stream(reply.stream)
+            if reply.view is not None and empty:
+                await self._unshow(reply)
+            elif reply.view is not None:
+                await draw_end(reply, text, reason)  # the whole reply, exactly as the engine ended it
+        if empty:
             self.saver.drop(reply.message_id, reply.generation)
-            return
-        reply.view.content = text
-        reasoning, answer, thinking = reply.view.split()
-        reply.view.show_reasoning(reasoning, thinking, ended=True)
-        start = reply.segment_start if answer.startswith(reply.answer[:reply.segment_start]) else 0
-        await reply.view.show_answer(answer, start)  # the whole reply, exactly as the engine ended it
-        reply.view.show_end(reason)  # as a restored reply says it
-        self.saver.save(reply, text, finished=True, stats=asdict(stats) if stats else None, finish=reason)
+        else:
+            self.saver.save(reply, text, finished=True, stats=asdict(stats) if stats else None, finish=reason)
 
-    async def _show_due(self, reply: _Reply) -> None:
+    async def _unshow(self, reply: Reply) -> None:
+        """An empty reply's view off the log, and the reply it was to replace back in its place."""
+        await reply.view.remove()
+        old, log = reply.replaces, self.query_one(ChatLog)
+        if old is not None:  # before a message sent since (held while it stopped)
+            after = next((v for v in log.views() if v.message_id is not None and v.message_id > old.id), None)
+            await log.mount(MessageView(old.role, old.content, old.id, old.finished, old.finish), before=after)
+
+    async def _show_due(self, reply: Reply) -> None:
         reply.redraw = None
         await self._show(reply)
 
-    async def _show(self, reply: _Reply) -> None:
+    async def _show(self, reply: Reply) -> None:
         """The reasoning so far in its block, the answer's new text down its stream."""
         async with reply.drawing:
-            if self.reply is reply and not reply.ended:  # not ended since (its end draws it whole)
-                await self._draw(reply)
-
-    async def _draw(self, reply: _Reply) -> None:
-        reply.shown_at = time.monotonic()
-        reasoning, answer, thinking = reply.view.split()
-        reply.view.show_reasoning(reasoning, thinking)
-        if answer.startswith(reply.answer):
-            new, written = answer[len(reply.answer):], len(reply.answer)
-            cut = None
-            if new and written - reply.segment_start >= SEGMENT_CHARS:
-                cut, upto = segment_cut(reply.answer, new)
-                new, answer = new[:upto], answer[:written + upto]  # the rest waits for the next draw (or the end)
-            if cut is not None:
-                await reply.stream.write(new[:cut])
-                await _stop(reply.stream)
-                reply.stream = Markdown.get_stream(await reply.view.next_segment())
-                reply.segment_start, new = written + cut, new[cut:]
-            if new:
-                await reply.stream.write(new)
-            reply.view.fit_answer()  # the stream mounts its blocks a moment later: until the next draw, one blank row more
-        else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
-            await _stop(reply.stream)
-            await reply.view.show_answer(answer)
-            reply.stream = Markdown.get_stream(reply.view.markdown)
-            reply.segment_start = 0
-        reply.answer = answer
+            if self.reply is reply and not reply.ended and reply.view is not None:  # not ended or left since
+                await draw(reply)
 
     def save_partial(self) -> list[tuple[str, str]]:
         """Quitting: the reply being written kept as far as it got, with every pending write (ReplySaver.save_partial);
-        a message held until the stop landed comes back to be printed, as a reply the database would not take."""
-        held = [("your message was not sent: quit while the reply stopped", self.held)] if self.held is not None else []
-        return self.saver.save_partial(self.reply) + held
+        a message refused while its chat was not shown, and not opened since, comes back to be printed, as a reply the
+        database would not take."""
+        back = [("your message was refused (too long for the context) and its chat not opened since", text)
+                for text in self.returned.values()]
+        return self.saver.save_partial(self.reply) + back
 
     # ---- actions the app binds --------------------------------------------------------------------
     def stop(self) -> None:
-        if self.reply is not None:
-            self.app.bridge.stop()
-            if not self.reply.ended:  # a large model's step can take seconds: say that Esc was heard
-                self.reply.stopping = True
-                self.reply.view.set_note("stopping…")
+        """Esc: the reply being written stops, also from another chat (said there, with its chat's title)."""
+        reply = self.reply
+        if reply is None:
+            return
+        self.app.bridge.stop()
+        if reply.ended:
+            return
+        reply.stopping = True  # a large model's step can take seconds: say that Esc was heard
+        if reply.view is not None:
+            reply.view.set_note(live_note(reply, self.held))
+        else:
+            self.app.notify(f"stopping the reply in «{self.title_of(reply.conv_id)}»")
 
     @store_failures_noticed
     async def regenerate(self) -> None:
@@ -599,7 +601,7 @@ class ChatScreen(Screen):
         if not messages or messages[-1].role != "user":
             self.app.notify("nothing to regenerate: send a message first", severity="warning")
             return
-        await self.start_reply(replaces=replaced)
+        await self.start_reply(self.conv_id, self.generation, replaces=replaced)
 
     def target_message(self) -> MessageView | None:
         """The focused message, else the last reply."""
@@ -610,18 +612,19 @@ class ChatScreen(Screen):
 
     @store_failures_noticed
     async def new_chat(self) -> None:
-        if self.refuse_while_busy():
-            return
-        self.conv_id = self.store.create()
+        """Also while a reply is being written: it goes on in the background."""
+        await self.open_conversation(self.store.create())
         await self.refresh_conversations()
-        await self.open_conversation(self.conv_id)
         self.query_one(ChatInput).focus()
 
     @store_failures_noticed
     async def delete_chat(self) -> None:
-        if self.conv_id is None or self.refuse_while_busy():
+        """This chat, unless a reply is being written into it; a message held in it goes with it."""
+        if self.conv_id is None or self.refuse_delete():
             return
         self.store.delete(self.conv_id, self.generation)  # not in a file put in place of the database since: kept there
+        if self.held is not None and self.on_screen(self.held):
+            self.held = None
         convs = self.store.conversations()
         await self.open_conversation(convs[0].id if convs else None)
         await self.refresh_conversations()

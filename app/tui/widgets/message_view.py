@@ -151,10 +151,14 @@ class MessageView(Vertical, can_focus=True):
         self.thinking = False  # the model was thinking at the last update: the block opened for it
         self.reasoning = ""  # the reasoning the block shows: redrawn only when it grows, not at every answer token
 
+    @property
+    def speaker(self) -> str:
+        """Who the role line names (not `name`: a Widget's own)."""
+        return {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
+
     def compose(self) -> ComposeResult:
-        name = {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
         note = end_note(self.finished, self.finish)
-        yield Label(f"{name} · {note}" if note else name, classes="role")
+        yield Label(f"{self.speaker} · {note}" if note else self.speaker, classes="role")
         reasoning, answer, thinking = self.split()
         self.reasoning = reasoning
         if self.role == "assistant":  # a stored reply has ended: open only where it ended in its reasoning
@@ -232,7 +236,7 @@ class MessageView(Vertical, can_focus=True):
 
     def set_note(self, note: str) -> None:
         label = self.query_one(".role", Label)
-        label.update(f"moechat · {note}" if note else "moechat")
+        label.update(f"{self.speaker} · {note}" if note else self.speaker)
 
     def action_copy(self) -> None:
         self.app.copy_to_clipboard(self.split()[1])

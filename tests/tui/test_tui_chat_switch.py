@@ -1,0 +1,314 @@
+"""Other chats read and started while a reply streams (app/tui/screens/chat.py, app/tui/live_reply.py): the reply goes on
+in the background, stored as it streams and drawn nowhere, its view rebuilt from its text when its chat is opened again;
+the chat list marks it; a message sent in another chat waits for it; Esc there stops it; a message refused while its
+chat is not shown goes to the input when that chat is opened. Textual's Pilot; one test on a tiny model, the rest with
+the engine's messages posted by hand."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import test_tui_chat
+from test_tui_chat import SIZE, make_app, pilot_test, reply_view, send, still_loading_app, titles, until, without_model
+from test_tui_chat_store import asked, contents
+
+from moechat.app.chats import ChatStore
+from moechat.app.tui.messages import EngineFailed, ReplyDelta, ReplyFinished, Stats
+from moechat.app.tui.widgets.message_view import ChatInput, ChatLog, MessageView
+
+stored = test_tui_chat.stored  # the fixture: two stored conversations, 'older' and 'newer' (the one the app opens)
+
+
+async def open_chat(pilot, chat, conv_id: int) -> None:
+    """The chat picked in the chat list, as a click or Enter there picks it; back once its log is drawn."""
+    listed = chat.query_one("#conversations")
+    listed.highlighted = listed.get_option_index(str(conv_id))
+    listed.action_select()
+
+    def opened() -> bool:
+        reply = chat.reply
+        live = reply is not None and reply.conv_id == conv_id
+        return chat.conv_id == conv_id and bool(chat.query_one(ChatLog).views()) and (not live or reply.view is not None)
+
+    await until(pilot, opened, f"chat {conv_id} opened")
+    await pilot.pause()
+
+
+def role_line(view: MessageView) -> str:
+    return view.query_one(".role").render().plain
+
+
+def notices(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+@pilot_test
+async def test_a_reply_streams_on_in_the_background_and_its_chat_opened_again_draws_it_live_then_whole(
+        tmp_path, stored, checkpoint, monkeypatch):
+    """The engine's tokens let through a few at a time: the reply's chat left mid-reply, more text comes (stored, not
+    drawn), the chat opened again shows the text so far and goes on live; its end shows and stores the engine's text."""
+    from moechat.app.bridge_meter import ReplyMeter
+    from moechat.engine.config import EngineConfig
+
+    older, newer = stored
+    gate = threading.Semaphore(0)  # one release per token the engine may write
+    meter_tokens = ReplyMeter.tokens
+    monkeypatch.setattr(ReplyMeter, "tokens", lambda meter, count: (gate.acquire(timeout=60), meter_tokens(meter, count)))
+    path = checkpoint("qwen3_moe", max_position_embeddings=4096)
+    app = make_app(tmp_path, lambda: EngineConfig(str(path)), max_new_tokens=48)
+    async with app.run_test(size=SIZE) as pilot:
+        chat, ends = app.chat, []
+        finished = chat.reply_finished
+        chat.reply_finished = lambda request_id, text, *rest: (ends.append(text), finished(request_id, text, *rest))[1]
+        await until(pilot, lambda: chat.model == path.name, "the engine to load")
+        await send(pilot, "What is a mixture of experts model?")
+        gate.release(6)
+        await until(pilot, lambda: chat.reply is not None and chat.reply.text, "the first words")
+        reply = chat.reply
+        await open_chat(pilot, chat, older)
+        assert reply.view is None and titles(chat) == ["✎ newer", "older"]
+        assert contents(chat) == [m.content for m in app.store.messages(older)]  # the other chat alone on screen
+        so_far = reply.text
+        reply.saved_at = 0.0  # a save due at the next text
+        gate.release(10)
+        await until(pilot, lambda: len(app.store.messages(newer)[-1].content) > len(so_far), "more text, saved meanwhile")
+        saved = app.store.messages(newer)[-1].content
+        assert saved.startswith(so_far) and reply.text.startswith(saved)
+        assert reply.view is None and contents(chat) == [m.content for m in app.store.messages(older)]
+
+        await open_chat(pilot, chat, newer)
+        view = reply.view
+        assert chat.reply is reply and view.content == reply.text and role_line(view) == "moechat · writing…"
+        assert contents(chat)[-2] == "What is a mixture of experts model?"
+        gate.release(1000)
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        (text,) = ends
+        last = app.store.messages(newer)[-1]
+        assert last.finished and last.content == text == view.content and text.startswith(so_far)
+        assert view.answer_source == view.split()[1]  # drawn whole, exactly as the engine ended it
+        assert titles(chat) == ["newer", "older"]  # no longer marked
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_reply_that_ends_while_its_chat_is_not_shown_is_stored_whole_and_shown_when_opened(tmp_path, stored):
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "<think>\nHmm.\n</think>\n\nThe first"))
+        await until(pilot, lambda: chat.reply.text.endswith("first"), "the first words")
+        await open_chat(pilot, chat, older)
+        whole = "<think>\nHmm.\n</think>\n\nThe first half, then the rest."
+        app.post_message(ReplyDelta(1, " half, then the rest."))
+        app.post_message(ReplyFinished(1, whole, "length", Stats()))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert chat.conv_id == older and contents(chat) == [m.content for m in app.store.messages(older)]
+        assert "✎" not in "".join(titles(chat))
+        last = app.store.messages(newer)[-1]
+        assert (last.content, last.finished, last.finish) == (whole, True, "length")
+
+        await open_chat(pilot, chat, newer)
+        view = chat.query(MessageView).last()
+        assert view.content == whole and view.markdown.source == "The first half, then the rest."
+        assert role_line(view) == "moechat · cut at the length limit"
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_ctrl_n_mid_reply_opens_a_chat_whose_message_waits_for_the_reply_and_then_streams(tmp_path, stored):
+    """The engine serves one request at a time: the new chat's message is stored and shown at once, said to wait, and
+    asked for as the other reply ends; a second one meanwhile stays in the input."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "Part"))
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: chat.conv_id not in (older, newer, None), "the new chat")
+        new = chat.conv_id
+        await send(pilot, "second question")
+        await until(pilot, lambda: chat.held is not None, "the message held")
+        user = chat.query(MessageView).last()
+        assert requests == [1] and chat.held.text == "second question" and chat.query_one(ChatInput).text == ""
+        assert role_line(user) == "you · sent when the reply in «newer» ends"
+        assert [(m.role, m.content) for m in app.store.messages(new)] == [("user", "second question")]
+        assert titles(chat) == ["second question", "✎ newer", "older"]
+        await pilot.press(*"third", "enter")
+        assert chat.query_one(ChatInput).text == "third"
+        assert notices(app)[-1] == "a message already waits for the reply in «newer» to end: send this one after it"
+
+        app.post_message(ReplyDelta(1, " two."))
+        app.post_message(ReplyFinished(1, "Part two.", "stop", None))
+        await until(pilot, lambda: requests == [1, 2], "the held message's request")
+        await until(pilot, lambda: chat.reply is not None and chat.reply.view is not None, "its reply on screen")
+        assert chat.reply.conv_id == new and chat.held is None and role_line(user) == "you"
+        assert app.store.messages(newer)[-1].content == "Part two." and app.store.messages(newer)[-1].finished
+        assert titles(chat) == ["✎ second question", "newer", "older"]
+        app.post_message(ReplyFinished(2, "An answer.", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the second reply's end")
+        assert contents(chat) == ["second question", "An answer."]
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_esc_in_another_chat_stops_the_reply_being_written_and_says_which(tmp_path, stored):
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests, stops = app.chat, asked(app), []
+        app.bridge.stop = lambda: stops.append(1)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "Half"))
+        await open_chat(pilot, chat, older)
+        await pilot.press("escape")
+        assert stops == [1] and notices(app)[-1] == "stopping the reply in «newer»"
+        app.post_message(ReplyFinished(1, "Half", "cancelled", None))
+        await until(pilot, lambda: chat.reply is None, "the stop to land")
+        await open_chat(pilot, chat, newer)
+        assert contents(chat)[-1] == "Half" and role_line(chat.query(MessageView).last()) == "moechat · stopped"
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_quitting_mid_reply_with_another_chat_shown_keeps_the_reply_as_far_as_it_got(tmp_path, stored):
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "So far"))
+        await open_chat(pilot, chat, older)
+        app.post_message(ReplyDelta(1, " and on"))
+        await until(pilot, lambda: chat.reply.text == "So far and on", "the text written in the background")
+        await app.action_quit()
+    assert app.unsaved_replies == []
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        assert [(m.role, m.content, m.finished) for m in store.messages(newer)][-2:] == [
+            ("user", "first", True), ("assistant", "So far and on", False)]
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_message_refused_while_its_chat_is_not_shown_goes_to_the_input_when_it_is_opened(tmp_path, stored):
+    """One input for every chat: the text typed in the chat shown stays as it is; the refused message comes back with
+    its own chat, after what is typed then, and one whose chat is never opened again is printed at quit."""
+    older, newer = stored
+    refusal = "the prompt has 300 tokens but the context holds 128"
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "far too long")
+        await until(pilot, lambda: requests == [1], "the request")
+        await open_chat(pilot, chat, older)
+        box = chat.query_one(ChatInput)
+        box.text = "a draft here"
+        app.post_message(EngineFailed(refusal, 1, request_fault=True))
+        await until(pilot, lambda: chat.reply is None, "the refusal")
+        assert notices(app)[-1] == f"{refusal}; your message goes back to the input when you open «newer»"
+        assert box.text == "a draft here" and "far too long" not in [m.content for m in app.store.messages(newer)]
+        assert len(app.store.messages(newer)) == 2  # nor its empty reply
+
+        await open_chat(pilot, chat, newer)
+        assert box.text == "a draft here\n\nfar too long" and "far too long" not in contents(chat)
+        box.text = ""
+        box.focus()  # not a click: the notice's toast lies over the input
+        await pilot.press(*"also too long", "enter")
+        await until(pilot, lambda: requests == [1, 2], "the second request")
+        await open_chat(pilot, chat, older)
+        app.post_message(EngineFailed(refusal, 2, request_fault=True))
+        await until(pilot, lambda: chat.reply is None, "the second refusal")
+        await app.action_quit()
+    assert app.unsaved_replies == [("your message was refused (too long for the context) and its chat not opened since",
+                                    "also too long")]
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_regenerate_and_delete_while_a_reply_is_written_elsewhere(tmp_path, stored):
+    """Regenerate in another chat is refused (one request at a time), deleting another chat is not; deleting the chat
+    being written is (Esc stops it first). Deleting the chat shown opens the reply's, rebuilt live."""
+    from moechat.app.tui.screens.dialogs import Confirm
+
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "Some words"))
+        await open_chat(pilot, chat, older)
+        await pilot.press("ctrl+r")
+        assert requests == [1] and notices(app)[-1] == "a reply is being written in «newer»: Esc stops it"
+        await pilot.press("f8")
+        await until(pilot, lambda: isinstance(app.screen, Confirm), "the delete dialog")
+        await pilot.press("y")
+        await until(pilot, lambda: chat.conv_id == newer and chat.reply.view is not None, "the reply's chat opened")
+        assert [c.id for c in app.store.conversations()] == [newer] and contents(chat)[-1] == "Some words"
+        await pilot.press("f8")
+        assert app.screen is chat and notices(app)[-1] == "a reply is being written: Esc stops it"
+        app.post_message(ReplyDelta(1, " and more"))
+        app.post_message(ReplyFinished(1, "Some words and more", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert contents(chat)[-1] == "Some words and more" == app.store.messages(newer)[-1].content
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_regeneration_left_and_opened_again_then_stopped_gives_the_old_reply_back_in_its_place(tmp_path, stored):
+    """The old reply stays stored until the new one has text: not shown beside it when its chat is opened again, and
+    back before the message sent while the regeneration stopped."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        app.bridge.stop = lambda: None  # the engine's step in progress goes on
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: requests == [1], "the regeneration")
+        await open_chat(pilot, chat, older)
+        await open_chat(pilot, chat, newer)
+        assert contents(chat) == ["hello there", ""]  # the new reply, empty so far; not the one it replaces
+        await pilot.press("escape")
+        chat.query_one(ChatInput).focus()
+        await pilot.press(*"next", "enter")
+        assert contents(chat) == ["hello there", "", "next"] and "your message is sent next" in role_line(chat.reply.view)
+        app.post_message(ReplyFinished(1, "", "cancelled", None))
+        await until(pilot, lambda: requests == [1, 2], "the held message's request")
+        await until(pilot, lambda: len(contents(chat)) == 4, "its reply's view")
+        assert contents(chat) == ["hello there", "Hello! How are you today?", "next", ""]
+        assert [m.content for m in app.store.messages(newer)] == contents(chat)
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_the_chat_being_written_deleted_in_another_window_stops_the_reply_with_a_notice(tmp_path, stored):
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests, stops = app.chat, asked(app), []
+        app.bridge.stop = lambda: stops.append(1)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        await open_chat(pilot, chat, older)
+        with ChatStore(tmp_path / "chats.sqlite3") as other:
+            other.delete(newer)
+        await chat.check_elsewhere()  # the CHECK_S timer's call
+        assert stops == [1] and titles(chat) == ["older"] and chat.conv_id == older
+        said = "the chat being written was deleted in another moechat window: the reply is not kept"
+        await until(pilot, lambda: said in notices(app), "the notice")
+        app.post_message(ReplyFinished(1, "Gone", "cancelled", None))
+        await until(pilot, lambda: chat.reply is None, "the reply's end")
+        assert app.is_running and contents(chat) == [m.content for m in app.store.messages(older)]
+
+
+@pytest.mark.notorch
+def test_snapshot_a_reply_written_in_another_chat(tmp_path, stored, snap_compare):
+    """The chat list marks the chat a reply is being written into while another is read."""
+    older, _ = stored
+    app = still_loading_app(tmp_path)
+
+    async def ready(pilot):
+        await until(pilot, lambda: app.chat.state.startswith("loading"), "the loading state")
+        await reply_view(app.chat, 1)
+        app.post_message(ReplyDelta(1, "Being written"))
+        await open_chat(pilot, app.chat, older)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=ready)
