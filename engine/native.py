@@ -8,7 +8,8 @@ failed build, MOECHAT_NATIVE=0); every caller then uses its pure-PyTorch twin.
 Libraries: "cpu" (csrc/cpu: fused expert FFN), "cuda" (csrc/cuda: the prefetch engine), "sched"
 (csrc/sched: MoE-SpAc's per-layer scheduling).
 Environment: MOECHAT_NATIVE=0 turns native code off; MOECHAT_NATIVE_DIR overrides the cache
-folder; CXX names the compiler.
+folder; CXX names the compiler; MOECHAT_NATIVE_CFLAGS adds flags to every compile and link, after moechat's own (so
+`-O1` wins over `-O3`) and in the cache's key: the sanitizer builds (docs/design.md, "Native kernels under the sanitizers").
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import hashlib
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -88,6 +90,7 @@ def build(name: str, sources: list[Path], cflags: list[str] = (), ldflags: list[
         install = WINDOWS_COMPILER if sys.platform == "win32" else "install g++ or clang++"
         raise NativeBuildError(f"no C++ compiler found ({install}, or set CXX)")
     version, folder = _version(cxx), cache_dir()
+    cflags = [*cflags, *shlex.split(os.environ.get("MOECHAT_NATIVE_CFLAGS", ""))]
     ldflags = [*ldflags, *_static_runtime(version)]
     digest = hashlib.sha256()
     for part in (cxx, version, platform.machine(), platform.system(), *cflags, "|", *ldflags):

@@ -412,6 +412,24 @@ def test_a_library_another_process_built_and_holds_open_is_used(monkeypatch, tmp
     assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
+def test_flags_from_the_environment_come_after_moechats_and_build_a_library_of_their_own(monkeypatch, tmp_path):
+    """MOECHAT_NATIVE_CFLAGS (the sanitizer builds: tools/native_sanitizers.py) reaches the compiler after moechat's own
+    flags (its -O0 wins over -O3) and the cache's key (a library beside the plain one, not the plain one reused)."""
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "one.cpp"
+    source.write_text("#ifndef ANSWER\n#define ANSWER 4\n#endif\n"
+                      "#ifdef __OPTIMIZE__\n#define OPT 1\n#else\n#define OPT 0\n#endif\n"
+                      'extern "C" __attribute__((visibility("default"))) int answer() { return ANSWER * 10 + OPT; }\n')
+    monkeypatch.delenv("MOECHAT_NATIVE_CFLAGS", raising=False)
+    plain = native.build("flags", [source])
+    monkeypatch.setenv("MOECHAT_NATIVE_CFLAGS", "-DANSWER=5 -O0")
+    flagged = native.build("flags", [source])
+    assert flagged != plain
+    assert (ctypes.CDLL(str(plain)).answer(), ctypes.CDLL(str(flagged)).answer()) == (41, 50)
+
+
 def test_an_assembler_failure_is_one_line_that_names_it(monkeypatch, tmp_path):
     """GNU as says `Error:` (capitalized; GCC 12's AMX macros on Windows met one): the notice was the first 200 characters
     of the output, lines and all, starting with `Assembler messages:`."""
