@@ -79,7 +79,7 @@ async def draw(reply: Reply) -> None:
         reply.view.fit_answer()  # the stream mounts its blocks a moment later: until the next draw, one blank row more
     else:  # what read as the answer was reasoning: its `</think>` came (the template opened the block)
         await stop_stream(reply.stream)
-        await reply.view.show_answer(answer)
+        await reply.view.restart_answer(answer)
         reply.stream = Markdown.get_stream(reply.view.markdown)
         reply.segment_start = 0
     reply.answer = answer
@@ -107,13 +107,13 @@ async def detach(reply: Reply) -> None:
     reply.view = reply.stream = None
 
 
-def attach(reply: Reply, view: MessageView, note: str) -> None:
+async def attach(reply: Reply, view: MessageView, note: str) -> None:
     """Its chat is opened again: `view`, mounted from its text so far (MessageView(..., reply.text, ...)), becomes the
     live one, whose answer widget holds the answer so far; the next draw writes what follows, the end all of it."""
     reasoning, answer, thinking = view.split()
     view.show_reasoning(reasoning, thinking)  # as it streams: open while it thinks, its title not yet "thought"
     view.set_note(note)
-    view.fit_answer()
+    await view.restart_answer(answer)
     reply.view, reply.stream = view, Markdown.get_stream(view.markdown)
     reply.answer, reply.segment_start, reply.shown_at = answer, 0, time.monotonic()
 

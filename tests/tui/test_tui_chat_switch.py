@@ -11,6 +11,8 @@ import pytest
 import test_tui_chat
 from test_tui_chat import SIZE, make_app, pilot_test, reply_view, send, still_loading_app, titles, until, without_model
 from test_tui_chat_store import asked, contents
+from textual import events
+from textual.widgets.markdown import MarkdownBlock
 
 from moechat.app.chats import ChatStore
 from moechat.app.tui.messages import EngineFailed, ReplyDelta, ReplyFinished, Stats
@@ -150,6 +152,63 @@ async def test_ctrl_n_mid_reply_opens_a_chat_whose_message_waits_for_the_reply_a
         app.post_message(ReplyFinished(2, "An answer.", "stop", None))
         await until(pilot, lambda: chat.reply is None, "the second reply's end")
         assert contents(chat) == ["second question", "An answer."]
+
+
+def typed_ahead(app, keys: list[str], text: str) -> None:
+    """Keys as a terminal delivers those typed ahead of a slow screen: all at once (Pilot's press waits after each), then
+    `text` and Enter."""
+    for key, char in [*((key, None) for key in keys), *((c if c != " " else "space", c) for c in text), ("enter", "\r")]:
+        app._driver.send_message(events.Key(key, char))
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_message_typed_ahead_of_ctrl_n_is_stored_held_and_answered_in_one_chat(tmp_path, stored):
+    """Ctrl+N is the app's key, run beside the input's: a message sent while the new chat was being opened was stored in
+    the chat left, drawn in the new one's log and held for the new one, whose empty history was asked for at the reply's
+    end (the message never answered). Now it goes whole to one chat (the one shown when it reached the screen)."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, histories = app.chat, []
+        app.bridge.generate = lambda request_id, history, *rest: histories.append([m["content"] for m in history])
+        await send(pilot, "first")
+        await until(pilot, lambda: len(histories) == 1, "the request")
+        app.post_message(ReplyDelta(1, "Part"))
+        await open_chat(pilot, chat, older)
+        chat.query_one(ChatInput).focus()
+        typed_ahead(app, ["ctrl+n"], "typed fast")
+        await until(pilot, lambda: chat.held is not None and chat.conv_id not in (older, newer), "the message held")
+        held = chat.held
+        assert [c for c in app.store.conversations() if "typed fast" in [m.content for m in app.store.messages(c.id)]] == [
+            app.store.conversation(held.conv_id)]
+        assert contents(chat).count("typed fast") == (1 if held.conv_id == chat.conv_id else 0)
+        app.post_message(ReplyFinished(1, "Part two.", "stop", None))
+        await until(pilot, lambda: len(histories) == 2, "the held message's request")
+        assert chat.reply.conv_id == held.conv_id and histories[1][-1] == "typed fast"
+
+
+@pilot_test
+@pytest.mark.notorch
+@pytest.mark.parametrize("so_far", ["Alpha beta\ngamma delta", "- Alpha beta\n- gamma delta", "Alpha beta\u2028gamma delta"])
+async def test_a_reply_opened_again_mid_stream_keeps_the_first_lines_of_its_last_block(tmp_path, stored, so_far):
+    """Textual's Markdown.update counts the text's lines as if its last block were its last line, and an append after it
+    parses only from there: the rebuilt view of a reply that went on lost the first lines of its last block (a
+    paragraph's, a list's first items) until the reply ended."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, so_far))  # a line break, a list, a character Python's splitlines breaks at
+        await until(pilot, lambda: chat.reply.text.endswith("delta"), "the first words")
+        await open_chat(pilot, chat, older)
+        await open_chat(pilot, chat, newer)
+        app.post_message(ReplyDelta(1, " epsilon"))
+        await until(pilot, lambda: chat.reply.text.endswith("epsilon"), "more words")
+        await pilot.pause(0.3)  # the stream's append, drawn
+        blocks = chat.reply.view.markdown.query(MarkdownBlock)
+        drawn = " ".join(str(block.render()) for block in blocks if not block.query_children(MarkdownBlock))
+        assert [word for word in drawn.split() if word.isalpha()] == ["Alpha", "beta", "gamma", "delta", "epsilon"]
 
 
 @pilot_test

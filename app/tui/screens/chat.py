@@ -5,6 +5,7 @@ here. Every message is stored as it happens: the user's on send, the reply as it
 app/tui/reply_saver.py). The log and its window of the newest messages: `ChatLog` (widgets/message_view.py)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import asdict
@@ -64,6 +65,7 @@ class ChatScreen(Screen):
         self.reply: Reply | None = None  # in the chat shown or another: the engine serves one request at a time
         self.held: Held | None = None  # a message sent while a reply is written elsewhere, or stops: answered after it
         self.returned: dict[tuple[int, int], str] = {}  # messages refused while their chat was not shown: to its input
+        self.opening = asyncio.Lock()  # a chat being opened, or a message stored: Ctrl+N is the app's key, run beside sends
         self.next_request = 0
         self.model, self.state, self.stats = "", "starting", None
         self.brief = ""  # the engine summary's short form while the state is that summary
@@ -273,7 +275,7 @@ class ChatScreen(Screen):
         """The log on this chat. The reply being written leaves the screen with its chat and goes on in the background;
         opening its chat again rebuilds its view from its text so far (live_reply: detach, attach)."""
         reply = self.reply
-        async with reply.drawing if reply is not None else contextlib.nullcontext():  # not amid a draw, or its end's
+        async with self.opening, reply.drawing if reply is not None else contextlib.nullcontext():  # not amid a draw
             if reply is not None and reply.view is not None:
                 await detach(reply)
             self.conv_id, self.generation = conv_id, self.store.generation
@@ -285,7 +287,7 @@ class ChatScreen(Screen):
                 await log.show_earlier_button()
                 view = next((v for v in log.views() if live is not None and v.message_id == live.message_id), None)
                 if view is not None:
-                    attach(live, view, live_note(live, self.held))
+                    await attach(live, view, live_note(live, self.held))
                     log.anchor()  # following the reply as it grows, as when it started
             log.scroll_end(animate=False)
         self.show_held()
@@ -312,7 +314,7 @@ class ChatScreen(Screen):
     def refuse_send(self) -> bool:
         """Whether a send is refused now (its text stays in the input): while the reply in this chat streams (Esc stops
         it); not while it stops, or while one streams in another chat: held, once."""
-        return not self.holds_a_send() and self.refuse_while_busy(sending=True)
+        return not (self.opening.locked() or self.holds_a_send()) and self.refuse_while_busy(sending=True)
 
     def holds_a_send(self) -> bool:
         """Whether a message sent now is stored and answered once the reply being written ends: the engine serves one
@@ -364,33 +366,45 @@ class ChatScreen(Screen):
     @store_failures_noticed  # past the user's message: it is stored, Ctrl+R asks for the reply again
     async def send(self, text: str) -> None:
         text = text.strip()
-        hold = self.holds_a_send()  # a reply is written in another chat, or stops (Esc, then Enter: a step can take seconds)
-        if not visible(text) or (not hold and self.refuse_while_busy(sending=True)):
+        if not visible(text):
             return
-        title = title_from(text)
+        async with self.opening:  # a chat being opened (Ctrl+N, the list) first: the message goes to the chat then shown
+            sent = await self._store_sent(text)
+        if sent == "deleted":  # deleted in another moechat window since it was opened: a new chat to send it to
+            await self.deleted_elsewhere()
+            self.give_back(text)
+        elif sent is not None:
+            conv_id, generation, message_id = sent
+            await self.start_reply(conv_id, generation, asked=(message_id, text))
+
+    async def _store_sent(self, text: str) -> tuple[int, int, int] | str | None:
+        """The message stored in the chat shown and drawn, or held -> (chat, generation, message id) to ask a reply for;
+        None: refused or held; "deleted": the chat is gone. Under `opening`: the chat shown stays the same throughout."""
+        hold = self.holds_a_send()  # a reply is written in another chat, or stops (Esc, then Enter: a step can take seconds)
+        if not hold and self.refuse_while_busy(sending=True):
+            self.give_back(text)  # (the input let it go while a chat was being opened)
+            return None
         try:
             if self.conv_id is None:
-                self.conv_id = self.store.create(title=title)
+                self.conv_id = self.store.create(title=title_from(text))
                 self.generation = self.store.generation  # of the file the chat was made in
                 await self.refresh_conversations()
             elif not self.store.messages(self.conv_id) and self.store.conversation(self.conv_id).title == NEW_TITLE:
-                self.store.rename(self.conv_id, title, self.generation)  # one opened empty (Ctrl+N): its first message
+                self.store.rename(self.conv_id, title_from(text), self.generation)  # one opened empty (Ctrl+N)
                 await self.refresh_conversations()
             message_id = self.store.add(self.conv_id, "user", text, generation=self.generation)
-        except KeyError:  # deleted in another moechat window since it was opened: the text back, a new chat to send it to
-            await self.deleted_elsewhere()
-            self.query_one(ChatInput).text = text
-            return
+        except KeyError:
+            return "deleted"
         except ChatStoreError as err:  # not stored (the disk full, the database locked): the text back to send again
-            self.query_one(ChatInput).text = text
+            self.give_back(text)
             self.app.notify(f"{err}; your message is back in the input", severity="error", timeout=15)
-            return
+            return None
         await self.query_one("#log").mount(MessageView("user", text, message_id))
         if hold and self.reply is not None:  # (not ended meanwhile: its end sends what is held)
             self.held = Held(self.conv_id, self.generation, message_id, text)
             self.show_held()
-            return
-        await self.start_reply(self.conv_id, self.generation, asked=(message_id, text))
+            return None
+        return self.conv_id, self.generation, message_id
 
     async def start_reply(self, conv_id: int, generation: int, replaces=None, asked: tuple[int, str] | None = None) -> None:
         """Ask the engine for a reply to the stored chat (the one shown, or a held message's); the reply is stored

@@ -210,6 +210,15 @@ class MessageView(Vertical, can_focus=True):
         await segments[-1 if start else 0].update(answer[start:])
         self.fit_answer()
 
+    async def restart_answer(self, answer: str) -> None:
+        """`answer` in the only Markdown widget, for a stream to go on from: appended to it emptied, not given whole
+        (an append after Textual's update parses from the text's last line only, as if it began the last block: the rest
+        of a paragraph or list went until the reply ended)."""
+        with self.app.batch_update():  # not drawn empty in between
+            await self.show_answer("")
+            await self.markdown.append(answer)
+        self.fit_answer()
+
     def fit_answer(self) -> None:
         """The answer's last block keeps no bottom margin (the next message's top margin spaces them), through a class
         set once the last Markdown widget holds blocks: a `:last-child` rule would make Textual restyle every block of
