@@ -371,3 +371,26 @@ def test_snapshot_a_reply_written_in_another_chat(tmp_path, stored, snap_compare
         await open_chat(pilot, app.chat, older)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=ready)
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_chat_left_without_a_reply_says_so_and_ctrl_r_answers_it(tmp_path, stored):
+    """moechat quit (or was killed) before a message's reply came, or before a held message's turn: opened again, the
+    message says it has no reply yet and which key asks for one; the reply's start takes the note away."""
+    from moechat.app.tui.screens.chat import UNANSWERED
+
+    older, newer = stored
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        store.add(older, "user", "and one more?")
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        assert chat.conv_id == older  # the chat written last opens at start
+        await open_chat(pilot, chat, newer)
+        assert role_line(chat.query(MessageView).last()) == "moechat"  # answered: no note
+        await open_chat(pilot, chat, older)
+        asking = chat.query(MessageView).last()
+        assert asking.content == "and one more?" and role_line(asking) == f"you · {UNANSWERED}"
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: requests == [1], "the request")
+        assert role_line(asking) == "you" and chat.reply is not None

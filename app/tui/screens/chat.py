@@ -52,6 +52,7 @@ NO_MODEL = ("no model is loaded (the status line says why): fix the settings, wh
 REMOTE = "a remote server runs the model: its experts are not seen here (this view shows the embedded engine's)"
 NARROW = 100  # columns below which the chat list (28), the expert view (44) and a usable input do not fit side by side
 CHECK_S = 2.0  # how often the chat list looks for another moechat window's changes (one PRAGMA, no lock)
+UNANSWERED = "no reply yet: Ctrl+R asks for one"
 WRITING = "✎ "  # before the title of the chat a reply is being written into, in the chat list
 
 
@@ -291,6 +292,7 @@ class ChatScreen(Screen):
                     log.anchor()  # following the reply as it grows, as when it started
             log.scroll_end(animate=False)
         self.show_held()
+        self.note_unanswered()
         if (conv_id, self.generation) in self.returned:
             self.give_back(self.returned.pop((conv_id, self.generation)))
             self.app.notify("your message the model refused is back in the input", severity="warning")
@@ -445,6 +447,9 @@ class ChatScreen(Screen):
                 if view.message_id == replaces.id:
                     await view.remove()
         await log.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
+        for asked in list(log.views())[-1:]:
+            if asked.role == "user":
+                asked.set_note("")  # UNANSWERED, or the held note: answered now
         view = MessageView("assistant", "", message_id, finished=False)  # as stored: no placeholder while it streams
         await log.mount(view)
         log.anchor()  # follow the reply as it grows
@@ -509,6 +514,15 @@ class ChatScreen(Screen):
         for view in self.query_one(ChatLog).views():
             if view.message_id == held.message_id:
                 view.set_note(f"sent when the reply in «{self.title_of(reply.conv_id)}» ends")
+
+    def note_unanswered(self) -> None:
+        """A chat whose last message has no reply (moechat quit or was killed before it came, or its held turn never did):
+        said on that message with the key that asks for one; the next reply's start takes the note away."""
+        views = list(self.query_one(ChatLog).views())
+        last = views[-1] if views else None
+        if last is None or last.role != "user" or any(self.on_screen(r) for r in (self.held, self.reply) if r is not None):
+            return
+        last.set_note(UNANSWERED)
 
     def give_back(self, text: str) -> None:
         """A message that was not sent, back in the input: after what was typed meanwhile."""
