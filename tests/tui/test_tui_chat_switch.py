@@ -394,3 +394,20 @@ async def test_a_chat_left_without_a_reply_says_so_and_ctrl_r_answers_it(tmp_pat
         await pilot.press("ctrl+r")
         await until(pilot, lambda: requests == [1], "the request")
         assert role_line(asking) == "you" and chat.reply is not None
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_ctrl_n_on_a_chat_still_new_makes_no_second_empty_one(tmp_path, stored):
+    """Each Ctrl+N stored a "New chat": pressed again (and again) on one with no message, it stays there."""
+    async with without_model(tmp_path) as (app, pilot):
+        chat = app.chat
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: len(titles(chat)) == 3, "the new chat listed")
+        new = chat.conv_id
+        await pilot.press("ctrl+n", "ctrl+n")
+        await pilot.pause()
+        assert chat.conv_id == new and len(app.store.conversations()) == 3
+        await send(pilot, "hello")  # a message: the next Ctrl+N makes another
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: len(app.store.conversations()) == 4, "a second new chat")

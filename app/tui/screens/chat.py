@@ -640,7 +640,12 @@ class ChatScreen(Screen):
 
     @store_failures_noticed
     async def new_chat(self) -> None:
-        """Also while a reply is being written: it goes on in the background."""
+        """Also while a reply is being written: it goes on in the background. On a chat still new (no message, no system
+        prompt) it stays there: each Ctrl+N left one more empty "New chat" in the list."""
+        conv = self.current_conversation()
+        if conv is not None and conv.title == NEW_TITLE and not conv.system_prompt and not self.store.messages(conv.id):
+            self.query_one(ChatInput).focus()
+            return
         await self.open_conversation(self.store.create())
         await self.refresh_conversations()
         self.query_one(ChatInput).focus()
