@@ -166,5 +166,5 @@ def damaged(path: Path, err: sqlite3.Error) -> str | None:
         return None
     if not sqlite_header(path):  # no SQLite file at all: nothing to rescue
         return f"{path} is not moechat's chat database (not an SQLite file): move it aside and moechat starts a new one"
-    return (f"chat database {path} is damaged ({err}): `sqlite3 {path} .recover | sqlite3 rescued.sqlite3` rescues what "
-            "it can (put that file in its place), or move it aside and moechat starts a new one")
+    return (f"chat database {path} is damaged ({err}): the chat app (`moechat` on a terminal) offers at start to move it "
+            "aside and copy the chats it can still read into a new one; or move it aside and moechat starts a new one")

@@ -446,6 +446,21 @@ class ChatStore:
             db.execute("UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",
                        (time.time(), message_id))
 
+    def put_back(self, chats: list[tuple[Conversation, list[ChatMessage]]]) -> None:
+        """Chats read from another file (a damaged one's rescue, `chat_rescue.py`) in one transaction, as they were: their
+        ids kept where this file has given out none yet (AUTOINCREMENT's record at 0), else new ones."""
+        with self._transaction() as db:
+            keep = db.execute("SELECT 1 FROM sqlite_sequence WHERE seq > 0").fetchone() is None
+            for conv, messages in chats:
+                cursor = db.execute("INSERT INTO conversations (id, title, system_prompt, created, updated)"
+                                    " VALUES (?, ?, ?, ?, ?)", (conv.id if keep else None, _storable(conv.title),
+                                                                _storable(conv.system_prompt), conv.created, conv.updated))
+                db.executemany("INSERT INTO messages (id, conv_id, role, content, finished, created, stats, finish)"
+                               " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                               [(m.id if keep else None, cursor.lastrowid, m.role, _storable(m.content), int(m.finished),
+                                 m.created, json.dumps(m.stats) if m.stats is not None else None, m.finish)
+                                for m in messages])
+
     def delete_message(self, message_id: int, generation: int | None = None) -> None:
         """Regenerate drops the last reply; an unknown id is a no-op, as one of a file since replaced is (see delete)."""
         with contextlib.suppress(ReplacedError):

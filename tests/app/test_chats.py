@@ -17,7 +17,8 @@ import moechat
 from moechat.app.chat_export import export_markdown
 from moechat.app.chat_file import DamagedFile, move_aside
 from moechat.app.chat_migrations import APPLICATION_ID, MIGRATIONS
-from moechat.app.chats import ChatStore, ChatStoreError, store_path
+from moechat.app.chat_rescue import rescue_into
+from moechat.app.chats import ChatStore, ChatStoreError, store_path, title_from
 from moechat.engine.errors import MoechatError
 
 pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
@@ -303,7 +304,8 @@ def test_a_truncated_file_says_it_is_damaged_and_how_to_rescue_it(tmp_path):
     with pytest.raises(MoechatError) as err:
         ChatStore(path)
     message = str(err.value)
-    assert "is damaged (database disk image is malformed)" in message and ".recover" in message and "\n" not in message
+    assert "is damaged (database disk image is malformed)" in message and "\n" not in message
+    assert ".recover" not in message and "offers at start to move it aside and copy the chats" in message  # no sqlite3 CLI
     assert isinstance(err.value, DamagedFile) and err.value.why == "database disk image is malformed"  # the app offers a move
 
 
@@ -403,6 +405,101 @@ def test_a_file_moved_aside_takes_its_logs_and_never_goes_over_another(tmp_path,
     assert [Path(f"{aside}{part}").read_bytes() for part in ("", "-wal", "-shm")] == [b"damaged", b"damaged-wal", b"damaged-shm"]
     assert all(where.read_bytes() == data for where, data in taken.items()) and not list(tmp_path.glob("chats.sqlite3-*"))
     assert not path.exists()
+
+
+def several_chats(path: Path) -> list[tuple]:
+    """Six chats of three messages, each message on a page of its own part (`<mID>` starts it), one reply stopped at the
+    length limit with stats, one unfinished: every row as the store reads it."""
+    with ChatStore(path) as store:
+        for c in range(6):
+            conv = store.create(f"chat {c}", system_prompt=f"prompt {c}")
+            for role in ("user", "assistant", "user"):
+                said = store.add(conv, role, "", finished=role == "user")
+                store.update(said, f"<m{said}> " + "words " * 250, finished=c != 4 or role == "user",
+                             stats={"tok_s": c} if role == "assistant" else None, finish="length" if c == 2 else None)
+        return every_row(store)
+
+
+def every_row(store: ChatStore) -> list[tuple]:
+    return [(c, store.messages(c.id)) for c in sorted(store.conversations(), key=lambda c: c.id)]
+
+
+def garble_page(path: Path, marker: bytes, first: int = 0) -> int:
+    """The page holding `marker` overwritten with garbage from its byte `first` on (-1: the first page, after its
+    header): its number, from 1."""
+    data = path.read_bytes()
+    size = int.from_bytes(data[16:18], "big")
+    page = data.index(marker) // size if marker else 0
+    with path.open("r+b") as file:
+        file.seek(page * size + first)
+        file.write(b"\xa5" * (size - first))
+    return page + 1
+
+
+def test_a_damaged_page_costs_only_its_rows_when_its_chats_are_rescued(tmp_path):
+    """`sqlite3 ASIDE .recover` was the advice: Debian 12's sqlite3 lacks it, and the new file it piped into was empty."""
+    path = tmp_path / "chats.sqlite3"
+    before = several_chats(path)
+    data, size = path.read_bytes(), 4096
+    page = {m.id: data.index(f"<m{m.id}> ".encode()) // size for _, ms in before for m in ms
+            if data.count(f"<m{m.id}> ".encode()) == 1}  # one copy of each: its page
+    lost = before[3][1][1]  # chat 3's reply: its page damaged
+    assert len(page) == 18 and garble_page(path, f"<m{lost.id}> ".encode()) == page[lost.id] + 1
+    on_the_page = {id for id, at in page.items() if at == page[lost.id]}
+    aside = move_aside(path)
+    damaged = aside.read_bytes()
+    said = rescue_into(aside, path)
+    with ChatStore(path) as store:
+        after = every_row(store)
+    kept = [(c, [m for m in ms if m.id not in on_the_page]) for c, ms in before]
+    assert after == kept and after[2][1][1].finish == "length" and after[2][1][1].stats == {"tok_s": 2}
+    assert not after[4][1][1].finished and [m.role for m in after[0][1]] == ["user", "assistant", "user"]
+    assert said == f"6 of 6 chats and {18 - len(on_the_page)} messages rescued from {aside}; the file is kept"
+    assert aside.read_bytes() == damaged  # read only
+
+
+def test_a_chat_whose_own_row_is_on_a_damaged_page_is_rescued_by_its_messages(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    before = several_chats(path)
+    garble_page(path, b"prompt 5")  # the conversations' page: titles and system prompts lost
+    aside = move_aside(path)
+    said = rescue_into(aside, path)
+    with ChatStore(path) as store:
+        after = every_row(store)
+    assert [ms for _, ms in after] == [ms for _, ms in before] and [c.id for c, _ in after] == [c.id for c, _ in before]
+    assert [c.title for c, _ in after] == [title_from(m[0].content) for _, m in before] and after[0][0].system_prompt == ""
+    assert said == f"6 of 6 chats and 18 messages rescued from {aside}; the file is kept"
+
+
+def test_a_damaged_schema_page_rescues_nothing_and_says_so(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    several_chats(path)
+    garble_page(path, b"", first=100)  # the header stays: an SQLite file, damaged
+    with pytest.raises(DamagedFile) as err:
+        ChatStore(path)
+    assert err.value.why
+    aside = move_aside(path)
+    assert rescue_into(aside, path) == f"nothing could be read from {aside} (its schema is damaged); the file is kept"
+    with ChatStore(path) as store:
+        assert store.conversations() == []
+
+
+@pytest.mark.parametrize("version", [1, 2])  # before `finish`: read by the columns it has
+def test_an_older_schemas_chats_are_rescued(tmp_path, version):
+    path = tmp_path / "chats.sqlite3"
+    with sqlite3.connect(path) as raw:
+        raw.executescript("".join(MIGRATIONS[:version]) + f";PRAGMA user_version = {version};")
+        raw.execute("INSERT INTO conversations (id, title, system_prompt, created, updated) VALUES (7, 'kept', 'be', 1, 2)")
+        raw.execute("INSERT INTO messages (id, conv_id, role, content, finished, created, stats)"
+                    " VALUES (9, 7, 'assistant', 'hi', 0, 1.5, '{\"tok_s\": 3}')")
+    aside = move_aside(path)
+    assert rescue_into(aside, path) == f"1 of 1 chats and 1 messages rescued from {aside}; the file is kept"
+    with ChatStore(path) as store:
+        (conv,) = store.conversations()
+        assert (conv.id, conv.title, conv.system_prompt, conv.created, conv.updated) == (7, "kept", "be", 1, 2)
+        assert [(m.id, m.content, m.finished, m.stats, m.finish) for m in store.messages(7)] == [(9, "hi", False, {"tok_s": 3},
+                                                                                                  None)]
+        assert store.add(store.create(), "user", "new") > 9  # AUTOINCREMENT goes on past the rescued ids
 
 
 def test_a_full_disk_is_one_line_naming_it_and_the_store_goes_on(store):

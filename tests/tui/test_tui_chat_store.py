@@ -6,6 +6,7 @@ aside. Textual's Pilot, no model."""
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 from pathlib import Path
 
@@ -233,7 +234,7 @@ async def test_a_damaged_database_opens_with_a_notice(tmp_path):
     async with without_model(tmp_path) as (app, pilot):
         await until(pilot, lambda: any("damaged" in e for e in errors(app)), "the damage's notice")
         (said,) = [e for e in errors(app) if "damaged" in e]
-        assert ".recover" in said and "\n" not in said and app.is_running and app.return_code is None
+        assert "copy the chats it can still read" in said and "\n" not in said and app.is_running and app.return_code is None
 
 
 @pilot_test
@@ -566,9 +567,24 @@ def test_a_junk_or_damaged_database_is_moved_aside_when_the_dialog_says_so(own_d
     assert aside.read_bytes() == before
     assert "\n" in said[0] and ("is damaged (database disk image is malformed)" if kind == "damaged" else
                                 "is not an SQLite file") in said[0]
-    assert str(aside) in notice and "\n" not in notice and (f"sqlite3 {aside} .recover" in notice) == (kind == "damaged")
-    with ChatStore(path) as store:  # a new one, where the app reads it
-        assert store.conversations() == []
+    assert str(aside) in notice and "\n" not in notice and ".recover" not in notice
+    rescued = re.search(rf"(\d+) of (\d+) chats and (\d+) messages rescued from {re.escape(str(aside))}; the file is kept$",
+                        notice)
+    assert (rescued is not None) == (kind == "damaged")  # junk: nothing to rescue
+    with ChatStore(path) as store:  # a new one, where the app reads it: with the chats the first half of the file holds
+        chats = [c.title for c in store.conversations()]
+        messages = sum(len(store.messages(c.id)) for c in store.conversations())
+        assert (len(chats), messages) == ((int(rescued[1]), int(rescued[3])) if rescued else (0, 0))
+    if rescued:
+        assert int(rescued[1]) == int(rescued[2]) == 60 and 0 < int(rescued[3]) < 60  # the messages of the half cut lost
+        assert set(chats) == {f"chat {i}" for i in range(60)}
+        asyncio.run(listed(path, chats))
+
+
+async def listed(path: Path, chats: list[str]) -> None:
+    """The app on the rescued chat database lists its chats."""
+    async with without_model(path.parent) as (app, pilot):
+        await until(pilot, lambda: titles(app.chat) == chats, f"the rescued chats listed ({titles(app.chat)})")
 
 
 @pytest.mark.notorch
@@ -581,7 +597,8 @@ def test_quit_in_the_dialog_leaves_the_file_and_says_the_line(own_dirs, monkeypa
     with pytest.raises(DamagedFile) as err:
         run_tui(monkeypatch)
     line = str(err.value)  # today's, as `moechat` says it and exits
-    assert "\n" not in line and "move it aside" in line and (".recover" in line) == (kind == "damaged")
+    assert "\n" not in line and "move it aside" in line and ".recover" not in line
+    assert ("offers at start to move it aside and copy the chats it can still read" in line) == (kind == "damaged")
     assert path.read_bytes() == before and not list(path.parent.glob("*.damaged-*"))
 
 

@@ -1,6 +1,7 @@
 """A chat database that is junk or damaged at start (`chat_file.DamagedFile`): a dialog says so and offers to move it
-aside and start a new one, or to quit with the line moechat says without a terminal (the file untouched). It runs as an
-app of its own before the chat app, whose chat screen reads the database as it mounts."""
+aside and start a new one (a damaged one's readable chats copied into it, `chat_rescue.py`), or to quit with the line
+moechat says without a terminal (the file untouched). It runs as an app of its own before the chat app, whose chat
+screen reads the database as it mounts."""
 from __future__ import annotations
 
 from typing import ClassVar
@@ -12,13 +13,15 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Label
 
 from ...chat_file import DamagedFile, move_aside
+from ...chat_rescue import rescue_into
 
 
 def what_is_wrong(err: DamagedFile) -> str:
     """The dialog's two lines: what the file is, and what each choice does."""
     what = (f"The chat database {err.path} is damaged ({err.why})." if err.why else
             f"{err.path} is not an SQLite file, so moechat cannot read chats from it.")
-    return (f"{what}\nMoving it aside keeps it beside as {err.path.name}.damaged-…, and moechat starts a new one; "
+    rescued = ", with the chats it can read from it" if err.why else ""
+    return (f"{what}\nMoving it aside keeps it beside as {err.path.name}.damaged-…, and moechat starts a new one{rescued}; "
             "Quit leaves it as it is.")
 
 
@@ -67,14 +70,15 @@ class Asking(App[bool]):
 
 
 def moved_aside(err: DamagedFile) -> str:
-    """The file moved aside once the user says so in the dialog: the notice of where it went (and how a damaged one is
-    rescued). Quit (or the move failing) raises the line moechat says without a terminal, the file as it was."""
+    """The file moved aside once the user says so in the dialog, a damaged one's chats rescued into the new one: the
+    notice of what was rescued from where. Quit (or the move failing) raises the line moechat says without a terminal,
+    the file as it was."""
     if not Asking(err).run():
         raise err
     try:
         aside = move_aside(err.path)
     except OSError as failed:
         raise DamagedFile(f"{err} (moving it aside failed: {failed.strerror or failed})", err.path, err.why) from None
-    return (f"the chat database was damaged: moved aside to {aside}, and a new one started; `sqlite3 {aside} .recover | "
-            f"sqlite3 rescued.sqlite3` rescues what it can (quit moechat and put that file at {err.path})" if err.why else
-            f"{err.path} was not an SQLite file: moved aside to {aside}, and a new chat database started")
+    if not err.why:  # not SQLite: nothing to rescue
+        return f"{err.path} was not an SQLite file: moved aside to {aside}, and a new chat database started"
+    return f"the chat database was damaged: moved aside, and a new one started; {rescue_into(aside, err.path)}"
