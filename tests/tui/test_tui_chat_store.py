@@ -588,12 +588,13 @@ async def listed(path: Path, chats: list[str]) -> None:
 
 
 @pytest.mark.notorch
-@pytest.mark.parametrize("kind", ["junk", "damaged"])
-def test_quit_in_the_dialog_leaves_the_file_and_says_the_line(own_dirs, monkeypatch, kind):
+@pytest.mark.parametrize("kind, key", [("junk", "escape"), ("damaged", "escape"), ("junk", "ctrl+c")])
+def test_quit_in_the_dialog_leaves_the_file_and_says_the_line(own_dirs, monkeypatch, kind, key):
+    """Esc, q, Quit, and Ctrl+C (which did nothing there) quit."""
     from moechat.app.chat_file import DamagedFile
 
     path, before = damaged_store(kind)
-    answering(monkeypatch, "escape")
+    answering(monkeypatch, key)
     with pytest.raises(DamagedFile) as err:
         run_tui(monkeypatch)
     line = str(err.value)  # today's, as `moechat` says it and exits

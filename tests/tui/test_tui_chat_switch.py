@@ -411,3 +411,18 @@ async def test_ctrl_n_on_a_chat_still_new_makes_no_second_empty_one(tmp_path, st
         await send(pilot, "hello")  # a message: the next Ctrl+N makes another
         await pilot.press("ctrl+n")
         await until(pilot, lambda: len(app.store.conversations()) == 4, "a second new chat")
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_message_sent_in_an_older_chat_moves_it_to_the_top_of_the_list(tmp_path, stored):
+    """The list is most recently written first, as it reads after a restart; a send left it where it was until then."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        assert [id for id, _ in chat.listed] == [str(newer), str(older)]
+        await open_chat(pilot, chat, older)
+        await send(pilot, "one more question")
+        await until(pilot, lambda: requests == [1], "the request")
+        assert [id for id, _ in chat.listed] == [str(older), str(newer)]
+        assert chat.query_one("#conversations").highlighted == 0  # the highlight went with it

@@ -390,11 +390,11 @@ class ChatScreen(Screen):
             if self.conv_id is None:
                 self.conv_id = self.store.create(title=title_from(text))
                 self.generation = self.store.generation  # of the file the chat was made in
-                await self.refresh_conversations()
             elif not self.store.messages(self.conv_id) and self.store.conversation(self.conv_id).title == NEW_TITLE:
                 self.store.rename(self.conv_id, title_from(text), self.generation)  # one opened empty (Ctrl+N)
-                await self.refresh_conversations()
             message_id = self.store.add(self.conv_id, "user", text, generation=self.generation)
+            if self.listed[:1] != [(str(self.conv_id), self.store.conversation(self.conv_id).title)]:
+                await self.refresh_conversations()  # a new chat, a new title, or one written to last: at the top
         except KeyError:
             return "deleted"
         except ChatStoreError as err:  # not stored (the disk full, the database locked): the text back to send again

@@ -28,7 +28,7 @@ def what_is_wrong(err: DamagedFile) -> str:
 class MoveAside(ModalScreen[bool]):
     """Dismisses with True on "Move it aside and start a new one", False on Quit (Esc too)."""
 
-    BINDINGS: ClassVar[list[Binding]] = [Binding("m", "move", "Move aside"), Binding("q,escape", "quit", "Quit")]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("m", "move", "Move aside"), Binding("q,escape,ctrl+c", "quit", "Quit")]
 
     def __init__(self, err: DamagedFile) -> None:
         super().__init__()
