@@ -6,8 +6,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from moechat.engine.calibration.measure import step_figures
-from moechat.engine.calibration.types import Measurements
+
+def step_figures(m, plain, steps) -> None:
+    from moechat.engine.calibration.measure import step_figures  # torch: not at the top of a module with a notorch test
+
+    step_figures(m, plain, steps)
+
+
+def measurements():
+    from moechat.engine.calibration.types import Measurements
+
+    return Measurements(expert_bytes=1, max_tokens=5)  # windows of γ + 1 = 5 tokens
 
 
 def step(drafted: int, accepted: int, draft_s: float, verify_s: float) -> SimpleNamespace:
@@ -15,7 +24,7 @@ def step(drafted: int, accepted: int, draft_s: float, verify_s: float) -> Simple
 
 
 def test_one_slow_step_moves_no_figure():
-    m = Measurements(expert_bytes=1, max_tokens=5)  # windows of γ + 1 = 5 tokens
+    m = measurements()
     plain = [step(0, 0, 0.0, 1e-3)] * 4 + [step(0, 0, 0.0, 0.5)]  # one plain step preempted for half a second
     steps = [step(4, 2, 4e-3, 2e-3) for _ in range(6)] + [step(4, 1, 4.0, 2e-3), step(2, 2, 2e-3, 1.5e-3), step(0, 0, 0.0, 1e-3)]
     step_figures(m, plain, steps)
@@ -26,7 +35,7 @@ def test_one_slow_step_moves_no_figure():
 
 
 def test_nothing_drafted_leaves_the_drafting_figures_unmeasured():
-    m = Measurements(expert_bytes=1, max_tokens=5)
+    m = measurements()
     step_figures(m, [], [step(0, 0, 0.0, 1e-3)])
     assert (m.plain_step_s, m.draft_s_per_token, m.acceptance, m.verify_s) == (None, None, None, None)
 
