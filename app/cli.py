@@ -44,8 +44,8 @@ class _Parser(argparse.ArgumentParser):
         """What to say of arguments this command does not take: flags typed wrong as the command line with the flags meant
         (argparse's `suggest_on_error` is Python 3.14's, and for choices only), else another tool's habit (`instead`)."""
         typos = self._typos(unknown)
-        if typos and getattr(self, "_given", None) is not None:
-            return f"unrecognized arguments: {' '.join(unknown)}; did you mean: {self._line(typos)}"
+        if typos and getattr(self, "_given", None) is not None:  # the flags alone: a value after one was taken for the
+            return f"unknown flag {' '.join(sorted(typos))}; did you mean: {self._line(typos)}"  # prompt, the prompt unknown
         return f"unrecognized arguments: {' '.join(unknown)}{instead(self, args, unknown)}"
 
     def _typos(self, words: list[str]) -> dict[str, str]:
