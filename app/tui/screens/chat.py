@@ -449,7 +449,7 @@ class ChatScreen(Screen):
         await log.fold_earlier()  # a send or a regenerate: the reply streams beside the window only
         for asked in list(log.views())[-1:]:
             if asked.role == "user":
-                asked.set_note("")  # UNANSWERED, or the held note: answered now
+                asked.set_note("")  # UNANSWERED, or the held note (the held message is its chat's last): answered now
         view = MessageView("assistant", "", message_id, finished=False)  # as stored: no placeholder while it streams
         await log.mount(view)
         log.anchor()  # follow the reply as it grows
@@ -497,10 +497,7 @@ class ChatScreen(Screen):
         if held is None or self.reply is not None:  # (a reply began meanwhile: held until it ends)
             self.held = held
             return
-        for view in self.query_one(ChatLog).views() if self.on_screen(held) else []:
-            if view.message_id == held.message_id:
-                view.set_note("")
-        await self.start_reply(held.conv_id, held.generation, asked=(held.message_id, held.text))
+        await self.start_reply(held.conv_id, held.generation, asked=(held.message_id, held.text))  # its note: mount_reply
 
     def show_held(self) -> None:
         """The held message said where it is shown: on the stopping reply in its own chat, else on the message itself."""
