@@ -244,11 +244,11 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
     # what quantize_dense quantizes stays as stored until then (a bf16 checkpoint's not widened to float32 first)
-    as_stored = narrowed | ({f"{name}.weight" for name, *_ in quantized_linears(hf, routers)} if quantized else set())
-    _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device, dtype,
-                        prequant, as_stored)
+    swapped = {name for name, *_ in quantized_linears(hf, routers)} if quantized else set()
+    given = _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device,
+                                dtype, prequant, narrowed | {f"{name}.weight" for name in swapped}, swapped)
     if quantized:
-        quantize_dense(hf, routers=routers, fmt=store.quant)
+        quantize_dense(hf, routers=routers, fmt=store.quant, given=given)
     if device.type == "cpu":  # float32 K/V for a half model, grouped heads read in place (attention.py)
         use_cpu_attention(hf)
     elif device.type == "cuda":  # grouped heads folded under a mask, not copied per query head (attention.py)
@@ -328,18 +328,25 @@ def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, a
 
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype,
-                        prequant: PrequantSpec | None = None, as_stored: set[str] = frozenset()) -> None:
-    """Every non-expert tensor onto the compute device (pre-quantized linears dequantized; the module keys in `as_stored`
-    keep the checkpoint's dtype: bf16_linear.narrow_linears's bf16, and what quant/dense.py quantizes next); complain about
-    what is missing."""
-    state = {}
+                        prequant: PrequantSpec | None = None, as_stored: set[str] = frozenset(),
+                        swapped: set[str] = frozenset()) -> dict:
+    """Every non-expert tensor onto the compute device; complain about what is missing. The module keys in `as_stored`
+    keep the checkpoint's dtype (bf16_linear.narrow_linears's bf16, and what quant/dense.py quantizes next). Pre-quantized
+    linears are dequantized, but those of the modules quant/dense.py swaps (`swapped`) -> {module: the kernel's matrix of
+    the checkpoint's codes}, their weights left on meta: dequantizing and quantizing again took most of a 30B GPTQ
+    model's start and rounded its weights twice."""
+    state, given = {}, {}
     wanted = hf.state_dict()  # the model's tensors, on meta: names and dtypes, no memory
     floats = {name for name, t in wanted.items() if t.is_floating_point()}
     rest = [k for k in ckpt.keys() if k not in expert_keys]
     quantized = quantized_prefixes(prequant, rest) if prequant is not None else set()
     for prefix in sorted(quantized):
         t = ckpt.views(linear_keys(prequant, prefix, ckpt))  # read once by the dequantization: no copy
-        state[family.module_key(f"{prefix}.weight")] = prequant.dequantize(t, prefix, dtype).to(device)
+        module = family.module_key(f"{prefix}.weight").removesuffix(".weight")
+        if module in swapped:
+            given[module] = prequant.to_matrix(t, prefix)
+        else:
+            state[f"{module}.weight"] = prequant.dequantize(t, prefix, dtype).to(device)
     # a quantized linear's bias stays a float tensor beside its packed weight (Qwen2-MoE's q/k/v in GPTQ and compressed-tensors)
     for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized or k.endswith(".bias")):
         name = family.module_key(key)
@@ -349,7 +356,8 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
         state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() and name not in as_stored else t.dtype)
     expected = set(wanted)
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()
-    missing = sorted(expected - state.keys() - tied)
+    on_meta = {f"{module}.weight" for module in given}  # until quantize_dense swaps their modules
+    missing = sorted(expected - state.keys() - tied - on_meta)
     if missing:
         more = f" and {len(missing) - 1} more tensor{'s' if len(missing) > 2 else ''}" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint lacks {missing[0]}{more}: the files do not match config.json; re-download the model")
@@ -371,6 +379,7 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
             owners[owner_name] = owner
     for owner in owners.values():
         hf._init_weights(owner)
-    leftover = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    leftover = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta and n not in on_meta]
     if leftover:
         raise CheckpointError(f"checkpoint lacks {leftover[0]}: the files do not match config.json; re-download the model")
+    return given

@@ -90,10 +90,18 @@ class CompressedSpec:
         return formats.from_codes(self.fmt, k, torch.nn.functional.pad(u, (0, kp - k)), d, m)
 
     def dequantize(self, t: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> torch.Tensor:
-        """One quantized linear as a dense weight [N, K] in `dtype`: scale · (q - z) per group, in fp32."""
+        """One quantized linear as a dense weight [N, K] in `dtype`: scale · (q - z) per group, in fp32, in blocks of rows
+        (gptq.dequantize_gptq's order: a group is a run of a row, no gather)."""
         u, scale, zero = self._unpack(t, prefix)
-        group = torch.arange(u.shape[1]) // self.group(u.shape[1])  # [K]
-        return (scale[:, group] * (u.float() - 2 ** (self.bits - 1) - zero[:, group])).to(dtype)
+        n, k = u.shape
+        groups, size = scale.shape[1], self.group(k)
+        offset = (zero + 2 ** (self.bits - 1)).unsqueeze(-1)  # [N, G, 1]: q - z is a small integer, exact in any order
+        out = torch.empty(n, k, dtype=dtype)
+        for r in range(0, n, formats.DEQUANT_ROWS):
+            rows = slice(r, r + formats.DEQUANT_ROWS)
+            codes = torch.nn.functional.pad(u[rows].float(), (0, groups * size - k)).view(-1, groups, size)  # [R, G, size]
+            out[rows] = codes.sub_(offset[rows]).mul_(scale[rows].unsqueeze(-1)).flatten(1)[:, :k]
+        return out
 
     def _unpack(self, t: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes u uint8 [N, K], scales fp32 [N, G], zero points fp32 [N, G]), every shape checked."""

@@ -30,10 +30,11 @@ FIT = False
 class QuantLinear(torch.nn.Module):
     """nn.Linear with a quantized weight: y = Q8(x) · dequant(W)^T + b, in fp32, returned in x's dtype."""
 
-    def __init__(self, linear: torch.nn.Linear, fmt: str):
+    def __init__(self, linear: torch.nn.Linear, fmt: str, given: formats.QuantMatrix | None = None):
+        """linear's weight quantized to `fmt`, or `given`: a pre-quantized checkpoint's own matrix (its weight on meta)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_q = cpu_ffn.quantize(linear.weight.detach(), fmt, fit=FIT)
+        self.weight_q = given if given is not None else cpu_ffn.quantize(linear.weight.detach(), fmt, fit=FIT)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,14 +80,17 @@ def quantized_dense_size(hf: torch.nn.Module, routers: set[int], fmt: str) -> tu
     return replaced, held
 
 
-def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str) -> None:
-    """Swap every quantized_linears layer of `hf` on the CPU for a QuantLinear in `layer_format`."""
-    swaps = [swap for swap in quantized_linears(hf, routers) if swap[3].weight.device.type == "cpu"]
+def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str, given: dict[str, formats.QuantMatrix] | None = None) -> None:
+    """Swap every quantized_linears layer of `hf` on the CPU for a QuantLinear in `layer_format`; those named in `given`
+    (a pre-quantized checkpoint's linears, as the kernel reads them) take their matrix as it is, no float copy between."""
+    given = dict(given or {})
+    swaps = [swap for swap in quantized_linears(hf, routers) if swap[0] in given or swap[3].weight.device.type == "cpu"]
     head = id(hf.get_output_embeddings())
     while swaps:  # each float weight goes once its quantized copy is made: the model's dense part is never held twice
         name, parent, child_name, child = swaps.pop(0)
         try:  # a tied head gets its own quantized copy; the embedding keeps its table
-            setattr(parent, child_name, QuantLinear(child, layer_format(fmt, child_name, id(child) == head)))
+            fmt_here = layer_format(fmt, child_name, id(child) == head)
+            setattr(parent, child_name, QuantLinear(child, fmt_here, given.pop(name, None)))
         except formats.NonFiniteWeights:
             raise CheckpointError(f"{name}.weight holds NaN or infinite values: the checkpoint is corrupt; re-download the "
                                   "model") from None

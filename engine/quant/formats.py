@@ -42,6 +42,7 @@ from .. import pinned
 
 BLOCK = 32  # weights per scale; K is padded to a multiple of this
 ROWS = 16  # rows interleaved per group (one 512-bit vector of int32 row sums)
+DEQUANT_ROWS = 128  # a pre-quantized linear dequantized this many output rows at a time: its float temporaries stay in cache
 FORMATS = ("int8", "int4")  # the experts' formats (--quant)
 LAYOUTS = ("int8", "int6", "int4")  # every format the kernels read: int6 is the output head's under int4 (quant/dense.py)
 PREQUANTIZED_ADVICE = "use the bf16 checkpoint with --quant int4 or --quant int8"  # a pre-quantized checkpoint refused

@@ -9,6 +9,7 @@ import pytest
 import torch
 from compressed_pack import make_compressed_checkpoint, pack_linear, reference_dequant
 from helpers import run_engine
+from safetensors.torch import load_file
 
 from moechat.engine import CheckpointError
 from moechat.engine.config import EngineConfig
@@ -27,9 +28,11 @@ SCHEMES = [(4, "group", 32, True), (4, "group", 64, False), (4, "channel", 0, Tr
 
 
 @pytest.mark.parametrize("bits,strategy,group_size,symmetric", SCHEMES)
-def test_the_reader_equals_the_formats_own_dequantization(bits, strategy, group_size, symmetric):
-    """Dense layers: exactly scale · (q - z). Experts: the same values through moechat's blocks, exact where the
-    minimum -scale · (2^(b-1) + z) is exact in fp16 (symmetric), else within its fp16 rounding."""
+def test_the_reader_equals_the_formats_own_dequantization(bits, strategy, group_size, symmetric, monkeypatch):
+    """Dense layers: exactly scale · (q - z), in blocks of rows (20 here: a partial last one). Experts: the same values
+    through moechat's blocks, exact where the minimum -scale · (2^(b-1) + z) is exact in fp16 (symmetric), else within its
+    fp16 rounding."""
+    monkeypatch.setattr(formats, "DEQUANT_ROWS", 20)
     spec = CompressedSpec(bits=bits, strategy=strategy, group_size=group_size or None, symmetric=symmetric)
     for n, k in ((32, 128), (48, 200)):  # 200: a partial last block, padded
         t = {f"p.{s}": v for s, v in pack_linear(torch.randn(n, k) * 0.05, bits, strategy, group_size, symmetric).items()}
@@ -108,16 +111,24 @@ def test_a_compressed_checkpoint_runs_as_it_is_and_losslessly(family, bits, symm
     with torch.no_grad():
         got = engine.score(prompt)
     # on a CPU device the dense layers run quantized too (dense.layer_format): attention, head, shared experts
-    dense = [(name, m.weight_q.fmt) for name, m in engine.model.hf.named_modules() if isinstance(m, QuantLinear)]
+    dense = {name: m.weight_q for name, m in engine.model.hf.named_modules() if isinstance(m, QuantLinear)}
     engine.close()
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(ct, tmp_path / "deq", bits), dtype=torch.float32).eval()
-    assert {name for name, _ in dense} >= {n for n, m in hf.named_modules() if ".self_attn." in n and type(m) is torch.nn.Linear}
-    for name, fmt in dense:
+    assert set(dense) >= {n for n, m in hf.named_modules() if ".self_attn." in n and type(m) is torch.nn.Linear}
+    packed = {k.removesuffix(".weight_packed") for shard in ct.glob("*.safetensors") for k in load_file(shard)
+              if k.endswith(".weight_packed")}
+    assert packed & set(dense)  # the attention's packed linears
+    for name, weight_q in dense.items():
         module = hf.get_submodule(name)
-        assert fmt == layer_format(f"int{bits}", name.split(".")[-1], head=name == "lm_head")
-        module.weight.data = formats.dequantize(formats.quantize(module.weight.data, fmt))
+        if name in packed:  # the checkpoint's codes as they are: its dequantization but for scales rounded to fp16
+            assert weight_q.fmt == f"int{bits}"
+            deq = formats.dequantize(weight_q)[:, :weight_q.k]
+            assert float((deq - module.weight.data).abs().max()) <= 2 ** -9 * float(module.weight.data.abs().max()), name
+            continue
+        assert weight_q.fmt == layer_format(f"int{bits}", name.split(".")[-1], head=name == "lm_head")
+        module.weight.data = formats.dequantize(formats.quantize(module.weight.data, weight_q.fmt))
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.2  # test_quant_engine.LOGIT_TOL: activations in int8
@@ -127,7 +138,7 @@ def dequantized_copy(ct_dir, out, bits: int):
     """The checkpoint with every packed linear written back as `.weight` by the reference dequantization."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     out.mkdir()
     suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")

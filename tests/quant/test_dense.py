@@ -51,10 +51,10 @@ def test_a_bf16_checkpoints_dense_layers_are_quantized_as_stored_one_at_a_time(c
     handed, alive = [], []  # each weight quantize_dense hands over: (dtype, weakref); how many before it were still held
     make = dense.QuantLinear.__init__
 
-    def spy(self, linear, fmt):
+    def spy(self, linear, fmt, given=None):
         alive.append(sum(ref() is not None for _, ref in handed))
         handed.append((linear.weight.dtype, weakref.ref(linear.weight)))
-        make(self, linear, fmt)
+        make(self, linear, fmt, given)
 
     monkeypatch.setattr(dense.QuantLinear, "__init__", spy)
     model = load_model(EngineConfig(model_dir=str(path), quant="int4"))

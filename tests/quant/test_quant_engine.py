@@ -17,6 +17,7 @@ from moechat.engine import CheckpointError
 from moechat.engine.config import EngineConfig
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.generate import Engine
+from moechat.engine.model.checkpoint import Checkpoint
 from moechat.engine.quant import expert_file, formats
 from moechat.engine.quant.dense import FIT as DENSE_FIT
 from moechat.engine.quant.dense import QuantLinear
@@ -222,6 +223,13 @@ def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_
     engine = Engine(EngineConfig(model_dir=str(gptq)))
     assert engine.model.store.quant == "int4" and engine.model.store.prequant is not None
     assert not any("does not apply" in n for n in engine.notices)
+    packed = {k.removesuffix(".qweight") for k in Checkpoint(gptq).keys() if k.endswith(".qweight") and ".experts." not in k}
+    held = {name: m.weight_q for name, m in engine.model.hf.named_modules() if isinstance(m, QuantLinear)}
+    assert packed and packed <= set(held)
+    for name in packed:  # the attention's GPTQ words read as the kernel's matrix, no float copy and no second rounding
+        t = Checkpoint(gptq).views([f"{name}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx")])
+        want = engine.model.store.prequant.to_matrix(t, name).named_tensors()
+        assert all(torch.equal(v, want[field]) for field, v in held[name].named_tensors().items()), name
     engine.close()
     asked = Engine(EngineConfig(model_dir=str(gptq), quant="int8"))  # runs as it is, and says so
     assert asked.model.store.quant == "int4" and (
@@ -233,9 +241,10 @@ def test_a_gptq_checkpoint_runs_as_it_is_and_losslessly(family, checkpoint, tmp_
     dense: list[tuple[str, str]] = []
     got = engine_logits(gptq, PROMPT_IDS, dense)
     hf = AutoModelForCausalLM.from_pretrained(dequantized_copy(gptq, src, tmp_path / "deq"), dtype=torch.float32).eval()
-    for name, fmt in dense:  # on a CPU device the dense layers run quantized too: re-quantized from GPTQ's own values
+    for name, fmt in dense:  # on a CPU device the dense layers run quantized too: GPTQ's own as they are, the rest quantized
         linear = hf.get_submodule(name)
-        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, fmt))
+        if name not in packed:
+            linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, fmt))
     with torch.no_grad():
         ref = hf(torch.tensor([PROMPT_IDS])).logits[0]
     assert rel(got, ref) < LOGIT_TOL["int4"]
