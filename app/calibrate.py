@@ -137,12 +137,14 @@ def calibrate(model_dir: str, drafter: str, quick: bool, progress=None,
         model_digest,
         model_key,
         probe,
+        read_config_dict,
         resolve_placement,
         save_profile,
     )
     from .demo import eval_prompts
 
     check_profiles_writable()
+    read_config_dict(Path(model_dir))  # a model not there refused in its one line before the probe's progress line
     progress = progress or PrintedProgress()
     progress("probing the hardware", 0.0)
     hw = probe()

@@ -160,11 +160,27 @@ def read_only_mount(path: Path) -> bool:
         return False
 
 
-def damaged(path: Path, err: sqlite3.Error) -> str | None:
-    """What to do about a damaged file (at open too, where a truncated one fails first), else None."""
+def damaged(path: Path, err: sqlite3.Error, running: bool = False) -> str | None:
+    """What to do about a damaged file, found at open (`check_pages`) or, `running`, by a read or write since, else None."""
     if "malformed" not in str(err) and "not a database" not in str(err):
         return None
     if not sqlite_header(path):  # no SQLite file at all: nothing to rescue
         return f"{path} is not moechat's chat database (not an SQLite file): move it aside and moechat starts a new one"
+    if running:  # the open's check_pages finds it at the next start
+        return (f"chat database {path} is damaged ({err}): to copy the chats it can still read into a new one, quit every "
+                "moechat window and start the chat app again (`moechat` on a terminal), which offers it at start")
     return (f"chat database {path} is damaged ({err}): the chat app (`moechat` on a terminal) offers at start to move it "
             "aside and copy the chats it can still read into a new one; or move it aside and moechat starts a new one")
+
+
+def check_pages(path: Path) -> None:
+    """Every page of the file read once (`PRAGMA quick_check`: each table's and index's b-tree, its records' format), so a
+    damaged page is found at open, where the chat app offers the rescue, not when a chat on it is read (the open itself
+    reads the header and schema only). On a connection of its own: its page cache goes with it."""
+    db = sqlite3.connect(path, timeout=2.0)
+    try:
+        found = [row for (row,) in db.execute("PRAGMA quick_check")]
+    finally:
+        db.close()
+    if found != ["ok"]:  # what it found in SQLite's words for a damaged page, as a read of the page says (its lines name pages)
+        raise sqlite3.DatabaseError("database disk image is malformed")

@@ -34,7 +34,12 @@ class Rescued:
     def said(self, aside: Path) -> str:
         if not self.readable:
             return f"nothing could be read from {aside} (its schema is damaged); the file is kept"
-        return f"{self.chats} of {self.seen} chats and {self.messages} messages rescued from {aside}; the file is kept"
+        if not self.seen:  # none there, or none on a page that reads: "0 of 0 chats rescued"
+            return f"no chat could be read from {aside}; the file is kept"
+        if not self.chats:  # named by the index alone
+            return f"none of the {self.seen} chats named in {aside} could be read; the file is kept"
+        return (f"{self.chats} of {self.seen} chat{'s' * (self.seen != 1)} and {self.messages} "
+                f"message{'s' * (self.messages != 1)} rescued from {aside}; the file is kept")
 
 
 def rescue_into(aside: Path, path: Path) -> str:

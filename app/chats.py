@@ -33,6 +33,7 @@ from pathlib import Path
 from ..engine import MoechatError
 from .chat_file import (
     LOGS,
+    check_pages,
     damaged,
     explained,
     holds,
@@ -199,6 +200,7 @@ class ChatStore:
             db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
             migrate(db, self.path, version)
             mark(db)
+            check_pages(self.path)
             self._data_version = db.execute("PRAGMA data_version").fetchone()[0]
             stat = os.stat(self.path)
         except BaseException:
@@ -296,7 +298,8 @@ class ChatStore:
         try:
             yield
         except sqlite3.Error as err:
-            otherwise = damaged(self.path, err) or f"chat database {self.path} failed ({err}): check the disk it is on"
+            otherwise = (damaged(self.path, err, running=True)
+                         or f"chat database {self.path} failed ({err}): check the disk it is on")
             raise ChatStoreError(explained(self.path, err, otherwise)) from None
 
     def _wal(self, db: sqlite3.Connection) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import version_text
 from .engine_config import choices, engine_config, first
 from .options import SETTINGS_SAMPLING, add_flags
-from .other_tools import GPU_LAYERS, ON_THE_GPU, THEIR_FLAGS, instead, not_a_command, ours, their_command
+from .other_tools import GPU_LAYERS, ON_THE_GPU, THEIR_FLAGS, before_dashes, instead, not_a_command, ours, their_command, unglued
 from .terminal_text import as_typed, for_terminal
 
 MISSING = ("the following arguments are required: ", "one of the arguments ")  # argparse's words for what is missing
@@ -54,25 +54,32 @@ class _Parser(argparse.ArgumentParser):
 
         flags = [f for f, action in self._option_string_actions.items()
                  if f.startswith("--") and not isinstance(action, _Renamed)]  # not a removed flag's old name
-        typed = {w.split("=")[0] for w in words if w.startswith("--")} - set(flags)
+        typed = {w.split("=")[0] for w in before_dashes(words) if w.startswith("--")} - set(flags)
         return {w: close[0] for w in typed if (close := difflib.get_close_matches(w, flags, n=1, cutoff=0.7))}
 
-    def _line(self, fixes: dict[str, str]) -> str:
-        """The command line as given to this parser, each flag in `fixes` replaced (`--prot=1`: `--port=1`)."""
+    def _line(self, fixes: dict[str, str], given: list[str] | None = None) -> str:
+        """The command line as given to this parser (or `given`), each flag in `fixes` replaced (`--prot=1`: `--port=1`)
+        up to `--` (the message after it stays as typed)."""
         def fixed(word: str) -> str:
             flag, eq, value = word.partition("=")
             return fixes.get(flag, flag) + eq + value
 
-        return shlex.join([*self.prog.split(), *map(fixed, self._given)])
+        given = self._given if given is None else given
+        flags = before_dashes(given)
+        return shlex.join([*self.prog.split(), *map(fixed, flags), *given[len(flags):]])
 
     def _translated(self) -> str | None:
         """llama.cpp's flags in place of moechat's as the line with moechat's, whatever argparse made of them (`generate -n
-        5 Hi` said "unrecognized arguments: -n Hi": it took 5 for the message); None without them."""
-        theirs = ours(self, getattr(self, "_given", None) or [])
+        5 Hi` said "unrecognized arguments: -n Hi": it took 5 for the message), also glued to their value (`-n5`); None
+        without them."""
+        given = unglued(getattr(self, "_given", None) or [])
+        theirs = ours(self, given)
         if not theirs:
             return None
         flag = next(iter(theirs))
-        return f"{flag} is llama.cpp's; moechat's is {theirs[flag]}: {self._line({**self._typos(self._given), **theirs})}"
+        if flag in ON_THE_GPU:
+            return f"{flag} is llama.cpp's; {GPU_LAYERS}"
+        return f"{flag} is llama.cpp's; moechat's is {theirs[flag]}: {self._line({**self._typos(given), **theirs}, given)}"
 
     def _unknown_beside_missing(self) -> tuple[argparse.Namespace, list[str]] | None:
         """(args, the arguments this parser does not know) parsed again with nothing required, else None."""
@@ -457,6 +464,30 @@ def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argpars
     return parser
 
 
+def _flag_before_the_command(parser: argparse.ArgumentParser, commands: dict, argv: list[str]) -> str | None:
+    """What to say of a flag first that moechat itself does not take (None: argparse's error does): a command's
+    (`moechat --model X`, or llama.cpp's `-m X`, `-n5`) with the command line that takes it, a typo of one (`--modle x`
+    said "'x' is not a moechat command"), llama.cpp's -ngl, else unrecognized."""
+    words = unglued(argv[:1]) + argv[1:]  # `moechat -n5 Hi`: -n 5 Hi
+    flag = words[0].split("=")[0] if argv and argv[0].startswith("-") else None
+    if flag in ON_THE_GPU:  # `moechat -ngl 99 ...`
+        return f"{flag} is llama.cpp's; {GPU_LAYERS}"
+    if not flag or any(known.startswith(flag) for known in parser._option_string_actions) or parser._typos([flag]):
+        return None  # moechat's own (argparse takes `--setu`), or a typo of one (`--verison`), which argparse names
+    ours = THEIR_FLAGS.get(flag, flag)
+    value = [f"={words[0].partition('=')[2]}"] if "=" in words[0] else words[1:2]  # `--model=X`: X
+
+    def line(command: str, meant: str) -> str:
+        return " ".join(["moechat", command, meant, *value]).replace(" =", "=")
+
+    taker = next((name for name in ("chat", *commands) if ours in commands[name]._option_string_actions), None)
+    if taker:
+        said = f"{flag} goes after a command" if ours == flag else f"{flag} is llama.cpp's; moechat's goes after a command"
+        return f"{said}, e.g. {line(taker, ours)}"
+    meant = next(((name, typo) for name in ("chat", *commands) for typo in commands[name]._typos([flag]).values()), None)
+    return f"unknown flag {flag}; did you mean: {line(*meant)}" if meant else f"unrecognized arguments: {argv[0]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     # Before torch loads: OpenMP's idle threads sleep instead of spinning, so they do not take the cores the
     # native kernels' threads run on between PyTorch ops (measured: decode 28 -> 33 tok/s, docs/benchmarks.md).
@@ -467,15 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     commands = parser._subparsers._group_actions[0].choices
-    flag = argv[0].split("=")[0] if argv and argv[0].startswith("-") else None
-    if flag in ON_THE_GPU:  # `moechat -ngl 99 ...`
-        parser.error(f"{flag} is llama.cpp's; {GPU_LAYERS}")
-    if flag and not any(known.startswith(flag) for known in parser._option_string_actions):  # argparse takes `--setu`
-        ours = THEIR_FLAGS.get(flag, flag)  # `moechat --model X`, `moechat -m X`: a command that takes the flag
-        taker = next((name for name in ("chat", *commands) if ours in commands[name]._option_string_actions), None)
-        if taker:  # else argparse says it is unrecognized (a typo: `--verison`)
-            said = f"{flag} goes after a command" if ours == flag else f"{flag} is llama.cpp's; moechat's goes after a command"
-            parser.error(f"{said}, e.g. moechat {taker} {' '.join([ours, *argv[1:2]])}")
+    if said := _flag_before_the_command(parser, commands, argv):
+        parser.error(said)
     if argv[:1] == ["help"]:  # as `git help`: the help asked for, `moechat help serve` serve's
         words = [w for w in argv[1:] if not w.startswith("-")]
         command = _command_parser(parser, words)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def add_estimate(sub) -> None:
     from ..engine import KNOWN_MODELS
-    from .cli import add_renamed, default_to_settings
+    from .cli import add_renamed
     from .options import OPTION
 
     p = sub.add_parser("estimate", help="memory a model needs, from its config alone (no weights are loaded)")
@@ -17,7 +17,8 @@ def add_estimate(sub) -> None:
                         f"{', '.join(KNOWN_MODELS)} (default: the settings, else the embedded demo)")
     OPTION["device"].add_flag(p)  # where and in which dtype a run computes: its KV cache and weights as it keeps them
     OPTION["dtype"].add_flag(p)
-    OPTION["quant"].add_flag(p)
+    OPTION["quant"].add_flag(p)  # left out: the settings' format, as a run takes it; estimate reads no calibration profile
+    p._option_string_actions["--quant"].help = OPTION["quant"].help_line(None).replace("the calibration profile, else ", "")
     p.add_argument("--context-len", type=OPTION["context_len"].parse, default=None, metavar="N",
                    help="context length in tokens (default: the settings, else the model's)")
     p.add_argument("--draft", default=None, metavar="DIR", help="a separate draft model's directory, counted in VRAM")
@@ -27,7 +28,6 @@ def add_estimate(sub) -> None:
                    help="RAM budget: experts in RAM or read from the mmap'd files")
     add_renamed(p, vram_gib="--vram-budget-gib", ram_gib="--ram-budget-gib")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    default_to_settings(p, ("quant",))  # left out: the settings' format, as a run takes it
     p.set_defaults(func=cmd_estimate)
 
 

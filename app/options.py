@@ -212,7 +212,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("backend_model", str, None, "the model to ask the remote backend for", "backend",
            unset="the first the server lists", label="Remote model", placeholder="the server's first", metavar="NAME"),
     Option("backend_key_env", str, "MOECHAT_API_KEY", "environment variable holding the remote backend's API key "
-           "(the key itself is never stored)", "backend", label="Remote API key variable", metavar="NAME",
+           "(the key itself is never stored)", "backend", label="API key variable", metavar="NAME",
            problem_of=_env_name_problem),
     Option("vram_budget_gib", float, None, "cap on everything moechat puts on the GPU; what does not fit is refused "
            "before loading", "engine", unit="GiB", low=0, high=GIB_MAX, low_open=True, unset="the free VRAM",
@@ -245,7 +245,7 @@ OPTIONS: tuple[Option, ...] = (
            "return to one prefills only its new message; the least recently used go first (the running chat's stays between "
            "its turns even when larger), 0 turns reuse off", "engine",
            unit="GiB", low=0, high=GIB_MAX, unset="a quarter of the RAM free after loading, at most 4",
-           label="Conversation cache (GiB)", placeholder="auto", metavar="GIB"),
+           label="Chat KV cache (GiB)", placeholder="auto", metavar="GIB"),
     Option("policy", str, None, "fast-tier residency policy: lru (on demand), static (pinned by the first prompt), "
            "lfu (most used so far), specmoe (each layer's hottest of the last step), eam (this request's activations "
            "matched against past requests'), spac (MoE-SpAc), spmoe (lru plus draft-phase prefetch)", "engine",

@@ -1,17 +1,38 @@
 """What another tool's habits mean here: ollama's commands (`run`, `list`, `rm`) and llama.cpp's flags (`-m`, `-p`, `-n`,
-`-c`, `-ngl`), typed as those tools take them, answered with what to type instead (one line, through the parser's error)."""
+`-c`, `-ngl`), typed as those tools take them or glued to their value, answered with what to type instead (one line, through
+the parser's error)."""
 from __future__ import annotations
 
 import argparse
 import difflib
 import itertools
 import os
+import re
 import shlex
 
 # What llama.cpp's flags are here; its layers on the GPU have none: moechat places the experts itself.
 THEIR_FLAGS = {"-m": "--model", "-p": "--prompt", "-n": "--max-new-tokens", "-c": "--context-len"}
 ON_THE_GPU = ("-ngl", "--n-gpu-layers")
 GPU_LAYERS = "moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"
+# Their flags glued to a value (`-n5`, `-c=4096`, `-m/path`, `-ngl99`; llama.cpp itself takes each as two words): the value
+# must look like one (a number, a path), so that another of its short flags (`-np 4`, `-mg 0`, `-ptc 8`) is not read so
+GLUED = {"--n-gpu-layers": r"=\d+", "-ngl": r"=?\d+",
+         "-n": r"=?-?\d+", "-c": r"=?\d+", "-m": r"=.+|\S*[/\\.~]\S*", "-p": r"=.+|\S*[^a-z\s]\S*"}
+
+
+def before_dashes(argv: list[str]) -> list[str]:
+    """The arguments before `--`: those after it are the message's words, never flags to name or rewrite."""
+    return argv[:argv.index("--")] if "--" in argv else argv
+
+
+def unglued(argv: list[str]) -> list[str]:
+    """`argv` with their flags glued to a value split in two (`-n5`: `-n 5`), up to `--`."""
+    def split(word: str) -> list[str]:
+        flag = next((f for f, value in GLUED.items() if word.startswith(f) and re.fullmatch(value, word[len(f):])), None)
+        return [flag, word[len(flag):].removeprefix("=")] if flag else [word]
+
+    flags = before_dashes(argv)
+    return [*(part for word in flags for part in split(word)), *argv[len(flags):]]
 
 
 def _looks_like_a_model(word: str) -> bool:
@@ -47,17 +68,17 @@ def not_a_command(argv: list[str], commands) -> str:
             "or moechat chat for a conversation")
 
 
-def ours(command: argparse.ArgumentParser, unknown: list[str]) -> dict[str, str]:
-    """llama.cpp's flags among `unknown` that `command` takes under moechat's name: {theirs: ours}."""
-    return {w: THEIR_FLAGS[w] for w in unknown if THEIR_FLAGS.get(w) in command._option_string_actions}
+def ours(command: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
+    """llama.cpp's flags in `argv` (split from their values by `unglued`) that `command` takes under moechat's name:
+    {theirs: ours}; `-ngl` too, where the command takes --vram-budget-gib (its value: GPU_LAYERS)."""
+    takes = {**THEIR_FLAGS, **dict.fromkeys(ON_THE_GPU, "--vram-budget-gib")}
+    return {w: takes[w] for w in before_dashes(argv) if takes.get(w) in command._option_string_actions}
 
 
 def instead(command: argparse.ArgumentParser, args, unknown: list[str]) -> str:
-    """What to type for arguments another tool taught (llama.cpp's -ngl, a model without --model, a message unquoted), or ''."""
+    """What to type for arguments another tool taught (a model without --model, a message unquoted), or ''."""
     flags = command._option_string_actions  # a word after an unknown flag is its value (`serve --prot 8080`), not a model
     words = [w for i, w in enumerate(unknown) if not w.startswith("-") and not (i and unknown[i - 1].startswith("-"))]
-    if any(w in ON_THE_GPU for w in unknown) and "--vram-budget-gib" in flags:
-        return f"; {GPU_LAYERS}"
     if not words or "--model" not in flags:
         return ""
     text = getattr(args, "text", None)  # generate's message: the unknown words followed it

@@ -148,8 +148,9 @@ def _open_engine(args):
     from .engine_config import engine_config
     from .models import draft_model_name, model_name
 
+    config = engine_config(args)  # a model not there (not pulled, a typo) refused before the line that says it loads
     print("moechat: loading the model...", file=sys.stderr, flush=True)
-    engine = Engine(engine_config(args))
+    engine = Engine(config)
     print_notices(engine)
     drafter = draft_model_name(args.draft) if engine.drafter.name == "model" else engine.drafter.name
     return engine, f"{model_name(args.model)} on {engine.model.device}, drafter: {drafter}", False

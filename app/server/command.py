@@ -72,8 +72,9 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port)
     from ...engine import Engine
 
+    config = engine_config(args)  # a model not there (not pulled, a typo) refused before the line that says it loads
     print("moechat: loading the model...", file=sys.stderr, flush=True)
-    engine = Engine(engine_config(args))
+    engine = Engine(config)
     print_notices(engine)
     host = f"[{args.host}]" if ":" in args.host else args.host
     name = model_name(args.model)

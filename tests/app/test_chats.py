@@ -484,6 +484,48 @@ def test_a_damaged_schema_page_rescues_nothing_and_says_so(tmp_path):
         assert store.conversations() == []
 
 
+def test_a_page_damaged_after_the_open_is_said_with_what_gets_the_rescue_and_the_next_open_finds_it(tmp_path):
+    """The open read the header and schema only: a damaged message page was found when its chat was read, and the advice
+    (the app offers the rescue at start) was untrue: the next start opened the file as if sound."""
+    path = tmp_path / "chats.sqlite3"
+    before = several_chats(path)
+    with ChatStore(path) as store:  # the window running when the page is damaged
+        assert sorted(store.conversations(), key=lambda c: c.id) == [c for c, _ in before]  # the list, not the chats
+        lost = before[3][1][1]
+        garble_page(path, f"<m{lost.id}> ".encode())
+        with pytest.raises(ChatStoreError) as err:
+            store.messages(lost.conv_id)
+    said = str(err.value)
+    assert "is damaged" in said and "quit every moechat window and start the chat app again" in said and "\n" not in said
+    with pytest.raises(DamagedFile) as err:  # the next start: the dialog that offers the rescue
+        ChatStore(path)
+    assert err.value.why == "database disk image is malformed"
+    aside = move_aside(path)
+    assert rescue_into(aside, path).startswith("6 of 6 chats and ")
+
+
+def test_a_damaged_file_with_no_chat_to_read_says_so(tmp_path):
+    """The rescue said "0 of 0 chats and 0 messages rescued" of a file with none, and of one whose every chat was on a
+    damaged page "0 of 6 chats"."""
+    empty = tmp_path / "empty.sqlite3"
+    ChatStore(empty).close()
+    aside = move_aside(empty)
+    assert rescue_into(aside, empty) == f"no chat could be read from {aside}; the file is kept"
+    path = tmp_path / "chats.sqlite3"
+    for _, messages in several_chats(path):
+        for m in messages:
+            if f"<m{m.id}> ".encode() in path.read_bytes():  # not on a page garbled already
+                garble_page(path, f"<m{m.id}> ".encode())
+    garble_page(path, b"prompt 5")  # the conversations' page: only the messages' index names the chats now
+    aside = move_aside(path)
+    assert rescue_into(aside, path) == f"none of the 6 chats named in {aside} could be read; the file is kept"
+    one = tmp_path / "one.sqlite3"
+    with ChatStore(one) as store:
+        store.add(store.create(), "user", "hi")
+    aside = move_aside(one)
+    assert rescue_into(aside, one) == f"1 of 1 chat and 1 message rescued from {aside}; the file is kept"
+
+
 @pytest.mark.parametrize("version", [1, 2])  # before `finish`: read by the columns it has
 def test_an_older_schemas_chats_are_rescued(tmp_path, version):
     path = tmp_path / "chats.sqlite3"
@@ -493,7 +535,7 @@ def test_an_older_schemas_chats_are_rescued(tmp_path, version):
         raw.execute("INSERT INTO messages (id, conv_id, role, content, finished, created, stats)"
                     " VALUES (9, 7, 'assistant', 'hi', 0, 1.5, '{\"tok_s\": 3}')")
     aside = move_aside(path)
-    assert rescue_into(aside, path) == f"1 of 1 chats and 1 messages rescued from {aside}; the file is kept"
+    assert rescue_into(aside, path) == f"1 of 1 chat and 1 message rescued from {aside}; the file is kept"
     with ChatStore(path) as store:
         (conv,) = store.conversations()
         assert (conv.id, conv.title, conv.system_prompt, conv.created, conv.updated) == (7, "kept", "be", 1, 2)

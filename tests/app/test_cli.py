@@ -260,6 +260,10 @@ def test_an_unknown_flag_points_to_the_help_of_its_command(argv, help_, capsys):
     (["bench", "generate", "--repets=3"], "did you mean: moechat bench generate --repeats=3 (see"),
     (["generate", "What is MoE?", "--temprature", "0.5"], "did you mean: moechat generate 'What is MoE?' --temperature 0.5"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see"),  # nothing close: no guess
+    (["--modle", "x"], "unknown flag --modle; did you mean: moechat chat --model x (see"),  # was "'x' is not a moechat command"
+    (["--modle=x"], "unknown flag --modle; did you mean: moechat chat --model=x (see"),
+    (["--model=m"], "--model goes after a command, e.g. moechat chat --model=m (see"),  # the value was left out
+    (["--bogus", "x"], "unrecognized arguments: --bogus (see `moechat --help`)"),  # was "'x' is not a moechat command"
 ])
 def test_a_flag_typed_wrong_says_the_command_line_with_the_flag_meant(argv, says, capsys):
     """Command typos got a "did you mean", flags' none (Python 3.14's argparse suggests for choices only)."""
@@ -287,6 +291,49 @@ def test_llama_cpps_flag_before_the_message_is_not_said_to_be_the_message(argv, 
         main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and says in err and "\n" not in err and "not allowed" not in err, err
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "-n5", "Hi"], "-n is llama.cpp's; moechat's is --max-new-tokens: moechat generate --max-new-tokens 5 Hi (see"),
+    (["generate", "-c=4096", "Hi"], "-c is llama.cpp's; moechat's is --context-len: moechat generate --context-len 4096 Hi (see"),
+    (["generate", "-m/models/q", "Hi"], "-m is llama.cpp's; moechat's is --model: moechat generate --model /models/q Hi (see"),
+    (["serve", "-c4096"], "-c is llama.cpp's; moechat's is --context-len: moechat serve --context-len 4096 (see"),
+    (["chat", "-ngl99"], "-ngl is llama.cpp's; moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
+    (["chat", "--n-gpu-layers=99"], "--n-gpu-layers is llama.cpp's; moechat puts on the GPU what fits there by itself"),
+    (["-ngl99"], "-ngl is llama.cpp's; moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"),
+    (["-n5", "Hi"], "-n is llama.cpp's; moechat's goes after a command, e.g. moechat chat --max-new-tokens 5 (see"),
+    (["generate", "-np4", "Hi"], "unrecognized arguments: -np4 (see"),  # llama.cpp's --parallel, not -n with a value "p4"
+    (["generate", "-mg", "0", "Hi"], "unrecognized arguments: -mg Hi (see"),  # its --main-gpu, not -m with a model "g"
+])
+def test_llama_cpps_flag_glued_to_its_value_is_translated(argv, says, capsys):
+    """`-n5`, `-c4096`, `-m/path`, `-ngl99` got the generic unknown-flag line where `-n 5` got the translation."""
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+@pytest.mark.notorch
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "-n", "5", "--", "-n"], "moechat's is --max-new-tokens: moechat generate --max-new-tokens 5 -- -n (see"),
+    (["generate", "-n5", "--temprature", "1", "--", "--temprature"],
+     "moechat generate --max-new-tokens 5 --temperature 1 -- --temprature (see"),
+    (["generate", "--temprature", "1", "--", "--temprature"],
+     "did you mean: moechat generate --temperature 1 -- --temprature (see"),
+    (["generate", "--bogus", "--", "-n", "5"], "unrecognized arguments: --bogus 5 (see"),  # -n is the message here
+])
+def test_a_message_after_double_dash_is_never_rewritten_as_a_flag(argv, says, capsys):
+    """After `--` every word is the message's: `generate -n 5 -- -n` suggested `-- --max-new-tokens`, and `--bogus -- -n`
+    called the message llama.cpp's flag."""
+    from moechat.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and says in err and "\n" not in err, err
 
 
 @pytest.mark.notorch
@@ -430,10 +477,15 @@ def test_generate_says_when_its_sampling_flags_do_nothing(capsys):
     assert "do nothing" not in capsys.readouterr().err
 
 
-def test_a_hub_id_not_downloaded_names_the_pull_that_fetches_it(capsys):
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["chat", "--plain"], ["serve", "--port", "0"]])
+def test_a_hub_id_not_downloaded_names_the_pull_that_fetches_it(argv, capsys, monkeypatch):
+    """Plain chat and serve said "loading the model..." above it first."""
+    import io
+
     from moechat.app.cli import main
 
-    assert main(["generate", "--model", "NoSuchOwner/NoSuchModel", "hi"]) == 1
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main([*argv, "--model", "NoSuchOwner/NoSuchModel"]) == 1
     err = capsys.readouterr().err.strip()
     assert "`moechat pull NoSuchOwner/NoSuchModel` downloads it" in err and "\n" not in err, err
 
@@ -531,6 +583,10 @@ def test_every_flag_says_what_it_does_and_what_it_takes():
     assert no_help == []
     system = {prog: a.metavar for prog, a in seen if "--system" in a.option_strings}
     assert system == {"moechat generate": "TEXT", "moechat chat": "TEXT"}
+    said_twice = [f"{prog} {a.option_strings}" for prog, a in seen if "the settings, else the settings" in a.help]
+    assert said_twice == []  # estimate's --quant said so
+    (quant,) = [a.help for prog, a in seen if prog == "moechat estimate" and "--quant" in a.option_strings]
+    assert quant.endswith("(default: the settings, else none)")  # it reads no calibration profile
 
 
 def test_generate_json_interrupted_prints_the_reply_so_far_and_exits_130(checkpoint, monkeypatch, capsys):

@@ -826,6 +826,17 @@ def test_calibrate_says_at_once_where_its_profile_cannot_be_saved(monkeypatch, t
         profile_module.check_profiles_writable()
 
 
+def test_calibrate_refuses_a_model_not_there_in_one_line_before_probing(monkeypatch, tmp_path, capsys):
+    """`calibrate --model /nowhere` printed "[  0%] probing the hardware" above the line saying the model is not there."""
+    import moechat.engine
+    from moechat.app.cli import main
+
+    monkeypatch.setattr(moechat.engine, "probe", lambda: pytest.fail("probed a model that is not there"), raising=False)
+    assert main(["calibrate", "--quick", "--model", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"moechat: error: model directory {tmp_path / 'nowhere'} does not exist") and err.count("\n") == 1
+
+
 def test_calibrate_refuses_a_budget_nothing_fits_before_measuring(checkpoint, monkeypatch):
     """A RAM budget below what the model needs besides its experts failed only at `deciding`, after every measurement
     (and, for a large model, minutes of quantizing a cache nothing would use): now before the first one."""

@@ -220,21 +220,33 @@ async def test_a_reply_whose_last_save_failed_is_saved_later_or_printed_at_quit(
 
 @pilot_test
 @pytest.mark.notorch
-async def test_a_damaged_database_opens_with_a_notice(tmp_path):
-    """A damaged page behind a sound header passed the open and crashed the app as it read the first chat."""
-    store = ChatStore(tmp_path / "chats.sqlite3")
+async def test_a_page_damaged_while_the_app_runs_is_a_notice_that_says_how_to_get_the_rescue(tmp_path):
+    """A damaged page behind a sound header crashed the app as it read the chat on it; then its notice said the app offers
+    the rescue at start, which the start did not, reading the header and schema only (`check_pages` now reads every page)."""
+    from moechat.app.chat_file import DamagedFile
+
+    path = tmp_path / "chats.sqlite3"
+    store = ChatStore(path)
     for c in range(3):
         conv = store.create(f"chat {c}")
-        for _ in range(60):
-            store.add(conv, "user", "words " * 500)
+        for m in range(3):
+            store.add(conv, "user", f"<c{c}m{m}> " + "words " * 500)
+    store._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     store.close()
-    with open(tmp_path / "chats.sqlite3", "r+b") as f:
-        f.seek(3 * 4096)
-        f.write(b"\xa5" * (3 * 4096))  # pages 4-6: the messages' index, which reading a chat goes through
-    async with without_model(tmp_path) as (app, pilot):
+    async with without_model(tmp_path) as (app, pilot):  # it opens chat 2
+        listed = app.chat.query_one("#conversations")
+        data, size = path.read_bytes(), 4096
+        with path.open("r+b") as file:  # chat 0's first message's page, which nothing read since the app started
+            file.seek(data.index(b"<c0m0> ") // size * size)
+            file.write(b"\xa5" * size)
+        listed.highlighted = listed.get_option_index(str(conv - 2))
+        listed.action_select()
         await until(pilot, lambda: any("damaged" in e for e in errors(app)), "the damage's notice")
         (said,) = [e for e in errors(app) if "damaged" in e]
-        assert "copy the chats it can still read" in said and "\n" not in said and app.is_running and app.return_code is None
+        assert "quit every moechat window and start the chat app again" in said and "\n" not in said
+        assert app.is_running and app.return_code is None
+    with pytest.raises(DamagedFile):  # the next start finds it, and the dialog offers the rescue
+        ChatStore(path)
 
 
 @pilot_test

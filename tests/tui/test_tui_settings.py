@@ -7,6 +7,7 @@ import json
 
 import pytest
 from textual.app import App
+from textual.widgets import RadioButton
 
 from moechat.app.settings import Settings, load_settings, save_settings
 from moechat.app.tui.screens.settings import SettingsResult, SettingsScreen
@@ -518,15 +519,18 @@ def test_enter_on_the_wizards_model_list_takes_the_source_and_goes_on(tmp_path):
                      str(screen.query_one("#model-error").content)]
             screen.query_one("#model-dir").value = str(DEMO_MODEL)
             screen.query_one("#source").focus()
-            await pilot.press("enter")
+            await pilot.press("enter")  # on the source taken: it stays taken (RadioSet's Enter turned it off)
             for _ in range(200):  # the check runs on a worker
                 await pilot.pause(0.05)
                 if screen.step == 1:
                     break
-            seen += [screen.step, screen.model_dir]
+            sources = screen.query_one("#source")
+            seen += [screen.step, screen.model_dir, sources.pressed_button.id,
+                     [b.id for b in sources.query(RadioButton) if b.value]]
         return seen
 
-    assert asyncio.run(run()) == ["source", 1, 0, "src-dir", "model-dir", "type a directory", 1, str(DEMO_MODEL)]
+    assert asyncio.run(run()) == ["source", 1, 0, "src-dir", "model-dir", "type a directory", 1, str(DEMO_MODEL), "src-dir",
+                                  ["src-dir"]]
 
 
 def test_wizard_refuses_a_model_the_engine_cannot_run(tmp_path):
@@ -955,6 +959,25 @@ def test_snapshot_settings_screen(snap_compare, tmp_path):
     path = tmp_path / "settings.toml"
     path.write_text("utility_bound = 2\npolicy = \"lfu\"\n", encoding="utf-8")
     assert snap_compare(Host(SettingsScreen(path=path)), terminal_size=(120, 40))
+
+
+@pytest.mark.notorch
+def test_the_settings_labels_take_one_line_and_the_model_shows_whole_at_80_columns(tmp_path):
+    """At 80x24 "Remote API key variable (reload model)" and "Conversation cache (GiB) (reload model)" left "model)" on a line
+    of its own, and the model's line was cut mid-word ("Ctrl+P's Setup wiza")."""
+    from textual.widgets import Label
+
+    async def run():
+        app = Host(SettingsScreen(path=tmp_path / "settings.toml"))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.pause()
+            labels = {str(label.render()): label.size.height for label in app.screen.query("Label.name")}
+            model = app.screen.query_one("#model-name", Label)
+            return labels, model.size, model.region.right
+
+    labels, model, right = asyncio.run(run())
+    assert len(labels) > 20 and {text: lines for text, lines in labels.items() if lines != 1} == {}
+    assert model.height == 2 and right <= 80  # wrapped within the screen, not cut
 
 
 def test_snapshot_wizard_first_step(snap_compare, tmp_path):

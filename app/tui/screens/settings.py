@@ -110,6 +110,7 @@ class SettingsScreen(Screen):
     SettingsScreen VerticalScroll { padding: 0 2; }
     SettingsScreen .row { height: auto; margin-top: 1; }
     SettingsScreen .row Label.name { width: 36; padding-right: 1; }
+    SettingsScreen .row #model-name { width: 1fr; }
     SettingsScreen .row Input, SettingsScreen .row Select { width: 1fr; }
     SettingsScreen .field-error { color: $error; padding-left: 36; height: auto; width: 1fr; display: none; }
     SettingsScreen .field-hint { color: $text-muted; padding-left: 36; height: auto; width: 1fr; display: none; }

@@ -125,9 +125,11 @@ class SourceList(RadioSet):
             self.source = source
 
     def action_choose(self) -> None:
-        if self._selected is not None:  # RadioSet's highlighted button, which its arrows move
-            button = self.children[self._selected]
-            button.value = True
+        pressed = self.pressed_button
+        self.action_toggle_button()  # RadioSet's Enter, on the button its arrows highlight: turned on, or off if it was on
+        button = next((b for b in self.query(RadioButton) if b.value != (b is pressed)), None)  # the one it toggled
+        if button is not None:
+            button.value = True  # the one on stays on (as RadioSet would put it back)
             self.post_message(self.Chosen(button.id))
 
 
