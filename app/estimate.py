@@ -217,6 +217,9 @@ def cmd_estimate(args) -> int:
                           "kv_bytes": kv, **fit, "fits": fit.get("fits", machine and machine["fits"]),  # one to test
                           **({"notice": notice} if notice else {}), **({"this_machine": machine} if machine else {})}))
         return 0 if fit.get("fits", True) else 1
+    if machine and machine["fits"] and args.context_len is None:  # the sizes at the context a run here holds, as said below
+        est = est.at_context(machine["context_len"])
+        kv = est.cpu_kv_bytes if on_cpu else est.kv_bytes
     print(f"{name} ({est.model_type}, {where.device} in {est.dtype}, {_count(total_params(est))} parameters)")
     print(f"  non-expert weights  {gib(est.non_expert_bytes):>12}  "
           "(embeddings, attention, norms, routers, shared experts, head)")

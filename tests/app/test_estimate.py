@@ -248,9 +248,10 @@ def test_a_vram_budget_is_not_counted_for_a_cpu_run(capsys):
 
     assert main(["estimate", "--model", "Qwen3-30B-A3B", "--quant", "int4", "--device", "cpu", "--vram-budget-gib", "12"]) == 0
     out = capsys.readouterr().out
-    assert "VRAM" not in out.replace("--vram-budget-gib", "") and "cut to leave" not in out, out
+    assert "VRAM" not in out.replace("--vram-budget-gib", ""), out
     assert out.rstrip().endswith("--vram-budget-gib not counted: this run computes on the CPU")
-    assert "40960 tokens" in out and "\nthis machine (" in out
+    cut = re.search(r"fits, the context cut to (\d+) tokens", out)  # the context is this machine's RAM's, as a run's
+    assert f"({cut[1] if cut else 40960} tokens x" in out and "\nthis machine (" in out
 
 
 def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, monkeypatch):
@@ -289,6 +290,12 @@ def test_without_budgets_it_says_whether_the_model_fits_this_machine(capsys, mon
     assert "this_machine" not in budget and budget["fits"] is True  # a budget asks of another machine
     monkeypatch.setattr(engine, "available_ram_bytes", lambda: None)  # a system psutil cannot read: no verdict
     assert json.loads(shown("--json")[1])["fits"] is None
+
+    machine(24)  # the context cut to fit: the KV cache line is shown at the context the verdict names (it showed 40960)
+    out = shown()[1]
+    cut = re.search(r"fits, the context cut to (\d+) tokens", out)
+    assert cut and f"  ({cut[1]} tokens x 192.0 KiB, the model's 40960: cut to leave the experts room)" in out, out
+    assert json.loads(shown("--json")[1])["context_len"] == 40960  # the JSON keeps the model's; this_machine has the cut
 
     machine(64, [GpuInfo("NVIDIA RTX 4090", 24 * gib, 23 * gib)])  # NVML sees it; this run computes on the CPU
     assert "RTX 4090 with 23.0 GiB free of 24.0 GiB (not counted: this run computes on the CPU)): fits" in shown()[1]
