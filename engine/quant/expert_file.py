@@ -367,10 +367,11 @@ def _waiting(progress: LoadProgress | None, total: int) -> Callable[[], None]:
     return wait
 
 
-def _progress_bar(what: str) -> Callable[[int, int], None] | None:
-    """A tqdm bar on a terminal's stderr (the TUI captures stderr: no bar there), else nothing."""
+def _progress_bar(what: str) -> Callable[[int, int], None]:
+    """A tqdm bar on a terminal's stderr (the TUI passes its own progress), else a line per tenth of the layers: a log
+    (`moechat serve` as a service, a script's) said nothing through a first start's minutes."""
     if not sys.stderr.isatty():
-        return None
+        return _progress_lines(what)
     from tqdm.auto import tqdm
 
     bar = None
@@ -382,5 +383,18 @@ def _progress_bar(what: str) -> Callable[[int, int], None] | None:
         bar.update(done - bar.n)
         if done == total:
             bar.close()
+
+    return update
+
+
+def _progress_lines(what: str) -> Callable[[int, int], None]:
+    """`what: done/total layers` on stderr at the start and at each tenth of the layers."""
+    said = -1
+
+    def update(done: int, total: int) -> None:
+        nonlocal said
+        if total and done * 10 // total > said:
+            said = done * 10 // total
+            print(f"moechat: {what}: {done}/{total} layers", file=sys.stderr, flush=True)
 
     return update

@@ -127,9 +127,15 @@ def test_quantized_engine_is_close_to_the_dequantized_reference(family, fmt, che
     assert rel(got, full) > 1e-5 and rel(full, ref) > 10 * EXACT_TOL  # the exact check above can tell them apart
 
 
-def test_the_quantized_cache_is_built_once_then_mapped(checkpoint, monkeypatch):
+def test_the_quantized_cache_is_built_once_then_mapped(checkpoint, monkeypatch, capsys):
+    """Built once, with a line per tenth of the layers where stderr is not a terminal (a service's log said nothing
+    through a 30B model's minutes), then mapped."""
     ck = checkpoint("olmoe", seed=3)
     first = engine_logits(ck, PROMPT_IDS, quant="int4")
+    layers = json.loads((ck / "config.json").read_text())["num_hidden_layers"]
+    lines = [f"moechat: quantizing experts (int4, once): {i}/{layers} layers" for i in range(layers + 1)]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moechat:")]
+    assert said == lines  # a tenth or more each: every layer of a tiny model
     monkeypatch.setattr(expert_file.QuantizedExperts, "build", lambda *a, **k: pytest.fail("rebuilt a valid cache"))
     assert torch.equal(engine_logits(ck, PROMPT_IDS, quant="int4"), first)
 
