@@ -162,7 +162,7 @@ class Engine:
             chars = len(self._render_chat(request, tokenize=False))  # drops earlier turns' reasoning, say (no tokenizing)
         if chars > 2 * self._longest_token * context:
             raise ContextLengthError(f"the prompt has {chars:,} characters, more than a context of {context:,} tokens can hold: "
-                               "shorten it or raise the context length")
+                               "shorten it or raise the context length (--context-len, the settings' context_len)")
 
     def opens_reasoning(self, request: Request) -> bool:
         """Whether the chat prompt of `request` opens a think block the reply goes on with (it ends in `<think>`: Qwen3's
@@ -266,7 +266,7 @@ class Engine:
         if len(prompt) >= m.context_len:
             raise ContextLengthError(
                 f"the prompt has {len(prompt)} tokens but the context holds {m.context_len}: "
-                "shorten the conversation or raise the context length"
+                "shorten the prompt or raise the context length (--context-len, the settings' context_len)"
             )
         max_new = min(params.max_new_tokens, m.context_len - len(prompt))
         generator = _generator(params.seed if params.seed is not None else random.randrange(2**64))

@@ -272,6 +272,7 @@ def test_prompt_over_context_keeps_engine_usable(checkpoint, tokenizer):
     events = list(engine.generate(Request(token_ids=list(range(1, 40))), SamplingParams(max_new_tokens=4)))
     assert len(events) == 1 and isinstance(events[0], Error)
     assert "the prompt has 39 tokens but the context holds 16" in events[0].message
+    assert events[0].message.endswith("shorten the prompt or raise the context length (--context-len, the settings' context_len)")
     fin = list(engine.generate(Request(token_ids=[5, 6, 7]), SamplingParams(max_new_tokens=40)))[-1]
     assert isinstance(fin, Finished)
     assert len(fin.token_ids) == 16 - 3 and fin.summary.finish_reason == "length"  # stops at the context
