@@ -262,6 +262,8 @@ def test_an_unknown_flag_points_to_the_help_of_its_command(argv, help_, capsys):
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see"),  # nothing close: no guess
     (["--modle", "x"], "unknown flag --modle; did you mean: moechat chat --model x (see"),  # was "'x' is not a moechat command"
     (["--modle=x"], "unknown flag --modle; did you mean: moechat chat --model=x (see"),
+    (["--prot", "8080"], "unknown flag --prot; did you mean: moechat serve --port 8080 (see"),  # was generate --prompt
+    (["generate", "--promtp", "Hi"], "did you mean: moechat generate --prompt Hi (see"),  # two letters swapped
     (["--model=m"], "--model goes after a command, e.g. moechat chat --model=m (see"),  # the value was left out
     (["--bogus", "x"], "unrecognized arguments: --bogus (see `moechat --help`)"),  # was "'x' is not a moechat command"
 ])
