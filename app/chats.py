@@ -4,7 +4,8 @@ The file is `chats.sqlite3` in moechat's data directory (`~/.local/share/moechat
 mode: a reply is stored as an unfinished assistant message when it starts and updated as it streams,
 each update its own transaction, so a crash or a kill leaves every finished message intact and the
 reply as far as it got (finished=False, which the chat screen shows as interrupted); a reply that ended keeps why
-(`finish`: stopped by the user, cut at the length limit, failed, or the model's end of turn).
+(`finish`: stopped by the user, cut at the length limit, failed, or the model's end of turn). An unfinished reply whose
+writer still runs holds a lock beside the file (`reply_locks.py`): another window shows it as being written.
 
 The schema grows by migrations, never by editing one (`chat_migrations.py`); a chat's Markdown export is
 `chat_export.py`; the file itself beside other processes (a log not its own, its identity when it is deleted or replaced
@@ -47,6 +48,7 @@ from .chat_file import (
 )
 from .chat_migrations import mark, migrate, moechat_version, refuse_newer
 from .reasoning import split_reasoning
+from .reply_locks import ReplyLocks
 
 ROLES = ("system", "user", "assistant")
 
@@ -172,6 +174,7 @@ class ChatStore:
         # the files opened since start that another file put in place was (not the file made again, which keeps the ids):
         # ids read before it name other rows in it, and a write given an earlier generation is refused (ReplacedError)
         self.generation = 0
+        self.writing = ReplyLocks(self.path)  # the replies this store writes (unfinished rows it added), locked
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._check_writable()
@@ -317,6 +320,7 @@ class ChatStore:
 
     def close(self) -> None:
         with self._lock:
+            self.writing.close()
             if self._db is not None:
                 self._db.close()
                 self._db = None
@@ -430,6 +434,8 @@ class ChatStore:
                 raise KeyError(f"no conversation {conv_id}")
             cursor = db.execute("INSERT INTO messages (conv_id, role, content, finished, created) VALUES (?, ?, ?, ?, ?)",
                                 (conv_id, role, _storable(content), int(finished), now))
+        if not finished:  # a reply being written: locked until its end (update), its row's delete, or close
+            self.writing.hold(cursor.lastrowid)
         return cursor.lastrowid
 
     def update(self, message_id: int, content: str, finished: bool, stats: dict | None = None,
@@ -439,15 +445,26 @@ class ChatStore:
         if finish is not None and finish not in FINISHES:
             raise ValueError(f"finish must be one of {', '.join(FINISHES)}, got {finish!r}")
         stats_json = json.dumps(stats) if stats is not None else None
-        with self._transaction(generation) as db:
-            cursor = db.execute("UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats),"
-                                " finish = COALESCE(?, CASE WHEN ? THEN finish END) WHERE id = ?",  # unsaid: kept if finished
-                                (_storable(content), int(finished), stats_json, finish if finished else None, int(finished),
-                                 message_id))
-            if cursor.rowcount == 0:
-                raise KeyError(f"no message {message_id}")
-            db.execute("UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",
-                       (time.time(), message_id))
+        try:
+            with self._transaction(generation) as db:
+                cursor = db.execute("UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats),"
+                                    " finish = COALESCE(?, CASE WHEN ? THEN finish END) WHERE id = ?",  # unsaid: kept if finished
+                                    (_storable(content), int(finished), stats_json, finish if finished else None,
+                                     int(finished), message_id))
+                if cursor.rowcount == 0:
+                    raise KeyError(f"no message {message_id}")
+                db.execute("UPDATE conversations SET updated = ? WHERE id = (SELECT conv_id FROM messages WHERE id = ?)",
+                           (time.time(), message_id))
+        except KeyError:  # its chat gone (deleted elsewhere, the file replaced): no reply of this id is written here
+            self.writing.release(message_id)
+            raise
+        if finished:
+            self.writing.release(message_id)
+
+    def written_elsewhere(self, message_id: int) -> bool:
+        """Whether an unfinished reply is being written by another store: another moechat window, plain chat (False: ended,
+        or its writer gone, as when it crashed: interrupted)."""
+        return self.writing.elsewhere(message_id)
 
     def put_back(self, chats: list[tuple[Conversation, list[ChatMessage]]]) -> None:
         """Chats read from another file (a damaged one's rescue, `chat_rescue.py`) in one transaction, as they were: their
@@ -468,6 +485,7 @@ class ChatStore:
         """Regenerate drops the last reply; an unknown id is a no-op, as one of a file since replaced is (see delete)."""
         with contextlib.suppress(ReplacedError):
             self._write("DELETE FROM messages WHERE id = ?", (message_id,), generation)
+        self.writing.release(message_id)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -9,8 +9,10 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 BINDINGS = [
     Binding("f1", "help", "Help", id="help"),  # first: below 100 columns the footer cuts its last keys, and this one lists them
-    Binding("escape", "stop", "Stop", id="stop"),
-    Binding("ctrl+n", "new_chat", "New chat", id="new_chat"),
+    # priority: run as the app reads them, not once passed up from the input, after the Enter typed behind them (refused
+    # there as sent into the reply being written): the message goes where these keys took the chat
+    Binding("escape", "stop", "Stop", id="stop", priority=True),
+    Binding("ctrl+n", "new_chat", "New chat", id="new_chat", priority=True),
     Binding("f2", "rename_chat", "Rename", id="rename_chat"),
     Binding("f8", "delete_chat", "Delete chat", show=False, id="delete_chat"),
     Binding("ctrl+r", "regenerate", "Regenerate", id="regenerate"),

@@ -42,13 +42,13 @@ class Reply:
 
 @dataclass
 class Held:
-    """A message stored in its chat while a reply was being written (in another chat, or in its own after Esc): its
-    reply is asked for once that one ends."""
+    """A message stored in its chat while a reply was being written (in another chat, or in its own after Esc), or
+    Regenerate pressed in another chat: its reply is asked for once that one ends. One at a time."""
 
     conv_id: int
     generation: int
-    message_id: int
-    text: str
+    message_id: int  # the message sent, or the one whose reply a regeneration writes again (its chat's last user message)
+    text: str | None  # the message sent; None: a regeneration (the chat's last turn as it is when it starts)
 
 
 async def stop_stream(stream) -> None:
@@ -129,15 +129,26 @@ def live_note(reply: Reply, held: Held | None) -> str:
     return "stopping… your message is sent next" if same_chat(held, reply) else "stopping…"
 
 
-def busy_line(reply: Reply | None, held: Held | None, where: str, sending: bool) -> str:
-    """Why a send that cannot be held, Regenerate or deleting the chat being written waits; `where`: " in «title»" for
-    a reply in a chat not shown."""
-    if reply is None:  # ended a moment ago: the held message is about to go
-        return "a message is being sent: try again in a moment"
+def held_note(held: Held, answered: bool, title: str) -> str:
+    """What the held message's role line says (a regeneration's: on the message whose reply is written again, which
+    has one if `answered`); title: the chat of the reply it waits for."""
+    if held.text is not None:
+        return f"sent when the reply in «{title}» ends"
+    return f"{'its reply is written again' if answered else 'answered'} when the reply in «{title}» ends"
+
+
+def busy_line(reply: Reply | None, held: Held | None, where: str, holding: str = "") -> str:
+    """Why a send or a regeneration that cannot be held, or deleting the chat being written, waits; `where`: " in
+    «title»" for a reply in a chat not shown; holding: what the action would be held as but for the one held already
+    ("send this one", "regenerate"; "": it is not held)."""
+    if reply is None:  # ended a moment ago: what is held is about to go
+        starting = "a message is being sent" if held is None or held.text is not None else "a regeneration is starting"
+        return f"{starting}: try again in a moment"
     if reply.stopping:
         return f"the reply{where} is stopping (a long step finishes first): try again in a moment"
-    if sending and held is not None:
-        return f"a message already waits for the reply{where} to end: send this one after it"
+    if holding and held is not None:
+        waiting = "a message" if held.text is not None else "a regeneration"
+        return f"{waiting} already waits for the reply{where} to end: {holding} after it"
     return f"a reply is being written{where}: Esc stops it"
 
 

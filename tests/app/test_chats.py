@@ -646,8 +646,12 @@ def test_killed_mid_reply_keeps_every_finished_message(tmp_path):
                 pytest.fail(f"writer exited early: {proc.stderr.read()}")
             seen = int(line)
         assert seen >= 20, "the writer did not get going within 30 s"
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
+        with ChatStore(path) as other:  # another window: the reply is being written while its writer runs
+            reply_id = other.messages(other.conversations()[0].id)[-1].id
+            assert other.written_elsewhere(reply_id)
+            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+            assert not other.written_elsewhere(reply_id)  # the OS dropped the lock with the process: interrupted
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -671,6 +675,26 @@ def test_killed_mid_reply_keeps_every_finished_message(tmp_path):
     assert reply.role == "assistant" and reply.finished is False
     # the reply got at least as far as the last update the writer reported committed
     assert reply.content.startswith("token1 ") and f"token{seen} " in reply.content
+
+
+def test_a_reply_being_written_is_seen_from_another_store_until_it_ends_or_its_writer_closes(tmp_path):
+    """SQLite cannot tell an unfinished row whose writer streams from one whose writer is gone: the writer's lock can."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as writer, ChatStore(path) as reader:
+        conv = writer.create()
+        writer.add(conv, "user", "hi")
+        reply = writer.add(conv, "assistant", "", finished=False)
+        assert reader.written_elsewhere(reply) and not writer.written_elsewhere(reply)  # its own: not elsewhere
+        writer.update(reply, "so far", finished=False)
+        assert reader.written_elsewhere(reply)
+        writer.update(reply, "so far.", finished=True, finish="stop")
+        assert not reader.written_elsewhere(reply) and not list(writer.writing.folder.iterdir())
+        dropped, kept = (writer.add(conv, "assistant", "", finished=False) for _ in range(2))
+        writer.delete_message(dropped)  # an empty reply, dropped
+        assert not reader.written_elsewhere(dropped) and reader.written_elsewhere(kept)
+        writer.update(kept, "half", finished=False)
+        writer.close()  # quitting mid-reply: the reply stays unfinished, and no one writes it
+        assert not reader.written_elsewhere(kept) and not reader.messages(conv)[-1].finished
 
 
 def test_a_title_is_one_clean_line_of_the_first_message():

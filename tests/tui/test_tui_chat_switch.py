@@ -189,6 +189,47 @@ async def test_a_message_typed_ahead_of_ctrl_n_is_stored_held_and_answered_in_on
 
 @pilot_test
 @pytest.mark.notorch
+async def test_enter_typed_right_after_ctrl_n_in_the_chat_being_written_sends_to_the_new_chat(tmp_path, stored):
+    """Ctrl+N reached the app only once it had passed up from the input, after the Enter typed behind it: the input
+    asked the screen, which still showed the chat being written, and refused the message ("a reply is being written"),
+    its text left in the input. Now Ctrl+N runs first: the message goes to the new chat, answered when the reply ends."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, histories = app.chat, []
+        app.bridge.generate = lambda request_id, history, *rest: histories.append([m["content"] for m in history])
+        await send(pilot, "first")
+        await until(pilot, lambda: len(histories) == 1, "the request")
+        app.post_message(ReplyDelta(1, "Part"))
+        await until(pilot, lambda: chat.reply.text == "Part", "the reply's text")
+        typed_ahead(app, ["ctrl+n"], "quick one")
+        await until(pilot, lambda: chat.held is not None or len(notices(app)) > 1, "the message held or refused")
+        assert notices(app) == ["no model here"] and chat.query_one(ChatInput).text == ""
+        assert chat.conv_id not in (older, newer) and chat.held.conv_id == chat.conv_id and contents(chat) == ["quick one"]
+        app.post_message(ReplyFinished(1, "Part two.", "stop", None))
+        await until(pilot, lambda: len(histories) == 2, "the held message's request")
+        assert histories[1] == ["quick one"] and chat.reply.conv_id == chat.conv_id
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_enter_typed_right_after_esc_is_held_for_the_stop(tmp_path, stored):
+    """The same for Esc: the message typed behind it was refused with "Esc stops it" (Esc had not reached the app yet)."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests, stops = app.chat, asked(app), []
+        app.bridge.stop = lambda: stops.append(1)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "Part"))
+        await until(pilot, lambda: chat.reply.text == "Part", "the reply's text")
+        typed_ahead(app, ["escape"], "next")
+        await until(pilot, lambda: chat.held is not None or len(notices(app)) > 1, "the message held or refused")
+        assert notices(app) == ["no model here"] and chat.query_one(ChatInput).text == "" and stops == [1]
+        assert chat.held.text == "next" and role_line(chat.reply.view) == "moechat · stopping… your message is sent next"
+
+
+@pilot_test
+@pytest.mark.notorch
 @pytest.mark.parametrize("so_far", ["Alpha beta\ngamma delta", "- Alpha beta\n- gamma delta", "Alpha beta\u2028gamma delta"])
 async def test_a_reply_opened_again_mid_stream_keeps_the_first_lines_of_its_last_block(tmp_path, stored, so_far):
     """Textual's Markdown.update counts the text's lines as if its last block were its last line, and an append after it
@@ -286,8 +327,9 @@ async def test_a_message_refused_while_its_chat_is_not_shown_goes_to_the_input_w
 @pilot_test
 @pytest.mark.notorch
 async def test_regenerate_and_delete_while_a_reply_is_written_elsewhere(tmp_path, stored):
-    """Regenerate in another chat is refused (one request at a time), deleting another chat is not; deleting the chat
-    being written is (Esc stops it first). Deleting the chat shown opens the reply's, rebuilt live."""
+    """Regenerate in another chat is held (one request at a time), and goes with its chat; deleting another chat is not
+    refused, deleting the chat being written is (Esc stops it first). Deleting the chat shown opens the reply's, rebuilt
+    live."""
     from moechat.app.tui.screens.dialogs import Confirm
 
     older, newer = stored
@@ -298,18 +340,126 @@ async def test_regenerate_and_delete_while_a_reply_is_written_elsewhere(tmp_path
         app.post_message(ReplyDelta(1, "Some words"))
         await open_chat(pilot, chat, older)
         await pilot.press("ctrl+r")
-        assert requests == [1] and notices(app)[-1] == "a reply is being written in «newer»: Esc stops it"
+        assert requests == [1] and chat.held is not None and chat.held.conv_id == older
         await pilot.press("f8")
         await until(pilot, lambda: isinstance(app.screen, Confirm), "the delete dialog")
         await pilot.press("y")
         await until(pilot, lambda: chat.conv_id == newer and chat.reply.view is not None, "the reply's chat opened")
         assert [c.id for c in app.store.conversations()] == [newer] and contents(chat)[-1] == "Some words"
+        assert chat.held is None  # the regeneration went with its chat
         await pilot.press("f8")
         assert app.screen is chat and notices(app)[-1] == "a reply is being written: Esc stops it"
         app.post_message(ReplyDelta(1, " and more"))
         app.post_message(ReplyFinished(1, "Some words and more", "stop", None))
         await until(pilot, lambda: chat.reply is None, "the reply's end")
         assert contents(chat)[-1] == "Some words and more" == app.store.messages(newer)[-1].content
+        await pilot.pause()
+        assert requests == [1]  # nothing held was asked for
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_regenerate_in_another_chat_waits_for_the_reply_and_then_replaces_the_old_reply(tmp_path, stored):
+    """It was refused ("a reply is being written in «newer»"). Held as a message sent there is: said on the message whose
+    reply is written again, one held thing at a time (a message then, or a second Regenerate, says what waits), asked for
+    at the reply's end; Regenerate in the chat being written stays refused."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "Some words"))
+        await until(pilot, lambda: chat.reply.text == "Some words", "the reply's text")
+        await pilot.press("ctrl+r")
+        assert requests == [1] and chat.held is None and notices(app)[-1] == "a reply is being written: Esc stops it"
+        await open_chat(pilot, chat, older)
+        await pilot.press("ctrl+r")
+        asking, old = chat.query(MessageView)[-2:]
+        assert requests == [1] and (chat.held.conv_id, chat.held.message_id, chat.held.text) == (older, asking.message_id, None)
+        assert role_line(asking) == "you · its reply is written again when the reply in «newer» ends"
+        assert role_line(old) == "moechat" and contents(chat) == [m.content for m in app.store.messages(older)]
+        await pilot.press("ctrl+r")
+        assert notices(app)[-1] == "a regeneration already waits for the reply in «newer» to end: regenerate after it"
+        chat.query_one(ChatInput).focus()
+        await pilot.press(*"a question", "enter")
+        assert chat.query_one(ChatInput).text == "a question" and len(app.store.messages(older)) == 2
+        assert notices(app)[-1] == "a regeneration already waits for the reply in «newer» to end: send this one after it"
+        await open_chat(pilot, chat, newer)  # said on its message wherever its chat is opened again
+        await open_chat(pilot, chat, older)
+        assert role_line(chat.query(MessageView)[-2]) == "you · its reply is written again when the reply in «newer» ends"
+
+        app.post_message(ReplyFinished(1, "Some words.", "stop", None))
+        await until(pilot, lambda: requests == [1, 2], "the regeneration's request")
+        await until(pilot, lambda: chat.reply is not None and chat.reply.view is not None, "its reply on screen")
+        assert chat.held is None and chat.reply.conv_id == older and chat.reply.replaces.id == old.message_id
+        assert contents(chat) == ["show me code", ""] and role_line(chat.query(MessageView)[0]) == "you"
+        app.post_message(ReplyDelta(2, "Fresh."))
+        app.post_message(ReplyFinished(2, "Fresh.", "stop", None))
+        await until(pilot, lambda: chat.reply is None, "the regeneration's end")
+        assert [(m.role, m.content) for m in app.store.messages(older)] == [("user", "show me code"), ("assistant", "Fresh.")]
+        assert app.store.messages(newer)[-1].content == "Some words."
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_message_held_then_regenerate_says_what_waits(tmp_path, stored):
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        await open_chat(pilot, chat, older)
+        await send(pilot, "second")
+        await until(pilot, lambda: chat.held is not None, "the message held")
+        await pilot.press("ctrl+r")
+        assert chat.held.text == "second"
+        assert notices(app)[-1] == "a message already waits for the reply in «newer» to end: regenerate after it"
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_regeneration_whose_chat_another_window_deleted_is_said_and_not_asked_for(tmp_path, stored, monkeypatch):
+    from moechat.app.tui.screens import chat as chat_screen
+
+    monkeypatch.setattr(chat_screen, "CHECK_S", 3600.0)  # the screen does not look meanwhile: the held turn finds it gone
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        await open_chat(pilot, chat, older)
+        await pilot.press("ctrl+r")
+        assert chat.held is not None
+        with ChatStore(tmp_path / "chats.sqlite3") as other:
+            other.delete(older)
+        app.post_message(ReplyFinished(1, "Done.", "stop", None))
+        await until(pilot, lambda: chat.held is None and chat.reply is None, "the held turn")
+        await until(pilot, lambda: "the chat of your waiting regeneration was deleted" in notices(app), "the notice")
+        assert requests == [1]
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_quitting_with_a_regeneration_held_leaves_its_chat_as_it_was(tmp_path, stored):
+    """The regeneration never started: the old reply stays, finished, and the chat has no note of a missing reply."""
+    older, newer = stored
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        before = [(m.id, m.role, m.content, m.finished) for m in store.messages(older)]
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        await send(pilot, "first")
+        await until(pilot, lambda: requests == [1], "the request")
+        app.post_message(ReplyDelta(1, "So far"))
+        await open_chat(pilot, chat, older)
+        await pilot.press("ctrl+r")
+        assert chat.held is not None and chat.held.text is None
+        await app.action_quit()
+    assert app.unsaved_replies == [] and requests == [1]
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        assert [(m.id, m.role, m.content, m.finished) for m in store.messages(older)] == before
+    async with without_model(tmp_path) as (app, pilot):
+        await open_chat(pilot, app.chat, older)
+        assert [role_line(view) for view in app.chat.query(MessageView)] == ["you", "moechat"]
 
 
 @pilot_test
@@ -378,7 +528,7 @@ def test_snapshot_a_reply_written_in_another_chat(tmp_path, stored, snap_compare
 async def test_a_chat_left_without_a_reply_says_so_and_ctrl_r_answers_it(tmp_path, stored):
     """moechat quit (or was killed) before a message's reply came, or before a held message's turn: opened again, the
     message says it has no reply yet and which key asks for one; the reply's start takes the note away."""
-    from moechat.app.tui.screens.chat import UNANSWERED
+    from moechat.app.tui.screens.held import UNANSWERED
 
     older, newer = stored
     with ChatStore(tmp_path / "chats.sqlite3") as store:

@@ -26,6 +26,7 @@ SEGMENT_CHARS = 3000
 _CONTINUES_BLOCK = re.compile(r"[ \t\n]|[-*+>|]|\d+[.)]")  # a line that may join the block before: list, quote, table, code
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.M)  # a code fence opening or closing
 DECIDE_CHARS = 4  # what must follow a blank line to tell whether the next line starts a block of its own
+ELSEWHERE = "writing in another window…"  # an unfinished reply another moechat window (or plain chat) still writes
 
 
 def segment_cut(written: str, new: str) -> tuple[int | None, int]:
@@ -148,6 +149,7 @@ class MessageView(Vertical, can_focus=True):
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id, self.finished = role, content, message_id, finished
         self.finish = finish
+        self.elsewhere = False  # unfinished, and still written by another window (not "interrupted")
         self.thinking = False  # the model was thinking at the last update: the block opened for it
         self.reasoning = ""  # the reasoning the block shows: redrawn only when it grows, not at every answer token
 
@@ -156,8 +158,13 @@ class MessageView(Vertical, can_focus=True):
         """Who the role line names (not `name`: a Widget's own)."""
         return {"user": "you", "assistant": "moechat", "system": "system"}.get(self.role, self.role)
 
+    @property
+    def end_line(self) -> str:
+        """What the role line says of a stored reply's end (ELSEWHERE while another window writes it)."""
+        return ELSEWHERE if self.elsewhere and not self.finished else end_note(self.finished, self.finish)
+
     def compose(self) -> ComposeResult:
-        note = end_note(self.finished, self.finish)
+        note = self.end_line
         yield Label(f"{self.speaker} · {note}" if note else self.speaker, classes="role")
         reasoning, answer, thinking = self.split()
         self.reasoning = reasoning
@@ -241,6 +248,15 @@ class MessageView(Vertical, can_focus=True):
         """The reply ended (chats.FINISHES' key): why, as a restored reply says it, and the placeholder if it is empty."""
         self.finished, self.finish = True, finish
         self.set_note(end_note(True, finish))
+        self.query_one(".empty-reply").display = self.empty_reply
+
+    async def show_stored(self, message) -> None:
+        """The reply as another window saved it last (ChatMessage): its text so far, whole, or how it ended."""
+        self.content, self.finished, self.finish = message.content, message.finished, message.finish
+        reasoning, answer, thinking = self.split()
+        self.show_reasoning(reasoning, thinking, ended=self.finished)
+        await self.show_answer(answer)
+        self.set_note(self.end_line)
         self.query_one(".empty-reply").display = self.empty_reply
 
     def set_note(self, note: str) -> None:

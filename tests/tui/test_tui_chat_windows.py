@@ -1,0 +1,123 @@
+"""Two moechat windows on one chat database (app/tui/screens/chat.py's follow_elsewhere, app/reply_locks.py): the reply one
+window writes is shown in the other as being written, follows its saves and its end, and reads as interrupted once its
+writer is gone (quit, or killed). Two apps in one process, as two windows; a killed writer in a process of its own."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import test_tui_chat
+from test_tui_chat import pilot_test, send, until, without_model
+from test_tui_chat_store import asked, contents
+from test_tui_chat_switch import open_chat, role_line
+
+import moechat
+from moechat.app.chats import ChatStore
+from moechat.app.tui.messages import ReplyDelta, ReplyFinished
+from moechat.app.tui.widgets.message_view import ELSEWHERE, MessageView
+
+stored = test_tui_chat.stored  # the fixture: two stored conversations, 'older' and 'newer' (the one the app opens)
+
+
+@pytest.fixture(autouse=True)
+def checks_often(monkeypatch):
+    """The windows look for each other's writes every 0.1 s, not CHECK_S: the tests wait for what the look shows."""
+    from moechat.app.tui.screens import chat
+
+    monkeypatch.setattr(chat, "CHECK_S", 0.1)
+
+
+def last_view(app) -> MessageView:
+    return app.chat.query(MessageView).last()
+
+
+def last_line(app) -> tuple[str, str]:
+    """The chat's last message as shown: its text and its role line."""
+    view = last_view(app)
+    return view.content, role_line(view)
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_reply_another_window_writes_is_shown_being_written_follows_its_saves_and_ends(tmp_path, stored):
+    """It showed as "interrupted" and stayed as first read (the second window watched the chat list only), and a message
+    sent there did not appear at all."""
+    older, newer = stored
+    async with without_model(tmp_path) as (first, pilot), without_model(tmp_path) as (second, other):
+        requests, reading = asked(first), second.chat
+        assert first.chat.conv_id == reading.conv_id == newer
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        first.post_message(ReplyDelta(1, "The first"))
+        await until(pilot, lambda: first.chat.reply.text == "The first", "the first words")
+        await until(other, lambda: contents(reading)[-2:] == ["a question", ""], "the other window's message and reply")
+        assert role_line(last_view(second)) == f"moechat · {ELSEWHERE}"  # its text: at its first save
+
+        first.chat.reply.saved_at = 0.0  # a save due at the next text
+        first.post_message(ReplyDelta(1, " words, and"))
+        await until(other, lambda: last_line(second) == ("The first words, and", f"moechat · {ELSEWHERE}"), "its save")
+        assert last_view(second).markdown.source == "The first words, and"
+
+        await open_chat(other, reading, older)  # opened again: as being written, not interrupted
+        await open_chat(other, reading, newer)
+        assert contents(reading)[-1] == "The first words, and" and role_line(last_view(second)) == f"moechat · {ELSEWHERE}"
+
+        first.post_message(ReplyFinished(1, "The first words, and the rest.", "length", None))
+        await until(other, lambda: last_line(second) == ("The first words, and the rest.", "moechat · cut at the length limit"),
+                    "its end")
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_reply_whose_window_quit_mid_reply_reads_as_interrupted_in_the_other(tmp_path, stored):
+    older, newer = stored
+    async with without_model(tmp_path) as (second, other):
+        async with without_model(tmp_path) as (first, pilot):
+            requests = asked(first)
+            await send(pilot, "a question")
+            await until(pilot, lambda: requests == [1], "the request")
+            first.post_message(ReplyDelta(1, "Half"))
+            await until(pilot, lambda: first.chat.reply.text == "Half", "the first words")
+            await until(other, lambda: last_line(second) == ("", f"moechat · {ELSEWHERE}"), "the reply being written")
+            await first.action_quit()
+        await until(other, lambda: last_line(second) == ("Half", "moechat · interrupted"), "the reply interrupted")
+
+
+_WRITER = """
+import sys, time
+from moechat.app.chats import ChatStore
+store = ChatStore(sys.argv[1])
+reply = store.add(int(sys.argv[2]), "assistant", "", finished=False)
+store.update(reply, "a reply whose writer is killed", finished=False)
+print(reply, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
+@pilot_test
+@pytest.mark.notorch
+async def test_a_reply_whose_writer_was_killed_reads_as_interrupted_not_written_forever(tmp_path, stored):
+    """A writer that crashes saves nothing more and says nothing: its lock, which the OS drops with the process, does."""
+    older, newer = stored
+    env = dict(os.environ, PYTHONPATH=str(Path(moechat.__file__).resolve().parents[1]))
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path / "chats.sqlite3"), str(newer)],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert int(writer.stdout.readline())  # its reply stored, and locked
+        async with without_model(tmp_path) as (app, pilot):
+            assert last_line(app) == ("a reply whose writer is killed", f"moechat · {ELSEWHERE}")
+            writer.send_signal(signal.SIGKILL)
+            writer.wait(timeout=30)
+            await until(pilot, lambda: last_line(app) == ("a reply whose writer is killed", "moechat · interrupted"),
+                        "the reply interrupted")
+    finally:
+        writer.kill()
+        writer.wait()
+        writer.stdout.close()
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        assert not store.messages(newer)[-1].finished
