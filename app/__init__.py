@@ -1,1 +1,1 @@
-"""moechat.app: the user's side (CLI now, the Textual TUI later)."""
+"""moechat.app: the user's side: the command line, the Textual chat app, the server, the benchmarks."""

@@ -59,15 +59,14 @@ def answers_the_word(reply: str, word: str, gloss: str, category: list[str]) -> 
     return bool(content_words(first_sentence(reply), word) & content_words(gloss + " " + " ".join(category), word))
 
 
-def answer_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_WORDS, count: int = 0,
-                  max_new_tokens: int = 48) -> dict:
+def answer_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_WORDS, count: int = 0) -> dict:
     """The answer score: the share of held-out definitional questions whose greedy reply's first sentence names
     the word's category or a content word of its gloss, with every reply."""
     from ..engine import Engine, EngineConfig, Finished, Request, SamplingParams
 
     engine = Engine(EngineConfig(model_dir=str(model_dir)))
     items = _read_jsonl(eval_path, count)
-    params = SamplingParams(max_new_tokens=max_new_tokens)
+    params = SamplingParams(max_new_tokens=48)
     rows = []
     for it in items:
         chat = [{"role": "user", "content": it["question"]}]
@@ -78,15 +77,15 @@ def answer_report(model_dir: Path = DEMO_MODEL, eval_path: Path = EVAL_WORDS, co
 
 
 def draft_acceptance(model_dir: Path = DEMO_MODEL, draft_dir: Path = DEMO_DRAFT, eval_path: Path = EVAL_PROMPTS,
-                     draft_len: int = 4, max_new_tokens: int = 32, count: int = 0) -> float:
-    """Accepted / drafted tokens with the draft model at γ = draft_len, greedy, over the (first `count`) held-out prompts."""
+                     count: int = 0) -> float:
+    """Accepted / drafted tokens with the draft model at γ = 4, greedy, over the (first `count`) held-out prompts."""
     from ..engine import Engine, EngineConfig, Finished, Request, SamplingParams, SpecConfig
 
-    engine = Engine(EngineConfig(model_dir=str(model_dir), spec=SpecConfig(str(draft_dir), draft_len)))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), spec=SpecConfig(str(draft_dir), 4)))
     drafted = accepted = 0
     for prompt in eval_prompts(count, eval_path):
         chat = [{"role": "user", "content": prompt}]
-        summary = next(e.summary for e in engine.generate(Request(messages=chat), SamplingParams(max_new_tokens=max_new_tokens))
+        summary = next(e.summary for e in engine.generate(Request(messages=chat), SamplingParams(max_new_tokens=32))
                        if isinstance(e, Finished))
         drafted, accepted = drafted + summary.drafted, accepted + summary.accepted
     return round(accepted / max(drafted, 1), 3)

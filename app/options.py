@@ -5,7 +5,7 @@ settings.py is built from it), the settings screen and the wizard (their fields 
 the README's options table (`python -m moechat.app.options --markdown` prints it; a test keeps the
 README equal). An option's name is its settings key; its flag is `--name-with-dashes`. Research
 knobs no user sets (utility variant, demote, lookahead, CPU cost model) are not here: they stay on
-SchedulerConfig and are flags of `simulate` and the benchmarks only.
+SchedulerConfig (docs/design.md says where each is set).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ _MODULES = {  # submodule -> the public names it provides
                              "physical_ram_bytes", "ratio_at_most", "within_the_headroom"),
     "model.config_file": ("PULL_MARKER", "download_unfinished", "read_config_dict"),
     "shared_files": ("write_whole",),
-    "placement": ("NO_GPU", "CudaProbe", "Gpu", "Placement", "best_gpu", "prequantized_format", "prequantized_label",
+    "placement": ("NO_GPU", "CudaProbe", "Gpu", "best_gpu", "prequantized_format", "prequantized_label",
                   "probe_cuda", "resolve_placement"),
     "model.families": ("get_family",),
     "calibration.probe": ("NOTE_NO_NVML", "default_models_dir", "fingerprint", "gpu_info", "probe"),

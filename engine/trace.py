@@ -65,9 +65,9 @@ def expert_counts(records: list[dict], num_experts: int) -> dict[int, list[int]]
     return counts
 
 
-def routing_skew(counts: list[int], top_share: float = 0.25) -> float:
-    """Share of a layer's activations that land on its most used `top_share` of experts (uniform: top_share)."""
-    top = max(1, round(len(counts) * top_share))
+def routing_skew(counts: list[int]) -> float:
+    """Share of a layer's activations that land on its most used quarter of experts (uniform: 0.25)."""
+    top = max(1, round(len(counts) / 4))
     total = sum(counts)
     return sum(sorted(counts, reverse=True)[:top]) / total if total else 0.0
 

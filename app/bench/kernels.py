@@ -73,18 +73,18 @@ class CopyMeter:
         self.src, self.dst = torch.ones(n), torch.empty(n)
         self.dst.copy_(self.src)  # fault the pages in
 
-    def measure(self, repeats: int = 2) -> float:
+    def measure(self) -> float:
         best = 0.0
-        for _ in range(repeats):
+        for _ in range(2):
             t0 = time.perf_counter()
             self.dst.copy_(self.src)
             best = max(best, 2 * self.src.nbytes / (time.perf_counter() - t0) / 1e9)
         return best
 
-    def measure_read(self, repeats: int = 3) -> float:
+    def measure_read(self) -> float:
         """DRAM read bandwidth: GB/s read by a sum over the same buffer (nothing written)."""
         best = 0.0
-        for _ in range(repeats):
+        for _ in range(3):
             t0 = time.perf_counter()
             self.src.sum()
             best = max(best, self.src.nbytes / (time.perf_counter() - t0) / 1e9)
@@ -166,7 +166,7 @@ def _cuda_rows() -> tuple[list[dict], str]:
     for shape in SHAPES:
         H, I = SHAPES[shape]
         try:
-            row = bench_transfer(expert_bytes=3 * H * I * 2, experts=32, with_compute=True)
+            row = bench_transfer(expert_bytes=3 * H * I * 2, experts=32)
         except MoechatError as err:
             return rows, f"not measured: {err}"
         rows.append({"shape": f"{H}x{I}", "model": shape, **row})

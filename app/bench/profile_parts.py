@@ -139,7 +139,7 @@ def device_busy(events: Iterator[Event], device) -> dict[str, float]:
     """events: one request's on the CUDA `device` -> its decode steps under torch.profiler, per decode token: the GPU's
     kernel time (busy_ms), kernel launches, and copy time (copies_ms: the fast tier's loads, hidden states between the
     tiers). Beside the wall ms per token, busy_ms says how much of a token the GPU works: the rest is the host
-    (Python, launches, syncs), which CUDA graphs would take away (issue 16)."""
+    (Python, launches, syncs), which the decode passes' CUDA graphs take away where they run (graph_decode.py)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 

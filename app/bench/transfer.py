@@ -1,9 +1,9 @@
 """Host-to-device transfer GB/s: the native expert copier against a plain pinned copy on a side stream.
 
-    bench_transfer(expert_bytes, experts) -> {"engine_gbps", "pinned_copy_gbps", "ratio", "with_compute"}
+    bench_transfer(expert_bytes, experts) -> {"engine_gbps", "pinned_copy_gbps", "ratio"}
 
 Both copy the same experts (pinned, two segments each: gate_up, then down) into distinct slots,
-both while the compute stream runs matmuls when `with_compute`. Wall time from the first copy
+both while the compute stream runs matmuls. Wall time from the first copy
 queued to the last one complete. Called by `moechat bench kernels`.
 """
 from __future__ import annotations
@@ -67,11 +67,10 @@ def _copy_runs(copier: NativeCopier, src: torch.Tensor, dst: torch.Tensor, dev: 
     return by_copier, by_copy
 
 
-def bench_transfer(device: str = "cuda", expert_bytes: int = 3 * 2048 * 1408 * 2, experts: int = 64,
-                   with_compute: bool = True) -> dict:
+def bench_transfer(expert_bytes: int = 3 * 2048 * 1408 * 2, experts: int = 64) -> dict:
     """GB/s of the native copier and of a pinned copy_, and their ratio (see the module docstring)."""
     lib = _native_lib()
-    dev = torch.device(device)
+    dev = torch.device("cuda")
     src = torch.randint(0, 255, (experts, expert_bytes), dtype=torch.uint8).pin_memory()  # [N, B]
     dst = torch.empty(experts, expert_bytes, dtype=torch.uint8, device=dev)  # [N, B]
     compute = _compute_load(dev)
@@ -79,16 +78,14 @@ def bench_transfer(device: str = "cuda", expert_bytes: int = 3 * 2048 * 1408 * 2
 
     def gbps(run: Callable[[], None]) -> float:
         torch.cuda.synchronize(dev)
-        if with_compute:
-            compute(cover)
+        compute(cover)
         t0 = time.perf_counter()
         run()
         seconds = time.perf_counter() - t0
         torch.cuda.synchronize(dev)
         return experts * expert_bytes / seconds / 1e9
 
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    copier = NativeCopier(lib, index, experts, levels=2, keep=(src, dst))
+    copier = NativeCopier(lib, torch.cuda.current_device(), experts, levels=2, keep=(src, dst))
     by_copier, by_copy = _copy_runs(copier, src, dst, dev)
     try:
         gbps(by_copier), gbps(by_copy)  # warm-up
@@ -99,5 +96,4 @@ def bench_transfer(device: str = "cuda", expert_bytes: int = 3 * 2048 * 1408 * 2
             raise MoechatError("the prefetch engine's copies differ from their sources")
     finally:
         copier.close()
-    return {"engine_gbps": engine_gbps, "pinned_copy_gbps": copy_gbps, "ratio": engine_gbps / copy_gbps,
-            "with_compute": with_compute}
+    return {"engine_gbps": engine_gbps, "pinned_copy_gbps": copy_gbps, "ratio": engine_gbps / copy_gbps}

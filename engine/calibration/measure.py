@@ -90,7 +90,7 @@ def expert_curve(gate_up: torch.Tensor, down: torch.Tensor, act: Callable, activ
     return curve
 
 
-def cpu_curve(layers: list[tuple], active: int, max_tokens: int, repeats: int, seed: int = 0,
+def cpu_curve(layers: list[tuple], active: int, max_tokens: int, repeats: int,
               tick: Callable[[float], None] | None = None) -> list[float]:
     """Seconds per expert for t = 1..max_tokens tokens each, timed as decode meets the experts: each call takes
     `active` experts (a decode step's top-k) at random from a random layer of `layers` [(gate_up [E, 2I, H],
@@ -109,7 +109,7 @@ def cpu_curve(layers: list[tuple], active: int, max_tokens: int, repeats: int, s
     H = down0.shape[-2] if isinstance(down0, torch.Tensor) else down0.rows
     E = gate_up0.shape[0]
     x_dtype = gate_up0.dtype if isinstance(gate_up0, torch.Tensor) else torch.float32
-    rng = random.Random(seed)
+    rng = random.Random(0)
     none, no_offsets = torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)  # no expert: offsets [0]
     curve = []
     for t in range(1, max_tokens + 1):

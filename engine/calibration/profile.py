@@ -68,8 +68,8 @@ def model_digest(model_dir: str | os.PathLike) -> str:
         return ""
 
 
-def _slug(text: str, keep: int = 40) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[-keep:] or "x"
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")[-40:] or "x"
 
 
 def profile_path(fingerprint: str, key: str) -> Path:

@@ -195,19 +195,19 @@ def prefill_bytes_per_token(hf_config, dtype_bytes: int, positions: int | None =
     return mask + heads * (2 * int(c.qk_nope_head_dim) + int(c.v_head_dim) + int(c.qk_rope_head_dim)) * dtype_bytes
 
 
-def cpu_prefill_bytes_per_token(hf_config, positions: int | None = None) -> int:
-    """RAM one cached position adds to what a prompt pass of `positions` holds at once on a CPU, where it attends in
-    float32: DeepSeek-V2's expanded heads (mla.HEAD_GROUP at a time: their keys and values, the values padded to the keys'
-    width for SDPA's flash kernel) and the mask, bool and the float copy the kernel makes; other families attend over
-    their KV cache in place, their mask a small share beside it (0 here)."""
+def cpu_prefill_bytes_per_token(hf_config) -> int:
+    """RAM one cached position adds to what a prompt pass (PREFILL_CHUNK positions) holds at once on a CPU, where it
+    attends in float32: DeepSeek-V2's expanded heads (mla.HEAD_GROUP at a time: their keys and values, the values padded
+    to the keys' width for SDPA's flash kernel) and the mask, bool and the float copy the kernel makes; other families
+    attend over their KV cache in place, their mask a small share beside it (0 here)."""
     if hf_config.model_type != "deepseek_v2":
         return 0
     from ..config import PREFILL_CHUNK
     from .mla import HEAD_GROUP
 
-    c, rows = hf_config, positions or PREFILL_CHUNK
+    c = hf_config
     heads, key = min(int(c.num_attention_heads), HEAD_GROUP), int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim)
-    return rows * (1 + 4) + heads * (int(c.qk_nope_head_dim) + int(c.v_head_dim) + 2 * key) * 4
+    return PREFILL_CHUNK * (1 + 4) + heads * (int(c.qk_nope_head_dim) + int(c.v_head_dim) + 2 * key) * 4
 
 
 def decode_graph_bytes_per_token(hf_config, dtype_bytes: int) -> int:

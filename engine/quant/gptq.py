@@ -34,12 +34,12 @@ SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tens
 
 @dataclass(frozen=True)
 class GptqSpec:
-    """A checkpoint's quantization_config, validated: only 4-bit, block-aligned groups, gptq/gptq_v2 layout."""
+    """A checkpoint's quantization_config, validated: only 4-bit, block-aligned groups, gptq/gptq_v2 layout (symmetric or
+    not: the zero points say, read as they are)."""
 
     bits: int = 4
     group_size: int = 128  # -1: one group over all of K
     desc_act: bool = False
-    sym: bool = True
     checkpoint_format: str = "gptq"
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ def read_gptq_config(qc: dict) -> GptqSpec:
                                                      for key in ("bits", "group_size", "sym", "desc_act")):
             raise CheckpointError(f"GPTQ per-module settings (dynamic {pattern!r}) are not supported: {ADVICE}")
     return GptqSpec(bits=qc.get("bits", 4), group_size=qc.get("group_size", -1), desc_act=bool(qc.get("desc_act", False)),
-                    sym=bool(qc.get("sym", True)), checkpoint_format=fmt)
+                    checkpoint_format=fmt)
 
 
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ..config import UnitCosts  # noqa: F401 (the balancer's unit costs, declared with the engine's settings)
+from ..config import UnitCosts  # the balancer's unit costs, declared with the engine's settings
 
 SMOOTHING = 0.2  # EMA weight of the newest step in the learned CPU and device units
 
@@ -26,12 +26,11 @@ class WorkloadBalancer:
     """Per layer and τ = 0..K, the learned units are plain Python floats: a step's observe_row and choose_row
     are one pass over the layer's E experts into level histograms, then K+1 values (no [K+1, E] tensors)."""
 
-    def __init__(self, num_layers: int, utility_bound: int, draft_len: int, costs: UnitCosts,
-                 cpu_cost: str = "distinct", smoothing: float = SMOOTHING):
+    def __init__(self, num_layers: int, utility_bound: int, draft_len: int, costs: UnitCosts, cpu_cost: str = "distinct"):
         if cpu_cost not in ("distinct", "activations"):
             raise ValueError(f"cpu cost model must be 'distinct' or 'activations', got {cpu_cost!r}")
         self.K, self.gamma, self.L = utility_bound, draft_len, num_layers
-        self.costs, self.cpu_cost, self.alpha = costs, cpu_cost, smoothing
+        self.costs, self.cpu_cost = costs, cpu_cost
         taus = utility_bound + 1  # index τ = 0..K (0 unused: τ > 0)
         # learned per layer and τ: CPU units (activations or distinct experts) and device experts per step
         self._cpu = [[0.0] * taus for _ in range(num_layers)]
@@ -56,7 +55,7 @@ class WorkloadBalancer:
                 used[b] += 1
                 acts[b] += c
         n_used, n_acts = sum(used), sum(acts)
-        a = 1.0 if self.seen[li] == 0 else self.alpha  # exponential average, first step taken as is
+        a = 1.0 if self.seen[li] == 0 else SMOOTHING  # exponential average, first step taken as is
         cpu_u, dev_u = self._cpu[li], self._dev[li]
         dev = 0  # used experts hot at τ: bins ≥ τ, summed from the top
         dev_acts = 0
@@ -73,17 +72,16 @@ class WorkloadBalancer:
         cpu_s, dev_s = self.costs.cpu_s, self.costs.device_s
         return [u * cpu_s for u in self._cpu[li]], [u * dev_s for u in self._dev[li]]
 
-    def choose_row(self, li: int, s: list[int], slots: list[int], free_slots: int, frozen: list | None = None) -> int:
-        """τ for layer li given its utilities s [E] and slot row [E] (≥ 0: resident); K when nothing is feasible.
-        frozen [E]: truthy for residents a prefetch may not displace (default: none)."""
+    def choose_row(self, li: int, s: list[int], slots: list[int], free_slots: int) -> int:
+        """τ for layer li given its utilities s [E] and slot row [E] (≥ 0: resident); K when nothing is feasible."""
         K = self.K
         cold = [0] * (K + 2)  # not resident, by bin (index bin + 1): hot exactly for τ ≤ bin
-        held = [0] * (K + 2)  # evictable residents, by bin
-        for e, (v, slot) in enumerate(zip(s, slots)):
+        held = [0] * (K + 2)  # residents, by bin
+        for v, slot in zip(s, slots):
             b = (v if v <= K else K) + 1 if v >= 0 else 0
             if slot < 0:
                 cold[b] += 1
-            elif frozen is None or not frozen[e]:
+            else:
                 held[b] += 1
         # per τ: prefetches needed n(τ) (not resident, hot) and evictable residents under τ (cold)
         n, reclaimable, acc = [0] * (K + 1), [0] * (K + 1), 0

@@ -229,7 +229,6 @@ class _Estimator:
         return torch.from_numpy(self.core.read(what)).view(self.core.L, self.core.E)
 
     s = property(lambda self: self._t("s"))
-    prev_f = property(lambda self: self._t("prev"))
     theta_up = property(lambda self: self._t("up"))
     theta_down = property(lambda self: self._t("down"))
 

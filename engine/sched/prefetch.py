@@ -126,13 +126,10 @@ class Prefetcher:
             self._check()
             return sum(self._below) - self._below[li]
 
-    def update(self, li: int, s: torch.Tensor, tau: int, fine: torch.Tensor | None = None) -> None:
-        """New utilities s [E], threshold τ and tie-breaks `fine` [E] in [0, 1) for layer li: re-rank the
-        residents (those with s < τ become the first to go), queue s ≥ τ for prefetch."""
-        self.update_row(li, s.tolist(), int(tau), None if fine is None else fine.tolist())
-
     def update_row(self, li: int, s: list[int], tau: int, fine: list[float] | None = None) -> None:
-        """update() on lists, which the scheduler keeps (not copied: the caller must not modify them)."""
+        """New utilities s [E], threshold τ and tie-breaks `fine` [E] in [0, 1) for layer li: re-rank the
+        residents (those with s < τ become the first to go), queue s ≥ τ for prefetch. The lists are the
+        scheduler's, kept (not copied: the caller must not modify them)."""
         fine = fine if fine is not None else [0.0] * len(s)
         with self.lock:
             self._check()

@@ -52,7 +52,7 @@ class SpacPolicy(Policy):
         self._fine = [[0.0] * E for _ in range(L)]  # rate / (rate + 1) in [0, 1), as the prefetcher ranks
         self._tables: dict[float, list[list[int]]] = {}  # ŝ by (drafted count, s) per unseen share
         self._held: int | None = None  # the layer before_layer froze
-        self.lookahead_loads = self.lookahead_hits = 0  # of those: how many, and how many the verification used
+        self.lookahead_loads = self.lookahead_hits = 0  # draft_loaded's: how many, and how many the verification used
 
     @property
     def layer_hooks(self) -> bool:

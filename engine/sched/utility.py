@@ -9,7 +9,7 @@ a fixed threshold (up when f − s ≥ θ↑, down when s − f ≥ θ↓).
 The state is per layer, in plain Python lists of E ints: one layer's update is one pass over E
 small ints, a few µs, where the same arithmetic as [E]-tensor ops cost 3-30 µs per op (the
 scheduler runs it once per MoE layer per step, on the engine's thread). The [L, E] tensors
-(`s`, `prev_f`, `theta_up`, `theta_down`) are built on demand for readers outside the hot path.
+(`s`, `theta_up`, `theta_down`) are built on demand for readers outside the hot path.
 """
 from __future__ import annotations
 
@@ -41,18 +41,14 @@ class UtilityEstimator:
         self._down = [[start] * E for _ in range(L)] if variant == "paper" else [[level_down] * E for _ in range(L)]
         self.level_up, self.level_down = level_up, level_down
 
-    # [L, E] tensors for readers outside the hot path (tests, the UI)
+    # [L, E] tensors for readers outside the hot path (the twin tests)
     s = property(lambda self: torch.tensor(self.rows, dtype=torch.long))
-    prev_f = property(lambda self: torch.tensor(self._prev, dtype=torch.long))
     theta_up = property(lambda self: torch.tensor(self._up, dtype=torch.long))
     theta_down = property(lambda self: torch.tensor(self._down, dtype=torch.long))
 
-    def update(self, li: int, f: torch.Tensor) -> torch.Tensor:
-        """Observe one layer's frequencies f [E] from a verification step; return its new utilities [E]."""
-        return torch.tensor(self.update_row(li, [int(x) for x in f.tolist()]), dtype=torch.long)
-
     def update_row(self, li: int, f: list[int]) -> list[int]:
-        """update() on plain lists: f [E] ints -> the layer's new utilities (a new list; do not modify it)."""
+        """Observe one layer's frequencies f [E] from a verification step -> its new utilities (a new list; do not
+        modify it)."""
         K, s = self.K, self.rows[li]
         if self.variant == "level":
             up, down = self.level_up, self.level_down

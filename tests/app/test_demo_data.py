@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "assets"))
-from demo_data import answer, dictionary_entry, dictionary_pages, question, read_senses  # noqa: E402
+from demo_data import answer, dictionary_entry, dictionary_pages, question, read_senses
 
 HEADER = "  1 This software and database is being provided to you, the LICENSEE, by Princeton University\n"
 DATA_NOUN = HEADER + (

@@ -13,14 +13,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import tiny  # noqa: E402  (tests/ is on sys.path: conftest.py)
+import tiny  # tests/ is on sys.path (conftest.py)
 import torch
 
-from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig  # noqa: E402
-from moechat.engine.events import Finished, StepStats  # noqa: E402
-from moechat.engine.generate import Engine, Request  # noqa: E402
-from moechat.engine.speculative.sampling import probs_from_logits, sample  # noqa: E402
-from moechat.engine.speculative.verify import accept_greedy, accept_sampling  # noqa: E402
+from moechat.engine.config import EngineConfig, SamplingParams, SchedulerConfig, SpecConfig
+from moechat.engine.events import Finished, StepStats
+from moechat.engine.generate import Engine, Request
+from moechat.engine.speculative.sampling import probs_from_logits, sample
+from moechat.engine.speculative.verify import accept_greedy, accept_sampling
 
 DELTA = 1e-4  # allowed chance that a correct sampler fails one TV check (an upper bound; see grouped_tv)
 

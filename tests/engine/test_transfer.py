@@ -111,7 +111,7 @@ def test_transfer_thread_with_the_cpu_tier(checkpoint, tokenizer):
         return wait(None if timeout is None else min(timeout, 0.002))
 
     def after_compute_():
-        prefetch.update((layer[0] + 1) % L, torch.full((E,), prefetch.K), tau=1)
+        prefetch.update_row((layer[0] + 1) % L, [prefetch.K] * E, 1)
         with prefetch.lock:
             idle.clear()
             notify()

@@ -282,12 +282,12 @@ def test_scheduler_cancels_queued_copies_that_fell_below_tau(host_lib):
     cache = host_cache(host_lib, 3)
     pre = Prefetcher(cache, 2, 4, utility_bound=4, demote="zero")
     cache.copier.pause()  # copies stay queued
-    pre.update(0, torch.tensor([4, 3, 2, 0]), tau=2)
+    pre.update_row(0, [4, 3, 2, 0], 2)
     assert pre.drain() == 3 and set(cache.pending) == {0, 1, 2}
     assert [cache.copier.query(s) for s in range(3)] == [P.QUEUED] * 3
     assert cache.copier.issued() == []
     loads = cache.loads
-    pre.update(0, torch.tensor([4, 1, 3, 0]), tau=3)  # e1 fell below τ; e2 was queued at level 2 < τ, now 3
+    pre.update_row(0, [4, 1, 3, 0], 3)  # e1 fell below τ; e2 was queued at level 2 < τ, now 3
     assert cache.slot_of[0].tolist() == [0, -1, -1, -1]  # both copies dropped, their slots free
     assert sorted(cache.free) == [1, 2] and set(cache.pending) == {0} and cache.loads == loads - 2
     assert [k for k in pre.score] == [(0, 0)]  # the pool forgets them

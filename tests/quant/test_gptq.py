@@ -40,7 +40,7 @@ def test_round_trip_matches_gptq_dequantization(group_size, sym, fmt, monkeypatc
     n, k = 48, 256
     w = weights(n, k)
     t = pack_gptq(w, group_size, sym, fmt)
-    spec = GptqSpec(group_size=group_size, sym=sym, checkpoint_format=fmt)
+    spec = GptqSpec(group_size=group_size, checkpoint_format=fmt)
     ref = reference_dequant(t, fmt)
     qm = gptq_to_matrix(*tensors(t), spec)
     assert (qm.fmt, qm.k, qm.rows) == ("int4", k, n)
@@ -64,7 +64,7 @@ def test_kernel_bytes_straight_from_the_packed_words_are_the_unpacked_codes_inte
     """gptq_to_matrix builds the int4 bytes from qweight's bytes (K a multiple of 32): the same matrix as unpacking every
     code and interleaving it, which K not a multiple of 32 still does."""
     t = pack_gptq(weights(64, 320, seed=7), group_size, sym=False, checkpoint_format=fmt)
-    spec = GptqSpec(group_size=group_size, sym=False, checkpoint_format=fmt)
+    spec = GptqSpec(group_size=group_size, checkpoint_format=fmt)
     fast = gptq_to_matrix(*tensors(t), spec)
     monkeypatch.setattr("moechat.engine.quant.gptq.sys.byteorder", "big")  # the unpacking route
     unpacked = gptq_to_matrix(*tensors(t), spec)
@@ -79,14 +79,14 @@ def test_k_not_a_multiple_of_the_block(k, group_size):
     blocks of padding only get d = m = 0."""
     w = weights(16, k, seed=k)
     t = pack_gptq(w, group_size, sym=False)
-    qm = gptq_to_matrix(*tensors(t), GptqSpec(group_size=group_size, sym=False))
+    qm = gptq_to_matrix(*tensors(t), GptqSpec(group_size=group_size))
     ref = reference_dequant(t)
     assert ((formats.dequantize(qm) - ref).abs() <= 1e-3 * ref.abs().amax(1, keepdim=True)).all()
     assert qm.q.shape == (16, formats.padded(k) // 2)
     padding_only = torch.arange(0, formats.padded(k), formats.BLOCK) >= k
     assert (qm.scale[:, padding_only] == 0).all() and (qm.minimum[:, padding_only] == 0).all()
     assert (formats.codes(qm)[:, k:] == 0).all()
-    assert torch.equal(dequantize_gptq(*tensors(t), GptqSpec(group_size=group_size, sym=False), torch.float32), ref)
+    assert torch.equal(dequantize_gptq(*tensors(t), GptqSpec(group_size=group_size), torch.float32), ref)
 
 
 def test_bit_layout():
@@ -110,11 +110,11 @@ def test_bit_layout():
 def test_read_quantization_config():
     assert read_quantization_config({"model_type": "qwen3_moe"}) is None
     assert read_quantization_config({"quantization_config": None}) is None
-    assert read_quantization_config({"quantization_config": QWEN3_GPTQ}) == GptqSpec(4, 128, False, True, "gptq")
+    assert read_quantization_config({"quantization_config": QWEN3_GPTQ}) == GptqSpec(4, 128, False, "gptq")
     no_format = {key: v for key, v in QWEN3_GPTQ.items() if key != "checkpoint_format"}
     assert read_quantization_config({"quantization_config": no_format}).checkpoint_format == "gptq"
     v2 = {**no_format, "format": "gptq_v2", "sym": False, "group_size": -1, "dynamic": {"-:.*lm_head": {}}}
-    assert read_quantization_config({"quantization_config": v2}) == GptqSpec(4, -1, False, False, "gptq_v2")
+    assert read_quantization_config({"quantization_config": v2}) == GptqSpec(4, -1, False, "gptq_v2")
     assert read_quantization_config({"quantization_config": {**QWEN3_GPTQ, "desc_act": True}}).desc_act
 
 
@@ -213,7 +213,7 @@ def test_make_gptq_checkpoint(checkpoint, tmp_path, family, shards, fmt, sym):
     config = json.loads((dst / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "gptq"
     spec = read_quantization_config(config)
-    assert spec == GptqSpec(4, 32, False, sym, fmt)
+    assert spec == GptqSpec(4, 32, False, fmt) and config["quantization_config"]["sym"] == sym
     for f in src.iterdir():
         if f.suffix == ".json" and f.name not in ("config.json", "model.safetensors.index.json") or "token" in f.name:
             assert (dst / f.name).read_bytes() == f.read_bytes()

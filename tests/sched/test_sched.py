@@ -25,20 +25,19 @@ def test_utility_paper_variant_by_hand():
     expected_up = [4, 4, 4, 4, 3, 3, 3]  # ⌊0.9·4 + 0.1·9⌋ = 4, ..., ⌊0.9·4 + 0.1·2⌋ = 3, ⌊0.9·3 + 0.1·3⌋ = 3
     expected_down = [4, 4, 4, 4, 4, 4, 4]  # ⌊0.9·4 + 0.1·7⌋ = 4, ⌊0.9·4 + 0.1·6⌋ = 4
     for f, s, up, down in zip([9, 9, 2, 7, 9, 3, 6], expected_s, expected_up, expected_down):
-        out = u.update(0, torch.tensor([f, 0]))
-        assert out.tolist() == [s, 0]
+        assert u.update_row(0, [f, 0]) == [s, 0]
         assert u.theta_up[0, 0] == up and u.theta_down[0, 0] == down
 
 
 def test_utility_saturates_at_bound_and_zero():
     u = UtilityEstimator(1, 1, utility_bound=2, draft_len=2, forgetting=0.0)  # θ = 1, fixed
-    seen = [int(u.update(0, torch.tensor([f]))[0]) for f in (1, 2, 3, 4, 5, 4, 3, 2, 1, 0)]
+    seen = [u.update_row(0, [f])[0] for f in (1, 2, 3, 4, 5, 4, 3, 2, 1, 0)]
     assert seen == [1, 2, 2, 2, 2, 1, 0, 0, 0, 0]
 
 
 def test_utility_level_variant_by_hand():
     u = UtilityEstimator(1, 1, utility_bound=3, draft_len=8, variant="level", level_up=2, level_down=1)
-    seen = [int(u.update(0, torch.tensor([f]))[0]) for f in (5, 5, 5, 5, 0, 2, 3)]
+    seen = [u.update_row(0, [f])[0] for f in (5, 5, 5, 5, 0, 2, 3)]
     # s=0: 5-0≥2 → 1; 5-1≥2 → 2; → 3; capped 3; 3-0≥1 → 2; 2-2=0 → 2; 3-2=1 <2 → 2
     assert seen == [1, 2, 3, 3, 2, 2, 2]
 
@@ -163,8 +162,8 @@ def test_prefetch_serves_higher_levels_first_fifo_within_a_level():
     order = []
     real_load = table.load
     table.load = lambda li, e, level=None: (order.append((li, e, level)), real_load(li, e, level))[1]
-    pre.update(0, torch.tensor([2, 4, 0, 2, 3, 0]), tau=1)  # queues: 4: e1; 3: e4; 2: e0, e3
-    pre.update(1, torch.tensor([2, 0, 0, 0, 0, 0]), tau=1)  # level 2 after layer 0's e0, e3
+    pre.update_row(0, [2, 4, 0, 2, 3, 0], 1)  # queues: 4: e1; 3: e4; 2: e0, e3
+    pre.update_row(1, [2, 0, 0, 0, 0, 0], 1)  # level 2 after layer 0's e0, e3
     assert pre.drain() == 3
     assert order == [(0, 1, 4), (0, 4, 3), (0, 0, 2)]  # capacity 3: the rest wait (FIFO keeps e3 before layer 1's e0)
     assert len(table) == 3 and not table.free
@@ -172,51 +171,51 @@ def test_prefetch_serves_higher_levels_first_fifo_within_a_level():
 
 def test_prefetch_respects_tau_and_never_exceeds_capacity():
     table, pre = engine_with(slots=2)
-    pre.update(0, torch.tensor([1, 1, 1, 4, 0, 0]), tau=2)  # only e3 is hot enough
+    pre.update_row(0, [1, 1, 1, 4, 0, 0], 2)  # only e3 is hot enough
     pre.drain()
     assert table.resident_mask()[0].nonzero().flatten().tolist() == [3]
-    pre.update(0, torch.tensor([3, 3, 3, 3, 3, 3]), tau=1)
+    pre.update_row(0, [3, 3, 3, 3, 3, 3], 1)
     pre.drain()
     assert len(table) == 2 and table.capacity == 2
 
 
 def test_prefetch_evicts_below_tau_and_displaces_only_lower_ranked():
     table, pre = engine_with(slots=2)
-    pre.update(0, torch.tensor([4, 3, 0, 0, 0, 0]), tau=1)
+    pre.update_row(0, [4, 3, 0, 0, 0, 0], 1)
     pre.drain()
     assert set(table.resident_mask()[0].nonzero().flatten().tolist()) == {0, 1}
-    pre.update(1, torch.tensor([0, 0, 3, 0, 0, 0]), tau=1)  # level 3 does not displace level 3 or 4
+    pre.update_row(1, [0, 0, 3, 0, 0, 0], 1)  # level 3 does not displace level 3 or 4
     pre.drain()
     assert not resident(table, 1, 2)
-    pre.update(1, torch.tensor([0, 0, 4, 0, 0, 0]), tau=1)  # level 4 displaces the level-3 expert
+    pre.update_row(1, [0, 0, 4, 0, 0, 0], 1)  # level 4 displaces the level-3 expert
     pre.drain()
     assert resident(table, 1, 2) and resident(table, 0, 0) and not resident(table, 0, 1)
-    pre.update(0, torch.tensor([1, 0, 0, 0, 0, 0]), tau=2)  # s < τ: first to go, but lazily
+    pre.update_row(0, [1, 0, 0, 0, 0, 0], 2)  # s < τ: first to go, but lazily
     assert resident(table, 0, 0)  # still resident (and serving hits) until a slot is needed
-    pre.update(1, torch.tensor([0, 0, 4, 1, 0, 0]), tau=1)  # a level-1 newcomer outranks it (tier 0 < tier 1)
+    pre.update_row(1, [0, 0, 4, 1, 0, 0], 1)  # a level-1 newcomer outranks it (tier 0 < tier 1)
     pre.drain()
     assert resident(table, 1, 3) and not resident(table, 0, 0) and resident(table, 1, 2)
 
 
 def test_prefetch_breaks_ties_within_a_level_by_the_finer_rank():
     table, pre = engine_with(slots=2)
-    pre.update(0, torch.tensor([2, 2, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.1, 0.7, 0, 0, 0, 0]))
+    pre.update_row(0, [2, 2, 0, 0, 0, 0], 1, [0.1, 0.7, 0, 0, 0, 0])
     pre.drain()
-    pre.update(1, torch.tensor([2, 0, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.5, 0, 0, 0, 0, 0]))
+    pre.update_row(1, [2, 0, 0, 0, 0, 0], 1, [0.5, 0, 0, 0, 0, 0])
     pre.drain()  # level 2 + 0.5 displaces level 2 + 0.1, not level 2 + 0.7
     assert resident(table, 1, 0) and resident(table, 0, 1) and not resident(table, 0, 0)
-    pre.update(1, torch.tensor([0, 2, 0, 0, 0, 0]), tau=1, fine=torch.tensor([0.5, 0.9, 0, 0, 0, 0]))
+    pre.update_row(1, [0, 2, 0, 0, 0, 0], 1, [0.5, 0.9, 0, 0, 0, 0])
     pre.drain()  # layer 1 e0 fell below τ (tier 0) and goes first; the busier (0, 1) stays
     assert resident(table, 1, 1) and resident(table, 0, 1) and not resident(table, 1, 0)
 
 
 def test_prefetch_never_evicts_an_expert_in_use():
     table, pre = engine_with(slots=1, demote="zero")
-    pre.update(0, torch.tensor([2, 0, 0, 0, 0, 0]), tau=1)
+    pre.update_row(0, [2, 0, 0, 0, 0, 0], 1)
     pre.drain()
     pre.freeze(0, [0])
-    pre.update(0, torch.tensor([0, 0, 0, 0, 0, 0]), tau=3)  # below τ, but frozen at K+1
-    pre.update(1, torch.tensor([4, 0, 0, 0, 0, 0]), tau=1)  # a hotter expert cannot displace it either
+    pre.update_row(0, [0, 0, 0, 0, 0, 0], 3)  # below τ, but frozen at K+1
+    pre.update_row(1, [4, 0, 0, 0, 0, 0], 1)  # a hotter expert cannot displace it either
     pre.drain()
     assert resident(table, 0, 0) and not resident(table, 1, 0)
     pre.release(0, [0])  # demoted to 0 ("zero"): now the newcomer displaces it
@@ -373,7 +372,7 @@ def test_prefetch_thread_serves_the_same_queues():
     table, pre = engine_with(slots=2)
     pre.start()
     try:
-        pre.update(0, torch.tensor([1, 4, 0, 3, 0, 0]), tau=1)
+        pre.update_row(0, [1, 4, 0, 3, 0, 0], 1)
         deadline = time.monotonic() + 5
         while len(table) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -172,8 +172,8 @@ def test_prefetcher_takes_the_reference_decisions_around_experts_in_use(impl, de
             li, tau = rnd.randrange(L), rnd.randint(1, K)
             s = torch.tensor([rnd.randint(0, K) for _ in range(E)])
             fine = torch.tensor([rnd.choice([0.0, 0.25, 0.5, rnd.random()]) for _ in range(E)], dtype=torch.float64)
-            for p in (ours, ref):
-                p.update(li, s, tau, fine)
+            ours.update_row(li, s.tolist(), tau, fine.tolist())
+            ref.update(li, s, tau, fine)
         elif op < 0.6:
             li = rnd.randrange(L)
             if li not in frozen:
