@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from .chats import EMPTY_REPLY, ChatStore, end_note, shows_nothing
+from .chats import EMPTY_REPLY, ChatStore, shows_nothing
 
 HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}
 
@@ -19,8 +19,8 @@ def export_markdown(store: ChatStore, conv_id: int) -> str:
         body = _close_fences(message.content.strip("\n"))
         if message.role == "assistant" and message.finished and shows_nothing(body):  # as the app shows it
             body = f"*{EMPTY_REPLY}*"
-        note = end_note(message.finished, message.finish)
-        if note:  # as the app says it beside the reply
+        note = store.end_of(message)
+        if note:  # as the app says it beside the reply (a reply still being written: not "interrupted")
             body += f"\n\n*({note})*"
         parts.append(body)
     return "\n\n".join(parts) + "\n"

@@ -107,6 +107,10 @@ def end_note(finished: bool, finish: str | None) -> str:
     return FINISHES.get(finish or "stop", "") if finished else "interrupted"
 
 
+BEING_WRITTEN = "being written"  # an unfinished reply this store still writes (the export's note: its text so far)
+WRITTEN_ELSEWHERE = "being written in another window"  # one another store writes (another window, plain chat)
+WRITING_HERE_ELSEWHERE = ("a reply is being written into this chat in another moechat window: wait for it to end, or stop it"
+                          " there")  # a send or Regenerate refused: two replies at once would interleave the chat
 EMPTY_REPLY = "(empty reply)"  # what the chat screen and the export show for a reply with no text (the model ended at once)
 
 
@@ -465,6 +469,28 @@ class ChatStore:
         """Whether an unfinished reply is being written by another store: another moechat window, plain chat (False: ended,
         or its writer gone, as when it crashed: interrupted)."""
         return self.writing.elsewhere(message_id)
+
+    def writing_elsewhere(self, conv_id: int) -> bool:
+        """Whether another store writes a reply into this chat now (another window, plain chat): a second reply there would
+        interleave the two. One query by the chat's index, a lock test per unfinished reply (crashed ones stay so)."""
+        rows = self._rows("SELECT id FROM messages WHERE conv_id = ? AND finished = 0 AND role = 'assistant'", (conv_id,))
+        return any(self.written_elsewhere(message_id) for (message_id,) in rows)
+
+    def chats_written_elsewhere(self) -> dict[int, int]:
+        """The chats whose last message is a reply another store writes -> that reply's id: one query (each chat's last
+        message from the index, then its row), a lock test per unfinished one."""
+        rows = self._rows("SELECT m.conv_id, m.id FROM messages AS m JOIN (SELECT MAX(id) AS id FROM messages GROUP BY conv_id)"
+                          " AS last ON m.id = last.id WHERE m.finished = 0 AND m.role = 'assistant'")
+        return {conv_id: message_id for conv_id, message_id in rows if self.written_elsewhere(message_id)}
+
+    def end_of(self, message: ChatMessage) -> str:
+        """What a stored message's heading says of its end (end_note), an unfinished reply's writer asked: one still being
+        written, here or in another window, is not interrupted."""
+        if message.finished:
+            return end_note(True, message.finish)
+        if message.id in self.writing.held:
+            return BEING_WRITTEN
+        return WRITTEN_ELSEWHERE if self.written_elsewhere(message.id) else end_note(False, None)
 
     def put_back(self, chats: list[tuple[Conversation, list[ChatMessage]]]) -> None:
         """Chats read from another file (a damaged one's rescue, `chat_rescue.py`) in one transaction, as they were: their

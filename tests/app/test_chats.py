@@ -112,6 +112,7 @@ def test_export_markdown(store):
     store.add(conv, "user", "Write f.")
     store.add(conv, "assistant", code)
     cut = store.add(conv, "assistant", "Start:\n```bash\necho hi", finished=False)
+    store.writing.release(cut)  # its writer gone (a crash, a kill): interrupted
     md = export_markdown(store, conv)
     assert md == (
         "# Sea shanties\n\n"
@@ -695,6 +696,28 @@ def test_a_reply_being_written_is_seen_from_another_store_until_it_ends_or_its_w
         writer.update(kept, "half", finished=False)
         writer.close()  # quitting mid-reply: the reply stays unfinished, and no one writes it
         assert not reader.written_elsewhere(kept) and not reader.messages(conv)[-1].finished
+
+
+def test_a_reply_being_written_is_not_exported_as_interrupted_and_its_chat_is_seen_being_written(tmp_path):
+    """Ctrl+O said "interrupted" under a reply another window (or this one) was writing; and nothing told a second window
+    which chats another one writes into (its chat list, its sends)."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as writer, ChatStore(path) as reader:
+        conv, quiet = writer.create("written"), writer.create("quiet")
+        writer.add(conv, "user", "hi")
+        writer.add(quiet, "user", "hello")
+        crashed = writer.add(quiet, "assistant", "cut", finished=False)
+        writer.writing.release(crashed)  # its writer gone: interrupted, not being written
+        reply = writer.add(conv, "assistant", "so far", finished=False)
+        assert export_markdown(reader, conv).endswith("### moechat\n\nso far\n\n*(being written in another window)*\n")
+        assert export_markdown(writer, conv).endswith("### moechat\n\nso far\n\n*(being written)*\n")
+        assert export_markdown(reader, quiet).endswith("### moechat\n\ncut\n\n*(interrupted)*\n")
+        assert reader.chats_written_elsewhere() == {conv: reply} and writer.chats_written_elsewhere() == {}
+        assert reader.writing_elsewhere(conv) and not reader.writing_elsewhere(quiet) and not writer.writing_elsewhere(conv)
+        writer.add(conv, "user", "held after Esc")  # a message stored after the reply, which is still being written
+        assert reader.writing_elsewhere(conv) and reader.chats_written_elsewhere() == {}  # (the list: last replies only)
+        writer.close()
+        assert export_markdown(reader, conv).count("*(interrupted)*") == 1 and not reader.writing_elsewhere(conv)
 
 
 def test_a_title_is_one_clean_line_of_the_first_message():

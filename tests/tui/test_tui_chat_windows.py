@@ -1,6 +1,7 @@
 """Two moechat windows on one chat database (app/tui/screens/chat.py's follow_elsewhere, app/reply_locks.py): the reply one
 window writes is shown in the other as being written, follows its saves and its end, and reads as interrupted once its
-writer is gone (quit, or killed). Two apps in one process, as two windows; a killed writer in a process of its own."""
+writer is gone (quit, or killed); the chat list marks the chats another window writes into, and a second reply into such a
+chat is refused. Two apps in one process, as two windows (or a second ChatStore); a killed writer in a process of its own."""
 from __future__ import annotations
 
 import os
@@ -11,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import test_tui_chat
-from test_tui_chat import pilot_test, send, until, without_model
+from test_tui_chat import pilot_test, send, titles, until, without_model
 from test_tui_chat_store import asked, contents
-from test_tui_chat_switch import open_chat, role_line
+from test_tui_chat_switch import notices, open_chat, role_line
 
 import moechat
-from moechat.app.chats import ChatStore
+from moechat.app.chats import WRITING_HERE_ELSEWHERE, ChatStore
 from moechat.app.tui.messages import ReplyDelta, ReplyFinished
-from moechat.app.tui.widgets.message_view import ELSEWHERE, MessageView
+from moechat.app.tui.widgets.message_view import ELSEWHERE, ChatInput, MessageView
 
 stored = test_tui_chat.stored  # the fixture: two stored conversations, 'older' and 'newer' (the one the app opens)
 
@@ -85,6 +86,75 @@ async def test_a_reply_whose_window_quit_mid_reply_reads_as_interrupted_in_the_o
             await until(other, lambda: last_line(second) == ("", f"moechat · {ELSEWHERE}"), "the reply being written")
             await first.action_quit()
         await until(other, lambda: last_line(second) == ("Half", "moechat · interrupted"), "the reply interrupted")
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_message_or_regenerate_into_a_chat_another_window_writes_is_refused_the_text_kept(tmp_path, stored):
+    """Window 2 started a second reply into the chat window 1 was writing: the two replies interleaved the conversation."""
+    older, newer = stored
+    async with without_model(tmp_path) as (first, pilot), without_model(tmp_path) as (second, other):
+        requests, theirs, box = asked(first), asked(second), second.chat.query_one(ChatInput)
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        await until(other, lambda: contents(second.chat)[-2:] == ["a question", ""], "the other window's reply")
+        before = len(notices(second))
+        await send(other, "me too")
+        await until(other, lambda: len(notices(second)) > before, "the refusal")
+        assert notices(second)[before:] == [WRITING_HERE_ELSEWHERE] and box.text == "me too" and theirs == []
+        await other.press("ctrl+r")
+        await until(other, lambda: len(notices(second)) > before + 1, "the regeneration refused")
+        assert notices(second)[before + 1:] == [WRITING_HERE_ELSEWHERE] and theirs == []
+        assert [m.content for m in second.store.messages(newer)][-3:] == ["Hello! How are you today?", "a question", ""]
+
+        first.post_message(ReplyFinished(1, "An answer.", "stop", None))
+        await until(other, lambda: last_line(second) == ("An answer.", "moechat"), "its end")
+        await other.press("enter")  # once it ended: sent
+        await until(other, lambda: theirs == [1], "the message's request")
+        assert contents(second.chat)[-2:] == ["me too", ""] and box.text == ""
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_the_chat_list_marks_the_chats_another_window_writes_into_until_it_ends_or_its_writer_is_gone(tmp_path, stored):
+    """Only the chat on screen said so; the list marked this window's own reply alone."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        await open_chat(pilot, app.chat, older)
+        with ChatStore(tmp_path / "chats.sqlite3") as writer:  # another window, or plain chat
+            reply = writer.add(newer, "assistant", "", finished=False)
+            await until(pilot, lambda: titles(app.chat) == ["✎ newer", "older"], "the chat marked")
+            writer.update(reply, "done", finished=True, finish="stop")
+            await until(pilot, lambda: titles(app.chat) == ["newer", "older"], "the mark gone at its end")
+            writer.add(older, "user", "and?")
+            writer.add(older, "assistant", "", finished=False)
+            await until(pilot, lambda: titles(app.chat) == ["✎ older", "newer"], "the other chat marked")
+        # closed mid-reply (quit, or killed): nothing in the file changes, its lock goes
+        await until(pilot, lambda: titles(app.chat) == ["older", "newer"], "the mark gone with its writer")
+        assert last_line(app) == ("", "moechat · interrupted")
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_held_message_whose_chat_another_window_began_writing_into_meanwhile_is_not_answered(tmp_path, stored):
+    """Held while this window wrote in another chat, it was answered at that reply's end beside the other window's reply."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        requests, chat = asked(app), app.chat
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        await open_chat(pilot, chat, older)
+        await send(pilot, "held one")
+        await until(pilot, lambda: chat.held is not None, "the message held")
+        with ChatStore(tmp_path / "chats.sqlite3") as writer:  # another window begins a reply in that chat
+            writer.add(older, "assistant", "", finished=False)
+            await until(pilot, lambda: contents(chat)[-2:] == ["held one", ""] and last_view(app).elsewhere,
+                        "the other window's reply")  # (not its role line: the log may be mounting)
+            app.post_message(ReplyFinished(1, "An answer.", "stop", None))
+            await until(pilot, lambda: chat.reply is None and chat.held is None, "this window's reply's end")
+            assert requests == [1] and "your waiting message is not answered" in notices(app)[-1]
+            (held,) = [view for view in chat.query(MessageView) if view.content == "held one"]
+            assert role_line(held) == "you"  # no longer "sent when the reply in «newer» ends"
 
 
 _WRITER = """

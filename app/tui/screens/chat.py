@@ -83,7 +83,8 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
         self.side_panel = Vertical(id="side-panel")
         self.stats_panel, self.heatmap = StatsPanel(id="stats"), ExpertHeatmap(id="heatmap")
         self.listed: list[tuple[str, str]] = []  # the chat list's (id, title), top first
-        self.marked: str | None = None  # the listed chat marked as being written
+        self.marked: set[str] = set()  # the listed chats marked as being written
+        self.written_there: dict[str, int] = {}  # listed chats whose last reply another window writes -> that reply's id
         self.check_failed = ""  # what the last look for other windows' changes failed with: said once
         self.was_narrow = False  # the terminal's width at the last resize was under NARROW
         self.list_made_room = False  # the chat list is hidden for the expert view on a narrow terminal, not by F4
@@ -238,6 +239,9 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
             self.give_back(text)  # (the input let it go while a chat was being opened)
             return None
         try:
+            if self.refuse_written_elsewhere():
+                self.give_back(text)
+                return None
             if self.conv_id is None:
                 self.conv_id = self.store.create(title=title_from(text))
                 self.generation = self.store.generation  # of the file the chat was made in
@@ -414,6 +418,8 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
             return
         if self.current_conversation() is None:
             await self.deleted_elsewhere()
+            return
+        if self.refuse_written_elsewhere():
             return
         asking, replaced = self.last_turn(self.conv_id)
         if asking is None:

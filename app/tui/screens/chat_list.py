@@ -1,6 +1,7 @@
-"""The chat screen's chat list (`ChatList`, a part of ChatScreen: screens/chat.py): drawn from the store, the chat a reply
-is being written into marked (WRITING), the highlight on the chat shown or on the one the user moved to, a chat picked
-there opened; shown or hidden (F4), and making room for the expert view (F3) on a narrow terminal."""
+"""The chat screen's chat list (`ChatList`, a part of ChatScreen: screens/chat.py): drawn from the store, the chats a reply
+is being written into marked (WRITING: this window's, and other windows' or plain chat's by their locks), the highlight on
+the chat shown or on the one the user moved to, a chat picked there opened; shown or hidden (F4), and making room for the
+expert view (F3) on a narrow terminal."""
 from __future__ import annotations
 
 from textual import events
@@ -13,11 +14,12 @@ from ..guard import store_failures_noticed
 from ..widgets.message_view import ChatInput
 
 NARROW = 100  # columns below which the chat list (28), the expert view (44) and a usable input do not fit side by side
-WRITING = "✎ "  # before the title of the chat a reply is being written into, in the chat list
+WRITING = "✎ "  # before the title of a chat a reply is being written into, here or in another window, in the chat list
 
 
 class ChatList:
-    """ChatScreen's chat list and the panels beside it (its state: listed, marked, list_made_room, was_narrow, side_panel)."""
+    """ChatScreen's chat list and the panels beside it (its state: listed, marked, written_there, list_made_room, was_narrow,
+    side_panel)."""
 
     # The side panel is hidden until asked for: while it is, its widgets keep the newest figures and draw nothing.
     @property
@@ -75,24 +77,37 @@ class ChatList:
         return self.focused is not None and panel in self.focused.ancestors_with_self
 
     async def refresh_conversations(self, keep_highlight: bool = False) -> None:
-        """The list from the store, highlighting the chat the log shows (keep_highlight: the one the user moved to)."""
-        self.draw_list([(str(c.id), c.title) for c in self.store.conversations()], keep_highlight)
+        """The list from the store, highlighting the chat the log shows (keep_highlight: the one the user moved to); the
+        chats other windows write into read again."""
+        listed = [(str(c.id), c.title) for c in self.store.conversations()]
+        self.written_there = {str(conv_id): reply for conv_id, reply in self.store.chats_written_elsewhere().items()}
+        self.draw_list(listed, keep_highlight)
+
+    def recheck_written_there(self) -> None:
+        """The chats other windows write into, their locks tested again (a writer killed changes nothing in the file)."""
+        still = {id: reply for id, reply in self.written_there.items() if self.store.written_elsewhere(reply)}
+        if still != self.written_there:
+            self.written_there = still
+            self.draw_list(self.listed)
 
     def draw_list(self, listed: list[tuple[str, str]], keep_highlight: bool = True) -> None:
-        """The chat list as `listed`, the chat being written marked (WRITING); drawn again only where either changed."""
+        """The chat list as `listed`, the chats being written marked (WRITING: this window's reply, other windows'); drawn
+        again only where either changed."""
         view = self.query_one("#conversations", OptionList)
         reply = self.reply
-        marked = str(reply.conv_id) if reply is not None and reply.generation == self.store.generation else None
+        marked = set(self.written_there)
+        if reply is not None and reply.generation == self.store.generation:
+            marked.add(str(reply.conv_id))
         if (listed, marked) == (self.listed, self.marked) and keep_highlight:  # another window's streaming reply moves
             return  # the data version, not the list
         kept = view.highlighted_option.id if keep_highlight and view.has_focus and view.highlighted_option else None
         titles = dict(listed)  # a title is the user's text, not markup (`[/INST]`): Content, not str
         if listed != self.listed:
             view.clear_options()
-            view.add_options([Option(Content(WRITING + title if id == marked else title), id=id) for id, title in listed])
+            view.add_options([Option(Content(WRITING + title if id in marked else title), id=id) for id, title in listed])
         else:  # a reply began or ended: its chat's line alone
-            for id in {self.marked, marked} & titles.keys():
-                view.replace_option_prompt(id, Content(WRITING + titles[id] if id == marked else titles[id]))
+            for id in (self.marked ^ marked) & titles.keys():
+                view.replace_option_prompt(id, Content(WRITING + titles[id] if id in marked else titles[id]))
         self.listed, self.marked = listed, marked
         if kept in titles:
             view.highlighted = view.get_option_index(kept)

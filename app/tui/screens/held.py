@@ -5,9 +5,9 @@ live_reply.py); what cannot be held is refused, said; a message the model refuse
 its chat to be opened; a chat left without a reply says which key asks for one."""
 from __future__ import annotations
 
-from ...chats import ChatMessage
+from ...chats import WRITING_HERE_ELSEWHERE, ChatMessage
 from ..guard import store_failures_noticed
-from ..live_reply import busy_line, held_note, joined, live_note
+from ..live_reply import Held, busy_line, held_note, joined, live_note
 from ..widgets.message_view import ChatInput, ChatLog
 
 UNANSWERED = "no reply yet: Ctrl+R asks for one"
@@ -38,6 +38,14 @@ class Holding:
         self.app.notify(busy_line(reply, self.held, where, holding), severity="warning")
         return True
 
+    def refuse_written_elsewhere(self) -> bool:
+        """A send or Regenerate into the chat shown while another window (or plain chat) writes a reply into it: refused,
+        said (a second reply would interleave the chat)."""
+        if self.conv_id is None or self.replaced or not self.store.writing_elsewhere(self.conv_id):
+            return False
+        self.app.notify(WRITING_HERE_ELSEWHERE, severity="warning")
+        return True
+
     def refuse_delete(self) -> bool:
         """Deleting the chat a reply is being written into: refused (Esc stops it first); any other chat goes."""
         return self.reply is not None and self.on_screen(self.reply) and self.refuse_while_busy()
@@ -47,6 +55,8 @@ class Holding:
         held, self.held = self.held, None
         if held is None or self.reply is not None:  # (a reply began meanwhile: held until it ends)
             self.held = held
+        elif held.generation == self.store.generation and self.store.writing_elsewhere(held.conv_id):
+            self.drop_held(held)  # another window began a reply there meanwhile: a second would interleave the chat
         elif held.text is not None:
             await self.start_reply(held.conv_id, held.generation, asked=(held.message_id, held.text))  # its note: mount_reply
         elif self.conversation(held.conv_id, held.generation) is None:  # deleted in another window meanwhile
@@ -55,6 +65,17 @@ class Holding:
             asking, replaced = self.last_turn(held.conv_id)
             if asking is not None:
                 await self.start_reply(held.conv_id, held.generation, replaces=replaced)
+
+    def drop_held(self, held: Held) -> None:
+        """What was held is not answered: said, its note taken away (a message left unanswered says Ctrl+R)."""
+        what = "message" if held.text is not None else "regeneration"
+        self.app.notify(f"your waiting {what} is not answered: a reply is being written into «{self.title_of(held.conv_id)}»"
+                        " in another moechat window (Ctrl+R there once it ends)", severity="warning")
+        if self.on_screen(held):
+            for view in self.query_one(ChatLog).views():
+                if view.message_id == held.message_id:
+                    view.set_note("")
+            self.note_unanswered()
 
     def show_held(self) -> None:
         """What is held said where it is shown: on the stopping reply in its own chat, else on the message itself (a

@@ -15,11 +15,14 @@ class OtherWindows:
 
     async def check_elsewhere(self) -> None:
         """Another moechat window (or plain chat) on these chats added, renamed or deleted one, or the file was made again:
-        the list reads them again (a chat being browsed keeps its highlight); the chat on screen deleted there is said, and
-        a reply being written into another chat deleted there stopped. The chat on screen follows what it writes there."""
+        the list reads them again (a chat being browsed keeps its highlight; those another window writes into marked); the
+        chat on screen deleted there is said, and a reply being written into another chat deleted there stopped. The chat
+        on screen follows what it writes there."""
         try:
             changed = self.store.changed_elsewhere()
-            if changed:
+            if not changed:  # a writer killed: its lock gone, the file unchanged
+                self.recheck_written_there()
+            else:
                 await self.refresh_conversations(keep_highlight=True)
                 if self.conv_id is not None and self.current_conversation() is None:
                     await self.deleted_elsewhere()
