@@ -19,7 +19,8 @@ from ..experts import cpu_ffn
 from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
-from ..quant.dense import QuantLinear, quantize_dense, quantized_dense_size, quantized_linears
+from ..quant.dense import QuantLinear, dense_plan, quantize_dense, quantized_dense_size, quantized_linears
+from ..quant.dense_file import keep_dense, open_dense
 from ..quant.prequantized import (
     PrequantSpec,
     expert_format,
@@ -243,12 +244,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
-    # what quantize_dense quantizes stays as stored until then (a bf16 checkpoint's not widened to float32 first)
-    swapped = {name for name, *_ in quantized_linears(hf, routers)} if quantized else set()
-    given = _load_dense_weights(hf, ckpt, family, {k for li in range(len(sparse)) for k in store.checkpoint_keys(li)}, device,
-                                dtype, prequant, narrowed | {f"{name}.weight" for name in swapped}, swapped)
-    if quantized:
-        quantize_dense(hf, routers=routers, fmt=store.quant, given=given)
+    _load_dense_part(hf, ckpt, family, store, device, dtype, narrowed, routers if quantized else None)
     if device.type == "cpu":  # float32 K/V for a half model, grouped heads read in place (attention.py)
         use_cpu_attention(hf)
     elif device.type == "cuda":  # grouped heads folded under a mask, not copied per query head (attention.py)
@@ -259,6 +255,27 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config), runtime,
                        device, dtype, context_len, lean, "; ".join(n for n in (
                            budget_notice, rope_notice, format_notice(prequant and prequant.fmt, cfg.quant)) if n))
+
+
+def _load_dense_part(hf, ckpt: Checkpoint, family: Family, store: ExpertStore, device, dtype, narrowed: set[str],
+                     routers: set[int] | None) -> None:
+    """The non-expert weights loaded; routers given (a quantized CPU load): the dense linears quantized, from the dense
+    cache beside the experts' where it holds them (their float weights never read), else from the checkpoint as stored
+    (a bf16 checkpoint's not widened to float32 first) and then cached."""
+    expert_keys = {k for li in range(len(store.layers)) for k in store.checkpoint_keys(li)}
+    if routers is None:
+        _load_dense_weights(hf, ckpt, family, expert_keys, device, dtype, store.prequant, narrowed)
+        return
+    swapped = {name for name, *_ in quantized_linears(hf, routers)}
+    prequant = store.prequant
+    own = set() if prequant is None else {  # a pre-quantized checkpoint's linears: taken as they are, not cached
+        family.module_key(f"{prefix}.weight").removesuffix(".weight") for prefix in quantized_prefixes(prequant, ckpt.keys())}
+    dense, cached = open_dense(store.qfile.folder, dense_plan(hf, routers, store.quant, own), store.notices)
+    given = _load_dense_weights(hf, ckpt, family, expert_keys, device, dtype, prequant,
+                                narrowed | {f"{name}.weight" for name in swapped}, swapped, set(cached))
+    quantize_dense(hf, routers=routers, fmt=store.quant, given={**given, **cached})
+    if not cached:
+        keep_dense(dense, hf, store.notices)
 
 
 def _meta_model(hf_config, family: Family, dtype: torch.dtype):
@@ -329,12 +346,13 @@ def build_runtime(store: ExpertStore, cfg: EngineConfig, device: torch.device, a
 
 def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[str], device, dtype,
                         prequant: PrequantSpec | None = None, as_stored: set[str] = frozenset(),
-                        swapped: set[str] = frozenset()) -> dict:
+                        swapped: set[str] = frozenset(), cached: set[str] = frozenset()) -> dict:
     """Every non-expert tensor onto the compute device; complain about what is missing. The module keys in `as_stored`
     keep the checkpoint's dtype (bf16_linear.narrow_linears's bf16, and what quant/dense.py quantizes next). Pre-quantized
     linears are dequantized, but those of the modules quant/dense.py swaps (`swapped`) -> {module: the kernel's matrix of
     the checkpoint's codes}, their weights left on meta: dequantizing and quantizing again took most of a 30B GPTQ
-    model's start and rounded its weights twice."""
+    model's start and rounded its weights twice. The modules in `cached` (the dense cache holds their matrices) keep
+    their weights on meta too, never read."""
     state, given = {}, {}
     wanted = hf.state_dict()  # the model's tensors, on meta: names and dtypes, no memory
     floats = {name for name, t in wanted.items() if t.is_floating_point()}
@@ -348,7 +366,9 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
         else:
             state[f"{module}.weight"] = prequant.dequantize(t, prefix, dtype).to(device)
     # a quantized linear's bias stays a float tensor beside its packed weight (Qwen2-MoE's q/k/v in GPTQ and compressed-tensors)
-    for key, t in ckpt.get_many(k for k in rest if k.rpartition(".")[0] not in quantized or k.endswith(".bias")):
+    unread = {f"{module}.weight" for module in cached}
+    for key, t in ckpt.get_many(k for k in rest if (k.rpartition(".")[0] not in quantized or k.endswith(".bias"))
+                                and family.module_key(k) not in unread):
         name = family.module_key(key)
         if name in floats and not t.is_floating_point():  # an int8 embedding ran, every token 0
             raise CheckpointError(f"{key} is {str(t.dtype).removeprefix('torch.')}, not a floating-point type: the checkpoint "
@@ -356,7 +376,7 @@ def _load_dense_weights(hf, ckpt: Checkpoint, family: Family, expert_keys: set[s
         state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() and name not in as_stored else t.dtype)
     expected = set(wanted)
     tied = set(getattr(hf, "all_tied_weights_keys", {}) or {}) if getattr(hf.config, "tie_word_embeddings", False) else set()
-    on_meta = {f"{module}.weight" for module in given}  # until quantize_dense swaps their modules
+    on_meta = {f"{module}.weight" for module in given} | unread  # until quantize_dense swaps their modules
     missing = sorted(expected - state.keys() - tied - on_meta)
     if missing:
         more = f" and {len(missing) - 1} more tensor{'s' if len(missing) > 2 else ''}" if len(missing) > 1 else ""

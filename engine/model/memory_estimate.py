@@ -231,7 +231,8 @@ def estimate_module(hf, hf_config, dtype: str, context_len: int | None = None, d
     """The estimate of an already-built (meta) module tree: the loader calls this on the tree it builds. expert_dtype:
     the unquantized experts' storage dtype where it is not the compute dtype (store.storage_dtype); bf16_params: the
     non-expert parameters kept in bf16 under another compute dtype (bf16_linear.narrow_linears); quantized_dense: the
-    dense weights quantized on a CPU and their bytes (quant/dense.quantized_dense_size); draft: a draft model's
+    dense weights quantized on a CPU and their bytes (quant/dense.quantized_dense_size: RAM, mapped from the dense cache or
+    not); draft: a draft model's
     draft_model_sizes."""
     if dtype not in DTYPE_BYTES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")

@@ -3,8 +3,9 @@ and shared-expert MLPs and the head become `QuantLinear` (the native kernel's qu
 csrc/cpu/quant_ffn.cpp).
 
 On a CPU-only machine these are a third of the bytes each token reads; llama.cpp's Q8_0 and Q4_K_M
-quantize them too. Routers stay in the compute dtype (they choose experts: a rounding there changes routing),
-as do embeddings (a table read by row) and layers whose outputs are not whole groups of 16.
+quantize them too. They are quantized as the experts are (int4 fitted) at the first load and cached beside them
+(quant/dense_file.py): later starts map them. Routers stay in the compute dtype (they choose experts: a rounding there
+changes routing), as do embeddings (a table read by row) and layers whose outputs are not whole groups of 16.
 
 Under int4 the attention's key and value projections are int8 and the output head int6, as Q4_K_M keeps attn_v
 and the output at 6 bits: on the demo they carry half of int4's perplexity loss (docs/benchmarks.md). With
@@ -22,10 +23,6 @@ from ..experts import cpu_ffn
 from ..model.mla import LATENT_EXPANSION
 from . import formats
 
-# Dense layers are quantized at every load: int4 round-to-nearest, about 5 times faster than the experts' fitted int4 (cached
-# once). Fitting them too took the demo's int4 Δppl from +4.4 to +4.0 % but would add seconds to each start of a 30B model.
-FIT = False
-
 
 class QuantLinear(torch.nn.Module):
     """nn.Linear with a quantized weight: y = Q8(x) · dequant(W)^T + b, in fp32, returned in x's dtype."""
@@ -34,7 +31,7 @@ class QuantLinear(torch.nn.Module):
         """linear's weight quantized to `fmt`, or `given`: a pre-quantized checkpoint's own matrix (its weight on meta)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight_q = given if given is not None else cpu_ffn.quantize(linear.weight.detach(), fmt, fit=FIT)
+        self.weight_q = given if given is not None else cpu_ffn.quantize(linear.weight.detach(), fmt)
         self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +67,8 @@ def quantized_linears(hf: torch.nn.Module, routers: set[int]):
 
 def quantized_dense_size(hf: torch.nn.Module, routers: set[int], fmt: str) -> tuple[int, int]:
     """(float weights replaced, bytes of their quantized copies) of what quantize_dense swaps on `hf` (on meta too): a head
-    tied to the embeddings replaces nothing (the embedding keeps its table) but adds its copy."""
+    tied to the embeddings replaces nothing (the embedding keeps its table) but adds its copy. The copies are counted as
+    RAM whether held in the process (a first load) or mapped from the dense cache (page cache): a token reads them all."""
     head, embedding = hf.get_output_embeddings(), hf.get_input_embeddings()
     replaced = held = 0
     for _, _, child_name, child in quantized_linears(hf, routers):
@@ -80,9 +78,18 @@ def quantized_dense_size(hf: torch.nn.Module, routers: set[int], fmt: str) -> tu
     return replaced, held
 
 
+def dense_plan(hf: torch.nn.Module, routers: set[int], fmt: str, given: set[str]) -> dict[str, tuple[str, int, int]]:
+    """{name: (format, rows, width)} of the quantized_linears layers quantize_dense quantizes itself (not those in `given`,
+    a pre-quantized checkpoint's own), in the model's order: what the dense cache holds (quant/dense_file.py)."""
+    head = hf.get_output_embeddings()
+    return {name: (layer_format(fmt, child_name, child is head), *child.weight.shape)
+            for name, _, child_name, child in quantized_linears(hf, routers) if name not in given}
+
+
 def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str, given: dict[str, formats.QuantMatrix] | None = None) -> None:
     """Swap every quantized_linears layer of `hf` on the CPU for a QuantLinear in `layer_format`; those named in `given`
-    (a pre-quantized checkpoint's linears, as the kernel reads them) take their matrix as it is, no float copy between."""
+    (a pre-quantized checkpoint's linears, as the kernel reads them; the dense cache's) take their matrix as it is, no
+    float copy between."""
     given = dict(given or {})
     swaps = [swap for swap in quantized_linears(hf, routers) if swap[0] in given or swap[3].weight.device.type == "cpu"]
     head = id(hf.get_output_embeddings())
@@ -98,13 +105,14 @@ def quantize_dense(hf: torch.nn.Module, routers: set[int], fmt: str, given: dict
 
 class FusedQuantLinear:
     """Several QuantLinear layers reading one input (the attention's q, k and v) as one native call per run of
-    consecutive layers in one format (int4: q, then k and v in int8): each run's rows stacked once, each layer's
-    weight re-pointed to its slice (no second copy). Every output row sums in the kernel's fixed order whatever
-    the call's other rows, so each slice's bits equal its layer's own."""
+    consecutive layers in one format (int4: q, then k and v in int8): each run's rows stacked once (views where the
+    dense cache's file holds them side by side), each layer's weight re-pointed to its slice (no second copy). Every
+    output row sums in the kernel's fixed order whatever the call's other rows, so each slice's bits equal its layer's
+    own."""
 
     def __init__(self, layers: list[QuantLinear]):
         runs = [list(run) for _, run in itertools.groupby(layers, key=lambda layer: layer.weight_q.fmt)]
-        self.parts = [formats.QuantMatrix.cat([layer.weight_q for layer in run]) for run in runs]  # one matrix per run
+        self.parts = [formats.QuantMatrix.joined([layer.weight_q for layer in run]) for run in runs]  # one matrix per run
         self.bias = None
         if any(layer.bias is not None for layer in layers):
             self.bias = torch.cat([torch.zeros(layer.out_features) if layer.bias is None else layer.bias for layer in layers])

@@ -39,7 +39,8 @@ from ..shared_files import private_prefix, remove_abandoned, write_whole
 from .formats import QuantMatrix, empty_matrix
 
 # Bump when the layout in formats.py or meta.json changes: older caches are rebuilt.
-# 2: int4 scales fitted (2026-11-28); 3: meta.json holds the model's key and each file's size, mtime and CRC-32
+# 2: int4 scales fitted (2026-11-28); 3: meta.json holds the model's key and each file's size, mtime and CRC-32. The dense
+# layers' `dense/` subfolder (dense_file.py) has its own version and meta.json: a format 3 cache without it gets it added.
 FORMAT_VERSION = 3
 
 # li -> (gate_up [E, 2I, H], down [E, H, I]) quantized, chunk by chunk of experts

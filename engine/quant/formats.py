@@ -110,6 +110,21 @@ class QuantMatrix:
         return QuantMatrix.from_named(parts[0].fmt, parts[0].k,
                                       {name: torch.cat([p.named_tensors()[name] for p in parts]) for name in fields})
 
+    @staticmethod
+    def joined(parts: list[QuantMatrix]) -> QuantMatrix:
+        """cat's result as views where each part's fields start where the previous part's end in one storage (the dense
+        cache's mapped file: quant/dense_file.py), else cat's copy."""
+        fields = {}
+        for name, first in parts[0].named_tensors().items():
+            ts = [p.named_tensors()[name] for p in parts]
+            if not all(t.is_contiguous() for t in ts) or not all(
+                    t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                    and t.storage_offset() == prev.storage_offset() + prev.numel() for prev, t in zip(ts, ts[1:])):
+                return QuantMatrix.cat(parts)
+            rows = sum(t.shape[0] for t in ts)
+            fields[name] = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+        return QuantMatrix.from_named(parts[0].fmt, parts[0].k, fields)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.itemsize for t in self.tensors())

@@ -19,7 +19,6 @@ from moechat.engine.experts import cpu_ffn
 from moechat.engine.generate import Engine
 from moechat.engine.model.checkpoint import Checkpoint
 from moechat.engine.quant import expert_file, formats
-from moechat.engine.quant.dense import FIT as DENSE_FIT
 from moechat.engine.quant.dense import QuantLinear
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v2"]
@@ -88,7 +87,7 @@ def reference_logits(model_dir, ids, fmt, dense: list[tuple[str, str]]) -> torch
             p.data = formats.dequantize(formats.quantize(p.data, fmt))
     for name, layer_fmt in dense:
         linear = hf.get_submodule(name)
-        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, layer_fmt, fit=DENSE_FIT))
+        linear.weight.data = formats.dequantize(formats.quantize(linear.weight.data, layer_fmt))
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
 
