@@ -20,7 +20,7 @@ import torch
 from ..errors import CheckpointError
 from ..model.checkpoint import Checkpoint
 from ..shared_files import remove_abandoned, write_whole
-from .expert_file import ABANDONED_S, _crc32, _stamp, _write_meta
+from .expert_file import ABANDONED_S, file_crc32, file_stamp, write_meta
 from .formats import QuantMatrix, empty_matrix
 
 # Bump when quant/dense.py's formats or quantizer change (layer_format, the int4 fit): the file is rebuilt.
@@ -69,9 +69,9 @@ class DenseFile:
             if not isinstance(kept, dict) or st.st_size != kept.get("size"):
                 return f"{FILE} is not the size it was written"
             if st.st_mtime_ns != kept.get("mtime_ns"):
-                if _crc32(path) != kept.get("crc32"):
+                if file_crc32(path) != kept.get("crc32"):
                     return f"{FILE} changed since it was written (its CRC-32 differs)"
-                self._restamp(meta, _stamp(path, kept["crc32"]))
+                self._restamp(meta, file_stamp(path, kept["crc32"]))
         except CheckpointError as err:
             return f"its file is truncated or corrupt ({str(err).split(' (')[0]})"
         except OSError as err:
@@ -82,7 +82,7 @@ class DenseFile:
         """meta.json with the file's new stamp (copied, touched: its bytes held), so the next start does not read it again;
         a folder moechat may not write is read again at the next start."""
         try:
-            _write_meta(self.folder, {**meta, "file": stamp})
+            write_meta(self.folder, {**meta, "file": stamp})
         except OSError:
             pass
 
@@ -116,7 +116,7 @@ class DenseFile:
         self.folder.mkdir(exist_ok=True)
         (self.folder / "meta.json").unlink(missing_ok=True)
         write_whole(self.folder / FILE, lambda tmp: _save_flat(tmp, [matrices[name] for name in self.plan]))
-        _write_meta(self.folder, {**self.meta(), "file": _stamp(self.folder / FILE)})
+        write_meta(self.folder, {**self.meta(), "file": file_stamp(self.folder / FILE)})
 
 
 def _save_flat(path: Path, matrices: list[QuantMatrix]) -> None:

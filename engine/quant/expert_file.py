@@ -65,7 +65,7 @@ def model_key(model_dir: Path, fmt: str) -> str:
     return f"{model_dir.name}-{fmt}-{digest.hexdigest()[:16]}"
 
 
-def _crc32(path: Path) -> int:
+def file_crc32(path: Path) -> int:
     """CRC-32 of the file's bytes, read in 64 MiB pieces."""
     crc = 0
     with open(path, "rb") as f:
@@ -74,10 +74,10 @@ def _crc32(path: Path) -> int:
     return crc
 
 
-def _stamp(path: Path, crc: int | None = None) -> dict:
+def file_stamp(path: Path, crc: int | None = None) -> dict:
     """What meta.json keeps of a file: size and mtime (checked at every start) and CRC-32 (read when the mtime moved)."""
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "crc32": _crc32(path) if crc is None else crc}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "crc32": file_crc32(path) if crc is None else crc}
 
 
 class QuantizedExperts:
@@ -141,7 +141,7 @@ class QuantizedExperts:
         names = [f"layer-{li:03d}.safetensors" for li in range(self.num_layers)]
         try:
             if meta.get("files") == "unstamped":
-                return self._restamp(meta, {name: _stamp(self.folder / name) for name in names})
+                return self._restamp(meta, {name: file_stamp(self.folder / name) for name in names})
             files, restamped = meta.get("files"), False
             if not isinstance(files, dict) or sorted(files) != names:
                 return "its meta.json lists other files"
@@ -151,9 +151,9 @@ class QuantizedExperts:
                 if not isinstance(kept, dict) or st.st_size != kept.get("size"):
                     return f"{name} is not the size it was written"
                 if st.st_mtime_ns != kept.get("mtime_ns"):
-                    if _crc32(path) != kept.get("crc32"):
+                    if file_crc32(path) != kept.get("crc32"):
                         return f"{name} changed since it was written (its CRC-32 differs)"
-                    files[name], restamped = _stamp(path, kept["crc32"]), True
+                    files[name], restamped = file_stamp(path, kept["crc32"]), True
         except OSError as err:  # replaced meanwhile by another process's build, or not readable
             return f"its files cannot be read ({err.strerror or err})"
         return self._restamp(meta, files) if restamped else None
@@ -161,7 +161,7 @@ class QuantizedExperts:
     def _restamp(self, meta: dict, files: dict) -> None:
         """meta.json with these stamps; a folder moechat may not write is stamped again at the next start."""
         try:
-            _write_meta(self.folder, {**meta, "files": files})
+            write_meta(self.folder, {**meta, "files": files})
         except OSError:
             pass
         return None
@@ -234,7 +234,7 @@ class QuantizedExperts:
                         progress(li + 1, self.num_layers)
                 if written is not None:
                     stamps.update(written.result())
-            _write_meta(tmp, {**self.meta(), "files": stamps, "model_dir": self.model_dir})
+            write_meta(tmp, {**self.meta(), "files": stamps, "model_dir": self.model_dir})
             if self.problem() is not None:  # nothing usable there (damaged, foreign, absent, a file): ours replaces it
                 _remove(self.folder)
             os.replace(tmp, self.folder)  # fails when another process put a cache there meanwhile: theirs stands
@@ -266,10 +266,10 @@ def _save_stamped(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dic
         save_file(tensors, str(path))
     except SafetensorError as err:
         raise OSError(str(err)) from None
-    return {path.name: _stamp(path)}
+    return {path.name: file_stamp(path)}
 
 
-def _write_meta(folder: Path, meta: dict) -> None:
+def write_meta(folder: Path, meta: dict) -> None:
     """meta.json replaced in one step: a reader sees the old one or the new one."""
     write_whole(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta)))
 

@@ -202,8 +202,8 @@ def test_a_touched_cache_is_read_once_and_trusted_after(checkpoint, monkeypatch)
     layer = cache_folder(ck, "int8") / "layer-000.safetensors"
     os.utime(layer, ns=(layer.stat().st_atime_ns, layer.stat().st_mtime_ns + 10**9))
     read = []
-    crc32 = expert_file._crc32
-    monkeypatch.setattr(expert_file, "_crc32", lambda path: read.append(path.name) or crc32(path))
+    crc32 = expert_file.file_crc32
+    monkeypatch.setattr(expert_file, "file_crc32", lambda path: read.append(path.name) or crc32(path))
     monkeypatch.setattr(expert_file.QuantizedExperts, "build", lambda *a, **k: pytest.fail("rebuilt a sound cache"))
     for _ in range(2):
         Engine(EngineConfig(model_dir=str(ck), quant="int8")).close()
