@@ -31,7 +31,7 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
     """`write(tmp)`, then tmp renamed to `path`: a reader sees the old file or the new one, never half (a full disk, a kill).
     tmp is this call's own (random, not by pid: containers sharing a folder number their processes alike); removed on
     failure. write's errors propagate."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")  # whole_tmp's
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -40,13 +40,20 @@ def write_whole(path: Path, write: Callable[[Path], object]) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def whole_tmp(name: str) -> re.Pattern:
+    """The temporary files write_whole makes for a file called `name` (no process in theirs: remove_abandoned judges them
+    by their age alone)."""
+    return re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{16}}\.tmp")
+
+
 def remove_abandoned(folder: Path, name: re.Pattern, age_s: float) -> None:
     """Remove the entries of `folder` that `name` matches (its groups `pid` and `start`, where they matched, the process
     that made one) untouched for `age_s` whose process is not running here."""
     for entry in folder.iterdir() if folder.is_dir() else []:
         match = name.fullmatch(entry.name)
+        made_by = (match.groupdict().get("pid"), match.groupdict().get("start")) if match else (None, None)
         try:
-            if not match or time.time() - entry.lstat().st_mtime <= age_s or _running(match["pid"], match["start"]):
+            if not match or time.time() - entry.lstat().st_mtime <= age_s or _running(*made_by):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)

@@ -12,15 +12,14 @@ rebuilt with a notice; an expert cache from before it (format 3) just gets it ad
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
 from ..model.checkpoint import Checkpoint
-from ..shared_files import remove_abandoned, write_whole
-from .expert_file import ABANDONED_S, file_crc32, file_stamp, write_meta
+from ..shared_files import remove_abandoned, whole_tmp, write_whole
+from .expert_file import ABANDONED_S, checked_stamp, file_stamp, write_meta
 from .formats import QuantMatrix, empty_matrix
 
 # Bump when quant/dense.py's formats or quantizer change (layer_format, the int4 fit): the file is rebuilt.
@@ -29,8 +28,6 @@ FILE = "weights.safetensors"
 FIELDS = ("scale", "minimum", "q")  # fp16 fields first: every tensor starts aligned to its dtype
 DTYPES = {torch.float16: "F16", torch.uint8: "U8"}
 
-# write_whole's temporary file (no process in its name: judged by its age alone)
-_WRITING = re.compile(rf"\.{re.escape(FILE)}\.(?P<pid>)(?P<start>)[0-9a-f]{{16}}\.tmp")
 
 Plan = dict[str, tuple[str, int, int]]  # module name -> (format, rows, width), in the model's order
 
@@ -65,13 +62,11 @@ class DenseFile:
             ckpt = Checkpoint(self.folder)  # the header checked: nothing truncated, offsets inside
             if {f: ckpt.shape(f) for f in ckpt.keys()} != {f: (n,) for f, n in self._sizes().items() if n}:
                 return f"{FILE} holds other shapes than this model's layers"
-            kept, st = meta.get("file"), path.stat()
-            if not isinstance(kept, dict) or st.st_size != kept.get("size"):
-                return f"{FILE} is not the size it was written"
-            if st.st_mtime_ns != kept.get("mtime_ns"):
-                if file_crc32(path) != kept.get("crc32"):
-                    return f"{FILE} changed since it was written (its CRC-32 differs)"
-                self._restamp(meta, file_stamp(path, kept["crc32"]))
+            checked = checked_stamp(path, meta.get("file"))
+            if isinstance(checked, str):
+                return checked
+            if checked is not meta.get("file"):
+                self._restamp(meta, checked)
         except CheckpointError as err:
             return f"its file is truncated or corrupt ({str(err).split(' (')[0]})"
         except OSError as err:
@@ -145,7 +140,7 @@ def open_dense(experts_folder: Path, plan: Plan, notices: list[str]) -> tuple[De
     dense = DenseFile(experts_folder, plan)
     if not plan or not dense.folder.exists():
         return dense, {}
-    remove_abandoned(dense.folder, _WRITING, ABANDONED_S)  # a killed write's temporary copy (write_whole's)
+    remove_abandoned(dense.folder, whole_tmp(FILE), ABANDONED_S)  # a killed write's temporary copy (write_whole's)
     why = dense.problem()
     if why is None:
         return dense, dense.matrices()

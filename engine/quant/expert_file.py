@@ -146,14 +146,10 @@ class QuantizedExperts:
             if not isinstance(files, dict) or sorted(files) != names:
                 return "its meta.json lists other files"
             for name in names:
-                kept, path = files[name], self.folder / name
-                st = path.stat()
-                if not isinstance(kept, dict) or st.st_size != kept.get("size"):
-                    return f"{name} is not the size it was written"
-                if st.st_mtime_ns != kept.get("mtime_ns"):
-                    if file_crc32(path) != kept.get("crc32"):
-                        return f"{name} changed since it was written (its CRC-32 differs)"
-                    files[name], restamped = file_stamp(path, kept["crc32"]), True
+                checked = checked_stamp(self.folder / name, files[name])
+                if isinstance(checked, str):
+                    return checked
+                files[name], restamped = checked, restamped or checked is not files[name]
         except OSError as err:  # replaced meanwhile by another process's build, or not readable
             return f"its files cannot be read ({err.strerror or err})"
         return self._restamp(meta, files) if restamped else None
@@ -267,6 +263,19 @@ def _save_stamped(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dic
     except SafetensorError as err:
         raise OSError(str(err)) from None
     return {path.name: file_stamp(path)}
+
+
+def checked_stamp(path: Path, kept) -> dict | str:
+    """`path` against the stamp it was written with -> the stamp to keep (a new one where its mtime moved but its CRC-32
+    holds: copied, touched), or why its bytes are not those written. Raises OSError where it cannot be read."""
+    st = path.stat()
+    if not isinstance(kept, dict) or st.st_size != kept.get("size"):
+        return f"{path.name} is not the size it was written"
+    if st.st_mtime_ns == kept.get("mtime_ns"):
+        return kept
+    if file_crc32(path) != kept.get("crc32"):
+        return f"{path.name} changed since it was written (its CRC-32 differs)"
+    return file_stamp(path, kept["crc32"])
 
 
 def write_meta(folder: Path, meta: dict) -> None:
