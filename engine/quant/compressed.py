@@ -93,15 +93,8 @@ class CompressedSpec:
         """One quantized linear as a dense weight [N, K] in `dtype`: scale · (q - z) per group, in fp32, in blocks of rows
         (gptq.dequantize_gptq's order: a group is a run of a row, no gather)."""
         u, scale, zero = self._unpack(t, prefix)
-        n, k = u.shape
-        groups, size = scale.shape[1], self.group(k)
-        offset = (zero + 2 ** (self.bits - 1)).unsqueeze(-1)  # [N, G, 1]: q - z is a small integer, exact in any order
-        out = torch.empty(n, k, dtype=dtype)
-        for r in range(0, n, formats.DEQUANT_ROWS):
-            rows = slice(r, r + formats.DEQUANT_ROWS)
-            codes = torch.nn.functional.pad(u[rows].float(), (0, groups * size - k)).view(-1, groups, size)  # [R, G, size]
-            out[rows] = codes.sub_(offset[rows]).mul_(scale[rows].unsqueeze(-1)).flatten(1)[:, :k]
-        return out
+        offset = zero + 2 ** (self.bits - 1)  # [N, G]: q - z is a small integer, exact in any order
+        return formats.dequantize_rows(lambda rows: u[rows], offset, scale, u.shape[1], self.group(u.shape[1]), dtype)
 
     def _unpack(self, t: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes u uint8 [N, K], scales fp32 [N, G], zero points fp32 [N, G]), every shape checked."""

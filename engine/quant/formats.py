@@ -42,7 +42,6 @@ from .. import pinned
 
 BLOCK = 32  # weights per scale; K is padded to a multiple of this
 ROWS = 16  # rows interleaved per group (one 512-bit vector of int32 row sums)
-DEQUANT_ROWS = 128  # a pre-quantized linear dequantized this many output rows at a time: its float temporaries stay in cache
 FORMATS = ("int8", "int4")  # the experts' formats (--quant)
 LAYOUTS = ("int8", "int6", "int4")  # every format the kernels read: int6 is the output head's under int4 (quant/dense.py)
 PREQUANTIZED_ADVICE = "use the bf16 checkpoint with --quant int4 or --quant int8"  # a pre-quantized checkpoint refused
@@ -387,4 +386,20 @@ def grouped_expert_ffn(x: torch.Tensor, gate_up: QuantMatrix, down: QuantMatrix,
             out[start + at:start + at + n] = hq[at:at + n] @ w2[j].T
             at += n
         start = end
+    return out
+
+
+DEQUANT_ROWS = 128  # a pre-quantized linear dequantized this many output rows at a time: its float temporaries stay in cache
+
+
+def dequantize_rows(codes, offset: torch.Tensor, scale: torch.Tensor, k: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pre-quantized linear (GPTQ, compressed-tensors) as a dense weight [N, K]: scale · (q - offset) per group of `group`
+    columns, in fp32, DEQUANT_ROWS output rows at a time (a group is a run of a row: no gather). codes(rows): those rows'
+    codes [R, K]; offset and scale [N, G]."""
+    n, groups = scale.shape
+    out = torch.empty(n, k, dtype=dtype, device=scale.device)
+    for r in range(0, n, DEQUANT_ROWS):
+        rows = slice(r, r + DEQUANT_ROWS)
+        q = torch.nn.functional.pad(codes(rows).float(), (0, groups * group - k)).view(-1, groups, group)  # [R, G, group]
+        out[rows] = q.sub_(offset[rows].unsqueeze(-1)).mul_(scale[rows].unsqueeze(-1)).flatten(1)[:, :k]
     return out

@@ -205,14 +205,7 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     are): scales · (q - z) per group, computed in fp32, in blocks of output rows (groups are runs of a row there: no
     gather, and only the packed words, an eighth of the codes, are transposed)."""
     k, n, groups = _check(qweight, qzeros, scales, g_idx, spec, name)
-    gs = spec.group(k)
     words = qweight.T.contiguous()  # [N, K/8]: word w's nibble i is column 8w+i
-    zeros = _zeros(qzeros, groups, n, spec).T.float().unsqueeze(-1)  # [N, G, 1]
-    scale = scales.T.float().unsqueeze(-1)  # [N, G, 1]
-    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
-    for r in range(0, n, formats.DEQUANT_ROWS):
-        rows = slice(r, r + formats.DEQUANT_ROWS)
-        codes = _nibbles(words[rows]).flatten(1).float()  # [R, K]
-        codes = torch.nn.functional.pad(codes, (0, groups * gs - k)).view(-1, groups, gs)  # [R, G, gs]
-        out[rows] = codes.sub_(zeros[rows]).mul_(scale[rows]).flatten(1)[:, :k]
-    return out
+    zeros = _zeros(qzeros, groups, n, spec).T.float()  # [N, G]
+    return formats.dequantize_rows(lambda rows: _nibbles(words[rows]).flatten(1), zeros, scales.T.float(), k, spec.group(k),
+                                   dtype)
