@@ -34,7 +34,7 @@ def theme_names() -> tuple[str, ...]:
 
 
 def _theme_problem(value) -> str | None:
-    if value in theme_names():
+    if value in THEMES or value in textual_themes():  # dark/light first: textual is not imported for them
         return None
     return "must be dark, light or a Textual theme name (e.g. nord, dracula)"
 

@@ -284,3 +284,12 @@ def test_calibrates_lines_name_the_settings_keys_it_reads():
 
     assert in_app_words("lower --context-len to 1,414 or less, run on the CPU (--device cpu)", keys=True) == \
         "lower settings' context_len to 1,414 or less, run on the CPU (settings' device cpu)"
+
+
+def test_the_dark_and_light_themes_are_checked_without_importing_textual():
+    code = ("import sys; from moechat.app.options import OPTION\n"
+            "assert OPTION['theme'].problem('dark') is None and OPTION['theme'].problem('light') is None\n"
+            "assert 'textual' not in sys.modules, 'textual imported'\n"
+            "assert OPTION['theme'].problem('nord') is None and OPTION['theme'].problem('norde') is not None\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
