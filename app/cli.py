@@ -24,7 +24,11 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)  # what error() reads again for flags it does not know
-        return super().parse_known_args(args, namespace)
+        parsed = super().parse_known_args(args, namespace)
+        taken = [w for a in self._actions if not a.option_strings and isinstance(w := getattr(parsed[0], a.dest, None), str)]
+        if ours(self, unglued(taken)) and (said := self._translated()):  # a word with a space argparse took for the message:
+            self.error(said)  # `-p"Hello world"`, `-m="a b/c"` (after `--` it is the message)
+        return parsed
 
     def error(self, message: str):  # noqa: D401 - argparse API
         if translated := self._translated():
@@ -486,8 +490,8 @@ def _flag_before_the_command(parser: argparse.ArgumentParser, commands: dict, ar
         return f"{flag} is llama.cpp's; {GPU_LAYERS}"
     if not flag or any(known.startswith(flag) for known in parser._option_string_actions) or parser._typos([flag]):
         return None  # moechat's own (argparse takes `--setu`), or a typo of one (`--verison`), which argparse names
-    ours = THEIR_FLAGS.get(flag, flag)
-    value = [f"={words[0].partition('=')[2]}"] if "=" in words[0] else words[1:2]  # `--model=X`: X
+    ours = THEIR_FLAGS.get(flag, (flag,))[0]
+    value = [f"={shlex.quote(words[0].partition('=')[2])}"] if "=" in words[0] else [*map(shlex.quote, words[1:2])]  # `--model=X`
 
     def line(command: str, meant: str) -> str:
         return " ".join(["moechat", command, meant, *value]).replace(" =", "=")

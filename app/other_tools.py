@@ -10,14 +10,15 @@ import os
 import re
 import shlex
 
-# What llama.cpp's flags are here; its layers on the GPU have none: moechat places the experts itself.
-THEIR_FLAGS = {"-m": "--model", "-p": "--prompt", "-n": "--max-new-tokens", "-c": "--context-len"}
-ON_THE_GPU = ("-ngl", "--n-gpu-layers")
+# llama.cpp's flags: moechat's for each (its layers on the GPU have none: moechat places the experts itself) and, glued to
+# their value (`-n5`, `-c=4096`, `-m/path`, `-ngl99`; llama.cpp itself takes each as two words), what the value must look
+# like (a number, a path), so that another of its short flags (`-np 4`, `-mg 0`, `-ptc 8`) is not read so; a prompt is any
+# value but a lowercase word (`-ps`), a space included (`-p"Hello world"`: argparse took that word for the message)
+THEIR_FLAGS = {"-m": ("--model", r"=.+|\S*[/\\.~]\S*"), "-p": ("--prompt", r".*[^a-z].*"),
+               "-n": ("--max-new-tokens", r"=?-?\d+"), "-c": ("--context-len", r"=?\d+"),
+               "-ngl": ("--vram-budget-gib", r"=?\d+"), "--n-gpu-layers": ("--vram-budget-gib", r"=\d+")}
+ON_THE_GPU = tuple(flag for flag, (ours, _) in THEIR_FLAGS.items() if ours == "--vram-budget-gib")
 GPU_LAYERS = "moechat puts on the GPU what fits there by itself (--vram-budget-gib caps it)"
-# Their flags glued to a value (`-n5`, `-c=4096`, `-m/path`, `-ngl99`; llama.cpp itself takes each as two words): the value
-# must look like one (a number, a path), so that another of its short flags (`-np 4`, `-mg 0`, `-ptc 8`) is not read so
-GLUED = {"--n-gpu-layers": r"=\d+", "-ngl": r"=?\d+",
-         "-n": r"=?-?\d+", "-c": r"=?\d+", "-m": r"=.+|\S*[/\\.~]\S*", "-p": r"=.+|\S*[^a-z\s]\S*"}
 
 
 def before_dashes(argv: list[str]) -> list[str]:
@@ -28,7 +29,8 @@ def before_dashes(argv: list[str]) -> list[str]:
 def unglued(argv: list[str]) -> list[str]:
     """`argv` with their flags glued to a value split in two (`-n5`: `-n 5`), up to `--`."""
     def split(word: str) -> list[str]:
-        flag = next((f for f, value in GLUED.items() if word.startswith(f) and re.fullmatch(value, word[len(f):])), None)
+        flag = next((f for f, (_, value) in THEIR_FLAGS.items()
+                     if word.startswith(f) and re.fullmatch(value, word[len(f):], re.S)), None)
         return [flag, word[len(flag):].removeprefix("=")] if flag else [word]
 
     flags = before_dashes(argv)
@@ -71,8 +73,8 @@ def not_a_command(argv: list[str], commands) -> str:
 def ours(command: argparse.ArgumentParser, argv: list[str]) -> dict[str, str]:
     """llama.cpp's flags in `argv` (split from their values by `unglued`) that `command` takes under moechat's name:
     {theirs: ours}; `-ngl` too, where the command takes --vram-budget-gib (its value: GPU_LAYERS)."""
-    takes = {**THEIR_FLAGS, **dict.fromkeys(ON_THE_GPU, "--vram-budget-gib")}
-    return {w: takes[w] for w in before_dashes(argv) if takes.get(w) in command._option_string_actions}
+    flags = command._option_string_actions
+    return {w: THEIR_FLAGS[w][0] for w in before_dashes(argv) if w in THEIR_FLAGS and THEIR_FLAGS[w][0] in flags}
 
 
 def instead(command: argparse.ArgumentParser, args, unknown: list[str]) -> str:

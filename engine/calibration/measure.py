@@ -58,7 +58,8 @@ def best_cuda_seconds(fn: Callable[[], None], repeats: int, device=None) -> floa
 
 
 def bandwidths(nbytes: int, device: torch.device, repeats: int) -> dict[str, float]:
-    """Host<->device copy bandwidth (bytes/s) for one expert's bytes, from pinned and pageable memory."""
+    """Host<->device copy bandwidth (bytes/s) for one expert's bytes, from pinned and pageable memory; back to the host into
+    pinned memory only (a pageable figure was stored and read by nothing)."""
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(1)
     pageable = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -66,7 +67,6 @@ def bandwidths(nbytes: int, device: torch.device, repeats: int) -> dict[str, flo
         "h2d_pinned_bytes_s": lambda: dev.copy_(pinned, non_blocking=True),
         "h2d_pageable_bytes_s": lambda: dev.copy_(pageable),
         "d2h_pinned_bytes_s": lambda: pinned.copy_(dev, non_blocking=True),
-        "d2h_pageable_bytes_s": lambda: pageable.copy_(dev),
     }
     return {name: nbytes / best_cuda_seconds(copy, repeats, device) for name, copy in copies.items()}
 

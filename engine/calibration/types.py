@@ -45,13 +45,13 @@ class Hardware:
 
 @dataclass
 class Measurements:
-    """Timed on this machine for one model; None where a figure does not apply (no GPU) or was skipped (--quick)."""
+    """Timed on this machine for one model; None where a figure does not apply (no GPU) or was skipped (--quick). A key
+    no longer measured (d2h_pageable_bytes_s: read by nothing) is passed over where an older profile holds it."""
 
     expert_bytes: int
     h2d_pinned_bytes_s: float | None = None
     h2d_pageable_bytes_s: float | None = None
     d2h_pinned_bytes_s: float | None = None
-    d2h_pageable_bytes_s: float | None = None
     device_s_per_expert: list[float] = field(default_factory=list)  # index t-1: t tokens, t = 1..γ+1
     cpu_s_per_expert: list[float] = field(default_factory=list)  # same, the engine's CPU kernel
     draft_s_per_token: float | None = None

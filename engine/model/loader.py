@@ -20,12 +20,13 @@ from ..experts.cache import ExpertCache, slots_for
 from ..experts.runtime import MoERuntime, OffloadedExperts
 from ..experts.store import ExpertStore, storage_dtype
 from ..quant.dense import QuantLinear, dense_plan, quantize_dense, quantized_dense_size, quantized_linears
-from ..quant.dense_file import keep_dense, open_dense
+from ..quant.dense_file import keep_dense, opened
 from ..quant.prequantized import (
     PrequantSpec,
     expert_format,
     format_notice,
     linear_keys,
+    own_linears,
     quantized_prefixes,
     read_quantization_config,
 )
@@ -228,9 +229,10 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     routers = routers_of(hf)
     narrowed = narrow_linears(hf, ckpt, family, device, dtype, quant)
     quantized = device.type == "cpu" and quant != "none"  # a CPU-only machine: the dense part small too
+    own = {} if prequant is None else own_linears(prequant, ckpt.keys(), family.module_key)
     estimate = estimate_module(hf, hf_config, cfg.dtype, cfg.context_len, draft_sizes(cfg, device), quant=quant,
                                expert_dtype=str(expert_dtype)[6:], bf16_params=sum(hf.get_parameter(k).numel() for k in narrowed),
-                               quantized_dense=quantized_dense_size(hf, routers, quant) if quantized else (0, 0))
+                               quantized_dense=quantized_dense_size(hf, routers, quant, own) if quantized else (0, 0))
     estimate = dataclasses.replace(estimate, prequantized=getattr(prequant, "label", ""))  # no other format suggested
     if not context_set:  # the model's context, cut where its KV cache would crowd out the experts
         cfg, estimate, rope_notice = context_for_load(cfg, estimate, device, rope_notice)
@@ -244,7 +246,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
-    _load_dense_part(hf, ckpt, family, store, device, dtype, narrowed, routers if quantized else None)
+    _load_dense_part(hf, ckpt, family, store, device, dtype, narrowed, routers if quantized else None, progress)
     if device.type == "cpu":  # float32 K/V for a half model, grouped heads read in place (attention.py)
         use_cpu_attention(hf)
     elif device.type == "cuda":  # grouped heads folded under a mask, not copied per query head (attention.py)
@@ -258,24 +260,24 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
 
 
 def _load_dense_part(hf, ckpt: Checkpoint, family: Family, store: ExpertStore, device, dtype, narrowed: set[str],
-                     routers: set[int] | None) -> None:
+                     routers: set[int] | None, progress: LoadProgress | None = None) -> None:
     """The non-expert weights loaded; routers given (a quantized CPU load): the dense linears quantized, from the dense
     cache beside the experts' where it holds them (their float weights never read), else from the checkpoint as stored
-    (a bf16 checkpoint's not widened to float32 first) and then cached."""
+    (a bf16 checkpoint's not widened to float32 first) and then cached, one process at a time (dense_file.opened)."""
     expert_keys = {k for li in range(len(store.layers)) for k in store.checkpoint_keys(li)}
     if routers is None:
         _load_dense_weights(hf, ckpt, family, expert_keys, device, dtype, store.prequant, narrowed)
         return
     swapped = {name for name, *_ in quantized_linears(hf, routers)}
     prequant = store.prequant
-    own = set() if prequant is None else {  # a pre-quantized checkpoint's linears: taken as they are, not cached
-        family.module_key(f"{prefix}.weight").removesuffix(".weight") for prefix in quantized_prefixes(prequant, ckpt.keys())}
-    dense, cached = open_dense(store.qfile.folder, dense_plan(hf, routers, store.quant, own), store.notices)
-    given = _load_dense_weights(hf, ckpt, family, expert_keys, device, dtype, prequant,
-                                narrowed | {f"{name}.weight" for name in swapped}, swapped, set(cached))
-    quantize_dense(hf, routers=routers, fmt=store.quant, given={**given, **cached})
-    if not cached:
-        keep_dense(dense, hf, store.notices)
+    # a pre-quantized checkpoint's linears: taken as they are, not cached
+    own = {} if prequant is None else own_linears(prequant, ckpt.keys(), family.module_key)
+    with opened(store.qfile.folder, dense_plan(hf, routers, store.quant, set(own)), store.notices, progress) as (dense, cached):
+        given = _load_dense_weights(hf, ckpt, family, expert_keys, device, dtype, prequant,
+                                    narrowed | {f"{name}.weight" for name in swapped}, swapped, set(cached))
+        quantize_dense(hf, routers=routers, fmt=store.quant, given={**given, **cached})
+        if not cached:
+            keep_dense(dense, hf, store.notices)
 
 
 def _meta_model(hf_config, family: Family, dtype: torch.dtype):

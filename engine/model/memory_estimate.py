@@ -289,7 +289,7 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         spec = read_quantization_config(source if isinstance(source, dict) else read_config_dict(Path(source).expanduser()))
         quant, prequantized = expert_format(spec, quant), spec.label if spec is not None else ""
     else:
-        prequantized = ""
+        spec, prequantized = None, ""
     draft_model = draft_dir not in (None, "none", "self")
     draft = draft_model_sizes(draft_dir, dtype) if draft_model else (0, 0)
     from ..experts.cpu_ffn import keeps_bf16
@@ -300,8 +300,10 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
     bf16_checkpoint = str(getattr(hf_config, "dtype", "")).endswith("bfloat16")
     narrowed = cpu and bf16_checkpoint and keeps_bf16("cpu", getattr(torch, dtype), "none")
 
+    own = _own_linears(source, spec, hf, hf_config) if cpu and spec is not None else {}
+
     def sized(fmt: str) -> MemoryEstimate:  # as the loader keeps it with experts in `fmt`
-        dense = quantized_dense_size(hf, routers_of(hf), fmt) if cpu and fmt != "none" else (0, 0)
+        dense = quantized_dense_size(hf, routers_of(hf), fmt, own) if cpu and fmt != "none" else (0, 0)
         if not narrowed:
             return estimate_module(hf, hf_config, dtype, context_len, draft, fmt, quantized_dense=dense)
         bf16 = bf16_params(hf, fmt)  # as the loader narrows (bf16_linear.py)
@@ -313,6 +315,22 @@ def estimate(source, dtype: str = "bfloat16", context_len: int | None = None, dr
         return est
     return replace(est, cpu_dense_bytes={fmt: est.non_expert_bytes if fmt == quant else sized(fmt).non_expert_bytes
                                          for fmt in QUANTS})
+
+
+def _own_linears(source, spec, hf, hf_config) -> dict[str, str]:
+    """{module: format} of the linears a pre-quantized checkpoint holds as codes, which a CPU load runs as they are
+    (prequantized.own_linears): from its files' keys; from a config alone (a known model's, a download without its
+    weights yet) every linear but the head, as the GPTQ and compressed-tensors uploads of the known models quantize."""
+    from ..quant.prequantized import own_linears
+    from .checkpoint import Checkpoint
+
+    if not isinstance(source, dict):
+        try:
+            return own_linears(spec, Checkpoint(Path(source).expanduser()).keys(), get_family(hf_config.model_type).module_key)
+        except CheckpointError:
+            pass
+    head = hf.get_output_embeddings()
+    return {name: spec.fmt for name, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
 
 
 def routers_of(hf) -> set[int]:

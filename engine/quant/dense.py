@@ -65,15 +65,18 @@ def quantized_linears(hf: torch.nn.Module, routers: set[int]):
                 yield f"{name}.{child_name}".lstrip("."), module, child_name, child
 
 
-def quantized_dense_size(hf: torch.nn.Module, routers: set[int], fmt: str) -> tuple[int, int]:
+def quantized_dense_size(hf: torch.nn.Module, routers: set[int], fmt: str, own: dict[str, str] | None = None) -> tuple[int, int]:
     """(float weights replaced, bytes of their quantized copies) of what quantize_dense swaps on `hf` (on meta too): a head
     tied to the embeddings replaces nothing (the embedding keeps its table) but adds its copy. The copies are counted as
-    RAM whether held in the process (a first load) or mapped from the dense cache (page cache): a token reads them all."""
+    RAM whether held in the process (a first load) or mapped from the dense cache (page cache): a token reads them all.
+    own: {name: format} of a pre-quantized checkpoint's linears (prequantized.own_linears), held in the checkpoint's format
+    (a GPTQ checkpoint's K/V projections int4, not layer_format's int8)."""
     head, embedding = hf.get_output_embeddings(), hf.get_input_embeddings()
+    own = own or {}
     replaced = held = 0
-    for _, _, child_name, child in quantized_linears(hf, routers):
+    for name, _, child_name, child in quantized_linears(hf, routers):
         out, k = child.weight.shape
-        held += formats.matrix_bytes(layer_format(fmt, child_name, child is head), out, k)
+        held += formats.matrix_bytes(own.get(name) or layer_format(fmt, child_name, child is head), out, k)
         replaced += 0 if child.weight is getattr(embedding, "weight", None) else out * k
     return replaced, held
 

@@ -2,24 +2,28 @@
 
 `dense/` in the model's expert cache folder (expert_file.py: the same key, so a changed checkpoint gets a new one) holds
 `weights.safetensors`, three flat tensors (`scale`, `minimum`, `q`), each every layer's field in turn, so a layer's
-matrix is a view of them and layers side by side in the model are side by side in the file (the attention's q/k/v
-runs are joined as views, not copied: FusedQuantLinear), and `meta.json`: DENSE_VERSION, the expert cache's key, each
-layer's name, format, rows and width, and the file's size, mtime and CRC-32 (checked as the experts' files are). Written
-at the first load that quantizes the dense part, int4 fitted as the experts are; a folder that fails its checks is
-rebuilt with a notice; an expert cache from before it (format 3) just gets it added. Qwen3-30B-A3B's attention and head
-(~750 MB in int4) are then neither read as bf16 from the checkpoint nor quantized at a start, and live in the page cache.
+matrix is a view of them and layers side by side in the model are side by side in the file (the attention's q/k/v runs
+are joined as views, not copied: FusedQuantLinear), and `meta.json`: DENSE_VERSION, the expert cache's key, each layer's
+name, format, rows and width, and the file's size, mtime and CRC-32 (checked as the experts' files are). Written at the
+first load that quantizes the dense part (one process at a time: `opened`), int4 fitted as the experts are; a folder
+that fails its checks is rebuilt with a notice; an expert cache from before it (format 3) just gets it added.
+Qwen3-30B-A3B's attention and head (~750 MB in int4) are then neither read as bf16 from the checkpoint nor quantized at
+a start, and live in the page cache.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
+from ..events import LoadProgress
 from ..model.checkpoint import Checkpoint
 from ..shared_files import remove_abandoned, whole_tmp, write_whole
-from .expert_file import ABANDONED_S, checked_stamp, file_stamp, write_meta
+from .expert_file import ABANDONED_S, checked_stamp, file_stamp, one_build_at_a_time, waiter, write_meta
 from .formats import QuantMatrix, empty_matrix
 
 # Bump when quant/dense.py's formats or quantizer change (layer_format, the int4 fit): the file is rebuilt.
@@ -146,6 +150,20 @@ def open_dense(experts_folder: Path, plan: Plan, notices: list[str]) -> tuple[De
         return dense, dense.matrices()
     notices.append(f"the dense-layer cache in {dense.folder} was rebuilt: {why}")
     return dense, {}
+
+
+@contextmanager
+def opened(experts_folder: Path, plan: Plan, notices: list[str],
+           progress: LoadProgress | None = None) -> Iterator[tuple[DenseFile, dict[str, QuantMatrix]]]:
+    """open_dense's (cache, matrices); where they must be built, under the experts' build lock (expert_file.one_build_at_a_time)
+    until the block ends, the build in it: of two first loads at once (the chat app and `moechat serve`) the second waits,
+    saying so as for the experts, and maps the first one's file instead of quantizing the dense part too."""
+    dense, cached = open_dense(experts_folder, plan, [])  # a sound cache mapped without the lock; its notice said below
+    if cached or not plan:
+        yield dense, cached
+        return
+    with one_build_at_a_time(experts_folder.parent, waiter(progress, 1)):
+        yield open_dense(experts_folder, plan, notices)  # built meanwhile by the process waited for: mapped
 
 
 def keep_dense(dense: DenseFile, hf: torch.nn.Module, notices: list[str]) -> None:

@@ -315,7 +315,7 @@ def open_quantized(model_dir: Path, fmt: str, num_layers: int, num_experts: int,
     else:
         try:
             what = f"{label} ({fmt}, once)"
-            with _one_build_at_a_time(qe.folder.parent, _waiting(progress, num_layers)):
+            with one_build_at_a_time(qe.folder.parent, waiter(progress, num_layers)):
                 why = qe.problem() if qe.folder.exists() else ""  # None: built by the process waited for
                 if why and notices is not None:
                     notices.append(f"the {fmt} expert cache in {qe.folder} was rebuilt: {why}")
@@ -333,12 +333,13 @@ WAITING = "waiting for another moechat process to finish quantizing"
 
 
 @contextmanager
-def _one_build_at_a_time(root: Path, waiting: Callable[[], None]) -> Iterator[None]:
+def one_build_at_a_time(root: Path, waiting: Callable[[], None]) -> Iterator[None]:
     """An exclusive lock on the cache folder while a process quantizes into it: of two first loads at once (the chat app
     and `moechat serve`), both quantized, with twice the disk (a 16.9 GiB copy each for Qwen3-30B-A3B in int4) and each
     slowing the other; the second now waits (`waiting()`, each second) and maps the first one's cache (another model's build
     is waited for too: the two shared the cores). Where the folder cannot be locked (Windows has no fcntl, a file system
-    may refuse) both build and the first to finish wins, as before."""
+    may refuse) both build and the first to finish wins, as before. The dense layers' cache is built under it too
+    (dense_file.opened)."""
     try:
         import fcntl
 
@@ -362,7 +363,7 @@ def _one_build_at_a_time(root: Path, waiting: Callable[[], None]) -> Iterator[No
             os.close(fd)  # the lock goes with it
 
 
-def _waiting(progress: LoadProgress | None, total: int) -> Callable[[], None]:
+def waiter(progress: LoadProgress | None, total: int) -> Callable[[], None]:
     """What a load waiting for another process's build does each second: tell its progress (the app's loading bar, whose
     callback ends the load when the app quits), else say it once on a terminal's stderr."""
     said = []

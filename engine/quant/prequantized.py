@@ -5,6 +5,8 @@ map onto (`fmt`), which key suffix marks a quantized linear (`marker`), which te
 dense weight (`dequantize`, the rest)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import CheckpointError
 from .compressed import CompressedSpec, read_compressed_config
 from .formats import PREQUANTIZED_ADVICE as ADVICE
@@ -65,6 +67,13 @@ def quantized_prefixes(spec: PrequantSpec, keys) -> set[str]:
     """The quantized linears' prefixes in a checkpoint's key set (each key ending in .<marker>)."""
     end = f".{spec.marker}"
     return {key[:-len(end)] for key in keys if key.endswith(end)}
+
+
+def own_linears(spec: PrequantSpec, keys, module_key: Callable[[str], str]) -> dict[str, str]:
+    """{module name: format} of the linears a pre-quantized checkpoint holds quantized (`keys`: its tensors'; module_key:
+    the family's), which a CPU load runs as the checkpoint's own codes (loader._load_dense_weights' `given`), not in
+    dense.layer_format's."""
+    return {module_key(f"{prefix}.weight").removesuffix(".weight"): spec.fmt for prefix in quantized_prefixes(spec, keys)}
 
 
 def linear_keys(spec: PrequantSpec, prefix: str, present) -> list[str]:

@@ -307,6 +307,12 @@ def test_llama_cpps_flag_before_the_message_is_not_said_to_be_the_message(argv, 
     (["-n5", "Hi"], "-n is llama.cpp's; moechat's goes after a command, e.g. moechat chat --max-new-tokens 5 (see"),
     (["generate", "-np4", "Hi"], "unrecognized arguments: -np4 (see"),  # llama.cpp's --parallel, not -n with a value "p4"
     (["generate", "-mg", "0", "Hi"], "unrecognized arguments: -mg Hi (see"),  # its --main-gpu, not -m with a model "g"
+    (["generate", "-ps", "Hi"], "unrecognized arguments: -ps (see"),  # its --p-split: a lowercase word is not a prompt
+    # a quoted prompt glued to -p is one word with a space, which argparse took for the message ("-pHello world")
+    (["generate", "-pHello world"], "-p is llama.cpp's; moechat's is --prompt: moechat generate --prompt 'Hello world' (see"),
+    (["generate", "-p=Hello world", "-n", "5"], "moechat generate --prompt 'Hello world' --max-new-tokens 5 (see"),
+    (["generate", "-m=my models/q", "Hi"], "-m is llama.cpp's; moechat's is --model: moechat generate --model 'my models/q' Hi"),
+    (["-pHello world"], "-p is llama.cpp's; moechat's goes after a command, e.g. moechat generate --prompt 'Hello world' (see"),
 ])
 def test_llama_cpps_flag_glued_to_its_value_is_translated(argv, says, capsys):
     """`-n5`, `-c4096`, `-m/path`, `-ngl99` got the generic unknown-flag line where `-n 5` got the translation."""
@@ -336,6 +342,15 @@ def test_a_message_after_double_dash_is_never_rewritten_as_a_flag(argv, says, ca
         main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and says in err and "\n" not in err, err
+
+
+@pytest.mark.notorch
+def test_a_message_that_looks_glued_is_the_message_after_double_dash_or_as_a_flags_value():
+    from moechat.app.cli import build_parser
+
+    assert build_parser().parse_args(["generate", "--", "-pHello world"]).text == "-pHello world"
+    args = build_parser().parse_args(["generate", "--system", "-pretend you are a pirate", "Hi"])
+    assert (args.system, args.text) == ("-pretend you are a pirate", "Hi")
 
 
 @pytest.mark.notorch

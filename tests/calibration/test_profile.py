@@ -48,6 +48,19 @@ def test_round_trip(tmp_path):
     assert load_profile(FP, model_key(tmp_path / "other")) == (None, "")  # no profile: no notice
 
 
+@pytest.mark.notorch
+def test_a_profile_with_a_figure_no_longer_measured_loads_and_is_saved_without_it(tmp_path):
+    """d2h_pageable_bytes_s was measured and stored but read by nothing: no longer measured, an older profile holding it
+    still loads (not set aside as corrupt), and is written back without it."""
+    key = model_key(tmp_path)
+    path = save_profile(profile(key))
+    path.write_text(path.read_text().replace("[measurements]\n", "[measurements]\nd2h_pageable_bytes_s = 9000000000.0\n"),
+                    encoding="utf-8")
+    loaded, notice = load_profile(FP, key)
+    assert notice == "" and loaded.measurements == profile(key).measurements and path.exists()
+    save_profile(loaded)
+    assert "d2h_pageable" not in path.read_text() and "h2d_pinned_bytes_s" in path.read_text()
+
 def _corrupt_with(tmp_path, edit) -> tuple[str, object]:
     key = model_key(tmp_path)
     path = save_profile(profile(key))
@@ -353,7 +366,7 @@ def test_measure_on_cpu(checkpoint, monkeypatch):
     m = measure(checkpoint("qwen3_moe"), replace(hardware(), gpus=[]), quick=True, draft_len=2, drafter="self",
                 prompts=["hello"], progress=lambda name, frac: seen.append(frac))
     assert len(m.cpu_s_per_expert) == 3 and all(t > 0 for t in m.cpu_s_per_expert)  # 1..γ+1 tokens
-    assert m.device_s_per_expert == [] and m.h2d_pinned_bytes_s is None and m.d2h_pageable_bytes_s is None
+    assert m.device_s_per_expert == [] and m.h2d_pinned_bytes_s is None and m.d2h_pinned_bytes_s is None
     assert m.ram_read_bytes_s > 0 and m.mmap_read_bytes_s > 0
     assert m.expert_bytes > 0 and m.max_tokens == 3
     assert m.draft_s_per_token is None and m.acceptance is None  # self-drafting with no resident expert: not timed

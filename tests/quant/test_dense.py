@@ -87,3 +87,45 @@ def test_the_estimate_counts_the_dense_part_as_a_quantized_cpu_load_holds_it(fam
     est = estimate(str(path), "float32", quant=quant, cpu=True)
     assert est.non_expert_bytes == held
     assert total_params(est) == total_params(estimate(str(path), "float32", cpu=True))  # parameters, whatever the format
+
+
+@pytest.mark.parametrize("family,attention", [("qwen3_moe", True), ("qwen2_moe", True), ("qwen3_moe", False)])
+def test_the_estimate_counts_a_gptq_checkpoints_dense_linears_as_the_load_holds_them(family, attention, checkpoint, tmp_path,
+                                                                                     monkeypatch):
+    """A GPTQ checkpoint's own linears run as its int4 codes (loader._load_dense_weights' `given`, since 44c3c27), but the
+    estimate, `moechat estimate`'s and the load's own RAM check, counted its K/V projections in layer_format's int8; the
+    linears it leaves in floats (attention=False) are quantized by the load itself, in layer_format's."""
+    from gptq_pack import make_gptq_checkpoint
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import loader
+    from moechat.engine.model.memory_estimate import estimate
+
+    path = make_gptq_checkpoint(checkpoint(family), tmp_path / "gptq", group_size=32, quantize_attention=attention)
+    planned = []
+    check = loader.check_load_budgets
+    monkeypatch.setattr(loader, "check_load_budgets", lambda cfg, est, device: planned.append(est) or check(cfg, est, device))
+    model = loader.load_model(EngineConfig(model_dir=str(path)))
+    quantized = {name: m for name, m in model.hf.named_modules() if isinstance(m, QuantLinear)}
+    kv = {m.weight_q.fmt for name, m in quantized.items() if name.endswith(("k_proj", "v_proj"))}
+    assert kv == {"int4" if attention else "int8"}  # the test's subject: the checkpoint's codes, or the load's own format
+    held = (sum(p.numel() * p.element_size() for p in model.hf.parameters())
+            + sum(m.weight_q.nbytes + (0 if m.bias is None else m.bias.nbytes) for m in quantized.values()))
+    assert estimate(str(path), "float32", cpu=True).non_expert_bytes == held
+    assert planned[0].non_expert_bytes == held  # what the load held itself to
+
+
+def test_a_gptq_upload_by_name_counts_its_kv_projections_in_int4():
+    """From its config alone (`estimate --model Qwen/Qwen3-30B-A3B-GPTQ-Int4`, no files) the upload's linears are its
+    int4 codes, the head aside: the base under int4 less the difference of its K/V projections between int8 and int4."""
+    from moechat.engine.calibration.known_models import known_config
+    from moechat.engine.model.memory_estimate import estimate
+    from moechat.engine.quant.formats import matrix_bytes
+
+    base = known_config("Qwen3-30B-A3B")
+    gptq = estimate(known_config("Qwen/Qwen3-30B-A3B-GPTQ-Int4"), "bfloat16", cpu=True)
+    kv_rows = 2 * base["num_key_value_heads"] * base["head_dim"]  # k_proj and v_proj, [kv heads · head dim, hidden] each
+    saved = base["num_hidden_layers"] * (matrix_bytes("int8", kv_rows, base["hidden_size"])
+                                         - matrix_bytes("int4", kv_rows, base["hidden_size"]))
+    assert gptq.quant == "int4" and saved > 0
+    assert gptq.non_expert_bytes == estimate(base, "bfloat16", quant="int4", cpu=True).non_expert_bytes - saved

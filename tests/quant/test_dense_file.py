@@ -172,3 +172,65 @@ def test_a_killed_writes_temporary_file_is_removed_once_old(checkpoint):
     os.utime(old, (past, past))
     Engine(EngineConfig(model_dir=str(ck), quant="int8")).close()
     assert not old.exists() and fresh.exists()
+
+
+def test_two_first_loads_at_once_quantize_the_dense_part_once(checkpoint, monkeypatch):
+    """The chat app and `moechat serve` started together on a model whose dense cache is not built: both quantized the dense
+    part (each write whole, the same bytes: minutes lost, nothing damaged). The second now waits under the experts' build
+    lock, says so as for the experts, and maps the first one's file."""
+    import threading
+
+    ck = checkpoint("qwen3_moe", seed=27)
+    Engine(EngineConfig(model_dir=str(ck), quant="int8")).close()  # the expert cache, which both then map
+    shutil.rmtree(dense_folder(ck, "int8"))
+    began, second_waits, quantized, told = threading.Event(), threading.Event(), [], []
+    quantize = cpu_ffn.quantize
+
+    def counted(*args, **kw):  # the first load holds on at its first layer until the second waits (or quantizes too)
+        quantized.append(threading.current_thread().name)
+        began.set()
+        if threading.current_thread().name != "first":
+            second_waits.set()
+        elif len(quantized) == 1:
+            assert second_waits.wait(60)
+        return quantize(*args, **kw)
+
+    def progress(what, done, total):
+        told.append(what)
+        if what == expert_file.WAITING:
+            second_waits.set()
+
+    monkeypatch.setattr(cpu_ffn, "quantize", counted)
+    engines = {}
+    first = threading.Thread(target=lambda: engines.update(first=Engine(EngineConfig(model_dir=str(ck), quant="int8"))),
+                             name="first")
+    first.start()
+    assert began.wait(60)  # the first load quantizes its dense part (it holds the lock)
+    second = Engine(EngineConfig(model_dir=str(ck), quant="int8"), progress)
+    first.join(60)
+    plan = json.loads((dense_folder(ck, "int8") / "meta.json").read_text())["layers"]
+    assert set(quantized) == {"first"} and len(quantized) == len(plan)  # each layer once, by the first load alone
+    assert expert_file.WAITING in told and not second.notices
+    assert in_the_file(second, dense_folder(ck, "int8") / dense_file.FILE)  # the second maps the first one's file
+    for engine in (engines["first"], second):
+        engine.close()
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hold_the_dense_build(checkpoint):
+    """The lock is the kernel's (flock) on the cache folder: it goes with the process that held it, killed mid-build or not,
+    so a later first load builds at once rather than waiting for a process that is gone."""
+    import subprocess
+    import sys
+
+    ck = checkpoint("qwen3_moe", seed=28)
+    Engine(EngineConfig(model_dir=str(ck), quant="int8")).close()
+    shutil.rmtree(dense_folder(ck, "int8"))
+    holder = ("import os, sys; from pathlib import Path; from moechat.engine.quant.expert_file import one_build_at_a_time\n"
+              "with one_build_at_a_time(Path(sys.argv[1]), lambda: None):\n    os.kill(os.getpid(), 9)")
+    killed = subprocess.run([sys.executable, "-c", holder, str(expert_file.cache_root())], capture_output=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr  # killed while it held the lock
+    told = []
+    engine = Engine(EngineConfig(model_dir=str(ck), quant="int8"), lambda what, done, total: told.append(what))
+    assert expert_file.WAITING not in told and not engine.notices
+    assert in_the_file(engine, dense_folder(ck, "int8") / dense_file.FILE)
+    engine.close()
