@@ -4,7 +4,8 @@ Parameters are counted exactly by building the `transformers` module tree on the
 (no allocation; the same tree the loader builds) and summing sizes; routed experts are told apart
 by the family record's sparse layers. A tied `lm_head` is counted once, as checkpoints store it.
 With `quant` int8 or int4 one routed expert is counted in that format (engine/quant/formats.py, its
-padding included); everything else stays in the compute dtype.
+padding included); on a CPU the dense linears are counted as quant/dense.py quantizes them (a pre-quantized
+checkpoint's own linears in its format), everything else in the compute dtype.
 """
 from __future__ import annotations
 
