@@ -354,6 +354,48 @@ def test_attention_takes_the_fused_kernels_output_layout(family, checkpoint, mon
         assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("family", ["deepseek_v2", "qwen3_moe"])
+def test_engine_with_cudas_attention_and_graphs_emulated_equals_transformers_greedy(family, checkpoint, monkeypatch,
+                                                                                   emulated_graphs):
+    """The engine as a GPU runs it, on CPU tensors: CUDA's attention (cuda_sdpa, grouped query heads folded: G = 8 here),
+    DeepSeek-V2's prompt passes expanding HEAD_GROUP heads at a time (8 heads here; the tiny default's 4 never take that
+    path), the decode passes through emulated CUDA graphs with the self drafter. A 700-token prompt read in two passes,
+    then two turns after the kept conversation (100 and 300 new tokens: the lean forward's folds, transformers' through
+    cuda_sdpa): greedy tokens equal transformers' each time."""
+    from moechat.engine import Engine, Request, SamplingParams, SpecConfig
+    from moechat.engine.model import attention, lean_decode
+    from moechat.engine.model.mla import AbsorbedMLA
+
+    made = _static_passes_built(monkeypatch, capture=True)
+    monkeypatch.setattr(loader, "use_cpu_attention", attention.use_cuda_attention)  # the load's CUDA branch
+    folds_heads, folded_sdpa, folded = attention.folds_heads, attention.folded_sdpa, []
+    for module in (attention, lean_decode):
+        monkeypatch.setattr(module, "folds_heads", lambda _device, *args: folds_heads("cuda", *args))
+        monkeypatch.setattr(module, "folded_sdpa", lambda q, *a, **k: folded.append(q.shape[2]) or folded_sdpa(q, *a, **k))
+    expands, grouped_forward, grouped = AbsorbedMLA.expands_in_groups, AbsorbedMLA.grouped, []
+    monkeypatch.setattr(AbsorbedMLA, "expands_in_groups", lambda self, _device: expands(self, "cuda"))
+    monkeypatch.setattr(AbsorbedMLA, "grouped", lambda self, h, *a: grouped.append(h.shape[1]) or grouped_forward(self, h, *a))
+    heads, kv_heads = (8, 8) if family == "deepseek_v2" else (16, 2)  # MLA: one latent KV per head
+    model_dir = checkpoint(family, max_position_embeddings=2048, num_attention_heads=heads, num_key_value_heads=kv_heads)
+    engine = Engine(EngineConfig(model_dir=str(model_dir), expert_cache_ratio=0.5, spec=SpecConfig("self", 4)))
+    assert engine.model.hf.config._attn_implementation == attention.CUDA_NAME
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 300, (700,), generator=gen).tolist()
+    try:
+        for more in (0, 100, 300):
+            prompt = prompt + torch.randint(3, 300, (more,), generator=gen).tolist()
+            done = list(engine.generate(Request(token_ids=prompt), SamplingParams(max_new_tokens=8)))[-1]
+            assert done.token_ids == hf_greedy(model_dir, prompt, 8), more
+            prompt = prompt + done.token_ids
+    finally:
+        engine.close()
+    assert made[0].failed is None and made[0].captured > 0
+    if family == "deepseek_v2":  # every layer's passes past 16 positions: the prompt's two, each turn's one
+        assert sorted(set(grouped)) == [101, 188, 301, 512] and not folded, grouped
+    else:  # the passes after a past: the prompt's second, each turn's (transformers' and the lean forward's)
+        assert sorted(set(folded)) == [101, 188, 301] and not grouped, folded
+
+
 @pytest.mark.parametrize(("family", "ratio"), [("qwen3_moe", 0.5), ("qwen3_moe", 1.0), ("deepseek_v2", 0.5)],
                          ids=["segments", "resident", "deepseek-segments"])
 def test_capture_and_replay_bookkeeping_emulated_on_the_cpu(family, ratio, checkpoint, emulated_graphs):
