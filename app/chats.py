@@ -64,6 +64,12 @@ class ChatStoreError(MoechatError):
     that says what to do. What was on screen stays there; the app and `moechat chat` keep running."""
 
 
+class ChatBusyError(ChatStoreError):
+    """A reply claimed in a chat another store writes a reply into (another window, plain chat): a second one would
+    interleave the conversation. Nothing was stored; its line is WRITING_HERE_ELSEWHERE."""
+
+    def __str__(self) -> str:
+        return WRITING_HERE_ELSEWHERE
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
@@ -108,7 +114,8 @@ def end_note(finished: bool, finish: str | None) -> str:
 
 
 BEING_WRITTEN = "being written"  # an unfinished reply this store still writes (the export's note: its text so far)
-WRITTEN_ELSEWHERE = "being written in another window"  # one another store writes (another window, plain chat)
+# one another store writes (another window, plain chat): the export's note and the chat screen's role line alike
+WRITTEN_ELSEWHERE = "being written in another window"
 WRITING_HERE_ELSEWHERE = ("a reply is being written into this chat in another moechat window: wait for it to end, or stop it"
                           " there")  # a send or Regenerate refused: two replies at once would interleave the chat
 EMPTY_REPLY = "(empty reply)"  # what the chat screen and the export show for a reply with no text (the model ended at once)
@@ -183,6 +190,7 @@ class ChatStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._check_writable()
             self._db = self._open()
+            self._sweep_locks()
         except sqlite3.Error as err:
             self.close()
             raise refusal(self.path, err) from None
@@ -270,6 +278,13 @@ class ChatStore:
                         "had open (quit moechat before deleting it)" if stat is None else
                         f"chat database {self.path} was replaced while moechat ran: this window now uses the new file")
         return True
+
+    def _sweep_locks(self) -> None:
+        """At open: the lock files nobody holds out of `<database>.writing/` (a crashed writer's; the OS dropped its lock),
+        under the write lock, so that no claim is between its lock and its commit. Cheap where the folder is empty."""
+        if self.writing.files():
+            with contextlib.suppress(ChatStoreError), self._transaction():  # locked by another window's write: next open
+                self.writing.sweep()
 
     def _drop_old_logs(self) -> None:
         """The old file's -wal and -shm out of the new one's way: SQLite would read them into it, and the new file's log
@@ -429,18 +444,43 @@ class ChatStore:
         ]
 
     def add(self, conv_id: int, role: str, content: str, finished: bool = True, generation: int | None = None) -> int:
+        """One message; an unfinished reply is locked until its end (update), its row's delete, or close. A reply that
+        begins a turn is claim_reply's: this checks nothing."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        now = time.time()
-        with self._transaction(generation) as db:
-            touched = db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id))
-            if touched.rowcount == 0:
-                raise KeyError(f"no conversation {conv_id}")
-            cursor = db.execute("INSERT INTO messages (conv_id, role, content, finished, created) VALUES (?, ?, ?, ?, ?)",
-                                (conv_id, role, _storable(content), int(finished), now))
-        if not finished:  # a reply being written: locked until its end (update), its row's delete, or close
-            self.writing.hold(cursor.lastrowid)
-        return cursor.lastrowid
+        return self._add_rows(conv_id, [(role, content, finished)], generation)[0]
+
+    def claim_reply(self, conv_id: int, asked: str | None = None, generation: int | None = None) -> tuple[int | None, int]:
+        """A reply begun in the chat, all at once or not at all: in one write transaction (SQLite's write lock, so another
+        store's claim waits for its commit) no other store writes a reply there (else ChatBusyError, nothing stored), the
+        user's message `asked` is stored (None: it is already), then the unfinished reply, locked before the commit (after
+        it, another store's check in between read the reply as interrupted) -> (the message's id or None, the reply's)."""
+        rows = ([("user", asked, True)] if asked is not None else []) + [("assistant", "", False)]
+        ids = self._add_rows(conv_id, rows, generation, claim=True)
+        return (ids[0] if asked is not None else None), ids[-1]
+
+    def _add_rows(self, conv_id: int, rows: list[tuple[str, str, bool]], generation: int | None,
+                  claim: bool = False) -> list[int]:
+        """(role, content, finished) rows into the chat in one transaction, its `updated` moved; each unfinished one's lock
+        taken before the commit, dropped if it fails. claim: refused (ChatBusyError) where another store writes a reply."""
+        now, ids = time.time(), []
+        try:
+            with self._transaction(generation) as db:
+                if db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conv_id)).rowcount == 0:
+                    raise KeyError(f"no conversation {conv_id}")
+                if claim and self.chat_written_elsewhere(conv_id):
+                    raise ChatBusyError(conv_id)
+                for role, content, finished in rows:
+                    ids.append(db.execute("INSERT INTO messages (conv_id, role, content, finished, created)"
+                                          " VALUES (?, ?, ?, ?, ?)", (conv_id, role, _storable(content), int(finished),
+                                                                      now)).lastrowid)
+                    if not finished:
+                        self.writing.hold(ids[-1])
+        except BaseException:
+            for message_id in ids:
+                self.writing.release(message_id)
+            raise
+        return ids
 
     def update(self, message_id: int, content: str, finished: bool, stats: dict | None = None,
                generation: int | None = None, finish: str | None = None) -> None:
@@ -465,23 +505,24 @@ class ChatStore:
         if finished:
             self.writing.release(message_id)
 
-    def written_elsewhere(self, message_id: int) -> bool:
+    def reply_written_elsewhere(self, message_id: int) -> bool:
         """Whether an unfinished reply is being written by another store: another moechat window, plain chat (False: ended,
         or its writer gone, as when it crashed: interrupted)."""
         return self.writing.elsewhere(message_id)
 
-    def writing_elsewhere(self, conv_id: int) -> bool:
+    def chat_written_elsewhere(self, conv_id: int) -> bool:
         """Whether another store writes a reply into this chat now (another window, plain chat): a second reply there would
-        interleave the two. One query by the chat's index, a lock test per unfinished reply (crashed ones stay so)."""
+        interleave the two (claim_reply refuses it; this is the app's early word on a message held). One query by the
+        chat's index, a lock test per unfinished reply (crashed ones stay so)."""
         rows = self._rows("SELECT id FROM messages WHERE conv_id = ? AND finished = 0 AND role = 'assistant'", (conv_id,))
-        return any(self.written_elsewhere(message_id) for (message_id,) in rows)
+        return any(self.reply_written_elsewhere(message_id) for (message_id,) in rows)
 
     def chats_written_elsewhere(self) -> dict[int, int]:
         """The chats whose last message is a reply another store writes -> that reply's id: one query (each chat's last
         message from the index, then its row), a lock test per unfinished one."""
         rows = self._rows("SELECT m.conv_id, m.id FROM messages AS m JOIN (SELECT MAX(id) AS id FROM messages GROUP BY conv_id)"
                           " AS last ON m.id = last.id WHERE m.finished = 0 AND m.role = 'assistant'")
-        return {conv_id: message_id for conv_id, message_id in rows if self.written_elsewhere(message_id)}
+        return {conv_id: message_id for conv_id, message_id in rows if self.reply_written_elsewhere(message_id)}
 
     def end_of(self, message: ChatMessage) -> str:
         """What a stored message's heading says of its end (end_note), an unfinished reply's writer asked: one still being
@@ -490,7 +531,7 @@ class ChatStore:
             return end_note(True, message.finish)
         if message.id in self.writing.held:
             return BEING_WRITTEN
-        return WRITTEN_ELSEWHERE if self.written_elsewhere(message.id) else end_note(False, None)
+        return WRITTEN_ELSEWHERE if self.reply_written_elsewhere(message.id) else end_note(False, None)
 
     def put_back(self, chats: list[tuple[Conversation, list[ChatMessage]]]) -> None:
         """Chats read from another file (a damaged one's rescue, `chat_rescue.py`) in one transaction, as they were: their

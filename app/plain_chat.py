@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from .chats import (
     EMPTY_REPLY,
     SAVE_INTERVAL_S,
+    ChatBusyError,
     ChatStore,
     ChatStoreError,
     ReplacedError,
@@ -24,6 +25,9 @@ from .chats import (
 from .terminal_text import as_typed, for_terminal
 
 HELP = "type a message; /reset starts over, /quit or Ctrl-D leaves, Ctrl-C stops a reply"
+# another window wrote into this chat between two turns: the model is sent the chat as stored, not only what it saw here
+WRITTEN_THERE = ("this chat has messages from another moechat window since your last one: the reply reads them too, as "
+                 "the chat stores them (/reset starts a new chat)")
 
 
 class Keeper:
@@ -37,29 +41,49 @@ class Keeper:
         self.generation = store.generation  # the store's when the ids below were read: its writes name it
         self.reply_id: int | None = None
         self.user_id: int | None = None
+        self.last = 0  # the chat's last message the model has seen, as stored (this chat's last reply): others' come after
+        self.last_before = 0  # the turn before's, back where the turn is dropped
         self.new_chat = False  # the message being answered started its chat
         self.saved_at = 0.0
         self.said = False  # the store's failure said for the reply being written
 
-    def user(self, text: str) -> None:
-        """The user's message stored, and an unfinished reply after it."""
+    def user(self, text: str) -> list[dict] | None:
+        """The user's message stored with an unfinished reply after it, in one claim of the chat (ChatBusyError: another
+        window writes a reply there, nothing stored) -> the chat as stored before it where another window wrote there
+        since this chat's last turn (what the model is to read instead of what it read), else None."""
         self.reply_id = self.user_id = None
         for _ in range(2):  # a second time in a new chat where the first was deleted elsewhere
             try:
                 self.new_chat = self.conv_id is None
                 if self.new_chat:
                     self.conv_id = self.store.create(title=title_from(text), system_prompt=self.system)
-                    self.generation = self.store.generation
-                self.user_id = self.store.add(self.conv_id, "user", text, generation=self.generation)
-                self.reply_id = self.store.add(self.conv_id, "assistant", "", finished=False, generation=self.generation)
+                    self.generation, self.last = self.store.generation, 0
+                self.user_id, self.reply_id = self.store.claim_reply(self.conv_id, text, self.generation)
                 self.saved_at, self.said = time.monotonic(), False
-                return
+                return self._written_since()
             except KeyError as err:
                 print(f"moechat: {elsewhere(isinstance(err, ReplacedError))}: it goes on in a new one", file=sys.stderr)
                 self.conv_id = None
+            except ChatBusyError:
+                raise
             except ChatStoreError as err:
                 print(f"moechat: {err}; this message is not saved", file=sys.stderr)
-                return
+                return None
+        return None
+
+    def _written_since(self) -> list[dict] | None:
+        """After a claim: the chat's system prompt and messages before it, where one came after this chat's last reply
+        (another window's turn, or its Regenerate of that reply), else None. Unread (the store failing): None."""
+        self.last_before, self.last = self.last, self.reply_id
+        try:
+            earlier = [m for m in self.store.messages(self.conv_id) if m.id < self.user_id]
+            if not any(m.id > self.last_before for m in earlier):
+                return None
+            system = self.store.conversation(self.conv_id).system_prompt
+        except (KeyError, ChatStoreError):
+            return None
+        return ([{"role": "system", "content": system}] if system else []) + [
+            {"role": m.role, "content": m.content} for m in earlier if m.content]
 
     def due(self) -> bool:
         """Whether the reply streaming has gone unsaved for SAVE_INTERVAL_S."""
@@ -92,6 +116,8 @@ class Keeper:
                     self.store.delete_message(message_id, self.generation)
         except ChatStoreError:
             pass  # they stay; the next message still goes on
+        if self.reply_id is not None:
+            self.last = self.last_before
         self.reply_id = self.user_id = None
 
 
@@ -218,16 +244,23 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
         try:  # Ctrl-C from here on stops this reply: while a long history is fitted to the context, it ended the chat
             ctrl_c.arm()
             try:
+                stored = True  # drop_turn takes back this message's rows from here on; before, the Keeper holds the last turn's
+                if (earlier := kept.user(text)) is not None:
+                    messages = earlier + messages[-1:]
+                    print(f"moechat: {WRITTEN_THERE}", file=sys.stderr)
                 request, notice = (messages, "") if remote else fit_for_engine(engine, messages, params.max_new_tokens)
+            except ChatBusyError as err:  # nothing stored: the line can be typed again once that reply ends
+                messages.pop()
+                print(f"moechat: {err}; this message is not sent", file=sys.stderr)
+                continue
             except MoechatError as err:  # the chat template refuses it, say: one line, and the next message
                 messages.pop()
+                kept.drop_turn()
                 print(f"moechat: error: {' '.join(str(err).split())}", file=sys.stderr)
                 continue
             if notice and notice != said:  # once per cut
                 print(f"moechat: {notice}", file=sys.stderr)
             said = notice
-            stored = True  # drop_turn takes back this message's rows from here on; before, the Keeper holds the last turn's
-            kept.user(text)
             sys.stdout.write("moechat> ")
             events = engine.generate(Request(messages=list(request), thinking=thinking), params)
             for ev in events:

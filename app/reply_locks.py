@@ -3,7 +3,9 @@
 SQLite cannot tell: a reply's row is unfinished from its start to its end, and stays so when its writer is killed. So each
 writer holds an OS lock on a file of its own per reply, `<database>.writing/<message id>`, from the reply's first row to
 its end, and the OS drops it with the process: a crashed writer's reply reads as interrupted at once, never as written
-forever. No schema change: an older moechat reads the same file. `flock` on POSIX (per open file: two stores in one
+forever. The lock is taken inside the transaction that adds the reply's row (`ChatStore.claim_reply`), so no store reads
+the row unlocked; a file nobody holds (a crashed writer's) is removed at a store's open (`sweep`). No schema change: an
+older moechat reads the same file. `flock` on POSIX (per open file: two stores in one
 process exclude each other too), `msvcrt.locking` on Windows; a folder that cannot be written holds no lock (the reply
 then reads as interrupted elsewhere, as before)."""
 from __future__ import annotations
@@ -99,6 +101,30 @@ class ReplyLocks:
             return False
         finally:
             os.close(fd)
+
+    def files(self) -> list[str]:
+        """The lock files in the folder (none where it cannot be read)."""
+        try:
+            return [name for name in os.listdir(self.folder) if name.isdigit()]
+        except OSError:
+            return []
+
+    def sweep(self) -> None:
+        """The files whose lock nobody holds removed, each while locked here so that none held is (a crashed writer's: its
+        reply reads as interrupted with or without it). Only under the database's write lock: a writer takes a reply's
+        lock inside its transaction, and one opening the file as it goes would lock a file no reader finds."""
+        for name in self.files():
+            if int(name) in self.held:
+                continue
+            try:
+                fd = os.open(self.folder / name, os.O_RDWR)
+            except OSError:
+                continue
+            if _lock(fd):
+                self.held[int(name)] = fd
+                self.release(int(name))
+            else:
+                os.close(fd)
 
     def close(self) -> None:
         for message_id in list(self.held):

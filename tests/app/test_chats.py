@@ -18,7 +18,7 @@ from moechat.app.chat_export import export_markdown
 from moechat.app.chat_file import DamagedFile, move_aside
 from moechat.app.chat_migrations import APPLICATION_ID, MIGRATIONS
 from moechat.app.chat_rescue import rescue_into
-from moechat.app.chats import ChatStore, ChatStoreError, store_path, title_from
+from moechat.app.chats import WRITING_HERE_ELSEWHERE, ChatBusyError, ChatStore, ChatStoreError, store_path, title_from
 from moechat.engine.errors import MoechatError
 
 pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
@@ -649,10 +649,10 @@ def test_killed_mid_reply_keeps_every_finished_message(tmp_path):
         assert seen >= 20, "the writer did not get going within 30 s"
         with ChatStore(path) as other:  # another window: the reply is being written while its writer runs
             reply_id = other.messages(other.conversations()[0].id)[-1].id
-            assert other.written_elsewhere(reply_id)
+            assert other.reply_written_elsewhere(reply_id)
             os.kill(proc.pid, signal.SIGKILL)
             assert proc.wait(timeout=10) == -signal.SIGKILL
-            assert not other.written_elsewhere(reply_id)  # the OS dropped the lock with the process: interrupted
+            assert not other.reply_written_elsewhere(reply_id)  # the OS dropped the lock with the process: interrupted
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -685,17 +685,17 @@ def test_a_reply_being_written_is_seen_from_another_store_until_it_ends_or_its_w
         conv = writer.create()
         writer.add(conv, "user", "hi")
         reply = writer.add(conv, "assistant", "", finished=False)
-        assert reader.written_elsewhere(reply) and not writer.written_elsewhere(reply)  # its own: not elsewhere
+        assert reader.reply_written_elsewhere(reply) and not writer.reply_written_elsewhere(reply)  # its own: not elsewhere
         writer.update(reply, "so far", finished=False)
-        assert reader.written_elsewhere(reply)
+        assert reader.reply_written_elsewhere(reply)
         writer.update(reply, "so far.", finished=True, finish="stop")
-        assert not reader.written_elsewhere(reply) and not list(writer.writing.folder.iterdir())
+        assert not reader.reply_written_elsewhere(reply) and not list(writer.writing.folder.iterdir())
         dropped, kept = (writer.add(conv, "assistant", "", finished=False) for _ in range(2))
         writer.delete_message(dropped)  # an empty reply, dropped
-        assert not reader.written_elsewhere(dropped) and reader.written_elsewhere(kept)
+        assert not reader.reply_written_elsewhere(dropped) and reader.reply_written_elsewhere(kept)
         writer.update(kept, "half", finished=False)
         writer.close()  # quitting mid-reply: the reply stays unfinished, and no one writes it
-        assert not reader.written_elsewhere(kept) and not reader.messages(conv)[-1].finished
+        assert not reader.reply_written_elsewhere(kept) and not reader.messages(conv)[-1].finished
 
 
 def test_a_reply_being_written_is_not_exported_as_interrupted_and_its_chat_is_seen_being_written(tmp_path):
@@ -713,12 +713,71 @@ def test_a_reply_being_written_is_not_exported_as_interrupted_and_its_chat_is_se
         assert export_markdown(writer, conv).endswith("### moechat\n\nso far\n\n*(being written)*\n")
         assert export_markdown(reader, quiet).endswith("### moechat\n\ncut\n\n*(interrupted)*\n")
         assert reader.chats_written_elsewhere() == {conv: reply} and writer.chats_written_elsewhere() == {}
-        assert reader.writing_elsewhere(conv) and not reader.writing_elsewhere(quiet) and not writer.writing_elsewhere(conv)
+        assert reader.chat_written_elsewhere(conv) and not reader.chat_written_elsewhere(quiet)
+        assert not writer.chat_written_elsewhere(conv)
         writer.add(conv, "user", "held after Esc")  # a message stored after the reply, which is still being written
-        assert reader.writing_elsewhere(conv) and reader.chats_written_elsewhere() == {}  # (the list: last replies only)
+        assert reader.chat_written_elsewhere(conv) and reader.chats_written_elsewhere() == {}  # (the list: last replies only)
         writer.close()
-        assert export_markdown(reader, conv).count("*(interrupted)*") == 1 and not reader.writing_elsewhere(conv)
+        assert export_markdown(reader, conv).count("*(interrupted)*") == 1 and not reader.chat_written_elsewhere(conv)
 
+
+
+def test_two_windows_claiming_a_reply_in_one_chat_at_once_start_one(tmp_path, monkeypatch):
+    """Each window checked that no other wrote a reply into the chat, then stored its message and its reply: two sends in
+    the same instant both passed the check, and the two replies interleaved the conversation."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as first, ChatStore(path) as second:
+        conv = first.create()
+        second._conn().execute("PRAGMA busy_timeout = 0")  # its claim amid the first's: refused at once, not after 2 s
+        check, hold, tried, held_in = first.chat_written_elsewhere, first.writing.hold, [], []
+
+        def the_second_claims_meanwhile(conv_id: int) -> bool:  # the first's check passed, its rows not stored yet
+            clear = check(conv_id)
+            try:
+                tried.append(second.claim_reply(conv_id, "mine"))
+            except ChatStoreError as err:
+                tried.append(err)
+            return clear
+
+        def holding(message_id: int) -> None:
+            held_in.append(first._conn().in_transaction)
+            hold(message_id)
+
+        monkeypatch.setattr(first, "chat_written_elsewhere", the_second_claims_meanwhile)
+        monkeypatch.setattr(first.writing, "hold", holding)
+        asked, reply = first.claim_reply(conv, "yours")
+        assert len(tried) == 1 and isinstance(tried[0], ChatStoreError) and "locked" in str(tried[0])  # it waited
+        assert held_in == [True]  # locked before the commit: no check between the two reads the reply as interrupted
+        with pytest.raises(ChatBusyError) as refused:  # once the first's claim is in: refused, said as the app says it
+            second.claim_reply(conv, "mine")
+        assert str(refused.value) == WRITING_HERE_ELSEWHERE
+        assert [(m.id, m.role, m.content, m.finished) for m in second.messages(conv)] == [
+            (asked, "user", "yours", True), (reply, "assistant", "", False)]
+        assert second.chat_written_elsewhere(conv) and second.reply_written_elsewhere(reply)
+        first.update(reply, "done", finished=True, finish="stop")
+        assert second.claim_reply(conv, None)[0] is None  # a regeneration, or a held message: its reply alone
+
+
+def test_lock_files_nobody_holds_are_removed_at_open_never_a_held_one(tmp_path):
+    """A crashed writer's empty file stayed in <database>.writing/ for good, one more per crash."""
+    path = tmp_path / "chats.sqlite3"
+    with ChatStore(path) as writer:
+        conv = writer.create()
+        _, writing = writer.claim_reply(conv, "hi")
+        crashed = writer.add(conv, "assistant", "cut", finished=False)
+        os.close(writer.writing.held.pop(crashed))  # its writer killed: the OS drops the lock, the file stays
+        finished = writer.add(conv, "assistant", "done")
+        folder = writer.writing.folder
+        for stale in (finished, 10_000):  # a crash's, its reply since regenerated, or a rolled-back claim's: gone
+            (folder / str(stale)).touch()
+        (folder / "notes").touch()  # not one of moechat's
+        assert sorted(os.listdir(folder)) == sorted([str(writing), str(crashed), str(finished), "10000", "notes"])
+        with ChatStore(path) as other:
+            assert sorted(os.listdir(folder)) == sorted([str(writing), "notes"])
+            assert other.reply_written_elsewhere(writing) and not other.reply_written_elsewhere(crashed)
+            assert other.end_of(other.messages(conv)[2]) == "interrupted"
+        writer.update(writing, "ended", finished=True, finish="stop")
+        assert os.listdir(folder) == ["notes"]
 
 def test_a_title_is_one_clean_line_of_the_first_message():
     """A NUL, a newline or a right-to-left override in a first message scrambled its line in the chat list."""

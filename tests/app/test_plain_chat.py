@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from moechat.app import plain_chat
-from moechat.app.chats import ChatStore
+from moechat.app.chats import WRITING_HERE_ELSEWHERE, ChatStore
 from moechat.engine.config import SamplingParams
 from moechat.engine.events import TokenDelta
 
@@ -371,3 +371,75 @@ def test_an_empty_reply_says_so_as_the_app_does(tmp_path, monkeypatch, capsys, w
         reply = store.messages(store.conversations()[0].id)[-1]
     assert (reply.content, reply.finished) == ("".join(words), True)
     assert "moechat> " + "".join(words) + "(empty reply)\n" in capsys.readouterr().out
+
+
+class Recording(Ending):
+    """Ending at the end of turn, and each request's messages kept as (role, content)."""
+
+    def __init__(self, words: list[str]) -> None:
+        super().__init__(words, "eos")
+        self.sent: list[list[tuple[str, str]]] = []
+
+    def generate(self, request, params):
+        self.sent.append([(m["role"], m["content"]) for m in request.messages])
+        return super().generate(request, params)
+
+
+class Typed(io.StringIO):
+    """Lines typed, and before the line that starts with a key of `meanwhile`, its function run (another window)."""
+
+    def __init__(self, lines: str, meanwhile: dict) -> None:
+        super().__init__(lines)
+        self.meanwhile = meanwhile
+
+    def readline(self, *args) -> str:
+        line = super().readline(*args)
+        for start, then in self.meanwhile.items():
+            if line.startswith(start):
+                then()
+        return line
+
+
+def test_a_turn_after_another_window_wrote_into_the_chat_reads_the_chat_as_stored(tmp_path, monkeypatch, capsys):
+    """Plain chat sent the model its own memory of the chat: the turn another window added was stored before its next
+    message and reply, yet the model never read it."""
+    path = tmp_path / "chats.sqlite3"
+
+    def other_window() -> None:
+        with ChatStore(path) as other:
+            conv = other.conversations()[0].id
+            _, reply = other.claim_reply(conv, "from the app")
+            other.update(reply, "the app's answer", finished=True, finish="stop")
+
+    engine = Recording(["Hi."])
+    monkeypatch.setattr(sys, "stdin", Typed("first\nsecond\nthird\n", {"second": other_window}))
+    with ChatStore(path) as store:
+        assert plain_chat._chat(engine, plain_chat.Keeper(store, None), SamplingParams(), remote=True) == 0
+        stored = [(m.role, m.content) for m in store.messages(store.conversations()[0].id)]
+    turn = [("user", "first"), ("assistant", "Hi."), ("user", "from the app"), ("assistant", "the app's answer")]
+    assert engine.sent[1:] == [turn + [("user", "second")], turn + [("user", "second"), ("assistant", "Hi."), ("user", "third")]]
+    assert stored == turn + [("user", "second"), ("assistant", "Hi."), ("user", "third"), ("assistant", "Hi.")]
+    assert capsys.readouterr().err.count(plain_chat.WRITTEN_THERE) == 1  # said once: the third turn saw nothing new
+
+
+def test_a_message_into_a_chat_another_window_writes_into_is_not_sent(tmp_path, monkeypatch, capsys):
+    """Plain chat started a second reply beside the one the app was writing: the two interleaved the chat."""
+    path, other = tmp_path / "chats.sqlite3", []
+
+    def begins() -> None:  # the app's reply into this chat, being written while plain chat's next line comes
+        other.append(ChatStore(path))
+        other.append(other[0].claim_reply(other[0].conversations()[0].id, "from the app")[1])
+
+    def ends() -> None:
+        other[0].update(other[1], "the app's answer", finished=True, finish="stop")
+        other[0].close()
+
+    engine = Recording(["Hi."])
+    monkeypatch.setattr(sys, "stdin", Typed("first\nsecond\nthird\n", {"second": begins, "third": ends}))
+    with ChatStore(path) as store:
+        assert plain_chat._chat(engine, plain_chat.Keeper(store, None), SamplingParams(), remote=True) == 0
+        stored = [(m.role, m.content) for m in store.messages(store.conversations()[0].id)]
+    assert [sent[-1] for sent in engine.sent] == [("user", "first"), ("user", "third")]
+    assert stored == [("user", "first"), ("assistant", "Hi."), ("user", "from the app"), ("assistant", "the app's answer"),
+                      ("user", "third"), ("assistant", "Hi.")]
+    assert f"moechat: {WRITING_HERE_ELSEWHERE}; this message is not sent" in capsys.readouterr().err

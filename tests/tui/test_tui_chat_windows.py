@@ -17,9 +17,10 @@ from test_tui_chat_store import asked, contents
 from test_tui_chat_switch import notices, open_chat, role_line
 
 import moechat
-from moechat.app.chats import WRITING_HERE_ELSEWHERE, ChatStore
+from moechat.app.chat_export import export_markdown
+from moechat.app.chats import WRITING_HERE_ELSEWHERE, WRITTEN_ELSEWHERE, ChatStore
 from moechat.app.tui.messages import ReplyDelta, ReplyFinished
-from moechat.app.tui.widgets.message_view import ELSEWHERE, ChatInput, MessageView
+from moechat.app.tui.widgets.message_view import ChatInput, MessageView
 
 stored = test_tui_chat.stored  # the fixture: two stored conversations, 'older' and 'newer' (the one the app opens)
 
@@ -56,16 +57,18 @@ async def test_a_reply_another_window_writes_is_shown_being_written_follows_its_
         first.post_message(ReplyDelta(1, "The first"))
         await until(pilot, lambda: first.chat.reply.text == "The first", "the first words")
         await until(other, lambda: contents(reading)[-2:] == ["a question", ""], "the other window's message and reply")
-        assert role_line(last_view(second)) == f"moechat · {ELSEWHERE}"  # its text: at its first save
+        assert role_line(last_view(second)) == f"moechat · {WRITTEN_ELSEWHERE}"  # its text: at its first save
 
         first.chat.reply.saved_at = 0.0  # a save due at the next text
         first.post_message(ReplyDelta(1, " words, and"))
-        await until(other, lambda: last_line(second) == ("The first words, and", f"moechat · {ELSEWHERE}"), "its save")
+        await until(other, lambda: last_line(second) == ("The first words, and", f"moechat · {WRITTEN_ELSEWHERE}"), "its save")
         assert last_view(second).markdown.source == "The first words, and"
+        assert export_markdown(second.store, newer).endswith(f"The first words, and\n\n*({WRITTEN_ELSEWHERE})*\n")  # alike
 
         await open_chat(other, reading, older)  # opened again: as being written, not interrupted
         await open_chat(other, reading, newer)
-        assert contents(reading)[-1] == "The first words, and" and role_line(last_view(second)) == f"moechat · {ELSEWHERE}"
+        assert contents(reading)[-1] == "The first words, and"
+        assert role_line(last_view(second)) == f"moechat · {WRITTEN_ELSEWHERE}"
 
         first.post_message(ReplyFinished(1, "The first words, and the rest.", "length", None))
         await until(other, lambda: last_line(second) == ("The first words, and the rest.", "moechat · cut at the length limit"),
@@ -83,7 +86,7 @@ async def test_a_reply_whose_window_quit_mid_reply_reads_as_interrupted_in_the_o
             await until(pilot, lambda: requests == [1], "the request")
             first.post_message(ReplyDelta(1, "Half"))
             await until(pilot, lambda: first.chat.reply.text == "Half", "the first words")
-            await until(other, lambda: last_line(second) == ("", f"moechat · {ELSEWHERE}"), "the reply being written")
+            await until(other, lambda: last_line(second) == ("", f"moechat · {WRITTEN_ELSEWHERE}"), "the reply being written")
             await first.action_quit()
         await until(other, lambda: last_line(second) == ("Half", "moechat · interrupted"), "the reply interrupted")
 
@@ -180,7 +183,7 @@ async def test_a_reply_whose_writer_was_killed_reads_as_interrupted_not_written_
     try:
         assert int(writer.stdout.readline())  # its reply stored, and locked
         async with without_model(tmp_path) as (app, pilot):
-            assert last_line(app) == ("a reply whose writer is killed", f"moechat · {ELSEWHERE}")
+            assert last_line(app) == ("a reply whose writer is killed", f"moechat · {WRITTEN_ELSEWHERE}")
             writer.send_signal(signal.SIGKILL)
             writer.wait(timeout=30)
             await until(pilot, lambda: last_line(app) == ("a reply whose writer is killed", "moechat · interrupted"),

@@ -25,6 +25,7 @@ from textual.widgets import (
 
 from ...chats import (
     NEW_TITLE,
+    ChatBusyError,
     ChatMessage,
     ChatStoreError,
     Conversation,
@@ -228,18 +229,23 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
             await self.deleted_elsewhere()
             self.give_back(text)
         elif sent is not None:
-            conv_id, generation, message_id = sent
-            await self.start_reply(conv_id, generation, asked=(message_id, text))
+            conv_id, generation, message_id, reply_id = sent
+            try:
+                await self.start_reply(conv_id, generation, asked=(message_id, text), claimed=reply_id)
+            except ChatBusyError as err:  # held, let go as another window began a reply there: stored, unanswered
+                self.app.notify(str(err), severity="warning")
+                self.note_unanswered()
 
-    async def _store_sent(self, text: str) -> tuple[int, int, int] | str | None:
-        """The message stored in the chat shown and drawn, or held -> (chat, generation, message id) to ask a reply for;
-        None: refused or held; "deleted": the chat is gone. Under `opening`: the chat shown stays the same throughout."""
+    async def _store_sent(self, text: str) -> tuple[int, int, int, int | None] | str | None:
+        """The message stored in the chat shown and drawn, with its reply claimed (ChatStore.claim_reply), or held ->
+        (chat, generation, message id, reply id; None: held, then let go) to ask a reply for; None: refused or held;
+        "deleted": the chat is gone. Under `opening`: the chat shown stays the same throughout."""
         hold = self.holds()  # a reply is written in another chat, or stops (Esc, then Enter: a step can take seconds)
         if not hold and self.refuse_while_busy("send this one"):
             self.give_back(text)  # (the input let it go while a chat was being opened)
             return None
         try:
-            if self.refuse_written_elsewhere():
+            if hold and self.refuse_written_elsewhere():  # (one answered now: its claim refuses it)
                 self.give_back(text)
                 return None
             if self.conv_id is None:
@@ -247,33 +253,42 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
                 self.generation = self.store.generation  # of the file the chat was made in
             elif not self.store.messages(self.conv_id) and self.store.conversation(self.conv_id).title == NEW_TITLE:
                 self.store.rename(self.conv_id, title_from(text), self.generation)  # one opened empty (Ctrl+N)
-            message_id = self.store.add(self.conv_id, "user", text, generation=self.generation)
-            if self.listed[:1] != [(str(self.conv_id), self.store.conversation(self.conv_id).title)]:
-                await self.refresh_conversations()  # a new chat, a new title, or one written to last: at the top
+            if hold:  # its reply claimed once the reply being written ends
+                message_id, reply_id = self.store.add(self.conv_id, "user", text, generation=self.generation), None
+            else:
+                message_id, reply_id = self.store.claim_reply(self.conv_id, text, self.generation)
         except KeyError:
             return "deleted"
+        except ChatBusyError as err:  # another window writes a reply there: nothing stored, to send once it ends
+            self.give_back(text)
+            self.app.notify(str(err), severity="warning")
+            return None
         except ChatStoreError as err:  # not stored (the disk full, the database locked): the text back to send again
             self.give_back(text)
             self.app.notify(f"{err}; your message is back in the input", severity="error", timeout=15)
             return None
+        try:  # a new chat, a new title, or one written to last: at the top (past the claim, a failure is only said)
+            conv = self.conversation(self.conv_id, self.generation)
+            if conv is not None and self.listed[:1] != [(str(conv.id), conv.title)]:
+                await self.refresh_conversations()
+        except ChatStoreError as err:
+            self.app.notify(str(err), severity="error", timeout=15)
         await self.query_one("#log").mount(MessageView("user", text, message_id))
         if hold and self.reply is not None:  # (not ended meanwhile: its end sends what is held)
             self.held = Held(self.conv_id, self.generation, message_id, text)
             self.show_held()
             return None
-        return self.conv_id, self.generation, message_id
+        return self.conv_id, self.generation, message_id, reply_id
 
-    async def start_reply(self, conv_id: int, generation: int, replaces=None, asked: tuple[int, str] | None = None) -> None:
+    async def start_reply(self, conv_id: int, generation: int, replaces=None, asked: tuple[int, str] | None = None,
+                          claimed: int | None = None) -> None:
         """Ask the engine for a reply to the stored chat (the one shown, or a held message's); the reply is stored
-        unfinished at once. `replaces`: the stored reply Regenerate replaces, left out of the history and kept until this
-        one has text."""
+        unfinished at once (claimed: by send, with its message), refused (ChatBusyError) while another window writes
+        one there. `replaces`: the stored reply Regenerate replaces, left out of the history and kept until this one has
+        text."""
         self.saver.flush()  # a reply whose last save failed: into the store first, which the history is read from
-        conv = self.conversation(conv_id, generation)
-        history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
-        history += [{"role": m.role, "content": m.content} for m in self.store.messages(conv_id)
-                    if m.content and (replaces is None or m.id != replaces.id)]
         try:
-            message_id = self.store.add(conv_id, "assistant", "", finished=False, generation=generation)
+            message_id = claimed if claimed is not None else self.store.claim_reply(conv_id, None, generation)[1]
         except KeyError:  # the chat deleted, or the file replaced, since it was read (its first write since: the flush)
             if (conv_id, generation) == (self.conv_id, self.generation):
                 await self.deleted_elsewhere()
@@ -284,6 +299,11 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
             if asked is not None:  # its message went with the chat: back to the input, as send gives it back
                 self.give_back(asked[1])
             return
+        try:
+            history = self.reply_history(conv_id, generation, message_id, replaces)
+        except ChatStoreError:  # read after the claim, which another window's reply cannot come between: let go
+            self.saver.drop(message_id, generation)
+            raise
         view = await self.mount_reply(message_id, replaces) if (conv_id, generation) == (self.conv_id, self.generation) else None
         if view is not None and (not view.is_attached or (conv_id, generation) != (self.conv_id, self.generation)):
             view = None  # its chat left as it mounted (Ctrl+N is the app's key, run beside the screen's handlers)
@@ -294,6 +314,14 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
         self.stats = None
         self.app.bridge.generate(self.next_request, history, self.app.sampling, enable_thinking(self.app.thinking))
         self.draw_list(self.listed)  # its chat marked
+
+    def reply_history(self, conv_id: int, generation: int, reply_id: int, replaces: ChatMessage | None) -> list[dict]:
+        """What the model is sent for the reply `reply_id`: the chat's system prompt and messages before it, but the one
+        it replaces."""
+        conv = self.conversation(conv_id, generation)
+        history = ([{"role": "system", "content": conv.system_prompt}] if conv and conv.system_prompt else [])
+        return history + [{"role": m.role, "content": m.content} for m in self.store.messages(conv_id)
+                          if m.content and m.id < reply_id and (replaces is None or m.id != replaces.id)]
 
     async def mount_reply(self, message_id: int, replaces: ChatMessage | None) -> MessageView:
         """The view of a reply about to stream, at the log's end (the one it replaces off the screen)."""
@@ -419,7 +447,7 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
         if self.current_conversation() is None:
             await self.deleted_elsewhere()
             return
-        if self.refuse_written_elsewhere():
+        if hold and self.refuse_written_elsewhere():  # (else its claim refuses it)
             return
         asking, replaced = self.last_turn(self.conv_id)
         if asking is None:
@@ -428,7 +456,10 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
             self.held = Held(self.conv_id, self.generation, asking.id, None)
             self.show_held()
         else:
-            await self.start_reply(self.conv_id, self.generation, replaces=replaced)
+            try:
+                await self.start_reply(self.conv_id, self.generation, replaces=replaced)
+            except ChatBusyError as err:
+                self.app.notify(str(err), severity="warning")
 
     def target_message(self) -> MessageView | None:
         """The focused message, else the last reply."""

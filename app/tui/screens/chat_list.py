@@ -85,7 +85,7 @@ class ChatList:
 
     def recheck_written_there(self) -> None:
         """The chats other windows write into, their locks tested again (a writer killed changes nothing in the file)."""
-        still = {id: reply for id, reply in self.written_there.items() if self.store.written_elsewhere(reply)}
+        still = {id: reply for id, reply in self.written_there.items() if self.store.reply_written_elsewhere(reply)}
         if still != self.written_there:
             self.written_there = still
             self.draw_list(self.listed)

@@ -5,7 +5,7 @@ live_reply.py); what cannot be held is refused, said; a message the model refuse
 its chat to be opened; a chat left without a reply says which key asks for one."""
 from __future__ import annotations
 
-from ...chats import WRITING_HERE_ELSEWHERE, ChatMessage
+from ...chats import WRITING_HERE_ELSEWHERE, ChatBusyError, ChatMessage
 from ..guard import store_failures_noticed
 from ..live_reply import Held, busy_line, held_note, joined, live_note
 from ..widgets.message_view import ChatInput, ChatLog
@@ -39,9 +39,9 @@ class Holding:
         return True
 
     def refuse_written_elsewhere(self) -> bool:
-        """A send or Regenerate into the chat shown while another window (or plain chat) writes a reply into it: refused,
-        said (a second reply would interleave the chat)."""
-        if self.conv_id is None or self.replaced or not self.store.writing_elsewhere(self.conv_id):
+        """A send or Regenerate to be held, into the chat shown while another window (or plain chat) writes a reply into
+        it: refused, said (a second reply would interleave the chat). One answered now is refused by its claim."""
+        if self.conv_id is None or self.replaced or not self.store.chat_written_elsewhere(self.conv_id):
             return False
         self.app.notify(WRITING_HERE_ELSEWHERE, severity="warning")
         return True
@@ -55,16 +55,18 @@ class Holding:
         held, self.held = self.held, None
         if held is None or self.reply is not None:  # (a reply began meanwhile: held until it ends)
             self.held = held
-        elif held.generation == self.store.generation and self.store.writing_elsewhere(held.conv_id):
-            self.drop_held(held)  # another window began a reply there meanwhile: a second would interleave the chat
-        elif held.text is not None:
-            await self.start_reply(held.conv_id, held.generation, asked=(held.message_id, held.text))  # its note: mount_reply
-        elif self.conversation(held.conv_id, held.generation) is None:  # deleted in another window meanwhile
-            self.app.notify("the chat of your waiting regeneration was deleted", severity="warning")
-        else:  # a regeneration: of its chat's last turn as it is now (another window may have written there)
-            asking, replaced = self.last_turn(held.conv_id)
-            if asking is not None:
-                await self.start_reply(held.conv_id, held.generation, replaces=replaced)
+            return
+        try:
+            if held.text is not None:  # its note: mount_reply
+                await self.start_reply(held.conv_id, held.generation, asked=(held.message_id, held.text))
+            elif self.conversation(held.conv_id, held.generation) is None:  # deleted in another window meanwhile
+                self.app.notify("the chat of your waiting regeneration was deleted", severity="warning")
+            else:  # a regeneration: of its chat's last turn as it is now (another window may have written there)
+                asking, replaced = self.last_turn(held.conv_id)
+                if asking is not None:
+                    await self.start_reply(held.conv_id, held.generation, replaces=replaced)
+        except ChatBusyError:  # another window began a reply there meanwhile: a second would interleave the chat
+            self.drop_held(held)
 
     def drop_held(self, held: Held) -> None:
         """What was held is not answered: said, its note taken away (a message left unanswered says Ctrl+R)."""

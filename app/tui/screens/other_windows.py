@@ -38,7 +38,7 @@ class OtherWindows:
 
     async def follow_elsewhere(self, changed: bool) -> None:
         """The chat on screen as another window writes it (not while this one does): a reply written there drawn from its
-        saves, then how it ended, or "interrupted" once its writer is gone (its lock: chats.written_elsewhere); messages
+        saves, then how it ended, or "interrupted" once its writer is gone (its lock: chats.reply_written_elsewhere); messages
         added or taken away there shown (the chat read again). changed: the database was written elsewhere. Not while
         writes of this window wait (the store holds less than the screen shows)."""
         async with self.opening:  # not amid a chat being opened (its views taken away meanwhile) or a message stored
@@ -63,7 +63,7 @@ class OtherWindows:
         writing = False
         for view in views:
             if view.role == "assistant" and not view.finished:
-                elsewhere = self.store.written_elsewhere(view.message_id)
+                elsewhere = self.store.reply_written_elsewhere(view.message_id)
                 if elsewhere != view.elsewhere:
                     view.elsewhere = elsewhere
                     if view.is_mounted:  # (else its compose says it)

@@ -15,7 +15,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Collapsible, Label, Markdown, Static, TextArea
 
-from ...chats import EMPTY_REPLY, end_note, shows_nothing, visible
+from ...chats import EMPTY_REPLY, WRITTEN_ELSEWHERE, end_note, shows_nothing, visible
 from ...reasoning import reasoning_title, split_reasoning
 from ..guard import store_failures_noticed
 
@@ -26,7 +26,6 @@ SEGMENT_CHARS = 3000
 _CONTINUES_BLOCK = re.compile(r"[ \t\n]|[-*+>|]|\d+[.)]")  # a line that may join the block before: list, quote, table, code
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.M)  # a code fence opening or closing
 DECIDE_CHARS = 4  # what must follow a blank line to tell whether the next line starts a block of its own
-ELSEWHERE = "writing in another window…"  # an unfinished reply another moechat window (or plain chat) still writes
 
 
 def segment_cut(written: str, new: str) -> tuple[int | None, int]:
@@ -160,8 +159,8 @@ class MessageView(Vertical, can_focus=True):
 
     @property
     def end_line(self) -> str:
-        """What the role line says of a stored reply's end (ELSEWHERE while another window writes it)."""
-        return ELSEWHERE if self.elsewhere and not self.finished else end_note(self.finished, self.finish)
+        """What the role line says of a stored reply's end (WRITTEN_ELSEWHERE, as the export, while another writes it)."""
+        return WRITTEN_ELSEWHERE if self.elsewhere and not self.finished else end_note(self.finished, self.finish)
 
     def compose(self) -> ComposeResult:
         note = self.end_line
