@@ -65,11 +65,15 @@ class ChatStoreError(MoechatError):
 
 
 class ChatBusyError(ChatStoreError):
-    """A reply claimed in a chat another store writes a reply into (another window, plain chat): a second one would
-    interleave the conversation. Nothing was stored; its line is WRITING_HERE_ELSEWHERE."""
+    """A reply claimed in a chat a reply is being written into (by another store: another window, plain chat; here: this
+    window's own, begun a moment before): a second one would interleave the conversation. Nothing was stored."""
+
+    def __init__(self, conv_id: int, here: bool = False) -> None:
+        super().__init__(conv_id)
+        self.here = here
 
     def __str__(self) -> str:
-        return WRITING_HERE_ELSEWHERE
+        return WRITING_HERE if self.here else WRITING_HERE_ELSEWHERE
 
 
 NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
@@ -118,6 +122,7 @@ BEING_WRITTEN = "being written"  # an unfinished reply this store still writes (
 WRITTEN_ELSEWHERE = "being written in another window"
 WRITING_HERE_ELSEWHERE = ("a reply is being written into this chat in another moechat window: wait for it to end, or stop it"
                           " there")  # a send or Regenerate refused: two replies at once would interleave the chat
+WRITING_HERE = "a reply is being written into this chat: wait for it to end, or stop it (Esc)"  # this window's own
 EMPTY_REPLY = "(empty reply)"  # what the chat screen and the export show for a reply with no text (the model ended at once)
 
 
@@ -462,7 +467,8 @@ class ChatStore:
     def _add_rows(self, conv_id: int, rows: list[tuple[str, str, bool]], generation: int | None,
                   claim: bool = False) -> list[int]:
         """(role, content, finished) rows into the chat in one transaction, its `updated` moved; each unfinished one's lock
-        taken before the commit, dropped if it fails. claim: refused (ChatBusyError) where another store writes a reply."""
+        taken before the commit, dropped if it fails. claim: refused (ChatBusyError) where a reply is being written (by
+        another store, or by this one)."""
         now, ids = time.time(), []
         try:
             with self._transaction(generation) as db:
@@ -470,6 +476,8 @@ class ChatStore:
                     raise KeyError(f"no conversation {conv_id}")
                 if claim and self.chat_written_elsewhere(conv_id):
                     raise ChatBusyError(conv_id)
+                if claim and self._chat_written_here(conv_id):  # one begun by this window (an app key met a send's awaits)
+                    raise ChatBusyError(conv_id, here=True)
                 for role, content, finished in rows:
                     ids.append(db.execute("INSERT INTO messages (conv_id, role, content, finished, created)"
                                           " VALUES (?, ?, ?, ?, ?)", (conv_id, role, _storable(content), int(finished),
@@ -502,8 +510,17 @@ class ChatStore:
         except KeyError:  # its chat gone (deleted elsewhere, the file replaced): no reply of this id is written here
             self.writing.release(message_id)
             raise
+        except ChatStoreError:  # its end not saved: ended here all the same (reply_saver saves it later), so not held
+            if finished:
+                self.writing.release(message_id)
+            raise
         if finished:
             self.writing.release(message_id)
+
+    def let_go(self, message_id: int) -> None:
+        """A reply this store stops writing without an end (its stream cut off): it stays unfinished, read as interrupted,
+        and no longer counts as written here (claim_reply would refuse the chat's next turn)."""
+        self.writing.release(message_id)
 
     def reply_written_elsewhere(self, message_id: int) -> bool:
         """Whether an unfinished reply is being written by another store: another moechat window, plain chat (False: ended,
@@ -516,6 +533,13 @@ class ChatStore:
         chat's index, a lock test per unfinished reply (crashed ones stay so)."""
         rows = self._rows("SELECT id FROM messages WHERE conv_id = ? AND finished = 0 AND role = 'assistant'", (conv_id,))
         return any(self.reply_written_elsewhere(message_id) for (message_id,) in rows)
+
+    def _chat_written_here(self, conv_id: int) -> bool:
+        """Whether this store writes a reply into the chat now (its lock held here)."""
+        if not self.writing.held:
+            return False
+        rows = self._rows("SELECT id FROM messages WHERE conv_id = ? AND finished = 0 AND role = 'assistant'", (conv_id,))
+        return any(message_id in self.writing.held for (message_id,) in rows)
 
     def chats_written_elsewhere(self) -> dict[int, int]:
         """The chats whose last message is a reply another store writes -> that reply's id: one query (each chat's last
@@ -550,9 +574,11 @@ class ChatStore:
 
     def delete_message(self, message_id: int, generation: int | None = None) -> None:
         """Regenerate drops the last reply; an unknown id is a no-op, as one of a file since replaced is (see delete)."""
-        with contextlib.suppress(ReplacedError):
-            self._write("DELETE FROM messages WHERE id = ?", (message_id,), generation)
-        self.writing.release(message_id)
+        try:
+            with contextlib.suppress(ReplacedError):
+                self._write("DELETE FROM messages WHERE id = ?", (message_id,), generation)
+        finally:  # not written here any more, gone or not (a failed drop is tried again: reply_saver's pending_drops)
+            self.writing.release(message_id)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -296,6 +296,8 @@ def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ct
         # stopped by the user, or failed, as the app stores it: ended, not cut off
         why = finished.summary.finish_reason if finished else "cancelled" if stopped else "failed" if failed else None
         kept.reply(answer, finished=why is not None, finish=finish_of(why) if why else None)
+        if why is None and kept.reply_id is not None:  # cut off (a remote stream ended without its end): interrupted
+            kept.store.let_go(kept.reply_id)
         if finished:
             s = finished.summary
             hits = f"{s.hit_rate:.2f}" if s.hits + s.misses else "n/a"  # a remote server other than moechat's sends none

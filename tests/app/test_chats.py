@@ -18,7 +18,15 @@ from moechat.app.chat_export import export_markdown
 from moechat.app.chat_file import DamagedFile, move_aside
 from moechat.app.chat_migrations import APPLICATION_ID, MIGRATIONS
 from moechat.app.chat_rescue import rescue_into
-from moechat.app.chats import WRITING_HERE_ELSEWHERE, ChatBusyError, ChatStore, ChatStoreError, store_path, title_from
+from moechat.app.chats import (
+    WRITING_HERE,
+    WRITING_HERE_ELSEWHERE,
+    ChatBusyError,
+    ChatStore,
+    ChatStoreError,
+    store_path,
+    title_from,
+)
 from moechat.engine.errors import MoechatError
 
 pytestmark = pytest.mark.notorch  # runs without torch (the Python 3.10 check)
@@ -1108,3 +1116,22 @@ def test_a_migration_marks_the_file_as_moechats_in_its_own_transaction(tmp_path)
     assert again.execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
     assert moechat_version(again, path) == len(MIGRATIONS)
     again.close()
+
+
+@pytest.mark.notorch
+def test_a_second_claim_in_a_chat_this_store_writes_into_is_refused_until_the_reply_ends(tmp_path):
+    """The app's keys run beside the chat screen's awaits, so a Regenerate could claim a reply into the chat whose reply a
+    send had just claimed; a reply whose end could not be saved has ended here all the same (saved again later)."""
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    conv = store.create("a chat")
+    _, reply = store.claim_reply(conv, "a question")
+    with pytest.raises(ChatBusyError) as refused:
+        store.claim_reply(conv, None)
+    assert refused.value.here and str(refused.value) == WRITING_HERE
+    assert [m.role for m in store.messages(conv)] == ["user", "assistant"]
+    store._db.execute("PRAGMA query_only = ON")  # the reply's end refused by the database
+    with pytest.raises(ChatStoreError):
+        store.update(reply, "the answer", finished=True)
+    store._db.execute("PRAGMA query_only = OFF")
+    assert store.claim_reply(conv, "and then?")[1] > reply
+    store.close()

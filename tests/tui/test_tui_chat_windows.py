@@ -18,7 +18,7 @@ from test_tui_chat_switch import notices, open_chat, role_line
 
 import moechat
 from moechat.app.chat_export import export_markdown
-from moechat.app.chats import WRITING_HERE_ELSEWHERE, WRITTEN_ELSEWHERE, ChatStore
+from moechat.app.chats import WRITING_HERE, WRITING_HERE_ELSEWHERE, WRITTEN_ELSEWHERE, ChatStore
 from moechat.app.tui.messages import ReplyDelta, ReplyFinished
 from moechat.app.tui.widgets.message_view import ChatInput, MessageView
 
@@ -194,3 +194,27 @@ async def test_a_reply_whose_writer_was_killed_reads_as_interrupted_not_written_
         writer.stdout.close()
     with ChatStore(tmp_path / "chats.sqlite3") as store:
         assert not store.messages(newer)[-1].finished
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_regenerate_between_a_sends_claim_and_its_reply_is_refused(tmp_path, stored):
+    """Ctrl+R is the app's key, so it runs while the chat screen awaits a send's drawing: after the send claimed its
+    reply, before the screen recorded it, Regenerate saw no reply and claimed a second one into the chat."""
+    older, newer = stored
+    async with without_model(tmp_path) as (app, pilot):
+        chat, requests = app.chat, asked(app)
+        mount_reply, met = chat.mount_reply, []
+
+        async def regenerate_meanwhile(*args):
+            if not met:
+                met.append(await chat.regenerate())  # as Ctrl+R arriving here
+            return await mount_reply(*args)
+
+        chat.mount_reply = regenerate_meanwhile
+        await send(pilot, "a question")
+        await until(pilot, lambda: requests == [1], "the request")
+        await pilot.pause()
+        assert met and requests == [1]
+        assert [m.content for m in app.store.messages(newer) if not m.finished] == [""]  # one reply, the send's
+        assert WRITING_HERE in notices(app)
