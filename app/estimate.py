@@ -8,8 +8,8 @@ from pathlib import Path
 
 def add_estimate(sub) -> None:
     from ..engine import KNOWN_MODELS
-    from .cli import add_renamed
     from .options import OPTION
+    from .parser import add_renamed
 
     p = sub.add_parser("estimate", help="memory a model needs, from its config alone (no weights are loaded)")
     p.add_argument("--model", default=None, metavar="DIR|OWNER/NAME|KNOWN",

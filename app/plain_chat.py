@@ -170,8 +170,8 @@ def _open_engine(args):
         engine = RemoteEngine(remote)
         return engine, engine.summary, True
     from ..engine import Engine
-    from .cli import print_notices
     from .engine_config import engine_config
+    from .generate import print_notices
     from .models import draft_model_name, model_name
 
     config = engine_config(args)  # a model not there (not pulled, a typo) refused before the line that says it loads
@@ -183,7 +183,7 @@ def _open_engine(args):
 
 
 def cmd_chat(args) -> int:
-    from .cli import request_thinking, sampling_params
+    from .flags import request_thinking, sampling_params
     from .settings import load_settings
 
     params = sampling_params(args, load_settings()[0])  # a flag typed, else the settings' temperature, top-p, length
@@ -207,7 +207,7 @@ def _chat(engine, kept: Keeper, params, remote: bool, thinking: bool | None = No
 
 def _lines(engine, kept: Keeper, params, remote: bool, thinking: bool | None, ctrl_c: CtrlC) -> int:
     from ..engine import Error, Finished, MoechatError, Request, TokenDelta
-    from .cli import acceptance, fast_tier
+    from .generate import acceptance, fast_tier
     from .history import fit_for_engine
 
     start = [{"role": "system", "content": kept.system}] if kept.system else []

@@ -25,8 +25,8 @@ def _policies(text: str) -> list[str]:
 
 def add_simulate(sub) -> None:
     from ..engine import DEMOTES, UTILITY_VARIANTS, SchedulerConfig, SpecConfig
-    from .cli import add_renamed
     from .options import OPTION
+    from .parser import add_renamed
 
     sched, gamma = SchedulerConfig(), SpecConfig().draft_len
     p = sub.add_parser("simulate", help="replay routing traces against residency policies (served share, predicted speed)")

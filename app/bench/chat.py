@@ -15,7 +15,7 @@ MESSAGE_TOKENS = 64  # a user turn: a held-out prompt at most this long
 
 
 def add_bench_chat(sub) -> None:
-    from ..cli import add_engine_args
+    from ..flags import add_engine_args
 
     p = sub.add_parser("chat", help="conversations replayed with and without KV prefix reuse: time to first token per turn")
     add_engine_args(p)

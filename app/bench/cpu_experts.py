@@ -17,8 +17,8 @@ import time
 
 def add_bench_cpu_experts(sub) -> None:
     from ...engine import DTYPES, SpecConfig
-    from ..cli import add_renamed
     from ..options import OPTION
+    from ..parser import add_renamed
 
     gamma = SpecConfig().draft_len
     p = sub.add_parser("cpu-experts", help="time the CPU expert tier and fit the two CPU cost models")

@@ -10,13 +10,13 @@ import time
 
 
 def add_bench_generate(sub) -> None:
-    from ..cli import _int_list, add_engine_args, add_sampling_args
+    from ..flags import add_engine_args, add_sampling_args, int_list
 
     p = sub.add_parser("generate", help="engine vs Hugging Face generate: prefill and decode tokens/s")
     add_engine_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (default: a fixed English paragraph)")
-    src.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3", help="prompt as comma-separated token ids")
+    src.add_argument("--prompt-ids", type=int_list, default=None, metavar="1,2,3", help="prompt as comma-separated token ids")
     add_sampling_args(p, temperature=0.0, max_new_tokens=64)  # greedy unless set: tokens compared with HF's
     p.add_argument("--repeats", type=int, default=5, metavar="R", help="alternating runs of each; medians reported")
     p.add_argument("--replay-traces", default=None, metavar="PATH",
@@ -188,7 +188,7 @@ def _gpu_busy(engine, ids: list[int], args) -> dict[str, float]:
 def _one_request(engine, ids: list[int], args, measure):
     """measure(events) of one request of exactly max_new_tokens (no EOS), its whole prompt prefilled."""
     from ...engine import Request
-    from ..cli import sampling_params
+    from ..flags import sampling_params
 
     eos, engine.model.eos_ids = engine.model.eos_ids, set()
     try:
@@ -217,7 +217,7 @@ def _measure(engine, hf, ids: list[int], args, paired: dict | None = None) -> tu
     """Alternating runs of the engine and HF: (medians per row, the last run's decode figures, same tokens). With
     `paired`, each engine run's time per token outside the experts and (on the CPU) the host RAM's read bandwidth sampled
     right after it."""
-    from ..cli import sampling_params
+    from ..flags import sampling_params
     from .kernels import CopyMeter
 
     meter = CopyMeter() if paired is not None and engine.model.device.type == "cpu" else None  # a GPU reads its own memory

@@ -12,7 +12,7 @@ from statistics import median
 
 
 def add_bench_serve(sub) -> None:
-    from ..cli import add_engine_args
+    from ..flags import add_engine_args
 
     p = sub.add_parser("serve", help="concurrent clients through `moechat serve` (load check)")
     add_engine_args(p)

@@ -21,7 +21,7 @@ GRACE_S = 30  # how long a stop waits for the requests in flight to end (the eng
 
 
 def add_serve(sub) -> None:
-    from ..cli import add_engine_args
+    from ..flags import add_engine_args
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API (chat completions, completions)")
     add_engine_args(p)
@@ -59,8 +59,8 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args) -> int:
-    from ..cli import print_notices
     from ..engine_config import engine_config
+    from ..generate import print_notices
     from ..models import model_name
 
     key = args.api_key or os.environ.get(KEY_ENV) or None

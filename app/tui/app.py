@@ -427,8 +427,8 @@ def run_tui(args) -> int:
     """`moechat` on a terminal: the TUI with the command line's engine and sampling options."""
     import copy
 
-    from ..cli import sampling_params
     from ..engine_config import engine_config
+    from ..flags import sampling_params
     from ..remote import backend_overridden, remote_config
 
     base = copy.copy(args)

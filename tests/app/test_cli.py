@@ -137,7 +137,8 @@ def test_bench_generate_prompt_ids_garbage_says_what_it_takes(capsys):
 def test_the_chat_takes_a_sampling_flag_typed_else_the_settings():
     """The app replaced --temperature/--top-p/--max-new-tokens with the settings' values, and plain chat ignored the
     settings: both now take a flag typed, else the settings; a later settings save changes only the fields it changed."""
-    from moechat.app.cli import build_parser, sampling_params
+    from moechat.app.cli import build_parser
+    from moechat.app.flags import sampling_params
     from moechat.app.settings import Settings
     from moechat.app.tui.app import sampling_from
 
@@ -193,7 +194,7 @@ def test_generate_refuses_system_for_a_model_without_chat_template(checkpoint, t
 @pytest.mark.notorch
 def test_generate_stats_line_gives_no_decode_rate_for_a_one_token_reply():
     """A one-token reply printed "[1 tokens, ..., decode 0.0 tok/s": it had no decode step, so it has no rate."""
-    from moechat.app.cli import stats_line
+    from moechat.app.generate import stats_line
     from moechat.engine.events import Summary
 
     def summary(new_tokens, decode_s):
@@ -421,7 +422,8 @@ def test_a_stdout_without_reconfigure_in_an_ascii_locale_still_runs(monkeypatch,
 def test_utf8_arguments_under_an_ascii_locale_are_taken_as_typed():
     """Under PYTHONUTF8=0 LC_ALL=C Python reads `--prompt café` as 'caf\\udcc3\\udca9' (surrogateescape), and generate
     refused it after loading the model: "the text holds '\\udcc3' at position 3, which is not Unicode text"."""
-    from moechat.app.cli import build_parser, sampling_params
+    from moechat.app.cli import build_parser
+    from moechat.app.flags import sampling_params
 
     def typed(text: str) -> str:  # what Python's argv holds under an ASCII locale for `text` typed in UTF-8
         return text.encode("utf-8").decode("ascii", "surrogateescape")
@@ -542,14 +544,15 @@ def test_a_word_in_place_of_a_command_names_the_command_or_how_to_send_it(argv, 
 @pytest.mark.notorch
 def test_help_as_a_command_prints_the_help_asked_for(capsys):
     """`moechat help` said "'help' is not a command: moechat --help (see `moechat --help`)", the same advice twice."""
-    from moechat.app.cli import _command_parser, build_parser, main
+    from moechat.app.cli import build_parser, main
+    from moechat.app.parser import command_parser
 
     parser = build_parser()
     for argv, words in (([], []), (["serve"], ["serve"]), (["bench", "generate"], ["bench", "generate"])):
         assert main(["help", *argv]) == 0
         captured = capsys.readouterr()
-        assert captured.out == _command_parser(parser, words).format_help() and captured.err == ""
-    assert "usage: moechat bench generate" in _command_parser(parser, ["bench", "generate"]).format_help()
+        assert captured.out == command_parser(parser, words).format_help() and captured.err == ""
+    assert "usage: moechat bench generate" in command_parser(parser, ["bench", "generate"]).format_help()
     for argv, word in ((["chta"], "'chta'"), (["bench", "genrate"], "'bench genrate'")):  # moechat's help, exit 0, hid the typo
         with pytest.raises(SystemExit) as exit_:
             main(["help", *argv])

@@ -159,7 +159,7 @@ def test_non_expert_bound_on_a_gpu_samples_no_host_ram(monkeypatch, capsys):
     import argparse
     from types import SimpleNamespace
 
-    from moechat.app import cli
+    from moechat.app import flags
     from moechat.app.bench import generate
 
     meters = []
@@ -175,7 +175,7 @@ def test_non_expert_bound_on_a_gpu_samples_no_host_ram(monkeypatch, capsys):
     monkeypatch.setattr(kernels, "CopyMeter", Meter)
     monkeypatch.setattr(generate, "run_engine", lambda *a: (SimpleNamespace(summary=summary, token_ids=[]), []))
     monkeypatch.setattr(generate, "decode_stats", lambda *a: {"cpu_ms_per_token": 4.0, "device_ms_per_token": 6.0})
-    monkeypatch.setattr(cli, "sampling_params", lambda args: None)
+    monkeypatch.setattr(flags, "sampling_params", lambda args: None)
     args = argparse.Namespace(repeats=2)
     for device, ratio in (("cpu", 10.0 / (100 / 20.0)), ("cuda:1", None)):
         meters.clear()

@@ -336,7 +336,7 @@ def test_the_demo_drafts_by_default_on_a_gpu_only(monkeypatch):
 
 
 def test_thinking_comes_from_the_flag_else_the_settings():  # make_request builds the engine's Request: torch
-    from moechat.app.cli import make_request
+    from moechat.app.generate import make_request
     from moechat.app.settings import settings_path
 
     tokenizer = type("Tok", (), {"chat_template": "{{ messages }}"})()
