@@ -114,10 +114,12 @@ class Keeper:
             for message_id in (self.reply_id, self.user_id):
                 if message_id is not None:
                     self.store.delete_message(message_id, self.generation)
+            if self.reply_id is not None:  # gone: the turn before's reply is the last this chat stores of its own
+                self.last = self.last_before
         except ChatStoreError:
-            pass  # they stay; the next message still goes on
-        if self.reply_id is not None:
-            self.last = self.last_before
+            pass  # they stay, this chat's own (not read as another window's); the next message still goes on
+        if self.reply_id is not None:  # not written here any more, gone or not (held, the chat's next turn was refused)
+            self.store.let_go(self.reply_id)
         self.reply_id = self.user_id = None
 
 

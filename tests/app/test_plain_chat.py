@@ -443,3 +443,29 @@ def test_a_message_into_a_chat_another_window_writes_into_is_not_sent(tmp_path, 
     assert stored == [("user", "first"), ("assistant", "Hi."), ("user", "from the app"), ("assistant", "the app's answer"),
                       ("user", "third"), ("assistant", "Hi.")]
     assert f"moechat: {WRITING_HERE_ELSEWHERE}; this message is not sent" in capsys.readouterr().err
+
+
+def test_a_turn_whose_take_back_failed_does_not_hold_the_chat_as_being_written(tmp_path, monkeypatch, capsys):
+    """A reply that got nothing back is taken back with its chat; where the store refused that delete (locked by another
+    window's write), its lock stayed held here and every later message was refused as "being written" in that chat; and
+    the rows left were read as another window's, sent again with each next message (refused again, a prompt too long)."""
+    from moechat.app.chats import ChatStoreError
+    from moechat.engine.events import Error
+
+    class RefusingFirst(Streaming):
+        def generate(self, request, params):
+            if any(m["content"] == "first" for m in request.messages):
+                yield Error("the prompt is longer than the context")
+                return
+            yield from super().generate(request, params)
+
+    with ChatStore(tmp_path / "chats.sqlite3") as store:
+        def locked(conv_id, generation=None):
+            raise ChatStoreError("chat database is locked")
+
+        monkeypatch.setattr(store, "delete", locked)
+        run(RefusingFirst(["Hi."]), store, "first\nsecond\n", monkeypatch)
+        stored = [(m.role, m.content) for c in store.conversations() for m in store.messages(c.id)]
+    err = capsys.readouterr().err
+    assert "being written" not in err and "another moechat window" not in err
+    assert stored[-2:] == [("user", "second"), ("assistant", "Hi.")]
