@@ -246,7 +246,7 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     for li, i in enumerate(sparse):
         layers[i].mlp.experts = OffloadedExperts(runtime, li)
 
-    _load_dense_part(hf, ckpt, family, store, device, dtype, narrowed, routers if quantized else None, progress)
+    _load_dense_part(hf, ckpt, family, store, device, dtype, narrowed, routers if quantized else None, own, progress)
     if device.type == "cpu":  # float32 K/V for a half model, grouped heads read in place (attention.py)
         use_cpu_attention(hf)
     elif device.type == "cuda":  # grouped heads folded under a mask, not copied per query head (attention.py)
@@ -260,18 +260,17 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
 
 
 def _load_dense_part(hf, ckpt: Checkpoint, family: Family, store: ExpertStore, device, dtype, narrowed: set[str],
-                     routers: set[int] | None, progress: LoadProgress | None = None) -> None:
+                     routers: set[int] | None, own: dict[str, str], progress: LoadProgress | None = None) -> None:
     """The non-expert weights loaded; routers given (a quantized CPU load): the dense linears quantized, from the dense
     cache beside the experts' where it holds them (their float weights never read), else from the checkpoint as stored
-    (a bf16 checkpoint's not widened to float32 first) and then cached, one process at a time (dense_file.opened)."""
+    (a bf16 checkpoint's not widened to float32 first) and then cached, one process at a time (dense_file.opened).
+    own: a pre-quantized checkpoint's linears (prequantized.own_linears), taken as they are, not cached."""
     expert_keys = {k for li in range(len(store.layers)) for k in store.checkpoint_keys(li)}
     if routers is None:
         _load_dense_weights(hf, ckpt, family, expert_keys, device, dtype, store.prequant, narrowed)
         return
     swapped = {name for name, *_ in quantized_linears(hf, routers)}
     prequant = store.prequant
-    # a pre-quantized checkpoint's linears: taken as they are, not cached
-    own = {} if prequant is None else own_linears(prequant, ckpt.keys(), family.module_key)
     with opened(store.qfile.folder, dense_plan(hf, routers, store.quant, set(own)), store.notices, progress) as (dense, cached):
         given = _load_dense_weights(hf, ckpt, family, expert_keys, device, dtype, prequant,
                                     narrowed | {f"{name}.weight" for name in swapped}, swapped, set(cached))
