@@ -476,8 +476,8 @@ class ChatStore:
                     raise KeyError(f"no conversation {conv_id}")
                 if claim and self.chat_written_elsewhere(conv_id):
                     raise ChatBusyError(conv_id)
-                if claim and self._chat_written_here(conv_id):  # one begun by this window (an app key met a send's awaits)
-                    raise ChatBusyError(conv_id, here=True)
+                if claim and self.writing.held.keys() & set(self._unfinished_replies(conv_id)):  # this window's own
+                    raise ChatBusyError(conv_id, here=True)  # (Regenerate, the app's key, met a send's awaits)
                 for role, content, finished in rows:
                     ids.append(db.execute("INSERT INTO messages (conv_id, role, content, finished, created)"
                                           " VALUES (?, ?, ?, ?, ?)", (conv_id, role, _storable(content), int(finished),
@@ -531,15 +531,12 @@ class ChatStore:
         """Whether another store writes a reply into this chat now (another window, plain chat): a second reply there would
         interleave the two (claim_reply refuses it; this is the app's early word on a message held). One query by the
         chat's index, a lock test per unfinished reply (crashed ones stay so)."""
-        rows = self._rows("SELECT id FROM messages WHERE conv_id = ? AND finished = 0 AND role = 'assistant'", (conv_id,))
-        return any(self.reply_written_elsewhere(message_id) for (message_id,) in rows)
+        return any(self.reply_written_elsewhere(message_id) for message_id in self._unfinished_replies(conv_id))
 
-    def _chat_written_here(self, conv_id: int) -> bool:
-        """Whether this store writes a reply into the chat now (its lock held here)."""
-        if not self.writing.held:
-            return False
+    def _unfinished_replies(self, conv_id: int) -> list[int]:
+        """The chat's unfinished replies' ids, by the chat's index (crashed writers' stay unfinished)."""
         rows = self._rows("SELECT id FROM messages WHERE conv_id = ? AND finished = 0 AND role = 'assistant'", (conv_id,))
-        return any(message_id in self.writing.held for (message_id,) in rows)
+        return [message_id for (message_id,) in rows]
 
     def chats_written_elsewhere(self) -> dict[int, int]:
         """The chats whose last message is a reply another store writes -> that reply's id: one query (each chat's last
