@@ -115,6 +115,7 @@ class Parser(argparse.ArgumentParser):
             return f"{command} needs {names}: {found[0].help}"
         return None
 
+
 def fail(message: str, code: int = 1) -> int:
     print(f"moechat: error: {' '.join(str(message).split())}", file=sys.stderr)  # one line, whatever a library said
     return code
