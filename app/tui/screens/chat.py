@@ -87,6 +87,7 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
         self.marked: set[str] = set()  # the listed chats marked as being written
         self.written_there: dict[str, int] = {}  # listed chats whose last reply another window writes -> that reply's id
         self.check_failed = ""  # what the last look for other windows' changes failed with: said once
+        self.check_queued = False  # a look at other windows' writes waits in the screen's queue (check_soon)
         self.was_narrow = False  # the terminal's width at the last resize was under NARROW
         self.list_made_room = False  # the chat list is hidden for the expert view on a narrow terminal, not by F4
 
@@ -120,7 +121,7 @@ class ChatScreen(ChatList, Holding, OtherWindows, Screen):
         except ChatStoreError as err:  # a damaged page, a lock: said, and the app runs (a new chat may still save)
             self.app.notify(str(err), severity="error", timeout=15)
         self.query_one(ChatInput).focus()
-        self.set_interval(CHECK_S, self.check_elsewhere)
+        self.set_interval(CHECK_S, self.check_soon)
 
     # ---- status (the app's handlers drop the engine's messages once it stops running) -------------------------
     def update_status(self) -> None:

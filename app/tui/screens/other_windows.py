@@ -11,7 +11,18 @@ from ..widgets.message_view import ChatLog, MessageView
 
 
 class OtherWindows:
-    """ChatScreen's look at other windows' writes (its state: check_failed)."""
+    """ChatScreen's look at other windows' writes (its state: check_failed, check_queued)."""
+
+    def check_soon(self) -> None:
+        """Every CHECK_S: a look (check_elsewhere) queued in the screen's own messages, one at a time, not run in the
+        timer's task, which the screen's unmount cancels: a look mounting views as the app quit failed its shutdown."""
+        if not self.check_queued:
+            self.check_queued = True
+            self.call_later(self._check_now)
+
+    async def _check_now(self) -> None:
+        self.check_queued = False
+        await self.check_elsewhere()
 
     async def check_elsewhere(self) -> None:
         """Another moechat window (or plain chat) on these chats added, renamed or deleted one, or the file was made again:
