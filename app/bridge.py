@@ -34,7 +34,7 @@ from collections.abc import Callable
 from textual.message import Message
 
 from ..engine import EngineConfig, MoechatError, RequestError, SamplingParams, out_of_vram
-from .chats import finish_of
+from .chat_text import finish_of
 from .models import draft_model_name, model_name
 from .remote import RemoteConfig, RemoteEngine, RemoteMeter
 from .tui.messages import (

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import re
 
-from .chats import EMPTY_REPLY, ChatStore, shows_nothing
+from .chat_text import EMPTY_REPLY, shows_nothing
+from .chats import ChatStore
 
 HEADINGS = {"system": "System", "user": "You", "assistant": "moechat"}
 

@@ -2,8 +2,9 @@
 
 What is at its path: an SQLite file or not (its header), a write-ahead log beside it that is not its own (refused before
 SQLite applies it), the file's identity (device, inode) and its logs', so a file deleted, replaced by a backup or made
-again by another window is told apart, and whether the file put there holds the same chats; and SQLite's failures on it
-(a full disk, a read-only file or mount, a lock, a damaged file) as one line that says what to do.
+again by another window is told apart, and whether the file put there holds the same chats; WAL mode set beside another
+moechat starting at once; and SQLite's failures on it (a full disk, a read-only file or mount, a lock, a damaged file) and
+a file or folder it cannot write as one line that says what to do.
 """
 from __future__ import annotations
 
@@ -90,6 +91,20 @@ def put_unless_there(part: Path, path: Path) -> None:
     part.unlink()
 
 
+def wal(db: sqlite3.Connection) -> None:
+    """WAL mode, waiting out a moechat starting at the same moment: SQLite says 'locked' at once to a connection
+    that read the file before the other switched it to WAL, while the other migrates, without its busy timeout."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 # -- its failures as what to do --------------------------------------------------------------------------------
 
 def explained(path: Path, err: sqlite3.Error, otherwise: str) -> str:
@@ -158,6 +173,18 @@ def read_only_mount(path: Path) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except (AttributeError, OSError):  # no statvfs on Windows
         return False
+
+
+def check_writable(path: Path) -> None:
+    """The file and its folder (WAL mode writes `-wal` and `-shm` beside it) writable, else what to fix: SQLite opens
+    a read-only file and fails at the first message, and a folder it cannot write gives 'unable to open'."""
+    for where, what in ((path, "file"), (path.parent, "folder")):
+        if where.exists() and not os.access(where, os.W_OK | (os.X_OK if what == "folder" else os.R_OK)):
+            if read_only_mount(where):  # no chmod helps there
+                raise MoechatError(f"the chat database's {what} {where} is on a read-only file system: remount it "
+                                   "read-write, or run moechat where its data directory can be written")
+            raise MoechatError(f"the chat database's {what} {where} is not writable by you: fix its permissions "
+                               f"(chmod u+rw{'x' if what == 'folder' else ''} '{where}')")
 
 
 def damaged(path: Path, err: sqlite3.Error, running: bool = False) -> str | None:

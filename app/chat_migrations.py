@@ -68,7 +68,7 @@ MIGRATIONS = [
     ALTER TABLE messages_v2 RENAME TO messages;
     CREATE INDEX messages_by_conversation ON messages(conv_id, id);
     """,
-    # 3: why a reply ended (chats.FINISHES), so a reply stopped by the user still says so after a restart; NULL while
+    # 3: why a reply ended (chat_text.FINISHES), so a reply stopped by the user still says so after a restart; NULL while
     # unfinished, and for messages stored before it
     """
     ALTER TABLE messages ADD COLUMN finish TEXT CHECK (finish IN ('stop', 'length', 'cancelled', 'failed'));

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..engine import MoechatError
 from .chat_file import LOGS
-from .chats import FINISHES, ROLES, ChatMessage, ChatStore, Conversation, title_from
+from .chat_text import FINISHES, title_from
+from .chats import ROLES, ChatMessage, ChatStore, Conversation
 
 CONVERSATION = ("id", "title", "system_prompt", "created", "updated")
 MESSAGE = ("id", "conv_id", "role", "content", "finished", "created", "stats", "finish")  # finish: schema 3 on

@@ -9,7 +9,8 @@ writer still runs holds a lock beside the file (`reply_locks.py`): another windo
 
 The schema grows by migrations, never by editing one (`chat_migrations.py`); a chat's Markdown export is
 `chat_export.py`; the file itself beside other processes (a log not its own, its identity when it is deleted or replaced
-while open) and SQLite's failures on it as what to do are `chat_file.py`.
+while open) and SQLite's failures on it as what to do are `chat_file.py`; what a chat says in words (its title, a reply's
+end, one being written elsewhere) and a text as the file can store it are `chat_text.py`.
 
 Threads: the Textual app writes from its UI thread only, but the connection is opened with
 `check_same_thread=False` and every call holds `self._lock`, so a call from another thread (a worker,
@@ -20,12 +21,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import sqlite3
 import threading
 import time
-import unicodedata
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,19 +34,30 @@ from ..engine import MoechatError
 from .chat_file import (
     LOGS,
     check_pages,
+    check_writable,
     damaged,
     explained,
     holds,
     identity,
     newest,
     put_unless_there,
-    read_only_mount,
     refusal,
     refuse_a_log_not_its_own,
     unusable,
+    wal,
 )
 from .chat_migrations import mark, migrate, moechat_version, refuse_newer
-from .reasoning import split_reasoning
+from .chat_text import (
+    BEING_WRITTEN,
+    FINISHES,
+    NEW_TITLE,
+    REPLACED_ELSEWHERE,
+    WRITING_HERE,
+    WRITING_HERE_ELSEWHERE,
+    WRITTEN_ELSEWHERE,
+    end_note,
+    storable,
+)
 from .reply_locks import ReplyLocks
 
 ROLES = ("system", "user", "assistant")
@@ -76,69 +86,7 @@ class ChatBusyError(ChatStoreError):
         return WRITING_HERE if self.here else WRITING_HERE_ELSEWHERE
 
 
-NEW_TITLE = "New chat"  # an empty conversation's title until its first message names it
-TITLE_CHARS = 40
-
-
-def title_from(text: str) -> str:
-    """A chat's title from its first message: its words on one line, cut after a whole word with "…" past TITLE_CHARS
-    characters (a title ended mid-word), without Markdown's fences and markers (a pasted code block titled a chat
-    "```python"), control characters, lone surrogates or bidirectional overrides (a NUL or a right-to-left override
-    scrambled the chat list's line)."""
-    words = _INLINE_MARK.sub("", _LINE_MARK.sub("", _FENCE_LINE.sub("", text)))
-    shown = "".join(" " if unicodedata.category(c) in ("Cc", "Cs") else "" if c in _BIDI_CONTROLS else c for c in words)
-    title = " ".join(shown.split())
-    if len(title) <= TITLE_CHARS:
-        return title or NEW_TITLE
-    cut = title[:TITLE_CHARS]
-    if cut.rfind(" ") >= TITLE_CHARS // 2:  # a word past the middle ends there; else one long word is cut
-        cut = cut[:cut.rfind(" ")]
-    return cut[:TITLE_CHARS - 1].rstrip(" ,.;:-") + "…"
-
-
-_FENCE_LINE = re.compile(r"^ {0,3}(`{3,}|~{3,}).*$", re.M)  # a code fence's line, with its language
-_LINE_MARK = re.compile(r"^[ \t]*(#{1,6}|>[> ]*|[-*+]|\d+[.)])[ \t]+", re.M)  # a heading, quote or list item's mark
-_INLINE_MARK = re.compile(r"`+|(?<!\w)\*+(?=\w)|(?<=\w)\*+(?!\w)")  # code spans' backticks, emphasis' stars (not 2*3)
-
-
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")  # embeddings, overrides, isolates
-# why a reply ended, as stored and as the app's ReplyFinished says: the model's end of turn (or a stop string), the length
-# limit, stopped by the user, an error -> what the chat screen and the export say of it ("": nothing)
-FINISHES = {"stop": "", "length": "cut at the length limit", "cancelled": "stopped", "failed": "failed"}
-
-
-def finish_of(finish_reason: str) -> str:
-    """The engine's Summary.finish_reason ("eos", "stop", "length", "cancelled") as FINISHES names it."""
-    return finish_reason if finish_reason in FINISHES else "stop"
-
-
-def end_note(finished: bool, finish: str | None) -> str:
-    """What a stored reply's heading says of its end: interrupted (cut off by a crash or a kill), else why it ended."""
-    return FINISHES.get(finish or "stop", "") if finished else "interrupted"
-
-
-BEING_WRITTEN = "being written"  # an unfinished reply this store still writes (the export's note: its text so far)
-# one another store writes (another window, plain chat): the export's note and the chat screen's role line alike
-WRITTEN_ELSEWHERE = "being written in another window"
-WRITING_HERE_ELSEWHERE = ("a reply is being written into this chat in another moechat window: wait for it to end, or stop it"
-                          " there")  # a send or Regenerate refused: two replies at once would interleave the chat
-WRITING_HERE = "a reply is being written into this chat: wait for it to end, or stop it (Esc)"  # this window's own
-EMPTY_REPLY = "(empty reply)"  # what the chat screen and the export show for a reply with no text (the model ended at once)
-
-
-def visible(text: str) -> bool:
-    """Whether text shows anything: not only spaces and invisible format characters (a zero-width space)."""
-    return any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
-
-
-def shows_nothing(reply: str) -> bool:
-    """Whether a reply shows no text as the app splits it, reasoning or answer (an empty `<think>` block is none)."""
-    return not visible("".join(split_reasoning(reply)[:2]))
-
-
 SAVE_INTERVAL_S = 0.5  # a streaming reply is saved at most this often (the app and plain chat): a kill loses at most this much
-DELETED_ELSEWHERE = "this chat was deleted in another moechat window"  # what both say when the store no longer has it
-REPLACED_ELSEWHERE = "this chat is not in the file put in place of the chat database"  # and when the file was replaced
 
 
 class ReplacedError(KeyError):
@@ -149,11 +97,6 @@ class ReplacedError(KeyError):
 
     def __str__(self) -> str:
         return REPLACED_ELSEWHERE
-
-
-def elsewhere(replaced: bool, chat: str = "this chat") -> str:
-    """What a chat gone says: not in the file put in place of the database (`replaced`), else deleted in another window."""
-    return (REPLACED_ELSEWHERE if replaced else DELETED_ELSEWHERE).replace("this chat", chat, 1)
 
 
 @dataclass
@@ -193,7 +136,7 @@ class ChatStore:
         self.writing = ReplyLocks(self.path)  # the replies this store writes (unfinished rows it added), locked
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._check_writable()
+            check_writable(self.path)
             self._db = self._open()
             self._sweep_locks()
         except sqlite3.Error as err:
@@ -216,7 +159,7 @@ class ChatStore:
             db.execute("PRAGMA foreign_keys=ON")
             version = moechat_version(db, self.path)  # before WAL: that writes the file
             refuse_newer(self.path, version)
-            self._wal(db)
+            wal(db)
             db.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL; not power loss
             migrate(db, self.path, version)
             mark(db)
@@ -308,17 +251,6 @@ class ChatStore:
             changed, self._data_version = reopened or version != self._data_version, version
             return changed
 
-    def _check_writable(self) -> None:
-        """The file and its folder (WAL mode writes `-wal` and `-shm` beside it) writable, else what to fix: SQLite opens
-        a read-only file and fails at the first message, and a folder it cannot write gives 'unable to open'."""
-        for where, what in ((self.path, "file"), (self.path.parent, "folder")):
-            if where.exists() and not os.access(where, os.W_OK | (os.X_OK if what == "folder" else os.R_OK)):
-                if read_only_mount(where):  # no chmod helps there
-                    raise MoechatError(f"the chat database's {what} {where} is on a read-only file system: remount it "
-                                       "read-write, or run moechat where its data directory can be written")
-                raise MoechatError(f"the chat database's {what} {where} is not writable by you: fix its permissions "
-                                   f"(chmod u+rw{'x' if what == 'folder' else ''} '{where}')")
-
     @contextmanager
     def _guard(self):
         """SQLite's failures as ChatStoreError; the store's own KeyError and ValueError pass as they are."""
@@ -328,19 +260,6 @@ class ChatStore:
             otherwise = (damaged(self.path, err, running=True)
                          or f"chat database {self.path} failed ({err}): check the disk it is on")
             raise ChatStoreError(explained(self.path, err, otherwise)) from None
-
-    def _wal(self, db: sqlite3.Connection) -> None:
-        """WAL mode, waiting out a moechat starting at the same moment: SQLite says 'locked' at once to a connection
-        that read the file before the other switched it to WAL, while the other migrates, without its busy timeout."""
-        deadline = time.monotonic() + 2.0
-        while True:
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-                return
-            except sqlite3.OperationalError as err:
-                if "locked" not in str(err) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
 
     def close(self) -> None:
         with self._lock:
@@ -358,7 +277,7 @@ class ChatStore:
     def _write(self, sql: str, args: tuple = (), generation: int | None = None) -> sqlite3.Cursor:
         """One statement in its own transaction (autocommit); text arguments as UTF-8 can hold them. generation: the
         store's when the ids in `args` were read (None: just now)."""
-        args = tuple(_storable(a) if isinstance(a, str) else a for a in args)
+        args = tuple(storable(a) if isinstance(a, str) else a for a in args)
         with self._lock, self._guard():
             self._same_file()
             self._ids_from(generation)
@@ -480,7 +399,7 @@ class ChatStore:
                     raise ChatBusyError(conv_id, here=True)  # (Regenerate, the app's key, met a send's awaits)
                 for role, content, finished in rows:
                     ids.append(db.execute("INSERT INTO messages (conv_id, role, content, finished, created)"
-                                          " VALUES (?, ?, ?, ?, ?)", (conv_id, role, _storable(content), int(finished),
+                                          " VALUES (?, ?, ?, ?, ?)", (conv_id, role, storable(content), int(finished),
                                                                       now)).lastrowid)
                     if not finished:
                         self.writing.hold(ids[-1])
@@ -501,7 +420,7 @@ class ChatStore:
             with self._transaction(generation) as db:
                 cursor = db.execute("UPDATE messages SET content = ?, finished = ?, stats = COALESCE(?, stats),"
                                     " finish = COALESCE(?, CASE WHEN ? THEN finish END) WHERE id = ?",  # unsaid: kept if finished
-                                    (_storable(content), int(finished), stats_json, finish if finished else None,
+                                    (storable(content), int(finished), stats_json, finish if finished else None,
                                      int(finished), message_id))
                 if cursor.rowcount == 0:
                     raise KeyError(f"no message {message_id}")
@@ -561,11 +480,11 @@ class ChatStore:
             keep = db.execute("SELECT 1 FROM sqlite_sequence WHERE seq > 0").fetchone() is None
             for conv, messages in chats:
                 cursor = db.execute("INSERT INTO conversations (id, title, system_prompt, created, updated)"
-                                    " VALUES (?, ?, ?, ?, ?)", (conv.id if keep else None, _storable(conv.title),
-                                                                _storable(conv.system_prompt), conv.created, conv.updated))
+                                    " VALUES (?, ?, ?, ?, ?)", (conv.id if keep else None, storable(conv.title),
+                                                                storable(conv.system_prompt), conv.created, conv.updated))
                 db.executemany("INSERT INTO messages (id, conv_id, role, content, finished, created, stats, finish)"
                                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                               [(m.id if keep else None, cursor.lastrowid, m.role, _storable(m.content), int(m.finished),
+                               [(m.id if keep else None, cursor.lastrowid, m.role, storable(m.content), int(m.finished),
                                  m.created, json.dumps(m.stats) if m.stats is not None else None, m.finish)
                                 for m in messages])
 
@@ -576,14 +495,3 @@ class ChatStore:
                 self._write("DELETE FROM messages WHERE id = ?", (message_id,), generation)
         finally:  # not written here any more, gone or not (a failed drop is tried again: reply_saver's pending_drops)
             self.writing.release(message_id)
-
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _storable(text: str) -> str:
-    """`text` as UTF-8 can hold it: surrogate halves that meet again (a pair a remote server's JSON split across two
-    deltas) become their character, a lone one U+FFFD, instead of failing the save of the whole reply."""
-    if _LONE_SURROGATE.search(text) is None:
-        return text
-    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")

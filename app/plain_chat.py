@@ -10,17 +10,13 @@ import threading
 import time
 from contextlib import contextmanager
 
+from .chat_text import EMPTY_REPLY, elsewhere, finish_of, shows_nothing, title_from
 from .chats import (
-    EMPTY_REPLY,
     SAVE_INTERVAL_S,
     ChatBusyError,
     ChatStore,
     ChatStoreError,
     ReplacedError,
-    elsewhere,
-    finish_of,
-    shows_nothing,
-    title_from,
 )
 from .terminal_text import as_typed, for_terminal
 
@@ -90,7 +86,7 @@ class Keeper:
         return self.reply_id is not None and time.monotonic() - self.saved_at >= SAVE_INTERVAL_S
 
     def reply(self, text: str, finished: bool, finish: str | None = None) -> None:
-        """The reply so far; finish: why a finished one ended (chats.FINISHES)."""
+        """The reply so far; finish: why a finished one ended (chat_text.FINISHES)."""
         if self.reply_id is None:
             return
         try:

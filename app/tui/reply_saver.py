@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..chats import REPLACED_ELSEWHERE, SAVE_INTERVAL_S, ChatStoreError, ReplacedError, elsewhere
+from ..chat_text import REPLACED_ELSEWHERE, elsewhere
+from ..chats import SAVE_INTERVAL_S, ChatStoreError, ReplacedError
 
 if TYPE_CHECKING:
     from textual.dom import DOMNode
@@ -42,7 +43,7 @@ class ReplySaver:
         """The reply so far into the store (and the reply it replaces out, once it has text). Its chat deleted meanwhile
         (another moechat on the same chats), or not in the file put in place of the database: said once, and the reply,
         which has nowhere to go, stopped. The database failing (the disk full, locked): said once; the reply streams on,
-        on screen, and the write stays pending. finish: why it ended (chats.FINISHES)."""
+        on screen, and the write stays pending. finish: why it ended (chat_text.FINISHES)."""
         try:
             self._write(reply.message_id, text, finished, stats, reply.replaces.id if reply.replaces else None,
                         reply.generation, finish)

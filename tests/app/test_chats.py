@@ -18,14 +18,12 @@ from moechat.app.chat_export import export_markdown
 from moechat.app.chat_file import DamagedFile, move_aside
 from moechat.app.chat_migrations import APPLICATION_ID, MIGRATIONS
 from moechat.app.chat_rescue import rescue_into
+from moechat.app.chat_text import WRITING_HERE, WRITING_HERE_ELSEWHERE, title_from
 from moechat.app.chats import (
-    WRITING_HERE,
-    WRITING_HERE_ELSEWHERE,
     ChatBusyError,
     ChatStore,
     ChatStoreError,
     store_path,
-    title_from,
 )
 from moechat.engine.errors import MoechatError
 
@@ -598,7 +596,7 @@ def test_a_file_or_folder_you_cannot_write_says_to_fix_its_permissions(tmp_path,
     path = tmp_path / "chats.sqlite3"
     ChatStore(path).close()
     for locked, what in ((path, "file"), (tmp_path, "folder")):
-        monkeypatch.setattr("moechat.app.chats.os.access", lambda where, mode, locked=locked: Path(where) != locked)
+        monkeypatch.setattr("moechat.app.chat_file.os.access", lambda where, mode, locked=locked: Path(where) != locked)
         with pytest.raises(MoechatError) as err:
             ChatStore(path)
         message = str(err.value)
@@ -611,7 +609,7 @@ def test_a_read_only_file_system_is_named_instead_of_a_chmod(tmp_path, monkeypat
     """A database on a read-only mount (a snapshot, a live system) was told to chmod, which cannot help there."""
     path = tmp_path / "chats.sqlite3"
     ChatStore(path).close()
-    monkeypatch.setattr("moechat.app.chats.os.access", lambda where, mode: False)
+    monkeypatch.setattr("moechat.app.chat_file.os.access", lambda where, mode: False)
     statvfs = os.statvfs
     monkeypatch.setattr("moechat.app.chat_file.os.statvfs", lambda where: type("ReadOnly", (), {
         "f_flag": statvfs(where).f_flag | os.ST_RDONLY})())
@@ -789,7 +787,7 @@ def test_lock_files_nobody_holds_are_removed_at_open_never_a_held_one(tmp_path):
 
 def test_a_title_is_one_clean_line_of_the_first_message():
     """A NUL, a newline or a right-to-left override in a first message scrambled its line in the chat list."""
-    from moechat.app.chats import NEW_TITLE, title_from
+    from moechat.app.chat_text import NEW_TITLE, title_from
 
     assert title_from("What is\x00 a\tdog?\nTell me.") == "What is a dog? Tell me."
     assert title_from("\u202eevil\u202c name \U0001F468\u200d\U0001F469") == "evil name \U0001F468\u200d\U0001F469"  # emoji kept
@@ -800,7 +798,7 @@ def test_a_title_is_one_clean_line_of_the_first_message():
 def test_a_title_ends_at_a_word_and_leaves_out_markdowns_marks():
     """Titles were cut at 40 characters mid-word, and a first message that opened with a pasted code block was titled
     "```python"."""
-    from moechat.app.chats import NEW_TITLE, TITLE_CHARS, title_from
+    from moechat.app.chat_text import NEW_TITLE, TITLE_CHARS, title_from
 
     long = title_from("What is a mixture of experts model, and why is it fast on a CPU?")
     assert long == "What is a mixture of experts model, and…" and len(long) <= TITLE_CHARS

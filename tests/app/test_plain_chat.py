@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from moechat.app import plain_chat
-from moechat.app.chats import WRITING_HERE_ELSEWHERE, ChatStore
+from moechat.app.chat_text import WRITING_HERE_ELSEWHERE
+from moechat.app.chats import ChatStore
 from moechat.engine.config import SamplingParams
 from moechat.engine.events import TokenDelta
 

@@ -18,7 +18,8 @@ from test_tui_chat_switch import notices, open_chat, role_line
 
 import moechat
 from moechat.app.chat_export import export_markdown
-from moechat.app.chats import WRITING_HERE, WRITING_HERE_ELSEWHERE, WRITTEN_ELSEWHERE, ChatStore
+from moechat.app.chat_text import WRITING_HERE, WRITING_HERE_ELSEWHERE, WRITTEN_ELSEWHERE
+from moechat.app.chats import ChatStore
 from moechat.app.tui.messages import ReplyDelta, ReplyFinished
 from moechat.app.tui.widgets.message_view import ChatInput, MessageView
 

@@ -23,13 +23,12 @@ from textual.widgets import (
     ProgressBar,
 )
 
+from ...chat_text import NEW_TITLE, title_from
 from ...chats import (
-    NEW_TITLE,
     ChatBusyError,
     ChatMessage,
     ChatStoreError,
     Conversation,
-    title_from,
 )
 from ...reasoning import enable_thinking
 from ..guard import store_failures_noticed

@@ -9,7 +9,7 @@ from textual.content import Content
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option, OptionDoesNotExist
 
-from ...chats import DELETED_ELSEWHERE, NEW_TITLE
+from ...chat_text import DELETED_ELSEWHERE, NEW_TITLE
 from ..guard import store_failures_noticed
 from ..widgets.message_view import ChatInput
 

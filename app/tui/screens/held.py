@@ -5,7 +5,8 @@ live_reply.py); what cannot be held is refused, said; a message the model refuse
 its chat to be opened; a chat left without a reply says which key asks for one."""
 from __future__ import annotations
 
-from ...chats import WRITING_HERE_ELSEWHERE, ChatBusyError, ChatMessage
+from ...chat_text import WRITING_HERE_ELSEWHERE
+from ...chats import ChatBusyError, ChatMessage
 from ..guard import store_failures_noticed
 from ..live_reply import Held, busy_line, held_note, joined, live_note
 from ..widgets.message_view import ChatInput, ChatLog

@@ -5,7 +5,8 @@ writes: drawn from its saves, being written while its writer holds its lock (app
 does not."""
 from __future__ import annotations
 
-from ...chats import ChatStoreError, elsewhere
+from ...chat_text import elsewhere
+from ...chats import ChatStoreError
 from ..guard import store_failures_noticed
 from ..widgets.message_view import ChatLog, MessageView
 

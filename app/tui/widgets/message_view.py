@@ -15,7 +15,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widgets import Button, Collapsible, Label, Markdown, Static, TextArea
 
-from ...chats import EMPTY_REPLY, WRITTEN_ELSEWHERE, end_note, shows_nothing, visible
+from ...chat_text import EMPTY_REPLY, WRITTEN_ELSEWHERE, end_note, shows_nothing, visible
 from ...reasoning import reasoning_title, split_reasoning
 from ..guard import store_failures_noticed
 
@@ -144,7 +144,7 @@ class MessageView(Vertical, can_focus=True):
 
     def __init__(self, role: str, content: str, message_id: int | None = None, finished: bool = True,
                  finish: str | None = None) -> None:
-        """finished, finish: a stored reply's end (chats.end_note), said beside its role."""
+        """finished, finish: a stored reply's end (chat_text.end_note), said beside its role."""
         super().__init__(classes=f"message {role}")
         self.role, self.content, self.message_id, self.finished = role, content, message_id, finished
         self.finish = finish
@@ -244,7 +244,7 @@ class MessageView(Vertical, can_focus=True):
             self.reasoning = reasoning
 
     def show_end(self, finish: str) -> None:
-        """The reply ended (chats.FINISHES' key): why, as a restored reply says it, and the placeholder if it is empty."""
+        """The reply ended (chat_text.FINISHES' key): why, as a restored reply says it, and the placeholder if it is empty."""
         self.finished, self.finish = True, finish
         self.set_note(end_note(True, finish))
         self.query_one(".empty-reply").display = self.empty_reply
