@@ -25,7 +25,8 @@ PARTS = {
     "experts": ("moe_ffn_q_native", "moe_ffn_native", "moe_ffn_torch", "grouped_ffn", "grouped_ffn_q"),
     "moe_layer": ("run_layer", "decode_ops.py:router_topk", "decode_stack.py:_account"),
     "scheduler": ("before_layer", "after_layer", "on_layer", "on_layers", "on_forward_end", "end_draft_phase"),
-    "dense": ("q_linear", "<built-in method torch._C._nn.linear>", "decode_ops.py:linear"),
+    "dense": ("q_linear", "<built-in method torch._C._nn.linear>", "decode_ops.py:linear",
+              "bf16_linear.py:widened_linear"),  # the last: a bf16 prefill's GEMMs (on oneDNN, not torch's linear), widening too
     "attention": ("<built-in method torch._C._nn.scaled_dot_product_attention>", "decode_ops.py:attention_step"),
     "kv_cache": ("kv_cache.py:update", "kv_cache.py:crop", "kv_cache.py:reserve", "kv_cache.py:advance"),
     "sampling": ("verify.py:accept",),

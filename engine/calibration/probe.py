@@ -70,6 +70,20 @@ def cpu_info() -> tuple[str, list[str]]:
     return model, [f for f in CPU_FLAGS if f in flags]
 
 
+def cpu_vendor() -> str:
+    """The CPU's maker as x86 names it ("GenuineIntel", "AuthenticAMD", ...): /proc/cpuinfo's vendor_id on Linux, else
+    what `platform.processor()` says (Windows: "AMD64 Family 25 Model 97 Stepping 2, AuthenticAMD"); "" on other CPUs."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "vendor_id":
+            return value
+    return platform.processor() if platform.machine().lower() in ("x86_64", "amd64") else ""
+
+
 def _capability_flags() -> list[str]:
     try:
         import torch

@@ -9,6 +9,7 @@ head shares it; routers stay fp32 (the native router reads fp32), and so do norm
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -62,11 +63,33 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         with torch.inference_mode(False):  # a normal tensor: written in place in and outside inference mode
             buf = _scratch.buf = torch.empty(block * k, dtype=x.dtype)
     out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
+    gemm = fp32_gemm() if x.dtype == torch.float32 else F.linear
     for r0 in range(0, rows, block):
         r1 = min(rows, r0 + block)
         w = buf[: (r1 - r0) * k].view(r1 - r0, k).copy_(weight[r0:r1])
-        out[..., r0:r1] = F.linear(x, w, None if bias is None else bias[r0:r1])
+        out[..., r0:r1] = gemm(x, w, None if bias is None else bias[r0:r1])
     return out
+
+
+@functools.cache
+def fp32_gemm():
+    """F.linear for fp32, on oneDNN where the CPU is x86 but not Intel's: there PyTorch's fp32 GEMM (MKL) takes a
+    generic path, 2.1-3.1x slower than oneDNN's at prefill's 17-256 rows on a Zen 5 (docs/benchmarks.md, "PyTorch's
+    fp32 GEMM on an AMD CPU"); elsewhere, or without oneDNN's op in this PyTorch, F.linear itself."""
+    from ..calibration.probe import cpu_vendor
+
+    vendor = cpu_vendor()
+    linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    if not vendor or "GenuineIntel" in vendor or linear is None:
+        return F.linear
+
+    def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x [..., K], w [R, K]
+        if x.numel() == 0:
+            return F.linear(x, w, bias)
+        y = linear(x.reshape(-1, x.shape[-1]).contiguous(), w, bias, "none", [], "")  # [rows of x, R]
+        return y.view(*x.shape[:-1], w.shape[0])
+
+    return onednn_linear
 
 
 def _detach(t: torch.Tensor | None) -> torch.Tensor | None:

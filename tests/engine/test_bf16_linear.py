@@ -42,3 +42,37 @@ def test_bf16_linear_rows_do_not_depend_on_their_company():
     assert torch.allclose(together, F.linear(x, w.float(), b), rtol=0, atol=1e-5)
     many = torch.randn(1, bf16_linear.NATIVE_MAX_ROWS + 1, 24)  # prefill: the widened GEMM
     assert torch.allclose(layer(many), F.linear(many, w.float(), b), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("vendor, onednn", [("AuthenticAMD", True), ("HygonGenuine", True), ("GenuineIntel", False),
+                                            ("AMD64 Family 25 Model 97 Stepping 2, AuthenticAMD", True), ("", False)])
+def test_prefills_fp32_gemm_is_onednns_on_x86_cpus_not_intels(vendor, onednn, monkeypatch):
+    """MKL, PyTorch's fp32 GEMM, runs a generic path on other makers' CPUs: their prefill GEMMs go to oneDNN."""
+    from moechat.engine.calibration import probe
+
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        pytest.skip("this PyTorch has no oneDNN linear")
+    monkeypatch.setattr(probe, "cpu_vendor", lambda: vendor)
+    bf16_linear.fp32_gemm.cache_clear()
+    try:
+        gemm = bf16_linear.fp32_gemm()
+    finally:
+        bf16_linear.fp32_gemm.cache_clear()
+    assert (gemm is not F.linear) == onednn
+    w, b = weights(rows=40, k=64)
+    x = torch.randn(2, 37, 64)
+    for bias in (b, None):
+        got = gemm(x, w.float(), bias)
+        assert got.shape == (2, 37, 40) and torch.allclose(got, F.linear(x, w.float(), bias), rtol=1e-5, atol=1e-6)
+    assert gemm(x[:, :0], w.float(), b).shape == (2, 0, 40)
+
+
+def test_the_cpu_vendor_is_read_on_x86():
+    import platform
+
+    from moechat.engine.calibration.probe import cpu_vendor
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        assert cpu_vendor() == ""  # an Arm CPU: no x86 maker's name, so no rule of fp32_gemm's applies
+    else:
+        assert any(name in cpu_vendor() for name in ("GenuineIntel", "AuthenticAMD", "HygonGenuine", "CentaurHauls"))

@@ -458,6 +458,24 @@ def test_bf16_checkpoint(family, checkpoint, tokenizer):
     assert len(fin.token_ids) == 16
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_checkpoints_long_prompt_prefills_through_the_widened_gemm_exactly(family, checkpoint, tokenizer, monkeypatch):
+    """A prompt longer than the native kernel's rows (NATIVE_MAX_ROWS) multiplies the bf16 dense weights widened a block at
+    a time, on oneDNN where the CPU is x86 but not Intel's (fp32_gemm): transformers' greedy tokens in float32."""
+    from moechat.engine.experts import cpu_ffn
+    from moechat.engine.model import bf16_linear
+
+    if cpu_ffn.library() is None:
+        pytest.skip("native kernels not built: no bf16 dense linears")
+    widened, real = [], bf16_linear.widened_linear
+    monkeypatch.setattr(bf16_linear, "widened_linear", lambda *args: widened.append(args[0].shape) or real(*args))
+    model_dir = checkpoint(family, 4, dtype=torch.bfloat16)
+    prompt = tokenizer(" ".join([PROMPT] * 6))["input_ids"]
+    assert len(prompt) > bf16_linear.NATIVE_MAX_ROWS
+    assert run_engine(model_dir, prompt, drafter="self").token_ids == hf_greedy(model_dir, prompt)
+    assert any(shape[-2] == len(prompt) for shape in widened)  # the prompt's rows went through it
+
+
 def test_engine_serves_many_requests(checkpoint, tokenizer):
     """One engine, several requests: residency carries over, output stays exact."""
     model_dir = checkpoint("mixtral", 5)
