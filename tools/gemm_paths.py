@@ -17,16 +17,12 @@ from moechat.engine.calibration.probe import cpu_vendor
 from moechat.engine.model import bf16_linear
 
 
-def onednn(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), w, bias, "none", [], "").view(*x.shape[:-1], -1)
-
-
 def main(rows: list[int], rounds: int = 6) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))
     weights = [torch.randn(r, k).bfloat16() for r, k in [(4096, 2048), (512, 2048), (512, 2048), (2048, 4096)] * 4]
     chosen = bf16_linear.fp32_gemm()
     print(f"{cpu_vendor() or 'no x86 vendor'}: fp32_gemm takes {'oneDNN' if chosen is not F.linear else 'F.linear (MKL)'}")
-    sides = {"F.linear (MKL)": F.linear, "oneDNN": onednn}
+    sides = {"F.linear (MKL)": F.linear, "oneDNN": bf16_linear.onednn_linear}
     with torch.inference_mode():
         for m in rows:
             x = {k: torch.randn(m, k) for k in (2048, 4096)}

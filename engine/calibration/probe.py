@@ -53,19 +53,10 @@ def probe(models_dir: Path | None = None) -> Hardware:
 
 def cpu_info() -> tuple[str, list[str]]:
     """(model name, flags of interest) from /proc/cpuinfo; off Linux, platform and PyTorch's CPU capability."""
-    model, flags = "", None
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = (part.strip() for part in line.partition(":"))
-        if key in ("model name", "Model", "cpu model") and not model:  # x86; Arm boards; some others
-            model = value
-        elif key in ("flags", "Features") and flags is None:  # x86; Arm
-            flags = set(value.split())
-    if flags is None:
-        flags = set(_capability_flags())
+    fields = _cpuinfo_fields()
+    model = next((fields[k] for k in ("model name", "Model", "cpu model") if fields.get(k)), "")  # x86; Arm boards; others
+    found = next((fields[k] for k in ("flags", "Features") if k in fields), None)  # x86; Arm
+    flags = set(_capability_flags()) if found is None else set(found.split())
     model = model or platform.processor() or platform.machine() or "unknown CPU"
     return model, [f for f in CPU_FLAGS if f in flags]
 
@@ -73,15 +64,23 @@ def cpu_info() -> tuple[str, list[str]]:
 def cpu_vendor() -> str:
     """The CPU's maker as x86 names it ("GenuineIntel", "AuthenticAMD", ...): /proc/cpuinfo's vendor_id on Linux, else
     what `platform.processor()` says (Windows: "AMD64 Family 25 Model 97 Stepping 2, AuthenticAMD"); "" on other CPUs."""
+    vendor = _cpuinfo_fields().get("vendor_id")
+    if vendor is not None:
+        return vendor
+    return platform.processor() if platform.machine().lower() in ("x86_64", "amd64") else ""
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """/proc/cpuinfo's fields, each key's first value (the first CPU's); {} off Linux."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        text = ""
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = (part.strip() for part in line.partition(":"))
-        if key == "vendor_id":
-            return value
-    return platform.processor() if platform.machine().lower() in ("x86_64", "amd64") else ""
+        fields.setdefault(key, value)
+    return fields
 
 
 def _capability_flags() -> list[str]:

@@ -79,17 +79,21 @@ def fp32_gemm():
     from ..calibration.probe import cpu_vendor
 
     vendor = cpu_vendor()
-    linear = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    if not vendor or "GenuineIntel" in vendor or linear is None:
+    if not vendor or "GenuineIntel" in vendor or not onednn_available():
         return F.linear
-
-    def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x [..., K], w [R, K]
-        if x.numel() == 0:
-            return F.linear(x, w, bias)
-        y = linear(x.reshape(-1, x.shape[-1]).contiguous(), w, bias, "none", [], "")  # [rows of x, R]
-        return y.view(*x.shape[:-1], w.shape[0])
-
     return onednn_linear
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x [..., K], w [R, K]
+    """F.linear's product on oneDNN (the op inductor uses for a CPU's linear layers), where onednn_available()."""
+    if x.numel() == 0:
+        return F.linear(x, w, bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), w, bias, "none", [], "")  # [rows, R]
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def _detach(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -50,7 +50,7 @@ def test_prefills_fp32_gemm_is_onednns_on_x86_cpus_not_intels(vendor, onednn, mo
     """MKL, PyTorch's fp32 GEMM, runs a generic path on other makers' CPUs: their prefill GEMMs go to oneDNN."""
     from moechat.engine.calibration import probe
 
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if not bf16_linear.onednn_available():
         pytest.skip("this PyTorch has no oneDNN linear")
     monkeypatch.setattr(probe, "cpu_vendor", lambda: vendor)
     bf16_linear.fp32_gemm.cache_clear()
