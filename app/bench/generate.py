@@ -27,6 +27,12 @@ def add_bench_generate(sub) -> None:
     p.add_argument("--by-part", action="store_true",
                    help="also profile the decode and the prefill by part (experts, the MoE layers' own Python, dense "
                         "products, attention, the rest), in ms per token")
+    p.add_argument("--llama-cpp", default=None, metavar="GGUF",
+                   help="also time llama.cpp's llama-bench on this GGUF of the same model, one round between each two of "
+                        "moechat's runs in turn (same prompt length, new tokens and threads): a ratio per round")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="the llama-bench to run (default: on PATH, else the one peers/llamacpp.sh built)")
+    p.add_argument("--llama-bench-args", default="", metavar="ARGS", help="more llama-bench flags, e.g. '--repack 0'")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench_generate)
 
@@ -69,9 +75,11 @@ def cmd_bench_generate(args) -> int:
 
     from ...engine import Engine, MoechatError, Request
     from ..engine_config import engine_config
+    from .llama_cpp import LlamaBench
 
     if args.repeats < 1 or args.max_new_tokens < 2:  # medians need a run, decode tok/s a token after the prefill's
         raise MoechatError("bench generate needs --repeats >= 1 and --max-new-tokens >= 2")
+    peer = LlamaBench.of(args, torch.get_num_threads(), 0) if args.llama_cpp else None  # its faults before the load
     engine = Engine(engine_config(args))
     replay = attach_replay(engine, args.replay_traces) if args.replay_traces else None
     if args.prompt_ids is not None:
@@ -87,7 +95,8 @@ def cmd_bench_generate(args) -> int:
         hf_skipped = "Hugging Face's copy of the model would not fit the free RAM"
     hf = _load_hf(args, ids) if plain and hf_skipped is None else None
     paired = {"read_gbps": [], "outside_ms": []} if args.by_part and args.draft == "none" else None
-    med, decode, same = _measure(engine, hf, ids, args, paired)
+    peer = dataclasses.replace(peer, prompt=len(ids)) if peer else None
+    med, decode, same = _measure(engine, hf, ids, args, paired, peer)
     profile = _profile(engine, ids, args) if args.by_part else None
     prefill_profile = _prefill_profile(engine, ids, args) if args.by_part else None
     bound = _non_expert_bound(engine, paired) if paired is not None else None
@@ -114,6 +123,8 @@ def cmd_bench_generate(args) -> int:
     if replay is not None:
         result["replay"] = args.replay_traces
         result["replay_layers"] = replay.layers_used
+    if peer is not None:
+        result.update(_peer_figures(med, peer))
     if hf_skipped:
         result["hf_skipped"] = hf_skipped
     if hf is not None:
@@ -213,10 +224,11 @@ def _non_expert_bound(engine, paired: dict) -> dict:
             "ratio": statistics.median(ratios), "ratios": ratios, "read_gbps_samples": paired["read_gbps"]}
 
 
-def _measure(engine, hf, ids: list[int], args, paired: dict | None = None) -> tuple[dict, dict, bool]:
+def _measure(engine, hf, ids: list[int], args, paired: dict | None = None, peer=None) -> tuple[dict, dict, bool]:
     """Alternating runs of the engine and HF: (medians per row, the last run's decode figures, same tokens). With
     `paired`, each engine run's time per token outside the experts and (on the CPU) the host RAM's read bandwidth sampled
-    right after it."""
+    right after it. With `peer` (a LlamaBench), a llama-bench round after the engine's run in even rounds and before it
+    in odd ones; every round's figures are kept under "rounds"."""
     from ..flags import sampling_params
     from .kernels import CopyMeter
 
@@ -225,9 +237,12 @@ def _measure(engine, hf, ids: list[int], args, paired: dict | None = None) -> tu
     eos, engine.model.eos_ids = engine.model.eos_ids, set()  # every run generates exactly max_new_tokens
     params = sampling_params(args)
     run_engine(engine, ids, params)  # warm-up
-    rows = {"engine_prefill": [], "engine_decode": [], "hf_prefill": [], "hf_decode": []}
+    rows = {"engine_prefill": [], "engine_decode": [], "hf_prefill": [], "hf_decode": [], "llama_prefill": [],
+            "llama_decode": []}
     same, decode = True, None
-    for _ in range(args.repeats):  # alternate so machine noise hits both alike
+    for i in range(args.repeats):  # alternate so machine noise hits both alike
+        if peer is not None and i % 2:
+            _peer_round(peer, rows, args.repeats)
         fin, steps = run_engine(engine, ids, params)
         rows["engine_prefill"].append(fin.summary.prefill_tokens_per_s)
         rows["engine_decode"].append(fin.summary.decode_tokens_per_s)
@@ -249,8 +264,32 @@ def _measure(engine, hf, ids: list[int], args, paired: dict | None = None) -> tu
             print(f"run {len(rows['hf_decode'])}/{args.repeats}: HF prefill {rows['hf_prefill'][-1]:.1f}, "
                   f"decode {rows['hf_decode'][-1]:.1f} tok/s", file=sys.stderr, flush=True)
             same &= hf_tokens == fin.token_ids
+        if peer is not None and not i % 2:
+            _peer_round(peer, rows, args.repeats)
     engine.model.eos_ids = eos
-    return {k: statistics.median(v) for k, v in rows.items() if v}, decode, same
+    med = {k: statistics.median(v) for k, v in rows.items() if v}
+    return {**med, "rounds": rows} if peer is not None else med, decode, same
+
+
+def _peer_round(peer, rows: dict, repeats: int) -> None:
+    rates = peer.round()
+    rows["llama_prefill"].append(rates["prefill_tokens_per_s"])
+    rows["llama_decode"].append(rates["decode_tokens_per_s"])
+    print(f"run {len(rows['llama_decode'])}/{repeats}: llama.cpp prefill {rates['prefill_tokens_per_s']:.1f}, "
+          f"decode {rates['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+
+
+def _peer_figures(med: dict, peer) -> dict:
+    """llama.cpp's medians, and moechat's over llama.cpp's per round (the runs next to each other) with their median."""
+    rounds = med["rounds"]
+    ratios = {part: [ours / theirs for ours, theirs in zip(rounds[f"engine_{part}"], rounds[f"llama_{part}"], strict=True)]
+              for part in ("prefill", "decode")}
+    return {"llama_cpp": {"gguf": peer.gguf, "llama_bench": peer.binary, "threads": peer.threads,
+                          "args": list(peer.extra), "prefill_tokens_per_s": med["llama_prefill"],
+                          "decode_tokens_per_s": med["llama_decode"], "prefill_rounds": rounds["llama_prefill"],
+                          "decode_rounds": rounds["llama_decode"]},
+            "ratio_llama_cpp": {part: statistics.median(r) for part, r in ratios.items()}
+            | {f"{part}_rounds": r for part, r in ratios.items()}}
 
 
 def _calibrated_cpu_ms(engine, args) -> float | None:
@@ -278,6 +317,11 @@ def _print_generate(result: dict, args, replay) -> None:
     if "hf" in result:
         print(f"{'HF':10}{result['hf']['prefill_tokens_per_s']:15.1f}{result['hf']['decode_tokens_per_s']:15.1f}")
         print(f"{'ratio':10}{result['ratio']['prefill']:15.2f}{result['ratio']['decode']:15.2f}")
+    if "llama_cpp" in result:
+        peer, ratio = result["llama_cpp"], result["ratio_llama_cpp"]
+        print(f"{'llama.cpp':10}{peer['prefill_tokens_per_s']:15.1f}{peer['decode_tokens_per_s']:15.1f}")
+        print(f"{'vs llama':10}{ratio['prefill']:15.2f}{ratio['decode']:15.2f}   (median of each round's; decode rounds: "
+              + ", ".join(f"{r:.2f}" for r in ratio["decode_rounds"]) + ")")
     if "hf_skipped" in result:
         print(f"HF: not compared ({result['hf_skipped']})")
     if "profile_ms_per_token" in result:
