@@ -36,6 +36,28 @@
 #endif
 #endif
 
+// Up to how many tokens the AVX-512 products read their weight rows one at a time, one stream a thread, instead of four
+// side by side (a tile's rows, dot4's): on AMD's Zen 5 one stream read 15-20 % faster at 1 and 2 tokens and four rows
+// were faster from 3 (docs/benchmarks.md, "One weight row at a time"); Intel's CPUs keep four (not measured there). A
+// row's sum runs in one order either way, so the bits do not change. One value for the library (tests set it:
+// moe_one_row_tokens).
+namespace moe_rows {
+inline bool cpu_is_amd() {
+#ifdef MOE_X86
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
+#else
+    return false;
+#endif
+}
+inline std::atomic<int> g_one_row_tokens{-1};  // -1: not asked yet
+inline int one_row_tokens() {
+    int n = g_one_row_tokens.load(std::memory_order_relaxed);
+    if (n < 0) g_one_row_tokens.store(n = cpu_is_amd() ? 2 : 0, std::memory_order_relaxed);
+    return n;
+}
+}  // namespace moe_rows
+
 namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };

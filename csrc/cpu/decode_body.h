@@ -482,21 +482,28 @@ inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
 // bits do not depend on T; each weight row is read once for all T tokens. Threads take runs of row quads from a
 // counter (a quarter of an even share each), so a core the VM slows for a while does not hold the others at the end.
+// A quad's rows through dot4 side by side, or one after another where the build reads one row at a time for T
+// tokens (ONE_ROW and moe_rows::one_row_tokens: AVX-512 on AMD at 1-2 tokens); the same bits.
 template <typename W>
 inline void linear(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                    int64_t y_stride, int threads) {
     const int64_t n = threads_for(threads, double(sizeof(W)) * T * R * K);
     const int64_t quads = R / 4;  // rows 4q..4q+3 through dot4, the last R % 4 through dot: a row's path depends on r alone
     const int64_t run = std::max<int64_t>(1, quads / (4 * n));
+    const bool one_row = ONE_ROW && T <= moe_rows::one_row_tokens();
     std::atomic<int64_t> next{0};
     g_pool->run(int(n), [&](int) {
         for (int64_t q0; (q0 = next.fetch_add(run)) < quads;)
-            for (int64_t q = q0; q < std::min(quads, q0 + run); ++q)
+            for (int64_t q = q0; q < std::min(quads, q0 + run); ++q) {
+                if (one_row)
+                    for (int j = 0; j < 4; ++j)
+                        for (int64_t t = 0; t < T; ++t) y[t * y_stride + 4 * q + j] = dot(x + t * K, w + (4 * q + j) * K, K);
                 for (int64_t t = 0; t < T; ++t) {
                     float* yt = y + t * y_stride + 4 * q;
-                    dot4(x + t * K, w + 4 * q * K, K, K, yt);
+                    if (!one_row) dot4(x + t * K, w + 4 * q * K, K, K, yt);
                     for (int j = 0; j < 4; ++j) yt[j] += b ? b[4 * q + j] : 0.f;
                 }
+            }
     });
     for (int64_t r = 4 * quads; r < R; ++r)
         for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);

@@ -52,6 +52,7 @@ struct KeyRows {
 // AVX-512 build on a Zen 4
 namespace portable {
 constexpr int SUM_ROWS = 2;
+constexpr bool ONE_ROW = false;  // linear(): dot4's rows side by side at any T
 #include "decode_body.h"
 }  // namespace portable
 
@@ -65,6 +66,7 @@ constexpr int SUM_ROWS = 2;
 #define MOE_BODY_AVX2 1
 namespace avx2 {
 constexpr int SUM_ROWS = 4;
+constexpr bool ONE_ROW = false;  // 8 lanes a row: one row alone was slower in the experts' AVX2 tile (Zen 5)
 #include "decode_body.h"
 }  // namespace avx2
 #if defined(__clang__)
@@ -78,6 +80,7 @@ constexpr int SUM_ROWS = 4;
 #endif
 namespace avx512 {
 constexpr int SUM_ROWS = 2;
+constexpr bool ONE_ROW = true;
 #include "decode_body.h"
 }  // namespace avx512
 #undef MOE_BODY_AVX2

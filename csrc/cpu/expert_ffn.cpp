@@ -58,6 +58,13 @@ constexpr int64_t RB_ROWS = 32;  // weight rows per work item in both phases (tw
 // Codes: 0 ok, -1 bad dtype, -2 ISA not supported by this CPU, -3 bad shapes.
 API int moe_cpu_isa_supported(int isa) { return isa == AUTO || cpu_has(Isa(isa)); }
 
+// Up to how many tokens the AVX-512 products read one weight row at a time (common.h, moe_rows): n >= 0 sets it (tests
+// run both ways); returns the value calls take now
+API int moe_one_row_tokens(int n) {
+    if (n >= 0) moe_rows::g_one_row_tokens.store(n, std::memory_order_relaxed);
+    return moe_rows::one_row_tokens();
+}
+
 API int moe_cpu_resolve_isa(int isa, int w_dtype, int x_dtype) { return resolve(isa, w_dtype, x_dtype); }
 
 // Group g's expert through its own three matrices: gate[g] and up[g] [I, H], down[g] [H, I] (each contiguous,

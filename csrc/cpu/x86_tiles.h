@@ -290,8 +290,15 @@ struct Avx2Pairs {  // bf16 weights, activations in permute_pairs order
 
 // Registers: AVX-512 4 rows x 6 tokens = 24 accumulators + 4 weights + 1 token of 32 zmm; AVX2 2 x 6
 // = 12 + 2 + 1 of 16 ymm (pairs: 2 x 5 = 10 + 4 weight halves + 1-2 tokens).
-template <typename WT> void mat_avx512(const MatJob& j) { walk<Avx512<WT>, 4, 6>(j); }
-inline void mat_bf16(const MatJob& j) { walk<Avx512Bf16, 4, 6>(j); }
+// up to moe_rows::one_row_tokens() tokens one row a tile (the same bits: each row's chain runs alone either way)
+template <typename WT> void mat_avx512(const MatJob& j) {
+    if (j.T <= moe_rows::one_row_tokens()) return walk<Avx512<WT>, 1, 6>(j);
+    walk<Avx512<WT>, 4, 6>(j);
+}
+inline void mat_bf16(const MatJob& j) {
+    if (j.T <= moe_rows::one_row_tokens()) return walk<Avx512Bf16, 1, 6>(j);
+    walk<Avx512Bf16, 4, 6>(j);
+}
 template <typename WT> void mat_avx2(const MatJob& j) { walk<Avx2<WT>, 2, 6>(j); }
 inline void mat_avx2_pairs(const MatJob& j) { walk<Avx2Pairs, 2, 5>(j); }
 

@@ -62,6 +62,7 @@ def library() -> ctypes.CDLL | None:
         lib.moe_expert_ffn_ptrs.restype = ctypes.c_int
         lib.moe_cpu_isa_supported.argtypes = [ctypes.c_int]
         lib.moe_cpu_resolve_isa.argtypes = [ctypes.c_int] * 3
+        lib.moe_one_row_tokens.argtypes = [ctypes.c_int]
         lib.moe_expert_ffn_q.argtypes = _Q_ARGTYPES
         lib.moe_expert_ffn_q.restype = ctypes.c_int
         lib.moe_q_linear.argtypes = _QL_ARGTYPES
@@ -95,6 +96,13 @@ def keeps_bf16(device_type: str, dtype: torch.dtype, quant: str) -> bool:
 def isa_supported(isa: str) -> bool:
     lib = library()
     return lib is not None and bool(lib.moe_cpu_isa_supported(ISA[isa]))
+
+
+def one_row_tokens(n: int = -1) -> int:
+    """Up to how many tokens the AVX-512 products (experts and decode linears) read one weight row at a time instead of
+    four side by side: 2 on AMD CPUs, else 0 (csrc/cpu/common.h); n >= 0 sets it. The same bits either way."""
+    lib = library()
+    return 0 if lib is None else lib.moe_one_row_tokens(n)
 
 
 def resolved_isa(isa: str, w_dtype: torch.dtype, x_dtype: torch.dtype) -> str:

@@ -636,3 +636,50 @@ def test_a_bus_error_no_file_caused_is_not_said_to_be_a_model_file(send):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGBUS and done.stdout == ""
     assert done.stderr == "<reset>", done.stderr[-500:]
+
+
+@pytest.fixture
+def one_row_tokens():
+    """Sets up to how many tokens the AVX-512 products read one weight row at a time; the CPU's default restored after."""
+    default = cpu_ffn.one_row_tokens()
+    yield cpu_ffn.one_row_tokens
+    cpu_ffn.one_row_tokens(default)
+
+
+@needs_native
+def test_the_products_read_one_row_at_a_time_at_1_and_2_tokens_on_amd_cpus(one_row_tokens):
+    from moechat.engine.calibration.probe import cpu_vendor
+
+    assert one_row_tokens() == (2 if "AuthenticAMD" in cpu_vendor() else 0)  # the native cpuid agrees with /proc/cpuinfo
+    assert one_row_tokens(9) == 9 and one_row_tokens() == 9
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_dtype,x_dtype", DTYPES[:3], ids=lambda d: str(d).replace("torch.", ""))
+def test_one_row_at_a_time_gives_the_four_rows_bits(isa, w_dtype, x_dtype, one_row_tokens):
+    """Rows read one at a time or four side by side: each row's sum runs in one order, so the experts' outputs are the
+    same bits at every token count (which the CPU takes is a speed choice, never a result)."""
+    for H, I, sizes in SHAPES:
+        args = case(H, I, sizes, w_dtype, x_dtype)
+        outs = []
+        for n in (0, 16):
+            one_row_tokens(n)
+            outs.append(cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, H), isa=isa))
+        assert torch.equal(*outs), (isa, H, I, sizes)
+
+
+@needs_native
+@pytest.mark.parametrize("T", [1, 2, 3, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_decode_linear_one_row_at_a_time_gives_dot4s_bits(T, dtype, one_row_tokens):
+    from moechat.engine.model import decode_ops
+
+    gen = torch.Generator().manual_seed(T)
+    x, w, b = torch.randn(T, 203, generator=gen), torch.randn(70, 203, generator=gen).to(dtype), torch.randn(70, generator=gen)
+    outs = []
+    for n in (0, 16):
+        one_row_tokens(n)
+        outs.append(decode_ops.linear(x, w, b))
+    assert torch.equal(*outs)
+    torch.testing.assert_close(outs[0], torch.nn.functional.linear(x, w.float(), b), rtol=1e-5, atol=1e-4)
