@@ -71,17 +71,20 @@ def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
+AMD_MAKERS = ("AuthenticAMD", "HygonGenuine")  # x86 vendor strings of Zen cores
+
+
 @functools.cache
 def fp32_gemm():
-    """F.linear for fp32, on oneDNN where the CPU is x86 but not Intel's: there PyTorch's fp32 GEMM (MKL) takes a
+    """F.linear for fp32, on oneDNN where the CPU is AMD's (or Hygon's, a Zen): there PyTorch's fp32 GEMM (MKL) takes a
     generic path, 2.1-3.1x slower than oneDNN's at prefill's 17-256 rows on a Zen 5 (docs/benchmarks.md, "PyTorch's
-    fp32 GEMM on an AMD CPU"); elsewhere, or without oneDNN's op in this PyTorch, F.linear itself."""
+    fp32 GEMM on an AMD CPU"); elsewhere (Intel's, an Intel Mac's "i386", Arm), or without oneDNN's op in this PyTorch,
+    F.linear itself."""
     from ..calibration.probe import cpu_vendor
 
-    vendor = cpu_vendor()
-    if not vendor or "GenuineIntel" in vendor or not onednn_available():
-        return F.linear
-    return onednn_linear
+    if any(maker in cpu_vendor() for maker in AMD_MAKERS) and onednn_available():
+        return onednn_linear
+    return F.linear
 
 
 def onednn_available() -> bool:

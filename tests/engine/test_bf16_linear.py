@@ -45,9 +45,11 @@ def test_bf16_linear_rows_do_not_depend_on_their_company():
 
 
 @pytest.mark.parametrize("vendor, onednn", [("AuthenticAMD", True), ("HygonGenuine", True), ("GenuineIntel", False),
-                                            ("AMD64 Family 25 Model 97 Stepping 2, AuthenticAMD", True), ("", False)])
-def test_prefills_fp32_gemm_is_onednns_on_x86_cpus_not_intels(vendor, onednn, monkeypatch):
-    """MKL, PyTorch's fp32 GEMM, runs a generic path on other makers' CPUs: their prefill GEMMs go to oneDNN."""
+                                            ("AMD64 Family 25 Model 97 Stepping 2, AuthenticAMD", True), ("", False),
+                                            ("i386", False), ("CentaurHauls", False)])  # i386: an Intel Mac's platform
+def test_prefills_fp32_gemm_is_onednns_on_amd_cpus(vendor, onednn, monkeypatch):
+    """MKL, PyTorch's fp32 GEMM, runs a generic path on AMD's CPUs: their prefill GEMMs go to oneDNN; an unknown or
+    unmeasured maker keeps F.linear."""
     from moechat.engine.calibration import probe
 
     if not bf16_linear.onednn_available():

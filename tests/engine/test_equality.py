@@ -461,7 +461,7 @@ def test_bf16_checkpoint(family, checkpoint, tokenizer):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_bf16_checkpoints_long_prompt_prefills_through_the_widened_gemm_exactly(family, checkpoint, tokenizer, monkeypatch):
     """A prompt longer than the native kernel's rows (NATIVE_MAX_ROWS) multiplies the bf16 dense weights widened a block at
-    a time, on oneDNN where the CPU is x86 but not Intel's (fp32_gemm): transformers' greedy tokens in float32."""
+    a time, on oneDNN where the CPU is AMD's (fp32_gemm): transformers' greedy tokens in float32."""
     from moechat.engine.experts import cpu_ffn
     from moechat.engine.model import bf16_linear
 
