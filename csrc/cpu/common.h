@@ -37,10 +37,10 @@
 #endif
 
 // Up to how many tokens the AVX-512 products read their weight rows one at a time, one stream a thread, instead of four
-// side by side (a tile's rows, dot4's): on AMD's Zen 5 one stream read 15-20 % faster at 1 and 2 tokens and four rows
-// were faster from 3 (docs/benchmarks.md, "One weight row at a time"); Intel's CPUs keep four (not measured there). A
-// row's sum runs in one order either way, so the bits do not change. One value for the library (tests set it:
-// moe_one_row_tokens).
+// side by side (a tile's rows, dot4's): on AMD's Zen 5 one stream read 12-20 % faster at 1 and 2 tokens and four rows
+// were faster from 3 (docs/benchmarks.md, "Side by side in one process, and one weight row at a time on Zen 5");
+// Intel's CPUs keep four (not measured there). A row's sum runs in one order either way, so the bits do not change.
+// One value for the library (tests set it: moe_one_row_tokens).
 namespace moe_rows {
 inline bool cpu_is_amd() {
 #ifdef MOE_X86

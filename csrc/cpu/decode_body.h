@@ -495,14 +495,13 @@ inline void linear(const float* x, const W* w, const float* b, int64_t T, int64_
     g_pool->run(int(n), [&](int) {
         for (int64_t q0; (q0 = next.fetch_add(run)) < quads;)
             for (int64_t q = q0; q < std::min(quads, q0 + run); ++q) {
-                if (one_row)
+                if (one_row)  // each row read once from memory, its T dots after the first from L1
                     for (int j = 0; j < 4; ++j)
                         for (int64_t t = 0; t < T; ++t) y[t * y_stride + 4 * q + j] = dot(x + t * K, w + (4 * q + j) * K, K);
-                for (int64_t t = 0; t < T; ++t) {
-                    float* yt = y + t * y_stride + 4 * q;
-                    if (!one_row) dot4(x + t * K, w + 4 * q * K, K, K, yt);
-                    for (int j = 0; j < 4; ++j) yt[j] += b ? b[4 * q + j] : 0.f;
-                }
+                else
+                    for (int64_t t = 0; t < T; ++t) dot4(x + t * K, w + 4 * q * K, K, K, y + t * y_stride + 4 * q);
+                for (int64_t t = 0; t < T; ++t)
+                    for (int j = 0; j < 4; ++j) y[t * y_stride + 4 * q + j] += b ? b[4 * q + j] : 0.f;
             }
     });
     for (int64_t r = 4 * quads; r < R; ++r)

@@ -2,7 +2,7 @@
 // 4-row AVX-512 tile, x86_tiles.h, and the decode linears' dot4, decode_body.h) against one row at a time (one stream),
 // beside llama.cpp's BF16 dot (vdpbf16ps, activations rounded to bf16, one row at a time) and a plain read: 2 threads,
 // 40 matrices of 4096 x 2048 (670 MB, past any cache), alternated in one process so the VM's memory phases hit all alike.
-// Not part of the library; docs/benchmarks.md ("One weight row at a time on Zen 5") uses it:
+// Not part of the library; docs/benchmarks.md ("... one weight row at a time on Zen 5") uses it:
 //   g++ -O3 -fopenmp csrc/probes/row_streams.cpp -o /tmp/row_streams && OMP_WAIT_POLICY=ACTIVE /tmp/row_streams
 #include <immintrin.h>
 #include <omp.h>
@@ -54,7 +54,8 @@ template <int RR> Z void tile(const uint16_t* w, const float* x, float* y) {  //
         __m512 v[RR];
         for (int r = 0; r < RR; r++) {
             _mm_prefetch(reinterpret_cast<const char*>(w + (RR + r) * K + k), _MM_HINT_T1);  // the next RR rows
-            v[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + r * K + k))), 16));
+            const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(w + r * K + k)));
+            v[r] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
         }
         const __m512 xv = _mm512_loadu_ps(x + k);
         for (int r = 0; r < RR; r++) acc[r] = _mm512_fmadd_ps(v[r], xv, acc[r]);
