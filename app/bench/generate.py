@@ -79,6 +79,8 @@ def cmd_bench_generate(args) -> int:
 
     if args.repeats < 1 or args.max_new_tokens < 2:  # medians need a run, decode tok/s a token after the prefill's
         raise MoechatError("bench generate needs --repeats >= 1 and --max-new-tokens >= 2")
+    if not args.llama_cpp and (args.llama_bench or args.llama_bench_args):
+        raise MoechatError("--llama-bench and --llama-bench-args go with --llama-cpp GGUF, the llama.cpp file to time")
     peer = LlamaBench.of(args, torch.get_num_threads(), 0) if args.llama_cpp else None  # its faults before the load
     engine = Engine(engine_config(args))
     replay = attach_replay(engine, args.replay_traces) if args.replay_traces else None

@@ -127,6 +127,16 @@ def test_llama_cpp_faults_are_one_line(case, says, checkpoint, llama_bench, gguf
     assert len(err.strip().splitlines()) == 1 or case in ("fails", "no decode")  # the engine's own progress lines before
 
 
+@pytest.mark.parametrize("flags", [["--llama-bench-args", "--repack 0"], ["--llama-bench", "/usr/bin/true"]])
+def test_llama_bench_flags_without_a_gguf_are_one_line(flags, capsys):
+    from moechat.app.cli import main
+
+    assert main(["bench", "generate", "--repeats", "1", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == ("moechat: error: --llama-bench and --llama-bench-args go with --llama-cpp GGUF, the llama.cpp "
+                           "file to time")
+
+
 def test_the_peer_found_without_a_flag_is_the_newest_that_llamacpp_sh_built(tmp_path, monkeypatch):
     from moechat.app.bench.llama_cpp import find_llama_bench
 
