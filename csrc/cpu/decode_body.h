@@ -479,30 +479,47 @@ inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
     }
 }
 
+// linear() where one weight row at a time reads faster (moe_rows::one_row_tokens, AMD's CPUs): the experts' AVX-512 tiles
+// (x86_tiles.h) over blocks of 32 rows, one row a tile at 1-2 tokens, four from 3: each (row, token) one chain of 16
+// lanes in one order, so its bits depend neither on T nor on which tile took it; bf16 rows widened exactly as fp32's.
+template <typename W>
+inline void linear_tiles(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
+                         int64_t y_stride, int threads) {
+    constexpr int64_t BLOCK = 32;
+    const int64_t n = threads_for(threads, double(sizeof(W)) * T * R * K), blocks = (R + BLOCK - 1) / BLOCK;
+    std::atomic<int64_t> next{0};
+    g_pool->run(int(n), [&](int) {
+        for (int64_t blk; (blk = next.fetch_add(1)) < blocks;) {
+            const int64_t r0 = blk * BLOCK, nr = std::min(BLOCK, R - r0);
+            mat_avx512<W>({w + r0 * K, K, nr, K, x, K, int(T), y + r0, y_stride});
+            for (int64_t t = 0; b && t < T; ++t)
+                for (int64_t r = r0; r < r0 + nr; ++r) y[t * y_stride + r] += b[r];
+        }
+    });
+}
+
 // y[t, r] = x[t] · W[r] (+ b[r]) for x [T, K], W [R, K], y rows y_stride apart: each output by dot() alone, so its
 // bits do not depend on T; each weight row is read once for all T tokens. Threads take runs of row quads from a
 // counter (a quarter of an even share each), so a core the VM slows for a while does not hold the others at the end.
-// A quad's rows through dot4 side by side, or one after another where the build reads one row at a time for T
-// tokens (ONE_ROW and moe_rows::one_row_tokens: AVX-512 on AMD at 1-2 tokens); the same bits.
+// The AVX-512 build on AMD's CPUs takes linear_tiles instead (its own bits, alike at every T).
 template <typename W>
 inline void linear(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                    int64_t y_stride, int threads) {
+#ifdef MOE_BODY_AVX512
+    if (moe_rows::one_row_tokens() > 0) return linear_tiles(x, w, b, T, R, K, y, y_stride, threads);
+#endif
     const int64_t n = threads_for(threads, double(sizeof(W)) * T * R * K);
     const int64_t quads = R / 4;  // rows 4q..4q+3 through dot4, the last R % 4 through dot: a row's path depends on r alone
     const int64_t run = std::max<int64_t>(1, quads / (4 * n));
-    const bool one_row = ONE_ROW && T <= moe_rows::one_row_tokens();
     std::atomic<int64_t> next{0};
     g_pool->run(int(n), [&](int) {
         for (int64_t q0; (q0 = next.fetch_add(run)) < quads;)
-            for (int64_t q = q0; q < std::min(quads, q0 + run); ++q) {
-                if (one_row)  // each row read once from memory, its T dots after the first from L1
-                    for (int j = 0; j < 4; ++j)
-                        for (int64_t t = 0; t < T; ++t) y[t * y_stride + 4 * q + j] = dot(x + t * K, w + (4 * q + j) * K, K);
-                else
-                    for (int64_t t = 0; t < T; ++t) dot4(x + t * K, w + 4 * q * K, K, K, y + t * y_stride + 4 * q);
-                for (int64_t t = 0; t < T; ++t)
-                    for (int j = 0; j < 4; ++j) y[t * y_stride + 4 * q + j] += b ? b[4 * q + j] : 0.f;
-            }
+            for (int64_t q = q0; q < std::min(quads, q0 + run); ++q)
+                for (int64_t t = 0; t < T; ++t) {
+                    float* yt = y + t * y_stride + 4 * q;
+                    dot4(x + t * K, w + 4 * q * K, K, K, yt);
+                    for (int j = 0; j < 4; ++j) yt[j] += b ? b[4 * q + j] : 0.f;
+                }
     });
     for (int64_t r = 4 * quads; r < R; ++r)
         for (int64_t t = 0; t < T; ++t) y[t * y_stride + r] = dot(x + t * K, w + r * K, K) + (b ? b[r] : 0.f);

@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "pool.h"
+#include "x86_tiles.h"
 
 #define API extern "C" __attribute__((visibility("default")))
 
@@ -52,7 +53,6 @@ struct KeyRows {
 // AVX-512 build on a Zen 4
 namespace portable {
 constexpr int SUM_ROWS = 2;
-constexpr bool ONE_ROW = false;  // linear(): dot4's rows side by side at any T
 #include "decode_body.h"
 }  // namespace portable
 
@@ -66,7 +66,6 @@ constexpr bool ONE_ROW = false;  // linear(): dot4's rows side by side at any T
 #define MOE_BODY_AVX2 1
 namespace avx2 {
 constexpr int SUM_ROWS = 4;
-constexpr bool ONE_ROW = false;  // 8 lanes a row: one row alone was slower in the experts' AVX2 tile (Zen 5)
 #include "decode_body.h"
 }  // namespace avx2
 #if defined(__clang__)
@@ -80,8 +79,9 @@ constexpr bool ONE_ROW = false;  // 8 lanes a row: one row alone was slower in t
 #endif
 namespace avx512 {
 constexpr int SUM_ROWS = 2;
-constexpr bool ONE_ROW = true;
+#define MOE_BODY_AVX512 1
 #include "decode_body.h"
+#undef MOE_BODY_AVX512
 }  // namespace avx512
 #undef MOE_BODY_AVX2
 #if defined(__clang__)
