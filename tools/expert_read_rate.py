@@ -1,0 +1,59 @@
+"""One-token bf16 read rate of the CPU expert kernel against the decode linear over as many bytes, alternated in one
+process (the VM's memory phases move both alike): GB/s per round and the median.
+
+    python tools/expert_read_rate.py [--rounds 8] [--calls 30]
+
+The experts: 8 of 128 in Qwen3-30B-A3B's shapes (hidden 2048, expert width 768), chosen at random for every call from
+three layers' worth (2.4 GB, far past any cache); the linear: a [R, 2048] bf16 matrix of the same 75 MB, a different one
+for every call. docs/benchmarks.md, "bf16 decode at parity on Zen 5, and what did not help".
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from moechat.engine.experts import cpu_ffn
+from moechat.engine.model import decode_ops
+
+E, H, I, K, LAYERS = 128, 2048, 768, 8, 3  # experts, hidden, expert width, experts a token, layers of weights
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--calls", type=int, default=30)
+    args = p.parse_args()
+    gate_up = [torch.empty(E, 2 * I, H, dtype=torch.bfloat16).uniform_() for _ in range(LAYERS)]
+    down = [torch.empty(E, H, I, dtype=torch.bfloat16).uniform_() for _ in range(LAYERS)]
+    rows = K * 3 * I  # a [rows, H] matrix holds the 8 experts' bytes
+    matrices = torch.empty(LAYERS * 6 * rows, H, dtype=torch.bfloat16).uniform_()
+    x, out = torch.randn(1, H), torch.zeros(1, H)
+    token_rows, weights, offsets = torch.zeros(K, dtype=torch.int64), torch.full((K,), 0.1), torch.arange(K + 1)
+    nbytes = K * 3 * I * H * 2
+
+    def experts(i: int) -> None:
+        chosen = torch.randperm(E)[:K]
+        cpu_ffn.moe_ffn_native(x, gate_up[i % LAYERS], down[i % LAYERS], chosen, offsets, token_rows, weights, out)
+
+    def linear(i: int) -> None:
+        j = i % (LAYERS * 6)
+        decode_ops.linear(x, matrices[j * rows:(j + 1) * rows])
+
+    runs = [("experts", experts), ("linear", linear)]
+    rates: dict[str, list[float]] = {name: [] for name, _ in runs}
+    for rnd in range(args.rounds):
+        for name, fn in runs if rnd % 2 == 0 else runs[::-1]:
+            fn(0)
+            start = time.perf_counter()
+            for i in range(args.calls):
+                fn(i + 1)
+            rates[name].append(nbytes * args.calls / (time.perf_counter() - start) / 1e9)
+    for name, r in rates.items():
+        print(f"{name:8s} GB/s median {statistics.median(r):5.1f}  rounds " + " ".join(f"{v:.1f}" for v in r))
+
+
+if __name__ == "__main__":
+    main()
