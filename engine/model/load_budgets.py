@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from ..config import EngineConfig
+from ..errors import BudgetError
 from .memory_budgets import (
     above_the_machine,
     available_ram_bytes,
@@ -68,7 +69,7 @@ def check_load_budgets(cfg: EngineConfig, est: MemoryEstimate, device: torch.dev
     shrunk to it), and a line saying where a ceiling shrank."""
     vram = _vram(cfg, device)
     machine, given = physical_ram_bytes(), cfg.host_ram_budget_bytes
-    free = available_ram_bytes() if not given else None  # no budget (0: a profile's mmap tier): the RAM available now
+    free = available_ram_bytes()  # no budget (0: a profile's mmap tier): what the store is sized by; a budget: held to it
     cfg, notices = _held_to_the_machine(cfg, est, machine, free, device.type == "cuda")
     user_ram = cfg.host_ram_budget_bytes
     room = None if user_ram is None else expert_store_room(est, user_ram, device.type == "cuda")
@@ -102,6 +103,11 @@ def _held_to_the_machine(cfg: EngineConfig, est: MemoryEstimate, machine: int | 
     if user_ram and machine and user_ram > machine:  # held to, it would keep in RAM experts the machine cannot hold
         return dataclasses.replace(cfg, host_ram_budget_bytes=machine), [
             f"RAM budget {gib(user_ram)} is {above_the_machine(user_ram, machine)}"]
+    if user_ram and free is not None and _pushes_others_out(est, user_ram, free, on_gpu):
+        return dataclasses.replace(cfg, host_ram_budget_bytes=free), [
+            f"experts read in place from the model's files: the RAM budget of {gib(user_ram)} would copy their "
+            f"{gib(est.all_experts_bytes)} into RAM, and {gib(free)} is free now (other programs hold the rest); close some "
+            "and load the model again to keep them in RAM"]
     room = None if free is None or user_ram is not None else expert_store_room(est, free, on_gpu)
     if room is None or room >= est.all_experts_bytes:
         return cfg, []
@@ -111,3 +117,18 @@ def _held_to_the_machine(cfg: EngineConfig, est: MemoryEstimate, machine: int | 
     return dataclasses.replace(cfg, host_ram_budget_bytes=free), [
         f"experts read in place from the model's files: their {gib(est.all_experts_bytes)} do not fit the {gib(free)} of "
         f"free RAM beside the rest" + (f"; {' or '.join(ways)} keeps them in RAM" if ways else "")]
+
+
+def _pushes_others_out(est: MemoryEstimate, budget: int, free: int, on_gpu: bool) -> bool:
+    """Whether a RAM budget below the machine's RAM but above what is free now would copy into RAM experts that fit the
+    budget and not the free RAM (the system then swaps other programs out, or its OOM killer ends one), while the rest
+    of the run fits the free RAM: held to it, the experts are read in place from the model's files instead."""
+    if budget <= free or not expert_store_room(est, free, on_gpu) < est.all_experts_bytes <= expert_store_room(est, budget,
+                                                                                                                 on_gpu):
+        return False
+    try:
+        if not on_gpu:  # what must stay resident fits the free RAM: else the user's budget stands, as before
+            check_host_room(est, free)
+    except BudgetError:
+        return False
+    return True

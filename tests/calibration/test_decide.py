@@ -774,3 +774,37 @@ def test_a_refusal_advises_a_context_only_where_it_holds_a_conversation(known, s
     vram = est.non_expert_bytes + spare_tokens * est.kv_bytes_per_token
     vram += vram_margin(vram)
     assert ("lower --context-len" in vram_too_small(est, vram)) == advised
+
+
+def test_a_ram_budget_above_the_free_ram_reads_the_experts_in_place(monkeypatch):
+    """A RAM budget below the machine's RAM but above what is free now was trusted: 28 GiB on a 32 GiB machine with 12
+    free (a game and a browser open) copied Qwen3-30B-A3B's 16.9 GiB of int4 experts into RAM, and the system swapped the
+    other programs out. Held to the free RAM, they are read in place from the model's files, and a line says so and what
+    to do. Where they fit the free RAM, where the budget already reads them in place, and where even the rest of the run
+    does not fit the free RAM (the user's budget stands, as before), nothing changes."""
+    import torch
+
+    from moechat.engine.config import EngineConfig
+    from moechat.engine.model import load_budgets
+    from moechat.engine.model.memory_budgets import expert_store_room
+
+    free = {"now": 12 * GIB}
+    monkeypatch.setattr(load_budgets, "physical_ram_bytes", lambda: 32 * GIB)
+    monkeypatch.setattr(load_budgets, "available_ram_bytes", lambda: free["now"])
+    cpu, cfg = torch.device("cpu"), EngineConfig(model_dir="unused", context_len=8192, host_ram_budget_bytes=28 * GIB)
+    est = estimate(dict(KNOWN_MODELS["Qwen3-30B-A3B"], dtype="bfloat16"), "bfloat16", 8192, None, "int4", cpu=True)
+    assert expert_store_room(est, 28 * GIB, on_gpu=False) >= est.all_experts_bytes  # the budget alone: all in RAM
+    held, notice = load_budgets.check_load_budgets(cfg, est, cpu)
+    assert held.host_ram_budget_bytes == 12 * GIB
+    assert notice == ("experts read in place from the model's files: the RAM budget of 28.00 GiB would copy their 16.88 GiB "
+                      "into RAM, and 12.00 GiB is free now (other programs hold the rest); close some and load the model "
+                      "again to keep them in RAM")
+    for gpu in (False, True):  # on a GPU machine the store is pinned RAM: the same rule
+        assert load_budgets._held_to_the_machine(cfg, est, 32 * GIB, 12 * GIB, gpu)[0].host_ram_budget_bytes == 12 * GIB
+    free["now"] = 26 * GIB  # they fit what is free: in RAM
+    assert load_budgets.check_load_budgets(cfg, est, cpu) == (cfg, "")
+    free["now"] = 12 * GIB
+    small = replace(cfg, host_ram_budget_bytes=16 * GIB)  # the budget already reads them in place
+    assert load_budgets.check_load_budgets(small, est, cpu) == (small, "")
+    free["now"] = 2 * GIB  # not even the rest fits what is free: the user's budget, as before
+    assert load_budgets.check_load_budgets(cfg, est, cpu) == (cfg, "")
