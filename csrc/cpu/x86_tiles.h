@@ -240,6 +240,7 @@ AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, const uint16_t* P, int64_t l
 }
 
 // ---- the row/token walk every vector path shares ------------------------------------------------
+constexpr int64_t ONE_ROW_LEAD_BYTES = 8192;  // 8 KB: the experts 13 % faster on Zen 5 than one row ahead; 16 KB less
 // A family's tile<R, TC> computes Y for R weight rows x TC tokens with all accumulators in registers;
 // the walk takes blocks of R rows (single rows at the tail) by chunks of up to TCMAX tokens.
 template <typename Family, int R, int... I>
@@ -252,9 +253,12 @@ void walk(const MatJob& j, std::integer_sequence<int, I...>) {
     static const Tile single[TCMAX] = {Family::template tile<1, I + 1>...};
     const WT *W = static_cast<const WT*>(j.W), *next = static_cast<const WT*>(j.next);
     const XT* X = static_cast<const XT*>(j.X);
+    // one row a tile hints the row ONE_ROW_LEAD_BYTES ahead (at least the next): an expert's down row of 1.5 KB hinted
+    // one row ahead arrived late (docs/benchmarks.md, "bf16 decode at parity on Zen 5"); R rows a tile, the next R
+    const int64_t lead = R > 1 ? R : std::max<int64_t>(1, ONE_ROW_LEAD_BYTES / int64_t(j.len * sizeof(WT)));
     for (int64_t r = 0; r < j.rows;) {
         const bool full = r + R <= j.rows;
-        const int64_t ahead = r + (full ? R : 1);  // the first row the tile prefetches: past the end, the next job's
+        const int64_t ahead = r + (full ? lead : 1);  // the first row the tile prefetches: past the end, the next job's
         const WT* P = next && ahead >= j.rows ? next + (ahead - j.rows) * j.ldw : W + ahead * j.ldw;
         for (int t = 0; t < j.T; t += TCMAX) {
             const int tc = std::min(TCMAX, j.T - t);
