@@ -123,8 +123,8 @@ def _pushes_others_out(est: MemoryEstimate, budget: int, free: int, on_gpu: bool
     """Whether a RAM budget below the machine's RAM but above what is free now would copy into RAM experts that fit the
     budget and not the free RAM (the system then swaps other programs out, or its OOM killer ends one), while the rest
     of the run fits the free RAM: held to it, the experts are read in place from the model's files instead."""
-    if budget <= free or not expert_store_room(est, free, on_gpu) < est.all_experts_bytes <= expert_store_room(est, budget,
-                                                                                                                 on_gpu):
+    at_free, at_budget = (expert_store_room(est, ram, on_gpu) for ram in (free, budget))
+    if budget <= free or not at_free < est.all_experts_bytes <= at_budget:
         return False
     try:
         if not on_gpu:  # what must stay resident fits the free RAM: else the user's budget stands, as before
