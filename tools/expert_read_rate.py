@@ -1,11 +1,13 @@
 """One-token bf16 read rate of the CPU expert kernel against the decode linear over as many bytes, alternated in one
 process (the VM's memory phases move both alike): GB/s per round and the median.
 
-    python tools/expert_read_rate.py [--rounds 8] [--calls 30]
+    python tools/expert_read_rate.py [--rounds 8] [--calls 30] [--in-cache]
 
 The experts: 8 of 128 in Qwen3-30B-A3B's shapes (hidden 2048, expert width 768), chosen at random for every call from
 three layers' worth (2.4 GB, far past any cache); the linear: a [R, 2048] bf16 matrix of the same 75 MB, a different one
-for every call. docs/benchmarks.md, "bf16 decode at parity on Zen 5, and what did not help".
+for every call. --in-cache: the same 3 experts (14 MB) every call and one matrix of as many bytes, which stay in a 16 MB
+or larger L3: the kernels' arithmetic ceiling, where DRAM does not bound them. docs/benchmarks.md, "bf16 decode at parity
+on Zen 5, and what did not help" and "Two chains a row".
 """
 from __future__ import annotations
 
@@ -25,21 +27,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--in-cache", action="store_true", help="the same 14 MB every call: the arithmetic ceiling")
     args = p.parse_args()
+    k = 3 if args.in_cache else K  # experts a call
     gate_up = [torch.empty(E, 2 * I, H, dtype=torch.bfloat16).uniform_() for _ in range(LAYERS)]
     down = [torch.empty(E, H, I, dtype=torch.bfloat16).uniform_() for _ in range(LAYERS)]
-    rows = K * 3 * I  # a [rows, H] matrix holds the 8 experts' bytes
-    matrices = torch.empty(LAYERS * 6 * rows, H, dtype=torch.bfloat16).uniform_()
+    rows = k * 3 * I  # a [rows, H] matrix holds the k experts' bytes
+    matrices = torch.empty((1 if args.in_cache else LAYERS * 6) * rows, H, dtype=torch.bfloat16).uniform_()
     x, out = torch.randn(1, H), torch.zeros(1, H)
-    token_rows, weights, offsets = torch.zeros(K, dtype=torch.int64), torch.full((K,), 0.1), torch.arange(K + 1)
-    nbytes = K * 3 * I * H * 2
+    token_rows, weights, offsets = torch.zeros(k, dtype=torch.int64), torch.full((k,), 0.1), torch.arange(k + 1)
+    nbytes = k * 3 * I * H * 2
 
     def experts(i: int) -> None:
-        chosen = torch.randperm(E)[:K]
-        cpu_ffn.moe_ffn_native(x, gate_up[i % LAYERS], down[i % LAYERS], chosen, offsets, token_rows, weights, out)
+        chosen, layer = (torch.arange(k), 0) if args.in_cache else (torch.randperm(E)[:k], i % LAYERS)
+        cpu_ffn.moe_ffn_native(x, gate_up[layer], down[layer], chosen, offsets, token_rows, weights, out)
 
     def linear(i: int) -> None:
-        j = i % (LAYERS * 6)
+        j = 0 if args.in_cache else i % (LAYERS * 6)
         decode_ops.linear(x, matrices[j * rows:(j + 1) * rows])
 
     runs = [("experts", experts), ("linear", linear)]

@@ -31,19 +31,18 @@ template <> AVX512_TARGET inline __m512 w16m<Half>(const Half* p, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
+// R rows x TC tokens over columns [k0, k1), k0 and k1 - k0 multiples of 16 but for a masked tail at k1 == len: acc +=
+// W[r, k0:k1] · X[t, k0:k1], one chain of 16 lanes per (row, token) in column order.
 template <typename WT, int R, int TC>
-AVX512_TARGET void tile_avx512(const WT* W, const WT* P, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y,
-                               int64_t ldy) {
-    __m512 acc[R][TC];
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TC; t++) acc[r][t] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= len; k += 16) {
+AVX512_TARGET inline void chain_avx512(__m512 (&acc)[R][TC], const WT* W, const WT* P, int64_t ldw, int64_t k0, int64_t k1,
+                                       int64_t len, const float* X, int64_t ldx) {
+    int64_t k = k0;
+    for (; k + 16 <= k1; k += 16) {
         __m512 w[R];
         for (int r = 0; r < R; r++) {
-            // the next R rows (P: the walk's, past the job's end its `next`), one block ahead: each row is its own short
-            // stream (2-4 KB), too short for the hardware prefetcher to ramp up on before it ends; a hint past the
-            // matrix's end does not fault. Into L2 (T1), not L1: an L1 prefetch holds one of the core's few L1 miss
+            // the next rows (P: the walk's, past the job's end its `next`), as far ahead as the walk chose: each row is its
+            // own short stream (2-4 KB), too short for the hardware prefetcher to ramp up on before it ends; a hint past
+            // the matrix's end does not fault. Into L2 (T1), not L1: an L1 prefetch holds one of the core's few L1 miss
             // buffers until its line arrives, which capped a core's stream well below DRAM's (docs/benchmarks.md,
             // "Prefetching into L2")
             _mm_prefetch(reinterpret_cast<const char*>(P + r * ldw + k), _MM_HINT_T1);
@@ -54,7 +53,7 @@ AVX512_TARGET void tile_avx512(const WT* W, const WT* P, int64_t ldw, int64_t le
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], x, acc[r][t]);
         }
     }
-    if (k < len) {  // tail: masked loads read nothing past the row
+    if (k < k1 && k1 == len) {  // tail: masked loads read nothing past the row
         __mmask16 m = __mmask16((1u << (len - k)) - 1);
         __m512 w[R];
         for (int r = 0; r < R; r++) w[r] = w16m<WT>(W + r * ldw + k, m);
@@ -63,8 +62,36 @@ AVX512_TARGET void tile_avx512(const WT* W, const WT* P, int64_t ldw, int64_t le
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], x, acc[r][t]);
         }
     }
+}
+
+// Each (row, token) sums its row's two halves as two chains, A over [0, h) and B over [h, len) with h = 16·⌊len/32⌋, and
+// writes reduce(A + B), whatever R and TC: one FMA chain a row ran at 63 GB/s from L3 on Zen 5 (its 4-cycle latency per
+// 16 lanes), two at 90, and a fast DRAM phase reads 86 (docs/benchmarks.md, "Two chains a row"). One row a tile runs both
+// halves side by side; R rows a tile hold R·TC accumulators, so run the halves one after the other.
+template <typename WT, int R, int TC>
+AVX512_TARGET void tile_avx512(const WT* W, const WT* P, int64_t ldw, int64_t len, const float* X, int64_t ldx, float* Y,
+                               int64_t ldy) {
+    const int64_t h = len / 32 * 16;
+    __m512 a[R][TC], b[R][TC];
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < TC; t++) Y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+        for (int t = 0; t < TC; t++) a[r][t] = b[r][t] = _mm512_setzero_ps();
+    if constexpr (R == 1) {
+        for (int64_t k = 0; k < h; k += 16) {
+            _mm_prefetch(reinterpret_cast<const char*>(P + k), _MM_HINT_T1);  // as chain_avx512, both halves
+            _mm_prefetch(reinterpret_cast<const char*>(P + h + k), _MM_HINT_T1);
+            const __m512 w0 = w16<WT>(W + k), w1 = w16<WT>(W + h + k);
+            for (int t = 0; t < TC; t++) {
+                a[0][t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(X + t * ldx + k), a[0][t]);
+                b[0][t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(X + t * ldx + h + k), b[0][t]);
+            }
+        }
+        chain_avx512<WT, R, TC>(b, W, P, ldw, 2 * h, len, len, X, ldx);  // B's blocks past 2h and the tail
+    } else {
+        chain_avx512<WT, R, TC>(a, W, P, ldw, 0, h, len, X, ldx);
+        chain_avx512<WT, R, TC>(b, W, P, ldw, h, len, len, X, ldx);
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TC; t++) Y[t * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][t], b[r][t]));
 }
 
 // ---- AVX-512 BF16: vdpbf16ps multiplies 32 bf16 pairs into 16 fp32 sums per instruction -------
