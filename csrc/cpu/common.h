@@ -36,11 +36,11 @@
 #endif
 #endif
 
-// Up to how many tokens the AVX-512 tiles read their weight rows one at a time (a row's two halves side by side) instead of four
-// side by side: on AMD's Zen 5 one stream read 12-20 % faster at 1 and 2 tokens and four rows were faster from 3
-// (docs/benchmarks.md, "Side by side in one process, and one weight row at a time on Zen 5"); where it is above 0 the
-// AVX-512 decode linears run these tiles too (decode_body.h, linear_tiles). Intel's CPUs keep four and dot4 (not
-// measured there). A row's sum runs in one order either way, so the bits do not change with the tokens.
+// Up to how many tokens the AVX-512 tiles read their weight rows one at a time (a row's two halves side by side)
+// instead of four side by side: on AMD's Zen 5 one stream read 12-20 % faster at 1 and 2 tokens and four rows were
+// faster from 3 (docs/benchmarks.md, "Side by side in one process, and one weight row at a time on Zen 5"); where it is
+// above 0 the AVX-512 decode linears run these tiles too (decode_body.h, linear_tiles). Intel's CPUs keep four and dot4
+// (not measured there). A row's sum runs in one order either way, so the bits do not change with the tokens.
 // One value for the library (tests set it: moe_one_row_tokens).
 namespace moe_rows {
 inline bool cpu_is_amd() {

@@ -481,7 +481,8 @@ inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
 
 // linear() where one weight row at a time reads faster (moe_rows::one_row_tokens, AMD's CPUs): the experts' AVX-512 tiles
 // (x86_tiles.h) over blocks of 32 rows, one row a tile at 1-2 tokens, four from 3: each (row, token) sums its row's two
-// halves in one order (tile_avx512), so its bits depend neither on T nor on which tile took it; bf16 rows widened exactly as fp32's.
+// halves in one order (tile_avx512), so its bits depend neither on T nor on which tile took it; bf16 rows widened
+// exactly as fp32's.
 template <typename W>
 inline void linear_tiles(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                          int64_t y_stride, int threads) {

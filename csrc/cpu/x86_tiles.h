@@ -31,11 +31,11 @@ template <> AVX512_TARGET inline __m512 w16m<Half>(const Half* p, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
-// R rows x TC tokens over columns [k0, k1), k0 and k1 - k0 multiples of 16 but for a masked tail at k1 == len: acc +=
+// R rows x TC tokens over columns [k0, k1), k1 - k0 a multiple of 16 but at the row's end (a masked tail): acc +=
 // W[r, k0:k1] · X[t, k0:k1], one chain of 16 lanes per (row, token) in column order.
 template <typename WT, int R, int TC>
 AVX512_TARGET inline void chain_avx512(__m512 (&acc)[R][TC], const WT* W, const WT* P, int64_t ldw, int64_t k0, int64_t k1,
-                                       int64_t len, const float* X, int64_t ldx) {
+                                       const float* X, int64_t ldx) {
     int64_t k = k0;
     for (; k + 16 <= k1; k += 16) {
         __m512 w[R];
@@ -53,8 +53,8 @@ AVX512_TARGET inline void chain_avx512(__m512 (&acc)[R][TC], const WT* W, const 
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(w[r], x, acc[r][t]);
         }
     }
-    if (k < k1 && k1 == len) {  // tail: masked loads read nothing past the row
-        __mmask16 m = __mmask16((1u << (len - k)) - 1);
+    if (k < k1) {  // tail: masked loads read nothing past the row
+        __mmask16 m = __mmask16((1u << (k1 - k)) - 1);
         __m512 w[R];
         for (int r = 0; r < R; r++) w[r] = w16m<WT>(W + r * ldw + k, m);
         for (int t = 0; t < TC; t++) {
@@ -85,10 +85,10 @@ AVX512_TARGET void tile_avx512(const WT* W, const WT* P, int64_t ldw, int64_t le
                 b[0][t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(X + t * ldx + h + k), b[0][t]);
             }
         }
-        chain_avx512<WT, R, TC>(b, W, P, ldw, 2 * h, len, len, X, ldx);  // B's blocks past 2h and the tail
+        chain_avx512<WT, R, TC>(b, W, P, ldw, 2 * h, len, X, ldx);  // B's blocks past 2h and the tail
     } else {
-        chain_avx512<WT, R, TC>(a, W, P, ldw, 0, h, len, X, ldx);
-        chain_avx512<WT, R, TC>(b, W, P, ldw, h, len, len, X, ldx);
+        chain_avx512<WT, R, TC>(a, W, P, ldw, 0, h, X, ldx);
+        chain_avx512<WT, R, TC>(b, W, P, ldw, h, len, X, ldx);
     }
     for (int r = 0; r < R; r++)
         for (int t = 0; t < TC; t++) Y[t * ldy + r] = _mm512_reduce_add_ps(_mm512_add_ps(a[r][t], b[r][t]));
