@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -90,24 +91,35 @@ inline bool cpuid_bit(unsigned leaf, unsigned sub, int reg, int bit) {
 }
 #endif
 
-// What this CPU can run (and, for AMX, what Linux lets this process use).
-bool cpu_has(Isa isa) {
+// What this CPU can run (and, for AMX, what Linux lets this process use), asked of the CPU.
+bool probe_isa(Isa isa) {
 #ifdef MOE_X86
     __builtin_cpu_init();
     switch (isa) {
         case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpuid_bit(1, 0, 2, 29);  // F16C
         case AVX512: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl") && cpu_has(AVX2);
-        case AVX512_BF16: return cpu_has(AVX512) && __builtin_cpu_supports("avx512bf16");
-        case AVX512_VNNI: return cpu_has(AVX512) && __builtin_cpu_supports("avx512vnni");
-        case AVX_VNNI: return cpu_has(AVX2) && cpuid_bit(7, 1, 0, 4);  // AVX-VNNI, VEX vpdpbusd: Intel Core 12th gen on
-        case AMX_BF16: return amx_usable(22) && cpu_has(AVX512_BF16);  // CPUID.7.0:EDX bit 22: AMX-BF16
-        case AMX_INT8: return amx_usable(25) && cpu_has(AVX512_VNNI);  // bit 25: AMX-INT8
+                            __builtin_cpu_supports("avx512vl") && probe_isa(AVX2);
+        case AVX512_BF16: return probe_isa(AVX512) && __builtin_cpu_supports("avx512bf16");
+        case AVX512_VNNI: return probe_isa(AVX512) && __builtin_cpu_supports("avx512vnni");
+        case AVX_VNNI: return probe_isa(AVX2) && cpuid_bit(7, 1, 0, 4);  // AVX-VNNI, VEX vpdpbusd: Intel Core 12th gen on
+        case AMX_BF16: return amx_usable(22) && probe_isa(AVX512_BF16);  // CPUID.7.0:EDX bit 22: AMX-BF16
+        case AMX_INT8: return amx_usable(25) && probe_isa(AVX512_VNNI);  // bit 25: AMX-INT8
         default: return isa == SCALAR;
     }
 #else
     return isa == SCALAR;
 #endif
+}
+
+// probe_isa's answers, asked once per process: every kernel call asks, and CPUID is a VM exit under a hypervisor (a VM,
+// WSL2), about 1.6 us each on a 2-vCPU KVM guest: 3 us of a demo expert call's 34 (docs/benchmarks.md, "CPUID once")
+bool cpu_has(Isa isa) {
+    static const std::array<bool, AVX_VNNI + 1> has = [] {
+        std::array<bool, AVX_VNNI + 1> h{};
+        for (int i = 0; i <= AVX_VNNI; i++) h[i] = probe_isa(Isa(i));
+        return h;
+    }();
+    return unsigned(isa) <= unsigned(AVX_VNNI) && has[isa];
 }
 
 // ---- scalar conversions -------------------------------------------------------------------------
