@@ -112,7 +112,7 @@ bool probe_isa(Isa isa) {
 }
 
 // probe_isa's answers, asked once per process: every kernel call asks, and CPUID is a VM exit under a hypervisor (a VM,
-// WSL2), about 1.6 us each on a 2-vCPU KVM guest: 3 us of a demo expert call's 34 (docs/benchmarks.md, "CPUID once")
+// WSL2), 7-11 us each on a 2-vCPU KVM guest: 15 us of a demo expert call's 34 (docs/benchmarks.md, "CPUID once")
 bool cpu_has(Isa isa) {
     static const std::array<bool, AVX_VNNI + 1> has = [] {
         std::array<bool, AVX_VNNI + 1> h{};

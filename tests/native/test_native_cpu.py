@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -328,12 +329,13 @@ def test_a_damaged_cached_build_is_rebuilt(monkeypatch, tmp_path):
 def test_the_paths_the_library_offers_are_the_cpus_flags():
     """The library asks the CPU once per process and answers every call from that (CPUID is a VM exit under a
     hypervisor, several microseconds each): its answers are /proc/cpuinfo's flags, path by path, and stay so."""
-    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split(":", 1)[1].split())
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
     avx2 = {"avx2", "fma", "f16c"} <= flags
     avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl"} <= flags
     expected = {"scalar": True, "avx2": avx2, "avx512": avx512, "avx512_bf16": avx512 and "avx512_bf16" in flags,
                 "avx512_vnni": avx512 and "avx512_vnni" in flags, "avx_vnni": avx2 and "avx_vnni" in flags}
-    for _ in range(2):  # the first call fills the table, the second reads it
+    for _ in range(2):  # asked again: the same answers
         assert {isa: cpu_ffn.isa_supported(isa) for isa in expected} == expected
         assert {isa: cpu_ffn.q_isa_supported(isa) for isa in ("scalar", "avx2", "avx_vnni", "avx512_vnni")} == \
             {isa: expected[isa] for isa in ("scalar", "avx2", "avx_vnni", "avx512_vnni")}
