@@ -64,6 +64,7 @@ namespace {
 
 enum DType { F32 = 0, BF16 = 1, F16 = 2 };
 enum Isa { AUTO = 0, SCALAR = 1, AVX2 = 2, AVX512 = 3, AVX512_BF16 = 4, AMX_BF16 = 5, AVX512_VNNI = 6, AMX_INT8 = 7, AVX_VNNI = 8 };
+constexpr int ISA_CODES = AVX_VNNI + 1;  // the codes above, AVX_VNNI the last: cpu_has's table
 
 // AMX: CPUID.7.0:EDX `bit` and bit 24 (AMX-TILE), and Linux's permission to use tiles; asked once per process
 // (CPUID is a VM exit under a hypervisor: not per call).
@@ -114,12 +115,12 @@ bool probe_isa(Isa isa) {
 // probe_isa's answers, asked once per process: every kernel call asks, and CPUID is a VM exit under a hypervisor (a VM,
 // WSL2), 7-11 us each on a 2-vCPU KVM guest: 15 us of a demo expert call's 34 (docs/benchmarks.md, "CPUID once")
 bool cpu_has(Isa isa) {
-    static const std::array<bool, AVX_VNNI + 1> has = [] {
-        std::array<bool, AVX_VNNI + 1> h{};
-        for (int i = 0; i <= AVX_VNNI; i++) h[i] = probe_isa(Isa(i));
+    static const std::array<bool, ISA_CODES> has = [] {
+        std::array<bool, ISA_CODES> h{};
+        for (int i = 0; i < ISA_CODES; i++) h[i] = probe_isa(Isa(i));
         return h;
     }();
-    return unsigned(isa) <= unsigned(AVX_VNNI) && has[isa];
+    return unsigned(isa) < unsigned(ISA_CODES) && has[isa];
 }
 
 // ---- scalar conversions -------------------------------------------------------------------------

@@ -132,8 +132,7 @@ __attribute__((target("avx2"))) inline void quantize_block_avx2(const float* xr,
 void quantize_acts(const float* x, int64_t ldx, int64_t K, int T, int64_t kp, int8_t* q, float* d, float* ds, Isa isa) {
     const int64_t nb = kp / 32;
 #ifdef MOE_X86
-    static const bool avx2 = cpu_has(AVX2);  // asked once per process
-    const bool vector = isa != SCALAR && avx2;  // the serial part of a call: 8 experts' activations of each token
+    const bool vector = isa != SCALAR && cpu_has(AVX2);  // the serial part of a call: 8 experts' activations of each token
 #else
     constexpr bool vector = false;
     (void)isa;
