@@ -482,15 +482,16 @@ inline void attend_heads(const HeadRows& a, Cache cache, int threads) {
 // linear() where one weight row at a time reads faster (moe_rows::one_row_tokens, AMD's CPUs): the experts' AVX-512 tiles
 // (x86_tiles.h) over blocks of 32 rows, one row a tile at 1-2 tokens, four from 3: each (row, token) sums its row's two
 // halves in one order (tile_avx512), so its bits depend neither on T nor on which tile took it; bf16 rows widened
-// exactly as fp32's.
+// exactly as fp32's. Blocks go out in runs (pool.h's Items): each thread streams its own stretch of rows.
 template <typename W>
 inline void linear_tiles(const float* x, const W* w, const float* b, int64_t T, int64_t R, int64_t K, float* y,
                          int64_t y_stride, int threads) {
     constexpr int64_t BLOCK = 32;
     const int64_t n = threads_for(threads, double(sizeof(W)) * T * R * K), blocks = (R + BLOCK - 1) / BLOCK;
-    std::atomic<int64_t> next{0};
+    Items items(blocks, int(n));
     g_pool->run(int(n), [&](int) {
-        for (int64_t blk; (blk = next.fetch_add(1)) < blocks;) {
+        Items::Cursor cursor;
+        for (int64_t blk; (blk = items.next(cursor)) >= 0;) {
             const int64_t r0 = blk * BLOCK, nr = std::min(BLOCK, R - r0);
             mat_avx512<W>({w + r0 * K, K, nr, K, x, K, int(T), y + r0, y_stride});
             for (int64_t t = 0; b && t < T; ++t)

@@ -125,17 +125,19 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
     const int threads = threads_for(num_threads, double(n_groups) * 3 * H * I * wsize);
     const int64_t iblocks = (I + RB_ROWS - 1) / RB_ROWS, hblocks = (H + RB_ROWS - 1) / RB_ROWS;
 
-    // Phase 1: h[s, i] = silu(gate_e x_s)_i * (up_e x_s)_i over items (group, block of I rows). The gate's rows go on
-    // into the up's, the up's into the gate rows of the item this thread likely takes next (the threads take turns).
-    std::atomic<int64_t> next{0};
-    auto gate_rows = [&](int64_t item) -> const char* {  // null past the last item
-        if (item >= n_groups * iblocks) return nullptr;
+    // Phase 1: h[s, i] = silu(gate_e x_s)_i * (up_e x_s)_i over items (group, block of I rows), in runs (pool.h's Items:
+    // a thread streams stretches of one expert's gate and up rows). The gate's rows go on into the up's, the up's into the
+    // gate rows of the item this thread takes next in its run.
+    Items items1(n_groups * iblocks, threads);
+    auto gate_rows = [&](int64_t item) -> const char* {  // null: none
+        if (item < 0) return nullptr;
         return static_cast<const char*>(gate[item / iblocks]) + (item % iblocks) * RB_ROWS * H * wsize;
     };
     g_pool->run(threads, [&](int) {
         if (amx) amx_begin();
         std::vector<float> yg(max_t * RB_ROWS), yu(max_t * RB_ROWS);
-        for (int64_t item; (item = next.fetch_add(1)) < n_groups * iblocks;) {
+        Items::Cursor cursor;
+        for (int64_t item; (item = items1.next(cursor)) >= 0;) {
             const int64_t g = item / iblocks, i0 = (item % iblocks) * RB_ROWS, nr = std::min(RB_ROWS, I - i0);
             const int64_t s0 = offsets[g];
             const int T = int(offsets[g + 1] - s0);
@@ -144,7 +146,7 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
             const uint16_t* P = amx ? &xp[g * H * AMX_N] : nullptr;
             const char* up_rows = static_cast<const char*>(up[g]) + i0 * H * wsize;
             mat(gate_rows(item), nr, H, X, P, T, yg.data(), up_rows);
-            mat(up_rows, nr, H, X, P, T, yu.data(), gate_rows(item + threads));
+            mat(up_rows, nr, H, X, P, T, yu.data(), gate_rows(Items::ahead(cursor)));
             for (int t = 0; t < T; t++)
                 for (int64_t r = 0; r < nr; r++)
                     h[(s0 + t) * I + i0 + r] = silu(yg[t * RB_ROWS + r]) * yu[t * RB_ROWS + r];
@@ -159,30 +161,33 @@ API int moe_expert_ffn_ptrs(int64_t n_groups, const int64_t* offsets, const void
         for (int64_t g = 0; g < n_groups; g++)
             pack_vnni(&h16[offsets[g] * I], I, int(offsets[g + 1] - offsets[g]), I, &hp[g * I * AMX_N]);
 
-    // Phase 2: out[rows[s], j] += w_s * (down_e h_s)_j over items (block of H output columns), all
-    // groups in order inside each item: disjoint columns per thread, a fixed summation order.
-    next = 0;
+    // Phase 2: out[rows[s], j] += w_s * (down_e h_s)_j over blocks of H output columns, in runs: a thread takes a run of
+    // blocks and streams each group's rows of it (one stretch of that expert's down matrix), the groups in order, so
+    // every element sums its experts in one order whatever the thread count: disjoint columns per thread.
+    Items items2(hblocks, threads);
     g_pool->run(threads, [&](int) {
         if (amx) amx_begin();
         std::vector<float> yd(max_t * RB_ROWS);
-        for (int64_t item; (item = next.fetch_add(1)) < hblocks;) {
-            const int64_t j0 = item * RB_ROWS, nr = std::min(RB_ROWS, H - j0);
+        for (Items::Cursor run; items2.next_run(run);) {
             for (int64_t g = 0; g < n_groups; g++) {
                 const int64_t s0 = offsets[g];
                 const int T = int(offsets[g + 1] - s0);
                 if (T == 0) continue;
                 const char* base = static_cast<const char*>(down[g]);
                 const void* X = bf16 ? static_cast<const void*>(&h16[s0 * I]) : &h[s0 * I];
-                // then the next group's rows of this block, after the last the first group's of this thread's next block
-                const int64_t ahead = item + threads;
-                const char* following = g + 1 < n_groups ? static_cast<const char*>(down[g + 1]) + j0 * I * wsize
-                                        : ahead < hblocks ? static_cast<const char*>(down[0]) + ahead * RB_ROWS * I * wsize
-                                                          : nullptr;
-                mat(base + j0 * I * wsize, nr, I, X, amx ? &hp[g * I * AMX_N] : nullptr, T, yd.data(), following);
-                for (int t = 0; t < T; t++) {
-                    float* o = out + rows[s0 + t] * H + j0;
-                    const float w = row_weights[s0 + t];
-                    for (int64_t r = 0; r < nr; r++) o[r] += w * yd[t * RB_ROWS + r];
+                const uint16_t* P = amx ? &hp[g * I * AMX_N] : nullptr;
+                for (int64_t item = run.at; item < run.end; item++) {
+                    const int64_t j0 = item * RB_ROWS, nr = std::min(RB_ROWS, H - j0);
+                    // then this group's next block, after the run's last the next group's first block of the run
+                    const char* following = item + 1 < run.end ? base + (j0 + RB_ROWS) * I * wsize
+                                            : g + 1 < n_groups ? static_cast<const char*>(down[g + 1]) + run.at * RB_ROWS * I * wsize
+                                                               : nullptr;
+                    mat(base + j0 * I * wsize, nr, I, X, P, T, yd.data(), following);
+                    for (int t = 0; t < T; t++) {
+                        float* o = out + rows[s0 + t] * H + j0;
+                        const float w = row_weights[s0 + t];
+                        for (int64_t r = 0; r < nr; r++) o[r] += w * yd[t * RB_ROWS + r];
+                    }
                 }
             }
         }

@@ -51,27 +51,6 @@ inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 constexpr int64_t QRB = 32;  // weight rows per work item of the linear layer
 constexpr int64_t Q1 = 64, Q2 = 128;  // rows per work item of the FFN's two phases
 
-// Work items handed out in runs of consecutive ones, so that a thread streams long stretches of one
-// expert's rows (what the hardware prefetcher follows) instead of every other small block.
-class Items {
-public:
-    Items(int64_t n, int threads) : n_(n), run_(std::max<int64_t>(1, n / (4 * int64_t(threads)))) {}
-    struct Cursor {
-        int64_t at = 0, end = 0;
-    };
-    int64_t next(Cursor& c) {  // -1: none left
-        if (c.at >= c.end) {
-            c.at = next_.fetch_add(run_);
-            c.end = std::min(n_, c.at + run_);
-        }
-        return c.at < c.end ? c.at++ : -1;
-    }
-
-private:
-    int64_t n_, run_;
-    std::atomic<int64_t> next_{0};
-};
-
 struct QBuf {  // quantized activations of S tokens over kp columns
     std::vector<int8_t> q;
     std::vector<float> d, ds;

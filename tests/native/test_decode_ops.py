@@ -290,6 +290,19 @@ def test_linear_on_bf16_weights_equals_their_fp32_widening(K):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_bits_do_not_depend_on_the_thread_count(monkeypatch, dtype):
+    """Threads take runs of row blocks (pool.h's Items; on AMD's CPUs 32-row tiles, elsewhere row quads): which thread
+    computes a row never shows in its bits."""
+    gen = torch.Generator().manual_seed(11)
+    x, w = torch.randn(2, 512, generator=gen), torch.randn(4104, 512, generator=gen).to(dtype)  # 4104: a short last block
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = decode_ops.linear(x, w)
+    for threads in (2, 3, 5):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=threads: n)
+        assert torch.equal(decode_ops.linear(x, w), one), threads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_rows_in_fours_equal_rows_alone(dtype):
     """The linear layer dots four weight rows at a time (one activation load for four rows) and the last R % 4 alone:
     either way a row's bits are those of the row alone, so which path a row takes never shows."""

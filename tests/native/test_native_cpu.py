@@ -132,12 +132,15 @@ def test_a_tokens_result_does_not_depend_on_its_batch(isa, w_dtype):
 
 
 @needs_native
-def test_threads_do_not_change_the_result():
-    """Each output element sums its experts in one order whatever the thread count: bitwise equal."""
-    args = case(256, 128, [3, 1, 0, 7, 2], torch.float32, torch.float32, E=8)
-    one = cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, 256), threads=1)
-    two = cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, 256), threads=2)
-    assert torch.equal(one, two)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,I", [(256, 128), (1024, 512)])
+def test_threads_do_not_change_the_result(w_dtype, H, I):
+    """Each output element sums its experts in one order whatever the thread count: bitwise equal (at 1024 x 512 the
+    threads take runs of several blocks (pool.h's Items), of one expert's rows in phase 1, of every expert's in phase 2)."""
+    args = case(H, I, [3, 1, 0, 7, 2], w_dtype, torch.float32, E=8)
+    one = cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, H), threads=1)
+    for threads in (2, 3):
+        assert torch.equal(one, cpu_ffn.moe_ffn_native(*args, out=torch.zeros(5, H), threads=threads)), threads
 
 
 @needs_native
