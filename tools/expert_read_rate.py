@@ -1,17 +1,20 @@
 """One-token bf16 read rate of the CPU expert kernel against the decode linear over as many bytes, alternated in one
 process (the VM's memory phases move both alike): GB/s per round and the median.
 
-    python tools/expert_read_rate.py [--rounds 8] [--calls 30] [--in-cache]
+    python tools/expert_read_rate.py [--rounds 8] [--calls 30] [--in-cache] [--huge-pages]
 
 The experts: 8 of 128 in Qwen3-30B-A3B's shapes (hidden 2048, expert width 768), chosen at random for every call from
 three layers' worth (2.4 GB, far past any cache); the linear: a [R, 2048] bf16 matrix of the same 75 MB, a different one
 for every call. --in-cache: the same 3 experts (14 MB) every call and one matrix of as many bytes, which stay in a 16 MB
 or larger L3: the kernels' arithmetic ceiling, where DRAM does not bound them. docs/benchmarks.md, "bf16 decode at parity
-on Zen 5, and what did not help" and "Two chains a row".
+on Zen 5, and what did not help" and "Two chains a row". --huge-pages: a second set of the same weights whose memory
+is madvised into 2 MB pages before it is filled (Linux), both kernels run on both sets, alternated: what transparent huge
+pages give the kernels where the kernel hands them out only on request ("Runs of rows").
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -21,6 +24,18 @@ from moechat.engine.experts import cpu_ffn
 from moechat.engine.model import decode_ops
 
 E, H, I, K, LAYERS = 128, 2048, 768, 8, 3  # experts, hidden, expert width, experts a token, layers of weights
+MADV_HUGEPAGE, HUGE = 14, 2 << 20
+
+
+def weights(shape: tuple[int, ...], huge: bool) -> torch.Tensor:
+    """Uniform bf16 weights; huge: the tensor's whole 2 MB pages madvised into huge pages before the first write."""
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    if huge:
+        start = -(-t.data_ptr() // HUGE) * HUGE
+        end = (t.data_ptr() + t.nbytes) // HUGE * HUGE
+        if ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) != 0:
+            raise SystemExit("madvise(MADV_HUGEPAGE) failed: transparent huge pages are off in this kernel")
+    return t.uniform_()
 
 
 def main() -> None:
@@ -28,25 +43,30 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--in-cache", action="store_true", help="the same 14 MB every call: the arithmetic ceiling")
+    p.add_argument("--huge-pages", action="store_true", help="also the same weights in madvised 2 MB pages")
     args = p.parse_args()
     k = 3 if args.in_cache else K  # experts a call
-    gate_up = [torch.empty(E, 2 * I, H, dtype=torch.bfloat16).uniform_() for _ in range(LAYERS)]
-    down = [torch.empty(E, H, I, dtype=torch.bfloat16).uniform_() for _ in range(LAYERS)]
     rows = k * 3 * I  # a [rows, H] matrix holds the k experts' bytes
-    matrices = torch.empty((1 if args.in_cache else LAYERS * 6) * rows, H, dtype=torch.bfloat16).uniform_()
     x, out = torch.randn(1, H), torch.zeros(1, H)
-    token_rows, weights, offsets = torch.zeros(k, dtype=torch.int64), torch.full((k,), 0.1), torch.arange(k + 1)
+    token_rows, offsets, share = torch.zeros(k, dtype=torch.int64), torch.arange(k + 1), torch.full((k,), 0.1)
     nbytes = k * 3 * I * H * 2
 
-    def experts(i: int) -> None:
-        chosen, layer = (torch.arange(k), 0) if args.in_cache else (torch.randperm(E)[:k], i % LAYERS)
-        cpu_ffn.moe_ffn_native(x, gate_up[layer], down[layer], chosen, offsets, token_rows, weights, out)
+    def arms(huge: bool, tag: str) -> list:
+        gate_up = [weights((E, 2 * I, H), huge) for _ in range(LAYERS)]
+        down = [weights((E, H, I), huge) for _ in range(LAYERS)]
+        matrices = weights(((1 if args.in_cache else LAYERS * 6) * rows, H), huge)
 
-    def linear(i: int) -> None:
-        j = 0 if args.in_cache else i % (LAYERS * 6)
-        decode_ops.linear(x, matrices[j * rows:(j + 1) * rows])
+        def experts(i: int) -> None:
+            chosen, layer = (torch.arange(k), 0) if args.in_cache else (torch.randperm(E)[:k], i % LAYERS)
+            cpu_ffn.moe_ffn_native(x, gate_up[layer], down[layer], chosen, offsets, token_rows, share, out)
 
-    runs = [("experts", experts), ("linear", linear)]
+        def linear(i: int) -> None:
+            j = 0 if args.in_cache else i % (LAYERS * 6)
+            decode_ops.linear(x, matrices[j * rows:(j + 1) * rows])
+
+        return [("experts" + tag, experts), ("linear" + tag, linear)]
+
+    runs = arms(False, "") + (arms(True, " 2 MB") if args.huge_pages else [])
     rates: dict[str, list[float]] = {name: [] for name, _ in runs}
     for rnd in range(args.rounds):
         for name, fn in runs if rnd % 2 == 0 else runs[::-1]:
@@ -56,7 +76,7 @@ def main() -> None:
                 fn(i + 1)
             rates[name].append(nbytes * args.calls / (time.perf_counter() - start) / 1e9)
     for name, r in rates.items():
-        print(f"{name:8s} GB/s median {statistics.median(r):5.1f}  rounds " + " ".join(f"{v:.1f}" for v in r))
+        print(f"{name:13s} GB/s median {statistics.median(r):5.1f}  rounds " + " ".join(f"{v:.1f}" for v in r))
 
 
 if __name__ == "__main__":

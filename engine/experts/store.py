@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import pinned
+from .. import huge_pages, pinned
 from ..errors import CheckpointError
 from ..events import LoadProgress
 from ..model.checkpoint import Checkpoint
@@ -181,7 +181,7 @@ class ExpertStore:
         return (H, I) if self._parse(key)[1] == 2 else (I, H)
 
     def _host_empty(self, *shape: int) -> torch.Tensor:
-        return self._host(lambda pin: pinned.empty(shape, self.dtype) if pin else torch.empty(*shape, dtype=self.dtype))
+        return self._host(lambda pin: pinned.empty(shape, self.dtype) if pin else huge_pages.empty(*shape, dtype=self.dtype))
 
     def _host(self, alloc):
         """alloc(pin) in page-locked memory while the system grants it, pageable from the first refusal on

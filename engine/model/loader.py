@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .. import native
+from .. import huge_pages, native
 from ..calibration.decide import unit_costs
 from ..config import EngineConfig, UnitCosts
 from ..errors import CheckpointError, MoechatError
@@ -254,6 +254,8 @@ def load_model(cfg: EngineConfig, progress: LoadProgress | None = None) -> Loade
     if cfg.lean_decode:
         absorb_mla(hf)  # DeepSeek's latent attention: decode without expanding the cache every step (mla.py)
     lean = build_lean_forward(hf, device, context_len) if cfg.lean_decode else None
+    if device.type == "cpu":  # read every token: in 2 MB pages, as the expert store's are (huge_pages.py)
+        huge_pages.collapse(hf.parameters())
     return LoadedModel(hf, hf_config, family, load_tokenizer(model_dir), eos_token_ids(model_dir, hf_config), runtime,
                        device, dtype, context_len, lean, "; ".join(n for n in (
                            budget_notice, rope_notice, format_notice(prequant and prequant.fmt, cfg.quant)) if n))
