@@ -1338,3 +1338,23 @@ async def test_the_status_line_takes_a_short_form_that_fits_rather_than_a_cut(tm
         app.chat.show_failed("the model failed to load: pick one with the setup wizard")  # not a summary: kept whole
         await pilot.pause()
         assert status.render().plain.endswith("engine stopped: the model failed to load: pick one with the setup wizard")
+
+
+@pilot_test
+@pytest.mark.notorch
+async def test_a_note_set_before_the_view_is_composed_shows_once_it_is():
+    """A log filled again while an earlier fill was still mounting (another window's change, checked twice): the
+    unanswered note reached a view whose role line did not exist yet, and the app ended on NoMatches."""
+    from textual.app import App
+    from textual.widgets import Label
+
+    from moechat.app.tui.screens.held import UNANSWERED
+
+    early, late = MessageView("user", "hi"), MessageView("assistant", "hello", finished=False)
+    early.set_note(UNANSWERED)  # not mounted: nothing to update yet, nothing raised
+    async with App().run_test() as pilot:
+        await pilot.app.mount_all([early, late])
+        assert str(early.query_one(".role", Label).content) == f"you · {UNANSWERED}"
+        assert str(late.query_one(".role", Label).content) == late.role_line == f"moechat · {late.end_line}"
+        late.set_note("")
+        assert str(late.query_one(".role", Label).content) == "moechat"

@@ -151,6 +151,7 @@ class MessageView(Vertical, can_focus=True):
         self.elsewhere = False  # unfinished, and still written by another window (not "interrupted")
         self.thinking = False  # the model was thinking at the last update: the block opened for it
         self.reasoning = ""  # the reasoning the block shows: redrawn only when it grows, not at every answer token
+        self.note: str | None = None  # what set_note put beside the role; None: the stored reply's end_line
 
     @property
     def speaker(self) -> str:
@@ -162,9 +163,13 @@ class MessageView(Vertical, can_focus=True):
         """What the role line says of a stored reply's end (WRITTEN_ELSEWHERE, as the export, while another writes it)."""
         return WRITTEN_ELSEWHERE if self.elsewhere and not self.finished else end_note(self.finished, self.finish)
 
+    @property
+    def role_line(self) -> str:
+        note = self.end_line if self.note is None else self.note
+        return f"{self.speaker} · {note}" if note else self.speaker
+
     def compose(self) -> ComposeResult:
-        note = self.end_line
-        yield Label(f"{self.speaker} · {note}" if note else self.speaker, classes="role")
+        yield Label(self.role_line, classes="role")
         reasoning, answer, thinking = self.split()
         self.reasoning = reasoning
         if self.role == "assistant":  # a stored reply has ended: open only where it ended in its reasoning
@@ -259,8 +264,11 @@ class MessageView(Vertical, can_focus=True):
         self.query_one(".empty-reply").display = self.empty_reply
 
     def set_note(self, note: str) -> None:
-        label = self.query_one(".role", Label)
-        label.update(f"{self.speaker} · {note}" if note else self.speaker)
+        """The role line's note, kept for compose where the view is not composed yet (a log filled again while an
+        earlier fill of another window's change was still mounting it)."""
+        self.note = note
+        for label in self.query(".role").results(Label):
+            label.update(self.role_line)
 
     def action_copy(self) -> None:
         self.app.copy_to_clipboard(self.split()[1])
