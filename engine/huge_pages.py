@@ -3,9 +3,10 @@
 A decode step reads each active weight once, from DRAM. In 4 KB pages that read walks a page table entry per 4 KB and
 misses the TLB on most of them; where the kernel's transparent huge pages are `madvise` only (Debian's and Ubuntu's
 default) memory from PyTorch's allocator never gets 2 MB pages, since nothing asks. llama.cpp's weights are its mapped
-GGUF, which the page cache may already hold in large folios. Measured in docs/benchmarks.md ("Runs of rows"): plain
-reads 50-52 -> 65-67 GB/s on a Zen 4, the kernels 2-3 % on a Zen 2. Advice only: where the kernel declines (another
-OS, THP `never`, a kernel before 6.1 for `collapse`) the memory stays as it was and nothing else changes.
+GGUF, which the page cache may already hold in large folios. Measured (docs/benchmarks.md, "A Zen 2 side by side, and
+the weights in 2 MB pages"): plain reads 31-33 -> 34-35 GB/s on a Zen 2 (50-52 -> 65-67 on a Zen 4), bf16 decode +5 %
+there, a load about a second longer per 10 GB. Advice only: where the kernel declines (another OS, THP `never`, a
+kernel before 6.1 for `collapse`) the memory stays as it was and nothing else changes.
 """
 from __future__ import annotations
 
