@@ -29,11 +29,12 @@ def _interior(t: torch.Tensor) -> tuple[int, int] | None:
     return (start, end - start) if end > start else None
 
 
-def _advise(t: torch.Tensor, *advice: int) -> bool:
+def _advise(t: torch.Tensor, *advice: int) -> int:
+    """Each advice in turn on t's storage's whole 2 MB pages -> the bytes every one was taken for, else 0."""
     span = _interior(t) if _LIBC is not None and t.device.type == "cpu" else None
-    if span is None:
-        return False
-    return all(_LIBC.madvise(ctypes.c_void_p(span[0]), ctypes.c_size_t(span[1]), a) == 0 for a in advice)
+    if span is None or any(_LIBC.madvise(ctypes.c_void_p(span[0]), ctypes.c_size_t(span[1]), a) != 0 for a in advice):
+        return 0
+    return span[1]
 
 
 def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -48,12 +49,5 @@ def collapse(tensors) -> int:
     """Move filled host tensors' memory into 2 MB pages now, each storage once (MADV_COLLAPSE copies each 2 MB range
     once; the values stay) -> the bytes the kernel moved; memory it cannot collapse (a mapped file, another OS) is left
     as it was."""
-    done, moved = set(), 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.data_ptr() in done or t.device.type != "cpu":
-            continue
-        done.add(storage.data_ptr())
-        if _advise(t, MADV_HUGEPAGE, MADV_COLLAPSE):
-            moved += _interior(t)[1]
-    return moved
+    by_storage = {t.untyped_storage().data_ptr(): t for t in tensors}
+    return sum(_advise(t, MADV_HUGEPAGE, MADV_COLLAPSE) for t in by_storage.values())

@@ -9,33 +9,27 @@ for every call. --in-cache: the same 3 experts (14 MB) every call and one matrix
 or larger L3: the kernels' arithmetic ceiling, where DRAM does not bound them. docs/benchmarks.md, "bf16 decode at parity
 on Zen 5, and what did not help" and "Two chains a row". --huge-pages: a second set of the same weights whose memory
 is madvised into 2 MB pages before it is filled (Linux), both kernels run on both sets, alternated: what transparent huge
-pages give the kernels where the kernel hands them out only on request ("Runs of rows").
+pages give the kernels where the kernel hands them out only on request ("A Zen 2 side by side, and the weights in 2 MB
+pages").
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 
 import torch
 
+from moechat.engine import huge_pages
 from moechat.engine.experts import cpu_ffn
 from moechat.engine.model import decode_ops
 
 E, H, I, K, LAYERS = 128, 2048, 768, 8, 3  # experts, hidden, expert width, experts a token, layers of weights
-MADV_HUGEPAGE, HUGE = 14, 2 << 20
 
 
 def weights(shape: tuple[int, ...], huge: bool) -> torch.Tensor:
-    """Uniform bf16 weights; huge: the tensor's whole 2 MB pages madvised into huge pages before the first write."""
-    t = torch.empty(shape, dtype=torch.bfloat16)
-    if huge:
-        start = -(-t.data_ptr() // HUGE) * HUGE
-        end = (t.data_ptr() + t.nbytes) // HUGE * HUGE
-        if ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) != 0:
-            raise SystemExit("madvise(MADV_HUGEPAGE) failed: transparent huge pages are off in this kernel")
-    return t.uniform_()
+    """Uniform bf16 weights; huge: in memory asked for in 2 MB pages before the first write, as the expert store's."""
+    return (huge_pages.empty(*shape, dtype=torch.bfloat16) if huge else torch.empty(shape, dtype=torch.bfloat16)).uniform_()
 
 
 def main() -> None:
