@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -441,8 +442,9 @@ def test_cli_errors_are_one_line(checkpoint, tmp_path):
          "its folder does not exist: pick another --trace path"),  # before the model loads, not after the reply
         (["--model", str(checkpoint("qwen3_moe"))], "--model goes after a command, e.g. moechat chat --model"),
     ]
-    for args, expected in cases:
-        proc = run_cli(*args)
+    with ThreadPoolExecutor(len(cases)) as pool:  # nine starts of a process that imports torch: at once, not in turn
+        procs = list(pool.map(lambda case: run_cli(*case[0]), cases))
+    for (args, expected), proc in zip(cases, procs):
         assert proc.returncode != 0, args
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and expected in lines[0], (args, proc.stderr)

@@ -315,12 +315,19 @@ def test_generate_without_a_compiler_says_so_once_and_answers(checkpoint, monkey
 
 @needs_native
 def test_a_damaged_cached_build_is_rebuilt(monkeypatch, tmp_path):
+    """A cached library that does not load (a write cut short, a disk error) is built again, once, and loaded; a small
+    library of its own, as load() treats every library alike (the CPU library's build takes 20 s)."""
+    source = tmp_path / "probe.cpp"
+    source.write_text('#ifdef _WIN32\n#define API __declspec(dllexport)\n#else\n'
+                      '#define API __attribute__((visibility("default")))\n#endif\nextern "C" API int moe_probe() {return 7;}\n')
+    monkeypatch.setitem(native._builders, "probe", lambda: native.build("probe", [source]))
     monkeypatch.setenv("MOECHAT_NATIVE_DIR", str(tmp_path))
     native.reset()
     try:
-        path = native._builders["cpu"]()  # built, not loaded (overwriting a loaded library would crash this process)
-        path.write_bytes(b"not a shared library")  # e.g. a write cut short
-        assert cpu_ffn.library() is not None and native.notice("cpu") == ""
+        path = native._builders["probe"]()  # built, not loaded (overwriting a loaded library would crash this process)
+        path.write_bytes(b"not a shared library")
+        lib = native.load("probe")
+        assert lib is not None and lib.moe_probe() == 7 and native.notice("probe") == ""
         assert path.read_bytes()[:4] == b"\x7fELF" or sys.platform != "linux"
     finally:
         native.reset()
