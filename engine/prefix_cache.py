@@ -41,9 +41,18 @@ class Kept:
     prompt_len: int
     draft_kv: KVCache | None = None
     compact: bool = False
+    held: int | None = None  # nbytes() once kept, when its caches no longer change (a server keeps hundreds)
 
     def nbytes(self) -> int:
+        if self.held is not None:
+            return self.held
         return self.kv.nbytes() + (self.draft_kv.nbytes() if self.draft_kv is not None else 0)
+
+    def settle(self) -> Kept:
+        """Its byte count fixed: kept, its caches are not written until a request takes them (and so leaves it)."""
+        self.held = None
+        self.held = self.nbytes()
+        return self
 
     def copy(self, length: int, device: torch.device | str) -> tuple[KVCache, KVCache | None]:
         """Copies of both caches' first `length` positions on `device`."""
@@ -54,10 +63,16 @@ class Kept:
 def _shared(held: list[int], prompt: list[int]) -> int:
     """Positions of `held` that `prompt` starts with, at most all of the prompt but its last token (whose logits
     the prefill must compute)."""
-    limit, n = min(len(held), len(prompt) - 1), 0
-    while n < limit and held[n] == prompt[n]:
-        n += 1
-    return n
+    limit = min(len(held), len(prompt) - 1)
+    if limit <= 0 or held[0] != prompt[0]:  # another conversation (no system prompt in common): the usual case
+        return 0
+    if held[:limit] == prompt[:limit]:
+        return limit
+    lo, hi = 1, limit  # held[:lo] == prompt[:lo] and held[:hi] != prompt[:hi]: halved by slices compared in C, where a
+    while hi - lo > 1:  # loop in Python over a long shared system prompt took ms per kept conversation per request
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if held[lo:mid] == prompt[lo:mid] else (lo, mid)
+    return lo
 
 
 class PrefixCache:
@@ -106,7 +121,7 @@ class PrefixCache:
         if self.budget <= 0:  # reuse off
             self._kept.clear()
             return
-        self._kept.append(kept)
+        self._kept.append(kept.settle())
         while len(self._kept) > 1 and self.nbytes() > self.budget:
             self._kept.pop(0)
 
@@ -115,7 +130,7 @@ class PrefixCache:
         for i, old in enumerate(self._kept):
             if not old.compact and old is not keep:
                 kv, draft_kv = old.copy(len(old.tokens), "cpu")
-                self._kept[i] = Kept(old.tokens, kv, old.prompt_len, draft_kv, compact=True)
+                self._kept[i] = Kept(old.tokens, kv, old.prompt_len, draft_kv, compact=True).settle()
 
     def nbytes(self) -> int:
         return sum(k.nbytes() for k in self._kept)

@@ -107,3 +107,23 @@ def test_on_a_gpu_the_kept_caches_leave_it_before_another_comes(monkeypatch):
     kept.keep(Kept([9, 9, 9, 7], cache(4), 3))
     branch, reused = kept.take([9, 9, 8], lambda: pytest.fail("a branch copies"))  # an edited message
     assert reused == 2 and all(k.compact for k in kept._kept) and branch.kv.get_seq_length() == 2
+
+
+def test_the_shared_prefix_is_the_first_difference_at_most_all_of_the_prompt_but_its_last_token():
+    """_shared halves its way to the first difference by slices; the definition is the plain walk."""
+    import random
+
+    from moechat.engine.prefix_cache import _shared
+
+    def walked(held, prompt):
+        n = 0
+        while n < min(len(held), len(prompt) - 1) and held[n] == prompt[n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        b = a[: rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(40))]
+        for held, prompt in ((a, b), (b, a), (a, a), (a, a[:-1]), ([], a)):
+            assert _shared(held, prompt) == walked(held, prompt), (held, prompt)
