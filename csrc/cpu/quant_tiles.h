@@ -322,6 +322,80 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
     }
 }
 
+// From 3 tokens on, one 8-row half of the group at a time: 2 x TC of 16 ymm (a token's integer sum, its float
+// accumulator), so up to 5 tokens share one unpacking of the weights where qgroup_avx2 re-unpacked them every 2 tokens.
+// Each element's sums run in qgroup_avx2's order (blocks in turn, the same integer sums): the same bits.
+template <int BITS, int TC>
+AVX2Q_TARGET void qgroup_avx2_half(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, int64_t ldy) {
+    const uint8_t* q = W.q + g * QROWS * W.row_bytes;
+    const uint16_t* s = W.s + g * QROWS * W.nb;
+    const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[TC];
+        for (int t = 0; t < TC; t++) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < W.nb; b++) {
+            __m256i dot[TC];
+            const int8_t* xb = A.q + t0 * A.kp + 32 * b;
+            if (h == 0)
+                for (int line = 0; line < BITS; line++)  // as qgroup_avx2 (the second half reads the lines from the cache)
+                    _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
+            if (BITS == 8) {
+                for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();
+                for (int i = 0; i < 8; i++) {
+                    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * 512 + 64 * i + 32 * h)), flip);
+                    const __m256i aw = _mm256_sign_epi8(w, w);
+                    for (int t = 0; t < TC; t++) {
+                        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4(xb + t * A.kp + 4 * i)), w);
+                        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+                    }
+                }
+            } else if (BITS == 6) {
+                for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();
+                const uint8_t* qb = q + b * 384 + 32 * h;
+                for (int v = 0; v < 4; v++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
+                    const __m256i top = _mm256_loadu_si256((const __m256i*)(qb + 256 + 64 * (v / 2)));
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low), top_bits256(top, (2 * v) % 4));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
+                                                       top_bits256(top, (2 * v + 1) % 4));
+                    for (int t = 0; t < TC; t++) {
+                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v))),
+                                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4))));
+                        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(s16, ones));
+                    }
+                }
+            } else {
+                for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();  // int16 sums here, widened below
+                for (int v = 0; v < 4; v++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i*)(q + b * 256 + 64 * v + 32 * h));
+                    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                    for (int t = 0; t < TC; t++) {
+                        dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v))));
+                        dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4))));
+                    }
+                }
+                for (int t = 0; t < TC; t++) dot[t] = _mm256_madd_epi16(dot[t], ones);
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + b * QROWS + 8 * h)));
+            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + b * QROWS + 8 * h)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-zero_code<BITS>()));
+            for (int t = 0; t < TC; t++) {
+                const int64_t tb = (t0 + t) * A.nb + b;
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(A.d[tb])), acc[t]);
+                if (BITS != 8) acc[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(A.ds[tb]), acc[t]);
+            }
+        }
+        for (int t = 0; t < TC; t++) _mm256_storeu_ps(Y + t * ldy + 8 * h, acc[t]);
+    }
+}
+
+template <int BITS, int TC>
+constexpr auto qgroup_avx2_tile() {  // qgroup_avx2 up to 2 tokens (both halves at once), then a half at a time
+    if constexpr (TC <= 2) return qgroup_avx2<BITS, TC>;
+    else return qgroup_avx2_half<BITS, TC>;
+}
+
 // ---- AVX-VNNI (VEX vpdpbusd on ymm: Intel Core from the 12th generation, which has no AVX-512): each lane a row, so a
 // block's integer sums and their scaling are qgroup_vnni's lane for lane (the same bits). Up to 2 tokens both 8-row
 // halves of the group go together (two independent chains per token); from 3 tokens on, one half at a time, the
@@ -522,7 +596,7 @@ void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* 
            std::integer_sequence<int, I...>) {
     constexpr int TCMAX = sizeof...(I);
     static const QGroup tile[TCMAX] = {(P == Q_VNNI ? qgroup_vnni<BITS, I + 1>
-                                        : P == Q_AVX_VNNI ? qgroup_avxvnni<BITS, I + 1> : qgroup_avx2<BITS, I + 1>)...};
+                                        : P == Q_AVX_VNNI ? qgroup_avxvnni<BITS, I + 1> : qgroup_avx2_tile<BITS, I + 1>())...};
     const int passes = (T + TCMAX - 1) / TCMAX, tc = (T + passes - 1) / passes;  // even passes: 14 = 7 + 7, not 10 + 4
     for (int64_t r = r0; r < r0 + nr; r += QROWS)
         for (int t = 0; t < T; t += tc)
@@ -534,7 +608,7 @@ void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* 
 void qmat(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y, int64_t ldy, int bits, Isa isa) {
 #ifdef MOE_X86
     // Registers: VNNI TC tokens x (1 float + 1 int accumulator) + 8 unpacked int4 vectors + 3 of 32 zmm; AVX-VNNI
-    // 2 x TC + 6 of 16 ymm (one half-group at a time); AVX2 2 x 2 x TC of 16 ymm.
+    // 2 x TC + 6 of 16 ymm (one half-group at a time); AVX2 2 x 2 x TC of 16 ymm up to 2 tokens, then 2 x TC.
     if (isa == AMX_INT8 && bits == 8 && T >= AMXQ_MIN_T) return qwalk_amx<8>(W, r0, nr, A, T, Y, ldy);
     if (isa == AMX_INT8 && bits == 4 && T >= AMXQ4_MIN_T) return qwalk_amx<4>(W, r0, nr, A, T, Y, ldy);  // int6: resolve_q
     if (isa == AVX512_VNNI || isa == AMX_INT8) {
@@ -548,9 +622,9 @@ void qmat(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* Y
         return qwalk<4, Q_AVX_VNNI>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
     }
     if (isa == AVX2) {
-        if (bits == 8) return qwalk<8, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
-        if (bits == 6) return qwalk<6, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
-        return qwalk<4, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 2>{});
+        if (bits == 8) return qwalk<8, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
+        if (bits == 6) return qwalk<6, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
+        return qwalk<4, Q_AVX2>(W, r0, nr, A, T, Y, ldy, std::make_integer_sequence<int, 5>{});
     }
 #else
     (void)isa;
