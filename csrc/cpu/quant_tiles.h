@@ -253,147 +253,89 @@ AVX2Q_TARGET inline __m256i top_bits256(__m256i h, int k) {  // top_bits512 on 3
     }
 }
 
+#define AVX2Q_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+// Block b's integer sums for the 8 rows of half h, token by token: dot[t] = sum over the block's 32 columns of u·qx.
+template <int BITS, int TC>
+AVX2Q_INLINE void avx2_block_dots(const uint8_t* q, int64_t b, int h, const int8_t* xb, int64_t kp, __m256i* dot) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
+    for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();
+    if (BITS == 8) {
+        for (int i = 0; i < 8; i++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * 512 + 64 * i + 32 * h)), flip);
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            for (int t = 0; t < TC; t++) {
+                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4(xb + t * kp + 4 * i)), w);
+                dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+            }
+        }
+    } else if (BITS == 6) {
+        const uint8_t* qb = q + b * 384 + 32 * h;
+        for (int v = 0; v < 4; v++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
+            const __m256i top = _mm256_loadu_si256((const __m256i*)(qb + 256 + 64 * (v / 2)));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low), top_bits256(top, (2 * v) % 4));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), top_bits256(top, (2 * v + 1) % 4));
+            for (int t = 0; t < TC; t++) {
+                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * kp + 8 * v))),
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4))));
+                dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(s16, ones));
+            }
+        }
+    } else {  // int16 sums over the whole block, widened once
+        for (int v = 0; v < 4; v++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(q + b * 256 + 64 * v + 32 * h));
+            const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            for (int t = 0; t < TC; t++) {
+                dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * kp + 8 * v))));
+                dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4))));
+            }
+        }
+        for (int t = 0; t < TC; t++) dot[t] = _mm256_madd_epi16(dot[t], ones);
+    }
+}
+
+// acc[t] += d·dx·dot[t] + m·dx·Σqx for block b, half h (int8: m = -128·d cancels in the sign trick, so no second term).
+template <int BITS, int TC>
+AVX2Q_INLINE void avx2_block_scale(const uint16_t* s, const uint16_t* m, int64_t b, int h, const QActs& A, int t0,
+                                   const __m256i* dot, __m256* acc) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + b * QROWS + 8 * h)));
+    const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + b * QROWS + 8 * h)))
+                        : _mm256_mul_ps(d, _mm256_set1_ps(-zero_code<BITS>()));
+    for (int t = 0; t < TC; t++) {
+        const int64_t tb = (t0 + t) * A.nb + b;
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(A.d[tb])), acc[t]);
+        if (BITS != 8) acc[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(A.ds[tb]), acc[t]);
+    }
+}
+
+// Up to 2 tokens both halves go together (2 x 2 x TC of the 16 ymm: integer sums and accumulators); from 3 on a half at
+// a time (2 x TC), so up to 5 tokens share one unpacking of the weights instead of 2. Every element's sums run in the
+// same order either way (blocks in turn, the same integer sums): the same bits.
 template <int BITS, int TC>
 AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, int64_t ldy) {
+    constexpr int HALVES = TC <= 2 ? 2 : 1;  // the halves a pass over the blocks works
     const uint8_t* q = W.q + g * QROWS * W.row_bytes;
     const uint16_t* s = W.s + g * QROWS * W.nb;
     const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
-    __m256 acc[TC][2];
-    for (int t = 0; t < TC; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < W.nb; b++) {
-        __m256i dot[TC][2];
-        for (int t = 0; t < TC; t++) dot[t][0] = dot[t][1] = _mm256_setzero_si256();
-        const int8_t* xb = A.q + t0 * A.kp + 32 * b;
-        for (int line = 0; line < BITS; line++)  // as qgroup_vnni
-            _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
-        for (int h = 0; h < 2; h++) {
-            if (BITS == 8) {
-                for (int i = 0; i < 8; i++) {
-                    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * 512 + 64 * i + 32 * h)), flip);
-                    const __m256i aw = _mm256_sign_epi8(w, w);
-                    for (int t = 0; t < TC; t++) {
-                        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4(xb + t * A.kp + 4 * i)), w);
-                        dot[t][h] = _mm256_add_epi32(dot[t][h], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
-                    }
-                }
-            } else if (BITS == 6) {
-                const uint8_t* qb = q + b * 384 + 32 * h;
-                const __m256i top[2] = {_mm256_loadu_si256((const __m256i*)(qb + 256)), _mm256_loadu_si256((const __m256i*)(qb + 320))};
-                for (int v = 0; v < 4; v++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
-                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low), top_bits256(top[v / 2], (2 * v) % 4));
-                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
-                                                       top_bits256(top[v / 2], (2 * v + 1) % 4));
-                    for (int t = 0; t < TC; t++) {
-                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v))),
-                                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4))));
-                        dot[t][h] = _mm256_add_epi32(dot[t][h], _mm256_madd_epi16(s16, ones));
-                    }
-                }
-            } else {
-                __m256i sum16[TC];
-                for (int t = 0; t < TC; t++) sum16[t] = _mm256_setzero_si256();
-                for (int v = 0; v < 4; v++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i*)(q + b * 256 + 64 * v + 32 * h));
-                    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-                    for (int t = 0; t < TC; t++) {
-                        sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v))));
-                        sum16[t] = _mm256_add_epi16(sum16[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4))));
-                    }
-                }
-                for (int t = 0; t < TC; t++) dot[t][h] = _mm256_madd_epi16(sum16[t], ones);
-            }
-        }
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + b * QROWS + 8 * h)));
-            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + b * QROWS + 8 * h)))
-                                : _mm256_mul_ps(d, _mm256_set1_ps(-zero_code<BITS>()));  // int8's sign trick needs none
-            for (int t = 0; t < TC; t++) {
-                const int64_t tb = (t0 + t) * A.nb + b;
-                acc[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t][h]), _mm256_mul_ps(d, _mm256_set1_ps(A.d[tb])), acc[t][h]);
-                if (BITS != 8) acc[t][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(A.ds[tb]), acc[t][h]);
-            }
-        }
-    }
-    for (int t = 0; t < TC; t++) {
-        _mm256_storeu_ps(Y + t * ldy, acc[t][0]);
-        _mm256_storeu_ps(Y + t * ldy + 8, acc[t][1]);
-    }
-}
-
-// From 3 tokens on, one 8-row half of the group at a time: 2 x TC of 16 ymm (a token's integer sum, its float
-// accumulator), so up to 5 tokens share one unpacking of the weights where qgroup_avx2 re-unpacked them every 2 tokens.
-// Each element's sums run in qgroup_avx2's order (blocks in turn, the same integer sums): the same bits.
-template <int BITS, int TC>
-AVX2Q_TARGET void qgroup_avx2_half(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, int64_t ldy) {
-    const uint8_t* q = W.q + g * QROWS * W.row_bytes;
-    const uint16_t* s = W.s + g * QROWS * W.nb;
-    const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[TC];
-        for (int t = 0; t < TC; t++) acc[t] = _mm256_setzero_ps();
+    for (int h0 = 0; h0 < 2; h0 += HALVES) {
+        __m256 acc[HALVES][TC];
+        for (int j = 0; j < HALVES; j++)
+            for (int t = 0; t < TC; t++) acc[j][t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < W.nb; b++) {
-            __m256i dot[TC];
             const int8_t* xb = A.q + t0 * A.kp + 32 * b;
-            if (h == 0)
-                for (int line = 0; line < BITS; line++)  // as qgroup_avx2 (the second half reads the lines from the cache)
+            if (h0 == 0)  // the next group's lines (a second pass reads this group's from the cache)
+                for (int line = 0; line < BITS; line++)  // as qgroup_vnni
                     _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
-            if (BITS == 8) {
-                for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();
-                for (int i = 0; i < 8; i++) {
-                    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * 512 + 64 * i + 32 * h)), flip);
-                    const __m256i aw = _mm256_sign_epi8(w, w);
-                    for (int t = 0; t < TC; t++) {
-                        const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4(xb + t * A.kp + 4 * i)), w);
-                        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
-                    }
-                }
-            } else if (BITS == 6) {
-                for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();
-                const uint8_t* qb = q + b * 384 + 32 * h;
-                for (int v = 0; v < 4; v++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
-                    const __m256i top = _mm256_loadu_si256((const __m256i*)(qb + 256 + 64 * (v / 2)));
-                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low), top_bits256(top, (2 * v) % 4));
-                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low),
-                                                       top_bits256(top, (2 * v + 1) % 4));
-                    for (int t = 0; t < TC; t++) {
-                        const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v))),
-                                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4))));
-                        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(s16, ones));
-                    }
-                }
-            } else {
-                for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();  // int16 sums here, widened below
-                for (int v = 0; v < 4; v++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i*)(q + b * 256 + 64 * v + 32 * h));
-                    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
-                    for (int t = 0; t < TC; t++) {
-                        dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v))));
-                        dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * A.kp + 8 * v + 4))));
-                    }
-                }
-                for (int t = 0; t < TC; t++) dot[t] = _mm256_madd_epi16(dot[t], ones);
-            }
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + b * QROWS + 8 * h)));
-            const __m256 mn = m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(m + b * QROWS + 8 * h)))
-                                : _mm256_mul_ps(d, _mm256_set1_ps(-zero_code<BITS>()));
-            for (int t = 0; t < TC; t++) {
-                const int64_t tb = (t0 + t) * A.nb + b;
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(d, _mm256_set1_ps(A.d[tb])), acc[t]);
-                if (BITS != 8) acc[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(A.ds[tb]), acc[t]);
+            for (int j = 0; j < HALVES; j++) {
+                __m256i dot[TC];
+                avx2_block_dots<BITS, TC>(q, b, h0 + j, xb, A.kp, dot);
+                avx2_block_scale<BITS, TC>(s, m, b, h0 + j, A, t0, dot, acc[j]);
             }
         }
-        for (int t = 0; t < TC; t++) _mm256_storeu_ps(Y + t * ldy + 8 * h, acc[t]);
+        for (int j = 0; j < HALVES; j++)
+            for (int t = 0; t < TC; t++) _mm256_storeu_ps(Y + t * ldy + 8 * (h0 + j), acc[j][t]);
     }
-}
-
-template <int BITS, int TC>
-constexpr auto qgroup_avx2_tile() {  // qgroup_avx2 up to 2 tokens (both halves at once), then a half at a time
-    if constexpr (TC <= 2) return qgroup_avx2<BITS, TC>;
-    else return qgroup_avx2_half<BITS, TC>;
 }
 
 // ---- AVX-VNNI (VEX vpdpbusd on ymm: Intel Core from the 12th generation, which has no AVX-512): each lane a row, so a
@@ -596,7 +538,7 @@ void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* 
            std::integer_sequence<int, I...>) {
     constexpr int TCMAX = sizeof...(I);
     static const QGroup tile[TCMAX] = {(P == Q_VNNI ? qgroup_vnni<BITS, I + 1>
-                                        : P == Q_AVX_VNNI ? qgroup_avxvnni<BITS, I + 1> : qgroup_avx2_tile<BITS, I + 1>())...};
+                                        : P == Q_AVX_VNNI ? qgroup_avxvnni<BITS, I + 1> : qgroup_avx2<BITS, I + 1>)...};
     const int passes = (T + TCMAX - 1) / TCMAX, tc = (T + passes - 1) / passes;  // even passes: 14 = 7 + 7, not 10 + 4
     for (int64_t r = r0; r < r0 + nr; r += QROWS)
         for (int t = 0; t < T; t += tc)
