@@ -41,18 +41,18 @@ class Kept:
     prompt_len: int
     draft_kv: KVCache | None = None
     compact: bool = False
-    held: int | None = None  # nbytes() once kept, when its caches no longer change (a server keeps hundreds)
+    kept_bytes: int | None = None  # nbytes() counted once kept, where its caches no longer change (a server keeps hundreds)
 
     def nbytes(self) -> int:
-        if self.held is not None:
-            return self.held
-        return self.kv.nbytes() + (self.draft_kv.nbytes() if self.draft_kv is not None else 0)
+        return self._counted() if self.kept_bytes is None else self.kept_bytes
 
     def settle(self) -> Kept:
-        """Its byte count fixed: kept, its caches are not written until a request takes them (and so leaves it)."""
-        self.held = None
-        self.held = self.nbytes()
+        """Its bytes counted once: kept, its caches are not written until a request takes them (and so leaves the list)."""
+        self.kept_bytes = self._counted()
         return self
+
+    def _counted(self) -> int:
+        return self.kv.nbytes() + (self.draft_kv.nbytes() if self.draft_kv is not None else 0)
 
     def copy(self, length: int, device: torch.device | str) -> tuple[KVCache, KVCache | None]:
         """Copies of both caches' first `length` positions on `device`."""

@@ -78,7 +78,7 @@ def test_install_into_empty_home(tmp_path):
     home = tmp_path / "home"
     native = home / ".cache" / "moechat" / "native"
     native.mkdir(parents=True)
-    for lib in (Path(os.environ["XDG_CACHE_HOME"]) / "moechat" / "native").glob("libmoechat_*"):  # this session's builds:
+    for lib in (Path(os.environ["XDG_CACHE_HOME"]) / "moechat" / "native").glob("libmoechat_*.so"):  # this session's builds:
         shutil.copy2(lib, native / lib.name)  # 20 s of compiling less (CI's own install builds them from scratch)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XDG_", "VIRTUAL_ENV", "MOECHAT_"))}
     env.update(HOME=str(home), MOECHAT_PYTHON=str(bare / "bin" / "python"))
