@@ -254,6 +254,10 @@ AVX2Q_TARGET inline __m256i top_bits256(__m256i h, int k) {  // top_bits512 on 3
 }
 
 #define AVX2Q_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+// A token's sum kept in a register between steps, from 3 tokens: GCC 12 otherwise reassociates the integer adds into a
+// tree over a block's products, spilling them (int4: 19 -> 22 multiply-adds a cycle at 4-9 tokens on Zen 2). Up to 2
+// tokens (both halves a pass) it made GCC spill the shared activation broadcasts instead, so it is left off there.
+#define AVX2Q_IN_ORDER(v) __asm__("" : "+x"(v))
 
 // Block b's integer sums for the 8 rows of half h, token by token: dot[t] = sum over the block's 32 columns of u·qx.
 template <int BITS, int TC>
@@ -267,6 +271,7 @@ AVX2Q_INLINE void avx2_block_dots(const uint8_t* q, int64_t b, int h, const int8
             for (int t = 0; t < TC; t++) {
                 const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4(xb + t * kp + 4 * i)), w);
                 dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
+                if (TC > 2) AVX2Q_IN_ORDER(dot[t]);
             }
         }
     } else if (BITS == 6) {
@@ -280,6 +285,7 @@ AVX2Q_INLINE void avx2_block_dots(const uint8_t* q, int64_t b, int h, const int8
                 const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * kp + 8 * v))),
                                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4))));
                 dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(s16, ones));
+                if (TC > 2) AVX2Q_IN_ORDER(dot[t]);
             }
         }
     } else {  // int16 sums over the whole block, widened once
@@ -289,6 +295,7 @@ AVX2Q_INLINE void avx2_block_dots(const uint8_t* q, int64_t b, int h, const int8
             for (int t = 0; t < TC; t++) {
                 dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * kp + 8 * v))));
                 dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4))));
+                if (TC > 2) AVX2Q_IN_ORDER(dot[t]);
             }
         }
         for (int t = 0; t < TC; t++) dot[t] = _mm256_madd_epi16(dot[t], ones);
@@ -314,7 +321,7 @@ AVX2Q_INLINE void avx2_block_scale(const uint16_t* s, const uint16_t* m, int64_t
 // same order either way (blocks in turn, the same integer sums): the same bits.
 template <int BITS, int TC>
 AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, float* Y, int64_t ldy) {
-    constexpr int HALVES = TC <= 2 ? 2 : 1;  // the halves a pass over the blocks works
+    constexpr int HALVES = TC <= 2 ? 2 : 1, PASSES = 2 / HALVES;  // the halves a pass over the blocks works
     const uint8_t* q = W.q + g * QROWS * W.row_bytes;
     const uint16_t* s = W.s + g * QROWS * W.nb;
     const uint16_t* m = W.m ? W.m + g * QROWS * W.nb : nullptr;
@@ -324,9 +331,10 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
             for (int t = 0; t < TC; t++) acc[j][t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < W.nb; b++) {
             const int8_t* xb = A.q + t0 * A.kp + 32 * b;
-            if (h0 == 0)  // the next group's lines (a second pass reads this group's from the cache)
-                for (int line = 0; line < BITS; line++)  // as qgroup_vnni
-                    _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
+            // the next group's lines, as qgroup_vnni; a half at a time, each pass hints half of them (the second pass
+            // reads this group's from the cache, so DRAM would idle through it)
+            for (int line = h0 * BITS / PASSES; line < (h0 + 1) * BITS / PASSES; line++)
+                _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
             for (int j = 0; j < HALVES; j++) {
                 __m256i dot[TC];
                 avx2_block_dots<BITS, TC>(q, b, h0 + j, xb, A.kp, dot);

@@ -236,7 +236,10 @@ AVX2_TARGET void tile_avx2(const WT* W, const WT* P, int64_t ldw, int64_t len, c
 // the even ones become fp32 by a shift, the odd ones by masking off the low half. Activations are
 // laid out to match (permute_pairs: per 16-block, the 8 even entries, then the 8 odd ones), so a
 // block costs 1 load + 2 ALU ops for 16 weights instead of 2 widening loads + 2 shifts.
-
+// Each 16 columns: the even halves of all R rows, then the odd (the row's line again, from L1), so only 8 activations
+// per token stay in registers. Activations as FMA memory operands, one load per product, had capped it at the load
+// ports' 2 a cycle (docs/benchmarks.md, "The AVX2 kernels at 2-9 tokens"). A (row, token) chain sums even, odd,
+// even, ... in column order either way: the same bits.
 template <int R, int TC>
 AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, const uint16_t* P, int64_t ldw, int64_t len, const float* X,
                                  int64_t ldx, float* Y, int64_t ldy) {
@@ -246,16 +249,19 @@ AVX2_TARGET void tile_avx2_pairs(const uint16_t* W, const uint16_t* P, int64_t l
         for (int t = 0; t < TC; t++) acc[r][t] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= len; k += 16) {
-        __m256 even[R], odd[R];
+        __m256 x[TC];
+        for (int t = 0; t < TC; t++) x[t] = _mm256_loadu_ps(X + t * ldx + k);
         for (int r = 0; r < R; r++) {
             _mm_prefetch(reinterpret_cast<const char*>(P + r * ldw + k), _MM_HINT_T1);  // as tile_avx512
-            __m256i w = _mm256_loadu_si256((const __m256i*)(W + r * ldw + k));
-            even[r] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-            odd[r] = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(W + r * ldw + k));
+            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            for (int t = 0; t < TC; t++) acc[r][t] = _mm256_fmadd_ps(even, x[t], acc[r][t]);
         }
-        for (int t = 0; t < TC; t++) {
-            __m256 xe = _mm256_loadu_ps(X + t * ldx + k), xo = _mm256_loadu_ps(X + t * ldx + k + 8);
-            for (int r = 0; r < R; r++) acc[r][t] = _mm256_fmadd_ps(odd[r], xo, _mm256_fmadd_ps(even[r], xe, acc[r][t]));
+        for (int t = 0; t < TC; t++) x[t] = _mm256_loadu_ps(X + t * ldx + k + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(W + r * ldw + k));
+            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+            for (int t = 0; t < TC; t++) acc[r][t] = _mm256_fmadd_ps(odd, x[t], acc[r][t]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -283,12 +289,13 @@ void walk(const MatJob& j, std::integer_sequence<int, I...>) {
     // one row a tile hints the row ONE_ROW_LEAD_BYTES ahead (at least the next): an expert's down row of 1.5 KB hinted
     // one row ahead arrived late (docs/benchmarks.md, "bf16 decode at parity on Zen 5"); R rows a tile, the next R
     const int64_t lead = R > 1 ? R : std::max<int64_t>(1, ONE_ROW_LEAD_BYTES / int64_t(j.len * sizeof(WT)));
+    const int passes = (j.T + TCMAX - 1) / TCMAX, tc_even = (j.T + passes - 1) / passes;  // 4 = 2 + 2, not 3 + 1
     for (int64_t r = 0; r < j.rows;) {
         const bool full = r + R <= j.rows;
         const int64_t ahead = r + (full ? lead : 1);  // the first row the tile prefetches: past the end, the next job's
         const WT* P = next && ahead >= j.rows ? next + (ahead - j.rows) * j.ldw : W + ahead * j.ldw;
-        for (int t = 0; t < j.T; t += TCMAX) {
-            const int tc = std::min(TCMAX, j.T - t);
+        for (int t = 0; t < j.T; t += tc_even) {
+            const int tc = std::min(tc_even, j.T - t);
             (full ? block : single)[tc - 1](W + r * j.ldw, P, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
         }
         r += full ? R : 1;
@@ -320,7 +327,7 @@ struct Avx2Pairs {  // bf16 weights, activations in permute_pairs order
 };
 
 // Registers: AVX-512 4 rows x 6 tokens = 24 accumulators + 4 weights + 1 token of 32 zmm; AVX2 2 x 6
-// = 12 + 2 + 1 of 16 ymm (pairs: 2 x 5 = 10 + 4 weight halves + 1-2 tokens).
+// = 12 + 2 + 1 of 16 ymm (pairs: 4 x 3 = 12 + 3 tokens' halves + 1 weight half, the mask from memory).
 // up to moe_rows::one_row_tokens() tokens one row a tile (the same bits: each row's chain runs alone either way)
 template <typename WT> void mat_avx512(const MatJob& j) {
     if (j.T <= moe_rows::one_row_tokens()) return walk<Avx512<WT>, 1, 6>(j);
@@ -331,7 +338,7 @@ inline void mat_bf16(const MatJob& j) {
     walk<Avx512Bf16, 4, 6>(j);
 }
 template <typename WT> void mat_avx2(const MatJob& j) { walk<Avx2<WT>, 2, 6>(j); }
-inline void mat_avx2_pairs(const MatJob& j) { walk<Avx2Pairs, 2, 5>(j); }
+inline void mat_avx2_pairs(const MatJob& j) { walk<Avx2Pairs, 4, 3>(j); }
 
 #else  // not x86: the AMX helpers the driver names, never called (cpu_has says no)
 constexpr int AMX_N = 16;
