@@ -254,51 +254,70 @@ AVX2Q_TARGET inline __m256i top_bits256(__m256i h, int k) {  // top_bits512 on 3
 }
 
 #define AVX2Q_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
-// A token's sum kept in a register between steps, from 3 tokens: GCC 12 otherwise reassociates the integer adds into a
-// tree over a block's products, spilling them (int4: 19 -> 22 multiply-adds a cycle at 4-9 tokens on Zen 2). Up to 2
-// tokens (both halves a pass) it made GCC spill the shared activation broadcasts instead, so it is left off there.
+// A token's sum kept in a register between steps: GCC 12 otherwise reassociates the integer adds into a tree over a
+// block's products, computed first and spilled (int4: 19 -> 22 multiply-adds a cycle at 4-9 tokens on Zen 2)
 #define AVX2Q_IN_ORDER(v) __asm__("" : "+x"(v))
 
-// Block b's integer sums for the 8 rows of half h, token by token: dot[t] = sum over the block's 32 columns of u·qx.
-template <int BITS, int TC>
-AVX2Q_INLINE void avx2_block_dots(const uint8_t* q, int64_t b, int h, const int8_t* xb, int64_t kp, __m256i* dot) {
+// Block b's integer sums for NH 8-row halves from h0, token by token: dot[h][t] = sum over the block's 32 columns of
+// u·qx. Each step's weights serve every half and token, each broadcast activation every half, each sum kept in order.
+template <int BITS, int TC, int NH>
+AVX2Q_INLINE void avx2_block_dots(const uint8_t* q, int64_t b, int h0, const int8_t* xb, int64_t kp, __m256i (*dot)[TC]) {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(char(0x80));
-    for (int t = 0; t < TC; t++) dot[t] = _mm256_setzero_si256();
+    for (int h = 0; h < NH; h++)
+        for (int t = 0; t < TC; t++) dot[h][t] = _mm256_setzero_si256();
     if (BITS == 8) {
         for (int i = 0; i < 8; i++) {
-            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * 512 + 64 * i + 32 * h)), flip);
-            const __m256i aw = _mm256_sign_epi8(w, w);
+            __m256i w[NH], aw[NH];
+            for (int h = 0; h < NH; h++) {
+                w[h] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * 512 + 64 * i + 32 * (h0 + h))), flip);
+                aw[h] = _mm256_sign_epi8(w[h], w[h]);
+            }
             for (int t = 0; t < TC; t++) {
-                const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(x4(xb + t * kp + 4 * i)), w);
-                dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, x), ones));
-                if (TC > 2) AVX2Q_IN_ORDER(dot[t]);
+                const __m256i x = _mm256_set1_epi32(x4(xb + t * kp + 4 * i));
+                for (int h = 0; h < NH; h++) {
+                    const __m256i p = _mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(x, w[h]));
+                    dot[h][t] = _mm256_add_epi32(dot[h][t], _mm256_madd_epi16(p, ones));
+                    AVX2Q_IN_ORDER(dot[h][t]);
+                }
             }
         }
     } else if (BITS == 6) {
-        const uint8_t* qb = q + b * 384 + 32 * h;
         for (int v = 0; v < 4; v++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
-            const __m256i top = _mm256_loadu_si256((const __m256i*)(qb + 256 + 64 * (v / 2)));
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(w, low), top_bits256(top, (2 * v) % 4));
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), top_bits256(top, (2 * v + 1) % 4));
+            __m256i lo[NH], hi[NH];
+            for (int h = 0; h < NH; h++) {
+                const uint8_t* qb = q + b * 384 + 32 * (h0 + h);
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 64 * v));
+                const __m256i top = _mm256_loadu_si256((const __m256i*)(qb + 256 + 64 * (v / 2)));
+                lo[h] = _mm256_or_si256(_mm256_and_si256(w, low), top_bits256(top, (2 * v) % 4));
+                hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 4), low), top_bits256(top, (2 * v + 1) % 4));
+            }
             for (int t = 0; t < TC; t++) {
-                const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * kp + 8 * v))),
-                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4))));
-                dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(s16, ones));
-                if (TC > 2) AVX2Q_IN_ORDER(dot[t]);
+                const __m256i x0 = _mm256_set1_epi32(x4(xb + t * kp + 8 * v)), x1 = _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4));
+                for (int h = 0; h < NH; h++) {
+                    const __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
+                    dot[h][t] = _mm256_add_epi32(dot[h][t], _mm256_madd_epi16(s16, ones));
+                    AVX2Q_IN_ORDER(dot[h][t]);
+                }
             }
         }
     } else {  // int16 sums over the whole block, widened once
         for (int v = 0; v < 4; v++) {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)(q + b * 256 + 64 * v + 32 * h));
-            const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            __m256i lo[NH], hi[NH];
+            for (int h = 0; h < NH; h++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(q + b * 256 + 64 * v + 32 * (h0 + h)));
+                lo[h] = _mm256_and_si256(w, low), hi[h] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+            }
             for (int t = 0; t < TC; t++) {
-                dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x4(xb + t * kp + 8 * v))));
-                dot[t] = _mm256_add_epi16(dot[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4))));
-                if (TC > 2) AVX2Q_IN_ORDER(dot[t]);
+                const __m256i x0 = _mm256_set1_epi32(x4(xb + t * kp + 8 * v)), x1 = _mm256_set1_epi32(x4(xb + t * kp + 8 * v + 4));
+                for (int h = 0; h < NH; h++) {
+                    dot[h][t] = _mm256_add_epi16(dot[h][t], _mm256_maddubs_epi16(lo[h], x0));
+                    dot[h][t] = _mm256_add_epi16(dot[h][t], _mm256_maddubs_epi16(hi[h], x1));
+                    AVX2Q_IN_ORDER(dot[h][t]);
+                }
             }
         }
-        for (int t = 0; t < TC; t++) dot[t] = _mm256_madd_epi16(dot[t], ones);
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < TC; t++) dot[h][t] = _mm256_madd_epi16(dot[h][t], ones);
     }
 }
 
@@ -335,11 +354,9 @@ AVX2Q_TARGET void qgroup_avx2(const QMat& W, int64_t g, const QActs& A, int t0, 
             // reads this group's from the cache, so DRAM would idle through it)
             for (int line = h0 * BITS / PASSES; line < (h0 + 1) * BITS / PASSES; line++)
                 _mm_prefetch(reinterpret_cast<const char*>(q + QROWS * W.row_bytes + b * BITS * 64 + 64 * line), _MM_HINT_T1);
-            for (int j = 0; j < HALVES; j++) {
-                __m256i dot[TC];
-                avx2_block_dots<BITS, TC>(q, b, h0 + j, xb, A.kp, dot);
-                avx2_block_scale<BITS, TC>(s, m, b, h0 + j, A, t0, dot, acc[j]);
-            }
+            __m256i dot[HALVES][TC];
+            avx2_block_dots<BITS, TC, HALVES>(q, b, h0, xb, A.kp, dot);
+            for (int j = 0; j < HALVES; j++) avx2_block_scale<BITS, TC>(s, m, b, h0 + j, A, t0, dot[j], acc[j]);
         }
         for (int j = 0; j < HALVES; j++)
             for (int t = 0; t < TC; t++) _mm256_storeu_ps(Y + t * ldy + 8 * (h0 + j), acc[j][t]);
