@@ -259,6 +259,13 @@ void mat_portable_rows(const MatJob& j, int t0) {
     }
 }
 
+// Tokens a pass when T tokens go in passes of at most most: passes as even as they can be (14 of at most 10 as 7 + 7,
+// not 10 + 4), so no pass is a short one whose few accumulator chains leave the FMA pipes waiting
+inline int even_pass_tokens(int T, int most) {
+    const int passes = (T + most - 1) / most;
+    return (T + passes - 1) / passes;
+}
+
 // Tokens in passes of PORTABLE_TC: 16 lanes × TC accumulators fit NEON's 32 registers, SSE2's 16 take 2 tokens
 #if defined(__aarch64__)
 constexpr int PORTABLE_TC = 4;

@@ -253,7 +253,7 @@ AVX2Q_TARGET inline __m256i top_bits256(__m256i h, int k) {  // top_bits512 on 3
     }
 }
 
-#define AVX2Q_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+#define AVX2Q_INLINE AVX2Q_TARGET __attribute__((always_inline)) inline
 // A token's sum kept in a register between steps: GCC 12 otherwise reassociates the integer adds into a tree over a
 // block's products, computed first and spilled (int4: 19 -> 22 multiply-adds a cycle at 4-9 tokens on Zen 2)
 #define AVX2Q_IN_ORDER(v) __asm__("" : "+x"(v))
@@ -564,7 +564,7 @@ void qwalk(const QMat& W, int64_t r0, int64_t nr, const QActs& A, int T, float* 
     constexpr int TCMAX = sizeof...(I);
     static const QGroup tile[TCMAX] = {(P == Q_VNNI ? qgroup_vnni<BITS, I + 1>
                                         : P == Q_AVX_VNNI ? qgroup_avxvnni<BITS, I + 1> : qgroup_avx2<BITS, I + 1>)...};
-    const int passes = (T + TCMAX - 1) / TCMAX, tc = (T + passes - 1) / passes;  // even passes: 14 = 7 + 7, not 10 + 4
+    const int tc = even_pass_tokens(T, TCMAX);
     for (int64_t r = r0; r < r0 + nr; r += QROWS)
         for (int t = 0; t < T; t += tc)
             tile[std::min(tc, T - t) - 1](W, r / QROWS, A, t, Y + t * ldy + (r - r0), ldy);

@@ -235,9 +235,9 @@ AVX2_TARGET void tile_avx2(const WT* W, const WT* P, int64_t ldw, int64_t len, c
 // bf16 weights on AVX2, without widening each 8 of them: one 256-bit load holds 16 bf16 = 8 pairs;
 // the even ones become fp32 by a shift, the odd ones by masking off the low half. Activations are
 // laid out to match (permute_pairs: per 16-block, the 8 even entries, then the 8 odd ones), so a
-// block costs 1 load + 2 ALU ops for 16 weights instead of 2 widening loads + 2 shifts.
-// Each 16 columns: the even halves of all R rows, then the odd (the row's line again, from L1), so only 8 activations
-// per token stay in registers. Activations as FMA memory operands, one load per product, had capped it at the load
+// block costs 2 ALU ops for 16 weights instead of 2 widening loads + 2 shifts.
+// Each 16 columns: the even halves of all R rows, then the odd (the row's 32 bytes loaded again, from L1), so only 8
+// activations per token stay in registers. Activations as FMA memory operands, one load per product, had capped it at the load
 // ports' 2 a cycle (docs/benchmarks.md, "The AVX2 kernels at 2-9 tokens"). A (row, token) chain sums even, odd,
 // even, ... in column order either way: the same bits.
 template <int R, int TC>
@@ -289,13 +289,13 @@ void walk(const MatJob& j, std::integer_sequence<int, I...>) {
     // one row a tile hints the row ONE_ROW_LEAD_BYTES ahead (at least the next): an expert's down row of 1.5 KB hinted
     // one row ahead arrived late (docs/benchmarks.md, "bf16 decode at parity on Zen 5"); R rows a tile, the next R
     const int64_t lead = R > 1 ? R : std::max<int64_t>(1, ONE_ROW_LEAD_BYTES / int64_t(j.len * sizeof(WT)));
-    const int passes = (j.T + TCMAX - 1) / TCMAX, tc_even = (j.T + passes - 1) / passes;  // 4 = 2 + 2, not 3 + 1
+    const int per_pass = even_pass_tokens(j.T, TCMAX);
     for (int64_t r = 0; r < j.rows;) {
         const bool full = r + R <= j.rows;
         const int64_t ahead = r + (full ? lead : 1);  // the first row the tile prefetches: past the end, the next job's
         const WT* P = next && ahead >= j.rows ? next + (ahead - j.rows) * j.ldw : W + ahead * j.ldw;
-        for (int t = 0; t < j.T; t += tc_even) {
-            const int tc = std::min(tc_even, j.T - t);
+        for (int t = 0; t < j.T; t += per_pass) {
+            const int tc = std::min(per_pass, j.T - t);
             (full ? block : single)[tc - 1](W + r * j.ldw, P, j.ldw, j.len, X + t * j.ldx, j.ldx, j.Y + t * j.ldy + r, j.ldy);
         }
         r += full ? R : 1;
@@ -327,7 +327,8 @@ struct Avx2Pairs {  // bf16 weights, activations in permute_pairs order
 };
 
 // Registers: AVX-512 4 rows x 6 tokens = 24 accumulators + 4 weights + 1 token of 32 zmm; AVX2 2 x 6
-// = 12 + 2 + 1 of 16 ymm (pairs: 4 x 3 = 12 + 3 tokens' halves + 1 weight half, the mask from memory).
+// = 12 + 2 + 1 of 16 ymm (pairs: 4 x 3 = 12 + 3 tokens' halves + 1 weight half + the mask, one over: GCC
+// reads some activations as operands).
 // up to moe_rows::one_row_tokens() tokens one row a tile (the same bits: each row's chain runs alone either way)
 template <typename WT> void mat_avx512(const MatJob& j) {
     if (j.T <= moe_rows::one_row_tokens()) return walk<Avx512<WT>, 1, 6>(j);
